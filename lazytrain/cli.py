@@ -1,0 +1,41 @@
+"""`lazytrain train | plan | bench | profile`.
+
+Each sub-command lives beside the code it drives and registers itself here through a
+``register(subparsers)`` function, so this file stays a table of contents.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, what it adds): each module defines register(subparsers) -> None
+SUBCOMMANDS = [
+    ("lazytrain.train", "train"),
+    ("lazytrain.planner.cli", "plan"),
+    ("lazytrain.tiers.cli", "bench"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lazytrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module_name, _ in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("lazytrain"):
+                continue  # sub-command not built in this version
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The Plan contract: one JSON-serializable decision for one training step of one model shape.
+
+The planner produces Plans; the engine's executor runs any valid Plan. Baseline policies
+(MegaTrain's keep-every-k, keep-all-on-host) are Plans too, so every policy runs through the same
+executor and the same simulator. Pure Python: never imports torch.
+
+Conventions (shared by the executor and the simulator):
+- Layers 0..L-1; boundary i is the input of layer i (boundary 0 = stack input, boundary L = stack output).
+- Forward window w (0 <= w < L) computes layer w. Backward window L + j (0 <= j < L) differentiates
+  layer L-1-j. So layer i is differentiated in window 2L-1-i.
+- A boundary's home is "hbm", "host", "nvme", a custom tier name, or "recompute". Boundaries 0 and L
+  are always materialised (boundary L is the stack output, which lives in autograd on the device).
+- Kept boundaries split the stack into segments [s, e). In backward, when window 2L-e begins (the
+  window of layer e-1), the segment is recomputed forward from boundary s and then differentiated
+  layer by layer. So boundary s is *needed* at window ``need_window(s) = 2L - e``.
+- ``offload_window[i]``: window in which boundary i leaves the device for its home (>= i, since
+  boundary i is produced at the end of window i-1; < need_window). ``prefetch_window[i]``: window in
+  which it is copied back (> offload window, <= need window; == need window means it is exposed).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+RECOMPUTE = "recompute"
+DEVICE_HOME = "hbm"
+BUILTIN_HOMES = ("hbm", "host", "nvme")
+
+
+class PlanError(ValueError):
+    """A Plan that the executor cannot run; the message names the field and the bad value."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_layers: int
+    homes: tuple[str, ...]                      # length L+1
+    offload_window: dict[int, int] = field(default_factory=dict)
+    prefetch_window: dict[int, int] = field(default_factory=dict)
+    resident_layers: tuple[int, ...] = ()       # layers whose weights stay on the device
+    micro_batch_size: int | None = None
+    seq_len: int | None = None
+    policy: str = "custom"                      # who made it: "megatrain-k4", "keep-all-host", "milp", ...
+    prediction: dict[str, Any] = field(default_factory=dict)  # step_time_s, peak_bytes, solver status...
+
+    def __post_init__(self):
+        object.__setattr__(self, "homes", tuple(self.homes))
+        object.__setattr__(self, "resident_layers", tuple(sorted(set(self.resident_layers))))
+        object.__setattr__(self, "offload_window", {int(k): int(v) for k, v in self.offload_window.items()})
+        object.__setattr__(self, "prefetch_window", {int(k): int(v) for k, v in self.prefetch_window.items()})
+        self.validate()
+
+    # ---- structure -------------------------------------------------------------------------
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """Materialised boundaries in increasing order (always includes 0 and L)."""
+        return tuple(i for i, h in enumerate(self.homes) if h != RECOMPUTE)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Recompute segments [s, e) between consecutive kept boundaries."""
+        k = self.kept
+        return list(zip(k[:-1], k[1:]))
+
+    def segment_end(self, boundary: int) -> int:
+        """The next kept boundary after a kept ``boundary`` (< L)."""
+        for s, e in self.segments():
+            if s == boundary:
+                return e
+        raise PlanError(f"boundary {boundary} is not the start of a segment (home {self.homes[boundary]!r})")
+
+    def need_window(self, boundary: int) -> int:
+        """Backward window in which kept boundary ``boundary`` (< L) is first read."""
+        return 2 * self.num_layers - self.segment_end(boundary)
+
+    def recomputed_layers(self) -> int:
+        """Layer forwards repeated in backward: sum over segments of (length - 1)."""
+        return sum(e - s - 1 for s, e in self.segments())
+
+    def offload_at(self, boundary: int) -> int:
+        """Window the offload of ``boundary`` is issued in (default: as soon as it exists)."""
+        return self.offload_window.get(boundary, boundary)
+
+    def prefetch_at(self, boundary: int) -> int:
+        """Window the prefetch of ``boundary`` is issued in (default: one window before it is needed)."""
+        need = self.need_window(boundary)
+        return self.prefetch_window.get(boundary, max(need - 1, self.offload_at(boundary) + 1))
+
+    # ---- checking --------------------------------------------------------------------------
+    def validate(self, custom_tiers: tuple[str, ...] = ()) -> None:
+        L = self.num_layers
+        if not isinstance(L, int) or L < 1:
+            raise PlanError(f"num_layers must be a positive integer, got {L!r}")
+        if len(self.homes) != L + 1:
+            raise PlanError(f"homes must list {L + 1} boundaries (0..{L}), got {len(self.homes)}")
+        for i in (0, L):
+            if self.homes[i] == RECOMPUTE:
+                raise PlanError(f"boundary {i} cannot be 'recompute': boundaries 0 and L are always kept")
+        if self.homes[L] != DEVICE_HOME:
+            raise PlanError(f"boundary {L} (the stack output) must have home 'hbm', got {self.homes[L]!r}")
+        for i, h in enumerate(self.homes):
+            if not isinstance(h, str) or not h:
+                raise PlanError(f"homes[{i}] must be a tier name or 'recompute', got {h!r}")
+            if custom_tiers and h not in BUILTIN_HOMES and h != RECOMPUTE and h not in custom_tiers:
+                raise PlanError(f"homes[{i}] names tier {h!r}, which is not configured "
+                                f"(known: {', '.join(BUILTIN_HOMES + tuple(custom_tiers))})")
+        for layer in self.resident_layers:
+            if not 0 <= layer < L:
+                raise PlanError(f"resident_layers holds {layer}, outside 0..{L - 1}")
+        for b, w in self.offload_window.items():
+            self._check_boundary(b, "offload_window")
+            if self.homes[b] in (RECOMPUTE, DEVICE_HOME):
+                raise PlanError(f"offload_window[{b}] given, but boundary {b} has home {self.homes[b]!r}")
+            if not b <= w < self.need_window(b):
+                raise PlanError(f"offload_window[{b}] = {w} must lie in [{b}, {self.need_window(b) - 1}]")
+        for b, w in self.prefetch_window.items():
+            self._check_boundary(b, "prefetch_window")
+            if self.homes[b] in (RECOMPUTE, DEVICE_HOME):
+                raise PlanError(f"prefetch_window[{b}] given, but boundary {b} has home {self.homes[b]!r}")
+            lo, hi = self.offload_at(b) + 1, self.need_window(b)
+            if not lo <= w <= hi:
+                raise PlanError(f"prefetch_window[{b}] = {w} must lie in [{lo}, {hi}]")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise PlanError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+    def _check_boundary(self, b: int, name: str) -> None:
+        if not 0 <= b < self.num_layers:
+            raise PlanError(f"{name} names boundary {b}, outside 0..{self.num_layers - 1}")
+
+    # ---- serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["homes"] = list(self.homes)
+        d["resident_layers"] = list(self.resident_layers)
+        d["offload_window"] = {str(k): v for k, v in sorted(self.offload_window.items())}
+        d["prefetch_window"] = {str(k): v for k, v in sorted(self.prefetch_window.items())}
+        return d
+
+    def to_json(self, path: str | None = None, indent: int = 2) -> str:
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        known = {"num_layers", "homes", "offload_window", "prefetch_window", "resident_layers",
+                 "micro_batch_size", "seq_len", "policy", "prediction"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PlanError(f"unknown Plan field(s): {', '.join(unknown)}")
+        if "num_layers" not in d or "homes" not in d:
+            raise PlanError("a Plan needs 'num_layers' and 'homes'")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "Plan":
+        text = text_or_path
+        if not text_or_path.lstrip().startswith("{"):
+            with open(text_or_path) as f:
+                text = f.read()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"Plan JSON does not parse: {e}") from e
+        return cls.from_dict(d)
+
+
+# ---- the simple policies, as Plans -------------------------------------------------------------
+def every_k_plan(num_layers: int, k: int, home: str = DEVICE_HOME, **kw) -> Plan:
+    """MegaTrain's policy: keep boundary 0 and every k-th boundary on ``home``; recompute the rest."""
+    if k < 1:
+        raise PlanError(f"checkpoint interval must be >= 1, got {k}")
+    homes = [home if i % k == 0 else RECOMPUTE for i in range(num_layers)] + [DEVICE_HOME]
+    return Plan(num_layers=num_layers, homes=tuple(homes), policy=kw.pop("policy", f"every-{k}-{home}"), **kw)
+
+
+def keep_all_plan(num_layers: int, home: str = "host", **kw) -> Plan:
+    """Keep every boundary on ``home`` (no recompute at all)."""
+    return Plan(num_layers=num_layers, homes=tuple([home] * num_layers + [DEVICE_HOME]),
+                policy=kw.pop("policy", f"keep-all-{home}"), **kw)

@@ -1,0 +1,118 @@
+"""Tiers that keep tensors in memory: the compute device's (``hbm``) and the host's (``host``).
+
+Copies between device and host run on a side CUDA stream where CUDA exists, and the handle carries
+the CUDA event; on a CPU-only machine the same code runs with plain synchronous copies.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .base import Tier, TransferHandle
+
+_pinned_warning_given = False
+
+
+def pinned_memory_available() -> bool:
+    """Pinned (page-locked) host memory needs an accelerator; a CPU-only torch raises on pin_memory."""
+    return torch.cuda.is_available()
+
+
+def empty_host(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer, pinned where an accelerator exists, pageable (with one warning) where not."""
+    global _pinned_warning_given
+    if pinned_memory_available():
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    if not _pinned_warning_given:
+        _pinned_warning_given = True
+        warnings.warn("lazytrain: no CUDA device, so host buffers use pageable memory instead of pinned memory "
+                      "(expected on a CPU-only machine).", stacklevel=2)
+    return torch.empty(shape, dtype=dtype)
+
+
+class _CopyStreams:
+    """One side stream per direction per CUDA device, shared by the memory tiers."""
+    _streams: dict = {}
+
+    @classmethod
+    def get(cls, device: torch.device, direction: str):
+        if device.type != "cuda":
+            return None
+        key = (device.index if device.index is not None else torch.cuda.current_device(), direction)
+        if key not in cls._streams:
+            cls._streams[key] = torch.cuda.Stream(device=key[0])
+        return cls._streams[key]
+
+
+def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None) -> TransferHandle:
+    """Copy ``src`` into ``dst`` on a side stream when a CUDA device is involved, else synchronously."""
+    cuda_dev = dst.device if dst.device.type == "cuda" else (src.device if src.device.type == "cuda" else None)
+    if cuda_dev is None:
+        dst.copy_(src)
+        return TransferHandle(value=dst if value is None else value)
+    direction = "h2d" if dst.device.type == "cuda" and src.device.type != "cuda" else "d2h"
+    stream = _CopyStreams.get(cuda_dev, direction)
+    stream.wait_stream(torch.cuda.current_stream(cuda_dev))
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    if src.device.type == "cuda":
+        src.record_stream(stream)
+    if dst.device.type == "cuda":
+        dst.record_stream(stream)
+    return TransferHandle(value=dst if value is None else value, event=event, keepalive=src)
+
+
+class MemoryTier(Tier):
+    """Tensors kept in a dict on one device; reads copy into ``out`` or return the stored tensor."""
+
+    kind = "memory"
+
+    def __init__(self, name: str, capacity=None, device=None):
+        super().__init__(name, capacity, device)
+        self._store: dict[str, torch.Tensor] = {}
+
+    def _allocate(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+
+    def _write(self, key, tensor, owned):
+        if owned and tensor.device == self.device and tensor.is_contiguous():
+            self._store[key] = tensor
+            return TransferHandle()
+        buf = self._allocate(tensor)
+        self._store[key] = buf
+        handle = async_copy(buf, tensor)
+        return TransferHandle(event=handle._event, keepalive=handle._keepalive)
+
+    def _read(self, key, out, device):
+        src = self._store[key]
+        if out is not None:
+            if out.shape != src.shape or out.dtype != src.dtype:
+                raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
+                                 f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
+            return async_copy(out, src)
+        if device is None or device == self.device or (device.type == self.device.type == "cpu"):
+            return TransferHandle(value=src)
+        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+        return async_copy(dst, src)
+
+    def _free(self, key):
+        self._store.pop(key, None)
+
+
+class DeviceTier(MemoryTier):
+    """``hbm``: the compute device's memory, with accounting."""
+    kind = "hbm"
+
+
+class HostTier(MemoryTier):
+    """``host``: pinned host memory where an accelerator exists, pageable where it does not."""
+    kind = "host"
+
+    def __init__(self, name: str = "host", capacity=None, device=None):
+        super().__init__(name, capacity, "cpu")
+
+    def _allocate(self, tensor):
+        return empty_host(tensor.shape, tensor.dtype)
