@@ -102,6 +102,34 @@ class TransferHandle:
         return ready().__await__()
 
 
+class _BandwidthMeter:
+    """Bytes moved over the wall time during which at least one operation was in flight."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self.seconds = 0.0
+        self.nbytes = 0
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._since = time.perf_counter()
+            self._active += 1
+
+    def end(self, nbytes: int) -> None:
+        with self._lock:
+            self._active -= 1
+            self.nbytes += nbytes
+            if self._active == 0:
+                self.seconds += time.perf_counter() - self._since
+
+    def bandwidth(self) -> float | None:
+        with self._lock:
+            return self.nbytes / self.seconds if self.seconds > 0 and self.nbytes > 0 else None
+
+
 class Tier(ABC):
     """Base class of every tier. Subclasses implement ``_write``, ``_read`` and ``_free``.
 
@@ -119,24 +147,28 @@ class Tier(ABC):
         self._lock = threading.Lock()
         self.used_bytes = 0
         self.peak_bytes = 0
-        self._bytes_read = self._bytes_written = 0
-        self._seconds_read = self._seconds_written = 0.0
+        self._tokens: dict[str, object] = {}
+        self._meters = {"read": _BandwidthMeter(), "write": _BandwidthMeter()}
 
     # ---- public API ------------------------------------------------------------------------
     def write(self, key: str, tensor: torch.Tensor, owned: bool = False) -> TransferHandle:
         """Store a snapshot of ``tensor`` under ``key``. ``owned=True``: the caller gives the tensor
         up, so a tier may keep it without copying. Overwriting a key frees the old value first."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tier {self.name!r}: write of {key!r} needs a torch.Tensor, got {type(tensor).__name__}")
         if key in self._sizes:
             self.free(key)
         nbytes = tensor.numel() * tensor.element_size()
-        self._reserve(key, nbytes)
-        t0 = time.perf_counter()
+        token = self._reserve(key, nbytes)
+        meter = self._meters["write"]
+        meter.begin()
         try:
             handle = self._write(key, tensor, owned)
         except BaseException:
+            meter.end(0)
             self._release(key)
             raise
-        self._account("write", nbytes, t0)
+        self._track(handle, meter, nbytes, key, token)
         return handle
 
     def read(self, key: str, out: torch.Tensor | None = None, device: torch.device | str | None = None) -> TransferHandle:
@@ -144,9 +176,15 @@ class Tier(ABC):
         (default: the tier's own device)."""
         if key not in self._sizes:
             raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
-        t0 = time.perf_counter()
-        handle = self._read(key, out, torch.device(device) if device is not None else None)
-        self._account("read", self._sizes[key], t0)
+        nbytes = self._sizes[key]
+        meter = self._meters["read"]
+        meter.begin()
+        try:
+            handle = self._read(key, out, torch.device(device) if device is not None else None)
+        except BaseException:
+            meter.end(0)
+            raise
+        self._track(handle, meter, nbytes)
         return handle
 
     def free(self, key: str) -> None:
@@ -173,23 +211,27 @@ class Tier(ABC):
         return None if self.capacity is None else self.capacity - self.used_bytes
 
     def read_bandwidth(self) -> float | None:
-        """Bytes per second over the reads issued so far (issue time for async tiers)."""
-        return self._bytes_read / self._seconds_read if self._seconds_read > 0 else None
+        """Bytes per second of reads so far: bytes over the wall time during which at least one read
+        was in flight (so concurrent reads are not double-counted). Thread-pool tiers are timed to
+        completion; CUDA-event copies to issue (their completion is not observed without a sync)."""
+        return self._meters["read"].bandwidth()
 
     def write_bandwidth(self) -> float | None:
-        return self._bytes_written / self._seconds_written if self._seconds_written > 0 else None
+        """Bytes per second of writes so far, measured like :meth:`read_bandwidth`."""
+        return self._meters["write"].bandwidth()
 
     def stats(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "capacity": self.capacity, "used_bytes": self.used_bytes,
                 "peak_bytes": self.peak_bytes, "read_bandwidth": self.read_bandwidth(),
-                "write_bandwidth": self.write_bandwidth()}
+                "write_bandwidth": self.write_bandwidth(), "bytes_read": self._meters["read"].nbytes,
+                "bytes_written": self._meters["write"].nbytes}
 
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity is None else format_bytes(self.capacity)
         return f"{type(self).__name__}(name={self.name!r}, used={format_bytes(self.used_bytes)}, capacity={cap})"
 
     # ---- accounting ------------------------------------------------------------------------
-    def _reserve(self, key: str, nbytes: int) -> None:
+    def _reserve(self, key: str, nbytes: int) -> object:
         with self._lock:
             if self.capacity is not None and self.used_bytes + nbytes > self.capacity:
                 raise TierBudgetError(
@@ -198,21 +240,34 @@ class Tier(ABC):
                     f"{format_bytes(self.capacity)} ({format_bytes(self.used_bytes)} in use). Raise the tier's "
                     f"capacity in the config or place fewer tensors on it.")
             self._sizes[key] = nbytes
+            self._tokens[key] = token = object()
             self.used_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+            return token
 
     def _release(self, key: str) -> None:
         with self._lock:
+            self._tokens.pop(key, None)
             self.used_bytes -= self._sizes.pop(key, 0)
 
-    def _account(self, op: str, nbytes: int, t0: float) -> None:
-        dt = time.perf_counter() - t0
-        if op == "read":
-            self._bytes_read += nbytes
-            self._seconds_read += dt
-        else:
-            self._bytes_written += nbytes
-            self._seconds_written += dt
+    def _track(self, handle: TransferHandle, meter: "_BandwidthMeter", nbytes: int,
+               key: str | None = None, token: object = None) -> None:
+        """Time ``handle`` to completion; a write that fails asynchronously gives its key up, so a
+        failed write never reads back as valid and never holds budget."""
+        future = handle._future
+        if future is None:
+            meter.end(nbytes)
+            return
+
+        def finished(f: Future) -> None:
+            failed = f.cancelled() or f.exception() is not None
+            meter.end(0 if failed else nbytes)
+            if failed and key is not None:
+                with self._lock:
+                    mine = self._tokens.get(key) is token
+                if mine:
+                    self.free(key)
+        future.add_done_callback(finished)
 
     # ---- to implement ------------------------------------------------------------------------
     @abstractmethod

@@ -21,14 +21,18 @@ def pinned_memory_available() -> bool:
 
 def empty_host(shape, dtype: torch.dtype) -> torch.Tensor:
     """A host buffer, pinned where an accelerator exists, pageable (with one warning) where not."""
-    global _pinned_warning_given
     if pinned_memory_available():
         return torch.empty(shape, dtype=dtype, pin_memory=True)
+    _warn_pageable(stacklevel=3)
+    return torch.empty(shape, dtype=dtype)
+
+
+def _warn_pageable(stacklevel: int) -> None:
+    global _pinned_warning_given
     if not _pinned_warning_given:
         _pinned_warning_given = True
         warnings.warn("lazytrain: no CUDA device, so host buffers use pageable memory instead of pinned memory "
-                      "(expected on a CPU-only machine).", stacklevel=2)
-    return torch.empty(shape, dtype=dtype)
+                      "(expected on a CPU-only machine).", stacklevel=stacklevel + 1)
 
 
 class _CopyStreams:
@@ -74,14 +78,14 @@ class MemoryTier(Tier):
         super().__init__(name, capacity, device)
         self._store: dict[str, torch.Tensor] = {}
 
-    def _allocate(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _allocate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
 
     def _write(self, key, tensor, owned):
         if owned and tensor.device == self.device and tensor.is_contiguous():
             self._store[key] = tensor
             return TransferHandle()
-        buf = self._allocate(tensor)
+        buf = self._allocate(key, tensor)
         self._store[key] = buf
         handle = async_copy(buf, tensor)
         return TransferHandle(event=handle._event, keepalive=handle._keepalive)
@@ -108,11 +112,39 @@ class DeviceTier(MemoryTier):
 
 
 class HostTier(MemoryTier):
-    """``host``: pinned host memory where an accelerator exists, pageable where it does not."""
+    """``host``: pinned host memory where an accelerator exists, pageable (one warning) where it does not.
+
+    Buffers come from a :class:`~lazytrain.tiers.pool.SlabPool`, so a freed tensor's pinned memory
+    serves the next write of a similar size instead of being unpinned and pinned again. The pool keeps
+    at most ``capacity`` bytes of slabs (in use or idle).
+    """
     kind = "host"
 
     def __init__(self, name: str = "host", capacity=None, device=None):
         super().__init__(name, capacity, "cpu")
+        from .pool import SlabPool
+        if not pinned_memory_available():
+            _warn_pageable(stacklevel=2)
+        self.pool = SlabPool(limit_bytes=self.capacity)
+        self._slabs: dict[str, torch.Tensor] = {}
 
-    def _allocate(self, tensor):
-        return empty_host(tensor.shape, tensor.dtype)
+    def _allocate(self, key, tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return torch.empty(tensor.shape, dtype=tensor.dtype)
+        slab = self.pool.acquire(nbytes)
+        self._slabs[key] = slab
+        return slab[:nbytes].view(tensor.dtype).view(tensor.shape)
+
+    def _free(self, key):
+        super()._free(key)
+        slab = self._slabs.pop(key, None)
+        if slab is not None:
+            self.pool.release(slab)
+
+    def close(self):
+        super().close()
+        self.pool.trim()
+
+    def stats(self):
+        return {**super().stats(), "pool": self.pool.stats()}

@@ -1,0 +1,555 @@
+"""``nvme``: tensors in files under the configured path (DeepSpeed's ``nvme_path`` maps here).
+
+Each tier owns one run directory (``<path>/lazytrain-run-<pid>-<random>``), removed when the tier is
+closed and at a clean interpreter exit. Each key is one file, written in requests of
+``block_size * queue_depth`` bytes by a pool of ``intra_op_parallelism`` threads. Every block carries a
+checksum, kept in memory and verified on every read: a truncated or corrupted file raises
+:class:`NVMeDataError` naming the file and key, never returns wrong data. A full disk, an I/O error, a
+read-only or missing path raise :class:`NVMeIOError` with the file, key and what to do; a failed write
+removes its file and gives its key up, so nothing half-written reads back as valid.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import os
+import re
+import shutil
+import threading
+import uuid
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import Tier, TierError, TransferHandle, format_bytes
+from .memory import async_copy
+from .nvme_io import (ALIGNMENT, AioSettings, KvikioBackend, PosixBackend, device_checksums, host_checksums,
+                      kvikio_status, probe_direct_io)
+from .pool import SlabPool, aligned_empty
+
+log = logging.getLogger("lazytrain.tiers.nvme")
+
+_ERRNO_ADVICE = {
+    errno.ENOSPC: "no space left on device; free disk space, lower the tier's capacity, or point nvme_path "
+                  "at a larger disk",
+    errno.EDQUOT: "disk quota exceeded; free space under your quota or point nvme_path elsewhere",
+    errno.EIO: "I/O error reported by the device; check the disk (dmesg, smartctl) or use another nvme_path",
+    errno.EROFS: "the filesystem is read-only; point nvme_path at a writable directory",
+    errno.EACCES: "permission denied; point nvme_path at a directory you can write",
+    errno.EPERM: "operation not permitted; point nvme_path at a directory you can write",
+    errno.ENOENT: "the file or directory does not exist (was the run directory removed while training?)",
+}
+
+
+class NVMeIOError(TierError, OSError):
+    """An NVMe tier operation failed in the operating system (ENOSPC, EIO, EROFS, ...)."""
+
+    def __init__(self, message: str, err: int | None = None):
+        TierError.__init__(self, message)
+        self.errno = err
+
+
+class NVMeDataError(TierError):
+    """A file of the NVMe tier does not hold what was written (truncated or corrupted)."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory."""
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(bytearray())
+
+
+@dataclass
+class _Entry:
+    key: str
+    path: str
+    nbytes: int
+    shape: torch.Size
+    dtype: torch.dtype
+    file_bytes: int  # bytes on disk: nbytes rounded up to ALIGNMENT (POSIX) or nbytes (kvikio)
+    via_kvikio: bool
+    checksums: list = field(default_factory=list)
+    written: Future | None = None  # done when the file is complete
+
+
+class _Op:
+    """One tensor's requests on the pool: completes ``future`` after the last one, with the first error."""
+
+    def __init__(self, parts: int, finish):
+        self.future: Future = Future()
+        self._left = parts
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._finish = finish  # finish(error or None) -> result; runs once, after the last part
+
+    def part_done(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._left -= 1
+            last = self._left == 0
+        if not last:
+            return
+        try:
+            result = self._finish(self._error)
+        except BaseException as e:  # noqa: BLE001 - delivered to the waiter
+            self.future.set_exception(e)
+        else:
+            self.future.set_result(result)
+
+
+class _StagingBudget:
+    """Bounds the host staging memory held by writes in flight (back-pressure instead of OOM): a write
+    waits while earlier ones hold more than the limit. The limit follows the tensors: at least
+    256 MiB, and twice the largest write seen."""
+
+    def __init__(self, floor: int = 256 << 20):
+        self.limit = floor
+        self.in_use = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> None:
+        with self._cond:
+            self.limit = max(self.limit, 2 * nbytes)
+            while self.in_use and self.in_use + nbytes > self.limit:
+                self._cond.wait()
+            self.in_use += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self.in_use -= nbytes
+            self._cond.notify_all()
+
+
+_LIVE_TIERS: "weakref.WeakSet[NVMeTier]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_tiers() -> None:
+    for tier in list(_LIVE_TIERS):
+        tier.close()
+
+
+class NVMeTier(Tier):
+    """Tensors in files under ``path``; see the module docstring.
+
+    ``aio``: DeepSpeed's aio section (block_size, queue_depth, intra_op_parallelism / thread_count,
+    use_gds; single_submit and overlap_events are accepted and have no effect). ``backend``: "auto"
+    (kvikio for CUDA tensors where it works, POSIX O_DIRECT where the filesystem allows, else buffered),
+    or "posix-odirect" / "posix-buffered" to force one. ``device``: where reads land by default.
+    """
+
+    kind = "nvme"
+
+    def __init__(self, name: str = "nvme", capacity=None, path: str | os.PathLike | None = None,
+                 aio: dict | AioSettings | None = None, backend: str = "auto", device=None):
+        super().__init__(name, capacity, device)
+        if path is None:
+            raise ValueError(f"tier {name!r}: NVMeTier needs a path (nvme_path in the config)")
+        self.settings = aio if isinstance(aio, AioSettings) else AioSettings.from_config(aio)
+        if backend not in ("auto", "posix-odirect", "posix-buffered"):
+            raise ValueError(f"tier {name!r}: backend must be 'auto', 'posix-odirect' or 'posix-buffered', "
+                             f"got {backend!r}")
+        self.root = os.path.abspath(os.fspath(path))
+        self.run_dir: str | None = None
+        self._closed = False
+        self._entries: dict[str, _Entry] = {}
+        self._seq = 0
+        self._check_path()
+        self.run_dir = os.path.join(self.root, f"lazytrain-run-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.mkdir(self.run_dir, 0o700)
+        except OSError as e:
+            raise self._os_error(e, f"creating the run directory {self.run_dir}") from e
+        try:
+            self._choose_backends(backend)
+        except BaseException:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+        self.pool = SlabPool()  # host staging slabs, pinned where CUDA exists
+        self._staging = _StagingBudget()
+        self._executor = ThreadPoolExecutor(self.settings.intra_op_parallelism,
+                                            thread_name_prefix=f"lazytrain-{name}-io")
+        _LIVE_TIERS.add(self)
+        log.info("tier %r: %s", name, self.backend_report)
+
+    # ---- start-up ----------------------------------------------------------------------------
+    def _check_path(self) -> None:
+        if not os.path.exists(self.root):
+            raise NVMeIOError(f"tier {self.name!r}: nvme_path {self.root} does not exist; create it or point "
+                              f"nvme_path at an existing directory on a fast disk", errno.ENOENT)
+        if not os.path.isdir(self.root):
+            raise NVMeIOError(f"tier {self.name!r}: nvme_path {self.root} is not a directory", errno.ENOTDIR)
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise NVMeIOError(f"tier {self.name!r}: nvme_path {self.root} is not writable; "
+                              f"{_ERRNO_ADVICE[errno.EACCES]}", errno.EACCES)
+        st = os.statvfs(self.root)
+        if st.f_flag & os.ST_RDONLY:
+            raise NVMeIOError(f"tier {self.name!r}: nvme_path {self.root} is on a read-only filesystem; "
+                              f"{_ERRNO_ADVICE[errno.EROFS]}", errno.EROFS)
+        free = st.f_bavail * st.f_frsize
+        if self.capacity is not None and self.capacity > free:
+            raise NVMeIOError(f"tier {self.name!r}: its capacity is {format_bytes(self.capacity)} but only "
+                              f"{format_bytes(free)} is free under {self.root}; lower the capacity or free "
+                              f"disk space", errno.ENOSPC)
+
+    def _choose_backends(self, backend: str) -> None:
+        reasons = []
+        if backend == "auto":
+            try:
+                direct, why = probe_direct_io(self.run_dir)
+            except OSError as e:
+                raise self._os_error(e, f"writing a probe file in {self.run_dir}") from e
+            reasons.append(why)
+        else:
+            direct = backend == "posix-odirect"
+            reasons.append(f"backend {backend!r} chosen in the config")
+        self.backend = PosixBackend(direct)
+        self.kvikio_backend = None
+        if self.settings.use_gds is False:
+            reasons.append("kvikio not used: aio.use_gds is false")
+        else:
+            module, why = kvikio_status()
+            reasons.append(why)
+            if module is not None:
+                self.kvikio_backend = KvikioBackend(module, why)
+            elif self.settings.use_gds:
+                raise TierError(f"tier {self.name!r}: aio.use_gds is true but {why}")
+        host = self.backend.name
+        self.backend_name = f"kvikio (CUDA tensors) + {host} (host tensors)" if self.kvikio_backend else host
+        self.backend_report = f"{self.backend_name}: " + "; ".join(reasons)
+
+    # ---- errors ------------------------------------------------------------------------------
+    def _os_error(self, e: OSError, doing: str, key: str | None = None) -> NVMeIOError:
+        code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
+        advice = _ERRNO_ADVICE.get(e.errno, e.strerror or str(e))
+        what = f" key {key!r}:" if key is not None else ""
+        return NVMeIOError(f"tier {self.name!r}:{what} {doing} failed with {code}: {advice}", e.errno)
+
+    # ---- files -------------------------------------------------------------------------------
+    def _new_path(self, key: str) -> str:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[:80]
+        return os.path.join(self.run_dir, f"{seq:08d}-{safe}.bin")
+
+    def _requests(self, file_bytes: int) -> list[tuple[int, int]]:
+        step = self.settings.request_bytes
+        return [(off, min(step, file_bytes - off)) for off in range(0, file_bytes, step)]
+
+    # ---- write -------------------------------------------------------------------------------
+    def _write(self, key, tensor, owned):
+        if self._closed:
+            raise TierError(f"tier {self.name!r} is closed")
+        if tensor.is_cuda and self.kvikio_backend is not None:
+            return self._write_kvikio(key, tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        file_bytes = _round_up(nbytes, ALIGNMENT)
+        path = self._new_path(key)
+        entry = _Entry(key, path, nbytes, tensor.shape, tensor.dtype, file_bytes, False,
+                       [0] * -(-nbytes // self.settings.block_size))
+        try:
+            fd = self.backend.open(path, write=True)
+        except OSError as e:
+            raise self._os_error(e, f"creating {path}", key) from e
+
+        # The bytes to write: the tensor's own memory when it is ours to keep and aligned, else a staging
+        # slab (a snapshot, so the caller may reuse its tensor at once; pinned where CUDA exists).
+        direct_ok = (owned and tensor.device.type == "cpu" and tensor.is_contiguous()
+                     and tensor.data_ptr() % ALIGNMENT == 0 and nbytes % ALIGNMENT == 0)
+        event = slab = None
+        if direct_ok:
+            data = tensor.view(-1)
+            source = _as_bytes(data)
+        else:
+            self._staging.acquire(file_bytes)
+            slab = self.pool.acquire(file_bytes)
+            staged = slab[:nbytes].view(tensor.dtype).view(tensor.shape)
+            slab[nbytes:file_bytes].zero_()
+            if tensor.is_cuda:
+                event = async_copy(staged, tensor)._event
+            else:
+                staged.copy_(tensor)
+            source = _as_bytes(slab[:file_bytes])
+            data = slab
+
+        def finish(error):
+            try:
+                self.backend.close(fd)
+            except OSError as e:
+                error = error or e
+            if slab is not None:
+                self.pool.release(slab, exclusive=True)  # our requests are done with it
+                self._staging.release(file_bytes)
+            if error is not None:
+                _unlink(path)
+                if isinstance(error, OSError) and not isinstance(error, TierError):
+                    raise self._os_error(error, f"writing {path}", key) from error
+                raise error
+            return None
+
+        requests = self._requests(file_bytes)
+        op = _Op(max(1, len(requests)), finish)
+        entry.written = op.future
+        self._entries[key] = entry
+        for offset, length in requests:
+            self._executor.submit(self._write_request, op, fd, source, offset, length, nbytes, entry, event, data)
+        if not requests:
+            op.part_done()  # an empty tensor: an empty file
+        return TransferHandle(future=op.future)
+
+    def _write_request(self, op, fd, source, offset, length, nbytes, entry, event, keepalive):
+        try:
+            if event is not None:
+                event.synchronize()
+            block = self.settings.block_size
+            real = min(length, max(0, nbytes - offset))
+            sums = host_checksums(source[offset:offset + real], real, block)
+            entry.checksums[offset // block:offset // block + len(sums)] = sums
+            done = 0
+            while done < length:
+                n = self.backend.pwritev(fd, [source[offset + done:offset + length]], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, "write returned no progress")
+                done += n
+        except BaseException as e:  # noqa: BLE001 - delivered through the op's future
+            op.part_done(e)
+        else:
+            op.part_done()
+
+    def _write_kvikio(self, key, tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        path = self._new_path(key)
+        entry = _Entry(key, path, nbytes, tensor.shape, tensor.dtype, nbytes, True)
+        staged = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
+        event = async_copy(staged.view(tensor.dtype).view(tensor.shape), tensor)._event
+
+        def job():
+            try:
+                event.synchronize()
+                entry.checksums = device_checksums(staged, self.settings.block_size)
+                written = self.kvikio_backend.write(path, staged)
+                if written != nbytes:
+                    raise OSError(errno.EIO, f"kvikio wrote {written} of {nbytes} bytes")
+            except OSError as e:
+                _unlink(path)
+                raise self._os_error(e, f"writing {path} through kvikio", key) from e
+            except BaseException:
+                _unlink(path)
+                raise
+        entry.written = self._executor.submit(job)
+        self._entries[key] = entry
+        return TransferHandle(future=entry.written)
+
+    # ---- read --------------------------------------------------------------------------------
+    def _read(self, key, out, device):
+        if self._closed:
+            raise TierError(f"tier {self.name!r} is closed")
+        entry = self._entries[key]
+        if out is not None and (out.shape != entry.shape or out.dtype != entry.dtype):
+            raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} {out.dtype}, "
+                             f"but it holds {tuple(entry.shape)} {entry.dtype}")
+        target = out.device if out is not None else (device or self.device)
+        result: Future = Future()
+
+        def start(_=None):
+            if entry.written.exception() is not None:
+                result.set_exception(TierError(f"tier {self.name!r}: key {key!r} cannot be read: its write "
+                                               f"failed ({entry.written.exception()})"))
+                return
+            try:
+                inner = self._start_read(entry, out, target)
+            except BaseException as e:  # noqa: BLE001
+                result.set_exception(e)
+                return
+            inner.add_done_callback(lambda f: _chain(f, result))
+        if entry.written.done():
+            start()
+        else:
+            entry.written.add_done_callback(start)  # read after the write lands
+        return TransferHandle(future=result)
+
+    def _start_read(self, entry: _Entry, out, target: torch.device) -> Future:
+        if entry.via_kvikio:
+            return self._executor.submit(self._read_kvikio, entry, out, target)
+        try:
+            fd = self.backend.open(entry.path, write=False)
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: its file {entry.path} is missing") from e
+            raise self._os_error(e, f"opening {entry.path}", entry.key) from e
+        try:
+            size = os.fstat(fd).st_size
+        except OSError as e:
+            self.backend.close(fd)
+            raise self._os_error(e, f"inspecting {entry.path}", entry.key) from e
+        if size < entry.file_bytes:
+            self.backend.close(fd)
+            raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: "
+                                f"{size} bytes on disk, {entry.file_bytes} written")
+
+        # Land the bytes in their final place when that place is aligned CPU memory; else stage them.
+        slab = None
+        if out is not None and out.device.type == "cpu" and out.is_contiguous() \
+                and out.data_ptr() % ALIGNMENT == 0 and entry.nbytes % ALIGNMENT == 0:
+            dest = out.view(-1).view(torch.uint8) if entry.nbytes else out
+            value = out
+        elif out is None and target.type == "cpu":
+            dest = aligned_empty(entry.file_bytes, pinned=False)
+            value = dest[:entry.nbytes].view(entry.dtype).view(entry.shape)
+        else:
+            slab = self.pool.acquire(max(entry.file_bytes, 1))
+            dest = slab[:entry.file_bytes]
+            value = None
+        buf = _as_bytes(dest)
+
+        def finish(error):
+            try:
+                self.backend.close(fd)
+            except OSError:
+                pass
+            try:
+                if error is not None:
+                    if isinstance(error, OSError) and not isinstance(error, TierError):
+                        raise self._os_error(error, f"reading {entry.path}", entry.key) from error
+                    raise error
+                if value is not None:
+                    return value
+                staged = slab[:entry.nbytes].view(entry.dtype).view(entry.shape)
+                dst = out if out is not None else torch.empty(entry.shape, dtype=entry.dtype, device=target)
+                handle = async_copy(dst, staged)
+                handle.synchronize()  # the slab goes back to the pool below
+                return dst
+            finally:
+                if slab is not None:
+                    self.pool.release(slab, exclusive=True)  # our requests are done with it
+
+        requests = self._requests(entry.file_bytes)
+        op = _Op(max(1, len(requests)), finish)
+        for offset, length in requests:
+            self._executor.submit(self._read_request, op, fd, buf, offset, length, entry)
+        if not requests:
+            op.part_done()
+        return op.future
+
+    def _read_request(self, op, fd, buf, offset, length, entry: _Entry):
+        try:
+            done = 0
+            while done < length:
+                n = self.backend.preadv(fd, [buf[offset + done:offset + length]], offset + done)
+                if n <= 0:
+                    raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: "
+                                        f"it ends at byte {offset + done}, {entry.file_bytes} were written")
+                done += n
+            block = self.settings.block_size
+            real = min(length, max(0, entry.nbytes - offset))
+            sums = host_checksums(buf[offset:offset + real], real, block)
+            first = offset // block
+            for i, s in enumerate(sums):
+                if s != entry.checksums[first + i]:
+                    start = (first + i) * block
+                    raise NVMeDataError(
+                        f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is corrupted: checksum "
+                        f"mismatch in block {first + i} (bytes {start}..{min(start + block, entry.nbytes) - 1})")
+        except BaseException as e:  # noqa: BLE001
+            op.part_done(e)
+        else:
+            op.part_done()
+
+    def _read_kvikio(self, entry: _Entry, out, target: torch.device):
+        device = out.device if out is not None and out.is_cuda else (target if target.type == "cuda" else
+                                                                      torch.device("cuda"))
+        if out is not None and out.is_cuda and out.is_contiguous():
+            dest = out.view(-1).view(torch.uint8) if entry.nbytes else out
+        else:
+            dest = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+        try:
+            got = self.kvikio_backend.read(entry.path, dest) if entry.nbytes else 0
+        except FileNotFoundError as e:
+            raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: its file {entry.path} is missing") from e
+        except OSError as e:
+            raise self._os_error(e, f"reading {entry.path} through kvikio", entry.key) from e
+        if got != entry.nbytes:
+            raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: read "
+                                f"{got} of {entry.nbytes} bytes")
+        sums = device_checksums(dest, self.settings.block_size)
+        for i, (s, expected) in enumerate(zip(sums, entry.checksums)):
+            if s != expected:
+                raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is corrupted: "
+                                    f"checksum mismatch in block {i}")
+        value = dest.view(entry.dtype).view(entry.shape)
+        if out is not None and value.data_ptr() != out.data_ptr():
+            out.copy_(value)
+            value = out
+        elif out is None and target.type != "cuda":
+            value = value.to(target)
+        torch.cuda.current_stream(device).synchronize()
+        return value
+
+    # ---- free / close ------------------------------------------------------------------------
+    def _free(self, key):
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            # In-flight operations hold their own descriptors, so removing the name is safe now.
+            _unlink(entry.path)
+
+    def file_of(self, key: str) -> str:
+        """The file holding ``key`` (for diagnostics)."""
+        return self._entries[key].path
+
+    def close(self) -> None:
+        """Wait for I/O in flight, then remove the run directory. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for entry in list(self._entries.values()):
+            if entry.written is not None:
+                try:
+                    entry.written.exception()  # wait
+                except BaseException:  # noqa: BLE001
+                    pass
+        self._executor.shutdown(wait=True)
+        self._entries.clear()
+        with self._lock:
+            self._sizes.clear()
+            self._tokens.clear()
+            self.used_bytes = 0
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.pool.trim()
+        _LIVE_TIERS.discard(self)
+
+    def __del__(self):
+        try:
+            if not self._closed and self.run_dir is not None:
+                self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def stats(self):
+        return {**super().stats(), "backend": self.backend_name, "backend_report": self.backend_report,
+                "path": self.run_dir, "block_size": self.settings.block_size,
+                "queue_depth": self.settings.queue_depth,
+                "intra_op_parallelism": self.settings.intra_op_parallelism,
+                "staging_pool": self.pool.stats()}
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _chain(source: Future, target: Future) -> None:
+    if source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())
