@@ -148,6 +148,7 @@ class Tier(ABC):
         self.used_bytes = 0
         self.peak_bytes = 0
         self._tokens: dict[str, object] = {}
+        self._failed: dict[str, BaseException] = {}  # keys whose asynchronous write failed, until rewritten
         self._meters = {"read": _BandwidthMeter(), "write": _BandwidthMeter()}
 
     # ---- public API ------------------------------------------------------------------------
@@ -158,6 +159,7 @@ class Tier(ABC):
             raise TypeError(f"tier {self.name!r}: write of {key!r} needs a torch.Tensor, got {type(tensor).__name__}")
         if key in self._sizes:
             self.free(key)
+        self._failed.pop(key, None)
         nbytes = tensor.numel() * tensor.element_size()
         token = self._reserve(key, nbytes)
         meter = self._meters["write"]
@@ -175,6 +177,10 @@ class Tier(ABC):
         """Fetch ``key``: into ``out`` when given (no extra copy), else as a new tensor on ``device``
         (default: the tier's own device)."""
         if key not in self._sizes:
+            failure = self._failed.get(key)
+            if failure is not None:
+                raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}: its write failed: "
+                                f"{failure}") from failure
             raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
         nbytes = self._sizes[key]
         meter = self._meters["read"]
@@ -188,6 +194,8 @@ class Tier(ABC):
         return handle
 
     def free(self, key: str) -> None:
+        """Drop ``key`` (no-op when absent); a tier may keep the memory or file for reuse."""
+        self._failed.pop(key, None)
         if key not in self._sizes:
             return
         self._free(key)
@@ -258,15 +266,23 @@ class Tier(ABC):
         if future is None:
             meter.end(nbytes)
             return
+        outer: Future = Future()  # completes only after the bookkeeping below, so waiters see its effects
 
         def finished(f: Future) -> None:
-            failed = f.cancelled() or f.exception() is not None
-            meter.end(0 if failed else nbytes)
-            if failed and key is not None:
+            error = f.exception() if not f.cancelled() else TierError(
+                f"tier {self.name!r}: an operation on {key!r} was cancelled")
+            meter.end(0 if error is not None else nbytes)
+            if error is not None and key is not None:
                 with self._lock:
                     mine = self._tokens.get(key) is token
                 if mine:
                     self.free(key)
+                    self._failed[key] = error  # a later read names the cause, even if nobody waited here
+            if error is not None:
+                outer.set_exception(error)
+            else:
+                outer.set_result(f.result())
+        handle._future = outer
         future.add_done_callback(finished)
 
     # ---- to implement ------------------------------------------------------------------------

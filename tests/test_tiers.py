@@ -1,0 +1,225 @@
+"""Memory tiers, the slab pool, the registry and create_tiers."""
+import asyncio
+
+import pytest
+import torch
+
+from lazytrain.tiers import (DeviceTier, HostTier, NVMeTier, SlabPool, Tier, TierBudgetError, TierError,
+                             TransferHandle, create_tiers, format_bytes, parse_bytes, register_tier)
+from lazytrain.tiers.pool import size_class
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+
+
+def sample(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 40).to(dtype)
+
+
+@pytest.mark.parametrize("tier_cls", [DeviceTier, HostTier])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_memory_round_trip(tier_cls, dtype):
+    tier = tier_cls("t", device="cpu")
+    x = sample((33, 7), dtype)
+    nc = sample((7, 33), dtype).t()
+    assert not nc.is_contiguous()
+    tier.write("x", x).wait()
+    tier.write("nc", nc).wait()
+    x_orig, nc_orig = x.clone(), nc.clone()
+    x.zero_()
+    nc.zero_()  # writes took snapshots
+    assert torch.equal(tier.read("x").wait(), x_orig)
+    out = torch.empty_like(nc_orig)
+    assert tier.read("nc", out=out).wait() is out
+    assert torch.equal(out, nc_orig)
+    assert tier.used_bytes == 2 * 33 * 7 * x.element_size()
+
+
+def test_budget_error_names_tier_budget_and_request():
+    tier = HostTier("host", capacity="10KB")
+    tier.write("a", torch.zeros(2000)).wait()  # 8000 bytes
+    with pytest.raises(TierBudgetError) as e:
+        tier.write("b", torch.zeros(1000))
+    assert str(e.value) == ("tier 'host' is over its budget: writing 'b' (3.9 KiB) would bring its use to 11.7 KiB, "
+                            "but its capacity is 9.8 KiB (7.8 KiB in use). Raise the tier's capacity in the config "
+                            "or place fewer tensors on it.")
+    assert "b" not in tier and tier.used_bytes == 8000
+    tier.write("a", torch.zeros(2500)).wait()  # overwriting frees the old value first
+    assert tier.used_bytes == 10000 and tier.peak_bytes == 10000
+    tier.free("a")
+    assert tier.used_bytes == 0 and tier.peak_bytes == 10000
+    tier.reset_peak()
+    assert tier.peak_bytes == 0
+
+
+def test_read_missing_key_and_bad_out():
+    tier = HostTier()
+    with pytest.raises(TierError, match="^tier 'host' holds no tensor under key 'nope'$"):
+        tier.read("nope")
+    tier.write("a", torch.zeros(3, 4)).wait()
+    with pytest.raises(ValueError) as e:
+        tier.read("a", out=torch.zeros(4, 3))
+    assert str(e.value) == ("tier 'host': read of 'a' into a buffer of (4, 3) torch.float32, but it holds (3, 4) "
+                            "torch.float32")
+    with pytest.raises(TypeError, match="^tier 'host': write of 'b' needs a torch.Tensor, got list$"):
+        tier.write("b", [1, 2])
+
+
+def test_handles_await_and_stats():
+    tier = HostTier()
+    x = torch.arange(10.0)
+
+    async def go():
+        await tier.write("x", x)
+        return await tier.read("x")
+    assert torch.equal(asyncio.run(go()), x)
+    handle = tier.read("x")
+    assert isinstance(handle, TransferHandle) and handle.done()
+    assert torch.equal(handle.synchronize(), x)
+    stats = tier.stats()
+    assert stats["bytes_written"] == 40 and stats["bytes_read"] == 80
+    assert stats["read_bandwidth"] > 0 and stats["write_bandwidth"] > 0
+    assert stats["used_bytes"] == 40 and stats["pool"]["misses"] == 1
+
+
+def test_host_tier_reuses_slabs_but_never_one_still_viewed():
+    tier = HostTier()
+    tier.write("a", torch.full((1000,), 1.0)).wait()
+    held = tier.read("a").wait()  # a view of a's slab
+    tier.free("a")
+    tier.write("b", torch.full((1000,), 2.0)).wait()  # must not reuse a's slab
+    assert torch.equal(held, torch.full((1000,), 1.0))
+    assert tier.pool.stats()["hits"] == 0
+    tier.free("b")  # b's slab is not viewed outside: back in the pool
+    tier.write("c", torch.full((900,), 3.0)).wait()
+    assert tier.pool.stats()["hits"] == 1
+    assert torch.equal(tier.read("c").wait(), torch.full((900,), 3.0))
+
+
+def test_slab_pool_alignment_classes_and_limit():
+    assert size_class(1) == 4096
+    assert size_class(64 * 1024) == 64 * 1024
+    assert size_class(64 * 1024 + 1) == 80 * 1024  # quarter steps above 64 KiB
+    assert size_class(100 << 20) == 112 << 20
+    assert size_class(64 << 20) == 64 << 20
+    pool = SlabPool(pinned=False, limit_bytes=3 * 4096)
+    slabs = [pool.acquire(100) for _ in range(3)]
+    assert all(s.data_ptr() % 4096 == 0 and s.numel() == 4096 for s in slabs)
+    for s in slabs:
+        pool.release(s)
+    assert pool.stats()["cached_bytes"] == 3 * 4096
+    big = pool.acquire(8192)  # over the limit: idle slabs are dropped first
+    assert pool.stats()["reserved_bytes"] == 8192 + 4096 and big.numel() == 8192
+    pool.trim()
+    assert pool.stats()["cached_bytes"] == 0
+
+
+def test_parse_and_format_bytes():
+    assert parse_bytes("64GB") == 64 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes(1e9) == 10**9
+    assert parse_bytes(None) is None
+    with pytest.raises(ValueError, match=r"^x: cannot read 'lots' as a size"):
+        parse_bytes("lots", "x")
+    assert format_bytes(3 * 2**30) == "3.0 GiB"
+
+
+# ---- create_tiers -----------------------------------------------------------------------------
+class RecordingTier(HostTier):
+    """A user tier with an extra constructor argument, registered under a name."""
+
+    def __init__(self, name, capacity=None, label="none"):
+        super().__init__(name, capacity)
+        self.label = label
+
+
+register_tier("recording", RecordingTier)
+
+
+def test_create_tiers_builtins_and_user_specs(tmp_path):
+    tiers = create_tiers([{"name": "ram", "class": "recording", "capacity": "1MB", "label": "fast"},
+                          {"name": "ram2", "class": "lazytrain.tiers.memory:HostTier"}],
+                         torch.device("cpu"), nvme_path=str(tmp_path), aio={"thread_count": 2},
+                         capacities={"hbm": "1GB", "host": 4096, "ram2": "2MiB"})
+    try:
+        assert list(tiers) == ["hbm", "host", "nvme", "ram", "ram2"]
+        assert isinstance(tiers["hbm"], DeviceTier) and tiers["hbm"].device == torch.device("cpu")
+        assert tiers["hbm"].capacity == 10**9 and tiers["host"].capacity == 4096
+        assert isinstance(tiers["nvme"], NVMeTier) and tiers["nvme"].settings.intra_op_parallelism == 2
+        assert tiers["ram"].label == "fast" and tiers["ram"].capacity == 10**6
+        assert type(tiers["ram2"]) is HostTier and tiers["ram2"].capacity == 2 * 2**20
+        assert all(t.name == n for n, t in tiers.items())
+    finally:
+        for t in tiers.values():
+            t.close()
+    assert list(tmp_path.iterdir()) == []  # the NVMe run directory is gone
+
+
+def test_create_tiers_without_nvme():
+    tiers = create_tiers([], "cpu")
+    assert list(tiers) == ["hbm", "host"] and tiers["host"].capacity is None
+
+
+@pytest.mark.parametrize("specs,kwargs,error,message", [
+    ([{"name": "x"}], {}, ValueError,
+     "lazytrain.tiers[0]: missing key 'class' (a tier spec needs 'name' and 'class')"),
+    ([{"class": "host"}], {}, ValueError,
+     "lazytrain.tiers[0]: missing key 'name' (a tier spec needs 'name' and 'class')"),
+    (["ramdisk"], {}, TypeError,
+     "lazytrain.tiers[0]: a tier spec is an object like {'name': 'ramdisk', 'class': "
+     "'my_pkg.tiers:RamDiskTier', 'capacity': '64GB'}, got str"),
+    ([{"name": "x", "class": "recording", "colour": "red"}], {}, ValueError,
+     "lazytrain.tiers[0] ('x'): unknown key 'colour' for tier class RecordingTier (it accepts: name, class, "
+     "capacity, label)"),
+    ([{"name": "host", "class": "recording"}], {}, ValueError,
+     "lazytrain.tiers[0] ('host').name: 'host' is built in; give your tier another name (reserved: hbm, host, "
+     "nvme, recompute)"),
+    ([{"name": "a", "class": "recording"}, {"name": "a", "class": "recording"}], {}, ValueError,
+     "lazytrain.tiers[1] ('a').name: a tier named 'a' is already defined"),
+    ([{"name": "", "class": "recording"}], {}, ValueError,
+     "lazytrain.tiers[0].name: a tier name is a non-empty string, got ''"),
+    ([{"name": "x", "class": "no_such_pkg.tiers:Tier"}], {}, ValueError,
+     "lazytrain.tiers[0] ('x').class: tier class 'no_such_pkg.tiers:Tier' cannot be imported: "
+     "No module named 'no_such_pkg'"),
+    ([{"name": "x", "class": "torch:Tensor"}], {}, TypeError,
+     "lazytrain.tiers[0] ('x').class: tier 'torch:Tensor' resolves to <class 'torch.Tensor'>, which is not a "
+     "subclass of lazytrain.tiers.Tier"),
+    ([{"name": "x", "class": "recording", "capacity": "lots"}], {}, ValueError,
+     "lazytrain.tiers[0] ('x').capacity: cannot read 'lots' as a size (examples: 1073741824, '64GB', '512MiB')"),
+    ([{"name": "x", "class": "recording", "capacity": "1MB"}], {"capacities": {"x": "2MB"}}, ValueError,
+     "lazytrain.tiers[0] ('x').capacity is 1000000 bytes but capacities['x'] is 2000000 bytes; give the budget "
+     "in one place"),
+    ([], {"capacities": {"nvme": "1GB"}}, ValueError,
+     "capacities: no tier named 'nvme' (nvme exists only when an nvme_path is given); tiers: hbm, host"),
+    ([], {"capacities": {"host": "many"}}, ValueError,
+     "capacities['host']: cannot read 'many' as a size (examples: 1073741824, '64GB', '512MiB')"),
+    ([], {"aio": {"block_size": 4096}}, ValueError,
+     "aio: these settings tune the NVMe tier, but no nvme_path was given"),
+])
+def test_create_tiers_errors_name_the_key(specs, kwargs, error, message):
+    with pytest.raises(error) as e:
+        create_tiers(specs, "cpu", **kwargs)
+    assert str(e.value) == message
+
+
+def test_create_tiers_unknown_registered_name():
+    with pytest.raises(ValueError) as e:
+        create_tiers([{"name": "x", "class": "ramdisk_not_registered"}], "cpu")
+    assert str(e.value).startswith("lazytrain.tiers[0] ('x').class: unknown tier 'ramdisk_not_registered': "
+                                   "not registered, not an entry point in group 'lazytrain.tiers', and not "
+                                   "'package.module:Class' (known: ")
+
+
+def test_create_tiers_closes_what_it_built_on_error(tmp_path):
+    with pytest.raises(ValueError):
+        create_tiers([{"name": "x", "class": "recording", "bad": 1}], "cpu", nvme_path=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_register_tier_needs_a_tier_subclass():
+    with pytest.raises(TypeError) as e:
+        register_tier("bad", dict)
+    assert str(e.value) == "register_tier('bad', ...) needs a subclass of lazytrain.tiers.Tier, got <class 'dict'>"
+    assert issubclass(RecordingTier, Tier)

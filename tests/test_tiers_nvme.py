@@ -1,0 +1,415 @@
+"""The NVMe tier: round trips, concurrency, budgets, checksums and injected faults."""
+import errno
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from lazytrain.tiers import AioSettings, NVMeDataError, NVMeIOError, NVMeTier, TierBudgetError, TierError
+from lazytrain.tiers import nvme_io
+from lazytrain.tiers.nvme_io import device_checksums, kvikio_status
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+BLOCK = 4096
+
+
+def sample(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 40).to(dtype)
+
+
+@pytest.fixture
+def tier(tmp_path):
+    # Small blocks and requests so that small tensors span several blocks, requests and threads.
+    t = NVMeTier("nvme", path=tmp_path, aio={"block_size": BLOCK, "queue_depth": 2, "intra_op_parallelism": 3})
+    yield t
+    t.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0,), (1,), (4096,), (1000, 37), (3, 5, 7), (2048, 9)])
+def test_round_trip(tier, dtype, shape):
+    x = sample(shape, dtype)
+    nbytes = x.numel() * x.element_size()
+    tier.write("x", x).wait()
+    assert torch.equal(tier.read("x").wait(), x)
+    out = torch.full_like(x, 0)
+    assert tier.read("x", out=out).wait() is out and torch.equal(out, x)
+    assert tier.used_bytes == nbytes
+    if x.dim() >= 2:  # non-contiguous source and destination
+        nc = sample(tuple(reversed(shape)), dtype, seed=1).transpose(0, -1)
+        assert not nc.is_contiguous()
+        tier.write("nc", nc).wait()
+        dest = torch.zeros(tuple(reversed(shape)), dtype=dtype).transpose(0, -1)
+        tier.read("nc", out=dest).wait()
+        assert torch.equal(dest, nc)
+    assert os.path.getsize(tier.file_of("x")) == -(-nbytes // 4096) * 4096
+
+
+def test_write_takes_a_snapshot_and_owned_skips_the_copy(tier):
+    x = sample((4096,), torch.float32)  # 16 KiB, aligned size
+    expected = x.clone()
+    handle = tier.write("x", x)
+    x.zero_()  # the caller may reuse its tensor as soon as write() returns
+    handle.wait()
+    assert torch.equal(tier.read("x").wait(), expected)
+    owned = tier.read("x").wait()  # aligned memory from the tier itself
+    misses = tier.pool.stats()["misses"]
+    tier.write("y", owned, owned=True).wait()
+    assert tier.pool.stats()["misses"] == misses  # written from the tensor's own memory
+    assert torch.equal(tier.read("y").wait(), expected)
+
+
+def test_unaligned_out_buffer(tier):
+    x = sample((3000,), torch.int8)
+    tier.write("x", x).wait()
+    backing = torch.zeros(3001, dtype=torch.int8)
+    out = backing[1:]  # starts one byte past an allocation: not usable for O_DIRECT
+    tier.read("x", out=out).wait()
+    assert torch.equal(out, x) and backing[0] == 0
+
+
+def test_many_concurrent_operations(tier):
+    tensors = {f"t{i}": sample((97 * i + 5,), DTYPES[i % 4], seed=i) for i in range(48)}
+    writes = [tier.write(k, v) for k, v in tensors.items()]
+    reads = {k: tier.read(k) for k in tensors}  # issued while writes are in flight: they wait for them
+    for h in writes:
+        h.wait()
+    for k, h in reads.items():
+        assert torch.equal(h.wait(), tensors[k])
+    # overwrite half while reading the other half
+    new = {f"t{i}": sample((50 + i,), torch.float32, seed=100 + i) for i in range(0, 48, 2)}
+    hs = [tier.write(k, v) for k, v in new.items()] + [tier.read(f"t{i}") for i in range(1, 48, 2)]
+    for h in hs:
+        h.wait()
+    for k in tensors:
+        assert torch.equal(tier.read(k).wait(), new.get(k, tensors[k]))
+    assert len(os.listdir(tier.run_dir)) == 48
+    assert tier.used_bytes == sum(v.numel() * v.element_size() for v in {**tensors, **new}.values())
+
+
+def test_read_waits_for_the_write_in_flight(tier):
+    gate = threading.Event()
+    real = tier.backend.pwritev
+
+    def slow(fd, buffers, offset):
+        gate.wait(10)
+        return real(fd, buffers, offset)
+    tier.backend.pwritev = slow
+    x = sample((5000,), torch.float32)
+    w = tier.write("x", x)
+    r = tier.read("x")
+    assert not w.done() and not r.done()
+    gate.set()
+    assert torch.equal(r.wait(), x)
+    assert w.done()
+
+
+def test_awaitable(tier):
+    import asyncio
+    x = sample((100,), torch.bfloat16)
+
+    async def go():
+        await tier.write("x", x)
+        return await tier.read("x")
+    assert torch.equal(asyncio.run(go()), x)
+
+
+def test_budget(tmp_path):
+    t = NVMeTier("nvme", capacity="12KiB", path=tmp_path)
+    try:
+        t.write("a", torch.zeros(2048)).wait()  # 8 KiB
+        with pytest.raises(TierBudgetError) as e:
+            t.write("b", torch.zeros(2048))
+        assert str(e.value) == ("tier 'nvme' is over its budget: writing 'b' (8.0 KiB) would bring its use to "
+                                "16.0 KiB, but its capacity is 12.0 KiB (8.0 KiB in use). Raise the tier's capacity "
+                                "in the config or place fewer tensors on it.")
+        assert "b" not in t and len(os.listdir(t.run_dir)) == 1
+    finally:
+        t.close()
+
+
+# ---- faults ----------------------------------------------------------------------------------
+def failing(err, after=0):
+    calls = {"n": 0}
+
+    def fn(real):
+        def call(fd, buffers, offset):
+            calls["n"] += 1
+            if calls["n"] > after:
+                raise OSError(err, os.strerror(err))
+            return real(fd, buffers, offset)
+        return call
+    return fn
+
+
+@pytest.mark.parametrize("after", [0, 2])  # the first request fails / a later one (a half-written file)
+def test_enospc_on_write(tier, after):
+    tier.backend.pwritev = failing(errno.ENOSPC, after)(tier.backend.pwritev)
+    tier.write("old", torch.ones(10)).wait() if after else None
+    h = tier.write("w", sample((20000,), torch.float32))
+    path = os.path.join(tier.run_dir, f"{2 if after else 1:08d}-w.bin")
+    with pytest.raises(NVMeIOError) as e:
+        h.wait()
+    assert str(e.value) == (f"tier 'nvme': key 'w': writing {path} failed with ENOSPC: no space left on device; "
+                            f"free disk space, lower the tier's capacity, or point nvme_path at a larger disk")
+    assert e.value.errno == errno.ENOSPC
+    assert "w" not in tier and not os.path.exists(path)  # nothing half-written stays
+    with pytest.raises(TierError) as e2:
+        tier.read("w")  # the engine may never have waited on the write: the read names the cause
+    assert str(e2.value) == f"tier 'nvme' holds no tensor under key 'w': its write failed: {e.value}"
+    tier.free("w")
+    with pytest.raises(TierError, match="^tier 'nvme' holds no tensor under key 'w'$"):
+        tier.read("w")
+    assert tier.used_bytes == (40 if after else 0)
+    if after:
+        assert torch.equal(tier.read("old").wait(), torch.ones(10))
+
+
+def test_eio_on_read_then_recovery(tier):
+    x = sample((3000,), torch.float16)
+    tier.write("x", x).wait()
+    real = tier.backend.preadv
+    tier.backend.preadv = failing(errno.EIO)(real)
+    with pytest.raises(NVMeIOError) as e:
+        tier.read("x").wait()
+    assert str(e.value) == (f"tier 'nvme': key 'x': reading {tier.file_of('x')} failed with EIO: I/O error "
+                            f"reported by the device; check the disk (dmesg, smartctl) or use another nvme_path")
+    tier.backend.preadv = real
+    assert torch.equal(tier.read("x").wait(), x)
+
+
+def test_read_only_at_first_write(tier):
+    def refuse(path, write):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    tier.backend.open = refuse
+    with pytest.raises(NVMeIOError) as e:
+        tier.write("x", torch.zeros(4))
+    path = os.path.join(tier.run_dir, "00000001-x.bin")
+    assert str(e.value) == (f"tier 'nvme': key 'x': creating {path} failed with EROFS: the filesystem is read-only; "
+                            f"point nvme_path at a writable directory")
+    assert "x" not in tier and tier.used_bytes == 0
+
+
+def test_truncated_file(tier):
+    x = sample((5000,), torch.float32)  # 20000 bytes -> 20480 on disk
+    tier.write("x", x).wait()
+    path = tier.file_of("x")
+    os.truncate(path, 12288)
+    with pytest.raises(NVMeDataError) as e:
+        tier.read("x").wait()
+    assert str(e.value) == (f"tier 'nvme': key 'x': file {path} is truncated: 12288 bytes on disk, 20480 written")
+
+
+def test_short_read_is_reported_as_truncation(tier):
+    x = sample((5000,), torch.float32)
+    tier.write("x", x).wait()
+    tier.backend.preadv = lambda fd, buffers, offset: 0  # the file ends early while being read
+    with pytest.raises(NVMeDataError) as e:
+        tier.read("x").wait()
+    assert str(e.value).startswith(f"tier 'nvme': key 'x': file {tier.file_of('x')} is truncated: it ends at byte ")
+
+
+@pytest.mark.parametrize("offset,block", [(0, 0), (5000, 1), (19999, 4)])
+def test_flipped_bit_is_caught(tier, offset, block):
+    x = sample((5000,), torch.float32)
+    tier.write("x", x).wait()
+    path = tier.file_of("x")
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    out = torch.zeros_like(x)
+    with pytest.raises(NVMeDataError) as e:
+        tier.read("x", out=out).wait()
+    last = min((block + 1) * BLOCK, 20000) - 1
+    assert str(e.value) == (f"tier 'nvme': key 'x': file {path} is corrupted: checksum mismatch in block {block} "
+                            f"(bytes {block * BLOCK}..{last})")
+
+
+def test_flipped_padding_byte_is_harmless(tier):
+    x = sample((5000,), torch.float32)  # bytes 20000..20479 are padding
+    tier.write("x", x).wait()
+    with open(tier.file_of("x"), "r+b") as f:
+        f.seek(20100)
+        f.write(b"\xff")
+    assert torch.equal(tier.read("x").wait(), x)
+
+
+def test_missing_file(tier):
+    tier.write("x", torch.ones(3)).wait()
+    path = tier.file_of("x")
+    os.unlink(path)
+    with pytest.raises(NVMeDataError) as e:
+        tier.read("x").wait()
+    assert str(e.value) == f"tier 'nvme': key 'x': its file {path} is missing"
+
+
+# ---- start-up ----------------------------------------------------------------------------------
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(NVMeIOError) as e:
+        NVMeTier(path=missing)
+    assert str(e.value) == (f"tier 'nvme': nvme_path {missing} does not exist; create it or point nvme_path at an "
+                            f"existing directory on a fast disk")
+
+
+def test_path_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(NVMeIOError, match=f"^tier 'nvme': nvme_path {f} is not a directory$"):
+        NVMeTier(path=f)
+
+
+class FakeStatvfs:
+    def __init__(self, flag, avail):
+        self.f_flag, self.f_bavail, self.f_frsize = flag, avail, 4096
+
+
+def test_read_only_filesystem_at_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "statvfs", lambda p: FakeStatvfs(os.ST_RDONLY, 10**6))
+    with pytest.raises(NVMeIOError) as e:
+        NVMeTier(path=tmp_path)
+    assert str(e.value) == (f"tier 'nvme': nvme_path {tmp_path} is on a read-only filesystem; the filesystem is "
+                            f"read-only; point nvme_path at a writable directory")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_capacity_larger_than_free_space(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "statvfs", lambda p: FakeStatvfs(0, 256))  # 1 MiB free
+    with pytest.raises(NVMeIOError) as e:
+        NVMeTier(path=tmp_path, capacity="2MiB")
+    assert str(e.value) == (f"tier 'nvme': its capacity is 2.0 MiB but only 1.0 MiB is free under {tmp_path}; "
+                            f"lower the capacity or free disk space")
+
+
+def test_full_disk_at_start(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def full(path, flags, *args, **kwargs):
+        if os.path.basename(path) == ".lazytrain-probe":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(path, flags, *args, **kwargs)
+    monkeypatch.setattr(nvme_io.os, "open", full)
+    with pytest.raises(NVMeIOError) as e:
+        NVMeTier(path=tmp_path)
+    assert str(e.value).startswith(f"tier 'nvme': writing a probe file in {tmp_path}/lazytrain-run-")
+    assert str(e.value).endswith(" failed with ENOSPC: no space left on device; free disk space, lower the tier's "
+                                 "capacity, or point nvme_path at a larger disk")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args, **kwargs)
+    monkeypatch.setattr(nvme_io.os, "open", no_direct)
+    t = NVMeTier(path=tmp_path)
+    try:
+        assert t.backend_name == "posix-buffered"
+        assert t.backend_report.startswith("posix-buffered: the filesystem refused O_DIRECT (EINVAL); kvikio not used")
+        x = sample((1234,), torch.bfloat16)
+        t.write("x", x).wait()
+        assert torch.equal(t.read("x").wait(), x)
+    finally:
+        t.close()
+
+
+def test_backend_choice_is_reported(tier):
+    assert tier.backend_name == "posix-odirect"  # ext4 under the test's tmp_path accepts O_DIRECT
+    assert tier.stats()["backend"] == "posix-odirect"
+    assert tier.backend_report.startswith("posix-odirect: O_DIRECT works on this filesystem; kvikio not used: ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report on a machine without CUDA")
+def test_kvikio_is_not_chosen_without_cuda(tmp_path):
+    assert kvikio_status() == (None, "kvikio not used: no CUDA device")
+    with pytest.raises(TierError) as e:
+        NVMeTier(path=tmp_path, aio={"use_gds": True})
+    assert str(e.value) == "tier 'nvme': aio.use_gds is true but kvikio not used: no CUDA device"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_forced_backend(tmp_path):
+    t = NVMeTier(path=tmp_path, backend="posix-buffered", aio={"use_gds": False})
+    try:
+        assert t.backend_report == ("posix-buffered: backend 'posix-buffered' chosen in the config; kvikio not used: "
+                                    "aio.use_gds is false")
+    finally:
+        t.close()
+
+
+# ---- aio settings ------------------------------------------------------------------------------
+def test_aio_settings():
+    assert AioSettings.from_config(None) == AioSettings(1 << 20, 8, 4, None)
+    s = AioSettings.from_config({"block_size": 1048576, "queue_depth": 16, "thread_count": 2,
+                                 "single_submit": False, "overlap_events": True, "use_gds": False})
+    assert s == AioSettings(1 << 20, 16, 2, False) and s.request_bytes == 16 << 20
+    assert AioSettings.from_config({"intra_op_parallelism": 3, "block_size": "64KiB"}).intra_op_parallelism == 3
+
+
+@pytest.mark.parametrize("aio,message", [
+    ({"blocksize": 4096}, "aio.blocksize: unknown key (known: block_size, queue_depth, intra_op_parallelism, "
+                          "thread_count, single_submit, overlap_events, use_gds)"),
+    ({"block_size": 1000}, "aio.block_size must be a positive multiple of 4096 bytes (O_DIRECT alignment), got 1000"),
+    ({"block_size": "big"}, "aio.block_size: cannot read 'big' as a size (examples: 1073741824, '64GB', '512MiB')"),
+    ({"queue_depth": 0}, "aio.queue_depth must be an integer >= 1, got 0"),
+    ({"thread_count": 2.5}, "aio.thread_count must be an integer >= 1, got 2.5"),
+    ({"thread_count": 1, "intra_op_parallelism": 4},
+     "aio.thread_count (1) and aio.intra_op_parallelism (4) disagree; thread_count is the old name, give one"),
+    ({"single_submit": "yes"}, "aio.single_submit must be true or false, got 'yes'"),
+    ({"use_gds": "auto"}, "aio.use_gds must be true, false or null, got 'auto'"),
+])
+def test_aio_errors_name_the_key(aio, message):
+    with pytest.raises(ValueError) as e:
+        AioSettings.from_config(aio)
+    assert str(e.value) == message
+
+
+# ---- the device checksum used by the kvikio backend --------------------------------------------
+def test_device_checksums_catch_flips_and_swaps():
+    data = sample((3000,), torch.float32).view(torch.uint8).reshape(-1).clone()  # 12000 bytes, 3 blocks
+    base = device_checksums(data, BLOCK)
+    assert len(base) == 3 and device_checksums(data, BLOCK) == base
+    for pos in (0, 4095, 4096, 11999):
+        for bit in (0, 7):
+            flipped = data.clone()
+            flipped[pos] ^= 1 << bit
+            sums = device_checksums(flipped, BLOCK)
+            assert [i for i in range(3) if sums[i] != base[i]] == [pos // BLOCK]
+    swapped = data.clone()
+    swapped[0:4], swapped[4:8] = data[4:8].clone(), data[0:4].clone()
+    assert device_checksums(swapped, BLOCK)[0] != base[0] or torch.equal(data[0:4], data[4:8])
+    assert device_checksums(data[:0], BLOCK) == []
+
+
+# ---- lifecycle ---------------------------------------------------------------------------------
+def test_close_removes_the_run_directory(tmp_path):
+    t = NVMeTier(path=tmp_path)
+    t.write("x", torch.ones(10)).wait()
+    run_dir = t.run_dir
+    assert os.path.isdir(run_dir) and os.path.dirname(run_dir) == str(tmp_path)
+    t.close()
+    t.close()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(TierError, match="^tier 'nvme' is closed$"):
+        t.write("y", torch.ones(1))
+
+
+def test_run_directory_removed_at_clean_exit(tmp_path):
+    code = ("import sys, torch; from lazytrain.tiers import NVMeTier; t = NVMeTier(path=sys.argv[1]); "
+            "t.write('x', torch.ones(1000)).wait(); print(t.run_dir)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(f"{tmp_path}/lazytrain-run-")
+    assert list(tmp_path.iterdir()) == []
