@@ -43,6 +43,9 @@ class Plan:
     seq_len: int | None = None
     policy: str = "custom"                      # who made it: "megatrain-k4", "keep-all-host", "milp", ...
     prediction: dict[str, Any] = field(default_factory=dict)  # step_time_s, peak_bytes, solver status...
+    # True: the host optimizer updates layer w and the next step's forward window w starts as soon as
+    # its weights are updated and copied; False: the next step waits for the whole update (MegaTrain).
+    overlap_optimizer: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "homes", tuple(self.homes))
@@ -146,7 +149,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         known = {"num_layers", "homes", "offload_window", "prefetch_window", "resident_layers",
-                 "micro_batch_size", "seq_len", "policy", "prediction"}
+                 "micro_batch_size", "seq_len", "policy", "prediction", "overlap_optimizer"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise PlanError(f"unknown Plan field(s): {', '.join(unknown)}")

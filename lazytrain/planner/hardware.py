@@ -1,0 +1,205 @@
+"""Hardware profiles: the speeds and sizes the planner's cost model needs.
+
+A profile is a flat JSON object shared with ``lazytrain bench tiers`` (which measures and writes it)::
+
+    {"name": str, "peak_tflops": float|null, "achievable_tflops": float|null,
+     "h2d_gbps": float|null, "d2h_gbps": float|null, "nvme_read_gbps": float|null,
+     "nvme_write_gbps": float|null, "host_mem_gbps": float|null,
+     "host_optimizer_gparams_per_s": float|null, "gpu_mem_bytes": int|null, "host_mem_bytes": int|null}
+
+GB/s are 1e9 bytes per second. A field that the plan needs but that is null or missing raises
+:class:`HardwareError` naming it; :func:`load_profile` can fill gaps from a catalog entry (``base``).
+
+Catalog entries (``h800``, ``rtx3090``, ``h200``): bandwidths are the LazyTrain paper's measured figures
+where it gives them (PCIe 12 GB/s per direction, NVMe 2.83 GB/s read / 3.35 GB/s write on the H800
+machine). ``achievable_tflops`` and ``host_optimizer_gparams_per_s`` of ``h800`` are *calibrated*: they
+are the values for which the simulator reproduces the paper's measured MegaTrain column
+(``lazytrain.planner.policies.calibrate``; see benchmarks/results/planner.md). Other entries state
+where their numbers come from next to them.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+GB = 1e9
+GiB = 2 ** 30
+
+
+class HardwareError(ValueError):
+    """A hardware profile that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_tflops: float | None = None
+    achievable_tflops: float | None = None
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    nvme_read_gbps: float | None = None
+    nvme_write_gbps: float | None = None
+    host_mem_gbps: float | None = None
+    host_optimizer_gparams_per_s: float | None = None
+    gpu_mem_bytes: int | None = None
+    host_mem_bytes: int | None = None
+
+    # ---- accessors that insist on a value -----------------------------------------------
+    def need(self, field_name: str) -> float:
+        value = getattr(self, field_name)
+        if value is None:
+            raise HardwareError(
+                f"hardware profile {self.name!r} has no value for {field_name!r}, which the plan needs; "
+                f"measure it with `lazytrain bench tiers` or fill it from a catalog entry "
+                f"(`lazytrain plan --hardware FILE.json --base h800`)")
+        if value <= 0:
+            raise HardwareError(f"hardware profile {self.name!r}: {field_name!r} must be > 0, got {value!r}")
+        return value
+
+    @property
+    def flops_per_s(self) -> float:
+        """Achievable bf16 FLOP/s of the compute stream."""
+        return self.need("achievable_tflops") * 1e12
+
+    @property
+    def h2d_bps(self) -> float:
+        return self.need("h2d_gbps") * GB
+
+    @property
+    def d2h_bps(self) -> float:
+        return self.need("d2h_gbps") * GB
+
+    @property
+    def nvme_read_bps(self) -> float:
+        return self.need("nvme_read_gbps") * GB
+
+    @property
+    def nvme_write_bps(self) -> float:
+        return self.need("nvme_write_gbps") * GB
+
+    def optimizer_params_per_s(self, bytes_per_param: float = 28.0) -> float:
+        """Host optimizer throughput (parameters updated per second).
+
+        ``host_optimizer_gparams_per_s`` when given; otherwise derived from ``host_mem_gbps``
+        assuming the update is memory-bound and touches ``bytes_per_param`` bytes per parameter
+        (AdamW on fp32 master weights and moments, bf16 gradient in and bf16 weight out: 28 bytes).
+        """
+        if self.host_optimizer_gparams_per_s is not None:
+            return self.need("host_optimizer_gparams_per_s") * 1e9
+        if self.host_mem_gbps is not None:
+            return self.need("host_mem_gbps") * GB / bytes_per_param
+        raise HardwareError(
+            f"hardware profile {self.name!r} has neither 'host_optimizer_gparams_per_s' nor 'host_mem_gbps'; "
+            f"the plan needs one of them to time the host optimizer (or pass --base NAME)")
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HardwareProfile":
+        if not isinstance(d, dict):
+            raise HardwareError(f"a hardware profile must be a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise HardwareError(f"unknown hardware profile field(s): {', '.join(unknown)} "
+                                f"(known: {', '.join(sorted(known))})")
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in d or d[f.name] is None:
+                continue
+            v = d[f.name]
+            if f.name == "name":
+                if not isinstance(v, str):
+                    raise HardwareError(f"hardware profile field 'name' must be a string, got {v!r}")
+            elif f.name.endswith("_bytes"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                    raise HardwareError(f"hardware profile field {f.name!r} must be a byte count, got {v!r}")
+                v = int(v)
+            else:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                    raise HardwareError(f"hardware profile field {f.name!r} must be a number >= 0, got {v!r}")
+                v = float(v)
+            kw[f.name] = v
+        kw.setdefault("name", "unnamed")
+        return cls(**kw)
+
+    def filled_from(self, base: "HardwareProfile") -> "HardwareProfile":
+        """This profile with every null field taken from ``base``."""
+        kw = {f.name: getattr(base, f.name) for f in fields(self)
+              if getattr(self, f.name) is None and f.name != "name"}
+        return replace(self, name=f"{self.name}+{base.name}" if kw else self.name, **kw)
+
+
+# ---- catalog --------------------------------------------------------------------------------
+CATALOG: dict[str, HardwareProfile] = {
+    # H800 80 GB (the paper's machine: PCIe Gen5 x16, 2 TiB DDR5, 2x 7 TB NVMe).
+    # peak: H800 SXM dense bf16. h2d/d2h: the paper's measured, conservative 12 GB/s per direction.
+    # NVMe: the paper's measured 2.83 GB/s read / 3.35 GB/s write (GPUDirect Storage).
+    # achievable_tflops and host_optimizer_gparams_per_s: calibrated to the paper's MegaTrain column
+    # by lazytrain.planner.policies.calibrate() (minimax relative error over 3B/7B/14B/27B).
+    # host_mem_gbps: 8-channel DDR5-4800 per socket, nominal (used only when the optimizer rate is absent).
+    "h800": HardwareProfile(
+        name="h800", peak_tflops=989.0, achievable_tflops=254.0,
+        h2d_gbps=12.0, d2h_gbps=12.0, nvme_read_gbps=2.83, nvme_write_gbps=3.35,
+        host_mem_gbps=307.0, host_optimizer_gparams_per_s=15.75,
+        gpu_mem_bytes=80 * GiB, host_mem_bytes=2048 * GiB),
+    # RTX 3090 24 GB on PCIe Gen4 x16. peak: dense bf16 with fp32 accumulate. The paper reports neither
+    # its bandwidths nor its host; achievable_tflops, h2d/d2h and the optimizer rate are calibrated to
+    # the paper's MegaTrain RTX 3090 column by lazytrain.planner.policies.calibrate(). NVMe: same
+    # drives as the H800 machine (assumed). host_mem_bytes: assumed 512 GiB (not reported).
+    "rtx3090": HardwareProfile(
+        name="rtx3090", peak_tflops=71.0, achievable_tflops=52.0,
+        h2d_gbps=20.0, d2h_gbps=20.0, nvme_read_gbps=2.83, nvme_write_gbps=3.35,
+        host_mem_gbps=100.0, host_optimizer_gparams_per_s=6.0,
+        gpu_mem_bytes=24 * GiB, host_mem_bytes=512 * GiB),
+    # H200 141 GB (Hopper, same tensor cores as H800): achievable_tflops and the optimizer rate are
+    # taken over from the h800 calibration; PCIe Gen5 x16 at a nominal 25 GB/s per direction (not
+    # measured: run `lazytrain bench tiers` on the machine and pass the JSON with --hardware).
+    "h200": HardwareProfile(
+        name="h200", peak_tflops=989.0, achievable_tflops=254.0,
+        h2d_gbps=25.0, d2h_gbps=25.0, nvme_read_gbps=2.83, nvme_write_gbps=3.35,
+        host_mem_gbps=307.0, host_optimizer_gparams_per_s=15.75,
+        gpu_mem_bytes=141 * GB, host_mem_bytes=2048 * GiB),
+}
+
+
+def catalog_profile(name: str) -> HardwareProfile:
+    key = name.lower()
+    if key not in CATALOG:
+        raise HardwareError(f"unknown hardware {name!r}; catalog entries: {', '.join(sorted(CATALOG))}, "
+                            f"or give a JSON file written by `lazytrain bench tiers`")
+    return CATALOG[key]
+
+
+def load_profile(name_or_path: str | dict | HardwareProfile, base: str | None = None) -> HardwareProfile:
+    """A catalog name, a JSON file path, a dict or a profile; ``base`` (a catalog name) fills null fields."""
+    if isinstance(name_or_path, HardwareProfile):
+        prof = name_or_path
+    elif isinstance(name_or_path, dict):
+        prof = HardwareProfile.from_dict(name_or_path)
+    elif name_or_path.lower() in CATALOG:
+        prof = CATALOG[name_or_path.lower()]
+    elif name_or_path.endswith(".json") or "/" in name_or_path:
+        try:
+            with open(name_or_path) as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise HardwareError(f"hardware profile file {name_or_path!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise HardwareError(f"hardware profile {name_or_path!r} is not valid JSON: {e}") from e
+        prof = HardwareProfile.from_dict(d)
+    else:
+        prof = catalog_profile(name_or_path)
+    if base is not None:
+        prof = prof.filled_from(catalog_profile(base))
+    return prof

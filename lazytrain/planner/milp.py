@@ -1,0 +1,295 @@
+"""The planner's MILP: recompute path, boundary homes, transfer windows and weight residency chosen
+to minimise the step time itself.
+
+It starts from the LazyTrain paper's model (a recompute path over candidate edges (s, e), one home per
+materialised boundary, per-window transfer bytes, an NVMe tier) and removes its weaknesses:
+
+- memory is time-indexed: each window has its own device / host / NVMe budget row, and a boundary
+  occupies a tier only while it lives there (device: from production to its offload, and from its
+  prefetch to its last use; host/NVMe: from its offload to its prefetch); weight buffers of the current
+  and next window, gradient buffers, saved activations and transient workspaces count per window;
+- transfers may run in any forward or backward window (within ``offload_slack`` windows after the
+  boundary exists and ``prefetch_lead`` windows before its earliest possible use);
+- layers may keep their weights resident on the GPU (saving their backward copies);
+- the objective is the step time: per window ``t_w >= compute + exposed prefetch wait`` and
+  ``t_w >= bytes / bandwidth`` for each link, plus the delay the host optimizer imposes on the next
+  forward (it overlaps the forward layer by layer), plus the final gradient copy.
+
+The model is exactly the simulator's cost model (problem.py), so for a plan it returns, its objective
+equals the simulated step time up to the tie-breakers (1e-6 relative); the simulator re-checks every
+plan. Solved with HiGHS through PuLP (threads=1, fixed seed: deterministic), CBC as the fallback.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulp
+
+from .plan import DEVICE_HOME, RECOMPUTE, Plan
+from .problem import InfeasibleBudgetError, Problem, fmt_bytes
+
+GBF = 1e9   # bytes are expressed in GB inside the model (better conditioned rows)
+
+
+@dataclass(frozen=True)
+class MilpOptions:
+    time_limit_s: float = 10.0
+    max_segment: int = 8            # longest recompute segment (edge e - s)
+    offload_slack: int = 4          # an offload is issued within this many windows after the boundary exists
+    prefetch_lead: int = 4          # a prefetch is issued at most this many windows before its earliest use
+    allow_resident: bool = True
+    gap_rel: float = 1e-4
+    solver: str = "auto"            # auto | highs | cbc
+    threads: int = 1
+
+
+@dataclass
+class SolveInfo:
+    status: str                     # optimal | feasible (time limit, gap given) | infeasible | no solution
+    solver: str
+    objective_s: float | None
+    bound_s: float | None
+    gap: float | None
+    solve_time_s: float
+    build_time_s: float
+    num_vars: int = 0
+    num_constraints: int = 0
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class PlanningError(RuntimeError):
+    """The MILP found no plan (infeasible budgets, or no solution within the time limit)."""
+
+
+def _solver(opts: MilpOptions):
+    available = pulp.listSolvers(onlyAvailable=True)
+    want = opts.solver.lower()
+    if want in ("auto", "highs") and "HiGHS" in available:
+        return "highs", pulp.HiGHS(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
+                                   threads=opts.threads, random_seed=0)
+    if want in ("auto", "highs") and "HiGHS_CMD" in available:
+        return "highs_cmd", pulp.HiGHS_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
+                                           threads=opts.threads)
+    if want in ("auto", "cbc", "highs") and "PULP_CBC_CMD" in available:
+        return "cbc", pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
+                                        threads=opts.threads, options=["randomSeed 0", "randomCbcSeed 0"])
+    raise PlanningError(f"no MILP solver available (asked {opts.solver!r}; PuLP sees {available}); "
+                        f"install highspy")
+
+
+def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan, SolveInfo]:
+    """Build the MILP for ``p``, solve it, and return the Plan with the solver's honest status.
+
+    Raises :class:`InfeasibleBudgetError` when the budgets admit no plan, :class:`PlanningError` when
+    the solver stops without a feasible plan."""
+    t_build = time.perf_counter()
+    L, W = p.L, 2 * p.L
+    K = max(1, min(opts.max_segment, L))
+    use_nvme = p.nvme_budget > 0
+    tiers = ["H", "N"] if use_nvme else ["H"]
+    bw_tier_h2d = {"H": p.bw_h2d, "N": p.bw_h2d}
+    eps = 1e-6 * p.no_recompute_compute_s() / W          # tie-breaker unit (seconds)
+    m = pulp.LpProblem("lazytrain_plan", pulp.LpMinimize)
+    B = lambda name: pulp.LpVariable(name, cat="Binary")
+    C = lambda name, ub=None: pulp.LpVariable(name, lowBound=0, upBound=ub)
+    lsum = pulp.lpSum
+
+    # ---- decision variables ------------------------------------------------------------------
+    edges = [(s, e) for s in range(L) for e in range(s + 1, min(L, s + K) + 1)]
+    x = {(s, e): B(f"x_{s}_{e}") for s, e in edges}                       # segment [s, e) chosen
+    g = {i: B(f"g_{i}") for i in range(L)}                                # boundary home: GPU
+    home = {(i, k): B(f"{k.lower()}_{i}") for i in range(L) for k in tiers}   # host (H) / NVMe (N)
+    z = {i: g[i] + lsum(home[i, k] for k in tiers) for i in range(L)}     # boundary materialised
+    off_windows = {i: range(i, min(i + opts.offload_slack, W - 2 - i) + 1) for i in range(L)}
+    pre_windows = {i: range(max(i + 1, W - i - K - opts.prefetch_lead), W - i) for i in range(L)}
+    off = {(i, k, w): B(f"off{k}_{i}_{w}") for i in range(L) for k in tiers for w in off_windows[i]}
+    pre = {(i, k, w): B(f"pre{k}_{i}_{w}") for i in range(L) for k in tiers for w in pre_windows[i]}
+    # exposed prefetch: issued in the window of its first use (needs edge (i, 2L-w))
+    ex = {(i, k, w): C(f"ex{k}_{i}_{w}", 1) for (i, k, w) in pre if (i, W - w) in x}
+    y = {j: (B(f"res_{j}") if opts.allow_resident else 0) for j in range(L)}   # weights resident
+    rec_w = {(s, e): sum(p.Wl[s:e - 1]) for s, e in edges if e - s >= 2}     # recompute weight bytes
+    u = {(s, e): C(f"u_{s}_{e}") for (s, e) in rec_w}                      # ... of those not resident
+    t = {w: C(f"t_{w}") for w in range(W)}                                  # window time
+    wait = {w: C(f"wait_{w}") for w in range(W)}                            # exposed prefetch wait
+    X = C("opt_delay")                                                      # optimizer delay of next step
+
+    # ---- recompute path 0 -> L (paper) ----------------------------------------------------------
+    m += lsum(x[0, e] for e in range(1, min(L, K) + 1)) == 1, "path_leaves_0"
+    m += lsum(x[s, L] for s in range(max(0, L - K), L)) == 1, "path_reaches_L"
+    for i in range(1, L):
+        m += lsum(x[s, i] for s in range(max(0, i - K), i)) == z[i], f"path_in_{i}"
+        m += lsum(x[i, e] for e in range(i + 1, min(L, i + K) + 1)) == z[i], f"path_out_{i}"
+    m += z[0] == 1, "boundary_0_kept"
+
+    # ---- transfer windows of offloaded boundaries -----------------------------------------------
+    def edges_from(i, cond):
+        return lsum(x[i, e] for e in range(i + 1, min(L, i + K) + 1) if cond(W - e))
+
+    for i in range(L):
+        for k in tiers:
+            m += lsum(off[i, k, w] for w in off_windows[i]) == home[i, k], f"one_offload_{k}_{i}"
+            m += lsum(pre[i, k, w] for w in pre_windows[i]) == home[i, k], f"one_prefetch_{k}_{i}"
+            for w in pre_windows[i]:   # the copy back starts after the offload window
+                m += (lsum(pre[i, k, v] for v in pre_windows[i] if v <= w)
+                      <= lsum(off[i, k, v] for v in off_windows[i] if v < w)), f"prefetch_after_offload_{k}_{i}_{w}"
+        for w in off_windows[i]:       # offload before first use (need window 2L - e)
+            m += (lsum(off[i, k, w] for k in tiers) + edges_from(i, lambda need: need <= w) <= 1,
+                  f"offload_before_use_{i}_{w}")
+        for w in pre_windows[i]:       # prefetch no later than first use
+            m += (lsum(pre[i, k, w] for k in tiers) + edges_from(i, lambda need: need < w) <= 1,
+                  f"prefetch_by_use_{i}_{w}")
+    for (i, k, w), v in ex.items():
+        m += v >= pre[i, k, w] + x[i, W - w] - 1, f"exposed_{k}_{i}_{w}"
+    for (s, e), wb in rec_w.items():
+        m += u[s, e] >= wb / GBF * x[s, e] - lsum(p.Wl[j] / GBF * y[j] for j in range(s, e - 1)), f"rec_weights_{s}_{e}"
+
+    # ---- per-window expressions -----------------------------------------------------------------
+    def streamed(w):   # weight GB streamed into buffers for window w's tasks (resident layers excluded)
+        i = p.layer_of(w)
+        expr = p.Wl[i] / GBF * (1 - y[i])
+        if w >= L:
+            expr += lsum(u[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in u)
+        return expr
+
+    def loaded(w):     # weight GB copied host->device in window w (for window w+1)
+        if w + 1 >= W:
+            return 0
+        if w + 1 < L:
+            return p.Wl[w + 1] / GBF           # forward: every layer, resident copies refreshed
+        return streamed(w + 1)
+
+    def compute(w):
+        if w < L:
+            return p.compute_s(w)
+        i = p.layer_of(w)
+        return p.diff_s[i] + lsum(p.recompute_s(s, i + 1) * x[s, i + 1]
+                                  for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
+
+    def on_device(i, w):  # 1 if boundary i (< L) has a device copy during window w
+        if w in (i - 1, i) or (i == 0 and w == 0):
+            return 1
+        if w < i - 1 or w > W - 1 - i:
+            return 0
+        expr = g[i] + lsum(off[i, k, v] for k in tiers for v in off_windows[i] if v >= w)
+        expr += lsum(pre[i, k, v] for k in tiers for v in pre_windows[i] if v <= w)
+        expr += lsum(x[s, e] for s, e in edges if s < i < e and W - e <= w)    # regenerated by recompute
+        return expr
+
+    resident_gb = lsum(p.Wl[j] / GBF * y[j] for j in range(L))
+    for w in range(W):
+        h2d = loaded(w) + lsum(p.A[i] / GBF * pre[i, k, w] for i in range(L) for k in tiers if (i, k, w) in pre)
+        d2h = (p.Gl[p.layer_of(w - 1)] / GBF if w >= L + 1 else 0) + \
+            lsum(p.A[i] / GBF * off[i, k, w] for i in range(L) for k in tiers if (i, k, w) in off)
+        exp_h2d = lsum(p.A[i] / GBF * ex[i, k, w] for i in range(L) for k in tiers if (i, k, w) in ex)
+        m += t[w] >= compute(w) + wait[w], f"time_compute_{w}"
+        m += wait[w] >= exp_h2d * (GBF / p.bw_h2d), f"wait_h2d_{w}"
+        m += t[w] >= h2d * (GBF / p.bw_h2d), f"time_h2d_{w}"
+        m += t[w] >= d2h * (GBF / p.bw_d2h), f"time_d2h_{w}"
+        if use_nvme:
+            nr = lsum(p.A[i] / GBF * pre[i, "N", w] for i in range(L) if (i, "N", w) in pre)
+            nw = lsum(p.A[i] / GBF * off[i, "N", w] for i in range(L) if (i, "N", w) in off)
+            exp_nr = lsum(p.A[i] / GBF * ex[i, "N", w] for i in range(L) if (i, "N", w) in ex)
+            m += wait[w] >= exp_nr * (GBF / p.bw_nr), f"wait_nvme_read_{w}"
+            m += t[w] >= nr * (GBF / p.bw_nr), f"time_nvme_read_{w}"
+            m += t[w] >= nw * (GBF / p.bw_nw), f"time_nvme_write_{w}"
+        # time-indexed memory per tier
+        weights = streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + resident_gb
+        bnd = lsum(p.A[i] / GBF * on_device(i, w) for i in range(L))
+        m += p.fixed_gpu_bytes(w) / GBF + weights + bnd <= p.gpu_budget / GBF, f"gpu_memory_{w}"
+        host = lsum(p.A[i] / GBF * (lsum(off[i, "H", v] for v in off_windows[i] if v <= w)
+                                     - lsum(pre[i, "H", v] for v in pre_windows[i] if v < w))
+                    for i in range(L) if i <= w)
+        m += host <= max(p.host_act_budget, 0) / GBF, f"host_memory_{w}"
+        if use_nvme:
+            nv = lsum(p.A[i] / GBF * (lsum(off[i, "N", v] for v in off_windows[i] if v <= w)
+                                       - lsum(pre[i, "N", v] for v in pre_windows[i] if v < w))
+                      for i in range(L) if i <= w)
+            m += nv <= p.nvme_budget / GBF, f"nvme_memory_{w}"
+
+    # ---- host optimizer overlapping the next forward --------------------------------------------
+    O = [p.opt_nl]
+    for o in p.opt_l:
+        O.append(O[-1] + o)
+    for w in range(L):
+        start = O[w + 1] + p.load_l[w] + (p.load_nl if w == 0 else 0)
+        m += X >= start - lsum(t[j] for j in range(w)), f"optimizer_gates_forward_{w}"
+
+    # ---- objective: the step time (+ tiny tie-breakers: fewer copies, fewer resident layers) -----
+    tie = lsum(home[i, k] * (1 if k == "H" else 2) for i in range(L) for k in tiers)
+    tie += lsum(y[j] for j in range(L)) if opts.allow_resident else 0
+    m += lsum(t.values()) + X + p.tail_s + eps * tie, "step_time"
+
+    build_s = time.perf_counter() - t_build
+    name, solver = _solver(opts)
+    t0 = time.perf_counter()
+    m.solve(solver)
+    solve_s = time.perf_counter() - t0
+    info = _status(m, name, solve_s, build_s)
+    if info.status == "infeasible":
+        raise InfeasibleBudgetError(
+            f"no plan fits the budgets (GPU {fmt_bytes(p.gpu_budget)}, host {fmt_bytes(p.host_budget)} of which "
+            f"{fmt_bytes(max(p.host_act_budget, 0))} free for activations, NVMe {fmt_bytes(p.nvme_budget)}) at "
+            f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers: "
+            f"lower --micro-batch, raise a budget, or allow longer segments (max_segment)")
+    if info.status == "no solution":
+        raise PlanningError(f"the solver ({name}) stopped after {solve_s:.1f}s without a feasible plan "
+                            f"({info.detail}); raise the time limit")
+
+    # ---- read the decision back into a Plan ---------------------------------------------------
+    val = lambda v: (v.varValue or 0.0) if isinstance(v, pulp.LpVariable) else float(v)
+    homes = []
+    for i in range(L):
+        if val(g[i]) > 0.5:
+            homes.append(DEVICE_HOME)
+        elif use_nvme and val(home[i, "N"]) > 0.5:
+            homes.append("nvme")
+        elif val(home[i, "H"]) > 0.5:
+            homes.append("host")
+        else:
+            homes.append(RECOMPUTE)
+    homes.append(DEVICE_HOME)
+    kt = {"host": "H", "nvme": "N"}
+    offw = {i: next(w for w in off_windows[i] if val(off[i, kt[h], w]) > 0.5)
+            for i, h in enumerate(homes[:L]) if h in kt}
+    prew = {i: next(w for w in pre_windows[i] if val(pre[i, kt[h], w]) > 0.5)
+            for i, h in enumerate(homes[:L]) if h in kt}
+    resident = tuple(j for j in range(L) if opts.allow_resident and val(y[j]) > 0.5)
+    info.num_vars, info.num_constraints = len(m.variables()), len(m.constraints)
+    plan = Plan(num_layers=L, homes=tuple(homes), offload_window=offw, prefetch_window=prew,
+                resident_layers=resident, micro_batch_size=p.micro_batch, seq_len=p.seq_len, policy="milp",
+                prediction={"milp_step_time_s": info.objective_s, "solver": info.to_dict()})
+    return plan, info
+
+
+def _status(m: pulp.LpProblem, name: str, solve_s: float, build_s: float) -> SolveInfo:
+    """Honest status: PuLP reports 'Optimal' for runs stopped at a time limit; sol_status tells."""
+    sol = m.sol_status
+    obj = pulp.value(m.objective)
+    bound = gap = None
+    detail = pulp.LpStatus.get(m.status, str(m.status))
+    if name == "highs" and getattr(m, "solverModel", None) is not None:
+        hm = m.solverModel
+        info = hm.getInfo()
+        detail = hm.modelStatusToString(hm.getModelStatus())
+        try:
+            bound = float(info.mip_dual_bound)
+            gap = float(info.mip_gap)
+        except Exception:
+            bound = gap = None
+    if sol == pulp.LpSolutionOptimal:
+        status = "optimal"
+    elif sol == pulp.LpSolutionIntegerFeasible:
+        status = "feasible"
+    elif sol == pulp.LpSolutionInfeasible or m.status == pulp.LpStatusInfeasible:
+        status = "infeasible"
+    else:
+        status = "no solution"
+    if status == "optimal" and gap is not None and gap > 1e-3:
+        status = "feasible"   # stopped with a gap above the requested tolerance
+    return SolveInfo(status=status, solver=name, objective_s=obj if status in ("optimal", "feasible") else None,
+                     bound_s=bound, gap=gap, solve_time_s=solve_s, build_time_s=build_s, detail=detail)

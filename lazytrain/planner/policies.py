@@ -1,0 +1,169 @@
+"""Baseline policies as Plans, and the calibration of a hardware profile against the paper.
+
+- :func:`megatrain_plan`: MegaTrain as MegaTrain runs it: boundary 0 and every 4th boundary kept on
+  the GPU, each 4-layer block recomputed in backward, clipping and the host optimizer serial after
+  backward (``overlap_optimizer=False``).
+- :func:`best_interval_plan`: the best fixed interval k (boundaries on the GPU, else on the host) on
+  LazyTrain's executor (optimizer overlapped with the next forward).
+- :func:`keep_all` : every boundary kept, on the GPU where it fits, else all on the host.
+- :func:`greedy_plan`: boundaries in order, each on the fastest home that still fits (GPU, host,
+  NVMe), else recomputed.
+
+:func:`calibrate` fits the unknowns of a hardware profile (achievable TFLOPS, host optimizer
+throughput, optionally the PCIe bandwidth) so that the simulator reproduces measured MegaTrain
+tokens/s; the paper's columns are in :data:`PAPER`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from .hardware import HardwareProfile
+from .plan import DEVICE_HOME, RECOMPUTE, Plan, every_k_plan
+from .problem import Budgets, Problem
+from .simulate import SimResult, SimulationError, simulate
+
+# The paper's reported results (single runs): (gpu, model) -> {system: (batch, TFLOPS, GPU GB, CPU GB, tokens/s)}
+PAPER = {
+    ("h800", "qwen2.5-3b"): {"megatrain": (192, 142.80, 35.72, 49.31, 7933), "lazytrain": (192, 176.42, 67.95, 52.68, 9801)},
+    ("h800", "qwen2.5-7b"): {"megatrain": (144, 161.35, 43.26, 95.74, 3842), "lazytrain": (144, 199.84, 68.21, 99.58, 4758)},
+    ("h800", "qwen2.5-14b"): {"megatrain": (96, 171.92, 52.83, 179.64, 2047), "lazytrain": (96, 212.34, 68.57, 185.12, 2528)},
+    ("h800", "paper-27b"): {"megatrain": (72, 176.90, 60.40, 339.99, 1075.8), "lazytrain": (72, 219.95, 68.84, 361.58, 1361)},
+    ("rtx3090", "qwen2.5-3b"): {"megatrain": (7, 33.18, 22.83, 25.0, 1792), "lazytrain": (8, 40.76, 23.16, 27.8, 2210)},
+    ("rtx3090", "qwen2.5-7b"): {"megatrain": (5, 35.09, 22.63, 56.7, 768), "lazytrain": (6, 43.42, 23.06, 61.5, 951)},
+    ("rtx3090", "qwen2.5-14b"): {"megatrain": (3, 30.19, 21.10, 103.7, 341), "lazytrain": (4, 37.36, 22.92, 111.8, 422)},
+    ("rtx3090", "paper-27b"): {"megatrain": (1, 22.74, 22.48, 197.3, 140), "lazytrain": (2, 28.11, 23.08, 214.6, 174)},
+}
+PAPER_SEQ = 1024
+PAPER_GPU_CAP = {"h800": "70GB", "rtx3090": "24GiB"}
+
+
+def megatrain_plan(p: Problem, k: int = 4) -> Plan:
+    return every_k_plan(p.L, k, home=DEVICE_HOME, policy=f"megatrain-k{k}", overlap_optimizer=False,
+                        micro_batch_size=p.micro_batch, seq_len=p.seq_len)
+
+
+def _fits(p: Problem, plan: Plan) -> SimResult | None:
+    r = simulate(p, plan, strict=False, timeline=False)
+    return None if r.violations else r
+
+
+def best_interval_plan(p: Problem) -> tuple[Plan, SimResult] | None:
+    """The fastest feasible checkpoint-every-k plan (k = 1..L; boundaries on the GPU, else the host)."""
+    best = None
+    for home in (DEVICE_HOME, "host"):
+        for k in range(1, p.L + 1):
+            plan = every_k_plan(p.L, k, home=home, policy=f"interval-k{k}-{home}",
+                                micro_batch_size=p.micro_batch, seq_len=p.seq_len)
+            r = _fits(p, plan)
+            if r and (best is None or r.step_time_s < best[1].step_time_s - 1e-12):
+                best = (plan, r)
+    return best
+
+
+def keep_all(p: Problem) -> tuple[Plan, SimResult] | None:
+    """Keep every boundary (no recompute): all on the GPU if that fits, else all on the host."""
+    for home in (DEVICE_HOME, "host"):
+        homes = [home] * p.L + [DEVICE_HOME]
+        if home != DEVICE_HOME:
+            homes[0] = DEVICE_HOME
+        plan = Plan(num_layers=p.L, homes=tuple(homes), policy=f"keep-all-{home}",
+                    micro_batch_size=p.micro_batch, seq_len=p.seq_len)
+        r = _fits(p, plan)
+        if r:
+            return plan, r
+    return None
+
+
+def greedy_plan(p: Problem) -> tuple[Plan, SimResult] | None:
+    """Boundaries 1..L-1 in order, each on the first home in (GPU, host, NVMe) that keeps the plan
+    feasible and does not slow the step, else recomputed (a longer segment)."""
+    homes = [RECOMPUTE] * (p.L + 1)
+    homes[0] = homes[p.L] = DEVICE_HOME
+    cur = _fits(p, Plan(num_layers=p.L, homes=tuple(homes), policy="greedy"))
+    if cur is None:   # boundary 0 on the host, as the last resort
+        homes[0] = "host"
+        cur = _fits(p, Plan(num_layers=p.L, homes=tuple(homes), policy="greedy"))
+        if cur is None:
+            return None
+    tiers = [DEVICE_HOME, "host"] + (["nvme"] if p.nvme_budget > 0 else [])
+    for b in range(1, p.L):
+        for home in tiers:
+            trial = homes.copy()
+            trial[b] = home
+            r = _fits(p, Plan(num_layers=p.L, homes=tuple(trial), policy="greedy"))
+            if r and r.step_time_s <= cur.step_time_s + 1e-12:
+                homes, cur = trial, r
+                break
+    plan = Plan(num_layers=p.L, homes=tuple(homes), policy="greedy",
+                micro_batch_size=p.micro_batch, seq_len=p.seq_len)
+    return plan, cur
+
+
+BASELINES: dict[str, Callable[[Problem], "tuple[Plan, SimResult] | None"]] = {
+    "megatrain": lambda p: (lambda pl: (pl, r) if (r := _fits(p, pl)) else None)(megatrain_plan(p)),
+    "best-interval": best_interval_plan,
+    "keep-all": keep_all,
+    "greedy": greedy_plan,
+}
+
+
+# ---- calibration ------------------------------------------------------------------------------
+def paper_problem(gpu: str, model: str, hw: HardwareProfile, system: str = "megatrain", batch: int | None = None,
+                  check: bool = True) -> Problem:
+    from .models import catalog_model
+    b = batch or PAPER[(gpu, model)][system][0]
+    return Problem(model=catalog_model(model), hardware=hw, budgets=Budgets.of(gpu=PAPER_GPU_CAP[gpu]),
+                   micro_batch=b, seq_len=PAPER_SEQ, check=check)
+
+
+def megatrain_errors(hw: HardwareProfile, gpu: str) -> dict[str, float]:
+    """Relative error of simulated MegaTrain tokens/s vs the paper, per model (memory not enforced:
+    the paper's MegaTrain ran these batches, so only its speed is compared)."""
+    out = {}
+    for (g, model), rows in PAPER.items():
+        if g != gpu:
+            continue
+        p = paper_problem(gpu, model, hw, check=False)
+        r = simulate(p, megatrain_plan(p), strict=False, timeline=False)
+        out[model] = r.tokens_per_s / rows["megatrain"][4] - 1
+    return out
+
+
+def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False) -> tuple[HardwareProfile, dict]:
+    """Fit achievable_tflops and host_optimizer_gparams_per_s (and h2d = d2h GB/s when ``fit_pcie``) to
+    the paper's MegaTrain column on ``gpu``, minimising the largest relative tokens/s error.
+
+    Deterministic search on the simulator: a geometric grid over the optimizer rate (and PCIe
+    bandwidth); for each grid point a ternary search over achievable TFLOPS (the largest error is
+    unimodal in it)."""
+    def errors(f: float, r: float, bw: float | None) -> dict[str, float]:
+        kw = dict(achievable_tflops=f, host_optimizer_gparams_per_s=r)
+        if bw is not None:
+            kw.update(h2d_gbps=bw, d2h_gbps=bw)
+        return megatrain_errors(replace(base, **kw), gpu)
+
+    def worst(f, r, bw):
+        return max(abs(e) for e in errors(f, r, bw).values())
+
+    geo = lambda lo, hi, n: [lo * (hi / lo) ** (k / (n - 1)) for k in range(n)]
+    best = None
+    for bw in (geo(4.0, 64.0, 13) if fit_pcie else [None]):
+        for r in geo(0.5, 64.0, 22):
+            lo, hi = 0.02 * base.need("peak_tflops"), base.need("peak_tflops")
+            for _ in range(28):
+                m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+                if worst(m1, r, bw) <= worst(m2, r, bw):
+                    hi = m2
+                else:
+                    lo = m1
+            f = round((lo + hi) / 2, 1)
+            s = worst(f, round(r, 2), None if bw is None else round(bw, 1))
+            if best is None or s < best[0] - 1e-9:
+                best = (s, f, round(r, 2), None if bw is None else round(bw, 1))
+    _, f, r, bw = best
+    kw = dict(achievable_tflops=f, host_optimizer_gparams_per_s=r)
+    if bw is not None:
+        kw.update(h2d_gbps=bw, d2h_gbps=bw)
+    hw = replace(base, **kw)
+    return hw, megatrain_errors(hw, gpu)

@@ -1,0 +1,235 @@
+"""The planning problem: one training step of one model shape on one machine, with per-tier budgets.
+
+:class:`Problem` turns (model shape, micro-batch, sequence length, hardware profile, budgets) into the
+per-layer and per-window numbers shared by the simulator, the policies and the MILP, so that all three
+use one cost model. Static memory (resident embedding/head, their gradients, weight and gradient
+buffers, optimizer state on the host) is computed here, and a budget that cannot hold it raises
+:class:`InfeasibleBudgetError` naming what does not fit and by how much.
+
+Execution model (the engine's streaming executor, see plan.py for the window conventions):
+
+- Window ``w`` runs its compute tasks: forward window ``w < L`` runs layer ``w`` (no grad); backward
+  window ``2L-1-i`` differentiates layer ``i`` (forward-with-grad from its input boundary + backward),
+  preceded, when ``i`` is the last layer of a recompute segment ``[s, e)``, by the no-grad recompute of
+  layers ``s..e-2`` that regenerates the segment's boundaries. The LM head (forward, loss, backward)
+  runs in window ``L-1`` after layer ``L-1``.
+- Weights of the next window's layers are copied host->device during the current window (double
+  buffering, generalised to windows with several layers); layers marked resident keep a device copy
+  that is refreshed once per step during the forward. Gradients of the layer differentiated in window
+  ``w`` go device->host in window ``w+1`` (the last ones, and the embedding/head gradients, after the
+  last window).
+- Transfers issued in a window run on their links (H2D, D2H, NVMe read, NVMe write; each a FIFO at
+  its bandwidth, NVMe transfers pipelined with the PCIe leg through a host bounce buffer) while the
+  window computes; the next window starts when the compute and every transfer of the window are done.
+  A prefetch issued in its need window is exposed: the window's compute waits for it.
+- After the step the host optimizer updates the non-layer parameters, then layers 0..L-1. With
+  overlap (LazyTrain), the next forward window ``w`` starts once layer ``w`` is updated and its weights
+  are copied; without (MegaTrain), the next step starts after the whole update.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from .hardware import GB, GiB, HardwareProfile, load_profile
+from .models import ModelShape, load_model
+
+
+class InfeasibleBudgetError(ValueError):
+    """A budget that cannot hold what the step needs; the message names the tier, the need and the gap."""
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)?\s*$", re.I)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "ki": 2 ** 10, "mi": 2 ** 20,
+          "gi": 2 ** 30, "ti": 2 ** 40, "p": 1e15, "pb": 1e15}
+
+
+def parse_size(text: "str | int | float | None") -> int | None:
+    """'70GB' -> 70e9, '24GiB' -> 24 * 2**30, 1234 -> 1234, None -> None."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = _SIZE_RE.match(text)
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}: use a number with a unit such as 70GB or 24GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GB:.2f} GB"
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Per-tier byte budgets. ``None`` takes the hardware profile's size (GPU, host); NVMe defaults to 0."""
+    gpu_bytes: int | None = None
+    host_bytes: int | None = None
+    nvme_bytes: int = 0
+    gpu_reserved_bytes: int = GiB       # CUDA context, cuBLAS workspace, allocator fragmentation
+    hybrid_8bit_fraction: float = 0.02  # share of parameters whose Adam moments are 8-bit blockwise
+    loss_chunk_tokens: int = 2048       # the LM head computes logits and loss in chunks of this many tokens
+
+    @classmethod
+    def of(cls, gpu=None, host=None, nvme=None, **kw) -> "Budgets":
+        return cls(gpu_bytes=parse_size(gpu), host_bytes=parse_size(host), nvme_bytes=parse_size(nvme) or 0, **kw)
+
+
+@dataclass
+class Problem:
+    model: ModelShape
+    hardware: HardwareProfile
+    budgets: Budgets
+    micro_batch: int
+    seq_len: int
+    check: bool = True
+
+    def __post_init__(self):
+        if self.micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if self.seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        hw = self.hardware
+        # touch every speed the cost model needs so a missing one fails here, naming the field
+        self.flops = hw.flops_per_s
+        self.bw_h2d, self.bw_d2h = hw.h2d_bps, hw.d2h_bps
+        self.opt_rate = hw.optimizer_params_per_s()
+        self.bw_nr = hw.nvme_read_bps if self.budgets.nvme_bytes > 0 else float("inf")
+        self.bw_nw = hw.nvme_write_bps if self.budgets.nvme_bytes > 0 else float("inf")
+        gpu = self.budgets.gpu_bytes if self.budgets.gpu_bytes is not None else hw.need("gpu_mem_bytes")
+        host = self.budgets.host_bytes if self.budgets.host_bytes is not None else hw.need("host_mem_bytes")
+        self.gpu_budget, self.host_budget, self.nvme_budget = int(gpu), int(host), int(self.budgets.nvme_bytes)
+        self._derive()
+        if self.check:
+            self.check_static_fit()
+
+    # ---- per-layer / per-window constants ------------------------------------------------
+    def _derive(self) -> None:
+        m, L, T, S = self.model, self.model.num_layers, self.micro_batch * self.seq_len, self.seq_len
+        db = m.dtype_bytes
+        self.L, self.tokens = L, T
+        self.A = [T * m.hidden * db] * (L + 1)                       # boundary bytes 0..L
+        self.Wl = [l.params * db for l in m.layers]                   # compute-dtype weights per layer
+        self.Gl = [l.params * db for l in m.layers]                   # gradients per layer
+        self.fwd_s = [l.fwd_flops_per_token(S) * T / self.flops for l in m.layers]
+        self.diff_s = [3.0 * f for f in self.fwd_s]                   # forward-with-grad + backward (2x)
+        self.head_s = m.head_flops_per_token() * T / self.flops
+        self.ws_fwd = [l.fwd_transient_elems_per_token() * T * db for l in m.layers]
+        self.ws_bwd = [(l.saved_elems_per_token() + l.bwd_transient_elems_per_token()) * T * db for l in m.layers]
+        chunk = min(T, self.budgets.loss_chunk_tokens)
+        self.head_ws = chunk * m.vocab_size * 4 * 2                   # fp32 logits + their gradient, one chunk
+        self.nonlayer_w = m.nonlayer_params * db
+        self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes  # resident emb/head + grads
+        f8 = self.budgets.hybrid_8bit_fraction
+        adam = (1 - f8) * 8 + f8 * (2 + 8 / 4096)                     # fp32 moments / 8-bit blockwise
+        self.host_bytes_per_param = 4 + db + db + adam               # master, streamed copy, grads, moments
+        self.host_static = int(m.total_params * self.host_bytes_per_param)
+        self.host_act_budget = self.host_budget - self.host_static
+        # host optimizer chain and the copies it gates
+        self.opt_nl = m.nonlayer_params / self.opt_rate
+        self.opt_l = [l.params / self.opt_rate for l in m.layers]
+        self.load_l = [w / self.bw_h2d for w in self.Wl]
+        self.load_nl = self.nonlayer_w / self.bw_h2d
+        self.tail_s = (self.Gl[0] + self.nonlayer_w) / self.bw_d2h     # last gradients to the host
+
+    # ---- windows -------------------------------------------------------------------------
+    @property
+    def num_windows(self) -> int:
+        return 2 * self.L
+
+    def layer_of(self, w: int) -> int:
+        return w if w < self.L else 2 * self.L - 1 - w
+
+    def bwd_window(self, layer: int) -> int:
+        return 2 * self.L - 1 - layer
+
+    def fixed_gpu_bytes(self, w: int) -> int:
+        """Device bytes in window ``w`` that no plan decision changes (boundaries and weights excluded)."""
+        L = self.L
+        i = self.layer_of(w)
+        b = self.gpu_static
+        if w < L:
+            b += self.ws_fwd[i]
+            if w == L - 1:
+                b += self.head_ws + self.A[L]                          # head workspace, stack output
+        else:
+            b += self.ws_bwd[i] + 2 * self.A[i]                        # saved activations, boundary grads
+            b += self.Gl[i] + (self.Gl[i + 1] if i + 1 < L else 0)     # grads made here, grads in flight
+        return b
+
+    def recompute_s(self, s: int, e: int) -> float:
+        """Compute seconds of recomputing segment [s, e): layers s..e-2 forward."""
+        return sum(self.fwd_s[s:e - 1])
+
+    def compute_s(self, w: int, segment: "tuple[int, int] | None" = None) -> float:
+        """Compute seconds of window ``w``; ``segment`` = (s, e) when the window starts segment recompute."""
+        L = self.L
+        if w < L:
+            return self.fwd_s[w] + (self.head_s if w == L - 1 else 0.0)
+        i = self.layer_of(w)
+        rec = self.recompute_s(*segment) if segment and segment[1] == i + 1 else 0.0
+        return self.diff_s[i] + rec
+
+    # ---- bounds and checks ---------------------------------------------------------------
+    def no_recompute_compute_s(self) -> float:
+        return sum(self.fwd_s) + sum(self.diff_s) + self.head_s
+
+    def lower_bound_s(self) -> dict[str, float]:
+        """The step's physical lower bounds (any plan): compute without recompute, one copy of every
+        weight host->device, every gradient device->host, and the host optimizer."""
+        n = self.model.total_params
+        parts = {"compute": self.no_recompute_compute_s(),
+                 "h2d": (sum(self.Wl) + self.nonlayer_w) / self.bw_h2d,
+                 "d2h": (sum(self.Gl) + self.nonlayer_w) / self.bw_d2h,
+                 "optimizer": n / self.opt_rate}
+        parts["bound"] = max(parts.values())
+        return parts
+
+    def min_gpu_bytes(self, w: int) -> tuple[int, dict[str, int]]:
+        """What window ``w`` needs on the device under any plan, itemised."""
+        L, i = self.L, self.layer_of(w)
+        parts = {"static (resident embedding/head + grads + reserve)": self.gpu_static}
+        if w < L:
+            parts["forward transients"] = self.ws_fwd[i]
+            parts["input and output boundaries"] = self.A[i] + self.A[i + 1]
+            parts["weights (this layer + next)"] = self.Wl[i] + self.Wl[min(i + 1, L - 1)]
+            if w == L - 1:
+                parts["LM head logits chunk"] = self.head_ws
+        else:
+            parts["saved activations of one layer (backward)"] = self.ws_bwd[i]
+            parts["boundary + its gradients"] = 3 * self.A[i]
+            parts["gradient buffers"] = self.Gl[i] + (self.Gl[i + 1] if i + 1 < L else 0)
+            parts["weights (this layer + next)"] = self.Wl[i] + (self.Wl[i - 1] if i > 0 else 0)
+        return sum(parts.values()), parts
+
+    def check_static_fit(self) -> None:
+        n = self.model.total_params
+        if self.host_act_budget < 0:
+            raise InfeasibleBudgetError(
+                f"host memory budget {fmt_bytes(self.host_budget)} cannot hold the optimizer state: "
+                f"{n / 1e9:.2f}B parameters x {self.host_bytes_per_param:.2f} bytes (fp32 master weights, "
+                f"Adam moments, compute-dtype weights and gradients) = {fmt_bytes(self.host_static)}; "
+                f"short by {fmt_bytes(-self.host_act_budget)}. Raise --host-mem.")
+        worst = max(range(self.num_windows), key=lambda w: self.min_gpu_bytes(w)[0])
+        need, parts = self.min_gpu_bytes(worst)
+        if need > self.gpu_budget:
+            kind = "forward" if worst < self.L else "backward"
+            items = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items())
+            raise InfeasibleBudgetError(
+                f"GPU budget {fmt_bytes(self.gpu_budget)} is too small at micro-batch {self.micro_batch} x "
+                f"seq {self.seq_len}: the {kind} of layer {self.layer_of(worst)} alone needs {fmt_bytes(need)} "
+                f"({items}); short by {fmt_bytes(need - self.gpu_budget)}. Lower --micro-batch or raise --gpu-mem.")
+
+    def describe(self) -> dict:
+        return {"model": self.model.name, "hardware": self.hardware.name, "micro_batch": self.micro_batch,
+                "seq_len": self.seq_len, "gpu_budget": self.gpu_budget, "host_budget": self.host_budget,
+                "nvme_budget": self.nvme_budget}
+
+
+def make_problem(model, hardware, micro_batch: int, seq_len: int, budgets: Budgets | None = None,
+                 base: str | None = None, check: bool = True) -> Problem:
+    """Build a Problem from names, paths, dicts or objects (see models.load_model, hardware.load_profile)."""
+    return Problem(model=load_model(model), hardware=load_profile(hardware, base=base),
+                   budgets=budgets or Budgets(), micro_batch=int(micro_batch), seq_len=int(seq_len), check=check)

@@ -1,0 +1,258 @@
+"""Discrete-event simulator of one training step of a Plan.
+
+Independent of the MILP: it replays the Plan window by window on five resources (the compute stream,
+the H2D and D2H PCIe links, NVMe reads and NVMe writes, see problem.py for the execution model) plus
+the host optimizer, tracks where every boundary's copies are and when each becomes readable, and
+accounts device, host and NVMe bytes over time. It outputs the step time, TFLOPS under the paper's
+convention (6 * N * batch * seq / step time), tokens/s, exposed time per link, peak bytes per tier and
+a timeline; it checks the invariants (every boundary on the device before a task reads it, no tier over
+budget) and reports each violation (raising :class:`SimulationError` when ``strict``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .plan import DEVICE_HOME, RECOMPUTE, Plan
+from .problem import Problem, fmt_bytes
+
+LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
+OFFLOAD_HOMES = ("host", "nvme")
+
+
+class SimulationError(ValueError):
+    """A Plan that breaks an invariant when replayed (a boundary read before it arrives, a tier over budget)."""
+
+
+@dataclass
+class Event:
+    lane: str           # compute | h2d | d2h | nvme_read | nvme_write | optimizer
+    label: str
+    start: float
+    end: float
+    window: int
+
+
+@dataclass
+class SimResult:
+    step_time_s: float
+    tflops: float
+    tokens_per_s: float
+    exposed_s: dict[str, float]
+    peak_bytes: dict[str, int]
+    compute_s: float
+    window_s: list[float]
+    recomputed_layers: int
+    boundaries_per_home: dict[str, int]
+    timeline: list[Event] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)   # per window: start, end, hbm, host, nvme
+    violations: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_time_s, "tflops": self.tflops, "tokens_per_s": self.tokens_per_s,
+                "exposed_s": dict(self.exposed_s), "peak_bytes": dict(self.peak_bytes),
+                "compute_s": self.compute_s, "recomputed_layers": self.recomputed_layers,
+                "boundaries_per_home": dict(self.boundaries_per_home)}
+
+
+def _link_bw(p: Problem, link: str) -> float:
+    return {"h2d": p.bw_h2d, "d2h": p.bw_d2h, "nvme_read": p.bw_nr, "nvme_write": p.bw_nw}[link]
+
+
+def window_tasks(p: Problem, plan: Plan) -> list[list[tuple[str, int, float]]]:
+    """Compute tasks per window: (kind, layer, seconds); kind in fwd | head | recompute | diff."""
+    L = p.L
+    seg_by_end = {e: s for s, e in plan.segments()}
+    out: list[list[tuple[str, int, float]]] = []
+    for w in range(2 * L):
+        if w < L:
+            t = [("fwd", w, p.fwd_s[w])]
+            if w == L - 1:
+                t.append(("head", -1, p.head_s))
+        else:
+            i = p.layer_of(w)
+            t = []
+            if i + 1 in seg_by_end:
+                s = seg_by_end[i + 1]
+                t += [("recompute", j, p.fwd_s[j]) for j in range(s, i)]
+            t.append(("diff", i, p.diff_s[i]))
+        out.append(t)
+    return out
+
+
+def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True) -> SimResult:
+    L = p.L
+    if plan.num_layers != L:
+        raise SimulationError(f"plan has {plan.num_layers} layers, the model {p.model.name!r} has {L}")
+    for i, h in enumerate(plan.homes):
+        if h not in (DEVICE_HOME, RECOMPUTE) + OFFLOAD_HOMES:
+            raise SimulationError(f"homes[{i}] = {h!r}: the simulator models the built-in tiers hbm, host, nvme")
+    resident = set(plan.resident_layers)
+    tasks = window_tasks(p, plan)
+    seg_end = {s: e for s, e in plan.segments()}
+    need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
+    last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
+    recompute_window = {}                                       # recomputed boundary -> window regenerating it
+    for s, e in plan.segments():
+        for j in range(s + 1, e):
+            recompute_window[j] = 2 * L - e
+    offloaded = [b for b in range(L) if plan.homes[b] in OFFLOAD_HOMES]
+    off_w = {b: plan.offload_at(b) for b in offloaded}
+    pre_w = {b: plan.prefetch_at(b) for b in offloaded}
+
+    violations: list[str] = []
+    events: list[Event] = []
+    memory: list[dict[str, Any]] = []
+    exposed = {k: 0.0 for k in LINKS + ("optimizer",)}
+    ready_at: dict[int, float] = {0: 0.0}   # boundary -> time its device copy becomes readable
+    on_device: set[int] = {0}               # boundaries with a device copy (during the current window)
+    window_s: list[float] = []
+    peak = {"hbm": 0, "host": 0, "nvme": 0}
+    t = 0.0
+    compute_total = 0.0
+
+    def weight_stream(ws: int) -> list[int]:
+        """Layers whose weights window ``ws`` streams into a buffer (resident layers use theirs)."""
+        return [j for kind, j, _ in tasks[ws] if kind != "head" and j not in resident]
+
+    for w in range(2 * L):
+        t0 = t
+        fwd = w < L
+        # --- transfers issued in this window -------------------------------------------------
+        exposed_tr, other_tr = [], []           # (label, {link: bytes}, boundary or None)
+        for b in offloaded:
+            if pre_w[b] == w:
+                legs = {"h2d": p.A[b]}
+                if plan.homes[b] == "nvme":
+                    legs["nvme_read"] = p.A[b]
+                (exposed_tr if w == need[b] else other_tr).append((f"prefetch b{b}", legs, b))
+        if w >= L + 1:
+            i_prev = p.layer_of(w - 1)
+            other_tr.append((f"grads L{i_prev}", {"d2h": p.Gl[i_prev]}, None))
+        for b in offloaded:
+            if off_w[b] == w:
+                legs = {"d2h": p.A[b]}
+                if plan.homes[b] == "nvme":
+                    legs["nvme_write"] = p.A[b]
+                other_tr.append((f"offload b{b}", legs, None))
+        if w + 1 < 2 * L:
+            for kind, j, _ in tasks[w + 1]:
+                if kind == "head":
+                    continue
+                if w + 1 < L or j not in resident:     # forward refreshes resident copies too
+                    other_tr.append((f"weights L{j}", {"h2d": p.Wl[j]}, None))
+        free = {k: t0 for k in LINKS}
+        compute_start = t0
+        for n_tr, (label, legs, b) in enumerate(exposed_tr + other_tr):
+            done = t0
+            for link, nbytes in legs.items():
+                start = free[link]
+                free[link] = start + nbytes / _link_bw(p, link)
+                done = max(done, free[link])
+                if timeline:
+                    events.append(Event(link, label, start, free[link], w))
+            if b is not None:
+                ready_at[b] = done
+            if n_tr < len(exposed_tr):
+                compute_start = max(compute_start, done)
+        if compute_start > t0:
+            legs_used = {k for _, lg, _ in exposed_tr for k in lg}
+            exposed[max(legs_used, key=lambda k: free[k] if k in ("h2d", "nvme_read") else -1.0)] += compute_start - t0
+        # --- boundaries with a device copy during this window --------------------------------
+        if w < L:
+            on_device.add(w + 1)                               # produced by this window
+        for b in offloaded:
+            if pre_w[b] == w:
+                on_device.add(b)
+        for j, rw in recompute_window.items():
+            if rw == w:
+                on_device.add(j)
+        # --- compute -----------------------------------------------------------------------
+        tc = compute_start
+        for kind, j, dur in tasks[w]:
+            if kind != "head":                                 # every layer task reads boundary j
+                if j not in on_device:
+                    violations.append(f"window {w}: {kind} of layer {j} reads boundary {j}, "
+                                      f"which has no device copy (home {plan.homes[j]!r})")
+                elif ready_at.get(j, float("inf")) > tc + 1e-12:
+                    violations.append(f"window {w}: {kind} of layer {j} starts at {tc:.6f}s but boundary {j} "
+                                      f"is readable only at {ready_at.get(j, float('inf')):.6f}s")
+            if timeline:
+                events.append(Event("compute", f"{kind} L{j}" if j >= 0 else "head", tc, tc + dur, w))
+            tc += dur
+            if kind in ("fwd", "recompute"):
+                ready_at[j + 1] = tc                           # output boundary j+1 produced
+        compute_w = tc - compute_start
+        compute_total += compute_w
+        end = max([tc] + list(free.values()))
+        if end > tc + 1e-15:
+            worst = max(LINKS, key=lambda k: free[k])
+            exposed[worst] += end - tc
+        # --- memory during this window -------------------------------------------------------
+        weights = sum(p.Wl[j] for j in weight_stream(w)) + sum(p.Wl[j] for j in resident)
+        if w + 1 < 2 * L:
+            weights += sum(p.Wl[j] for j in weight_stream(w + 1))
+        bnd = sum(p.A[b] for b in on_device if b <= L)
+        if w == L - 1:
+            bnd -= p.A[L]                                      # counted in the window's fixed bytes
+        hbm = p.fixed_gpu_bytes(w) + weights + bnd
+        host = sum(p.A[b] for b in offloaded if plan.homes[b] == "host" and off_w[b] <= w <= pre_w[b])
+        nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
+        memory.append({"window": w, "start": t0, "end": end, "hbm": hbm, "host": p.host_static + host, "nvme": nvme})
+        peak["hbm"] = max(peak["hbm"], hbm)
+        peak["host"] = max(peak["host"], p.host_static + host)
+        peak["nvme"] = max(peak["nvme"], nvme)
+        # --- copies released at the end of this window ---------------------------------------
+        for b in list(on_device):
+            if b == L and w >= L - 1:
+                on_device.discard(b)
+            elif b < L and b in off_w and off_w[b] == w:
+                on_device.discard(b)                          # offload done: device copy freed
+            elif b < L and w >= last_use[b]:
+                on_device.discard(b)                          # layer b differentiated
+            elif fwd and w == b and plan.homes[b] == RECOMPUTE:
+                on_device.discard(b)                          # dropped after the forward used it
+        window_s.append(end - t0)
+        t = end
+
+    # --- tail: last gradients to the host, then the host optimizer ---------------------------
+    tail_start = t
+    t += p.tail_s
+    exposed["d2h"] += p.tail_s
+    if timeline:
+        events.append(Event("d2h", "grads L0 + embedding/head", tail_start, t, 2 * L))
+    opt_start = t
+    O = [p.opt_nl]
+    for o in p.opt_l:
+        O.append(O[-1] + o)                                    # O[w+1] = layers 0..w updated
+    if plan.overlap_optimizer:
+        s_w = O[1] + p.load_nl + p.load_l[0]
+        for w in range(1, L):
+            s_w = max(s_w + window_s[w - 1], O[w + 1] + p.load_l[w])
+        delay = s_w - sum(window_s[:L - 1])
+    else:
+        delay = O[-1] + p.load_nl + p.load_l[0]
+    exposed["optimizer"] += delay
+    if timeline:
+        events.append(Event("optimizer", "embedding/head", opt_start, opt_start + O[0], 2 * L))
+        for j in range(L):
+            events.append(Event("optimizer", f"update L{j}", opt_start + O[j], opt_start + O[j + 1], 2 * L))
+    step = t + delay
+
+    # --- budgets -----------------------------------------------------------------------------
+    for tier, budget in (("hbm", p.gpu_budget), ("host", p.host_budget), ("nvme", p.nvme_budget)):
+        if peak[tier] > budget:
+            w_at = max(memory, key=lambda m: m[tier])["window"]
+            violations.append(f"{tier} peak {fmt_bytes(peak[tier])} in window {w_at} exceeds its budget "
+                              f"{fmt_bytes(budget)} by {fmt_bytes(peak[tier] - budget)}")
+    if strict and violations:
+        raise SimulationError(f"plan {plan.policy!r} breaks {len(violations)} invariant(s): " + "; ".join(violations[:5]))
+
+    counts = {h: 0 for h in (DEVICE_HOME, "host", "nvme", RECOMPUTE)}
+    for h in plan.homes[:L]:
+        counts[h] = counts.get(h, 0) + 1
+    toks = p.micro_batch * p.seq_len
+    return SimResult(step_time_s=step, tflops=6 * p.model.throughput_params * toks / step / 1e12,
+                     tokens_per_s=toks / step, exposed_s=exposed, peak_bytes=peak, compute_s=compute_total,
+                     window_s=window_s, recomputed_layers=plan.recomputed_layers(), boundaries_per_home=counts,
+                     timeline=events, memory=memory, violations=violations)
