@@ -1,0 +1,152 @@
+"""A user-defined tier (the one in docs/custom-tiers.md): registered, named by "module:Class", found as an
+entry point, and used by the engine as the home of kept boundaries; the engine also trains with
+boundaries on the NVMe tier."""
+import os
+import shutil
+import tempfile
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.tiers import Tier, TierBudgetError, TransferHandle, create_tiers, resolve_tier_class
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+
+
+class RamDiskTier(Tier):
+    """Tensors as files in a RAM-backed directory, written and read on a small thread pool."""
+
+    kind = "ramdisk"
+
+    def __init__(self, name, capacity=None, path="/dev/shm", threads=2):
+        super().__init__(name, capacity)
+        self.dir = tempfile.mkdtemp(prefix=f"lazytrain-{name}-", dir=path)
+        self.pool = ThreadPoolExecutor(threads)
+        self.meta = {}      # key -> (shape, dtype, file)
+        self.pending = {}   # key -> Future of its write
+
+    def _write(self, key, tensor, owned):
+        snapshot = tensor.detach().to("cpu").contiguous()
+        if snapshot.data_ptr() == tensor.data_ptr() and not owned:
+            snapshot = snapshot.clone()  # the caller may reuse its tensor as soon as write() returns
+        path = os.path.join(self.dir, f"{len(self.meta)}-{abs(hash(key))}.bin")
+        self.meta[key] = (snapshot.shape, snapshot.dtype, path)
+
+        def job():
+            with open(path, "wb") as f:
+                f.write(snapshot.view(torch.uint8).reshape(-1).numpy())
+        self.pending[key] = future = self.pool.submit(job)
+        return TransferHandle(future=future)
+
+    def _read(self, key, out, device):
+        shape, dtype, path = self.meta[key]
+        written = self.pending[key]
+
+        def job():
+            written.result()  # submitted earlier, so it is running or done: no deadlock
+            t = torch.empty(shape, dtype=dtype)
+            with open(path, "rb") as f:
+                f.readinto(t.view(torch.uint8).reshape(-1).numpy())
+            if out is not None:
+                return out.copy_(t)
+            return t.to(device) if device is not None else t
+        return TransferHandle(future=self.pool.submit(job))
+
+    def _free(self, key):
+        shape, dtype, path = self.meta.pop(key)
+        self.pending.pop(key).result()
+        os.unlink(path)
+
+    def close(self):
+        super().close()  # frees every key
+        self.pool.shutdown()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def shm(tmp_path):
+    return str(tmp_path)  # any directory works; /dev/shm is the point in real use
+
+
+def test_user_tier_registered_by_name(shm):
+    lazytrain.register_tier("ramdisk", RamDiskTier)
+    tiers = create_tiers([{"name": "ram", "class": "ramdisk", "capacity": "1MB", "path": shm, "threads": 3}], "cpu")
+    ram = tiers["ram"]
+    assert ram.capacity == 10**6 and ram.pool._max_workers == 3
+    x = torch.randn(100, 7).to(torch.bfloat16)
+    nc = torch.randn(7, 100).t()
+    hs = [ram.write("x", x), ram.write("nc", nc)]
+    assert torch.equal(ram.read("x").wait(), x)  # reads wait for their write
+    out = torch.zeros(100, 7)
+    ram.read("nc", out=out).wait()
+    assert torch.equal(out, nc) and all(h.done() for h in hs)
+    assert ram.used_bytes == 1400 + 2800
+    with pytest.raises(TierBudgetError, match="^tier 'ram' is over its budget: writing 'big' "):
+        ram.write("big", torch.zeros(300_000))
+    ram.close()
+    assert os.listdir(shm) == []
+
+
+def test_user_tier_by_module_path(shm):
+    spec = f"{RamDiskTier.__module__}:RamDiskTier"
+    tiers = create_tiers([{"name": "ram", "class": spec, "path": shm}], "cpu")
+    assert type(tiers["ram"]).__name__ == "RamDiskTier"
+    with pytest.raises(ValueError) as e:
+        create_tiers([{"name": "ram", "class": spec, "paht": shm}], "cpu")
+    assert str(e.value) == ("lazytrain.tiers[0] ('ram'): unknown key 'paht' for tier class RamDiskTier "
+                            "(it accepts: name, class, capacity, path, threads)")
+    tiers["ram"].close()
+
+
+def test_user_tier_from_an_entry_point(tmp_path, monkeypatch, shm):
+    dist = tmp_path / "ramdisk_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ramdisk-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent(f"""\
+        [lazytrain.tiers]
+        ramdisk-ep = {RamDiskTier.__module__}:RamDiskTier
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_tier_class("ramdisk-ep").__name__ == "RamDiskTier"
+    tiers = create_tiers([{"name": "ram", "class": "ramdisk-ep", "path": shm}], "cpu")
+    tiers["ram"].write("k", torch.arange(5)).wait()
+    assert torch.equal(tiers["ram"].read("k").wait(), torch.arange(5))
+    tiers["ram"].close()
+
+
+# ---- training with boundaries on the user's tier and on NVMe ---------------------------------
+def _engine_parity(tmp_path, lazytrain_section):
+    engine_models = pytest.importorskip("engine_models")
+    model = engine_models.make_model("modulelist")
+    data = engine_models.batches(2)
+    ref = engine_models.reference_train(model, data)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": float("inf"),
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "lazytrain": lazytrain_section}
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for x, y in data:
+        engine.backward(engine_models.lm_loss(engine(x), y))
+        engine.step()
+    home = lazytrain_section["boundary_home"]
+    tier = engine.tiers[home]
+    assert engine.last_step_peak_bytes[home] > 0  # boundaries really went there
+    assert engine_models.max_rel_diff(engine.module, ref) < 1e-5
+    engine.destroy()
+    return tier
+
+
+def test_engine_trains_with_boundaries_on_a_user_tier(tmp_path):
+    lazytrain.register_tier("ramdisk", RamDiskTier)
+    tier = _engine_parity(tmp_path, {"checkpoint_interval": 2, "boundary_home": "ram",
+                                     "tiers": [{"name": "ram", "class": "ramdisk", "path": str(tmp_path)}]})
+    assert isinstance(tier, RamDiskTier)
+    assert os.listdir(tmp_path) == []
+
+
+def test_engine_trains_with_boundaries_on_nvme(tmp_path):
+    tier = _engine_parity(tmp_path, {"checkpoint_interval": 2, "boundary_home": "nvme", "nvme_path": str(tmp_path)})
+    assert tier.stats()["bytes_read"] > 0
+    assert os.listdir(tmp_path) == []  # the run directory is removed when the engine is destroyed
