@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from lazytrain.tiers import AioSettings, NVMeDataError, NVMeIOError, NVMeTier, TierBudgetError, TierError
+from lazytrain.tiers import (AioSettings, NVMeDataError, NVMeIOError, NVMeTier, TierBudgetError, TierError,
+                             empty_aligned)
 from lazytrain.tiers import nvme_io
 from lazytrain.tiers.nvme_io import device_checksums, kvikio_status
 
@@ -63,6 +64,20 @@ def test_write_takes_a_snapshot_and_owned_skips_the_copy(tier):
     tier.write("y", owned, owned=True).wait()
     assert tier.pool.stats()["misses"] == misses  # written from the tensor's own memory
     assert torch.equal(tier.read("y").wait(), expected)
+
+
+@pytest.mark.parametrize("numel", [1024, 1001, 3])
+def test_aligned_buffers_move_in_place(tier, numel):
+    x = empty_aligned((numel,), torch.float32)
+    x.copy_(sample((numel,), torch.float32))
+    expected = x.clone()
+    misses = tier.pool.stats()["misses"]
+    tier.write("x", x, owned=True).wait()  # no staging slab: from x's memory, its tail through a bounce block
+    out = empty_aligned((numel,), torch.float32)
+    assert out.data_ptr() % 4096 == 0
+    assert tier.read("x", out=out).wait() is out
+    assert torch.equal(out, expected)
+    assert tier.pool.stats()["misses"] == misses
 
 
 def test_unaligned_out_buffer(tier):

@@ -18,6 +18,7 @@ import re
 import shutil
 import threading
 import uuid
+import zlib
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ import torch
 
 from .base import Tier, TierError, TransferHandle, format_bytes
 from .memory import async_copy
-from .nvme_io import (ALIGNMENT, AioSettings, KvikioBackend, PosixBackend, device_checksums, host_checksums,
-                      kvikio_status, probe_direct_io)
+from .nvme_io import (ALIGNMENT, AioSettings, KvikioBackend, PosixBackend, device_checksums, kvikio_status,
+                      probe_direct_io)
 from .pool import SlabPool, aligned_empty
 
 log = logging.getLogger("lazytrain.tiers.nvme")
@@ -63,6 +64,48 @@ def _round_up(n: int, multiple: int) -> int:
 def _as_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory."""
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(bytearray())
+
+
+class _Landing:
+    """Where the bytes of one file live in memory: bytes [0, split) in ``head`` and [split, end) in
+    ``tail``. With O_DIRECT both must be aligned: an aligned tensor of unaligned size is moved in place
+    up to its last whole 4 KiB, and its last partial block goes through a one-block bounce buffer."""
+
+    def __init__(self, head: memoryview, split: int, tail: memoryview | None = None):
+        self.head, self.split, self.tail = head, split, tail
+
+    def iov(self, offset: int, length: int) -> list[memoryview]:
+        end = offset + length
+        parts = []
+        if offset < self.split:
+            parts.append(self.head[offset:min(end, self.split)])
+        if end > self.split:
+            parts.append(self.tail[max(offset, self.split) - self.split:end - self.split])
+        return parts
+
+    def checksums(self, offset: int, nbytes: int, block: int) -> list[int]:
+        """Checksums of the blocks of bytes [offset, offset + nbytes) (offset is block-aligned)."""
+        sums = []
+        for start in range(offset, offset + nbytes, block):
+            crc = 0
+            for part in self.iov(start, min(block, offset + nbytes - start)):
+                crc = zlib.crc32(part, crc)
+            sums.append(crc)
+        return sums
+
+
+def _in_place(t: torch.Tensor, nbytes: int, file_bytes: int) -> _Landing | None:
+    """A landing in ``t``'s own memory (plus a one-block bounce for its tail) when ``t`` is a contiguous,
+    4 KiB-aligned CPU tensor; else None."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % ALIGNMENT or nbytes == 0:
+        return None
+    split = nbytes - nbytes % ALIGNMENT
+    tail = None
+    if split < file_bytes:
+        bounce = aligned_empty(ALIGNMENT, pinned=False)
+        bounce.zero_()
+        tail = _as_bytes(bounce)
+    return _Landing(_as_bytes(t), split, tail)
 
 
 @dataclass
@@ -262,12 +305,12 @@ class NVMeTier(Tier):
 
         # The bytes to write: the tensor's own memory when it is ours to keep and aligned, else a staging
         # slab (a snapshot, so the caller may reuse its tensor at once; pinned where CUDA exists).
-        direct_ok = (owned and tensor.device.type == "cpu" and tensor.is_contiguous()
-                     and tensor.data_ptr() % ALIGNMENT == 0 and nbytes % ALIGNMENT == 0)
+        landing = _in_place(tensor, nbytes, file_bytes) if owned else None
         event = slab = None
-        if direct_ok:
-            data = tensor.view(-1)
-            source = _as_bytes(data)
+        if landing is not None:
+            if landing.tail is not None:  # the last partial block, zero-padded
+                landing.tail[:nbytes - landing.split] = landing.head[landing.split:nbytes]
+            data = tensor
         else:
             self._staging.acquire(file_bytes)
             slab = self.pool.acquire(file_bytes)
@@ -277,7 +320,7 @@ class NVMeTier(Tier):
                 event = async_copy(staged, tensor)._event
             else:
                 staged.copy_(tensor)
-            source = _as_bytes(slab[:file_bytes])
+            landing = _Landing(_as_bytes(slab[:file_bytes]), file_bytes)
             data = slab
 
         def finish(error):
@@ -300,22 +343,21 @@ class NVMeTier(Tier):
         entry.written = op.future
         self._entries[key] = entry
         for offset, length in requests:
-            self._executor.submit(self._write_request, op, fd, source, offset, length, nbytes, entry, event, data)
+            self._executor.submit(self._write_request, op, fd, landing, offset, length, nbytes, entry, event, data)
         if not requests:
             op.part_done()  # an empty tensor: an empty file
         return TransferHandle(future=op.future)
 
-    def _write_request(self, op, fd, source, offset, length, nbytes, entry, event, keepalive):
+    def _write_request(self, op, fd, landing: _Landing, offset, length, nbytes, entry, event, keepalive):
         try:
             if event is not None:
                 event.synchronize()
             block = self.settings.block_size
-            real = min(length, max(0, nbytes - offset))
-            sums = host_checksums(source[offset:offset + real], real, block)
+            sums = landing.checksums(offset, min(length, max(0, nbytes - offset)), block)
             entry.checksums[offset // block:offset // block + len(sums)] = sums
             done = 0
             while done < length:
-                n = self.backend.pwritev(fd, [source[offset + done:offset + length]], offset + done)
+                n = self.backend.pwritev(fd, landing.iov(offset + done, length - done), offset + done)
                 if n <= 0:
                     raise OSError(errno.EIO, "write returned no progress")
                 done += n
@@ -395,20 +437,24 @@ class NVMeTier(Tier):
             raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: "
                                 f"{size} bytes on disk, {entry.file_bytes} written")
 
-        # Land the bytes in their final place when that place is aligned CPU memory; else stage them.
-        slab = None
-        if out is not None and out.device.type == "cpu" and out.is_contiguous() \
-                and out.data_ptr() % ALIGNMENT == 0 and entry.nbytes % ALIGNMENT == 0:
-            dest = out.view(-1).view(torch.uint8) if entry.nbytes else out
+        # Land the bytes in their final place when that is aligned CPU memory (a new aligned tensor when
+        # the caller gave no buffer). Else read into a staging slab and copy: each request copies its own
+        # range into a contiguous CPU buffer; other buffers (CUDA, strided) get one copy at the end.
+        slab = scatter = None
+        landing = _in_place(out, entry.nbytes, entry.file_bytes) if out is not None else None
+        if landing is not None:
             value = out
         elif out is None and target.type == "cpu":
             dest = aligned_empty(entry.file_bytes, pinned=False)
+            landing = _Landing(_as_bytes(dest), entry.file_bytes)
             value = dest[:entry.nbytes].view(entry.dtype).view(entry.shape)
         else:
             slab = self.pool.acquire(max(entry.file_bytes, 1))
-            dest = slab[:entry.file_bytes]
+            landing = _Landing(_as_bytes(slab[:entry.file_bytes]), entry.file_bytes)
             value = None
-        buf = _as_bytes(dest)
+            if out is not None and out.device.type == "cpu" and out.is_contiguous():
+                scatter = (out.view(-1).view(torch.uint8), slab)
+                value = out
 
         def finish(error):
             try:
@@ -434,23 +480,23 @@ class NVMeTier(Tier):
         requests = self._requests(entry.file_bytes)
         op = _Op(max(1, len(requests)), finish)
         for offset, length in requests:
-            self._executor.submit(self._read_request, op, fd, buf, offset, length, entry)
+            self._executor.submit(self._read_request, op, fd, landing, offset, length, entry, scatter)
         if not requests:
             op.part_done()
         return op.future
 
-    def _read_request(self, op, fd, buf, offset, length, entry: _Entry):
+    def _read_request(self, op, fd, landing: _Landing, offset, length, entry: _Entry, scatter):
         try:
             done = 0
             while done < length:
-                n = self.backend.preadv(fd, [buf[offset + done:offset + length]], offset + done)
+                n = self.backend.preadv(fd, landing.iov(offset + done, length - done), offset + done)
                 if n <= 0:
                     raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: "
                                         f"it ends at byte {offset + done}, {entry.file_bytes} were written")
                 done += n
             block = self.settings.block_size
             real = min(length, max(0, entry.nbytes - offset))
-            sums = host_checksums(buf[offset:offset + real], real, block)
+            sums = landing.checksums(offset, real, block)
             first = offset // block
             for i, s in enumerate(sums):
                 if s != entry.checksums[first + i]:
@@ -458,6 +504,11 @@ class NVMeTier(Tier):
                     raise NVMeDataError(
                         f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is corrupted: checksum "
                         f"mismatch in block {first + i} (bytes {start}..{min(start + block, entry.nbytes) - 1})")
+            if scatter is not None:
+                dst, src = scatter
+                dst[offset:offset + real].copy_(src[offset:offset + real])
+            elif landing.tail is not None and offset + length > landing.split:  # the bounced last block
+                landing.head[landing.split:entry.nbytes] = landing.tail[:entry.nbytes - landing.split]
         except BaseException as e:  # noqa: BLE001
             op.part_done(e)
         else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import os
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -87,12 +86,6 @@ class AioSettings:
 
 
 # ---- checksums ---------------------------------------------------------------------------------
-def host_checksums(buf: memoryview, nbytes: int, block_size: int, first_block: int = 0) -> list[int]:
-    """zlib.crc32 of each ``block_size`` block of ``buf[:nbytes]`` (the last block may be short).
-    zlib releases the GIL on large buffers, so pool threads checksum in parallel."""
-    return [zlib.crc32(buf[i:min(i + block_size, nbytes)]) for i in range(0, nbytes, block_size)]
-
-
 _WEIGHTS: dict = {}
 
 

@@ -48,6 +48,19 @@ def aligned_empty(nbytes: int, pinned: bool, alignment: int = ALIGNMENT) -> torc
     return raw[offset:offset + nbytes]
 
 
+def empty_aligned(shape, dtype: torch.dtype, pinned: bool | None = None) -> torch.Tensor:
+    """An uninitialised tensor whose memory starts on a 4 KiB boundary (pinned where an accelerator exists,
+    unless ``pinned`` says otherwise). The NVMe tier reads into and writes from such buffers in place;
+    torch's own allocations start 64 bytes past a boundary and go through a staging copy."""
+    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = aligned_empty(max(nbytes, 1), pinned_memory_available() if pinned is None else pinned)
+    return raw[:nbytes].view(dtype).view(shape)
+
+
 class SlabPool:
     """Aligned host slabs by size class; ``limit_bytes`` bounds what is kept cached for reuse."""
 

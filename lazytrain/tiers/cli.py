@@ -1,0 +1,67 @@
+"""`lazytrain bench tiers [--path DIR] [--json OUT]`: measure the tiers and write a hardware profile."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .base import parse_bytes
+
+DEFAULT_JSON = os.path.join("lazytrain-out", "hardware.json")
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_bytes(text, "size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    if not value:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="measure this machine (tiers, copies, optimizer, compute) for the planner",
+        description="Measure each tier's read and write bandwidth, host<->device copies, host memory, the host "
+                    "optimizer and matrix throughput, and write the hardware profile JSON that "
+                    "`lazytrain plan --hardware FILE` reads (GB/s = 1e9 B/s; null where not measurable here).")
+    parser.add_argument("target", choices=["tiers"], help="what to measure")
+    parser.add_argument("--path", default=None,
+                        help="directory on the disk to measure as the NVMe tier (default: the temp directory)")
+    parser.add_argument("--json", default=DEFAULT_JSON, metavar="OUT",
+                        help=f"where to write the hardware profile (default: {DEFAULT_JSON}; '-' for stdout only)")
+    parser.add_argument("--nvme-bytes", type=_size, default=1 << 30, metavar="SIZE",
+                        help="bytes written to and read from the NVMe tier (default: 1GiB)")
+    parser.add_argument("--tensor-bytes", type=_size, default=64 << 20, metavar="SIZE",
+                        help="size of each tensor moved (default: 64MiB)")
+    parser.add_argument("--copy-bytes", type=_size, default=256 << 20, metavar="SIZE",
+                        help="size of each host<->device and host memory copy (default: 256MiB)")
+    parser.add_argument("--seconds", type=float, default=1.0,
+                        help="minimum time per timed measurement (default: 1.0)")
+    parser.add_argument("--optimizer-params", type=int, default=16 << 20, metavar="N",
+                        help="parameters updated in the host optimizer measurement (default: 16777216)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .bench import format_rows, run_bench
+    if args.path is not None and not os.path.isdir(args.path):
+        print(f"lazytrain bench tiers: --path {args.path} is not a directory", file=sys.stderr)
+        return 2
+    profile, rows = run_bench(path=args.path, nvme_bytes=args.nvme_bytes, tensor_bytes=args.tensor_bytes,
+                              copy_bytes=args.copy_bytes, seconds=args.seconds,
+                              optimizer_params=args.optimizer_params,
+                              log=lambda line: print(line, file=sys.stderr))
+    print(format_rows(rows))
+    text = json.dumps(profile, indent=2)
+    if args.json == "-":
+        print(text)
+    else:
+        directory = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(directory, exist_ok=True)
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+        print(f"hardware profile written to {args.json}")
+    return 0

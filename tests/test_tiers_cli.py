@@ -1,0 +1,55 @@
+"""`lazytrain bench tiers`: a small run writes a hardware profile the planner reads."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from lazytrain.tiers import cli
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+
+FIELDS = ["name", "peak_tflops", "achievable_tflops", "h2d_gbps", "d2h_gbps", "nvme_read_gbps", "nvme_write_gbps",
+          "host_mem_gbps", "host_optimizer_gparams_per_s", "gpu_mem_bytes", "host_mem_bytes"]
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="lazytrain")
+    cli.register(p.add_subparsers(dest="command", required=True))
+    return p
+
+
+def test_bench_tiers_writes_a_profile(tmp_path, capsys):
+    out = tmp_path / "hw" / "profile.json"
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = parser().parse_args(["bench", "tiers", "--path", str(disk), "--json", str(out), "--nvme-bytes", "2MiB",
+                                "--tensor-bytes", "512KiB", "--copy-bytes", "1MiB", "--seconds", "0.01",
+                                "--optimizer-params", "8192"])
+    assert args.func(args) == 0
+    profile = json.loads(out.read_text())
+    assert list(profile) == FIELDS
+    for key in ("achievable_tflops", "nvme_read_gbps", "nvme_write_gbps", "host_mem_gbps",
+                "host_optimizer_gparams_per_s"):
+        assert isinstance(profile[key], float) and profile[key] > 0, key
+    assert profile["host_mem_bytes"] > 0
+    if not torch.cuda.is_available():
+        assert profile["h2d_gbps"] is None and profile["d2h_gbps"] is None and profile["gpu_mem_bytes"] is None
+        assert profile["peak_tflops"] is None
+    hardware = pytest.importorskip("lazytrain.planner.hardware")
+    assert hardware.HardwareProfile.from_dict(profile).nvme_read_gbps == profile["nvme_read_gbps"]
+    printed = capsys.readouterr().out
+    assert "| nvme tier |" in printed and f"hardware profile written to {out}" in printed
+    assert list(disk.iterdir()) == []  # the NVMe run directory is gone
+
+
+def test_bench_arguments_are_checked(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["bench", "tiers", "--nvme-bytes", "lots"])
+    assert "argument --nvme-bytes: size: cannot read 'lots' as a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser().parse_args(["bench", "disks"])
+    assert "argument target: invalid choice: 'disks' (choose from 'tiers')" in capsys.readouterr().err
+    args = parser().parse_args(["bench", "tiers", "--path", str(tmp_path / "missing")])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == f"lazytrain bench tiers: --path {tmp_path / 'missing'} is not a directory\n"
