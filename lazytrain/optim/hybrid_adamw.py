@@ -1,0 +1,484 @@
+"""HybridAdamW: AdamW with blockwise 8-bit moments for large tensors and fp32 moments for the rest.
+
+Memory: a tensor with 8-bit states keeps two uint8 codes per element plus two fp32 absmax values per
+block (2 + 8 / block_size bytes per parameter, 2.004 at the default block size) instead of fp32 Adam's 8.
+The fp32 master weights are the parameters themselves.
+
+Which tensors get 8-bit states (reported by :meth:`HybridAdamW.state_report`):
+
+* the group's ``optimizer_states`` is ``"8bit"`` (``"fp32"`` turns it off), and
+* ``numel >= min_8bit_size``, and
+* if the tensor's name is known (pass ``model.named_parameters()`` as ``params`` or as
+  ``named_parameters``): the name matches none of ``fp32_name_patterns`` (regular expressions searched
+  case-insensitively; the defaults catch norms and biases); if the name is unknown: the tensor has at
+  least 2 dimensions (biases and norm scales are 1-D).
+
+One step per tensor is a single fused pass (C++ on the host, see ``kernels/hybrid_adam.cpp``): per block,
+dequantize both moments, apply the Adam(W) update with the clip coefficient, lr, weight decay and bias
+correction, write the fp32 weight and optionally its bf16/fp16 compute copy, requantize. CUDA tensors
+use bitsandbytes' fused 8-bit kernel when it is installed (block size 256, AdamW mode); everything else
+(no compiler, other devices) runs the same arithmetic with torch operations.
+
+Clipping and non-finite gradients: with ``max_grad_norm > 0`` the global gradient norm is computed as
+``torch.nn.utils.clip_grad_norm_`` does and the coefficient is applied inside the update. A non-finite
+norm skips the whole step (no parameter or state changes) and is counted in ``skipped_steps`` and
+``last_step_skipped``. An engine that already has the norm passes ``grad_norm=`` (or ``clip_coef=``).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from . import clipping
+from .kernels import cpu_kernels, make_hyper
+from .quantization import QuantMap, encode, get_qmap, num_blocks
+
+__all__ = ["HybridAdamW", "DEFAULT_BLOCK_SIZE", "DEFAULT_FP32_PATTERNS"]
+
+log = logging.getLogger(__name__)
+
+#: Chosen by measurement (benchmarks/results/optim.md): step time is flat from 256 to 4096 on the host
+#: kernel, and 256 gives the smallest quantization error and the bitsandbytes CUDA kernel's block size.
+DEFAULT_BLOCK_SIZE = 256
+#: Names kept in fp32 states: normalisation layers and biases.
+DEFAULT_FP32_PATTERNS: Tuple[str, ...] = (r"norm", r"bias", r"(^|[._])ln(_|\d|\.|$)")
+
+_STATE_KINDS = ("8bit", "fp32")
+
+
+def _split_named(params) -> Tuple[list, Dict[int, str]]:
+    """Accept tensors, (name, tensor) pairs or param-group dicts; return torch-style groups and names."""
+    names: Dict[int, str] = {}
+    params = list(params)
+    if not params:
+        raise ValueError("HybridAdamW got an empty parameter list")
+
+    def strip(seq):
+        out = []
+        for item in seq:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                names[id(item[1])] = item[0]
+                out.append(item[1])
+            else:
+                out.append(item)
+        return out
+
+    if isinstance(params[0], dict):
+        groups = []
+        for g in params:
+            g = dict(g)
+            ps = g["params"]
+            g["params"] = strip([ps] if isinstance(ps, torch.Tensor) else list(ps))
+            groups.append(g)
+        return groups, names
+    return strip(params), names
+
+
+class HybridAdamW(torch.optim.Optimizer):
+    """AdamW (``adamw_mode=True``) or Adam with L2 (``adamw_mode=False``) with hybrid 8-bit/fp32 states.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``) or param-group dicts.
+            Per-group keys: ``lr, betas, eps, weight_decay, adamw_mode, optimizer_states, min_8bit_size,
+            block_size``.
+        optimizer_states: ``"8bit"`` (hybrid, default) or ``"fp32"`` (all states fp32).
+        min_8bit_size: tensors with fewer elements keep fp32 states.
+        block_size: elements per absmax block (multiple of 32, at most 16384).
+        fp32_name_patterns: regular expressions; a parameter whose name matches keeps fp32 states
+            (``None``: the defaults, norms and biases).
+        named_parameters: names for parameters passed as plain tensors: ``(name, tensor)`` pairs (e.g.
+            ``model.named_parameters()``) or a mapping ``{id(param): name}``.
+        max_grad_norm: clip the global gradient norm to this value (0 disables clipping).
+        check_finite: when no norm is supplied, compute it anyway to detect non-finite gradients.
+        compute_copies: ``{param: tensor}``; the update writes each param's value into its tensor
+            (bf16 or fp16, same shape) in the same pass. Can be extended per step.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, adamw_mode: bool = True, optimizer_states: str = "8bit",
+                 min_8bit_size: int = 4096, block_size: int = DEFAULT_BLOCK_SIZE,
+                 fp32_name_patterns: Optional[Sequence[str]] = DEFAULT_FP32_PATTERNS,
+                 named_parameters=None, max_grad_norm: float = 0.0,
+                 check_finite: bool = True, compute_copies: Optional[Mapping[torch.Tensor, torch.Tensor]] = None):
+        if lr < 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        if eps < 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if weight_decay < 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if max_grad_norm < 0.0:
+            raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
+        _check_kind(optimizer_states)
+        _check_block(block_size)
+        groups, names = _split_named(params)
+        if named_parameters is not None:
+            items = named_parameters.items() if isinstance(named_parameters, Mapping) else named_parameters
+            for a, b in items:
+                if isinstance(a, int) and isinstance(b, str):  # {id(param): name}
+                    names.setdefault(a, b)
+                elif isinstance(a, str) and isinstance(b, torch.Tensor):  # (name, param)
+                    names.setdefault(id(b), a)
+                else:
+                    raise TypeError("named_parameters must hold (name, tensor) pairs or map id(param) -> name")
+        if fp32_name_patterns is None:
+            fp32_name_patterns = DEFAULT_FP32_PATTERNS
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=bool(adamw_mode),
+                        optimizer_states=optimizer_states, min_8bit_size=int(min_8bit_size),
+                        block_size=int(block_size))
+        super().__init__(groups, defaults)
+        for g in self.param_groups:
+            _check_kind(g["optimizer_states"])
+            _check_block(g["block_size"])
+        self._names = names
+        self.fp32_name_patterns = tuple(fp32_name_patterns)
+        self._fp32_re = [re.compile(pat, re.IGNORECASE) for pat in self.fp32_name_patterns]
+        self.max_grad_norm = float(max_grad_norm)
+        self.check_finite = bool(check_finite)
+        self.compute_copies: Dict[torch.Tensor, torch.Tensor] = {}
+        if compute_copies:
+            self.set_compute_copies(compute_copies)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        self.last_grad_norm: Optional[float] = None
+        self.last_clip_coef = 1.0
+        self._reported = False
+
+    # ------------------------------------------------------------------ selection and report
+    def param_name(self, p: torch.Tensor) -> Optional[str]:
+        return self._names.get(id(p))
+
+    def _choose(self, p: torch.Tensor, group: Dict[str, Any]) -> Tuple[str, str]:
+        """(kind, reason) for a parameter under the current rules."""
+        if group["optimizer_states"] == "fp32":
+            return "fp32", "optimizer_states=fp32"
+        if p.numel() < group["min_8bit_size"]:
+            return "fp32", f"numel < min_8bit_size ({group['min_8bit_size']})"
+        name = self.param_name(p)
+        if name is not None:
+            for rx in self._fp32_re:
+                if rx.search(name):
+                    return "fp32", f"name matches {rx.pattern!r}"
+        elif p.dim() < 2:
+            return "fp32", "1-D tensor without a name (bias or norm)"
+        return "8bit", f"numel >= {group['min_8bit_size']}"
+
+
+    def state_report(self) -> List[Dict[str, Any]]:
+        """One entry per parameter: name, shape, numel, states ("8bit"/"fp32"), reason, state bytes."""
+        rows = []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                st = self.state.get(p)
+                kind, reason = self._choose(p, group)
+                if st and _kind_of(st) != kind:
+                    kind, reason = _kind_of(st), "restored from checkpoint"
+                bs = st.get("block_size", group["block_size"]) if st else group["block_size"]
+                nbytes = _state_bytes(kind, p.numel(), bs)
+                rows.append(dict(name=self.param_name(p) or f"group{gi}.param{pi}", shape=tuple(p.shape),
+                                 numel=p.numel(), states=kind, reason=reason, state_bytes=nbytes))
+        return rows
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (moments and absmax) for all parameters, allocated or not."""
+        return sum(r["state_bytes"] for r in self.state_report())
+
+    def format_state_report(self) -> str:
+        rows = self.state_report()
+        n8 = sum(r["numel"] for r in rows if r["states"] == "8bit")
+        n32 = sum(r["numel"] for r in rows if r["states"] == "fp32")
+        total = n8 + n32
+        nbytes = sum(r["state_bytes"] for r in rows)
+        lines = [f"HybridAdamW: {sum(r['states'] == '8bit' for r in rows)} tensors / {n8:,} params with 8-bit "
+                 f"states, {sum(r['states'] == 'fp32' for r in rows)} tensors / {n32:,} params with fp32 states; "
+                 f"{nbytes / max(total, 1):.3f} bytes of state per parameter"]
+        for r in rows:
+            lines.append(f"  {r['states']:>4}  {r['name']}  {list(r['shape'])}  ({r['reason']})")
+        return "\n".join(lines)
+
+    def set_compute_copies(self, mapping: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        """Register tensors that receive each parameter's new value (in their dtype) during the update."""
+        for p, c in mapping.items():
+            if c.shape != p.shape:
+                raise ValueError(f"compute copy for {self.param_name(p) or tuple(p.shape)} has shape "
+                                 f"{tuple(c.shape)}, expected {tuple(p.shape)}")
+            self.compute_copies[p] = c
+
+    # ------------------------------------------------------------------ state
+    def _init_state(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+        kind, _ = self._choose(p, group)
+        st = self.state[p]
+        st["step"] = 0
+        if kind == "8bit":
+            bs = group["block_size"]
+            q1, q2 = get_qmap("dynamic", p.device), get_qmap("udynamic", p.device)
+            nb = num_blocks(p.numel(), bs)
+            st["block_size"] = bs
+            st["state1"] = torch.full(p.shape, q1.zero_code, dtype=torch.uint8, device=p.device)
+            st["state2"] = torch.full(p.shape, q2.zero_code, dtype=torch.uint8, device=p.device)
+            st["absmax1"] = torch.zeros(nb, dtype=torch.float32, device=p.device)
+            st["absmax2"] = torch.zeros(nb, dtype=torch.float32, device=p.device)
+        else:
+            st["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if not self._reported:
+            self._reported = True
+            log.info("%s", self.format_state_report())
+        return st
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a checkpoint; quantized states keep their uint8 codes, fp32 absmax and block size."""
+        saved_state = state_dict["state"]
+        saved_groups = state_dict["param_groups"]
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in saved_groups for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, p in zip(saved_ids, params):
+            if idx not in saved_state:
+                continue
+            src = saved_state[idx]
+            st = self.state[p]
+            kind = _kind_of(src)
+            if kind is None:
+                raise ValueError(f"checkpoint state of parameter {idx} holds neither 8-bit (state1/state2) nor "
+                                 f"fp32 (exp_avg/exp_avg_sq) moments (keys {sorted(src)}); was it saved by HybridAdamW?")
+            if kind == "8bit":
+                bs = int(src["block_size"])
+                nb = num_blocks(p.numel(), bs)
+                for key in ("state1", "state2"):
+                    t = src[key]
+                    if t.dtype != torch.uint8 or t.numel() != p.numel():
+                        raise ValueError(f"checkpoint {key} of parameter {idx} does not match its shape "
+                                         f"{tuple(p.shape)} (got {t.dtype} {tuple(t.shape)})")
+                    st[key] = t.to(device=p.device, copy=True).view(p.shape)
+                for key in ("absmax1", "absmax2"):
+                    t = src[key]
+                    if t.numel() != nb:
+                        raise ValueError(f"checkpoint {key} of parameter {idx} has {t.numel()} blocks, "
+                                         f"expected {nb} for block_size {bs}")
+                    st[key] = t.to(device=p.device, dtype=torch.float32, copy=True)
+            else:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    t = src[key]
+                    if t.numel() != p.numel():
+                        raise ValueError(f"checkpoint {key} of parameter {idx} does not match its shape")
+                    st[key] = t.to(device=p.device, dtype=torch.float32, copy=True).view(p.shape)
+            st["step"] = int(src["step"])
+
+    # ------------------------------------------------------------------ step
+    def record_skipped_step(self, grad_norm: Optional[float] = None) -> None:
+        """Count a step skipped because of non-finite gradients (also called by :meth:`step`)."""
+        self.skipped_steps += 1
+        self.last_step_skipped = True
+        self.last_grad_norm = None if grad_norm is None else float(grad_norm)
+        log.warning("HybridAdamW: non-finite gradient norm (%s); step skipped (%d skipped so far)",
+                    grad_norm, self.skipped_steps)
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_norm=None, clip_coef=None, params: Optional[Iterable[torch.Tensor]] = None,
+             compute_copies: Optional[Mapping[torch.Tensor, torch.Tensor]] = None):
+        """One optimizer step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+            grad_norm: global gradient norm computed by the caller (e.g. from per-layer norms with
+                :func:`lazytrain.optim.clipping.combine_norms`); non-finite skips the step; with
+                ``max_grad_norm > 0`` the clip coefficient is derived from it.
+            clip_coef: the clip coefficient to apply (overrides the one derived from the norm).
+            params: update only these parameters (e.g. one streamed layer). With clipping, pass the
+                global ``grad_norm`` or ``clip_coef``: a subset cannot know the global norm.
+            compute_copies: extra ``{param: bf16/fp16 tensor}`` written in the same pass for this step.
+        Returns the closure's loss (or ``None``). Check ``last_step_skipped`` for skipped steps.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        targets = self._targets(params)
+        coef = 1.0 if clip_coef is None else float(clip_coef)
+        norm = grad_norm
+        if norm is None and clip_coef is None and (self.max_grad_norm > 0 or self.check_finite):
+            if params is not None and self.max_grad_norm > 0:
+                raise ValueError("HybridAdamW.step(params=...) with max_grad_norm > 0 needs the global grad_norm "
+                                 "or clip_coef computed over all gradients")
+            norm, _ = clipping.global_grad_norm([p.grad for p, _ in targets])
+        self.last_step_skipped = False
+        if norm is not None:
+            if not clipping.is_finite(norm):
+                self.record_skipped_step(float(norm) if not isinstance(norm, torch.Tensor) else norm.item())
+                return loss
+            self.last_grad_norm = float(norm)
+            if clip_coef is None and self.max_grad_norm > 0:
+                coef = float(clipping.clip_coefficient(norm, self.max_grad_norm))
+        elif clip_coef is not None and not clipping.is_finite(coef):
+            self.record_skipped_step(None)
+            return loss
+        self.last_clip_coef = coef
+        copies = self.compute_copies
+        if compute_copies:
+            copies = dict(copies)
+            copies.update(compute_copies)
+        for p, group in targets:
+            self._update(p, group, coef, copies.get(p))
+        return loss
+
+    def _targets(self, params) -> List[Tuple[torch.Tensor, Dict[str, Any]]]:
+        wanted = None if params is None else {id(p) for p in params}
+        out = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or (wanted is not None and id(p) not in wanted):
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("HybridAdamW does not support sparse gradients")
+                out.append((p, group))
+        return out
+
+    def _update(self, p: torch.Tensor, group: Dict[str, Any], coef: float, copy: Optional[torch.Tensor]) -> None:
+        st = self.state[p]
+        if not st:
+            st = self._init_state(p, group)
+        st["step"] += 1
+        beta1, beta2 = group["betas"]
+        hyper = make_hyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                           weight_decay=group["weight_decay"], step=st["step"], clip=coef,
+                           adamw=group["adamw_mode"])
+        g = p.grad
+        if "state1" in st:
+            self._update_8bit(p, g, st, group, hyper, copy)
+        else:
+            self._update_fp32(p, g, st, hyper, copy)
+
+    @staticmethod
+    def _kernel_ok(p: torch.Tensor, g: torch.Tensor, copy: Optional[torch.Tensor]):
+        if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+            return None
+        if g.dtype not in (torch.float32, torch.bfloat16, torch.float16) or g.device.type != "cpu":
+            return None
+        if copy is not None and (copy.device.type != "cpu" or copy.dtype not in (torch.bfloat16, torch.float16)
+                                 or not copy.is_contiguous()):
+            return None
+        return cpu_kernels()
+
+    def _update_8bit(self, p, g, st, group, hyper, copy) -> None:
+        bs = st["block_size"]
+        q1, q2 = get_qmap("dynamic", p.device), get_qmap("udynamic", p.device)
+        k = self._kernel_ok(p, g, copy)
+        if k is not None:
+            k.adam8bit(hyper, p, g.contiguous(), st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2,
+                       bs, copy)
+            return
+        if p.is_cuda and _bnb_cuda_ok(p, g, group, bs):
+            import bitsandbytes.functional as bnbF
+            beta1, beta2 = group["betas"]
+            bnbF.optimizer_update_8bit_blockwise(
+                "adam", g, p, st["state1"], st["state2"], beta1, beta2, 0.0, 0.0, group["eps"], st["step"],
+                float(group["lr"]), q1.values, q2.values, st["absmax1"], st["absmax2"],
+                weight_decay=group["weight_decay"], gnorm_scale=hyper.clip, skip_zeros=False)
+            if copy is not None:
+                copy.copy_(p)
+            return
+        torch_adam8bit(p, g, st, hyper, q1, q2, bs, copy)
+
+    def _update_fp32(self, p, g, st, hyper, copy) -> None:
+        k = self._kernel_ok(p, g, copy)
+        if k is not None:
+            k.adam32(hyper, p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], copy)
+            return
+        torch_adam32(p, g, st, hyper, copy)
+
+
+# ---------------------------------------------------------------------- helpers and torch implementation
+def _check_kind(kind: str) -> None:
+    if kind not in _STATE_KINDS:
+        raise ValueError(f"optimizer_states must be '8bit' or 'fp32', got {kind!r}")
+
+
+def _check_block(bs: int) -> None:
+    if not (isinstance(bs, int) and 32 <= bs <= 16384 and bs % 32 == 0):
+        raise ValueError(f"block_size must be a multiple of 32 in [32, 16384], got {bs!r}")
+
+
+def _kind_of(st: Mapping[str, Any]) -> Optional[str]:
+    if "state1" in st and "state2" in st:
+        return "8bit"
+    if "exp_avg" in st and "exp_avg_sq" in st:
+        return "fp32"
+    return None
+
+
+def _state_bytes(kind: str, numel: int, block_size: int) -> int:
+    if kind == "8bit":
+        return 2 * numel + 2 * 4 * num_blocks(numel, block_size)
+    return 8 * numel
+
+
+def _bnb_cuda_ok(p, g, group, bs) -> bool:
+    if bs != 256 or not group["adamw_mode"] or g.dtype != p.dtype or not (p.is_contiguous() and g.is_contiguous()):
+        return False
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed or no CUDA build: torch path
+        return False
+    return True
+
+
+def _adam_math(h, pf: torch.Tensor, gf: torch.Tensor, m: torch.Tensor, v: torch.Tensor):
+    """The kernel's arithmetic with torch ops, same operations in the same order (fp32)."""
+    g = gf * h.clip
+    if not h.adamw:
+        g = g + pf * h.weight_decay
+    m = m * h.beta1 + g * h.one_minus_beta1
+    v = v * h.beta2 + (g * g) * h.one_minus_beta2
+    if h.adamw:
+        pf = pf * h.decay
+    # torch's fp32 CPU sqrt is not correctly rounded; the fp64 sqrt rounded to fp32 is (as in the kernel)
+    denom = torch.sqrt(v.double()).float() / h.bc2_sqrt + h.eps
+    pf = pf - (m / denom) * h.step_size
+    return pf, m, v
+
+
+def _requant(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    nb = num_blocks(n, bs)
+    xb = torch.nn.functional.pad(x, (0, nb * bs - n)).view(nb, bs)
+    absmax = xb.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    return encode(xb * scale[:, None], qmap).reshape(-1)[:n], absmax
+
+
+def _dequant(codes: torch.Tensor, absmax: torch.Tensor, qmap: QuantMap, bs: int) -> torch.Tensor:
+    n = codes.numel()
+    nb = num_blocks(n, bs)
+    vals = qmap.values[codes.reshape(-1).long()]
+    return (torch.nn.functional.pad(vals, (0, nb * bs - n)).view(nb, bs) * absmax[:, None]).reshape(-1)[:n]
+
+
+def torch_adam8bit(p, g, st, h, q1: QuantMap, q2: QuantMap, bs: int, copy=None) -> None:
+    """Reference/fallback 8-bit update with torch ops (any device); same results as the C++ kernel."""
+    m = _dequant(st["state1"], st["absmax1"], q1, bs)
+    v = _dequant(st["state2"], st["absmax2"], q2, bs)
+    pf, m, v = _adam_math(h, p.detach().reshape(-1).float(), g.reshape(-1).float(), m, v)
+    c1, a1 = _requant(m, q1, bs)
+    c2, a2 = _requant(v, q2, bs)
+    st["state1"].view(-1).copy_(c1)
+    st["state2"].view(-1).copy_(c2)
+    st["absmax1"].copy_(a1)
+    st["absmax2"].copy_(a2)
+    p.detach().copy_(pf.view(p.shape))
+    if copy is not None:
+        copy.copy_(pf.view(p.shape))
+
+
+def torch_adam32(p, g, st, h, copy=None) -> None:
+    """Reference/fallback fp32-state update with torch ops; same results as the C++ kernel."""
+    pf, m, v = _adam_math(h, p.detach().float(), g.float(), st["exp_avg"], st["exp_avg_sq"])
+    st["exp_avg"].copy_(m)
+    st["exp_avg_sq"].copy_(v)
+    p.detach().copy_(pf)
+    if copy is not None:
+        copy.copy_(pf)

@@ -1,0 +1,379 @@
+"""HybridAdamW: parity with torch AdamW / Adam and bitsandbytes AdamW8bit, fused kernel vs torch path,
+compute copies, state_dict round trip, hybrid selection rules, LR schedulers."""
+import io
+
+import pytest
+import torch
+
+import lazytrain.optim.hybrid_adamw as H
+from lazytrain.optim import kernels
+from lazytrain.optim.hybrid_adamw import HybridAdamW
+from lazytrain.optim.quantization import dequantize_blockwise
+
+
+def make_params(seed=0, shapes=((48, 512), (300,), (40, 130))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g) * 0.05) for s in shapes]
+
+
+def set_grads(params, step, heavy=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        grad = torch.randn(p.shape, generator=g) * 0.01
+        if heavy:
+            grad = grad * torch.exp(torch.randn(p.shape, generator=g))
+        if dtype != p.dtype and hasattr(p, "grad_dtype"):
+            p.grad_dtype = None  # a bf16 gradient for an fp32 master weight
+        p.grad = grad.to(dtype)
+
+
+def run(opt, params, steps, **kw):
+    for s in range(steps):
+        set_grads(params, s, **kw)
+        opt.step()
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    monkeypatch.setattr(H, "cpu_kernels", lambda: None)
+
+
+@pytest.fixture(scope="module")
+def k():
+    lib = kernels.cpu_kernels()
+    if lib is None:
+        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
+    return lib
+
+
+def states_equal(o1, p1, o2, p2):
+    for a, b in zip(p1, p2):
+        s1, s2 = o1.state[a], o2.state[b]
+        assert s1.keys() == s2.keys()
+        for key in s1:
+            if isinstance(s1[key], torch.Tensor):
+                assert torch.equal(s1[key], s2[key]), key
+            else:
+                assert s1[key] == s2[key], key
+
+
+# ---------------------------------------------------------------- fused kernel == torch implementation
+@pytest.mark.parametrize("states", ["8bit", "fp32"])
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_bit_identical_to_torch_path(k, monkeypatch, states, adamw_mode, grad_dtype):
+    shapes = ((37, 333), (300,), (64, 64))  # partial last block, 1-D fp32 tensor, exact blocks
+    pa, pb = make_params(shapes=shapes), make_params(shapes=shapes)
+    kw = dict(lr=3e-3, weight_decay=0.1, adamw_mode=adamw_mode, optimizer_states=states, min_8bit_size=1000,
+              block_size=96, max_grad_norm=0.05)
+    oa, ob = HybridAdamW(pa, **kw), HybridAdamW(pb, **kw)
+    copies_a = {p: torch.empty(p.shape, dtype=torch.bfloat16) for p in pa}
+    copies_b = {p: torch.empty(p.shape, dtype=torch.bfloat16) for p in pb}
+    oa.set_compute_copies(copies_a)
+    ob.set_compute_copies(copies_b)
+    run(oa, pa, 4, heavy=True, dtype=grad_dtype)
+    with monkeypatch.context() as m:
+        m.setattr(H, "cpu_kernels", lambda: None)
+        run(ob, pb, 4, heavy=True, dtype=grad_dtype)
+    assert oa.last_clip_coef < 1.0  # clipping was active
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+        assert torch.equal(copies_a[a], copies_b[b])
+    states_equal(oa, pa, ob, pb)
+
+
+def test_avx2_and_scalar_loops_bit_identical(k):
+    if not k.has_avx2:
+        pytest.skip("no AVX2 build")
+    pa, pb = make_params(), make_params()
+    oa, ob = HybridAdamW(pa, lr=1e-2, min_8bit_size=1000), HybridAdamW(pb, lr=1e-2, min_8bit_size=1000)
+    run(oa, pa, 3, heavy=True)
+    k.set_force_scalar(True)
+    try:
+        run(ob, pb, 3, heavy=True)
+    finally:
+        k.set_force_scalar(False)
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+    states_equal(oa, pa, ob, pb)
+
+
+@pytest.mark.parametrize("states", ["8bit", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compute_copy_written_in_the_same_pass(states, dtype):
+    params = make_params()
+    copies = {p: torch.full(p.shape, float("nan"), dtype=dtype) for p in params}
+    opt = HybridAdamW(params, lr=1e-2, optimizer_states=states, min_8bit_size=1000)
+    set_grads(params, 0)
+    opt.step(compute_copies=copies)
+    for p in params:
+        assert torch.equal(copies[p], p.detach().to(dtype))  # round to nearest even, like torch
+
+
+# ---------------------------------------------------------------- parity with reference optimizers
+def test_fp32_states_match_torch_adamw():
+    pa, pb = make_params(), make_params()
+    oa = HybridAdamW(pa, lr=1e-3, weight_decay=0.1, optimizer_states="fp32")
+    ob = torch.optim.AdamW(pb, lr=1e-3, weight_decay=0.1, foreach=False)
+    run(oa, pa, 20)
+    run(ob, pb, 20)
+    for a, b in zip(pa, pb):
+        # same formula; torch's fp32 CPU sqrt is not correctly rounded, ours is: a few ulps apart
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-7)
+        torch.testing.assert_close(oa.state[a]["exp_avg_sq"], ob.state[b]["exp_avg_sq"], rtol=1e-6, atol=0)
+
+
+def test_adam_mode_matches_torch_adam():
+    pa, pb = make_params(), make_params()
+    oa = HybridAdamW(pa, lr=1e-3, weight_decay=0.1, adamw_mode=False, optimizer_states="fp32")
+    ob = torch.optim.Adam(pb, lr=1e-3, weight_decay=0.1, foreach=False)
+    run(oa, pa, 20)
+    run(ob, pb, 20)
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-7)
+
+
+def test_8bit_one_step_matches_bitsandbytes_adamw8bit():
+    bnb = pytest.importorskip("bitsandbytes")
+    pa, pb = make_params(), make_params()
+    oa = HybridAdamW(pa, lr=1e-3, weight_decay=0.01, block_size=256, fp32_name_patterns=(), min_8bit_size=4096)
+    ob = bnb.optim.AdamW8bit(pb, lr=1e-3, weight_decay=0.01, min_8bit_size=4096)
+    set_grads(pa, 0, heavy=True)
+    set_grads(pb, 0, heavy=True)
+    oa.step()
+    ob.step()
+    for a, b in zip(pa, pb):
+        # step 1 updates with the unquantized moments in both: identical up to fp32 rounding
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-8)
+        sa, sb = oa.state[a], ob.state[b]
+        if "state1" not in sa:  # small tensor: fp32 moments in both
+            assert a.numel() < 4096 and sb["state1"].dtype == torch.float32
+            torch.testing.assert_close(sa["exp_avg"], sb["state1"], rtol=1e-6, atol=0)
+            continue
+        # same layout and block maxima; moments decode within one code step of each other
+        assert sa["state1"].dtype == sb["state1"].dtype == torch.uint8 and sa["state1"].shape == sb["state1"].shape
+        assert torch.equal(sa["absmax1"], sb["absmax1"])
+        torch.testing.assert_close(sa["absmax2"], sb["absmax2"], rtol=1e-6, atol=0)
+        for i, qm in ((1, "dynamic"), (2, "udynamic")):
+            da = dequantize_blockwise(sa[f"state{i}"], sa[f"absmax{i}"], qm, 256)
+            db = dequantize_blockwise(sb[f"state{i}"], sb[f"absmax{i}"], qm, 256)
+            scale = torch.repeat_interleave(sa[f"absmax{i}"], 256)[: a.numel()].view(a.shape)
+            assert torch.all((da - db).abs() <= 0.0141 * scale)  # one step of the coarsest code spacing
+            assert (sa[f"state{i}"] == sb[f"state{i}"]).float().mean() > 0.75
+
+
+def test_8bit_tracks_fp32_adamw_like_bitsandbytes():
+    """20 steps on heavy-tailed gradients: deviation from fp32 AdamW, in units of lr, no worse than
+    bitsandbytes' AdamW8bit at the median, 99th percentile and maximum."""
+    bnb = pytest.importorskip("bitsandbytes")
+    shapes = ((96, 512),)
+    p8, pb, p32 = make_params(shapes=shapes), make_params(shapes=shapes), make_params(shapes=shapes)
+    o8 = HybridAdamW(p8, lr=1e-3, weight_decay=0.01, block_size=256)
+    ob = bnb.optim.AdamW8bit(pb, lr=1e-3, weight_decay=0.01)
+    o32 = torch.optim.AdamW(p32, lr=1e-3, weight_decay=0.01)
+    for o, ps in ((o8, p8), (ob, pb), (o32, p32)):
+        run(o, ps, 20, heavy=True)
+    d8 = ((p8[0] - p32[0]).detach().abs() / 1e-3).flatten()
+    db = ((pb[0] - p32[0]).detach().abs() / 1e-3).flatten()
+    q = torch.tensor([0.5, 0.99])
+    assert torch.all(d8.quantile(q) <= db.quantile(q) * 1.05)
+    assert d8.max() <= max(1.5, float(db.max()) * 1.05)
+    assert d8.quantile(torch.tensor(0.5)) < 0.12  # median deviation after 20 steps: a tenth of one lr
+
+
+# ---------------------------------------------------------------- clipping and non-finite gradients
+def test_clipping_parity_with_clip_grad_norm():
+    pa, pb = make_params(), make_params()
+    oa = HybridAdamW(pa, lr=1e-3, optimizer_states="fp32", max_grad_norm=0.05)
+    ob = HybridAdamW(pb, lr=1e-3, optimizer_states="fp32", check_finite=False)
+    for s in range(3):
+        set_grads(pa, s, heavy=True)
+        set_grads(pb, s, heavy=True)
+        oa.step()
+        total = torch.nn.utils.clip_grad_norm_(pb, 0.05)
+        ob.step()
+        assert oa.last_grad_norm == float(total)  # bit-identical norm
+        for a, b in zip(pa, pb):
+            assert torch.equal(a, b)  # coefficient inside the fused update == clip_grad_norm_ then step
+    assert oa.last_clip_coef < 1.0
+
+
+def test_clipping_8bit_equals_external_coefficient():
+    pa, pb = make_params(), make_params()
+    oa = HybridAdamW(pa, lr=1e-3, min_8bit_size=1000, max_grad_norm=0.05)
+    ob = HybridAdamW(pb, lr=1e-3, min_8bit_size=1000)
+    set_grads(pa, 0, heavy=True)
+    set_grads(pb, 0, heavy=True)
+    oa.step()
+    total = torch.nn.utils.clip_grad_norm_(pb, 0.05)
+    ob.step(grad_norm=total)
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+    states_equal(oa, pa, ob, pb)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("states", ["8bit", "fp32"])
+def test_non_finite_gradient_skips_the_step(bad, states):
+    params = make_params()
+    opt = HybridAdamW(params, lr=1e-2, optimizer_states=states, min_8bit_size=1000)
+    run(opt, params, 2)
+    before = [p.detach().clone() for p in params]
+    state_before = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[p].items()}
+                    for p in params}
+    set_grads(params, 5)
+    params[1].grad[7] = bad
+    opt.step()
+    assert opt.last_step_skipped and opt.skipped_steps == 1
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+        for key, v in state_before[id(p)].items():
+            assert torch.equal(opt.state[p][key], v) if isinstance(v, torch.Tensor) else opt.state[p][key] == v
+    set_grads(params, 6)
+    opt.step()
+    assert not opt.last_step_skipped and opt.skipped_steps == 1
+    assert all(opt.state[p]["step"] == 3 for p in params)
+    # a non-finite norm supplied by the caller skips the step too
+    opt.step(grad_norm=torch.tensor(bad))
+    assert opt.last_step_skipped and opt.skipped_steps == 2
+
+
+def test_partial_step_needs_global_norm_when_clipping():
+    params = make_params()
+    opt = HybridAdamW(params, lr=1e-2, max_grad_norm=1.0)
+    set_grads(params, 0)
+    with pytest.raises(ValueError, match="global grad_norm"):
+        opt.step(params=params[:1])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    before = params[1].detach().clone()
+    opt.step(params=params[:1], grad_norm=norm)
+    assert opt.state[params[0]]["step"] == 1 and not opt.state[params[1]]
+    assert torch.equal(params[1], before)
+
+
+# ---------------------------------------------------------------- state_dict
+def test_state_dict_round_trip_keeps_quantized_states():
+    shapes = ((64, 1024), (300,))
+    pa = make_params(shapes=shapes)
+    oa = HybridAdamW(pa, lr=1e-3)
+    run(oa, pa, 3)
+    buf = io.BytesIO()
+    torch.save(oa.state_dict(), buf)
+    n8 = pa[0].numel()
+    # no blow-up to fp32: 2 bytes per 8-bit parameter + absmax + fp32 moments of the small tensor
+    expected = 2 * n8 + 8 * (n8 // 256) + 8 * 300
+    assert buf.tell() < expected + 16_000
+    sd = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    ob = HybridAdamW(pb, lr=1e-3)
+    ob.load_state_dict(sd)
+    assert ob.state[pb[0]]["state1"].dtype == torch.uint8 and ob.state[pb[0]]["absmax1"].dtype == torch.float32
+    states_equal(oa, pa, ob, pb)
+    for s in range(3, 6):
+        set_grads(pa, s)
+        set_grads(pb, s)
+        oa.step()
+        ob.step()
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+    states_equal(oa, pa, ob, pb)
+
+
+def test_state_dict_keeps_checkpoint_block_size_and_kind():
+    pa = make_params(shapes=((64, 1024),))
+    oa = HybridAdamW(pa, lr=1e-3, block_size=2048)
+    run(oa, pa, 2)
+    pb = [torch.nn.Parameter(pa[0].detach().clone())]
+    ob = HybridAdamW(pb, lr=1e-3, block_size=256)
+    ob.load_state_dict(oa.state_dict())
+    assert ob.state[pb[0]]["block_size"] == 2048 and ob.state[pb[0]]["absmax1"].numel() == 32
+    pc = [torch.nn.Parameter(torch.zeros(10, 10))]
+    with pytest.raises(ValueError):
+        HybridAdamW(pc).load_state_dict(oa.state_dict())
+
+
+# ---------------------------------------------------------------- selection rules and report
+def test_hybrid_selection_rules():
+    model = torch.nn.ModuleDict({
+        "embed": torch.nn.Embedding(100, 64),
+        "fc": torch.nn.Linear(64, 256),
+        "ln_1": torch.nn.LayerNorm(256),
+        "input_layernorm": torch.nn.LayerNorm(8192),
+        "small": torch.nn.Linear(8, 8, bias=False),
+        "keep_fp32_proj": torch.nn.Linear(64, 128, bias=False),
+    })
+    opt = HybridAdamW(model.named_parameters(), fp32_name_patterns=(r"norm", r"bias", r"^ln_", r"keep_fp32"))
+    kinds = {r["name"]: r["states"] for r in opt.state_report()}
+    assert kinds == {"embed.weight": "8bit", "fc.weight": "8bit", "fc.bias": "fp32", "ln_1.weight": "fp32",
+                     "ln_1.bias": "fp32", "input_layernorm.weight": "fp32", "input_layernorm.bias": "fp32",
+                     "small.weight": "fp32", "keep_fp32_proj.weight": "fp32"}
+    reasons = {r["name"]: r["reason"] for r in opt.state_report()}
+    assert "min_8bit_size" in reasons["small.weight"] and "keep_fp32" in reasons["keep_fp32_proj.weight"]
+    # unnamed: 1-D tensors keep fp32 states; optimizer_states="fp32" turns 8-bit off; threshold is configurable
+    w, b = torch.nn.Parameter(torch.zeros(64, 64)), torch.nn.Parameter(torch.zeros(8192))
+    assert [r["states"] for r in HybridAdamW([w, b]).state_report()] == ["8bit", "fp32"]
+    assert [r["states"] for r in HybridAdamW([w, b], optimizer_states="fp32").state_report()] == ["fp32", "fp32"]
+    assert [r["states"] for r in HybridAdamW([w, b], min_8bit_size=5000).state_report()] == ["fp32", "fp32"]
+    # names given separately, as (name, param) pairs or {id: name} (the engine's form)
+    for named in ([("blocks.0.flat", b)], {id(b): "blocks.0.flat"}):
+        assert HybridAdamW([b], named_parameters=named).state_report()[0]["states"] == "8bit"
+    # per-group override
+    opt = HybridAdamW([{"params": [w]}, {"params": [torch.nn.Parameter(torch.zeros(64, 64))],
+                                          "optimizer_states": "fp32"}])
+    assert [r["states"] for r in opt.state_report()] == ["8bit", "fp32"]
+    text = opt.format_state_report()
+    assert "1 tensors / 4,096 params with 8-bit states" in text
+
+
+def test_state_bytes_per_parameter():
+    params = [torch.nn.Parameter(torch.zeros(1024, 1024)) for _ in range(2)]
+    for bs, limit in ((256, 2.032), (2048, 2.004)):
+        opt = HybridAdamW(params, block_size=bs)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        real = sum(t.numel() * t.element_size() for p in params for t in opt.state[p].values()
+                   if isinstance(t, torch.Tensor))
+        assert real == opt.state_bytes()
+        assert real / (2 * 1024 * 1024) <= limit
+
+
+def test_invalid_arguments():
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="optimizer_states"):
+        HybridAdamW(p, optimizer_states="4bit")
+    with pytest.raises(ValueError, match="block_size"):
+        HybridAdamW(p, block_size=100)
+    with pytest.raises(ValueError, match="lr"):
+        HybridAdamW(p, lr=-1.0)
+
+
+# ---------------------------------------------------------------- works with schedulers and other dtypes
+def test_lr_scheduler_drives_the_step():
+    params = make_params()
+    opt = HybridAdamW(params, lr=1e-2, weight_decay=0.0, min_8bit_size=1000)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step >= 1 else 1.0)
+    set_grads(params, 0)
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0
+    before = [p.detach().clone() for p in params]
+    set_grads(params, 1)
+    opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)  # lr 0: no update
+    assert opt.state[params[0]]["step"] == 2  # the moments still advanced
+
+
+def test_bf16_parameters_use_torch_path():
+    params = [torch.nn.Parameter(torch.randn(64, 128).to(torch.bfloat16))]
+    ref = [torch.nn.Parameter(params[0].detach().float())]
+    opt = HybridAdamW(params, lr=1e-2, optimizer_states="fp32")
+    oref = HybridAdamW(ref, lr=1e-2, optimizer_states="fp32")
+    g = torch.randn(64, 128)
+    params[0].grad = g.to(torch.bfloat16)
+    ref[0].grad = g.to(torch.bfloat16).float()
+    opt.step()
+    oref.step()
+    assert params[0].dtype == torch.bfloat16
+    assert torch.equal(params[0], ref[0].detach().to(torch.bfloat16))
