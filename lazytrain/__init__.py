@@ -5,13 +5,7 @@
 """
 __version__ = "0.1.0"
 
+from .engine.initialize import initialize  # noqa: E402
 from .tiers.registry import register_tier  # noqa: E402
-
-
-def initialize(*args, **kwargs):
-    """DeepSpeed-compatible entry point; see :func:`lazytrain.engine.initialize.initialize`."""
-    from .engine.initialize import initialize as _initialize
-    return _initialize(*args, **kwargs)
-
 
 __all__ = ["initialize", "register_tier", "__version__"]

@@ -1,0 +1,518 @@
+"""JSON config -> validated, frozen dataclasses.
+
+Accepts DeepSpeed's config (dict, path to a JSON file, or base64-encoded JSON) plus a "lazytrain"
+section for our own settings. Every error names the offending key and its section. Keys of
+DeepSpeed features that LazyTrain does not implement produce one clear warning each; unknown keys
+inside the sections we implement are errors (a typo must not silently change training).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tiers.base import parse_bytes
+
+
+class ConfigError(ValueError):
+    """A config value LazyTrain cannot accept; the message names the key."""
+
+
+class BatchConfigError(ConfigError, AssertionError):
+    """Batch triple inconsistent (an AssertionError too, as in DeepSpeed)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Keys of DeepSpeed features that LazyTrain does not implement: accepted with one warning each.
+_UNIMPLEMENTED_TOP = {
+    "tensorboard": "write metrics yourself or use the engine's printed log",
+    "wandb": "log from your training loop",
+    "csv_monitor": "log from your training loop",
+    "comet": "log from your training loop",
+    "comms_logger": "LazyTrain has no communication logger",
+    "flops_profiler": "use `lazytrain profile` / the planner's prediction",
+    "autotuning": "the MILP planner chooses the memory plan",
+    "compression_training": "not supported",
+    "sparse_attention": "not supported",
+    "pipeline": "pipeline parallelism is not supported; layers stream on one GPU",
+    "data_efficiency": "not supported",
+    "curriculum_learning": "not supported",
+    "elasticity": "not supported",
+    "amp": "use bf16 or fp16",
+    "communication_data_type": "gradients are reduced in fp32",
+    "prescale_gradients": "gradients are averaged after reduction",
+    "gradient_predivide_factor": "gradients are averaged after reduction",
+    "sparse_gradients": "not supported",
+    "dump_state": "not supported",
+    "memory_breakdown": "peak memory per tier is reported every steps_per_print steps",
+    "zero_allow_untested_optimizer": "any torch optimizer is allowed",
+    "zero_force_ds_cpu_optimizer": "LazyTrain uses its own host optimizer",
+    "checkpoint": "checkpoint tuning keys do not apply",
+    "nebula": "not supported",
+    "data_types": "gradients are accumulated in fp32",
+    "compile": "not supported",
+    "eigenvalue": "not supported",
+    "progressive_layer_drop": "not supported",
+    "quantize_training": "not supported",
+    "weight_quantization": "not supported",
+    "hybrid_engine": "not supported",
+    "timers": "not supported",
+    "torch_autocast": "use bf16 or fp16",
+    "seq_parallel_communication_data_type": "sequence parallelism is not supported",
+    "disable_allgather": "not applicable",
+    "zero_quantized_weights": "not supported",
+    "train_batch_size_per_gpu": "not a DeepSpeed key used by LazyTrain",
+    "graph_harvesting": "not supported",
+    "use_data_before_expert_parallel_": "not supported",
+}
+_ZERO_UNIMPLEMENTED = {
+    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
+    "allgather_bucket_size", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "gather_16bit_weights_on_model_save", "elastic_checkpoint", "ignore_unused_parameters",
+    "legacy_stage1", "load_from_fp32_weights", "mics_shard_size", "mics_hierarchical_params_gather",
+    "memory_efficient_linear", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "pipeline_loading_checkpoint",
+    "override_module_apply", "log_trace_cache_warnings", "use_all_reduce_for_fetch_params",
+    "module_granularity_threshold", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
+    "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+    "stage3_module_granularity_threshold", "zeropp_loco_param", "offload_optimizer_config",
+}
+_OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
+_OFFLOAD_OPT_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                     "fast_init", "ratio", "pipeline", "super_offload", "cpuadam_cores_perc"}
+_AIO_KEYS = {"block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
+             "overlap_events", "use_gds"}
+_AC_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+            "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
+_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+              "bf16_optimizer_states"}
+_TOP_IMPLEMENTED = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "steps_per_print", "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
+    "zero_optimization", "aio", "activation_checkpointing", "lazytrain", "seed", "fp32_allreduce",
+}
+
+POLICIES = ("every_k", "keep_all", "plan", "milp")
+
+
+def _warn_once(seen: set, key: str, message: str) -> None:
+    if key not in seen:
+        seen.add(key)
+        warnings.warn(f"lazytrain config: {message}", UserWarning, stacklevel=4)
+
+
+def _check_keys(section: dict, allowed: set, name: str) -> None:
+    if not isinstance(section, dict):
+        raise ConfigError(f"config section '{name}' must be an object, got {type(section).__name__}")
+    for key in section:
+        if key not in allowed:
+            raise ConfigError(f"unknown key '{key}' in config section '{name}' "
+                              f"(allowed: {', '.join(sorted(allowed))})")
+
+
+def _check_no_auto(d: Any, path: str) -> None:
+    if isinstance(d, dict):
+        for k, v in d.items():
+            _check_no_auto(v, f"{path}.{k}" if path else k)
+    elif d == "auto":
+        raise ConfigError(f"config key '{path}' is \"auto\": replace it with a value (Hugging Face Trainer and "
+                          f"accelerate fill \"auto\" before calling initialize; plain scripts must set it)")
+
+
+def _positive_int(value: Any, key: str, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OptimizerConfig:
+    type: str | None = None
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    type: str | None = None
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    enabled: bool = False
+    loss_scale: float = 0.0             # 0 = dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    device: str = "none"                # none | cpu | nvme
+    nvme_path: str | None = None
+    pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+
+@dataclass(frozen=True)
+class LazyTrainSection:
+    blocks: str | None = None           # dotted path of the block list, e.g. "transformer.h"
+    policy: str = "every_k"             # every_k (MegaTrain) | keep_all | plan | milp
+    checkpoint_interval: int | None = None   # None: from number_checkpoints, else 4 (MegaTrain)
+    number_checkpoints: int | None = None    # activation_checkpointing.number_checkpoints
+    boundary_home: str = "hbm"          # where kept boundaries live
+    plan_path: str | None = None        # policy "plan": a Plan JSON written by `lazytrain plan --json`
+    device: str = "auto"                # auto | cpu | cuda | cuda:N
+    prefetch: bool = True
+    weights_home: str = "host"          # host | nvme | hbm (hbm = all layers resident, no streaming)
+    tiers: tuple = ()                   # user tiers: ({"name", "class", "capacity", ...},)
+    capacities: dict = field(default_factory=dict)  # tier name -> budget in bytes (None = unbounded)
+    optimizer_states: str = "fp32"      # fp32 | 8bit (block tensors' Adam moments)
+    hybrid_threshold: int = 4096        # tensors smaller than this keep fp32 states
+    quant_block_size: int = 2048
+    fp32_state_patterns: tuple = ("norm", "bias")
+    milp_time_limit: float = 30.0
+    nvme_path: str | None = None
+    seq_len: int | None = None          # for the planner; measured from the first batch when absent
+
+
+_LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "plan", "device", "prefetch",
+                   "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
+                   "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
+                   "nvme_path", "seq_len", "capacities"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    world_size: int = 1
+    gradient_clipping: float = 0.0
+    steps_per_print: float = 10
+    wall_clock_breakdown: bool = False
+    seed: int | None = None
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: bool = False
+    zero_stage: int = 0
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
+    lazytrain: LazyTrainSection = field(default_factory=LazyTrainSection)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def interval_for(self, num_layers: int) -> int:
+        """Checkpoint interval k: explicit, else from activation_checkpointing.number_checkpoints, else 4."""
+        lt = self.lazytrain
+        if lt.checkpoint_interval is not None:
+            return lt.checkpoint_interval
+        if lt.number_checkpoints is not None:
+            return max(1, math.ceil(num_layers / lt.number_checkpoints))
+        return 4
+
+    @property
+    def compute_dtype_name(self) -> str:
+        return "bfloat16" if self.bf16 else ("float16" if self.fp16.enabled else "float32")
+
+
+# --------------------------------------------------------------------------------------------
+def load_config_source(config: Any) -> dict:
+    """dict | path to JSON | base64-encoded JSON | JSON text -> dict (a copy)."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config, default=_json_default))
+    if isinstance(config, (str, os.PathLike)):
+        text = str(config)
+        if os.path.exists(text):
+            with open(text) as f:
+                try:
+                    return json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"config file {text} is not valid JSON: {e}") from e
+        if text.lstrip().startswith("{"):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"config text is not valid JSON: {e}") from e
+        try:
+            decoded = base64.b64decode(text, validate=True).decode("utf-8")
+            return json.loads(decoded)
+        except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError):
+            raise ConfigError(f"config {text!r} is neither an existing JSON file, JSON text, nor base64-encoded "
+                              f"JSON") from None
+    raise ConfigError(f"config must be a dict, a path to a JSON file or a base64 JSON string, "
+                      f"got {type(config).__name__}")
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isinf(o):
+        return o
+    raise ConfigError(f"config value {o!r} is not JSON-serializable")
+
+
+def resolve_batch_sizes(tb: int | None, mb: int | None, gas: int | None, world_size: int) -> tuple[int, int, int]:
+    """DeepSpeed's rules: any one or two of the triple may be omitted and are derived."""
+    if tb is not None and mb is not None and gas is not None:
+        pass
+    elif tb is not None and mb is not None:
+        gas = tb // mb // world_size
+    elif tb is not None and gas is not None:
+        mb = tb // world_size // gas
+    elif mb is not None and gas is not None:
+        tb = mb * gas * world_size
+    elif tb is not None:
+        gas, mb = 1, tb // world_size
+    elif mb is not None:
+        tb, gas = mb * world_size, 1
+    else:
+        raise BatchConfigError("Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided")
+    if tb <= 0:
+        raise BatchConfigError(f"Train batch size: {tb} has to be greater than 0")
+    if mb <= 0:
+        raise BatchConfigError(f"Micro batch size per gpu: {mb} has to be greater than 0")
+    if gas <= 0:
+        raise BatchConfigError(f"Gradient accumulation steps: {gas} has to be greater than 0")
+    if tb != mb * gas * world_size:
+        raise BatchConfigError("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu "
+                               f"* gradient_acc_step * world_size {tb} != {mb} * {gas} * {world_size}")
+    return tb, mb, gas
+
+
+def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
+    """Validate a DeepSpeed-style config (plus the "lazytrain" section) into an :class:`EngineConfig`."""
+    d = load_config_source(config)
+    if not isinstance(d, dict):
+        raise ConfigError(f"config must be a JSON object, got {type(d).__name__}")
+    _check_no_auto(d, "")
+    seen: set = set()
+    for key in d:
+        if key in _TOP_IMPLEMENTED:
+            continue
+        if key in _UNIMPLEMENTED_TOP:
+            _warn_once(seen, key, f"'{key}' is a DeepSpeed feature LazyTrain does not implement; it is ignored "
+                                  f"({_UNIMPLEMENTED_TOP[key]}).")
+            continue
+        raise ConfigError(f"unknown top-level config key '{key}' (not a DeepSpeed key LazyTrain knows, "
+                          f"and not 'lazytrain')")
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    tb, mb, gas = resolve_batch_sizes(_positive_int(d.get("train_batch_size"), "train_batch_size"),
+                                      _positive_int(d.get("train_micro_batch_size_per_gpu"),
+                                                    "train_micro_batch_size_per_gpu"),
+                                      _positive_int(d.get("gradient_accumulation_steps"),
+                                                    "gradient_accumulation_steps"),
+                                      world_size)
+
+    clip = d.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0 (0 = off), got {clip!r}")
+    spp = d.get("steps_per_print", 10)
+    if isinstance(spp, bool) or not isinstance(spp, (int, float)) or spp <= 0:
+        raise ConfigError(f"config key 'steps_per_print' must be a positive number (float('inf') allowed), got {spp!r}")
+
+    optimizer = _parse_optimizer(d.get("optimizer"))
+    scheduler = _parse_scheduler(d.get("scheduler"))
+    fp16 = _parse_fp16(d.get("fp16", {}))
+    bf16_section = d.get("bf16", d.get("bfloat16", {}))
+    _check_keys(bf16_section, _BF16_KEYS, "bf16")
+    bf16 = bool(bf16_section.get("enabled", False))
+    if bf16 and fp16.enabled:
+        raise ConfigError("config enables both 'fp16' and 'bf16'; enable one")
+
+    zero = d.get("zero_optimization", {})
+    _check_keys(zero, {"stage", "offload_param", "offload_optimizer"} | _ZERO_UNIMPLEMENTED, "zero_optimization")
+    for key in zero:
+        if key in _ZERO_UNIMPLEMENTED:
+            _warn_once(seen, f"zero.{key}", f"'zero_optimization.{key}' tunes DeepSpeed's ZeRO partitioning and has "
+                                            f"no effect in LazyTrain (buffer sizes are derived from the model).")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"config key 'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}")
+    offload_param = _parse_offload(zero.get("offload_param", {}), _OFFLOAD_PARAM_KEYS,
+                                   "zero_optimization.offload_param", seen)
+    offload_optimizer = _parse_offload(zero.get("offload_optimizer", {}), _OFFLOAD_OPT_KEYS,
+                                       "zero_optimization.offload_optimizer", seen)
+    if offload_optimizer.device == "none" and "offload_optimizer" in zero:
+        _warn_once(seen, "offopt-none", "'zero_optimization.offload_optimizer.device' is \"none\", but LazyTrain "
+                                        "always runs the optimizer on the host (that is how it trains models "
+                                        "larger than GPU memory).")
+    if offload_optimizer.device == "nvme":
+        _warn_once(seen, "offopt-nvme", "'zero_optimization.offload_optimizer.device' is \"nvme\": LazyTrain keeps "
+                                        "optimizer states in host memory (8-bit states keep them small); set "
+                                        "\"lazytrain\": {\"optimizer_states\": \"8bit\"} to shrink them.")
+
+    aio = _parse_aio(d.get("aio", {}))
+    lt = _parse_lazytrain(d.get("lazytrain", {}), d.get("activation_checkpointing", {}), offload_param, seen)
+
+    seed = d.get("seed")
+    return EngineConfig(
+        train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
+        world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
+        wall_clock_breakdown=bool(d.get("wall_clock_breakdown", False)), seed=seed,
+        optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
+        offload_param=offload_param, offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
+
+
+def _parse_optimizer(section) -> OptimizerConfig:
+    if section is None:
+        return OptimizerConfig()
+    _check_keys(section, {"type", "params"}, "optimizer")
+    params = dict(section.get("params", {}))
+    if not isinstance(params, dict):
+        raise ConfigError("config key 'optimizer.params' must be an object")
+    if "max_grad_norm" in params:
+        raise ConfigError("'max_grad_norm' is not supported as an optimizer parameter in config 'optimizer.params'; "
+                          "please use the top-level 'gradient_clipping' key instead")
+    typ = section.get("type")
+    if not isinstance(typ, str):
+        raise ConfigError(f"config key 'optimizer.type' must be a string, got {typ!r}")
+    return OptimizerConfig(type=typ, params=params)
+
+
+def _parse_scheduler(section) -> SchedulerConfig:
+    if section is None:
+        return SchedulerConfig()
+    _check_keys(section, {"type", "params"}, "scheduler")
+    typ = section.get("type")
+    if not isinstance(typ, str):
+        raise ConfigError(f"config key 'scheduler.type' must be a string, got {typ!r}")
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        raise ConfigError("config key 'scheduler.params' must be an object")
+    return SchedulerConfig(type=typ, params=dict(params))
+
+
+def _parse_fp16(section) -> FP16Config:
+    _check_keys(section, _FP16_KEYS, "fp16")
+    return FP16Config(
+        enabled=bool(section.get("enabled", False)), loss_scale=float(section.get("loss_scale", 0.0)),
+        initial_scale_power=int(section.get("initial_scale_power", 16)),
+        loss_scale_window=int(section.get("loss_scale_window", 1000)),
+        hysteresis=int(section.get("hysteresis", 2)),
+        consecutive_hysteresis=bool(section.get("consecutive_hysteresis", False)),
+        min_loss_scale=float(section.get("min_loss_scale", 1.0)))
+
+
+def _parse_offload(section, allowed: set, name: str, seen: set) -> OffloadConfig:
+    _check_keys(section, allowed, name)
+    device = section.get("device", "none")
+    if device not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"config key '{name}.device' must be \"none\", \"cpu\" or \"nvme\", got {device!r}")
+    if device == "nvme" and not section.get("nvme_path"):
+        raise ConfigError(f"config key '{name}.nvme_path' is required when '{name}.device' is \"nvme\"")
+    for key in ("buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write", "fast_init",
+                "ratio", "pipeline", "super_offload", "cpuadam_cores_perc"):
+        if key in section:
+            _warn_once(seen, f"{name}.{key}", f"'{name}.{key}' is ignored: LazyTrain derives buffer sizes and "
+                                              f"counts from the model and the plan.")
+    return OffloadConfig(device=device, nvme_path=section.get("nvme_path"),
+                         pin_memory=bool(section.get("pin_memory", True)))
+
+
+def _parse_aio(section) -> AioConfig:
+    _check_keys(section, _AIO_KEYS, "aio")
+    threads = section.get("intra_op_parallelism", section.get("thread_count", 1))
+    cfg = AioConfig(block_size=int(section.get("block_size", 1 << 20)), queue_depth=int(section.get("queue_depth", 8)),
+                    intra_op_parallelism=int(threads), single_submit=bool(section.get("single_submit", False)),
+                    overlap_events=bool(section.get("overlap_events", True)), use_gds=bool(section.get("use_gds", False)))
+    for key in ("block_size", "queue_depth", "intra_op_parallelism"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"config key 'aio.{key}' must be > 0, got {getattr(cfg, key)}")
+    return cfg
+
+
+def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set) -> LazyTrainSection:
+    _check_keys(section, _LAZYTRAIN_KEYS, "lazytrain")
+    _check_keys(ac, _AC_KEYS, "activation_checkpointing")
+    kw: dict[str, Any] = {}
+    # activation_checkpointing is honoured: it maps onto the checkpoint plan (DeepSpeed ignores it
+    # unless the model calls deepspeed.checkpointing).
+    n_ckpt = ac.get("number_checkpoints")
+    if n_ckpt is not None:
+        if isinstance(n_ckpt, bool) or not isinstance(n_ckpt, int) or n_ckpt < 1:
+            raise ConfigError(f"config key 'activation_checkpointing.number_checkpoints' must be an integer >= 1, "
+                              f"got {n_ckpt!r}")
+        kw["number_checkpoints"] = n_ckpt
+    if ac.get("cpu_checkpointing"):
+        kw["boundary_home"] = "host"
+    for key in ("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
+                "profile"):
+        if ac.get(key):
+            _warn_once(seen, f"ac.{key}", f"'activation_checkpointing.{key}' has no effect in LazyTrain: kept "
+                                          f"boundaries are placed by the plan (boundary_home / policy).")
+
+    if "blocks" in section and section["blocks"] is not None and not isinstance(section["blocks"], str):
+        raise ConfigError(f"config key 'lazytrain.blocks' must be a dotted path like \"transformer.h\", "
+                          f"got {section['blocks']!r}")
+    policy = section.get("policy", "every_k")
+    if policy not in POLICIES:
+        raise ConfigError(f"config key 'lazytrain.policy' must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if policy == "plan" and not section.get("plan"):
+        raise ConfigError("config key 'lazytrain.plan' (path to a Plan JSON) is required when 'lazytrain.policy' "
+                          "is \"plan\"")
+    interval = section.get("checkpoint_interval", 4)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ConfigError(f"config key 'lazytrain.checkpoint_interval' must be an integer >= 1, got {interval!r}")
+    states = section.get("optimizer_states", "fp32")
+    if states not in ("fp32", "8bit"):
+        raise ConfigError(f"config key 'lazytrain.optimizer_states' must be \"fp32\" or \"8bit\", got {states!r}")
+    tiers = section.get("tiers", [])
+    if not isinstance(tiers, list) or not all(isinstance(t, dict) and "name" in t for t in tiers):
+        raise ConfigError("config key 'lazytrain.tiers' must be a list of objects, each with a 'name' "
+                          "(and 'class', 'capacity', ...)")
+    capacities = dict(section.get("capacities", {}))
+    for key, tier in (("gpu_memory", "hbm"), ("host_memory", "host"), ("nvme_memory", "nvme")):
+        if key in section:
+            capacities[tier] = section[key]
+    try:
+        capacities = {k: parse_bytes(v, f"lazytrain budget for tier '{k}'") for k, v in capacities.items()}
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    weights_home = section.get("weights_home")
+    if weights_home is None:
+        weights_home = {"none": "hbm", "cpu": "host", "nvme": "nvme"}[offload_param.device]
+        if offload_param.device == "none":
+            weights_home = "host"  # DeepSpeed's default: no offload section means stream from the host
+    if weights_home not in ("host", "nvme", "hbm"):
+        raise ConfigError(f"config key 'lazytrain.weights_home' must be \"host\", \"nvme\" or \"hbm\", "
+                          f"got {weights_home!r}")
+    nvme_path = section.get("nvme_path") or offload_param.nvme_path
+    return LazyTrainSection(
+        blocks=section.get("blocks"), policy=policy,
+        checkpoint_interval=interval if "checkpoint_interval" in section else None,
+        number_checkpoints=kw.get("number_checkpoints"),
+        boundary_home=section.get("boundary_home", kw.get("boundary_home", "hbm")),
+        plan_path=section.get("plan"), device=str(section.get("device", "auto")),
+        prefetch=bool(section.get("prefetch", True)), weights_home=weights_home,
+        tiers=tuple(tiers), capacities=capacities, optimizer_states=states,
+        hybrid_threshold=int(section.get("hybrid_threshold", 4096)),
+        quant_block_size=int(section.get("quant_block_size", 2048)),
+        fp32_state_patterns=tuple(section.get("fp32_state_patterns", ("norm", "bias"))),
+        milp_time_limit=float(section.get("milp_time_limit", 30.0)), nvme_path=nvme_path,
+        seq_len=section.get("seq_len"))

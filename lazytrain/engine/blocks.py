@@ -1,0 +1,74 @@
+"""Find the model's repeated blocks: the layers that LazyTrain streams.
+
+In order: a dotted path named in config ("transformer.h"); the Hugging Face causal-LM layout
+(``model.model.layers``); else the largest ``nn.ModuleList`` of structurally identical modules.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+
+class BlockDiscoveryError(ValueError):
+    pass
+
+
+def _structure(module: nn.Module) -> tuple:
+    """A module's shape signature: class, and every parameter's name, shape and dtype."""
+    return (type(module).__name__,
+            tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
+
+
+def _resolve(model: nn.Module, path: str) -> nn.Module:
+    obj = model
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise BlockDiscoveryError(f"config 'lazytrain.blocks' is {path!r}, but the model has no attribute "
+                                      f"{part!r} along that path")
+        obj = getattr(obj, part)
+    return obj
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.ModuleList]:
+    """Return (dotted path, ModuleList) of the blocks to stream."""
+    if path:
+        blocks = _resolve(model, path)
+        if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+            raise BlockDiscoveryError(f"config 'lazytrain.blocks' {path!r} is a {type(blocks).__name__}, "
+                                      f"not an nn.ModuleList")
+        _check_identical(blocks, path)
+        return path, blocks
+    for candidate in ("model.layers", "model.model.layers", "transformer.h", "model.decoder.layers", "layers"):
+        try:
+            blocks = _resolve(model, candidate)
+        except BlockDiscoveryError:
+            continue
+        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+            try:
+                _check_identical(blocks, candidate)
+            except BlockDiscoveryError:
+                continue
+            return candidate, blocks
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            sigs = {_structure(m) for m in module}
+            if len(sigs) != 1 or not any(True for _ in module[0].parameters()):
+                continue
+            size = sum(p.numel() for p in module.parameters())
+            if best is None or size > sum(p.numel() for p in best[1].parameters()):
+                best = (name, module)
+    if best is None:
+        raise BlockDiscoveryError(
+            "could not find the model's repeated blocks: no nn.ModuleList of structurally identical modules with "
+            "parameters. Name them in config: \"lazytrain\": {\"blocks\": \"path.to.layers\"}")
+    return best
+
+
+def _check_identical(blocks, path: str) -> None:
+    if len(blocks) == 0:
+        raise BlockDiscoveryError(f"block list {path!r} is empty")
+    sigs = [_structure(m) for m in blocks]
+    for i, s in enumerate(sigs):
+        if s != sigs[0]:
+            raise BlockDiscoveryError(f"blocks at {path!r} are not structurally identical: block {i} differs from "
+                                      f"block 0 ({s[0]} vs {sigs[0][0]})")

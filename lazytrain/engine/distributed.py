@@ -1,0 +1,50 @@
+"""torch.distributed set-up from the launcher's environment, and gradient averaging across ranks.
+
+A plain ``python train.py`` (no RANK/WORLD_SIZE) is a single process: no process group, no mpi4py.
+Under torchrun, the group is created from the environment (NCCL on CUDA, gloo otherwise), and host
+gradient buffers are reduced over a gloo group since NCCL cannot reduce host memory.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class DistributedContext:
+    def __init__(self, device_type: str):
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.host_group = None
+        if self.world_size > 1:
+            if not dist.is_initialized():
+                missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+                if missing:
+                    raise RuntimeError(f"WORLD_SIZE={self.world_size} but {', '.join(missing)} is not set: launch with "
+                                       f"torchrun, or unset WORLD_SIZE for a single process")
+                dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+            self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def average(self, host_tensors: list[torch.Tensor], device_tensors: list[torch.Tensor]) -> None:
+        """All-reduce (sum) then divide by the world size, in place."""
+        if not self.enabled:
+            return
+        for t in host_tensors:
+            dist.all_reduce(t, group=self.host_group)
+            t.div_(self.world_size)
+        for t in device_tensors:
+            dist.all_reduce(t)
+            t.div_(self.world_size)
+
+    def any_true(self, flag: bool) -> bool:
+        if not self.enabled:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(t, group=self.host_group)
+        return bool(t.item() > 0)

@@ -1,0 +1,392 @@
+"""The DeepSpeed-compatible engine: the public surface a training loop talks to.
+
+It owns no mechanism of its own: block streaming is the executor's, storage the tiers', the memory
+plan the planner's, the update the optimizer's. The engine wires them together and keeps DeepSpeed's
+counters and accumulation-boundary semantics.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config import ConfigError, EngineConfig
+from ..tiers import format_bytes
+from . import checkpoint as ckpt
+from .blocks import find_blocks
+from .distributed import DistributedContext
+from .executor import LayerStreamingExecutor
+from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
+from .placement import build_plan, build_tiers, resolve_device
+from .precision import DeviceMasters, LossScaler
+from .weights import LayerWeights
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LazyTrainEngine(nn.Module):
+    """Wraps the user's model; ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, optimizer=None, model_parameters=None,
+                 lr_scheduler=None, training_data=None, collate_fn=None):
+        super().__init__()
+        self.module = model
+        self._config = config
+        self.dist = DistributedContext("cuda" if torch.cuda.is_available() else "cpu")
+        self.local_rank, self.global_rank, self.world_size = self.dist.local_rank, self.dist.rank, self.dist.world_size
+        self.device = resolve_device(config, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.compute_dtype = _DTYPES[config.compute_dtype_name]
+
+        # what streams and what stays
+        self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
+        block_param_ids = {id(p) for p in blocks.parameters()}
+        self.tiers = build_tiers(config, self.device)
+        model_cfg = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
+        self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu)
+        weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
+            else self.tiers[config.lazytrain.weights_home]
+        self.weights = LayerWeights(blocks, self.compute_dtype, self.device, weights_tier, self.tiers["hbm"],
+                                    self.plan.resident_layers)
+        self.executor = LayerStreamingExecutor(blocks, self.plan, self.weights, self.tiers, self.device,
+                                               prefetch=config.lazytrain.prefetch)
+        self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
+        self._move_non_block(model, blocks)
+        self.masters = DeviceMasters(self.non_block_params, self.compute_dtype) \
+            if self.compute_dtype != torch.float32 else None
+        remap = self.masters.master_of if self.masters is not None else (lambda p: p)
+
+        # optimizer and schedule
+        names = {id(p): n for n, p in model.named_parameters()}
+        if self.masters is not None:
+            names.update({id(m): names[id(p)] for p, m in self.masters.pairs})
+        if optimizer is not None and config.optimizer.type is not None:
+            raise ConfigError("an optimizer was passed to initialize and the config has an 'optimizer' section; "
+                              "pass one")
+        if optimizer is not None:
+            self.optimizer = client_optimizer(optimizer, param_groups(model_parameters, model, remap), remap)
+        elif config.optimizer.type is not None:
+            self.optimizer = build_optimizer(config, param_groups(model_parameters, model, remap), names)
+        else:
+            self.optimizer = None
+        self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
+        self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
+                                      config.fp16.loss_scale_window, config.fp16.hysteresis,
+                                      config.fp16.consecutive_hysteresis, config.fp16.min_loss_scale) \
+            if config.fp16.enabled else None
+        self.training_dataloader = self._build_dataloader(training_data, collate_fn)
+
+        # counters (DeepSpeed's names)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._scaled_backward = False
+        self._global_grad_norm: float | None = None
+        self._step_applied = False
+        self._step_start = time.perf_counter()
+        self.last_step_peak_bytes: dict[str, int] = {}
+        self.weights.zero_grads()
+
+    # ---- set-up helpers ------------------------------------------------------------------------
+    def _move_non_block(self, model: nn.Module, blocks: nn.ModuleList) -> None:
+        """Embeddings, final norm, head and their buffers go to the compute device."""
+        for p in self.non_block_params:
+            p.data = p.data.to(self.device)
+        block_modules = {id(m) for m in blocks.modules()}
+        for mod in model.modules():
+            if id(mod) in block_modules:
+                continue
+            for name, buf in list(mod._buffers.items()):
+                if buf is not None:
+                    mod._buffers[name] = buf.to(self.device)
+
+    def _build_dataloader(self, training_data, collate_fn):
+        if training_data is None:
+            return None
+        sampler = None
+        if self.dist.enabled:
+            sampler = torch.utils.data.distributed.DistributedSampler(training_data, num_replicas=self.world_size,
+                                                                      rank=self.global_rank)
+        return torch.utils.data.DataLoader(training_data, batch_size=self.train_micro_batch_size_per_gpu(),
+                                           sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn,
+                                           drop_last=True)
+
+    # ---- the training loop's surface -----------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        inputs = tuple(self._to_device(x) for x in inputs)
+        kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
+        return self.module(*inputs, **kwargs)
+
+    def _to_device(self, x):
+        return x.to(self.device) if isinstance(x, torch.Tensor) and x.device != self.device else x
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """``loss.backward()`` with the loss divided by the accumulation steps (and fp16-scaled)."""
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError("engine.backward(loss) needs a scalar loss tensor")
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        scaled = loss
+        if self.loss_scaler is not None:
+            scaled = loss.float() * self.loss_scaler.scale
+            self._scaled_backward = True
+        scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = bool(is_boundary)
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """On an accumulation boundary: clip, update, zero grads, advance the schedule."""
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self.micro_steps += 1
+
+    def _all_grads(self) -> list[torch.Tensor]:
+        """Every gradient the optimizer will read: one flat fp32 host buffer per layer, plus the
+        non-block grads (their fp32 masters' in mixed precision)."""
+        grads = list(self.weights.grad)
+        if self.masters is not None:
+            grads += [m.grad for _, m in self.masters.pairs if m.grad is not None]
+        else:
+            grads += [p.grad for p in self.non_block_params if p.grad is not None]
+        return grads
+
+    def _take_model_step(self, lr_kwargs) -> None:
+        if self.optimizer is None:
+            raise ConfigError("engine.step() needs an optimizer: add an 'optimizer' section to the config or pass "
+                              "optimizer= to lazytrain.initialize")
+        self.weights.flush_grads()
+        self.weights.attach_grads()
+        self.dist.average(list(self.weights.grad), [p.grad for p in self.non_block_params if p.grad is not None])
+        if self.masters is not None:
+            self.masters.grads_to_masters()
+        grads = self._all_grads()
+        if self.loss_scaler is not None and self._scaled_backward:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)
+        norm = _global_norm(grads)
+        finite = math.isfinite(norm)
+        self._global_grad_norm = norm
+        if not finite:
+            self._step_applied = False
+            self.skipped_steps += 1
+            if self.loss_scaler is not None:
+                old = self.loss_scaler.scale
+                self.loss_scaler.update(overflow=True)
+                if self.global_rank == 0:
+                    print(f"[lazytrain] fp16 overflow at step {self.global_steps}: skipped, loss scale "
+                          f"{old:g} -> {self.loss_scaler.scale:g}")
+            else:
+                warnings.warn(f"lazytrain: non-finite gradient norm ({norm}) at step {self.global_steps}: the "
+                              f"optimizer step was skipped")
+        else:
+            clip = self.gradient_clipping()
+            if clip > 0:
+                coef = clip / (norm + 1e-6)
+                if coef < 1.0:
+                    torch._foreach_mul_(grads, coef)
+            self.optimizer.step()
+            for i in range(self.weights.num_layers):
+                self.weights.refresh_compute_copy(i)
+            if self.masters is not None:
+                self.masters.masters_to_params()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(overflow=False)
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.zero_grad()
+        self._scaled_backward = False
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._record_peaks()
+        if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
+            self._print_progress()
+
+    def _record_peaks(self) -> None:
+        self.last_step_peak_bytes = {name: tier.peak_bytes for name, tier in self.tiers.items()}
+        if self.device.type == "cuda":
+            self.last_step_peak_bytes["cuda_allocated"] = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        for tier in self.tiers.values():
+            tier.reset_peak()
+
+    def _print_progress(self) -> None:
+        now = time.perf_counter()
+        dt = (now - self._step_start) / self.steps_per_print()
+        self._step_start = now
+        peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.last_step_peak_bytes.items())
+        print(f"[lazytrain] step {self.global_steps}: lr {self.get_lr()}, grad norm {self._global_grad_norm:.4g}, "
+              f"{dt * 1000:.0f} ms/step, peak {peaks}")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.weights.zero_grads()
+        if self.masters is not None:
+            self.masters.zero_grad()
+        else:
+            for p in self.non_block_params:
+                p.grad = None
+
+    # ---- getters -------------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def steps_per_print(self):
+        return self._config.steps_per_print
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_stage
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    @property
+    def config(self) -> dict:
+        return self._config.raw
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return self._config
+
+    def memory_report(self) -> dict[str, dict[str, Any]]:
+        return {name: tier.stats() for name, tier in self.tiers.items()}
+
+    # ---- state ---------------------------------------------------------------------------------
+    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """The model's weights in fp32 (masters), each tensor its own storage, on the host."""
+        masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
+        out = {}
+        params = dict(self.module.named_parameters())
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            p = params.get(name)
+            if exclude_frozen_parameters and p is not None and not p.requires_grad:
+                continue
+            src = masters.get(id(t), t)
+            out[name] = src.detach().to("cpu", copy=True)
+        return out
+
+    def _load_module_state(self, state: dict, strict: bool) -> None:
+        self.module.load_state_dict(state, strict=strict)
+        if self.masters is not None:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            with torch.no_grad():
+                for p, m in self.masters.pairs:
+                    if names[id(p)] in state:
+                        m.copy_(state[names[id(p)]])
+        for i in range(self.weights.num_layers):
+            self.weights.refresh_compute_copy(i)
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        model_state = {
+            "module": self.module_state_dict(exclude_frozen_parameters),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+            "global_steps": self.global_steps, "global_samples": self.global_samples,
+            "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+            "client_state": dict(client_state or {}), "ds_config": self._config.raw,
+            "plan": self.plan.to_dict(),
+        }
+        optim_state = {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else None
+        if self.global_rank == 0:
+            ckpt.save(save_dir, tag, model_state, optim_state, save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        tag = ckpt.resolve_tag(load_dir, tag)
+        if tag is None:
+            return None, None
+        want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
+        path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim)
+        self._load_module_state(model_state["module"], load_module_strict)
+        if load_module_only:
+            return path, model_state.get("client_state", {})
+        if optim_state is not None:
+            self.optimizer.load_state_dict(optim_state["optimizer"])
+        if load_lr_scheduler_states and self.lr_scheduler is not None and model_state.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
+        if self.loss_scaler is not None and model_state.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(model_state["loss_scaler"])
+        for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+            setattr(self, k, model_state.get(k, 0))
+        return path, model_state.get("client_state", {})
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        import os
+        dtype = self.compute_dtype if self.compute_dtype != torch.float32 else torch.bfloat16
+        state = {k: (v.to(dtype) if v.is_floating_point() else v)
+                 for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            ckpt._atomic_save(state, os.path.join(save_dir, save_filename))
+        return True
+
+    def destroy(self) -> None:
+        """Release streaming buffers and tiers (NVMe run directories are removed)."""
+        self.executor.uninstall()
+        for tier in self.tiers.values():
+            tier.close()
+
+    # ---- attribute passthrough to the wrapped module --------------------------------------------
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _global_norm(grads: list[torch.Tensor]) -> float:
+    """L2 norm over all gradients, from per-tensor norms accumulated in fp32 on each device."""
+    if not grads:
+        return 0.0
+    total = 0.0
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for gs in by_device.values():
+        norms = torch._foreach_norm(gs, 2.0)
+        total += float(torch.stack([n.float() for n in norms]).pow(2).sum())
+    return math.sqrt(total)

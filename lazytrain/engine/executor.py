@@ -1,0 +1,380 @@
+"""The layer-streaming executor: runs the model's blocks one at a time with streamed weights, keeps,
+offloads or drops each block boundary as a :class:`~lazytrain.planner.plan.Plan` says, and in backward
+recomputes each segment from its last kept boundary (one autograd Function per block).
+
+The user's model code is untouched: each block's ``forward`` is routed to the executor, which runs the
+block's own class ``forward`` with streamed device weights swapped in. Hugging Face models (which call
+each layer with their own keyword arguments) and plain ModuleList models both work, and the model's
+parameters and state_dict keys stay as they were.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
+from ..tiers import Tier, TransferHandle
+from .weights import LayerWeights
+
+
+class ExecutorError(RuntimeError):
+    pass
+
+
+@dataclass
+class _LayerCall:
+    """Everything besides the hidden state that one block call received (kept for recompute)."""
+    spec: Any                       # pytree spec of (args[1:], kwargs)
+    leaves: list                    # non-tensor leaves as given; tensor leaves as given
+    tensor_idx: list[int]           # which leaves are tensors
+
+
+@dataclass
+class _Pass:
+    """One forward pass in training mode and the backward that follows it."""
+    pass_id: int
+    calls: dict[int, _LayerCall] = field(default_factory=dict)
+    next_layer: int = 0
+    pending_offload: dict[int, list[int]] = field(default_factory=dict)   # window -> boundaries
+    held: dict[int, torch.Tensor] = field(default_factory=dict)          # boundary -> device tensor awaiting offload
+    prefetched: dict[int, TransferHandle] = field(default_factory=dict)  # boundary -> read handle
+    cache: dict[int, torch.Tensor] = field(default_factory=dict)         # recomputed boundaries (device)
+    windows_entered: set = field(default_factory=set)
+    owned: set = field(default_factory=set)                              # (tier, key) still allocated
+
+
+class LayerStreamingExecutor:
+    """Owns the block weights' streaming and the boundary placement of every training pass."""
+
+    def __init__(self, blocks: nn.ModuleList, plan: Plan, weights: LayerWeights, tiers: dict[str, Tier],
+                 device: torch.device, prefetch: bool = True):
+        if plan.num_layers != len(blocks):
+            raise ExecutorError(f"the plan is for {plan.num_layers} layers but the model has {len(blocks)} blocks")
+        for i, home in enumerate(plan.homes):
+            if home != RECOMPUTE and home not in tiers:
+                raise ExecutorError(f"the plan puts boundary {i} on tier {home!r}, which is not configured "
+                                    f"(configured: {', '.join(tiers)})")
+        self.blocks = blocks
+        self.template = blocks[0]
+        self.plan = plan
+        self.weights = weights
+        self.tiers = tiers
+        self.device = device
+        self.prefetch = prefetch
+        self.L = len(blocks)
+        self._pass_ids = itertools.count()
+        self._current: _Pass | None = None
+        self._weight_seq: list[int] = []
+        self._cursor = 0
+        self._pending_weight: tuple[int, int, TransferHandle] | None = None  # (seq index, slot, handle)
+        self._slot = 0
+        self.recomputed_layer_forwards = 0
+        self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
+        self._install_proxies()
+
+    # ---- wiring into the user's model ----------------------------------------------------------
+    def _install_proxies(self) -> None:
+        """Route each block's ``forward`` through the executor. The blocks stay where they are, so the
+        model's parameters, ``state_dict()`` keys and hooks are unchanged."""
+        for i, block in enumerate(self.blocks):
+            block.forward = _Proxy(self, i)
+
+    def uninstall(self) -> None:
+        for block in self.blocks:
+            if isinstance(block.__dict__.get("forward"), _Proxy):
+                del block.forward
+
+    # ---- weight streaming ----------------------------------------------------------------------
+    def _start_sequence(self, seq: list[int]) -> None:
+        self._weight_seq, self._cursor, self._pending_weight = seq, 0, None
+
+    def _acquire(self, layer: int) -> torch.Tensor:
+        """Layer's compute weights on the device; then start prefetching the next layer in the sequence."""
+        seq = self._weight_seq
+        on_seq = self._cursor < len(seq) and seq[self._cursor] == layer
+        if not on_seq:   # the model left the expected order: fetch on demand from here on
+            self._weight_seq, self._pending_weight = [], None
+        if layer in self.weights.resident:
+            flat = self.weights.resident[layer]
+        else:
+            pending = self._pending_weight
+            if on_seq and pending is not None and pending[0] == self._cursor:
+                slot = pending[1]
+                pending[2].wait()
+                self._pending_weight = None
+            else:
+                slot = 1 - self._slot
+                self.weights.fetch(layer, slot).wait()
+            self._slot = slot
+            flat = self.weights.stream_slots[slot]
+        if on_seq:
+            self._cursor += 1
+        self._prefetch_next()
+        return flat
+
+    def _prefetch_next(self) -> None:
+        if not self.prefetch or self._pending_weight is not None:
+            return
+        seq, j = self._weight_seq, self._cursor
+        while j < len(seq) and seq[j] in self.weights.resident:
+            j += 1
+        if j < len(seq):
+            slot = 1 - self._slot
+            self._pending_weight = (j, slot, self.weights.fetch(seq[j], slot))
+
+    def _backward_sequence(self) -> list[int]:
+        seq = []
+        for s, e in reversed(self.plan.segments()):
+            seq.extend(range(s, e - 1))             # recompute s..e-2
+            seq.extend(range(e - 1, s - 1, -1))     # differentiate e-1..s
+        return seq
+
+    # ---- running a block ---------------------------------------------------------------------
+    def _compute(self, layer: int, flat: torch.Tensor, hidden: torch.Tensor, call: _LayerCall,
+                 tensors: list | None = None, requires_grad: bool = False):
+        params = self.weights.views(flat, requires_grad=requires_grad)
+        leaves = list(call.leaves)
+        if tensors is not None:
+            for k, t in zip(call.tensor_idx, tensors):
+                leaves[k] = t
+        rest_args, kwargs = tree_unflatten(leaves, call.spec)
+        block = self.blocks[layer]
+        with _reparametrize_module(block, params):
+            out = type(block).forward(block, hidden, *rest_args, **kwargs)
+        return out, params
+
+    @staticmethod
+    def _hidden_of(out) -> torch.Tensor:
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    def run(self, layer: int, args: tuple, kwargs: dict):
+        """Called by the proxy of block ``layer`` with the arguments the model gave it."""
+        if not args:
+            if "hidden_states" not in kwargs:
+                raise ExecutorError(f"block {layer} was called without a hidden-state tensor")
+            kwargs = dict(kwargs)
+            args = (kwargs.pop("hidden_states"),)
+        hidden = args[0]
+        leaves, spec = tree_flatten((args[1:], kwargs))
+        call = _LayerCall(spec, leaves, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)])
+        if not torch.is_grad_enabled():
+            return self._run_inference(layer, hidden, call)
+        return self._run_training(layer, hidden, call)
+
+    def _run_inference(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
+        if layer == 0 or not self._weight_seq:
+            self._start_sequence(list(range(layer, self.L)))
+        flat = self._acquire(layer)
+        out, _ = self._compute(layer, flat, hidden, call)
+        return out
+
+    def _run_training(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
+        if layer == 0:
+            self._begin_pass()
+        p = self._current
+        if p is None or layer != p.next_layer:
+            raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
+                                f"{layer} was called when block {p.next_layer if p else 0} was expected")
+        p.next_layer += 1
+        p.calls[layer] = call
+        tensors = [call.leaves[k] for k in call.tensor_idx]
+        result = _BlockFunction.apply(self, p, layer, hidden, *tensors)
+        out_hidden, extras = result[0], result[1:]
+        if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
+            self._start_sequence(self._backward_sequence())
+            self._prefetch_next()
+        if not extras:
+            return out_hidden
+        return (out_hidden, *extras)
+
+    # ---- forward bookkeeping -------------------------------------------------------------------
+    def _begin_pass(self) -> None:
+        p = _Pass(next(self._pass_ids))
+        # a pass whose graph is dropped without backward (e.g. a forward under grad for evaluation)
+        # frees what it still holds when it is garbage-collected
+        weakref.finalize(p, _free_owned, self.tiers, p.owned)
+        self._current = p
+        self._start_sequence(list(range(self.L)))
+
+    def _key(self, p: _Pass, boundary: int) -> str:
+        return f"pass{p.pass_id}.boundary{boundary}"
+
+    def _keep_boundary(self, p: _Pass, i: int, x: torch.Tensor) -> None:
+        home = self.plan.homes[i]
+        if home == RECOMPUTE:
+            return
+        x = x.detach()
+        if home == DEVICE_HOME:
+            self._put(p, DEVICE_HOME, self._key(p, i), x, owned=True)
+            return
+        w = self.plan.offload_at(i)
+        if w <= i:
+            self._put(p, home, self._key(p, i), x)
+        else:  # held on the device until its offload window
+            self._put(p, DEVICE_HOME, self._key(p, i) + ".held", x, owned=True)
+            p.held[i] = x
+            p.pending_offload.setdefault(w, []).append(i)
+
+    def _put(self, p: _Pass, tier: str, key: str, x: torch.Tensor, owned: bool = False) -> None:
+        self.tiers[tier].write(key, x, owned=owned)
+        p.owned.add((tier, key))
+
+    def _drop(self, p: _Pass, tier: str, key: str) -> None:
+        self.tiers[tier].free(key)
+        p.owned.discard((tier, key))
+
+    def _enter_window(self, p: _Pass, w: int) -> None:
+        if w in p.windows_entered:
+            return
+        p.windows_entered.add(w)
+        for i in p.pending_offload.pop(w, []):
+            x = p.held.pop(i)
+            self._put(p, self.plan.homes[i], self._key(p, i), x)
+            self._drop(p, DEVICE_HOME, self._key(p, i) + ".held")
+        if not self.prefetch:
+            return
+        for i, home in enumerate(self.plan.homes[:-1]):
+            if home in (RECOMPUTE, DEVICE_HOME) or i in p.prefetched:
+                continue
+            if self.plan.prefetch_at(i) == w:
+                self._issue_prefetch(p, i)
+
+    def _issue_prefetch(self, p: _Pass, i: int) -> TransferHandle:
+        if i in p.held:      # still on the device: nothing to fetch
+            return TransferHandle(value=p.held[i])
+        handle = self.tiers[self.plan.homes[i]].read(self._key(p, i), device=self.device)
+        p.prefetched[i] = handle
+        return handle
+
+    # ---- backward ------------------------------------------------------------------------------
+    def _boundary(self, p: _Pass, i: int) -> torch.Tensor:
+        """Boundary i on the device during backward: from its tier, or from the recompute cache."""
+        home = self.plan.homes[i]
+        if home == RECOMPUTE:
+            if i not in p.cache:
+                raise ExecutorError(f"boundary {i} was neither kept nor recomputed (internal error)")
+            return p.cache[i]
+        if home == DEVICE_HOME:
+            return self.tiers[DEVICE_HOME].read(self._key(p, i)).wait()
+        if i in p.held:
+            return p.held[i]
+        handle = p.prefetched.get(i) or self._issue_prefetch(p, i)
+        x = handle.wait()
+        if x.device != self.device:
+            x = x.to(self.device)
+        return x
+
+    def _recompute_segment(self, p: _Pass, s: int, e: int) -> None:
+        x = self._boundary(p, s)
+        with torch.no_grad():
+            for j in range(s, e - 1):
+                flat = self._acquire(j)
+                out, _ = self._compute(j, flat, x, p.calls[j])
+                x = self._hidden_of(out).detach()
+                p.cache[j + 1] = x
+                self._put(p, DEVICE_HOME, self._key(p, j + 1) + ".recomputed", x, owned=True)
+                self.recomputed_layer_forwards += 1
+
+    def _free_boundary(self, p: _Pass, i: int) -> None:
+        home = self.plan.homes[i]
+        key = self._key(p, i)
+        if home == RECOMPUTE:
+            p.cache.pop(i, None)
+            self._drop(p, DEVICE_HOME, key + ".recomputed")
+            return
+        self._drop(p, home, key)
+        p.prefetched.pop(i, None)
+        if p.held.pop(i, None) is not None:
+            self._drop(p, DEVICE_HOME, key + ".held")
+
+    def backward_layer(self, p: _Pass, layer: int, grad_out: torch.Tensor, needs_input_grad: tuple):
+        self._enter_window(p, 2 * self.L - 1 - layer)
+        s, e = self._segment_of[layer]
+        if layer == e - 1 and e - s > 1:
+            self._recompute_segment(p, s, e)
+        x = self._boundary(p, layer)
+        call = p.calls[layer]
+        tensors = [call.leaves[k] for k in call.tensor_idx]
+        x_in = x.detach().requires_grad_(needs_input_grad[0])
+        t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
+                for t, need in zip(tensors, needs_input_grad[1:])]
+        flat = self._acquire(layer)
+        with torch.enable_grad():
+            out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True)
+            hidden = self._hidden_of(out)
+            trainable = [(n, t) for n, t in params.items() if t.requires_grad]
+            inputs = [x_in] + [t for _, t in trainable] + [t for t in t_in if isinstance(t, torch.Tensor)
+                                                          and t.requires_grad]
+            grads = torch.autograd.grad(hidden, inputs, grad_out, allow_unused=True)
+        n = len(trainable)
+        self.weights.accumulate_grads(layer, {name: g for (name, _), g in zip(trainable, grads[1:1 + n])
+                                              if g is not None})
+        side = iter(grads[1 + n:])
+        t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]
+        self._free_boundary(p, layer)
+        if layer == 0:
+            self.release_pass(p)
+        return grads[0] if needs_input_grad[0] else None, t_grads
+
+    def release_pass(self, p: _Pass) -> None:
+        """Free everything a pass still holds."""
+        _free_owned(self.tiers, p.owned)
+        p.held.clear()
+        p.cache.clear()
+        p.prefetched.clear()
+        p.calls.clear()
+        if self._current is p:
+            self._current = None
+
+    def forward_window(self, p: _Pass, layer: int, x: torch.Tensor) -> None:
+        self._enter_window(p, layer)
+        self._keep_boundary(p, layer, x)
+
+
+class _BlockFunction(torch.autograd.Function):
+    """One streamed block: forward without keeping internals, backward recomputes and differentiates."""
+
+    @staticmethod
+    def forward(ctx, executor: LayerStreamingExecutor, p: _Pass, layer: int, hidden: torch.Tensor, *tensors):
+        executor.forward_window(p, layer, hidden)
+        flat = executor._acquire(layer)
+        out, _ = executor._compute(layer, flat, hidden, p.calls[layer])
+        ctx.executor, ctx.p, ctx.layer = executor, p, layer
+        ctx.n_tensors = len(tensors)
+        if isinstance(out, torch.Tensor):
+            return (out,)
+        extras = tuple(out[1:])
+        for t in extras:
+            if isinstance(t, torch.Tensor):
+                ctx.mark_non_differentiable(t)
+        return (out[0], *extras)
+
+    @staticmethod
+    def backward(ctx, grad_out, *unused):
+        ex: LayerStreamingExecutor = ctx.executor
+        needs = ctx.needs_input_grad[3:]
+        g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_out, needs)
+        return (None, None, None, g_hidden, *t_grads)
+
+
+class _Proxy:
+    """Installed as a block's ``forward``: hands the call to the executor."""
+
+    def __init__(self, executor: LayerStreamingExecutor, index: int):
+        self.executor, self.index = executor, index
+
+    def __call__(self, *args, **kwargs):
+        return self.executor.run(self.index, args, kwargs)
+
+
+def _free_owned(tiers: dict[str, Tier], owned: set) -> None:
+    for tier, key in list(owned):
+        tiers[tier].free(key)
+    owned.clear()

@@ -1,0 +1,40 @@
+"""``lazytrain.initialize()``: DeepSpeed's signature and 4-tuple return."""
+from __future__ import annotations
+
+import warnings
+
+from ..config import ConfigError, parse_config
+from .engine import LazyTrainEngine
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None,
+               config=None, mesh_param=None, config_params=None):
+    """Wrap ``model`` in a :class:`LazyTrainEngine`.
+
+    Returns ``(engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)``.
+    ``config`` (alias ``config_params``, or ``args.deepspeed_config``) is a dict, a JSON file path, or
+    base64-encoded JSON.
+    """
+    if model is None:
+        raise ConfigError("lazytrain.initialize requires a model")
+    if config is None and config_params is not None:
+        config = config_params
+    elif config is not None and config_params is not None:
+        raise ConfigError("pass the config as 'config' or 'config_params', not both")
+    args_config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if args_config is not None and config is not None:
+        raise ConfigError("Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments and "
+                          "lazytrain.initialize() function call")
+    if config is None:
+        config = args_config
+    if config is None:
+        raise ConfigError("lazytrain.initialize needs a config: config=dict, a JSON path or base64 JSON "
+                          "(or args.deepspeed_config)")
+    if mpu is not None or mesh_param is not None:
+        warnings.warn("lazytrain: model/tensor parallelism (mpu, mesh_param) is not supported; they are ignored",
+                      UserWarning, stacklevel=2)
+    cfg = parse_config(config)
+    engine = LazyTrainEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
+                             lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

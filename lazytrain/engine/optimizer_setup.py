@@ -1,0 +1,122 @@
+"""Build the host optimizer and the LR schedule from a DeepSpeed-style config or the user's objects.
+
+DeepSpeed semantics: optimizer "Adam" is AdamW (decoupled weight decay) unless
+``params.adam_w_mode`` is false; "AdamW" is always AdamW; an optimizer or scheduler passed to
+``initialize`` may be an object or a callable (the callable receives the parameters, or the optimizer).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..config import ConfigError, EngineConfig
+from ..optim.lr_schedules import build_schedule
+
+_ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction",
+              "fused", "foreach"}
+_HYBRID_TYPES = {"adamw8bit", "hybridadamw"}
+KNOWN_TYPES = ("Adam", "AdamW", "AdamW8bit", "HybridAdamW", "SGD")
+
+
+def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, remap: Callable) -> list[dict]:
+    """The user's parameters (a list, a generator or param groups) with each parameter replaced by the
+    tensor the optimizer must update (its fp32 master where one exists)."""
+    if model_parameters is None:
+        model_parameters = model.parameters()
+    items = list(model_parameters)
+    if not items:
+        raise ConfigError("model_parameters is empty: pass model.parameters() or parameter groups")
+    if isinstance(items[0], dict):
+        groups = []
+        for g in items:
+            g = dict(g)
+            g["params"] = [remap(p) for p in g["params"]]
+            groups.append(g)
+        return groups
+    if isinstance(items[0], tuple):  # named_parameters()
+        items = [p for _, p in items]
+    return [{"params": [remap(p) for p in items]}]
+
+
+def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]) -> torch.optim.Optimizer:
+    typ = cfg.optimizer.type
+    params = dict(cfg.optimizer.params)
+    lower = typ.lower()
+    if lower in ("adam", "adamw"):
+        unknown = set(params) - _ADAM_KEYS
+        if unknown:
+            raise ConfigError(f"unknown key '{sorted(unknown)[0]}' in config section 'optimizer.params' for "
+                              f"{typ} (allowed: {', '.join(sorted(_ADAM_KEYS))})")
+        adam_w_mode = bool(params.pop("adam_w_mode", True)) if lower == "adam" else True
+        params.pop("adam_w_mode", None)
+        params.pop("torch_adam", None)
+        params.pop("fused", None)
+        params.pop("foreach", None)
+        if params.pop("bias_correction", True) is False:
+            raise ConfigError("config 'optimizer.params.bias_correction' = false is not supported by LazyTrain's "
+                              "host optimizer")
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+        if cfg.lazytrain.optimizer_states == "8bit":
+            return _hybrid(groups, params, adam_w_mode, cfg, named)
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        return cls(groups, fused=_fused_ok(groups), **params)
+    if lower in _HYBRID_TYPES:
+        params.pop("adam_w_mode", None)
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+        return _hybrid(groups, params, True, cfg, named)
+    if lower == "sgd":
+        return torch.optim.SGD(groups, **params)
+    raise ConfigError(f"config 'optimizer.type' {typ!r} is not supported by LazyTrain (supported: "
+                      f"{', '.join(KNOWN_TYPES)}; or pass an optimizer object or callable to initialize)")
+
+
+def _fused_ok(groups: list[dict]) -> bool:
+    """torch's fused Adam(W) needs floating-point parameters on CPU or CUDA."""
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
+
+
+def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[int, str]):
+    try:
+        from ..optim.hybrid_adamw import HybridAdamW
+    except ImportError as e:  # pragma: no cover - present once the hybrid optimizer ships
+        raise ConfigError(f"8-bit optimizer states need lazytrain.optim.hybrid_adamw: {e}") from e
+    lt = cfg.lazytrain
+    return HybridAdamW(groups, adamw_mode=adam_w_mode, optimizer_states=lt.optimizer_states
+                       if cfg.optimizer.type.lower() not in _HYBRID_TYPES else "8bit",
+                       min_8bit_size=lt.hybrid_threshold, block_size=lt.quant_block_size,
+                       fp32_name_patterns=lt.fp32_state_patterns,
+                       named_parameters=named, **params)
+
+
+def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable) -> torch.optim.Optimizer:
+    """A user's optimizer object (its parameters re-pointed at the masters) or a callable."""
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer(groups)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
+    if any(optimizer.state.values()):
+        raise ConfigError("the optimizer passed to lazytrain.initialize has already stepped; pass a fresh one")
+    for g in optimizer.param_groups:
+        g["params"] = [remap(p) for p in g["params"]]
+    return optimizer
+
+
+def build_scheduler(cfg: EngineConfig, optimizer, lr_scheduler: Any):
+    if lr_scheduler is not None:
+        if cfg.scheduler.type is not None:
+            raise ConfigError("both a 'scheduler' section in the config and an lr_scheduler argument were given; "
+                              "pass one")
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(optimizer)
+        return lr_scheduler
+    if cfg.scheduler.type is None:
+        return None
+    if optimizer is None:
+        raise ConfigError("config 'scheduler' needs an optimizer (config 'optimizer' or the optimizer argument)")
+    try:
+        return build_schedule(cfg.scheduler.type, optimizer, cfg.scheduler.params)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

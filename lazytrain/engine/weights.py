@@ -1,0 +1,193 @@
+"""Block weights: fp32 master + compute-dtype copy in one flat host buffer per layer, streamed to the
+device through two device buffers (double buffering), plus the host gradient buffers.
+
+The user's block ``nn.Parameter`` objects become views into the fp32 master buffer, so
+``model.parameters()``, ``state_dict()`` and any optimizer built over them see the real master weights;
+their ``.grad`` are views into one fp32 flat gradient buffer per layer.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..tiers import Tier, TransferHandle, empty_host
+from ..tiers.memory import async_copy
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+    trainable: bool
+
+
+class LayerWeights:
+    """Host-side storage of every streamed layer and the device buffers they stream through."""
+
+    def __init__(self, blocks: nn.ModuleList, compute_dtype: torch.dtype, device: torch.device,
+                 weights_tier: Tier, device_tier: Tier, resident_layers: tuple[int, ...] = ()):
+        self.blocks = blocks
+        self.num_layers = len(blocks)
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.weights_tier = weights_tier
+        self.device_tier = device_tier
+        first = blocks[0]
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for name, p in first.named_parameters():
+            self.slots.append(ParamSlot(name, p.shape, offset, p.numel(), p.requires_grad))
+            offset += p.numel()
+        self.layer_numel = offset
+        self.trainable_numel = sum(s.numel for s in self.slots if s.trainable)
+        self.master: list[torch.Tensor] = []
+        self.grad: list[torch.Tensor] = []
+        self.params: list[list[nn.Parameter]] = []
+        for block in blocks:
+            master = empty_host(self.layer_numel, torch.float32)
+            grad = empty_host(self.layer_numel, torch.float32).zero_()
+            params = [p for _, p in block.named_parameters()]
+            for slot, p in zip(self.slots, params):
+                master[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                p.data = master[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                if slot.trainable:
+                    p.grad = grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            # buffers (e.g. rotary inv_freq) stay on the compute device
+            for bname, buf in list(block.named_buffers()):
+                mod_name, _, attr = bname.rpartition(".")
+                owner = block.get_submodule(mod_name) if mod_name else block
+                owner._buffers[attr] = buf.to(device)
+            self.master.append(master)
+            self.grad.append(grad)
+            self.params.append(params)
+        self.shares_master = compute_dtype == torch.float32 and weights_tier.kind == "host"
+        for i in range(self.num_layers):
+            self._store_compute_copy(i)
+        # device buffers: two streaming slots + one per resident layer
+        self.resident = {}
+        for i in resident_layers:
+            buf = torch.empty(self.layer_numel, dtype=compute_dtype, device=device)
+            self.device_tier.write(f"weights.resident{i}", buf, owned=True)
+            self._fetch_into(i, buf).synchronize()
+            self.resident[i] = buf
+        self.stream_slots = []
+        if len(self.resident) < self.num_layers:
+            for s in range(2):
+                buf = torch.empty(self.layer_numel, dtype=compute_dtype, device=device)
+                self.device_tier.write(f"weights.slot{s}", buf, owned=True)
+                self.stream_slots.append(buf)
+        self._grad_sink = _GradientSink(self) if device.type == "cuda" else None
+
+    # ---- compute copy ----------------------------------------------------------------------
+    def _key(self, i: int) -> str:
+        return f"weights.layer{i}"
+
+    def _store_compute_copy(self, i: int) -> None:
+        if self.shares_master:
+            if self._key(i) not in self.weights_tier:
+                self.weights_tier.write(self._key(i), self.master[i], owned=True)
+            return
+        if self.weights_tier.kind == "host" and self._key(i) in self.weights_tier:
+            self.weights_tier.read(self._key(i)).wait().copy_(self.master[i])   # in place, same buffer
+            return
+        copy = empty_host(self.layer_numel, self.compute_dtype)
+        copy.copy_(self.master[i])
+        self.weights_tier.write(self._key(i), copy, owned=True).synchronize()
+
+    def refresh_compute_copy(self, i: int) -> None:
+        """After the optimizer updated layer i's master weights: rewrite the compute-dtype copy (and the
+        resident device copy)."""
+        self._store_compute_copy(i)
+        if i in self.resident:
+            self._fetch_into(i, self.resident[i]).synchronize()
+
+    # ---- streaming -------------------------------------------------------------------------
+    def _fetch_into(self, i: int, buf: torch.Tensor) -> TransferHandle:
+        return self.weights_tier.read(self._key(i), out=buf)
+
+    def fetch(self, i: int, slot: int) -> TransferHandle:
+        """Start copying layer i's compute weights into streaming slot ``slot``."""
+        if i in self.resident:
+            return TransferHandle(value=self.resident[i])
+        return self._fetch_into(i, self.stream_slots[slot])
+
+    def views(self, flat: torch.Tensor, requires_grad: bool = False) -> dict[str, torch.Tensor]:
+        """Name -> tensor views of a flat device buffer, to swap into the block for one call."""
+        out = {}
+        for s in self.slots:
+            t = flat[s.offset:s.offset + s.numel].view(s.shape)
+            if requires_grad and s.trainable:
+                t = t.detach().requires_grad_(True)
+            out[s.name] = t
+        return out
+
+    # ---- gradients -------------------------------------------------------------------------
+    def accumulate_grads(self, i: int, grads: dict[str, torch.Tensor]) -> None:
+        """Add a layer's weight gradients (device, compute dtype) into its fp32 host buffer."""
+        if self._grad_sink is not None:
+            self._grad_sink.submit(i, grads)
+            return
+        flat = self.grad[i]
+        for s in self.slots:
+            g = grads.get(s.name)
+            if g is not None:
+                flat[s.offset:s.offset + s.numel].view(s.shape).add_(g)
+
+    def flush_grads(self) -> None:
+        if self._grad_sink is not None:
+            self._grad_sink.flush()
+
+    def attach_grads(self) -> None:
+        """Make every trainable block parameter's ``.grad`` the view into its flat buffer again
+        (an optimizer's ``zero_grad(set_to_none=True)`` may have cleared it)."""
+        for i in range(self.num_layers):
+            for s, p in zip(self.slots, self.params[i]):
+                if s.trainable:
+                    p.grad = self.grad[i][s.offset:s.offset + s.numel].view(s.shape)
+
+    def zero_grads(self) -> None:
+        for g in self.grad:
+            g.zero_()
+        self.attach_grads()
+
+
+class _GradientSink:
+    """On CUDA: flatten a layer's gradients on the device, copy them to pinned host memory on the D2H
+    stream, and add them into the fp32 buffer on a host thread, so the compute stream never waits."""
+
+    def __init__(self, weights: LayerWeights, depth: int = 2):
+        self.weights = weights
+        self.staging = [empty_host(weights.layer_numel, weights.compute_dtype) for _ in range(depth)]
+        self.busy: list[Future | None] = [None] * depth
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
+        self.next = 0
+
+    def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
+        w = self.weights
+        flat = torch.zeros(w.layer_numel, dtype=w.compute_dtype, device=w.device)
+        for s in w.slots:
+            g = grads.get(s.name)
+            if g is not None:
+                flat[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+        k = self.next
+        self.next = (k + 1) % len(self.staging)
+        if self.busy[k] is not None:
+            self.busy[k].result()
+        handle = async_copy(self.staging[k], flat)
+        staging, target = self.staging[k], w.grad[i]
+
+        def add():
+            handle.synchronize()
+            target.add_(staging)
+        self.busy[k] = self.pool.submit(add)
+
+    def flush(self) -> None:
+        for k, f in enumerate(self.busy):
+            if f is not None:
+                f.result()
+                self.busy[k] = None

@@ -1,0 +1,237 @@
+"""DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle), same formulas.
+
+Each schedule is stepped once per optimizer step. ``get_last_lr()`` before the first ``step()``
+raises an AssertionError whose text contains "need to call step" (Hugging Face Trainer relies on it).
+"""
+from __future__ import annotations
+
+import math
+
+WARMUP_LOG_RATE = "log"
+WARMUP_LINEAR_RATE = "linear"
+
+
+def _per_group(optimizer, value, name: str) -> list[float]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(optimizer.param_groups):
+            raise ValueError(f"expected {len(optimizer.param_groups)} values for {name}, got {len(value)}")
+        return list(value)
+    return [value] * len(optimizer.param_groups)
+
+
+def _warmup_fraction(step: int, warmup_steps: int, warmup_type: str) -> float:
+    """0 -> 1 over the warmup: log(step+1)/log(W) or step/W."""
+    if warmup_type == WARMUP_LOG_RATE:
+        return math.log(step + 1) / math.log(warmup_steps)
+    return step / warmup_steps
+
+
+class _Schedule:
+    """Shared stepping, state and ``get_last_lr`` behaviour."""
+
+    def __init__(self, optimizer, last_batch_iteration: int = -1):
+        self.optimizer = optimizer
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = None
+
+    def get_lr(self) -> list[float]:
+        raise NotImplementedError
+
+    def _apply(self, lrs: list[float]) -> list[float]:
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = self._apply(self.get_lr())
+
+    def get_last_lr(self) -> list[float]:
+        assert self._last_lr is not None, "need to call step() first"
+        return self._last_lr
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.last_batch_iteration = sd["last_batch_iteration"]
+        if self.last_batch_iteration >= 0:
+            self._last_lr = self._apply(self.get_lr())
+
+
+class WarmupLR(_Schedule):
+    """min_lr -> max_lr over warmup_num_steps (log or linear), then flat at max_lr."""
+
+    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps: int = 1000,
+                 warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
+        super().__init__(optimizer, last_batch_iteration)
+        if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
+        if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
+            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+        if warmup_max_lr is None:
+            warmup_max_lr = optimizer.param_groups[0]["lr"]
+        self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        if last_batch_iteration == -1:
+            self._apply(self.min_lrs)   # the optimizer starts at min_lr, as in DeepSpeed
+
+    def _gamma(self) -> float:
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return _warmup_fraction(self.last_batch_iteration, self.warmup_num_steps, self.warmup_type)
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        g = self._gamma()
+        return [lo + (hi - lo) * g for lo, hi in zip(self.min_lrs, self.max_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_lr=0.0, warmup_max_lr=0.001,
+                 warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
+
+    def _gamma(self) -> float:
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return super()._gamma()
+        return max(0.0, (self.total_num_steps - self.last_batch_iteration)
+                   / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+class WarmupCosineLR(_Schedule):
+    """Ratio of the optimizer's lr: warmup_min_ratio -> 1 over the warmup, then cosine down to cos_min_ratio."""
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0, warmup_num_steps: int = 1000,
+                 cos_min_ratio: float = 0.0001, warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
+        super().__init__(optimizer, last_batch_iteration)
+        if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
+        if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
+            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = warmup_min_ratio
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.cos_min_ratio = cos_min_ratio
+        self.warmup_type = warmup_type
+        self.org_lrs = [group["lr"] for group in optimizer.param_groups]
+        if last_batch_iteration == -1:
+            self._apply([0.0 for _ in self.org_lrs])
+
+    def get_lr_ratio(self) -> float:
+        step = self.last_batch_iteration
+        if step < 0:
+            return 0.0
+        if step < self.warmup_num_steps:
+            r = _warmup_fraction(step, self.warmup_num_steps, self.warmup_type)
+            return self.warmup_min_ratio + r * (1.0 - self.warmup_min_ratio)
+        progress = min(1.0, (step - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
+        cosine = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def get_lr(self) -> list[float]:
+        ratio = self.get_lr_ratio()
+        return [lr * ratio for lr in self.org_lrs]
+
+
+class OneCycle(_Schedule):
+    """1Cycle: lr rises cycle_min_lr -> cycle_max_lr and falls back over one cycle (momentum inversely),
+    then decays by 1 / (1 + decay_lr_rate * (steps after the cycle) / decay_step_size)."""
+
+    def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate=0.0, cycle_first_step_size=2000,
+                 cycle_second_step_size=None, cycle_first_stair_count=0, cycle_second_stair_count=None,
+                 decay_step_size=0, cycle_momentum=True, cycle_min_mom=0.8, cycle_max_mom=0.9,
+                 decay_mom_rate=0.0, last_batch_iteration=-1):
+        super().__init__(optimizer, last_batch_iteration)
+        self.first_step_size = float(cycle_first_step_size)
+        self.second_step_size = (float(cycle_second_step_size) if cycle_second_step_size is not None
+                                 else self.first_step_size)
+        self.total_size = self.first_step_size + self.second_step_size
+        self.step_ratio = self.first_step_size / self.total_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
+                                   else cycle_second_stair_count)
+        self.decay_step_size = decay_step_size
+        self.decay_lr_rate = decay_lr_rate
+        self.decay_mom_rate = decay_mom_rate
+        self.skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_lr_rate, 0)
+        self.skip_mom_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_mom_rate, 0)
+        n = len(optimizer.param_groups)
+        self.min_lrs, self.max_lrs = [cycle_min_lr] * n, [cycle_max_lr] * n
+        if last_batch_iteration == -1:
+            self._apply(self.min_lrs)
+        self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
+        if self.cycle_momentum:
+            self.min_moms = [(cycle_min_mom, 0.99)] * n
+            self.max_moms = [(cycle_max_mom, 0.99)] * n
+            if last_batch_iteration == -1:
+                for group, mom in zip(optimizer.param_groups, self.min_moms):
+                    group["betas"] = mom
+
+    def _scale_factor(self) -> float:
+        it = self.last_batch_iteration + 1
+        cycle = math.floor(1 + it / self.total_size)
+        x = 1.0 + it / self.total_size - cycle
+        if x <= self.step_ratio:
+            scale, stairs = x / self.step_ratio, self.first_stair_count
+        else:
+            scale, stairs = (x - 1) / (self.step_ratio - 1), self.second_stair_count
+        if stairs > 0:
+            pos = it % self.total_size
+            if pos <= self.first_step_size:
+                position = pos * stairs / self.first_step_size
+            else:
+                position = (self.total_size - pos) * stairs / self.second_step_size
+            scale = math.floor(position) / stairs
+        return scale
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < self.total_size:
+            s = self._scale_factor()
+            return [lo + (hi - lo) * s for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        if self.skip_lr_decay:
+            return list(self.min_lrs)
+        interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+        return [lo / (1 + self.decay_lr_rate * interval) for lo in self.min_lrs]
+
+    def get_mom(self):
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            s = self._scale_factor()
+            return [(hi[0] - (hi[0] - lo[0]) * s, lo[1]) for lo, hi in zip(self.min_moms, self.max_moms)]
+        if self.skip_mom_decay:
+            return list(self.max_moms)
+        interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
+        return [(b0 * (1 + self.decay_mom_rate * interval), b1) for b0, b1 in self.max_moms]
+
+    def step(self, last_batch_iteration=None):
+        super().step(last_batch_iteration)
+        if self.cycle_momentum:
+            for group, mom in zip(self.optimizer.param_groups, self.get_mom()):
+                group["betas"] = mom
+
+
+SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
+             "OneCycle": OneCycle}
+
+
+def build_schedule(name: str, optimizer, params: dict):
+    """A schedule from config ``scheduler: {type, params}``; unknown names and params raise naming the key."""
+    if name == "LRRangeTest":
+        raise ValueError("config 'scheduler.type' \"LRRangeTest\" is not supported by LazyTrain; use WarmupLR, "
+                         "WarmupDecayLR, WarmupCosineLR or OneCycle")
+    if name not in SCHEDULES:
+        raise ValueError(f"config 'scheduler.type' {name!r} is unknown (known: {', '.join(SCHEDULES)})")
+    try:
+        return SCHEDULES[name](optimizer, **params)
+    except TypeError as e:
+        raise ValueError(f"config 'scheduler.params' for {name}: {e}") from None

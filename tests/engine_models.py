@@ -1,0 +1,88 @@
+"""Tiny models and a plain-PyTorch reference trainer for the engine's parity tests."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lazytrain.models.decoder import DecoderConfig, build_causal_lm, logits_of
+
+VOCAB = 32
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class ModuleListLM(nn.Module):
+    """A user's own model: blocks in an nn.ModuleList under a non-standard name."""
+
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.stack = nn.ModuleList(MLPBlock(d) for _ in range(n_layers))
+        self.extra = nn.ModuleList([nn.Linear(d, d)])   # a smaller list that must not be picked
+        self.head = nn.Linear(d, VOCAB)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.stack:
+            x = blk(x)
+        return self.head(self.extra[0](x))
+
+
+def make_model(kind: str, n_layers: int = 6) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
+                            num_attention_heads=4, num_key_value_heads=2)
+        return build_causal_lm(cfg, prefer_transformers=True)
+    if kind == "decoder":
+        cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
+                            num_attention_heads=4, num_key_value_heads=2)
+        return build_causal_lm(cfg, prefer_transformers=False)
+    return ModuleListLM(n_layers=n_layers)
+
+
+def batches(n: int, batch: int = 2, seq: int = 12, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g))
+            for _ in range(n)]
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(logits_of(out).float().flatten(0, 1), y.flatten())
+
+
+def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1):
+    """Plain PyTorch: fused AdamW, clip_grad_norm_, the loss averaged over `gas` micro-batches."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, fused=True)
+    for i, (x, y) in enumerate(data):
+        (lm_loss(ref(x), y) / gas).backward()
+        if (i + 1) % gas == 0:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+    return ref
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
+    """max over parameters of max|a-b| / max|b|."""
+    sa, sb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert sa.keys() == sb.keys()
+    worst = 0.0
+    for k in sa:
+        x, y = sa[k].detach().float().cpu(), sb[k].detach().float().cpu()
+        worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item())
+    return worst

@@ -1,0 +1,233 @@
+"""The streaming engine trains exactly like plain PyTorch (fp32: within 1e-5 relative)."""
+import copy
+import json
+
+import pytest
+import torch
+
+import lazytrain
+from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+
+RTOL = 1e-5
+
+
+def ds_config(**lazytrain_section):
+    extra = lazytrain_section.pop("_top", {})
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": float("inf"),
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": lazytrain_section}
+    cfg.update(extra)
+    return cfg
+
+
+def train_engine(model, data, config, plain_backward=False):
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for x, y in data:
+        loss = lm_loss(engine(x), y)
+        if plain_backward:
+            loss.backward()
+        else:
+            engine.backward(loss)
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["llama", "modulelist"])
+@pytest.mark.parametrize("k", [1, 2, 4, 6])
+@pytest.mark.parametrize("home", ["hbm", "host"])
+def test_every_k_matches_pytorch(kind, k, home):
+    model = make_model(kind)
+    data = batches(5)
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, ds_config(checkpoint_interval=k, boundary_home=home))
+    assert engine.plan.kept == tuple(range(0, 6, k)) + (6,)
+    assert engine.executor.recomputed_layer_forwards == 5 * engine.plan.recomputed_layers()
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
+def test_modulelist_blocks_found_automatically():
+    engine = train_engine(make_model("modulelist"), batches(1), ds_config())
+    assert engine.blocks_path == "stack"
+
+
+def test_blocks_named_in_config():
+    engine = train_engine(make_model("decoder"), batches(1), ds_config(blocks="layers"))
+    assert engine.blocks_path == "layers"
+
+
+@pytest.mark.parametrize("home", ["host", "hbm"])
+def test_keep_all_policy_matches_pytorch(home):
+    model = make_model("llama")
+    data = batches(5)
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, ds_config(policy="keep_all", boundary_home=home))
+    assert engine.executor.recomputed_layer_forwards == 0
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
+def test_plan_file_with_transfer_windows(tmp_path):
+    from lazytrain.planner.plan import Plan
+    plan = Plan(num_layers=6, homes=("hbm", "recompute", "host", "recompute", "host", "recompute", "hbm"),
+                offload_window={2: 3, 4: 4}, prefetch_window={2: 8, 4: 6}, policy="test")
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    model = make_model("llama")
+    data = batches(5)
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, ds_config(policy="plan", plan=str(path)))
+    assert engine.plan == plan
+    assert engine.executor.recomputed_layer_forwards == 5 * 3
+    assert max_rel_diff(engine.module, ref) < RTOL
+    for tier in engine.tiers.values():   # every boundary freed after its last use
+        assert not [k for k in tier.keys() if k.startswith("pass")]
+
+
+def test_gradient_accumulation_equals_big_batch():
+    model = make_model("llama")
+    data = batches(8)
+    ref = reference_train(model, data, gas=4)
+    cfg = ds_config(checkpoint_interval=2)
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
+    engine = train_engine(model, data, cfg)
+    assert engine.global_steps == 2 and engine.micro_steps == 8
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
+def test_plain_loss_backward_equals_engine_backward():
+    model = make_model("modulelist")
+    data = batches(5)
+    a = train_engine(copy.deepcopy(model), data, ds_config(checkpoint_interval=2))
+    b = train_engine(copy.deepcopy(model), data, ds_config(checkpoint_interval=2), plain_backward=True)
+    assert max_rel_diff(a.module, b.module) == 0.0
+
+
+def test_bf16_trains_close_to_fp32():
+    """bf16 compute with fp32 masters tracks fp32 PyTorch: over 20 steps (lr 1e-3) every loss is within
+    1% and the master weights within 0.1 relative (max|diff| / max|w| per tensor)."""
+    model = make_model("llama")
+    data = batches(1) * 20
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    cfg = ds_config(checkpoint_interval=2, _top={"bf16": {"enabled": True}})
+    cfg["optimizer"]["params"]["lr"] = 1e-3
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    assert engine.weights.stream_slots[0].dtype == torch.bfloat16
+    assert engine.module.model.embed_tokens.weight.dtype == torch.bfloat16
+    for x, y in data:
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        ref_loss = lm_loss(ref(x), y)
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(loss.item() - ref_loss.item()) < 0.01 * ref_loss.item()
+    masters = engine.module_state_dict()
+    for name, w in ref.state_dict().items():
+        assert ((masters[name] - w).abs().max() / w.abs().max()).item() < 0.1, name
+    for p in engine.module.model.layers.parameters():
+        assert p.dtype == torch.float32   # block masters stay fp32
+
+
+def test_fp16_overflow_skips_step_and_halves_scale():
+    model = make_model("modulelist")
+    cfg = ds_config(_top={"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}})
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    x, y = batches(1)[0]
+    loss = lm_loss(engine(x), y)
+    engine.backward(loss * float("inf"))
+    engine.step()
+    assert not engine.was_step_applied()
+    assert engine.skipped_steps == 1 and engine.loss_scaler.scale == 128.0
+    after = engine.module_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.was_step_applied()
+
+
+def test_eval_no_grad_streams_and_matches_module():
+    model = make_model("llama")
+    ref = copy.deepcopy(model)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config())
+    engine.eval()
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        out = engine(x).logits
+        expect = ref(x).logits
+    assert torch.allclose(out, expect, rtol=1e-5, atol=1e-6)
+    assert not engine.module.training
+
+
+def test_counters_lr_and_grad_norm():
+    model = make_model("modulelist")
+    cfg = ds_config(_top={"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                                       "warmup_num_steps": 10,
+                                                                       "warmup_type": "linear"}}})
+    engine, opt, _, sched = lazytrain.initialize(model=model, config=cfg)
+    with pytest.raises(AssertionError, match="need to call step"):
+        sched.get_last_lr()
+    for x, y in batches(3):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 3 and engine.global_samples == 6
+    assert engine.get_lr() == pytest.approx([0.002])   # DeepSpeed: step n uses iteration n-1
+    assert engine.get_global_grad_norm() > 0 and engine.was_step_applied()
+    assert engine.train_batch_size() == 2 and engine.gradient_accumulation_steps() == 1
+    assert engine.stack is engine.module.stack   # attribute passthrough
+
+
+def test_checkpoint_round_trip(tmp_path):
+    model = make_model("llama")
+    data = batches(4)
+    engine = train_engine(model, data[:2], ds_config(checkpoint_interval=2))
+    engine.save_checkpoint(str(tmp_path), client_state={"epoch": 3})
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    for x, y in data[2:]:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    expect = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    engine2 = train_engine(make_model("llama"), [], ds_config(checkpoint_interval=2))
+    path, client = engine2.load_checkpoint(str(tmp_path))
+    assert client == {"epoch": 3} and engine2.global_steps == 2
+    for x, y in data[2:]:
+        engine2.backward(lm_loss(engine2(x), y))
+        engine2.step()
+    got = engine2.module_state_dict()
+    assert all(torch.equal(expect[k], got[k]) for k in expect)
+    assert engine2.load_checkpoint(str(tmp_path / "empty")) == (None, None)
+
+
+def test_client_optimizer_and_callable_scheduler():
+    model = make_model("modulelist")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"train_batch_size": 2, "steps_per_print": float("inf")}
+    engine, got_opt, _, sched = lazytrain.initialize(
+        model=model, optimizer=opt, config=cfg,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    assert got_opt is opt
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.get_lr() == [0.05]
+
+
+def test_config_as_json_path_and_base64(tmp_path):
+    import base64
+    cfg = ds_config()
+    cfg["steps_per_print"] = 100
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    e1, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=str(path))
+    e2, _, _, _ = lazytrain.initialize(model=make_model("modulelist"),
+                                       config=base64.b64encode(json.dumps(cfg).encode()).decode())
+    assert e1.engine_config == e2.engine_config
+
+
+def test_device_budget_enforced():
+    from lazytrain.tiers import TierBudgetError
+    model = make_model("llama")
+    with pytest.raises(TierBudgetError, match="tier 'hbm' is over its budget"):
+        train_engine(model, batches(1), ds_config(gpu_memory=1000))
