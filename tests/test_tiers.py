@@ -223,3 +223,19 @@ def test_register_tier_needs_a_tier_subclass():
         register_tier("bad", dict)
     assert str(e.value) == "register_tier('bad', ...) needs a subclass of lazytrain.tiers.Tier, got <class 'dict'>"
     assert issubclass(RecordingTier, Tier)
+
+
+def test_slab_pool_takes_lent_slabs_back_once_unused():
+    pool = SlabPool(pinned=False)
+    first = pool.lend(5000)
+    assert first.numel() == 5000 and first.data_ptr() % 4096 == 0
+    view = first.view(torch.int8)
+    ptr = first.data_ptr()
+    del first
+    second = pool.lend(5000)  # the first is still viewed: a new slab
+    assert second.data_ptr() != ptr and pool.stats()["lent"] == 2
+    del view
+    third = pool.lend(5000)  # the first came back; the second is still held
+    assert third.data_ptr() == ptr and pool.stats()["hits"] == 1 and second.data_ptr() != ptr
+    pool.trim()
+    assert pool.stats()["lent"] == 0 and pool.stats()["reserved_bytes"] == 0

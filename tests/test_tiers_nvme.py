@@ -186,6 +186,18 @@ def test_enospc_on_write(tier, after):
         assert torch.equal(tier.read("old").wait(), torch.ones(10))
 
 
+def test_full_disk_when_reserving_the_file(tier):
+    def full(fd, nbytes):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    tier.backend.allocate = full
+    with pytest.raises(NVMeIOError) as e:
+        tier.write("x", torch.zeros(3000))  # raised at once: no data moved yet
+    path = os.path.join(tier.run_dir, "00000001-x.bin")
+    assert str(e.value) == (f"tier 'nvme': key 'x': reserving 12.0 KiB for {path} failed with ENOSPC: no space left "
+                            f"on device; free disk space, lower the tier's capacity, or point nvme_path at a larger disk")
+    assert "x" not in tier and os.listdir(tier.run_dir) == [] and tier.used_bytes == 0
+
+
 def test_eio_on_read_then_recovery(tier):
     x = sample((3000,), torch.float16)
     tier.write("x", x).wait()

@@ -215,7 +215,8 @@ class NVMeTier(Tier):
         except BaseException:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
-        self.pool = SlabPool()  # host staging slabs, pinned where CUDA exists
+        # Host staging slabs and read results, pinned where CUDA exists; at most 1 GiB kept idle.
+        self.pool = SlabPool(limit_bytes=1 << 30)
         self._staging = _StagingBudget()
         self._executor = ThreadPoolExecutor(self.settings.intra_op_parallelism,
                                             thread_name_prefix=f"lazytrain-{name}-io")
@@ -302,6 +303,12 @@ class NVMeTier(Tier):
             fd = self.backend.open(path, write=True)
         except OSError as e:
             raise self._os_error(e, f"creating {path}", key) from e
+        try:
+            self.backend.allocate(fd, file_bytes)
+        except OSError as e:
+            self.backend.close(fd)
+            _unlink(path)
+            raise self._os_error(e, f"reserving {format_bytes(file_bytes)} for {path}", key) from e
 
         # The bytes to write: the tensor's own memory when it is ours to keep and aligned, else a staging
         # slab (a snapshot, so the caller may reuse its tensor at once; pinned where CUDA exists).
@@ -445,7 +452,7 @@ class NVMeTier(Tier):
         if landing is not None:
             value = out
         elif out is None and target.type == "cpu":
-            dest = aligned_empty(entry.file_bytes, pinned=False)
+            dest = self.pool.lend(entry.file_bytes)
             landing = _Landing(_as_bytes(dest), entry.file_bytes)
             value = dest[:entry.nbytes].view(entry.dtype).view(entry.shape)
         else:

@@ -142,6 +142,16 @@ class PosixBackend:
     def close(self, fd: int) -> None:
         os.close(fd)
 
+    def allocate(self, fd: int, nbytes: int) -> None:
+        """Reserve the file's blocks before writing: a full disk fails here, before any data moves, and
+        parallel O_DIRECT writes then land inside the file instead of extending it one by one."""
+        if nbytes:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+
     def pwritev(self, fd: int, buffers: list, offset: int) -> int:
         return os.pwritev(fd, buffers, offset)
 
