@@ -149,9 +149,9 @@ CATALOG: dict[str, HardwareProfile] = {
     # by lazytrain.planner.policies.calibrate() (minimax relative error over 3B/7B/14B/27B).
     # host_mem_gbps: 8-channel DDR5-4800 per socket, nominal (used only when the optimizer rate is absent).
     "h800": HardwareProfile(
-        name="h800", peak_tflops=989.0, achievable_tflops=254.0,
+        name="h800", peak_tflops=989.0, achievable_tflops=255.6,
         h2d_gbps=12.0, d2h_gbps=12.0, nvme_read_gbps=2.83, nvme_write_gbps=3.35,
-        host_mem_gbps=307.0, host_optimizer_gparams_per_s=15.75,
+        host_mem_gbps=307.0, host_optimizer_gparams_per_s=10.96,
         gpu_mem_bytes=80 * GiB, host_mem_bytes=2048 * GiB),
     # RTX 3090 24 GB on PCIe Gen4 x16. peak: dense bf16 with fp32 accumulate. The paper reports neither
     # its bandwidths nor its host; achievable_tflops, h2d/d2h and the optimizer rate are calibrated to
@@ -166,9 +166,9 @@ CATALOG: dict[str, HardwareProfile] = {
     # taken over from the h800 calibration; PCIe Gen5 x16 at a nominal 25 GB/s per direction (not
     # measured: run `lazytrain bench tiers` on the machine and pass the JSON with --hardware).
     "h200": HardwareProfile(
-        name="h200", peak_tflops=989.0, achievable_tflops=254.0,
+        name="h200", peak_tflops=989.0, achievable_tflops=255.6,
         h2d_gbps=25.0, d2h_gbps=25.0, nvme_read_gbps=2.83, nvme_write_gbps=3.35,
-        host_mem_gbps=307.0, host_optimizer_gparams_per_s=15.75,
+        host_mem_gbps=307.0, host_optimizer_gparams_per_s=10.96,
         gpu_mem_bytes=141 * GB, host_mem_bytes=2048 * GiB),
 }
 

@@ -30,7 +30,6 @@ import pulp
 from .plan import DEVICE_HOME, RECOMPUTE, Plan
 from .problem import InfeasibleBudgetError, Problem, fmt_bytes
 
-GBF = 1e9   # bytes are expressed in GB inside the model (better conditioned rows)
 
 
 @dataclass(frozen=True)
@@ -66,18 +65,48 @@ class PlanningError(RuntimeError):
     """The MILP found no plan (infeasible budgets, or no solution within the time limit)."""
 
 
-def _solver(opts: MilpOptions):
+_BANNER_DONE = False
+
+
+def _silence_highs_banner() -> None:
+    """highspy prints a copyright banner on the first Highs() of a process, ignoring output_flag;
+    create that first instance with stdout pointed at /dev/null."""
+    global _BANNER_DONE
+    if _BANNER_DONE:
+        return
+    _BANNER_DONE = True
+    try:
+        import os
+        import sys
+        import highspy
+        sys.stdout.flush()
+        saved = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 1)
+            highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(devnull)
+            os.close(saved)
+    except Exception:
+        pass
+
+
+def _solver(opts: MilpOptions, abs_gap: float = 1e-6):
     available = pulp.listSolvers(onlyAvailable=True)
+    if "HiGHS" in available:
+        _silence_highs_banner()
     want = opts.solver.lower()
     if want in ("auto", "highs") and "HiGHS" in available:
         return "highs", pulp.HiGHS(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
-                                   threads=opts.threads, random_seed=0)
+                                   gapAbs=abs_gap, threads=opts.threads, random_seed=0)
     if want in ("auto", "highs") and "HiGHS_CMD" in available:
         return "highs_cmd", pulp.HiGHS_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
-                                           threads=opts.threads)
+                                           gapAbs=abs_gap, threads=opts.threads)
     if want in ("auto", "cbc", "highs") and "PULP_CBC_CMD" in available:
         return "cbc", pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
-                                        threads=opts.threads, options=["randomSeed 0", "randomCbcSeed 0"])
+                                        gapAbs=abs_gap, threads=opts.threads, options=["randomSeed 0", "randomCbcSeed 0"])
     raise PlanningError(f"no MILP solver available (asked {opts.solver!r}; PuLP sees {available}); "
                         f"install highspy")
 
@@ -94,6 +123,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
     tiers = ["H", "N"] if use_nvme else ["H"]
     bw_tier_h2d = {"H": p.bw_h2d, "N": p.bw_h2d}
     eps = 1e-6 * p.no_recompute_compute_s() / W          # tie-breaker unit (seconds)
+    GBF = p.gpu_budget / 1000.0                          # byte unit of the model: rows stay well scaled
     m = pulp.LpProblem("lazytrain_plan", pulp.LpMinimize)
     B = lambda name: pulp.LpVariable(name, cat="Binary")
     C = lambda name, ub=None: pulp.LpVariable(name, lowBound=0, upBound=ub)
@@ -225,7 +255,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
     m += lsum(t.values()) + X + p.tail_s + eps * tie, "step_time"
 
     build_s = time.perf_counter() - t_build
-    name, solver = _solver(opts)
+    name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"])
     t0 = time.perf_counter()
     m.solve(solver)
     solve_s = time.perf_counter() - t0

@@ -76,23 +76,20 @@ def keep_all(p: Problem) -> tuple[Plan, SimResult] | None:
 
 
 def greedy_plan(p: Problem) -> tuple[Plan, SimResult] | None:
-    """Boundaries 1..L-1 in order, each on the first home in (GPU, host, NVMe) that keeps the plan
-    feasible and does not slow the step, else recomputed (a longer segment)."""
-    homes = [RECOMPUTE] * (p.L + 1)
-    homes[0] = homes[p.L] = DEVICE_HOME
+    """Boundaries 1..L-1 in order, each on the first home in (GPU, host, NVMe, recompute) that keeps the
+    plan feasible, with the boundaries not yet placed on the host (the lightest home for the GPU), and
+    that does not slow the simulated step. None when even keeping everything on the host does not fit."""
+    homes = [DEVICE_HOME] + ["host"] * (p.L - 1) + [DEVICE_HOME]
     cur = _fits(p, Plan(num_layers=p.L, homes=tuple(homes), policy="greedy"))
-    if cur is None:   # boundary 0 on the host, as the last resort
-        homes[0] = "host"
-        cur = _fits(p, Plan(num_layers=p.L, homes=tuple(homes), policy="greedy"))
-        if cur is None:
-            return None
-    tiers = [DEVICE_HOME, "host"] + (["nvme"] if p.nvme_budget > 0 else [])
+    if cur is None:
+        return None
+    tiers = [DEVICE_HOME, "host"] + (["nvme"] if p.nvme_budget > 0 else []) + [RECOMPUTE]
     for b in range(1, p.L):
         for home in tiers:
             trial = homes.copy()
             trial[b] = home
-            r = _fits(p, Plan(num_layers=p.L, homes=tuple(trial), policy="greedy"))
-            if r and r.step_time_s <= cur.step_time_s + 1e-12:
+            r = cur if home == "host" else _fits(p, Plan(num_layers=p.L, homes=tuple(trial), policy="greedy"))
+            if r and r.step_time_s <= cur.step_time_s * (1 + 1e-9):
                 homes, cur = trial, r
                 break
     plan = Plan(num_layers=p.L, homes=tuple(homes), policy="greedy",
@@ -136,7 +133,9 @@ def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False) -> tuple[
 
     Deterministic search on the simulator: a geometric grid over the optimizer rate (and PCIe
     bandwidth); for each grid point a ternary search over achievable TFLOPS (the largest error is
-    unimodal in it)."""
+    unimodal in it). The optimizer rate is capped at the memory-bound rate of the host
+    (``host_mem_gbps`` / 28 bytes per parameter): the measured columns barely constrain it, and
+    no AdamW update runs faster than its memory traffic allows."""
     def errors(f: float, r: float, bw: float | None) -> dict[str, float]:
         kw = dict(achievable_tflops=f, host_optimizer_gparams_per_s=r)
         if bw is not None:
@@ -148,10 +147,11 @@ def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False) -> tuple[
 
     geo = lambda lo, hi, n: [lo * (hi / lo) ** (k / (n - 1)) for k in range(n)]
     best = None
-    for bw in (geo(4.0, 64.0, 13) if fit_pcie else [None]):
-        for r in geo(0.5, 64.0, 22):
+    for bw in (geo(6.0, 48.0, 10) if fit_pcie else [None]):
+        r_cap = base.host_mem_gbps / 28.0 if base.host_mem_gbps else 64.0
+        for r in geo(0.5, r_cap, 16 if fit_pcie else 22):
             lo, hi = 0.02 * base.need("peak_tflops"), base.need("peak_tflops")
-            for _ in range(28):
+            for _ in range(22 if fit_pcie else 28):
                 m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
                 if worst(m1, r, bw) <= worst(m2, r, bw):
                     hi = m2

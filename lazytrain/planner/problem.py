@@ -59,7 +59,10 @@ def parse_size(text: "str | int | float | None") -> int | None:
 
 
 def fmt_bytes(n: float) -> str:
-    return f"{n / GB:.2f} GB"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)

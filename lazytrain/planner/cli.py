@@ -1,0 +1,75 @@
+"""`lazytrain plan`: plan one training step and compare it with the baseline policies.
+
+    lazytrain plan --model qwen2.5-7b --hardware h800 --micro-batch 144 --seq 1024 --gpu-mem 70GB \
+        [--host-mem 512GB] [--nvme 32GB] [--json plan.json] [--plot plan.png]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="plan checkpoints, tier homes and transfer windows (MILP)",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True,
+                   help="catalog name (qwen2.5-3b, qwen2.5-7b, qwen2.5-14b, paper-27b) or a Hugging Face config.json")
+    p.add_argument("--hardware", required=True,
+                   help="catalog name (h800, rtx3090, h200) or a JSON profile written by `lazytrain bench tiers`")
+    p.add_argument("--base", default=None, help="catalog entry that fills the profile's null fields")
+    p.add_argument("--micro-batch", default="auto",
+                   help="micro-batch size, or 'auto' for the throughput-best one that fits (default)")
+    p.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--gpu-mem", default=None, help="GPU memory cap, e.g. 70GB (default: the card's size)")
+    p.add_argument("--host-mem", default=None, help="host memory budget (default: the profile's host memory)")
+    p.add_argument("--nvme", default="0", help="NVMe budget for activations (default 0: no NVMe)")
+    p.add_argument("--time-limit", type=float, default=10.0, help="MILP time limit in seconds (default 10)")
+    p.add_argument("--max-segment", type=int, default=8, help="longest recompute segment (default 8)")
+    p.add_argument("--solver", choices=["auto", "highs", "cbc"], default="auto")
+    p.add_argument("--no-resident", action="store_true", help="never keep layer weights resident on the GPU")
+    p.add_argument("--json", default=None, help="write the Plan the engine loads to this file")
+    p.add_argument("--plot", default=None, help="draw a Gantt chart with memory per tier (needs matplotlib)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .hardware import HardwareError, load_profile
+    from .milp import MilpOptions, PlanningError
+    from .models import ModelShapeError, load_model
+    from .problem import Budgets, InfeasibleBudgetError, Problem
+    from .report import compare, table
+    from .search import search_micro_batch
+    from .simulate import simulate
+
+    try:
+        model = load_model(args.model)
+        hw = load_profile(args.hardware, base=args.base)
+        budgets = Budgets.of(gpu=args.gpu_mem, host=args.host_mem, nvme=args.nvme)
+        opts = MilpOptions(time_limit_s=args.time_limit, max_segment=args.max_segment, solver=args.solver,
+                           allow_resident=not args.no_resident)
+        if str(args.micro_batch).lower() == "auto":
+            best, trials = search_micro_batch(model, hw, budgets, args.seq, opts)
+            print("micro-batch search: " + ", ".join(
+                f"{t.micro_batch}: " + (f"{t.tokens_per_s:.0f} tok/s" if t.tokens_per_s else t.status) for t in trials))
+            mb = best.micro_batch_size
+        else:
+            mb = int(args.micro_batch)
+        p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=mb, seq_len=args.seq)
+        rows = compare(p, opts)
+    except (InfeasibleBudgetError, PlanningError, HardwareError, ModelShapeError, ValueError) as e:
+        print(f"lazytrain plan: {e}", file=sys.stderr)
+        return 2
+    print(table(p, rows))
+    plan = rows[0].plan
+    if args.json:
+        plan.to_json(args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from .plot import plot_step
+        try:
+            plot_step(simulate(p, plan), args.plot, title=f"{p.model.name} on {p.hardware.name}, micro-batch {mb}")
+        except ImportError as e:
+            print(f"lazytrain plan: {e}", file=sys.stderr)
+            return 3
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,54 @@
+"""Gantt chart of a simulated step (compute, PCIe, NVMe, host optimizer) with memory per tier over time.
+
+matplotlib is the optional extra ``plot`` (``pip install lazytrain[plot]``) and is imported lazily."""
+from __future__ import annotations
+
+from .simulate import SimResult
+
+LANES = ["compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer"]
+COLORS = {"fwd": "#4c72b0", "head": "#8172b2", "recompute": "#c44e52", "diff": "#55a868", "weights": "#8c8c8c",
+          "prefetch": "#dd8452", "offload": "#937860", "grads": "#64b5cd", "update": "#ccb974"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("plotting needs matplotlib: pip install lazytrain[plot]") from e
+    return plt
+
+
+def plot_step(sim: SimResult, path: str, title: str = "") -> str:
+    """Draw ``sim``'s timeline and per-window memory to ``path`` (PNG, SVG, PDF by extension)."""
+    plt = _pyplot()
+    fig, (ax, axm) = plt.subplots(2, 1, figsize=(14, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    for ev in sim.timeline:
+        if ev.end <= ev.start:
+            continue
+        y = LANES.index(ev.lane)
+        kind = ev.label.split()[0]
+        ax.barh(y, ev.end - ev.start, left=ev.start, height=0.8, color=COLORS.get(kind, "#999999"),
+                edgecolor="none")
+    ax.set_yticks(range(len(LANES)))
+    ax.set_yticklabels(LANES)
+    ax.invert_yaxis()
+    ax.set_title(title or f"step {sim.step_time_s:.3f} s, {sim.tflops:.1f} TFLOPS, {sim.tokens_per_s:.0f} tokens/s")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
+    ax.legend(handles, list(COLORS), ncol=len(COLORS), fontsize=7, loc="upper right")
+    xs, tiers = [], {"hbm": [], "host": [], "nvme": []}
+    for m in sim.memory:
+        xs += [m["start"], m["end"]]
+        for k in tiers:
+            tiers[k] += [m[k] / 1e9] * 2
+    for k, v in tiers.items():
+        if any(v):
+            axm.plot(xs, v, label=f"{k} (peak {max(v):.1f} GB)")
+    axm.set_ylabel("GB")
+    axm.set_xlabel("time (s)")
+    axm.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

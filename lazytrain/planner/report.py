@@ -1,0 +1,90 @@
+"""Side-by-side comparison of the planner's plan and the baseline policies, in the same simulator."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .milp import MilpOptions
+from .plan import Plan
+from .policies import BASELINES
+from .problem import Problem
+from .search import solve
+from .simulate import SimResult, simulate
+
+
+@dataclass
+class Row:
+    policy: str
+    plan: Plan | None
+    sim: SimResult | None
+    solve_s: float | None = None
+    status: str = ""
+
+    def as_dict(self, p: Problem, reference: "Row | None" = None) -> dict[str, Any]:
+        if self.sim is None:
+            return {"policy": self.policy, "status": self.status or "does not fit"}
+        r = self.sim
+        d = {"policy": self.policy, "step_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
+             "gpu_gb": r.peak_bytes["hbm"] / 1e9, "host_gb": r.peak_bytes["host"] / 1e9,
+             "nvme_gb": r.peak_bytes["nvme"] / 1e9,
+             "homes": "{hbm}/{host}/{nvme}/{recompute}".format(**r.boundaries_per_home),
+             "recomputed": r.recomputed_layers,
+             "exposed_s": sum(v for k, v in r.exposed_s.items() if k != "optimizer"),
+             "optimizer_s": r.exposed_s["optimizer"],
+             "vs_lower_bound": r.step_time_s / p.lower_bound_s()["bound"],
+             "solve_s": self.solve_s, "status": self.status}
+        if reference is not None and reference.sim is not None:
+            d["speedup"] = reference.sim.step_time_s / r.step_time_s
+        return d
+
+
+def compare(p: Problem, opts: MilpOptions = MilpOptions(), baselines=("megatrain", "best-interval", "keep-all", "greedy"),
+            ) -> list[Row]:
+    """Our MILP plan followed by each baseline; a baseline that does not fit gets an empty row."""
+    rows = []
+    t0 = time.perf_counter()
+    plan = solve(p, opts)
+    wall = time.perf_counter() - t0
+    info = plan.prediction["solver"]
+    status = info["status"] + (f" gap {info['gap']:.1e}" if info["status"] == "feasible" and info["gap"] is not None else "")
+    rows.append(Row("lazytrain (milp)", plan, simulate(p, plan), wall, status))
+    for name in baselines:
+        t0 = time.perf_counter()
+        res = BASELINES[name](p)
+        dt = time.perf_counter() - t0
+        if res is None:
+            rows.append(Row(name, None, None, dt, "does not fit"))
+        else:
+            pl, _ = res
+            rows.append(Row(f"{name} ({pl.policy})" if name != "megatrain" else "megatrain (k=4, serial opt)",
+                            pl, simulate(p, pl), dt, "policy"))
+    return rows
+
+
+COLUMNS = [("policy", "policy", "{}"), ("step_s", "step s", "{:.3f}"), ("tflops", "TFLOPS", "{:.1f}"),
+           ("tokens_per_s", "tokens/s", "{:.0f}"), ("speedup", "vs MegaTrain", "{:.3f}x"),
+           ("gpu_gb", "GPU GB", "{:.1f}"), ("host_gb", "host GB", "{:.1f}"), ("nvme_gb", "NVMe GB", "{:.1f}"),
+           ("homes", "hbm/host/nvme/rec", "{}"), ("recomputed", "recomputed", "{}"),
+           ("exposed_s", "exposed xfer s", "{:.3f}"), ("optimizer_s", "opt delay s", "{:.3f}"),
+           ("vs_lower_bound", "/ lower bound", "{:.3f}"), ("solve_s", "solve s", "{:.2f}"), ("status", "status", "{}")]
+
+
+def table(p: Problem, rows: list[Row]) -> str:
+    ref = next((r for r in rows if r.policy.startswith("megatrain") and r.sim), None)
+    dicts = [r.as_dict(p, ref) for r in rows]
+    cells = [[h for _, h, _ in COLUMNS]]
+    for d in dicts:
+        cells.append([("-" if d.get(k) is None else f.format(d[k])) for k, _, f in COLUMNS])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = []
+    for n, c in enumerate(cells):
+        lines.append("  ".join(x.ljust(widths[i]) if i == 0 else x.rjust(widths[i]) for i, x in enumerate(c)))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lb = p.lower_bound_s()
+    head = (f"{p.model.name} on {p.hardware.name}: micro-batch {p.micro_batch} x seq {p.seq_len}, "
+            f"budgets GPU {p.gpu_budget / 1e9:.1f} GB, host {p.host_budget / 1e9:.0f} GB, NVMe {p.nvme_budget / 1e9:.0f} GB; "
+            f"step lower bound {lb['bound']:.3f} s (compute {lb['compute']:.3f}, H2D {lb['h2d']:.3f}, "
+            f"D2H {lb['d2h']:.3f}, optimizer {lb['optimizer']:.3f})")
+    return head + "\n" + "\n".join(lines)

@@ -1,0 +1,147 @@
+"""Planning entry points: :func:`plan_for` (one micro-batch, or the best one) and the outer search
+over micro-batch sizes (the largest throughput that fits the budgets)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .hardware import HardwareProfile, load_profile
+from .milp import MilpOptions, PlanningError, build_and_solve
+from .models import ModelShape, load_model
+from .plan import Plan
+from .problem import Budgets, InfeasibleBudgetError, Problem
+from .simulate import simulate
+
+
+def as_model_shape(model_shape: Any) -> ModelShape:
+    """A ModelShape from: a ModelShape; a Hugging Face config dict (``model.config.to_dict()``); a dict of
+    explicit per-layer numbers ``{"name", "layer_params": [...], "hidden", "vocab_size", ...}`` (see
+    :meth:`ModelShape.from_layers`); a catalog name; or a path to a config.json."""
+    if isinstance(model_shape, dict) and "layer_params" in model_shape:
+        d = dict(model_shape)
+        return ModelShape.from_layers(d.pop("name", "model"), d.pop("layer_params"), **d)
+    return load_model(model_shape)
+
+
+def as_budgets(budgets: Any) -> Budgets:
+    if budgets is None:
+        return Budgets()
+    if isinstance(budgets, Budgets):
+        return budgets
+    if isinstance(budgets, dict):
+        d = dict(budgets)
+        return Budgets.of(gpu=d.pop("gpu", None), host=d.pop("host", None), nvme=d.pop("nvme", None), **d)
+    raise TypeError(f"budgets must be a Budgets or a dict like {{'gpu': '70GB'}}, got {type(budgets).__name__}")
+
+
+def solve(p: Problem, opts: MilpOptions) -> Plan:
+    """Solve the MILP for ``p``, replay the plan in the simulator (strict: a violated invariant raises)
+    and record the simulator's prediction in the Plan."""
+    plan, info = build_and_solve(p, opts)
+    r = simulate(p, plan, strict=True, timeline=False)
+    pred = {"step_time_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
+            "exposed_s": r.exposed_s, "peak_bytes": r.peak_bytes, "recomputed_layers": r.recomputed_layers,
+            "boundaries_per_home": r.boundaries_per_home, "milp_step_time_s": info.objective_s,
+            "solver": info.to_dict(), "lower_bound_s": p.lower_bound_s()["bound"],
+            "model": p.model.name, "hardware": p.hardware.name}
+    return replace(plan, prediction=pred)
+
+
+@dataclass
+class BatchTrial:
+    micro_batch: int
+    tokens_per_s: float | None
+    status: str
+
+
+def largest_static_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets, seq_len: int,
+                         max_batch: int = 4096) -> int:
+    """The largest micro-batch whose per-window minimum (one layer's activations, buffers, static
+    bytes) fits the budgets; 0 when even 1 does not."""
+    def ok(b: int) -> bool:
+        try:
+            Problem(model=model, hardware=hw, budgets=budgets, micro_batch=b, seq_len=seq_len)
+            return True
+        except InfeasibleBudgetError:
+            return False
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= max_batch and ok(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, max_batch + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets, seq_len: int,
+                       opts: MilpOptions = MilpOptions(), max_batch: int = 4096,
+                       extra_points: int = 2) -> tuple[Plan, list[BatchTrial]]:
+    """Outer search: the micro-batch with the largest planned throughput that fits the budgets.
+
+    The largest feasible micro-batch is found by bisection on the MILP's feasibility (starting from
+    the largest batch passing the static check); then ``extra_points`` smaller batches (3/4, 1/2 of it)
+    are planned too, and the best tokens/s wins (larger batches amortise weight copies and the
+    optimizer, so the throughput-optimal batch is normally the largest one)."""
+    trials: list[BatchTrial] = []
+    plans: dict[int, Plan] = {}
+
+    def attempt(b: int) -> Plan | None:
+        try:
+            p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=b, seq_len=seq_len)
+            plan = solve(p, opts)
+        except (InfeasibleBudgetError, PlanningError) as e:
+            trials.append(BatchTrial(b, None, f"infeasible: {str(e).split(':')[0]}"))
+            return None
+        trials.append(BatchTrial(b, plan.prediction["tokens_per_s"], plan.prediction["solver"]["status"]))
+        plans[b] = plan
+        return plan
+
+    hi = largest_static_batch(model, hw, budgets, seq_len, max_batch)
+    if hi == 0:
+        Problem(model=model, hardware=hw, budgets=budgets, micro_batch=1, seq_len=seq_len)  # raises, named
+    if attempt(hi) is None:
+        lo = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if attempt(mid) is not None:
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0:
+            raise InfeasibleBudgetError(f"no micro-batch fits the budgets ({trials[-1].status})")
+        hi = lo
+    for frac in (0.75, 0.5)[:extra_points]:
+        b = max(1, int(hi * frac))
+        if b not in plans:
+            attempt(b)
+    best = max(plans.values(), key=lambda pl: (pl.prediction["tokens_per_s"], pl.micro_batch_size))
+    return best, sorted(trials, key=lambda t: t.micro_batch)
+
+
+def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: "int | None" = None,
+             seq_len: int = 1024, time_limit_s: float = 10.0, base: str | None = None,
+             options: MilpOptions | None = None) -> Plan:
+    """Plan one training step: the function the engine calls.
+
+    - ``model_shape``: a Hugging Face config dict (e.g. ``model.config.to_dict()``), a dict of explicit
+      per-layer numbers (``{"layer_params": [...], "hidden": ..., "vocab_size": ...}``), a
+      :class:`ModelShape`, a catalog name (``qwen2.5-7b``) or a config.json path;
+    - ``hardware``: a :class:`HardwareProfile`, a catalog name (``h800``), a profile dict or a JSON path
+      written by ``lazytrain bench tiers`` (``base`` fills its null fields from a catalog entry);
+    - ``budgets``: a :class:`Budgets` or a dict ``{"gpu": "70GB", "host": "512GB", "nvme": "0"}``;
+    - ``micro_batch``: an int, or None to search for the throughput-best micro-batch that fits;
+    - ``time_limit_s``: the MILP's time limit (per solve).
+
+    Returns the Plan with ``prediction`` filled by the simulator (step time, TFLOPS, tokens/s, exposed
+    time per link, peak bytes per tier) and the solver's status. Raises InfeasibleBudgetError (naming
+    what does not fit) or PlanningError."""
+    model = as_model_shape(model_shape)
+    hw = load_profile(hardware, base=base)
+    b = as_budgets(budgets)
+    opts = replace(options or MilpOptions(), time_limit_s=time_limit_s)
+    if micro_batch is None:
+        return search_micro_batch(model, hw, b, seq_len, opts)[0]
+    return solve(Problem(model=model, hardware=hw, budgets=b, micro_batch=int(micro_batch), seq_len=seq_len), opts)

@@ -1,0 +1,260 @@
+"""Planner: model/hardware inputs, budgets, simulator invariants, policies, MILP vs simulator, CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lazytrain.planner.hardware import CATALOG, HardwareError, HardwareProfile, load_profile
+from lazytrain.planner.milp import MilpOptions, build_and_solve
+from lazytrain.planner.models import ModelShape, ModelShapeError, catalog_model
+from lazytrain.planner.plan import Plan, every_k_plan
+from lazytrain.planner.policies import (PAPER, best_interval_plan, greedy_plan, keep_all, megatrain_errors,
+                                        megatrain_plan)
+from lazytrain.planner.problem import Budgets, InfeasibleBudgetError, Problem, make_problem, parse_size
+from lazytrain.planner.search import plan_for, search_micro_batch
+from lazytrain.planner.simulate import SimulationError, simulate
+
+from planner_toys import A_BYTES, SLOW_HW, TOY_HW, toy_model, toy_problem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- inputs ---------------------------------------------------------------------------------------
+def test_catalog_parameter_counts_match_the_published_models():
+    assert catalog_model("qwen2.5-3b").total_params == 3_085_938_688
+    assert catalog_model("qwen2.5-7b").total_params == 7_615_616_512
+    assert catalog_model("qwen2.5-14b").total_params == 14_770_033_664
+    m27 = catalog_model("paper-27b")
+    assert (m27.num_layers, m27.hidden, m27.throughput_params) == (64, 5120, 23_680_000_000)
+
+
+def test_hf_config_dict_and_explicit_layers():
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "tie_word_embeddings": False}
+    m = ModelShape.from_hf_config(cfg)
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    assert m.num_layers == 3 and m.layers[0].params == per_layer
+    assert m.total_params == 3 * per_layer + 2 * 100 * 64 + 64
+    with pytest.raises(ModelShapeError, match="'intermediate_size'"):
+        ModelShape.from_hf_config({k: v for k, v in cfg.items() if k != "intermediate_size"})
+    explicit = ModelShape.from_layers("x", [10, 20, 30], hidden=8)
+    assert [l.params for l in explicit.layers] == [10, 20, 30]
+
+
+def test_parse_size():
+    assert parse_size("70GB") == 70 * 10 ** 9
+    assert parse_size("24GiB") == 24 * 2 ** 30
+    assert parse_size(123) == 123
+    with pytest.raises(ValueError, match="70XB"):
+        parse_size("70XB")
+
+
+def test_hardware_json_missing_field_is_named_and_base_fills_it(tmp_path):
+    d = CATALOG["h800"].to_dict()
+    d["name"], d["achievable_tflops"] = "measured", None
+    del d["host_optimizer_gparams_per_s"], d["host_mem_gbps"]
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(d))
+    prof = load_profile(str(path))
+    with pytest.raises(HardwareError, match="'achievable_tflops'"):
+        make_problem("qwen2.5-3b", prof, 8, 1024, Budgets.of(gpu="70GB"))
+    prof2 = load_profile(str(path), base="h800")
+    assert prof2.achievable_tflops == CATALOG["h800"].achievable_tflops and prof2.h2d_gbps == d["h2d_gbps"]
+    with pytest.raises(HardwareError, match="unknown hardware profile field"):
+        HardwareProfile.from_dict({"name": "x", "pcie": 3})
+    assert HardwareProfile.from_dict(json.loads(CATALOG["rtx3090"].to_json())) == CATALOG["rtx3090"]
+
+
+# ---- budgets --------------------------------------------------------------------------------------
+def test_infeasible_host_budget_names_the_gap():
+    with pytest.raises(InfeasibleBudgetError, match=r"host memory budget 100\.00 GB cannot hold the optimizer "
+                                                    r"state.*short by"):
+        make_problem("qwen2.5-7b", "h800", 8, 1024, Budgets.of(gpu="70GB", host="100GB"))
+
+
+def test_infeasible_gpu_budget_names_the_gap():
+    with pytest.raises(InfeasibleBudgetError) as e:
+        make_problem("paper-27b", "rtx3090", 64, 1024, Budgets.of(gpu="24GiB"))
+    msg = str(e.value)
+    assert "GPU budget 25.77 GB is too small at micro-batch 64" in msg
+    assert "saved activations of one layer" in msg and "short by" in msg and "Lower --micro-batch" in msg
+
+
+def test_infeasible_plan_space_is_reported_by_the_milp():
+    p = toy_problem(4, 0.0, host_slots=0)
+    with pytest.raises(InfeasibleBudgetError, match="no plan fits the budgets"):
+        build_and_solve(p, MilpOptions(max_segment=2))
+
+
+# ---- simulator ------------------------------------------------------------------------------------
+def test_simulator_invariants_on_a_milp_plan():
+    p = toy_problem(6, 1.5, host_slots=2, nvme_slots=1, hw=SLOW_HW)
+    plan, _ = build_and_solve(p, MilpOptions(max_segment=6, offload_slack=12, prefetch_lead=12, gap_rel=1e-9))
+    r = simulate(p, plan)
+    assert not r.violations
+    for tier, budget in (("hbm", p.gpu_budget), ("host", p.host_budget), ("nvme", p.nvme_budget)):
+        assert r.peak_bytes[tier] == max(m[tier] for m in r.memory) <= budget
+    # windows are contiguous, the compute stream never overlaps itself, links run inside their window
+    for a, b in zip(r.memory, r.memory[1:]):
+        assert a["end"] == b["start"]
+    comp = sorted((e for e in r.timeline if e.lane == "compute"), key=lambda e: e.start)
+    assert all(x.end <= y.start + 1e-15 for x, y in zip(comp, comp[1:]))
+    for e in r.timeline:
+        if e.window < 2 * p.L:
+            m = r.memory[e.window]
+            assert m["start"] - 1e-15 <= e.start <= e.end <= m["end"] + 1e-15
+    assert sum(e.end - e.start for e in comp) == pytest.approx(r.compute_s)
+
+
+def test_simulator_reports_budget_violations_by_tier():
+    p = toy_problem(4, 0.5, host_slots=0)
+    with pytest.raises(SimulationError, match=r"hbm peak .* exceeds its budget"):
+        simulate(p, every_k_plan(4, 1))
+    nv = Plan(num_layers=4, homes=("hbm", "nvme", "recompute", "hbm", "hbm"))
+    r = simulate(toy_problem(4, 4.0, host_slots=1), nv, strict=False)
+    assert any(v.startswith("nvme peak") for v in r.violations)
+
+
+def test_simulator_flags_a_boundary_that_never_reaches_the_device():
+    p = toy_problem(3, 4.0, host_slots=2)
+    ok = Plan(num_layers=3, homes=("hbm", "host", "hbm", "hbm"), offload_window={1: 1}, prefetch_window={1: 3})
+    assert not simulate(p, ok, strict=False).violations
+    r = simulate(p, ok, strict=False)
+    # replay with a prefetch window the Plan contract forbids (bypassing validation): the read is caught
+    broken = Plan(num_layers=3, homes=("hbm", "host", "hbm", "hbm"), offload_window={1: 1}, prefetch_window={1: 3})
+    object.__setattr__(broken, "prefetch_window", {1: 5})
+    r = simulate(p, broken, strict=False)
+    assert any("reads boundary 1, which has no device copy" in v for v in r.violations)
+
+
+def test_exposed_prefetch_waits_exactly_one_copy():
+    p = toy_problem(3, 4.0, host_slots=2)
+    early = Plan(num_layers=3, homes=("hbm", "host", "hbm", "hbm"), offload_window={1: 1}, prefetch_window={1: 3})
+    late = Plan(num_layers=3, homes=("hbm", "host", "hbm", "hbm"), offload_window={1: 1}, prefetch_window={1: 4})
+    r1, r2 = simulate(p, early), simulate(p, late)
+    w = 4   # boundary 1's need window: layer 1 is differentiated in window 2L-1-1 = 4
+    start = lambda r: min(e.start for e in r.timeline if e.lane == "compute" and e.window == w)
+    assert start(r2) - r2.memory[w]["start"] == pytest.approx(A_BYTES / p.bw_h2d, rel=1e-12)
+    assert start(r1) == r1.memory[w]["start"]
+    assert r2.exposed_s["h2d"] >= A_BYTES / p.bw_h2d * (1 - 1e-12)
+
+
+def test_tflops_follow_the_paper_convention():
+    p = toy_problem(3, 4.0)
+    r = simulate(p, every_k_plan(3, 1))
+    toks = p.micro_batch * p.seq_len
+    assert r.tflops == pytest.approx(6 * p.model.throughput_params * toks / r.step_time_s / 1e12)
+    assert r.tokens_per_s == pytest.approx(toks / r.step_time_s)
+
+
+def test_optimizer_overlap_never_slower_than_serial():
+    p = toy_problem(4, 4.0)
+    serial = Plan(num_layers=4, homes=("hbm",) * 5, overlap_optimizer=False)
+    overlap = Plan(num_layers=4, homes=("hbm",) * 5)
+    rs, ro = simulate(p, serial), simulate(p, overlap)
+    assert ro.step_time_s < rs.step_time_s
+    assert rs.exposed_s["optimizer"] == pytest.approx(p.opt_nl + sum(p.opt_l) + p.load_nl + p.load_l[0])
+
+
+# ---- plans, policies, MILP -------------------------------------------------------------------------
+def test_plan_json_round_trip(tmp_path):
+    p = toy_problem(5, 1.5, host_slots=2, nvme_slots=1, hw=SLOW_HW)
+    plan, _ = build_and_solve(p, MilpOptions(max_segment=5, offload_slack=10, prefetch_lead=10))
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    back = Plan.from_json(str(path))
+    assert back == plan and Plan.from_json(plan.to_json()) == plan
+    assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
+
+
+def test_megatrain_policy_reproduces_the_paper_within_10_percent():
+    errs = megatrain_errors(CATALOG["h800"], "h800")
+    assert set(errs) == {"qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "paper-27b"}
+    assert max(abs(e) for e in errs.values()) < 0.10, errs
+    p = make_problem("paper-27b", "h800", 72, 1024, Budgets.of(gpu="70GB"))
+    mt = megatrain_plan(p)
+    assert mt.kept == tuple(range(0, 65, 4)) and not mt.overlap_optimizer and mt.recomputed_layers() == 48
+
+
+def test_baselines_are_feasible_plans():
+    p = toy_problem(6, 2.0, host_slots=6, hw=SLOW_HW)
+    for res in (best_interval_plan(p), keep_all(p), greedy_plan(p)):
+        assert res is not None
+        plan, r = res
+        assert not simulate(p, plan, strict=False).violations
+    plan, _ = build_and_solve(p, MilpOptions(max_segment=6, offload_slack=12, prefetch_lead=12, gap_rel=1e-9))
+    ours = simulate(p, plan).step_time_s
+    assert all(ours <= res[1].step_time_s * (1 + 1e-9) for res in (best_interval_plan(p), keep_all(p), greedy_plan(p)))
+
+
+def test_milp_prediction_agrees_with_the_simulator_within_2_percent():
+    p = make_problem("qwen2.5-3b", "rtx3090", 8, 1024, Budgets.of(gpu="24GiB"))
+    plan, info = build_and_solve(p, MilpOptions(time_limit_s=30))
+    assert info.status in ("optimal", "feasible")
+    r = simulate(p, plan)
+    assert abs(info.objective_s / r.step_time_s - 1) < 0.02
+    assert r.step_time_s < simulate(p, megatrain_plan(p)).step_time_s
+
+
+def test_plan_for_from_a_hugging_face_config():
+    cfg = {"model_type": "qwen2", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+           "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000, "tie_word_embeddings": True}
+    plan = plan_for(cfg, "h800", {"gpu": "8GB", "host": "64GB"}, micro_batch=16, seq_len=512, time_limit_s=20)
+    assert plan.num_layers == 8 and plan.micro_batch_size == 16 and plan.seq_len == 512
+    pred = plan.prediction
+    assert pred["solver"]["status"] == "optimal" and pred["peak_bytes"]["hbm"] <= 8e9
+    assert pred["step_time_s"] >= pred["lower_bound_s"]
+    explicit = plan_for({"layer_params": [4_000_000] * 4, "hidden": 256, "vocab_size": 1000}, "h800",
+                        {"gpu": "2GB", "host": "8GB"}, micro_batch=2, seq_len=128)
+    assert explicit.num_layers == 4
+
+
+def test_micro_batch_search_returns_the_best_feasible_throughput():
+    model = toy_model(4)
+    budgets = Budgets(gpu_bytes=400_000, host_bytes=400_000, gpu_reserved_bytes=0, loss_chunk_tokens=16)
+    best, trials = search_micro_batch(model, TOY_HW, budgets, 16, MilpOptions(max_segment=4))
+    feasible = [t for t in trials if t.tokens_per_s]
+    assert best.micro_batch_size == max(feasible, key=lambda t: t.tokens_per_s).micro_batch
+    with pytest.raises(InfeasibleBudgetError):   # one more sample does not fit
+        p = Problem(model=model, hardware=TOY_HW, budgets=budgets, micro_batch=max(t.micro_batch for t in feasible) + 1,
+                    seq_len=16)
+        build_and_solve(p, MilpOptions(max_segment=4))
+
+
+# ---- CLI, plot, purity ------------------------------------------------------------------------------
+def test_cli_plan_prints_the_comparison_and_writes_the_plan(tmp_path, capsys):
+    from lazytrain.cli import main
+    out_json = tmp_path / "plan.json"
+    rc = main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--micro-batch", "8", "--seq", "1024",
+               "--gpu-mem", "24GiB", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for row in ("lazytrain (milp)", "megatrain (k=4, serial opt)", "best-interval", "keep-all", "greedy"):
+        assert row in out
+    assert Plan.from_json(str(out_json)).num_layers == 36
+
+
+def test_cli_reports_an_infeasible_budget(capsys):
+    from lazytrain.cli import main
+    rc = main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8", "--gpu-mem", "70GB",
+               "--host-mem", "50GB"])
+    assert rc == 2 and "host memory budget 50.00 GB" in capsys.readouterr().err
+
+
+def test_plot_writes_an_image(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lazytrain.planner.plot import plot_step
+    p = toy_problem(4, 1.5, host_slots=1)
+    plan, _ = build_and_solve(p, MilpOptions(max_segment=4))
+    path = plot_step(simulate(p, plan), str(tmp_path / "g.png"))
+    assert os.path.getsize(path) > 1000
+
+
+def test_planner_never_imports_torch():
+    code = ("import sys, types; pkg = types.ModuleType('lazytrain'); pkg.__path__ = [%r]; "
+            "sys.modules['lazytrain'] = pkg; import lazytrain.planner.search, lazytrain.planner.cli, "
+            "lazytrain.planner.report, lazytrain.planner.policies; assert 'torch' not in sys.modules, 'torch'"
+            % os.path.join(ROOT, "lazytrain"))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,0 +1,67 @@
+"""The MILP against brute force: on tiny problems its optimum equals the best of all recompute paths,
+homes, transfer windows and resident-layer sets, each scored by the simulator."""
+import pytest
+
+from lazytrain.planner.milp import MilpOptions, build_and_solve
+from lazytrain.planner.problem import InfeasibleBudgetError
+from lazytrain.planner.simulate import simulate
+
+from planner_toys import SLOW_HW, TOY_HW, brute_force, toy_problem
+
+
+def full_space(L: int, resident: bool) -> MilpOptions:
+    """MILP options whose search space is the brute force's: any segment length, any window."""
+    return MilpOptions(max_segment=L, offload_slack=2 * L, prefetch_lead=2 * L, allow_resident=resident,
+                       gap_rel=1e-9, time_limit_s=60)
+
+
+def check_equal(p, free_windows: bool, resident: bool):
+    best, best_plan, n = brute_force(p, free_windows=free_windows, residency=resident)
+    if n == 0:
+        with pytest.raises(InfeasibleBudgetError, match="no plan fits the budgets"):
+            build_and_solve(p, full_space(p.L, resident))
+        return None
+    plan, info = build_and_solve(p, full_space(p.L, resident))
+    assert info.status == "optimal"
+    got = simulate(p, plan).step_time_s          # strict: the MILP's plan satisfies every invariant
+    assert got == pytest.approx(best, rel=1e-7), (plan, best_plan)
+    assert info.objective_s == pytest.approx(got, rel=1e-6)
+    return plan
+
+
+@pytest.mark.parametrize("hw", [TOY_HW, SLOW_HW], ids=["toy", "slow-link"])
+@pytest.mark.parametrize("gpu_extra", [0, 1])
+def test_three_layers_all_tiers_all_windows(hw, gpu_extra):
+    # homes in {hbm, host, nvme} x every (offload, prefetch) window pair x every recompute path
+    p = toy_problem(3, gpu_extra, host_slots=1, nvme_slots=1, hw=hw)
+    check_equal(p, free_windows=True, resident=False)
+
+
+def test_three_layers_with_residency():
+    p = toy_problem(3, 2.0, host_slots=1, nvme_slots=1, hw=SLOW_HW)
+    plan = check_equal(p, free_windows=True, resident=True)
+    assert plan.resident_layers       # slow links: keeping a layer's weights on the GPU pays
+
+
+def test_four_layers_host_and_recompute():
+    p = toy_problem(4, 1.5, host_slots=1, hw=SLOW_HW)
+    plan = check_equal(p, free_windows=True, resident=False)
+    assert plan.homes.count("host") == 1
+
+
+@pytest.mark.parametrize("gpu_extra,recomputed", [(2.5, 2), (3.5, 1), (5.0, 0)])
+def test_six_layers_recompute_paths(gpu_extra, recomputed):
+    p = toy_problem(6, gpu_extra, host_slots=0, hw=TOY_HW)
+    plan = check_equal(p, free_windows=False, resident=False)
+    assert plan.recomputed_layers() == recomputed
+
+
+def test_five_layers_recompute_and_residency():
+    p = toy_problem(5, 2.5, host_slots=0, hw=SLOW_HW)
+    plan = check_equal(p, free_windows=False, resident=True)
+    assert plan.recomputed_layers() == 1 and plan.resident_layers
+
+
+def test_infeasible_everywhere_agrees():
+    p = toy_problem(3, 0, host_slots=0, hw=TOY_HW)
+    assert check_equal(p, free_windows=True, resident=False) is None
