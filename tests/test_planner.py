@@ -16,7 +16,7 @@ from lazytrain.planner.problem import Budgets, InfeasibleBudgetError, Problem, m
 from lazytrain.planner.search import plan_for, search_micro_batch
 from lazytrain.planner.simulate import SimulationError, simulate
 
-from planner_toys import A_BYTES, SLOW_HW, TOY_HW, toy_model, toy_problem
+from test_planner_toys import A_BYTES, SLOW_HW, TOY_HW, toy_model, toy_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

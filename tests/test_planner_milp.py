@@ -6,7 +6,7 @@ from lazytrain.planner.milp import MilpOptions, build_and_solve
 from lazytrain.planner.problem import InfeasibleBudgetError
 from lazytrain.planner.simulate import simulate
 
-from planner_toys import SLOW_HW, TOY_HW, brute_force, toy_problem
+from test_planner_toys import SLOW_HW, TOY_HW, brute_force, toy_problem
 
 
 def full_space(L: int, resident: bool) -> MilpOptions:

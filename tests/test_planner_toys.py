@@ -1,4 +1,5 @@
-"""Tiny planning problems (L <= 6) and a brute-force enumerator of Plans, for the planner tests."""
+"""Tiny planning problems (L <= 6) and a brute-force enumerator of Plans, shared by the planner tests
+(this module holds no tests itself)."""
 from __future__ import annotations
 
 import itertools
