@@ -61,13 +61,17 @@ class TransferHandle:
 
     It wraps either a finished value, a ``concurrent.futures.Future`` (thread-pool I/O) or a CUDA
     event (copies on a side stream). For CUDA events, ``wait()`` orders the *current stream* after the
-    copy without blocking the host; ``synchronize()`` blocks the host.
+    copy without blocking the host, except when the result lives in host memory (``host=True``): the
+    host is about to use it, so ``wait()`` blocks until the copy is done. ``synchronize()`` always
+    blocks the host.
     """
 
-    __slots__ = ("_value", "_future", "_event", "_keepalive", "_callbacks")
+    __slots__ = ("_value", "_future", "_event", "_keepalive", "_host")
 
-    def __init__(self, value: Any = None, future: Future | None = None, event: Any = None, keepalive: Any = None):
+    def __init__(self, value: Any = None, future: Future | None = None, event: Any = None, keepalive: Any = None,
+                 host: bool = False):
         self._value, self._future, self._event, self._keepalive = value, future, event, keepalive
+        self._host = host
 
     def done(self) -> bool:
         if self._future is not None:
@@ -81,7 +85,12 @@ class TransferHandle:
             self._value = self._future.result()
             self._future = None
         if self._event is not None:
-            torch.cuda.current_stream(self._event.device if hasattr(self._event, "device") else None).wait_event(self._event)
+            if self._host:
+                self._event.synchronize()
+                self._event = self._keepalive = None
+            else:
+                device = self._event.device if hasattr(self._event, "device") else None
+                torch.cuda.current_stream(device).wait_event(self._event)
         return self._value
 
     def synchronize(self) -> Any:
@@ -143,6 +152,8 @@ class Tier(ABC):
         self.name = name
         self.capacity = parse_bytes(capacity, f"capacity of tier {name!r}")
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
         self.used_bytes = 0
@@ -154,7 +165,12 @@ class Tier(ABC):
     # ---- public API ------------------------------------------------------------------------
     def write(self, key: str, tensor: torch.Tensor, owned: bool = False) -> TransferHandle:
         """Store a snapshot of ``tensor`` under ``key``. ``owned=True``: the caller gives the tensor
-        up, so a tier may keep it without copying. Overwriting a key frees the old value first."""
+        up, so a tier may keep it without copying. Overwriting a key frees the old value first.
+
+        A CPU tensor may be reused as soon as ``write`` returns. A CUDA tensor is copied on a side stream
+        ordered after the work already queued on the current stream: kernels queued later must not
+        modify it until the handle is done (wait on it first, or let the tensor die: its memory is kept
+        until the copy ends). A read of ``key`` issued before the write finishes sees the written data."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tier {self.name!r}: write of {key!r} needs a torch.Tensor, got {type(tensor).__name__}")
         if key in self._sizes:

@@ -49,15 +49,23 @@ class _CopyStreams:
         return cls._streams[key]
 
 
-def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None) -> TransferHandle:
-    """Copy ``src`` into ``dst`` on a side stream when a CUDA device is involved, else synchronously."""
+def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
+               follow_current: bool = True) -> TransferHandle:
+    """Copy ``src`` into ``dst`` on a side stream when a CUDA device is involved, else synchronously.
+    The copy follows the work queued on the current stream (``follow_current``) and ``after``, a CUDA
+    event (the write that filled ``src``, or the point where the caller asked for the copy)."""
     cuda_dev = dst.device if dst.device.type == "cuda" else (src.device if src.device.type == "cuda" else None)
     if cuda_dev is None:
+        if after is not None:
+            after.synchronize()
         dst.copy_(src)
         return TransferHandle(value=dst if value is None else value)
     direction = "h2d" if dst.device.type == "cuda" and src.device.type != "cuda" else "d2h"
     stream = _CopyStreams.get(cuda_dev, direction)
-    stream.wait_stream(torch.cuda.current_stream(cuda_dev))
+    if follow_current:
+        stream.wait_stream(torch.cuda.current_stream(cuda_dev))
+    if after is not None:
+        stream.wait_event(after)
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event()
@@ -66,17 +74,23 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None) -> TransferHand
         src.record_stream(stream)
     if dst.device.type == "cuda":
         dst.record_stream(stream)
-    return TransferHandle(value=dst if value is None else value, event=event, keepalive=src)
+    return TransferHandle(value=dst if value is None else value, event=event, keepalive=src,
+                          host=dst.device.type != "cuda")
 
 
 class MemoryTier(Tier):
-    """Tensors kept in a dict on one device; reads copy into ``out`` or return the stored tensor."""
+    """Tensors kept in a dict on one device; reads copy into ``out`` or return the stored tensor.
+
+    With CUDA, the last copy event touching each stored buffer is kept: reads are ordered after the
+    write that fills the buffer, and a freed buffer is recycled only once its copies are done.
+    """
 
     kind = "memory"
 
     def __init__(self, name: str, capacity=None, device=None):
         super().__init__(name, capacity, device)
         self._store: dict[str, torch.Tensor] = {}
+        self._events: dict[str, object] = {}  # key -> last CUDA event of a copy into or out of its buffer
 
     def _allocate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
@@ -88,22 +102,36 @@ class MemoryTier(Tier):
         buf = self._allocate(key, tensor)
         self._store[key] = buf
         handle = async_copy(buf, tensor)
+        if handle._event is not None:
+            self._events[key] = handle._event
         return TransferHandle(event=handle._event, keepalive=handle._keepalive)
+
+    def _pending(self, key):
+        event = self._events.get(key)
+        if event is not None and event.query():
+            self._events.pop(key, None)
+            return None
+        return event
 
     def _read(self, key, out, device):
         src = self._store[key]
+        after = self._pending(key)
         if out is not None:
             if out.shape != src.shape or out.dtype != src.dtype:
                 raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
                                  f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
-            return async_copy(out, src)
-        if device is None or device == self.device or (device.type == self.device.type == "cpu"):
-            return TransferHandle(value=src)
-        dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-        return async_copy(dst, src)
+            handle = async_copy(out, src, after=after)
+        elif device is None or device == self.device or (device.type == self.device.type == "cpu"):
+            return TransferHandle(value=src, event=after, host=src.device.type != "cuda")
+        else:
+            handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after)
+        if handle._event is not None:
+            self._events[key] = handle._event  # copies out of the buffer follow the write on one stream
+        return handle
 
     def _free(self, key):
         self._store.pop(key, None)
+        self._events.pop(key, None)
 
 
 class DeviceTier(MemoryTier):
@@ -127,23 +155,41 @@ class HostTier(MemoryTier):
             _warn_pageable(stacklevel=2)
         self.pool = SlabPool(limit_bytes=self.capacity)
         self._slabs: dict[str, torch.Tensor] = {}
+        self._draining: list[tuple[torch.Tensor, object]] = []  # freed slabs whose copies are in flight
 
     def _allocate(self, key, tensor):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             return torch.empty(tensor.shape, dtype=tensor.dtype)
+        self._drain()
         slab = self.pool.acquire(nbytes)
         self._slabs[key] = slab
         return slab[:nbytes].view(tensor.dtype).view(tensor.shape)
 
+    def _drain(self, wait: bool = False) -> None:
+        keep = []
+        for slab, event in self._draining:
+            if wait:
+                event.synchronize()
+            if event.query():
+                self.pool.release(slab)
+            else:
+                keep.append((slab, event))
+        self._draining = keep
+
     def _free(self, key):
+        event = self._pending(key)
         super()._free(key)
         slab = self._slabs.pop(key, None)
         if slab is not None:
-            self.pool.release(slab)
+            if event is None:
+                self.pool.release(slab)
+            else:
+                self._draining.append((slab, event))  # reused once the copy ends, never before
 
     def close(self):
         super().close()
+        self._drain(wait=True)
         self.pool.trim()
 
     def stats(self):

@@ -204,6 +204,7 @@ class NVMeTier(Tier):
         self._closed = False
         self._entries: dict[str, _Entry] = {}
         self._seq = 0
+        self._kv_streams: dict[int, object] = {}  # per CUDA device: where kvikio's checksums and copies run
         self._check_path()
         self.run_dir = os.path.join(self.root, f"lazytrain-run-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
@@ -383,7 +384,8 @@ class NVMeTier(Tier):
         def job():
             try:
                 event.synchronize()
-                entry.checksums = device_checksums(staged, self.settings.block_size)
+                with torch.cuda.stream(self._kvikio_stream(staged.device)):
+                    entry.checksums = device_checksums(staged, self.settings.block_size)
                 written = self.kvikio_backend.write(path, staged)
                 if written != nbytes:
                     raise OSError(errno.EIO, f"kvikio wrote {written} of {nbytes} bytes")
@@ -406,6 +408,10 @@ class NVMeTier(Tier):
             raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} {out.dtype}, "
                              f"but it holds {tuple(entry.shape)} {entry.dtype}")
         target = out.device if out is not None else (device or self.device)
+        issued = None
+        if target.type == "cuda":  # the copy into device memory follows what the caller queued so far
+            issued = torch.cuda.Event()
+            issued.record(torch.cuda.current_stream(target))
         result: Future = Future()
 
         def start(_=None):
@@ -414,7 +420,7 @@ class NVMeTier(Tier):
                                                f"failed ({entry.written.exception()})"))
                 return
             try:
-                inner = self._start_read(entry, out, target)
+                inner = self._start_read(entry, out, target, issued)
             except BaseException as e:  # noqa: BLE001
                 result.set_exception(e)
                 return
@@ -425,9 +431,9 @@ class NVMeTier(Tier):
             entry.written.add_done_callback(start)  # read after the write lands
         return TransferHandle(future=result)
 
-    def _start_read(self, entry: _Entry, out, target: torch.device) -> Future:
+    def _start_read(self, entry: _Entry, out, target: torch.device, issued) -> Future:
         if entry.via_kvikio:
-            return self._executor.submit(self._read_kvikio, entry, out, target)
+            return self._executor.submit(self._read_kvikio, entry, out, target, issued)
         try:
             fd = self.backend.open(entry.path, write=False)
         except OSError as e:
@@ -477,7 +483,7 @@ class NVMeTier(Tier):
                     return value
                 staged = slab[:entry.nbytes].view(entry.dtype).view(entry.shape)
                 dst = out if out is not None else torch.empty(entry.shape, dtype=entry.dtype, device=target)
-                handle = async_copy(dst, staged)
+                handle = async_copy(dst, staged, after=issued, follow_current=False)
                 handle.synchronize()  # the slab goes back to the pool below
                 return dst
             finally:
@@ -521,9 +527,11 @@ class NVMeTier(Tier):
         else:
             op.part_done()
 
-    def _read_kvikio(self, entry: _Entry, out, target: torch.device):
+    def _read_kvikio(self, entry: _Entry, out, target: torch.device, issued):
         device = out.device if out is not None and out.is_cuda else (target if target.type == "cuda" else
                                                                       torch.device("cuda"))
+        if issued is not None:
+            issued.synchronize()  # kvikio writes device memory outside any stream: the caller's work first
         if out is not None and out.is_cuda and out.is_contiguous():
             dest = out.view(-1).view(torch.uint8) if entry.nbytes else out
         else:
@@ -537,19 +545,29 @@ class NVMeTier(Tier):
         if got != entry.nbytes:
             raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: read "
                                 f"{got} of {entry.nbytes} bytes")
-        sums = device_checksums(dest, self.settings.block_size)
-        for i, (s, expected) in enumerate(zip(sums, entry.checksums)):
-            if s != expected:
-                raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is corrupted: "
-                                    f"checksum mismatch in block {i}")
-        value = dest.view(entry.dtype).view(entry.shape)
-        if out is not None and value.data_ptr() != out.data_ptr():
-            out.copy_(value)
-            value = out
-        elif out is None and target.type != "cuda":
-            value = value.to(target)
-        torch.cuda.current_stream(device).synchronize()
+        with torch.cuda.stream(self._kvikio_stream(device)):  # off the compute stream
+            sums = device_checksums(dest, self.settings.block_size)
+            block = self.settings.block_size
+            for i, (s, expected) in enumerate(zip(sums, entry.checksums)):
+                if s != expected:
+                    raise NVMeDataError(
+                        f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is corrupted: checksum mismatch "
+                        f"in block {i} (bytes {i * block}..{min((i + 1) * block, entry.nbytes) - 1})")
+            value = dest.view(entry.dtype).view(entry.shape)
+            if out is not None and value.data_ptr() != out.data_ptr():
+                out.copy_(value)
+                value = out
+            elif out is None and target.type != "cuda":
+                value = value.to(target)
+            torch.cuda.current_stream(device).synchronize()
         return value
+
+    def _kvikio_stream(self, device: torch.device):
+        with self._lock:
+            key = device.index if device.index is not None else torch.cuda.current_device()
+            if key not in self._kv_streams:
+                self._kv_streams[key] = torch.cuda.Stream(device=key)
+            return self._kv_streams[key]
 
     # ---- free / close ------------------------------------------------------------------------
     def _free(self, key):

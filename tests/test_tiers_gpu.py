@@ -1,0 +1,74 @@
+"""Tiers with CUDA tensors: side-stream copies, pinned slabs, and the NVMe tier through kvikio (when it is
+installed) or through pinned staging buffers. Skipped without CUDA."""
+import os
+
+import pytest
+import torch
+
+from lazytrain.tiers import DeviceTier, HostTier, NVMeDataError, NVMeTier
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
+
+
+def sample(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 40).to(dtype).cuda()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_device_and_host_tiers_with_cuda_tensors(dtype):
+    hbm, host = DeviceTier("hbm", device="cuda"), HostTier()
+    assert host.pool.pinned
+    x = sample((1000, 37), dtype)
+    nc = sample((37, 1000), dtype, seed=1).t()
+    for tier in (hbm, host):
+        tier.write("x", x)
+        tier.write("nc", nc).wait()
+        tier.read("x").synchronize()
+        got = tier.read("x", device="cuda").wait()
+        assert got.is_cuda and torch.equal(got, x)
+        out = torch.empty_like(nc)
+        tier.read("nc", out=out).wait()
+        assert torch.equal(out, nc)
+        assert torch.equal(tier.read("x", device="cpu").synchronize(), x.cpu())
+    assert host._store["x"].is_pinned()
+
+
+@pytest.mark.parametrize("use_gds", [None, False])  # kvikio where installed / pinned staging
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (1000, 37), (1 << 20,)])
+def test_nvme_with_cuda_tensors(tmp_path, use_gds, dtype, shape):
+    tier = NVMeTier(path=tmp_path, aio={"block_size": 65536, "use_gds": use_gds})
+    try:
+        x = sample(shape, dtype)
+        tier.write("x", x).wait()
+        got = tier.read("x", device="cuda").wait()
+        assert got.is_cuda and torch.equal(got, x)
+        out = torch.zeros_like(x)
+        assert tier.read("x", out=out).wait() is out and torch.equal(out, x)
+        assert torch.equal(tier.read("x", device="cpu").wait(), x.cpu())
+        if use_gds is False:
+            assert tier.kvikio_backend is None
+    finally:
+        tier.close()
+
+
+def test_nvme_catches_corruption_of_a_cuda_tensor(tmp_path):
+    tier = NVMeTier(path=tmp_path, aio={"block_size": 4096})
+    try:
+        x = sample((5000,), torch.float32)
+        tier.write("x", x).wait()
+        path = tier.file_of("x")
+        with open(path, "r+b") as f:
+            f.seek(5000)
+            b = f.read(1)[0]
+            f.seek(5000)
+            f.write(bytes([b ^ 1]))
+        with pytest.raises(NVMeDataError) as e:
+            tier.read("x", device="cuda").wait()
+        assert str(e.value).startswith(f"tier 'nvme': key 'x': file {path} is corrupted: checksum mismatch in block 1")
+    finally:
+        tier.close()
+    assert os.listdir(tmp_path) == []
