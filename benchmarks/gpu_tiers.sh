@@ -139,7 +139,8 @@ PY
 measure=$?
 echo "measurements: exit $measure ($(( $(date +%s) - t0 )) s so far)"
 
-timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_tiers.py tests/test_tiers_nvme.py tests/test_tiers_gpu.py 2>&1 | tail -5
+timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_tiers.py tests/test_tiers_nvme.py \
+  tests/test_tiers_gpu.py tests/test_tiers_custom.py 2>&1 | tail -25
 tests=${PIPESTATUS[0]}
 echo "tier tests: exit $tests ($(( $(date +%s) - t0 )) s so far)"
 
