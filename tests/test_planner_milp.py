@@ -65,3 +65,14 @@ def test_five_layers_recompute_and_residency():
 def test_infeasible_everywhere_agrees():
     p = toy_problem(3, 0, host_slots=0, hw=TOY_HW)
     assert check_equal(p, free_windows=True, resident=False) is None
+
+
+def test_cbc_fallback_finds_the_same_optimum():
+    p = toy_problem(4, 1.5, host_slots=1, hw=SLOW_HW)
+    opts = full_space(4, False)
+    highs_plan, highs = build_and_solve(p, opts)
+    from dataclasses import replace
+    cbc_plan, cbc = build_and_solve(p, replace(opts, solver="cbc"))
+    assert (highs.solver, cbc.solver) == ("highs", "cbc")
+    assert cbc.status == "optimal"
+    assert simulate(p, cbc_plan).step_time_s == pytest.approx(simulate(p, highs_plan).step_time_s, rel=1e-7)

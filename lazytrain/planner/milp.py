@@ -307,7 +307,7 @@ def _status(m: pulp.LpProblem, name: str, solve_s: float, build_s: float) -> Sol
         info = hm.getInfo()
         detail = hm.modelStatusToString(hm.getModelStatus())
         try:
-            bound = float(info.mip_dual_bound)
+            bound = float(info.mip_dual_bound) + float(m.objective.constant)  # HiGHS sees no constant
             gap = float(info.mip_gap)
         except Exception:
             bound = gap = None

@@ -127,13 +127,14 @@ def megatrain_errors(hw: HardwareProfile, gpu: str) -> dict[str, float]:
     return out
 
 
-def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False) -> tuple[HardwareProfile, dict]:
+def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False,
+              pcie_max_gbps: float = 48.0) -> tuple[HardwareProfile, dict]:
     """Fit achievable_tflops and host_optimizer_gparams_per_s (and h2d = d2h GB/s when ``fit_pcie``) to
     the paper's MegaTrain column on ``gpu``, minimising the largest relative tokens/s error.
 
     Deterministic search on the simulator: a geometric grid over the optimizer rate (and PCIe
-    bandwidth); for each grid point a ternary search over achievable TFLOPS (the largest error is
-    unimodal in it). The optimizer rate is capped at the memory-bound rate of the host
+    bandwidth, up to ``pcie_max_gbps``); for each grid point a ternary search over achievable TFLOPS
+    (the largest error is unimodal in it). The optimizer rate is capped at the memory-bound rate of the host
     (``host_mem_gbps`` / 28 bytes per parameter): the measured columns barely constrain it, and
     no AdamW update runs faster than its memory traffic allows."""
     def errors(f: float, r: float, bw: float | None) -> dict[str, float]:
@@ -147,7 +148,7 @@ def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False) -> tuple[
 
     geo = lambda lo, hi, n: [lo * (hi / lo) ** (k / (n - 1)) for k in range(n)]
     best = None
-    for bw in (geo(6.0, 48.0, 10) if fit_pcie else [None]):
+    for bw in (geo(6.0, pcie_max_gbps, 10) if fit_pcie else [None]):
         r_cap = base.host_mem_gbps / 28.0 if base.host_mem_gbps else 64.0
         for r in geo(0.5, r_cap, 16 if fit_pcie else 22):
             lo, hi = 0.02 * base.need("peak_tflops"), base.need("peak_tflops")

@@ -1,0 +1,133 @@
+"""The paper's eight (GPU, model, batch) scenarios through LazyTrain's planner and simulator.
+
+For each scenario (seq 1024; 70 GB cap on h800, 24 GiB card on rtx3090; the paper's LazyTrain batch)
+it plans with the MILP and prints, in the same simulator and at the same batch: the step time of our
+plan, of MegaTrain's policy (every 4th boundary on the GPU, 4-layer recompute, serial optimizer) and of
+the best fixed interval; the MILP's solve time on this machine and its status; each plan's distance
+from the step's physical lower bound; and the simulator's calibration against the paper (MegaTrain
+column) and its prediction of the paper's LazyTrain column. On rtx3090 it also searches the largest
+micro-batch our plan fits. Goals (printed, not asserted): our plan >= 1.35x MegaTrain's policy,
+solve <= 10 s, rtx3090 micro-batch >= the paper's LazyTrain batch.
+
+    python3 benchmarks/planner_paper.py [--calibrate] [--time-limit 10] [--only h800]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lazytrain.planner.hardware import CATALOG                                    # noqa: E402
+from lazytrain.planner.milp import MilpOptions                                    # noqa: E402
+from lazytrain.planner.policies import (PAPER, PAPER_GPU_CAP, PAPER_SEQ, best_interval_plan,  # noqa: E402
+                                        calibrate, megatrain_errors, megatrain_plan)
+from lazytrain.planner.problem import Budgets, Problem                            # noqa: E402
+from lazytrain.planner.search import search_micro_batch, solve                     # noqa: E402
+from lazytrain.planner.simulate import simulate                                   # noqa: E402
+from lazytrain.planner.models import catalog_model                               # noqa: E402
+
+SHORT = {"qwen2.5-3b": "3B", "qwen2.5-7b": "7B", "qwen2.5-14b": "14B", "paper-27b": "27B"}
+
+
+def fmt_table(header, rows):
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    out = ["| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(cells[0])) + " |",
+           "|" + "|".join("-" * (x + 2) for x in w) + "|"]
+    out += ["| " + " | ".join(c.rjust(w[i]) if i > 1 else c.ljust(w[i]) for i, c in enumerate(r)) + " |"
+            for r in cells[1:]]
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibrate", action="store_true", help="re-run the h800 calibration (about 30 s)")
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--only", default=None, help="h800 or rtx3090")
+    args = ap.parse_args()
+    opts = MilpOptions(time_limit_s=args.time_limit)
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print("\n## Calibration (simulated MegaTrain policy vs the paper's measured MegaTrain tokens/s)")
+    for gpu in ("h800", "rtx3090"):
+        hw = CATALOG[gpu]
+        if args.calibrate and gpu == "h800":
+            t0 = time.perf_counter()
+            fitted, errs = calibrate(hw, gpu)
+            print(f"re-fit {gpu}: achievable_tflops={fitted.achievable_tflops}, "
+                  f"host_optimizer_gparams_per_s={fitted.host_optimizer_gparams_per_s} "
+                  f"({time.perf_counter() - t0:.0f} s)")
+        errs = megatrain_errors(hw, gpu)
+        print(f"{gpu} (achievable {hw.achievable_tflops} TFLOPS, optimizer {hw.host_optimizer_gparams_per_s} "
+              f"Gparams/s, PCIe {hw.h2d_gbps} GB/s): " +
+              ", ".join(f"{SHORT[m]} {e * 100:+.1f}%" for m, e in errs.items()) +
+              f"; largest |error| {max(abs(e) for e in errs.values()) * 100:.1f}%")
+
+    header = ["GPU", "model", "batch", "MegaTrain s", "best interval s (k)", "ours s", "ours / MegaTrain",
+              "ours / best interval", "ours / bound", "MegaTrain / bound", "solve s", "status",
+              "ours tok/s", "paper LazyTrain tok/s", "pred. err", "paper speedup", "ours GPU GB", "homes hbm/host/nvme/rec"]
+    rows, speedups, solves = [], [], []
+    for (gpu, model), sysrows in PAPER.items():
+        if args.only and gpu != args.only:
+            continue
+        hw = CATALOG[gpu]
+        batch = sysrows["lazytrain"][0]
+        p = Problem(model=catalog_model(model), hardware=hw, budgets=Budgets.of(gpu=PAPER_GPU_CAP[gpu]),
+                    micro_batch=batch, seq_len=PAPER_SEQ)
+        mt = simulate(p, megatrain_plan(p), strict=False, timeline=False)
+        bi = best_interval_plan(p)
+        t0 = time.perf_counter()
+        plan = solve(p, opts)
+        wall = time.perf_counter() - t0
+        ours = simulate(p, plan, timeline=False)
+        info = plan.prediction["solver"]
+        lb = p.lower_bound_s()["bound"]
+        paper_lt = sysrows["lazytrain"][4]
+        paper_speed = sysrows["lazytrain"][4] / sysrows["megatrain"][4]
+        mt_note = "" if not mt.violations else " (over cap)"
+        speedups.append((gpu, model, mt.step_time_s / ours.step_time_s))
+        solves.append(wall)
+        rows.append([gpu, SHORT[model], batch, f"{mt.step_time_s:.3f}{mt_note}",
+                     f"{bi[1].step_time_s:.3f} ({bi[0].policy.split('-')[1]})" if bi else "does not fit",
+                     f"{ours.step_time_s:.3f}", f"{mt.step_time_s / ours.step_time_s:.3f}x",
+                     f"{bi[1].step_time_s / ours.step_time_s:.3f}x" if bi else "-",
+                     f"{ours.step_time_s / lb:.3f}", f"{mt.step_time_s / lb:.3f}",
+                     f"{wall:.2f}", info["status"], f"{ours.tokens_per_s:.0f}", f"{paper_lt:.0f}",
+                     f"{ours.tokens_per_s / paper_lt - 1:+.1%}", f"{paper_speed:.3f}x",
+                     f"{ours.peak_bytes['hbm'] / 1e9:.1f}",
+                     "{hbm}/{host}/{nvme}/{recompute}".format(**ours.boundaries_per_home)])
+        print(f"  planned {gpu} {model}: {wall:.2f} s", file=sys.stderr)
+    print("\n## Step time at the paper's LazyTrain batch (seq 1024; h800 cap 70 GB, rtx3090 24 GiB)")
+    print(fmt_table(header, rows))
+
+    if not args.only or args.only == "rtx3090":
+        print("\n## rtx3090: largest micro-batch our plan fits in 24 GiB (outer search)")
+        srows = []
+        for (gpu, model), sysrows in PAPER.items():
+            if gpu != "rtx3090":
+                continue
+            t0 = time.perf_counter()
+            best, trials = search_micro_batch(catalog_model(model), CATALOG[gpu], Budgets.of(gpu=PAPER_GPU_CAP[gpu]),
+                                              PAPER_SEQ, opts, max_batch=512, extra_points=1)
+            feasible = max(t.micro_batch for t in trials if t.tokens_per_s)
+            srows.append([gpu, SHORT[model], sysrows["lazytrain"][0], feasible, best.micro_batch_size,
+                          f"{best.prediction['tokens_per_s']:.0f}", f"{sysrows['lazytrain'][4]:.0f}",
+                          "yes" if feasible >= sysrows["lazytrain"][0] else "NO",
+                          f"{time.perf_counter() - t0:.1f}"])
+        print(fmt_table(["GPU", "model", "paper LazyTrain batch", "largest feasible batch", "best batch",
+                         "ours tok/s at best", "paper LazyTrain tok/s", "goal met", "search s"], srows))
+
+    print("\n## Goals")
+    met = [s >= 1.35 for _, _, s in speedups]
+    print(f"ours >= 1.35x MegaTrain's policy: {sum(met)}/{len(met)} scenarios "
+          f"(range {min(s for *_, s in speedups):.3f}x - {max(s for *_, s in speedups):.3f}x)")
+    print(f"solve time <= 10 s: {sum(s <= 10 for s in solves)}/{len(solves)} (max {max(solves):.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
