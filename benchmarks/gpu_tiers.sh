@@ -77,6 +77,14 @@ tensors = [torch.randint(-2**31, 2**31 - 1, (TENSOR // 4,), dtype=torch.int32, d
 
 
 def round_trip(tier, label, note):
+    """Two passes: the first pins its slabs and staging buffers (cold), the second reuses them (warm)."""
+    ok = True
+    for when in ("cold", "warm"):
+        ok &= one_pass(tier, f"{label}, {when}", note)
+    return ok
+
+
+def one_pass(tier, label, note):
     outs = [torch.zeros_like(t) for t in tensors]
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -139,9 +147,10 @@ PY
 measure=$?
 echo "measurements: exit $measure ($(( $(date +%s) - t0 )) s so far)"
 
-timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_tiers.py tests/test_tiers_nvme.py \
-  tests/test_tiers_gpu.py tests/test_tiers_custom.py 2>&1 | tail -25
-tests=${PIPESTATUS[0]}
+timeout 120 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_tiers.py tests/test_tiers_nvme.py \
+  tests/test_tiers_gpu.py tests/test_tiers_custom.py > "$OUT/gpu_tests.log" 2>&1
+tests=$?
+tail -25 "$OUT/gpu_tests.log"
 echo "tier tests: exit $tests ($(( $(date +%s) - t0 )) s so far)"
 
 timeout 90 python3 -m lazytrain.cli bench tiers --path "$DIR" --json "$OUT/hardware-gpu.json" 2>&1 | grep -v "^  "

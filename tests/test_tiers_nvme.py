@@ -340,10 +340,11 @@ def test_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypat
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real_open(path, flags, *args, **kwargs)
     monkeypatch.setattr(nvme_io.os, "open", no_direct)
-    t = NVMeTier(path=tmp_path)
+    t = NVMeTier(path=tmp_path, aio={"use_gds": False})
     try:
         assert t.backend_name == "posix-buffered"
-        assert t.backend_report.startswith("posix-buffered: the filesystem refused O_DIRECT (EINVAL); kvikio not used")
+        assert t.backend_report == ("posix-buffered: the filesystem refused O_DIRECT (EINVAL); kvikio not used: "
+                                    "aio.use_gds is false")
         x = sample((1234,), torch.bfloat16)
         t.write("x", x).wait()
         assert torch.equal(t.read("x").wait(), x)
@@ -352,9 +353,15 @@ def test_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypat
 
 
 def test_backend_choice_is_reported(tier):
-    assert tier.backend_name == "posix-odirect"  # ext4 under the test's tmp_path accepts O_DIRECT
-    assert tier.stats()["backend"] == "posix-odirect"
-    assert tier.backend_report.startswith("posix-odirect: O_DIRECT works on this filesystem; kvikio not used: ")
+    assert tier.backend.name == "posix-odirect"  # ext4 under the test's tmp_path accepts O_DIRECT
+    module, why = kvikio_status()
+    if module is None:
+        assert tier.backend_name == tier.stats()["backend"] == "posix-odirect"
+        assert tier.backend_report == f"posix-odirect: O_DIRECT works on this filesystem; {why}"
+    else:
+        assert tier.backend_name == "kvikio (CUDA tensors) + posix-odirect (host tensors)"
+        assert tier.backend_report == (f"kvikio (CUDA tensors) + posix-odirect (host tensors): O_DIRECT works on "
+                                       f"this filesystem; {why}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report on a machine without CUDA")

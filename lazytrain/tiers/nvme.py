@@ -554,10 +554,11 @@ class NVMeTier(Tier):
                         f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is corrupted: checksum mismatch "
                         f"in block {i} (bytes {i * block}..{min((i + 1) * block, entry.nbytes) - 1})")
             value = dest.view(entry.dtype).view(entry.shape)
-            if out is not None and value.data_ptr() != out.data_ptr():
-                out.copy_(value)
-                value = out
-            elif out is None and target.type != "cuda":
+            if out is not None:
+                if value.data_ptr() != out.data_ptr() or not out.is_cuda:
+                    out.copy_(value)
+                value = out  # the caller's own tensor object, as from every other path
+            elif target.type != "cuda":
                 value = value.to(target)
             torch.cuda.current_stream(device).synchronize()
         return value
