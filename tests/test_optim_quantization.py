@@ -71,11 +71,14 @@ def test_kernel_encoder_is_exact_nearest(k, name, scalar):
 
 
 def test_positive_floor_only_for_second_moment():
-    tiny = torch.tensor([0.0, 1e-12, 1e-9, -1e-12])
+    tiny = torch.tensor([0.0, 1e-12, 1e-9, 1e-45, 1.5e-7])
     qs, qu = get_qmap("dynamic"), get_qmap("udynamic")
-    assert encode(tiny, qs).tolist() == [qs.zero_code] * 4  # nearest: all round to 0
+    assert encode(tiny, qs).tolist() == [qs.zero_code] * 5  # nearest: all round to 0
+    assert encode(-tiny, qs).tolist() == [qs.zero_code] * 5
     assert qu.positive_floor == 1 and qu.values[1] > 0 and qu.values[0] == 0
-    assert encode(tiny, qu).tolist() == [0, 1, 1, 0]  # a positive second moment never decodes to 0
+    assert encode(tiny, qu).tolist() == [0, 1, 1, 1, 1]  # a positive second moment never decodes to 0
+    with pytest.raises(ValueError, match="non-negative"):
+        quantize_blockwise(-tiny, qu)
 
 
 def test_encoder_table_rejects_too_fine_map():

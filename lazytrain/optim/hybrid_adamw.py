@@ -437,7 +437,7 @@ def _adam_math(h, pf: torch.Tensor, gf: torch.Tensor, m: torch.Tensor, v: torch.
     if h.adamw:
         pf = pf * h.decay
     # torch's fp32 CPU sqrt is not correctly rounded; the fp64 sqrt rounded to fp32 is (as in the kernel)
-    denom = torch.sqrt(v.double()).float() / h.bc2_sqrt + h.eps
+    denom = torch.sqrt(v.double()).float() * h.inv_bc2_sqrt + h.eps
     pf = pf - (m / denom) * h.step_size
     return pf, m, v
 

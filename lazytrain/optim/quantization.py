@@ -118,16 +118,28 @@ def nearest_code_reference(x, values, positive_floor: int = 0) -> np.ndarray:
 
 @dataclass(frozen=True)
 class EncoderTable:
-    """Lookup table for :func:`encode`; ``entries[k + (sign & half)] = code | (threshold << 8)``."""
+    """Lookup table for :func:`encode`.
 
-    entries: np.ndarray  # int32, 2 * half
-    base: int  # subtract from (bits & 0x7fffffff) >> SHIFT; bucket 0 holds every |x| < 2**(emin - 127)
-    half: int  # entries per sign
+    ``raw = (bits >> 15) & 0xffff`` is the exponent and leading 8 mantissa bits of ``x``;
+    ``k = min(max(raw - base, 0), kmax)``; the entry is ``entries[k]`` for ``x >= 0`` and
+    ``entries[k + half]`` for negative ``x`` (signed maps; unsigned maps encode ``|x|``).
+    ``entry = code_lo | code_hi << 8 | thr << 16``: the code is ``code_hi`` if the low 15 bits of ``x``
+    exceed ``thr``, else ``code_lo``. With ``base > 0``, bucket 0 holds every ``|x| < 2**(emin - 127)``.
+    """
+
+    entries: np.ndarray  # int32
+    base: int
+    kmax: int
+    half: int  # 0 for unsigned tables
     emin: int
 
 
-def build_encoder_table(values) -> EncoderTable:
-    """Build the exact table-driven encoder for a sorted 256-entry map (see module docstring)."""
+def build_encoder_table(values, positive_floor: int = 0, signed: bool = True) -> EncoderTable:
+    """Build the exact table-driven encoder for a sorted 256-entry map (see module docstring).
+
+    ``signed=False`` builds a table for non-negative inputs only, covering every exponent down to 0 so
+    that ``positive_floor`` is exact even for denormals.
+    """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().float().numpy()
     values = np.asarray(values, dtype=np.float32)
@@ -138,28 +150,34 @@ def build_encoder_table(values) -> EncoderTable:
 
     def codes_of(abs_bits: np.ndarray, negative: bool) -> np.ndarray:
         bits = abs_bits.astype(np.uint32) | (np.uint32(0x80000000) if negative else np.uint32(0))
-        return nearest_code_reference(_f32_from_bits(bits), values)
+        return nearest_code_reference(_f32_from_bits(bits), values, positive_floor)
 
-    # Largest exponent e such that every |x| < 2**(e-127) has the same code as 0, for both signs.
-    emin = None
-    for e in range(127, 0, -1):
-        top = np.array([(e << 23) - 1], dtype=np.uint32)
-        zero = np.array([0], dtype=np.uint32)
-        if all(codes_of(zero, neg)[0] == codes_of(top, neg)[0] for neg in (False, True)):
-            emin = e
-            break
-    if emin is None:
-        raise ValueError("quantization map has no single code around zero")
-    base = (emin << (23 - _SHIFT)) - 1
-    kmax = (0x3F800000 >> _SHIFT) - base  # bucket of |x| == 1.0
+    signs = (False, True) if signed else (False,)
+    if signed:
+        # Largest exponent e such that every |x| < 2**(e-127) has the same code as 0, for both signs.
+        emin = None
+        for e in range(127, 0, -1):
+            top = np.array([(e << 23) - 1], dtype=np.uint32)
+            zero = np.array([0], dtype=np.uint32)
+            if all(codes_of(zero, neg)[0] == codes_of(top, neg)[0] for neg in signs):
+                emin = e
+                break
+        if emin is None:
+            raise ValueError("quantization map has no single code around zero")
+        base = (emin << (23 - _SHIFT)) - 1
+        first_k = 1  # k = 0 is the bucket of tiny values
+    else:
+        emin, base, first_k = 0, 0, 0
+    kmax = (0x3F800000 >> _SHIFT) - base  # bucket of |x| == 1.0 (and anything larger)
     half = kmax + 1
-    entries = np.empty(2 * half, dtype=np.int64)
-    k = np.arange(1, half, dtype=np.int64)
+    entries = np.empty(len(signs) * half, dtype=np.int64)
+    k = np.arange(first_k, half, dtype=np.int64)
     start = ((k + base) << _SHIFT).astype(np.uint32)
-    for neg in (False, True):
+    for neg in signs:
         off = half if neg else 0
-        zero_code = codes_of(np.array([0], dtype=np.uint32), neg)[0]
-        entries[off] = zero_code | (_LOW_MASK << 8)
+        if first_k:
+            zero_code = codes_of(np.array([0], dtype=np.uint32), neg)[0]
+            entries[off] = zero_code | (zero_code << 8) | (_LOW_MASK << 16)
         first = codes_of(start, neg)
         last = codes_of(start + np.uint32(_LOW_MASK), neg)
         step = -1 if neg else 1
@@ -175,9 +193,10 @@ def build_encoder_table(values) -> EncoderTable:
             same = codes_of(start + mid.astype(np.uint32), neg) == first
             lo = np.where(same, mid, lo)
             hi = np.where(same, hi, mid - 1)
-        thr = lo
-        entries[off + 1: off + half] = first | (thr << 8)
-    return EncoderTable(entries=entries.astype(np.int32), base=int(base), half=int(half), emin=int(emin))
+        code_hi = np.where(last != first, last, first)
+        entries[off + first_k: off + half] = first | (code_hi << 8) | (lo << 16)
+    return EncoderTable(entries=entries.astype(np.int32), base=int(base), kmax=int(kmax),
+                        half=int(half) if signed else 0, emin=int(emin))
 
 
 @dataclass(frozen=True)
@@ -192,9 +211,11 @@ class QuantMap:
 
     name: str
     values: torch.Tensor  # fp32 [256], sorted
-    table: torch.Tensor  # int32 encoder table
+    table: torch.Tensor  # int32 encoder table (see EncoderTable)
     base: int
+    kmax: int
     half: int
+    signed: bool
     positive_floor: int = 0
 
     @property
@@ -217,10 +238,11 @@ def _qmap_on(name: str, device: torch.device) -> QuantMap:
         values = create_dynamic_map(signed=False)
     else:
         raise ValueError(f"unknown quantization map {name!r}; use 'dynamic' or 'udynamic'")
-    tab = build_encoder_table(values)
-    floor = int(np.searchsorted(values.numpy(), 0.0, side="right")) if name == "udynamic" else 0
+    signed = name == "dynamic"
+    floor = 0 if signed else int(np.searchsorted(values.numpy(), 0.0, side="right"))
+    tab = build_encoder_table(values, positive_floor=floor, signed=signed)
     return QuantMap(name=name, values=values.to(device), table=torch.from_numpy(tab.entries).to(device),
-                    base=tab.base, half=tab.half, positive_floor=floor)
+                    base=tab.base, kmax=tab.kmax, half=tab.half, signed=signed, positive_floor=floor)
 
 
 def get_qmap(name: str = "dynamic", device: Union[str, torch.device] = "cpu") -> QuantMap:
@@ -239,21 +261,19 @@ def _check_block_size(block_size: int) -> None:
 
 
 def encode(x: torch.Tensor, qmap: QuantMap) -> torch.Tensor:
-    """Torch implementation of the table encoder for normalised fp32 ``x`` (any device); uint8 codes."""
-    x = torch.clamp(x.float(), -1.0, 1.0)
-    bits = x.view(torch.int32)
-    sign = bits >> 31  # 0 or -1
-    a = bits & 0x7FFFFFFF
-    k = ((a >> _SHIFT) - qmap.base).clamp_min_(0)
+    """Torch implementation of the table encoder for normalised fp32 ``x`` (any device); uint8 codes.
+
+    Values beyond [-1, 1] encode like +-1. Unsigned maps encode ``|x|`` (their inputs are >= 0).
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    raw = (bits >> _SHIFT) & 0xFFFF
+    k = (raw - qmap.base).clamp_(0, qmap.kmax)
+    if qmap.signed:
+        k = k + torch.where(bits < 0, qmap.half, 0)
     table = qmap.table if qmap.table.device == x.device else qmap.table.to(x.device)
-    entry = table[k + (sign & qmap.half)]
-    code = entry & 0xFF
-    thr = entry >> 8
-    up = (a & _LOW_MASK) > thr
-    step = torch.where(sign < 0, -1, 1).to(torch.int32)
-    code = code + torch.where(up, step, torch.zeros_like(step))
-    if qmap.positive_floor:
-        code = torch.where((sign == 0) & (a != 0), code.clamp_min(qmap.positive_floor), code)
+    entry = table[k]
+    up = (bits & _LOW_MASK) > (entry >> 16)
+    code = torch.where(up, entry >> 8, entry) & 0xFF
     return code.to(torch.uint8)
 
 
@@ -277,6 +297,8 @@ def quantize_blockwise(A: torch.Tensor, qmap: Union[None, str, QuantMap] = None,
     n = A.numel()
     nb = num_blocks(n, block_size)
     flat = A.detach().reshape(-1)
+    if not qm.signed and n and bool((flat < 0).any()):
+        raise ValueError(f"the unsigned map {qm.name!r} quantizes non-negative values only")
     if use_kernel and A.device.type == "cpu":
         from .kernels import cpu_kernels
         k = cpu_kernels()

@@ -26,7 +26,7 @@ import torch
 __all__ = ["cpu_kernels", "CpuKernels", "build_error"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybrid_adam.cpp")
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -36,7 +36,7 @@ _NO_COPY = 3
 class Hyper(ctypes.Structure):
     _fields_ = [(name, ctypes.c_float) for name in (
         "beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "weight_decay", "decay",
-        "step_size", "bc2_sqrt", "clip")] + [("adamw", ctypes.c_int32), ("pad", ctypes.c_int32)]
+        "step_size", "inv_bc2_sqrt", "clip")] + [("adamw", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 def make_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
@@ -46,7 +46,7 @@ def make_hyper(*, lr: float, beta1: float, beta2: float, eps: float, weight_deca
     bc2 = 1.0 - beta2 ** step
     return Hyper(beta1=beta1, one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2, eps=eps,
                  weight_decay=weight_decay, decay=1.0 - lr * weight_decay, step_size=lr / bc1,
-                 bc2_sqrt=bc2 ** 0.5, clip=clip, adamw=1 if adamw else 0, pad=0)
+                 inv_bc2_sqrt=1.0 / bc2 ** 0.5, clip=clip, adamw=1 if adamw else 0, pad=0)
 
 
 def _cpu_tag() -> str:
@@ -93,10 +93,10 @@ class CpuKernels:
         lib.lt_abi_version.restype = ctypes.c_int
         lib.lt_has_avx2.restype = ctypes.c_int
         lib.lt_set_force_scalar.argtypes = [ctypes.c_int]
-        lib.lt_quantize_blockwise.argtypes = [P, I64, I64, P, I32, I32, I32, P, P, ctypes.c_int]
+        lib.lt_quantize_blockwise.argtypes = [P, I64, I64, P, I32, I32, I32, I32, P, P, ctypes.c_int]
         lib.lt_dequantize_blockwise.argtypes = [P, P, P, I64, I64, P, ctypes.c_int]
         lib.lt_adam8bit.argtypes = [ctypes.POINTER(Hyper), P, P, ctypes.c_int, P, P, P, P, P, P,
-                                    P, I32, I32, I32, P, I32, I32, I32, P, ctypes.c_int, I64, I64, ctypes.c_int]
+                                    P, I32, I32, I32, P, I32, I32, P, ctypes.c_int, I64, I64, ctypes.c_int]
         lib.lt_adam32.argtypes = [ctypes.POINTER(Hyper), P, P, ctypes.c_int, P, P, P, ctypes.c_int, I64,
                                   ctypes.c_int]
         if lib.lt_abi_version() != _ABI_VERSION:
@@ -114,7 +114,7 @@ class CpuKernels:
     def quantize_blockwise(self, x: torch.Tensor, qmap, block_size: int, codes: torch.Tensor,
                            absmax: torch.Tensor) -> None:
         self.lib.lt_quantize_blockwise(x.data_ptr(), x.numel(), block_size, qmap.table.data_ptr(), qmap.base,
-                                       qmap.half, qmap.positive_floor, codes.data_ptr(), absmax.data_ptr(), self._threads())
+                                       qmap.kmax, qmap.half, 1 if qmap.signed else 0, codes.data_ptr(), absmax.data_ptr(), self._threads())
 
     def dequantize_blockwise(self, codes: torch.Tensor, absmax: torch.Tensor, qmap, block_size: int,
                              out: torch.Tensor) -> None:
@@ -124,11 +124,13 @@ class CpuKernels:
     def adam8bit(self, hyper: Hyper, p: torch.Tensor, g: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor,
                  absmax1: torch.Tensor, absmax2: torch.Tensor, qmap1, qmap2, block_size: int,
                  copy: Optional[torch.Tensor]) -> None:
+        """Fused step; ``qmap1`` must be signed (first moment), ``qmap2`` unsigned (second moment)."""
+        assert qmap1.signed and not qmap2.signed
         self.lib.lt_adam8bit(
             ctypes.byref(hyper), p.data_ptr(), g.data_ptr(), _DTYPE_CODE[g.dtype], c1.data_ptr(), c2.data_ptr(),
             absmax1.data_ptr(), absmax2.data_ptr(), qmap1.values.data_ptr(), qmap2.values.data_ptr(),
-            qmap1.table.data_ptr(), qmap1.base, qmap1.half, qmap1.positive_floor,
-            qmap2.table.data_ptr(), qmap2.base, qmap2.half, qmap2.positive_floor,
+            qmap1.table.data_ptr(), qmap1.base, qmap1.kmax, qmap1.half,
+            qmap2.table.data_ptr(), qmap2.base, qmap2.kmax,
             copy.data_ptr() if copy is not None else None,
             _DTYPE_CODE[copy.dtype] if copy is not None else _NO_COPY, p.numel(), block_size, self._threads())
 
