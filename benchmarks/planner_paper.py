@@ -112,7 +112,7 @@ def main() -> int:
                 continue
             t0 = time.perf_counter()
             best, trials = search_micro_batch(catalog_model(model), CATALOG[gpu], Budgets.of(gpu=PAPER_GPU_CAP[gpu]),
-                                              PAPER_SEQ, opts, max_batch=512, extra_points=1)
+                                              PAPER_SEQ, opts, max_batch=512)
             feasible = max(t.micro_batch for t in trials if t.tokens_per_s)
             srows.append([gpu, SHORT[model], sysrows["lazytrain"][0], feasible, best.micro_batch_size,
                           f"{best.prediction['tokens_per_s']:.0f}", f"{sysrows['lazytrain'][4]:.0f}",

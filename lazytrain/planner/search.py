@@ -78,26 +78,36 @@ def largest_static_batch(model: ModelShape, hw: HardwareProfile, budgets: Budget
 
 def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets, seq_len: int,
                        opts: MilpOptions = MilpOptions(), max_batch: int = 4096,
-                       extra_points: int = 2) -> tuple[Plan, list[BatchTrial]]:
+                       max_plans: int = 14) -> tuple[Plan, list[BatchTrial]]:
     """Outer search: the micro-batch with the largest planned throughput that fits the budgets.
 
-    The largest feasible micro-batch is found by bisection on the MILP's feasibility (starting from
-    the largest batch passing the static check); then ``extra_points`` smaller batches (3/4, 1/2 of it)
-    are planned too, and the best tokens/s wins (larger batches amortise weight copies and the
-    optimizer, so the throughput-optimal batch is normally the largest one)."""
+    1. the largest micro-batch passing the static check (bisection, no MILP);
+    2. the largest one the MILP can plan (bisection below it when that one has no plan);
+    3. a ternary search for the best tokens/s between half of it and it: larger batches amortise
+       weight copies and the optimizer, but close to the memory limit boundaries must wait for their
+       copies, so throughput normally rises and then falls. At most ``max_plans`` MILP solves in all;
+       every trial is returned so callers can show the curve."""
     trials: list[BatchTrial] = []
     plans: dict[int, Plan] = {}
+    failed: set[int] = set()
 
     def attempt(b: int) -> Plan | None:
+        if b in plans or b in failed:
+            return plans.get(b)
         try:
             p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=b, seq_len=seq_len)
             plan = solve(p, opts)
         except (InfeasibleBudgetError, PlanningError) as e:
             trials.append(BatchTrial(b, None, f"infeasible: {str(e).split(':')[0]}"))
+            failed.add(b)
             return None
         trials.append(BatchTrial(b, plan.prediction["tokens_per_s"], plan.prediction["solver"]["status"]))
         plans[b] = plan
         return plan
+
+    def tps(b: int) -> float:
+        plan = attempt(b)
+        return plan.prediction["tokens_per_s"] if plan else -1.0
 
     hi = largest_static_batch(model, hw, budgets, seq_len, max_batch)
     if hi == 0:
@@ -113,10 +123,17 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         if lo == 0:
             raise InfeasibleBudgetError(f"no micro-batch fits the budgets ({trials[-1].status})")
         hi = lo
-    for frac in (0.75, 0.5)[:extra_points]:
-        b = max(1, int(hi * frac))
-        if b not in plans:
-            attempt(b)
+    lo = max(1, hi // 2)
+    while hi - lo > 2 and len(trials) + 2 <= max_plans:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if tps(m1) < tps(m2):
+            lo = m1
+        else:
+            hi = m2
+    for b in range(lo, hi + 1):
+        if len(trials) >= max_plans:
+            break
+        attempt(b)
     best = max(plans.values(), key=lambda pl: (pl.prediction["tokens_per_s"], pl.micro_batch_size))
     return best, sorted(trials, key=lambda t: t.micro_batch)
 
