@@ -43,6 +43,16 @@ def test_hf_config_dict_and_explicit_layers():
     assert [l.params for l in explicit.layers] == [10, 20, 30]
 
 
+def test_model_from_a_local_config_json(tmp_path):
+    from lazytrain.planner.models import CATALOG_CONFIGS, load_model
+    d = tmp_path / "my-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(CATALOG_CONFIGS["qwen2.5-7b"]))
+    for spec in (str(d), str(d / "config.json")):
+        m = load_model(spec)
+        assert m.name == "my-model" and m.total_params == 7_615_616_512
+
+
 def test_parse_size():
     assert parse_size("70GB") == 70 * 10 ** 9
     assert parse_size("24GiB") == 24 * 2 ** 30
@@ -200,6 +210,14 @@ def test_milp_prediction_agrees_with_the_simulator_within_2_percent():
     assert r.step_time_s < simulate(p, megatrain_plan(p)).step_time_s
 
 
+def test_milp_is_deterministic():
+    p = toy_problem(6, 1.5, host_slots=2, nvme_slots=1, hw=SLOW_HW)
+    opts = MilpOptions(max_segment=6, offload_slack=12, prefetch_lead=12)
+    a, b = build_and_solve(p, opts)[0].to_dict(), build_and_solve(p, opts)[0].to_dict()
+    a.pop("prediction"), b.pop("prediction")     # holds solve times
+    assert a == b
+
+
 def test_plan_for_from_a_hugging_face_config():
     cfg = {"model_type": "qwen2", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
            "num_key_value_heads": 4, "intermediate_size": 2816, "vocab_size": 32000, "tie_word_embeddings": True}
@@ -208,6 +226,8 @@ def test_plan_for_from_a_hugging_face_config():
     pred = plan.prediction
     assert pred["solver"]["status"] == "optimal" and pred["peak_bytes"]["hbm"] <= 8e9
     assert pred["step_time_s"] >= pred["lower_bound_s"]
+    assert abs(pred["milp_vs_simulator"]) < 0.02
+    assert Plan.from_json(plan.to_json()) == plan
     explicit = plan_for({"layer_params": [4_000_000] * 4, "hidden": 256, "vocab_size": 1000}, "h800",
                         {"gpu": "2GB", "host": "8GB"}, micro_batch=2, seq_len=128)
     assert explicit.num_layers == 4

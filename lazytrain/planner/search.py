@@ -42,6 +42,7 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     pred = {"step_time_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
             "exposed_s": r.exposed_s, "peak_bytes": r.peak_bytes, "recomputed_layers": r.recomputed_layers,
             "boundaries_per_home": r.boundaries_per_home, "milp_step_time_s": info.objective_s,
+            "milp_vs_simulator": (info.objective_s / r.step_time_s - 1) if info.objective_s else None,
             "solver": info.to_dict(), "lower_bound_s": p.lower_bound_s()["bound"],
             "model": p.model.name, "hardware": p.hardware.name}
     return replace(plan, prediction=pred)
