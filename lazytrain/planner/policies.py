@@ -5,9 +5,9 @@
   backward (``overlap_optimizer=False``).
 - :func:`best_interval_plan`: the best fixed interval k (boundaries on the GPU, else on the host) on
   LazyTrain's executor (optimizer overlapped with the next forward).
-- :func:`keep_all` : every boundary kept, on the GPU where it fits, else all on the host.
-- :func:`greedy_plan`: boundaries in order, each on the fastest home that still fits (GPU, host,
-  NVMe), else recomputed.
+- :func:`keep_all`: every boundary kept, all on the GPU where that fits, else all on the host.
+- :func:`greedy_plan`: boundaries in order, each on the first home (GPU, host, NVMe, recompute) that
+  keeps the plan feasible without slowing it.
 
 :func:`calibrate` fits the unknowns of a hardware profile (achievable TFLOPS, host optimizer
 throughput, optionally the PCIe bandwidth) so that the simulator reproduces measured MegaTrain
@@ -62,12 +62,11 @@ def best_interval_plan(p: Problem) -> tuple[Plan, SimResult] | None:
 
 
 def keep_all(p: Problem) -> tuple[Plan, SimResult] | None:
-    """Keep every boundary (no recompute): all on the GPU if that fits, else all on the host."""
-    for home in (DEVICE_HOME, "host"):
-        homes = [home] * p.L + [DEVICE_HOME]
-        if home != DEVICE_HOME:
-            homes[0] = DEVICE_HOME
-        plan = Plan(num_layers=p.L, homes=tuple(homes), policy=f"keep-all-{home}",
+    """Keep every boundary (no recompute): all on the GPU if that fits, else all on the host (boundary 0
+    on the GPU if that fits, else on the host too)."""
+    for home, first in ((DEVICE_HOME, DEVICE_HOME), ("host", DEVICE_HOME), ("host", "host")):
+        homes = (first,) + (home,) * (p.L - 1) + (DEVICE_HOME,)
+        plan = Plan(num_layers=p.L, homes=homes, policy=f"keep-all-{home}",
                     micro_batch_size=p.micro_batch, seq_len=p.seq_len)
         r = _fits(p, plan)
         if r:
@@ -76,16 +75,18 @@ def keep_all(p: Problem) -> tuple[Plan, SimResult] | None:
 
 
 def greedy_plan(p: Problem) -> tuple[Plan, SimResult] | None:
-    """Boundaries 1..L-1 in order, each on the first home in (GPU, host, NVMe, recompute) that keeps the
+    """Boundaries 0..L-1 in order, each on the first home in (GPU, host, NVMe, recompute) that keeps the
     plan feasible, with the boundaries not yet placed on the host (the lightest home for the GPU), and
     that does not slow the simulated step. None when even keeping everything on the host does not fit."""
-    homes = [DEVICE_HOME] + ["host"] * (p.L - 1) + [DEVICE_HOME]
+    homes = ["host"] * p.L + [DEVICE_HOME]
     cur = _fits(p, Plan(num_layers=p.L, homes=tuple(homes), policy="greedy"))
     if cur is None:
         return None
     tiers = [DEVICE_HOME, "host"] + (["nvme"] if p.nvme_budget > 0 else []) + [RECOMPUTE]
-    for b in range(1, p.L):
+    for b in range(p.L):
         for home in tiers:
+            if b == 0 and home == RECOMPUTE:
+                continue
             trial = homes.copy()
             trial[b] = home
             r = cur if home == "host" else _fits(p, Plan(num_layers=p.L, homes=tuple(trial), policy="greedy"))
