@@ -265,6 +265,19 @@ def test_cli_reports_an_infeasible_budget(capsys):
     assert rc == 2 and "host memory budget 50.00 GB" in capsys.readouterr().err
 
 
+def test_cli_hardware_file_with_gaps_and_base(tmp_path, capsys):
+    from lazytrain.cli import main
+    d = {k: None for k in CATALOG["rtx3090"].to_dict()}
+    d.update(name="measured-3090", h2d_gbps=20.0, d2h_gbps=21.0, gpu_mem_bytes=24 * 2 ** 30)
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps(d))
+    args = ["plan", "--model", "qwen2.5-3b", "--hardware", str(hw), "--micro-batch", "4", "--gpu-mem", "24GiB"]
+    assert main(args) == 2
+    assert "'achievable_tflops'" in capsys.readouterr().err
+    assert main(args + ["--base", "rtx3090"]) == 0
+    assert "measured-3090+rtx3090" in capsys.readouterr().out
+
+
 def test_plot_writes_an_image(tmp_path):
     pytest.importorskip("matplotlib")
     from lazytrain.planner.plot import plot_step
