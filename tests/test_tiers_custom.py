@@ -163,3 +163,18 @@ def test_engine_trains_with_boundaries_on_nvme(tmp_path):
     tier = _same_training_as_on_hbm({"checkpoint_interval": 2, "boundary_home": "nvme", "nvme_path": str(tmp_path)})
     assert tier.stats()["bytes_read"] > 0
     assert os.listdir(tmp_path) == []  # the run directory is removed when the engine is destroyed
+
+
+def test_the_documented_example_runs(shm):
+    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "custom-tiers.md")
+    with open(doc) as f:
+        text = f.read()
+    code = text.split("```python\n")[1].split("```")[0]
+    namespace = {}
+    exec(compile(code, doc, "exec"), namespace)
+    tier = namespace["RamDiskTier"]("doc", capacity="1MB", path=shm)
+    x = torch.arange(10, dtype=torch.int8)
+    tier.write("x", x)
+    assert torch.equal(tier.read("x").wait(), x)
+    tier.close()
+    assert os.listdir(shm) == []

@@ -321,13 +321,21 @@ class NVMeTier(Tier):
             data = tensor
         else:
             self._staging.acquire(file_bytes)
-            slab = self.pool.acquire(file_bytes)
-            staged = slab[:nbytes].view(tensor.dtype).view(tensor.shape)
-            slab[nbytes:file_bytes].zero_()
-            if tensor.is_cuda:
-                event = async_copy(staged, tensor)._event
-            else:
-                staged.copy_(tensor)
+            try:
+                slab = self.pool.acquire(file_bytes)
+                staged = slab[:nbytes].view(tensor.dtype).view(tensor.shape)
+                slab[nbytes:file_bytes].zero_()
+                if tensor.is_cuda:
+                    event = async_copy(staged, tensor)._event
+                else:
+                    staged.copy_(tensor)
+            except BaseException:  # out of memory, say: give back what was taken, leave no file
+                self._staging.release(file_bytes)
+                if slab is not None:
+                    self.pool.release(slab, exclusive=True)
+                self.backend.close(fd)
+                _unlink(path)
+                raise
             landing = _Landing(_as_bytes(slab[:file_bytes]), file_bytes)
             data = slab
 

@@ -80,6 +80,8 @@ class SlabPool:
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A slab of at least ``nbytes`` (uint8, aligned). Give it back with :meth:`release`."""
         size = size_class(nbytes, self.alignment)
+        if self._lent:
+            self._reclaim()  # lent slabs whose users are gone serve this request, or make room
         with self._lock:
             bucket = self._free.get(size)
             if bucket:
@@ -100,7 +102,6 @@ class SlabPool:
         """``nbytes`` of a slab for a caller who will never give it back explicitly (a read's result):
         the pool takes it back by itself once nothing views it any more. Reusing memory this way spares
         the page faults (and, with CUDA, the pinning) of a fresh allocation on every read."""
-        self._reclaim()
         slab = self.acquire(nbytes)
         with self._lock:
             self._lent.append(slab)
