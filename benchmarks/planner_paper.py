@@ -121,6 +121,27 @@ def main() -> int:
         print(fmt_table(["GPU", "model", "paper LazyTrain batch", "largest feasible batch", "best batch",
                          "ours tok/s at best", "paper LazyTrain tok/s", "goal met", "search s"], srows))
 
+    if not args.only or args.only == "h800":
+        print("\n## 27B on h800 with the paper's tier budgets (activations: host 15 GB or 8 GB free, NVMe 32 GB)")
+        prow = []
+        for cpu_gb, paper_homes in ((15, "30/21/1/13"), (8, "30/11/11/13")):
+            base = Problem(model=catalog_model("paper-27b"), hardware=CATALOG["h800"],
+                           budgets=Budgets.of(gpu="70GB"), micro_batch=72, seq_len=PAPER_SEQ)
+            p = Problem(model=base.model, hardware=base.hardware, micro_batch=72, seq_len=PAPER_SEQ,
+                        budgets=Budgets(gpu_bytes=70 * 10 ** 9, host_bytes=int(base.host_static + cpu_gb * 1e9),
+                                        nvme_bytes=32 * 10 ** 9))
+            t0 = time.perf_counter()
+            plan = solve(p, opts)
+            wall = time.perf_counter() - t0
+            pr, info = plan.prediction, plan.prediction["solver"]
+            mt = simulate(p, megatrain_plan(p), strict=False, timeline=False)
+            prow.append([f"{cpu_gb} GB", "{hbm}/{host}/{nvme}/{recompute}".format(**pr["boundaries_per_home"]),
+                         paper_homes, f"{pr['step_time_s']:.3f}", f"{mt.step_time_s / pr['step_time_s']:.3f}x",
+                         f"{pr['peak_bytes']['nvme'] / 1e9:.1f}", f"{wall:.2f}",
+                         info["status"] + (f" (gap {info['gap']:.2%})" if info["status"] == "feasible" else "")])
+        print(fmt_table(["host free", "ours hbm/host/nvme/rec", "paper gpu/cpu/nvme/rec", "ours s",
+                         "ours / MegaTrain", "NVMe GB", "solve s", "status"], prow))
+
     print("\n## Goals")
     met = [s >= 1.35 for _, _, s in speedups]
     print(f"ours >= 1.35x MegaTrain's policy: {sum(met)}/{len(met)} scenarios "
