@@ -53,9 +53,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{t.micro_batch}: " + (f"{t.tokens_per_s:.0f} tok/s" if t.tokens_per_s else t.status) for t in trials))
             mb = best.micro_batch_size
         else:
-            mb = int(args.micro_batch)
+            best, mb = None, int(args.micro_batch)
         p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=mb, seq_len=args.seq)
-        rows = compare(p, opts)
+        rows = compare(p, opts, plan=best)
     except (InfeasibleBudgetError, PlanningError, HardwareError, ModelShapeError, ValueError) as e:
         print(f"lazytrain plan: {e}", file=sys.stderr)
         return 2

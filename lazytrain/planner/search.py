@@ -2,6 +2,7 @@
 over micro-batch sizes (the largest throughput that fits the budgets)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,14 +38,16 @@ def as_budgets(budgets: Any) -> Budgets:
 def solve(p: Problem, opts: MilpOptions) -> Plan:
     """Solve the MILP for ``p``, replay the plan in the simulator (strict: a violated invariant raises)
     and record the simulator's prediction in the Plan."""
+    t0 = time.perf_counter()
     plan, info = build_and_solve(p, opts)
     r = simulate(p, plan, strict=True, timeline=False)
+    wall = time.perf_counter() - t0
     pred = {"step_time_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
             "exposed_s": r.exposed_s, "peak_bytes": r.peak_bytes, "recomputed_layers": r.recomputed_layers,
             "boundaries_per_home": r.boundaries_per_home, "milp_step_time_s": info.objective_s,
             "milp_vs_simulator": (info.objective_s / r.step_time_s - 1) if info.objective_s else None,
             "solver": info.to_dict(), "lower_bound_s": p.lower_bound_s()["bound"],
-            "model": p.model.name, "hardware": p.hardware.name}
+            "model": p.model.name, "hardware": p.hardware.name, "solve_wall_s": wall}
     return replace(plan, prediction=pred)
 
 
