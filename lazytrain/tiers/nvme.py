@@ -29,7 +29,7 @@ from .base import Tier, TierError, TransferHandle, format_bytes
 from .memory import async_copy
 from .nvme_io import (ALIGNMENT, AioSettings, KvikioBackend, PosixBackend, device_checksums, kvikio_status,
                       probe_direct_io)
-from .pool import SlabPool, aligned_empty
+from .pool import SlabPool, aligned_empty, round_up
 
 log = logging.getLogger("lazytrain.tiers.nvme")
 
@@ -55,10 +55,6 @@ class NVMeIOError(TierError, OSError):
 
 class NVMeDataError(TierError):
     """A file of the NVMe tier does not hold what was written (truncated or corrupted)."""
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -296,7 +292,7 @@ class NVMeTier(Tier):
         if tensor.is_cuda and self.kvikio_backend is not None:
             return self._write_kvikio(key, tensor)
         nbytes = tensor.numel() * tensor.element_size()
-        file_bytes = _round_up(nbytes, ALIGNMENT)
+        file_bytes = round_up(nbytes, ALIGNMENT)
         path = self._new_path(key)
         entry = _Entry(key, path, nbytes, tensor.shape, tensor.dtype, file_bytes, False,
                        [0] * -(-nbytes // self.settings.block_size))

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import parse_bytes
+from .pool import ALIGNMENT, aligned_empty  # O_DIRECT alignment of offsets, lengths and addresses
 
-ALIGNMENT = 4096  # O_DIRECT needs offsets, lengths and addresses aligned to the logical block size
 
 # DeepSpeed's aio section. single_submit and overlap_events describe libaio submission details that
 # have no counterpart here; they are accepted so DeepSpeed configs load unchanged.
@@ -162,7 +162,6 @@ class PosixBackend:
 def probe_direct_io(directory: str) -> tuple[bool, str]:
     """Whether ``directory``'s filesystem accepts O_DIRECT: write and read back one aligned block.
     Raises OSError for anything but a refusal of O_DIRECT itself (ENOSPC, EROFS, EACCES, EIO)."""
-    from .pool import aligned_empty
     path = os.path.join(directory, ".lazytrain-probe")
     buf = aligned_empty(ALIGNMENT, pinned=False)
     buf.fill_(0x5A)

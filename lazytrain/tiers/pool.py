@@ -17,21 +17,21 @@ import torch
 
 from .memory import pinned_memory_available
 
-ALIGNMENT = 4096
+ALIGNMENT = 4096  # O_DIRECT needs offsets, lengths and addresses aligned to the logical block size
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def size_class(nbytes: int, alignment: int = ALIGNMENT) -> int:
     """The slab size serving a request of ``nbytes``: a multiple of ``alignment``, with four classes per
     power of two above 64 KiB (waste <= 25%)."""
-    n = _round_up(max(nbytes, 1), alignment)
+    n = round_up(max(nbytes, 1), alignment)
     if n <= 64 * 1024:
         return n
     step = 1 << (n.bit_length() - 3)  # a quarter of the enclosing power of two
-    return _round_up(n, max(step, alignment))
+    return round_up(n, max(step, alignment))
 
 
 def _use_count(buf: torch.Tensor) -> int | None:
