@@ -264,8 +264,8 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
         raise InfeasibleBudgetError(
             f"no plan fits the budgets (GPU {fmt_bytes(p.gpu_budget)}, host {fmt_bytes(p.host_budget)} of which "
             f"{fmt_bytes(max(p.host_act_budget, 0))} free for activations, NVMe {fmt_bytes(p.nvme_budget)}) at "
-            f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers: "
-            f"lower --micro-batch, raise a budget, or allow longer segments (max_segment)")
+            f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers; "
+            f"{_shortfall(p, K)}. Lower --micro-batch, raise a budget, or allow longer segments (max_segment)")
     if info.status == "no solution":
         raise PlanningError(f"the solver ({name}) stopped after {solve_s:.1f}s without a feasible plan "
                             f"({info.detail}); raise the time limit")
@@ -294,6 +294,24 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
                 resident_layers=resident, micro_batch_size=p.micro_batch, seq_len=p.seq_len, policy="milp",
                 prediction={"milp_step_time_s": info.objective_s, "solver": info.to_dict()})
     return plan, info
+
+
+def _shortfall(p: Problem, K: int) -> str:
+    """How far the leanest simple plans are from the budgets (an upper bound on what is missing)."""
+    from .plan import every_k_plan
+    from .simulate import simulate
+    best = None
+    for home in (DEVICE_HOME, "host"):
+        for k in sorted({1, K}):
+            plan = every_k_plan(p.L, k, home=home)
+            r = simulate(p, plan, strict=False, timeline=False)
+            over = {t: r.peak_bytes[t] - b for t, b in (("hbm", p.gpu_budget), ("host", p.host_budget),
+                                                       ("nvme", p.nvme_budget)) if r.peak_bytes[t] > b}
+            if best is None or sum(over.values()) < sum(best[1].values()):
+                best = (f"every {k} on {home}", over)
+    name, over = best
+    parts = ", ".join(f"{'GPU' if t == 'hbm' else t} by {fmt_bytes(v)}" for t, v in over.items())
+    return f"the leanest simple plan (boundary every {name.split()[1]} layers on {name.split()[-1]}) exceeds {parts}"
 
 
 def _status(m: pulp.LpProblem, name: str, solve_s: float, build_s: float) -> SolveInfo:
