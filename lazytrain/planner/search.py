@@ -152,7 +152,9 @@ def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: 
       :class:`ModelShape`, a catalog name (``qwen2.5-7b``) or a config.json path;
     - ``hardware``: a :class:`HardwareProfile`, a catalog name (``h800``), a profile dict or a JSON path
       written by ``lazytrain bench tiers`` (``base`` fills its null fields from a catalog entry);
-    - ``budgets``: a :class:`Budgets` or a dict ``{"gpu": "70GB", "host": "512GB", "nvme": "0"}``;
+    - ``budgets``: a :class:`Budgets` or a dict ``{"gpu": "70GB", "host": "512GB", "nvme": "0"}`` (other
+      :class:`Budgets` fields may be given too, e.g. ``"loss_chunk_tokens"`` when the model's LM head
+      materialises more logits at once than the default 2048 tokens);
     - ``micro_batch``: an int, or None to search for the throughput-best micro-batch that fits;
     - ``time_limit_s``: the MILP's time limit (per solve).
 
