@@ -99,6 +99,7 @@ _TOP_IMPLEMENTED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
     "zero_optimization", "aio", "activation_checkpointing", "lazytrain", "seed", "fp32_allreduce",
+    "job",   # settings of the `lazytrain train` command (model, task, steps); not read by the engine
 }
 
 POLICIES = ("every_k", "keep_all", "plan", "milp")
@@ -309,7 +310,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     d = load_config_source(config)
     if not isinstance(d, dict):
         raise ConfigError(f"config must be a JSON object, got {type(d).__name__}")
-    _check_no_auto(d, "")
+    _check_no_auto({k: v for k, v in d.items() if k not in ("lazytrain", "job")}, "")
     seen: set = set()
     for key in d:
         if key in _TOP_IMPLEMENTED:

@@ -106,14 +106,12 @@ class LayerStreamingExecutor:
         else:
             pending = self._pending_weight
             if on_seq and pending is not None and pending[0] == self._cursor:
-                slot = pending[1]
-                pending[2].wait()
+                slot, flat = pending[1], pending[2].wait()
                 self._pending_weight = None
             else:
                 slot = 1 - self._slot
-                self.weights.fetch(layer, slot).wait()
+                flat = self.weights.fetch(layer, slot).wait()
             self._slot = slot
-            flat = self.weights.stream_slots[slot]
         if on_seq:
             self._cursor += 1
         self._prefetch_next()

@@ -82,6 +82,9 @@ class LayerWeights:
                 self.device_tier.write(f"weights.slot{s}", buf, owned=True)
                 self.stream_slots.append(buf)
         self._grad_sink = _GradientSink(self) if device.type == "cuda" else None
+        # With the CPU as compute device and the weights already in host memory in the compute dtype,
+        # a "copy to the device" would copy memory onto itself: hand out the stored buffer instead.
+        self.zero_copy = device.type == "cpu" and weights_tier.kind == "host"
 
     # ---- compute copy ----------------------------------------------------------------------
     def _key(self, i: int) -> str:
@@ -114,6 +117,8 @@ class LayerWeights:
         """Start copying layer i's compute weights into streaming slot ``slot``."""
         if i in self.resident:
             return TransferHandle(value=self.resident[i])
+        if self.zero_copy:
+            return self.weights_tier.read(self._key(i))
         return self._fetch_into(i, self.stream_slots[slot])
 
     def views(self, flat: torch.Tensor, requires_grad: bool = False) -> dict[str, torch.Tensor]:

@@ -1,0 +1,131 @@
+"""One run, side by side on this CPU: a plain PyTorch training step vs LazyTrain (interval 4) vs DeepSpeed
+ZeRO-3 with CPU offload of parameters and optimizer (when DeepSpeed is installed).
+
+Same ~20M-parameter Llama config for all three (transformers' LlamaForCausalLM built from a config:
+vocab 32000 as in Llama's tokenizer, hidden 256, 4 layers, FFN 688; untied embeddings), batch 4,
+seq 256, fp32, AdamW. Prints the median step time of each and the ratios.
+
+    python benchmarks/engine_cpu.py [--steps 8] [--warmup 2] [--no-deepspeed]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
+
+BATCH, SEQ, VOCAB = 4, 256, 32000
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def data(n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def loss_of(logits, ids):
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def time_steps(step_fn, batches, warmup):
+    times = []
+    for i, ids in enumerate(batches):
+        t0 = time.perf_counter()
+        step_fn(ids)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def plain_pytorch(model, batches, warmup):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step(ids):
+        loss = loss_of(model(ids[:, :-1]).logits, ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time_steps(step, batches, warmup)
+
+
+def lazytrain_engine(model, batches, warmup):
+    import lazytrain
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "lazytrain": {"policy": "every_k", "checkpoint_interval": 4, "boundary_home": "hbm", "device": "cpu"}}
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step(ids):
+        engine.backward(loss_of(engine(ids[:, :-1]).logits, ids))
+        engine.step()
+    return time_steps(step, batches, warmup)
+
+
+def deepspeed_zero3_offload(model, batches, warmup):
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    import deepspeed
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "cpu"}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step(ids):
+        engine.backward(loss_of(engine(ids[:, :-1]).logits, ids))
+        engine.step()
+    return time_steps(step, batches, warmup)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-deepspeed", action="store_true")
+    args = ap.parse_args(argv)
+    base = build_model()
+    n = sum(p.numel() for p in base.parameters())
+    batches = data(args.steps + args.warmup)
+    print(f"model: LlamaForCausalLM {n / 1e6:.1f}M params (blocks "
+          f"{sum(p.numel() for p in base.model.layers.parameters()) / 1e6:.1f}M), batch {BATCH}, seq {SEQ}, fp32, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    results = {"plain PyTorch": plain_pytorch(copy.deepcopy(base), batches, args.warmup)[0],
+               "LazyTrain (interval 4)": lazytrain_engine(copy.deepcopy(base), batches, args.warmup)[0]}
+    if not args.no_deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            print("DeepSpeed not installed: skipping ZeRO-3 offload (pip install 'lazytrain[deepspeed]')")
+        else:
+            results["DeepSpeed ZeRO-3 offload"] = deepspeed_zero3_offload(copy.deepcopy(base), batches,
+                                                                           args.warmup)[0]
+    plain = results["plain PyTorch"]
+    lt = results["LazyTrain (interval 4)"]
+    print(f"\n{'system':<28}{'median step (ms)':>18}{'vs plain':>10}{'LazyTrain speed-up':>20}")
+    for name, t in results.items():
+        print(f"{name:<28}{t * 1000:>18.0f}{t / plain:>9.2f}x{t / lt:>19.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

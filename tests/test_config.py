@@ -1,0 +1,189 @@
+"""Config parsing: DeepSpeed's batch rules and error texts, unknown keys, warnings, schedules."""
+import glob
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.config import BatchConfigError, ConfigError, parse_config
+from lazytrain.optim.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("given, expect", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, (32, 4, 8)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 4}, (32, 8, 4)),
+    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, (8, 4, 2)),
+    ({"train_batch_size": 16}, (16, 16, 1)),
+    ({"train_micro_batch_size_per_gpu": 3}, (3, 3, 1)),
+])
+def test_batch_triple_derived(given, expect):
+    cfg = parse_config(given, world_size=1)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expect
+
+
+def test_batch_triple_world_size():
+    cfg = parse_config({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+    assert cfg.gradient_accumulation_steps == 4
+
+
+def test_batch_triple_mismatch_has_deepspeeds_text():
+    with pytest.raises(BatchConfigError) as e:
+        parse_config({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+                     world_size=1)
+    assert str(e.value) == ("Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * "
+                            "gradient_acc_step * world_size 10 != 4 * 2 * 1")
+    assert isinstance(e.value, AssertionError)
+
+
+def test_batch_missing():
+    with pytest.raises(BatchConfigError, match="Either train_batch_size or train_micro_batch_size_per_gpu needs to be"):
+        parse_config({}, world_size=1)
+
+
+def test_unknown_key_in_implemented_section_names_key_and_section():
+    with pytest.raises(ConfigError, match="unknown key 'offload_parm' in config section 'zero_optimization'"):
+        parse_config({"train_batch_size": 1, "zero_optimization": {"stage": 3, "offload_parm": {}}})
+    with pytest.raises(ConfigError, match="unknown key 'polcy' in config section 'lazytrain'"):
+        parse_config({"train_batch_size": 1, "lazytrain": {"polcy": "milp"}})
+    with pytest.raises(ConfigError, match="unknown key 'devic' in config section "
+                                          "'zero_optimization.offload_param'"):
+        parse_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"devic": "cpu"}}})
+    with pytest.raises(ConfigError, match="unknown top-level config key 'train_batch_sise'"):
+        parse_config({"train_batch_size": 1, "train_batch_sise": 2})
+
+
+def test_max_grad_norm_in_optimizer_params_is_an_error():
+    with pytest.raises(ConfigError, match="'max_grad_norm' is not supported as an optimizer parameter.*"
+                                          "gradient_clipping"):
+        parse_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}})
+
+
+def test_unimplemented_deepspeed_features_warn_once_each():
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        parse_config({"train_batch_size": 1, "tensorboard": {"enabled": True}, "wandb": {"enabled": False},
+                      "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e8}})
+    texts = [str(x.message) for x in w]
+    assert len(texts) == 4
+    assert any("'tensorboard' is a DeepSpeed feature LazyTrain does not implement" in t for t in texts)
+    assert any("'zero_optimization.overlap_comm'" in t for t in texts)
+
+
+def test_auto_values_must_be_resolved():
+    with pytest.raises(ConfigError, match="config key 'optimizer.params.lr' is \"auto\""):
+        parse_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
+
+
+def test_offload_sections_map_onto_tiers():
+    cfg = parse_config({"train_batch_size": 1, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/x"}, "offload_optimizer": {"device": "cpu"}}})
+    assert cfg.lazytrain.weights_home == "nvme" and cfg.lazytrain.nvme_path == "/tmp/x"
+    with pytest.raises(ConfigError, match="'zero_optimization.offload_param.nvme_path' is required"):
+        parse_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"device": "nvme"}}})
+
+
+def test_activation_checkpointing_is_honoured():
+    cfg = parse_config({"train_batch_size": 1, "activation_checkpointing": {"number_checkpoints": 3,
+                                                                           "cpu_checkpointing": True}})
+    assert cfg.interval_for(12) == 4 and cfg.lazytrain.boundary_home == "host"
+    assert parse_config({"train_batch_size": 1}).interval_for(12) == 4
+    assert parse_config({"train_batch_size": 1, "lazytrain": {"checkpoint_interval": 2}}).interval_for(12) == 2
+
+
+def test_fp16_and_bf16_together_is_an_error():
+    with pytest.raises(ConfigError, match="enables both 'fp16' and 'bf16'"):
+        parse_config({"train_batch_size": 1, "fp16": {"enabled": True}, "bf16": {"enabled": True}})
+
+
+def test_steps_per_print_accepts_infinity():
+    assert parse_config({"train_batch_size": 1, "steps_per_print": float("inf")}).steps_per_print == math.inf
+
+
+def test_missing_model_is_a_clear_error():
+    with pytest.raises(ConfigError, match="lazytrain.initialize requires a model"):
+        lazytrain.initialize(config={"train_batch_size": 1})
+
+
+def test_config_and_config_params_both_is_an_error():
+    with pytest.raises(ConfigError, match="not both"):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 1},
+                             config_params={"train_batch_size": 1})
+
+
+def test_initialize_has_deepspeeds_signature():
+    import inspect
+    params = list(inspect.signature(lazytrain.initialize).parameters)
+    assert params == ["args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                      "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
+                      "config_params"]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.json"))))
+def test_shipped_configs_validate(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = parse_config(path, world_size=1)
+    assert cfg.train_batch_size > 0
+
+
+def test_default_job_config_is_the_shipped_tiny_cpu_json():
+    import json
+    from lazytrain.train import DEFAULT_CONFIG
+    with open(os.path.join(ROOT, "configs", "tiny-cpu.json")) as f:
+        assert json.load(f) == DEFAULT_CONFIG
+
+
+# ---- LR schedules: DeepSpeed's formulas --------------------------------------------------------
+def _opt(lr=0.1):
+    return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def _run(sched, n):
+    out = []
+    for _ in range(n):
+        sched.step()
+        out.append(sched.get_last_lr()[0])
+    return out
+
+
+def test_warmup_lr_log_and_linear():
+    s = WarmupLR(_opt(), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="log")
+    with pytest.raises(AssertionError, match="need to call step"):
+        s.get_last_lr()
+    assert _run(s, 12) == pytest.approx([math.log(i + 1) / math.log(10) if i < 10 else 1.0 for i in range(12)])
+    s = WarmupLR(_opt(), warmup_min_lr=0.1, warmup_max_lr=0.5, warmup_num_steps=4, warmup_type="linear")
+    assert _run(s, 6) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.5])
+
+
+def test_warmup_decay_lr():
+    s = WarmupDecayLR(_opt(), total_num_steps=10, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=4,
+                      warmup_type="linear")
+    assert _run(s, 11) == pytest.approx([0, .25, .5, .75, 1.0, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6, 0.0])
+
+
+def test_warmup_cosine_lr():
+    s = WarmupCosineLR(_opt(0.2), total_num_steps=10, warmup_min_ratio=0.0, warmup_num_steps=2, cos_min_ratio=0.1,
+                       warmup_type="linear")
+    got = _run(s, 11)
+    expect = [0.0, 0.1]
+    for step in range(2, 11):
+        progress = min(1.0, (step - 2 + 1) / 8)
+        expect.append(0.2 * (0.1 + 0.9 * (1 + math.cos(math.pi * progress)) / 2))
+    assert got == pytest.approx(expect)
+
+
+def test_one_cycle():
+    opt = _opt()
+    s = OneCycle(opt, cycle_min_lr=0.2, cycle_max_lr=1.0, cycle_first_step_size=2, decay_lr_rate=1.0,
+                 decay_step_size=1, cycle_min_mom=0.8, cycle_max_mom=0.9)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.99)
+    s.step()
+    assert opt.param_groups[0]["betas"][0] == pytest.approx(0.85)   # momentum moves inversely to lr
+    # cycle of 4 steps (up 2, down 2), then lr = min_lr / (1 + rate * steps_after_cycle / decay_step_size)
+    assert [s.get_last_lr()[0]] + _run(s, 5) == pytest.approx([0.6, 1.0, 0.6, 0.2, 0.2 / 2, 0.2 / 3])
+    assert opt.param_groups[0]["betas"][0] == pytest.approx(0.9)    # decay_mom_rate 0: momentum stays at max
