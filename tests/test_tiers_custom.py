@@ -57,8 +57,9 @@ class RamDiskTier(Tier):
 
     def _free(self, key):
         shape, dtype, path = self.meta.pop(key)
-        self.pending.pop(key).result()
-        os.unlink(path)
+        self.pending.pop(key).exception()  # wait for the write, failed or not
+        if os.path.exists(path):
+            os.unlink(path)
 
     def close(self):
         super().close()  # frees every key
@@ -178,3 +179,19 @@ def test_the_documented_example_runs(shm):
     assert torch.equal(tier.read("x").wait(), x)
     tier.close()
     assert os.listdir(shm) == []
+
+
+def test_a_failed_asynchronous_write_of_a_user_tier(shm):
+    tier = RamDiskTier("ram", path=shm)
+    shutil.rmtree(tier.dir)  # every write job now fails
+    handle = tier.write("x", torch.ones(3))
+    with pytest.raises(FileNotFoundError):
+        handle.wait()
+    assert "x" not in tier and tier.used_bytes == 0
+    with pytest.raises(lazytrain.tiers.TierError) as e:
+        tier.read("x")
+    assert str(e.value).startswith("tier 'ram' holds no tensor under key 'x': its write failed: [Errno 2]")
+    os.makedirs(tier.dir)
+    tier.write("x", torch.ones(3)).wait()  # the key is usable again
+    assert torch.equal(tier.read("x").wait(), torch.ones(3))
+    tier.close()

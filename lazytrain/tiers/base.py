@@ -9,6 +9,7 @@ its budget and the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -16,6 +17,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+_log = logging.getLogger("lazytrain.tiers")
 
 
 def format_bytes(n: float) -> str:
@@ -155,7 +158,7 @@ class Tier(ABC):
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
         self._sizes: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.used_bytes = 0
         self.peak_bytes = 0
         self._tokens: dict[str, object] = {}
@@ -173,11 +176,12 @@ class Tier(ABC):
         until the copy ends). A read of ``key`` issued before the write finishes sees the written data."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tier {self.name!r}: write of {key!r} needs a torch.Tensor, got {type(tensor).__name__}")
-        if key in self._sizes:
-            self.free(key)
-        self._failed.pop(key, None)
         nbytes = tensor.numel() * tensor.element_size()
-        token = self._reserve(key, nbytes)
+        with self._lock:  # atomic with a failed write's clean-up of the same key
+            if key in self._sizes:
+                self.free(key)
+            self._failed.pop(key, None)
+            token = self._reserve(key, nbytes)
         meter = self._meters["write"]
         meter.begin()
         try:
@@ -211,11 +215,14 @@ class Tier(ABC):
 
     def free(self, key: str) -> None:
         """Drop ``key`` (no-op when absent); a tier may keep the memory or file for reuse."""
-        self._failed.pop(key, None)
-        if key not in self._sizes:
-            return
-        self._free(key)
-        self._release(key)
+        with self._lock:
+            self._failed.pop(key, None)
+            if key not in self._sizes:
+                return
+            try:
+                self._free(key)
+            finally:
+                self._release(key)
 
     def __contains__(self, key: str) -> bool:
         return key in self._sizes
@@ -288,16 +295,19 @@ class Tier(ABC):
             error = f.exception() if not f.cancelled() else TierError(
                 f"tier {self.name!r}: an operation on {key!r} was cancelled")
             meter.end(0 if error is not None else nbytes)
-            if error is not None and key is not None:
-                with self._lock:
-                    mine = self._tokens.get(key) is token
-                if mine:
-                    self.free(key)
-                    self._failed[key] = error  # a later read names the cause, even if nobody waited here
-            if error is not None:
-                outer.set_exception(error)
-            else:
-                outer.set_result(f.result())
+            try:
+                if error is not None and key is not None:
+                    with self._lock:
+                        if self._tokens.get(key) is token:  # not freed or rewritten since
+                            self.free(key)
+                            self._failed[key] = error  # a later read names the cause, even if nobody waited
+            except Exception:  # noqa: BLE001 - the waiter must still hear about the write's own error
+                _log.exception("tier %r: cleaning up after the failed write of %r failed", self.name, key)
+            finally:
+                if error is not None:
+                    outer.set_exception(error)
+                else:
+                    outer.set_result(f.result())
         handle._future = outer
         future.add_done_callback(finished)
 
