@@ -24,6 +24,10 @@ def sample(shape, dtype, seed=0):
     return (torch.randn(shape, generator=g) * 40).to(dtype)
 
 
+def data_files(tier):
+    return sorted(n for n in os.listdir(tier.run_dir) if n.endswith(".bin"))
+
+
 @pytest.fixture
 def tier(tmp_path):
     # Small blocks and requests so that small tensors span several blocks, requests and threads.
@@ -104,7 +108,7 @@ def test_many_concurrent_operations(tier):
         h.wait()
     for k in tensors:
         assert torch.equal(tier.read(k).wait(), new.get(k, tensors[k]))
-    assert len(os.listdir(tier.run_dir)) == 48
+    assert len(data_files(tier)) == 48
     assert tier.used_bytes == sum(v.numel() * v.element_size() for v in {**tensors, **new}.values())
 
 
@@ -144,7 +148,7 @@ def test_budget(tmp_path):
         assert str(e.value) == ("tier 'nvme' is over its budget: writing 'b' (8.0 KiB) would bring its use to "
                                 "16.0 KiB, but its capacity is 12.0 KiB (8.0 KiB in use). Raise the tier's capacity "
                                 "in the config or place fewer tensors on it.")
-        assert "b" not in t and len(os.listdir(t.run_dir)) == 1
+        assert "b" not in t and len(data_files(t)) == 1
     finally:
         t.close()
 
@@ -195,7 +199,7 @@ def test_full_disk_when_reserving_the_file(tier):
     path = os.path.join(tier.run_dir, "00000001-x.bin")
     assert str(e.value) == (f"tier 'nvme': key 'x': reserving 12.0 KiB for {path} failed with ENOSPC: no space left "
                             f"on device; free disk space, lower the tier's capacity, or point nvme_path at a larger disk")
-    assert "x" not in tier and os.listdir(tier.run_dir) == [] and tier.used_bytes == 0
+    assert "x" not in tier and data_files(tier) == [] and tier.used_bytes == 0
 
 
 def test_eio_on_read_then_recovery(tier):
@@ -447,3 +451,25 @@ def test_run_directory_removed_at_clean_exit(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(f"{tmp_path}/lazytrain-run-")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_left_over_run_directories_are_removed_live_ones_kept(tmp_path, caplog):
+    live = NVMeTier(path=tmp_path)
+    live.write("x", torch.ones(1000)).wait()
+    code = ("import os, sys, torch; from lazytrain.tiers import NVMeTier; t = NVMeTier(path=sys.argv[1]); "
+            "t.write('x', torch.ones(2048)).wait(); print(t.run_dir, flush=True); os._exit(0)")  # no clean-up
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    crashed = done.stdout.strip()
+    assert os.path.isdir(crashed)
+    (tmp_path / "lazytrain-run-not-ours").mkdir()  # no lock file: never touched
+    with caplog.at_level("WARNING", logger="lazytrain.tiers.nvme"):
+        fresh = NVMeTier(path=tmp_path)
+    assert not os.path.exists(crashed)
+    assert caplog.messages == [f"tier 'nvme': removed {crashed} (8.0 KiB) left by a process that ended without "
+                               f"closing its NVMe tier"]
+    assert torch.equal(live.read("x").wait(), torch.ones(1000))  # the live tier's directory is untouched
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live.run_dir), os.path.basename(fresh.run_dir),
+                                                   "lazytrain-run-not-ours"])
+    live.close()
+    fresh.close()

@@ -1,7 +1,9 @@
 """``nvme``: tensors in files under the configured path (DeepSpeed's ``nvme_path`` maps here).
 
 Each tier owns one run directory (``<path>/lazytrain-run-<pid>-<random>``), removed when the tier is
-closed and at a clean interpreter exit. Each key is one file, written in requests of
+closed and at a clean interpreter exit. While the tier lives it holds a lock on a file inside; a run
+directory whose lock nobody holds was left by a process that was killed, and the next NVMe tier
+started on the same path removes it (and says so). Each key is one file, written in requests of
 ``block_size * queue_depth`` bytes by a pool of ``intra_op_parallelism`` threads. Every block carries a
 checksum, kept in memory and verified on every read: a truncated or corrupted file raises
 :class:`NVMeDataError` naming the file and key, never returns wrong data. A full disk, an I/O error, a
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -202,16 +205,21 @@ class NVMeTier(Tier):
         self._seq = 0
         self._kv_streams: dict[int, object] = {}  # per CUDA device: where kvikio's checksums and copies run
         self._check_path()
-        self.run_dir = os.path.join(self.root, f"lazytrain-run-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        name_part = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.run_dir = os.path.join(self.root, f"{RUN_PREFIX}{name_part}")
+        self._owner_fd: int | None = None
         try:
-            os.mkdir(self.run_dir, 0o700)
+            self._owner_fd = _make_run_dir(self.root, name_part, self.run_dir)
         except OSError as e:
             raise self._os_error(e, f"creating the run directory {self.run_dir}") from e
         try:
             self._choose_backends(backend)
         except BaseException:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._remove_run_dir()
             raise
+        for stale, nbytes in remove_stale_run_dirs(self.root):
+            log.warning("tier %r: removed %s (%s) left by a process that ended without closing its NVMe tier",
+                        name, stale, format_bytes(nbytes))
         # Host staging slabs and read results, pinned where CUDA exists; at most 1 GiB kept idle.
         self.pool = SlabPool(limit_bytes=1 << 30)
         self._staging = _StagingBudget()
@@ -602,10 +610,16 @@ class NVMeTier(Tier):
             self._sizes.clear()
             self._tokens.clear()
             self.used_bytes = 0
-        if self.run_dir is not None:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._remove_run_dir()
         self.pool.trim()
         _LIVE_TIERS.discard(self)
+
+    def _remove_run_dir(self) -> None:
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)  # releases the lock that marked the directory as in use
+            self._owner_fd = None
 
     def __del__(self):
         try:
@@ -620,6 +634,68 @@ class NVMeTier(Tier):
                 "queue_depth": self.settings.queue_depth,
                 "intra_op_parallelism": self.settings.intra_op_parallelism,
                 "staging_pool": self.pool.stats()}
+
+
+RUN_PREFIX = "lazytrain-run-"
+_OWNER_LOCK = ".owner.lock"
+
+
+def _make_run_dir(root: str, name_part: str, run_dir: str) -> int | None:
+    """Create ``run_dir`` holding a lock file locked (flock) by this process for the tier's lifetime, so
+    that a run directory without a held lock is known to be left over. The directory is prepared under
+    a temporary name and renamed, so no one ever sees it unlocked. Returns the lock's descriptor, or None
+    on filesystems without flock (their directories are then never judged left over)."""
+    staging = os.path.join(root, f".lazytrain-new-{name_part}")
+    os.mkdir(staging, 0o700)
+    fd = None
+    try:
+        fd = os.open(os.path.join(staging, _OWNER_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            fd = None
+        os.rename(staging, run_dir)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return fd
+
+
+def remove_stale_run_dirs(root: str) -> list[tuple[str, int]]:
+    """Remove run directories under ``root`` whose owner lock is not held: their process ended without
+    closing its tier (killed, crashed). Returns (directory, bytes freed) for each one removed."""
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(RUN_PREFIX):
+            continue
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # no lock file: not a directory this version made, leave it alone
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # held: its tier is alive
+            nbytes = 0
+            for entry in os.scandir(path):
+                try:
+                    nbytes += entry.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append((path, nbytes))
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _unlink(path: str) -> None:
