@@ -196,6 +196,7 @@ class LazyTrainSection:
     quant_block_size: int = 2048
     fp32_state_patterns: tuple = ("norm", "bias")
     milp_time_limit: float = 30.0
+    hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
     seq_len: int | None = None          # for the planner; measured from the first batch when absent
 
@@ -203,7 +204,7 @@ class LazyTrainSection:
 _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "plan", "device", "prefetch",
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
-                   "nvme_path", "seq_len", "capacities"}
+                   "nvme_path", "seq_len", "capacities", "hardware"}
 
 
 @dataclass(frozen=True)
@@ -516,4 +517,4 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
         quant_block_size=int(section.get("quant_block_size", 2048)),
         fp32_state_patterns=tuple(section.get("fp32_state_patterns", ("norm", "bias"))),
         milp_time_limit=float(section.get("milp_time_limit", 30.0)), nvme_path=nvme_path,
-        seq_len=section.get("seq_len"))
+        seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")))

@@ -253,3 +253,15 @@ def test_copy_path_through_device_slots_matches_pytorch():
     assert [i for i, _ in fetched] == one_step * 3
     slots = [s for _, s in fetched]
     assert all(a != b for a, b in zip(slots, slots[1:]))   # double buffering alternates
+
+
+def test_milp_policy_plans_and_trains(tmp_path):
+    """policy "milp": the planner's Plan for this model (h200 profile, tight GPU budget) runs and
+    matches plain PyTorch."""
+    model = make_model("llama")
+    data = batches(3)
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, ds_config(policy="milp", hardware="h200", seq_len=12, gpu_memory="2GB",
+                                                 milp_time_limit=10))
+    assert engine.plan.policy.startswith("milp") and engine.plan.prediction["solver"]["status"] == "optimal"
+    assert max_rel_diff(engine.module, ref) < RTOL

@@ -55,9 +55,43 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                               f"model has {num_layers} blocks")
         return plan
     if lt.policy == "milp":
-        try:
-            from ..planner import plan_for_engine
-        except ImportError as e:
-            raise ConfigError(f"config 'lazytrain.policy' \"milp\" needs the planner: {e}") from e
-        return plan_for_engine(cfg, num_layers, tiers, model_config, micro_batch)
+        return _milp_plan(cfg, num_layers, tiers, model_config, micro_batch)
     raise ConfigError(f"config 'lazytrain.policy' {lt.policy!r} is unknown")
+
+
+_GPU_PROFILES = (("H800", "h800"), ("H200", "h200"), ("H100", "h800"), ("3090", "rtx3090"))
+
+
+def _hardware_profile(cfg: EngineConfig, device: torch.device):
+    if cfg.lazytrain.hardware != "auto":
+        return cfg.lazytrain.hardware
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for needle, profile in _GPU_PROFILES:
+            if needle in name:
+                return profile
+    raise ConfigError("config 'lazytrain.policy' \"milp\" needs 'lazytrain.hardware': a catalog name (h800, h200, "
+                      "rtx3090) or the JSON written by `lazytrain bench tiers --json`")
+
+
+def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
+               micro_batch: int) -> Plan:
+    """The MILP planner's Plan for this model on this machine within the configured budgets."""
+    from ..planner import plan_for
+    lt = cfg.lazytrain
+    if model_config is None:
+        raise ConfigError("config 'lazytrain.policy' \"milp\" needs the model's shape: a model with a Hugging Face "
+                          "`config` (or write a Plan with `lazytrain plan --json` and use policy \"plan\")")
+    if lt.seq_len is None:
+        raise ConfigError("config 'lazytrain.policy' \"milp\" needs 'lazytrain.seq_len' (the training sequence length)")
+    device = tiers["hbm"].device
+    gpu = lt.capacities.get("hbm")
+    if gpu is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device).total_memory
+    budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
+               if "nvme" in tiers else 0}
+    plan = plan_for(model_config, _hardware_profile(cfg, device), {k: v for k, v in budgets.items() if v is not None},
+                    micro_batch=micro_batch, seq_len=lt.seq_len, time_limit_s=lt.milp_time_limit)
+    if plan.num_layers != num_layers:
+        raise ConfigError(f"the planner planned {plan.num_layers} layers but the model streams {num_layers} blocks")
+    return plan
