@@ -92,6 +92,7 @@ class LazyTrainEngine(nn.Module):
         self._step_applied = False
         self._step_start = time.perf_counter()
         self.last_step_peak_bytes: dict[str, int] = {}
+        self.last_optimizer_seconds = 0.0   # host optimizer + compute-copy refresh, last applied step
         self.weights.zero_grads()
 
     # ---- set-up helpers ------------------------------------------------------------------------
@@ -197,11 +198,13 @@ class LazyTrainEngine(nn.Module):
                 coef = clip / (norm + 1e-6)
                 if coef < 1.0:
                     torch._foreach_mul_(grads, coef)
+            t0 = time.perf_counter()
             self.optimizer.step()
             for i in range(self.weights.num_layers):
                 self.weights.refresh_compute_copy(i)
             if self.masters is not None:
                 self.masters.masters_to_params()
+            self.last_optimizer_seconds = time.perf_counter() - t0
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
             self._step_applied = True

@@ -1,0 +1,136 @@
+"""On one CUDA GPU, side by side: plain PyTorch (whole model and AdamW on the GPU, bf16 autocast) vs
+LazyTrain streaming the same model's layers from host memory under three Plans (MegaTrain's every-4,
+keep-all on the GPU, the MILP's plan). Median step time, tokens/s, TFLOPS (6 * N * tokens / time),
+peak GPU memory and, for LazyTrain, the host optimizer's share of the step.
+
+    python benchmarks/engine_gpu.py [--layers 16] [--hidden 2048] [--batch 8] [--seq 1024] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
+
+
+def build(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),
+                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
+                      num_key_value_heads=args.hidden // 128, max_position_embeddings=args.seq,
+                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def loss_of(logits, ids):
+    return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def timed(step, batches, warmup):
+    times = []
+    for i, ids in enumerate(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(ids)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def plain(model, batches, warmup):
+    model = model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step(ids):
+        ids = ids.cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids[:, :-1]).logits
+        loss_of(logits, ids).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return timed(step, batches, warmup), {}
+
+
+def streamed(model, batches, warmup, section):
+    import lazytrain
+    cfg = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "lazytrain": section}
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    opt_times = []
+
+    def step(ids):
+        engine.backward(loss_of(engine(ids[:, :-1]).logits, ids))
+        engine.step()
+        opt_times.append(engine.last_optimizer_seconds)
+    t = timed(step, batches, warmup)
+    info = {"optimizer_s": statistics.median(opt_times[warmup:]), "plan": engine.plan.policy,
+            "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers)}
+    engine.destroy()
+    return t, info
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--skip-milp", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("engine_gpu.py needs a CUDA GPU")
+        return 1
+    base = build(args)
+    n = sum(p.numel() for p in base.parameters())
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 32000, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps + args.warmup)]
+    tokens = args.batch * args.seq
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; Llama {n / 1e9:.2f}B params, "
+          f"{args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, bf16")
+    runs = [("plain PyTorch (all on GPU)", lambda m: plain(m, batches, args.warmup)),
+            ("LazyTrain every-4 (MegaTrain)", lambda m: streamed(m, batches, args.warmup,
+                                                                {"policy": "every_k", "checkpoint_interval": 4})),
+            ("LazyTrain keep-all on GPU", lambda m: streamed(m, batches, args.warmup,
+                                                             {"policy": "keep_all", "boundary_home": "hbm"}))]
+    if not args.skip_milp:
+        runs.append(("LazyTrain MILP plan", lambda m: streamed(m, batches, args.warmup, {
+            "policy": "milp", "hardware": "h200", "seq_len": args.seq, "gpu_memory": "40GB", "milp_time_limit": 10})))
+    rows = []
+    for name, fn in runs:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            t, info = fn(copy.deepcopy(base))
+        except Exception as e:  # report and go on: one failing variant must not hide the others
+            print(f"{name}: FAILED: {type(e).__name__}: {e}")
+            continue
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        rows.append((name, t, peak, info))
+        gc.collect()
+    plain_t = rows[0][1] if rows and rows[0][0].startswith("plain") else None
+    print(f"\n{'system':<32}{'step s':>8}{'tokens/s':>10}{'TFLOPS':>8}{'GPU peak GiB':>13}{'opt s':>7}"
+          f"{'vs plain':>9}  plan")
+    for name, t, peak, info in rows:
+        ratio = f"{t / plain_t:.2f}x" if plain_t else "-"
+        print(f"{name:<32}{t:>8.3f}{tokens / t:>10.0f}{6 * n * tokens / t / 1e12:>8.1f}{peak:>13.1f}"
+              f"{info.get('optimizer_s', 0):>7.2f}{ratio:>9}  {info.get('plan', '')} "
+              f"{'kept ' + str(info['kept']) + ' resident ' + str(info['resident']) if info else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Every LazyTrain check that needs a CUDA GPU, in one run of a few minutes:
+#   1. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the
+#      gradient sink) against plain PyTorch, and the optimizer and tier tests;
+#   2. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
+#   3. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama).
+# usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs.
+# Python packages missing on the GPU machine (pulp, highspy, kvikio) may be given as wheels in .whl/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-lazytrain-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+SITE=$(mktemp -d)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
+    && echo "installed $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ')"
+fi
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+echo "# LazyTrain gpu_suite.sh, $(date -u '+%Y-%m-%d %H:%M UTC')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+echo "## 1. tests on the CUDA path"
+timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py \
+  tests/test_optim*.py tests/test_tiers*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+
+echo "## 2. tiers"
+OUT="$OUT" timeout "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40
+
+echo "## 3. engine throughput"
+timeout "${ENGINE_TIMEOUT:-200}" python3 benchmarks/engine_gpu.py 2>&1 | tee "$OUT/engine_gpu.log" | tail -20
