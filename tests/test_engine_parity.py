@@ -34,12 +34,13 @@ def train_engine(model, data, config, plain_backward=False):
 
 @pytest.mark.parametrize("kind", ["llama", "modulelist"])
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
-@pytest.mark.parametrize("home", ["hbm", "host"])
-def test_every_k_matches_pytorch(kind, k, home):
+@pytest.mark.parametrize("home", ["hbm", "host", "nvme"])
+def test_every_k_matches_pytorch(kind, k, home, tmp_path):
     model = make_model(kind)
     data = batches(5)
     ref = reference_train(model, data)
-    engine = train_engine(model, data, ds_config(checkpoint_interval=k, boundary_home=home))
+    extra = {"nvme_path": str(tmp_path)} if home == "nvme" else {}
+    engine = train_engine(model, data, ds_config(checkpoint_interval=k, boundary_home=home, **extra))
     assert engine.plan.kept == tuple(range(0, 6, k)) + (6,)
     assert engine.executor.recomputed_layer_forwards == 5 * engine.plan.recomputed_layers()
     assert max_rel_diff(engine.module, ref) < RTOL

@@ -176,7 +176,7 @@ class LazyTrainEngine(nn.Module):
             self.masters.grads_to_masters()
         grads = self._all_grads()
         if self.loss_scaler is not None and self._scaled_backward:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)
+            _scale_(grads, 1.0 / self.loss_scaler.scale)
         norm = _global_norm(grads)
         finite = math.isfinite(norm)
         self._global_grad_norm = norm
@@ -197,7 +197,7 @@ class LazyTrainEngine(nn.Module):
             if clip > 0:
                 coef = clip / (norm + 1e-6)
                 if coef < 1.0:
-                    torch._foreach_mul_(grads, coef)
+                    _scale_(grads, coef)
             t0 = time.perf_counter()
             self.optimizer.step()
             for i in range(self.weights.num_layers):
@@ -381,15 +381,25 @@ class LazyTrainEngine(nn.Module):
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
 
 
+def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Host gradient buffers and device gradients side by side: one list per device for foreach ops."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
+def _scale_(grads: list[torch.Tensor], factor: float) -> None:
+    for gs in _by_device(grads):
+        torch._foreach_mul_(gs, factor)
+
+
 def _global_norm(grads: list[torch.Tensor]) -> float:
     """L2 norm over all gradients, from per-tensor norms accumulated in fp32 on each device."""
     if not grads:
         return 0.0
     total = 0.0
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for gs in by_device.values():
+    for gs in _by_device(grads):
         norms = torch._foreach_norm(gs, 2.0)
         total += float(torch.stack([n.float() for n in norms]).pow(2).sum())
     return math.sqrt(total)
