@@ -5,15 +5,18 @@ blocks of ``block_size`` consecutive elements (the last block may be shorter); e
 absolute maximum as fp32 (``absmax[b]``) and each element one uint8 code into a 256-entry quantization
 map (``values``). Decoding is ``values[code] * absmax[block]``.
 
-Encoding picks, for ``x = clamp(a * (1 / absmax), -1, 1)``, the *nearest* map value (ties go to the
-lower value). A binary search per element is slow, so the encoder uses a lookup table indexed by the high
-bits of the fp32 representation of ``x``: the sign, the exponent and the leading ``MANT_BITS`` mantissa
-bits select a bucket of floats; the dynamic map is coarse enough that at most one decision boundary
-(the midpoint between two neighbouring map values) falls inside any bucket, so each table entry stores
-the code at the bucket's start and the low mantissa bits at which the code steps by one. One gather and
-one integer compare per element give the exact nearest code (checked against
-:func:`nearest_code_reference` in the tests). The same table drives the C++ kernel and the torch code
-path here, so both produce identical codes.
+Encoding picks, for ``x = a * (1 / absmax)`` (values beyond [-1, 1] count as +-1), the *nearest* map
+value (ties go to the lower value). A binary search per element is slow, so the encoder uses a lookup
+table indexed by the high bits of the fp32 representation of ``x``: the sign, the exponent and the
+leading ``MANT_BITS`` mantissa bits select a bucket of floats; the dynamic map is coarse enough that at
+most one decision boundary (the midpoint between two neighbouring map values) falls inside any bucket, so
+each table entry stores the code at the bucket's start, the code after the boundary and the low 15
+mantissa bits at which it is crossed. One table load and one integer compare per element give the exact
+nearest code (checked against :func:`nearest_code_reference` in the tests). The same table drives the
+C++ kernel and the torch code path here, so both produce identical codes.
+
+Second moments use the unsigned map with one deliberate exception to "nearest": a positive value never
+encodes to 0 (see :class:`QuantMap`).
 """
 from __future__ import annotations
 
