@@ -48,6 +48,7 @@ class _Pass:
     cache: dict[int, torch.Tensor] = field(default_factory=dict)         # recomputed boundaries (device)
     windows_entered: set = field(default_factory=set)
     owned: set = field(default_factory=set)                              # (tier, key) still allocated
+    graphs: dict = field(default_factory=dict)                           # layer -> recorded segment graph
 
 
 class LayerStreamingExecutor:
@@ -130,9 +131,18 @@ class LayerStreamingExecutor:
     def _backward_sequence(self) -> list[int]:
         seq = []
         for s, e in reversed(self.plan.segments()):
-            seq.extend(range(s, e - 1))             # recompute s..e-2
-            seq.extend(range(e - 1, s - 1, -1))     # differentiate e-1..s
+            if self._keeps_segment_graph(s, e):
+                seq.extend(range(s, e))                 # recompute s..e-1 with grad, once
+            else:
+                seq.extend(range(s, e - 1))             # recompute s..e-2
+                seq.extend(range(e - 1, s - 1, -1))     # differentiate e-1..s
         return seq
+
+    def _keeps_segment_graph(self, s: int, e: int) -> bool:
+        """With the CPU as compute device the weights are used in place, so a segment can be recomputed
+        once with autograd recording and then differentiated layer by layer from the recorded graph
+        (on a GPU the streaming slots are reused, so each layer is re-run when it is differentiated)."""
+        return e - s > 1 and self.weights.zero_copy
 
     # ---- running a block ---------------------------------------------------------------------
     def _compute(self, layer: int, flat: torch.Tensor, hidden: torch.Tensor, call: _LayerCall,
@@ -280,6 +290,24 @@ class LayerStreamingExecutor:
                 self._put(p, DEVICE_HOME, self._key(p, j + 1) + ".recomputed", x, owned=True)
                 self.recomputed_layer_forwards += 1
 
+    def _record_segment(self, p: _Pass, s: int, e: int) -> None:
+        """Recompute layers s..e-1 once with autograd recording; each layer's input is its own leaf so
+        that every layer is still differentiated (and its gradients sent) separately."""
+        x = self._boundary(p, s)
+        for j in range(s, e):
+            call = p.calls[j]
+            tensors = [call.leaves[k] for k in call.tensor_idx]
+            x_in = x.detach().requires_grad_(True)
+            t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and t.requires_grad) else t
+                    for t in tensors]
+            flat = self._acquire(j)
+            with torch.enable_grad():
+                out, params = self._compute(j, flat, x_in, call, t_in, requires_grad=True)
+            hidden = self._hidden_of(out)
+            p.graphs[j] = (x_in, hidden, params, t_in)
+            x = hidden.detach()
+        self.recomputed_layer_forwards += e - s - 1
+
     def _free_boundary(self, p: _Pass, i: int) -> None:
         home = self.plan.homes[i]
         key = self._key(p, i)
@@ -296,17 +324,24 @@ class LayerStreamingExecutor:
         self._enter_window(p, 2 * self.L - 1 - layer)
         s, e = self._segment_of[layer]
         if layer == e - 1 and e - s > 1:
-            self._recompute_segment(p, s, e)
-        x = self._boundary(p, layer)
-        call = p.calls[layer]
-        tensors = [call.leaves[k] for k in call.tensor_idx]
-        x_in = x.detach().requires_grad_(needs_input_grad[0])
-        t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
-                for t, need in zip(tensors, needs_input_grad[1:])]
-        flat = self._acquire(layer)
+            if self._keeps_segment_graph(s, e):
+                self._record_segment(p, s, e)
+            else:
+                self._recompute_segment(p, s, e)
+        if layer in p.graphs:
+            x_in, hidden, params, t_in = p.graphs.pop(layer)
+        else:
+            x = self._boundary(p, layer)
+            call = p.calls[layer]
+            tensors = [call.leaves[k] for k in call.tensor_idx]
+            x_in = x.detach().requires_grad_(needs_input_grad[0])
+            t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
+                    for t, need in zip(tensors, needs_input_grad[1:])]
+            flat = self._acquire(layer)
+            with torch.enable_grad():
+                out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True)
+                hidden = self._hidden_of(out)
         with torch.enable_grad():
-            out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True)
-            hidden = self._hidden_of(out)
             trainable = [(n, t) for n, t in params.items() if t.requires_grad]
             inputs = [x_in] + [t for _, t in trainable] + [t for t in t_in if isinstance(t, torch.Tensor)
                                                           and t.requires_grad]
@@ -327,6 +362,7 @@ class LayerStreamingExecutor:
         p.held.clear()
         p.cache.clear()
         p.prefetched.clear()
+        p.graphs.clear()
         p.calls.clear()
         if self._current is p:
             self._current = None
