@@ -23,6 +23,16 @@ Clipping and non-finite gradients: with ``max_grad_norm > 0`` the global gradien
 ``torch.nn.utils.clip_grad_norm_`` does and the coefficient is applied inside the update. A non-finite
 norm skips the whole step (no parameter or state changes) and is counted in ``skipped_steps`` and
 ``last_step_skipped``. An engine that already has the norm passes ``grad_norm=`` (or ``clip_coef=``).
+
+Streaming engine use (per-layer norms during backward, update layer by layer, bf16 copy in the same pass)::
+
+    norms += clipping.tensor_norms(layer_grads)        # in backward, while the gradients are hot
+    total, finite = clipping.combine_norms(norms)      # == clip_grad_norm_'s total for fp32 grads
+    if not finite:
+        opt.record_skipped_step(float(total))          # nothing is updated
+    else:                                              # clip coefficient from total and max_grad_norm
+        for params, copies in layers:                  # a layer is final as soon as its call returns
+            opt.step(params=params, grad_norm=total, compute_copies=copies)  # copies: {param: bf16 tensor}
 """
 from __future__ import annotations
 
