@@ -1,11 +1,13 @@
 """One run, side by side on this CPU: a plain PyTorch training step vs LazyTrain (interval 4) vs DeepSpeed
 ZeRO-3 with CPU offload of parameters and optimizer (when DeepSpeed is installed).
 
-Same ~20M-parameter Llama config for all three (transformers' LlamaForCausalLM built from a config:
-vocab 32000 as in Llama's tokenizer, hidden 256, 4 layers, FFN 688; untied embeddings), batch 4,
-seq 256, fp32, AdamW. Prints the median step time of each and the ratios.
+Same ~20M-parameter Llama config for all three (transformers' LlamaForCausalLM built from a config;
+``--shape llama-vocab32k``: Llama's 32000-token vocabulary, hidden 256, 4 layers, FFN 688, so most
+compute is in the LM head; ``--shape block-heavy``: vocab 8192, hidden 384, 8 layers, FFN 1024, most
+compute in the streamed blocks), batch 4, seq 256, fp32, AdamW, clipping 1.0. Prints the median step
+time of each and the ratios.
 
-    python benchmarks/engine_cpu.py [--steps 8] [--warmup 2] [--no-deepspeed]
+    python benchmarks/engine_cpu.py [--shape llama-vocab32k|block-heavy] [--steps 8] [--warmup 2] [--no-deepspeed]
 """
 from __future__ import annotations
 
@@ -22,15 +24,24 @@ import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
 
-BATCH, SEQ, VOCAB = 4, 256, 32000
+BATCH, SEQ = 4, 256
+VOCAB = 32000
+SHAPES = {   # two ~20M-parameter Llama shapes: most compute in the LM head, or most in the blocks
+    "llama-vocab32k": dict(vocab_size=32000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                           num_attention_heads=8),
+    "block-heavy": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+                        num_attention_heads=6),
+}
 
 
-def build_model():
+def build_model(shape: str = "llama-vocab32k"):
     from transformers import LlamaConfig, LlamaForCausalLM
+    global VOCAB
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ,
-                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+    s = SHAPES[shape]
+    VOCAB = s["vocab_size"]
+    cfg = LlamaConfig(num_key_value_heads=s["num_attention_heads"], max_position_embeddings=SEQ,
+                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False, **s)
     return LlamaForCausalLM(cfg)
 
 
@@ -102,11 +113,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-vocab32k")
     args = ap.parse_args(argv)
-    base = build_model()
+    base = build_model(args.shape)
     n = sum(p.numel() for p in base.parameters())
     batches = data(args.steps + args.warmup)
-    print(f"model: LlamaForCausalLM {n / 1e6:.1f}M params (blocks "
+    print(f"model: {args.shape} LlamaForCausalLM {n / 1e6:.1f}M params (blocks "
           f"{sum(p.numel() for p in base.model.layers.parameters()) / 1e6:.1f}M), batch {BATCH}, seq {SEQ}, fp32, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     results = {"plain PyTorch": plain_pytorch(copy.deepcopy(base), batches, args.warmup)[0],

@@ -74,6 +74,7 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = build_optimizer(config, param_groups(model_parameters, model, remap), names)
         else:
             self.optimizer = None
+        self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
         self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
@@ -194,12 +195,14 @@ class LazyTrainEngine(nn.Module):
                               f"optimizer step was skipped")
         else:
             clip = self.gradient_clipping()
-            if clip > 0:
-                coef = clip / (norm + 1e-6)
+            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            t0 = time.perf_counter()
+            if self._fused_clip:   # the hybrid optimizer applies the coefficient inside its update pass
+                self.optimizer.step(clip_coef=coef)
+            else:
                 if coef < 1.0:
                     _scale_(grads, coef)
-            t0 = time.perf_counter()
-            self.optimizer.step()
+                self.optimizer.step()
             for i in range(self.weights.num_layers):
                 self.weights.refresh_compute_copy(i)
             if self.masters is not None:

@@ -88,7 +88,7 @@ def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[in
                        if cfg.optimizer.type.lower() not in _HYBRID_TYPES else "8bit",
                        min_8bit_size=lt.hybrid_threshold, block_size=lt.quant_block_size,
                        fp32_name_patterns=lt.fp32_state_patterns,
-                       named_parameters=named, **params)
+                       named_parameters=named, check_finite=False, **params)   # the engine checks finiteness
 
 
 def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable) -> torch.optim.Optimizer:
