@@ -50,7 +50,7 @@ __all__ = ["HybridAdamW", "DEFAULT_BLOCK_SIZE", "DEFAULT_FP32_PATTERNS"]
 
 log = logging.getLogger(__name__)
 
-#: Chosen by measurement (benchmarks/results/optim.md): step time is flat from 256 to 4096 on the host
+#: Chosen by measurement (BENCHMARKS.md, host optimizer): step time is flat from 256 to 4096 on the host
 #: kernel, and 256 gives the smallest quantization error and the bitsandbytes CUDA kernel's block size.
 DEFAULT_BLOCK_SIZE = 256
 #: Names kept in fp32 states: normalisation layers and biases.

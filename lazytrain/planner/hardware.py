@@ -14,7 +14,7 @@ Catalog entries (``h800``, ``rtx3090``, ``h200``): bandwidths are the LazyTrain 
 where it gives them (PCIe 12 GB/s per direction, NVMe 2.83 GB/s read / 3.35 GB/s write on the H800
 machine). ``achievable_tflops`` and ``host_optimizer_gparams_per_s`` of ``h800`` are *calibrated*: they
 are the values for which the simulator reproduces the paper's measured MegaTrain column
-(``lazytrain.planner.policies.calibrate``; see benchmarks/results/planner.md). Other entries state
+(``lazytrain.planner.policies.calibrate``; see BENCHMARKS.md, planner). Other entries state
 where their numbers come from next to them.
 """
 from __future__ import annotations
