@@ -298,3 +298,18 @@ def test_hybrid_8bit_optimizer_selected_by_config(selection):
     assert "q_proj" in text and "norm" in text
     state = opt.state_dict()["state"]
     assert any(v.dtype == torch.uint8 for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+
+def test_generate_with_kv_cache_through_streamed_layers():
+    """Hugging Face generate() (KV cache, one token at a time) runs through the streamed blocks and
+    produces the same tokens as the unwrapped model."""
+    model = make_model("llama")
+    model.config.use_cache = True
+    ref = copy.deepcopy(model)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    engine.eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        got = engine.module.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+        expect = ref.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(got, expect)
