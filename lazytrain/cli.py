@@ -1,4 +1,4 @@
-"""`lazytrain train | plan | bench | profile`.
+"""`lazytrain train | plan | bench`.
 
 Each sub-command lives beside the code it drives and registers itself here through a
 ``register(subparsers)`` function, so this file stays a table of contents.

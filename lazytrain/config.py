@@ -35,7 +35,7 @@ _UNIMPLEMENTED_TOP = {
     "csv_monitor": "log from your training loop",
     "comet": "log from your training loop",
     "comms_logger": "LazyTrain has no communication logger",
-    "flops_profiler": "use `lazytrain profile` / the planner's prediction",
+    "flops_profiler": "use the planner's prediction (`lazytrain plan`)",
     "autotuning": "the MILP planner chooses the memory plan",
     "compression_training": "not supported",
     "sparse_attention": "not supported",
