@@ -497,10 +497,8 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     weights_home = section.get("weights_home")
-    if weights_home is None:
-        weights_home = {"none": "hbm", "cpu": "host", "nvme": "nvme"}[offload_param.device]
-        if offload_param.device == "none":
-            weights_home = "host"  # DeepSpeed's default: no offload section means stream from the host
+    if weights_home is None:   # no offload section (device "none") still streams from the host
+        weights_home = "nvme" if offload_param.device == "nvme" else "host"
     if weights_home not in ("host", "nvme", "hbm"):
         raise ConfigError(f"config key 'lazytrain.weights_home' must be \"host\", \"nvme\" or \"hbm\", "
                           f"got {weights_home!r}")

@@ -313,3 +313,49 @@ def test_generate_with_kv_cache_through_streamed_layers():
         got = engine.module.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
         expect = ref.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
     assert torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("frozen", ["embedding", "layer0", "layer3", "layer3.fc1.weight"])
+def test_frozen_parameters_match_pytorch(frozen):
+    """Frozen embeddings (nothing flowing into block 0 requires grad), a frozen first or middle
+    block, or one frozen tensor: trainable parameters match plain PyTorch and frozen ones never move."""
+    model = make_model("modulelist")
+    if frozen == "embedding":
+        model.emb.weight.requires_grad_(False)
+    elif frozen.startswith("layer") and "." not in frozen:
+        model.stack[int(frozen[5:])].requires_grad_(False)
+    else:
+        model.stack[3].fc1.weight.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    data = batches(4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, fused=True)
+    for x, y in data:
+        lm_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad()
+    engine = train_engine(model, data, ds_config(checkpoint_interval=2),)
+    assert max_rel_diff(engine.module, ref) < RTOL
+    params = dict(engine.module.named_parameters())
+    assert before and all(torch.equal(params[n].detach().cpu(), v) for n, v in before.items())
+
+
+def test_bf16_accumulates_non_block_grads_in_fp32():
+    """GAS 4 in bf16: the head and embedding gradients reach their fp32 masters after every micro-batch
+    (the compute-dtype .grad is consumed), so accumulation is in fp32."""
+    model = make_model("llama")
+    cfg = ds_config(_top={"bf16": {"enabled": True}})
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    head = engine.module.lm_head.weight
+    assert head.grad is None and engine.masters.master_of(head).grad.dtype == torch.float32
+
+
+def test_retain_graph_is_a_clear_error():
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match=r"backward\(retain_graph=True\) is not supported"):
+        engine.backward(lm_loss(engine(x), y), retain_graph=True)

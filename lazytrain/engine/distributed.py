@@ -32,19 +32,17 @@ class DistributedContext:
         return self.world_size > 1
 
     def average(self, host_tensors: list[torch.Tensor], device_tensors: list[torch.Tensor]) -> None:
-        """All-reduce (sum) then divide by the world size, in place."""
+        """Divide by the world size, then all-reduce (sum), in place: dividing first keeps loss-scaled
+        gradients from overflowing in the sum."""
         if not self.enabled:
             return
         for t in host_tensors:
+            t.div_(self.world_size)
             dist.all_reduce(t, group=self.host_group)
-            t.div_(self.world_size)
         for t in device_tensors:
-            dist.all_reduce(t)
             t.div_(self.world_size)
+            dist.all_reduce(t)
 
-    def any_true(self, flag: bool) -> bool:
-        if not self.enabled:
-            return flag
-        t = torch.tensor([1.0 if flag else 0.0])
-        dist.all_reduce(t, group=self.host_group)
-        return bool(t.item() > 0)
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()

@@ -133,6 +133,9 @@ class LazyTrainEngine(nn.Module):
         """``loss.backward()`` with the loss divided by the accumulation steps (and fp16-scaled)."""
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
+        if retain_graph:
+            raise ValueError("engine.backward(retain_graph=True) is not supported: streamed blocks free their "
+                             "boundaries as backward consumes them, so a second backward has nothing to use")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss
@@ -161,7 +164,7 @@ class LazyTrainEngine(nn.Module):
         non-block grads (their fp32 masters' in mixed precision)."""
         grads = list(self.weights.grad)
         if self.masters is not None:
-            grads += [m.grad for _, m in self.masters.pairs if m.grad is not None]
+            grads += self.masters.master_grads()
         else:
             grads += [p.grad for p in self.non_block_params if p.grad is not None]
         return grads
@@ -172,10 +175,8 @@ class LazyTrainEngine(nn.Module):
                               "optimizer= to lazytrain.initialize")
         self.weights.flush_grads()
         self.weights.attach_grads()
-        self.dist.average(list(self.weights.grad), [p.grad for p in self.non_block_params if p.grad is not None])
-        if self.masters is not None:
-            self.masters.grads_to_masters()
         grads = self._all_grads()
+        self.dist.average([g for g in grads if g.device.type == "cpu"], [g for g in grads if g.device.type != "cpu"])
         if self.loss_scaler is not None and self._scaled_backward:
             _scale_(grads, 1.0 / self.loss_scaler.scale)
         norm = _global_norm(grads)
@@ -238,6 +239,7 @@ class LazyTrainEngine(nn.Module):
               f"{dt * 1000:.0f} ms/step, peak {peaks}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.weights.flush_grads()   # gradient adds still in flight must not land after the zeroing
         self.weights.zero_grads()
         if self.masters is not None:
             self.masters.zero_grad()
@@ -333,6 +335,7 @@ class LazyTrainEngine(nn.Module):
         optim_state = {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else None
         if self.global_rank == 0:
             ckpt.save(save_dir, tag, model_state, optim_state, save_latest)
+        self.dist.barrier()   # no rank returns (and may load) before the files exist
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,

@@ -78,6 +78,7 @@ class LayerStreamingExecutor:
         self._slot = 0
         self.recomputed_layer_forwards = 0
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
+        self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
         self._install_proxies()
 
     # ---- wiring into the user's model ----------------------------------------------------------
@@ -147,7 +148,7 @@ class LayerStreamingExecutor:
     # ---- running a block ---------------------------------------------------------------------
     def _compute(self, layer: int, flat: torch.Tensor, hidden: torch.Tensor, call: _LayerCall,
                  tensors: list | None = None, requires_grad: bool = False):
-        params = self.weights.views(flat, requires_grad=requires_grad)
+        params = self.weights.views(flat, layer if requires_grad else None)
         leaves = list(call.leaves)
         if tensors is not None:
             for k, t in zip(call.tensor_idx, tensors):
@@ -193,7 +194,9 @@ class LayerStreamingExecutor:
         p.next_layer += 1
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
-        result = _BlockFunction.apply(self, p, layer, hidden, *tensors)
+        # the anchor makes the block's output require grad even when nothing flowing in does (frozen
+        # embeddings): the block's own weights still need their backward
+        result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
             self._start_sequence(self._backward_sequence())
@@ -343,18 +346,19 @@ class LayerStreamingExecutor:
                 hidden = self._hidden_of(out)
         with torch.enable_grad():
             trainable = [(n, t) for n, t in params.items() if t.requires_grad]
-            inputs = [x_in] + [t for _, t in trainable] + [t for t in t_in if isinstance(t, torch.Tensor)
-                                                          and t.requires_grad]
-            grads = torch.autograd.grad(hidden, inputs, grad_out, allow_unused=True)
-        n = len(trainable)
-        self.weights.accumulate_grads(layer, {name: g for (name, _), g in zip(trainable, grads[1:1 + n])
+            want_x = needs_input_grad[0] and x_in.requires_grad
+            inputs = ([x_in] if want_x else []) + [t for _, t in trainable] + \
+                [t for t in t_in if isinstance(t, torch.Tensor) and t.requires_grad]
+            grads = torch.autograd.grad(hidden, inputs, grad_out, allow_unused=True) if inputs else ()
+        n, first = len(trainable), int(want_x)
+        self.weights.accumulate_grads(layer, {name: g for (name, _), g in zip(trainable, grads[first:first + n])
                                               if g is not None})
-        side = iter(grads[1 + n:])
+        side = iter(grads[first + n:])
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]
         self._free_boundary(p, layer)
         if layer == 0:
             self.release_pass(p)
-        return grads[0] if needs_input_grad[0] else None, t_grads
+        return grads[0] if want_x else None, t_grads
 
     def release_pass(self, p: _Pass) -> None:
         """Free everything a pass still holds."""
@@ -376,7 +380,8 @@ class _BlockFunction(torch.autograd.Function):
     """One streamed block: forward without keeping internals, backward recomputes and differentiates."""
 
     @staticmethod
-    def forward(ctx, executor: LayerStreamingExecutor, p: _Pass, layer: int, hidden: torch.Tensor, *tensors):
+    def forward(ctx, executor: LayerStreamingExecutor, p: _Pass, layer: int, anchor: torch.Tensor,
+                hidden: torch.Tensor, *tensors):
         executor.forward_window(p, layer, hidden)
         flat = executor._acquire(layer)
         out, _ = executor._compute(layer, flat, hidden, p.calls[layer])
@@ -393,9 +398,9 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, *unused):
         ex: LayerStreamingExecutor = ctx.executor
-        needs = ctx.needs_input_grad[3:]
+        needs = ctx.needs_input_grad[4:]
         g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_out, needs)
-        return (None, None, None, g_hidden, *t_grads)
+        return (None, None, None, None, g_hidden, *t_grads)
 
 
 class _Proxy:

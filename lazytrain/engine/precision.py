@@ -11,27 +11,25 @@ import torch.nn as nn
 
 class DeviceMasters:
     """bf16/fp16 training: non-block parameters run in the compute dtype on the device while the
-    optimizer updates fp32 master copies; grads are copied up before, weights copied down after."""
+    optimizer updates fp32 master copies. Each gradient is added into its master's fp32 ``.grad`` as
+    soon as autograd produces it (so accumulation over micro-batches happens in fp32, as the blocks'
+    does), and weights are copied down after the update."""
 
     def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         for p in params:
             master = nn.Parameter(p.detach().to(torch.float32).clone(), requires_grad=p.requires_grad)
             p.data = p.data.to(compute_dtype)
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_into_master(master))
             self.pairs.append((p, master))
         self.by_param = {id(p): m for p, m in self.pairs}
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
 
-    def grads_to_masters(self) -> None:
-        for p, m in self.pairs:
-            if p.grad is None:
-                m.grad = None
-            elif m.grad is None:
-                m.grad = p.grad.detach().to(torch.float32)
-            else:
-                m.grad.copy_(p.grad)
+    def master_grads(self) -> list[torch.Tensor]:
+        return [m.grad for _, m in self.pairs if m.grad is not None]
 
     def masters_to_params(self) -> None:
         with torch.no_grad():
@@ -41,7 +39,18 @@ class DeviceMasters:
     def zero_grad(self) -> None:
         for p, m in self.pairs:
             p.grad = None
-            m.grad = None
+            if m.grad is not None:
+                m.grad.zero_()
+
+
+def _into_master(master: nn.Parameter):
+    def hook(p: torch.Tensor) -> None:
+        if master.grad is None:
+            master.grad = p.grad.detach().to(torch.float32)
+        else:
+            master.grad.add_(p.grad)
+        p.grad = None
+    return hook
 
 
 class LossScaler:

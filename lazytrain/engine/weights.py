@@ -23,7 +23,6 @@ class ParamSlot:
     shape: torch.Size
     offset: int
     numel: int
-    trainable: bool
 
 
 class LayerWeights:
@@ -41,10 +40,12 @@ class LayerWeights:
         self.slots: list[ParamSlot] = []
         offset = 0
         for name, p in first.named_parameters():
-            self.slots.append(ParamSlot(name, p.shape, offset, p.numel(), p.requires_grad))
+            self.slots.append(ParamSlot(name, p.shape, offset, p.numel()))
             offset += p.numel()
         self.layer_numel = offset
-        self.trainable_numel = sum(s.numel for s in self.slots if s.trainable)
+        # which parameters train, per layer (a user may freeze some layers or some tensors)
+        self.trainable = [[p.requires_grad for _, p in block.named_parameters()] for block in blocks]
+        self.any_trainable = any(any(t) for t in self.trainable)
         self.master: list[torch.Tensor] = []
         self.grad: list[torch.Tensor] = []
         self.params: list[list[nn.Parameter]] = []
@@ -55,7 +56,7 @@ class LayerWeights:
             for slot, p in zip(self.slots, params):
                 master[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
                 p.data = master[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                if slot.trainable:
+                if p.requires_grad:
                     p.grad = grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
             # buffers (e.g. rotary inv_freq) stay on the compute device
             for bname, buf in list(block.named_buffers()):
@@ -121,12 +122,13 @@ class LayerWeights:
             return self.weights_tier.read(self._key(i))
         return self._fetch_into(i, self.stream_slots[slot])
 
-    def views(self, flat: torch.Tensor, requires_grad: bool = False) -> dict[str, torch.Tensor]:
+    def views(self, flat: torch.Tensor, layer: int | None = None) -> dict[str, torch.Tensor]:
         """Name -> tensor views of a flat device buffer, to swap into the block for one call."""
+        """``layer`` given: its trainable parameters become leaves that require grad (for backward)."""
         out = {}
-        for s in self.slots:
+        for k, s in enumerate(self.slots):
             t = flat[s.offset:s.offset + s.numel].view(s.shape)
-            if requires_grad and s.trainable:
+            if layer is not None and self.trainable[layer][k]:
                 t = t.detach().requires_grad_(True)
             out[s.name] = t
         return out
@@ -151,8 +153,8 @@ class LayerWeights:
         """Make every trainable block parameter's ``.grad`` the view into its flat buffer again
         (an optimizer's ``zero_grad(set_to_none=True)`` may have cleared it)."""
         for i in range(self.num_layers):
-            for s, p in zip(self.slots, self.params[i]):
-                if s.trainable:
+            for s, p, trains in zip(self.slots, self.params[i], self.trainable[i]):
+                if trains:
                     p.grad = self.grad[i][s.offset:s.offset + s.numel].view(s.shape)
 
     def zero_grads(self) -> None:
