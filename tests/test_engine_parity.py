@@ -359,3 +359,18 @@ def test_retain_graph_is_a_clear_error():
     x, y = batches(1)[0]
     with pytest.raises(ValueError, match=r"backward\(retain_graph=True\) is not supported"):
         engine.backward(lm_loss(engine(x), y), retain_graph=True)
+
+
+def test_weights_streamed_from_nvme_match_pytorch(tmp_path):
+    """zero_optimization.offload_param.device "nvme": the compute copies of the block weights live on the
+    NVMe tier and every use reads them into the streaming slots."""
+    model = make_model("llama")
+    data = batches(3)
+    ref = reference_train(model, data)
+    cfg = ds_config(checkpoint_interval=2,
+                    _top={"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+                                                                              "nvme_path": str(tmp_path)}}})
+    engine = train_engine(model, data, cfg)
+    assert engine.weights.weights_tier.kind == "nvme" and not engine.weights.zero_copy
+    assert max_rel_diff(engine.module, ref) < RTOL
+    engine.destroy()

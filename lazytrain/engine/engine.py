@@ -177,9 +177,10 @@ class LazyTrainEngine(nn.Module):
         self.weights.attach_grads()
         grads = self._all_grads()
         self.dist.average([g for g in grads if g.device.type == "cpu"], [g for g in grads if g.device.type != "cpu"])
-        if self.loss_scaler is not None and self._scaled_backward:
-            _scale_(grads, 1.0 / self.loss_scaler.scale)
-        norm = _global_norm(grads)
+        # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
+        # so that the gradients are rescaled in one pass (or inside the fused optimizer update)
+        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None and self._scaled_backward else 1.0
+        norm = _global_norm(grads) * inv_scale
         finite = math.isfinite(norm)
         self._global_grad_norm = norm
         if not finite:
@@ -196,13 +197,13 @@ class LazyTrainEngine(nn.Module):
                               f"optimizer step was skipped")
         else:
             clip = self.gradient_clipping()
-            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            factor = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) * inv_scale
             t0 = time.perf_counter()
-            if self._fused_clip:   # the hybrid optimizer applies the coefficient inside its update pass
-                self.optimizer.step(clip_coef=coef)
+            if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
+                self.optimizer.step(clip_coef=factor)
             else:
-                if coef < 1.0:
-                    _scale_(grads, coef)
+                if factor != 1.0:
+                    _scale_(grads, factor)
                 self.optimizer.step()
             for i in range(self.weights.num_layers):
                 self.weights.refresh_compute_copy(i)

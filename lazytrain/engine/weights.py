@@ -67,6 +67,7 @@ class LayerWeights:
             self.grad.append(grad)
             self.params.append(params)
         self.shares_master = compute_dtype == torch.float32 and weights_tier.kind == "host"
+        self._staging: torch.Tensor | None = None
         for i in range(self.num_layers):
             self._store_compute_copy(i)
         # device buffers: two streaming slots + one per resident layer
@@ -99,9 +100,10 @@ class LayerWeights:
         if self.weights_tier.kind == "host" and self._key(i) in self.weights_tier:
             self.weights_tier.read(self._key(i)).wait().copy_(self.master[i])   # in place, same buffer
             return
-        copy = empty_host(self.layer_numel, self.compute_dtype)
-        copy.copy_(self.master[i])
-        self.weights_tier.write(self._key(i), copy, owned=True).synchronize()
+        if self._staging is None:   # one staging buffer, reused: each write completes before the next
+            self._staging = empty_host(self.layer_numel, self.compute_dtype)
+        self._staging.copy_(self.master[i])
+        self.weights_tier.write(self._key(i), self._staging).synchronize()
 
     def refresh_compute_copy(self, i: int) -> None:
         """After the optimizer updated layer i's master weights: rewrite the compute-dtype copy (and the
@@ -176,11 +178,11 @@ class _GradientSink:
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
-        flat = torch.zeros(w.layer_numel, dtype=w.compute_dtype, device=w.device)
+        flat = torch.empty(w.layer_numel, dtype=w.compute_dtype, device=w.device)
         for s in w.slots:
             g = grads.get(s.name)
-            if g is not None:
-                flat[s.offset:s.offset + s.numel].copy_(g.reshape(-1))
+            part = flat[s.offset:s.offset + s.numel]
+            part.copy_(g.reshape(-1)) if g is not None else part.zero_()
         k = self.next
         self.next = (k + 1) % len(self.staging)
         if self.busy[k] is not None:
