@@ -374,3 +374,27 @@ def test_weights_streamed_from_nvme_match_pytorch(tmp_path):
     assert engine.weights.weights_tier.kind == "nvme" and not engine.weights.zero_copy
     assert max_rel_diff(engine.module, ref) < RTOL
     engine.destroy()
+
+
+def test_training_data_builds_a_dataloader_with_the_micro_batch():
+    xs, ys = zip(*batches(3, batch=4))
+    dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
+    engine, _, loader, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=dataset,
+                                                config=ds_config())
+    assert loader is engine.training_dataloader and len(loader) == 6
+    x, y = next(iter(loader))
+    assert x.shape == (2, 12)
+
+
+def test_set_gradient_accumulation_boundary_controls_the_step():
+    """HF Trainer sets the boundary itself: with it False, step() only counts the micro-step."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
+    x, y = batches(1)[0]
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 0 and engine.micro_steps == 1 and not engine.is_gradient_accumulation_boundary()
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 1 and engine.micro_steps == 2 and engine.was_step_applied()
