@@ -71,6 +71,7 @@ def streamed(model, batches, warmup, section):
     opt_times = []
 
     def step(ids):
+        ids = ids.to(engine.device)
         engine.backward(loss_of(engine(ids[:, :-1]).logits, ids))
         engine.step()
         opt_times.append(engine.last_optimizer_seconds)
