@@ -35,25 +35,33 @@ def loss_of(logits, ids):
     return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
 
 
+DEVICE = torch.device("cuda")
+
+
+def _sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(step, batches, warmup):
     times = []
     for i, ids in enumerate(batches):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         step(ids)
-        torch.cuda.synchronize()
+        _sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def plain(model, batches, warmup):
-    model = model.cuda()
+    model = model.to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step(ids):
-        ids = ids.cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        ids = ids.to(DEVICE)
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
             logits = model(ids[:, :-1]).logits
         loss_of(logits, ids).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -66,7 +74,7 @@ def streamed(model, batches, warmup, section):
     import lazytrain
     cfg = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "lazytrain": section}
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "lazytrain": {"device": str(DEVICE), **section}}
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     opt_times = []
 
@@ -91,16 +99,20 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip-milp", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu for a quick smoke run")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("engine_gpu.py needs a CUDA GPU")
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        print("engine_gpu.py needs a CUDA GPU (or --device cpu for a smoke run)")
         return 1
     base = build(args)
     n = sum(p.numel() for p in base.parameters())
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 32000, (args.batch, args.seq + 1), generator=g) for _ in range(args.steps + args.warmup)]
     tokens = args.batch * args.seq
-    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; Llama {n / 1e9:.2f}B params, "
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (CPU smoke run)"
+    print(f"GPU {gpu}, torch {torch.__version__}; Llama {n / 1e9:.2f}B params, "
           f"{args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, bf16")
     runs = [("plain PyTorch (all on GPU)", lambda m: plain(m, batches, args.warmup)),
             ("LazyTrain every-4 (MegaTrain)", lambda m: streamed(m, batches, args.warmup,
@@ -112,14 +124,15 @@ def main(argv=None) -> int:
             "policy": "milp", "hardware": "h200", "seq_len": args.seq, "gpu_memory": "40GB", "milp_time_limit": 10})))
     rows = []
     for name, fn in runs:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         try:
             t, info = fn(copy.deepcopy(base))
         except Exception as e:  # report and go on: one failing variant must not hide the others
             print(f"{name}: FAILED: {type(e).__name__}: {e}")
             continue
-        peak = torch.cuda.max_memory_allocated() / 2**30
+        peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else float("nan")
         rows.append((name, t, peak, info))
         gc.collect()
     plain_t = rows[0][1] if rows and rows[0][0].startswith("plain") else None
