@@ -38,14 +38,6 @@ def no_kernels(monkeypatch):
     monkeypatch.setattr(H, "cpu_kernels", lambda: None)
 
 
-@pytest.fixture(scope="module")
-def k():
-    lib = kernels.cpu_kernels()
-    if lib is None:
-        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
-    return lib
-
-
 def states_equal(o1, p1, o2, p2):
     for a, b in zip(p1, p2):
         s1, s2 = o1.state[a], o2.state[b]

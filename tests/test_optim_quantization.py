@@ -26,14 +26,6 @@ def _hard_values(qm, n=200_000, seed=0):
     return x
 
 
-@pytest.fixture(scope="module")
-def k():
-    lib = kernels.cpu_kernels()
-    if lib is None:
-        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
-    return lib
-
-
 def test_dynamic_maps_equal_bitsandbytes():
     F = pytest.importorskip("bitsandbytes.functional")
     for signed in (True, False):

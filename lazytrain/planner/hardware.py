@@ -23,6 +23,8 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from .models import read_json
+
 GB = 1e9
 GiB = 2 ** 30
 
@@ -192,14 +194,7 @@ def load_profile(name_or_path: str | dict | HardwareProfile, base: str | None = 
     elif name_or_path.lower() in CATALOG:
         prof = CATALOG[name_or_path.lower()]
     elif name_or_path.endswith(".json") or "/" in name_or_path:
-        try:
-            with open(name_or_path) as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise HardwareError(f"hardware profile file {name_or_path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise HardwareError(f"hardware profile {name_or_path!r} is not valid JSON: {e}") from e
-        prof = HardwareProfile.from_dict(d)
+        prof = HardwareProfile.from_dict(read_json(name_or_path, HardwareError, "hardware profile"))
     else:
         prof = catalog_profile(name_or_path)
     if base is not None:

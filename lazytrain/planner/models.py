@@ -19,6 +19,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def read_json(path: str, error: type[Exception], what: str) -> Any:
+    """A local JSON file, or ``error`` naming the file and what it was meant to hold."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise error(f"{what} file {path!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{what} {path!r} is not valid JSON: {e}") from e
+
+
 class ModelShapeError(ValueError):
     """A model description the planner cannot use; the message names the key."""
 
@@ -99,13 +110,7 @@ class ModelShape:
         ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``).
         """
         if isinstance(cfg, str):
-            try:
-                with open(cfg) as f:
-                    cfg = json.load(f)
-            except FileNotFoundError:
-                raise ModelShapeError(f"model config file {cfg!r} does not exist") from None
-            except json.JSONDecodeError as e:
-                raise ModelShapeError(f"model config {cfg!r} is not valid JSON: {e}") from e
+            cfg = read_json(cfg, ModelShapeError, "model config")
         if not isinstance(cfg, dict):
             raise ModelShapeError("a Hugging Face config must be a JSON object")
         if "text_config" in cfg and "hidden_size" not in cfg:
