@@ -398,3 +398,21 @@ def test_set_gradient_accumulation_boundary_controls_the_step():
     engine.backward(lm_loss(engine(x), y))
     engine.step()
     assert engine.global_steps == 1 and engine.micro_steps == 2 and engine.was_step_applied()
+
+
+def test_hybrid_optimizer_writes_bf16_compute_copies_in_its_update():
+    """bf16 + HybridAdamW: the optimizer's update pass writes each streamed layer's compute copy, which
+    then equals the fp32 master rounded to bf16 (no separate refresh pass)."""
+    model = make_model("llama")
+    cfg = ds_config(checkpoint_interval=2, hybrid_threshold=1024, _top={"bf16": {"enabled": True}})
+    cfg["optimizer"]["type"] = "AdamW8bit"
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    assert engine._fused_copies
+    for x, y in batches(3):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.was_step_applied()
+    w = engine.weights
+    for i in range(w.num_layers):
+        stored = w.weights_tier.read(w._key(i)).wait()
+        assert torch.equal(stored, w.master[i].to(torch.bfloat16))

@@ -75,6 +75,11 @@ class LazyTrainEngine(nn.Module):
         else:
             self.optimizer = None
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
+        # the hybrid optimizer also writes the streamed layers' compute copies in its update pass
+        copies = self.weights.compute_copy_views() if self._fused_clip else None
+        if copies:
+            self.optimizer.set_compute_copies(copies)
+        self._fused_copies = bool(copies)
         self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
@@ -206,7 +211,7 @@ class LazyTrainEngine(nn.Module):
                     _scale_(grads, factor)
                 self.optimizer.step()
             for i in range(self.weights.num_layers):
-                self.weights.refresh_compute_copy(i)
+                self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
             if self.masters is not None:
                 self.masters.masters_to_params()
             self.last_optimizer_seconds = time.perf_counter() - t0

@@ -105,12 +105,25 @@ class LayerWeights:
         self._staging.copy_(self.master[i])
         self.weights_tier.write(self._key(i), self._staging).synchronize()
 
-    def refresh_compute_copy(self, i: int) -> None:
-        """After the optimizer updated layer i's master weights: rewrite the compute-dtype copy (and the
-        resident device copy)."""
-        self._store_compute_copy(i)
+    def refresh_compute_copy(self, i: int, host_copy_current: bool = False) -> None:
+        """After the optimizer updated layer i's master weights: rewrite the compute-dtype copy (unless
+        the optimizer already wrote it in its update pass) and the resident device copy."""
+        if not host_copy_current:
+            self._store_compute_copy(i)
         if i in self.resident:
             self._fetch_into(i, self.resident[i]).synchronize()
+
+    def compute_copy_views(self) -> dict[torch.Tensor, torch.Tensor] | None:
+        """{block parameter: its view in the host compute-dtype copy}, for an optimizer that writes the
+        copy in its update pass; None when the copy is not a separate buffer in host memory."""
+        if self.shares_master or self.weights_tier.kind != "host":
+            return None
+        views = {}
+        for i in range(self.num_layers):
+            flat = self.weights_tier.read(self._key(i)).wait()
+            for s, p in zip(self.slots, self.params[i]):
+                views[p] = flat[s.offset:s.offset + s.numel].view(s.shape)
+        return views
 
     # ---- streaming -------------------------------------------------------------------------
     def _fetch_into(self, i: int, buf: torch.Tensor) -> TransferHandle:
