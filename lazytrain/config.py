@@ -193,8 +193,8 @@ class LazyTrainSection:
     capacities: dict = field(default_factory=dict)  # tier name -> budget in bytes (None = unbounded)
     optimizer_states: str = "fp32"      # fp32 | 8bit (block tensors' Adam moments)
     hybrid_threshold: int = 4096        # tensors smaller than this keep fp32 states
-    quant_block_size: int = 2048
-    fp32_state_patterns: tuple = ("norm", "bias")
+    quant_block_size: int = 256         # HybridAdamW's measured default (bitsandbytes' CUDA block size)
+    fp32_state_patterns: tuple | None = None   # None: HybridAdamW's defaults (norms, biases, ln_*)
     milp_time_limit: float = 30.0
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
@@ -512,7 +512,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
         prefetch=bool(section.get("prefetch", True)), weights_home=weights_home,
         tiers=tuple(tiers), capacities=capacities, optimizer_states=states,
         hybrid_threshold=int(section.get("hybrid_threshold", 4096)),
-        quant_block_size=int(section.get("quant_block_size", 2048)),
-        fp32_state_patterns=tuple(section.get("fp32_state_patterns", ("norm", "bias"))),
+        quant_block_size=int(section.get("quant_block_size", 256)),
+        fp32_state_patterns=tuple(section["fp32_state_patterns"]) if "fp32_state_patterns" in section else None,
         milp_time_limit=float(section.get("milp_time_limit", 30.0)), nvme_path=nvme_path,
         seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")))
