@@ -79,6 +79,10 @@ class LayerStreamingExecutor:
         self.recomputed_layer_forwards = 0
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
+        self._prefetch_in_window: dict[int, list[int]] = {}   # window -> boundaries whose prefetch it issues
+        for i, home in enumerate(plan.homes[:-1]):
+            if home not in (RECOMPUTE, DEVICE_HOME):
+                self._prefetch_in_window.setdefault(plan.prefetch_at(i), []).append(i)
         self._install_proxies()
 
     # ---- wiring into the user's model ----------------------------------------------------------
@@ -251,10 +255,8 @@ class LayerStreamingExecutor:
             self._drop(p, DEVICE_HOME, self._key(p, i) + ".held")
         if not self.prefetch:
             return
-        for i, home in enumerate(self.plan.homes[:-1]):
-            if home in (RECOMPUTE, DEVICE_HOME) or i in p.prefetched:
-                continue
-            if self.plan.prefetch_at(i) == w:
+        for i in self._prefetch_in_window.get(w, ()):
+            if i not in p.prefetched:
                 self._issue_prefetch(p, i)
 
     def _issue_prefetch(self, p: _Pass, i: int) -> TransferHandle:
@@ -298,18 +300,23 @@ class LayerStreamingExecutor:
         that every layer is still differentiated (and its gradients sent) separately."""
         x = self._boundary(p, s)
         for j in range(s, e):
-            call = p.calls[j]
-            tensors = [call.leaves[k] for k in call.tensor_idx]
-            x_in = x.detach().requires_grad_(True)
-            t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and t.requires_grad) else t
-                    for t in tensors]
-            flat = self._acquire(j)
-            with torch.enable_grad():
-                out, params = self._compute(j, flat, x_in, call, t_in, requires_grad=True)
-            hidden = self._hidden_of(out)
-            p.graphs[j] = (x_in, hidden, params, t_in)
-            x = hidden.detach()
+            tensors = [p.calls[j].leaves[k] for k in p.calls[j].tensor_idx]
+            p.graphs[j] = self._forward_with_grad(p, j, x, True, [t.requires_grad for t in tensors])
+            x = p.graphs[j][1].detach()
         self.recomputed_layer_forwards += e - s - 1
+
+    def _forward_with_grad(self, p: _Pass, layer: int, x: torch.Tensor, x_needs_grad: bool, side_needs):
+        """Run one block with autograd recording, its input and side tensors as fresh leaves, so the
+        block can be differentiated on its own. Returns (input leaf, hidden output, params, side inputs)."""
+        call = p.calls[layer]
+        tensors = [call.leaves[k] for k in call.tensor_idx]
+        x_in = x.detach().requires_grad_(x_needs_grad)
+        t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
+                for t, need in zip(tensors, side_needs)]
+        flat = self._acquire(layer)
+        with torch.enable_grad():
+            out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True)
+        return x_in, self._hidden_of(out), params, t_in
 
     def _free_boundary(self, p: _Pass, i: int) -> None:
         home = self.plan.homes[i]
@@ -334,16 +341,8 @@ class LayerStreamingExecutor:
         if layer in p.graphs:
             x_in, hidden, params, t_in = p.graphs.pop(layer)
         else:
-            x = self._boundary(p, layer)
-            call = p.calls[layer]
-            tensors = [call.leaves[k] for k in call.tensor_idx]
-            x_in = x.detach().requires_grad_(needs_input_grad[0])
-            t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
-                    for t, need in zip(tensors, needs_input_grad[1:])]
-            flat = self._acquire(layer)
-            with torch.enable_grad():
-                out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True)
-                hidden = self._hidden_of(out)
+            x_in, hidden, params, t_in = self._forward_with_grad(p, layer, self._boundary(p, layer),
+                                                                 needs_input_grad[0], needs_input_grad[1:])
         with torch.enable_grad():
             trainable = [(n, t) for n, t in params.items() if t.requires_grad]
             want_x = needs_input_grad[0] and x_in.requires_grad
@@ -386,7 +385,6 @@ class _BlockFunction(torch.autograd.Function):
         flat = executor._acquire(layer)
         out, _ = executor._compute(layer, flat, hidden, p.calls[layer])
         ctx.executor, ctx.p, ctx.layer = executor, p, layer
-        ctx.n_tensors = len(tensors)
         if isinstance(out, torch.Tensor):
             return (out,)
         extras = tuple(out[1:])

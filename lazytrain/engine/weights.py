@@ -24,6 +24,10 @@ class ParamSlot:
     offset: int
     numel: int
 
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's view in a layer's flat buffer (weights, gradients or a compute copy)."""
+        return flat[self.offset:self.offset + self.numel].view(self.shape)
+
 
 class LayerWeights:
     """Host-side storage of every streamed layer and the device buffers they stream through."""
@@ -54,10 +58,10 @@ class LayerWeights:
             grad = empty_host(self.layer_numel, torch.float32).zero_()
             params = [p for _, p in block.named_parameters()]
             for slot, p in zip(self.slots, params):
-                master[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-                p.data = master[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                slot.of(master).copy_(p.detach())
+                p.data = slot.of(master)
                 if p.requires_grad:
-                    p.grad = grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                    p.grad = slot.of(grad)
             # buffers (e.g. rotary inv_freq) stay on the compute device
             for bname, buf in list(block.named_buffers()):
                 mod_name, _, attr = bname.rpartition(".")
@@ -122,7 +126,7 @@ class LayerWeights:
         for i in range(self.num_layers):
             flat = self.weights_tier.read(self._key(i)).wait()
             for s, p in zip(self.slots, self.params[i]):
-                views[p] = flat[s.offset:s.offset + s.numel].view(s.shape)
+                views[p] = s.of(flat)
         return views
 
     # ---- streaming -------------------------------------------------------------------------
@@ -142,7 +146,7 @@ class LayerWeights:
         """``layer`` given: its trainable parameters become leaves that require grad (for backward)."""
         out = {}
         for k, s in enumerate(self.slots):
-            t = flat[s.offset:s.offset + s.numel].view(s.shape)
+            t = s.of(flat)
             if layer is not None and self.trainable[layer][k]:
                 t = t.detach().requires_grad_(True)
             out[s.name] = t
@@ -158,7 +162,7 @@ class LayerWeights:
         for s in self.slots:
             g = grads.get(s.name)
             if g is not None:
-                flat[s.offset:s.offset + s.numel].view(s.shape).add_(g)
+                s.of(flat).add_(g)
 
     def flush_grads(self) -> None:
         if self._grad_sink is not None:
@@ -170,7 +174,7 @@ class LayerWeights:
         for i in range(self.num_layers):
             for s, p, trains in zip(self.slots, self.params[i], self.trainable[i]):
                 if trains:
-                    p.grad = self.grad[i][s.offset:s.offset + s.numel].view(s.shape)
+                    p.grad = s.of(self.grad[i])
 
     def zero_grads(self) -> None:
         for g in self.grad:
@@ -194,8 +198,8 @@ class _GradientSink:
         flat = torch.empty(w.layer_numel, dtype=w.compute_dtype, device=w.device)
         for s in w.slots:
             g = grads.get(s.name)
-            part = flat[s.offset:s.offset + s.numel]
-            part.copy_(g.reshape(-1)) if g is not None else part.zero_()
+            part = s.of(flat)
+            part.copy_(g) if g is not None else part.zero_()
         k = self.next
         self.next = (k + 1) % len(self.staging)
         if self.busy[k] is not None:
