@@ -1,5 +1,6 @@
 """Memory tiers, the slab pool, the registry and create_tiers."""
 import asyncio
+import time
 
 import pytest
 import torch
@@ -82,6 +83,51 @@ def test_handles_await_and_stats():
     assert stats["bytes_written"] == 40 and stats["bytes_read"] == 80
     assert stats["read_bandwidth"] > 0 and stats["write_bandwidth"] > 0
     assert stats["used_bytes"] == 40 and stats["pool"]["misses"] == 1
+
+
+class _FakeCopyEvent:
+    """Stands in for a CUDA timing event: complete once ``ran`` is set, at ``at_ms`` on the device clock."""
+
+    def __init__(self, at_ms):
+        self.at_ms, self.ran = at_ms, False
+
+    def query(self):
+        return self.ran
+
+    def elapsed_time(self, end):
+        return end.at_ms - self.at_ms
+
+
+class _QueuedCopyTier(Tier):
+    """A tier whose copies are only queued when write returns, like a copy on a CUDA side stream."""
+
+    def __init__(self):
+        super().__init__("queued")
+        self.events = []
+
+    def _write(self, key, tensor, owned):
+        start, end = _FakeCopyEvent(1000.0 * len(self.events)), _FakeCopyEvent(1000.0 * len(self.events) + 250.0)
+        self.events.append(end)
+        return TransferHandle(event=end, timing=(start, end))
+
+    def _read(self, key, out, device):
+        return TransferHandle(value=out)
+
+    def _free(self, key):
+        pass
+
+
+def test_bandwidth_of_queued_copies_is_timed_by_their_device_events():
+    tier = _QueuedCopyTier()
+    tier.write("a", torch.zeros(250_000))  # 1 MB, queued
+    time.sleep(0.01)  # host time between queueing and asking must not count
+    assert tier.write_bandwidth() is None  # nothing has run yet
+    tier.write("b", torch.zeros(250_000))
+    tier.events[0].ran = True
+    assert tier.write_bandwidth() == pytest.approx(1e6 / 0.25)  # only a's 250 ms on the device
+    tier.events[1].ran = True
+    assert tier.write_bandwidth() == pytest.approx(2e6 / 0.5)
+    assert tier.stats()["bytes_written"] == 2_000_000
 
 
 def test_host_tier_reuses_slabs_but_never_one_still_viewed():

@@ -36,6 +36,18 @@ def test_device_and_host_tiers_with_cuda_tensors(dtype):
     assert host._store["x"].is_pinned()
 
 
+def test_host_tier_bandwidth_times_the_copies_not_their_queueing():
+    host = HostTier()
+    x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    host.write("x", x).synchronize()  # warms the slab pool
+    host.free("x")
+    torch.cuda._sleep(200_000_000)  # the write queues behind ~0.1 s of GPU work
+    host.write("x", x).synchronize()
+    write, read = host.write_bandwidth(), host.read_bandwidth()
+    assert write is not None and 1e9 < write < 1e12  # a PCIe/NVLink copy rate, not bytes over queueing time
+    assert read is None
+
+
 @pytest.mark.parametrize("use_gds", [None, False])  # kvikio where installed / pinned staging
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1,), (1000, 37), (1 << 20,)])

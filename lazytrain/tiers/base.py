@@ -69,12 +69,15 @@ class TransferHandle:
     blocks the host.
     """
 
-    __slots__ = ("_value", "_future", "_event", "_keepalive", "_host")
+    __slots__ = ("_value", "_future", "_event", "_keepalive", "_host", "_timing")
 
     def __init__(self, value: Any = None, future: Future | None = None, event: Any = None, keepalive: Any = None,
-                 host: bool = False):
+                 host: bool = False, timing: tuple[Any, Any] | None = None):
         self._value, self._future, self._event, self._keepalive = value, future, event, keepalive
         self._host = host
+        # (start, end) timing events around a copy queued on a side stream: the bandwidth meters time
+        # the copy on the device, from when it starts to when it ends, not when the host queued it
+        self._timing = timing
 
     def done(self) -> bool:
         if self._future is not None:
@@ -115,12 +118,18 @@ class TransferHandle:
 
 
 class _BandwidthMeter:
-    """Bytes moved over the wall time during which at least one operation was in flight."""
+    """Bytes moved over the wall time during which at least one operation was in flight.
+
+    Host-side operations are timed from issue to completion. Copies queued on a CUDA side stream return
+    before they run, so they are timed by their own start and end events instead (``end_on_device``),
+    once those events have completed; copies on one side stream run one after another, so their
+    device times add up without overlap."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._active = 0
         self._since = 0.0
+        self._queued: list[tuple[Any, Any, int]] = []  # device copies whose end event has not been seen yet
         self.seconds = 0.0
         self.nbytes = 0
 
@@ -137,8 +146,30 @@ class _BandwidthMeter:
             if self._active == 0:
                 self.seconds += time.perf_counter() - self._since
 
+    def end_on_device(self, start: Any, end: Any, nbytes: int) -> None:
+        """Close an operation that was only queued: its time is ``start.elapsed_time(end)`` once it ran."""
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:  # the host only queued it: that wall time is not transfer time
+                self._since = time.perf_counter()
+            self._queued.append((start, end, nbytes))
+            if len(self._queued) > 64:
+                self._collect()
+
+    def _collect(self) -> None:
+        """Add the device times of queued copies that have finished (caller holds the lock)."""
+        pending = []
+        for start, end, nbytes in self._queued:
+            if end.query():
+                self.seconds += start.elapsed_time(end) / 1e3
+                self.nbytes += nbytes
+            else:
+                pending.append((start, end, nbytes))
+        self._queued = pending
+
     def bandwidth(self) -> float | None:
         with self._lock:
+            self._collect()
             return self.nbytes / self.seconds if self.seconds > 0 and self.nbytes > 0 else None
 
 
@@ -287,7 +318,10 @@ class Tier(ABC):
         failed write never reads back as valid and never holds budget."""
         future = handle._future
         if future is None:
-            meter.end(nbytes)
+            if handle._timing is not None and handle._event is not None:
+                meter.end_on_device(*handle._timing, nbytes)
+            else:
+                meter.end(nbytes)
             return
         outer: Future = Future()  # completes only after the bookkeeping below, so waiters see its effects
 

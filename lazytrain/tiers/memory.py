@@ -67,15 +67,17 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
     if after is not None:
         stream.wait_event(after)
     with torch.cuda.stream(stream):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
         dst.copy_(src, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
     if src.device.type == "cuda":
         src.record_stream(stream)
     if dst.device.type == "cuda":
         dst.record_stream(stream)
     return TransferHandle(value=dst if value is None else value, event=event, keepalive=src,
-                          host=dst.device.type != "cuda")
+                          host=dst.device.type != "cuda", timing=(start, event))
 
 
 class MemoryTier(Tier):
@@ -104,7 +106,7 @@ class MemoryTier(Tier):
         handle = async_copy(buf, tensor)
         if handle._event is not None:
             self._events[key] = handle._event
-        return TransferHandle(event=handle._event, keepalive=handle._keepalive)
+        return TransferHandle(event=handle._event, keepalive=handle._keepalive, timing=handle._timing)
 
     def _pending(self, key):
         event = self._events.get(key)
