@@ -188,6 +188,7 @@ class LazyTrainSection:
     plan_path: str | None = None        # policy "plan": a Plan JSON written by `lazytrain plan --json`
     device: str = "auto"                # auto | cpu | cuda | cuda:N
     prefetch: bool = True
+    last_segment_graph: str | bool = "auto"   # auto (on when the CPU computes on weights in place) | true | false
     weights_home: str = "host"          # host | nvme | hbm (hbm = all layers resident, no streaming)
     tiers: tuple = ()                   # user tiers: ({"name", "class", "capacity", ...},)
     capacities: dict = field(default_factory=dict)  # tier name -> budget in bytes (None = unbounded)
@@ -204,7 +205,7 @@ class LazyTrainSection:
 _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "plan", "device", "prefetch",
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
-                   "nvme_path", "seq_len", "capacities", "hardware"}
+                   "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph"}
 
 
 @dataclass(frozen=True)
@@ -502,6 +503,10 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
     if weights_home not in ("host", "nvme", "hbm"):
         raise ConfigError(f"config key 'lazytrain.weights_home' must be \"host\", \"nvme\" or \"hbm\", "
                           f"got {weights_home!r}")
+    last_graph = section.get("last_segment_graph", "auto")
+    if last_graph not in ("auto", True, False):
+        raise ConfigError(f"config key 'lazytrain.last_segment_graph' must be \"auto\", true or false, "
+                          f"got {last_graph!r}")
     nvme_path = section.get("nvme_path") or offload_param.nvme_path
     return LazyTrainSection(
         blocks=section.get("blocks"), policy=policy,
@@ -509,7 +514,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
         number_checkpoints=kw.get("number_checkpoints"),
         boundary_home=section.get("boundary_home", kw.get("boundary_home", "hbm")),
         plan_path=section.get("plan"), device=str(section.get("device", "auto")),
-        prefetch=bool(section.get("prefetch", True)), weights_home=weights_home,
+        prefetch=bool(section.get("prefetch", True)), weights_home=weights_home, last_segment_graph=last_graph,
         tiers=tuple(tiers), capacities=capacities, optimizer_states=states,
         hybrid_threshold=int(section.get("hybrid_threshold", 4096)),
         quant_block_size=int(section.get("quant_block_size", 256)),

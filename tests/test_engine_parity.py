@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import lazytrain
+from lazytrain.config import ConfigError
 from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
 
 RTOL = 1e-5
@@ -35,15 +36,45 @@ def train_engine(model, data, config, plain_backward=False):
 @pytest.mark.parametrize("kind", ["llama", "modulelist"])
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
 @pytest.mark.parametrize("home", ["hbm", "host", "nvme"])
-def test_every_k_matches_pytorch(kind, k, home, tmp_path):
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_every_k_matches_pytorch(kind, k, home, graph, tmp_path):
     model = make_model(kind)
     data = batches(5)
     ref = reference_train(model, data)
     extra = {"nvme_path": str(tmp_path)} if home == "nvme" else {}
-    engine = train_engine(model, data, ds_config(checkpoint_interval=k, boundary_home=home, **extra))
+    engine = train_engine(model, data, ds_config(checkpoint_interval=k, boundary_home=home,
+                                                 last_segment_graph=graph, **extra))
     assert engine.plan.kept == tuple(range(0, 6, k)) + (6,)
+    assert engine.plan.last_segment_graph is graph
     assert engine.executor.recomputed_layer_forwards == 5 * engine.plan.recomputed_layers()
     assert max_rel_diff(engine.module, ref) < RTOL
+
+
+@pytest.mark.parametrize("k, graph, runs", [
+    (6, False, 6 + 6),      # forward, then the one segment recorded again in backward
+    (6, True, 6),           # the whole stack is the last segment: no block runs twice
+    (2, True, 6 + 4),       # segments (0,2), (2,4) re-run; (4,6) keeps its graph
+    (1, True, 6 + 5)])      # every layer re-run for its backward except the last
+def test_block_forward_runs_per_step(k, graph, runs, monkeypatch):
+    from engine_models import MLPBlock
+    calls = []
+    original = MLPBlock.forward
+    monkeypatch.setattr(MLPBlock, "forward", lambda self, x: calls.append(1) or original(self, x))
+    model = make_model("modulelist")
+    data = batches(2)
+    ref = reference_train(model, data)
+    calls.clear()
+    engine = train_engine(model, data, ds_config(checkpoint_interval=k, last_segment_graph=graph))
+    assert len(calls) == 2 * runs
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
+def test_last_segment_graph_auto_and_errors():
+    engine = train_engine(make_model("modulelist"), batches(1), ds_config())
+    assert engine.plan.last_segment_graph is True      # auto: the CPU computes on the weights in place
+    with pytest.raises(ConfigError, match="^config key 'lazytrain.last_segment_graph' must be "
+                                                    "\"auto\", true or false, got 'yes'$"):
+        train_engine(make_model("modulelist"), batches(1), ds_config(last_segment_graph="yes"))
 
 
 def test_modulelist_blocks_found_automatically():
@@ -234,13 +265,20 @@ def test_device_budget_enforced():
         train_engine(model, batches(1), ds_config(gpu_memory=1000))
 
 
-def test_copy_path_through_device_slots_matches_pytorch():
+@pytest.mark.parametrize("graph, one_step", [
+    # forward 0..5, then per segment (4,6),(2,4),(0,2): recompute s, differentiate e-1..s
+    (False, [0, 1, 2, 3, 4, 5, 4, 5, 4, 2, 3, 2, 0, 1, 0]),
+    # the last segment (4,6) is differentiated from its forward graph: no fetch in backward
+    (True, [0, 1, 2, 3, 4, 5, 2, 3, 2, 0, 1, 0])])
+def test_copy_path_through_device_slots_matches_pytorch(graph, one_step):
     """With zero-copy off, every layer's weights are copied into the two streaming slots (the path a
-    GPU takes): results are unchanged and prefetching fills the slot the next layer uses."""
+    GPU takes): results are unchanged and prefetching fills the slot the next layer uses. Graph layers
+    copy their weights out of the slot, so a later fetch into it cannot change their saved graph."""
     model = make_model("llama")
     data = batches(3)
     ref = reference_train(model, data)
-    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2,
+                                                                         last_segment_graph=graph))
     engine.weights.zero_copy = False
     fetched = []
     original_fetch = engine.weights.fetch
@@ -249,9 +287,8 @@ def test_copy_path_through_device_slots_matches_pytorch():
         engine.backward(lm_loss(engine(x), y))
         engine.step()
     assert max_rel_diff(engine.module, ref) < RTOL
-    # per step: forward 0..5, then per segment (4,6),(2,4),(0,2): recompute s, differentiate e-1..s
-    one_step = [0, 1, 2, 3, 4, 5, 4, 5, 4, 2, 3, 2, 0, 1, 0]
     assert [i for i, _ in fetched] == one_step * 3
+    assert not [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]  # graph weight copies freed
     slots = [s for _, s in fetched]
     assert all(a != b for a, b in zip(slots, slots[1:]))   # double buffering alternates
 

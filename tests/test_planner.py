@@ -1,4 +1,5 @@
 """Planner: model/hardware inputs, budgets, simulator invariants, policies, MILP vs simulator, CLI."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -167,6 +168,23 @@ def test_optimizer_overlap_never_slower_than_serial():
     rs, ro = simulate(p, serial), simulate(p, overlap)
     assert ro.step_time_s < rs.step_time_s
     assert rs.exposed_s["optimizer"] == pytest.approx(p.opt_nl + sum(p.opt_l) + p.load_nl + p.load_l[0])
+
+
+def test_last_segment_graph_skips_its_reruns_and_holds_its_internals():
+    p = toy_problem(6, 50.0, hw=SLOW_HW)
+    base = every_k_plan(6, 2, overlap_optimizer=False)
+    graph = dataclasses.replace(base, last_segment_graph=True)
+    assert graph.graph_start() == 4 and graph.recomputed_layers() == 2 and base.recomputed_layers() == 3
+    rb, rg = simulate(p, base), simulate(p, graph)
+    # layers 4 and 5 are not re-run for their backward, and segment (4, 6) is not recomputed
+    assert rb.compute_s - rg.compute_s == pytest.approx(p.fwd_s[4] + p.fwd_s[5] + p.fwd_s[4])
+    # window 5 (forward of layer 5): both graphs' internals are held; layer 4's weights stay on the device
+    # where the base plan streams layers 4 and 5 for window 6's recompute and re-run; boundary 4 is not kept
+    at = {m["window"]: m["hbm"] for m in rg.memory}
+    base_at = {m["window"]: m["hbm"] for m in rb.memory}
+    assert at[5] - base_at[5] == p.saved[4] + p.saved[5] + p.Wl[4] - (p.Wl[4] + p.Wl[5]) - p.A[4]
+    assert at[4] - base_at[4] == p.saved[4]
+    assert Plan.from_json(graph.to_json()) == graph
 
 
 # ---- plans, policies, MILP -------------------------------------------------------------------------

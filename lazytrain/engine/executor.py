@@ -1,6 +1,7 @@
 """The layer-streaming executor: runs the model's blocks one at a time with streamed weights, keeps,
 offloads or drops each block boundary as a :class:`~lazytrain.planner.plan.Plan` says, and in backward
-recomputes each segment from its last kept boundary (one autograd Function per block).
+recomputes each segment from its last kept boundary (one autograd Function per block). When the Plan
+says so, the last segment records its graph in forward instead, and backward differentiates it directly.
 
 The user's model code is untouched: each block's ``forward`` is routed to the executor, which runs the
 block's own class ``forward`` with streamed device weights swapped in. Hugging Face models (which call
@@ -77,10 +78,11 @@ class LayerStreamingExecutor:
         self._pending_weight: tuple[int, int, TransferHandle] | None = None  # (seq index, slot, handle)
         self._slot = 0
         self.recomputed_layer_forwards = 0
+        self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
         self._prefetch_in_window: dict[int, list[int]] = {}   # window -> boundaries whose prefetch it issues
-        for i, home in enumerate(plan.homes[:-1]):
+        for i, home in enumerate(plan.homes[:self.graph_start]):
             if home not in (RECOMPUTE, DEVICE_HOME):
                 self._prefetch_in_window.setdefault(plan.prefetch_at(i), []).append(i)
         self._install_proxies()
@@ -136,6 +138,8 @@ class LayerStreamingExecutor:
     def _backward_sequence(self) -> list[int]:
         seq = []
         for s, e in reversed(self.plan.segments()):
+            if s >= self.graph_start:                   # differentiated from the forward's graph
+                continue
             if self._keeps_segment_graph(s, e):
                 seq.extend(range(s, e))                 # recompute s..e-1 with grad, once
             else:
@@ -223,7 +227,7 @@ class LayerStreamingExecutor:
 
     def _keep_boundary(self, p: _Pass, i: int, x: torch.Tensor) -> None:
         home = self.plan.homes[i]
-        if home == RECOMPUTE:
+        if home == RECOMPUTE or i >= self.graph_start:   # graph layers hold their own inputs
             return
         x = x.detach()
         if home == DEVICE_HOME:
@@ -301,26 +305,37 @@ class LayerStreamingExecutor:
         x = self._boundary(p, s)
         for j in range(s, e):
             tensors = [p.calls[j].leaves[k] for k in p.calls[j].tensor_idx]
-            p.graphs[j] = self._forward_with_grad(p, j, x, True, [t.requires_grad for t in tensors])
+            x_in, out, params, t_in = self._forward_with_grad(p, j, x, True, [t.requires_grad for t in tensors])
+            p.graphs[j] = (x_in, self._hidden_of(out), params, t_in)
             x = p.graphs[j][1].detach()
         self.recomputed_layer_forwards += e - s - 1
 
-    def _forward_with_grad(self, p: _Pass, layer: int, x: torch.Tensor, x_needs_grad: bool, side_needs):
+    def _forward_with_grad(self, p: _Pass, layer: int, x: torch.Tensor, x_needs_grad: bool, side_needs,
+                           keep: bool = False):
         """Run one block with autograd recording, its input and side tensors as fresh leaves, so the
-        block can be differentiated on its own. Returns (input leaf, hidden output, params, side inputs)."""
+        block can be differentiated on its own. Returns (input leaf, output, params, side inputs).
+        ``keep``: the graph outlives the next weight fetch (a graph layer), so weights held in a
+        streaming slot are copied to a buffer of the layer's own first."""
         call = p.calls[layer]
         tensors = [call.leaves[k] for k in call.tensor_idx]
         x_in = x.detach().requires_grad_(x_needs_grad)
         t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
                 for t, need in zip(tensors, side_needs)]
         flat = self._acquire(layer)
+        if keep and not self.weights.zero_copy and layer not in self.weights.resident:
+            flat = flat.clone()
+            self._put(p, DEVICE_HOME, self._key(p, layer) + ".weights", flat, owned=True)
         with torch.enable_grad():
             out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True)
-        return x_in, self._hidden_of(out), params, t_in
+        return x_in, out, params, t_in
 
     def _free_boundary(self, p: _Pass, i: int) -> None:
         home = self.plan.homes[i]
         key = self._key(p, i)
+        if i >= self.graph_start:          # a graph layer: only its own weight copy, if any
+            if (DEVICE_HOME, key + ".weights") in p.owned:
+                self._drop(p, DEVICE_HOME, key + ".weights")
+            return
         if home == RECOMPUTE:
             p.cache.pop(i, None)
             self._drop(p, DEVICE_HOME, key + ".recomputed")
@@ -333,7 +348,7 @@ class LayerStreamingExecutor:
     def backward_layer(self, p: _Pass, layer: int, grad_out: torch.Tensor, needs_input_grad: tuple):
         self._enter_window(p, 2 * self.L - 1 - layer)
         s, e = self._segment_of[layer]
-        if layer == e - 1 and e - s > 1:
+        if layer == e - 1 and e - s > 1 and layer < self.graph_start:
             if self._keeps_segment_graph(s, e):
                 self._record_segment(p, s, e)
             else:
@@ -341,8 +356,9 @@ class LayerStreamingExecutor:
         if layer in p.graphs:
             x_in, hidden, params, t_in = p.graphs.pop(layer)
         else:
-            x_in, hidden, params, t_in = self._forward_with_grad(p, layer, self._boundary(p, layer),
-                                                                 needs_input_grad[0], needs_input_grad[1:])
+            x_in, out, params, t_in = self._forward_with_grad(p, layer, self._boundary(p, layer),
+                                                              needs_input_grad[0], needs_input_grad[1:])
+            hidden = self._hidden_of(out)
         with torch.enable_grad():
             trainable = [(n, t) for n, t in params.items() if t.requires_grad]
             want_x = needs_input_grad[0] and x_in.requires_grad
@@ -376,15 +392,23 @@ class LayerStreamingExecutor:
 
 
 class _BlockFunction(torch.autograd.Function):
-    """One streamed block: forward without keeping internals, backward recomputes and differentiates."""
+    """One streamed block: forward without keeping internals (or, for the last segment when the Plan
+    says so, recording its graph), backward recomputes and differentiates."""
 
     @staticmethod
     def forward(ctx, executor: LayerStreamingExecutor, p: _Pass, layer: int, anchor: torch.Tensor,
                 hidden: torch.Tensor, *tensors):
         executor.forward_window(p, layer, hidden)
-        flat = executor._acquire(layer)
-        out, _ = executor._compute(layer, flat, hidden, p.calls[layer])
         ctx.executor, ctx.p, ctx.layer = executor, p, layer
+        if layer >= executor.graph_start:   # record the graph now; backward uses it without a re-run
+            needs = ctx.needs_input_grad[4:]
+            x_in, out, params, t_in = executor._forward_with_grad(p, layer, hidden, needs[0], needs[1:], keep=True)
+            p.graphs[layer] = (x_in, executor._hidden_of(out), params, t_in)
+            out = out.detach() if isinstance(out, torch.Tensor) else \
+                tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
+        else:
+            flat = executor._acquire(layer)
+            out, _ = executor._compute(layer, flat, hidden, p.calls[layer])
         if isinstance(out, torch.Tensor):
             return (out,)
         extras = tuple(out[1:])

@@ -1,6 +1,8 @@
 """Where things live: the compute device, the storage tiers, and the Plan the executor runs."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..config import ConfigError, EngineConfig
@@ -33,6 +35,21 @@ def build_tiers(cfg: EngineConfig, device: torch.device) -> dict[str, Tier]:
 
 def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
                micro_batch: int) -> Plan:
+    """The policy's Plan, with ``lazytrain.last_segment_graph`` applied: "auto" turns it on for the
+    built-in policies where the CPU computes on the host weights in place (there it costs no weight
+    copies, and the last segment's recompute would hold the same internals a moment later anyway);
+    a Plan file or the MILP decides for itself unless the config says true or false."""
+    plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch)
+    choice = cfg.lazytrain.last_segment_graph
+    if choice == "auto":
+        if cfg.lazytrain.policy in ("plan", "milp"):
+            return plan
+        choice = tiers["hbm"].device.type == "cpu" and cfg.lazytrain.weights_home in ("host", "hbm")
+    return dataclasses.replace(plan, last_segment_graph=bool(choice))
+
+
+def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
+                 micro_batch: int) -> Plan:
     lt = cfg.lazytrain
     home = lt.boundary_home
     if home not in tiers:

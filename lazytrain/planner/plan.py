@@ -13,6 +13,11 @@ Conventions (shared by the executor and the simulator):
 - Kept boundaries split the stack into segments [s, e). In backward, when window 2L-e begins (the
   window of layer e-1), the segment is recomputed forward from boundary s and then differentiated
   layer by layer. So boundary s is *needed* at window ``need_window(s) = 2L - e``.
+- ``last_segment_graph``: the last segment [s, L) records its autograd graph in forward (its layers'
+  internals stay on the device, with their weights, until each layer's backward), so backward
+  differentiates those layers from the graph without re-running them; boundaries s..L-1 are not
+  stored, whatever their homes say. Backward of the last segment follows forward at once, so this
+  trades no recompute for holding one segment's internals across the head's forward and backward.
 - ``offload_window[i]``: window in which boundary i leaves the device for its home (>= i, since
   boundary i is produced at the end of window i-1; < need_window). ``prefetch_window[i]``: window in
   which it is copied back (> offload window, <= need window; == need window means it is exposed).
@@ -46,6 +51,7 @@ class Plan:
     # True: the host optimizer updates layer w and the next step's forward window w starts as soon as
     # its weights are updated and copied; False: the next step waits for the whole update (MegaTrain).
     overlap_optimizer: bool = True
+    last_segment_graph: bool = False            # see the module docstring
 
     def __post_init__(self):
         object.__setattr__(self, "homes", tuple(self.homes))
@@ -76,9 +82,14 @@ class Plan:
         """Backward window in which kept boundary ``boundary`` (< L) is first read."""
         return 2 * self.num_layers - self.segment_end(boundary)
 
+    def graph_start(self) -> int:
+        """First layer that keeps its forward graph (``num_layers`` when none does)."""
+        return self.segments()[-1][0] if self.last_segment_graph else self.num_layers
+
     def recomputed_layers(self) -> int:
-        """Layer forwards repeated in backward: sum over segments of (length - 1)."""
-        return sum(e - s - 1 for s, e in self.segments())
+        """Layer forwards repeated in backward: sum over recomputed segments of (length - 1)."""
+        g = self.graph_start()
+        return sum(e - s - 1 for s, e in self.segments() if s < g)
 
     def offload_at(self, boundary: int) -> int:
         """Window the offload of ``boundary`` is issued in (default: as soon as it exists)."""
@@ -123,6 +134,8 @@ class Plan:
             lo, hi = self.offload_at(b) + 1, self.need_window(b)
             if not lo <= w <= hi:
                 raise PlanError(f"prefetch_window[{b}] = {w} must lie in [{lo}, {hi}]")
+        if not isinstance(self.last_segment_graph, bool):
+            raise PlanError(f"last_segment_graph must be true or false, got {self.last_segment_graph!r}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise PlanError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
 
@@ -149,7 +162,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         known = {"num_layers", "homes", "offload_window", "prefetch_window", "resident_layers",
-                 "micro_batch_size", "seq_len", "policy", "prediction", "overlap_optimizer"}
+                 "micro_batch_size", "seq_len", "policy", "prediction", "overlap_optimizer",
+                 "last_segment_graph"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise PlanError(f"unknown Plan field(s): {', '.join(unknown)}")

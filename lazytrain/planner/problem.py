@@ -121,6 +121,7 @@ class Problem:
         self.head_s = m.head_flops_per_token() * T / self.flops
         self.ws_fwd = [l.fwd_transient_elems_per_token() * T * db for l in m.layers]
         self.ws_bwd = [(l.saved_elems_per_token() + l.bwd_transient_elems_per_token()) * T * db for l in m.layers]
+        self.saved = [l.saved_elems_per_token() * T * db for l in m.layers]   # a layer's autograd internals
         chunk = min(T, self.budgets.loss_chunk_tokens)
         self.head_ws = chunk * m.vocab_size * 4 * 2                   # fp32 logits + their gradient, one chunk
         self.nonlayer_w = m.nonlayer_params * db

@@ -60,9 +60,11 @@ def _link_bw(p: Problem, link: str) -> float:
 
 
 def window_tasks(p: Problem, plan: Plan) -> list[list[tuple[str, int, float]]]:
-    """Compute tasks per window: (kind, layer, seconds); kind in fwd | head | recompute | diff."""
+    """Compute tasks per window: (kind, layer, seconds); kind in fwd | head | recompute | diff | bwd
+    (``bwd``: a graph layer's backward alone, from the graph its forward recorded)."""
     L = p.L
-    seg_by_end = {e: s for s, e in plan.segments()}
+    g = plan.graph_start()
+    seg_by_end = {e: s for s, e in plan.segments() if s < g}
     out: list[list[tuple[str, int, float]]] = []
     for w in range(2 * L):
         if w < L:
@@ -75,7 +77,7 @@ def window_tasks(p: Problem, plan: Plan) -> list[list[tuple[str, int, float]]]:
             if i + 1 in seg_by_end:
                 s = seg_by_end[i + 1]
                 t += [("recompute", j, p.fwd_s[j]) for j in range(s, i)]
-            t.append(("diff", i, p.diff_s[i]))
+            t.append(("bwd", i, p.diff_s[i] - p.fwd_s[i]) if i >= g else ("diff", i, p.diff_s[i]))
         out.append(t)
     return out
 
@@ -88,15 +90,17 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
         if h not in (DEVICE_HOME, RECOMPUTE) + OFFLOAD_HOMES:
             raise SimulationError(f"homes[{i}] = {h!r}: the simulator models the built-in tiers hbm, host, nvme")
     resident = set(plan.resident_layers)
+    g = plan.graph_start()                                      # layers g.. keep their forward graph
     tasks = window_tasks(p, plan)
-    seg_end = {s: e for s, e in plan.segments()}
+    seg_end = {s: e for s, e in plan.segments() if s < g}
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
     last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
     recompute_window = {}                                       # recomputed boundary -> window regenerating it
     for s, e in plan.segments():
-        for j in range(s + 1, e):
-            recompute_window[j] = 2 * L - e
-    offloaded = [b for b in range(L) if plan.homes[b] in OFFLOAD_HOMES]
+        if s < g:
+            for j in range(s + 1, e):
+                recompute_window[j] = 2 * L - e
+    offloaded = [b for b in range(g) if plan.homes[b] in OFFLOAD_HOMES]
     off_w = {b: plan.offload_at(b) for b in offloaded}
     pre_w = {b: plan.prefetch_at(b) for b in offloaded}
 
@@ -113,7 +117,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
 
     def weight_stream(ws: int) -> list[int]:
         """Layers whose weights window ``ws`` streams into a buffer (resident layers use theirs)."""
-        return [j for kind, j, _ in tasks[ws] if kind != "head" and j not in resident]
+        return [j for kind, j, _ in tasks[ws] if kind not in ("head", "bwd") and j not in resident]
 
     for w in range(2 * L):
         t0 = t
@@ -137,7 +141,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
                 other_tr.append((f"offload b{b}", legs, None))
         if w + 1 < 2 * L:
             for kind, j, _ in tasks[w + 1]:
-                if kind == "head":
+                if kind in ("head", "bwd"):                # a graph layer holds its weights
                     continue
                 if w + 1 < L or j not in resident:     # forward refreshes resident copies too
                     other_tr.append((f"weights L{j}", {"h2d": p.Wl[j]}, None))
@@ -170,7 +174,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
         # --- compute -----------------------------------------------------------------------
         tc = compute_start
         for kind, j, dur in tasks[w]:
-            if kind != "head":                                 # every layer task reads boundary j
+            if kind not in ("head", "bwd"):                    # every layer task reads boundary j
                 if j not in on_device:
                     violations.append(f"window {w}: {kind} of layer {j} reads boundary {j}, "
                                       f"which has no device copy (home {plan.homes[j]!r})")
@@ -192,10 +196,16 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
         weights = sum(p.Wl[j] for j in weight_stream(w)) + sum(p.Wl[j] for j in resident)
         if w + 1 < 2 * L:
             weights += sum(p.Wl[j] for j in weight_stream(w + 1))
+        graphs = 0                                             # graph layers: weights and internals held
+        for j in range(g, L):
+            if j < w <= 2 * L - 1 - j and j not in resident:
+                weights += p.Wl[j]
+            if j <= w < 2 * L - 1 - j:                         # its own backward window counts them already
+                graphs += p.saved[j]
         bnd = sum(p.A[b] for b in on_device if b <= L)
         if w == L - 1:
             bnd -= p.A[L]                                      # counted in the window's fixed bytes
-        hbm = p.fixed_gpu_bytes(w) + weights + bnd
+        hbm = p.fixed_gpu_bytes(w) + weights + bnd + graphs
         host = sum(p.A[b] for b in offloaded if plan.homes[b] == "host" and off_w[b] <= w <= pre_w[b])
         nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
         memory.append({"window": w, "start": t0, "end": end, "hbm": hbm, "host": p.host_static + host, "nvme": nvme})
@@ -210,7 +220,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
                 on_device.discard(b)                          # offload done: device copy freed
             elif b < L and w >= last_use[b]:
                 on_device.discard(b)                          # layer b differentiated
-            elif fwd and w == b and plan.homes[b] == RECOMPUTE:
+            elif fwd and w == b and (plan.homes[b] == RECOMPUTE or b >= g):
                 on_device.discard(b)                          # dropped after the forward used it
         window_s.append(end - t0)
         t = end
