@@ -1,6 +1,10 @@
 """One run, side by side on this CPU: a plain PyTorch training step vs LazyTrain (interval 4) vs DeepSpeed
 ZeRO-3 with CPU offload of parameters and optimizer (when DeepSpeed is installed).
 
+LazyTrain runs twice: as configured by default (the last segment keeps its forward graph, which
+``last_segment_graph: "auto"`` turns on for the CPU) and with every segment recomputed in backward
+(MegaTrain's policy exactly, ``last_segment_graph: false``).
+
 Same ~20M-parameter Llama config for all three (transformers' LlamaForCausalLM built from a config;
 ``--shape llama-vocab32k``: Llama's 32000-token vocabulary, hidden 256, 4 layers, FFN 688, so most
 compute is in the LM head; ``--shape block-heavy``: vocab 8192, hidden 384, 8 layers, FFN 1024, most
@@ -76,11 +80,12 @@ def plain_pytorch(model, batches, warmup):
     return time_steps(step, batches, warmup)
 
 
-def lazytrain_engine(model, batches, warmup):
+def lazytrain_engine(model, batches, warmup, last_segment_graph="auto"):
     import lazytrain
     cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "lazytrain": {"policy": "every_k", "checkpoint_interval": 4, "boundary_home": "hbm", "device": "cpu"}}
+           "lazytrain": {"policy": "every_k", "checkpoint_interval": 4, "boundary_home": "hbm", "device": "cpu",
+                         "last_segment_graph": last_segment_graph}}
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def step(ids):
@@ -121,8 +126,10 @@ def main(argv=None) -> int:
     print(f"model: {args.shape} LlamaForCausalLM {n / 1e6:.1f}M params (blocks "
           f"{sum(p.numel() for p in base.model.layers.parameters()) / 1e6:.1f}M), batch {BATCH}, seq {SEQ}, fp32, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    lt_name = "LazyTrain (interval 4)"
     results = {"plain PyTorch": plain_pytorch(copy.deepcopy(base), batches, args.warmup)[0],
-               "LazyTrain (interval 4)": lazytrain_engine(copy.deepcopy(base), batches, args.warmup)[0]}
+               lt_name: lazytrain_engine(copy.deepcopy(base), batches, args.warmup)[0],
+               "LazyTrain, all recomputed": lazytrain_engine(copy.deepcopy(base), batches, args.warmup, False)[0]}
     if not args.no_deepspeed:
         try:
             import deepspeed  # noqa: F401
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
             results["DeepSpeed ZeRO-3 offload"] = deepspeed_zero3_offload(copy.deepcopy(base), batches,
                                                                            args.warmup)[0]
     plain = results["plain PyTorch"]
-    lt = results["LazyTrain (interval 4)"]
+    lt = results[lt_name]
     print(f"\n{'system':<28}{'median step (ms)':>18}{'vs plain':>10}{'LazyTrain speed-up':>20}")
     for name, t in results.items():
         print(f"{name:<28}{t * 1000:>18.0f}{t / plain:>9.2f}x{t / lt:>19.2f}x")

@@ -69,7 +69,7 @@ def main() -> int:
 
     header = ["GPU", "model", "batch", "MegaTrain s", "best interval s (k)", "ours s", "ours / MegaTrain",
               "ours / best interval", "ours / bound", "MegaTrain / bound", "solve s", "status",
-              "ours tok/s", "paper LazyTrain tok/s", "pred. err", "paper speedup", "ours GPU GB", "homes hbm/host/nvme/rec"]
+              "ours tok/s", "paper LazyTrain tok/s", "pred. err", "paper speedup", "ours GPU GB", "homes hbm/host/nvme/rec/graph"]
     rows, speedups, solves = [], [], []
     for (gpu, model), sysrows in PAPER.items():
         if args.only and gpu != args.only:
@@ -99,7 +99,7 @@ def main() -> int:
                      f"{wall:.2f}", info["status"], f"{ours.tokens_per_s:.0f}", f"{paper_lt:.0f}",
                      f"{ours.tokens_per_s / paper_lt - 1:+.1%}", f"{paper_speed:.3f}x",
                      f"{ours.peak_bytes['hbm'] / 1e9:.1f}",
-                     "{hbm}/{host}/{nvme}/{recompute}".format(**ours.boundaries_per_home)])
+                     "{hbm}/{host}/{nvme}/{recompute}/{graph}".format(**ours.boundaries_per_home)])
         print(f"  planned {gpu} {model}: {wall:.2f} s", file=sys.stderr)
     print("\n## Step time at the paper's LazyTrain batch (seq 1024; h800 cap 70 GB, rtx3090 24 GiB)")
     print(fmt_table(header, rows))
@@ -135,11 +135,11 @@ def main() -> int:
             wall = time.perf_counter() - t0
             pr, info = plan.prediction, plan.prediction["solver"]
             mt = simulate(p, megatrain_plan(p), strict=False, timeline=False)
-            prow.append([f"{cpu_gb} GB", "{hbm}/{host}/{nvme}/{recompute}".format(**pr["boundaries_per_home"]),
+            prow.append([f"{cpu_gb} GB", "{hbm}/{host}/{nvme}/{recompute}/{graph}".format(**pr["boundaries_per_home"]),
                          paper_homes, f"{pr['step_time_s']:.3f}", f"{mt.step_time_s / pr['step_time_s']:.3f}x",
                          f"{pr['peak_bytes']['nvme'] / 1e9:.1f}", f"{wall:.2f}",
                          info["status"] + (f" (gap {info['gap']:.2%})" if info["status"] == "feasible" else "")])
-        print(fmt_table(["host free", "ours hbm/host/nvme/rec", "paper gpu/cpu/nvme/rec", "ours s",
+        print(fmt_table(["host free", "ours hbm/host/nvme/rec/graph", "paper gpu/cpu/nvme/rec", "ours s",
                          "ours / MegaTrain", "NVMe GB", "solve s", "status"], prow))
 
     print("\n## Goals")

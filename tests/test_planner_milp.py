@@ -9,19 +9,19 @@ from lazytrain.planner.simulate import simulate
 from test_planner_toys import SLOW_HW, TOY_HW, brute_force, toy_problem
 
 
-def full_space(L: int, resident: bool) -> MilpOptions:
+def full_space(L: int, resident: bool, graph_tail: bool = True) -> MilpOptions:
     """MILP options whose search space is the brute force's: any segment length, any window."""
     return MilpOptions(max_segment=L, offload_slack=2 * L, prefetch_lead=2 * L, allow_resident=resident,
-                       gap_rel=1e-9, time_limit_s=60)
+                       allow_graph_tail=graph_tail, gap_rel=1e-9, time_limit_s=60)
 
 
-def check_equal(p, free_windows: bool, resident: bool):
-    best, best_plan, n = brute_force(p, free_windows=free_windows, residency=resident)
+def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True):
+    best, best_plan, n = brute_force(p, free_windows=free_windows, residency=resident, graph_tail=graph_tail)
     if n == 0:
         with pytest.raises(InfeasibleBudgetError, match="no plan fits the budgets"):
-            build_and_solve(p, full_space(p.L, resident))
+            build_and_solve(p, full_space(p.L, resident, graph_tail))
         return None
-    plan, info = build_and_solve(p, full_space(p.L, resident))
+    plan, info = build_and_solve(p, full_space(p.L, resident, graph_tail))
     assert info.status == "optimal"
     got = simulate(p, plan).step_time_s          # strict: the MILP's plan satisfies every invariant
     assert got == pytest.approx(best, rel=1e-7), (plan, best_plan)
@@ -58,8 +58,18 @@ def test_six_layers_recompute_paths(gpu_extra, recomputed):
 
 def test_five_layers_recompute_and_residency():
     p = toy_problem(5, 2.5, host_slots=0, hw=SLOW_HW)
+    plan = check_equal(p, free_windows=False, resident=True, graph_tail=False)
+    assert plan.recomputed_layers() == 1 and plan.resident_layers and not plan.last_segment_graph
+    # allowed to keep the last segment's graph, the optimum does so instead of keeping weights resident
     plan = check_equal(p, free_windows=False, resident=True)
-    assert plan.recomputed_layers() == 1 and plan.resident_layers
+    assert plan.last_segment_graph and plan.graph_start() == 4 and not plan.resident_layers
+
+
+@pytest.mark.parametrize("gpu_extra, graph_start", [(5.0, 5), (9.0, 4), (30.0, 0)])
+def test_six_layers_graph_tail_grows_with_the_budget(gpu_extra, graph_start):
+    p = toy_problem(6, gpu_extra, host_slots=0, hw=TOY_HW)
+    plan = check_equal(p, free_windows=False, resident=False)
+    assert plan.graph_start() == graph_start
 
 
 def test_infeasible_everywhere_agrees():

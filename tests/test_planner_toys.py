@@ -36,19 +36,25 @@ def toy_problem(L: int, gpu_extra: float, host_slots: int = 2, nvme_slots: int =
                                    nvme_bytes=nvme_slots * A_BYTES, **budgets))
 
 
-def enumerate_plans(p: Problem, free_windows: bool, residency: bool, max_segment: int | None = None):
-    """Every Plan: recompute path x homes x (transfer windows) x (resident layer sets)."""
+def enumerate_plans(p: Problem, free_windows: bool, residency: bool, max_segment: int | None = None,
+                    graph_tail: bool = True):
+    """Every Plan: recompute path x homes x (transfer windows) x (resident layer sets), each with and
+    (``graph_tail``) without the last segment keeping its forward graph."""
     L = p.L
     K = max_segment or L
     tiers = ["hbm", "host"] + (["nvme"] if p.nvme_budget > 0 else [])
     res_sets = [()] + ([c for n in range(1, L + 1) for c in itertools.combinations(range(L), n)] if residency else [])
-    for mask in itertools.product([False, True], repeat=L - 1):
+    for mask, graph in itertools.product(itertools.product([False, True], repeat=L - 1),
+                                         [False, True] if graph_tail else [False]):
         kept = [0] + [i + 1 for i, k in enumerate(mask) if k]
         ends = kept[1:] + [L]
-        if any(e - s > K for s, e in zip(kept, ends)):
+        # a graph tail is no recompute segment: its length is not limited
+        if any(e - s > K for s, e in list(zip(kept, ends))[:len(kept) - 1 if graph else None]):
             continue
         seg_end = dict(zip(kept, ends))
-        for hs in itertools.product(tiers, repeat=len(kept)):
+        # the tail's first boundary is never stored: its home does not matter
+        home_choices = [tiers] * (len(kept) - 1) + [["hbm"] if graph else tiers]
+        for hs in itertools.product(*home_choices):
             homes = ["recompute"] * L + ["hbm"]
             for b, h in zip(kept, hs):
                 homes[b] = h
@@ -65,13 +71,14 @@ def enumerate_plans(p: Problem, free_windows: bool, residency: bool, max_segment
                 pw = {b: w[1] for b, w in zip(off, wins) if w}
                 for res in res_sets:
                     yield Plan(num_layers=L, homes=tuple(homes), offload_window=ow, prefetch_window=pw,
-                               resident_layers=res, policy="brute")
+                               resident_layers=res, policy="brute", last_segment_graph=graph)
 
 
-def brute_force(p: Problem, free_windows: bool, residency: bool, max_segment: int | None = None):
+def brute_force(p: Problem, free_windows: bool, residency: bool, max_segment: int | None = None,
+                graph_tail: bool = True):
     """(best simulated step time, best plan, number of feasible plans)."""
     best, best_plan, n = float("inf"), None, 0
-    for plan in enumerate_plans(p, free_windows, residency, max_segment):
+    for plan in enumerate_plans(p, free_windows, residency, max_segment, graph_tail):
         r = simulate(p, plan, strict=False, timeline=False)
         if r.violations:
             continue

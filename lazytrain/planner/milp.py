@@ -11,6 +11,9 @@ materialised boundary, per-window transfer bytes, an NVMe tier) and removes its 
 - transfers may run in any forward or backward window (within ``offload_slack`` windows after the
   boundary exists and ``prefetch_lead`` windows before its earliest possible use);
 - layers may keep their weights resident on the GPU (saving their backward copies);
+- the last segment may keep its autograd graph from forward (``Plan.last_segment_graph``): its layers
+  are not re-run in backward and stream no weights there, at the price of their saved internals and
+  weights held on the GPU from their forward to their backward (binary ``graph_s``: the tail starts at s);
 - the objective is the step time: per window ``t_w >= compute + exposed prefetch wait`` and
   ``t_w >= bytes / bandwidth`` for each link, plus the delay the host optimizer imposes on the next
   forward (it overlaps the forward layer by layer), plus the final gradient copy.
@@ -39,6 +42,7 @@ class MilpOptions:
     offload_slack: int = 4          # an offload is issued within this many windows after the boundary exists
     prefetch_lead: int = 4          # a prefetch is issued at most this many windows before its earliest use
     allow_resident: bool = True
+    allow_graph_tail: bool = True   # the last segment may keep its forward graph (no re-run in backward)
     gap_rel: float = 1e-4
     solver: str = "auto"            # auto | highs | cbc
     threads: int = 1
@@ -134,7 +138,9 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
     x = {(s, e): B(f"x_{s}_{e}") for s, e in edges}                       # segment [s, e) chosen
     g = {i: B(f"g_{i}") for i in range(L)}                                # boundary home: GPU
     home = {(i, k): B(f"{k.lower()}_{i}") for i in range(L) for k in tiers}   # host (H) / NVMe (N)
-    z = {i: g[i] + lsum(home[i, k] for k in tiers) for i in range(L)}     # boundary materialised
+    q = {s: (B(f"graph_{s}") if opts.allow_graph_tail else 0) for s in range(L)}  # graph tail [s, L)
+    G = {i: lsum(q[s] for s in range(i + 1)) for i in range(L)}         # layer i keeps its graph
+    z = {i: g[i] + lsum(home[i, k] for k in tiers) + q[i] for i in range(L)}   # boundary materialised
     off_windows = {i: range(i, min(i + opts.offload_slack, W - 2 - i) + 1) for i in range(L)}
     pre_windows = {i: range(max(i + 1, W - i - K - opts.prefetch_lead), W - i) for i in range(L)}
     off = {(i, k, w): B(f"off{k}_{i}_{w}") for i in range(L) for k in tiers for w in off_windows[i]}
@@ -144,17 +150,28 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
     y = {j: (B(f"res_{j}") if opts.allow_resident else 0) for j in range(L)}   # weights resident
     rec_w = {(s, e): sum(p.Wl[s:e - 1]) for s, e in edges if e - s >= 2}     # recompute weight bytes
     u = {(s, e): C(f"u_{s}_{e}") for (s, e) in rec_w}                      # ... of those not resident
+    if opts.allow_graph_tail:   # backward weight streams (none for graph or resident layers), held graph weights
+        bwd_w = {j: C(f"bwd_weights_{j}", 1) for j in range(L)}
+        held_w = {j: C(f"held_weights_{j}", 1) for j in range(L)}
+    else:
+        bwd_w = {j: 1 - y[j] for j in range(L)}
+        held_w = {j: 0 for j in range(L)}
     t = {w: C(f"t_{w}") for w in range(W)}                                  # window time
     wait = {w: C(f"wait_{w}") for w in range(W)}                            # exposed prefetch wait
     X = C("opt_delay")                                                      # optimizer delay of next step
 
     # ---- recompute path 0 -> L (paper) ----------------------------------------------------------
-    m += lsum(x[0, e] for e in range(1, min(L, K) + 1)) == 1, "path_leaves_0"
-    m += lsum(x[s, L] for s in range(max(0, L - K), L)) == 1, "path_reaches_L"
+    # (a graph tail [s, L) ends the path at s instead of an edge (s, L); it has no length limit)
+    m += lsum(x[0, e] for e in range(1, min(L, K) + 1)) + q[0] == 1, "path_leaves_0"
+    m += lsum(x[s, L] for s in range(max(0, L - K), L)) + lsum(q.values()) == 1, "path_reaches_L"
     for i in range(1, L):
         m += lsum(x[s, i] for s in range(max(0, i - K), i)) == z[i], f"path_in_{i}"
-        m += lsum(x[i, e] for e in range(i + 1, min(L, i + K) + 1)) == z[i], f"path_out_{i}"
+        m += lsum(x[i, e] for e in range(i + 1, min(L, i + K) + 1)) + q[i] == z[i], f"path_out_{i}"
     m += z[0] == 1, "boundary_0_kept"
+    if opts.allow_graph_tail:
+        for j in range(L):
+            m += bwd_w[j] >= 1 - y[j] - G[j], f"backward_weights_{j}"
+            m += held_w[j] >= G[j] - y[j], f"graph_holds_weights_{j}"
 
     # ---- transfer windows of offloaded boundaries -----------------------------------------------
     def edges_from(i, cond):
@@ -181,10 +198,9 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
     # ---- per-window expressions -----------------------------------------------------------------
     def streamed(w):   # weight GB streamed into buffers for window w's tasks (resident layers excluded)
         i = p.layer_of(w)
-        expr = p.Wl[i] / GBF * (1 - y[i])
-        if w >= L:
-            expr += lsum(u[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in u)
-        return expr
+        if w < L:
+            return p.Wl[i] / GBF * (1 - y[i])
+        return p.Wl[i] / GBF * bwd_w[i] + lsum(u[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in u)
 
     def loaded(w):     # weight GB copied host->device in window w (for window w+1)
         if w + 1 >= W:
@@ -197,8 +213,8 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
         if w < L:
             return p.compute_s(w)
         i = p.layer_of(w)
-        return p.diff_s[i] + lsum(p.recompute_s(s, i + 1) * x[s, i + 1]
-                                  for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
+        return p.diff_s[i] - p.fwd_s[i] * G[i] + lsum(p.recompute_s(s, i + 1) * x[s, i + 1]
+                                                       for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
 
     def on_device(i, w):  # 1 if boundary i (< L) has a device copy during window w
         if w in (i - 1, i) or (i == 0 and w == 0):
@@ -230,7 +246,9 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
         # time-indexed memory per tier
         weights = streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + resident_gb
         bnd = lsum(p.A[i] / GBF * on_device(i, w) for i in range(L))
-        m += p.fixed_gpu_bytes(w) / GBF + weights + bnd <= p.gpu_budget / GBF, f"gpu_memory_{w}"
+        graphs = lsum(p.Wl[j] / GBF * held_w[j] for j in range(L) if j < w <= W - 1 - j) + \
+            lsum(p.saved[j] / GBF * G[j] for j in range(L) if j <= w < W - 1 - j)
+        m += p.fixed_gpu_bytes(w) / GBF + weights + bnd + graphs <= p.gpu_budget / GBF, f"gpu_memory_{w}"
         host = lsum(p.A[i] / GBF * (lsum(off[i, "H", v] for v in off_windows[i] if v <= w)
                                      - lsum(pre[i, "H", v] for v in pre_windows[i] if v < w))
                     for i in range(L) if i <= w)
@@ -273,8 +291,11 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
     # ---- read the decision back into a Plan ---------------------------------------------------
     val = lambda v: (v.varValue or 0.0) if isinstance(v, pulp.LpVariable) else float(v)
     homes = []
+    graph_start = next((s for s in range(L) if val(q[s]) > 0.5), None)
     for i in range(L):
-        if val(g[i]) > 0.5:
+        if i == graph_start:
+            homes.append(DEVICE_HOME)          # the tail's first boundary: a segment start, never stored
+        elif val(g[i]) > 0.5:
             homes.append(DEVICE_HOME)
         elif use_nvme and val(home[i, "N"]) > 0.5:
             homes.append("nvme")
@@ -292,6 +313,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
     info.num_vars, info.num_constraints = len(m.variables()), len(m.constraints)
     plan = Plan(num_layers=L, homes=tuple(homes), offload_window=offw, prefetch_window=prew,
                 resident_layers=resident, micro_batch_size=p.micro_batch, seq_len=p.seq_len, policy="milp",
+                last_segment_graph=graph_start is not None,
                 prediction={"milp_step_time_s": info.objective_s, "solver": info.to_dict()})
     return plan, info
 

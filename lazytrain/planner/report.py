@@ -28,7 +28,7 @@ class Row:
         d = {"policy": self.policy, "step_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
              "gpu_gb": r.peak_bytes["hbm"] / 1e9, "host_gb": r.peak_bytes["host"] / 1e9,
              "nvme_gb": r.peak_bytes["nvme"] / 1e9,
-             "homes": "{hbm}/{host}/{nvme}/{recompute}".format(**r.boundaries_per_home),
+             "homes": "{hbm}/{host}/{nvme}/{recompute}/{graph}".format(**r.boundaries_per_home),
              "recomputed": r.recomputed_layers,
              "exposed_s": sum(v for k, v in r.exposed_s.items() if k != "optimizer"),
              "optimizer_s": r.exposed_s["optimizer"],
@@ -74,7 +74,7 @@ def compare(p: Problem, opts: MilpOptions = MilpOptions(), baselines=("megatrain
 COLUMNS = [("policy", "policy", "{}"), ("step_s", "step s", "{:.3f}"), ("tflops", "TFLOPS", "{:.1f}"),
            ("tokens_per_s", "tokens/s", "{:.0f}"), ("speedup", "vs MegaTrain", "{:.3f}x"),
            ("gpu_gb", "GPU GB", "{:.1f}"), ("host_gb", "host GB", "{:.1f}"), ("nvme_gb", "NVMe GB", "{:.1f}"),
-           ("homes", "hbm/host/nvme/rec", "{}"), ("recomputed", "recomputed", "{}"),
+           ("homes", "hbm/host/nvme/rec/graph", "{}"), ("recomputed", "recomputed", "{}"),
            ("exposed_s", "exposed xfer s", "{:.3f}"), ("optimizer_s", "opt delay s", "{:.3f}"),
            ("vs_lower_bound", "/ lower bound", "{:.3f}"), ("solve_s", "solve s", "{:.2f}"), ("status", "status", "{}")]
 

@@ -258,8 +258,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
     if strict and violations:
         raise SimulationError(f"plan {plan.policy!r} breaks {len(violations)} invariant(s): " + "; ".join(violations[:5]))
 
-    counts = {h: 0 for h in (DEVICE_HOME, "host", "nvme", RECOMPUTE)}
-    for h in plan.homes[:L]:
+    counts = {h: 0 for h in (DEVICE_HOME, "host", "nvme", RECOMPUTE, "graph")}
+    for i, h in enumerate(plan.homes[:L]):
+        h = "graph" if i >= g else h                           # held inside a recorded forward graph
         counts[h] = counts.get(h, 0) + 1
     toks = p.micro_batch * p.seq_len
     return SimResult(step_time_s=step, tflops=6 * p.model.throughput_params * toks / step / 1e12,
