@@ -178,13 +178,18 @@ class Problem:
 
     # ---- bounds and checks ---------------------------------------------------------------
     def no_recompute_compute_s(self) -> float:
+        """Forward, then each layer re-run for its backward (no segment recompute)."""
         return sum(self.fwd_s) + sum(self.diff_s) + self.head_s
 
+    def minimal_compute_s(self) -> float:
+        """Each layer's forward once and its backward once (every layer keeps its graph)."""
+        return sum(self.diff_s) + self.head_s
+
     def lower_bound_s(self) -> dict[str, float]:
-        """The step's physical lower bounds (any plan): compute without recompute, one copy of every
-        weight host->device, every gradient device->host, and the host optimizer."""
+        """The step's physical lower bounds (any plan): each layer's forward and backward once, one copy
+        of every weight host->device, every gradient device->host, and the host optimizer."""
         n = self.model.total_params
-        parts = {"compute": self.no_recompute_compute_s(),
+        parts = {"compute": self.minimal_compute_s(),
                  "h2d": (sum(self.Wl) + self.nonlayer_w) / self.bw_h2d,
                  "d2h": (sum(self.Gl) + self.nonlayer_w) / self.bw_d2h,
                  "optimizer": n / self.opt_rate}
