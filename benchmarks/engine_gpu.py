@@ -116,7 +116,10 @@ def main(argv=None) -> int:
           f"{args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, bf16")
     runs = [("plain PyTorch (all on GPU)", lambda m: plain(m, batches, args.warmup)),
             ("LazyTrain every-4 (MegaTrain)", lambda m: streamed(m, batches, args.warmup,
-                                                                {"policy": "every_k", "checkpoint_interval": 4})),
+                                                                {"policy": "every_k", "checkpoint_interval": 4,
+                                                                 "last_segment_graph": False})),
+            ("LazyTrain every-4, last graph", lambda m: streamed(m, batches, args.warmup, {
+                "policy": "every_k", "checkpoint_interval": 4, "last_segment_graph": True})),
             ("LazyTrain keep-all on GPU", lambda m: streamed(m, batches, args.warmup,
                                                              {"policy": "keep_all", "boundary_home": "hbm"}))]
     if not args.skip_milp:
