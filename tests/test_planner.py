@@ -14,7 +14,7 @@ from lazytrain.planner.plan import Plan, every_k_plan
 from lazytrain.planner.policies import (PAPER, best_interval_plan, greedy_plan, keep_all, megatrain_errors,
                                         megatrain_plan)
 from lazytrain.planner.problem import Budgets, InfeasibleBudgetError, Problem, make_problem, parse_size
-from lazytrain.planner.search import plan_for, search_micro_batch
+from lazytrain.planner.search import plan_for, search_micro_batch, solve
 from lazytrain.planner.simulate import SimulationError, simulate
 
 from test_planner_toys import A_BYTES, SLOW_HW, TOY_HW, toy_model, toy_problem
@@ -258,10 +258,15 @@ def test_micro_batch_search_returns_the_best_feasible_throughput():
     best, trials = search_micro_batch(model, TOY_HW, budgets, 16, MilpOptions(max_segment=4))
     feasible = [t for t in trials if t.tokens_per_s]
     assert best.micro_batch_size == max(feasible, key=lambda t: t.tokens_per_s).micro_batch
+    largest = max(t.micro_batch for t in feasible)
     with pytest.raises(InfeasibleBudgetError):   # one more sample does not fit
-        p = Problem(model=model, hardware=TOY_HW, budgets=budgets, micro_batch=max(t.micro_batch for t in feasible) + 1,
-                    seq_len=16)
+        p = Problem(model=model, hardware=TOY_HW, budgets=budgets, micro_batch=largest + 1, seq_len=16)
         build_and_solve(p, MilpOptions(max_segment=4))
+    # every batch planned: the optimum lies far below the largest batch (smaller batches keep more
+    # layers' graphs), and the search finds it
+    every = {b: solve(Problem(model=model, hardware=TOY_HW, budgets=budgets, micro_batch=b, seq_len=16),
+                      MilpOptions(max_segment=4)).prediction["tokens_per_s"] for b in range(1, largest + 1)}
+    assert best.micro_batch_size == max(every, key=every.get) < largest // 2
 
 
 # ---- CLI, plot, purity ------------------------------------------------------------------------------

@@ -87,10 +87,11 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
 
     1. the largest micro-batch passing the static check (bisection, no MILP);
     2. the largest one the MILP can plan (bisection below it when that one has no plan);
-    3. a ternary search for the best tokens/s between half of it and it: larger batches amortise
-       weight copies and the optimizer, but close to the memory limit boundaries must wait for their
-       copies, so throughput normally rises and then falls. At most ``max_plans`` MILP solves in all;
-       every trial is returned so callers can show the curve."""
+    3. a scan of powers of two below it, then a ternary search between the best one's neighbours.
+       Throughput need not rise with the batch: larger batches amortise weight copies and the
+       optimizer, but small ones let more layers keep their forward graph (no re-run in backward), and
+       close to the memory limit boundaries wait for their copies, so the curve can have two peaks.
+       At most ``max_plans`` MILP solves in all; every trial is returned so callers can show the curve."""
     trials: list[BatchTrial] = []
     plans: dict[int, Plan] = {}
     failed: set[int] = set()
@@ -127,7 +128,15 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         if lo == 0:
             raise InfeasibleBudgetError(f"no micro-batch fits the budgets ({trials[-1].status})")
         hi = lo
-    lo = max(1, hi // 2)
+    grid = sorted({hi} | {1 << k for k in range(hi.bit_length()) if 1 << k < hi})
+    for b in reversed(grid):                    # largest first: they are the likeliest optimum
+        if len(trials) >= max_plans - 2:
+            break
+        attempt(b)
+    scanned = [b for b in grid if b in plans]
+    top = max(scanned, key=lambda b: (tps(b), b))
+    k = grid.index(top)
+    lo, hi = grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]
     while hi - lo > 2 and len(trials) + 2 <= max_plans:
         m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
         if tps(m1) < tps(m2):
