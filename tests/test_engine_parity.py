@@ -77,6 +77,22 @@ def test_last_segment_graph_auto_and_errors():
         train_engine(make_model("modulelist"), batches(1), ds_config(last_segment_graph="yes"))
 
 
+def test_forward_without_backward_frees_its_graph_tail_with_its_output():
+    """A forward under grad that is never differentiated (a validation loss, say) holds its graph
+    layers' internals and weight copies only as long as its output lives."""
+    import gc
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(checkpoint_interval=6,
+                                                                                     last_segment_graph=True))
+    engine.weights.zero_copy = False           # the GPU path: graph layers copy their weights
+    x, y = batches(1)[0]
+    loss = lm_loss(engine(x), y)
+    held = [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
+    assert len(held) == 6                      # one weight copy per graph layer
+    del loss
+    gc.collect()
+    assert not [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
+
+
 def test_modulelist_blocks_found_automatically():
     engine = train_engine(make_model("modulelist"), batches(1), ds_config())
     assert engine.blocks_path == "stack"
@@ -352,17 +368,20 @@ def test_generate_with_kv_cache_through_streamed_layers():
     assert torch.equal(got, expect)
 
 
-@pytest.mark.parametrize("frozen", ["embedding", "layer0", "layer3", "layer3.fc1.weight"])
-def test_frozen_parameters_match_pytorch(frozen):
+@pytest.mark.parametrize("k", [2, 6], ids=["k2", "whole-stack-graph"])
+@pytest.mark.parametrize("frozen", ["embedding", "layer0", "layer3", "layer3.fc1.weight", "embedding+layer0"])
+def test_frozen_parameters_match_pytorch(frozen, k):
     """Frozen embeddings (nothing flowing into block 0 requires grad), a frozen first or middle
-    block, or one frozen tensor: trainable parameters match plain PyTorch and frozen ones never move."""
+    block, or one frozen tensor: trainable parameters match plain PyTorch and frozen ones never move.
+    With k = 6 every block keeps its forward graph, except a frozen block 0 with nothing flowing in."""
     model = make_model("modulelist")
-    if frozen == "embedding":
-        model.emb.weight.requires_grad_(False)
-    elif frozen.startswith("layer") and "." not in frozen:
-        model.stack[int(frozen[5:])].requires_grad_(False)
-    else:
-        model.stack[3].fc1.weight.requires_grad_(False)
+    for part in frozen.split("+"):
+        if part == "embedding":
+            model.emb.weight.requires_grad_(False)
+        elif part.startswith("layer") and "." not in part:
+            model.stack[int(part[5:])].requires_grad_(False)
+        else:
+            model.stack[3].fc1.weight.requires_grad_(False)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     data = batches(4)
     ref = copy.deepcopy(model)
@@ -372,8 +391,9 @@ def test_frozen_parameters_match_pytorch(frozen):
         torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad()
-    engine = train_engine(model, data, ds_config(checkpoint_interval=2),)
+    engine = train_engine(model, data, ds_config(checkpoint_interval=k, last_segment_graph=True))
     assert max_rel_diff(engine.module, ref) < RTOL
+    assert not [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
     params = dict(engine.module.named_parameters())
     assert before and all(torch.equal(params[n].detach().cpu(), v) for n, v in before.items())
 

@@ -178,12 +178,13 @@ def test_last_segment_graph_skips_its_reruns_and_holds_its_internals():
     rb, rg = simulate(p, base), simulate(p, graph)
     # layers 4 and 5 are not re-run for their backward, and segment (4, 6) is not recomputed
     assert rb.compute_s - rg.compute_s == pytest.approx(p.fwd_s[4] + p.fwd_s[5] + p.fwd_s[4])
-    # window 5 (forward of layer 5): both graphs' internals are held; layer 4's weights stay on the device
-    # where the base plan streams layers 4 and 5 for window 6's recompute and re-run; boundary 4 is not kept
+    # window 5 (forward of layer 5): both graphs' internals are held, and both layers' own weight copies
+    # (layer 5's beside its streaming slot), where the base plan streams layers 4 and 5 for window 6's
+    # recompute and re-run; boundary 4 is not kept
     at = {m["window"]: m["hbm"] for m in rg.memory}
     base_at = {m["window"]: m["hbm"] for m in rb.memory}
-    assert at[5] - base_at[5] == p.saved[4] + p.saved[5] + p.Wl[4] - (p.Wl[4] + p.Wl[5]) - p.A[4]
-    assert at[4] - base_at[4] == p.saved[4]
+    assert at[5] - base_at[5] == p.saved[4] + p.saved[5] + p.Wl[4] + p.Wl[5] - (p.Wl[4] + p.Wl[5]) - p.A[4]
+    assert at[4] - base_at[4] == p.saved[4] + p.Wl[4]
     assert Plan.from_json(graph.to_json()) == graph
 
 

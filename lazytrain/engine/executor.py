@@ -209,6 +209,9 @@ class LayerStreamingExecutor:
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
             self._start_sequence(self._backward_sequence())
             self._prefetch_next()
+            # the pass now lives only as long as its autograd graph: a forward never differentiated
+            # frees its kept boundaries and graphs with that graph, not at the next forward
+            self._current = None
         if not extras:
             return out_hidden
         return (out_hidden, *extras)
@@ -353,6 +356,13 @@ class LayerStreamingExecutor:
                 self._record_segment(p, s, e)
             else:
                 self._recompute_segment(p, s, e)
+        if layer in p.graphs and p.graphs[layer] is None:   # a frozen graph layer with no gradient to pass
+            p.graphs.pop(layer)
+            n_side = len(p.calls[layer].tensor_idx)
+            self._free_boundary(p, layer)
+            if layer == 0:
+                self.release_pass(p)
+            return None, [None] * n_side
         if layer in p.graphs:
             x_in, hidden, params, t_in = p.graphs.pop(layer)
         else:
@@ -400,8 +410,10 @@ class _BlockFunction(torch.autograd.Function):
                 hidden: torch.Tensor, *tensors):
         executor.forward_window(p, layer, hidden)
         ctx.executor, ctx.p, ctx.layer = executor, p, layer
-        if layer >= executor.graph_start:   # record the graph now; backward uses it without a re-run
-            needs = ctx.needs_input_grad[4:]
+        needs = ctx.needs_input_grad[4:]
+        if layer >= executor.graph_start and not (any(needs) or any(executor.weights.trainable[layer])):
+            p.graphs[layer] = None          # nothing to differentiate here: no graph, no weight copy
+        if layer >= executor.graph_start and layer not in p.graphs:   # record it; backward needs no re-run
             x_in, out, params, t_in = executor._forward_with_grad(p, layer, hidden, needs[0], needs[1:], keep=True)
             p.graphs[layer] = (x_in, executor._hidden_of(out), params, t_in)
             out = out.detach() if isinstance(out, torch.Tensor) else \

@@ -248,7 +248,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
         # time-indexed memory per tier
         weights = streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + resident_gb
         bnd = lsum(p.A[i] / GBF * on_device(i, w) for i in range(L))
-        graphs = lsum(p.Wl[j] / GBF * held_w[j] for j in range(L) if j < w <= W - 1 - j) + \
+        graphs = lsum(p.Wl[j] / GBF * held_w[j] for j in range(L) if j <= w <= W - 1 - j) + \
             lsum(p.saved[j] / GBF * G[j] for j in range(L) if j <= w < W - 1 - j)
         m += p.fixed_gpu_bytes(w) / GBF + weights + bnd + graphs <= p.gpu_budget / GBF, f"gpu_memory_{w}"
         host = lsum(p.A[i] / GBF * (lsum(off[i, "H", v] for v in off_windows[i] if v <= w)

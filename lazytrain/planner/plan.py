@@ -13,11 +13,11 @@ Conventions (shared by the executor and the simulator):
 - Kept boundaries split the stack into segments [s, e). In backward, when window 2L-e begins (the
   window of layer e-1), the segment is recomputed forward from boundary s and then differentiated
   layer by layer. So boundary s is *needed* at window ``need_window(s) = 2L - e``.
-- ``last_segment_graph``: the last segment [s, L) records its autograd graph in forward (its layers'
-  internals stay on the device, with their weights, until each layer's backward), so backward
+- ``last_segment_graph``: the last segment [s, L) records its autograd graph in forward, so backward
   differentiates those layers from the graph without re-running them; boundaries s..L-1 are not
-  stored, whatever their homes say. Backward of the last segment follows forward at once, so this
-  trades no recompute for holding one segment's internals across the head's forward and backward.
+  stored, whatever their homes say. Layer j's internals and (when weights are streamed) its own copy
+  of its weights stay on the device from its forward window j to its backward window 2L-1-j: the
+  later the layer, the shorter that is. The segment has no length limit (it can be the whole stack).
 - ``offload_window[i]``: window in which boundary i leaves the device for its home (>= i, since
   boundary i is produced at the end of window i-1; < need_window). ``prefetch_window[i]``: window in
   which it is copied back (> offload window, <= need window; == need window means it is exposed).

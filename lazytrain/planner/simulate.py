@@ -198,7 +198,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
             weights += sum(p.Wl[j] for j in weight_stream(w + 1))
         graphs = 0                                             # graph layers: weights and internals held
         for j in range(g, L):
-            if j < w <= 2 * L - 1 - j and j not in resident:
+            if j <= w <= 2 * L - 1 - j and j not in resident:   # its own copy, beside the slot in window j
                 weights += p.Wl[j]
             if j <= w < 2 * L - 1 - j:                         # its own backward window counts them already
                 graphs += p.saved[j]

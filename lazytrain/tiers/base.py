@@ -69,12 +69,13 @@ class TransferHandle:
     blocks the host.
     """
 
-    __slots__ = ("_value", "_future", "_event", "_keepalive", "_host", "_timing")
+    __slots__ = ("_value", "_future", "_event", "_keepalive", "_host", "_timing", "_moved")
 
     def __init__(self, value: Any = None, future: Future | None = None, event: Any = None, keepalive: Any = None,
-                 host: bool = False, timing: tuple[Any, Any] | None = None):
+                 host: bool = False, timing: tuple[Any, Any] | None = None, moved: bool = True):
         self._value, self._future, self._event, self._keepalive = value, future, event, keepalive
         self._host = host
+        self._moved = moved   # False: no bytes were copied (a stored tensor handed out or kept as given)
         # (start, end) timing events around a copy queued on a side stream: the bandwidth meters time
         # the copy on the device, from when it starts to when it ends, not when the host queued it
         self._timing = timing
@@ -145,6 +146,13 @@ class _BandwidthMeter:
             self.nbytes += nbytes
             if self._active == 0:
                 self.seconds += time.perf_counter() - self._since
+
+    def cancel(self) -> None:
+        """Close an operation that moved no bytes: it adds neither bytes nor time."""
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._since = time.perf_counter()
 
     def end_on_device(self, start: Any, end: Any, nbytes: int) -> None:
         """Close an operation that was only queued: its time is ``start.elapsed_time(end)`` once it ran."""
@@ -275,7 +283,9 @@ class Tier(ABC):
     def read_bandwidth(self) -> float | None:
         """Bytes per second of reads so far: bytes over the wall time during which at least one read
         was in flight (so concurrent reads are not double-counted). Thread-pool tiers are timed to
-        completion; CUDA-event copies to issue (their completion is not observed without a sync)."""
+        completion; copies on a CUDA side stream by their start and end events once they have run
+        (bytes still in flight are not counted yet); reads that hand out a stored tensor without
+        copying are not counted at all."""
         return self._meters["read"].bandwidth()
 
     def write_bandwidth(self) -> float | None:
@@ -318,7 +328,9 @@ class Tier(ABC):
         failed write never reads back as valid and never holds budget."""
         future = handle._future
         if future is None:
-            if handle._timing is not None and handle._event is not None:
+            if not handle._moved:
+                meter.cancel()
+            elif handle._timing is not None and handle._event is not None:
                 meter.end_on_device(*handle._timing, nbytes)
             else:
                 meter.end(nbytes)

@@ -100,7 +100,7 @@ class MemoryTier(Tier):
     def _write(self, key, tensor, owned):
         if owned and tensor.device == self.device and tensor.is_contiguous():
             self._store[key] = tensor
-            return TransferHandle()
+            return TransferHandle(moved=False)
         buf = self._allocate(key, tensor)
         self._store[key] = buf
         handle = async_copy(buf, tensor)
@@ -124,7 +124,7 @@ class MemoryTier(Tier):
                                  f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
             handle = async_copy(out, src, after=after)
         elif device is None or device == self.device or (device.type == self.device.type == "cpu"):
-            return TransferHandle(value=src, event=after, host=src.device.type != "cuda")
+            return TransferHandle(value=src, event=after, host=src.device.type != "cuda", moved=False)
         else:
             handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after)
         if handle._event is not None:
