@@ -270,6 +270,20 @@ def test_micro_batch_search_returns_the_best_feasible_throughput():
     assert best.micro_batch_size == max(every, key=every.get) < largest // 2
 
 
+def test_call_with_deadline_returns_raises_and_stops_an_overrun():
+    import time
+    from lazytrain.planner.isolate import call_with_deadline
+    from lazytrain.planner.milp import PlanningError
+    assert call_with_deadline(sum, [1, 2, 3], deadline_s=60) == 6
+    with pytest.raises(ValueError, match="invalid literal"):     # the child's exception, re-raised here
+        call_with_deadline(int, "x", deadline_s=60)
+    t0 = time.perf_counter()
+    with pytest.raises(PlanningError, match=r"^the solver did not finish within 2 s \(the solver overran its time "
+                                            r"limit\); stopped it\."):
+        call_with_deadline(time.sleep, 120, deadline_s=2, what="the solver")
+    assert time.perf_counter() - t0 < 30
+
+
 # ---- CLI, plot, purity ------------------------------------------------------------------------------
 def test_cli_plan_prints_the_comparison_and_writes_the_plan(tmp_path, capsys):
     from lazytrain.cli import main

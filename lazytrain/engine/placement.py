@@ -95,6 +95,7 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                micro_batch: int) -> Plan:
     """The MILP planner's Plan for this model on this machine within the configured budgets."""
     from ..planner import plan_for
+    from ..planner.isolate import call_with_deadline
     lt = cfg.lazytrain
     if model_config is None:
         raise ConfigError("config 'lazytrain.policy' \"milp\" needs the model's shape: a model with a Hugging Face "
@@ -107,8 +108,11 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
         gpu = torch.cuda.get_device_properties(device).total_memory
     budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
                if "nvme" in tiers else 0}
-    plan = plan_for(model_config, _hardware_profile(cfg, device), {k: v for k, v in budgets.items() if v is not None},
-                    micro_batch=micro_batch, seq_len=lt.seq_len, time_limit_s=lt.milp_time_limit)
+    # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
+    plan = call_with_deadline(plan_for, model_config, _hardware_profile(cfg, device),
+                              {k: v for k, v in budgets.items() if v is not None}, micro_batch=micro_batch,
+                              seq_len=lt.seq_len, time_limit_s=lt.milp_time_limit,
+                              deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
     if plan.num_layers != num_layers:
         raise ConfigError(f"the planner planned {plan.num_layers} layers but the model streams {num_layers} blocks")
     return plan
