@@ -21,6 +21,11 @@ def ds_config(**lazytrain_section):
     return cfg
 
 
+def pass_keys(engine):
+    """What training passes still hold on the device tier (kept boundaries, graph layers' weight copies)."""
+    return [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
+
+
 def train_engine(model, data, config, plain_backward=False):
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=config)
     for x, y in data:
@@ -86,11 +91,11 @@ def test_forward_without_backward_frees_its_graph_tail_with_its_output():
     engine.weights.zero_copy = False           # the GPU path: graph layers copy their weights
     x, y = batches(1)[0]
     loss = lm_loss(engine(x), y)
-    held = [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
+    held = pass_keys(engine)
     assert len(held) == 6                      # one weight copy per graph layer
     del loss
     gc.collect()
-    assert not [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
+    assert not pass_keys(engine)
 
 
 def test_modulelist_blocks_found_automatically():
@@ -304,7 +309,7 @@ def test_copy_path_through_device_slots_matches_pytorch(graph, one_step):
         engine.step()
     assert max_rel_diff(engine.module, ref) < RTOL
     assert [i for i, _ in fetched] == one_step * 3
-    assert not [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]  # graph weight copies freed
+    assert not pass_keys(engine)  # graph weight copies freed
     slots = [s for _, s in fetched]
     assert all(a != b for a, b in zip(slots, slots[1:]))   # double buffering alternates
 
@@ -393,7 +398,7 @@ def test_frozen_parameters_match_pytorch(frozen, k):
         opt.zero_grad()
     engine = train_engine(model, data, ds_config(checkpoint_interval=k, last_segment_graph=True))
     assert max_rel_diff(engine.module, ref) < RTOL
-    assert not [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
+    assert not pass_keys(engine)
     params = dict(engine.module.named_parameters())
     assert before and all(torch.equal(params[n].detach().cpu(), v) for n, v in before.items())
 

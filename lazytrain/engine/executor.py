@@ -335,9 +335,8 @@ class LayerStreamingExecutor:
     def _free_boundary(self, p: _Pass, i: int) -> None:
         home = self.plan.homes[i]
         key = self._key(p, i)
-        if i >= self.graph_start:          # a graph layer: only its own weight copy, if any
-            if (DEVICE_HOME, key + ".weights") in p.owned:
-                self._drop(p, DEVICE_HOME, key + ".weights")
+        if i >= self.graph_start:          # a graph layer: only its own weight copy, if it made one
+            self._drop(p, DEVICE_HOME, key + ".weights")
             return
         if home == RECOMPUTE:
             p.cache.pop(i, None)
@@ -356,22 +355,28 @@ class LayerStreamingExecutor:
                 self._record_segment(p, s, e)
             else:
                 self._recompute_segment(p, s, e)
-        if layer in p.graphs and p.graphs[layer] is None:   # a frozen graph layer with no gradient to pass
-            p.graphs.pop(layer)
-            n_side = len(p.calls[layer].tensor_idx)
-            self._free_boundary(p, layer)
-            if layer == 0:
-                self.release_pass(p)
-            return None, [None] * n_side
         if layer in p.graphs:
-            x_in, hidden, params, t_in = p.graphs.pop(layer)
+            graph = p.graphs.pop(layer)     # None: a frozen graph layer with no gradient to pass on
         else:
             x_in, out, params, t_in = self._forward_with_grad(p, layer, self._boundary(p, layer),
                                                               needs_input_grad[0], needs_input_grad[1:])
-            hidden = self._hidden_of(out)
+            graph = (x_in, self._hidden_of(out), params, t_in)
+        if graph is None:
+            g_x, t_grads = None, [None] * len(p.calls[layer].tensor_idx)
+        else:
+            g_x, t_grads = self._differentiate(layer, graph, grad_out, needs_input_grad[0])
+        self._free_boundary(p, layer)
+        if layer == 0:
+            self.release_pass(p)
+        return g_x, t_grads
+
+    def _differentiate(self, layer: int, graph: tuple, grad_out: torch.Tensor, x_needs_grad: bool):
+        """Backward through one block's recorded graph: its weight gradients go to the host buffers;
+        returns the gradients of its input and side tensors."""
+        x_in, hidden, params, t_in = graph
         with torch.enable_grad():
             trainable = [(n, t) for n, t in params.items() if t.requires_grad]
-            want_x = needs_input_grad[0] and x_in.requires_grad
+            want_x = x_needs_grad and x_in.requires_grad
             inputs = ([x_in] if want_x else []) + [t for _, t in trainable] + \
                 [t for t in t_in if isinstance(t, torch.Tensor) and t.requires_grad]
             grads = torch.autograd.grad(hidden, inputs, grad_out, allow_unused=True) if inputs else ()
@@ -380,9 +385,6 @@ class LayerStreamingExecutor:
                                               if g is not None})
         side = iter(grads[first + n:])
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]
-        self._free_boundary(p, layer)
-        if layer == 0:
-            self.release_pass(p)
         return grads[0] if want_x else None, t_grads
 
     def release_pass(self, p: _Pass) -> None:
@@ -411,9 +413,11 @@ class _BlockFunction(torch.autograd.Function):
         executor.forward_window(p, layer, hidden)
         ctx.executor, ctx.p, ctx.layer = executor, p, layer
         needs = ctx.needs_input_grad[4:]
-        if layer >= executor.graph_start and not (any(needs) or any(executor.weights.trainable[layer])):
+        graph_layer = layer >= executor.graph_start
+        record = graph_layer and (any(needs) or any(executor.weights.trainable[layer]))
+        if graph_layer and not record:
             p.graphs[layer] = None          # nothing to differentiate here: no graph, no weight copy
-        if layer >= executor.graph_start and layer not in p.graphs:   # record it; backward needs no re-run
+        if record:                          # backward differentiates this graph without a re-run
             x_in, out, params, t_in = executor._forward_with_grad(p, layer, hidden, needs[0], needs[1:], keep=True)
             p.graphs[layer] = (x_in, executor._hidden_of(out), params, t_in)
             out = out.detach() if isinstance(out, torch.Tensor) else \

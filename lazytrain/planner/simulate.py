@@ -55,6 +55,10 @@ class SimResult:
                 "boundaries_per_home": dict(self.boundaries_per_home)}
 
 
+# task kinds that stream no weights and read no boundary: the head, and a graph layer's backward
+_NO_LAYER_INPUT = ("head", "bwd")
+
+
 def _link_bw(p: Problem, link: str) -> float:
     return {"h2d": p.bw_h2d, "d2h": p.bw_d2h, "nvme_read": p.bw_nr, "nvme_write": p.bw_nw}[link]
 
@@ -95,11 +99,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
     seg_end = {s: e for s, e in plan.segments() if s < g}
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
     last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
-    recompute_window = {}                                       # recomputed boundary -> window regenerating it
-    for s, e in plan.segments():
-        if s < g:
-            for j in range(s + 1, e):
-                recompute_window[j] = 2 * L - e
+    # recomputed boundary -> the window regenerating it
+    recompute_window = {j: 2 * L - e for s, e in seg_end.items() for j in range(s + 1, e)}
     offloaded = [b for b in range(g) if plan.homes[b] in OFFLOAD_HOMES]
     off_w = {b: plan.offload_at(b) for b in offloaded}
     pre_w = {b: plan.prefetch_at(b) for b in offloaded}
@@ -117,7 +118,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
 
     def weight_stream(ws: int) -> list[int]:
         """Layers whose weights window ``ws`` streams into a buffer (resident layers use theirs)."""
-        return [j for kind, j, _ in tasks[ws] if kind not in ("head", "bwd") and j not in resident]
+        return [j for kind, j, _ in tasks[ws] if kind not in _NO_LAYER_INPUT and j not in resident]
 
     for w in range(2 * L):
         t0 = t
@@ -141,7 +142,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
                 other_tr.append((f"offload b{b}", legs, None))
         if w + 1 < 2 * L:
             for kind, j, _ in tasks[w + 1]:
-                if kind in ("head", "bwd"):                # a graph layer holds its weights
+                if kind in _NO_LAYER_INPUT:                # a graph layer holds its weights
                     continue
                 if w + 1 < L or j not in resident:     # forward refreshes resident copies too
                     other_tr.append((f"weights L{j}", {"h2d": p.Wl[j]}, None))
@@ -174,7 +175,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
         # --- compute -----------------------------------------------------------------------
         tc = compute_start
         for kind, j, dur in tasks[w]:
-            if kind not in ("head", "bwd"):                    # every layer task reads boundary j
+            if kind not in _NO_LAYER_INPUT:                    # every layer task reads boundary j
                 if j not in on_device:
                     violations.append(f"window {w}: {kind} of layer {j} reads boundary {j}, "
                                       f"which has no device copy (home {plan.homes[j]!r})")

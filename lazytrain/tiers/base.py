@@ -147,19 +147,21 @@ class _BandwidthMeter:
             if self._active == 0:
                 self.seconds += time.perf_counter() - self._since
 
+    def _leave_untimed(self) -> None:
+        """Close an operation without adding its host wall time (caller holds the lock)."""
+        self._active -= 1
+        if self._active == 0:
+            self._since = time.perf_counter()
+
     def cancel(self) -> None:
         """Close an operation that moved no bytes: it adds neither bytes nor time."""
         with self._lock:
-            self._active -= 1
-            if self._active == 0:
-                self._since = time.perf_counter()
+            self._leave_untimed()
 
     def end_on_device(self, start: Any, end: Any, nbytes: int) -> None:
         """Close an operation that was only queued: its time is ``start.elapsed_time(end)`` once it ran."""
         with self._lock:
-            self._active -= 1
-            if self._active == 0:  # the host only queued it: that wall time is not transfer time
-                self._since = time.perf_counter()
+            self._leave_untimed()  # the host only queued it: that wall time is not transfer time
             self._queued.append((start, end, nbytes))
             if len(self._queued) > 64:
                 self._collect()
