@@ -104,7 +104,7 @@ def _solver(opts: MilpOptions, abs_gap: float = 1e-6):
     want = opts.solver.lower()
     if want in ("auto", "highs") and "HiGHS" in available:
         # presolve and root restarts off: on some of these models HiGHS 1.16's presolve runs on far past
-        # the time limit (seen on qwen2.5-14b / rtx3090 at micro-batch 5 and 9); without it they solve in ~1 s
+        # the time limit (seen on qwen2.5-14b / rtx3090 at micro-batch 5 and 9); without it they solve within it
         return "highs", pulp.HiGHS(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
                                    gapAbs=abs_gap, threads=opts.threads, random_seed=0,
                                    mip_allow_restart=False, presolve="off")
