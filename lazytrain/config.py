@@ -189,6 +189,7 @@ class LazyTrainSection:
     device: str = "auto"                # auto | cpu | cuda | cuda:N
     prefetch: bool = True
     last_segment_graph: str | bool = "auto"   # auto (on when the CPU computes on weights in place) | true | false
+    overlap_optimizer: str | bool = "auto"    # auto (on with a CUDA device) | true | false
     weights_home: str = "host"          # host | nvme | hbm (hbm = all layers resident, no streaming)
     tiers: tuple = ()                   # user tiers: ({"name", "class", "capacity", ...},)
     capacities: dict = field(default_factory=dict)  # tier name -> budget in bytes (None = unbounded)
@@ -205,7 +206,8 @@ class LazyTrainSection:
 _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "plan", "device", "prefetch",
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
-                   "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph"}
+                   "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
+                   "overlap_optimizer"}
 
 
 @dataclass(frozen=True)
@@ -507,6 +509,9 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
     if last_graph not in ("auto", True, False):
         raise ConfigError(f"config key 'lazytrain.last_segment_graph' must be \"auto\", true or false, "
                           f"got {last_graph!r}")
+    overlap = section.get("overlap_optimizer", "auto")
+    if overlap not in ("auto", True, False):
+        raise ConfigError(f"config key 'lazytrain.overlap_optimizer' must be \"auto\", true or false, got {overlap!r}")
     nvme_path = section.get("nvme_path") or offload_param.nvme_path
     return LazyTrainSection(
         blocks=section.get("blocks"), policy=policy,
@@ -515,6 +520,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
         boundary_home=section.get("boundary_home", kw.get("boundary_home", "hbm")),
         plan_path=section.get("plan"), device=str(section.get("device", "auto")),
         prefetch=bool(section.get("prefetch", True)), weights_home=weights_home, last_segment_graph=last_graph,
+        overlap_optimizer=overlap,
         tiers=tuple(tiers), capacities=capacities, optimizer_states=states,
         hybrid_threshold=int(section.get("hybrid_threshold", 4096)),
         quant_block_size=int(section.get("quant_block_size", 256)),

@@ -129,6 +129,7 @@ def _train(lazytrain_section):
     for x, y in engine_models.batches(2):
         engine.backward(engine_models.lm_loss(engine(x.to(engine.device)), y.to(engine.device)))
         engine.step()
+    engine.wait_for_update()
     home = lazytrain_section["boundary_home"]
     assert engine.last_step_peak_bytes[home] > 0  # boundaries really went there
     params = [p.detach().cpu().clone() for p in engine.module.parameters()]

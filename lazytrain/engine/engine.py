@@ -20,6 +20,7 @@ from . import checkpoint as ckpt
 from .blocks import find_blocks
 from .distributed import DistributedContext
 from .executor import LayerStreamingExecutor
+from .layer_updates import LayerUpdates
 from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
 from .placement import build_plan, build_tiers, resolve_device
 from .precision import DeviceMasters, LossScaler
@@ -68,10 +69,13 @@ class LazyTrainEngine(nn.Module):
         if optimizer is not None and config.optimizer.type is not None:
             raise ConfigError("an optimizer was passed to initialize and the config has an 'optimizer' section; "
                               "pass one")
+        overlap = config.lazytrain.overlap_optimizer
+        wants_overlap = overlap is True or (overlap == "auto" and self.device.type == "cuda")
         if optimizer is not None:
             self.optimizer = client_optimizer(optimizer, param_groups(model_parameters, model, remap), remap)
         elif config.optimizer.type is not None:
-            self.optimizer = build_optimizer(config, param_groups(model_parameters, model, remap), names)
+            self.optimizer = build_optimizer(config, param_groups(model_parameters, model, remap), names,
+                                             layerwise=wants_overlap)
         else:
             self.optimizer = None
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -80,6 +84,7 @@ class LazyTrainEngine(nn.Module):
         if copies:
             self.optimizer.set_compute_copies(copies)
         self._fused_copies = bool(copies)
+        self.layer_updates = self._overlapped_updates(wants_overlap, overlap is True)
         self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
@@ -98,10 +103,35 @@ class LazyTrainEngine(nn.Module):
         self._step_applied = False
         self._step_start = time.perf_counter()
         self.last_step_peak_bytes: dict[str, int] = {}
-        self.last_optimizer_seconds = 0.0   # host optimizer + compute-copy refresh, last applied step
+        # host optimizer + compute-copy refresh on this thread, last applied step (with overlap_optimizer
+        # only the non-block part: the layers' update time is layer_updates.busy_seconds)
+        self.last_optimizer_seconds = 0.0
         self.weights.zero_grads()
 
     # ---- set-up helpers ------------------------------------------------------------------------
+    def _overlapped_updates(self, wanted: bool, required: bool) -> LayerUpdates | None:
+        """Layer updates on a worker thread (``lazytrain.overlap_optimizer``), when the optimizer can step
+        one layer with a snapshot of its hyperparameters; every way of reading the weights, gradients or
+        optimizer state through the engine, the module's state_dict or the optimizer waits for them."""
+        if not wanted or self.optimizer is None:
+            return None
+        if not self._fused_clip:
+            if required:
+                raise ConfigError(f"config 'lazytrain.overlap_optimizer' = true needs an optimizer that updates one "
+                                  f"layer at a time (HybridAdamW, which the config's Adam/AdamW become unless "
+                                  f"amsgrad is set); got {type(self.optimizer).__name__}")
+            return None
+        updates = LayerUpdates(self.weights.num_layers)
+        self.weights.updates = updates
+        settle = lambda *args, **kwargs: updates.wait_all()  # noqa: E731 - hook signatures differ
+        self.optimizer.register_step_pre_hook(settle)
+        self.optimizer.register_state_dict_pre_hook(settle)
+        self.optimizer.register_load_state_dict_pre_hook(settle)
+        self.optimizer.register_zero_grad_pre_hook(settle)
+        self.module.register_state_dict_pre_hook(settle)
+        self.module.register_load_state_dict_pre_hook(settle)
+        return updates
+
     def _move_non_block(self, model: nn.Module, blocks: nn.ModuleList) -> None:
         """Embeddings, final norm, head and their buffers go to the compute device."""
         for p in self.non_block_params:
@@ -164,6 +194,14 @@ class LazyTrainEngine(nn.Module):
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
 
+    def wait_for_update(self) -> None:
+        """Block until the update that ``engine.step()`` started on the streamed layers is done. Only
+        needed with ``lazytrain.overlap_optimizer`` on, and only before reading block parameters directly
+        (``model.layers[0].weight``): the engine, the module's ``state_dict()`` and the optimizer's
+        methods wait by themselves, and the next forward waits layer by layer."""
+        if self.layer_updates is not None:
+            self.layer_updates.wait_all()
+
     def _all_grads(self) -> list[torch.Tensor]:
         """Every gradient the optimizer will read: one flat fp32 host buffer per layer, plus the
         non-block grads (their fp32 masters' in mixed precision)."""
@@ -178,6 +216,7 @@ class LazyTrainEngine(nn.Module):
         if self.optimizer is None:
             raise ConfigError("engine.step() needs an optimizer: add an 'optimizer' section to the config or pass "
                               "optimizer= to lazytrain.initialize")
+        self.wait_for_update()
         self.weights.flush_grads()
         self.weights.attach_grads()
         grads = self._all_grads()
@@ -204,14 +243,17 @@ class LazyTrainEngine(nn.Module):
             clip = self.gradient_clipping()
             factor = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) * inv_scale
             t0 = time.perf_counter()
-            if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
+            if self.layer_updates is not None:
+                self._update_overlapped(factor)
+            elif self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
                 self.optimizer.step(clip_coef=factor)
             else:
                 if factor != 1.0:
                     _scale_(grads, factor)
                 self.optimizer.step()
-            for i in range(self.weights.num_layers):
-                self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+            if self.layer_updates is None:
+                for i in range(self.weights.num_layers):
+                    self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
             if self.masters is not None:
                 self.masters.masters_to_params()
             self.last_optimizer_seconds = time.perf_counter() - t0
@@ -220,13 +262,31 @@ class LazyTrainEngine(nn.Module):
             self._step_applied = True
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.zero_grad()
+        if self.layer_updates is not None and self._step_applied:
+            self._zero_non_block_grads()   # the update thread zeroes each layer's gradients after its update
+        else:
+            self.zero_grad()
         self._scaled_backward = False
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._record_peaks()
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._print_progress()
+
+    def _update_overlapped(self, factor: float) -> None:
+        """Non-block parameters now; the streamed layers on the update thread, in forward order, with the
+        hyperparameters of this step (the scheduler advances before they are done)."""
+        hyper = self.optimizer.hyperparameters()
+        non_block = self.masters.master_params() if self.masters is not None else self.non_block_params
+        self.optimizer.step(params=non_block, clip_coef=factor, hyperparameters=hyper)
+
+        def update_layer(i: int) -> None:
+            params = [p for p, trains in zip(self.weights.params[i], self.weights.trainable[i]) if trains]
+            if params:
+                self.optimizer.step(params=params, clip_coef=factor, hyperparameters=hyper)
+                self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+            self.weights.zero_layer_grads(i)
+        self.layer_updates.launch(update_layer, range(self.weights.num_layers))
 
     def _record_peaks(self) -> None:
         self.last_step_peak_bytes = {name: tier.peak_bytes for name, tier in self.tiers.items()}
@@ -245,8 +305,12 @@ class LazyTrainEngine(nn.Module):
               f"{dt * 1000:.0f} ms/step, peak {peaks}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait_for_update()
         self.weights.flush_grads()   # gradient adds still in flight must not land after the zeroing
         self.weights.zero_grads()
+        self._zero_non_block_grads()
+
+    def _zero_non_block_grads(self) -> None:
         if self.masters is not None:
             self.masters.zero_grad()
         else:
@@ -304,6 +368,7 @@ class LazyTrainEngine(nn.Module):
     # ---- state ---------------------------------------------------------------------------------
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's weights in fp32 (masters), each tensor its own storage, on the host."""
+        self.wait_for_update()
         masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
         out = {}
         params = dict(self.module.named_parameters())
@@ -316,6 +381,7 @@ class LazyTrainEngine(nn.Module):
         return out
 
     def _load_module_state(self, state: dict, strict: bool) -> None:
+        self.wait_for_update()
         self.module.load_state_dict(state, strict=strict)
         if self.masters is not None:
             names = {id(p): n for n, p in self.module.named_parameters()}
@@ -329,6 +395,7 @@ class LazyTrainEngine(nn.Module):
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        self.wait_for_update()
         model_state = {
             "module": self.module_state_dict(exclude_frozen_parameters),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -378,6 +445,8 @@ class LazyTrainEngine(nn.Module):
 
     def destroy(self) -> None:
         """Release streaming buffers and tiers (NVMe run directories are removed)."""
+        if self.layer_updates is not None:
+            self.layer_updates.close()
         self.executor.uninstall()
         for tier in self.tiers.values():
             tier.close()

@@ -109,6 +109,7 @@ class LayerStreamingExecutor:
         on_seq = self._cursor < len(seq) and seq[self._cursor] == layer
         if not on_seq:   # the model left the expected order: fetch on demand from here on
             self._weight_seq, self._pending_weight = [], None
+        self.weights.wait_updated(layer)
         if layer in self.weights.resident:
             flat = self.weights.resident[layer]
         else:
@@ -131,7 +132,8 @@ class LayerStreamingExecutor:
         seq, j = self._weight_seq, self._cursor
         while j < len(seq) and seq[j] in self.weights.resident:
             j += 1
-        if j < len(seq):
+        # a layer whose optimizer update is still running is fetched by _acquire, once it is done
+        if j < len(seq) and not self.weights.update_pending(seq[j]):
             slot = 1 - self._slot
             self._pending_weight = (j, slot, self.weights.fetch(seq[j], slot))
 

@@ -39,7 +39,12 @@ def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, rema
     return [{"params": [remap(p) for p in items]}]
 
 
-def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]) -> torch.optim.Optimizer:
+def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str],
+                    layerwise: bool = False) -> torch.optim.Optimizer:
+    """The config's optimizer. ``layerwise``: the engine will update one layer at a time on another
+    thread, so Adam/AdamW are built as HybridAdamW (with the configured state precision, fp32 by default),
+    which can step a subset of parameters with a snapshot of the hyperparameters (as DeepSpeed swaps in
+    its own CPU Adam when the optimizer is offloaded). AMSGrad keeps torch's optimizer."""
     typ = cfg.optimizer.type
     params = dict(cfg.optimizer.params)
     lower = typ.lower()
@@ -58,7 +63,12 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
                               "host optimizer")
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
-        if cfg.lazytrain.optimizer_states == "8bit":
+        amsgrad = bool(params.get("amsgrad", False))
+        if cfg.lazytrain.optimizer_states == "8bit" and amsgrad:
+            raise ConfigError("config 'optimizer.params.amsgrad' = true is not supported with "
+                              "'lazytrain.optimizer_states' = \"8bit\" (HybridAdamW has no AMSGrad)")
+        if cfg.lazytrain.optimizer_states == "8bit" or (layerwise and not amsgrad):
+            params.pop("amsgrad", None)
             return _hybrid(groups, params, adam_w_mode, cfg, named)
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
         return cls(groups, fused=_fused_ok(groups), **params)

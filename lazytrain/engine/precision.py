@@ -28,6 +28,9 @@ class DeviceMasters:
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
 
+    def master_params(self) -> list[nn.Parameter]:
+        return [m for _, m in self.pairs]
+
     def master_grads(self) -> list[torch.Tensor]:
         return [m.grad for _, m in self.pairs if m.grad is not None]
 

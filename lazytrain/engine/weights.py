@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from ..tiers import Tier, TransferHandle, empty_host
 from ..tiers.memory import async_copy
+from .layer_updates import LayerUpdates
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,17 @@ class LayerWeights:
         # With the CPU as compute device and the weights already in host memory in the compute dtype,
         # a "copy to the device" would copy memory onto itself: hand out the stored buffer instead.
         self.zero_copy = device.type == "cpu" and weights_tier.kind == "host"
+        # set by the engine when the optimizer updates layers on another thread (layer_updates.py)
+        self.updates: LayerUpdates | None = None
+
+    # ---- readiness after an overlapped optimizer step ------------------------------------------
+    def update_pending(self, i: int) -> bool:
+        """Layer i's optimizer update is still running: its weights must not be read yet."""
+        return self.updates is not None and self.updates.pending(i)
+
+    def wait_updated(self, i: int) -> None:
+        if self.updates is not None:
+            self.updates.wait(i)
 
     # ---- compute copy ----------------------------------------------------------------------
     def _key(self, i: int) -> str:
@@ -177,9 +189,14 @@ class LayerWeights:
                     p.grad = s.of(self.grad[i])
 
     def zero_grads(self) -> None:
-        for g in self.grad:
-            g.zero_()
-        self.attach_grads()
+        for i in range(self.num_layers):
+            self.zero_layer_grads(i)
+
+    def zero_layer_grads(self, i: int) -> None:
+        self.grad[i].zero_()
+        for s, p, trains in zip(self.slots, self.params[i], self.trainable[i]):
+            if trains:
+                p.grad = s.of(self.grad[i])
 
 
 class _GradientSink:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -157,6 +158,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.last_grad_norm: Optional[float] = None
         self.last_clip_coef = 1.0
         self._reported = False
+        self._zero_grad_pre_hooks: Dict[int, Any] = OrderedDict()   # weak-referenceable, as torch's hooks
 
     # ------------------------------------------------------------------ selection and report
     def param_name(self, p: torch.Tensor) -> Optional[str]:
@@ -290,7 +292,8 @@ class HybridAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_norm=None, clip_coef=None, params: Optional[Iterable[torch.Tensor]] = None,
-             compute_copies: Optional[Mapping[torch.Tensor, torch.Tensor]] = None):
+             compute_copies: Optional[Mapping[torch.Tensor, torch.Tensor]] = None,
+             hyperparameters: Optional[Sequence[Mapping[str, Any]]] = None):
         """One optimizer step.
 
         Args:
@@ -302,13 +305,16 @@ class HybridAdamW(torch.optim.Optimizer):
             params: update only these parameters (e.g. one streamed layer). With clipping, pass the
                 global ``grad_norm`` or ``clip_coef``: a subset cannot know the global norm.
             compute_copies: extra ``{param: bf16/fp16 tensor}`` written in the same pass for this step.
+            hyperparameters: per-group values to use instead of the live ``param_groups`` (a
+                :meth:`hyperparameters` snapshot), so a step running on another thread is not changed
+                half-way by a scheduler that has already moved on to the next step's learning rate.
         Returns the closure's loss (or ``None``). Check ``last_step_skipped`` for skipped steps.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        targets = self._targets(params)
+        targets = self._targets(params, hyperparameters)
         coef = 1.0 if clip_coef is None else float(clip_coef)
         norm = grad_norm
         if norm is None and clip_coef is None and (self.max_grad_norm > 0 or self.check_finite):
@@ -336,11 +342,31 @@ class HybridAdamW(torch.optim.Optimizer):
             self._update(p, group, coef, copies.get(p))
         return loss
 
-    def _targets(self, params) -> List[Tuple[torch.Tensor, Dict[str, Any]]]:
+    def hyperparameters(self) -> List[Dict[str, Any]]:
+        """A copy of every group's settings (all keys but ``params``), for :meth:`step`."""
+        return [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
+
+    def register_zero_grad_pre_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
+        """``hook(optimizer)`` runs before :meth:`zero_grad` (torch has hooks for step and state_dict only);
+        an engine that updates on another thread uses it to finish first."""
+        handle = torch.utils.hooks.RemovableHandle(self._zero_grad_pre_hooks)
+        self._zero_grad_pre_hooks[handle.id] = hook
+        return handle
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for hook in list(getattr(self, "_zero_grad_pre_hooks", {}).values()):
+            hook(self)
+        super().zero_grad(set_to_none)
+
+    def _targets(self, params, hyperparameters=None) -> List[Tuple[torch.Tensor, Dict[str, Any]]]:
         wanted = None if params is None else {id(p) for p in params}
+        if hyperparameters is not None and len(hyperparameters) != len(self.param_groups):
+            raise ValueError(f"hyperparameters has {len(hyperparameters)} entries for {len(self.param_groups)} "
+                             "parameter groups")
         out = []
-        for group in self.param_groups:
-            for p in group["params"]:
+        for gi, live in enumerate(self.param_groups):
+            group = live if hyperparameters is None else hyperparameters[gi]
+            for p in live["params"]:
                 if p.grad is None or (wanted is not None and id(p) not in wanted):
                     continue
                 if p.grad.is_sparse:

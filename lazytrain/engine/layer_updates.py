@@ -1,0 +1,103 @@
+"""The host optimizer's update of the streamed layers, run layer by layer on a worker thread.
+
+``engine.step()`` updates the non-block parameters at once and hands the streamed layers to this worker
+in forward order, then returns. The next forward waits for layer i's update only when it needs layer
+i's weights, so on a GPU the host update of later layers hides behind the forward of earlier ones (the
+design's data flow; the planner's ``overlap_optimizer``). Anything else that reads weights, gradients
+or optimizer state waits for all of them first (:meth:`LayerUpdates.wait_all`).
+
+A failed update is kept and re-raised by every later wait: some layers would hold new weights and some
+old ones, so training must not go on as if nothing happened.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable
+
+
+class OverlappedUpdateError(RuntimeError):
+    """An overlapped layer update raised; the model's streamed layers are partly updated."""
+
+
+class LayerUpdates:
+    """Per-layer "update done" flags and the worker thread that sets them."""
+
+    def __init__(self, num_layers: int):
+        self._done = [threading.Event() for _ in range(num_layers)]
+        for e in self._done:
+            e.set()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
+        self._future: Future | None = None
+        self._worker_ident: int | None = None
+        self._error: BaseException | None = None
+        self.busy_seconds = 0.0     # the worker's time on the last launched update
+        self.waited_seconds = 0.0   # the caller's time blocked on it since that launch (exposed update time)
+
+    def launch(self, update_layer: Callable[[int], None], layers: Iterable[int]) -> None:
+        """Run ``update_layer(i)`` for each layer, in order, on the worker."""
+        self.wait_all()
+        layers = list(layers)
+        for i in layers:
+            self._done[i].clear()
+        self.busy_seconds = self.waited_seconds = 0.0
+        self._future = self._pool.submit(self._run, update_layer, layers)
+
+    def _run(self, update_layer: Callable[[int], None], layers: list[int]) -> None:
+        self._worker_ident = threading.get_ident()
+        t0 = time.perf_counter()
+        try:
+            for i in layers:
+                update_layer(i)
+                self._done[i].set()
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by every wait
+            self._error = e
+        finally:
+            for i in layers:   # a waiter must wake up (and raise) rather than hang
+                self._done[i].set()
+            self.busy_seconds = time.perf_counter() - t0
+
+    def _on_worker(self) -> bool:
+        return threading.get_ident() == self._worker_ident
+
+    def pending(self, i: int) -> bool:
+        """Layer i's update is still queued or running (never blocks)."""
+        return not self._done[i].is_set()
+
+    def wait(self, i: int) -> None:
+        """Block until layer i is updated."""
+        if self._on_worker():
+            return
+        if not self._done[i].is_set():
+            t0 = time.perf_counter()
+            self._done[i].wait()
+            self.waited_seconds += time.perf_counter() - t0
+        self._raise_if_failed()
+
+    def wait_all(self) -> None:
+        """Block until every launched update is done (a no-op on the worker itself)."""
+        if self._on_worker():
+            return
+        if self._future is not None:
+            t0 = time.perf_counter()
+            self._future.result()
+            self._future = None
+            self.waited_seconds += time.perf_counter() - t0
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise OverlappedUpdateError(
+                f"the optimizer update of the streamed layers failed on the update thread ({self._error!r}); "
+                "some layers hold updated weights and some do not, so training cannot continue from this "
+                "state: reload a checkpoint") from self._error
+
+    def close(self) -> None:
+        """Finish any launched update and stop the worker."""
+        try:
+            if self._future is not None:
+                self._future.result()
+        finally:
+            self._future = None
+            self._pool.shutdown(wait=True)
