@@ -53,6 +53,27 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     return ModuleListLM(n_layers=n_layers)
 
 
+def make_hf_model(family: str, n_layers: int = 6) -> nn.Module:
+    """A tiny transformers causal LM of another family, built as users build them (``use_cache`` left at
+    its default, on). GPT-2's blocks live at ``transformer.h``; the others at ``model.layers``."""
+    import transformers as T
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=n_layers, n_head=4,
+                                              n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                              bos_token_id=0, eos_token_id=0))
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        return T.LlamaForCausalLM(T.LlamaConfig(**common))
+    if family == "qwen2":
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**common))
+    if family == "mistral":   # a sliding window shorter than the test sequence
+        return T.MistralForCausalLM(T.MistralConfig(sliding_window=8, **common))
+    raise ValueError(family)
+
+
 def batches(n: int, batch: int = 2, seq: int = 12, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, VOCAB, (batch, seq), generator=g), torch.randint(0, VOCAB, (batch, seq), generator=g))

@@ -7,7 +7,8 @@ import torch
 
 import lazytrain
 from lazytrain.config import ConfigError
-from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+from lazytrain.engine.executor import ExecutorError
+from engine_models import batches, lm_loss, make_hf_model, make_model, max_rel_diff, reference_train
 
 RTOL = 1e-5
 
@@ -373,6 +374,43 @@ def test_generate_with_kv_cache_through_streamed_layers():
         got = engine.module.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
         expect = ref.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=0)
     assert torch.equal(got, expect)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_transformers_families_with_their_kv_cache_default_match_pytorch(family, graph):
+    """Models as users build them, with use_cache on (the config default): the model hands its blocks
+    a KV cache (GPT-2 by position) that a recomputed block would extend twice; the engine runs training
+    blocks without it, as gradient checkpointing does, and warns once. GPT-2's blocks are named in the
+    config. Clipping is off here: these models' key biases have a zero gradient up to rounding noise,
+    which Adam turns into updates that any change in the clip factor's last bit changes."""
+    model = make_hf_model(family)
+    assert model.config.use_cache
+    data = batches(5)
+    ref = reference_train(model, data, clip=0.0)
+    section = {"checkpoint_interval": 2, "last_segment_graph": graph}
+    if family == "gpt2":
+        section["blocks"] = "transformer.h"
+    cfg = ds_config(**section)
+    cfg["gradient_clipping"] = 0.0
+    with pytest.warns(UserWarning, match="passed a KV cache to its blocks in a training forward") as record:
+        engine = train_engine(model, data, cfg)
+    assert sum("KV cache" in str(w.message) for w in record) == 1
+    assert engine.blocks_path == ("transformer.h" if family == "gpt2" else "model.layers")
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
+def test_training_forward_with_a_filled_kv_cache_is_a_clear_error():
+    from transformers import DynamicCache
+    model = make_hf_model("llama")
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        cache = engine.module(ids, use_cache=True, cache=DynamicCache(config=model.config)).cache
+    assert cache.get_seq_length() == 4
+    with pytest.raises(ExecutorError, match="block 0 got a KV cache already holding 4 positions in a forward with "
+                                            "gradients"):
+        engine(torch.tensor([[5]]), cache=cache, use_cache=True)
 
 
 @pytest.mark.parametrize("k", [2, 6], ids=["k2", "whole-stack-graph"])

@@ -11,6 +11,7 @@ parameters and state_dict keys stay as they were.
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,7 @@ class LayerStreamingExecutor:
         self._pending_weight: tuple[int, int, TransferHandle] | None = None  # (seq index, slot, handle)
         self._slot = 0
         self.recomputed_layer_forwards = 0
+        self._warned_cache = False
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
@@ -181,11 +183,40 @@ class LayerStreamingExecutor:
             kwargs = dict(kwargs)
             args = (kwargs.pop("hidden_states"),)
         hidden = args[0]
-        leaves, spec = tree_flatten((args[1:], kwargs))
+        rest = args[1:]
+        if torch.is_grad_enabled():
+            rest, kwargs = self._without_kv_cache(layer, rest, kwargs)
+        leaves, spec = tree_flatten((rest, kwargs))
         call = _LayerCall(spec, leaves, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)])
         if not torch.is_grad_enabled():
             return self._run_inference(layer, hidden, call)
         return self._run_training(layer, hidden, call)
+
+    def _without_kv_cache(self, layer: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A training forward gets no KV cache: a block may run twice (forward, then recompute in backward)
+        and would append its keys and values twice. Transformers models pass an empty cache (by keyword,
+        or by position as GPT-2 does) whenever ``use_cache`` is on, the config default; without it the
+        block computes the same output, as under Hugging Face's gradient checkpointing, which drops the
+        cache the same way."""
+        def is_cache(v) -> bool:
+            return hasattr(v, "get_seq_length") and hasattr(v, "update")
+        caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
+        if not caches:
+            return args, kwargs
+        for cache in caches:
+            held = cache.get_seq_length(layer)
+            if held > 0:
+                raise ExecutorError(f"block {layer} got a KV cache already holding {held} positions in a forward "
+                                    f"with gradients: training through streamed blocks cannot extend a cache "
+                                    f"(blocks are re-run in backward); run it under torch.no_grad() or pass "
+                                    f"use_cache=False")
+        if not self._warned_cache:
+            self._warned_cache = True
+            warnings.warn("lazytrain: the model passed a KV cache to its blocks in a training forward; LazyTrain "
+                          "runs the blocks without it, as gradient checkpointing does (pass use_cache=False or "
+                          "set model.config.use_cache = False to silence this)", stacklevel=4)
+        return (tuple(None if is_cache(v) else v for v in args),
+                {k: None if is_cache(v) else v for k, v in kwargs.items()})
 
     def _run_inference(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
         if layer == 0 or not self._weight_seq:
