@@ -53,18 +53,18 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     return ModuleListLM(n_layers=n_layers)
 
 
-def make_hf_model(family: str, n_layers: int = 6) -> nn.Module:
+def make_hf_model(family: str, n_layers: int = 6, dropout: float = 0.0) -> nn.Module:
     """A tiny transformers causal LM of another family, built as users build them (``use_cache`` left at
     its default, on). GPT-2's blocks live at ``transformer.h``; the others at ``model.layers``."""
     import transformers as T
     torch.manual_seed(0)
     if family == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=n_layers, n_head=4,
-                                              n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                              bos_token_id=0, eos_token_id=0))
+                                              n_positions=64, resid_pdrop=dropout, embd_pdrop=dropout,
+                                              attn_pdrop=dropout, bos_token_id=0, eos_token_id=0))
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=False, attention_dropout=dropout)
     if family == "llama":
         return T.LlamaForCausalLM(T.LlamaConfig(**common))
     if family == "qwen2":

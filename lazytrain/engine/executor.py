@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,26 @@ class _LayerCall:
     spec: Any                       # pytree spec of (args[1:], kwargs)
     leaves: list                    # non-tensor leaves as given; tensor leaves as given
     tensor_idx: list[int]           # which leaves are tensors
+    rng: tuple | None = None        # (CPU, CUDA) generator states before the block's forward (training)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextmanager
+def _replayed_rng(call: _LayerCall, device: torch.device):
+    """Re-run a block with the random state its forward had, so dropout draws the same masks (as
+    torch.utils.checkpoint does), without moving the caller's random stream."""
+    if call.rng is None:
+        yield
+        return
+    cpu, cuda = call.rng
+    with torch.random.fork_rng(devices=[device] if cuda is not None else [], device_type="cuda"):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
 
 
 @dataclass
@@ -159,7 +180,8 @@ class LayerStreamingExecutor:
 
     # ---- running a block ---------------------------------------------------------------------
     def _compute(self, layer: int, flat: torch.Tensor, hidden: torch.Tensor, call: _LayerCall,
-                 tensors: list | None = None, requires_grad: bool = False):
+                 tensors: list | None = None, requires_grad: bool = False, replay: bool = False):
+        """Run block ``layer`` on ``flat`` weights; ``replay``: a re-run, with its forward's random state."""
         params = self.weights.views(flat, layer if requires_grad else None)
         leaves = list(call.leaves)
         if tensors is not None:
@@ -167,8 +189,12 @@ class LayerStreamingExecutor:
                 leaves[k] = t
         rest_args, kwargs = tree_unflatten(leaves, call.spec)
         block = self.blocks[layer]
-        with _reparametrize_module(block, params):
-            out = type(block).forward(block, hidden, *rest_args, **kwargs)
+        if replay:
+            with _replayed_rng(call, self.device), _reparametrize_module(block, params):
+                out = type(block).forward(block, hidden, *rest_args, **kwargs)
+        else:
+            with _reparametrize_module(block, params):
+                out = type(block).forward(block, hidden, *rest_args, **kwargs)
         return out, params
 
     @staticmethod
@@ -233,6 +259,7 @@ class LayerStreamingExecutor:
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
                                 f"{layer} was called when block {p.next_layer if p else 0} was expected")
         p.next_layer += 1
+        call.rng = _rng_state(self.device)
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
         # the anchor makes the block's output require grad even when nothing flowing in does (frozen
@@ -329,7 +356,7 @@ class LayerStreamingExecutor:
         with torch.no_grad():
             for j in range(s, e - 1):
                 flat = self._acquire(j)
-                out, _ = self._compute(j, flat, x, p.calls[j])
+                out, _ = self._compute(j, flat, x, p.calls[j], replay=True)
                 x = self._hidden_of(out).detach()
                 p.cache[j + 1] = x
                 self._put(p, DEVICE_HOME, self._key(p, j + 1) + ".recomputed", x, owned=True)
@@ -350,8 +377,9 @@ class LayerStreamingExecutor:
                            keep: bool = False):
         """Run one block with autograd recording, its input and side tensors as fresh leaves, so the
         block can be differentiated on its own. Returns (input leaf, output, params, side inputs).
-        ``keep``: the graph outlives the next weight fetch (a graph layer), so weights held in a
-        streaming slot are copied to a buffer of the layer's own first."""
+        ``keep``: the graph outlives the next weight fetch (a graph layer, recorded in its forward), so
+        weights held in a streaming slot are copied to a buffer of the layer's own first; any other call
+        is a re-run, with the random state of the layer's forward."""
         call = p.calls[layer]
         tensors = [call.leaves[k] for k in call.tensor_idx]
         x_in = x.detach().requires_grad_(x_needs_grad)
@@ -362,7 +390,7 @@ class LayerStreamingExecutor:
             flat = flat.clone()
             self._put(p, DEVICE_HOME, self._key(p, layer) + ".weights", flat, owned=True)
         with torch.enable_grad():
-            out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True)
+            out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True, replay=not keep)
         return x_in, out, params, t_in
 
     def _free_boundary(self, p: _Pass, i: int) -> None:
