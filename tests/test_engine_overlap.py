@@ -22,8 +22,21 @@ def overlap_config(overlap, optimizer="AdamW8bit", **section):
     return cfg
 
 
+def slow_layer_updates(engine, seconds=0.005):
+    """Make every layer update on the update thread take a little longer, so the next forward really
+    runs while later layers are still updating (the orderings a GPU produces)."""
+    update = engine.optimizer.update
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return update(*args, **kwargs)
+    engine.optimizer.update = slow
+
+
 def train(model, data, config, before_training=None):
     engine, _, _, _ = lazytrain.initialize(model=model, config=config)
+    if engine.layer_updates is not None:
+        slow_layer_updates(engine)
     if before_training is not None:
         before_training(engine)
     for x, y in data:
@@ -55,6 +68,7 @@ CASES = {
     "8bit": dict(),
     "bf16": dict(_top={"bf16": {"enabled": True}}),
     "fp16": dict(_top={"fp16": {"enabled": True, "initial_scale_power": 8}}),
+    "fp16-overflow": dict(_top={"fp16": {"enabled": True, "initial_scale_power": 20}}),
     "warmup-lr": dict(_top={"scheduler": {"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}}}),
     "gas2": dict(_top={"gradient_accumulation_steps": 2}),
@@ -77,6 +91,8 @@ def test_overlapped_update_equals_serial_bit_for_bit(case, tmp_path):
     overlapped = train(copy.deepcopy(model), data, overlap_config(True, **section), hook)
     assert serial.layer_updates is None and overlapped.layer_updates is not None
     assert overlapped.global_steps == serial.global_steps and overlapped.skipped_steps == serial.skipped_steps
+    if case == "fp16-overflow":
+        assert 0 < serial.skipped_steps < serial.global_steps
     assert overlapped.get_lr() == serial.get_lr()
     assert_same_training(overlapped, serial)
 
@@ -109,24 +125,25 @@ def test_adamw_config_with_overlap_matches_pytorch(kind):
 def hold_update_until_taken(engine, held: int, taken: int) -> tuple[threading.Event, list]:
     """Layer ``held``'s update (on the update thread) waits until the next forward has taken layer
     ``taken``'s weights; returns the event (set it after the last step) and, per held update, whether
-    the wait ended by the forward rather than by a 20 s timeout."""
+    the wait ended by that forward rather than by a 20 s timeout."""
     held_params = {id(p) for p in engine.weights.params[held]}
     layer_taken = threading.Event()
     waited = []
-    step, acquire = engine.optimizer.step, engine.executor._acquire
+    update, acquire = engine.optimizer.update, engine.executor._acquire
 
-    def held_step(*args, params=None, **kwargs):
-        if params is not None and params and {id(p) for p in params} <= held_params:
+    def held_update(params, **kwargs):
+        if {id(p) for p in params} <= held_params:
             waited.append(layer_taken.wait(timeout=20))
             layer_taken.clear()
-        return step(*args, params=params, **kwargs)
+        return update(params, **kwargs)
 
     def noting_acquire(layer):
         out = acquire(layer)
-        if layer == taken and engine.global_steps > 0:
+        # a later step's forward (not the first step's, nor a backward)
+        if layer == taken and engine.global_steps > 0 and engine.executor._current is not None:
             layer_taken.set()
         return out
-    engine.optimizer.step, engine.executor._acquire = held_step, noting_acquire
+    engine.optimizer.update, engine.executor._acquire = held_update, noting_acquire
     return layer_taken, waited
 
 
@@ -147,7 +164,7 @@ def test_next_forward_starts_while_the_last_layer_is_still_updating():
     engine, _, _, _ = lazytrain.initialize(model=model, config=overlap_config(True))
     layer_taken, waited = hold_update_until_taken(engine, held=engine.weights.num_layers - 1, taken=0)
     train_holding(engine, data, layer_taken)
-    assert waited == [True, True, True]
+    assert waited == [True, True, True]   # the last one by train_holding, after the loop
     assert_same_training(engine, serial)
 
 
@@ -175,8 +192,13 @@ def test_a_layer_is_never_fetched_while_its_update_runs():
 
 READERS = {
     "optimizer.state_dict": lambda e: e.optimizer.state_dict(),
+    "optimizer.load_state_dict": lambda e: e.optimizer.load_state_dict(e.optimizer.state_dict()),
     "optimizer.zero_grad": lambda e: e.optimizer.zero_grad(),
+    "optimizer.zero_grad(set_to_none=False)": lambda e: e.optimizer.zero_grad(set_to_none=False),
+    "module.zero_grad": lambda e: e.module.zero_grad(),
     "module.state_dict": lambda e: e.module.state_dict(),
+    "submodule.state_dict": lambda e: e.module.model.layers[3].state_dict(),
+    "module.load_state_dict": lambda e: e.module.load_state_dict(e.module.state_dict()),
     "engine.zero_grad": lambda e: e.zero_grad(),
     "engine.module_state_dict": lambda e: e.module_state_dict(),
     "engine.save_checkpoint": lambda e: e.save_checkpoint(e._test_dir),
@@ -184,45 +206,154 @@ READERS = {
 
 
 @pytest.mark.parametrize("reader", sorted(READERS))
-def test_readers_wait_for_the_overlapped_update(reader, tmp_path):
+def test_readers_during_the_overlapped_update_see_it_whole(reader, tmp_path):
+    """Called right after engine.step() while slow layer updates are still running: readers wait, and
+    zero_grad (optimizer, module or engine) neither drops nor zeroes a pending layer's update. The
+    training then matches the serial one bit for bit."""
     model = make_model("llama")
+    data = batches(2)
+    serial = train(copy.deepcopy(model), data, overlap_config(False))
     engine, _, _, _ = lazytrain.initialize(model=model, config=overlap_config(True))
     engine._test_dir = str(tmp_path)
-    step = engine.optimizer.step
-
-    def slow(*args, params=None, **kwargs):
-        if params is not None:
-            time.sleep(0.02)
-        return step(*args, params=params, **kwargs)
-    engine.optimizer.step = slow
-    x, y = batches(1)[0]
-    engine.backward(lm_loss(engine(x), y))
-    engine.step()
-    READERS[reader](engine)
-    assert not any(engine.layer_updates.pending(i) for i in range(engine.weights.num_layers))
-    steps = {int(s["step"]) for s in engine.optimizer.state.values()}
-    assert steps == {1}
+    slow_layer_updates(engine, 0.02)
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        READERS[reader](engine)
+    engine.wait_for_update()
+    block_params = [p for params in engine.weights.params for p in params]
+    assert all(engine.optimizer.state[p]["step"] == 2 for p in block_params)
+    assert_same_training(engine, serial)
 
 
-def test_a_failed_update_is_raised_in_the_training_thread():
+def test_readers_that_must_wait_do(tmp_path):
+    """state_dict-style readers return only once every layer is updated."""
+    for reader in ("optimizer.state_dict", "module.state_dict", "submodule.state_dict", "engine.module_state_dict"):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=overlap_config(True))
+        slow_layer_updates(engine, 0.02)
+        x, y = batches(1)[0]
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        READERS[reader](engine)
+        assert not any(engine.layer_updates.pending(i) for i in range(engine.weights.num_layers)), reader
+
+
+def test_step_hooks_run_once_per_step_and_extra_parameters_are_updated():
+    """The optimizer's step hooks run once per engine.step() on the training thread, and a parameter
+    the optimizer holds outside the model (a loss temperature) is updated (and clipped) as serially."""
+    def run(overlap):
+        model = make_model("llama")
+        temperature = torch.nn.Parameter(torch.ones(()))
+        cfg = overlap_config(overlap)
+        del cfg["optimizer"]
+        engine, opt, _, _ = lazytrain.initialize(
+            model=model, config=cfg,
+            optimizer=lambda groups: HybridAdamW(groups + [{"params": [temperature]}], lr=1e-2, weight_decay=0.1,
+                                                 min_8bit_size=64))
+        threads = []
+        opt.register_step_post_hook(lambda *a: threads.append(threading.current_thread().name))
+        for x, y in batches(3):
+            engine.backward(lm_loss(engine(x), y) * temperature)
+            engine.step()
+        engine.wait_for_update()
+        return engine, temperature, threads
+    serial, t_serial, hooks_serial = run(False)
+    overlapped, t_overlapped, hooks_overlapped = run(True)
+    assert hooks_serial == hooks_overlapped == [threading.main_thread().name] * 3
+    assert t_overlapped.item() != 1.0 and torch.equal(t_overlapped, t_serial)
+    assert_same_training(overlapped, serial)
+
+
+def test_param_group_added_while_layers_update():
+    """A group added right after engine.step() (progressive unfreezing) is not part of the running
+    update, and the next step updates it."""
     model = make_model("llama")
-    engine, _, _, _ = lazytrain.initialize(model=model, config=overlap_config(True))
-    layer3 = {id(p) for p in engine.weights.params[3]}
-    step = engine.optimizer.step
-
-    def fail_layer3(*args, params=None, **kwargs):
-        if params is not None and params and {id(p) for p in params} <= layer3:
-            raise RuntimeError("host out of memory")
-        return step(*args, params=params, **kwargs)
-    engine.optimizer.step = fail_layer3
+    extra = torch.nn.Parameter(torch.ones(3))
+    engine, opt, _, _ = lazytrain.initialize(model=model, config=overlap_config(True))
+    slow_layer_updates(engine, 0.02)
     (x, y), (x2, y2) = batches(2)
     engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    opt.add_param_group({"params": [extra]})
+    engine.extra_params.append(extra)
+    engine.backward(lm_loss(engine(x2), y2) + extra.sum())
+    engine.step()
+    engine.wait_for_update()
+    assert opt.state[extra]["step"] == 1 and not torch.equal(extra.detach(), torch.ones(3))
+
+
+def test_a_failed_update_is_raised_until_a_checkpoint_is_loaded(tmp_path):
+    model = make_model("llama")
+    engine, _, _, _ = lazytrain.initialize(model=model, config=overlap_config(True))
+    (x, y), (x2, y2) = batches(2)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="good")
+    layer3 = {id(p) for p in engine.weights.params[3]}
+    update = engine.optimizer.update
+
+    def fail_layer3(params, **kwargs):
+        if {id(p) for p in params} <= layer3:
+            raise RuntimeError("host out of memory")
+        return update(params, **kwargs)
+    engine.optimizer.update = fail_layer3
+    engine.backward(lm_loss(engine(x2), y2))
     engine.step()
     with pytest.raises(OverlappedUpdateError, match="failed on the update thread") as info:
         engine(x2)
     assert "host out of memory" in str(info.value) and isinstance(info.value.__cause__, RuntimeError)
     with pytest.raises(OverlappedUpdateError):   # and stays failed
-        engine.save_checkpoint("unused")
+        engine.module.state_dict()
+    engine.optimizer.update = update
+    engine.load_checkpoint(str(tmp_path), tag="good")   # the way out
+    engine.backward(lm_loss(engine(x2), y2))
+    engine.step()
+    engine.wait_for_update()
+    assert engine.global_steps == 2   # the checkpoint's 1, then this step
+    engine.destroy()
+    model.state_dict()   # no hook of the engine left behind
+    assert not any(h for m in model.modules() for h in m._state_dict_pre_hooks.values())
+
+
+def test_checkpoint_of_a_serial_run_loads_into_an_overlapped_one(tmp_path):
+    """A checkpoint written with torch's AdamW (the CPU default) continues under overlap (HybridAdamW with
+    fp32 states) like the serial run continues, within 1e-5."""
+    model = make_model("llama")
+    data = batches(4)
+    first = train(copy.deepcopy(model), data[:2], ds_config(checkpoint_interval=2))
+    assert type(first.optimizer) is torch.optim.AdamW
+    first.save_checkpoint(str(tmp_path))
+    for x, y in data[2:]:
+        first.backward(lm_loss(first(x), y))
+        first.step()
+    resumed, _, _, _ = lazytrain.initialize(model=copy.deepcopy(model),
+                                            config=ds_config(checkpoint_interval=2, overlap_optimizer=True))
+    resumed.load_checkpoint(str(tmp_path))
+    for x, y in data[2:]:
+        resumed.backward(lm_loss(resumed(x), y))
+        resumed.step()
+    resumed.wait_for_update()
+    assert isinstance(resumed.optimizer, HybridAdamW)
+    assert max_rel_diff(resumed.module, first.module) < RTOL
+
+
+def test_adam_with_l2_keeps_torch_adams_defaults_under_overlap():
+    """optimizer.type Adam with adam_w_mode false (L2, torch Adam's weight decay default 0) built as
+    HybridAdamW for the overlap keeps those semantics and trains like torch.optim.Adam."""
+    model = make_model("llama")
+    data = batches(4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for x, y in data:
+        lm_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    cfg = ds_config(checkpoint_interval=2, overlap_optimizer=True)
+    cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}}
+    engine = train(model, data, cfg)
+    assert engine.optimizer.defaults["weight_decay"] == 0.0 and not engine.optimizer.defaults["adamw_mode"]
+    assert max_rel_diff(engine.module, ref) < RTOL
 
 
 def test_overlap_config():

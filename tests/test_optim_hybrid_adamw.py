@@ -33,6 +33,15 @@ def run(opt, params, steps, **kw):
         opt.step()
 
 
+def step_both(oa, pa, ob, pb, steps):
+    """The same gradients for two optimizers over two parameter lists, step by step."""
+    for s in steps:
+        set_grads(pa, s)
+        set_grads(pb, s)
+        oa.step()
+        ob.step()
+
+
 @pytest.fixture
 def no_kernels(monkeypatch):
     monkeypatch.setattr(H, "cpu_kernels", lambda: None)
@@ -261,11 +270,7 @@ def test_state_dict_round_trip_keeps_quantized_states():
     ob.load_state_dict(sd)
     assert ob.state[pb[0]]["state1"].dtype == torch.uint8 and ob.state[pb[0]]["absmax1"].dtype == torch.float32
     states_equal(oa, pa, ob, pb)
-    for s in range(3, 6):
-        set_grads(pa, s)
-        set_grads(pb, s)
-        oa.step()
-        ob.step()
+    step_both(oa, pa, ob, pb, range(3, 6))
     for a, b in zip(pa, pb):
         assert torch.equal(a, b)
     states_equal(oa, pa, ob, pb)
@@ -369,3 +374,78 @@ def test_bf16_parameters_use_torch_path():
     oref.step()
     assert params[0].dtype == torch.bfloat16
     assert torch.equal(params[0], ref[0].detach().to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------- per-layer updates for an engine
+@pytest.mark.parametrize("adamw_mode", [True, False])
+@pytest.mark.parametrize("coef", [1.0, 0.3])
+def test_fused_torch_path_for_device_tensors_matches_the_fp32_update(adamw_mode, coef):
+    """The fp32 path for CUDA tensors (torch's fused Adam(W) kernel, in place, the clip coefficient as
+    its gradient scale), run here on CPU tensors, follows the fp32 update within a few ulps."""
+    pa, pb = make_params(), make_params()
+    oa = HybridAdamW(pa, lr=1e-3, weight_decay=0.1, adamw_mode=adamw_mode, optimizer_states="fp32")
+    ob = HybridAdamW(pb, lr=1e-3, weight_decay=0.1, adamw_mode=adamw_mode, optimizer_states="fp32")
+    for s in range(10):
+        set_grads(pa, s)
+        set_grads(pb, s)
+        oa.step(clip_coef=coef)
+        for p in pb:
+            st = ob.state[p]
+            if not st:
+                st = ob._init_state(p, ob.param_groups[0])
+            st["step"] += 1
+            h = kernels.make_hyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=st["step"],
+                                   clip=coef, adamw=adamw_mode)
+            H.torch_fused_adam32(p, p.grad, st, 1e-3, h)
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-7)
+
+
+def test_update_uses_the_snapshot_and_the_given_gradients():
+    """update(): the snapshot's learning rate (not the live one a scheduler already changed, even when it
+    is a tensor changed in place) and the gradients passed in (not .grad, which may have been cleared)."""
+    pa, pb = make_params(), make_params()
+    oa = HybridAdamW(pa, lr=torch.tensor(1e-3), weight_decay=0.1, optimizer_states="fp32")
+    ob = HybridAdamW(pb, lr=float(torch.tensor(1e-3)), weight_decay=0.1, optimizer_states="fp32")
+    set_grads(pa, 0)
+    set_grads(pb, 0)
+    groups = oa.snapshot()
+    grads = {p: p.grad for p in pa}
+    for p in pa:
+        p.grad = None
+    oa.param_groups[0]["lr"].fill_(5.0)    # a scheduler moving on in place
+    oa.update(pa[:2], clip_coef=0.5, groups=groups, grads=grads)
+    oa.update(pa[2:], clip_coef=0.5, groups=groups, grads=grads)
+    ob.step(clip_coef=0.5)
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+
+
+def test_update_runs_no_step_hooks_and_snapshot_keeps_its_groups():
+    params = make_params()
+    opt = HybridAdamW(params[:2], lr=1e-3, optimizer_states="fp32")
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    set_grads(params, 0)
+    groups = opt.snapshot()
+    opt.add_param_group({"params": [params[2]]})   # added after the snapshot: not part of this update
+    opt.update(params, clip_coef=1.0, groups=groups)
+    assert calls == [] and params[2] not in opt.state and all(opt.state[p]["step"] == 1 for p in params[:2])
+    opt.step()
+    assert calls == ["pre"] and opt.state[params[2]]["step"] == 1
+
+
+def test_loads_a_torch_adamw_checkpoint():
+    """A torch AdamW state_dict (e.g. from a run before switching optimizers) continues as torch AdamW
+    would: the group keys HybridAdamW needs come from its defaults, the step counter becomes an int."""
+    pa, pb = make_params(), make_params()
+    ta = torch.optim.AdamW(pa, lr=1e-3, weight_decay=0.1, foreach=False)
+    tb = torch.optim.AdamW(pb, lr=1e-3, weight_decay=0.1, foreach=False)
+    run(ta, pa, 3)
+    run(tb, pb, 3)
+    opt = HybridAdamW(pa, lr=1e-3, weight_decay=0.1, optimizer_states="fp32")
+    opt.load_state_dict(ta.state_dict())
+    assert opt.param_groups[0]["adamw_mode"] is True and isinstance(opt.state[pa[0]]["step"], int)
+    step_both(opt, pa, tb, pb, range(3, 6))
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-7)

@@ -78,6 +78,10 @@ class LazyTrainEngine(nn.Module):
                                              layerwise=wants_overlap)
         else:
             self.optimizer = None
+        # parameters the optimizer updates that the model does not own (e.g. a loss's learnable temperature)
+        known = {id(p) for p in model.parameters()} | {id(m) for _, m in (self.masters.pairs if self.masters else ())}
+        self.extra_params = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in known] \
+            if self.optimizer is not None else []
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
         # the hybrid optimizer also writes the streamed layers' compute copies in its update pass
         copies = self.weights.compute_copy_views() if self._fused_clip else None
@@ -110,9 +114,9 @@ class LazyTrainEngine(nn.Module):
 
     # ---- set-up helpers ------------------------------------------------------------------------
     def _overlapped_updates(self, wanted: bool, required: bool) -> LayerUpdates | None:
-        """Layer updates on a worker thread (``lazytrain.overlap_optimizer``), when the optimizer can step
-        one layer with a snapshot of its hyperparameters; every way of reading the weights, gradients or
-        optimizer state through the engine, the module's state_dict or the optimizer waits for them."""
+        """Layer updates on a worker thread (``lazytrain.overlap_optimizer``), when the optimizer can update
+        one layer with a snapshot of its groups (HybridAdamW). The engine's readers, every module's
+        state_dict/load_state_dict and the optimizer's step/state_dict/load_state_dict wait for them."""
         if not wanted or self.optimizer is None:
             return None
         if not self._fused_clip:
@@ -121,15 +125,15 @@ class LazyTrainEngine(nn.Module):
                                   f"layer at a time (HybridAdamW, which the config's Adam/AdamW become unless "
                                   f"amsgrad is set); got {type(self.optimizer).__name__}")
             return None
-        updates = LayerUpdates(self.weights.num_layers)
+        updates = LayerUpdates(self.weights.num_layers, self.device)
         self.weights.updates = updates
         settle = lambda *args, **kwargs: updates.wait_all()  # noqa: E731 - hook signatures differ
-        self.optimizer.register_step_pre_hook(settle)
-        self.optimizer.register_state_dict_pre_hook(settle)
-        self.optimizer.register_load_state_dict_pre_hook(settle)
-        self.optimizer.register_zero_grad_pre_hook(settle)
-        self.module.register_state_dict_pre_hook(settle)
-        self.module.register_load_state_dict_pre_hook(settle)
+        self._settle_hooks = [self.optimizer.register_step_pre_hook(settle),
+                              self.optimizer.register_state_dict_pre_hook(settle),
+                              self.optimizer.register_load_state_dict_pre_hook(settle)]
+        for module in self.module.modules():   # a submodule's state_dict (save_pretrained of an inner model)
+            self._settle_hooks += [module.register_state_dict_pre_hook(settle),
+                                   module.register_load_state_dict_pre_hook(settle)]
         return updates
 
     def _move_non_block(self, model: nn.Module, blocks: nn.ModuleList) -> None:
@@ -210,6 +214,7 @@ class LazyTrainEngine(nn.Module):
             grads += self.masters.master_grads()
         else:
             grads += [p.grad for p in self.non_block_params if p.grad is not None]
+        grads += [p.grad for p in self.extra_params if p.grad is not None]
         return grads
 
     def _take_model_step(self, lr_kwargs) -> None:
@@ -274,19 +279,29 @@ class LazyTrainEngine(nn.Module):
             self._print_progress()
 
     def _update_overlapped(self, factor: float) -> None:
-        """Non-block parameters now; the streamed layers on the update thread, in forward order, with the
-        hyperparameters of this step (the scheduler advances before they are done)."""
-        hyper = self.optimizer.hyperparameters()
-        non_block = self.masters.master_params() if self.masters is not None else self.non_block_params
-        self.optimizer.step(params=non_block, clip_coef=factor, hyperparameters=hyper)
+        """Everything but the streamed layers now (through ``optimizer.step``, so its hooks run once, here);
+        the streamed layers on the update thread, in forward order, with this step's groups and
+        hyperparameters (the scheduler advances before they are done) and their gradient buffers passed
+        explicitly: block ``.grad`` stays unset until a layer is done, so a ``zero_grad`` meanwhile, on
+        the optimizer or the module, cannot drop or zero a pending update."""
+        w = self.weights
+        groups = self.optimizer.snapshot()
+        block_ids = {id(p) for params in w.params for p in params}
+        rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
+        self.optimizer.step(params=rest, clip_coef=factor)
+        layer_grads = []
+        for i in range(w.num_layers):
+            grads = {p: s.of(w.grad[i]) for s, p, trains in zip(w.slots, w.params[i], w.trainable[i]) if trains}
+            layer_grads.append(grads)
+            for p in grads:
+                p.grad = None
 
         def update_layer(i: int) -> None:
-            params = [p for p, trains in zip(self.weights.params[i], self.weights.trainable[i]) if trains]
-            if params:
-                self.optimizer.step(params=params, clip_coef=factor, hyperparameters=hyper)
-                self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
-            self.weights.zero_layer_grads(i)
-        self.layer_updates.launch(update_layer, range(self.weights.num_layers))
+            if layer_grads[i]:
+                self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups, grads=layer_grads[i])
+                w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+            w.zero_layer_grads(i)
+        self.layer_updates.launch(update_layer, range(w.num_layers))
 
     def _record_peaks(self) -> None:
         self.last_step_peak_bytes = {name: tier.peak_bytes for name, tier in self.tiers.items()}
@@ -305,9 +320,10 @@ class LazyTrainEngine(nn.Module):
               f"{dt * 1000:.0f} ms/step, peak {peaks}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.wait_for_update()
         self.weights.flush_grads()   # gradient adds still in flight must not land after the zeroing
-        self.weights.zero_grads()
+        if self.layer_updates is None or not self.layer_updates.running():
+            self.weights.zero_grads()
+        # else the update thread zeroes each layer's gradients once its update is done: no need to wait
         self._zero_non_block_grads()
 
     def _zero_non_block_grads(self) -> None:
@@ -316,6 +332,8 @@ class LazyTrainEngine(nn.Module):
         else:
             for p in self.non_block_params:
                 p.grad = None
+        for p in self.extra_params:
+            p.grad = None
 
     # ---- getters -------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
@@ -417,6 +435,8 @@ class LazyTrainEngine(nn.Module):
         tag = ckpt.resolve_tag(load_dir, tag)
         if tag is None:
             return None, None
+        if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
+            self.layer_updates.forget_failure()
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim)
         self._load_module_state(model_state["module"], load_module_strict)
@@ -446,6 +466,8 @@ class LazyTrainEngine(nn.Module):
     def destroy(self) -> None:
         """Release streaming buffers and tiers (NVMe run directories are removed)."""
         if self.layer_updates is not None:
+            for handle in self._settle_hooks:
+                handle.remove()
             self.layer_updates.close()
         self.executor.uninstall()
         for tier in self.tiers.values():

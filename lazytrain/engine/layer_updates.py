@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
+
+import torch
 
 
 class OverlappedUpdateError(RuntimeError):
@@ -24,14 +27,17 @@ class OverlappedUpdateError(RuntimeError):
 class LayerUpdates:
     """Per-layer "update done" flags and the worker thread that sets them."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, device: torch.device | None = None):
         self._done = [threading.Event() for _ in range(num_layers)]
         for e in self._done:
             e.set()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update")
+        # CUDA work on the worker (a resident layer's refresh) targets the engine's device, not cuda:0
+        init = (lambda: torch.cuda.set_device(device)) if device is not None and device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update", initializer=init)
         self._future: Future | None = None
         self._worker_ident: int | None = None
         self._error: BaseException | None = None
+        self._error_seen = False
         self.busy_seconds = 0.0     # the worker's time on the last launched update
         self.waited_seconds = 0.0   # the caller's time blocked on it since that launch (exposed update time)
 
@@ -61,6 +67,10 @@ class LayerUpdates:
     def _on_worker(self) -> bool:
         return threading.get_ident() == self._worker_ident
 
+    def running(self) -> bool:
+        """A launched update has not finished all its layers yet."""
+        return self._future is not None and not self._future.done()
+
     def pending(self, i: int) -> bool:
         """Layer i's update is still queued or running (never blocks)."""
         return not self._done[i].is_set()
@@ -86,8 +96,16 @@ class LayerUpdates:
             self.waited_seconds += time.perf_counter() - t0
         self._raise_if_failed()
 
+    def forget_failure(self) -> None:
+        """After a failed update: the caller restores a consistent state (a checkpoint) and goes on."""
+        if self._future is not None:
+            self._future.result()
+            self._future = None
+        self._error, self._error_seen = None, False
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
+            self._error_seen = True
             raise OverlappedUpdateError(
                 f"the optimizer update of the streamed layers failed on the update thread ({self._error!r}); "
                 "some layers hold updated weights and some do not, so training cannot continue from this "
@@ -101,3 +119,6 @@ class LayerUpdates:
         finally:
             self._future = None
             self._pool.shutdown(wait=True)
+        if self._error is not None and not self._error_seen:
+            warnings.warn(f"lazytrain: the last overlapped optimizer update failed ({self._error!r}) and nothing "
+                          f"waited for it before the engine was closed", RuntimeWarning, stacklevel=3)

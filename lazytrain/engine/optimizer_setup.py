@@ -69,6 +69,7 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
                               "'lazytrain.optimizer_states' = \"8bit\" (HybridAdamW has no AMSGrad)")
         if cfg.lazytrain.optimizer_states == "8bit" or (layerwise and not amsgrad):
             params.pop("amsgrad", None)
+            params.setdefault("weight_decay", 0.01 if adam_w_mode else 0.0)   # torch's AdamW / Adam defaults
             return _hybrid(groups, params, adam_w_mode, cfg, named)
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
         return cls(groups, fused=_fused_ok(groups), **params)

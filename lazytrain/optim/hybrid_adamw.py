@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -158,7 +157,6 @@ class HybridAdamW(torch.optim.Optimizer):
         self.last_grad_norm: Optional[float] = None
         self.last_clip_coef = 1.0
         self._reported = False
-        self._zero_grad_pre_hooks: Dict[int, Any] = OrderedDict()   # weak-referenceable, as torch's hooks
 
     # ------------------------------------------------------------------ selection and report
     def param_name(self, p: torch.Tensor) -> Optional[str]:
@@ -247,6 +245,9 @@ class HybridAdamW(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
         super().load_state_dict(state_dict)
+        for group in self.param_groups:   # a checkpoint from torch's Adam(W) lacks HybridAdamW's own keys
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         saved_ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, p in zip(saved_ids, params):
@@ -292,8 +293,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_norm=None, clip_coef=None, params: Optional[Iterable[torch.Tensor]] = None,
-             compute_copies: Optional[Mapping[torch.Tensor, torch.Tensor]] = None,
-             hyperparameters: Optional[Sequence[Mapping[str, Any]]] = None):
+             compute_copies: Optional[Mapping[torch.Tensor, torch.Tensor]] = None):
         """One optimizer step.
 
         Args:
@@ -305,76 +305,80 @@ class HybridAdamW(torch.optim.Optimizer):
             params: update only these parameters (e.g. one streamed layer). With clipping, pass the
                 global ``grad_norm`` or ``clip_coef``: a subset cannot know the global norm.
             compute_copies: extra ``{param: bf16/fp16 tensor}`` written in the same pass for this step.
-            hyperparameters: per-group values to use instead of the live ``param_groups`` (a
-                :meth:`hyperparameters` snapshot), so a step running on another thread is not changed
-                half-way by a scheduler that has already moved on to the next step's learning rate.
         Returns the closure's loss (or ``None``). Check ``last_step_skipped`` for skipped steps.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        targets = self._targets(params, hyperparameters)
+        self._step(self.param_groups, params, grad_norm, clip_coef, compute_copies, None)
+        return loss
+
+    @torch.no_grad()
+    def update(self, params: Iterable[torch.Tensor], *, clip_coef: float, groups: Sequence[Mapping[str, Any]],
+               grads: Optional[Mapping[torch.Tensor, torch.Tensor]] = None) -> None:
+        """Update ``params`` as part of a step that :meth:`snapshot` captured, without the step hooks.
+
+        For an engine that splits one step into per-layer updates on another thread: ``groups`` (from
+        :meth:`snapshot`) fixes the groups and hyperparameters, so a scheduler may already move on, and
+        ``grads`` (``{param: gradient}``) are read instead of ``.grad``, so a ``zero_grad`` elsewhere cannot
+        drop the update. The optimizer's step hooks belong to the engine's one ``step`` call.
+        """
+        self._step(groups, params, None, clip_coef, None, grads)
+
+    def snapshot(self) -> List[Dict[str, Any]]:
+        """The parameter groups as they are now: each group's parameter list and settings (tensor values
+        copied), for :meth:`update`."""
+        return [{k: (list(v) if k == "params" else v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                 for k, v in group.items()} for group in self.param_groups]
+
+    def _step(self, groups, params, grad_norm, clip_coef, compute_copies, grads) -> None:
+        targets = self._targets(groups, params, grads)
         coef = 1.0 if clip_coef is None else float(clip_coef)
         norm = grad_norm
         if norm is None and clip_coef is None and (self.max_grad_norm > 0 or self.check_finite):
             if params is not None and self.max_grad_norm > 0:
                 raise ValueError("HybridAdamW.step(params=...) with max_grad_norm > 0 needs the global grad_norm "
                                  "or clip_coef computed over all gradients")
-            norm, _ = clipping.global_grad_norm([p.grad for p, _ in targets])
+            norm, _ = clipping.global_grad_norm([g for _, g, _ in targets])
         self.last_step_skipped = False
         if norm is not None:
             if not clipping.is_finite(norm):
                 self.record_skipped_step(float(norm) if not isinstance(norm, torch.Tensor) else norm.item())
-                return loss
+                return
             self.last_grad_norm = float(norm)
             if clip_coef is None and self.max_grad_norm > 0:
                 coef = float(clipping.clip_coefficient(norm, self.max_grad_norm))
         elif clip_coef is not None and not clipping.is_finite(coef):
             self.record_skipped_step(None)
-            return loss
+            return
         self.last_clip_coef = coef
         copies = self.compute_copies
         if compute_copies:
             copies = dict(copies)
             copies.update(compute_copies)
-        for p, group in targets:
-            self._update(p, group, coef, copies.get(p))
-        return loss
+        for p, g, group in targets:
+            self._update(p, g, group, coef, copies.get(p))
 
-    def hyperparameters(self) -> List[Dict[str, Any]]:
-        """A copy of every group's settings (all keys but ``params``), for :meth:`step`."""
-        return [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
-
-    def register_zero_grad_pre_hook(self, hook) -> torch.utils.hooks.RemovableHandle:
-        """``hook(optimizer)`` runs before :meth:`zero_grad` (torch has hooks for step and state_dict only);
-        an engine that updates on another thread uses it to finish first."""
-        handle = torch.utils.hooks.RemovableHandle(self._zero_grad_pre_hooks)
-        self._zero_grad_pre_hooks[handle.id] = hook
-        return handle
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for hook in list(getattr(self, "_zero_grad_pre_hooks", {}).values()):
-            hook(self)
-        super().zero_grad(set_to_none)
-
-    def _targets(self, params, hyperparameters=None) -> List[Tuple[torch.Tensor, Dict[str, Any]]]:
+    def _targets(self, groups, params, grads) -> List[Tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]:
+        """(param, gradient, group) for every parameter to update: those of ``params`` (all if None)
+        that have a gradient (from ``grads`` when given, else ``.grad``)."""
         wanted = None if params is None else {id(p) for p in params}
-        if hyperparameters is not None and len(hyperparameters) != len(self.param_groups):
-            raise ValueError(f"hyperparameters has {len(hyperparameters)} entries for {len(self.param_groups)} "
-                             "parameter groups")
         out = []
-        for gi, live in enumerate(self.param_groups):
-            group = live if hyperparameters is None else hyperparameters[gi]
-            for p in live["params"]:
-                if p.grad is None or (wanted is not None and id(p) not in wanted):
+        for group in groups:
+            for p in group["params"]:
+                if wanted is not None and id(p) not in wanted:
                     continue
-                if p.grad.is_sparse:
+                g = p.grad if grads is None else grads.get(p)
+                if g is None:
+                    continue
+                if g.is_sparse:
                     raise RuntimeError("HybridAdamW does not support sparse gradients")
-                out.append((p, group))
+                out.append((p, g, group))
         return out
 
-    def _update(self, p: torch.Tensor, group: Dict[str, Any], coef: float, copy: Optional[torch.Tensor]) -> None:
+    def _update(self, p: torch.Tensor, g: torch.Tensor, group: Mapping[str, Any], coef: float,
+                copy: Optional[torch.Tensor]) -> None:
         st = self.state[p]
         if not st:
             st = self._init_state(p, group)
@@ -383,11 +387,10 @@ class HybridAdamW(torch.optim.Optimizer):
         hyper = make_hyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                            weight_decay=group["weight_decay"], step=st["step"], clip=coef,
                            adamw=group["adamw_mode"])
-        g = p.grad
         if "state1" in st:
             self._update_8bit(p, g, st, group, hyper, copy)
         else:
-            self._update_fp32(p, g, st, hyper, copy)
+            self._update_fp32(p, g, st, group, hyper, copy)
 
     @staticmethod
     def _kernel_ok(p: torch.Tensor, g: torch.Tensor, copy: Optional[torch.Tensor]):
@@ -420,10 +423,13 @@ class HybridAdamW(torch.optim.Optimizer):
             return
         torch_adam8bit(p, g, st, hyper, q1, q2, bs, copy)
 
-    def _update_fp32(self, p, g, st, hyper, copy) -> None:
+    def _update_fp32(self, p, g, st, group, hyper, copy) -> None:
         k = self._kernel_ok(p, g, copy)
         if k is not None:
             k.adam32(hyper, p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], copy)
+            return
+        if p.device.type != "cpu" and p.dtype == g.dtype == torch.float32:
+            torch_fused_adam32(p, g, st, float(group["lr"]), hyper, copy)
             return
         torch_adam32(p, g, st, hyper, copy)
 
@@ -508,6 +514,20 @@ def torch_adam8bit(p, g, st, h, q1: QuantMap, q2: QuantMap, bs: int, copy=None) 
     p.detach().copy_(pf.view(p.shape))
     if copy is not None:
         copy.copy_(pf.view(p.shape))
+
+
+def torch_fused_adam32(p, g, st, lr: float, h, copy=None) -> None:
+    """fp32-state update through torch's fused Adam(W) kernel (for CUDA tensors): in place, with no
+    temporaries the size of the parameter (an embedding or LM head can be a large share of GPU memory).
+    The clip coefficient goes in as the kernel's gradient scale, which divides; the kernel may leave the
+    gradient divided by it."""
+    fused = torch._fused_adamw_ if h.adamw else torch._fused_adam_
+    step = torch.tensor(float(st["step"]), dtype=torch.float32, device=p.device)
+    scale = None if h.clip == 1.0 else torch.tensor(1.0 / h.clip, dtype=torch.float32, device=p.device)
+    fused([p.detach()], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [], [step], lr=lr, beta1=h.beta1, beta2=h.beta2,
+          weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False, grad_scale=scale, found_inf=None)
+    if copy is not None:
+        copy.copy_(p)
 
 
 def torch_adam32(p, g, st, h, copy=None) -> None:
