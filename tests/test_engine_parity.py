@@ -427,6 +427,33 @@ def test_dropout_masks_are_replayed_in_recompute(family, k, graph):
     assert max_rel_diff(engine.module, ref) < RTOL
 
 
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_module_load_state_dict_reaches_masters_and_compute_copies(bf16):
+    """model.load_state_dict(...) called by the user after initialize: the next forward computes with
+    the loaded weights (bf16: the streamed layers' compute copies and the non-block fp32 masters)."""
+    fresh = make_model("llama")
+    model = make_model("llama")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-0.5)
+    cfg = ds_config(checkpoint_interval=2, _top={"bf16": {"enabled": True}} if bf16 else {})
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.module.load_state_dict(fresh.state_dict())
+    loaded = engine.module_state_dict()   # the fp32 masters
+    assert all(torch.equal(loaded[n], t) for n, t in fresh.state_dict().items())
+    w = engine.weights
+    for i in range(w.num_layers):
+        stored = w.weights_tier.read(w._key(i)).wait()
+        assert torch.equal(stored, w.master[i].to(stored.dtype))
+    with torch.no_grad():
+        got = engine(x).logits.float()
+        expect = (fresh.to(torch.bfloat16) if bf16 else fresh)(x).logits.float()
+    torch.testing.assert_close(got, expect, rtol=0, atol=0 if not bf16 else 2e-2)
+
+
 def test_training_forward_with_a_filled_kv_cache_is_a_clear_error():
     from transformers import DynamicCache
     model = make_hf_model("llama")

@@ -89,6 +89,10 @@ class LazyTrainEngine(nn.Module):
             self.optimizer.set_compute_copies(copies)
         self._fused_copies = bool(copies)
         self.layer_updates = self._overlapped_updates(wants_overlap, overlap is True)
+        # model.load_state_dict(...) by the user also reaches the fp32 masters and the compute copies
+        self._loading_state: dict | None = None
+        self.module.register_load_state_dict_pre_hook(self._before_module_load)
+        self.module.register_load_state_dict_post_hook(self._after_module_load)
         self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
@@ -400,7 +404,19 @@ class LazyTrainEngine(nn.Module):
 
     def _load_module_state(self, state: dict, strict: bool) -> None:
         self.wait_for_update()
-        self.module.load_state_dict(state, strict=strict)
+        self.module.load_state_dict(state, strict=strict)   # the hooks below do the rest
+
+    def _before_module_load(self, module, state_dict, prefix, *args) -> None:
+        if prefix == "":
+            self._loading_state = state_dict
+
+    def _after_module_load(self, module, incompatible_keys) -> None:
+        """The loaded values are in the module's parameters (block parameters are views of the fp32
+        masters); copy them into the non-block fp32 masters (from the state dict, at full precision) and
+        rewrite every streamed layer's compute copy, which the next forward reads."""
+        state, self._loading_state = self._loading_state, None
+        if state is None:
+            return
         if self.masters is not None:
             names = {id(p): n for n, p in self.module.named_parameters()}
             with torch.no_grad():
