@@ -454,6 +454,18 @@ def test_module_load_state_dict_reaches_masters_and_compute_copies(bf16):
     torch.testing.assert_close(got, expect, rtol=0, atol=0 if not bf16 else 2e-2)
 
 
+def test_half_precision_model_with_a_float32_config_is_a_clear_error():
+    model = make_hf_model("llama").to(torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"the model's parameters are bfloat16 but the config trains in float32 "
+                                          r"\(no 'bf16' or 'fp16' section enabled\): add \"bf16\""):
+        lazytrain.initialize(model=model, config=ds_config())
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(_top={"bf16": {"enabled": True}}))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.was_step_applied()
+
+
 def test_training_forward_with_a_filled_kv_cache_is_a_clear_error():
     from transformers import DynamicCache
     model = make_hf_model("llama")

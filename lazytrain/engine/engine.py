@@ -43,6 +43,7 @@ class LazyTrainEngine(nn.Module):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.compute_dtype = _DTYPES[config.compute_dtype_name]
+        _check_model_dtype(model, self.compute_dtype)
 
         # what streams and what stays
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
@@ -498,6 +499,19 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _check_model_dtype(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """A bf16/fp16 model with a float32 config would stream fp32 blocks between half-precision
+    embeddings and head: say what to change instead of failing inside the first matmul."""
+    if compute_dtype != torch.float32:
+        return   # mixed precision: the engine keeps fp32 masters and casts the model to the compute dtype
+    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+                  if p.is_floating_point() and p.dtype != torch.float32})
+    if low:
+        raise ConfigError(f"the model's parameters are {', '.join(low)} but the config trains in float32 (no "
+                          f"'bf16' or 'fp16' section enabled): add \"bf16\": {{\"enabled\": true}} (or fp16) to "
+                          f"the config, or convert the model with model.float()")
 
 
 def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
