@@ -16,7 +16,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, out_dir: str):
+def _worker(rank: int, port: int, out_dir: str, overlap: bool):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import warnings
@@ -26,7 +26,7 @@ def _worker(rank: int, port: int, out_dir: str):
     model = make_model("modulelist")
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
-           "lazytrain": {"checkpoint_interval": 2}}
+           "lazytrain": {"checkpoint_interval": 2, "overlap_optimizer": overlap}}
     engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
     assert engine.world_size == 2 and engine.gradient_accumulation_steps() == 1
     for x, y in batches(3, batch=4):
@@ -37,10 +37,11 @@ def _worker(rank: int, port: int, out_dir: str):
     torch.distributed.destroy_process_group()
 
 
-def test_two_ranks_equal_one_big_batch(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
+def test_two_ranks_equal_one_big_batch(tmp_path, overlap):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), overlap), nprocs=2, join=True)
     ref = reference_train(make_model("modulelist"), batches(3, batch=4), lr=1e-3)
     for rank in (0, 1):
         model = make_model("modulelist")
