@@ -71,6 +71,19 @@ def make_hf_model(family: str, n_layers: int = 6, dropout: float = 0.0) -> nn.Mo
         return T.Qwen2ForCausalLM(T.Qwen2Config(**common))
     if family == "mistral":   # a sliding window shorter than the test sequence
         return T.MistralForCausalLM(T.MistralConfig(sliding_window=8, **common))
+    if family == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=8, **common))
+    if family == "gemma":
+        return T.GemmaForCausalLM(T.GemmaConfig(head_dim=8, **common))
+    if family == "gemma2":    # alternating sliding-window and global layers, logit soft-capping
+        return T.Gemma2ForCausalLM(T.Gemma2Config(head_dim=8, sliding_window=8, pad_token_id=0, **common))
+    if family == "phi3":
+        return T.Phi3ForCausalLM(T.Phi3Config(pad_token_id=0, **common))
+    if family == "mixtral":   # mixture of experts in every block
+        return T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))
+    if family == "qwen2moe":
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                      shared_expert_intermediate_size=32, **common))
     raise ValueError(family)
 
 

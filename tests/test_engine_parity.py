@@ -376,8 +376,9 @@ def test_generate_with_kv_cache_through_streamed_layers():
     assert torch.equal(got, expect)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
-@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+@pytest.mark.parametrize("family, graph", [
+    (f, g) for f in ("llama", "qwen2", "mistral", "gpt2") for g in (True, False)] + [
+    (f, False) for f in ("qwen3", "gemma", "gemma2", "phi3", "mixtral", "qwen2moe")])
 def test_transformers_families_with_their_kv_cache_default_match_pytorch(family, graph):
     """Models as users build them, with use_cache on (the config default): the model hands its blocks
     a KV cache (GPT-2 by position) that a recomputed block would extend twice; the engine runs training
