@@ -40,6 +40,26 @@ class ModuleListLM(nn.Module):
         return self.head(self.extra[0](x))
 
 
+class TupleBlock(MLPBlock):
+    """Returns a 1-tuple, as transformers' decoder layers did before 5.0 (the model indexes ``[0]``)."""
+
+    def forward(self, x):
+        return (super().forward(x),)
+
+
+class TupleBlockLM(ModuleListLM):
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        torch.manual_seed(0)
+        self.stack = nn.ModuleList(TupleBlock(d) for _ in range(n_layers))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.stack:
+            x = blk(x)[0]
+        return self.head(self.extra[0](x))
+
+
 def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
@@ -50,6 +70,8 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
                             num_attention_heads=4, num_key_value_heads=2)
         return build_causal_lm(cfg, prefer_transformers=False)
+    if kind == "tuple-blocks":
+        return TupleBlockLM(n_layers=n_layers)
     return ModuleListLM(n_layers=n_layers)
 
 

@@ -275,7 +275,6 @@ def test_param_group_added_while_layers_update():
     engine.backward(lm_loss(engine(x), y))
     engine.step()
     opt.add_param_group({"params": [extra]})
-    engine.extra_params.append(extra)
     engine.backward(lm_loss(engine(x2), y2) + extra.sum())
     engine.step()
     engine.wait_for_update()
@@ -306,6 +305,7 @@ def test_a_failed_update_is_raised_until_a_checkpoint_is_loaded(tmp_path):
         engine.module.state_dict()
     engine.optimizer.update = update
     engine.load_checkpoint(str(tmp_path), tag="good")   # the way out
+    assert all(float(g.abs().max()) == 0.0 for g in engine.weights.grad)   # no gradient of the failed step
     engine.backward(lm_loss(engine(x2), y2))
     engine.step()
     engine.wait_for_update()
@@ -373,5 +373,10 @@ def test_overlap_config():
     cfg["optimizer"]["params"]["amsgrad"] = True
     with pytest.raises(ConfigError, match="amsgrad' = true is not supported with 'lazytrain.optimizer_states'"):
         lazytrain.initialize(model=copy.deepcopy(model), config=cfg)
+    for overlap in (False, True):   # DeepSpeed's Adam/AdamW default to no weight decay (torch AdamW: 0.01)
+        cfg = ds_config(overlap_optimizer=overlap)
+        del cfg["optimizer"]["params"]["weight_decay"]
+        _, opt, _, _ = lazytrain.initialize(model=copy.deepcopy(model), config=cfg)
+        assert opt.defaults["weight_decay"] == 0.0
     with pytest.raises(ConfigError, match="'lazytrain.overlap_optimizer' must be \"auto\", true or false, got 'yes'"):
         lazytrain.initialize(model=copy.deepcopy(model), config=ds_config(overlap_optimizer="yes"))

@@ -100,6 +100,17 @@ def test_forward_without_backward_frees_its_graph_tail_with_its_output():
     assert not pass_keys(engine)
 
 
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_blocks_returning_a_one_tuple_get_a_tuple_back(graph):
+    """A block that returns ``(hidden,)`` (transformers' decoder layers before 5.0) gets a tuple back from
+    the streamed call, so the model's ``blk(x)[0]`` still takes the hidden state, not its first row."""
+    model = make_model("tuple-blocks")
+    data = batches(4)
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, ds_config(checkpoint_interval=2, last_segment_graph=graph))
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
 def test_modulelist_blocks_found_automatically():
     engine = train_engine(make_model("modulelist"), batches(1), ds_config())
     assert engine.blocks_path == "stack"
@@ -376,15 +387,16 @@ def test_generate_with_kv_cache_through_streamed_layers():
     assert torch.equal(got, expect)
 
 
-@pytest.mark.parametrize("family, graph", [
-    (f, g) for f in ("llama", "qwen2", "mistral", "gpt2") for g in (True, False)] + [
-    (f, False) for f in ("qwen3", "gemma", "gemma2", "phi3", "mixtral", "qwen2moe")])
-def test_transformers_families_with_their_kv_cache_default_match_pytorch(family, graph):
-    """Models as users build them, with use_cache on (the config default): the model hands its blocks
-    a KV cache (GPT-2 by position) that a recomputed block would extend twice; the engine runs training
-    blocks without it, as gradient checkpointing does, and warns once. GPT-2's blocks are named in the
-    config. Clipping is off here: these models' key biases have a zero gradient up to rounding noise,
-    which Adam turns into updates that any change in the clip factor's last bit changes."""
+@pytest.mark.parametrize("family, graph, entry", [
+    (f, g, e) for f in ("llama", "qwen2", "mistral", "gpt2") for g in (True, False) for e in ("engine", "module")] + [
+    (f, False, "engine") for f in ("qwen3", "gemma", "gemma2", "phi3", "mixtral", "qwen2moe")])
+def test_transformers_families_with_their_kv_cache_default_match_pytorch(family, graph, entry):
+    """Models as users build them, with use_cache on (the config default). Through engine(x) a training
+    forward asks for no KV cache (as gradient checkpointing does); calling the module directly, the model
+    hands its blocks a cache (GPT-2 by position), which the forward fills once, as plain PyTorch does,
+    and the blocks re-run in backward do without. GPT-2's blocks are named in the config. Clipping is
+    off here: these models' key biases have a zero gradient up to rounding noise, which Adam turns into
+    updates that any change in the clip factor's last bit changes."""
     model = make_hf_model(family)
     assert model.config.use_cache
     data = batches(5)
@@ -394,9 +406,11 @@ def test_transformers_families_with_their_kv_cache_default_match_pytorch(family,
         section["blocks"] = "transformer.h"
     cfg = ds_config(**section)
     cfg["gradient_clipping"] = 0.0
-    with pytest.warns(UserWarning, match="passed a KV cache to its blocks in a training forward") as record:
-        engine = train_engine(model, data, cfg)
-    assert sum("KV cache" in str(w.message) for w in record) == 1
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    call = engine if entry == "engine" else engine.module
+    for x, y in data:
+        engine.backward(lm_loss(call(x), y))
+        engine.step()
     assert engine.blocks_path == ("transformer.h" if family == "gpt2" else "model.layers")
     assert max_rel_diff(engine.module, ref) < RTOL
 
@@ -465,6 +479,40 @@ def test_half_precision_model_with_a_float32_config_is_a_clear_error():
     engine.backward(lm_loss(engine(x), y))
     engine.step()
     assert engine.was_step_applied()
+
+
+@pytest.mark.parametrize("target", ["submodule", "engine", "tied-name-only"])
+def test_load_state_dict_on_a_submodule_or_the_engine_reaches_masters_and_copies(target):
+    """bf16: loading into model.model (prefix-free keys of a submodule), into the engine ("module."
+    keys), or a partial state dict naming a tied weight by its second name, updates the fp32 masters and
+    the streamed compute copies; assign=True is a clear error; destroy() leaves no hook behind."""
+    fresh = make_hf_model("gpt2")
+    model = make_hf_model("gpt2")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-0.5)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(
+        checkpoint_interval=2, blocks="transformer.h", _top={"bf16": {"enabled": True}}))
+    full = fresh.state_dict()
+    if target == "submodule":
+        engine.module.transformer.load_state_dict({k[len("transformer."):]: v for k, v in full.items()
+                                                   if k.startswith("transformer.")})
+        expect = {k: v for k, v in full.items() if k.startswith("transformer.")}
+    elif target == "engine":
+        engine.load_state_dict({"module." + k: v for k, v in full.items()})
+        expect = full
+    else:
+        engine.module.load_state_dict({"lm_head.weight": full["lm_head.weight"]}, strict=False)
+        expect = {"transformer.wte.weight": full["lm_head.weight"]}
+    masters = engine.module_state_dict()
+    assert all(torch.equal(masters[k], v) for k, v in expect.items())
+    w = engine.weights
+    for i in range(w.num_layers):
+        assert torch.equal(w.weights_tier.read(w._key(i)).wait(), w.master[i].to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"assign=True\) cannot replace the parameters"):
+        engine.module.load_state_dict(full, assign=True)
+    engine.destroy()
+    assert not any(m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks for m in model.modules())
 
 
 def test_training_forward_with_a_filled_kv_cache_is_a_clear_error():

@@ -6,6 +6,7 @@ counters and accumulation-boundary semantics.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import warnings
@@ -79,10 +80,8 @@ class LazyTrainEngine(nn.Module):
                                              layerwise=wants_overlap)
         else:
             self.optimizer = None
-        # parameters the optimizer updates that the model does not own (e.g. a loss's learnable temperature)
-        known = {id(p) for p in model.parameters()} | {id(m) for _, m in (self.masters.pairs if self.masters else ())}
-        self.extra_params = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in known] \
-            if self.optimizer is not None else []
+        self._model_param_ids = {id(p) for p in model.parameters()} | \
+            {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
         # the hybrid optimizer also writes the streamed layers' compute copies in its update pass
         copies = self.weights.compute_copy_views() if self._fused_clip else None
@@ -90,16 +89,22 @@ class LazyTrainEngine(nn.Module):
             self.optimizer.set_compute_copies(copies)
         self._fused_copies = bool(copies)
         self.layer_updates = self._overlapped_updates(wants_overlap, overlap is True)
-        # model.load_state_dict(...) by the user also reaches the fp32 masters and the compute copies
-        self._loading_state: dict | None = None
-        self.module.register_load_state_dict_pre_hook(self._before_module_load)
-        self.module.register_load_state_dict_post_hook(self._after_module_load)
+        # load_state_dict(...) by the user, on the model or any submodule, also reaches the fp32 masters
+        # and the compute copies
+        self._load_top: tuple | None = None   # (module, prefix, state_dict) of the load in progress
+        self._load_hooks = []
+        for module in model.modules():
+            self._load_hooks += [module.register_load_state_dict_pre_hook(self._before_module_load),
+                                 module.register_load_state_dict_post_hook(self._after_module_load)]
         self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
                                       config.fp16.consecutive_hysteresis, config.fp16.min_loss_scale) \
             if config.fp16.enabled else None
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
+        # a transformers model with use_cache on would hand every block a KV cache to fill in training
+        self._drops_kv_cache = bool(getattr(getattr(model, "config", None), "use_cache", False)) and \
+            "use_cache" in inspect.signature(model.forward).parameters
 
         # counters (DeepSpeed's names)
         self.global_steps = 0
@@ -168,6 +173,8 @@ class LazyTrainEngine(nn.Module):
     def forward(self, *inputs, **kwargs):
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
+        if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
+            kwargs["use_cache"] = False   # a training forward fills no KV cache, as under gradient checkpointing
         return self.module(*inputs, **kwargs)
 
     def _to_device(self, x):
@@ -219,7 +226,7 @@ class LazyTrainEngine(nn.Module):
             grads += self.masters.master_grads()
         else:
             grads += [p.grad for p in self.non_block_params if p.grad is not None]
-        grads += [p.grad for p in self.extra_params if p.grad is not None]
+        grads += [p.grad for p in self._extra_params() if p.grad is not None]
         return grads
 
     def _take_model_step(self, lr_kwargs) -> None:
@@ -331,13 +338,20 @@ class LazyTrainEngine(nn.Module):
         # else the update thread zeroes each layer's gradients once its update is done: no need to wait
         self._zero_non_block_grads()
 
+    def _extra_params(self) -> list[torch.Tensor]:
+        """Parameters the optimizer updates that the model does not own (a loss's learnable temperature),
+        read from its groups as they are now (a group may be added during training)."""
+        if self.optimizer is None:
+            return []
+        return [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self._model_param_ids]
+
     def _zero_non_block_grads(self) -> None:
         if self.masters is not None:
             self.masters.zero_grad()
         else:
             for p in self.non_block_params:
                 p.grad = None
-        for p in self.extra_params:
+        for p in self._extra_params():
             p.grad = None
 
     # ---- getters -------------------------------------------------------------------------------
@@ -407,23 +421,29 @@ class LazyTrainEngine(nn.Module):
         self.wait_for_update()
         self.module.load_state_dict(state, strict=strict)   # the hooks below do the rest
 
-    def _before_module_load(self, module, state_dict, prefix, *args) -> None:
-        if prefix == "":
-            self._loading_state = state_dict
+    def _before_module_load(self, module, state_dict, prefix, local_metadata, *args) -> None:
+        if local_metadata.get("assign_to_params_buffers"):
+            raise RuntimeError("load_state_dict(..., assign=True) cannot replace the parameters of a model whose "
+                               "blocks LazyTrain streams (their weights live in the engine's buffers): load "
+                               "without assign=True, which copies the values in")
+        if self._load_top is None or not prefix.startswith(self._load_top[1]):
+            self._load_top = (module, prefix, state_dict)   # pre-hooks run from the top module down
 
     def _after_module_load(self, module, incompatible_keys) -> None:
-        """The loaded values are in the module's parameters (block parameters are views of the fp32
-        masters); copy them into the non-block fp32 masters (from the state dict, at full precision) and
-        rewrite every streamed layer's compute copy, which the next forward reads."""
-        state, self._loading_state = self._loading_state, None
-        if state is None:
+        """Once the module the user loaded into is done (post-hooks run bottom-up), the values are in its
+        parameters (block parameters are views of the fp32 masters): copy them into the non-block fp32
+        masters (from the state dict, at full precision) and rewrite every streamed layer's compute copy,
+        which the next forward reads."""
+        if self._load_top is None or self._load_top[0] is not module:
             return
+        _, prefix, state = self._load_top
+        self._load_top = None
         if self.masters is not None:
-            names = {id(p): n for n, p in self.module.named_parameters()}
             with torch.no_grad():
-                for p, m in self.masters.pairs:
-                    if names[id(p)] in state:
-                        m.copy_(state[names[id(p)]])
+                for name, p in module.named_parameters(remove_duplicate=False):   # tied weights: either name
+                    m = self.masters.by_param.get(id(p))
+                    if m is not None and prefix + name in state:
+                        m.copy_(state[prefix + name])
         for i in range(self.weights.num_layers):
             self.weights.refresh_compute_copy(i)
 
@@ -454,6 +474,7 @@ class LazyTrainEngine(nn.Module):
             return None, None
         if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
             self.layer_updates.forget_failure()
+            self.zero_grad()                  # layers the failed update never reached kept their gradients
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim)
         self._load_module_state(model_state["module"], load_module_strict)
@@ -482,6 +503,8 @@ class LazyTrainEngine(nn.Module):
 
     def destroy(self) -> None:
         """Release streaming buffers and tiers (NVMe run directories are removed)."""
+        for handle in self._load_hooks:
+            handle.remove()
         if self.layer_updates is not None:
             for handle in self._settle_hooks:
                 handle.remove()

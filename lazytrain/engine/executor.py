@@ -11,7 +11,6 @@ parameters and state_dict keys stay as they were.
 from __future__ import annotations
 
 import itertools
-import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +43,17 @@ def _rng_state(device: torch.device) -> tuple:
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
 
+def _is_kv_cache(v) -> bool:
+    return hasattr(v, "get_seq_length") and hasattr(v, "update")
+
+
+def _without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A re-run block gets no KV cache: its forward already appended its keys and values, and appending
+    them again would make it attend over every position twice."""
+    return (tuple(None if _is_kv_cache(v) else v for v in args),
+            {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()})
+
+
 @contextmanager
 def _replayed_rng(call: _LayerCall, device: torch.device):
     """Re-run a block with the random state its forward had, so dropout draws the same masks (as
@@ -72,6 +82,7 @@ class _Pass:
     windows_entered: set = field(default_factory=set)
     owned: set = field(default_factory=set)                              # (tier, key) still allocated
     graphs: dict = field(default_factory=dict)                           # layer -> recorded segment graph
+    returned_tuple: set = field(default_factory=set)                     # layers whose block returned a tuple
 
 
 class LayerStreamingExecutor:
@@ -100,7 +111,6 @@ class LayerStreamingExecutor:
         self._pending_weight: tuple[int, int, TransferHandle] | None = None  # (seq index, slot, handle)
         self._slot = 0
         self.recomputed_layer_forwards = 0
-        self._warned_cache = False
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
@@ -188,6 +198,8 @@ class LayerStreamingExecutor:
             for k, t in zip(call.tensor_idx, tensors):
                 leaves[k] = t
         rest_args, kwargs = tree_unflatten(leaves, call.spec)
+        if replay:
+            rest_args, kwargs = _without_kv_cache(rest_args, kwargs)
         block = self.blocks[layer]
         if replay:
             with _replayed_rng(call, self.device), _reparametrize_module(block, params):
@@ -211,38 +223,25 @@ class LayerStreamingExecutor:
         hidden = args[0]
         rest = args[1:]
         if torch.is_grad_enabled():
-            rest, kwargs = self._without_kv_cache(layer, rest, kwargs)
+            self._check_kv_cache(layer, rest, kwargs)
         leaves, spec = tree_flatten((rest, kwargs))
         call = _LayerCall(spec, leaves, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)])
         if not torch.is_grad_enabled():
             return self._run_inference(layer, hidden, call)
         return self._run_training(layer, hidden, call)
 
-    def _without_kv_cache(self, layer: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A training forward gets no KV cache: a block may run twice (forward, then recompute in backward)
-        and would append its keys and values twice. Transformers models pass an empty cache (by keyword,
-        or by position as GPT-2 does) whenever ``use_cache`` is on, the config default; without it the
-        block computes the same output, as under Hugging Face's gradient checkpointing, which drops the
-        cache the same way."""
-        def is_cache(v) -> bool:
-            return hasattr(v, "get_seq_length") and hasattr(v, "update")
-        caches = [v for v in (*args, *kwargs.values()) if is_cache(v)]
-        if not caches:
-            return args, kwargs
-        for cache in caches:
-            held = cache.get_seq_length(layer)
-            if held > 0:
-                raise ExecutorError(f"block {layer} got a KV cache already holding {held} positions in a forward "
-                                    f"with gradients: training through streamed blocks cannot extend a cache "
-                                    f"(blocks are re-run in backward); run it under torch.no_grad() or pass "
-                                    f"use_cache=False")
-        if not self._warned_cache:
-            self._warned_cache = True
-            warnings.warn("lazytrain: the model passed a KV cache to its blocks in a training forward; LazyTrain "
-                          "runs the blocks without it, as gradient checkpointing does (pass use_cache=False or "
-                          "set model.config.use_cache = False to silence this)", stacklevel=4)
-        return (tuple(None if is_cache(v) else v for v in args),
-                {k: None if is_cache(v) else v for k, v in kwargs.items()})
+    @staticmethod
+    def _check_kv_cache(layer: int, args: tuple, kwargs: dict) -> None:
+        """A training forward may hand its blocks an empty KV cache (transformers does whenever
+        ``use_cache`` is on, by keyword or, as GPT-2, by position): the forward extends it once, as plain
+        PyTorch does, and re-runs go without it (:func:`_without_kv_cache`). A cache that already holds
+        positions cannot work: the re-run would attend over fewer positions than the forward did."""
+        for v in (*args, *kwargs.values()):
+            if _is_kv_cache(v) and v.get_seq_length(layer) > 0:
+                raise ExecutorError(f"block {layer} got a KV cache already holding {v.get_seq_length(layer)} "
+                                    f"positions in a forward with gradients: training through streamed blocks "
+                                    f"cannot extend a cache (blocks are re-run in backward); run it under "
+                                    f"torch.no_grad() or pass use_cache=False")
 
     def _run_inference(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
         if layer == 0 or not self._weight_seq:
@@ -272,7 +271,7 @@ class LayerStreamingExecutor:
             # the pass now lives only as long as its autograd graph: a forward never differentiated
             # frees its kept boundaries and graphs with that graph, not at the next forward
             self._current = None
-        if not extras:
+        if not extras and layer not in p.returned_tuple:
             return out_hidden
         return (out_hidden, *extras)
 
@@ -488,6 +487,7 @@ class _BlockFunction(torch.autograd.Function):
             out, _ = executor._compute(layer, flat, hidden, p.calls[layer])
         if isinstance(out, torch.Tensor):
             return (out,)
+        p.returned_tuple.add(layer)   # the model indexes it (layer_outputs[0]): hand back a tuple too
         extras = tuple(out[1:])
         for t in extras:
             if isinstance(t, torch.Tensor):

@@ -55,6 +55,7 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
                               f"{typ} (allowed: {', '.join(sorted(_ADAM_KEYS))})")
         adam_w_mode = bool(params.pop("adam_w_mode", True)) if lower == "adam" else True
         params.pop("adam_w_mode", None)
+        params.setdefault("weight_decay", 0.0)   # DeepSpeed's FusedAdam/CPUAdam default (torch AdamW's is 0.01)
         params.pop("torch_adam", None)
         params.pop("fused", None)
         params.pop("foreach", None)
@@ -69,7 +70,6 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
                               "'lazytrain.optimizer_states' = \"8bit\" (HybridAdamW has no AMSGrad)")
         if cfg.lazytrain.optimizer_states == "8bit" or (layerwise and not amsgrad):
             params.pop("amsgrad", None)
-            params.setdefault("weight_decay", 0.01 if adam_w_mode else 0.0)   # torch's AdamW / Adam defaults
             return _hybrid(groups, params, adam_w_mode, cfg, named)
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
         return cls(groups, fused=_fused_ok(groups), **params)

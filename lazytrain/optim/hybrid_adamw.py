@@ -428,8 +428,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if k is not None:
             k.adam32(hyper, p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], copy)
             return
-        if p.device.type != "cpu" and p.dtype == g.dtype == torch.float32:
-            torch_fused_adam32(p, g, st, float(group["lr"]), hyper, copy)
+        if p.device.type != "cpu" and p.dtype == g.dtype == torch.float32 and p.is_contiguous():
+            torch_fused_adam32(p, g.contiguous(), st, float(group["lr"]), hyper, copy)
             return
         torch_adam32(p, g, st, hyper, copy)
 
