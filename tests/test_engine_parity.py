@@ -397,7 +397,10 @@ def test_transformers_families_with_their_kv_cache_default_match_pytorch(family,
     and the blocks re-run in backward do without. GPT-2's blocks are named in the config. Clipping is
     off here: these models' key biases have a zero gradient up to rounding noise, which Adam turns into
     updates that any change in the clip factor's last bit changes."""
-    model = make_hf_model(family)
+    try:
+        model = make_hf_model(family)
+    except AttributeError as e:   # a family newer than the installed transformers
+        pytest.skip(str(e))
     assert model.config.use_cache
     data = batches(5)
     ref = reference_train(model, data, clip=0.0)
