@@ -1,5 +1,6 @@
 """The streaming engine trains exactly like plain PyTorch (fp32: within 1e-5 relative)."""
 import copy
+import inspect
 import json
 
 import pytest
@@ -523,12 +524,14 @@ def test_training_forward_with_a_filled_kv_cache_is_a_clear_error():
     model = make_hf_model("llama")
     engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
     ids = torch.tensor([[1, 2, 3, 4]])
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.x / 4.x
     with torch.no_grad():
-        cache = engine.module(ids, use_cache=True, cache=DynamicCache(config=model.config)).cache
+        out = engine.module(ids, use_cache=True, **{name: DynamicCache()})
+    cache = getattr(out, name)
     assert cache.get_seq_length() == 4
     with pytest.raises(ExecutorError, match="block 0 got a KV cache already holding 4 positions in a forward with "
                                             "gradients"):
-        engine(torch.tensor([[5]]), cache=cache, use_cache=True)
+        engine(torch.tensor([[5]]), use_cache=True, **{name: cache})
 
 
 @pytest.mark.parametrize("k", [2, 6], ids=["k2", "whole-stack-graph"])
