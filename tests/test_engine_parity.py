@@ -473,6 +473,13 @@ def test_module_load_state_dict_reaches_masters_and_compute_copies(bf16):
     torch.testing.assert_close(got, expect, rtol=0, atol=0 if not bf16 else 2e-2)
 
 
+@pytest.mark.parametrize("device", ["mps", "xpu:0", "tpu"])
+def test_unsupported_device_is_a_clear_error(device):
+    with pytest.raises(ConfigError, match=f"config 'lazytrain.device' must be \"auto\", \"cpu\", \"cuda\" or "
+                                          f"\"cuda:N\", got '{device}'"):
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(device=device))
+
+
 def test_half_precision_model_with_a_float32_config_is_a_clear_error():
     model = make_hf_model("llama").to(torch.bfloat16)
     with pytest.raises(ConfigError, match=r"the model's parameters are bfloat16 but the config trains in float32 "

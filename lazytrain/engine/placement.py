@@ -14,7 +14,12 @@ def resolve_device(cfg: EngineConfig, local_rank: int) -> torch.device:
     name = cfg.lazytrain.device
     if name == "auto":
         return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):   # streams, events and RNG replay exist for these two
+        raise ConfigError(f"config 'lazytrain.device' must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got {name!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"config 'lazytrain.device' is {name!r} but CUDA is not available on this machine "
                           f"(use \"auto\" or \"cpu\")")
