@@ -262,15 +262,8 @@ class LazyTrainEngine(nn.Module):
             t0 = time.perf_counter()
             if self.layer_updates is not None:
                 self._update_overlapped(factor)
-            elif self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
-                self.optimizer.step(clip_coef=factor)
             else:
-                if factor != 1.0:
-                    _scale_(grads, factor)
-                self.optimizer.step()
-            if self.layer_updates is None:
-                for i in range(self.weights.num_layers):
-                    self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                self._update_serial(factor, grads)
             if self.masters is not None:
                 self.masters.masters_to_params()
             self.last_optimizer_seconds = time.perf_counter() - t0
@@ -290,6 +283,17 @@ class LazyTrainEngine(nn.Module):
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._print_progress()
 
+    def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
+        """The whole update now, then every streamed layer's compute copy refreshed."""
+        if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
+            self.optimizer.step(clip_coef=factor)
+        else:
+            if factor != 1.0:
+                _scale_(grads, factor)
+            self.optimizer.step()
+        for i in range(self.weights.num_layers):
+            self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+
     def _update_overlapped(self, factor: float) -> None:
         """Everything but the streamed layers now (through ``optimizer.step``, so its hooks run once, here);
         the streamed layers on the update thread, in forward order, with this step's groups and
@@ -301,10 +305,8 @@ class LazyTrainEngine(nn.Module):
         block_ids = {id(p) for params in w.params for p in params}
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
         self.optimizer.step(params=rest, clip_coef=factor)
-        layer_grads = []
-        for i in range(w.num_layers):
-            grads = {p: s.of(w.grad[i]) for s, p, trains in zip(w.slots, w.params[i], w.trainable[i]) if trains}
-            layer_grads.append(grads)
+        layer_grads = [w.grad_views(i) for i in range(w.num_layers)]
+        for grads in layer_grads:
             for p in grads:
                 p.grad = None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,12 +201,8 @@ class LayerStreamingExecutor:
         if replay:
             rest_args, kwargs = _without_kv_cache(rest_args, kwargs)
         block = self.blocks[layer]
-        if replay:
-            with _replayed_rng(call, self.device), _reparametrize_module(block, params):
-                out = type(block).forward(block, hidden, *rest_args, **kwargs)
-        else:
-            with _reparametrize_module(block, params):
-                out = type(block).forward(block, hidden, *rest_args, **kwargs)
+        with _replayed_rng(call, self.device) if replay else nullcontext(), _reparametrize_module(block, params):
+            out = type(block).forward(block, hidden, *rest_args, **kwargs)
         return out, params
 
     @staticmethod

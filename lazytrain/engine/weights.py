@@ -154,8 +154,8 @@ class LayerWeights:
         return self._fetch_into(i, self.stream_slots[slot])
 
     def views(self, flat: torch.Tensor, layer: int | None = None) -> dict[str, torch.Tensor]:
-        """Name -> tensor views of a flat device buffer, to swap into the block for one call."""
-        """``layer`` given: its trainable parameters become leaves that require grad (for backward)."""
+        """Name -> tensor views of a flat device buffer, to swap into the block for one call; with
+        ``layer`` given, its trainable parameters become leaves that require grad (for backward)."""
         out = {}
         for k, s in enumerate(self.slots):
             t = s.of(flat)
@@ -180,13 +180,17 @@ class LayerWeights:
         if self._grad_sink is not None:
             self._grad_sink.flush()
 
-    def attach_grads(self) -> None:
-        """Make every trainable block parameter's ``.grad`` the view into its flat buffer again
-        (an optimizer's ``zero_grad(set_to_none=True)`` may have cleared it)."""
-        for i in range(self.num_layers):
-            for s, p, trains in zip(self.slots, self.params[i], self.trainable[i]):
-                if trains:
-                    p.grad = s.of(self.grad[i])
+    def grad_views(self, i: int) -> dict[nn.Parameter, torch.Tensor]:
+        """{trainable parameter of layer i: its view in the layer's flat fp32 gradient buffer}."""
+        return {p: s.of(self.grad[i]) for s, p, trains in zip(self.slots, self.params[i], self.trainable[i])
+                if trains}
+
+    def attach_grads(self, i: int | None = None) -> None:
+        """Make every trainable block parameter's ``.grad`` (of layer ``i``, or all) the view into its flat
+        buffer again (an optimizer's ``zero_grad(set_to_none=True)`` may have cleared it)."""
+        for j in range(self.num_layers) if i is None else (i,):
+            for p, view in self.grad_views(j).items():
+                p.grad = view
 
     def zero_grads(self) -> None:
         for i in range(self.num_layers):
@@ -194,9 +198,7 @@ class LayerWeights:
 
     def zero_layer_grads(self, i: int) -> None:
         self.grad[i].zero_()
-        for s, p, trains in zip(self.slots, self.params[i], self.trainable[i]):
-            if trains:
-                p.grad = s.of(self.grad[i])
+        self.attach_grads(i)
 
 
 class _GradientSink:
