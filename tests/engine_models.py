@@ -60,6 +60,26 @@ class TupleBlockLM(ModuleListLM):
         return self.head(self.extra[0](x))
 
 
+class BranchLM(ModuleListLM):
+    """A non-block layer that only some samples reach (samples whose first token is even), and one that
+    none reaches: on a data-parallel rank whose samples all skip the branch, its gradient is None."""
+
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        self.side = nn.Linear(d, VOCAB)
+        self.unused = nn.Linear(d, d)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.stack:
+            x = blk(x)
+        logits = self.head(self.extra[0](x))
+        take = (ids[:, 0] % 2 == 0).nonzero().flatten()
+        if take.numel():
+            logits = logits.index_add(0, take, self.side(x[take]))
+        return logits
+
+
 def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
@@ -72,6 +92,8 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return build_causal_lm(cfg, prefer_transformers=False)
     if kind == "tuple-blocks":
         return TupleBlockLM(n_layers=n_layers)
+    if kind == "branch":
+        return BranchLM(n_layers=n_layers)
     return ModuleListLM(n_layers=n_layers)
 
 

@@ -16,20 +16,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, out_dir: str, overlap: bool):
+def _worker(rank: int, port: int, out_dir: str, overlap: bool, kind: str = "modulelist",
+            data=None, dtype: str = "fp32"):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import warnings
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
-    model = make_model("modulelist")
+    model = make_model(kind)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
            "lazytrain": {"checkpoint_interval": 2, "overlap_optimizer": overlap}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
     engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
     assert engine.world_size == 2 and engine.gradient_accumulation_steps() == 1
-    for x, y in batches(3, batch=4):
+    for x, y in data or batches(3, batch=4):
         half = slice(2 * rank, 2 * rank + 2)
         engine.backward(lm_loss(engine(x[half]), y[half]))
         engine.step()
@@ -47,3 +50,43 @@ def test_two_ranks_equal_one_big_batch(tmp_path, overlap):
         model = make_model("modulelist")
         model.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
         assert max_rel_diff(model, ref) < 1e-5
+
+
+def _branch_data():
+    """Rank 0's samples (rows 0-1) all take BranchLM's side layer, rank 1's (rows 2-3) never do."""
+    data = batches(3, batch=4)
+    for x, _ in data:
+        x[:2, 0] = 2 * (x[:2, 0] // 2)
+        x[2:, 0] = 2 * (x[2:, 0] // 2) + 1
+    return data
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
+def test_parameter_with_gradient_on_one_rank_only(tmp_path, overlap):
+    """The side layer gets a gradient on rank 0 only: rank 1 reduces zeros for it (no hang, no tensors
+    paired wrong), and both ranks end equal to one process on the whole batch. The layer no rank uses
+    keeps no gradient, so AdamW leaves it untouched, as in plain PyTorch."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    data = _branch_data()
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), overlap, "branch", data), nprocs=2, join=True)
+    ref = reference_train(make_model("branch"), data, lr=1e-3)
+    untouched = make_model("branch").unused.weight
+    for rank in (0, 1):
+        model = make_model("branch")
+        model.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
+        assert max_rel_diff(model, ref) < 1e-5
+        assert torch.equal(model.unused.weight, untouched)
+        assert not torch.equal(model.side.weight, make_model("branch").side.weight)
+
+
+def test_parameter_with_gradient_on_one_rank_only_bf16(tmp_path):
+    """Same with bf16 compute and fp32 masters for the non-block layers: the ranks stay identical."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), False, "branch", _branch_data(), "bf16"), nprocs=2,
+             join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0.keys() == r1.keys()
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k

@@ -43,6 +43,19 @@ class DistributedContext:
             t.div_(self.world_size)
             dist.all_reduce(t)
 
+    def fill_missing_grads(self, params: list[torch.Tensor]) -> None:
+        """A parameter with a gradient on some ranks only (a branch or an expert that this rank's batch did
+        not reach) gets a zero gradient on the others, so that every rank reduces the same tensors in the
+        same order; without it the ranks' all-reduces pair up wrong tensors or hang. ``params`` must be in
+        the same order on every rank. A parameter no rank has a gradient for stays without one."""
+        if not self.enabled or not params:
+            return
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.host_group)
+        for p, anywhere in zip(params, has.tolist()):
+            if anywhere and p.grad is None:
+                p.grad = torch.zeros_like(p)
+
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()

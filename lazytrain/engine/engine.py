@@ -236,6 +236,7 @@ class LazyTrainEngine(nn.Module):
         self.wait_for_update()
         self.weights.flush_grads()
         self.weights.attach_grads()
+        self.dist.fill_missing_grads(self._non_block_grad_holders())
         grads = self._all_grads()
         self.dist.average([g for g in grads if g.device.type == "cpu"], [g for g in grads if g.device.type != "cpu"])
         # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
@@ -339,6 +340,12 @@ class LazyTrainEngine(nn.Module):
             self.weights.zero_grads()
         # else the update thread zeroes each layer's gradients once its update is done: no need to wait
         self._zero_non_block_grads()
+
+    def _non_block_grad_holders(self) -> list[torch.Tensor]:
+        """The trainable tensors outside the blocks whose ``.grad`` the optimizer reads (fp32 masters in
+        mixed precision), in the same order on every rank."""
+        owners = self.masters.master_params() if self.masters is not None else self.non_block_params
+        return [p for p in owners if p.requires_grad] + self._extra_params()
 
     def _extra_params(self) -> list[torch.Tensor]:
         """Parameters the optimizer updates that the model does not own (a loss's learnable temperature),
