@@ -80,6 +80,26 @@ class BranchLM(ModuleListLM):
         return logits
 
 
+class UnchainedLM(ModuleListLM):
+    """Blocks whose input is not the previous block's output: ``"parallel"`` feeds every block the same
+    input and sums their outputs; ``"between"`` changes the hidden state between blocks with a learnable
+    non-block scale."""
+
+    def __init__(self, mode: str, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        self.mode = mode
+        self.between = nn.Parameter(torch.full((d,), 0.9))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        if self.mode == "parallel":
+            x = x + sum(blk(x) for blk in self.stack)
+        else:
+            for blk in self.stack:
+                x = blk(x) * self.between
+        return self.head(self.extra[0](x))
+
+
 def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
@@ -94,6 +114,8 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return TupleBlockLM(n_layers=n_layers)
     if kind == "branch":
         return BranchLM(n_layers=n_layers)
+    if kind in ("parallel", "between"):
+        return UnchainedLM(kind, n_layers=n_layers)
     return ModuleListLM(n_layers=n_layers)
 
 

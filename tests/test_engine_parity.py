@@ -606,6 +606,36 @@ def test_weights_streamed_from_nvme_match_pytorch(tmp_path):
     engine.destroy()
 
 
+@pytest.mark.parametrize("kind", ["parallel", "between"])
+@pytest.mark.parametrize("k, graph", [(2, False), (3, True), (6, False)])
+@pytest.mark.parametrize("weights", ["host", "nvme"], ids=["recorded-segment", "re-run-segment"])
+def test_blocks_whose_input_is_not_the_previous_output_match_pytorch(kind, k, graph, weights, tmp_path):
+    """A re-run segment cannot derive a block's input from the previous block's output when the model
+    feeds every block the same input, or changes the hidden state between blocks: such an input is kept
+    as given (with one warning), and training matches plain PyTorch. On the CPU a host-resident segment is
+    recorded once with autograd; NVMe-resident weights take the GPU's path, re-running layer by layer."""
+    model = make_model(kind)
+    data = batches(3)
+    ref = reference_train(model, data)
+    top = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}} \
+        if weights == "nvme" else {}
+    cfg = ds_config(checkpoint_interval=k, last_segment_graph=graph, _top=top)
+    with pytest.warns(UserWarning, match="block 1's input is not block 0's output") as seen:
+        engine = train_engine(model, data, cfg)
+    assert sum("is not block" in str(w.message) for w in seen) == 1
+    assert max_rel_diff(engine.module, ref) < RTOL
+    assert pass_keys(engine) == []      # the kept inputs are freed with their pass
+    engine.destroy()
+
+
+def test_chained_blocks_keep_no_inputs(recwarn):
+    """Models that pass each block's output straight to the next (Hugging Face decoders) keep nothing
+    extra and get no warning."""
+    engine = train_engine(make_model("llama"), batches(2), ds_config(checkpoint_interval=3, last_segment_graph=False))
+    assert not [w for w in recwarn if "is not block" in str(w.message)]
+    engine.destroy()
+
+
 def test_training_data_builds_a_dataloader_with_the_micro_batch():
     xs, ys = zip(*batches(3, batch=4))
     dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))

@@ -11,6 +11,7 @@ parameters and state_dict keys stay as they were.
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -83,6 +84,11 @@ class _Pass:
     owned: set = field(default_factory=set)                              # (tier, key) still allocated
     graphs: dict = field(default_factory=dict)                           # layer -> recorded segment graph
     returned_tuple: set = field(default_factory=set)                     # layers whose block returned a tuple
+    last_out: Any = None                                                 # weakref: the hidden state the last block
+                                                                         # returned (a strong one would keep the pass
+                                                                         # alive through its own autograd graph)
+    unchained: dict[int, torch.Tensor] = field(default_factory=dict)     # layer -> its input, when that is not
+                                                                         # the previous block's output
 
 
 class LayerStreamingExecutor:
@@ -111,6 +117,7 @@ class LayerStreamingExecutor:
         self._pending_weight: tuple[int, int, TransferHandle] | None = None  # (seq index, slot, handle)
         self._slot = 0
         self.recomputed_layer_forwards = 0
+        self._warned_unchained = False
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
@@ -254,6 +261,8 @@ class LayerStreamingExecutor:
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
                                 f"{layer} was called when block {p.next_layer if p else 0} was expected")
         p.next_layer += 1
+        if layer > 0 and (p.last_out is None or p.last_out() is not hidden):
+            self._keep_unchained_input(p, layer, hidden)
         call.rng = _rng_state(self.device)
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
@@ -261,6 +270,7 @@ class LayerStreamingExecutor:
         # embeddings): the block's own weights still need their backward
         result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
+        p.last_out = weakref.ref(out_hidden)
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
             self._start_sequence(self._backward_sequence())
             self._prefetch_next()
@@ -298,6 +308,21 @@ class LayerStreamingExecutor:
             self._put(p, DEVICE_HOME, self._key(p, i) + ".held", x, owned=True)
             p.held[i] = x
             p.pending_offload.setdefault(w, []).append(i)
+
+    def _keep_unchained_input(self, p: _Pass, i: int, x: torch.Tensor) -> None:
+        """Block i's input is not what block i-1 returned (the model changed the hidden state between
+        blocks, or feeds every block the same input): a re-run segment cannot derive it from block i-1's
+        output, so it is kept as given, on the device, whatever the plan's home for boundary i."""
+        if self.plan.homes[i] != RECOMPUTE or i >= self.graph_start:   # kept or recorded as given anyway
+            return
+        if not self._warned_unchained:
+            self._warned_unchained = True
+            warnings.warn(f"lazytrain: block {i}'s input is not block {i - 1}'s output (the model changes the "
+                          f"hidden state between blocks); such inputs are kept on the compute device for "
+                          f"backward, outside the plan's memory budget")
+        x = x.detach()
+        self._put(p, DEVICE_HOME, self._key(p, i) + ".input", x, owned=True)
+        p.unchained[i] = x
 
     def _put(self, p: _Pass, tier: str, key: str, x: torch.Tensor, owned: bool = False) -> None:
         self.tiers[tier].write(key, x, owned=owned)
@@ -352,9 +377,12 @@ class LayerStreamingExecutor:
             for j in range(s, e - 1):
                 flat = self._acquire(j)
                 out, _ = self._compute(j, flat, x, p.calls[j], replay=True)
-                x = self._hidden_of(out).detach()
+                if j + 1 in p.unchained:
+                    x = p.unchained[j + 1]
+                else:
+                    x = self._hidden_of(out).detach()
+                    self._put(p, DEVICE_HOME, self._key(p, j + 1) + ".recomputed", x, owned=True)
                 p.cache[j + 1] = x
-                self._put(p, DEVICE_HOME, self._key(p, j + 1) + ".recomputed", x, owned=True)
                 self.recomputed_layer_forwards += 1
 
     def _record_segment(self, p: _Pass, s: int, e: int) -> None:
@@ -365,7 +393,7 @@ class LayerStreamingExecutor:
             tensors = [p.calls[j].leaves[k] for k in p.calls[j].tensor_idx]
             x_in, out, params, t_in = self._forward_with_grad(p, j, x, True, [t.requires_grad for t in tensors])
             p.graphs[j] = (x_in, self._hidden_of(out), params, t_in)
-            x = p.graphs[j][1].detach()
+            x = p.unchained.get(j + 1, p.graphs[j][1].detach())
         self.recomputed_layer_forwards += e - s - 1
 
     def _forward_with_grad(self, p: _Pass, layer: int, x: torch.Tensor, x_needs_grad: bool, side_needs,
@@ -397,6 +425,8 @@ class LayerStreamingExecutor:
         if home == RECOMPUTE:
             p.cache.pop(i, None)
             self._drop(p, DEVICE_HOME, key + ".recomputed")
+            if p.unchained.pop(i, None) is not None:
+                self._drop(p, DEVICE_HOME, key + ".input")
             return
         self._drop(p, home, key)
         p.prefetched.pop(i, None)
@@ -451,6 +481,7 @@ class LayerStreamingExecutor:
         p.prefetched.clear()
         p.graphs.clear()
         p.calls.clear()
+        p.unchained.clear()
         if self._current is p:
             self._current = None
 
