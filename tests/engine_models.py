@@ -1,6 +1,7 @@
 """Tiny models and a plain-PyTorch reference trainer for the engine's parity tests."""
 from __future__ import annotations
 
+import collections
 import copy
 
 import torch
@@ -100,6 +101,58 @@ class UnchainedLM(ModuleListLM):
         return self.head(self.extra[0](x))
 
 
+class WideBlock(MLPBlock):
+    def __init__(self, d: int, mult: int):
+        super().__init__(d)
+        self.fc1, self.fc2 = nn.Linear(d, mult * d), nn.Linear(mult * d, d)
+
+
+class MixedBlocksLM(ModuleListLM):
+    """Blocks that differ in size and structure (as DeepSeek-V3's dense first layer before its MoE ones):
+    odd blocks are wider than even ones, each wider than the last, and block 1 has no norm."""
+
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        torch.manual_seed(0)
+        blocks = [MLPBlock(d) if i % 2 == 0 else WideBlock(d, 1 + i) for i in range(n_layers)]
+        blocks[1].norm = nn.Identity()   # a block with fewer parameters
+        self.stack = nn.ModuleList(blocks)
+
+
+class SharedState(collections.UserDict):
+    """A mapping the model hands every block (as Gemma 3n/4 hand ``shared_kv_states``)."""
+
+
+class SharedStateBlock(MLPBlock):
+    def __init__(self, d: int, index: int, store: bool, read_from: int | None):
+        super().__init__(d)
+        self.index, self.store, self.read_from = index, store, read_from
+
+    def forward(self, x, shared):
+        h = self.fc1(self.norm(x))
+        if self.store:
+            shared[f"block{self.index}"] = h
+        if self.read_from is not None:
+            h = h + shared[f"block{self.read_from}"]
+        return x + self.fc2(F.gelu(h))
+
+
+class SharedStateLM(ModuleListLM):
+    """Block 1 stores an intermediate in the shared mapping; with ``read``, block 3 reads it."""
+
+    def __init__(self, read: bool, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        torch.manual_seed(0)
+        self.stack = nn.ModuleList(SharedStateBlock(d, i, store=i == 1, read_from=1 if read and i == 3 else None)
+                                   for i in range(n_layers))
+
+    def forward(self, ids):
+        x, shared = self.emb(ids), SharedState()
+        for blk in self.stack:
+            x = blk(x, shared)
+        return self.head(self.extra[0](x))
+
+
 def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
@@ -116,6 +169,10 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return BranchLM(n_layers=n_layers)
     if kind in ("parallel", "between"):
         return UnchainedLM(kind, n_layers=n_layers)
+    if kind == "mixed-blocks":
+        return MixedBlocksLM(n_layers=n_layers)
+    if kind in ("shared-store", "shared-read"):
+        return SharedStateLM(read=kind == "shared-read", n_layers=n_layers)
     return ModuleListLM(n_layers=n_layers)
 
 
@@ -147,6 +204,20 @@ def make_hf_model(family: str, n_layers: int = 6, dropout: float = 0.0) -> nn.Mo
         return T.Phi3ForCausalLM(T.Phi3Config(pad_token_id=0, **common))
     if family == "mixtral":   # mixture of experts in every block
         return T.MixtralForCausalLM(T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common))
+    if family == "deepseek_v3":   # a dense first layer, then mixture-of-experts layers: blocks differ
+        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, max_position_embeddings=64,
+            tie_word_embeddings=False, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    if family in ("gemma4", "gemma4-kv-shared"):   # sliding and global layers; the last two may reuse K/V
+        return T.Gemma4ForCausalLM(T.Gemma4TextConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, max_position_embeddings=64,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (n_layers // 2),
+            num_kv_shared_layers=2 if family == "gemma4-kv-shared" else 0, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB, pad_token_id=0, bos_token_id=0, eos_token_id=0))
     if family == "qwen2moe":
         return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                       shared_expert_intermediate_size=32, **common))

@@ -636,6 +636,72 @@ def test_chained_blocks_keep_no_inputs(recwarn):
     engine.destroy()
 
 
+@pytest.mark.parametrize("weights", ["host", "nvme"], ids=["recorded-segment", "re-run-segment"])
+@pytest.mark.parametrize("k, graph", [(2, False), (4, True)])
+def test_blocks_that_differ_from_one_another_match_pytorch(weights, k, graph, tmp_path):
+    """Blocks of different sizes and structures, named in config: each layer streams with its own layout
+    through slots sized for the largest, and training matches plain PyTorch."""
+    model = make_model("mixed-blocks")
+    sizes = [sum(p.numel() for p in b.parameters()) for b in model.stack]
+    assert len(set(sizes)) == 4
+    data = batches(3)
+    ref = reference_train(model, data)
+    top = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}} \
+        if weights == "nvme" else {}
+    engine = train_engine(model, data, ds_config(blocks="stack", checkpoint_interval=k, last_segment_graph=graph,
+                                                 _top=top))
+    assert engine.weights.layer_numels == sizes
+    assert max_rel_diff(engine.module, ref) < RTOL
+    engine.destroy()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gemma4"])
+def test_transformers_models_whose_layers_differ_match_pytorch(family):
+    """DeepSeek-V3 (a dense first layer, then mixture-of-experts layers) and Gemma 4 (sliding and global
+    attention layers) are found at model.layers although their layers differ."""
+    try:
+        model = make_hf_model(family)
+    except AttributeError as e:   # a family newer than the installed transformers
+        pytest.skip(str(e))
+    data = batches(3)
+    ref = reference_train(model, data, clip=0.0)
+    cfg = ds_config(checkpoint_interval=2, last_segment_graph=False)
+    cfg["gradient_clipping"] = 0.0
+    engine = train_engine(model, data, cfg)
+    assert engine.blocks_path == "model.layers" and len(set(engine.weights.layer_numels)) > 1
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
+def test_state_one_block_stores_and_another_reads_is_refused():
+    """A block reading a tensor another block left in a shared mapping would get no gradient through it
+    (Gemma 3n/4's shared KV states): a clear error, not silently wrong training."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("shared-read"), config=ds_config(checkpoint_interval=2))
+    x, y = batches(1)[0]
+    with pytest.raises(ExecutorError, match=r"^block 3 read 'block1' from its SharedState argument, which block 1 "
+                                             r"stored there: streamed blocks must pass everything through their "
+                                             r"hidden state"):
+        engine(x)
+
+
+def test_state_stored_but_read_by_no_other_block_trains():
+    model = make_model("shared-store")
+    data = batches(3)
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, ds_config(checkpoint_interval=2, last_segment_graph=False))
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
+def test_gemma4_kv_sharing_is_refused():
+    try:
+        model = make_hf_model("gemma4-kv-shared")
+    except AttributeError as e:
+        pytest.skip(str(e))
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    x, y = batches(1)[0]
+    with pytest.raises(ExecutorError, match=r"num_kv_shared_layers=0"):
+        engine(x)
+
+
 def test_training_data_builds_a_dataloader_with_the_micro_batch():
     xs, ys = zip(*batches(3, batch=4))
     dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))

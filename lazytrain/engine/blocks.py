@@ -1,7 +1,11 @@
 """Find the model's repeated blocks: the layers that LazyTrain streams.
 
-In order: a dotted path named in config ("transformer.h"); the Hugging Face causal-LM layout
-(``model.model.layers``); else the largest ``nn.ModuleList`` of structurally identical modules.
+In order: a dotted path named in config ("transformer.h"); the Hugging Face causal-LM layouts
+(``model.model.layers``, ``transformer.h``, ...); else the largest ``nn.ModuleList`` of structurally
+identical modules. The blocks of a named or Hugging Face list may differ from one another (DeepSeek-V3's
+dense first layers before its mixture-of-experts ones, Gemma's sliding and global attention layers):
+each layer streams with its own layout. Only the search among unnamed lists asks for identical modules,
+so that it does not pick, say, a list of parallel heads over the decoder stack.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
         if not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
             raise BlockDiscoveryError(f"config 'lazytrain.blocks' {path!r} is a {type(blocks).__name__}, "
                                       f"not an nn.ModuleList")
-        _check_identical(blocks, path)
+        _check_blocks(blocks, path)
         return path, blocks
     for candidate in ("model.layers", "model.model.layers", "transformer.h", "model.decoder.layers", "layers"):
         try:
@@ -44,7 +48,7 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
             continue
         if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
             try:
-                _check_identical(blocks, candidate)
+                _check_blocks(blocks, candidate)
             except BlockDiscoveryError:
                 continue
             return candidate, blocks
@@ -64,11 +68,8 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
     return best
 
 
-def _check_identical(blocks, path: str) -> None:
+def _check_blocks(blocks, path: str) -> None:
     if len(blocks) == 0:
         raise BlockDiscoveryError(f"block list {path!r} is empty")
-    sigs = [_structure(m) for m in blocks]
-    for i, s in enumerate(sigs):
-        if s != sigs[0]:
-            raise BlockDiscoveryError(f"blocks at {path!r} are not structurally identical: block {i} differs from "
-                                      f"block 0 ({s[0]} vs {sigs[0][0]})")
+    if not any(True for _ in blocks.parameters()):
+        raise BlockDiscoveryError(f"the blocks at {path!r} have no parameters: there is nothing to stream")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import MutableMapping
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -89,6 +90,7 @@ class _Pass:
                                                                          # alive through its own autograd graph)
     unchained: dict[int, torch.Tensor] = field(default_factory=dict)     # layer -> its input, when that is not
                                                                          # the previous block's output
+    shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
 
 
 class LayerStreamingExecutor:
@@ -103,7 +105,6 @@ class LayerStreamingExecutor:
                 raise ExecutorError(f"the plan puts boundary {i} on tier {home!r}, which is not configured "
                                     f"(configured: {', '.join(tiers)})")
         self.blocks = blocks
-        self.template = blocks[0]
         self.plan = plan
         self.weights = weights
         self.tiers = tiers
@@ -199,7 +200,7 @@ class LayerStreamingExecutor:
     def _compute(self, layer: int, flat: torch.Tensor, hidden: torch.Tensor, call: _LayerCall,
                  tensors: list | None = None, requires_grad: bool = False, replay: bool = False):
         """Run block ``layer`` on ``flat`` weights; ``replay``: a re-run, with its forward's random state."""
-        params = self.weights.views(flat, layer if requires_grad else None)
+        params = self.weights.views(flat, layer, requires_grad)
         leaves = list(call.leaves)
         if tensors is not None:
             for k, t in zip(call.tensor_idx, tensors):
@@ -266,6 +267,7 @@ class LayerStreamingExecutor:
         call.rng = _rng_state(self.device)
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
+        _watch_shared_state(p, layer, call)
         # the anchor makes the block's output require grad even when nothing flowing in does (frozen
         # embeddings): the block's own weights still need their backward
         result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
@@ -482,6 +484,7 @@ class LayerStreamingExecutor:
         p.graphs.clear()
         p.calls.clear()
         p.unchained.clear()
+        p.shared_writers.clear()
         if self._current is p:
             self._current = None
 
@@ -537,6 +540,54 @@ class _Proxy:
 
     def __call__(self, *args, **kwargs):
         return self.executor.run(self.index, args, kwargs)
+
+
+def _watch_shared_state(p: _Pass, layer: int, call: _LayerCall) -> None:
+    """Hand the block, instead of each mapping it was given (other than a KV cache), a view that notes
+    which block stored each tensor and refuses a read by another block."""
+    for k, v in enumerate(call.leaves):
+        if isinstance(v, MutableMapping) and not _is_kv_cache(v) and not isinstance(v, _SharedStateWatch):
+            writers = p.shared_writers.setdefault(id(v), (v, {}))[1]
+            call.leaves[k] = _SharedStateWatch(v, layer, writers)
+
+
+class _SharedStateWatch(MutableMapping):
+    """A block that stores tensors in a mapping it was handed, for later blocks to read (Gemma 3n's and
+    Gemma 4's ``shared_kv_states``), passes them on outside the hidden state. Their gradient cannot flow
+    back: the storing block's forward kept no graph, and its re-run in backward cannot reach the reading
+    block. The read is refused rather than trained wrong; a store nobody else reads is harmless."""
+
+    def __init__(self, mapping: MutableMapping, layer: int, writers: dict):
+        self._mapping, self._layer, self._writers = mapping, layer, writers
+
+    def __getitem__(self, key):
+        writer = self._writers.get(key)
+        if writer is not None and writer != self._layer:
+            raise ExecutorError(
+                f"block {self._layer} read {key!r} from its {type(self._mapping).__name__} argument, which block "
+                f"{writer} stored there: streamed blocks must pass everything through their hidden state, since "
+                f"their internals are recomputed in backward and gradients through such shared state would be "
+                f"lost. Turn the sharing off (for Gemma 3n/4: num_kv_shared_layers=0) to train this model "
+                f"with LazyTrain")
+        return self._mapping[key]
+
+    def __setitem__(self, key, value):
+        if any(isinstance(t, torch.Tensor) for t in tree_flatten(value)[0]):
+            self._writers[key] = self._layer
+        self._mapping[key] = value
+
+    def __delitem__(self, key):
+        self._writers.pop(key, None)
+        del self._mapping[key]
+
+    def __iter__(self):
+        return iter(self._mapping)
+
+    def __len__(self):
+        return len(self._mapping)
+
+    def __getattr__(self, name):   # the mapping's own methods (KVSharingDict.to)
+        return getattr(self._mapping, name)
 
 
 def _free_owned(tiers: dict[str, Tier], owned: set) -> None:

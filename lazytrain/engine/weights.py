@@ -30,6 +30,15 @@ class ParamSlot:
         return flat[self.offset:self.offset + self.numel].view(self.shape)
 
 
+def _layout(block: nn.Module) -> list[ParamSlot]:
+    """Where each of a block's parameters sits in its layer's flat buffers, in ``named_parameters`` order."""
+    slots, offset = [], 0
+    for name, p in block.named_parameters():
+        slots.append(ParamSlot(name, p.shape, offset, p.numel()))
+        offset += p.numel()
+    return slots
+
+
 class LayerWeights:
     """Host-side storage of every streamed layer and the device buffers they stream through."""
 
@@ -41,24 +50,22 @@ class LayerWeights:
         self.device = device
         self.weights_tier = weights_tier
         self.device_tier = device_tier
-        first = blocks[0]
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for name, p in first.named_parameters():
-            self.slots.append(ParamSlot(name, p.shape, offset, p.numel()))
-            offset += p.numel()
-        self.layer_numel = offset
+        # each layer's parameter layout in its flat buffers; layers may differ (a dense first layer before
+        # mixture-of-experts ones, sliding and global attention with different head sizes)
+        self.layer_slots: list[list[ParamSlot]] = [_layout(block) for block in blocks]
+        self.layer_numels = [sum(s.numel for s in slots) for slots in self.layer_slots]
+        self.max_layer_numel = max(self.layer_numels)
         # which parameters train, per layer (a user may freeze some layers or some tensors)
         self.trainable = [[p.requires_grad for _, p in block.named_parameters()] for block in blocks]
         self.any_trainable = any(any(t) for t in self.trainable)
         self.master: list[torch.Tensor] = []
         self.grad: list[torch.Tensor] = []
         self.params: list[list[nn.Parameter]] = []
-        for block in blocks:
-            master = empty_host(self.layer_numel, torch.float32)
-            grad = empty_host(self.layer_numel, torch.float32).zero_()
+        for block, slots, numel in zip(blocks, self.layer_slots, self.layer_numels):
+            master = empty_host(numel, torch.float32)
+            grad = empty_host(numel, torch.float32).zero_()
             params = [p for _, p in block.named_parameters()]
-            for slot, p in zip(self.slots, params):
+            for slot, p in zip(slots, params):
                 slot.of(master).copy_(p.detach())
                 p.data = slot.of(master)
                 if p.requires_grad:
@@ -78,14 +85,14 @@ class LayerWeights:
         # device buffers: two streaming slots + one per resident layer
         self.resident = {}
         for i in resident_layers:
-            buf = torch.empty(self.layer_numel, dtype=compute_dtype, device=device)
+            buf = torch.empty(self.layer_numels[i], dtype=compute_dtype, device=device)
             self.device_tier.write(f"weights.resident{i}", buf, owned=True)
             self._fetch_into(i, buf).synchronize()
             self.resident[i] = buf
         self.stream_slots = []
         if len(self.resident) < self.num_layers:
-            for s in range(2):
-                buf = torch.empty(self.layer_numel, dtype=compute_dtype, device=device)
+            for s in range(2):   # sized for the largest layer; a smaller one uses the front
+                buf = torch.empty(self.max_layer_numel, dtype=compute_dtype, device=device)
                 self.device_tier.write(f"weights.slot{s}", buf, owned=True)
                 self.stream_slots.append(buf)
         self._grad_sink = _GradientSink(self) if device.type == "cuda" else None
@@ -117,9 +124,10 @@ class LayerWeights:
             self.weights_tier.read(self._key(i)).wait().copy_(self.master[i])   # in place, same buffer
             return
         if self._staging is None:   # one staging buffer, reused: each write completes before the next
-            self._staging = empty_host(self.layer_numel, self.compute_dtype)
-        self._staging.copy_(self.master[i])
-        self.weights_tier.write(self._key(i), self._staging).synchronize()
+            self._staging = empty_host(self.max_layer_numel, self.compute_dtype)
+        staging = self._staging[:self.layer_numels[i]]
+        staging.copy_(self.master[i])
+        self.weights_tier.write(self._key(i), staging).synchronize()
 
     def refresh_compute_copy(self, i: int, host_copy_current: bool = False) -> None:
         """After the optimizer updated layer i's master weights: rewrite the compute-dtype copy (unless
@@ -137,7 +145,7 @@ class LayerWeights:
         views = {}
         for i in range(self.num_layers):
             flat = self.weights_tier.read(self._key(i)).wait()
-            for s, p in zip(self.slots, self.params[i]):
+            for s, p in zip(self.layer_slots[i], self.params[i]):
                 views[p] = s.of(flat)
         return views
 
@@ -151,15 +159,16 @@ class LayerWeights:
             return TransferHandle(value=self.resident[i])
         if self.zero_copy:
             return self.weights_tier.read(self._key(i))
-        return self._fetch_into(i, self.stream_slots[slot])
+        return self._fetch_into(i, self.stream_slots[slot][:self.layer_numels[i]])
 
-    def views(self, flat: torch.Tensor, layer: int | None = None) -> dict[str, torch.Tensor]:
-        """Name -> tensor views of a flat device buffer, to swap into the block for one call; with
-        ``layer`` given, its trainable parameters become leaves that require grad (for backward)."""
+    def views(self, flat: torch.Tensor, layer: int, requires_grad: bool = False) -> dict[str, torch.Tensor]:
+        """Name -> tensor views of layer ``layer``'s weights in a flat device buffer, to swap into the
+        block for one call; with ``requires_grad``, its trainable parameters become leaves that require
+        grad (for backward)."""
         out = {}
-        for k, s in enumerate(self.slots):
+        for k, s in enumerate(self.layer_slots[layer]):
             t = s.of(flat)
-            if layer is not None and self.trainable[layer][k]:
+            if requires_grad and self.trainable[layer][k]:
                 t = t.detach().requires_grad_(True)
             out[s.name] = t
         return out
@@ -171,7 +180,7 @@ class LayerWeights:
             self._grad_sink.submit(i, grads)
             return
         flat = self.grad[i]
-        for s in self.slots:
+        for s in self.layer_slots[i]:
             g = grads.get(s.name)
             if g is not None:
                 s.of(flat).add_(g)
@@ -182,8 +191,8 @@ class LayerWeights:
 
     def grad_views(self, i: int) -> dict[nn.Parameter, torch.Tensor]:
         """{trainable parameter of layer i: its view in the layer's flat fp32 gradient buffer}."""
-        return {p: s.of(self.grad[i]) for s, p, trains in zip(self.slots, self.params[i], self.trainable[i])
-                if trains}
+        return {p: s.of(self.grad[i]) for s, p, trains in zip(self.layer_slots[i], self.params[i],
+                                                              self.trainable[i]) if trains}
 
     def attach_grads(self, i: int | None = None) -> None:
         """Make every trainable block parameter's ``.grad`` (of layer ``i``, or all) the view into its flat
@@ -207,15 +216,16 @@ class _GradientSink:
 
     def __init__(self, weights: LayerWeights, depth: int = 2):
         self.weights = weights
-        self.staging = [empty_host(weights.layer_numel, weights.compute_dtype) for _ in range(depth)]
+        self.staging = [empty_host(weights.max_layer_numel, weights.compute_dtype) for _ in range(depth)]
         self.busy: list[Future | None] = [None] * depth
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
         self.next = 0
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
-        flat = torch.empty(w.layer_numel, dtype=w.compute_dtype, device=w.device)
-        for s in w.slots:
+        numel = w.layer_numels[i]
+        flat = torch.empty(numel, dtype=w.compute_dtype, device=w.device)
+        for s in w.layer_slots[i]:
             g = grads.get(s.name)
             part = s.of(flat)
             part.copy_(g) if g is not None else part.zero_()
@@ -223,8 +233,8 @@ class _GradientSink:
         self.next = (k + 1) % len(self.staging)
         if self.busy[k] is not None:
             self.busy[k].result()
-        handle = async_copy(self.staging[k], flat)
-        staging, target = self.staging[k], w.grad[i]
+        staging, target = self.staging[k][:numel], w.grad[i]
+        handle = async_copy(staging, flat)
 
         def add():
             handle.synchronize()
