@@ -329,6 +329,26 @@ def test_copy_path_through_device_slots_matches_pytorch(graph, one_step):
     assert all(a != b for a, b in zip(slots, slots[1:]))   # double buffering alternates
 
 
+def test_planner_gets_each_streamed_layers_measured_size(monkeypatch):
+    """A mixture-of-experts layer holds far more parameters than the dense estimate from its config: the
+    planner is given each streamed block's parameter count, measured on the model."""
+    import lazytrain.engine.engine as engine_module
+    seen = {}
+
+    def spy(cfg, num_layers, tiers, model_config, micro_batch):
+        seen["model_config"] = model_config
+        return build_plan(cfg, num_layers, tiers, model_config, micro_batch)
+    build_plan = engine_module.build_plan
+    monkeypatch.setattr(engine_module, "build_plan", spy)
+    model = make_hf_model("mixtral")
+    lazytrain.initialize(model=model, config=ds_config())
+    measured = seen["model_config"]["layer_params"]
+    assert measured == [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    from lazytrain.planner.models import ModelShape
+    dense = ModelShape.from_hf_config({k: v for k, v in seen["model_config"].items() if k != "layer_params"})
+    assert measured[0] > 2 * dense.layers[0].params    # four experts
+
+
 def test_milp_policy_plans_and_trains(tmp_path):
     """policy "milp": the planner's Plan for this model (h200 profile, tight GPU budget) runs and
     matches plain PyTorch."""

@@ -44,6 +44,18 @@ def test_hf_config_dict_and_explicit_layers():
     assert [l.params for l in explicit.layers] == [10, 20, 30]
 
 
+def test_measured_layer_params_replace_the_dense_estimate():
+    """The engine adds each streamed block's parameter count (mixture-of-experts layers, or layers that
+    differ, are far from the dense estimate); a multimodal config keeps it beside its text_config."""
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 100, "layer_params": [1000, 250000, 250000]}
+    assert [l.params for l in ModelShape.from_hf_config(cfg).layers] == [1000, 250000, 250000]
+    nested = {"layer_params": [5, 6, 7], "text_config": {k: v for k, v in cfg.items() if k != "layer_params"}}
+    assert [l.params for l in ModelShape.from_hf_config(nested).layers] == [5, 6, 7]
+    with pytest.raises(ModelShapeError, match=r"'layer_params' must hold 3 non-negative counts \(one per layer\)"):
+        ModelShape.from_hf_config({**cfg, "layer_params": [1, 2]})
+
+
 def test_model_from_a_local_config_json(tmp_path):
     from lazytrain.planner.models import CATALOG_CONFIGS, load_model
     d = tmp_path / "my-model"

@@ -108,11 +108,15 @@ class ModelShape:
         Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``,
         ``vocab_size`` and optionally ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``,
         ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``).
+        ``layer_params`` (not a Hugging Face key: the engine adds the parameter count of each block it
+        streams, measured on the model) replaces the dense-Llama estimate of every layer's size, which is
+        wrong for mixture-of-experts layers and for stacks whose layers differ.
         """
         if isinstance(cfg, str):
             cfg = read_json(cfg, ModelShapeError, "model config")
         if not isinstance(cfg, dict):
             raise ModelShapeError("a Hugging Face config must be a JSON object")
+        measured = cfg.get("layer_params")
         if "text_config" in cfg and "hidden_size" not in cfg:
             cfg = cfg["text_config"]
 
@@ -140,11 +144,18 @@ class ModelShape:
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
         params = (h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * ffn + 2 * h
                   + ((q_dim + 2 * kv_dim) if bias else 0))
-        layer = LayerShape(params=params, hidden=h, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn)
+        if measured is not None:
+            if len(measured) != n_layers or any(int(p) < 0 for p in measured):
+                raise ModelShapeError(f"model config 'layer_params' must hold {n_layers} non-negative counts "
+                                      f"(one per layer), got {measured!r}")
+            layers = tuple(LayerShape(params=int(p), hidden=h, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn)
+                           for p in measured)
+        else:
+            layers = (LayerShape(params=params, hidden=h, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn),) * n_layers
         dtype = str(cfg.get("torch_dtype", "bfloat16"))
         dtype_bytes = 4 if dtype in ("float32", "torch.float32") else 2
         return cls(name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
-                   layers=(layer,) * n_layers, hidden=h, vocab_size=vocab, tied_embeddings=tied,
+                   layers=layers, hidden=h, vocab_size=vocab, tied_embeddings=tied,
                    dtype_bytes=dtype_bytes, reported_params=cfg.get("reported_params"))
 
     @classmethod
