@@ -153,6 +153,24 @@ class SharedStateLM(ModuleListLM):
         return self.head(self.extra[0](x))
 
 
+class CheckpointingLM(ModuleListLM):
+    """Gradient checkpointing the way transformers 4.x decoders do it: a flag on the module that holds
+    the layers, and each layer call wrapped in reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        self.gradient_checkpointing = True
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.stack:
+            if self.gradient_checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(blk.__call__, x, use_reentrant=True)
+            else:
+                x = blk(x)
+        return self.head(self.extra[0](x))
+
+
 def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
@@ -169,6 +187,8 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return BranchLM(n_layers=n_layers)
     if kind in ("parallel", "between"):
         return UnchainedLM(kind, n_layers=n_layers)
+    if kind == "checkpointing":
+        return CheckpointingLM(n_layers=n_layers)
     if kind == "mixed-blocks":
         return MixedBlocksLM(n_layers=n_layers)
     if kind in ("shared-store", "shared-read"):

@@ -722,6 +722,27 @@ def test_gemma4_kv_sharing_is_refused():
         engine(x)
 
 
+@pytest.mark.parametrize("kind", ["llama", "checkpointing"], ids=["transformers-5-layers", "4.x-style-decoder"])
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_model_gradient_checkpointing_is_turned_off_for_streamed_blocks(kind, graph):
+    """Reentrant gradient checkpointing cannot be differentiated as the executor differentiates a block,
+    and any checkpointing re-runs each block a second time: it is turned off (with a warning) while the
+    engine trains the blocks, and back on after destroy()."""
+    model = make_model(kind)
+    if kind == "llama":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    assert flagged
+    data = batches(3)
+    ref = reference_train(model, data)
+    with pytest.warns(UserWarning, match="gradient checkpointing is off for the streamed blocks"):
+        engine = train_engine(model, data, ds_config(checkpoint_interval=2, last_segment_graph=graph))
+    assert not any(m.gradient_checkpointing for m in flagged)
+    assert max_rel_diff(engine.module, ref) < RTOL
+    engine.destroy()
+    assert all(m.gradient_checkpointing for m in flagged)
+
+
 def test_training_data_builds_a_dataloader_with_the_micro_batch():
     xs, ys = zip(*batches(3, batch=4))
     dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))

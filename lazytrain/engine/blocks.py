@@ -9,6 +9,8 @@ so that it does not pick, say, a list of parallel heads over the decoder stack.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch.nn as nn
 
 
@@ -73,3 +75,21 @@ def _check_blocks(blocks, path: str) -> None:
         raise BlockDiscoveryError(f"block list {path!r} is empty")
     if not any(True for _ in blocks.parameters()):
         raise BlockDiscoveryError(f"the blocks at {path!r} have no parameters: there is nothing to stream")
+
+
+def turn_off_layer_checkpointing(model: nn.Module, path: str, blocks: nn.ModuleList) -> list[nn.Module]:
+    """Turn Hugging Face gradient checkpointing off for the streamed blocks; returns the modules changed.
+
+    The executor already re-runs each block in backward as its plan says. Checkpointing the blocks again
+    (transformers 5 wraps each layer's ``forward``; 4.x wraps the layer call in the decoder's loop) would
+    re-run them a second time, and the reentrant variant cannot be differentiated the way the executor
+    differentiates a block (``torch.autograd.grad``)."""
+    parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+    changed = [m for m in (parent, *blocks) if getattr(m, "gradient_checkpointing", None) is True]
+    for m in changed:
+        m.gradient_checkpointing = False
+    if changed:
+        warnings.warn("lazytrain: the model's gradient checkpointing is off for the streamed blocks while LazyTrain "
+                      "trains them: LazyTrain re-runs them in backward itself, as its plan says (the "
+                      "activation_checkpointing / lazytrain.checkpoint_interval settings)")
+    return changed

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..config import ConfigError, EngineConfig
 from ..tiers import format_bytes
 from . import checkpoint as ckpt
-from .blocks import find_blocks
+from .blocks import find_blocks, turn_off_layer_checkpointing
 from .distributed import DistributedContext
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
@@ -48,6 +48,7 @@ class LazyTrainEngine(nn.Module):
 
         # what streams and what stays
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
+        self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
         block_param_ids = {id(p) for p in blocks.parameters()}
         self.tiers = build_tiers(config, self.device)
         model_cfg = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
@@ -521,6 +522,8 @@ class LazyTrainEngine(nn.Module):
                 handle.remove()
             self.layer_updates.close()
         self.executor.uninstall()
+        for m in self._checkpointing_turned_off:
+            m.gradient_checkpointing = True
         for tier in self.tiers.values():
             tier.close()
 
