@@ -109,6 +109,21 @@ def test_missing_model_is_a_clear_error():
         lazytrain.initialize(config={"train_batch_size": 1})
 
 
+@pytest.mark.parametrize("compiled", ["model", "block"])
+def test_compiled_model_is_a_clear_error(compiled):
+    """torch.compile cannot trace the streaming executor; compiling is not attempted (no dynamo run)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)] * 2))
+    where = "the model"
+    if compiled == "model":
+        model = torch.compile(model)
+    else:
+        model[1][0] = torch.compile(model[1][0])
+        where = "submodule '1.0'"
+    with pytest.raises(ConfigError, match=f"^{where} is compiled with torch.compile: pass lazytrain.initialize the "
+                                          f"module before compiling it"):
+        lazytrain.initialize(model=model, config={"train_batch_size": 1})
+
+
 def test_config_and_config_params_both_is_an_error():
     with pytest.raises(ConfigError, match="not both"):
         lazytrain.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 1},

@@ -18,6 +18,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """
     if model is None:
         raise ConfigError("lazytrain.initialize requires a model")
+    _refuse_compiled(model)
     if config is None and config_params is not None:
         config = config_params
     elif config is not None and config_params is not None:
@@ -38,3 +39,18 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = LazyTrainEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                              lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _refuse_compiled(model) -> None:
+    """torch.compile cannot trace the streaming executor that each block's call is routed to (threads,
+    transfer handles, per-call bookkeeping): say so up front instead of failing inside dynamo."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:   # a torch without dynamo has no compiled modules
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, OptimizedModule):
+            where = "the model" if not name else f"submodule {name!r}"
+            raise ConfigError(f"{where} is compiled with torch.compile: pass lazytrain.initialize the module "
+                              f"before compiling it. LazyTrain routes every streamed block through its executor, "
+                              f"which torch.compile cannot trace")
