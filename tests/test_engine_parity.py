@@ -743,6 +743,24 @@ def test_model_gradient_checkpointing_is_turned_off_for_streamed_blocks(kind, gr
     assert all(m.gradient_checkpointing for m in flagged)
 
 
+def test_weight_shared_by_two_blocks_is_refused():
+    """Each block streams from its own buffers; a weight in two blocks would train one stale copy."""
+    from lazytrain.engine.blocks import BlockDiscoveryError
+    model = make_model("modulelist")
+    model.stack[3].fc1.weight = model.stack[1].fc1.weight
+    with pytest.raises(BlockDiscoveryError, match=r"^block 3's parameter 'fc1.weight' is also block 1's "
+                                                  r"'fc1.weight': LazyTrain streams each block's weights"):
+        lazytrain.initialize(model=model, config=ds_config())
+
+
+def test_weight_shared_by_a_block_and_a_module_outside_is_refused():
+    from lazytrain.engine.blocks import BlockDiscoveryError
+    model = make_model("modulelist")
+    model.extra[0].bias = model.stack[2].fc2.bias
+    with pytest.raises(BlockDiscoveryError, match=r"^the model's parameter 'extra.0.bias' is block 2's 'fc2.bias'"):
+        lazytrain.initialize(model=model, config=ds_config())
+
+
 def test_training_data_builds_a_dataloader_with_the_micro_batch():
     xs, ys = zip(*batches(3, batch=4))
     dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))

@@ -93,3 +93,27 @@ def turn_off_layer_checkpointing(model: nn.Module, path: str, blocks: nn.ModuleL
                       "trains them: LazyTrain re-runs them in backward itself, as its plan says (the "
                       "activation_checkpointing / lazytrain.checkpoint_interval settings)")
     return changed
+
+
+def check_no_shared_weights(model: nn.Module, path: str, blocks: nn.ModuleList) -> None:
+    """Each streamed layer keeps its weights in its own flat buffers (master, compute copy, gradient), so
+    a parameter cannot belong to two blocks, or to a block and a module outside them: one of the two
+    would train a stale copy. Refused, naming both places, rather than trained wrong."""
+    owner: dict[int, tuple[int, str]] = {}
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            if id(p) in owner:
+                j, other = owner[id(p)]
+                raise BlockDiscoveryError(
+                    f"block {i}'s parameter {name!r} is also block {j}'s {other!r}: LazyTrain streams each block's "
+                    f"weights from that block's own buffers, so blocks cannot share a weight. Untie it, or name "
+                    f"another block list in 'lazytrain.blocks'")
+            owner[id(p)] = (i, name)
+    prefix = path + "."
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in owner and not name.startswith(prefix):
+            i, inner = owner[id(p)]
+            raise BlockDiscoveryError(
+                f"the model's parameter {name!r} is block {i}'s {inner!r}: LazyTrain streams each block's weights "
+                f"from that block's own buffers, so a weight cannot be both in a block and outside the blocks. "
+                f"Untie it, or name another block list in 'lazytrain.blocks'")

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..config import ConfigError, EngineConfig
 from ..tiers import format_bytes
 from . import checkpoint as ckpt
-from .blocks import find_blocks, turn_off_layer_checkpointing
+from .blocks import check_no_shared_weights, find_blocks, turn_off_layer_checkpointing
 from .distributed import DistributedContext
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
@@ -48,6 +48,7 @@ class LazyTrainEngine(nn.Module):
 
         # what streams and what stays
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
+        check_no_shared_weights(model, self.blocks_path, blocks)
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
         block_param_ids = {id(p) for p in blocks.parameters()}
         self.tiers = build_tiers(config, self.device)
