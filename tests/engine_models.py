@@ -84,7 +84,7 @@ class BranchLM(ModuleListLM):
 class UnchainedLM(ModuleListLM):
     """Blocks whose input is not the previous block's output: ``"parallel"`` feeds every block the same
     input and sums their outputs; ``"between"`` changes the hidden state between blocks with a learnable
-    non-block scale."""
+    non-block scale; ``"in-place"`` scales it in place (the same tensor object, a new version)."""
 
     def __init__(self, mode: str, d: int = 32, n_layers: int = 6):
         super().__init__(d, n_layers)
@@ -95,6 +95,10 @@ class UnchainedLM(ModuleListLM):
         x = self.emb(ids)
         if self.mode == "parallel":
             x = x + sum(blk(x) for blk in self.stack)
+        elif self.mode == "in-place":
+            for blk in self.stack:
+                x = blk(x)
+                x.mul_(0.9)
         else:
             for blk in self.stack:
                 x = blk(x) * self.between
@@ -124,7 +128,7 @@ class SharedState(collections.UserDict):
 
 
 class SharedStateBlock(MLPBlock):
-    def __init__(self, d: int, index: int, store: bool, read_from: int | None):
+    def __init__(self, d: int, index: int, store: bool, read_from: int | str | None):
         super().__init__(d)
         self.index, self.store, self.read_from = index, store, read_from
 
@@ -138,16 +142,22 @@ class SharedStateBlock(MLPBlock):
 
 
 class SharedStateLM(ModuleListLM):
-    """Block 1 stores an intermediate in the shared mapping; with ``read``, block 3 reads it."""
+    """Block 1 stores an intermediate in the shared mapping; with ``read``, block 3 reads it. With
+    ``model_writes``, the model puts a learnable tensor there and block 2 reads it."""
 
-    def __init__(self, read: bool, d: int = 32, n_layers: int = 6):
+    def __init__(self, read: bool, model_writes: bool = False, d: int = 32, n_layers: int = 6):
         super().__init__(d, n_layers)
         torch.manual_seed(0)
         self.stack = nn.ModuleList(SharedStateBlock(d, i, store=i == 1, read_from=1 if read and i == 3 else None)
                                    for i in range(n_layers))
+        if model_writes:
+            self.stack[2].read_from = "model"
+            self.shared_bias = nn.Parameter(torch.zeros(2 * d))
 
     def forward(self, ids):
         x, shared = self.emb(ids), SharedState()
+        if hasattr(self, "shared_bias"):
+            shared["blockmodel"] = self.shared_bias * 1.0
         for blk in self.stack:
             x = blk(x, shared)
         return self.head(self.extra[0](x))
@@ -185,14 +195,14 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return TupleBlockLM(n_layers=n_layers)
     if kind == "branch":
         return BranchLM(n_layers=n_layers)
-    if kind in ("parallel", "between"):
+    if kind in ("parallel", "between", "in-place"):
         return UnchainedLM(kind, n_layers=n_layers)
     if kind == "checkpointing":
         return CheckpointingLM(n_layers=n_layers)
     if kind == "mixed-blocks":
         return MixedBlocksLM(n_layers=n_layers)
-    if kind in ("shared-store", "shared-read"):
-        return SharedStateLM(read=kind == "shared-read", n_layers=n_layers)
+    if kind in ("shared-store", "shared-read", "shared-model-write"):
+        return SharedStateLM(read=kind == "shared-read", model_writes=kind == "shared-model-write", n_layers=n_layers)
     return ModuleListLM(n_layers=n_layers)
 
 

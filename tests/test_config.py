@@ -109,19 +109,42 @@ def test_missing_model_is_a_clear_error():
         lazytrain.initialize(config={"train_batch_size": 1})
 
 
-@pytest.mark.parametrize("compiled", ["model", "block"])
-def test_compiled_model_is_a_clear_error(compiled):
-    """torch.compile cannot trace the streaming executor; compiling is not attempted (no dynamo run)."""
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 4)] * 2))
-    where = "the model"
-    if compiled == "model":
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.head = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("compiled", ["wrapped model", "model compiled in place", "block", "block in place"])
+def test_compiled_model_or_block_is_a_clear_error(compiled):
+    """torch.compile cannot trace the streaming executor; the error comes before any dynamo run."""
+    model, where = _Net(), "the model"
+    if compiled == "wrapped model":
         model = torch.compile(model)
+    elif compiled == "model compiled in place":
+        model.compile()
+    elif compiled == "block":
+        model.blocks[1] = torch.compile(model.blocks[1])
+        where = "submodule 'blocks.1'"
     else:
-        model[1][0] = torch.compile(model[1][0])
-        where = "submodule '1.0'"
+        model.blocks[0].compile()
+        where = "submodule 'blocks.0'"
     with pytest.raises(ConfigError, match=f"^{where} is compiled with torch.compile: pass lazytrain.initialize the "
                                           f"module before compiling it"):
-        lazytrain.initialize(model=model, config={"train_batch_size": 1})
+        lazytrain.initialize(model=model, config={"train_batch_size": 1, "lazytrain": {"blocks": "blocks"}})
+
+
+def test_compiled_module_outside_the_blocks_is_accepted():
+    model = _Net()
+    model.head.compile()
+    engine, _, _, _ = lazytrain.initialize(model=model, config={"train_batch_size": 1, "lazytrain": {"blocks": "blocks"}})
+    assert engine(torch.ones(1, 4)).shape == (1, 4)
 
 
 def test_config_and_config_params_both_is_an_error():

@@ -626,14 +626,15 @@ def test_weights_streamed_from_nvme_match_pytorch(tmp_path):
     engine.destroy()
 
 
-@pytest.mark.parametrize("kind", ["parallel", "between"])
+@pytest.mark.parametrize("kind", ["parallel", "between", "in-place"])
 @pytest.mark.parametrize("k, graph", [(2, False), (3, True), (6, False)])
 @pytest.mark.parametrize("weights", ["host", "nvme"], ids=["recorded-segment", "re-run-segment"])
 def test_blocks_whose_input_is_not_the_previous_output_match_pytorch(kind, k, graph, weights, tmp_path):
     """A re-run segment cannot derive a block's input from the previous block's output when the model
     feeds every block the same input, or changes the hidden state between blocks: such an input is kept
     as given (with one warning), and training matches plain PyTorch. On the CPU a host-resident segment is
-    recorded once with autograd; NVMe-resident weights take the GPU's path, re-running layer by layer."""
+    recorded once with autograd; NVMe-resident weights take the GPU's path, re-running layer by layer.
+    A hidden state changed in place between blocks is the same object with a new version."""
     model = make_model(kind)
     data = batches(3)
     ref = reference_train(model, data)
@@ -703,6 +704,38 @@ def test_state_one_block_stores_and_another_reads_is_refused():
         engine(x)
 
 
+def test_block_reading_a_tensor_the_model_put_in_a_shared_mapping_is_refused():
+    """A tensor that needs a gradient, handed to a block inside a mapping rather than as an argument, is
+    not an input of the block's autograd Function: its gradient would be lost."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("shared-model-write"),
+                                           config=ds_config(checkpoint_interval=2))
+    x, y = batches(1)[0]
+    with pytest.raises(ExecutorError, match=r"^block 2 read 'blockmodel' from its SharedState argument, a tensor "
+                                             r"that needs a gradient"):
+        engine(x)
+
+
+@pytest.mark.parametrize("how", ["config", "keyword"])
+def test_router_aux_loss_is_refused_in_training(how):
+    """The load-balancing loss is computed from router logits captured inside the streamed layers: it
+    would get no gradient (or fail in backward), so a training forward that asks for it is refused;
+    inference and output_router_logits=False run."""
+    model = make_hf_model("mixtral")
+    kwargs = {}
+    if how == "config":
+        model.config.output_router_logits = True
+    else:
+        kwargs["output_router_logits"] = True
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    x, y = batches(1)[0]
+    with pytest.raises(ConfigError, match=r"^the model adds a router load-balancing loss computed from router "
+                                          r"logits captured inside its layers \(output_router_logits=True\)"):
+        engine(x, **kwargs)
+    with torch.no_grad():
+        engine(x, **kwargs)
+    engine.backward(lm_loss(engine(x, output_router_logits=False), y))
+
+
 def test_state_stored_but_read_by_no_other_block_trains():
     model = make_model("shared-store")
     data = batches(3)
@@ -751,6 +784,19 @@ def test_weight_shared_by_two_blocks_is_refused():
     with pytest.raises(BlockDiscoveryError, match=r"^block 3's parameter 'fc1.weight' is also block 1's "
                                                   r"'fc1.weight': LazyTrain streams each block's weights"):
         lazytrain.initialize(model=model, config=ds_config())
+
+
+def test_frozen_weight_shared_by_two_blocks_and_a_second_handle_to_the_blocks_train():
+    """A frozen weight cannot go stale, so two blocks may share it; a second attribute naming the same
+    block list shares nothing."""
+    model = make_model("modulelist")
+    model.stack[3].fc1.weight = model.stack[1].fc1.weight
+    model.stack[1].fc1.weight.requires_grad_(False)
+    model.handle = model.stack
+    data = batches(3)
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, ds_config(blocks="stack", checkpoint_interval=2))
+    assert max_rel_diff(engine.module, ref) < RTOL
 
 
 def test_weight_shared_by_a_block_and_a_module_outside_is_refused():

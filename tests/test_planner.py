@@ -54,6 +54,10 @@ def test_measured_layer_params_replace_the_dense_estimate():
     assert [l.params for l in ModelShape.from_hf_config(nested).layers] == [5, 6, 7]
     with pytest.raises(ModelShapeError, match=r"'layer_params' must hold 3 non-negative counts \(one per layer\)"):
         ModelShape.from_hf_config({**cfg, "layer_params": [1, 2]})
+    # a config the planner cannot read (GPT-2 names its width n_embd) says so, measured sizes or not
+    from lazytrain.planner.search import as_model_shape
+    with pytest.raises(ModelShapeError, match="lacks 'hidden_size'"):
+        as_model_shape({"model_type": "gpt2", "n_embd": 64, "layer_params": [1, 2, 3]})
 
 
 def test_model_from_a_local_config_json(tmp_path):

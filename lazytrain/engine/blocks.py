@@ -102,18 +102,43 @@ def check_no_shared_weights(model: nn.Module, path: str, blocks: nn.ModuleList) 
     owner: dict[int, tuple[int, str]] = {}
     for i, block in enumerate(blocks):
         for name, p in block.named_parameters():
-            if id(p) in owner:
+            if id(p) in owner and p.requires_grad:   # a frozen copy in each block's buffers cannot go stale
                 j, other = owner[id(p)]
                 raise BlockDiscoveryError(
                     f"block {i}'s parameter {name!r} is also block {j}'s {other!r}: LazyTrain streams each block's "
                     f"weights from that block's own buffers, so blocks cannot share a weight. Untie it, or name "
                     f"another block list in 'lazytrain.blocks'")
             owner[id(p)] = (i, name)
-    prefix = path + "."
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in owner and not name.startswith(prefix):
-            i, inner = owner[id(p)]
-            raise BlockDiscoveryError(
-                f"the model's parameter {name!r} is block {i}'s {inner!r}: LazyTrain streams each block's weights "
-                f"from that block's own buffers, so a weight cannot be both in a block and outside the blocks. "
-                f"Untie it, or name another block list in 'lazytrain.blocks'")
+    inside = {id(m) for m in blocks.modules()}
+    for module_name, module in model.named_modules():
+        if id(module) in inside:      # the blocks, under whatever name (a second handle to the list too)
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in owner and p.requires_grad:
+                i, inner = owner[id(p)]
+                name = f"{module_name}.{pname}" if module_name else pname
+                raise BlockDiscoveryError(
+                    f"the model's parameter {name!r} is block {i}'s {inner!r}: LazyTrain streams each block's "
+                    f"weights from that block's own buffers, so a weight cannot be both in a block and outside "
+                    f"the blocks. Untie it, or name another block list in 'lazytrain.blocks'")
+
+
+def compiled_error(where: str):
+    from ..config import ConfigError
+    return ConfigError(f"{where} is compiled with torch.compile: pass lazytrain.initialize the module before "
+                       f"compiling it. LazyTrain routes every streamed block through its executor, which "
+                       f"torch.compile cannot trace")
+
+
+def refuse_compiled_blocks(model: nn.Module, path: str, blocks: nn.ModuleList) -> None:
+    """A compiled block, a compiled module inside one, or a compiled module that calls the blocks (one
+    on the path to them) would trace the executor; modules elsewhere (a compiled head) may stay compiled."""
+    from .initialize import is_compiled
+    parts = path.split(".")
+    for k in range(1, len(parts)):
+        prefix = ".".join(parts[:k])
+        if is_compiled(model.get_submodule(prefix)):
+            raise compiled_error(f"submodule {prefix!r}")
+    for name, module in blocks.named_modules():
+        if is_compiled(module):
+            raise compiled_error(f"submodule {path + '.' + name if name else path!r}")

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..config import ConfigError, EngineConfig
 from ..tiers import format_bytes
 from . import checkpoint as ckpt
-from .blocks import check_no_shared_weights, find_blocks, turn_off_layer_checkpointing
+from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import DistributedContext
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
@@ -48,6 +48,7 @@ class LazyTrainEngine(nn.Module):
 
         # what streams and what stays
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
+        refuse_compiled_blocks(model, self.blocks_path, blocks)
         check_no_shared_weights(model, self.blocks_path, blocks)
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
         block_param_ids = {id(p) for p in blocks.parameters()}
@@ -179,6 +180,8 @@ class LazyTrainEngine(nn.Module):
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
             kwargs["use_cache"] = False   # a training forward fills no KV cache, as under gradient checkpointing
+        if torch.is_grad_enabled():
+            _refuse_router_aux_loss(self.module, kwargs)
         return self.module(*inputs, **kwargs)
 
     def _to_device(self, x):
@@ -537,6 +540,21 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _refuse_router_aux_loss(model: nn.Module, kwargs: dict) -> None:
+    """A mixture-of-experts model asked for its router load-balancing loss computes it from router logits
+    that hooks capture inside its layers. The streamed layers run without autograd in the forward and are
+    re-run in backward, so that loss would get no gradient (all layers re-run) or fail in backward (layers
+    that keep their graph): refused with the setting to change."""
+    wanted = kwargs.get("output_router_logits")
+    if wanted is None:
+        wanted = getattr(getattr(model, "config", None), "output_router_logits", False)
+    if wanted is True:
+        raise ConfigError("the model adds a router load-balancing loss computed from router logits captured inside "
+                          "its layers (output_router_logits=True); LazyTrain streams and re-runs those layers, so "
+                          "that loss would get no gradient. Set model.config.output_router_logits = False (or pass "
+                          "output_router_logits=False) to train without the auxiliary loss")
 
 
 def _check_model_dtype(model: nn.Module, compute_dtype: torch.dtype) -> None:

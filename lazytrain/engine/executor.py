@@ -85,9 +85,9 @@ class _Pass:
     owned: set = field(default_factory=set)                              # (tier, key) still allocated
     graphs: dict = field(default_factory=dict)                           # layer -> recorded segment graph
     returned_tuple: set = field(default_factory=set)                     # layers whose block returned a tuple
-    last_out: Any = None                                                 # weakref: the hidden state the last block
-                                                                         # returned (a strong one would keep the pass
-                                                                         # alive through its own autograd graph)
+    last_out: Any = None                                                 # (weakref, version): the hidden state the last
+                                                                         # block returned (a strong reference would keep
+                                                                         # the pass alive through its autograd graph)
     unchained: dict[int, torch.Tensor] = field(default_factory=dict)     # layer -> its input, when that is not
                                                                          # the previous block's output
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
@@ -262,7 +262,9 @@ class LayerStreamingExecutor:
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
                                 f"{layer} was called when block {p.next_layer if p else 0} was expected")
         p.next_layer += 1
-        if layer > 0 and (p.last_out is None or p.last_out() is not hidden):
+        if layer > 0 and (p.last_out is None or p.last_out[0]() is not hidden
+                          or hidden._version != p.last_out[1]):   # replaced, or changed in place
+
             self._keep_unchained_input(p, layer, hidden)
         call.rng = _rng_state(self.device)
         p.calls[layer] = call
@@ -272,7 +274,7 @@ class LayerStreamingExecutor:
         # embeddings): the block's own weights still need their backward
         result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
-        p.last_out = weakref.ref(out_hidden)
+        p.last_out = (weakref.ref(out_hidden), out_hidden._version)
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
             self._start_sequence(self._backward_sequence())
             self._prefetch_next()
@@ -562,6 +564,12 @@ class _SharedStateWatch(MutableMapping):
 
     def __getitem__(self, key):
         writer = self._writers.get(key)
+        value = self._mapping[key]
+        if writer is None and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(value)[0]):
+            raise ExecutorError(
+                f"block {self._layer} read {key!r} from its {type(self._mapping).__name__} argument, a tensor that "
+                f"needs a gradient: a streamed block's gradients flow back through its hidden state and tensor "
+                f"arguments only, so this one would get none. Pass the tensor to the block as an argument")
         if writer is not None and writer != self._layer:
             raise ExecutorError(
                 f"block {self._layer} read {key!r} from its {type(self._mapping).__name__} argument, which block "
@@ -569,7 +577,7 @@ class _SharedStateWatch(MutableMapping):
                 f"their internals are recomputed in backward and gradients through such shared state would be "
                 f"lost. Turn the sharing off (for Gemma 3n/4: num_kv_shared_layers=0) to train this model "
                 f"with LazyTrain")
-        return self._mapping[key]
+        return value
 
     def __setitem__(self, key, value):
         if any(isinstance(t, torch.Tensor) for t in tree_flatten(value)[0]):
@@ -587,6 +595,8 @@ class _SharedStateWatch(MutableMapping):
         return len(self._mapping)
 
     def __getattr__(self, name):   # the mapping's own methods (KVSharingDict.to)
+        if name.startswith("__") or name in ("_mapping", "_layer", "_writers"):
+            raise AttributeError(name)   # not set yet (a copy being built): no recursion
         return getattr(self._mapping, name)
 
 

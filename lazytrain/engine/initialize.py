@@ -43,14 +43,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 def _refuse_compiled(model) -> None:
     """torch.compile cannot trace the streaming executor that each block's call is routed to (threads,
-    transfer handles, per-call bookkeeping): say so up front instead of failing inside dynamo."""
+    transfer handles, per-call bookkeeping): say so up front instead of failing inside dynamo. The blocks
+    themselves are checked once they are found (:func:`~lazytrain.engine.blocks.refuse_compiled_blocks`)."""
+    from .blocks import compiled_error
+    if is_compiled(model):
+        raise compiled_error("the model")
+
+
+def is_compiled(module) -> bool:
+    """``torch.compile(module)`` (a wrapper) or ``module.compile()`` (in place)."""
     try:
         from torch._dynamo.eval_frame import OptimizedModule
     except ImportError:   # a torch without dynamo has no compiled modules
-        return
-    for name, module in model.named_modules():
-        if isinstance(module, OptimizedModule):
-            where = "the model" if not name else f"submodule {name!r}"
-            raise ConfigError(f"{where} is compiled with torch.compile: pass lazytrain.initialize the module "
-                              f"before compiling it. LazyTrain routes every streamed block through its executor, "
-                              f"which torch.compile cannot trace")
+        return False
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None

@@ -18,11 +18,15 @@ def as_model_shape(model_shape: Any) -> ModelShape:
     """A ModelShape from: a ModelShape; a Hugging Face config dict (``model.config.to_dict()``); a dict of
     explicit per-layer numbers ``{"name", "layer_params": [...], "hidden", "vocab_size", ...}`` (see
     :meth:`ModelShape.from_layers`); a catalog name; or a path to a config.json."""
-    if isinstance(model_shape, dict) and "layer_params" in model_shape and "hidden_size" not in model_shape \
-            and "text_config" not in model_shape:   # a Hugging Face config may carry measured layer_params too
+    if isinstance(model_shape, dict) and "layer_params" in model_shape and not _is_hf_config(model_shape):
         d = dict(model_shape)
         return ModelShape.from_layers(d.pop("name", "model"), d.pop("layer_params"), **d)
     return load_model(model_shape)
+
+
+def _is_hf_config(d: dict) -> bool:
+    """A Hugging Face config (which the engine gives measured ``layer_params`` too), not explicit layers."""
+    return any(k in d for k in ("model_type", "hidden_size", "text_config"))
 
 
 def as_budgets(budgets: Any) -> Budgets:
