@@ -50,7 +50,6 @@ class LazyTrainEngine(nn.Module):
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
         refuse_compiled_blocks(model, self.blocks_path, blocks)
         check_no_shared_weights(model, self.blocks_path, blocks)
-        self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
         block_param_ids = {id(p) for p in blocks.parameters()}
         self.tiers = build_tiers(config, self.device)
         model_cfg = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
@@ -126,6 +125,8 @@ class LazyTrainEngine(nn.Module):
         # only the non-block part: the layers' update time is layer_updates.busy_seconds)
         self.last_optimizer_seconds = 0.0
         self.weights.zero_grads()
+        # last: a set-up that fails leaves the model's own checkpointing flags as they were
+        self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
 
     # ---- set-up helpers ------------------------------------------------------------------------
     def _overlapped_updates(self, wanted: bool, required: bool) -> LayerUpdates | None:
