@@ -60,6 +60,25 @@ def test_measured_layer_params_replace_the_dense_estimate():
         as_model_shape({"model_type": "gpt2", "n_embd": 64, "layer_params": [1, 2, 3]})
 
 
+def test_layers_of_different_sizes_reserve_the_streaming_buffers_slack():
+    """The engine's two streaming buffers are sized for the largest layer; a plan for layers that differ
+    counts what they hold beyond the two layers a window streams, and nothing when layers are equal."""
+    from lazytrain.planner.problem import Budgets, Problem
+    from lazytrain.planner.hardware import catalog_profile
+    base = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "intermediate_size": 128, "vocab_size": 100}
+    hw = catalog_profile("h200")
+
+    def problem(layer_params=None):
+        cfg = dict(base, **({"layer_params": layer_params} if layer_params else {}))
+        return Problem(model=ModelShape.from_hf_config(cfg), hardware=hw, budgets=Budgets.of(gpu="10GB"),
+                       micro_batch=1, seq_len=16)
+    assert problem().slot_slack == 0
+    uneven = problem([1000, 250000, 250000])
+    assert uneven.slot_slack == 2 * (250000 - 1000) * 2          # bf16 weights
+    assert uneven.gpu_static == problem([250000] * 3).gpu_static + uneven.slot_slack
+
+
 def test_model_from_a_local_config_json(tmp_path):
     from lazytrain.planner.models import CATALOG_CONFIGS, load_model
     d = tmp_path / "my-model"

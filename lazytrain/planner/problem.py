@@ -125,7 +125,10 @@ class Problem:
         chunk = min(T, self.budgets.loss_chunk_tokens)
         self.head_ws = chunk * m.vocab_size * 4 * 2                   # fp32 logits + their gradient, one chunk
         self.nonlayer_w = m.nonlayer_params * db
-        self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes  # resident emb/head + grads
+        # resident emb/head + grads; plus, when layers differ in size, what the engine's two streaming
+        # buffers (each sized for the largest layer) hold beyond the two layers a window streams
+        self.slot_slack = 2 * (max(self.Wl) - min(self.Wl))
+        self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes + self.slot_slack
         f8 = self.budgets.hybrid_8bit_fraction
         adam = (1 - f8) * 8 + f8 * (2 + 8 / 4096)                     # fp32 moments / 8-bit blockwise
         self.host_bytes_per_param = 4 + db + db + adam               # master, streamed copy, grads, moments
