@@ -2,6 +2,7 @@
 import copy
 import inspect
 import json
+import warnings
 
 import pytest
 import torch
@@ -734,6 +735,21 @@ def test_router_aux_loss_is_refused_in_training(how):
     with torch.no_grad():
         engine(x, **kwargs)
     engine.backward(lm_loss(engine(x, output_router_logits=False), y))
+
+
+def test_attention_weights_in_a_training_forward_warn_once():
+    model = make_hf_model("llama")
+    model.config._attn_implementation = "eager"
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    x, y = batches(1)[0]
+    with pytest.warns(UserWarning, match="attention weights returned by a training forward"):
+        out = engine(x, output_attentions=True)
+    assert len(out.attentions) == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine(x, output_attentions=True)     # once only
+        with torch.no_grad():
+            engine(x, output_attentions=True)
 
 
 def test_state_stored_but_read_by_no_other_block_trains():

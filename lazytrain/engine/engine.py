@@ -107,6 +107,7 @@ class LazyTrainEngine(nn.Module):
             if config.fp16.enabled else None
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         # a transformers model with use_cache on would hand every block a KV cache to fill in training
+        self._warned_attentions = False
         self._drops_kv_cache = bool(getattr(getattr(model, "config", None), "use_cache", False)) and \
             "use_cache" in inspect.signature(model.forward).parameters
 
@@ -183,6 +184,11 @@ class LazyTrainEngine(nn.Module):
             kwargs["use_cache"] = False   # a training forward fills no KV cache, as under gradient checkpointing
         if torch.is_grad_enabled():
             _refuse_router_aux_loss(self.module, kwargs)
+            if _wants(self.module, kwargs, "output_attentions") and not self._warned_attentions:
+                self._warned_attentions = True
+                warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
+                              "no gradient from the streamed layers, which run without autograd in the forward: "
+                              "use them for inspection, not in the loss")
         return self.module(*inputs, **kwargs)
 
     def _to_device(self, x):
@@ -543,15 +549,20 @@ class LazyTrainEngine(nn.Module):
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
 
 
+def _wants(model: nn.Module, kwargs: dict, flag: str) -> bool:
+    """A transformers output flag as the forward will see it: the keyword, else the model's config."""
+    wanted = kwargs.get(flag)
+    if wanted is None:
+        wanted = getattr(getattr(model, "config", None), flag, False)
+    return wanted is True
+
+
 def _refuse_router_aux_loss(model: nn.Module, kwargs: dict) -> None:
     """A mixture-of-experts model asked for its router load-balancing loss computes it from router logits
     that hooks capture inside its layers. The streamed layers run without autograd in the forward and are
     re-run in backward, so that loss would get no gradient (all layers re-run) or fail in backward (layers
     that keep their graph): refused with the setting to change."""
-    wanted = kwargs.get("output_router_logits")
-    if wanted is None:
-        wanted = getattr(getattr(model, "config", None), "output_router_logits", False)
-    if wanted is True:
+    if _wants(model, kwargs, "output_router_logits"):
         raise ConfigError("the model adds a router load-balancing loss computed from router logits captured inside "
                           "its layers (output_router_logits=True); LazyTrain streams and re-runs those layers, so "
                           "that loss would get no gradient. Set model.config.output_router_logits = False (or pass "
