@@ -105,6 +105,30 @@ class UnchainedLM(ModuleListLM):
         return self.head(self.extra[0](x))
 
 
+class AuxLossBlock(MLPBlock):
+    """Returns its hidden state and an auxiliary loss (as a mixture-of-experts block may)."""
+
+    def forward(self, x):
+        h = self.fc1(self.norm(x))
+        return x + self.fc2(F.gelu(h)), h.pow(2).mean()
+
+
+class AuxLossLM(ModuleListLM):
+    """Adds the blocks' auxiliary losses into ``self.aux`` for the training loss."""
+
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        torch.manual_seed(0)
+        self.stack = nn.ModuleList(AuxLossBlock(d) for _ in range(n_layers))
+
+    def forward(self, ids):
+        x, self.aux = self.emb(ids), 0.0
+        for blk in self.stack:
+            x, aux = blk(x)
+            self.aux = self.aux + aux
+        return self.head(self.extra[0](x))
+
+
 class WideBlock(MLPBlock):
     def __init__(self, d: int, mult: int):
         super().__init__(d)
@@ -197,6 +221,8 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return BranchLM(n_layers=n_layers)
     if kind in ("parallel", "between", "in-place"):
         return UnchainedLM(kind, n_layers=n_layers)
+    if kind == "aux-loss":
+        return AuxLossLM(n_layers=n_layers)
     if kind == "checkpointing":
         return CheckpointingLM(n_layers=n_layers)
     if kind == "mixed-blocks":

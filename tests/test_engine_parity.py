@@ -752,6 +752,31 @@ def test_attention_weights_in_a_training_forward_warn_once():
             engine(x, output_attentions=True)
 
 
+@pytest.mark.parametrize("k, graph", [(2, False), (3, True), (1, False)])
+@pytest.mark.parametrize("weights", ["host", "nvme"], ids=["recorded-segment", "re-run-segment"])
+def test_auxiliary_loss_returned_by_blocks_gets_its_gradient(k, graph, weights, tmp_path):
+    """A block that returns (hidden, aux loss), the aux losses added into the training loss: backward
+    differentiates each block from every output the loss used, so training matches plain PyTorch."""
+    model = make_model("aux-loss")
+    data = batches(3)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    for x, y in data:
+        (lm_loss(ref(x), y) + 0.1 * ref.aux).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    top = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}} \
+        if weights == "nvme" else {}
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=k, last_segment_graph=graph,
+                                                                         _top=top))
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y) + 0.1 * model.aux)
+        engine.step()
+    assert max_rel_diff(engine.module, ref) < RTOL
+    engine.destroy()
+
+
 def test_state_stored_but_read_by_no_other_block_trains():
     model = make_model("shared-store")
     data = batches(3)

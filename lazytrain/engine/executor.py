@@ -217,6 +217,12 @@ class LayerStreamingExecutor:
     def _hidden_of(out) -> torch.Tensor:
         return out if isinstance(out, torch.Tensor) else out[0]
 
+    @staticmethod
+    def _outputs(out) -> tuple:
+        """A block's outputs as a tuple: the hidden state, then whatever else it returned (an auxiliary
+        loss, say), so that backward can differentiate every output the loss used."""
+        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
     def run(self, layer: int, args: tuple, kwargs: dict):
         """Called by the proxy of block ``layer`` with the arguments the model gave it."""
         if not args:
@@ -396,8 +402,8 @@ class LayerStreamingExecutor:
         for j in range(s, e):
             tensors = [p.calls[j].leaves[k] for k in p.calls[j].tensor_idx]
             x_in, out, params, t_in = self._forward_with_grad(p, j, x, True, [t.requires_grad for t in tensors])
-            p.graphs[j] = (x_in, self._hidden_of(out), params, t_in)
-            x = p.unchained.get(j + 1, p.graphs[j][1].detach())
+            p.graphs[j] = (x_in, self._outputs(out), params, t_in)
+            x = p.unchained.get(j + 1, p.graphs[j][1][0].detach())
         self.recomputed_layer_forwards += e - s - 1
 
     def _forward_with_grad(self, p: _Pass, layer: int, x: torch.Tensor, x_needs_grad: bool, side_needs,
@@ -437,7 +443,8 @@ class LayerStreamingExecutor:
         if p.held.pop(i, None) is not None:
             self._drop(p, DEVICE_HOME, key + ".held")
 
-    def backward_layer(self, p: _Pass, layer: int, grad_out: torch.Tensor, needs_input_grad: tuple):
+    def backward_layer(self, p: _Pass, layer: int, grad_outs: tuple, needs_input_grad: tuple):
+        """``grad_outs``: the gradient of each of the block's outputs (None where the loss did not use it)."""
         self._enter_window(p, 2 * self.L - 1 - layer)
         s, e = self._segment_of[layer]
         if layer == e - 1 and e - s > 1 and layer < self.graph_start:
@@ -450,26 +457,31 @@ class LayerStreamingExecutor:
         else:
             x_in, out, params, t_in = self._forward_with_grad(p, layer, self._boundary(p, layer),
                                                               needs_input_grad[0], needs_input_grad[1:])
-            graph = (x_in, self._hidden_of(out), params, t_in)
+            graph = (x_in, self._outputs(out), params, t_in)
         if graph is None:
             g_x, t_grads = None, [None] * len(p.calls[layer].tensor_idx)
         else:
-            g_x, t_grads = self._differentiate(layer, graph, grad_out, needs_input_grad[0])
+            g_x, t_grads = self._differentiate(layer, graph, grad_outs, needs_input_grad[0])
         self._free_boundary(p, layer)
         if layer == 0:
             self.release_pass(p)
         return g_x, t_grads
 
-    def _differentiate(self, layer: int, graph: tuple, grad_out: torch.Tensor, x_needs_grad: bool):
-        """Backward through one block's recorded graph: its weight gradients go to the host buffers;
-        returns the gradients of its input and side tensors."""
-        x_in, hidden, params, t_in = graph
+    def _differentiate(self, layer: int, graph: tuple, grad_outs: tuple, x_needs_grad: bool):
+        """Backward through one block's recorded graph, from each output the loss used: its weight
+        gradients go to the host buffers; returns the gradients of its input and side tensors."""
+        x_in, outs, params, t_in = graph
+        used = [(o, g) for o, g in zip(outs, grad_outs)
+                if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         with torch.enable_grad():
             trainable = [(n, t) for n, t in params.items() if t.requires_grad]
             want_x = x_needs_grad and x_in.requires_grad
             inputs = ([x_in] if want_x else []) + [t for _, t in trainable] + \
                 [t for t in t_in if isinstance(t, torch.Tensor) and t.requires_grad]
-            grads = torch.autograd.grad(hidden, inputs, grad_out, allow_unused=True) if inputs else ()
+            if inputs and used:
+                grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used], allow_unused=True)
+            else:
+                grads = (None,) * len(inputs)
         n, first = len(trainable), int(want_x)
         self.weights.accumulate_grads(layer, {name: g for (name, _), g in zip(trainable, grads[first:first + n])
                                               if g is not None})
@@ -504,6 +516,7 @@ class _BlockFunction(torch.autograd.Function):
                 hidden: torch.Tensor, *tensors):
         executor.forward_window(p, layer, hidden)
         ctx.executor, ctx.p, ctx.layer = executor, p, layer
+        ctx.set_materialize_grads(False)   # an output the loss did not use gets None, not zeros
         needs = ctx.needs_input_grad[4:]
         graph_layer = layer >= executor.graph_start
         record = graph_layer and (any(needs) or any(executor.weights.trainable[layer]))
@@ -511,7 +524,7 @@ class _BlockFunction(torch.autograd.Function):
             p.graphs[layer] = None          # nothing to differentiate here: no graph, no weight copy
         if record:                          # backward differentiates this graph without a re-run
             x_in, out, params, t_in = executor._forward_with_grad(p, layer, hidden, needs[0], needs[1:], keep=True)
-            p.graphs[layer] = (x_in, executor._hidden_of(out), params, t_in)
+            p.graphs[layer] = (x_in, executor._outputs(out), params, t_in)
             out = out.detach() if isinstance(out, torch.Tensor) else \
                 tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
         else:
@@ -521,16 +534,16 @@ class _BlockFunction(torch.autograd.Function):
             return (out,)
         p.returned_tuple.add(layer)   # the model indexes it (layer_outputs[0]): hand back a tuple too
         extras = tuple(out[1:])
-        for t in extras:
-            if isinstance(t, torch.Tensor):
+        for t in extras:   # floating-point extras (an auxiliary loss) stay differentiable
+            if isinstance(t, torch.Tensor) and not t.is_floating_point():
                 ctx.mark_non_differentiable(t)
         return (out[0], *extras)
 
     @staticmethod
-    def backward(ctx, grad_out, *unused):
+    def backward(ctx, *grad_outs):
         ex: LayerStreamingExecutor = ctx.executor
         needs = ctx.needs_input_grad[4:]
-        g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_out, needs)
+        g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_outs, needs)
         return (None, None, None, None, g_hidden, *t_grads)
 
 
