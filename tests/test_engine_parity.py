@@ -848,6 +848,40 @@ def test_weight_shared_by_a_block_and_a_module_outside_is_refused():
         lazytrain.initialize(model=model, config=ds_config())
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_failed_initialize_leaves_the_model_as_it_was(bf16):
+    """A config error found late in set-up (overlap_optimizer true with SGD) leaves no forward routing,
+    hooks or bf16 weights behind: the model then trains in plain PyTorch exactly as an untouched copy."""
+    model = make_model("llama")
+    data = batches(2)
+    ref = reference_train(model, data)
+    cfg = ds_config(checkpoint_interval=2, overlap_optimizer=True)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    with pytest.raises(ConfigError, match="overlap_optimizer"):
+        lazytrain.initialize(model=model, config=cfg)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    trained = reference_train(model, data)
+    assert max_rel_diff(trained, ref) == 0.0
+
+
+def test_destroy_gives_non_block_gradients_back_to_the_model():
+    """bf16: during training the non-block weights run in bf16 with fp32 masters taking their gradients;
+    destroy() hands back the fp32 model, whose plain backward leaves gradients on its own parameters."""
+    model = make_model("llama")
+    cfg = ds_config(checkpoint_interval=2)
+    cfg["bf16"] = {"enabled": True}
+    engine = train_engine(model, batches(1), cfg)
+    master = engine.masters.master_of(model.lm_head.weight).detach().clone()
+    engine.destroy()
+    assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight.detach(), master)
+    x, y = batches(1)[0]
+    lm_loss(model(x), y).backward()
+    assert model.lm_head.weight.grad is not None and model.model.embed_tokens.weight.grad is not None
+
+
 def test_training_data_builds_a_dataloader_with_the_micro_batch():
     xs, ys = zip(*batches(3, batch=4))
     dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))

@@ -36,6 +36,32 @@ class LazyTrainEngine(nn.Module):
     def __init__(self, model: nn.Module, config: EngineConfig, optimizer=None, model_parameters=None,
                  lr_scheduler=None, training_data=None, collate_fn=None):
         super().__init__()
+        try:
+            self._set_up(model, config, optimizer, model_parameters, lr_scheduler, training_data, collate_fn)
+        except BaseException:
+            self._undo_partial_set_up()
+            raise
+
+    def _undo_partial_set_up(self) -> None:
+        """A set-up that failed (a config error found late) leaves the user's model usable as it was: its
+        blocks' forward no longer routed here, no hooks of ours, non-block weights back in fp32."""
+        d = self.__dict__
+        if "executor" in d:
+            self.executor.uninstall()
+        for handle in list(d.get("_load_hooks", [])) + list(d.get("_settle_hooks", [])):
+            handle.remove()
+        if d.get("layer_updates") is not None:
+            self.layer_updates.close()
+        if d.get("masters") is not None:
+            self.masters.remove_hooks()
+            with torch.no_grad():
+                for p, m in self.masters.pairs:
+                    p.data = m.data
+        for tier in d.get("tiers", {}).values():
+            tier.close()
+
+    def _set_up(self, model: nn.Module, config: EngineConfig, optimizer, model_parameters, lr_scheduler,
+                training_data, collate_fn) -> None:
         self.module = model
         self._config = config
         self.dist = DistributedContext("cuda" if torch.cuda.is_available() else "cpu")
@@ -525,7 +551,9 @@ class LazyTrainEngine(nn.Module):
         return True
 
     def destroy(self) -> None:
-        """Release streaming buffers and tiers (NVMe run directories are removed)."""
+        """Release streaming buffers and tiers (NVMe run directories are removed) and hand the model back:
+        its blocks called directly again, mixed-precision non-block weights back in fp32 (the trained
+        masters), no hooks of ours."""
         for handle in self._load_hooks:
             handle.remove()
         if self.layer_updates is not None:
@@ -533,6 +561,11 @@ class LazyTrainEngine(nn.Module):
                 handle.remove()
             self.layer_updates.close()
         self.executor.uninstall()
+        if self.masters is not None:   # the model as it was given: fp32 non-block weights, with their own grads
+            self.masters.remove_hooks()
+            with torch.no_grad():
+                for p, m in self.masters.pairs:
+                    p.data = m.data
         for m in self._checkpointing_turned_off:
             m.gradient_checkpointing = True
         for tier in self.tiers.values():

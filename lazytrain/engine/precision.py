@@ -17,13 +17,20 @@ class DeviceMasters:
 
     def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self._hooks = []
         for p in params:
             master = nn.Parameter(p.detach().to(torch.float32).clone(), requires_grad=p.requires_grad)
             p.data = p.data.to(compute_dtype)
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(_into_master(master))
+                self._hooks.append(p.register_post_accumulate_grad_hook(_into_master(master)))
             self.pairs.append((p, master))
         self.by_param = {id(p): m for p, m in self.pairs}
+
+    def remove_hooks(self) -> None:
+        """The model's parameters keep their own ``.grad`` again (after ``destroy()``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
