@@ -882,6 +882,29 @@ def test_destroy_gives_non_block_gradients_back_to_the_model():
     assert model.lm_head.weight.grad is not None and model.model.embed_tokens.weight.grad is not None
 
 
+@pytest.mark.parametrize("weights", ["host", "nvme"], ids=["in-place-weights", "streamed-weights"])
+def test_inference_mode_evaluation_between_training_steps(weights, tmp_path):
+    """An evaluation forward under torch.inference_mode() between steps: weights streamed into buffers
+    that outlive it (the GPU's and NVMe's path) are fetched outside inference mode, so the tiers' worker
+    threads can write them and training goes on, matching plain PyTorch."""
+    model = make_model("llama")
+    data = batches(3)
+    ref = reference_train(model, data)
+    top = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}} \
+        if weights == "nvme" else {}
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2, _top=top))
+    for x, y in data:
+        engine.eval()
+        with torch.inference_mode():
+            expect = engine(x).logits
+        engine.train()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert expect.shape == (2, 12, 32)
+    assert max_rel_diff(engine.module, ref) < RTOL
+    engine.destroy()
+
+
 def test_training_data_builds_a_dataloader_with_the_micro_batch():
     xs, ys = zip(*batches(3, batch=4))
     dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))

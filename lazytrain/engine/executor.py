@@ -145,7 +145,14 @@ class LayerStreamingExecutor:
         self._weight_seq, self._cursor, self._pending_weight = seq, 0, None
 
     def _acquire(self, layer: int) -> torch.Tensor:
-        """Layer's compute weights on the device; then start prefetching the next layer in the sequence."""
+        """Layer's compute weights on the device; then start prefetching the next layer in the sequence.
+        Outside inference mode even within ``torch.inference_mode()``: the streaming buffers outlive the
+        call, and a view of one made in inference mode could not be written later, nor by a tier's
+        worker thread (inference mode is per thread)."""
+        with torch.inference_mode(False):
+            return self._acquire_weights(layer)
+
+    def _acquire_weights(self, layer: int) -> torch.Tensor:
         seq = self._weight_seq
         on_seq = self._cursor < len(seq) and seq[self._cursor] == layer
         if not on_seq:   # the model left the expected order: fetch on demand from here on
