@@ -905,6 +905,28 @@ def test_inference_mode_evaluation_between_training_steps(weights, tmp_path):
     engine.destroy()
 
 
+@pytest.mark.parametrize("kind", ["llama", "modulelist"])
+@pytest.mark.parametrize("k, graph", [(2, False), (3, True), (6, False)])
+def test_user_autocast_is_replayed_when_blocks_are_re_run(kind, k, graph):
+    """A forward under the user's torch.autocast: the blocks re-run in backward (outside that context)
+    replay its autocast state, as torch.utils.checkpoint does, so the gradients equal plain PyTorch's
+    bit for bit. (Several steps are not compared: bf16 autocast turns the optimizers' last-bit
+    differences into visible ones.)"""
+    model = make_model(kind)
+    ref = copy.deepcopy(model)
+    x, y = batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ref(x)
+    lm_loss(out, y).backward()
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=k,
+                                                                         last_segment_graph=graph))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = engine(x)
+    engine.backward(lm_loss(out, y))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 def test_training_data_builds_a_dataloader_with_the_micro_batch():
     xs, ys = zip(*batches(3, batch=4))
     dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))

@@ -14,7 +14,7 @@ import itertools
 import warnings
 from collections.abc import MutableMapping
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ class _LayerCall:
     leaves: list                    # non-tensor leaves as given; tensor leaves as given
     tensor_idx: list[int]           # which leaves are tensors
     rng: tuple | None = None        # (CPU, CUDA) generator states before the block's forward (training)
+    autocast: tuple = ()            # (device type, dtype, enabled) of torch.autocast at the call
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -54,6 +55,21 @@ def _without_kv_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     them again would make it attend over every position twice."""
     return (tuple(None if _is_kv_cache(v) else v for v in args),
             {k: None if _is_kv_cache(v) else v for k, v in kwargs.items()})
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    return tuple((dt, torch.get_autocast_dtype(dt), torch.is_autocast_enabled(dt))
+                 for dt in dict.fromkeys(("cpu", device.type)))
+
+
+@contextmanager
+def _replayed_autocast(call: _LayerCall):
+    """Re-run (or differentiate) a block under the torch.autocast state of its forward call, as
+    torch.utils.checkpoint does: backward runs outside the user's autocast context."""
+    with ExitStack() as stack:
+        for device_type, dtype, enabled in call.autocast:
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled))
+        yield
 
 
 @contextmanager
@@ -216,7 +232,8 @@ class LayerStreamingExecutor:
         if replay:
             rest_args, kwargs = _without_kv_cache(rest_args, kwargs)
         block = self.blocks[layer]
-        with _replayed_rng(call, self.device) if replay else nullcontext(), _reparametrize_module(block, params):
+        with _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
+                _reparametrize_module(block, params):
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
         return out, params
 
@@ -242,7 +259,8 @@ class LayerStreamingExecutor:
         if torch.is_grad_enabled():
             self._check_kv_cache(layer, rest, kwargs)
         leaves, spec = tree_flatten((rest, kwargs))
-        call = _LayerCall(spec, leaves, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)])
+        call = _LayerCall(spec, leaves, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)],
+                          autocast=_autocast_state(self.device))
         if not torch.is_grad_enabled():
             return self._run_inference(layer, hidden, call)
         return self._run_training(layer, hidden, call)
