@@ -927,6 +927,41 @@ def test_user_autocast_is_replayed_when_blocks_are_re_run(kind, k, graph):
         assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("k, graph", [(2, False), (3, True)])
+def test_gradient_of_the_input_alone_leaves_weight_gradients_alone(k, graph):
+    """Adversarial training takes torch.autograd.grad(loss, inputs_embeds), perturbs the input and trains
+    on the second forward: the first backward must not add into the blocks' weight gradients (it added
+    them, 2.67 relative off plain PyTorch). backward(inputs=[...]) likewise."""
+    model = make_model("llama")
+    ref = copy.deepcopy(model)
+    x, y = batches(1)[0]
+
+    def step(fwd, embed):
+        emb = embed(x).detach().requires_grad_(True)
+        g, = torch.autograd.grad(lm_loss(fwd(inputs_embeds=emb), y), emb)
+        loss = lm_loss(fwd(inputs_embeds=(emb + 0.01 * g.sign()).detach()), y)
+        emb3 = embed(x).detach().requires_grad_(True)
+        lm_loss(fwd(inputs_embeds=emb3), y).backward(inputs=[emb3])
+        return loss, g, emb3.grad
+    loss_ref, g_ref, g3_ref = step(ref, ref.model.embed_tokens)
+    loss_ref.backward()
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=k, last_segment_graph=graph))
+    loss, g, g3 = step(engine, model.model.embed_tokens)
+    engine.backward(loss)
+    assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-8) and torch.allclose(g3, g3_ref, rtol=1e-5, atol=1e-8)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is not None:
+            assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_second_order_backward_is_refused():
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(checkpoint_interval=2))
+    x, y = batches(1)[0]
+    emb = engine.module.model.embed_tokens(x).detach().requires_grad_(True)
+    with pytest.raises(ExecutorError, match=r"^a backward with create_graph=True"):
+        torch.autograd.grad(lm_loss(engine(inputs_embeds=emb), y), emb, create_graph=True)
+
+
 def test_training_data_builds_a_dataloader_with_the_micro_batch():
     xs, ys = zip(*batches(3, batch=4))
     dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))

@@ -138,6 +138,10 @@ class LayerStreamingExecutor:
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
+        # the anchor's gradient accumulator runs exactly when a backward accumulates into leaves' .grad
+        # (loss.backward()), not for torch.autograd.grad(...) or backward(inputs=[...])
+        self._anchor_node = torch.autograd.graph.get_gradient_edge(self._anchor).node \
+            if self._anchor.requires_grad else None
         self._prefetch_in_window: dict[int, list[int]] = {}   # window -> boundaries whose prefetch it issues
         for i, home in enumerate(plan.homes[:self.graph_start]):
             if home not in (RECOMPUTE, DEVICE_HOME):
@@ -468,8 +472,16 @@ class LayerStreamingExecutor:
         if p.held.pop(i, None) is not None:
             self._drop(p, DEVICE_HOME, key + ".held")
 
-    def backward_layer(self, p: _Pass, layer: int, grad_outs: tuple, needs_input_grad: tuple):
-        """``grad_outs``: the gradient of each of the block's outputs (None where the loss did not use it)."""
+    def accumulates_weight_grads(self) -> bool:
+        """Whether the running backward accumulates into the weights' gradients: ``loss.backward()``
+        does; ``torch.autograd.grad(loss, inputs)`` and ``backward(inputs=[...])`` do not, and must leave
+        the blocks' gradient buffers as they were."""
+        return self._anchor_node is not None and torch._C._will_engine_execute_node(self._anchor_node)
+
+    def backward_layer(self, p: _Pass, layer: int, grad_outs: tuple, needs_input_grad: tuple,
+                       accumulate: bool = True):
+        """``grad_outs``: the gradient of each of the block's outputs (None where the loss did not use it);
+        ``accumulate``: add the block's weight gradients into its host buffers."""
         self._enter_window(p, 2 * self.L - 1 - layer)
         s, e = self._segment_of[layer]
         if layer == e - 1 and e - s > 1 and layer < self.graph_start:
@@ -486,20 +498,21 @@ class LayerStreamingExecutor:
         if graph is None:
             g_x, t_grads = None, [None] * len(p.calls[layer].tensor_idx)
         else:
-            g_x, t_grads = self._differentiate(layer, graph, grad_outs, needs_input_grad[0])
+            g_x, t_grads = self._differentiate(layer, graph, grad_outs, needs_input_grad[0], accumulate)
         self._free_boundary(p, layer)
         if layer == 0:
             self.release_pass(p)
         return g_x, t_grads
 
-    def _differentiate(self, layer: int, graph: tuple, grad_outs: tuple, x_needs_grad: bool):
+    def _differentiate(self, layer: int, graph: tuple, grad_outs: tuple, x_needs_grad: bool,
+                       accumulate: bool = True):
         """Backward through one block's recorded graph, from each output the loss used: its weight
         gradients go to the host buffers; returns the gradients of its input and side tensors."""
         x_in, outs, params, t_in = graph
         used = [(o, g) for o, g in zip(outs, grad_outs)
                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         with torch.enable_grad():
-            trainable = [(n, t) for n, t in params.items() if t.requires_grad]
+            trainable = [(n, t) for n, t in params.items() if t.requires_grad] if accumulate else []
             want_x = x_needs_grad and x_in.requires_grad
             inputs = ([x_in] if want_x else []) + [t for _, t in trainable] + \
                 [t for t in t_in if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -567,8 +580,12 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         ex: LayerStreamingExecutor = ctx.executor
+        if torch.is_grad_enabled():
+            raise ExecutorError("a backward with create_graph=True (a gradient penalty, second-order gradients) "
+                                "cannot go through streamed blocks: their weight gradients are sent to host "
+                                "buffers, not returned to autograd")
         needs = ctx.needs_input_grad[4:]
-        g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_outs, needs)
+        g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_outs, needs, ex.accumulates_weight_grads())
         return (None, None, None, None, g_hidden, *t_grads)
 
 
