@@ -954,6 +954,17 @@ def test_gradient_of_the_input_alone_leaves_weight_gradients_alone(k, graph):
             assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_second_backward_through_one_forward_is_a_clear_error(graph):
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"),
+                                           config=ds_config(checkpoint_interval=2, last_segment_graph=graph))
+    x, y = batches(1)[0]
+    loss = lm_loss(engine(x), y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(ExecutorError, match=r"^this forward's streamed blocks were already differentiated"):
+        loss.backward()
+
+
 def test_second_order_backward_is_refused():
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(checkpoint_interval=2))
     x, y = batches(1)[0]

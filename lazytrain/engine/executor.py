@@ -107,6 +107,7 @@ class _Pass:
     unchained: dict[int, torch.Tensor] = field(default_factory=dict)     # layer -> its input, when that is not
                                                                          # the previous block's output
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
+    released: bool = False                                               # its backward has run to block 0
 
 
 class LayerStreamingExecutor:
@@ -482,6 +483,11 @@ class LayerStreamingExecutor:
                        accumulate: bool = True):
         """``grad_outs``: the gradient of each of the block's outputs (None where the loss did not use it);
         ``accumulate``: add the block's weight gradients into its host buffers."""
+        if p.released:
+            raise ExecutorError("this forward's streamed blocks were already differentiated and their kept "
+                                "boundaries freed: a second backward through the same forward "
+                                "(backward(retain_graph=True), then backward again) is not supported; run the "
+                                "forward again")
         self._enter_window(p, 2 * self.L - 1 - layer)
         s, e = self._segment_of[layer]
         if layer == e - 1 and e - s > 1 and layer < self.graph_start:
@@ -529,6 +535,7 @@ class LayerStreamingExecutor:
 
     def release_pass(self, p: _Pass) -> None:
         """Free everything a pass still holds."""
+        p.released = True
         _free_owned(self.tiers, p.owned)
         p.held.clear()
         p.cache.clear()
