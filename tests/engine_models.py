@@ -129,6 +129,28 @@ class AuxLossLM(ModuleListLM):
         return self.head(self.extra[0](x))
 
 
+class SinkBlock(MLPBlock):
+    """Appends a statistic of its activations to a list the model hands every block."""
+
+    def forward(self, x, sink):
+        h = self.fc1(self.norm(x))
+        sink.append(h.pow(2).mean())
+        return x + self.fc2(F.gelu(h))
+
+
+class SinkLM(ModuleListLM):
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        torch.manual_seed(0)
+        self.stack = nn.ModuleList(SinkBlock(d) for _ in range(n_layers))
+
+    def forward(self, ids):
+        x, self.sink = self.emb(ids), []
+        for blk in self.stack:
+            x = blk(x, self.sink)
+        return self.head(self.extra[0](x))
+
+
 class WideBlock(MLPBlock):
     def __init__(self, d: int, mult: int):
         super().__init__(d)
@@ -221,6 +243,8 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return BranchLM(n_layers=n_layers)
     if kind in ("parallel", "between", "in-place"):
         return UnchainedLM(kind, n_layers=n_layers)
+    if kind == "sink":
+        return SinkLM(n_layers=n_layers)
     if kind == "aux-loss":
         return AuxLossLM(n_layers=n_layers)
     if kind == "checkpointing":

@@ -777,6 +777,38 @@ def test_auxiliary_loss_returned_by_blocks_gets_its_gradient(k, graph, weights, 
     engine.destroy()
 
 
+def test_list_handed_to_blocks_is_the_models_own():
+    """Lists and dicts reach the block as they are: what a block appends, the model sees (in inference
+    and in training). In training such a tensor carries no gradient, which one warning says."""
+    model = make_model("sink")
+    ref = copy.deepcopy(model)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    x, y = batches(1)[0]
+    engine.eval()
+    with torch.no_grad():
+        engine(x)
+        ref.eval()(x)
+    assert len(model.sink) == 6 and all(torch.equal(a, b) for a, b in zip(model.sink, ref.sink))
+    engine.train()
+    with pytest.warns(UserWarning, match=r"block 0 added a tensor to a list or dict it was handed, in a training "
+                                         r"forward: it carries no gradient"):
+        engine(x)
+    assert len(model.sink) == 6
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_tensor_needing_a_gradient_inside_a_list_or_dict_argument_is_refused(container):
+    """Only tensors passed directly or in tuples are inputs of a block's autograd Function."""
+    model = make_model("shared-store")      # blocks take (x, shared); block 1 stores into it
+    scale = torch.nn.Parameter(torch.ones(32))
+    arg = [scale] if container == "list" else {"scale": scale}
+    lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    x, _ = batches(1)[0]
+    with pytest.raises(ExecutorError, match=rf"^block 0 was handed a {container} holding a tensor that needs a "
+                                            rf"gradient"):
+        model.stack[0](model.emb(x), arg)
+
+
 def test_state_stored_but_read_by_no_other_block_trains():
     model = make_model("shared-store")
     data = batches(3)

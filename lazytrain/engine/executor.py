@@ -108,6 +108,7 @@ class _Pass:
                                                                          # the previous block's output
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
     released: bool = False                                               # its backward has run to block 0
+    block_added: set = field(default_factory=set)                        # ids of tensors blocks put in lists/dicts
 
 
 class LayerStreamingExecutor:
@@ -136,6 +137,7 @@ class LayerStreamingExecutor:
         self._slot = 0
         self.recomputed_layer_forwards = 0
         self._warned_unchained = False
+        self._warned_container_tensor = False
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
@@ -263,7 +265,9 @@ class LayerStreamingExecutor:
         rest = args[1:]
         if torch.is_grad_enabled():
             self._check_kv_cache(layer, rest, kwargs)
-        leaves, spec = tree_flatten((rest, kwargs))
+        # lists and dicts go to the block as they are (it may append to or fill them for the model or for
+        # later blocks); tuples and tensors are taken apart so that tensors become inputs of the block
+        leaves, spec = tree_flatten((rest, kwargs), is_leaf=lambda v: v is not kwargs and isinstance(v, (list, dict)))
         call = _LayerCall(spec, leaves, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)],
                           autocast=_autocast_state(self.device))
         if not torch.is_grad_enabled():
@@ -306,11 +310,18 @@ class LayerStreamingExecutor:
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
         _watch_shared_state(p, layer, call)
+        containers = _container_snapshot(layer, call, p.block_added)
         # the anchor makes the block's output require grad even when nothing flowing in does (frozen
         # embeddings): the block's own weights still need their backward
         result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
         p.last_out = (weakref.ref(out_hidden), out_hidden._version)
+        if _added_tensors(containers, p.block_added) and not self._warned_container_tensor:
+            self._warned_container_tensor = True
+            warnings.warn(f"lazytrain: block {layer} added a tensor to a list or dict it was handed, in a training "
+                          f"forward: it carries no gradient (streamed blocks run without autograd in the forward). "
+                          f"If the loss uses it (an auxiliary loss), return it from the block instead: a block's "
+                          f"extra outputs are differentiated")
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
             self._start_sequence(self._backward_sequence())
             self._prefetch_next()
@@ -606,11 +617,49 @@ class _Proxy:
         return self.executor.run(self.index, args, kwargs)
 
 
+def _container_snapshot(layer: int, call: _LayerCall, block_added: set) -> list[tuple[Any, Any]]:
+    """The lists and dicts a block call was handed, with what they held. A tensor inside one that needs a
+    gradient is refused: it is not an input of the block's autograd Function, so its gradient would be
+    lost (tensors passed directly or in tuples are inputs). Tensors earlier blocks put there are not
+    the model's (``block_added``): they are the subject of the warning on adding them."""
+    snapshot = []
+    for v in call.leaves:
+        if isinstance(v, (list, dict)):
+            held = list(v) if isinstance(v, list) else dict(v)
+            inside = tree_flatten(held)[0]
+            if any(isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in block_added for t in inside):
+                raise ExecutorError(f"block {layer} was handed a {type(v).__name__} holding a tensor that needs a "
+                                    f"gradient: a streamed block's gradients flow back through its tensor arguments "
+                                    f"(directly or in tuples) only, so this one would get none. Pass the tensor as "
+                                    f"an argument")
+            snapshot.append((v, held))
+    return snapshot
+
+
+def _added_tensors(snapshot: list[tuple[Any, Any]], block_added: set) -> bool:
+    """Whether a block call put a floating-point tensor into a list or dict it was handed (their ids go
+    into ``block_added``)."""
+    added = False
+    for container, before in snapshot:
+        if isinstance(container, list):
+            seen = {id(x) for x in before}
+            new = [x for x in container if id(x) not in seen]
+        else:
+            new = [v for key, v in container.items() if key not in before or before[key] is not v]
+        for t in tree_flatten(new)[0]:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                block_added.add(id(t))
+                added = True
+    return added
+
+
 def _watch_shared_state(p: _Pass, layer: int, call: _LayerCall) -> None:
-    """Hand the block, instead of each mapping it was given (other than a KV cache), a view that notes
-    which block stored each tensor and refuses a read by another block."""
+    """Hand the block, instead of each mapping it was given (other than a KV cache or a plain dict, which
+    blocks may test with isinstance), a view that notes which block stored each tensor and refuses a read
+    by another block."""
     for k, v in enumerate(call.leaves):
-        if isinstance(v, MutableMapping) and not _is_kv_cache(v) and not isinstance(v, _SharedStateWatch):
+        if isinstance(v, MutableMapping) and not isinstance(v, dict) and not _is_kv_cache(v) \
+                and not isinstance(v, _SharedStateWatch):
             writers = p.shared_writers.setdefault(id(v), (v, {}))[1]
             call.leaves[k] = _SharedStateWatch(v, layer, writers)
 
