@@ -139,15 +139,41 @@ class SinkBlock(MLPBlock):
 
 
 class SinkLM(ModuleListLM):
-    def __init__(self, d: int = 32, n_layers: int = 6):
+    """Hands its blocks a list to append to: a new one per forward, or with ``keep`` one for all."""
+
+    def __init__(self, d: int = 32, n_layers: int = 6, keep: bool = False):
         super().__init__(d, n_layers)
         torch.manual_seed(0)
         self.stack = nn.ModuleList(SinkBlock(d) for _ in range(n_layers))
+        self.keep, self.sink = keep, []
 
     def forward(self, ids):
-        x, self.sink = self.emb(ids), []
+        x = self.emb(ids)
+        if not self.keep:
+            self.sink = []
         for blk in self.stack:
             x = blk(x, self.sink)
+        return self.head(self.extra[0](x))
+
+
+class ScaledBlock(MLPBlock):
+    def forward(self, x, ctx):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x)))) * ctx["scale"]
+
+
+class ReusedDictLM(ModuleListLM):
+    """Hands every block the same dict, with a per-layer entry changed before each call."""
+
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        torch.manual_seed(0)
+        self.stack = nn.ModuleList(ScaledBlock(d) for _ in range(n_layers))
+
+    def forward(self, ids):
+        x, ctx = self.emb(ids), {}
+        for i, blk in enumerate(self.stack):
+            ctx["scale"] = 0.5 + 0.25 * i
+            x = blk(x, ctx)
         return self.head(self.extra[0](x))
 
 
@@ -243,8 +269,10 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return BranchLM(n_layers=n_layers)
     if kind in ("parallel", "between", "in-place"):
         return UnchainedLM(kind, n_layers=n_layers)
-    if kind == "sink":
-        return SinkLM(n_layers=n_layers)
+    if kind == "reused-dict":
+        return ReusedDictLM(n_layers=n_layers)
+    if kind in ("sink", "kept-sink"):
+        return SinkLM(n_layers=n_layers, keep=kind == "kept-sink")
     if kind == "aux-loss":
         return AuxLossLM(n_layers=n_layers)
     if kind == "checkpointing":

@@ -796,6 +796,33 @@ def test_list_handed_to_blocks_is_the_models_own():
     assert len(model.sink) == 6
 
 
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_blocks_re_run_see_their_containers_as_at_their_call(graph):
+    """A dict the model reuses, changing an entry before each block: a block re-run in backward sees it
+    as its forward call did (not as it is by then), and matches plain PyTorch."""
+    model = make_model("reused-dict")
+    data = batches(2)
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, ds_config(checkpoint_interval=2, last_segment_graph=graph))
+    assert max_rel_diff(engine.module, ref) < RTOL
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_list_kept_across_steps_collects_once_per_forward(graph):
+    """Re-runs in backward append to throwaway copies, not to the model's list; tensors blocks appended
+    in an earlier step are not taken for the model's own in the next."""
+    model = make_model("kept-sink")
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2,
+                                                                         last_segment_graph=graph))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # the warning that appended tensors carry no gradient
+        for x, y in batches(2):
+            engine.backward(lm_loss(engine(x), y))
+            assert len(model.sink) in (6, 12)
+            engine.step()
+    assert len(model.sink) == 12
+
+
 @pytest.mark.parametrize("container", ["list", "dict"])
 def test_tensor_needing_a_gradient_inside_a_list_or_dict_argument_is_refused(container):
     """Only tensors passed directly or in tuples are inputs of a block's autograd Function."""

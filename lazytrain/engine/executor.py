@@ -40,6 +40,7 @@ class _LayerCall:
     tensor_idx: list[int]           # which leaves are tensors
     rng: tuple | None = None        # (CPU, CUDA) generator states before the block's forward (training)
     autocast: tuple = ()            # (device type, dtype, enabled) of torch.autocast at the call
+    held: dict = field(default_factory=dict)   # leaf index -> what a list/dict/mapping argument held at the call
 
 
 def _rng_state(device: torch.device) -> tuple:
@@ -108,7 +109,6 @@ class _Pass:
                                                                          # the previous block's output
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
     released: bool = False                                               # its backward has run to block 0
-    block_added: set = field(default_factory=set)                        # ids of tensors blocks put in lists/dicts
 
 
 class LayerStreamingExecutor:
@@ -138,6 +138,7 @@ class LayerStreamingExecutor:
         self.recomputed_layer_forwards = 0
         self._warned_unchained = False
         self._warned_container_tensor = False
+        self._block_added = weakref.WeakSet()   # tensors blocks put into lists/dicts they were handed
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
@@ -235,6 +236,9 @@ class LayerStreamingExecutor:
         if tensors is not None:
             for k, t in zip(call.tensor_idx, tensors):
                 leaves[k] = t
+        if replay:   # a re-run sees its containers as the forward call did, and its additions go nowhere
+            for k, held in call.held.items():
+                leaves[k] = _fresh_copy(leaves[k], held)
         rest_args, kwargs = tree_unflatten(leaves, call.spec)
         if replay:
             rest_args, kwargs = _without_kv_cache(rest_args, kwargs)
@@ -310,13 +314,18 @@ class LayerStreamingExecutor:
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
         _watch_shared_state(p, layer, call)
-        containers = _container_snapshot(layer, call, p.block_added)
+        containers = _container_snapshot(layer, call, self._block_added)
+        for k, v in enumerate(call.leaves):   # what re-runs in backward will see
+            if isinstance(v, (list, dict)):
+                call.held[k] = list(v) if isinstance(v, list) else dict(v)
+            elif isinstance(v, _SharedStateWatch):
+                call.held[k] = dict(v._mapping)
         # the anchor makes the block's output require grad even when nothing flowing in does (frozen
         # embeddings): the block's own weights still need their backward
         result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
         p.last_out = (weakref.ref(out_hidden), out_hidden._version)
-        if _added_tensors(containers, p.block_added) and not self._warned_container_tensor:
+        if _added_tensors(containers, self._block_added) and not self._warned_container_tensor:
             self._warned_container_tensor = True
             warnings.warn(f"lazytrain: block {layer} added a tensor to a list or dict it was handed, in a training "
                           f"forward: it carries no gradient (streamed blocks run without autograd in the forward). "
@@ -617,7 +626,15 @@ class _Proxy:
         return self.executor.run(self.index, args, kwargs)
 
 
-def _container_snapshot(layer: int, call: _LayerCall, block_added: set) -> list[tuple[Any, Any]]:
+def _fresh_copy(container, held):
+    """A throwaway container holding ``held``, for a re-run: a list, a dict, or the shared-state view of a
+    mapping (over a plain dict, with the same record of which block stored what)."""
+    if isinstance(container, _SharedStateWatch):
+        return _SharedStateWatch(dict(held), container._layer, container._writers)
+    return list(held) if isinstance(container, list) else dict(held)
+
+
+def _container_snapshot(layer: int, call: _LayerCall, block_added) -> list[tuple[Any, Any]]:
     """The lists and dicts a block call was handed, with what they held. A tensor inside one that needs a
     gradient is refused: it is not an input of the block's autograd Function, so its gradient would be
     lost (tensors passed directly or in tuples are inputs). Tensors earlier blocks put there are not
@@ -627,7 +644,7 @@ def _container_snapshot(layer: int, call: _LayerCall, block_added: set) -> list[
         if isinstance(v, (list, dict)):
             held = list(v) if isinstance(v, list) else dict(v)
             inside = tree_flatten(held)[0]
-            if any(isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in block_added for t in inside):
+            if any(isinstance(t, torch.Tensor) and t.requires_grad and t not in block_added for t in inside):
                 raise ExecutorError(f"block {layer} was handed a {type(v).__name__} holding a tensor that needs a "
                                     f"gradient: a streamed block's gradients flow back through its tensor arguments "
                                     f"(directly or in tuples) only, so this one would get none. Pass the tensor as "
@@ -636,9 +653,9 @@ def _container_snapshot(layer: int, call: _LayerCall, block_added: set) -> list[
     return snapshot
 
 
-def _added_tensors(snapshot: list[tuple[Any, Any]], block_added: set) -> bool:
-    """Whether a block call put a floating-point tensor into a list or dict it was handed (their ids go
-    into ``block_added``)."""
+def _added_tensors(snapshot: list[tuple[Any, Any]], block_added) -> bool:
+    """Whether a block call put a floating-point tensor into a list or dict it was handed (the tensors go
+    into ``block_added``, a weak set: a later step may hand the same list back)."""
     added = False
     for container, before in snapshot:
         if isinstance(container, list):
@@ -648,7 +665,7 @@ def _added_tensors(snapshot: list[tuple[Any, Any]], block_added: set) -> bool:
             new = [v for key, v in container.items() if key not in before or before[key] is not v]
         for t in tree_flatten(new)[0]:
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                block_added.add(id(t))
+                block_added.add(t)
                 added = True
     return added
 
