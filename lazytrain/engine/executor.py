@@ -547,8 +547,9 @@ class LayerStreamingExecutor:
             else:
                 grads = (None,) * len(inputs)
         n, first = len(trainable), int(want_x)
-        self.weights.accumulate_grads(layer, {name: g for (name, _), g in zip(trainable, grads[first:first + n])
-                                              if g is not None})
+        weight_grads = {name: g for (name, _), g in zip(trainable, grads[first:first + n]) if g is not None}
+        if weight_grads:   # nothing to send for a frozen layer, or a backward that accumulates none
+            self.weights.accumulate_grads(layer, weight_grads)
         side = iter(grads[first + n:])
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]
         return grads[0] if want_x else None, t_grads

@@ -202,7 +202,8 @@ class Problem:
     def min_gpu_bytes(self, w: int) -> tuple[int, dict[str, int]]:
         """What window ``w`` needs on the device under any plan, itemised."""
         L, i = self.L, self.layer_of(w)
-        parts = {"static (resident embedding/head + grads + reserve)": self.gpu_static}
+        parts = {"static (resident embedding/head + grads + reserve"
+                 + (", streaming buffers sized for the largest layer)" if self.slot_slack else ")"): self.gpu_static}
         if w < L:
             parts["forward transients"] = self.ws_fwd[i]
             parts["input and output boundaries"] = self.A[i] + self.A[i + 1]
