@@ -13,6 +13,8 @@ import warnings
 
 import torch.nn as nn
 
+from ..config import ConfigError
+
 
 class BlockDiscoveryError(ValueError):
     pass
@@ -123,8 +125,16 @@ def check_no_shared_weights(model: nn.Module, path: str, blocks: nn.ModuleList) 
                     f"the blocks. Untie it, or name another block list in 'lazytrain.blocks'")
 
 
-def compiled_error(where: str):
-    from ..config import ConfigError
+def is_compiled(module: nn.Module) -> bool:
+    """``torch.compile(module)`` (a wrapper) or ``module.compile()`` (in place)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:   # a torch without dynamo has no compiled modules
+        return False
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_error(where: str) -> ConfigError:
     return ConfigError(f"{where} is compiled with torch.compile: pass lazytrain.initialize the module before "
                        f"compiling it. LazyTrain routes every streamed block through its executor, which "
                        f"torch.compile cannot trace")
@@ -133,7 +143,6 @@ def compiled_error(where: str):
 def refuse_compiled_blocks(model: nn.Module, path: str, blocks: nn.ModuleList) -> None:
     """A compiled block, a compiled module inside one, or a compiled module that calls the blocks (one
     on the path to them) would trace the executor; modules elsewhere (a compiled head) may stay compiled."""
-    from .initialize import is_compiled
     parts = path.split(".")
     for k in range(1, len(parts)):
         prefix = ".".join(parts[:k])

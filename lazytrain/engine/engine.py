@@ -38,13 +38,13 @@ class LazyTrainEngine(nn.Module):
         super().__init__()
         try:
             self._set_up(model, config, optimizer, model_parameters, lr_scheduler, training_data, collate_fn)
-        except BaseException:
-            self._undo_partial_set_up()
+        except BaseException:   # a config error found late leaves the model usable as it was
+            self._hand_model_back()
             raise
 
-    def _undo_partial_set_up(self) -> None:
-        """A set-up that failed (a config error found late) leaves the user's model usable as it was: its
-        blocks' forward no longer routed here, no hooks of ours, non-block weights back in fp32."""
+    def _hand_model_back(self) -> None:
+        """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
+        here, no hooks of ours, non-block weights back in fp32; then close the tiers."""
         d = self.__dict__
         if "executor" in d:
             self.executor.uninstall()
@@ -53,10 +53,7 @@ class LazyTrainEngine(nn.Module):
         if d.get("layer_updates") is not None:
             self.layer_updates.close()
         if d.get("masters") is not None:
-            self.masters.remove_hooks()
-            with torch.no_grad():
-                for p, m in self.masters.pairs:
-                    p.data = m.data
+            self.masters.hand_back()
         for tier in d.get("tiers", {}).values():
             tier.close()
 
@@ -554,22 +551,9 @@ class LazyTrainEngine(nn.Module):
         """Release streaming buffers and tiers (NVMe run directories are removed) and hand the model back:
         its blocks called directly again, mixed-precision non-block weights back in fp32 (the trained
         masters), no hooks of ours."""
-        for handle in self._load_hooks:
-            handle.remove()
-        if self.layer_updates is not None:
-            for handle in self._settle_hooks:
-                handle.remove()
-            self.layer_updates.close()
-        self.executor.uninstall()
-        if self.masters is not None:   # the model as it was given: fp32 non-block weights, with their own grads
-            self.masters.remove_hooks()
-            with torch.no_grad():
-                for p, m in self.masters.pairs:
-                    p.data = m.data
+        self._hand_model_back()
         for m in self._checkpointing_turned_off:
             m.gradient_checkpointing = True
-        for tier in self.tiers.values():
-            tier.close()
 
     # ---- attribute passthrough to the wrapped module --------------------------------------------
     def __getattr__(self, name: str):

@@ -308,18 +308,14 @@ class LayerStreamingExecutor:
         p.next_layer += 1
         if layer > 0 and (p.last_out is None or p.last_out[0]() is not hidden
                           or hidden._version != p.last_out[1]):   # replaced, or changed in place
-
             self._keep_unchained_input(p, layer, hidden)
         call.rng = _rng_state(self.device)
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
         _watch_shared_state(p, layer, call)
+        call.held = {k: _contents(v) for k, v in enumerate(call.leaves)   # what re-runs in backward will see
+                     if isinstance(v, (list, dict, _SharedStateWatch))}
         containers = _container_snapshot(layer, call, self._block_added)
-        for k, v in enumerate(call.leaves):   # what re-runs in backward will see
-            if isinstance(v, (list, dict)):
-                call.held[k] = list(v) if isinstance(v, list) else dict(v)
-            elif isinstance(v, _SharedStateWatch):
-                call.held[k] = dict(v._mapping)
         # the anchor makes the block's output require grad even when nothing flowing in does (frozen
         # embeddings): the block's own weights still need their backward
         result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
@@ -627,23 +623,30 @@ class _Proxy:
         return self.executor.run(self.index, args, kwargs)
 
 
+def _contents(container):
+    """What a list, dict or watched mapping holds now, as a list or dict of its own."""
+    if isinstance(container, _SharedStateWatch):
+        return dict(container._mapping)
+    return list(container) if isinstance(container, list) else dict(container)
+
+
 def _fresh_copy(container, held):
     """A throwaway container holding ``held``, for a re-run: a list, a dict, or the shared-state view of a
     mapping (over a plain dict, with the same record of which block stored what)."""
     if isinstance(container, _SharedStateWatch):
         return _SharedStateWatch(dict(held), container._layer, container._writers)
-    return list(held) if isinstance(container, list) else dict(held)
+    return held.copy()
 
 
 def _container_snapshot(layer: int, call: _LayerCall, block_added) -> list[tuple[Any, Any]]:
-    """The lists and dicts a block call was handed, with what they held. A tensor inside one that needs a
-    gradient is refused: it is not an input of the block's autograd Function, so its gradient would be
-    lost (tensors passed directly or in tuples are inputs). Tensors earlier blocks put there are not
-    the model's (``block_added``): they are the subject of the warning on adding them."""
+    """The lists and dicts a block call was handed, each with what it held (from ``call.held``). A tensor
+    inside one that needs a gradient is refused: it is not an input of the block's autograd Function, so
+    its gradient would be lost (tensors passed directly or in tuples are inputs). Tensors earlier blocks put
+    there are not the model's (``block_added``): they are the subject of the warning on adding them."""
     snapshot = []
-    for v in call.leaves:
+    for k, held in call.held.items():
+        v = call.leaves[k]
         if isinstance(v, (list, dict)):
-            held = list(v) if isinstance(v, list) else dict(v)
             inside = tree_flatten(held)[0]
             if any(isinstance(t, torch.Tensor) and t.requires_grad and t not in block_added for t in inside):
                 raise ExecutorError(f"block {layer} was handed a {type(v).__name__} holding a tensor that needs a "

@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 
 from ..config import ConfigError, parse_config
+from .blocks import compiled_error, is_compiled
 from .engine import LazyTrainEngine
 
 
@@ -45,15 +46,5 @@ def _refuse_compiled(model) -> None:
     """torch.compile cannot trace the streaming executor that each block's call is routed to (threads,
     transfer handles, per-call bookkeeping): say so up front instead of failing inside dynamo. The blocks
     themselves are checked once they are found (:func:`~lazytrain.engine.blocks.refuse_compiled_blocks`)."""
-    from .blocks import compiled_error
     if is_compiled(model):
         raise compiled_error("the model")
-
-
-def is_compiled(module) -> bool:
-    """``torch.compile(module)`` (a wrapper) or ``module.compile()`` (in place)."""
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:   # a torch without dynamo has no compiled modules
-        return False
-    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None

@@ -26,11 +26,15 @@ class DeviceMasters:
             self.pairs.append((p, master))
         self.by_param = {id(p): m for p, m in self.pairs}
 
-    def remove_hooks(self) -> None:
-        """The model's parameters keep their own ``.grad`` again (after ``destroy()``)."""
+    def hand_back(self) -> None:
+        """The model as it was given: its parameters in fp32 again (the masters' values) and keeping their
+        own ``.grad`` (after ``destroy()``, or a set-up that failed)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        with torch.no_grad():
+            for p, m in self.pairs:
+                p.data = m.data
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
