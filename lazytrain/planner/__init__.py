@@ -4,7 +4,7 @@
 which layers to recompute, in which window each transfer runs, which layers keep their weights on the
 GPU. Modules: ``models`` / ``hardware`` (catalogs and readers), ``problem`` (the cost model shared by
 everything), ``simulate`` (discrete-event replay of a Plan), ``policies`` (MegaTrain and other
-baselines, calibration), ``milp`` (the step-time MILP), ``search`` (``plan_for`` and the micro-batch
+baselines, calibration), ``milp`` (the step-time MILP), ``ceiling`` (step floors of whole plan spaces), ``search`` (``plan_for`` and the micro-batch
 search), ``report`` / ``plot`` (tables and Gantt charts), ``cli`` (``lazytrain plan``).
 """
 from .plan import Plan, PlanError, every_k_plan, keep_all_plan

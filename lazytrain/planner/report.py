@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .ceiling import step_floor
 from .milp import MilpOptions
 from .plan import Plan
 from .policies import BASELINES, megatrain_plan
@@ -96,4 +97,15 @@ def table(p: Problem, rows: list[Row]) -> str:
             f"budgets GPU {p.gpu_budget / 1e9:.1f} GB, host {p.host_budget / 1e9:.0f} GB, NVMe {p.nvme_budget / 1e9:.0f} GB; "
             f"step lower bound {lb['bound']:.3f} s (compute {lb['compute']:.3f}, H2D {lb['h2d']:.3f}, "
             f"D2H {lb['d2h']:.3f}, optimizer {lb['optimizer']:.3f})")
-    return head + "\n" + "\n".join(lines)
+    return head + "\n" + floors_line(p, ref) + "\n" + "\n".join(lines)
+
+
+def floors_line(p: Problem, megatrain: "Row | None") -> str:
+    """The step floors of planner/ceiling.py, and what they allow over MegaTrain's policy."""
+    graph, off = step_floor(p), step_floor(p, offload=True)
+
+    def over(f):
+        return f" ({f.speedup_over(megatrain.sim.step_time_s):.3f}x MegaTrain)" if megatrain else ""
+    return (f"step floor, any plan that keeps each layer's autograd internals on the GPU or re-runs it: "
+            f"{graph.step_s:.3f} s{over(graph)}; also offloading internals over PCIe (not executed by "
+            f"LazyTrain): {off.step_s:.3f} s{over(off)}")

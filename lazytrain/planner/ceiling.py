@@ -1,0 +1,110 @@
+"""The step-time floor of a whole plan space: how fast any plan could make a step, not just ours.
+
+``Problem.lower_bound_s`` charges each layer's forward and backward once, which assumes every layer
+can keep its autograd internals until its backward. At the paper's batches one layer's internals are
+15-28 GB, so that bound is far below what any plan reaches. :func:`step_floor` is a linear relaxation
+that counts memory and links:
+
+- every layer either keeps its internals from its forward to its backward, or re-runs its forward in
+  backward (``fwd_s`` more compute); the MILP's segment recompute only adds to the re-run;
+- internals kept on the GPU are all there when the first backward window starts, beside what that
+  window needs under any plan (``Problem.fixed_gpu_bytes`` and the last layer's weights); in
+  LazyTrain's executor a kept graph also holds its layer's weights until its backward;
+- with ``offload=True``, internals may also leave for the host (then NVMe): they cross device->host
+  during the forward phase and come back during the backward phase, on the same PCIe links as the
+  weights and gradients. LazyTrain's executor does not do this; the floor says what it could gain;
+- a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
+
+``internals_fraction`` scales the bytes a layer must keep to skip its re-run (1.0: its internals as the
+model's autograd saves them). A value below 1 models op-level selective checkpointing (keep matmul
+outputs, recompute the cheap element-wise ops), which is outside LazyTrain's executor and outside
+the floor's guarantee: it answers "how lean would the internals have to be".
+
+Pure Python: PuLP with HiGHS (CBC as fallback) solves the LP in milliseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulp
+
+from .problem import Problem
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    step_s: float            # no plan of the space makes a step faster than this
+    forward_s: float
+    backward_s: float
+    kept_layers: float       # layer-equivalents of internals held on the GPU across the turn
+    offloaded_layers: float  # ... sent to the host and back (offload=True only)
+    rerun_layers: float      # ... re-run in backward
+    offload: bool
+    internals_fraction: float
+
+    def speedup_over(self, step_s: float) -> float:
+        """The largest speed-up any plan of the space can have over a step of ``step_s`` seconds."""
+        return step_s / self.step_s
+
+
+def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.0) -> StepFloor:
+    """Lower bound on the step time of every plan that keeps or re-runs each layer (and, with
+    ``offload``, may park its internals on the host); see the module docstring for the model."""
+    if not 0 < internals_fraction <= 1:
+        raise ValueError(f"internals_fraction must be in (0, 1], got {internals_fraction}")
+    from .milp import MilpOptions, _solver   # one place picks and configures the solver
+
+    L = p.L
+    S = [s * internals_fraction for s in p.saved]
+    m = pulp.LpProblem("lazytrain_step_floor", pulp.LpMinimize)
+    keep = [pulp.LpVariable(f"keep_{i}", 0, 1) for i in range(L)]
+    park = [pulp.LpVariable(f"offload_{i}", 0, 1 if offload else 0) for i in range(L)]
+    t_fwd, t_bwd, t = (pulp.LpVariable(n, 0) for n in ("t_forward", "t_backward", "t_step"))
+    parked = pulp.lpSum(park[i] * S[i] for i in range(L))
+    m += t
+    for i in range(L):
+        m += keep[i] + park[i] <= 1, f"one_choice_{i}"
+    m += t >= t_fwd + t_bwd, "step_is_forward_then_backward"
+    m += t_fwd >= sum(p.fwd_s) + p.head_s, "forward_compute"
+    m += t_fwd * p.bw_d2h >= parked, "offload_during_forward"
+    m += t_bwd >= sum(d - f for d, f in zip(p.diff_s, p.fwd_s)) + \
+        pulp.lpSum((1 - keep[i] - park[i]) * p.fwd_s[i] for i in range(L)), "backward_compute_with_reruns"
+    m += t_bwd * p.bw_h2d >= parked, "fetch_during_backward"
+    # the last layer's internals are part of its own backward window's fixed bytes, and its weights are
+    # on the device then whatever the plan. In LazyTrain's executor a kept graph also holds its layer's
+    # weights; a hypothetical offloading executor could stream them back instead, so with offload
+    # they are not counted.
+    held = [S[i] + (0 if offload else p.Wl[i]) for i in range(L)]
+    room = p.gpu_budget - p.fixed_gpu_bytes(L) - p.Wl[L - 1]
+    m += pulp.lpSum(keep[i] * held[i] for i in range(L - 1)) <= max(0, room), "gpu_holds_kept_internals_at_the_turn"
+    m += parked <= max(0, p.host_act_budget) + p.nvme_budget, "host_holds_parked_internals"
+    lb = p.lower_bound_s()
+    m += t >= lb["optimizer"], "host_optimizer"
+    m += t * p.bw_h2d >= sum(p.Wl) + p.nonlayer_w + parked, "h2d_link_over_the_step"
+    m += t * p.bw_d2h >= sum(p.Gl) + p.nonlayer_w + parked, "d2h_link_over_the_step"
+    _, solver = _solver(MilpOptions())
+    m.solve(solver)
+    if pulp.LpStatus[m.status] != "Optimal":
+        raise RuntimeError(f"step floor LP ended {pulp.LpStatus[m.status]!r} for {p.model.name} at "
+                           f"micro-batch {p.micro_batch}; it is always feasible, so this is a solver fault")
+    kept = sum(v.value() for v in keep)
+    gone = sum(v.value() for v in park)
+    return StepFloor(step_s=t.value(), forward_s=t_fwd.value(), backward_s=t_bwd.value(), kept_layers=kept,
+                     offloaded_layers=gone, rerun_layers=L - kept - gone, offload=offload,
+                     internals_fraction=internals_fraction)
+
+
+def internals_fraction_for(p: Problem, reference_s: float, speedup: float, tol: float = 1e-3) -> float | None:
+    """The largest ``internals_fraction`` at which the offload floor allows ``speedup`` over a step
+    of ``reference_s`` seconds (None: not even with internals of size ~0). Bisection on a monotone LP."""
+    def ok(frac: float) -> bool:
+        return step_floor(p, offload=True, internals_fraction=frac).speedup_over(reference_s) >= speedup
+    if ok(1.0):
+        return 1.0
+    lo, hi = tol, 1.0
+    if not ok(lo):
+        return None
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,120 @@
+"""The step floor of a plan space (planner/ceiling.py): below every plan, exact on hand-computed toys."""
+from __future__ import annotations
+
+import pytest
+
+from lazytrain.planner.ceiling import internals_fraction_for, step_floor
+from lazytrain.planner.hardware import CATALOG, HardwareProfile
+from lazytrain.planner.milp import MilpOptions
+from lazytrain.planner.models import catalog_model
+from lazytrain.planner.policies import megatrain_plan
+from lazytrain.planner.problem import Budgets, Problem
+from lazytrain.planner.search import solve
+from lazytrain.planner.simulate import simulate
+from test_planner_toys import SLOW_HW, TOY_HW, brute_force, toy_model, toy_problem
+
+# links and optimizer far faster than compute: only compute and GPU memory bind
+FAST_LINKS = HardwareProfile(name="toy-fast-links", achievable_tflops=1e-4, h2d_gbps=10.0, d2h_gbps=10.0,
+                             nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
+
+
+def fast_problem(L: int, room: float, host_bytes_extra: int = 0, hw=FAST_LINKS) -> Problem:
+    """A toy whose GPU budget leaves ``room`` bytes free beside the first backward window (``room`` < 100:
+    that many of the first layer's internals)."""
+    budgets = dict(gpu_reserved_bytes=0, loss_chunk_tokens=16)
+    base = Problem(model=toy_model(L), hardware=hw, micro_batch=4, seq_len=16,
+                   budgets=Budgets(gpu_bytes=10 ** 9, host_bytes=10 ** 9, **budgets))
+    room = room * base.saved[0] if room < 100 else room
+    gpu = int(base.fixed_gpu_bytes(L) + base.Wl[L - 1] + room)
+    return Problem(model=toy_model(L), hardware=hw, micro_batch=4, seq_len=16, check=False,
+                   budgets=Budgets(gpu_bytes=gpu, host_bytes=base.host_static + host_bytes_extra, **budgets))
+
+
+@pytest.mark.parametrize("L,gpu_extra,hw", [(3, 2, TOY_HW), (4, 1, TOY_HW), (4, 40, TOY_HW), (5, 3, SLOW_HW)])
+def test_floor_is_below_every_plan_of_the_space(L, gpu_extra, hw):
+    p = toy_problem(L, gpu_extra, hw=hw)
+    best, _, n = brute_force(p, free_windows=False, residency=False)
+    assert n > 0
+    graph = step_floor(p)
+    assert graph.step_s <= best * (1 + 1e-9)
+    assert step_floor(p, offload=True).step_s <= graph.step_s * (1 + 1e-9)
+
+
+def test_room_for_every_graph_gives_the_minimal_compute():
+    p = fast_problem(4, room=10)
+    f = step_floor(p)
+    assert f.step_s == pytest.approx(p.minimal_compute_s(), rel=1e-9)
+    assert (f.kept_layers, f.rerun_layers) == (pytest.approx(4), pytest.approx(0, abs=1e-9))
+
+
+def test_no_room_reruns_every_layer_but_the_last():
+    p = fast_problem(4, room=0)
+    f = step_floor(p)
+    # the last layer's internals are part of its own backward window, so it never re-runs
+    assert f.step_s == pytest.approx(p.minimal_compute_s() + sum(p.fwd_s[:3]), rel=1e-9)
+    assert f.rerun_layers == pytest.approx(3)
+
+
+def test_fractional_room_keeps_the_most_expensive_layers_first():
+    base = fast_problem(4, room=0)                # toy layers: 2000, 3000, 2500, 2200 parameters
+    held = [s + w for s, w in zip(base.saved, base.Wl)]     # a kept graph holds internals and weights
+    p = fast_problem(4, room=held[1] + 0.5 * held[2])
+    f = step_floor(p)
+    # all layers save the same internals; layer 1 (most FLOPs per byte held) is kept whole, layer 2 half,
+    # layer 0 re-runs (the last layer never does)
+    expected = p.minimal_compute_s() + p.fwd_s[0] + 0.5 * p.fwd_s[2]
+    assert f.step_s == pytest.approx(expected, rel=1e-9)
+    assert f.kept_layers == pytest.approx(2.5)
+
+
+def test_offload_needs_host_room_and_link_time():
+    no_host = fast_problem(4, room=0, host_bytes_extra=0)
+    assert step_floor(no_host, offload=True).step_s == pytest.approx(step_floor(no_host).step_s, rel=1e-9)
+    one_layer = fast_problem(4, room=0, host_bytes_extra=no_host.saved[0])
+    f = step_floor(one_layer, offload=True)
+    # fast links: the host's room for one layer's internals saves the re-run of the most expensive layer
+    assert f.offloaded_layers == pytest.approx(1)
+    assert f.step_s == pytest.approx(no_host.minimal_compute_s() + no_host.fwd_s[0] + no_host.fwd_s[2], rel=1e-9)
+
+
+def test_offload_is_limited_by_the_forward_phase_on_a_slow_link():
+    slow = HardwareProfile(name="toy-slow-d2h", achievable_tflops=1e-4, h2d_gbps=10.0, d2h_gbps=0.0015,
+                           nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
+    p = fast_problem(4, room=0, host_bytes_extra=10 ** 8, hw=slow)
+    f = step_floor(p, offload=True)
+    t_fwd = sum(p.fwd_s) + p.head_s
+    # the forward moves half a layer's internals; stretching it to move more costs more than a re-run,
+    # so the floor parks exactly that, from the most expensive layer (1)
+    parked = t_fwd * p.bw_d2h / p.saved[1]
+    assert parked == pytest.approx(0.5, abs=0.05)
+    assert f.offloaded_layers == pytest.approx(parked, rel=1e-6)
+    assert f.forward_s == pytest.approx(t_fwd, rel=1e-9)
+    assert f.step_s == pytest.approx(step_floor(p).step_s - parked * p.fwd_s[1], rel=1e-9)
+
+
+def test_smaller_internals_lower_the_floor_and_the_fraction_search_inverts_it():
+    p = fast_problem(4, room=1, host_bytes_extra=0)
+    full, half = step_floor(p, offload=True), step_floor(p, offload=True, internals_fraction=0.5)
+    assert half.step_s < full.step_s
+    reference = 1.1 * half.step_s
+    frac = internals_fraction_for(p, reference, 1.1)
+    assert frac == pytest.approx(0.5, abs=2e-3)
+    assert internals_fraction_for(p, 10 * full.step_s, 2.0) == 1.0
+    assert internals_fraction_for(p, p.minimal_compute_s(), 1.5) is None
+
+
+def test_internals_fraction_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"internals_fraction must be in \(0, 1\], got 0"):
+        step_floor(fast_problem(3, room=1), internals_fraction=0)
+
+
+def test_paper_h800_7b_our_plan_sits_between_the_floor_and_megatrain():
+    p = Problem(model=catalog_model("qwen2.5-7b"), hardware=CATALOG["h800"], budgets=Budgets.of(gpu="70GB"),
+                micro_batch=144, seq_len=1024)
+    ours = simulate(p, solve(p, MilpOptions(time_limit_s=10)), timeline=False).step_time_s
+    megatrain = simulate(p, megatrain_plan(p), strict=False, timeline=False).step_time_s
+    graph, offload = step_floor(p), step_floor(p, offload=True)
+    assert offload.step_s <= graph.step_s <= ours < megatrain
+    # one layer's internals are ~28 GB here: at most a few layers avoid their re-run in either space
+    assert graph.kept_layers < 3 and offload.kept_layers + offload.offloaded_layers < 7
+    assert graph.speedup_over(megatrain) < 1.35 and offload.speedup_over(megatrain) < 1.35
