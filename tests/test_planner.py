@@ -60,6 +60,68 @@ def test_measured_layer_params_replace_the_dense_estimate():
         as_model_shape({"model_type": "gpt2", "n_embd": 64, "layer_params": [1, 2, 3]})
 
 
+MOE_BASE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                intermediate_size=96, head_dim=16)
+MOE_FAMILIES = {   # (config class, model class, expert keys) of families whose parameters the planner counts exactly
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, decoder_sparse_step=2, mlp_only_layers=[3])),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=2)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_mixture_of_experts_configs_count_every_expert_and_compute_with_the_routed_ones(family):
+    transformers = pytest.importorskip("transformers")
+    cfg_cls, model_cls, experts = MOE_FAMILIES[family]
+    cfg = getattr(transformers, cfg_cls)(**MOE_BASE, **experts)
+    torch_model = getattr(transformers, model_cls)(cfg)
+    actual = [sum(p.numel() for p in layer.parameters()) for layer in torch_model.model.layers]
+    shape = ModelShape.from_hf_config(cfg.to_dict())
+    assert [l.params for l in shape.layers] == actual
+    measured = ModelShape.from_hf_config({**cfg.to_dict(), "layer_params": actual})
+    assert measured.layers == shape.layers
+    for layer, torch_layer in zip(shape.layers, torch_model.model.layers):
+        mlp = getattr(torch_layer, "mlp", None) or getattr(torch_layer, "feed_forward", None) \
+            or torch_layer.block_sparse_moe
+        experts_module = getattr(mlp, "experts", None)
+        if experts_module is None:                                    # a dense layer
+            assert layer.active_params is None
+            continue
+        n_experts = cfg.num_local_experts if hasattr(cfg, "num_local_experts") else cfg.num_experts
+        unused = (n_experts - cfg.num_experts_per_tok) * sum(p.numel() for p in experts_module.parameters()) // n_experts
+        assert layer.active_params == layer.params - unused
+
+
+def test_moe_flops_are_those_of_the_routed_width():
+    """Mixtral-style: 4 experts of width 96, 2 per token, cost what a dense MLP of width 192 costs, plus the
+    router; the stored parameters are the four experts'."""
+    dense = ModelShape.from_hf_config({**MOE_BASE, "intermediate_size": 192})
+    moe = ModelShape.from_hf_config({**MOE_BASE, "num_local_experts": 4, "num_experts_per_tok": 2})
+    h = MOE_BASE["hidden_size"]
+    assert moe.layers[0].fwd_flops_per_token(1024) == dense.layers[0].fwd_flops_per_token(1024) + 2 * h * 4
+    assert moe.layers[0].params == dense.layers[0].params + 2 * 3 * h * 96 + h * 4
+    assert moe.layers[0].saved_elems_per_token() == dense.layers[0].saved_elems_per_token()
+
+
+def test_measured_sizes_decide_which_layers_are_sparse():
+    """DeepSeek-style: a config whose attention the planner does not model exactly (MLA), with the first
+    layer dense; the measured sizes pick the dense and the sparse layers, and the routed experts'
+    parameters come off the active count."""
+    cfg = {**MOE_BASE, "model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1}
+    estimate = ModelShape.from_hf_config(cfg)
+    assert [l.active_params is not None for l in estimate.layers] == [False, True, True, True]
+    measured = ModelShape.from_hf_config({**cfg, "layer_params": [29840, 42384, 42384, 42384]})
+    assert [l.params for l in measured.layers] == [29840, 42384, 42384, 42384]
+    assert [l.active_params for l in measured.layers] == [None] + [42384 - 2 * 3 * 64 * 32] * 3
+    with pytest.raises(ModelShapeError, match=r"needs 'num_experts_per_tok' between 1 and 4, got 5"):
+        ModelShape.from_hf_config({**cfg, "num_experts_per_tok": 5})
+
+
 def test_layers_of_different_sizes_reserve_the_streaming_buffers_slack():
     """The engine's two streaming buffers are sized for the largest layer; a plan for layers that differ
     counts what they hold beyond the two layers a window streams, and nothing when layers are equal."""

@@ -7,6 +7,9 @@ parameters (token embedding, final norm, LM head). Everything is derived analyti
   gated MLP (gate, up, down) and two RMSNorm weights;
 - forward FLOPs per token of a layer: ``2 * params`` for the matrix products plus ``2 * S * q_dim``
   for causal attention (QK^T and AV over on average S/2 keys); backward costs twice the forward;
+- mixture-of-experts layers (see :class:`MoeShape`) store every expert but a token multiplies only its
+  top-k experts and the shared ones: FLOPs and activations come from those, memory and transfers from
+  all of them;
 - activation bytes per token saved by a layer's forward-with-grad (what its backward reads):
   ``(3*h + 2*q_dim + 2*kv_dim + 4*ffn) * dtype_bytes`` (norm outputs, q, k, v, attention output,
   the residual sum, gate, up, activation and product of the MLP; the layer input is a boundary);
@@ -15,7 +18,7 @@ parameters (token embedding, final norm, LM head). Everything is derived analyti
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -36,14 +39,16 @@ class ModelShapeError(ValueError):
 
 @dataclass(frozen=True)
 class LayerShape:
-    params: int          # trainable parameters of the block
+    params: int          # trainable parameters of the block (what is stored, streamed and updated)
     hidden: int
     q_dim: int           # heads * head_dim
     kv_dim: int          # kv_heads * head_dim
-    ffn: int
+    ffn: int             # MLP width one token passes through (MoE: top-k experts + shared experts)
+    active_params: int | None = None   # parameters one token multiplies (MoE: fewer than ``params``)
 
     def fwd_flops_per_token(self, seq_len: int) -> float:
-        return 2.0 * self.params + 2.0 * seq_len * self.q_dim
+        active = self.params if self.active_params is None else self.active_params
+        return 2.0 * active + 2.0 * seq_len * self.q_dim
 
     def saved_elems_per_token(self) -> int:
         return 3 * self.hidden + 2 * self.q_dim + 2 * self.kv_dim + 4 * self.ffn
@@ -55,6 +60,61 @@ class LayerShape:
     def bwd_transient_elems_per_token(self) -> int:
         """Gradient transients of a layer's backward beyond its saved activations (MLP gate/up grads)."""
         return 2 * self.ffn
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The mixture-of-experts part of a Hugging Face config: routed experts of a gated MLP each."""
+    experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int          # summed width of the always-on shared experts (0: none)
+    moe_layers: tuple[bool, ...]
+    shared_gate: bool = False  # Qwen2-MoE scales its shared expert by a learnt gate
+
+    def expert_params(self, hidden: int) -> int:
+        return 3 * hidden * self.expert_ffn
+
+    def mlp_params(self, hidden: int) -> int:
+        """Routed and shared experts, the router, and the shared experts' gate where there is one."""
+        return (self.experts * self.expert_params(hidden) + 3 * hidden * self.shared_ffn + hidden * self.experts
+                + (hidden if self.shared_gate else 0))
+
+    def active_width(self) -> int:
+        return self.top_k * self.expert_ffn + self.shared_ffn
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], n_layers: int) -> "MoeShape | None":
+        """None for a dense config. Reads the expert keys of Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
+        OLMoE, GraniteMoE, GPT-OSS and Llama 4, and which layers are sparse (``decoder_sparse_step`` /
+        ``mlp_only_layers``, ``first_k_dense_replace`` / ``moe_layer_freq``,
+        ``interleave_moe_layer_step``; every layer otherwise)."""
+        experts = next((cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if isinstance(cfg.get(k), int) and cfg[k] > 1), None)
+        if experts is None:
+            return None
+        top_k = cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or cfg.get("top_k")
+        if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+            raise ModelShapeError(f"mixture-of-experts config with {experts} experts needs 'num_experts_per_tok' "
+                                  f"between 1 and {experts}, got {top_k!r}")
+        expert_ffn = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        shared = cfg.get("shared_expert_intermediate_size")
+        if not shared and cfg.get("n_shared_experts"):
+            shared = int(cfg["n_shared_experts"]) * expert_ffn
+        if not shared and cfg.get("model_type") == "llama4_text":
+            shared = int(cfg["intermediate_size"])          # Llama 4: one shared expert of the expert width
+        sparse = [True] * n_layers
+        if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:                 # DeepSeek
+            k, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+            sparse = [i >= k and i % freq == 0 for i in range(n_layers)]
+        elif "decoder_sparse_step" in cfg or cfg.get("mlp_only_layers"):             # Qwen-MoE
+            step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+            sparse = [i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
+        elif cfg.get("interleave_moe_layer_step"):                                   # Llama 4
+            step = int(cfg["interleave_moe_layer_step"])
+            sparse = [(i + 1) % step == 0 for i in range(n_layers)]
+        return cls(experts=int(experts), top_k=int(top_k), expert_ffn=expert_ffn, shared_ffn=int(shared or 0),
+                   moe_layers=tuple(sparse), shared_gate=bool(cfg.get("shared_expert_intermediate_size")))
 
 
 @dataclass(frozen=True)
@@ -107,10 +167,11 @@ class ModelShape:
 
         Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``,
         ``vocab_size`` and optionally ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``,
-        ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``).
+        ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``), and the expert keys
+        of mixture-of-experts configs (:meth:`MoeShape.from_hf_config`).
         ``layer_params`` (not a Hugging Face key: the engine adds the parameter count of each block it
         streams, measured on the model) replaces the dense-Llama estimate of every layer's size, which is
-        wrong for mixture-of-experts layers and for stacks whose layers differ.
+        wrong for stacks whose layers differ and, in the details, for attention variants (MLA, q/k norms).
         """
         if isinstance(cfg, str):
             cfg = read_json(cfg, ModelShapeError, "model config")
@@ -135,28 +196,48 @@ class ModelShape:
         ffn = int(get("intermediate_size"))
         vocab = int(get("vocab_size"))
         tied = bool(cfg.get("tie_word_embeddings", False))
-        bias = bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
+        bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))))
         for key, v in (("hidden_size", h), ("num_hidden_layers", n_layers), ("num_attention_heads", heads),
                        ("num_key_value_heads", kv_heads), ("intermediate_size", ffn), ("vocab_size", vocab),
                        ("head_dim", head_dim)):
             if v < 1:
                 raise ModelShapeError(f"model config {key!r} must be >= 1, got {v}")
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-        params = (h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * ffn + 2 * h
-                  + ((q_dim + 2 * kv_dim) if bias else 0))
+        attn = h * q_dim + 2 * h * kv_dim + q_dim * h + 2 * h + ((q_dim + 2 * kv_dim) if bias else 0)
+        moe = MoeShape.from_hf_config(cfg, n_layers)
+        dense_ffn = int(cfg.get("intermediate_size_mlp") or ffn)     # Llama 4 names its dense MLP apart
+        dense = LayerShape(params=attn + 3 * h * dense_ffn, hidden=h, q_dim=q_dim, kv_dim=kv_dim, ffn=dense_ffn)
+        sparse = None
+        if moe is not None:
+            unused = (moe.experts - moe.top_k) * moe.expert_params(h)
+            sparse = LayerShape(params=attn + moe.mlp_params(h), hidden=h, q_dim=q_dim, kv_dim=kv_dim,
+                                ffn=moe.active_width(), active_params=attn + moe.mlp_params(h) - unused)
         if measured is not None:
             if len(measured) != n_layers or any(int(p) < 0 for p in measured):
                 raise ModelShapeError(f"model config 'layer_params' must hold {n_layers} non-negative counts "
                                       f"(one per layer), got {measured!r}")
-            layers = tuple(LayerShape(params=int(p), hidden=h, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn)
-                           for p in measured)
+            layers = tuple(cls._measured_layer(int(p), dense, sparse, moe) for p in measured)
+        elif moe is not None:
+            layers = tuple(sparse if is_moe else dense for is_moe in moe.moe_layers)
         else:
-            layers = (LayerShape(params=params, hidden=h, q_dim=q_dim, kv_dim=kv_dim, ffn=ffn),) * n_layers
+            layers = (dense,) * n_layers
         dtype = str(cfg.get("torch_dtype", "bfloat16"))
         dtype_bytes = 4 if dtype in ("float32", "torch.float32") else 2
         return cls(name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
                    layers=layers, hidden=h, vocab_size=vocab, tied_embeddings=tied,
                    dtype_bytes=dtype_bytes, reported_params=cfg.get("reported_params"))
+
+    @staticmethod
+    def _measured_layer(params: int, dense: LayerShape, sparse: "LayerShape | None",
+                        moe: "MoeShape | None") -> LayerShape:
+        """A layer of the measured size. It is a mixture-of-experts layer when its size is nearer the
+        config's sparse-layer estimate than its dense one (the measurement decides, whatever layer
+        pattern the config spells), and then a token multiplies all of it but the experts it is not
+        routed to."""
+        unused = (moe.experts - moe.top_k) * moe.expert_params(dense.hidden) if moe else 0
+        if sparse is None or abs(params - dense.params) <= abs(params - sparse.params) or params <= unused:
+            return replace(dense, params=params)
+        return replace(sparse, params=params, active_params=params - unused)
 
     @classmethod
     def from_layers(cls, name: str, layer_params: list[int], hidden: int, vocab_size: int = 0,
