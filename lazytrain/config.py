@@ -68,7 +68,13 @@ _UNIMPLEMENTED_TOP = {
     "zero_quantized_weights": "not supported",
     "train_batch_size_per_gpu": "not a DeepSpeed key used by LazyTrain",
     "graph_harvesting": "not supported",
-    "use_data_before_expert_parallel_": "not supported",
+    "use_data_before_expert_parallelism": "expert parallelism is not supported",
+    "expert_parallel": "expert parallelism is not supported",
+    "vocabulary_size": "LazyTrain reads the model itself",
+    "gradient_allreduce_op": "data-parallel gradients are averaged",
+    "log_level": "LazyTrain reports through Python warnings and its step log",
+    "managed_gradient_accumulation": "accumulation boundaries follow gradient_accumulation_steps",
+    "disable_python_gc": "not supported",
 }
 _ZERO_UNIMPLEMENTED = {
     "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
@@ -80,6 +86,10 @@ _ZERO_UNIMPLEMENTED = {
     "memory_efficient_linear", "zero_hpz_partition_size", "zero_quantized_weights",
     "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "pipeline_loading_checkpoint",
     "override_module_apply", "log_trace_cache_warnings", "use_all_reduce_for_fetch_params",
+    "stage3_use_all_reduce_for_fetch_params", "allgather_sequential", "stage3_allgather_sequential",
+    "model_persistence_threshold", "stage3_model_persistence_threshold", "leaf_module", "cpu_offload_param",
+    "parameter_alignment", "enable_sanity_checks", "compute_grad_norm", "use_multi_rank_bucket_allreduce",
+    "save_muon_momentum_buffer_in_memory", "zenflow",
     "module_granularity_threshold", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
     "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
     "stage3_module_granularity_threshold", "zeropp_loco_param", "offload_optimizer_config",
@@ -99,6 +109,7 @@ _TOP_IMPLEMENTED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
     "zero_optimization", "aio", "activation_checkpointing", "lazytrain", "seed", "fp32_allreduce",
+    "dataloader_drop_last",
     "job",   # settings of the `lazytrain train` command (model, task, steps); not read by the engine
 }
 
@@ -219,6 +230,7 @@ class EngineConfig:
     gradient_clipping: float = 0.0
     steps_per_print: float = 10
     wall_clock_breakdown: bool = False
+    dataloader_drop_last: bool = False   # the loader built from training_data keeps a last, smaller batch
     seed: int | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -341,7 +353,15 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     if isinstance(spp, bool) or not isinstance(spp, (int, float)) or spp <= 0:
         raise ConfigError(f"config key 'steps_per_print' must be a positive number (float('inf') allowed), got {spp!r}")
 
-    optimizer = _parse_optimizer(d.get("optimizer"))
+    drop_last = d.get("dataloader_drop_last", False)
+    if not isinstance(drop_last, bool):
+        raise ConfigError(f"config key 'dataloader_drop_last' must be true or false, got {drop_last!r}")
+    opt_section = d.get("optimizer")
+    if isinstance(opt_section, dict) and "legacy_fusion" in opt_section:
+        _warn_once(seen, "optimizer.legacy_fusion", "'optimizer.legacy_fusion' selects DeepSpeed's old fused fp16 "
+                                                    "optimizer; LazyTrain ignores it.")
+        opt_section = {k: v for k, v in opt_section.items() if k != "legacy_fusion"}
+    optimizer = _parse_optimizer(opt_section)
     scheduler = _parse_scheduler(d.get("scheduler"))
     fp16 = _parse_fp16(d.get("fp16", {}))
     bf16_section = d.get("bf16", d.get("bfloat16", {}))
@@ -379,7 +399,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     return EngineConfig(
         train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
-        wall_clock_breakdown=bool(d.get("wall_clock_breakdown", False)), seed=seed,
+        wall_clock_breakdown=bool(d.get("wall_clock_breakdown", False)), dataloader_drop_last=drop_last, seed=seed,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         offload_param=offload_param, offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
 

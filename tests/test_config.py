@@ -74,6 +74,31 @@ def test_unimplemented_deepspeed_features_warn_once_each():
     assert any("'zero_optimization.overlap_comm'" in t for t in texts)
 
 
+@pytest.mark.parametrize("extra,warned", [
+    ({"use_data_before_expert_parallelism": False}, "'use_data_before_expert_parallelism'"),
+    ({"vocabulary_size": 32000}, "'vocabulary_size'"),
+    ({"gradient_allreduce_op": "avg"}, "'gradient_allreduce_op'"),
+    ({"log_level": "info"}, "'log_level'"),
+    ({"managed_gradient_accumulation": True}, "'managed_gradient_accumulation'"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}, "legacy_fusion": False}}, "'optimizer.legacy_fusion'"),
+    ({"zero_optimization": {"stage": 3, "stage3_use_all_reduce_for_fetch_params": True}},
+     "'zero_optimization.stage3_use_all_reduce_for_fetch_params'"),
+    ({"zero_optimization": {"stage": 3, "stage3_model_persistence_threshold": 10, "leaf_module": {"classes": []}}},
+     "'zero_optimization.leaf_module'"),
+])
+def test_more_deepspeed_keys_are_accepted_with_a_warning(extra, warned):
+    """Keys DeepSpeed 0.19 reads, for features LazyTrain does not have: a warning, never 'unknown key'."""
+    with pytest.warns(UserWarning, match=warned):
+        parse_config({"train_batch_size": 1, **extra})
+
+
+def test_dataloader_drop_last_is_a_boolean():
+    assert parse_config({"train_batch_size": 1}).dataloader_drop_last is False
+    assert parse_config({"train_batch_size": 1, "dataloader_drop_last": True}).dataloader_drop_last is True
+    with pytest.raises(ConfigError, match="config key 'dataloader_drop_last' must be true or false, got 'yes'"):
+        parse_config({"train_batch_size": 1, "dataloader_drop_last": "yes"})
+
+
 def test_auto_values_must_be_resolved():
     with pytest.raises(ConfigError, match="config key 'optimizer.params.lr' is \"auto\""):
         parse_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})
@@ -213,6 +238,18 @@ def test_warmup_cosine_lr():
         progress = min(1.0, (step - 2 + 1) / 8)
         expect.append(0.2 * (0.1 + 0.9 * (1 + math.cos(math.pi * progress)) / 2))
     assert got == pytest.approx(expect)
+
+
+def test_one_cycle_takes_one_value_per_parameter_group():
+    opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))]},
+                             {"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=0.005)
+    s = OneCycle(opt, cycle_min_lr=[1e-3, 2e-3], cycle_max_lr=[1e-2, 2e-2], cycle_first_step_size=2,
+                 cycle_min_mom=[0.8, 0.85], cycle_max_mom=[0.9, 0.95])
+    assert [g["betas"][0] for g in opt.param_groups] == [0.8, 0.85]
+    s.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.0055, 0.011])   # DeepSpeed 0.19's values
+    with pytest.raises(ValueError, match="expected 2 values for cycle_max_lr, got 3"):
+        OneCycle(opt, cycle_min_lr=1e-3, cycle_max_lr=[1e-2, 2e-2, 3e-2])
 
 
 def test_one_cycle():

@@ -10,7 +10,7 @@ import torch
 import lazytrain
 from lazytrain.config import ConfigError
 from lazytrain.engine.executor import ExecutorError
-from engine_models import batches, lm_loss, make_hf_model, make_model, max_rel_diff, reference_train
+from engine_models import batches, lm_loss, logits_of, make_hf_model, make_model, max_rel_diff, reference_train
 
 RTOL = 1e-5
 
@@ -259,6 +259,7 @@ def test_checkpoint_round_trip(tmp_path):
     expect = {k: v.clone() for k, v in engine.module_state_dict().items()}
     engine2 = train_engine(make_model("llama"), [], ds_config(checkpoint_interval=2))
     path, client = engine2.load_checkpoint(str(tmp_path))
+    assert path == str(tmp_path / "global_step2" / "mp_rank_00_model_states.pt")   # as DeepSpeed returns it
     assert client == {"epoch": 3} and engine2.global_steps == 2
     for x, y in data[2:]:
         engine2.backward(lm_loss(engine2(x), y))
@@ -1042,6 +1043,73 @@ def test_training_data_builds_a_dataloader_with_the_micro_batch():
     assert loader is engine.training_dataloader and len(loader) == 6
     x, y = next(iter(loader))
     assert x.shape == (2, 12)
+
+
+def test_training_data_keeps_the_last_smaller_batch_unless_dataloader_drop_last():
+    xs, ys = zip(*batches(5, batch=1))
+    dataset = torch.utils.data.TensorDataset(torch.cat(xs), torch.cat(ys))
+    _, _, loader, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=dataset, config=ds_config())
+    assert [x.shape[0] for x, _ in loader] == [2, 2, 1]              # DeepSpeed's default keeps it
+    _, _, loader, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=dataset,
+                                           config=ds_config(_top={"dataloader_drop_last": True}))
+    assert [x.shape[0] for x, _ in loader] == [2, 2]
+
+
+def test_was_step_applied_is_false_after_a_micro_step_that_did_not_update():
+    cfg = ds_config(_top={"gradient_accumulation_steps": 2, "train_batch_size": 4})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    seen = []
+    for x, y in batches(4):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        seen.append(engine.was_step_applied())
+    assert seen == [False, True, False, True]
+
+
+@pytest.mark.parametrize("precision,dtype", [(None, torch.float32), ("bf16", torch.bfloat16)])
+def test_save_16bit_model_keeps_the_training_precision(tmp_path, precision, dtype):
+    """As DeepSpeed: an fp32 run saves fp32 weights (not rounded to bf16), a bf16 run bf16 ones."""
+    top = {"bf16": {"enabled": True}} if precision else {}
+    engine = train_engine(make_model("llama"), batches(1), ds_config(_top=top))
+    engine.save_16bit_model(str(tmp_path))
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    trained = engine.module_state_dict()
+    assert {v.dtype for v in saved.values() if v.is_floating_point()} == {dtype}
+    assert all(torch.equal(saved[k], v.to(dtype)) for k, v in trained.items())
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_load_checkpoint_calls_custom_load_fn_and_trains_on_what_it_wrote(tmp_path, precision):
+    """DeepSpeed calls custom_load_fn(src=state, dst=module) instead of load_state_dict. A loader that
+    writes parameters in place (here: every weight of the checkpoint halved) must reach the streamed
+    layers and the fp32 masters."""
+    top = {"bf16": {"enabled": True}} if precision else {}
+    engine = train_engine(make_model("llama"), batches(1), ds_config(_top=top))
+    engine.save_checkpoint(str(tmp_path))
+    calls = []
+
+    def halve_into(src, dst):
+        calls.append(sorted(src) == sorted(dst.state_dict()))
+        with torch.no_grad():
+            for name, p in dst.named_parameters():
+                p.copy_(src[name] * 0.5)
+    engine2 = train_engine(make_model("llama"), [], ds_config(_top=top))
+    engine2.load_checkpoint(str(tmp_path), custom_load_fn=halve_into)
+    assert calls == [True]
+    saved = engine.module_state_dict()
+    got = engine2.module_state_dict()
+    tol = dict(rtol=0, atol=0) if precision is None else dict(rtol=4e-3, atol=0)
+    for k, v in saved.items():
+        torch.testing.assert_close(got[k], v * 0.5, **tol)
+    # what the next forward streams is what the loader wrote
+    reference = make_model("llama")
+    reference.load_state_dict({k: v * 0.5 for k, v in saved.items()})
+    engine2.eval()
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        out = logits_of(engine2(x)).float()
+        ref = logits_of((reference.to(torch.bfloat16) if precision else reference)(x)).float()
+    torch.testing.assert_close(out, ref, **(dict(rtol=0, atol=0) if precision is None else dict(rtol=2e-2, atol=2e-2)))
 
 
 def test_set_gradient_accumulation_boundary_controls_the_step():

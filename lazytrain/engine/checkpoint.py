@@ -47,6 +47,7 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
 
 
 def load(load_dir: str, tag: str, want_optimizer: bool) -> tuple[str, dict, dict | None]:
+    """(model file path, model state, optimizer state or None)."""
     path = os.path.join(load_dir, tag)
     model_file = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(model_file):
@@ -59,4 +60,4 @@ def load(load_dir: str, tag: str, want_optimizer: bool) -> tuple[str, dict, dict
             raise FileNotFoundError(f"checkpoint {path} has no {OPTIM_FILE} (load with load_optimizer_states=False "
                                     f"to load the weights alone)")
         optim_state = torch.load(optim_file, map_location="cpu", weights_only=False)
-    return path, model_state, optim_state
+    return model_file, model_state, optim_state   # DeepSpeed returns the model file as the load path

@@ -197,7 +197,7 @@ class LazyTrainEngine(nn.Module):
                                                                       rank=self.global_rank)
         return torch.utils.data.DataLoader(training_data, batch_size=self.train_micro_batch_size_per_gpu(),
                                            sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn,
-                                           drop_last=True)
+                                           drop_last=self._config.dataloader_drop_last)
 
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -243,6 +243,7 @@ class LazyTrainEngine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """On an accumulation boundary: clip, update, zero grads, advance the schedule."""
+        self._step_applied = False            # as DeepSpeed: true only after a step() that updated
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
@@ -463,9 +464,27 @@ class LazyTrainEngine(nn.Module):
             out[name] = src.detach().to("cpu", copy=True)
         return out
 
-    def _load_module_state(self, state: dict, strict: bool) -> None:
+    def _load_module_state(self, state: dict, strict: bool, custom_load_fn=None) -> None:
         self.wait_for_update()
-        self.module.load_state_dict(state, strict=strict)   # the hooks below do the rest
+        if custom_load_fn is None:
+            self.module.load_state_dict(state, strict=strict)   # the hooks below do the rest
+            return
+        custom_load_fn(src=state, dst=self.module)               # DeepSpeed's keyword names
+        self._adopt_direct_writes()
+
+    def _adopt_direct_writes(self) -> None:
+        """After a user's loader, which may have written parameters in place rather than through
+        ``load_state_dict``: a non-block parameter whose value no longer matches its fp32 master gives
+        the master its value, and every streamed layer's compute copy is rewritten from the masters
+        (block parameters are views of them, so in-place writes already landed there)."""
+        with torch.no_grad():
+            if self.masters is not None:
+                for p in self.module.parameters():
+                    m = self.masters.by_param.get(id(p))
+                    if m is not None and not torch.equal(p.detach(), m.to(device=p.device, dtype=p.dtype)):
+                        m.copy_(p.detach())
+            for i in range(self.weights.num_layers):
+                self.weights.refresh_compute_copy(i)
 
     def _before_module_load(self, module, state_dict, prefix, local_metadata, *args) -> None:
         if local_metadata.get("assign_to_params_buffers"):
@@ -523,7 +542,7 @@ class LazyTrainEngine(nn.Module):
             self.zero_grad()                  # layers the failed update never reached kept their gradients
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim)
-        self._load_module_state(model_state["module"], load_module_strict)
+        self._load_module_state(model_state["module"], load_module_strict, custom_load_fn)
         if load_module_only:
             return path, model_state.get("client_state", {})
         if optim_state is not None:
@@ -539,7 +558,9 @@ class LazyTrainEngine(nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         import os
-        dtype = self.compute_dtype if self.compute_dtype != torch.float32 else torch.bfloat16
+        # the weights in the precision the model trains in, as DeepSpeed saves them: 16-bit in bf16/fp16
+        # training, fp32 in fp32 training (never rounded down behind the user's back)
+        dtype = self.compute_dtype
         state = {k: (v.to(dtype) if v.is_floating_point() else v)
                  for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
         if self.global_rank == 0:

@@ -164,14 +164,15 @@ class OneCycle(_Schedule):
         self.decay_mom_rate = decay_mom_rate
         self.skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_lr_rate, 0)
         self.skip_mom_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_mom_rate, 0)
-        n = len(optimizer.param_groups)
-        self.min_lrs, self.max_lrs = [cycle_min_lr] * n, [cycle_max_lr] * n
+        # one value for every parameter group, or one per group
+        self.min_lrs = _per_group(optimizer, cycle_min_lr, "cycle_min_lr")
+        self.max_lrs = _per_group(optimizer, cycle_max_lr, "cycle_max_lr")
         if last_batch_iteration == -1:
             self._apply(self.min_lrs)
         self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
         if self.cycle_momentum:
-            self.min_moms = [(cycle_min_mom, 0.99)] * n
-            self.max_moms = [(cycle_max_mom, 0.99)] * n
+            self.min_moms = [(m, 0.99) for m in _per_group(optimizer, cycle_min_mom, "cycle_min_mom")]
+            self.max_moms = [(m, 0.99) for m in _per_group(optimizer, cycle_max_mom, "cycle_max_mom")]
             if last_batch_iteration == -1:
                 for group, mom in zip(optimizer.param_groups, self.min_moms):
                     group["betas"] = mom
