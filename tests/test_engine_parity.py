@@ -150,6 +150,15 @@ def test_plan_file_with_transfer_windows(tmp_path):
         assert not [k for k in tier.keys() if k.startswith("pass")]
 
 
+def test_plan_file_for_another_micro_batch_warns(tmp_path):
+    from lazytrain.planner.plan import every_k_plan
+    path = tmp_path / "plan.json"
+    every_k_plan(6, 2, micro_batch_size=8).to_json(str(path))
+    with pytest.warns(UserWarning, match=r"was planned for micro-batch 8, but this run trains micro-batch 2: it runs, "
+                                         r"but its memory and time predictions do not hold"):
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
+
+
 def test_gradient_accumulation_equals_big_batch():
     model = make_model("llama")
     data = batches(8)
@@ -351,6 +360,7 @@ def test_planner_gets_each_streamed_layers_measured_size(monkeypatch):
     planned = ModelShape.from_hf_config(seen["model_config"])
     assert [l.params for l in planned.layers] == measured == [l.params for l in estimate.layers]
     assert planned.layers[0].active_params < measured[0] / 1.5      # a token passes through 2 of 4 experts
+    assert planned.dtype_bytes == 4         # this engine computes in fp32, whatever the model was saved in
 
 
 def test_milp_policy_plans_and_trains(tmp_path):

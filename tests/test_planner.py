@@ -10,7 +10,7 @@ import pytest
 from lazytrain.planner.hardware import CATALOG, HardwareError, HardwareProfile, load_profile
 from lazytrain.planner.milp import MilpOptions, build_and_solve
 from lazytrain.planner.models import ModelShape, ModelShapeError, catalog_model
-from lazytrain.planner.plan import Plan, every_k_plan
+from lazytrain.planner.plan import Plan, PlanError, every_k_plan
 from lazytrain.planner.policies import (PAPER, best_interval_plan, greedy_plan, keep_all, megatrain_errors,
                                         megatrain_plan)
 from lazytrain.planner.problem import Budgets, InfeasibleBudgetError, Problem, make_problem, parse_size
@@ -40,6 +40,9 @@ def test_hf_config_dict_and_explicit_layers():
     assert m.total_params == 3 * per_layer + 2 * 100 * 64 + 64
     with pytest.raises(ModelShapeError, match="'intermediate_size'"):
         ModelShape.from_hf_config({k: v for k, v in cfg.items() if k != "intermediate_size"})
+    # the precision: "dtype" (transformers >= 4.56) or "torch_dtype" (older); bf16 when neither is given
+    assert [ModelShape.from_hf_config({**cfg, **d}).dtype_bytes for d in
+            ({}, {"dtype": "float32"}, {"torch_dtype": "float32"}, {"dtype": "bfloat16"})] == [2, 4, 4, 2]
     explicit = ModelShape.from_layers("x", [10, 20, 30], hidden=8)
     assert [l.params for l in explicit.layers] == [10, 20, 30]
 
@@ -157,6 +160,21 @@ def test_parse_size():
     assert parse_size(123) == 123
     with pytest.raises(ValueError, match="70XB"):
         parse_size("70XB")
+    # the planner's CLI and the engine's config and tiers read a size the same way
+    from lazytrain.tiers import parse_bytes
+    for text, n in (("70G", 70 * 10 ** 9), ("512M", 512 * 10 ** 6), ("24Gi", 24 * 2 ** 30), ("1e9", 10 ** 9)):
+        assert parse_size(text) == parse_bytes(text) == n
+    for bad in ("1e400", "-5GB", True):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_a_budget_above_the_cards_memory_is_refused():
+    with pytest.raises(InfeasibleBudgetError, match=r"GPU budget 70.00 GB is more than the GPU memory of hardware "
+                                                    r"profile 'rtx3090' \(25.77 GB\); lower --gpu-mem"):
+        make_problem("qwen2.5-3b", "rtx3090", 16, 1024, Budgets.of(gpu="70GB"))
+    with pytest.raises(InfeasibleBudgetError, match=r"host budget 4000.00 GB is more than the host memory"):
+        make_problem("qwen2.5-3b", "rtx3090", 16, 1024, Budgets.of(host="4TB"))
 
 
 def test_hardware_json_missing_field_is_named_and_base_fills_it(tmp_path):
@@ -294,6 +312,28 @@ def test_plan_json_round_trip(tmp_path):
     back = Plan.from_json(str(path))
     assert back == plan and Plan.from_json(plan.to_json()) == plan
     assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
+
+
+_GOOD_PLAN = {"num_layers": 4, "homes": ["host", "recompute", "hbm", "recompute", "hbm"]}
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"offload_window": {"x": 1}}, "Plan field 'offload_window' must map boundary numbers to window numbers, got 'x': 1"),
+    ({"offload_window": {"0": None}}, "Plan field 'offload_window' must map boundary numbers to window numbers, got '0': None"),
+    ({"prefetch_window": {"0": 5.7}}, "Plan field 'prefetch_window' must map boundary numbers to window numbers, got '0': 5.7"),
+    ({"resident_layers": ["1"]}, "Plan field 'resident_layers' must be a list of layer numbers, got ['1']"),
+    ({"micro_batch_size": "8"}, "Plan field 'micro_batch_size' must be an integer or null, got '8'"),
+    ({"num_layers": 4.0}, "Plan field 'num_layers' must be an integer, got 4.0"),
+    ({"homes": "hbm"}, "Plan field 'homes' must be a list of tier names, got 'hbm'"),
+    ({"overlap_optimizer": "no"}, "Plan field 'overlap_optimizer' must be true or false, got 'no'"),
+])
+def test_a_malformed_plan_file_names_the_field(change, message):
+    with pytest.raises(PlanError) as e:
+        Plan.from_json(json.dumps({**_GOOD_PLAN, **change}))
+    assert str(e.value) == message
+    with pytest.raises(PlanError, match="a Plan JSON must be an object, got list"):
+        Plan.from_json("[1, 2]")
+    assert Plan.from_json(json.dumps({**_GOOD_PLAN, "offload_window": {"0": 1}})).offload_window == {0: 1}
 
 
 def test_megatrain_policy_reproduces_the_paper_within_10_percent():

@@ -134,6 +134,27 @@ def test_bandwidth_of_queued_copies_is_timed_by_their_device_events():
     assert tier.stats()["bytes_written"] == 2_000_000
 
 
+@pytest.mark.parametrize("kind", ["host", "nvme"])
+def test_a_refused_overwrite_keeps_the_old_value(kind, tmp_path):
+    tier = HostTier("t", capacity=8000) if kind == "host" else NVMeTier("t", capacity=8000, path=str(tmp_path))
+    tier.write("a", torch.ones(1000)).wait()
+    with pytest.raises(TierBudgetError, match="writing 'a' \\(11.7 KiB\\) would bring its use to 11.7 KiB"):
+        tier.write("a", torch.ones(3000))
+    assert "a" in tier and tier.used_bytes == 4000
+    assert torch.equal(tier.read("a").wait(), torch.ones(1000))
+    tier.close()
+
+
+@pytest.mark.parametrize("tier_cls", [DeviceTier, HostTier])
+def test_writing_a_parameter_stores_its_values_without_autograd_history(tier_cls):
+    tier = tier_cls("t")
+    p = torch.nn.Parameter(torch.randn(300))
+    for owned in (False, True):
+        tier.write(f"p{owned}", p, owned=owned).wait()
+        got = tier.read(f"p{owned}").wait()
+        assert torch.equal(got, p.detach()) and not got.requires_grad and got.grad_fn is None
+
+
 def test_host_tier_reuses_slabs_but_never_one_still_viewed():
     tier = HostTier()
     tier.write("a", torch.full((1000,), 1.0)).wait()

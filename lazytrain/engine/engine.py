@@ -76,8 +76,10 @@ class LazyTrainEngine(nn.Module):
         block_param_ids = {id(p) for p in blocks.parameters()}
         self.tiers = build_tiers(config, self.device)
         model_cfg = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
-        if model_cfg is not None:   # the planner sizes each streamed layer as it is, not from the config
+        if model_cfg is not None:   # the planner sizes each streamed layer as it is, not from the config,
             model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in blocks]
+            # in the precision this engine computes and streams in (not what the model was saved in)
+            model_cfg["dtype"] = model_cfg["torch_dtype"] = config.compute_dtype_name
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu)
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -75,6 +76,10 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
         if plan.num_layers != num_layers:
             raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}) is for {plan.num_layers} layers, but the "
                               f"model has {num_layers} blocks")
+        if plan.micro_batch_size is not None and plan.micro_batch_size != micro_batch:
+            warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for micro-batch "
+                          f"{plan.micro_batch_size}, but this run trains micro-batch {micro_batch}: it runs, but its "
+                          f"memory and time predictions do not hold (plan again with --micro-batch {micro_batch})")
         return plan
     if lt.policy == "milp":
         return _milp_plan(cfg, num_layers, tiers, model_config, micro_batch)

@@ -221,7 +221,9 @@ class ModelShape:
             layers = tuple(sparse if is_moe else dense for is_moe in moe.moe_layers)
         else:
             layers = (dense,) * n_layers
-        dtype = str(cfg.get("torch_dtype", "bfloat16"))
+        # the precision the layers compute and stream in: transformers >= 4.56 writes "dtype", older
+        # versions "torch_dtype"; the engine sets both to its compute dtype
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
         dtype_bytes = 4 if dtype in ("float32", "torch.float32") else 2
         return cls(name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
                    layers=layers, hidden=h, vocab_size=vocab, tied_embeddings=tied,

@@ -169,19 +169,62 @@ class Plan:
             raise PlanError(f"unknown Plan field(s): {', '.join(unknown)}")
         if "num_layers" not in d or "homes" not in d:
             raise PlanError("a Plan needs 'num_layers' and 'homes'")
-        return cls(**d)
+        return cls(**_checked_fields(d))
 
     @classmethod
     def from_json(cls, text_or_path: str) -> "Plan":
         text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
+        if not text_or_path.lstrip().startswith(("{", "[")):
             with open(text_or_path) as f:
                 text = f.read()
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlanError(f"Plan JSON does not parse: {e}") from e
+        if not isinstance(d, dict):
+            raise PlanError(f"a Plan JSON must be an object, got {type(d).__name__}")
         return cls.from_dict(d)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A Plan's fields as read from JSON, each of the type it must have (window keys may be the strings
+    JSON makes of integers); a wrong one is a PlanError naming the field and the value."""
+    def bad(name, want, value):
+        return PlanError(f"Plan field {name!r} must be {want}, got {value!r}")
+    out = dict(d)
+    if not _is_int(d["num_layers"]):
+        raise bad("num_layers", "an integer", d["num_layers"])
+    if not isinstance(d["homes"], (list, tuple)):
+        raise bad("homes", "a list of tier names", d["homes"])
+    for name in ("offload_window", "prefetch_window"):
+        windows = d.get(name, {})
+        if not isinstance(windows, dict):
+            raise bad(name, "an object {boundary: window}", windows)
+        fixed = {}
+        for k, v in windows.items():
+            key = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+            if not _is_int(key) or not _is_int(v):
+                raise PlanError(f"Plan field {name!r} must map boundary numbers to window numbers, got {k!r}: {v!r}")
+            fixed[key] = v
+        out[name] = fixed
+    resident = d.get("resident_layers", ())
+    if not isinstance(resident, (list, tuple)) or not all(_is_int(x) for x in resident):
+        raise bad("resident_layers", "a list of layer numbers", resident)
+    for name in ("micro_batch_size", "seq_len"):
+        if d.get(name) is not None and not _is_int(d[name]):
+            raise bad(name, "an integer or null", d[name])
+    for name in ("overlap_optimizer", "last_segment_graph"):
+        if name in d and not isinstance(d[name], bool):
+            raise bad(name, "true or false", d[name])
+    if "policy" in d and not isinstance(d["policy"], str):
+        raise bad("policy", "a string", d["policy"])
+    if "prediction" in d and not isinstance(d["prediction"], dict):
+        raise bad("prediction", "an object", d["prediction"])
+    return out
 
 
 # ---- the simple policies, as Plans -------------------------------------------------------------

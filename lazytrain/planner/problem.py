@@ -28,10 +28,10 @@ Execution model (the engine's streaming executor, see plan.py for the window con
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ..units import parse_size as _parse_size
 from .hardware import GB, GiB, HardwareProfile, load_profile
 from .models import ModelShape, load_model
 
@@ -40,22 +40,9 @@ class InfeasibleBudgetError(ValueError):
     """A budget that cannot hold what the step needs; the message names the tier, the need and the gap."""
 
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)?\s*$", re.I)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "ki": 2 ** 10, "mi": 2 ** 20,
-          "gi": 2 ** 30, "ti": 2 ** 40, "p": 1e15, "pb": 1e15}
-
-
 def parse_size(text: "str | int | float | None") -> int | None:
-    """'70GB' -> 70e9, '24GiB' -> 24 * 2**30, 1234 -> 1234, None -> None."""
-    if text is None:
-        return None
-    if isinstance(text, (int, float)):
-        return int(text)
-    m = _SIZE_RE.match(text)
-    if not m or (m.group(2) or "").lower() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}: use a number with a unit such as 70GB or 24GiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    """'70GB' -> 70e9, '24GiB' -> 24 * 2**30, 1234 -> 1234, None -> None (see :mod:`lazytrain.units`)."""
+    return _parse_size(text, "size")
 
 
 def fmt_bytes(n: float) -> str:
@@ -103,6 +90,13 @@ class Problem:
         self.bw_nw = hw.nvme_write_bps if self.budgets.nvme_bytes > 0 else float("inf")
         gpu = self.budgets.gpu_bytes if self.budgets.gpu_bytes is not None else hw.need("gpu_mem_bytes")
         host = self.budgets.host_bytes if self.budgets.host_bytes is not None else hw.need("host_mem_bytes")
+        for what, budget, size, flag in (("GPU", gpu, hw.gpu_mem_bytes, "--gpu-mem"),
+                                         ("host", host, hw.host_mem_bytes, "--host-mem")):
+            if size is not None and budget > size:   # a budget caps the machine's memory, never adds to it
+                raise InfeasibleBudgetError(
+                    f"{what} budget {fmt_bytes(budget)} is more than the {what} memory of hardware profile "
+                    f"{hw.name!r} ({fmt_bytes(size)}); lower {flag}, or describe the machine you have in a "
+                    f"hardware profile JSON (`lazytrain bench tiers` writes one)")
         self.gpu_budget, self.host_budget, self.nvme_budget = int(gpu), int(host), int(self.budgets.nvme_bytes)
         self._derive()
         if self.check:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..units import parse_size
+
 _log = logging.getLogger("lazytrain.tiers")
 
 
@@ -30,25 +32,8 @@ def format_bytes(n: float) -> str:
 
 
 def parse_bytes(value: int | float | str | None, what: str = "size") -> int | None:
-    """'64GB', '512MiB', 1e9 or None (no limit) -> bytes. Decimal units are powers of 1000, binary of 1024."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"{what} must be >= 0, got {value}")
-        return int(value)
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
-    text = str(value).strip().lower().replace(" ", "")
-    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(num):]
-    try:
-        n = float(num)
-    except ValueError:
-        n = None
-    if n is None or unit not in units or n < 0:
-        raise ValueError(f"{what}: cannot read {value!r} as a size (examples: 1073741824, '64GB', '512MiB')")
-    return int(n * units[unit])
+    """'64GB', '512MiB', 1e9 or None (no limit) -> bytes (see :mod:`lazytrain.units`)."""
+    return parse_size(value, what)
 
 
 class TierError(RuntimeError):
@@ -209,7 +194,8 @@ class Tier(ABC):
     # ---- public API ------------------------------------------------------------------------
     def write(self, key: str, tensor: torch.Tensor, owned: bool = False) -> TransferHandle:
         """Store a snapshot of ``tensor`` under ``key``. ``owned=True``: the caller gives the tensor
-        up, so a tier may keep it without copying. Overwriting a key frees the old value first.
+        up, so a tier may keep it without copying. Overwriting a key frees the old value first; an
+        overwrite the budget refuses leaves the old value in place.
 
         A CPU tensor may be reused as soon as ``write`` returns. A CUDA tensor is copied on a side stream
         ordered after the work already queued on the current stream: kernels queued later must not
@@ -217,9 +203,12 @@ class Tier(ABC):
         until the copy ends). A read of ``key`` issued before the write finishes sees the written data."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tier {self.name!r}: write of {key!r} needs a torch.Tensor, got {type(tensor).__name__}")
+        tensor = tensor.detach()   # the values, never autograd history (a Parameter is stored as plain data)
         nbytes = tensor.numel() * tensor.element_size()
         with self._lock:  # atomic with a failed write's clean-up of the same key
             if key in self._sizes:
+                # a refused overwrite keeps the old value: check the budget before letting it go
+                self._check_budget(key, nbytes, self.used_bytes - self._sizes[key])
                 self.free(key)
             self._failed.pop(key, None)
             token = self._reserve(key, nbytes)
@@ -305,14 +294,17 @@ class Tier(ABC):
         return f"{type(self).__name__}(name={self.name!r}, used={format_bytes(self.used_bytes)}, capacity={cap})"
 
     # ---- accounting ------------------------------------------------------------------------
+    def _check_budget(self, key: str, nbytes: int, used: int) -> None:
+        if self.capacity is not None and used + nbytes > self.capacity:
+            raise TierBudgetError(
+                f"tier {self.name!r} is over its budget: writing {key!r} ({format_bytes(nbytes)}) would bring "
+                f"its use to {format_bytes(used + nbytes)}, but its capacity is "
+                f"{format_bytes(self.capacity)} ({format_bytes(used)} in use). Raise the tier's "
+                f"capacity in the config or place fewer tensors on it.")
+
     def _reserve(self, key: str, nbytes: int) -> object:
         with self._lock:
-            if self.capacity is not None and self.used_bytes + nbytes > self.capacity:
-                raise TierBudgetError(
-                    f"tier {self.name!r} is over its budget: writing {key!r} ({format_bytes(nbytes)}) would bring "
-                    f"its use to {format_bytes(self.used_bytes + nbytes)}, but its capacity is "
-                    f"{format_bytes(self.capacity)} ({format_bytes(self.used_bytes)} in use). Raise the tier's "
-                    f"capacity in the config or place fewer tensors on it.")
+            self._check_budget(key, nbytes, self.used_bytes)
             self._sizes[key] = nbytes
             self._tokens[key] = token = object()
             self.used_bytes += nbytes
