@@ -53,3 +53,12 @@ def test_bench_arguments_are_checked(tmp_path, capsys):
     args = parser().parse_args(["bench", "tiers", "--path", str(tmp_path / "missing")])
     assert args.func(args) == 2
     assert capsys.readouterr().err == f"lazytrain bench tiers: --path {tmp_path / 'missing'} is not a directory\n"
+    for flag, value, message in (("--tensor-bytes", "2", "size must be at least 4KiB, got '2'"),
+                                 ("--optimizer-params", "0", "must be a positive integer, got '0'")):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["bench", "tiers", flag, value])
+        assert f"argument {flag}: {message}" in capsys.readouterr().err
+    # a directory nothing can be created in fails before any measurement runs
+    args = parser().parse_args(["bench", "tiers", "--path", "/proc"])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err.startswith("lazytrain bench tiers: cannot create files under --path /proc (")

@@ -473,3 +473,18 @@ def test_left_over_run_directories_are_removed_live_ones_kept(tmp_path, caplog):
                                                    "lazytrain-run-not-ours"])
     live.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("then", ["free", "overwrite"])
+def test_a_read_issued_before_a_free_or_overwrite_still_sees_the_data(tier, then):
+    """The read waits for the write to land and opens the file only then; freeing or overwriting the key
+    in between must not take the file from under it. The file goes once the read is done."""
+    x = sample((2 << 20,), torch.float32)
+    tier.write("k", x)
+    pending = tier.read("k")
+    if then == "free":
+        tier.free("k")
+    else:
+        tier.write("k", torch.zeros(3)).wait()
+    assert torch.equal(pending.wait(), x)
+    assert len(data_files(tier)) == (0 if then == "free" else 1)

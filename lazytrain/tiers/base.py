@@ -183,7 +183,8 @@ class Tier(ABC):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())  # compare equal to tensors' devices
-        self._sizes: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}     # key -> bytes it holds against the budget (see _footprint)
+        self._payload: dict[str, int] = {}   # key -> bytes of the tensor itself
         self._lock = threading.RLock()
         self.used_bytes = 0
         self.peak_bytes = 0
@@ -205,13 +206,15 @@ class Tier(ABC):
             raise TypeError(f"tier {self.name!r}: write of {key!r} needs a torch.Tensor, got {type(tensor).__name__}")
         tensor = tensor.detach()   # the values, never autograd history (a Parameter is stored as plain data)
         nbytes = tensor.numel() * tensor.element_size()
+        need = self._footprint(tensor, owned)
         with self._lock:  # atomic with a failed write's clean-up of the same key
             if key in self._sizes:
                 # a refused overwrite keeps the old value: check the budget before letting it go
-                self._check_budget(key, nbytes, self.used_bytes - self._sizes[key])
+                self._check_budget(key, need, self.used_bytes - self._sizes[key], nbytes)
                 self.free(key)
             self._failed.pop(key, None)
-            token = self._reserve(key, nbytes)
+            token = self._reserve(key, need, nbytes)
+            self._payload[key] = nbytes
         meter = self._meters["write"]
         meter.begin()
         try:
@@ -232,7 +235,7 @@ class Tier(ABC):
                 raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}: its write failed: "
                                 f"{failure}") from failure
             raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
-        nbytes = self._sizes[key]
+        nbytes = self._payload.get(key, self._sizes[key])
         meter = self._meters["read"]
         meter.begin()
         try:
@@ -294,26 +297,34 @@ class Tier(ABC):
         return f"{type(self).__name__}(name={self.name!r}, used={format_bytes(self.used_bytes)}, capacity={cap})"
 
     # ---- accounting ------------------------------------------------------------------------
-    def _check_budget(self, key: str, nbytes: int, used: int) -> None:
+    def _check_budget(self, key: str, nbytes: int, used: int, payload: int | None = None) -> None:
         if self.capacity is not None and used + nbytes > self.capacity:
+            held = "" if payload in (None, nbytes) else f", held in {format_bytes(nbytes)}"
+            size = format_bytes(nbytes if payload is None else payload) + held
             raise TierBudgetError(
-                f"tier {self.name!r} is over its budget: writing {key!r} ({format_bytes(nbytes)}) would bring "
+                f"tier {self.name!r} is over its budget: writing {key!r} ({size}) would bring "
                 f"its use to {format_bytes(used + nbytes)}, but its capacity is "
                 f"{format_bytes(self.capacity)} ({format_bytes(used)} in use). Raise the tier's "
                 f"capacity in the config or place fewer tensors on it.")
 
-    def _reserve(self, key: str, nbytes: int) -> object:
+    def _reserve(self, key: str, nbytes: int, payload: int | None = None) -> object:
         with self._lock:
-            self._check_budget(key, nbytes, self.used_bytes)
+            self._check_budget(key, nbytes, self.used_bytes, payload)
             self._sizes[key] = nbytes
             self._tokens[key] = token = object()
             self.used_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
             return token
 
+    def _footprint(self, tensor: torch.Tensor, owned: bool) -> int:
+        """Bytes that storing ``tensor`` takes from the budget: the tensor's own by default; a tier whose
+        storage rounds sizes up (host slabs) counts what it really holds."""
+        return tensor.numel() * tensor.element_size()
+
     def _release(self, key: str) -> None:
         with self._lock:
             self._tokens.pop(key, None)
+            self._payload.pop(key, None)
             self.used_bytes -= self._sizes.pop(key, 0)
 
     def _track(self, handle: TransferHandle, meter: "_BandwidthMeter", nbytes: int,

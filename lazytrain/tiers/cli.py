@@ -16,8 +16,18 @@ def _size(text: str) -> int:
         value = parse_bytes(text, "size")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
-    if not value:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    if value < 4096:   # smaller transfers measure call overhead, not bandwidth (and may move no bytes)
+        raise argparse.ArgumentTypeError(f"size must be at least 4KiB, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
 
 
@@ -40,7 +50,7 @@ def register(subparsers) -> None:
                         help="size of each host<->device and host memory copy (default: 256MiB)")
     parser.add_argument("--seconds", type=float, default=1.0,
                         help="minimum time per timed measurement (default: 1.0)")
-    parser.add_argument("--optimizer-params", type=int, default=16 << 20, metavar="N",
+    parser.add_argument("--optimizer-params", type=_positive_int, default=16 << 20, metavar="N",
                         help="parameters updated in the host optimizer measurement (default: 16777216)")
     parser.set_defaults(func=run)
 
@@ -50,6 +60,15 @@ def run(args) -> int:
     if args.path is not None and not os.path.isdir(args.path):
         print(f"lazytrain bench tiers: --path {args.path} is not a directory", file=sys.stderr)
         return 2
+    if args.path is not None:   # fail before the other measurements, not after them
+        import shutil
+        import tempfile
+        try:
+            shutil.rmtree(tempfile.mkdtemp(prefix="lazytrain-probe-", dir=args.path))
+        except OSError as e:
+            print(f"lazytrain bench tiers: cannot create files under --path {args.path} ({e.strerror}); give a "
+                  f"directory on the disk to measure", file=sys.stderr)
+            return 2
     profile, rows = run_bench(path=args.path, nvme_bytes=args.nvme_bytes, tensor_bytes=args.tensor_bytes,
                               copy_bytes=args.copy_bytes, seconds=args.seconds,
                               optimizer_params=args.optimizer_params,

@@ -97,8 +97,12 @@ class MemoryTier(Tier):
     def _allocate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
 
+    def _keeps(self, tensor, owned) -> bool:
+        """An owned, contiguous tensor already on this device is stored as it is (no copy)."""
+        return owned and tensor.device == self.device and tensor.is_contiguous()
+
     def _write(self, key, tensor, owned):
-        if owned and tensor.device == self.device and tensor.is_contiguous():
+        if self._keeps(tensor, owned):
             self._store[key] = tensor
             return TransferHandle(moved=False)
         buf = self._allocate(key, tensor)
@@ -145,8 +149,9 @@ class HostTier(MemoryTier):
     """``host``: pinned host memory where an accelerator exists, pageable (one warning) where it does not.
 
     Buffers come from a :class:`~lazytrain.tiers.pool.SlabPool`, so a freed tensor's pinned memory
-    serves the next write of a similar size instead of being unpinned and pinned again. The pool keeps
-    at most ``capacity`` bytes of slabs (in use or idle).
+    serves the next write of a similar size instead of being unpinned and pinned again. A write counts
+    against ``capacity`` the slab it fills (its size class, at most 1/16 above the tensor above 64 KiB), so
+    the slabs in use never exceed it; the pool keeps at most ``capacity`` bytes of slabs, in use or idle.
     """
     kind = "host"
 
@@ -158,6 +163,11 @@ class HostTier(MemoryTier):
         self.pool = SlabPool(limit_bytes=self.capacity)
         self._slabs: dict[str, torch.Tensor] = {}
         self._draining: list[tuple[torch.Tensor, object]] = []  # freed slabs whose copies are in flight
+
+    def _footprint(self, tensor, owned):
+        from .pool import size_class
+        nbytes = tensor.numel() * tensor.element_size()
+        return nbytes if nbytes == 0 or self._keeps(tensor, owned) else size_class(nbytes, self.pool.alignment)
 
     def _allocate(self, key, tensor):
         nbytes = tensor.numel() * tensor.element_size()

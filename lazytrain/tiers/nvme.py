@@ -118,6 +118,8 @@ class _Entry:
     via_kvikio: bool
     checksums: list = field(default_factory=list)
     written: Future | None = None  # done when the file is complete
+    readers: int = 0               # reads issued and not finished: the file stays until they are
+    freed: bool = False            # the key was freed (or overwritten) while reads were in flight
 
 
 class _Op:
@@ -425,18 +427,28 @@ class NVMeTier(Tier):
             issued = torch.cuda.Event()
             issued.record(torch.cuda.current_stream(target))
         result: Future = Future()
+        with self._lock:
+            entry.readers += 1
+
+        def fail(error):   # the file is released before the caller sees the outcome
+            self._reader_done(entry)
+            result.set_exception(error)
+
+        def deliver(inner):
+            self._reader_done(entry)
+            _chain(inner, result)
 
         def start(_=None):
             if entry.written.exception() is not None:
-                result.set_exception(TierError(f"tier {self.name!r}: key {key!r} cannot be read: its write "
-                                               f"failed ({entry.written.exception()})"))
+                fail(TierError(f"tier {self.name!r}: key {key!r} cannot be read: its write "
+                               f"failed ({entry.written.exception()})"))
                 return
             try:
                 inner = self._start_read(entry, out, target, issued)
             except BaseException as e:  # noqa: BLE001
-                result.set_exception(e)
+                fail(e)
                 return
-            inner.add_done_callback(lambda f: _chain(f, result))
+            inner.add_done_callback(deliver)
         if entry.written.done():
             start()
         else:
@@ -584,9 +596,20 @@ class NVMeTier(Tier):
 
     # ---- free / close ------------------------------------------------------------------------
     def _free(self, key):
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            # In-flight operations hold their own descriptors, so removing the name is safe now.
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return
+            if entry.readers:      # a read issued before the free still sees the data: unlink after it
+                entry.freed = True
+                return
+        _unlink(entry.path)        # writes in flight hold their own descriptors
+
+    def _reader_done(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.readers -= 1
+            unlink = entry.freed and entry.readers == 0
+        if unlink:
             _unlink(entry.path)
 
     def file_of(self, key: str) -> str:

@@ -2,7 +2,7 @@
 
 Pinning memory is slow (it maps and locks pages) and pinning per tensor fragments the address space:
 DeepSpeed users meet pinned-memory OOMs and tune ``buffer_size`` / ``buffer_count`` by hand. The pool
-hands out slabs in a small set of size classes (at most 25% larger than asked), takes them back when a
+hands out slabs in a small set of size classes (at most 1/16 larger than asked, above 64 KiB), takes them back when a
 tensor is freed and hands them out again; sizes follow the tensors actually stored, so nothing is asked
 of the user. Every slab starts on an ``alignment`` boundary, which O_DIRECT I/O needs.
 
@@ -25,12 +25,12 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def size_class(nbytes: int, alignment: int = ALIGNMENT) -> int:
-    """The slab size serving a request of ``nbytes``: a multiple of ``alignment``, with four classes per
-    power of two above 64 KiB (waste <= 25%)."""
+    """The slab size serving a request of ``nbytes``: a multiple of ``alignment``, with sixteen classes per
+    power of two above 64 KiB (waste <= 6.25%: the slab is pinned memory the tier's budget counts)."""
     n = round_up(max(nbytes, 1), alignment)
     if n <= 64 * 1024:
         return n
-    step = 1 << (n.bit_length() - 3)  # a quarter of the enclosing power of two
+    step = 1 << (n.bit_length() - 5)  # a sixteenth of the power of two below n
     return round_up(n, max(step, alignment))
 
 
