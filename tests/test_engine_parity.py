@@ -292,6 +292,22 @@ def test_client_optimizer_and_callable_scheduler():
     assert engine.get_lr() == [0.05]
 
 
+def test_a_client_optimizer_that_clips_by_itself_is_refused():
+    """The engine clips over every gradient and hands the optimizer the coefficient, which would replace
+    HybridAdamW's own max_grad_norm without a word: refused, pointing at gradient_clipping."""
+    from lazytrain.optim.hybrid_adamw import HybridAdamW
+    cfg = {"train_batch_size": 2, "steps_per_print": float("inf")}
+    message = (r"the optimizer passed to lazytrain.initialize clips gradients itself \(max_grad_norm=0.001\), which "
+               r"the engine would override: build it without max_grad_norm and set the config's "
+               r"'gradient_clipping' to 0.001")
+    model = make_model("modulelist")
+    with pytest.raises(ConfigError, match=message):
+        lazytrain.initialize(model=model, optimizer=HybridAdamW(model.parameters(), max_grad_norm=1e-3), config=cfg)
+    with pytest.raises(ConfigError, match=message):
+        lazytrain.initialize(model=make_model("modulelist"), config=cfg,
+                             optimizer=lambda params: HybridAdamW(params, max_grad_norm=1e-3))
+
+
 def test_config_as_json_path_and_base64(tmp_path):
     import base64
     cfg = ds_config()

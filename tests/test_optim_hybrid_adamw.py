@@ -449,3 +449,42 @@ def test_loads_a_torch_adamw_checkpoint():
     step_both(opt, pa, tb, pb, range(3, 6))
     for a, b in zip(pa, pb):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-7)
+
+
+def test_loads_a_torch_adamw_checkpoint_of_a_transposed_parameter():
+    """torch AdamW makes its moments with zeros_like, so a transposed parameter saves transposed moments;
+    loaded as they are, the kernel (which reads state memory as contiguous) would scramble them."""
+    pt = [torch.nn.Parameter(torch.randn(80, 48).t())]            # a transposed parameter
+    ta = torch.optim.AdamW(pt, lr=1e-2, foreach=False)
+    run(ta, pt, 2)
+    assert not ta.state[pt[0]]["exp_avg"].is_contiguous()
+    ph = [torch.nn.Parameter(pt[0].detach().contiguous())]       # the same values, laid out contiguously
+    opt = HybridAdamW(ph, lr=1e-2, optimizer_states="fp32")
+    opt.load_state_dict(ta.state_dict())
+    assert opt.state[ph[0]]["exp_avg"].is_contiguous()
+    step_both(opt, ph, ta, pt, range(2, 5))
+    torch.testing.assert_close(ph[0], pt[0], rtol=0, atol=1e-6)
+
+
+def test_settings_it_cannot_run_are_refused_wherever_they_come_from():
+    p, q = torch.nn.Parameter(torch.zeros(64, 64)), torch.nn.Parameter(torch.zeros(64, 64))
+    with pytest.raises(ValueError, match=r"HybridAdamW does not implement maximize=True \(set in a parameter group\)"):
+        HybridAdamW([{"params": [p], "maximize": True}])
+    opt = HybridAdamW([p])
+    with pytest.raises(ValueError, match="block_size must be a multiple of 32 in \\[32, 16384\\], got 65536"):
+        opt.add_param_group({"params": [q], "block_size": 65536})
+    with pytest.raises(ValueError, match="optimizer_states must be '8bit' or 'fp32', got 'fp23'"):
+        opt.add_param_group({"params": [q], "optimizer_states": "fp23"})
+    with pytest.raises(ValueError, match="an fp64 parameter would be rounded to fp32 every step"):
+        HybridAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))])
+    opt.param_groups[0]["block_size"] = 65536                     # edited after construction
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="block_size must be a multiple of 32"):
+        opt.step()
+    torch_opt = torch.optim.AdamW([q], amsgrad=True)
+    q.grad = torch.ones_like(q)
+    torch_opt.step()
+    fresh = HybridAdamW([q], optimizer_states="fp32")
+    with pytest.raises(ValueError, match=r"amsgrad=True \(set in the checkpoint's parameter group\)"):
+        fresh.load_state_dict(torch_opt.state_dict())
+    assert not fresh.state                                        # nothing was loaded

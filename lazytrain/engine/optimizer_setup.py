@@ -105,13 +105,26 @@ def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[in
 def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable) -> torch.optim.Optimizer:
     """A user's optimizer object (its parameters re-pointed at the masters) or a callable."""
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        return optimizer(groups)
+        return _no_own_clipping(optimizer(groups))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
     if any(optimizer.state.values()):
         raise ConfigError("the optimizer passed to lazytrain.initialize has already stepped; pass a fresh one")
+    _no_own_clipping(optimizer)
     for g in optimizer.param_groups:
         g["params"] = [remap(p) for p in g["params"]]
+    return optimizer
+
+
+def _no_own_clipping(optimizer):
+    """The engine clips (config ``gradient_clipping``) over every gradient before any layer's update and
+    hands the optimizer the coefficient, which replaces an optimizer's own clipping: refuse one that
+    clips by itself rather than drop its setting."""
+    norm = getattr(optimizer, "max_grad_norm", 0) or 0
+    if norm > 0:
+        raise ConfigError(f"the optimizer passed to lazytrain.initialize clips gradients itself "
+                          f"(max_grad_norm={norm}), which the engine would override: build it without "
+                          f"max_grad_norm and set the config's 'gradient_clipping' to {norm}")
     return optimizer
 
 

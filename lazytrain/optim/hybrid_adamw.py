@@ -1,7 +1,7 @@
 """HybridAdamW: AdamW with blockwise 8-bit moments for large tensors and fp32 moments for the rest.
 
 Memory: a tensor with 8-bit states keeps two uint8 codes per element plus two fp32 absmax values per
-block (2 + 8 / block_size bytes per parameter, 2.004 at the default block size) instead of fp32 Adam's 8.
+block (2 + 8 / block_size bytes per parameter, 2.031 at the default block size of 256) instead of fp32 Adam's 8.
 The fp32 master weights are the parameters themselves.
 
 Which tensors get 8-bit states (reported by :meth:`HybridAdamW.state_report`):
@@ -142,8 +142,7 @@ class HybridAdamW(torch.optim.Optimizer):
                         block_size=int(block_size))
         super().__init__(groups, defaults)
         for g in self.param_groups:
-            _check_kind(g["optimizer_states"])
-            _check_block(g["block_size"])
+            _check_group(g)
         self._names = names
         self.fp32_name_patterns = tuple(fp32_name_patterns)
         self._fp32_re = [re.compile(pat, re.IGNORECASE) for pat in self.fp32_name_patterns]
@@ -240,14 +239,25 @@ class HybridAdamW(torch.optim.Optimizer):
             log.info("%s", self.format_state_report())
         return st
 
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if isinstance(param_group, dict):   # checked before it joins (torch reports other malformations)
+            params = param_group.get("params", [])
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            param_group["params"] = params      # a generator is read once (torch lists it the same way)
+            _check_group({**self.defaults, **param_group})
+        super().add_param_group(param_group)
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint; quantized states keep their uint8 codes, fp32 absmax and block size."""
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
+        for group in saved_groups:        # refused before anything is loaded
+            _check_flags(group, "the checkpoint's parameter group")
         super().load_state_dict(state_dict)
         for group in self.param_groups:   # a checkpoint from torch's Adam(W) lacks HybridAdamW's own keys
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+            _check_group(group)
         saved_ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, p in zip(saved_ids, params):
@@ -267,7 +277,7 @@ class HybridAdamW(torch.optim.Optimizer):
                     if t.dtype != torch.uint8 or t.numel() != p.numel():
                         raise ValueError(f"checkpoint {key} of parameter {idx} does not match its shape "
                                          f"{tuple(p.shape)} (got {t.dtype} {tuple(t.shape)})")
-                    st[key] = t.to(device=p.device, copy=True).view(p.shape)
+                    st[key] = _contiguous_copy(t, p, torch.uint8)
                 for key in ("absmax1", "absmax2"):
                     t = src[key]
                     if t.numel() != nb:
@@ -279,7 +289,9 @@ class HybridAdamW(torch.optim.Optimizer):
                     t = src[key]
                     if t.numel() != p.numel():
                         raise ValueError(f"checkpoint {key} of parameter {idx} does not match its shape")
-                    st[key] = t.to(device=p.device, dtype=torch.float32, copy=True).view(p.shape)
+                    # a torch Adam(W) state may have a transposed layout (zeros_like of a strided
+                    # parameter); the kernel reads state memory as contiguous
+                    st[key] = _contiguous_copy(t, p, torch.float32)
             st["step"] = int(src["step"])
 
     # ------------------------------------------------------------------ step
@@ -333,6 +345,8 @@ class HybridAdamW(torch.optim.Optimizer):
                  for k, v in group.items()} for group in self.param_groups]
 
     def _step(self, groups, params, grad_norm, clip_coef, compute_copies, grads) -> None:
+        for group in groups:     # settings edited in param_groups after construction are checked too
+            _check_group(group, params=False)
         targets = self._targets(groups, params, grads)
         coef = 1.0 if clip_coef is None else float(clip_coef)
         norm = grad_norm
@@ -435,6 +449,30 @@ class HybridAdamW(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------- helpers and torch implementation
+def _contiguous_copy(t: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(p.shape, dtype=dtype, device=p.device).copy_(t.reshape(p.shape))
+
+
+def _check_flags(group: Mapping[str, Any], where: str = "a parameter group") -> None:
+    for flag in ("maximize", "amsgrad"):
+        if group.get(flag):
+            raise ValueError(f"HybridAdamW does not implement {flag}=True (set in {where}); use torch.optim.AdamW "
+                             f"for it")
+
+
+def _check_group(group: Mapping[str, Any], params: bool = True) -> None:
+    """What HybridAdamW can run, checked wherever a group can come from (constructor, add_param_group,
+    load_state_dict, edits before a step)."""
+    _check_kind(group["optimizer_states"])
+    _check_block(group["block_size"])
+    _check_flags(group)
+    if params:
+        for p in group["params"]:
+            if p.dtype == torch.float64:
+                raise ValueError("HybridAdamW keeps its moments and update in fp32; an fp64 parameter would be "
+                                 "rounded to fp32 every step: use torch.optim.AdamW for fp64 models")
+
+
 def _check_kind(kind: str) -> None:
     if kind not in _STATE_KINDS:
         raise ValueError(f"optimizer_states must be '8bit' or 'fp32', got {kind!r}")
