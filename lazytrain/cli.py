@@ -17,6 +17,20 @@ SUBCOMMANDS = [
 ]
 
 
+def positive(kind=int):
+    """An argparse type: a number of ``kind`` above zero, else the usual one-line usage error."""
+    def read(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, "
+                                             f"got {text!r}")
+        return value
+    return read
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazytrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
+import sys
 import time
 
 import torch
@@ -40,23 +42,83 @@ DEFAULT_CONFIG = {
 def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train the embedded default job, or the job in CONFIG")
     p.add_argument("config", nargs="?", help="JSON engine config with a 'job' section (default: embedded tiny-cpu)")
-    p.add_argument("--steps", type=int, help="override job.steps")
+    from .cli import positive
+    p.add_argument("--steps", type=positive(int), help="override job.steps")
     p.add_argument("--out", help="override job.out_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
+class JobError(ValueError):
+    """A job file or a job setting `lazytrain train` cannot use; the message names the file or key."""
+
+
 def load_job_config(path: str | None) -> dict:
     if path is None:
         return copy.deepcopy(DEFAULT_CONFIG)
-    with open(path) as f:
-        cfg = json.load(f)
-    if "job" not in cfg:
-        raise SystemExit(f"lazytrain train: {path} has no 'job' section (model, task, steps); see configs/tiny-cpu.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise JobError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise JobError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict) or "job" not in cfg:
+        raise JobError(f"{path} has no 'job' section (model, task, steps); see configs/tiny-cpu.json")
     return cfg
 
 
+def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
+    """(steps, task settings, model settings), each checked and named on error."""
+    if not isinstance(job, dict):
+        raise JobError(f"'job' must be an object with model, task and steps, got {job!r}")
+    known = {"model", "task", "steps", "eval_examples", "seed", "out_dir"}
+    unknown = sorted(set(job) - known)
+    if unknown:
+        raise JobError(f"unknown key(s) in 'job': {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    steps = steps_override if steps_override is not None else job.get("steps")
+    for key, value in (("steps", steps), ("eval_examples", job.get("eval_examples", 500)), ("seed", job.get("seed", 0))):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "seed" else 1):
+            raise JobError(f"'job.{key}' must be a{' non-negative' if key == 'seed' else ' positive'} integer, "
+                           f"got {value!r}")
+    task, model = job.get("task", {}), job.get("model", {})
+    for key, section in (("task", task), ("model", model)):
+        if not isinstance(section, dict):
+            raise JobError(f"'job.{key}' must be an object, got {section!r}")
+    from lazytrain.data.arithmetic import ArithmeticTask
+    from lazytrain.models.decoder import DecoderConfig
+    for key, section, cls in (("task", task, ArithmeticTask), ("model", model, DecoderConfig)):
+        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_position_embeddings"}
+        unknown = sorted(set(section) - fields)
+        if unknown:
+            raise JobError(f"unknown key(s) in 'job.{key}': {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+    if not isinstance(task.get("max_operand", 99), int) or task.get("max_operand", 99) < 1:
+        raise JobError(f"'job.task.max_operand' must be a positive integer, got {task['max_operand']!r}")
+    fraction = task.get("held_out_fraction", 0.1)
+    if not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+        raise JobError(f"'job.task.held_out_fraction' must lie strictly between 0 and 1, got {fraction!r}")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        value = model.get(key, getattr(DecoderConfig, key))
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise JobError(f"'job.model.{key}' must be a positive integer, got {value!r}")
+    h, heads = model.get("hidden_size", DecoderConfig.hidden_size), model.get("num_attention_heads", DecoderConfig.num_attention_heads)
+    kv = model.get("num_key_value_heads", heads)
+    if h % heads or heads % kv:
+        raise JobError(f"'job.model': hidden_size ({h}) must be a multiple of num_attention_heads ({heads}), and "
+                       f"num_attention_heads a multiple of num_key_value_heads ({kv})")
+    return steps, task, model
+
+
 def run(args) -> int:
+    from lazytrain.config import ConfigError
+    try:
+        return _run(args)
+    except (JobError, ConfigError) as e:   # a problem with the user's job or config: one line, no traceback
+        print(f"lazytrain train: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     import lazytrain
     from lazytrain.data.arithmetic import VOCAB_SIZE, ArithmeticTask, exact_match
     from lazytrain.models.decoder import DecoderConfig, build_causal_lm, logits_of
@@ -64,15 +126,21 @@ def run(args) -> int:
 
     cfg = load_job_config(args.config)
     job = cfg["job"]
-    steps = args.steps or job["steps"]
+    steps, task_settings, model_settings = _job_settings(job, args.steps)
     out_dir = args.out or job.get("out_dir", "lazytrain-out")
+    try:   # before training, not after it
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise JobError(f"cannot create the output directory {out_dir}: {e.strerror}") from None
     if args.steps and "scheduler" in cfg and "total_num_steps" in cfg["scheduler"].get("params", {}):
         cfg["scheduler"]["params"]["total_num_steps"] = steps
     torch.manual_seed(job.get("seed", 0))
-    task = ArithmeticTask(**job.get("task", {}))
-    model_cfg = DecoderConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=max(64, task.seq_len),
-                              **job.get("model", {}))
-    model = build_causal_lm(model_cfg)
+    task = ArithmeticTask(**task_settings)
+    model_cfg = DecoderConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=max(64, task.seq_len), **model_settings)
+    try:
+        model = build_causal_lm(model_cfg)
+    except Exception as e:   # noqa: BLE001 - transformers validates its config its own way
+        raise JobError(f"'job.model' does not build a model: {e}") from None
     n_params = sum(p.numel() for p in model.parameters())
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     micro = engine.train_micro_batch_size_per_gpu()

@@ -379,6 +379,27 @@ def test_planner_gets_each_streamed_layers_measured_size(monkeypatch):
     assert planned.dtype_bytes == 4         # this engine computes in fp32, whatever the model was saved in
 
 
+def test_milp_policy_in_a_script_without_a_main_guard(tmp_path):
+    """The planner runs in a child interpreter that does not re-import the user's script, so a plain
+    top-level training script (no ``if __name__ == "__main__":``) plans once and trains."""
+    import subprocess
+    import sys
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, lazytrain\n"
+        "import sys; sys.path.insert(0, %r)\n"
+        "from engine_models import make_model\n"
+        "model = make_model('llama')\n"
+        "cfg = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3}},\n"
+        "       'lazytrain': {'policy': 'milp', 'hardware': 'h200', 'seq_len': 12, 'milp_time_limit': 5}}\n"
+        "engine, *_ = lazytrain.initialize(model=model, config=cfg)\n"
+        "print('PLANNED', engine.plan.policy)\n" % str(__import__("pathlib").Path(__file__).parent))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "PLANNED milp"
+    assert "bootstrapping phase" not in done.stderr
+
+
 def test_milp_policy_plans_and_trains(tmp_path):
     """policy "milp": the planner's Plan for this model (h200 profile, tight GPU budget) runs and
     matches plain PyTorch."""

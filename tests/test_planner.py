@@ -441,6 +441,18 @@ def test_cli_reports_an_infeasible_budget(capsys):
     assert rc == 2 and "host memory budget 50.00 GB" in capsys.readouterr().err
 
 
+def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, capsys):
+    from lazytrain.cli import main
+    missing = tmp_path / "no" / "p.json"
+    assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
+                 "--json", str(missing)]) == 2
+    assert capsys.readouterr().err == f"lazytrain plan: --json {missing}: directory {missing.parent} does not exist\n"
+    for flag, kind in (("--time-limit", "number"), ("--seq", "integer"), ("--max-segment", "integer")):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", flag, "-1"])
+        assert f"argument {flag}: must be a positive {kind}, got '-1'" in capsys.readouterr().err
+
+
 def test_cli_hardware_file_with_gaps_and_base(tmp_path, capsys):
     from lazytrain.cli import main
     d = {k: None for k in CATALOG["rtx3090"].to_dict()}

@@ -6,7 +6,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from ..cli import positive
 
 
 def register(subparsers) -> None:
@@ -19,12 +22,12 @@ def register(subparsers) -> None:
     p.add_argument("--base", default=None, help="catalog entry that fills the profile's null fields")
     p.add_argument("--micro-batch", default="auto",
                    help="micro-batch size, or 'auto' for the throughput-best one that fits (default)")
-    p.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--seq", type=positive(int), default=1024, help="sequence length (default 1024)")
     p.add_argument("--gpu-mem", default=None, help="GPU memory cap, e.g. 70GB (default: the card's size)")
     p.add_argument("--host-mem", default=None, help="host memory budget (default: the profile's host memory)")
     p.add_argument("--nvme", default="0", help="NVMe budget for activations (default 0: no NVMe)")
-    p.add_argument("--time-limit", type=float, default=10.0, help="MILP time limit in seconds (default 10)")
-    p.add_argument("--max-segment", type=int, default=8, help="longest recompute segment (default 8)")
+    p.add_argument("--time-limit", type=positive(float), default=10.0, help="MILP time limit in seconds (default 10)")
+    p.add_argument("--max-segment", type=positive(int), default=8, help="longest recompute segment (default 8)")
     p.add_argument("--solver", choices=["auto", "highs", "cbc"], default="auto")
     p.add_argument("--no-resident", action="store_true", help="never keep layer weights resident on the GPU")
     p.add_argument("--json", default=None, help="write the Plan the engine loads to this file")
@@ -41,6 +44,11 @@ def run(args: argparse.Namespace) -> int:
     from .search import search_micro_batch
     from .simulate import simulate
 
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):   # before minutes of solving, not after
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            print(f"lazytrain plan: {flag} {path}: directory {folder} does not exist", file=sys.stderr)
+            return 2
     try:
         model = load_model(args.model)
         hw = load_profile(args.hardware, base=args.base)
@@ -62,7 +70,11 @@ def run(args: argparse.Namespace) -> int:
     print(table(p, rows))
     plan = rows[0].plan
     if args.json:
-        plan.to_json(args.json)
+        try:
+            plan.to_json(args.json)
+        except OSError as e:
+            print(f"lazytrain plan: cannot write {args.json}: {e.strerror}", file=sys.stderr)
+            return 2
         print(f"wrote {args.json}")
     if args.plot:
         from .plot import plot_step
@@ -71,5 +83,8 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as e:
             print(f"lazytrain plan: {e}", file=sys.stderr)
             return 3
+        except OSError as e:
+            print(f"lazytrain plan: cannot write {args.plot}: {e.strerror}", file=sys.stderr)
+            return 2
         print(f"wrote {args.plot}")
     return 0

@@ -1,12 +1,17 @@
 """Run a planning call in a child process with a hard deadline.
 
 A MILP solver that overruns its own time limit (HiGHS 1.16's presolve did, by minutes, on some
-models) must not hang a training job at start-up. The child is a fresh interpreter ("spawn"): the
-planner is pure Python, so nothing of the caller's (torch, CUDA, threads) is inherited or needed.
+models) must not hang a training job at start-up. The child is a fresh interpreter running this
+module (``python -m lazytrain.planner.isolate``), not a multiprocessing worker: it never re-imports
+the caller's script, so a training script needs no ``if __name__ == "__main__":`` guard, and nothing of
+the caller's (torch, CUDA, threads) is inherited or needed: the planner is pure Python.
 """
 from __future__ import annotations
 
-import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
 from typing import Any, Callable
 
 from .milp import PlanningError
@@ -14,17 +19,51 @@ from .milp import PlanningError
 
 def call_with_deadline(fn: Callable[..., Any], *args: Any, deadline_s: float, what: str = "planning",
                        **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in a spawned child; its result or its exception, re-raised here.
+    """``fn(*args, **kwargs)`` in a child interpreter; its result or its exception, re-raised here.
 
     Raises :class:`PlanningError` when the child has not answered within ``deadline_s`` seconds (the
-    child is terminated) or dies without an answer. ``fn``, its arguments and its result must be
-    picklable (module-level functions, Plans, dataclasses)."""
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:   # leaving the block terminates the child, finished or not
-        pending = pool.apply_async(fn, args, kwargs)
-        try:
-            return pending.get(deadline_s)
-        except multiprocessing.TimeoutError:
-            raise PlanningError(f"{what} did not finish within {deadline_s:g} s (the solver overran its time "
-                                f"limit); stopped it. Write a Plan with `lazytrain plan --json` and use policy "
-                                f"\"plan\", or use policy \"every_k\"") from None
+    child is killed) or ends without an answer. ``fn``, its arguments and its result must be picklable
+    (module-level functions, Plans, dataclasses)."""
+    import lazytrain
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(lazytrain.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run([sys.executable, "-m", "lazytrain.planner.isolate"], env=env, capture_output=True,
+                              input=pickle.dumps((fn, args, kwargs)), timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        raise PlanningError(f"{what} did not finish within {deadline_s:g} s (the solver overran its time "
+                            f"limit); stopped it. Write a Plan with `lazytrain plan --json` and use policy "
+                            f"\"plan\", or use policy \"every_k\"") from None
+    try:
+        ok, value = pickle.loads(done.stdout)
+    except Exception:   # noqa: BLE001 - the child died before answering
+        tail = done.stderr.decode(errors="replace").strip().splitlines()[-5:]
+        raise PlanningError(f"{what} ended without an answer (exit status {done.returncode}): "
+                            + (" | ".join(tail) or "no output")) from None
+    if ok:
+        return value
+    raise value
+
+
+def _serve() -> None:
+    """The child's side: read (fn, args, kwargs) on stdin, answer (ok, result or exception) on stdout.
+    Whatever the solver prints goes to stderr, so stdout carries the answer alone."""
+    answer = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    fn, args, kwargs = pickle.loads(sys.stdin.buffer.read())
+    try:
+        result = (True, fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
+        result = (False, e)
+    try:
+        payload = pickle.dumps(result)
+    except Exception as e:  # noqa: BLE001 - an unpicklable exception still reaches the caller, as text
+        payload = pickle.dumps((False, PlanningError(f"{type(result[1]).__name__}: {result[1]}")))
+    answer.write(payload)
+    answer.flush()
+
+
+if __name__ == "__main__":
+    _serve()

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from ..cli import positive
 from .base import parse_bytes
 
 DEFAULT_JSON = os.path.join("lazytrain-out", "hardware.json")
@@ -18,16 +19,6 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
     if value < 4096:   # smaller transfers measure call overhead, not bandwidth (and may move no bytes)
         raise argparse.ArgumentTypeError(f"size must be at least 4KiB, got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
 
 
@@ -50,7 +41,7 @@ def register(subparsers) -> None:
                         help="size of each host<->device and host memory copy (default: 256MiB)")
     parser.add_argument("--seconds", type=float, default=1.0,
                         help="minimum time per timed measurement (default: 1.0)")
-    parser.add_argument("--optimizer-params", type=_positive_int, default=16 << 20, metavar="N",
+    parser.add_argument("--optimizer-params", type=positive(int), default=16 << 20, metavar="N",
                         help="parameters updated in the host optimizer measurement (default: 16777216)")
     parser.set_defaults(func=run)
 

@@ -1,0 +1,65 @@
+"""`lazytrain train`: a bad job file or setting is one line naming it (exit 2), before any training."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from lazytrain.cli import main
+from lazytrain.train import DEFAULT_CONFIG
+
+
+def job_file(tmp_path, change):
+    cfg = copy.deepcopy(DEFAULT_CONFIG)
+    change(cfg)
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def set_in(section, **kw):
+    def change(cfg):
+        target = cfg
+        for key in section:
+            target = target[key]
+        target.update(kw)
+    return change
+
+
+@pytest.mark.parametrize("change,message", [
+    (set_in(("job", "model"), hidden_size=130),
+     "'job.model': hidden_size (130) must be a multiple of num_attention_heads (4), and num_attention_heads a "
+     "multiple of num_key_value_heads (4)"),
+    (set_in(("job", "model"), hiden_size=3), "unknown key(s) in 'job.model': hiden_size (known: "),
+    (set_in(("job", "model"), num_hidden_layers=0), "'job.model.num_hidden_layers' must be a positive integer, got 0"),
+    (set_in(("job", "task"), max_oprand=9), "unknown key(s) in 'job.task': max_oprand (known: "),
+    (set_in(("job", "task"), held_out_fraction=1.0),
+     "'job.task.held_out_fraction' must lie strictly between 0 and 1, got 1.0"),
+    (set_in(("job",), steps="2"), "'job.steps' must be a positive integer, got '2'"),
+    (lambda cfg: cfg.update(job="x"), "'job' must be an object with model, task and steps, got 'x'"),
+    (set_in(("lazytrain",), polcy="x"), "unknown key 'polcy' in config section 'lazytrain'"),
+    (lambda cfg: cfg.update(train_batch_size=7), "Check batch related parameters."),
+])
+def test_a_bad_job_setting_is_one_line(tmp_path, capsys, change, message):
+    assert main(["train", job_file(tmp_path, change)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lazytrain train: " + message) and err.count("\n") == 1
+
+
+def test_bad_job_files_and_paths_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path, message in ((str(tmp_path / "missing.json"), "cannot read {}: No such file or directory"),
+                          (str(tmp_path), "cannot read {}: Is a directory"),
+                          (str(bad), "{} is not valid JSON: Expecting property name")):
+        assert main(["train", path]) == 2
+        assert capsys.readouterr().err.startswith("lazytrain train: " + message.format(path))
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    assert main(["train", "--out", str(blocker / "sub")]) == 2          # refused before training, not after
+    assert capsys.readouterr().err == f"lazytrain train: cannot create the output directory {blocker / 'sub'}: " \
+                                      f"Not a directory\n"
+    with pytest.raises(SystemExit):
+        main(["train", "--steps", "0"])
+    assert "argument --steps: must be a positive integer, got '0'" in capsys.readouterr().err
