@@ -90,3 +90,48 @@ def test_parameter_with_gradient_on_one_rank_only_bf16(tmp_path):
     assert r0.keys() == r1.keys()
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k
+
+
+def _self_init_worker(rank: int, port: int, out_dir: str):
+    """The script makes the process group itself (mp.spawn + init_process_group), with no launcher
+    environment: the engine must train on that group, as DeepSpeed does."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    import warnings
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    assert engine.world_size == 2 and engine.global_rank == rank and engine.gradient_accumulation_steps() == 1
+    for x, y in batches(3, batch=4):
+        half = slice(2 * rank, 2 * rank + 2)
+        engine.backward(lm_loss(engine(x[half]), y[half]))
+        engine.step()
+    torch.save(engine.module_state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_a_process_group_the_script_made_itself_is_used(tmp_path):
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    mp.spawn(_self_init_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    ref = reference_train(make_model("modulelist"), batches(3, batch=4), lr=1e-3)
+    for rank in (0, 1):
+        model = make_model("modulelist")
+        model.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
+        assert max_rel_diff(model, ref) < 1e-5
+
+
+def test_the_training_loader_moves_a_distributed_sampler_to_the_next_epoch():
+    """Each pass is a new epoch, so a rank's DistributedSampler reshuffles as a single process does."""
+    from lazytrain.engine.engine import EpochDataLoader
+    data = torch.utils.data.TensorDataset(torch.arange(40))
+    sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=2, rank=0, seed=0)
+    loader = EpochDataLoader(data, batch_size=4, sampler=sampler)
+    first, second = ([int(i) for (b,) in loader for i in b] for _ in range(2))
+    assert len(first) == len(second) == 20 and first != second and loader.epoch == 2
+    sampler.set_epoch(1)
+    assert second == list(sampler)

@@ -1159,6 +1159,25 @@ def test_load_checkpoint_calls_custom_load_fn_and_trains_on_what_it_wrote(tmp_pa
     torch.testing.assert_close(out, ref, **(dict(rtol=0, atol=0) if precision is None else dict(rtol=2e-2, atol=2e-2)))
 
 
+@pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
+def test_a_non_block_parameter_without_a_gradient_this_step_is_not_updated(precision):
+    """The side layer gets a gradient in step 1 only; in later steps AdamW must leave it alone (no
+    weight decay, no momentum), as plain PyTorch does: its fp32 master's gradient is gone, not zero."""
+    top = {"bf16": {"enabled": True}} if precision == "bf16" else \
+        {"fp16": {"enabled": True, "initial_scale_power": 4}} if precision == "fp16" else {}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("branch"), config=ds_config(_top=top))
+    data = batches(3)
+    for i, (x, _) in enumerate(data):
+        x[:, 0] = 2 * (x[:, 0] // 2) + (0 if i == 0 else 1)      # even first token: the side layer is used
+    seen = []
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        engine.wait_for_update()
+        seen.append(engine.module_state_dict()["side.weight"].clone())
+    assert torch.equal(seen[0], seen[1]) and torch.equal(seen[1], seen[2])
+
+
 def test_set_gradient_accumulation_boundary_controls_the_step():
     """HF Trainer sets the boundary itself: with it False, step() only counts the micro-step."""
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())

@@ -12,11 +12,20 @@ import torch
 import torch.distributed as dist
 
 
+def world_size() -> int:
+    """Ranks training together: the process group the script created itself (``mp.spawn`` and
+    ``init_process_group`` by hand, as DeepSpeed accepts), else the launcher's ``WORLD_SIZE``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class DistributedContext:
     def __init__(self, device_type: str):
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.world_size = world_size()
+        own_group = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if own_group else int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if own_group else 0))
         self.host_group = None
         if self.world_size > 1:
             if not dist.is_initialized():

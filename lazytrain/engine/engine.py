@@ -30,6 +30,22 @@ from .weights import LayerWeights
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class EpochDataLoader(torch.utils.data.DataLoader):
+    """The loader ``initialize`` builds from ``training_data``: each pass over it is a new epoch, so a
+    DistributedSampler reshuffles (``set_epoch``), as a single process's shuffling loader does and as
+    DeepSpeed's loader does. ``epoch`` counts the passes started."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epoch = 0
+
+    def __iter__(self):
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        return super().__iter__()
+
+
 class LazyTrainEngine(nn.Module):
     """Wraps the user's model; ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``."""
 
@@ -197,9 +213,9 @@ class LazyTrainEngine(nn.Module):
         if self.dist.enabled:
             sampler = torch.utils.data.distributed.DistributedSampler(training_data, num_replicas=self.world_size,
                                                                       rank=self.global_rank)
-        return torch.utils.data.DataLoader(training_data, batch_size=self.train_micro_batch_size_per_gpu(),
-                                           sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn,
-                                           drop_last=self._config.dataloader_drop_last)
+        return EpochDataLoader(training_data, batch_size=self.train_micro_batch_size_per_gpu(),
+                               sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn,
+                               drop_last=self._config.dataloader_drop_last)
 
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):

@@ -5,6 +5,7 @@ import warnings
 
 from ..config import ConfigError, parse_config
 from .blocks import compiled_error, is_compiled
+from .distributed import world_size
 from .engine import LazyTrainEngine
 
 
@@ -36,7 +37,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if mpu is not None or mesh_param is not None:
         warnings.warn("lazytrain: model/tensor parallelism (mpu, mesh_param) is not supported; they are ignored",
                       UserWarning, stacklevel=2)
-    cfg = parse_config(config)
+    cfg = parse_config(config, world_size=world_size())   # the batch triple is checked against the real group
     engine = LazyTrainEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                              lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -51,10 +51,11 @@ class DeviceMasters:
                 p.copy_(m)
 
     def zero_grad(self) -> None:
+        """No gradient at all, not a zero one: a parameter that gets none in the next step is skipped by
+        the optimizer (no weight decay, no momentum), as in fp32 training and plain PyTorch."""
         for p, m in self.pairs:
             p.grad = None
-            if m.grad is not None:
-                m.grad.zero_()
+            m.grad = None
 
 
 def _into_master(master: nn.Parameter):
