@@ -295,10 +295,16 @@ def test_last_segment_graph_skips_its_reruns_and_holds_its_internals():
     assert rb.compute_s - rg.compute_s == pytest.approx(p.fwd_s[4] + p.fwd_s[5] + p.fwd_s[4])
     # window 5 (forward of layer 5): both graphs' internals are held, and both layers' own weight copies
     # (layer 5's beside its streaming slot), where the base plan streams layers 4 and 5 for window 6's
-    # recompute and re-run; boundary 4 is not kept
+    # recompute and re-run; boundary 4 is held by layer 4's graph where the base plan keeps it on the GPU
     at = {m["window"]: m["hbm"] for m in rg.memory}
     base_at = {m["window"]: m["hbm"] for m in rb.memory}
-    assert at[5] - base_at[5] == p.saved[4] + p.saved[5] + p.Wl[4] + p.Wl[5] - (p.Wl[4] + p.Wl[5]) - p.A[4]
+    assert at[5] - base_at[5] == p.saved[4] + p.saved[5] + p.Wl[4] + p.Wl[5] - (p.Wl[4] + p.Wl[5])
+    # every layer keeping its graph: at the first backward window each graph holds its internals (the last
+    # layer's are its window's working set), its weights and its input (RMSNorm's backward reads it)
+    whole = dataclasses.replace(every_k_plan(6, 6), last_segment_graph=True)
+    assert whole.graph_start() == 0
+    turn = {m["window"]: m["hbm"] for m in simulate(p, whole, strict=False).memory}[6]
+    assert turn - p.fixed_gpu_bytes(6) == sum(p.A[:6]) + sum(p.saved[:5]) + sum(p.Wl)
     assert at[4] - base_at[4] == p.saved[4] + p.Wl[4]
     assert Plan.from_json(graph.to_json()) == graph
 

@@ -25,7 +25,7 @@ def fast_problem(L: int, room: float, host_bytes_extra: int = 0, hw=FAST_LINKS) 
     base = Problem(model=toy_model(L), hardware=hw, micro_batch=4, seq_len=16,
                    budgets=Budgets(gpu_bytes=10 ** 9, host_bytes=10 ** 9, **budgets))
     room = room * base.saved[0] if room < 100 else room
-    gpu = int(base.fixed_gpu_bytes(L) + base.Wl[L - 1] + room)
+    gpu = int(base.fixed_gpu_bytes(L) + base.Wl[L - 1] + base.A[L - 1] + room)
     return Problem(model=toy_model(L), hardware=hw, micro_batch=4, seq_len=16, check=False,
                    budgets=Budgets(gpu_bytes=gpu, host_bytes=base.host_static + host_bytes_extra, **budgets))
 
@@ -57,7 +57,7 @@ def test_no_room_reruns_every_layer_but_the_last():
 
 def test_fractional_room_keeps_the_most_expensive_layers_first():
     base = fast_problem(4, room=0)                # toy layers: 2000, 3000, 2500, 2200 parameters
-    held = [s + w for s, w in zip(base.saved, base.Wl)]     # a kept graph holds internals and weights
+    held = [s + w + a for s, w, a in zip(base.saved, base.Wl, base.A)]   # a kept graph: internals, weights, input
     p = fast_problem(4, room=held[1] + 0.5 * held[2])
     f = step_floor(p)
     # all layers save the same internals; layer 1 (most FLOPs per byte held) is kept whole, layer 2 half,

@@ -65,7 +65,7 @@ def test_five_layers_recompute_and_residency():
     assert plan.last_segment_graph and plan.graph_start() == 4 and not plan.resident_layers
 
 
-@pytest.mark.parametrize("gpu_extra, graph_start", [(5.0, 5), (9.0, 4), (30.0, 0)])
+@pytest.mark.parametrize("gpu_extra, graph_start", [(5.0, 5), (9.0, 4), (30.0, 1), (35.0, 0)])
 def test_six_layers_graph_tail_grows_with_the_budget(gpu_extra, graph_start):
     p = toy_problem(6, gpu_extra, host_slots=0, hw=TOY_HW)
     plan = check_equal(p, free_windows=False, resident=False)

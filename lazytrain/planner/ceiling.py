@@ -8,8 +8,8 @@ that counts memory and links:
 - every layer either keeps its internals from its forward to its backward, or re-runs its forward in
   backward (``fwd_s`` more compute); the MILP's segment recompute only adds to the re-run;
 - internals kept on the GPU are all there when the first backward window starts, beside what that
-  window needs under any plan (``Problem.fixed_gpu_bytes`` and the last layer's weights); in
-  LazyTrain's executor a kept graph also holds its layer's weights until its backward;
+  window needs under any plan (``Problem.fixed_gpu_bytes``, the last layer's weights and input); in
+  LazyTrain's executor a kept graph also holds its layer's weights and its input until its backward;
 - with ``offload=True``, internals may also leave for the host (then NVMe): they cross device->host
   during the forward phase and come back during the backward phase, on the same PCIe links as the
   weights and gradients. LazyTrain's executor does not do this; the floor says what it could gain;
@@ -72,10 +72,10 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     m += t_bwd * p.bw_h2d >= parked, "fetch_during_backward"
     # the last layer's internals are part of its own backward window's fixed bytes, and its weights are
     # on the device then whatever the plan. In LazyTrain's executor a kept graph also holds its layer's
-    # weights; a hypothetical offloading executor could stream them back instead, so with offload
-    # they are not counted.
-    held = [S[i] + (0 if offload else p.Wl[i]) for i in range(L)]
-    room = p.gpu_budget - p.fixed_gpu_bytes(L) - p.Wl[L - 1]
+    # weights and input; a hypothetical offloading executor could stream them back instead, so with
+    # offload they are not counted.
+    held = [S[i] + (0 if offload else p.Wl[i] + p.A[i]) for i in range(L)]   # + the input its graph holds
+    room = p.gpu_budget - p.fixed_gpu_bytes(L) - p.Wl[L - 1] - p.A[L - 1]   # its input: a boundary or in its graph
     m += pulp.lpSum(keep[i] * held[i] for i in range(L - 1)) <= max(0, room), "gpu_holds_kept_internals_at_the_turn"
     m += parked <= max(0, p.host_act_budget) + p.nvme_budget, "host_holds_parked_internals"
     lb = p.lower_bound_s()

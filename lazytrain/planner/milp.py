@@ -12,8 +12,8 @@ materialised boundary, per-window transfer bytes, an NVMe tier) and removes its 
   boundary exists and ``prefetch_lead`` windows before its earliest possible use);
 - layers may keep their weights resident on the GPU (saving their backward copies);
 - the last segment may keep its autograd graph from forward (``Plan.last_segment_graph``): its layers
-  are not re-run in backward and stream no weights there, at the price of their saved internals and
-  weights held on the GPU from their forward to their backward (binary ``graph_s``: the tail starts at s);
+  are not re-run in backward and stream no weights there, at the price of their saved internals, inputs
+  and weights held on the GPU from their forward to their backward (binary ``graph_s``: the tail starts at s);
 - the objective is the step time: per window ``t_w >= compute + exposed prefetch wait`` and
   ``t_w >= bytes / bandwidth`` for each link, plus the delay the host optimizer imposes on the next
   forward (it overlaps the forward layer by layer), plus the final gradient copy.
@@ -250,7 +250,8 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
         weights = streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + resident_gb
         bnd = lsum(p.A[i] / GBF * on_device(i, w) for i in range(L))
         graphs = lsum(p.Wl[j] / GBF * held_w[j] for j in range(L) if j <= w <= W - 1 - j) + \
-            lsum(p.saved[j] / GBF * G[j] for j in range(L) if j <= w < W - 1 - j)
+            lsum(p.saved[j] / GBF * G[j] for j in range(L) if j <= w < W - 1 - j) + \
+            lsum(p.A[j] / GBF * G[j] for j in range(L) if j < w <= W - 1 - j)     # the input its graph holds
         m += p.fixed_gpu_bytes(w) / GBF + weights + bnd + graphs <= p.gpu_budget / GBF, f"gpu_memory_{w}"
         host = lsum(p.A[i] / GBF * (lsum(off[i, "H", v] for v in off_windows[i] if v <= w)
                                      - lsum(pre[i, "H", v] for v in pre_windows[i] if v < w))

@@ -15,8 +15,9 @@ Conventions (shared by the executor and the simulator):
   layer by layer. So boundary s is *needed* at window ``need_window(s) = 2L - e``.
 - ``last_segment_graph``: the last segment [s, L) records its autograd graph in forward, so backward
   differentiates those layers from the graph without re-running them; boundaries s..L-1 are not
-  stored, whatever their homes say. Layer j's internals and (when weights are streamed) its own copy
-  of its weights stay on the device from its forward window j to its backward window 2L-1-j: the
+  stored, whatever their homes say. Layer j's internals, its input (boundary j, which the graph holds
+  for RMSNorm's backward) and (when weights are streamed) its own copy of its weights stay on the
+  device from its forward window j to its backward window 2L-1-j: the
   later the layer, the shorter that is. The segment has no length limit (it can be the whole stack).
 - ``offload_window[i]``: window in which boundary i leaves the device for its home (>= i, since
   boundary i is produced at the end of window i-1; < need_window). ``prefetch_window[i]``: window in

@@ -221,8 +221,10 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
                 on_device.discard(b)                          # offload done: device copy freed
             elif b < L and w >= last_use[b]:
                 on_device.discard(b)                          # layer b differentiated
-            elif fwd and w == b and (plan.homes[b] == RECOMPUTE or b >= g):
+            elif fwd and w == b and plan.homes[b] == RECOMPUTE and b < g:
                 on_device.discard(b)                          # dropped after the forward used it
+            # a graph layer's input stays until its backward: its recorded graph holds it (RMSNorm's
+            # backward reads it), so it counts as a boundary on the device until the layer is done
         window_s.append(end - t0)
         t = end
 
