@@ -1,22 +1,24 @@
 """Sizes written by people ("70GB", "24GiB", "512M", 1e9) read one way everywhere: the planner's CLI,
 the engine config's budgets and the tiers' capacities. Pure Python (the planner imports it).
 
-Decimal units are powers of 1000 (k, M, G, T, P with or without B), binary units powers of 1024 (Ki,
-Mi, Gi, Ti with or without B); case does not matter; a bare number, or a numeric string such as
-"1e9", is bytes.
+Units with B are decimal, powers of 1000 (kB, MB, GB, TB, PB); units with i are binary, powers of 1024
+(Ki, Mi, Gi, Ti, with or without B); a bare letter (k, M, G, T) is binary too, as dd, Docker and the
+JVM read "1M" and as DeepSpeed-style block sizes expect. Case does not matter; a bare number, or a
+numeric string such as "1e9", is bytes.
 """
 from __future__ import annotations
 
 import math
 
 _UNITS = {"": 1, "b": 1,
-          "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-          "p": 10**15, "pb": 10**15,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
 
 
 def parse_size(value: "int | float | str | None", what: str = "size") -> int | None:
-    """'64GB', '512MiB', '70G', 1e9 -> bytes; None -> None (no limit). Raises ValueError naming ``what``."""
+    """'64GB' -> 64e9, '512MiB' and '512M' -> 512 * 2**20, 1e9 -> 1e9; None -> None (no limit). Raises
+    ValueError naming ``what``."""
     if value is None:
         return None
     if isinstance(value, bool):

@@ -135,3 +135,10 @@ def test_the_training_loader_moves_a_distributed_sampler_to_the_next_epoch():
     assert len(first) == len(second) == 20 and first != second and loader.epoch == 2
     sampler.set_epoch(1)
     assert second == list(sampler)
+    sampler.set_epoch(5)                          # a resumed run sets its epoch itself: followed
+    fifth = [int(i) for (b,) in loader for i in b]
+    sampler.set_epoch(5)
+    assert fifth == list(sampler) and loader.epoch == 6
+    sixth = [int(i) for (b,) in loader for i in b]
+    sampler.set_epoch(6)
+    assert sixth == list(sampler)

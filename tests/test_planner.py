@@ -162,7 +162,8 @@ def test_parse_size():
         parse_size("70XB")
     # the planner's CLI and the engine's config and tiers read a size the same way
     from lazytrain.tiers import parse_bytes
-    for text, n in (("70G", 70 * 10 ** 9), ("512M", 512 * 10 ** 6), ("24Gi", 24 * 2 ** 30), ("1e9", 10 ** 9)):
+    for text, n in (("70GB", 70 * 10 ** 9), ("70G", 70 * 2 ** 30), ("512M", 512 * 2 ** 20), ("24Gi", 24 * 2 ** 30),
+                    ("1e9", 10 ** 9)):
         assert parse_size(text) == parse_bytes(text) == n
     for bad in ("1e400", "-5GB", True):
         with pytest.raises(ValueError):
@@ -329,7 +330,8 @@ _GOOD_PLAN = {"num_layers": 4, "homes": ["host", "recompute", "hbm", "recompute"
     ({"prefetch_window": {"0": 5.7}}, "Plan field 'prefetch_window' must map boundary numbers to window numbers, got '0': 5.7"),
     ({"resident_layers": ["1"]}, "Plan field 'resident_layers' must be a list of layer numbers, got ['1']"),
     ({"micro_batch_size": "8"}, "Plan field 'micro_batch_size' must be an integer or null, got '8'"),
-    ({"num_layers": 4.0}, "Plan field 'num_layers' must be an integer, got 4.0"),
+    ({"num_layers": 4.5}, "Plan field 'num_layers' must be an integer, got 4.5"),
+    ({"resident_layers": [True]}, "Plan field 'resident_layers' must be a list of layer numbers, got [True]"),
     ({"homes": "hbm"}, "Plan field 'homes' must be a list of tier names, got 'hbm'"),
     ({"overlap_optimizer": "no"}, "Plan field 'overlap_optimizer' must be true or false, got 'no'"),
 ])
@@ -340,6 +342,13 @@ def test_a_malformed_plan_file_names_the_field(change, message):
     with pytest.raises(PlanError, match="a Plan JSON must be an object, got list"):
         Plan.from_json("[1, 2]")
     assert Plan.from_json(json.dumps({**_GOOD_PLAN, "offload_window": {"0": 1}})).offload_window == {0: 1}
+    # whole numbers written as floats, or numpy integers handed to from_dict, are integers
+    import numpy as np
+    whole = Plan.from_json(json.dumps({**_GOOD_PLAN, "num_layers": 4.0, "offload_window": {"0": 1.0},
+                                       "micro_batch_size": 2.0}))
+    assert (whole.num_layers, whole.offload_window, whole.micro_batch_size) == (4, {0: 1}, 2)
+    assert type(whole.micro_batch_size) is int
+    assert Plan.from_dict({**_GOOD_PLAN, "num_layers": np.int64(4), "resident_layers": [np.int32(1)]}).resident_layers == (1,)
 
 
 def test_megatrain_policy_reproduces_the_paper_within_10_percent():
@@ -413,13 +422,27 @@ def test_micro_batch_search_returns_the_best_feasible_throughput():
     assert best.micro_batch_size == max(every, key=every.get) < largest // 2
 
 
+class _TwoArgError(ValueError):
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def _raise_unrebuildable():
+    raise _TwoArgError("boom", 3)
+
+
 def test_call_with_deadline_returns_raises_and_stops_an_overrun():
     import time
     from lazytrain.planner.isolate import call_with_deadline
     from lazytrain.planner.milp import PlanningError
     assert call_with_deadline(sum, [1, 2, 3], deadline_s=60) == 6
+    # a function from a module this process imports through sys.path alone (the tests' folder)
+    assert call_with_deadline(toy_model, 2, deadline_s=60).num_layers == 2
     with pytest.raises(ValueError, match="invalid literal"):     # the child's exception, re-raised here
         call_with_deadline(int, "x", deadline_s=60)
+    with pytest.raises(PlanningError, match=r"^_TwoArgError: boom$"):   # pickles, but cannot be rebuilt
+        call_with_deadline(_raise_unrebuildable, deadline_s=60)
     t0 = time.perf_counter()
     with pytest.raises(PlanningError, match=r"^the solver did not finish within 2 s \(the solver overran its time "
                                             r"limit\); stopped it\."):

@@ -33,15 +33,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EpochDataLoader(torch.utils.data.DataLoader):
     """The loader ``initialize`` builds from ``training_data``: each pass over it is a new epoch, so a
     DistributedSampler reshuffles (``set_epoch``), as a single process's shuffling loader does and as
-    DeepSpeed's loader does. ``epoch`` counts the passes started."""
+    DeepSpeed's loader does. ``epoch`` counts the passes started; a ``sampler.set_epoch(k)`` of the
+    user's (resuming a run, or a loop that sets it each epoch) is followed."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.epoch = 0
+        self._epoch_given = getattr(self.sampler, "epoch", 0)   # what the sampler was last set to by us
 
     def __iter__(self):
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self.epoch)
+        sampler = self.sampler
+        if hasattr(sampler, "set_epoch"):
+            if getattr(sampler, "epoch", self._epoch_given) != self._epoch_given:
+                self.epoch = sampler.epoch     # the user set it (a resumed run): continue from there
+            sampler.set_epoch(self.epoch)
+            self._epoch_given = self.epoch
         self.epoch += 1
         return super().__iter__()
 
@@ -487,21 +493,21 @@ class LazyTrainEngine(nn.Module):
         if custom_load_fn is None:
             self.module.load_state_dict(state, strict=strict)   # the hooks below do the rest
             return
-        custom_load_fn(src=state, dst=self.module)               # DeepSpeed's keyword names
-        self._adopt_direct_writes()
-
-    def _adopt_direct_writes(self) -> None:
-        """After a user's loader, which may have written parameters in place rather than through
-        ``load_state_dict``: a non-block parameter whose value no longer matches its fp32 master gives
-        the master its value, and every streamed layer's compute copy is rewritten from the masters
-        (block parameters are views of them, so in-place writes already landed there)."""
-        with torch.no_grad():
-            if self.masters is not None:
-                for p in self.module.parameters():
-                    m = self.masters.by_param.get(id(p))
-                    if m is not None and not torch.equal(p.detach(), m.to(device=p.device, dtype=p.dtype)):
-                        m.copy_(p.detach())
-            for i in range(self.weights.num_layers):
+        # the user's loader writes into the module as DeepSpeed hands it over; in bf16/fp16 the non-block
+        # parameters show their fp32 masters meanwhile, so what it writes keeps full precision
+        pairs = list(self.masters.pairs) if self.masters is not None else []
+        shown = [(p, p.data) for p, _ in pairs]
+        for p, m in pairs:
+            p.data = m.data
+        try:
+            custom_load_fn(src=state, dst=self.module)           # DeepSpeed's keyword names
+        finally:
+            for p, data in shown:
+                p.data = data
+        with torch.no_grad():                                   # compute copies from what was written
+            for p, m in pairs:
+                p.copy_(m)
+            for i in range(self.weights.num_layers):    # block parameters are views of their masters
                 self.weights.refresh_compute_copy(i)
 
     def _before_module_load(self, module, state_dict, prefix, local_metadata, *args) -> None:

@@ -119,7 +119,12 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
                if "nvme" in tiers else 0}
     # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
-    plan = call_with_deadline(plan_for, model_config, _hardware_profile(cfg, device),
+    hardware = _hardware_profile(cfg, device)
+    if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model
+        from ..planner.hardware import load_profile
+        hardware = dataclasses.replace(load_profile(hardware),
+                                       gpu_mem_bytes=torch.cuda.get_device_properties(device).total_memory)
+    plan = call_with_deadline(plan_for, model_config, hardware,
                               {k: v for k, v in budgets.items() if v is not None}, micro_batch=micro_batch,
                               seq_len=lt.seq_len, time_limit_s=lt.milp_time_limit,
                               deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")

@@ -27,7 +27,9 @@ def call_with_deadline(fn: Callable[..., Any], *args: Any, deadline_s: float, wh
     import lazytrain
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(lazytrain.__file__)))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    # the child finds what this process finds: lazytrain, and modules beside the caller's script
+    paths = [package_root] + [os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     try:
         done = subprocess.run([sys.executable, "-m", "lazytrain.planner.isolate"], env=env, capture_output=True,
                               input=pickle.dumps((fn, args, kwargs)), timeout=deadline_s)
@@ -59,7 +61,8 @@ def _serve() -> None:
         result = (False, e)
     try:
         payload = pickle.dumps(result)
-    except Exception as e:  # noqa: BLE001 - an unpicklable exception still reaches the caller, as text
+        pickle.loads(payload)        # an exception class may pickle but not rebuild (extra __init__ args)
+    except Exception:  # noqa: BLE001 - then it still reaches the caller, as text
         payload = pickle.dumps((False, PlanningError(f"{type(result[1]).__name__}: {result[1]}")))
     answer.write(payload)
     answer.flush()

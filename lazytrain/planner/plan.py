@@ -26,6 +26,7 @@ Conventions (shared by the executor and the simulator):
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -188,7 +189,12 @@ class Plan:
 
 
 def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer as JSON or numpy may spell it: 3, 3.0, numpy.int64(3); never a bool."""
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, numbers.Integral):
+        return True
+    return isinstance(v, float) and v.is_integer()
 
 
 def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -199,6 +205,7 @@ def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
     out = dict(d)
     if not _is_int(d["num_layers"]):
         raise bad("num_layers", "an integer", d["num_layers"])
+    out["num_layers"] = int(d["num_layers"])
     if not isinstance(d["homes"], (list, tuple)):
         raise bad("homes", "a list of tier names", d["homes"])
     for name in ("offload_window", "prefetch_window"):
@@ -210,14 +217,17 @@ def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
             key = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
             if not _is_int(key) or not _is_int(v):
                 raise PlanError(f"Plan field {name!r} must map boundary numbers to window numbers, got {k!r}: {v!r}")
-            fixed[key] = v
+            fixed[int(key)] = int(v)
         out[name] = fixed
     resident = d.get("resident_layers", ())
     if not isinstance(resident, (list, tuple)) or not all(_is_int(x) for x in resident):
         raise bad("resident_layers", "a list of layer numbers", resident)
+    out["resident_layers"] = tuple(int(x) for x in resident)
     for name in ("micro_batch_size", "seq_len"):
-        if d.get(name) is not None and not _is_int(d[name]):
-            raise bad(name, "an integer or null", d[name])
+        if d.get(name) is not None:
+            if not _is_int(d[name]):
+                raise bad(name, "an integer or null", d[name])
+            out[name] = int(d[name])
     for name in ("overlap_optimizer", "last_segment_graph"):
         if name in d and not isinstance(d[name], bool):
             raise bad(name, "true or false", d[name])

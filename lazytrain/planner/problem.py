@@ -90,8 +90,8 @@ class Problem:
         self.bw_nw = hw.nvme_write_bps if self.budgets.nvme_bytes > 0 else float("inf")
         gpu = self.budgets.gpu_bytes if self.budgets.gpu_bytes is not None else hw.need("gpu_mem_bytes")
         host = self.budgets.host_bytes if self.budgets.host_bytes is not None else hw.need("host_mem_bytes")
-        for what, budget, size, flag in (("GPU", gpu, hw.gpu_mem_bytes, "--gpu-mem"),
-                                         ("host", host, hw.host_mem_bytes, "--host-mem")):
+        for what, budget, size, flag in (("GPU", gpu, hw.gpu_mem_bytes, "--gpu-mem or lazytrain.gpu_memory"),
+                                         ("host", host, hw.host_mem_bytes, "--host-mem or lazytrain.host_memory")):
             if size is not None and budget > size:   # a budget caps the machine's memory, never adds to it
                 raise InfeasibleBudgetError(
                     f"{what} budget {fmt_bytes(budget)} is more than the {what} memory of hardware profile "

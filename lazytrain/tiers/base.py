@@ -190,6 +190,7 @@ class Tier(ABC):
         self.peak_bytes = 0
         self._tokens: dict[str, object] = {}
         self._failed: dict[str, BaseException] = {}  # keys whose asynchronous write failed, until rewritten
+        self._writing = threading.local()   # .token: the reservation of the write this thread is issuing
         self._meters = {"read": _BandwidthMeter(), "write": _BandwidthMeter()}
 
     # ---- public API ------------------------------------------------------------------------
@@ -217,12 +218,15 @@ class Tier(ABC):
             self._payload[key] = nbytes
         meter = self._meters["write"]
         meter.begin()
+        self._writing.token = token          # lets _write tell whether its reservation is still current
         try:
             handle = self._write(key, tensor, owned)
         except BaseException:
             meter.end(0)
             self._release(key)
             raise
+        finally:
+            self._writing.token = None
         self._track(handle, meter, nbytes, key, token)
         return handle
 
@@ -320,6 +324,12 @@ class Tier(ABC):
         """Bytes that storing ``tensor`` takes from the budget: the tensor's own by default; a tier whose
         storage rounds sizes up (host slabs) counts what it really holds."""
         return tensor.numel() * tensor.element_size()
+
+    def _write_is_current(self, key: str) -> bool:
+        """Called inside ``_write``: False when another thread freed or rewrote ``key`` since this write
+        reserved it (the write's result must then not become the key's value). Call with the lock held."""
+        token = getattr(self._writing, "token", None)
+        return token is None or self._tokens.get(key) is token
 
     def _release(self, key: str) -> None:
         with self._lock:

@@ -363,7 +363,7 @@ class NVMeTier(Tier):
         requests = self._requests(file_bytes)
         op = _Op(max(1, len(requests)), finish)
         entry.written = op.future
-        self._entries[key] = entry
+        self._register(key, entry)
         for offset, length in requests:
             self._executor.submit(self._write_request, op, fd, landing, offset, length, nbytes, entry, event, data)
         if not requests:
@@ -410,15 +410,20 @@ class NVMeTier(Tier):
                 _unlink(path)
                 raise
         entry.written = self._executor.submit(job)
-        self._entries[key] = entry
+        self._register(key, entry)
         return TransferHandle(future=entry.written)
 
     # ---- read --------------------------------------------------------------------------------
     def _read(self, key, out, device):
         if self._closed:
             raise TierError(f"tier {self.name!r} is closed")
-        entry = self._entries[key]
+        with self._lock:   # looked up and counted as a reader at once: a free in between cannot unlink it
+            entry = self._entries.get(key)
+            if entry is None:
+                raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
+            entry.readers += 1
         if out is not None and (out.shape != entry.shape or out.dtype != entry.dtype):
+            self._reader_done(entry)
             raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} {out.dtype}, "
                              f"but it holds {tuple(entry.shape)} {entry.dtype}")
         target = out.device if out is not None else (device or self.device)
@@ -427,8 +432,6 @@ class NVMeTier(Tier):
             issued = torch.cuda.Event()
             issued.record(torch.cuda.current_stream(target))
         result: Future = Future()
-        with self._lock:
-            entry.readers += 1
 
         def fail(error):   # the file is released before the caller sees the outcome
             self._reader_done(entry)
@@ -604,6 +607,23 @@ class NVMeTier(Tier):
                 entry.freed = True
                 return
         _unlink(entry.path)        # writes in flight hold their own descriptors
+
+    def _register(self, key: str, entry: _Entry) -> None:
+        """Make ``entry`` the file behind ``key``, unless another thread freed or rewrote the key while
+        this write was being set up: then its file goes at once. A file it supersedes goes like a freed
+        one (after the reads issued on it). So no file outlives its key."""
+        with self._lock:
+            if not self._write_is_current(key):
+                stale = entry
+            else:
+                stale = self._entries.get(key)
+                self._entries[key] = entry
+                if stale is None:
+                    return
+                if stale.readers:
+                    stale.freed = True
+                    return
+        _unlink(stale.path)
 
     def _reader_done(self, entry: _Entry) -> None:
         with self._lock:
