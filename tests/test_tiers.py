@@ -156,6 +156,21 @@ def test_writing_a_parameter_stores_its_values_without_autograd_history(tier_cls
         assert torch.equal(got, p.detach()) and not got.requires_grad and got.grad_fn is None
 
 
+@pytest.mark.parametrize("tier_cls", [DeviceTier, HostTier])
+def test_threads_reading_freeing_and_overwriting_keys_on_a_memory_tier(tier_cls):
+    """A read racing a free is a TierError, never a KeyError; a write racing a free or another write of
+    its key never leaves a buffer behind: the tier holds what its accounting says, and no more."""
+    from tier_stress import race_reads_frees_and_writes
+    tier = tier_cls("t", device="cpu")
+    errors, reads = race_reads_frees_and_writes(tier, numel=20000)
+    assert errors == [] and reads > 0
+    assert sorted(tier._store) == sorted(tier.keys())
+    if tier_cls is HostTier:
+        assert sorted(tier._slabs) == sorted(tier.keys())
+        tier.close()
+        assert tier.pool.stats()["reserved_bytes"] == 0
+
+
 def test_host_tier_counts_the_slabs_it_fills_so_its_memory_stays_within_capacity():
     tier = HostTier("host", capacity="1MB")
     n = 0

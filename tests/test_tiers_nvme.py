@@ -493,47 +493,9 @@ def test_a_read_issued_before_a_free_or_overwrite_still_sees_the_data(tier, then
 def test_threads_reading_freeing_and_overwriting_keys_lose_no_read_and_leave_no_file(tmp_path):
     """Readers race frees and overwrites of the same keys: a read that got a handle returns whole data
     (never a missing-file error), and once all is done no file is left beside the live keys."""
-    import random
-    import time
+    from tier_stress import race_reads_frees_and_writes
     t = NVMeTier("nvme", path=tmp_path)
-    values = {f"k{i}": torch.full((4096,), float(i)) for i in range(6)}
-    for k, v in values.items():
-        t.write(k, v).wait()
-    errors, reads, stop = [], [0], time.time() + 2.0
-
-    def reader(seed):
-        rnd = random.Random(seed)
-        while time.time() < stop:
-            k = rnd.choice(list(values))
-            try:
-                handle = t.read(k)
-            except TierError:
-                continue                  # absent at that moment
-            try:
-                out = handle.wait()
-                if not torch.equal(out, values[k]):
-                    errors.append(f"{k}: wrong data")
-                reads[0] += 1
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"{k}: {type(e).__name__}: {e}")
-
-    def writer(seed):
-        rnd = random.Random(seed)
-        while time.time() < stop:
-            k = rnd.choice(list(values))
-            if rnd.random() < 0.5:
-                t.free(k)
-            else:
-                t.write(k, values[k])
-
-    threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)] + \
-        [threading.Thread(target=writer, args=(10 + i,)) for i in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    for k in t.keys():
-        t.read(k).wait()
-    assert errors == [] and reads[0] > 0
+    errors, reads = race_reads_frees_and_writes(t)
+    assert errors == [] and reads > 0
     assert sorted(data_files(t)) == sorted(os.path.basename(t.file_of(k)) for k in t.keys())
     t.close()

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from .base import Tier, TransferHandle
+from .base import Tier, TierError, TransferHandle
 
 _pinned_warning_given = False
 
@@ -94,8 +94,27 @@ class MemoryTier(Tier):
         self._store: dict[str, torch.Tensor] = {}
         self._events: dict[str, object] = {}  # key -> last CUDA event of a copy into or out of its buffer
 
-    def _allocate(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+    def _allocate(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """(buffer for ``tensor``, what backs it for the tier's own bookkeeping or None)."""
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device), None
+
+    def _adopt(self, key: str, buf: torch.Tensor, backing, event) -> None:
+        """Make ``buf`` the value of ``key`` unless another thread freed or rewrote the key while this
+        write was under way; then the buffer is given up instead (it never shadows the newer state)."""
+        with self._lock:
+            if self._write_is_current(key):
+                self._store[key] = buf
+                if event is not None:
+                    self._events[key] = event
+                self._adopted(key, backing)
+                return
+        self._give_up(backing, event)
+
+    def _adopted(self, key: str, backing) -> None:
+        pass
+
+    def _give_up(self, backing, event) -> None:
+        pass
 
     def _keeps(self, tensor, owned) -> bool:
         """An owned, contiguous tensor already on this device is stored as it is (no copy)."""
@@ -103,13 +122,11 @@ class MemoryTier(Tier):
 
     def _write(self, key, tensor, owned):
         if self._keeps(tensor, owned):
-            self._store[key] = tensor
+            self._adopt(key, tensor, None, None)
             return TransferHandle(moved=False)
-        buf = self._allocate(key, tensor)
-        self._store[key] = buf
+        buf, backing = self._allocate(key, tensor)
         handle = async_copy(buf, tensor)
-        if handle._event is not None:
-            self._events[key] = handle._event
+        self._adopt(key, buf, backing, handle._event)
         return TransferHandle(event=handle._event, keepalive=handle._keepalive, timing=handle._timing)
 
     def _pending(self, key):
@@ -120,8 +137,11 @@ class MemoryTier(Tier):
         return event
 
     def _read(self, key, out, device):
-        src = self._store[key]
-        after = self._pending(key)
+        with self._lock:   # a free on another thread may have taken the key since read() checked it
+            src = self._store.get(key)
+            if src is None:
+                raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
+            after = self._pending(key)
         if out is not None:
             if out.shape != src.shape or out.dtype != src.dtype:
                 raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
@@ -172,22 +192,34 @@ class HostTier(MemoryTier):
     def _allocate(self, key, tensor):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
-            return torch.empty(tensor.shape, dtype=tensor.dtype)
+            return torch.empty(tensor.shape, dtype=tensor.dtype), None
         self._drain()
         slab = self.pool.acquire(nbytes)
-        self._slabs[key] = slab
-        return slab[:nbytes].view(tensor.dtype).view(tensor.shape)
+        return slab[:nbytes].view(tensor.dtype).view(tensor.shape), slab
 
-    def _drain(self, wait: bool = False) -> None:
-        keep = []
-        for slab, event in self._draining:
-            if wait:
-                event.synchronize()
-            if event.query():
+    def _adopted(self, key, slab):
+        if slab is not None:
+            self._slabs[key] = slab
+
+    def _give_up(self, slab, event):
+        if slab is not None:
+            if event is None:
                 self.pool.release(slab)
             else:
-                keep.append((slab, event))
-        self._draining = keep
+                with self._lock:
+                    self._draining.append((slab, event))   # reused once the copy ends
+
+    def _drain(self, wait: bool = False) -> None:
+        with self._lock:   # frees and given-up writes on other threads append to the list
+            keep = []
+            for slab, event in self._draining:
+                if wait:
+                    event.synchronize()
+                if event.query():
+                    self.pool.release(slab)
+                else:
+                    keep.append((slab, event))
+            self._draining = keep
 
     def _free(self, key):
         event = self._pending(key)
