@@ -68,6 +68,12 @@ def load_job_config(path: str | None) -> dict:
     return cfg
 
 
+def _check_int(where: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise JobError(f"'{where}' must be a {'non-negative' if minimum == 0 else 'positive'} integer, "
+                       f"got {value!r}")
+
+
 def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
     """(steps, task settings, model settings), each checked and named on error."""
     if not isinstance(job, dict):
@@ -77,10 +83,9 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
     if unknown:
         raise JobError(f"unknown key(s) in 'job': {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     steps = steps_override if steps_override is not None else job.get("steps")
-    for key, value in (("steps", steps), ("eval_examples", job.get("eval_examples", 500)), ("seed", job.get("seed", 0))):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "seed" else 1):
-            raise JobError(f"'job.{key}' must be a{' non-negative' if key == 'seed' else ' positive'} integer, "
-                           f"got {value!r}")
+    _check_int("job.steps", steps)
+    _check_int("job.eval_examples", job.get("eval_examples", 500))
+    _check_int("job.seed", job.get("seed", 0), minimum=0)
     task, model = job.get("task", {}), job.get("model", {})
     for key, section in (("task", task), ("model", model)):
         if not isinstance(section, dict):
@@ -92,15 +97,12 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
         unknown = sorted(set(section) - fields)
         if unknown:
             raise JobError(f"unknown key(s) in 'job.{key}': {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
-    if not isinstance(task.get("max_operand", 99), int) or task.get("max_operand", 99) < 1:
-        raise JobError(f"'job.task.max_operand' must be a positive integer, got {task['max_operand']!r}")
+    _check_int("job.task.max_operand", task.get("max_operand", 99))
     fraction = task.get("held_out_fraction", 0.1)
     if not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise JobError(f"'job.task.held_out_fraction' must lie strictly between 0 and 1, got {fraction!r}")
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
-        value = model.get(key, getattr(DecoderConfig, key))
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise JobError(f"'job.model.{key}' must be a positive integer, got {value!r}")
+        _check_int(f"job.model.{key}", model.get(key, getattr(DecoderConfig, key)))
     h, heads = model.get("hidden_size", DecoderConfig.hidden_size), model.get("num_attention_heads", DecoderConfig.num_attention_heads)
     kv = model.get("num_key_value_heads", heads)
     if h % heads or heads % kv:

@@ -22,8 +22,8 @@ def parse_size(value: "int | float | str | None", what: str = "size") -> int | N
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"{what}: cannot read {value!r} as a size (examples: 1073741824, '64GB', '512MiB')")
-    if isinstance(value, (int, float)):
+        n, unit = math.nan, ""        # True is not a size
+    elif isinstance(value, (int, float)):
         n, unit = float(value), ""
     else:
         text = str(value).strip().lower().replace(" ", "")

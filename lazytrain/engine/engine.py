@@ -6,6 +6,7 @@ counters and accumulation-boundary semantics.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import time
@@ -495,20 +496,9 @@ class LazyTrainEngine(nn.Module):
             return
         # the user's loader writes into the module as DeepSpeed hands it over; in bf16/fp16 the non-block
         # parameters show their fp32 masters meanwhile, so what it writes keeps full precision
-        pairs = list(self.masters.pairs) if self.masters is not None else []
-        shown = [(p, p.data) for p, _ in pairs]
-        for p, m in pairs:
-            p.data = m.data
-        try:
+        with self.masters.params_showing_masters() if self.masters is not None else contextlib.nullcontext():
             custom_load_fn(src=state, dst=self.module)           # DeepSpeed's keyword names
-        finally:
-            for p, data in shown:
-                p.data = data
-        with torch.no_grad():                                   # compute copies from what was written
-            for p, m in pairs:
-                p.copy_(m)
-            for i in range(self.weights.num_layers):    # block parameters are views of their masters
-                self.weights.refresh_compute_copy(i)
+        self.weights.refresh_all_compute_copies()   # block parameters are views of their masters
 
     def _before_module_load(self, module, state_dict, prefix, local_metadata, *args) -> None:
         if local_metadata.get("assign_to_params_buffers"):
@@ -533,8 +523,7 @@ class LazyTrainEngine(nn.Module):
                     m = self.masters.by_param.get(id(p))
                     if m is not None and prefix + name in state:
                         m.copy_(state[prefix + name])
-        for i in range(self.weights.num_layers):
-            self.weights.refresh_compute_copy(i)
+        self.weights.refresh_all_compute_copies()
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:

@@ -5,6 +5,8 @@ on the host (see weights.py), and only their streamed compute copies are bf16/fp
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -44,6 +46,20 @@ class DeviceMasters:
 
     def master_grads(self) -> list[torch.Tensor]:
         return [m.grad for _, m in self.pairs if m.grad is not None]
+
+    @contextlib.contextmanager
+    def params_showing_masters(self):
+        """Meanwhile each parameter's storage is its fp32 master, so what code writes into the parameters
+        lands in the masters at full precision; then the compute-dtype copies are refreshed from them."""
+        shown = [(p, p.data) for p, _ in self.pairs]
+        for p, m in self.pairs:
+            p.data = m.data
+        try:
+            yield
+        finally:
+            for p, data in shown:
+                p.data = data
+            self.masters_to_params()
 
     def masters_to_params(self) -> None:
         with torch.no_grad():

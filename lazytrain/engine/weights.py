@@ -137,6 +137,11 @@ class LayerWeights:
         if i in self.resident:
             self._fetch_into(i, self.resident[i]).synchronize()
 
+    def refresh_all_compute_copies(self) -> None:
+        """After the masters were written from outside an optimizer step (a checkpoint load)."""
+        for i in range(self.num_layers):
+            self.refresh_compute_copy(i)
+
     def compute_copy_views(self) -> dict[torch.Tensor, torch.Tensor] | None:
         """{block parameter: its view in the host compute-dtype copy}, for an optimizer that writes the
         copy in its update pass; None when the copy is not a separate buffer in host memory."""

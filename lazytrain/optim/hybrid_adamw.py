@@ -140,9 +140,7 @@ class HybridAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw_mode=bool(adamw_mode),
                         optimizer_states=optimizer_states, min_8bit_size=int(min_8bit_size),
                         block_size=int(block_size))
-        super().__init__(groups, defaults)
-        for g in self.param_groups:
-            _check_group(g)
+        super().__init__(groups, defaults)   # each group is checked as it joins (add_param_group)
         self._names = names
         self.fp32_name_patterns = tuple(fp32_name_patterns)
         self._fp32_re = [re.compile(pat, re.IGNORECASE) for pat in self.fp32_name_patterns]

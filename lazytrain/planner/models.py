@@ -80,6 +80,10 @@ class MoeShape:
         return (self.experts * self.expert_params(hidden) + 3 * hidden * self.shared_ffn + hidden * self.experts
                 + (hidden if self.shared_gate else 0))
 
+    def idle_params(self, hidden: int) -> int:
+        """What a token does not multiply: the routed experts it is not sent to."""
+        return (self.experts - self.top_k) * self.expert_params(hidden)
+
     def active_width(self) -> int:
         return self.top_k * self.expert_ffn + self.shared_ffn
 
@@ -209,9 +213,8 @@ class ModelShape:
         dense = LayerShape(params=attn + 3 * h * dense_ffn, hidden=h, q_dim=q_dim, kv_dim=kv_dim, ffn=dense_ffn)
         sparse = None
         if moe is not None:
-            unused = (moe.experts - moe.top_k) * moe.expert_params(h)
             sparse = LayerShape(params=attn + moe.mlp_params(h), hidden=h, q_dim=q_dim, kv_dim=kv_dim,
-                                ffn=moe.active_width(), active_params=attn + moe.mlp_params(h) - unused)
+                                ffn=moe.active_width(), active_params=attn + moe.mlp_params(h) - moe.idle_params(h))
         if measured is not None:
             if len(measured) != n_layers or any(int(p) < 0 for p in measured):
                 raise ModelShapeError(f"model config 'layer_params' must hold {n_layers} non-negative counts "
@@ -236,10 +239,10 @@ class ModelShape:
         config's sparse-layer estimate than its dense one (the measurement decides, whatever layer
         pattern the config spells), and then a token multiplies all of it but the experts it is not
         routed to."""
-        unused = (moe.experts - moe.top_k) * moe.expert_params(dense.hidden) if moe else 0
-        if sparse is None or abs(params - dense.params) <= abs(params - sparse.params) or params <= unused:
+        idle = moe.idle_params(dense.hidden) if moe else 0
+        if sparse is None or abs(params - dense.params) <= abs(params - sparse.params) or params <= idle:
             return replace(dense, params=params)
-        return replace(sparse, params=params, active_params=params - unused)
+        return replace(sparse, params=params, active_params=params - idle)
 
     @classmethod
     def from_layers(cls, name: str, layer_params: list[int], hidden: int, vocab_size: int = 0,

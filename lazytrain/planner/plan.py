@@ -188,13 +188,14 @@ class Plan:
         return cls.from_dict(d)
 
 
-def _is_int(v) -> bool:
-    """An integer as JSON or numpy may spell it: 3, 3.0, numpy.int64(3); never a bool."""
+def _whole(v) -> int | None:
+    """An integer as JSON or numpy may spell it (3, 3.0, numpy.int64(3)), as an int; None for anything
+    else, a bool included."""
     if isinstance(v, bool):
-        return False
-    if isinstance(v, numbers.Integral):
-        return True
-    return isinstance(v, float) and v.is_integer()
+        return None
+    if isinstance(v, numbers.Integral) or (isinstance(v, float) and v.is_integer()):
+        return int(v)
+    return None
 
 
 def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -203,31 +204,31 @@ def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
     def bad(name, want, value):
         return PlanError(f"Plan field {name!r} must be {want}, got {value!r}")
     out = dict(d)
-    if not _is_int(d["num_layers"]):
+    out["num_layers"] = _whole(d["num_layers"])
+    if out["num_layers"] is None:
         raise bad("num_layers", "an integer", d["num_layers"])
-    out["num_layers"] = int(d["num_layers"])
     if not isinstance(d["homes"], (list, tuple)):
         raise bad("homes", "a list of tier names", d["homes"])
     for name in ("offload_window", "prefetch_window"):
         windows = d.get(name, {})
         if not isinstance(windows, dict):
             raise bad(name, "an object {boundary: window}", windows)
-        fixed = {}
+        out[name] = {}
         for k, v in windows.items():
-            key = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
-            if not _is_int(key) or not _is_int(v):
+            key = _whole(int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k)
+            if key is None or _whole(v) is None:
                 raise PlanError(f"Plan field {name!r} must map boundary numbers to window numbers, got {k!r}: {v!r}")
-            fixed[int(key)] = int(v)
-        out[name] = fixed
+            out[name][key] = _whole(v)
     resident = d.get("resident_layers", ())
-    if not isinstance(resident, (list, tuple)) or not all(_is_int(x) for x in resident):
+    layers = [_whole(x) for x in resident] if isinstance(resident, (list, tuple)) else [None]
+    if None in layers:
         raise bad("resident_layers", "a list of layer numbers", resident)
-    out["resident_layers"] = tuple(int(x) for x in resident)
+    out["resident_layers"] = tuple(layers)
     for name in ("micro_batch_size", "seq_len"):
         if d.get(name) is not None:
-            if not _is_int(d[name]):
+            out[name] = _whole(d[name])
+            if out[name] is None:
                 raise bad(name, "an integer or null", d[name])
-            out[name] = int(d[name])
     for name in ("overlap_optimizer", "last_segment_graph"):
         if name in d and not isinstance(d[name], bool):
             raise bad(name, "true or false", d[name])

@@ -31,18 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..units import parse_size as _parse_size
+from ..units import parse_size
 from .hardware import GB, GiB, HardwareProfile, load_profile
 from .models import ModelShape, load_model
 
 
 class InfeasibleBudgetError(ValueError):
     """A budget that cannot hold what the step needs; the message names the tier, the need and the gap."""
-
-
-def parse_size(text: "str | int | float | None") -> int | None:
-    """'70GB' -> 70e9, '24GiB' -> 24 * 2**30, 1234 -> 1234, None -> None (see :mod:`lazytrain.units`)."""
-    return _parse_size(text, "size")
 
 
 def fmt_bytes(n: float) -> str:

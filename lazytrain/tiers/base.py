@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..units import parse_size
+from ..units import parse_size as parse_bytes  # noqa: F401 - the tiers' name for it
 
 _log = logging.getLogger("lazytrain.tiers")
 
@@ -29,11 +29,6 @@ def format_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def parse_bytes(value: int | float | str | None, what: str = "size") -> int | None:
-    """'64GB', '512MiB', 1e9 or None (no limit) -> bytes (see :mod:`lazytrain.units`)."""
-    return parse_size(value, what)
 
 
 class TierError(RuntimeError):
@@ -215,7 +210,6 @@ class Tier(ABC):
                 self.free(key)
             self._failed.pop(key, None)
             token = self._reserve(key, need, nbytes)
-            self._payload[key] = nbytes
         meter = self._meters["write"]
         meter.begin()
         self._writing.token = token          # lets _write tell whether its reservation is still current
@@ -239,7 +233,7 @@ class Tier(ABC):
                 raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}: its write failed: "
                                 f"{failure}") from failure
             raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
-        nbytes = self._payload.get(key, self._sizes[key])
+        nbytes = self._payload[key]
         meter = self._meters["read"]
         meter.begin()
         try:
@@ -311,10 +305,12 @@ class Tier(ABC):
                 f"{format_bytes(self.capacity)} ({format_bytes(used)} in use). Raise the tier's "
                 f"capacity in the config or place fewer tensors on it.")
 
-    def _reserve(self, key: str, nbytes: int, payload: int | None = None) -> object:
+    def _reserve(self, key: str, nbytes: int, payload: int) -> object:
+        """Count ``nbytes`` (what storing the tensor takes) against the budget for ``key``, whose tensor
+        has ``payload`` bytes; the returned token identifies this write."""
         with self._lock:
             self._check_budget(key, nbytes, self.used_bytes, payload)
-            self._sizes[key] = nbytes
+            self._sizes[key], self._payload[key] = nbytes, payload
             self._tokens[key] = token = object()
             self.used_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)

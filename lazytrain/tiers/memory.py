@@ -203,11 +203,15 @@ class HostTier(MemoryTier):
 
     def _give_up(self, slab, event):
         if slab is not None:
-            if event is None:
-                self.pool.release(slab)
-            else:
-                with self._lock:
-                    self._draining.append((slab, event))   # reused once the copy ends
+            self._return_slab(slab, event)
+
+    def _return_slab(self, slab, event) -> None:
+        """Back to the pool, once the copy still running on it (``event``) has ended, never before."""
+        if event is None:
+            self.pool.release(slab)
+        else:
+            with self._lock:
+                self._draining.append((slab, event))
 
     def _drain(self, wait: bool = False) -> None:
         with self._lock:   # frees and given-up writes on other threads append to the list
@@ -226,10 +230,7 @@ class HostTier(MemoryTier):
         super()._free(key)
         slab = self._slabs.pop(key, None)
         if slab is not None:
-            if event is None:
-                self.pool.release(slab)
-            else:
-                self._draining.append((slab, event))  # reused once the copy ends, never before
+            self._return_slab(slab, event)
 
     def close(self):
         super().close()

@@ -601,29 +601,32 @@ class NVMeTier(Tier):
     def _free(self, key):
         with self._lock:
             entry = self._entries.pop(key, None)
-            if entry is None:
-                return
-            if entry.readers:      # a read issued before the free still sees the data: unlink after it
-                entry.freed = True
+            if entry is None or not self._retire(entry):
                 return
         _unlink(entry.path)        # writes in flight hold their own descriptors
 
     def _register(self, key: str, entry: _Entry) -> None:
         """Make ``entry`` the file behind ``key``, unless another thread freed or rewrote the key while
         this write was being set up: then its file goes at once. A file it supersedes goes like a freed
-        one (after the reads issued on it). So no file outlives its key."""
+        one. So no file outlives its key."""
         with self._lock:
-            if not self._write_is_current(key):
-                stale = entry
-            else:
+            if self._write_is_current(key):
                 stale = self._entries.get(key)
                 self._entries[key] = entry
-                if stale is None:
-                    return
-                if stale.readers:
-                    stale.freed = True
-                    return
+            else:
+                stale = entry
+            if stale is None or not self._retire(stale):
+                return
         _unlink(stale.path)
+
+    @staticmethod
+    def _retire(entry: _Entry) -> bool:
+        """With the lock held: ``entry`` no longer backs its key. True when its file can go now; else it
+        goes when the last read issued on it is done (``_reader_done``)."""
+        if entry.readers:
+            entry.freed = True
+            return False
+        return True
 
     def _reader_done(self, entry: _Entry) -> None:
         with self._lock:
