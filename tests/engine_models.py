@@ -25,14 +25,19 @@ class MLPBlock(nn.Module):
 
 
 class ModuleListLM(nn.Module):
-    """A user's own model: blocks in an nn.ModuleList under a non-standard name."""
+    """A user's own model: blocks in an nn.ModuleList under a non-standard name. Variants below change
+    the ``block`` class (or ``_blocks``) and the forward."""
+    block = MLPBlock
 
     def __init__(self, d: int = 32, n_layers: int = 6):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, d)
-        self.stack = nn.ModuleList(MLPBlock(d) for _ in range(n_layers))
+        self.stack = nn.ModuleList(self._blocks(d, n_layers))
         self.extra = nn.ModuleList([nn.Linear(d, d)])   # a smaller list that must not be picked
         self.head = nn.Linear(d, VOCAB)
+
+    def _blocks(self, d: int, n_layers: int) -> list[nn.Module]:
+        return [self.block(d) for _ in range(n_layers)]
 
     def forward(self, ids):
         x = self.emb(ids)
@@ -49,10 +54,7 @@ class TupleBlock(MLPBlock):
 
 
 class TupleBlockLM(ModuleListLM):
-    def __init__(self, d: int = 32, n_layers: int = 6):
-        super().__init__(d, n_layers)
-        torch.manual_seed(0)
-        self.stack = nn.ModuleList(TupleBlock(d) for _ in range(n_layers))
+    block = TupleBlock
 
     def forward(self, ids):
         x = self.emb(ids)
@@ -115,11 +117,7 @@ class AuxLossBlock(MLPBlock):
 
 class AuxLossLM(ModuleListLM):
     """Adds the blocks' auxiliary losses into ``self.aux`` for the training loss."""
-
-    def __init__(self, d: int = 32, n_layers: int = 6):
-        super().__init__(d, n_layers)
-        torch.manual_seed(0)
-        self.stack = nn.ModuleList(AuxLossBlock(d) for _ in range(n_layers))
+    block = AuxLossBlock
 
     def forward(self, ids):
         x, self.aux = self.emb(ids), 0.0
@@ -141,10 +139,10 @@ class SinkBlock(MLPBlock):
 class SinkLM(ModuleListLM):
     """Hands its blocks a list to append to: a new one per forward, or with ``keep`` one for all."""
 
+    block = SinkBlock
+
     def __init__(self, d: int = 32, n_layers: int = 6, keep: bool = False):
         super().__init__(d, n_layers)
-        torch.manual_seed(0)
-        self.stack = nn.ModuleList(SinkBlock(d) for _ in range(n_layers))
         self.keep, self.sink = keep, []
 
     def forward(self, ids):
@@ -163,11 +161,7 @@ class ScaledBlock(MLPBlock):
 
 class ReusedDictLM(ModuleListLM):
     """Hands every block the same dict, with a per-layer entry changed before each call."""
-
-    def __init__(self, d: int = 32, n_layers: int = 6):
-        super().__init__(d, n_layers)
-        torch.manual_seed(0)
-        self.stack = nn.ModuleList(ScaledBlock(d) for _ in range(n_layers))
+    block = ScaledBlock
 
     def forward(self, ids):
         x, ctx = self.emb(ids), {}
@@ -187,12 +181,10 @@ class MixedBlocksLM(ModuleListLM):
     """Blocks that differ in size and structure (as DeepSeek-V3's dense first layer before its MoE ones):
     odd blocks are wider than even ones, each wider than the last, and block 1 has no norm."""
 
-    def __init__(self, d: int = 32, n_layers: int = 6):
-        super().__init__(d, n_layers)
-        torch.manual_seed(0)
+    def _blocks(self, d: int, n_layers: int) -> list[nn.Module]:
         blocks = [MLPBlock(d) if i % 2 == 0 else WideBlock(d, 1 + i) for i in range(n_layers)]
         blocks[1].norm = nn.Identity()   # a block with fewer parameters
-        self.stack = nn.ModuleList(blocks)
+        return blocks
 
 
 class SharedState(collections.UserDict):

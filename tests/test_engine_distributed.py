@@ -17,13 +17,22 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, out_dir: str, overlap: bool, kind: str = "modulelist",
-            data=None, dtype: str = "fp32"):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+            data=None, dtype: str = "fp32", own_group: bool = False):
+    """One rank of a two-rank run. ``own_group``: the script makes the process group itself
+    (mp.spawn + init_process_group) with no launcher environment, which the engine must train on, as
+    DeepSpeed does; else a torchrun-style environment."""
+    if own_group:
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+    else:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
     import warnings
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
+    if own_group:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = make_model(kind)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
@@ -31,7 +40,7 @@ def _worker(rank: int, port: int, out_dir: str, overlap: bool, kind: str = "modu
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
-    assert engine.world_size == 2 and engine.gradient_accumulation_steps() == 1
+    assert engine.world_size == 2 and engine.global_rank == rank and engine.gradient_accumulation_steps() == 1
     for x, y in data or batches(3, batch=4):
         half = slice(2 * rank, 2 * rank + 2)
         engine.backward(lm_loss(engine(x[half]), y[half]))
@@ -45,6 +54,10 @@ def test_two_ranks_equal_one_big_batch(tmp_path, overlap):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     mp.spawn(_worker, args=(_free_port(), str(tmp_path), overlap), nprocs=2, join=True)
+    _assert_each_rank_equals_one_big_batch(tmp_path)
+
+
+def _assert_each_rank_equals_one_big_batch(tmp_path):
     ref = reference_train(make_model("modulelist"), batches(3, batch=4), lr=1e-3)
     for rank in (0, 1):
         model = make_model("modulelist")
@@ -92,37 +105,12 @@ def test_parameter_with_gradient_on_one_rank_only_bf16(tmp_path):
         assert torch.equal(r0[k], r1[k]), k
 
 
-def _self_init_worker(rank: int, port: int, out_dir: str):
-    """The script makes the process group itself (mp.spawn + init_process_group), with no launcher
-    environment: the engine must train on that group, as DeepSpeed does."""
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    import warnings
-    warnings.simplefilter("ignore")
-    import lazytrain
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
-           "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
-    assert engine.world_size == 2 and engine.global_rank == rank and engine.gradient_accumulation_steps() == 1
-    for x, y in batches(3, batch=4):
-        half = slice(2 * rank, 2 * rank + 2)
-        engine.backward(lm_loss(engine(x[half]), y[half]))
-        engine.step()
-    torch.save(engine.module_state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
-
-
 def test_a_process_group_the_script_made_itself_is_used(tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_self_init_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
-    ref = reference_train(make_model("modulelist"), batches(3, batch=4), lr=1e-3)
-    for rank in (0, 1):
-        model = make_model("modulelist")
-        model.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
-        assert max_rel_diff(model, ref) < 1e-5
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), False, "modulelist", None, "fp32", True), nprocs=2,
+             join=True)
+    _assert_each_rank_equals_one_big_batch(tmp_path)
 
 
 def test_the_training_loader_moves_a_distributed_sampler_to_the_next_epoch():

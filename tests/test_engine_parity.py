@@ -24,6 +24,15 @@ def ds_config(**lazytrain_section):
     return cfg
 
 
+def assert_trains_like_plain(model, data, config):
+    """Trains ``model`` on ``data`` through LazyTrain and checks the parameters equal plain PyTorch
+    training's (``reference_train``) within RTOL; returns the engine for further checks."""
+    ref = reference_train(model, data)
+    engine = train_engine(model, data, config)
+    assert max_rel_diff(engine.module, ref) < RTOL
+    return engine
+
+
 def pass_keys(engine):
     """What training passes still hold on the device tier (kept boundaries, graph layers' weight copies)."""
     return [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
@@ -108,9 +117,7 @@ def test_blocks_returning_a_one_tuple_get_a_tuple_back(graph):
     the streamed call, so the model's ``blk(x)[0]`` still takes the hidden state, not its first row."""
     model = make_model("tuple-blocks")
     data = batches(4)
-    ref = reference_train(model, data)
-    engine = train_engine(model, data, ds_config(checkpoint_interval=2, last_segment_graph=graph))
-    assert max_rel_diff(engine.module, ref) < RTOL
+    assert_trains_like_plain(model, data, ds_config(checkpoint_interval=2, last_segment_graph=graph))
 
 
 def test_modulelist_blocks_found_automatically():
@@ -127,10 +134,8 @@ def test_blocks_named_in_config():
 def test_keep_all_policy_matches_pytorch(home):
     model = make_model("llama")
     data = batches(5)
-    ref = reference_train(model, data)
-    engine = train_engine(model, data, ds_config(policy="keep_all", boundary_home=home))
+    engine = assert_trains_like_plain(model, data, ds_config(policy="keep_all", boundary_home=home))
     assert engine.executor.recomputed_layer_forwards == 0
-    assert max_rel_diff(engine.module, ref) < RTOL
 
 
 def test_plan_file_with_transfer_windows(tmp_path):
@@ -141,11 +146,9 @@ def test_plan_file_with_transfer_windows(tmp_path):
     plan.to_json(str(path))
     model = make_model("llama")
     data = batches(5)
-    ref = reference_train(model, data)
-    engine = train_engine(model, data, ds_config(policy="plan", plan=str(path)))
+    engine = assert_trains_like_plain(model, data, ds_config(policy="plan", plan=str(path)))
     assert engine.plan == plan
     assert engine.executor.recomputed_layer_forwards == 5 * 3
-    assert max_rel_diff(engine.module, ref) < RTOL
     for tier in engine.tiers.values():   # every boundary freed after its last use
         assert not [k for k in tier.keys() if k.startswith("pass")]
 
@@ -405,11 +408,9 @@ def test_milp_policy_plans_and_trains(tmp_path):
     matches plain PyTorch."""
     model = make_model("llama")
     data = batches(3)
-    ref = reference_train(model, data)
-    engine = train_engine(model, data, ds_config(policy="milp", hardware="h200", seq_len=12, gpu_memory="2GB",
-                                                 milp_time_limit=10))
+    engine = assert_trains_like_plain(model, data, ds_config(policy="milp", hardware="h200", seq_len=12,
+                                                             gpu_memory="2GB", milp_time_limit=10))
     assert engine.plan.policy.startswith("milp") and engine.plan.prediction["solver"]["status"] == "optimal"
-    assert max_rel_diff(engine.module, ref) < RTOL
 
 
 @pytest.mark.parametrize("selection", [{"type": "AdamW8bit"}, {"type": "AdamW", "states": "8bit"}])
@@ -852,9 +853,7 @@ def test_blocks_re_run_see_their_containers_as_at_their_call(graph):
     as its forward call did (not as it is by then), and matches plain PyTorch."""
     model = make_model("reused-dict")
     data = batches(2)
-    ref = reference_train(model, data)
-    engine = train_engine(model, data, ds_config(checkpoint_interval=2, last_segment_graph=graph))
-    assert max_rel_diff(engine.module, ref) < RTOL
+    assert_trains_like_plain(model, data, ds_config(checkpoint_interval=2, last_segment_graph=graph))
 
 
 @pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
@@ -889,9 +888,7 @@ def test_tensor_needing_a_gradient_inside_a_list_or_dict_argument_is_refused(con
 def test_state_stored_but_read_by_no_other_block_trains():
     model = make_model("shared-store")
     data = batches(3)
-    ref = reference_train(model, data)
-    engine = train_engine(model, data, ds_config(checkpoint_interval=2, last_segment_graph=False))
-    assert max_rel_diff(engine.module, ref) < RTOL
+    assert_trains_like_plain(model, data, ds_config(checkpoint_interval=2, last_segment_graph=False))
 
 
 def test_gemma4_kv_sharing_is_refused():
@@ -944,9 +941,7 @@ def test_frozen_weight_shared_by_two_blocks_and_a_second_handle_to_the_blocks_tr
     model.stack[1].fc1.weight.requires_grad_(False)
     model.handle = model.stack
     data = batches(3)
-    ref = reference_train(model, data)
-    engine = train_engine(model, data, ds_config(blocks="stack", checkpoint_interval=2))
-    assert max_rel_diff(engine.module, ref) < RTOL
+    assert_trains_like_plain(model, data, ds_config(blocks="stack", checkpoint_interval=2))
 
 
 def test_weight_shared_by_a_block_and_a_module_outside_is_refused():
