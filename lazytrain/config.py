@@ -190,6 +190,21 @@ class AioConfig:
 
 
 @dataclass(frozen=True)
+class TestingConfig:
+    """``lazytrain.testing``: settings for tests and benchmarks, never for training runs."""
+    copy_threads: bool = False          # CPU: transfers run on copy threads, as on CUDA streams
+    chaos_seed: int | None = None       # delay every transfer and layer update at random (seeded)
+    chaos_max_delay_ms: float = 2.0
+
+    @property
+    def active(self) -> bool:
+        return self.copy_threads or self.chaos_seed is not None
+
+
+_TESTING_KEYS = {"copy_threads", "chaos_seed", "chaos_max_delay_ms"}
+
+
+@dataclass(frozen=True)
 class LazyTrainSection:
     blocks: str | None = None           # dotted path of the block list, e.g. "transformer.h"
     policy: str = "every_k"             # every_k (MegaTrain) | keep_all | plan | milp
@@ -212,13 +227,14 @@ class LazyTrainSection:
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
     seq_len: int | None = None          # for the planner; measured from the first batch when absent
+    testing: TestingConfig = field(default_factory=TestingConfig)
 
 
 _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "plan", "device", "prefetch",
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
-                   "overlap_optimizer"}
+                   "overlap_optimizer", "testing"}
 
 
 @dataclass(frozen=True)
@@ -472,6 +488,28 @@ def _parse_aio(section) -> AioConfig:
     return cfg
 
 
+def _parse_testing(section) -> TestingConfig:
+    if not isinstance(section, dict):
+        raise ConfigError(f"config key 'lazytrain.testing' must be an object, got {section!r}")
+    _check_keys(section, _TESTING_KEYS, "lazytrain.testing")
+    copy_threads = section.get("copy_threads", False)
+    if not isinstance(copy_threads, bool):
+        raise ConfigError(f"config key 'lazytrain.testing.copy_threads' must be true or false, got {copy_threads!r}")
+    seed = section.get("chaos_seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"config key 'lazytrain.testing.chaos_seed' must be an integer, got {seed!r}")
+    delay = section.get("chaos_max_delay_ms", 2.0)
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 1000:
+        raise ConfigError(f"config key 'lazytrain.testing.chaos_max_delay_ms' must be a number of milliseconds "
+                          f"in [0, 1000], got {delay!r}")
+    cfg = TestingConfig(copy_threads=copy_threads, chaos_seed=seed, chaos_max_delay_ms=float(delay))
+    if cfg.active:
+        warnings.warn("lazytrain: 'lazytrain.testing' is a setting for tests and benchmarks (copy threads and "
+                      "random transfer delays exercise the engine's ordering on the CPU); it only slows a training "
+                      "run down: remove it from a real config", UserWarning, stacklevel=4)
+    return cfg
+
+
 def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set) -> LazyTrainSection:
     _check_keys(section, _LAZYTRAIN_KEYS, "lazytrain")
     _check_keys(ac, _AC_KEYS, "activation_checkpointing")
@@ -533,7 +571,8 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
     if overlap not in ("auto", True, False):
         raise ConfigError(f"config key 'lazytrain.overlap_optimizer' must be \"auto\", true or false, got {overlap!r}")
     nvme_path = section.get("nvme_path") or offload_param.nvme_path
-    return LazyTrainSection(
+    testing = _parse_testing(section.get("testing", {}))
+    return LazyTrainSection(testing=testing,
         blocks=section.get("blocks"), policy=policy,
         checkpoint_interval=interval if "checkpoint_interval" in section else None,
         number_checkpoints=kw.get("number_checkpoints"),

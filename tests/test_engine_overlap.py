@@ -169,8 +169,9 @@ def test_next_forward_starts_while_the_last_layer_is_still_updating():
 
 
 def test_a_layer_is_never_fetched_while_its_update_runs():
-    """Copy path: the prefetch skips a layer whose update is pending and the forward fetches it once the
-    update is done (here layer 3's update is held until the forward has taken layer 2)."""
+    """Copy path: the prefetch skips a layer whose update is pending, and the update thread issues it as
+    soon as the update lands (here layer 3's update is held until the forward has taken layer 2), so the
+    forward finds layer 3 prefetched rather than fetching it on the critical path."""
     model = make_model("llama")
     data = batches(3)
     serial = train(copy.deepcopy(model), data, overlap_config(False), zero_copy_off)
@@ -178,15 +179,21 @@ def test_a_layer_is_never_fetched_while_its_update_runs():
     zero_copy_off(engine)
     layer_taken, waited = hold_update_until_taken(engine, held=3, taken=2)
     pending_at_fetch = []
-    fetch = engine.weights.fetch
+    fetch = engine.weights.fetch_into
 
-    def record_fetch(i, slot):
+    layer3_fetched_by = []
+
+    def record_fetch(i, buf):
         pending_at_fetch.append(engine.layer_updates.pending(i))
-        return fetch(i, slot)
-    engine.weights.fetch = record_fetch
+        if i == 3:
+            layer3_fetched_by.append(threading.current_thread().name.split("_")[0])
+        return fetch(i, buf)
+    engine.weights.fetch_into = record_fetch
     train_holding(engine, data, layer_taken)
     assert waited == [True, True, True]
     assert pending_at_fetch and not any(pending_at_fetch)
+    # forward, backward; then in each forward that follows an update, by the update thread as it lands
+    assert layer3_fetched_by == ["MainThread"] * 2 + ["lazytrain-update", "MainThread"] * 2
     assert_same_training(engine, serial)
 
 

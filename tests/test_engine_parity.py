@@ -191,7 +191,7 @@ def test_bf16_trains_close_to_fp32():
     cfg = ds_config(checkpoint_interval=2, _top={"bf16": {"enabled": True}})
     cfg["optimizer"]["params"]["lr"] = 1e-3
     engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
-    assert engine.weights.stream_slots[0].dtype == torch.bfloat16
+    assert engine.stream.slots[0].buf.dtype == torch.bfloat16
     assert engine.module.model.embed_tokens.weight.dtype == torch.bfloat16
     for x, y in data:
         loss = lm_loss(engine(x), y)
@@ -346,8 +346,9 @@ def test_copy_path_through_device_slots_matches_pytorch(graph, one_step):
                                                                          last_segment_graph=graph))
     engine.weights.zero_copy = False
     fetched = []
-    original_fetch = engine.weights.fetch
-    engine.weights.fetch = lambda i, slot: fetched.append((i, slot)) or original_fetch(i, slot)
+    original_fetch = engine.weights.fetch_into
+    slot_of = {s.buf.data_ptr(): k for k, s in enumerate(engine.stream.slots)}
+    engine.weights.fetch_into = lambda i, buf: fetched.append((i, slot_of[buf.data_ptr()])) or original_fetch(i, buf)
     for x, y in data:
         engine.backward(lm_loss(engine(x), y))
         engine.step()

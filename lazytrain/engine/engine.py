@@ -17,12 +17,14 @@ import torch
 import torch.nn as nn
 
 from ..config import ConfigError, EngineConfig
-from ..tiers import format_bytes
+from ..tiers import format_bytes, streams
+from ..tiers.streams import Chaos
 from . import checkpoint as ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import DistributedContext
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
+from .weight_stream import WeightStream
 from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
 from .placement import build_plan, build_tiers, resolve_device
 from .precision import DeviceMasters, LossScaler
@@ -77,6 +79,8 @@ class LazyTrainEngine(nn.Module):
             self.layer_updates.close()
         if d.get("masters") is not None:
             self.masters.hand_back()
+        if d.get("stream") is not None:
+            self.stream.settle_all()   # no copy may still land in a buffer that is about to go
         for tier in d.get("tiers", {}).values():
             tier.close()
 
@@ -91,6 +95,10 @@ class LazyTrainEngine(nn.Module):
             torch.cuda.set_device(self.device)
         self.compute_dtype = _DTYPES[config.compute_dtype_name]
         _check_model_dtype(model, self.compute_dtype)
+        testing = config.lazytrain.testing   # how transfers run in this process (tests and benchmarks)
+        streams.configure(copy_threads=testing.copy_threads,
+                          chaos=Chaos(testing.chaos_seed, testing.chaos_max_delay_ms / 1e3)
+                          if testing.chaos_seed is not None else None)
 
         # what streams and what stays
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
@@ -106,9 +114,9 @@ class LazyTrainEngine(nn.Module):
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu)
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
-        self.weights = LayerWeights(blocks, self.compute_dtype, self.device, weights_tier, self.tiers["hbm"],
-                                    self.plan.resident_layers)
-        self.executor = LayerStreamingExecutor(blocks, self.plan, self.weights, self.tiers, self.device,
+        self.weights = LayerWeights(blocks, self.compute_dtype, self.device, weights_tier, self.tiers["hbm"])
+        self.stream = WeightStream(self.weights, self.plan.resident_layers, prefetch=config.lazytrain.prefetch)
+        self.executor = LayerStreamingExecutor(blocks, self.plan, self.weights, self.stream, self.tiers, self.device,
                                                prefetch=config.lazytrain.prefetch)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self._move_non_block(model, blocks)
@@ -190,7 +198,7 @@ class LazyTrainEngine(nn.Module):
                                   f"layer at a time (HybridAdamW, which the config's Adam/AdamW become unless "
                                   f"amsgrad is set); got {type(self.optimizer).__name__}")
             return None
-        updates = LayerUpdates(self.weights.num_layers, self.device)
+        updates = LayerUpdates(self.weights.num_layers, self.device, on_done=self.stream.on_update_done)
         self.weights.updates = updates
         settle = lambda *args, **kwargs: updates.wait_all()  # noqa: E731 - hook signatures differ
         self._settle_hooks = [self.optimizer.register_step_pre_hook(settle),
@@ -349,14 +357,32 @@ class LazyTrainEngine(nn.Module):
 
     def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
         """The whole update now, then every streamed layer's compute copy refreshed."""
-        if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
-            self.optimizer.step(clip_coef=factor)
-        else:
-            if factor != 1.0:
-                _scale_(grads, factor)
-            self.optimizer.step()
-        for i in range(self.weights.num_layers):
-            self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+        with self._host_writes(range(self.weights.num_layers)):
+            if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
+                self.optimizer.step(clip_coef=factor)
+            else:
+                if factor != 1.0:
+                    _scale_(grads, factor)
+                self.optimizer.step()
+            for i in range(self.weights.num_layers):
+                self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+
+    @contextlib.contextmanager
+    def _host_writes(self, layers, launch_event=None):
+        """Around a write of the streamed layers' host weights: no copy still reads them when it starts
+        (the weight stream's fence), and their device copies follow once it is done."""
+        layers = list(layers)
+        for i in layers:
+            self.stream.before_host_write(i)
+        yield
+        for i in layers:
+            self.stream.after_host_write(i, launch_event)
+
+    def _refresh_streamed_layers(self) -> None:
+        """After the masters were written from outside an optimizer step (a checkpoint load)."""
+        with self._host_writes(range(self.weights.num_layers)):
+            for i in range(self.weights.num_layers):
+                self.weights.refresh_compute_copy(i)
 
     def _update_overlapped(self, factor: float) -> None:
         """Everything but the streamed layers now (through ``optimizer.step``, so its hooks run once, here);
@@ -374,10 +400,17 @@ class LazyTrainEngine(nn.Module):
             for p in grads:
                 p.grad = None
 
+        launched = None   # kernels queued so far may still read resident layers' device copies
+        if self.device.type == "cuda":
+            launched = torch.cuda.Event()
+            launched.record(torch.cuda.current_stream(self.device))
+
         def update_layer(i: int) -> None:
             if layer_grads[i]:
-                self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups, grads=layer_grads[i])
-                w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                with self._host_writes([i], launched):
+                    self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
+                                          grads=layer_grads[i])
+                    w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
             w.zero_layer_grads(i)
         self.layer_updates.launch(update_layer, range(w.num_layers))
 
@@ -498,7 +531,7 @@ class LazyTrainEngine(nn.Module):
         # parameters show their fp32 masters meanwhile, so what it writes keeps full precision
         with self.masters.params_showing_masters() if self.masters is not None else contextlib.nullcontext():
             custom_load_fn(src=state, dst=self.module)           # DeepSpeed's keyword names
-        self.weights.refresh_all_compute_copies()   # block parameters are views of their masters
+        self._refresh_streamed_layers()   # block parameters are views of their masters
 
     def _before_module_load(self, module, state_dict, prefix, local_metadata, *args) -> None:
         if local_metadata.get("assign_to_params_buffers"):
@@ -523,7 +556,7 @@ class LazyTrainEngine(nn.Module):
                     m = self.masters.by_param.get(id(p))
                     if m is not None and prefix + name in state:
                         m.copy_(state[prefix + name])
-        self.weights.refresh_all_compute_copies()
+        self._refresh_streamed_layers()
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle
+from .weight_stream import WeightStream
 from .weights import LayerWeights
 
 
@@ -114,8 +115,8 @@ class _Pass:
 class LayerStreamingExecutor:
     """Owns the block weights' streaming and the boundary placement of every training pass."""
 
-    def __init__(self, blocks: nn.ModuleList, plan: Plan, weights: LayerWeights, tiers: dict[str, Tier],
-                 device: torch.device, prefetch: bool = True):
+    def __init__(self, blocks: nn.ModuleList, plan: Plan, weights: LayerWeights, stream: WeightStream,
+                 tiers: dict[str, Tier], device: torch.device, prefetch: bool = True):
         if plan.num_layers != len(blocks):
             raise ExecutorError(f"the plan is for {plan.num_layers} layers but the model has {len(blocks)} blocks")
         for i, home in enumerate(plan.homes):
@@ -125,16 +126,14 @@ class LayerStreamingExecutor:
         self.blocks = blocks
         self.plan = plan
         self.weights = weights
+        self.stream = stream      # the weights' trip to the device: slots, copies, prefetch order
         self.tiers = tiers
         self.device = device
         self.prefetch = prefetch
         self.L = len(blocks)
         self._pass_ids = itertools.count()
         self._current: _Pass | None = None
-        self._weight_seq: list[int] = []
-        self._cursor = 0
-        self._pending_weight: tuple[int, int, TransferHandle] | None = None  # (seq index, slot, handle)
-        self._slot = 0
+        self._streaming_inference = False   # an inference forward's sequence is running
         self.recomputed_layer_forwards = 0
         self._warned_unchained = False
         self._warned_container_tensor = False
@@ -166,7 +165,8 @@ class LayerStreamingExecutor:
 
     # ---- weight streaming ----------------------------------------------------------------------
     def _start_sequence(self, seq: list[int]) -> None:
-        self._weight_seq, self._cursor, self._pending_weight = seq, 0, None
+        with torch.inference_mode(False):   # it prefetches: see _acquire
+            self.stream.start(seq)
 
     def _acquire(self, layer: int) -> torch.Tensor:
         """Layer's compute weights on the device; then start prefetching the next layer in the sequence.
@@ -174,40 +174,7 @@ class LayerStreamingExecutor:
         call, and a view of one made in inference mode could not be written later, nor by a tier's
         worker thread (inference mode is per thread)."""
         with torch.inference_mode(False):
-            return self._acquire_weights(layer)
-
-    def _acquire_weights(self, layer: int) -> torch.Tensor:
-        seq = self._weight_seq
-        on_seq = self._cursor < len(seq) and seq[self._cursor] == layer
-        if not on_seq:   # the model left the expected order: fetch on demand from here on
-            self._weight_seq, self._pending_weight = [], None
-        self.weights.wait_updated(layer)
-        if layer in self.weights.resident:
-            flat = self.weights.resident[layer]
-        else:
-            pending = self._pending_weight
-            if on_seq and pending is not None and pending[0] == self._cursor:
-                slot, flat = pending[1], pending[2].wait()
-                self._pending_weight = None
-            else:
-                slot = 1 - self._slot
-                flat = self.weights.fetch(layer, slot).wait()
-            self._slot = slot
-        if on_seq:
-            self._cursor += 1
-        self._prefetch_next()
-        return flat
-
-    def _prefetch_next(self) -> None:
-        if not self.prefetch or self._pending_weight is not None:
-            return
-        seq, j = self._weight_seq, self._cursor
-        while j < len(seq) and seq[j] in self.weights.resident:
-            j += 1
-        # a layer whose optimizer update is still running is fetched by _acquire, once it is done
-        if j < len(seq) and not self.weights.update_pending(seq[j]):
-            slot = 1 - self._slot
-            self._pending_weight = (j, slot, self.weights.fetch(seq[j], slot))
+            return self.stream.acquire(layer)
 
     def _backward_sequence(self) -> list[int]:
         seq = []
@@ -225,7 +192,7 @@ class LayerStreamingExecutor:
         """With the CPU as compute device the weights are used in place, so a segment can be recomputed
         once with autograd recording and then differentiated layer by layer from the recorded graph
         (on a GPU the streaming slots are reused, so each layer is re-run when it is differentiated)."""
-        return e - s > 1 and self.weights.zero_copy
+        return e - s > 1 and self.stream.zero_copy
 
     # ---- running a block ---------------------------------------------------------------------
     def _compute(self, layer: int, flat: torch.Tensor, hidden: torch.Tensor, call: _LayerCall,
@@ -292,8 +259,9 @@ class LayerStreamingExecutor:
                                     f"torch.no_grad() or pass use_cache=False")
 
     def _run_inference(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
-        if layer == 0 or not self._weight_seq:
+        if layer == 0 or not self._streaming_inference:
             self._start_sequence(list(range(layer, self.L)))
+            self._streaming_inference = True
         flat = self._acquire(layer)
         out, _ = self._compute(layer, flat, hidden, call)
         return out
@@ -329,7 +297,6 @@ class LayerStreamingExecutor:
                           f"extra outputs are differentiated")
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
             self._start_sequence(self._backward_sequence())
-            self._prefetch_next()
             # the pass now lives only as long as its autograd graph: a forward never differentiated
             # frees its kept boundaries and graphs with that graph, not at the next forward
             self._current = None
@@ -339,6 +306,7 @@ class LayerStreamingExecutor:
 
     # ---- forward bookkeeping -------------------------------------------------------------------
     def _begin_pass(self) -> None:
+        self._streaming_inference = False
         p = _Pass(next(self._pass_ids))
         # a pass whose graph is dropped without backward (e.g. a forward under grad for evaluation)
         # frees what it still holds when it is garbage-collected
@@ -465,7 +433,7 @@ class LayerStreamingExecutor:
         t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
                 for t, need in zip(tensors, side_needs)]
         flat = self._acquire(layer)
-        if keep and not self.weights.zero_copy and layer not in self.weights.resident:
+        if keep and not self.stream.zero_copy and layer not in self.stream.resident:
             flat = flat.clone()
             self._put(p, DEVICE_HOME, self._key(p, layer) + ".weights", flat, owned=True)
         with torch.enable_grad():

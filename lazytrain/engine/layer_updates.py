@@ -19,6 +19,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..tiers import streams
+
 
 class OverlappedUpdateError(RuntimeError):
     """An overlapped layer update raised; the model's streamed layers are partly updated."""
@@ -27,13 +29,15 @@ class OverlappedUpdateError(RuntimeError):
 class LayerUpdates:
     """Per-layer "update done" flags and the worker thread that sets them."""
 
-    def __init__(self, num_layers: int, device: torch.device | None = None):
+    def __init__(self, num_layers: int, device: torch.device | None = None,
+                 on_done: Callable[[int], None] | None = None):
         self._done = [threading.Event() for _ in range(num_layers)]
         for e in self._done:
             e.set()
         # CUDA work on the worker (a resident layer's refresh) targets the engine's device, not cuda:0
         init = (lambda: torch.cuda.set_device(device)) if device is not None and device.type == "cuda" else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update", initializer=init)
+        self._on_done = on_done   # told each layer, after its flag is set (the weight stream's deferred prefetch)
         self._future: Future | None = None
         self._worker_ident: int | None = None
         self._error: BaseException | None = None
@@ -55,8 +59,11 @@ class LayerUpdates:
         t0 = time.perf_counter()
         try:
             for i in layers:
+                streams.chaos_delay()
                 update_layer(i)
                 self._done[i].set()
+                if self._on_done is not None:
+                    self._on_done(i)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread by every wait
             self._error = e
         finally:

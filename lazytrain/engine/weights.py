@@ -1,5 +1,6 @@
-"""Block weights: fp32 master + compute-dtype copy in one flat host buffer per layer, streamed to the
-device through two device buffers (double buffering), plus the host gradient buffers.
+"""Block weights on the host: fp32 master + compute-dtype copy in one flat buffer per layer, plus the
+gradient buffers and the path gradients take into them. Their trip to the device (slots, resident
+copies, prefetch order) is :mod:`~lazytrain.engine.weight_stream`'s.
 
 The user's block ``nn.Parameter`` objects become views into the fp32 master buffer, so
 ``model.parameters()``, ``state_dict()`` and any optimizer built over them see the real master weights;
@@ -7,6 +8,9 @@ their ``.grad`` are views into one fp32 flat gradient buffer per layer.
 """
 from __future__ import annotations
 
+import collections
+import queue
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -14,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..tiers import Tier, TransferHandle, empty_host
+from ..tiers import streams
 from ..tiers.memory import async_copy
 from .layer_updates import LayerUpdates
 
@@ -43,7 +48,7 @@ class LayerWeights:
     """Host-side storage of every streamed layer and the device buffers they stream through."""
 
     def __init__(self, blocks: nn.ModuleList, compute_dtype: torch.dtype, device: torch.device,
-                 weights_tier: Tier, device_tier: Tier, resident_layers: tuple[int, ...] = ()):
+                 weights_tier: Tier, device_tier: Tier):
         self.blocks = blocks
         self.num_layers = len(blocks)
         self.compute_dtype = compute_dtype
@@ -82,23 +87,12 @@ class LayerWeights:
         self._staging: torch.Tensor | None = None
         for i in range(self.num_layers):
             self._store_compute_copy(i)
-        # device buffers: two streaming slots + one per resident layer
-        self.resident = {}
-        for i in resident_layers:
-            buf = torch.empty(self.layer_numels[i], dtype=compute_dtype, device=device)
-            self.device_tier.write(f"weights.resident{i}", buf, owned=True)
-            self._fetch_into(i, buf).synchronize()
-            self.resident[i] = buf
-        self.stream_slots = []
-        if len(self.resident) < self.num_layers:
-            for s in range(2):   # sized for the largest layer; a smaller one uses the front
-                buf = torch.empty(self.max_layer_numel, dtype=compute_dtype, device=device)
-                self.device_tier.write(f"weights.slot{s}", buf, owned=True)
-                self.stream_slots.append(buf)
-        self._grad_sink = _GradientSink(self) if device.type == "cuda" else None
+        # with copy threads on, the CPU stands in for a device: gradients and weights are copied as on CUDA
+        emulated = device.type == "cpu" and streams.settings().copy_threads
+        self._grad_sink = _GradientSink(self) if device.type == "cuda" or emulated else None
         # With the CPU as compute device and the weights already in host memory in the compute dtype,
         # a "copy to the device" would copy memory onto itself: hand out the stored buffer instead.
-        self.zero_copy = device.type == "cpu" and weights_tier.kind == "host"
+        self.zero_copy = device.type == "cpu" and weights_tier.kind == "host" and not emulated
         # set by the engine when the optimizer updates layers on another thread (layer_updates.py)
         self.updates: LayerUpdates | None = None
 
@@ -130,17 +124,11 @@ class LayerWeights:
         self.weights_tier.write(self._key(i), staging).synchronize()
 
     def refresh_compute_copy(self, i: int, host_copy_current: bool = False) -> None:
-        """After the optimizer updated layer i's master weights: rewrite the compute-dtype copy (unless
-        the optimizer already wrote it in its update pass) and the resident device copy."""
+        """After the optimizer updated layer i's master weights: rewrite the host compute-dtype copy
+        (unless the optimizer already wrote it in its update pass). Call inside the weight stream's fence
+        (``WeightStream.before_host_write`` / ``after_host_write``)."""
         if not host_copy_current:
             self._store_compute_copy(i)
-        if i in self.resident:
-            self._fetch_into(i, self.resident[i]).synchronize()
-
-    def refresh_all_compute_copies(self) -> None:
-        """After the masters were written from outside an optimizer step (a checkpoint load)."""
-        for i in range(self.num_layers):
-            self.refresh_compute_copy(i)
 
     def compute_copy_views(self) -> dict[torch.Tensor, torch.Tensor] | None:
         """{block parameter: its view in the host compute-dtype copy}, for an optimizer that writes the
@@ -154,17 +142,14 @@ class LayerWeights:
                 views[p] = s.of(flat)
         return views
 
-    # ---- streaming -------------------------------------------------------------------------
-    def _fetch_into(self, i: int, buf: torch.Tensor) -> TransferHandle:
+    # ---- what the weight stream copies -------------------------------------------------------
+    def fetch_into(self, i: int, buf: torch.Tensor) -> TransferHandle:
+        """Start copying layer i's compute-dtype weights into device buffer ``buf``."""
         return self.weights_tier.read(self._key(i), out=buf)
 
-    def fetch(self, i: int, slot: int) -> TransferHandle:
-        """Start copying layer i's compute weights into streaming slot ``slot``."""
-        if i in self.resident:
-            return TransferHandle(value=self.resident[i])
-        if self.zero_copy:
-            return self.weights_tier.read(self._key(i))
-        return self._fetch_into(i, self.stream_slots[slot][:self.layer_numels[i]])
+    def stored_copy(self, i: int) -> torch.Tensor:
+        """Layer i's compute copy as stored (``zero_copy``: the CPU computes on it in place)."""
+        return self.weights_tier.read(self._key(i)).wait()
 
     def views(self, flat: torch.Tensor, layer: int, requires_grad: bool = False) -> dict[str, torch.Tensor]:
         """Name -> tensor views of layer ``layer``'s weights in a flat device buffer, to swap into the
@@ -216,15 +201,22 @@ class LayerWeights:
 
 
 class _GradientSink:
-    """On CUDA: flatten a layer's gradients on the device, copy them to pinned host memory on the D2H
-    stream, and add them into the fp32 buffer on a host thread, so the compute stream never waits."""
+    """Gradients off the device without holding up backward: the autograd thread only flattens a layer's
+    gradients into one device buffer (queued on the compute stream) and records an event; a worker thread
+    takes a free pinned staging buffer, copies into it on the device-to-host stream after that event, and
+    adds it into the layer's fp32 buffer. Adds run in submission order, so micro-batches accumulate into
+    one layer in order. At most ``max_in_flight`` layers wait for the worker (their device buffers are
+    memory); past that, backward waits for the oldest (back-pressure, not a fixed two-layer lag)."""
 
-    def __init__(self, weights: LayerWeights, depth: int = 2):
+    def __init__(self, weights: LayerWeights, depth: int = 2, max_in_flight: int = 4):
         self.weights = weights
-        self.staging = [empty_host(weights.max_layer_numel, weights.compute_dtype) for _ in range(depth)]
-        self.busy: list[Future | None] = [None] * depth
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(depth):
+            self.free.put(empty_host(weights.max_layer_numel, weights.compute_dtype))
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
-        self.next = 0
+        self.max_in_flight = max_in_flight
+        self.pending: collections.deque[Future] = collections.deque()
+        self.blocked_seconds = 0.0   # time backward waited for the worker (back-pressure)
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
@@ -234,20 +226,29 @@ class _GradientSink:
             g = grads.get(s.name)
             part = s.of(flat)
             part.copy_(g) if g is not None else part.zero_()
-        k = self.next
-        self.next = (k + 1) % len(self.staging)
-        if self.busy[k] is not None:
-            self.busy[k].result()
-        staging, target = self.staging[k][:numel], w.grad[i]
-        handle = async_copy(staging, flat)
+        ready = None
+        if flat.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(flat.device))
+        target = w.grad[i]
 
         def add():
-            handle.synchronize()
-            target.add_(staging)
-        self.busy[k] = self.pool.submit(add)
+            staging = self.free.get()
+            try:
+                part = staging[:numel]
+                async_copy(part, flat, after=ready, follow_current=False, direction="d2h").synchronize()
+                target.add_(part)
+            finally:
+                self.free.put(staging)
+        while len(self.pending) >= self.max_in_flight:
+            t0 = time.perf_counter()
+            self.pending.popleft().result()
+            self.blocked_seconds += time.perf_counter() - t0
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(add))
 
     def flush(self) -> None:
-        for k, f in enumerate(self.busy):
-            if f is not None:
-                f.result()
-                self.busy[k] = None
+        """Every submitted gradient is in its fp32 buffer (raises the first failure)."""
+        while self.pending:
+            self.pending.popleft().result()

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+import concurrent.futures
 from concurrent.futures import Future
 from typing import Any
 
@@ -67,12 +68,17 @@ class TransferHandle:
             return self._event.query()
         return True
 
+    def completion(self) -> Any:
+        """What says the transfer is over (a Future, a CUDA or host event, or None when it is), for
+        another thread to wait on with :func:`wait_completion` while this handle goes on being used."""
+        return self._future if self._future is not None else self._event
+
     def wait(self) -> Any:
         if self._future is not None:
             self._value = self._future.result()
             self._future = None
         if self._event is not None:
-            if self._host:
+            if self._host or getattr(self._event, "on_host", False):   # the host uses it, or a host copy thread made it
                 self._event.synchronize()
                 self._event = self._keepalive = None
             else:
@@ -96,6 +102,20 @@ class TransferHandle:
         async def ready():
             return self._value
         return ready().__await__()
+
+
+def wait_completion(done: Any) -> None:
+    """Block until a :meth:`TransferHandle.completion` is reached; its outcome is the handle owner's to
+    report, so a failure is not raised here."""
+    if done is None:
+        return
+    if isinstance(done, Future):
+        concurrent.futures.wait([done])
+    else:
+        try:
+            done.synchronize()
+        except Exception:  # noqa: BLE001 - the handle's owner reports it
+            pass
 
 
 class _BandwidthMeter:

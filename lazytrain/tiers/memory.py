@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from . import streams
 from .base import Tier, TierError, TransferHandle
 
 _pinned_warning_given = False
@@ -50,22 +51,36 @@ class _CopyStreams:
 
 
 def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
-               follow_current: bool = True) -> TransferHandle:
-    """Copy ``src`` into ``dst`` on a side stream when a CUDA device is involved, else synchronously.
-    The copy follows the work queued on the current stream (``follow_current``) and ``after``, a CUDA
-    event (the write that filled ``src``, or the point where the caller asked for the copy)."""
+               follow_current: bool = True, direction: str | None = None) -> TransferHandle:
+    """Copy ``src`` into ``dst`` on a side stream when a CUDA device is involved, else synchronously, or,
+    with copy threads on (``streams.configure``), on the host copy thread of ``direction`` ("h2d": into
+    what stands for device memory, "d2h": out of it; None: a copy within one memory, always synchronous).
+    The copy follows the work queued on the current stream (``follow_current``) and ``after``, a CUDA or
+    host event (the write that filled ``src``, or the point where the caller asked for the copy); inside
+    :func:`~lazytrain.tiers.streams.issued_after` it follows that block's event instead of the stream."""
+    follow, ordered_after = streams.ordering()
+    follow_current = follow_current and follow
+    afters = [e for e in (after, ordered_after) if e is not None]
     cuda_dev = dst.device if dst.device.type == "cuda" else (src.device if src.device.type == "cuda" else None)
     if cuda_dev is None:
-        if after is not None:
-            after.synchronize()
-        dst.copy_(src)
-        return TransferHandle(value=dst if value is None else value)
+        if direction is None or not streams.settings().copy_threads:
+            for e in afters:
+                e.synchronize()
+            dst.copy_(src)
+            return TransferHandle(value=dst if value is None else value)
+        return _host_thread_copy(dst, src, value, afters, direction)
     direction = "h2d" if dst.device.type == "cuda" and src.device.type != "cuda" else "d2h"
     stream = _CopyStreams.get(cuda_dev, direction)
     if follow_current:
         stream.wait_stream(torch.cuda.current_stream(cuda_dev))
-    if after is not None:
-        stream.wait_event(after)
+    for e in afters:
+        if getattr(e, "on_host", False):
+            e.synchronize()
+        else:
+            stream.wait_event(e)
+    chaos = streams.settings().chaos
+    if chaos is not None:
+        chaos.delay_stream(stream)
     with torch.cuda.stream(stream):
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
@@ -80,6 +95,34 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
                           host=dst.device.type != "cuda", timing=(start, event))
 
 
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:   # an inference-mode tensor has no version counter
+        return None
+
+
+def _host_thread_copy(dst, src, value, afters, direction: str) -> TransferHandle:
+    """The CPU counterpart of a side-stream copy: queued on the copy thread of ``direction``. As on a
+    CUDA stream, the caller must not change ``src`` until the copy is done; a change is caught (the
+    tensor's version moved) and fails the copy instead of copying half-changed data."""
+    version = _version(src)
+
+    def run():
+        for e in afters:
+            e.synchronize()
+        streams.chaos_delay()
+        if version is not None and _version(src) != version:
+            raise TierError(f"a tensor of {tuple(src.shape)} {src.dtype} was modified in place before its "
+                            f"asynchronous copy ({direction}) ran; a tensor handed to a transfer must not "
+                            f"change until the transfer is done")
+        dst.copy_(src)
+        return dst if value is None else value
+    future = streams.host_stream(direction).submit(run)
+    return TransferHandle(future=future, event=streams.HostEvent(future), keepalive=src,
+                          host=direction == "d2h")
+
+
 class MemoryTier(Tier):
     """Tensors kept in a dict on one device; reads copy into ``out`` or return the stored tensor.
 
@@ -88,6 +131,9 @@ class MemoryTier(Tier):
     """
 
     kind = "memory"
+    # the host copy thread a copy into / out of this tier runs on when there is no CUDA (copy threads on)
+    copy_in: str | None = None
+    copy_out: str | None = None
 
     def __init__(self, name: str, capacity=None, device=None):
         super().__init__(name, capacity, device)
@@ -125,7 +171,7 @@ class MemoryTier(Tier):
             self._adopt(key, tensor, None, None)
             return TransferHandle(moved=False)
         buf, backing = self._allocate(key, tensor)
-        handle = async_copy(buf, tensor)
+        handle = async_copy(buf, tensor, direction=self.copy_in if tensor.device.type == "cpu" else None)
         self._adopt(key, buf, backing, handle._event)
         return TransferHandle(event=handle._event, keepalive=handle._keepalive, timing=handle._timing)
 
@@ -146,7 +192,10 @@ class MemoryTier(Tier):
             if out.shape != src.shape or out.dtype != src.dtype:
                 raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
                                  f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
-            handle = async_copy(out, src, after=after)
+            handle = async_copy(out, src, after=after, direction=self.copy_out)
+        elif device is not None and device.type == "cpu" and self.copy_out and streams.settings().copy_threads:
+            # the CPU standing in for a device: a read "to the device" is a copy, as it would be on CUDA
+            handle = async_copy(torch.empty(src.shape, dtype=src.dtype), src, after=after, direction=self.copy_out)
         elif device is None or device == self.device or (device.type == self.device.type == "cpu"):
             return TransferHandle(value=src, event=after, host=src.device.type != "cuda", moved=False)
         else:
@@ -174,6 +223,7 @@ class HostTier(MemoryTier):
     the slabs in use never exceed it; the pool keeps at most ``capacity`` bytes of slabs, in use or idle.
     """
     kind = "host"
+    copy_in, copy_out = "d2h", "h2d"
 
     def __init__(self, name: str = "host", capacity=None, device=None):
         super().__init__(name, capacity, "cpu")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import Tier, TierError, TransferHandle, format_bytes
+from . import streams
 from .memory import async_copy
 from .nvme_io import (ALIGNMENT, AioSettings, KvikioBackend, PosixBackend, device_checksums, kvikio_status,
                       probe_direct_io)
@@ -371,6 +372,7 @@ class NVMeTier(Tier):
         return TransferHandle(future=op.future)
 
     def _write_request(self, op, fd, landing: _Landing, offset, length, nbytes, entry, event, keepalive):
+        streams.chaos_delay()
         try:
             if event is not None:
                 event.synchronize()
@@ -428,7 +430,10 @@ class NVMeTier(Tier):
                              f"but it holds {tuple(entry.shape)} {entry.dtype}")
         target = out.device if out is not None else (device or self.device)
         issued = None
-        if target.type == "cuda":  # the copy into device memory follows what the caller queued so far
+        follow, ordered_after = streams.ordering()
+        if not follow:   # the caller named what the copy must wait for (the destination's last reader)
+            issued = ordered_after
+        elif target.type == "cuda":  # the copy into device memory follows what the caller queued so far
             issued = torch.cuda.Event()
             issued.record(torch.cuda.current_stream(target))
         result: Future = Future()
@@ -527,6 +532,7 @@ class NVMeTier(Tier):
 
     def _read_request(self, op, fd, landing: _Landing, offset, length, entry: _Entry, scatter):
         try:
+            streams.chaos_delay()
             done = 0
             while done < length:
                 n = self.backend.preadv(fd, landing.iov(offset + done, length - done), offset + done)

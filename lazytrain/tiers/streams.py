@@ -1,0 +1,147 @@
+"""Where a copy runs and what it waits for, on CUDA and on a machine without it.
+
+On CUDA a copy runs on a side stream (one per direction per device) and its completion is a CUDA event.
+Without CUDA the compute "device" is the host itself; with ``copy_threads`` on, a copy between what
+stands for device memory and host memory runs on a worker thread per direction, in the order the copies
+were queued, exactly as on a CUDA stream, and its completion is a :class:`HostEvent`. The engine's
+ordering logic (who waits for which copy before reusing a buffer) then runs asynchronously in CI too,
+and a :class:`Chaos` setting delays every copy by a random amount, so an ordering bug shows up as a
+wrong result in a CPU test rather than on a user's GPU.
+
+Both settings are for tests and benchmarks: they make training on the CPU slower, never faster.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+class Chaos:
+    """Delays each transfer and each layer update by a random time in ``[0, max_delay_s)``, drawn from
+    one seeded generator (the draws are reproducible; which thread gets which draw is not)."""
+
+    def __init__(self, seed: int, max_delay_s: float):
+        if max_delay_s < 0:
+            raise ValueError(f"chaos max delay must be >= 0, got {max_delay_s}")
+        self.seed, self.max_delay_s = seed, max_delay_s
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+
+    def draw(self) -> float:
+        with self._lock:
+            return self._rng.random() * self.max_delay_s
+
+    def delay(self) -> None:
+        d = self.draw()
+        if d > 0:
+            time.sleep(d)
+
+    def delay_stream(self, stream) -> None:
+        """Queue a random delay on a CUDA stream (a spin kernel), so the copies after it run late."""
+        d = self.draw()
+        if d > 0:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(int(d * 1.5e9))   # cycles at about 1.5 GHz
+
+
+@dataclass
+class TransferSettings:
+    copy_threads: bool = False     # CPU: copies between "device" and host memory run on worker threads
+    chaos: Chaos | None = None     # delay every transfer and layer update at random
+
+
+_settings = TransferSettings()
+
+
+def configure(copy_threads: bool = False, chaos: Chaos | None = None) -> None:
+    """Set how transfers run in this process (the engine calls this from its config; tests too)."""
+    global _settings
+    _settings = TransferSettings(copy_threads, chaos)
+
+
+def settings() -> TransferSettings:
+    return _settings
+
+
+def chaos_delay() -> None:
+    """A random delay where a transfer or a layer update runs, when chaos is on."""
+    chaos = _settings.chaos
+    if chaos is not None:
+        chaos.delay()
+
+
+class HostEvent:
+    """Completion of a copy queued on a host copy thread: the CPU counterpart of a CUDA event."""
+    on_host = True
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+
+class HostCopyStream:
+    """One worker thread that runs the copies queued on it, in order, as a CUDA stream does."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lazytrain-copy-{name}")
+
+    def submit(self, fn) -> Future:
+        return self._pool.submit(fn)
+
+
+_host_streams: dict[str, HostCopyStream] = {}
+_host_streams_lock = threading.Lock()
+
+
+def host_stream(direction: str) -> HostCopyStream:
+    with _host_streams_lock:
+        if direction not in _host_streams:
+            _host_streams[direction] = HostCopyStream(direction)
+        return _host_streams[direction]
+
+
+# ---- ordering of a copy a caller is about to issue --------------------------------------------------
+_order = threading.local()
+
+
+@contextmanager
+def issued_after(event):
+    """Copies issued inside this block wait for ``event`` (a CUDA or host event, or None: for nothing)
+    instead of for all the work queued so far on the current stream. A buffer's owner uses it when it
+    knows the last reader of the destination: a prefetch then starts as early as it safely can."""
+    prev = getattr(_order, "after", _UNSET)
+    _order.after = event
+    try:
+        yield
+    finally:
+        if prev is _UNSET:
+            del _order.after
+        else:
+            _order.after = prev
+
+
+_UNSET = object()
+
+
+def ordering() -> tuple[bool, object]:
+    """(follow the current stream, extra event to wait for) for a copy issued now."""
+    after = getattr(_order, "after", _UNSET)
+    if after is _UNSET:
+        return True, None
+    return False, after
+
+
+def wait_event_on_host(event) -> None:
+    if event is not None:
+        event.synchronize()

@@ -1,0 +1,158 @@
+"""Asynchrony exercised on the CPU: with ``lazytrain.testing.copy_threads`` every transfer between what
+stands for device memory and host memory runs on a copy thread, as on a CUDA stream, and with a chaos
+seed every transfer, NVMe request and layer update is delayed at random. Whatever the delays, training
+must be bit-for-bit what it is without them: an ordering bug (a copy landing in a buffer still in use, an
+update rewriting weights a copy still reads) shows up here as a difference."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.tiers import streams
+from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+
+SEEDS = (1, 2, 3)
+NVME_AIO = {"block_size": 4096, "queue_depth": 1, "intra_op_parallelism": 4}   # several requests per layer
+
+
+def config(case: dict, tmp_path, testing: dict | None) -> dict:
+    section = {k: v for k, v in case.items() if not k.startswith("_")}
+    if "nvme" in (section.get("weights_home"), section.get("boundary_home")):
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        section["nvme_path"] = str(tmp_path)
+    if testing:
+        section["testing"] = testing
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "aio": NVME_AIO, "lazytrain": section}
+    if case.get("_bf16"):
+        cfg["bf16"] = {"enabled": True}
+    if case.get("_gas"):
+        cfg["gradient_accumulation_steps"] = case["_gas"]
+    return cfg
+
+
+def run(model, case: dict, tmp_path, testing: dict | None):
+    """A few steps with what scripts do between them: an evaluation forward under grad that is never
+    differentiated, one under no_grad, and a backward through torch.autograd.grad that sends no weight
+    gradient (on its own step, so the update follows a backward that sent none)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=copy.deepcopy(model), config=config(case, tmp_path, testing))
+    emb = engine.module.get_input_embeddings().weight
+    data = batches(4 * case.get("_gas", 1))
+    for n, (x, y) in enumerate(data):
+        if case.get("_eval") == "grad":
+            engine(x)
+        elif case.get("_eval") == "no_grad":
+            with torch.no_grad():
+                engine(x)
+        if case.get("_autograd_grad") and n == 1:
+            g, = torch.autograd.grad(lm_loss(engine(x), y), [emb])
+            assert torch.isfinite(g).all()
+            engine.step()   # a step after a backward that sent no weight gradient
+            continue
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+    params = {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+    engine.destroy()
+    return params, engine
+
+
+CASES = {
+    "every-2-hbm": dict(checkpoint_interval=2),
+    "every-3-host-boundaries": dict(checkpoint_interval=3, boundary_home="host", _eval="grad"),
+    "every-2-nvme-boundaries": dict(checkpoint_interval=2, boundary_home="nvme", _eval="no_grad"),
+    "keep-all-host": dict(policy="keep_all", boundary_home="host", _autograd_grad=True),
+    "nvme-weights": dict(checkpoint_interval=2, weights_home="nvme", _eval="grad"),
+    "nvme-weights-overlap": dict(checkpoint_interval=2, weights_home="nvme", overlap_optimizer=True,
+                                 _eval="grad", _autograd_grad=True),
+    "overlap-host-weights": dict(checkpoint_interval=2, overlap_optimizer=True, _eval="grad"),
+    "overlap-graph-tail": dict(checkpoint_interval=3, last_segment_graph=True, overlap_optimizer=True,
+                               _eval="no_grad", _autograd_grad=True),
+    "resident-weights": dict(weights_home="hbm", overlap_optimizer=True, _eval="grad", _autograd_grad=True),
+    "bf16-overlap": dict(checkpoint_interval=2, overlap_optimizer=True, _bf16=True, _eval="grad"),
+    "bf16-nvme": dict(checkpoint_interval=2, weights_home="nvme", _bf16=True, _autograd_grad=True),
+    "gas2-overlap": dict(checkpoint_interval=2, overlap_optimizer=True, _gas=2, _eval="grad"),
+    "no-prefetch": dict(checkpoint_interval=2, prefetch=False, _eval="grad"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _calm_transfers_after():
+    yield
+    streams.configure()   # later tests run with transfers as configured by default
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_random_transfer_delays_change_nothing(case, tmp_path):
+    model = make_model("llama")
+    calm, calm_engine = run(model, CASES[case], tmp_path / "calm", None)
+    threaded, engine = run(model, CASES[case], tmp_path / "threads", {"copy_threads": True})
+    assert not engine.weights.zero_copy   # the CPU took the GPU's path: every layer copied into slots
+    for seed in SEEDS:
+        chaotic, _ = run(model, CASES[case], tmp_path / f"chaos{seed}",
+                         {"copy_threads": True, "chaos_seed": seed, "chaos_max_delay_ms": 1.0})
+        for name in calm:
+            assert torch.equal(chaotic[name], calm[name]), (seed, name)
+    for name in calm:
+        assert torch.equal(threaded[name], calm[name]), name
+
+
+def test_copy_threads_train_like_pytorch():
+    """The threaded path itself against plain PyTorch (fp32, within 1e-5)."""
+    model = make_model("llama")
+    data = batches(4)
+    ref = reference_train(model, data)
+    cfg = config(dict(checkpoint_interval=2), None, {"copy_threads": True, "chaos_seed": 7})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert max_rel_diff(engine.module, ref) < 1e-5
+    engine.destroy()
+
+
+def test_testing_section_warns_that_it_is_for_tests():
+    cfg = config(dict(), None, {"chaos_seed": 1})
+    with pytest.warns(UserWarning, match=r"'lazytrain.testing' is a setting for tests and benchmarks"):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("testing, message", [
+    ({"chaos_seed": "1"}, "'lazytrain.testing.chaos_seed' must be an integer, got '1'"),
+    ({"chaos_max_delay_ms": -1}, "'lazytrain.testing.chaos_max_delay_ms' must be a number of milliseconds in "
+                                 "[0, 1000], got -1"),
+    ({"copy_threads": 1}, "'lazytrain.testing.copy_threads' must be true or false, got 1"),
+    ({"chaos": 1}, "chaos"),
+])
+def test_bad_testing_settings_are_named(testing, message):
+    from lazytrain.config import ConfigError
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+        lazytrain.initialize(model=make_model("llama"), config=config(dict(), None, testing))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_an_abandoned_prefetch_never_lands_in_a_slot_in_use(seed, tmp_path):
+    """The case that once trained on wrong weights without a word: weights on NVMe read by several I/O
+    threads, an evaluation forward under grad that is never differentiated (its backward's first prefetch
+    is abandoned), then training. Against plain PyTorch, with every NVMe request delayed at random."""
+    model = make_model("modulelist")
+    data = batches(4)
+    ref = reference_train(model, data)
+    case = dict(checkpoint_interval=2, weights_home="nvme")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=config(case, tmp_path, {"chaos_seed": seed}))
+    for x, y in data:
+        engine(x)   # evaluation under grad, never differentiated
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert max_rel_diff(engine.module, ref) < 1e-5
+    engine.destroy()
