@@ -181,12 +181,20 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class AioConfig:
+    """DeepSpeed's ``aio`` section, read by the NVMe tier's own schema (``tiers.nvme_io.AioSettings``):
+    one set of keys, defaults and checks. ``single_submit`` and ``overlap_events`` are accepted and kept
+    for DeepSpeed configs; they have no counterpart here."""
     block_size: int = 1 << 20
     queue_depth: int = 8
-    intra_op_parallelism: int = 1
+    intra_op_parallelism: int = 4
     single_submit: bool = False
     overlap_events: bool = True
-    use_gds: bool = False
+    use_gds: bool | None = None         # None: kvikio when it works; true: required; false: never
+
+    def tier_settings(self) -> dict:
+        """What the NVMe tier is built with."""
+        return {"block_size": self.block_size, "queue_depth": self.queue_depth,
+                "intra_op_parallelism": self.intra_op_parallelism, "use_gds": self.use_gds}
 
 
 @dataclass(frozen=True)
@@ -477,15 +485,18 @@ def _parse_offload(section, allowed: set, name: str, seen: set) -> OffloadConfig
 
 
 def _parse_aio(section) -> AioConfig:
+    from .tiers.nvme_io import AioSettings
+    if not isinstance(section, dict):
+        raise ConfigError(f"config key 'aio' must be an object, got {section!r}")
     _check_keys(section, _AIO_KEYS, "aio")
-    threads = section.get("intra_op_parallelism", section.get("thread_count", 1))
-    cfg = AioConfig(block_size=int(section.get("block_size", 1 << 20)), queue_depth=int(section.get("queue_depth", 8)),
-                    intra_op_parallelism=int(threads), single_submit=bool(section.get("single_submit", False)),
-                    overlap_events=bool(section.get("overlap_events", True)), use_gds=bool(section.get("use_gds", False)))
-    for key in ("block_size", "queue_depth", "intra_op_parallelism"):
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"config key 'aio.{key}' must be > 0, got {getattr(cfg, key)}")
-    return cfg
+    try:
+        settings = AioSettings.from_config(section)
+    except ValueError as e:
+        raise ConfigError(f"config key {e}") from e
+    return AioConfig(block_size=settings.block_size, queue_depth=settings.queue_depth,
+                     intra_op_parallelism=settings.intra_op_parallelism,
+                     single_submit=section.get("single_submit", False),
+                     overlap_events=section.get("overlap_events", True), use_gds=settings.use_gds)
 
 
 def _parse_testing(section) -> TestingConfig:

@@ -262,3 +262,23 @@ def test_one_cycle():
     # cycle of 4 steps (up 2, down 2), then lr = min_lr / (1 + rate * steps_after_cycle / decay_step_size)
     assert [s.get_last_lr()[0]] + _run(s, 5) == pytest.approx([0.6, 1.0, 0.6, 0.2, 0.2 / 2, 0.2 / 3])
     assert opt.param_groups[0]["betas"][0] == pytest.approx(0.9)    # decay_mom_rate 0: momentum stays at max
+
+
+def test_aio_section_has_one_schema_and_reaches_the_nvme_tier(tmp_path):
+    """config.py reads ``aio`` with the NVMe tier's own schema: the same defaults, and ``use_gds`` (false:
+    never kvikio) reaches the tier instead of being dropped on the way."""
+    from lazytrain.engine.placement import build_tiers
+    from lazytrain.tiers.nvme_io import AioSettings
+    default = parse_config({"train_batch_size": 2}, world_size=1).aio
+    assert (default.block_size, default.queue_depth, default.intra_op_parallelism, default.use_gds) == \
+        (AioSettings.block_size, AioSettings.queue_depth, AioSettings.intra_op_parallelism, AioSettings.use_gds)
+    cfg = parse_config({"train_batch_size": 2, "aio": {"use_gds": False, "thread_count": 2},
+                        "lazytrain": {"nvme_path": str(tmp_path)}}, world_size=1)
+    tier = build_tiers(cfg, torch.device("cpu"))["nvme"]
+    try:
+        assert tier.settings.use_gds is False and tier.settings.intra_op_parallelism == 2
+        assert "kvikio not used: aio.use_gds is false" in tier.backend_report
+    finally:
+        tier.close()
+    with pytest.raises(ConfigError, match=r"aio.queue_depth must be an integer >= 1, got 0"):
+        parse_config({"train_batch_size": 2, "aio": {"queue_depth": 0}}, world_size=1)

@@ -33,8 +33,7 @@ def build_tiers(cfg: EngineConfig, device: torch.device) -> dict[str, Tier]:
     """hbm + host always; nvme when a path is configured; plus the user's tiers from config."""
     from ..tiers import create_tiers
     lt = cfg.lazytrain
-    aio = {"block_size": cfg.aio.block_size, "queue_depth": cfg.aio.queue_depth,
-           "intra_op_parallelism": cfg.aio.intra_op_parallelism}
+    aio = cfg.aio.tier_settings()
     return create_tiers(list(lt.tiers), device, nvme_path=lt.nvme_path, aio=aio if lt.nvme_path else None,
                         capacities=lt.capacities)
 
