@@ -46,6 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=positive(int), help="override job.steps")
     p.add_argument("--out", help="override job.out_dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--trace", metavar="PATH", help="record the second training step as a Chrome/Perfetto trace "
+                                                   "JSON at PATH and print its summary")
     p.set_defaults(func=run)
 
 
@@ -134,6 +136,13 @@ def _run(args) -> int:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise JobError(f"cannot create the output directory {out_dir}: {e.strerror}") from None
+    trace_path = getattr(args, "trace", None)
+    if trace_path:
+        from lazytrain.trace import check_writable
+        try:   # before training, not after it
+            check_writable(trace_path)
+        except ValueError as e:
+            raise JobError(str(e)) from None
     if args.steps and "scheduler" in cfg and "total_num_steps" in cfg["scheduler"].get("params", {}):
         cfg["scheduler"]["params"]["total_num_steps"] = steps
     torch.manual_seed(job.get("seed", 0))
@@ -165,6 +174,8 @@ def _run(args) -> int:
     batches = task.train_batches(micro, steps * gas, seed=job.get("seed", 0) + 1)
     loss_value = float("nan")
     for step in range(steps):
+        if trace_path and step == min(1, steps - 1):   # the second step: the first warms up
+            engine.trace_next_step(trace_path)
         for _ in range(gas):
             x, y = next(batches)
             logits = model_fn(x)
@@ -176,6 +187,9 @@ def _run(args) -> int:
         bar.update(loss_value, tokens / (time.perf_counter() - t0))
     bar.close()
     elapsed = time.perf_counter() - t0
+    if trace_path and engine.last_trace is not None:
+        print(engine.last_trace.summary())
+        print(f"trace of step {min(1, steps - 1) + 1} written to {os.path.abspath(trace_path)}")
 
     engine.eval()
     acc_after = exact_match(model_fn, task, pairs, engine.device)

@@ -156,3 +156,28 @@ def test_an_abandoned_prefetch_never_lands_in_a_slot_in_use(seed, tmp_path):
         engine.step()
     assert max_rel_diff(engine.module, ref) < 1e-5
     engine.destroy()
+
+
+def test_load_state_dict_waits_for_copies_reading_the_weights_it_rewrites(tmp_path):
+    """fp32 weights on the host: the streamed copy is the master itself, which load_state_dict writes in
+    place. A prefetch still reading it (backward's first layer, after a forward) must be done first."""
+    model = make_model("llama")
+    case = dict(checkpoint_interval=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=config(
+            case, tmp_path, {"copy_threads": True, "chaos_seed": 5, "chaos_max_delay_ms": 20.0}))
+    x, _ = batches(1)[0]
+    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    in_flight_at_write = []
+    layers = engine.module.model.layers
+
+    def check(*_):   # runs after the engine's own pre-hook, before any value of the block is written
+        in_flight_at_write.append([d for reads in engine.stream._reads.values() for d in reads if not d.done()])
+    hook = layers[5].register_load_state_dict_pre_hook(check)
+    engine(x)   # a forward whose backward never comes: backward's first prefetch (layer 5) is in flight
+    assert engine.stream._reads.get(5), "the test needs a copy of layer 5 issued"
+    engine.module.load_state_dict(state)
+    hook.remove()
+    assert in_flight_at_write == [[]]
+    engine.destroy()

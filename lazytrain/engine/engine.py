@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..config import ConfigError, EngineConfig
 from ..tiers import format_bytes, streams
 from ..tiers.streams import Chaos
+from ..trace import Timeline, check_writable, write_chrome_trace
 from . import checkpoint as ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import DistributedContext
@@ -71,6 +72,8 @@ class LazyTrainEngine(nn.Module):
         """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
         here, no hooks of ours, non-block weights back in fp32; then close the tiers."""
         d = self.__dict__
+        if d.get("_trace_path") is not None:   # a traced step that never finished
+            streams.stop_recording()
         if "executor" in d:
             self.executor.uninstall()
         for handle in list(d.get("_load_hooks", [])) + list(d.get("_settle_hooks", [])):
@@ -181,6 +184,9 @@ class LazyTrainEngine(nn.Module):
         # host optimizer + compute-copy refresh on this thread, last applied step (with overlap_optimizer
         # only the non-block part: the layers' update time is layer_updates.busy_seconds)
         self.last_optimizer_seconds = 0.0
+        self._trace_request: str | None = None   # trace_next_step: "" to keep it in memory only, or a path
+        self._trace_path: str | None = None      # the step being traced ("" : not written)
+        self.last_trace = None
         self.weights.zero_grads()
         # last: a set-up that fails leaves the model's own checkpointing flags as they were
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
@@ -234,6 +240,9 @@ class LazyTrainEngine(nn.Module):
 
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None:
+            streams.start_recording(Timeline("measured"))   # the traced step begins with this forward
+            self._trace_path, self._trace_request = self._trace_request, None
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
@@ -280,6 +289,27 @@ class LazyTrainEngine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+
+    def trace_next_step(self, path: str | None = None) -> None:
+        """Record the next training step, from its first forward to the end of the layer updates its
+        ``step()`` starts: each layer's compute, each transfer (link, bytes, start and end), every wait of
+        the compute side and what it waited for, and each layer's update. The result is
+        ``engine.last_trace`` (a :class:`lazytrain.trace.Timeline`, with ``summary()``), written as a
+        Chrome/Perfetto trace JSON at ``path`` when given (checked now, before any training time is spent).
+        On CUDA, copies are timed by their stream events; compute and waits by the host."""
+        if path is not None:
+            check_writable(path)
+        self._trace_request = path if path is not None else ""
+
+    def _finish_trace(self) -> None:
+        self.wait_for_update()   # the step's layer updates belong to it
+        timeline = streams.stop_recording()
+        if timeline is None:
+            return
+        self.last_trace = timeline.finish()
+        if self._trace_path:
+            write_chrome_trace(self._trace_path, self.last_trace)
+        self._trace_path = None
 
     def wait_for_update(self) -> None:
         """Block until the update that ``engine.step()`` started on the streamed layers is done. Only
@@ -349,6 +379,8 @@ class LazyTrainEngine(nn.Module):
         else:
             self.zero_grad()
         self._scaled_backward = False
+        if self._trace_path is not None:
+            self._finish_trace()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._record_peaks()
@@ -372,6 +404,9 @@ class LazyTrainEngine(nn.Module):
         """Around a write of the streamed layers' host weights: no copy still reads them when it starts
         (the weight stream's fence), and their device copies follow once it is done."""
         layers = list(layers)
+        if launch_event is None and self.device.type == "cuda":   # kernels queued so far may read resident copies
+            launch_event = torch.cuda.Event()
+            launch_event.record(torch.cuda.current_stream(self.device))
         for i in layers:
             self.stream.before_host_write(i)
         yield
@@ -529,6 +564,8 @@ class LazyTrainEngine(nn.Module):
             return
         # the user's loader writes into the module as DeepSpeed hands it over; in bf16/fp16 the non-block
         # parameters show their fp32 masters meanwhile, so what it writes keeps full precision
+        for i in range(self.weights.num_layers):   # the loader writes the masters: no copy may read them
+            self.stream.before_host_write(i)
         with self.masters.params_showing_masters() if self.masters is not None else contextlib.nullcontext():
             custom_load_fn(src=state, dst=self.module)           # DeepSpeed's keyword names
         self._refresh_streamed_layers()   # block parameters are views of their masters
@@ -540,6 +577,8 @@ class LazyTrainEngine(nn.Module):
                                "without assign=True, which copies the values in")
         if self._load_top is None or not prefix.startswith(self._load_top[1]):
             self._load_top = (module, prefix, state_dict)   # pre-hooks run from the top module down
+            for i in range(self.weights.num_layers):   # the load writes the masters (the fp32 host copy):
+                self.stream.before_host_write(i)       # no copy may still read them
 
     def _after_module_load(self, module, incompatible_keys) -> None:
         """Once the module the user loaded into is done (post-hooks run bottom-up), the values are in its

@@ -24,7 +24,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
-from ..tiers import Tier, TransferHandle
+from ..tiers import Tier, TransferHandle, streams
 from .weight_stream import WeightStream
 from .weights import LayerWeights
 
@@ -210,7 +210,10 @@ class LayerStreamingExecutor:
         if replay:
             rest_args, kwargs = _without_kv_cache(rest_args, kwargs)
         block = self.blocks[layer]
-        with _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
+        # the simulator's task names: a re-run with grad is the first half of its "diff" (the second: "bwd")
+        kind = "fwd" if not replay else ("diff" if requires_grad else "recompute")
+        with streams.span("compute", f"{kind} L{layer}"), \
+                _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
                 _reparametrize_module(block, params):
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
         return out, params
@@ -390,7 +393,8 @@ class LayerStreamingExecutor:
         if i in p.held:
             return p.held[i]
         handle = p.prefetched.get(i) or self._issue_prefetch(p, i)
-        x = handle.wait()
+        with streams.span("wait", f"boundary {i}"):
+            x = handle.wait()
         if x.device != self.device:
             x = x.to(self.device)
         return x
@@ -507,7 +511,9 @@ class LayerStreamingExecutor:
             inputs = ([x_in] if want_x else []) + [t for _, t in trainable] + \
                 [t for t in t_in if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs and used:
-                grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used], allow_unused=True)
+                with streams.span("compute", f"bwd L{layer}"):
+                    grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used],
+                                                allow_unused=True)
             else:
                 grads = (None,) * len(inputs)
         n, first = len(trainable), int(want_x)

@@ -59,8 +59,9 @@ class LayerUpdates:
         t0 = time.perf_counter()
         try:
             for i in layers:
-                streams.chaos_delay()
-                update_layer(i)
+                with streams.span("optimizer", f"update L{i}"):
+                    streams.chaos_delay()
+                    update_layer(i)
                 self._done[i].set()
                 if self._on_done is not None:
                     self._on_done(i)

@@ -23,7 +23,7 @@ import torch
 
 from ..tiers import TransferHandle
 from ..tiers.base import wait_completion
-from ..tiers.streams import issued_after
+from ..tiers.streams import issued_after, span
 from .weights import LayerWeights
 
 
@@ -86,12 +86,17 @@ class WeightStream:
             on_seq = self._cursor < len(self._seq) and self._seq[self._cursor] == layer
             if not on_seq:   # the model left the expected order: fetch on demand from here on
                 self._seq, self._prefetched, self._deferred = [], None, None
-        self.weights.wait_updated(layer)   # outside the lock: the update thread takes it to publish
+        if self.weights.update_pending(layer):
+            with span("wait", f"update {layer}"):
+                self.weights.wait_updated(layer)   # outside the lock: the update thread takes it to publish
+        else:
+            self.weights.wait_updated(layer)       # raises a failed update
         with self._lock:
             if layer in self.resident:
-                refresh = self._resident_copy.pop(layer, None)
+                refresh = self._resident_copy.get(layer)
                 if refresh is not None:
                     refresh.wait()     # the compute side follows the refresh's copy (no host wait on CUDA)
+                    del self._resident_copy[layer]   # kept while it fails: every forward raises, none computes
                 flat = self.resident[layer]
                 self._move_to(None)
             elif self.zero_copy:
@@ -163,7 +168,8 @@ class WeightStream:
 
     def _take(self, s: int) -> torch.Tensor:
         slot = self.slots[s]
-        flat = slot.copy.wait()   # CUDA: the compute stream waits for the copy's event; CPU: the host does
+        with span("wait", f"weights {slot.layer}"):
+            flat = slot.copy.wait()   # CUDA: the compute stream waits for the copy's event; CPU: the host does
         slot.copy = None
         return flat
 
@@ -200,9 +206,12 @@ class WeightStream:
             if j is None or j < self._cursor or j >= len(self._seq) or self._seq[j] != layer \
                     or self._prefetched is not None:
                 return
-            self._deferred = None
             s = self._other_slot()
-            self._issue(layer, s)
+            try:
+                self._issue(layer, s)
+            except Exception:  # noqa: BLE001 - a prefetch is not the update: acquire fetches it and raises
+                return
+            self._deferred = None
             self._prefetched = (j, s)
             self.deferred_reissued += 1
 
@@ -212,7 +221,7 @@ class WeightStream:
             for slot in self.slots:
                 self._settle(slot)
             for handle in self._resident_copy.values():
-                handle.synchronize()
+                wait_completion(handle.completion())   # its failure, if any, was the forward's to report
             self._resident_copy.clear()
             self._prefetched = self._deferred = None
 

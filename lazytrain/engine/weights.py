@@ -242,7 +242,8 @@ class _GradientSink:
                 self.free.put(staging)
         while len(self.pending) >= self.max_in_flight:
             t0 = time.perf_counter()
-            self.pending.popleft().result()
+            with streams.span("wait", "gradient sink"):
+                self.pending.popleft().result()
             self.blocked_seconds += time.perf_counter() - t0
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()

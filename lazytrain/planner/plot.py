@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .simulate import SimResult
 
-LANES = ["compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer"]
+LANES = ["compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "wait"]
 COLORS = {"fwd": "#4c72b0", "head": "#8172b2", "recompute": "#c44e52", "diff": "#55a868", "weights": "#8c8c8c",
           "prefetch": "#dd8452", "offload": "#937860", "grads": "#64b5cd", "update": "#ccb974"}
 

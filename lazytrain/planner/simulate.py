@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..trace import Timeline
 from .plan import DEVICE_HOME, RECOMPUTE, Plan
 from .problem import Problem, fmt_bytes
 
@@ -26,7 +27,7 @@ class SimulationError(ValueError):
 
 @dataclass
 class Event:
-    lane: str           # compute | h2d | d2h | nvme_read | nvme_write | optimizer
+    lane: str           # compute | h2d | d2h | nvme_read | nvme_write | optimizer | wait
     label: str
     start: float
     end: float
@@ -47,6 +48,13 @@ class SimResult:
     timeline: list[Event] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)   # per window: start, end, hbm, host, nvme
     violations: list[str] = field(default_factory=list)
+
+    def trace(self, source: str = "predicted") -> Timeline:
+        """The simulated step as a :class:`~lazytrain.trace.Timeline`, the format measured steps use."""
+        t = Timeline(source)
+        for e in self.timeline:
+            t.add_relative(e.lane, e.label, e.start, e.end, window=e.window)
+        return t.finish()
 
     def summary(self) -> dict[str, Any]:
         return {"step_time_s": self.step_time_s, "tflops": self.tflops, "tokens_per_s": self.tokens_per_s,
@@ -251,6 +259,12 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
         for j in range(L):
             events.append(Event("optimizer", f"update L{j}", opt_start + O[j], opt_start + O[j + 1], 2 * L))
     step = t + delay
+    if timeline:   # the rest of the step, so that the timeline ends where the step does
+        if plan.overlap_optimizer:
+            events.append(Event("wait", "optimizer exposed in the next forward", t, step, 2 * L))
+        else:
+            events.append(Event("h2d", "next step's first weights (embedding/head + L0)",
+                                step - p.load_nl - p.load_l[0], step, 2 * L))
 
     # --- budgets -----------------------------------------------------------------------------
     for tier, budget in (("hbm", p.gpu_budget), ("host", p.host_budget), ("nvme", p.nvme_budget)):

@@ -5,6 +5,7 @@ the CUDA event; on a CPU-only machine the same code runs with plain synchronous 
 """
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -68,7 +69,8 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
                 e.synchronize()
             dst.copy_(src)
             return TransferHandle(value=dst if value is None else value)
-        return _host_thread_copy(dst, src, value, afters, direction)
+        # a source still being filled by an ordered write (``after``) changes before the copy, by design
+        return _host_thread_copy(dst, src, value, afters, direction, check_source=after is None)
     direction = "h2d" if dst.device.type == "cuda" and src.device.type != "cuda" else "d2h"
     stream = _CopyStreams.get(cuda_dev, direction)
     if follow_current:
@@ -87,6 +89,8 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
         dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
+    streams.record_device_copy(direction, f"{tuple(src.shape)} {src.dtype}", start, event,
+                               src.numel() * src.element_size())
     if src.device.type == "cuda":
         src.record_stream(stream)
     if dst.device.type == "cuda":
@@ -102,21 +106,24 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _host_thread_copy(dst, src, value, afters, direction: str) -> TransferHandle:
+def _host_thread_copy(dst, src, value, afters, direction: str, check_source: bool = True) -> TransferHandle:
     """The CPU counterpart of a side-stream copy: queued on the copy thread of ``direction``. As on a
     CUDA stream, the caller must not change ``src`` until the copy is done; a change is caught (the
     tensor's version moved) and fails the copy instead of copying half-changed data."""
-    version = _version(src)
+    version = _version(src) if check_source else None
 
     def run():
         for e in afters:
             e.synchronize()
+        t0 = time.perf_counter()
         streams.chaos_delay()
         if version is not None and _version(src) != version:
             raise TierError(f"a tensor of {tuple(src.shape)} {src.dtype} was modified in place before its "
                             f"asynchronous copy ({direction}) ran; a tensor handed to a transfer must not "
                             f"change until the transfer is done")
         dst.copy_(src)
+        streams.record(direction, f"{tuple(src.shape)} {src.dtype}", t0, time.perf_counter(),
+                       bytes=src.numel() * src.element_size())
         return dst if value is None else value
     future = streams.host_stream(direction).submit(run)
     return TransferHandle(future=future, event=streams.HostEvent(future), keepalive=src,

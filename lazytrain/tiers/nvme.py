@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import uuid
 import zlib
 import weakref
@@ -372,10 +373,11 @@ class NVMeTier(Tier):
         return TransferHandle(future=op.future)
 
     def _write_request(self, op, fd, landing: _Landing, offset, length, nbytes, entry, event, keepalive):
-        streams.chaos_delay()
         try:
             if event is not None:
                 event.synchronize()
+            t0 = time.perf_counter()
+            streams.chaos_delay()
             block = self.settings.block_size
             sums = landing.checksums(offset, min(length, max(0, nbytes - offset)), block)
             entry.checksums[offset // block:offset // block + len(sums)] = sums
@@ -388,6 +390,7 @@ class NVMeTier(Tier):
         except BaseException as e:  # noqa: BLE001 - delivered through the op's future
             op.part_done(e)
         else:
+            streams.record("nvme_write", entry.key, t0, time.perf_counter(), bytes=length)
             op.part_done()
 
     def _write_kvikio(self, key, tensor):
@@ -531,6 +534,7 @@ class NVMeTier(Tier):
         return op.future
 
     def _read_request(self, op, fd, landing: _Landing, offset, length, entry: _Entry, scatter):
+        t0 = time.perf_counter()
         try:
             streams.chaos_delay()
             done = 0
@@ -558,6 +562,7 @@ class NVMeTier(Tier):
         except BaseException as e:  # noqa: BLE001
             op.part_done(e)
         else:
+            streams.record("nvme_read", entry.key, t0, time.perf_counter(), bytes=length)
             op.part_done()
 
     def _read_kvikio(self, entry: _Entry, out, target: torch.device, issued):

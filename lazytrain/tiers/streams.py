@@ -56,6 +56,73 @@ class TransferSettings:
     chaos: Chaos | None = None     # delay every transfer and layer update at random
 
 
+_timeline = None   # the lazytrain.trace.Timeline being recorded, if any
+
+
+def start_recording(timeline) -> None:
+    global _timeline
+    _timeline = timeline
+
+
+def stop_recording():
+    global _timeline
+    t, _timeline = _timeline, None
+    return t
+
+
+def recording():
+    return _timeline
+
+
+def record(lane: str, name: str, start: float, end: float, **args) -> None:
+    """A span of work that ran (perf_counter seconds), when a step is being traced."""
+    t = _timeline
+    if t is not None:
+        t.add(lane, name, start, end, **args)
+
+
+class span:
+    """``with span(lane, name): ...`` records the block's wall time on ``lane`` when tracing."""
+    __slots__ = ("lane", "name", "args", "t0")
+
+    def __init__(self, lane: str, name: str, **args):
+        self.lane, self.name, self.args = lane, name, args
+
+    def __enter__(self):
+        self.t0 = time.perf_counter() if _timeline is not None else None
+        return self
+
+    def __exit__(self, *exc):
+        if self.t0 is not None:
+            record(self.lane, self.name, self.t0, time.perf_counter(), **self.args)
+        return False
+
+
+def record_device_copy(lane: str, name: str, start_event, end_event, nbytes: int) -> None:
+    """A copy on a CUDA stream, timed by its events once it has run (resolved at the end of the trace)."""
+    t = _timeline
+    if t is None:
+        return
+    base, base_host = _device_origin(t, start_event.device)
+
+    def resolve():
+        end_event.synchronize()
+        return (base_host + base.elapsed_time(start_event) / 1e3 - t.origin,
+                base_host + base.elapsed_time(end_event) / 1e3 - t.origin)
+    t.add_deferred(lane, name, resolve, bytes=nbytes)
+
+
+def _device_origin(t, device):
+    """(event, perf_counter time) taken together once per trace: device times are placed against it."""
+    origins = t.__dict__.setdefault("_device_origins", {})
+    if device not in origins:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        event.synchronize()
+        origins[device] = (event, time.perf_counter())
+    return origins[device]
+
+
 _settings = TransferSettings()
 
 

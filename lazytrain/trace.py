@@ -1,0 +1,150 @@
+"""Step timelines in one format for what the engine did and what the planner predicted.
+
+A :class:`Timeline` holds spans on named lanes (the simulator's: ``compute``, ``h2d``, ``d2h``,
+``nvme_read``, ``nvme_write``, ``optimizer``; measured steps add ``wait``: the time the compute side sat
+blocked, named by what it waited for). It is written as Chrome/Perfetto trace JSON (open it in
+ui.perfetto.dev or chrome://tracing), one process per timeline, so a predicted and a measured step can be
+put in one file and read side by side, and summarised as a table.
+
+Pure Python (no torch): the planner writes Plans' predicted timelines with it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+LANES = ("compute", "wait", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+
+
+@dataclass
+class Span:
+    lane: str
+    name: str
+    start: float          # seconds from the timeline's origin
+    end: float
+    args: dict = field(default_factory=dict)
+
+
+class Timeline:
+    """Spans on lanes; ``add`` may be called from any thread (copy threads, I/O threads, the update)."""
+
+    def __init__(self, source: str):
+        self.source = source
+        self.spans: list[Span] = []
+        self.origin = time.perf_counter()
+        self._lock = threading.Lock()
+        self._deferred: list = []   # (lane, name, resolve() -> (start, end) seconds, args): device-timed spans
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    def add(self, lane: str, name: str, start: float, end: float, **args) -> None:
+        """A span from ``start`` to ``end`` (perf_counter seconds, absolute)."""
+        with self._lock:
+            self.spans.append(Span(lane, name, start - self.origin, end - self.origin, args))
+
+    def add_relative(self, lane: str, name: str, start: float, end: float, **args) -> None:
+        """A span whose times are already seconds from the origin (a simulated step)."""
+        with self._lock:
+            self.spans.append(Span(lane, name, start, end, args))
+
+    def add_deferred(self, lane: str, name: str, resolve, **args) -> None:
+        """A span timed on a device, resolved once the device has run it (``finish``)."""
+        with self._lock:
+            self._deferred.append((lane, name, resolve, args))
+
+    def finish(self) -> "Timeline":
+        with self._lock:
+            for lane, name, resolve, args in self._deferred:
+                start, end = resolve()
+                self.spans.append(Span(lane, name, start, end, args))
+            self._deferred.clear()
+            self.spans.sort(key=lambda s: (s.start, s.lane))
+        return self
+
+    # ---- reading it ---------------------------------------------------------------------------
+    @property
+    def duration(self) -> float:
+        return max((s.end for s in self.spans), default=0.0) - min((s.start for s in self.spans), default=0.0)
+
+    def busy(self, lane: str) -> float:
+        """Seconds during which at least one span of ``lane`` was open (overlapping spans count once)."""
+        total, reach = 0.0, None
+        for s in sorted((s for s in self.spans if s.lane == lane), key=lambda s: s.start):
+            if reach is None or s.start > reach:
+                total += s.end - s.start
+                reach = s.end
+            elif s.end > reach:
+                total += s.end - reach
+                reach = s.end
+        return total
+
+    def chrome_events(self, pid: int = 1) -> list[dict]:
+        lanes = [lane for lane in LANES if any(s.lane == lane for s in self.spans)] + \
+            sorted({s.lane for s in self.spans} - set(LANES))
+        tid = {lane: k + 1 for k, lane in enumerate(lanes)}
+        events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": self.source}}]
+        events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid[lane], "args": {"name": lane}}
+                   for lane in lanes]
+        events += [{"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid[lane], "args": {"sort_index": tid[lane]}}
+                   for lane in lanes]
+        base = min((s.start for s in self.spans), default=0.0)
+        for s in self.spans:
+            events.append({"ph": "X", "name": s.name, "cat": s.lane, "pid": pid, "tid": tid[s.lane],
+                           "ts": round((s.start - base) * 1e6, 3), "dur": round(max(0.0, s.end - s.start) * 1e6, 3),
+                           "args": s.args})
+        return events
+
+    def summary(self) -> str:
+        """Per lane: spans, busy time and its share of the step; then the longest waits by what they
+        waited for."""
+        step = self.duration
+        rows = [f"{self.source}: step {step * 1e3:.2f} ms",
+                f"{'lane':<12}{'spans':>7}{'busy ms':>10}{'share':>8}{'bytes':>14}"]
+        for lane in LANES:
+            spans = [s for s in self.spans if s.lane == lane]
+            if not spans:
+                continue
+            nbytes = sum(int(s.args.get("bytes", 0)) for s in spans)
+            busy = self.busy(lane)
+            rows.append(f"{lane:<12}{len(spans):>7}{busy * 1e3:>10.2f}{busy / step if step else 0:>8.0%}"
+                        f"{nbytes if nbytes else '':>14}")
+        waits: dict[str, float] = {}
+        for s in self.spans:
+            if s.lane == "wait":
+                what = s.name.rsplit(" ", 1)[0]   # "weights 3" -> "weights"
+                waits[what] = waits.get(what, 0.0) + s.end - s.start
+        if waits:
+            rows.append("waits: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
+                                              sorted(waits.items(), key=lambda kv: -kv[1])))
+        return "\n".join(rows)
+
+
+def write_chrome_trace(path: str, *timelines: Timeline) -> None:
+    """Write timelines into one Chrome/Perfetto trace file, one process each (predicted beside measured)."""
+    events = []
+    for pid, t in enumerate(timelines, start=1):
+        events += t.chrome_events(pid)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def check_writable(path: str) -> None:
+    """Refuse a trace path that cannot be written, before any training time is spent."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"trace path {path} is a directory; give a file name such as {os.path.join(path, 'step.json')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"trace path {path}: its directory {folder} does not exist")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"trace path {path} cannot be written: {e.strerror or e}") from e
+    if not existed:
+        os.remove(path)

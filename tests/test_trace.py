@@ -1,0 +1,107 @@
+"""Step traces: what a step did, as a timeline in the format the simulator writes for a Plan."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import lazytrain
+from lazytrain.planner import simulate as sim
+from lazytrain.trace import LANES, Timeline, write_chrome_trace
+from lazytrain.tiers import streams
+from engine_models import batches, lm_loss, make_model
+
+
+@pytest.fixture(autouse=True)
+def _calm_transfers_after():
+    yield
+    streams.configure()
+
+
+def traced_engine(tmp_path, **section):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"checkpoint_interval": 2, "last_segment_graph": False,
+                         "testing": {"copy_threads": True}, **section}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    return engine
+
+
+def test_a_traced_step_records_each_layer_each_transfer_and_each_update(tmp_path):
+    engine = traced_engine(tmp_path, boundary_home="host", overlap_optimizer=True)
+    (x0, y0), (x1, y1) = batches(2)
+    engine.backward(lm_loss(engine(x0), y0))
+    engine.step()
+    path = tmp_path / "step.json"
+    engine.trace_next_step(str(path))
+    engine.backward(lm_loss(engine(x1), y1))
+    engine.step()
+    t = engine.last_trace
+    names = lambda lane: [s.name for s in t.spans if s.lane == lane]   # noqa: E731
+    # 6 layers, boundaries 0, 2, 4 kept: forward, then per segment one re-run and two differentiations
+    assert sorted(names("compute")) == sorted([f"fwd L{i}" for i in range(6)] +
+                                              [f"recompute L{i}" for i in (0, 2, 4)] +
+                                              [f"diff L{i}" for i in range(6)] + [f"bwd L{i}" for i in range(6)])
+    layer_bytes = engine.weights.layer_numels[0] * 4
+    weight_copies = [s for s in t.spans if s.lane == "h2d" and s.args["bytes"] == layer_bytes]
+    assert len(weight_copies) == 6 + 9                       # forward 6, backward 3 per segment
+    boundary_bytes = 2 * 12 * 32 * 4                         # micro-batch 2, 12 tokens, width 32, fp32
+    assert len([s for s in t.spans if s.lane == "d2h" and s.args["bytes"] == boundary_bytes]) == 3   # offloads
+    assert len([s for s in t.spans if s.lane == "h2d" and s.args["bytes"] == boundary_bytes]) == 3   # prefetches
+    assert len([s for s in t.spans if s.lane == "d2h" and s.args["bytes"] == layer_bytes]) == 6      # gradients
+    # the step's own updates last (the previous step's ran while this forward did: recorded too)
+    assert names("optimizer")[-6:] == [f"update L{i}" for i in range(6)]
+    assert all(s.end >= s.start for s in t.spans)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert len([e for e in events if e["ph"] == "X"]) == len(t.spans)
+    lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert lanes <= set(LANES) and {"compute", "h2d", "d2h", "optimizer"} <= lanes
+    summary = t.summary()
+    assert summary.splitlines()[0].startswith("measured: step ") and "compute" in summary
+    engine.destroy()
+
+
+def test_nvme_reads_are_traced_request_by_request(tmp_path):
+    engine = traced_engine(tmp_path, weights_home="nvme", nvme_path=str(tmp_path))
+    x, y = batches(1)[0]
+    engine.trace_next_step()
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    reads = [s for s in engine.last_trace.spans if s.lane == "nvme_read"]
+    assert sum(s.args["bytes"] for s in reads) >= 15 * engine.weights.layer_numels[0] * 4
+    engine.destroy()
+
+
+def test_the_simulator_writes_the_same_format(tmp_path):
+    from lazytrain.planner.policies import megatrain_plan
+    from lazytrain.planner.problem import make_problem
+    problem = make_problem("qwen2.5-3b", "h800", 8, 1024)
+    result = sim.simulate(problem, megatrain_plan(problem, 4))
+    predicted = result.trace()
+    assert {s.lane for s in predicted.spans} <= set(LANES)
+    assert abs(predicted.duration - result.step_time_s) <= 1e-9 * max(1.0, result.step_time_s)
+    measured = Timeline("measured")
+    measured.add(lane="compute", name="fwd L0", start=measured.origin, end=measured.origin + 0.5)
+    path = tmp_path / "side-by-side.json"
+    write_chrome_trace(str(path), predicted.finish(), measured.finish())
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"predicted", "measured"}
+
+
+def test_a_trace_path_that_cannot_be_written_is_refused_before_training(tmp_path):
+    engine = traced_engine(tmp_path)
+    with pytest.raises(ValueError, match=r"its directory .*missing does not exist"):
+        engine.trace_next_step(str(tmp_path / "missing" / "step.json"))
+    with pytest.raises(ValueError, match=r"is a directory; give a file name"):
+        engine.trace_next_step(str(tmp_path))
+    engine.destroy()
+    out = subprocess.run([sys.executable, "-m", "lazytrain.cli", "train", "--steps", "1", "--no-progress",
+                          "--out", str(tmp_path / "out"), "--trace", str(tmp_path / "missing" / "t.json")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 2
+    assert out.stderr.strip().endswith("missing does not exist") and "Traceback" not in out.stderr
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
