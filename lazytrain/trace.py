@@ -37,9 +37,7 @@ class Timeline:
         self.origin = time.perf_counter()
         self._lock = threading.Lock()
         self._deferred: list = []   # (lane, name, resolve() -> (start, end) seconds, args): device-timed spans
-
-    def now(self) -> float:
-        return time.perf_counter() - self.origin
+        self.device_origins: dict = {}   # device -> (its event, perf_counter time) taken together
 
     def add(self, lane: str, name: str, start: float, end: float, **args) -> None:
         """A span from ``start`` to ``end`` (perf_counter seconds, absolute)."""

@@ -404,14 +404,20 @@ class LazyTrainEngine(nn.Module):
         """Around a write of the streamed layers' host weights: no copy still reads them when it starts
         (the weight stream's fence), and their device copies follow once it is done."""
         layers = list(layers)
-        if launch_event is None and self.device.type == "cuda":   # kernels queued so far may read resident copies
-            launch_event = torch.cuda.Event()
-            launch_event.record(torch.cuda.current_stream(self.device))
-        for i in layers:
-            self.stream.before_host_write(i)
+        if launch_event is None:   # kernels queued so far may read resident copies
+            launch_event = self._compute_stream_point()
+        self.stream.before_host_write(layers)
         yield
         for i in layers:
             self.stream.after_host_write(i, launch_event)
+
+    def _compute_stream_point(self):
+        """A CUDA event after the work queued so far on the compute stream (None on the CPU)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def _refresh_streamed_layers(self) -> None:
         """After the masters were written from outside an optimizer step (a checkpoint load)."""
@@ -435,10 +441,7 @@ class LazyTrainEngine(nn.Module):
             for p in grads:
                 p.grad = None
 
-        launched = None   # kernels queued so far may still read resident layers' device copies
-        if self.device.type == "cuda":
-            launched = torch.cuda.Event()
-            launched.record(torch.cuda.current_stream(self.device))
+        launched = self._compute_stream_point()   # queued kernels may still read resident device copies
 
         def update_layer(i: int) -> None:
             if layer_grads[i]:
@@ -564,8 +567,7 @@ class LazyTrainEngine(nn.Module):
             return
         # the user's loader writes into the module as DeepSpeed hands it over; in bf16/fp16 the non-block
         # parameters show their fp32 masters meanwhile, so what it writes keeps full precision
-        for i in range(self.weights.num_layers):   # the loader writes the masters: no copy may read them
-            self.stream.before_host_write(i)
+        self.stream.before_host_write(range(self.weights.num_layers))   # the loader writes the masters
         with self.masters.params_showing_masters() if self.masters is not None else contextlib.nullcontext():
             custom_load_fn(src=state, dst=self.module)           # DeepSpeed's keyword names
         self._refresh_streamed_layers()   # block parameters are views of their masters
@@ -577,8 +579,8 @@ class LazyTrainEngine(nn.Module):
                                "without assign=True, which copies the values in")
         if self._load_top is None or not prefix.startswith(self._load_top[1]):
             self._load_top = (module, prefix, state_dict)   # pre-hooks run from the top module down
-            for i in range(self.weights.num_layers):   # the load writes the masters (the fp32 host copy):
-                self.stream.before_host_write(i)       # no copy may still read them
+            # the load writes the masters (the fp32 host copy): no copy may still read them
+            self.stream.before_host_write(range(self.weights.num_layers))
 
     def _after_module_load(self, module, incompatible_keys) -> None:
         """Once the module the user loaded into is done (post-hooks run bottom-up), the values are in its

@@ -10,19 +10,21 @@ Invariants, each held by this one object:
   when compute moved off the slot (not everything queued on the stream); on the CPU, compute is
   synchronous, so moving off the slot is that point.
 * A layer's host copy is not rewritten while a copy still reads it: the host update calls
-  :meth:`before_host_write` first (the write fence) and :meth:`after_host_write` after, which publishes
-  the layer as ready: it refreshes a resident layer's device copy (ordered by events, no host
-  synchronisation) and issues the prefetch that was deferred because the layer's update was pending.
+  :meth:`before_host_write` first (the write fence) and :meth:`after_host_write` after, which refreshes
+  a resident layer's device copy (ordered by events, no host synchronisation). Once the update thread
+  marks the layer updated, :meth:`on_update_done` issues the prefetch that was deferred because the
+  layer's update was pending.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from ..tiers import TransferHandle
-from ..tiers.base import wait_completion
+from ..tiers.base import completion_reached, wait_completion
 from ..tiers.streams import issued_after, span
 from .weights import LayerWeights
 
@@ -64,8 +66,6 @@ class WeightStream:
         self._current: int | None = None     # slot the compute side is using
         self._prefetched: tuple[int, int] | None = None   # (sequence index, slot) of the prefetch in flight
         self._deferred: int | None = None    # sequence index whose prefetch waits for the layer's update
-        self.deferred_reissued = 0           # prefetches issued by the update thread once a layer was done
-        self.demand_fetches = 0              # copies the compute side had to start itself and wait for
 
     @property
     def zero_copy(self) -> bool:
@@ -112,7 +112,6 @@ class WeightStream:
                         self._deferred = None   # fetched here, now that its update is done
                     s = self._other_slot()
                     self._issue(layer, s)
-                    self.demand_fetches += 1
                 flat = self._take(s)
                 self._move_to(s)
             if on_seq:
@@ -145,7 +144,7 @@ class WeightStream:
         if j >= len(seq):
             return
         if self.weights.update_pending(seq[j]):
-            self._deferred = j      # issued by after_host_write once the layer's update lands
+            self._deferred = j      # issued by on_update_done once the layer's update lands
             return
         s = self._other_slot()
         self._issue(seq[j], s)
@@ -176,15 +175,15 @@ class WeightStream:
     def _note_read(self, layer: int, done) -> None:
         if done is None:
             return
-        reads = [d for d in self._reads.get(layer, ()) if not _is_done(d)]
+        reads = [d for d in self._reads.get(layer, ()) if not completion_reached(d)]
         reads.append(done)
         self._reads[layer] = reads
 
     # ---- the host update's side ----------------------------------------------------------------------
-    def before_host_write(self, layer: int) -> None:
-        """The write fence: returns once no copy reads layer ``layer``'s host copy any more."""
+    def before_host_write(self, layers: Iterable[int]) -> None:
+        """The write fence: returns once no copy reads the host copy of any of ``layers`` any more."""
         with self._lock:
-            reads = self._reads.pop(layer, [])
+            reads = [d for i in layers for d in self._reads.pop(i, ())]
         for done in reads:
             wait_completion(done)
 
@@ -213,7 +212,6 @@ class WeightStream:
                 return
             self._deferred = None
             self._prefetched = (j, s)
-            self.deferred_reissued += 1
 
     def settle_all(self) -> None:
         """Wait for every copy in flight into the device buffers (before they are freed or rewritten)."""
@@ -224,7 +222,3 @@ class WeightStream:
                 wait_completion(handle.completion())   # its failure, if any, was the forward's to report
             self._resident_copy.clear()
             self._prefetched = self._deferred = None
-
-
-def _is_done(done) -> bool:
-    return done.done() if hasattr(done, "done") else done.query()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import queue
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -45,7 +44,7 @@ def _layout(block: nn.Module) -> list[ParamSlot]:
 
 
 class LayerWeights:
-    """Host-side storage of every streamed layer and the device buffers they stream through."""
+    """Host-side storage of every streamed layer: masters, compute copies, gradient buffers."""
 
     def __init__(self, blocks: nn.ModuleList, compute_dtype: torch.dtype, device: torch.device,
                  weights_tier: Tier, device_tier: Tier):
@@ -216,7 +215,6 @@ class _GradientSink:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
         self.max_in_flight = max_in_flight
         self.pending: collections.deque[Future] = collections.deque()
-        self.blocked_seconds = 0.0   # time backward waited for the worker (back-pressure)
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
@@ -241,10 +239,8 @@ class _GradientSink:
             finally:
                 self.free.put(staging)
         while len(self.pending) >= self.max_in_flight:
-            t0 = time.perf_counter()
             with streams.span("wait", "gradient sink"):
                 self.pending.popleft().result()
-            self.blocked_seconds += time.perf_counter() - t0
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()
         self.pending.append(self.pool.submit(add))

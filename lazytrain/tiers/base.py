@@ -104,6 +104,13 @@ class TransferHandle:
         return ready().__await__()
 
 
+def completion_reached(done: Any) -> bool:
+    """Whether a :meth:`TransferHandle.completion` is reached (never blocks)."""
+    if done is None:
+        return True
+    return done.done() if isinstance(done, Future) else done.query()
+
+
 def wait_completion(done: Any) -> None:
     """Block until a :meth:`TransferHandle.completion` is reached; its outcome is the handle owner's to
     report, so a failure is not raised here."""

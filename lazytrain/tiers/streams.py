@@ -114,7 +114,7 @@ def record_device_copy(lane: str, name: str, start_event, end_event, nbytes: int
 
 def _device_origin(t, device):
     """(event, perf_counter time) taken together once per trace: device times are placed against it."""
-    origins = t.__dict__.setdefault("_device_origins", {})
+    origins = t.device_origins
     if device not in origins:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(device))
@@ -208,7 +208,3 @@ def ordering() -> tuple[bool, object]:
         return True, None
     return False, after
 
-
-def wait_event_on_host(event) -> None:
-    if event is not None:
-        event.synchronize()
