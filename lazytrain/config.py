@@ -203,13 +203,16 @@ class TestingConfig:
     copy_threads: bool = False          # CPU: transfers run on copy threads, as on CUDA streams
     chaos_seed: int | None = None       # delay every transfer and layer update at random (seeded)
     chaos_max_delay_ms: float = 2.0
+    # emulated links on the CPU: link name -> (GB/s, latency in ms); the copies on it take at least that long
+    links: dict = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
-        return self.copy_threads or self.chaos_seed is not None
+        return self.copy_threads or self.chaos_seed is not None or bool(self.links)
 
 
-_TESTING_KEYS = {"copy_threads", "chaos_seed", "chaos_max_delay_ms"}
+_TESTING_KEYS = {"copy_threads", "chaos_seed", "chaos_max_delay_ms", "links"}
+_EMULATED_LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 
 
 @dataclass(frozen=True)
@@ -513,12 +516,40 @@ def _parse_testing(section) -> TestingConfig:
     if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 1000:
         raise ConfigError(f"config key 'lazytrain.testing.chaos_max_delay_ms' must be a number of milliseconds "
                           f"in [0, 1000], got {delay!r}")
-    cfg = TestingConfig(copy_threads=copy_threads, chaos_seed=seed, chaos_max_delay_ms=float(delay))
+    links = _parse_links(section.get("links", {}))
+    if links and not copy_threads:
+        raise ConfigError("config key 'lazytrain.testing.links' needs 'lazytrain.testing.copy_threads': true (the "
+                          "emulated links slow down the copies that run on the copy threads)")
+    cfg = TestingConfig(copy_threads=copy_threads, chaos_seed=seed, chaos_max_delay_ms=float(delay), links=links)
     if cfg.active:
-        warnings.warn("lazytrain: 'lazytrain.testing' is a setting for tests and benchmarks (copy threads and "
-                      "random transfer delays exercise the engine's ordering on the CPU); it only slows a training "
-                      "run down: remove it from a real config", UserWarning, stacklevel=4)
+        warnings.warn("lazytrain: 'lazytrain.testing' is a setting for tests and benchmarks (copy threads, "
+                      "random transfer delays and emulated links exercise the engine's ordering and timing on "
+                      "the CPU); it only slows a training run down: remove it from a real config",
+                      UserWarning, stacklevel=4)
     return cfg
+
+
+def _parse_links(section) -> dict:
+    """``{"h2d": {"gbps": 0.2, "latency_ms": 0.05}, ...}`` -> {link: (gbps, latency_ms)}."""
+    where = "lazytrain.testing.links"
+    if not isinstance(section, dict):
+        raise ConfigError(f"config key '{where}' must be an object of link name -> "
+                          f"{{\"gbps\": ..., \"latency_ms\": ...}}, got {section!r}")
+    _check_keys(section, set(_EMULATED_LINKS), where)
+    links = {}
+    for name, spec in section.items():
+        if not isinstance(spec, dict):
+            raise ConfigError(f"config key '{where}.{name}' must be an object with 'gbps' and optionally "
+                              f"'latency_ms', got {spec!r}")
+        _check_keys(spec, {"gbps", "latency_ms"}, f"{where}.{name}")
+        gbps, latency = spec.get("gbps"), spec.get("latency_ms", 0.0)
+        if isinstance(gbps, bool) or not isinstance(gbps, (int, float)) or not 0 < gbps < float("inf"):
+            raise ConfigError(f"config key '{where}.{name}.gbps' must be a bandwidth in GB/s > 0, got {gbps!r}")
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency <= 1000:
+            raise ConfigError(f"config key '{where}.{name}.latency_ms' must be a number of milliseconds in "
+                              f"[0, 1000], got {latency!r}")
+        links[name] = (float(gbps), float(latency))
+    return links
 
 
 def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set) -> LazyTrainSection:

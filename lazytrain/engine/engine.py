@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..config import ConfigError, EngineConfig
 from ..tiers import format_bytes, streams
-from ..tiers.streams import Chaos
+from ..tiers.streams import Chaos, EmulatedLink
 from ..trace import Timeline, check_writable, write_chrome_trace
 from . import checkpoint as ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
@@ -99,9 +99,14 @@ class LazyTrainEngine(nn.Module):
         self.compute_dtype = _DTYPES[config.compute_dtype_name]
         _check_model_dtype(model, self.compute_dtype)
         testing = config.lazytrain.testing   # how transfers run in this process (tests and benchmarks)
+        if testing.links and self.device.type != "cpu":
+            raise ConfigError(f"config key 'lazytrain.testing.links' emulates links on the CPU's copy threads; the "
+                              f"device {self.device} has real ones: remove the key, or set 'lazytrain.device': \"cpu\"")
         streams.configure(copy_threads=testing.copy_threads,
                           chaos=Chaos(testing.chaos_seed, testing.chaos_max_delay_ms / 1e3)
-                          if testing.chaos_seed is not None else None)
+                          if testing.chaos_seed is not None else None,
+                          links={name: EmulatedLink(name, gbps, latency_ms / 1e3)
+                                 for name, (gbps, latency_ms) in testing.links.items()})
 
         # what streams and what stays
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
@@ -335,7 +340,8 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError("engine.step() needs an optimizer: add an 'optimizer' section to the config or pass "
                               "optimizer= to lazytrain.initialize")
         self.wait_for_update()
-        self.weights.flush_grads()
+        with streams.span("wait", "gradients to host"):
+            self.weights.flush_grads()
         self.weights.attach_grads()
         self.dist.fill_missing_grads(self._non_block_grad_holders())
         grads = self._all_grads()
@@ -343,7 +349,8 @@ class LazyTrainEngine(nn.Module):
         # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
         # so that the gradients are rescaled in one pass (or inside the fused optimizer update)
         inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None and self._scaled_backward else 1.0
-        norm = _global_norm(grads) * inv_scale
+        with streams.span("optimizer", "gradient norm"):   # the step's serial host phase begins
+            norm = _global_norm(grads) * inv_scale
         finite = math.isfinite(norm)
         self._global_grad_norm = norm
         if not finite:
@@ -367,7 +374,8 @@ class LazyTrainEngine(nn.Module):
             else:
                 self._update_serial(factor, grads)
             if self.masters is not None:
-                self.masters.masters_to_params()
+                with streams.span("optimizer", "embedding/head"):
+                    self.masters.masters_to_params()
             self.last_optimizer_seconds = time.perf_counter() - t0
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
@@ -389,7 +397,7 @@ class LazyTrainEngine(nn.Module):
 
     def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
         """The whole update now, then every streamed layer's compute copy refreshed."""
-        with self._host_writes(range(self.weights.num_layers)):
+        with self._host_writes(range(self.weights.num_layers)), streams.span("optimizer", "update all"):
             if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
                 self.optimizer.step(clip_coef=factor)
             else:
@@ -435,7 +443,8 @@ class LazyTrainEngine(nn.Module):
         groups = self.optimizer.snapshot()
         block_ids = {id(p) for params in w.params for p in params}
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
-        self.optimizer.step(params=rest, clip_coef=factor)
+        with streams.span("optimizer", "embedding/head"):
+            self.optimizer.step(params=rest, clip_coef=factor)
         layer_grads = [w.grad_views(i) for i in range(w.num_layers)]
         for grads in layer_grads:
             for p in grads:

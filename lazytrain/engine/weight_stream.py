@@ -10,10 +10,12 @@ Invariants, each held by this one object:
   when compute moved off the slot (not everything queued on the stream); on the CPU, compute is
   synchronous, so moving off the slot is that point.
 * A layer's host copy is not rewritten while a copy still reads it: the host update calls
-  :meth:`before_host_write` first (the write fence) and :meth:`after_host_write` after, which refreshes
-  a resident layer's device copy (ordered by events, no host synchronisation). Once the update thread
-  marks the layer updated, :meth:`on_update_done` issues the prefetch that was deferred because the
-  layer's update was pending.
+  :meth:`before_host_write` first (the write fence) and :meth:`after_host_write` after, which marks a
+  resident layer's device copy stale. The refresh is issued in the forward's order, when the compute
+  side takes the layer before it (as the Plan's cost model has it: a refresh issued as soon as the
+  update lands would take the link ahead of the layers the forward needs first), and is ordered by
+  events, with no host synchronisation. Once the update thread marks the layer updated,
+  :meth:`on_update_done` issues the prefetch that was deferred because the layer's update was pending.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class WeightStream:
         self._lock = threading.RLock()   # the update thread publishes readiness while the forward runs
         self.resident: dict[int, torch.Tensor] = {}
         self._resident_copy: dict[int, TransferHandle] = {}   # layer -> refresh the compute side must wait for
+        self._stale: dict[int, object] = {}   # resident layer -> the launch event its refresh must follow
         for i in resident_layers:
             buf = torch.empty(weights.layer_numels[i], dtype=weights.compute_dtype, device=self.device)
             weights.device_tier.write(f"weights.resident{i}", buf, owned=True)
@@ -93,6 +96,7 @@ class WeightStream:
             self.weights.wait_updated(layer)       # raises a failed update
         with self._lock:
             if layer in self.resident:
+                self._refresh_if_stale(layer)   # not yet issued: the model left the expected order
                 refresh = self._resident_copy.get(layer)
                 if refresh is not None:
                     refresh.wait()     # the compute side follows the refresh's copy (no host wait on CUDA)
@@ -136,9 +140,11 @@ class WeightStream:
         self._current = s
 
     def _prefetch_next(self) -> None:
+        seq, j = self._seq, self._cursor
+        if j < len(seq) and seq[j] in self._stale:
+            self._refresh_if_stale(seq[j])   # the next layer is resident: its refresh goes now
         if not self.prefetch or self.zero_copy or self._prefetched is not None or not self.slots:
             return
-        seq, j = self._seq, self._cursor
         while j < len(seq) and seq[j] in self.resident:
             j += 1
         if j >= len(seq):
@@ -188,15 +194,23 @@ class WeightStream:
             wait_completion(done)
 
     def after_host_write(self, layer: int, launch_event=None) -> None:
-        """Layer ``layer``'s host copy is new: refresh its resident device copy (ordered after
-        ``launch_event``, the compute-stream point where the step began, so kernels still reading the old
-        copy finish first) and, once the update is published, issue a prefetch waiting for it."""
+        """Layer ``layer``'s host copy is new: its resident device copy is stale, to be refreshed after
+        ``launch_event`` (the compute-stream point where the step began, so kernels still reading the old
+        copy finish first) when the forward comes to it, or now if it already has."""
         if layer in self.resident:
-            with issued_after(launch_event):
-                handle = self.weights.fetch_into(layer, self.resident[layer])
             with self._lock:
-                self._resident_copy[layer] = handle
-                self._note_read(layer, handle.completion())
+                self._stale[layer] = launch_event
+                if self._cursor < len(self._seq) and self._seq[self._cursor] == layer:
+                    self._refresh_if_stale(layer)
+
+    def _refresh_if_stale(self, layer: int) -> None:
+        if layer not in self._stale:
+            return
+        launch_event = self._stale.pop(layer)
+        with issued_after(launch_event):
+            handle = self.weights.fetch_into(layer, self.resident[layer])
+        self._resident_copy[layer] = handle
+        self._note_read(layer, handle.completion())
 
     def on_update_done(self, layer: int) -> None:
         """Called by the update thread once layer ``layer`` is marked updated: issue its deferred prefetch."""

@@ -234,7 +234,8 @@ class _GradientSink:
             staging = self.free.get()
             try:
                 part = staging[:numel]
-                async_copy(part, flat, after=ready, follow_current=False, direction="d2h").synchronize()
+                async_copy(part, flat, after=ready, follow_current=False, direction="d2h",
+                           label=f"grads L{i}").synchronize()
                 target.add_(part)
             finally:
                 self.free.put(staging)

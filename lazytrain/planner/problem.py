@@ -33,6 +33,7 @@ from functools import cached_property
 
 from ..units import parse_size
 from .hardware import GB, GiB, HardwareProfile, load_profile
+from .measured import MeasuredCosts
 from .models import ModelShape, load_model
 
 
@@ -70,6 +71,9 @@ class Problem:
     micro_batch: int
     seq_len: int
     check: bool = True
+    # compute and update times measured by the engine on this machine (see measured.py): they replace the
+    # FLOP-based terms, and the non-block parameters stay on the compute device as the engine keeps them
+    measured: MeasuredCosts | None = None
 
     def __post_init__(self):
         if self.micro_batch < 1:
@@ -129,6 +133,20 @@ class Problem:
         self.load_l = [w / self.bw_h2d for w in self.Wl]
         self.load_nl = self.nonlayer_w / self.bw_h2d
         self.tail_s = (self.Gl[0] + self.nonlayer_w) / self.bw_d2h     # last gradients to the host
+        if self.measured is not None:
+            self._use_measured(self.measured)
+
+    def _use_measured(self, c: MeasuredCosts) -> None:
+        """Measured compute and update times in place of FLOPs at a nominal rate. The engine keeps the
+        non-block parameters (embedding, head) on the compute device and updates them there, inside
+        step()'s serial phase: no link carries them."""
+        if c.num_layers != self.L:
+            raise ValueError(f"measured costs are for {c.num_layers} layers, the model {self.model.name!r} has {self.L}")
+        self.fwd_s, self.diff_s = list(c.fwd_s), list(c.diff_s)
+        self.head_s = c.nonlayer_s
+        self.opt_nl, self.opt_l = c.step_s, list(c.update_s)
+        self.load_nl = 0.0
+        self.tail_s = self.Gl[0] / self.bw_d2h
 
     # ---- windows -------------------------------------------------------------------------
     @property
@@ -231,7 +249,8 @@ class Problem:
 
 
 def make_problem(model, hardware, micro_batch: int, seq_len: int, budgets: Budgets | None = None,
-                 base: str | None = None, check: bool = True) -> Problem:
+                 base: str | None = None, check: bool = True, measured: MeasuredCosts | None = None) -> Problem:
     """Build a Problem from names, paths, dicts or objects (see models.load_model, hardware.load_profile)."""
     return Problem(model=load_model(model), hardware=load_profile(hardware, base=base),
-                   budgets=budgets or Budgets(), micro_batch=int(micro_batch), seq_len=int(seq_len), check=check)
+                   budgets=budgets or Budgets(), micro_batch=int(micro_batch), seq_len=int(seq_len), check=check,
+                   measured=measured)

@@ -52,13 +52,15 @@ class _CopyStreams:
 
 
 def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
-               follow_current: bool = True, direction: str | None = None) -> TransferHandle:
+               follow_current: bool = True, direction: str | None = None, label: str | None = None) -> TransferHandle:
     """Copy ``src`` into ``dst`` on a side stream when a CUDA device is involved, else synchronously, or,
     with copy threads on (``streams.configure``), on the host copy thread of ``direction`` ("h2d": into
     what stands for device memory, "d2h": out of it; None: a copy within one memory, always synchronous).
     The copy follows the work queued on the current stream (``follow_current``) and ``after``, a CUDA or
     host event (the write that filled ``src``, or the point where the caller asked for the copy); inside
-    :func:`~lazytrain.tiers.streams.issued_after` it follows that block's event instead of the stream."""
+    :func:`~lazytrain.tiers.streams.issued_after` it follows that block's event instead of the stream.
+    ``label`` names the copy in a trace (default: its shape and dtype)."""
+    label = label or f"{tuple(src.shape)} {src.dtype}"
     follow, ordered_after = streams.ordering()
     follow_current = follow_current and follow
     afters = [e for e in (after, ordered_after) if e is not None]
@@ -70,7 +72,7 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
             dst.copy_(src)
             return TransferHandle(value=dst if value is None else value)
         # a source still being filled by an ordered write (``after``) changes before the copy, by design
-        return _host_thread_copy(dst, src, value, afters, direction, check_source=after is None)
+        return _host_thread_copy(dst, src, value, afters, direction, label, check_source=after is None)
     direction = "h2d" if dst.device.type == "cuda" and src.device.type != "cuda" else "d2h"
     stream = _CopyStreams.get(cuda_dev, direction)
     if follow_current:
@@ -89,7 +91,7 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
         dst.copy_(src, non_blocking=True)
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
-    streams.record_device_copy(direction, f"{tuple(src.shape)} {src.dtype}", start, event,
+    streams.record_device_copy(direction, label, start, event,
                                src.numel() * src.element_size())
     if src.device.type == "cuda":
         src.record_stream(stream)
@@ -106,7 +108,8 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _host_thread_copy(dst, src, value, afters, direction: str, check_source: bool = True) -> TransferHandle:
+def _host_thread_copy(dst, src, value, afters, direction: str, label: str,
+                      check_source: bool = True) -> TransferHandle:
     """The CPU counterpart of a side-stream copy: queued on the copy thread of ``direction``. As on a
     CUDA stream, the caller must not change ``src`` until the copy is done; a change is caught (the
     tensor's version moved) and fails the copy instead of copying half-changed data."""
@@ -122,7 +125,8 @@ def _host_thread_copy(dst, src, value, afters, direction: str, check_source: boo
                             f"asynchronous copy ({direction}) ran; a tensor handed to a transfer must not "
                             f"change until the transfer is done")
         dst.copy_(src)
-        streams.record(direction, f"{tuple(src.shape)} {src.dtype}", t0, time.perf_counter(),
+        streams.emulate_link(direction, src.numel() * src.element_size(), t0)
+        streams.record(direction, label, t0, time.perf_counter(),
                        bytes=src.numel() * src.element_size())
         return dst if value is None else value
     future = streams.host_stream(direction).submit(run)
@@ -178,7 +182,7 @@ class MemoryTier(Tier):
             self._adopt(key, tensor, None, None)
             return TransferHandle(moved=False)
         buf, backing = self._allocate(key, tensor)
-        handle = async_copy(buf, tensor, direction=self.copy_in if tensor.device.type == "cpu" else None)
+        handle = async_copy(buf, tensor, direction=self.copy_in if tensor.device.type == "cpu" else None, label=key)
         self._adopt(key, buf, backing, handle._event)
         return TransferHandle(event=handle._event, keepalive=handle._keepalive, timing=handle._timing)
 
@@ -199,14 +203,15 @@ class MemoryTier(Tier):
             if out.shape != src.shape or out.dtype != src.dtype:
                 raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
                                  f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
-            handle = async_copy(out, src, after=after, direction=self.copy_out)
+            handle = async_copy(out, src, after=after, direction=self.copy_out, label=key)
         elif device is not None and device.type == "cpu" and self.copy_out and streams.settings().copy_threads:
             # the CPU standing in for a device: a read "to the device" is a copy, as it would be on CUDA
-            handle = async_copy(torch.empty(src.shape, dtype=src.dtype), src, after=after, direction=self.copy_out)
+            handle = async_copy(torch.empty(src.shape, dtype=src.dtype), src, after=after, direction=self.copy_out,
+                                label=key)
         elif device is None or device == self.device or (device.type == self.device.type == "cpu"):
             return TransferHandle(value=src, event=after, host=src.device.type != "cuda", moved=False)
         else:
-            handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after)
+            handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after, label=key)
         if handle._event is not None:
             self._events[key] = handle._event  # copies out of the buffer follow the write on one stream
         return handle

@@ -387,6 +387,7 @@ class NVMeTier(Tier):
                 if n <= 0:
                     raise OSError(errno.EIO, "write returned no progress")
                 done += n
+            streams.emulate_link("nvme_write", length, t0)
         except BaseException as e:  # noqa: BLE001 - delivered through the op's future
             op.part_done(e)
         else:
@@ -559,6 +560,7 @@ class NVMeTier(Tier):
                 dst[offset:offset + real].copy_(src[offset:offset + real])
             elif landing.tail is not None and offset + length > landing.split:  # the bounced last block
                 landing.head[landing.split:entry.nbytes] = landing.tail[:entry.nbytes - landing.split]
+            streams.emulate_link("nvme_read", length, t0)
         except BaseException as e:  # noqa: BLE001
             op.part_done(e)
         else:

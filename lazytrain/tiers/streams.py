@@ -8,7 +8,11 @@ ordering logic (who waits for which copy before reusing a buffer) then runs asyn
 and a :class:`Chaos` setting delays every copy by a random amount, so an ordering bug shows up as a
 wrong result in a CPU test rather than on a user's GPU.
 
-Both settings are for tests and benchmarks: they make training on the CPU slower, never faster.
+An :class:`EmulatedLink` per link ("h2d", "d2h", "nvme_read", "nvme_write") gives the copies on it a
+bandwidth and a latency, so that a Plan whose transfers cost real time runs on the CPU as its cost model
+says it would on a slower machine (``benchmarks/fidelity_cpu.py`` compares the two).
+
+These settings are for tests and benchmarks: they make training on the CPU slower, never faster.
 """
 from __future__ import annotations
 
@@ -50,10 +54,54 @@ class Chaos:
                 torch.cuda._sleep(int(d * 1.5e9))   # cycles at about 1.5 GHz
 
 
+LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
+
+
+class EmulatedLink:
+    """A link of ``gbps`` (1e9 bytes/s) and ``latency_s`` shared by every transfer on it, first come first
+    served: a transfer ready at ``t`` occupies the link from ``max(t, when it is free)`` for
+    ``bytes / bandwidth`` and completes ``latency_s`` after that (latency is per transfer and overlaps
+    the next transfer's bytes, as on a PCIe link or an NVMe queue). The real copy runs inside that
+    window; :meth:`hold` then sleeps until the window ends, so the transfer never finishes early."""
+
+    def __init__(self, name: str, gbps: float, latency_s: float = 0.0):
+        if not gbps > 0:
+            raise ValueError(f"emulated link {name!r}: bandwidth must be > 0 GB/s, got {gbps!r}")
+        if not latency_s >= 0:
+            raise ValueError(f"emulated link {name!r}: latency must be >= 0 s, got {latency_s!r}")
+        self.name, self.gbps, self.latency_s = name, float(gbps), float(latency_s)
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int, ready: float) -> float:
+        """Book the link for ``nbytes`` from ``ready`` (perf_counter seconds); returns when it completes."""
+        with self._lock:
+            start = max(ready, self._free_at)
+            self._free_at = start + nbytes / (self.gbps * 1e9)
+            return self._free_at + self.latency_s
+
+    def hold(self, nbytes: int, ready: float) -> None:
+        """A transfer of ``nbytes`` that became ready at ``ready`` and has run: wait until the link would
+        have delivered it."""
+        done = self.reserve(nbytes, ready)
+        left = done - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
 @dataclass
 class TransferSettings:
     copy_threads: bool = False     # CPU: copies between "device" and host memory run on worker threads
     chaos: Chaos | None = None     # delay every transfer and layer update at random
+    links: dict = None             # link name -> EmulatedLink (CPU copy threads and NVMe requests)
+
+    def __post_init__(self):
+        self.links = dict(self.links or {})
+        unknown = sorted(set(self.links) - set(LINKS))
+        if unknown:
+            raise ValueError(f"unknown emulated link(s) {', '.join(unknown)}; links: {', '.join(LINKS)}")
+        if self.links and not self.copy_threads:
+            raise ValueError("emulated links need copy threads: the copies they slow down run on them")
 
 
 _timeline = None   # the lazytrain.trace.Timeline being recorded, if any
@@ -126,10 +174,11 @@ def _device_origin(t, device):
 _settings = TransferSettings()
 
 
-def configure(copy_threads: bool = False, chaos: Chaos | None = None) -> None:
+def configure(copy_threads: bool = False, chaos: Chaos | None = None,
+              links: dict[str, EmulatedLink] | None = None) -> None:
     """Set how transfers run in this process (the engine calls this from its config; tests too)."""
     global _settings
-    _settings = TransferSettings(copy_threads, chaos)
+    _settings = TransferSettings(copy_threads, chaos, links)
 
 
 def settings() -> TransferSettings:
@@ -141,6 +190,14 @@ def chaos_delay() -> None:
     chaos = _settings.chaos
     if chaos is not None:
         chaos.delay()
+
+
+def emulate_link(link: str, nbytes: int, ready: float) -> None:
+    """After a transfer on ``link`` that became ready at ``ready`` has run: wait as long as the emulated
+    link would have taken (nothing when the link is not emulated)."""
+    emulated = _settings.links.get(link)
+    if emulated is not None:
+        emulated.hold(nbytes, ready)
 
 
 class HostEvent:

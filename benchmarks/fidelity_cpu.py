@@ -1,0 +1,203 @@
+"""Plans run against their predictions on this CPU: does the planner's cost model say what the engine does?
+
+One process, one small Llama (transformers, fp32), the CPU standing in for a GPU whose links are slow:
+
+1. Calibration: the engine trains a few steps keeping every boundary, with copy threads and unlimited
+   links; its traced steps give each layer's forward and backward, the rest of the model, the step's
+   serial host phase and each layer's update (``MeasuredCosts.from_traces``). With the emulated links'
+   bandwidths that is this machine's hardware profile.
+2. Three plans for that profile: MegaTrain's policy (every 4th boundary kept on the device, all else
+   re-run, the update after the step), keep-all (every boundary offloaded to the host and fetched
+   back) and the MILP's plan within a device budget that cannot hold every boundary.
+3. Each runs in the engine with the same emulated links (copy threads limited to ``--gbps`` per
+   direction, ``--latency-ms`` per transfer), and its measured step (median of ``--steps`` after
+   ``--warmup``) is printed beside the simulator's prediction for it.
+
+The compute runs on one thread and the layer updates on another (``torch.set_num_threads(1)``), so the
+two cores stand for the GPU and the host as the cost model has them; copies on the emulated links mostly
+sleep. The last line is ``worst |measured/predicted - 1|: X%``.
+
+    python benchmarks/fidelity_cpu.py [--gbps 0.05] [--latency-ms 0.05] [--steps 6] [--warmup 2]
+                                      [--layers 8] [--traces DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
+
+BATCH, SEQ, VOCAB, HIDDEN, FFN, HEADS = 4, 256, 4096, 256, 688, 8
+
+
+def build_model(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
+                      num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def engine_for(model, lazytrain_section: dict):
+    import lazytrain
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "lazytrain": {"device": "cpu", **lazytrain_section}}
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def train_step(engine, ids):
+    logits = engine(ids[:, :-1]).logits
+    engine.backward(F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()))
+    engine.step()
+
+
+def calibrate(base, data, warmup: int, traced: int):
+    """MeasuredCosts of this model on this machine, from traced steps that keep every boundary."""
+    from lazytrain.planner.measured import MeasuredCosts
+    engine = engine_for(copy.deepcopy(base), {"policy": "keep_all", "boundary_home": "hbm", "last_segment_graph": False,
+                                              "overlap_optimizer": True, "testing": {"copy_threads": True}})
+    traces = []
+    for i, ids in enumerate(data[:warmup + traced]):
+        if i >= warmup:
+            engine.trace_next_step()
+        train_step(engine, ids)
+        if i >= warmup:
+            traces.append(engine.last_trace)
+    engine.wait_for_update()
+    return MeasuredCosts.from_traces(traces, len(base.model.layers), source="this CPU, 1 compute thread")
+
+
+def profile_of(costs, model_cfg, links_gbps: float):
+    """This machine as the planner sees it: links as emulated, compute and updates as measured (the
+    FLOP rate and the optimizer rate below are informative: the measured times replace them)."""
+    from lazytrain.planner.hardware import GiB, HardwareProfile
+    from lazytrain.planner.search import as_model_shape
+    shape = as_model_shape(model_cfg)
+    T = BATCH * SEQ
+    flops = sum(3 * layer.fwd_flops_per_token(SEQ) * T for layer in shape.layers)
+    rate = flops / sum(costs.diff_s)
+    params = sum(layer.params for layer in shape.layers)
+    return shape, HardwareProfile(
+        name=f"this CPU, links {links_gbps} GB/s", achievable_tflops=rate / 1e12,
+        h2d_gbps=links_gbps, d2h_gbps=links_gbps, host_optimizer_gparams_per_s=params / sum(costs.update_s) / 1e9,
+        gpu_mem_bytes=64 * GiB, host_mem_bytes=64 * GiB)
+
+
+def plans_for(problem, milp_seconds: float):
+    from lazytrain.planner.milp import MilpOptions
+    from lazytrain.planner.plan import keep_all_plan
+    from lazytrain.planner.policies import megatrain_plan
+    from lazytrain.planner.search import solve
+    L = problem.L
+    keep_all = keep_all_plan(L, home="host", micro_batch_size=BATCH, seq_len=SEQ)
+    return {"MegaTrain (k=4, update after the step)": megatrain_plan(problem, 4),
+            "keep-all (host)": keep_all,
+            "MILP": solve(problem, MilpOptions(time_limit_s=milp_seconds))}
+
+
+def measure(base, plan, data, warmup: int, links: dict, trace_path: str | None):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "plan.json")
+        plan.to_json(path)
+        engine = engine_for(copy.deepcopy(base), {
+            "policy": "plan", "plan": path, "overlap_optimizer": plan.overlap_optimizer,
+            "testing": {"copy_threads": True, "links": links}})
+    times = []
+    for i, ids in enumerate(data):
+        if trace_path and i == len(data) - 1:
+            engine.trace_next_step(trace_path)
+        t0 = time.perf_counter()
+        train_step(engine, ids)
+        if i >= warmup and not (trace_path and i == len(data) - 1):
+            times.append(time.perf_counter() - t0)
+    engine.wait_for_update()
+    if os.environ.get("FIDELITY_DEBUG"):
+        print("  step times (ms):", [round(t * 1e3) for t in times])
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gbps", type=float, default=0.05, help="emulated h2d and d2h bandwidth, GB/s")
+    ap.add_argument("--latency-ms", type=float, default=0.05, help="emulated latency per transfer")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--calibration-steps", type=int, default=5)
+    ap.add_argument("--milp-seconds", type=float, default=20.0)
+    ap.add_argument("--traces", help="write each plan's predicted and measured step as Chrome traces here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from lazytrain.planner.problem import Budgets, Problem
+    from lazytrain.planner.simulate import simulate
+    from lazytrain.trace import write_chrome_trace
+
+    base = build_model(args.layers)
+    n = sum(p.numel() for p in base.parameters())
+    data = batches(max(args.warmup + args.steps + 1, args.warmup + args.calibration_steps))
+    print(f"model: LlamaForCausalLM {n / 1e6:.1f}M params, {args.layers} layers, hidden {HIDDEN}, batch {BATCH} x "
+          f"seq {SEQ}, fp32, torch {torch.__version__}, 1 compute thread; links {args.gbps} GB/s each way, "
+          f"{args.latency_ms} ms per transfer")
+    costs = calibrate(base, data, args.warmup, args.calibration_steps)
+    print(f"measured: forward {statistics.mean(costs.fwd_s) * 1e3:.1f} ms/layer, forward+backward "
+          f"{statistics.mean(costs.diff_s) * 1e3:.1f} ms/layer, rest of the model {costs.nonlayer_s * 1e3:.1f} ms, "
+          f"step's host phase {costs.step_s * 1e3:.1f} ms, update {statistics.mean(costs.update_s) * 1e3:.1f} ms/layer")
+    model_cfg = base.config.to_dict()
+    model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in base.model.layers]
+    model_cfg["dtype"] = model_cfg["torch_dtype"] = "float32"   # what the engine computes and streams in
+    shape, hw = profile_of(costs, model_cfg, args.gbps)
+    # a device budget that holds the step's fixed needs and three boundaries beside them: keeping every
+    # boundary on the device does not fit, so the plans must re-run or offload
+    probe = Problem(shape, hw, Budgets(gpu_reserved_bytes=0), BATCH, SEQ, measured=costs)
+    fixed = max(probe.min_gpu_bytes(w)[0] for w in range(probe.num_windows))
+    budget = Budgets(gpu_bytes=fixed + 3 * probe.A[0] + max(probe.Wl), gpu_reserved_bytes=0)
+    problem = Problem(shape, hw, budget, BATCH, SEQ, measured=costs)
+    links = {"h2d": {"gbps": args.gbps, "latency_ms": args.latency_ms},
+             "d2h": {"gbps": args.gbps, "latency_ms": args.latency_ms}}
+
+    rows = []
+    for name, plan in plans_for(problem, args.milp_seconds).items():
+        predicted = simulate(problem, plan, strict=False)
+        trace = None
+        if args.traces:
+            os.makedirs(args.traces, exist_ok=True)
+            slug = name.split(" ")[0].lower()
+            write_chrome_trace(os.path.join(args.traces, f"{slug}-predicted.json"), predicted.trace())
+            trace = os.path.join(args.traces, f"{slug}-measured.json")
+        measured = measure(base, plan, data[:args.warmup + args.steps + (1 if trace else 0)], args.warmup, links,
+                           trace)
+        rows.append((name, plan, measured, predicted.step_time_s))
+
+    print(f"\n{'plan':<40}{'measured (ms)':>15}{'predicted (ms)':>16}{'measured/predicted':>20}")
+    for name, plan, m, p in rows:
+        print(f"{name:<40}{m * 1e3:>15.0f}{p * 1e3:>16.0f}{m / p:>19.3f}x")
+    mega = rows[0]
+    milp = rows[-1]
+    print(f"\nMILP speed-up over MegaTrain's policy: measured {mega[2] / milp[2]:.3f}x, "
+          f"predicted {mega[3] / milp[3]:.3f}x")
+    worst = max(abs(m / p - 1) for _, _, m, p in rows)
+    print(f"worst |measured/predicted - 1|: {worst * 100:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

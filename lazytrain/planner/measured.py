@@ -1,0 +1,130 @@
+"""Step costs measured by the engine on the machine it runs on, for the planner to use in place of FLOP
+counts at a nominal rate.
+
+A FLOP count divided by one calibrated rate cannot say what a block costs on a given machine (attention,
+norms, the backward's own ratio to the forward, the host's update speed). The engine can: a traced step
+(``engine.trace_next_step``, a :class:`~lazytrain.trace.Timeline`) holds every block's forward, re-run
+and backward, the step's serial host phase and each layer's update. :meth:`MeasuredCosts.from_traces`
+reads them from traced steps of a calibration run (a plan that keeps every boundary, so each layer has a
+plain forward and a re-run with its backward), and :class:`~lazytrain.planner.problem.Problem` uses them
+for every compute and update term of the cost model, while the links keep the hardware profile's
+bandwidths. Pure Python, like the rest of the planner.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+_LAYER_SPAN = re.compile(r"^(fwd|diff|bwd|recompute) L(\d+)$")
+_UPDATE_SPAN = re.compile(r"^update L(\d+)$")
+STEP_SPANS = ("gradient norm", "embedding/head")   # the engine's serial host phase in step()
+
+
+class MeasurementError(ValueError):
+    """Measured costs that cannot be used; the message says what is missing or wrong."""
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Seconds, per layer where it says so (medians over the traced steps)."""
+    fwd_s: tuple[float, ...]       # layer i's forward without autograd
+    diff_s: tuple[float, ...]      # layer i's forward with autograd and its backward
+    nonlayer_s: float              # compute outside the blocks: embedding, head and loss, forward and backward
+    step_s: float                  # step()'s serial host phase: gradient norm, the non-block update
+    update_s: tuple[float, ...]    # layer i's host update (with its compute-copy refresh)
+    source: str = "measured"
+
+    def __post_init__(self):
+        L = len(self.fwd_s)
+        if L == 0:
+            raise MeasurementError("measured costs need at least one layer")
+        for name in ("diff_s", "update_s"):
+            if len(getattr(self, name)) != L:
+                raise MeasurementError(f"measured costs: {name} has {len(getattr(self, name))} layers, "
+                                       f"fwd_s has {L}")
+        for name in ("fwd_s", "diff_s", "update_s"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
+            if any(not v >= 0 for v in getattr(self, name)):
+                raise MeasurementError(f"measured costs: every {name} must be a time >= 0 s")
+        for name in ("nonlayer_s", "step_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise MeasurementError(f"measured costs: {name} must be a time >= 0 s, got {v!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.fwd_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MeasuredCosts":
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise MeasurementError(f"measured costs: {e}") from e
+
+    @classmethod
+    def from_traces(cls, traces: list, num_layers: int, source: str = "measured") -> "MeasuredCosts":
+        """The medians over traced steps. Each layer must have a plain forward and a re-run with autograd
+        (a ``diff`` span) followed by its backward (``bwd``): trace a plan that keeps every boundary."""
+        if not traces:
+            raise MeasurementError("no traced step to measure from")
+        per_step = [_one_step(t, num_layers) for t in traces]
+
+        def med(key, i=None):
+            return statistics.median(s[key] if i is None else s[key][i] for s in per_step)
+        return cls(fwd_s=tuple(med("fwd", i) for i in range(num_layers)),
+                   diff_s=tuple(med("diff", i) for i in range(num_layers)),
+                   nonlayer_s=med("nonlayer"), step_s=med("step"),
+                   update_s=tuple(med("update", i) for i in range(num_layers)), source=source)
+
+
+def _one_step(timeline, L: int) -> dict[str, Any]:
+    fwd, diff, update = [0.0] * L, [0.0] * L, [0.0] * L
+    seen = {"fwd": set(), "diff": set(), "bwd": set(), "update": set()}
+    step_start, step = None, 0.0
+    layer_compute = waits = 0.0
+    for s in timeline.spans:
+        d = s.end - s.start
+        if s.lane == "compute":
+            m = _LAYER_SPAN.match(s.name)
+            if m is None:
+                continue
+            kind, i = m.group(1), int(m.group(2))
+            if i >= L:
+                raise MeasurementError(f"the trace has {s.name!r} but the model has {L} layers")
+            if kind == "recompute":
+                raise MeasurementError("the traced step re-ran a segment (a 'recompute' span): measure with a plan "
+                                       "that keeps every boundary (policy keep_all)")
+            (fwd if kind == "fwd" else diff)[i] += d
+            seen[kind].add(i)
+            layer_compute += d
+        elif s.lane == "wait":
+            waits += d
+        elif s.lane == "optimizer":
+            m = _UPDATE_SPAN.match(s.name)
+            if m is not None:
+                update[int(m.group(1))] += d
+                seen["update"].add(int(m.group(1)))
+            elif s.name in STEP_SPANS:
+                step += d
+                step_start = s.start if step_start is None else min(step_start, s.start)
+    for kind, layers in seen.items():
+        missing = sorted(set(range(L)) - layers)
+        if missing:
+            raise MeasurementError(f"the traced step has no {kind!r} span for layer(s) {missing[:8]}: measure "
+                                   f"a whole training step (forward, backward and step()) of a plan that keeps "
+                                   f"every boundary, with the layer updates overlapped")
+    if step_start is None:
+        raise MeasurementError("the traced step has no 'gradient norm' span: it must include engine.step()")
+    # the compute side's time up to step(), less the blocks and the waits, is the rest of the model
+    nonlayer = step_start - layer_compute - waits
+    if nonlayer < 0:
+        raise MeasurementError(f"the traced step's blocks and waits ({layer_compute + waits:.4f} s) take longer "
+                               f"than the time before step() ({step_start:.4f} s): compute and waits overlap in "
+                               f"this trace (CUDA compute is timed on the host); measure on the CPU")
+    return {"fwd": fwd, "diff": diff, "update": update, "nonlayer": nonlayer, "step": step}

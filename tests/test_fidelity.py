@@ -1,0 +1,250 @@
+"""Plans against what the engine does: emulated links on the CPU, costs measured from traced steps, and
+the cost model that uses them."""
+import os
+import tempfile
+import time
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.config import ConfigError
+from lazytrain.planner.hardware import HardwareProfile
+from lazytrain.planner.measured import MeasuredCosts, MeasurementError
+from lazytrain.planner.models import ModelShape
+from lazytrain.planner.plan import Plan, keep_all_plan
+from lazytrain.planner.problem import Budgets, Problem
+from lazytrain.planner.simulate import simulate
+from lazytrain.tiers import streams
+from lazytrain.tiers.memory import async_copy
+from lazytrain.trace import Timeline
+from engine_models import batches, lm_loss, make_model
+
+
+@pytest.fixture(autouse=True)
+def _calm_transfers_after():
+    yield
+    streams.configure()
+
+
+# ---- the emulated link -----------------------------------------------------------------------------
+def test_an_emulated_link_serves_transfers_first_come_first_served():
+    link = streams.EmulatedLink("h2d", gbps=1.0, latency_s=0.002)
+    assert link.reserve(100_000_000, ready=10.0) == pytest.approx(10.102)    # 0.1 s of bytes + latency
+    assert link.reserve(50_000_000, ready=10.0) == pytest.approx(10.152)     # queued behind the first
+    assert link.reserve(10_000_000, ready=20.0) == pytest.approx(20.012)     # an idle link starts at once
+
+
+@pytest.mark.parametrize("gbps,latency,message", [
+    (0, 0, "bandwidth must be > 0 GB/s, got 0"),
+    (1, -1, "latency must be >= 0 s, got -1"),
+])
+def test_an_emulated_link_refuses_bad_numbers(gbps, latency, message):
+    with pytest.raises(ValueError, match=message):
+        streams.EmulatedLink("h2d", gbps, latency)
+
+
+def test_emulated_links_need_copy_threads_and_known_names():
+    with pytest.raises(ValueError, match="emulated links need copy threads"):
+        streams.configure(links={"h2d": streams.EmulatedLink("h2d", 1.0)})
+    with pytest.raises(ValueError, match="unknown emulated link"):
+        streams.configure(copy_threads=True, links={"pcie": streams.EmulatedLink("pcie", 1.0)})
+
+
+def test_copies_on_an_emulated_link_take_at_least_its_time_and_keep_their_data():
+    streams.configure(copy_threads=True, links={"h2d": streams.EmulatedLink("h2d", gbps=0.2)})
+    src = torch.arange(2_500_000, dtype=torch.float32)       # 10 MB: 50 ms at 0.2 GB/s
+    dsts = [torch.empty_like(src) for _ in range(3)]
+    t0 = time.perf_counter()
+    handles = [async_copy(d, src, direction="h2d") for d in dsts]
+    for h in handles:
+        h.wait()
+    assert time.perf_counter() - t0 >= 3 * 0.05                # one link: the three copies queue
+    assert all(torch.equal(d, src) for d in dsts)
+    t0 = time.perf_counter()
+    async_copy(torch.empty_like(src), src, direction="d2h").wait()   # the other direction is not emulated
+    assert time.perf_counter() - t0 < 0.05
+
+
+def test_nvme_requests_take_at_least_the_emulated_links_time(tmp_path):
+    from lazytrain.tiers.nvme import NVMeTier
+    streams.configure(copy_threads=True, links={"nvme_write": streams.EmulatedLink("nvme_write", 0.1),
+                                                "nvme_read": streams.EmulatedLink("nvme_read", 0.1)})
+    tier = NVMeTier("nvme", path=str(tmp_path))
+    x = torch.randn(1_250_000)                                 # 5 MB: 50 ms each way at 0.1 GB/s
+    t0 = time.perf_counter()
+    tier.write("x", x).wait()
+    t1 = time.perf_counter()
+    assert torch.equal(tier.read("x").wait(), x)
+    t2 = time.perf_counter()
+    assert t1 - t0 >= 0.05 and t2 - t1 >= 0.05
+    tier.close()
+
+
+@pytest.mark.parametrize("links,message", [
+    ({"pcie": {"gbps": 1}}, "unknown key 'pcie' in config section 'lazytrain.testing.links'"),
+    ({"h2d": 5}, "'lazytrain.testing.links.h2d' must be an object with 'gbps'"),
+    ({"h2d": {"gbps": 0}}, r"'lazytrain.testing.links.h2d.gbps' must be a bandwidth in GB/s > 0, got 0"),
+    ({"h2d": {"gbps": 1, "latency_ms": -1}}, r"'lazytrain.testing.links.h2d.latency_ms' must be a number"),
+    ({"h2d": {"gbps": 1, "jitter": 1}}, "unknown key 'jitter' in config section 'lazytrain.testing.links.h2d'"),
+])
+def test_bad_emulated_link_settings_are_named(links, message):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "lazytrain": {"testing": {"copy_threads": True, "links": links}}}
+    with pytest.raises(ConfigError, match=message), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lazytrain.initialize(model=make_model("llama"), config=cfg)
+
+
+def test_emulated_links_without_copy_threads_are_refused():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "lazytrain": {"testing": {"links": {"h2d": {"gbps": 1}}}}}
+    with pytest.raises(ConfigError, match=r"'lazytrain.testing.links' needs 'lazytrain.testing.copy_threads': true"):
+        lazytrain.initialize(model=make_model("llama"), config=cfg)
+
+
+def test_emulated_links_warn_that_they_are_a_test_setting():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"testing": {"copy_threads": True, "links": {"h2d": {"gbps": 5, "latency_ms": 0.01}}}}}
+    with pytest.warns(UserWarning, match="'lazytrain.testing' is a setting for tests and benchmarks"):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    link = streams.settings().links["h2d"]
+    assert (link.gbps, link.latency_s) == (5.0, 1e-5)
+    engine.destroy()
+
+
+# ---- measured costs from traced steps --------------------------------------------------------------
+def _timeline(spans):
+    t = Timeline("measured")
+    for lane, name, start, end in spans:
+        t.add_relative(lane, name, start, end)
+    return t
+
+
+def _two_layer_step(fwd=(1.0, 2.0), diff=(3.0, 4.0), bwd=(5.0, 6.0), gap=0.5):
+    """A traced step of 2 layers: waits and compute back to back, ``gap`` seconds outside the blocks."""
+    spans, t = [("wait", "weights 0", 0.0, 0.25)], 0.25
+    for i in range(2):
+        spans.append(("compute", f"fwd L{i}", t, t + fwd[i]))
+        t += fwd[i]
+    t += gap                                                   # the head, the loss and their backward
+    for i in (1, 0):
+        spans += [("compute", f"diff L{i}", t, t + diff[i]), ("compute", f"bwd L{i}", t + diff[i], t + diff[i] + bwd[i])]
+        t += diff[i] + bwd[i]
+    spans += [("wait", "gradients to host", t, t + 1.0), ("optimizer", "gradient norm", t + 1.0, t + 1.5),
+              ("optimizer", "embedding/head", t + 1.5, t + 1.75),
+              ("optimizer", "update L0", t + 2.0, t + 2.5), ("optimizer", "update L1", t + 2.5, t + 3.25)]
+    return _timeline(spans)
+
+
+def test_measured_costs_are_read_from_traced_steps():
+    c = MeasuredCosts.from_traces([_two_layer_step(), _two_layer_step(gap=0.75), _two_layer_step(gap=2.0)], 2)
+    assert c.fwd_s == (1.0, 2.0)
+    assert c.diff_s == (8.0, 10.0)                             # the re-run with autograd and the backward
+    assert c.nonlayer_s == 0.75                                # median of 0.5, 0.75, 2.0
+    assert c.step_s == 0.75
+    assert c.update_s == (0.5, 0.75)
+    assert MeasuredCosts.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("spans,message", [
+    ([("compute", "fwd L0", 0, 1)], r"no 'fwd' span for layer\(s\) \[1\]"),
+    ([("compute", "recompute L0", 0, 1)], "re-ran a segment"),
+    ([("compute", "fwd L5", 0, 1)], "the trace has 'fwd L5' but the model has 2 layers"),
+])
+def test_traces_that_cannot_be_measured_are_named(spans, message):
+    with pytest.raises(MeasurementError, match=message):
+        MeasuredCosts.from_traces([_timeline(spans)], 2)
+
+
+def test_a_trace_without_the_step_is_refused():
+    full = _two_layer_step()
+    full.spans = [s for s in full.spans if s.name not in ("gradient norm", "embedding/head")]
+    with pytest.raises(MeasurementError, match="no 'gradient norm' span"):
+        MeasuredCosts.from_traces([full], 2)
+
+
+def test_an_engine_trace_of_a_keep_all_step_gives_every_layers_costs():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"policy": "keep_all", "boundary_home": "hbm", "last_segment_graph": False,
+                         "overlap_optimizer": True, "testing": {"copy_threads": True}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    traces = []
+    for i, (x, y) in enumerate(batches(3)):
+        if i:
+            engine.trace_next_step()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        if i:
+            traces.append(engine.last_trace)
+    c = MeasuredCosts.from_traces(traces, 6)
+    assert c.num_layers == 6
+    assert all(d > 0 for d in c.fwd_s + c.diff_s + c.update_s) and c.step_s > 0 and c.nonlayer_s >= 0
+    engine.destroy()
+
+
+# ---- the cost model with measured costs ------------------------------------------------------------
+def _problem(measured, gbps=1e6):
+    shape = ModelShape.from_layers("m", [1000, 1000, 1000], hidden=8, vocab_size=16, dtype_bytes=4)
+    hw = HardwareProfile("emulated", achievable_tflops=1.0, h2d_gbps=gbps, d2h_gbps=gbps,
+                         host_optimizer_gparams_per_s=1.0, gpu_mem_bytes=10**9, host_mem_bytes=10**9)
+    return Problem(shape, hw, Budgets(gpu_reserved_bytes=0), 1, 4, measured=measured)
+
+
+def test_measured_costs_replace_the_flop_based_terms():
+    c = MeasuredCosts(fwd_s=(1.0, 2.0, 3.0), diff_s=(4.0, 5.0, 6.0), nonlayer_s=0.5, step_s=0.25,
+                      update_s=(0.125, 0.125, 0.25))
+    p = _problem(c)
+    assert (p.fwd_s, p.diff_s, p.head_s, p.opt_nl, p.opt_l) == ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0], 0.5, 0.25,
+                                                                 [0.125, 0.125, 0.25])
+    assert p.load_nl == 0.0                                    # the embedding and head stay on the device
+    assert p.tail_s == pytest.approx(4000 / 1e15)              # layer 0's gradients, not the head's
+    # every boundary on the device, the update after the step: the step is the sum of its parts
+    plan = Plan(num_layers=3, homes=("hbm",) * 4, overlap_optimizer=False)
+    expected = sum(c.fwd_s) + c.nonlayer_s + sum(c.diff_s) + c.step_s + sum(c.update_s)
+    assert simulate(p, plan).step_time_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_measured_costs_for_another_model_are_refused():
+    c = MeasuredCosts(fwd_s=(1.0,), diff_s=(1.0,), nonlayer_s=0.0, step_s=0.0, update_s=(0.0,))
+    with pytest.raises(ValueError, match="measured costs are for 1 layers, the model 'm' has 3"):
+        _problem(c)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(diff_s=(1.0,)), "diff_s has 1 layers, fwd_s has 2"),
+    (dict(update_s=(1.0, -1.0)), "every update_s must be a time >= 0 s"),
+    (dict(step_s=float("nan")), "step_s must be a time >= 0 s"),
+])
+def test_bad_measured_costs_are_named(kw, message):
+    base = dict(fwd_s=(1.0, 1.0), diff_s=(1.0, 1.0), nonlayer_s=0.0, step_s=0.0, update_s=(0.0, 0.0))
+    with pytest.raises(MeasurementError, match=message):
+        MeasuredCosts(**{**base, **kw})
+
+
+# ---- the engine issues transfers in the order the cost model has them --------------------------------
+def test_a_resident_layers_refresh_waits_for_the_forward_to_come_to_it():
+    """A resident layer's refresh after its update goes on the link when the forward takes the layer
+    before it, not ahead of the layers the forward needs first."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"policy": "plan", "overlap_optimizer": True, "testing": {"copy_threads": True}}}
+    plan = keep_all_plan(6, home="hbm", resident_layers=(3, 5))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "plan.json")
+        plan.to_json(path)
+        cfg["lazytrain"]["plan"] = path
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    for i, (x, y) in enumerate(batches(3)):
+        if i == 2:
+            engine.trace_next_step()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    h2d = [s.name for s in sorted(engine.last_trace.spans, key=lambda s: s.start) if s.lane == "h2d"]
+    forward = h2d[:6]                                          # the forward's copies, in the order they ran
+    assert forward == [f"weights.layer{i}" for i in range(6)]
+    engine.destroy()
