@@ -8,7 +8,8 @@ One process, one small Llama (transformers, fp32), the CPU standing in for a GPU
    bandwidths that is this machine's hardware profile.
 2. Three plans for that profile: MegaTrain's policy (every 4th boundary kept on the device, all else
    re-run, the update after the step), keep-all (every boundary offloaded to the host and fetched
-   back) and the MILP's plan within a device budget that cannot hold every boundary.
+   back) and the MILP's plan within a device budget halfway between the peaks of MegaTrain's policy and
+   of keeping every boundary on the device.
 3. Each runs in the engine with the same emulated links (copy threads limited to ``--gbps`` per
    direction, ``--latency-ms`` per transfer), and its measured step (median of ``--steps`` after
    ``--warmup``) is printed beside the simulator's prediction for it.
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
 
-BATCH, SEQ, VOCAB, HIDDEN, FFN, HEADS = 4, 256, 4096, 256, 688, 8
+BATCH, SEQ, VOCAB, HIDDEN, FFN, HEADS = 4, 512, 4096, 128, 344, 4
 
 
 def build_model(layers: int):
@@ -165,11 +166,16 @@ def main(argv=None) -> int:
     model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in base.model.layers]
     model_cfg["dtype"] = model_cfg["torch_dtype"] = "float32"   # what the engine computes and streams in
     shape, hw = profile_of(costs, model_cfg, args.gbps)
-    # a device budget that holds the step's fixed needs and three boundaries beside them: keeping every
-    # boundary on the device does not fit, so the plans must re-run or offload
+    # a device budget halfway between what MegaTrain's policy and keeping every boundary on the device
+    # take at their peak: the MILP must choose what to re-run, offload or keep
+    from lazytrain.planner.plan import keep_all_plan
+    from lazytrain.planner.policies import megatrain_plan
     probe = Problem(shape, hw, Budgets(gpu_reserved_bytes=0), BATCH, SEQ, measured=costs)
-    fixed = max(probe.min_gpu_bytes(w)[0] for w in range(probe.num_windows))
-    budget = Budgets(gpu_bytes=fixed + 3 * probe.A[0] + max(probe.Wl), gpu_reserved_bytes=0)
+    peak_all = simulate(probe, keep_all_plan(probe.L, home="hbm")).peak_bytes["hbm"]
+    peak_mega = simulate(probe, megatrain_plan(probe)).peak_bytes["hbm"]
+    budget = Budgets(gpu_bytes=(peak_all + peak_mega) // 2, gpu_reserved_bytes=0)
+    print(f"device budget {budget.gpu_bytes / 1e6:.1f} MB (MegaTrain's policy peaks at {peak_mega / 1e6:.1f} MB, "
+          f"every boundary on the device at {peak_all / 1e6:.1f} MB)")
     problem = Problem(shape, hw, budget, BATCH, SEQ, measured=costs)
     links = {"h2d": {"gbps": args.gbps, "latency_ms": args.latency_ms},
              "d2h": {"gbps": args.gbps, "latency_ms": args.latency_ms}}
@@ -190,6 +196,9 @@ def main(argv=None) -> int:
     print(f"\n{'plan':<40}{'measured (ms)':>15}{'predicted (ms)':>16}{'measured/predicted':>20}")
     for name, plan, m, p in rows:
         print(f"{name:<40}{m * 1e3:>15.0f}{p * 1e3:>16.0f}{m / p:>19.3f}x")
+    for name, plan, _, _ in rows:
+        print(f"{name}: boundaries {' '.join(plan.homes)}, resident layers {list(plan.resident_layers)}, "
+              f"last segment graph {plan.last_segment_graph}, update overlapped {plan.overlap_optimizer}")
     mega = rows[0]
     milp = rows[-1]
     print(f"\nMILP speed-up over MegaTrain's policy: measured {mega[2] / milp[2]:.3f}x, "

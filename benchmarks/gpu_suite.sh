@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every LazyTrain check that needs a CUDA GPU, in one run of a few minutes:
 #   1. the chaos tests first (every copy delayed on its CUDA stream by a spin kernel, every NVMe request
-#      and layer update on the host: results must be bit-identical to the calm run) and step traces
-#      timed by CUDA events; then the engine's parity tests on the CUDA path (side-stream copies, events,
+#      and layer update on the host: results must be bit-identical to the calm run), step traces
+#      timed by CUDA events (copies and the blocks' compute), a resident layer's refresh in forward order
+#      on the CUDA stream, emulated links refused on CUDA; then the engine's parity tests on the CUDA path (side-stream copies, events,
 #      pinned memory, the gradient sink, the optimizer update overlapping the next forward) against plain
 #      PyTorch, and the optimizer and tier tests;
 #   2. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
@@ -25,7 +26,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 echo "## 1. tests on the CUDA path"
-timeout "${CHAOS_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_chaos.py tests/test_trace.py \
+timeout "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_chaos.py tests/test_trace.py \
+  tests/test_fidelity.py \
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -15
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py tests/test_engine_overlap.py \
   tests/test_optim*.py tests/test_tiers*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25

@@ -31,8 +31,9 @@ class Span:
 class Timeline:
     """Spans on lanes; ``add`` may be called from any thread (copy threads, I/O threads, the update)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, device: str | None = None):
         self.source = source
+        self.device = device        # the compute device of a measured step ("cpu", "cuda"); None: simulated
         self.spans: list[Span] = []
         self.origin = time.perf_counter()
         self._lock = threading.Lock()

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lazytrain.models.decoder import DecoderConfig, build_causal_lm, logits_of
+from lazytrain.tiers import Tier, TransferHandle
 
 VOCAB = 32
 
@@ -357,3 +358,25 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
         x, y = sa[k].detach().float().cpu(), sb[k].detach().float().cpu()
         worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item())
     return worst
+
+
+class DictTier(Tier):
+    """A user's own tier: CPU clones in a dict, with no threads of its own."""
+    kind = "dict"
+
+    def __init__(self, name, capacity=None):
+        super().__init__(name, capacity)
+        self.store = {}
+
+    def _write(self, key, tensor, owned):
+        self.store[key] = tensor.detach().to("cpu", copy=True)
+        return TransferHandle(value=None)
+
+    def _read(self, key, out, device):
+        src = self.store[key]
+        if out is not None:
+            return TransferHandle(value=out.copy_(src))
+        return TransferHandle(value=src.to(device) if device is not None else src.clone())
+
+    def _free(self, key):
+        del self.store[key]

@@ -78,6 +78,8 @@ CASES = {
     "bf16-nvme": dict(checkpoint_interval=2, weights_home="nvme", _bf16=True, _autograd_grad=True),
     "gas2-overlap": dict(checkpoint_interval=2, overlap_optimizer=True, _gas=2, _eval="grad"),
     "no-prefetch": dict(checkpoint_interval=2, prefetch=False, _eval="grad"),
+    "user-tier-boundaries": dict(checkpoint_interval=2, boundary_home="dict", _eval="grad", _autograd_grad=True,
+                                 tiers=[{"name": "dict", "class": "engine_models:DictTier"}]),
 }
 
 
@@ -181,3 +183,28 @@ def test_load_state_dict_waits_for_copies_reading_the_weights_it_rewrites(tmp_pa
     hook.remove()
     assert in_flight_at_write == [[]]
     engine.destroy()
+
+
+def test_a_users_tier_is_read_on_a_copy_thread_of_its_own():
+    import threading
+    from engine_models import DictTier
+
+    class Recording(DictTier):
+        def _read(self, key, out, device):
+            self.reader = threading.current_thread().name
+            return super()._read(key, out, device)
+
+    tier = Recording("mine")
+    x = torch.arange(6.0)
+    streams.configure(copy_threads=True, chaos=streams.Chaos(seed=0, max_delay_s=0.01))
+    tier.write("x", x).wait()
+    gate = threading.Event()
+    streams.host_stream("tier-mine").submit(gate.wait)     # the tier's copy thread is busy
+    handle = tier.read("x")
+    assert not handle.done()                                 # issued, not run: the caller goes on
+    gate.set()
+    assert torch.equal(handle.wait(), x)
+    assert tier.reader.startswith("lazytrain-copy-tier-mine")
+    streams.configure()
+    tier.read("x").wait()
+    assert tier.reader == threading.current_thread().name   # calm: read where it is asked

@@ -102,9 +102,20 @@ def test_emulated_links_without_copy_threads_are_refused():
         lazytrain.initialize(model=make_model("llama"), config=cfg)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_emulated_links_are_refused_on_cuda():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "lazytrain": {"device": "cuda", "testing": {
+        "copy_threads": True, "links": {"h2d": {"gbps": 1}}}}}
+    with pytest.raises(ConfigError, match="emulates links on the CPU's copy threads; the device cuda:0 has real"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lazytrain.initialize(model=make_model("llama"), config=cfg)
+
+
 def test_emulated_links_warn_that_they_are_a_test_setting():
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "lazytrain": {"testing": {"copy_threads": True, "links": {"h2d": {"gbps": 5, "latency_ms": 0.01}}}}}
+           "lazytrain": {"device": "cpu",
+                         "testing": {"copy_threads": True, "links": {"h2d": {"gbps": 5, "latency_ms": 0.01}}}}}
     with pytest.warns(UserWarning, match="'lazytrain.testing' is a setting for tests and benchmarks"):
         engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
     link = streams.settings().links["h2d"]
@@ -156,6 +167,13 @@ def test_traces_that_cannot_be_measured_are_named(spans, message):
         MeasuredCosts.from_traces([_timeline(spans)], 2)
 
 
+def test_a_cuda_trace_is_refused():
+    step = _two_layer_step()
+    step.device = "cuda"
+    with pytest.raises(MeasurementError, match="measured costs are read from CPU traces only: on cuda"):
+        MeasuredCosts.from_traces([step], 2)
+
+
 def test_a_trace_without_the_step_is_refused():
     full = _two_layer_step()
     full.spans = [s for s in full.spans if s.name not in ("gradient norm", "embedding/head")]
@@ -166,7 +184,7 @@ def test_a_trace_without_the_step_is_refused():
 def test_an_engine_trace_of_a_keep_all_step_gives_every_layers_costs():
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "lazytrain": {"policy": "keep_all", "boundary_home": "hbm", "last_segment_graph": False,
+           "lazytrain": {"policy": "keep_all", "boundary_home": "hbm", "last_segment_graph": False, "device": "cpu",
                          "overlap_optimizer": True, "testing": {"copy_threads": True}}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -246,7 +246,7 @@ class LazyTrainEngine(nn.Module):
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None:
-            streams.start_recording(Timeline("measured"))   # the traced step begins with this forward
+            streams.start_recording(Timeline("measured", device=self.device.type))   # the traced step begins with this forward
             self._trace_path, self._trace_request = self._trace_request, None
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
@@ -301,7 +301,7 @@ class LazyTrainEngine(nn.Module):
         the compute side and what it waited for, and each layer's update. The result is
         ``engine.last_trace`` (a :class:`lazytrain.trace.Timeline`, with ``summary()``), written as a
         Chrome/Perfetto trace JSON at ``path`` when given (checked now, before any training time is spent).
-        On CUDA, copies are timed by their stream events; compute and waits by the host."""
+        On CUDA, copies and the blocks' compute are timed by their stream events, waits by the host."""
         if path is not None:
             check_writable(path)
         self._trace_request = path if path is not None else ""

@@ -212,7 +212,7 @@ class LayerStreamingExecutor:
         block = self.blocks[layer]
         # the simulator's task names: a re-run with grad is the first half of its "diff" (the second: "bwd")
         kind = "fwd" if not replay else ("diff" if requires_grad else "recompute")
-        with streams.span("compute", f"{kind} L{layer}"), \
+        with streams.compute_span(f"{kind} L{layer}", self.device), \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
                 _reparametrize_module(block, params):
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
@@ -511,7 +511,7 @@ class LayerStreamingExecutor:
             inputs = ([x_in] if want_x else []) + [t for _, t in trainable] + \
                 [t for t in t_in if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs and used:
-                with streams.span("compute", f"bwd L{layer}"):
+                with streams.compute_span(f"bwd L{layer}", self.device):
                     grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used],
                                                 allow_unused=True)
             else:

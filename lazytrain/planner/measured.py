@@ -84,6 +84,11 @@ class MeasuredCosts:
 
 
 def _one_step(timeline, L: int) -> dict[str, Any]:
+    if getattr(timeline, "device", None) not in (None, "cpu"):
+        raise MeasurementError(
+            f"measured costs are read from CPU traces only: on {timeline.device} the rest of the model (head, "
+            f"loss, embedding) runs outside the traced spans and the host's clock cannot tell its time from "
+            f"the device waiting for a copy")
     fwd, diff, update = [0.0] * L, [0.0] * L, [0.0] * L
     seen = {"fwd": set(), "diff": set(), "bwd": set(), "update": set()}
     step_start, step = None, 0.0

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..units import parse_size as parse_bytes  # noqa: F401 - the tiers' name for it
+from . import streams
 
 _log = logging.getLogger("lazytrain.tiers")
 
@@ -198,6 +199,10 @@ class Tier(ABC):
     """
 
     kind: str = "abstract"
+    # the built-in tiers run their own transfers on copy threads or I/O threads (with chaos and emulated
+    # links); a user's tier does not, so with copy threads on its reads run on a copy thread of its own
+    # and its writes complete there, each after a chaos delay, for the engine's ordering to meet them late
+    runs_own_transfers: bool = False
 
     def __init__(self, name: str, capacity: int | str | None = None, device: torch.device | str | None = None):
         self.name = name
@@ -242,6 +247,8 @@ class Tier(ABC):
         self._writing.token = token          # lets _write tell whether its reservation is still current
         try:
             handle = self._write(key, tensor, owned)
+            if self._on_copy_thread():
+                handle = self._completed_late(handle)
         except BaseException:
             meter.end(0)
             self._release(key)
@@ -264,7 +271,11 @@ class Tier(ABC):
         meter = self._meters["read"]
         meter.begin()
         try:
-            handle = self._read(key, out, torch.device(device) if device is not None else None)
+            device = torch.device(device) if device is not None else None
+            if self._on_copy_thread():
+                handle = self._completed_late(lambda: self._read(key, out, device))
+            else:
+                handle = self._read(key, out, device)
         except BaseException:
             meter.end(0)
             raise
@@ -320,6 +331,19 @@ class Tier(ABC):
     def __repr__(self) -> str:
         cap = "unbounded" if self.capacity is None else format_bytes(self.capacity)
         return f"{type(self).__name__}(name={self.name!r}, used={format_bytes(self.used_bytes)}, capacity={cap})"
+
+    # ---- a user's tier under copy threads (a test setting) -----------------------------------
+    def _on_copy_thread(self) -> bool:
+        return not self.runs_own_transfers and streams.settings().copy_threads
+
+    def _completed_late(self, op) -> "TransferHandle":
+        """``op`` (a handle already issued, or a call that issues one) completing on this tier's copy
+        thread after a chaos delay."""
+        def run():
+            streams.chaos_delay()
+            inner = op() if callable(op) else op
+            return inner.wait()
+        return TransferHandle(future=streams.host_stream(f"tier-{self.name}").submit(run))
 
     # ---- accounting ------------------------------------------------------------------------
     def _check_budget(self, key: str, nbytes: int, used: int, payload: int | None = None) -> None:

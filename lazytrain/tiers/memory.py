@@ -142,6 +142,7 @@ class MemoryTier(Tier):
     """
 
     kind = "memory"
+    runs_own_transfers = True
     # the host copy thread a copy into / out of this tier runs on when there is no CUDA (copy threads on)
     copy_in: str | None = None
     copy_out: str | None = None

@@ -192,6 +192,7 @@ class NVMeTier(Tier):
     """
 
     kind = "nvme"
+    runs_own_transfers = True
 
     def __init__(self, name: str = "nvme", capacity=None, path: str | os.PathLike | None = None,
                  aio: dict | AioSettings | None = None, backend: str = "auto", device=None):

@@ -148,6 +148,11 @@ class span:
 
 def record_device_copy(lane: str, name: str, start_event, end_event, nbytes: int) -> None:
     """A copy on a CUDA stream, timed by its events once it has run (resolved at the end of the trace)."""
+    record_device_span(lane, name, start_event, end_event, bytes=nbytes)
+
+
+def record_device_span(lane: str, name: str, start_event, end_event, **args) -> None:
+    """Work queued on a CUDA stream between two timing events, placed on the trace once it has run."""
     t = _timeline
     if t is None:
         return
@@ -157,7 +162,33 @@ def record_device_copy(lane: str, name: str, start_event, end_event, nbytes: int
         end_event.synchronize()
         return (base_host + base.elapsed_time(start_event) / 1e3 - t.origin,
                 base_host + base.elapsed_time(end_event) / 1e3 - t.origin)
-    t.add_deferred(lane, name, resolve, bytes=nbytes)
+    t.add_deferred(lane, name, resolve, **args)
+
+
+class compute_span(span):
+    """A span of compute on ``device``: on CUDA timed by events on the current stream (the host only
+    queues the kernels, so its own clock would time the launches), elsewhere by the host."""
+    __slots__ = ("device", "start_event")
+
+    def __init__(self, name: str, device, **args):
+        super().__init__("compute", name, **args)
+        self.device, self.start_event = device, None
+
+    def __enter__(self):
+        if _timeline is None or self.device.type != "cuda":
+            return super().__enter__()
+        self.t0 = None
+        self.start_event = torch.cuda.Event(enable_timing=True)
+        self.start_event.record(torch.cuda.current_stream(self.device))
+        return self
+
+    def __exit__(self, *exc):
+        if self.start_event is None:
+            return super().__exit__(*exc)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        record_device_span(self.lane, self.name, self.start_event, end, **self.args)
+        return False
 
 
 def _device_origin(t, device):
