@@ -32,7 +32,7 @@ def _calm_transfers_after():
 def test_an_emulated_link_serves_transfers_first_come_first_served():
     link = streams.EmulatedLink("h2d", gbps=1.0, latency_s=0.002)
     assert link.reserve(100_000_000, ready=10.0) == pytest.approx(10.102)    # 0.1 s of bytes + latency
-    assert link.reserve(50_000_000, ready=10.0) == pytest.approx(10.152)     # queued behind the first
+    assert link.reserve(50_000_000, ready=10.0) == pytest.approx(10.154)     # queued behind the first
     assert link.reserve(10_000_000, ready=20.0) == pytest.approx(20.012)     # an idle link starts at once
 
 
@@ -265,4 +265,87 @@ def test_a_resident_layers_refresh_waits_for_the_forward_to_come_to_it():
     h2d = [s.name for s in sorted(engine.last_trace.spans, key=lambda s: s.start) if s.lane == "h2d"]
     forward = h2d[:6]                                          # the forward's copies, in the order they ran
     assert forward == [f"weights.layer{i}" for i in range(6)]
+    engine.destroy()
+
+
+def _resident_engine(tmp_path, resident=(3,)):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": {"policy": "plan", "overlap_optimizer": True, "testing": {"copy_threads": True}}}
+    path = str(tmp_path / "plan.json")
+    keep_all_plan(6, home="hbm", resident_layers=resident).to_json(path)
+    cfg["lazytrain"]["plan"] = path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    return engine
+
+
+def test_a_resident_refresh_that_fails_to_start_stays_due(tmp_path):
+    engine = _resident_engine(tmp_path)
+    w, stream = engine.weights, engine.stream
+    real, armed = w.fetch_into, [False]
+
+    def fetch_into(i, buf):
+        if armed[0] and buf.data_ptr() == stream.resident[3].data_ptr():
+            armed[0] = False
+            raise OSError("transient read error")
+        return real(i, buf)
+    w.fetch_into = fetch_into
+    (x0, y0), (x1, _) = batches(2)
+    engine.backward(lm_loss(engine(x0), y0))
+    engine.step()
+    engine.wait_for_update()
+    armed[0] = True
+    with pytest.raises(OSError, match="transient read error"):
+        engine(x1)
+    with torch.no_grad():
+        engine(x1)                                     # the refresh is issued now
+    host = w.weights_tier.read("weights.layer3").wait()
+    assert torch.equal(stream.resident[3], host)
+    engine.destroy()
+
+
+def test_a_refresh_due_from_an_earlier_step_never_reads_a_host_copy_being_written(tmp_path):
+    from lazytrain.engine.weight_stream import WeightStream
+    engine = _resident_engine(tmp_path)
+    stream = engine.stream
+    writing, violations = set(), []
+    before, after = stream.before_host_write, stream.after_host_write
+
+    def fenced(layers):
+        layers = list(layers)
+        before(layers)
+        writing.update(layers)
+
+    def published(i, event=None):
+        writing.discard(i)
+        after(i, event)
+    stream.before_host_write, stream.after_host_write = fenced, published
+    refresh = WeightStream._refresh_if_stale
+
+    def watched(self, layer):
+        if layer in self._stale and layer in writing:
+            violations.append(layer)
+        return refresh(self, layer)
+    slow = engine.weights.refresh_compute_copy
+
+    def slow_refresh(i, host_copy_current=False):
+        if i == 3:
+            time.sleep(0.2)                            # a long host write of the resident layer
+        return slow(i, host_copy_current)
+    engine.weights.refresh_compute_copy = slow_refresh
+    try:
+        WeightStream._refresh_if_stale = watched
+        (x0, y0), (x1, y1) = batches(2)
+        engine.backward(lm_loss(engine(x0), y0))
+        engine.step()                                  # layer 3's refresh is due
+        engine.wait_for_update()
+        engine.step()                                  # another update before any forward took layer 3
+        engine.backward(lm_loss(engine(x1), y1))       # this forward meets the update still writing layer 3
+        engine.step()
+        engine.wait_for_update()
+    finally:
+        WeightStream._refresh_if_stale = refresh
+    assert violations == []
     engine.destroy()

@@ -141,7 +141,7 @@ class WeightStream:
 
     def _prefetch_next(self) -> None:
         seq, j = self._seq, self._cursor
-        if j < len(seq) and seq[j] in self._stale:
+        if j < len(seq) and seq[j] in self._stale and not self.weights.update_pending(seq[j]):
             self._refresh_if_stale(seq[j])   # the next layer is resident: its refresh goes now
         if not self.prefetch or self.zero_copy or self._prefetched is not None or not self.slots:
             return
@@ -189,7 +189,10 @@ class WeightStream:
     def before_host_write(self, layers: Iterable[int]) -> None:
         """The write fence: returns once no copy reads the host copy of any of ``layers`` any more."""
         with self._lock:
+            layers = list(layers)
             reads = [d for i in layers for d in self._reads.pop(i, ())]
+            for i in layers:   # a refresh still due from an earlier write reads after this one instead
+                self._stale.pop(i, None)
         for done in reads:
             wait_completion(done)
 
@@ -206,9 +209,9 @@ class WeightStream:
     def _refresh_if_stale(self, layer: int) -> None:
         if layer not in self._stale:
             return
-        launch_event = self._stale.pop(layer)
-        with issued_after(launch_event):
+        with issued_after(self._stale[layer]):
             handle = self.weights.fetch_into(layer, self.resident[layer])
+        del self._stale[layer]   # only once issued: a refresh that fails to start stays due, and every acquire raises
         self._resident_copy[layer] = handle
         self._note_read(layer, handle.completion())
 

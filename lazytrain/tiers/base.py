@@ -247,7 +247,7 @@ class Tier(ABC):
         self._writing.token = token          # lets _write tell whether its reservation is still current
         try:
             handle = self._write(key, tensor, owned)
-            if self._on_copy_thread():
+            if self._on_copy_thread(tensor.device):
                 handle = self._completed_late(handle)
         except BaseException:
             meter.end(0)
@@ -272,8 +272,8 @@ class Tier(ABC):
         meter.begin()
         try:
             device = torch.device(device) if device is not None else None
-            if self._on_copy_thread():
-                handle = self._completed_late(lambda: self._read(key, out, device))
+            if self._on_copy_thread(out.device if out is not None else device or self.device):
+                handle = self._completed_late(lambda: self._read_if_held(key, out, device))
             else:
                 handle = self._read(key, out, device)
         except BaseException:
@@ -333,8 +333,15 @@ class Tier(ABC):
         return f"{type(self).__name__}(name={self.name!r}, used={format_bytes(self.used_bytes)}, capacity={cap})"
 
     # ---- a user's tier under copy threads (a test setting) -----------------------------------
-    def _on_copy_thread(self) -> bool:
-        return not self.runs_own_transfers and streams.settings().copy_threads
+    def _on_copy_thread(self, device: torch.device) -> bool:
+        """A user's tier moving host tensors with copy threads on (CUDA work stays on the caller's stream)."""
+        return not self.runs_own_transfers and streams.settings().copy_threads and device.type == "cpu"
+
+    def _read_if_held(self, key, out, device) -> "TransferHandle":
+        if key not in self._sizes:
+            raise TierError(f"tier {self.name!r}: key {key!r} was freed before its read ran; a key must not be "
+                            f"freed until the reads issued of it are done")
+        return self._read(key, out, device)
 
     def _completed_late(self, op) -> "TransferHandle":
         """``op`` (a handle already issued, or a call that issues one) completing on this tier's copy

@@ -58,10 +58,9 @@ LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 
 
 class EmulatedLink:
-    """A link of ``gbps`` (1e9 bytes/s) and ``latency_s`` shared by every transfer on it, first come first
-    served: a transfer ready at ``t`` occupies the link from ``max(t, when it is free)`` for
-    ``bytes / bandwidth`` and completes ``latency_s`` after that (latency is per transfer and overlaps
-    the next transfer's bytes, as on a PCIe link or an NVMe queue). The real copy runs inside that
+    """A link of ``gbps`` (1e9 bytes/s) and ``latency_s`` shared by every transfer on it, served in the
+    order the transfers finish their real copy: a transfer ready at ``t`` occupies the link from
+    ``max(t, when it is free)`` for ``latency_s + bytes / bandwidth``. The real copy runs inside that
     window; :meth:`hold` then sleeps until the window ends, so the transfer never finishes early."""
 
     def __init__(self, name: str, gbps: float, latency_s: float = 0.0):
@@ -77,8 +76,8 @@ class EmulatedLink:
         """Book the link for ``nbytes`` from ``ready`` (perf_counter seconds); returns when it completes."""
         with self._lock:
             start = max(ready, self._free_at)
-            self._free_at = start + nbytes / (self.gbps * 1e9)
-            return self._free_at + self.latency_s
+            self._free_at = start + self.latency_s + nbytes / (self.gbps * 1e9)
+            return self._free_at
 
     def hold(self, nbytes: int, ready: float) -> None:
         """A transfer of ``nbytes`` that became ready at ``ready`` and has run: wait until the link would
