@@ -6,7 +6,9 @@
 Importing ``lazytrain`` loads nothing heavy; torch is imported with the engine, on first use.
 """
 __version__ = "0.1.0"
-__all__ = ["initialize", "register_tier", "__version__"]
+__all__ = ["initialize", "init_distributed", "CollectiveError", "register_tier", "CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError",
+           "StepFailedError", "__version__"]
+_CHECKPOINT_ERRORS = ("CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError")
 
 
 def __getattr__(name):
@@ -16,4 +18,13 @@ def __getattr__(name):
     if name == "register_tier":
         from .tiers.registry import register_tier
         return register_tier
+    if name in ("init_distributed", "CollectiveError"):
+        from .engine import distributed
+        return getattr(distributed, name)
+    if name in _CHECKPOINT_ERRORS:
+        from .engine import checkpoint
+        return getattr(checkpoint, name)
+    if name == "StepFailedError":
+        from .engine.engine import StepFailedError
+        return StepFailedError
     raise AttributeError(f"module 'lazytrain' has no attribute {name!r}")

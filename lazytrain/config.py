@@ -235,6 +235,7 @@ class LazyTrainSection:
     quant_block_size: int = 256         # HybridAdamW's measured default (bitsandbytes' CUDA block size)
     fp32_state_patterns: tuple | None = None   # None: HybridAdamW's defaults (norms, biases, ln_*)
     milp_time_limit: float = 30.0
+    collective_timeout_s: float = 1800.0   # a rank that hangs fails the others after this long (torch's default)
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
     seq_len: int | None = None          # for the planner; measured from the first batch when absent
@@ -245,7 +246,7 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
-                   "overlap_optimizer", "testing"}
+                   "overlap_optimizer", "testing", "collective_timeout_s"}
 
 
 @dataclass(frozen=True)
@@ -613,6 +614,10 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
     if overlap not in ("auto", True, False):
         raise ConfigError(f"config key 'lazytrain.overlap_optimizer' must be \"auto\", true or false, got {overlap!r}")
     nvme_path = section.get("nvme_path") or offload_param.nvme_path
+    timeout = section.get("collective_timeout_s", 1800.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ConfigError(f"config key 'lazytrain.collective_timeout_s' must be a number of seconds > 0, "
+                          f"got {timeout!r}")
     testing = _parse_testing(section.get("testing", {}))
     return LazyTrainSection(testing=testing,
         blocks=section.get("blocks"), policy=policy,
@@ -627,4 +632,5 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
         quant_block_size=int(section.get("quant_block_size", 256)),
         fp32_state_patterns=tuple(section["fp32_state_patterns"]) if "fp32_state_patterns" in section else None,
         milp_time_limit=float(section.get("milp_time_limit", 30.0)), nvme_path=nvme_path,
-        seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")))
+        seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),
+        collective_timeout_s=float(timeout))

@@ -134,3 +134,62 @@ def test_the_training_loader_moves_a_distributed_sampler_to_the_next_epoch():
     sixth = [int(i) for (b,) in loader for i in b]
     sampler.set_epoch(6)
     assert sixth == list(sampler)
+
+
+def _stopping_worker(rank: int, port: int, out_dir: str):
+    """Rank 1 stops (SIGSTOP: alive, never reaching the next collective) after one step; rank 0 must fail
+    within the collective timeout and say which collective and what timeout."""
+    import signal
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "lazytrain": {"checkpoint_interval": 2, "device": "cpu", "collective_timeout_s": 3}}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    for n, (x, y) in enumerate(batches(3, batch=4)):
+        if rank == 1 and n == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        half = slice(2 * rank, 2 * rank + 2)
+        engine.backward(lm_loss(engine(x[half]), y[half]))
+        try:
+            engine.step()
+        except lazytrain.CollectiveError as e:
+            with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+                f.write(str(e))
+            return
+
+
+def test_a_rank_that_stops_fails_the_others_within_the_timeout(tmp_path):
+    import time
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_stopping_worker, args=(r, port, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    t0 = time.monotonic()
+    procs[0].join(120)
+    waited = time.monotonic() - t0
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    message = (tmp_path / "rank0.err").read_text()
+    assert message.startswith("rank 0 of 2: the all-reduce of which parameters have gradients, in engine.step() "
+                              "did not complete: it failed after ")
+    assert "with a collective timeout of 3 s ('lazytrain.collective_timeout_s'). Another rank stopped, hung or " \
+           "died before reaching it" in message
+    assert waited < 60
+
+
+@pytest.mark.parametrize("value", [0, -1, "30", True])
+def test_a_bad_collective_timeout_is_named(value):
+    import lazytrain
+    from lazytrain.config import ConfigError
+    cfg = {"train_micro_batch_size_per_gpu": 2, "lazytrain": {"collective_timeout_s": value}}
+    with pytest.raises(ConfigError, match=f"config key 'lazytrain.collective_timeout_s' must be a number of seconds "
+                                          f"> 0, got {value!r}"):
+        lazytrain.initialize(model=make_model("modulelist"), config=cfg)

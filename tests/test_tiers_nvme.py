@@ -499,3 +499,35 @@ def test_threads_reading_freeing_and_overwriting_keys_lose_no_read_and_leave_no_
     assert errors == [] and reads > 0
     assert sorted(data_files(t)) == sorted(os.path.basename(t.file_of(k)) for k in t.keys())
     t.close()
+
+
+def test_a_read_only_mount_is_named_as_such_not_as_a_permission_problem(tmp_path):
+    from fs_helpers import tmpfs
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
+        with pytest.raises(NVMeIOError, match=f"^tier 'nvme': nvme_path {mnt} is on a read-only filesystem"):
+            NVMeTier(path=mnt)
+
+
+def test_a_directory_without_write_permission_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda p, mode: False)   # as a user without write access sees it
+    with pytest.raises(NVMeIOError, match=f"^tier 'nvme': nvme_path {tmp_path} is not writable by this user; "
+                                          f"permission denied; point nvme_path at a directory you can write$"):
+        NVMeTier(path=tmp_path)
+
+
+def test_a_file_that_cannot_be_removed_is_reported_and_the_tier_goes_on(tmp_path, monkeypatch):
+    from lazytrain.tiers import nvme
+    tier = NVMeTier(path=tmp_path)
+    tier.write("a", torch.arange(10.0)).wait()
+    tier.write("b", torch.arange(5.0)).wait()
+    path = tier.file_of("a")
+
+    def refuse(p):
+        raise PermissionError(errno.EACCES, "Permission denied", p)
+    monkeypatch.setattr(nvme.os, "unlink", refuse)
+    with pytest.warns(RuntimeWarning, match=f"could not remove {path}, which holds no tensor any more \\(EACCES: "
+                                            f"permission denied"):
+        tier.free("a")
+    monkeypatch.undo()
+    assert "a" not in tier and torch.equal(tier.read("b").wait(), torch.arange(5.0))
+    tier.close()

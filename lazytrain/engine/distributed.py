@@ -1,15 +1,26 @@
-"""torch.distributed set-up from the launcher's environment, and gradient averaging across ranks.
+"""torch.distributed set-up from the launcher's environment, and the collectives the engine runs.
 
 A plain ``python train.py`` (no RANK/WORLD_SIZE) is a single process: no process group, no mpi4py.
-Under torchrun, the group is created from the environment (NCCL on CUDA, gloo otherwise), and host
-gradient buffers are reduced over a gloo group since NCCL cannot reduce host memory.
+Under torchrun, the group is created from the environment (NCCL on CUDA, gloo otherwise). The engine's
+own collectives run on groups it makes with ``lazytrain.collective_timeout_s`` (default 30 minutes, as
+torch and DeepSpeed): host gradient buffers over gloo, since NCCL cannot reduce host memory, device
+tensors over the default group's backend. A rank that stops or dies makes the others fail with
+:class:`CollectiveError`, naming the collective and the timeout, instead of hanging.
 """
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective that did not complete on every rank (one stopped, hung or died)."""
 
 
 def world_size() -> int:
@@ -20,37 +31,73 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def init_distributed(dist_backend: str | None = None, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S),
+                     init_method: str | None = None, rank: int = -1, world_size: int = -1, **_ignored) -> None:
+    """DeepSpeed's ``init_distributed``: the default process group from the launcher's environment (or
+    the arguments), NCCL on CUDA and gloo otherwise, with ``timeout`` on its collectives. A no-op when a
+    group exists or when there is a single process."""
+    if not dist.is_available() or dist.is_initialized():
+        return
+    if world_size < 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    kwargs = {"backend": backend, "timeout": timeout, "init_method": init_method}
+    if rank >= 0 and world_size > 0:
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(**kwargs)
+
+
 class DistributedContext:
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.world_size = world_size()
         own_group = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if own_group else int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if own_group else 0))
-        self.host_group = None
+        self.timeout_s = float(timeout_s)
+        self.host_group = self.device_group = None
         if self.world_size > 1:
             if not dist.is_initialized():
                 missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
                 if missing:
                     raise RuntimeError(f"WORLD_SIZE={self.world_size} but {', '.join(missing)} is not set: launch with "
                                        f"torchrun, or unset WORLD_SIZE for a single process")
-                dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-            self.host_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+                init_distributed("nccl" if device_type == "cuda" else "gloo", timedelta(seconds=self.timeout_s))
+            # groups of our own, so that the timeout holds whoever made the default group and how
+            timeout = timedelta(seconds=self.timeout_s)
+            self.host_group = dist.new_group(backend="gloo", timeout=timeout)
+            backend = dist.get_backend()
+            self.device_group = self.host_group if backend == "gloo" else dist.new_group(backend=backend,
+                                                                                         timeout=timeout)
 
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    def _collective(self, what: str, run) -> None:
+        t0 = time.monotonic()
+        try:
+            run()
+        except RuntimeError as e:
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world_size}: the {what} did not complete: it failed after "
+                f"{time.monotonic() - t0:.1f} s, with a collective timeout of {self.timeout_s:g} s "
+                f"('lazytrain.collective_timeout_s'). Another rank stopped, hung or died before reaching it "
+                f"({type(e).__name__}: {e})") from e
 
     def average(self, host_tensors: list[torch.Tensor], device_tensors: list[torch.Tensor]) -> None:
         """Divide by the world size, then all-reduce (sum), in place: dividing first keeps loss-scaled
         gradients from overflowing in the sum."""
         if not self.enabled:
             return
-        for t in host_tensors:
-            t.div_(self.world_size)
-            dist.all_reduce(t, group=self.host_group)
-        for t in device_tensors:
-            t.div_(self.world_size)
-            dist.all_reduce(t)
+
+        def run():
+            for t in host_tensors:
+                t.div_(self.world_size)
+                dist.all_reduce(t, group=self.host_group)
+            for t in device_tensors:
+                t.div_(self.world_size)
+                dist.all_reduce(t, group=self.device_group)
+        self._collective("gradient all-reduce of engine.step()", run)
 
     def fill_missing_grads(self, params: list[torch.Tensor]) -> None:
         """A parameter with a gradient on some ranks only (a branch or an expert that this rank's batch did
@@ -60,11 +107,12 @@ class DistributedContext:
         if not self.enabled or not params:
             return
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.host_group)
+        self._collective("all-reduce of which parameters have gradients, in engine.step()",
+                         lambda: dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.host_group))
         for p, anywhere in zip(params, has.tolist()):
             if anywhere and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "barrier") -> None:
         if self.enabled:
-            dist.barrier()
+            self._collective(what, lambda: dist.barrier(group=self.host_group))

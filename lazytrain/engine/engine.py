@@ -22,7 +22,7 @@ from ..tiers.streams import Chaos, EmulatedLink
 from ..trace import Timeline, check_writable, write_chrome_trace
 from . import checkpoint as ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
-from .distributed import DistributedContext
+from .distributed import CollectiveError, DistributedContext
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
@@ -32,6 +32,11 @@ from .precision import DeviceMasters, LossScaler
 from .weights import LayerWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StepFailedError(RuntimeError):
+    """engine.step() failed; the message says whether anything had changed (and then, until a checkpoint
+    is loaded, training and saving are refused)."""
 
 
 class EpochDataLoader(torch.utils.data.DataLoader):
@@ -91,7 +96,8 @@ class LazyTrainEngine(nn.Module):
                 training_data, collate_fn) -> None:
         self.module = model
         self._config = config
-        self.dist = DistributedContext("cuda" if torch.cuda.is_available() else "cpu")
+        self.dist = DistributedContext("cuda" if torch.cuda.is_available() else "cpu",
+                                       timeout_s=config.lazytrain.collective_timeout_s)
         self.local_rank, self.global_rank, self.world_size = self.dist.local_rank, self.dist.rank, self.dist.world_size
         self.device = resolve_device(config, self.local_rank)
         if self.device.type == "cuda":
@@ -184,6 +190,7 @@ class LazyTrainEngine(nn.Module):
         self._scaled_backward = False
         self._global_grad_norm: float | None = None
         self._step_applied = False
+        self._failed_step: str | None = None   # a step that failed half-way: the engine is inconsistent
         self._step_start = time.perf_counter()
         self.last_step_peak_bytes: dict[str, int] = {}
         # host optimizer + compute-copy refresh on this thread, last applied step (with overlap_optimizer
@@ -248,6 +255,8 @@ class LazyTrainEngine(nn.Module):
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None:
             streams.start_recording(Timeline("measured", device=self.device.type))   # the traced step begins with this forward
             self._trace_path, self._trace_request = self._trace_request, None
+        if torch.is_grad_enabled():
+            self._refuse_if_inconsistent("a training forward")
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
@@ -291,9 +300,15 @@ class LazyTrainEngine(nn.Module):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """On an accumulation boundary: clip, update, zero grads, advance the schedule."""
         self._step_applied = False            # as DeepSpeed: true only after a step() that updated
+        self._refuse_if_inconsistent("step()")
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+
+    def _refuse_if_inconsistent(self, what: str) -> None:
+        if self._failed_step is not None:
+            raise StepFailedError(f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and "
+                                  f"not-updated state; load a checkpoint (engine.load_checkpoint) first")
 
     def trace_next_step(self, path: str | None = None) -> None:
         """Record the next training step, from its first forward to the end of the layer updates its
@@ -340,17 +355,27 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError("engine.step() needs an optimizer: add an 'optimizer' section to the config or pass "
                               "optimizer= to lazytrain.initialize")
         self.wait_for_update()
-        with streams.span("wait", "gradients to host"):
-            self.weights.flush_grads()
-        self.weights.attach_grads()
-        self.dist.fill_missing_grads(self._non_block_grad_holders())
-        grads = self._all_grads()
-        self.dist.average([g for g in grads if g.device.type == "cpu"], [g for g in grads if g.device.type != "cpu"])
-        # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
-        # so that the gradients are rescaled in one pass (or inside the fused optimizer update)
-        inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None and self._scaled_backward else 1.0
-        with streams.span("optimizer", "gradient norm"):   # the step's serial host phase begins
-            norm = _global_norm(grads) * inv_scale
+        try:
+            with streams.span("wait", "gradients to host"):
+                self.weights.flush_grads()
+            self.weights.attach_grads()
+            self.dist.fill_missing_grads(self._non_block_grad_holders())
+            grads = self._all_grads()
+            self.dist.average([g for g in grads if g.device.type == "cpu"],
+                              [g for g in grads if g.device.type != "cpu"])
+            # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
+            # so that the gradients are rescaled in one pass (or inside the fused optimizer update)
+            inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None and self._scaled_backward \
+                else 1.0
+            with streams.span("optimizer", "gradient norm"):   # the step's serial host phase begins
+                norm = _global_norm(grads) * inv_scale
+        except CollectiveError:
+            raise   # names the collective; the run cannot go on with a rank missing
+        except Exception as e:
+            raise StepFailedError(f"step {self.global_steps + 1} failed before the optimizer changed anything "
+                                  f"({type(e).__name__}: {e}): no weight, optimizer state, counter or schedule "
+                                  f"moved; the gradients gathered so far are kept (fix the cause and call "
+                                  f"step() again, or zero_grad())") from e
         finite = math.isfinite(norm)
         self._global_grad_norm = norm
         if not finite:
@@ -369,13 +394,21 @@ class LazyTrainEngine(nn.Module):
             clip = self.gradient_clipping()
             factor = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) * inv_scale
             t0 = time.perf_counter()
-            if self.layer_updates is not None:
-                self._update_overlapped(factor)
-            else:
-                self._update_serial(factor, grads)
-            if self.masters is not None:
-                with streams.span("optimizer", "embedding/head"):
-                    self.masters.masters_to_params()
+            try:
+                if self.layer_updates is not None:
+                    self._update_overlapped(factor)
+                else:
+                    self._update_serial(factor, grads)
+                if self.masters is not None:
+                    with streams.span("optimizer", "embedding/head"):
+                        self.masters.masters_to_params()
+            except Exception as e:
+                self._failed_step = f"step {self.global_steps + 1} failed during the optimizer update " \
+                                    f"({type(e).__name__}: {e})"
+                raise StepFailedError(
+                    f"{self._failed_step}: some weights and optimizer states hold the update and some do not, "
+                    f"and the step counter, the learning-rate schedule and the gradients did not advance. The "
+                    f"engine refuses to train or save until a checkpoint is loaded (engine.load_checkpoint)") from e
             self.last_optimizer_seconds = time.perf_counter() - t0
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
@@ -557,6 +590,11 @@ class LazyTrainEngine(nn.Module):
     # ---- state ---------------------------------------------------------------------------------
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's weights in fp32 (masters), each tensor its own storage, on the host."""
+        return self._module_state(exclude_frozen_parameters, copy=True)
+
+    def _module_state(self, exclude_frozen_parameters: bool, copy: bool) -> dict[str, torch.Tensor]:
+        """``copy=False`` (a checkpoint save, which writes them before anything changes them): host tensors
+        as they are, so a save streams the weights to disk without a second copy in memory."""
         self.wait_for_update()
         masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
         out = {}
@@ -566,7 +604,7 @@ class LazyTrainEngine(nn.Module):
             if exclude_frozen_parameters and p is not None and not p.requires_grad:
                 continue
             src = masters.get(id(t), t)
-            out[name] = src.detach().to("cpu", copy=True)
+            out[name] = src.detach().to("cpu", copy=copy)
         return out
 
     def _load_module_state(self, state: dict, strict: bool, custom_load_fn=None) -> None:
@@ -610,10 +648,13 @@ class LazyTrainEngine(nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        tag = ckpt.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
+        if self._failed_step is not None:
+            raise ckpt.CheckpointError(f"save_checkpoint refused: {self._failed_step}, and the engine holds a "
+                                       f"mix of updated and not-updated state; load a checkpoint first")
         self.wait_for_update()
         model_state = {
-            "module": self.module_state_dict(exclude_frozen_parameters),
+            "module": self._module_state(exclude_frozen_parameters, copy=False),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
             "global_steps": self.global_steps, "global_samples": self.global_samples,
@@ -621,10 +662,12 @@ class LazyTrainEngine(nn.Module):
             "client_state": dict(client_state or {}), "ds_config": self._config.raw,
             "plan": self.plan.to_dict(),
         }
-        optim_state = {"optimizer": self.optimizer.state_dict()} if self.optimizer is not None else None
+        files = {ckpt.MODEL_FILE: model_state}
+        if self.optimizer is not None:
+            files[ckpt.OPTIM_FILE] = {"optimizer": self.optimizer.state_dict()}
         if self.global_rank == 0:
-            ckpt.save(save_dir, tag, model_state, optim_state, save_latest)
-        self.dist.barrier()   # no rank returns (and may load) before the files exist
+            ckpt.save(save_dir, tag, files, save_latest)
+        self.dist.barrier("barrier of save_checkpoint (rank 0 writes the files)")   # no rank may load before
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -636,9 +679,12 @@ class LazyTrainEngine(nn.Module):
         if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
             self.layer_updates.forget_failure()
             self.zero_grad()                  # layers the failed update never reached kept their gradients
+        if self._failed_step is not None:
+            self.zero_grad()                  # the failed step's gradients belong to no state being loaded
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim)
         self._load_module_state(model_state["module"], load_module_strict, custom_load_fn)
+        self._failed_step = None   # every streamed layer and the non-block weights are rewritten from the file
         if load_module_only:
             return path, model_state.get("client_state", {})
         if optim_state is not None:
@@ -661,7 +707,7 @@ class LazyTrainEngine(nn.Module):
                  for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
-            ckpt._atomic_save(state, os.path.join(save_dir, save_filename))
+            ckpt.save_file_atomic(os.path.join(save_dir, save_filename), state)
         return True
 
     def destroy(self) -> None:

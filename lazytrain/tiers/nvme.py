@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 import zlib
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -240,13 +241,13 @@ class NVMeTier(Tier):
                               f"nvme_path at an existing directory on a fast disk", errno.ENOENT)
         if not os.path.isdir(self.root):
             raise NVMeIOError(f"tier {self.name!r}: nvme_path {self.root} is not a directory", errno.ENOTDIR)
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise NVMeIOError(f"tier {self.name!r}: nvme_path {self.root} is not writable; "
-                              f"{_ERRNO_ADVICE[errno.EACCES]}", errno.EACCES)
         st = os.statvfs(self.root)
-        if st.f_flag & os.ST_RDONLY:
+        if st.f_flag & os.ST_RDONLY:   # before the permission check, which a read-only mount also fails
             raise NVMeIOError(f"tier {self.name!r}: nvme_path {self.root} is on a read-only filesystem; "
                               f"{_ERRNO_ADVICE[errno.EROFS]}", errno.EROFS)
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise NVMeIOError(f"tier {self.name!r}: nvme_path {self.root} is not writable by this user; "
+                              f"{_ERRNO_ADVICE[errno.EACCES]}", errno.EACCES)
         free = st.f_bavail * st.f_frsize
         if self.capacity is not None and self.capacity > free:
             raise NVMeIOError(f"tier {self.name!r}: its capacity is {format_bytes(self.capacity)} but only "
@@ -759,10 +760,17 @@ def remove_stale_run_dirs(root: str) -> list[tuple[str, int]]:
 
 
 def _unlink(path: str) -> None:
+    """Remove a file that backs no key any more. A failure is not the training's: the key is gone either
+    way, so it is reported (with the cause and the fix) and the file left for the tier's close."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as e:
+        advice = _ERRNO_ADVICE.get(e.errno, e.strerror or str(e))
+        code = errno.errorcode.get(e.errno, str(e.errno))
+        warnings.warn(f"lazytrain: NVMe tier: could not remove {path}, which holds no tensor any more ({code}: "
+                      f"{advice}); it stays on disk until the tier is closed", RuntimeWarning, stacklevel=2)
 
 
 def _chain(source: Future, target: Future) -> None:

@@ -1,0 +1,321 @@
+"""Checkpoints that survive a process dying at any moment and a disk that fills up, and an engine that
+stays consistent (or says it is not) when a step fails half-way."""
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.engine import checkpoint as ckpt
+from engine_models import batches, lm_loss, make_model
+from fs_helpers import tmpfs
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+
+
+class Killed(BaseException):
+    """The process dying at this point: nothing after it runs, no clean-up either."""
+
+
+def files_of(step: int) -> dict:
+    """A checkpoint whose two files say which save wrote them."""
+    return {ckpt.MODEL_FILE: {"step": step, "w": torch.full((1000,), float(step))},
+            ckpt.OPTIM_FILE: {"step": step, "m": torch.full((2000,), float(step))}}
+
+
+def loaded_step(d, tag=None):
+    tag = ckpt.resolve_tag(str(d), tag)
+    _, model, optim = ckpt.load(str(d), tag, want_optimizer=True)
+    assert model["step"] == optim["step"], "model and optimizer files from different saves"
+    assert torch.equal(model["w"], torch.full((1000,), float(model["step"])))
+    assert torch.equal(optim["m"], torch.full((2000,), float(model["step"])))
+    return model["step"]
+
+
+def crash_points(monkeypatch, crash_at: int | None):
+    """Count every file-system step of a save (write, fsync, rename, remove); raise Killed at the
+    ``crash_at``-th."""
+    count = [0]
+
+    def wrap(fn):
+        def step(*args, **kwargs):
+            count[0] += 1
+            if count[0] == crash_at:
+                raise Killed()
+            return fn(*args, **kwargs)
+        return step
+    for name in ("rename", "replace", "fsync", "mkdir"):
+        monkeypatch.setattr(os, name, wrap(getattr(os, name)))
+    monkeypatch.setattr(shutil, "rmtree", wrap(shutil.rmtree))
+    monkeypatch.setattr(torch, "save", wrap(torch.save))
+    return count
+
+
+@pytest.mark.parametrize("reused_tag", [True, False])
+def test_a_save_killed_at_any_step_leaves_a_whole_checkpoint(tmp_path, monkeypatch, reused_tag):
+    """Every point at which a save can die: the tag loads as the old save or the new one, whole; 'latest'
+    names a whole checkpoint; the next save completes and leaves nothing behind."""
+    with monkeypatch.context() as m:
+        total = crash_points(m, None)
+        ckpt.save(str(tmp_path / "probe"), "ckpt", files_of(1), True)
+        ckpt.save(str(tmp_path / "probe"), "ckpt", files_of(2), True)
+        steps = total[0] // 2 + 4                       # a save's own steps, with margin
+    for k in range(1, steps + 1):
+        d = tmp_path / f"kill{k}"
+        ckpt.save(str(d), "ckpt", files_of(1), True)
+        new_tag = "ckpt" if reused_tag else "other"
+        with monkeypatch.context() as m:
+            crash_points(m, k)
+            try:
+                ckpt.save(str(d), new_tag, files_of(2), True)
+            except Killed:
+                pass
+        assert loaded_step(d, "ckpt") in ((1, 2) if reused_tag else (1,)), k
+        assert loaded_step(d) in (1, 2), k              # whatever 'latest' names is whole
+        if not reused_tag and os.path.isdir(d / "other"):
+            assert loaded_step(d, "other") == 2
+        ckpt.save(str(d), "ckpt", files_of(3), True)    # the next save settles what the killed one left
+        assert loaded_step(d) == 3 and loaded_step(d, "ckpt") == 3
+        assert [e for e in os.listdir(d) if e.startswith(".") or e.endswith(".tmp")] == [], k
+
+
+def test_killed_saves_in_a_real_process_never_tear_a_checkpoint(tmp_path):
+    """A subprocess saving to a reused tag and to new tags, killed (SIGKILL) at many moments."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_checkpoint_safety import files_of
+        from lazytrain.engine import checkpoint as ckpt
+        d = sys.argv[1]
+        step = int(sys.argv[2])
+        print("ready", flush=True)
+        while True:
+            step += 1
+            ckpt.save(d, "ckpt", files_of(step), True)
+            ckpt.save(d, f"s{{step}}", files_of(step), False)
+    """)
+    d = tmp_path / "ckpts"
+    ckpt.save(str(d), "ckpt", files_of(1), True)
+    delays = [0.002 * i for i in range(10)]
+    for i, delay in enumerate(delays):
+        p = subprocess.Popen([sys.executable, "-c", script, str(d), str(100 * (i + 1))], stdout=subprocess.PIPE)
+        assert p.stdout.readline().strip() == b"ready"
+        time.sleep(0.05 + delay)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        step = loaded_step(d, "ckpt")
+        assert loaded_step(d) == step or ckpt.resolve_tag(str(d), None) != "ckpt"
+        for entry in os.listdir(d):
+            if entry.startswith("s"):
+                loaded_step(d, entry)                   # every new tag that exists is whole
+    ckpt.save(str(d), "ckpt", files_of(10_000), True)
+    assert loaded_step(d) == 10_000
+    assert [e for e in os.listdir(d) if e.startswith(".")] == []
+
+
+# ---- incomplete and foreign tags ---------------------------------------------------------------------
+def test_a_tag_with_a_file_missing_is_refused_by_name(tmp_path):
+    ckpt.save(str(tmp_path), "t", files_of(1), True)
+    os.remove(tmp_path / "t" / ckpt.OPTIM_FILE)
+    with pytest.raises(ckpt.IncompleteCheckpointError,
+                       match=f"checkpoint tag 't' in {tmp_path} is incomplete: .*{ckpt.OPTIM_FILE} is missing"):
+        ckpt.load(str(tmp_path), "t", want_optimizer=True)
+
+
+def test_a_save_that_never_completed_is_refused_and_never_half_loaded(tmp_path):
+    staging = tmp_path / ".t.staging"
+    staging.mkdir(parents=True)
+    torch.save({"step": 1}, staging / ckpt.MODEL_FILE)   # died before the optimizer file and the manifest
+    with pytest.raises(ckpt.IncompleteCheckpointError, match=f"no lazytrain_manifest.json"):
+        ckpt.load(str(tmp_path), "t", want_optimizer=True)
+    with pytest.raises(FileNotFoundError, match="no checkpoint tag 'u'"):
+        ckpt.load(str(tmp_path), "u", want_optimizer=True)
+
+
+def test_a_checkpoint_without_a_manifest_loads_as_deepspeed_writes_them(tmp_path):
+    (tmp_path / "global_step3").mkdir()
+    for name, obj in files_of(3).items():
+        torch.save(obj, tmp_path / "global_step3" / name)
+    (tmp_path / "latest").write_text("global_step3")
+    assert loaded_step(tmp_path) == 3
+
+
+@pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", ".."])
+def test_tags_that_cannot_be_a_directory_are_refused(tmp_path, tag):
+    with pytest.raises(ckpt.CheckpointError, match="cannot name a directory of its own"):
+        ckpt.save(str(tmp_path), tag, files_of(1), True)
+
+
+# ---- a full disk -----------------------------------------------------------------------------------
+def test_a_save_bigger_than_the_free_space_is_refused_before_writing(tmp_path, monkeypatch):
+    ckpt.save(str(tmp_path), "t", files_of(1), True)
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=5000))
+    with pytest.raises(ckpt.CheckpointSpaceError,
+                       match=rf"not enough space to save checkpoint tag 't' in {tmp_path}: it needs about 11.7 KiB, "
+                             r"4.9 KiB are free"):
+        ckpt.save(str(tmp_path), "t", files_of(2), True)
+    monkeypatch.undo()
+    assert loaded_step(tmp_path, "t") == 1
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
+
+
+class _FillsUp:
+    """A file that refuses bytes past ``room``, as a full disk does."""
+
+    def __init__(self, path, room):
+        self.f, self.room = open(path, "wb"), room
+
+    def write(self, b):
+        if self.room < len(b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(b)
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_disk_that_fills_during_the_save_is_named_and_the_old_checkpoint_kept(tmp_path, monkeypatch):
+    ckpt.save(str(tmp_path), "t", files_of(1), True)
+    monkeypatch.setattr(ckpt, "_open_for_write", lambda path: _FillsUp(path, 6000))
+    with pytest.raises(ckpt.CheckpointSpaceError, match=rf"not enough space to save checkpoint tag 't' in {tmp_path}"):
+        ckpt.save(str(tmp_path), "t", files_of(2), True)
+    monkeypatch.undo()
+    assert loaded_step(tmp_path, "t") == 1 and loaded_step(tmp_path) == 1
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 3 MB file system."""
+    with tmpfs(tmp_path / "small", "size=3m") as mnt:
+        yield mnt
+
+
+def test_an_engine_checkpoint_on_a_full_file_system(small_filesystem):
+    engine = _engine(n_layers=6)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.save_checkpoint(str(small_filesystem), tag="ckpt")
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    ballast = small_filesystem / "ballast"
+    free = shutil.disk_usage(small_filesystem).free
+    with open(ballast, "wb") as f:                     # leave less room than the checkpoint takes
+        f.write(b"\0" * (free - 200_000))
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    with pytest.raises(ckpt.CheckpointSpaceError, match=rf"checkpoint tag 'ckpt' in {small_filesystem}: it needs"):
+        engine.save_checkpoint(str(small_filesystem), tag="ckpt")
+    other = _engine(n_layers=6)
+    other.load_checkpoint(str(small_filesystem))
+    assert all(torch.equal(v, before[k]) for k, v in other.module_state_dict().items())
+    assert sorted(os.listdir(small_filesystem)) == ["ballast", "ckpt", "latest"]
+    engine.destroy()
+    other.destroy()
+
+
+# ---- a step that fails half-way ----------------------------------------------------------------------
+def _engine(n_layers=6, **section):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"checkpoint_interval": 2, "device": "cpu", **section}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama", n_layers), config=cfg)
+    return engine
+
+
+def test_a_tier_write_failing_inside_step_stops_training_and_saving_until_a_load(tmp_path, monkeypatch):
+    (tmp_path / "nvme").mkdir()
+    (tmp_path / "nvme2").mkdir()
+    engine = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme"), overlap_optimizer=False)
+    data = batches(4)
+    for x, y in data[:1]:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="good")
+    x, y = data[1]
+    engine.backward(lm_loss(engine(x), y))
+    tier = engine.weights.weights_tier
+    real_write, calls = tier.write, [0]
+
+    def full_after_two(key, tensor, owned=False):
+        calls[0] += 1
+        if calls[0] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device", key)
+        return real_write(key, tensor, owned)
+    monkeypatch.setattr(tier, "write", full_after_two)
+    with pytest.raises(lazytrain.StepFailedError,
+                       match=r"step 2 failed during the optimizer update \(OSError: .*No space left on device.*\): "
+                             r"some weights and optimizer states hold the update and some do not"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.global_steps == 1
+    with pytest.raises(lazytrain.CheckpointError, match=r"save_checkpoint refused: step 2 failed during the "
+                                                        r"optimizer update"):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), tag="bad")
+    with pytest.raises(lazytrain.StepFailedError, match=r"a training forward refused: step 2 failed"):
+        engine(x)
+    assert not os.path.exists(tmp_path / "ckpt" / "bad")
+    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="good")   # consistent again
+    twin = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme2"), overlap_optimizer=False)
+    twin.load_checkpoint(str(tmp_path / "ckpt"), tag="good")
+    for e in (engine, twin):
+        for x, y in data[1:]:
+            e.backward(lm_loss(e(x), y))
+            e.step()
+    a, b = engine.module_state_dict(), twin.module_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    engine.destroy()
+    twin.destroy()
+
+
+def test_a_step_failing_before_the_update_changes_nothing_and_can_be_retried(monkeypatch):
+    engine = _engine()
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    grads = [g.clone() for g in engine.weights.grad]
+    monkeypatch.setattr(engine.weights, "flush_grads", lambda: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(lazytrain.StepFailedError,
+                       match=r"step 1 failed before the optimizer changed anything \(OSError: \[Errno 5\] I/O error\)"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.global_steps == 0
+    assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(engine.weights.grad, grads))
+    engine.step()                                     # retried: the step goes through
+    assert engine.global_steps == 1
+    engine.destroy()
+
+
+def test_a_save_writes_the_weights_from_where_they_live(tmp_path, monkeypatch):
+    """No second copy of the model in memory: the state handed to torch.save holds the masters themselves."""
+    engine = _engine()
+    handed = {}
+    real = ckpt.save
+
+    def spy(save_dir, tag, files, save_latest):
+        handed.update(files[ckpt.MODEL_FILE]["module"])
+        return real(save_dir, tag, files, save_latest)
+    monkeypatch.setattr(ckpt, "save", spy)
+    engine.save_checkpoint(str(tmp_path))
+    params = dict(engine.module.named_parameters())
+    assert all(handed[k].data_ptr() == p.data_ptr() for k, p in params.items())
+    engine.destroy()
