@@ -241,40 +241,82 @@ def _engine(n_layers=6, **section):
     return engine
 
 
-def test_a_tier_write_failing_inside_step_stops_training_and_saving_until_a_load(tmp_path, monkeypatch):
-    (tmp_path / "nvme").mkdir()
-    (tmp_path / "nvme2").mkdir()
+def test_a_full_disk_under_the_streamed_weights_inside_step_completes_the_step_and_says_so(tmp_path, monkeypatch):
+    """The issue's case: the compute copies cannot be written after the update. The step completes on every
+    part that matters (fp32 weights, optimizer states, counters, schedule, gradients); the copies are
+    written again before their next use, and training goes on exactly as a run where the disk never
+    filled."""
+    for d in ("nvme", "nvme2"):
+        (tmp_path / d).mkdir()
     engine = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme"), overlap_optimizer=False)
+    twin = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme2"), overlap_optimizer=False)
     data = batches(4)
-    for x, y in data[:1]:
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
+    tier = engine.weights.weights_tier
+    real_write, calls, full = tier.write, [0], [False]
+
+    def filling(key, tensor, owned=False):
+        calls[0] += 1
+        if full[0] and calls[0] > 2:
+            raise OSError(errno.ENOSPC, "No space left on device", key)
+        return real_write(key, tensor, owned)
+    monkeypatch.setattr(tier, "write", filling)
+    for n, (x, y) in enumerate(data):
+        for e in (engine, twin):
+            e.backward(lm_loss(e(x), y))
+        if n == 1:
+            full[0], calls[0] = True, 0
+            with pytest.raises(lazytrain.StepFailedError,
+                               match=r"step 2 completed \(weights, optimizer states, counters, schedule and gradients "
+                                     r"all advanced\), but the compute copies of layers 2..5 could not be stored "
+                                     r"\(OSError: .*No space left on device.*\)"):
+                engine.step()
+            x2, _ = data[2]
+            with pytest.raises(OSError, match="No space left on device"):
+                engine(x2)                           # still full: the forward says so
+            full[0] = False
+        else:
+            engine.step()
+        twin.step()
+    assert engine.global_steps == twin.global_steps == 4
+    a, b = engine.module_state_dict(), twin.module_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))   # consistent: saving is allowed
+    engine.destroy()
+    twin.destroy()
+
+
+def test_an_update_failing_half_way_stops_training_and_saving_until_a_load(tmp_path, monkeypatch):
+    engine = _engine()
+    data = batches(4)
+    x, y = data[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
     engine.save_checkpoint(str(tmp_path / "ckpt"), tag="good")
     x, y = data[1]
     engine.backward(lm_loss(engine(x), y))
-    tier = engine.weights.weights_tier
-    real_write, calls = tier.write, [0]
+    real_step = engine.optimizer.step
 
-    def full_after_two(key, tensor, owned=False):
-        calls[0] += 1
-        if calls[0] > 2:
-            raise OSError(errno.ENOSPC, "No space left on device", key)
-        return real_write(key, tensor, owned)
-    monkeypatch.setattr(tier, "write", full_after_two)
+    def half_then_fail(*args, **kwargs):
+        with torch.no_grad():
+            engine.weights.master[0].add_(1.0)         # some weights already written
+        raise MemoryError("cannot allocate")
+    monkeypatch.setattr(engine.optimizer, "step", half_then_fail)
     with pytest.raises(lazytrain.StepFailedError,
-                       match=r"step 2 failed during the optimizer update \(OSError: .*No space left on device.*\): "
-                             r"some weights and optimizer states hold the update and some do not"):
+                       match=r"step 2 failed during the optimizer update \(MemoryError: cannot allocate\): some "
+                             r"weights and optimizer states hold the update and some do not"):
         engine.step()
-    monkeypatch.undo()
+    monkeypatch.setattr(engine.optimizer, "step", real_step)
     assert engine.global_steps == 1
     with pytest.raises(lazytrain.CheckpointError, match=r"save_checkpoint refused: step 2 failed during the "
                                                         r"optimizer update"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), tag="bad")
     with pytest.raises(lazytrain.StepFailedError, match=r"a training forward refused: step 2 failed"):
         engine(x)
+    with pytest.raises(lazytrain.StepFailedError, match=r"step\(\) refused: step 2 failed"):
+        engine.step()
     assert not os.path.exists(tmp_path / "ckpt" / "bad")
     engine.load_checkpoint(str(tmp_path / "ckpt"), tag="good")   # consistent again
-    twin = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme2"), overlap_optimizer=False)
+    twin = _engine()
     twin.load_checkpoint(str(tmp_path / "ckpt"), tag="good")
     for e in (engine, twin):
         for x, y in data[1:]:

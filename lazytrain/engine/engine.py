@@ -191,6 +191,7 @@ class LazyTrainEngine(nn.Module):
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self._failed_step: str | None = None   # a step that failed half-way: the engine is inconsistent
+        self._unstored_copies: tuple | None = None   # (first layer, error): a step whose copies were not stored
         self._step_start = time.perf_counter()
         self.last_step_peak_bytes: dict[str, int] = {}
         # host optimizer + compute-copy refresh on this thread, last applied step (with overlap_optimizer
@@ -394,6 +395,7 @@ class LazyTrainEngine(nn.Module):
             clip = self.gradient_clipping()
             factor = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) * inv_scale
             t0 = time.perf_counter()
+            self._unstored_copies = None
             try:
                 if self.layer_updates is not None:
                     self._update_overlapped(factor)
@@ -427,6 +429,14 @@ class LazyTrainEngine(nn.Module):
         self._record_peaks()
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._print_progress()
+        if self._unstored_copies is not None:
+            first, e = self._unstored_copies
+            self._unstored_copies = None
+            raise StepFailedError(
+                f"step {self.global_steps} completed (weights, optimizer states, counters, schedule and gradients "
+                f"all advanced), but the compute copies of layers {first}..{self.weights.num_layers - 1} could not "
+                f"be stored ({type(e).__name__}: {e}); each is written again from the fp32 weights before its next "
+                f"use, and a forward that still cannot store it raises") from e
 
     def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
         """The whole update now, then every streamed layer's compute copy refreshed."""
@@ -438,7 +448,12 @@ class LazyTrainEngine(nn.Module):
                     _scale_(grads, factor)
                 self.optimizer.step()
             for i in range(self.weights.num_layers):
-                self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                try:
+                    self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                except Exception as e:   # the update itself is whole: the copies are written again when needed
+                    self.weights.mark_unstored(range(i, self.weights.num_layers))
+                    self._unstored_copies = (i, e)
+                    break
 
     @contextlib.contextmanager
     def _host_writes(self, layers, launch_event=None):

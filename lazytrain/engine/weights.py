@@ -94,6 +94,7 @@ class LayerWeights:
         self.zero_copy = device.type == "cpu" and weights_tier.kind == "host" and not emulated
         # set by the engine when the optimizer updates layers on another thread (layer_updates.py)
         self.updates: LayerUpdates | None = None
+        self._unstored: set[int] = set()   # see mark_unstored
 
     # ---- readiness after an overlapped optimizer step ------------------------------------------
     def update_pending(self, i: int) -> bool:
@@ -122,12 +123,23 @@ class LayerWeights:
         staging.copy_(self.master[i])
         self.weights_tier.write(self._key(i), staging).synchronize()
 
+    def mark_unstored(self, layers) -> None:
+        """Layers whose compute copy could not be stored after their update: stored again, from the fp32
+        weights, before anything reads them (``fetch_into``, ``stored_copy``)."""
+        self._unstored.update(layers)
+
+    def _store_if_unstored(self, i: int) -> None:
+        if i in self._unstored:
+            self._store_compute_copy(i)   # raises while it still cannot: the layer stays unstored
+            self._unstored.discard(i)
+
     def refresh_compute_copy(self, i: int, host_copy_current: bool = False) -> None:
         """After the optimizer updated layer i's master weights: rewrite the host compute-dtype copy
         (unless the optimizer already wrote it in its update pass). Call inside the weight stream's fence
         (``WeightStream.before_host_write`` / ``after_host_write``)."""
-        if not host_copy_current:
+        if not host_copy_current or i in self._unstored:
             self._store_compute_copy(i)
+        self._unstored.discard(i)
 
     def compute_copy_views(self) -> dict[torch.Tensor, torch.Tensor] | None:
         """{block parameter: its view in the host compute-dtype copy}, for an optimizer that writes the
@@ -144,10 +156,12 @@ class LayerWeights:
     # ---- what the weight stream copies -------------------------------------------------------
     def fetch_into(self, i: int, buf: torch.Tensor) -> TransferHandle:
         """Start copying layer i's compute-dtype weights into device buffer ``buf``."""
+        self._store_if_unstored(i)
         return self.weights_tier.read(self._key(i), out=buf)
 
     def stored_copy(self, i: int) -> torch.Tensor:
         """Layer i's compute copy as stored (``zero_copy``: the CPU computes on it in place)."""
+        self._store_if_unstored(i)
         return self.weights_tier.read(self._key(i)).wait()
 
     def views(self, flat: torch.Tensor, layer: int, requires_grad: bool = False) -> dict[str, torch.Tensor]:
