@@ -236,6 +236,7 @@ class LazyTrainSection:
     fp32_state_patterns: tuple | None = None   # None: HybridAdamW's defaults (norms, biases, ln_*)
     milp_time_limit: float = 30.0
     collective_timeout_s: float = 1800.0   # a rank that hangs fails the others after this long (torch's default)
+    trust_checkpoints: bool = False     # unpickle checkpoints without restriction (they may then run code)
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
     seq_len: int | None = None          # for the planner; measured from the first batch when absent
@@ -246,7 +247,7 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
-                   "overlap_optimizer", "testing", "collective_timeout_s"}
+                   "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints"}
 
 
 @dataclass(frozen=True)
@@ -618,8 +619,11 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ConfigError(f"config key 'lazytrain.collective_timeout_s' must be a number of seconds > 0, "
                           f"got {timeout!r}")
+    trust = section.get("trust_checkpoints", False)
+    if not isinstance(trust, bool):
+        raise ConfigError(f"config key 'lazytrain.trust_checkpoints' must be true or false, got {trust!r}")
     testing = _parse_testing(section.get("testing", {}))
-    return LazyTrainSection(testing=testing,
+    return LazyTrainSection(trust_checkpoints=trust, testing=testing,
         blocks=section.get("blocks"), policy=policy,
         checkpoint_interval=interval if "checkpoint_interval" in section else None,
         number_checkpoints=kw.get("number_checkpoints"),

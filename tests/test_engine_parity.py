@@ -1114,11 +1114,14 @@ def test_save_16bit_model_keeps_the_training_precision(tmp_path, precision, dtyp
     """As DeepSpeed: an fp32 run saves fp32 weights (not rounded to bf16), a bf16 run bf16 ones."""
     top = {"bf16": {"enabled": True}} if precision else {}
     engine = train_engine(make_model("llama"), batches(1), ds_config(_top=top))
-    engine.save_16bit_model(str(tmp_path))
-    saved = torch.load(tmp_path / "pytorch_model.bin")
+    from safetensors.torch import load_file
+    engine.save_16bit_model(str(tmp_path))                       # safetensors by default
+    engine.save_16bit_model(str(tmp_path), "pytorch_model.bin")  # DeepSpeed's default name: torch.save, as asked
     trained = engine.module_state_dict()
-    assert {v.dtype for v in saved.values() if v.is_floating_point()} == {dtype}
-    assert all(torch.equal(saved[k], v.to(dtype)) for k, v in trained.items())
+    for saved in (load_file(str(tmp_path / "model.safetensors")),
+                  torch.load(tmp_path / "pytorch_model.bin", weights_only=True)):
+        assert {v.dtype for v in saved.values() if v.is_floating_point()} == {dtype}
+        assert all(torch.equal(saved[k], v.to(dtype)) for k, v in trained.items())
 
 
 @pytest.mark.parametrize("precision", [None, "bf16"])

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..tiers import format_bytes
+from . import safe_load
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -72,6 +73,7 @@ def save(save_dir: str, tag: str, files: dict[str, object], save_latest: bool) -
     os.mkdir(staging)
     try:
         sizes = {name: _write(os.path.join(staging, name), obj) for name, obj in files.items()}
+        _warn_if_unsafe(staging, tag)
         _write_json(os.path.join(staging, MANIFEST), {"format": FORMAT, "version": 1, "tag": tag, "files": sizes})
         _fsync_dir(staging)
     except Exception as e:   # (a process killed here leaves the staging directory to the next save)
@@ -86,6 +88,18 @@ def save(save_dir: str, tag: str, files: dict[str, object], save_latest: bool) -
     if save_latest:
         _write_text_atomic(os.path.join(save_dir, "latest"), tag)
     return os.path.join(save_dir, tag)
+
+
+def _warn_if_unsafe(staging: str, tag: str) -> None:
+    """A checkpoint whose files name code (a client_state holding objects) saves, but a load refuses it
+    unless told to trust it: say so now, while the script can still change what it saves."""
+    for name in sorted(os.listdir(staging)):
+        unsafe = safe_load.unsafe_globals(os.path.join(staging, name))
+        if unsafe:
+            warnings.warn(f"lazytrain: checkpoint tag {tag!r}: {name} holds {', '.join(unsafe)}, which a checkpoint "
+                          f"load refuses unless trusted (engine.load_checkpoint(..., trust_checkpoint=True)); keep "
+                          f"client_state to plain values (numbers, strings, lists, dicts, tensors)", UserWarning,
+                          stacklevel=4)
 
 
 def _write(path: str, obj) -> int:
@@ -126,11 +140,24 @@ def _commit(save_dir: str, tag: str, staging: str) -> None:
     shutil.rmtree(previous, ignore_errors=True)
 
 
-def save_file_atomic(path: str, obj) -> None:
+def save_safetensors_atomic(path: str, state: dict) -> None:
+    """A state dict as a safetensors file (tensors only, no pickle), written like :func:`save_file_atomic`."""
+    from safetensors.torch import save as to_safetensors
+    data = to_safetensors({k: v.contiguous() for k, v in state.items()}, metadata={"format": "pt"})
+
+    def write(tmp, _):
+        with _open_for_write(tmp) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    save_file_atomic(path, state, write)
+
+
+def save_file_atomic(path: str, obj, write=None) -> None:
     """One file (``save_16bit_model``): written under a temporary name, fsynced, renamed."""
     tmp = path + ".tmp"
     try:
-        _write(tmp, obj)
+        (write or _write)(tmp, obj)
     except Exception as e:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -264,32 +291,21 @@ def tag_dir(load_dir: str, tag: str) -> str:
                                     f"was interrupted, or files were removed since; nothing of it was loaded")
 
 
-def load(load_dir: str, tag: str, want_optimizer: bool) -> tuple[str, dict, dict | None]:
-    """(model file path, model state, optimizer state or None)."""
+def load(load_dir: str, tag: str, want_optimizer: bool, trust: bool = False) -> tuple[str, dict, dict | None]:
+    """(model file path, model state, optimizer state or None); ``trust``: unrestricted unpickling."""
     path = tag_dir(load_dir, tag)
     model_file = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(model_file):
         raise FileNotFoundError(f"checkpoint {path} has no {MODEL_FILE}")
-    model_state = _torch_load(model_file)
+    model_state = safe_load.load(model_file, trust)
     optim_state = None
     if want_optimizer:
         optim_file = os.path.join(path, OPTIM_FILE)
         if not os.path.isfile(optim_file):
             raise FileNotFoundError(f"checkpoint {path} has no {OPTIM_FILE} (load with load_optimizer_states=False "
                                     f"to load the weights alone)")
-        optim_state = _torch_load(optim_file)
+        optim_state = safe_load.load(optim_file, trust)
     return os.path.join(load_dir, tag, MODEL_FILE), model_state, optim_state   # DeepSpeed returns the model file
-
-
-def _torch_load(path: str):
-    """Memory-mapped where the file allows (pages are read as the state is copied in, not all at once
-    first); a file in torch's legacy format is read whole."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):
-            raise
-        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _fsync_dir(path: str) -> None:

@@ -687,7 +687,11 @@ class LazyTrainEngine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn=None):
+                        load_module_only: bool = False, custom_load_fn=None, trust_checkpoint: bool | None = None):
+        """DeepSpeed's load_checkpoint. Files are unpickled with torch's restricted loader (tensors and plain
+        values; DeepSpeed's own record types): a checkpoint naming anything else is refused, unless
+        ``trust_checkpoint`` (default: the config's ``lazytrain.trust_checkpoints``) says it comes from a
+        source trusted like the training script itself."""
         tag = ckpt.resolve_tag(load_dir, tag)
         if tag is None:
             return None, None
@@ -697,7 +701,8 @@ class LazyTrainEngine(nn.Module):
         if self._failed_step is not None:
             self.zero_grad()                  # the failed step's gradients belong to no state being loaded
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
-        path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim)
+        trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
+        path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim, trust=trust)
         self._load_module_state(model_state["module"], load_module_strict, custom_load_fn)
         self._failed_step = None   # every streamed layer and the non-block weights are rewritten from the file
         if load_module_only:
@@ -712,17 +717,24 @@ class LazyTrainEngine(nn.Module):
             setattr(self, k, model_state.get(k, 0))
         return path, model_state.get("client_state", {})
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
+        """The weights in the precision the model trains in, as DeepSpeed saves them (16-bit in bf16/fp16
+        training, fp32 in fp32 training, never rounded down behind the user's back), as safetensors (a
+        file that holds only tensors, which any loader reads without running code); a ``save_filename``
+        not ending in ``.safetensors`` (DeepSpeed's default ``pytorch_model.bin``) is written by
+        ``torch.save`` as asked."""
         import os
-        # the weights in the precision the model trains in, as DeepSpeed saves them: 16-bit in bf16/fp16
-        # training, fp32 in fp32 training (never rounded down behind the user's back)
         dtype = self.compute_dtype
         state = {k: (v.to(dtype) if v.is_floating_point() else v)
                  for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
-            ckpt.save_file_atomic(os.path.join(save_dir, save_filename), state)
+            path = os.path.join(save_dir, save_filename)
+            if save_filename.endswith(".safetensors"):
+                ckpt.save_safetensors_atomic(path, state)
+            else:
+                ckpt.save_file_atomic(path, state)
         return True
 
     def destroy(self) -> None:

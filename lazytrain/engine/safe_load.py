@@ -1,0 +1,89 @@
+"""What loading a checkpoint may build: tensors and plain values, never code.
+
+A pickle names the functions and classes that rebuild it, and ``torch.load(weights_only=False)`` calls
+them: a checkpoint made by someone else can run anything during the load. LazyTrain loads with torch's
+restricted unpickler (``weights_only=True``), which builds tensors, containers and plain values and refuses
+any other global. DeepSpeed's checkpoints name a few classes of their own; those are allowed here as
+records (their attributes, no code of DeepSpeed's and no need to install it), with ``argparse.Namespace``,
+which DeepSpeed saves for the script's ``args``. Anything else is refused with an error naming each type
+and the file, and the way to opt in for a checkpoint the user trusts.
+"""
+from __future__ import annotations
+
+import argparse
+import enum
+import pickle
+
+import torch
+
+
+class UntrustedCheckpointError(RuntimeError):
+    """A checkpoint file that names code to run when loaded; nothing of it was loaded or run."""
+
+
+class DeepSpeedRecord:
+    """A DeepSpeed object as its checkpoint stores it (a loss scaler, a fragment address): its attributes."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedRecord({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
+class ZeroStage(int, enum.Enum):
+    """DeepSpeed's ``ZeroStageEnum`` values."""
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+# the globals DeepSpeed 0.19's checkpoints name (found with torch.serialization.get_unsafe_globals_in_checkpoint
+# on checkpoints of ZeRO stages 0-2 in fp32, fp16 and bf16; tests/data/deepspeed_0_19), as what they become here
+DEEPSPEED_GLOBALS = [
+    argparse.Namespace,
+    (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+]
+
+
+def load(path: str, trust: bool = False):
+    """``torch.load`` of one checkpoint file on the host, restricted unless ``trust``; memory-mapped where
+    the file's format allows (its pages are read as the state is copied in, not all at once first)."""
+    def attempt(mmap: bool):
+        if trust:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    try:
+        try:
+            return attempt(mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return attempt(mmap=False)   # torch's legacy format cannot be mapped
+    except pickle.UnpicklingError as e:
+        if trust:
+            raise
+        raise UntrustedCheckpointError(_refusal(path, e)) from None
+
+
+def unsafe_globals(path: str) -> list[str]:
+    """The globals a checkpoint file names beyond what a restricted load builds (zip-format files)."""
+    allowed = {f"{g.__module__}.{g.__qualname__}" if not isinstance(g, tuple) else g[1] for g in DEEPSPEED_GLOBALS}
+    try:
+        return [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
+    except Exception:   # noqa: BLE001 - a legacy-format file: torch's own message names the global
+        return []
+
+
+def _refusal(path: str, error: Exception) -> str:
+    names = unsafe_globals(path)
+    what = ", ".join(names) if names else str(error).splitlines()[0]
+    return (f"checkpoint file {path} names {what}, which a checkpoint load does not build: loading it would run "
+            f"that code. Nothing of the checkpoint was loaded. If you trust where this checkpoint came from, "
+            f"load it with engine.load_checkpoint(..., trust_checkpoint=True) or set "
+            f"'lazytrain.trust_checkpoints': true in the config")

@@ -1,0 +1,146 @@
+"""Loading a checkpoint cannot run code: torch's restricted unpickler by default, DeepSpeed's own record
+types allowed, anything else refused by name unless the user says the checkpoint is trusted."""
+import argparse
+import os
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.engine import checkpoint as ckpt
+from lazytrain.engine import safe_load
+from engine_models import batches, lm_loss, make_model
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+DEEPSPEED = os.path.join(os.path.dirname(__file__), "data", "deepspeed_0_19")
+
+
+class RunsACommand:
+    """What a malicious checkpoint holds: unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def engine_for(**section):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"checkpoint_interval": 2, "device": "cpu", **section.pop("lazytrain", {})}, **section}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    return engine
+
+
+def trained(engine):
+    for x, y in batches(2):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    return engine
+
+
+def test_a_checkpoint_whose_pickle_runs_code_is_refused_and_runs_nothing(tmp_path):
+    engine = trained(engine_for())
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    model_file = tmp_path / "t" / ckpt.MODEL_FILE
+    state = torch.load(model_file, weights_only=True)
+    marker = tmp_path / "it-ran"
+    state["client_state"] = {"epoch": RunsACommand(marker)}
+    torch.save(state, model_file)                     # a file someone else handed over
+    os.remove(tmp_path / "t" / ckpt.MANIFEST)         # (as DeepSpeed would have written it: no manifest)
+    other = engine_for()
+    with pytest.raises(safe_load.UntrustedCheckpointError) as e:
+        other.load_checkpoint(str(tmp_path), tag="t")
+    assert not marker.exists()                        # nothing ran
+    assert str(e.value) == (
+        f"checkpoint file {model_file} names posix.system, which a checkpoint load does not build: loading it "
+        f"would run that code. Nothing of the checkpoint was loaded. If you trust where this checkpoint came from, "
+        f"load it with engine.load_checkpoint(..., trust_checkpoint=True) or set 'lazytrain.trust_checkpoints': "
+        f"true in the config")
+    assert other.global_steps == 0
+    other.load_checkpoint(str(tmp_path), tag="t", trust_checkpoint=True)   # the user's own call: it runs
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("section", [
+    {},
+    {"bf16": {"enabled": True}},
+    {"fp16": {"enabled": True}},
+    {"bf16": {"enabled": True}, "lazytrain": {"optimizer_states": "8bit", "hybrid_threshold": 16}},
+    {"lazytrain": {"boundary_home": "host", "overlap_optimizer": True}},
+    {"lazytrain": {"weights_home": "nvme"}},
+    {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2}}},
+], ids=["fp32", "bf16", "fp16", "8bit-states", "host-overlap", "nvme-weights", "scheduler"])
+def test_every_checkpoint_lazytrain_writes_loads_with_the_restricted_loader(tmp_path, section):
+    section = {k: dict(v) for k, v in section.items()}
+    if section.get("lazytrain", {}).get("weights_home") == "nvme":
+        (tmp_path / "nvme").mkdir()
+        section["lazytrain"]["nvme_path"] = str(tmp_path / "nvme")
+    engine = trained(engine_for(**section))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                # no warning that it would need trust
+        engine.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 3, "best": [0.5, 0.25]})
+    tag = ckpt.resolve_tag(str(tmp_path / "ckpt"), None)
+    for name in (ckpt.MODEL_FILE, ckpt.OPTIM_FILE):
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(str(tmp_path / "ckpt" / tag / name)) == []
+    other = engine_for(**section)
+    _, client = other.load_checkpoint(str(tmp_path / "ckpt"))
+    assert client == {"epoch": 3, "best": [0.5, 0.25]} and other.global_steps == 2
+    a, b = engine.module_state_dict(), other.module_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_client_state_holding_objects_saves_with_a_warning_and_needs_trust_to_load(tmp_path):
+    import numpy as np
+    engine = trained(engine_for())
+    with pytest.warns(UserWarning, match=r"checkpoint tag 't': mp_rank_00_model_states.pt holds numpy\..*, which a "
+                                         r"checkpoint load refuses unless trusted"):
+        engine.save_checkpoint(str(tmp_path), tag="t", client_state={"seen": np.arange(3)})
+    with pytest.raises(safe_load.UntrustedCheckpointError, match="names numpy"):
+        engine_for().load_checkpoint(str(tmp_path), tag="t")
+    _, client = engine_for(lazytrain={"trust_checkpoints": True}).load_checkpoint(str(tmp_path), tag="t")
+    assert client["seen"].tolist() == [0, 1, 2]
+    # argparse.Namespace, which DeepSpeed saves for a script's args, is allowed
+    engine.save_checkpoint(str(tmp_path), tag="u", client_state={"args": argparse.Namespace(lr=0.1)})
+    _, client = engine_for().load_checkpoint(str(tmp_path), tag="u")
+    assert client["args"].lr == 0.1
+
+
+@pytest.mark.parametrize("name", ["stage0_fp32", "stage1_fp16", "stage2_bf16"])
+def test_deepspeed_checkpoints_load_with_the_restricted_loader(name):
+    """DeepSpeed 0.19's checkpoints (tests/data/deepspeed_0_19/make_fixtures.py) name a loss scaler, a ZeRO
+    stage and fragment addresses: they load as records, without DeepSpeed and without running its code."""
+    d = os.path.join(DEEPSPEED, name)
+    tag = ckpt.resolve_tag(d, None)
+    path, model, _ = ckpt.load(d, tag, want_optimizer=False)
+    assert model["epoch"] == 3                        # DeepSpeed keeps client state at the top level
+    assert sorted(model["module"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    for f in sorted(os.listdir(os.path.join(d, tag))):
+        state = safe_load.load(os.path.join(d, tag, f))
+        if "optimizer_state_dict" in state:
+            opt = state["optimizer_state_dict"]
+            assert opt["zero_stage"] == {"stage1_fp16": 1, "stage2_bf16": 2}[name]
+            assert isinstance(opt["loss_scaler"], safe_load.DeepSpeedRecord)
+            assert opt["loss_scaler"].cur_scale == (65536 if name == "stage1_fp16" else 1.0)
+
+
+def test_a_deepspeed_checkpoint_with_a_type_nobody_allowed_is_refused_by_name(tmp_path):
+    d = os.path.join(DEEPSPEED, "stage0_fp32", "global_step1")
+    state = torch.load(os.path.join(d, ckpt.MODEL_FILE), weights_only=True)
+    state["data_sampler"] = torch.nn.Linear(2, 2)     # a module object: its class would be imported and built
+    (tmp_path / "global_step1").mkdir()
+    path = tmp_path / "global_step1" / ckpt.MODEL_FILE
+    torch.save(state, path)
+    with pytest.raises(safe_load.UntrustedCheckpointError,
+                       match=rf"checkpoint file {path} names .*torch.nn.modules.linear.Linear"):
+        ckpt.load(str(tmp_path), "global_step1", want_optimizer=False)
+
+
+def test_trust_checkpoints_must_be_true_or_false():
+    from lazytrain.config import ConfigError
+    with pytest.raises(ConfigError, match="config key 'lazytrain.trust_checkpoints' must be true or false, got 'yes'"):
+        engine_for(lazytrain={"trust_checkpoints": "yes"})
