@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 
 from ..config import ConfigError, EngineConfig
 from ..tiers import format_bytes, streams
@@ -188,6 +189,7 @@ class LazyTrainEngine(nn.Module):
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self._scaled_backward = False
+        self._engine_backward_depth = 0   # engine.backward running (its loss already divided): see _scale_direct_backward
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self._failed_step: str | None = None   # a step that failed half-way: the engine is inconsistent
@@ -269,7 +271,33 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
                               "no gradient from the streamed layers, which run without autograd in the forward: "
                               "use them for inspection, not in the loss")
-        return self.module(*inputs, **kwargs)
+        out = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled():
+            self._scale_direct_backward(out)
+        return out
+
+    def _scale_direct_backward(self, out) -> None:
+        """DeepSpeed 0.19's PyTorch-compatible backward: ``loss.backward()`` or ``output.backward(grad)`` on
+        what the engine returned gives what ``engine.backward(loss)`` gives. A hook on each output tensor
+        divides the gradient reaching it by the accumulation steps, unless ``engine.backward`` already
+        divided the loss; a forward of the wrapped module called directly gets no hook (DeepSpeed's rule).
+        In fp16 a direct backward is refused, as DeepSpeed does: the loss must be scaled first."""
+        gas = self.gradient_accumulation_steps()
+        if gas == 1 and self.loss_scaler is None:
+            return
+        leaves, _ = tree_flatten(out)
+        outputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        for t in _upstream_outputs(outputs):
+            t.register_hook(self._direct_backward_hook)
+
+    def _direct_backward_hook(self, grad):
+        if self._engine_backward_depth:
+            return grad                      # engine.backward scaled the loss itself
+        if self.loss_scaler is not None:
+            raise RuntimeError("fp16 training needs its loss scaled before backward, but backward() was called "
+                               "directly on the engine's output: call engine.backward(loss) (which scales it and "
+                               "divides by the accumulation steps), as DeepSpeed requires")
+        return grad / self.gradient_accumulation_steps()
 
     def _to_device(self, x):
         return x.to(self.device) if isinstance(x, torch.Tensor) and x.device != self.device else x
@@ -287,7 +315,11 @@ class LazyTrainEngine(nn.Module):
         if self.loss_scaler is not None:
             scaled = loss.float() * self.loss_scaler.scale
             self._scaled_backward = True
-        scaled.backward(retain_graph=retain_graph)
+        self._engine_backward_depth += 1
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        finally:
+            self._engine_backward_depth -= 1
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -754,6 +786,30 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _upstream_outputs(outputs: list[torch.Tensor], max_nodes: int = 100_000) -> list[torch.Tensor]:
+    """The outputs no other output is computed from. A gradient reaching the model through an output
+    computed from another (a Hugging Face loss from its logits) passes through that other output too, so
+    a hook on both would divide it twice; hooks on these alone divide every path once."""
+    if len(outputs) < 2:
+        return outputs
+    nodes = {t.grad_fn for t in outputs}
+    keep = []
+    for t in outputs:
+        others = nodes - {t.grad_fn}
+        seen, stack, downstream = set(), [fn for fn, _ in t.grad_fn.next_functions if fn is not None], False
+        while stack and len(seen) < max_nodes:
+            fn = stack.pop()
+            if fn in others:
+                downstream = True
+                break
+            if fn not in seen:
+                seen.add(fn)
+                stack.extend(f for f, _ in fn.next_functions if f is not None)
+        if not downstream:
+            keep.append(t)
+    return keep
 
 
 def _wants(model: nn.Module, kwargs: dict, flag: str) -> bool:
