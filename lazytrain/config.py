@@ -1,9 +1,11 @@
 """JSON config -> validated, frozen dataclasses.
 
 Accepts DeepSpeed's config (dict, path to a JSON file, or base64-encoded JSON) plus a "lazytrain"
-section for our own settings. Every error names the offending key and its section. Keys of
-DeepSpeed features that LazyTrain does not implement produce one clear warning each; unknown keys
-inside the sections we implement are errors (a typo must not silently change training).
+section for our own settings. Every error names the offending key and its section. What DeepSpeed 0.19
+accepts, this accepts: settings of DeepSpeed features LazyTrain does not implement are listed in one
+warning (a setting at its off value is silent), unknown top-level keys in another, as DeepSpeed ignores
+them; unknown keys inside the sections we implement are errors (a typo must not silently change
+training), and a setting LazyTrain cannot honour (bf16 masters, tensor parallelism) is refused by name.
 """
 from __future__ import annotations
 
@@ -116,10 +118,34 @@ _TOP_IMPLEMENTED = {
 POLICIES = ("every_k", "keep_all", "plan", "milp")
 
 
-def _warn_once(seen: set, key: str, message: str) -> None:
-    if key not in seen:
-        seen.add(key)
-        warnings.warn(f"lazytrain config: {message}", UserWarning, stacklevel=4)
+class _Ignored:
+    """The settings of a config that have no effect here, said once, in one warning, at the end of parsing
+    (a stock Hugging Face ZeRO-3 config would otherwise print a line per ZeRO tuning key)."""
+
+    def __init__(self):
+        self.notes: dict[str, str] = {}
+        self.unknown: list[str] = []
+
+    def note(self, key: str, message: str) -> None:
+        self.notes.setdefault(key, message)
+
+    def emit(self) -> None:
+        if self.unknown:
+            warnings.warn(f"lazytrain config: unknown top-level key(s) {', '.join(repr(k) for k in self.unknown)}: "
+                          f"not a DeepSpeed key LazyTrain knows; ignored, as DeepSpeed ignores them (check the "
+                          f"spelling if you meant a setting)", UserWarning, stacklevel=3)
+        if self.notes:
+            warnings.warn(f"lazytrain config: {len(self.notes)} setting(s) have no effect in LazyTrain: "
+                          + " ".join(self.notes.values()), UserWarning, stacklevel=3)
+
+
+def _warn_once(seen: _Ignored, key: str, message: str) -> None:
+    seen.note(key, message)
+
+
+def _is_off(value) -> bool:
+    """A setting at its off value (false, null, {} or {"enabled": false}): nothing to say about it."""
+    return value is None or value is False or value == {} or (isinstance(value, dict) and value.get("enabled") is False)
 
 
 def _check_keys(section: dict, allowed: set, name: str) -> None:
@@ -356,16 +382,19 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     if not isinstance(d, dict):
         raise ConfigError(f"config must be a JSON object, got {type(d).__name__}")
     _check_no_auto({k: v for k, v in d.items() if k not in ("lazytrain", "job")}, "")
-    seen: set = set()
+    seen = _Ignored()
     for key in d:
         if key in _TOP_IMPLEMENTED:
             continue
-        if key in _UNIMPLEMENTED_TOP:
-            _warn_once(seen, key, f"'{key}' is a DeepSpeed feature LazyTrain does not implement; it is ignored "
-                                  f"({_UNIMPLEMENTED_TOP[key]}).")
+        if key == "tensor_parallel":
+            _check_tensor_parallel(d[key])
             continue
-        raise ConfigError(f"unknown top-level config key '{key}' (not a DeepSpeed key LazyTrain knows, "
-                          f"and not 'lazytrain')")
+        if key in _UNIMPLEMENTED_TOP:
+            if not _is_off(d[key]):
+                _warn_once(seen, key, f"'{key}' is a DeepSpeed feature LazyTrain does not implement; it is ignored "
+                                      f"({_UNIMPLEMENTED_TOP[key]}).")
+            continue
+        seen.unknown.append(key)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tb, mb, gas = resolve_batch_sizes(_positive_int(d.get("train_batch_size"), "train_batch_size"),
@@ -396,13 +425,20 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     bf16_section = d.get("bf16", d.get("bfloat16", {}))
     _check_keys(bf16_section, _BF16_KEYS, "bf16")
     bf16 = bool(bf16_section.get("enabled", False))
+    for key, what in (("bf16_master_weights_and_grads", "master weights and gradients"),
+                      ("bf16_optimizer_states", "optimizer states")):
+        if bf16 and bf16_section.get(key):
+            raise ConfigError(f"config key 'bf16.{key}' keeps the {what} in bf16, which LazyTrain does not do: its "
+                              f"host optimizer keeps fp32 masters and gradients. Remove the key; to shrink the host "
+                              f"state use \"lazytrain\": {{\"optimizer_states\": \"8bit\"}} (2 bytes of Adam state per "
+                              f"parameter instead of 8)")
     if bf16 and fp16.enabled:
         raise ConfigError("config enables both 'fp16' and 'bf16'; enable one")
 
     zero = d.get("zero_optimization", {})
     _check_keys(zero, {"stage", "offload_param", "offload_optimizer"} | _ZERO_UNIMPLEMENTED, "zero_optimization")
     for key in zero:
-        if key in _ZERO_UNIMPLEMENTED:
+        if key in _ZERO_UNIMPLEMENTED and not _is_off(zero[key]):
             _warn_once(seen, f"zero.{key}", f"'zero_optimization.{key}' tunes DeepSpeed's ZeRO partitioning and has "
                                             f"no effect in LazyTrain (buffer sizes are derived from the model).")
     stage = zero.get("stage", 0)
@@ -425,12 +461,24 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     lt = _parse_lazytrain(d.get("lazytrain", {}), d.get("activation_checkpointing", {}), offload_param, seen)
 
     seed = d.get("seed")
+    seen.emit()
     return EngineConfig(
         train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
         wall_clock_breakdown=bool(d.get("wall_clock_breakdown", False)), dataloader_drop_last=drop_last, seed=seed,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         offload_param=offload_param, offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
+
+
+def _check_tensor_parallel(section) -> None:
+    """DeepSpeed's AutoTP section: accepted when it asks for no tensor parallelism (size 1 or absent)."""
+    size = section.get("autotp_size", section.get("tp_size", 1)) if isinstance(section, dict) else section
+    if isinstance(section, dict) and "tp" in section and isinstance(section["tp"], dict):
+        size = section["tp"].get("tp_size", size)
+    if size not in (None, 0, 1):
+        raise ConfigError(f"config key 'tensor_parallel' asks for tensor parallelism of size {size!r}, which LazyTrain "
+                          f"does not implement (each rank streams the whole model); remove the section or set its "
+                          f"size to 1")
 
 
 def _parse_optimizer(section) -> OptimizerConfig:
@@ -464,6 +512,10 @@ def _parse_scheduler(section) -> SchedulerConfig:
 
 def _parse_fp16(section) -> FP16Config:
     _check_keys(section, _FP16_KEYS, "fp16")
+    if section.get("enabled") and section.get("fp16_master_weights_and_grads"):
+        raise ConfigError("config key 'fp16.fp16_master_weights_and_grads' keeps the master weights and gradients in "
+                          "fp16, which LazyTrain does not do: its host optimizer keeps fp32 masters and gradients. "
+                          "Remove the key")
     return FP16Config(
         enabled=bool(section.get("enabled", False)), loss_scale=float(section.get("loss_scale", 0.0)),
         initial_scale_power=int(section.get("initial_scale_power", 16)),
@@ -473,7 +525,7 @@ def _parse_fp16(section) -> FP16Config:
         min_loss_scale=float(section.get("min_loss_scale", 1.0)))
 
 
-def _parse_offload(section, allowed: set, name: str, seen: set) -> OffloadConfig:
+def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadConfig:
     _check_keys(section, allowed, name)
     device = section.get("device", "none")
     if device not in ("none", "cpu", "nvme"):
@@ -554,7 +606,7 @@ def _parse_links(section) -> dict:
     return links
 
 
-def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: set) -> LazyTrainSection:
+def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ignored) -> LazyTrainSection:
     _check_keys(section, _LAZYTRAIN_KEYS, "lazytrain")
     _check_keys(ac, _AC_KEYS, "activation_checkpointing")
     kw: dict[str, Any] = {}

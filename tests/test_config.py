@@ -53,8 +53,13 @@ def test_unknown_key_in_implemented_section_names_key_and_section():
     with pytest.raises(ConfigError, match="unknown key 'devic' in config section "
                                           "'zero_optimization.offload_param'"):
         parse_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"devic": "cpu"}}})
-    with pytest.raises(ConfigError, match="unknown top-level config key 'train_batch_sise'"):
-        parse_config({"train_batch_size": 1, "train_batch_sise": 2})
+
+
+def test_unknown_top_level_keys_are_ignored_with_one_warning_as_deepspeed_does():
+    with pytest.warns(UserWarning, match=r"unknown top-level key\(s\) 'train_batch_sise', 'cuda_visible_devices': not a "
+                                         r"DeepSpeed key LazyTrain knows; ignored, as DeepSpeed ignores them"):
+        cfg = parse_config({"train_batch_size": 1, "train_batch_sise": 2, "cuda_visible_devices": "0"})
+    assert cfg.train_batch_size == 1
 
 
 def test_max_grad_norm_in_optimizer_params_is_an_error():
@@ -63,19 +68,68 @@ def test_max_grad_norm_in_optimizer_params_is_an_error():
         parse_config({"train_batch_size": 1, "optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}})
 
 
-def test_unimplemented_deepspeed_features_warn_once_each():
+def test_unimplemented_deepspeed_features_are_listed_in_one_warning_and_off_values_are_silent():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         parse_config({"train_batch_size": 1, "tensorboard": {"enabled": True}, "wandb": {"enabled": False},
-                      "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 5e8}})
+                      "prescale_gradients": False,
+                      "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": False,
+                                            "reduce_bucket_size": 5e8}})
     texts = [str(x.message) for x in w]
-    assert len(texts) == 4
-    assert any("'tensorboard' is a DeepSpeed feature LazyTrain does not implement" in t for t in texts)
-    assert any("'zero_optimization.overlap_comm'" in t for t in texts)
+    assert len(texts) == 1
+    assert texts[0].startswith("lazytrain config: 3 setting(s) have no effect in LazyTrain: 'tensorboard' is a "
+                               "DeepSpeed feature LazyTrain does not implement")
+    assert "'zero_optimization.overlap_comm'" in texts[0] and "'zero_optimization.reduce_bucket_size'" in texts[0]
+    for off in ("wandb", "prescale_gradients", "contiguous_gradients"):
+        assert off not in texts[0]
+
+
+def test_the_stock_hugging_face_zero3_config_warns_once():
+    """transformers' documented ZeRO-3 config, with the "auto" values its Trainer fills in."""
+    cfg = {"bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                     "weight_decay": 0.0}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-4,
+                                                        "warmup_num_steps": 10}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                 "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                                 "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": 1048576,
+                                 "stage3_prefetch_bucket_size": 943718, "stage3_param_persistence_threshold": 10240,
+                                 "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                                 "stage3_gather_16bit_weights_on_model_save": True},
+           "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 2000,
+           "train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "wall_clock_breakdown": False}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        parse_config(cfg, world_size=1)
+    assert len(w) == 1 and "9 setting(s) have no effect" in str(w[0].message)
+
+
+@pytest.mark.parametrize("section,key", [({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+                                          "bf16.bf16_master_weights_and_grads"),
+                                         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+                                          "bf16.bf16_optimizer_states"),
+                                         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+                                          "fp16.fp16_master_weights_and_grads")])
+def test_low_precision_masters_are_refused_by_name_not_ignored(section, key):
+    with pytest.raises(ConfigError, match=f"config key '{key}' keeps the .* in (bf16|fp16), which LazyTrain does not "
+                                          f"do"):
+        parse_config({"train_batch_size": 1, **section})
+    off = {k: {kk: (False if kk != "enabled" else True) for kk in v} for k, v in section.items()}
+    parse_config({"train_batch_size": 1, **off})     # set to false: accepted
+
+
+@pytest.mark.parametrize("tp,ok", [({"autotp_size": 1}, True), ({}, True), ({"autotp_size": 2}, False)])
+def test_tensor_parallel_of_size_one_is_accepted(tp, ok):
+    if ok:
+        parse_config({"train_batch_size": 1, "tensor_parallel": tp})
+    else:
+        with pytest.raises(ConfigError, match="asks for tensor parallelism of size 2"):
+            parse_config({"train_batch_size": 1, "tensor_parallel": tp})
 
 
 @pytest.mark.parametrize("extra,warned", [
-    ({"use_data_before_expert_parallelism": False}, "'use_data_before_expert_parallelism'"),
+    ({"use_data_before_expert_parallelism": True}, "'use_data_before_expert_parallelism'"),
     ({"vocabulary_size": 32000}, "'vocabulary_size'"),
     ({"gradient_allreduce_op": "avg"}, "'gradient_allreduce_op'"),
     ({"log_level": "info"}, "'log_level'"),
