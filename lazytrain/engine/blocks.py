@@ -65,10 +65,12 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
             size = sum(p.numel() for p in module.parameters())
             if best is None or size > sum(p.numel() for p in best[1].parameters()):
                 best = (name, module)
-    if best is None:
-        raise BlockDiscoveryError(
-            "could not find the model's repeated blocks: no nn.ModuleList of structurally identical modules with "
-            "parameters. Name them in config: \"lazytrain\": {\"blocks\": \"path.to.layers\"}")
+    if best is None:   # nothing repeats (a CNN): every parameter stays on the device, nothing streams
+        warnings.warn("lazytrain: the model has no repeated blocks (no nn.ModuleList of structurally identical "
+                      "modules with parameters), so nothing streams: every parameter stays on the compute device. "
+                      "If it has blocks, name them: \"lazytrain\": {\"blocks\": \"path.to.layers\"}",
+                      UserWarning, stacklevel=4)
+        return "", nn.ModuleList()
     return best
 
 

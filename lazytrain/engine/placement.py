@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..planner.plan import Plan, PlanError, every_k_plan, keep_all_plan
+from ..planner.plan import DEVICE_HOME, Plan, PlanError, every_k_plan, keep_all_plan
 from ..tiers import Tier
 
 
@@ -44,6 +44,8 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     built-in policies where the CPU computes on the host weights in place (there it costs no weight
     copies, and the last segment's recompute would hold the same internals a moment later anyway);
     a Plan file or the MILP decides for itself unless the config says true or false."""
+    if num_layers == 0:   # nothing streams: every parameter stays on the device
+        return Plan(num_layers=0, homes=(DEVICE_HOME,), policy="nothing-streams", micro_batch_size=micro_batch)
     plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch)
     choice = cfg.lazytrain.last_segment_graph
     if choice == "auto":

@@ -58,7 +58,7 @@ class LayerWeights:
         # mixture-of-experts ones, sliding and global attention with different head sizes)
         self.layer_slots: list[list[ParamSlot]] = [_layout(block) for block in blocks]
         self.layer_numels = [sum(s.numel for s in slots) for slots in self.layer_slots]
-        self.max_layer_numel = max(self.layer_numels)
+        self.max_layer_numel = max(self.layer_numels, default=0)
         # which parameters train, per layer (a user may freeze some layers or some tensors)
         self.trainable = [[p.requires_grad for _, p in block.named_parameters()] for block in blocks]
         self.any_trainable = any(any(t) for t in self.trainable)

@@ -105,8 +105,8 @@ class Plan:
     # ---- checking --------------------------------------------------------------------------
     def validate(self, custom_tiers: tuple[str, ...] = ()) -> None:
         L = self.num_layers
-        if not isinstance(L, int) or L < 1:
-            raise PlanError(f"num_layers must be a positive integer, got {L!r}")
+        if not isinstance(L, int) or L < 0:   # 0: a model with nothing to stream (one boundary, input = output)
+            raise PlanError(f"num_layers must be an integer >= 0, got {L!r}")
         if len(self.homes) != L + 1:
             raise PlanError(f"homes must list {L + 1} boundaries (0..{L}), got {len(self.homes)}")
         for i in (0, L):
