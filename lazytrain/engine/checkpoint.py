@@ -16,6 +16,7 @@ before, without the completeness check.
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import shutil
@@ -274,7 +275,7 @@ def tag_dir(load_dir: str, tag: str) -> str:
     no manifest); else the complete copy an interrupted save left beside it; never a partial one."""
     final = os.path.join(load_dir, tag)
     if os.path.isdir(final) and not os.path.isfile(os.path.join(final, MANIFEST)) and \
-            os.path.isfile(os.path.join(final, MODEL_FILE)):
+            glob.glob(os.path.join(final, "*model_states.pt")):
         return final                                   # DeepSpeed's, or an earlier LazyTrain's
     problem = _manifest_problem(final)
     if problem is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 import time
 import warnings
 from typing import Any
@@ -22,6 +23,7 @@ from ..tiers import format_bytes, streams
 from ..tiers.streams import Chaos, EmulatedLink
 from ..trace import Timeline, check_writable, write_chrome_trace
 from . import checkpoint as ckpt
+from . import deepspeed_checkpoint as ds_ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import CollectiveError, DistributedContext
 from .executor import LayerStreamingExecutor
@@ -143,6 +145,7 @@ class LazyTrainEngine(nn.Module):
         names = {id(p): n for n, p in model.named_parameters()}
         if self.masters is not None:
             names.update({id(m): names[id(p)] for p, m in self.masters.pairs})
+        self._param_names = names   # what the optimizer updates, by the model's parameter names
         if optimizer is not None and config.optimizer.type is not None:
             raise ConfigError("an optimizer was passed to initialize and the config has an 'optimizer' section; "
                               "pass one")
@@ -734,6 +737,10 @@ class LazyTrainEngine(nn.Module):
             self.zero_grad()                  # the failed step's gradients belong to no state being loaded
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
+        directory = ckpt.tag_dir(load_dir, tag)
+        if ds_ckpt.is_deepspeed(directory, trust):
+            return self._load_deepspeed(directory, ds_ckpt.read(directory, want_optim, trust), load_module_strict,
+                                        load_module_only, load_lr_scheduler_states, custom_load_fn)
         path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim, trust=trust)
         self._load_module_state(model_state["module"], load_module_strict, custom_load_fn)
         self._failed_step = None   # every streamed layer and the non-block weights are rewritten from the file
@@ -748,6 +755,53 @@ class LazyTrainEngine(nn.Module):
         for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
             setattr(self, k, model_state.get(k, 0))
         return path, model_state.get("client_state", {})
+
+    def _load_deepspeed(self, directory: str, state, strict: bool, module_only: bool, load_scheduler: bool,
+                        custom_load_fn):
+        """A checkpoint DeepSpeed wrote (any ZeRO stage, any number of ranks, merged by name): the fp32
+        weights, the Adam moments mapped onto this engine's optimizer by parameter name, the schedule, the
+        counters, the loss scale, and the client state DeepSpeed kept as top-level keys."""
+        self._load_module_state(state.module, strict, custom_load_fn)
+        self._failed_step = None
+        path = os.path.join(directory, os.path.basename(ds_ckpt._model_files(directory)[0]))
+        if module_only:
+            return path, state.client_state
+        if state.moments is not None:
+            self.optimizer.load_state_dict(self._optimizer_state_from(state.moments, directory))
+        if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
+            self.lr_scheduler.load_state_dict(state.lr_scheduler)
+        if self.loss_scaler is not None and state.loss_scale:
+            s = state.loss_scale
+            self.loss_scaler.load_state_dict({"scale": float(s.get("cur_scale", self.loss_scaler.scale)),
+                                              "cur_hysteresis": s.get("cur_hysteresis", self.loss_scaler.cur_hysteresis),
+                                              "cur_iter": s.get("cur_iter", 0),
+                                              "last_overflow_iter": s.get("last_overflow_iter", -1)})
+        for k, v in state.counters.items():
+            setattr(self, k, v)
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        return path, state.client_state
+
+    def _optimizer_state_from(self, moments: dict, directory: str) -> dict:
+        """This optimizer's state_dict with DeepSpeed's moments put in by parameter name."""
+        sd = self.optimizer.state_dict()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        indices = [i for g in sd["param_groups"] for i in g["params"]]
+        state = {}
+        for i, p in zip(indices, params):
+            name = self._param_names.get(id(p))
+            if name not in moments:
+                raise ds_ckpt.DeepSpeedCheckpointError(
+                    f"the DeepSpeed checkpoint {directory} has no optimizer state for parameter {name!r} (it has "
+                    f"{len(moments)} parameters); load it with load_optimizer_states=False to take the weights alone")
+            m = moments[name]
+            if tuple(m["exp_avg"].shape) != tuple(p.shape):
+                raise ds_ckpt.DeepSpeedCheckpointError(
+                    f"the DeepSpeed checkpoint {directory} holds moments of shape {tuple(m['exp_avg'].shape)} for "
+                    f"{name!r}, whose shape here is {tuple(p.shape)}")
+            state[i] = {"step": torch.tensor(float(m["step"])), "exp_avg": m["exp_avg"].float(),
+                        "exp_avg_sq": m["exp_avg_sq"].float()}
+        sd["state"] = state
+        return sd
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:

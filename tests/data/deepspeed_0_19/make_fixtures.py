@@ -1,6 +1,7 @@
 """Writes the DeepSpeed 0.19 checkpoints the safe-loading tests read (a tiny two-layer MLP, one step of
-AdamW): ZeRO stage 0 in fp32, stage 1 in fp16, stage 2 in bf16, each saved with the ``args`` namespace a
-DeepSpeed script passes to ``deepspeed.initialize`` and a plain client state. Run it where DeepSpeed is
+AdamW): ZeRO stage 0 in fp32, stage 1 in fp16, stage 2 in bf16, stage 3 in fp32, and stages 2 and 3 over two
+ranks (each rank on the same input, so every fp32 run ends with the same weights and moments), each saved
+with the ``args`` namespace a DeepSpeed script passes to ``deepspeed.initialize`` and a plain client state. Run it where DeepSpeed is
 installed (it runs on the CPU): ``python tests/data/deepspeed_0_19/make_fixtures.py``."""
 import argparse
 import os
@@ -9,13 +10,15 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = {"stage0_fp32": (0, None), "stage1_fp16": (1, "fp16"), "stage2_bf16": (2, "bf16")}
+# name: (ZeRO stage, precision, ranks)
+CONFIGS = {"stage0_fp32": (0, None, 1), "stage1_fp16": (1, "fp16", 1), "stage2_bf16": (2, "bf16", 1),
+           "stage3_fp32": (3, None, 1), "stage2_fp32_2ranks": (2, None, 2), "stage3_fp32_2ranks": (3, None, 2)}
 
 
 def one(name: str) -> None:
     import torch
     import deepspeed
-    stage, precision = CONFIGS[name]
+    stage, precision, _ = CONFIGS[name]
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
@@ -25,16 +28,20 @@ def one(name: str) -> None:
            "zero_optimization": {"stage": stage}}
     if precision:
         cfg[precision] = {"enabled": True}
-    engine, _, _, _ = deepspeed.initialize(args=argparse.Namespace(local_rank=0), model=model,
+    args = argparse.Namespace(local_rank=int(os.environ["LOCAL_RANK"]))
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model,
                                            model_parameters=model.parameters(), config=cfg)
     x = torch.randn(2, 8, dtype=next(engine.parameters()).dtype)
     engine.backward(engine(x).float().pow(2).mean())
     engine.step()
     out = os.path.join(HERE, name)
-    shutil.rmtree(out, ignore_errors=True)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(out, ignore_errors=True)
+    torch.distributed.barrier()
     engine.save_checkpoint(out, tag="global_step1", client_state={"epoch": 3})
+    torch.distributed.barrier()
     for helper in ("zero_to_fp32.py", "zero_to_torch.py"):   # DeepSpeed copies its scripts beside them
-        if os.path.exists(os.path.join(out, helper)):
+        if torch.distributed.get_rank() == 0 and os.path.exists(os.path.join(out, helper)):
             os.remove(os.path.join(out, helper))
 
 
@@ -42,6 +49,10 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         one(sys.argv[1])
     else:
-        env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
-        for name in CONFIGS:
-            subprocess.run([sys.executable, __file__, name], env=env, check=True)
+        for port, (name, (_, _, ranks)) in enumerate(CONFIGS.items(), start=29541):
+            procs = [subprocess.Popen([sys.executable, __file__, name],
+                                      env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
+                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                     for r in range(ranks)]
+            if any(p.wait() for p in procs):
+                raise SystemExit(f"{name} failed")

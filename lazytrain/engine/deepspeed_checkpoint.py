@@ -1,0 +1,167 @@
+"""DeepSpeed's checkpoints read as plain state: full-precision weights and Adam moments by parameter name.
+
+DeepSpeed keeps a run's state where its ZeRO stage puts it. Stage 0: the weights in the model file, the
+optimizer's own ``state_dict`` beside them (or, in bf16, its fp32 partitions). Stages 1 and 2: 16-bit
+weights in the model file, the fp32 masters and the moments as flat partitions per parameter group, one
+file per rank, each parameter at its offset in the concatenated partitions (with DeepSpeed's alignment
+padding after it). Stage 3: every parameter partitioned on its own across the ranks. The parameters'
+names and shapes come from ``param_shapes`` in the model file, in flat order. This module merges the
+ranks' files into one state by name, the way DeepSpeed's own ``zero_to_fp32.py`` reads them; client
+state is what DeepSpeed keeps as top-level keys of the model file. Files are read with the restricted
+loader (:mod:`safe_load`).
+"""
+from __future__ import annotations
+
+import glob
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import safe_load
+
+# the keys DeepSpeed 0.19 writes into a model file itself: everything else there is the user's client state
+DEEPSPEED_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions", "mp_rank", "ds_checkpoint_version", "args",
+}
+
+
+class DeepSpeedCheckpointError(ValueError):
+    """A DeepSpeed checkpoint this reader cannot map; the message says what and where."""
+
+
+@dataclass
+class DeepSpeedState:
+    module: dict[str, torch.Tensor]                 # by name: fp32 masters where DeepSpeed keeps them
+    moments: dict[str, dict] | None                 # by name: {"step", "exp_avg", "exp_avg_sq"}
+    lr_scheduler: dict | None
+    counters: dict[str, int]
+    loss_scale: dict | None                         # DeepSpeed's loss scaler's attributes
+    client_state: dict = field(default_factory=dict)
+    stage: int = 0
+
+
+def is_deepspeed(tag_dir: str, trust: bool = False) -> bool:
+    """A tag directory DeepSpeed wrote: no LazyTrain manifest, and a model file carrying ``ds_version``
+    (an earlier LazyTrain's has none; the file is memory-mapped, so this reads little of it)."""
+    from .checkpoint import MANIFEST
+    if os.path.isfile(os.path.join(tag_dir, MANIFEST)):
+        return False
+    files = _model_files(tag_dir)
+    if not files:
+        return False
+    if "zero_pp_rank" in os.path.basename(files[0]):
+        return True                                   # ZeRO-3 names its model files per rank
+    return "ds_version" in safe_load.load(files[0], trust)
+
+
+def _model_files(tag_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")) +
+                  glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_*_model_states.pt")), key=_rank_of)
+
+
+def _optim_files(tag_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")), key=_rank_of)
+
+
+def _rank_of(path: str) -> int:
+    m = re.search(r"zero_pp_rank_(\d+)_", os.path.basename(path))
+    return int(m.group(1)) if m else 0
+
+
+def read(tag_dir: str, want_optimizer: bool, trust: bool = False) -> DeepSpeedState:
+    model_files = _model_files(tag_dir)
+    if not model_files:
+        raise DeepSpeedCheckpointError(f"{tag_dir} holds no DeepSpeed model file (mp_rank_*_model_states.pt)")
+    model = safe_load.load(model_files[0], trust)
+    if "ds_version" not in model:
+        raise DeepSpeedCheckpointError(f"{model_files[0]} has no 'ds_version': not a DeepSpeed checkpoint")
+    stage = int((model.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
+    counters = {k: int(model.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")}
+    client = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
+    module = {k: v for k, v in model["module"].items()}
+    moments = None
+    loss_scale = None
+    optim_files = _optim_files(tag_dir)
+    if optim_files:                                   # ZeRO 1-3 (or bf16 at stage 0): fp32 partitions
+        states = [safe_load.load(f, trust)["optimizer_state_dict"] for f in optim_files]
+        world = len(states)
+        shapes = model.get("param_shapes")
+        if not shapes:
+            raise DeepSpeedCheckpointError(f"{model_files[0]} has no param_shapes: its ZeRO partitions cannot be "
+                                           f"mapped to parameter names")
+        if stage == 3:
+            masters, moments = _merge_stage3(states, shapes, world, want_optimizer)
+        else:
+            masters, moments = _merge_stage12(states, shapes, world, want_optimizer)
+        module.update(masters)                        # fp32 masters over the 16-bit module weights
+        scaler = states[0].get("loss_scaler")
+        loss_scale = dict(vars(scaler)) if scaler is not None else None
+    elif want_optimizer and model.get("optimizer") is not None:   # stage 0: torch's own state_dict
+        moments = _by_name(model["optimizer"], model["module"])
+    return DeepSpeedState(module=module, moments=moments if want_optimizer else None,
+                          lr_scheduler=model.get("lr_scheduler"), counters=counters, loss_scale=loss_scale,
+                          client_state=client, stage=stage)
+
+
+def _by_name(optimizer_state: dict, module: dict) -> dict[str, dict]:
+    """Stage 0: the optimizer's state by parameter index, in the order of the module's parameters (the
+    order the script handed them to deepspeed.initialize)."""
+    order = [i for g in optimizer_state["param_groups"] for i in g["params"]]
+    names = [n for n, t in module.items() if t.is_floating_point()]
+    if len(order) > len(names):
+        raise DeepSpeedCheckpointError(f"the checkpoint's optimizer has {len(order)} parameters but its module "
+                                       f"{len(names)}")
+    return {names[k]: optimizer_state["state"][i] for k, i in enumerate(order) if i in optimizer_state["state"]}
+
+
+def _moment_groups(state: dict) -> tuple[dict, Any]:
+    base = state.get("base_optimizer_state", state.get("optimizer_state_dict"))
+    if isinstance(base, list):   # older layouts: one state_dict per group
+        base = {"state": {g: s["state"][0] for g, s in enumerate(base)}}
+    return base["state"], base
+
+
+def _merge_stage12(states, shapes, world, want_optimizer):
+    masters, moments = {}, {} if want_optimizer else None
+    for g, group_shapes in enumerate(shapes):
+        flat = torch.cat([s["single_partition_of_fp32_groups"][g] for s in states])
+        flat_m = {}
+        if want_optimizer:
+            per_rank = [_moment_groups(s)[0][g] for s in states]
+            flat_m = {k: torch.cat([r[k] for r in per_rank]) for k in ("exp_avg", "exp_avg_sq")}
+            step = per_rank[0]["step"]
+        pads = states[0].get("param_alignment_paddings")
+        offset = 0
+        for i, (name, shape) in enumerate(group_shapes.items()):
+            n = math.prod(shape)
+            masters[name] = flat.narrow(0, offset, n).view(shape).clone()
+            if want_optimizer:
+                moments[name] = {"step": step, **{k: v.narrow(0, offset, n).view(shape).clone()
+                                                  for k, v in flat_m.items()}}
+            offset += n + (pads[g][i] if pads is not None else 0)
+    return masters, moments
+
+
+def _merge_stage3(states, shapes, world, want_optimizer):
+    masters, moments = {}, {} if want_optimizer else None
+    for g, group_shapes in enumerate(shapes):
+        flats = [s["fp32_flat_groups"][g] for s in states]
+        flat_m = [_moment_groups(s)[0][g] for s in states] if want_optimizer else None
+        offset = 0
+        for name, shape in group_shapes.items():
+            n = math.prod(shape)
+            part = math.ceil(n / world)
+            masters[name] = torch.cat([f.narrow(0, offset, part) for f in flats]).narrow(0, 0, n).view(shape).clone()
+            if want_optimizer:
+                moments[name] = {"step": flat_m[0]["step"], **{
+                    k: torch.cat([r[k].narrow(0, offset, part) for r in flat_m]).narrow(0, 0, n).view(shape).clone()
+                    for k in ("exp_avg", "exp_avg_sq")}}
+            offset += part
+    return masters, moments
