@@ -28,7 +28,7 @@ DEEPSPEED_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
     "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
     "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-    "ds_version", "checkpoint_parallel_dimensions", "mp_rank", "ds_checkpoint_version", "args",
+    "ds_version", "checkpoint_parallel_dimensions", "mp_rank", "ds_checkpoint_version", "universal_checkpoint_info",
 }
 
 
