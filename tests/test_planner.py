@@ -510,3 +510,26 @@ def test_planner_never_imports_torch():
             "lazytrain.planner.report, lazytrain.planner.policies; assert 'torch' not in sys.modules, 'torch'"
             % os.path.join(ROOT, "lazytrain"))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"name": "x", "achievable_tflops": NaN}', "field 'achievable_tflops' must be a finite number >= 0, got nan"),
+    ('{"name": "x", "h2d_gbps": Infinity}', "field 'h2d_gbps' must be a finite number >= 0, got inf"),
+    ('{"name": "x", "gpu_mem_bytes": 1e30}', r"field 'gpu_mem_bytes' must be a byte count between 0 and 2\*\*60 "
+                                             r"\(1 EiB\), got 1e\+30"),
+])
+def test_a_hardware_profile_with_numbers_no_machine_has_is_named(tmp_path, text, message):
+    """JSON allows NaN and Infinity; a profile carrying them (or an absurd size) is refused before the
+    solver sees it (it raised inside PuLP, or an IndexError reading HiGHS' solution)."""
+    path = tmp_path / "hw.json"
+    path.write_text(text)
+    with pytest.raises(HardwareError, match=message):
+        load_profile(str(path))
+
+
+def test_a_budget_that_is_no_memory_size_is_named():
+    from lazytrain.planner.problem import Budgets, InfeasibleBudgetError, make_problem
+    hw = HardwareProfile("x", achievable_tflops=100, h2d_gbps=12, d2h_gbps=12, host_optimizer_gparams_per_s=10,
+                         host_mem_bytes=10**12)
+    with pytest.raises(InfeasibleBudgetError, match=r"GPU budget 1e\+30 bytes is not a memory size"):
+        make_problem("qwen2.5-7b", hw, 4, 1024, Budgets(gpu_bytes=1e30))

@@ -20,6 +20,7 @@ where their numbers come from next to them.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -27,6 +28,7 @@ from .models import read_json
 
 GB = 1e9
 GiB = 2 ** 30
+MAX_BYTES = 2 ** 60   # a memory size beyond this is a typo, and would break the solver's numerics
 
 
 class HardwareError(ValueError):
@@ -124,12 +126,13 @@ class HardwareProfile:
                 if not isinstance(v, str):
                     raise HardwareError(f"hardware profile field 'name' must be a string, got {v!r}")
             elif f.name.endswith("_bytes"):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                    raise HardwareError(f"hardware profile field {f.name!r} must be a byte count, got {v!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_BYTES:
+                    raise HardwareError(f"hardware profile field {f.name!r} must be a byte count between 0 and "
+                                        f"2**60 (1 EiB), got {v!r}")
                 v = int(v)
             else:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                    raise HardwareError(f"hardware profile field {f.name!r} must be a number >= 0, got {v!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                    raise HardwareError(f"hardware profile field {f.name!r} must be a finite number >= 0, got {v!r}")
                 v = float(v)
             kw[f.name] = v
         kw.setdefault("name", "unnamed")

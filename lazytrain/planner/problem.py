@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..units import parse_size
-from .hardware import GB, GiB, HardwareProfile, load_profile
+from .hardware import GB, MAX_BYTES, GiB, HardwareProfile, load_profile
 from .measured import MeasuredCosts
 from .models import ModelShape, load_model
 
@@ -96,6 +96,9 @@ class Problem:
                     f"{what} budget {fmt_bytes(budget)} is more than the {what} memory of hardware profile "
                     f"{hw.name!r} ({fmt_bytes(size)}); lower {flag}, or describe the machine you have in a "
                     f"hardware profile JSON (`lazytrain bench tiers` writes one)")
+        for what, budget in (("GPU", gpu), ("host", host), ("NVMe", self.budgets.nvme_bytes)):
+            if not 0 <= budget <= MAX_BYTES:
+                raise InfeasibleBudgetError(f"{what} budget {budget!r} bytes is not a memory size (0 to 2**60, 1 EiB)")
         self.gpu_budget, self.host_budget, self.nvme_budget = int(gpu), int(host), int(self.budgets.nvme_bytes)
         self._derive()
         if self.check:
