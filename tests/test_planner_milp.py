@@ -86,3 +86,27 @@ def test_cbc_fallback_finds_the_same_optimum():
     assert (highs.solver, cbc.solver) == ("highs", "cbc")
     assert cbc.status == "optimal"
     assert simulate(p, cbc_plan).step_time_s == pytest.approx(simulate(p, highs_plan).step_time_s, rel=1e-7)
+
+
+def test_a_solver_that_finds_no_plan_in_time_gives_the_fastest_baseline_that_fits(monkeypatch):
+    """A large model on a short limit (128 layers in 1 s found none): a plan that runs, said to be a
+    fallback, rather than no plan."""
+    import warnings
+    from lazytrain.planner import search
+    from lazytrain.planner.milp import MilpOptions, NoPlanInTimeError
+    from lazytrain.planner.policies import BASELINES
+    from lazytrain.planner.problem import Budgets, make_problem
+    p = make_problem("qwen2.5-7b", "h800", 144, 1024, Budgets.of(gpu="70GB"))
+
+    def no_plan(problem, opts):
+        raise NoPlanInTimeError("the solver (HiGHS) stopped after 1.0s without a feasible plan (time limit)")
+    monkeypatch.setattr(search, "build_and_solve", no_plan)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        plan = search.solve(p, MilpOptions(time_limit_s=1))
+    best = min((r for r in (f(p) for f in BASELINES.values()) if r), key=lambda pr: pr[1].step_time_s)
+    assert plan.homes == best[0].homes and plan.policy == best[0].policy
+    assert plan.prediction["step_time_s"] == best[1].step_time_s
+    assert plan.prediction["solver"]["status"] == f"no plan in time, fell back to {best[0].policy}"
+    assert any(f"using the fastest baseline policy that fits instead, {best[0].policy!r}" in str(x.message)
+               for x in w)

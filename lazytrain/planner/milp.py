@@ -69,6 +69,10 @@ class PlanningError(RuntimeError):
     """The MILP found no plan (infeasible budgets, or no solution within the time limit)."""
 
 
+class NoPlanInTimeError(PlanningError):
+    """The solver's time limit passed before it found any feasible plan."""
+
+
 _BANNER_DONE = False
 
 
@@ -289,7 +293,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
             f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers; "
             f"{_shortfall(p, K)}. Lower --micro-batch, raise a budget, or allow longer segments (max_segment)")
     if info.status == "no solution":
-        raise PlanningError(f"the solver ({name}) stopped after {solve_s:.1f}s without a feasible plan "
+        raise NoPlanInTimeError(f"the solver ({name}) stopped after {solve_s:.1f}s without a feasible plan "
                             f"({info.detail}); raise the time limit")
 
     # ---- read the decision back into a Plan ---------------------------------------------------

@@ -3,11 +3,12 @@ over micro-batch sizes (the largest throughput that fits the budgets)."""
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
 from .hardware import HardwareProfile, load_profile
-from .milp import MilpOptions, PlanningError, build_and_solve
+from .milp import MilpOptions, NoPlanInTimeError, PlanningError, build_and_solve
 from .models import ModelShape, load_model
 from .plan import Plan
 from .problem import Budgets, InfeasibleBudgetError, Problem
@@ -44,7 +45,10 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     """Solve the MILP for ``p``, replay the plan in the simulator (strict: a violated invariant raises)
     and record the simulator's prediction in the Plan."""
     t0 = time.perf_counter()
-    plan, info = build_and_solve(p, opts)
+    try:
+        plan, info = build_and_solve(p, opts)
+    except NoPlanInTimeError as e:
+        return _fallback(p, e, time.perf_counter() - t0)
     r = simulate(p, plan, strict=True, timeline=False)
     wall = time.perf_counter() - t0
     pred = {"step_time_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
@@ -53,6 +57,26 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
             "milp_vs_simulator": (info.objective_s / r.step_time_s - 1) if info.objective_s else None,
             "solver": info.to_dict(), "lower_bound_s": p.lower_bound_s()["bound"],
             "model": p.model.name, "hardware": p.hardware.name, "solve_wall_s": wall}
+    return replace(plan, prediction=pred)
+
+
+def _fallback(p: Problem, error: NoPlanInTimeError, wall: float) -> Plan:
+    """The fastest baseline policy that fits, when the solver found no plan in its time (a large model on
+    a short limit): a plan that runs, said to be one, rather than none."""
+    from .policies import BASELINES
+    found = [r for r in (f(p) for f in BASELINES.values()) if r is not None]
+    if not found:
+        raise error
+    plan, r = min(found, key=lambda pr: pr[1].step_time_s)
+    warnings.warn(f"lazytrain planner: {error}; using the fastest baseline policy that fits instead, "
+                  f"{plan.policy!r} (predicted step {r.step_time_s:.3f}s). Raise the time limit for the MILP's plan",
+                  UserWarning, stacklevel=3)
+    pred = {"step_time_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
+            "exposed_s": r.exposed_s, "peak_bytes": r.peak_bytes, "recomputed_layers": r.recomputed_layers,
+            "boundaries_per_home": r.boundaries_per_home, "solver": {"status": f"no plan in time, fell back to {plan.policy}",
+                                                                     "detail": str(error)},
+            "fallback": plan.policy, "lower_bound_s": p.lower_bound_s()["bound"], "model": p.model.name,
+            "hardware": p.hardware.name, "solve_wall_s": wall}
     return replace(plan, prediction=pred)
 
 
