@@ -148,7 +148,7 @@ def test_a_checkpoint_without_a_manifest_loads_as_deepspeed_writes_them(tmp_path
     assert loaded_step(tmp_path) == 3
 
 
-@pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", ".."])
+@pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", "..", "latest.tmp", " spaced "])
 def test_tags_that_cannot_be_a_directory_are_refused(tmp_path, tag):
     with pytest.raises(ckpt.CheckpointError, match="cannot name a directory of its own"):
         ckpt.save(str(tmp_path), tag, files_of(1), True)
@@ -231,8 +231,9 @@ def test_an_engine_checkpoint_on_a_full_file_system(small_filesystem):
 
 
 # ---- a step that fails half-way ----------------------------------------------------------------------
-def _engine(n_layers=6, **section):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+def _engine(n_layers=6, _gas=1, **section):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": _gas, "gradient_clipping": 1.0,
+           "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "lazytrain": {"checkpoint_interval": 2, "device": "cpu", **section}}
     with warnings.catch_warnings():
@@ -241,16 +242,18 @@ def _engine(n_layers=6, **section):
     return engine
 
 
-def test_a_full_disk_under_the_streamed_weights_inside_step_completes_the_step_and_says_so(tmp_path, monkeypatch):
+@pytest.mark.parametrize("gas", [1, 2])
+def test_a_full_disk_under_the_streamed_weights_inside_step_completes_the_step_and_says_so(tmp_path, monkeypatch, gas):
     """The issue's case: the compute copies cannot be written after the update. The step completes on every
     part that matters (fp32 weights, optimizer states, counters, schedule, gradients); the copies are
     written again before their next use, and training goes on exactly as a run where the disk never
     filled."""
     for d in ("nvme", "nvme2"):
         (tmp_path / d).mkdir()
-    engine = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme"), overlap_optimizer=False)
-    twin = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme2"), overlap_optimizer=False)
-    data = batches(4)
+    engine = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme"), overlap_optimizer=False, _gas=gas)
+    twin = _engine(weights_home="nvme", nvme_path=str(tmp_path / "nvme2"), overlap_optimizer=False, _gas=gas)
+    data = batches(4 * gas)
+    fail_at = 2 * gas - 1                              # the micro-batch whose step() is step 2's boundary
     tier = engine.weights.weights_tier
     real_write, calls, full = tier.write, [0], [False]
 
@@ -263,21 +266,21 @@ def test_a_full_disk_under_the_streamed_weights_inside_step_completes_the_step_a
     for n, (x, y) in enumerate(data):
         for e in (engine, twin):
             e.backward(lm_loss(e(x), y))
-        if n == 1:
+        if n == fail_at:
             full[0], calls[0] = True, 0
             with pytest.raises(lazytrain.StepFailedError,
                                match=r"step 2 completed \(weights, optimizer states, counters, schedule and gradients "
                                      r"all advanced\), but the compute copies of layers 2..5 could not be stored "
                                      r"\(OSError: .*No space left on device.*\)"):
                 engine.step()
-            x2, _ = data[2]
+            x2, _ = data[fail_at + 1]
             with pytest.raises(OSError, match="No space left on device"):
                 engine(x2)                           # still full: the forward says so
             full[0] = False
         else:
             engine.step()
         twin.step()
-    assert engine.global_steps == twin.global_steps == 4
+    assert (engine.global_steps, engine.micro_steps) == (twin.global_steps, twin.micro_steps) == (4, 4 * gas)
     a, b = engine.module_state_dict(), twin.module_state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     engine.save_checkpoint(str(tmp_path / "ckpt"))   # consistent: saving is allowed
@@ -314,6 +317,11 @@ def test_an_update_failing_half_way_stops_training_and_saving_until_a_load(tmp_p
         engine(x)
     with pytest.raises(lazytrain.StepFailedError, match=r"step\(\) refused: step 2 failed"):
         engine.step()
+    for export in (lambda: engine.save_16bit_model(str(tmp_path / "hub")), engine.module_state_dict):
+        with pytest.raises(lazytrain.StepFailedError, match=r"refused: step 2 failed during the optimizer update"):
+            export()
+    with torch.no_grad(), pytest.raises(lazytrain.StepFailedError, match=r"a forward refused: step 2 failed"):
+        engine(x)
     assert not os.path.exists(tmp_path / "ckpt" / "bad")
     engine.load_checkpoint(str(tmp_path / "ckpt"), tag="good")   # consistent again
     twin = _engine()
@@ -360,4 +368,28 @@ def test_a_save_writes_the_weights_from_where_they_live(tmp_path, monkeypatch):
     engine.save_checkpoint(str(tmp_path))
     params = dict(engine.module.named_parameters())
     assert all(handed[k].data_ptr() == p.data_ptr() for k, p in params.items())
+    engine.destroy()
+
+
+def test_a_load_that_fails_half_way_leaves_the_engine_refusing(tmp_path, monkeypatch):
+    engine = _engine()
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+
+    def broken(state):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match")
+    monkeypatch.setattr(engine.optimizer, "load_state_dict", broken)
+    with pytest.raises(ValueError, match="doesn't match"):
+        engine.load_checkpoint(str(tmp_path))         # the weights were loaded, the optimizer state was not
+    monkeypatch.undo()
+    with pytest.raises(lazytrain.StepFailedError,
+                       match=rf"step\(\) refused: load_checkpoint of tag 'global_step1' from {tmp_path} failed "
+                             rf"half-way \(ValueError: .*\)"):
+        engine.step()
+    engine.load_checkpoint(str(tmp_path))             # a load that completes is the way out
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 2
     engine.destroy()

@@ -48,7 +48,7 @@ def test_an_fp32_deepspeed_checkpoint_resumes_with_its_weights_moments_schedule_
     assert client == {"epoch": 3}
     assert path.startswith(os.path.join(HERE, name, "global_step1"))
     assert (engine.global_steps, engine.global_samples) == (1, 2 if "2ranks" not in name else 4)
-    expected = ds_ckpt.read(os.path.join(HERE, "stage0_fp32", "global_step1"), True)
+    expected = ds_ckpt.read(os.path.join(HERE, "stage3_fp32", "global_step1"), True)   # by name
     for n, p in engine.module.named_parameters():
         assert torch.equal(p, expected.module[n]), n
     for n, st in moments_of(engine).items():
@@ -112,5 +112,23 @@ def test_a_deepspeed_checkpoint_for_another_model_is_refused_by_name():
         engine.load_checkpoint(os.path.join(HERE, "stage2_fp32_2ranks"))
     with pytest.raises(ds_ckpt.DeepSpeedCheckpointError, match=r"holds moments of shape \(8, 8\) for '2.weight', "
                                                                r"whose shape here is \(4, 8\)"):
-        engine._optimizer_state_from(ds_ckpt.read(os.path.join(HERE, "stage0_fp32", "global_step1"), True).moments,
-                                     "stage0_fp32")
+        engine._optimizer_state_from(ds_ckpt.read(os.path.join(HERE, "stage3_fp32", "global_step1"), True).moments,
+                                     "stage3_fp32")
+
+
+def test_a_tied_weight_loads_its_fp32_master_under_both_names():
+    """DeepSpeed lists a tied weight once in its partitions and names the alias in shared_params: both
+    names get the fp32 master, not the alias's 16-bit module copy."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"device": "cpu"}}
+    model = mlp()
+    model[2].weight = model[0].weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine.load_checkpoint(os.path.join(HERE, "stage2_bf16_tied"))
+    state = ds_ckpt.read(os.path.join(HERE, "stage2_bf16_tied", "global_step1"), True)
+    master = state.module["0.weight"]
+    assert master.dtype == torch.float32 and torch.equal(state.module["2.weight"], master)
+    masters = engine.module_state_dict()
+    assert torch.equal(masters["0.weight"], master) and torch.equal(masters["2.weight"], master)

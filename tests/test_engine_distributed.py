@@ -193,3 +193,41 @@ def test_a_bad_collective_timeout_is_named(value):
     with pytest.raises(ConfigError, match=f"config key 'lazytrain.collective_timeout_s' must be a number of seconds "
                                           f"> 0, got {value!r}"):
         lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+
+
+def _failing_save_worker(rank: int, port: int, out_dir: str):
+    import time
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    from lazytrain.engine import checkpoint as ckpt
+    torch.set_num_threads(1)
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "lazytrain": {"checkpoint_interval": 2, "device": "cpu", "collective_timeout_s": 120}}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    if rank == 0:
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        ckpt.save = full
+    t0 = time.monotonic()
+    try:
+        engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+        outcome = "saved"
+    except Exception as e:   # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{time.monotonic() - t0:.1f}\n{outcome}")
+    torch.distributed.destroy_process_group()
+
+
+def test_a_save_that_fails_on_rank_0_fails_every_rank_at_once(tmp_path):
+    mp.spawn(_failing_save_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    waited0, outcome0 = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    waited1, outcome1 = (tmp_path / "rank1.txt").read_text().split("\n", 1)
+    assert outcome0 == "OSError: [Errno 28] No space left on device"
+    assert outcome1 == (f"CheckpointError: save_checkpoint of tag 'global_step0' to {tmp_path / 'ckpt'} failed on "
+                        f"rank 0, which writes the files: see its error")
+    assert float(waited1) < 30                         # not the 120 s timeout

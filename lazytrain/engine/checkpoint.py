@@ -54,16 +54,19 @@ _open_for_write: Callable[[str], object] = lambda path: open(path, "wb")   # noq
 # ---- saving ---------------------------------------------------------------------------------------
 def check_tag(tag: str) -> str:
     tag = str(tag)
-    if not tag or tag in (".", "..", "latest") or tag.startswith(".") or "/" in tag or os.sep in tag:
+    if not tag or tag in (".", "..", "latest", "latest.tmp") or tag.startswith(".") or "/" in tag or os.sep in tag \
+            or tag != tag.strip():
         raise CheckpointError(f"checkpoint tag {tag!r} cannot name a directory of its own beside 'latest': use a "
-                              f"name without path separators that does not start with '.'")
+                              f"name without path separators or surrounding spaces that does not start with '.'")
     return tag
 
 
 def save(save_dir: str, tag: str, files: dict[str, object], save_latest: bool) -> str:
     """Write ``files`` (file name -> object for ``torch.save``) as tag ``tag`` of ``save_dir``, atomically."""
     tag = check_tag(tag)
-    os.makedirs(save_dir, exist_ok=True)
+    if not os.path.isdir(save_dir):
+        os.makedirs(save_dir)
+        _fsync_dir(os.path.dirname(os.path.abspath(save_dir)))   # the new directory's own entry
     settle_leftovers(save_dir)
     need = sum(_tensor_bytes(obj) for obj in files.values())
     free = shutil.disk_usage(save_dir).free

@@ -39,7 +39,8 @@ class DeepSpeedCheckpointError(ValueError):
 @dataclass
 class DeepSpeedState:
     module: dict[str, torch.Tensor]                 # by name: fp32 masters where DeepSpeed keeps them
-    moments: dict[str, dict] | None                 # by name: {"step", "exp_avg", "exp_avg_sq"}
+    moments: dict[str, dict] | None                 # by name: {"step", "exp_avg", "exp_avg_sq"} (ZeRO 1-3)
+    optimizer_state_dict: dict | None               # stage 0: the optimizer's own state_dict, by position
     lr_scheduler: dict | None
     counters: dict[str, int]
     loss_scale: dict | None                         # DeepSpeed's loss scaler's attributes
@@ -101,24 +102,15 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False) -> DeepSpeedSt
         else:
             masters, moments = _merge_stage12(states, shapes, world, want_optimizer)
         module.update(masters)                        # fp32 masters over the 16-bit module weights
+        for alias, source in (model.get("shared_params") or {}).items():
+            if source in masters:                     # a tied weight: its other name takes the same master
+                module[alias] = masters[source]
         scaler = states[0].get("loss_scaler")
         loss_scale = dict(vars(scaler)) if scaler is not None else None
-    elif want_optimizer and model.get("optimizer") is not None:   # stage 0: torch's own state_dict
-        moments = _by_name(model["optimizer"], model["module"])
-    return DeepSpeedState(module=module, moments=moments if want_optimizer else None,
+    stage0 = model.get("optimizer") if want_optimizer and not optim_files else None
+    return DeepSpeedState(module=module, moments=moments if want_optimizer else None, optimizer_state_dict=stage0,
                           lr_scheduler=model.get("lr_scheduler"), counters=counters, loss_scale=loss_scale,
                           client_state=client, stage=stage)
-
-
-def _by_name(optimizer_state: dict, module: dict) -> dict[str, dict]:
-    """Stage 0: the optimizer's state by parameter index, in the order of the module's parameters (the
-    order the script handed them to deepspeed.initialize)."""
-    order = [i for g in optimizer_state["param_groups"] for i in g["params"]]
-    names = [n for n, t in module.items() if t.is_floating_point()]
-    if len(order) > len(names):
-        raise DeepSpeedCheckpointError(f"the checkpoint's optimizer has {len(order)} parameters but its module "
-                                       f"{len(names)}")
-    return {names[k]: optimizer_state["state"][i] for k, i in enumerate(order) if i in optimizer_state["state"]}
 
 
 def _moment_groups(state: dict) -> tuple[dict, Any]:

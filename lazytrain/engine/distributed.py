@@ -93,10 +93,10 @@ class DistributedContext:
         def run():
             for t in host_tensors:
                 t.div_(self.world_size)
-                dist.all_reduce(t, group=self.host_group)
+                self._wait(dist.all_reduce(t, group=self.host_group, async_op=True))
             for t in device_tensors:
                 t.div_(self.world_size)
-                dist.all_reduce(t, group=self.device_group)
+                self._wait(dist.all_reduce(t, group=self.device_group, async_op=True))
         self._collective("gradient all-reduce of engine.step()", run)
 
     def fill_missing_grads(self, params: list[torch.Tensor]) -> None:
@@ -108,11 +108,27 @@ class DistributedContext:
             return
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         self._collective("all-reduce of which parameters have gradients, in engine.step()",
-                         lambda: dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.host_group))
+                         lambda: self._wait(dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.host_group,
+                                                            async_op=True)))
         for p, anywhere in zip(params, has.tolist()):
             if anywhere and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
+    def _wait(self, work) -> None:
+        """Wait for a collective on the host, at most the timeout: NCCL returns before the collective is done,
+        and its watchdog would end the process without naming it."""
+        work.wait(timedelta(seconds=self.timeout_s))
+
     def barrier(self, what: str = "barrier") -> None:
         if self.enabled:
-            self._collective(what, lambda: dist.barrier(group=self.host_group))
+            self._collective(what, lambda: self._wait(dist.barrier(group=self.host_group, async_op=True)))
+
+    def all_succeeded(self, ok: bool, what: str) -> bool:
+        """Whether ``ok`` holds on every rank (a rank whose part failed tells the others, which would
+        otherwise wait for it until the timeout)."""
+        if not self.enabled:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        self._collective(what, lambda: self._wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.host_group,
+                                                                  async_op=True)))
+        return bool(flag.item())

@@ -261,8 +261,7 @@ class LazyTrainEngine(nn.Module):
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None:
             streams.start_recording(Timeline("measured", device=self.device.type))   # the traced step begins with this forward
             self._trace_path, self._trace_request = self._trace_request, None
-        if torch.is_grad_enabled():
-            self._refuse_if_inconsistent("a training forward")
+        self._refuse_if_inconsistent("a forward" if not torch.is_grad_enabled() else "a training forward")
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
@@ -340,6 +339,19 @@ class LazyTrainEngine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
+        self._raise_unstored_copies()
+
+    def _raise_unstored_copies(self) -> None:
+        """After a step that completed but could not store some compute copies (every counter advanced)."""
+        if self._unstored_copies is None:
+            return
+        first, e = self._unstored_copies
+        self._unstored_copies = None
+        raise StepFailedError(
+            f"step {self.global_steps} completed (weights, optimizer states, counters, schedule and gradients "
+            f"all advanced), but the compute copies of layers {first}..{self.weights.num_layers - 1} could not "
+            f"be stored ({type(e).__name__}: {e}); each is written again from the fp32 weights before its next "
+            f"use, and a forward that still cannot store it raises") from e
 
     def _refuse_if_inconsistent(self, what: str) -> None:
         if self._failed_step is not None:
@@ -410,8 +422,9 @@ class LazyTrainEngine(nn.Module):
         except Exception as e:
             raise StepFailedError(f"step {self.global_steps + 1} failed before the optimizer changed anything "
                                   f"({type(e).__name__}: {e}): no weight, optimizer state, counter or schedule "
-                                  f"moved; the gradients gathered so far are kept (fix the cause and call "
-                                  f"step() again, or zero_grad())") from e
+                                  f"moved. The gradient buffers keep what reached the host; a gradient whose copy "
+                                  f"failed is missing from them: call zero_grad() and redo the step's "
+                                  f"micro-batches, or fix the cause and call step() again if none was lost") from e
         finite = math.isfinite(norm)
         self._global_grad_norm = norm
         if not finite:
@@ -464,14 +477,6 @@ class LazyTrainEngine(nn.Module):
         self._record_peaks()
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._print_progress()
-        if self._unstored_copies is not None:
-            first, e = self._unstored_copies
-            self._unstored_copies = None
-            raise StepFailedError(
-                f"step {self.global_steps} completed (weights, optimizer states, counters, schedule and gradients "
-                f"all advanced), but the compute copies of layers {first}..{self.weights.num_layers - 1} could not "
-                f"be stored ({type(e).__name__}: {e}); each is written again from the fp32 weights before its next "
-                f"use, and a forward that still cannot store it raises") from e
 
     def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
         """The whole update now, then every streamed layer's compute copy refreshed."""
@@ -640,6 +645,7 @@ class LazyTrainEngine(nn.Module):
     # ---- state ---------------------------------------------------------------------------------
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's weights in fp32 (masters), each tensor its own storage, on the host."""
+        self._refuse_if_inconsistent("module_state_dict()")
         return self._module_state(exclude_frozen_parameters, copy=True)
 
     def _module_state(self, exclude_frozen_parameters: bool, copy: bool) -> dict[str, torch.Tensor]:
@@ -715,9 +721,18 @@ class LazyTrainEngine(nn.Module):
         files = {ckpt.MODEL_FILE: model_state}
         if self.optimizer is not None:
             files[ckpt.OPTIM_FILE] = {"optimizer": self.optimizer.state_dict()}
+        error = None
         if self.global_rank == 0:
-            ckpt.save(save_dir, tag, files, save_latest)
-        self.dist.barrier("barrier of save_checkpoint (rank 0 writes the files)")   # no rank may load before
+            try:
+                ckpt.save(save_dir, tag, files, save_latest)
+            except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
+                error = e
+        # no rank returns (and may load) before the files exist; a failed save fails every rank at once
+        if not self.dist.all_succeeded(error is None, "agreement of save_checkpoint (rank 0 writes the files)"):
+            if error is not None:
+                raise error
+            raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on rank 0, which "
+                                       f"writes the files: see its error")
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -738,17 +753,31 @@ class LazyTrainEngine(nn.Module):
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
         directory = ckpt.tag_dir(load_dir, tag)
-        if ds_ckpt.is_deepspeed(directory, trust):
-            return self._load_deepspeed(directory, ds_ckpt.read(directory, want_optim, trust), load_module_strict,
-                                        load_module_only, load_lr_scheduler_states, custom_load_fn)
-        path, model_state, optim_state = ckpt.load(load_dir, tag, want_optim, trust=trust)
-        self._load_module_state(model_state["module"], load_module_strict, custom_load_fn)
-        self._failed_step = None   # every streamed layer and the non-block weights are rewritten from the file
-        if load_module_only:
+        if ds_ckpt.is_deepspeed(directory, trust):   # read everything first: a file that fails changes nothing
+            state = ds_ckpt.read(directory, want_optim, trust)
+            apply = lambda: self._load_deepspeed(directory, state, load_module_strict, load_module_only,  # noqa: E731
+                                                 load_lr_scheduler_states, custom_load_fn)
+        else:
+            loaded = ckpt.load(load_dir, tag, want_optim, trust=trust)
+            apply = lambda: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
+                                                 load_lr_scheduler_states, custom_load_fn)
+        try:
+            result = apply()
+        except Exception as e:
+            self._failed_step = (f"load_checkpoint of tag {tag!r} from {load_dir} failed half-way "
+                                 f"({type(e).__name__}: {e})")
+            raise
+        self._failed_step = None   # every streamed layer and the non-block weights were rewritten from the file
+        return result
+
+    def _load_lazytrain(self, path: str, model_state: dict, optim_state: dict | None, strict: bool,
+                        module_only: bool, load_scheduler: bool, custom_load_fn):
+        self._load_module_state(model_state["module"], strict, custom_load_fn)
+        if module_only:
             return path, model_state.get("client_state", {})
         if optim_state is not None:
             self.optimizer.load_state_dict(optim_state["optimizer"])
-        if load_lr_scheduler_states and self.lr_scheduler is not None and model_state.get("lr_scheduler"):
+        if load_scheduler and self.lr_scheduler is not None and model_state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
         if self.loss_scaler is not None and model_state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(model_state["loss_scaler"])
@@ -762,11 +791,12 @@ class LazyTrainEngine(nn.Module):
         weights, the Adam moments mapped onto this engine's optimizer by parameter name, the schedule, the
         counters, the loss scale, and the client state DeepSpeed kept as top-level keys."""
         self._load_module_state(state.module, strict, custom_load_fn)
-        self._failed_step = None
         path = os.path.join(directory, os.path.basename(ds_ckpt._model_files(directory)[0]))
         if module_only:
             return path, state.client_state
-        if state.moments is not None:
+        if state.optimizer_state_dict is not None:   # stage 0: the optimizer's own state, by position as in DeepSpeed
+            self.optimizer.load_state_dict(state.optimizer_state_dict)
+        elif state.moments is not None:
             self.optimizer.load_state_dict(self._optimizer_state_from(state.moments, directory))
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
@@ -810,7 +840,7 @@ class LazyTrainEngine(nn.Module):
         file that holds only tensors, which any loader reads without running code); a ``save_filename``
         not ending in ``.safetensors`` (DeepSpeed's default ``pytorch_model.bin``) is written by
         ``torch.save`` as asked."""
-        import os
+        self._refuse_if_inconsistent("save_16bit_model()")
         dtype = self.compute_dtype
         state = {k: (v.to(dtype) if v.is_floating_point() else v)
                  for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
