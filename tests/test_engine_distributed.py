@@ -136,10 +136,8 @@ def test_the_training_loader_moves_a_distributed_sampler_to_the_next_epoch():
     assert sixth == list(sampler)
 
 
-def _stopping_worker(rank: int, port: int, out_dir: str):
-    """Rank 1 stops (SIGSTOP: alive, never reaching the next collective) after one step; rank 0 must fail
-    within the collective timeout and say which collective and what timeout."""
-    import signal
+def _rank_engine(rank: int, port: int, timeout_s: float):
+    """One rank of a two-rank CPU run in a torchrun-style environment, with the given collective timeout."""
     import warnings
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -148,8 +146,17 @@ def _stopping_worker(rank: int, port: int, out_dir: str):
     torch.set_num_threads(1)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "lazytrain": {"checkpoint_interval": 2, "device": "cpu", "collective_timeout_s": 3}}
+           "lazytrain": {"checkpoint_interval": 2, "device": "cpu", "collective_timeout_s": timeout_s}}
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    return engine
+
+
+def _stopping_worker(rank: int, port: int, out_dir: str):
+    """Rank 1 stops (SIGSTOP: alive, never reaching the next collective) after one step; rank 0 must fail
+    within the collective timeout and say which collective and what timeout."""
+    import signal
+    import lazytrain
+    engine = _rank_engine(rank, port, timeout_s=3)
     for n, (x, y) in enumerate(batches(3, batch=4)):
         if rank == 1 and n == 1:
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -197,17 +204,8 @@ def test_a_bad_collective_timeout_is_named(value):
 
 def _failing_save_worker(rank: int, port: int, out_dir: str):
     import time
-    import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    warnings.simplefilter("ignore")
-    import lazytrain
     from lazytrain.engine import checkpoint as ckpt
-    torch.set_num_threads(1)
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "lazytrain": {"checkpoint_interval": 2, "device": "cpu", "collective_timeout_s": 120}}
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    engine = _rank_engine(rank, port, timeout_s=120)
     if rank == 0:
         def full(*args, **kwargs):
             raise OSError(28, "No space left on device")
