@@ -18,8 +18,8 @@ The compute runs on one thread and the layer updates on another (``torch.set_num
 two cores stand for the GPU and the host as the cost model has them; copies on the emulated links mostly
 sleep. The last line is ``worst |measured/predicted - 1|: X%``.
 
-    python benchmarks/fidelity_cpu.py [--gbps 0.05] [--latency-ms 0.05] [--steps 6] [--warmup 2]
-                                      [--layers 8] [--traces DIR]
+    python benchmarks/fidelity_cpu.py [--gbps 0.05] [--latency-ms 0.05] [--nvme-gbps 0.05] [--steps 6]
+                                      [--warmup 2] [--layers 8] [--traces DIR]
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -102,25 +103,29 @@ def profile_of(costs, model_cfg, links_gbps: float):
         gpu_mem_bytes=64 * GiB, host_mem_bytes=64 * GiB)
 
 
-def plans_for(problem, milp_seconds: float):
+def plans_for(problem, milp_seconds: float, nvme: bool = False):
     from lazytrain.planner.milp import MilpOptions
     from lazytrain.planner.plan import keep_all_plan
     from lazytrain.planner.policies import megatrain_plan
     from lazytrain.planner.search import solve
     L = problem.L
     keep_all = keep_all_plan(L, home="host", micro_batch_size=BATCH, seq_len=SEQ)
-    return {"MegaTrain (k=4, update after the step)": megatrain_plan(problem, 4),
-            "keep-all (host)": keep_all,
-            "MILP": solve(problem, MilpOptions(time_limit_s=milp_seconds))}
+    plans = {"MegaTrain (k=4, update after the step)": megatrain_plan(problem, 4), "keep-all (host)": keep_all}
+    if nvme:
+        plans["keep-all (NVMe)"] = keep_all_plan(L, home="nvme", micro_batch_size=BATCH, seq_len=SEQ)
+    plans["MILP"] = solve(problem, MilpOptions(time_limit_s=milp_seconds))
+    return plans
 
 
-def measure(base, plan, data, warmup: int, links: dict, trace_path: str | None):
+def measure(base, plan, data, warmup: int, links: dict, trace_path: str | None, nvme_path: str | None = None):
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "plan.json")
         plan.to_json(path)
-        engine = engine_for(copy.deepcopy(base), {
-            "policy": "plan", "plan": path, "overlap_optimizer": plan.overlap_optimizer,
-            "testing": {"copy_threads": True, "links": links}})
+        section = {"policy": "plan", "plan": path, "overlap_optimizer": plan.overlap_optimizer,
+                   "testing": {"copy_threads": True, "links": links}}
+        if nvme_path:
+            section["nvme_path"] = nvme_path
+        engine = engine_for(copy.deepcopy(base), section)
     times = []
     for i, ids in enumerate(data):
         if trace_path and i == len(data) - 1:
@@ -139,6 +144,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbps", type=float, default=0.05, help="emulated h2d and d2h bandwidth, GB/s")
     ap.add_argument("--latency-ms", type=float, default=0.05, help="emulated latency per transfer")
+    ap.add_argument("--nvme-gbps", type=float, default=None,
+                    help="also an NVMe tier (a temporary directory) whose reads and writes run at this emulated "
+                         "bandwidth, a keep-all plan on it, and NVMe in the MILP's choices")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
@@ -166,6 +174,10 @@ def main(argv=None) -> int:
     model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in base.model.layers]
     model_cfg["dtype"] = model_cfg["torch_dtype"] = "float32"   # what the engine computes and streams in
     shape, hw = profile_of(costs, model_cfg, args.gbps)
+    if args.nvme_gbps:
+        import dataclasses
+        hw = dataclasses.replace(hw, nvme_read_gbps=args.nvme_gbps, nvme_write_gbps=args.nvme_gbps)
+    nvme_bytes = 10**10 if args.nvme_gbps else 0
     # a device budget halfway between what MegaTrain's policy and keeping every boundary on the device
     # take at their peak: the MILP must choose what to re-run, offload or keep
     from lazytrain.planner.plan import keep_all_plan
@@ -173,15 +185,18 @@ def main(argv=None) -> int:
     probe = Problem(shape, hw, Budgets(gpu_reserved_bytes=0), BATCH, SEQ, measured=costs)
     peak_all = simulate(probe, keep_all_plan(probe.L, home="hbm")).peak_bytes["hbm"]
     peak_mega = simulate(probe, megatrain_plan(probe)).peak_bytes["hbm"]
-    budget = Budgets(gpu_bytes=(peak_all + peak_mega) // 2, gpu_reserved_bytes=0)
+    budget = Budgets(gpu_bytes=(peak_all + peak_mega) // 2, gpu_reserved_bytes=0, nvme_bytes=nvme_bytes)
     print(f"device budget {budget.gpu_bytes / 1e6:.1f} MB (MegaTrain's policy peaks at {peak_mega / 1e6:.1f} MB, "
           f"every boundary on the device at {peak_all / 1e6:.1f} MB)")
     problem = Problem(shape, hw, budget, BATCH, SEQ, measured=costs)
     links = {"h2d": {"gbps": args.gbps, "latency_ms": args.latency_ms},
              "d2h": {"gbps": args.gbps, "latency_ms": args.latency_ms}}
+    if args.nvme_gbps:
+        links.update({k: {"gbps": args.nvme_gbps, "latency_ms": args.latency_ms} for k in ("nvme_read", "nvme_write")})
+    nvme_dir = tempfile.mkdtemp(prefix="lazytrain-fidelity-nvme-") if args.nvme_gbps else None
 
     rows = []
-    for name, plan in plans_for(problem, args.milp_seconds).items():
+    for name, plan in plans_for(problem, args.milp_seconds, nvme=bool(args.nvme_gbps)).items():
         predicted = simulate(problem, plan, strict=False)
         trace = None
         if args.traces:
@@ -190,7 +205,7 @@ def main(argv=None) -> int:
             write_chrome_trace(os.path.join(args.traces, f"{slug}-predicted.json"), predicted.trace())
             trace = os.path.join(args.traces, f"{slug}-measured.json")
         measured = measure(base, plan, data[:args.warmup + args.steps + (1 if trace else 0)], args.warmup, links,
-                           trace)
+                           trace, nvme_dir)
         rows.append((name, plan, measured, predicted.step_time_s))
 
     print(f"\n{'plan':<40}{'measured (ms)':>15}{'predicted (ms)':>16}{'measured/predicted':>20}")
@@ -203,6 +218,8 @@ def main(argv=None) -> int:
     milp = rows[-1]
     print(f"\nMILP speed-up over MegaTrain's policy: measured {mega[2] / milp[2]:.3f}x, "
           f"predicted {mega[3] / milp[3]:.3f}x")
+    if nvme_dir:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
     worst = max(abs(m / p - 1) for _, _, m, p in rows)
     print(f"worst |measured/predicted - 1|: {worst * 100:.1f}%")
     return 0
