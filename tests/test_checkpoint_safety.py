@@ -393,3 +393,25 @@ def test_a_load_that_fails_half_way_leaves_the_engine_refusing(tmp_path, monkeyp
     engine.step()
     assert engine.global_steps == 2
     engine.destroy()
+
+
+def test_a_schedule_that_fails_after_the_update_is_named_and_fenced(tmp_path):
+    """A client scheduler that raises once past its steps (OneCycleLR) after the weights were updated."""
+    model = make_model("llama")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"checkpoint_interval": 2,
+                                                                                "device": "cpu"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, opt, _, _ = lazytrain.initialize(model=model, config=cfg)
+    engine.lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=1)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()                                      # its one step
+    engine.backward(lm_loss(engine(x), y))
+    with pytest.raises(lazytrain.StepFailedError, match=r"step 2 updated the weights, then advancing the "
+                                                        r"learning-rate schedule failed \(ValueError: Tried to step 2 times"):
+        engine.step()
+    with pytest.raises(lazytrain.CheckpointError, match="save_checkpoint refused: step 2 updated the weights"):
+        engine.save_checkpoint(str(tmp_path))
+    engine.destroy()

@@ -464,7 +464,14 @@ class LazyTrainEngine(nn.Module):
                 self.loss_scaler.update(overflow=False)
             self._step_applied = True
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+                try:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+                except Exception as e:
+                    self._failed_step = f"step {self.global_steps + 1} updated the weights, then advancing the " \
+                                        f"learning-rate schedule failed ({type(e).__name__}: {e})"
+                    raise StepFailedError(f"{self._failed_step}: the step counter and the gradients did not "
+                                          f"advance. The engine refuses to train or save until a checkpoint is "
+                                          f"loaded (engine.load_checkpoint)") from e
         if self.layer_updates is not None and self._step_applied:
             self._zero_non_block_grads()   # the update thread zeroes each layer's gradients after its update
         else:
