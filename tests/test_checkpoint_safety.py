@@ -415,3 +415,9 @@ def test_a_schedule_that_fails_after_the_update_is_named_and_fenced(tmp_path):
     with pytest.raises(lazytrain.CheckpointError, match="save_checkpoint refused: step 2 updated the weights"):
         engine.save_checkpoint(str(tmp_path))
     engine.destroy()
+
+
+def test_the_next_save_leaves_files_of_the_users_own_alone(tmp_path):
+    (tmp_path / ".notes.staging").write_text("mine")     # a file, not a directory a save staged
+    ckpt.save(str(tmp_path), "t", files_of(1), True)
+    assert (tmp_path / ".notes.staging").read_text() == "mine"

@@ -185,7 +185,7 @@ def settle_leftovers(save_dir: str) -> None:
     back; then every staging and previous directory left is removed."""
     for entry in sorted(os.listdir(save_dir)):
         for suffix in (_STAGING, _PREVIOUS):
-            if entry.startswith(".") and entry.endswith(suffix):
+            if entry.startswith(".") and entry.endswith(suffix) and os.path.isdir(os.path.join(save_dir, entry)):
                 tag = entry[1:-len(suffix)]
                 final = os.path.join(save_dir, tag)
                 if tag and not os.path.lexists(final):
