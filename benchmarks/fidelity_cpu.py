@@ -87,7 +87,7 @@ def calibrate(base, data, warmup: int, traced: int):
     return MeasuredCosts.from_traces(traces, len(base.model.layers), source="this CPU, 1 compute thread")
 
 
-def profile_of(costs, model_cfg, links_gbps: float):
+def profile_of(costs, model_cfg, links_gbps: float, nvme_gbps: float | None = None):
     """This machine as the planner sees it: links as emulated, compute and updates as measured (the
     FLOP rate and the optimizer rate below are informative: the measured times replace them)."""
     from lazytrain.planner.hardware import GiB, HardwareProfile
@@ -99,8 +99,9 @@ def profile_of(costs, model_cfg, links_gbps: float):
     params = sum(layer.params for layer in shape.layers)
     return shape, HardwareProfile(
         name=f"this CPU, links {links_gbps} GB/s", achievable_tflops=rate / 1e12,
-        h2d_gbps=links_gbps, d2h_gbps=links_gbps, host_optimizer_gparams_per_s=params / sum(costs.update_s) / 1e9,
-        gpu_mem_bytes=64 * GiB, host_mem_bytes=64 * GiB)
+        h2d_gbps=links_gbps, d2h_gbps=links_gbps, nvme_read_gbps=nvme_gbps, nvme_write_gbps=nvme_gbps,
+        host_optimizer_gparams_per_s=params / sum(costs.update_s) / 1e9, gpu_mem_bytes=64 * GiB,
+        host_mem_bytes=64 * GiB)
 
 
 def plans_for(problem, milp_seconds: float, nvme: bool = False):
@@ -135,8 +136,6 @@ def measure(base, plan, data, warmup: int, links: dict, trace_path: str | None, 
         if i >= warmup and not (trace_path and i == len(data) - 1):
             times.append(time.perf_counter() - t0)
     engine.wait_for_update()
-    if os.environ.get("FIDELITY_DEBUG"):
-        print("  step times (ms):", [round(t * 1e3) for t in times])
     return statistics.median(times)
 
 
@@ -156,6 +155,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
+    from lazytrain.planner.plan import keep_all_plan
+    from lazytrain.planner.policies import megatrain_plan
     from lazytrain.planner.problem import Budgets, Problem
     from lazytrain.planner.simulate import simulate
     from lazytrain.trace import write_chrome_trace
@@ -173,15 +174,10 @@ def main(argv=None) -> int:
     model_cfg = base.config.to_dict()
     model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in base.model.layers]
     model_cfg["dtype"] = model_cfg["torch_dtype"] = "float32"   # what the engine computes and streams in
-    shape, hw = profile_of(costs, model_cfg, args.gbps)
-    if args.nvme_gbps:
-        import dataclasses
-        hw = dataclasses.replace(hw, nvme_read_gbps=args.nvme_gbps, nvme_write_gbps=args.nvme_gbps)
+    shape, hw = profile_of(costs, model_cfg, args.gbps, args.nvme_gbps)
     nvme_bytes = 10**10 if args.nvme_gbps else 0
     # a device budget halfway between what MegaTrain's policy and keeping every boundary on the device
     # take at their peak: the MILP must choose what to re-run, offload or keep
-    from lazytrain.planner.plan import keep_all_plan
-    from lazytrain.planner.policies import megatrain_plan
     probe = Problem(shape, hw, Budgets(gpu_reserved_bytes=0), BATCH, SEQ, measured=costs)
     peak_all = simulate(probe, keep_all_plan(probe.L, home="hbm")).peak_bytes["hbm"]
     peak_mega = simulate(probe, megatrain_plan(probe)).peak_bytes["hbm"]

@@ -139,10 +139,6 @@ class _Ignored:
                           + " ".join(self.notes.values()), UserWarning, stacklevel=3)
 
 
-def _warn_once(seen: _Ignored, key: str, message: str) -> None:
-    seen.note(key, message)
-
-
 def _is_off(value) -> bool:
     """A setting at its off value (false, null, {} or {"enabled": false}): nothing to say about it."""
     return value is None or value is False or value == {} or (isinstance(value, dict) and value.get("enabled") is False)
@@ -238,7 +234,6 @@ class TestingConfig:
 
 
 _TESTING_KEYS = {"copy_threads", "chaos_seed", "chaos_max_delay_ms", "links"}
-_EMULATED_LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 
 
 @dataclass(frozen=True)
@@ -391,8 +386,8 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
             continue
         if key in _UNIMPLEMENTED_TOP:
             if not _is_off(d[key]):
-                _warn_once(seen, key, f"'{key}' is a DeepSpeed feature LazyTrain does not implement; it is ignored "
-                                      f"({_UNIMPLEMENTED_TOP[key]}).")
+                seen.note(key, f"'{key}' is a DeepSpeed feature LazyTrain does not implement; it is ignored "
+                               f"({_UNIMPLEMENTED_TOP[key]}).")
             continue
         seen.unknown.append(key)
     if world_size is None:
@@ -416,8 +411,8 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         raise ConfigError(f"config key 'dataloader_drop_last' must be true or false, got {drop_last!r}")
     opt_section = d.get("optimizer")
     if isinstance(opt_section, dict) and "legacy_fusion" in opt_section:
-        _warn_once(seen, "optimizer.legacy_fusion", "'optimizer.legacy_fusion' selects DeepSpeed's old fused fp16 "
-                                                    "optimizer; LazyTrain ignores it.")
+        seen.note("optimizer.legacy_fusion", "'optimizer.legacy_fusion' selects DeepSpeed's old fused fp16 "
+                                             "optimizer; LazyTrain ignores it.")
         opt_section = {k: v for k, v in opt_section.items() if k != "legacy_fusion"}
     optimizer = _parse_optimizer(opt_section)
     scheduler = _parse_scheduler(d.get("scheduler"))
@@ -439,8 +434,8 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     _check_keys(zero, {"stage", "offload_param", "offload_optimizer"} | _ZERO_UNIMPLEMENTED, "zero_optimization")
     for key in zero:
         if key in _ZERO_UNIMPLEMENTED and not _is_off(zero[key]):
-            _warn_once(seen, f"zero.{key}", f"'zero_optimization.{key}' tunes DeepSpeed's ZeRO partitioning and has "
-                                            f"no effect in LazyTrain (buffer sizes are derived from the model).")
+            seen.note(f"zero.{key}", f"'zero_optimization.{key}' tunes DeepSpeed's ZeRO partitioning and has "
+                                     f"no effect in LazyTrain (buffer sizes are derived from the model).")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}")
@@ -449,13 +444,13 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     offload_optimizer = _parse_offload(zero.get("offload_optimizer", {}), _OFFLOAD_OPT_KEYS,
                                        "zero_optimization.offload_optimizer", seen)
     if offload_optimizer.device == "none" and "offload_optimizer" in zero:
-        _warn_once(seen, "offopt-none", "'zero_optimization.offload_optimizer.device' is \"none\", but LazyTrain "
-                                        "always runs the optimizer on the host (that is how it trains models "
-                                        "larger than GPU memory).")
+        seen.note("offopt-none", "'zero_optimization.offload_optimizer.device' is \"none\", but LazyTrain "
+                                 "always runs the optimizer on the host (that is how it trains models "
+                                 "larger than GPU memory).")
     if offload_optimizer.device == "nvme":
-        _warn_once(seen, "offopt-nvme", "'zero_optimization.offload_optimizer.device' is \"nvme\": LazyTrain keeps "
-                                        "optimizer states in host memory (8-bit states keep them small); set "
-                                        "\"lazytrain\": {\"optimizer_states\": \"8bit\"} to shrink them.")
+        seen.note("offopt-nvme", "'zero_optimization.offload_optimizer.device' is \"nvme\": LazyTrain keeps "
+                                 "optimizer states in host memory (8-bit states keep them small); set "
+                                 "\"lazytrain\": {\"optimizer_states\": \"8bit\"} to shrink them.")
 
     aio = _parse_aio(d.get("aio", {}))
     lt = _parse_lazytrain(d.get("lazytrain", {}), d.get("activation_checkpointing", {}), offload_param, seen)
@@ -535,8 +530,8 @@ def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadC
     for key in ("buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write", "fast_init",
                 "ratio", "pipeline", "super_offload", "cpuadam_cores_perc"):
         if key in section:
-            _warn_once(seen, f"{name}.{key}", f"'{name}.{key}' is ignored: LazyTrain derives buffer sizes and "
-                                              f"counts from the model and the plan.")
+            seen.note(f"{name}.{key}", f"'{name}.{key}' is ignored: LazyTrain derives buffer sizes and "
+                                       f"counts from the model and the plan.")
     return OffloadConfig(device=device, nvme_path=section.get("nvme_path"),
                          pin_memory=bool(section.get("pin_memory", True)))
 
@@ -589,7 +584,8 @@ def _parse_links(section) -> dict:
     if not isinstance(section, dict):
         raise ConfigError(f"config key '{where}' must be an object of link name -> "
                           f"{{\"gbps\": ..., \"latency_ms\": ...}}, got {section!r}")
-    _check_keys(section, set(_EMULATED_LINKS), where)
+    from .tiers.streams import LINKS
+    _check_keys(section, set(LINKS), where)
     links = {}
     for name, spec in section.items():
         if not isinstance(spec, dict):
@@ -623,8 +619,8 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     for key in ("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
                 "profile"):
         if ac.get(key):
-            _warn_once(seen, f"ac.{key}", f"'activation_checkpointing.{key}' has no effect in LazyTrain: kept "
-                                          f"boundaries are placed by the plan (boundary_home / policy).")
+            seen.note(f"ac.{key}", f"'activation_checkpointing.{key}' has no effect in LazyTrain: kept "
+                                   f"boundaries are placed by the plan (boundary_home / policy).")
 
     if "blocks" in section and section["blocks"] is not None and not isinstance(section["blocks"], str):
         raise ConfigError(f"config key 'lazytrain.blocks' must be a dotted path like \"transformer.h\", "

@@ -1,7 +1,5 @@
 """Plans against what the engine does: emulated links on the CPU, costs measured from traced steps, and
 the cost model that uses them."""
-import os
-import tempfile
 import time
 import warnings
 
@@ -243,31 +241,6 @@ def test_bad_measured_costs_are_named(kw, message):
 
 
 # ---- the engine issues transfers in the order the cost model has them --------------------------------
-def test_a_resident_layers_refresh_waits_for_the_forward_to_come_to_it():
-    """A resident layer's refresh after its update goes on the link when the forward takes the layer
-    before it, not ahead of the layers the forward needs first."""
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "lazytrain": {"policy": "plan", "overlap_optimizer": True, "testing": {"copy_threads": True}}}
-    plan = keep_all_plan(6, home="hbm", resident_layers=(3, 5))
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "plan.json")
-        plan.to_json(path)
-        cfg["lazytrain"]["plan"] = path
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
-    for i, (x, y) in enumerate(batches(3)):
-        if i == 2:
-            engine.trace_next_step()
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
-    h2d = [s.name for s in sorted(engine.last_trace.spans, key=lambda s: s.start) if s.lane == "h2d"]
-    forward = h2d[:6]                                          # the forward's copies, in the order they ran
-    assert forward == [f"weights.layer{i}" for i in range(6)]
-    engine.destroy()
-
-
 def _resident_engine(tmp_path, resident=(3,)):
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
@@ -279,6 +252,21 @@ def _resident_engine(tmp_path, resident=(3,)):
         warnings.simplefilter("ignore")
         engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
     return engine
+
+
+def test_a_resident_layers_refresh_waits_for_the_forward_to_come_to_it(tmp_path):
+    """A resident layer's refresh after its update goes on the link when the forward takes the layer
+    before it, not ahead of the layers the forward needs first."""
+    engine = _resident_engine(tmp_path, resident=(3, 5))
+    for i, (x, y) in enumerate(batches(3)):
+        if i == 2:
+            engine.trace_next_step()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    h2d = [s.name for s in sorted(engine.last_trace.spans, key=lambda s: s.start) if s.lane == "h2d"]
+    forward = h2d[:6]                                          # the forward's copies, in the order they ran
+    assert forward == [f"weights.layer{i}" for i in range(6)]
+    engine.destroy()
 
 
 def test_a_resident_refresh_that_fails_to_start_stays_due(tmp_path):

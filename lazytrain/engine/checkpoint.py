@@ -106,29 +106,34 @@ def _warn_if_unsafe(staging: str, tag: str) -> None:
                           stacklevel=4)
 
 
-def _write(path: str, obj) -> int:
+def _durable_write(path: str, fill) -> int:
+    """Create ``path``, write it with ``fill(f)`` and fsync it before returning its size."""
     with _open_for_write(path) as f:
-        torch.save(obj, f)
+        fill(f)
         f.flush()
         os.fsync(f.fileno())
     return os.path.getsize(path)
 
 
+def _write(path: str, obj) -> int:
+    return _durable_write(path, lambda f: torch.save(obj, f))
+
+
 def _write_json(path: str, data: dict) -> None:
-    with _open_for_write(path) as f:
-        f.write(json.dumps(data, indent=1).encode())
-        f.flush()
-        os.fsync(f.fileno())
+    _durable_write(path, lambda f: f.write(json.dumps(data, indent=1).encode()))
+
+
+def _replace_atomically(path: str, fill) -> None:
+    """``path`` holds the old content or the new, whole: written under a temporary name, renamed, the
+    directory fsynced. A failed write leaves the temporary file to the caller."""
+    tmp = path + ".tmp"
+    _durable_write(tmp, fill)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def _write_text_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
+    _replace_atomically(path, lambda f: f.write(text.encode()))
 
 
 def _commit(save_dir: str, tag: str, staging: str) -> None:
@@ -148,31 +153,23 @@ def save_safetensors_atomic(path: str, state: dict) -> None:
     """A state dict as a safetensors file (tensors only, no pickle), written like :func:`save_file_atomic`."""
     from safetensors.torch import save as to_safetensors
     data = to_safetensors({k: v.contiguous() for k, v in state.items()}, metadata={"format": "pt"})
-
-    def write(tmp, _):
-        with _open_for_write(tmp) as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    save_file_atomic(path, state, write)
+    save_file_atomic(path, state, lambda f: f.write(data))
 
 
-def save_file_atomic(path: str, obj, write=None) -> None:
-    """One file (``save_16bit_model``): written under a temporary name, fsynced, renamed."""
-    tmp = path + ".tmp"
+def save_file_atomic(path: str, obj, fill=None) -> None:
+    """One file (``save_16bit_model``): ``obj`` by ``torch.save``, or written by ``fill(f)``; under a
+    temporary name, fsynced, renamed."""
     try:
-        (write or _write)(tmp, obj)
+        _replace_atomically(path, fill or (lambda f: torch.save(obj, f)))
     except Exception as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
         directory = os.path.dirname(path) or "."
         if _out_of_space(e, directory):
             raise CheckpointSpaceError(
                 f"saving {path} ran out of space: it needs about {format_bytes(_tensor_bytes(obj))}, "
                 f"{format_bytes(shutil.disk_usage(directory).free)} are free there") from e
         raise
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def _aside(save_dir: str, tag: str, suffix: str) -> str:

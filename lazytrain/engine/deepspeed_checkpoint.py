@@ -17,7 +17,6 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -92,15 +91,11 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False) -> DeepSpeedSt
     optim_files = _optim_files(tag_dir)
     if optim_files:                                   # ZeRO 1-3 (or bf16 at stage 0): fp32 partitions
         states = [safe_load.load(f, trust)["optimizer_state_dict"] for f in optim_files]
-        world = len(states)
         shapes = model.get("param_shapes")
         if not shapes:
             raise DeepSpeedCheckpointError(f"{model_files[0]} has no param_shapes: its ZeRO partitions cannot be "
                                            f"mapped to parameter names")
-        if stage == 3:
-            masters, moments = _merge_stage3(states, shapes, world, want_optimizer)
-        else:
-            masters, moments = _merge_stage12(states, shapes, world, want_optimizer)
+        masters, moments = _merge(states, shapes, want_optimizer, stage)
         module.update(masters)                        # fp32 masters over the 16-bit module weights
         for alias, source in (model.get("shared_params") or {}).items():
             if source in masters:                     # a tied weight: its other name takes the same master
@@ -113,47 +108,39 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False) -> DeepSpeedSt
                           client_state=client, stage=stage)
 
 
-def _moment_groups(state: dict) -> tuple[dict, Any]:
+def _moment_groups(state: dict) -> dict:
+    """The inner optimizer's per-group state (flat moments of this rank's partition of each group)."""
     base = state.get("base_optimizer_state", state.get("optimizer_state_dict"))
     if isinstance(base, list):   # older layouts: one state_dict per group
-        base = {"state": {g: s["state"][0] for g, s in enumerate(base)}}
-    return base["state"], base
+        return {g: s["state"][0] for g, s in enumerate(base)}
+    return base["state"]
 
 
-def _merge_stage12(states, shapes, world, want_optimizer):
+def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: int):
+    """Each parameter's fp32 master (and moments) from the ranks' flat partitions, as ``zero_to_fp32.py``
+    reads them. Stages 1-2: a group's partitions concatenated in rank order form one flat vector, each
+    parameter at its offset, followed by its alignment padding. Stage 3: every parameter is split on its
+    own, ``ceil(numel / ranks)`` elements per rank, at the same offset in each rank's flat group."""
+    world = len(states)
+    pads = states[0].get("param_alignment_paddings") if stage != 3 else None
     masters, moments = {}, {} if want_optimizer else None
     for g, group_shapes in enumerate(shapes):
-        flat = torch.cat([s["single_partition_of_fp32_groups"][g] for s in states])
-        flat_m = {}
+        key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+        parts = {"master": [s[key][g] for s in states]}
         if want_optimizer:
-            per_rank = [_moment_groups(s)[0][g] for s in states]
-            flat_m = {k: torch.cat([r[k] for r in per_rank]) for k in ("exp_avg", "exp_avg_sq")}
+            per_rank = [_moment_groups(s)[g] for s in states]
+            parts.update({k: [r[k] for r in per_rank] for k in ("exp_avg", "exp_avg_sq")})
             step = per_rank[0]["step"]
-        pads = states[0].get("param_alignment_paddings")
+        if stage != 3:
+            parts = {k: [torch.cat(v)] for k, v in parts.items()}
         offset = 0
         for i, (name, shape) in enumerate(group_shapes.items()):
             n = math.prod(shape)
-            masters[name] = flat.narrow(0, offset, n).view(shape).clone()
+            width = math.ceil(n / world) if stage == 3 else n
+            full = {k: torch.cat([f.narrow(0, offset, width) for f in v]).narrow(0, 0, n).view(shape).clone()
+                    for k, v in parts.items()}
+            masters[name] = full.pop("master")
             if want_optimizer:
-                moments[name] = {"step": step, **{k: v.narrow(0, offset, n).view(shape).clone()
-                                                  for k, v in flat_m.items()}}
-            offset += n + (pads[g][i] if pads is not None else 0)
-    return masters, moments
-
-
-def _merge_stage3(states, shapes, world, want_optimizer):
-    masters, moments = {}, {} if want_optimizer else None
-    for g, group_shapes in enumerate(shapes):
-        flats = [s["fp32_flat_groups"][g] for s in states]
-        flat_m = [_moment_groups(s)[0][g] for s in states] if want_optimizer else None
-        offset = 0
-        for name, shape in group_shapes.items():
-            n = math.prod(shape)
-            part = math.ceil(n / world)
-            masters[name] = torch.cat([f.narrow(0, offset, part) for f in flats]).narrow(0, 0, n).view(shape).clone()
-            if want_optimizer:
-                moments[name] = {"step": flat_m[0]["step"], **{
-                    k: torch.cat([r[k].narrow(0, offset, part) for r in flat_m]).narrow(0, 0, n).view(shape).clone()
-                    for k in ("exp_avg", "exp_avg_sq")}}
-            offset += part
+                moments[name] = {"step": step, **full}
+            offset += width + (pads[g][i] if pads is not None else 0)
     return masters, moments

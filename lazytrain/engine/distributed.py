@@ -73,10 +73,13 @@ class DistributedContext:
     def enabled(self) -> bool:
         return self.world_size > 1
 
-    def _collective(self, what: str, run) -> None:
+    def _collective(self, what: str, collective, /, *args, **kwargs) -> None:
+        """``collective(*args, **kwargs)`` (a torch.distributed call on one of our groups), waited for on the
+        host for at most the timeout: NCCL returns before the collective is done, and its watchdog would end
+        the process without naming it. A failure names the collective and the timeout."""
         t0 = time.monotonic()
         try:
-            run()
+            collective(*args, async_op=True, **kwargs).wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
             raise CollectiveError(
                 f"rank {self.rank} of {self.world_size}: the {what} did not complete: it failed after "
@@ -89,15 +92,10 @@ class DistributedContext:
         gradients from overflowing in the sum."""
         if not self.enabled:
             return
-
-        def run():
-            for t in host_tensors:
+        for tensors, group in ((host_tensors, self.host_group), (device_tensors, self.device_group)):
+            for t in tensors:
                 t.div_(self.world_size)
-                self._wait(dist.all_reduce(t, group=self.host_group, async_op=True))
-            for t in device_tensors:
-                t.div_(self.world_size)
-                self._wait(dist.all_reduce(t, group=self.device_group, async_op=True))
-        self._collective("gradient all-reduce of engine.step()", run)
+                self._collective("gradient all-reduce of engine.step()", dist.all_reduce, t, group=group)
 
     def fill_missing_grads(self, params: list[torch.Tensor]) -> None:
         """A parameter with a gradient on some ranks only (a branch or an expert that this rank's batch did
@@ -107,21 +105,15 @@ class DistributedContext:
         if not self.enabled or not params:
             return
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        self._collective("all-reduce of which parameters have gradients, in engine.step()",
-                         lambda: self._wait(dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.host_group,
-                                                            async_op=True)))
+        self._collective("all-reduce of which parameters have gradients, in engine.step()", dist.all_reduce, has,
+                         op=dist.ReduceOp.MAX, group=self.host_group)
         for p, anywhere in zip(params, has.tolist()):
             if anywhere and p.grad is None:
                 p.grad = torch.zeros_like(p)
 
-    def _wait(self, work) -> None:
-        """Wait for a collective on the host, at most the timeout: NCCL returns before the collective is done,
-        and its watchdog would end the process without naming it."""
-        work.wait(timedelta(seconds=self.timeout_s))
-
     def barrier(self, what: str = "barrier") -> None:
         if self.enabled:
-            self._collective(what, lambda: self._wait(dist.barrier(group=self.host_group, async_op=True)))
+            self._collective(what, dist.barrier, group=self.host_group)
 
     def all_succeeded(self, ok: bool, what: str) -> bool:
         """Whether ``ok`` holds on every rank (a rank whose part failed tells the others, which would
@@ -129,6 +121,5 @@ class DistributedContext:
         if not self.enabled:
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        self._collective(what, lambda: self._wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.host_group,
-                                                                  async_op=True)))
+        self._collective(what, dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=self.host_group)
         return bool(flag.item())

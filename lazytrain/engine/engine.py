@@ -353,10 +353,17 @@ class LazyTrainEngine(nn.Module):
             f"be stored ({type(e).__name__}: {e}); each is written again from the fp32 weights before its next "
             f"use, and a forward that still cannot store it raises") from e
 
-    def _refuse_if_inconsistent(self, what: str) -> None:
+    def _inconsistent(self, reason: str, error: Exception, lost: str) -> StepFailedError:
+        """From now until a checkpoint is loaded, training and saving are refused, naming ``reason``."""
+        self._failed_step = f"{reason} ({type(error).__name__}: {error})"
+        return StepFailedError(f"{self._failed_step}: {lost}. The engine refuses to train or save until a "
+                               f"checkpoint is loaded (engine.load_checkpoint)")
+
+    def _refuse_if_inconsistent(self, what: str, error=None) -> None:
         if self._failed_step is not None:
-            raise StepFailedError(f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and "
-                                  f"not-updated state; load a checkpoint (engine.load_checkpoint) first")
+            raise (error or StepFailedError)(
+                f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and not-updated "
+                f"state; load a checkpoint (engine.load_checkpoint) first")
 
     def trace_next_step(self, path: str | None = None) -> None:
         """Record the next training step, from its first forward to the end of the layer updates its
@@ -453,12 +460,10 @@ class LazyTrainEngine(nn.Module):
                     with streams.span("optimizer", "embedding/head"):
                         self.masters.masters_to_params()
             except Exception as e:
-                self._failed_step = f"step {self.global_steps + 1} failed during the optimizer update " \
-                                    f"({type(e).__name__}: {e})"
-                raise StepFailedError(
-                    f"{self._failed_step}: some weights and optimizer states hold the update and some do not, "
-                    f"and the step counter, the learning-rate schedule and the gradients did not advance. The "
-                    f"engine refuses to train or save until a checkpoint is loaded (engine.load_checkpoint)") from e
+                raise self._inconsistent(
+                    f"step {self.global_steps + 1} failed during the optimizer update", e,
+                    "some weights and optimizer states hold the update and some do not, and the step counter, "
+                    "the learning-rate schedule and the gradients did not advance") from e
             self.last_optimizer_seconds = time.perf_counter() - t0
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
@@ -467,11 +472,9 @@ class LazyTrainEngine(nn.Module):
                 try:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
                 except Exception as e:
-                    self._failed_step = f"step {self.global_steps + 1} updated the weights, then advancing the " \
-                                        f"learning-rate schedule failed ({type(e).__name__}: {e})"
-                    raise StepFailedError(f"{self._failed_step}: the step counter and the gradients did not "
-                                          f"advance. The engine refuses to train or save until a checkpoint is "
-                                          f"loaded (engine.load_checkpoint)") from e
+                    raise self._inconsistent(
+                        f"step {self.global_steps + 1} updated the weights, then advancing the learning-rate "
+                        f"schedule failed", e, "the step counter and the gradients did not advance") from e
         if self.layer_updates is not None and self._step_applied:
             self._zero_non_block_grads()   # the update thread zeroes each layer's gradients after its update
         else:
@@ -712,9 +715,7 @@ class LazyTrainEngine(nn.Module):
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         tag = ckpt.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
-        if self._failed_step is not None:
-            raise ckpt.CheckpointError(f"save_checkpoint refused: {self._failed_step}, and the engine holds a "
-                                       f"mix of updated and not-updated state; load a checkpoint first")
+        self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
         self.wait_for_update()
         model_state = {
             "module": self._module_state(exclude_frozen_parameters, copy=False),
@@ -771,9 +772,9 @@ class LazyTrainEngine(nn.Module):
         try:
             result = apply()
         except Exception as e:
-            self._failed_step = (f"load_checkpoint of tag {tag!r} from {load_dir} failed half-way "
-                                 f"({type(e).__name__}: {e})")
-            raise
+            self._inconsistent(f"load_checkpoint of tag {tag!r} from {load_dir} failed half-way", e,
+                               "some of its state was applied and some was not")
+            raise   # the error itself, as the caller of load_checkpoint expects it
         self._failed_step = None   # every streamed layer and the non-block weights were rewritten from the file
         return result
 

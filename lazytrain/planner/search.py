@@ -50,13 +50,17 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     except NoPlanInTimeError as e:
         return _fallback(p, e, time.perf_counter() - t0)
     r = simulate(p, plan, strict=True, timeline=False)
-    wall = time.perf_counter() - t0
+    return _predicted(p, plan, r, info.to_dict(), time.perf_counter() - t0, milp_step_time_s=info.objective_s,
+                      milp_vs_simulator=(info.objective_s / r.step_time_s - 1) if info.objective_s else None)
+
+
+def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) -> Plan:
+    """``plan`` with the simulator's result ``r`` and how it was found recorded as its prediction."""
     pred = {"step_time_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
             "exposed_s": r.exposed_s, "peak_bytes": r.peak_bytes, "recomputed_layers": r.recomputed_layers,
-            "boundaries_per_home": r.boundaries_per_home, "milp_step_time_s": info.objective_s,
-            "milp_vs_simulator": (info.objective_s / r.step_time_s - 1) if info.objective_s else None,
-            "solver": info.to_dict(), "lower_bound_s": p.lower_bound_s()["bound"],
-            "model": p.model.name, "hardware": p.hardware.name, "solve_wall_s": wall}
+            "boundaries_per_home": r.boundaries_per_home, **extra, "solver": solver,
+            "lower_bound_s": p.lower_bound_s()["bound"], "model": p.model.name, "hardware": p.hardware.name,
+            "solve_wall_s": wall}
     return replace(plan, prediction=pred)
 
 
@@ -71,13 +75,8 @@ def _fallback(p: Problem, error: NoPlanInTimeError, wall: float) -> Plan:
     warnings.warn(f"lazytrain planner: {error}; using the fastest baseline policy that fits instead, "
                   f"{plan.policy!r} (predicted step {r.step_time_s:.3f}s). Raise the time limit for the MILP's plan",
                   UserWarning, stacklevel=3)
-    pred = {"step_time_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
-            "exposed_s": r.exposed_s, "peak_bytes": r.peak_bytes, "recomputed_layers": r.recomputed_layers,
-            "boundaries_per_home": r.boundaries_per_home, "solver": {"status": f"no plan in time, fell back to {plan.policy}",
-                                                                     "detail": str(error)},
-            "fallback": plan.policy, "lower_bound_s": p.lower_bound_s()["bound"], "model": p.model.name,
-            "hardware": p.hardware.name, "solve_wall_s": wall}
-    return replace(plan, prediction=pred)
+    return _predicted(p, plan, r, {"status": f"no plan in time, fell back to {plan.policy}", "detail": str(error)},
+                      wall, fallback=plan.policy)
 
 
 @dataclass

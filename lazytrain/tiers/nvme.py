@@ -282,10 +282,8 @@ class NVMeTier(Tier):
 
     # ---- errors ------------------------------------------------------------------------------
     def _os_error(self, e: OSError, doing: str, key: str | None = None) -> NVMeIOError:
-        code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
-        advice = _ERRNO_ADVICE.get(e.errno, e.strerror or str(e))
         what = f" key {key!r}:" if key is not None else ""
-        return NVMeIOError(f"tier {self.name!r}:{what} {doing} failed with {code}: {advice}", e.errno)
+        return NVMeIOError(f"tier {self.name!r}:{what} {doing} failed with {_cause(e)}", e.errno)
 
     # ---- files -------------------------------------------------------------------------------
     def _new_path(self, key: str) -> str:
@@ -767,10 +765,14 @@ def _unlink(path: str) -> None:
     except FileNotFoundError:
         pass
     except OSError as e:
-        advice = _ERRNO_ADVICE.get(e.errno, e.strerror or str(e))
-        code = errno.errorcode.get(e.errno, str(e.errno))
-        warnings.warn(f"lazytrain: NVMe tier: could not remove {path}, which holds no tensor any more ({code}: "
-                      f"{advice}); it stays on disk until the tier is closed", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"lazytrain: NVMe tier: could not remove {path}, which holds no tensor any more ({_cause(e)}); "
+                      f"it stays on disk until the tier is closed", RuntimeWarning, stacklevel=2)
+
+
+def _cause(e: OSError) -> str:
+    """``CODE: what it means and what to do`` for an OS error (EROFS, ENOSPC, ...)."""
+    code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "?"
+    return f"{code}: {_ERRNO_ADVICE.get(e.errno, e.strerror or str(e))}"
 
 
 def _chain(source: Future, target: Future) -> None:
