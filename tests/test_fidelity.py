@@ -165,6 +165,12 @@ def test_traces_that_cannot_be_measured_are_named(spans, message):
         MeasuredCosts.from_traces([_timeline(spans)], 2)
 
 
+def test_the_previous_steps_updates_running_in_this_forward_are_not_counted():
+    step = _two_layer_step()
+    step.add_relative("optimizer", "update L1", 0.0, 0.2)   # the last step's update, overlapping this forward
+    assert MeasuredCosts.from_traces([step], 2).update_s == (0.5, 0.75)
+
+
 def test_a_cuda_trace_is_refused():
     step = _two_layer_step()
     step.device = "cuda"

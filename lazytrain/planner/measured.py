@@ -93,6 +93,7 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
     seen = {"fwd": set(), "diff": set(), "bwd": set(), "update": set()}
     step_start, step = None, 0.0
     layer_compute = waits = 0.0
+    updates = []                       # (layer, span): the previous step's may still run in this forward
     for s in timeline.spans:
         d = s.end - s.start
         if s.lane == "compute":
@@ -113,19 +114,18 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
         elif s.lane == "optimizer":
             m = _UPDATE_SPAN.match(s.name)
             if m is not None:
-                update[int(m.group(1))] += d
-                seen["update"].add(int(m.group(1)))
+                updates.append((int(m.group(1)), s))
             elif s.name in STEP_SPANS:
                 step += d
                 step_start = s.start if step_start is None else min(step_start, s.start)
-    for kind, layers in seen.items():
-        missing = sorted(set(range(L)) - layers)
-        if missing:
-            raise MeasurementError(f"the traced step has no {kind!r} span for layer(s) {missing[:8]}: measure "
-                                   f"a whole training step (forward, backward and step()) of a plan that keeps "
-                                   f"every boundary, with the layer updates overlapped")
+    _all_layers_seen(seen, ("fwd", "diff", "bwd"), L)
     if step_start is None:
         raise MeasurementError("the traced step has no 'gradient norm' span: it must include engine.step()")
+    for i, s in updates:
+        if s.start >= step_start:                      # this step's own update, not the last one's
+            update[i] += s.end - s.start
+            seen["update"].add(i)
+    _all_layers_seen(seen, ("update",), L)
     # the compute side's time up to step(), less the blocks and the waits, is the rest of the model
     nonlayer = step_start - layer_compute - waits
     if nonlayer < 0:
@@ -133,3 +133,12 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
                                f"than the time before step() ({step_start:.4f} s): compute and waits overlap in "
                                f"this trace (CUDA compute is timed on the host); measure on the CPU")
     return {"fwd": fwd, "diff": diff, "update": update, "nonlayer": nonlayer, "step": step}
+
+
+def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int) -> None:
+    for kind in kinds:
+        missing = sorted(set(range(L)) - seen[kind])
+        if missing:
+            raise MeasurementError(f"the traced step has no {kind!r} span for layer(s) {missing[:8]}: measure "
+                                   f"a whole training step (forward, backward and step()) of a plan that keeps "
+                                   f"every boundary, with the layer updates overlapped")
