@@ -82,8 +82,7 @@ _ZERO_UNIMPLEMENTED = {
     "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size", "allgather_partitions",
     "allgather_bucket_size", "round_robin_gradients", "sub_group_size", "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-    "gather_16bit_weights_on_model_save", "elastic_checkpoint", "ignore_unused_parameters",
+    "elastic_checkpoint", "ignore_unused_parameters",
     "legacy_stage1", "load_from_fp32_weights", "mics_shard_size", "mics_hierarchical_params_gather",
     "memory_efficient_linear", "zero_hpz_partition_size", "zero_quantized_weights",
     "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "pipeline_loading_checkpoint",
@@ -96,6 +95,9 @@ _ZERO_UNIMPLEMENTED = {
     "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
     "stage3_module_granularity_threshold", "zeropp_loco_param", "offload_optimizer_config",
 }
+# DeepSpeed's names for one setting: save_model gathers the 16-bit weights (accelerate and Hugging Face ask)
+_GATHER_ON_SAVE_KEYS = ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+                        "stage3_gather_fp16_weights_on_model_save")
 _OFFLOAD_PARAM_KEYS = {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}
 _OFFLOAD_OPT_KEYS = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
                      "fast_init", "ratio", "pipeline", "super_offload", "cpuadam_cores_perc"}
@@ -287,6 +289,7 @@ class EngineConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: bool = False
     zero_stage: int = 0
+    gather_16bit_weights_on_model_save: bool = False
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
     aio: AioConfig = field(default_factory=AioConfig)
@@ -431,7 +434,12 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         raise ConfigError("config enables both 'fp16' and 'bf16'; enable one")
 
     zero = d.get("zero_optimization", {})
-    _check_keys(zero, {"stage", "offload_param", "offload_optimizer"} | _ZERO_UNIMPLEMENTED, "zero_optimization")
+    _check_keys(zero, {"stage", "offload_param", "offload_optimizer", *_GATHER_ON_SAVE_KEYS} | _ZERO_UNIMPLEMENTED,
+                "zero_optimization")
+    for key in _GATHER_ON_SAVE_KEYS:
+        if not isinstance(zero.get(key, False), bool):
+            raise ConfigError(f"config key 'zero_optimization.{key}' must be true or false, got {zero[key]!r}")
+    gather_on_save = any(zero.get(k, False) for k in _GATHER_ON_SAVE_KEYS)
     for key in zero:
         if key in _ZERO_UNIMPLEMENTED and not _is_off(zero[key]):
             seen.note(f"zero.{key}", f"'zero_optimization.{key}' tunes DeepSpeed's ZeRO partitioning and has "
@@ -462,7 +470,8 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
         wall_clock_breakdown=bool(d.get("wall_clock_breakdown", False)), dataloader_drop_last=drop_last, seed=seed,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
-        offload_param=offload_param, offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
+        gather_16bit_weights_on_model_save=gather_on_save, offload_param=offload_param,
+        offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
 
 
 def _check_tensor_parallel(section) -> None:

@@ -102,7 +102,19 @@ def test_the_stock_hugging_face_zero3_config_warns_once():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         parse_config(cfg, world_size=1)
-    assert len(w) == 1 and "9 setting(s) have no effect" in str(w[0].message)
+    assert len(w) == 1 and "8 setting(s) have no effect" in str(w[0].message)
+    assert "gather_16bit" not in str(w[0].message)    # honoured: save_model gathers the 16-bit weights
+
+
+@pytest.mark.parametrize("key", ["stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+                                 "stage3_gather_fp16_weights_on_model_save"])
+def test_gather_16bit_weights_on_model_save_is_read_under_each_of_deepspeeds_names(key):
+    base = {"train_micro_batch_size_per_gpu": 1}
+    assert parse_config(base, world_size=1).gather_16bit_weights_on_model_save is False
+    on = parse_config(dict(base, zero_optimization={"stage": 3, key: True}), world_size=1)
+    assert on.gather_16bit_weights_on_model_save is True
+    with pytest.raises(ConfigError, match=f"config key 'zero_optimization.{key}' must be true or false, got 'yes'"):
+        parse_config(dict(base, zero_optimization={key: "yes"}), world_size=1)
 
 
 @pytest.mark.parametrize("section,key", [({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},

@@ -210,6 +210,24 @@ def test_bf16_trains_close_to_fp32():
         assert p.dtype == torch.float32   # block masters stay fp32
 
 
+def test_a_bf16_models_state_dict_is_in_bf16_as_under_deepspeed():
+    """What save_pretrained and accelerate save: one dtype, the masters rounded as the compute copies are;
+    the parameters themselves (keep_vars) and module_state_dict() (the fp32 masters) are unchanged."""
+    model = make_model("llama")
+    engine = train_engine(model, batches(1) * 2, ds_config(_top={"bf16": {"enabled": True}}))
+    masters = engine.module_state_dict()
+    for module, prefix in ((model, ""), (model.model.layers[1], "model.layers.1.")):
+        state = module.state_dict()
+        assert {v.dtype for v in state.values()} == {torch.bfloat16}
+        for name, v in state.items():
+            assert torch.equal(v, masters[prefix + name].bfloat16()), name
+    kept = model.state_dict(keep_vars=True)
+    assert kept["model.layers.0.mlp.up_proj.weight"] is model.model.layers[0].mlp.up_proj.weight
+    assert kept["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+    engine.destroy()
+    assert {v.dtype for v in model.state_dict().values()} == {torch.float32}   # handed back: all fp32 again
+
+
 def test_fp16_overflow_skips_step_and_halves_scale():
     model = make_model("modulelist")
     cfg = ds_config(_top={"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}})

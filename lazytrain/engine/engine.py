@@ -174,6 +174,8 @@ class LazyTrainEngine(nn.Module):
         for module in model.modules():
             self._load_hooks += [module.register_load_state_dict_pre_hook(self._before_module_load),
                                  module.register_load_state_dict_post_hook(self._after_module_load)]
+        if self.compute_dtype != torch.float32:
+            self._load_hooks += _state_dicts_in_training_precision(model, self.weights.params, self.compute_dtype)
         self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
@@ -849,9 +851,7 @@ class LazyTrainEngine(nn.Module):
         not ending in ``.safetensors`` (DeepSpeed's default ``pytorch_model.bin``) is written by
         ``torch.save`` as asked."""
         self._refuse_if_inconsistent("save_16bit_model()")
-        dtype = self.compute_dtype
-        state = {k: (v.to(dtype) if v.is_floating_point() else v)
-                 for k, v in self.module_state_dict(exclude_frozen_parameters).items()}
+        state = self._state_in_compute_dtype(exclude_frozen_parameters)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
@@ -860,6 +860,33 @@ class LazyTrainEngine(nn.Module):
             else:
                 ckpt.save_file_atomic(path, state)
         return True
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's question before a 16-bit save (accelerate and Hugging Face Trainer ask it): the config's
+        ``zero_optimization.stage3_gather_16bit_weights_on_model_save``, as DeepSpeed answers it."""
+        return self._config.gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's whole-model state for a ZeRO-3 save: the weights in the training precision on rank 0,
+        ``None`` on the others. LazyTrain never partitions a parameter, so this answers at every stage."""
+        self._refuse_if_inconsistent("_zero3_consolidated_16bit_state_dict()")
+        state = self._state_in_compute_dtype(exclude_frozen_parameters)
+        return state if self.global_rank == 0 else None
+
+    def _state_in_compute_dtype(self, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor]:
+        """The masters cast to the training precision (fp32 training: the masters as they are), each tensor
+        once: tied names share one tensor, as in the model, so a saver that drops tied keys can."""
+        dtype = self.compute_dtype
+        state = self._module_state(exclude_frozen_parameters, copy=False)
+        tensor_of = {name: id(t) for name, t in self.module.state_dict(keep_vars=True).items()}
+        cast: dict[int, torch.Tensor] = {}
+        out = {}
+        for k, v in state.items():
+            key = tensor_of[k]
+            if key not in cast:
+                cast[key] = v.to(dtype, copy=True) if v.is_floating_point() else v.clone()
+            out[k] = cast[key]
+        return out
 
     def destroy(self) -> None:
         """Release streaming buffers and tiers (NVMe run directories are removed) and hand the model back:
@@ -878,6 +905,29 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list[nn.Parameter]],
+                                       dtype: torch.dtype) -> list:
+    """In bf16/fp16 training the model's other weights are in the training precision, as under DeepSpeed, but
+    its block parameters are views of their fp32 masters. A ``state_dict()`` of the model or any submodule
+    (what Hugging Face's ``save_pretrained`` and accelerate save) gives them in the training precision too,
+    so a saved model has one dtype, as DeepSpeed's has. ``state_dict(keep_vars=True)`` (the parameters
+    themselves) and ``engine.module_state_dict()`` (the fp32 masters) are unchanged."""
+    ids = {id(p) for layer in block_params for p in layer}
+    handles = []
+    for module in model.modules():
+        names = [n for n, p in module.named_parameters() if id(p) in ids]
+        if not names:
+            continue
+
+        def cast(mod, state, prefix, local_metadata, names=names):
+            for name in names:
+                v = state.get(prefix + name)
+                if v is not None and not isinstance(v, nn.Parameter) and v.dtype != dtype:
+                    state[prefix + name] = v.to(dtype)
+        handles.append(module.register_state_dict_post_hook(cast))
+    return handles
 
 
 def _upstream_outputs(outputs: list[torch.Tensor], max_nodes: int = 100_000) -> list[torch.Tensor]:
