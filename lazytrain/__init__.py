@@ -6,7 +6,7 @@
 Importing ``lazytrain`` loads nothing heavy; torch is imported with the engine, on first use.
 """
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "CollectiveError", "register_tier", "CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError",
+__all__ = ["initialize", "replace_deepspeed", "restore_deepspeed", "init_distributed", "CollectiveError", "register_tier", "CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError",
            "StepFailedError", "__version__"]
 _CHECKPOINT_ERRORS = ("CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError")
 
@@ -15,6 +15,9 @@ def __getattr__(name):
     if name == "initialize":
         from .engine.initialize import initialize
         return initialize
+    if name in ("replace_deepspeed", "restore_deepspeed"):
+        from .integrations import deepspeed_entry
+        return getattr(deepspeed_entry, name)
     if name == "register_tier":
         from .tiers.registry import register_tier
         return register_tier

@@ -1,0 +1,1 @@
+"""Bridges from the stacks people already run (DeepSpeed-based trainers) to LazyTrain."""

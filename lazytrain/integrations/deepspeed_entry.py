@@ -1,0 +1,156 @@
+"""DeepSpeed's entry points answered by LazyTrain, for code built on DeepSpeed that a user does not edit.
+
+Hugging Face ``Trainer`` (``TrainingArguments(deepspeed=...)``), ``accelerate`` with a DeepSpeed plugin and
+what builds on them (TRL's trainers) call ``deepspeed.initialize`` themselves. :func:`replace_deepspeed` makes
+that call return a :class:`~lazytrain.engine.engine.LazyTrainEngine`, and adjusts the few other places where
+that code reaches into DeepSpeed:
+
+- ``deepspeed.DeepSpeedEngine``: what accelerate's ``unwrap_model`` peels off before a save; it answers
+  ``isinstance`` for LazyTrain's engines too, so saved weights carry the model's own names (no ``module.``).
+- ``deepspeed.zero.Init`` and ``deepspeed.zero.GatheredParameters``: LazyTrain never partitions a parameter
+  (its ZeRO stage is about host state), so a model is built whole and nothing needs gathering.
+- transformers' ZeRO-3 switch (``is_deepspeed_zero3_enabled``): off, for the same reason; otherwise
+  ``from_pretrained`` would build the model through DeepSpeed's partitioning.
+
+DeepSpeed itself must be installed (transformers and accelerate check for it before they take this path), but
+none of its optimizers or kernels is used (on a CPU, DeepSpeed's process-group set-up, which accelerate calls,
+builds its shared-memory communication op once, as it does without LazyTrain). :func:`restore_deepspeed`
+undoes all of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+
+_lock = threading.Lock()
+_saved: dict | None = None   # what replace_deepspeed changed: (object, attribute) -> original value
+
+INSTALL_HINT = ("LazyTrain takes over DeepSpeed's entry points, so DeepSpeed must be installed (transformers and "
+                "accelerate check for it before they use them; none of its optimizers or kernels is used): "
+                "pip install 'lazytrain[hf]'")
+
+
+def replace_deepspeed() -> None:
+    """Route ``deepspeed.initialize`` (and what Hugging Face and accelerate reach through it) to LazyTrain,
+    for this process. Call it once, before the ``Trainer`` or ``Accelerator`` is built."""
+    global _saved
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    from ..engine.engine import LazyTrainEngine
+    from ..engine.initialize import initialize
+
+    with _lock:
+        if _saved is not None:
+            return
+        saved = {}
+
+        def put(obj, name, value):
+            saved[(obj, name)] = getattr(obj, name)
+            setattr(obj, name, value)
+
+        put(deepspeed, "initialize", _initialize_as_deepspeed_does(initialize))
+        put(deepspeed, "DeepSpeedEngine", _engine_type(deepspeed.DeepSpeedEngine, LazyTrainEngine))
+        put(deepspeed.zero, "Init", _WholeParameters)
+        put(deepspeed.zero, "GatheredParameters", _NothingToGather)
+        _replace_transformers_zero3_switch(put)
+        _saved = saved
+
+
+def restore_deepspeed() -> None:
+    """Undo :func:`replace_deepspeed`: DeepSpeed's own entry points again."""
+    global _saved
+    with _lock:
+        if _saved is None:
+            return
+        for (obj, name), value in _saved.items():
+            setattr(obj, name, value)
+        _saved = None
+
+
+
+def _initialize_as_deepspeed_does(initialize):
+    """``deepspeed.initialize`` sets up the default process group when there is none (a script started with
+    ``python``, not a launcher), and the code calling it relies on one (the Trainer gathers its metrics
+    through it): a single process gets a group of one; several come from the launcher's environment."""
+
+    def initialize_with_a_process_group(*args, **kwargs):
+        _single_process_group()
+        return initialize(*args, **kwargs)
+    initialize_with_a_process_group.__doc__ = initialize.__doc__
+    return initialize_with_a_process_group
+
+
+def _single_process_group() -> None:
+    import torch
+    import torch.distributed as dist
+    if not dist.is_available() or dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        dist.init_process_group(backend, rank=int(os.environ.get("RANK", "0")), world_size=1)
+        return
+    with socket.socket() as s:   # no launcher: a port of this machine's own, as torchrun's standalone mode
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def _engine_type(deepspeed_engine: type, lazytrain_engine: type) -> type:
+    """A stand-in for ``deepspeed.DeepSpeedEngine`` that ``isinstance`` matches for either engine and that
+    builds DeepSpeed's engine when called (nothing calls it so, but a stand-in must not change that)."""
+
+    class _EitherEngineType(type):
+        def __instancecheck__(cls, obj):
+            return isinstance(obj, (deepspeed_engine, lazytrain_engine))
+
+        def __subclasscheck__(cls, sub):
+            return issubclass(sub, (deepspeed_engine, lazytrain_engine))
+
+        def __call__(cls, *args, **kwargs):
+            return deepspeed_engine(*args, **kwargs)
+
+    return _EitherEngineType("DeepSpeedEngine", (), {"__doc__": deepspeed_engine.__doc__,
+                                                     "__module__": deepspeed_engine.__module__})
+
+
+class _WholeParameters(contextlib.nullcontext):
+    """``deepspeed.zero.Init(...)`` under LazyTrain: the model is built whole (LazyTrain streams it)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+
+class _NothingToGather(contextlib.nullcontext):
+    """``deepspeed.zero.GatheredParameters(...)`` under LazyTrain: every parameter is already whole. With
+    ``modifier_rank`` set, DeepSpeed broadcasts that rank's writes to the others on exit; with more than one
+    rank that write would stay on one rank here (the ranks' replicas would silently differ), so it is refused."""
+
+    def __init__(self, params=None, modifier_rank=None, fwd_module=None, enabled=True):
+        super().__init__()
+        if enabled and modifier_rank is not None and _world_size() > 1:
+            raise NotImplementedError(
+                "deepspeed.zero.GatheredParameters(..., modifier_rank=...) with more than one rank under "
+                "lazytrain.replace_deepspeed(): the ranks' writes are not broadcast, so their replicas would "
+                "differ; run this step with one process, or write the parameters on every rank")
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _replace_transformers_zero3_switch(put) -> None:
+    """transformers decides ZeRO-3 from a module-level weak reference to the live DeepSpeed config, set when
+    ``TrainingArguments`` (or accelerate's plugin) is built. Setting it is made a no-op, and one already set
+    is cleared, so ``is_deepspeed_zero3_enabled()`` answers False everywhere it is imported. The config
+    object itself still says stage 3: the Trainer fills its "auto" values and saves as at stage 3."""
+    try:
+        from transformers.integrations import deepspeed as hf_ds
+    except ImportError:
+        return
+    put(hf_ds, "set_hf_deepspeed_config", lambda config: None)
+    put(hf_ds, "_hf_deepspeed_config_weak_ref", None)
