@@ -58,3 +58,55 @@ def test_a_model_without_blocks_trains_like_pytorch_and_says_nothing_streams(tmp
     assert max_rel_diff(other.module, engine.module) == 0
     with torch.no_grad():
         assert other.eval()(x).shape == (2, 10)
+
+
+def test_masters_kept_apart_take_each_gradient_in_fp32_and_copy_the_weights_down():
+    """What a GPU run of a block-less model does with its host masters, here with both sides on the CPU:
+    gradients accumulate in the masters' fp32 .grad (the parameters keep none), an update of the masters
+    reaches the parameters by masters_to_params, and hand_back returns the masters' values."""
+    from lazytrain.engine.precision import Masters
+    lin = nn.Linear(3, 2)
+    w0 = lin.weight.detach().clone()
+    masters = Masters(list(lin.parameters()), torch.bfloat16, home=torch.device("cpu"))
+    master_w = masters.master_of(lin.weight)
+    assert master_w is not lin.weight and master_w.dtype == torch.float32 and torch.equal(master_w, w0)
+    assert lin.weight.dtype == torch.bfloat16
+    x = torch.randn(4, 3).bfloat16()
+    lin(x).sum().backward()
+    lin(x).sum().backward()
+    assert lin.weight.grad is None
+    expected = 2 * (torch.ones(4, 2).bfloat16().t() @ x).float()
+    torch.testing.assert_close(master_w.grad, expected, rtol=1e-2, atol=1e-2)
+    with torch.no_grad():
+        master_w.add_(1.0)
+    masters.masters_to_params()
+    assert torch.equal(lin.weight, (w0 + 1.0).bfloat16())
+    masters.hand_back()
+    assert lin.weight.dtype == torch.float32 and torch.equal(lin.weight, w0 + 1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host optimizer of a block-less model is a GPU path")
+def test_on_a_gpu_a_model_without_blocks_stays_on_the_gpu_and_its_optimizer_runs_on_the_host():
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net).cuda()
+    cfg = {"train_batch_size": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x, y = torch.randn(2, 3, 32, 32, generator=g).cuda(), torch.randint(0, 10, (2,), generator=g).cuda()
+        engine.backward(F.cross_entropy(engine(x), y))
+        engine.step()
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    assert all(p.device.type == "cuda" for p in net.parameters())
+    state = [t for s in engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+    assert state and all(t.device.type == "cpu" for t in state)
+    assert all(p.device.type == "cpu" for g in engine.optimizer.param_groups for p in g["params"])
+    assert max_rel_diff(engine.module, ref) < 1e-5

@@ -31,7 +31,7 @@ from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
 from .placement import build_plan, build_tiers, resolve_device
-from .precision import DeviceMasters, LossScaler
+from .precision import LossScaler, Masters
 from .weights import LayerWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -137,8 +137,9 @@ class LazyTrainEngine(nn.Module):
                                                prefetch=config.lazytrain.prefetch)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self._move_non_block(model, blocks)
-        self.masters = DeviceMasters(self.non_block_params, self.compute_dtype) \
-            if self.compute_dtype != torch.float32 else None
+        home = self._masters_home(len(blocks))
+        self.masters = Masters(self.non_block_params, self.compute_dtype, home) \
+            if self.compute_dtype != torch.float32 or home != self.device else None
         remap = self.masters.master_of if self.masters is not None else (lambda p: p)
 
         # optimizer and schedule
@@ -234,6 +235,15 @@ class LazyTrainEngine(nn.Module):
             self._settle_hooks += [module.register_state_dict_pre_hook(settle),
                                    module.register_load_state_dict_pre_hook(settle)]
         return updates
+
+    def _masters_home(self, num_layers: int) -> torch.device:
+        """Where the non-block fp32 masters and their optimizer state live. A streamed model's non-block
+        parameters (embeddings, head) are updated on the device, beside their compute copies. A model with
+        nothing to stream keeps every parameter resident on the GPU and its optimizer on the host, as
+        DeepSpeed's ZeRO-Offload does: fp32 masters, gradients and Adam moments never take GPU memory."""
+        if num_layers == 0 and self.device.type == "cuda":
+            return torch.device("cpu")
+        return self.device
 
     def _move_non_block(self, model: nn.Module, blocks: nn.ModuleList) -> None:
         """Embeddings, final norm, head and their buffers go to the compute device."""

@@ -1,6 +1,6 @@
-"""Mixed precision: fp32 masters for the device-resident (non-block) parameters, and fp16 loss scaling.
+"""fp32 masters for the non-block parameters (in bf16/fp16 training, or kept on the host), and fp16 loss scaling.
 
-Block parameters need no extra care here: their ``nn.Parameter`` objects already *are* fp32 masters
+Block parameters need no extra care here: their ``nn.Parameter`` objects already *are* fp32 master views
 on the host (see weights.py), and only their streamed compute copies are bf16/fp16.
 """
 from __future__ import annotations
@@ -11,17 +11,20 @@ import torch
 import torch.nn as nn
 
 
-class DeviceMasters:
-    """bf16/fp16 training: non-block parameters run in the compute dtype on the device while the
-    optimizer updates fp32 master copies. Each gradient is added into its master's fp32 ``.grad`` as
-    soon as autograd produces it (so accumulation over micro-batches happens in fp32, as the blocks'
-    does), and weights are copied down after the update."""
+class Masters:
+    """Non-block parameters run on the device, in the compute dtype, while the optimizer updates fp32
+    masters kept at ``home``: beside them on the device (bf16/fp16 training of a streamed model), or on the
+    host (a model with nothing to stream on a GPU: its optimizer runs on the host, as the blocks' does).
+    Each gradient is added into its master's fp32 ``.grad`` as soon as autograd produces it (so accumulation
+    over micro-batches happens in fp32, as the blocks' does), and the weights are copied down after the
+    update."""
 
-    def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype):
+    def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._hooks = []
         for p in params:
-            master = nn.Parameter(p.detach().to(torch.float32).clone(), requires_grad=p.requires_grad)
+            where = p.device if home is None else home
+            master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=p.requires_grad)
             p.data = p.data.to(compute_dtype)
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_into_master(master)))
@@ -29,14 +32,14 @@ class DeviceMasters:
         self.by_param = {id(p): m for p, m in self.pairs}
 
     def hand_back(self) -> None:
-        """The model as it was given: its parameters in fp32 again (the masters' values) and keeping their
-        own ``.grad`` (after ``destroy()``, or a set-up that failed)."""
+        """The model as it was given: its parameters in fp32 again (the masters' values, where the parameters
+        live) and keeping their own ``.grad`` (after ``destroy()``, or a set-up that failed)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         with torch.no_grad():
             for p, m in self.pairs:
-                p.data = m.data
+                p.data = m.data.to(p.device)
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
@@ -76,10 +79,11 @@ class DeviceMasters:
 
 def _into_master(master: nn.Parameter):
     def hook(p: torch.Tensor) -> None:
+        grad = p.grad.detach().to(master.device, torch.float32)   # a host master: the copy waits for it
         if master.grad is None:
-            master.grad = p.grad.detach().to(torch.float32)
+            master.grad = grad   # p.grad is dropped below: sharing its storage is safe
         else:
-            master.grad.add_(p.grad)
+            master.grad.add_(grad)
         p.grad = None
     return hook
 
