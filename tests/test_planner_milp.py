@@ -98,7 +98,7 @@ def test_a_solver_that_finds_no_plan_in_time_gives_the_fastest_baseline_that_fit
     from lazytrain.planner.problem import Budgets, make_problem
     p = make_problem("qwen2.5-7b", "h800", 144, 1024, Budgets.of(gpu="70GB"))
 
-    def no_plan(problem, opts):
+    def no_plan(problem, opts, start_plan=None):
         raise NoPlanInTimeError("the solver (HiGHS) stopped after 1.0s without a feasible plan (time limit)")
     monkeypatch.setattr(search, "build_and_solve", no_plan)
     with warnings.catch_warnings(record=True) as w:
@@ -110,3 +110,61 @@ def test_a_solver_that_finds_no_plan_in_time_gives_the_fastest_baseline_that_fit
     assert plan.prediction["solver"]["status"] == f"no plan in time, fell back to {best[0].policy}"
     assert any(f"using the fastest baseline policy that fits instead, {best[0].policy!r}" in str(x.message)
                for x in w)
+
+
+@pytest.mark.parametrize("L,gpu_extra,host_slots", [(4, 1.5, 1), (5, 2.5, 0), (6, 3.5, 0), (6, 2.5, 6)])
+def test_a_start_plan_changes_where_the_search_begins_not_its_optimum(L, gpu_extra, host_slots):
+    from lazytrain.planner.policies import best_interval_plan, keep_all
+    p = toy_problem(L, gpu_extra, host_slots=host_slots, hw=SLOW_HW)
+    cold, _ = build_and_solve(p, full_space(L, resident=True))
+    for found in (keep_all(p), best_interval_plan(p)):
+        if found is None:
+            continue
+        start, start_result = found
+        warm, info = build_and_solve(p, full_space(L, resident=True), start_plan=start)
+        assert info.status == "optimal"
+        assert simulate(p, warm).step_time_s == pytest.approx(simulate(p, cold).step_time_s, rel=1e-7)
+        assert simulate(p, warm).step_time_s <= start_result.step_time_s * (1 + 1e-9)
+
+
+def test_a_start_plan_outside_the_models_space_is_not_used():
+    from lazytrain.planner.milp import _start_values
+    from lazytrain.planner.plan import every_k_plan
+    from lazytrain.planner.policies import megatrain_plan
+    p = toy_problem(6, 3.5, host_slots=0)
+    captured = {}
+
+    def capture(plan, *args):
+        captured["values"] = _start_values(plan, *args)
+        return captured["values"]
+    import lazytrain.planner.milp as milp
+    original = milp._start_values
+    milp._start_values = capture
+    try:
+        build_and_solve(p, MilpOptions(max_segment=2), start_plan=megatrain_plan(p))   # serial optimizer
+        assert captured["values"] is None
+        build_and_solve(p, MilpOptions(max_segment=2), start_plan=every_k_plan(6, 3))  # segments of 3 > 2
+        assert captured["values"] is None
+        build_and_solve(p, MilpOptions(max_segment=3), start_plan=every_k_plan(6, 3))
+        assert captured["values"] and sum(captured["values"].values()) >= 2
+    finally:
+        milp._start_values = original
+
+
+def test_a_time_limit_too_short_to_search_still_gives_the_milps_plan_from_its_start():
+    """128 layers on a 0.3 s limit (it found no plan at all before it started from keep-all): the MILP's
+    own plan, never slower than the start."""
+    import warnings
+    from lazytrain.planner import search
+    from lazytrain.planner.models import layers_of
+    from lazytrain.planner.policies import keep_all
+    from lazytrain.planner.hardware import load_profile
+    from lazytrain.planner.problem import Budgets, Problem
+    model = layers_of("paper-27b", 128)
+    p = Problem(model=model, hardware=load_profile("h200"), budgets=Budgets.of(gpu="140GB", host="2TB"), micro_batch=32,
+                seq_len=1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)   # no fallback warning
+        plan = search.solve(p, MilpOptions(time_limit_s=0.3))
+    assert plan.policy == "milp" and plan.prediction["solver"]["status"] in ("feasible", "optimal")
+    assert plan.prediction["step_time_s"] <= keep_all(p)[1].step_time_s * (1 + 1e-9)

@@ -25,6 +25,7 @@ plan. Solved with HiGHS through PuLP (threads=1, fixed seed: deterministic), CBC
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ from .problem import InfeasibleBudgetError, Problem, fmt_bytes
 
 @dataclass(frozen=True)
 class MilpOptions:
-    time_limit_s: float = 10.0
+    time_limit_s: float = 10.0      # the whole build_and_solve call, building included
     max_segment: int = 8            # longest recompute segment (edge e - s)
     offload_slack: int = 4          # an offload is issued within this many windows after the boundary exists
     prefetch_lead: int = 4          # a prefetch is issued at most this many windows before its earliest use
@@ -46,6 +47,7 @@ class MilpOptions:
     gap_rel: float = 1e-4
     solver: str = "auto"            # auto | highs | cbc
     threads: int = 1
+    warm_start: bool = True         # start from the fastest baseline plan that fits (an incumbent at once)
 
 
 @dataclass
@@ -101,33 +103,112 @@ def _silence_highs_banner() -> None:
         pass
 
 
-def _solver(opts: MilpOptions, abs_gap: float = 1e-6):
+def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = None,
+            start: "dict[pulp.LpVariable, float] | None" = None):
     available = pulp.listSolvers(onlyAvailable=True)
     if "HiGHS" in available:
         _silence_highs_banner()
     want = opts.solver.lower()
+    left = opts.time_limit_s if deadline is None else max(deadline - time.perf_counter(), 0.05)
     if want in ("auto", "highs") and "HiGHS" in available:
         # presolve and root restarts off: on some of these models HiGHS 1.16's presolve runs on far past
         # the time limit (seen on qwen2.5-14b / rtx3090 at micro-batch 5 and 9); without it they solve within it
-        return "highs", pulp.HiGHS(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
-                                   gapAbs=abs_gap, threads=opts.threads, random_seed=0,
-                                   mip_allow_restart=False, presolve="off")
+        return "highs", _HighsFromStart(start, deadline, msg=False, timeLimit=left, gapRel=opts.gap_rel,
+                                        gapAbs=abs_gap, threads=opts.threads, random_seed=0,
+                                        mip_allow_restart=False, presolve="off")
+    for var, value in (start or {}).items():
+        var.setInitialValue(value)
     if want in ("auto", "highs") and "HiGHS_CMD" in available:
-        return "highs_cmd", pulp.HiGHS_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
-                                           gapAbs=abs_gap, threads=opts.threads)
+        return "highs_cmd", pulp.HiGHS_CMD(msg=False, timeLimit=left, gapRel=opts.gap_rel,
+                                           gapAbs=abs_gap, threads=opts.threads, warmStart=bool(start))
     if want in ("auto", "cbc", "highs") and "PULP_CBC_CMD" in available:
-        return "cbc", pulp.PULP_CBC_CMD(msg=False, timeLimit=opts.time_limit_s, gapRel=opts.gap_rel,
+        return "cbc", pulp.PULP_CBC_CMD(msg=False, timeLimit=left, gapRel=opts.gap_rel, warmStart=bool(start),
                                         gapAbs=abs_gap, threads=opts.threads, options=["randomSeed 0", "randomCbcSeed 0"])
     raise PlanningError(f"no MILP solver available (asked {opts.solver!r}; PuLP sees {available}); "
                         f"install highspy")
 
 
-def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan, SolveInfo]:
+class _HighsFromStart(pulp.HiGHS):
+    """PuLP's HiGHS, started from a plan's decisions and stopped at a wall-clock deadline.
+
+    The integer columns of the start plan are handed to HiGHS as a partial solution (it completes the
+    continuous ones), so the search has an incumbent before its first node. HiGHS checks its own time
+    limit between phases, and on large models its root LP alone ran past it (3 s on a 1 s limit at 128
+    layers): the interrupt callbacks stop it at the deadline, keeping the best plan found."""
+
+    def __init__(self, start, deadline, **kwargs):
+        super().__init__(**kwargs)
+        self.start, self.deadline = start, deadline
+
+    def callSolver(self, lp):
+        import highspy
+        import numpy as np
+        h = lp.solverModel
+        if self.start:
+            cols = np.array([v.index for v in self.start], dtype=np.int32)
+            h.setSolution(len(cols), cols, np.array(list(self.start.values()), dtype=np.float64))
+        if self.deadline is not None:
+            def stop_at_deadline(kind, message, data_out, data_in, user_data):
+                if time.perf_counter() >= self.deadline:
+                    data_in.user_interrupt = True
+            h.setCallback(stop_at_deadline, None)
+            for kind in (highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt,
+                         highspy.cb.HighsCallbackType.kCallbackIpmInterrupt,
+                         highspy.cb.HighsCallbackType.kCallbackMipInterrupt):
+                h.startCallback(kind)
+        h.run()
+
+
+def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, off, pre, y,
+                  opts: MilpOptions) -> "dict[pulp.LpVariable, float] | None":
+    """Every binary decision of ``plan`` in this model's variables, or None when the plan lies outside the
+    model's space (a segment longer than ``max_segment``, a transfer outside its windows, a graph tail or
+    resident layers the options rule out, an optimizer that does not overlap the next forward)."""
+    if plan.num_layers != L or not plan.overlap_optimizer:
+        return None
+    if (plan.last_segment_graph and not opts.allow_graph_tail) or (plan.resident_layers and not opts.allow_resident):
+        return None
+    tier_of = {"host": "H", "nvme": "N"}
+    chosen: set[str] = set()   # variable names (an LpVariable's == builds a constraint)
+    segments = plan.segments()
+    tail = segments[-1][0] if plan.last_segment_graph else None
+    for s_, e in segments:
+        if s_ == tail:
+            chosen.add(q[s_].name)
+        elif (s_, e) in x:
+            chosen.add(x[s_, e].name)
+        else:
+            return None   # longer than max_segment
+    for i in range(L):
+        h = plan.homes[i]
+        if h == RECOMPUTE or i == tail:
+            continue
+        if h == DEVICE_HOME:
+            chosen.add(g[i].name)
+            continue
+        k = tier_of.get(h)
+        if k not in tiers:
+            return None
+        ow, pw = plan.offload_at(i), plan.prefetch_at(i)
+        if (i, k, ow) not in off or (i, k, pw) not in pre:
+            return None
+        chosen |= {home[i, k].name, off[i, k, ow].name, pre[i, k, pw].name}
+    chosen |= {y[j].name for j in plan.resident_layers}
+    binaries = [v for table in (x, g, home, off, pre) for v in table.values()]
+    binaries += [v for table in (q, y) for v in table.values() if isinstance(v, pulp.LpVariable)]
+    return {v: 1.0 if v.name in chosen else 0.0 for v in binaries}
+
+
+def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
+                    start_plan: Plan | None = None) -> tuple[Plan, SolveInfo]:
     """Build the MILP for ``p``, solve it, and return the Plan with the solver's honest status.
 
-    Raises :class:`InfeasibleBudgetError` when the budgets admit no plan, :class:`PlanningError` when
-    the solver stops without a feasible plan."""
+    ``start_plan``: a feasible plan the solver starts from (its decisions are the first incumbent), so a
+    plan exists however soon the time limit stops the search. ``opts.time_limit_s`` bounds the whole
+    call, building included. Raises :class:`InfeasibleBudgetError` when the budgets admit no plan,
+    :class:`PlanningError` when the solver stops without a feasible plan."""
     t_build = time.perf_counter()
+    deadline = t_build + opts.time_limit_s
     L, W = p.L, 2 * p.L
     K = max(1, min(opts.max_segment, L))
     use_nvme = p.nvme_budget > 0
@@ -223,49 +304,95 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
         return p.diff_s[i] - p.fwd_s[i] * G[i] + lsum(p.recompute_s(s, i + 1) * x[s, i + 1]
                                                        for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
 
-    def on_device(i, w):  # 1 if boundary i (< L) has a device copy during window w
-        if w in (i - 1, i) or (i == 0 and w == 0):
-            return 1
-        if w < i - 1 or w > W - 1 - i:
-            return 0
-        expr = g[i] + lsum(off[i, k, v] for k in tiers for v in off_windows[i] if v >= w)
-        expr += lsum(pre[i, k, v] for k in tiers for v in pre_windows[i] if v <= w)
-        expr += lsum(x[s, e] for s, e in edges if s < i < e and W - e <= w)    # regenerated by recompute
-        return expr
+    # Rows that sum over every boundary alive in a window are built as coefficient maps (one pass over
+    # the boundaries alive in it, each with its few windows and covering edges): building them costs
+    # what they hold, not a scan of every edge for every (boundary, window) pair.
+    covering = {i: [(s_, e) for s_, e in edges if s_ < i < e] for i in range(L)}   # re-runs regenerate i
 
-    resident_gb = lsum(p.Wl[j] / GBF * y[j] for j in range(L))
+    def add_on_device(row, i, w, a) -> float:
+        """Adds ``a`` x (boundary i has a device copy during window w) to ``row``; returns the constant."""
+        if w in (i - 1, i) or (i == 0 and w == 0):
+            return a
+        if w < i - 1 or w > W - 1 - i:
+            return 0.0
+        row[g[i]] += a
+        for k in tiers:
+            for v in off_windows[i]:
+                if v >= w:
+                    row[off[i, k, v]] += a
+            for v in pre_windows[i]:
+                if v <= w:
+                    row[pre[i, k, v]] += a
+        for s_, e in covering[i]:
+            if W - e <= w:            # regenerated by recompute
+                row[x[s_, e]] += a
+        return 0.0
+
+    def held_by_graphs(row, w) -> None:
+        """What graph-tail layers hold on the device in window w: their weights, saved internals and input.
+        G_j = q_0 + ... + q_j, so q_s's coefficient is the sum over j >= s (a suffix sum)."""
+        if not opts.allow_graph_tail:
+            return
+        per_layer = [0.0] * L
+        for j in range(L):
+            if j <= w <= W - 1 - j:
+                row[held_w[j]] += p.Wl[j] / GBF
+            if j <= w < W - 1 - j:
+                per_layer[j] += p.saved[j] / GBF
+            if j < w <= W - 1 - j:
+                per_layer[j] += p.A[j] / GBF
+        suffix = 0.0
+        for j in reversed(range(L)):
+            suffix += per_layer[j]
+            if suffix:
+                row[q[j]] += suffix
+
+    def affine(row, constant=0.0):
+        return pulp.LpAffineExpression([(v, c) for v, c in row.items() if c], constant=constant)
+
+    pre_at, off_at, ex_at = {}, {}, {}
+    for table, at in ((pre, pre_at), (off, off_at), (ex, ex_at)):
+        for (i, k, w) in table:
+            at.setdefault(w, []).append((i, k))
+    resident = [(y[j], p.Wl[j] / GBF) for j in range(L)] if opts.allow_resident else []
     for w in range(W):
-        h2d = loaded(w) + lsum(p.A[i] / GBF * pre[i, k, w] for i in range(L) for k in tiers if (i, k, w) in pre)
+        h2d = loaded(w) + lsum(p.A[i] / GBF * pre[i, k, w] for i, k in pre_at.get(w, ()))
         d2h = (p.Gl[p.layer_of(w - 1)] / GBF if w >= L + 1 else 0) + \
-            lsum(p.A[i] / GBF * off[i, k, w] for i in range(L) for k in tiers if (i, k, w) in off)
-        exp_h2d = lsum(p.A[i] / GBF * ex[i, k, w] for i in range(L) for k in tiers if (i, k, w) in ex)
+            lsum(p.A[i] / GBF * off[i, k, w] for i, k in off_at.get(w, ()))
+        exp_h2d = lsum(p.A[i] / GBF * ex[i, k, w] for i, k in ex_at.get(w, ()))
         m += t[w] >= compute(w) + wait[w], f"time_compute_{w}"
         m += wait[w] >= exp_h2d * (GBF / p.bw_h2d), f"wait_h2d_{w}"
         m += t[w] >= h2d * (GBF / p.bw_h2d), f"time_h2d_{w}"
         m += t[w] >= d2h * (GBF / p.bw_d2h), f"time_d2h_{w}"
         if use_nvme:
-            nr = lsum(p.A[i] / GBF * pre[i, "N", w] for i in range(L) if (i, "N", w) in pre)
-            nw = lsum(p.A[i] / GBF * off[i, "N", w] for i in range(L) if (i, "N", w) in off)
-            exp_nr = lsum(p.A[i] / GBF * ex[i, "N", w] for i in range(L) if (i, "N", w) in ex)
+            nr = lsum(p.A[i] / GBF * pre[i, k, w] for i, k in pre_at.get(w, ()) if k == "N")
+            nw = lsum(p.A[i] / GBF * off[i, k, w] for i, k in off_at.get(w, ()) if k == "N")
+            exp_nr = lsum(p.A[i] / GBF * ex[i, k, w] for i, k in ex_at.get(w, ()) if k == "N")
             m += wait[w] >= exp_nr * (GBF / p.bw_nr), f"wait_nvme_read_{w}"
             m += t[w] >= nr * (GBF / p.bw_nr), f"time_nvme_read_{w}"
             m += t[w] >= nw * (GBF / p.bw_nw), f"time_nvme_write_{w}"
-        # time-indexed memory per tier
-        weights = streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + resident_gb
-        bnd = lsum(p.A[i] / GBF * on_device(i, w) for i in range(L))
-        graphs = lsum(p.Wl[j] / GBF * held_w[j] for j in range(L) if j <= w <= W - 1 - j) + \
-            lsum(p.saved[j] / GBF * G[j] for j in range(L) if j <= w < W - 1 - j) + \
-            lsum(p.A[j] / GBF * G[j] for j in range(L) if j < w <= W - 1 - j)     # the input its graph holds
-        m += p.fixed_gpu_bytes(w) / GBF + weights + bnd + graphs <= p.gpu_budget / GBF, f"gpu_memory_{w}"
-        host = lsum(p.A[i] / GBF * (lsum(off[i, "H", v] for v in off_windows[i] if v <= w)
-                                     - lsum(pre[i, "H", v] for v in pre_windows[i] if v < w))
-                    for i in range(L) if i <= w)
-        m += host <= max(p.host_act_budget, 0) / GBF, f"host_memory_{w}"
-        if use_nvme:
-            nv = lsum(p.A[i] / GBF * (lsum(off[i, "N", v] for v in off_windows[i] if v <= w)
-                                       - lsum(pre[i, "N", v] for v in pre_windows[i] if v < w))
-                      for i in range(L) if i <= w)
-            m += nv <= p.nvme_budget / GBF, f"nvme_memory_{w}"
+        # time-indexed memory per tier: weights, boundaries with a device copy, graph-tail holdings
+        row = defaultdict(float)
+        for v, c in resident:
+            row[v] += c
+        constant = p.fixed_gpu_bytes(w) / GBF
+        for i in range(min(L, w + 2, W - w)):     # the boundaries whose device life can include w
+            constant += add_on_device(row, i, w, p.A[i] / GBF)
+        held_by_graphs(row, w)
+        m += streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + affine(row, constant) \
+            <= p.gpu_budget / GBF, f"gpu_memory_{w}"
+        for k, budget, name in (("H", max(p.host_act_budget, 0), "host_memory"), ("N", p.nvme_budget, "nvme_memory")):
+            if k not in tiers:
+                continue
+            row = defaultdict(float)   # offloaded by window w and not yet fetched back before it
+            for i in range(min(L, w + 1)):
+                for v in off_windows[i]:
+                    if v <= w:
+                        row[off[i, k, v]] += p.A[i] / GBF
+                for v in pre_windows[i]:
+                    if v < w:
+                        row[pre[i, k, v]] -= p.A[i] / GBF
+            m += affine(row) <= budget / GBF, f"{name}_{w}"
 
     # ---- host optimizer overlapping the next forward --------------------------------------------
     O = [p.opt_nl]
@@ -281,7 +408,11 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions()) -> tuple[Plan
     m += lsum(t.values()) + X + p.tail_s + eps * tie, "step_time"
 
     build_s = time.perf_counter() - t_build
-    name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"])
+    values = None
+    if start_plan is not None:
+        values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts)
+    name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"], deadline=deadline,
+                           start=values)
     t0 = time.perf_counter()
     m.solve(solver)
     solve_s = time.perf_counter() - t0

@@ -292,6 +292,13 @@ def catalog_model(name: str) -> ModelShape:
     return ModelShape.from_hf_config(CATALOG_CONFIGS[key], name=key)
 
 
+def layers_of(name: str, num_layers: int) -> ModelShape:
+    """A catalog model's shape with its layer count changed (how the planner scales with depth)."""
+    key = ALIASES.get(name.lower(), name.lower())
+    cfg = {k: v for k, v in CATALOG_CONFIGS[key].items() if k != "reported_params"}
+    return ModelShape.from_hf_config(dict(cfg, num_hidden_layers=num_layers), name=f"{key}-{num_layers}-layers")
+
+
 def load_model(spec: "str | dict | ModelShape") -> ModelShape:
     """A catalog name, a path to a config.json (or a directory holding one), a config dict, or a shape."""
     import os

@@ -46,12 +46,20 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     and record the simulator's prediction in the Plan."""
     t0 = time.perf_counter()
     try:
-        plan, info = build_and_solve(p, opts)
+        plan, info = build_and_solve(p, opts, start_plan=_start_plan(p) if opts.warm_start else None)
     except NoPlanInTimeError as e:
         return _fallback(p, e, time.perf_counter() - t0)
     r = simulate(p, plan, strict=True, timeline=False)
     return _predicted(p, plan, r, info.to_dict(), time.perf_counter() - t0, milp_step_time_s=info.objective_s,
                       milp_vs_simulator=(info.objective_s / r.step_time_s - 1) if info.objective_s else None)
+
+
+def _start_plan(p: Problem) -> Plan | None:
+    """Keep-all (every boundary kept, on the GPU or the host): a feasible plan found with at most three
+    simulations, from which the solver starts, so it holds a plan from its first moment."""
+    from .policies import keep_all
+    found = keep_all(p)
+    return found[0] if found else None
 
 
 def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) -> Plan:
