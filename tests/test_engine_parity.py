@@ -432,6 +432,13 @@ def test_milp_policy_plans_and_trains(tmp_path):
     assert engine.plan.policy.startswith("milp") and engine.plan.prediction["solver"]["status"] == "optimal"
 
 
+def test_milp_policy_plans_the_configs_whole_step_with_its_accumulation():
+    cfg = ds_config(policy="milp", hardware="h200", seq_len=12, gpu_memory="2GB", milp_time_limit=10,
+                    _top={"gradient_accumulation_steps": 3})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    assert engine.plan.prediction["grad_accum"] == 3 and engine.plan.micro_batch_size == 2
+
+
 @pytest.mark.parametrize("selection", [{"type": "AdamW8bit"}, {"type": "AdamW", "states": "8bit"}])
 def test_hybrid_8bit_optimizer_selected_by_config(selection):
     """optimizer.type AdamW8bit (or lazytrain.optimizer_states 8bit) trains through HybridAdamW: large

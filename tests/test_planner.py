@@ -422,6 +422,37 @@ def test_micro_batch_search_returns_the_best_feasible_throughput():
     assert best.micro_batch_size == max(every, key=every.get) < largest // 2
 
 
+def test_a_fixed_global_batch_tries_only_its_divisors_and_counts_the_whole_step():
+    model = toy_model(4)
+    budgets = Budgets(gpu_bytes=400_000, host_bytes=400_000, gpu_reserved_bytes=0, loss_chunk_tokens=16)
+    opts = MilpOptions(max_segment=4)
+    best, trials = search_micro_batch(model, TOY_HW, budgets, 16, opts, global_batch=12)
+    tried = {t.micro_batch for t in trials}
+    assert tried and all(12 % b == 0 for b in tried)
+    assert best.prediction["grad_accum"] == 12 // best.micro_batch_size
+    every = {b: solve(Problem(model=model, hardware=TOY_HW, budgets=budgets, micro_batch=b, seq_len=16,
+                              grad_accum=12 // b), opts).prediction["tokens_per_s"] for b in tried}
+    assert best.micro_batch_size == max(every, key=every.get)
+    assert plan_for(model, TOY_HW, budgets, micro_batch=3, seq_len=16, global_batch=12,
+                    options=opts).prediction["grad_accum"] == 4
+    with pytest.raises(ValueError, match="micro_batch 5 does not divide global_batch 12"):
+        plan_for(model, TOY_HW, budgets, micro_batch=5, seq_len=16, global_batch=12, options=opts)
+
+
+def test_accumulated_micro_batches_repeat_the_windows_and_share_one_optimizer_delay():
+    p1 = toy_problem(4, 5.0, host_slots=4)
+    plan = keep_all(p1)[0]
+    steps = {k: simulate(dataclasses.replace(p1, grad_accum=k), plan) for k in (1, 2, 5)}
+    micro = steps[2].step_time_s - steps[1].step_time_s          # one more micro-batch
+    assert micro > 0
+    assert steps[5].step_time_s == pytest.approx(steps[1].step_time_s + 4 * micro, rel=1e-12)
+    assert steps[5].tokens_per_s == pytest.approx(5 * p1.micro_batch * p1.seq_len / steps[5].step_time_s)
+    lb1, lb5 = p1.lower_bound_s(), dataclasses.replace(p1, grad_accum=5).lower_bound_s()
+    assert lb5["compute"] == pytest.approx(5 * lb1["compute"]) and lb5["optimizer"] == lb1["optimizer"]
+    with pytest.raises(ValueError, match="grad_accum must be an integer >= 1, got 0"):
+        dataclasses.replace(p1, grad_accum=0)
+
+
 class _TwoArgError(ValueError):
     def __init__(self, message, code):
         super().__init__(message)

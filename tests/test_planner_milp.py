@@ -168,3 +168,12 @@ def test_a_time_limit_too_short_to_search_still_gives_the_milps_plan_from_its_st
         plan = search.solve(p, MilpOptions(time_limit_s=0.3))
     assert plan.policy == "milp" and plan.prediction["solver"]["status"] in ("feasible", "optimal")
     assert plan.prediction["step_time_s"] <= keep_all(p)[1].step_time_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("accum", [2, 7])
+def test_with_accumulated_micro_batches_the_milp_still_equals_brute_force(accum):
+    import dataclasses
+    p = dataclasses.replace(toy_problem(4, 1.5, host_slots=1, hw=SLOW_HW), grad_accum=accum)
+    check_equal(p, free_windows=True, resident=False)
+    p = dataclasses.replace(toy_problem(5, 2.5, host_slots=0, hw=SLOW_HW), grad_accum=accum)
+    check_equal(p, free_windows=False, resident=True)

@@ -127,6 +127,8 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                                        gpu_mem_bytes=torch.cuda.get_device_properties(device).total_memory)
     plan = call_with_deadline(plan_for, model_config, hardware,
                               {k: v for k, v in budgets.items() if v is not None}, micro_batch=micro_batch,
+                              # the config's batch triple fixes the step: planned with its accumulation
+                              global_batch=micro_batch * cfg.gradient_accumulation_steps,
                               seq_len=lt.seq_len, time_limit_s=lt.milp_time_limit,
                               deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
     if plan.num_layers != num_layers:

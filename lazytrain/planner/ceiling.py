@@ -64,7 +64,8 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     m += t
     for i in range(L):
         m += keep[i] + park[i] <= 1, f"one_choice_{i}"
-    m += t >= t_fwd + t_bwd, "step_is_forward_then_backward"
+    k = p.grad_accum   # micro-batches per step: forward, backward and their copies k times, the optimizer once
+    m += t >= k * (t_fwd + t_bwd), "step_is_forward_then_backward"
     m += t_fwd >= sum(p.fwd_s) + p.head_s, "forward_compute"
     m += t_fwd * p.bw_d2h >= parked, "offload_during_forward"
     m += t_bwd >= sum(d - f for d, f in zip(p.diff_s, p.fwd_s)) + \
@@ -80,8 +81,8 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     m += parked <= max(0, p.host_act_budget) + p.nvme_budget, "host_holds_parked_internals"
     lb = p.lower_bound_s()
     m += t >= lb["optimizer"], "host_optimizer"
-    m += t * p.bw_h2d >= sum(p.Wl) + p.nonlayer_w + parked, "h2d_link_over_the_step"
-    m += t * p.bw_d2h >= sum(p.Gl) + p.nonlayer_w + parked, "d2h_link_over_the_step"
+    m += t * p.bw_h2d >= k * (sum(p.Wl) + p.nonlayer_w + parked), "h2d_link_over_the_step"
+    m += t * p.bw_d2h >= k * (sum(p.Gl) + p.nonlayer_w + parked), "d2h_link_over_the_step"
     _, solver = _solver(MilpOptions())
     m.solve(solver)
     if pulp.LpStatus[m.status] != "Optimal":

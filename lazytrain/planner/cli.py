@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("--base", default=None, help="catalog entry that fills the profile's null fields")
     p.add_argument("--micro-batch", default="auto",
                    help="micro-batch size, or 'auto' for the throughput-best one that fits (default)")
+    p.add_argument("--global-batch", type=positive(int), default=None,
+                   help="samples per optimizer step to keep fixed (a config's train_batch_size per GPU): "
+                        "gradient accumulation fills it, and 'auto' tries only micro-batches dividing it")
     p.add_argument("--seq", type=positive(int), default=1024, help="sequence length (default 1024)")
     p.add_argument("--gpu-mem", default=None, help="GPU memory cap, e.g. 70GB (default: the card's size)")
     p.add_argument("--host-mem", default=None, help="host memory budget (default: the profile's host memory)")
@@ -56,13 +59,16 @@ def run(args: argparse.Namespace) -> int:
         opts = MilpOptions(time_limit_s=args.time_limit, max_segment=args.max_segment, solver=args.solver,
                            allow_resident=not args.no_resident)
         if str(args.micro_batch).lower() == "auto":
-            best, trials = search_micro_batch(model, hw, budgets, args.seq, opts)
+            best, trials = search_micro_batch(model, hw, budgets, args.seq, opts, global_batch=args.global_batch)
             print("micro-batch search: " + ", ".join(
                 f"{t.micro_batch}: " + (f"{t.tokens_per_s:.0f} tok/s" if t.tokens_per_s else t.status) for t in trials))
             mb = best.micro_batch_size
         else:
             best, mb = None, int(args.micro_batch)
-        p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=mb, seq_len=args.seq)
+        if args.global_batch is not None and args.global_batch % mb:
+            raise ValueError(f"--micro-batch {mb} does not divide --global-batch {args.global_batch}")
+        accum = args.global_batch // mb if args.global_batch else 1
+        p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=mb, seq_len=args.seq, grad_accum=accum)
         rows = compare(p, opts, plan=best)
     except (InfeasibleBudgetError, PlanningError, HardwareError, ModelShapeError, ValueError) as e:
         print(f"lazytrain plan: {e}", file=sys.stderr)

@@ -405,7 +405,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     # ---- objective: the step time (+ tiny tie-breakers: fewer copies, fewer resident layers) -----
     tie = lsum(home[i, k] * (1 if k == "H" else 2) for i in range(L) for k in tiers)
     tie += lsum(y[j] for j in range(L)) if opts.allow_resident else 0
-    m += lsum(t.values()) + X + p.tail_s + eps * tie, "step_time"
+    m += p.grad_accum * (lsum(t.values()) + p.tail_s) + X + eps * tie, "step_time"
 
     build_s = time.perf_counter() - t_build
     values = None

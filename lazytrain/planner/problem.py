@@ -74,10 +74,15 @@ class Problem:
     # compute and update times measured by the engine on this machine (see measured.py): they replace the
     # FLOP-based terms, and the non-block parameters stay on the compute device as the engine keeps them
     measured: MeasuredCosts | None = None
+    # micro-batches per optimizer step: each runs the plan's windows and sends its last gradients to the
+    # host; the host optimizer runs once, after the last (so its delay is shared by all of them)
+    grad_accum: int = 1
 
     def __post_init__(self):
         if self.micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
         if self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         hw = self.hardware
@@ -199,12 +204,12 @@ class Problem:
         return sum(self.diff_s) + self.head_s
 
     def lower_bound_s(self) -> dict[str, float]:
-        """The step's physical lower bounds (any plan): each layer's forward and backward once, one copy
-        of every weight host->device, every gradient device->host, and the host optimizer."""
-        n = self.model.total_params
-        parts = {"compute": self.minimal_compute_s(),
-                 "h2d": (sum(self.Wl) + self.nonlayer_w) / self.bw_h2d,
-                 "d2h": (sum(self.Gl) + self.nonlayer_w) / self.bw_d2h,
+        """The step's physical lower bounds (any plan): per micro-batch, each layer's forward and backward
+        once, one copy of every weight host->device and every gradient device->host; the host optimizer once."""
+        n, k = self.model.total_params, self.grad_accum
+        parts = {"compute": k * self.minimal_compute_s(),
+                 "h2d": k * (sum(self.Wl) + self.nonlayer_w) / self.bw_h2d,
+                 "d2h": k * (sum(self.Gl) + self.nonlayer_w) / self.bw_d2h,
                  "optimizer": n / self.opt_rate}
         parts["bound"] = max(parts.values())
         return parts
@@ -252,8 +257,9 @@ class Problem:
 
 
 def make_problem(model, hardware, micro_batch: int, seq_len: int, budgets: Budgets | None = None,
-                 base: str | None = None, check: bool = True, measured: MeasuredCosts | None = None) -> Problem:
+                 base: str | None = None, check: bool = True, measured: MeasuredCosts | None = None,
+                 grad_accum: int = 1) -> Problem:
     """Build a Problem from names, paths, dicts or objects (see models.load_model, hardware.load_profile)."""
     return Problem(model=load_model(model), hardware=load_profile(hardware, base=base),
                    budgets=budgets or Budgets(), micro_batch=int(micro_batch), seq_len=int(seq_len), check=check,
-                   measured=measured)
+                   measured=measured, grad_accum=int(grad_accum))

@@ -93,7 +93,8 @@ def table(p: Problem, rows: list[Row]) -> str:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     lb = p.lower_bound_s()
-    head = (f"{p.model.name} on {p.hardware.name}: micro-batch {p.micro_batch} x seq {p.seq_len}, "
+    accum = f" x {p.grad_accum} accumulated" if p.grad_accum > 1 else ""
+    head = (f"{p.model.name} on {p.hardware.name}: micro-batch {p.micro_batch}{accum} x seq {p.seq_len}, "
             f"budgets GPU {p.gpu_budget / 1e9:.1f} GB, host {p.host_budget / 1e9:.0f} GB, NVMe {p.nvme_budget / 1e9:.0f} GB; "
             f"step lower bound {lb['bound']:.3f} s (compute {lb['compute']:.3f}, H2D {lb['h2d']:.3f}, "
             f"D2H {lb['d2h']:.3f}, optimizer {lb['optimizer']:.3f})")

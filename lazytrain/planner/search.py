@@ -68,6 +68,7 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
             "exposed_s": r.exposed_s, "peak_bytes": r.peak_bytes, "recomputed_layers": r.recomputed_layers,
             "boundaries_per_home": r.boundaries_per_home, **extra, "solver": solver,
             "lower_bound_s": p.lower_bound_s()["bound"], "model": p.model.name, "hardware": p.hardware.name,
+            "grad_accum": p.grad_accum,
             "solve_wall_s": wall}
     return replace(plan, prediction=pred)
 
@@ -118,8 +119,13 @@ def largest_static_batch(model: ModelShape, hw: HardwareProfile, budgets: Budget
 
 def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets, seq_len: int,
                        opts: MilpOptions = MilpOptions(), max_batch: int = 4096,
-                       max_plans: int = 14) -> tuple[Plan, list[BatchTrial]]:
+                       max_plans: int = 14, global_batch: int | None = None) -> tuple[Plan, list[BatchTrial]]:
     """Outer search: the micro-batch with the largest planned throughput that fits the budgets.
+
+    ``global_batch`` (samples per optimizer step on this GPU, as a config's ``train_batch_size`` over the
+    ranks fixes it): only its divisors are tried, each with the gradient accumulation that completes the
+    batch (the optimizer's step is then the same whatever the micro-batch), and throughput counts the whole
+    step. Without it, one micro-batch per step and the search below.
 
     1. the largest micro-batch passing the static check (bisection, no MILP);
     2. the largest one the MILP can plan (bisection below it when that one has no plan);
@@ -128,6 +134,8 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
        optimizer, but small ones let more layers keep their forward graph (no re-run in backward), and
        close to the memory limit boundaries wait for their copies, so the curve can have two peaks.
        At most ``max_plans`` MILP solves in all; every trial is returned so callers can show the curve."""
+    if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
+        raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     trials: list[BatchTrial] = []
     plans: dict[int, Plan] = {}
     failed: set[int] = set()
@@ -136,7 +144,8 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         if b in plans or b in failed:
             return plans.get(b)
         try:
-            p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=b, seq_len=seq_len)
+            p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=b, seq_len=seq_len,
+                        grad_accum=global_batch // b if global_batch else 1)
             plan = solve(p, opts)
         except (InfeasibleBudgetError, PlanningError) as e:
             trials.append(BatchTrial(b, None, f"infeasible: {str(e).split(':')[0]}"))
@@ -150,9 +159,19 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         plan = attempt(b)
         return plan.prediction["tokens_per_s"] if plan else -1.0
 
-    hi = largest_static_batch(model, hw, budgets, seq_len, max_batch)
+    hi = largest_static_batch(model, hw, budgets, seq_len, max_batch if global_batch is None else global_batch)
     if hi == 0:
         Problem(model=model, hardware=hw, budgets=budgets, micro_batch=1, seq_len=seq_len)  # raises, named
+    if global_batch is not None:   # the divisors that fit, largest first (fewest copies of each weight)
+        for b in sorted((d for d in range(1, hi + 1) if global_batch % d == 0), reverse=True):
+            if len(trials) >= max_plans:
+                break
+            attempt(b)
+        if not plans:
+            raise InfeasibleBudgetError(f"no micro-batch dividing the global batch {global_batch} fits the "
+                                        f"budgets ({trials[-1].status if trials else 'none passed the static check'})")
+        best = max(plans.values(), key=lambda pl: (pl.prediction["tokens_per_s"], pl.micro_batch_size))
+        return best, sorted(trials, key=lambda t: t.micro_batch)
     if attempt(hi) is None:
         lo = 0
         while hi - lo > 1:
@@ -189,7 +208,7 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
 
 def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: "int | None" = None,
              seq_len: int = 1024, time_limit_s: float = 10.0, base: str | None = None,
-             options: MilpOptions | None = None) -> Plan:
+             options: MilpOptions | None = None, global_batch: int | None = None) -> Plan:
     """Plan one training step: the function the engine calls.
 
     - ``model_shape``: a Hugging Face config dict (e.g. ``model.config.to_dict()``), a dict of explicit
@@ -201,6 +220,8 @@ def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: 
       :class:`Budgets` fields may be given too, e.g. ``"loss_chunk_tokens"`` when the model's LM head
       materialises more logits at once than the default 2048 tokens);
     - ``micro_batch``: an int, or None to search for the throughput-best micro-batch that fits;
+    - ``global_batch``: samples per optimizer step to keep fixed (gradient accumulation fills it): with a
+      given ``micro_batch`` it must divide it; in a search only its divisors are tried;
     - ``time_limit_s``: the MILP's time limit (per solve).
 
     Returns the Plan with ``prediction`` filled by the simulator (step time, TFLOPS, tokens/s, exposed
@@ -211,5 +232,9 @@ def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: 
     b = as_budgets(budgets)
     opts = replace(options or MilpOptions(), time_limit_s=time_limit_s)
     if micro_batch is None:
-        return search_micro_batch(model, hw, b, seq_len, opts)[0]
-    return solve(Problem(model=model, hardware=hw, budgets=b, micro_batch=int(micro_batch), seq_len=seq_len), opts)
+        return search_micro_batch(model, hw, b, seq_len, opts, global_batch=global_batch)[0]
+    mb = int(micro_batch)
+    if global_batch is not None and global_batch % mb:
+        raise ValueError(f"micro_batch {mb} does not divide global_batch {global_batch}")
+    return solve(Problem(model=model, hardware=hw, budgets=b, micro_batch=mb, seq_len=seq_len,
+                         grad_accum=global_batch // mb if global_batch else 1), opts)

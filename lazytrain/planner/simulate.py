@@ -258,10 +258,11 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
         events.append(Event("optimizer", "embedding/head", opt_start, opt_start + O[0], 2 * L))
         for j in range(L):
             events.append(Event("optimizer", f"update L{j}", opt_start + O[j], opt_start + O[j + 1], 2 * L))
-    step = t + delay
+    micro_step = t                        # windows and the last gradients' copy, once per micro-batch
+    step = p.grad_accum * micro_step + delay
     if timeline:   # the rest of the step, so that the timeline ends where the step does
         if plan.overlap_optimizer:
-            events.append(Event("wait", "optimizer exposed in the next forward", t, step, 2 * L))
+            events.append(Event("wait", "optimizer exposed in the next forward", step - delay, step, 2 * L))
         else:
             events.append(Event("h2d", "next step's first weights (embedding/head + L0)",
                                 step - p.load_nl - p.load_l[0], step, 2 * L))
@@ -279,7 +280,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
     for i, h in enumerate(plan.homes[:L]):
         h = "graph" if i >= g else h                           # held inside a recorded forward graph
         counts[h] = counts.get(h, 0) + 1
-    toks = p.micro_batch * p.seq_len
+    toks = p.micro_batch * p.seq_len * p.grad_accum
     return SimResult(step_time_s=step, tflops=6 * p.model.throughput_params * toks / step / 1e12,
                      tokens_per_s=toks / step, exposed_s=exposed, peak_bytes=peak, compute_s=compute_total,
                      window_s=window_s, recomputed_layers=plan.recomputed_layers(), boundaries_per_home=counts,
