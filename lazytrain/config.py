@@ -263,6 +263,7 @@ class LazyTrainSection:
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
     seq_len: int | None = None          # for the planner; measured from the first batch when absent
+    loss_chunk_tokens: int = 0          # >0: a causal LM's head and loss in chunks of this many tokens (no full logits)
     testing: TestingConfig = field(default_factory=TestingConfig)
 
 
@@ -270,7 +271,8 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
-                   "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints"}
+                   "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints",
+                   "loss_chunk_tokens"}
 
 
 @dataclass(frozen=True)
@@ -472,6 +474,14 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         gather_16bit_weights_on_model_save=gather_on_save, offload_param=offload_param,
         offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
+
+
+def _loss_chunk_tokens(section: dict) -> int:
+    value = section.get("loss_chunk_tokens", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"config key 'lazytrain.loss_chunk_tokens' must be a whole number of tokens >= 0 "
+                          f"(0: the model computes its logits whole), got {value!r}")
+    return value
 
 
 def _check_tensor_parallel(section) -> None:
@@ -694,4 +704,4 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         fp32_state_patterns=tuple(section["fp32_state_patterns"]) if "fp32_state_patterns" in section else None,
         milp_time_limit=float(section.get("milp_time_limit", 30.0)), nvme_path=nvme_path,
         seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),
-        collective_timeout_s=float(timeout))
+        collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section))

@@ -23,6 +23,7 @@ from ..tiers import format_bytes, streams
 from ..tiers.streams import Chaos, EmulatedLink
 from ..trace import Timeline, check_writable, write_chrome_trace
 from . import checkpoint as ckpt
+from . import chunked_loss
 from . import deepspeed_checkpoint as ds_ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import CollectiveError, DistributedContext
@@ -285,7 +286,11 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
                               "no gradient from the streamed layers, which run without autograd in the forward: "
                               "use them for inspection, not in the loss")
-        out = self.module(*inputs, **kwargs)
+        chunk = self._config.lazytrain.loss_chunk_tokens
+        if chunk and chunked_loss.applies(self.module, kwargs):
+            out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
+        else:
+            out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             self._scale_direct_backward(out)
         return out

@@ -118,7 +118,9 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if gpu is None and device.type == "cuda":
         gpu = torch.cuda.get_device_properties(device).total_memory
     budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
-               if "nvme" in tiers else 0}
+               if "nvme" in tiers else 0,
+               # the logits as the engine computes them: in chunks when configured, else whole
+               "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * lt.seq_len}
     # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
     hardware = _hardware_profile(cfg, device)
     if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model

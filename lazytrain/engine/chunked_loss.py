@@ -1,0 +1,96 @@
+"""A causal LM's head and loss in chunks of tokens, so the full logits tensor never exists.
+
+A Hugging Face causal LM given ``labels`` computes ``lm_head`` over every position and then the
+cross-entropy in fp32: at micro-batch 144 x 1024 tokens and a 152k vocabulary that is tens of GB of
+logits and their gradient, more than the layers' whole working set. With ``lazytrain.loss_chunk_tokens``
+set, a training forward with labels runs the model without them, with its head replaced for that call by
+one that only keeps its input (the final hidden states) and hands back a zero-byte stand-in for the
+logits; the loss is then computed here, ``chunk_tokens`` positions at a time, each chunk's logits
+recomputed in backward instead of kept (``torch.utils.checkpoint``). The loss is Hugging Face's
+``ForCausalLMLoss``: labels shifted by one, -100 ignored, summed and divided by ``num_items_in_batch``
+when the caller passes it (Trainer does), else averaged over the counted tokens. The output's ``logits``
+is None: a training forward with labels gives the loss only.
+
+A model whose head is not a plain linear layer applied to the last hidden states (final-logit soft-capping,
+a logit scale, another loss type) keeps its own forward, as does every forward without labels or without
+gradients (evaluation and generation see the logits as usual).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+_UNSUPPORTED_CONFIG = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def applies(model: nn.Module, kwargs: dict) -> bool:
+    """Whether this forward can take the chunked path (see the module docstring for what is excluded)."""
+    if kwargs.get("labels") is None or not torch.is_grad_enabled() or not model.training:
+        return False
+    if kwargs.get("return_dict") is False or "shift_labels" in kwargs or kwargs.get("logits_to_keep", 0) != 0:
+        return False
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return False
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "loss_type", None) not in (None, "ForCausalLM"):
+        return False
+    if any(getattr(config, k, None) not in (None, 1, 1.0) for k in _UNSUPPORTED_CONFIG):
+        return False
+    return type(model).__name__.endswith("ForCausalLM") or type(model).__name__.endswith("LMHeadModel")
+
+
+def forward(model: nn.Module, chunk_tokens: int, args: tuple, kwargs: dict):
+    """The model's output with ``loss`` computed chunk by chunk and ``logits`` None."""
+    kwargs = dict(kwargs)
+    labels = kwargs.pop("labels")
+    num_items = kwargs.pop("num_items_in_batch", None)
+    head = model.get_output_embeddings()
+    kept: list[torch.Tensor] = []
+
+    def keep_hidden(hidden: torch.Tensor) -> torch.Tensor:
+        kept.append(hidden)
+        return hidden.new_zeros(()).expand(*hidden.shape[:-1], head.out_features)   # no bytes behind it
+
+    head.forward = keep_hidden
+    try:
+        out = model(*args, **kwargs)
+    finally:
+        del head.forward                                                              # the class's forward again
+    if len(kept) != 1:
+        raise RuntimeError(f"lazytrain chunked loss: the model called its head {len(kept)} times in one forward; "
+                           f"set 'lazytrain.loss_chunk_tokens' to 0 for this model")
+    out["loss"] = causal_lm_loss(kept[0], head.weight, head.bias, labels, chunk_tokens, num_items)
+    out["logits"] = None
+    return out
+
+
+def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                   chunk_tokens: int, num_items_in_batch=None) -> torch.Tensor:
+    """Hugging Face's causal-LM cross-entropy of ``F.linear(hidden, weight, bias)`` against ``labels``,
+    ``chunk_tokens`` positions at a time, no chunk's logits kept for backward."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if flat.shape[0] != shifted.shape[0]:
+        raise ValueError(f"labels hold {shifted.shape[0]} positions, the hidden states {flat.shape[0]}")
+    total = flat.new_zeros((), dtype=torch.float32)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        if bool((shifted[part] != IGNORE_INDEX).any()):
+            total = total + checkpoint(_chunk_loss_sum, flat[part], weight, bias, shifted[part], use_reentrant=False)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+    return total / (shifted != IGNORE_INDEX).sum()
+
+
+def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    labels: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -1,0 +1,94 @@
+"""A causal LM's head and loss in chunks (lazytrain.loss_chunk_tokens): the same loss and training as the
+model's own forward, with no chunk of logits larger than asked and no full logits tensor."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.config import ConfigError
+from lazytrain.engine import chunked_loss
+from engine_models import VOCAB, make_hf_model, max_rel_diff
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
+
+
+def config(chunk, gas=1):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "lazytrain": {"loss_chunk_tokens": chunk, "checkpoint_interval": 2}}
+
+
+def data(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (2, 12), generator=g)
+        labels = ids.clone()
+        labels[0, :4] = -100                          # a prompt the loss ignores
+        out.append((ids, labels))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize("with_num_items", [False, True])
+def test_chunked_loss_trains_as_the_models_own_loss(family, with_num_items, monkeypatch):
+    """Against the same engine computing the model's own loss (whole logits), step by step: the loss, and
+    the weights after three steps; the first step's loss also against the plain model's."""
+    model = make_hf_model(family, n_layers=4)
+    plain = copy.deepcopy(model)
+    whole, _, _, _ = lazytrain.initialize(model=copy.deepcopy(model), config=config(chunk=0))
+    engine, _, _, _ = lazytrain.initialize(model=model, config=config(chunk=5))
+    rows = []
+    real = chunked_loss._chunk_loss_sum
+    monkeypatch.setattr(chunked_loss, "_chunk_loss_sum", lambda h, *a: rows.append(h.shape[0]) or real(h, *a))
+    for step, (ids, labels) in enumerate(data(3)):
+        extra = {"num_items_in_batch": torch.tensor(17)} if with_num_items else {}
+        out = engine(input_ids=ids, labels=labels, **extra)
+        expected = whole(input_ids=ids, labels=labels, **extra)
+        assert out.logits is None and expected.logits.shape == (2, 12, VOCAB)
+        assert out.loss.item() == pytest.approx(expected.loss.item(), rel=1e-6)
+        if step == 0:
+            assert out.loss.item() == pytest.approx(plain(input_ids=ids, labels=labels, **extra).loss.item(), rel=1e-6)
+        for e, loss in ((engine, out.loss), (whole, expected.loss)):
+            e.backward(loss)
+            e.step()
+        assert engine.get_global_grad_norm() == pytest.approx(whole.get_global_grad_norm(), rel=1e-6)
+    assert rows and max(rows) <= 5                    # no chunk of logits over 5 positions
+    # AdamW turns the last-bit differences of a summation order into a full step on elements whose
+    # gradient is near zero (m / sqrt(v) flips sign): weights within 1e-3 of the largest, losses to 1e-6
+    assert max_rel_diff(engine.module, whole.module) < 1e-3
+
+
+def test_chunks_are_not_used_where_the_logits_are_wanted():
+    model = make_hf_model("llama", n_layers=4)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=config(chunk=5))
+    ids, labels = data(1)[0]
+    with torch.no_grad():
+        assert engine(input_ids=ids, labels=labels).logits.shape == (2, 12, VOCAB)   # evaluation
+    assert engine(input_ids=ids).logits.shape == (2, 12, VOCAB)                      # no labels
+    assert not chunked_loss.applies(make_hf_model("gemma2", n_layers=2).train(), {"labels": labels})  # soft-capped
+
+
+def test_chunked_loss_accumulates_like_the_models_own_loss():
+    model = make_hf_model("llama", n_layers=4)
+    whole, _, _, _ = lazytrain.initialize(model=copy.deepcopy(model), config=config(chunk=0, gas=2))
+    engine, _, _, _ = lazytrain.initialize(model=model, config=config(chunk=7, gas=2))
+    for ids, labels in data(4):
+        for e in (engine, whole):
+            e.backward(e(input_ids=ids, labels=labels).loss)
+            e.step()
+    assert engine.global_steps == whole.global_steps == 2
+    assert engine.get_global_grad_norm() == pytest.approx(whole.get_global_grad_norm(), rel=1e-6)
+    assert max_rel_diff(engine.module, whole.module) < 1e-3
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "2048"])
+def test_loss_chunk_tokens_must_be_a_whole_number(bad):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ConfigError, match=r"'lazytrain.loss_chunk_tokens' must be a whole number of tokens "
+                                              r">= 0 \(0: the model computes its logits whole\), got "):
+            lazytrain.initialize(model=make_hf_model("llama", n_layers=2), config=config(chunk=bad))
