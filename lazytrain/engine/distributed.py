@@ -54,7 +54,7 @@ class DistributedContext:
         self.rank = dist.get_rank() if own_group else int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if own_group else 0))
         self.timeout_s = float(timeout_s)
-        self.host_group = self.device_group = None
+        self.host_group = self.device_group = self.update_group = None
         if self.world_size > 1:
             if not dist.is_initialized():
                 missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -68,6 +68,8 @@ class DistributedContext:
             backend = dist.get_backend()
             self.device_group = self.host_group if backend == "gloo" else dist.new_group(backend=backend,
                                                                                          timeout=timeout)
+            # the layer-update thread's broadcasts (sharded optimizer state), apart from the main thread's
+            self.update_group = dist.new_group(backend="gloo", timeout=timeout)
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +98,38 @@ class DistributedContext:
             for t in tensors:
                 t.div_(self.world_size)
                 self._collective("gradient all-reduce of engine.step()", dist.all_reduce, t, group=group)
+
+    def group_for(self, t: torch.Tensor):
+        return self.host_group if t.device.type == "cpu" else self.device_group
+
+    def reduce_to(self, tensors: list[torch.Tensor], owner: int) -> None:
+        """Divide by the world size, then sum into rank ``owner``'s tensors (the others' are left partial)."""
+        for t in tensors:
+            t.div_(self.world_size)
+            self._collective("gradient reduce of engine.step()", dist.reduce, t, dst=owner, group=self.group_for(t))
+
+    def broadcast_from(self, tensors: list[torch.Tensor], owner: int, on_update_thread: bool = False) -> None:
+        """Rank ``owner``'s values into every rank's ``tensors`` (the owner's updated weights)."""
+        for t in tensors:
+            group = self.update_group if on_update_thread and t.device.type == "cpu" else self.group_for(t)
+            self._collective("broadcast of updated weights in engine.step()", dist.broadcast, t, src=owner,
+                             group=group)
+
+    def sum_over_ranks(self, value: float) -> float:
+        flag = torch.tensor([value], dtype=torch.float64)
+        self._collective("all-reduce of the gradient norm in engine.step()", dist.all_reduce, flag,
+                         group=self.host_group)
+        return float(flag.item())
+
+    def gather_to_rank0(self, obj, what: str) -> list | None:
+        """Every rank's ``obj`` on rank 0 (None on the others), pickled over the host group."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        try:   # no async form: the host group's own timeout bounds it
+            dist.gather_object(obj, out, dst=0, group=self.host_group)
+        except RuntimeError as e:
+            raise CollectiveError(f"rank {self.rank} of {self.world_size}: the {what} did not complete "
+                                  f"({type(e).__name__}: {e})") from e
+        return out
 
     def fill_missing_grads(self, params: list[torch.Tensor]) -> None:
         """A parameter with a gradient on some ranks only (a branch or an expert that this rank's batch did

@@ -25,6 +25,7 @@ from ..trace import Timeline, check_writable, write_chrome_trace
 from . import checkpoint as ckpt
 from . import chunked_loss
 from . import deepspeed_checkpoint as ds_ckpt
+from . import sharding
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import CollectiveError, DistributedContext
 from .executor import LayerStreamingExecutor
@@ -153,11 +154,20 @@ class LazyTrainEngine(nn.Module):
                               "pass one")
         overlap = config.lazytrain.overlap_optimizer
         wants_overlap = overlap is True or (overlap == "auto" and self.device.type == "cuda")
+        self.shards: sharding.Ownership | None = None   # zero_optimization.stage >= 1 over several ranks
         if optimizer is not None:
             self.optimizer = client_optimizer(optimizer, param_groups(model_parameters, model, remap), remap)
+            if self.dist.enabled and config.zero_stage >= 1:
+                warnings.warn(f"lazytrain: zero_optimization.stage {config.zero_stage} shards the optimizer state "
+                              f"of an optimizer built from the config; the one passed to initialize updates "
+                              f"every parameter on every rank, so its state is not sharded", UserWarning)
         elif config.optimizer.type is not None:
-            self.optimizer = build_optimizer(config, param_groups(model_parameters, model, remap), names,
-                                             layerwise=wants_overlap)
+            groups = param_groups(model_parameters, model, remap)
+            if self.dist.enabled and config.zero_stage >= 1:
+                self.shards = self._assign_shards(groups)
+                self._whole_groups = groups
+                groups = sharding.owned_groups(groups, self.shards)
+            self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
         self._model_param_ids = {id(p) for p in model.parameters()} | \
@@ -236,6 +246,14 @@ class LazyTrainEngine(nn.Module):
             self._settle_hooks += [module.register_state_dict_pre_hook(settle),
                                    module.register_load_state_dict_pre_hook(settle)]
         return updates
+
+    def _assign_shards(self, groups: list[dict]) -> sharding.Ownership:
+        """Whole streamed layers, then the optimizer's other tensors, to the ranks (see sharding.py)."""
+        in_groups = {id(p) for g in groups for p in g["params"]}
+        layers = [[p for p in params if id(p) in in_groups] for params in self.weights.params]
+        in_layers = {id(p) for params in layers for p in params}
+        others = [p for g in groups for p in g["params"] if id(p) not in in_layers]
+        return sharding.assign(layers, others, self.global_rank, self.world_size)
 
     def _masters_home(self, num_layers: int) -> torch.device:
         """Where the non-block fp32 masters and their optimizer state live. A streamed model's non-block
@@ -433,14 +451,17 @@ class LazyTrainEngine(nn.Module):
             self.weights.attach_grads()
             self.dist.fill_missing_grads(self._non_block_grad_holders())
             grads = self._all_grads()
-            self.dist.average([g for g in grads if g.device.type == "cpu"],
-                              [g for g in grads if g.device.type != "cpu"])
             # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
             # so that the gradients are rescaled in one pass (or inside the fused optimizer update)
             inv_scale = 1.0 / self.loss_scaler.scale if self.loss_scaler is not None and self._scaled_backward \
                 else 1.0
-            with streams.span("optimizer", "gradient norm"):   # the step's serial host phase begins
-                norm = _global_norm(grads) * inv_scale
+            if self.shards is not None:
+                norm = self._reduce_to_owners() * inv_scale
+            else:
+                self.dist.average([g for g in grads if g.device.type == "cpu"],
+                                  [g for g in grads if g.device.type != "cpu"])
+                with streams.span("optimizer", "gradient norm"):   # the step's serial host phase begins
+                    norm = _global_norm(grads) * inv_scale
         except CollectiveError:
             raise   # names the collective; the run cannot go on with a rank missing
         except Exception as e:
@@ -514,9 +535,11 @@ class LazyTrainEngine(nn.Module):
                 if factor != 1.0:
                     _scale_(grads, factor)
                 self.optimizer.step()
+            if self.shards is not None:
+                self._share_updated(self._layers_with_grads(), non_block=True)
             for i in range(self.weights.num_layers):
                 try:
-                    self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                    self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
                 except Exception as e:   # the update itself is whole: the copies are written again when needed
                     self.weights.mark_unstored(range(i, self.weights.num_layers))
                     self._unstored_copies = (i, e)
@@ -560,6 +583,8 @@ class LazyTrainEngine(nn.Module):
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
         with streams.span("optimizer", "embedding/head"):
             self.optimizer.step(params=rest, clip_coef=factor)
+            if self.shards is not None:
+                self._share_updated(non_block=True)
         layer_grads = [w.grad_views(i) for i in range(w.num_layers)]
         for grads in layer_grads:
             for p in grads:
@@ -570,9 +595,12 @@ class LazyTrainEngine(nn.Module):
         def update_layer(i: int) -> None:
             if layer_grads[i]:
                 with self._host_writes([i], launched):
-                    self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
-                                          grads=layer_grads[i])
-                    w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                    if self._updates_here(i):
+                        self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
+                                              grads=layer_grads[i])
+                    if self.shards is not None:
+                        self._share_updated([i], on_update_thread=True)
+                    w.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
             w.zero_layer_grads(i)
         self.layer_updates.launch(update_layer, range(w.num_layers))
 
@@ -599,6 +627,53 @@ class LazyTrainEngine(nn.Module):
         # else the update thread zeroes each layer's gradients once its update is done: no need to wait
         self._zero_non_block_grads()
 
+    def _reduce_to_owners(self) -> float:
+        """Sharded state: each layer's and tensor's gradient summed (averaged) into its owner's buffer, the
+        norm from the owners' squares summed over the ranks. A tensor no rank owns (a group added after
+        initialize) is averaged on every rank, as without sharding, and counted once."""
+        shards, w = self.shards, self.weights
+        owned = []
+        for i in range(w.num_layers):
+            if any(w.trainable[i]):
+                self.dist.reduce_to([w.grad[i]], shards.layer_owner[i])
+                if shards.owns_layer(i):
+                    owned.append(w.grad[i])
+        replicated = []
+        for t in self._non_block_grad_holders():
+            if t.grad is None:
+                continue
+            owner = shards.param_owner.get(id(t))
+            if owner is None:
+                replicated.append(t.grad)
+                continue
+            self.dist.reduce_to([t.grad], owner)
+            if owner == self.global_rank:
+                owned.append(t.grad)
+        self.dist.average([g for g in replicated if g.device.type == "cpu"],
+                          [g for g in replicated if g.device.type != "cpu"])
+        with streams.span("optimizer", "gradient norm"):
+            local = _global_norm(owned) ** 2
+            mine = local + (_global_norm(replicated) ** 2 if self.global_rank == 0 else 0.0)
+            return math.sqrt(self.dist.sum_over_ranks(mine))
+
+    def _share_updated(self, layers=(), non_block: bool = False, on_update_thread: bool = False) -> None:
+        """Sharded state: the owners' updated fp32 weights to every rank."""
+        shards, w = self.shards, self.weights
+        for i in layers:
+            self.dist.broadcast_from([w.master[i]], shards.layer_owner[i], on_update_thread=on_update_thread)
+        if non_block:
+            for t in self._non_block_grad_holders():
+                owner = shards.param_owner.get(id(t))
+                if owner is not None:
+                    self.dist.broadcast_from([t.data], owner)
+
+    def _updates_here(self, i: int) -> bool:
+        """This rank's optimizer updates streamed layer i (every layer, unless the state is sharded)."""
+        return self.shards is None or self.shards.owns_layer(i)
+
+    def _layers_with_grads(self) -> list[int]:
+        return [i for i in range(self.weights.num_layers) if any(self.weights.trainable[i])]
+
     def _non_block_grad_holders(self) -> list[torch.Tensor]:
         """The trainable tensors outside the blocks whose ``.grad`` the optimizer reads (fp32 masters in
         mixed precision), in the same order on every rank."""
@@ -610,7 +685,10 @@ class LazyTrainEngine(nn.Module):
         read from its groups as they are now (a group may be added during training)."""
         if self.optimizer is None:
             return []
-        return [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self._model_param_ids]
+        groups = self.optimizer.param_groups
+        if self.shards is not None:   # the same list on every rank: the whole groups, then any added since
+            groups = self._whole_groups + groups[len(self._whole_groups):]
+        return [p for g in groups for p in g["params"] if id(p) not in self._model_param_ids]
 
     def _zero_non_block_grads(self) -> None:
         if self.masters is not None:
@@ -745,7 +823,7 @@ class LazyTrainEngine(nn.Module):
         }
         files = {ckpt.MODEL_FILE: model_state}
         if self.optimizer is not None:
-            files[ckpt.OPTIM_FILE] = {"optimizer": self.optimizer.state_dict()}
+            files[ckpt.OPTIM_FILE] = {"optimizer": self._whole_optimizer_state()}
         error = None
         if self.global_rank == 0:
             try:
@@ -801,7 +879,7 @@ class LazyTrainEngine(nn.Module):
         if module_only:
             return path, model_state.get("client_state", {})
         if optim_state is not None:
-            self.optimizer.load_state_dict(optim_state["optimizer"])
+            self._load_whole_optimizer_state(optim_state["optimizer"])
         if load_scheduler and self.lr_scheduler is not None and model_state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
         if self.loss_scaler is not None and model_state.get("loss_scaler"):
@@ -820,7 +898,7 @@ class LazyTrainEngine(nn.Module):
         if module_only:
             return path, state.client_state
         if state.optimizer_state_dict is not None:   # stage 0: the optimizer's own state, by position as in DeepSpeed
-            self.optimizer.load_state_dict(state.optimizer_state_dict)
+            self._load_whole_optimizer_state(state.optimizer_state_dict)
         elif state.moments is not None:
             self.optimizer.load_state_dict(self._optimizer_state_from(state.moments, directory))
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
@@ -835,6 +913,29 @@ class LazyTrainEngine(nn.Module):
             setattr(self, k, v)
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
         return path, state.client_state
+
+    def _whole_optimizer_state(self) -> dict | None:
+        """The optimizer's state_dict as one process's optimizer holds it. Sharded: gathered on rank 0 (a
+        collective: every rank calls it), None on the others."""
+        local = self.optimizer.state_dict()
+        if self.shards is None:
+            return local
+        parts = self.dist.gather_to_rank0(sharding.whole_state(local, self._whole_groups, self.shards),
+                                          "gather of the sharded optimizer state for save_checkpoint")
+        if parts is None:
+            return None
+        state = {}
+        for part in parts:
+            state.update(part)
+        return {"state": state, "param_groups": sharding.whole_param_groups(local, self._whole_groups)}
+
+    def _load_whole_optimizer_state(self, whole: dict) -> None:
+        """A whole optimizer state_dict (one process's order, any number of ranks saved it): sharded, this
+        rank keeps its own parameters' states."""
+        if self.shards is None:
+            self.optimizer.load_state_dict(whole)
+        else:
+            self.optimizer.load_state_dict(sharding.local_state(whole, self._whole_groups, self.shards))
 
     def _optimizer_state_from(self, moments: dict, directory: str) -> dict:
         """This optimizer's state_dict with DeepSpeed's moments put in by parameter name."""

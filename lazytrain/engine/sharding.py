@@ -1,0 +1,107 @@
+"""Optimizer state sharded across data-parallel ranks (``zero_optimization.stage`` >= 1).
+
+Each rank owns whole streamed layers (and whole non-block parameters), balanced by parameter count:
+it alone keeps their Adam moments and updates them, and then broadcasts their fp32 weights to the
+other ranks. Gradients are reduced to the owner only (a reduce, half an all-reduce's traffic), and the
+clipping norm is the square root of the owners' summed squares. The fp32 weights themselves stay whole on
+every rank (the streamed layers are computed from them), so what shrinks is the optimizer state: the two
+Adam moments, 8 of the 16 bytes a parameter costs on the host in fp32 states.
+
+A checkpoint holds the optimizer state whole, in the order a single process's optimizer has it: the
+ranks' states are gathered on rank 0 to save, and each rank keeps its own from a whole one on load, so a
+checkpoint saved with N ranks loads with M ranks, or into one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Which rank updates what: ``layer_owner[i]`` for streamed layer i, ``param_owner[id(p)]`` for every
+    trainable tensor the optimizer holds (block parameters by their layer's owner)."""
+    rank: int
+    world_size: int
+    layer_owner: tuple[int, ...]
+    param_owner: dict[int, int]
+
+    def owns_layer(self, i: int) -> bool:
+        return self.layer_owner[i] == self.rank
+
+    def owns(self, p: torch.Tensor) -> bool:
+        return self.param_owner[id(p)] == self.rank
+
+
+def assign(layer_params: list[list[torch.Tensor]], other_params: list[torch.Tensor], rank: int,
+           world_size: int) -> Ownership:
+    """Layers in forward order, then the other tensors largest first, each to the least-loaded rank (by
+    parameter count; the lowest rank on a tie), so that every rank computes the same assignment."""
+    load = [0] * world_size
+    layer_owner = []
+    owner: dict[int, int] = {}
+
+    def least_loaded() -> int:
+        return min(range(world_size), key=lambda r: (load[r], r))
+
+    for params in layer_params:
+        r = least_loaded()
+        layer_owner.append(r)
+        load[r] += sum(p.numel() for p in params)
+        for p in params:
+            owner[id(p)] = r
+    for p in sorted(other_params, key=lambda t: -t.numel()):   # sorted() is stable: equal sizes keep their order
+        r = least_loaded()
+        owner[id(p)] = r
+        load[r] += p.numel()
+    return Ownership(rank, world_size, tuple(layer_owner), owner)
+
+
+def owned_groups(groups: list[dict], ownership: Ownership) -> list[dict]:
+    """The optimizer's parameter groups with only this rank's tensors (every group kept, so that the
+    groups line up across ranks and with a single process's)."""
+    return [{**g, "params": [p for p in g["params"] if ownership.owns(p)]} for g in groups]
+
+
+def local_state(full: dict, groups: list[dict], ownership: Ownership) -> dict:
+    """This rank's part of a whole optimizer ``state_dict`` (as one process saves it), renumbered for an
+    optimizer built on :func:`owned_groups`."""
+    full_ids = [i for g in full["param_groups"] for i in g["params"]]
+    params = [p for g in groups for p in g["params"]]
+    if len(full_ids) != len(params):
+        raise ValueError(f"the checkpoint's optimizer holds {len(full_ids)} parameters, this model's {len(params)}")
+    index_of = dict(zip((id(p) for p in params), full_ids))
+    state, out_groups, k = {}, [], 0
+    for saved, g in zip(full["param_groups"], groups):
+        local_ids = []
+        for p in g["params"]:
+            if ownership.owns(p):
+                if index_of[id(p)] in full["state"]:
+                    state[k] = full["state"][index_of[id(p)]]
+                local_ids.append(k)
+                k += 1
+        out_groups.append({**saved, "params": local_ids})
+    return {"state": state, "param_groups": out_groups}
+
+
+def whole_state(local: dict, groups: list[dict], ownership: Ownership) -> dict[int, dict]:
+    """This rank's states keyed by their index in a single process's optimizer (the whole order)."""
+    whole_index, k = {}, 0
+    local_k = 0
+    for g in groups:
+        for p in g["params"]:
+            if ownership.owns(p):
+                whole_index[local_k] = k
+                local_k += 1
+            k += 1
+    return {whole_index[i]: st for i, st in local["state"].items()}
+
+
+def whole_param_groups(local: dict, groups: list[dict]) -> list[dict]:
+    """The local ``param_groups`` renumbered as a single process's optimizer numbers them."""
+    out, k = [], 0
+    for saved, g in zip(local["param_groups"], groups):
+        out.append({**saved, "params": list(range(k, k + len(g["params"])))})
+        k += len(g["params"])
+    return out

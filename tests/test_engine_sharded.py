@@ -1,0 +1,128 @@
+"""Optimizer state sharded across ranks (zero_optimization.stage >= 1), on the CPU with gloo: 2 and 4
+ranks train as one process on the same global batch, each rank holds its share of the Adam moments
+(measured), and a checkpoint saved with 4 ranks resumes with 2 and with 1."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+GLOBAL = 4   # samples per step over all ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(world, stage, overlap, dtype="fp32"):
+    cfg = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // world, "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage},
+           "lazytrain": {"checkpoint_interval": 2, "overlap_optimizer": overlap}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def state_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+
+
+def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_dir, dtype):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import warnings
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, stage, overlap, dtype))
+    if load_dir:
+        engine.load_checkpoint(load_dir)
+    per = GLOBAL // world
+    for x, y in steps:
+        part = slice(per * rank, per * rank + per)
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+    engine.wait_for_update()
+    result = {"weights": engine.module_state_dict(), "state_bytes": state_bytes(engine.optimizer),
+              "sharded": engine.shards is not None}
+    if save_dir:
+        engine.save_checkpoint(save_dir, tag="t")
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    if torch.distributed.is_initialized():      # a single process makes no group
+        torch.distributed.destroy_process_group()
+
+
+def run(world, tmp_path, stage=1, overlap=False, steps=None, save_dir=None, load_dir=None, dtype="fp32"):
+    out = tmp_path / f"out{world}-{stage}-{overlap}-{bool(load_dir)}"
+    out.mkdir()
+    steps = batches(3, batch=GLOBAL) if steps is None else steps
+    mp.spawn(_worker, args=(world, _free_port(), str(out), stage, overlap, steps, save_dir, load_dir, dtype),
+             nprocs=world, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+
+
+def reference(steps, world):
+    """Plain PyTorch on the whole batch, its gradient computed as the ranks do (the mean of their parts)."""
+    per = GLOBAL // world
+    parts = [(x[per * r:per * r + per], y[per * r:per * r + per]) for x, y in steps for r in range(world)]
+    return reference_train(make_model("modulelist"), parts, lr=1e-3, gas=world)
+
+
+def as_model(weights):
+    model = make_model("modulelist")
+    model.load_state_dict(weights)
+    return model
+
+
+@pytest.mark.parametrize("world,stage,overlap", [(2, 1, False), (2, 2, True), (4, 1, True), (4, 3, False)])
+def test_sharded_ranks_train_as_one_process_on_the_global_batch(tmp_path, world, stage, overlap):
+    steps = batches(3, batch=GLOBAL)
+    results = run(world, tmp_path, stage, overlap, steps)
+    ref = reference(steps, world)
+    for r in results:
+        assert r["sharded"]
+        assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
+    for k in results[0]["weights"]:                     # the ranks hold the same weights, bit for bit
+        assert all(torch.equal(r["weights"][k], results[0]["weights"][k]) for r in results), k
+
+
+def test_each_rank_holds_its_share_of_the_optimizer_state(tmp_path):
+    one = run(1, tmp_path, stage=1)[0]
+    assert not one["sharded"]
+    for world in (2, 4):
+        results = run(world, tmp_path, stage=1)
+        shares = [r["state_bytes"] for r in results]
+        assert sum(shares) == one["state_bytes"]              # every moment once, on one rank
+        assert max(shares) <= 1.25 * one["state_bytes"] / world, shares
+
+
+def test_stage_0_keeps_the_state_whole_on_every_rank(tmp_path):
+    results = run(2, tmp_path, stage=0)
+    assert not any(r["sharded"] for r in results)
+    assert results[0]["state_bytes"] == results[1]["state_bytes"] > 0
+
+
+def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(tmp_path):
+    first, then = batches(2, batch=GLOBAL, seed=1), batches(2, batch=GLOBAL, seed=7)
+    ckpt = str(tmp_path / "ckpt")
+    run(4, tmp_path, steps=first, save_dir=ckpt)
+    straight = run(4, tmp_path, steps=then, load_dir=ckpt)[0]["weights"]   # the 4 ranks resumed: the reference
+    for world in (2, 1):
+        resumed = run(world, tmp_path, steps=then, load_dir=ckpt)
+        for r in resumed:
+            assert max_rel_diff(as_model(r["weights"]), as_model(straight)) < 1e-5
+
+
+def test_bf16_sharded_ranks_end_bit_identical(tmp_path):
+    results = run(2, tmp_path, stage=2, overlap=True, dtype="bf16")
+    assert all(r["sharded"] for r in results)
+    for k in results[0]["weights"]:
+        assert torch.equal(results[0]["weights"][k], results[1]["weights"][k]), k
