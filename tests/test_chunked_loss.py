@@ -92,3 +92,34 @@ def test_loss_chunk_tokens_must_be_a_whole_number(bad):
         with pytest.raises(ConfigError, match=r"'lazytrain.loss_chunk_tokens' must be a whole number of tokens "
                                               r">= 0 \(0: the model computes its logits whole\), got "):
             lazytrain.initialize(model=make_hf_model("llama", n_layers=2), config=config(chunk=bad))
+
+
+def test_a_batch_with_every_label_ignored_steps_as_the_models_own_loss_does():
+    model = make_hf_model("llama", n_layers=4)
+    whole, _, _, _ = lazytrain.initialize(model=copy.deepcopy(model), config=config(chunk=0))
+    engine, _, _, _ = lazytrain.initialize(model=model, config=config(chunk=5))
+    ids = data(1)[0][0]
+    ignored = torch.full_like(ids, -100)
+    for e in (engine, whole):
+        out = e(input_ids=ids, labels=ignored, num_items_in_batch=torch.tensor(8))
+        assert out.loss.item() == 0.0 and out.loss.requires_grad
+        e.backward(out.loss)
+        e.step()
+    assert engine.get_global_grad_norm() == whole.get_global_grad_norm() == 0.0
+
+
+def test_the_output_keeps_the_loss_first():
+    engine, _, _, _ = lazytrain.initialize(model=make_hf_model("llama", n_layers=4), config=config(chunk=5))
+    ids, labels = data(1)[0]
+    out = engine(input_ids=ids, labels=labels)
+    assert out[0] is out.loss and list(out.keys())[0] == "loss"
+
+
+def test_other_heads_and_arguments_keep_the_models_own_forward():
+    llama = make_hf_model("llama", n_layers=2).train()
+    labels = data(1)[0][1]
+    assert chunked_loss.applies(llama, {"labels": labels})
+    assert not chunked_loss.applies(llama, {"labels": labels, "fused_lm_head": True})      # TRL's fused head
+    assert not chunked_loss.applies(llama, {"labels": labels, "logits_to_keep": 1})
+    llama.config.model_type = "falcon_h1"                                                # scales its logits
+    assert not chunked_loss.applies(llama, {"labels": labels})

@@ -1232,3 +1232,23 @@ def test_hybrid_optimizer_writes_bf16_compute_copies_in_its_update():
     for i in range(w.num_layers):
         stored = w.weights_tier.read(w._key(i)).wait()
         assert torch.equal(stored, w.master[i].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_save_16bit_model_writes_a_model_with_tied_weights(tmp_path, dtype):
+    """safetensors refuses tensors that share memory: GPT-2's tied head and embedding are each written."""
+    from safetensors.torch import load_file
+    cfg = ds_config(_top={"bf16": {"enabled": True}} if dtype else {})
+    engine, _, _, _ = lazytrain.initialize(model=make_hf_model("gpt2", n_layers=2), config=cfg)
+    engine.save_16bit_model(str(tmp_path))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert torch.equal(saved["lm_head.weight"], saved["transformer.wte.weight"])
+    assert saved["lm_head.weight"].dtype == (torch.bfloat16 if dtype else torch.float32)
+
+
+def test_a_model_partitioned_by_deepspeeds_zero_init_is_refused_by_name():
+    model = make_model("llama")
+    model.model.embed_tokens.weight.ds_id = 0          # what DeepSpeed's zero.Init leaves on a parameter
+    with pytest.raises(ConfigError, match=r"partitioned by DeepSpeed's zero.Init \(ZeRO-3\): LazyTrain needs them "
+                                          r"whole. Call lazytrain.replace_deepspeed\(\) before TrainingArguments"):
+        lazytrain.initialize(model=model, config=ds_config())

@@ -103,11 +103,14 @@ def test_a_solver_that_finds_no_plan_in_time_gives_the_fastest_baseline_that_fit
     monkeypatch.setattr(search, "build_and_solve", no_plan)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        plan = search.solve(p, MilpOptions(time_limit_s=1))
+        plan = search.solve(p, MilpOptions(time_limit_s=1, warm_start=False))
     best = min((r for r in (f(p) for f in BASELINES.values()) if r), key=lambda pr: pr[1].step_time_s)
     assert plan.homes == best[0].homes and plan.policy == best[0].policy
     assert plan.prediction["step_time_s"] == best[1].step_time_s
     assert plan.prediction["solver"]["status"] == f"no plan in time, fell back to {best[0].policy}"
+    with pytest.warns(UserWarning, match="using the plan it started from instead, 'keep-all-host'"):
+        started = search.solve(p, MilpOptions(time_limit_s=1))     # the start plan, without simulating others
+    assert started.policy == BASELINES["keep-all"](p)[0].policy
     assert any(f"using the fastest baseline policy that fits instead, {best[0].policy!r}" in str(x.message)
                for x in w)
 
@@ -177,3 +180,18 @@ def test_with_accumulated_micro_batches_the_milp_still_equals_brute_force(accum)
     check_equal(p, free_windows=True, resident=False)
     p = dataclasses.replace(toy_problem(5, 2.5, host_slots=0, hw=SLOW_HW), grad_accum=accum)
     check_equal(p, free_windows=False, resident=True)
+
+
+def test_a_deadline_that_stops_the_solver_before_any_plan_falls_back_to_a_baseline():
+    """No start plan and a deadline that interrupts HiGHS before its first solution: the run is read as
+    'no plan in time' (PuLP would call it feasible and read a plan of zeros), and the fastest baseline
+    that fits is used, with a warning."""
+    from lazytrain.planner import search
+    from lazytrain.planner.hardware import load_profile
+    from lazytrain.planner.models import layers_of
+    from lazytrain.planner.problem import Budgets, Problem
+    p = Problem(model=layers_of("paper-27b", 128), hardware=load_profile("h200"),
+                budgets=Budgets.of(gpu="140GB", host="2TB"), micro_batch=32, seq_len=1024)
+    with pytest.warns(UserWarning, match="using the fastest baseline policy that fits instead"):
+        plan = search.solve(p, MilpOptions(time_limit_s=0.01, warm_start=False))
+    assert plan.prediction["solver"]["status"].startswith("no plan in time, fell back to")

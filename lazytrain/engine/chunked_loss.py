@@ -11,9 +11,10 @@ recomputed in backward instead of kept (``torch.utils.checkpoint``). The loss is
 when the caller passes it (Trainer does), else averaged over the counted tokens. The output's ``logits``
 is None: a training forward with labels gives the loss only.
 
-A model whose head is not a plain linear layer applied to the last hidden states (final-logit soft-capping,
-a logit scale, another loss type) keeps its own forward, as does every forward without labels or without
-gradients (evaluation and generation see the logits as usual).
+Only families whose head is a plain linear layer on the last hidden states and whose loss is
+``ForCausalLMLoss`` take this path (:data:`FAMILIES`; no soft-capping or logit multiplier), and only with the
+usual forward arguments: any other model or argument (TRL's ``fused_lm_head``) keeps the model's forward, as
+does every forward without labels or without gradients (evaluation and generation see the logits as usual).
 """
 from __future__ import annotations
 
@@ -23,24 +24,32 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
-_UNSUPPORTED_CONFIG = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# model families whose causal-LM head is a plain linear layer on the last hidden states and whose loss is
+# ForCausalLMLoss (others may scale, cap or not shift their logits: they keep their own forward)
+FAMILIES = {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "phi3", "gpt2"}
+# arguments such a forward may take; anything else (TRL's fused_lm_head, logits_to_keep) keeps the model's path
+FORWARD_KWARGS = {"input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "labels",
+                  "use_cache", "output_attentions", "output_hidden_states", "return_dict", "cache_position",
+                  "num_items_in_batch", "token_type_ids"}
+_SCALED_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale",
+                "lm_head_multiplier")
 
 
 def applies(model: nn.Module, kwargs: dict) -> bool:
     """Whether this forward can take the chunked path (see the module docstring for what is excluded)."""
     if kwargs.get("labels") is None or not torch.is_grad_enabled() or not model.training:
         return False
-    if kwargs.get("return_dict") is False or "shift_labels" in kwargs or kwargs.get("logits_to_keep", 0) != 0:
+    if not set(kwargs) <= FORWARD_KWARGS or kwargs.get("return_dict") is False:
         return False
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return False
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "loss_type", None) not in (None, "ForCausalLM"):
+    if config is None or getattr(config, "model_type", None) not in FAMILIES:
         return False
-    if any(getattr(config, k, None) not in (None, 1, 1.0) for k in _UNSUPPORTED_CONFIG):
+    if getattr(config, "loss_type", None) not in (None, "ForCausalLM"):
         return False
-    return type(model).__name__.endswith("ForCausalLM") or type(model).__name__.endswith("LMHeadModel")
+    return all(getattr(config, k, None) in (None, 1, 1.0) for k in _SCALED_HEAD)
 
 
 def forward(model: nn.Module, chunk_tokens: int, args: tuple, kwargs: dict):
@@ -63,9 +72,10 @@ def forward(model: nn.Module, chunk_tokens: int, args: tuple, kwargs: dict):
     if len(kept) != 1:
         raise RuntimeError(f"lazytrain chunked loss: the model called its head {len(kept)} times in one forward; "
                            f"set 'lazytrain.loss_chunk_tokens' to 0 for this model")
-    out["loss"] = causal_lm_loss(kept[0], head.weight, head.bias, labels, chunk_tokens, num_items)
-    out["logits"] = None
-    return out
+    loss = causal_lm_loss(kept[0], head.weight, head.bias, labels, chunk_tokens, num_items)
+    # rebuilt so that the loss comes first, as the model's own output has it (out[0] is the loss)
+    rest = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    return type(out)(loss=loss, **rest)
 
 
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
@@ -78,7 +88,8 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     flat = hidden.reshape(-1, hidden.shape[-1])
     if flat.shape[0] != shifted.shape[0]:
         raise ValueError(f"labels hold {shifted.shape[0]} positions, the hidden states {flat.shape[0]}")
-    total = flat.new_zeros((), dtype=torch.float32)
+    # a batch whose labels are all ignored still has a loss in the graph (zero gradients), as the model's has
+    total = flat[:0].sum().float()
     for start in range(0, flat.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
         if bool((shifted[part] != IGNORE_INDEX).any()):

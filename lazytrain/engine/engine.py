@@ -967,7 +967,8 @@ class LazyTrainEngine(nn.Module):
         not ending in ``.safetensors`` (DeepSpeed's default ``pytorch_model.bin``) is written by
         ``torch.save`` as asked."""
         self._refuse_if_inconsistent("save_16bit_model()")
-        state = self._state_in_compute_dtype(exclude_frozen_parameters)
+        # safetensors refuses tensors that share memory: tied names each get their own copy, as in DeepSpeed
+        state = self._state_in_compute_dtype(exclude_frozen_parameters, share_tied=False)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
@@ -986,19 +987,21 @@ class LazyTrainEngine(nn.Module):
         """DeepSpeed's whole-model state for a ZeRO-3 save: the weights in the training precision on rank 0,
         ``None`` on the others. LazyTrain never partitions a parameter, so this answers at every stage."""
         self._refuse_if_inconsistent("_zero3_consolidated_16bit_state_dict()")
-        state = self._state_in_compute_dtype(exclude_frozen_parameters)
-        return state if self.global_rank == 0 else None
+        if self.global_rank != 0:   # every rank holds the whole weights: nothing to gather, nothing to build
+            return None
+        return self._state_in_compute_dtype(exclude_frozen_parameters)
 
-    def _state_in_compute_dtype(self, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor]:
-        """The masters cast to the training precision (fp32 training: the masters as they are), each tensor
-        once: tied names share one tensor, as in the model, so a saver that drops tied keys can."""
+    def _state_in_compute_dtype(self, exclude_frozen_parameters: bool, share_tied: bool = True) -> dict[str, torch.Tensor]:
+        """The masters cast to the training precision (fp32 training: the masters as they are). ``share_tied``:
+        tied names share one tensor, as in the model, so a saver that drops tied keys can (Hugging Face's
+        ``save_pretrained``); else each name has its own."""
         dtype = self.compute_dtype
         state = self._module_state(exclude_frozen_parameters, copy=False)
         tensor_of = {name: id(t) for name, t in self.module.state_dict(keep_vars=True).items()}
         cast: dict[int, torch.Tensor] = {}
         out = {}
         for k, v in state.items():
-            key = tensor_of[k]
+            key = tensor_of[k] if share_tied else k
             if key not in cast:
                 cast[key] = v.to(dtype, copy=True) if v.is_floating_point() else v.clone()
             out[k] = cast[key]

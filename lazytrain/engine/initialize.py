@@ -21,6 +21,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if model is None:
         raise ConfigError("lazytrain.initialize requires a model")
     _refuse_compiled(model)
+    _refuse_partitioned(model)
     if config is None and config_params is not None:
         config = config_params
     elif config is not None and config_params is not None:
@@ -49,3 +50,13 @@ def _refuse_compiled(model) -> None:
     themselves are checked once they are found (:func:`~lazytrain.engine.blocks.refuse_compiled_blocks`)."""
     if is_compiled(model):
         raise compiled_error("the model")
+
+
+def _refuse_partitioned(model) -> None:
+    """A model built under DeepSpeed's own ``zero.Init`` holds empty placeholders for its parameters (each
+    with a ``ds_id``): LazyTrain needs them whole. Hugging Face builds models that way under a ZeRO-3 config
+    when ``lazytrain.replace_deepspeed()`` came after ``TrainingArguments`` or ``from_pretrained``."""
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ConfigError("the model's parameters were partitioned by DeepSpeed's zero.Init (ZeRO-3): LazyTrain "
+                          "needs them whole. Call lazytrain.replace_deepspeed() before TrainingArguments and "
+                          "before building or loading the model (from_pretrained, from_config)")

@@ -1,7 +1,8 @@
 """DeepSpeed's entry points answered by LazyTrain, for code built on DeepSpeed that a user does not edit.
 
 Hugging Face ``Trainer`` (``TrainingArguments(deepspeed=...)``), ``accelerate`` with a DeepSpeed plugin and
-what builds on them (TRL's trainers) call ``deepspeed.initialize`` themselves. :func:`replace_deepspeed` makes
+what builds on them (TRL's ``SFTTrainer`` is tested; trainers that generate under ZeRO-3 reach into
+DeepSpeed's parameter offload, which LazyTrain does not have) call ``deepspeed.initialize`` themselves. :func:`replace_deepspeed` makes
 that call return a :class:`~lazytrain.engine.engine.LazyTrainEngine`, and adjusts the few other places where
 that code reaches into DeepSpeed:
 
@@ -34,7 +35,9 @@ INSTALL_HINT = ("LazyTrain takes over DeepSpeed's entry points, so DeepSpeed mus
 
 def replace_deepspeed() -> None:
     """Route ``deepspeed.initialize`` (and what Hugging Face and accelerate reach through it) to LazyTrain,
-    for this process. Call it once, before the ``Trainer`` or ``Accelerator`` is built."""
+    for this process. Call it first: before ``TrainingArguments`` or the ``Accelerator``, and before the model
+    is built or loaded (under a ZeRO-3 config Hugging Face would otherwise partition it with DeepSpeed's
+    ``zero.Init``, which :func:`lazytrain.initialize` then refuses)."""
     global _saved
     try:
         import deepspeed

@@ -113,8 +113,9 @@ def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = N
     if want in ("auto", "highs") and "HiGHS" in available:
         # presolve and root restarts off: on some of these models HiGHS 1.16's presolve runs on far past
         # the time limit (seen on qwen2.5-14b / rtx3090 at micro-batch 5 and 9); without it they solve within it
-        return "highs", _HighsFromStart(start, deadline, msg=False, timeLimit=left, gapRel=opts.gap_rel,
-                                        gapAbs=abs_gap, threads=opts.threads, random_seed=0,
+        # given a start, HiGHS's own limit leaves it time to take the start in; the callback stops it after
+        return "highs", _HighsFromStart(start, deadline, msg=False, timeLimit=left + (5.0 if start else 0.0),
+                                        gapRel=opts.gap_rel, gapAbs=abs_gap, threads=opts.threads, random_seed=0,
                                         mip_allow_restart=False, presolve="off")
     for var, value in (start or {}).items():
         var.setInitialValue(value)
@@ -134,7 +135,8 @@ class _HighsFromStart(pulp.HiGHS):
     The integer columns of the start plan are handed to HiGHS as a partial solution (it completes the
     continuous ones), so the search has an incumbent before its first node. HiGHS checks its own time
     limit between phases, and on large models its root LP alone ran past it (3 s on a 1 s limit at 128
-    layers): the interrupt callbacks stop it at the deadline, keeping the best plan found."""
+    layers): the interrupt callbacks stop it at the deadline, keeping the best plan found; given a start,
+    not before the start is its incumbent (taking it in is an LP over the continuous columns)."""
 
     def __init__(self, start, deadline, **kwargs):
         super().__init__(**kwargs)
@@ -148,8 +150,13 @@ class _HighsFromStart(pulp.HiGHS):
             cols = np.array([v.index for v in self.start], dtype=np.int32)
             h.setSolution(len(cols), cols, np.array(list(self.start.values()), dtype=np.float64))
         if self.deadline is not None:
+            mip_interrupt = int(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+
             def stop_at_deadline(kind, message, data_out, data_in, user_data):
-                if time.perf_counter() >= self.deadline:
+                if time.perf_counter() < self.deadline:
+                    return
+                # with a start plan, not before HiGHS has taken it in as its incumbent (a plan to return)
+                if not self.start or (int(kind) == mip_interrupt and data_out.mip_primal_bound < float("inf")):
                     data_in.user_interrupt = True
             h.setCallback(stop_at_deadline, None)
             for kind in (highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt,
@@ -485,6 +492,9 @@ def _status(m: pulp.LpProblem, name: str, solve_s: float, build_s: float) -> Sol
         hm = m.solverModel
         info = hm.getInfo()
         detail = hm.modelStatusToString(hm.getModelStatus())
+        if sol == pulp.LpSolutionIntegerFeasible and info.primal_solution_status != 2:
+            # PuLP reads an interrupted run (the deadline) as feasible whether or not HiGHS found a solution
+            sol = pulp.LpSolutionNoSolutionFound
         try:
             bound = float(info.mip_dual_bound) + float(m.objective.constant)  # HiGHS sees no constant
             gap = float(info.mip_gap)

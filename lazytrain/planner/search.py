@@ -45,10 +45,11 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     """Solve the MILP for ``p``, replay the plan in the simulator (strict: a violated invariant raises)
     and record the simulator's prediction in the Plan."""
     t0 = time.perf_counter()
+    start = _start_plan(p) if opts.warm_start else None
     try:
-        plan, info = build_and_solve(p, opts, start_plan=_start_plan(p) if opts.warm_start else None)
+        plan, info = build_and_solve(p, opts, start_plan=start)
     except NoPlanInTimeError as e:
-        return _fallback(p, e, time.perf_counter() - t0)
+        return _fallback(p, e, time.perf_counter() - t0, start)
     r = simulate(p, plan, strict=True, timeline=False)
     return _predicted(p, plan, r, info.to_dict(), time.perf_counter() - t0, milp_step_time_s=info.objective_s,
                       milp_vs_simulator=(info.objective_s / r.step_time_s - 1) if info.objective_s else None)
@@ -73,15 +74,19 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
     return replace(plan, prediction=pred)
 
 
-def _fallback(p: Problem, error: NoPlanInTimeError, wall: float) -> Plan:
-    """The fastest baseline policy that fits, when the solver found no plan in its time (a large model on
-    a short limit): a plan that runs, said to be one, rather than none."""
+def _fallback(p: Problem, error: NoPlanInTimeError, wall: float, start: Plan | None = None) -> Plan:
+    """When the solver found no plan in its time (a large model on a short limit): the plan it was to start
+    from, else the fastest baseline policy that fits; a plan that runs, said to be one, rather than none."""
     from .policies import BASELINES
-    found = [r for r in (f(p) for f in BASELINES.values()) if r is not None]
+    if start is not None:
+        found = [(start, simulate(p, start, strict=True, timeline=False))]
+    else:
+        found = [r for r in (f(p) for f in BASELINES.values()) if r is not None]
     if not found:
         raise error
     plan, r = min(found, key=lambda pr: pr[1].step_time_s)
-    warnings.warn(f"lazytrain planner: {error}; using the fastest baseline policy that fits instead, "
+    what = "the plan it started from" if start is not None else "the fastest baseline policy that fits"
+    warnings.warn(f"lazytrain planner: {error}; using {what} instead, "
                   f"{plan.policy!r} (predicted step {r.step_time_s:.3f}s). Raise the time limit for the MILP's plan",
                   UserWarning, stacklevel=3)
     return _predicted(p, plan, r, {"status": f"no plan in time, fell back to {plan.policy}", "detail": str(error)},
