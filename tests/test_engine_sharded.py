@@ -126,3 +126,55 @@ def test_bf16_sharded_ranks_end_bit_identical(tmp_path):
     assert all(r["sharded"] for r in results)
     for k in results[0]["weights"]:
         assert torch.equal(results[0]["weights"][k], results[1]["weights"][k]), k
+
+
+def _stalling_worker(rank, port, out_dir, where):
+    """Rank 1 stops (SIGSTOP) where the sharded step is: before its gradient reduce, or on the update thread
+    before its broadcast of updated weights; rank 0 must fail naming that collective."""
+    import signal
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    from lazytrain.engine.distributed import DistributedContext
+    torch.set_num_threads(1)
+    cfg = _config(2, 1, overlap=where == "broadcast")
+    cfg["lazytrain"]["collective_timeout_s"] = 3
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    if rank == 1:
+        name = "reduce_to" if where == "reduce" else "broadcast_from"
+        original = getattr(DistributedContext, name)
+
+        def stop(self, *args, **kwargs):
+            if where == "reduce" or kwargs.get("on_update_thread"):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return original(self, *args, **kwargs)
+        setattr(DistributedContext, name, stop)
+    try:
+        for x, y in batches(2, batch=GLOBAL):
+            part = slice(2 * rank, 2 * rank + 2)
+            engine.backward(lm_loss(engine(x[part]), y[part]))
+            engine.step()
+        engine.wait_for_update()
+    except Exception as e:   # noqa: BLE001 - what rank 0 reports is the test's subject
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("where,collective", [("reduce", "gradient reduce of engine.step()"),
+                                              ("broadcast", "broadcast of updated weights in engine.step()")])
+def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collective(tmp_path, where, collective):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_stalling_worker, args=(r, port, str(tmp_path), where)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    procs[0].join(120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    message = (tmp_path / "rank0.err").read_text()
+    assert f"rank 0 of 2: the {collective} did not complete" in message
+    assert "with a collective timeout of 3 s" in message
