@@ -44,6 +44,7 @@ CASES = {
     "stage0_bf16": ({"stage": 0}, {"bf16": {"enabled": True}}, {}, "torch"),
     "stage2_bf16": ({"stage": 2}, {"bf16": {"enabled": True}}, {}, "torch"),
     "stage3_bf16": ({"stage": 3}, {"bf16": {"enabled": True}}, {}, "torch"),
+    "stage0_fp16": ({"stage": 0}, {"fp16": {"enabled": True, "initial_scale_power": 8}}, {}, "torch"),
     "stage1_fp16": ({"stage": 1}, {"fp16": {"enabled": True, "initial_scale_power": 8}}, {}, "torch"),
     "stage2_bf16_8bit_moments": ({"stage": 2}, {"bf16": {"enabled": True}},
                                  {"optimizer_states": "8bit", "hybrid_threshold": 64}, "torch"),
@@ -185,7 +186,15 @@ def test_deepspeed_loads_exactly_what_lazytrain_saved(exported, name):
             assert torch.equal(m[k], lt["moments"][n][k]), (n, k)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# DeepSpeed 0.19's FP16_UnfusedOptimizer (stage 0 in fp16 around torch's Adam) steps with gradients the
+# loss scale over the gradient norm smaller than its ZeRO path and LazyTrain (its Adam moments here come out
+# 25x smaller; Adam's scale invariance hides it in the weights of its own run): from LazyTrain's moments its
+# next step differs by a few percent. The files load exactly (the tests above and below).
+STEPS_ITS_OWN_WAY = {"stage0_fp16"}
+
+
+@pytest.mark.parametrize("name", [n if n not in STEPS_ITS_OWN_WAY else pytest.param(
+    n, marks=pytest.mark.skip(reason="DeepSpeed's stage-0 fp16 step scales gradients its own way")) for n in CASES])
 def test_one_more_step_in_deepspeed_matches_lazytrains(exported, name):
     lt, ds, _ = case(exported, name)
     tolerance = tolerance_of(name)
