@@ -89,7 +89,7 @@ class Export:
     counters: dict                                 # global_steps, global_samples, skipped_steps
     client_state: dict
     loss_scaler: object | None                     # LazyTrain's LossScaler (fp16)
-    overflow: bool = False                         # the last step was skipped (non-finite gradients)
+    overflow: bool = False                         # the last step's gradients were not finite (it was skipped)
     exclude_frozen: bool = False
     lazytrain_state: dict = field(default_factory=dict)   # plan, micro_steps, ...: into the LazyTrain file
 

@@ -763,7 +763,7 @@ class LazyTrainEngine(nn.Module):
             counters={"global_steps": self.global_steps, "global_samples": self.global_samples,
                       "skipped_steps": self.skipped_steps},
             client_state=dict(client_state or {}), loss_scaler=self.loss_scaler,
-            overflow=self.global_steps + self.skipped_steps > 0 and not self._step_applied,
+            overflow=self._global_grad_norm is not None and not math.isfinite(self._global_grad_norm),
             exclude_frozen=exclude_frozen,
             lazytrain_state={"plan": self.plan.to_dict(), "micro_steps": self.micro_steps,
                              "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None})
