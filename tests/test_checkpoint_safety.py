@@ -200,6 +200,50 @@ def test_a_disk_that_fills_during_the_save_is_named_and_the_old_checkpoint_kept(
     assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
 
 
+class Record(ckpt.PickledByName):
+    pickle_as = "deepspeed.utils.tensor_fragment.fragment_address"
+
+
+def streamed_files(step: int) -> dict:
+    """Files with tensors written piece by piece (a flat concatenation, a 16-bit cast), a record written
+    under DeepSpeed's class name, and views of one storage."""
+    w = torch.arange(12.0).view(3, 4) + step
+    flat = ckpt.Streamed((7,), torch.float32, lambda: [torch.full((3,), float(step)), torch.arange(4.0)])
+    half = ckpt.Streamed((12,), torch.bfloat16, lambda: (w.reshape(-1)[i:i + 5].bfloat16() for i in range(0, 12, 5)))
+    return {ckpt.MODEL_FILE: {"step": step, "w": w, "tied": w, "wt": w.t(), "flat": [flat, flat], "half": half,
+                              "where": Record(numel=7, start=0), "n": torch.tensor(float(step))},
+            ckpt.OPTIM_FILE: {"step": step, "m": torch.full((2000,), float(step))}}
+
+
+def test_streamed_tensors_are_written_in_place_piece_by_piece(tmp_path, monkeypatch):
+    import zipfile
+    from lazytrain.engine import safe_load
+    ckpt.save(str(tmp_path), "t", streamed_files(1), True)
+    path = os.path.join(tmp_path, "t", ckpt.MODEL_FILE)
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None                    # every record's CRC matches its bytes
+    state = safe_load.load(path)
+    w = torch.arange(12.0).view(3, 4) + 1
+    assert torch.equal(state["w"], w) and torch.equal(state["wt"], w.t()) and torch.equal(state["n"], torch.tensor(1.0))
+    assert state["w"].data_ptr() == state["tied"].data_ptr()              # one storage, as torch.save keeps it
+    assert torch.equal(state["flat"][0], torch.tensor([1.0, 1, 1, 0, 1, 2, 3]))
+    assert state["flat"][0].data_ptr() == state["flat"][1].data_ptr()
+    assert state["half"].dtype == torch.bfloat16 and torch.equal(state["half"], w.reshape(-1).bfloat16())
+    assert isinstance(state["where"], safe_load.DeepSpeedRecord) and vars(state["where"]) == {"numel": 7, "start": 0}
+    assert safe_load.load(path, trust=True)["where"].numel == 7           # a trusted load needs no DeepSpeed
+    # a disk that fills while the file's skeleton or its pieces go in: named, and the previous checkpoint kept
+    def full(source):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    cases = {"skeleton": ("_open_for_write", lambda p: _FillsUp(p, 2000)), "pieces": ("_pieces", full)}
+    for where, (name, value) in cases.items():
+        monkeypatch.setattr(ckpt, name, value)
+        with pytest.raises(ckpt.CheckpointSpaceError, match=f"not enough space to save checkpoint tag 't' in {tmp_path}:"
+                                                           f" it needs"):
+            ckpt.save(str(tmp_path), "t", streamed_files(2), True)
+        monkeypatch.undo()
+        assert safe_load.load(path)["step"] == 1 and sorted(os.listdir(tmp_path)) == ["latest", "t"], where
+
+
 @pytest.fixture
 def small_filesystem(tmp_path):
     """A 3 MB file system."""

@@ -12,16 +12,28 @@ free, and leaves the previous checkpoint as it was.
 
 A tag directory without a manifest was written by DeepSpeed or by an earlier LazyTrain: it loads as
 before, without the completeness check.
+
+A file may hold :class:`Streamed` tensors (a flat concatenation of many parameters, a 16-bit copy of a
+weight): torch.save writes the file with room for each tensor's bytes, which then go in piece by piece, so
+such a tensor never exists whole in memory. :class:`PickledByName` records are written under another
+package's class name (DeepSpeed's loss scaler, say) without importing it.
 """
 from __future__ import annotations
 
 import errno
 import glob
 import json
+import math
 import os
+import pickle
 import shutil
+import struct
+import types
 import warnings
-from collections.abc import Callable
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -116,7 +128,168 @@ def _durable_write(path: str, fill) -> int:
 
 
 def _write(path: str, obj) -> int:
-    return _durable_write(path, lambda f: torch.save(obj, f))
+    streamed, named = _scan(obj)
+    if not streamed:
+        return _durable_write(path, lambda f: torch.save(obj, f, pickle_module=_pickling(None) if named else pickle))
+    return _durable_write(path, lambda f: _save_streamed(obj, f, path))
+
+
+# ---- files with streamed tensors ------------------------------------------------------------------
+@dataclass(eq=False)
+class Streamed:
+    """A tensor a save writes into its file piece by piece: ``pieces()`` yields contiguous host tensors of
+    ``dtype`` whose elements, one after the other, are the tensor's (say a flat concatenation of many
+    parameters, or a weight cast to 16 bits). The whole never exists in memory; it loads as a tensor of
+    ``shape``."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: Callable[[], Iterable[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class PickledByName:
+    """A record that a checkpoint file names as another package's class (``pickle_as``, "module.Class")
+    without importing it: a loader with that package builds its object, LazyTrain's own loader a record."""
+    pickle_as = ""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+
+def _scan(obj) -> tuple[bool, bool]:
+    """(holds a Streamed tensor, holds a PickledByName record) in its dicts, lists and tuples."""
+    streamed = named = False
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, Streamed):
+            streamed = True
+        elif isinstance(o, PickledByName):
+            named = True
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return streamed, named
+
+
+def _pickling(placeholders: "_Placeholders | None") -> types.ModuleType:
+    """The pickle module torch.save writes a checkpoint file with: PickledByName records under their class
+    names, and, with ``placeholders``, every tensor swapped for a placeholder of its shape (written with
+    torch.serialization.skip_data, the bytes come after)."""
+    class Pickler(pickle._Pickler):   # the Python pickler: its save_global and save can be extended
+        def save(self, obj, save_persistent_id=True):
+            if placeholders is not None and isinstance(obj, (torch.Tensor, Streamed)):
+                obj = placeholders.of(obj)
+            elif isinstance(obj, Streamed):
+                raise TypeError("a streamed tensor outside the dicts, lists and tuples of a checkpoint file")
+            super().save(obj, save_persistent_id)
+
+        def save_global(self, obj, name=None):
+            target = obj.__dict__.get("pickle_as") if isinstance(obj, type) else None
+            if not target:
+                return super().save_global(obj, name)
+            module, _, qualname = target.rpartition(".")
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())   # as protocol 2 writes a class
+            self.memoize(obj)
+
+    module = types.ModuleType("lazytrain_checkpoint_pickle")
+    module.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")})
+    module.Pickler = Pickler
+    return module
+
+
+class _Placeholders:
+    """Each tensor of a streamed file in the order its storage is written (torch.save numbers storages as
+    the pickler meets them), and the fake tensor standing in for it."""
+
+    def __init__(self):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        self._mode = FakeTensorMode()
+        self._by_key: dict = {}
+        self.sources: list = []                       # Streamed or a real tensor, by storage number
+
+    def of(self, t):
+        if isinstance(t, torch.Tensor) and _is_fake(t):
+            return t
+        if isinstance(t, Streamed):
+            key, shape, dtype = id(t), t.shape, t.dtype
+        else:   # views of one storage written alike share one placeholder (tied weights), as torch.save would
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+            shape, dtype = tuple(t.shape), t.dtype
+        if key not in self._by_key:
+            with self._mode:
+                self._by_key[key] = torch.empty(shape, dtype=dtype)
+            self.sources.append(t)
+        return self._by_key[key]
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
+
+
+def _pieces(source) -> Iterable[torch.Tensor]:
+    if isinstance(source, Streamed):
+        return source.pieces()
+    return [source.detach()]
+
+
+def _save_streamed(obj, f, path: str) -> None:
+    """torch.save with every tensor's bytes left out (the file keeps their room), then each tensor's
+    bytes written in place, piece by piece, and each record's CRC-32 set to what it holds."""
+    placeholders = _Placeholders()
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(obj, f, pickle_module=_pickling(placeholders))
+    f.flush()
+    records = _storage_records(path)
+    if len(records) != len(placeholders.sources):
+        raise RuntimeError(f"{path}: torch.save wrote {len(records)} tensor records for "
+                           f"{len(placeholders.sources)} tensors")
+    for (name, offset, size, crc_at), source in zip(records, placeholders.sources):
+        crc, written = 0, 0
+        f.seek(offset)
+        for piece in _pieces(source):
+            data = piece.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            f.write(memoryview(data))
+            crc, written = zlib.crc32(data, crc), written + data.nbytes
+        if written != size:
+            raise RuntimeError(f"{path}: {name} got {written} bytes from its pieces, its record holds {size}")
+        for pos in crc_at:
+            f.seek(pos)
+            f.write(struct.pack("<I", crc))
+
+
+def _storage_records(path: str) -> list[tuple[str, int, int, list[int]]]:
+    """Each tensor record of a torch.save zip file, in storage order: its name, where its bytes start,
+    how many, and where its CRC-32 is kept (its data descriptor, or its local header; its central
+    directory entry)."""
+    with zipfile.ZipFile(path) as z, open(path, "rb") as raw:
+        central = {}
+        raw.seek(z.start_dir)
+        for _ in z.infolist():
+            entry = raw.tell()
+            fixed = raw.read(46)
+            n, e, c = struct.unpack("<HHH", fixed[28:34])
+            central[raw.read(n).decode()] = entry + 16
+            raw.seek(e + c, os.SEEK_CUR)
+        out = []
+        for info in z.infolist():
+            head, _, key = info.filename.rpartition("/data/")
+            if not head or "/" in head or not key.isdigit():
+                continue
+            raw.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", raw.read(4))
+            offset = info.header_offset + 30 + name_len + extra_len
+            crc_at = [info.header_offset + 14]
+            if info.flag_bits & 0x08:                 # the CRC follows the bytes, in a data descriptor
+                raw.seek(offset + info.compress_size)
+                crc_at = [offset + info.compress_size + (4 if raw.read(4) == b"PK\x07\x08" else 0)]
+            out.append((int(key), info.filename, offset, info.file_size, crc_at + [central[info.filename]]))
+    return [record[1:] for record in sorted(out)]
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -202,6 +375,8 @@ def settle_leftovers(save_dir: str) -> None:
 def _tensor_bytes(obj, seen: set | None = None) -> int:
     """Bytes of the tensor storages in ``obj`` (each storage once): what ``torch.save`` writes, near enough."""
     seen = set() if seen is None else seen
+    if isinstance(obj, Streamed):
+        return obj.nbytes
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())

@@ -1,14 +1,16 @@
 """DeepSpeed's checkpoints read as plain state: full-precision weights and Adam moments by parameter name.
 
 DeepSpeed keeps a run's state where its ZeRO stage puts it. Stage 0: the weights in the model file, the
-optimizer's own ``state_dict`` beside them (or, in bf16, its fp32 partitions). Stages 1 and 2: 16-bit
-weights in the model file, the fp32 masters and the moments as flat partitions per parameter group, one
-file per rank, each parameter at its offset in the concatenated partitions (with DeepSpeed's alignment
-padding after it). Stage 3: every parameter partitioned on its own across the ranks. The parameters'
-names and shapes come from ``param_shapes`` in the model file, in flat order. This module merges the
-ranks' files into one state by name, the way DeepSpeed's own ``zero_to_fp32.py`` reads them; client
-state is what DeepSpeed keeps as top-level keys of the model file. Files are read with the restricted
-loader (:mod:`safe_load`).
+optimizer's own ``state_dict`` beside them, by position (in bf16/fp16, DeepSpeed's fp16 wrapper's state:
+the fp32 masters and the inner optimizer's state over them; given the optimizer's parameter names, both
+are read by name). Stages 1 and 2: 16-bit weights in the model file, the fp32 masters and the moments as
+flat partitions per parameter group, one file per rank, each parameter at its offset in the concatenated
+partitions (with DeepSpeed's alignment padding after it). Stage 3: every parameter partitioned on its own
+across the ranks. The parameters' names and shapes come from ``param_shapes`` in the model file, in flat
+order; parameters the optimizer does not own (frozen), from ``frozen_param_fragments`` (stages 2, 3). This
+module merges the ranks' files into one state by name, the way DeepSpeed's own ``zero_to_fp32.py`` reads
+them; client state is what DeepSpeed keeps as top-level keys of the model file. Files are read with the
+restricted loader (:mod:`safe_load`).
 """
 from __future__ import annotations
 
@@ -75,7 +77,11 @@ def _rank_of(path: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def read(tag_dir: str, want_optimizer: bool, trust: bool = False) -> DeepSpeedState:
+def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
+         stage0_names: list[list[str]] | None = None) -> DeepSpeedState:
+    """The checkpoint in ``tag_dir`` by parameter name. ``stage0_names``: the names of the parameters of
+    the stage-0 optimizer's groups in its order (a stage-0 checkpoint keeps its optimizer state by
+    position): given, the stage-0 moments (and in 16 bits, the fp32 masters) are read by name too."""
     model_files = _model_files(tag_dir)
     if not model_files:
         raise DeepSpeedCheckpointError(f"{tag_dir} holds no DeepSpeed model file (mp_rank_*_model_states.pt)")
@@ -86,6 +92,7 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False) -> DeepSpeedSt
     counters = {k: int(model.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")}
     client = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
     module = {k: v for k, v in model["module"].items()}
+    full = _frozen(model, model_files, stage, trust)  # names whose full-precision value was found
     moments = None
     loss_scale = None
     optim_files = _optim_files(tag_dir)
@@ -96,24 +103,56 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False) -> DeepSpeedSt
             raise DeepSpeedCheckpointError(f"{model_files[0]} has no param_shapes: its ZeRO partitions cannot be "
                                            f"mapped to parameter names")
         masters, moments = _merge(states, shapes, want_optimizer, stage)
-        module.update(masters)                        # fp32 masters over the 16-bit module weights
-        for alias, source in (model.get("shared_params") or {}).items():
-            if source in masters:                     # a tied weight: its other name takes the same master
-                module[alias] = masters[source]
+        full.update(masters)
         scaler = states[0].get("loss_scaler")
         loss_scale = dict(vars(scaler)) if scaler is not None else None
-    stage0 = model.get("optimizer") if want_optimizer and not optim_files else None
+    elif stage0_names is not None and model.get("optimizer") is not None:
+        masters, moments = _stage0(model["optimizer"], stage0_names, module, want_optimizer)
+        full.update(masters)
+    module.update(full)                               # fp32 masters over the 16-bit module weights
+    for alias, source in (model.get("shared_params") or {}).items():
+        if source in full:                            # a tied weight: its other name takes the same master
+            module[alias] = full[source]
+    stage0 = model.get("optimizer") if want_optimizer and not optim_files and stage0_names is None else None
     return DeepSpeedState(module=module, moments=moments if want_optimizer else None, optimizer_state_dict=stage0,
                           lr_scheduler=model.get("lr_scheduler"), counters=counters, loss_scale=loss_scale,
                           client_state=client, stage=stage)
 
 
+def _frozen(model: dict, model_files: list[str], stage: int, trust: bool) -> dict[str, torch.Tensor]:
+    """The parameters the optimizer does not own, from the fragments DeepSpeed keeps of them (stages 2
+    and 3; at stage 3 each rank's model file holds its part)."""
+    shapes = model.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    parts = [model.get("frozen_param_fragments") or {}]
+    if stage == 3:
+        parts += [safe_load.load(f, trust).get("frozen_param_fragments") or {} for f in model_files[1:]]
+    out = {}
+    for name, shape in shapes.items():
+        if all(name in p for p in parts):
+            out[name] = _joined([p[name].reshape(-1) for p in parts]).narrow(0, 0, math.prod(shape)).view(tuple(shape))
+    return out
+
+
 def _moment_groups(state: dict) -> dict:
     """The inner optimizer's per-group state (flat moments of this rank's partition of each group)."""
     base = state.get("base_optimizer_state", state.get("optimizer_state_dict"))
-    if isinstance(base, list):   # older layouts: one state_dict per group
-        return {g: s["state"][0] for g, s in enumerate(base)}
+    if isinstance(base, list):
+        if base and "state" in base[0]:               # older layouts: one state_dict per group
+            return {g: s["state"][0] for g, s in enumerate(base)}
+        step = state.get("base_optimizer_state_step")   # the elastic layout: one state per group
+        return {g: s if step is None or "step" in s else {"step": step, **s} for g, s in enumerate(base)}
     return base["state"]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The ranks' parts one after the other (one rank's as it is: no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _tensor_keys(state: dict) -> list[str]:
+    return [k for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: int):
@@ -127,20 +166,59 @@ def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: 
     for g, group_shapes in enumerate(shapes):
         key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
         parts = {"master": [s[key][g] for s in states]}
+        kept = {}
         if want_optimizer:
-            per_rank = [_moment_groups(s)[g] for s in states]
-            parts.update({k: [r[k] for r in per_rank] for k in ("exp_avg", "exp_avg_sq")})
-            step = per_rank[0]["step"]
+            per_rank = [_moment_groups(s).get(g, {}) for s in states]   # a group never stepped has none
+            parts.update({k: [r[k] for r in per_rank] for k in _tensor_keys(per_rank[0])})
+            kept = {k: v for k, v in per_rank[0].items() if k not in parts}   # the step, scalars
         if stage != 3:
-            parts = {k: [torch.cat(v)] for k, v in parts.items()}
+            parts = {k: [_joined(v)] for k, v in parts.items()}
         offset = 0
         for i, (name, shape) in enumerate(group_shapes.items()):
             n = math.prod(shape)
             width = math.ceil(n / world) if stage == 3 else n
-            full = {k: torch.cat([f.narrow(0, offset, width) for f in v]).narrow(0, 0, n).view(shape).clone()
+            full = {k: _joined([f.narrow(0, offset, width) for f in v]).narrow(0, 0, n).view(tuple(shape)).clone()
                     for k, v in parts.items()}
             masters[name] = full.pop("master")
-            if want_optimizer:
-                moments[name] = {"step": step, **full}
+            if want_optimizer and (full or kept):
+                moments[name] = {**kept, **full}
             offset += width + (pads[g][i] if pads is not None else 0)
     return masters, moments
+
+
+def _stage0(opt: dict, names: list[list[str]], module: dict, want_optimizer: bool):
+    """Masters and moments by name from a stage-0 model file's ``optimizer``: the optimizer's own state
+    dict (fp32), DeepSpeed's FP16_UnfusedOptimizer (fp32 masters per parameter) or FP16_Optimizer (one
+    flat fp32 master per group)."""
+    flat_names = [n for group in names for n in group]
+    if "fp32_groups_flat" in opt:                     # one flat master, one flat state, per group
+        masters, moments = {}, {} if want_optimizer else None
+        inner = opt["optimizer_state_dict"]["state"]
+        for g, group in enumerate(names):
+            parts = {"master": opt["fp32_groups_flat"][g]}
+            kept = {}
+            if want_optimizer and g in inner:
+                parts.update({k: inner[g][k] for k in _tensor_keys(inner[g])})
+                kept = {k: v for k, v in inner[g].items() if k not in parts}
+            offset = 0
+            for name in group:
+                shape = tuple(module[name].shape)
+                n = math.prod(shape)
+                full = {k: v.narrow(0, offset, n).view(shape).clone() for k, v in parts.items()}
+                masters[name] = full.pop("master")
+                if want_optimizer and (full or kept):
+                    moments[name] = {**kept, **full}
+                offset += n
+        return masters, moments
+    masters = {}
+    inner = opt
+    if "fp32_groups" in opt:                          # fp32 masters per trainable parameter
+        masters = {n: t for group, ts in zip(names, opt["fp32_groups"]) for n, t in zip(group, ts)}
+        inner = opt["optimizer_state_dict"]
+    if not want_optimizer:
+        return masters, None
+    index = [i for g in inner["param_groups"] for i in g["params"]]
+    if len(index) != len(flat_names):
+        raise DeepSpeedCheckpointError(f"the stage-0 optimizer state holds {len(index)} parameters, this model's "
+                                       f"optimizer {len(flat_names)}")
+    return masters, {n: dict(inner["state"][i]) for i, n in zip(index, flat_names) if i in inner["state"]}

@@ -24,7 +24,9 @@ from ..tiers.streams import Chaos, EmulatedLink
 from ..trace import Timeline, check_writable, write_chrome_trace
 from . import checkpoint as ckpt
 from . import chunked_loss
+from . import safe_load
 from . import deepspeed_checkpoint as ds_ckpt
+from . import deepspeed_layout as ds_layout
 from . import sharding
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import CollectiveError, DistributedContext
@@ -812,22 +814,11 @@ class LazyTrainEngine(nn.Module):
         tag = ckpt.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
         self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
         self.wait_for_update()
-        model_state = {
-            "module": self._module_state(exclude_frozen_parameters, copy=False),
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-            "global_steps": self.global_steps, "global_samples": self.global_samples,
-            "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
-            "client_state": dict(client_state or {}), "ds_config": self._config.raw,
-            "plan": self.plan.to_dict(),
-        }
-        files = {ckpt.MODEL_FILE: model_state}
-        if self.optimizer is not None:
-            files[ckpt.OPTIM_FILE] = {"optimizer": self._whole_optimizer_state()}
+        export = self._export(client_state, exclude_frozen_parameters)   # every rank: a sharded state is gathered
         error = None
         if self.global_rank == 0:
             try:
-                ckpt.save(save_dir, tag, files, save_latest)
+                ckpt.save(save_dir, tag, ds_layout.files(export), save_latest)
             except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
                 error = e
         # no rank returns (and may load) before the files exist; a failed save fails every rank at once
@@ -837,6 +828,23 @@ class LazyTrainEngine(nn.Module):
             raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on rank 0, which "
                                        f"writes the files: see its error")
         return True
+
+    def _export(self, client_state: dict | None, exclude_frozen: bool) -> ds_layout.Export:
+        """This engine's state for a checkpoint in DeepSpeed's layout (deepspeed_layout.py)."""
+        masters = self.masters.by_param if self.masters is not None else {}
+        return ds_layout.Export(
+            model=self.module, config=self._config.raw, compute_dtype=self.compute_dtype,
+            module_state=self._module_state(exclude_frozen, copy=False), names=self._param_names,
+            masters={n: masters.get(id(p), p) for n, p in self.module.named_parameters()},
+            optimizer=self._whole_optimizer(), optimizer_from_config=self._config.optimizer.type is not None,
+            lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            counters={"global_steps": self.global_steps, "global_samples": self.global_samples,
+                      "skipped_steps": self.skipped_steps},
+            client_state=dict(client_state or {}), loss_scaler=self.loss_scaler,
+            overflow=self._global_grad_norm is not None and not math.isfinite(self._global_grad_norm),
+            exclude_frozen=exclude_frozen,
+            lazytrain_state={"plan": self.plan.to_dict(), "micro_steps": self.micro_steps,
+                             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None})
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -856,7 +864,14 @@ class LazyTrainEngine(nn.Module):
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
         directory = ckpt.tag_dir(load_dir, tag)
-        if ds_ckpt.is_deepspeed(directory, trust):   # read everything first: a file that fails changes nothing
+        lazytrain_file = os.path.join(directory, ds_layout.LAZYTRAIN_FILE)
+        if os.path.isfile(lazytrain_file):   # LazyTrain's, in DeepSpeed's layout; read everything first
+            own = safe_load.load(lazytrain_file, trust)
+            state = ds_ckpt.read(directory, want_optim, trust, stage0_names=own.get("stage0_names"))
+            path = os.path.join(load_dir, tag, ds_layout.model_file(state.stage))   # as DeepSpeed returns it
+            apply = lambda: self._load_own(path, own, state, load_module_strict, load_module_only,  # noqa: E731
+                                           load_lr_scheduler_states, custom_load_fn)
+        elif ds_ckpt.is_deepspeed(directory, trust):   # read everything first: a file that fails changes nothing
             state = ds_ckpt.read(directory, want_optim, trust)
             apply = lambda: self._load_deepspeed(directory, state, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
@@ -888,6 +903,49 @@ class LazyTrainEngine(nn.Module):
             setattr(self, k, model_state.get(k, 0))
         return path, model_state.get("client_state", {})
 
+    def _load_own(self, path: str, own: dict, state, strict: bool, module_only: bool, load_scheduler: bool,
+                  custom_load_fn):
+        """A checkpoint this LazyTrain wrote: the DeepSpeed files (the fp32 masters, the moments they hold
+        exactly, the schedule, counters and client state) with the LazyTrain file (the optimizer's own
+        state around those moments, micro_steps, the loss scaler): bit-identical to what was saved."""
+        module = {**state.module, **own.get("module_extra", {})}
+        for alias, source in ds_layout.shared_params(self.module).items():
+            if source in module:   # a tied weight's every name holds its fp32 value (stage 0 keeps only the
+                module[alias] = module[source]   # first name's master, the others at the training precision)
+        self._load_module_state(module, strict, custom_load_fn)
+        if module_only:
+            return path, state.client_state
+        if state.moments is not None and own.get("optimizer") is not None:
+            self._load_whole_optimizer_state(self._own_optimizer_state(own, state.moments, path))
+        if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
+            self.lr_scheduler.load_state_dict(state.lr_scheduler)
+        if self.loss_scaler is not None and own.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(own["loss_scaler"])
+        for k, v in state.counters.items():
+            setattr(self, k, v)
+        self.micro_steps = int(own.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
+        return path, state.client_state
+
+    @staticmethod
+    def _own_optimizer_state(own: dict, moments: dict, path: str) -> dict:
+        """The optimizer's state dict as saved, each moment the DeepSpeed files hold put back in."""
+        sd, names = own["optimizer"], own["optimizer_names"]
+        index = [i for g in sd["param_groups"] for i in g["params"]]
+        state = {}
+        for i, name in zip(index, names):
+            if i not in sd["state"]:
+                continue
+            state[i] = {}
+            for k, v in sd["state"][i].items():
+                if isinstance(v, str) and v == ds_layout.FROM_DEEPSPEED:
+                    if k not in moments.get(name, {}):
+                        raise ds_ckpt.DeepSpeedCheckpointError(
+                            f"checkpoint {os.path.dirname(path)}: the DeepSpeed files hold no {k!r} for parameter "
+                            f"{name!r}, which {ds_layout.LAZYTRAIN_FILE} refers to them for")
+                    v = moments[name][k]
+                state[i][k] = v
+        return {"state": state, "param_groups": sd["param_groups"]}
+
     def _load_deepspeed(self, directory: str, state, strict: bool, module_only: bool, load_scheduler: bool,
                         custom_load_fn):
         """A checkpoint DeepSpeed wrote (any ZeRO stage, any number of ranks, merged by name): the fp32
@@ -913,6 +971,20 @@ class LazyTrainEngine(nn.Module):
             setattr(self, k, v)
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
         return path, state.client_state
+
+    def _whole_optimizer(self):
+        """The optimizer with every parameter's state, for a checkpoint. Sharded: a collective that gathers
+        the ranks' states into an optimizer over the whole groups on rank 0 (one whole copy of the state in
+        its host memory for the save), None on the others."""
+        if self.shards is None or self.optimizer is None:
+            return self.optimizer
+        whole = self._whole_optimizer_state()
+        if whole is None:
+            return None
+        optimizer = build_optimizer(self._config, self._whole_groups, self._param_names,
+                                    layerwise=type(self.optimizer).__name__ == "HybridAdamW")
+        optimizer.load_state_dict(whole)
+        return optimizer
 
     def _whole_optimizer_state(self) -> dict | None:
         """The optimizer's state_dict as one process's optimizer holds it. Sharded: gathered on rank 0 (a

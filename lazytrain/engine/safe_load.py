@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import enum
 import pickle
+import types
 
 import torch
 
@@ -50,12 +51,27 @@ DEEPSPEED_GLOBALS = [
 ]
 
 
+class _TrustingUnpickler(pickle.Unpickler):
+    """Builds anything (a trusted checkpoint), but DeepSpeed's record types as the records above: a
+    trusted load neither needs DeepSpeed installed nor runs its code."""
+
+    def find_class(self, module, name):
+        record = _RECORDS.get(f"{module}.{name}")
+        return record if record is not None else super().find_class(module, name)
+
+
+_RECORDS = {g[1]: g[0] for g in DEEPSPEED_GLOBALS if isinstance(g, tuple)}
+_TRUSTING = types.ModuleType("lazytrain_trusting_pickle")
+_TRUSTING.__dict__.update({k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")})
+_TRUSTING.Unpickler = _TrustingUnpickler
+
+
 def load(path: str, trust: bool = False):
     """``torch.load`` of one checkpoint file on the host, restricted unless ``trust``; memory-mapped where
     the file's format allows (its pages are read as the state is copied in, not all at once first)."""
     def attempt(mmap: bool):
         if trust:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=_TRUSTING)
         with torch.serialization.safe_globals(DEEPSPEED_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     try:

@@ -292,6 +292,24 @@ class HybridAdamW(torch.optim.Optimizer):
                     st[key] = _contiguous_copy(t, p, torch.float32)
             st["step"] = int(src["step"])
 
+    def fp32_moment_chunks(self, p: torch.Tensor, key: str, max_elems: int = 1 << 24):
+        """``p``'s moment ``key`` ("exp_avg" or "exp_avg_sq") in fp32, flat, as host tensors of at most
+        ``max_elems`` elements (8-bit moments dequantized a few blocks at a time, never whole)."""
+        st = self.state[p]
+        if _kind_of(st) == "fp32":
+            flat = st[key].reshape(-1)
+            for start in range(0, flat.numel(), max_elems):
+                yield flat[start:start + max_elems].to("cpu", torch.float32)
+            return
+        which = "1" if key == "exp_avg" else "2"
+        bs = int(st["block_size"])
+        qmap = get_qmap("dynamic" if which == "1" else "udynamic", st["state" + which].device)
+        codes, absmax = st["state" + which].reshape(-1), st["absmax" + which]
+        step = max(bs, max_elems // bs * bs)
+        for start in range(0, codes.numel(), step):
+            part = codes[start:start + step]
+            yield _dequant(part, absmax[start // bs:start // bs + num_blocks(part.numel(), bs)], qmap, bs).cpu()
+
     # ------------------------------------------------------------------ step
     def record_skipped_step(self, grad_norm: Optional[float] = None) -> None:
         """Count a step skipped because of non-finite gradients (also called by :meth:`step`)."""

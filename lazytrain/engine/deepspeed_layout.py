@@ -1,0 +1,550 @@
+"""LazyTrain's checkpoints written in DeepSpeed 0.19's layout, so that a run moves either way.
+
+Why: a script that trained with LazyTrain can go back to ``deepspeed.initialize()`` with the same config
+and ``load_checkpoint`` the same directory, and DeepSpeed's ``zero_to_fp32.py`` turns it into a plain
+state dict, as with a checkpoint DeepSpeed wrote. The files are those a DeepSpeed run of one rank writes
+for the config's ZeRO stage (``zero_optimization.stage``, default 0): LazyTrain's data-parallel ranks hold
+the same full state, and rank 0 writes it.
+
+* Stage 0: ``mp_rank_00_model_states.pt`` holds the module and, under ``optimizer``, the optimizer's
+  state dict; in bf16/fp16 the module in 16 bits and DeepSpeed's fp16 wrapper's state (the fp32 masters
+  and the inner optimizer's state over them).
+* Stages 1 and 2: ``mp_rank_00_model_states.pt`` (the module in the training precision, ``param_shapes``,
+  ``shared_params``, at stage 2 the frozen parameters) and ``zero_pp_rank_0_mp_rank_00_optim_states.pt``
+  (``bf16_zero_pp_rank_...`` in bf16): per parameter group one flat fp32 partition of the masters, the
+  inner optimizer's state over it padded to DeepSpeed's alignment, the paddings and slice mappings, the
+  loss scaler.
+* Stage 3: ``zero_pp_rank_0_mp_rank_00_model_states.pt`` (parameters as DeepSpeed's empty placeholders,
+  buffers, frozen parameters as fragments) and the optimizer file with one fp32 flat per sub-group
+  (``zero_optimization.sub_group_size``) and the inner optimizer's state over them.
+
+The client state is top-level keys of the model file, where DeepSpeed keeps it. What DeepSpeed has no
+place for goes to ``lazytrain_state.pt`` in the same tag: the plan, ``micro_steps``, LazyTrain's loss
+scaler, and the optimizer's own state (per-parameter steps, HybridAdamW's settings and 8-bit moment codes,
+whose dequantized fp32 values the DeepSpeed files hold); an fp32 moment the DeepSpeed files hold exactly
+is referenced there, not stored twice. LazyTrain resumes from the two bit-identically.
+
+The inner optimizer is written as the one DeepSpeed builds from the same config holds it: torch's
+AdamW/Adam with ``"torch_adam": true``, ``DeepSpeedCPUAdam`` when ZeRO offloads the optimizer, FusedAdam
+otherwise (and at stage 0 in 16 bits, with ``FP16_Optimizer`` around it); an optimizer object passed to
+``initialize`` is written as it is. Flat tensors and 16-bit copies are streamed into the files
+(:class:`checkpoint.Streamed`), never whole in memory.
+
+What DeepSpeed cannot represent is said, never written differently without a word: parameters of one
+flat group that the optimizer stepped a different number of times (DeepSpeed keeps one step per group)
+are written with the group's largest step and a warning naming them; a client state key that DeepSpeed
+uses itself is refused.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from . import checkpoint as ckpt
+from .deepspeed_checkpoint import DEEPSPEED_KEYS
+
+DS_VERSION = "0.19.8"
+LAZYTRAIN_FILE = "lazytrain_state.pt"
+FORMAT = "lazytrain-state"
+FROM_DEEPSPEED = "<in the DeepSpeed files>"   # a moment of the LazyTrain file that the DeepSpeed files hold
+_CHUNK = 1 << 24   # elements per piece of a streamed tensor
+
+
+class LossScaler(ckpt.PickledByName):
+    pickle_as = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+
+
+class DynamicLossScaler(ckpt.PickledByName):
+    pickle_as = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+
+
+class FragmentAddress(ckpt.PickledByName):
+    pickle_as = "deepspeed.utils.tensor_fragment.fragment_address"
+
+
+class ZeroStageEnum(ckpt.PickledByName):
+    pickle_as = "deepspeed.runtime.zero.config.ZeroStageEnum"
+
+    def __reduce__(self):   # an enum member pickles as its class called with its value
+        return type(self), (self.value,)
+
+
+@dataclass
+class Export:
+    """What a LazyTrain engine hands over to be written."""
+    model: nn.Module
+    config: dict                                   # the config as given (DeepSpeed keeps it as ds_config)
+    compute_dtype: torch.dtype
+    module_state: dict                             # name -> tensor: fp32 masters for parameters, buffers
+    names: dict                                    # id(tensor the optimizer updates) -> parameter name
+    masters: dict                                  # parameter name -> its fp32 master
+    optimizer: torch.optim.Optimizer | None
+    optimizer_from_config: bool                    # built from the config's 'optimizer' section
+    lr_scheduler: dict | None
+    counters: dict                                 # global_steps, global_samples, skipped_steps
+    client_state: dict
+    loss_scaler: object | None                     # LazyTrain's LossScaler (fp16)
+    overflow: bool = False                         # the last step's gradients were not finite (it was skipped)
+    exclude_frozen: bool = False
+    lazytrain_state: dict = field(default_factory=dict)   # plan, micro_steps, ...: into the LazyTrain file
+
+
+def files(x: Export) -> dict[str, object]:
+    """File name -> object for ``checkpoint.save``: the DeepSpeed files and the LazyTrain file."""
+    return _Writer(x).files()
+
+
+def model_file(stage: int) -> str:
+    return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+
+
+def optim_file(bf16: bool) -> str:
+    return ("bf16_" if bf16 else "") + "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def _trainable(p: torch.Tensor) -> bool:
+    """DeepSpeed's ``is_optimized_parameter``: what its optimizer wrappers own."""
+    return p.requires_grad and p.numel() > 0
+
+
+class _Writer:
+    def __init__(self, x: Export):
+        self.x = x
+        cfg = x.config
+        self.zero = dict(cfg.get("zero_optimization") or {})
+        self.stage = int(self.zero.get("stage", 0))
+        self.dtype = x.compute_dtype
+        self.opt = x.optimizer
+        self.groups = [g for g in self.opt.param_groups if g["params"]] if self.opt is not None else []
+        self.flavor = self._flavor()
+        for g in self.groups:
+            for p in g["params"]:
+                if id(p) not in x.names:
+                    raise ckpt.CheckpointError(
+                        f"the optimizer updates a tensor of shape {tuple(p.shape)} that is no parameter of the "
+                        f"model; a checkpoint in DeepSpeed's layout names each parameter it holds")
+        # DeepSpeed's optimizer wrappers own the trainable parameters of each group (stages 1-3, and stage 0
+        # in 16 bits); at stage 0 in fp32 the optimizer is used as it is
+        self.wrapped = self.stage > 0 or self.dtype != torch.float32
+        self.flat_groups = [[p for p in g["params"] if _trainable(p)] for g in self.groups]
+        self.covered = {x.names[id(p)] for ps in self.flat_groups for p in ps} if self.wrapped else set()
+        self._casts: dict[tuple, ckpt.Streamed] = {}
+        first: dict[int, str] = {}
+        self.first_names = {n: first.setdefault(id(p), n) for n, p in x.model.named_parameters(remove_duplicate=False)}
+        self.uneven: list[str] = []
+
+    # ---- which optimizer DeepSpeed would hold ---------------------------------------------------
+    def _flavor(self) -> str:
+        """``torch``, ``cpu`` or ``fused``: the Adam DeepSpeed builds from the config; ``own``: the
+        optimizer is written as it is (an object passed to initialize, or a type DeepSpeed builds from
+        torch.optim by name)."""
+        if self.opt is None:
+            return "own"
+        hybrid = type(self.opt).__name__ == "HybridAdamW"
+        typ = str((self.x.config.get("optimizer") or {}).get("type", "")).lower()
+        if not self.x.optimizer_from_config or typ not in ("adam", "adamw"):
+            return "torch" if hybrid else "own"     # DeepSpeed has no HybridAdamW: torch's AdamW holds its state
+        params = (self.x.config.get("optimizer") or {}).get("params") or {}
+        if params.get("torch_adam"):
+            return "torch"
+        offload = str((self.zero.get("offload_optimizer") or {}).get("device", "none")).lower()
+        return "cpu" if self.stage > 0 and offload in ("cpu", "nvme") else "fused"
+
+    def _adamw_mode(self, group: dict) -> bool:
+        if "adamw_mode" in group:
+            return bool(group["adamw_mode"])
+        return isinstance(self.opt, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+
+    def _group(self, g: dict) -> dict:
+        """The group's settings as the DeepSpeed-built optimizer holds them (without ``params``), in its
+        order: the keys the script's group gave first, then the optimizer's defaults."""
+        own = {k: v for k, v in g.items() if k != "params"}
+        if self.flavor == "own":
+            return own
+        common = {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        common["betas"] = tuple(common["betas"])
+        if self.flavor == "torch":
+            params = (self.x.config.get("optimizer") or {}).get("params") or {}
+            kwargs = {k: params[k] for k in ("foreach", "fused") if params.get(k) is not None}
+            cls = torch.optim.AdamW if self._adamw_mode(g) else torch.optim.Adam
+            ref = cls([torch.zeros(1)], amsgrad=bool(g.get("amsgrad", False)), **common, **kwargs).param_groups[0]
+            ref = {k: v for k, v in ref.items() if k != "params"}
+        elif self.flavor == "fused":
+            ref = {"lr": g["lr"], "bias_correction": True, "betas": common["betas"], "eps": g["eps"],
+                   "weight_decay": g["weight_decay"]}
+        else:
+            ref = {**common, "bias_correction": True, "amsgrad": False}
+        given, tail = self._script_keys(g)
+        out = {k: ref.get(k, own[k]) for k in given}
+        out.update((k, v) for k, v in ref.items() if k not in out)
+        out.update((k, own[k]) for k in tail)
+        if self.flavor == "fused" and (any(self.opt.state.values()) or self.wrapped and self.stage == 0):
+            out["step"] = 0   # FusedAdam's first step gives each group a step it never advances
+        return out
+
+    def _script_keys(self, g: dict) -> tuple[list, list]:
+        """The keys the script's group gave (torch fills in the optimizer's defaults after them, in their
+        order) and keys added after that (a schedule's ``initial_lr``)."""
+        defaults = list(self.opt.defaults)
+        keys = [k for k in g if k != "params"]
+        tail = []
+        while keys and keys[-1] not in self.opt.defaults:
+            tail.insert(0, keys.pop())
+        for i in range(len(keys) + 1):
+            if keys[i:] == [d for d in defaults if d not in keys[:i]]:
+                return keys[:i], tail
+        return [k for k in keys if k not in self.opt.defaults], tail
+
+    def _state(self, p: torch.Tensor) -> dict | None:
+        """``p``'s optimizer state as the DeepSpeed-built optimizer holds it: moments in fp32 (real tensors,
+        or streamed where HybridAdamW keeps 8-bit codes), the step as that optimizer counts it."""
+        st = self.opt.state.get(p)
+        if not st:
+            return None
+        if type(self.opt).__name__ == "HybridAdamW":
+            out = {"step": st["step"]}
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[key] = st[key] if key in st else ckpt.Streamed(
+                    tuple(p.shape), torch.float32, lambda p=p, key=key: self.opt.fp32_moment_chunks(p, key, _CHUNK))
+        else:
+            out = dict(st)
+        out = {k: v.to("cpu") if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        if "step" in out and self.flavor != "own":
+            n = int(float(out["step"]))
+            out["step"] = torch.tensor(float(n), dtype=torch.float32) if self.flavor == "torch" else n
+        return out
+
+    # ---- tensors ---------------------------------------------------------------------------------
+    def _name(self, p) -> str:
+        return self.x.names[id(p)]
+
+    def _master(self, p) -> torch.Tensor:
+        return self.x.masters.get(self._name(p), p)
+
+    def _lowp(self, t: torch.Tensor):
+        """The module entry of a parameter whose fp32 master the optimizer state holds: in the training
+        precision, as DeepSpeed's module holds it (cast piece by piece)."""
+        if self.dtype == torch.float32 or not t.is_floating_point():
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))   # a tied weight: one copy
+        if key not in self._casts:
+            self._casts[key] = ckpt.Streamed(tuple(t.shape), self.dtype,
+                                             lambda t=t: (c.to(self.dtype) for c in _chunks(t)))
+        return self._casts[key]
+
+    def _flat(self, parts: list, numel: int) -> ckpt.Streamed:
+        """One flat fp32 tensor: ``parts`` are tensors (read flat), Streamed, or ints (that many zeros)."""
+        def pieces():
+            for part in parts:
+                if isinstance(part, int):
+                    for start in range(0, part, _CHUNK):
+                        yield torch.zeros(min(_CHUNK, part - start), dtype=torch.float32)
+                elif isinstance(part, ckpt.Streamed):
+                    yield from (c.float() for c in part.pieces())
+                else:
+                    yield from (c.float() for c in _chunks(part))
+        return ckpt.Streamed((numel,), torch.float32, pieces)
+
+    # ---- the files -------------------------------------------------------------------------------
+    def files(self) -> dict[str, object]:
+        x = self.x
+        clash = sorted(set(x.client_state) & DEEPSPEED_KEYS)
+        if clash:
+            raise ckpt.CheckpointError(
+                f"client_state key {clash[0]!r} is one DeepSpeed's checkpoint uses itself (client state is kept as "
+                f"top-level keys of the model file, beside module, optimizer, lr_scheduler, ...): rename it")
+        model, optim, lazy_extra = OrderedDict(), None, {}
+        model["module"] = self._module()
+        model["buffer_names"] = _buffer_names(x.model)
+        model["optimizer"] = self._stage0_optimizer() if self.stage == 0 and self.opt is not None else None
+        zero = self.stage > 0 and self.opt is not None
+        flats = self._flat_layout() if zero else None
+        model["param_shapes"] = [OrderedDict((self._name(p), torch.Size(p.shape)) for p in ps) for ps in flats] \
+            if zero else None
+        frozen = self.stage >= 2 and self.opt is not None and not x.exclude_frozen
+        model["frozen_param_shapes"] = self._frozen(lambda t: torch.Size(t.shape)) if frozen else None
+        model["shared_params"] = shared_params(x.model) if zero else None
+        model["frozen_param_fragments"] = self._frozen(lambda t: t.reshape(-1) if self.stage == 3 else t) \
+            if frozen else None
+        model["lr_scheduler"] = x.lr_scheduler
+        model["data_sampler"] = None
+        model["random_ltd"] = None
+        for k in ("skipped_steps", "global_steps", "global_samples"):
+            model[k] = int(x.counters.get(k, 0))
+        model["dp_world_size"] = 1
+        model["mp_world_size"] = 1
+        model["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
+        model["ds_config"] = x.config
+        model["ds_version"] = DS_VERSION
+        model.update(x.client_state)
+        if zero:
+            inner = self._stage3(flats) if self.stage == 3 else self._stage12(flats)
+            optim = {"optimizer_state_dict": inner, "ds_config": x.config, "ds_version": DS_VERSION}
+            if self.stage == 3:   # parameters nothing else holds (trainable, yet in no optimizer group)
+                lazy_extra = {n: p.detach().to("cpu") for n, p in x.masters.items()
+                              if n not in self.covered and _trainable(p)}
+        if self.uneven:
+            warnings.warn(f"lazytrain: checkpoint in DeepSpeed's layout: DeepSpeed keeps one optimizer step count per "
+                          f"parameter group, and these parameters were stepped fewer times than others of their group: "
+                          f"{', '.join(self.uneven[:8])}{' ...' if len(self.uneven) > 8 else ''}; the DeepSpeed files "
+                          f"give them the group's count (LazyTrain resumes them exactly)", UserWarning, stacklevel=4)
+        out = {model_file(self.stage): dict(model)}
+        if optim is not None:
+            out[optim_file(self.dtype == torch.bfloat16)] = optim
+        out[LAZYTRAIN_FILE] = self._lazytrain_file(lazy_extra)
+        return out
+
+    def _module(self) -> OrderedDict:
+        out = OrderedDict()
+        for name, t in self.x.module_state.items():
+            source = self.first_names.get(name)   # None: a buffer
+            if self.stage == 3 and source is not None:   # DeepSpeed's partitioned parameters leave placeholders
+                out[name] = torch.empty(0, dtype=self.dtype if t.is_floating_point() else t.dtype)
+            elif source in self.covered:
+                out[name] = self._lowp(t)
+            else:
+                out[name] = t   # buffers, frozen parameters: as LazyTrain holds them (DeepSpeed casts on load)
+        return out
+
+    def _frozen(self, value) -> OrderedDict:
+        """DeepSpeed's frozen parameter attributes: every parameter its optimizer does not own (its fp32
+        value where LazyTrain keeps a master)."""
+        return OrderedDict((name, value(self.x.masters.get(name, p).detach().to("cpu")))
+                           for name, p in self.x.model.named_parameters() if not _trainable(p))
+
+    # stage 0 ---------------------------------------------------------------------------------------
+    def _stage0_optimizer(self) -> dict:
+        if not self.wrapped:   # fp32: the optimizer's own state dict
+            return self._per_parameter([g["params"] for g in self.groups])
+        if self.flavor == "fused":
+            return self._fp16_optimizer()
+        return self._fp16_unfused_optimizer()
+
+    def _loss_scale_entries(self, always: bool) -> dict:
+        s = self.x.loss_scaler
+        if s is None:
+            steps = int(self.x.counters.get("global_steps", 0)) + int(self.x.counters.get("skipped_steps", 0))
+            return {"dynamic_loss_scale": False, "cur_scale": 1.0, "cur_iter": steps} if always else {}
+        out = {"dynamic_loss_scale": bool(s.dynamic), "cur_scale": s.scale, "cur_iter": int(s.cur_iter)}
+        if s.dynamic:
+            out.update(last_overflow_iter=int(s.last_overflow_iter), scale_factor=2.0, scale_window=s.scale_window)
+        return out
+
+    def _fp16_unfused_optimizer(self) -> dict:
+        """DeepSpeed's FP16_UnfusedOptimizer (what wraps torch's Adam in bf16/fp16): fp32 masters per
+        parameter, the inner optimizer's state over the trainable parameters only."""
+        return {**self._loss_scale_entries(always=True), "optimizer_state_dict": self._per_parameter(self.flat_groups),
+                "fp32_groups": [[self._master(p).detach().to("cpu") for p in ps] for ps in self.flat_groups]}
+
+    def _per_parameter(self, params_by_group: list[list[torch.Tensor]]) -> dict:
+        """A state dict over these parameters of each group, numbered in order as torch numbers them."""
+        state, groups, i = {}, [], 0
+        for g, ps in zip(self.groups, params_by_group):
+            for p in ps:
+                st = self._state(p)
+                if st is not None:
+                    state[i] = st
+                i += 1
+            groups.append({**self._group(g), "params": list(range(i - len(ps), i))})
+        return {"state": state, "param_groups": groups}
+
+    def _fp16_optimizer(self) -> dict:
+        """DeepSpeed's FP16_Optimizer (what wraps FusedAdam in bf16/fp16): one flat fp32 master per group.
+        (Its set-up steps FusedAdam once with zero gradients, so a run of its own counts one step more;
+        the count written is the updates applied, with which DeepSpeed continues LazyTrain's run.)"""
+        state, flats = {}, []
+        for i, ps in enumerate(self.flat_groups):
+            numel = sum(p.numel() for p in ps)
+            flats.append(self._flat([self._master(p).detach() for p in ps], numel))
+            st = self._flat_state(ps, [0] * len(ps), 0, numel)
+            if st is not None:
+                state[i] = st
+        groups = [{**self._group(g), "params": [i]} for i, g in enumerate(self.groups)]
+        clip = float(self.x.config.get("gradient_clipping", 0.0) or 0.0)
+        return {**self._loss_scale_entries(always=False),
+                "optimizer_state_dict": {"state": state, "param_groups": groups},
+                "fp32_groups_flat": flats, "clip_grad": clip}
+
+    # stages 1-3 ------------------------------------------------------------------------------------
+    def _flat_layout(self) -> list[list[torch.Tensor]]:
+        """The parameters of each flat group in order: per parameter group (stages 1, 2), per sub-group of
+        ``sub_group_size`` elements (stage 3)."""
+        if self.stage != 3:
+            return self.flat_groups
+        size = int(float(self.zero.get("sub_group_size", 1e9)))
+        self.sub_of_group = []
+        out = []
+        for ps in self.flat_groups:
+            subs, sub, n = [], [], 0
+            for j, p in enumerate(ps):
+                sub.append(p)
+                n += p.numel()
+                if n >= size or j == len(ps) - 1:
+                    subs.append(sub)
+                    sub, n = [], 0
+            self.sub_of_group.append(list(range(len(out), len(out) + len(subs))))
+            out.extend(subs)
+        return out
+
+    def _flat_state(self, ps, paddings, tail: int, numel: int) -> dict | None:
+        """The inner optimizer's state over one flat group: each moment laid out as the masters are, the
+        group's one step."""
+        states = [self._state(p) for p in ps]
+        if all(s is None for s in states):
+            return None
+        keys = [k for s in states if s is not None for k, v in s.items()
+                if k != "step" and (isinstance(v, ckpt.Streamed) or (isinstance(v, torch.Tensor) and v.dim() > 0))]
+        keys = list(dict.fromkeys(keys))
+        steps = [float(s["step"]) if s is not None and "step" in s else None for s in states]
+        known = [s for s in steps if s is not None]
+        top = max(known) if known else None
+        self.uneven += [self._name(p) for p, s in zip(ps, steps) if s != top]
+        out = {}
+        if top is not None:
+            first = next(s["step"] for s in states if s is not None and "step" in s and float(s["step"]) == top)
+            out["step"] = first
+        for key in keys:
+            parts = []
+            for p, s, pad in zip(ps, states, paddings):
+                parts.append(s[key] if s is not None and key in s else p.numel())
+                parts.append(pad)
+            parts.append(tail)
+            out[key] = self._flat(parts, numel)
+        for s in states:   # scalars other than the step, as the optimizer holds them
+            for k, v in (s or {}).items():
+                if k != "step" and k not in keys and k not in out:
+                    out[k] = v
+        return out
+
+    def _stage12(self, flats) -> dict:
+        """DeepSpeedZeroOptimizer.state_dict() of one rank (the rigid layout, which DeepSpeed loads with
+        elastic_checkpoint on or off)."""
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        param_alignment = 16 // math.gcd(16, elsize) if self.zero.get("parameter_alignment") else 1
+        base_state, fp32, group_pads, param_pads, mappings = {}, [], [], [], []
+        for i, ps in enumerate(flats):
+            pads, offsets, offset = [], [], 0
+            for j, p in enumerate(ps):
+                offsets.append(offset)
+                offset += p.numel()
+                pad = 0 if j == len(ps) - 1 else (-offset) % param_alignment
+                pads.append(pad)
+                offset += pad
+            aligned = math.ceil(offset / 2) * 2   # nccl_start_alignment_factor (2) x one rank
+            group_pads.append(aligned - offset)
+            param_pads.append(pads)
+            fp32.append(self._flat([x for p, pad in zip(ps, pads) for x in (self._master(p).detach(), pad)], offset))
+            st = self._flat_state(ps, pads, aligned - offset, aligned)
+            if st is not None:
+                base_state[i] = st
+            mappings.append(OrderedDict((self._name(p), FragmentAddress(numel=p.numel(), start=o))
+                                        for p, o in zip(ps, offsets)))
+        groups = [{**self._group(g), "params": [i]} for i, g in enumerate(self.groups)]
+        clip = float(self.x.config.get("gradient_clipping", 0.0) or 0.0)
+        return {"loss_scaler": self._ds_loss_scaler(), "dynamic_loss_scale": self._dynamic(),
+                "overflow": bool(self.x.overflow), "clip_grad": clip,
+                "base_optimizer_state": {"state": base_state, "param_groups": groups},
+                "single_partition_of_fp32_groups": fp32,
+                "zero_stage": ZeroStageEnum(value=self.stage), "group_paddings": group_pads,
+                "param_alignment_paddings": param_pads, "partition_count": [1] * len(flats), "ds_version": DS_VERSION,
+                "param_slice_mappings": mappings}
+
+    def _stage3(self, flats) -> dict:
+        """DeepSpeedZeroOptimizer_Stage3.state_dict() of one rank."""
+        state, fp32 = {}, []
+        for i, ps in enumerate(flats):
+            numel = sum(p.numel() for p in ps)
+            fp32.append(self._flat([self._master(p).detach() for p in ps], numel))
+            st = self._flat_state(ps, [0] * len(ps), 0, numel)
+            if st is not None:
+                state[i] = st
+        groups = [{**self._group(g), "params": subs} for g, subs in zip(self.groups, self.sub_of_group)]
+        return {"zero_stage": ZeroStageEnum(value=3), "loss_scaler": self._ds_loss_scaler(),
+                "dynamic_loss_scale": self._dynamic(), "overflow": bool(self.x.overflow), "partition_count": 1,
+                "optimizer_state_dict": {"state": state, "param_groups": groups}, "fp32_flat_groups": fp32}
+
+    def _dynamic(self) -> bool:
+        return bool(self.x.loss_scaler is not None and self.x.loss_scaler.dynamic)
+
+    def _ds_loss_scaler(self):
+        s = self.x.loss_scaler
+        if s is None:
+            return LossScaler(cur_scale=1.0, dynamic=False)
+        if not s.dynamic:
+            return LossScaler(cur_scale=s.scale, dynamic=False)
+        return DynamicLossScaler(cur_scale=s.scale, dynamic=True, cur_iter=int(s.cur_iter),
+                                 last_overflow_iter=int(s.last_overflow_iter), scale_factor=2.0,
+                                 scale_window=s.scale_window, min_scale=s.min_scale, delayed_shift=s.hysteresis,
+                                 cur_hysteresis=s.cur_hysteresis, consecutive_hysteresis=s.consecutive_hysteresis,
+                                 raise_error_at_min_scale=True, dtype=torch.float16)
+
+    # the LazyTrain file -----------------------------------------------------------------------------
+    def _lazytrain_file(self, module_extra: dict) -> dict:
+        """LazyTrain's own state: the optimizer's state dict with each fp32 moment the DeepSpeed files
+        hold exactly replaced by a reference to them."""
+        sd, names, stage0 = None, [], None
+        if self.opt is not None:
+            sd = self.opt.state_dict()
+            positions = [p for g in self.opt.param_groups for p in g["params"]]
+            index = [i for g in sd["param_groups"] for i in g["params"]]
+            names = [self.x.names.get(id(p)) for p in positions]
+            in_ds = {id(p) for ps in self.flat_groups for p in ps} if self.wrapped else \
+                {id(p) for g in self.groups for p in g["params"]}
+            state = {}
+            for i, p in zip(index, positions):
+                if i not in sd["state"]:
+                    continue
+                held = self._state(p) if id(p) in in_ds else None
+                state[i] = {k: (FROM_DEEPSPEED if held is not None and _exact_moment(v, held.get(k), p) else v)
+                            for k, v in sd["state"][i].items()}
+            sd = {"state": state, "param_groups": sd["param_groups"]}
+            if self.stage == 0:   # the names of the DeepSpeed optimizer's parameters, in its order
+                stage0 = [[self._name(p) for p in ps] for ps in self.flat_groups] if self.wrapped else \
+                    [[self._name(p) for p in g["params"]] for g in self.groups]
+        return {"format": FORMAT, "version": 2, "deepspeed_stage": self.stage, "optimizer": sd,
+                "optimizer_names": names, "stage0_names": stage0, "module_extra": module_extra,
+                **self.x.lazytrain_state}
+
+
+def _exact_moment(value, held, p) -> bool:
+    """The DeepSpeed files hold this moment exactly: the fp32 tensor itself (or its host copy)."""
+    return isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and value.dim() > 0 and \
+        value.dtype == held.dtype == torch.float32 and value.numel() == p.numel() and \
+        (held is value or held.device != value.device)
+
+
+def _chunks(t: torch.Tensor):
+    flat = t.detach().reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        yield flat[start:start + _CHUNK].to("cpu")
+
+
+def _buffer_names(model: nn.Module) -> list[str]:
+    """DeepSpeed's ``_get_buffer_names``: the persistent buffers, module by module."""
+    out = []
+
+    def walk(module, prefix):
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out.append(prefix + name)
+        for name, child in module.named_children():
+            if child is not None:
+                walk(child, prefix + name + ".")
+    walk(model, "")
+    return out
+
+
+def shared_params(model: nn.Module) -> dict[str, str]:
+    """DeepSpeed's ``_get_shared_params``: each further name of a tied parameter -> its first name."""
+    first, out = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
