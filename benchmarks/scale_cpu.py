@@ -1,0 +1,191 @@
+"""Data parallel on this CPU: 1, 2 and 4 ranks (gloo) on the same global batch, LazyTrain with its optimizer
+state sharded (zero_optimization.stage 2) beside DeepSpeed ZeRO-2 and ZeRO-3 with CPU offload of the
+optimizer (when DeepSpeed is installed and its CPU Adam op is built or can be).
+
+Per rank it reports what the run holds in host memory for training state (fp32 master weights, optimizer
+state, gradient buffers, compute-dtype copies: the tensors each system allocates for them, counted by their
+sizes), the bytes the ranks send per step (measured: the loopback interface's transmitted bytes over the
+timed steps, divided by steps and ranks; every rank talks over loopback here), the median step wall time,
+and the process CPU time per step per rank (the ranks share this machine's two cores, so wall time grows
+with the number of ranks whatever the system does).
+
+    python benchmarks/scale_cpu.py [--ranks 1 2 4] [--steps 4] [--no-deepspeed]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.multiprocessing as mp
+
+GLOBAL_BATCH, SEQ = 8, 128
+SHAPE = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loopback_tx() -> int:
+    with open("/proc/net/dev") as f:
+        for line in f:
+            if line.strip().startswith("lo:"):
+                return int(line.split(":", 1)[1].split()[8])
+    return 0
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_key_value_heads=8, max_position_embeddings=SEQ, tie_word_embeddings=False,
+                                        use_cache=False, **SHAPE))
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, SHAPE["vocab_size"], (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(n)]
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if torch.is_tensor(t) and t.dim() > 0:
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def _lazytrain(world, rank):
+    import lazytrain
+    cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+           "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "lazytrain": {"checkpoint_interval": 4}}
+    engine, _, _, _ = lazytrain.initialize(model=_model(), config=cfg)
+    w = engine.weights
+    held = list(w.master) + list(w.grad)                               # fp32 weights and gradient buffers
+    held += [p for p in engine.non_block_params] + [p.grad for p in engine.non_block_params]
+    held += [t for st in engine.optimizer.state.values() for t in st.values()]
+
+    def step(ids):
+        engine.backward(torch.nn.functional.cross_entropy(engine(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten()))
+        engine.step()
+
+    def state():
+        return _bytes(held + [t for st in engine.optimizer.state.values() for t in st.values()])
+    return step, state
+
+
+def _deepspeed(world, rank, stage):
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model()
+    cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
+           "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def step(ids):
+        engine.backward(torch.nn.functional.cross_entropy(engine(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten()))
+        engine.step()
+
+    def state():
+        opt = engine.optimizer
+        tensors = [p for p in engine.module.parameters()] + [getattr(p, "ds_tensor", None) for p in engine.module.parameters()]
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "averaged_gradients",
+                     "bit16_groups_flat", "fp16_partitioned_groups_flat"):
+            group = getattr(opt, name, None)
+            if isinstance(group, dict):
+                group = [t for v in group.values() for t in (v if isinstance(v, list) else [v])]
+            tensors += list(group or [])
+        tensors += [getattr(t, "grad", None) for t in list(tensors)]   # fp32 partitions' gradients
+        inner = getattr(opt, "optimizer", opt)
+        tensors += [t for st in inner.state.values() for t in st.values()]
+        return _bytes([t for t in tensors if t is not None])
+    return step, state
+
+
+def _worker(rank, world, port, system, steps, out):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    step, state = _lazytrain(world, rank) if system == "lazytrain" else _deepspeed(world, rank, int(system[-1]))
+    batches = _batches(steps + 1)
+    per = GLOBAL_BATCH // world
+    step(batches[0][per * rank:per * rank + per])           # warm-up: states allocated
+    if world > 1:
+        torch.distributed.barrier()
+    tx0, cpu0 = _loopback_tx(), time.process_time()
+    walls = []
+    for ids in batches[1:]:
+        t0 = time.perf_counter()
+        step(ids[per * rank:per * rank + per])
+        walls.append(time.perf_counter() - t0)
+    if world > 1:
+        torch.distributed.barrier()
+    result = {"state_bytes": state(), "wall_s": statistics.median(walls), "cpu_s": (time.process_time() - cpu0) / steps,
+              "tx": _loopback_tx() - tx0}
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if world > 1 and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def run(system, world, steps):
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(world, _free_port(), system, steps, out), nprocs=world, join=True)
+        rows = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
+    sent = rows[0]["tx"] / steps / world if world > 1 else 0   # loopback counts every rank's traffic once
+    return {"per_rank": max(r["state_bytes"] for r in rows), "total": sum(r["state_bytes"] for r in rows),
+            "sent": sent, "wall": statistics.median(r["wall_s"] for r in rows),
+            "cpu": statistics.median(r["cpu_s"] for r in rows)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--no-deepspeed", action="store_true")
+    args = ap.parse_args(argv)
+    systems = ["lazytrain"]
+    if not args.no_deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+            systems += ["deepspeed-zero2", "deepspeed-zero3"]
+        except ImportError:
+            print("DeepSpeed not installed: LazyTrain alone (pip install 'lazytrain[deepspeed]')")
+    n = sum(p.numel() for p in _model().parameters())
+    print(f"Llama {n / 1e6:.1f}M parameters, global batch {GLOBAL_BATCH} x seq {SEQ}, fp32, AdamW; "
+          f"{args.steps} timed steps after one warm-up")
+    print(f"{'system':<17} {'ranks':>5} {'state MB/rank':>13} {'state MB total':>14} {'x 1 rank':>8} "
+          f"{'sent MB/rank/step':>17} {'wall s/step':>11} {'cpu s/step/rank':>15}")
+    for system in systems:
+        base = None
+        for world in args.ranks:
+            try:
+                r = run(system, world, args.steps)
+            except Exception as e:   # noqa: BLE001 - one system failing must not hide the others
+                print(f"{system:<17} {world:>5}  failed: {type(e).__name__}: {str(e).splitlines()[-1][:120]}")
+                continue
+            base = base or (r["total"] if world == 1 else None)
+            ratio = f"{r['total'] / base:.2f}" if base else "-"
+            print(f"{system:<17} {world:>5} {r['per_rank'] / 1e6:>13.1f} {r['total'] / 1e6:>14.1f} {ratio:>8} "
+                  f"{r['sent'] / 1e6:>17.1f} {r['wall']:>11.3f} {r['cpu']:>15.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
