@@ -132,3 +132,24 @@ def test_a_tied_weight_loads_its_fp32_master_under_both_names():
     assert master.dtype == torch.float32 and torch.equal(state.module["2.weight"], master)
     masters = engine.module_state_dict()
     assert torch.equal(masters["0.weight"], master) and torch.equal(masters["2.weight"], master)
+
+
+def test_a_deepspeed_stage0_fp16_checkpoint_resumes_with_its_fp32_masters_and_moments():
+    """Stage 0 in fp16 keeps FP16_Optimizer's state in the model file, by position: the fp32 masters in
+    fp32_groups and the moments in the inner optimizer's state. They load by the names those positions have
+    in the script's parameter order (the module entry holds only the fp16 rounding of each weight)."""
+    engine = engine_for("fp16")
+    _, client = engine.load_checkpoint(os.path.join(HERE, "stage0_fp16"))
+    assert client == {"epoch": 3}
+    raw = torch.load(os.path.join(HERE, "stage0_fp16", "global_step1", "mp_rank_00_model_states.pt"),
+                     weights_only=False)   # DeepSpeed's own file, read here to state the expectation
+    names = [n for n, _ in mlp().named_parameters()]
+    fp32 = raw["optimizer"]["fp32_groups"][0]
+    inner = raw["optimizer"]["optimizer_state_dict"]["state"]
+    masters, moments = engine.module_state_dict(), moments_of(engine)
+    for i, name in enumerate(names):
+        assert torch.equal(masters[name], fp32[i]), name
+        assert torch.equal(moments[name]["exp_avg"], inner[i]["exp_avg"]), name
+        assert torch.equal(moments[name]["exp_avg_sq"], inner[i]["exp_avg_sq"]), name
+    assert engine.loss_scaler.scale == raw["optimizer"]["cur_scale"]
+    assert engine.global_steps == 1

@@ -872,7 +872,12 @@ class LazyTrainEngine(nn.Module):
             apply = lambda: self._load_own(path, own, state, load_module_strict, load_module_only,  # noqa: E731
                                            load_lr_scheduler_states, custom_load_fn)
         elif ds_ckpt.is_deepspeed(directory, trust):   # read everything first: a file that fails changes nothing
-            state = ds_ckpt.read(directory, want_optim, trust)
+            # a stage-0 checkpoint keeps the optimizer's state by position: DeepSpeed's groups are the ones the
+            # script passed to initialize, as this engine's are, so its positions name the same parameters
+            groups = self._whole_groups if self.shards is not None else \
+                (self.optimizer.param_groups if self.optimizer is not None else [])
+            names = [[self._param_names.get(id(p), "") for p in g["params"]] for g in groups]
+            state = ds_ckpt.read(directory, want_optim, trust, stage0_names=names if want_optim else None)
             apply = lambda: self._load_deepspeed(directory, state, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
         else:
