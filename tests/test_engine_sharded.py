@@ -178,3 +178,24 @@ def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collect
     message = (tmp_path / "rank0.err").read_text()
     assert f"rank 0 of 2: the {collective} did not complete" in message
     assert "with a collective timeout of 3 s" in message
+
+
+def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path):
+    """Multi-node as torchrun runs it: two launchers (--nnodes 2, one process each, node ranks 0 and 1)
+    meeting at one rendezvous address; here both on this machine."""
+    import subprocess
+    import sys
+    port = _free_port()
+    script = os.path.join(os.path.dirname(__file__), "dp_programs", "train_sharded.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+                               "1", "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               script, str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for n in (0, 1)]
+    outputs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), outputs
+    steps = batches(3, batch=4)
+    ref = reference(steps, 2)
+    for rank in (0, 1):
+        assert max_rel_diff(as_model(torch.load(tmp_path / f"rank{rank}.pt")), ref) < 1e-5
