@@ -34,6 +34,17 @@ def run_program(name: str, out, *args) -> dict:
     return torch.load(os.path.join(out, "result.pt"))
 
 
+def run_with_torchrun(name: str, out, nproc: int, *args) -> dict:
+    """The program started by torchrun with ``nproc`` processes on this machine (rank 0's result)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                        "--master_port", str(_free_port()), os.path.join(PROGRAMS, name), str(out), *args],
+                       env=dict(env, TOKENIZERS_PARALLELISM="false"), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return torch.load(os.path.join(out, "result.pt"))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
@@ -91,6 +102,17 @@ def test_in_bf16_saved_folders_hold_the_trained_weights_in_bf16_as_deepspeed_sav
         loaded = from_pretrained(out / folder)
         assert {v.dtype for v in loaded.values()} == {torch.bfloat16}
         assert_same_weights(loaded, masters_in_bf16, exact=True)
+
+
+def test_two_ranks_of_a_trainer_script_shard_the_state_and_train_as_plain_data_parallel(tmp_path):
+    """torchrun with 2 processes: LazyTrain (ZeRO-2 config: the optimizer state sharded over the ranks)
+    against the same script without DeepSpeed (torch's DistributedDataParallel)."""
+    lazy = run_with_torchrun("trainer_run.py", tmp_path / "lazy", 2, "--config", "zero2")
+    plain = run_with_torchrun("trainer_run.py", tmp_path / "plain", 2, "--config", "plain")
+    assert lazy["sharded"] and not plain["sharded"]
+    torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
+    assert_same_weights(lazy["weights"], plain["weights"], exact=False)
+    assert_same_weights(from_pretrained(tmp_path / "lazy" / "final"), lazy["weights"], exact=True)
 
 
 def test_resume_from_checkpoint_continues_bit_identically(runs, tmp_path):

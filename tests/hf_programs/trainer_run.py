@@ -48,5 +48,6 @@ weights = engine.module_state_dict() if a.config != "plain" else {k: v.clone() f
 if a.config != "plain":
     assert type(engine).__name__ == "LazyTrainEngine", type(engine)
 torch.save({"weights": weights, "eval_loss": eval_loss, "logits": logits, "step": trainer.state.global_step,
+            "sharded": getattr(engine, "shards", None) is not None,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]},
            os.path.join(a.out, "result.pt"))
