@@ -199,3 +199,92 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path):
     ref = reference(steps, 2)
     for rank in (0, 1):
         assert max_rel_diff(as_model(torch.load(tmp_path / f"rank{rank}.pt")), ref) < 1e-5
+
+
+def _failing_worker(rank, port, out_dir, overlap):
+    """Rank 1's optimizer fails in step 2 (serially, or in layer 1's overlapped update). Every rank must fail
+    that step together, well within the collective timeout, and then resume from the checkpoint of step 1."""
+    import time
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    cfg = _config(2, 1, overlap)
+    cfg["lazytrain"]["collective_timeout_s"] = 60
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    data = batches(3, batch=GLOBAL)
+    part = slice(2 * rank, 2 * rank + 2)
+
+    def train(x, y):
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+        engine.wait_for_update()
+
+    train(*data[0])
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="one")
+    name = "update" if overlap else "step"
+    original = getattr(engine.optimizer, name)
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("disk on fire")
+        setattr(engine.optimizer, name, broken)
+    t0 = time.monotonic()
+    try:
+        train(*data[1])
+        outcome = "no error"
+    except Exception as e:   # noqa: BLE001 - the test's subject
+        outcome = f"{type(e).__name__}: {e}"
+    waited = time.monotonic() - t0
+    setattr(engine.optimizer, name, original)
+    engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="one")
+    train(*data[2])
+    torch.save({"outcome": outcome, "waited": waited, "weights": engine.module_state_dict()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
+def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_recovers(tmp_path, overlap):
+    mp.spawn(_failing_worker, args=(_free_port(), str(tmp_path), overlap), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert "disk on fire" in r1["outcome"]
+    assert "failed on another rank: see its error" in r0["outcome"]
+    assert r0["waited"] < 30 and r1["waited"] < 30            # not the collective timeout
+    for k in r0["weights"]:                                    # resumed and trained on: still one model
+        assert torch.equal(r0["weights"][k], r1["weights"][k]), k
+
+
+def _group_adding_worker(rank, port, out_dir):
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(2, 1, False))
+    temperature = torch.nn.Parameter(torch.ones(()))   # a loss's learnable scale, added after initialize
+    engine.optimizer.add_param_group({"params": [temperature]})
+    for x, y in batches(2, batch=GLOBAL):
+        part = slice(2 * rank, 2 * rank + 2)
+        engine.backward(lm_loss(engine(x[part]), y[part]) * temperature)
+        engine.step()
+    whole = engine._whole_optimizer_state()   # what a save gathers on rank 0 (the DeepSpeed-layout writer
+    whole = [whole]                            # refuses a tensor outside the model: tested in one process)
+    torch.distributed.broadcast_object_list(whole, src=0)
+    saved = engine.optimizer.state[temperature]["exp_avg"].clone()
+    engine.optimizer.state[temperature]["exp_avg"].zero_()
+    engine._load_whole_optimizer_state(whole[0])
+    torch.save({"temperature": temperature.detach().clone(), "saved": saved,
+                "loaded": engine.optimizer.state[temperature]["exp_avg"].clone()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_a_group_added_after_initialize_is_replicated_gathered_and_restored(tmp_path):
+    mp.spawn(_group_adding_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert torch.equal(r0["temperature"], r1["temperature"]) and not torch.equal(r0["temperature"], torch.ones(()))
+    for r in (r0, r1):
+        assert torch.equal(r["loaded"], r["saved"]) and r["saved"].abs().sum() > 0

@@ -149,11 +149,12 @@ class DistributedContext:
         if self.enabled:
             self._collective(what, dist.barrier, group=self.host_group)
 
-    def all_succeeded(self, ok: bool, what: str) -> bool:
+    def all_succeeded(self, ok: bool, what: str, on_update_thread: bool = False) -> bool:
         """Whether ``ok`` holds on every rank (a rank whose part failed tells the others, which would
         otherwise wait for it until the timeout)."""
         if not self.enabled:
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        self._collective(what, dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=self.host_group)
+        group = self.update_group if on_update_thread else self.host_group
+        self._collective(what, dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())

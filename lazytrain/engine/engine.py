@@ -531,14 +531,23 @@ class LazyTrainEngine(nn.Module):
     def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
         """The whole update now, then every streamed layer's compute copy refreshed."""
         with self._host_writes(range(self.weights.num_layers)), streams.span("optimizer", "update all"):
-            if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
-                self.optimizer.step(clip_coef=factor)
-            else:
-                if factor != 1.0:
-                    _scale_(grads, factor)
-                self.optimizer.step()
-            if self.shards is not None:
+            error = None
+            try:
+                if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
+                    self.optimizer.step(clip_coef=factor)
+                else:
+                    if factor != 1.0:
+                        _scale_(grads, factor)
+                    self.optimizer.step()
+            except Exception as e:   # noqa: BLE001 - sharded: the other ranks must hear of it first
+                if self.shards is None:
+                    raise
+                error = e
+            if self.shards is not None:   # every rank takes part in every broadcast, then all fail together
                 self._share_updated(self._layers_with_grads(), non_block=True)
+                if not self.dist.all_succeeded(error is None, "agreement that every rank's share of the update "
+                                                              "succeeded, in engine.step()"):
+                    raise error or RuntimeError("the optimizer update failed on another rank: see its error")
             for i in range(self.weights.num_layers):
                 try:
                     self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
@@ -594,16 +603,32 @@ class LazyTrainEngine(nn.Module):
 
         launched = self._compute_stream_point()   # queued kernels may still read resident device copies
 
+        failed: list[BaseException] = []   # sharded: this rank's first failure, raised once every rank agreed
+
         def update_layer(i: int) -> None:
             if layer_grads[i]:
                 with self._host_writes([i], launched):
-                    if self._updates_here(i):
-                        self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
-                                              grads=layer_grads[i])
+                    try:
+                        if self._updates_here(i) and not failed:
+                            self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
+                                                  grads=layer_grads[i])
+                    except Exception as e:   # noqa: BLE001 - sharded: go on with the broadcasts, fail at the end
+                        if self.shards is None:
+                            raise
+                        failed.append(e)
                     if self.shards is not None:
                         self._share_updated([i], on_update_thread=True)
-                    w.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
+                    try:
+                        w.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
+                    except Exception as e:   # noqa: BLE001 - as above
+                        if self.shards is None:
+                            raise
+                        failed.append(e)
             w.zero_layer_grads(i)
+            if self.shards is not None and i == w.num_layers - 1:   # the ranks fail together or not at all
+                if not self.dist.all_succeeded(not failed, "agreement that every rank's layer updates succeeded",
+                                               on_update_thread=True):
+                    raise failed[0] if failed else RuntimeError("a layer update failed on another rank: see its error")
         self.layer_updates.launch(update_layer, range(w.num_layers))
 
     def _record_peaks(self) -> None:
@@ -689,7 +714,7 @@ class LazyTrainEngine(nn.Module):
             return []
         groups = self.optimizer.param_groups
         if self.shards is not None:   # the same list on every rank: the whole groups, then any added since
-            groups = self._whole_groups + groups[len(self._whole_groups):]
+            groups = self._all_whole_groups()
         return [p for g in groups for p in g["params"] if id(p) not in self._model_param_ids]
 
     def _zero_non_block_grads(self) -> None:
@@ -814,9 +839,14 @@ class LazyTrainEngine(nn.Module):
         tag = ckpt.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
         self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
         self.wait_for_update()
-        export = self._export(client_state, exclude_frozen_parameters)   # every rank: a sharded state is gathered
         error = None
-        if self.global_rank == 0:
+        try:   # every rank: a sharded optimizer state is gathered on rank 0 here
+            export = self._export(client_state, exclude_frozen_parameters)
+        except CollectiveError:
+            raise   # names the collective; the ranks cannot agree on anything else now
+        except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
+            error = e
+        if self.global_rank == 0 and error is None:
             try:
                 ckpt.save(save_dir, tag, ds_layout.files(export), save_latest)
             except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
@@ -825,8 +855,9 @@ class LazyTrainEngine(nn.Module):
         if not self.dist.all_succeeded(error is None, "agreement of save_checkpoint (rank 0 writes the files)"):
             if error is not None:
                 raise error
-            raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on rank 0, which "
-                                       f"writes the files: see its error")
+            raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank "
+                                       f"(rank 0 writes the files, after the ranks' parts are gathered): see its "
+                                       f"error")
         return True
 
     def _export(self, client_state: dict | None, exclude_frozen: bool) -> ds_layout.Export:
@@ -874,7 +905,7 @@ class LazyTrainEngine(nn.Module):
         elif ds_ckpt.is_deepspeed(directory, trust):   # read everything first: a file that fails changes nothing
             # a stage-0 checkpoint keeps the optimizer's state by position: DeepSpeed's groups are the ones the
             # script passed to initialize, as this engine's are, so its positions name the same parameters
-            groups = self._whole_groups if self.shards is not None else \
+            groups = self._all_whole_groups() if self.shards is not None else \
                 (self.optimizer.param_groups if self.optimizer is not None else [])
             names = [[self._param_names.get(id(p), "") for p in g["params"]] for g in groups]
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=names if want_optim else None)
@@ -977,6 +1008,10 @@ class LazyTrainEngine(nn.Module):
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
         return path, state.client_state
 
+    def _all_whole_groups(self) -> list[dict]:
+        """Sharded: the groups the optimizer was built with, whole, then any the script added since."""
+        return self._whole_groups + self.optimizer.param_groups[len(self._whole_groups):]
+
     def _whole_optimizer(self):
         """The optimizer with every parameter's state, for a checkpoint. Sharded: a collective that gathers
         the ranks' states into an optimizer over the whole groups on rank 0 (one whole copy of the state in
@@ -986,7 +1021,7 @@ class LazyTrainEngine(nn.Module):
         whole = self._whole_optimizer_state()
         if whole is None:
             return None
-        optimizer = build_optimizer(self._config, self._whole_groups, self._param_names,
+        optimizer = build_optimizer(self._config, self._all_whole_groups(), self._param_names,
                                     layerwise=type(self.optimizer).__name__ == "HybridAdamW")
         optimizer.load_state_dict(whole)
         return optimizer
@@ -997,14 +1032,16 @@ class LazyTrainEngine(nn.Module):
         local = self.optimizer.state_dict()
         if self.shards is None:
             return local
-        parts = self.dist.gather_to_rank0(sharding.whole_state(local, self._whole_groups, self.shards),
-                                          "gather of the sharded optimizer state for save_checkpoint")
+        groups = self._all_whole_groups()
+        mine = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()}   # unpickled on rank 0's host
+                for i, st in sharding.whole_state(local, groups, self.shards).items()}
+        parts = self.dist.gather_to_rank0(mine, "gather of the sharded optimizer state for save_checkpoint")
         if parts is None:
             return None
         state = {}
-        for part in parts:
+        for part in parts:   # a replicated tensor's state comes from every rank, the same
             state.update(part)
-        return {"state": state, "param_groups": sharding.whole_param_groups(local, self._whole_groups)}
+        return {"state": state, "param_groups": sharding.whole_param_groups(local, groups)}
 
     def _load_whole_optimizer_state(self, whole: dict) -> None:
         """A whole optimizer state_dict (one process's order, any number of ranks saved it): sharded, this
@@ -1012,7 +1049,7 @@ class LazyTrainEngine(nn.Module):
         if self.shards is None:
             self.optimizer.load_state_dict(whole)
         else:
-            self.optimizer.load_state_dict(sharding.local_state(whole, self._whole_groups, self.shards))
+            self.optimizer.load_state_dict(sharding.local_state(whole, self._all_whole_groups(), self.shards))
 
     def _optimizer_state_from(self, moments: dict, directory: str) -> dict:
         """This optimizer's state_dict with DeepSpeed's moments put in by parameter name."""

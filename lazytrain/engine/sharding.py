@@ -9,7 +9,9 @@ Adam moments, 8 of the 16 bytes a parameter costs on the host in fp32 states.
 
 A checkpoint holds the optimizer state whole, in the order a single process's optimizer has it: the
 ranks' states are gathered on rank 0 to save, and each rank keeps its own from a whole one on load, so a
-checkpoint saved with N ranks loads with M ranks, or into one process.
+checkpoint saved with N ranks loads with M ranks, or into one process. ``groups`` below are the optimizer's
+whole groups: those it was built with, then any added since (whose tensors are replicated, every rank
+holding and updating them).
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ class Ownership:
         return self.layer_owner[i] == self.rank
 
     def owns(self, p: torch.Tensor) -> bool:
-        return self.param_owner[id(p)] == self.rank
+        """A tensor no rank owns (in a group added after the assignment) is every rank's: replicated."""
+        return self.param_owner.get(id(p), self.rank) == self.rank
 
 
 def assign(layer_params: list[list[torch.Tensor]], other_params: list[torch.Tensor], rank: int,
