@@ -465,3 +465,40 @@ def test_the_next_save_leaves_files_of_the_users_own_alone(tmp_path):
     (tmp_path / ".notes.staging").write_text("mine")     # a file, not a directory a save staged
     ckpt.save(str(tmp_path), "t", files_of(1), True)
     assert (tmp_path / ".notes.staging").read_text() == "mine"
+
+
+def test_an_optimizer_tensor_outside_the_model_is_saved_and_restored(tmp_path):
+    """A loss's learnable temperature in a group added to the optimizer: DeepSpeed's files cannot name it,
+    so its value and Adam state travel in LazyTrain's file; a resumed run continues exactly."""
+    import lazytrain
+    from engine_models import batches, lm_loss, make_model
+
+    def engine_with_temperature():
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config={
+                "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2}})
+        temperature = torch.nn.Parameter(torch.ones(()))
+        engine.optimizer.add_param_group({"params": [temperature]})
+        return engine, temperature
+
+    def train(engine, temperature, data):
+        for x, y in data:
+            engine.backward(lm_loss(engine(x), y) * temperature)
+            engine.step()
+
+    data = batches(4)
+    straight, t_straight = engine_with_temperature()
+    train(straight, t_straight, data)
+    first, t_first = engine_with_temperature()
+    train(first, t_first, data[:2])
+    first.save_checkpoint(str(tmp_path))
+    resumed, t_resumed = engine_with_temperature()
+    resumed.load_checkpoint(str(tmp_path))
+    assert torch.equal(t_resumed, t_first)
+    train(resumed, t_resumed, data[2:])
+    assert torch.equal(t_resumed, t_straight)
+    for k, v in straight.module_state_dict().items():
+        assert torch.equal(resumed.module_state_dict()[k], v), k

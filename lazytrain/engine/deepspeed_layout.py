@@ -120,14 +120,13 @@ class _Writer:
         self.stage = int(self.zero.get("stage", 0))
         self.dtype = x.compute_dtype
         self.opt = x.optimizer
-        self.groups = [g for g in self.opt.param_groups if g["params"]] if self.opt is not None else []
+        groups = self.opt.param_groups if self.opt is not None else []
+        # tensors the optimizer updates that are no parameter of the model (a loss's learnable temperature):
+        # DeepSpeed's files name every tensor they hold, so these live in the LazyTrain file alone
+        self.extras = [p for g in groups for p in g["params"] if id(p) not in x.names]
+        self.groups = [{**g, "params": [p for p in g["params"] if id(p) in x.names]} for g in groups]
+        self.groups = [g for g in self.groups if g["params"]]
         self.flavor = self._flavor()
-        for g in self.groups:
-            for p in g["params"]:
-                if id(p) not in x.names:
-                    raise ckpt.CheckpointError(
-                        f"the optimizer updates a tensor of shape {tuple(p.shape)} that is no parameter of the "
-                        f"model; a checkpoint in DeepSpeed's layout names each parameter it holds")
         # DeepSpeed's optimizer wrappers own the trainable parameters of each group (stages 1-3, and stage 0
         # in 16 bits); at stage 0 in fp32 the optimizer is used as it is
         self.wrapped = self.stage > 0 or self.dtype != torch.float32
@@ -508,7 +507,7 @@ class _Writer:
                     [[self._name(p) for p in g["params"]] for g in self.groups]
         return {"format": FORMAT, "version": 2, "deepspeed_stage": self.stage, "optimizer": sd,
                 "optimizer_names": names, "stage0_names": stage0, "module_extra": module_extra,
-                **self.x.lazytrain_state}
+                "extra_params": [p.detach().to("cpu", copy=True) for p in self.extras], **self.x.lazytrain_state}
 
 
 def _exact_moment(value, held, p) -> bool:

@@ -951,6 +951,15 @@ class LazyTrainEngine(nn.Module):
         self._load_module_state(module, strict, custom_load_fn)
         if module_only:
             return path, state.client_state
+        extras, saved_extras = self._extra_params(), own.get("extra_params", [])
+        if [tuple(t.shape) for t in extras] != [tuple(t.shape) for t in saved_extras]:
+            raise ckpt.CheckpointError(f"checkpoint {os.path.dirname(path)} holds {len(saved_extras)} optimizer "
+                                       f"tensor(s) outside the model ({[tuple(t.shape) for t in saved_extras]}); "
+                                       f"this engine's optimizer has {[tuple(t.shape) for t in extras]}: add the "
+                                       f"same parameter groups before loading")
+        with torch.no_grad():
+            for t, saved in zip(extras, saved_extras):
+                t.copy_(saved)
         if state.moments is not None and own.get("optimizer") is not None:
             self._load_whole_optimizer_state(self._own_optimizer_state(own, state.moments, path))
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
