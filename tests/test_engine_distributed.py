@@ -227,5 +227,5 @@ def test_a_save_that_fails_on_rank_0_fails_every_rank_at_once(tmp_path):
     waited1, outcome1 = (tmp_path / "rank1.txt").read_text().split("\n", 1)
     assert outcome0 == "OSError: [Errno 28] No space left on device"
     assert outcome1 == (f"CheckpointError: save_checkpoint of tag 'global_step0' to {tmp_path / 'ckpt'} failed on "
-                        f"rank 0, which writes the files: see its error")
+                        f"another rank (rank 0 writes the files, after the ranks' parts are gathered): see its error")
     assert float(waited1) < 30                         # not the 120 s timeout
