@@ -286,3 +286,15 @@ def test_a_group_added_after_initialize_is_replicated_saved_and_restored(tmp_pat
     assert torch.equal(r0["temperature"], r1["temperature"]) and not torch.equal(r0["temperature"], torch.ones(()))
     for r in (r0, r1):
         assert torch.equal(r["loaded"], r["saved"]) and r["saved"].abs().sum() > 0
+
+
+def test_a_bf16_sharded_save_loads_whole_into_one_process(tmp_path):
+    """bf16 compute with fp32 masters and moments: a checkpoint of 2 sharded ranks (stage 2, DeepSpeed's bf16
+    optimizer file) loads into one process with every master exactly and every moment present."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = run(2, tmp_path, stage=2, steps=batches(2, batch=GLOBAL, seed=1), save_dir=ckpt, dtype="bf16")
+    assert os.path.isfile(os.path.join(ckpt, "t", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    loaded = run(1, tmp_path, stage=2, steps=[], load_dir=ckpt, dtype="bf16")[0]
+    for k, v in saved[0]["weights"].items():
+        assert torch.equal(loaded["weights"][k], v), k
+    assert loaded["state_bytes"] == sum(r["state_bytes"] for r in saved)
