@@ -143,12 +143,11 @@ def _stalling_worker(rank, port, out_dir, where):
     cfg["lazytrain"]["collective_timeout_s"] = 3
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     if rank == 1:
-        name = "reduce_to" if where == "reduce" else "broadcast_from"
+        name = "reduce_to" if where == "reduce" else "broadcast_started"   # the update thread's broadcasts
         original = getattr(DistributedContext, name)
 
         def stop(self, *args, **kwargs):
-            if where == "reduce" or kwargs.get("on_update_thread"):
-                os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
             return original(self, *args, **kwargs)
         setattr(DistributedContext, name, stop)
     try:
@@ -298,3 +297,36 @@ def test_a_bf16_sharded_save_loads_whole_into_one_process(tmp_path):
     for k, v in saved[0]["weights"].items():
         assert torch.equal(loaded["weights"][k], v), k
     assert loaded["state_bytes"] == sum(r["state_bytes"] for r in saved)
+
+
+def _chaos_worker(rank, world, port, out_dir, seed):
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    cfg = _config(world, 2, overlap=True)
+    if seed is not None:   # every transfer and layer update delayed at random (different on each rank)
+        cfg["lazytrain"]["testing"] = {"copy_threads": True, "chaos_seed": seed + 1000 * rank, "chaos_max_delay_ms": 3}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    per = GLOBAL // world
+    for x, y in batches(3, batch=GLOBAL):
+        part = slice(per * rank, per * rank + per)
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+    engine.wait_for_update()
+    torch.save(engine.module_state_dict(), os.path.join(out_dir, f"{seed}-rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weights_bit_for_bit(tmp_path, world):
+    for seed in (None, 1, 2):
+        mp.spawn(_chaos_worker, args=(world, _free_port(), str(tmp_path), seed), nprocs=world, join=True)
+    calm = torch.load(tmp_path / "None-rank0.pt")
+    for seed in (1, 2):
+        for rank in range(world):
+            shaken = torch.load(tmp_path / f"{seed}-rank{rank}.pt")
+            for k in calm:
+                assert torch.equal(shaken[k], calm[k]), (seed, rank, k)

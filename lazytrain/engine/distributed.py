@@ -83,11 +83,14 @@ class DistributedContext:
         try:
             collective(*args, async_op=True, **kwargs).wait(timedelta(seconds=self.timeout_s))
         except RuntimeError as e:
-            raise CollectiveError(
-                f"rank {self.rank} of {self.world_size}: the {what} did not complete: it failed after "
-                f"{time.monotonic() - t0:.1f} s, with a collective timeout of {self.timeout_s:g} s "
-                f"('lazytrain.collective_timeout_s'). Another rank stopped, hung or died before reaching it "
-                f"({type(e).__name__}: {e})") from e
+            raise self._failed(what, t0, e) from e
+
+    def _failed(self, what: str, t0: float, e: BaseException) -> CollectiveError:
+        return CollectiveError(
+            f"rank {self.rank} of {self.world_size}: the {what} did not complete: it failed after "
+            f"{time.monotonic() - t0:.1f} s, with a collective timeout of {self.timeout_s:g} s "
+            f"('lazytrain.collective_timeout_s'). Another rank stopped, hung or died before reaching it "
+            f"({type(e).__name__}: {e})")
 
     def average(self, host_tensors: list[torch.Tensor], device_tensors: list[torch.Tensor]) -> None:
         """Divide by the world size, then all-reduce (sum), in place: dividing first keeps loss-scaled
@@ -108,12 +111,29 @@ class DistributedContext:
             t.div_(self.world_size)
             self._collective("gradient reduce of engine.step()", dist.reduce, t, dst=owner, group=self.group_for(t))
 
-    def broadcast_from(self, tensors: list[torch.Tensor], owner: int, on_update_thread: bool = False) -> None:
+    def broadcast_from(self, tensors: list[torch.Tensor], owner: int) -> None:
         """Rank ``owner``'s values into every rank's ``tensors`` (the owner's updated weights)."""
         for t in tensors:
-            group = self.update_group if on_update_thread and t.device.type == "cpu" else self.group_for(t)
             self._collective("broadcast of updated weights in engine.step()", dist.broadcast, t, src=owner,
-                             group=group)
+                             group=self.group_for(t))
+
+    def broadcast_started(self, t: torch.Tensor, owner: int):
+        """Start rank ``owner``'s broadcast of host tensor ``t`` on the update thread's group; returns the call
+        that waits for it (at most the timeout, a failure named as in :meth:`_collective`). Every rank starts
+        the same broadcasts in the same order; they complete in that order."""
+        t0 = time.monotonic()
+        what = "broadcast of updated weights in engine.step()"
+        try:
+            work = dist.broadcast(t, src=owner, group=self.update_group, async_op=True)
+        except RuntimeError as e:
+            raise self._failed(what, t0, e) from e
+
+        def finish() -> None:
+            try:
+                work.wait(timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                raise self._failed(what, t0, e) from e
+        return finish
 
     def sum_over_ranks(self, value: float) -> float:
         flag = torch.tensor([value], dtype=torch.float64)

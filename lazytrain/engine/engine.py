@@ -603,33 +603,61 @@ class LazyTrainEngine(nn.Module):
 
         launched = self._compute_stream_point()   # queued kernels may still read resident device copies
 
-        failed: list[BaseException] = []   # sharded: this rank's first failure, raised once every rank agreed
+        if self.shards is not None:
+            update_layer = self._sharded_layer_updates(layer_grads, groups, factor, launched)
+        else:
+            def update_layer(i: int) -> None:
+                if layer_grads[i]:
+                    with self._host_writes([i], launched):
+                        self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
+                                              grads=layer_grads[i])
+                        w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                w.zero_layer_grads(i)
+        self.layer_updates.launch(update_layer, range(w.num_layers))
+
+    def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched):
+        """The update thread's work when the optimizer state is sharded: ``update_layer(i)`` for i in order.
+
+        Each call first runs ahead: for the next layers up to ``world_size`` past i it opens the host-write
+        fence, updates the ones this rank owns and starts every layer's broadcast from its owner, in layer
+        order on every rank. So a rank updates its next layer while it waits for another rank's, and the
+        ranks' updates run side by side. Then it waits for layer i's broadcast, refreshes its compute copy
+        and closes the fence; the layer counts as done when the call returns. A failure on this rank is kept
+        while the broadcasts go on (every rank must make them all), and after the last layer the ranks agree
+        whether every update succeeded: all fail together, or none does."""
+        w, shards = self.weights, self.shards
+        layers = [i for i in range(w.num_layers) if layer_grads[i]]
+        position = {layer: n for n, layer in enumerate(layers)}
+        started: dict[int, object] = {}      # layer -> the wait for its broadcast
+        issued = [0]                         # how many of ``layers`` were started
+        failed: list[BaseException] = []
+
+        def start(k: int) -> None:
+            self.stream.before_host_write([k])
+            try:
+                if shards.owns_layer(k) and not failed:
+                    self.optimizer.update(list(layer_grads[k]), clip_coef=factor, groups=groups, grads=layer_grads[k])
+            except Exception as e:   # noqa: BLE001 - the broadcasts go on; the ranks fail together at the end
+                failed.append(e)
+            started[k] = self.dist.broadcast_started(w.master[k], shards.layer_owner[k])
 
         def update_layer(i: int) -> None:
             if layer_grads[i]:
-                with self._host_writes([i], launched):
-                    try:
-                        if self._updates_here(i) and not failed:
-                            self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
-                                                  grads=layer_grads[i])
-                    except Exception as e:   # noqa: BLE001 - sharded: go on with the broadcasts, fail at the end
-                        if self.shards is None:
-                            raise
-                        failed.append(e)
-                    if self.shards is not None:
-                        self._share_updated([i], on_update_thread=True)
-                    try:
-                        w.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
-                    except Exception as e:   # noqa: BLE001 - as above
-                        if self.shards is None:
-                            raise
-                        failed.append(e)
+                last = min(position[i] + self.world_size, len(layers) - 1)
+                while issued[0] <= last:
+                    start(layers[issued[0]])
+                    issued[0] += 1
+                started.pop(i)()
+                try:
+                    w.refresh_compute_copy(i, host_copy_current=self._fused_copies and shards.owns_layer(i))
+                except Exception as e:   # noqa: BLE001 - as above
+                    failed.append(e)
+                self.stream.after_host_write(i, launched)
             w.zero_layer_grads(i)
-            if self.shards is not None and i == w.num_layers - 1:   # the ranks fail together or not at all
-                if not self.dist.all_succeeded(not failed, "agreement that every rank's layer updates succeeded",
-                                               on_update_thread=True):
-                    raise failed[0] if failed else RuntimeError("a layer update failed on another rank: see its error")
-        self.layer_updates.launch(update_layer, range(w.num_layers))
+            if i == w.num_layers - 1 and not self.dist.all_succeeded(
+                    not failed, "agreement that every rank's layer updates succeeded", on_update_thread=True):
+                raise failed[0] if failed else RuntimeError("a layer update failed on another rank: see its error")
+        return update_layer
 
     def _record_peaks(self) -> None:
         self.last_step_peak_bytes = {name: tier.peak_bytes for name, tier in self.tiers.items()}
@@ -683,11 +711,12 @@ class LazyTrainEngine(nn.Module):
             mine = local + (_global_norm(replicated) ** 2 if self.global_rank == 0 else 0.0)
             return math.sqrt(self.dist.sum_over_ranks(mine))
 
-    def _share_updated(self, layers=(), non_block: bool = False, on_update_thread: bool = False) -> None:
-        """Sharded state: the owners' updated fp32 weights to every rank."""
+    def _share_updated(self, layers=(), non_block: bool = False) -> None:
+        """Sharded state: the owners' updated fp32 weights to every rank (the update thread has its own,
+        pipelined way: :meth:`_sharded_layer_updates`)."""
         shards, w = self.shards, self.weights
         for i in layers:
-            self.dist.broadcast_from([w.master[i]], shards.layer_owner[i], on_update_thread=on_update_thread)
+            self.dist.broadcast_from([w.master[i]], shards.layer_owner[i])
         if non_block:
             for t in self._non_block_grad_holders():
                 owner = shards.param_owner.get(id(t))
