@@ -564,3 +564,15 @@ def test_a_budget_that_is_no_memory_size_is_named():
                          host_mem_bytes=10**12)
     with pytest.raises(InfeasibleBudgetError, match=r"GPU budget 1e\+30 bytes is not a memory size"):
         make_problem("qwen2.5-7b", hw, 4, 1024, Budgets(gpu_bytes=1e30))
+
+
+def test_a_rank_holding_a_share_of_the_optimizer_state_is_budgeted_for_that_share():
+    whole = make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", host="400GB"))
+    quarter = make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", host="400GB",
+                                                                        optimizer_state_share=0.25))
+    weights_and_grads = 4 + 2 + 2             # fp32 master, bf16 streamed copy, gradients: whole on every rank
+    moments = whole.host_bytes_per_param - weights_and_grads
+    assert quarter.host_bytes_per_param == pytest.approx(weights_and_grads + moments / 4)
+    assert quarter.host_act_budget > whole.host_act_budget
+    with pytest.raises(ValueError, match=r"optimizer_state_share must be in \(0, 1\], got 0"):
+        make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", optimizer_state_share=0))

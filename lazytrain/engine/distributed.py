@@ -119,16 +119,17 @@ class DistributedContext:
 
     def broadcast_started(self, t: torch.Tensor, owner: int):
         """Start rank ``owner``'s broadcast of host tensor ``t`` on the update thread's group; returns the call
-        that waits for it (at most the timeout, a failure named as in :meth:`_collective`). Every rank starts
-        the same broadcasts in the same order; they complete in that order."""
-        t0 = time.monotonic()
+        that waits for it (at most the timeout from that call, a failure named as in :meth:`_collective`).
+        Every rank starts the same broadcasts in the same order, which pairs them up across ranks; gloo may
+        complete them in another order, so each is waited for on its own."""
         what = "broadcast of updated weights in engine.step()"
         try:
             work = dist.broadcast(t, src=owner, group=self.update_group, async_op=True)
         except RuntimeError as e:
-            raise self._failed(what, t0, e) from e
+            raise self._failed(what, time.monotonic(), e) from e
 
         def finish() -> None:
+            t0 = time.monotonic()
             try:
                 work.wait(timedelta(seconds=self.timeout_s))
             except RuntimeError as e:

@@ -643,11 +643,22 @@ class LazyTrainEngine(nn.Module):
 
         def update_layer(i: int) -> None:
             if layer_grads[i]:
-                last = min(position[i] + self.world_size, len(layers) - 1)
-                while issued[0] <= last:
-                    start(layers[issued[0]])
-                    issued[0] += 1
-                started.pop(i)()
+                try:
+                    last = min(position[i] + self.world_size, len(layers) - 1)
+                    while issued[0] <= last:
+                        start(layers[issued[0]])
+                        issued[0] += 1
+                    started.pop(i)()
+                except BaseException:
+                    # a broadcast failed (CollectiveError): the ones started ahead may still write into their
+                    # layers' masters, which count as done once this raises; wait for them before that
+                    for finish in started.values():
+                        try:
+                            finish()
+                        except Exception:   # noqa: BLE001 - the first failure is the one raised
+                            pass
+                    started.clear()
+                    raise
                 try:
                     w.refresh_compute_copy(i, host_copy_current=self._fused_copies and shards.owns_layer(i))
                 except Exception as e:   # noqa: BLE001 - as above

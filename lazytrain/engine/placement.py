@@ -120,7 +120,10 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
                if "nvme" in tiers else 0,
                # the logits as the engine computes them: in chunks when configured, else whole
-               "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * lt.seq_len}
+               "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * lt.seq_len,
+               # what this rank holds: the Adam moments of its share of the layers when the state is sharded
+               "optimizer_state_share": 1 / cfg.world_size if cfg.zero_stage >= 1 and cfg.world_size > 1 and
+               cfg.optimizer.type is not None else 1.0}
     # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
     hardware = _hardware_profile(cfg, device)
     if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model

@@ -57,6 +57,7 @@ class Budgets:
     gpu_reserved_bytes: int = GiB       # CUDA context, cuBLAS workspace, allocator fragmentation
     hybrid_8bit_fraction: float = 0.02  # share of parameters whose Adam moments are 8-bit blockwise
     loss_chunk_tokens: int = 2048       # the LM head computes logits and loss in chunks of this many tokens
+    optimizer_state_share: float = 1.0  # the part of the Adam moments this rank holds (1/ranks when sharded)
 
     @classmethod
     def of(cls, gpu=None, host=None, nvme=None, **kw) -> "Budgets":
@@ -131,7 +132,10 @@ class Problem:
         self.slot_slack = 2 * (max(self.Wl) - min(self.Wl))
         self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes + self.slot_slack
         f8 = self.budgets.hybrid_8bit_fraction
-        adam = (1 - f8) * 8 + f8 * (2 + 8 / 4096)                     # fp32 moments / 8-bit blockwise
+        share = self.budgets.optimizer_state_share
+        if not 0 < share <= 1:
+            raise ValueError(f"optimizer_state_share must be in (0, 1], got {share}")
+        adam = share * ((1 - f8) * 8 + f8 * (2 + 8 / 4096))           # fp32 moments / 8-bit blockwise
         self.host_bytes_per_param = 4 + db + db + adam               # master, streamed copy, grads, moments
         self.host_static = int(m.total_params * self.host_bytes_per_param)
         self.host_act_budget = self.host_budget - self.host_static
