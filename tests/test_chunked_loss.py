@@ -32,7 +32,8 @@ def data(n, seed=3):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3", "qwen2", "mistral", "gemma", "phi3", "mixtral",
+                                    "qwen2moe"])
 @pytest.mark.parametrize("with_num_items", [False, True])
 def test_chunked_loss_trains_as_the_models_own_loss(family, with_num_items, monkeypatch):
     """Against the same engine computing the model's own loss (whole logits), step by step: the loss, and
