@@ -699,11 +699,10 @@ class LazyTrainEngine(nn.Module):
         initialize) is averaged on every rank, as without sharding, and counted once."""
         shards, w = self.shards, self.weights
         owned = []
-        for i in range(w.num_layers):
-            if any(w.trainable[i]):
-                self.dist.reduce_to([w.grad[i]], shards.layer_owner[i])
-                if shards.owns_layer(i):
-                    owned.append(w.grad[i])
+        for i in self._layers_with_grads():
+            self.dist.reduce_to([w.grad[i]], shards.layer_owner[i])
+            if shards.owns_layer(i):
+                owned.append(w.grad[i])
         replicated = []
         for t in self._non_block_grad_holders():
             if t.grad is None:
@@ -1063,8 +1062,9 @@ class LazyTrainEngine(nn.Module):
 
     def _whole_optimizer(self):
         """The optimizer with every parameter's state, for a checkpoint. Sharded: a collective that gathers
-        the ranks' states into an optimizer over the whole groups on rank 0 (one whole copy of the state in
-        its host memory for the save), None on the others."""
+        the ranks' states into an optimizer over the whole groups on rank 0 (several copies of the state in
+        its host memory during the save: the gathered pickles, their unpickled states, and this optimizer's
+        own), None on the others."""
         if self.shards is None or self.optimizer is None:
             return self.optimizer
         whole = self._whole_optimizer_state()
@@ -1198,8 +1198,8 @@ def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list
     themselves) and ``engine.module_state_dict()`` (the fp32 masters) are unchanged."""
     ids = {id(p) for layer in block_params for p in layer}
     handles = []
-    for module in model.modules():
-        names = [n for n, p in module.named_parameters() if id(p) in ids]
+    for module in model.modules():   # on the modules owning them: any module's state_dict calls theirs
+        names = [n for n, p in module.named_parameters(recurse=False) if id(p) in ids]
         if not names:
             continue
 
