@@ -333,3 +333,51 @@ def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weight
             shaken = torch.load(tmp_path / f"{seed}-rank{rank}.pt")
             for k in calm:
                 assert torch.equal(shaken[k], calm[k]), (seed, rank, k)
+
+
+def _accumulating_worker(rank, world, port, out_dir, chaos_seed):
+    """Two micro-batches per rank per step; writes the weights and the bytes of this rank's layer gradient
+    buffers."""
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    cfg = _config(world, 2, overlap=True)
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world // 2
+    if chaos_seed is not None:   # gradients land on the copy thread, each transfer delayed at random
+        cfg["lazytrain"]["testing"] = {"copy_threads": True, "chaos_seed": chaos_seed + 1000 * rank,
+                                       "chaos_max_delay_ms": 3}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    assert engine.gradient_accumulation_steps() == 2
+    grad_bytes = sum(g.numel() * g.element_size() for g in engine.weights.grad if g is not None)
+    per = GLOBAL // world // 2
+    for x, y in batches(3, batch=GLOBAL):
+        for micro in range(2):
+            part = slice(per * (2 * rank + micro), per * (2 * rank + micro) + per)
+            engine.backward(lm_loss(engine(x[part]), y[part]))
+            engine.step()
+    engine.wait_for_update()
+    torch.save({"weights": engine.module_state_dict(), "grad_bytes": grad_bytes},
+               os.path.join(out_dir, f"{chaos_seed}-rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("chaos_seed", [None, 5])
+def test_accumulated_micro_batches_reach_the_owners_buffers_only(tmp_path, chaos_seed):
+    """Each micro-batch's layer gradients are reduced to the layer's owner as they land: a rank keeps
+    gradient buffers for its own layers only (every layer's exactly once over the ranks), and accumulation
+    over micro-batches trains as one process on the global batch."""
+    world = 2
+    mp.spawn(_accumulating_worker, args=(world, _free_port(), str(tmp_path), chaos_seed), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"{chaos_seed}-rank{r}.pt") for r in range(world)]
+    whole = sum(p.numel() * 4 for block in make_model("modulelist").stack for p in block.parameters())
+    assert sum(r["grad_bytes"] for r in results) == whole
+    assert max(r["grad_bytes"] for r in results) <= 0.6 * whole
+    steps = batches(3, batch=GLOBAL)
+    per = GLOBAL // world // 2
+    parts = [(x[per * k:per * k + per], y[per * k:per * k + per]) for x, y in steps for k in range(2 * world)]
+    ref = reference_train(make_model("modulelist"), parts, lr=1e-3, gas=2 * world)
+    for r in results:
+        assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5

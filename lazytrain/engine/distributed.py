@@ -54,7 +54,7 @@ class DistributedContext:
         self.rank = dist.get_rank() if own_group else int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if own_group else 0))
         self.timeout_s = float(timeout_s)
-        self.host_group = self.device_group = self.update_group = None
+        self.host_group = self.device_group = self.update_group = self.gradient_group = None
         if self.world_size > 1:
             if not dist.is_initialized():
                 missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -70,6 +70,8 @@ class DistributedContext:
                                                                                          timeout=timeout)
             # the layer-update thread's broadcasts (sharded optimizer state), apart from the main thread's
             self.update_group = dist.new_group(backend="gloo", timeout=timeout)
+            # the gradient path's reduces (sharded gradients), from the thread that lands gradients on the host
+            self.gradient_group = dist.new_group(backend="gloo", timeout=timeout)
 
     @property
     def enabled(self) -> bool:
@@ -110,6 +112,11 @@ class DistributedContext:
         for t in tensors:
             t.div_(self.world_size)
             self._collective("gradient reduce of engine.step()", dist.reduce, t, dst=owner, group=self.group_for(t))
+
+    def reduce_gradient(self, t: torch.Tensor, owner: int) -> None:
+        """Sum every rank's host tensor ``t`` into rank ``owner``'s, on the gradient path's group (one layer's
+        gradient of one micro-batch, as it lands: sharding.GradientsToOwners)."""
+        self._collective("gradient reduce in the backward", dist.reduce, t, dst=owner, group=self.gradient_group)
 
     def broadcast_from(self, tensors: list[torch.Tensor], owner: int) -> None:
         """Rank ``owner``'s values into every rank's ``tensors`` (the owner's updated weights)."""

@@ -167,6 +167,9 @@ class LazyTrainEngine(nn.Module):
             groups = param_groups(model_parameters, model, remap)
             if self.dist.enabled and config.zero_stage >= 1:
                 self.shards = self._assign_shards(groups)
+                self.weights.send_grads_to_owners(sharding.GradientsToOwners(
+                    self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_layer_numel,
+                    self.dist.reduce_gradient))
                 self._whole_groups = groups
                 groups = sharding.owned_groups(groups, self.shards)
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
@@ -434,7 +437,7 @@ class LazyTrainEngine(nn.Module):
     def _all_grads(self) -> list[torch.Tensor]:
         """Every gradient the optimizer will read: one flat fp32 host buffer per layer, plus the
         non-block grads (their fp32 masters' in mixed precision)."""
-        grads = list(self.weights.grad)
+        grads = [g for g in self.weights.grad if g is not None]
         if self.masters is not None:
             grads += self.masters.master_grads()
         else:
@@ -626,7 +629,7 @@ class LazyTrainEngine(nn.Module):
         while the broadcasts go on (every rank must make them all), and after the last layer the ranks agree
         whether every update succeeded: all fail together, or none does."""
         w, shards = self.weights, self.shards
-        layers = [i for i in range(w.num_layers) if layer_grads[i]]
+        layers = self._layers_with_grads()   # the same on every rank (layer_grads holds the owned ones only)
         position = {layer: n for n, layer in enumerate(layers)}
         started: dict[int, object] = {}      # layer -> the wait for its broadcast
         issued = [0]                         # how many of ``layers`` were started
@@ -642,7 +645,7 @@ class LazyTrainEngine(nn.Module):
             started[k] = self.dist.broadcast_started(w.master[k], shards.layer_owner[k])
 
         def update_layer(i: int) -> None:
-            if layer_grads[i]:
+            if i in position:
                 try:
                     last = min(position[i] + self.world_size, len(layers) - 1)
                     while issued[0] <= last:
@@ -694,15 +697,12 @@ class LazyTrainEngine(nn.Module):
         self._zero_non_block_grads()
 
     def _reduce_to_owners(self) -> float:
-        """Sharded state: each layer's and tensor's gradient summed (averaged) into its owner's buffer, the
+        """Sharded state: each tensor's gradient summed (averaged) into its owner's buffer, the
         norm from the owners' squares summed over the ranks. A tensor no rank owns (a group added after
         initialize) is averaged on every rank, as without sharding, and counted once."""
         shards, w = self.shards, self.weights
-        owned = []
-        for i in self._layers_with_grads():
-            self.dist.reduce_to([w.grad[i]], shards.layer_owner[i])
-            if shards.owns_layer(i):
-                owned.append(w.grad[i])
+        # the streamed layers' gradients were reduced to their owners as they landed (send_grads_to_owners)
+        owned = [w.grad[i] for i in self._layers_with_grads() if shards.owns_layer(i)]
         replicated = []
         for t in self._non_block_grad_holders():
             if t.grad is None:

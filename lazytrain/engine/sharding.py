@@ -12,10 +12,14 @@ ranks' states are gathered on rank 0 to save, and each rank keeps its own from a
 checkpoint saved with N ranks loads with M ranks, or into one process. ``groups`` below are the optimizer's
 whole groups: those it was built with, then any added since (whose tensors are replicated, every rank
 holding and updating them).
+
+Gradients of the streamed layers are reduced as they reach the host, one micro-batch at a time
+(:class:`GradientsToOwners`): a rank keeps a gradient buffer only for the layers it owns.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,6 +63,44 @@ def assign(layer_params: list[list[torch.Tensor]], other_params: list[torch.Tens
         owner[id(p)] = r
         load[r] += p.numel()
     return Ownership(rank, world_size, tuple(layer_owner), owner)
+
+
+class GradientsToOwners:
+    """Each micro-batch's gradient of a streamed layer, summed over the ranks into its owner's fp32 buffer as
+    it reaches the host (so a rank holds gradient buffers for its own layers only, and the reduces overlap
+    the backward, as DeepSpeed's ZeRO-2 does). Every rank reduces the same layers in the same order: the
+    order the backward reaches them, which data parallel makes the same on every rank.
+
+    ``reduce(t, owner)`` sums every rank's ``t`` into rank ``owner``'s (a collective on a group of the
+    gradient path's own). Each part is divided by the world size first, so that the sum is the mean and
+    loss-scaled gradients cannot overflow it. One fp32 send buffer is reused: the gradient path lands one
+    layer at a time, in order."""
+
+    def __init__(self, layer_owner: tuple[int, ...], rank: int, world_size: int, max_layer_numel: int,
+                 reduce: Callable[[torch.Tensor, int], None]):
+        self.layer_owner = layer_owner
+        self.rank = rank
+        self.world_size = world_size
+        self.reduce = reduce
+        self._send = torch.zeros(max_layer_numel, dtype=torch.float32)
+
+    def owns(self, i: int) -> bool:
+        return self.layer_owner[i] == self.rank
+
+    def send_buffer(self, numel: int) -> torch.Tensor:
+        """The fp32 buffer to flatten a layer's gradient into, for :meth:`land` without another copy."""
+        return self._send[:numel]
+
+    def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None) -> None:
+        """Reduce ``flat`` (layer i's gradient from this micro-batch, flat, on the host) to the layer's owner,
+        which adds the sum into ``target`` (its fp32 buffer; None on the other ranks)."""
+        send = self._send[:flat.numel()]
+        if flat.data_ptr() != send.data_ptr():
+            send.copy_(flat)
+        send.div_(self.world_size)
+        self.reduce(send, self.layer_owner[i])
+        if self.owns(i):
+            target.add_(send)
 
 
 def owned_groups(groups: list[dict], ownership: Ownership) -> list[dict]:

@@ -63,7 +63,7 @@ class LayerWeights:
         self.trainable = [[p.requires_grad for _, p in block.named_parameters()] for block in blocks]
         self.any_trainable = any(any(t) for t in self.trainable)
         self.master: list[torch.Tensor] = []
-        self.grad: list[torch.Tensor] = []
+        self.grad: list[torch.Tensor | None] = []   # None: a layer another rank owns (sharded gradients)
         self.params: list[list[nn.Parameter]] = []
         for block, slots, numel in zip(blocks, self.layer_slots, self.layer_numels):
             master = empty_host(numel, torch.float32)
@@ -95,6 +95,7 @@ class LayerWeights:
         # set by the engine when the optimizer updates layers on another thread (layer_updates.py)
         self.updates: LayerUpdates | None = None
         self._unstored: set[int] = set()   # see mark_unstored
+        self._to_owners = None              # see send_grads_to_owners
 
     # ---- readiness after an overlapped optimizer step ------------------------------------------
     def update_pending(self, i: int) -> bool:
@@ -182,18 +183,48 @@ class LayerWeights:
         if self._grad_sink is not None:
             self._grad_sink.submit(i, grads)
             return
+        if self._to_owners is not None:   # flattened into the send buffer, zeros for missing gradients
+            flat = self._to_owners.send_buffer(self.layer_numels[i])
+            for s in self.layer_slots[i]:
+                g = grads.get(s.name)
+                s.of(flat).copy_(g) if g is not None else s.of(flat).zero_()
+            self._to_owners.land(i, flat, self.grad[i])
+            return
         flat = self.grad[i]
         for s in self.layer_slots[i]:
             g = grads.get(s.name)
             if g is not None:
                 s.of(flat).add_(g)
 
+    def land_grads(self, i: int, flat: torch.Tensor) -> None:
+        """Add layer i's flat gradient of one micro-batch (on the host) into its fp32 buffer, or reduce it to
+        the layer's owner when the gradients are sharded."""
+        if self._to_owners is not None:
+            self._to_owners.land(i, flat, self.grad[i])
+        else:
+            self.grad[i].add_(flat)
+
+    def send_grads_to_owners(self, to_owners) -> None:
+        """Sharded data parallel: from now on each micro-batch's layer gradients are reduced to the layer's
+        owner as they land (:class:`~lazytrain.engine.sharding.GradientsToOwners`), and this rank drops the
+        gradient buffers of the layers it does not own."""
+        self.flush_grads()
+        self._to_owners = to_owners
+        for i in range(self.num_layers):
+            if not to_owners.owns(i):
+                self.grad[i] = None
+                for p in self.params[i]:
+                    p.grad = None
+
     def flush_grads(self) -> None:
         if self._grad_sink is not None:
             self._grad_sink.flush()
 
     def grad_views(self, i: int) -> dict[nn.Parameter, torch.Tensor]:
-        """{trainable parameter of layer i: its view in the layer's flat fp32 gradient buffer}."""
+        """{trainable parameter of layer i: its view in the layer's flat fp32 gradient buffer}; empty for a
+        layer whose gradients another rank holds."""
+        if self.grad[i] is None:
+            return {}
         return {p: s.of(self.grad[i]) for s, p, trains in zip(self.layer_slots[i], self.params[i],
                                                               self.trainable[i]) if trains}
 
@@ -209,8 +240,9 @@ class LayerWeights:
             self.zero_layer_grads(i)
 
     def zero_layer_grads(self, i: int) -> None:
-        self.grad[i].zero_()
-        self.attach_grads(i)
+        if self.grad[i] is not None:
+            self.grad[i].zero_()
+            self.attach_grads(i)
 
 
 class _GradientSink:
@@ -242,7 +274,6 @@ class _GradientSink:
         if flat.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(flat.device))
-        target = w.grad[i]
 
         def add():
             staging = self.free.get()
@@ -250,7 +281,7 @@ class _GradientSink:
                 part = staging[:numel]
                 async_copy(part, flat, after=ready, follow_current=False, direction="d2h",
                            label=f"grads L{i}").synchronize()
-                target.add_(part)
+                w.land_grads(i, part)
             finally:
                 self.free.put(staging)
         while len(self.pending) >= self.max_in_flight:
