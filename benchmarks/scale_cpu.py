@@ -56,11 +56,15 @@ def _batches(n):
     return [torch.randint(0, SHAPE["vocab_size"], (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(n)]
 
 
+def _storage_key(t):
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
 def _bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
         if torch.is_tensor(t) and t.dim() > 0:
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            key = _storage_key(t)
             if key not in seen:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
@@ -74,16 +78,28 @@ def _lazytrain(world, rank):
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "lazytrain": {"checkpoint_interval": 4}}
     engine, _, _, _ = lazytrain.initialize(model=_model(), config=cfg)
     w = engine.weights
-    held = list(w.master) + list(w.grad)                               # fp32 weights and gradient buffers
-    held += [p for p in engine.non_block_params] + [p.grad for p in engine.non_block_params]
-    held += [t for st in engine.optimizer.state.values() for t in st.values()]
 
     def step(ids):
         engine.backward(torch.nn.functional.cross_entropy(engine(ids[:, :-1]).logits.flatten(0, 1), ids[:, 1:].flatten()))
         engine.step()
 
     def state():
-        return _bytes(held + [t for st in engine.optimizer.state.values() for t in st.values()])
+        """{"layers"|"other": (bytes this rank holds alone, bytes of memory its node's ranks share)}: the
+        streamed layers' fp32 weights, gradient buffers and Adam moments, and the same for the rest."""
+        block = {id(p) for params in w.params for p in params}
+        moments = {id(p): list(st.values()) for p, st in engine.optimizer.state.items()}
+        layers = list(w.master) + [g for g in w.grad if g is not None]
+        layers += [t for i, ts in moments.items() if i in block for t in ts]
+        other = [p for p in engine.non_block_params] + [p.grad for p in engine.non_block_params]
+        other += [t for i, ts in moments.items() if i not in block for t in ts]
+        shared = [t for t in w.master] if engine.node_shared_weights else []
+        shared_keys = {_storage_key(t) for t in shared}
+        split = {}
+        for name, tensors in (("layers", layers), ("other", other)):
+            own = [t for t in tensors if torch.is_tensor(t) and _storage_key(t) not in shared_keys]
+            mine = [t for t in tensors if torch.is_tensor(t) and _storage_key(t) in shared_keys]
+            split[name] = (_bytes(own), _bytes(mine))
+        return split
     return step, state
 
 
@@ -113,7 +129,7 @@ def _deepspeed(world, rank, stage):
         tensors += [getattr(t, "grad", None) for t in list(tensors)]   # fp32 partitions' gradients
         inner = getattr(opt, "optimizer", opt)
         tensors += [t for st in inner.state.values() for t in st.values()]
-        return _bytes([t for t in tensors if t is not None])
+        return {"layers": None, "other": (_bytes([t for t in tensors if t is not None]), 0)}
     return step, state
 
 
@@ -149,7 +165,16 @@ def run(system, world, steps):
         mp.spawn(_worker, args=(world, _free_port(), system, steps, out), nprocs=world, join=True)
         rows = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
     sent = rows[0]["tx"] / steps / world if world > 1 else 0   # loopback counts every rank's traffic once
-    return {"per_rank": max(r["state_bytes"] for r in rows), "total": sum(r["state_bytes"] for r in rows),
+
+    def total(parts):   # one machine: the node-shared memory counted once
+        return sum(r["state_bytes"][part][0] for r in rows for part in parts) + \
+            sum(max(r["state_bytes"][part][1] for r in rows) for part in parts)
+    has_layers = rows[0]["state_bytes"]["layers"] is not None
+    return {"own": max(sum(r["state_bytes"][p][0] for p in ("layers", "other") if r["state_bytes"][p]) for r in rows),
+            "shared": sum(max(r["state_bytes"][p][1] for r in rows) for p in ("layers", "other")
+                          if rows[0]["state_bytes"][p]),
+            "total": total(("layers", "other") if has_layers else ("other",)),
+            "layers": total(("layers",)) if has_layers else None,
             "sent": sent, "wall": statistics.median(r["wall_s"] for r in rows),
             "cpu": statistics.median(r["cpu_s"] for r in rows)}
 
@@ -170,20 +195,24 @@ def main(argv=None) -> int:
     n = sum(p.numel() for p in _model().parameters())
     print(f"Llama {n / 1e6:.1f}M parameters, global batch {GLOBAL_BATCH} x seq {SEQ}, fp32, AdamW; "
           f"{args.steps} timed steps after one warm-up")
-    print(f"{'system':<17} {'ranks':>5} {'state MB/rank':>13} {'state MB total':>14} {'x 1 rank':>8} "
-          f"{'sent MB/rank/step':>17} {'wall s/step':>11} {'cpu s/step/rank':>15}")
+    print(f"{'system':<17} {'ranks':>5} {'own MB/rank':>11} {'node-shared MB':>14} {'total MB':>8} {'x 1 rank':>8} "
+          f"{'layers MB':>9} {'x 1 rank':>8} {'sent MB/rank/step':>17} {'wall s/step':>11} {'cpu s/step/rank':>15}")
     for system in systems:
-        base = None
+        base = base_layers = None
         for world in args.ranks:
             try:
                 r = run(system, world, args.steps)
             except Exception as e:   # noqa: BLE001 - one system failing must not hide the others
                 print(f"{system:<17} {world:>5}  failed: {type(e).__name__}: {str(e).splitlines()[-1][:120]}")
                 continue
-            base = base or (r["total"] if world == 1 else None)
+            if world == 1:
+                base, base_layers = r["total"], r["layers"]
             ratio = f"{r['total'] / base:.2f}" if base else "-"
-            print(f"{system:<17} {world:>5} {r['per_rank'] / 1e6:>13.1f} {r['total'] / 1e6:>14.1f} {ratio:>8} "
-                  f"{r['sent'] / 1e6:>17.1f} {r['wall']:>11.3f} {r['cpu']:>15.3f}", flush=True)
+            layers = f"{r['layers'] / 1e6:.1f}" if r["layers"] is not None else "-"
+            layers_ratio = f"{r['layers'] / base_layers:.2f}" if base_layers and r["layers"] is not None else "-"
+            print(f"{system:<17} {world:>5} {r['own'] / 1e6:>11.1f} {r['shared'] / 1e6:>14.1f} {r['total'] / 1e6:>8.1f} "
+                  f"{ratio:>8} {layers:>9} {layers_ratio:>8} {r['sent'] / 1e6:>17.1f} {r['wall']:>11.3f} "
+                  f"{r['cpu']:>15.3f}", flush=True)
     return 0
 
 

@@ -55,6 +55,13 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
               "sharded": engine.shards is not None}
     if save_dir:
         engine.save_checkpoint(save_dir, tag="t")
+    result["node_shared"] = engine.node_shared_weights
+    if world > 1:   # does a write by the last rank reach this one's streamed weights? (after the run: it alters them)
+        torch.distributed.barrier()
+        if rank == world - 1:
+            engine.weights.master[0][0] = 12345.0
+        torch.distributed.barrier()
+        result["sees_last_ranks_write"] = None if rank == world - 1 else float(engine.weights.master[0][0]) == 12345.0
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if torch.distributed.is_initialized():      # a single process makes no group
         torch.distributed.destroy_process_group()
@@ -90,6 +97,7 @@ def test_sharded_ranks_train_as_one_process_on_the_global_batch(tmp_path, world,
     for r in results:
         assert r["sharded"]
         assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
+        assert r["node_shared"] and r["sees_last_ranks_write"] in (True, None)   # one copy for all the ranks
     for k in results[0]["weights"]:                     # the ranks hold the same weights, bit for bit
         assert all(torch.equal(r["weights"][k], results[0]["weights"][k]) for r in results), k
 
@@ -106,7 +114,7 @@ def test_each_rank_holds_its_share_of_the_optimizer_state(tmp_path):
 
 def test_stage_0_keeps_the_state_whole_on_every_rank(tmp_path):
     results = run(2, tmp_path, stage=0)
-    assert not any(r["sharded"] for r in results)
+    assert not any(r["sharded"] or r["node_shared"] or r["sees_last_ranks_write"] for r in results)
     assert results[0]["state_bytes"] == results[1]["state_bytes"] > 0
 
 
@@ -179,9 +187,11 @@ def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collect
     assert "with a collective timeout of 3 s" in message
 
 
-def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path):
-    """Multi-node as torchrun runs it: two launchers (--nnodes 2, one process each, node ranks 0 and 1)
-    meeting at one rendezvous address; here both on this machine."""
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_node):
+    """Multi-node as torchrun runs it: two launchers (--nnodes 2, node ranks 0 and 1) meeting at one
+    rendezvous address; here both on this machine. With two processes per node, each node's ranks share one
+    copy of the streamed weights, and the two nodes keep one each."""
     import subprocess
     import sys
     port = _free_port()
@@ -189,15 +199,18 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
-                               "1", "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", str(port),
-                               script, str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for n in (0, 1)]
+                               str(per_node), "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port",
+                               str(port), script, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
     outputs = [p.communicate(timeout=300)[0] for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs
+    world = 2 * per_node
     steps = batches(3, batch=4)
-    ref = reference(steps, 2)
-    for rank in (0, 1):
-        assert max_rel_diff(as_model(torch.load(tmp_path / f"rank{rank}.pt")), ref) < 1e-5
+    ref = reference(steps, world)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["node_shared"] == (per_node > 1)
+        assert max_rel_diff(as_model(result["weights"]), ref) < 1e-5
 
 
 def _failing_worker(rank, port, out_dir, overlap):
@@ -381,3 +394,59 @@ def test_accumulated_micro_batches_reach_the_owners_buffers_only(tmp_path, chaos
     ref = reference_train(make_model("modulelist"), parts, lr=1e-3, gas=2 * world)
     for r in results:
         assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
+
+
+def _no_shm_worker(rank, world, port, out_dir):
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    import lazytrain
+    from lazytrain.engine import node_memory
+    node_memory.SHM_DIR = os.path.join(out_dir, "no-such-dir")
+    torch.set_num_threads(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, 2, False))
+    per = GLOBAL // world
+    for x, y in batches(3, batch=GLOBAL):
+        part = slice(per * rank, per * rank + per)
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+    messages = [str(w.message) for w in caught if "could not share" in str(w.message)]
+    torch.save({"weights": engine.module_state_dict(), "node_shared": engine.node_shared_weights,
+                "messages": messages}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_a_node_without_shared_memory_keeps_a_copy_per_rank_and_says_why(tmp_path):
+    mp.spawn(_no_shm_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    ref = reference(batches(3, batch=GLOBAL), 2)
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert not r["node_shared"]
+        assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
+        no_dir = os.path.join(str(tmp_path), "no-such-dir")
+        assert r["messages"] == [f"lazytrain: the ranks on this node could not share one host copy of the streamed "
+                                 f"weights ({no_dir} does not exist); each keeps its own"]
+
+
+def test_shared_memory_files_are_refused_by_size_before_anything_is_written(tmp_path):
+    from lazytrain.engine import node_memory
+    with pytest.raises(node_memory.SharedMemoryUnavailable, match=r"GiB free and the node's copy of the streamed "
+                                                                  r"weights needs 1048576\.00 GiB"):
+        node_memory.create_shared_file(2**50, str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    path = node_memory.create_shared_file(4096, str(tmp_path))
+    a = node_memory.map_shared_file(path, 4096, torch.device("cpu"))
+    b = node_memory.map_shared_file(path, 4096, torch.device("cpu"))
+    os.unlink(path)                       # the mappings outlive the name
+    a[7] = 42
+    assert int(b[7]) == 42 and a.numel() == 4096
+
+
+def test_ranks_are_grouped_by_host_and_torchrun_node():
+    from lazytrain.engine.node_memory import group_by_node
+    keys = [("a", "0"), ("a", "0"), ("a", "1"), ("b", "0"), ("a", "1")]
+    nodes = group_by_node(keys, rank=4)
+    assert nodes.members == ((0, 1), (2, 4), (3,))
+    assert nodes.mine == (2, 4) and nodes.leader == 2

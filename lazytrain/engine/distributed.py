@@ -159,6 +159,18 @@ class DistributedContext:
                                   f"({type(e).__name__}: {e})") from e
         return out
 
+    def all_gather_object(self, obj, what: str) -> list:
+        """Every rank's ``obj``, in rank order, on every rank (pickled over the host group)."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size
+        try:   # no async form: the host group's own timeout bounds it
+            dist.all_gather_object(out, obj, group=self.host_group)
+        except RuntimeError as e:
+            raise CollectiveError(f"rank {self.rank} of {self.world_size}: the {what} did not complete "
+                                  f"({type(e).__name__}: {e})") from e
+        return out
+
     def fill_missing_grads(self, params: list[torch.Tensor]) -> None:
         """A parameter with a gradient on some ranks only (a branch or an expert that this rank's batch did
         not reach) gets a zero gradient on the others, so that every rank reduces the same tensors in the

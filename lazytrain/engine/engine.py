@@ -27,7 +27,7 @@ from . import chunked_loss
 from . import safe_load
 from . import deepspeed_checkpoint as ds_ckpt
 from . import deepspeed_layout as ds_layout
-from . import sharding
+from . import node_memory, sharding
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import CollectiveError, DistributedContext
 from .executor import LayerStreamingExecutor
@@ -157,6 +157,7 @@ class LazyTrainEngine(nn.Module):
         overlap = config.lazytrain.overlap_optimizer
         wants_overlap = overlap is True or (overlap == "auto" and self.device.type == "cuda")
         self.shards: sharding.Ownership | None = None   # zero_optimization.stage >= 1 over several ranks
+        self.node_shared_weights = False   # the streamed layers' weights: one host copy per node
         if optimizer is not None:
             self.optimizer = client_optimizer(optimizer, param_groups(model_parameters, model, remap), remap)
             if self.dist.enabled and config.zero_stage >= 1:
@@ -170,6 +171,7 @@ class LazyTrainEngine(nn.Module):
                 self.weights.send_grads_to_owners(sharding.GradientsToOwners(
                     self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_layer_numel,
                     self.dist.reduce_gradient))
+                self._share_weights_on_node()
                 self._whole_groups = groups
                 groups = sharding.owned_groups(groups, self.shards)
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
@@ -259,6 +261,26 @@ class LazyTrainEngine(nn.Module):
         in_layers = {id(p) for params in layers for p in params}
         others = [p for g in groups for p in g["params"] if id(p) not in in_layers]
         return sharding.assign(layers, others, self.global_rank, self.world_size)
+
+    def _share_weights_on_node(self) -> None:
+        """Sharded data parallel, fp32 weights in host memory: the ranks of a node keep one copy of the
+        streamed layers' weights between them (node_memory.py) instead of one each. Each layer's owner updates
+        it in place, after every rank has entered the step (the gradient norm's all-reduce comes first), and
+        the broadcasts that follow write the same values again, so every rank's readiness stays what its own
+        broadcast tells it. A node that cannot make the shared memory keeps a copy per rank, with a warning."""
+        w = self.weights
+        if not w.shares_master:
+            return
+        flat = None
+        try:
+            flat, nodes = node_memory.node_shared_buffer(sum(w.layer_numels) * 4, self.dist, self.device)
+        except node_memory.SharedMemoryUnavailable as e:
+            warnings.warn(f"lazytrain: the ranks on this node could not share one host copy of the streamed "
+                          f"weights ({e}); each keeps its own", UserWarning)
+        if flat is not None:   # one rank writes the values, so that ranks built differently cannot mix
+            w.move_masters(flat.view(torch.float32), copy_values=self.global_rank == nodes.leader)
+            self.node_shared_weights = True
+        self.dist.barrier("barrier after the node-shared weights were written")
 
     def _masters_home(self, num_layers: int) -> torch.device:
         """Where the non-block fp32 masters and their optimizer state live. A streamed model's non-block

@@ -97,6 +97,27 @@ class LayerWeights:
         self._unstored: set[int] = set()   # see mark_unstored
         self._to_owners = None              # see send_grads_to_owners
 
+    def move_masters(self, flat: torch.Tensor, copy_values: bool = True) -> None:
+        """Move every layer's fp32 weights into ``flat`` (fp32, the layers one after another: the node-shared
+        buffer of :mod:`~lazytrain.engine.node_memory`), the parameters with them. Before the optimizer is
+        built; with ``shares_master`` the stored compute copy is that memory too. ``copy_values=False``: the
+        values are already there (another rank of the node wrote them), only the parameters move."""
+        if flat.dtype != torch.float32 or flat.numel() != sum(self.layer_numels):
+            raise ValueError(f"move_masters needs {sum(self.layer_numels)} fp32 values, got {flat.numel()} "
+                             f"{flat.dtype}")
+        offset = 0
+        for i, numel in enumerate(self.layer_numels):
+            home = flat[offset:offset + numel]
+            offset += numel
+            if copy_values:
+                home.copy_(self.master[i])
+            for slot, p in zip(self.layer_slots[i], self.params[i]):
+                p.data = slot.of(home)
+            self.master[i] = home
+            if self.shares_master:
+                self.weights_tier.free(self._key(i))
+                self.weights_tier.write(self._key(i), home, owned=True)
+
     # ---- readiness after an overlapped optimizer step ------------------------------------------
     def update_pending(self, i: int) -> bool:
         """Layer i's optimizer update is still running: its weights must not be read yet."""

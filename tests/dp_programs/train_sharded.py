@@ -1,7 +1,8 @@
 """A data-parallel LazyTrain script as torchrun starts it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_* from the
-launcher), with the optimizer state sharded (ZeRO stage 2). Writes OUT/rank<N>.pt: the trained weights.
+launcher), with the optimizer state sharded (ZeRO stage 2). Writes OUT/rank<N>.pt: the trained weights, and
+whether the rank shared its node's copy of the streamed weights.
 
-    torchrun --nnodes 2 --nproc_per_node 1 --node_rank K --master_addr 127.0.0.1 --master_port P \\
+    torchrun --nnodes 2 --nproc_per_node N --node_rank K --master_addr 127.0.0.1 --master_port P \\
         train_sharded.py OUT"""
 import os
 import sys
@@ -28,5 +29,6 @@ for x, y in batches(3, batch=4):
     part = slice(per * rank, per * rank + per)
     engine.backward(lm_loss(engine(x[part]), y[part]))
     engine.step()
-torch.save(engine.module_state_dict(), os.path.join(sys.argv[1], f"rank{rank}.pt"))
+torch.save({"weights": engine.module_state_dict(), "node_shared": engine.node_shared_weights},
+           os.path.join(sys.argv[1], f"rank{rank}.pt"))
 torch.distributed.destroy_process_group()
