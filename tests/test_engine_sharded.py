@@ -52,16 +52,26 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
         engine.step()
     engine.wait_for_update()
     result = {"weights": engine.module_state_dict(), "state_bytes": state_bytes(engine.optimizer),
-              "sharded": engine.shards is not None}
+              "sharded": engine.shards is not None,
+              "master_bytes": sum(m.numel() * 4 for m in engine.weights.master if m is not None)}
     if save_dir:
         engine.save_checkpoint(save_dir, tag="t")
     result["node_shared"] = engine.node_shared_weights
-    if world > 1:   # does a write by the last rank reach this one's streamed weights? (after the run: it alters them)
+    if world > 1:   # does a write by the last rank reach this one's streamed weights? (then put back)
+        before = float(engine.weights.stored_copy(0)[0])
         torch.distributed.barrier()
         if rank == world - 1:
-            engine.weights.master[0][0] = 12345.0
+            engine.weights.stored_copy(0)[0] = 1024.0   # what layer 0 is computed from (fp32: its masters)
         torch.distributed.barrier()
-        result["sees_last_ranks_write"] = None if rank == world - 1 else float(engine.weights.master[0][0]) == 12345.0
+        result["sees_last_ranks_write"] = None if rank == world - 1 else float(engine.weights.stored_copy(0)[0]) == 1024.0
+        torch.distributed.barrier()
+        if rank == world - 1:
+            engine.weights.stored_copy(0)[0] = before
+        torch.distributed.barrier()
+    engine.destroy()   # the model handed back: fp32 weights of its own, as trained
+    params = dict(engine.module.named_parameters())
+    result["handed_back"] = all(params[k].dtype == torch.float32 and torch.equal(params[k].detach(), v)
+                                for k, v in result["weights"].items())
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if torch.distributed.is_initialized():      # a single process makes no group
         torch.distributed.destroy_process_group()
@@ -98,6 +108,7 @@ def test_sharded_ranks_train_as_one_process_on_the_global_batch(tmp_path, world,
         assert r["sharded"]
         assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
         assert r["node_shared"] and r["sees_last_ranks_write"] in (True, None)   # one copy for all the ranks
+        assert r["handed_back"]
     for k in results[0]["weights"]:                     # the ranks hold the same weights, bit for bit
         assert all(torch.equal(r["weights"][k], results[0]["weights"][k]) for r in results), k
 
@@ -129,11 +140,32 @@ def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(tmp_path):
             assert max_rel_diff(as_model(r["weights"]), as_model(straight)) < 1e-5
 
 
-def test_bf16_sharded_ranks_end_bit_identical(tmp_path):
-    results = run(2, tmp_path, stage=2, overlap=True, dtype="bf16")
-    assert all(r["sharded"] for r in results)
-    for k in results[0]["weights"]:
-        assert torch.equal(results[0]["weights"][k], results[1]["weights"][k]), k
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_replicated_ranks(tmp_path, overlap):
+    """bf16: a rank keeps fp32 weights only for the layers it owns (every layer's exactly once over the
+    ranks), the node's ranks share one compute copy, and the fp32 weights gathered at the end are bit for
+    bit those of ranks that each hold everything (stage 0)."""
+    results = run(2, tmp_path, stage=2, overlap=overlap, dtype="bf16")
+    replicated = run(2, tmp_path, stage=0, overlap=overlap, dtype="bf16")
+    whole = replicated[0]["master_bytes"]
+    assert whole == sum(p.numel() * 4 for block in make_model("modulelist").stack for p in block.parameters())
+    assert sum(r["master_bytes"] for r in results) == whole and max(r["master_bytes"] for r in results) < whole
+    for r in results:
+        assert r["sharded"] and r["node_shared"] and r["sees_last_ranks_write"] in (True, None)
+        assert r["handed_back"]
+        for k, v in replicated[0]["weights"].items():
+            assert v.dtype == torch.float32 and torch.equal(r["weights"][k], v), k
+
+
+def test_a_bf16_sharded_run_resumes_bit_identically(tmp_path):
+    first, then = batches(2, batch=GLOBAL, seed=1), batches(2, batch=GLOBAL, seed=7)
+    (tmp_path / "straight").mkdir()
+    straight = run(2, tmp_path / "straight", stage=2, overlap=True, steps=first + then, dtype="bf16")[0]["weights"]
+    ckpt = str(tmp_path / "ckpt")
+    run(2, tmp_path, stage=2, overlap=True, steps=first, save_dir=ckpt, dtype="bf16")
+    for r in run(2, tmp_path, stage=2, overlap=True, steps=then, load_dir=ckpt, dtype="bf16"):
+        for k, v in straight.items():
+            assert torch.equal(r["weights"][k], v), k
 
 
 def _stalling_worker(rank, port, out_dir, where):
@@ -434,14 +466,25 @@ def test_shared_memory_files_are_refused_by_size_before_anything_is_written(tmp_
     from lazytrain.engine import node_memory
     with pytest.raises(node_memory.SharedMemoryUnavailable, match=r"GiB free and the node's copy of the streamed "
                                                                   r"weights needs 1048576\.00 GiB"):
-        node_memory.create_shared_file(2**50, str(tmp_path))
+        node_memory.create_shared_files([2**49, 2**49], str(tmp_path))
     assert os.listdir(tmp_path) == []
-    path = node_memory.create_shared_file(4096, str(tmp_path))
-    a = node_memory.map_shared_file(path, 4096, torch.device("cpu"))
-    b = node_memory.map_shared_file(path, 4096, torch.device("cpu"))
-    os.unlink(path)                       # the mappings outlive the name
+    paths = node_memory.create_shared_files([4096, 100], str(tmp_path))
+    a = node_memory.map_shared_file(paths[0], 4096, torch.device("cpu"))
+    b = node_memory.map_shared_file(paths[0], 4096, torch.device("cpu"))
+    node_memory.remove_files(paths)       # the mappings outlive the names
     a[7] = 42
     assert int(b[7]) == 42 and a.numel() == 4096
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_shared_file_that_is_not_on_this_machine_is_refused_not_created(tmp_path):
+    """Two machines with one host name and no torchrun node rank look like one node: the rank on the other
+    machine finds no file, and says so (torch.from_file alone would create an empty one)."""
+    from lazytrain.engine import node_memory
+    missing = str(tmp_path / "lazytrain-elsewhere-0")
+    with pytest.raises(node_memory.SharedMemoryUnavailable, match="is not on this machine"):
+        node_memory.map_shared_file(missing, 4096, torch.device("cpu"))
+    assert os.listdir(tmp_path) == []
 
 
 def test_ranks_are_grouped_by_host_and_torchrun_node():
@@ -450,3 +493,77 @@ def test_ranks_are_grouped_by_host_and_torchrun_node():
     nodes = group_by_node(keys, rank=4)
     assert nodes.members == ((0, 1), (2, 4), (3,))
     assert nodes.mine == (2, 4) and nodes.leader == 2
+
+
+def _expert_model():
+    """Blocks with an expert that only samples whose first token is even reach; only the experts train (an
+    expert-only fine-tune)."""
+    import torch.nn as nn
+    from engine_models import MLPBlock, ModuleListLM
+
+    class ExpertBlock(MLPBlock):
+        def __init__(self, d):
+            super().__init__(d)
+            self.expert = nn.Linear(d, d)
+
+        def forward(self, x, routed):
+            y = super().forward(x)
+            if bool(routed.any()):
+                y = y + self.expert(x) * routed[:, None, None].to(x.dtype)
+            return y
+
+    class ExpertLM(ModuleListLM):
+        block = ExpertBlock
+
+        def forward(self, ids):
+            routed = ids[:, 0] % 2 == 0
+            x = self.emb(ids)
+            for blk in self.stack:
+                x = blk(x, routed)
+            return self.head(self.extra[0](x))
+
+    torch.manual_seed(0)
+    model = ExpertLM(n_layers=4)
+    for blk in model.stack:
+        for name, p in blk.named_parameters():
+            p.requires_grad_(name.startswith("expert"))
+    return model
+
+
+def _expert_batch():
+    from engine_models import VOCAB
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, VOCAB, (4, 12), generator=g), torch.randint(0, VOCAB, (4, 12), generator=g)
+    x[:2, 0], x[2:, 0] = 2, 3   # rank 0's samples reach the experts, rank 1's reach none
+    return x, y
+
+
+def _expert_worker(rank, port, out_dir):
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    cfg = _config(2, 2, overlap=False)
+    cfg["lazytrain"]["collective_timeout_s"] = 60
+    engine, _, _, _ = lazytrain.initialize(model=_expert_model(), config=cfg)
+    x, y = _expert_batch()
+    part = slice(2 * rank, 2 * rank + 2)
+    engine.backward(lm_loss(engine(x[part]), y[part]))
+    engine.step()
+    torch.save(engine.module_state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_a_layer_one_ranks_batch_gives_no_gradient_still_reaches_its_owner(tmp_path):
+    """At stage 2 the ranks reduce each layer's gradient as it lands, in the same order: a rank whose batch
+    reached no trainable tensor of a layer lands zeros for it, rather than skip it and pair the others'
+    reduces with the wrong layers."""
+    mp.spawn(_expert_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    x, y = _expert_batch()
+    ref = reference_train(_expert_model(), [(x[:2], y[:2]), (x[2:], y[2:])], lr=1e-3, gas=2)
+    for rank in range(2):
+        trained = _expert_model()
+        trained.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
+        assert max_rel_diff(trained, ref) < 1e-5

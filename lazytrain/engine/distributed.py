@@ -116,13 +116,15 @@ class DistributedContext:
     def reduce_gradient(self, t: torch.Tensor, owner: int) -> None:
         """Sum every rank's host tensor ``t`` into rank ``owner``'s, on the gradient path's group (one layer's
         gradient of one micro-batch, as it lands: sharding.GradientsToOwners)."""
-        self._collective("gradient reduce in the backward", dist.reduce, t, dst=owner, group=self.gradient_group)
+        self._collective("gradient reduce in the backward (at zero_optimization.stage >= 2 every rank must run "
+                         "the same trainable layers in each backward; a model that skips layers on some ranks "
+                         "needs stage 1)", dist.reduce, t, dst=owner, group=self.gradient_group)
 
-    def broadcast_from(self, tensors: list[torch.Tensor], owner: int) -> None:
+    def broadcast_from(self, tensors: list[torch.Tensor], owner: int,
+                       what: str = "broadcast of updated weights in engine.step()") -> None:
         """Rank ``owner``'s values into every rank's ``tensors`` (the owner's updated weights)."""
         for t in tensors:
-            self._collective("broadcast of updated weights in engine.step()", dist.broadcast, t, src=owner,
-                             group=self.group_for(t))
+            self._collective(what, dist.broadcast, t, src=owner, group=self.group_for(t))
 
     def broadcast_started(self, t: torch.Tensor, owner: int):
         """Start rank ``owner``'s broadcast of host tensor ``t`` on the update thread's group; returns the call

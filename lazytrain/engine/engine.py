@@ -168,10 +168,10 @@ class LazyTrainEngine(nn.Module):
             groups = param_groups(model_parameters, model, remap)
             if self.dist.enabled and config.zero_stage >= 1:
                 self.shards = self._assign_shards(groups)
-                self.weights.send_grads_to_owners(sharding.GradientsToOwners(
-                    self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_layer_numel,
-                    self.dist.reduce_gradient))
-                self._share_weights_on_node()
+                if config.zero_stage >= 2:   # as DeepSpeed's stage 2: gradients partitioned too
+                    self.weights.send_grads_to_owners(sharding.GradientsToOwners(
+                        self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_layer_numel,
+                        self.dist.reduce_gradient))
                 self._whole_groups = groups
                 groups = sharding.owned_groups(groups, self.shards)
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
@@ -227,6 +227,10 @@ class LazyTrainEngine(nn.Module):
         self._trace_path: str | None = None      # the step being traced ("" : not written)
         self.last_trace = None
         self.weights.zero_grads()
+        if self.shards is not None:   # late: a set-up that fails before it leaves the weights where they were
+            self._shard_host_weights()
+            if self._fused_copies:    # the compute copies may have moved into node-shared memory
+                self.optimizer.set_compute_copies(self.weights.compute_copy_views())
         # last: a set-up that fails leaves the model's own checkpointing flags as they were
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
 
@@ -262,25 +266,57 @@ class LazyTrainEngine(nn.Module):
         others = [p for g in groups for p in g["params"] if id(p) not in in_layers]
         return sharding.assign(layers, others, self.global_rank, self.world_size)
 
-    def _share_weights_on_node(self) -> None:
-        """Sharded data parallel, fp32 weights in host memory: the ranks of a node keep one copy of the
-        streamed layers' weights between them (node_memory.py) instead of one each. Each layer's owner updates
-        it in place, after every rank has entered the step (the gradient norm's all-reduce comes first), and
-        the broadcasts that follow write the same values again, so every rank's readiness stays what its own
-        broadcast tells it. A node that cannot make the shared memory keeps a copy per rank, with a warning."""
+    def _shard_host_weights(self) -> None:
+        """Sharded data parallel with the streamed layers' weights in host memory:
+
+        * the ranks of a node keep one copy of what the layers are computed from (node_memory.py): the fp32
+          weights in fp32 training, the compute copies in bf16/fp16. Owners write their layers in place, after
+          every rank has entered the step (the gradient norm's all-reduce comes first), and the broadcasts that
+          follow write the same values again, so every rank's readiness is still what its own broadcast tells
+          it. A node that cannot make the shared memory keeps a copy per rank, with a warning.
+        * in bf16/fp16, a rank keeps fp32 weights only for the layers it owns; the owners broadcast the
+          updated compute copies (half the bytes of fp32), and the fp32 weights of the others are gathered
+          from their owners when a checkpoint or ``module_state_dict()`` needs them.
+        Weights on NVMe stay whole on every rank (each rank's own files)."""
         w = self.weights
-        if not w.shares_master:
+        if w.weights_tier.kind != "host":
             return
-        flat = None
+        dtype = torch.float32 if w.shares_master else self.compute_dtype
+        homes = None
         try:
-            flat, nodes = node_memory.node_shared_buffer(sum(w.layer_numels) * 4, self.dist, self.device)
+            homes, nodes = node_memory.node_shared_buffers([n * dtype.itemsize for n in w.layer_numels], self.dist,
+                                                           self.device)
         except node_memory.SharedMemoryUnavailable as e:
             warnings.warn(f"lazytrain: the ranks on this node could not share one host copy of the streamed "
                           f"weights ({e}); each keeps its own", UserWarning)
-        if flat is not None:   # one rank writes the values, so that ranks built differently cannot mix
-            w.move_masters(flat.view(torch.float32), copy_values=self.global_rank == nodes.leader)
+        if homes is not None:   # one rank writes the values, so that ranks built differently cannot mix
+            leader = self.global_rank == nodes.leader
+            homes = [h.view(dtype) for h in homes]
+            if w.shares_master:
+                w.move_masters(homes, copy_values=leader)
+            else:
+                w.move_compute_copies(homes, copy_values=leader)
             self.node_shared_weights = True
         self.dist.barrier("barrier after the node-shared weights were written")
+        if not w.shares_master:
+            w.drop_foreign_masters(self.shards.owns_layer)
+
+    def _foreign_masters(self, everywhere: bool) -> dict[int, torch.Tensor]:
+        """With the masters sharded (bf16/fp16): the fp32 weights of the streamed layers this rank does not
+        own, by ``id`` of their parameters, broadcast by their owners layer by layer (a collective: every
+        rank calls it), kept on every rank or on rank 0 only. Empty when every rank holds every layer's."""
+        w, out = self.weights, {}
+        if not w.masters_sharded:
+            return out
+        keep = everywhere or self.global_rank == 0
+        for i in range(w.num_layers):
+            mine = w.master[i] is not None
+            buf = w.master[i] if mine else torch.empty(w.layer_numels[i], dtype=torch.float32)
+            self.dist.broadcast_from([buf], self.shards.layer_owner[i], what="gather of the fp32 weights of "
+                                     "the streamed layers from their owners")
+            if keep and not mine:
+                out.update({id(p): slot.of(buf) for slot, p in zip(w.layer_slots[i], w.params[i])})
+        return out
 
     def _masters_home(self, num_layers: int) -> torch.device:
         """Where the non-block fp32 masters and their optimizer state live. A streamed model's non-block
@@ -568,12 +604,20 @@ class LazyTrainEngine(nn.Module):
                 if self.shards is None:
                     raise
                 error = e
+            w = self.weights
+            if w.masters_sharded and error is None:   # what the owners send is their compute copies
+                try:
+                    for i in self._layers_with_grads():
+                        if w.master[i] is not None:
+                            w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                except Exception as e:   # noqa: BLE001 - as above
+                    error = e
             if self.shards is not None:   # every rank takes part in every broadcast, then all fail together
                 self._share_updated(self._layers_with_grads(), non_block=True)
                 if not self.dist.all_succeeded(error is None, "agreement that every rank's share of the update "
                                                               "succeeded, in engine.step()"):
                     raise error or RuntimeError("the optimizer update failed on another rank: see its error")
-            for i in range(self.weights.num_layers):
+            for i in range(self.weights.num_layers if not w.masters_sharded else 0):
                 try:
                     self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
                 except Exception as e:   # the update itself is whole: the copies are written again when needed
@@ -662,9 +706,11 @@ class LazyTrainEngine(nn.Module):
             try:
                 if shards.owns_layer(k) and not failed:
                     self.optimizer.update(list(layer_grads[k]), clip_coef=factor, groups=groups, grads=layer_grads[k])
+                    if w.masters_sharded:   # what it sends is its compute copy
+                        w.refresh_compute_copy(k, host_copy_current=self._fused_copies)
             except Exception as e:   # noqa: BLE001 - the broadcasts go on; the ranks fail together at the end
                 failed.append(e)
-            started[k] = self.dist.broadcast_started(w.master[k], shards.layer_owner[k])
+            started[k] = self.dist.broadcast_started(w.published(k), shards.layer_owner[k])
 
         def update_layer(i: int) -> None:
             if i in position:
@@ -685,7 +731,8 @@ class LazyTrainEngine(nn.Module):
                     started.clear()
                     raise
                 try:
-                    w.refresh_compute_copy(i, host_copy_current=self._fused_copies and shards.owns_layer(i))
+                    if not w.masters_sharded:   # else the broadcast wrote the copy (or its owner did)
+                        w.refresh_compute_copy(i, host_copy_current=self._fused_copies and shards.owns_layer(i))
                 except Exception as e:   # noqa: BLE001 - as above
                     failed.append(e)
                 self.stream.after_host_write(i, launched)
@@ -723,8 +770,12 @@ class LazyTrainEngine(nn.Module):
         norm from the owners' squares summed over the ranks. A tensor no rank owns (a group added after
         initialize) is averaged on every rank, as without sharding, and counted once."""
         shards, w = self.shards, self.weights
-        # the streamed layers' gradients were reduced to their owners as they landed (send_grads_to_owners)
-        owned = [w.grad[i] for i in self._layers_with_grads() if shards.owns_layer(i)]
+        owned = []
+        for i in self._layers_with_grads():
+            if not w.grads_to_owners:   # stage 1: every rank holds every layer's gradients; at stage >= 2
+                self.dist.reduce_to([w.grad[i]], shards.layer_owner[i])   # they reached the owners as they landed
+            if shards.owns_layer(i):
+                owned.append(w.grad[i])
         replicated = []
         for t in self._non_block_grad_holders():
             if t.grad is None:
@@ -744,11 +795,11 @@ class LazyTrainEngine(nn.Module):
             return math.sqrt(self.dist.sum_over_ranks(mine))
 
     def _share_updated(self, layers=(), non_block: bool = False) -> None:
-        """Sharded state: the owners' updated fp32 weights to every rank (the update thread has its own,
-        pipelined way: :meth:`_sharded_layer_updates`)."""
+        """Sharded state: the owners' updated weights to every rank (fp32, or the compute copies with the
+        masters sharded; the update thread has its own, pipelined way: :meth:`_sharded_layer_updates`)."""
         shards, w = self.shards, self.weights
         for i in layers:
-            self.dist.broadcast_from([w.master[i]], shards.layer_owner[i])
+            self.dist.broadcast_from([w.published(i)], shards.layer_owner[i])
         if non_block:
             for t in self._non_block_grad_holders():
                 owner = shards.param_owner.get(id(t))
@@ -837,15 +888,21 @@ class LazyTrainEngine(nn.Module):
 
     # ---- state ---------------------------------------------------------------------------------
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """The model's weights in fp32 (masters), each tensor its own storage, on the host."""
+        """The model's weights in fp32 (masters), each tensor its own storage, on the host. With the state
+        sharded in bf16/fp16, every rank gathers the fp32 weights of the streamed layers other ranks
+        own, so every rank must call it."""
         self._refuse_if_inconsistent("module_state_dict()")
-        return self._module_state(exclude_frozen_parameters, copy=True)
+        self.wait_for_update()
+        return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters(True))
 
-    def _module_state(self, exclude_frozen_parameters: bool, copy: bool) -> dict[str, torch.Tensor]:
+    def _module_state(self, exclude_frozen_parameters: bool, copy: bool,
+                      foreign: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """``copy=False`` (a checkpoint save, which writes them before anything changes them): host tensors
-        as they are, so a save streams the weights to disk without a second copy in memory."""
+        as they are, so a save streams the weights to disk without a second copy in memory. ``foreign``:
+        fp32 weights of other ranks' layers (:meth:`_foreign_masters`), in place of their compute copies."""
         self.wait_for_update()
         masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
+        masters.update(foreign or {})
         out = {}
         params = dict(self.module.named_parameters())
         for name, t in self.module.state_dict(keep_vars=True).items():
@@ -923,10 +980,11 @@ class LazyTrainEngine(nn.Module):
 
     def _export(self, client_state: dict | None, exclude_frozen: bool) -> ds_layout.Export:
         """This engine's state for a checkpoint in DeepSpeed's layout (deepspeed_layout.py)."""
-        masters = self.masters.by_param if self.masters is not None else {}
+        foreign = self._foreign_masters(False)   # sharded masters: gathered on rank 0, which writes the files
+        masters = {**(self.masters.by_param if self.masters is not None else {}), **foreign}
         return ds_layout.Export(
             model=self.module, config=self._config.raw, compute_dtype=self.compute_dtype,
-            module_state=self._module_state(exclude_frozen, copy=False), names=self._param_names,
+            module_state=self._module_state(exclude_frozen, copy=False, foreign=foreign), names=self._param_names,
             masters={n: masters.get(id(p), p) for n, p in self.module.named_parameters()},
             optimizer=self._whole_optimizer(), optimizer_from_config=self._config.optimizer.type is not None,
             lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -1196,9 +1254,24 @@ class LazyTrainEngine(nn.Module):
         """Release streaming buffers and tiers (NVMe run directories are removed) and hand the model back:
         its blocks called directly again, mixed-precision non-block weights back in fp32 (the trained
         masters), no hooks of ours."""
+        self._own_weights_again()
         self._hand_model_back()
         for m in self._checkpointing_turned_off:
             m.gradient_checkpointing = True
+
+    def _own_weights_again(self) -> None:
+        """Before the model is handed back: block parameters in memory of this rank's own, in fp32 (the
+        node-shared memory is the other ranks' too, and in sharded bf16/fp16 the layers other ranks own have
+        no fp32 weights here: they are gathered, so every rank must call ``destroy``)."""
+        self.wait_for_update()
+        w = self.weights
+        foreign = self._foreign_masters(True)
+        if not foreign and not self.node_shared_weights:
+            return
+        for i in range(w.num_layers):
+            flat = w.master[i].clone() if w.master[i] is not None else None
+            for slot, p in zip(w.layer_slots[i], w.params[i]):
+                p.data = slot.of(flat) if flat is not None else foreign[id(p)]
 
     # ---- attribute passthrough to the wrapped module --------------------------------------------
     def __getattr__(self, name: str):

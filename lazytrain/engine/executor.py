@@ -518,7 +518,10 @@ class LayerStreamingExecutor:
                 grads = (None,) * len(inputs)
         n, first = len(trainable), int(want_x)
         weight_grads = {name: g for (name, _), g in zip(trainable, grads[first:first + n]) if g is not None}
-        if weight_grads:   # nothing to send for a frozen layer, or a backward that accumulates none
+        # nothing to send for a frozen layer, or a backward that accumulates none; but when the gradients go
+        # to their owners as they land, every rank lands every trainable layer its backward reaches (zeros
+        # where this rank's batch gave the layer no gradient, as an expert no token reached)
+        if weight_grads or (trainable and self.weights.grads_to_owners):
             self.weights.accumulate_grads(layer, weight_grads)
         side = iter(grads[first + n:])
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]

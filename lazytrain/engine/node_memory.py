@@ -54,33 +54,56 @@ class SharedMemoryUnavailable(RuntimeError):
     """The node-shared buffer could not be made (no /dev/shm, or too little room in it)."""
 
 
-def create_shared_file(nbytes: int, shm_dir: str | None = None) -> str:
-    """A new file of ``nbytes`` in ``shm_dir`` (default :data:`SHM_DIR`) with all its memory reserved;
-    returns its path."""
+def create_shared_files(sizes: list[int], shm_dir: str | None = None) -> list[str]:
+    """New files of ``sizes`` bytes in ``shm_dir`` (default :data:`SHM_DIR`), all their memory reserved;
+    returns their paths. Nothing is left behind when it raises."""
     shm_dir = SHM_DIR if shm_dir is None else shm_dir
     if not os.path.isdir(shm_dir):
         raise SharedMemoryUnavailable(f"{shm_dir} does not exist")
     st = os.statvfs(shm_dir)
-    free = st.f_bavail * st.f_frsize
+    free, nbytes = st.f_bavail * st.f_frsize, sum(sizes)
     if free < nbytes:
         raise SharedMemoryUnavailable(f"{shm_dir} has {free / 2**30:.2f} GiB free and the node's copy of the "
                                       f"streamed weights needs {nbytes / 2**30:.2f} GiB (a container's /dev/shm "
                                       f"is often 64 MiB: raise it, e.g. docker run --shm-size)")
-    path = os.path.join(shm_dir, f"lazytrain-{uuid.uuid4().hex}")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    stem = os.path.join(shm_dir, f"lazytrain-{uuid.uuid4().hex}")
+    paths: list[str] = []
     try:
-        os.posix_fallocate(fd, 0, max(nbytes, 1))
-    except OSError as e:
-        os.close(fd)
-        os.unlink(path)
-        raise SharedMemoryUnavailable(f"reserving {nbytes / 2**30:.2f} GiB in {shm_dir} failed: {e}") from e
-    os.close(fd)
-    return path
+        for k, size in enumerate(sizes):
+            path = f"{stem}-{k}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            paths.append(path)
+            try:
+                os.posix_fallocate(fd, 0, max(size, 1))
+            except OSError as e:
+                raise SharedMemoryUnavailable(f"reserving {nbytes / 2**30:.2f} GiB in {shm_dir} failed: {e}") from e
+            finally:
+                os.close(fd)
+    except BaseException:
+        remove_files(paths)
+        raise
+    return paths
+
+
+def remove_files(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def map_shared_file(path: str, nbytes: int, device: torch.device) -> torch.Tensor:
-    """The file at ``path`` as a flat uint8 tensor every process mapping it sees the writes of; on CUDA,
-    registered as pinned so that copies from it run asynchronously, as from ``empty_host`` memory."""
+    """The existing file at ``path`` as a flat uint8 tensor every process mapping it sees the writes of; on
+    CUDA, registered as pinned so that copies from it run asynchronously, as from ``empty_host`` memory.
+    A file that is not there (another machine's, under the same host name) is refused, never created."""
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError as e:
+        raise SharedMemoryUnavailable(f"{path} is not on this machine (ranks that report the same host name "
+                                      f"but do not share /dev/shm?)") from e
+    if size < nbytes:
+        raise SharedMemoryUnavailable(f"{path} holds {size} bytes, not {nbytes}")
     flat = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[:nbytes]
     if device.type == "cuda" and nbytes:
         err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)
@@ -90,31 +113,34 @@ def map_shared_file(path: str, nbytes: int, device: torch.device) -> torch.Tenso
     return flat
 
 
-def node_shared_buffer(nbytes: int, dist_ctx, device: torch.device) -> tuple[torch.Tensor | None, Nodes]:
-    """``nbytes`` of host memory that the ranks of this node share (a collective: every rank calls it), and
-    the nodes; None when this rank is alone on its node. Raises :class:`SharedMemoryUnavailable` where this node could not
-    make it (every rank of the node raises; other nodes are unaffected)."""
+def node_shared_buffers(sizes: list[int], dist_ctx, device: torch.device) -> tuple[list[torch.Tensor] | None, Nodes]:
+    """Buffers of ``sizes`` bytes that the ranks of this node share, one storage each (so that saving one
+    layer's tensors never writes the others'), and the nodes; a collective: every rank calls it. None when
+    this rank is alone on its node. Raises :class:`SharedMemoryUnavailable` where this node could not make
+    them (every rank of the node raises; other nodes are unaffected). The files are unlinked once every
+    rank has mapped them, or failed to, or a collective on the way failed."""
     nodes = group_by_node(dist_ctx.all_gather_object(node_key(), "exchange of host names for node-shared "
                                                                  "weights"), dist_ctx.rank)
-    path, problem = None, None
-    if dist_ctx.rank == nodes.leader and len(nodes.mine) > 1:
-        try:
-            path = create_shared_file(nbytes)
-        except (SharedMemoryUnavailable, OSError) as e:
-            problem = str(e)
-    made = dist_ctx.all_gather_object((path, problem), "exchange of the node-shared weights' file")
-    path, problem = made[nodes.leader]
-    flat = None
-    if path is not None:
-        try:
-            flat = map_shared_file(path, nbytes, device)
-        except (SharedMemoryUnavailable, RuntimeError, OSError) as e:
-            problem = f"mapping {path} failed: {e}"
-    mapped = dist_ctx.all_gather_object(problem is None, "agreement that the node-shared weights are mapped")
-    if path is not None and dist_ctx.rank == nodes.leader:
-        os.unlink(path)   # every rank of the node has it mapped (or gave up): the name is no longer needed
+    created, problem = [], None
+    try:
+        if dist_ctx.rank == nodes.leader and len(nodes.mine) > 1:
+            try:
+                created = create_shared_files(sizes)
+            except (SharedMemoryUnavailable, OSError) as e:
+                problem = str(e)
+        made = dist_ctx.all_gather_object((created, problem), "exchange of the node-shared weights' files")
+        paths, problem = made[nodes.leader]
+        flats = None
+        if paths:
+            try:
+                flats = [map_shared_file(path, size, device) for path, size in zip(paths, sizes)]
+            except (SharedMemoryUnavailable, RuntimeError, OSError) as e:
+                problem = f"mapping the node-shared weights failed: {e}"
+        mapped = dist_ctx.all_gather_object(problem is None, "agreement that the node-shared weights are mapped")
+    finally:   # every rank of the node has them mapped (or gave up): the names are no longer needed
+        remove_files(created)
     if len(nodes.mine) == 1:
         return None, nodes
     if not all(mapped[r] for r in nodes.mine):
         raise SharedMemoryUnavailable(problem or "another rank of this node could not map the shared weights")
-    return flat, nodes
+    return flats, nodes

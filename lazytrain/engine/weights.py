@@ -62,7 +62,7 @@ class LayerWeights:
         # which parameters train, per layer (a user may freeze some layers or some tensors)
         self.trainable = [[p.requires_grad for _, p in block.named_parameters()] for block in blocks]
         self.any_trainable = any(any(t) for t in self.trainable)
-        self.master: list[torch.Tensor] = []
+        self.master: list[torch.Tensor | None] = []   # None: another rank's layer (drop_foreign_masters)
         self.grad: list[torch.Tensor | None] = []   # None: a layer another rank owns (sharded gradients)
         self.params: list[list[nn.Parameter]] = []
         for block, slots, numel in zip(blocks, self.layer_slots, self.layer_numels):
@@ -96,19 +96,15 @@ class LayerWeights:
         self.updates: LayerUpdates | None = None
         self._unstored: set[int] = set()   # see mark_unstored
         self._to_owners = None              # see send_grads_to_owners
+        self.masters_sharded = False        # see drop_foreign_masters
 
-    def move_masters(self, flat: torch.Tensor, copy_values: bool = True) -> None:
-        """Move every layer's fp32 weights into ``flat`` (fp32, the layers one after another: the node-shared
-        buffer of :mod:`~lazytrain.engine.node_memory`), the parameters with them. Before the optimizer is
+    def move_masters(self, homes: list[torch.Tensor], copy_values: bool = True) -> None:
+        """Move every layer's fp32 weights into ``homes[i]`` (fp32 buffers of the layers' sizes: the node-shared
+        ones of :mod:`~lazytrain.engine.node_memory`), the parameters with them. Before the optimizer is
         built; with ``shares_master`` the stored compute copy is that memory too. ``copy_values=False``: the
         values are already there (another rank of the node wrote them), only the parameters move."""
-        if flat.dtype != torch.float32 or flat.numel() != sum(self.layer_numels):
-            raise ValueError(f"move_masters needs {sum(self.layer_numels)} fp32 values, got {flat.numel()} "
-                             f"{flat.dtype}")
-        offset = 0
-        for i, numel in enumerate(self.layer_numels):
-            home = flat[offset:offset + numel]
-            offset += numel
+        self._check_homes(homes, torch.float32)
+        for i, home in enumerate(homes):
             if copy_values:
                 home.copy_(self.master[i])
             for slot, p in zip(self.layer_slots[i], self.params[i]):
@@ -117,6 +113,51 @@ class LayerWeights:
             if self.shares_master:
                 self.weights_tier.free(self._key(i))
                 self.weights_tier.write(self._key(i), home, owned=True)
+
+    def move_compute_copies(self, homes: list[torch.Tensor], copy_values: bool = True) -> None:
+        """Move every layer's stored compute copy (host tier, training precision) into ``homes[i]`` (the
+        node-shared buffers), parameters that are views of a copy with it. ``copy_values=False``: another rank
+        of the node wrote the values."""
+        if self.weights_tier.kind != "host":
+            raise ValueError(f"move_compute_copies needs compute copies in host memory, not {self.weights_tier.kind}")
+        self._check_homes(homes, self.compute_dtype)
+        for i, home in enumerate(homes):
+            old = self.weights_tier.read(self._key(i)).wait()
+            if copy_values:
+                home.copy_(old)
+            for slot, p in zip(self.layer_slots[i], self.params[i]):
+                if p.data.data_ptr() == slot.of(old).data_ptr():
+                    p.data = slot.of(home)
+            self.weights_tier.free(self._key(i))
+            self.weights_tier.write(self._key(i), home, owned=True)
+
+    def _check_homes(self, homes: list[torch.Tensor], dtype: torch.dtype) -> None:
+        got = [(h.numel(), h.dtype) for h in homes]
+        if got != [(n, dtype) for n in self.layer_numels]:
+            raise ValueError(f"the layers need {dtype} buffers of {self.layer_numels} elements, got {got}")
+
+    def drop_foreign_masters(self, owns) -> None:
+        """Sharded state in mixed precision: the fp32 weights of the layers other ranks own (``owns(i)``
+        false) are dropped, 4 bytes a parameter. Their parameters become views of the layers' compute copies,
+        which the owners' broadcasts keep current (:meth:`published`)."""
+        if self.shares_master or self.weights_tier.kind != "host":
+            raise ValueError("drop_foreign_masters needs compute copies in host memory apart from the fp32 weights")
+        self.masters_sharded = True
+        for i in range(self.num_layers):
+            if owns(i):
+                continue
+            copy = self.weights_tier.read(self._key(i)).wait()
+            for slot, p in zip(self.layer_slots[i], self.params[i]):
+                p.data = slot.of(copy)
+            self.master[i] = None
+            self._unstored.discard(i)
+
+    def published(self, i: int) -> torch.Tensor:
+        """What layer i's owner sends the other ranks after updating it: its fp32 weights, or with the
+        masters sharded its compute copy (the others keep no fp32 weights for it)."""
+        if self.masters_sharded:
+            return self.weights_tier.read(self._key(i)).wait()
+        return self.master[i]
 
     # ---- readiness after an overlapped optimizer step ------------------------------------------
     def update_pending(self, i: int) -> bool:
@@ -132,6 +173,8 @@ class LayerWeights:
         return f"weights.layer{i}"
 
     def _store_compute_copy(self, i: int) -> None:
+        if self.master[i] is None:   # another rank's layer: the copy itself is what its owner sent
+            return
         if self.shares_master:
             if self._key(i) not in self.weights_tier:
                 self.weights_tier.write(self._key(i), self.master[i], owned=True)
@@ -224,6 +267,12 @@ class LayerWeights:
             self._to_owners.land(i, flat, self.grad[i])
         else:
             self.grad[i].add_(flat)
+
+    @property
+    def grads_to_owners(self) -> bool:
+        """Each micro-batch's layer gradients are reduced to the layer's owner as they land (then every rank
+        must land every trainable layer the backward reaches, zeros where it has none)."""
+        return self._to_owners is not None
 
     def send_grads_to_owners(self, to_owners) -> None:
         """Sharded data parallel: from now on each micro-batch's layer gradients are reduced to the layer's
