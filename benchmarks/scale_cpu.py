@@ -9,7 +9,11 @@ timed steps, divided by steps and ranks; every rank talks over loopback here), t
 and the process CPU time per step per rank (the ranks share this machine's two cores, so wall time grows
 with the number of ranks whatever the system does).
 
-    python benchmarks/scale_cpu.py [--ranks 1 2 4] [--steps 4] [--no-deepspeed]
+Memory the ranks of a node share (LazyTrain's node-shared weights) is reported apart and counted once in
+the total. "layers" is LazyTrain's state for the streamed layers alone: what it keeps in host memory when
+it trains on a GPU, where the embeddings and the head (and their optimizer state) live on the device.
+
+    python benchmarks/scale_cpu.py [--ranks 1 2 4] [--steps 4] [--no-deepspeed] [--dtype fp32|bf16]
 """
 from __future__ import annotations
 
@@ -71,11 +75,13 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _lazytrain(world, rank):
+def _lazytrain(world, rank, dtype):
     import lazytrain
     cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
            "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_optimization": {"stage": 2},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "lazytrain": {"checkpoint_interval": 4}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
     engine, _, _, _ = lazytrain.initialize(model=_model(), config=cfg)
     w = engine.weights
 
@@ -88,11 +94,14 @@ def _lazytrain(world, rank):
         streamed layers' fp32 weights, gradient buffers and Adam moments, and the same for the rest."""
         block = {id(p) for params in w.params for p in params}
         moments = {id(p): list(st.values()) for p, st in engine.optimizer.state.items()}
-        layers = list(w.master) + [g for g in w.grad if g is not None]
+        copies = [w.stored_copy(i) for i in range(w.num_layers)]   # what the layers are computed from
+        layers = [m for m in w.master if m is not None] + [g for g in w.grad if g is not None] + copies
         layers += [t for i, ts in moments.items() if i in block for t in ts]
         other = [p for p in engine.non_block_params] + [p.grad for p in engine.non_block_params]
+        if engine.masters is not None:
+            other += [m for _, m in engine.masters.pairs] + [m.grad for _, m in engine.masters.pairs]
         other += [t for i, ts in moments.items() if i not in block for t in ts]
-        shared = [t for t in w.master] if engine.node_shared_weights else []
+        shared = copies if engine.node_shared_weights else []
         shared_keys = {_storage_key(t) for t in shared}
         split = {}
         for name, tensors in (("layers", layers), ("other", other)):
@@ -103,7 +112,7 @@ def _lazytrain(world, rank):
     return step, state
 
 
-def _deepspeed(world, rank, stage):
+def _deepspeed(world, rank, stage, dtype):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     model = _model()
@@ -111,6 +120,8 @@ def _deepspeed(world, rank, stage):
            "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def step(ids):
@@ -133,12 +144,13 @@ def _deepspeed(world, rank, stage):
     return step, state
 
 
-def _worker(rank, world, port, system, steps, out):
+def _worker(rank, world, port, system, steps, out, dtype):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    step, state = _lazytrain(world, rank) if system == "lazytrain" else _deepspeed(world, rank, int(system[-1]))
+    step, state = _lazytrain(world, rank, dtype) if system == "lazytrain" else \
+        _deepspeed(world, rank, int(system[-1]), dtype)
     batches = _batches(steps + 1)
     per = GLOBAL_BATCH // world
     step(batches[0][per * rank:per * rank + per])           # warm-up: states allocated
@@ -160,9 +172,9 @@ def _worker(rank, world, port, system, steps, out):
         torch.distributed.destroy_process_group()
 
 
-def run(system, world, steps):
+def run(system, world, steps, dtype="fp32"):
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, _free_port(), system, steps, out), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), system, steps, out, dtype), nprocs=world, join=True)
         rows = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
     sent = rows[0]["tx"] / steps / world if world > 1 else 0   # loopback counts every rank's traffic once
 
@@ -184,6 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     args = ap.parse_args(argv)
     systems = ["lazytrain"]
     if not args.no_deepspeed:
@@ -193,7 +206,7 @@ def main(argv=None) -> int:
         except ImportError:
             print("DeepSpeed not installed: LazyTrain alone (pip install 'lazytrain[deepspeed]')")
     n = sum(p.numel() for p in _model().parameters())
-    print(f"Llama {n / 1e6:.1f}M parameters, global batch {GLOBAL_BATCH} x seq {SEQ}, fp32, AdamW; "
+    print(f"Llama {n / 1e6:.1f}M parameters, global batch {GLOBAL_BATCH} x seq {SEQ}, {args.dtype}, AdamW; "
           f"{args.steps} timed steps after one warm-up")
     print(f"{'system':<17} {'ranks':>5} {'own MB/rank':>11} {'node-shared MB':>14} {'total MB':>8} {'x 1 rank':>8} "
           f"{'layers MB':>9} {'x 1 rank':>8} {'sent MB/rank/step':>17} {'wall s/step':>11} {'cpu s/step/rank':>15}")
@@ -201,7 +214,7 @@ def main(argv=None) -> int:
         base = base_layers = None
         for world in args.ranks:
             try:
-                r = run(system, world, args.steps)
+                r = run(system, world, args.steps, args.dtype)
             except Exception as e:   # noqa: BLE001 - one system failing must not hide the others
                 print(f"{system:<17} {world:>5}  failed: {type(e).__name__}: {str(e).splitlines()[-1][:120]}")
                 continue

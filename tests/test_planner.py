@@ -576,3 +576,31 @@ def test_a_rank_holding_a_share_of_the_optimizer_state_is_budgeted_for_that_shar
     assert quarter.host_act_budget > whole.host_act_budget
     with pytest.raises(ValueError, match=r"optimizer_state_share must be in \(0, 1\], got 0"):
         make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", optimizer_state_share=0))
+
+
+def test_a_rank_holding_shares_of_the_weights_and_gradients_is_budgeted_for_them():
+    """Sharded bf16 at stage 2 on a node of 4 ranks: a quarter of the fp32 masters, gradients and moments,
+    and a quarter of the node's one streamed copy."""
+    whole = make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", host="400GB"))
+    shared = make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(
+        gpu="70GB", host="400GB", optimizer_state_share=0.25, master_share=0.25, gradient_share=0.25,
+        weights_copy_share=0.25))
+    assert shared.host_bytes_per_param == pytest.approx(whole.host_bytes_per_param / 4)
+    with pytest.raises(ValueError, match=r"weights_copy_share must be in \(0, 1\], got 1.5"):
+        make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", weights_copy_share=1.5))
+
+
+def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):
+    from lazytrain.config import parse_config
+    from lazytrain.engine.placement import _host_shares
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg = parse_config({**base, "train_batch_size": 8, "bf16": {"enabled": True},
+                        "zero_optimization": {"stage": 2}}, world_size=8)
+    assert _host_shares(cfg) == {"optimizer_state_share": 0.125, "master_share": 0.125, "gradient_share": 0.125,
+                                 "weights_copy_share": 0.25}
+    cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 1}}, world_size=8)
+    assert _host_shares(cfg) == {"optimizer_state_share": 0.125, "master_share": 1.0, "gradient_share": 1.0,
+                                 "weights_copy_share": 0.25}
+    cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 0}}, world_size=8)
+    assert _host_shares(cfg) == {}

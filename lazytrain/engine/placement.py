@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 
 import torch
@@ -90,6 +91,24 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
 _GPU_PROFILES = (("H800", "h800"), ("H200", "h200"), ("H100", "h800"), ("3090", "rtx3090"))
 
 
+def _host_shares(cfg: EngineConfig) -> dict[str, float]:
+    """What one rank holds of the host state when the optimizer state is sharded (engine.py,
+    ``_shard_host_weights``): the Adam moments of its share of the layers; in bf16/fp16 their fp32 weights
+    too; at stage >= 2 their gradient buffers; with the weights in host memory, its part of the node's one
+    streamed copy (the launcher's ranks per node, when it says)."""
+    sharded = cfg.zero_stage >= 1 and cfg.world_size > 1 and cfg.optimizer.type is not None
+    if not sharded:
+        return {}
+    per_rank = 1 / cfg.world_size
+    in_host = cfg.lazytrain.weights_home in ("host", "hbm")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    mixed = cfg.compute_dtype_name != "float32"
+    return {"optimizer_state_share": per_rank,
+            "master_share": per_rank if mixed and in_host else 1.0,
+            "gradient_share": per_rank if cfg.zero_stage >= 2 else 1.0,
+            "weights_copy_share": 1 / per_node if in_host and per_node > 1 else 1.0}
+
+
 def _hardware_profile(cfg: EngineConfig, device: torch.device):
     if cfg.lazytrain.hardware != "auto":
         return cfg.lazytrain.hardware
@@ -121,9 +140,7 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                if "nvme" in tiers else 0,
                # the logits as the engine computes them: in chunks when configured, else whole
                "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * lt.seq_len,
-               # what this rank holds: the Adam moments of its share of the layers when the state is sharded
-               "optimizer_state_share": 1 / cfg.world_size if cfg.zero_stage >= 1 and cfg.world_size > 1 and
-               cfg.optimizer.type is not None else 1.0}
+               **_host_shares(cfg)}
     # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
     hardware = _hardware_profile(cfg, device)
     if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model

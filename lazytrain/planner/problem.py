@@ -58,6 +58,9 @@ class Budgets:
     hybrid_8bit_fraction: float = 0.02  # share of parameters whose Adam moments are 8-bit blockwise
     loss_chunk_tokens: int = 2048       # the LM head computes logits and loss in chunks of this many tokens
     optimizer_state_share: float = 1.0  # the part of the Adam moments this rank holds (1/ranks when sharded)
+    master_share: float = 1.0           # the part of the fp32 master weights it holds (1/ranks: sharded bf16/fp16)
+    gradient_share: float = 1.0         # the part of the host gradient buffers (1/ranks at ZeRO stage >= 2)
+    weights_copy_share: float = 1.0     # its part of the streamed copy (1/ranks per node when the node shares one)
 
     @classmethod
     def of(cls, gpu=None, host=None, nvme=None, **kw) -> "Budgets":
@@ -132,11 +135,13 @@ class Problem:
         self.slot_slack = 2 * (max(self.Wl) - min(self.Wl))
         self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes + self.slot_slack
         f8 = self.budgets.hybrid_8bit_fraction
-        share = self.budgets.optimizer_state_share
-        if not 0 < share <= 1:
-            raise ValueError(f"optimizer_state_share must be in (0, 1], got {share}")
-        adam = share * ((1 - f8) * 8 + f8 * (2 + 8 / 4096))           # fp32 moments / 8-bit blockwise
-        self.host_bytes_per_param = 4 + db + db + adam               # master, streamed copy, grads, moments
+        b = self.budgets
+        for name in ("optimizer_state_share", "master_share", "gradient_share", "weights_copy_share"):
+            if not 0 < getattr(b, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(b, name)}")
+        adam = b.optimizer_state_share * ((1 - f8) * 8 + f8 * (2 + 8 / 4096))   # fp32 moments / 8-bit blockwise
+        # master, streamed copy, grads, moments: the parts of them this rank holds
+        self.host_bytes_per_param = 4 * b.master_share + db * b.weights_copy_share + db * b.gradient_share + adam
         self.host_static = int(m.total_params * self.host_bytes_per_param)
         self.host_act_budget = self.host_budget - self.host_static
         # host optimizer chain and the copies it gates
