@@ -567,3 +567,39 @@ def test_a_layer_one_ranks_batch_gives_no_gradient_still_reaches_its_owner(tmp_p
         trained = _expert_model()
         trained.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
         assert max_rel_diff(trained, ref) < 1e-5
+
+
+def _one_gpu_worker(rank, port, out_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo")   # two processes on one GPU: NCCL refuses, gloo carries them
+    from lazytrain.engine import node_memory
+    from lazytrain.engine.distributed import DistributedContext
+    ctx = DistributedContext("cuda")
+    device = torch.device("cuda", 0)
+    flats, _ = node_memory.node_shared_buffers([4096 * 4, 64 * 4], ctx, device)
+    weights = flats[0].view(torch.float32)
+    if rank == 1:
+        weights.copy_(torch.arange(4096, dtype=torch.float32))
+    ctx.barrier()
+    on_gpu = weights.to(device, non_blocking=True)
+    torch.cuda.synchronize(device)
+    torch.save({"pinned": weights.is_pinned(), "values": on_gpu.cpu()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_two_ranks_copy_the_node_shared_weights_from_pinned_memory(tmp_path):
+    """The node-shared buffers registered with CUDA: pinned for asynchronous copies, and what one process
+    writes reaches the other's device."""
+    mp.spawn(_one_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["pinned"]
+        assert torch.equal(r["values"], torch.arange(4096, dtype=torch.float32))
+    assert not [f for f in os.listdir(node_memory_dir()) if f.startswith("lazytrain-")]
+
+
+def node_memory_dir():
+    from lazytrain.engine import node_memory
+    return node_memory.SHM_DIR
