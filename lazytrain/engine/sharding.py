@@ -1,20 +1,18 @@
-"""Optimizer state sharded across data-parallel ranks (``zero_optimization.stage`` >= 1).
+"""Host state sharded across data-parallel ranks (``zero_optimization.stage`` >= 1).
 
-Each rank owns whole streamed layers (and whole non-block parameters), balanced by parameter count:
-it alone keeps their Adam moments and updates them, and then broadcasts their fp32 weights to the
-other ranks. Gradients are reduced to the owner only (a reduce, half an all-reduce's traffic), and the
-clipping norm is the square root of the owners' summed squares. The fp32 weights themselves stay whole on
-every rank (the streamed layers are computed from them), so what shrinks is the optimizer state: the two
-Adam moments, 8 of the 16 bytes a parameter costs on the host in fp32 states.
+Each rank owns whole streamed layers (and whole non-block parameters), balanced by parameter count: it
+alone keeps their Adam moments and updates them, then broadcasts the updated weights to the other ranks
+(fp32, or in bf16/fp16 the compute copies: the other ranks keep no fp32 weights for its layers). The
+clipping norm is the square root of the owners' summed squares. Gradients reach the owner by a reduce (half
+an all-reduce's traffic): at stage 1 every rank's whole buffers at the step; at stage >= 2 one micro-batch
+at a time as they reach the host (:class:`GradientsToOwners`), a rank keeping gradient buffers for its own
+layers only. Where the layers' weights live (one copy per node) is engine.py's ``_shard_host_weights``.
 
 A checkpoint holds the optimizer state whole, in the order a single process's optimizer has it: the
 ranks' states are gathered on rank 0 to save, and each rank keeps its own from a whole one on load, so a
 checkpoint saved with N ranks loads with M ranks, or into one process. ``groups`` below are the optimizer's
 whole groups: those it was built with, then any added since (whose tensors are replicated, every rank
 holding and updating them).
-
-Gradients of the streamed layers are reduced as they reach the host, one micro-batch at a time
-(:class:`GradientsToOwners`): a rank keeps a gradient buffer only for the layers it owns.
 """
 from __future__ import annotations
 
