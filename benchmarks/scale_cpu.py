@@ -14,6 +14,7 @@ the total. "layers" is LazyTrain's state for the streamed layers alone: what it 
 it trains on a GPU, where the embeddings and the head (and their optimizer state) live on the device.
 
     python benchmarks/scale_cpu.py [--ranks 1 2 4] [--steps 4] [--no-deepspeed] [--dtype fp32|bf16]
+                                   [--communication-data-type fp32|bf16]
 """
 from __future__ import annotations
 
@@ -75,13 +76,15 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _lazytrain(world, rank, dtype):
+def _lazytrain(world, rank, dtype, comm):
     import lazytrain
     cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
            "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_optimization": {"stage": 2},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "lazytrain": {"checkpoint_interval": 4}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if comm:
+        cfg["communication_data_type"] = comm
     engine, _, _, _ = lazytrain.initialize(model=_model(), config=cfg)
     w = engine.weights
 
@@ -112,7 +115,7 @@ def _lazytrain(world, rank, dtype):
     return step, state
 
 
-def _deepspeed(world, rank, stage, dtype):
+def _deepspeed(world, rank, stage, dtype, comm):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     model = _model()
@@ -122,6 +125,8 @@ def _deepspeed(world, rank, stage, dtype):
            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if comm:
+        cfg["communication_data_type"] = comm
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def step(ids):
@@ -144,13 +149,13 @@ def _deepspeed(world, rank, stage, dtype):
     return step, state
 
 
-def _worker(rank, world, port, system, steps, out, dtype):
+def _worker(rank, world, port, system, steps, out, dtype, comm):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    step, state = _lazytrain(world, rank, dtype) if system == "lazytrain" else \
-        _deepspeed(world, rank, int(system[-1]), dtype)
+    step, state = _lazytrain(world, rank, dtype, comm) if system == "lazytrain" else \
+        _deepspeed(world, rank, int(system[-1]), dtype, comm)
     batches = _batches(steps + 1)
     per = GLOBAL_BATCH // world
     step(batches[0][per * rank:per * rank + per])           # warm-up: states allocated
@@ -172,9 +177,9 @@ def _worker(rank, world, port, system, steps, out, dtype):
         torch.distributed.destroy_process_group()
 
 
-def run(system, world, steps, dtype="fp32"):
+def run(system, world, steps, dtype="fp32", comm=None):
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, _free_port(), system, steps, out, dtype), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), system, steps, out, dtype, comm), nprocs=world, join=True)
         rows = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
     sent = rows[0]["tx"] / steps / world if world > 1 else 0   # loopback counts every rank's traffic once
 
@@ -197,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--communication-data-type", choices=["fp32", "bf16"], default=None,
+                    help="the config key of that name, for every system (unset: each system's default)")
     args = ap.parse_args(argv)
     systems = ["lazytrain"]
     if not args.no_deepspeed:
@@ -206,7 +213,8 @@ def main(argv=None) -> int:
         except ImportError:
             print("DeepSpeed not installed: LazyTrain alone (pip install 'lazytrain[deepspeed]')")
     n = sum(p.numel() for p in _model().parameters())
-    print(f"Llama {n / 1e6:.1f}M parameters, global batch {GLOBAL_BATCH} x seq {SEQ}, {args.dtype}, AdamW; "
+    print(f"Llama {n / 1e6:.1f}M parameters, global batch {GLOBAL_BATCH} x seq {SEQ}, {args.dtype}, AdamW, communication_data_type "
+          f"{args.communication_data_type or 'unset'}; "
           f"{args.steps} timed steps after one warm-up")
     print(f"{'system':<17} {'ranks':>5} {'own MB/rank':>11} {'node-shared MB':>14} {'total MB':>8} {'x 1 rank':>8} "
           f"{'layers MB':>9} {'x 1 rank':>8} {'sent MB/rank/step':>17} {'wall s/step':>11} {'cpu s/step/rank':>15}")
@@ -214,7 +222,7 @@ def main(argv=None) -> int:
         base = base_layers = None
         for world in args.ranks:
             try:
-                r = run(system, world, args.steps, args.dtype)
+                r = run(system, world, args.steps, args.dtype, args.communication_data_type)
             except Exception as e:   # noqa: BLE001 - one system failing must not hide the others
                 print(f"{system:<17} {world:>5}  failed: {type(e).__name__}: {str(e).splitlines()[-1][:120]}")
                 continue

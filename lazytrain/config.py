@@ -46,7 +46,6 @@ _UNIMPLEMENTED_TOP = {
     "curriculum_learning": "not supported",
     "elasticity": "not supported",
     "amp": "use bf16 or fp16",
-    "communication_data_type": "gradients are reduced in fp32",
     "prescale_gradients": "gradients are averaged after reduction",
     "gradient_predivide_factor": "gradients are averaged after reduction",
     "sparse_gradients": "not supported",
@@ -113,7 +112,7 @@ _TOP_IMPLEMENTED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
     "zero_optimization", "aio", "activation_checkpointing", "lazytrain", "seed", "fp32_allreduce",
-    "dataloader_drop_last",
+    "dataloader_drop_last", "communication_data_type",
     "job",   # settings of the `lazytrain train` command (model, task, steps); not read by the engine
 }
 
@@ -291,6 +290,7 @@ class EngineConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: bool = False
     zero_stage: int = 0
+    communication_data_type: str = "fp32"   # the dtype data-parallel gradients are summed over ranks in
     gather_16bit_weights_on_model_save: bool = False
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
@@ -467,8 +467,13 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
 
     seed = d.get("seed")
     seen.emit()
+    comm = d.get("communication_data_type")
+    comm = "fp32" if comm is None else comm
+    if comm not in ("fp16", "bf16", "fp32"):   # DeepSpeed's values and message
+        raise ConfigError(f"Invalid communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']. "
+                          f"Got: {comm}")
     return EngineConfig(
-        train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
+        communication_data_type=comm, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
         wall_clock_breakdown=bool(d.get("wall_clock_breakdown", False)), dataloader_drop_last=drop_last, seed=seed,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,

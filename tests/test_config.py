@@ -2,6 +2,7 @@
 import glob
 import math
 import os
+import re
 import warnings
 
 import pytest
@@ -348,3 +349,13 @@ def test_aio_section_has_one_schema_and_reaches_the_nvme_tier(tmp_path):
         tier.close()
     with pytest.raises(ConfigError, match=r"aio.queue_depth must be an integer >= 1, got 0"):
         parse_config({"train_batch_size": 2, "aio": {"queue_depth": 0}}, world_size=1)
+
+
+def test_communication_data_type_takes_deepspeeds_values_and_message():
+    base = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}
+    assert parse_config(base).communication_data_type == "fp32"
+    for value in ("fp16", "bf16", "fp32"):
+        assert parse_config({**base, "communication_data_type": value}).communication_data_type == value
+    with pytest.raises(ConfigError, match=re.escape("Invalid communication_data_type. Supported data types: "
+                                                    "['fp16', 'bf16', 'fp32']. Got: float32")):
+        parse_config({**base, "communication_data_type": "float32"})

@@ -27,6 +27,8 @@ def _config(world, stage, overlap, dtype="fp32"):
            "lazytrain": {"checkpoint_interval": 2, "overlap_optimizer": overlap}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     return cfg
 
 
@@ -35,14 +37,17 @@ def state_bytes(optimizer) -> int:
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_dir, dtype):
+def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_dir, dtype, comm=None):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import warnings
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, stage, overlap, dtype))
+    cfg = _config(world, stage, overlap, dtype)
+    if comm is not None:
+        cfg["communication_data_type"] = comm
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     if load_dir:
         engine.load_checkpoint(load_dir)
     per = GLOBAL // world
@@ -77,11 +82,11 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
         torch.distributed.destroy_process_group()
 
 
-def run(world, tmp_path, stage=1, overlap=False, steps=None, save_dir=None, load_dir=None, dtype="fp32"):
-    out = tmp_path / f"out{world}-{stage}-{overlap}-{bool(load_dir)}"
+def run(world, tmp_path, stage=1, overlap=False, steps=None, save_dir=None, load_dir=None, dtype="fp32", comm=None):
+    out = tmp_path / f"out{world}-{stage}-{overlap}-{bool(load_dir)}-{comm}"
     out.mkdir()
     steps = batches(3, batch=GLOBAL) if steps is None else steps
-    mp.spawn(_worker, args=(world, _free_port(), str(out), stage, overlap, steps, save_dir, load_dir, dtype),
+    mp.spawn(_worker, args=(world, _free_port(), str(out), stage, overlap, steps, save_dir, load_dir, dtype, comm),
              nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
@@ -157,13 +162,17 @@ def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_r
             assert v.dtype == torch.float32 and torch.equal(r["weights"][k], v), k
 
 
-def test_a_bf16_sharded_run_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("stage,overlap,dtype", [(2, True, "bf16"), (2, False, "bf16"), (1, False, "fp16")])
+def test_a_mixed_precision_sharded_run_resumes_bit_identically(tmp_path, stage, overlap, dtype):
+    """Without overlap the optimizer is torch's AdamW, which casts a loaded state to its parameter's dtype:
+    the moments of other ranks' layers (whose parameters are compute-copy views) must still be saved fp32."""
     first, then = batches(2, batch=GLOBAL, seed=1), batches(2, batch=GLOBAL, seed=7)
     (tmp_path / "straight").mkdir()
-    straight = run(2, tmp_path / "straight", stage=2, overlap=True, steps=first + then, dtype="bf16")[0]["weights"]
+    straight = run(2, tmp_path / "straight", stage=stage, overlap=overlap, steps=first + then,
+                   dtype=dtype)[0]["weights"]
     ckpt = str(tmp_path / "ckpt")
-    run(2, tmp_path, stage=2, overlap=True, steps=first, save_dir=ckpt, dtype="bf16")
-    for r in run(2, tmp_path, stage=2, overlap=True, steps=then, load_dir=ckpt, dtype="bf16"):
+    run(2, tmp_path, stage=stage, overlap=overlap, steps=first, save_dir=ckpt, dtype=dtype)
+    for r in run(2, tmp_path, stage=stage, overlap=overlap, steps=then, load_dir=ckpt, dtype=dtype):
         for k, v in straight.items():
             assert torch.equal(r["weights"][k], v), k
 
@@ -603,3 +612,16 @@ def test_on_a_gpu_two_ranks_copy_the_node_shared_weights_from_pinned_memory(tmp_
 def node_memory_dir():
     from lazytrain.engine import node_memory
     return node_memory.SHM_DIR
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_gradients_summed_in_bf16_when_the_config_says_so(tmp_path, stage):
+    """``communication_data_type: "bf16"`` (DeepSpeed's key): the ranks sum gradients in bf16, half the bytes
+    of fp32, and end close to the fp32 sums and bit-identical to each other."""
+    steps = batches(3, batch=GLOBAL)
+    in_bf16 = run(2, tmp_path, stage=stage, steps=steps, dtype="bf16", comm="bf16")
+    in_fp32 = run(2, tmp_path, stage=stage, steps=steps, dtype="bf16")
+    for k, v in in_fp32[0]["weights"].items():
+        assert torch.equal(in_bf16[0]["weights"][k], in_bf16[1]["weights"][k]), k
+    assert max_rel_diff(as_model(in_bf16[0]["weights"]), as_model(in_fp32[0]["weights"])) < 2e-2
+    assert any(not torch.equal(in_bf16[0]["weights"][k], v) for k, v in in_fp32[0]["weights"].items())

@@ -48,7 +48,9 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta = timed
 
 
 class DistributedContext:
-    def __init__(self, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 comm_dtype: torch.dtype = torch.float32):
+        self.comm_dtype = comm_dtype   # gradients are summed over the ranks in it (communication_data_type)
         self.world_size = world_size()
         own_group = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if own_group else int(os.environ.get("RANK", "0"))
@@ -101,17 +103,29 @@ class DistributedContext:
             return
         for tensors, group in ((host_tensors, self.host_group), (device_tensors, self.device_group)):
             for t in tensors:
-                t.div_(self.world_size)
-                self._collective("gradient all-reduce of engine.step()", dist.all_reduce, t, group=group)
+                sent = self._for_sending(t)
+                self._collective("gradient all-reduce of engine.step()", dist.all_reduce, sent, group=group)
+                if sent is not t:
+                    t.copy_(sent)
 
     def group_for(self, t: torch.Tensor):
         return self.host_group if t.device.type == "cpu" else self.device_group
 
+    def _for_sending(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` divided by the world size, in the communication dtype (``t`` itself, in place, when it is in
+        that dtype already)."""
+        if t.dtype == self.comm_dtype or not t.is_floating_point():
+            return t.div_(self.world_size)
+        return t.to(self.comm_dtype).div_(self.world_size)
+
     def reduce_to(self, tensors: list[torch.Tensor], owner: int) -> None:
         """Divide by the world size, then sum into rank ``owner``'s tensors (the others' are left partial)."""
         for t in tensors:
-            t.div_(self.world_size)
-            self._collective("gradient reduce of engine.step()", dist.reduce, t, dst=owner, group=self.group_for(t))
+            sent = self._for_sending(t)
+            self._collective("gradient reduce of engine.step()", dist.reduce, sent, dst=owner,
+                             group=self.group_for(t))
+            if sent is not t and self.rank == owner:
+                t.copy_(sent)
 
     def reduce_gradient(self, t: torch.Tensor, owner: int) -> None:
         """Sum every rank's host tensor ``t`` into rank ``owner``'s, on the gradient path's group (one layer's

@@ -104,7 +104,9 @@ class LazyTrainEngine(nn.Module):
         self.module = model
         self._config = config
         self.dist = DistributedContext("cuda" if torch.cuda.is_available() else "cpu",
-                                       timeout_s=config.lazytrain.collective_timeout_s)
+                                       timeout_s=config.lazytrain.collective_timeout_s,
+                                       comm_dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
+                                                   "fp16": torch.float16}[config.communication_data_type])
         self.local_rank, self.global_rank, self.world_size = self.dist.local_rank, self.dist.rank, self.dist.world_size
         self.device = resolve_device(config, self.local_rank)
         if self.device.type == "cuda":
@@ -171,7 +173,7 @@ class LazyTrainEngine(nn.Module):
                 if config.zero_stage >= 2:   # as DeepSpeed's stage 2: gradients partitioned too
                     self.weights.send_grads_to_owners(sharding.GradientsToOwners(
                         self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_layer_numel,
-                        self.dist.reduce_gradient))
+                        self.dist.reduce_gradient, self.dist.comm_dtype))
                 self._whole_groups = groups
                 groups = sharding.owned_groups(groups, self.shards)
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
@@ -982,11 +984,15 @@ class LazyTrainEngine(nn.Module):
         """This engine's state for a checkpoint in DeepSpeed's layout (deepspeed_layout.py)."""
         foreign = self._foreign_masters(False)   # sharded masters: gathered on rank 0, which writes the files
         masters = {**(self.masters.by_param if self.masters is not None else {}), **foreign}
+        # the whole optimizer on rank 0 holds other ranks' layers by their fp32 weights, so that their moments
+        # stay fp32 (torch's optimizers cast a loaded state to its parameter's dtype)
+        names = {**self._param_names, **{id(m): self._param_names[i] for i, m in foreign.items()}}
         return ds_layout.Export(
             model=self.module, config=self._config.raw, compute_dtype=self.compute_dtype,
-            module_state=self._module_state(exclude_frozen, copy=False, foreign=foreign), names=self._param_names,
+            module_state=self._module_state(exclude_frozen, copy=False, foreign=foreign), names=names,
             masters={n: masters.get(id(p), p) for n, p in self.module.named_parameters()},
-            optimizer=self._whole_optimizer(), optimizer_from_config=self._config.optimizer.type is not None,
+            optimizer=self._whole_optimizer(foreign, names),
+            optimizer_from_config=self._config.optimizer.type is not None,
             lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             counters={"global_steps": self.global_steps, "global_samples": self.global_samples,
                       "skipped_steps": self.skipped_steps},
@@ -1140,17 +1146,19 @@ class LazyTrainEngine(nn.Module):
         """Sharded: the groups the optimizer was built with, whole, then any the script added since."""
         return self._whole_groups + self.optimizer.param_groups[len(self._whole_groups):]
 
-    def _whole_optimizer(self):
+    def _whole_optimizer(self, foreign: dict[int, torch.Tensor], names: dict[int, str]):
         """The optimizer with every parameter's state, for a checkpoint. Sharded: a collective that gathers
         the ranks' states into an optimizer over the whole groups on rank 0 (several copies of the state in
         its host memory during the save: the gathered pickles, their unpickled states, and this optimizer's
-        own), None on the others."""
+        own), None on the others. ``foreign``: the fp32 weights standing for parameters that are compute-copy
+        views here (``names`` names them too)."""
         if self.shards is None or self.optimizer is None:
             return self.optimizer
         whole = self._whole_optimizer_state()
         if whole is None:
             return None
-        optimizer = build_optimizer(self._config, self._all_whole_groups(), self._param_names,
+        groups = [{**g, "params": [foreign.get(id(p), p) for p in g["params"]]} for g in self._all_whole_groups()]
+        optimizer = build_optimizer(self._config, groups, names,
                                     layerwise=type(self.optimizer).__name__ == "HybridAdamW")
         optimizer.load_state_dict(whole)
         return optimizer
@@ -1301,8 +1309,10 @@ def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list
         def cast(mod, state, prefix, local_metadata, names=names):
             for name in names:
                 v = state.get(prefix + name)
-                if v is not None and not isinstance(v, nn.Parameter) and v.dtype != dtype:
-                    state[prefix + name] = v.to(dtype)
+                if v is not None and not isinstance(v, nn.Parameter):
+                    # a copy either way: a layer another rank owns is a view of the (node-shared) compute copy,
+                    # which a write into the state dict must not change behind its owner's back
+                    state[prefix + name] = v.to(dtype, copy=True)
         handles.append(module.register_state_dict_post_hook(cast))
     return handles
 

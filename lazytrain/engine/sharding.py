@@ -71,22 +71,22 @@ class GradientsToOwners:
 
     ``reduce(t, owner)`` sums every rank's ``t`` into rank ``owner``'s (a collective on a group of the
     gradient path's own). Each part is divided by the world size first, so that the sum is the mean and
-    loss-scaled gradients cannot overflow it. One fp32 send buffer is reused: the gradient path lands one
-    layer at a time, in order."""
+    loss-scaled gradients cannot overflow it. One send buffer is reused (fp32, or the config's
+    ``communication_data_type``): the gradient path lands one layer at a time, in order."""
 
     def __init__(self, layer_owner: tuple[int, ...], rank: int, world_size: int, max_layer_numel: int,
-                 reduce: Callable[[torch.Tensor, int], None]):
+                 reduce: Callable[[torch.Tensor, int], None], dtype: torch.dtype = torch.float32):
         self.layer_owner = layer_owner
         self.rank = rank
         self.world_size = world_size
         self.reduce = reduce
-        self._send = torch.zeros(max_layer_numel, dtype=torch.float32)
+        self._send = torch.zeros(max_layer_numel, dtype=dtype)   # dtype: the config's communication_data_type
 
     def owns(self, i: int) -> bool:
         return self.layer_owner[i] == self.rank
 
     def send_buffer(self, numel: int) -> torch.Tensor:
-        """The fp32 buffer to flatten a layer's gradient into, for :meth:`land` without another copy."""
+        """The buffer to flatten a layer's gradient into, for :meth:`land` without another copy."""
         return self._send[:numel]
 
     def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None) -> None:

@@ -4,7 +4,10 @@ copies, prefetch order) is :mod:`~lazytrain.engine.weight_stream`'s.
 
 The user's block ``nn.Parameter`` objects become views into the fp32 master buffer, so
 ``model.parameters()``, ``state_dict()`` and any optimizer built over them see the real master weights;
-their ``.grad`` are views into one fp32 flat gradient buffer per layer.
+their ``.grad`` are views into one fp32 flat gradient buffer per layer. With the state sharded over
+data-parallel ranks, a rank may hold no gradient buffer (``send_grads_to_owners``) and, in bf16/fp16, no fp32
+weights (``drop_foreign_masters``: the parameters are then views of the compute copy) for layers other
+ranks own; the buffers may live in memory the node's ranks share (``move_masters``, ``move_compute_copies``).
 """
 from __future__ import annotations
 
@@ -292,8 +295,9 @@ class LayerWeights:
 
     def grad_views(self, i: int) -> dict[nn.Parameter, torch.Tensor]:
         """{trainable parameter of layer i: its view in the layer's flat fp32 gradient buffer}; empty for a
-        layer whose gradients another rank holds."""
-        if self.grad[i] is None:
+        layer whose gradients another rank holds, or whose fp32 weights it does (its parameters are then
+        compute-copy views, and at stage 1 its buffer here only waits for the reduce to the owner)."""
+        if self.grad[i] is None or self.master[i] is None:
             return {}
         return {p: s.of(self.grad[i]) for s, p, trains in zip(self.layer_slots[i], self.params[i],
                                                               self.trainable[i]) if trains}
