@@ -62,6 +62,7 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
     if save_dir:
         engine.save_checkpoint(save_dir, tag="t")
     result["node_shared"] = engine.node_shared_weights
+    result["signals_only"] = engine._one_shared_node   # one node: owners broadcast a signal, not the weights
     if world > 1:   # does a write by the last rank reach this one's streamed weights? (then put back)
         before = float(engine.weights.stored_copy(0)[0])
         torch.distributed.barrier()
@@ -74,6 +75,8 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
             engine.weights.stored_copy(0)[0] = before
         torch.distributed.barrier()
     engine.destroy()   # the model handed back: fp32 weights of its own, as trained
+    if rank == 0:
+        engine.destroy()   # a second call, on one rank: nothing to gather, nothing to wait for
     params = dict(engine.module.named_parameters())
     result["handed_back"] = all(params[k].dtype == torch.float32 and torch.equal(params[k].detach(), v)
                                 for k, v in result["weights"].items())
@@ -113,6 +116,7 @@ def test_sharded_ranks_train_as_one_process_on_the_global_batch(tmp_path, world,
         assert r["sharded"]
         assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
         assert r["node_shared"] and r["sees_last_ranks_write"] in (True, None)   # one copy for all the ranks
+        assert r["signals_only"]
         assert r["handed_back"]
     for k in results[0]["weights"]:                     # the ranks hold the same weights, bit for bit
         assert all(torch.equal(r["weights"][k], results[0]["weights"][k]) for r in results), k
@@ -251,6 +255,7 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert result["node_shared"] == (per_node > 1)
+        assert not result["signals_only"]   # two nodes: the weights themselves cross between them
         assert max_rel_diff(as_model(result["weights"]), ref) < 1e-5
 
 

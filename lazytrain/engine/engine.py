@@ -160,6 +160,7 @@ class LazyTrainEngine(nn.Module):
         wants_overlap = overlap is True or (overlap == "auto" and self.device.type == "cuda")
         self.shards: sharding.Ownership | None = None   # zero_optimization.stage >= 1 over several ranks
         self.node_shared_weights = False   # the streamed layers' weights: one host copy per node
+        self._one_shared_node = False      # ... and every rank on that one node: owners broadcast a signal
         if optimizer is not None:
             self.optimizer = client_optimizer(optimizer, param_groups(model_parameters, model, remap), remap)
             if self.dist.enabled and config.zero_stage >= 1:
@@ -273,9 +274,10 @@ class LazyTrainEngine(nn.Module):
 
         * the ranks of a node keep one copy of what the layers are computed from (node_memory.py): the fp32
           weights in fp32 training, the compute copies in bf16/fp16. Owners write their layers in place, after
-          every rank has entered the step (the gradient norm's all-reduce comes first), and the broadcasts that
-          follow write the same values again, so every rank's readiness is still what its own broadcast tells
-          it. A node that cannot make the shared memory keeps a copy per rank, with a warning.
+          every rank has entered the step (the gradient norm's all-reduce comes first), then broadcast them
+          (to other nodes' ranks; the same node's write the same values again) or, when every rank is on this
+          one node, a one-byte signal: every rank's readiness is still what its own broadcast tells it. A node
+          that cannot make the shared memory keeps a copy per rank, with a warning.
         * in bf16/fp16, a rank keeps fp32 weights only for the layers it owns; the owners broadcast the
           updated compute copies (half the bytes of fp32), and the fp32 weights of the others are gathered
           from their owners when a checkpoint or ``module_state_dict()`` needs them.
@@ -299,6 +301,8 @@ class LazyTrainEngine(nn.Module):
             else:
                 w.move_compute_copies(homes, copy_values=leader)
             self.node_shared_weights = True
+            # a node shares or none of its ranks does: with a single node, every rank decides alike
+            self._one_shared_node = len(nodes.members) == 1
         self.dist.barrier("barrier after the node-shared weights were written")
         if not w.shares_master:
             w.drop_foreign_masters(self.shards.owns_layer)
@@ -712,7 +716,7 @@ class LazyTrainEngine(nn.Module):
                         w.refresh_compute_copy(k, host_copy_current=self._fused_copies)
             except Exception as e:   # noqa: BLE001 - the broadcasts go on; the ranks fail together at the end
                 failed.append(e)
-            started[k] = self.dist.broadcast_started(w.published(k), shards.layer_owner[k])
+            started[k] = self.dist.broadcast_started(self._published(k), shards.layer_owner[k])
 
         def update_layer(i: int) -> None:
             if i in position:
@@ -801,12 +805,20 @@ class LazyTrainEngine(nn.Module):
         masters sharded; the update thread has its own, pipelined way: :meth:`_sharded_layer_updates`)."""
         shards, w = self.shards, self.weights
         for i in layers:
-            self.dist.broadcast_from([w.published(i)], shards.layer_owner[i])
+            self.dist.broadcast_from([self._published(i)], shards.layer_owner[i])
         if non_block:
             for t in self._non_block_grad_holders():
                 owner = shards.param_owner.get(id(t))
                 if owner is not None:
                     self.dist.broadcast_from([t.data], owner)
+
+    def _published(self, i: int) -> torch.Tensor:
+        """What layer i's owner broadcasts after its update. When every rank is on one node and shares its
+        copy of the weights, the owner has written them for all: a one-byte signal that they are written
+        (the collective orders the owner's writes before the others' reads). Else the weights themselves."""
+        if self._one_shared_node:
+            return torch.zeros(1, dtype=torch.uint8)
+        return self.weights.published(i)
 
     def _updates_here(self, i: int) -> bool:
         """This rank's optimizer updates streamed layer i (every layer, unless the state is sharded)."""
@@ -1261,11 +1273,14 @@ class LazyTrainEngine(nn.Module):
     def destroy(self) -> None:
         """Release streaming buffers and tiers (NVMe run directories are removed) and hand the model back:
         its blocks called directly again, mixed-precision non-block weights back in fp32 (the trained
-        masters), no hooks of ours."""
+        masters), no hooks of ours. A second call does nothing (accelerate's ``free_memory`` calls it too)."""
+        if self.__dict__.get("_destroyed"):
+            return
         self._own_weights_again()
         self._hand_model_back()
         for m in self._checkpointing_turned_off:
             m.gradient_checkpointing = True
+        self._destroyed = True
 
     def _own_weights_again(self) -> None:
         """Before the model is handed back: block parameters in memory of this rank's own, in fp32 (the

@@ -29,6 +29,7 @@ for x, y in batches(3, batch=4):
     part = slice(per * rank, per * rank + per)
     engine.backward(lm_loss(engine(x[part]), y[part]))
     engine.step()
-torch.save({"weights": engine.module_state_dict(), "node_shared": engine.node_shared_weights},
+torch.save({"weights": engine.module_state_dict(), "node_shared": engine.node_shared_weights,
+            "signals_only": engine._one_shared_node},
            os.path.join(sys.argv[1], f"rank{rank}.pt"))
 torch.distributed.destroy_process_group()
