@@ -630,3 +630,36 @@ def test_gradients_summed_in_bf16_when_the_config_says_so(tmp_path, stage):
         assert torch.equal(in_bf16[0]["weights"][k], in_bf16[1]["weights"][k]), k
     assert max_rel_diff(as_model(in_bf16[0]["weights"]), as_model(in_fp32[0]["weights"])) < 2e-2
     assert any(not torch.equal(in_bf16[0]["weights"][k], v) for k, v in in_fp32[0]["weights"].items())
+
+
+def _block_group_worker(rank, port, out_dir):
+    import warnings
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    import lazytrain
+    torch.set_num_threads(1)
+    model = make_model("modulelist")
+    first = [p for name, p in model.named_parameters() if name.startswith("stack.0.")]
+    others = [p for name, p in model.named_parameters() if not name.startswith("stack.0.")]
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=others, config=_config(2, 2, False))
+    engine.optimizer.add_param_group({"params": first})
+    x, y = batches(1, batch=GLOBAL)[0]
+    engine.backward(lm_loss(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+    try:
+        engine.step()
+        outcome = "stepped"
+    except lazytrain.config.ConfigError as e:
+        outcome = str(e)
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_block_parameters_added_after_initialize_are_refused_when_sharded(tmp_path):
+    """Every rank updates a group added later; block parameters in it would be updated once per rank in the
+    node's one copy. The step refuses before anything changes, naming them."""
+    mp.spawn(_block_group_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        outcome = torch.load(tmp_path / f"rank{rank}.pt")
+        assert outcome.startswith("a parameter group added to the optimizer after initialize holds streamed block "
+                                  "parameters (stack.0.norm.weight, stack.0.norm.bias, stack.0.fc1.weight, ...)")

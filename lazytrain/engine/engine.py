@@ -514,6 +514,8 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError("engine.step() needs an optimizer: add an 'optimizer' section to the config or pass "
                               "optimizer= to lazytrain.initialize")
         self.wait_for_update()
+        if self.shards is not None:
+            self._refuse_added_block_params()
         try:
             with streams.span("wait", "gradients to host"):
                 self.weights.flush_grads()
@@ -1153,6 +1155,19 @@ class LazyTrainEngine(nn.Module):
             setattr(self, k, v)
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
         return path, state.client_state
+
+    def _refuse_added_block_params(self) -> None:
+        """A group added after initialize is updated by every rank; streamed block parameters in it would be
+        updated once per rank in the node-shared copy (or, in bf16/fp16, have no fp32 weights here)."""
+        blocks = {id(p): name for name, p in self.module.named_parameters()
+                  if any(p is q for params in self.weights.params for q in params)}
+        added = [p for g in self.optimizer.param_groups[len(self._whole_groups):] for p in g["params"]]
+        named = [blocks[id(p)] for p in added if id(p) in blocks]
+        if named:
+            raise ConfigError(f"a parameter group added to the optimizer after initialize holds streamed block "
+                              f"parameters ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}); with the "
+                              f"optimizer state sharded (zero_optimization.stage >= 1) only tensors outside the "
+                              f"blocks may be added later: pass the block parameters to initialize, or use stage 0")
 
     def _all_whole_groups(self) -> list[dict]:
         """Sharded: the groups the optimizer was built with, whole, then any the script added since."""
