@@ -20,6 +20,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _join_as(rank, world, port):
+    """The launcher's environment for rank ``rank`` of ``world`` on this machine."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
 def _config(world, stage, overlap, dtype="fp32"):
     cfg = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // world, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
@@ -38,8 +44,7 @@ def state_bytes(optimizer) -> int:
 
 
 def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_dir, dtype, comm=None):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, world, port)
     import warnings
     warnings.simplefilter("ignore")
     import lazytrain
@@ -186,8 +191,7 @@ def _stalling_worker(rank, port, out_dir, where):
     before its broadcast of updated weights; rank 0 must fail naming that collective."""
     import signal
     import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     from lazytrain.engine.distributed import DistributedContext
@@ -264,8 +268,7 @@ def _failing_worker(rank, port, out_dir, overlap):
     that step together, well within the collective timeout, and then resume from the checkpoint of step 1."""
     import time
     import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -316,8 +319,7 @@ def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_r
 
 def _group_adding_worker(rank, port, out_dir):
     import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -360,8 +362,7 @@ def test_a_bf16_sharded_save_loads_whole_into_one_process(tmp_path):
 
 def _chaos_worker(rank, world, port, out_dir, seed, dtype="fp32"):
     import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, world, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -398,8 +399,7 @@ def _accumulating_worker(rank, world, port, out_dir, chaos_seed):
     """Two micro-batches per rank per step; writes the weights and the bytes of this rank's layer gradient
     buffers."""
     import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, world, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -444,8 +444,7 @@ def test_accumulated_micro_batches_reach_the_owners_buffers_only(tmp_path, chaos
 
 def _no_shm_worker(rank, world, port, out_dir):
     import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, world, port)
     import lazytrain
     from lazytrain.engine import node_memory
     node_memory.SHM_DIR = os.path.join(out_dir, "no-such-dir")
@@ -554,8 +553,7 @@ def _expert_batch():
 
 def _expert_worker(rank, port, out_dir):
     import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -584,8 +582,7 @@ def test_a_layer_one_ranks_batch_gives_no_gradient_still_reaches_its_owner(tmp_p
 
 
 def _one_gpu_worker(rank, port, out_dir):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, 2, port)
     torch.distributed.init_process_group("gloo")   # two processes on one GPU: NCCL refuses, gloo carries them
     from lazytrain.engine import node_memory
     from lazytrain.engine.distributed import DistributedContext
@@ -634,8 +631,7 @@ def test_gradients_summed_in_bf16_when_the_config_says_so(tmp_path, stage):
 
 def _block_group_worker(rank, port, out_dir):
     import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    _join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)

@@ -625,7 +625,8 @@ class LazyTrainEngine(nn.Module):
                 if not self.dist.all_succeeded(error is None, "agreement that every rank's share of the update "
                                                               "succeeded, in engine.step()"):
                     raise error or RuntimeError("the optimizer update failed on another rank: see its error")
-            for i in range(self.weights.num_layers if not w.masters_sharded else 0):
+            # with the masters sharded the copies are written already (owners above, broadcasts for the rest)
+            for i in (range(w.num_layers) if not w.masters_sharded else ()):
                 try:
                     self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
                 except Exception as e:   # the update itself is whole: the copies are written again when needed
@@ -1159,10 +1160,11 @@ class LazyTrainEngine(nn.Module):
     def _refuse_added_block_params(self) -> None:
         """A group added after initialize is updated by every rank; streamed block parameters in it would be
         updated once per rank in the node-shared copy (or, in bf16/fp16, have no fp32 weights here)."""
-        blocks = {id(p): name for name, p in self.module.named_parameters()
-                  if any(p is q for params in self.weights.params for q in params)}
         added = [p for g in self.optimizer.param_groups[len(self._whole_groups):] for p in g["params"]]
-        named = [blocks[id(p)] for p in added if id(p) in blocks]
+        if not added:
+            return
+        blocks = {id(p) for params in self.weights.params for p in params}
+        named = [self._param_names.get(id(p), "?") for p in added if id(p) in blocks]
         if named:
             raise ConfigError(f"a parameter group added to the optimizer after initialize holds streamed block "
                               f"parameters ({', '.join(named[:3])}{', ...' if len(named) > 3 else ''}); with the "

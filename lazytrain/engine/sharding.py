@@ -92,7 +92,7 @@ class GradientsToOwners:
     def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None) -> None:
         """Reduce ``flat`` (layer i's gradient from this micro-batch, flat, on the host) to the layer's owner,
         which adds the sum into ``target`` (its fp32 buffer; None on the other ranks)."""
-        send = self._send[:flat.numel()]
+        send = self.send_buffer(flat.numel())
         if flat.data_ptr() != send.data_ptr():
             send.copy_(flat)
         send.div_(self.world_size)

@@ -250,11 +250,8 @@ class LayerWeights:
         if self._grad_sink is not None:
             self._grad_sink.submit(i, grads)
             return
-        if self._to_owners is not None:   # flattened into the send buffer, zeros for missing gradients
-            flat = self._to_owners.send_buffer(self.layer_numels[i])
-            for s in self.layer_slots[i]:
-                g = grads.get(s.name)
-                s.of(flat).copy_(g) if g is not None else s.of(flat).zero_()
+        if self._to_owners is not None:   # flattened into the send buffer
+            flat = self.flatten_grads(i, grads, self._to_owners.send_buffer(self.layer_numels[i]))
             self._to_owners.land(i, flat, self.grad[i])
             return
         flat = self.grad[i]
@@ -262,6 +259,13 @@ class LayerWeights:
             g = grads.get(s.name)
             if g is not None:
                 s.of(flat).add_(g)
+
+    def flatten_grads(self, i: int, grads: dict[str, torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+        """Layer i's named gradients laid out in ``flat`` as its weights are (zeros for a missing one)."""
+        for s in self.layer_slots[i]:
+            g = grads.get(s.name)
+            s.of(flat).copy_(g) if g is not None else s.of(flat).zero_()
+        return flat
 
     def land_grads(self, i: int, flat: torch.Tensor) -> None:
         """Add layer i's flat gradient of one micro-batch (on the host) into its fp32 buffer, or reduce it to
@@ -339,11 +343,7 @@ class _GradientSink:
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
         numel = w.layer_numels[i]
-        flat = torch.empty(numel, dtype=w.compute_dtype, device=w.device)
-        for s in w.layer_slots[i]:
-            g = grads.get(s.name)
-            part = s.of(flat)
-            part.copy_(g) if g is not None else part.zero_()
+        flat = w.flatten_grads(i, grads, torch.empty(numel, dtype=w.compute_dtype, device=w.device))
         ready = None
         if flat.is_cuda:
             ready = torch.cuda.Event()
