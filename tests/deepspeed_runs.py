@@ -6,7 +6,8 @@ of its own (the layout to compare with). DeepSpeed runs on the CPU with the gloo
 AdamW (``"torch_adam": true``), so nothing is compiled.
 
 Usage: ``python tests/deepspeed_runs.py JOB.json`` (written by the test), with RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; results go to the job's ``out`` file (torch.save)."""
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (one process per rank); results go to the job's ``out`` file
+(torch.save), with ``.rank<N>`` appended for ranks other than 0."""
 from __future__ import annotations
 
 import json
@@ -211,7 +212,8 @@ def main(job_file: str) -> None:
         except Exception as e:   # noqa: BLE001 - the test reports it per case
             import traceback
             results[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    torch.save(results, job["out"])
+    rank = int(os.environ.get("RANK", "0"))
+    torch.save(results, job["out"] + (f".rank{rank}" if rank else ""))
 
 
 if __name__ == "__main__":

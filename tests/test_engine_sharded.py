@@ -2,28 +2,16 @@
 ranks train as one process on the same global batch, each rank holds its share of the Adam moments
 (measured), and a checkpoint saved with 4 ranks resumes with 2 and with 1."""
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from dist_helpers import free_port, join_as
 from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 GLOBAL = 4   # samples per step over all ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join_as(rank, world, port):
-    """The launcher's environment for rank ``rank`` of ``world`` on this machine."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
 
 
 def _config(world, stage, overlap, dtype="fp32"):
@@ -44,7 +32,7 @@ def state_bytes(optimizer) -> int:
 
 
 def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_dir, dtype, comm=None):
-    _join_as(rank, world, port)
+    join_as(rank, world, port)
     import warnings
     warnings.simplefilter("ignore")
     import lazytrain
@@ -64,8 +52,17 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
     result = {"weights": engine.module_state_dict(), "state_bytes": state_bytes(engine.optimizer),
               "sharded": engine.shards is not None,
               "master_bytes": sum(m.numel() * 4 for m in engine.weights.master if m is not None)}
-    if save_dir:
+    if save_dir:   # what this rank gathers to write its part: fp32 values of the ranges its files hold
+        from lazytrain.engine import sharded_checkpoint
+        gather = sharded_checkpoint.gather_pieces
+
+        def counting(*args):
+            pieces = gather(*args)
+            result["gathered_bytes"] = sum(t.numel() * t.element_size() for t in pieces.values())
+            return pieces
+        sharded_checkpoint.gather_pieces = counting
         engine.save_checkpoint(save_dir, tag="t")
+        sharded_checkpoint.gather_pieces = gather
     result["node_shared"] = engine.node_shared_weights
     result["signals_only"] = engine._one_shared_node   # one node: owners broadcast a signal, not the weights
     if world > 1:   # does a write by the last rank reach this one's streamed weights? (then put back)
@@ -94,7 +91,7 @@ def run(world, tmp_path, stage=1, overlap=False, steps=None, save_dir=None, load
     out = tmp_path / f"out{world}-{stage}-{overlap}-{bool(load_dir)}-{comm}"
     out.mkdir()
     steps = batches(3, batch=GLOBAL) if steps is None else steps
-    mp.spawn(_worker, args=(world, _free_port(), str(out), stage, overlap, steps, save_dir, load_dir, dtype, comm),
+    mp.spawn(_worker, args=(world, free_port(), str(out), stage, overlap, steps, save_dir, load_dir, dtype, comm),
              nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(world)]
 
@@ -144,9 +141,18 @@ def test_stage_0_keeps_the_state_whole_on_every_rank(tmp_path):
 
 
 def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(tmp_path):
+    """Each of the 4 ranks writes its part (DeepSpeed's per-rank files), holding a quarter of the state's
+    fp32 values (masters and two moments) to do it; 2 ranks and 1 process resume from them."""
     first, then = batches(2, batch=GLOBAL, seed=1), batches(2, batch=GLOBAL, seed=7)
     ckpt = str(tmp_path / "ckpt")
-    run(4, tmp_path, steps=first, save_dir=ckpt)
+    saved = run(4, tmp_path, steps=first, save_dir=ckpt)
+    whole = 3 * 4 * sum(p.numel() for p in make_model("modulelist").parameters() if p.requires_grad)
+    gathered = [r["gathered_bytes"] for r in saved]
+    assert whole <= sum(gathered) < whole + 3 * 4 * 8 * 4   # DeepSpeed's alignment: < 2 x ranks per group
+    assert max(gathered) == min(gathered)                    # an equal share each
+    assert sorted(f for f in os.listdir(os.path.join(ckpt, "t")) if "optim" in f) == \
+        sorted([f"lazytrain_optimizer_rank_{r}.pt" for r in range(4)] +
+               [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)])
     straight = run(4, tmp_path, steps=then, load_dir=ckpt)[0]["weights"]   # the 4 ranks resumed: the reference
     for world in (2, 1):
         resumed = run(world, tmp_path, steps=then, load_dir=ckpt)
@@ -191,7 +197,7 @@ def _stalling_worker(rank, port, out_dir, where):
     before its broadcast of updated weights; rank 0 must fail naming that collective."""
     import signal
     import warnings
-    _join_as(rank, 2, port)
+    join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     from lazytrain.engine.distributed import DistributedContext
@@ -222,7 +228,7 @@ def _stalling_worker(rank, port, out_dir, where):
                                               ("broadcast", "broadcast of updated weights in engine.step()")])
 def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collective(tmp_path, where, collective):
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_stalling_worker, args=(r, port, str(tmp_path), where)) for r in (0, 1)]
     for p in procs:
         p.start()
@@ -243,7 +249,7 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
     copy of the streamed weights, and the two nodes keep one each."""
     import subprocess
     import sys
-    port = _free_port()
+    port = free_port()
     script = os.path.join(os.path.dirname(__file__), "dp_programs", "train_sharded.py")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
@@ -268,7 +274,7 @@ def _failing_worker(rank, port, out_dir, overlap):
     that step together, well within the collective timeout, and then resume from the checkpoint of step 1."""
     import time
     import warnings
-    _join_as(rank, 2, port)
+    join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -308,7 +314,7 @@ def _failing_worker(rank, port, out_dir, overlap):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
 def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_recovers(tmp_path, overlap):
-    mp.spawn(_failing_worker, args=(_free_port(), str(tmp_path), overlap), nprocs=2, join=True)
+    mp.spawn(_failing_worker, args=(free_port(), str(tmp_path), overlap), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert "disk on fire" in r1["outcome"]
     assert "failed on another rank: see its error" in r0["outcome"]
@@ -317,9 +323,62 @@ def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_r
         assert torch.equal(r0["weights"][k], r1["weights"][k]), k
 
 
+def _failing_save_worker(rank, port, out_dir, how):
+    """Saves tag "t" twice; the second save fails on rank 1: its disk fills while it writes its part
+    ("full"), or its save_dir is not the directory rank 0 made ("not-shared", as nodes with disks of their
+    own)."""
+    import errno
+    import warnings
+    join_as(rank, 2, port)
+    warnings.simplefilter("ignore")
+    import lazytrain
+    from lazytrain.engine import checkpoint as ckpt
+    torch.set_num_threads(1)
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(2, 2, False))
+    part = slice(2 * rank, 2 * rank + 2)
+    for x, y in batches(2, batch=GLOBAL):
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+        if engine.global_steps == 1:
+            engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+            first = engine.module_state_dict()
+    save_dir = os.path.join(out_dir, "ckpt")
+    if rank == 1 and how == "full":
+        def full(path):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        ckpt._open_for_write = full
+    if rank == 1 and how == "not-shared":
+        save_dir = os.path.join(out_dir, "ckpt-of-node-1")
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+        outcome = "saved"
+    except Exception as e:   # noqa: BLE001 - the test's subject
+        outcome = f"{type(e).__name__}: {e}"
+    torch.save({"outcome": outcome, "first": first}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("how", ["full", "not-shared"])
+def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previous_tag(tmp_path, how):
+    mp.spawn(_failing_save_worker, args=(free_port(), str(tmp_path), how), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt")["outcome"] for r in (0, 1))
+    first = torch.load(tmp_path / "rank0.pt")["first"]
+    if how == "full":
+        assert r1.startswith("CheckpointSpaceError: not enough space to save checkpoint tag 't'"), r1
+    else:
+        assert r1.startswith("CheckpointError: save_checkpoint: rank 1 does not see ") and \
+            r1.endswith("save_dir must be on a file system every rank sees"), r1
+    assert r0 == f"CheckpointError: save_checkpoint of tag 't' to {tmp_path / 'ckpt'} failed on another rank " \
+                 f"(every rank writes its part): see its error"
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "t"]   # no staging left behind
+    loaded = run(1, tmp_path, steps=[], load_dir=str(tmp_path / "ckpt"))[0]   # the first save, whole
+    assert loaded["weights"].keys() == first.keys()
+    assert all(torch.equal(loaded["weights"][k], v) for k, v in first.items())
+
+
 def _group_adding_worker(rank, port, out_dir):
     import warnings
-    _join_as(rank, 2, port)
+    join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -341,7 +400,7 @@ def _group_adding_worker(rank, port, out_dir):
 
 
 def test_a_group_added_after_initialize_is_replicated_saved_and_restored(tmp_path):
-    mp.spawn(_group_adding_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_group_adding_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert torch.equal(r0["temperature"], r1["temperature"]) and not torch.equal(r0["temperature"], torch.ones(()))
     for r in (r0, r1):
@@ -362,7 +421,7 @@ def test_a_bf16_sharded_save_loads_whole_into_one_process(tmp_path):
 
 def _chaos_worker(rank, world, port, out_dir, seed, dtype="fp32"):
     import warnings
-    _join_as(rank, world, port)
+    join_as(rank, world, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -386,7 +445,7 @@ def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weight
     """bf16: the owners' optimizer writes the compute copies in its update pass, the others refresh theirs
     from the broadcast masters; both must give the same bits."""
     for seed in (None, 1, 2):
-        mp.spawn(_chaos_worker, args=(world, _free_port(), str(tmp_path), seed, dtype), nprocs=world, join=True)
+        mp.spawn(_chaos_worker, args=(world, free_port(), str(tmp_path), seed, dtype), nprocs=world, join=True)
     calm = torch.load(tmp_path / "None-rank0.pt")
     for seed in (1, 2):
         for rank in range(world):
@@ -399,7 +458,7 @@ def _accumulating_worker(rank, world, port, out_dir, chaos_seed):
     """Two micro-batches per rank per step; writes the weights and the bytes of this rank's layer gradient
     buffers."""
     import warnings
-    _join_as(rank, world, port)
+    join_as(rank, world, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -429,7 +488,7 @@ def test_accumulated_micro_batches_reach_the_owners_buffers_only(tmp_path, chaos
     gradient buffers for its own layers only (every layer's exactly once over the ranks), and accumulation
     over micro-batches trains as one process on the global batch."""
     world = 2
-    mp.spawn(_accumulating_worker, args=(world, _free_port(), str(tmp_path), chaos_seed), nprocs=world, join=True)
+    mp.spawn(_accumulating_worker, args=(world, free_port(), str(tmp_path), chaos_seed), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"{chaos_seed}-rank{r}.pt") for r in range(world)]
     whole = sum(p.numel() * 4 for block in make_model("modulelist").stack for p in block.parameters())
     assert sum(r["grad_bytes"] for r in results) == whole
@@ -444,7 +503,7 @@ def test_accumulated_micro_batches_reach_the_owners_buffers_only(tmp_path, chaos
 
 def _no_shm_worker(rank, world, port, out_dir):
     import warnings
-    _join_as(rank, world, port)
+    join_as(rank, world, port)
     import lazytrain
     from lazytrain.engine import node_memory
     node_memory.SHM_DIR = os.path.join(out_dir, "no-such-dir")
@@ -464,7 +523,7 @@ def _no_shm_worker(rank, world, port, out_dir):
 
 
 def test_a_node_without_shared_memory_keeps_a_copy_per_rank_and_says_why(tmp_path):
-    mp.spawn(_no_shm_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_no_shm_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     ref = reference(batches(3, batch=GLOBAL), 2)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
@@ -553,7 +612,7 @@ def _expert_batch():
 
 def _expert_worker(rank, port, out_dir):
     import warnings
-    _join_as(rank, 2, port)
+    join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -572,7 +631,7 @@ def test_a_layer_one_ranks_batch_gives_no_gradient_still_reaches_its_owner(tmp_p
     """At stage 2 the ranks reduce each layer's gradient as it lands, in the same order: a rank whose batch
     reached no trainable tensor of a layer lands zeros for it, rather than skip it and pair the others'
     reduces with the wrong layers."""
-    mp.spawn(_expert_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_expert_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     x, y = _expert_batch()
     ref = reference_train(_expert_model(), [(x[:2], y[:2]), (x[2:], y[2:])], lr=1e-3, gas=2)
     for rank in range(2):
@@ -582,7 +641,7 @@ def test_a_layer_one_ranks_batch_gives_no_gradient_still_reaches_its_owner(tmp_p
 
 
 def _one_gpu_worker(rank, port, out_dir):
-    _join_as(rank, 2, port)
+    join_as(rank, 2, port)
     torch.distributed.init_process_group("gloo")   # two processes on one GPU: NCCL refuses, gloo carries them
     from lazytrain.engine import node_memory
     from lazytrain.engine.distributed import DistributedContext
@@ -603,7 +662,7 @@ def _one_gpu_worker(rank, port, out_dir):
 def test_on_a_gpu_two_ranks_copy_the_node_shared_weights_from_pinned_memory(tmp_path):
     """The node-shared buffers registered with CUDA: pinned for asynchronous copies, and what one process
     writes reaches the other's device."""
-    mp.spawn(_one_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_one_gpu_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["pinned"]
@@ -631,7 +690,7 @@ def test_gradients_summed_in_bf16_when_the_config_says_so(tmp_path, stage):
 
 def _block_group_worker(rank, port, out_dir):
     import warnings
-    _join_as(rank, 2, port)
+    join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     torch.set_num_threads(1)
@@ -654,7 +713,7 @@ def _block_group_worker(rank, port, out_dir):
 def test_block_parameters_added_after_initialize_are_refused_when_sharded(tmp_path):
     """Every rank updates a group added later; block parameters in it would be updated once per rank in the
     node's one copy. The step refuses before anything changes, naming them."""
-    mp.spawn(_block_group_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_block_group_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         outcome = torch.load(tmp_path / f"rank{rank}.pt")
         assert outcome.startswith("a parameter group added to the optimizer after initialize holds streamed block "

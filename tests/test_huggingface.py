@@ -4,12 +4,12 @@ DeepSpeed trains (fp32, 1e-6), with saved folders that ``from_pretrained`` loads
 weights and a ``resume_from_checkpoint`` that continues bit-identically. Each run is its own process (the
 scripts in ``hf_programs``), as a user runs them, with the variables a launcher sets."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from dist_helpers import free_port
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -19,15 +19,9 @@ PROGRAMS = os.path.join(os.path.dirname(__file__), "hf_programs")
 TOL = dict(rtol=1e-6, atol=1e-6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_program(name: str, out, *args) -> dict:
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), TOKENIZERS_PARALLELISM="false")
+               MASTER_PORT=str(free_port()), TOKENIZERS_PARALLELISM="false")
     r = subprocess.run([sys.executable, "-W", "ignore", os.path.join(PROGRAMS, name), str(out), *args],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -39,7 +33,7 @@ def run_with_torchrun(name: str, out, nproc: int, *args) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                        "--master_port", str(_free_port()), os.path.join(PROGRAMS, name), str(out), *args],
+                        "--master_port", str(free_port()), os.path.join(PROGRAMS, name), str(out), *args],
                        env=dict(env, TOKENIZERS_PARALLELISM="false"), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return torch.load(os.path.join(out, "result.pt"))

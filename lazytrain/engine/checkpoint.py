@@ -75,35 +75,75 @@ def check_tag(tag: str) -> str:
 
 def save(save_dir: str, tag: str, files: dict[str, object], save_latest: bool) -> str:
     """Write ``files`` (file name -> object for ``torch.save``) as tag ``tag`` of ``save_dir``, atomically."""
+    staging = begin(save_dir, tag, files_bytes(files))
+    try:
+        sizes = write_files(save_dir, tag, staging, files)
+    except Exception:
+        abort(staging)
+        raise
+    return finish(save_dir, tag, staging, sizes, save_latest)
+
+
+def files_bytes(files: dict[str, object]) -> int:
+    """About the bytes ``files`` take on disk."""
+    return sum(_tensor_bytes(obj) for obj in files.values())
+
+
+def begin(save_dir: str, tag: str, need: int) -> str:
+    """Make the empty staging directory of a save of tag ``tag`` that writes about ``need`` bytes (after
+    finishing or rolling back what an interrupted save left); returns its path."""
     tag = check_tag(tag)
     if not os.path.isdir(save_dir):
         os.makedirs(save_dir)
         _fsync_dir(os.path.dirname(os.path.abspath(save_dir)))   # the new directory's own entry
     settle_leftovers(save_dir)
-    need = sum(_tensor_bytes(obj) for obj in files.values())
     free = shutil.disk_usage(save_dir).free
     if need > free:
         raise CheckpointSpaceError(_space_message(save_dir, tag, need, free))
-    staging = _aside(save_dir, tag, _STAGING)
+    staging = staging_dir(save_dir, tag)
     shutil.rmtree(staging, ignore_errors=True)
     os.mkdir(staging)
+    return staging
+
+
+def staging_dir(save_dir: str, tag: str) -> str:
+    return _aside(save_dir, tag, _STAGING)
+
+
+def write_files(save_dir: str, tag: str, staging: str, files: dict[str, object]) -> dict[str, int]:
+    """Write ``files`` into the staging directory, each fsynced; returns their sizes. A failure says what
+    and removes nothing (:func:`abort` does, once no rank writes there any more)."""
     try:
-        sizes = {name: _write(os.path.join(staging, name), obj) for name, obj in files.items()}
-        _warn_if_unsafe(staging, tag)
-        _write_json(os.path.join(staging, MANIFEST), {"format": FORMAT, "version": 1, "tag": tag, "files": sizes})
-        _fsync_dir(staging)
+        return {name: _write(os.path.join(staging, name), obj) for name, obj in files.items()}
     except Exception as e:   # (a process killed here leaves the staging directory to the next save)
-        shutil.rmtree(staging, ignore_errors=True)
         if _out_of_space(e, save_dir):
-            raise CheckpointSpaceError(_space_message(save_dir, tag, need, shutil.disk_usage(save_dir).free)) from e
+            raise CheckpointSpaceError(_space_message(save_dir, tag, files_bytes(files),
+                                                      shutil.disk_usage(save_dir).free)) from e
         if isinstance(e, OSError):
             raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir} failed: {e}; the previous "
                                   f"checkpoint is left as it was") from e
+        raise
+
+
+def finish(save_dir: str, tag: str, staging: str, sizes: dict[str, int], save_latest: bool) -> str:
+    """Complete a save whose files are all in ``staging``: the manifest last, then the tag put in place
+    and ``latest`` pointed at it."""
+    try:
+        _warn_if_unsafe(staging, tag)
+        _write_json(os.path.join(staging, MANIFEST), {"format": FORMAT, "version": 1, "tag": tag, "files": sizes})
+        _fsync_dir(staging)
+    except Exception:
+        abort(staging)
         raise
     _commit(save_dir, tag, staging)
     if save_latest:
         _write_text_atomic(os.path.join(save_dir, "latest"), tag)
     return os.path.join(save_dir, tag)
+
+
+def abort(staging: str) -> None:
+    """Remove a save's staging directory: the previous checkpoint stays as it was."""
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _warn_if_unsafe(staging: str, tag: str) -> None:

@@ -78,10 +78,12 @@ def _rank_of(path: str) -> int:
 
 
 def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
-         stage0_names: list[list[str]] | None = None) -> DeepSpeedState:
+         stage0_names: list[list[str]] | None = None, wanted: set[str] | None = None) -> DeepSpeedState:
     """The checkpoint in ``tag_dir`` by parameter name. ``stage0_names``: the names of the parameters of
     the stage-0 optimizer's groups in its order (a stage-0 checkpoint keeps its optimizer state by
-    position): given, the stage-0 moments (and in 16 bits, the fp32 masters) are read by name too."""
+    position): given, the stage-0 moments (and in 16 bits, the fp32 masters) are read by name too.
+    ``wanted``: the names whose moments to read (a rank of a sharded engine reads its own share; the
+    files are memory-mapped, so the rest is never read); None: every one."""
     model_files = _model_files(tag_dir)
     if not model_files:
         raise DeepSpeedCheckpointError(f"{tag_dir} holds no DeepSpeed model file (mp_rank_*_model_states.pt)")
@@ -102,12 +104,14 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
         if not shapes:
             raise DeepSpeedCheckpointError(f"{model_files[0]} has no param_shapes: its ZeRO partitions cannot be "
                                            f"mapped to parameter names")
-        masters, moments = _merge(states, shapes, want_optimizer, stage)
+        masters, moments = _merge(states, shapes, want_optimizer, stage, wanted)
         full.update(masters)
         scaler = states[0].get("loss_scaler")
         loss_scale = dict(vars(scaler)) if scaler is not None else None
     elif stage0_names is not None and model.get("optimizer") is not None:
         masters, moments = _stage0(model["optimizer"], stage0_names, module, want_optimizer)
+        if moments is not None and wanted is not None:
+            moments = {n: m for n, m in moments.items() if n in wanted}
         full.update(masters)
     module.update(full)                               # fp32 masters over the 16-bit module weights
     for alias, source in (model.get("shared_params") or {}).items():
@@ -151,15 +155,30 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _span(flats: list[torch.Tensor], offset: int, n: int) -> torch.Tensor:
+    """Elements ``offset:offset+n`` of the ranks' partitions of one flat group laid end to end (a view of
+    one partition where they lie in one; never the whole group joined)."""
+    parts, start = [], 0
+    for f in flats:
+        a, b = max(offset - start, 0), min(offset + n - start, f.numel())
+        if a < b:
+            parts.append(f.narrow(0, a, b - a))
+        start += f.numel()
+    return _joined(parts)
+
+
 def _tensor_keys(state: dict) -> list[str]:
     return [k for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
-def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: int):
-    """Each parameter's fp32 master (and moments) from the ranks' flat partitions, as ``zero_to_fp32.py``
-    reads them. Stages 1-2: a group's partitions concatenated in rank order form one flat vector, each
-    parameter at its offset, followed by its alignment padding. Stage 3: every parameter is split on its
-    own, ``ceil(numel / ranks)`` elements per rank, at the same offset in each rank's flat group."""
+def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: int,
+           wanted: set[str] | None = None):
+    """Each parameter's fp32 master (and moments, of the ``wanted`` names or all) from the ranks' flat
+    partitions, as ``zero_to_fp32.py`` reads them. Stages 1-2: a group's partitions laid end to end form one
+    flat vector, each parameter at its offset, followed by its alignment padding. Stage 3: every parameter
+    is split on its own, ``ceil(numel / ranks)`` elements per rank, at the same offset in each rank's flat
+    group. Masters are views of the (memory-mapped) files where they lie in one partition; moments are
+    copies (an optimizer may keep a loaded tensor as its state)."""
     world = len(states)
     pads = states[0].get("param_alignment_paddings") if stage != 3 else None
     masters, moments = {}, {} if want_optimizer else None
@@ -171,17 +190,18 @@ def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: 
             per_rank = [_moment_groups(s).get(g, {}) for s in states]   # a group never stepped has none
             parts.update({k: [r[k] for r in per_rank] for k in _tensor_keys(per_rank[0])})
             kept = {k: v for k, v in per_rank[0].items() if k not in parts}   # the step, scalars
-        if stage != 3:
-            parts = {k: [_joined(v)] for k, v in parts.items()}
         offset = 0
         for i, (name, shape) in enumerate(group_shapes.items()):
             n = math.prod(shape)
             width = math.ceil(n / world) if stage == 3 else n
-            full = {k: _joined([f.narrow(0, offset, width) for f in v]).narrow(0, 0, n).view(tuple(shape)).clone()
-                    for k, v in parts.items()}
-            masters[name] = full.pop("master")
-            if want_optimizer and (full or kept):
-                moments[name] = {**kept, **full}
+            keys = [k for k in parts if k == "master" or wanted is None or name in wanted]
+            if stage == 3:
+                full = {k: _joined([f.narrow(0, offset, width) for f in parts[k]]).narrow(0, 0, n) for k in keys}
+            else:
+                full = {k: _span(parts[k], offset, n) for k in keys}
+            masters[name] = full.pop("master").view(tuple(shape))
+            if want_optimizer and (wanted is None or name in wanted) and (full or kept):
+                moments[name] = {**kept, **{k: v.view(tuple(shape)).clone() for k, v in full.items()}}
             offset += width + (pads[g][i] if pads is not None else 0)
     return masters, moments
 

@@ -2,9 +2,10 @@
 
 Why: a script that trained with LazyTrain can go back to ``deepspeed.initialize()`` with the same config
 and ``load_checkpoint`` the same directory, and DeepSpeed's ``zero_to_fp32.py`` turns it into a plain
-state dict, as with a checkpoint DeepSpeed wrote. The files are those a DeepSpeed run of one rank writes
-for the config's ZeRO stage (``zero_optimization.stage``, default 0): LazyTrain's data-parallel ranks hold
-the same full state, and rank 0 writes it.
+state dict, as with a checkpoint DeepSpeed wrote. The files are those a DeepSpeed run of as many ranks
+writes for the config's ZeRO stage (``zero_optimization.stage``, default 0). Unsharded ranks hold the same
+full state, and rank 0 writes it as one rank; a sharded engine's ranks each write their part
+(:class:`Writer`, sharded_checkpoint.py).
 
 * Stage 0: ``mp_rank_00_model_states.pt`` holds the module and, under ``optimizer``, the optimizer's
   state dict; in bf16/fp16 the module in 16 bits and DeepSpeed's fp16 wrapper's state (the fp32 masters
@@ -92,19 +93,46 @@ class Export:
     overflow: bool = False                         # the last step's gradients were not finite (it was skipped)
     exclude_frozen: bool = False
     lazytrain_state: dict = field(default_factory=dict)   # plan, micro_steps, ...: into the LazyTrain file
+    # a sharded engine (zero_optimization.stage >= 1 over several ranks): every rank writes its own files
+    rank: int = 0
+    world: int = 1
+    groups: list | None = None          # the optimizer's whole groups (``optimizer`` holds this rank's part)
+    whole_index: dict | None = None     # this rank's optimizer index -> the whole optimizer's
+    whole_param_groups: list | None = None   # the whole optimizer's param_groups as a state_dict holds them
+    summaries: dict | None = None       # name -> every tensor's state without its moments (from its owner)
+    pieces: dict | None = None          # (name, key, start) -> fp32 values of a Need (from their holders)
+
+    @property
+    def sharded(self) -> bool:
+        return self.pieces is not None
 
 
 def files(x: Export) -> dict[str, object]:
     """File name -> object for ``checkpoint.save``: the DeepSpeed files and the LazyTrain file."""
-    return _Writer(x).files()
+    return Writer(x).files()
 
 
-def model_file(stage: int) -> str:
-    return "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+def model_file(stage: int, rank: int = 0) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
 
 
-def optim_file(bf16: bool) -> str:
-    return ("bf16_" if bf16 else "") + "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+def optim_file(bf16: bool, rank: int = 0) -> str:
+    return ("bf16_" if bf16 else "") + f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def optimizer_shard_file(rank: int) -> str:
+    """LazyTrain's own optimizer state of the tensors rank ``rank`` owned (a sharded save)."""
+    return f"lazytrain_optimizer_rank_{rank}.pt"
+
+
+@dataclass(frozen=True)
+class Need:
+    """A range of one tensor's flattened fp32 values that this rank's files hold: ``key`` is "master" (the
+    fp32 weight) or a moment of the optimizer state."""
+    name: str
+    key: str
+    start: int
+    length: int
 
 
 def _trainable(p: torch.Tensor) -> bool:
@@ -112,7 +140,12 @@ def _trainable(p: torch.Tensor) -> bool:
     return p.requires_grad and p.numel() > 0
 
 
-class _Writer:
+class Writer:
+    """Builds one rank's files. Unsharded, everything is at hand. Sharded, each rank writes its part of
+    DeepSpeed's N-rank layout, whose ranges cross the owners' tensors: the engine hands every rank the
+    others' :meth:`summaries`, asks the holders for the ranges :meth:`needs` lists (each holder answers with
+    :meth:`serve`), and puts them in ``Export.pieces`` before :meth:`files`."""
+
     def __init__(self, x: Export):
         self.x = x
         cfg = x.config
@@ -120,7 +153,8 @@ class _Writer:
         self.stage = int(self.zero.get("stage", 0))
         self.dtype = x.compute_dtype
         self.opt = x.optimizer
-        groups = self.opt.param_groups if self.opt is not None else []
+        self.rank, self.world = x.rank, x.world
+        groups = x.groups if x.groups is not None else (self.opt.param_groups if self.opt is not None else [])
         # tensors the optimizer updates that are no parameter of the model (a loss's learnable temperature):
         # DeepSpeed's files name every tensor they hold, so these live in the LazyTrain file alone
         self.extras = [p for g in groups for p in g["params"] if id(p) not in x.names]
@@ -135,7 +169,11 @@ class _Writer:
         self._casts: dict[tuple, ckpt.Streamed] = {}
         first: dict[int, str] = {}
         self.first_names = {n: first.setdefault(id(p), n) for n, p in x.model.named_parameters(remove_duplicate=False)}
+        self.by_name = {n: p for n, p in x.model.named_parameters()}
+        self.by_name.update((x.names[id(p)], p) for g in self.groups for p in g["params"])
         self.uneven: list[str] = []
+        if x.world > 1 and self.stage == 0:
+            raise ValueError("a sharded save needs zero_optimization.stage >= 1")
 
     # ---- which optimizer DeepSpeed would hold ---------------------------------------------------
     def _flavor(self) -> str:
@@ -182,7 +220,7 @@ class _Writer:
         out = {k: ref.get(k, own[k]) for k in given}
         out.update((k, v) for k, v in ref.items() if k not in out)
         out.update((k, own[k]) for k in tail)
-        if self.flavor == "fused" and (any(self.opt.state.values()) or self.wrapped and self.stage == 0):
+        if self.flavor == "fused" and (self._any_state() or self.wrapped and self.stage == 0):
             out["step"] = 0   # FusedAdam's first step gives each group a step it never advances
         return out
 
@@ -218,12 +256,60 @@ class _Writer:
             out["step"] = torch.tensor(float(n), dtype=torch.float32) if self.flavor == "torch" else n
         return out
 
+    def _any_state(self) -> bool:
+        if self.x.summaries is not None:
+            return any(v is not None for v in self.x.summaries.values())
+        return any(self.opt.state.values())
+
+    def _summary(self, p: torch.Tensor) -> dict | None:
+        """``p``'s state as :meth:`_state` gives it, each moment tensor replaced by :data:`_MOMENT`: from the
+        local optimizer, or (sharded) from the summaries of every rank's."""
+        if self.x.summaries is not None:
+            return self.x.summaries.get(self._name(p))
+        return _summarised(self._state(p))
+
+    def summaries(self) -> dict[str, dict]:
+        """name -> :meth:`_summary` of each tensor whose state this rank's optimizer holds."""
+        out = {}
+        for g in (self.opt.param_groups if self.opt is not None else []):
+            for p in g["params"]:
+                if id(p) in self.x.names and self.opt.state.get(p):
+                    out[self._name(p)] = _summarised(self._state(p))
+        return out
+
     # ---- tensors ---------------------------------------------------------------------------------
     def _name(self, p) -> str:
         return self.x.names[id(p)]
 
     def _master(self, p) -> torch.Tensor:
         return self.x.masters.get(self._name(p), p)
+
+    def _piece(self, p, key: str, start: int, length: int):
+        """Elements ``start:start+length`` of ``p``'s flattened fp32 ``key`` ("master" or a moment): from the
+        pieces gathered for a sharded save, else (a whole tensor) from this rank's own state."""
+        if self.x.pieces is not None:
+            return self.x.pieces[(self._name(p), key, start)]
+        if (start, length) != (0, p.numel()):
+            raise AssertionError(f"{self._name(p)}: a part of a tensor outside a sharded save")
+        return self._master(p).detach() if key == "master" else self._state(p)[key]
+
+    def serve(self, need: Need) -> torch.Tensor:
+        """The fp32 values of ``need`` from this rank's own state (a master's are a view of it)."""
+        p = self.by_name[need.name]
+        if need.key == "master":
+            source = self._master(p).detach().reshape(-1)
+            return source.narrow(0, need.start, need.length).to("cpu", torch.float32)
+        value = self._state(p)[need.key]
+        if isinstance(value, torch.Tensor):
+            return value.detach().reshape(-1).narrow(0, need.start, need.length).to("cpu", torch.float32)
+        return _range(value.pieces(), need.start, need.length)
+
+    def _whole(self, p) -> torch.Tensor:
+        """``p``'s fp32 value whole (frozen parameters, parameters outside the optimizer's groups): this
+        rank's, or (sharded) the one gathered from where it is kept."""
+        if self.x.pieces is not None:
+            return self.x.pieces[(self._name(p), "master", 0)].view(p.shape)
+        return self._master(p)
 
     def _lowp(self, t: torch.Tensor):
         """The module entry of a parameter whose fp32 master the optimizer state holds: in the training
@@ -250,71 +336,138 @@ class _Writer:
         return ckpt.Streamed((numel,), torch.float32, pieces)
 
     # ---- the files -------------------------------------------------------------------------------
+    def needs(self) -> list[Need]:
+        """The ranges of fp32 values this rank's files hold (a sharded save gathers them before
+        :meth:`files`): its partition of each flat group's masters and moments, and on the ranks that write
+        them, the frozen parameters and those outside the optimizer's groups."""
+        out: dict[tuple, Need] = {}
+
+        def add(p, key, start, n):
+            out.setdefault((self._name(p), key, start), Need(self._name(p), key, start, n))
+        if self.stage > 0 and self.opt is not None:
+            flats = self._flat_layout()
+            for segments, _ in self._partitions(flats):
+                for p, start, n in (seg for seg in segments if not isinstance(seg, int)):
+                    add(p, "master", start, n)
+                    for key, v in (self._summary(p) or {}).items():
+                        if key != "step" and _is_moment(v):
+                            add(p, key, start, n)
+            for p in self._frozen_params():
+                if self.stage == 3:
+                    start, n = self._stage3_range(p)
+                    if n:
+                        add(p, "master", start, n)
+                elif self.rank == 0:
+                    add(p, "master", 0, p.numel())
+            if self.rank == 0:
+                for p in self._outside_groups():
+                    add(p, "master", 0, p.numel())
+        return list(out.values())
+
+    def _frozen_params(self) -> list[torch.Tensor]:
+        """The parameters DeepSpeed's model file keeps as frozen (stages 2, 3)."""
+        if self.stage < 2 or self.opt is None or self.x.exclude_frozen:
+            return []
+        return [p for _, p in self.x.model.named_parameters() if not _trainable(p)]
+
+    def _outside_groups(self) -> list[torch.Tensor]:
+        """Parameters no flat group holds, whose fp32 values the module (stages 1, 2) or the LazyTrain file
+        (stage 3) keeps: frozen ones, and trainable ones in none of the optimizer's groups."""
+        if self.stage == 3:
+            return [p for n, p in self.x.model.named_parameters() if n not in self.covered and _trainable(p)]
+        return [p for n, p in self.x.model.named_parameters() if n not in self.covered and n in self.x.module_state]
+
     def files(self) -> dict[str, object]:
+        """This rank's files: unsharded (or rank 0), the model file, the optimizer file and the LazyTrain
+        file; sharded, each rank its optimizer partition and LazyTrain optimizer shard (and at stage 3 its
+        model file, as each of DeepSpeed's ranks writes one)."""
         x = self.x
         clash = sorted(set(x.client_state) & DEEPSPEED_KEYS)
         if clash:
             raise ckpt.CheckpointError(
                 f"client_state key {clash[0]!r} is one DeepSpeed's checkpoint uses itself (client state is kept as "
                 f"top-level keys of the model file, beside module, optimizer, lr_scheduler, ...): rename it")
-        model, optim, lazy_extra = OrderedDict(), None, {}
+        zero = self.stage > 0 and self.opt is not None
+        flats = self._flat_layout() if zero else None
+        out = {}
+        if self.rank == 0 or self.stage == 3:
+            out[model_file(self.stage, self.rank)] = self._model_file(flats)
+        if zero:
+            inner = self._stage3(flats) if self.stage == 3 else self._stage12(flats)
+            out[optim_file(self.dtype == torch.bfloat16, self.rank)] = \
+                {"optimizer_state_dict": inner, "ds_config": x.config, "ds_version": DS_VERSION}
+        if self.uneven and self.rank == 0:
+            warnings.warn(f"lazytrain: checkpoint in DeepSpeed's layout: DeepSpeed keeps one optimizer step count per "
+                          f"parameter group, and these parameters were stepped fewer times than others of their group: "
+                          f"{', '.join(self.uneven[:8])}{' ...' if len(self.uneven) > 8 else ''}; the DeepSpeed files "
+                          f"give them the group's count (LazyTrain resumes them exactly)", UserWarning, stacklevel=4)
+        if self.rank == 0:
+            # stage 3: parameters nothing else holds (trainable, yet in no optimizer group)
+            lazy_extra = {self._name(p): self._whole(p).detach().to("cpu") for p in self._outside_groups()} \
+                if zero and self.stage == 3 else {}
+            out[LAZYTRAIN_FILE] = self._lazytrain_file(lazy_extra)
+        if x.sharded and self.opt is not None:
+            out[optimizer_shard_file(self.rank)] = {"format": FORMAT, "rank": self.rank, "ranks": self.world,
+                                                    "state": self._optimizer_state()[0]}
+        return out
+
+    def _model_file(self, flats) -> OrderedDict:
+        x = self.x
+        zero = flats is not None
+        model = OrderedDict()
         model["module"] = self._module()
         model["buffer_names"] = _buffer_names(x.model)
         model["optimizer"] = self._stage0_optimizer() if self.stage == 0 and self.opt is not None else None
-        zero = self.stage > 0 and self.opt is not None
-        flats = self._flat_layout() if zero else None
         model["param_shapes"] = [OrderedDict((self._name(p), torch.Size(p.shape)) for p in ps) for ps in flats] \
             if zero else None
         frozen = self.stage >= 2 and self.opt is not None and not x.exclude_frozen
-        model["frozen_param_shapes"] = self._frozen(lambda t: torch.Size(t.shape)) if frozen else None
-        model["shared_params"] = shared_params(x.model) if zero else None
-        model["frozen_param_fragments"] = self._frozen(lambda t: t.reshape(-1) if self.stage == 3 else t) \
+        model["frozen_param_shapes"] = OrderedDict((n, torch.Size(p.shape)) for n, p in x.model.named_parameters()
+                                                   if not _trainable(p)) if frozen else None
+        # DeepSpeed's ranks other than 0 find no tied weights (it looks for them on rank 0 alone)
+        model["shared_params"] = (shared_params(x.model) if self.rank == 0 else {}) if zero else None
+        model["frozen_param_fragments"] = OrderedDict(
+            (n, self._frozen_fragment(p)) for n, p in x.model.named_parameters() if not _trainable(p)) \
             if frozen else None
         model["lr_scheduler"] = x.lr_scheduler
         model["data_sampler"] = None
         model["random_ltd"] = None
         for k in ("skipped_steps", "global_steps", "global_samples"):
             model[k] = int(x.counters.get(k, 0))
-        model["dp_world_size"] = 1
+        model["dp_world_size"] = self.world
         model["mp_world_size"] = 1
         model["checkpoint_parallel_dimensions"] = {"pp_degree": 1, "tp_degree": 1}
         model["ds_config"] = x.config
         model["ds_version"] = DS_VERSION
         model.update(x.client_state)
-        if zero:
-            inner = self._stage3(flats) if self.stage == 3 else self._stage12(flats)
-            optim = {"optimizer_state_dict": inner, "ds_config": x.config, "ds_version": DS_VERSION}
-            if self.stage == 3:   # parameters nothing else holds (trainable, yet in no optimizer group)
-                lazy_extra = {n: p.detach().to("cpu") for n, p in x.masters.items()
-                              if n not in self.covered and _trainable(p)}
-        if self.uneven:
-            warnings.warn(f"lazytrain: checkpoint in DeepSpeed's layout: DeepSpeed keeps one optimizer step count per "
-                          f"parameter group, and these parameters were stepped fewer times than others of their group: "
-                          f"{', '.join(self.uneven[:8])}{' ...' if len(self.uneven) > 8 else ''}; the DeepSpeed files "
-                          f"give them the group's count (LazyTrain resumes them exactly)", UserWarning, stacklevel=4)
-        out = {model_file(self.stage): dict(model)}
-        if optim is not None:
-            out[optim_file(self.dtype == torch.bfloat16)] = optim
-        out[LAZYTRAIN_FILE] = self._lazytrain_file(lazy_extra)
-        return out
+        return model
+
+    def _frozen_fragment(self, p) -> torch.Tensor:
+        """DeepSpeed's frozen parameter fragment: the whole (stages 1, 2), or this rank's part of it,
+        flat, padded to ``ceil(numel / ranks)`` (stage 3); at its fp32 value where LazyTrain keeps one."""
+        if self.stage != 3:
+            return self._whole(p).detach().to("cpu")
+        start, n = self._stage3_range(p)
+        if self.x.pieces is not None:
+            part = self.x.pieces[(self._name(p), "master", start)] if n else torch.zeros(0)
+        else:
+            part = self._master(p).detach().reshape(-1).narrow(0, start, n).to("cpu")
+        pad = self._partition_numel(p) - n
+        return torch.cat([part, torch.zeros(pad, dtype=part.dtype)]) if pad else part
 
     def _module(self) -> OrderedDict:
         out = OrderedDict()
+        outside = {id(p) for p in self._outside_groups()} if self.x.sharded else set()
         for name, t in self.x.module_state.items():
             source = self.first_names.get(name)   # None: a buffer
             if self.stage == 3 and source is not None:   # DeepSpeed's partitioned parameters leave placeholders
                 out[name] = torch.empty(0, dtype=self.dtype if t.is_floating_point() else t.dtype)
             elif source in self.covered:
                 out[name] = self._lowp(t)
+            elif source is not None and id(self.by_name.get(source)) in outside:
+                out[name] = self._whole(self.by_name[source]).detach()   # fp32, from where it is kept
             else:
                 out[name] = t   # buffers, frozen parameters: as LazyTrain holds them (DeepSpeed casts on load)
         return out
-
-    def _frozen(self, value) -> OrderedDict:
-        """DeepSpeed's frozen parameter attributes: every parameter its optimizer does not own (its fp32
-        value where LazyTrain keeps a master)."""
-        return OrderedDict((name, value(self.x.masters.get(name, p).detach().to("cpu")))
-                           for name, p in self.x.model.named_parameters() if not _trainable(p))
 
     # stage 0 ---------------------------------------------------------------------------------------
     def _stage0_optimizer(self) -> dict:
@@ -360,7 +513,7 @@ class _Writer:
         for i, ps in enumerate(self.flat_groups):
             numel = sum(p.numel() for p in ps)
             flats.append(self._flat([self._master(p).detach() for p in ps], numel))
-            st = self._flat_state(ps, [0] * len(ps), 0, numel)
+            st = self._flat_state(ps, [(p, 0, p.numel()) for p in ps], numel)
             if st is not None:
                 state[i] = st
         groups = [{**self._group(g), "params": [i]} for i, g in enumerate(self.groups)]
@@ -370,9 +523,19 @@ class _Writer:
                 "fp32_groups_flat": flats, "clip_grad": clip}
 
     # stages 1-3 ------------------------------------------------------------------------------------
+    def _partition_numel(self, p) -> int:
+        """What each rank holds of ``p`` at stage 3: ``ceil(numel / ranks)`` elements (the last rank's padded)."""
+        return math.ceil(p.numel() / self.world)
+
+    def _stage3_range(self, p) -> tuple[int, int]:
+        """(start, length) of this rank's part of ``p`` at stage 3 (length 0: all of it is padding)."""
+        w = self._partition_numel(p)
+        start = self.rank * w
+        return start, max(0, min(w, p.numel() - start))
+
     def _flat_layout(self) -> list[list[torch.Tensor]]:
         """The parameters of each flat group in order: per parameter group (stages 1, 2), per sub-group of
-        ``sub_group_size`` elements (stage 3)."""
+        ``sub_group_size`` elements of each rank's partitions (stage 3)."""
         if self.stage != 3:
             return self.flat_groups
         size = int(float(self.zero.get("sub_group_size", 1e9)))
@@ -382,7 +545,7 @@ class _Writer:
             subs, sub, n = [], [], 0
             for j, p in enumerate(ps):
                 sub.append(p)
-                n += p.numel()
+                n += self._partition_numel(p)
                 if n >= size or j == len(ps) - 1:
                     subs.append(sub)
                     sub, n = [], 0
@@ -390,59 +553,116 @@ class _Writer:
             out.extend(subs)
         return out
 
-    def _flat_state(self, ps, paddings, tail: int, numel: int) -> dict | None:
-        """The inner optimizer's state over one flat group: each moment laid out as the masters are, the
-        group's one step."""
-        states = [self._state(p) for p in ps]
-        if all(s is None for s in states):
+    def _stage12_layout(self, ps) -> tuple[list[int], list[int], int, int]:
+        """DeepSpeed's flat group: each parameter's offset and the alignment padding after it, the padded
+        numel, and the numel aligned to ``2 x ranks`` (each rank's partition is an equal share of it)."""
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        param_alignment = 16 // math.gcd(16, elsize) if self.zero.get("parameter_alignment") else 1
+        pads, offsets, offset = [], [], 0
+        for j, p in enumerate(ps):
+            offsets.append(offset)
+            offset += p.numel()
+            pad = 0 if j == len(ps) - 1 else (-offset) % param_alignment
+            pads.append(pad)
+            offset += pad
+        alignment = 2 * self.world   # nccl_start_alignment_factor (2) x ranks
+        most = sum(p.numel() for p in ps) + sum((-p.numel()) % param_alignment for p in ps)
+        return offsets, pads, offset, math.ceil(most / alignment) * alignment
+
+    def _segments(self, ps, pads, tail: int, lo: int, hi: int) -> list:
+        """The flat group ``ps`` (each followed by its padding, then ``tail`` zeros) within ``[lo, hi)``:
+        (parameter, start, length) for a parameter's elements, an int for that many zeros."""
+        out, offset = [], 0
+
+        def take(n, what):
+            a, b = max(offset, lo), min(offset + n, hi)
+            if a < b:
+                out.append(b - a if what is None else (what, a - offset, b - a))
+        for p, pad in zip(ps, pads):
+            take(p.numel(), p)
+            offset += p.numel()
+            take(pad, None)
+            offset += pad
+        take(tail, None)
+        return out
+
+    def _stage3_segments(self, ps) -> list:
+        out = []
+        for p in ps:
+            start, n = self._stage3_range(p)
+            if n:
+                out.append((p, start, n))
+            if self._partition_numel(p) - n:
+                out.append(self._partition_numel(p) - n)
+        return out
+
+    def _partitions(self, flats) -> list[tuple[list, int]]:
+        """Per flat group: this rank's segments and its partition's numel."""
+        out = []
+        for ps in flats:
+            if self.stage == 3:
+                out.append((self._stage3_segments(ps), sum(self._partition_numel(p) for p in ps)))
+            else:
+                _, pads, padded, aligned = self._stage12_layout(ps)
+                part = aligned // self.world
+                lo = self.rank * part
+                out.append((self._segments(ps, pads, aligned - padded, lo, lo + part), part))
+        return out
+
+    def _flat_masters(self, segments, numel: int) -> ckpt.Streamed:
+        return self._flat([seg if isinstance(seg, int) else self._piece(seg[0], "master", seg[1], seg[2])
+                           for seg in segments], numel)
+
+    def _flat_state(self, ps, segments, numel: int) -> dict | None:
+        """The inner optimizer's state over this rank's partition of one flat group: each moment laid out as
+        the masters are (``segments``); the group's one step, the largest of its parameters' (``ps``, the
+        whole group)."""
+        states = {id(p): self._summary(p) for p in ps}
+        if all(s is None for s in states.values()):
             return None
-        keys = [k for s in states if s is not None for k, v in s.items()
-                if k != "step" and (isinstance(v, ckpt.Streamed) or (isinstance(v, torch.Tensor) and v.dim() > 0))]
-        keys = list(dict.fromkeys(keys))
-        steps = [float(s["step"]) if s is not None and "step" in s else None for s in states]
+        keys = list(dict.fromkeys(k for s in states.values() if s is not None for k, v in s.items()
+                                  if k != "step" and _is_moment(v)))
+        steps = [float(states[id(p)]["step"]) if states[id(p)] is not None and "step" in states[id(p)] else None
+                 for p in ps]
         known = [s for s in steps if s is not None]
         top = max(known) if known else None
         self.uneven += [self._name(p) for p, s in zip(ps, steps) if s != top]
         out = {}
         if top is not None:
-            first = next(s["step"] for s in states if s is not None and "step" in s and float(s["step"]) == top)
-            out["step"] = first
+            out["step"] = next(states[id(p)]["step"] for p, s in zip(ps, steps) if s == top)
         for key in keys:
             parts = []
-            for p, s, pad in zip(ps, states, paddings):
-                parts.append(s[key] if s is not None and key in s else p.numel())
-                parts.append(pad)
-            parts.append(tail)
+            for seg in segments:
+                if isinstance(seg, int):
+                    parts.append(seg)
+                else:
+                    p, start, n = seg
+                    st = states[id(p)]
+                    parts.append(self._piece(p, key, start, n) if st is not None and key in st else n)
             out[key] = self._flat(parts, numel)
-        for s in states:   # scalars other than the step, as the optimizer holds them
-            for k, v in (s or {}).items():
+        for st in states.values():   # scalars other than the step, as the optimizer holds them
+            for k, v in (st or {}).items():
                 if k != "step" and k not in keys and k not in out:
                     out[k] = v
         return out
 
     def _stage12(self, flats) -> dict:
-        """DeepSpeedZeroOptimizer.state_dict() of one rank (the rigid layout, which DeepSpeed loads with
+        """DeepSpeedZeroOptimizer.state_dict() of this rank (the rigid layout, which DeepSpeed loads with
         elastic_checkpoint on or off)."""
-        elsize = torch.empty((), dtype=self.dtype).element_size()
-        param_alignment = 16 // math.gcd(16, elsize) if self.zero.get("parameter_alignment") else 1
         base_state, fp32, group_pads, param_pads, mappings = {}, [], [], [], []
-        for i, ps in enumerate(flats):
-            pads, offsets, offset = [], [], 0
-            for j, p in enumerate(ps):
-                offsets.append(offset)
-                offset += p.numel()
-                pad = 0 if j == len(ps) - 1 else (-offset) % param_alignment
-                pads.append(pad)
-                offset += pad
-            aligned = math.ceil(offset / 2) * 2   # nccl_start_alignment_factor (2) x one rank
-            group_pads.append(aligned - offset)
+        for i, (ps, (segments, part)) in enumerate(zip(flats, self._partitions(flats))):
+            offsets, pads, padded, _ = self._stage12_layout(ps)
+            lo = self.rank * part
+            # DeepSpeed's groups_padding: what of this rank's partition lies past the group's elements
+            group_pads.append(part if padded <= lo else lo + part - padded if padded < lo + part else 0)
             param_pads.append(pads)
-            fp32.append(self._flat([x for p, pad in zip(ps, pads) for x in (self._master(p).detach(), pad)], offset))
-            st = self._flat_state(ps, pads, aligned - offset, aligned)
+            fp32.append(self._flat_masters(segments, part))
+            st = self._flat_state(ps, segments, part)
             if st is not None:
                 base_state[i] = st
-            mappings.append(OrderedDict((self._name(p), FragmentAddress(numel=p.numel(), start=o))
-                                        for p, o in zip(ps, offsets)))
+            offset_of = {id(p): o for p, o in zip(ps, offsets)}
+            mappings.append(OrderedDict((self._name(p), FragmentAddress(numel=n, start=offset_of[id(p)] + start - lo))
+                                        for p, start, n in (seg for seg in segments if not isinstance(seg, int))))
         groups = [{**self._group(g), "params": [i]} for i, g in enumerate(self.groups)]
         clip = float(self.x.config.get("gradient_clipping", 0.0) or 0.0)
         return {"loss_scaler": self._ds_loss_scaler(), "dynamic_loss_scale": self._dynamic(),
@@ -450,21 +670,21 @@ class _Writer:
                 "base_optimizer_state": {"state": base_state, "param_groups": groups},
                 "single_partition_of_fp32_groups": fp32,
                 "zero_stage": ZeroStageEnum(value=self.stage), "group_paddings": group_pads,
-                "param_alignment_paddings": param_pads, "partition_count": [1] * len(flats), "ds_version": DS_VERSION,
-                "param_slice_mappings": mappings}
+                "param_alignment_paddings": param_pads, "partition_count": [self.world] * len(flats),
+                "ds_version": DS_VERSION, "param_slice_mappings": mappings}
 
     def _stage3(self, flats) -> dict:
-        """DeepSpeedZeroOptimizer_Stage3.state_dict() of one rank."""
+        """DeepSpeedZeroOptimizer_Stage3.state_dict() of this rank."""
         state, fp32 = {}, []
-        for i, ps in enumerate(flats):
-            numel = sum(p.numel() for p in ps)
-            fp32.append(self._flat([self._master(p).detach() for p in ps], numel))
-            st = self._flat_state(ps, [0] * len(ps), 0, numel)
+        for i, (ps, (segments, numel)) in enumerate(zip(flats, self._partitions(flats))):
+            fp32.append(self._flat_masters(segments, numel))
+            st = self._flat_state(ps, segments, numel)
             if st is not None:
                 state[i] = st
         groups = [{**self._group(g), "params": subs} for g, subs in zip(self.groups, self.sub_of_group)]
         return {"zero_stage": ZeroStageEnum(value=3), "loss_scaler": self._ds_loss_scaler(),
-                "dynamic_loss_scale": self._dynamic(), "overflow": bool(self.x.overflow), "partition_count": 1,
+                "dynamic_loss_scale": self._dynamic(), "overflow": bool(self.x.overflow),
+                "partition_count": self.world,
                 "optimizer_state_dict": {"state": state, "param_groups": groups}, "fp32_flat_groups": fp32}
 
     def _dynamic(self) -> bool:
@@ -483,31 +703,72 @@ class _Writer:
                                  raise_error_at_min_scale=True, dtype=torch.float16)
 
     # the LazyTrain file -----------------------------------------------------------------------------
+    def _optimizer_state(self) -> tuple[dict, list]:
+        """This rank's optimizer's state (by the whole optimizer's indices when sharded), each fp32 moment
+        the DeepSpeed files hold exactly replaced by a reference to them; and its ``param_groups``."""
+        sd = self.opt.state_dict()
+        positions = [p for g in self.opt.param_groups for p in g["params"]]
+        index = [i for g in sd["param_groups"] for i in g["params"]]
+        in_ds = {id(p) for ps in self.flat_groups for p in ps} if self.wrapped else \
+            {id(p) for g in self.groups for p in g["params"]}
+        whole = self.x.whole_index if self.x.whole_index is not None else {i: i for i in index}
+        state = {}
+        for i, p in zip(index, positions):
+            if i not in sd["state"]:
+                continue
+            held = self._state(p) if id(p) in in_ds else None
+            state[whole[i]] = {k: (FROM_DEEPSPEED if held is not None and _exact_moment(v, held.get(k), p) else v)
+                               for k, v in sd["state"][i].items()}
+        groups = self.x.whole_param_groups if self.x.whole_param_groups is not None else sd["param_groups"]
+        return state, groups
+
     def _lazytrain_file(self, module_extra: dict) -> dict:
-        """LazyTrain's own state: the optimizer's state dict with each fp32 moment the DeepSpeed files
-        hold exactly replaced by a reference to them."""
-        sd, names, stage0 = None, [], None
+        """LazyTrain's own state: the optimizer's state dict with each fp32 moment the DeepSpeed files hold
+        exactly replaced by a reference to them. Sharded, the states are in each rank's
+        :func:`optimizer_shard_file` and this file says how many there are."""
+        sd, names, stage0, shards = None, [], None, 0
         if self.opt is not None:
-            sd = self.opt.state_dict()
-            positions = [p for g in self.opt.param_groups for p in g["params"]]
-            index = [i for g in sd["param_groups"] for i in g["params"]]
+            state, groups = self._optimizer_state()
+            if self.x.sharded:
+                state, shards = {}, self.world
+            sd = {"state": state, "param_groups": groups}
+            positions = [p for g in (self.x.groups if self.x.groups is not None else self.opt.param_groups)
+                         for p in g["params"]]
             names = [self.x.names.get(id(p)) for p in positions]
-            in_ds = {id(p) for ps in self.flat_groups for p in ps} if self.wrapped else \
-                {id(p) for g in self.groups for p in g["params"]}
-            state = {}
-            for i, p in zip(index, positions):
-                if i not in sd["state"]:
-                    continue
-                held = self._state(p) if id(p) in in_ds else None
-                state[i] = {k: (FROM_DEEPSPEED if held is not None and _exact_moment(v, held.get(k), p) else v)
-                            for k, v in sd["state"][i].items()}
-            sd = {"state": state, "param_groups": sd["param_groups"]}
             if self.stage == 0:   # the names of the DeepSpeed optimizer's parameters, in its order
                 stage0 = [[self._name(p) for p in ps] for ps in self.flat_groups] if self.wrapped else \
                     [[self._name(p) for p in g["params"]] for g in self.groups]
         return {"format": FORMAT, "version": 2, "deepspeed_stage": self.stage, "optimizer": sd,
-                "optimizer_names": names, "stage0_names": stage0, "module_extra": module_extra,
+                "optimizer_names": names, "optimizer_shards": shards, "stage0_names": stage0,
+                "module_extra": module_extra,
                 "extra_params": [p.detach().to("cpu", copy=True) for p in self.extras], **self.x.lazytrain_state}
+
+
+_MOMENT = "<a moment tensor>"   # stands for a moment in a state's summary (:meth:`Writer.summaries`)
+
+
+def _is_moment(v) -> bool:
+    return isinstance(v, ckpt.Streamed) or (isinstance(v, torch.Tensor) and v.dim() > 0) or \
+        (isinstance(v, str) and v == _MOMENT)
+
+
+def _summarised(st: dict | None) -> dict | None:
+    if st is None:
+        return None
+    return {k: (_MOMENT if _is_moment(v) else v) for k, v in st.items()}
+
+
+def _range(pieces, start: int, length: int) -> torch.Tensor:
+    """Elements ``start:start+length`` of the concatenation of flat ``pieces``, as fp32."""
+    out, offset = [], 0
+    for piece in pieces:
+        a, b = max(start - offset, 0), min(start + length - offset, piece.numel())
+        if a < b:
+            out.append(piece.reshape(-1)[a:b].float())
+        offset += piece.numel()
+        if offset >= start + length:
+            break
+    return torch.cat(out) if len(out) != 1 else out[0].clone()
 
 
 def _exact_moment(value, held, p) -> bool:

@@ -159,21 +159,26 @@ class DistributedContext:
                 raise self._failed(what, t0, e) from e
         return finish
 
+    def send_to(self, t: torch.Tensor, peer: int, what: str) -> None:
+        """Host tensor ``t`` to rank ``peer``, which receives it with :meth:`receive_from` (point to point on
+        the host group, bounded by the timeout)."""
+        self._point_to_point(what, dist.isend, t, peer)
+
+    def receive_from(self, t: torch.Tensor, peer: int, what: str) -> None:
+        self._point_to_point(what, dist.irecv, t, peer)
+
+    def _point_to_point(self, what: str, op, t: torch.Tensor, peer: int) -> None:
+        t0 = time.monotonic()
+        try:
+            op(t, peer, group=self.host_group).wait(timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise self._failed(what, t0, e) from e
+
     def sum_over_ranks(self, value: float) -> float:
         flag = torch.tensor([value], dtype=torch.float64)
         self._collective("all-reduce of the gradient norm in engine.step()", dist.all_reduce, flag,
                          group=self.host_group)
         return float(flag.item())
-
-    def gather_to_rank0(self, obj, what: str) -> list | None:
-        """Every rank's ``obj`` on rank 0 (None on the others), pickled over the host group."""
-        out = [None] * self.world_size if self.rank == 0 else None
-        try:   # no async form: the host group's own timeout bounds it
-            dist.gather_object(obj, out, dst=0, group=self.host_group)
-        except RuntimeError as e:
-            raise CollectiveError(f"rank {self.rank} of {self.world_size}: the {what} did not complete "
-                                  f"({type(e).__name__}: {e})") from e
-        return out
 
     def all_gather_object(self, obj, what: str) -> list:
         """Every rank's ``obj``, in rank order, on every rank (pickled over the host group)."""

@@ -7,6 +7,7 @@ counters and accumulation-boundary semantics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -28,6 +29,7 @@ from . import safe_load
 from . import deepspeed_checkpoint as ds_ckpt
 from . import deepspeed_layout as ds_layout
 from . import node_memory, sharding
+from . import sharded_checkpoint as sharded_ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import CollectiveError, DistributedContext
 from .executor import LayerStreamingExecutor
@@ -307,20 +309,19 @@ class LazyTrainEngine(nn.Module):
         if not w.shares_master:
             w.drop_foreign_masters(self.shards.owns_layer)
 
-    def _foreign_masters(self, everywhere: bool) -> dict[int, torch.Tensor]:
+    def _foreign_masters(self) -> dict[int, torch.Tensor]:
         """With the masters sharded (bf16/fp16): the fp32 weights of the streamed layers this rank does not
         own, by ``id`` of their parameters, broadcast by their owners layer by layer (a collective: every
-        rank calls it), kept on every rank or on rank 0 only. Empty when every rank holds every layer's."""
+        rank calls it). Empty when every rank holds every layer's."""
         w, out = self.weights, {}
         if not w.masters_sharded:
             return out
-        keep = everywhere or self.global_rank == 0
         for i in range(w.num_layers):
             mine = w.master[i] is not None
             buf = w.master[i] if mine else torch.empty(w.layer_numels[i], dtype=torch.float32)
             self.dist.broadcast_from([buf], self.shards.layer_owner[i], what="gather of the fp32 weights of "
                                      "the streamed layers from their owners")
-            if keep and not mine:
+            if not mine:
                 out.update({id(p): slot.of(buf) for slot, p in zip(w.layer_slots[i], w.params[i])})
         return out
 
@@ -910,7 +911,7 @@ class LazyTrainEngine(nn.Module):
         own, so every rank must call it."""
         self._refuse_if_inconsistent("module_state_dict()")
         self.wait_for_update()
-        return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters(True))
+        return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
 
     def _module_state(self, exclude_frozen_parameters: bool, copy: bool,
                       foreign: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -974,11 +975,11 @@ class LazyTrainEngine(nn.Module):
         tag = ckpt.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
         self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
         self.wait_for_update()
+        if self.shards is not None:
+            return self._save_sharded(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         error = None
-        try:   # every rank: a sharded optimizer state is gathered on rank 0 here
+        try:
             export = self._export(client_state, exclude_frozen_parameters)
-        except CollectiveError:
-            raise   # names the collective; the ranks cannot agree on anything else now
         except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
             error = e
         if self.global_rank == 0 and error is None:
@@ -987,27 +988,101 @@ class LazyTrainEngine(nn.Module):
             except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
                 error = e
         # no rank returns (and may load) before the files exist; a failed save fails every rank at once
-        if not self.dist.all_succeeded(error is None, "agreement of save_checkpoint (rank 0 writes the files)"):
-            if error is not None:
-                raise error
-            raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank "
-                                       f"(rank 0 writes the files, after the ranks' parts are gathered): see its "
-                                       f"error")
+        self._agree_on_save(error, tag, save_dir, "rank 0 writes the files")
         return True
 
+    def _agree_on_save(self, error: BaseException | None, tag: str, save_dir: str, who: str) -> None:
+        """Every rank learns whether every rank's part of a save succeeded; a failure is raised on every
+        rank (its own error where it failed)."""
+        if self.dist.all_succeeded(error is None, f"agreement of save_checkpoint ({who})"):
+            return
+        if error is not None:
+            raise error
+        raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank "
+                                   f"({who}): see its error")
+
+    def _save_sharded(self, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
+                      exclude_frozen: bool) -> bool:
+        """Each rank writes its part of DeepSpeed's layout for this many ranks (sharded_checkpoint.py) into
+        one staging directory, which rank 0 puts in place once every part is written."""
+        files, error, staging = {}, None, ckpt.staging_dir(save_dir, tag)
+        try:
+            files = self._sharded_writer(client_state, exclude_frozen).files()
+        except CollectiveError:
+            raise   # names the collective; the ranks cannot agree on anything else now
+        except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
+            error = e
+        need = self.dist.all_gather_object(ckpt.files_bytes(files), "sizes of the ranks' checkpoint files")
+        if self.global_rank == 0 and error is None:
+            try:
+                ckpt.begin(save_dir, tag, sum(need))
+            except Exception as e:   # noqa: BLE001
+                error = e
+        self._agree_on_save(error, tag, save_dir, "rank 0 prepares the directory")
+        sizes = {}
+        try:
+            if not os.path.isdir(staging):
+                raise ckpt.CheckpointError(
+                    f"save_checkpoint: rank {self.global_rank} does not see {staging}, which rank 0 made: with the "
+                    f"optimizer state sharded every rank writes its part of the checkpoint, so save_dir must be on "
+                    f"a file system every rank sees")
+            sizes = ckpt.write_files(save_dir, tag, staging, files)
+        except Exception as e:   # noqa: BLE001
+            error = e
+        try:
+            self._agree_on_save(error, tag, save_dir, "every rank writes its part")
+        except Exception:
+            if self.global_rank == 0:
+                ckpt.abort(staging)
+            raise
+        written = {}
+        for part in self.dist.all_gather_object(sizes, "sizes of the ranks' checkpoint files"):
+            written.update(part)
+        if self.global_rank == 0:
+            try:
+                ckpt.finish(save_dir, tag, staging, written, save_latest)
+            except Exception as e:   # noqa: BLE001
+                error = e
+        self._agree_on_save(error, tag, save_dir, "rank 0 puts the tag in place")
+        return True
+
+    def _sharded_writer(self, client_state: dict | None, exclude_frozen: bool) -> ds_layout.Writer:
+        """This rank's writer of a sharded checkpoint, with the others' state summaries and the ranges of
+        fp32 values its files hold gathered from their holders (collectives: every rank calls it)."""
+        masters = self.masters.by_param if self.masters is not None else {}
+        whole = self._all_whole_groups()
+        export = dataclasses.replace(
+            self._export(client_state, exclude_frozen), rank=self.global_rank, world=self.world_size,
+            groups=[{**g, "params": w["params"]} for g, w in zip(self.optimizer.param_groups, whole)],
+            whole_index=sharding.whole_indices(whole, self.shards),
+            whole_param_groups=sharding.whole_param_groups(self.optimizer.state_dict(), whole))
+        writer = ds_layout.Writer(export)
+        export.summaries = sharded_ckpt.all_summaries(writer, self.dist)
+        layer_of = {id(p): i for i, params in enumerate(self.weights.params) for p in params}
+        params = dict(self.module.named_parameters())
+        params.update((self._param_names[id(p)], p) for g in whole for p in g["params"] if id(p) in self._param_names)
+
+        def holder(need: ds_layout.Need) -> int:
+            p = params[need.name]
+            if need.key != "master":
+                return self.shards.param_owner.get(id(p), self.global_rank)   # the optimizer state's owner
+            if masters.get(id(p), p).dtype == torch.float32:
+                return self.global_rank                                         # fp32 weights held here
+            if id(p) in layer_of:
+                return self.shards.layer_owner[layer_of[id(p)]]                 # the owner of the layer's
+            return self.shards.param_owner.get(id(p), self.global_rank)
+        export.pieces = sharded_ckpt.gather_pieces(writer, holder, self.dist)
+        return writer
+
     def _export(self, client_state: dict | None, exclude_frozen: bool) -> ds_layout.Export:
-        """This engine's state for a checkpoint in DeepSpeed's layout (deepspeed_layout.py)."""
-        foreign = self._foreign_masters(False)   # sharded masters: gathered on rank 0, which writes the files
-        masters = {**(self.masters.by_param if self.masters is not None else {}), **foreign}
-        # the whole optimizer on rank 0 holds other ranks' layers by their fp32 weights, so that their moments
-        # stay fp32 (torch's optimizers cast a loaded state to its parameter's dtype)
-        names = {**self._param_names, **{id(m): self._param_names[i] for i, m in foreign.items()}}
+        """This engine's state for a checkpoint in DeepSpeed's layout (deepspeed_layout.py); a sharded save
+        adds the fields of this rank's part (:meth:`_sharded_writer`)."""
+        masters = self.masters.by_param if self.masters is not None else {}
         return ds_layout.Export(
             model=self.module, config=self._config.raw, compute_dtype=self.compute_dtype,
-            module_state=self._module_state(exclude_frozen, copy=False, foreign=foreign), names=names,
+            module_state=self._module_state(exclude_frozen, copy=False), names=self._param_names,
             masters={n: masters.get(id(p), p) for n, p in self.module.named_parameters()},
-            optimizer=self._whole_optimizer(foreign, names),
-            optimizer_from_config=self._config.optimizer.type is not None,
+            optimizer=self.optimizer, optimizer_from_config=self._config.optimizer.type is not None,
             lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             counters={"global_steps": self.global_steps, "global_samples": self.global_samples,
                       "skipped_steps": self.skipped_steps},
@@ -1037,8 +1112,9 @@ class LazyTrainEngine(nn.Module):
         directory = ckpt.tag_dir(load_dir, tag)
         lazytrain_file = os.path.join(directory, ds_layout.LAZYTRAIN_FILE)
         if os.path.isfile(lazytrain_file):   # LazyTrain's, in DeepSpeed's layout; read everything first
-            own = safe_load.load(lazytrain_file, trust)
-            state = ds_ckpt.read(directory, want_optim, trust, stage0_names=own.get("stage0_names"))
+            own = self._with_optimizer_shards(safe_load.load(lazytrain_file, trust), directory, trust, want_optim)
+            state = ds_ckpt.read(directory, want_optim, trust, stage0_names=own.get("stage0_names"),
+                                 wanted=self._owned_names())
             path = os.path.join(load_dir, tag, ds_layout.model_file(state.stage))   # as DeepSpeed returns it
             apply = lambda: self._load_own(path, own, state, load_module_strict, load_module_only,  # noqa: E731
                                            load_lr_scheduler_states, custom_load_fn)
@@ -1048,7 +1124,8 @@ class LazyTrainEngine(nn.Module):
             groups = self._all_whole_groups() if self.shards is not None else \
                 (self.optimizer.param_groups if self.optimizer is not None else [])
             names = [[self._param_names.get(id(p), "") for p in g["params"]] for g in groups]
-            state = ds_ckpt.read(directory, want_optim, trust, stage0_names=names if want_optim else None)
+            state = ds_ckpt.read(directory, want_optim, trust, stage0_names=names if want_optim else None,
+                                 wanted=self._owned_names())
             apply = lambda: self._load_deepspeed(directory, state, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
         else:
@@ -1101,7 +1178,8 @@ class LazyTrainEngine(nn.Module):
             for t, saved in zip(extras, saved_extras):
                 t.copy_(saved)
         if state.moments is not None and own.get("optimizer") is not None:
-            self._load_whole_optimizer_state(self._own_optimizer_state(own, state.moments, path))
+            self._load_whole_optimizer_state(self._own_optimizer_state(own, state.moments, path,
+                                                                       self._owned_names()))
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         if self.loss_scaler is not None and own.get("loss_scaler"):
@@ -1111,14 +1189,39 @@ class LazyTrainEngine(nn.Module):
         self.micro_steps = int(own.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
         return path, state.client_state
 
+    def _owned_names(self) -> set[str] | None:
+        """Sharded: the names of the tensors whose optimizer state this rank keeps (a load reads those
+        alone); None: every one."""
+        if self.shards is None:
+            return None
+        return {self._param_names[id(p)] for g in self.optimizer.param_groups for p in g["params"]
+                if id(p) in self._param_names}
+
     @staticmethod
-    def _own_optimizer_state(own: dict, moments: dict, path: str) -> dict:
-        """The optimizer's state dict as saved, each moment the DeepSpeed files hold put back in."""
+    def _with_optimizer_shards(own: dict, directory: str, trust: bool, want_optimizer: bool) -> dict:
+        """The LazyTrain file with the optimizer states of a sharded save (one file per rank that saved it)
+        put in (memory-mapped: what this rank does not keep is never read)."""
+        shards = int(own.get("optimizer_shards") or 0)
+        if not shards or not want_optimizer or own.get("optimizer") is None:
+            return own
+        state = {}
+        for rank in range(shards):
+            path = os.path.join(directory, ds_layout.optimizer_shard_file(rank))
+            if not os.path.isfile(path):
+                raise ckpt.CheckpointError(f"checkpoint {directory} was saved by {shards} ranks, and "
+                                           f"{ds_layout.optimizer_shard_file(rank)} is missing")
+            state.update(safe_load.load(path, trust)["state"])
+        return {**own, "optimizer": {**own["optimizer"], "state": state}}
+
+    @staticmethod
+    def _own_optimizer_state(own: dict, moments: dict, path: str, wanted: set[str] | None = None) -> dict:
+        """The optimizer's state dict as saved, each moment the DeepSpeed files hold put back in (of the
+        ``wanted`` names, or all)."""
         sd, names = own["optimizer"], own["optimizer_names"]
         index = [i for g in sd["param_groups"] for i in g["params"]]
         state = {}
         for i, name in zip(index, names):
-            if i not in sd["state"]:
+            if i not in sd["state"] or (wanted is not None and name is not None and name not in wanted):
                 continue
             state[i] = {}
             for k, v in sd["state"][i].items():
@@ -1174,40 +1277,6 @@ class LazyTrainEngine(nn.Module):
     def _all_whole_groups(self) -> list[dict]:
         """Sharded: the groups the optimizer was built with, whole, then any the script added since."""
         return self._whole_groups + self.optimizer.param_groups[len(self._whole_groups):]
-
-    def _whole_optimizer(self, foreign: dict[int, torch.Tensor], names: dict[int, str]):
-        """The optimizer with every parameter's state, for a checkpoint. Sharded: a collective that gathers
-        the ranks' states into an optimizer over the whole groups on rank 0 (several copies of the state in
-        its host memory during the save: the gathered pickles, their unpickled states, and this optimizer's
-        own), None on the others. ``foreign``: the fp32 weights standing for parameters that are compute-copy
-        views here (``names`` names them too)."""
-        if self.shards is None or self.optimizer is None:
-            return self.optimizer
-        whole = self._whole_optimizer_state()
-        if whole is None:
-            return None
-        groups = [{**g, "params": [foreign.get(id(p), p) for p in g["params"]]} for g in self._all_whole_groups()]
-        optimizer = build_optimizer(self._config, groups, names,
-                                    layerwise=type(self.optimizer).__name__ == "HybridAdamW")
-        optimizer.load_state_dict(whole)
-        return optimizer
-
-    def _whole_optimizer_state(self) -> dict | None:
-        """The optimizer's state_dict as one process's optimizer holds it. Sharded: gathered on rank 0 (a
-        collective: every rank calls it), None on the others."""
-        local = self.optimizer.state_dict()
-        if self.shards is None:
-            return local
-        groups = self._all_whole_groups()
-        mine = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in st.items()}   # unpickled on rank 0's host
-                for i, st in sharding.whole_state(local, groups, self.shards).items()}
-        parts = self.dist.gather_to_rank0(mine, "gather of the sharded optimizer state for save_checkpoint")
-        if parts is None:
-            return None
-        state = {}
-        for part in parts:   # a replicated tensor's state comes from every rank, the same
-            state.update(part)
-        return {"state": state, "param_groups": sharding.whole_param_groups(local, groups)}
 
     def _load_whole_optimizer_state(self, whole: dict) -> None:
         """A whole optimizer state_dict (one process's order, any number of ranks saved it): sharded, this
@@ -1305,7 +1374,7 @@ class LazyTrainEngine(nn.Module):
         no fp32 weights here: they are gathered, so every rank must call ``destroy``)."""
         self.wait_for_update()
         w = self.weights
-        foreign = self._foreign_masters(True)
+        foreign = self._foreign_masters()
         if not foreign and not self.node_shared_weights:
             return
         for i in range(w.num_layers):

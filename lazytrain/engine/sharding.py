@@ -8,9 +8,9 @@ an all-reduce's traffic): at stage 1 every rank's whole buffers at the step; at 
 at a time as they reach the host (:class:`GradientsToOwners`), a rank keeping gradient buffers for its own
 layers only. Where the layers' weights live (one copy per node) is engine.py's ``_shard_host_weights``.
 
-A checkpoint holds the optimizer state whole, in the order a single process's optimizer has it: the
-ranks' states are gathered on rank 0 to save, and each rank keeps its own from a whole one on load, so a
-checkpoint saved with N ranks loads with M ranks, or into one process. ``groups`` below are the optimizer's
+A checkpoint is written by every rank, each its part (sharded_checkpoint.py); a load reads the whole
+optimizer state by the order a single process's optimizer has it, and each rank keeps its own part of it,
+so a checkpoint saved with N ranks loads with M ranks, or into one process. ``groups`` below are the optimizer's
 whole groups: those it was built with, then any added since (whose tensors are replicated, every rank
 holding and updating them).
 """
@@ -128,17 +128,16 @@ def local_state(full: dict, groups: list[dict], ownership: Ownership) -> dict:
     return {"state": state, "param_groups": out_groups}
 
 
-def whole_state(local: dict, groups: list[dict], ownership: Ownership) -> dict[int, dict]:
-    """This rank's states keyed by their index in a single process's optimizer (the whole order)."""
-    whole_index, k = {}, 0
-    local_k = 0
+def whole_indices(groups: list[dict], ownership: Ownership) -> dict[int, int]:
+    """This rank's optimizer index -> the index of the same tensor in a single process's optimizer."""
+    out, k, local_k = {}, 0, 0
     for g in groups:
         for p in g["params"]:
             if ownership.owns(p):
-                whole_index[local_k] = k
+                out[local_k] = k
                 local_k += 1
             k += 1
-    return {whole_index[i]: st for i, st in local["state"].items()}
+    return out
 
 
 def whole_param_groups(local: dict, groups: list[dict]) -> list[dict]:
