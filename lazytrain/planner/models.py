@@ -13,7 +13,11 @@ parameters (token embedding, final norm, LM head). Everything is derived analyti
 - activation bytes per token saved by a layer's forward-with-grad (what its backward reads):
   ``(3*h + 2*q_dim + 2*kv_dim + 4*ffn) * dtype_bytes`` (norm outputs, q, k, v, attention output,
   the residual sum, gate, up, activation and product of the MLP; the layer input is a boundary);
-- the boundary (hidden state) is ``tokens * hidden * dtype_bytes`` bytes.
+- the boundary (hidden state) is ``tokens * hidden * dtype_bytes`` bytes;
+- hybrid stacks (Qwen3-Next, Qwen3.5: ``layer_types`` or ``full_attention_interval``) mix full-attention
+  layers (with Qwen3-Next's output gate and q/k norms) and Gated DeltaNet linear-attention layers
+  (:class:`LinearAttention`): its projections count as matrix products, its chunked delta-rule
+  recurrence adds a per-token cost that does not grow with the sequence.
 """
 from __future__ import annotations
 
@@ -38,6 +42,58 @@ class ModelShapeError(ValueError):
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5 ``linear_attention`` layers).
+
+    Why a shape of its own: its cost does not grow with the sequence (a recurrent state per head instead
+    of attention over all keys), and it saves different internals for its backward. q and k have
+    ``key_heads`` heads, v and the output gate ``value_heads``; q and k are repeated to the value heads
+    before the recurrence, which runs in chunks of ``chunk`` tokens (the chunked delta rule)."""
+    key_heads: int
+    value_heads: int
+    key_dim: int            # per head
+    value_dim: int          # per head
+    conv_kernel: int
+    chunk: int = 64
+
+    @property
+    def conv_width(self) -> int:
+        """q, k and v side by side: what the input projection makes and the causal convolution filters."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.value_heads * self.value_dim
+
+    def params(self, hidden: int) -> int:
+        """in_proj_qkv, in_proj_z (output gate), in_proj_b and in_proj_a (per-head beta and decay), the
+        depthwise convolution (no bias), dt_bias and A_log per head, the gated RMSNorm over a value
+        head, out_proj."""
+        return (hidden * self.conv_width + hidden * self.value_width + 2 * hidden * self.value_heads
+                + self.conv_width * self.conv_kernel + 2 * self.value_heads + self.value_dim
+                + self.value_width * hidden)
+
+    def mixing_flops_per_token(self) -> float:
+        """The chunked delta rule beyond the projections, per token and value head: within its chunk,
+        q.k^T, the W = A.k and U = A.v transforms and the intra-chunk output (C*(2*dk + 2*dv)
+        multiply-adds), and against the state, W.S, the state update k^T.(U - W.S) and q.S (3*dk*dv)."""
+        dk, dv, c = self.key_dim, self.value_dim, self.chunk
+        return 2.0 * self.value_heads * (c * (2 * dk + 2 * dv) + 3 * dk * dv)
+
+    def saved_elems_per_token(self) -> int:
+        """What its backward reads, per token: the projected q/k/v before and after the convolution
+        (2 * conv_width), q and k repeated to the value heads and l2-normalised (2 * value_heads * dk),
+        the output gate z, the recurrence output, its normed and gated products (4 * value width), and
+        the chunk's intra-chunk matrix (value_heads * chunk)."""
+        return (2 * self.conv_width + 2 * self.value_heads * self.key_dim + 4 * self.value_width
+                + self.value_heads * self.chunk)
+
+    def transient_elems_per_token(self) -> int:
+        """Largest no-grad forward transient: the projections' outputs (q/k/v, z) and the convolved q/k/v."""
+        return 2 * self.conv_width + self.value_width
+
+
+@dataclass(frozen=True)
 class LayerShape:
     params: int          # trainable parameters of the block (what is stored, streamed and updated)
     hidden: int
@@ -45,17 +101,26 @@ class LayerShape:
     kv_dim: int          # kv_heads * head_dim
     ffn: int             # MLP width one token passes through (MoE: top-k experts + shared experts)
     active_params: int | None = None   # parameters one token multiplies (MoE: fewer than ``params``)
+    linear: LinearAttention | None = None   # a Gated DeltaNet token mixer instead of attention
+    attn_gate: bool = False  # attention output scaled by a sigmoid gate (Qwen3-Next, Qwen3.5)
 
     def fwd_flops_per_token(self, seq_len: int) -> float:
         active = self.params if self.active_params is None else self.active_params
+        if self.linear is not None:
+            return 2.0 * active + self.linear.mixing_flops_per_token()
         return 2.0 * active + 2.0 * seq_len * self.q_dim
 
     def saved_elems_per_token(self) -> int:
-        return 3 * self.hidden + 2 * self.q_dim + 2 * self.kv_dim + 4 * self.ffn
+        mlp = 3 * self.hidden + 4 * self.ffn        # two norm outputs, the residual sum; gate, up, act, product
+        if self.linear is not None:
+            return mlp + self.linear.saved_elems_per_token()
+        return mlp + 2 * self.q_dim + 2 * self.kv_dim + (self.q_dim if self.attn_gate else 0)
 
     def fwd_transient_elems_per_token(self) -> int:
         """Largest transient of a no-grad forward: gate, up and activation of the MLP (or q,k,v,out)."""
-        return max(3 * self.ffn, 2 * self.q_dim + 2 * self.kv_dim + self.hidden)
+        mixer = (self.linear.transient_elems_per_token() if self.linear is not None
+                 else 2 * self.q_dim + 2 * self.kv_dim + self.hidden + (self.q_dim if self.attn_gate else 0))
+        return max(3 * self.ffn, mixer)
 
     def bwd_transient_elems_per_token(self) -> int:
         """Gradient transients of a layer's backward beyond its saved activations (MLP gate/up grads)."""
@@ -172,7 +237,12 @@ class ModelShape:
         Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``,
         ``vocab_size`` and optionally ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``,
         ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``), and the expert keys
-        of mixture-of-experts configs (:meth:`MoeShape.from_hf_config`).
+        of mixture-of-experts configs (:meth:`MoeShape.from_hf_config`). Hybrid stacks: ``layer_types``
+        (``"full_attention"`` / ``"linear_attention"`` per layer) or, without it,
+        ``full_attention_interval`` n (every n-th layer full attention, the rest linear); their linear
+        layers read ``linear_num_key_heads``, ``linear_num_value_heads``, ``linear_key_head_dim``,
+        ``linear_value_head_dim`` and ``linear_conv_kernel_dim``, and full-attention layers
+        ``attn_output_gate`` (on by default in these stacks) and q/k norms.
         ``layer_params`` (not a Hugging Face key: the engine adds the parameter count of each block it
         streams, measured on the model) replaces the dense-Llama estimate of every layer's size, which is
         wrong for stacks whose layers differ and, in the details, for attention variants (MLA, q/k norms).
@@ -182,7 +252,7 @@ class ModelShape:
         if not isinstance(cfg, dict):
             raise ModelShapeError("a Hugging Face config must be a JSON object")
         measured = cfg.get("layer_params")
-        if "text_config" in cfg and "hidden_size" not in cfg:
+        if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
             cfg = cfg["text_config"]
 
         def get(key: str, default: Any = None) -> Any:
@@ -207,23 +277,36 @@ class ModelShape:
             if v < 1:
                 raise ModelShapeError(f"model config {key!r} must be >= 1, got {v}")
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
-        attn = h * q_dim + 2 * h * kv_dim + q_dim * h + 2 * h + ((q_dim + 2 * kv_dim) if bias else 0)
+        kinds = cls._layer_kinds(cfg, n_layers)
+        hybrid = "linear_attention" in kinds
+        gate = hybrid and bool(cfg.get("attn_output_gate", True))
+        attn = (h * q_dim * (2 if gate else 1) + 2 * h * kv_dim + q_dim * h + 2 * h
+                + ((q_dim + 2 * kv_dim) if bias else 0) + (2 * head_dim if hybrid else 0))
+        linear = cls._linear_attention(cfg) if hybrid else None
+        mixer = {"full_attention": (attn, None, gate), "linear_attention": (
+            (linear.params(h) + 2 * h, linear, False) if linear else None)}
         moe = MoeShape.from_hf_config(cfg, n_layers)
         dense_ffn = int(cfg.get("intermediate_size_mlp") or ffn)     # Llama 4 names its dense MLP apart
-        dense = LayerShape(params=attn + 3 * h * dense_ffn, hidden=h, q_dim=q_dim, kv_dim=kv_dim, ffn=dense_ffn)
-        sparse = None
-        if moe is not None:
-            sparse = LayerShape(params=attn + moe.mlp_params(h), hidden=h, q_dim=q_dim, kv_dim=kv_dim,
-                                ffn=moe.active_width(), active_params=attn + moe.mlp_params(h) - moe.idle_params(h))
+
+        def shapes(kind: str) -> "tuple[LayerShape, LayerShape | None]":
+            mix, lin, g = mixer[kind]
+            common = dict(hidden=h, q_dim=q_dim, kv_dim=kv_dim, linear=lin, attn_gate=g)
+            d = LayerShape(params=mix + 3 * h * dense_ffn, ffn=dense_ffn, **common)
+            if moe is None:
+                return d, None
+            return d, LayerShape(params=mix + moe.mlp_params(h), ffn=moe.active_width(),
+                                 active_params=mix + moe.mlp_params(h) - moe.idle_params(h), **common)
+
+        by_kind = {kind: shapes(kind) for kind in set(kinds)}
         if measured is not None:
             if len(measured) != n_layers or any(int(p) < 0 for p in measured):
                 raise ModelShapeError(f"model config 'layer_params' must hold {n_layers} non-negative counts "
                                       f"(one per layer), got {measured!r}")
-            layers = tuple(cls._measured_layer(int(p), dense, sparse, moe) for p in measured)
+            layers = tuple(cls._measured_layer(int(p), *by_kind[kind], moe) for p, kind in zip(measured, kinds))
         elif moe is not None:
-            layers = tuple(sparse if is_moe else dense for is_moe in moe.moe_layers)
+            layers = tuple(by_kind[kind][1] if is_moe else by_kind[kind][0] for kind, is_moe in zip(kinds, moe.moe_layers))
         else:
-            layers = (dense,) * n_layers
+            layers = tuple(by_kind[kind][0] for kind in kinds)
         # the precision the layers compute and stream in: transformers >= 4.56 writes "dtype", older
         # versions "torch_dtype"; the engine sets both to its compute dtype
         dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
@@ -231,6 +314,46 @@ class ModelShape:
         return cls(name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
                    layers=layers, hidden=h, vocab_size=vocab, tied_embeddings=tied,
                    dtype_bytes=dtype_bytes, reported_params=cfg.get("reported_params"))
+
+    @staticmethod
+    def _layer_kinds(cfg: dict[str, Any], n_layers: int) -> tuple[str, ...]:
+        """Each layer's token mixer: ``layer_types`` when given (``"linear_attention"`` is a Gated DeltaNet
+        layer; every other type, e.g. sliding-window or chunked attention, is costed as full attention),
+        else every ``full_attention_interval``-th layer full attention and the others linear (Qwen3-Next's
+        rule), else all full attention."""
+        types = cfg.get("layer_types")
+        if types is not None:
+            if (not isinstance(types, (list, tuple)) or len(types) != n_layers
+                    or not all(isinstance(t, str) and t for t in types)):
+                raise ModelShapeError(f"model config 'layer_types' must list {n_layers} layer type names "
+                                      f"(one per layer), got {types!r}")
+            return tuple("linear_attention" if t == "linear_attention" else "full_attention" for t in types)
+        interval = cfg.get("full_attention_interval")
+        if interval is None or not any(k.startswith("linear_") for k in cfg):
+            return ("full_attention",) * n_layers
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ModelShapeError(f"model config 'full_attention_interval' must be an integer >= 1, got {interval!r}")
+        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers))
+
+    @staticmethod
+    def _linear_attention(cfg: dict[str, Any]) -> LinearAttention:
+        """The Gated DeltaNet keys of a hybrid config; each must be a positive integer."""
+        vals = {}
+        for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_conv_kernel_dim"):
+            v = cfg.get(key)
+            if v is None:
+                raise ModelShapeError(f"model config has linear-attention layers but lacks {key!r}, "
+                                      f"which the planner needs")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ModelShapeError(f"model config {key!r} must be an integer >= 1, got {v!r}")
+            vals[key] = v
+        if vals["linear_num_value_heads"] % vals["linear_num_key_heads"]:
+            raise ModelShapeError(f"model config 'linear_num_value_heads' ({vals['linear_num_value_heads']}) must "
+                                  f"be a multiple of 'linear_num_key_heads' ({vals['linear_num_key_heads']})")
+        return LinearAttention(key_heads=vals["linear_num_key_heads"], value_heads=vals["linear_num_value_heads"],
+                               key_dim=vals["linear_key_head_dim"], value_dim=vals["linear_value_head_dim"],
+                               conv_kernel=vals["linear_conv_kernel_dim"])
 
     @staticmethod
     def _measured_layer(params: int, dense: LayerShape, sparse: "LayerShape | None",
@@ -271,16 +394,20 @@ CATALOG_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2.5-14b": {"model_type": "qwen2", "hidden_size": 5120, "num_hidden_layers": 48,
                     "num_attention_heads": 40, "num_key_value_heads": 8, "intermediate_size": 13824,
                     "vocab_size": 152064, "tie_word_embeddings": False},
-    # The paper's 27B: 64 layers, hidden 5120, 24 heads, 4 KV heads, FFN 17408, 23.68B trainable
-    # parameters. Its head_dim and vocabulary are not stated; head_dim 256 (24 heads * 256 = 6144)
-    # and the Qwen vocabulary give 23.37B parameters, 1.3% under the stated count, so the throughput
-    # convention uses the stated 23.68B.
-    "paper-27b": {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 64,
+    # The paper's 27B (64 layers, hidden 5120, 24 heads, 4 KV heads, FFN 17408) has the shape of
+    # Qwen3.5-27B, which MegaTrain's model code supports: a hybrid whose every 4th layer is gated
+    # full attention (head_dim 256) and the other three Gated DeltaNet linear attention, vocabulary
+    # 248,320 (Qwen3.5-27B's published text config). The paper states 23.68B trainable parameters, which
+    # its throughput convention uses; the shape holds 26.90B (24.35B in the layers).
+    "paper-27b": {"model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
                   "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
-                  "intermediate_size": 17408, "vocab_size": 151936, "tie_word_embeddings": False,
-                  "attention_bias": False, "reported_params": 23_680_000_000},
+                  "intermediate_size": 17408, "vocab_size": 248320, "tie_word_embeddings": False,
+                  "attention_bias": False, "attn_output_gate": True, "full_attention_interval": 4,
+                  "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+                  "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                  "reported_params": 23_680_000_000},
 }
-ALIASES = {"27b": "paper-27b", "qwen-27b": "paper-27b", "3b": "qwen2.5-3b", "7b": "qwen2.5-7b",
+ALIASES = {"27b": "paper-27b", "qwen-27b": "paper-27b", "qwen3.5-27b": "paper-27b", "3b": "qwen2.5-3b", "7b": "qwen2.5-7b",
            "14b": "qwen2.5-14b"}
 
 

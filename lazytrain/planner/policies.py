@@ -1,8 +1,10 @@
 """Baseline policies as Plans, and the calibration of a hardware profile against the paper.
 
-- :func:`megatrain_plan`: MegaTrain as MegaTrain runs it: boundary 0 and every 4th boundary kept on
-  the GPU, each 4-layer block recomputed in backward, clipping and the host optimizer serial after
-  backward (``overlap_optimizer=False``).
+- :func:`megatrain_plan`: MegaTrain's policy: boundary 0 and every 4th boundary kept on the GPU, each
+  4-layer block recomputed in backward, clipping and the host optimizer serial after backward
+  (``overlap_optimizer=False``). :func:`simulate_megatrain` replays it on MegaTrain's own executor
+  (megatrain.py: all 4 layers re-run, its serial host phase, its device memory); the same plan on
+  LazyTrain's executor is what LazyTrain's engine would make of MegaTrain's policy.
 - :func:`best_interval_plan`: the best fixed interval k (boundaries on the GPU, else on the host) on
   LazyTrain's executor (optimizer overlapped with the next forward).
 - :func:`keep_all`: every boundary kept, all on the GPU where that fits, else all on the host.
@@ -10,8 +12,11 @@
   keeps the plan feasible without slowing it.
 
 :func:`calibrate` fits the unknowns of a hardware profile (achievable TFLOPS, host optimizer
-throughput, optionally the PCIe bandwidth) so that the simulator reproduces measured MegaTrain
-tokens/s; the paper's columns are in :data:`PAPER`.
+throughput, optionally the PCIe bandwidth) so that the simulator, running MegaTrain's executor,
+reproduces measured MegaTrain tokens/s; the paper's columns are in :data:`PAPER`.
+:func:`megatrain_memory_errors` compares the modelled device peaks with the measured ones, and
+:func:`calibration_band` lists the fits nearly as good as the best, so that a prediction made with the
+calibration can be given with the spread those fits allow.
 """
 from __future__ import annotations
 
@@ -41,6 +46,11 @@ PAPER_GPU_CAP = {"h800": "70GB", "rtx3090": "24GiB"}
 def megatrain_plan(p: Problem, k: int = 4) -> Plan:
     return every_k_plan(p.L, k, home=DEVICE_HOME, policy=f"megatrain-k{k}", overlap_optimizer=False,
                         micro_batch_size=p.micro_batch, seq_len=p.seq_len)
+
+
+def simulate_megatrain(p: Problem, k: int = 4, timeline: bool = False) -> SimResult:
+    """MegaTrain's policy on MegaTrain's executor (budgets reported as violations, not raised)."""
+    return simulate(p, megatrain_plan(p, k), strict=False, timeline=timeline, executor="megatrain")
 
 
 def _fits(p: Problem, plan: Plan) -> SimResult | None:
@@ -123,8 +133,21 @@ def megatrain_errors(hw: HardwareProfile, gpu: str) -> dict[str, float]:
         if g != gpu:
             continue
         p = paper_problem(gpu, model, hw, check=False)
-        r = simulate(p, megatrain_plan(p), strict=False, timeline=False)
-        out[model] = r.tokens_per_s / rows["megatrain"][4] - 1
+        out[model] = simulate_megatrain(p).tokens_per_s / rows["megatrain"][4] - 1
+    return out
+
+
+def megatrain_memory_errors(hw: HardwareProfile, gpu: str) -> dict[str, float]:
+    """Relative error of MegaTrain's modelled device peak vs the paper's, per model. The paper's column
+    is ``torch.cuda.max_memory_allocated`` in GiB (MegaTrain's train.py), so the CUDA context reserve
+    that the budget check adds is left out."""
+    out = {}
+    for (g, model), rows in PAPER.items():
+        if g != gpu:
+            continue
+        p = paper_problem(gpu, model, hw, check=False)
+        allocated = simulate_megatrain(p).peak_bytes["hbm"] - p.budgets.gpu_reserved_bytes
+        out[model] = allocated / 2 ** 30 / rows["megatrain"][2] - 1
     return out
 
 
@@ -169,3 +192,64 @@ def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False,
         kw.update(h2d_gbps=bw, d2h_gbps=bw)
     hw = replace(base, **kw)
     return hw, megatrain_errors(hw, gpu)
+
+
+def calibration_band(base: HardwareProfile, gpu: str, tolerance: float = 0.01,
+                     rates: int = 12, probes: int = 20) -> list[tuple[HardwareProfile, float]]:
+    """Calibrations that fit the paper's MegaTrain tokens/s nearly as well as the best: every
+    (achievable_tflops, host_optimizer_gparams_per_s) whose largest relative error is within
+    ``tolerance`` (absolute, 0.01 = one percentage point) of :func:`calibrate`'s, with that error.
+
+    Why: two free parameters fitted to four points leave residuals neither explains, so a prediction
+    made with the best fit alone claims more precision than the fit has. Deterministic: the best fit
+    first, then, for each optimizer rate on a geometric grid up to the memory-bound cap, the fit's
+    minimum over TFLOPS (ternary search) and, where it is within the tolerance, the two TFLOPS at which
+    the error reaches best + tolerance (bisection, ``probes`` steps) and three points between them."""
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    best_hw, best_errs = calibrate(base, gpu)
+    best = max(abs(e) for e in best_errs.values())
+    limit = best + tolerance
+
+    def worst(f: float, r: float) -> float:
+        hw = replace(base, achievable_tflops=f, host_optimizer_gparams_per_s=r)
+        return max(abs(e) for e in megatrain_errors(hw, gpu).values())
+
+    out = [(best_hw, best)]
+    r_cap = base.host_mem_gbps / 28.0 if base.host_mem_gbps else 64.0
+    peak = base.need("peak_tflops")
+    for n in range(rates):
+        r = round(0.5 * (r_cap / 0.5) ** (n / (rates - 1)), 2)
+        lo, hi = 0.02 * peak, peak
+        for _ in range(28):
+            m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+            if worst(m1, r) <= worst(m2, r):
+                hi = m2
+            else:
+                lo = m1
+        f_min = (lo + hi) / 2
+        if worst(f_min, r) > limit:
+            continue
+        ends = []
+        for outside in (0.02 * peak, peak):                   # where the error crosses the limit
+            a, b = f_min, outside
+            for _ in range(probes):
+                mid = (a + b) / 2
+                a, b = (mid, b) if worst(mid, r) <= limit else (a, mid)
+            ends.append(a)
+        for f in (ends[0], (ends[0] + f_min) / 2, f_min, (f_min + ends[1]) / 2, ends[1]):
+            f = round(f, 1)
+            e = worst(f, r)
+            if e <= limit + 1e-12:
+                out.append((replace(base, achievable_tflops=f, host_optimizer_gparams_per_s=r), e))
+    return out
+
+
+def prediction_band(band: list[tuple[HardwareProfile, float]],
+                    predict: Callable[[HardwareProfile], float]) -> tuple[float, float, float]:
+    """``predict`` under the best calibration of ``band`` (its first entry) and its smallest and largest
+    value over the whole band: (best, low, high), low <= best <= high."""
+    if not band:
+        raise ValueError("an empty calibration band has no prediction")
+    values = [predict(hw) for hw, _ in band]
+    return values[0], min(values), max(values)

@@ -56,7 +56,7 @@ def compare(p: Problem, opts: MilpOptions = MilpOptions(), baselines=("megatrain
     for name in baselines:
         if name == "megatrain":
             pl = megatrain_plan(p)
-            r = simulate(p, pl, strict=False)
+            r = simulate(p, pl, strict=False, executor="megatrain")
             over = sorted({v.split()[0] for v in r.violations if " peak " in v})
             rows.append(Row("megatrain (k=4, serial opt)", pl, r, 0.0,
                             "policy" if not r.violations else f"over budget: {', '.join(over)}"))

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..trace import Timeline
+from . import megatrain
 from .plan import DEVICE_HOME, RECOMPUTE, Plan
 from .problem import Problem, fmt_bytes
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
+EXECUTORS = ("lazytrain", "megatrain")   # whose executor runs the plan (megatrain.py: MegaTrain's code)
 OFFLOAD_HOMES = ("host", "nvme")
 
 
@@ -71,9 +73,10 @@ def _link_bw(p: Problem, link: str) -> float:
     return {"h2d": p.bw_h2d, "d2h": p.bw_d2h, "nvme_read": p.bw_nr, "nvme_write": p.bw_nw}[link]
 
 
-def window_tasks(p: Problem, plan: Plan) -> list[list[tuple[str, int, float]]]:
+def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[list[tuple[str, int, float]]]:
     """Compute tasks per window: (kind, layer, seconds); kind in fwd | head | recompute | diff | bwd
-    (``bwd``: a graph layer's backward alone, from the graph its forward recorded)."""
+    (``bwd``: a graph layer's backward alone, from the graph its forward recorded). LazyTrain re-runs
+    layers s..e-2 of a segment [s, e); MegaTrain re-runs s..e-1 (megatrain.rerun_range)."""
     L = p.L
     g = plan.graph_start()
     seg_by_end = {e: s for s, e in plan.segments() if s < g}
@@ -88,22 +91,29 @@ def window_tasks(p: Problem, plan: Plan) -> list[list[tuple[str, int, float]]]:
             t = []
             if i + 1 in seg_by_end:
                 s = seg_by_end[i + 1]
-                t += [("recompute", j, p.fwd_s[j]) for j in range(s, i)]
+                reruns = megatrain.rerun_range(s, i + 1) if executor == "megatrain" else range(s, i)
+                t += [("recompute", j, p.fwd_s[j]) for j in reruns]
             t.append(("bwd", i, p.diff_s[i] - p.fwd_s[i]) if i >= g else ("diff", i, p.diff_s[i]))
         out.append(t)
     return out
 
 
-def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True) -> SimResult:
+def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
+             executor: str = "lazytrain") -> SimResult:
+    """Replay ``plan`` on ``executor``: ``"lazytrain"`` (this engine) or ``"megatrain"`` (MegaTrain's code:
+    all of a block re-run, its serial host phase and its device memory, see megatrain.py)."""
     L = p.L
     if plan.num_layers != L:
         raise SimulationError(f"plan has {plan.num_layers} layers, the model {p.model.name!r} has {L}")
+    if executor not in EXECUTORS:
+        raise SimulationError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
+    mega_k = megatrain.checkpoint_interval(plan) if executor == "megatrain" else None
     for i, h in enumerate(plan.homes):
         if h not in (DEVICE_HOME, RECOMPUTE) + OFFLOAD_HOMES:
             raise SimulationError(f"homes[{i}] = {h!r}: the simulator models the built-in tiers hbm, host, nvme")
     resident = set(plan.resident_layers)
     g = plan.graph_start()                                      # layers g.. keep their forward graph
-    tasks = window_tasks(p, plan)
+    tasks = window_tasks(p, plan, executor)
     seg_end = {s: e for s, e in plan.segments() if s < g}
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
     last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
@@ -215,6 +225,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
         if w == L - 1:
             bnd -= p.A[L]                                      # counted in the window's fixed bytes
         hbm = p.fixed_gpu_bytes(w) + weights + bnd + graphs
+        if mega_k is not None:
+            hbm = sum(megatrain.gpu_bytes(p, mega_k, w).values()) + p.budgets.gpu_reserved_bytes
         host = sum(p.A[b] for b in offloaded if plan.homes[b] == "host" and off_w[b] <= w <= pre_w[b])
         nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
         memory.append({"window": w, "start": t0, "end": end, "hbm": hbm, "host": p.host_static + host, "nvme": nvme})
@@ -251,10 +263,18 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
         for w in range(1, L):
             s_w = max(s_w + window_s[w - 1], O[w + 1] + p.load_l[w])
         delay = s_w - sum(window_s[:L - 1])
+    elif mega_k is not None:
+        host = megatrain.host_phase_parts(p)
+        delay = sum(host.values()) + p.load_nl + p.load_l[0]
     else:
         delay = O[-1] + p.load_nl + p.load_l[0]
     exposed["optimizer"] += delay
-    if timeline:
+    if timeline and mega_k is not None:
+        start = opt_start
+        for label, dur in host.items():
+            events.append(Event("optimizer", label, start, start + dur, 2 * L))
+            start += dur
+    elif timeline:
         events.append(Event("optimizer", "embedding/head", opt_start, opt_start + O[0], 2 * L))
         for j in range(L):
             events.append(Event("optimizer", f"update L{j}", opt_start + O[j], opt_start + O[j + 1], 2 * L))
@@ -283,5 +303,6 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True)
     toks = p.micro_batch * p.seq_len * p.grad_accum
     return SimResult(step_time_s=step, tflops=6 * p.model.throughput_params * toks / step / 1e12,
                      tokens_per_s=toks / step, exposed_s=exposed, peak_bytes=peak, compute_s=compute_total,
-                     window_s=window_s, recomputed_layers=plan.recomputed_layers(), boundaries_per_home=counts,
+                     window_s=window_s, boundaries_per_home=counts,
+                     recomputed_layers=sum(1 for ws in tasks for kind, *_ in ws if kind == "recompute"),
                      timeline=events, memory=memory, violations=violations)

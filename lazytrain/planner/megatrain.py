@@ -1,0 +1,98 @@
+"""MegaTrain's executor as its code runs a step: the terms in which it differs from LazyTrain's.
+
+Why: LazyTrain's speed-ups are claimed against MegaTrain, so MegaTrain's step is modelled from what its
+code (DLYuanGod/MegaTrain: ``infinity/model/cpu_master.py`` and ``examples/sft/train.py``) does, not
+from LazyTrain's executor running MegaTrain's checkpoint-every-k policy. ``simulate(...,
+executor="megatrain")`` uses these terms; everything else (windows, links, FLOP rates) is shared.
+
+- Re-runs: backward re-runs every layer of a checkpoint block, the last one too, whose output nothing
+  reads, before differentiating the block layer by layer (:func:`rerun_range`).
+- Serial host phase after backward (:func:`host_phase_parts`): ``clip_grad_norm_`` over the bf16
+  gradients (a norm pass and a scaling pass), DeepSpeed CPUAdam updating the bf16 weights in place with
+  fp32 moments, and a copy of every layer's weights into its pinned flat buffer; then the embedding,
+  norm and head are copied to the GPU and the next forward waits for layer 0's weights. The phase is
+  memory-bound, so it is charged in bytes moved at the host rate that LazyTrain's optimizer is charged
+  at: ``host_optimizer_gparams_per_s`` parameters/s of LazyTrain's 28-byte update.
+- Device memory (:func:`gpu_bytes`): the embedding, norm and head stay on the GPU; two flat weight
+  buffers and, per distinct layer structure (two in a hybrid stack), two layer templates the flat
+  buffers are copied into; every checkpoint boundary stays until the step ends; backward keeps the
+  re-run outputs of the current block; the loss runs in chunks of 128 positions but keeps every chunk's
+  logits in the autograd graph until one ``backward`` over their sum.
+"""
+from __future__ import annotations
+
+from .plan import DEVICE_HOME, RECOMPUTE, Plan
+
+# bytes per parameter the serial host phase moves (bf16 weights and gradients, fp32 Adam moments)
+CLIP_BYTES = 2 + 2 * 2          # norm pass reads each gradient; the scaling pass reads and writes it
+ADAM_BYTES = 2 + 2 + 8 + 8 + 2  # read weight, gradient, two moments; write both moments and the weight
+REFRESH_BYTES = 2 + 2           # a layer's weights read and written into its pinned flat buffer
+LAZYTRAIN_UPDATE_BYTES = 28     # what one LazyTrain update moves (hardware.optimizer_params_per_s)
+LOSS_CHUNK_POSITIONS = 128      # positions per loss chunk; all chunks' logits are kept until backward
+
+
+class MegaTrainPlanError(ValueError):
+    """A Plan MegaTrain's executor cannot run (it only keeps every k-th boundary, on the GPU)."""
+
+
+def checkpoint_interval(plan: Plan) -> int:
+    """The k of a checkpoint-every-k plan with every kept boundary on the GPU, or MegaTrainPlanError."""
+    L = plan.num_layers
+    k = plan.segments()[0][1] if L else 1
+    want = tuple(DEVICE_HOME if i % k == 0 or i == L else RECOMPUTE for i in range(L + 1))
+    if (plan.homes != want or plan.resident_layers or plan.last_segment_graph or plan.overlap_optimizer):
+        raise MegaTrainPlanError(
+            f"MegaTrain's executor runs only checkpoint-every-k plans with the kept boundaries on the GPU, no "
+            f"resident layers, no graph tail and a serial optimizer (policies.megatrain_plan); plan "
+            f"{plan.policy!r} is not one")
+    return k
+
+
+def rerun_range(s: int, e: int) -> range:
+    """Layers re-run (no grad) before block [s, e) is differentiated: all of them."""
+    return range(s, e)
+
+
+def host_phase_parts(p) -> dict[str, float]:
+    """Seconds of the serial host phase, by part (``p``: a Problem)."""
+    bps = p.opt_rate * LAZYTRAIN_UPDATE_BYTES
+    n, nl = p.model.total_params, p.model.layer_params
+    return {"clip_grad_norm_": n * CLIP_BYTES / bps, "optimizer step": n * ADAM_BYTES / bps,
+            "refresh pinned bf16 copies": nl * REFRESH_BYTES / bps}
+
+
+def logits_bytes(p) -> int:
+    """Logits of every loss chunk, held until the loss's backward (the last position predicts nothing)."""
+    return p.micro_batch * (p.seq_len - 1) * p.model.vocab_size * p.model.dtype_bytes
+
+
+def buffer_bytes(p) -> int:
+    """Two flat weight buffers sized for the largest layer, and two templates per layer structure."""
+    structures = {(l.params, l.linear is not None) for l in p.model.layers}
+    return 2 * max(p.Wl) + 2 * sum(params * p.model.dtype_bytes for params, _ in structures)
+
+
+def gpu_bytes(p, k: int, w: int) -> dict[str, int]:
+    """Bytes MegaTrain has allocated on the GPU at the peak of window ``w``, by part (no CUDA context)."""
+    L, A = p.L, p.A[0]
+    i = p.layer_of(w)
+    checkpoints = len(range(0, L, k)) + 1
+    parts = {"embedding/norm/head": p.nonlayer_w, "weight buffers and templates": buffer_bytes(p)}
+    if w < L:
+        parts["checkpoints so far"] = (i // k + 1) * A
+        parts["layer output (and input, unless a checkpoint), transients"] = (
+            A + (A if i % k else 0) + p.ws_fwd[i])
+        if w == L - 1:                                         # the loss outgrows the layer's forward
+            del parts["layer output (and input, unless a checkpoint), transients"]
+            parts["checkpoints so far"] = checkpoints * A
+            head_grad = p.model.vocab_size * p.model.hidden * p.model.dtype_bytes
+            parts["all chunks' logits, normed hidden and its gradient, head gradient"] = (
+                logits_bytes(p) + 2 * A + head_grad)
+        return parts
+    s = (i // k) * k
+    parts["checkpoints"] = checkpoints * A
+    parts["re-run outputs of the block"] = (i - s + 1) * A
+    parts["layer internals and gradient transients"] = p.ws_bwd[i]
+    parts["boundary gradients"] = 2 * A
+    parts["layer gradients"] = p.Gl[i] + (p.Gl[i + 1] if i + 1 < L else 0)
+    return parts
