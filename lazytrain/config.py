@@ -116,7 +116,7 @@ _TOP_IMPLEMENTED = {
     "job",   # settings of the `lazytrain train` command (model, task, steps); not read by the engine
 }
 
-POLICIES = ("every_k", "keep_all", "plan", "milp")
+POLICIES = ("every_k", "keep_all", "plan", "milp", "auto")
 
 
 class _Ignored:
@@ -238,9 +238,27 @@ _TESTING_KEYS = {"copy_threads", "chaos_seed", "chaos_max_delay_ms", "links"}
 
 
 @dataclass(frozen=True)
+class AutoPlanConfig:
+    """``lazytrain.auto``: policy "auto" measures this model on this machine, plans from the measurements,
+    and plans again when the measured step drifts from the prediction."""
+    warmup_steps: int = 3               # steps run before measuring (allocation, first use of the kernels)
+    profile_steps: int = 2              # traced steps the costs are the medians of
+    check_every: int = 50               # steps between comparisons of the measured step with the prediction
+    drift_margin: float = 0.15          # |measured / predicted - 1| beyond this plans again
+    max_replans: int = 3                # plans after the first, at most
+    profile_path: str | None = None     # write the measured profile here (JSON, for `lazytrain plan --profile`)
+    profile: str | None = None          # plan from this saved profile at start-up instead of measuring first
+
+
+_AUTO_KEYS = {"warmup_steps", "profile_steps", "check_every", "drift_margin", "max_replans", "profile_path",
+              "profile"}
+
+
+@dataclass(frozen=True)
 class LazyTrainSection:
     blocks: str | None = None           # dotted path of the block list, e.g. "transformer.h"
-    policy: str = "every_k"             # every_k (MegaTrain) | keep_all | plan | milp
+    policy: str = "every_k"             # every_k (MegaTrain) | keep_all | plan | milp | auto
+    auto: AutoPlanConfig = field(default_factory=AutoPlanConfig)   # policy auto
     checkpoint_interval: int | None = None   # None: from number_checkpoints, else 4 (MegaTrain)
     number_checkpoints: int | None = None    # activation_checkpointing.number_checkpoints
     boundary_home: str = "hbm"          # where kept boundaries live
@@ -271,7 +289,7 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
                    "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints",
-                   "loss_chunk_tokens"}
+                   "loss_chunk_tokens", "auto"}
 
 
 @dataclass(frozen=True)
@@ -602,6 +620,34 @@ def _parse_testing(section) -> TestingConfig:
     return cfg
 
 
+def _parse_auto(section) -> AutoPlanConfig:
+    where = "lazytrain.auto"
+    if not isinstance(section, dict):
+        raise ConfigError(f"config key '{where}' must be an object, got {section!r}")
+    _check_keys(section, _AUTO_KEYS, where)
+    kw: dict[str, Any] = {}
+    for key, least in (("warmup_steps", 0), ("profile_steps", 1), ("check_every", 1), ("max_replans", 0)):
+        if key in section:
+            v = section[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ConfigError(f"config key '{where}.{key}' must be an integer >= {least}, got {v!r}")
+            kw[key] = v
+    if "drift_margin" in section:
+        v = section["drift_margin"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise ConfigError(f"config key '{where}.drift_margin' must be a fraction > 0 (0.15: 15%), got {v!r}")
+        kw["drift_margin"] = float(v)
+    for key in ("profile_path", "profile"):
+        if section.get(key) is not None:
+            if not isinstance(section[key], str) or not section[key]:
+                raise ConfigError(f"config key '{where}.{key}' must be a file path, got {section[key]!r}")
+            kw[key] = section[key]
+    if "profile" in kw and not os.path.isfile(kw["profile"]):
+        raise ConfigError(f"config key '{where}.profile': no file {kw['profile']!r} (a profile that policy \"auto\" "
+                          f"wrote with '{where}.profile_path')")
+    return AutoPlanConfig(**kw)
+
+
 def _parse_links(section) -> dict:
     """``{"h2d": {"gbps": 0.2, "latency_ms": 0.05}, ...}`` -> {link: (gbps, latency_ms)}."""
     where = "lazytrain.testing.links"
@@ -695,7 +741,12 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if not isinstance(trust, bool):
         raise ConfigError(f"config key 'lazytrain.trust_checkpoints' must be true or false, got {trust!r}")
     testing = _parse_testing(section.get("testing", {}))
-    return LazyTrainSection(trust_checkpoints=trust, testing=testing,
+    if "auto" in section and policy != "auto":
+        raise ConfigError(f"config key 'lazytrain.auto' sets up policy \"auto\", but 'lazytrain.policy' is {policy!r}")
+    if policy == "auto" and section.get("overlap_optimizer") is False:
+        raise ConfigError("config 'lazytrain.policy' \"auto\" measures each layer's host update, which runs layer "
+                          "by layer with 'lazytrain.overlap_optimizer' on: leave it \"auto\" or set it true")
+    return LazyTrainSection(trust_checkpoints=trust, testing=testing, auto=_parse_auto(section.get("auto", {})),
         blocks=section.get("blocks"), policy=policy,
         checkpoint_interval=interval if "checkpoint_interval" in section else None,
         number_checkpoints=kw.get("number_checkpoints"),

@@ -20,6 +20,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..config import ConfigError, EngineConfig
+from ..planner import measured
+from ..planner.plan import Plan
 from ..tiers import format_bytes, streams
 from ..tiers.streams import Chaos, EmulatedLink
 from ..trace import Timeline, check_writable, write_chrome_trace
@@ -28,7 +30,7 @@ from . import chunked_loss
 from . import safe_load
 from . import deepspeed_checkpoint as ds_ckpt
 from . import deepspeed_layout as ds_layout
-from . import node_memory, sharding
+from . import auto_plan, node_memory, sharding
 from . import sharded_checkpoint as sharded_ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import CollectiveError, DistributedContext
@@ -36,7 +38,7 @@ from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
-from .placement import build_plan, build_tiers, resolve_device
+from .placement import build_plan, build_tiers, plan_from_measurements, resolve_device
 from .precision import LossScaler, Masters
 from .weights import LayerWeights
 
@@ -137,6 +139,7 @@ class LazyTrainEngine(nn.Module):
             # in the precision this engine computes and streams in (not what the model was saved in)
             model_cfg["dtype"] = model_cfg["torch_dtype"] = config.compute_dtype_name
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu)
+        self._model_cfg = model_cfg
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
         self.weights = LayerWeights(blocks, self.compute_dtype, self.device, weights_tier, self.tiers["hbm"])
@@ -159,7 +162,8 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError("an optimizer was passed to initialize and the config has an 'optimizer' section; "
                               "pass one")
         overlap = config.lazytrain.overlap_optimizer
-        wants_overlap = overlap is True or (overlap == "auto" and self.device.type == "cuda")
+        wants_overlap = overlap is True or (overlap == "auto" and (self.device.type == "cuda" or
+                                                                   config.lazytrain.policy == "auto"))
         self.shards: sharding.Ownership | None = None   # zero_optimization.stage >= 1 over several ranks
         self.node_shared_weights = False   # the streamed layers' weights: one host copy per node
         self._one_shared_node = False      # ... and every rank on that one node: owners broadcast a signal
@@ -238,8 +242,92 @@ class LazyTrainEngine(nn.Module):
                 self.optimizer.set_compute_copies(self.weights.compute_copy_views())
         # last: a set-up that fails leaves the model's own checkpointing flags as they were
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
+        self._step_began: float | None = None   # the first training forward of the step under way
+        self._seq_len: int | None = config.lazytrain.seq_len
+        self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
 
     # ---- set-up helpers ------------------------------------------------------------------------
+    def _auto_planner(self) -> auto_plan.AutoPlanner:
+        """Policy "auto" (auto_plan.py), wired to this engine's tracing, plan switching and ranks."""
+        settings = self._config.lazytrain.auto
+        if self.device.type == "cuda":
+            raise ConfigError("config 'lazytrain.policy' \"auto\" measures each layer's time from traces of the "
+                              "CPU's steps; on CUDA the rest of the model (embedding, head, loss) runs outside the "
+                              "traced spans, so it cannot be measured that way yet: use policy \"milp\" with the "
+                              "profile `lazytrain bench tiers --json` writes for this machine")
+        if self._model_cfg is None:
+            raise ConfigError("config 'lazytrain.policy' \"auto\" needs the model's shape: a model with a Hugging "
+                              "Face `config`")
+        if self.layer_updates is None:
+            raise ConfigError(f"config 'lazytrain.policy' \"auto\" measures each layer's update, which needs updates "
+                              f"layer by layer (HybridAdamW: the config's Adam/AdamW without amsgrad); the optimizer "
+                              f"is {type(self.optimizer).__name__}")
+        saved = measured.MachineProfile.from_json(settings.profile) if settings.profile else None
+        if saved is not None:
+            self._check_profile(saved)
+        hooks = auto_plan.AutoPlanHooks(
+            request_trace=self.trace_next_step, last_trace=lambda: self.last_trace, switch=self._use_plan,
+            profile_of=self._profile_of, on_rank0=self._on_rank0,
+            plan_from=lambda profile: plan_from_measurements(self._config, self.tiers, profile),
+            say=lambda line: print(line) if self.global_rank == 0 else None,
+            save_profile=(lambda profile: profile.to_json(settings.profile_path) if self.global_rank == 0 else None)
+            if settings.profile_path else None)
+        planner = auto_plan.AutoPlanner(settings, self.plan, hooks)
+        planner.start(saved)
+        return planner
+
+    def _profile_of(self, traces: list) -> measured.MachineProfile:
+        """This machine's profile from the traced steps: each layer's times, the links' bandwidths."""
+        if self._seq_len is None:
+            raise ConfigError("config 'lazytrain.policy' \"auto\" needs 'lazytrain.seq_len' (no token ids were "
+                              "seen in the traced forwards to read it from)")
+        return measured.MachineProfile(
+            costs=measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}"),
+            links_gbps=measured.link_bandwidths(traces), model=self._model_cfg,
+            micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device))
+
+    def _check_profile(self, profile: measured.MachineProfile) -> None:
+        where = f"config 'lazytrain.auto.profile' ({self._config.lazytrain.auto.profile})"
+        if profile.costs.num_layers != self.weights.num_layers:
+            raise ConfigError(f"{where} measured {profile.costs.num_layers} layers, this model streams "
+                              f"{self.weights.num_layers}")
+        if profile.micro_batch != self.train_micro_batch_size_per_gpu():
+            raise ConfigError(f"{where} was measured at micro-batch {profile.micro_batch}, this run trains "
+                              f"{self.train_micro_batch_size_per_gpu()}: measure again (leave 'profile' out)")
+        if self._seq_len is not None and profile.seq_len != self._seq_len:
+            raise ConfigError(f"{where} was measured at sequence length {profile.seq_len}, 'lazytrain.seq_len' is "
+                              f"{self._seq_len}")
+
+    def _on_rank0(self, compute):
+        """``compute()`` on rank 0, its answer on every rank (its error raised on every rank)."""
+        answer, error = None, None
+        if self.global_rank == 0:
+            try:
+                answer = compute()
+            except Exception as e:   # noqa: BLE001 - every rank raises it
+                error = e
+        if self.dist.enabled:
+            answer, error = self.dist.all_gather_object((answer, error), "agreement on the auto plan")[0]
+        if error is not None:
+            raise error
+        return answer
+
+    def _use_plan(self, plan: Plan) -> None:
+        """Run ``plan`` from the next forward on: between steps, once the last update is done (the streamed
+        weights, the tiers and the device copies stay; only the executor's schedule changes)."""
+        self.wait_for_update()
+        plan.validate(custom_tiers=tuple(self.tiers))
+        if tuple(sorted(plan.resident_layers)) != tuple(sorted(self.stream.resident)):
+            raise ConfigError(f"plan {plan.policy!r} keeps layers {list(plan.resident_layers)} resident, and this "
+                              f"engine started with {sorted(self.stream.resident)}: a running engine keeps its "
+                              f"resident layers")
+        blocks = self.executor.blocks
+        self.stream.settle_all()
+        self.executor.uninstall()
+        self.executor = LayerStreamingExecutor(blocks, plan, self.weights, self.stream, self.tiers, self.device,
+                                               prefetch=self._config.lazytrain.prefetch)
+        self.plan = plan
+
     def _overlapped_updates(self, wanted: bool, required: bool) -> LayerUpdates | None:
         """Layer updates on a worker thread (``lazytrain.overlap_optimizer``), when the optimizer can update
         one layer with a snapshot of its groups (HybridAdamW). The engine's readers, every module's
@@ -363,6 +451,13 @@ class LazyTrainEngine(nn.Module):
             streams.start_recording(Timeline("measured", device=self.device.type))   # the traced step begins with this forward
             self._trace_path, self._trace_request = self._trace_request, None
         self._refuse_if_inconsistent("a forward" if not torch.is_grad_enabled() else "a training forward")
+        if torch.is_grad_enabled():
+            if self._step_began is None:
+                self._step_began = time.perf_counter()
+            if self._config.lazytrain.seq_len is None:   # policy auto plans for the sequences it sees
+                ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
+                if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2:
+                    self._seq_len = int(ids.shape[-1])
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
@@ -443,6 +538,9 @@ class LazyTrainEngine(nn.Module):
         self._refuse_if_inconsistent("step()")
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
+            began, self._step_began = self._step_began, None
+            if self.auto is not None:
+                self.auto.after_step(self.global_steps, time.perf_counter() - (began or time.perf_counter()))
         self.micro_steps += 1
         self._raise_unstored_copies()
 

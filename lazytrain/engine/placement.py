@@ -50,7 +50,7 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch)
     choice = cfg.lazytrain.last_segment_graph
     if choice == "auto":
-        if cfg.lazytrain.policy in ("plan", "milp"):
+        if cfg.lazytrain.policy in ("plan", "milp", "auto"):
             return plan
         choice = tiers["hbm"].device.type == "cpu" and cfg.lazytrain.weights_home in ("host", "hbm")
     return dataclasses.replace(plan, last_segment_graph=bool(choice))
@@ -85,7 +85,19 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
         return plan
     if lt.policy == "milp":
         return _milp_plan(cfg, num_layers, tiers, model_config, micro_batch)
+    if lt.policy == "auto":
+        return calibration_plan(cfg, num_layers, micro_batch)
     raise ConfigError(f"config 'lazytrain.policy' {lt.policy!r} is unknown")
+
+
+def calibration_plan(cfg: EngineConfig, num_layers: int, micro_batch: int) -> Plan:
+    """Policy "auto" measures on this plan: every boundary kept on the host and no graph tail, so that a
+    traced step holds each layer's plain forward, its re-run with its backward, and its own update."""
+    if cfg.lazytrain.weights_home == "hbm":
+        raise ConfigError("config 'lazytrain.policy' \"auto\" plans how the layers stream, and 'lazytrain.weights_home' "
+                          "\"hbm\" keeps every layer resident: there is nothing for it to plan (use keep_all)")
+    return dataclasses.replace(keep_all_plan(num_layers, home="host", micro_batch_size=micro_batch),
+                               policy="auto-calibration", last_segment_graph=False)
 
 
 _GPU_PROFILES = (("H800", "h800"), ("H200", "h200"), ("H100", "h800"), ("3090", "rtx3090"))
@@ -121,6 +133,22 @@ def _hardware_profile(cfg: EngineConfig, device: torch.device):
                       "rtx3090) or the JSON written by `lazytrain bench tiers --json`")
 
 
+def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int, seq_len: int) -> dict:
+    """The planner's budgets for this engine: the tiers' capacities (the card's memory on CUDA), the LM
+    head's logits as the engine computes them, and what one rank holds of a sharded host state."""
+    lt = cfg.lazytrain
+    device = tiers["hbm"].device
+    gpu = lt.capacities.get("hbm")
+    if gpu is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device).total_memory
+    budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
+               if "nvme" in tiers else 0,
+               # the logits as the engine computes them: in chunks when configured, else whole
+               "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * seq_len,
+               **_host_shares(cfg)}
+    return {k: v for k, v in budgets.items() if v is not None}
+
+
 def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
                micro_batch: int) -> Plan:
     """The MILP planner's Plan for this model on this machine within the configured budgets."""
@@ -133,22 +161,14 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if lt.seq_len is None:
         raise ConfigError("config 'lazytrain.policy' \"milp\" needs 'lazytrain.seq_len' (the training sequence length)")
     device = tiers["hbm"].device
-    gpu = lt.capacities.get("hbm")
-    if gpu is None and device.type == "cuda":
-        gpu = torch.cuda.get_device_properties(device).total_memory
-    budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
-               if "nvme" in tiers else 0,
-               # the logits as the engine computes them: in chunks when configured, else whole
-               "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * lt.seq_len,
-               **_host_shares(cfg)}
+    budgets = planning_budgets(cfg, tiers, micro_batch, lt.seq_len)
     # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
     hardware = _hardware_profile(cfg, device)
     if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model
         from ..planner.hardware import load_profile
         hardware = dataclasses.replace(load_profile(hardware),
                                        gpu_mem_bytes=torch.cuda.get_device_properties(device).total_memory)
-    plan = call_with_deadline(plan_for, model_config, hardware,
-                              {k: v for k, v in budgets.items() if v is not None}, micro_batch=micro_batch,
+    plan = call_with_deadline(plan_for, model_config, hardware, budgets, micro_batch=micro_batch,
                               # the config's batch triple fixes the step: planned with its accumulation
                               global_batch=micro_batch * cfg.gradient_accumulation_steps,
                               seq_len=lt.seq_len, time_limit_s=lt.milp_time_limit,
@@ -156,3 +176,26 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if plan.num_layers != num_layers:
         raise ConfigError(f"the planner planned {plan.num_layers} layers but the model streams {num_layers} blocks")
     return plan
+
+
+def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile) -> Plan:
+    """Policy "auto": the MILP's plan from what was measured here (planner ``plan_from_profile``), in a
+    child process with a deadline as for policy "milp". Resident layers are left out (the running engine
+    keeps the device copies it started with); links no traced copy used come from 'lazytrain.hardware' when
+    given, else a tier whose link was not measured gets no budget."""
+    from ..planner.isolate import call_with_deadline
+    from ..planner.milp import MilpOptions
+    from ..planner.search import plan_from_profile
+    lt = cfg.lazytrain
+    hardware = lt.hardware if lt.hardware != "auto" else None
+    budgets = planning_budgets(cfg, tiers, profile.micro_batch, profile.seq_len)
+    if hardware is None and budgets.get("nvme") and "nvme_read_gbps" not in profile.links_gbps:
+        warnings.warn("lazytrain: policy \"auto\" measured no NVMe transfer (the calibration plan keeps the "
+                      "boundaries on the host) and 'lazytrain.hardware' gives no NVMe bandwidth: the plan keeps no "
+                      "boundary on NVMe", UserWarning)
+        budgets["nvme"] = 0
+    options = MilpOptions(allow_resident=False, allow_graph_tail=lt.last_segment_graph is not False)
+    plan = call_with_deadline(plan_from_profile, profile, budgets, hardware, time_limit_s=lt.milp_time_limit,
+                              global_batch=profile.micro_batch * cfg.gradient_accumulation_steps, options=options,
+                              deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
+    return dataclasses.replace(plan, policy=f"auto-{plan.policy}")

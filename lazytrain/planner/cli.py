@@ -2,6 +2,10 @@
 
     lazytrain plan --model qwen2.5-7b --hardware h800 --micro-batch 144 --seq 1024 --gpu-mem 70GB \
         [--host-mem 512GB] [--nvme 32GB] [--json plan.json] [--plot plan.png]
+    lazytrain plan --profile measured.json [--hardware h200] [--gpu-mem ...] [--json plan.json]
+
+``--profile``: what policy "auto" measured on a machine ('lazytrain.auto.profile_path'): the model, its
+micro-batch and sequence length, each layer's measured times and the links' measured bandwidths.
 """
 from __future__ import annotations
 
@@ -15,10 +19,13 @@ from ..cli import positive
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="plan checkpoints, tier homes and transfer windows (MILP)",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", default=None,
                    help="catalog name (qwen2.5-3b, qwen2.5-7b, qwen2.5-14b, paper-27b) or a Hugging Face config.json")
-    p.add_argument("--hardware", required=True,
-                   help="catalog name (h800, rtx3090, h200) or a JSON profile written by `lazytrain bench tiers`")
+    p.add_argument("--hardware", default=None,
+                   help="catalog name (h800, rtx3090, h200) or a JSON profile written by `lazytrain bench tiers` "
+                        "(with --profile: what the profile did not measure)")
+    p.add_argument("--profile", default=None,
+                   help="a machine profile policy \"auto\" measured (JSON): plan from its measured times and links")
     p.add_argument("--base", default=None, help="catalog entry that fills the profile's null fields")
     p.add_argument("--micro-batch", default="auto",
                    help="micro-batch size, or 'auto' for the throughput-best one that fits (default)")
@@ -40,6 +47,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .hardware import HardwareError, load_profile
+    from .measured import MeasurementError
     from .milp import MilpOptions, PlanningError
     from .models import ModelShapeError, load_model
     from .problem import Budgets, InfeasibleBudgetError, Problem
@@ -52,25 +60,37 @@ def run(args: argparse.Namespace) -> int:
         if folder and not os.path.isdir(folder):
             print(f"lazytrain plan: {flag} {path}: directory {folder} does not exist", file=sys.stderr)
             return 2
+    if args.profile is None and (args.model is None or args.hardware is None):
+        print("lazytrain plan: give --model and --hardware, or --profile", file=sys.stderr)
+        return 2
     try:
-        model = load_model(args.model)
-        hw = load_profile(args.hardware, base=args.base)
         budgets = Budgets.of(gpu=args.gpu_mem, host=args.host_mem, nvme=args.nvme)
         opts = MilpOptions(time_limit_s=args.time_limit, max_segment=args.max_segment, solver=args.solver,
                            allow_resident=not args.no_resident)
-        if str(args.micro_batch).lower() == "auto":
+        if args.profile is not None:
+            p, best, mb = _profile_problem(args, budgets), None, None
+        else:
+            p = None
+            model = load_model(args.model)
+            hw = load_profile(args.hardware, base=args.base)
+        if p is not None:
+            pass
+        elif str(args.micro_batch).lower() == "auto":
             best, trials = search_micro_batch(model, hw, budgets, args.seq, opts, global_batch=args.global_batch)
             print("micro-batch search: " + ", ".join(
                 f"{t.micro_batch}: " + (f"{t.tokens_per_s:.0f} tok/s" if t.tokens_per_s else t.status) for t in trials))
             mb = best.micro_batch_size
         else:
             best, mb = None, int(args.micro_batch)
-        if args.global_batch is not None and args.global_batch % mb:
-            raise ValueError(f"--micro-batch {mb} does not divide --global-batch {args.global_batch}")
-        accum = args.global_batch // mb if args.global_batch else 1
-        p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=mb, seq_len=args.seq, grad_accum=accum)
+        if p is None:
+            if args.global_batch is not None and args.global_batch % mb:
+                raise ValueError(f"--micro-batch {mb} does not divide --global-batch {args.global_batch}")
+            accum = args.global_batch // mb if args.global_batch else 1
+            p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=mb, seq_len=args.seq,
+                        grad_accum=accum)
+        mb = p.micro_batch
         rows = compare(p, opts, plan=best)
-    except (InfeasibleBudgetError, PlanningError, HardwareError, ModelShapeError, ValueError) as e:
+    except (InfeasibleBudgetError, PlanningError, HardwareError, ModelShapeError, MeasurementError, ValueError) as e:
         print(f"lazytrain plan: {e}", file=sys.stderr)
         return 2
     print(table(p, rows))
@@ -94,3 +114,22 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"wrote {args.plot}")
     return 0
+
+
+def _profile_problem(args: argparse.Namespace, budgets):
+    """The problem of a measured profile; the flags that the profile fixes must agree with it."""
+    from .measured import MachineProfile
+    from .search import profile_problem
+    profile = MachineProfile.from_json(args.profile)
+    if args.model is not None:
+        raise ValueError("--profile gives the model it measured: leave --model out")
+    if str(args.micro_batch).lower() != "auto" and int(args.micro_batch) != profile.micro_batch:
+        raise ValueError(f"--profile was measured at micro-batch {profile.micro_batch}, not {args.micro_batch}: "
+                         f"measure again at that micro-batch")
+    if args.seq != 1024 and args.seq != profile.seq_len:
+        raise ValueError(f"--profile was measured at sequence length {profile.seq_len}, not {args.seq}")
+    hardware = None
+    if args.hardware is not None:
+        from .hardware import load_profile
+        hardware = load_profile(args.hardware, base=args.base)
+    return profile_problem(profile, budgets, hardware, args.global_batch)

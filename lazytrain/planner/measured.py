@@ -142,3 +142,83 @@ def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int) -> None:
             raise MeasurementError(f"the traced step has no {kind!r} span for layer(s) {missing[:8]}: measure "
                                    f"a whole training step (forward, backward and step()) of a plan that keeps "
                                    f"every boundary, with the layer updates overlapped")
+
+
+# ---- a machine profile: what policy "auto" measured, saved for `lazytrain plan --profile` ----------------
+PROFILE_FORMAT = "lazytrain-profile"
+LINK_LANES = {"h2d": "h2d_gbps", "d2h": "d2h_gbps", "nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps"}
+
+
+def link_bandwidths(traces: list) -> dict[str, float]:
+    """GB/s each link moved while busy in the traced steps (bytes over the time at least one of its copies
+    was open; a copy's latency counts as the link's), the median over the steps; links with no copy are
+    left out."""
+    out = {}
+    for lane, field in LINK_LANES.items():
+        rates = []
+        for t in traces:
+            nbytes = sum(int(s.args.get("bytes", 0)) for s in t.spans if s.lane == lane)
+            busy = t.busy(lane)
+            if nbytes > 0 and busy > 0:
+                rates.append(nbytes / busy / 1e9)
+        if rates:
+            out[field] = statistics.median(rates)
+    return out
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """One model measured on one machine at one micro-batch: its costs, its links, and its shape (a
+    Hugging Face config with the measured ``layer_params``), enough to plan it again elsewhere in time."""
+    costs: MeasuredCosts
+    links_gbps: dict                # HardwareProfile field -> GB/s, for the links the traced steps used
+    model: dict                     # the model's config, as the engine planned it
+    micro_batch: int
+    seq_len: int
+    device: str = "cpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "version": 1, "costs": self.costs.to_dict(),
+                "links_gbps": dict(self.links_gbps), "model": self.model, "micro_batch": self.micro_batch,
+                "seq_len": self.seq_len, "device": self.device}
+
+    def to_json(self, path: str) -> None:
+        import json
+        import os
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "profile") -> "MachineProfile":
+        if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
+            raise MeasurementError(f"{where} is not a LazyTrain machine profile (no \"format\": "
+                                   f"\"{PROFILE_FORMAT}\"); policy \"auto\" writes one with 'lazytrain.auto.profile_path'")
+        missing = [k for k in ("costs", "links_gbps", "model", "micro_batch", "seq_len") if k not in d]
+        if missing:
+            raise MeasurementError(f"{where} has no {', '.join(repr(k) for k in missing)}")
+        links = d["links_gbps"]
+        if not isinstance(links, dict) or any(k not in LINK_LANES.values() for k in links) or \
+                any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")
+                    for v in links.values()):
+            raise MeasurementError(f"{where}: links_gbps must map {', '.join(LINK_LANES.values())} to GB/s > 0, "
+                                   f"got {links!r}")
+        for k in ("micro_batch", "seq_len"):
+            if isinstance(d[k], bool) or not isinstance(d[k], int) or d[k] < 1:
+                raise MeasurementError(f"{where}: {k} must be an integer >= 1, got {d[k]!r}")
+        if not isinstance(d["model"], dict):
+            raise MeasurementError(f"{where}: model must be the model's config object, got {type(d['model']).__name__}")
+        return cls(costs=MeasuredCosts.from_dict(d["costs"]), links_gbps={k: float(v) for k, v in links.items()},
+                   model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
+                   device=str(d.get("device", "cpu")))
+
+    @classmethod
+    def from_json(cls, path: str) -> "MachineProfile":
+        import json
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise MeasurementError(f"machine profile {path}: {e}") from e
+        return cls.from_dict(d, where=f"machine profile {path}")

@@ -243,3 +243,39 @@ def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: 
         raise ValueError(f"micro_batch {mb} does not divide global_batch {global_batch}")
     return solve(Problem(model=model, hardware=hw, budgets=b, micro_batch=mb, seq_len=seq_len,
                          grad_accum=global_batch // mb if global_batch else 1), opts)
+
+
+def plan_from_profile(profile, budgets: Any = None, hardware: Any = None, time_limit_s: float = 10.0,
+                      global_batch: int | None = None, options: MilpOptions | None = None) -> Plan:
+    """Plan from a :class:`~lazytrain.planner.measured.MachineProfile` (what policy "auto" measured): the
+    MILP's plan for :func:`profile_problem`."""
+    opts = replace(options or MilpOptions(), time_limit_s=time_limit_s)
+    return solve(profile_problem(profile, budgets, hardware, global_batch), opts)
+
+
+def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_batch: int | None = None) -> Problem:
+    """The planning problem of a measured profile: its measured compute and update times replace the FLOP
+    model, its measured links replace the hardware profile's. ``hardware`` (optional) supplies what was not
+    measured (links no traced copy used, memory sizes); without it, a profile named after the measurement
+    is built from the measured values."""
+    from .hardware import GiB
+    model = as_model_shape(profile.model)
+    if len(model.layers) != profile.costs.num_layers:
+        raise ValueError(f"the profile's costs are for {profile.costs.num_layers} layers, its model has "
+                         f"{len(model.layers)}")
+    if hardware is not None:
+        hw = replace(load_profile(hardware), **profile.links_gbps)
+    else:
+        # nominal rates for the fields the cost model reads before the measured times replace them
+        T = profile.micro_batch * profile.seq_len
+        flops = sum(3 * layer.fwd_flops_per_token(profile.seq_len) * T for layer in model.layers)
+        params = sum(layer.params for layer in model.layers)
+        hw = HardwareProfile(name=f"measured on {profile.device}",
+                             achievable_tflops=flops / max(sum(profile.costs.diff_s), 1e-9) / 1e12,
+                             host_optimizer_gparams_per_s=params / max(sum(profile.costs.update_s), 1e-9) / 1e9,
+                             gpu_mem_bytes=64 * GiB, host_mem_bytes=64 * GiB, **profile.links_gbps)
+    gb = global_batch if global_batch is not None else profile.micro_batch
+    if gb % profile.micro_batch:
+        raise ValueError(f"the profile's micro-batch {profile.micro_batch} does not divide global_batch {gb}")
+    return Problem(model=model, hardware=hw, budgets=as_budgets(budgets), micro_batch=profile.micro_batch,
+                   seq_len=profile.seq_len, measured=profile.costs, grad_accum=gb // profile.micro_batch)

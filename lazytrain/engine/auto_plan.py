@@ -1,0 +1,122 @@
+"""Policy "auto": plan from measurements of this model on this machine, and plan again when they drift.
+
+Why: a cost model fitted to another machine's figures predicts this one's step only roughly, and the
+engine can measure it. The run starts on a calibration plan that keeps every boundary on the host, so
+that each layer has a plain forward, a re-run with its backward and an overlapped update of its own in a
+traced step. After ``warmup_steps`` steps it traces ``profile_steps`` steps, takes the medians of each
+layer's times and each link's bandwidth from them (planner/measured.py), plans with the MILP from those
+(planner/search.py ``plan_from_profile``), and puts that plan in place at a step boundary. Every
+``check_every`` steps it compares the median measured step with the plan's prediction; beyond
+``drift_margin`` it measures and plans again, at most ``max_replans`` times. Each plan and each
+comparison is in :attr:`AutoPlanner.history` and printed on rank 0.
+
+The engine supplies what this needs as callables (:class:`AutoPlanHooks`), so that the timing of
+measuring and planning lives here and the mechanisms stay in the engine: tracing a step, switching plans,
+and deciding once for every rank (rank 0 measures and plans, every rank switches at the same step).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..config import AutoPlanConfig
+from ..planner.measured import MachineProfile
+from ..planner.plan import Plan
+
+
+@dataclass
+class PlanRecord:
+    """A plan put in place after ``step`` steps, its predicted step, and the median step measured on it."""
+    step: int
+    policy: str
+    reason: str
+    predicted_step_s: float | None
+    measured_step_s: float | None = None
+    measured_steps: int = 0
+
+    def line(self) -> str:
+        said = f"[lazytrain] auto plan after step {self.step} ({self.reason}): {self.policy}, predicted " + \
+            (f"{self.predicted_step_s * 1e3:.1f} ms/step" if self.predicted_step_s else "no prediction")
+        if self.measured_step_s is not None:
+            said += f", measured {self.measured_step_s * 1e3:.1f} ms/step over {self.measured_steps} steps"
+            if self.predicted_step_s:
+                said += f" ({self.measured_step_s / self.predicted_step_s:.3f}x the prediction)"
+        return said
+
+
+@dataclass
+class AutoPlanHooks:
+    request_trace: Callable[[], None]              # trace the next step
+    last_trace: Callable[[], object]               # the step just traced (a Timeline)
+    switch: Callable[[Plan], None]                 # put a plan in place (between steps)
+    profile_of: Callable[[list], MachineProfile]   # the traced steps -> this machine's profile
+    plan_from: Callable[[MachineProfile], Plan]    # plan from a profile (the MILP)
+    on_rank0: Callable[[Callable[[], object]], object]   # computed on rank 0, the same answer on every rank
+    say: Callable[[str], None]                     # report (rank 0 prints)
+    save_profile: Callable[[MachineProfile], None] | None = None
+
+
+@dataclass
+class AutoPlanner:
+    settings: AutoPlanConfig
+    calibration: Plan                              # keeps every boundary on the host
+    hooks: AutoPlanHooks
+    history: list[PlanRecord] = field(default_factory=list)
+    measuring: bool = True
+    _steps_in_phase: int = 0
+    _traces: list = field(default_factory=list)
+    _times: list = field(default_factory=list)
+    _replans: int = 0
+
+    def start(self, saved: MachineProfile | None = None) -> None:
+        """Before the first step: plan from a saved profile, or measure first."""
+        if saved is not None:
+            self._plan(saved, step=0, reason=f"from the saved profile {self.settings.profile}")
+        else:
+            self._measure_next()
+
+    def after_step(self, step: int, seconds: float) -> None:
+        """After each optimizer step: ``step`` steps done, the last one took ``seconds`` (first forward to the
+        end of step())."""
+        s = self.settings
+        if self.measuring:
+            if self._steps_in_phase >= s.warmup_steps:
+                self._traces.append(self.hooks.last_trace())
+            self._steps_in_phase += 1
+            if len(self._traces) < s.profile_steps:
+                self._measure_next()
+                return
+            profile = self.hooks.on_rank0(lambda: self.hooks.profile_of(self._traces))
+            if self.hooks.save_profile is not None:
+                self.hooks.save_profile(profile)
+            reason = "measured" if not self.history else "measured again after drift"
+            self._plan(profile, step, reason)
+            return
+        self._times.append(seconds)
+        if len(self._times) < s.check_every:
+            return
+        record = self.history[-1]
+        measured = statistics.median(self._times)
+        record.measured_step_s, record.measured_steps = measured, len(self._times)
+        self._times = []
+        self.hooks.say(record.line())
+        drifted = self.hooks.on_rank0(lambda: record.predicted_step_s is not None and
+                                      abs(measured / record.predicted_step_s - 1) > s.drift_margin)
+        if drifted and self._replans < s.max_replans:
+            self._replans += 1
+            self.measuring, self._steps_in_phase, self._traces = True, 0, []
+            self.hooks.switch(self.calibration)
+            self._measure_next()
+
+    def _measure_next(self) -> None:
+        if self._steps_in_phase >= self.settings.warmup_steps:
+            self.hooks.request_trace()
+
+    def _plan(self, profile: MachineProfile, step: int, reason: str) -> None:
+        plan = self.hooks.on_rank0(lambda: self.hooks.plan_from(profile))
+        self.hooks.switch(plan)
+        predicted = (plan.prediction or {}).get("step_time_s")
+        self.history.append(PlanRecord(step=step, policy=plan.policy, reason=reason, predicted_step_s=predicted))
+        self.hooks.say(self.history[-1].line())
+        self.measuring, self._traces, self._times = False, [], []

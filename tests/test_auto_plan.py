@@ -1,0 +1,180 @@
+"""Policy "auto": the engine measures the model on this machine (emulated links on the CPU), plans from
+the measurements, puts the plan in place between steps without changing a bit of the training, and plans
+again when the measured step drifts from the prediction; the profile it saves plans the same again at
+start-up and in `lazytrain plan --profile`."""
+import json
+import os
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import lazytrain
+from lazytrain.cli import main
+from lazytrain.config import ConfigError
+from lazytrain.planner.measured import MachineProfile, MeasurementError
+from lazytrain.planner.plan import Plan
+from lazytrain.planner.search import plan_from_profile
+from lazytrain.tiers import streams
+from dist_helpers import free_port, join_as
+from engine_models import batches, lm_loss, make_model
+
+LINKS = {"h2d": {"gbps": 0.05}, "d2h": {"gbps": 0.05}}
+STEPS = 12                    # 3 warm-up, 2 measured, then 7 on the plan: one check of 4
+AUTO = {"warmup_steps": 3, "profile_steps": 2, "check_every": 4}
+
+
+@pytest.fixture(autouse=True)
+def _calm_transfers_after():
+    yield
+    streams.configure()
+
+
+def _config(lt: dict, micro_batch: int = 2) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro_batch, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "lazytrain": {"device": "cpu", "milp_time_limit": 5, **lt,
+                          "testing": {"copy_threads": True, "links": LINKS}}}
+
+
+def _train(lt: dict, steps: int = STEPS):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(lt))
+    plans = []   # the plan each step ran on
+    for x, y in batches(steps):
+        plans.append(engine.plan.policy)
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    return engine, plans
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One run of policy "auto" that saves its profile, and the same training on a fixed keep-all plan."""
+    path = str(tmp_path_factory.mktemp("auto") / "profile.json")
+    # no plan again on drift: this machine's timings are noisy, and the plans must be known here
+    engine, plans = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0, "profile_path": path}})
+    auto = {"weights": engine.module_state_dict(), "plans": plans, "history": engine.auto.history,
+            "plan": engine.plan}
+    engine.destroy()
+    engine, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True})
+    fixed = engine.module_state_dict()
+    engine.destroy()
+    return auto, fixed, path
+
+
+def test_auto_measures_then_runs_the_milps_plan_from_the_next_step(measured):
+    auto, _, _ = measured
+    assert auto["plans"] == ["auto-calibration"] * 5 + ["auto-milp"] * (STEPS - 5)
+    first = auto["history"][0]
+    assert (first.step, first.policy, first.reason) == (5, "auto-milp", "measured")
+    assert first.predicted_step_s == auto["plan"].prediction["step_time_s"] > 0
+    assert first.measured_steps == 4 and first.measured_step_s > 0   # the check after 4 steps on the plan
+
+
+def test_switching_plans_changes_nothing_of_the_training(measured):
+    auto, fixed, _ = measured
+    for k, v in fixed.items():
+        assert torch.equal(auto["weights"][k], v), k
+
+
+def test_the_saved_profile_holds_what_was_measured(measured):
+    _, _, path = measured
+    profile = MachineProfile.from_json(path)
+    assert (profile.micro_batch, profile.seq_len, profile.costs.num_layers) == (2, 12, 6)
+    assert profile.model["num_hidden_layers"] == 6 and len(profile.model["layer_params"]) == 6
+    assert set(profile.links_gbps) == {"h2d_gbps", "d2h_gbps"}
+    assert all(0 < v <= 0.05 for v in profile.links_gbps.values())   # the emulated links, at most
+    assert all(t > 0 for t in profile.costs.fwd_s + profile.costs.diff_s + profile.costs.update_s)
+
+
+def test_a_saved_profile_plans_at_start_up_as_lazytrain_plan_does(measured, tmp_path, capsys):
+    _, _, path = measured
+    engine, plans = _train({"policy": "auto", "auto": {**AUTO, "profile": path}}, steps=1)
+    assert plans == ["auto-milp"] and engine.auto.history[0].step == 0   # planned before the first step
+    started = engine.plan
+    engine.destroy()
+    offline = plan_from_profile(MachineProfile.from_json(path), {"loss_chunk_tokens": 24}, time_limit_s=5)
+    assert (started.homes, started.last_segment_graph) == (offline.homes, offline.last_segment_graph)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--profile", path, "--time-limit", "5", "--json", str(out)]) == 0
+    assert "lazytrain (milp)" in capsys.readouterr().out
+    assert Plan.from_json(str(out)).homes == offline.homes
+
+
+def test_drift_beyond_the_margin_measures_and_plans_again_at_most_max_replans_times(capsys):
+    # a margin no measurement meets: every check after a plan is a drift
+    engine, plans = _train({"policy": "auto", "auto": {**AUTO, "check_every": 2, "drift_margin": 1e-9,
+                                                       "max_replans": 1}}, steps=18)
+    history = engine.auto.history
+    engine.destroy()
+    # 3 + 2 measured, 2 on the plan, 3 + 2 measured again, the rest on the second plan (no third)
+    assert plans == ["auto-calibration"] * 5 + ["auto-milp"] * 2 + ["auto-calibration"] * 5 + ["auto-milp"] * 6
+    assert [(r.step, r.reason) for r in history] == [(5, "measured"), (12, "measured again after drift")]
+    assert history[0].measured_steps == 2 and history[1].measured_steps == 2
+    out = capsys.readouterr().out
+    assert "[lazytrain] auto plan after step 12 (measured again after drift): auto-milp, predicted" in out
+    assert "x the prediction)" in out
+
+
+@pytest.mark.parametrize("lt,message", [
+    ({"policy": "auto", "overlap_optimizer": False}, "measures each layer's host update, which runs layer by layer"),
+    ({"policy": "auto", "weights_home": "hbm"}, "keeps every layer resident: there is nothing for it to plan"),
+    ({"policy": "keep_all", "auto": {}}, "sets up policy \"auto\", but 'lazytrain.policy' is 'keep_all'"),
+    ({"policy": "auto", "auto": {"warmup_steps": -1}}, "'lazytrain.auto.warmup_steps' must be an integer >= 0"),
+    ({"policy": "auto", "auto": {"profile_steps": 0}}, "'lazytrain.auto.profile_steps' must be an integer >= 1"),
+    ({"policy": "auto", "auto": {"drift_margin": 0}}, "'lazytrain.auto.drift_margin' must be a fraction > 0"),
+    ({"policy": "auto", "auto": {"profile": "/nonexistent.json"}}, "no file '/nonexistent.json'"),
+    ({"policy": "auto", "auto": {"every": 3}}, "unknown key 'every' in config section 'lazytrain.auto' (allowed: "
+                                               "check_every, drift_margin, max_replans, profile, profile_path, "
+                                               "profile_steps, warmup_steps)"),
+])
+@pytest.mark.filterwarnings("ignore:lazytrain")
+def test_auto_settings_that_cannot_work_are_refused_by_name(lt, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        lazytrain.initialize(model=make_model("llama"), config=_config(lt))
+
+
+@pytest.mark.filterwarnings("ignore:lazytrain")
+def test_a_model_without_a_config_and_a_profile_of_another_micro_batch_are_refused(measured):
+    _, _, path = measured
+    with pytest.raises(ConfigError, match="needs the model's shape: a model with a Hugging Face `config`"):
+        lazytrain.initialize(model=make_model("modulelist"), config=_config({"policy": "auto"}))
+    with pytest.raises(ConfigError, match="was measured at micro-batch 2, this run trains 4: measure again"):
+        lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto", "auto": {"profile": path}},
+                                                                         micro_batch=4))
+
+
+def test_a_file_that_is_not_a_profile_is_named(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(MeasurementError, match="is not a LazyTrain machine profile"):
+        MachineProfile.from_json(str(bad))
+
+
+def _rank(rank, port, out_dir):
+    join_as(rank, 2, port)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    cfg = _config({"policy": "auto", "auto": AUTO})
+    cfg["train_batch_size"] = 4
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    plans = []
+    for x, y in batches(9, batch=4):
+        part = slice(2 * rank, 2 * rank + 2)
+        plans.append((engine.plan.policy, engine.plan.homes, engine.plan.last_segment_graph))
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+    torch.save({"plans": plans, "weights": engine.module_state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_path):
+    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["plans"] == r1["plans"]
+    assert [p[0] for p in r0["plans"]] == ["auto-calibration"] * 5 + ["auto-milp"] * 4
+    for k, v in r0["weights"].items():
+        assert torch.equal(r1["weights"][k], v), k
