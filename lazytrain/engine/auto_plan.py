@@ -63,6 +63,7 @@ class AutoPlanner:
     calibration: Plan                              # keeps every boundary on the host
     hooks: AutoPlanHooks
     history: list[PlanRecord] = field(default_factory=list)
+    last_profile: MachineProfile | None = None     # what the plan in place was made from
     measuring: bool = True
     _steps_in_phase: int = 0
     _traces: list = field(default_factory=list)
@@ -115,6 +116,7 @@ class AutoPlanner:
 
     def _plan(self, profile: MachineProfile, step: int, reason: str) -> None:
         plan = self.hooks.on_rank0(lambda: self.hooks.plan_from(profile))
+        self.last_profile = profile
         self.hooks.switch(plan)
         predicted = (plan.prediction or {}).get("step_time_s")
         self.history.append(PlanRecord(step=step, policy=plan.policy, reason=reason, predicted_step_s=predicted))

@@ -146,6 +146,8 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
                # the logits as the engine computes them: in chunks when configured, else whole
                "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * seq_len,
                **_host_shares(cfg)}
+    if device.type == "cpu":   # no CUDA context, workspace or allocator to hold back
+        budgets["gpu_reserved_bytes"] = 0
     return {k: v for k, v in budgets.items() if v is not None}
 
 
