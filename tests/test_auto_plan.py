@@ -38,12 +38,14 @@ def _config(lt: dict, micro_batch: int = 2) -> dict:
                           "testing": {"copy_threads": True, "links": LINKS}}}
 
 
-def _train(lt: dict, steps: int = STEPS):
+def _train(lt: dict, steps: int = STEPS, accumulation: int = 1):
+    cfg = _config(lt)
+    cfg["train_batch_size"] = 2 * accumulation
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(lt))
-    plans = []   # the plan each step ran on
-    for x, y in batches(steps):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    plans = []   # the plan each micro-batch ran on
+    for x, y in batches(steps * accumulation):
         plans.append(engine.plan.policy)
         engine.backward(lm_loss(engine(x), y))
         engine.step()
@@ -78,6 +80,19 @@ def test_switching_plans_changes_nothing_of_the_training(measured):
     auto, fixed, _ = measured
     for k, v in fixed.items():
         assert torch.equal(auto["weights"][k], v), k
+
+
+def test_with_gradient_accumulation_the_plan_changes_on_an_optimizer_step_and_trains_as_a_fixed_one():
+    engine, plans = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0}}, steps=7, accumulation=2)
+    auto, history = engine.module_state_dict(), engine.auto.history
+    engine.destroy()
+    assert plans == ["auto-calibration"] * 10 + ["auto-milp"] * 4 and history[0].step == 5
+    engine, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True}, steps=7,
+                       accumulation=2)
+    fixed = engine.module_state_dict()
+    engine.destroy()
+    for k, v in fixed.items():
+        assert torch.equal(auto[k], v), k
 
 
 def test_the_saved_profile_holds_what_was_measured(measured):

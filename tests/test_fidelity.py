@@ -153,6 +153,11 @@ def test_measured_costs_are_read_from_traced_steps():
     assert c.step_s == 0.75
     assert c.update_s == (0.5, 0.75)
     assert MeasuredCosts.from_dict(c.to_dict()) == c
+    # with two micro-batches a step: compute per micro-batch, the updates and the host phase per step
+    half = MeasuredCosts.from_traces([_two_layer_step(), _two_layer_step(gap=0.75), _two_layer_step(gap=2.0)], 2,
+                                     micro_batches=2)
+    assert (half.fwd_s, half.diff_s, half.nonlayer_s) == ((0.5, 1.0), (4.0, 5.0), 0.375)
+    assert (half.step_s, half.update_s) == (c.step_s, c.update_s)
 
 
 @pytest.mark.parametrize("spans,message", [

@@ -266,7 +266,9 @@ class LazyTrainEngine(nn.Module):
         if saved is not None:
             self._check_profile(saved)
         hooks = auto_plan.AutoPlanHooks(
-            request_trace=self.trace_next_step, last_trace=lambda: self.last_trace, switch=self._use_plan,
+            # a trace the script asked for (with a path) serves as well as one of our own
+            request_trace=lambda: self.trace_next_step() if self._trace_request is None else None,
+            last_trace=lambda: self.last_trace, switch=self._use_plan,
             profile_of=self._profile_of, on_rank0=self._on_rank0,
             plan_from=lambda profile: plan_from_measurements(self._config, self.tiers, profile),
             say=lambda line: print(line) if self.global_rank == 0 else None,
@@ -282,7 +284,8 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError("config 'lazytrain.policy' \"auto\" needs 'lazytrain.seq_len' (no token ids were "
                               "seen in the traced forwards to read it from)")
         return measured.MachineProfile(
-            costs=measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}"),
+            costs=measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
+                                                     micro_batches=self.gradient_accumulation_steps()),
             links_gbps=measured.link_bandwidths(traces), model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device))
 

@@ -68,18 +68,24 @@ class MeasuredCosts:
             raise MeasurementError(f"measured costs: {e}") from e
 
     @classmethod
-    def from_traces(cls, traces: list, num_layers: int, source: str = "measured") -> "MeasuredCosts":
+    def from_traces(cls, traces: list, num_layers: int, source: str = "measured",
+                    micro_batches: int = 1) -> "MeasuredCosts":
         """The medians over traced steps. Each layer must have a plain forward and a re-run with autograd
-        (a ``diff`` span) followed by its backward (``bwd``): trace a plan that keeps every boundary."""
+        (a ``diff`` span) followed by its backward (``bwd``): trace a plan that keeps every boundary. With
+        gradient accumulation a step runs ``micro_batches`` forwards and backwards: the compute times are
+        per micro-batch (as the cost model counts them), the updates and the host phase per step."""
         if not traces:
             raise MeasurementError("no traced step to measure from")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise MeasurementError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         per_step = [_one_step(t, num_layers) for t in traces]
 
-        def med(key, i=None):
-            return statistics.median(s[key] if i is None else s[key][i] for s in per_step)
-        return cls(fwd_s=tuple(med("fwd", i) for i in range(num_layers)),
-                   diff_s=tuple(med("diff", i) for i in range(num_layers)),
-                   nonlayer_s=med("nonlayer"), step_s=med("step"),
+        def med(key, i=None, per=1):
+            return statistics.median(s[key] if i is None else s[key][i] for s in per_step) / per
+        k = micro_batches
+        return cls(fwd_s=tuple(med("fwd", i, k) for i in range(num_layers)),
+                   diff_s=tuple(med("diff", i, k) for i in range(num_layers)),
+                   nonlayer_s=med("nonlayer", per=k), step_s=med("step"),
                    update_s=tuple(med("update", i) for i in range(num_layers)), source=source)
 
 
