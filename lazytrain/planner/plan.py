@@ -19,6 +19,12 @@ Conventions (shared by the executor and the simulator):
   for RMSNorm's backward) and (when weights are streamed) its own copy of its weights stay on the
   device from its forward window j to its backward window 2L-1-j: the
   later the layer, the shorter that is. The segment has no length limit (it can be the whole stack).
+- ``selective_layers``: layers whose forward keeps the outputs of its matrix multiplies and attention
+  (torch.utils.checkpoint's selective policy), so that its re-runs in backward (the no-grad recompute of
+  a segment's interior, and the forward with autograd before its backward) recompute only the other ops
+  (norms, activations, elementwise: little time). Those outputs stay on the device from the layer's
+  forward window j to its backward window 2L-1-j. Only layers below the graph tail (a graph layer keeps
+  everything already).
 - ``offload_window[i]``: window in which boundary i leaves the device for its home (>= i, since
   boundary i is produced at the end of window i-1; < need_window). ``prefetch_window[i]``: window in
   which it is copied back (> offload window, <= need window; == need window means it is exposed).
@@ -54,10 +60,12 @@ class Plan:
     # its weights are updated and copied; False: the next step waits for the whole update (MegaTrain).
     overlap_optimizer: bool = True
     last_segment_graph: bool = False            # see the module docstring
+    selective_layers: tuple[int, ...] = ()      # see the module docstring
 
     def __post_init__(self):
         object.__setattr__(self, "homes", tuple(self.homes))
         object.__setattr__(self, "resident_layers", tuple(sorted(set(self.resident_layers))))
+        object.__setattr__(self, "selective_layers", tuple(sorted(set(self.selective_layers))))
         object.__setattr__(self, "offload_window", {int(k): int(v) for k, v in self.offload_window.items()})
         object.__setattr__(self, "prefetch_window", {int(k): int(v) for k, v in self.prefetch_window.items()})
         self.validate()
@@ -138,6 +146,12 @@ class Plan:
                 raise PlanError(f"prefetch_window[{b}] = {w} must lie in [{lo}, {hi}]")
         if not isinstance(self.last_segment_graph, bool):
             raise PlanError(f"last_segment_graph must be true or false, got {self.last_segment_graph!r}")
+        g = self.graph_start() if L else 0
+        for layer in self.selective_layers:
+            if not 0 <= layer < g:
+                raise PlanError(f"selective_layers holds {layer}: a selective layer must be re-run in backward, "
+                                f"so lie in 0..{g - 1}" + (f" (layers {g}..{L - 1} keep their forward graph)"
+                                                           if g < L else ""))
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise PlanError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
 
@@ -150,6 +164,7 @@ class Plan:
         d = asdict(self)
         d["homes"] = list(self.homes)
         d["resident_layers"] = list(self.resident_layers)
+        d["selective_layers"] = list(self.selective_layers)
         d["offload_window"] = {str(k): v for k, v in sorted(self.offload_window.items())}
         d["prefetch_window"] = {str(k): v for k, v in sorted(self.prefetch_window.items())}
         return d
@@ -165,7 +180,7 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         known = {"num_layers", "homes", "offload_window", "prefetch_window", "resident_layers",
                  "micro_batch_size", "seq_len", "policy", "prediction", "overlap_optimizer",
-                 "last_segment_graph"}
+                 "last_segment_graph", "selective_layers"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise PlanError(f"unknown Plan field(s): {', '.join(unknown)}")
@@ -219,11 +234,12 @@ def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
             if key is None or _whole(v) is None:
                 raise PlanError(f"Plan field {name!r} must map boundary numbers to window numbers, got {k!r}: {v!r}")
             out[name][key] = _whole(v)
-    resident = d.get("resident_layers", ())
-    layers = [_whole(x) for x in resident] if isinstance(resident, (list, tuple)) else [None]
-    if None in layers:
-        raise bad("resident_layers", "a list of layer numbers", resident)
-    out["resident_layers"] = tuple(layers)
+    for name in ("resident_layers", "selective_layers"):
+        given = d.get(name, ())
+        layers = [_whole(x) for x in given] if isinstance(given, (list, tuple)) else [None]
+        if None in layers:
+            raise bad(name, "a list of layer numbers", given)
+        out[name] = tuple(layers)
     for name in ("micro_batch_size", "seq_len"):
         if d.get(name) is not None:
             out[name] = _whole(d[name])
