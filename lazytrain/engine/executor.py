@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
+from .selective import SelectiveForward
 from .weight_stream import WeightStream
 from .weights import LayerWeights
 
@@ -109,6 +110,7 @@ class _Pass:
     unchained: dict[int, torch.Tensor] = field(default_factory=dict)     # layer -> its input, when that is not
                                                                          # the previous block's output
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
+    kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
     released: bool = False                                               # its backward has run to block 0
 
 
@@ -139,6 +141,7 @@ class LayerStreamingExecutor:
         self._warned_container_tensor = False
         self._block_added = weakref.WeakSet()   # tensors blocks put into lists/dicts they were handed
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
+        self.selective = frozenset(plan.selective_layers)   # layers whose forward keeps matmul outputs
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
         # the anchor's gradient accumulator runs exactly when a backward accumulates into leaves' .grad
@@ -196,8 +199,10 @@ class LayerStreamingExecutor:
 
     # ---- running a block ---------------------------------------------------------------------
     def _compute(self, layer: int, flat: torch.Tensor, hidden: torch.Tensor, call: _LayerCall,
-                 tensors: list | None = None, requires_grad: bool = False, replay: bool = False):
-        """Run block ``layer`` on ``flat`` weights; ``replay``: a re-run, with its forward's random state."""
+                 tensors: list | None = None, requires_grad: bool = False, replay: bool = False,
+                 kept=nullcontext()):
+        """Run block ``layer`` on ``flat`` weights; ``replay``: a re-run, with its forward's random state;
+        ``kept``: the selective cache that records (forward) or serves (re-run) its kept outputs."""
         params = self.weights.views(flat, layer, requires_grad)
         leaves = list(call.leaves)
         if tensors is not None:
@@ -214,7 +219,7 @@ class LayerStreamingExecutor:
         kind = "fwd" if not replay else ("diff" if requires_grad else "recompute")
         with streams.compute_span(f"{kind} L{layer}", self.device), \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
-                _reparametrize_module(block, params):
+                _reparametrize_module(block, params), kept:
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
         return out, params
 
@@ -399,12 +404,39 @@ class LayerStreamingExecutor:
             x = x.to(self.device)
         return x
 
+    def _selective_forward(self, p: _Pass, layer: int):
+        """The cache a selective layer's forward records into (its kept outputs counted on the device tier
+        until its backward); no cache for other layers."""
+        if layer not in self.selective:
+            return nullcontext()
+        s, e = self._segment_of[layer]
+        reruns = 1 if layer == e - 1 or self._keeps_segment_graph(s, e) else 2   # + the no-grad recompute
+        return self._counted(p, layer, SelectiveForward(reruns))
+
+    @contextmanager
+    def _counted(self, p: _Pass, layer: int, kept: SelectiveForward):
+        with kept.recording():
+            yield
+        keys = [f"{self._key(p, layer)}.kept{k}" for k in range(len(kept.tensors()))]
+        for key, t in zip(keys, kept.tensors()):
+            self._put(p, DEVICE_HOME, key, t, owned=True)
+        p.kept_outputs[layer] = (kept, keys)
+
+    def _selective_rerun(self, p: _Pass, layer: int):
+        kept = p.kept_outputs.get(layer)
+        return kept[0].next_rerun() if kept is not None else nullcontext()
+
+    def _drop_kept_outputs(self, p: _Pass, layer: int) -> None:
+        _, keys = p.kept_outputs.pop(layer, (None, ()))
+        for key in keys:
+            self._drop(p, DEVICE_HOME, key)
+
     def _recompute_segment(self, p: _Pass, s: int, e: int) -> None:
         x = self._boundary(p, s)
         with torch.no_grad():
             for j in range(s, e - 1):
                 flat = self._acquire(j)
-                out, _ = self._compute(j, flat, x, p.calls[j], replay=True)
+                out, _ = self._compute(j, flat, x, p.calls[j], replay=True, kept=self._selective_rerun(p, j))
                 if j + 1 in p.unchained:
                     x = p.unchained[j + 1]
                 else:
@@ -441,10 +473,12 @@ class LayerStreamingExecutor:
             flat = flat.clone()
             self._put(p, DEVICE_HOME, self._key(p, layer) + ".weights", flat, owned=True)
         with torch.enable_grad():
-            out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True, replay=not keep)
+            out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True, replay=not keep,
+                                        kept=nullcontext() if keep else self._selective_rerun(p, layer))
         return x_in, out, params, t_in
 
     def _free_boundary(self, p: _Pass, i: int) -> None:
+        self._drop_kept_outputs(p, i)   # layer i is differentiated: its selective cache is spent
         home = self.plan.homes[i]
         key = self._key(p, i)
         if i >= self.graph_start:          # a graph layer: only its own weight copy, if it made one
@@ -538,6 +572,7 @@ class LayerStreamingExecutor:
         p.calls.clear()
         p.unchained.clear()
         p.shared_writers.clear()
+        p.kept_outputs.clear()
         if self._current is p:
             self._current = None
 
@@ -568,7 +603,7 @@ class _BlockFunction(torch.autograd.Function):
                 tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
         else:
             flat = executor._acquire(layer)
-            out, _ = executor._compute(layer, flat, hidden, p.calls[layer])
+            out, _ = executor._compute(layer, flat, hidden, p.calls[layer], kept=executor._selective_forward(p, layer))
         if isinstance(out, torch.Tensor):
             return (out,)
         p.returned_tuple.add(layer)   # the model indexes it (layer_outputs[0]): hand back a tuple too

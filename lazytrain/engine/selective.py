@@ -1,0 +1,68 @@
+"""Selective checkpointing of one streamed block: the outputs of its matrix multiplies and attention kept
+from its forward, so that its re-runs in backward recompute only the rest.
+
+Why: re-running a block in backward costs a whole forward, nearly all of it in matrix multiplies and
+attention; keeping a whole block's autograd internals instead costs their memory until its backward.
+Between the two, torch.utils.checkpoint's selective policy keeps the outputs of the expensive ops (about
+half the internals) and recomputes the cheap ones (norms, activations, elementwise). A Plan's
+``selective_layers`` name the blocks that do this. LazyTrain runs a block's forward without autograd and
+re-runs it once or twice in backward (the no-grad recompute of a segment's interior, then the forward with
+autograd before its backward), so the forward records one cache per re-run (the same tensors, held once).
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+# what a selective block keeps: the outputs of these ops (those this torch build has)
+KEPT_OPS = tuple(getattr(getattr(_aten, name), "default") for name in (
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+) if hasattr(_aten, name))
+
+
+class SelectiveForward:
+    """The kept outputs of one block's forward, for ``reruns`` re-runs (each consumes its own cache)."""
+
+    def __init__(self, reruns: int):
+        if reruns < 1:
+            raise ValueError(f"a selective block is re-run at least once, got {reruns}")
+        self._pairs = [create_selective_checkpoint_contexts(list(KEPT_OPS)) for _ in range(reruns)]
+        self._used = 0
+
+    @contextmanager
+    def recording(self):
+        """Run the block's forward inside this: every cache records the kept ops' outputs."""
+        with ExitStack() as stack:
+            for caching, _ in self._pairs:
+                stack.enter_context(caching)
+            yield
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The kept outputs, each storage once (the caches share them)."""
+        out, seen = [], set()
+        for caching, _ in self._pairs:
+            for entries in caching.storage.values():
+                for leaf in tree_leaves(list(entries.values())):
+                    t = getattr(leaf, "val", None)
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                        seen.add(t.untyped_storage().data_ptr())
+                        out.append(t)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+    def next_rerun(self):
+        """The context of the next re-run: the kept ops return their forward's outputs in it."""
+        if self._used == len(self._pairs):
+            raise RuntimeError(f"a selective block was re-run more than the {len(self._pairs)} time(s) its "
+                               f"forward kept outputs for")
+        _, cached = self._pairs[self._used]
+        self._used += 1
+        return cached

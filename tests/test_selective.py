@@ -1,0 +1,115 @@
+"""Selective layers (a Plan's ``selective_layers``): the forward keeps the outputs of a block's matrix
+multiplies and attention, its re-runs in backward take them instead of recomputing them. The training is
+bit for bit the same plan's without them, on the paths that re-run a block once (the CPU records a
+segment's graph in one pass) and twice (weights copied over emulated links: a no-grad recompute, then the
+forward with autograd), and what is kept is counted on the device tier until the layer's backward."""
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.engine.selective import SelectiveForward
+from lazytrain.planner.plan import PlanError, every_k_plan
+from lazytrain.tiers import streams
+from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
+LINKS = {"copy_threads": True, "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
+
+
+@pytest.fixture(autouse=True)
+def _calm_transfers_after():
+    yield
+    streams.configure()
+
+
+def _engine(tmp_path, kind, selective, links, accumulation=1):
+    plan = dataclasses.replace(every_k_plan(6, 3, home="host"), selective_layers=selective)
+    path = tmp_path / f"plan-{len(selective)}.json"
+    plan.to_json(str(path))
+    lt = {"policy": "plan", "plan": str(path), "device": "cpu"}
+    if links:
+        lt["testing"] = LINKS
+    cfg = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * accumulation, "steps_per_print": 10**9,
+           "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": lt}
+    engine, _, _, _ = lazytrain.initialize(model=make_model(kind), config=cfg)
+    return engine
+
+
+def _train(engine, data):
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    weights = engine.module_state_dict()
+    engine.destroy()
+    return weights
+
+
+@pytest.mark.parametrize("kind", ["llama", "decoder"])
+@pytest.mark.parametrize("links", [False, True], ids=["one-re-run", "two-re-runs"])
+def test_selective_layers_train_bit_for_bit_as_the_plan_without_them(tmp_path, kind, links):
+    data = batches(4)
+    plain = _train(_engine(tmp_path, kind, (), links), data)
+    selective = _train(_engine(tmp_path, kind, (0, 1, 2, 4), links), data)
+    for k, v in plain.items():
+        assert torch.equal(selective[k], v), k
+    model = make_model(kind)
+    model.load_state_dict(selective)
+    assert max_rel_diff(model, reference_train(make_model(kind), data)) < 1e-4   # the engine's usual parity
+
+
+def test_with_gradient_accumulation_each_micro_batch_keeps_its_own_outputs(tmp_path):
+    data = batches(4)
+    plain = _train(_engine(tmp_path, "llama", (), True, accumulation=2), data)
+    selective = _train(_engine(tmp_path, "llama", (0, 1, 3, 4), True, accumulation=2), data)
+    for k, v in plain.items():
+        assert torch.equal(selective[k], v), k
+
+
+# one llama layer (hidden 32, 4 heads of 8, 2 kv heads, MLP 64) on 2 x 12 tokens, fp32: the outputs of
+# q, k, v, o, gate, up and down projections (24 x (32+16+16+32+64+64+32) elements), attention's output
+# (2 x 4 x 12 x 8) and its log-sum-exp (2 x 4 x 12)
+KEPT_PER_LAYER = 4 * (24 * 256 + 768 + 96)
+
+
+def test_what_a_selective_layer_keeps_is_counted_on_the_device_until_its_backward(tmp_path):
+    engines = {n: _engine(tmp_path, "llama", sel, False) for n, sel in (("plain", ()), ("selective", (0, 1, 4)))}
+    x, y = batches(1)[0]
+    used = {}
+    for name, engine in engines.items():
+        loss = lm_loss(engine(x), y)
+        used[name] = engine.tiers["hbm"].stats()["used_bytes"]   # after the forward, before its backward
+        engine.backward(loss)
+        used[name + " after"] = engine.tiers["hbm"].stats()["used_bytes"]
+        engine.step()
+        engine.destroy()
+    assert used["selective"] - used["plain"] == 3 * KEPT_PER_LAYER
+    assert used["selective after"] == used["plain after"]          # freed with each layer's backward
+
+
+def test_a_selective_forward_keeps_matmul_and_attention_outputs_for_each_re_run():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 3, 8)
+    kept = SelectiveForward(reruns=2)
+    with torch.no_grad(), kept.recording():
+        q = torch.relu(lin(x)).view(2, 1, 3, 8)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert sorted(tuple(t.shape) for t in kept.tensors()) == [(2, 1, 3), (2, 1, 3, 8), (6, 8)]   # once each
+    for _ in range(2):   # each re-run takes the kept outputs, with autograd recording through them
+        with kept.next_rerun():
+            out = lin(x.requires_grad_())
+        out.sum().backward()
+    with pytest.raises(RuntimeError, match="re-run more than the 2 time"):
+        kept.next_rerun()
+
+
+def test_a_selective_layer_must_be_one_that_backward_re_runs():
+    plan = every_k_plan(6, 3, home="host")
+    with pytest.raises(PlanError, match=r"selective_layers holds 4: a selective layer must be re-run in backward, "
+                                        r"so lie in 0\.\.2 \(layers 3\.\.5 keep their forward graph\)"):
+        dataclasses.replace(plan, last_segment_graph=True, selective_layers=(4,))
+    with pytest.raises(PlanError, match=r"selective_layers holds 6"):
+        dataclasses.replace(plan, selective_layers=(6,))
