@@ -29,7 +29,7 @@ import test_deepspeed_export as single  # noqa: E402
 pytestmark = [pytest.mark.filterwarnings("ignore:lazytrain"),
               pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
 RANKS = 2
-NAMES = ["stage1_fp32", "stage2_bf16_8bit_moments", "stage3_bf16"]
+NAMES = ["stage1_fp32", "stage2_fp32_aligned", "stage2_bf16_8bit_moments", "stage3_bf16"]
 
 
 def _lazytrain_rank(rank, port, root):
@@ -100,10 +100,14 @@ def test_each_rank_writes_its_share_in_deepspeeds_layout(exported, name):
               for r in range(RANKS)]
     if stage < 3:
         assert all(s["partition_count"] == [RANKS] * len(s["single_partition_of_fp32_groups"]) for s in shares)
-        sizes = [[t.numel() for t in s["single_partition_of_fp32_groups"]] for s in shares]
-        assert sizes[0] == sizes[1]   # an equal share of every group
-        total = sum(n for s in model["param_shapes"] for n in (torch.Size(v).numel() for v in s.values()))
-        assert total <= sum(sizes[0]) * RANKS < total + 2 * RANKS * len(sizes[0]) + 64
+        # an equal share of every group, each rank's fp32 partition saved without the padding at its end
+        shares_padded = [[t.numel() + pad for t, pad in zip(s["single_partition_of_fp32_groups"], s["group_paddings"])]
+                         for s in shares]
+        assert shares_padded[0] == shares_padded[1]
+        for g, shapes in enumerate(model["param_shapes"]):
+            numel = sum(torch.Size(v).numel() for v in shapes.values()) + sum(shares[0]["param_alignment_paddings"][g])
+            assert sum(s["single_partition_of_fp32_groups"][g].numel() for s in shares) == numel
+            assert sum(s["group_paddings"][g] for s in shares) == shares_padded[0][g] * RANKS - numel
 
 
 @pytest.mark.parametrize("name", NAMES)

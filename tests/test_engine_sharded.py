@@ -57,9 +57,9 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
         gather = sharded_checkpoint.gather_pieces
 
         def counting(*args):
-            pieces = gather(*args)
+            pieces, error = gather(*args)
             result["gathered_bytes"] = sum(t.numel() * t.element_size() for t in pieces.values())
-            return pieces
+            return pieces, error
         sharded_checkpoint.gather_pieces = counting
         engine.save_checkpoint(save_dir, tag="t")
         sharded_checkpoint.gather_pieces = gather
@@ -324,17 +324,24 @@ def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_r
 
 
 def _failing_save_worker(rank, port, out_dir, how):
-    """Saves tag "t" twice; the second save fails on rank 1: its disk fills while it writes its part
-    ("full"), or its save_dir is not the directory rank 0 made ("not-shared", as nodes with disks of their
-    own)."""
+    """Saves tag "t" twice; the second save fails on rank 1, at each of its phases: its optimizer state
+    cannot be read ("summaries"), a range another rank needs from it cannot be served ("serve"), its files
+    cannot be laid out ("layout"), its disk fills while it writes ("full"), its save_dir is not the
+    directory rank 0 made ("not-shared", nodes with disks of their own), or it is a directory where an
+    interrupted save left a staging directory of the same tag ("stale-staging")."""
     import errno
+    import time
     import warnings
     join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     import lazytrain
     from lazytrain.engine import checkpoint as ckpt
+    from lazytrain.engine import deepspeed_layout
     torch.set_num_threads(1)
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(2, 2, False))
+    ckpt.SHARED_DIR_PATIENCE_S = 0.5
+    cfg = _config(2, 2, False)
+    cfg["lazytrain"]["collective_timeout_s"] = 60
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     part = slice(2 * rank, 2 * rank + 2)
     for x, y in batches(2, batch=GLOBAL):
         engine.backward(lm_loss(engine(x[part]), y[part]))
@@ -343,37 +350,65 @@ def _failing_save_worker(rank, port, out_dir, how):
             engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
             first = engine.module_state_dict()
     save_dir = os.path.join(out_dir, "ckpt")
-    if rank == 1 and how == "full":
-        def full(path):
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        ckpt._open_for_write = full
-    if rank == 1 and how == "not-shared":
-        save_dir = os.path.join(out_dir, "ckpt-of-node-1")
+    if rank == 1:
+        def broken(*args, **kwargs):
+            raise MemoryError(f"{how} broke on rank 1")
+        if how == "full":
+            def full(path):
+                raise OSError(errno.ENOSPC, "No space left on device", path)
+            ckpt._open_for_write = full
+        elif how in ("summaries", "serve"):
+            setattr(deepspeed_layout.Writer, how, broken)
+        elif how == "layout":
+            deepspeed_layout.Writer._stage12 = broken
+        elif how == "not-shared":
+            save_dir = os.path.join(out_dir, "ckpt-of-node-1")
+        elif how == "stale-staging":
+            save_dir = os.path.join(out_dir, "ckpt-of-node-1")
+            os.makedirs(ckpt.staging_dir(save_dir, "t"))
+    t0 = time.monotonic()
     try:
         engine.save_checkpoint(save_dir, tag="t")
         outcome = "saved"
     except Exception as e:   # noqa: BLE001 - the test's subject
         outcome = f"{type(e).__name__}: {e}"
-    torch.save({"outcome": outcome, "first": first}, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save({"outcome": outcome, "first": first, "waited": time.monotonic() - t0},
+               os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("how", ["full", "not-shared"])
-def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previous_tag(tmp_path, how):
+FAILED_ON_ANOTHER = "CheckpointError: save_checkpoint of tag 't' to {dir} failed on another rank ({who}): see its error"
+
+
+@pytest.mark.parametrize("how,rank1,rank0_who", [
+    ("summaries", "MemoryError: summaries broke on rank 1", "every rank prepares its part"),
+    ("serve", "MemoryError: serve broke on rank 1", "every rank gathers its part"),
+    ("layout", "MemoryError: layout broke on rank 1", "every rank gathers its part"),
+    ("full", "CheckpointSpaceError: not enough space to save checkpoint tag 't'", "every rank writes its part"),
+    ("not-shared", "CheckpointError: save_checkpoint: rank 1 does not see ", "every rank writes its part"),
+    ("stale-staging", None, None),
+])
+def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previous_tag(tmp_path, how, rank1,
+                                                                                              rank0_who):
     mp.spawn(_failing_save_worker, args=(free_port(), str(tmp_path), how), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt")["outcome"] for r in (0, 1))
-    first = torch.load(tmp_path / "rank0.pt")["first"]
-    if how == "full":
-        assert r1.startswith("CheckpointSpaceError: not enough space to save checkpoint tag 't'"), r1
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    if how == "stale-staging":   # rank 1 wrote into a directory rank 0 does not see: rank 0 finds its files missing
+        assert r0["outcome"].startswith(f"CheckpointError: saving checkpoint tag 't' to {tmp_path / 'ckpt'}: "
+                                        f"zero_pp_rank_1_mp_rank_00_optim_states.pt ("), r0["outcome"]
+        assert r0["outcome"].endswith("the ranks did not write into one directory (save_dir must be on a file "
+                                      "system every rank sees); the previous checkpoint is left as it was")
+        assert r1["outcome"] == FAILED_ON_ANOTHER.format(dir=tmp_path / "ckpt-of-node-1",
+                                                         who="rank 0 puts the tag in place")
     else:
-        assert r1.startswith("CheckpointError: save_checkpoint: rank 1 does not see ") and \
-            r1.endswith("save_dir must be on a file system every rank sees"), r1
-    assert r0 == f"CheckpointError: save_checkpoint of tag 't' to {tmp_path / 'ckpt'} failed on another rank " \
-                 f"(every rank writes its part): see its error"
+        assert r1["outcome"].startswith(rank1), r1["outcome"]
+        assert r0["outcome"] == FAILED_ON_ANOTHER.format(dir=tmp_path / "ckpt", who=rank0_who)
+    if how == "not-shared":
+        assert r1["outcome"].endswith("save_dir must be on a file system every rank sees"), r1["outcome"]
+    assert r0["waited"] < 20 and r1["waited"] < 20                   # every rank told, none left to time out
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "t"]   # no staging left behind
     loaded = run(1, tmp_path, steps=[], load_dir=str(tmp_path / "ckpt"))[0]   # the first save, whole
-    assert loaded["weights"].keys() == first.keys()
-    assert all(torch.equal(loaded["weights"][k], v) for k, v in first.items())
+    assert loaded["weights"].keys() == r0["first"].keys()
+    assert all(torch.equal(loaded["weights"][k], v) for k, v in r0["first"].items())
 
 
 def _group_adding_worker(rank, port, out_dir):

@@ -28,6 +28,7 @@ import os
 import pickle
 import shutil
 import struct
+import time
 import types
 import warnings
 import zipfile
@@ -110,6 +111,24 @@ def staging_dir(save_dir: str, tag: str) -> str:
     return _aside(save_dir, tag, _STAGING)
 
 
+SHARED_DIR_PATIENCE_S = 10.0   # how long a rank looks for the staging directory rank 0 made
+
+
+def wait_to_see(staging: str, who: str) -> None:
+    """The staging directory another process made, once this one sees it (a shared file system may show a
+    new directory to other machines a moment late); else an error saying what the save needs."""
+    patience_s = SHARED_DIR_PATIENCE_S
+    deadline = time.monotonic() + patience_s
+    delay = 0.05
+    while not os.path.isdir(staging):
+        if time.monotonic() >= deadline:
+            raise CheckpointError(f"{who} does not see {staging}, which rank 0 made {patience_s:g} s ago: with the "
+                                  f"optimizer state sharded every rank writes its part of the checkpoint, so "
+                                  f"save_dir must be on a file system every rank sees")
+        time.sleep(delay)
+        delay = min(2 * delay, 1.0)
+
+
 def write_files(save_dir: str, tag: str, staging: str, files: dict[str, object]) -> dict[str, int]:
     """Write ``files`` into the staging directory, each fsynced; returns their sizes. A failure says what
     and removes nothing (:func:`abort` does, once no rank writes there any more)."""
@@ -129,6 +148,13 @@ def finish(save_dir: str, tag: str, staging: str, sizes: dict[str, int], save_la
     """Complete a save whose files are all in ``staging``: the manifest last, then the tag put in place
     and ``latest`` pointed at it."""
     try:
+        for name, size in sizes.items():   # every file, as its writer wrote it (several ranks may write here)
+            path = os.path.join(staging, name)
+            if not os.path.isfile(path) or os.path.getsize(path) != size:
+                raise CheckpointError(
+                    f"saving checkpoint tag {tag!r} to {save_dir}: {name} ({size} bytes as written) is not in "
+                    f"{staging}: the ranks did not write into one directory (save_dir must be on a file system "
+                    f"every rank sees); the previous checkpoint is left as it was")
         _warn_if_unsafe(staging, tag)
         _write_json(os.path.join(staging, MANIFEST), {"format": FORMAT, "version": 1, "tag": tag, "files": sizes})
         _fsync_dir(staging)

@@ -566,8 +566,8 @@ class Writer:
             pads.append(pad)
             offset += pad
         alignment = 2 * self.world   # nccl_start_alignment_factor (2) x ranks
-        most = sum(p.numel() for p in ps) + sum((-p.numel()) % param_alignment for p in ps)
-        return offsets, pads, offset, math.ceil(most / alignment) * alignment
+        # DeepSpeed's flat buffer (flatten_dense_tensors_aligned): no padding after the last parameter
+        return offsets, pads, offset, math.ceil(offset / alignment) * alignment
 
     def _segments(self, ps, pads, tail: int, lo: int, hi: int) -> list:
         """The flat group ``ps`` (each followed by its padding, then ``tail`` zeros) within ``[lo, hi)``:
@@ -654,9 +654,11 @@ class Writer:
             offsets, pads, padded, _ = self._stage12_layout(ps)
             lo = self.rank * part
             # DeepSpeed's groups_padding: what of this rank's partition lies past the group's elements
-            group_pads.append(part if padded <= lo else lo + part - padded if padded < lo + part else 0)
+            pad = part if padded <= lo else lo + part - padded if padded < lo + part else 0
+            group_pads.append(pad)
             param_pads.append(pads)
-            fp32.append(self._flat_masters(segments, part))
+            # the fp32 partition without its padding, as DeepSpeed saves it (the moments keep theirs)
+            fp32.append(self._flat_masters(_without_tail(segments, pad), part - pad))
             st = self._flat_state(ps, segments, part)
             if st is not None:
                 base_state[i] = st
@@ -769,6 +771,20 @@ def _range(pieces, start: int, length: int) -> torch.Tensor:
         if offset >= start + length:
             break
     return torch.cat(out) if len(out) != 1 else out[0].clone()
+
+
+def _without_tail(segments: list, n: int) -> list:
+    """``segments`` less their last ``n`` elements, which are padding (ints)."""
+    out = list(segments)
+    while n:
+        if not out or not isinstance(out[-1], int):
+            raise AssertionError("a partition's padding is not at its end")
+        drop = min(n, out[-1])
+        n -= drop
+        out[-1] -= drop
+        if not out[-1]:
+            out.pop()
+    return out
 
 
 def _exact_moment(value, held, p) -> bool:

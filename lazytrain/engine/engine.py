@@ -1102,31 +1102,54 @@ class LazyTrainEngine(nn.Module):
         raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank "
                                    f"({who}): see its error")
 
+    def _fail_together(self, error: BaseException | None, succeeded: list[bool], tag: str, save_dir: str,
+                       who: str) -> None:
+        """After a gather that told every rank each rank's outcome: a failure anywhere is raised everywhere
+        (its own error where it failed), before any rank enters a collective the failed one would miss."""
+        if all(succeeded):
+            return
+        if error is not None:
+            raise error
+        raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank "
+                                   f"({who}): see its error")
+
     def _save_sharded(self, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
                       exclude_frozen: bool) -> bool:
         """Each rank writes its part of DeepSpeed's layout for this many ranks (sharded_checkpoint.py) into
-        one staging directory, which rank 0 puts in place once every part is written."""
-        files, error, staging = {}, None, ckpt.staging_dir(save_dir, tag)
+        one staging directory, which rank 0 puts in place once every part is written. Each phase ends with
+        every rank learning whether every rank's part succeeded: a failure on one rank fails every rank at
+        once with its own error, and no rank waits in a collective the failed one never reaches."""
+        staging = ckpt.staging_dir(save_dir, tag)
+        writer, summaries, error = None, {}, None
         try:
-            files = self._sharded_writer(client_state, exclude_frozen).files()
-        except CollectiveError:
-            raise   # names the collective; the ranks cannot agree on anything else now
-        except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
+            writer = self._sharded_writer(client_state, exclude_frozen)
+            summaries = writer.summaries()
+        except Exception as e:   # noqa: BLE001 - every rank hears of it, then it is raised here
             error = e
-        need = self.dist.all_gather_object(ckpt.files_bytes(files), "sizes of the ranks' checkpoint files")
-        if self.global_rank == 0 and error is None:
+        told = self.dist.all_gather_object((error is None, summaries),
+                                           "exchange of optimizer state steps for save_checkpoint")
+        self._fail_together(error, [ok for ok, _ in told], tag, save_dir, "every rank prepares its part")
+        writer.x.summaries = {name: st for _, part in told for name, st in part.items()}
+        pieces, error = sharded_ckpt.gather_pieces(writer, self._holder_of_pieces(), self.dist)
+        files = {}
+        if error is None:
+            writer.x.pieces = pieces
             try:
-                ckpt.begin(save_dir, tag, sum(need))
+                files = writer.files()
+            except Exception as e:   # noqa: BLE001
+                error = e
+        told = self.dist.all_gather_object((error is None, ckpt.files_bytes(files)),
+                                           "sizes of the ranks' checkpoint files")
+        self._fail_together(error, [ok for ok, _ in told], tag, save_dir, "every rank gathers its part")
+        if self.global_rank == 0:
+            try:
+                ckpt.begin(save_dir, tag, sum(n for _, n in told))
             except Exception as e:   # noqa: BLE001
                 error = e
         self._agree_on_save(error, tag, save_dir, "rank 0 prepares the directory")
         sizes = {}
         try:
-            if not os.path.isdir(staging):
-                raise ckpt.CheckpointError(
-                    f"save_checkpoint: rank {self.global_rank} does not see {staging}, which rank 0 made: with the "
-                    f"optimizer state sharded every rank writes its part of the checkpoint, so save_dir must be on "
-                    f"a file system every rank sees")
+            ckpt.wait_to_see(staging, f"save_checkpoint: rank {self.global_rank}")
             sizes = ckpt.write_files(save_dir, tag, staging, files)
         except Exception as e:   # noqa: BLE001
             error = e
@@ -1140,7 +1163,7 @@ class LazyTrainEngine(nn.Module):
         for part in self.dist.all_gather_object(sizes, "sizes of the ranks' checkpoint files"):
             written.update(part)
         if self.global_rank == 0:
-            try:
+            try:   # it checks that every rank's files are there, as written, before the tag changes
                 ckpt.finish(save_dir, tag, staging, written, save_latest)
             except Exception as e:   # noqa: BLE001
                 error = e
@@ -1148,20 +1171,24 @@ class LazyTrainEngine(nn.Module):
         return True
 
     def _sharded_writer(self, client_state: dict | None, exclude_frozen: bool) -> ds_layout.Writer:
-        """This rank's writer of a sharded checkpoint, with the others' state summaries and the ranges of
-        fp32 values its files hold gathered from their holders (collectives: every rank calls it)."""
-        masters = self.masters.by_param if self.masters is not None else {}
+        """This rank's writer of a sharded checkpoint (its Export without the others' summaries and the
+        gathered pieces yet, which :meth:`_save_sharded` adds)."""
         whole = self._all_whole_groups()
         export = dataclasses.replace(
             self._export(client_state, exclude_frozen), rank=self.global_rank, world=self.world_size,
             groups=[{**g, "params": w["params"]} for g, w in zip(self.optimizer.param_groups, whole)],
             whole_index=sharding.whole_indices(whole, self.shards),
             whole_param_groups=sharding.whole_param_groups(self.optimizer.state_dict(), whole))
-        writer = ds_layout.Writer(export)
-        export.summaries = sharded_ckpt.all_summaries(writer, self.dist)
+        return ds_layout.Writer(export)
+
+    def _holder_of_pieces(self):
+        """need -> the rank that holds its fp32 values: a moment's owner; fp32 weights here when this rank
+        has them, else the owner of their layer."""
+        masters = self.masters.by_param if self.masters is not None else {}
         layer_of = {id(p): i for i, params in enumerate(self.weights.params) for p in params}
         params = dict(self.module.named_parameters())
-        params.update((self._param_names[id(p)], p) for g in whole for p in g["params"] if id(p) in self._param_names)
+        params.update((self._param_names[id(p)], p) for g in self._all_whole_groups() for p in g["params"]
+                      if id(p) in self._param_names)
 
         def holder(need: ds_layout.Need) -> int:
             p = params[need.name]
@@ -1172,8 +1199,7 @@ class LazyTrainEngine(nn.Module):
             if id(p) in layer_of:
                 return self.shards.layer_owner[layer_of[id(p)]]                 # the owner of the layer's
             return self.shards.param_owner.get(id(p), self.global_rank)
-        export.pieces = sharded_ckpt.gather_pieces(writer, holder, self.dist)
-        return writer
+        return holder
 
     def _export(self, client_state: dict | None, exclude_frozen: bool) -> ds_layout.Export:
         """This engine's state for a checkpoint in DeepSpeed's layout (deepspeed_layout.py); a sharded save

@@ -23,33 +23,40 @@ from .deepspeed_layout import Need, Writer
 from .distributed import DistributedContext
 
 
-def gather_pieces(writer: Writer, holder: Callable[[Need], int], dist: DistributedContext) -> dict:
+def gather_pieces(writer: Writer, holder: Callable[[Need], int],
+                  dist: DistributedContext) -> tuple[dict, BaseException | None]:
     """``(name, key, start) -> fp32 values`` of every range ``writer`` needs, from the rank ``holder`` names
-    for it (this rank's own served here). Every rank takes part: requests are exchanged first, then each
-    transfer runs in the same order on every rank, so each pair of ranks meets in its turn and no rank
-    waits on one that waits on it."""
+    for it (this rank's own served here), and the first error this rank met. Every rank takes part:
+    requests are exchanged first, then each transfer runs in the same order on every rank, so each pair
+    of ranks meets in its turn and no rank waits on one that waits on it. A rank whose part fails still
+    completes every transfer (sending zeros), so that the others are not left waiting; its error is
+    raised on every rank at the next agreement."""
     what = "exchange of optimizer state partitions for save_checkpoint"
-    pieces, remote = {}, []
-    for need in writer.needs():
-        source = holder(need)
-        if source == dist.rank:
-            pieces[(need.name, need.key, need.start)] = writer.serve(need)
-        else:
-            remote.append((need, source))
+    pieces, remote, error = {}, [], None
+
+    def served(need: Need) -> torch.Tensor:
+        nonlocal error
+        if error is None:
+            try:
+                return writer.serve(need).contiguous()
+            except Exception as e:   # noqa: BLE001 - reported through the agreement that follows
+                error = e
+        return torch.zeros(need.length, dtype=torch.float32)
+    try:
+        for need in writer.needs():
+            source = holder(need)
+            if source == dist.rank:
+                pieces[(need.name, need.key, need.start)] = served(need)
+            else:
+                remote.append((need, source))
+    except Exception as e:   # noqa: BLE001
+        error, remote = e, []
     for requester, requests in enumerate(dist.all_gather_object(remote, what)):
         for need, source in requests:
             if source == dist.rank:
-                dist.send_to(writer.serve(need).contiguous(), requester, what)
+                dist.send_to(served(need), requester, what)
             elif requester == dist.rank:
                 buf = torch.empty(need.length, dtype=torch.float32)
                 dist.receive_from(buf, source, what)
                 pieces[(need.name, need.key, need.start)] = buf
-    return pieces
-
-
-def all_summaries(writer: Writer, dist: DistributedContext) -> dict:
-    """Every rank's :meth:`Writer.summaries`, merged: what each tensor's state holds besides its moments."""
-    out = {}
-    for part in dist.all_gather_object(writer.summaries(), "exchange of optimizer state steps for save_checkpoint"):
-        out.update(part)
-    return out
+    return pieces, error
