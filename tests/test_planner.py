@@ -381,6 +381,14 @@ def test_plan_json_round_trip(tmp_path):
     back = Plan.from_json(str(path))
     assert back == plan and Plan.from_json(plan.to_json()) == plan
     assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
+    # a plan with selective layers
+    p = toy_problem(5, 6.0, host_slots=0)
+    plan, _ = build_and_solve(p, MilpOptions(allow_graph_tail=False))
+    assert plan.selective_layers == (0, 4)
+    plan.to_json(str(path))
+    back = Plan.from_json(str(path))
+    assert back == plan and back.selective_layers == (0, 4)
+    assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
 
 
 _GOOD_PLAN = {"num_layers": 4, "homes": ["host", "recompute", "hbm", "recompute", "hbm"]}
