@@ -561,6 +561,12 @@ def test_cli_plan_prints_the_comparison_and_writes_the_plan(tmp_path, capsys):
     assert rc == 0
     for row in ("lazytrain (milp)", "megatrain (k=4, serial opt)", "best-interval", "keep-all", "greedy"):
         assert row in out
+    import re
+    cells = lambda start: re.split(r"\s{2,}", next(ln for ln in out.splitlines() if ln.startswith(start)).strip())
+    header = cells("policy")
+    assert header[header.index("recomputed") + 1] == "selective"
+    plan = Plan.from_json(str(out_json))
+    assert cells("lazytrain (milp)")[header.index("selective")] == str(len(plan.selective_layers))
     assert Plan.from_json(str(out_json)).num_layers == 36
 
 
