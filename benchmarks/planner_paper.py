@@ -13,7 +13,8 @@ LazyTrain column. On rtx3090 it also searches the largest
 micro-batch our plan fits. Goals (printed, not asserted): our plan >= 1.35x MegaTrain,
 solve <= 10 s, rtx3090 micro-batch >= the paper's LazyTrain batch. A second table gives each
 scenario's step floor (planner/ceiling.py): the fastest step any plan could make if every layer either
-keeps its autograd internals on the GPU or re-runs in backward (LazyTrain's plan space), and if the
+keeps its autograd internals on the GPU, keeps its matmul and attention outputs (a selective layer, its
+re-run taking the rest) or re-runs in backward (LazyTrain's plan space), and if the
 internals may also be offloaded to the host over PCIe (not implemented by the executor); the last
 column is how small a layer's internals would have to be (fraction of what its autograd saves, i.e.
 op-level selective checkpointing) for the offload floor to allow 1.35x over MegaTrain.
@@ -93,7 +94,7 @@ def main() -> int:
 
     header = ["GPU", "model", "batch", "MegaTrain s", "best interval s (k)", "ours s", "ours / MegaTrain",
               "band (low-high)", "ours / best interval", "ours / bound", "MegaTrain / bound", "solve s", "status",
-              "ours tok/s", "paper LazyTrain tok/s", "pred. err", "paper speedup", "ours GPU GB", "homes hbm/host/nvme/rec/graph"]
+              "ours tok/s", "paper LazyTrain tok/s", "pred. err", "paper speedup", "ours GPU GB", "homes hbm/host/nvme/rec/graph", "selective"]
     rows, speedups, solves, floors = [], [], [], []
     for (gpu, model), sysrows in PAPER.items():
         if args.only and gpu != args.only:
@@ -131,7 +132,8 @@ def main() -> int:
                      f"{wall:.2f}", info["status"], f"{ours.tokens_per_s:.0f}", f"{paper_lt:.0f}",
                      f"{ours.tokens_per_s / paper_lt - 1:+.1%}", f"{paper_speed:.3f}x",
                      f"{ours.peak_bytes['hbm'] / 1e9:.1f}",
-                     "{hbm}/{host}/{nvme}/{recompute}/{graph}".format(**ours.boundaries_per_home)])
+                     "{hbm}/{host}/{nvme}/{recompute}/{graph}".format(**ours.boundaries_per_home),
+                     ours.selective_layers])
         floors.append((gpu, model, batch, p, mt.step_time_s, ours.step_time_s))
         print(f"  planned {gpu} {model}: {wall:.2f} s", file=sys.stderr)
     print("\n## Step time at the paper's LazyTrain batch (seq 1024; h800 cap 70 GB, rtx3090 24 GiB)")
@@ -144,12 +146,14 @@ def main() -> int:
         frac = internals_fraction_for(p, mt_s, 1.35)
         frows.append([gpu, SHORT[model], batch, f"{mt_s:.3f}", f"{ours_s:.3f}", f"{mt_s / ours_s:.3f}x",
                       f"{graph.step_s:.3f}", f"{graph.speedup_over(mt_s):.3f}x", f"{ours_s / graph.step_s:.3f}",
-                      f"{graph.kept_layers:.1f}", f"{off.step_s:.3f}", f"{off.speedup_over(mt_s):.3f}x",
-                      f"{off.kept_layers:.1f}/{off.offloaded_layers:.1f}",
+                      f"{graph.kept_layers:.1f}/{graph.selective_layers:.1f}", f"{off.step_s:.3f}",
+                      f"{off.speedup_over(mt_s):.3f}x",
+                      f"{off.kept_layers:.1f}/{off.offloaded_layers:.1f}/{off.selective_layers:.1f}",
                       "any" if frac == 1.0 else ("none" if frac is None else f"<= {frac:.2f}")])
-    print(fmt_table(["GPU", "model", "batch", "MegaTrain s", "ours s", "ours / MegaTrain", "floor: keep or re-run s",
-                     "its ceiling vs MegaTrain", "ours / that floor", "layers kept", "floor: + offload s",
-                     "its ceiling vs MegaTrain", "layers kept/offloaded", "internals fraction for 1.35x"], frows))
+    print(fmt_table(["GPU", "model", "batch", "MegaTrain s", "ours s", "ours / MegaTrain",
+                     "floor: keep, selective or re-run s", "its ceiling vs MegaTrain", "ours / that floor",
+                     "layers kept/selective", "floor: + offload s", "its ceiling vs MegaTrain",
+                     "layers kept/offloaded/selective", "internals fraction for 1.35x"], frows))
 
     if not args.only or args.only == "rtx3090":
         print("\n## rtx3090: largest micro-batch our plan fits in 24 GiB (outer search)")

@@ -310,6 +310,68 @@ def test_last_segment_graph_skips_its_reruns_and_holds_its_internals():
     assert Plan.from_json(graph.to_json()) == graph
 
 
+def test_selective_layers_rerun_only_their_non_matmul_ops_and_hold_their_outputs():
+    p = toy_problem(6, 50.0, hw=SLOW_HW)
+    # the toy layer (hidden 64, q/k/v 16, ffn 16): kept per token q, k, v (48), attention output (16), o_proj
+    # (64), gate and up (32), down (64) = 224 elements of 2 bytes for 64 tokens: 3.5 boundaries
+    assert p.sel_bytes == [3.5 * A_BYTES] * 6
+    # its re-runs take the non-matmul FLOPs' share of a forward: norms, residuals 10 x 64, SiLU and product
+    # 5 x 16, rotary 3 x 32 = 816 of 2 x 3000 + 2 x 16 x 16 (layer 1): above the 0.1 floor
+    assert p.sel_rerun_s[1] == pytest.approx(p.fwd_s[1] * 816 / 6512, rel=1e-12)
+    base = every_k_plan(6, 3)                                       # segments [0, 3) and [3, 6)
+    sel = dataclasses.replace(base, selective_layers=(5, 1, 3))
+    assert sel.selective_layers == (1, 3, 5)
+    rb, rs = simulate(p, base), simulate(p, sel)
+    gain = [f - r for f, r in zip(p.fwd_s, p.sel_rerun_s)]
+    # layers 1 and 3 are recomputed (windows 9 and 6) and re-run before their backward; layer 5 only re-run
+    assert rb.compute_s - rs.compute_s == pytest.approx(2 * gain[1] + 2 * gain[3] + gain[5], rel=1e-12)
+    w9 = [e for e in rs.timeline if e.lane == "compute" and e.window == 9]
+    assert [e.label for e in w9] == ["recompute L0", "recompute L1", "diff L2"]
+    assert [e.end - e.start for e in w9] == pytest.approx([p.fwd_s[0], p.sel_rerun_s[1], p.diff_s[2]], rel=1e-12)
+    w7 = [e.end - e.start for e in rs.timeline if e.lane == "compute" and e.window == 7]   # diff of layer 4
+    w8 = [e.end - e.start for e in rs.timeline if e.lane == "compute" and e.window == 8]   # diff of layer 3
+    assert w7 == pytest.approx([p.diff_s[4]]) and w8 == pytest.approx([p.diff_s[3] - gain[3]])
+    # layer j's outputs are held from its forward window j until its backward window 11 - j, where the diff
+    # task's autograd saves the same tensors (the window's workspace counts them)
+    extra = {m["window"]: m["hbm"] for m in rs.memory}
+    extra = {w: extra[w] - m["hbm"] for w, m in enumerate(rb.memory)}
+    S = 3.5 * A_BYTES
+    assert extra == {0: 0, 1: S, 2: S, 3: 2 * S, 4: 2 * S, 5: 3 * S, 6: 2 * S, 7: 2 * S, 8: S, 9: S, 10: 0, 11: 0}
+    assert rs.selective_layers == 3 and rs.summary()["selective_layers"] == 3 and rb.selective_layers == 0
+    assert Plan.from_json(sel.to_json()) == sel and json.loads(sel.to_json())["selective_layers"] == [1, 3, 5]
+    # MegaTrain's executor has no selective layers
+    from lazytrain.planner.megatrain import MegaTrainPlanError
+    mega = every_k_plan(6, 4, overlap_optimizer=False)
+    simulate(p, mega, executor="megatrain", strict=False)
+    with pytest.raises(MegaTrainPlanError, match="no selective layers"):
+        simulate(p, dataclasses.replace(mega, selective_layers=(1,)), executor="megatrain", strict=False)
+
+
+def test_a_selective_rerun_takes_at_least_the_floor_share_of_the_forward_measured_or_not():
+    from lazytrain.planner.measured import MeasuredCosts
+    from lazytrain.planner.problem import SELECTIVE_RERUN_FLOOR
+    p = make_problem("qwen2.5-7b", "h800", 8, 1024, Budgets.of(gpu="70GB"))
+    layer = p.model.layers[0]
+    assert layer.elementwise_flops_per_token() / layer.fwd_flops_per_token(1024) < SELECTIVE_RERUN_FLOOR == 0.1
+    assert p.sel_rerun_s == pytest.approx([0.1 * f for f in p.fwd_s], rel=1e-12)
+    # q 3584, k and v 2 x 512, attention output 3584, o_proj 3584, gate and up 2 x 18944, down 3584 per token
+    assert layer.selective_elems_per_token() == 4 * 3584 + 2 * 512 + 2 * 18944
+    assert p.sel_bytes[0] == (4 * 3584 + 2 * 512 + 2 * 18944) * 8 * 1024 * 2
+    # hybrid stack: a gated attention layer keeps its gate's projection, a Gated DeltaNet layer its
+    # projections (qkv 10240, z 6144, b and a 2 x 48), its delta rule's output (6144) and out_proj (5120)
+    m = catalog_model("paper-27b")
+    full = next(l for l in m.layers if l.linear is None)
+    lin = next(l for l in m.layers if l.linear is not None)
+    mlp = 2 * 17408 + 5120
+    assert full.selective_elems_per_token() == mlp + 3 * 6144 + 2 * 1024 + 5120
+    assert lin.selective_elems_per_token() == mlp + 10240 + 2 * 6144 + 2 * 48 + 5120
+    # measured costs: the same share of the measured forward
+    c = MeasuredCosts(fwd_s=(1.0,) * p.L, diff_s=(3.0,) * p.L, nonlayer_s=0.5, step_s=0.1, update_s=(0.1,) * p.L)
+    pm = make_problem("qwen2.5-7b", "h800", 8, 1024, Budgets.of(gpu="70GB"), measured=c)
+    assert pm.sel_rerun_s == pytest.approx([0.1] * p.L)
+    assert pm.diff_task_s(3, {3}) == pytest.approx(2.1) and pm.diff_task_s(3) == 3.0
+
+
 # ---- plans, policies, MILP -------------------------------------------------------------------------
 def test_plan_json_round_trip(tmp_path):
     p = toy_problem(5, 1.5, host_slots=2, nvme_slots=1, hw=SLOW_HW)
@@ -318,6 +380,14 @@ def test_plan_json_round_trip(tmp_path):
     plan.to_json(str(path))
     back = Plan.from_json(str(path))
     assert back == plan and Plan.from_json(plan.to_json()) == plan
+    assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
+    # a plan with selective layers
+    p = toy_problem(5, 6.0, host_slots=0)
+    plan, _ = build_and_solve(p, MilpOptions(allow_graph_tail=False))
+    assert plan.selective_layers == (0, 4)
+    plan.to_json(str(path))
+    back = Plan.from_json(str(path))
+    assert back == plan and back.selective_layers == (0, 4)
     assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
 
 
@@ -491,6 +561,12 @@ def test_cli_plan_prints_the_comparison_and_writes_the_plan(tmp_path, capsys):
     assert rc == 0
     for row in ("lazytrain (milp)", "megatrain (k=4, serial opt)", "best-interval", "keep-all", "greedy"):
         assert row in out
+    import re
+    cells = lambda start: re.split(r"\s{2,}", next(ln for ln in out.splitlines() if ln.startswith(start)).strip())
+    header = cells("policy")
+    assert header[header.index("recomputed") + 1] == "selective"
+    plan = Plan.from_json(str(out_json))
+    assert cells("lazytrain (milp)")[header.index("selective")] == str(len(plan.selective_layers))
     assert Plan.from_json(str(out_json)).num_layers == 36
 
 

@@ -33,23 +33,24 @@ def fast_problem(L: int, room: float, host_bytes_extra: int = 0, hw=FAST_LINKS) 
 @pytest.mark.parametrize("L,gpu_extra,hw", [(3, 2, TOY_HW), (4, 1, TOY_HW), (4, 40, TOY_HW), (5, 3, SLOW_HW)])
 def test_floor_is_below_every_plan_of_the_space(L, gpu_extra, hw):
     p = toy_problem(L, gpu_extra, hw=hw)
-    best, _, n = brute_force(p, free_windows=False, residency=False)
+    best, _, n = brute_force(p, free_windows=False, residency=False, selective=True)
     assert n > 0
     graph = step_floor(p)
     assert graph.step_s <= best * (1 + 1e-9)
     assert step_floor(p, offload=True).step_s <= graph.step_s * (1 + 1e-9)
+    assert graph.step_s <= step_floor(p, selective=False).step_s * (1 + 1e-9)
 
 
 def test_room_for_every_graph_gives_the_minimal_compute():
     p = fast_problem(4, room=10)
-    f = step_floor(p)
+    f = step_floor(p, selective=False)
     assert f.step_s == pytest.approx(p.minimal_compute_s(), rel=1e-9)
     assert (f.kept_layers, f.rerun_layers) == (pytest.approx(4), pytest.approx(0, abs=1e-9))
 
 
 def test_no_room_reruns_every_layer_but_the_last():
     p = fast_problem(4, room=0)
-    f = step_floor(p)
+    f = step_floor(p, selective=False)
     # the last layer's internals are part of its own backward window, so it never re-runs
     assert f.step_s == pytest.approx(p.minimal_compute_s() + sum(p.fwd_s[:3]), rel=1e-9)
     assert f.rerun_layers == pytest.approx(3)
@@ -59,7 +60,7 @@ def test_fractional_room_keeps_the_most_expensive_layers_first():
     base = fast_problem(4, room=0)                # toy layers: 2000, 3000, 2500, 2200 parameters
     held = [s + w + a for s, w, a in zip(base.saved, base.Wl, base.A)]   # a kept graph: internals, weights, input
     p = fast_problem(4, room=held[1] + 0.5 * held[2])
-    f = step_floor(p)
+    f = step_floor(p, selective=False)
     # all layers save the same internals; layer 1 (most FLOPs per byte held) is kept whole, layer 2 half,
     # layer 0 re-runs (the last layer never does)
     expected = p.minimal_compute_s() + p.fwd_s[0] + 0.5 * p.fwd_s[2]
@@ -70,8 +71,9 @@ def test_fractional_room_keeps_the_most_expensive_layers_first():
 def test_offload_needs_host_room_and_link_time():
     no_host = fast_problem(4, room=0, host_bytes_extra=0)
     assert step_floor(no_host, offload=True).step_s == pytest.approx(step_floor(no_host).step_s, rel=1e-9)
+    assert step_floor(no_host).step_s == pytest.approx(step_floor(no_host, selective=False).step_s, rel=1e-9)
     one_layer = fast_problem(4, room=0, host_bytes_extra=no_host.saved[0])
-    f = step_floor(one_layer, offload=True)
+    f = step_floor(one_layer, offload=True, selective=False)
     # fast links: the host's room for one layer's internals saves the re-run of the most expensive layer
     assert f.offloaded_layers == pytest.approx(1)
     assert f.step_s == pytest.approx(no_host.minimal_compute_s() + no_host.fwd_s[0] + no_host.fwd_s[2], rel=1e-9)
@@ -81,7 +83,7 @@ def test_offload_is_limited_by_the_forward_phase_on_a_slow_link():
     slow = HardwareProfile(name="toy-slow-d2h", achievable_tflops=1e-4, h2d_gbps=10.0, d2h_gbps=0.0015,
                            nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
     p = fast_problem(4, room=0, host_bytes_extra=10 ** 8, hw=slow)
-    f = step_floor(p, offload=True)
+    f = step_floor(p, offload=True, selective=False)
     t_fwd = sum(p.fwd_s) + p.head_s
     # the forward moves half a layer's internals; stretching it to move more costs more than a re-run,
     # so the floor parks exactly that, from the most expensive layer (1)
@@ -89,18 +91,32 @@ def test_offload_is_limited_by_the_forward_phase_on_a_slow_link():
     assert parked == pytest.approx(0.5, abs=0.05)
     assert f.offloaded_layers == pytest.approx(parked, rel=1e-6)
     assert f.forward_s == pytest.approx(t_fwd, rel=1e-9)
-    assert f.step_s == pytest.approx(step_floor(p).step_s - parked * p.fwd_s[1], rel=1e-9)
+    assert f.step_s == pytest.approx(step_floor(p, selective=False).step_s - parked * p.fwd_s[1], rel=1e-9)
 
 
 def test_smaller_internals_lower_the_floor_and_the_fraction_search_inverts_it():
     p = fast_problem(4, room=1, host_bytes_extra=0)
-    full, half = step_floor(p, offload=True), step_floor(p, offload=True, internals_fraction=0.5)
+    full = step_floor(p, offload=True, selective=False)
+    half = step_floor(p, offload=True, internals_fraction=0.5, selective=False)
     assert half.step_s < full.step_s
     reference = 1.1 * half.step_s
-    frac = internals_fraction_for(p, reference, 1.1)
+    frac = internals_fraction_for(p, reference, 1.1, selective=False)
     assert frac == pytest.approx(0.5, abs=2e-3)
-    assert internals_fraction_for(p, 10 * full.step_s, 2.0) == 1.0
-    assert internals_fraction_for(p, p.minimal_compute_s(), 1.5) is None
+    assert internals_fraction_for(p, 10 * full.step_s, 2.0, selective=False) == 1.0
+    assert internals_fraction_for(p, p.minimal_compute_s(), 1.5, selective=False) is None
+
+
+def test_room_for_one_layers_matmul_outputs_makes_the_most_expensive_layer_selective():
+    base = fast_problem(4, room=0)
+    p = fast_problem(4, room=base.sel_bytes[1])
+    f = step_floor(p)
+    # a selective layer holds 3.5 boundaries (its matmul/attention outputs), a kept graph its internals (6
+    # boundaries), weights and input: per byte, selective saves more; layer 1 (most FLOPs, the same
+    # non-matmul FLOPs) saves the most. Layers 0 and 2 re-run whole, the last never does.
+    assert p.sel_bytes[1] < sum(x[1] for x in (base.saved, base.Wl, base.A)) * (1 - p.sel_rerun_frac[1])
+    assert f.step_s == pytest.approx(p.minimal_compute_s() + p.fwd_s[0] + p.sel_rerun_s[1] + p.fwd_s[2], rel=1e-9)
+    assert (f.selective_layers, f.kept_layers) == (pytest.approx(1), pytest.approx(1, abs=1e-9))
+    assert step_floor(p, selective=False).step_s > f.step_s
 
 
 def test_internals_fraction_out_of_range_is_refused():

@@ -9,19 +9,20 @@ from lazytrain.planner.simulate import simulate
 from test_planner_toys import SLOW_HW, TOY_HW, brute_force, toy_problem
 
 
-def full_space(L: int, resident: bool, graph_tail: bool = True) -> MilpOptions:
+def full_space(L: int, resident: bool, graph_tail: bool = True, selective: bool = False) -> MilpOptions:
     """MILP options whose search space is the brute force's: any segment length, any window."""
     return MilpOptions(max_segment=L, offload_slack=2 * L, prefetch_lead=2 * L, allow_resident=resident,
-                       allow_graph_tail=graph_tail, gap_rel=1e-9, time_limit_s=60)
+                       allow_graph_tail=graph_tail, allow_selective=selective, gap_rel=1e-9, time_limit_s=60)
 
 
-def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True):
-    best, best_plan, n = brute_force(p, free_windows=free_windows, residency=resident, graph_tail=graph_tail)
+def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True, selective: bool = False):
+    best, best_plan, n = brute_force(p, free_windows=free_windows, residency=resident, graph_tail=graph_tail,
+                                     selective=selective)
     if n == 0:
         with pytest.raises(InfeasibleBudgetError, match="no plan fits the budgets"):
-            build_and_solve(p, full_space(p.L, resident, graph_tail))
+            build_and_solve(p, full_space(p.L, resident, graph_tail, selective))
         return None
-    plan, info = build_and_solve(p, full_space(p.L, resident, graph_tail))
+    plan, info = build_and_solve(p, full_space(p.L, resident, graph_tail, selective))
     assert info.status == "optimal"
     got = simulate(p, plan).step_time_s          # strict: the MILP's plan satisfies every invariant
     assert got == pytest.approx(best, rel=1e-7), (plan, best_plan)
@@ -195,3 +196,32 @@ def test_a_deadline_that_stops_the_solver_before_any_plan_falls_back_to_a_baseli
     with pytest.warns(UserWarning, match="using the fastest baseline policy that fits instead"):
         plan = search.solve(p, MilpOptions(time_limit_s=0.01, warm_start=False))
     assert plan.prediction["solver"]["status"].startswith("no plan in time, fell back to")
+
+
+@pytest.mark.parametrize("L,gpu_extra,host_slots,hw,graph_tail,free_windows,selective", [
+    (3, 2.0, 1, SLOW_HW, True, True, ()),        # the links bound every window: keeping outputs does not pay
+    (4, 6.0, 0, TOY_HW, True, False, (1,)),      # beside a graph tail [2, 4)
+    (4, 1.5, 1, SLOW_HW, False, False, (3,)),    # boundary 0 on the host
+    (5, 2.5, 0, TOY_HW, False, False, (4,)),     # room for one layer's outputs
+    (5, 6.0, 0, TOY_HW, False, False, (0, 4)),   # layer 0 also recomputed in segment [0, 2): saves twice
+])
+def test_selective_layers_the_milp_equals_brute_force(L, gpu_extra, host_slots, hw, graph_tail, free_windows, selective):
+    p = toy_problem(L, gpu_extra, host_slots=host_slots, hw=hw)
+    plan = check_equal(p, free_windows=free_windows, resident=False, graph_tail=graph_tail, selective=True)
+    assert plan.selective_layers == selective
+    if selective:   # it pays: faster than the best plan without selective layers, which the MILP finds without
+        best, _, _ = brute_force(p, free_windows=free_windows, residency=False, graph_tail=graph_tail)
+        assert simulate(p, plan).step_time_s < best * (1 - 1e-6)
+        plain = check_equal(p, free_windows=free_windows, resident=False, graph_tail=graph_tail, selective=False)
+        assert plain.selective_layers == ()
+        # a start plan with selective layers is taken in, and the optimum stays
+        warm, info = build_and_solve(p, full_space(L, False, graph_tail, True), start_plan=plan)
+        assert info.status == "optimal" and simulate(p, warm).step_time_s == pytest.approx(simulate(p, plan).step_time_s)
+    if selective == (0, 4):
+        assert plan.homes[1] == "recompute" and plan.segments()[0] == (0, 2)
+
+
+def test_selective_layers_with_residency_and_accumulation_equal_brute_force():
+    import dataclasses
+    p = dataclasses.replace(toy_problem(4, 6.0, host_slots=0, hw=SLOW_HW), grad_accum=3)
+    check_equal(p, free_windows=False, resident=True, selective=True)

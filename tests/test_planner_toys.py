@@ -37,9 +37,10 @@ def toy_problem(L: int, gpu_extra: float, host_slots: int = 2, nvme_slots: int =
 
 
 def enumerate_plans(p: Problem, free_windows: bool, residency: bool, max_segment: int | None = None,
-                    graph_tail: bool = True):
-    """Every Plan: recompute path x homes x (transfer windows) x (resident layer sets), each with and
-    (``graph_tail``) without the last segment keeping its forward graph."""
+                    graph_tail: bool = True, selective: bool = False):
+    """Every Plan: recompute path x homes x (transfer windows) x (resident layer sets) x (``selective``:
+    selective layer sets below the graph tail), each with and (``graph_tail``) without the last segment
+    keeping its forward graph."""
     L = p.L
     K = max_segment or L
     tiers = ["hbm", "host"] + (["nvme"] if p.nvme_budget > 0 else [])
@@ -69,16 +70,20 @@ def enumerate_plans(p: Problem, free_windows: bool, residency: bool, max_segment
             for wins in itertools.product(*choices):
                 ow = {b: w[0] for b, w in zip(off, wins) if w}
                 pw = {b: w[1] for b, w in zip(off, wins) if w}
-                for res in res_sets:
+                below = kept[-1] if graph else L      # selective layers lie below the graph tail
+                sel_sets = ([c for n in range(below + 1) for c in itertools.combinations(range(below), n)]
+                            if selective else [()])
+                for res, sel in itertools.product(res_sets, sel_sets):
                     yield Plan(num_layers=L, homes=tuple(homes), offload_window=ow, prefetch_window=pw,
-                               resident_layers=res, policy="brute", last_segment_graph=graph)
+                               resident_layers=res, policy="brute", last_segment_graph=graph,
+                               selective_layers=sel)
 
 
 def brute_force(p: Problem, free_windows: bool, residency: bool, max_segment: int | None = None,
-                graph_tail: bool = True):
+                graph_tail: bool = True, selective: bool = False):
     """(best simulated step time, best plan, number of feasible plans)."""
     best, best_plan, n = float("inf"), None, 0
-    for plan in enumerate_plans(p, free_windows, residency, max_segment, graph_tail):
+    for plan in enumerate_plans(p, free_windows, residency, max_segment, graph_tail, selective):
         r = simulate(p, plan, strict=False, timeline=False)
         if r.violations:
             continue

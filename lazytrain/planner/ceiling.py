@@ -10,15 +10,17 @@ that counts memory and links:
 - internals kept on the GPU are all there when the first backward window starts, beside what that
   window needs under any plan (``Problem.fixed_gpu_bytes``, the last layer's weights and input); in
   LazyTrain's executor a kept graph also holds its layer's weights and its input until its backward;
+- with ``selective=True`` (the default), a layer may instead be selective (``Plan.selective_layers``): it
+  holds its matmul and attention outputs (``Problem.sel_bytes``) on the GPU across the turn and its
+  re-run takes ``sel_rerun_s`` instead of ``fwd_s``; the executor runs this, so both floors include it;
 - with ``offload=True``, internals may also leave for the host (then NVMe): they cross device->host
   during the forward phase and come back during the backward phase, on the same PCIe links as the
   weights and gradients. LazyTrain's executor does not do this; the floor says what it could gain;
 - a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
 
-``internals_fraction`` scales the bytes a layer must keep to skip its re-run (1.0: its internals as the
-model's autograd saves them). A value below 1 models op-level selective checkpointing (keep matmul
-outputs, recompute the cheap element-wise ops), which is outside LazyTrain's executor and outside
-the floor's guarantee: it answers "how lean would the internals have to be".
+``internals_fraction`` scales the bytes a layer must keep to skip its re-run entirely (1.0: its internals
+as the model's autograd saves them). A value below 1 is outside LazyTrain's executor and outside the
+floor's guarantee: it answers "how lean would the internals have to be".
 
 Pure Python: PuLP with HiGHS (CBC as fallback) solves the LP in milliseconds.
 """
@@ -38,18 +40,21 @@ class StepFloor:
     backward_s: float
     kept_layers: float       # layer-equivalents of internals held on the GPU across the turn
     offloaded_layers: float  # ... sent to the host and back (offload=True only)
-    rerun_layers: float      # ... re-run in backward
+    rerun_layers: float      # ... re-run in backward (selective layers included)
     offload: bool
     internals_fraction: float
+    selective_layers: float = 0.0   # ... re-run in backward from their kept matmul/attention outputs
 
     def speedup_over(self, step_s: float) -> float:
         """The largest speed-up any plan of the space can have over a step of ``step_s`` seconds."""
         return step_s / self.step_s
 
 
-def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.0) -> StepFloor:
-    """Lower bound on the step time of every plan that keeps or re-runs each layer (and, with
-    ``offload``, may park its internals on the host); see the module docstring for the model."""
+def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.0,
+               selective: bool = True) -> StepFloor:
+    """Lower bound on the step time of every plan that keeps, re-runs or (``selective``) re-runs from its
+    kept matmul/attention outputs each layer (and, with ``offload``, may park its internals on the host);
+    see the module docstring for the model."""
     if not 0 < internals_fraction <= 1:
         raise ValueError(f"internals_fraction must be in (0, 1], got {internals_fraction}")
     from .milp import MilpOptions, _solver   # one place picks and configures the solver
@@ -59,17 +64,19 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     m = pulp.LpProblem("lazytrain_step_floor", pulp.LpMinimize)
     keep = [pulp.LpVariable(f"keep_{i}", 0, 1) for i in range(L)]
     park = [pulp.LpVariable(f"offload_{i}", 0, 1 if offload else 0) for i in range(L)]
+    sel = [pulp.LpVariable(f"selective_{i}", 0, 1 if selective else 0) for i in range(L)]
     t_fwd, t_bwd, t = (pulp.LpVariable(n, 0) for n in ("t_forward", "t_backward", "t_step"))
     parked = pulp.lpSum(park[i] * S[i] for i in range(L))
     m += t
     for i in range(L):
-        m += keep[i] + park[i] <= 1, f"one_choice_{i}"
+        m += keep[i] + park[i] + sel[i] <= 1, f"one_choice_{i}"
     k = p.grad_accum   # micro-batches per step: forward, backward and their copies k times, the optimizer once
     m += t >= k * (t_fwd + t_bwd), "step_is_forward_then_backward"
     m += t_fwd >= sum(p.fwd_s) + p.head_s, "forward_compute"
     m += t_fwd * p.bw_d2h >= parked, "offload_during_forward"
     m += t_bwd >= sum(d - f for d, f in zip(p.diff_s, p.fwd_s)) + \
-        pulp.lpSum((1 - keep[i] - park[i]) * p.fwd_s[i] for i in range(L)), "backward_compute_with_reruns"
+        pulp.lpSum((1 - keep[i] - park[i]) * p.fwd_s[i] - sel[i] * (p.fwd_s[i] - p.sel_rerun_s[i])
+                   for i in range(L)), "backward_compute_with_reruns"
     m += t_bwd * p.bw_h2d >= parked, "fetch_during_backward"
     # the last layer's internals are part of its own backward window's fixed bytes, and its weights are
     # on the device then whatever the plan. In LazyTrain's executor a kept graph also holds its layer's
@@ -77,7 +84,9 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     # offload they are not counted.
     held = [S[i] + (0 if offload else p.Wl[i] + p.A[i]) for i in range(L)]   # + the input its graph holds
     room = p.gpu_budget - p.fixed_gpu_bytes(L) - p.Wl[L - 1] - p.A[L - 1]   # its input: a boundary or in its graph
-    m += pulp.lpSum(keep[i] * held[i] for i in range(L - 1)) <= max(0, room), "gpu_holds_kept_internals_at_the_turn"
+    # a selective layer holds its matmul/attention outputs, on the GPU in either floor (executor's choice)
+    m += pulp.lpSum(keep[i] * held[i] + sel[i] * p.sel_bytes[i] for i in range(L - 1)) <= max(0, room), \
+        "gpu_holds_kept_internals_at_the_turn"
     m += parked <= max(0, p.host_act_budget) + p.nvme_budget, "host_holds_parked_internals"
     lb = p.lower_bound_s()
     m += t >= lb["optimizer"], "host_optimizer"
@@ -92,14 +101,16 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     gone = sum(v.value() for v in park)
     return StepFloor(step_s=t.value(), forward_s=t_fwd.value(), backward_s=t_bwd.value(), kept_layers=kept,
                      offloaded_layers=gone, rerun_layers=L - kept - gone, offload=offload,
-                     internals_fraction=internals_fraction)
+                     internals_fraction=internals_fraction, selective_layers=sum(v.value() for v in sel))
 
 
-def internals_fraction_for(p: Problem, reference_s: float, speedup: float, tol: float = 1e-3) -> float | None:
+def internals_fraction_for(p: Problem, reference_s: float, speedup: float, tol: float = 1e-3,
+                           selective: bool = True) -> float | None:
     """The largest ``internals_fraction`` at which the offload floor allows ``speedup`` over a step
     of ``reference_s`` seconds (None: not even with internals of size ~0). Bisection on a monotone LP."""
     def ok(frac: float) -> bool:
-        return step_floor(p, offload=True, internals_fraction=frac).speedup_over(reference_s) >= speedup
+        return step_floor(p, offload=True, internals_fraction=frac,
+                          selective=selective).speedup_over(reference_s) >= speedup
     if ok(1.0):
         return 1.0
     lo, hi = tol, 1.0

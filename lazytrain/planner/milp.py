@@ -14,6 +14,11 @@ materialised boundary, per-window transfer bytes, an NVMe tier) and removes its 
 - the last segment may keep its autograd graph from forward (``Plan.last_segment_graph``): its layers
   are not re-run in backward and stream no weights there, at the price of their saved internals, inputs
   and weights held on the GPU from their forward to their backward (binary ``graph_s``: the tail starts at s);
+- a layer below the graph tail may be selective (``Plan.selective_layers``, binary ``sel_i``): its forward
+  keeps its matmul and attention outputs (``sel_bytes``) on the GPU until its backward, and its re-runs
+  (the forward part of its diff task, and its recompute when it is interior to a segment) take
+  ``sel_rerun_s`` instead of ``fwd_s``; ``selrec[j,e]`` linearises "selective and recomputed in the
+  window of the segment ending at e";
 - the objective is the step time: per window ``t_w >= compute + exposed prefetch wait`` and
   ``t_w >= bytes / bandwidth`` for each link, plus the delay the host optimizer imposes on the next
   forward (it overlaps the forward layer by layer), plus the final gradient copy.
@@ -44,6 +49,7 @@ class MilpOptions:
     prefetch_lead: int = 4          # a prefetch is issued at most this many windows before its earliest use
     allow_resident: bool = True
     allow_graph_tail: bool = True   # the last segment may keep its forward graph (no re-run in backward)
+    allow_selective: bool = True    # layers may keep their matmul/attention outputs (Plan.selective_layers)
     gap_rel: float = 1e-4
     solver: str = "auto"            # auto | highs | cbc
     threads: int = 1
@@ -167,13 +173,16 @@ class _HighsFromStart(pulp.HiGHS):
 
 
 def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, off, pre, y,
-                  opts: MilpOptions) -> "dict[pulp.LpVariable, float] | None":
+                  opts: MilpOptions, sel=None) -> "dict[pulp.LpVariable, float] | None":
     """Every binary decision of ``plan`` in this model's variables, or None when the plan lies outside the
-    model's space (a segment longer than ``max_segment``, a transfer outside its windows, a graph tail or
-    resident layers the options rule out, an optimizer that does not overlap the next forward)."""
+    model's space (a segment longer than ``max_segment``, a transfer outside its windows, a graph tail,
+    resident or selective layers the options rule out, an optimizer that does not overlap the next forward)."""
+    sel = sel or {}
     if plan.num_layers != L or not plan.overlap_optimizer:
         return None
     if (plan.last_segment_graph and not opts.allow_graph_tail) or (plan.resident_layers and not opts.allow_resident):
+        return None
+    if plan.selective_layers and not opts.allow_selective:
         return None
     tier_of = {"host": "H", "nvme": "N"}
     chosen: set[str] = set()   # variable names (an LpVariable's == builds a constraint)
@@ -201,8 +210,9 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
             return None
         chosen |= {home[i, k].name, off[i, k, ow].name, pre[i, k, pw].name}
     chosen |= {y[j].name for j in plan.resident_layers}
+    chosen |= {sel[j].name for j in plan.selective_layers}
     binaries = [v for table in (x, g, home, off, pre) for v in table.values()]
-    binaries += [v for table in (q, y) for v in table.values() if isinstance(v, pulp.LpVariable)]
+    binaries += [v for table in (q, y, sel) for v in table.values() if isinstance(v, pulp.LpVariable)]
     return {v: 1.0 if v.name in chosen else 0.0 for v in binaries}
 
 
@@ -243,6 +253,12 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     # exposed prefetch: issued in the window of its first use (needs edge (i, 2L-w))
     ex = {(i, k, w): C(f"ex{k}_{i}_{w}", 1) for (i, k, w) in pre if (i, W - w) in x}
     y = {j: (B(f"res_{j}") if opts.allow_resident else 0) for j in range(L)}   # weights resident
+    sel = {j: (B(f"sel_{j}") if opts.allow_selective else 0) for j in range(L)}  # selective layer
+    # selective layer j re-run without autograd in the window of the segment [s, e) covering it (s <= j <= e-2):
+    # selrec[j, e] <= sel_j and <= sum_s x[s, e]; minimising time raises it to their product
+    selrec = ({(j, e): C(f"selrec_{j}_{e}", 1) for e in range(2, L + 1) for j in range(max(0, e - K), e - 1)}
+              if opts.allow_selective else {})
+    sel_gain = [p.fwd_s[j] - p.sel_rerun_s[j] for j in range(L)]             # seconds a selective re-run saves
     rec_w = {(s, e): sum(p.Wl[s:e - 1]) for s, e in edges if e - s >= 2}     # recompute weight bytes
     u = {(s, e): C(f"u_{s}_{e}") for (s, e) in rec_w}                      # ... of those not resident
     if opts.allow_graph_tail:   # backward weight streams (none for graph or resident layers), held graph weights
@@ -267,6 +283,12 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         for j in range(L):
             m += bwd_w[j] >= 1 - y[j] - G[j], f"backward_weights_{j}"
             m += held_w[j] >= G[j] - y[j], f"graph_holds_weights_{j}"
+    if opts.allow_selective:
+        for j in range(L):     # a graph layer keeps everything already: selective layers lie below the tail
+            m += sel[j] + G[j] <= 1, f"selective_below_graph_{j}"
+        for (j, e), v in selrec.items():
+            m += v <= sel[j], f"selective_recompute_{j}_{e}"
+            m += v <= lsum(x[s_, e] for s_ in range(max(0, e - K), j + 1)), f"selective_recompute_in_segment_{j}_{e}"
 
     # ---- transfer windows of offloaded boundaries -----------------------------------------------
     def edges_from(i, cond):
@@ -308,8 +330,9 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         if w < L:
             return p.compute_s(w)
         i = p.layer_of(w)
-        return p.diff_s[i] - p.fwd_s[i] * G[i] + lsum(p.recompute_s(s, i + 1) * x[s, i + 1]
-                                                       for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
+        return (p.diff_s[i] - p.fwd_s[i] * G[i] - sel_gain[i] * sel[i]
+                + lsum(p.recompute_s(s, i + 1) * x[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
+                - lsum(sel_gain[j] * selrec[j, i + 1] for j in range(max(0, i + 1 - K), i) if (j, i + 1) in selrec))
 
     # Rows that sum over every boundary alive in a window are built as coefficient maps (one pass over
     # the boundaries alive in it, each with its few windows and covering edges): building them costs
@@ -386,6 +409,9 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         for i in range(min(L, w + 2, W - w)):     # the boundaries whose device life can include w
             constant += add_on_device(row, i, w, p.A[i] / GBF)
         held_by_graphs(row, w)
+        if opts.allow_selective:    # kept matmul/attention outputs, until the window before its backward
+            for j in range(min(L, w + 1, W - 1 - w)):      # j <= w < W-1-j
+                row[sel[j]] += p.sel_bytes[j] / GBF
         m += streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + affine(row, constant) \
             <= p.gpu_budget / GBF, f"gpu_memory_{w}"
         for k, budget, name in (("H", max(p.host_act_budget, 0), "host_memory"), ("N", p.nvme_budget, "nvme_memory")):
@@ -412,12 +438,13 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     # ---- objective: the step time (+ tiny tie-breakers: fewer copies, fewer resident layers) -----
     tie = lsum(home[i, k] * (1 if k == "H" else 2) for i in range(L) for k in tiers)
     tie += lsum(y[j] for j in range(L)) if opts.allow_resident else 0
+    tie += lsum(sel[j] for j in range(L)) if opts.allow_selective else 0
     m += p.grad_accum * (lsum(t.values()) + p.tail_s) + X + eps * tie, "step_time"
 
     build_s = time.perf_counter() - t_build
     values = None
     if start_plan is not None:
-        values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts)
+        values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts, sel)
     name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"], deadline=deadline,
                            start=values)
     t0 = time.perf_counter()
@@ -456,10 +483,11 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     prew = {i: next(w for w in pre_windows[i] if val(pre[i, kt[h], w]) > 0.5)
             for i, h in enumerate(homes[:L]) if h in kt}
     resident = tuple(j for j in range(L) if opts.allow_resident and val(y[j]) > 0.5)
+    selective = tuple(j for j in range(L) if opts.allow_selective and val(sel[j]) > 0.5)
     info.num_vars, info.num_constraints = len(m.variables()), len(m.constraints)
     plan = Plan(num_layers=L, homes=tuple(homes), offload_window=offw, prefetch_window=prew,
                 resident_layers=resident, micro_batch_size=p.micro_batch, seq_len=p.seq_len, policy="milp",
-                last_segment_graph=graph_start is not None,
+                last_segment_graph=graph_start is not None, selective_layers=selective,
                 prediction={"milp_step_time_s": info.objective_s, "solver": info.to_dict()})
     return plan, info
 

@@ -92,6 +92,21 @@ class LinearAttention:
         """Largest no-grad forward transient: the projections' outputs (q/k/v, z) and the convolved q/k/v."""
         return 2 * self.conv_width + self.value_width
 
+    def selective_elems_per_token(self, hidden: int) -> int:
+        """What the selective checkpointing policy keeps of the mixer, per token: the outputs of
+        in_proj_qkv (conv_width), in_proj_z (value width), in_proj_b and in_proj_a (one value per value head
+        each), the chunked delta rule's output (value width: the "attention" of this mixer) and out_proj
+        (hidden)."""
+        return self.conv_width + 2 * self.value_width + 2 * self.value_heads + hidden
+
+    def elementwise_flops_per_token(self) -> float:
+        """The mixer's operations that are neither projections nor the delta rule, per token: the
+        depthwise causal convolution (2 * kernel per channel) and its SiLU (~4 per channel), the l2 norm of
+        q and k (~3 per element of q and k repeated to the value heads), and the gated RMSNorm of the
+        output (~8 per value element: norm, weight, SiLU of the gate, product)."""
+        return (2.0 * self.conv_kernel + 4.0) * self.conv_width + 3.0 * 2 * self.value_heads * self.key_dim \
+            + 8.0 * self.value_width
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -115,6 +130,33 @@ class LayerShape:
         if self.linear is not None:
             return mlp + self.linear.saved_elems_per_token()
         return mlp + 2 * self.q_dim + 2 * self.kv_dim + (self.q_dim if self.attn_gate else 0)
+
+    def selective_elems_per_token(self) -> int:
+        """Elements per token that a forward under the selective checkpointing policy keeps for its re-runs
+        in backward: the outputs of the layer's matrix multiplies and of its attention. Full attention: q
+        (q_dim), k and v (2 * kv_dim), the attention output (q_dim; plus q_dim for the output gate's
+        projection when ``attn_gate``), o_proj's output (hidden); Gated DeltaNet:
+        :meth:`LinearAttention.selective_elems_per_token`; the MLP: gate and up (2 * ffn, for a
+        mixture-of-experts layer the active width: top-k routed and shared experts) and down's output
+        (hidden). The rest (norms, rotary, activations, products, residual sums) is what the re-runs
+        recompute. The router's logits (one per expert) are left out: small beside these."""
+        mlp = 2 * self.ffn + self.hidden
+        if self.linear is not None:
+            return mlp + self.linear.selective_elems_per_token(self.hidden)
+        return mlp + 2 * self.q_dim + 2 * self.kv_dim + (self.q_dim if self.attn_gate else 0) + self.hidden
+
+    def elementwise_flops_per_token(self) -> float:
+        """FLOPs per token of a forward's operations that are neither matrix products nor attention (which
+        :meth:`fwd_flops_per_token` does not count): two RMSNorms (~4 per hidden element each), two residual
+        sums (hidden each), the MLP's SiLU (~4 per element) and product (1) over the ffn width; full
+        attention: rotary embedding of q and k (~3 per element) and the output gate's sigmoid and product
+        (~5 per element); Gated DeltaNet: :meth:`LinearAttention.elementwise_flops_per_token`. An estimate:
+        on a GPU these operations are bound by memory traffic, not by FLOPs (see problem.py,
+        SELECTIVE_RERUN_FLOOR)."""
+        base = 10.0 * self.hidden + 5.0 * self.ffn
+        if self.linear is not None:
+            return base + self.linear.elementwise_flops_per_token()
+        return base + 3.0 * (self.q_dim + self.kv_dim) + (5.0 * self.q_dim if self.attn_gate else 0.0)
 
     def fwd_transient_elems_per_token(self) -> int:
         """Largest transient of a no-grad forward: gate, up and activation of the MLP (or q,k,v,out)."""

@@ -37,6 +37,15 @@ from .measured import MeasuredCosts
 from .models import ModelShape, load_model
 
 
+# The least share of a layer's forward that a selective layer's re-run still takes (Plan.selective_layers:
+# its matrix multiplies' and attention's outputs are kept, the rest is recomputed). The rest's FLOPs are a
+# fraction of a percent of the forward's (LayerShape.elementwise_flops_per_token), but those operations
+# (norms, rotary, SiLU, products, residual sums) are bound by memory traffic, not by FLOPs: each reads and
+# writes whole activations at HBM bandwidth and launches kernels of its own, so their time is far above
+# their FLOP share. 0.1 of the forward is an assumption until the engine measures a selective re-run.
+SELECTIVE_RERUN_FLOOR = 0.1
+
+
 class InfeasibleBudgetError(ValueError):
     """A budget that cannot hold what the step needs; the message names the tier, the need and the gap."""
 
@@ -127,6 +136,13 @@ class Problem:
         self.ws_fwd = [l.fwd_transient_elems_per_token() * T * db for l in m.layers]
         self.ws_bwd = [(l.saved_elems_per_token() + l.bwd_transient_elems_per_token()) * T * db for l in m.layers]
         self.saved = [l.saved_elems_per_token() * T * db for l in m.layers]   # a layer's autograd internals
+        # selective layers (Plan.selective_layers): the matmul and attention outputs their forward keeps,
+        # and the share of a forward their re-runs still take (the non-matmul FLOPs' share, at least
+        # SELECTIVE_RERUN_FLOOR)
+        self.sel_bytes = [l.selective_elems_per_token() * T * db for l in m.layers]
+        self.sel_rerun_frac = [min(1.0, max(SELECTIVE_RERUN_FLOOR, l.elementwise_flops_per_token()
+                                            / l.fwd_flops_per_token(S))) for l in m.layers]
+        self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
         chunk = min(T, self.budgets.loss_chunk_tokens)
         self.head_ws = chunk * m.vocab_size * 4 * 2                   # fp32 logits + their gradient, one chunk
         self.nonlayer_w = m.nonlayer_params * db
@@ -160,6 +176,8 @@ class Problem:
         if c.num_layers != self.L:
             raise ValueError(f"measured costs are for {c.num_layers} layers, the model {self.model.name!r} has {self.L}")
         self.fwd_s, self.diff_s = list(c.fwd_s), list(c.diff_s)
+        # no measured selective re-run yet: the same share of the measured forward
+        self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
         self.head_s = c.nonlayer_s
         self.opt_nl, self.opt_l = c.step_s, list(c.update_s)
         self.load_nl = 0.0
@@ -190,18 +208,29 @@ class Problem:
             b += self.Gl[i] + (self.Gl[i + 1] if i + 1 < L else 0)     # grads made here, grads in flight
         return b
 
-    def recompute_s(self, s: int, e: int) -> float:
-        """Compute seconds of recomputing segment [s, e): layers s..e-2 forward."""
-        return sum(self.fwd_s[s:e - 1])
+    def rerun_s(self, j: int, selective: "frozenset[int] | set[int]" = frozenset()) -> float:
+        """Seconds of re-running layer ``j``'s forward in backward (the no-grad recompute, or the forward
+        part of its diff task): ``sel_rerun_s`` for a selective layer, its forward otherwise."""
+        return self.sel_rerun_s[j] if j in selective else self.fwd_s[j]
 
-    def compute_s(self, w: int, segment: "tuple[int, int] | None" = None) -> float:
-        """Compute seconds of window ``w``; ``segment`` = (s, e) when the window starts segment recompute."""
+    def recompute_s(self, s: int, e: int, selective: "frozenset[int] | set[int]" = frozenset()) -> float:
+        """Compute seconds of recomputing segment [s, e): layers s..e-2 forward."""
+        return sum(self.rerun_s(j, selective) for j in range(s, e - 1))
+
+    def diff_task_s(self, i: int, selective: "frozenset[int] | set[int]" = frozenset()) -> float:
+        """Seconds of layer ``i``'s diff task: its forward with autograd, then its backward."""
+        return self.diff_s[i] - self.fwd_s[i] + self.rerun_s(i, selective)
+
+    def compute_s(self, w: int, segment: "tuple[int, int] | None" = None,
+                  selective: "frozenset[int] | set[int]" = frozenset()) -> float:
+        """Compute seconds of window ``w``; ``segment`` = (s, e) when the window starts segment recompute;
+        ``selective``: the plan's selective layers."""
         L = self.L
         if w < L:
             return self.fwd_s[w] + (self.head_s if w == L - 1 else 0.0)
         i = self.layer_of(w)
-        rec = self.recompute_s(*segment) if segment and segment[1] == i + 1 else 0.0
-        return self.diff_s[i] + rec
+        rec = self.recompute_s(*segment, selective) if segment and segment[1] == i + 1 else 0.0
+        return self.diff_task_s(i, selective) + rec
 
     # ---- bounds and checks ---------------------------------------------------------------
     def no_recompute_compute_s(self) -> float:

@@ -47,6 +47,7 @@ class SimResult:
     window_s: list[float]
     recomputed_layers: int
     boundaries_per_home: dict[str, int]
+    selective_layers: int = 0    # layers whose forward keeps its matmul/attention outputs (Plan.selective_layers)
     timeline: list[Event] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)   # per window: start, end, hbm, host, nvme
     violations: list[str] = field(default_factory=list)
@@ -62,7 +63,7 @@ class SimResult:
         return {"step_time_s": self.step_time_s, "tflops": self.tflops, "tokens_per_s": self.tokens_per_s,
                 "exposed_s": dict(self.exposed_s), "peak_bytes": dict(self.peak_bytes),
                 "compute_s": self.compute_s, "recomputed_layers": self.recomputed_layers,
-                "boundaries_per_home": dict(self.boundaries_per_home)}
+                "boundaries_per_home": dict(self.boundaries_per_home), "selective_layers": self.selective_layers}
 
 
 # task kinds that stream no weights and read no boundary: the head, and a graph layer's backward
@@ -76,9 +77,11 @@ def _link_bw(p: Problem, link: str) -> float:
 def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[list[tuple[str, int, float]]]:
     """Compute tasks per window: (kind, layer, seconds); kind in fwd | head | recompute | diff | bwd
     (``bwd``: a graph layer's backward alone, from the graph its forward recorded). LazyTrain re-runs
-    layers s..e-2 of a segment [s, e); MegaTrain re-runs s..e-1 (megatrain.rerun_range)."""
+    layers s..e-2 of a segment [s, e); MegaTrain re-runs s..e-1 (megatrain.rerun_range). A selective
+    layer's re-runs (its recompute, and the forward part of its diff task) take ``sel_rerun_s``."""
     L = p.L
     g = plan.graph_start()
+    sel = frozenset(plan.selective_layers)          # their re-runs recompute only the non-matmul ops
     seg_by_end = {e: s for s, e in plan.segments() if s < g}
     out: list[list[tuple[str, int, float]]] = []
     for w in range(2 * L):
@@ -92,8 +95,8 @@ def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[li
             if i + 1 in seg_by_end:
                 s = seg_by_end[i + 1]
                 reruns = megatrain.rerun_range(s, i + 1) if executor == "megatrain" else range(s, i)
-                t += [("recompute", j, p.fwd_s[j]) for j in reruns]
-            t.append(("bwd", i, p.diff_s[i] - p.fwd_s[i]) if i >= g else ("diff", i, p.diff_s[i]))
+                t += [("recompute", j, p.rerun_s(j, sel)) for j in reruns]
+            t.append(("bwd", i, p.diff_s[i] - p.fwd_s[i]) if i >= g else ("diff", i, p.diff_task_s(i, sel)))
         out.append(t)
     return out
 
@@ -113,6 +116,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             raise SimulationError(f"homes[{i}] = {h!r}: the simulator models the built-in tiers hbm, host, nvme")
     resident = set(plan.resident_layers)
     g = plan.graph_start()                                      # layers g.. keep their forward graph
+    selective = plan.selective_layers                           # all below g (Plan.validate)
     tasks = window_tasks(p, plan, executor)
     seg_end = {s: e for s, e in plan.segments() if s < g}
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
@@ -221,6 +225,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                 weights += p.Wl[j]
             if j <= w < 2 * L - 1 - j:                         # its own backward window counts them already
                 graphs += p.saved[j]
+        for j in selective:   # kept matmul/attention outputs; in its backward window the diff task's autograd
+            if j <= w < 2 * L - 1 - j:   # saves these same tensors, which the window's workspace counts
+                graphs += p.sel_bytes[j]
         bnd = sum(p.A[b] for b in on_device if b <= L)
         if w == L - 1:
             bnd -= p.A[L]                                      # counted in the window's fixed bytes
@@ -303,6 +310,6 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     toks = p.micro_batch * p.seq_len * p.grad_accum
     return SimResult(step_time_s=step, tflops=6 * p.model.throughput_params * toks / step / 1e12,
                      tokens_per_s=toks / step, exposed_s=exposed, peak_bytes=peak, compute_s=compute_total,
-                     window_s=window_s, boundaries_per_home=counts,
+                     window_s=window_s, boundaries_per_home=counts, selective_layers=len(selective),
                      recomputed_layers=sum(1 for ws in tasks for kind, *_ in ws if kind == "recompute"),
                      timeline=events, memory=memory, violations=violations)
