@@ -38,17 +38,26 @@ def _config(lt: dict, micro_batch: int = 2) -> dict:
                           "testing": {"copy_threads": True, "links": LINKS}}}
 
 
-def _train(lt: dict, steps: int = STEPS, accumulation: int = 1):
+def _train(lt: dict, steps: int = STEPS, accumulation: int = 1, links: bool = True, spoil=None, evaluate=(),
+           quiet: bool = True):
+    """``spoil``: micro-batch whose loss is made NaN (its step is skipped); ``evaluate``: micro-batches
+    before which an evaluation forward under grad runs, its output kept until the end."""
     cfg = _config(lt)
     cfg["train_batch_size"] = 2 * accumulation
+    if not links:
+        del cfg["lazytrain"]["testing"]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore" if quiet else "default")
         engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
-    plans = []   # the plan each micro-batch ran on
-    for x, y in batches(steps * accumulation):
-        plans.append(engine.plan.policy)
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
+        plans, kept = [], []   # the plan each micro-batch ran on
+        data = batches(steps * accumulation)
+        for i, (x, y) in enumerate(data):
+            if i in evaluate:
+                kept.append(engine(data[0][0]))   # never differentiated
+            plans.append(engine.plan.policy)
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss * float("nan") if i == spoil else loss)
+            engine.step()
     return engine, plans
 
 
@@ -134,6 +143,51 @@ def test_drift_beyond_the_margin_measures_and_plans_again_at_most_max_replans_ti
     assert "x the prediction)" in out
 
 
+def test_auto_on_a_cpu_without_copy_threads_plans_with_its_memory_copy_speed():
+    engine, plans = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0}}, steps=7, links=False)
+    profile, stopped = engine.auto.last_profile, engine.auto.stopped
+    engine.destroy()
+    assert stopped is None and plans == ["auto-calibration"] * 5 + ["auto-milp"] * 2
+    assert set(profile.links_gbps) == {"h2d_gbps", "d2h_gbps"} and min(profile.links_gbps.values()) > 0
+
+
+def test_a_skipped_step_is_not_measured_and_another_is_traced_in_its_place():
+    engine, plans = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0}}, steps=8, spoil=3)
+    history, stopped = engine.auto.history, engine.auto.stopped
+    engine.destroy()
+    assert stopped is None
+    assert plans == ["auto-calibration"] * 6 + ["auto-milp"] * 2 and history[0].step == 6   # one more step measured
+
+
+def test_planning_that_fails_warns_and_keeps_the_plan_in_place_while_training_goes_on():
+    # a device budget the calibration plan runs in and the planner finds too small for any plan
+    with pytest.warns(UserWarning, match=r"policy \"auto\" stopped after step 5 and keeps the plan it runs "
+                                         r"\(auto-calibration\): InfeasibleBudgetError"):
+        engine, plans = _train({"policy": "auto", "gpu_memory": "220KB", "auto": AUTO}, steps=5, accumulation=2,
+                               quiet=False)
+    assert engine.global_steps == 5 and engine.micro_steps == 10   # every micro-batch counted
+    for x, y in batches(4):   # the next steps train on, and nothing is measured or planned any more
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.plan.policy == "auto-calibration" and engine.global_steps == 7 and not engine.auto.history
+    engine.destroy()
+
+
+def test_an_evaluation_output_kept_across_the_plan_change_does_not_touch_the_new_plans_boundaries():
+    # the MILP keeps boundaries on the host here (a device budget below keep-all's)
+    lt = {"policy": "auto", "gpu_memory": "235KB", "auto": {**AUTO, "max_replans": 0}}
+    engine, plans = _train(lt, steps=8, evaluate=(4,))
+    auto = engine.module_state_dict()
+    engine.destroy()
+    assert plans[5:] == ["auto-milp"] * 3
+    engine, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True}, steps=8,
+                       evaluate=(4,))
+    fixed = engine.module_state_dict()
+    engine.destroy()
+    for k, v in fixed.items():
+        assert torch.equal(auto[k], v), k
+
+
 @pytest.mark.parametrize("lt,message", [
     ({"policy": "auto", "overlap_optimizer": False}, "measures each layer's host update, which runs layer by layer"),
     ({"policy": "auto", "weights_home": "hbm"}, "keeps every layer resident: there is nothing for it to plan"),
@@ -162,11 +216,39 @@ def test_a_model_without_a_config_and_a_profile_of_another_micro_batch_are_refus
                                                                          micro_batch=4))
 
 
-def test_a_file_that_is_not_a_profile_is_named(tmp_path):
+def test_a_file_that_is_not_a_profile_is_named(tmp_path, measured):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(MeasurementError, match="is not a LazyTrain machine profile"):
         MachineProfile.from_json(str(bad))
+    d = json.loads(open(measured[2]).read())
+    for change, message in (({"version": 99}, "has version 99; this LazyTrain reads version 1"),
+                            ({"costs": {**d["costs"], "step_s": True}}, "step_s must be a finite time >= 0 s, got True"),
+                            ({"links_gbps": {"h2d_gbps": float("inf")}}, "links_gbps must map")):
+        bad.write_text(json.dumps({**d, **change}))
+        with pytest.raises(MeasurementError, match=message):
+            MachineProfile.from_json(str(bad))
+
+
+@pytest.mark.filterwarnings("ignore:lazytrain")
+def test_a_saved_profile_of_another_model_or_sequence_length_and_an_unwritable_profile_path_are_refused(
+        measured, tmp_path):
+    d = json.loads(open(measured[2]).read())
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**d, "model": {**d["model"], "layer_params": [1] * 6}}))
+    with pytest.raises(ConfigError, match=r"was measured on another model: its layer_params is \[1, 1, 1, 1, 1, 1\]"):
+        lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
+                                                                         "auto": {"profile": str(other)}}))
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(
+        {"policy": "auto", "auto": {"profile": measured[2]}}))
+    x, y = batches(1, seq=16)[0]
+    with pytest.raises(ConfigError, match="was measured at sequence length 12, and this batch's is 16"):
+        engine(x)
+    engine.destroy()
+    with pytest.raises(ConfigError, match="'lazytrain.auto.profile_path' cannot be written: trace path "
+                                          "/nonexistent-dir/p.json: its directory /nonexistent-dir does not exist"):
+        lazytrain.initialize(model=make_model("llama"), config=_config(
+            {"policy": "auto", "auto": {"profile_path": "/nonexistent-dir/p.json"}}))
 
 
 def _rank(rank, port, out_dir):

@@ -242,8 +242,10 @@ def test_measured_costs_for_another_model_are_refused():
 
 @pytest.mark.parametrize("kw,message", [
     (dict(diff_s=(1.0,)), "diff_s has 1 layers, fwd_s has 2"),
-    (dict(update_s=(1.0, -1.0)), "every update_s must be a time >= 0 s"),
-    (dict(step_s=float("nan")), "step_s must be a time >= 0 s"),
+    (dict(update_s=(1.0, -1.0)), r"every update_s must be a finite time >= 0 s, got \[1.0, -1.0\]"),
+    (dict(update_s=(1.0, float("inf"))), r"every update_s must be a finite time >= 0 s, got \[1.0, inf\]"),
+    (dict(step_s=float("nan")), "step_s must be a finite time >= 0 s, got nan"),
+    (dict(step_s=True), "step_s must be a finite time >= 0 s, got True"),
 ])
 def test_bad_measured_costs_are_named(kw, message):
     base = dict(fwd_s=(1.0, 1.0), diff_s=(1.0, 1.0), nonlayer_s=0.0, step_s=0.0, update_s=(0.0, 0.0))

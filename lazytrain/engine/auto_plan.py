@@ -54,6 +54,8 @@ class AutoPlanHooks:
     plan_from: Callable[[MachineProfile], Plan]    # plan from a profile (the MILP)
     on_rank0: Callable[[Callable[[], object]], object]   # computed on rank 0, the same answer on every rank
     say: Callable[[str], None]                     # report (rank 0 prints)
+    warn: Callable[[str], None]                    # a warning (every rank)
+    current_policy: Callable[[], str]              # the plan in place, by its policy's name
     save_profile: Callable[[MachineProfile], None] | None = None
 
 
@@ -64,6 +66,7 @@ class AutoPlanner:
     hooks: AutoPlanHooks
     history: list[PlanRecord] = field(default_factory=list)
     last_profile: MachineProfile | None = None     # what the plan in place was made from
+    stopped: str | None = None                     # why policy auto stopped (it keeps the plan in place)
     measuring: bool = True
     _steps_in_phase: int = 0
     _traces: list = field(default_factory=list)
@@ -79,18 +82,31 @@ class AutoPlanner:
 
     def after_step(self, step: int, seconds: float) -> None:
         """After each optimizer step: ``step`` steps done, the last one took ``seconds`` (first forward to the
-        end of step())."""
+        end of step()). Measuring or planning that fails (an infeasible budget, a profile that cannot be
+        written) warns and stops policy auto, leaving the run on the plan it has: the step itself
+        completed, and training goes on."""
+        if self.stopped:
+            return
+        try:
+            self._after_step(step, seconds)
+        except Exception as e:   # noqa: BLE001 - the step completed; the run keeps its plan
+            self.stopped = f"{type(e).__name__}: {e}"
+            self._traces, self._times = [], []
+            self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan it runs "
+                            f"({self.hooks.current_policy()}): {self.stopped}")
+
+    def _after_step(self, step: int, seconds: float) -> None:
         s = self.settings
         if self.measuring:
             if self._steps_in_phase >= s.warmup_steps:
-                self._traces.append(self.hooks.last_trace())
+                trace = self.hooks.last_trace()   # None: this step was not traced, or was skipped
+                if trace is not None:
+                    self._traces.append(trace)
             self._steps_in_phase += 1
             if len(self._traces) < s.profile_steps:
                 self._measure_next()
                 return
-            profile = self.hooks.on_rank0(lambda: self.hooks.profile_of(self._traces))
-            if self.hooks.save_profile is not None:
-                self.hooks.save_profile(profile)
+            profile = self.hooks.on_rank0(lambda: self._profile_saved(self._traces))
             reason = "measured" if not self.history else "measured again after drift"
             self._plan(profile, step, reason)
             return
@@ -109,6 +125,12 @@ class AutoPlanner:
             self.measuring, self._steps_in_phase, self._traces = True, 0, []
             self.hooks.switch(self.calibration)
             self._measure_next()
+
+    def _profile_saved(self, traces: list) -> MachineProfile:
+        profile = self.hooks.profile_of(traces)
+        if self.hooks.save_profile is not None:
+            self.hooks.save_profile(profile)
+        return profile
 
     def _measure_next(self) -> None:
         if self._steps_in_phase >= self.settings.warmup_steps:

@@ -235,6 +235,7 @@ class LazyTrainEngine(nn.Module):
         self._trace_request: str | None = None   # trace_next_step: "" to keep it in memory only, or a path
         self._trace_path: str | None = None      # the step being traced ("" : not written)
         self.last_trace = None
+        self._traced_step: int | None = None
         self.weights.zero_grads()
         if self.shards is not None:   # late: a set-up that fails before it leaves the weights where they were
             self._shard_host_weights()
@@ -244,6 +245,7 @@ class LazyTrainEngine(nn.Module):
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
         self._step_began: float | None = None   # the first training forward of the step under way
         self._seq_len: int | None = config.lazytrain.seq_len
+        self._profile_seq_len: int | None = None   # a saved profile's, until a batch has been seen
         self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
 
     # ---- set-up helpers ------------------------------------------------------------------------
@@ -262,18 +264,26 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError(f"config 'lazytrain.policy' \"auto\" measures each layer's update, which needs updates "
                               f"layer by layer (HybridAdamW: the config's Adam/AdamW without amsgrad); the optimizer "
                               f"is {type(self.optimizer).__name__}")
+        if settings.profile_path and self.global_rank == 0:
+            try:   # now, not after the measured steps
+                check_writable(settings.profile_path)
+            except ValueError as e:
+                raise ConfigError(f"config 'lazytrain.auto.profile_path' cannot be written: {e}") from None
         saved = measured.MachineProfile.from_json(settings.profile) if settings.profile else None
         if saved is not None:
             self._check_profile(saved)
         hooks = auto_plan.AutoPlanHooks(
             # a trace the script asked for (with a path) serves as well as one of our own
             request_trace=lambda: self.trace_next_step() if self._trace_request is None else None,
-            last_trace=lambda: self.last_trace, switch=self._use_plan,
-            profile_of=self._profile_of, on_rank0=self._on_rank0,
+            # a trace of the step just completed, and applied (a skipped step has no layer updates)
+            last_trace=lambda: self.last_trace if self._traced_step == self.global_steps and
+            self._step_applied else None,
+            switch=self._use_plan, profile_of=self._profile_of, on_rank0=self._on_rank0,
             plan_from=lambda profile: plan_from_measurements(self._config, self.tiers, profile),
             say=lambda line: print(line) if self.global_rank == 0 else None,
-            save_profile=(lambda profile: profile.to_json(settings.profile_path) if self.global_rank == 0 else None)
-            if settings.profile_path else None)
+            warn=lambda message: warnings.warn(message, UserWarning),
+            current_policy=lambda: self.plan.policy,
+            save_profile=(lambda profile: profile.to_json(settings.profile_path)) if settings.profile_path else None)
         planner = auto_plan.AutoPlanner(settings, self.plan, hooks)
         planner.start(saved)
         return planner
@@ -283,10 +293,14 @@ class LazyTrainEngine(nn.Module):
         if self._seq_len is None:
             raise ConfigError("config 'lazytrain.policy' \"auto\" needs 'lazytrain.seq_len' (no token ids were "
                               "seen in the traced forwards to read it from)")
+        links = measured.link_bandwidths(traces)
+        if self.device.type == "cpu":   # copies that ran in place are memory copies: measured here instead
+            for name in ("h2d_gbps", "d2h_gbps"):
+                links.setdefault(name, _memory_copy_gbps())
         return measured.MachineProfile(
             costs=measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
                                                      micro_batches=self.gradient_accumulation_steps()),
-            links_gbps=measured.link_bandwidths(traces), model=self._model_cfg,
+            links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device))
 
     def _check_profile(self, profile: measured.MachineProfile) -> None:
@@ -300,6 +314,11 @@ class LazyTrainEngine(nn.Module):
         if self._seq_len is not None and profile.seq_len != self._seq_len:
             raise ConfigError(f"{where} was measured at sequence length {profile.seq_len}, 'lazytrain.seq_len' is "
                               f"{self._seq_len}")
+        for key in ("layer_params", "hidden_size", "dtype"):
+            if profile.model.get(key) != self._model_cfg.get(key):
+                raise ConfigError(f"{where} was measured on another model: its {key} is {profile.model.get(key)!r}, "
+                                  f"this model's {self._model_cfg.get(key)!r}")
+        self._profile_seq_len = profile.seq_len   # checked against the first training batch
 
     def _on_rank0(self, compute):
         """``compute()`` on rank 0, its answer on every rank (its error raised on every rank)."""
@@ -327,8 +346,11 @@ class LazyTrainEngine(nn.Module):
         blocks = self.executor.blocks
         self.stream.settle_all()
         self.executor.uninstall()
+        # the pass numbers go on from the old executor's: a pass of it still alive (an evaluation output
+        # under grad) keeps its boundaries under keys no new pass reuses
         self.executor = LayerStreamingExecutor(blocks, plan, self.weights, self.stream, self.tiers, self.device,
-                                               prefetch=self._config.lazytrain.prefetch)
+                                               prefetch=self._config.lazytrain.prefetch,
+                                               pass_ids=self.executor.pass_ids)
         self.plan = plan
 
     def _overlapped_updates(self, wanted: bool, required: bool) -> LayerUpdates | None:
@@ -461,6 +483,11 @@ class LazyTrainEngine(nn.Module):
                 ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
                 if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2:
                     self._seq_len = int(ids.shape[-1])
+                    if self._profile_seq_len is not None and self._seq_len != self._profile_seq_len:
+                        raise ConfigError(f"config 'lazytrain.auto.profile' was measured at sequence length "
+                                          f"{self._profile_seq_len}, and this batch's is {self._seq_len}: measure "
+                                          f"again (leave 'profile' out), or train at the profile's length")
+                    self._profile_seq_len = None
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
@@ -539,12 +566,13 @@ class LazyTrainEngine(nn.Module):
         """On an accumulation boundary: clip, update, zero grads, advance the schedule."""
         self._step_applied = False            # as DeepSpeed: true only after a step() that updated
         self._refuse_if_inconsistent("step()")
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._take_model_step(lr_kwargs)
             began, self._step_began = self._step_began, None
-            if self.auto is not None:
-                self.auto.after_step(self.global_steps, time.perf_counter() - (began or time.perf_counter()))
         self.micro_steps += 1
+        if boundary and self.auto is not None:
+            self.auto.after_step(self.global_steps, time.perf_counter() - (began or time.perf_counter()))
         self._raise_unstored_copies()
 
     def _raise_unstored_copies(self) -> None:
@@ -588,6 +616,7 @@ class LazyTrainEngine(nn.Module):
         if timeline is None:
             return
         self.last_trace = timeline.finish()
+        self._traced_step = self.global_steps + 1   # the step being completed (counted right after)
         if self._trace_path:
             write_chrome_trace(self._trace_path, self.last_trace)
         self._trace_path = None
@@ -1624,3 +1653,14 @@ def _global_norm(grads: list[torch.Tensor]) -> float:
         norms = torch._foreach_norm(gs, 2.0)
         total += float(torch.stack([n.float() for n in norms]).pow(2).sum())
     return math.sqrt(total)
+
+
+def _memory_copy_gbps(nbytes: int = 1 << 25, repeats: int = 3) -> float:
+    """GB/s of a memory copy on this host (the fastest of a few 32 MiB copies)."""
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / max(best, 1e-9) / 1e9

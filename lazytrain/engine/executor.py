@@ -45,6 +45,11 @@ class _LayerCall:
     held: dict = field(default_factory=dict)   # leaf index -> what a list/dict/mapping argument held at the call
 
 
+def _whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous byte tensor over ``t``'s whole storage: what a tier counts and keeps without a copy."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
 def _rng_state(device: torch.device) -> tuple:
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
 
@@ -118,7 +123,7 @@ class LayerStreamingExecutor:
     """Owns the block weights' streaming and the boundary placement of every training pass."""
 
     def __init__(self, blocks: nn.ModuleList, plan: Plan, weights: LayerWeights, stream: WeightStream,
-                 tiers: dict[str, Tier], device: torch.device, prefetch: bool = True):
+                 tiers: dict[str, Tier], device: torch.device, prefetch: bool = True, pass_ids=None):
         if plan.num_layers != len(blocks):
             raise ExecutorError(f"the plan is for {plan.num_layers} layers but the model has {len(blocks)} blocks")
         for i, home in enumerate(plan.homes):
@@ -133,7 +138,7 @@ class LayerStreamingExecutor:
         self.device = device
         self.prefetch = prefetch
         self.L = len(blocks)
-        self._pass_ids = itertools.count()
+        self.pass_ids = pass_ids if pass_ids is not None else itertools.count()   # one numbering per engine
         self._current: _Pass | None = None
         self._streaming_inference = False   # an inference forward's sequence is running
         self.recomputed_layer_forwards = 0
@@ -203,6 +208,13 @@ class LayerStreamingExecutor:
                  kept=nullcontext()):
         """Run block ``layer`` on ``flat`` weights; ``replay``: a re-run, with its forward's random state;
         ``kept``: the selective cache that records (forward) or serves (re-run) its kept outputs."""
+        if layer in self.selective:
+            # a selective block's forward and re-runs must run the same ops: some choose how to compute
+            # by whether their inputs require grad (matmul), so every run sees the weights and the hidden
+            # state as the re-run with autograd does (without autograd recording anything it need not)
+            requires_grad = True
+            if hidden.is_floating_point() and not hidden.requires_grad:
+                hidden = hidden.detach().requires_grad_()
         params = self.weights.views(flat, layer, requires_grad)
         leaves = list(call.leaves)
         if tensors is not None:
@@ -315,7 +327,7 @@ class LayerStreamingExecutor:
     # ---- forward bookkeeping -------------------------------------------------------------------
     def _begin_pass(self) -> None:
         self._streaming_inference = False
-        p = _Pass(next(self._pass_ids))
+        p = _Pass(next(self.pass_ids))
         # a pass whose graph is dropped without backward (e.g. a forward under grad for evaluation)
         # frees what it still holds when it is garbage-collected
         weakref.finalize(p, _free_owned, self.tiers, p.owned)
@@ -418,8 +430,8 @@ class LayerStreamingExecutor:
         with kept.recording():
             yield
         keys = [f"{self._key(p, layer)}.kept{k}" for k in range(len(kept.tensors()))]
-        for key, t in zip(keys, kept.tensors()):
-            self._put(p, DEVICE_HOME, key, t, owned=True)
+        for key, t in zip(keys, kept.tensors()):   # counted as the storage it is, never copied
+            self._put(p, DEVICE_HOME, key, _whole_storage(t), owned=True)
         p.kept_outputs[layer] = (kept, keys)
 
     def _selective_rerun(self, p: _Pass, layer: int):

@@ -12,6 +12,7 @@ bandwidths. Pure Python, like the rest of the planner.
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import asdict, dataclass
@@ -24,6 +25,10 @@ STEP_SPANS = ("gradient norm", "embedding/head")   # the engine's serial host ph
 
 class MeasurementError(ValueError):
     """Measured costs that cannot be used; the message says what is missing or wrong."""
+
+
+def _is_time(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 @dataclass(frozen=True)
@@ -45,13 +50,14 @@ class MeasuredCosts:
                 raise MeasurementError(f"measured costs: {name} has {len(getattr(self, name))} layers, "
                                        f"fwd_s has {L}")
         for name in ("fwd_s", "diff_s", "update_s"):
-            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
-            if any(not v >= 0 for v in getattr(self, name)):
-                raise MeasurementError(f"measured costs: every {name} must be a time >= 0 s")
+            values = getattr(self, name)
+            if not all(_is_time(v) for v in values):
+                raise MeasurementError(f"measured costs: every {name} must be a finite time >= 0 s, got {list(values)!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))
         for name in ("nonlayer_s", "step_s"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v >= 0):
-                raise MeasurementError(f"measured costs: {name} must be a time >= 0 s, got {v!r}")
+            if not _is_time(v):
+                raise MeasurementError(f"measured costs: {name} must be a finite time >= 0 s, got {v!r}")
 
     @property
     def num_layers(self) -> int:
@@ -201,13 +207,16 @@ class MachineProfile:
         if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
             raise MeasurementError(f"{where} is not a LazyTrain machine profile (no \"format\": "
                                    f"\"{PROFILE_FORMAT}\"); policy \"auto\" writes one with 'lazytrain.auto.profile_path'")
+        if d.get("version") != 1:
+            raise MeasurementError(f"{where} has version {d.get('version')!r}; this LazyTrain reads version 1")
+        if not isinstance(d.get("costs"), dict):
+            raise MeasurementError(f"{where}: costs must be an object, got {d.get('costs')!r}")
         missing = [k for k in ("costs", "links_gbps", "model", "micro_batch", "seq_len") if k not in d]
         if missing:
             raise MeasurementError(f"{where} has no {', '.join(repr(k) for k in missing)}")
         links = d["links_gbps"]
         if not isinstance(links, dict) or any(k not in LINK_LANES.values() for k in links) or \
-                any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")
-                    for v in links.values()):
+                any(not _is_time(v) or v == 0 for v in links.values()):
             raise MeasurementError(f"{where}: links_gbps must map {', '.join(LINK_LANES.values())} to GB/s > 0, "
                                    f"got {links!r}")
         for k in ("micro_batch", "seq_len"):
