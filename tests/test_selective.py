@@ -144,3 +144,17 @@ def test_a_selective_layer_must_be_one_that_backward_re_runs():
         dataclasses.replace(plan, last_segment_graph=True, selective_layers=(4,))
     with pytest.raises(PlanError, match=r"selective_layers holds 6"):
         dataclasses.replace(plan, selective_layers=(6,))
+
+
+def test_attention_that_drops_out_and_kernels_without_a_log_sum_exp_are_recomputed_not_kept():
+    from torch.utils.checkpoint import CheckpointPolicy
+    from lazytrain.engine.selective import _policy
+    aten, q = torch.ops.aten, torch.zeros(1)
+    assert _policy(None, aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert _policy(None, flash, q, q, q, 0.0) == CheckpointPolicy.MUST_SAVE
+    assert _policy(None, flash, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert _policy(None, flash, q, q, q, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    assert _policy(None, efficient, q, q, q, None, False) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert _policy(None, aten.relu.default, q) == CheckpointPolicy.PREFER_RECOMPUTE

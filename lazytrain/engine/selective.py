@@ -15,15 +15,31 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
-# what a selective block keeps: the outputs of these ops (those this torch build has)
-KEPT_OPS = tuple(getattr(getattr(_aten, name), "default") for name in (
-    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-) if hasattr(_aten, name))
+
+
+def _ops(*names):
+    return tuple(getattr(getattr(_aten, name), "default") for name in names if hasattr(_aten, name))
+
+
+# what a selective block keeps: the outputs of matrix multiplies, and of the attention kernels that return
+# their log-sum-exp whether or not autograd records (flash; the efficient and cuDNN kernels compute it only
+# for a forward that records autograd, which a streamed block's is not, so they are recomputed)
+MATMUL_OPS = _ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+ATTENTION_OPS = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu")
+KEPT_OPS = MATMUL_OPS + ATTENTION_OPS
+
+
+def _policy(ctx, op, *args, **kwargs):
+    """Keep matmul outputs, and attention's unless it drops out: a kept attention would not draw its
+    dropout's random numbers again in a re-run, and the ops after it would draw different ones."""
+    if op in MATMUL_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    if op in ATTENTION_OPS and float(kwargs.get("dropout_p", args[3] if len(args) > 3 else 0.0)) == 0.0:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class SelectiveForward:
@@ -32,7 +48,7 @@ class SelectiveForward:
     def __init__(self, reruns: int):
         if reruns < 1:
             raise ValueError(f"a selective block is re-run at least once, got {reruns}")
-        self._pairs = [create_selective_checkpoint_contexts(list(KEPT_OPS)) for _ in range(reruns)]
+        self._pairs = [create_selective_checkpoint_contexts(_policy) for _ in range(reruns)]
         self._used = 0
 
     @contextmanager
