@@ -4,12 +4,14 @@ One process, one small Llama (transformers, fp32), the CPU standing in for a GPU
 
 1. Calibration: the engine trains a few steps keeping every boundary, with copy threads and unlimited
    links; its traced steps give each layer's forward and backward, the rest of the model, the step's
-   serial host phase and each layer's update (``MeasuredCosts.from_traces``). With the emulated links'
+   serial host phase and each layer's update (``MeasuredCosts.from_traces``); the same with every layer
+   selective gives a selective layer's forward and re-run (``measured.with_selective``). With the emulated links'
    bandwidths that is this machine's hardware profile.
-2. Three plans for that profile: MegaTrain's policy (every 4th boundary kept on the device, all else
-   re-run, the update after the step), keep-all (every boundary offloaded to the host and fetched
-   back) and the MILP's plan within a device budget halfway between the peaks of MegaTrain's policy and
-   of keeping every boundary on the device.
+2. Four plans for that profile: MegaTrain's policy (every 4th boundary kept on the device, all else
+   re-run, the update after the step), the same with every layer selective (its re-runs take the
+   forward's matmul and attention outputs; its forward and re-run measured in calibration too), keep-all (every boundary offloaded to the host and fetched back) and the MILP's
+   plan within a device budget halfway between the peaks of MegaTrain's policy and of keeping every
+   boundary on the device.
 3. Each runs in the engine with the same emulated links (copy threads limited to ``--gbps`` per
    direction, ``--latency-ms`` per transfer), and its measured step (median of ``--steps`` after
    ``--warmup``) is printed beside the simulator's prediction for it.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -72,19 +75,32 @@ def train_step(engine, ids):
 
 
 def calibrate(base, data, warmup: int, traced: int):
-    """MeasuredCosts of this model on this machine, from traced steps that keep every boundary."""
-    from lazytrain.planner.measured import MeasuredCosts
-    engine = engine_for(copy.deepcopy(base), {"policy": "keep_all", "boundary_home": "hbm", "last_segment_graph": False,
-                                              "overlap_optimizer": True, "testing": {"copy_threads": True}})
-    traces = []
-    for i, ids in enumerate(data[:warmup + traced]):
-        if i >= warmup:
-            engine.trace_next_step()
-        train_step(engine, ids)
-        if i >= warmup:
-            traces.append(engine.last_trace)
-    engine.wait_for_update()
-    return MeasuredCosts.from_traces(traces, len(base.model.layers), source="this CPU, 1 compute thread")
+    """MeasuredCosts of this model on this machine, from traced steps that keep every boundary; then the
+    selective layers' forward and re-run from traced steps of the same plan with every layer selective."""
+    from lazytrain.planner.measured import MeasuredCosts, with_selective
+    from lazytrain.planner.plan import keep_all_plan
+    L = len(base.model.layers)
+
+    def traced_steps(section):
+        engine = engine_for(copy.deepcopy(base), section)
+        traces = []
+        for i, ids in enumerate(data[:warmup + traced]):
+            if i >= warmup:
+                engine.trace_next_step()
+            train_step(engine, ids)
+            if i >= warmup:
+                traces.append(engine.last_trace)
+        engine.wait_for_update()
+        engine.destroy()
+        return traces
+    common = {"overlap_optimizer": True, "testing": {"copy_threads": True}}
+    costs = MeasuredCosts.from_traces(traced_steps({"policy": "keep_all", "boundary_home": "hbm",
+                                                    "last_segment_graph": False, **common}),
+                                      L, source="this CPU, 1 compute thread")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "selective.json")
+        dataclasses.replace(keep_all_plan(L, home="hbm"), selective_layers=tuple(range(L))).to_json(path)
+        return with_selective(costs, traced_steps({"policy": "plan", "plan": path, **common}))
 
 
 def profile_of(costs, model_cfg, links_gbps: float, nvme_gbps: float | None = None):
@@ -111,7 +127,11 @@ def plans_for(problem, milp_seconds: float, nvme: bool = False):
     from lazytrain.planner.search import solve
     L = problem.L
     keep_all = keep_all_plan(L, home="host", micro_batch_size=BATCH, seq_len=SEQ)
-    plans = {"MegaTrain (k=4, update after the step)": megatrain_plan(problem, 4), "keep-all (host)": keep_all}
+    mega = megatrain_plan(problem, 4)
+    plans = {"MegaTrain (k=4, update after the step)": mega, "keep-all (host)": keep_all,
+             # its policy with every layer selective: re-runs take the forward's matmul and attention outputs
+             "MegaTrain's policy, all layers selective": dataclasses.replace(
+                 mega, policy="megatrain-k4-selective", selective_layers=tuple(range(L)))}
     if nvme:
         plans["keep-all (NVMe)"] = keep_all_plan(L, home="nvme", micro_batch_size=BATCH, seq_len=SEQ)
     plans["MILP"] = solve(problem, MilpOptions(time_limit_s=milp_seconds))
@@ -171,6 +191,8 @@ def main(argv=None) -> int:
     print(f"measured: forward {statistics.mean(costs.fwd_s) * 1e3:.1f} ms/layer, forward+backward "
           f"{statistics.mean(costs.diff_s) * 1e3:.1f} ms/layer, rest of the model {costs.nonlayer_s * 1e3:.1f} ms, "
           f"step's host phase {costs.step_s * 1e3:.1f} ms, update {statistics.mean(costs.update_s) * 1e3:.1f} ms/layer")
+    print(f"selective layers: forward {statistics.mean(costs.selective_fwd_s) * 1e3:.1f} ms/layer, re-run "
+          f"{statistics.mean(costs.selective_rerun_s) * 1e3:.1f} ms/layer (the plain re-run is the forward's)")
     model_cfg = base.config.to_dict()
     model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in base.model.layers]
     model_cfg["dtype"] = model_cfg["torch_dtype"] = "float32"   # what the engine computes and streams in
@@ -209,7 +231,8 @@ def main(argv=None) -> int:
         print(f"{name:<40}{m * 1e3:>15.0f}{p * 1e3:>16.0f}{m / p:>19.3f}x")
     for name, plan, _, _ in rows:
         print(f"{name}: boundaries {' '.join(plan.homes)}, resident layers {list(plan.resident_layers)}, "
-              f"last segment graph {plan.last_segment_graph}, update overlapped {plan.overlap_optimizer}")
+              f"selective layers {list(plan.selective_layers)}, last segment graph {plan.last_segment_graph}, "
+              f"update overlapped {plan.overlap_optimizer}")
     mega = rows[0]
     milp = rows[-1]
     print(f"\nMILP speed-up over MegaTrain's policy: measured {mega[2] / milp[2]:.3f}x, "

@@ -1,5 +1,6 @@
 """Plans against what the engine does: emulated links on the CPU, costs measured from traced steps, and
 the cost model that uses them."""
+import dataclasses
 import time
 import warnings
 
@@ -232,6 +233,38 @@ def test_measured_costs_replace_the_flop_based_terms():
     plan = Plan(num_layers=3, homes=("hbm",) * 4, overlap_optimizer=False)
     expected = sum(c.fwd_s) + c.nonlayer_s + sum(c.diff_s) + c.step_s + sum(c.update_s)
     assert simulate(p, plan).step_time_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_measured_selective_costs_are_read_from_traces_and_replace_the_assumed_share():
+    from lazytrain.planner.measured import with_selective
+    c = MeasuredCosts(fwd_s=(1.0, 2.0, 3.0), diff_s=(4.0, 5.0, 6.0), nonlayer_s=0.5, step_s=0.25,
+                      update_s=(0.125, 0.125, 0.25))
+
+    def selective_step(fwd, rerun):   # a traced keep-all step with every layer selective
+        spans, t = [], 0.0
+        for i in range(3):
+            spans.append(("compute", f"fwd L{i}", t, t + fwd[i]))
+            t += fwd[i]
+        for i in (2, 1, 0):
+            spans += [("compute", f"diff L{i}", t, t + rerun[i]), ("compute", f"bwd L{i}", t + rerun[i], t + 9)]
+            t += 9
+        return _timeline(spans)
+    s = with_selective(c, [selective_step((1.5, 2.5, 3.5), (0.5, 1.0, 1.5)),
+                           selective_step((1.5, 2.5, 4.5), (0.5, 1.0, 2.5)),
+                           selective_step((1.5, 2.5, 5.5), (0.5, 1.0, 0.5))])
+    assert (s.selective_fwd_s, s.selective_rerun_s) == ((1.5, 2.5, 4.5), (0.5, 1.0, 1.5))   # medians
+    assert MeasuredCosts.from_dict(s.to_dict()) == s
+    p = _problem(s)
+    assert p.sel_rerun_s == [0.5, 1.0, 1.5] and p.sel_fwd_extra == [0.5, 0.5, 1.5]
+    # layers 0 and 1 selective, re-run in backward from boundary 0: each forward pays its extra, each
+    # re-run (the recompute of layer 0 and 1, the diff of each) takes the measured re-run
+    plan = Plan(num_layers=3, homes=("hbm", "recompute", "recompute", "hbm"), overlap_optimizer=False,
+                selective_layers=(0, 1))
+    plain = simulate(p, dataclasses.replace(plan, selective_layers=())).step_time_s
+    saved = 2 * (1.0 - 0.5) + 2 * (2.0 - 1.0) - (0.5 + 0.5)   # re-runs saved, forward extras paid
+    assert simulate(p, plan).step_time_s == pytest.approx(plain - saved, rel=1e-9)
+    with pytest.raises(MeasurementError, match="selective_rerun_s must hold a finite time >= 0 s for each of the 3"):
+        dataclasses.replace(c, selective_rerun_s=(1.0,))
 
 
 def test_measured_costs_for_another_model_are_refused():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 _LAYER_SPAN = re.compile(r"^(fwd|diff|bwd|recompute) L(\d+)$")
@@ -40,6 +40,10 @@ class MeasuredCosts:
     step_s: float                  # step()'s serial host phase: gradient norm, the non-block update
     update_s: tuple[float, ...]    # layer i's host update (with its compute-copy refresh)
     source: str = "measured"
+    # a selective layer (Plan.selective_layers): its forward, which keeps its matmul outputs, and its
+    # re-run with autograd, which takes them (None: not measured; the planner assumes a share)
+    selective_fwd_s: tuple[float, ...] | None = None
+    selective_rerun_s: tuple[float, ...] | None = None
 
     def __post_init__(self):
         L = len(self.fwd_s)
@@ -58,6 +62,14 @@ class MeasuredCosts:
             v = getattr(self, name)
             if not _is_time(v):
                 raise MeasurementError(f"measured costs: {name} must be a finite time >= 0 s, got {v!r}")
+        for name in ("selective_fwd_s", "selective_rerun_s"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != L or not all(_is_time(v) for v in values):
+                raise MeasurementError(f"measured costs: {name} must hold a finite time >= 0 s for each of the "
+                                       f"{L} layers, got {list(values)!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in values))
 
     @property
     def num_layers(self) -> int:
@@ -93,6 +105,34 @@ class MeasuredCosts:
                    diff_s=tuple(med("diff", i, k) for i in range(num_layers)),
                    nonlayer_s=med("nonlayer", per=k), step_s=med("step"),
                    update_s=tuple(med("update", i) for i in range(num_layers)), source=source)
+
+
+def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1) -> MeasuredCosts:
+    """``costs`` with the selective layers' times read from traced steps of a plan that keeps every
+    boundary and makes every layer selective: each layer's forward (it keeps its matmul outputs) and its
+    re-run with autograd before its backward (which takes them); medians per micro-batch."""
+    L = costs.num_layers
+    per_step = []
+    for t in traces:
+        fwd, rerun = [0.0] * L, [0.0] * L
+        for s in t.spans:
+            m = _LAYER_SPAN.match(s.name) if s.lane == "compute" else None
+            if m is None or int(m.group(2)) >= L:
+                continue
+            kind, i = m.group(1), int(m.group(2))
+            if kind == "fwd":
+                fwd[i] += s.end - s.start
+            elif kind == "diff":
+                rerun[i] += s.end - s.start
+        if not all(fwd) or not all(rerun):
+            raise MeasurementError("a traced step for the selective layers' times lacks a forward or a re-run of "
+                                   "some layer: trace a keep-all plan with every layer selective")
+        per_step.append((fwd, rerun))
+    if not per_step:
+        raise MeasurementError("no traced step to measure the selective layers from")
+    med = lambda k, i: statistics.median(s[k][i] for s in per_step) / micro_batches   # noqa: E731
+    return replace(costs, selective_fwd_s=tuple(med(0, i) for i in range(L)),
+                   selective_rerun_s=tuple(med(1, i) for i in range(L)))
 
 
 def _one_step(timeline, L: int) -> dict[str, Any]:

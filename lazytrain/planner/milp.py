@@ -327,8 +327,8 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         return streamed(w + 1)
 
     def compute(w):
-        if w < L:
-            return p.compute_s(w)
+        if w < L:   # a selective layer's forward also keeps its outputs (measured costs only)
+            return p.compute_s(w) + (p.sel_fwd_extra[w] * sel[w] if p.sel_fwd_extra[w] else 0)
         i = p.layer_of(w)
         return (p.diff_s[i] - p.fwd_s[i] * G[i] - sel_gain[i] * sel[i]
                 + lsum(p.recompute_s(s, i + 1) * x[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)

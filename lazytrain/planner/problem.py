@@ -143,6 +143,7 @@ class Problem:
         self.sel_rerun_frac = [min(1.0, max(SELECTIVE_RERUN_FLOOR, l.elementwise_flops_per_token()
                                             / l.fwd_flops_per_token(S))) for l in m.layers]
         self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
+        self.sel_fwd_extra = [0.0] * self.L   # what keeping the outputs adds to a forward (measured only)
         chunk = min(T, self.budgets.loss_chunk_tokens)
         self.head_ws = chunk * m.vocab_size * 4 * 2                   # fp32 logits + their gradient, one chunk
         self.nonlayer_w = m.nonlayer_params * db
@@ -176,8 +177,12 @@ class Problem:
         if c.num_layers != self.L:
             raise ValueError(f"measured costs are for {c.num_layers} layers, the model {self.model.name!r} has {self.L}")
         self.fwd_s, self.diff_s = list(c.fwd_s), list(c.diff_s)
-        # no measured selective re-run yet: the same share of the measured forward
-        self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
+        if c.selective_rerun_s is not None:   # measured on traced selective steps (measured.with_selective)
+            self.sel_rerun_s = list(c.selective_rerun_s)
+        else:                                 # not measured: the same share of the measured forward
+            self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
+        if c.selective_fwd_s is not None:
+            self.sel_fwd_extra = [max(0.0, sf - f) for sf, f in zip(c.selective_fwd_s, self.fwd_s)]
         self.head_s = c.nonlayer_s
         self.opt_nl, self.opt_l = c.step_s, list(c.update_s)
         self.load_nl = 0.0
@@ -227,7 +232,8 @@ class Problem:
         ``selective``: the plan's selective layers."""
         L = self.L
         if w < L:
-            return self.fwd_s[w] + (self.head_s if w == L - 1 else 0.0)
+            return self.fwd_s[w] + (self.sel_fwd_extra[w] if w in selective else 0.0) + \
+                (self.head_s if w == L - 1 else 0.0)
         i = self.layer_of(w)
         rec = self.recompute_s(*segment, selective) if segment and segment[1] == i + 1 else 0.0
         return self.diff_task_s(i, selective) + rec

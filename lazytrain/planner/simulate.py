@@ -86,7 +86,7 @@ def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[li
     out: list[list[tuple[str, int, float]]] = []
     for w in range(2 * L):
         if w < L:
-            t = [("fwd", w, p.fwd_s[w])]
+            t = [("fwd", w, p.fwd_s[w] + (p.sel_fwd_extra[w] if w in sel else 0.0))]
             if w == L - 1:
                 t.append(("head", -1, p.head_s))
         else:
