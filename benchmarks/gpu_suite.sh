@@ -6,7 +6,8 @@
 #      on the CUDA stream, emulated links refused on CUDA; then the engine's parity tests on the CUDA path (side-stream copies, events,
 #      pinned memory, the gradient sink, the optimizer update overlapping the next forward) against plain
 #      PyTorch, a block-less model with its optimizer on the host, and the optimizer and tier tests; two
-#      processes on the one GPU copying from node-shared host weights registered as pinned;
+#      processes on the one GPU copying from node-shared host weights registered as pinned; selective
+#      layers bit-identical to the plan without them; policy auto refused on CUDA;
 #   2. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
 #   3. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama).
 # usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs.
@@ -32,9 +33,10 @@ timeout "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/t
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -15
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py tests/test_engine_overlap.py \
   tests/test_no_blocks.py tests/test_optim*.py tests/test_tiers*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-# two ranks on the one GPU copying from the node-shared host weights (registered with CUDA as pinned)
-timeout "${SHARED_TIMEOUT:-60}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py -k on_a_gpu \
-  2>&1 | tee "$OUT/gpu_shared.log" | tail -5
+# two ranks on the one GPU copying from the node-shared host weights (registered with CUDA as pinned);
+# selective layers on CUDA (fp32, bf16) bit-identical to the plan without them; policy auto refused on CUDA
+timeout "${SHARED_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
+  tests/test_selective.py tests/test_auto_plan.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 
 echo "## 2. tiers"
 OUT="$OUT" timeout "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40

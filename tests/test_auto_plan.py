@@ -275,3 +275,12 @@ def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_pat
     assert [p[0] for p in r0["plans"]] == ["auto-calibration"] * 5 + ["auto-milp"] * 4
     for k, v in r0["weights"].items():
         assert torch.equal(r1["weights"][k], v), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_policy_auto_is_refused_naming_why():
+    cfg = _config({"policy": "auto"})
+    cfg["lazytrain"]["device"] = "cuda"
+    del cfg["lazytrain"]["testing"]
+    with pytest.raises(ConfigError, match="measures each layer's time from traces of the CPU's steps; on CUDA"):
+        lazytrain.initialize(model=make_model("llama"), config=cfg)

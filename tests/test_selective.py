@@ -158,3 +158,25 @@ def test_attention_that_drops_out_and_kernels_without_a_log_sum_exp_are_recomput
     efficient = aten._scaled_dot_product_efficient_attention.default
     assert _policy(None, efficient, q, q, q, None, False) == CheckpointPolicy.PREFER_RECOMPUTE
     assert _policy(None, aten.relu.default, q) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_a_gpu_selective_layers_train_bit_for_bit_as_the_plan_without_them(tmp_path, precision):
+    """On CUDA: side-stream weight copies into two slots (two re-runs of a segment's interior), SDPA's
+    CUDA kernels (the efficient one recomputed, its log-sum-exp existing only under autograd)."""
+    data = batches(3)
+    runs = {}
+    for selective in ((), (0, 1, 2, 4)):
+        plan = dataclasses.replace(every_k_plan(6, 3, home="host"), selective_layers=selective)
+        path = tmp_path / f"plan-{len(selective)}.json"
+        plan.to_json(str(path))
+        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "lazytrain": {"policy": "plan", "plan": str(path), "device": "cuda"}}
+        if precision == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        runs[selective] = _train(lazytrain.initialize(model=make_model("llama"), config=cfg)[0], data)
+    plain, selective = runs[()], runs[(0, 1, 2, 4)]
+    for k, v in plain.items():
+        assert torch.equal(selective[k], v), k
