@@ -246,12 +246,14 @@ class AutoPlanConfig:
     check_every: int = 50               # steps between comparisons of the measured step with the prediction
     drift_margin: float = 0.15          # |measured / predicted - 1| beyond this plans again
     max_replans: int = 3                # plans after the first, at most
+    selective: bool = True              # also measure selective layers (profile_steps + 1 more steps), so
+                                        # the plan may choose them on measured costs
     profile_path: str | None = None     # write the measured profile here (JSON, for `lazytrain plan --profile`)
     profile: str | None = None          # plan from this saved profile at start-up instead of measuring first
 
 
 _AUTO_KEYS = {"warmup_steps", "profile_steps", "check_every", "drift_margin", "max_replans", "profile_path",
-              "profile"}
+              "profile", "selective"}
 
 
 @dataclass(frozen=True)
@@ -637,6 +639,10 @@ def _parse_auto(section) -> AutoPlanConfig:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
             raise ConfigError(f"config key '{where}.drift_margin' must be a fraction > 0 (0.15: 15%), got {v!r}")
         kw["drift_margin"] = float(v)
+    if "selective" in section:
+        if not isinstance(section["selective"], bool):
+            raise ConfigError(f"config key '{where}.selective' must be true or false, got {section['selective']!r}")
+        kw["selective"] = section["selective"]
     for key in ("profile_path", "profile"):
         if section.get(key) is not None:
             if not isinstance(section[key], str) or not section[key]:

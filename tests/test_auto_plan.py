@@ -22,7 +22,7 @@ from engine_models import batches, lm_loss, make_model
 
 LINKS = {"h2d": {"gbps": 0.05}, "d2h": {"gbps": 0.05}}
 STEPS = 12                    # 3 warm-up, 2 measured, then 7 on the plan: one check of 4
-AUTO = {"warmup_steps": 3, "profile_steps": 2, "check_every": 4}
+AUTO = {"warmup_steps": 3, "profile_steps": 2, "check_every": 4, "selective": False}
 
 
 @pytest.fixture(autouse=True)
@@ -89,6 +89,22 @@ def test_switching_plans_changes_nothing_of_the_training(measured):
     auto, fixed, _ = measured
     for k, v in fixed.items():
         assert torch.equal(auto["weights"][k], v), k
+
+
+def test_selective_layers_are_measured_on_the_calibration_plan_with_every_layer_selective():
+    engine, plans = _train({"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0}}, steps=10)
+    auto, profile, history = engine.module_state_dict(), engine.auto.last_profile, engine.auto.history
+    engine.destroy()
+    # 3 warm-up and 2 measured steps, then 1 warm-up and 2 measured with every layer selective
+    assert plans == ["auto-calibration"] * 5 + ["auto-calibration-selective"] * 3 + ["auto-milp"] * 2
+    assert history[0].step == 8
+    assert len(profile.costs.selective_fwd_s) == len(profile.costs.selective_rerun_s) == 6
+    assert all(t > 0 for t in profile.costs.selective_fwd_s + profile.costs.selective_rerun_s)
+    engine, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True}, steps=10)
+    fixed = engine.module_state_dict()
+    engine.destroy()
+    for k, v in fixed.items():   # selective or not, one training
+        assert torch.equal(auto[k], v), k
 
 
 def test_with_gradient_accumulation_the_plan_changes_on_an_optimizer_step_and_trains_as_a_fixed_one():
@@ -198,7 +214,8 @@ def test_an_evaluation_output_kept_across_the_plan_change_does_not_touch_the_new
     ({"policy": "auto", "auto": {"profile": "/nonexistent.json"}}, "no file '/nonexistent.json'"),
     ({"policy": "auto", "auto": {"every": 3}}, "unknown key 'every' in config section 'lazytrain.auto' (allowed: "
                                                "check_every, drift_margin, max_replans, profile, profile_path, "
-                                               "profile_steps, warmup_steps)"),
+                                               "profile_steps, selective, warmup_steps)"),
+    ({"policy": "auto", "auto": {"selective": "yes"}}, "'lazytrain.auto.selective' must be true or false, got 'yes'"),
 ])
 @pytest.mark.filterwarnings("ignore:lazytrain")
 def test_auto_settings_that_cannot_work_are_refused_by_name(lt, message):

@@ -3,8 +3,10 @@
 Why: a cost model fitted to another machine's figures predicts this one's step only roughly, and the
 engine can measure it. The run starts on a calibration plan that keeps every boundary on the host, so
 that each layer has a plain forward, a re-run with its backward and an overlapped update of its own in a
-traced step. After ``warmup_steps`` steps it traces ``profile_steps`` steps, takes the medians of each
-layer's times and each link's bandwidth from them (planner/measured.py), plans with the MILP from those
+traced step. After ``warmup_steps`` steps it traces ``profile_steps`` steps, then (``selective``) as many
+of the same plan with every layer selective after one more warm-up step, takes the medians of each
+layer's times, a selective layer's, and each link's bandwidth from them (planner/measured.py), plans with
+the MILP from those
 (planner/search.py ``plan_from_profile``), and puts that plan in place at a step boundary. Every
 ``check_every`` steps it compares the median measured step with the plan's prediction; beyond
 ``drift_margin`` it measures and plans again, at most ``max_replans`` times. Each plan and each
@@ -16,6 +18,7 @@ and deciding once for every rank (rank 0 measures and plans, every rank switches
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,6 +26,9 @@ from typing import Callable
 from ..config import AutoPlanConfig
 from ..planner.measured import MachineProfile
 from ..planner.plan import Plan
+
+
+SELECTIVE_WARMUP_STEPS = 1   # after the switch to the selective calibration, one step before tracing
 
 
 @dataclass
@@ -50,7 +56,7 @@ class AutoPlanHooks:
     request_trace: Callable[[], None]              # trace the next step
     last_trace: Callable[[], object]               # the step just traced (a Timeline)
     switch: Callable[[Plan], None]                 # put a plan in place (between steps)
-    profile_of: Callable[[list], MachineProfile]   # the traced steps -> this machine's profile
+    profile_of: Callable[[list, list | None], MachineProfile]   # traced steps (plain, all selective) -> profile
     plan_from: Callable[[MachineProfile], Plan]    # plan from a profile (the MILP)
     on_rank0: Callable[[Callable[[], object]], object]   # computed on rank 0, the same answer on every rank
     say: Callable[[str], None]                     # report (rank 0 prints)
@@ -69,6 +75,8 @@ class AutoPlanner:
     stopped: str | None = None                     # why policy auto stopped (it keeps the plan in place)
     measuring: bool = True
     _steps_in_phase: int = 0
+    _selective_phase: bool = False                 # measuring the calibration plan with every layer selective
+    _plain_traces: list = field(default_factory=list)   # the plain calibration's, meanwhile
     _traces: list = field(default_factory=list)
     _times: list = field(default_factory=list)
     _replans: int = 0
@@ -95,10 +103,19 @@ class AutoPlanner:
             self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan it runs "
                             f"({self.hooks.current_policy()}): {self.stopped}")
 
+    @property
+    def selective_calibration(self) -> Plan:
+        """The calibration plan with every layer selective: its traces give a selective layer's costs."""
+        return dataclasses.replace(self.calibration, selective_layers=tuple(range(self.calibration.num_layers)),
+                                   policy="auto-calibration-selective")
+
+    def _warmup(self) -> int:
+        return SELECTIVE_WARMUP_STEPS if self._selective_phase else self.settings.warmup_steps
+
     def _after_step(self, step: int, seconds: float) -> None:
         s = self.settings
         if self.measuring:
-            if self._steps_in_phase >= s.warmup_steps:
+            if self._steps_in_phase >= self._warmup():
                 trace = self.hooks.last_trace()   # None: this step was not traced, or was skipped
                 if trace is not None:
                     self._traces.append(trace)
@@ -106,7 +123,14 @@ class AutoPlanner:
             if len(self._traces) < s.profile_steps:
                 self._measure_next()
                 return
-            profile = self.hooks.on_rank0(lambda: self._profile_saved(self._traces))
+            if s.selective and not self._selective_phase:   # now the same plan with every layer selective
+                self._plain_traces, self._traces = self._traces, []
+                self._selective_phase, self._steps_in_phase = True, 0
+                self.hooks.switch(self.selective_calibration)
+                self._measure_next()
+                return
+            plain, selective = (self._plain_traces, self._traces) if self._selective_phase else (self._traces, None)
+            profile = self.hooks.on_rank0(lambda: self._profile_saved(plain, selective))
             reason = "measured" if not self.history else "measured again after drift"
             self._plan(profile, step, reason)
             return
@@ -123,17 +147,18 @@ class AutoPlanner:
         if drifted and self._replans < s.max_replans:
             self._replans += 1
             self.measuring, self._steps_in_phase, self._traces = True, 0, []
+            self._selective_phase, self._plain_traces = False, []
             self.hooks.switch(self.calibration)
             self._measure_next()
 
-    def _profile_saved(self, traces: list) -> MachineProfile:
-        profile = self.hooks.profile_of(traces)
+    def _profile_saved(self, traces: list, selective: list | None) -> MachineProfile:
+        profile = self.hooks.profile_of(traces, selective)
         if self.hooks.save_profile is not None:
             self.hooks.save_profile(profile)
         return profile
 
     def _measure_next(self) -> None:
-        if self._steps_in_phase >= self.settings.warmup_steps:
+        if self._steps_in_phase >= self._warmup():
             self.hooks.request_trace()
 
     def _plan(self, profile: MachineProfile, step: int, reason: str) -> None:
@@ -144,3 +169,4 @@ class AutoPlanner:
         self.history.append(PlanRecord(step=step, policy=plan.policy, reason=reason, predicted_step_s=predicted))
         self.hooks.say(self.history[-1].line())
         self.measuring, self._traces, self._times = False, [], []
+        self._selective_phase, self._plain_traces = False, []

@@ -288,8 +288,9 @@ class LazyTrainEngine(nn.Module):
         planner.start(saved)
         return planner
 
-    def _profile_of(self, traces: list) -> measured.MachineProfile:
-        """This machine's profile from the traced steps: each layer's times, the links' bandwidths."""
+    def _profile_of(self, traces: list, selective: list | None = None) -> measured.MachineProfile:
+        """This machine's profile from the traced steps: each layer's times, the links' bandwidths, and from
+        the steps traced with every layer selective (when given), a selective layer's times."""
         if self._seq_len is None:
             raise ConfigError("config 'lazytrain.policy' \"auto\" needs 'lazytrain.seq_len' (no token ids were "
                               "seen in the traced forwards to read it from)")
@@ -297,10 +298,13 @@ class LazyTrainEngine(nn.Module):
         if self.device.type == "cpu":   # copies that ran in place are memory copies: measured here instead
             for name in ("h2d_gbps", "d2h_gbps"):
                 links.setdefault(name, _memory_copy_gbps())
+        k = self.gradient_accumulation_steps()
+        costs = measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
+                                                   micro_batches=k)
+        if selective:
+            costs = measured.with_selective(costs, selective, micro_batches=k)
         return measured.MachineProfile(
-            costs=measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
-                                                     micro_batches=self.gradient_accumulation_steps()),
-            links_gbps=links, model=self._model_cfg,
+            costs=costs, links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device))
 
     def _check_profile(self, profile: measured.MachineProfile) -> None:

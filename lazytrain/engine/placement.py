@@ -183,7 +183,8 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
 def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile) -> Plan:
     """Policy "auto": the MILP's plan from what was measured here (planner ``plan_from_profile``), in a
     child process with a deadline as for policy "milp". Resident layers are left out (the running engine
-    keeps the device copies it started with); links no traced copy used come from 'lazytrain.hardware' when
+    keeps the device copies it started with), selective layers are allowed where their costs were measured;
+    links no traced copy used come from 'lazytrain.hardware' when
     given, else a tier whose link was not measured gets no budget."""
     from ..planner.isolate import call_with_deadline
     from ..planner.milp import MilpOptions
@@ -196,7 +197,9 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile) -
                       "boundaries on the host) and 'lazytrain.hardware' gives no NVMe bandwidth: the plan keeps no "
                       "boundary on NVMe", UserWarning)
         budgets["nvme"] = 0
-    options = MilpOptions(allow_resident=False, allow_graph_tail=lt.last_segment_graph is not False)
+    # selective layers only on measured costs (their re-run's share of a forward varies too much to assume)
+    options = MilpOptions(allow_resident=False, allow_graph_tail=lt.last_segment_graph is not False,
+                          allow_selective=profile.costs.selective_rerun_s is not None)
     plan = call_with_deadline(plan_from_profile, profile, budgets, hardware, time_limit_s=lt.milp_time_limit,
                               global_batch=profile.micro_batch * cfg.gradient_accumulation_steps, options=options,
                               deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
