@@ -29,7 +29,7 @@ import test_deepspeed_export as single  # noqa: E402
 pytestmark = [pytest.mark.filterwarnings("ignore:lazytrain"),
               pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")]
 RANKS = 2
-NAMES = ["stage1_fp32", "stage2_fp32_aligned", "stage2_bf16_8bit_moments", "stage3_bf16"]
+NAMES = ["stage1_fp32", "stage2_bf16_8bit_moments", "stage3_bf16"]   # each group ends padded (runs.Net.gain)
 
 
 def _lazytrain_rank(rank, port, root):
