@@ -177,7 +177,7 @@ def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_r
             assert v.dtype == torch.float32 and torch.equal(r["weights"][k], v), k
 
 
-@pytest.mark.parametrize("stage,overlap,dtype", [(2, True, "bf16"), (2, False, "bf16"), (1, False, "fp16")])
+@pytest.mark.parametrize("stage,overlap,dtype", [(2, False, "bf16"), (1, False, "fp16")])
 def test_a_mixed_precision_sharded_run_resumes_bit_identically(tmp_path, stage, overlap, dtype):
     """Without overlap the optimizer is torch's AdamW, which casts a loaded state to its parameter's dtype:
     the moments of other ranks' layers (whose parameters are compute-copy views) must still be saved fp32."""
@@ -325,7 +325,7 @@ def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_r
 
 def _failing_save_worker(rank, port, out_dir, how):
     """Saves tag "t" twice; the second save fails on rank 1, in each phase after the first: a range
-    another rank needs from it cannot be served ("serve"), its files cannot be laid out ("layout"), its
+    another rank needs from it cannot be served ("serve"), its
     save_dir is not the directory rank 0 made ("not-shared", nodes with disks of their own), or it is a
     directory where an interrupted save left a staging directory of the same tag ("stale-staging")."""
     import time
@@ -353,8 +353,6 @@ def _failing_save_worker(rank, port, out_dir, how):
             raise MemoryError(f"{how} broke on rank 1")
         if how == "serve":
             deepspeed_layout.Writer.serve = broken
-        elif how == "layout":
-            deepspeed_layout.Writer._stage12 = broken
         elif how == "not-shared":
             save_dir = os.path.join(out_dir, "ckpt-of-node-1")
         elif how == "stale-staging":
@@ -376,7 +374,6 @@ FAILED_ON_ANOTHER = "CheckpointError: save_checkpoint of tag 't' to {dir} failed
 
 @pytest.mark.parametrize("how,rank1,rank0_who", [
     ("serve", "MemoryError: serve broke on rank 1", "every rank gathers its part"),
-    ("layout", "MemoryError: layout broke on rank 1", "every rank gathers its part"),
     ("not-shared", "CheckpointError: save_checkpoint: rank 1 does not see ", "every rank writes its part"),
     ("stale-staging", None, None),
 ])
@@ -471,10 +468,11 @@ def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weight
                                                                                               dtype):
     """bf16: the owners' optimizer writes the compute copies in its update pass, the others refresh theirs
     from the broadcast masters; both must give the same bits."""
-    for seed in (None, 1, 2):
+    seeds = (1, 2) if world == 2 and dtype == "fp32" else (1,)   # more seeds: tests/test_engine_chaos.py
+    for seed in (None, *seeds):
         mp.spawn(_chaos_worker, args=(world, free_port(), str(tmp_path), seed, dtype), nprocs=world, join=True)
     calm = torch.load(tmp_path / "None-rank0.pt")
-    for seed in (1, 2):
+    for seed in seeds:
         for rank in range(world):
             shaken = torch.load(tmp_path / f"{seed}-rank{rank}.pt")
             for k in calm:
