@@ -3,14 +3,14 @@
 The model, data and emulated links of ``benchmarks/fidelity_cpu.py`` (a 2.6M-parameter Llama, batch 4 x
 seq 512, fp32, one compute thread; h2d and d2h copies on links of ``--gbps`` each way). Three engines train
 the same steps in turn: policy "auto" (keep-all calibration for its warm-up and measured steps, then the
-MILP's plan from what it measured), MegaTrain's policy (every 4th boundary on the device, the rest re-run)
+MILP's plan from what it measured, selective layers included unless ``--no-selective``), MegaTrain's policy (every 4th boundary on the device, the rest re-run)
 and keep-all on the host. The device budget is halfway between the peaks of MegaTrain's policy and of
 every boundary on the device (memory does not depend on timings: it comes from the model's shape), so the
 MILP must choose. Printed: auto's plan and its prediction beside its measured step, and each engine's
 median step over the steps after auto's plan took over. The last line is
 ``auto vs MegaTrain's policy: X.XXXx measured, Y.YYYx predicted``.
 
-    python benchmarks/auto_plan_cpu.py [--gbps 0.05] [--latency-ms 0.05] [--layers 8] [--steps 6]
+    python benchmarks/auto_plan_cpu.py [--gbps 0.05] [--latency-ms 0.05] [--layers 8] [--steps 6] [--no-selective]
 """
 from __future__ import annotations
 
@@ -67,10 +67,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6, help="steps measured after auto's plan took over")
     ap.add_argument("--milp-seconds", type=float, default=20.0)
+    ap.add_argument("--no-selective", dest="selective", action="store_false",
+                    help="auto measures no selective layers (and plans none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     base = build_model(args.layers)
-    data = batches(WARMUP + PROFILE + args.steps)
+    # the plain calibration's steps, then (selective) one warm-up and as many traced with every layer selective
+    measuring = WARMUP + PROFILE + (1 + PROFILE if args.selective else 0)
+    data = batches(measuring + args.steps)
     budget = halfway_budget(base)
     links = {k: {"gbps": args.gbps, "latency_ms": args.latency_ms} for k in ("h2d", "d2h")}
     common = {"gpu_memory": budget, "testing": {"copy_threads": True, "links": links}}
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
     engines = {
         "auto": {"policy": "auto", "milp_time_limit": args.milp_seconds,
                  "auto": {"warmup_steps": WARMUP, "profile_steps": PROFILE, "check_every": args.steps,
-                          "max_replans": 0}},
+                          "max_replans": 0, "selective": args.selective}},
         "MegaTrain's policy (k=4, device)": {"policy": "every_k", "checkpoint_interval": 4, "boundary_home": "hbm",
                                              "last_segment_graph": False},
         "keep-all (host)": {"policy": "keep_all", "boundary_home": "host", "last_segment_graph": False},
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
     medians, auto_engine = {}, None
     for name, section in engines.items():
         times, engine = run(base, {**common, **section}, data)
-        medians[name] = statistics.median(times[WARMUP + PROFILE:])
+        medians[name] = statistics.median(times[measuring:])
         if name == "auto":
             auto_engine = engine
         else:
