@@ -25,6 +25,13 @@ Conventions (shared by the executor and the simulator):
   (norms, activations, elementwise: little time). Those outputs stay on the device from the layer's
   forward window j to its backward window 2L-1-j. Only layers below the graph tail (a graph layer keeps
   everything already).
+- ``offloaded_layers``: layers whose forward records its autograd graph with every tensor it saves for
+  backward (its internals, its input among them; not its weights, which are streamed again) copied to
+  the host as it is saved, in forward window j, and copied back from ``internals_prefetch_at(j)`` on, so
+  that backward differentiates the layer from that graph without re-running it. Such a layer is a
+  segment of its own: boundary j is not stored (the graph keeps it; it must be 'recompute', except
+  boundary 0, whose home then goes unused) and boundary j+1 starts a segment (it is kept, is L, or
+  starts another offloaded layer). Only layers below the graph tail, none of them selective.
 - ``offload_window[i]``: window in which boundary i leaves the device for its home (>= i, since
   boundary i is produced at the end of window i-1; < need_window). ``prefetch_window[i]``: window in
   which it is copied back (> offload window, <= need window; == need window means it is exposed).
@@ -61,11 +68,16 @@ class Plan:
     overlap_optimizer: bool = True
     last_segment_graph: bool = False            # see the module docstring
     selective_layers: tuple[int, ...] = ()      # see the module docstring
+    offloaded_layers: tuple[int, ...] = ()      # see the module docstring
+    internals_prefetch_window: dict[int, int] = field(default_factory=dict)   # offloaded layer -> window
 
     def __post_init__(self):
         object.__setattr__(self, "homes", tuple(self.homes))
         object.__setattr__(self, "resident_layers", tuple(sorted(set(self.resident_layers))))
         object.__setattr__(self, "selective_layers", tuple(sorted(set(self.selective_layers))))
+        object.__setattr__(self, "offloaded_layers", tuple(sorted(set(self.offloaded_layers))))
+        object.__setattr__(self, "internals_prefetch_window",
+                           {int(k): int(v) for k, v in self.internals_prefetch_window.items()})
         object.__setattr__(self, "offload_window", {int(k): int(v) for k, v in self.offload_window.items()})
         object.__setattr__(self, "prefetch_window", {int(k): int(v) for k, v in self.prefetch_window.items()})
         self.validate()
@@ -77,9 +89,10 @@ class Plan:
         return tuple(i for i, h in enumerate(self.homes) if h != RECOMPUTE)
 
     def segments(self) -> list[tuple[int, int]]:
-        """Recompute segments [s, e) between consecutive kept boundaries."""
-        k = self.kept
-        return list(zip(k[:-1], k[1:]))
+        """Segments [s, e) between consecutive segment starts: kept boundaries and offloaded layers (each
+        of which is a segment [j, j+1) of its own)."""
+        starts = sorted(set(self.kept) | {j for j in self.offloaded_layers if 0 <= j < self.num_layers})
+        return list(zip(starts[:-1], starts[1:]))
 
     def segment_end(self, boundary: int) -> int:
         """The next kept boundary after a kept ``boundary`` (< L)."""
@@ -93,13 +106,21 @@ class Plan:
         return 2 * self.num_layers - self.segment_end(boundary)
 
     def graph_start(self) -> int:
-        """First layer that keeps its forward graph (``num_layers`` when none does)."""
-        return self.segments()[-1][0] if self.last_segment_graph else self.num_layers
+        """First layer that keeps its forward graph (``num_layers`` when none does): the last kept
+        boundary below L, when ``last_segment_graph``."""
+        if not self.last_segment_graph or self.num_layers == 0:
+            return self.num_layers
+        return self.kept[-2]
 
     def recomputed_layers(self) -> int:
         """Layer forwards repeated in backward: sum over recomputed segments of (length - 1)."""
         g = self.graph_start()
         return sum(e - s - 1 for s, e in self.segments() if s < g)
+
+    def internals_prefetch_at(self, layer: int) -> int:
+        """Window in which offloaded ``layer``'s internals start back to the device (default: one window
+        before its backward window, and after its forward)."""
+        return self.internals_prefetch_window.get(layer, max(layer + 1, 2 * self.num_layers - 2 - layer))
 
     def offload_at(self, boundary: int) -> int:
         """Window the offload of ``boundary`` is issued in (default: as soon as it exists)."""
@@ -152,8 +173,31 @@ class Plan:
                 raise PlanError(f"selective_layers holds {layer}: a selective layer must be re-run in backward, "
                                 f"so lie in 0..{g - 1}" + (f" (layers {g}..{L - 1} keep their forward graph)"
                                                            if g < L else ""))
+        self._check_offloaded(g)
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise PlanError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+    def _check_offloaded(self, g: int) -> None:
+        L, off = self.num_layers, set(self.offloaded_layers)
+        for j in self.offloaded_layers:
+            if not 0 <= j < g:
+                raise PlanError(f"offloaded_layers holds {j}: an offloaded layer must lie in 0..{g - 1}"
+                                + (f" (layers {g}..{L - 1} keep their forward graph on the device)" if g < L else ""))
+            if j in self.selective_layers:
+                raise PlanError(f"layer {j} is in both offloaded_layers and selective_layers: an offloaded layer "
+                                f"keeps all its internals (on the host) and is never re-run")
+            if j > 0 and self.homes[j] != RECOMPUTE:
+                raise PlanError(f"offloaded layer {j} needs boundary {j} to be 'recompute' (its graph keeps its "
+                                f"input, on the host), got home {self.homes[j]!r}")
+            if j + 1 < L and self.homes[j + 1] == RECOMPUTE and j + 1 not in off:
+                raise PlanError(f"offloaded layer {j} must be a segment of its own: boundary {j + 1} after it must "
+                                f"be kept or start another offloaded layer, got 'recompute'")
+        for j, w in self.internals_prefetch_window.items():
+            if j not in off:
+                raise PlanError(f"internals_prefetch_window[{j}] given, but layer {j} is not offloaded")
+            lo, hi = j + 1, 2 * L - 1 - j
+            if not lo <= w <= hi:
+                raise PlanError(f"internals_prefetch_window[{j}] = {w} must lie in [{lo}, {hi}]")
 
     def _check_boundary(self, b: int, name: str) -> None:
         if not 0 <= b < self.num_layers:
@@ -165,6 +209,8 @@ class Plan:
         d["homes"] = list(self.homes)
         d["resident_layers"] = list(self.resident_layers)
         d["selective_layers"] = list(self.selective_layers)
+        d["offloaded_layers"] = list(self.offloaded_layers)
+        d["internals_prefetch_window"] = {str(k): v for k, v in sorted(self.internals_prefetch_window.items())}
         d["offload_window"] = {str(k): v for k, v in sorted(self.offload_window.items())}
         d["prefetch_window"] = {str(k): v for k, v in sorted(self.prefetch_window.items())}
         return d
@@ -180,7 +226,7 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         known = {"num_layers", "homes", "offload_window", "prefetch_window", "resident_layers",
                  "micro_batch_size", "seq_len", "policy", "prediction", "overlap_optimizer",
-                 "last_segment_graph", "selective_layers"}
+                 "last_segment_graph", "selective_layers", "offloaded_layers", "internals_prefetch_window"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise PlanError(f"unknown Plan field(s): {', '.join(unknown)}")
@@ -224,7 +270,7 @@ def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
         raise bad("num_layers", "an integer", d["num_layers"])
     if not isinstance(d["homes"], (list, tuple)):
         raise bad("homes", "a list of tier names", d["homes"])
-    for name in ("offload_window", "prefetch_window"):
+    for name in ("offload_window", "prefetch_window", "internals_prefetch_window"):
         windows = d.get(name, {})
         if not isinstance(windows, dict):
             raise bad(name, "an object {boundary: window}", windows)
@@ -232,9 +278,10 @@ def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
         for k, v in windows.items():
             key = _whole(int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k)
             if key is None or _whole(v) is None:
-                raise PlanError(f"Plan field {name!r} must map boundary numbers to window numbers, got {k!r}: {v!r}")
+                raise PlanError(f"Plan field {name!r} must map {'layer' if name.startswith('internals') else 'boundary'} "
+                                f"numbers to window numbers, got {k!r}: {v!r}")
             out[name][key] = _whole(v)
-    for name in ("resident_layers", "selective_layers"):
+    for name in ("resident_layers", "selective_layers", "offloaded_layers"):
         given = d.get(name, ())
         layers = [_whole(x) for x in given] if isinstance(given, (list, tuple)) else [None]
         if None in layers:
@@ -268,3 +315,11 @@ def keep_all_plan(num_layers: int, home: str = "host", **kw) -> Plan:
     """Keep every boundary on ``home`` (no recompute at all)."""
     return Plan(num_layers=num_layers, homes=tuple([home] * num_layers + [DEVICE_HOME]),
                 policy=kw.pop("policy", f"keep-all-{home}"), **kw)
+
+
+def offload_all_plan(num_layers: int, input_home: str = DEVICE_HOME, **kw) -> Plan:
+    """Every layer offloads its internals to the host and none is re-run (what
+    ``torch.autograd.graph.save_on_cpu`` does for a whole model, with the transfers overlapped)."""
+    homes = [input_home] + [RECOMPUTE] * (num_layers - 1) + [DEVICE_HOME] if num_layers else [DEVICE_HOME]
+    return Plan(num_layers=num_layers, homes=tuple(homes), offloaded_layers=tuple(range(num_layers)),
+                policy=kw.pop("policy", "offload-all"), **kw)
