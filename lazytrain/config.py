@@ -116,7 +116,7 @@ _TOP_IMPLEMENTED = {
     "job",   # settings of the `lazytrain train` command (model, task, steps); not read by the engine
 }
 
-POLICIES = ("every_k", "keep_all", "plan", "milp", "auto")
+POLICIES = ("every_k", "keep_all", "offload_all", "plan", "milp", "auto")
 
 
 class _Ignored:
@@ -259,7 +259,7 @@ _AUTO_KEYS = {"warmup_steps", "profile_steps", "check_every", "drift_margin", "m
 @dataclass(frozen=True)
 class LazyTrainSection:
     blocks: str | None = None           # dotted path of the block list, e.g. "transformer.h"
-    policy: str = "every_k"             # every_k (MegaTrain) | keep_all | plan | milp | auto
+    policy: str = "every_k"             # every_k (MegaTrain) | keep_all | offload_all | plan | milp | auto
     auto: AutoPlanConfig = field(default_factory=AutoPlanConfig)   # policy auto
     checkpoint_interval: int | None = None   # None: from number_checkpoints, else 4 (MegaTrain)
     number_checkpoints: int | None = None    # activation_checkpointing.number_checkpoints

@@ -349,6 +349,33 @@ def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1):
     return ref
 
 
+def plan_engine(tmp_path, model: nn.Module, plan, testing: dict | None = None, accumulation: int = 1,
+                device: str = "cpu", bf16: bool = False):
+    """An engine running ``plan`` (written to ``tmp_path``) with the tests' usual AdamW and clipping."""
+    import lazytrain
+    path = tmp_path / f"{plan.policy}-{len(plan.selective_layers)}-{len(plan.offloaded_layers)}.json"
+    plan.to_json(str(path))
+    lt = {"policy": "plan", "plan": str(path), "device": device}
+    if testing:
+        lt["testing"] = testing
+    cfg = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * accumulation, "steps_per_print": 10**9,
+           "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": lt}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    return lazytrain.initialize(model=model, config=cfg)[0]
+
+
+def train_and_destroy(engine, data) -> dict:
+    """Train ``engine`` on ``data`` one step per batch; its module's weights after, and the engine closed."""
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    weights = engine.module_state_dict()
+    engine.destroy()
+    return weights
+
+
 def max_rel_diff(a: nn.Module, b: nn.Module) -> float:
     """max over parameters of max|a-b| / max|b|."""
     sa, sb = dict(a.named_parameters()), dict(b.named_parameters())

@@ -78,6 +78,9 @@ CASES = {
     "bf16-nvme": dict(checkpoint_interval=2, weights_home="nvme", _bf16=True, _autograd_grad=True),
     "gas2-overlap": dict(checkpoint_interval=2, overlap_optimizer=True, _gas=2, _eval="grad"),
     "no-prefetch": dict(checkpoint_interval=2, prefetch=False, _eval="grad"),
+    "offload-internals": dict(policy="offload_all", overlap_optimizer=True, _eval="grad", _autograd_grad=True),
+    "offload-internals-bf16-gas2": dict(policy="offload_all", weights_home="nvme", _bf16=True, _gas=2,
+                                        _eval="no_grad"),
     "user-tier-boundaries": dict(checkpoint_interval=2, boundary_home="dict", _eval="grad", _autograd_grad=True,
                                  tiers=[{"name": "dict", "class": "engine_models:DictTier"}]),
 }

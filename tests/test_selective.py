@@ -9,11 +9,11 @@ import warnings
 import pytest
 import torch
 
-import lazytrain
 from lazytrain.engine.selective import SelectiveForward
 from lazytrain.planner.plan import PlanError, every_k_plan
 from lazytrain.tiers import streams
-from engine_models import VOCAB, batches, lm_loss, make_model, max_rel_diff, reference_train
+from engine_models import (VOCAB, batches, lm_loss, make_model, max_rel_diff, plan_engine, reference_train,
+                           train_and_destroy)
 
 pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
 LINKS = {"copy_threads": True, "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
@@ -58,25 +58,10 @@ def _model(kind):
 
 def _engine(tmp_path, kind, selective, links, accumulation=1):
     plan = dataclasses.replace(every_k_plan(6, 3, home="host"), selective_layers=selective)
-    path = tmp_path / f"plan-{len(selective)}.json"
-    plan.to_json(str(path))
-    lt = {"policy": "plan", "plan": str(path), "device": "cpu"}
-    if links:
-        lt["testing"] = LINKS
-    cfg = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * accumulation, "steps_per_print": 10**9,
-           "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-           "lazytrain": lt}
-    engine, _, _, _ = lazytrain.initialize(model=_model(kind), config=cfg)
-    return engine
+    return plan_engine(tmp_path, _model(kind), plan, LINKS if links else None, accumulation)
 
 
-def _train(engine, data):
-    for x, y in data:
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
-    weights = engine.module_state_dict()
-    engine.destroy()
-    return weights
+_train = train_and_destroy
 
 
 @pytest.mark.parametrize("kind", ["llama", "decoder", "seq-first"])
@@ -169,14 +154,8 @@ def test_on_a_gpu_selective_layers_train_bit_for_bit_as_the_plan_without_them(tm
     runs = {}
     for selective in ((), (0, 1, 2, 4)):
         plan = dataclasses.replace(every_k_plan(6, 3, home="host"), selective_layers=selective)
-        path = tmp_path / f"plan-{len(selective)}.json"
-        plan.to_json(str(path))
-        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 1.0,
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-               "lazytrain": {"policy": "plan", "plan": str(path), "device": "cuda"}}
-        if precision == "bf16":
-            cfg["bf16"] = {"enabled": True}
-        runs[selective] = _train(lazytrain.initialize(model=make_model("llama"), config=cfg)[0], data)
+        engine = plan_engine(tmp_path, make_model("llama"), plan, device="cuda", bf16=precision == "bf16")
+        runs[selective] = _train(engine, data)
     plain, selective = runs[()], runs[(0, 1, 2, 4)]
     for k, v in plain.items():
         assert torch.equal(selective[k], v), k

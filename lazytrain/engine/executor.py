@@ -1,7 +1,8 @@
 """The layer-streaming executor: runs the model's blocks one at a time with streamed weights, keeps,
 offloads or drops each block boundary as a :class:`~lazytrain.planner.plan.Plan` says, and in backward
 recomputes each segment from its last kept boundary (one autograd Function per block). When the Plan
-says so, the last segment records its graph in forward instead, and backward differentiates it directly.
+says so, the last segment records its graph in forward instead, and backward differentiates it directly;
+offloaded layers record theirs too, with what it saves copied to the host (internals_offload.py).
 
 The user's model code is untouched: each block's ``forward`` is routed to the executor, which runs the
 block's own class ``forward`` with streamed device weights swapped in. Hugging Face models (which call
@@ -25,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
+from .internals_offload import OffloadedInternals
 from .selective import SelectiveForward
 from .weight_stream import WeightStream
 from .weights import LayerWeights
@@ -116,6 +118,7 @@ class _Pass:
                                                                          # the previous block's output
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
     kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
+    offloaded: dict = field(default_factory=dict)                        # offloaded layer -> OffloadedInternals
     released: bool = False                                               # its backward has run to block 0
 
 
@@ -147,6 +150,10 @@ class LayerStreamingExecutor:
         self._block_added = weakref.WeakSet()   # tensors blocks put into lists/dicts they were handed
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self.selective = frozenset(plan.selective_layers)   # layers whose forward keeps matmul outputs
+        self.offloaded = frozenset(plan.offloaded_layers)   # layers whose graph's saved tensors go to the host
+        if self.offloaded and "host" not in tiers:
+            raise ExecutorError(f"the plan offloads the internals of layers {sorted(self.offloaded)} to the host, "
+                                f"but no 'host' tier is configured (configured: {', '.join(tiers)})")
         self._segment_of = {j: (s, e) for s, e in plan.segments() for j in range(s, e)}
         self._anchor = torch.empty(0, requires_grad=weights.any_trainable)
         # the anchor's gradient accumulator runs exactly when a backward accumulates into leaves' .grad
@@ -155,8 +162,11 @@ class LayerStreamingExecutor:
             if self._anchor.requires_grad else None
         self._prefetch_in_window: dict[int, list[int]] = {}   # window -> boundaries whose prefetch it issues
         for i, home in enumerate(plan.homes[:self.graph_start]):
-            if home not in (RECOMPUTE, DEVICE_HOME):
+            if home not in (RECOMPUTE, DEVICE_HOME) and i not in self.offloaded:
                 self._prefetch_in_window.setdefault(plan.prefetch_at(i), []).append(i)
+        self._internals_in_window: dict[int, list[int]] = {}   # window -> offloaded layers whose internals it fetches
+        for j in sorted(self.offloaded):
+            self._internals_in_window.setdefault(plan.internals_prefetch_at(j), []).append(j)
         self._install_proxies()
 
     # ---- wiring into the user's model ----------------------------------------------------------
@@ -184,10 +194,14 @@ class LayerStreamingExecutor:
         with torch.inference_mode(False):
             return self.stream.acquire(layer)
 
-    def _backward_sequence(self) -> list[int]:
+    def _backward_sequence(self, p: _Pass) -> list[int]:
         seq = []
         for s, e in reversed(self.plan.segments()):
             if s >= self.graph_start:                   # differentiated from the forward's graph
+                continue
+            if s in self.offloaded:                     # differentiated from its graph, with its weights again
+                if p.graphs.get(s) is not None:
+                    seq.append(s)
                 continue
             if self._keeps_segment_graph(s, e):
                 seq.extend(range(s, e))                 # recompute s..e-1 with grad, once
@@ -207,7 +221,8 @@ class LayerStreamingExecutor:
                  tensors: list | None = None, requires_grad: bool = False, replay: bool = False,
                  kept=nullcontext()):
         """Run block ``layer`` on ``flat`` weights; ``replay``: a re-run, with its forward's random state;
-        ``kept``: the selective cache that records (forward) or serves (re-run) its kept outputs."""
+        ``kept``: a context deciding what the block's autograd keeps (the selective cache that records or
+        serves its kept outputs; the host offload of what its graph saves)."""
         if layer in self.selective:
             # a selective block's forward and re-runs must run the same ops: some choose how to compute
             # by whether their inputs require grad (matmul), so every run sees the weights and the hidden
@@ -316,7 +331,7 @@ class LayerStreamingExecutor:
                           f"If the loss uses it (an auxiliary loss), return it from the block instead: a block's "
                           f"extra outputs are differentiated")
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
-            self._start_sequence(self._backward_sequence())
+            self._start_sequence(self._backward_sequence(p))
             # the pass now lives only as long as its autograd graph: a forward never differentiated
             # frees its kept boundaries and graphs with that graph, not at the next forward
             self._current = None
@@ -339,7 +354,7 @@ class LayerStreamingExecutor:
 
     def _keep_boundary(self, p: _Pass, i: int, x: torch.Tensor) -> None:
         home = self.plan.homes[i]
-        if home == RECOMPUTE or i >= self.graph_start:   # graph layers hold their own inputs
+        if home == RECOMPUTE or i >= self.graph_start or i in self.offloaded:   # graphs hold their own inputs
             return
         x = x.detach()
         if home == DEVICE_HOME:
@@ -357,8 +372,8 @@ class LayerStreamingExecutor:
         """Block i's input is not what block i-1 returned (the model changed the hidden state between
         blocks, or feeds every block the same input): a re-run segment cannot derive it from block i-1's
         output, so it is kept as given, on the device, whatever the plan's home for boundary i."""
-        if self.plan.homes[i] != RECOMPUTE or i >= self.graph_start:   # kept or recorded as given anyway
-            return
+        if self.plan.homes[i] != RECOMPUTE or i >= self.graph_start or i in self.offloaded:
+            return   # kept, or recorded as given anyway
         if not self._warned_unchained:
             self._warned_unchained = True
             warnings.warn(f"lazytrain: block {i}'s input is not block {i - 1}'s output (the model changes the "
@@ -389,6 +404,9 @@ class LayerStreamingExecutor:
         for i in self._prefetch_in_window.get(w, ()):
             if i not in p.prefetched:
                 self._issue_prefetch(p, i)
+        for j in self._internals_in_window.get(w, ()):
+            if j in p.offloaded:
+                p.offloaded[j].prefetch()
 
     def _issue_prefetch(self, p: _Pass, i: int) -> TransferHandle:
         if i in p.held:      # still on the device: nothing to fetch
@@ -481,12 +499,17 @@ class LayerStreamingExecutor:
         t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
                 for t, need in zip(tensors, side_needs)]
         flat = self._acquire(layer)
-        if keep and not self.stream.zero_copy and layer not in self.stream.resident:
+        kept = nullcontext() if keep else self._selective_rerun(p, layer)
+        if keep and layer in self.offloaded:   # its weights are streamed again for its backward
+            internals = p.offloaded[layer] = OffloadedInternals(self.tiers["host"], f"pass{p.pass_id}.layer{layer}",
+                                                                self.device, flat, p.owned)
+            kept = internals.recording()
+        elif keep and not self.stream.zero_copy and layer not in self.stream.resident:
             flat = flat.clone()
             self._put(p, DEVICE_HOME, self._key(p, layer) + ".weights", flat, owned=True)
         with torch.enable_grad():
             out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True, replay=not keep,
-                                        kept=nullcontext() if keep else self._selective_rerun(p, layer))
+                                        kept=kept)
         return x_in, out, params, t_in
 
     def _free_boundary(self, p: _Pass, i: int) -> None:
@@ -495,6 +518,11 @@ class LayerStreamingExecutor:
         key = self._key(p, i)
         if i >= self.graph_start:          # a graph layer: only its own weight copy, if it made one
             self._drop(p, DEVICE_HOME, key + ".weights")
+            return
+        if i in self.offloaded:            # its saved tensors on the host (boundary i was not stored)
+            internals = p.offloaded.pop(i, None)
+            if internals is not None:
+                internals.release()
             return
         if home == RECOMPUTE:
             p.cache.pop(i, None)
@@ -531,6 +559,8 @@ class LayerStreamingExecutor:
                 self._recompute_segment(p, s, e)
         if layer in p.graphs:
             graph = p.graphs.pop(layer)     # None: a frozen graph layer with no gradient to pass on
+            if graph is not None and layer in p.offloaded:
+                p.offloaded[layer].use_weights(self._acquire(layer))
         else:
             x_in, out, params, t_in = self._forward_with_grad(p, layer, self._boundary(p, layer),
                                                               needs_input_grad[0], needs_input_grad[1:])
@@ -576,17 +606,22 @@ class LayerStreamingExecutor:
     def release_pass(self, p: _Pass) -> None:
         """Free everything a pass still holds."""
         p.released = True
-        _free_owned(self.tiers, p.owned)
-        p.held.clear()
-        p.cache.clear()
-        p.prefetched.clear()
-        p.graphs.clear()
-        p.calls.clear()
-        p.unchained.clear()
-        p.shared_writers.clear()
-        p.kept_outputs.clear()
-        if self._current is p:
-            self._current = None
+        offloaded, p.offloaded = p.offloaded, {}
+        try:
+            for internals in offloaded.values():   # their reads in flight end before their keys go
+                internals.release()
+        finally:
+            _free_owned(self.tiers, p.owned)
+            p.held.clear()
+            p.cache.clear()
+            p.prefetched.clear()
+            p.graphs.clear()
+            p.calls.clear()
+            p.unchained.clear()
+            p.shared_writers.clear()
+            p.kept_outputs.clear()
+            if self._current is p:
+                self._current = None
 
     def forward_window(self, p: _Pass, layer: int, x: torch.Tensor) -> None:
         self._enter_window(p, layer)
@@ -604,7 +639,7 @@ class _BlockFunction(torch.autograd.Function):
         ctx.executor, ctx.p, ctx.layer = executor, p, layer
         ctx.set_materialize_grads(False)   # an output the loss did not use gets None, not zeros
         needs = ctx.needs_input_grad[4:]
-        graph_layer = layer >= executor.graph_start
+        graph_layer = layer >= executor.graph_start or layer in executor.offloaded
         record = graph_layer and (any(needs) or any(executor.weights.trainable[layer]))
         if graph_layer and not record:
             p.graphs[layer] = None          # nothing to differentiate here: no graph, no weight copy

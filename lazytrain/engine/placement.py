@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..planner.plan import DEVICE_HOME, Plan, PlanError, every_k_plan, keep_all_plan
+from ..planner.plan import DEVICE_HOME, Plan, PlanError, every_k_plan, keep_all_plan, offload_all_plan
 from ..tiers import Tier
 
 
@@ -44,13 +44,14 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     """The policy's Plan, with ``lazytrain.last_segment_graph`` applied: "auto" turns it on for the
     built-in policies where the CPU computes on the host weights in place (there it costs no weight
     copies, and the last segment's recompute would hold the same internals a moment later anyway);
-    a Plan file or the MILP decides for itself unless the config says true or false."""
+    a Plan file, the MILP and offload_all (the last layer's graph on the device) decide for themselves
+    unless the config says true or false."""
     if num_layers == 0:   # nothing streams: every parameter stays on the device
         return Plan(num_layers=0, homes=(DEVICE_HOME,), policy="nothing-streams", micro_batch_size=micro_batch)
     plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch)
     choice = cfg.lazytrain.last_segment_graph
     if choice == "auto":
-        if cfg.lazytrain.policy in ("plan", "milp", "auto"):
+        if cfg.lazytrain.policy in ("plan", "milp", "auto", "offload_all"):
             return plan
         choice = tiers["hbm"].device.type == "cpu" and cfg.lazytrain.weights_home in ("host", "hbm")
     return dataclasses.replace(plan, last_segment_graph=bool(choice))
@@ -69,6 +70,8 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
         return every_k_plan(num_layers, k, home=home, resident_layers=resident, policy=f"megatrain-k{k}-{home}")
     if lt.policy == "keep_all":
         return keep_all_plan(num_layers, home=home, resident_layers=resident)
+    if lt.policy == "offload_all":
+        return offload_all_plan(num_layers, input_home=home, resident_layers=resident)
     if lt.policy == "plan":
         try:
             plan = Plan.from_json(lt.plan_path)

@@ -317,9 +317,16 @@ def keep_all_plan(num_layers: int, home: str = "host", **kw) -> Plan:
                 policy=kw.pop("policy", f"keep-all-{home}"), **kw)
 
 
-def offload_all_plan(num_layers: int, input_home: str = DEVICE_HOME, **kw) -> Plan:
+def offload_all_plan(num_layers: int, input_home: str = DEVICE_HOME, last_segment_graph: bool = True, **kw) -> Plan:
     """Every layer offloads its internals to the host and none is re-run (what
-    ``torch.autograd.graph.save_on_cpu`` does for a whole model, with the transfers overlapped)."""
-    homes = [input_home] + [RECOMPUTE] * (num_layers - 1) + [DEVICE_HOME] if num_layers else [DEVICE_HOME]
-    return Plan(num_layers=num_layers, homes=tuple(homes), offloaded_layers=tuple(range(num_layers)),
+    ``torch.autograd.graph.save_on_cpu`` does for a whole model, with the transfers overlapped), except
+    that the last layer, whose backward follows its forward at once, keeps its graph on the device (with
+    ``last_segment_graph``; else it is re-run from its input, kept on the device)."""
+    if num_layers == 0:
+        return Plan(num_layers=0, homes=(DEVICE_HOME,), policy=kw.pop("policy", "offload-all"), **kw)
+    homes = [input_home] + [RECOMPUTE] * (num_layers - 1) + [DEVICE_HOME]
+    if num_layers > 1:
+        homes[num_layers - 1] = DEVICE_HOME
+    off = tuple(range(num_layers - 1)) if num_layers > 1 else ()
+    return Plan(num_layers=num_layers, homes=tuple(homes), offloaded_layers=off, last_segment_graph=last_segment_graph,
                 policy=kw.pop("policy", "offload-all"), **kw)

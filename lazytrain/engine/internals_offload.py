@@ -1,0 +1,132 @@
+"""Offload of one streamed block's autograd internals to the host, and back for its backward.
+
+Why: a block either keeps its internals on the device from its forward to its backward (costly in
+memory), or drops them and re-runs its forward in backward (costly in compute). A Plan's
+``offloaded_layers`` take a third way: the block's forward records its graph with every tensor autograd
+saves copied to the host tier as it is saved (saved-tensor hooks; the copies run on the tier's copy
+stream or threads while the forward goes on), and the copies come back from the window the Plan names,
+so backward differentiates the block from its graph without re-running it.
+
+The block's weights are not copied with its internals: a saved tensor that lies in the block's streamed
+weight buffer is kept as a reference into it (byte offset, shape, strides) and resolved, in backward,
+against the weights streamed to the device again for that backward.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from ..tiers import Tier, TransferHandle
+
+
+class InternalsOffloadError(RuntimeError):
+    pass
+
+
+class _WeightRef:
+    """A saved tensor that is a view of the block's weight buffer: where in the buffer, and its shape."""
+    __slots__ = ("byte_offset", "size", "stride", "dtype")
+
+    def __init__(self, byte_offset: int, size, stride, dtype):
+        self.byte_offset, self.size, self.stride, self.dtype = byte_offset, tuple(size), tuple(stride), dtype
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte offsets within its storage that ``t`` can reach."""
+    start = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return start, start
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    return start, start + (reach + 1) * t.element_size()
+
+
+class OffloadedInternals:
+    """The tensors one block's forward saved for its backward, held in a host tier under keys of their
+    own. It owns every read of them it issues: each is waited on before the keys are freed."""
+
+    def __init__(self, tier: Tier, key: str, device: torch.device, weights: torch.Tensor, owned: set):
+        self._tier, self._key, self._device, self._owned = tier, key, device, owned
+        self._weights_storage = weights.untyped_storage().data_ptr()
+        self._weights_span = _byte_span(weights)
+        self._keys: list[str] = []
+        self._index: dict[tuple, tuple] = {}         # (data_ptr, offset, shape, stride, dtype) -> (tensor, index)
+        self._reads: dict[int, TransferHandle] = {}  # saved index -> read in flight
+        self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
+        self._weights_now: torch.Tensor | None = None
+        self.nbytes = 0                              # bytes sent to the host
+
+    # ---- forward -------------------------------------------------------------------------------
+    @contextmanager
+    def recording(self):
+        """Run the block's forward with autograd inside this: what it saves goes to the host. The tensors
+        sent stay referenced until the forward ends (as its graph would hold them), so that no address is
+        reused while the forward runs and one tensor saved by several ops goes once."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._index.clear()
+
+    def _pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == self._weights_storage:
+            first, last = _byte_span(t)
+            lo, hi = self._weights_span
+            if lo <= first and last <= hi:
+                return _WeightRef(first - lo, t.shape, t.stride(), t.dtype)
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        n = self._index.get(ident, (None, None))[1]
+        if n is None:
+            n = len(self._keys)
+            self._index[ident] = (t, n)
+            key = f"{self._key}.saved{n}"
+            self._keys.append(key)
+            self._tier.write(key, t)
+            self._owned.add((self._tier.name, key))
+            self.nbytes += t.numel() * t.element_size()
+        return n
+
+    # ---- backward ------------------------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Start every saved tensor's copy back to the device (idempotent)."""
+        for n, key in enumerate(self._keys):
+            if n not in self._reads and n not in self._values:
+                self._reads[n] = self._tier.read(key, device=self._device)
+
+    def use_weights(self, weights: torch.Tensor) -> None:
+        """The block's weight buffer on the device for its backward (same layout as in its forward)."""
+        self._weights_now = weights
+
+    def _unpack(self, packed):
+        if isinstance(packed, _WeightRef):
+            w = self._weights_now
+            if w is None:
+                raise InternalsOffloadError(f"{self._key}: the block's weights were not streamed back before its "
+                                            f"backward (internal error)")
+            base = w.storage_offset() * w.element_size() + packed.byte_offset
+            size = packed.dtype.itemsize
+            return torch.empty(0, dtype=packed.dtype, device=w.device).set_(
+                w.untyped_storage(), base // size, packed.size, packed.stride)
+        value = self._values.get(packed)
+        if value is None:
+            handle = self._reads.pop(packed, None) or self._tier.read(self._keys[packed], device=self._device)
+            value = handle.wait()
+            if value.device != self._device:
+                value = value.to(self._device)
+            self._values[packed] = value
+        return value
+
+    def release(self) -> None:
+        """Wait for the reads still in flight, then free the host copies (after the block's backward, or
+        when its pass is dropped)."""
+        reads, self._reads = self._reads, {}
+        try:
+            for handle in reads.values():
+                handle.wait()
+        finally:
+            self._values.clear()
+            self._weights_now = None
+            for key in self._keys:
+                self._tier.free(key)
+                self._owned.discard((self._tier.name, key))
+            self._keys = []

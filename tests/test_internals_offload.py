@@ -1,0 +1,204 @@
+"""Offloaded layers (a Plan's ``offloaded_layers``): a layer's forward records its graph with everything
+autograd saves copied to the host tier as it is saved, and backward differentiates it from that graph, with
+the saved tensors copied back from the window the Plan names and its weights streamed again, without
+re-running it. Training is bit for bit the keep-every-boundary plan's (which re-runs each layer once from
+its input) on the CPU's in-place path and over emulated links; the bytes sent are exactly what plain
+PyTorch's autograd saves in those layers, minus their weights, and all of it is freed by the layer's
+backward or with a forward never differentiated. Random transfer delays: tests/test_engine_chaos.py."""
+import dataclasses
+import gc
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.config import ConfigError
+from lazytrain.planner.plan import RECOMPUTE, Plan, PlanError, keep_all_plan, offload_all_plan
+from lazytrain.tiers import streams
+from engine_models import batches, lm_loss, make_model, max_rel_diff, plan_engine, reference_train, train_and_destroy
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
+LINKS = {"copy_threads": True, "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
+# layers 2 and 5 offloaded, 0-1 and 3-4 re-run from boundaries 0 and 3
+MIXED = Plan(num_layers=6, homes=("hbm", RECOMPUTE, RECOMPUTE, "host", RECOMPUTE, RECOMPUTE, "hbm"),
+             offloaded_layers=(2, 5), policy="mixed")
+
+
+@pytest.fixture(autouse=True)
+def _calm_transfers_after():
+    yield
+    streams.configure()
+
+
+def _engine(tmp_path, kind, plan, links, accumulation=1, model=None):
+    model = model if model is not None else make_model(kind)
+    return plan_engine(tmp_path, model, plan, LINKS if links else None, accumulation)
+
+
+_train = train_and_destroy
+
+
+@pytest.mark.parametrize("kind", ["llama", "decoder"])
+@pytest.mark.parametrize("links", [False, True], ids=["in-place", "links"])
+def test_offloaded_layers_train_bit_for_bit_as_the_plan_that_re_runs_them(tmp_path, kind, links):
+    data = batches(4)
+    plain = _train(_engine(tmp_path, kind, keep_all_plan(6), links), data)
+    for plan in (offload_all_plan(6), MIXED):
+        offloaded = _train(_engine(tmp_path, kind, plan, links), data)
+        for k, v in plain.items():
+            assert torch.equal(offloaded[k], v), (plan.policy, k)
+    model = make_model(kind)
+    model.load_state_dict(offloaded)
+    assert max_rel_diff(model, reference_train(make_model(kind), data)) < 1e-4   # the engine's usual parity
+
+
+def test_with_gradient_accumulation_and_frozen_layers_as_plain_pytorch(tmp_path):
+    """Two micro-batches per step, each forward's internals its own; the first two blocks and the
+    embedding frozen, so layer 0's graph has nothing to differentiate and layer 1's only its input's."""
+    def frozen():
+        m = make_model("llama")
+        for p in [*m.model.embed_tokens.parameters(), *m.model.layers[0].parameters(), *m.model.layers[1].parameters()]:
+            p.requires_grad_(False)
+        return m
+    data = batches(4)
+    weights = _train(_engine(tmp_path, "llama", MIXED, True, accumulation=2, model=frozen()), data)
+    model = frozen()
+    model.load_state_dict(weights)
+    assert max_rel_diff(model, reference_train(frozen(), data, gas=2)) < 1e-4
+
+
+def _saved_bytes_per_layer(model, x) -> list[int]:
+    """What plain PyTorch's autograd saves in each block of ``model``'s forward, without the tensors that
+    are the model's parameters or views of them, each tensor once."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    layer, seen, alive, sizes = [None], set(), [], [0] * len(model.model.layers)
+
+    def pack(t):
+        if layer[0] is not None and t.untyped_storage().data_ptr() not in params:
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if (layer[0], ident) not in seen:
+                seen.add((layer[0], ident))
+                sizes[layer[0]] += t.numel() * t.element_size()
+        alive.append(t)   # nothing freed: no address is reused while counting
+        return t
+
+    hooks = []
+    for i, block in enumerate(model.model.layers):   # each layer's graph holds its own (rotary cos and sin too)
+        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: layer.__setitem__(0, i)))
+        hooks.append(block.register_forward_hook(lambda m, a, o: layer.__setitem__(0, None)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    for h in hooks:
+        h.remove()
+    return sizes
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["in-place", "links"])
+def test_the_host_gets_what_autograd_saves_without_the_weights_and_frees_it(tmp_path, links):
+    engine = _engine(tmp_path, "llama", MIXED, links)
+    x, y = batches(1)[0]
+    expected = _saved_bytes_per_layer(make_model("llama"), x)
+    host = engine.tiers["host"]
+    base_used, base_written = host.stats()["used_bytes"], host.stats()["bytes_written"]
+    boundary_3 = 2 * 12 * 32 * 4                      # the plan keeps boundary 3 on the host too
+    loss = lm_loss(engine(x), y)
+    sent = host.stats()["bytes_written"] - base_written
+    assert sent == expected[2] + expected[5] + boundary_3
+    assert expected[2] > boundary_3                   # more than its input: its internals went too
+    engine.backward(loss)
+    assert host.stats()["used_bytes"] == base_used    # freed by each layer's backward
+    engine(x)                                         # an evaluation forward under grad, never differentiated
+    gc.collect()
+    assert host.stats()["used_bytes"] == base_used    # freed with its graph
+    engine.step()
+    engine.destroy()
+
+
+def test_internals_come_back_in_the_window_the_plan_names(tmp_path):
+    """Layer 0's internals read back at window 7 (layer 4's backward), not one window before its own."""
+    plan = dataclasses.replace(offload_all_plan(6), internals_prefetch_window={0: 7})
+    engine = _engine(tmp_path, "llama", plan, True)
+    events = []
+    host, executor = engine.tiers["host"], engine.executor
+    read, backward_layer = host.read, executor.backward_layer
+
+    def logged_read(key, *a, **kw):
+        if ".saved" in key:   # not the weights' reads
+            events.append(key.split(".")[1])   # "layer3"
+        return read(key, *a, **kw)
+
+    def logged_backward(p, layer, *a, **kw):
+        events.append(f"bwd {layer}")
+        return backward_layer(p, layer, *a, **kw)
+    host.read, executor.backward_layer = logged_read, logged_backward
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    window_of_read = {}
+    for n, e in enumerate(events):
+        if e.startswith("layer"):
+            running = next(b for b in reversed(events[:n]) if b.startswith("bwd"))
+            window_of_read.setdefault(int(e[5:]), set()).add(11 - int(running[4:]))   # layer j's backward: 11 - j
+    # the default: one window before the layer's backward (layer 4: window 6, the backward of layer 5)
+    assert window_of_read == {0: {7}, 1: {9}, 2: {8}, 3: {7}, 4: {6}}
+    engine.step()
+    engine.destroy()
+
+
+def test_policy_offload_all_from_the_config():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"policy": "offload_all", "device": "cpu"}}
+    engine = lazytrain.initialize(model=make_model("llama"), config=cfg)[0]
+    assert engine.plan.offloaded_layers == (0, 1, 2, 3, 4) and engine.plan.graph_start() == 5
+    engine.destroy()
+    cfg["lazytrain"]["last_segment_graph"] = False     # the last layer re-run from its input instead
+    engine = lazytrain.initialize(model=make_model("llama"), config=cfg)[0]
+    assert engine.plan.offloaded_layers == (0, 1, 2, 3, 4) and engine.plan.graph_start() == 6
+    assert engine.plan.homes[5] == "hbm"
+    engine.destroy()
+    cfg["lazytrain"]["policy"] = "offload_al"
+    with pytest.raises(ConfigError, match="'lazytrain.policy' must be one of every_k, keep_all, offload_all, plan"):
+        lazytrain.initialize(model=make_model("llama"), config=cfg)
+
+
+def test_plans_that_cannot_offload_a_layer_are_refused_by_name():
+    homes = ("hbm", RECOMPUTE, RECOMPUTE, "host", RECOMPUTE, RECOMPUTE, "hbm")
+    cases = [
+        (dict(offloaded_layers=(1,)), "offloaded layer 1 must be a segment of its own: boundary 2 after it must be "
+                                      "kept or start another offloaded layer, got 'recompute'"),
+        (dict(offloaded_layers=(3,)), "offloaded layer 3 needs boundary 3 to be 'recompute' (its graph keeps its "
+                                      "input, on the host), got home 'host'"),
+        (dict(offloaded_layers=(2,), selective_layers=(2,)), "layer 2 is in both offloaded_layers and "
+                                                             "selective_layers"),
+        (dict(offloaded_layers=(5,), last_segment_graph=True), "offloaded_layers holds 5: an offloaded layer must "
+                                                               "lie in 0..2 (layers 3..5 keep their forward graph"),
+        (dict(offloaded_layers=(2,), internals_prefetch_window={2: 10}), "internals_prefetch_window[2] = 10 must "
+                                                                         "lie in [3, 9]"),
+        (dict(internals_prefetch_window={2: 5}), "internals_prefetch_window[2] given, but layer 2 is not offloaded"),
+    ]
+    for fields, message in cases:
+        with pytest.raises(PlanError) as e:
+            Plan(num_layers=6, homes=homes, **fields)
+        assert str(e.value).startswith(message), (fields, str(e.value))
+    plan = Plan(num_layers=6, homes=homes, offloaded_layers=(2, 5), internals_prefetch_window={2: 3})
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.segments() == [(0, 2), (2, 3), (3, 5), (5, 6)] and plan.recomputed_layers() == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_a_gpu_offloaded_layers_train_bit_for_bit_as_the_plan_that_re_runs_them(tmp_path, precision):
+    """On CUDA: saved tensors copied to pinned host memory on the copy stream in forward and back before
+    each backward, weights streamed into slots again for it."""
+    data = batches(3)
+    runs = {}
+    for plan in (keep_all_plan(6), offload_all_plan(6), MIXED):
+        engine = plan_engine(tmp_path, make_model("llama"), plan, device="cuda", bf16=precision == "bf16")
+        written = engine.tiers["host"].stats()["bytes_written"]
+        runs[plan.policy] = _train(engine, data)
+        if plan.offloaded_layers:
+            assert engine.tiers["host"].stats()["bytes_written"] > written
+    for policy in ("offload-all", "mixed"):
+        for k, v in runs["keep-all-host"].items():
+            assert torch.equal(runs[policy][k], v), (policy, k)
