@@ -34,9 +34,10 @@ timeout "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/t
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py tests/test_engine_overlap.py \
   tests/test_no_blocks.py tests/test_optim*.py tests/test_tiers*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 # two ranks on the one GPU copying from the node-shared host weights (registered with CUDA as pinned);
-# selective layers on CUDA (fp32, bf16) bit-identical to the plan without them; policy auto refused on CUDA
+# selective and offloaded layers on CUDA (fp32, bf16) bit-identical to the plans that re-run them; policy
+# auto refused on CUDA
 timeout "${SHARED_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
-  tests/test_selective.py tests/test_auto_plan.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
+  tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 
 echo "## 2. tiers"
 OUT="$OUT" timeout "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40
