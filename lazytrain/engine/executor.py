@@ -447,8 +447,9 @@ class LayerStreamingExecutor:
     def _counted(self, p: _Pass, layer: int, kept: SelectiveForward):
         with kept.recording():
             yield
-        keys = [f"{self._key(p, layer)}.kept{k}" for k in range(len(kept.tensors()))]
-        for key, t in zip(keys, kept.tensors()):   # counted as the storage it is, never copied
+        tensors = kept.tensors()
+        keys = [f"{self._key(p, layer)}.kept{k}" for k in range(len(tensors))]
+        for key, t in zip(keys, tensors):   # counted as the storage it is, never copied
             self._put(p, DEVICE_HOME, key, _whole_storage(t), owned=True)
         p.kept_outputs[layer] = (kept, keys)
 
