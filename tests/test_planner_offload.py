@@ -1,17 +1,20 @@
-"""Offloaded layers in the planner (a Plan's ``offloaded_layers``): the cost model and the simulator's exact
-replay of their copies, waits and memory."""
+"""Offloaded layers in the planner (a Plan's ``offloaded_layers``): the cost model, the simulator's exact
+replay of their copies, waits and memory, the MILP against brute force and when it chooses them."""
 import dataclasses
+import json
 
 import pytest
 
 from lazytrain.planner.hardware import HardwareProfile
 from lazytrain.planner.measured import MeasuredCosts
 from lazytrain.planner.megatrain import MegaTrainPlanError
+from lazytrain.planner.milp import MilpOptions, _start_values, build_and_solve
 from lazytrain.planner.plan import Plan, every_k_plan, keep_all_plan, offload_all_plan
 from lazytrain.planner.problem import Budgets, Problem
 from lazytrain.planner.simulate import simulate
 
-from test_planner_toys import A_BYTES, SLOW_HW, toy_model, toy_problem
+from test_planner_milp import check_equal, full_space
+from test_planner_toys import A_BYTES, SLOW_HW, TOY_HW, brute_force, toy_model, toy_problem
 
 # links far faster than compute: an offloaded layer's copies cost next to nothing (the optimizer as in the
 # other toys: its times stay well above the solver's tolerances)
@@ -102,3 +105,93 @@ def test_megatrains_executor_refuses_offloaded_layers():
     simulate(p, mega, executor="megatrain", strict=False)
     with pytest.raises(MegaTrainPlanError, match="no selective layers, no offloaded layers and a serial optimizer"):
         simulate(p, dataclasses.replace(mega, offloaded_layers=(3,)), executor="megatrain", strict=False)
+
+
+@pytest.mark.parametrize("L,gpu_extra,host_slots,nvme_slots,hw,free_windows,selective,offloaded", [
+    (3, 1.0, 12, 0, FAST_LINKS, True, False, (0, 1)),   # layer 0 too (boundary 0's home unused), beside a tail
+    (3, 1.0, 6, 1, FAST_LINKS, True, False, (1,)),      # host room for one layer's internals
+    (3, 1.0, 6, 0, TOY_HW, True, False, ()),            # slow links: the copies cost more than re-runs
+    (4, 1.0, 14, 0, FAST_LINKS, False, True, (1, 2)),   # offloaded rather than selective
+])
+def test_offloaded_layers_the_milp_equals_brute_force(L, gpu_extra, host_slots, nvme_slots, hw, free_windows,
+                                                      selective, offloaded):
+    p = toy_problem(L, gpu_extra, host_slots=host_slots, nvme_slots=nvme_slots, hw=hw)
+    plan = check_equal(p, free_windows=free_windows, resident=False, selective=selective, offload=True)
+    assert plan.offloaded_layers == offloaded
+    if offloaded:   # it pays: faster than the best plan without offloaded layers
+        best, _, _ = brute_force(p, free_windows=free_windows, residency=False, selective=selective)
+        assert simulate(p, plan).step_time_s < best * (1 - 1e-6)
+
+
+def test_with_measured_costs_residency_and_accumulation_the_milp_equals_brute_force():
+    costs = MeasuredCosts(fwd_s=(0.004, 0.006, 0.005), diff_s=(0.012, 0.018, 0.015), nonlayer_s=0.002,
+                          step_s=0.001, update_s=(0.001,) * 3)
+    p = dataclasses.replace(toy_problem(3, 1.0, host_slots=12, hw=FAST_LINKS), measured=costs, grad_accum=2)
+    plan = check_equal(p, free_windows=False, resident=True, offload=True)
+    assert plan.offloaded_layers
+    r = simulate(p, plan)
+    for j in plan.offloaded_layers:   # its backward window runs its measured backward alone
+        assert [e.end - e.start for e in r.timeline if e.lane == "compute" and e.window == 5 - j] == \
+            pytest.approx([costs.diff_s[j] - costs.fwd_s[j]], rel=1e-12)
+
+
+def _short_memory(hw) -> Problem:
+    """Six toy layers, room on the GPU for one boundary beyond a window's least need, the host for many."""
+    return toy_problem(6, 1.0, host_slots=40, hw=hw)
+
+
+def test_the_milp_offloads_when_links_are_fast_and_memory_short_not_when_links_are_slow():
+    fast = _short_memory(FAST_LINKS)
+    plan, info = build_and_solve(fast, MilpOptions())
+    r = simulate(fast, plan)
+    assert info.status == "optimal" and info.objective_s == pytest.approx(r.step_time_s, rel=1e-6)
+    assert plan.offloaded_layers == (0, 1, 2, 3, 4) and plan.recomputed_layers() == 0
+    without, _ = build_and_solve(fast, MilpOptions(allow_offload=False))
+    assert without.offloaded_layers == () and simulate(fast, without).step_time_s > r.step_time_s * 1.1
+    slow = _short_memory(SLOW_HW)
+    plan, info = build_and_solve(slow, MilpOptions())
+    assert plan.offloaded_layers == () and info.objective_s == pytest.approx(simulate(slow, plan).step_time_s,
+                                                                             rel=1e-6)
+
+
+def test_a_plan_with_offloaded_layers_round_trips_through_json(tmp_path):
+    p = _short_memory(FAST_LINKS)
+    plan, _ = build_and_solve(p, MilpOptions())
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    back = Plan.from_json(str(path))
+    assert back == plan and back.offloaded_layers == plan.offloaded_layers
+    assert back.internals_prefetch_window == plan.internals_prefetch_window != {}
+    written = json.loads(path.read_text())
+    assert written["offloaded_layers"] == list(plan.offloaded_layers)
+    assert written["internals_prefetch_window"] == {str(j): w for j, w in plan.internals_prefetch_window.items()}
+    assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
+
+
+def test_a_start_plan_with_offloaded_layers_is_taken_in_and_the_optimum_stays():
+    p = _short_memory(FAST_LINKS)
+    cold, _ = build_and_solve(p, MilpOptions())
+    # every layer offloaded, each one's internals brought back in its own backward window (the least memory)
+    start = dataclasses.replace(offload_all_plan(6), internals_prefetch_window={j: 11 - j for j in range(6)})
+    assert not simulate(p, start, strict=False).violations
+    warm, info = build_and_solve(p, MilpOptions(), start_plan=start)
+    assert info.status == "optimal"
+    assert simulate(p, warm).step_time_s == pytest.approx(simulate(p, cold).step_time_s, rel=1e-7)
+    # outside the space of a MILP that may not offload: not used as a start
+    captured = {}
+    import lazytrain.planner.milp as milp
+
+    def capture(plan, *args):
+        captured["values"] = _start_values(plan, *args)
+        return captured["values"]
+    original, milp._start_values = milp._start_values, capture
+    try:
+        build_and_solve(p, MilpOptions(), start_plan=start)
+        chosen = {v.name for v, x in captured["values"].items() if x == 1.0}
+        assert {f"offl_{j}" for j in range(6)} | {"g_0"} <= chosen
+        assert {f"offl_pre_{j}_{start.internals_prefetch_at(j)}" for j in range(6)} <= chosen
+        build_and_solve(p, MilpOptions(allow_offload=False, allow_graph_tail=False), start_plan=start)
+        assert captured["values"] is None
+    finally:
+        milp._start_values = original
+
