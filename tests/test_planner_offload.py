@@ -1,10 +1,12 @@
 """Offloaded layers in the planner (a Plan's ``offloaded_layers``): the cost model, the simulator's exact
-replay of their copies, waits and memory, the MILP against brute force and when it chooses them."""
+replay of their copies, waits and memory, the MILP against brute force, when it chooses them, and the
+step floor below it."""
 import dataclasses
 import json
 
 import pytest
 
+from lazytrain.planner.ceiling import step_floor
 from lazytrain.planner.hardware import HardwareProfile
 from lazytrain.planner.measured import MeasuredCosts
 from lazytrain.planner.megatrain import MegaTrainPlanError
@@ -194,4 +196,15 @@ def test_a_start_plan_with_offloaded_layers_is_taken_in_and_the_optimum_stays():
         assert captured["values"] is None
     finally:
         milp._start_values = original
+
+
+
+@pytest.mark.parametrize("hw", [FAST_LINKS, TOY_HW], ids=["fast", "slow"])
+def test_the_offload_floor_stays_below_the_milps_optimum(hw):
+    p = _short_memory(hw)
+    plan, info = build_and_solve(p, MilpOptions())
+    assert info.status == "optimal"
+    floor = step_floor(p, offload=True)
+    assert floor.step_s <= simulate(p, plan).step_time_s * (1 + 1e-9)
+    assert floor.step_s <= step_floor(p).step_s * (1 + 1e-9)
 
