@@ -208,3 +208,18 @@ def test_the_offload_floor_stays_below_the_milps_optimum(hw):
     assert floor.step_s <= simulate(p, plan).step_time_s * (1 + 1e-9)
     assert floor.step_s <= step_floor(p).step_s * (1 + 1e-9)
 
+
+
+@pytest.mark.parametrize("flag,allowed", [([], True), (["--no-offload"], False)])
+def test_lazytrain_plan_offloads_unless_told_not_to(monkeypatch, capsys, flag, allowed):
+    from lazytrain.cli import main
+    from lazytrain.planner import report
+    seen = {}
+
+    def compare(p, opts, plan=None):
+        seen["opts"] = opts
+        raise ValueError("stopped before solving")
+    monkeypatch.setattr(report, "compare", compare)
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--micro-batch", "8",
+                 "--gpu-mem", "24GiB"] + flag) == 2
+    assert seen["opts"].allow_offload is allowed and "stopped before solving" in capsys.readouterr().err
