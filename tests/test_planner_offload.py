@@ -15,7 +15,7 @@ from lazytrain.planner.plan import Plan, every_k_plan, keep_all_plan, offload_al
 from lazytrain.planner.problem import Budgets, Problem
 from lazytrain.planner.simulate import simulate
 
-from test_planner_milp import check_equal, full_space
+from test_planner_milp import check_equal
 from test_planner_toys import A_BYTES, SLOW_HW, TOY_HW, brute_force, toy_model, toy_problem
 
 # links far faster than compute: an offloaded layer's copies cost next to nothing (the optimizer as in the
