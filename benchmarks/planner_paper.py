@@ -1,9 +1,10 @@
 """The paper's eight (GPU, model, batch) scenarios through LazyTrain's planner and simulator.
 
 For each scenario (seq 1024; 70 GB cap on h800, 24 GiB card on rtx3090; the paper's LazyTrain batch)
-it plans with the MILP and prints, in the same simulator and at the same batch: the step time of our
-plan on LazyTrain's executor, of MegaTrain as its code runs (every 4th boundary on the GPU, all 4
-layers of a block re-run, serial clipping, optimizer and pinned-copy refresh, planner/megatrain.py) and
+it plans with the MILP (selective and offloaded layers allowed) and prints, in the same simulator and at
+the same batch: the step time of our plan on LazyTrain's executor, of MegaTrain as its code runs (every
+4th boundary on the GPU, all 4 layers of a block re-run, serial clipping, optimizer and pinned-copy
+refresh, planner/megatrain.py) and
 of the best fixed interval on LazyTrain's executor; the predicted speed-up with its band: the smallest
 and largest over every calibration whose largest tokens/s error is within 1 percentage point of the
 best fit's (policies.calibration_band; our plan held fixed, so the band's low end is conservative); the MILP's solve time on this machine and its status; each plan's distance
@@ -14,8 +15,8 @@ micro-batch our plan fits. Goals (printed, not asserted): our plan >= 1.35x Mega
 solve <= 10 s, rtx3090 micro-batch >= the paper's LazyTrain batch. A second table gives each
 scenario's step floor (planner/ceiling.py): the fastest step any plan could make if every layer either
 keeps its autograd internals on the GPU, keeps its matmul and attention outputs (a selective layer, its
-re-run taking the rest) or re-runs in backward (LazyTrain's plan space), and if the
-internals may also be offloaded to the host over PCIe (not implemented by the executor); the last
+re-run taking the rest) or re-runs in backward, and if the internals may also be offloaded to the host
+over PCIe (offloaded layers, the floor spreading their copies over each phase); the last
 column is how small a layer's internals would have to be (fraction of what its autograd saves, i.e.
 op-level selective checkpointing) for the offload floor to allow 1.35x over MegaTrain.
 
@@ -94,7 +95,8 @@ def main() -> int:
 
     header = ["GPU", "model", "batch", "MegaTrain s", "best interval s (k)", "ours s", "ours / MegaTrain",
               "band (low-high)", "ours / best interval", "ours / bound", "MegaTrain / bound", "solve s", "status",
-              "ours tok/s", "paper LazyTrain tok/s", "pred. err", "paper speedup", "ours GPU GB", "homes hbm/host/nvme/rec/graph", "selective"]
+              "ours tok/s", "paper LazyTrain tok/s", "pred. err", "paper speedup", "ours GPU GB", "homes hbm/host/nvme/rec/graph", "selective",
+              "offloaded"]
     rows, speedups, solves, floors = [], [], [], []
     for (gpu, model), sysrows in PAPER.items():
         if args.only and gpu != args.only:
@@ -133,7 +135,7 @@ def main() -> int:
                      f"{ours.tokens_per_s / paper_lt - 1:+.1%}", f"{paper_speed:.3f}x",
                      f"{ours.peak_bytes['hbm'] / 1e9:.1f}",
                      "{hbm}/{host}/{nvme}/{recompute}/{graph}".format(**ours.boundaries_per_home),
-                     ours.selective_layers])
+                     ours.selective_layers, ours.offloaded_layers])
         floors.append((gpu, model, batch, p, mt.step_time_s, ours.step_time_s))
         print(f"  planned {gpu} {model}: {wall:.2f} s", file=sys.stderr)
     print("\n## Step time at the paper's LazyTrain batch (seq 1024; h800 cap 70 GB, rtx3090 24 GiB)")
@@ -187,10 +189,10 @@ def main() -> int:
             pr, info = plan.prediction, plan.prediction["solver"]
             mt = simulate_megatrain(p)
             prow.append([f"{cpu_gb} GB", "{hbm}/{host}/{nvme}/{recompute}/{graph}".format(**pr["boundaries_per_home"]),
-                         paper_homes, f"{pr['step_time_s']:.3f}", f"{mt.step_time_s / pr['step_time_s']:.3f}x",
+                         pr["offloaded_layers"], paper_homes, f"{pr['step_time_s']:.3f}", f"{mt.step_time_s / pr['step_time_s']:.3f}x",
                          f"{pr['peak_bytes']['nvme'] / 1e9:.1f}", f"{wall:.2f}",
                          info["status"] + (f" (gap {info['gap']:.2%})" if info["status"] == "feasible" else "")])
-        print(fmt_table(["host free", "ours hbm/host/nvme/rec/graph", "paper gpu/cpu/nvme/rec", "ours s",
+        print(fmt_table(["host free", "ours hbm/host/nvme/rec/graph", "ours offloaded", "paper gpu/cpu/nvme/rec", "ours s",
                          "ours / MegaTrain", "NVMe GB", "solve s", "status"], prow))
 
     print("\n## Goals")

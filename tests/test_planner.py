@@ -564,9 +564,10 @@ def test_cli_plan_prints_the_comparison_and_writes_the_plan(tmp_path, capsys):
     import re
     cells = lambda start: re.split(r"\s{2,}", next(ln for ln in out.splitlines() if ln.startswith(start)).strip())
     header = cells("policy")
-    assert header[header.index("recomputed") + 1] == "selective"
+    assert header[header.index("recomputed") + 1: header.index("recomputed") + 3] == ["selective", "offloaded"]
     plan = Plan.from_json(str(out_json))
     assert cells("lazytrain (milp)")[header.index("selective")] == str(len(plan.selective_layers))
+    assert cells("lazytrain (milp)")[header.index("offloaded")] == str(len(plan.offloaded_layers))
     assert Plan.from_json(str(out_json)).num_layers == 36
 
 

@@ -72,7 +72,9 @@ def test_offload_needs_host_room_and_link_time():
     no_host = fast_problem(4, room=0, host_bytes_extra=0)
     assert step_floor(no_host, offload=True).step_s == pytest.approx(step_floor(no_host).step_s, rel=1e-9)
     assert step_floor(no_host).step_s == pytest.approx(step_floor(no_host, selective=False).step_s, rel=1e-9)
-    one_layer = fast_problem(4, room=0, host_bytes_extra=no_host.saved[0])
+    # what an offloaded layer parks: its internals and its input (6 boundaries: 5 + 1)
+    assert no_host.offl_bytes[0] == no_host.saved[0] + no_host.A[0] == 6 * no_host.A[0]
+    one_layer = fast_problem(4, room=0, host_bytes_extra=no_host.offl_bytes[0])
     f = step_floor(one_layer, offload=True, selective=False)
     # fast links: the host's room for one layer's internals saves the re-run of the most expensive layer
     assert f.offloaded_layers == pytest.approx(1)
@@ -85,10 +87,10 @@ def test_offload_is_limited_by_the_forward_phase_on_a_slow_link():
     p = fast_problem(4, room=0, host_bytes_extra=10 ** 8, hw=slow)
     f = step_floor(p, offload=True, selective=False)
     t_fwd = sum(p.fwd_s) + p.head_s
-    # the forward moves half a layer's internals; stretching it to move more costs more than a re-run,
-    # so the floor parks exactly that, from the most expensive layer (1)
-    parked = t_fwd * p.bw_d2h / p.saved[1]
-    assert parked == pytest.approx(0.5, abs=0.05)
+    # the forward moves 0.42 of a layer's internals and input; stretching it to move more costs more than a
+    # re-run, so the floor parks exactly that, from the most expensive layer (1)
+    parked = t_fwd * p.bw_d2h / p.offl_bytes[1]
+    assert parked == pytest.approx(0.42, abs=0.01)
     assert f.offloaded_layers == pytest.approx(parked, rel=1e-6)
     assert f.forward_s == pytest.approx(t_fwd, rel=1e-9)
     assert f.step_s == pytest.approx(step_floor(p, selective=False).step_s - parked * p.fwd_s[1], rel=1e-9)

@@ -9,20 +9,23 @@ from lazytrain.planner.simulate import simulate
 from test_planner_toys import SLOW_HW, TOY_HW, brute_force, toy_problem
 
 
-def full_space(L: int, resident: bool, graph_tail: bool = True, selective: bool = False) -> MilpOptions:
+def full_space(L: int, resident: bool, graph_tail: bool = True, selective: bool = False,
+               offload: bool = False) -> MilpOptions:
     """MILP options whose search space is the brute force's: any segment length, any window."""
     return MilpOptions(max_segment=L, offload_slack=2 * L, prefetch_lead=2 * L, allow_resident=resident,
-                       allow_graph_tail=graph_tail, allow_selective=selective, gap_rel=1e-9, time_limit_s=60)
+                       allow_graph_tail=graph_tail, allow_selective=selective, allow_offload=offload,
+                       gap_rel=1e-9, time_limit_s=60)
 
 
-def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True, selective: bool = False):
+def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True, selective: bool = False,
+                offload: bool = False):
     best, best_plan, n = brute_force(p, free_windows=free_windows, residency=resident, graph_tail=graph_tail,
-                                     selective=selective)
+                                     selective=selective, offload=offload)
     if n == 0:
         with pytest.raises(InfeasibleBudgetError, match="no plan fits the budgets"):
-            build_and_solve(p, full_space(p.L, resident, graph_tail, selective))
+            build_and_solve(p, full_space(p.L, resident, graph_tail, selective, offload))
         return None
-    plan, info = build_and_solve(p, full_space(p.L, resident, graph_tail, selective))
+    plan, info = build_and_solve(p, full_space(p.L, resident, graph_tail, selective, offload))
     assert info.status == "optimal"
     got = simulate(p, plan).step_time_s          # strict: the MILP's plan satisfies every invariant
     assert got == pytest.approx(best, rel=1e-7), (plan, best_plan)

@@ -37,24 +37,36 @@ def toy_problem(L: int, gpu_extra: float, host_slots: int = 2, nvme_slots: int =
 
 
 def enumerate_plans(p: Problem, free_windows: bool, residency: bool, max_segment: int | None = None,
-                    graph_tail: bool = True, selective: bool = False):
+                    graph_tail: bool = True, selective: bool = False, offload: bool = False):
     """Every Plan: recompute path x homes x (transfer windows) x (resident layer sets) x (``selective``:
-    selective layer sets below the graph tail), each with and (``graph_tail``) without the last segment
-    keeping its forward graph."""
+    selective layer sets below the graph tail) x (``offload``: offloaded layer sets below the graph tail,
+    each a segment of its own, with every backward window for their internals' copy back), each with and
+    (``graph_tail``) without the last segment keeping its forward graph."""
     L = p.L
     K = max_segment or L
     tiers = ["hbm", "host"] + (["nvme"] if p.nvme_budget > 0 else [])
     res_sets = [()] + ([c for n in range(1, L + 1) for c in itertools.combinations(range(L), n)] if residency else [])
-    for mask, graph in itertools.product(itertools.product([False, True], repeat=L - 1),
-                                         [False, True] if graph_tail else [False]):
+    offl_sets = [c for n in range(L + 1) for c in itertools.combinations(range(L), n)] if offload else [()]
+    for mask, graph, offl in itertools.product(itertools.product([False, True], repeat=L - 1),
+                                               [False, True] if graph_tail else [False], offl_sets):
         kept = [0] + [i + 1 for i, k in enumerate(mask) if k]
-        ends = kept[1:] + [L]
-        # a graph tail is no recompute segment: its length is not limited
-        if any(e - s > K for s, e in list(zip(kept, ends))[:len(kept) - 1 if graph else None]):
+        if any(j in kept[1:] for j in offl):         # an offloaded layer's input is not stored
             continue
-        seg_end = dict(zip(kept, ends))
-        # the tail's first boundary is never stored: its home does not matter
-        home_choices = [tiers] * (len(kept) - 1) + [["hbm"] if graph else tiers]
+        starts = sorted(set(kept) | set(offl))
+        ends = starts[1:] + [L]
+        if any(j + 1 not in starts and j + 1 != L for j in offl):   # a segment of its own
+            continue
+        below = kept[-1] if graph else L             # selective and offloaded layers lie below the graph tail
+        if any(j >= below for j in offl):
+            continue
+        # a graph tail is no recompute segment: its length is not limited
+        segments = list(zip(starts, ends))
+        if any(e - s > K for s, e in segments[:len(segments) - 1 if graph else None]):
+            continue
+        seg_end = dict(segments)
+        # the tail's first boundary is never stored, nor is boundary 0 of an offloaded layer 0: their homes
+        # do not matter
+        home_choices = [["hbm"] if (graph and b == kept[-1]) or (b == 0 and 0 in offl) else tiers for b in kept]
         for hs in itertools.product(*home_choices):
             homes = ["recompute"] * L + ["hbm"]
             for b, h in zip(kept, hs):
@@ -67,23 +79,24 @@ def enumerate_plans(p: Problem, free_windows: bool, residency: bool, max_segment
                     choices.append([(o, q) for o in range(b, need) for q in range(o + 1, need + 1)])
                 else:
                     choices.append([None])
-            for wins in itertools.product(*choices):
+            internals = [range(L, 2 * L - j) for j in offl]   # backward windows up to its own
+            for wins, iwins in itertools.product(itertools.product(*choices), itertools.product(*internals)):
                 ow = {b: w[0] for b, w in zip(off, wins) if w}
                 pw = {b: w[1] for b, w in zip(off, wins) if w}
-                below = kept[-1] if graph else L      # selective layers lie below the graph tail
-                sel_sets = ([c for n in range(below + 1) for c in itertools.combinations(range(below), n)]
-                            if selective else [()])
+                sel_sets = ([c for n in range(below + 1) for c in itertools.combinations(
+                    [j for j in range(below) if j not in offl], n)] if selective else [()])
                 for res, sel in itertools.product(res_sets, sel_sets):
                     yield Plan(num_layers=L, homes=tuple(homes), offload_window=ow, prefetch_window=pw,
                                resident_layers=res, policy="brute", last_segment_graph=graph,
-                               selective_layers=sel)
+                               selective_layers=sel, offloaded_layers=offl,
+                               internals_prefetch_window=dict(zip(offl, iwins)))
 
 
 def brute_force(p: Problem, free_windows: bool, residency: bool, max_segment: int | None = None,
-                graph_tail: bool = True, selective: bool = False):
+                graph_tail: bool = True, selective: bool = False, offload: bool = False):
     """(best simulated step time, best plan, number of feasible plans)."""
     best, best_plan, n = float("inf"), None, 0
-    for plan in enumerate_plans(p, free_windows, residency, max_segment, graph_tail, selective):
+    for plan in enumerate_plans(p, free_windows, residency, max_segment, graph_tail, selective, offload):
         r = simulate(p, plan, strict=False, timeline=False)
         if r.violations:
             continue

@@ -15,7 +15,10 @@ that counts memory and links:
   re-run takes ``sel_rerun_s`` instead of ``fwd_s``; the executor runs this, so both floors include it;
 - with ``offload=True``, internals may also leave for the host (then NVMe): they cross device->host
   during the forward phase and come back during the backward phase, on the same PCIe links as the
-  weights and gradients. LazyTrain's executor does not do this; the floor says what it could gain;
+  weights and gradients, with the layer's input (``Problem.offl_bytes``: what an offloaded layer of
+  ``Plan.offloaded_layers`` moves, which the MILP copies back in backward windows only). The floor lets
+  these copies spread over the whole phase, where the executor makes each in its layer's windows, and
+  lets a kept graph hold only its internals there;
 - a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
 
 ``internals_fraction`` scales the bytes a layer must keep to skip its re-run entirely (1.0: its internals
@@ -61,12 +64,13 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
 
     L = p.L
     S = [s * internals_fraction for s in p.saved]
+    moved = [S[i] + p.A[i] for i in range(L)]   # an offloaded layer's internals travel with its input
     m = pulp.LpProblem("lazytrain_step_floor", pulp.LpMinimize)
     keep = [pulp.LpVariable(f"keep_{i}", 0, 1) for i in range(L)]
     park = [pulp.LpVariable(f"offload_{i}", 0, 1 if offload else 0) for i in range(L)]
     sel = [pulp.LpVariable(f"selective_{i}", 0, 1 if selective else 0) for i in range(L)]
     t_fwd, t_bwd, t = (pulp.LpVariable(n, 0) for n in ("t_forward", "t_backward", "t_step"))
-    parked = pulp.lpSum(park[i] * S[i] for i in range(L))
+    parked = pulp.lpSum(park[i] * moved[i] for i in range(L))
     m += t
     for i in range(L):
         m += keep[i] + park[i] + sel[i] <= 1, f"one_choice_{i}"

@@ -41,10 +41,10 @@ def checkpoint_interval(plan: Plan) -> int:
     k = plan.segments()[0][1] if L else 1
     want = tuple(DEVICE_HOME if i % k == 0 or i == L else RECOMPUTE for i in range(L + 1))
     if (plan.homes != want or plan.resident_layers or plan.last_segment_graph or plan.overlap_optimizer
-            or plan.selective_layers):
+            or plan.selective_layers or plan.offloaded_layers):
         raise MegaTrainPlanError(
             f"MegaTrain's executor runs only checkpoint-every-k plans with the kept boundaries on the GPU, no "
-            f"resident layers, no graph tail, no selective layers and a serial optimizer "
+            f"resident layers, no graph tail, no selective layers, no offloaded layers and a serial optimizer "
             f"(policies.megatrain_plan); plan "
             f"{plan.policy!r} is not one")
     return k

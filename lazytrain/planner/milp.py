@@ -19,6 +19,11 @@ materialised boundary, per-window transfer bytes, an NVMe tier) and removes its 
   (the forward part of its diff task, and its recompute when it is interior to a segment) take
   ``sel_rerun_s`` instead of ``fwd_s``; ``selrec[j,e]`` linearises "selective and recomputed in the
   window of the segment ending at e";
+- a layer below the graph tail may be offloaded (``Plan.offloaded_layers``, binary ``offl_j``): a segment
+  [j, j+1) of its own on the recompute path (boundary j not stored), its internals and input
+  (``offl_bytes``) on the D2H link after its forward in window j, on the host from window j to its
+  backward, back on the H2D link in one backward window ``offl_pre[j,w]`` (exposed when it is its
+  backward window) and on the GPU from then on; its backward runs without a re-run;
 - the objective is the step time: per window ``t_w >= compute + exposed prefetch wait`` and
   ``t_w >= bytes / bandwidth`` for each link, plus the delay the host optimizer imposes on the next
   forward (it overlaps the forward layer by layer), plus the final gradient copy.
@@ -50,6 +55,7 @@ class MilpOptions:
     allow_resident: bool = True
     allow_graph_tail: bool = True   # the last segment may keep its forward graph (no re-run in backward)
     allow_selective: bool = True    # layers may keep their matmul/attention outputs (Plan.selective_layers)
+    allow_offload: bool = True      # layers may send their internals to the host and back (Plan.offloaded_layers)
     gap_rel: float = 1e-4
     solver: str = "auto"            # auto | highs | cbc
     threads: int = 1
@@ -173,17 +179,19 @@ class _HighsFromStart(pulp.HiGHS):
 
 
 def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, off, pre, y,
-                  opts: MilpOptions, sel=None) -> "dict[pulp.LpVariable, float] | None":
+                  opts: MilpOptions, sel=None, offl=None, offl_pre=None) -> "dict[pulp.LpVariable, float] | None":
     """Every binary decision of ``plan`` in this model's variables, or None when the plan lies outside the
     model's space (a segment longer than ``max_segment``, a transfer outside its windows, a graph tail,
-    resident or selective layers the options rule out, an optimizer that does not overlap the next forward)."""
-    sel = sel or {}
+    resident, selective or offloaded layers the options rule out, an optimizer that does not overlap the
+    next forward)."""
+    sel, offl, offl_pre = sel or {}, offl or {}, offl_pre or {}
     if plan.num_layers != L or not plan.overlap_optimizer:
         return None
     if (plan.last_segment_graph and not opts.allow_graph_tail) or (plan.resident_layers and not opts.allow_resident):
         return None
-    if plan.selective_layers and not opts.allow_selective:
+    if (plan.selective_layers and not opts.allow_selective) or (plan.offloaded_layers and not opts.allow_offload):
         return None
+    offloaded = set(plan.offloaded_layers)
     tier_of = {"host": "H", "nvme": "N"}
     chosen: set[str] = set()   # variable names (an LpVariable's == builds a constraint)
     segments = plan.segments()
@@ -191,6 +199,10 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
     for s_, e in segments:
         if s_ == tail:
             chosen.add(q[s_].name)
+        elif s_ in offloaded:
+            if (s_, plan.internals_prefetch_at(s_)) not in offl_pre:
+                return None   # its internals come back outside the model's windows
+            chosen |= {offl[s_].name, offl_pre[s_, plan.internals_prefetch_at(s_)].name}
         elif (s_, e) in x:
             chosen.add(x[s_, e].name)
         else:
@@ -199,7 +211,7 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
         h = plan.homes[i]
         if h == RECOMPUTE or i == tail:
             continue
-        if h == DEVICE_HOME:
+        if h == DEVICE_HOME or i in offloaded:   # boundary 0 of an offloaded layer 0: its home goes unused
             chosen.add(g[i].name)
             continue
         k = tier_of.get(h)
@@ -212,7 +224,7 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
     chosen |= {y[j].name for j in plan.resident_layers}
     chosen |= {sel[j].name for j in plan.selective_layers}
     binaries = [v for table in (x, g, home, off, pre) for v in table.values()]
-    binaries += [v for table in (q, y, sel) for v in table.values() if isinstance(v, pulp.LpVariable)]
+    binaries += [v for table in (q, y, sel, offl, offl_pre) for v in table.values() if isinstance(v, pulp.LpVariable)]
     return {v: 1.0 if v.name in chosen else 0.0 for v in binaries}
 
 
@@ -259,6 +271,12 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     selrec = ({(j, e): C(f"selrec_{j}_{e}", 1) for e in range(2, L + 1) for j in range(max(0, e - K), e - 1)}
               if opts.allow_selective else {})
     sel_gain = [p.fwd_s[j] - p.sel_rerun_s[j] for j in range(L)]             # seconds a selective re-run saves
+    offl = {j: (B(f"offl_{j}") if opts.allow_offload else 0) for j in range(L)}   # offloaded layer
+    # its internals' copy back, in a backward window up to its own (then exposed): never in the forward,
+    # where they would hold the device across the turn, which offloading is to spare
+    offl_windows = {j: range(max(L, W - 1 - j - opts.prefetch_lead), W - j) for j in range(L)}
+    offl_pre = ({(j, w): B(f"offl_pre_{j}_{w}") for j in range(L) for w in offl_windows[j]}
+                if opts.allow_offload else {})
     rec_w = {(s, e): sum(p.Wl[s:e - 1]) for s, e in edges if e - s >= 2}     # recompute weight bytes
     u = {(s, e): C(f"u_{s}_{e}") for (s, e) in rec_w}                      # ... of those not resident
     if opts.allow_graph_tail:   # backward weight streams (none for graph or resident layers), held graph weights
@@ -273,16 +291,27 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
 
     # ---- recompute path 0 -> L (paper) ----------------------------------------------------------
     # (a graph tail [s, L) ends the path at s instead of an edge (s, L); it has no length limit)
-    m += lsum(x[0, e] for e in range(1, min(L, K) + 1)) + q[0] == 1, "path_leaves_0"
-    m += lsum(x[s, L] for s in range(max(0, L - K), L)) + lsum(q.values()) == 1, "path_reaches_L"
+    # an offloaded layer j is an edge (j, j+1) of the path whose start j is not stored: into j flow z_j + offl_j
+    m += lsum(x[0, e] for e in range(1, min(L, K) + 1)) + q[0] + offl[0] == 1, "path_leaves_0"
+    m += lsum(x[s, L] for s in range(max(0, L - K), L)) + lsum(q.values()) + offl[L - 1] == 1, "path_reaches_L"
     for i in range(1, L):
-        m += lsum(x[s, i] for s in range(max(0, i - K), i)) == z[i], f"path_in_{i}"
+        m += lsum(x[s, i] for s in range(max(0, i - K), i)) + offl[i - 1] == z[i] + offl[i], f"path_in_{i}"
         m += lsum(x[i, e] for e in range(i + 1, min(L, i + K) + 1)) + q[i] == z[i], f"path_out_{i}"
     m += z[0] == 1, "boundary_0_kept"
     if opts.allow_graph_tail:
         for j in range(L):
             m += bwd_w[j] >= 1 - y[j] - G[j], f"backward_weights_{j}"
             m += held_w[j] >= G[j] - y[j], f"graph_holds_weights_{j}"
+    if opts.allow_offload:
+        for j in range(L):
+            m += offl[j] + G[j] <= 1, f"offloaded_below_graph_{j}"
+            if opts.allow_selective:
+                m += offl[j] + sel[j] <= 1, f"offloaded_not_selective_{j}"
+            if j > 0:          # its graph keeps its input: boundary j is not stored
+                m += z[j] + offl[j] <= 1, f"offloaded_input_not_stored_{j}"
+            m += lsum(offl_pre[j, w] for w in offl_windows[j]) == offl[j], f"one_internals_prefetch_{j}"
+        for k in tiers:        # boundary 0's home goes unused: the device, never copied
+            m += home[0, k] + offl[0] <= 1, f"offloaded_input_0_unused_{k}"
     if opts.allow_selective:
         for j in range(L):     # a graph layer keeps everything already: selective layers lie below the tail
             m += sel[j] + G[j] <= 1, f"selective_below_graph_{j}"
@@ -330,7 +359,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         if w < L:   # a selective layer's forward also keeps its outputs (measured costs only)
             return p.compute_s(w) + (p.sel_fwd_extra[w] * sel[w] if p.sel_fwd_extra[w] else 0)
         i = p.layer_of(w)
-        return (p.diff_s[i] - p.fwd_s[i] * G[i] - sel_gain[i] * sel[i]
+        return (p.diff_s[i] - p.fwd_s[i] * G[i] - p.fwd_s[i] * offl[i] - sel_gain[i] * sel[i]
                 + lsum(p.recompute_s(s, i + 1) * x[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
                 - lsum(sel_gain[j] * selrec[j, i + 1] for j in range(max(0, i + 1 - K), i) if (j, i + 1) in selrec))
 
@@ -377,6 +406,25 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
             if suffix:
                 row[q[j]] += suffix
 
+    def held_by_offloaded(row, w) -> None:
+        """What offloaded layers hold on the device in window w: their internals in their forward window
+        (until copied out) and from their prefetch on; in its backward window the workspace counts the
+        internals and its input counts here. Boundary 0 of an offloaded layer 0 leaves with it."""
+        if not opts.allow_offload:
+            return
+        for j in range(L):
+            bwd = W - 1 - j
+            if w == j:
+                row[offl[j]] += p.saved[j] / GBF
+            elif w == bwd:
+                row[offl[j]] += p.A[j] / GBF
+            elif L <= w < bwd:
+                for v in offl_windows[j]:
+                    if v <= w:
+                        row[offl_pre[j, v]] += p.offl_bytes[j] / GBF
+            if j == 0 and w >= 1:
+                row[offl[0]] -= p.A[0] / GBF   # kept with home 'hbm' (g_0) in the path, not on the device
+
     def affine(row, constant=0.0):
         return pulp.LpAffineExpression([(v, c) for v, c in row.items() if c], constant=constant)
 
@@ -384,13 +432,22 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     for table, at in ((pre, pre_at), (off, off_at), (ex, ex_at)):
         for (i, k, w) in table:
             at.setdefault(w, []).append((i, k))
+    offl_pre_at = {}
+    for (j, w) in offl_pre:
+        offl_pre_at.setdefault(w, []).append(j)
     resident = [(y[j], p.Wl[j] / GBF) for j in range(L)] if opts.allow_resident else []
     for w in range(W):
-        h2d = loaded(w) + lsum(p.A[i] / GBF * pre[i, k, w] for i, k in pre_at.get(w, ()))
+        h2d = loaded(w) + lsum(p.A[i] / GBF * pre[i, k, w] for i, k in pre_at.get(w, ())) + \
+            lsum(p.offl_bytes[j] / GBF * offl_pre[j, w] for j in offl_pre_at.get(w, ()))
         d2h = (p.Gl[p.layer_of(w - 1)] / GBF if w >= L + 1 else 0) + \
-            lsum(p.A[i] / GBF * off[i, k, w] for i, k in off_at.get(w, ()))
+            lsum(p.A[i] / GBF * off[i, k, w] for i, k in off_at.get(w, ())) + \
+            (p.offl_bytes[w] / GBF * offl[w] if w < L and opts.allow_offload else 0)
         exp_h2d = lsum(p.A[i] / GBF * ex[i, k, w] for i, k in ex_at.get(w, ()))
+        if w >= L and (W - 1 - w, w) in offl_pre:        # internals brought back in their backward window
+            exp_h2d += p.offl_bytes[W - 1 - w] / GBF * offl_pre[W - 1 - w, w]
         m += t[w] >= compute(w) + wait[w], f"time_compute_{w}"
+        if w < L and opts.allow_offload:   # its internals leave when its forward has saved them
+            m += t[w] >= p.fwd_s[w] + p.offl_bytes[w] / p.bw_d2h * offl[w], f"time_offload_internals_{w}"
         m += wait[w] >= exp_h2d * (GBF / p.bw_h2d), f"wait_h2d_{w}"
         m += t[w] >= h2d * (GBF / p.bw_h2d), f"time_h2d_{w}"
         m += t[w] >= d2h * (GBF / p.bw_d2h), f"time_d2h_{w}"
@@ -409,6 +466,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         for i in range(min(L, w + 2, W - w)):     # the boundaries whose device life can include w
             constant += add_on_device(row, i, w, p.A[i] / GBF)
         held_by_graphs(row, w)
+        held_by_offloaded(row, w)
         if opts.allow_selective:    # kept matmul/attention outputs, until the window before its backward
             for j in range(min(L, w + 1, W - 1 - w)):      # j <= w < W-1-j
                 row[sel[j]] += p.sel_bytes[j] / GBF
@@ -425,6 +483,9 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
                 for v in pre_windows[i]:
                     if v < w:
                         row[pre[i, k, v]] -= p.A[i] / GBF
+            if k == "H" and opts.allow_offload:   # offloaded internals, from their forward to their backward
+                for j in range(min(L, w + 1, W - w)):     # j <= w <= W-1-j
+                    row[offl[j]] += p.offl_bytes[j] / GBF
             m += affine(row) <= budget / GBF, f"{name}_{w}"
 
     # ---- host optimizer overlapping the next forward --------------------------------------------
@@ -439,12 +500,13 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     tie = lsum(home[i, k] * (1 if k == "H" else 2) for i in range(L) for k in tiers)
     tie += lsum(y[j] for j in range(L)) if opts.allow_resident else 0
     tie += lsum(sel[j] for j in range(L)) if opts.allow_selective else 0
+    tie += lsum(offl[j] for j in range(L)) if opts.allow_offload else 0
     m += p.grad_accum * (lsum(t.values()) + p.tail_s) + X + eps * tie, "step_time"
 
     build_s = time.perf_counter() - t_build
     values = None
     if start_plan is not None:
-        values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts, sel)
+        values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts, sel, offl, offl_pre)
     name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"], deadline=deadline,
                            start=values)
     t0 = time.perf_counter()
@@ -484,10 +546,13 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
             for i, h in enumerate(homes[:L]) if h in kt}
     resident = tuple(j for j in range(L) if opts.allow_resident and val(y[j]) > 0.5)
     selective = tuple(j for j in range(L) if opts.allow_selective and val(sel[j]) > 0.5)
+    offloaded = tuple(j for j in range(L) if opts.allow_offload and val(offl[j]) > 0.5)
+    internals_prew = {j: next(w for w in offl_windows[j] if val(offl_pre[j, w]) > 0.5) for j in offloaded}
     info.num_vars, info.num_constraints = len(m.variables()), len(m.constraints)
     plan = Plan(num_layers=L, homes=tuple(homes), offload_window=offw, prefetch_window=prew,
                 resident_layers=resident, micro_batch_size=p.micro_batch, seq_len=p.seq_len, policy="milp",
                 last_segment_graph=graph_start is not None, selective_layers=selective,
+                offloaded_layers=offloaded, internals_prefetch_window=internals_prew,
                 prediction={"milp_step_time_s": info.objective_s, "solver": info.to_dict()})
     return plan, info
 

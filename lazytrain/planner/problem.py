@@ -13,6 +13,10 @@ Execution model (the engine's streaming executor, see plan.py for the window con
   preceded, when ``i`` is the last layer of a recompute segment ``[s, e)``, by the no-grad recompute of
   layers ``s..e-2`` that regenerates the segment's boundaries. The LM head (forward, loss, backward)
   runs in window ``L-1`` after layer ``L-1``.
+- An offloaded layer ``j`` (Plan.offloaded_layers) records its graph in forward window ``j``; when its
+  forward ends, its saved internals and its input (``offl_bytes``) go device->host on the D2H link (they
+  hold the device until that copy ends), and come back host->device from window
+  ``Plan.internals_prefetch_at(j)``; its backward window runs its backward alone (``bwd_s``), no re-run.
 - Weights of the next window's layers are copied host->device during the current window (double
   buffering, generalised to windows with several layers); layers marked resident keep a device copy
   that is refreshed once per step during the forward. Gradients of the layer differentiated in window
@@ -144,6 +148,10 @@ class Problem:
                                             / l.fwd_flops_per_token(S))) for l in m.layers]
         self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
         self.sel_fwd_extra = [0.0] * self.L   # what keeping the outputs adds to a forward (measured only)
+        # offloaded layers (Plan.offloaded_layers): what crosses PCIe each way, the tensors its autograd saves
+        # and its input (which ``saved`` leaves out: a graph layer's input is counted as a boundary). No other
+        # cost: its forward is charged as any forward (as a graph layer's is), its backward is ``bwd_s``.
+        self.offl_bytes = [s + a for s, a in zip(self.saved, self.A)]
         chunk = min(T, self.budgets.loss_chunk_tokens)
         self.head_ws = chunk * m.vocab_size * 4 * 2                   # fp32 logits + their gradient, one chunk
         self.nonlayer_w = m.nonlayer_params * db
@@ -225,6 +233,11 @@ class Problem:
     def diff_task_s(self, i: int, selective: "frozenset[int] | set[int]" = frozenset()) -> float:
         """Seconds of layer ``i``'s diff task: its forward with autograd, then its backward."""
         return self.diff_s[i] - self.fwd_s[i] + self.rerun_s(i, selective)
+
+    def bwd_s(self, i: int) -> float:
+        """Seconds of layer ``i``'s backward alone, from the graph its forward recorded (a graph-tail or an
+        offloaded layer: no re-run before it)."""
+        return self.diff_s[i] - self.fwd_s[i]
 
     def compute_s(self, w: int, segment: "tuple[int, int] | None" = None,
                   selective: "frozenset[int] | set[int]" = frozenset()) -> float:

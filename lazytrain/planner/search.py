@@ -68,6 +68,7 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
     pred = {"step_time_s": r.step_time_s, "tflops": r.tflops, "tokens_per_s": r.tokens_per_s,
             "exposed_s": r.exposed_s, "peak_bytes": r.peak_bytes, "recomputed_layers": r.recomputed_layers,
             "boundaries_per_home": r.boundaries_per_home, "selective_layers": r.selective_layers,
+            "offloaded_layers": r.offloaded_layers,
             **extra, "solver": solver,
             "lower_bound_s": p.lower_bound_s()["bound"], "model": p.model.name, "hardware": p.hardware.name,
             "grad_accum": p.grad_accum,

@@ -3,7 +3,9 @@
 Independent of the MILP: it replays the Plan window by window on five resources (the compute stream,
 the H2D and D2H PCIe links, NVMe reads and NVMe writes, see problem.py for the execution model) plus
 the host optimizer, tracks where every boundary's copies are and when each becomes readable, and
-accounts device, host and NVMe bytes over time. It outputs the step time, TFLOPS under the paper's
+accounts device, host and NVMe bytes over time; an offloaded layer's internals (Plan.offloaded_layers)
+are copied to the host after its forward and back from their prefetch window, and its backward waits
+for them. It outputs the step time, TFLOPS under the paper's
 convention (6 * N * batch * seq / step time), tokens/s, exposed time per link, peak bytes per tier and
 a timeline; it checks the invariants (every boundary on the device before a task reads it, no tier over
 budget) and reports each violation (raising :class:`SimulationError` when ``strict``).
@@ -48,6 +50,7 @@ class SimResult:
     recomputed_layers: int
     boundaries_per_home: dict[str, int]
     selective_layers: int = 0    # layers whose forward keeps its matmul/attention outputs (Plan.selective_layers)
+    offloaded_layers: int = 0    # layers whose internals go to the host and back (Plan.offloaded_layers)
     timeline: list[Event] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)   # per window: start, end, hbm, host, nvme
     violations: list[str] = field(default_factory=list)
@@ -63,11 +66,15 @@ class SimResult:
         return {"step_time_s": self.step_time_s, "tflops": self.tflops, "tokens_per_s": self.tokens_per_s,
                 "exposed_s": dict(self.exposed_s), "peak_bytes": dict(self.peak_bytes),
                 "compute_s": self.compute_s, "recomputed_layers": self.recomputed_layers,
-                "boundaries_per_home": dict(self.boundaries_per_home), "selective_layers": self.selective_layers}
+                "boundaries_per_home": dict(self.boundaries_per_home), "selective_layers": self.selective_layers,
+                "offloaded_layers": self.offloaded_layers}
 
 
-# task kinds that stream no weights and read no boundary: the head, and a graph layer's backward
-_NO_LAYER_INPUT = ("head", "bwd")
+def _needs_layer(kind: str, j: int, graph_start: int) -> bool:
+    """Whether a task has its layer's weights streamed in and reads its input boundary ``j`` from the
+    device: every layer task but a graph layer's backward (its graph holds both). An offloaded layer's
+    backward has its weights streamed again and reads the input its internals bring back."""
+    return kind != "head" and not (kind == "bwd" and j >= graph_start)
 
 
 def _link_bw(p: Problem, link: str) -> float:
@@ -76,12 +83,13 @@ def _link_bw(p: Problem, link: str) -> float:
 
 def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[list[tuple[str, int, float]]]:
     """Compute tasks per window: (kind, layer, seconds); kind in fwd | head | recompute | diff | bwd
-    (``bwd``: a graph layer's backward alone, from the graph its forward recorded). LazyTrain re-runs
-    layers s..e-2 of a segment [s, e); MegaTrain re-runs s..e-1 (megatrain.rerun_range). A selective
-    layer's re-runs (its recompute, and the forward part of its diff task) take ``sel_rerun_s``."""
+    (``bwd``: a graph layer's or an offloaded layer's backward alone, from the graph its forward recorded).
+    LazyTrain re-runs layers s..e-2 of a segment [s, e); MegaTrain re-runs s..e-1 (megatrain.rerun_range).
+    A selective layer's re-runs (its recompute, and the forward part of its diff task) take ``sel_rerun_s``."""
     L = p.L
     g = plan.graph_start()
     sel = frozenset(plan.selective_layers)          # their re-runs recompute only the non-matmul ops
+    offl = frozenset(plan.offloaded_layers)         # differentiated from their graph, brought back
     seg_by_end = {e: s for s, e in plan.segments() if s < g}
     out: list[list[tuple[str, int, float]]] = []
     for w in range(2 * L):
@@ -96,7 +104,7 @@ def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[li
                 s = seg_by_end[i + 1]
                 reruns = megatrain.rerun_range(s, i + 1) if executor == "megatrain" else range(s, i)
                 t += [("recompute", j, p.rerun_s(j, sel)) for j in reruns]
-            t.append(("bwd", i, p.diff_s[i] - p.fwd_s[i]) if i >= g else ("diff", i, p.diff_task_s(i, sel)))
+            t.append(("bwd", i, p.bwd_s(i)) if i >= g or i in offl else ("diff", i, p.diff_task_s(i, sel)))
         out.append(t)
     return out
 
@@ -110,20 +118,24 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         raise SimulationError(f"plan has {plan.num_layers} layers, the model {p.model.name!r} has {L}")
     if executor not in EXECUTORS:
         raise SimulationError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
-    mega_k = megatrain.checkpoint_interval(plan) if executor == "megatrain" else None
+    mega_k = megatrain.checkpoint_interval(plan) if executor == "megatrain" else None   # refuses what it cannot run
     for i, h in enumerate(plan.homes):
         if h not in (DEVICE_HOME, RECOMPUTE) + OFFLOAD_HOMES:
             raise SimulationError(f"homes[{i}] = {h!r}: the simulator models the built-in tiers hbm, host, nvme")
     resident = set(plan.resident_layers)
     g = plan.graph_start()                                      # layers g.. keep their forward graph
     selective = plan.selective_layers                           # all below g (Plan.validate)
+    offl = plan.offloaded_layers                                # all below g, none selective (Plan.validate)
+    offl_pre = {j: plan.internals_prefetch_at(j) for j in offl}
     tasks = window_tasks(p, plan, executor)
     seg_end = {s: e for s, e in plan.segments() if s < g}
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
     last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
     # recomputed boundary -> the window regenerating it
     recompute_window = {j: 2 * L - e for s, e in seg_end.items() for j in range(s + 1, e)}
-    offloaded = [b for b in range(g) if plan.homes[b] in OFFLOAD_HOMES]
+    # boundaries stored off the device (an offloaded layer's input travels in its internals: boundary 0's home
+    # then goes unused)
+    offloaded = [b for b in range(g) if plan.homes[b] in OFFLOAD_HOMES and b not in offl_pre]
     off_w = {b: plan.offload_at(b) for b in offloaded}
     pre_w = {b: plan.prefetch_at(b) for b in offloaded}
 
@@ -140,7 +152,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
 
     def weight_stream(ws: int) -> list[int]:
         """Layers whose weights window ``ws`` streams into a buffer (resident layers use theirs)."""
-        return [j for kind, j, _ in tasks[ws] if kind not in _NO_LAYER_INPUT and j not in resident]
+        return [j for kind, j, _ in tasks[ws] if _needs_layer(kind, j, g) and j not in resident]
 
     for w in range(2 * L):
         t0 = t
@@ -153,6 +165,10 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                 if plan.homes[b] == "nvme":
                     legs["nvme_read"] = p.A[b]
                 (exposed_tr if w == need[b] else other_tr).append((f"prefetch b{b}", legs, b))
+        for j in offl:                          # internals back, with the input they hold (boundary j)
+            if offl_pre[j] == w:
+                (exposed_tr if w == 2 * L - 1 - j else other_tr).append(
+                    (f"prefetch internals L{j}", {"h2d": p.offl_bytes[j]}, j))
         if w >= L + 1:
             i_prev = p.layer_of(w - 1)
             other_tr.append((f"grads L{i_prev}", {"d2h": p.Gl[i_prev]}, None))
@@ -164,7 +180,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                 other_tr.append((f"offload b{b}", legs, None))
         if w + 1 < 2 * L:
             for kind, j, _ in tasks[w + 1]:
-                if kind in _NO_LAYER_INPUT:                # a graph layer holds its weights
+                if not _needs_layer(kind, j, g):       # the head; a graph layer holds its weights
                     continue
                 if w + 1 < L or j not in resident:     # forward refreshes resident copies too
                     other_tr.append((f"weights L{j}", {"h2d": p.Wl[j]}, None))
@@ -191,13 +207,17 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         for b in offloaded:
             if pre_w[b] == w:
                 on_device.add(b)
+        for j in offl:
+            if offl_pre[j] == w:
+                on_device.add(j)
         for j, rw in recompute_window.items():
             if rw == w:
                 on_device.add(j)
         # --- compute -----------------------------------------------------------------------
         tc = compute_start
+        fwd_done = None
         for kind, j, dur in tasks[w]:
-            if kind not in _NO_LAYER_INPUT:                    # every layer task reads boundary j
+            if _needs_layer(kind, j, g):                       # a layer task reads boundary j
                 if j not in on_device:
                     violations.append(f"window {w}: {kind} of layer {j} reads boundary {j}, "
                                       f"which has no device copy (home {plan.homes[j]!r})")
@@ -209,6 +229,13 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             tc += dur
             if kind in ("fwd", "recompute"):
                 ready_at[j + 1] = tc                           # output boundary j+1 produced
+            if kind == "fwd":
+                fwd_done = tc
+        if fwd and w in offl_pre:   # its internals and input to the host once its forward has saved them
+            start = max(free["d2h"], fwd_done)
+            free["d2h"] = start + p.offl_bytes[w] / p.bw_d2h
+            if timeline:
+                events.append(Event("d2h", f"offload internals L{w}", start, free["d2h"], w))
         compute_w = tc - compute_start
         compute_total += compute_w
         end = max([tc] + list(free.values()))
@@ -228,6 +255,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         for j in selective:   # kept matmul/attention outputs; in its backward window the diff task's autograd
             if j <= w < 2 * L - 1 - j:   # saves these same tensors, which the window's workspace counts
                 graphs += p.sel_bytes[j]
+        for j in offl:        # internals: in its forward window until copied out, and back from their prefetch;
+            if w == j or offl_pre[j] <= w < 2 * L - 1 - j:     # its input counts as boundary j, its backward
+                graphs += p.saved[j]                           # window's workspace counts the rest
         bnd = sum(p.A[b] for b in on_device if b <= L)
         if w == L - 1:
             bnd -= p.A[L]                                      # counted in the window's fixed bytes
@@ -235,6 +265,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         if mega_k is not None:
             hbm = sum(megatrain.gpu_bytes(p, mega_k, w).values()) + p.budgets.gpu_reserved_bytes
         host = sum(p.A[b] for b in offloaded if plan.homes[b] == "host" and off_w[b] <= w <= pre_w[b])
+        host += sum(p.offl_bytes[j] for j in offl if j <= w <= 2 * L - 1 - j)   # until its backward frees them
         nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
         memory.append({"window": w, "start": t0, "end": end, "hbm": hbm, "host": p.host_static + host, "nvme": nvme})
         peak["hbm"] = max(peak["hbm"], hbm)
@@ -248,8 +279,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                 on_device.discard(b)                          # offload done: device copy freed
             elif b < L and w >= last_use[b]:
                 on_device.discard(b)                          # layer b differentiated
-            elif fwd and w == b and plan.homes[b] == RECOMPUTE and b < g:
-                on_device.discard(b)                          # dropped after the forward used it
+            elif fwd and w == b and (plan.homes[b] == RECOMPUTE or b in offl_pre) and b < g:
+                on_device.discard(b)                          # dropped after the forward used it (an
+                                                              # offloaded layer's input: copied out with it)
             # a graph layer's input stays until its backward: its recorded graph holds it (RMSNorm's
             # backward reads it), so it counts as a boundary on the device until the layer is done
         window_s.append(end - t0)
@@ -311,5 +343,6 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     return SimResult(step_time_s=step, tflops=6 * p.model.throughput_params * toks / step / 1e12,
                      tokens_per_s=toks / step, exposed_s=exposed, peak_bytes=peak, compute_s=compute_total,
                      window_s=window_s, boundaries_per_home=counts, selective_layers=len(selective),
+                     offloaded_layers=len(offl),
                      recomputed_layers=sum(1 for ws in tasks for kind, *_ in ws if kind == "recompute"),
                      timeline=events, memory=memory, violations=violations)

@@ -1,0 +1,225 @@
+"""Offloaded layers in the planner (a Plan's ``offloaded_layers``): the cost model, the simulator's exact
+replay of their copies, waits and memory, the MILP against brute force, when it chooses them, and the
+step floor below it."""
+import dataclasses
+import json
+
+import pytest
+
+from lazytrain.planner.ceiling import step_floor
+from lazytrain.planner.hardware import HardwareProfile
+from lazytrain.planner.measured import MeasuredCosts
+from lazytrain.planner.megatrain import MegaTrainPlanError
+from lazytrain.planner.milp import MilpOptions, _start_values, build_and_solve
+from lazytrain.planner.plan import Plan, every_k_plan, keep_all_plan, offload_all_plan
+from lazytrain.planner.problem import Budgets, Problem
+from lazytrain.planner.simulate import simulate
+
+from test_planner_milp import check_equal
+from test_planner_toys import A_BYTES, SLOW_HW, TOY_HW, brute_force, toy_model, toy_problem
+
+# links far faster than compute: an offloaded layer's copies cost next to nothing (the optimizer as in the
+# other toys: its times stay well above the solver's tolerances)
+FAST_LINKS = HardwareProfile(name="toy-fast-links", achievable_tflops=1e-4, h2d_gbps=10.0, d2h_gbps=10.0,
+                             nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=0.002)
+# links whose copies take round times: a boundary (8192 bytes) 2 ms H2D and 1 ms D2H
+ROUND_LINKS = HardwareProfile(name="toy-round-links", achievable_tflops=1e-4, h2d_gbps=0.004096,
+                              d2h_gbps=0.008192, host_optimizer_gparams_per_s=0.002)
+ROUND_COSTS = MeasuredCosts(fwd_s=(0.004, 0.006), diff_s=(0.012, 0.018), nonlayer_s=0.002, step_s=0.001,
+                            update_s=(0.001, 0.001))
+MS = 1e-3
+
+
+def round_problem() -> Problem:
+    """Two toy layers with measured compute times (ms: forward 4 and 6, forward with autograd and backward
+    12 and 18, head 2) and round link times; memory is no constraint."""
+    return Problem(model=toy_model(2), hardware=ROUND_LINKS, micro_batch=4, seq_len=16, measured=ROUND_COSTS,
+                   budgets=Budgets(gpu_bytes=10 ** 9, host_bytes=10 ** 9, gpu_reserved_bytes=0, loss_chunk_tokens=16))
+
+
+def test_an_offloaded_layer_moves_its_internals_and_its_input():
+    p = toy_problem(3, 1.0)
+    # the toy layer saves two norm outputs and the residual sum (3 x 64), gate, up, activation and product
+    # (4 x 16), q, k, v and the attention output (2 x 16 + 2 x 16) per token: 5 boundaries; its input: 1
+    assert p.saved == [5 * A_BYTES] * 3 and p.offl_bytes == [6 * A_BYTES] * 3
+    # its backward alone, measured or not: the forward with autograd and backward, less the forward
+    q = round_problem()
+    assert q.bwd_s(0) == pytest.approx(8 * MS, rel=1e-12) and q.bwd_s(1) == pytest.approx(12 * MS, rel=1e-12)
+    assert p.bwd_s(2) == p.diff_s[2] - p.fwd_s[2]
+
+
+def test_the_simulator_replays_an_offloaded_layer_exactly():
+    p = round_problem()
+    # layer 0's internals: 6 boundaries, 6 ms D2H and 12 ms H2D; weights 4000 and 6000 bytes
+    assert (p.offl_bytes[0] / p.bw_d2h, p.offl_bytes[0] / p.bw_h2d) == (6 * MS, 12 * MS)
+    plan = Plan(num_layers=2, homes=("hbm", "hbm", "hbm"), offloaded_layers=(0,))
+    assert plan.internals_prefetch_at(0) == 2 and plan.recomputed_layers() == 0
+    r = simulate(p, plan)
+    # window 0: forward of layer 0 (4 ms), then its internals leave (6 ms): 10 ms
+    # window 1: forward of layer 1 (6) and the head (2): 8 ms
+    # window 2: diff of layer 1 (18 ms) while layer 0's internals (12 ms) and weights (0.98 ms) come back
+    # window 3: backward of layer 0 alone (12 - 4 = 8 ms), no re-run; layer 1's gradients leave (0.73 ms)
+    assert r.window_s == pytest.approx([10 * MS, 8 * MS, 18 * MS, 8 * MS], rel=1e-12)
+    events = {(e.lane, e.label): (e.start, e.end, e.window) for e in r.timeline}
+    assert events["d2h", "offload internals L0"] == pytest.approx((4 * MS, 10 * MS, 0), rel=1e-12)
+    assert events["h2d", "prefetch internals L0"] == pytest.approx((18 * MS, 30 * MS, 2), rel=1e-12)
+    assert events["compute", "bwd L0"] == pytest.approx((36 * MS, 44 * MS, 3), rel=1e-12)
+    assert ("h2d", "weights L0") in events and not any(e.label.startswith("recompute") for e in r.timeline)
+    # the last gradients (layer 0's: 4000 bytes, 0.49 ms), then the optimizer: the embedding/head step (1 ms),
+    # layer 0's update (1 ms) and copy (0.98 ms) delay the next forward by 2.98 ms
+    assert r.step_time_s == pytest.approx(44 * MS + 0.48828125 * MS + 2.9765625 * MS, rel=1e-12)
+    assert r.exposed_s["d2h"] == pytest.approx(6 * MS + 0.48828125 * MS, rel=1e-12)   # the internals' copy
+    assert r.offloaded_layers == 1 and r.summary()["offloaded_layers"] == 1
+    # memory against the same plan without the offload: window 0 holds the internals until they are copied,
+    # window 1 no longer boundary 0 (it left with them), window 2 the internals back beside boundary 0 (which
+    # the plain plan keeps), window 3 the same; the host holds 6 boundaries from window 0 to the backward
+    plain = simulate(p, keep_all_plan(2, home="hbm"))
+    gpu = [m["hbm"] - n["hbm"] for m, n in zip(r.memory, plain.memory)]
+    host = [m["host"] - n["host"] for m, n in zip(r.memory, plain.memory)]
+    assert gpu == [5 * A_BYTES, -A_BYTES, 5 * A_BYTES, 0] and host == [6 * A_BYTES] * 4
+
+
+def test_internals_brought_back_in_the_backward_window_are_waited_for():
+    p = round_problem()
+    late = Plan(num_layers=2, homes=("hbm", "hbm", "hbm"), offloaded_layers=(0,), internals_prefetch_window={0: 3})
+    r = simulate(p, late)
+    # window 3 waits 12 ms for them, then runs the 8 ms backward
+    assert r.window_s == pytest.approx([10 * MS, 8 * MS, 18 * MS, 20 * MS], rel=1e-12)
+    assert r.exposed_s["h2d"] == pytest.approx(12 * MS, rel=1e-12)
+    assert [m["hbm"] for m in r.memory][2] == simulate(p, keep_all_plan(2, home="hbm")).memory[2]["hbm"] - A_BYTES
+    # a copy back the Plan contract forbids (after the backward), replayed anyway: the read is caught
+    object.__setattr__(late, "internals_prefetch_window", {0: 4})
+    r = simulate(p, late, strict=False)
+    assert any("bwd of layer 0 reads boundary 0, which has no device copy" in v for v in r.violations)
+
+
+def test_boundary_0_of_an_offloaded_layer_0_goes_unused_whatever_its_home():
+    p = toy_problem(3, 10.0, host_slots=20, hw=FAST_LINKS)
+    on_device, on_host = offload_all_plan(3), offload_all_plan(3, input_home="host")
+    a, b = simulate(p, on_device), simulate(p, on_host)
+    assert a.step_time_s == b.step_time_s and a.memory == b.memory
+    assert not any("b0" in e.label for e in b.timeline)
+
+
+def test_megatrains_executor_refuses_offloaded_layers():
+    p = toy_problem(6, 3.0, hw=SLOW_HW)
+    mega = every_k_plan(6, 4, overlap_optimizer=False)
+    simulate(p, mega, executor="megatrain", strict=False)
+    with pytest.raises(MegaTrainPlanError, match="no selective layers, no offloaded layers and a serial optimizer"):
+        simulate(p, dataclasses.replace(mega, offloaded_layers=(3,)), executor="megatrain", strict=False)
+
+
+@pytest.mark.parametrize("L,gpu_extra,host_slots,nvme_slots,hw,free_windows,selective,offloaded", [
+    (3, 1.0, 12, 0, FAST_LINKS, True, False, (0, 1)),   # layer 0 too (boundary 0's home unused), beside a tail
+    (3, 1.0, 6, 1, FAST_LINKS, True, False, (1,)),      # host room for one layer's internals
+    (3, 1.0, 6, 0, TOY_HW, True, False, ()),            # slow links: the copies cost more than re-runs
+    (4, 1.0, 14, 0, FAST_LINKS, False, True, (1, 2)),   # offloaded rather than selective
+])
+def test_offloaded_layers_the_milp_equals_brute_force(L, gpu_extra, host_slots, nvme_slots, hw, free_windows,
+                                                      selective, offloaded):
+    p = toy_problem(L, gpu_extra, host_slots=host_slots, nvme_slots=nvme_slots, hw=hw)
+    plan = check_equal(p, free_windows=free_windows, resident=False, selective=selective, offload=True)
+    assert plan.offloaded_layers == offloaded
+    if offloaded:   # it pays: faster than the best plan without offloaded layers
+        best, _, _ = brute_force(p, free_windows=free_windows, residency=False, selective=selective)
+        assert simulate(p, plan).step_time_s < best * (1 - 1e-6)
+
+
+def test_with_measured_costs_residency_and_accumulation_the_milp_equals_brute_force():
+    costs = MeasuredCosts(fwd_s=(0.004, 0.006, 0.005), diff_s=(0.012, 0.018, 0.015), nonlayer_s=0.002,
+                          step_s=0.001, update_s=(0.001,) * 3)
+    p = dataclasses.replace(toy_problem(3, 1.0, host_slots=12, hw=FAST_LINKS), measured=costs, grad_accum=2)
+    plan = check_equal(p, free_windows=False, resident=True, offload=True)
+    assert plan.offloaded_layers
+    r = simulate(p, plan)
+    for j in plan.offloaded_layers:   # its backward window runs its measured backward alone
+        assert [e.end - e.start for e in r.timeline if e.lane == "compute" and e.window == 5 - j] == \
+            pytest.approx([costs.diff_s[j] - costs.fwd_s[j]], rel=1e-12)
+
+
+def _short_memory(hw) -> Problem:
+    """Six toy layers, room on the GPU for one boundary beyond a window's least need, the host for many."""
+    return toy_problem(6, 1.0, host_slots=40, hw=hw)
+
+
+def test_the_milp_offloads_when_links_are_fast_and_memory_short_not_when_links_are_slow():
+    fast = _short_memory(FAST_LINKS)
+    plan, info = build_and_solve(fast, MilpOptions())
+    r = simulate(fast, plan)
+    assert info.status == "optimal" and info.objective_s == pytest.approx(r.step_time_s, rel=1e-6)
+    assert plan.offloaded_layers == (0, 1, 2, 3, 4) and plan.recomputed_layers() == 0
+    without, _ = build_and_solve(fast, MilpOptions(allow_offload=False))
+    assert without.offloaded_layers == () and simulate(fast, without).step_time_s > r.step_time_s * 1.1
+    slow = _short_memory(SLOW_HW)
+    plan, info = build_and_solve(slow, MilpOptions())
+    assert plan.offloaded_layers == () and info.objective_s == pytest.approx(simulate(slow, plan).step_time_s,
+                                                                             rel=1e-6)
+
+
+def test_a_plan_with_offloaded_layers_round_trips_through_json(tmp_path):
+    p = _short_memory(FAST_LINKS)
+    plan, _ = build_and_solve(p, MilpOptions())
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    back = Plan.from_json(str(path))
+    assert back == plan and back.offloaded_layers == plan.offloaded_layers
+    assert back.internals_prefetch_window == plan.internals_prefetch_window != {}
+    written = json.loads(path.read_text())
+    assert written["offloaded_layers"] == list(plan.offloaded_layers)
+    assert written["internals_prefetch_window"] == {str(j): w for j, w in plan.internals_prefetch_window.items()}
+    assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
+
+
+def test_a_start_plan_with_offloaded_layers_is_taken_in_and_the_optimum_stays():
+    p = _short_memory(FAST_LINKS)
+    cold, _ = build_and_solve(p, MilpOptions())
+    # every layer offloaded, each one's internals brought back in its own backward window (the least memory)
+    start = dataclasses.replace(offload_all_plan(6), internals_prefetch_window={j: 11 - j for j in range(6)})
+    assert not simulate(p, start, strict=False).violations
+    warm, info = build_and_solve(p, MilpOptions(), start_plan=start)
+    assert info.status == "optimal"
+    assert simulate(p, warm).step_time_s == pytest.approx(simulate(p, cold).step_time_s, rel=1e-7)
+    # outside the space of a MILP that may not offload: not used as a start
+    captured = {}
+    import lazytrain.planner.milp as milp
+
+    def capture(plan, *args):
+        captured["values"] = _start_values(plan, *args)
+        return captured["values"]
+    original, milp._start_values = milp._start_values, capture
+    try:
+        build_and_solve(p, MilpOptions(), start_plan=start)
+        chosen = {v.name for v, x in captured["values"].items() if x == 1.0}
+        assert {f"offl_{j}" for j in range(6)} | {"g_0"} <= chosen
+        assert {f"offl_pre_{j}_{start.internals_prefetch_at(j)}" for j in range(6)} <= chosen
+        build_and_solve(p, MilpOptions(allow_offload=False, allow_graph_tail=False), start_plan=start)
+        assert captured["values"] is None
+    finally:
+        milp._start_values = original
+
+
+
+@pytest.mark.parametrize("hw", [FAST_LINKS, TOY_HW], ids=["fast", "slow"])
+def test_the_offload_floor_stays_below_the_milps_optimum(hw):
+    p = _short_memory(hw)
+    plan, info = build_and_solve(p, MilpOptions())
+    assert info.status == "optimal"
+    floor = step_floor(p, offload=True)
+    assert floor.step_s <= simulate(p, plan).step_time_s * (1 + 1e-9)
+    assert floor.step_s <= step_floor(p).step_s * (1 + 1e-9)
+
+
+
+@pytest.mark.parametrize("flag,allowed", [([], True), (["--no-offload"], False)])
+def test_lazytrain_plan_offloads_unless_told_not_to(monkeypatch, capsys, flag, allowed):
+    from lazytrain.cli import main
+    from lazytrain.planner import report
+    seen = {}
+
+    def compare(p, opts, plan=None):
+        seen["opts"] = opts
+        raise ValueError("stopped before solving")
+    monkeypatch.setattr(report, "compare", compare)
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--micro-batch", "8",
+                 "--gpu-mem", "24GiB"] + flag) == 2
+    assert seen["opts"].allow_offload is allowed and "stopped before solving" in capsys.readouterr().err
