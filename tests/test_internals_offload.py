@@ -202,3 +202,36 @@ def test_on_a_gpu_offloaded_layers_train_bit_for_bit_as_the_plan_that_re_runs_th
     for policy in ("offload-all", "mixed"):
         for k, v in runs["keep-all-host"].items():
             assert torch.equal(runs[policy][k], v), (policy, k)
+
+
+class _LooksThenChangesInPlace(torch.nn.Module):
+    """Autograd saves ``h`` for an op whose result only steers a branch (its backward never runs), then
+    ``h`` is changed in place by an op that saves it as changed: legal in plain PyTorch."""
+
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.fc1(self.norm(x))
+        if h.abs().amax() > 1e4:      # AbsBackward saves h as it is now
+            h = h / 1e4
+        h.sigmoid_()                   # SigmoidBackward saves h as changed: the same tensor, a new version
+        return x + self.fc2(h)
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["in-place", "links"])
+def test_a_tensor_changed_in_place_after_it_was_saved_is_saved_again(tmp_path, links):
+    from engine_models import ModuleListLM
+
+    class LM(ModuleListLM):
+        block = _LooksThenChangesInPlace
+
+    def model():
+        torch.manual_seed(0)
+        return LM()
+    data = batches(3)
+    weights = _train(_engine(tmp_path, None, offload_all_plan(6), links, model=model()), data)
+    trained = model()
+    trained.load_state_dict(weights)
+    assert max_rel_diff(trained, reference_train(model(), data)) < 1e-4

@@ -50,7 +50,7 @@ class OffloadedInternals:
         self._weights_storage = weights.untyped_storage().data_ptr()
         self._weights_span = _byte_span(weights)
         self._keys: list[str] = []
-        self._index: dict[tuple, tuple] = {}         # (data_ptr, offset, shape, stride, dtype) -> (tensor, index)
+        self._index: dict[tuple, tuple] = {}         # (data_ptr, offset, shape, stride, dtype, version) -> (tensor, index)
         self._reads: dict[int, TransferHandle] = {}  # saved index -> read in flight
         self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
         self._weights_now: torch.Tensor | None = None
@@ -74,7 +74,10 @@ class OffloadedInternals:
             lo, hi = self._weights_span
             if lo <= first and last <= hi:
                 return _WeightRef(first - lo, t.shape, t.stride(), t.dtype)
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        # the version too: a tensor changed in place after an op saved it (legal when that op's backward
+        # never runs, as for a result only looked at) is another value for the ops that save it after
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+                 t._version)
         n = self._index.get(ident, (None, None))[1]
         if n is None:
             n = len(self._keys)
