@@ -14,6 +14,7 @@ import torch
 
 import lazytrain
 from lazytrain.config import ConfigError
+from lazytrain.engine.executor import ExecutorError
 from lazytrain.planner.plan import RECOMPUTE, Plan, PlanError, keep_all_plan, offload_all_plan
 from lazytrain.tiers import streams
 from engine_models import batches, lm_loss, make_model, max_rel_diff, plan_engine, reference_train, train_and_destroy
@@ -234,4 +235,54 @@ def test_a_tensor_changed_in_place_after_it_was_saved_is_saved_again(tmp_path, l
     weights = _train(_engine(tmp_path, None, offload_all_plan(6), links, model=model()), data)
     trained = model()
     trained.load_state_dict(weights)
+    assert max_rel_diff(trained, reference_train(model(), data)) < 1e-4
+
+
+class _CtxLinear(torch.autograd.Function):
+    """A linear layer whose Function keeps its input and weight on ctx, not through save_for_backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.x, ctx.w = x, w
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.w, g.flatten(0, -2).t() @ ctx.x.flatten(0, -2), g.flatten(0, -2).sum(0)
+
+
+class _CtxBlock(torch.nn.Module):
+    def __init__(self, d: int = 32):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(_CtxLinear.apply(self.norm(x), self.fc1.weight, self.fc1.bias)))
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["in-place", "links"])
+def test_weights_a_function_keeps_on_ctx_are_refused_where_the_buffer_is_reused(tmp_path, links):
+    """The hooks never see what a Function keeps on ctx: with the weights computed on in place that is the
+    weights themselves, and training matches plain PyTorch; with the weights streamed into buffers other
+    layers reuse before this one's backward, the layer is refused by name rather than trained on other
+    layers' weights."""
+    from engine_models import ModuleListLM
+
+    class LM(ModuleListLM):
+        block = _CtxBlock
+
+    def model():
+        torch.manual_seed(0)
+        return LM()
+    data = batches(3)
+    engine = _engine(tmp_path, None, MIXED, links, model=model())
+    if links:
+        x, _ = data[0]
+        with pytest.raises(ExecutorError, match=r"^block 2 is an offloaded layer, and autograd Function\(s\) "
+                                                r"_CtxLinearBackward in it keep a view of its weights"):
+            engine(x)
+        engine.destroy()
+        return
+    trained = model()
+    trained.load_state_dict(_train(engine, data))
     assert max_rel_diff(trained, reference_train(model(), data)) < 1e-4

@@ -511,6 +511,15 @@ class LayerStreamingExecutor:
         with torch.enable_grad():
             out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True, replay=not keep,
                                         kept=kept)
+        if keep and layer in self.offloaded and not self.stream.zero_copy and layer not in self.stream.resident:
+            held = p.offloaded[layer].weights_kept_outside_saved_tensors(self._outputs(out))
+            if held:   # their backward would read whatever layer the streaming buffer holds by then
+                raise ExecutorError(f"block {layer} is an offloaded layer, and autograd Function(s) {', '.join(held)} "
+                                    f"in it keep a view of its weights as an attribute of ctx rather than through "
+                                    f"ctx.save_for_backward: its weights are streamed again for its backward into a "
+                                    f"buffer other layers use in between, so that backward would read other "
+                                    f"weights. Save them with ctx.save_for_backward, or leave layer {layer} out of "
+                                    f"the plan's offloaded_layers")
         return x_in, out, params, t_in
 
     def _free_boundary(self, p: _Pass, i: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ..tiers import Tier, TransferHandle
 
@@ -88,6 +89,25 @@ class OffloadedInternals:
             self._owned.add((self._tier.name, key))
             self.nbytes += t.numel() * t.element_size()
         return n
+
+    def weights_kept_outside_saved_tensors(self, outputs) -> list[str]:
+        """The autograd Functions of the recorded graph (reached from ``outputs``) that keep a view of the
+        block's weight buffer as an attribute of their ctx, not through ``ctx.save_for_backward``: the
+        hooks never see it, so it is neither copied nor a reference resolved against the weights streamed
+        again, and their backward reads the buffer as it is then."""
+        stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen, found = set(), []
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            attrs = getattr(node, "__dict__", None)   # a Python Function's ctx attributes
+            if attrs and any(isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == self._weights_storage
+                             for v in tree_flatten(list(attrs.values()))[0]):
+                found.append(type(node).__name__)
+            stack.extend(fn for fn, _ in node.next_functions)
+        return sorted(set(found))
 
     # ---- backward ------------------------------------------------------------------------------
     def prefetch(self) -> None:
