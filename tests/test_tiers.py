@@ -341,3 +341,26 @@ def test_slab_pool_takes_lent_slabs_back_once_unused():
     assert third.data_ptr() == ptr and pool.stats()["hits"] == 1 and second.data_ptr() != ptr
     pool.trim()
     assert pool.stats()["lent"] == 0 and pool.stats()["reserved_bytes"] == 0
+
+
+def test_a_host_write_whose_copy_fails_on_a_copy_thread_is_never_read_back():
+    """Copy threads on (the CPU standing in for a device): a tensor changed before its write's copy ran
+    fails that write, which gives its key up; a read issued after that names the failure, never hands out
+    the buffer the copy never filled."""
+    import threading
+    from lazytrain.tiers import streams
+    streams.configure(copy_threads=True)
+    try:
+        tier, gate = HostTier("host"), threading.Event()
+        streams.host_stream("d2h").submit(gate.wait)   # the write's copy runs once the gate opens
+        t = torch.arange(6.0)
+        handle = tier.write("k", t)
+        t.mul_(-1)
+        gate.set()
+        with pytest.raises(TierError, match="modified in place before its asynchronous copy"):
+            handle.wait()
+        assert "k" not in tier and tier.used_bytes == 0
+        with pytest.raises(TierError, match="holds no tensor under key 'k': its write failed"):
+            tier.read("k", device="cpu").wait()
+    finally:
+        streams.configure()

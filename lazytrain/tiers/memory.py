@@ -101,6 +101,12 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
                           host=dst.device.type != "cuda", timing=(start, event))
 
 
+def _failed(event) -> bool:
+    """Whether a finished host copy (a copy thread's event) failed."""
+    future = getattr(event, "future", None)
+    return future is not None and (future.cancelled() or future.exception() is not None)
+
+
 def _version(t: torch.Tensor) -> int | None:
     try:
         return t._version
@@ -185,14 +191,17 @@ class MemoryTier(Tier):
         buf, backing = self._allocate(key, tensor)
         handle = async_copy(buf, tensor, direction=self.copy_in if tensor.device.type == "cpu" else None, label=key)
         self._adopt(key, buf, backing, handle._event)
-        return TransferHandle(event=handle._event, keepalive=handle._keepalive, timing=handle._timing)
+        # a copy on a host copy thread fails when its source changed before it ran: its future takes that
+        # to Tier.write's bookkeeping, which gives the key up, so the unfilled buffer is never read as valid
+        return TransferHandle(future=handle._future, event=handle._event, keepalive=handle._keepalive,
+                              timing=handle._timing)
 
     def _pending(self, key):
         event = self._events.get(key)
-        if event is not None and event.query():
+        if event is not None and event.query() and not _failed(event):
             self._events.pop(key, None)
             return None
-        return event
+        return event   # in flight, or failed: a read ordered after it waits on it and fails with it
 
     def _read(self, key, out, device):
         with self._lock:   # a free on another thread may have taken the key since read() checked it
