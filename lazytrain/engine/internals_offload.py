@@ -19,6 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..tiers import Tier, TransferHandle
+from ..tiers.base import TierError
 
 
 class InternalsOffloadError(RuntimeError):
@@ -114,7 +115,10 @@ class OffloadedInternals:
         """Start every saved tensor's copy back to the device (idempotent)."""
         for n, key in enumerate(self._keys):
             if n not in self._reads and n not in self._values:
-                self._reads[n] = self._tier.read(key, device=self._device)
+                try:
+                    self._reads[n] = self._tier.read(key, device=self._device)
+                except TierError:   # its write failed: that is raised where backward needs it, if it does
+                    pass
 
     def use_weights(self, weights: torch.Tensor) -> None:
         """The block's weight buffer on the device for its backward (same layout as in its forward)."""
@@ -145,7 +149,10 @@ class OffloadedInternals:
         reads, self._reads = self._reads, {}
         try:
             for handle in reads.values():
-                handle.wait()
+                try:
+                    handle.wait()
+                except Exception:  # noqa: BLE001 - a read backward never used: nobody's failure to report
+                    pass
         finally:
             self._values.clear()
             self._weights_now = None
