@@ -362,5 +362,13 @@ def test_a_host_write_whose_copy_fails_on_a_copy_thread_is_never_read_back():
         assert "k" not in tier and tier.used_bytes == 0
         with pytest.raises(TierError, match="holds no tensor under key 'k': its write failed"):
             tier.read("k", device="cpu").wait()
+        gate.clear()   # freed while its copy is in flight, which then fails: closing the tier does not raise
+        streams.host_stream("d2h").submit(gate.wait)
+        t = torch.arange(6.0)
+        tier.write("k2", t)
+        t.mul_(-1)
+        tier.free("k2")
+        gate.set()
+        tier.close()
     finally:
         streams.configure()

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from . import streams
-from .base import Tier, TierError, TransferHandle
+from .base import Tier, TierError, TransferHandle, wait_completion
 
 _pinned_warning_given = False
 
@@ -290,7 +290,7 @@ class HostTier(MemoryTier):
             keep = []
             for slab, event in self._draining:
                 if wait:
-                    event.synchronize()
+                    wait_completion(event)   # over, failed or not: the slab is free either way
                 if event.query():
                     self.pool.release(slab)
                 else:
@@ -299,6 +299,8 @@ class HostTier(MemoryTier):
 
     def _free(self, key):
         event = self._pending(key)
+        if event is not None and event.query():   # a copy that failed: over, it holds the slab no more
+            event = None
         super()._free(key)
         slab = self._slabs.pop(key, None)
         if slab is not None:
