@@ -295,9 +295,10 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError("config 'lazytrain.policy' \"auto\" needs 'lazytrain.seq_len' (no token ids were "
                               "seen in the traced forwards to read it from)")
         links = measured.link_bandwidths(traces)
-        if self.device.type == "cpu":   # copies that ran in place are memory copies: measured here instead
-            for name in ("h2d_gbps", "d2h_gbps"):
-                links.setdefault(name, _memory_copy_gbps())
+        missing = [name for name in ("h2d_gbps", "d2h_gbps") if name not in links]
+        if self.device.type == "cpu" and missing:   # copies that ran in place are memory copies: measured here
+            gbps = _memory_copy_gbps()              # once, for both directions
+            links.update(dict.fromkeys(missing, gbps))
         k = self.gradient_accumulation_steps()
         costs = measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
                                                    micro_batches=k)
