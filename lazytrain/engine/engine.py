@@ -484,7 +484,8 @@ class LazyTrainEngine(nn.Module):
         if torch.is_grad_enabled():
             if self._step_began is None:
                 self._step_began = time.perf_counter()
-            if self._config.lazytrain.seq_len is None:   # policy auto plans for the sequences it sees
+            # policy auto plans for the sequences it sees (other policies need no sequence length)
+            if self.auto is not None and self._config.lazytrain.seq_len is None:
                 ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
                 if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2:
                     self._seq_len = int(ids.shape[-1])
