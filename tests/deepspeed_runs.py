@@ -6,8 +6,9 @@ of its own (the layout to compare with). DeepSpeed runs on the CPU with the gloo
 AdamW (``"torch_adam": true``), so nothing is compiled.
 
 Usage: ``python tests/deepspeed_runs.py JOB.json`` (written by the test), with RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (one process per rank); results go to the job's ``out`` file
-(torch.save), with ``.rank<N>`` appended for ranks other than 0."""
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (one process per rank), or ``main(JOB.json)`` on spawned
+ranks done with LazyTrain's side (DeepSpeed joins their process group); results go to the job's ``out``
+file (torch.save), with ``.rank<N>`` appended for ranks other than 0."""
 from __future__ import annotations
 
 import json
