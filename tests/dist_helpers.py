@@ -1,4 +1,5 @@
-"""Launching ranks in tests: a free rendezvous port, and the environment torchrun gives a rank."""
+"""Launching ranks in tests: a free rendezvous port, the environment torchrun gives a rank, and
+:func:`spawn_cases`, which runs several cases in turn in one set of spawned ranks."""
 import os
 import socket
 
@@ -72,8 +73,10 @@ def spawn_cases(world: int, root, cases: dict) -> dict:
     return outcomes
 
 
-def outcome(outcomes: dict, name: str) -> list:
-    """Each rank's report of case ``name``; a failed case fails the test with the rank's error."""
+
+def reports(outcomes: dict, name: str) -> list:
+    """Each rank's report of case ``name`` of a :func:`spawn_cases` run; a failed case fails the test with the
+    rank's error."""
     import pytest
     got = outcomes[name]
     if isinstance(got, CaseFailed):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dist_helpers import CaseFailed, free_port, join_as, spawn_cases
+from dist_helpers import free_port, join_as, reports, spawn_cases
 from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
 
 
@@ -50,10 +50,7 @@ def spawned(tmp_path_factory):
     def get(name: str) -> list:
         if not done:
             done.update(spawn_cases(2, root, CASES))
-        got = done[name]
-        if isinstance(got, CaseFailed):
-            pytest.fail(str(got), pytrace=False)
-        return got
+        return reports(done, name)
     get.root = root
     return get
 
