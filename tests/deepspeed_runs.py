@@ -5,14 +5,17 @@ step, converts the directory with ``zero_to_fp32``, and trains the same model it
 of its own (the layout to compare with). DeepSpeed runs on the CPU with the gloo backend and torch's
 AdamW (``"torch_adam": true``), so nothing is compiled.
 
-Usage: ``python tests/deepspeed_runs.py JOB.json`` (written by the test), with RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (one process per rank); results go to the job's ``out`` file
-(torch.save), with ``.rank<N>`` appended for ranks other than 0."""
+Usage: ``python tests/deepspeed_runs.py JOB.json`` (written by the test; a case with a ``ready`` path is
+taken once that file exists, so that the process can start while LazyTrain trains), with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (one process per rank), or ``main(JOB.json)`` on spawned
+ranks done with LazyTrain's side (DeepSpeed joins their process group); results go to the job's ``out``
+file (torch.save), with ``.rank<N>`` appended for ranks other than 0."""
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -201,6 +204,15 @@ def run(case: dict) -> dict:
     return out
 
 
+def wait_for(path: str, timeout_s: float = 600.0) -> None:
+    """Until ``path`` exists: the test writes it once LazyTrain's side of the case is saved."""
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"LazyTrain's side of the case did not finish within {timeout_s:g} s ({path})")
+        time.sleep(0.02)
+
+
 def main(job_file: str) -> None:
     import deepspeed
     with open(job_file) as f:
@@ -210,6 +222,8 @@ def main(job_file: str) -> None:
     results = {}
     for name, case in job["cases"].items():
         try:
+            if "ready" in case:
+                wait_for(case["ready"])
             results[name] = run(case)
         except Exception as e:   # noqa: BLE001 - the test reports it per case
             import traceback

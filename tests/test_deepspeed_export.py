@@ -121,26 +121,35 @@ def fp32_moments(engine) -> dict:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """LazyTrain's side of every case, then DeepSpeed's (one process for all)."""
+    """LazyTrain's side of every case, and DeepSpeed's (one process for all). DeepSpeed's process starts
+    first and takes each case once LazyTrain has saved it: its start, its imports and its cases run while
+    LazyTrain trains the next ones."""
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("export")
     data = runs.batches()
-    lazy, job = {}, {"cases": {}, "out": str(root / "results.pt")}
-    for name in CASES:
-        if CASES[name][3] == "cpu" and not cpu_adam_built():
-            continue
-        cfg = config_of(name)
-        lazy[name] = trained_and_saved(lazytrain_engine(cfg), str(root / name / "lazytrain"), data)
-        job["cases"][name] = {"config": cfg, "dir": str(root / name / "lazytrain"),
-                              "own_dir": str(root / name / "deepspeed")}
+    names = [name for name in CASES if CASES[name][3] != "cpu" or cpu_adam_built()]
+    job = {"cases": {name: {"config": config_of(name), "dir": str(root / name / "lazytrain"),
+                            "own_dir": str(root / name / "deepspeed"), "ready": str(root / f"{name}.saved")}
+                     for name in names}, "out": str(root / "results.pt")}
     with open(root / "job.json", "w") as f:
         json.dump(job, f)
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(29500 + os.getpid() % 1000), PYTHONPATH=os.pathsep.join(
                    [os.path.dirname(os.path.dirname(lazytrain.__file__)), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, runs.__file__, str(root / "job.json")], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
+    lazy = {}
+    with open(root / "deepspeed.log", "w") as log:
+        deepspeed = subprocess.Popen([sys.executable, runs.__file__, str(root / "job.json")], env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        try:
+            for name in names:
+                lazy[name] = trained_and_saved(lazytrain_engine(config_of(name)), job["cases"][name]["dir"], data)
+                open(job["cases"][name]["ready"], "w").close()
+            deepspeed.wait(timeout=600)
+        finally:
+            if deepspeed.poll() is None:   # LazyTrain's side failed, or DeepSpeed's ran out of time
+                deepspeed.kill()
+                deepspeed.wait()
+    assert deepspeed.returncode == 0, (root / "deepspeed.log").read_text()[-4000:]
     results = torch.load(job["out"], weights_only=False)
     return {name: (lazy[name], results[name], job["cases"][name]) for name in lazy}
 

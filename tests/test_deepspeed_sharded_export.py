@@ -3,20 +3,19 @@
 Two LazyTrain ranks (zero_optimization.stage >= 1, so each keeps the optimizer state of the layers it owns)
 train the model of tests/deepspeed_runs.py two steps and save. Every rank writes the files DeepSpeed's rank
 of the same number writes: its equal share of each flat group (stages 1, 2) or of every parameter (stage 3),
-gathered from the owners. Then DeepSpeed itself, two ranks on the CPU, loads the directory: it must hold
+gathered from the owners. Then DeepSpeed itself, two ranks on the CPU (the same two processes, once
+LazyTrain's runs are done), loads the directory: it must hold
 exactly LazyTrain's fp32 weights, Adam moments and step counts; its next step must match LazyTrain's next
 step; ``zero_to_fp32`` must give LazyTrain's weights; and the files must be laid out as those DeepSpeed's
 own two-rank run writes."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-import lazytrain
 from lazytrain.engine import checkpoint as ckpt
 from lazytrain.engine import deepspeed_layout as ds_layout
 from lazytrain.engine import safe_load
@@ -32,7 +31,9 @@ RANKS = 2
 NAMES = ["stage1_fp32", "stage2_bf16_8bit_moments", "stage3_bf16"]   # each group ends padded (runs.Net.gain)
 
 
-def _lazytrain_rank(rank, port, root):
+def _rank(rank, port, root, job_file):
+    """One rank: LazyTrain's side of every case (trained, saved, recorded), then, once every rank's part
+    is saved, DeepSpeed's side in this same process (tests/deepspeed_runs.py, on this process group)."""
     join_as(rank, RANKS, port)
     torch.set_num_threads(1)
     data = runs.batches()
@@ -41,14 +42,24 @@ def _lazytrain_rank(rank, port, root):
         assert engine.shards is not None   # every rank the same batch: the mean gradient is one process's
         record = single.trained_and_saved(engine, os.path.join(root, name, "lazytrain"), data)
         torch.save(record, os.path.join(root, f"{name}.rank{rank}.pt"))
+    torch.distributed.barrier()
+    runs.main(job_file)
     torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """LazyTrain's side of every case on two spawned ranks, then DeepSpeed's on the same two processes
+    (they start, import torch and join a process group once; DeepSpeed is imported after LazyTrain's runs,
+    and only there)."""
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("sharded_export")
-    mp.spawn(_lazytrain_rank, args=(free_port(), str(root)), nprocs=RANKS, join=True)
+    job = {"cases": {name: {"config": single.config_of(name), "dir": str(root / name / "lazytrain"),
+                            "own_dir": str(root / name / "deepspeed")} for name in NAMES},
+           "out": str(root / "results.pt")}
+    with open(root / "job.json", "w") as f:
+        json.dump(job, f)
+    mp.spawn(_rank, args=(free_port(), str(root), str(root / "job.json")), nprocs=RANKS, join=True)
     lazy = {}
     for name in NAMES:
         parts = [torch.load(root / f"{name}.rank{r}.pt") for r in range(RANKS)]
@@ -59,20 +70,6 @@ def exported(tmp_path_factory):
             assert not moments.keys() & part["moments"].keys()
             moments.update(part["moments"])
         lazy[name] = {**parts[0], "moments": moments}
-    job = {"cases": {name: {"config": single.config_of(name), "dir": str(root / name / "lazytrain"),
-                            "own_dir": str(root / name / "deepspeed")} for name in NAMES},
-           "out": str(root / "results.pt")}
-    with open(root / "job.json", "w") as f:
-        json.dump(job, f)
-    port = free_port()
-    path = os.pathsep.join([os.path.dirname(os.path.dirname(lazytrain.__file__)), os.environ.get("PYTHONPATH", "")])
-    procs = [subprocess.Popen([sys.executable, runs.__file__, str(root / "job.json")],
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(r),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=path),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(RANKS)]
-    outcomes = [p.communicate(timeout=900) for p in procs]
-    for p, (_, err) in zip(procs, outcomes):
-        assert p.returncode == 0, err[-4000:]
     results = [torch.load(job["out"] + (f".rank{r}" if r else ""), weights_only=False) for r in range(RANKS)]
     return {name: (lazy[name], [r[name] for r in results], job["cases"][name]) for name in NAMES}
 

@@ -6,27 +6,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dist_helpers import free_port
+from dist_helpers import free_port, join_as, reports, spawn_cases
 from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
 
 
-def _worker(rank: int, port: int, out_dir: str, overlap: bool, kind: str = "modulelist",
-            data=None, dtype: str = "fp32", own_group: bool = False):
-    """One rank of a two-rank run. ``own_group``: the script makes the process group itself
-    (mp.spawn + init_process_group) with no launcher environment, which the engine must train on, as
-    DeepSpeed does; else a torchrun-style environment."""
-    if own_group:
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(key, None)
-    else:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-    import warnings
-    warnings.simplefilter("ignore")
+def _train(rank: int, world: int, out_dir: str, overlap: bool, kind: str = "modulelist", data=None,
+           dtype: str = "fp32"):
+    """One rank of a two-rank run: its weights after three steps on its half of each batch."""
     import lazytrain
-    torch.set_num_threads(1)
-    if own_group:
-        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = make_model(kind)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
@@ -39,19 +26,36 @@ def _worker(rank: int, port: int, out_dir: str, overlap: bool, kind: str = "modu
         half = slice(2 * rank, 2 * rank + 2)
         engine.backward(lm_loss(engine(x[half]), y[half]))
         engine.step()
-    torch.save(engine.module_state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    return engine.module_state_dict()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
-def test_two_ranks_equal_one_big_batch(tmp_path, overlap):
+CASES = {}   # name: (fn, kwargs): the two-rank runs in a torchrun-style environment, one spawn for all
+
+
+def case(name: str, fn, **kwargs) -> str:
+    CASES[name] = (fn, kwargs)
+    return name
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """``spawned(name)``: each rank's report of case ``name``. Every case runs in turn in the same two spawned
+    processes (tests/dist_helpers.py: spawn_cases), in a torchrun-style environment: the first case's engine
+    makes the process group from it. ``spawned.root``: where the cases' directories are."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), overlap), nprocs=2, join=True)
-    _assert_each_rank_equals_one_big_batch(tmp_path)
+    root = tmp_path_factory.mktemp("distributed")
+    done = {}
+
+    def get(name: str) -> list:
+        if not done:
+            done.update(spawn_cases(2, root, CASES))
+        return reports(done, name)
+    get.root = root
+    return get
 
 
-def _assert_each_rank_equals_one_big_batch(tmp_path):
+def _assert_each_rank_equals_one_big_batch(weights):
     """Against plain PyTorch on the whole batch, its gradient computed as the ranks do: the mean of the two
     half-batch gradients. (Plain PyTorch on the 4-row batch at once differs from that by 3.8e-5 on this
     data, in one weight of layer 2 whose near-zero gradient AdamW amplifies: float rounding, not a bug.)"""
@@ -59,8 +63,17 @@ def _assert_each_rank_equals_one_big_batch(tmp_path):
     ref = reference_train(make_model("modulelist"), halves, lr=1e-3, gas=2)
     for rank in (0, 1):
         model = make_model("modulelist")
-        model.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
+        model.load_state_dict(weights[rank])
         assert max_rel_diff(model, ref) < 1e-5
+
+
+for _overlap in (False, True):
+    case(f"one-big-batch-overlap{_overlap}", _train, overlap=_overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
+def test_two_ranks_equal_one_big_batch(spawned, overlap):
+    _assert_each_rank_equals_one_big_batch(spawned(f"one-big-batch-overlap{overlap}"))
 
 
 def _branch_data():
@@ -72,43 +85,54 @@ def _branch_data():
     return data
 
 
+for _overlap in (False, True):
+    case(f"branch-overlap{_overlap}", _train, overlap=_overlap, kind="branch", data=_branch_data())
+case("branch-bf16", _train, overlap=False, kind="branch", data=_branch_data(), dtype="bf16")
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
-def test_parameter_with_gradient_on_one_rank_only(tmp_path, overlap):
+def test_parameter_with_gradient_on_one_rank_only(spawned, overlap):
     """The side layer gets a gradient on rank 0 only: rank 1 reduces zeros for it (no hang, no tensors
     paired wrong), and both ranks end equal to one process on the whole batch. The layer no rank uses
     keeps no gradient, so AdamW leaves it untouched, as in plain PyTorch."""
-    if not torch.distributed.is_available():
-        pytest.skip("torch.distributed is not available")
     data = _branch_data()
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), overlap, "branch", data), nprocs=2, join=True)
+    weights = spawned(f"branch-overlap{overlap}")
     ref = reference_train(make_model("branch"), data, lr=1e-3)
     untouched = make_model("branch").unused.weight
     for rank in (0, 1):
         model = make_model("branch")
-        model.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
+        model.load_state_dict(weights[rank])
         assert max_rel_diff(model, ref) < 1e-5
         assert torch.equal(model.unused.weight, untouched)
         assert not torch.equal(model.side.weight, make_model("branch").side.weight)
 
 
-def test_parameter_with_gradient_on_one_rank_only_bf16(tmp_path):
+def test_parameter_with_gradient_on_one_rank_only_bf16(spawned):
     """Same with bf16 compute and fp32 masters for the non-block layers: the ranks stay identical."""
-    if not torch.distributed.is_available():
-        pytest.skip("torch.distributed is not available")
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), False, "branch", _branch_data(), "bf16"), nprocs=2,
-             join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    r0, r1 = spawned("branch-bf16")
     assert r0.keys() == r1.keys()
     for k in r0:
         assert torch.equal(r0[k], r1[k]), k
 
 
+def _own_group_worker(rank: int, port: int, out_dir: str):
+    """One rank of a script that makes the process group itself (mp.spawn + init_process_group) with no
+    launcher environment, which the engine must train on, as DeepSpeed does."""
+    import warnings
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.save(_train(rank, 2, out_dir, False), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
 def test_a_process_group_the_script_made_itself_is_used(tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), False, "modulelist", None, "fp32", True), nprocs=2,
-             join=True)
-    _assert_each_rank_equals_one_big_batch(tmp_path)
+    mp.spawn(_own_group_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    _assert_each_rank_equals_one_big_batch([torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)])
 
 
 def test_the_training_loader_moves_a_distributed_sampler_to_the_next_epoch():
@@ -130,19 +154,23 @@ def test_the_training_loader_moves_a_distributed_sampler_to_the_next_epoch():
     assert sixth == list(sampler)
 
 
-def _rank_engine(rank: int, port: int, timeout_s: float):
-    """One rank of a two-rank CPU run in a torchrun-style environment, with the given collective timeout."""
-    import warnings
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    warnings.simplefilter("ignore")
+def _engine(timeout_s: float):
+    """This rank's engine of a two-rank CPU run, with the given collective timeout."""
     import lazytrain
-    torch.set_num_threads(1)
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "lazytrain": {"checkpoint_interval": 2, "device": "cpu", "collective_timeout_s": timeout_s}}
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     return engine
+
+
+def _rank_engine(rank: int, port: int, timeout_s: float):
+    """One rank of a two-rank CPU run in a torchrun-style environment, with the given collective timeout."""
+    import warnings
+    join_as(rank, 2, port)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    return _engine(timeout_s)
 
 
 def _stopping_worker(rank: int, port: int, out_dir: str):
@@ -196,10 +224,11 @@ def test_a_bad_collective_timeout_is_named(value):
         lazytrain.initialize(model=make_model("modulelist"), config=cfg)
 
 
-def _failing_save_worker(rank: int, port: int, out_dir: str):
+def _failing_save(rank: int, world: int, out_dir: str):
     import time
     from lazytrain.engine import checkpoint as ckpt
-    engine = _rank_engine(rank, port, timeout_s=120)
+    engine = _engine(timeout_s=120)
+    save = ckpt.save
     if rank == 0:
         def full(*args, **kwargs):
             raise OSError(28, "No space left on device")
@@ -210,16 +239,18 @@ def _failing_save_worker(rank: int, port: int, out_dir: str):
         outcome = "saved"
     except Exception as e:   # noqa: BLE001
         outcome = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(f"{time.monotonic() - t0:.1f}\n{outcome}")
-    torch.distributed.destroy_process_group()
+    finally:
+        ckpt.save = save
+    return {"waited": time.monotonic() - t0, "outcome": outcome}
 
 
-def test_a_save_that_fails_on_rank_0_fails_every_rank_at_once(tmp_path):
-    mp.spawn(_failing_save_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    waited0, outcome0 = (tmp_path / "rank0.txt").read_text().split("\n", 1)
-    waited1, outcome1 = (tmp_path / "rank1.txt").read_text().split("\n", 1)
-    assert outcome0 == "OSError: [Errno 28] No space left on device"
-    assert outcome1 == (f"CheckpointError: save_checkpoint of tag 'global_step0' to {tmp_path / 'ckpt'} failed on "
-                        f"another rank (rank 0 writes the files): see its error")
-    assert float(waited1) < 30                         # not the 120 s timeout
+case("failing-save", _failing_save)
+
+
+def test_a_save_that_fails_on_rank_0_fails_every_rank_at_once(spawned):
+    r0, r1 = spawned("failing-save")
+    assert r0["outcome"] == "OSError: [Errno 28] No space left on device"
+    assert r1["outcome"] == (f"CheckpointError: save_checkpoint of tag 'global_step0' to "
+                             f"{spawned.root / 'failing-save' / 'ckpt'} failed on another rank (rank 0 writes the "
+                             f"files): see its error")
+    assert r1["waited"] < 30                         # not the 120 s timeout

@@ -1,17 +1,25 @@
 """Optimizer state sharded across ranks (zero_optimization.stage >= 1), on the CPU with gloo: 2 and 4
 ranks train as one process on the same global batch, each rank holds its share of the Adam moments
-(measured), and a checkpoint saved with 4 ranks resumes with 2 and with 1."""
+(measured), and a checkpoint saved with 4 ranks resumes with 2 and with 1.
+
+The runs of each world size are cases of one spawn (tests/dist_helpers.py: spawn_cases): the ranks start,
+import and join a process group once, then run every case in turn, each reporting what the tests below
+assert. The sizes run 4, then 2, then 1, so that smaller runs can resume the checkpoints larger ones saved.
+A rank that stops on purpose, and the torchrun launchers, start processes of their own."""
 import os
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dist_helpers import free_port, join_as
+from dist_helpers import free_port, join_as, reports, spawn_cases
 from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 GLOBAL = 4   # samples per step over all ranks
+STEPS = {"3": lambda: batches(3, batch=GLOBAL), "none": lambda: [],
+         "first": lambda: batches(2, batch=GLOBAL, seed=1), "then": lambda: batches(2, batch=GLOBAL, seed=7),
+         "first+then": lambda: batches(2, batch=GLOBAL, seed=1) + batches(2, batch=GLOBAL, seed=7)}
 
 
 def _config(world, stage, overlap, dtype="fp32"):
@@ -31,20 +39,55 @@ def state_bytes(optimizer) -> int:
                if torch.is_tensor(t) and t.dim() > 0)
 
 
-def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_dir, dtype, comm=None):
-    join_as(rank, world, port)
-    import warnings
-    warnings.simplefilter("ignore")
+# ---- the cases each world size runs in its spawned ranks --------------------------------------------
+ORDER = (4, 2, 1)   # later sizes resume checkpoints earlier ones saved
+CASES = {world: {} for world in ORDER}   # world: {name: (fn, kwargs)}, in the order they run
+LAST = {world: {} for world in ORDER}    # cases that make a rank fail on purpose: after the others
+
+
+def case(world: int, name: str, fn, last: bool = False, **kwargs) -> str:
+    (LAST if last else CASES)[world].setdefault(name, (fn, kwargs))
+    return name
+
+
+def train(world, stage=1, overlap=False, steps="3", save=False, load=None, dtype="fp32", comm=None) -> str:
+    """The case of ``_train`` with these settings (the same settings: one case, whichever tests read it).
+    ``save``: a checkpoint (tag "t") in the case's directory; ``load``: the name of the case whose checkpoint
+    it resumes."""
+    name = f"train{world}-stage{stage}-{'overlap' if overlap else 'serial'}-{dtype}-steps{steps}" + \
+        (f"-comm{comm}" if comm else "") + ("-save" if save else "") + (f"-from-{load}" if load else "")
+    return case(world, name, _train, stage=stage, overlap=overlap, steps=steps, save=save, load=load, dtype=dtype,
+                comm=comm)
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """``spawned(name)``: each rank's report of case ``name``, from one spawn per world size, run when a test
+    first needs it (and the larger sizes before it). ``spawned.root``: where the cases' directories are."""
+    root = tmp_path_factory.mktemp("sharded")
+    done = {}
+
+    def get(name: str) -> list:
+        world = next((w for w in ORDER if name in CASES[w] or name in LAST[w]), None)
+        assert world is not None, f"case {name!r} is not among the cases registered before the ranks were spawned"
+        for w in ORDER[:ORDER.index(world) + 1]:
+            if w not in done:
+                done[w] = spawn_cases(w, root, {**CASES[w], **LAST[w]})
+        return reports(done[world], name)
+    get.root = root
+    return get
+
+
+def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm):
     import lazytrain
-    torch.set_num_threads(1)
     cfg = _config(world, stage, overlap, dtype)
     if comm is not None:
         cfg["communication_data_type"] = comm
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
-    if load_dir:
-        engine.load_checkpoint(load_dir)
+    if load:
+        engine.load_checkpoint(os.path.join(os.path.dirname(out_dir), load, "ckpt"))
     per = GLOBAL // world
-    for x, y in steps:
+    for x, y in STEPS[steps]():
         part = slice(per * rank, per * rank + per)
         engine.backward(lm_loss(engine(x[part]), y[part]))
         engine.step()
@@ -52,7 +95,7 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
     result = {"weights": engine.module_state_dict(), "state_bytes": state_bytes(engine.optimizer),
               "sharded": engine.shards is not None,
               "master_bytes": sum(m.numel() * 4 for m in engine.weights.master if m is not None)}
-    if save_dir:   # what this rank gathers to write its part: fp32 values of the ranges its files hold
+    if save:   # what this rank gathers to write its part: fp32 values of the ranges its files hold
         from lazytrain.engine import sharded_checkpoint
         gather = sharded_checkpoint.gather_pieces
 
@@ -61,8 +104,10 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
             result["gathered_bytes"] = sum(t.numel() * t.element_size() for t in pieces.values())
             return pieces, error
         sharded_checkpoint.gather_pieces = counting
-        engine.save_checkpoint(save_dir, tag="t")
-        sharded_checkpoint.gather_pieces = gather
+        try:
+            engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+        finally:
+            sharded_checkpoint.gather_pieces = gather
     result["node_shared"] = engine.node_shared_weights
     result["signals_only"] = engine._one_shared_node   # one node: owners broadcast a signal, not the weights
     if world > 1:   # does a write by the last rank reach this one's streamed weights? (then put back)
@@ -82,18 +127,7 @@ def _worker(rank, world, port, out_dir, stage, overlap, steps, save_dir, load_di
     params = dict(engine.module.named_parameters())
     result["handed_back"] = all(params[k].dtype == torch.float32 and torch.equal(params[k].detach(), v)
                                 for k, v in result["weights"].items())
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    if torch.distributed.is_initialized():      # a single process makes no group
-        torch.distributed.destroy_process_group()
-
-
-def run(world, tmp_path, stage=1, overlap=False, steps=None, save_dir=None, load_dir=None, dtype="fp32", comm=None):
-    out = tmp_path / f"out{world}-{stage}-{overlap}-{bool(load_dir)}-{comm}"
-    out.mkdir()
-    steps = batches(3, batch=GLOBAL) if steps is None else steps
-    mp.spawn(_worker, args=(world, free_port(), str(out), stage, overlap, steps, save_dir, load_dir, dtype, comm),
-             nprocs=world, join=True)
-    return [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    return result
 
 
 def reference(steps, world):
@@ -109,10 +143,15 @@ def as_model(weights):
     return model
 
 
-@pytest.mark.parametrize("world,stage,overlap", [(2, 1, False), (2, 2, True), (4, 1, True), (4, 3, False)])
-def test_sharded_ranks_train_as_one_process_on_the_global_batch(tmp_path, world, stage, overlap):
+TRAINED = [(2, 1, False), (2, 2, True), (4, 1, True), (4, 3, False)]
+for _world, _stage, _overlap in TRAINED:
+    train(_world, _stage, _overlap)
+
+
+@pytest.mark.parametrize("world,stage,overlap", TRAINED)
+def test_sharded_ranks_train_as_one_process_on_the_global_batch(spawned, world, stage, overlap):
     steps = batches(3, batch=GLOBAL)
-    results = run(world, tmp_path, stage, overlap, steps)
+    results = spawned(train(world, stage, overlap))
     ref = reference(steps, world)
     for r in results:
         assert r["sharded"]
@@ -124,28 +163,38 @@ def test_sharded_ranks_train_as_one_process_on_the_global_batch(tmp_path, world,
         assert all(torch.equal(r["weights"][k], results[0]["weights"][k]) for r in results), k
 
 
-def test_each_rank_holds_its_share_of_the_optimizer_state(tmp_path):
-    one = run(1, tmp_path, stage=1)[0]
+for _world in (1, 2, 4):
+    train(_world, stage=1)
+
+
+def test_each_rank_holds_its_share_of_the_optimizer_state(spawned):
+    one = spawned(train(1, stage=1))[0]
     assert not one["sharded"]
     for world in (2, 4):
-        results = run(world, tmp_path, stage=1)
+        results = spawned(train(world, stage=1))
         shares = [r["state_bytes"] for r in results]
         assert sum(shares) == one["state_bytes"]              # every moment once, on one rank
         assert max(shares) <= 1.25 * one["state_bytes"] / world, shares
 
 
-def test_stage_0_keeps_the_state_whole_on_every_rank(tmp_path):
-    results = run(2, tmp_path, stage=0)
+train(2, stage=0)
+
+
+def test_stage_0_keeps_the_state_whole_on_every_rank(spawned):
+    results = spawned(train(2, stage=0))
     assert not any(r["sharded"] or r["node_shared"] or r["sees_last_ranks_write"] for r in results)
     assert results[0]["state_bytes"] == results[1]["state_bytes"] > 0
 
 
-def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(tmp_path):
+SAVED_BY_4 = train(4, steps="first", save=True)
+RESUMED_BY = {world: train(world, steps="then", load=SAVED_BY_4) for world in (4, 2, 1)}
+
+
+def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(spawned):
     """Each of the 4 ranks writes its part (DeepSpeed's per-rank files), holding a quarter of the state's
     fp32 values (masters and two moments) to do it; 2 ranks and 1 process resume from them."""
-    first, then = batches(2, batch=GLOBAL, seed=1), batches(2, batch=GLOBAL, seed=7)
-    ckpt = str(tmp_path / "ckpt")
-    saved = run(4, tmp_path, steps=first, save_dir=ckpt)
+    saved = spawned(SAVED_BY_4)
+    ckpt = str(spawned.root / SAVED_BY_4 / "ckpt")
     whole = 3 * 4 * sum(p.numel() for p in make_model("modulelist").parameters() if p.requires_grad)
     gathered = [r["gathered_bytes"] for r in saved]
     assert whole <= sum(gathered) < whole + 3 * 4 * 8 * 4   # DeepSpeed's alignment: < 2 x ranks per group
@@ -153,20 +202,25 @@ def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(tmp_path):
     assert sorted(f for f in os.listdir(os.path.join(ckpt, "t")) if "optim" in f) == \
         sorted([f"lazytrain_optimizer_rank_{r}.pt" for r in range(4)] +
                [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)])
-    straight = run(4, tmp_path, steps=then, load_dir=ckpt)[0]["weights"]   # the 4 ranks resumed: the reference
+    straight = spawned(RESUMED_BY[4])[0]["weights"]   # the 4 ranks resumed: the reference
     for world in (2, 1):
-        resumed = run(world, tmp_path, steps=then, load_dir=ckpt)
+        resumed = spawned(RESUMED_BY[world])
         for r in resumed:
             assert max_rel_diff(as_model(r["weights"]), as_model(straight)) < 1e-5
 
 
+for _overlap in (True, False):
+    train(2, stage=2, overlap=_overlap, dtype="bf16")
+    train(2, stage=0, overlap=_overlap, dtype="bf16")
+
+
 @pytest.mark.parametrize("overlap", [True, False])
-def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_replicated_ranks(tmp_path, overlap):
+def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_replicated_ranks(spawned, overlap):
     """bf16: a rank keeps fp32 weights only for the layers it owns (every layer's exactly once over the
     ranks), the node's ranks share one compute copy, and the fp32 weights gathered at the end are bit for
     bit those of ranks that each hold everything (stage 0)."""
-    results = run(2, tmp_path, stage=2, overlap=overlap, dtype="bf16")
-    replicated = run(2, tmp_path, stage=0, overlap=overlap, dtype="bf16")
+    results = spawned(train(2, stage=2, overlap=overlap, dtype="bf16"))
+    replicated = spawned(train(2, stage=0, overlap=overlap, dtype="bf16"))
     whole = replicated[0]["master_bytes"]
     assert whole == sum(p.numel() * 4 for block in make_model("modulelist").stack for p in block.parameters())
     assert sum(r["master_bytes"] for r in results) == whole and max(r["master_bytes"] for r in results) < whole
@@ -177,17 +231,28 @@ def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_r
             assert v.dtype == torch.float32 and torch.equal(r["weights"][k], v), k
 
 
-@pytest.mark.parametrize("stage,overlap,dtype", [(2, False, "bf16"), (1, False, "fp16")])
-def test_a_mixed_precision_sharded_run_resumes_bit_identically(tmp_path, stage, overlap, dtype):
+MIXED = [(2, False, "bf16"), (1, False, "fp16")]
+
+
+def mixed_resume(stage, overlap, dtype):
+    """The cases of a mixed-precision resume: four steps straight; the first two and a save; the last two
+    from that save."""
+    saved = train(2, stage=stage, overlap=overlap, steps="first", save=True, dtype=dtype)
+    return (train(2, stage=stage, overlap=overlap, steps="first+then", dtype=dtype),
+            train(2, stage=stage, overlap=overlap, steps="then", load=saved, dtype=dtype))
+
+
+for _settings in MIXED:
+    mixed_resume(*_settings)
+
+
+@pytest.mark.parametrize("stage,overlap,dtype", MIXED)
+def test_a_mixed_precision_sharded_run_resumes_bit_identically(spawned, stage, overlap, dtype):
     """Without overlap the optimizer is torch's AdamW, which casts a loaded state to its parameter's dtype:
     the moments of other ranks' layers (whose parameters are compute-copy views) must still be saved fp32."""
-    first, then = batches(2, batch=GLOBAL, seed=1), batches(2, batch=GLOBAL, seed=7)
-    (tmp_path / "straight").mkdir()
-    straight = run(2, tmp_path / "straight", stage=stage, overlap=overlap, steps=first + then,
-                   dtype=dtype)[0]["weights"]
-    ckpt = str(tmp_path / "ckpt")
-    run(2, tmp_path, stage=stage, overlap=overlap, steps=first, save_dir=ckpt, dtype=dtype)
-    for r in run(2, tmp_path, stage=stage, overlap=overlap, steps=then, load_dir=ckpt, dtype=dtype):
+    straight_case, resumed_case = mixed_resume(stage, overlap, dtype)
+    straight = spawned(straight_case)[0]["weights"]
+    for r in spawned(resumed_case):
         for k, v in straight.items():
             assert torch.equal(r["weights"][k], v), k
 
@@ -269,15 +334,11 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
         assert max_rel_diff(as_model(result["weights"]), ref) < 1e-5
 
 
-def _failing_worker(rank, port, out_dir, overlap):
+def _failing_update(rank, world, out_dir, overlap):
     """Rank 1's optimizer fails in step 2 (serially, or in layer 1's overlapped update). Every rank must fail
     that step together, well within the collective timeout, and then resume from the checkpoint of step 1."""
     import time
-    import warnings
-    join_as(rank, 2, port)
-    warnings.simplefilter("ignore")
     import lazytrain
-    torch.set_num_threads(1)
     cfg = _config(2, 1, overlap)
     cfg["lazytrain"]["collective_timeout_s"] = 60
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
@@ -307,15 +368,16 @@ def _failing_worker(rank, port, out_dir, overlap):
     setattr(engine.optimizer, name, original)
     engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="one")
     train(*data[2])
-    torch.save({"outcome": outcome, "waited": waited, "weights": engine.module_state_dict()},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    return {"outcome": outcome, "waited": waited, "weights": engine.module_state_dict()}
+
+
+for _overlap in (False, True):
+    case(2, f"failing-update-overlap{_overlap}", _failing_update, last=True, overlap=_overlap)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
-def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_recovers(tmp_path, overlap):
-    mp.spawn(_failing_worker, args=(free_port(), str(tmp_path), overlap), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_recovers(spawned, overlap):
+    r0, r1 = spawned(f"failing-update-overlap{overlap}")
     assert "disk on fire" in r1["outcome"]
     assert "failed on another rank: see its error" in r0["outcome"]
     assert r0["waited"] < 30 and r1["waited"] < 30            # not the collective timeout
@@ -323,89 +385,86 @@ def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_r
         assert torch.equal(r0["weights"][k], r1["weights"][k]), k
 
 
-def _failing_save_worker(rank, port, out_dir, how):
+def _failing_save(rank, world, out_dir, how):
     """Saves tag "t" twice; the second save fails on rank 1, in each phase after the first: a range
     another rank needs from it cannot be served ("serve"), its
     save_dir is not the directory rank 0 made ("not-shared", nodes with disks of their own), or it is a
     directory where an interrupted save left a staging directory of the same tag ("stale-staging")."""
     import time
-    import warnings
-    join_as(rank, 2, port)
-    warnings.simplefilter("ignore")
     import lazytrain
     from lazytrain.engine import checkpoint as ckpt
     from lazytrain.engine import deepspeed_layout
-    torch.set_num_threads(1)
+    patience, serve = ckpt.SHARED_DIR_PATIENCE_S, deepspeed_layout.Writer.serve
     ckpt.SHARED_DIR_PATIENCE_S = 0.5
-    cfg = _config(2, 2, False)
-    cfg["lazytrain"]["collective_timeout_s"] = 60
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
-    part = slice(2 * rank, 2 * rank + 2)
-    for x, y in batches(2, batch=GLOBAL):
-        engine.backward(lm_loss(engine(x[part]), y[part]))
-        engine.step()
-        if engine.global_steps == 1:
-            engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
-            first = engine.module_state_dict()
-    save_dir = os.path.join(out_dir, "ckpt")
-    if rank == 1:
-        def broken(*args, **kwargs):
-            raise MemoryError(f"{how} broke on rank 1")
-        if how == "serve":
-            deepspeed_layout.Writer.serve = broken
-        elif how == "not-shared":
-            save_dir = os.path.join(out_dir, "ckpt-of-node-1")
-        elif how == "stale-staging":
-            save_dir = os.path.join(out_dir, "ckpt-of-node-1")
-            os.makedirs(ckpt.staging_dir(save_dir, "t"))
-    t0 = time.monotonic()
     try:
-        engine.save_checkpoint(save_dir, tag="t")
-        outcome = "saved"
-    except Exception as e:   # noqa: BLE001 - the test's subject
-        outcome = f"{type(e).__name__}: {e}"
-    torch.save({"outcome": outcome, "first": first, "waited": time.monotonic() - t0},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+        cfg = _config(2, 2, False)
+        cfg["lazytrain"]["collective_timeout_s"] = 60
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+        part = slice(2 * rank, 2 * rank + 2)
+        for x, y in batches(2, batch=GLOBAL):
+            engine.backward(lm_loss(engine(x[part]), y[part]))
+            engine.step()
+            if engine.global_steps == 1:
+                engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+                first = engine.module_state_dict()
+        save_dir = os.path.join(out_dir, "ckpt")
+        if rank == 1:
+            def broken(*args, **kwargs):
+                raise MemoryError(f"{how} broke on rank 1")
+            if how == "serve":
+                deepspeed_layout.Writer.serve = broken
+            elif how == "not-shared":
+                save_dir = os.path.join(out_dir, "ckpt-of-node-1")
+            elif how == "stale-staging":
+                save_dir = os.path.join(out_dir, "ckpt-of-node-1")
+                os.makedirs(ckpt.staging_dir(save_dir, "t"))
+        t0 = time.monotonic()
+        try:
+            engine.save_checkpoint(save_dir, tag="t")
+            outcome = "saved"
+        except Exception as e:   # noqa: BLE001 - the test's subject
+            outcome = f"{type(e).__name__}: {e}"
+        return {"outcome": outcome, "first": first, "waited": time.monotonic() - t0}
+    finally:
+        ckpt.SHARED_DIR_PATIENCE_S, deepspeed_layout.Writer.serve = patience, serve
 
 
 FAILED_ON_ANOTHER = "CheckpointError: save_checkpoint of tag 't' to {dir} failed on another rank ({who}): see its error"
-
-
-@pytest.mark.parametrize("how,rank1,rank0_who", [
+FAILING_SAVES = [
     ("serve", "MemoryError: serve broke on rank 1", "every rank gathers its part"),
     ("not-shared", "CheckpointError: save_checkpoint: rank 1 does not see ", "every rank writes its part"),
     ("stale-staging", None, None),
-])
-def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previous_tag(tmp_path, how, rank1,
+]
+for _how, _, _ in FAILING_SAVES:
+    train(1, steps="none", load=case(2, f"failing-save-{_how}", _failing_save, last=True, how=_how))
+
+
+@pytest.mark.parametrize("how,rank1,rank0_who", FAILING_SAVES)
+def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the_previous_tag(spawned, how, rank1,
                                                                                               rank0_who):
-    mp.spawn(_failing_save_worker, args=(free_port(), str(tmp_path), how), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    r0, r1 = spawned(f"failing-save-{how}")
+    out = spawned.root / f"failing-save-{how}"
     if how == "stale-staging":   # rank 1 wrote into a directory rank 0 does not see: rank 0 finds its files missing
-        assert r0["outcome"].startswith(f"CheckpointError: saving checkpoint tag 't' to {tmp_path / 'ckpt'}: "
+        assert r0["outcome"].startswith(f"CheckpointError: saving checkpoint tag 't' to {out / 'ckpt'}: "
                                         f"zero_pp_rank_1_mp_rank_00_optim_states.pt ("), r0["outcome"]
         assert r0["outcome"].endswith("the ranks did not write into one directory (save_dir must be on a file "
                                       "system every rank sees); the previous checkpoint is left as it was")
-        assert r1["outcome"] == FAILED_ON_ANOTHER.format(dir=tmp_path / "ckpt-of-node-1",
+        assert r1["outcome"] == FAILED_ON_ANOTHER.format(dir=out / "ckpt-of-node-1",
                                                          who="rank 0 puts the tag in place")
     else:
         assert r1["outcome"].startswith(rank1), r1["outcome"]
-        assert r0["outcome"] == FAILED_ON_ANOTHER.format(dir=tmp_path / "ckpt", who=rank0_who)
+        assert r0["outcome"] == FAILED_ON_ANOTHER.format(dir=out / "ckpt", who=rank0_who)
     if how == "not-shared":
         assert r1["outcome"].endswith("save_dir must be on a file system every rank sees"), r1["outcome"]
     assert r0["waited"] < 20 and r1["waited"] < 20                   # every rank told, none left to time out
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "t"]   # no staging left behind
-    loaded = run(1, tmp_path, steps=[], load_dir=str(tmp_path / "ckpt"))[0]   # the first save, whole
+    assert sorted(os.listdir(out / "ckpt")) == ["latest", "t"]   # no staging left behind
+    loaded = spawned(train(1, steps="none", load=f"failing-save-{how}"))[0]   # the first save, whole
     assert loaded["weights"].keys() == r0["first"].keys()
     assert all(torch.equal(loaded["weights"][k], v) for k, v in r0["first"].items())
 
 
-def _group_adding_worker(rank, port, out_dir):
-    import warnings
-    join_as(rank, 2, port)
-    warnings.simplefilter("ignore")
+def _group_adding(rank, world, out_dir):
     import lazytrain
-    torch.set_num_threads(1)
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(2, 1, False))
     temperature = torch.nn.Parameter(torch.ones(()))   # a loss's learnable scale, added after initialize
     engine.optimizer.add_param_group({"params": [temperature]})
@@ -417,38 +476,38 @@ def _group_adding_worker(rank, port, out_dir):
     saved = engine.optimizer.state[temperature]["exp_avg"].clone()
     engine.optimizer.state[temperature]["exp_avg"].zero_()
     engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
-    torch.save({"temperature": temperature.detach().clone(), "saved": saved,
-                "loaded": engine.optimizer.state[temperature]["exp_avg"].clone()},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    return {"temperature": temperature.detach().clone(), "saved": saved,
+            "loaded": engine.optimizer.state[temperature]["exp_avg"].clone()}
 
 
-def test_a_group_added_after_initialize_is_replicated_saved_and_restored(tmp_path):
-    mp.spawn(_group_adding_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+case(2, "group-adding", _group_adding)
+
+
+def test_a_group_added_after_initialize_is_replicated_saved_and_restored(spawned):
+    r0, r1 = spawned("group-adding")
     assert torch.equal(r0["temperature"], r1["temperature"]) and not torch.equal(r0["temperature"], torch.ones(()))
     for r in (r0, r1):
         assert torch.equal(r["loaded"], r["saved"]) and r["saved"].abs().sum() > 0
 
 
-def test_a_bf16_sharded_save_loads_whole_into_one_process(tmp_path):
+BF16_SAVED = train(2, stage=2, steps="first", save=True, dtype="bf16")
+BF16_LOADED = train(1, stage=2, steps="none", load=BF16_SAVED, dtype="bf16")
+
+
+def test_a_bf16_sharded_save_loads_whole_into_one_process(spawned):
     """bf16 compute with fp32 masters and moments: a checkpoint of 2 sharded ranks (stage 2, DeepSpeed's bf16
     optimizer file) loads into one process with every master exactly and every moment present."""
-    ckpt = str(tmp_path / "ckpt")
-    saved = run(2, tmp_path, stage=2, steps=batches(2, batch=GLOBAL, seed=1), save_dir=ckpt, dtype="bf16")
+    ckpt = str(spawned.root / BF16_SAVED / "ckpt")
+    saved = spawned(BF16_SAVED)
     assert os.path.isfile(os.path.join(ckpt, "t", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    loaded = run(1, tmp_path, stage=2, steps=[], load_dir=ckpt, dtype="bf16")[0]
+    loaded = spawned(BF16_LOADED)[0]
     for k, v in saved[0]["weights"].items():
         assert torch.equal(loaded["weights"][k], v), k
     assert loaded["state_bytes"] == sum(r["state_bytes"] for r in saved)
 
 
-def _chaos_worker(rank, world, port, out_dir, seed, dtype="fp32"):
-    import warnings
-    join_as(rank, world, port)
-    warnings.simplefilter("ignore")
+def _chaos(rank, world, out_dir, seed, dtype="fp32"):
     import lazytrain
-    torch.set_num_threads(1)
     cfg = _config(world, 2, overlap=True, dtype=dtype)
     if seed is not None:   # every transfer and layer update delayed at random (different on each rank)
         cfg["lazytrain"]["testing"] = {"copy_threads": True, "chaos_seed": seed + 1000 * rank, "chaos_max_delay_ms": 3}
@@ -459,34 +518,36 @@ def _chaos_worker(rank, world, port, out_dir, seed, dtype="fp32"):
         engine.backward(lm_loss(engine(x[part]), y[part]))
         engine.step()
     engine.wait_for_update()
-    torch.save(engine.module_state_dict(), os.path.join(out_dir, f"{seed}-rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    return engine.module_state_dict()
 
 
-@pytest.mark.parametrize("world,dtype", [(2, "fp32"), (4, "fp32"), (2, "bf16")])
-def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weights_bit_for_bit(tmp_path, world,
-                                                                                              dtype):
+CHAOS = [(2, "fp32"), (4, "fp32"), (2, "bf16")]
+
+
+def chaos_seeds(world, dtype):
+    return (1, 2) if world == 2 and dtype == "fp32" else (1,)   # more seeds: tests/test_engine_chaos.py
+
+
+for _world, _dtype in CHAOS:
+    for _seed in (None, *chaos_seeds(_world, _dtype)):
+        case(_world, f"chaos{_world}-{_dtype}-seed{_seed}", _chaos, seed=_seed, dtype=_dtype)
+
+
+@pytest.mark.parametrize("world,dtype", CHAOS)
+def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weights_bit_for_bit(spawned, world, dtype):
     """bf16: the owners' optimizer writes the compute copies in its update pass, the others refresh theirs
     from the broadcast masters; both must give the same bits."""
-    seeds = (1, 2) if world == 2 and dtype == "fp32" else (1,)   # more seeds: tests/test_engine_chaos.py
-    for seed in (None, *seeds):
-        mp.spawn(_chaos_worker, args=(world, free_port(), str(tmp_path), seed, dtype), nprocs=world, join=True)
-    calm = torch.load(tmp_path / "None-rank0.pt")
-    for seed in seeds:
-        for rank in range(world):
-            shaken = torch.load(tmp_path / f"{seed}-rank{rank}.pt")
+    calm = spawned(f"chaos{world}-{dtype}-seedNone")[0]
+    for seed in chaos_seeds(world, dtype):
+        for rank, shaken in enumerate(spawned(f"chaos{world}-{dtype}-seed{seed}")):
             for k in calm:
                 assert torch.equal(shaken[k], calm[k]), (seed, rank, k)
 
 
-def _accumulating_worker(rank, world, port, out_dir, chaos_seed):
-    """Two micro-batches per rank per step; writes the weights and the bytes of this rank's layer gradient
+def _accumulating(rank, world, out_dir, chaos_seed):
+    """Two micro-batches per rank per step; reports the weights and the bytes of this rank's layer gradient
     buffers."""
-    import warnings
-    join_as(rank, world, port)
-    warnings.simplefilter("ignore")
     import lazytrain
-    torch.set_num_threads(1)
     cfg = _config(world, 2, overlap=True)
     cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world // 2
     if chaos_seed is not None:   # gradients land on the copy thread, each transfer delayed at random
@@ -502,19 +563,20 @@ def _accumulating_worker(rank, world, port, out_dir, chaos_seed):
             engine.backward(lm_loss(engine(x[part]), y[part]))
             engine.step()
     engine.wait_for_update()
-    torch.save({"weights": engine.module_state_dict(), "grad_bytes": grad_bytes},
-               os.path.join(out_dir, f"{chaos_seed}-rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    return {"weights": engine.module_state_dict(), "grad_bytes": grad_bytes}
+
+
+for _seed in (None, 5):
+    case(2, f"accumulating-chaos{_seed}", _accumulating, chaos_seed=_seed)
 
 
 @pytest.mark.parametrize("chaos_seed", [None, 5])
-def test_accumulated_micro_batches_reach_the_owners_buffers_only(tmp_path, chaos_seed):
+def test_accumulated_micro_batches_reach_the_owners_buffers_only(spawned, chaos_seed):
     """Each micro-batch's layer gradients are reduced to the layer's owner as they land: a rank keeps
     gradient buffers for its own layers only (every layer's exactly once over the ranks), and accumulation
     over micro-batches trains as one process on the global batch."""
     world = 2
-    mp.spawn(_accumulating_worker, args=(world, free_port(), str(tmp_path), chaos_seed), nprocs=world, join=True)
-    results = [torch.load(tmp_path / f"{chaos_seed}-rank{r}.pt") for r in range(world)]
+    results = spawned(f"accumulating-chaos{chaos_seed}")
     whole = sum(p.numel() * 4 for block in make_model("modulelist").stack for p in block.parameters())
     assert sum(r["grad_bytes"] for r in results) == whole
     assert max(r["grad_bytes"] for r in results) <= 0.6 * whole
@@ -526,35 +588,36 @@ def test_accumulated_micro_batches_reach_the_owners_buffers_only(tmp_path, chaos
         assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
 
 
-def _no_shm_worker(rank, world, port, out_dir):
+def _no_shm(rank, world, out_dir):
     import warnings
-    join_as(rank, world, port)
     import lazytrain
     from lazytrain.engine import node_memory
-    node_memory.SHM_DIR = os.path.join(out_dir, "no-such-dir")
-    torch.set_num_threads(1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, 2, False))
-    per = GLOBAL // world
-    for x, y in batches(3, batch=GLOBAL):
-        part = slice(per * rank, per * rank + per)
-        engine.backward(lm_loss(engine(x[part]), y[part]))
-        engine.step()
+    shm_dir, node_memory.SHM_DIR = node_memory.SHM_DIR, os.path.join(out_dir, "no-such-dir")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, 2, False))
+        per = GLOBAL // world
+        for x, y in batches(3, batch=GLOBAL):
+            part = slice(per * rank, per * rank + per)
+            engine.backward(lm_loss(engine(x[part]), y[part]))
+            engine.step()
+    finally:
+        node_memory.SHM_DIR = shm_dir
     messages = [str(w.message) for w in caught if "could not share" in str(w.message)]
-    torch.save({"weights": engine.module_state_dict(), "node_shared": engine.node_shared_weights,
-                "messages": messages}, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    return {"weights": engine.module_state_dict(), "node_shared": engine.node_shared_weights, "messages": messages}
 
 
-def test_a_node_without_shared_memory_keeps_a_copy_per_rank_and_says_why(tmp_path):
-    mp.spawn(_no_shm_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+case(2, "no-shared-memory", _no_shm)
+
+
+def test_a_node_without_shared_memory_keeps_a_copy_per_rank_and_says_why(spawned):
+    results = spawned("no-shared-memory")
     ref = reference(batches(3, batch=GLOBAL), 2)
-    for rank in range(2):
-        r = torch.load(tmp_path / f"rank{rank}.pt")
+    for r in results:
         assert not r["node_shared"]
         assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
-        no_dir = os.path.join(str(tmp_path), "no-such-dir")
+        no_dir = os.path.join(str(spawned.root / "no-shared-memory"), "no-such-dir")
         assert r["messages"] == [f"lazytrain: the ranks on this node could not share one host copy of the streamed "
                                  f"weights ({no_dir} does not exist); each keeps its own"]
 
@@ -635,12 +698,8 @@ def _expert_batch():
     return x, y
 
 
-def _expert_worker(rank, port, out_dir):
-    import warnings
-    join_as(rank, 2, port)
-    warnings.simplefilter("ignore")
+def _expert(rank, world, out_dir):
     import lazytrain
-    torch.set_num_threads(1)
     cfg = _config(2, 2, overlap=False)
     cfg["lazytrain"]["collective_timeout_s"] = 60
     engine, _, _, _ = lazytrain.initialize(model=_expert_model(), config=cfg)
@@ -648,20 +707,22 @@ def _expert_worker(rank, port, out_dir):
     part = slice(2 * rank, 2 * rank + 2)
     engine.backward(lm_loss(engine(x[part]), y[part]))
     engine.step()
-    torch.save(engine.module_state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    return engine.module_state_dict()
 
 
-def test_a_layer_one_ranks_batch_gives_no_gradient_still_reaches_its_owner(tmp_path):
+case(2, "expert", _expert)
+
+
+def test_a_layer_one_ranks_batch_gives_no_gradient_still_reaches_its_owner(spawned):
     """At stage 2 the ranks reduce each layer's gradient as it lands, in the same order: a rank whose batch
     reached no trainable tensor of a layer lands zeros for it, rather than skip it and pair the others'
     reduces with the wrong layers."""
-    mp.spawn(_expert_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = spawned("expert")
     x, y = _expert_batch()
     ref = reference_train(_expert_model(), [(x[:2], y[:2]), (x[2:], y[2:])], lr=1e-3, gas=2)
-    for rank in range(2):
+    for weights in results:
         trained = _expert_model()
-        trained.load_state_dict(torch.load(tmp_path / f"rank{rank}.pt"))
+        trained.load_state_dict(weights)
         assert max_rel_diff(trained, ref) < 1e-5
 
 
@@ -700,25 +761,25 @@ def node_memory_dir():
     return node_memory.SHM_DIR
 
 
+for _stage in (0, 1, 2):
+    train(2, stage=_stage, dtype="bf16", comm="bf16")
+    train(2, stage=_stage, dtype="bf16")
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_gradients_summed_in_bf16_when_the_config_says_so(tmp_path, stage):
+def test_gradients_summed_in_bf16_when_the_config_says_so(spawned, stage):
     """``communication_data_type: "bf16"`` (DeepSpeed's key): the ranks sum gradients in bf16, half the bytes
     of fp32, and end close to the fp32 sums and bit-identical to each other."""
-    steps = batches(3, batch=GLOBAL)
-    in_bf16 = run(2, tmp_path, stage=stage, steps=steps, dtype="bf16", comm="bf16")
-    in_fp32 = run(2, tmp_path, stage=stage, steps=steps, dtype="bf16")
+    in_bf16 = spawned(train(2, stage=stage, dtype="bf16", comm="bf16"))
+    in_fp32 = spawned(train(2, stage=stage, dtype="bf16"))
     for k, v in in_fp32[0]["weights"].items():
         assert torch.equal(in_bf16[0]["weights"][k], in_bf16[1]["weights"][k]), k
     assert max_rel_diff(as_model(in_bf16[0]["weights"]), as_model(in_fp32[0]["weights"])) < 2e-2
     assert any(not torch.equal(in_bf16[0]["weights"][k], v) for k, v in in_fp32[0]["weights"].items())
 
 
-def _block_group_worker(rank, port, out_dir):
-    import warnings
-    join_as(rank, 2, port)
-    warnings.simplefilter("ignore")
+def _block_group(rank, world, out_dir):
     import lazytrain
-    torch.set_num_threads(1)
     model = make_model("modulelist")
     first = [p for name, p in model.named_parameters() if name.startswith("stack.0.")]
     others = [p for name, p in model.named_parameters() if not name.startswith("stack.0.")]
@@ -728,18 +789,17 @@ def _block_group_worker(rank, port, out_dir):
     engine.backward(lm_loss(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
     try:
         engine.step()
-        outcome = "stepped"
+        return "stepped"
     except lazytrain.config.ConfigError as e:
-        outcome = str(e)
-    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+        return str(e)
 
 
-def test_block_parameters_added_after_initialize_are_refused_when_sharded(tmp_path):
+case(2, "block-group-added", _block_group, last=True)
+
+
+def test_block_parameters_added_after_initialize_are_refused_when_sharded(spawned):
     """Every rank updates a group added later; block parameters in it would be updated once per rank in the
     node's one copy. The step refuses before anything changes, naming them."""
-    mp.spawn(_block_group_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        outcome = torch.load(tmp_path / f"rank{rank}.pt")
+    for outcome in spawned("block-group-added"):
         assert outcome.startswith("a parameter group added to the optimizer after initialize holds streamed block "
                                   "parameters (stack.0.norm.weight, stack.0.norm.bias, stack.0.fc1.weight, ...)")

@@ -2,7 +2,7 @@
 train through LazyTrain with transformers' stock ZeRO-2 and ZeRO-3 configs: as the same script without
 DeepSpeed trains (fp32, 1e-6), with saved folders that ``from_pretrained`` loads to exactly the trained
 weights and a ``resume_from_checkpoint`` that continues bit-identically. Each run is its own process (the
-scripts in ``hf_programs``), as a user runs them, with the variables a launcher sets."""
+scripts in ``hf_programs``), as a user runs them, with the variables a launcher sets; two run at a time."""
 import os
 import subprocess
 import sys
@@ -39,16 +39,62 @@ def run_with_torchrun(name: str, out, nproc: int, *args) -> dict:
     return torch.load(os.path.join(out, "result.pt"))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    done = {}
+TRAINS = "test_a_trainer_script_trains_as_it_does_without_deepspeed"
+SAVES = "test_saved_folders_load_with_from_pretrained_to_exactly_the_trained_weights"
+SAVES_BF16 = "test_in_bf16_saved_folders_hold_the_trained_weights_in_bf16_as_deepspeed_saves_them"
+TWO_RANKS = "test_two_ranks_of_a_trainer_script_shard_the_state_and_train_as_plain_data_parallel"
+RESUMES = "test_resume_from_checkpoint_continues_bit_identically"
+OTHER_SCRIPTS = "test_accelerate_and_trl_scripts_train_as_they_do_without_deepspeed"
+# every run the tests read: name: (program, its arguments, the tests that read it); "torchrun" in the name:
+# started by torchrun with 2 processes; "resumed" continues "zero2" from its checkpoint-2
+RUNS = {
+    "plain": ("trainer_run.py", ("--config", "plain"), {TRAINS}),
+    "zero2": ("trainer_run.py", ("--config", "zero2"), {TRAINS, SAVES, RESUMES}),
+    "zero3": ("trainer_run.py", ("--config", "zero3"), {TRAINS, SAVES}),
+    "zero2_bf16": ("trainer_run.py", ("--config", "zero2", "--bf16"), {SAVES_BF16}),
+    "zero3_bf16": ("trainer_run.py", ("--config", "zero3", "--bf16"), {SAVES_BF16}),
+    "torchrun_zero2": ("trainer_run.py", ("--config", "zero2"), {TWO_RANKS}),
+    "torchrun_plain": ("trainer_run.py", ("--config", "plain"), {TWO_RANKS}),
+    "resumed": ("trainer_run.py", ("--config", "zero2"), {RESUMES}),
+    **{f"{program[:-3]}_{config}": (program, ("--config", config), {OTHER_SCRIPTS})
+       for program in ("accelerate_run.py", "sft_run.py") for config in ("plain", "zero2", "zero3")},
+}
+AT_ONCE = 2   # runs at a time (each its own process, as a user runs it): enough to keep two cores busy
 
-    def get(name: str, *args):
-        if name not in done:
-            done[name] = (run_program("trainer_run.py", root / name, *args), root / name)
-        return done[name]
-    return get
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """``runs(name)``: (the result, the output folder) of the run ``name`` of RUNS. When the first test asks,
+    every run a selected test reads is started, AT_ONCE at a time, in the order the tests read them; a run
+    no selected test reads is started when asked for."""
+    from concurrent.futures import ThreadPoolExecutor
+    root = tmp_path_factory.mktemp("hf")
+    pool = ThreadPoolExecutor(max_workers=AT_ONCE)
+    started = {}
+
+    def launch(name: str) -> tuple[dict, object]:
+        program, args, _ = RUNS[name]
+        out = root / name
+        if name.startswith("torchrun"):
+            return run_with_torchrun(program, out, 2, *args), out
+        if name == "resumed":   # once "zero2" has saved its checkpoints
+            args = (*args, "--resume", str(get("zero2")[1] / "checkpoint-2"))
+        return run_program(program, out, *args), out
+
+    def start(name: str) -> None:
+        if name not in started:
+            started[name] = pool.submit(launch, name)
+
+    def get(name: str) -> tuple[dict, object]:
+        if not started:
+            selected = {item.originalname for item in request.session.items if item.module is request.module}
+            for other, (_, _, readers) in RUNS.items():
+                if readers & selected:
+                    start(other)
+        start(name)
+        return started[name].result()
+    yield get
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def assert_same_weights(a: dict, b: dict, exact: bool):
@@ -67,8 +113,8 @@ def from_pretrained(path) -> dict:
 
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_a_trainer_script_trains_as_it_does_without_deepspeed(runs, config):
-    plain, _ = runs("plain", "--config", "plain")
-    lazy, _ = runs(config, "--config", config)
+    plain, _ = runs("plain")
+    lazy, _ = runs(config)
     assert lazy["step"] == plain["step"] == 4
     torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert_same_weights(lazy["weights"], plain["weights"], exact=False)
@@ -78,7 +124,7 @@ def test_a_trainer_script_trains_as_it_does_without_deepspeed(runs, config):
 
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_saved_folders_load_with_from_pretrained_to_exactly_the_trained_weights(runs, config):
-    lazy, out = runs(config, "--config", config)
+    lazy, out = runs(config)
     final = out / "final"     # save_model(): under ZeRO-3 through the 16-bit gather DeepSpeed's config asks for
     assert (final / "model.safetensors").is_file() and (final / "config.json").is_file()
     assert_same_weights(from_pretrained(final), lazy["weights"], exact=True)
@@ -89,7 +135,7 @@ def test_saved_folders_load_with_from_pretrained_to_exactly_the_trained_weights(
 
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_in_bf16_saved_folders_hold_the_trained_weights_in_bf16_as_deepspeed_saves_them(runs, config):
-    lazy, out = runs(f"{config}_bf16", "--config", config, "--bf16")
+    lazy, out = runs(f"{config}_bf16")
     assert all(torch.isfinite(torch.tensor(lazy["losses"])))
     masters_in_bf16 = {k: v.bfloat16() for k, v in lazy["weights"].items()}
     for folder in ("final", "checkpoint-4"):
@@ -98,43 +144,30 @@ def test_in_bf16_saved_folders_hold_the_trained_weights_in_bf16_as_deepspeed_sav
         assert_same_weights(loaded, masters_in_bf16, exact=True)
 
 
-def test_two_ranks_of_a_trainer_script_shard_the_state_and_train_as_plain_data_parallel(tmp_path):
+def test_two_ranks_of_a_trainer_script_shard_the_state_and_train_as_plain_data_parallel(runs):
     """torchrun with 2 processes: LazyTrain (ZeRO-2 config: the optimizer state sharded over the ranks)
     against the same script without DeepSpeed (torch's DistributedDataParallel)."""
-    lazy = run_with_torchrun("trainer_run.py", tmp_path / "lazy", 2, "--config", "zero2")
-    plain = run_with_torchrun("trainer_run.py", tmp_path / "plain", 2, "--config", "plain")
+    lazy, lazy_out = runs("torchrun_zero2")
+    plain, _ = runs("torchrun_plain")
     assert lazy["sharded"] and not plain["sharded"]
     torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert_same_weights(lazy["weights"], plain["weights"], exact=False)
-    assert_same_weights(from_pretrained(tmp_path / "lazy" / "final"), lazy["weights"], exact=True)
+    assert_same_weights(from_pretrained(lazy_out / "final"), lazy["weights"], exact=True)
 
 
-def test_resume_from_checkpoint_continues_bit_identically(runs, tmp_path):
-    straight, out = runs("zero2", "--config", "zero2")
-    resumed = run_program("trainer_run.py", tmp_path, "--config", "zero2", "--resume", str(out / "checkpoint-2"))
+def test_resume_from_checkpoint_continues_bit_identically(runs):
+    straight, _ = runs("zero2")
+    resumed, _ = runs("resumed")     # a new process, resumed from the checkpoint-2 of "zero2"
     assert resumed["step"] == 4
     assert resumed["losses"] == straight["losses"]     # steps 1-2 from the checkpoint's trainer_state.json
     assert_same_weights(resumed["weights"], straight["weights"], exact=True)
 
 
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf_programs")
-    done = {}
-
-    def get(program: str, config: str):
-        if (program, config) not in done:
-            out = root / f"{program[:-3]}_{config}"
-            done[program, config] = (run_program(program, out, "--config", config), out)
-        return done[program, config]
-    return get
-
-
 @pytest.mark.parametrize("program", ["accelerate_run.py", "sft_run.py"])
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
-def test_accelerate_and_trl_scripts_train_as_they_do_without_deepspeed(programs, program, config):
-    plain, _ = programs(program, "plain")
-    lazy, out = programs(program, config)
+def test_accelerate_and_trl_scripts_train_as_they_do_without_deepspeed(runs, program, config):
+    plain, _ = runs(f"{program[:-3]}_plain")
+    lazy, out = runs(f"{program[:-3]}_{config}")
     assert len(lazy["losses"]) == len(plain["losses"]) > 0
     torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert_same_weights(lazy["weights"], plain["weights"], exact=False)

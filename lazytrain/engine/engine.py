@@ -295,9 +295,10 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError("config 'lazytrain.policy' \"auto\" needs 'lazytrain.seq_len' (no token ids were "
                               "seen in the traced forwards to read it from)")
         links = measured.link_bandwidths(traces)
-        if self.device.type == "cpu":   # copies that ran in place are memory copies: measured here instead
-            for name in ("h2d_gbps", "d2h_gbps"):
-                links.setdefault(name, _memory_copy_gbps())
+        missing = [name for name in ("h2d_gbps", "d2h_gbps") if name not in links]
+        if self.device.type == "cpu" and missing:   # copies that ran in place are memory copies: measured here
+            gbps = _memory_copy_gbps()              # once, for both directions
+            links.update(dict.fromkeys(missing, gbps))
         k = self.gradient_accumulation_steps()
         costs = measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
                                                    micro_batches=k)
@@ -483,7 +484,8 @@ class LazyTrainEngine(nn.Module):
         if torch.is_grad_enabled():
             if self._step_began is None:
                 self._step_began = time.perf_counter()
-            if self._config.lazytrain.seq_len is None:   # policy auto plans for the sequences it sees
+            # policy auto plans for the sequences it sees (other policies need no sequence length)
+            if self.auto is not None and self._config.lazytrain.seq_len is None:
                 ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
                 if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2:
                     self._seq_len = int(ids.shape[-1])
@@ -1128,23 +1130,15 @@ class LazyTrainEngine(nn.Module):
     def _agree_on_save(self, error: BaseException | None, tag: str, save_dir: str, who: str) -> None:
         """Every rank learns whether every rank's part of a save succeeded; a failure is raised on every
         rank (its own error where it failed)."""
-        if self.dist.all_succeeded(error is None, f"agreement of save_checkpoint ({who})"):
-            return
-        if error is not None:
-            raise error
-        raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank "
-                                   f"({who}): see its error")
+        if not self.dist.all_succeeded(error is None, f"agreement of save_checkpoint ({who})"):
+            _raise_save_failure(error, tag, save_dir, who)
 
     def _fail_together(self, error: BaseException | None, succeeded: list[bool], tag: str, save_dir: str,
                        who: str) -> None:
         """After a gather that told every rank each rank's outcome: a failure anywhere is raised everywhere
         (its own error where it failed), before any rank enters a collective the failed one would miss."""
-        if all(succeeded):
-            return
-        if error is not None:
-            raise error
-        raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank "
-                                   f"({who}): see its error")
+        if not all(succeeded):
+            _raise_save_failure(error, tag, save_dir, who)
 
     def _save_sharded(self, save_dir: str, tag: str, client_state: dict | None, save_latest: bool,
                       exclude_frozen: bool) -> bool:
@@ -1657,6 +1651,15 @@ def _global_norm(grads: list[torch.Tensor]) -> float:
         norms = torch._foreach_norm(gs, 2.0)
         total += float(torch.stack([n.float() for n in norms]).pow(2).sum())
     return math.sqrt(total)
+
+
+def _raise_save_failure(error: BaseException | None, tag: str, save_dir: str, who: str) -> None:
+    """A save that failed on some rank, raised on this one: its own error where it failed, else an error
+    that names the phase (``who``) another rank failed in."""
+    if error is not None:
+        raise error
+    raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank ({who}): see "
+                               f"its error")
 
 
 def _memory_copy_gbps(nbytes: int = 1 << 25, repeats: int = 3) -> float:
