@@ -9,6 +9,7 @@ so that it does not pick, say, a list of parallel heads over the decoder stack.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch.nn as nn
@@ -128,12 +129,12 @@ def check_no_shared_weights(model: nn.Module, path: str, blocks: nn.ModuleList) 
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """``torch.compile(module)`` (a wrapper) or ``module.compile()`` (in place)."""
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:   # a torch without dynamo has no compiled modules
-        return False
-    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+    """``torch.compile(module)`` (a wrapper) or ``module.compile()`` (in place). Dynamo is not imported to
+    find out (seconds per process): a module compiled in this process has imported it already."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def compiled_error(where: str) -> ConfigError:
