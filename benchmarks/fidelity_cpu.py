@@ -7,9 +7,11 @@ One process, one small Llama (transformers, fp32), the CPU standing in for a GPU
    serial host phase and each layer's update (``MeasuredCosts.from_traces``); the same with every layer
    selective gives a selective layer's forward and re-run (``measured.with_selective``). With the emulated links'
    bandwidths that is this machine's hardware profile.
-2. Four plans for that profile: MegaTrain's policy (every 4th boundary kept on the device, all else
+2. Five plans for that profile: MegaTrain's policy (every 4th boundary kept on the device, all else
    re-run, the update after the step), the same with every layer selective (its re-runs take the
-   forward's matmul and attention outputs; its forward and re-run measured in calibration too), keep-all (every boundary offloaded to the host and fetched back) and the MILP's
+   forward's matmul and attention outputs; its forward and re-run measured in calibration too), keep-all
+   (every boundary offloaded to the host and fetched back), every layer but the last offloaded (the
+   tensors its autograd saves go to the host in its forward and come back for its backward) and the MILP's
    plan within a device budget halfway between the peaks of MegaTrain's policy and of keeping every
    boundary on the device.
 3. Each runs in the engine with the same emulated links (copy threads limited to ``--gbps`` per
@@ -122,7 +124,7 @@ def profile_of(costs, model_cfg, links_gbps: float, nvme_gbps: float | None = No
 
 def plans_for(problem, milp_seconds: float, nvme: bool = False):
     from lazytrain.planner.milp import MilpOptions
-    from lazytrain.planner.plan import keep_all_plan
+    from lazytrain.planner.plan import keep_all_plan, offload_all_plan
     from lazytrain.planner.policies import megatrain_plan
     from lazytrain.planner.search import solve
     L = problem.L
@@ -131,7 +133,9 @@ def plans_for(problem, milp_seconds: float, nvme: bool = False):
     plans = {"MegaTrain (k=4, update after the step)": mega, "keep-all (host)": keep_all,
              # its policy with every layer selective: re-runs take the forward's matmul and attention outputs
              "MegaTrain's policy, all layers selective": dataclasses.replace(
-                 mega, policy="megatrain-k4-selective", selective_layers=tuple(range(L)))}
+                 mega, policy="megatrain-k4-selective", selective_layers=tuple(range(L))),
+             # every layer but the last sends its autograd internals to the host and back, none re-run
+             "every layer offloaded (offload_all)": offload_all_plan(L, micro_batch_size=BATCH, seq_len=SEQ)}
     if nvme:
         plans["keep-all (NVMe)"] = keep_all_plan(L, home="nvme", micro_batch_size=BATCH, seq_len=SEQ)
     plans["MILP"] = solve(problem, MilpOptions(time_limit_s=milp_seconds))
@@ -231,7 +235,8 @@ def main(argv=None) -> int:
         print(f"{name:<40}{m * 1e3:>15.0f}{p * 1e3:>16.0f}{m / p:>19.3f}x")
     for name, plan, _, _ in rows:
         print(f"{name}: boundaries {' '.join(plan.homes)}, resident layers {list(plan.resident_layers)}, "
-              f"selective layers {list(plan.selective_layers)}, last segment graph {plan.last_segment_graph}, "
+              f"selective layers {list(plan.selective_layers)}, offloaded layers {list(plan.offloaded_layers)}, "
+              f"last segment graph {plan.last_segment_graph}, "
               f"update overlapped {plan.overlap_optimizer}")
     mega = rows[0]
     milp = rows[-1]
