@@ -286,3 +286,68 @@ def test_weights_a_function_keeps_on_ctx_are_refused_where_the_buffer_is_reused(
     trained = model()
     trained.load_state_dict(_train(engine, data))
     assert max_rel_diff(trained, reference_train(model(), data)) < 1e-4
+
+
+def _roundtrip(t: torch.Tensor, device=torch.device("cpu")):
+    """Pack ``t`` as an offloaded layer's forward saves it, then unpack it as its backward does."""
+    from lazytrain.tiers.memory import HostTier
+    from lazytrain.engine.internals_offload import OffloadedInternals
+    host, owned = HostTier("host"), set()
+    internals = OffloadedInternals(host, "pass0.layer0", device, torch.zeros(4), owned)
+    with internals.recording():
+        packed = internals._pack(t)
+    internals.prefetch()
+    return internals._unpack(packed), host, internals
+
+
+def test_a_saved_tensor_comes_back_with_its_strides_and_a_broadcast_goes_once():
+    base = torch.arange(24.0).reshape(2, 3, 4)
+    slice_ = base[:, 1:, :]   # not dense: its values come back contiguous
+    for t in (base, base.transpose(1, 2), base.permute(2, 0, 1), slice_, torch.arange(4.0).expand(3, 4),
+              torch.arange(8.0).reshape(2, 1, 4).expand(2, 5, 4).transpose(0, 2), torch.tensor(3.0)):
+        back, host, _ = _roundtrip(t)
+        assert torch.equal(back, t) and back.shape == t.shape
+        assert back.stride() == (t.contiguous().stride() if t is slice_ else t.stride()), (t.shape, t.stride())
+        sent = 1
+        for n, stride in zip(t.shape, t.stride()):   # a broadcast dimension is sent once
+            sent *= n if stride else 1
+        assert host.stats()["bytes_written"] == 4 * sent
+
+
+def test_a_host_tensor_saved_beside_a_device_stays_where_it_is():
+    t = torch.arange(3.0)
+    back, host, _ = _roundtrip(t, device=torch.device("cuda"))   # the CUDA device need not exist: nothing moves
+    assert back is t and host.stats()["bytes_written"] == 0
+
+
+class _SigmoidThenScaledInPlace(torch.nn.Module):
+    """sigmoid saves its output for its backward, which the block then scales in place: plain autograd
+    refuses the backward; so must an offloaded layer, not train on the values as they were."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = torch.sigmoid(self.lin(x))
+        h.mul_(2.0)
+        return x + h
+
+
+def test_a_saved_tensor_changed_in_place_later_in_the_forward_fails_its_backward_as_in_pytorch(tmp_path):
+    from engine_models import ModuleListLM
+
+    class LM(ModuleListLM):
+        block = _SigmoidThenScaledInPlace
+    torch.manual_seed(0)
+    model = LM()
+    x, y = batches(1)[0]
+    with pytest.raises(RuntimeError, match="one of the variables needed for gradient computation has been modified "
+                                           "by an inplace operation"):
+        lm_loss(model(x), y).backward()
+    engine = plan_engine(tmp_path, model, MIXED)
+    with pytest.raises(RuntimeError, match=r"one of the variables needed for gradient computation has been modified "
+                                           r"by an inplace operation: a tensor of shape \[2, 12, 32\] that offloaded "
+                                           r"block 5 saved is at version 1; expected version 0 instead"):
+        engine.backward(lm_loss(engine(x), y))
+    engine.destroy()

@@ -34,6 +34,36 @@ class _WeightRef:
         self.byte_offset, self.size, self.stride, self.dtype = byte_offset, tuple(size), tuple(stride), dtype
 
 
+class _Kept:
+    """A saved tensor that stays where it is: already in host memory beside a device's compute."""
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class _Sent:
+    """A saved tensor sent to the host: its index, and how to give it back its shape and strides."""
+    __slots__ = ("index", "order", "shape")
+
+    def __init__(self, index: int, order: tuple[int, ...] | None, shape: tuple[int, ...]):
+        self.index, self.order, self.shape = index, order, shape
+
+
+def _compact(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """What of ``t`` to send: a view without its broadcast dimensions (stride 0: sent once, not expanded)
+    and, when its memory is dense, with its dimensions in memory order, so that the contiguous copy the
+    host holds comes back with ``t``'s strides (a transposed input stays transposed for its backward
+    kernel). The order is None where the memory is not dense (a slice): its values come back contiguous."""
+    v = t
+    for d in range(t.dim()):
+        if t.stride(d) == 0 and t.shape[d] > 1:
+            v = v.narrow(d, 0, 1)
+    order = tuple(sorted(range(v.dim()), key=lambda d: -v.stride(d)))
+    dense = v.permute(order)
+    return (dense, order) if dense.is_contiguous() else (v, None)
+
+
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte offsets within its storage that ``t`` can reach."""
     start = t.storage_offset() * t.element_size()
@@ -55,6 +85,7 @@ class OffloadedInternals:
         self._index: dict[tuple, tuple] = {}         # (data_ptr, offset, shape, stride, dtype, version) -> (tensor, index)
         self._reads: dict[int, TransferHandle] = {}  # saved index -> read in flight
         self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
+        self._changed: dict[int, tuple] = {}         # saved index -> (version saved, version after the forward)
         self._weights_now: torch.Tensor | None = None
         self.nbytes = 0                              # bytes sent to the host
 
@@ -68,6 +99,9 @@ class OffloadedInternals:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
+            for ident, (t, n) in self._index.items():   # changed in place after it was saved, in the forward:
+                if t._version != ident[-1]:               # plain autograd refuses it if backward uses it
+                    self._changed[n] = (ident[-1], t._version)
             self._index.clear()
 
     def _pack(self, t: torch.Tensor):
@@ -76,20 +110,23 @@ class OffloadedInternals:
             lo, hi = self._weights_span
             if lo <= first and last <= hi:
                 return _WeightRef(first - lo, t.shape, t.stride(), t.dtype)
+        if t.device.type == "cpu" and self._device.type != "cpu":
+            return _Kept(t)
         # the version too: a tensor changed in place after an op saved it (legal when that op's backward
         # never runs, as for a result only looked at) is another value for the ops that save it after
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                  t._version)
+        sent, order = _compact(t)
         n = self._index.get(ident, (None, None))[1]
         if n is None:
             n = len(self._keys)
             self._index[ident] = (t, n)
             key = f"{self._key}.saved{n}"
             self._keys.append(key)
-            self._tier.write(key, t)
+            self._tier.write(key, sent)
             self._owned.add((self._tier.name, key))
-            self.nbytes += t.numel() * t.element_size()
-        return n
+            self.nbytes += sent.numel() * sent.element_size()
+        return _Sent(n, order, tuple(t.shape))
 
     def weights_kept_outside_saved_tensors(self, outputs) -> list[str]:
         """The autograd Functions of the recorded graph (reached from ``outputs``) that keep a view of the
@@ -134,14 +171,25 @@ class OffloadedInternals:
             size = packed.dtype.itemsize
             return torch.empty(0, dtype=packed.dtype, device=w.device).set_(
                 w.untyped_storage(), base // size, packed.size, packed.stride)
-        value = self._values.get(packed)
+        if isinstance(packed, _Kept):
+            return packed.tensor
+        n = packed.index
+        if n in self._changed:
+            saved, now = self._changed[n]
+            raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: a tensor of shape {list(packed.shape)} that offloaded block "
+                               f"{self._key.rsplit('layer', 1)[-1]} saved is at version {now}; expected version {saved} "
+                               f"instead (it was changed in place later in the block's forward)")
+        value = self._values.get(n)
         if value is None:
-            handle = self._reads.pop(packed, None) or self._tier.read(self._keys[packed], device=self._device)
+            handle = self._reads.pop(n, None) or self._tier.read(self._keys[n], device=self._device)
             value = handle.wait()
             if value.device != self._device:
                 value = value.to(self._device)
-            self._values[packed] = value
-        return value
+            self._values[n] = value
+        if packed.order is not None:
+            value = value.permute(tuple(sorted(range(len(packed.order)), key=packed.order.__getitem__)))
+        return value.expand(packed.shape)
 
     def release(self) -> None:
         """Wait for the reads still in flight, then free the host copies (after the block's backward, or
