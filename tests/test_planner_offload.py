@@ -11,7 +11,7 @@ from lazytrain.planner.hardware import HardwareProfile
 from lazytrain.planner.measured import MeasuredCosts
 from lazytrain.planner.megatrain import MegaTrainPlanError
 from lazytrain.planner.milp import MilpOptions, _start_values, build_and_solve
-from lazytrain.planner.plan import Plan, every_k_plan, keep_all_plan, offload_all_plan
+from lazytrain.planner.plan import RECOMPUTE, Plan, every_k_plan, keep_all_plan, offload_all_plan
 from lazytrain.planner.problem import Budgets, Problem
 from lazytrain.planner.simulate import simulate
 
@@ -174,7 +174,8 @@ def test_a_start_plan_with_offloaded_layers_is_taken_in_and_the_optimum_stays():
     p = _short_memory(FAST_LINKS)
     cold, _ = build_and_solve(p, MilpOptions())
     # every layer offloaded, each one's internals brought back in its own backward window (the least memory)
-    start = dataclasses.replace(offload_all_plan(6), internals_prefetch_window={j: 11 - j for j in range(6)})
+    start = Plan(num_layers=6, homes=("hbm",) + (RECOMPUTE,) * 5 + ("hbm",), offloaded_layers=tuple(range(6)),
+                 internals_prefetch_window={j: 11 - j for j in range(6)})
     assert not simulate(p, start, strict=False).violations
     warm, info = build_and_solve(p, MilpOptions(), start_plan=start)
     assert info.status == "optimal"
