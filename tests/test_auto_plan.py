@@ -107,6 +107,21 @@ def test_selective_layers_are_measured_on_the_calibration_plan_with_every_layer_
         assert torch.equal(auto[k], v), k
 
 
+def test_selective_layers_are_not_measured_where_their_kept_outputs_would_not_fit_on_the_device():
+    """The plain calibration peaks at 74,240 bytes on the device; every layer's kept outputs would add
+    6 layers x 288 elements per token x 24 tokens x 4 bytes = 165,888 bytes: over a 236,000-byte budget (the
+    planner needs 229,630 bytes for one layer's backward)."""
+    lt = {"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0}, "capacities": {"hbm": 236_000}}
+    with pytest.warns(UserWarning, match=r"lazytrain: policy \"auto\" does not measure selective layers, so its plan "
+                                         r"has none: every layer's kept matmul and attention outputs \(about 0.2 MB\) "
+                                         r"do not fit on the device tier beside the calibration plan's peak \(0.1 MB "
+                                         r"of 0.2 MB\)"):
+        engine, plans = _train(lt, steps=7, quiet=False)
+    assert plans == ["auto-calibration"] * 5 + ["auto-milp"] * 2
+    assert engine.auto.last_profile.costs.selective_rerun_s is None and not engine.plan.selective_layers
+    engine.destroy()
+
+
 def test_with_gradient_accumulation_the_plan_changes_on_an_optimizer_step_and_trains_as_a_fixed_one():
     engine, plans = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0}}, steps=7, accumulation=2)
     auto, history = engine.module_state_dict(), engine.auto.history

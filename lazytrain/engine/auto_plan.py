@@ -63,6 +63,8 @@ class AutoPlanHooks:
     warn: Callable[[str], None]                    # a warning (every rank)
     current_policy: Callable[[], str]              # the plan in place, by its policy's name
     save_profile: Callable[[MachineProfile], None] | None = None
+    # None when the device can hold every layer's kept outputs beside the plain calibration's peak; else why not
+    no_room_for_selective: Callable[[], str | None] = lambda: None
 
 
 @dataclass
@@ -123,7 +125,12 @@ class AutoPlanner:
             if len(self._traces) < s.profile_steps:
                 self._measure_next()
                 return
-            if s.selective and not self._selective_phase:   # now the same plan with every layer selective
+            no_room = self.hooks.on_rank0(self.hooks.no_room_for_selective) \
+                if s.selective and not self._selective_phase else None
+            if no_room is not None:
+                self.hooks.warn(f"lazytrain: policy \"auto\" does not measure selective layers, so its plan has none: "
+                                f"{no_room}")
+            elif s.selective and not self._selective_phase:   # now the same plan with every layer selective
                 self._plain_traces, self._traces = self._traces, []
                 self._selective_phase, self._steps_in_phase = True, 0
                 self.hooks.switch(self.selective_calibration)

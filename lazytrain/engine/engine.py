@@ -283,10 +283,28 @@ class LazyTrainEngine(nn.Module):
             say=lambda line: print(line) if self.global_rank == 0 else None,
             warn=lambda message: warnings.warn(message, UserWarning),
             current_policy=lambda: self.plan.policy,
-            save_profile=(lambda profile: profile.to_json(settings.profile_path)) if settings.profile_path else None)
+            save_profile=(lambda profile: profile.to_json(settings.profile_path)) if settings.profile_path else None,
+            no_room_for_selective=self._no_room_for_selective)
         planner = auto_plan.AutoPlanner(settings, self.plan, hooks)
         planner.start(saved)
         return planner
+
+    def _no_room_for_selective(self) -> str | None:
+        """Whether the device tier can hold what the calibration plan with every layer selective keeps
+        (every layer's matmul and attention outputs at the turn, as the planner's model of this model counts
+        them) beside the plain calibration's peak: None when it can, else why not."""
+        hbm = self.tiers["hbm"]
+        if hbm.capacity is None or self._seq_len is None:
+            return None
+        from ..planner.search import as_model_shape
+        shape = as_model_shape(self._model_cfg)
+        tokens = self.train_micro_batch_size_per_gpu() * self._seq_len
+        need = sum(layer.selective_elems_per_token() for layer in shape.layers) * tokens * shape.dtype_bytes
+        if hbm.peak_bytes + need <= hbm.capacity:
+            return None
+        return (f"every layer's kept matmul and attention outputs (about {need / 1e6:.1f} MB) do not fit on the "
+                f"device tier beside the calibration plan's peak ({hbm.peak_bytes / 1e6:.1f} MB of "
+                f"{hbm.capacity / 1e6:.1f} MB)")
 
     def _profile_of(self, traces: list, selective: list | None = None) -> measured.MachineProfile:
         """This machine's profile from the traced steps: each layer's times, the links' bandwidths, and from
