@@ -297,9 +297,8 @@ class LazyTrainEngine(nn.Module):
         if hbm.capacity is None or self._seq_len is None:
             return None
         from ..planner.search import as_model_shape
-        shape = as_model_shape(self._model_cfg)
         tokens = self.train_micro_batch_size_per_gpu() * self._seq_len
-        need = sum(layer.selective_elems_per_token() for layer in shape.layers) * tokens * shape.dtype_bytes
+        need = sum(as_model_shape(self._model_cfg).selective_bytes(tokens))
         if hbm.peak_bytes + need <= hbm.capacity:
             return None
         return (f"every layer's kept matmul and attention outputs (about {need / 1e6:.1f} MB) do not fit on the "

@@ -267,6 +267,11 @@ class ModelShape:
         """N in the paper's TFLOPS = 6 * N * batch * seq / step_time convention."""
         return self.reported_params or self.total_params
 
+    def selective_bytes(self, tokens: int) -> list[int]:
+        """Bytes each layer's forward under the selective checkpointing policy keeps for its re-runs, at
+        ``tokens`` tokens (Plan.selective_layers)."""
+        return [l.selective_elems_per_token() * tokens * self.dtype_bytes for l in self.layers]
+
     def head_flops_per_token(self) -> float:
         """LM head forward + backward (the embedding lookup has no matrix product)."""
         return 6.0 * self.vocab_size * self.hidden

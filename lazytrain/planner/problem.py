@@ -143,7 +143,7 @@ class Problem:
         # selective layers (Plan.selective_layers): the matmul and attention outputs their forward keeps,
         # and the share of a forward their re-runs still take (the non-matmul FLOPs' share, at least
         # SELECTIVE_RERUN_FLOOR)
-        self.sel_bytes = [l.selective_elems_per_token() * T * db for l in m.layers]
+        self.sel_bytes = m.selective_bytes(T)
         self.sel_rerun_frac = [min(1.0, max(SELECTIVE_RERUN_FLOOR, l.elementwise_flops_per_token()
                                             / l.fwd_flops_per_token(S))) for l in m.layers]
         self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
