@@ -125,17 +125,16 @@ class AutoPlanner:
             if len(self._traces) < s.profile_steps:
                 self._measure_next()
                 return
-            no_room = self.hooks.on_rank0(self.hooks.no_room_for_selective) \
-                if s.selective and not self._selective_phase else None
-            if no_room is not None:
+            if s.selective and not self._selective_phase:   # now the same plan with every layer selective
+                no_room = self.hooks.on_rank0(self.hooks.no_room_for_selective)
+                if no_room is None:
+                    self._plain_traces, self._traces = self._traces, []
+                    self._selective_phase, self._steps_in_phase = True, 0
+                    self.hooks.switch(self.selective_calibration)
+                    self._measure_next()
+                    return
                 self.hooks.warn(f"lazytrain: policy \"auto\" does not measure selective layers, so its plan has none: "
                                 f"{no_room}")
-            elif s.selective and not self._selective_phase:   # now the same plan with every layer selective
-                self._plain_traces, self._traces = self._traces, []
-                self._selective_phase, self._steps_in_phase = True, 0
-                self.hooks.switch(self.selective_calibration)
-                self._measure_next()
-                return
             plain, selective = (self._plain_traces, self._traces) if self._selective_phase else (self._traces, None)
             profile = self.hooks.on_rank0(lambda: self._profile_saved(plain, selective))
             reason = "measured" if not self.history else "measured again after drift"
