@@ -43,11 +43,12 @@ class _Kept:
 
 
 class _Sent:
-    """A saved tensor sent to the host: its index, and how to give it back its shape and strides."""
-    __slots__ = ("index", "order", "shape")
+    """A saved tensor sent to the host: its index, and how to give it back its shape and strides (the
+    permutation that undoes :func:`_compact`'s, None for none, then its broadcast shape)."""
+    __slots__ = ("index", "unpermute", "shape")
 
-    def __init__(self, index: int, order: tuple[int, ...] | None, shape: tuple[int, ...]):
-        self.index, self.order, self.shape = index, order, shape
+    def __init__(self, index: int, unpermute: tuple[int, ...] | None, shape: tuple[int, ...]):
+        self.index, self.unpermute, self.shape = index, unpermute, shape
 
 
 def _compact(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
@@ -126,7 +127,8 @@ class OffloadedInternals:
             self._tier.write(key, sent)
             self._owned.add((self._tier.name, key))
             self.nbytes += sent.numel() * sent.element_size()
-        return _Sent(n, order, tuple(t.shape))
+        unpermute = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
+        return _Sent(n, unpermute, tuple(t.shape))
 
     def weights_kept_outside_saved_tensors(self, outputs) -> list[str]:
         """The autograd Functions of the recorded graph (reached from ``outputs``) that keep a view of the
@@ -187,8 +189,8 @@ class OffloadedInternals:
             if value.device != self._device:
                 value = value.to(self._device)
             self._values[n] = value
-        if packed.order is not None:
-            value = value.permute(tuple(sorted(range(len(packed.order)), key=packed.order.__getitem__)))
+        if packed.unpermute is not None:
+            value = value.permute(packed.unpermute)
         return value.expand(packed.shape)
 
     def release(self) -> None:
