@@ -17,7 +17,8 @@ from lazytrain.config import ConfigError
 from lazytrain.engine.executor import ExecutorError
 from lazytrain.planner.plan import RECOMPUTE, Plan, PlanError, keep_all_plan, offload_all_plan
 from lazytrain.tiers import streams
-from engine_models import batches, lm_loss, make_model, max_rel_diff, plan_engine, reference_train, train_and_destroy
+from engine_models import (ModuleListLM, batches, lm_loss, make_model, max_rel_diff, plan_engine, reference_train,
+                           train_and_destroy)
 
 pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
 LINKS = {"copy_threads": True, "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
@@ -30,6 +31,17 @@ MIXED = Plan(num_layers=6, homes=("hbm", RECOMPUTE, RECOMPUTE, "host", RECOMPUTE
 def _calm_transfers_after():
     yield
     streams.configure()
+
+
+def _lm_of(block_class):
+    """A factory of ModuleListLM models whose blocks are ``block_class``, each built from seed 0."""
+    class LM(ModuleListLM):
+        block = block_class
+
+    def model():
+        torch.manual_seed(0)
+        return LM()
+    return model
 
 
 def _engine(tmp_path, kind, plan, links, accumulation=1, model=None):
@@ -223,14 +235,7 @@ class _LooksThenChangesInPlace(torch.nn.Module):
 
 @pytest.mark.parametrize("links", [False, True], ids=["in-place", "links"])
 def test_a_tensor_changed_in_place_after_it_was_saved_is_saved_again(tmp_path, links):
-    from engine_models import ModuleListLM
-
-    class LM(ModuleListLM):
-        block = _LooksThenChangesInPlace
-
-    def model():
-        torch.manual_seed(0)
-        return LM()
+    model = _lm_of(_LooksThenChangesInPlace)
     data = batches(3)
     weights = _train(_engine(tmp_path, None, offload_all_plan(6), links, model=model()), data)
     trained = model()
@@ -266,14 +271,7 @@ def test_weights_a_function_keeps_on_ctx_are_refused_where_the_buffer_is_reused(
     weights themselves, and training matches plain PyTorch; with the weights streamed into buffers other
     layers reuse before this one's backward, the layer is refused by name rather than trained on other
     layers' weights."""
-    from engine_models import ModuleListLM
-
-    class LM(ModuleListLM):
-        block = _CtxBlock
-
-    def model():
-        torch.manual_seed(0)
-        return LM()
+    model = _lm_of(_CtxBlock)
     data = batches(3)
     engine = _engine(tmp_path, None, MIXED, links, model=model())
     if links:
@@ -335,12 +333,7 @@ class _SigmoidThenScaledInPlace(torch.nn.Module):
 
 
 def test_a_saved_tensor_changed_in_place_later_in_the_forward_fails_its_backward_as_in_pytorch(tmp_path):
-    from engine_models import ModuleListLM
-
-    class LM(ModuleListLM):
-        block = _SigmoidThenScaledInPlace
-    torch.manual_seed(0)
-    model = LM()
+    model = _lm_of(_SigmoidThenScaledInPlace)()
     x, y = batches(1)[0]
     with pytest.raises(RuntimeError, match="one of the variables needed for gradient computation has been modified "
                                            "by an inplace operation"):
