@@ -1,6 +1,7 @@
 """Data parallel on this CPU: 1, 2 and 4 ranks (gloo) on the same global batch, LazyTrain with its optimizer
-state sharded (zero_optimization.stage 2) beside DeepSpeed ZeRO-2 and ZeRO-3 with CPU offload of the
-optimizer (when DeepSpeed is installed and its CPU Adam op is built or can be).
+state sharded (zero_optimization.stage 2, or 3 with ``--stage 3``: the parameters outside the streamed blocks
+partitioned too) beside DeepSpeed ZeRO-2 and ZeRO-3 with CPU offload of the optimizer (when DeepSpeed is
+installed and its CPU Adam op is built or can be).
 
 Per rank it reports what the run holds in host memory for training state (fp32 master weights, optimizer
 state, gradient buffers, compute-dtype copies: the tensors each system allocates for them, counted by their
@@ -9,12 +10,16 @@ timed steps, divided by steps and ranks; every rank talks over loopback here), t
 and the process CPU time per step per rank (the ranks share this machine's two cores, so wall time grows
 with the number of ranks whatever the system does).
 
+Host bytes are counted between steps (after the last timed step). At stage 3 a rank also holds, during a
+step, the parameters of other ranks that the module running needs (the embedding's from its forward to its
+backward, the head's likewise): "held MB" is the most it held at once, measured by the engine.
+
 Memory the ranks of a node share (LazyTrain's node-shared weights) is reported apart and counted once in
 the total. "layers" is LazyTrain's state for the streamed layers alone: what it keeps in host memory when
 it trains on a GPU, where the embeddings and the head (and their optimizer state) live on the device.
 
     python benchmarks/scale_cpu.py [--ranks 1 2 4] [--steps 4] [--no-deepspeed] [--dtype fp32|bf16]
-                                   [--communication-data-type fp32|bf16]
+                                   [--communication-data-type fp32|bf16] [--stage 1|2|3]
 """
 from __future__ import annotations
 
@@ -76,10 +81,10 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _lazytrain(world, rank, dtype, comm):
+def _lazytrain(world, rank, dtype, comm, stage):
     import lazytrain
     cfg = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
-           "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_optimization": {"stage": 2},
+           "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "lazytrain": {"checkpoint_interval": 4}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -111,6 +116,7 @@ def _lazytrain(world, rank, dtype, comm):
             own = [t for t in tensors if torch.is_tensor(t) and _storage_key(t) not in shared_keys]
             mine = [t for t in tensors if torch.is_tensor(t) and _storage_key(t) in shared_keys]
             split[name] = (_bytes(own), _bytes(mine))
+        split["held"] = engine.partitioned.peak_held_bytes if engine.partitioned is not None else 0
         return split
     return step, state
 
@@ -145,16 +151,16 @@ def _deepspeed(world, rank, stage, dtype, comm):
         tensors += [getattr(t, "grad", None) for t in list(tensors)]   # fp32 partitions' gradients
         inner = getattr(opt, "optimizer", opt)
         tensors += [t for st in inner.state.values() for t in st.values()]
-        return {"layers": None, "other": (_bytes([t for t in tensors if t is not None]), 0)}
+        return {"layers": None, "other": (_bytes([t for t in tensors if t is not None]), 0), "held": None}
     return step, state
 
 
-def _worker(rank, world, port, system, steps, out, dtype, comm):
+def _worker(rank, world, port, system, steps, out, dtype, comm, stage):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    step, state = _lazytrain(world, rank, dtype, comm) if system == "lazytrain" else \
+    step, state = _lazytrain(world, rank, dtype, comm, stage) if system == "lazytrain" else \
         _deepspeed(world, rank, int(system[-1]), dtype, comm)
     batches = _batches(steps + 1)
     per = GLOBAL_BATCH // world
@@ -177,9 +183,9 @@ def _worker(rank, world, port, system, steps, out, dtype, comm):
         torch.distributed.destroy_process_group()
 
 
-def run(system, world, steps, dtype="fp32", comm=None):
+def run(system, world, steps, dtype="fp32", comm=None, stage=2):
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world, _free_port(), system, steps, out, dtype, comm), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _free_port(), system, steps, out, dtype, comm, stage), nprocs=world, join=True)
         rows = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(world)]
     sent = rows[0]["tx"] / steps / world if world > 1 else 0   # loopback counts every rank's traffic once
 
@@ -192,6 +198,7 @@ def run(system, world, steps, dtype="fp32", comm=None):
                           if rows[0]["state_bytes"][p]),
             "total": total(("layers", "other") if has_layers else ("other",)),
             "layers": total(("layers",)) if has_layers else None,
+            "held": None if rows[0]["state_bytes"]["held"] is None else max(r["state_bytes"]["held"] for r in rows),
             "sent": sent, "wall": statistics.median(r["wall_s"] for r in rows),
             "cpu": statistics.median(r["cpu_s"] for r in rows)}
 
@@ -204,6 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--communication-data-type", choices=["fp32", "bf16"], default=None,
                     help="the config key of that name, for every system (unset: each system's default)")
+    ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=2, help="LazyTrain's zero_optimization.stage")
     args = ap.parse_args(argv)
     systems = ["lazytrain"]
     if not args.no_deepspeed:
@@ -214,15 +222,16 @@ def main(argv=None) -> int:
             print("DeepSpeed not installed: LazyTrain alone (pip install 'lazytrain[deepspeed]')")
     n = sum(p.numel() for p in _model().parameters())
     print(f"Llama {n / 1e6:.1f}M parameters, global batch {GLOBAL_BATCH} x seq {SEQ}, {args.dtype}, AdamW, communication_data_type "
-          f"{args.communication_data_type or 'unset'}; "
+          f"{args.communication_data_type or 'unset'}; LazyTrain at stage {args.stage}; "
           f"{args.steps} timed steps after one warm-up")
     print(f"{'system':<17} {'ranks':>5} {'own MB/rank':>11} {'node-shared MB':>14} {'total MB':>8} {'x 1 rank':>8} "
-          f"{'layers MB':>9} {'x 1 rank':>8} {'sent MB/rank/step':>17} {'wall s/step':>11} {'cpu s/step/rank':>15}")
+          f"{'layers MB':>9} {'x 1 rank':>8} {'held MB':>7} {'sent MB/rank/step':>17} {'wall s/step':>11} "
+          f"{'cpu s/step/rank':>15}")
     for system in systems:
         base = base_layers = None
         for world in args.ranks:
             try:
-                r = run(system, world, args.steps, args.dtype, args.communication_data_type)
+                r = run(system, world, args.steps, args.dtype, args.communication_data_type, args.stage)
             except Exception as e:   # noqa: BLE001 - one system failing must not hide the others
                 print(f"{system:<17} {world:>5}  failed: {type(e).__name__}: {str(e).splitlines()[-1][:120]}")
                 continue
@@ -231,8 +240,9 @@ def main(argv=None) -> int:
             ratio = f"{r['total'] / base:.2f}" if base else "-"
             layers = f"{r['layers'] / 1e6:.1f}" if r["layers"] is not None else "-"
             layers_ratio = f"{r['layers'] / base_layers:.2f}" if base_layers and r["layers"] is not None else "-"
+            held = f"{r['held'] / 1e6:.1f}" if r["held"] is not None else "-"
             print(f"{system:<17} {world:>5} {r['own'] / 1e6:>11.1f} {r['shared'] / 1e6:>14.1f} {r['total'] / 1e6:>8.1f} "
-                  f"{ratio:>8} {layers:>9} {layers_ratio:>8} {r['sent'] / 1e6:>17.1f} {r['wall']:>11.3f} "
+                  f"{ratio:>8} {layers:>9} {layers_ratio:>8} {held:>7} {r['sent'] / 1e6:>17.1f} {r['wall']:>11.3f} "
                   f"{r['cpu']:>15.3f}", flush=True)
     return 0
 

@@ -34,6 +34,24 @@ def _config(world, stage, overlap, dtype="fp32"):
     return cfg
 
 
+def non_block_bytes(engine) -> int:
+    """What a rank holds for the parameters outside the blocks: weights, fp32 masters, gradients and Adam
+    moments (each storage once)."""
+    tensors = list(engine.non_block_params) + [p.grad for p in engine.non_block_params]
+    if engine.masters is not None:
+        tensors += [m for _, m in engine.masters.pairs] + [m.grad for _, m in engine.masters.pairs]
+    masters = {id(t) for t in tensors}
+    tensors += [t for p, st in engine.optimizer.state.items() if id(p) in masters for t in st.values()]
+    seen, total = set(), 0
+    for t in tensors:
+        if torch.is_tensor(t) and t.dim() > 0 and t.numel() > 0:
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
 def state_bytes(optimizer) -> int:
     return sum(t.numel() * t.element_size() for st in optimizer.state.values() for t in st.values()
                if torch.is_tensor(t) and t.dim() > 0)
@@ -93,7 +111,9 @@ def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm)
         engine.step()
     engine.wait_for_update()
     result = {"weights": engine.module_state_dict(), "state_bytes": state_bytes(engine.optimizer),
-              "sharded": engine.shards is not None,
+              "sharded": engine.shards is not None, "non_block_bytes": non_block_bytes(engine),
+              "empty_here": sorted(n for n, p in engine.module.named_parameters() if p.numel() == 0),
+              "held_peak": engine.partitioned.peak_held_bytes if engine.partitioned is not None else None,
               "master_bytes": sum(m.numel() * 4 for m in engine.weights.master if m is not None)}
     if save:   # what this rank gathers to write its part: fp32 values of the ranges its files hold
         from lazytrain.engine import sharded_checkpoint
@@ -143,7 +163,7 @@ def as_model(weights):
     return model
 
 
-TRAINED = [(2, 1, False), (2, 2, True), (4, 1, True), (4, 3, False)]
+TRAINED = [(2, 1, False), (2, 2, True), (4, 1, True), (4, 3, False), (2, 3, True)]
 for _world, _stage, _overlap in TRAINED:
     train(_world, _stage, _overlap)
 
@@ -231,7 +251,7 @@ def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_r
             assert v.dtype == torch.float32 and torch.equal(r["weights"][k], v), k
 
 
-MIXED = [(2, False, "bf16"), (1, False, "fp16")]
+MIXED = [(2, False, "bf16"), (1, False, "fp16"), (3, True, "bf16")]
 
 
 def mixed_resume(stage, overlap, dtype):
@@ -803,3 +823,111 @@ def test_block_parameters_added_after_initialize_are_refused_when_sharded(spawne
     for outcome in spawned("block-group-added"):
         assert outcome.startswith("a parameter group added to the optimizer after initialize holds streamed block "
                                   "parameters (stack.0.norm.weight, stack.0.norm.bias, stack.0.fc1.weight, ...)")
+
+
+# ---- stage 3: the parameters outside the blocks partitioned too ------------------------------------------
+NON_BLOCK = ["emb.weight", "extra.0.bias", "extra.0.weight", "head.bias", "head.weight"]
+for _world in (1, 4):
+    train(_world, stage=3)
+train(4, stage=2)
+
+
+def test_at_stage_3_the_ranks_hold_each_non_block_tensor_once_between_steps(spawned):
+    """Between steps the 4 ranks together hold exactly what one process holds for the embedding, the extra
+    layer and the head (weights and moments), each rank its own; at stage 2 every rank holds every weight.
+    During a step a rank holds the others' weights only while a module uses them."""
+    one = spawned(train(1, stage=3))[0]
+    stage3 = spawned(train(4, stage=3))
+    stage2 = spawned(train(4, stage=2))
+    weights = {n: p.numel() * 4 for n, p in make_model("modulelist").named_parameters() if n in NON_BLOCK}
+    assert sum(r["non_block_bytes"] for r in stage3) == one["non_block_bytes"]
+    assert sum(r["non_block_bytes"] for r in stage2) == one["non_block_bytes"] + 3 * sum(weights.values())
+    assert sorted(n for r in stage3 for n in r["empty_here"]) == sorted(NON_BLOCK * 3)   # each whole on one rank
+    for r in stage3:
+        assert 0 < r["held_peak"] <= sum(weights[n] for n in r["empty_here"])
+    assert one["held_peak"] is None and all(r["held_peak"] is None for r in stage2)
+
+
+train(2, stage=3, overlap=True, dtype="bf16")
+train(2, stage=0, overlap=True, dtype="bf16")
+
+
+def test_bf16_at_stage_3_trains_bit_for_bit_as_replicated_ranks(spawned):
+    results = spawned(train(2, stage=3, overlap=True, dtype="bf16"))
+    replicated = spawned(train(2, stage=0, overlap=True, dtype="bf16"))
+    for r in results:
+        assert r["empty_here"] and r["handed_back"]
+        for k, v in replicated[0]["weights"].items():
+            assert v.dtype == torch.float32 and torch.equal(r["weights"][k], v), k
+
+
+SAVED_AT_3 = train(4, stage=3, steps="first", save=True)
+RESUMED_AT_3 = {world: train(world, stage=3, steps="then", load=SAVED_AT_3) for world in (4, 2, 1)}
+STAGE_1_TO_3 = train(2, stage=3, steps="then", load=SAVED_BY_4)
+
+
+def test_a_stage_3_checkpoint_of_4_ranks_resumes_with_2_and_1_and_a_stage_1_one_at_stage_3(spawned):
+    ckpt = os.path.join(str(spawned.root / SAVED_AT_3 / "ckpt"), "t")
+    assert sorted(f for f in os.listdir(ckpt) if "model_states" in f) == \
+        [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(4)]   # DeepSpeed's stage-3 files
+    straight = spawned(RESUMED_AT_3[4])[0]["weights"]
+    assert max_rel_diff(as_model(straight), as_model(spawned(RESUMED_BY[4])[0]["weights"])) < 1e-5
+    for name in (RESUMED_AT_3[2], RESUMED_AT_3[1], STAGE_1_TO_3):
+        for r in spawned(name):
+            assert max_rel_diff(as_model(r["weights"]), as_model(straight)) < 1e-5, name
+
+
+def _stage3_uses(rank, world, out_dir):
+    """What scripts do beside training: an evaluation forward without grad between a forward and its
+    backward, one under grad that is never differentiated, a read of a gathered parameter, the model's own
+    state_dict and load_state_dict."""
+    import warnings
+
+    import lazytrain
+    from lazytrain.integrations.deepspeed_entry import _GatheredParameters
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, 3, False))
+    per = GLOBAL // world
+    out = {}
+    for i, (x, y) in enumerate(batches(3, batch=GLOBAL)):
+        part = slice(per * rank, per * rank + per)
+        loss = lm_loss(engine(x[part]), y[part])
+        with torch.no_grad():
+            engine(x[part])                     # drops what this rank does not own, before the backward needs it
+        engine.backward(loss)
+        engine.step()
+        if i == 0:
+            engine(x[part]).sum()               # under grad, never differentiated
+    with _GatheredParameters([engine.module.head.weight]):
+        out["gathered_head"] = engine.module.head.weight.detach().clone()
+    out["head_after"] = tuple(engine.module.head.weight.shape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        partial = engine.module.state_dict()
+    out["state_dict_warnings"] = [str(w.message) for w in caught if "stage 3" in str(w.message)]
+    out["state_dict_shapes"] = {k: tuple(v.shape) for k, v in partial.items()}
+    try:
+        engine.module.load_state_dict(partial)
+        out["load_error"] = None
+    except RuntimeError as e:
+        out["load_error"] = str(e)
+    out["weights"] = engine.module_state_dict()
+    engine.destroy()
+    return out
+
+
+case(2, "stage3-uses", _stage3_uses)
+
+
+def test_stage_3_evaluation_forwards_gathers_state_dicts_and_loads(spawned):
+    results = spawned("stage3-uses")
+    ref = reference(batches(3, batch=GLOBAL), 2)
+    for r in results:
+        assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
+        assert torch.equal(r["gathered_head"], r["weights"]["head.weight"])
+        assert len(r["state_dict_warnings"]) == 1 and "empty tensors for those other ranks own" in \
+            r["state_dict_warnings"][0]
+        assert r["load_error"].startswith("load_state_dict() at zero_optimization.stage 3: the parameters outside "
+                                          "the streamed blocks are partitioned across the ranks")
+    owner_of_head = [r for r in results if r["head_after"] != (0,)]
+    assert len(owner_of_head) == 1 and [r["state_dict_shapes"]["head.weight"] for r in results if
+                                        r is not owner_of_head[0]] == [(0,)]

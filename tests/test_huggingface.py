@@ -210,11 +210,11 @@ def test_restore_deepspeed_puts_back_what_replace_changed():
 def test_a_gathered_write_meant_for_every_rank_is_refused_with_several_ranks(monkeypatch):
     from lazytrain.integrations import deepspeed_entry
     params = list(torch.nn.Linear(2, 2).parameters())
-    with deepspeed_entry._NothingToGather(params, modifier_rank=0):   # one process: nothing to broadcast
+    with deepspeed_entry._GatheredParameters(params, modifier_rank=0):   # one process: nothing to broadcast
         pass
     monkeypatch.setattr(deepspeed_entry, "_world_size", lambda: 2)
-    with deepspeed_entry._NothingToGather(params):                    # a read on every rank is fine
+    with deepspeed_entry._GatheredParameters(params):                    # a read on every rank is fine
         pass
     with pytest.raises(NotImplementedError, match=r"GatheredParameters\(\.\.\., modifier_rank=\.\.\.\) with more "
                                                   r"than one rank"):
-        deepspeed_entry._NothingToGather(params, modifier_rank=0)
+        deepspeed_entry._GatheredParameters(params, modifier_rank=0)

@@ -127,6 +127,13 @@ class DistributedContext:
             if sent is not t and self.rank == owner:
                 t.copy_(sent)
 
+    def reduce_mean_to(self, t: torch.Tensor, owner: int, what: str) -> torch.Tensor:
+        """``t`` divided by the world size (in the communication dtype: ``t`` itself, changed in place, when it
+        is in it) and summed into rank ``owner``'s; returns what was sent, which holds the sum on the owner."""
+        sent = self._for_sending(t)
+        self._collective(what, dist.reduce, sent, dst=owner, group=self.group_for(sent))
+        return sent
+
     def reduce_gradient(self, t: torch.Tensor, owner: int) -> None:
         """Sum every rank's host tensor ``t`` into rank ``owner``'s, on the gradient path's group (one layer's
         gradient of one micro-batch, as it lands: sharding.GradientsToOwners)."""

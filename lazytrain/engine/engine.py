@@ -31,6 +31,7 @@ from . import safe_load
 from . import deepspeed_checkpoint as ds_ckpt
 from . import deepspeed_layout as ds_layout
 from . import auto_plan, node_memory, sharding
+from .partitioned_params import PartitionedParams
 from . import sharded_checkpoint as sharded_ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
 from .distributed import CollectiveError, DistributedContext
@@ -149,8 +150,11 @@ class LazyTrainEngine(nn.Module):
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self._move_non_block(model, blocks)
         home = self._masters_home(len(blocks))
+        # stage 3 partitions the non-block parameters: each then has a master, which only its owner keeps
+        partition = self.dist.enabled and config.zero_stage >= 3 and optimizer is None and \
+            config.optimizer.type is not None
         self.masters = Masters(self.non_block_params, self.compute_dtype, home) \
-            if self.compute_dtype != torch.float32 or home != self.device else None
+            if self.compute_dtype != torch.float32 or home != self.device or partition else None
         remap = self.masters.master_of if self.masters is not None else (lambda p: p)
 
         # optimizer and schedule
@@ -165,6 +169,7 @@ class LazyTrainEngine(nn.Module):
         wants_overlap = overlap is True or (overlap == "auto" and (self.device.type == "cuda" or
                                                                    config.lazytrain.policy == "auto"))
         self.shards: sharding.Ownership | None = None   # zero_optimization.stage >= 1 over several ranks
+        self.partitioned: PartitionedParams | None = None   # stage 3: the non-block parameters too
         self.node_shared_weights = False   # the streamed layers' weights: one host copy per node
         self._one_shared_node = False      # ... and every rank on that one node: owners broadcast a signal
         if optimizer is not None:
@@ -183,6 +188,10 @@ class LazyTrainEngine(nn.Module):
                         self.dist.reduce_gradient, self.dist.comm_dtype))
                 self._whole_groups = groups
                 groups = sharding.owned_groups(groups, self.shards)
+                if partition:
+                    self.partitioned = PartitionedParams(self.masters, lambda m: self.shards.param_owner.get(id(m)),
+                                                         self.global_rank, self.dist, model,
+                                                         {id(m) for m in blocks.modules()})
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
@@ -247,6 +256,8 @@ class LazyTrainEngine(nn.Module):
         self._seq_len: int | None = config.lazytrain.seq_len
         self._profile_seq_len: int | None = None   # a saved profile's, until a batch has been seen
         self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
+        if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
+            self.partitioned.partition()
 
     # ---- set-up helpers ------------------------------------------------------------------------
     def _auto_planner(self) -> auto_plan.AutoPlanner:
@@ -674,7 +685,7 @@ class LazyTrainEngine(nn.Module):
             with streams.span("wait", "gradients to host"):
                 self.weights.flush_grads()
             self.weights.attach_grads()
-            self.dist.fill_missing_grads(self._non_block_grad_holders())
+            self.dist.fill_missing_grads([t for t in self._non_block_grad_holders() if not self._partitioned(t)])
             grads = self._all_grads()
             # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
             # so that the gradients are rescaled in one pass (or inside the fused optimizer update)
@@ -738,6 +749,8 @@ class LazyTrainEngine(nn.Module):
                     raise self._inconsistent(
                         f"step {self.global_steps + 1} updated the weights, then advancing the learning-rate "
                         f"schedule failed", e, "the step counter and the gradients did not advance") from e
+        if self.partitioned is not None:
+            self.partitioned.release_all()   # the owners' weights changed: the copies held for forwards are old
         if self.layer_updates is not None and self._step_applied:
             self._zero_non_block_grads()   # the update thread zeroes each layer's gradients after its update
         else:
@@ -943,6 +956,9 @@ class LazyTrainEngine(nn.Module):
         for t in self._non_block_grad_holders():
             if t.grad is None:
                 continue
+            if self._partitioned(t):   # reduced to its owner in the backward: only the owner has a gradient
+                owned.append(t.grad)
+                continue
             owner = shards.param_owner.get(id(t))
             if owner is None:
                 replicated.append(t.grad)
@@ -966,8 +982,15 @@ class LazyTrainEngine(nn.Module):
         if non_block:
             for t in self._non_block_grad_holders():
                 owner = shards.param_owner.get(id(t))
-                if owner is not None:
+                if owner is not None and not self._partitioned(t):   # a partitioned one: fetched at its next use
                     self.dist.broadcast_from([t.data], owner)
+
+    def _partitioned(self, t: torch.Tensor) -> bool:
+        return self.partitioned is not None and self.partitioned.partitioned(t)
+
+    def _whole(self):
+        """Meanwhile every parameter is whole on every rank (stage 3: a collective; else nothing to do)."""
+        return self.partitioned.materialized() if self.partitioned is not None else contextlib.nullcontext()
 
     def _published(self, i: int) -> torch.Tensor:
         """What layer i's owner broadcasts after its update. When every rank is on one node and shares its
@@ -1064,7 +1087,8 @@ class LazyTrainEngine(nn.Module):
         own, so every rank must call it."""
         self._refuse_if_inconsistent("module_state_dict()")
         self.wait_for_update()
-        return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
+        with self._whole():
+            return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
 
     def _module_state(self, exclude_frozen_parameters: bool, copy: bool,
                       foreign: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -1086,6 +1110,10 @@ class LazyTrainEngine(nn.Module):
 
     def _load_module_state(self, state: dict, strict: bool, custom_load_fn=None) -> None:
         self.wait_for_update()
+        with self._whole():   # stage 3: every rank loads every parameter; the owners keep them
+            self._load_module_state_whole(state, strict, custom_load_fn)
+
+    def _load_module_state_whole(self, state: dict, strict: bool, custom_load_fn) -> None:
         if custom_load_fn is None:
             self.module.load_state_dict(state, strict=strict)   # the hooks below do the rest
             return
@@ -1129,7 +1157,8 @@ class LazyTrainEngine(nn.Module):
         self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
         self.wait_for_update()
         if self.shards is not None:
-            return self._save_sharded(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            with self._whole():   # stage 3: each rank writes its part of every parameter (DeepSpeed's layout)
+                return self._save_sharded(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         error = None
         try:
             export = self._export(client_state, exclude_frozen_parameters)
@@ -1488,7 +1517,8 @@ class LazyTrainEngine(nn.Module):
         ``torch.save`` as asked."""
         self._refuse_if_inconsistent("save_16bit_model()")
         # safetensors refuses tensors that share memory: tied names each get their own copy, as in DeepSpeed
-        state = self._state_in_compute_dtype(exclude_frozen_parameters, share_tied=False)
+        with self._whole():
+            state = self._state_in_compute_dtype(exclude_frozen_parameters, share_tied=False)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
@@ -1505,8 +1535,13 @@ class LazyTrainEngine(nn.Module):
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """DeepSpeed's whole-model state for a ZeRO-3 save: the weights in the training precision on rank 0,
-        ``None`` on the others. LazyTrain never partitions a parameter, so this answers at every stage."""
+        ``None`` on the others. It answers at every stage; at stage 3 every rank must call it (the non-block
+        parameters are gathered from their owners)."""
         self._refuse_if_inconsistent("_zero3_consolidated_16bit_state_dict()")
+        if self.partitioned is not None:
+            with self._whole():
+                state = self._state_in_compute_dtype(exclude_frozen_parameters) if self.global_rank == 0 else None
+            return state
         if self.global_rank != 0:   # every rank holds the whole weights: nothing to gather, nothing to build
             return None
         return self._state_in_compute_dtype(exclude_frozen_parameters)
@@ -1544,6 +1579,8 @@ class LazyTrainEngine(nn.Module):
         node-shared memory is the other ranks' too, and in sharded bf16/fp16 the layers other ranks own have
         no fp32 weights here: they are gathered, so every rank must call ``destroy``)."""
         self.wait_for_update()
+        if self.partitioned is not None:
+            self.partitioned.unpartition()   # every non-block parameter and master whole here again
         w = self.weights
         foreign = self._foreign_masters()
         if not foreign and not self.node_shared_weights:

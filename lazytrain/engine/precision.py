@@ -21,25 +21,36 @@ class Masters:
 
     def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        self._hooks = []
+        self._hooks = {}
+        self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         for p in params:
             where = p.device if home is None else home
-            master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=p.requires_grad)
-            p.data = p.data.to(compute_dtype)
+            if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
+                master = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            else:
+                master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=p.requires_grad)
+                p.data = p.data.to(compute_dtype)
             if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(_into_master(master)))
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(_into_master(master))
             self.pairs.append((p, master))
         self.by_param = {id(p): m for p, m in self.pairs}
+
+    def remove_grad_hook(self, p: nn.Parameter) -> None:
+        """``p``'s gradient goes elsewhere (partitioned_params.py reduces it to the master's owner)."""
+        handle = self._hooks.pop(id(p), None)
+        if handle is not None:
+            handle.remove()
 
     def hand_back(self) -> None:
         """The model as it was given: its parameters in fp32 again (the masters' values, where the parameters
         live) and keeping their own ``.grad`` (after ``destroy()``, or a set-up that failed)."""
-        for handle in self._hooks:
+        for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
         with torch.no_grad():
             for p, m in self.pairs:
-                p.data = m.data.to(p.device)
+                if id(p) not in self.elsewhere:
+                    p.data = m.data.to(p.device)
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
@@ -54,8 +65,9 @@ class Masters:
     def params_showing_masters(self):
         """Meanwhile each parameter's storage is its fp32 master, so what code writes into the parameters
         lands in the masters at full precision; then the compute-dtype copies are refreshed from them."""
-        shown = [(p, p.data) for p, _ in self.pairs]
-        for p, m in self.pairs:
+        here = [(p, m) for p, m in self.pairs if id(p) not in self.elsewhere]
+        shown = [(p, p.data) for p, _ in here]
+        for p, m in here:
             p.data = m.data
         try:
             yield
@@ -67,7 +79,8 @@ class Masters:
     def masters_to_params(self) -> None:
         with torch.no_grad():
             for p, m in self.pairs:
-                p.copy_(m)
+                if id(p) not in self.elsewhere and p.data_ptr() != m.data_ptr():
+                    p.copy_(m)
 
     def zero_grad(self) -> None:
         """No gradient at all, not a zero one: a parameter that gets none in the next step is skipped by

@@ -8,9 +8,9 @@ that code reaches into DeepSpeed:
 
 - ``deepspeed.DeepSpeedEngine``: what accelerate's ``unwrap_model`` peels off before a save; it answers
   ``isinstance`` for LazyTrain's engines too, so saved weights carry the model's own names (no ``module.``).
-- ``deepspeed.zero.Init`` and ``deepspeed.zero.GatheredParameters``: LazyTrain never partitions a parameter
-  (its ZeRO stage is about host state), so a model is built whole and nothing needs gathering.
-- transformers' ZeRO-3 switch (``is_deepspeed_zero3_enabled``): off, for the same reason; otherwise
+- ``deepspeed.zero.Init``: the model is built whole (LazyTrain partitions at ``initialize``, and only at
+  stage 3 the parameters outside the streamed blocks). ``deepspeed.zero.GatheredParameters``: gathers those.
+- transformers' ZeRO-3 switch (``is_deepspeed_zero3_enabled``): off, so that a model is built whole; otherwise
   ``from_pretrained`` would build the model through DeepSpeed's partitioning.
 
 DeepSpeed itself must be installed (transformers and accelerate check for it before they take this path), but
@@ -24,6 +24,8 @@ import contextlib
 import os
 import socket
 import threading
+
+import torch
 
 _lock = threading.Lock()
 _saved: dict | None = None   # what replace_deepspeed changed: (object, attribute) -> original value
@@ -58,7 +60,7 @@ def replace_deepspeed() -> None:
         put(deepspeed, "initialize", _initialize_as_deepspeed_does(initialize))
         put(deepspeed, "DeepSpeedEngine", _engine_type(deepspeed.DeepSpeedEngine, LazyTrainEngine))
         put(deepspeed.zero, "Init", _WholeParameters)
-        put(deepspeed.zero, "GatheredParameters", _NothingToGather)
+        put(deepspeed.zero, "GatheredParameters", _GatheredParameters)
         _replace_transformers_zero3_switch(put)
         _saved = saved
 
@@ -126,18 +128,36 @@ class _WholeParameters(contextlib.nullcontext):
         super().__init__()
 
 
-class _NothingToGather(contextlib.nullcontext):
-    """``deepspeed.zero.GatheredParameters(...)`` under LazyTrain: every parameter is already whole. With
-    ``modifier_rank`` set, DeepSpeed broadcasts that rank's writes to the others on exit; with more than one
-    rank that write would stay on one rank here (the ranks' replicas would silently differ), so it is refused."""
+class _GatheredParameters:
+    """``deepspeed.zero.GatheredParameters(...)`` under LazyTrain: the parameters LazyTrain partitions (at
+    ``zero_optimization.stage`` 3, those outside the streamed blocks: partitioned_params.py) are gathered
+    for the duration, read only, on every rank at once as under DeepSpeed; every other parameter is whole
+    already. With ``modifier_rank`` set, DeepSpeed broadcasts that rank's writes to the others on exit; with
+    more than one rank that write would stay on one rank here (the ranks' replicas would silently differ),
+    so it is refused."""
 
     def __init__(self, params=None, modifier_rank=None, fwd_module=None, enabled=True):
-        super().__init__()
         if enabled and modifier_rank is not None and _world_size() > 1:
             raise NotImplementedError(
                 "deepspeed.zero.GatheredParameters(..., modifier_rank=...) with more than one rank under "
                 "lazytrain.replace_deepspeed(): the ranks' writes are not broadcast, so their replicas would "
                 "differ; run this step with one process, or write the parameters on every rank")
+        if params is None:
+            params = []
+        elif isinstance(params, torch.Tensor):
+            params = [params]
+        self._params = list(params) if enabled else []
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        from ..engine.partitioned_params import LIVE
+        for partitioned in list(LIVE):
+            self._stack.enter_context(partitioned.gathered(self._params))
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        return False
 
 
 def _world_size() -> int:
