@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dist_helpers import free_port, join_as, reports, spawn_cases
-from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+from engine_models import VOCAB, ModuleListLM, batches, lm_loss, make_hf_model, make_model, max_rel_diff, reference_train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 GLOBAL = 4   # samples per step over all ranks
@@ -897,9 +897,16 @@ def _stage3_uses(rank, world, out_dir):
         engine.step()
         if i == 0:
             engine(x[part]).sum()               # under grad, never differentiated
-    with _GatheredParameters([engine.module.head.weight]):
-        out["gathered_head"] = engine.module.head.weight.detach().clone()
-    out["head_after"] = tuple(engine.module.head.weight.shape)
+    head = engine.module.head.weight
+    with _GatheredParameters([head]):
+        out["gathered_head"] = head.detach().clone()
+        with _GatheredParameters([head]):     # scopes nest: the inner one leaves the outer's copy
+            pass
+        engine.module_state_dict()             # a save's gather leaves it too
+        with torch.no_grad():
+            engine(batches(1, batch=GLOBAL)[0][0][:per])   # and so does a forward without grad
+        out["gathered_still"] = tuple(head.shape)
+    out["head_after"] = tuple(head.shape)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         partial = engine.module.state_dict()
@@ -924,6 +931,7 @@ def test_stage_3_evaluation_forwards_gathers_state_dicts_and_loads(spawned):
     for r in results:
         assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
         assert torch.equal(r["gathered_head"], r["weights"]["head.weight"])
+        assert r["gathered_still"] == (VOCAB, 32)
         assert len(r["state_dict_warnings"]) == 1 and "empty tensors for those other ranks own" in \
             r["state_dict_warnings"][0]
         assert r["load_error"].startswith("load_state_dict() at zero_optimization.stage 3: the parameters outside "
@@ -931,3 +939,81 @@ def test_stage_3_evaluation_forwards_gathers_state_dicts_and_loads(spawned):
     owner_of_head = [r for r in results if r["head_after"] != (0,)]
     assert len(owner_of_head) == 1 and [r["state_dict_shapes"]["head.weight"] for r in results if
                                         r is not owner_of_head[0]] == [(0,)]
+
+
+class HandTiedLM(ModuleListLM):
+    """Its head is the embedding's weight, read in the model's own forward, outside the embedding's."""
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.stack:
+            x = blk(x)
+        return self.extra[0](x) @ self.emb.weight.t()
+
+
+def _hand_tied(rank, world, out_dir, stage):
+    """Training with a forward without grad between each forward and its backward."""
+    import lazytrain
+    torch.manual_seed(0)
+    engine, _, _, _ = lazytrain.initialize(model=HandTiedLM(), config=_config(world, stage, False))
+    per = GLOBAL // world
+    for x, y in batches(2, batch=GLOBAL):
+        part = slice(per * rank, per * rank + per)
+        loss = lm_loss(engine(x[part]), y[part])
+        with torch.no_grad():
+            engine(x[part])
+        engine.backward(loss)
+        engine.step()
+    out = {"weights": engine.module_state_dict()}
+    engine.destroy()
+    return out
+
+
+def _hf_stage3(rank, world, out_dir, stage):
+    """A Hugging Face Llama with the chunked loss (its head's weight read outside the head), then generate
+    with an end token that stops one rank's sequence after one token and not the other's."""
+    import lazytrain
+    cfg = _config(world, stage, False)
+    cfg["lazytrain"].update(loss_chunk_tokens=4, collective_timeout_s=120)   # a rank left waiting fails, soon
+    engine, _, _, _ = lazytrain.initialize(model=make_hf_model("llama"), config=cfg)
+    per = GLOBAL // world
+    losses = []
+    for x, y in batches(2, batch=GLOBAL):
+        part = slice(per * rank, per * rank + per)
+        out = engine(input_ids=x[part], labels=y[part])
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(float(out.loss))
+    model = engine.module
+    model.eval()
+    prompts = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    with torch.no_grad():
+        first = model(input_ids=prompts).logits[:, -1].argmax(-1)
+        mine = prompts[rank:rank + 1]
+        generated = model.generate(input_ids=mine, attention_mask=torch.ones_like(mine), max_new_tokens=5,
+                                   do_sample=False, eos_token_id=int(first[0]), pad_token_id=0)
+    result = {"losses": losses, "weights": engine.module_state_dict(), "generated": generated[0].tolist(),
+              "first": first.tolist()}
+    engine.destroy()
+    return result
+
+
+for _stage in (2, 3):
+    case(2, f"hand-tied-stage{_stage}", _hand_tied, stage=_stage)
+    case(2, f"hf-stage{_stage}", _hf_stage3, stage=_stage)
+
+
+def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
+    """A head tied by hand and the chunked loss read a weight outside its module's forward; generate keeps
+    every rank stepping until all are done (each forward broadcasts the partitioned weights)."""
+    for name in ("hand-tied", "hf"):
+        at_2, at_3 = spawned(f"{name}-stage2"), spawned(f"{name}-stage3")
+        for r2, r3 in zip(at_2, at_3):
+            for k, v in r2["weights"].items():
+                assert torch.allclose(r3["weights"][k], v, rtol=1e-5, atol=1e-6), (name, k)
+    hf = spawned("hf-stage3")
+    for r2, r3 in zip(spawned("hf-stage2"), hf):
+        assert r3["losses"] == pytest.approx(r2["losses"], rel=1e-6)
+        assert r3["generated"] == r2["generated"]
+    assert hf[0]["first"][0] != hf[0]["first"][1]
+    assert len(hf[0]["generated"]) == 5 and len(hf[1]["generated"]) > 5   # rank 0 stopped first

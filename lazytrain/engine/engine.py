@@ -536,6 +536,9 @@ class LazyTrainEngine(nn.Module):
         chunk = self._config.lazytrain.loss_chunk_tokens
         if chunk and chunked_loss.applies(self.module, kwargs):
             out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
+            if self.partitioned is not None:   # its backward recomputes the head's logits outside the head
+                head = self.module.get_output_embeddings()
+                self.partitioned.keep_for_backward([out.loss], [head.weight, head.bias])
         else:
             out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
@@ -750,7 +753,7 @@ class LazyTrainEngine(nn.Module):
                         f"step {self.global_steps + 1} updated the weights, then advancing the learning-rate "
                         f"schedule failed", e, "the step counter and the gradients did not advance") from e
         if self.partitioned is not None:
-            self.partitioned.release_all()   # the owners' weights changed: the copies held for forwards are old
+            self.partitioned.after_step()   # the owners' weights changed: the copies held for forwards are old
         if self.layer_updates is not None and self._step_applied:
             self._zero_non_block_grads()   # the update thread zeroes each layer's gradients after its update
         else:

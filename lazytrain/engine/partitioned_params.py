@@ -6,23 +6,33 @@ stages 1-2) and by no other: the owner keeps its compute copy, its fp32 master, 
 other ranks keep an empty tensor in its place, as DeepSpeed's partitioned parameters are. (The streamed
 layers need none of this: a node's ranks compute them from one shared host copy, engine.py.)
 
-* Before a module's forward every rank receives the parameters of that module it does not hold from their
-  owners (one broadcast each, in the order the forward reaches the modules: the same on every rank). A
-  forward without autograd drops them again at its end; else they are dropped once autograd has produced
-  their gradient. A backward that finds them dropped (a forward without grad in between) gets them again
-  first, from a hook on the module's outputs.
-* Each micro-batch's gradient goes to the owner by a reduce as autograd produces it, is added into the fp32
-  master gradient there, and is dropped everywhere (every rank must use the same parameters in each
-  backward, as at stage 2 for the streamed layers).
-* After an optimizer step every copy held for a forward is dropped: the owners' weights have changed.
-* A checkpoint, a 16-bit save, ``module_state_dict()``, a load and ``destroy()`` see every parameter whole
-  (:meth:`PartitionedParams.materialized`, a collective: every rank calls them, as under DeepSpeed).
-* ``state_dict()`` of the model outside those gives empty tensors for what this rank does not hold, as
-  DeepSpeed's ZeRO-3 does, with a warning; ``load_state_dict()`` outside them is refused by name.
+When a copy is fetched and when it is dropped:
+
+* Fetched before the forward of the module that owns it: every rank receives it from its owner (one
+  broadcast each, in the order the forward reaches the modules, the same on every rank).
+* A forward without autograd drops what it fetched when its outermost call returns (the model's, or a
+  submodule's called directly), so a parameter the model reads outside its own module's forward meanwhile
+  (a head tied by hand) is still there. A forward with autograd keeps its copies until autograd has produced
+  their gradient, when each micro-batch's gradient is reduced to the owner (added into its fp32 master
+  gradient there) and the copy dropped. A backward that finds a copy gone (a second backward through a
+  kept graph) fetches it again first, from a hook on the outputs of the module that used it.
+* ``materialized()`` (saves, loads, ``module_state_dict()``, ``destroy()``) and ``gathered()``
+  (``deepspeed.zero.GatheredParameters``) pin what they fetch and drop only what they fetched, so scopes
+  nest and leave a pending backward's copies alone.
+* After an optimizer step the copies held are out of date: dropped, or fetched again where pinned.
+
+Every rank must run the same forwards through the same modules (Hugging Face ``generate`` is made to keep
+every rank stepping until all are done, as ``synced_gpus`` does under DeepSpeed's ZeRO-3); a rank that
+skips one leaves the others waiting in its broadcast until ``lazytrain.collective_timeout_s``.
+``state_dict()`` of the model outside those scopes gives empty tensors for what this rank does not hold, as
+DeepSpeed's ZeRO-3 does, with a warning; ``load_state_dict()`` outside them is refused by name.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import inspect
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -32,7 +42,7 @@ import torch.nn as nn
 
 from .precision import Masters
 
-LIVE: "weakref.WeakSet[PartitionedParams]" = weakref.WeakSet()   # for deepspeed.zero.GatheredParameters
+_LIVE: list = []   # weak references to the partitioned engines, in the order made: live()
 
 
 @dataclass(eq=False)
@@ -43,6 +53,7 @@ class _Entry:
     shape: torch.Size
     shares: bool           # master and param are one storage (fp32 training): one broadcast serves both
     held: bool = True      # the same on every rank: whether the param is whole here now
+    pins: int = 0          # scopes (materialized, gathered) that keep it whole until they end
 
 
 class PartitionedParams:
@@ -51,7 +62,7 @@ class PartitionedParams:
     set-up, so that a set-up that fails leaves every parameter whole."""
 
     def __init__(self, masters: Masters, owner_of, rank: int, dist, model: nn.Module, block_modules: set[int]):
-        self.masters, self.rank, self.dist = masters, rank, dist
+        self.masters, self.rank, self.dist, self.model = masters, rank, dist, model
         self.entries: list[_Entry] = []
         for p, m in masters.pairs:
             owner = owner_of(m)
@@ -59,113 +70,154 @@ class PartitionedParams:
                 self.entries.append(_Entry(p, m, owner, p.shape, _same_storage(p, m)))
         self._by_param = {id(e.param): e for e in self.entries}
         self._by_master = {id(e.master): e for e in self.entries}
-        self._modules = []   # (module, its entries): the modules that own partitioned parameters directly
+        self._modules = {}   # module -> its entries: the model, and the modules owning partitioned parameters
         for module in model.modules():
             if id(module) in block_modules:
                 continue
             mine = [self._by_param[id(p)] for _, p in module.named_parameters(recurse=False) if id(p) in self._by_param]
-            if mine:
-                self._modules.append((module, mine))
+            if mine or module is model:
+                self._modules[module] = mine
         self.active = False
-        self._whole_for = 0   # depth of materialized(): every parameter whole on every rank meanwhile
+        self._whole_for = 0          # depth of materialized()
+        self._whole_before: set[int] = set()
+        self._depth = 0              # hooked forwards under way (nested calls)
+        self._held_at_start: set[int] = set()
         self._hooks = []
+        self._generate_wrapped = False
         self._warned_state_dict = False
-        self.held_bytes = 0        # bytes of other ranks' parameters held here now, and at most since reset
+        self.held_bytes = 0        # bytes of other ranks' parameters held here now, and at most since partition()
         self.peak_held_bytes = 0
 
     # ---- set-up and hand-back --------------------------------------------------------------------
     def partition(self) -> None:
-        """Each rank keeps what it owns; hooks gather the rest for each use."""
+        """Each rank keeps what it owns; hooks fetch the rest for each use."""
         for e in self.entries:
             self.masters.remove_grad_hook(e.param)
             self._hooks.append(e.param.register_post_accumulate_grad_hook(self._gradient_hook(e)))
-        for module, entries in self._modules:
-            self._hooks += [module.register_forward_pre_hook(lambda mod, args, entries=entries: self._gather(entries)),
-                            module.register_forward_hook(self._after_forward(entries)),
-                            module.register_state_dict_pre_hook(self._warn_partial_state_dict),
-                            module.register_load_state_dict_pre_hook(self._refuse_partial_load)]
+        for module, entries in self._modules.items():
+            self._hooks += [module.register_forward_pre_hook(self._before_forward(entries)),
+                            module.register_forward_hook(self._after_forward(entries), always_call=True)]
+            if entries:
+                self._hooks += [module.register_state_dict_pre_hook(self._warn_partial_state_dict),
+                                module.register_load_state_dict_pre_hook(self._refuse_partial_load)]
+        generate = getattr(self.model, "generate", None)
+        if callable(generate) and "generate" not in self.model.__dict__ and _takes(generate, "synced_gpus"):
+            self.model.generate = _synced_generate(generate)
+            self._generate_wrapped = True
         self.active = True
-        LIVE.add(self)
-        self._release(self.entries, masters_too=True)
+        _LIVE[:] = [r for r in _LIVE if r() is not None] + [weakref.ref(self)]
+        for e in self.entries:
+            self._drop(e)
+            self._drop_master(e)
         self.held_bytes = self.peak_held_bytes = 0   # what this rank owns is not counted
 
     def unpartition(self) -> None:
         """Every parameter whole on every rank again, no hooks of ours (``destroy()``: a collective)."""
         if not self.active:
             return
-        self._gather_masters()
+        self._fetch(self.entries)
+        self._fetch_masters()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._generate_wrapped:
+            del self.model.generate
+            self._generate_wrapped = False
         self.active = False
-        LIVE.discard(self)
+        _LIVE[:] = [r for r in _LIVE if r() is not None and r() is not self]
 
     # ---- what the engine asks ----------------------------------------------------------------------
     def partitioned(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a master the optimizer holds, or a model parameter) is partitioned here."""
         return self.active and (id(t) in self._by_master or id(t) in self._by_param)
 
-    def owner_of(self, t: torch.Tensor) -> int:
-        return (self._by_master.get(id(t)) or self._by_param[id(t)]).owner
-
     @contextlib.contextmanager
     def materialized(self):
         """Meanwhile every partitioned parameter and its fp32 master are whole on every rank (received from
-        their owners), so that saves and loads see the model as one process has it; afterwards the other
-        ranks' are dropped again (what a load wrote into the owners' stays). A collective."""
+        their owners), so that saves and loads see the model as one process has it; afterwards what this
+        fetched is dropped again (what a load wrote into the owners' stays). A collective."""
         if not self.active:
             yield
             return
-        if self._whole_for == 0:
-            self._gather_masters()
+        outermost = self._whole_for == 0
+        if outermost:
+            self._whole_before = {id(e) for e in self.entries if e.held}
         self._whole_for += 1
+        for e in self.entries:
+            e.pins += 1
         try:
+            if outermost:
+                self._fetch(self.entries)
+                self._fetch_masters()
             yield
         finally:
+            for e in self.entries:
+                e.pins -= 1
             self._whole_for -= 1
             if self._whole_for == 0:
-                self._release(self.entries, masters_too=True)
+                for e in self.entries:
+                    self._drop_master(e)
+                    if id(e) not in self._whole_before:
+                        self._drop(e)
 
-    def gathered(self, params) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def gathered(self, params):
         """``deepspeed.zero.GatheredParameters(params)``: those of ``params`` partitioned here, whole for the
-        duration (read only: a write by one rank would reach no other), then dropped."""
-        entries = [self._by_param[id(p)] for p in params if id(p) in self._by_param]
+        duration (read only: a write by one rank would reach no other); then what this fetched is dropped."""
+        entries = [self._by_param[id(p)] for p in params if id(p) in self._by_param] if self.active else []
+        before = {id(e) for e in entries if e.held}
+        for e in entries:
+            e.pins += 1
+        try:
+            self._fetch(entries)
+            yield
+        finally:
+            for e in entries:
+                e.pins -= 1
+                if id(e) not in before:
+                    self._drop(e)
 
-        @contextlib.contextmanager
-        def scope():
-            self._gather(entries)
-            try:
-                yield
-            finally:
-                if self._whole_for == 0:
-                    self._release(entries)
-        return scope()
+    def keep_for_backward(self, tensors, params) -> None:
+        """A backward from ``tensors`` uses ``params`` outside a hooked module (the chunked loss's head):
+        fetch them again first if they were dropped since."""
+        entries = [self._by_param[id(p)] for p in params if p is not None and id(p) in self._by_param]
+        if self.active and entries:
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(lambda grad, entries=entries: self._fetch(entries))
 
-    def release_all(self) -> None:
-        """After an optimizer step: the copies held for a forward are out of date."""
-        if self.active and self._whole_for == 0:
-            self._release(self.entries)
+    def after_step(self) -> None:
+        """The owners' weights changed: held copies are dropped, or, where a scope pins them, fetched again
+        (every rank pins the same ones: the same collectives)."""
+        if not self.active:
+            return
+        for e in self.entries:
+            if e.pins and e.held:
+                if e.owner != self.rank:
+                    self.held_bytes -= e.param.numel() * e.param.element_size()
+                e.held = False
+                self._fetch([e])
+            else:
+                self._drop(e)
 
-    # ---- gather and release ------------------------------------------------------------------------
-    def _gather(self, entries) -> None:
+    # ---- fetch and drop ------------------------------------------------------------------------------
+    def _fetch(self, entries) -> None:
         for e in entries:
             if e.held:
                 continue
             mine = e.owner == self.rank
             buf = e.param.data if mine else torch.empty(e.shape, dtype=e.param.dtype, device=e.param.device)
-            self.dist.broadcast_from([buf], e.owner, what="broadcast of a partitioned parameter before its module's "
-                                     "forward or backward (zero_optimization.stage 3: every rank must run the same "
-                                     "modules outside the streamed blocks in each forward)")
+            self.dist.broadcast_from([buf], e.owner, what="broadcast of a partitioned parameter for its module "
+                                     "(zero_optimization.stage 3: every rank must run the same forwards through the "
+                                     "same modules outside the streamed blocks)")
             if not mine:
                 e.param.data = buf
                 self.held_bytes += buf.numel() * buf.element_size()
                 self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             e.held = True
 
-    def _gather_masters(self) -> None:
-        """Parameters and fp32 masters whole (the masters from their owners: in bf16/fp16 they hold more bits
-        than the compute copies)."""
-        self._gather(self.entries)
+    def _fetch_masters(self) -> None:
+        """fp32 masters whole, from their owners (in bf16/fp16 they hold more bits than the compute copies)."""
         for e in self.entries:
             mine = e.owner == self.rank
             self.masters.elsewhere.discard(id(e.param))
@@ -178,28 +230,43 @@ class PartitionedParams:
                                      "a load or destroy(): every rank must call it)")
             e.master.data = buf
 
-    def _release(self, entries, masters_too: bool = False) -> None:
-        for e in entries:
-            if e.owner != self.rank:
-                if e.held:
-                    self.held_bytes -= e.param.numel() * e.param.element_size()
-                e.param.data = _empty_like(e.param)
-                if masters_too:   # the master is on its owner alone: Masters leaves this pair alone
-                    e.master.data = _empty_like(e.master)
-                    self.masters.elsewhere.add(id(e.param))
-            e.held = False
+    def _drop(self, e: _Entry) -> None:
+        """The copy of another rank's parameter goes (unless a scope pins it); the owner keeps its own."""
+        if e.pins:
+            return
+        if e.owner != self.rank:
+            if e.held:
+                self.held_bytes -= e.param.numel() * e.param.element_size()
+            e.param.data = _empty_like(e.param)
+        e.held = False
+
+    def _drop_master(self, e: _Entry) -> None:
+        if e.owner != self.rank:   # the master lives on its owner alone: Masters leaves this pair alone
+            e.master.data = _empty_like(e.master)
+            self.masters.elsewhere.add(id(e.param))
 
     # ---- hooks ---------------------------------------------------------------------------------------
+    def _before_forward(self, entries):
+        def hook(module, args):
+            if self._depth == 0:
+                self._held_at_start = {id(e) for e in self.entries if e.held}
+            self._depth += 1
+            self._fetch(entries)
+        return hook
+
     def _after_forward(self, entries):
         def hook(module, args, output):
-            if self._whole_for:
+            self._depth -= 1
+            if torch.is_grad_enabled():
+                if entries:   # a backward that finds them gone (a second one through a kept graph) fetches them
+                    for t in _tensors(output):
+                        if t.requires_grad:
+                            t.register_hook(lambda grad: self._fetch(entries))
                 return
-            outputs = [t for t in _tensors(output) if t.requires_grad]
-            if not (torch.is_grad_enabled() and outputs):
-                self._release(entries)   # no backward will need them
-                return
-            for t in outputs:   # a backward after a forward without grad in between finds them dropped
-                t.register_hook(lambda grad: self._gather(entries))
+            if self._depth == 0:   # the outermost forward without autograd: what it fetched goes
+                for e in self.entries:
+                    if e.held and id(e) not in self._held_at_start:
+                        self._drop(e)
         return hook
 
     def _gradient_hook(self, e: _Entry):
@@ -215,8 +282,7 @@ class PartitionedParams:
                     e.master.grad = mean
                 else:
                     e.master.grad.add_(mean)
-            if self._whole_for == 0:
-                self._release([e])
+            self._drop(e)
         return hook
 
     def _warn_partial_state_dict(self, module, prefix, keep_vars) -> None:
@@ -236,6 +302,29 @@ class PartitionedParams:
                                "or load the weights before lazytrain.initialize()")
 
 
+def live() -> list[PartitionedParams]:
+    """The partitioned engines of this process, in the order they were made (the same on every rank)."""
+    return [p for p in (r() for r in _LIVE) if p is not None and p.active]
+
+
+def _synced_generate(generate):
+    """Hugging Face ``generate`` with ``synced_gpus``: a rank whose sequences are done keeps running forwards
+    until every rank's are, since each forward broadcasts the partitioned parameters (DeepSpeed's ZeRO-3 asks
+    the same of its users, and transformers sets it when it knows ZeRO-3 is on)."""
+    @functools.wraps(generate)
+    def synced(*args, **kwargs):
+        kwargs["synced_gpus"] = True
+        return generate(*args, **kwargs)
+    return synced
+
+
+def _takes(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -245,8 +334,8 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tensors(output):
-    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them, as Hugging Face's
-    ModelOutput is)."""
+    """The tensors in a module's output: a tensor, or tuples, lists, dicts (Hugging Face's ModelOutput) and
+    dataclasses of them."""
     if torch.is_tensor(output):
         yield output
     elif isinstance(output, (tuple, list)):
@@ -255,3 +344,6 @@ def _tensors(output):
     elif isinstance(output, dict):
         for o in output.values():
             yield from _tensors(o)
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        for f in dataclasses.fields(output):
+            yield from _tensors(getattr(output, f.name, None))

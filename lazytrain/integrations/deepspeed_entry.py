@@ -150,8 +150,8 @@ class _GatheredParameters:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self):
-        from ..engine.partitioned_params import LIVE
-        for partitioned in list(LIVE):
+        from ..engine.partitioned_params import live
+        for partitioned in live():
             self._stack.enter_context(partitioned.gathered(self._params))
         return self
 
