@@ -912,13 +912,17 @@ def _stage3_uses(rank, world, out_dir):
         partial = engine.module.state_dict()
     out["state_dict_warnings"] = [str(w.message) for w in caught if "stage 3" in str(w.message)]
     out["state_dict_shapes"] = {k: tuple(v.shape) for k, v in partial.items()}
-    try:
-        engine.module.load_state_dict(partial)
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+    try:   # refused before it writes anything, and it leaves no mark on the load that follows
+        engine.module.load_state_dict({k: torch.full_like(v, 7.0) for k, v in partial.items()})
         out["load_error"] = None
     except RuntimeError as e:
         out["load_error"] = str(e)
+    engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
     out["weights"] = engine.module_state_dict()
-    engine.destroy()
+    with _GatheredParameters([head]):
+        engine.destroy()                       # the scope's end leaves the handed-back model whole
+    out["handed_back_shapes"] = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
     return out
 
 
@@ -936,6 +940,7 @@ def test_stage_3_evaluation_forwards_gathers_state_dicts_and_loads(spawned):
             r["state_dict_warnings"][0]
         assert r["load_error"].startswith("load_state_dict() at zero_optimization.stage 3: the parameters outside "
                                           "the streamed blocks are partitioned across the ranks")
+        assert r["handed_back_shapes"] == {n: tuple(p.shape) for n, p in make_model("modulelist").named_parameters()}
     owner_of_head = [r for r in results if r["head_after"] != (0,)]
     assert len(owner_of_head) == 1 and [r["state_dict_shapes"]["head.weight"] for r in results if
                                         r is not owner_of_head[0]] == [(0,)]

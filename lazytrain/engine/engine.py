@@ -533,6 +533,8 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
                               "no gradient from the streamed layers, which run without autograd in the forward: "
                               "use them for inspection, not in the loss")
+        if self.partitioned is not None:
+            self.partitioned.begin_forward()
         chunk = self._config.lazytrain.loss_chunk_tokens
         if chunk and chunked_loss.applies(self.module, kwargs):
             out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
@@ -1132,8 +1134,12 @@ class LazyTrainEngine(nn.Module):
             raise RuntimeError("load_state_dict(..., assign=True) cannot replace the parameters of a model whose "
                                "blocks LazyTrain streams (their weights live in the engine's buffers): load "
                                "without assign=True, which copies the values in")
-        if self._load_top is None or not prefix.startswith(self._load_top[1]):
-            self._load_top = (module, prefix, state_dict)   # pre-hooks run from the top module down
+        # pre-hooks run from the top module down, and a load_state_dict call begins at prefix "" (one that
+        # raised before its post-hooks ran leaves no mark on the next)
+        if prefix == "" or self._load_top is None or not prefix.startswith(self._load_top[1]):
+            if self.partitioned is not None:   # before anything is written
+                self.partitioned.refuse_partial_load(module)
+            self._load_top = (module, prefix, state_dict)
             # the load writes the masters (the fp32 host copy): no copy may still read them
             self.stream.before_host_write(range(self.weights.num_layers))
 

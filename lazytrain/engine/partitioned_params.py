@@ -8,14 +8,16 @@ layers need none of this: a node's ranks compute them from one shared host copy,
 
 When a copy is fetched and when it is dropped:
 
-* Fetched before the forward of the module that owns it: every rank receives it from its owner (one
-  broadcast each, in the order the forward reaches the modules, the same on every rank).
-* A forward without autograd drops what it fetched when its outermost call returns (the model's, or a
-  submodule's called directly), so a parameter the model reads outside its own module's forward meanwhile
-  (a head tied by hand) is still there. A forward with autograd keeps its copies until autograd has produced
-  their gradient, when each micro-batch's gradient is reduced to the owner (added into its fp32 master
-  gradient there) and the copy dropped. A backward that finds a copy gone (a second backward through a
-  kept graph) fetches it again first, from a hook on the outputs of the module that used it.
+* Fetched when a forward begins: the outermost call (the model's, or a submodule's called directly) has
+  every rank receive the partitioned parameters under that module from their owners (one broadcast each,
+  in a fixed order), so any code of that forward may read them, wherever it reads them (a head tied by
+  hand, a ParameterList). Fetching them module by module would not lower the peak: a forward with autograd
+  keeps its copies for the backward, so the embedding's is still held when the head's is fetched.
+* A forward without autograd drops what it fetched when that outermost call returns. A forward with
+  autograd keeps its copies until autograd has produced their gradient, when each micro-batch's gradient
+  is reduced to the owner (added into its fp32 master gradient there) and the copy dropped; one that is
+  never differentiated keeps them until the next step. A backward that finds a copy gone (two forwards,
+  then their two backwards) fetches them again first, from a hook on the forward's outputs.
 * ``materialized()`` (saves, loads, ``module_state_dict()``, ``destroy()``) and ``gathered()``
   (``deepspeed.zero.GatheredParameters``) pin what they fetch and drop only what they fetched, so scopes
   nest and leave a pending backward's copies alone.
@@ -70,22 +72,26 @@ class PartitionedParams:
                 self.entries.append(_Entry(p, m, owner, p.shape, _same_storage(p, m)))
         self._by_param = {id(e.param): e for e in self.entries}
         self._by_master = {id(e.master): e for e in self.entries}
-        self._modules = {}   # module -> its entries: the model, and the modules owning partitioned parameters
+        # module -> the entries under it, for the modules a forward may begin at (outside the blocks)
+        self._modules = {}
         for module in model.modules():
             if id(module) in block_modules:
                 continue
-            mine = [self._by_param[id(p)] for _, p in module.named_parameters(recurse=False) if id(p) in self._by_param]
-            if mine or module is model:
+            under = {id(p) for p in module.parameters()}
+            mine = [e for e in self.entries if id(e.param) in under]
+            if mine:
                 self._modules[module] = mine
         self.active = False
         self._whole_for = 0          # depth of materialized()
         self._whole_before: set[int] = set()
-        self._depth = 0              # hooked forwards under way (nested calls)
+        self._calls: list[nn.Module] = []   # hooked forwards under way, outermost first
         self._held_at_start: set[int] = set()
         self._hooks = []
         self._generate_wrapped = False
         self._warned_state_dict = False
-        self.held_bytes = 0        # bytes of other ranks' parameters held here now, and at most since partition()
+        # bytes of other ranks' parameters this holds now, and at most since partition() (a graph autograd
+        # keeps may hold a dropped copy a while longer: F.linear saves a view of its weight)
+        self.held_bytes = 0
         self.peak_held_bytes = 0
 
     # ---- set-up and hand-back --------------------------------------------------------------------
@@ -96,10 +102,8 @@ class PartitionedParams:
             self._hooks.append(e.param.register_post_accumulate_grad_hook(self._gradient_hook(e)))
         for module, entries in self._modules.items():
             self._hooks += [module.register_forward_pre_hook(self._before_forward(entries)),
-                            module.register_forward_hook(self._after_forward(entries), always_call=True)]
-            if entries:
-                self._hooks += [module.register_state_dict_pre_hook(self._warn_partial_state_dict),
-                                module.register_load_state_dict_pre_hook(self._refuse_partial_load)]
+                            module.register_forward_hook(self._after_forward(entries), always_call=True),
+                            module.register_state_dict_pre_hook(self._warn_partial_state_dict)]
         generate = getattr(self.model, "generate", None)
         if callable(generate) and "generate" not in self.model.__dict__ and _takes(generate, "synced_gpus"):
             self.model.generate = _synced_generate(generate)
@@ -202,6 +206,8 @@ class PartitionedParams:
 
     # ---- fetch and drop ------------------------------------------------------------------------------
     def _fetch(self, entries) -> None:
+        if not self.active:   # after unpartition(): every parameter is whole, and a graph's hooks may remain
+            return
         for e in entries:
             if e.held:
                 continue
@@ -232,7 +238,7 @@ class PartitionedParams:
 
     def _drop(self, e: _Entry) -> None:
         """The copy of another rank's parameter goes (unless a scope pins it); the owner keeps its own."""
-        if e.pins:
+        if e.pins or not self.active:
             return
         if e.owner != self.rank:
             if e.held:
@@ -241,32 +247,39 @@ class PartitionedParams:
         e.held = False
 
     def _drop_master(self, e: _Entry) -> None:
-        if e.owner != self.rank:   # the master lives on its owner alone: Masters leaves this pair alone
+        if e.owner != self.rank and self.active:   # the master lives on its owner alone: Masters leaves this pair alone
             e.master.data = _empty_like(e.master)
             self.masters.elsewhere.add(id(e.param))
 
     # ---- hooks ---------------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """The engine's forward begins: no hooked call is under way (one that a BaseException cut short left
+        its mark on the stack)."""
+        self._calls.clear()
+
     def _before_forward(self, entries):
         def hook(module, args):
-            if self._depth == 0:
+            if not self._calls:   # the outermost call: everything it may read, fetched now
                 self._held_at_start = {id(e) for e in self.entries if e.held}
-            self._depth += 1
-            self._fetch(entries)
+                self._fetch(entries)
+            self._calls.append(module)
         return hook
 
     def _after_forward(self, entries):
         def hook(module, args, output):
-            self._depth -= 1
-            if torch.is_grad_enabled():
-                if entries:   # a backward that finds them gone (a second one through a kept graph) fetches them
-                    for t in _tensors(output):
-                        if t.requires_grad:
-                            t.register_hook(lambda grad: self._fetch(entries))
+            if not self._calls or self._calls[-1] is not module:
+                return   # its pre-hook did not run (another pre-hook raised first): nothing to close
+            self._calls.pop()
+            if self._calls:
                 return
-            if self._depth == 0:   # the outermost forward without autograd: what it fetched goes
-                for e in self.entries:
-                    if e.held and id(e) not in self._held_at_start:
-                        self._drop(e)
+            if torch.is_grad_enabled():   # a backward that finds them gone fetches them first
+                for t in _tensors(output):
+                    if t.requires_grad and t.grad_fn is not None:
+                        t.register_hook(lambda grad: self._fetch(entries))
+                return
+            for e in entries:   # the outermost forward without autograd: what it fetched goes
+                if e.held and id(e) not in self._held_at_start:
+                    self._drop(e)
         return hook
 
     def _gradient_hook(self, e: _Entry):
@@ -294,8 +307,12 @@ class PartitionedParams:
                       "does. engine.module_state_dict(), engine.save_checkpoint() and engine.save_16bit_model() "
                       "(on every rank) see them whole", UserWarning, stacklevel=4)
 
-    def _refuse_partial_load(self, module, state_dict, prefix, local_metadata, *args) -> None:
-        if self._whole_for == 0:
+    def refuse_partial_load(self, module: nn.Module) -> None:
+        """Before a ``load_state_dict`` into ``module`` writes anything (the engine's first load pre-hook)."""
+        if not self.active or self._whole_for:
+            return
+        under = {id(p) for p in module.parameters()}
+        if any(id(e.param) in under for e in self.entries):
             raise RuntimeError("load_state_dict() at zero_optimization.stage 3: the parameters outside the streamed "
                                "blocks are partitioned across the ranks (each whole on its owner only), so a load "
                                "into the module would reach one rank's part; load with engine.load_checkpoint(), "
