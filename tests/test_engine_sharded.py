@@ -327,11 +327,12 @@ def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collect
     assert "with a collective timeout of 3 s" in message
 
 
-@pytest.mark.parametrize("per_node", [1, 2])
-def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_node):
+@pytest.mark.parametrize("per_node,stage", [(1, 2), (2, 2), (2, 3)])
+def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_node, stage):
     """Multi-node as torchrun runs it: two launchers (--nnodes 2, node ranks 0 and 1) meeting at one
     rendezvous address; here both on this machine. With two processes per node, each node's ranks share one
-    copy of the streamed weights, and the two nodes keep one each."""
+    copy of the streamed weights, and the two nodes keep one each. At stage 3 each non-block parameter is
+    whole on one rank of the four."""
     import subprocess
     import sys
     port = free_port()
@@ -340,7 +341,7 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
                                                             "MASTER_PORT")}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
                                str(per_node), "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port",
-                               str(port), script, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                               str(port), script, str(tmp_path), str(stage)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
     outputs = [p.communicate(timeout=300)[0] for p in nodes]
     assert all(p.returncode == 0 for p in nodes), outputs
@@ -352,6 +353,8 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
         assert result["node_shared"] == (per_node > 1)
         assert not result["signals_only"]   # two nodes: the weights themselves cross between them
         assert max_rel_diff(as_model(result["weights"]), ref) < 1e-5
+    empty = sorted(n for rank in range(world) for n in torch.load(tmp_path / f"rank{rank}.pt")["empty_here"])
+    assert empty == (sorted(NON_BLOCK * (world - 1)) if stage == 3 else [])
 
 
 def _failing_update(rank, world, out_dir, overlap):
