@@ -210,6 +210,28 @@ def test_bf16_trains_close_to_fp32():
         assert p.dtype == torch.float32   # block masters stay fp32
 
 
+def test_a_group_added_after_initialize_in_bf16_updates_the_fp32_masters():
+    """The head left out of initialize and added as a group later: in bf16 its gradients land on fp32
+    masters, so the group must hold those (a group of the bf16 parameters would never see a gradient);
+    it trains as when the head was given to initialize."""
+    cfg = ds_config(_top={"bf16": {"enabled": True}})
+    results = []
+    for later in (False, True):
+        model = make_model("modulelist")
+        given = [p for n, p in model.named_parameters() if not (later and n.startswith("head."))]
+        engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=given, config=cfg)
+        if later:
+            engine.optimizer.add_param_group({"params": list(model.head.parameters())})
+            assert all(p.dtype == torch.float32 for p in engine.optimizer.param_groups[-1]["params"])
+        for x, y in batches(3):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        results.append(engine.module_state_dict())
+        engine.destroy()
+    for name, w in results[0].items():
+        assert torch.equal(results[1][name], w), name
+
+
 def test_a_bf16_models_state_dict_is_in_bf16_as_under_deepspeed():
     """What save_pretrained and accelerate save: one dtype, the masters rounded as the compute copies are;
     the parameters themselves (keep_vars) and module_state_dict() (the fp32 masters) are unchanged."""

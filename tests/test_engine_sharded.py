@@ -916,6 +916,8 @@ def _stage3_uses(rank, world, out_dir):
     out["state_dict_warnings"] = [str(w.message) for w in caught if "stage 3" in str(w.message)]
     out["state_dict_shapes"] = {k: tuple(v.shape) for k, v in partial.items()}
     engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+    block = {k: v for k, v in engine.module_state_dict().items() if k.startswith("stack.0.")}
+    out["block_load"] = str(engine.module.load_state_dict(block, strict=False).unexpected_keys)   # no partitioned key
     try:   # refused before it writes anything, and it leaves no mark on the load that follows
         engine.module.load_state_dict({k: torch.full_like(v, 7.0) for k, v in partial.items()})
         out["load_error"] = None
@@ -939,6 +941,7 @@ def test_stage_3_evaluation_forwards_gathers_state_dicts_and_loads(spawned):
         assert max_rel_diff(as_model(r["weights"]), ref) < 1e-5
         assert torch.equal(r["gathered_head"], r["weights"]["head.weight"])
         assert r["gathered_still"] == (VOCAB, 32)
+        assert r["block_load"] == "[]"
         assert len(r["state_dict_warnings"]) == 1 and "empty tensors for those other ranks own" in \
             r["state_dict_warnings"][0]
         assert r["load_error"].startswith("load_state_dict() at zero_optimization.stage 3: the parameters outside "
@@ -959,11 +962,28 @@ class HandTiedLM(ModuleListLM):
         return self.extra[0](x) @ self.emb.weight.t()
 
 
-def _hand_tied(rank, world, out_dir, stage):
-    """Training with a forward without grad between each forward and its backward."""
+class TransposedHeadLM(ModuleListLM):
+    """Its head's weight is a transposed view: every rank's copy must have its layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.head.weight = torch.nn.Parameter(torch.randn(32, VOCAB).t())
+
+
+MODELS = {"hand-tied": HandTiedLM, "transposed-head": TransposedHeadLM, "head-added-later": ModuleListLM}
+
+
+def _hand_tied(rank, world, out_dir, stage, kind="hand-tied"):
+    """Training with a forward without grad between each forward and its backward. "head-added-later": the
+    head is left out of the parameters given to initialize and added as a parameter group after it."""
     import lazytrain
     torch.manual_seed(0)
-    engine, _, _, _ = lazytrain.initialize(model=HandTiedLM(), config=_config(world, stage, False))
+    model = MODELS[kind]()
+    later = kind == "head-added-later"
+    given = [p for n, p in model.named_parameters() if not (later and n.startswith("head."))]
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=given, config=_config(world, stage, False))
+    if later:
+        engine.optimizer.add_param_group({"params": list(model.head.parameters())})
     per = GLOBAL // world
     for x, y in batches(2, batch=GLOBAL):
         part = slice(per * rank, per * rank + per)
@@ -1007,14 +1027,20 @@ def _hf_stage3(rank, world, out_dir, stage):
 
 
 for _stage in (2, 3):
-    case(2, f"hand-tied-stage{_stage}", _hand_tied, stage=_stage)
+    for _kind in MODELS:
+        case(2, f"{_kind}-stage{_stage}", _hand_tied, stage=_stage, kind=_kind)
     case(2, f"hf-stage{_stage}", _hf_stage3, stage=_stage)
 
 
 def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
-    """A head tied by hand and the chunked loss read a weight outside its module's forward; generate keeps
-    every rank stepping until all are done (each forward broadcasts the partitioned weights)."""
-    for name in ("hand-tied", "hf"):
+    """A head tied by hand and the chunked loss read a weight outside its module's forward; a transposed
+    weight arrives in its layout; a group added after initialize reaches the masters; generate keeps every
+    rank stepping until all are done (each forward broadcasts the partitioned weights)."""
+    torch.manual_seed(0)
+    initial = ModuleListLM().head.weight.detach()
+    moved = spawned("head-added-later-stage3")[0]["weights"]["head.weight"] - initial
+    assert moved.abs().max() > 1e-4   # the group added later was updated
+    for name in (*MODELS, "hf"):
         at_2, at_3 = spawned(f"{name}-stage2"), spawned(f"{name}-stage3")
         for r2, r3 in zip(at_2, at_3):
             for k, v in r2["weights"].items():

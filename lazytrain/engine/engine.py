@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -195,6 +196,8 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
+        if self.masters is not None and self.optimizer is not None:   # a group added later reaches the masters too
+            self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -1138,7 +1141,7 @@ class LazyTrainEngine(nn.Module):
         # raised before its post-hooks ran leaves no mark on the next)
         if prefix == "" or self._load_top is None or not prefix.startswith(self._load_top[1]):
             if self.partitioned is not None:   # before anything is written
-                self.partitioned.refuse_partial_load(module)
+                self.partitioned.refuse_partial_load(module, state_dict)
             self._load_top = (module, prefix, state_dict)
             # the load writes the masters (the fp32 host copy): no copy may still read them
             self.stream.before_host_write(range(self.weights.num_layers))
@@ -1608,6 +1611,18 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _onto_masters(add_param_group, master_of):
+    """The optimizer's ``add_param_group`` with the model's non-block parameters re-pointed at their fp32
+    masters, as the groups given to initialize are (their gradients land on the masters: a group of the
+    parameters themselves would never see one)."""
+    @functools.wraps(add_param_group)
+    def add(param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        return add_param_group({**param_group, "params": [master_of(p) for p in params]})
+    return add
 
 
 def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list[nn.Parameter]],

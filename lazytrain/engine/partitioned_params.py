@@ -53,6 +53,8 @@ class _Entry:
     master: nn.Parameter   # what the optimizer updates (fp32; the same storage as param in fp32 training)
     owner: int
     shape: torch.Size
+    stride: tuple[int, ...]          # the layout every rank's copy has (a broadcast sends memory order)
+    master_stride: tuple[int, ...]
     shares: bool           # master and param are one storage (fp32 training): one broadcast serves both
     held: bool = True      # the same on every rank: whether the param is whole here now
     pins: int = 0          # scopes (materialized, gathered) that keep it whole until they end
@@ -69,7 +71,7 @@ class PartitionedParams:
         for p, m in masters.pairs:
             owner = owner_of(m)
             if owner is not None and p.requires_grad and p.numel() > 0:
-                self.entries.append(_Entry(p, m, owner, p.shape, _same_storage(p, m)))
+                self.entries.append(_Entry(p, m, owner, p.shape, p.stride(), m.stride(), _same_storage(p, m)))
         self._by_param = {id(e.param): e for e in self.entries}
         self._by_master = {id(e.master): e for e in self.entries}
         # module -> the entries under it, for the modules a forward may begin at (outside the blocks)
@@ -212,7 +214,8 @@ class PartitionedParams:
             if e.held:
                 continue
             mine = e.owner == self.rank
-            buf = e.param.data if mine else torch.empty(e.shape, dtype=e.param.dtype, device=e.param.device)
+            buf = e.param.data if mine else torch.empty_strided(e.shape, e.stride, dtype=e.param.dtype,
+                                                                 device=e.param.device)
             self.dist.broadcast_from([buf], e.owner, what="broadcast of a partitioned parameter for its module "
                                      "(zero_optimization.stage 3: every rank must run the same forwards through the "
                                      "same modules outside the streamed blocks)")
@@ -231,7 +234,8 @@ class PartitionedParams:
                 if not mine:
                     e.master.data = e.param.data
                 continue
-            buf = e.master.data if mine else torch.empty(e.shape, dtype=torch.float32, device=e.master.device)
+            buf = e.master.data if mine else torch.empty_strided(e.shape, e.master_stride, dtype=torch.float32,
+                                                                  device=e.master.device)
             self.dist.broadcast_from([buf], e.owner, what="gather of the partitioned parameters' fp32 weights (a save, "
                                      "a load or destroy(): every rank must call it)")
             e.master.data = buf
@@ -284,15 +288,18 @@ class PartitionedParams:
 
     def _gradient_hook(self, e: _Entry):
         def hook(p: torch.Tensor) -> None:
-            grad, p.grad = p.grad.detach(), None   # this micro-batch's alone: p.grad is never kept
+            # this micro-batch's alone (p.grad is never kept), in one memory order on every rank
+            grad, p.grad = p.grad.detach().contiguous(), None
             mean = self.dist.reduce_mean_to(grad, e.owner, what="gradient reduce of a partitioned parameter in the "
                                             "backward (zero_optimization.stage 3: every rank must use the same "
                                             "parameters outside the streamed blocks in each backward; a model that "
                                             "skips some on some ranks needs stage 2)")
             if e.owner == self.rank:   # the sum is ours: p.grad was dropped above
                 mean = mean.to(e.master.device, torch.float32).view(e.shape)
-                if e.master.grad is None:
-                    e.master.grad = mean
+                if e.master.grad is None:   # in the master's own layout, as optimizers read them side by side
+                    e.master.grad = mean if mean.stride() == e.master_stride else \
+                        torch.empty_strided(e.shape, e.master_stride, dtype=torch.float32,
+                                            device=e.master.device).copy_(mean)
                 else:
                     e.master.grad.add_(mean)
             self._drop(e)
@@ -307,12 +314,14 @@ class PartitionedParams:
                       "does. engine.module_state_dict(), engine.save_checkpoint() and engine.save_16bit_model() "
                       "(on every rank) see them whole", UserWarning, stacklevel=4)
 
-    def refuse_partial_load(self, module: nn.Module) -> None:
-        """Before a ``load_state_dict`` into ``module`` writes anything (the engine's first load pre-hook)."""
+    def refuse_partial_load(self, module: nn.Module, state_dict: dict) -> None:
+        """Before a ``load_state_dict`` into ``module`` writes anything (the engine's first load pre-hook): a
+        load that names a partitioned parameter (by any of its names) is refused; others go ahead."""
         if not self.active or self._whole_for:
             return
-        under = {id(p) for p in module.parameters()}
-        if any(id(e.param) in under for e in self.entries):
+        partitioned = {id(e.param) for e in self.entries}
+        if any(id(p) in partitioned and name in state_dict
+               for name, p in module.named_parameters(remove_duplicate=False)):
             raise RuntimeError("load_state_dict() at zero_optimization.stage 3: the parameters outside the streamed "
                                "blocks are partitioned across the ranks (each whole on its owner only), so a load "
                                "into the module would reach one rank's part; load with engine.load_checkpoint(), "
