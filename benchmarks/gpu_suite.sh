@@ -7,7 +7,8 @@
 #      pinned memory, the gradient sink, the optimizer update overlapping the next forward) against plain
 #      PyTorch, a block-less model with its optimizer on the host, and the optimizer and tier tests; two
 #      processes on the one GPU copying from node-shared host weights registered as pinned; selective
-#      layers bit-identical to the plan without them; policy auto refused on CUDA;
+#      layers bit-identical to the plan without them; policy auto refused on CUDA; stage 3 with two processes on
+#      the one GPU (the non-block parameters partitioned between them) bit for bit as stage 2;
 #   2. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
 #   3. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama).
 # usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs.
@@ -36,7 +37,7 @@ timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/te
 # two ranks on the one GPU copying from the node-shared host weights (registered with CUDA as pinned);
 # selective and offloaded layers on CUDA (fp32, bf16) bit-identical to the plans that re-run them; policy
 # auto refused on CUDA
-timeout "${SHARED_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
+timeout "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
   tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 
 echo "## 2. tiers"

@@ -779,6 +779,40 @@ def test_on_a_gpu_two_ranks_copy_the_node_shared_weights_from_pinned_memory(tmp_
     assert not [f for f in os.listdir(node_memory_dir()) if f.startswith("lazytrain-")]
 
 
+def _one_gpu_stage3_worker(rank, port, out_dir, stage):
+    join_as(rank, 2, port)
+    torch.distributed.init_process_group("gloo")   # two processes on one GPU: NCCL refuses, gloo carries them
+    import lazytrain
+    cfg = _config(2, stage, True, "bf16")
+    cfg["lazytrain"]["device"] = "cuda:0"
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    for x, y in batches(3, batch=GLOBAL):
+        part = slice(2 * rank, 2 * rank + 2)
+        engine.backward(lm_loss(engine(x[part].cuda()), y[part].cuda()))
+        engine.step()
+    torch.save({"weights": engine.module_state_dict(),
+                "empty_here": [n for n, p in engine.module.named_parameters() if p.numel() == 0]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    engine.destroy()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_stage_3_with_two_ranks_on_one_gpu_trains_bit_for_bit_as_stage_2(tmp_path):
+    """The non-block parameters partitioned between two processes on the one GPU (bf16, overlapped updates):
+    fetched before the forward, gradients reduced to their owners from the backward, on CUDA tensors."""
+    weights = {}
+    for stage in (2, 3):
+        out = tmp_path / f"stage{stage}"
+        out.mkdir()
+        mp.spawn(_one_gpu_stage3_worker, args=(free_port(), str(out), stage), nprocs=2, join=True)
+        weights[stage] = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    assert sorted(n for r in weights[3] for n in r["empty_here"]) == sorted(NON_BLOCK)
+    for r2, r3 in zip(weights[2], weights[3]):
+        for k, v in r2["weights"].items():
+            assert torch.equal(r3["weights"][k], v), k
+
+
 def node_memory_dir():
     from lazytrain.engine import node_memory
     return node_memory.SHM_DIR
