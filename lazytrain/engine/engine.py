@@ -1550,13 +1550,8 @@ class LazyTrainEngine(nn.Module):
         ``None`` on the others. It answers at every stage; at stage 3 every rank must call it (the non-block
         parameters are gathered from their owners)."""
         self._refuse_if_inconsistent("_zero3_consolidated_16bit_state_dict()")
-        if self.partitioned is not None:
-            with self._whole():
-                state = self._state_in_compute_dtype(exclude_frozen_parameters) if self.global_rank == 0 else None
-            return state
-        if self.global_rank != 0:   # every rank holds the whole weights: nothing to gather, nothing to build
-            return None
-        return self._state_in_compute_dtype(exclude_frozen_parameters)
+        with self._whole():   # every rank takes part in the gather; rank 0 alone builds the state
+            return self._state_in_compute_dtype(exclude_frozen_parameters) if self.global_rank == 0 else None
 
     def _state_in_compute_dtype(self, exclude_frozen_parameters: bool, share_tied: bool = True) -> dict[str, torch.Tensor]:
         """The masters cast to the training precision (fp32 training: the masters as they are). ``share_tied``:

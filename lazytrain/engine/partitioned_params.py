@@ -85,7 +85,6 @@ class PartitionedParams:
                 self._modules[module] = mine
         self.active = False
         self._whole_for = 0          # depth of materialized()
-        self._whole_before: set[int] = set()
         self._calls: list[nn.Module] = []   # hooked forwards under way, outermost first
         self._held_at_start: set[int] = set()
         self._hooks = []
@@ -145,32 +144,27 @@ class PartitionedParams:
         if not self.active:
             yield
             return
-        outermost = self._whole_for == 0
-        if outermost:
-            self._whole_before = {id(e) for e in self.entries if e.held}
-        self._whole_for += 1
-        for e in self.entries:
-            e.pins += 1
-        try:
-            if outermost:
-                self._fetch(self.entries)
-                self._fetch_masters()
-            yield
-        finally:
-            for e in self.entries:
-                e.pins -= 1
-            self._whole_for -= 1
+        with self._pinned(self.entries):
             if self._whole_for == 0:
-                for e in self.entries:
-                    self._drop_master(e)
-                    if id(e) not in self._whole_before:
-                        self._drop(e)
+                self._fetch_masters()
+            self._whole_for += 1
+            try:
+                yield
+            finally:
+                self._whole_for -= 1
+                if self._whole_for == 0:
+                    for e in self.entries:
+                        self._drop_master(e)
 
-    @contextlib.contextmanager
-    def gathered(self, params):
+    def gathered(self, params) -> contextlib.AbstractContextManager:
         """``deepspeed.zero.GatheredParameters(params)``: those of ``params`` partitioned here, whole for the
         duration (read only: a write by one rank would reach no other); then what this fetched is dropped."""
-        entries = [self._by_param[id(p)] for p in params if id(p) in self._by_param] if self.active else []
+        return self._pinned([self._by_param[id(p)] for p in params if id(p) in self._by_param] if self.active else [])
+
+    @contextlib.contextmanager
+    def _pinned(self, entries):
+        """A scope: ``entries`` fetched and kept whole until it ends, then what it fetched dropped (what was
+        held before it, for a pending backward or an outer scope, stays)."""
         before = {id(e) for e in entries if e.held}
         for e in entries:
             e.pins += 1
