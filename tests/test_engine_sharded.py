@@ -529,9 +529,9 @@ def test_a_bf16_sharded_save_loads_whole_into_one_process(spawned):
     assert loaded["state_bytes"] == sum(r["state_bytes"] for r in saved)
 
 
-def _chaos(rank, world, out_dir, seed, dtype="fp32"):
+def _chaos(rank, world, out_dir, seed, dtype="fp32", stage=2):
     import lazytrain
-    cfg = _config(world, 2, overlap=True, dtype=dtype)
+    cfg = _config(world, stage, overlap=True, dtype=dtype)
     if seed is not None:   # every transfer and layer update delayed at random (different on each rank)
         cfg["lazytrain"]["testing"] = {"copy_threads": True, "chaos_seed": seed + 1000 * rank, "chaos_max_delay_ms": 3}
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
@@ -544,25 +544,28 @@ def _chaos(rank, world, out_dir, seed, dtype="fp32"):
     return engine.module_state_dict()
 
 
-CHAOS = [(2, "fp32"), (4, "fp32"), (2, "bf16")]
+CHAOS = [(2, "fp32", 2), (4, "fp32", 2), (2, "bf16", 2), (2, "fp32", 3), (2, "bf16", 3)]
 
 
 def chaos_seeds(world, dtype):
     return (1, 2) if world == 2 and dtype == "fp32" else (1,)   # more seeds: tests/test_engine_chaos.py
 
 
-for _world, _dtype in CHAOS:
+for _world, _dtype, _stage in CHAOS:
     for _seed in (None, *chaos_seeds(_world, _dtype)):
-        case(_world, f"chaos{_world}-{_dtype}-seed{_seed}", _chaos, seed=_seed, dtype=_dtype)
+        case(_world, f"chaos{_world}-{_dtype}-stage{_stage}-seed{_seed}", _chaos, seed=_seed, dtype=_dtype,
+             stage=_stage)
 
 
-@pytest.mark.parametrize("world,dtype", CHAOS)
-def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weights_bit_for_bit(spawned, world, dtype):
+@pytest.mark.parametrize("world,dtype,stage", CHAOS)
+def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weights_bit_for_bit(spawned, world, dtype,
+                                                                                             stage):
     """bf16: the owners' optimizer writes the compute copies in its update pass, the others refresh theirs
-    from the broadcast masters; both must give the same bits."""
-    calm = spawned(f"chaos{world}-{dtype}-seedNone")[0]
+    from the broadcast masters; both must give the same bits. Stage 3: the non-block parameters' fetches
+    and gradient reduces run beside the delayed transfers."""
+    calm = spawned(f"chaos{world}-{dtype}-stage{stage}-seedNone")[0]
     for seed in chaos_seeds(world, dtype):
-        for rank, shaken in enumerate(spawned(f"chaos{world}-{dtype}-seed{seed}")):
+        for rank, shaken in enumerate(spawned(f"chaos{world}-{dtype}-stage{stage}-seed{seed}")):
             for k in calm:
                 assert torch.equal(shaken[k], calm[k]), (seed, rank, k)
 
@@ -1007,7 +1010,7 @@ class TransposedHeadLM(ModuleListLM):
 MODELS = {"hand-tied": HandTiedLM, "transposed-head": TransposedHeadLM, "head-added-later": ModuleListLM}
 
 
-def _hand_tied(rank, world, out_dir, stage, kind="hand-tied"):
+def _train_model_kind(rank, world, out_dir, stage, kind):
     """Training with a forward without grad between each forward and its backward. "head-added-later": the
     head is left out of the parameters given to initialize and added as a parameter group after it."""
     import lazytrain
@@ -1062,7 +1065,7 @@ def _hf_stage3(rank, world, out_dir, stage):
 
 for _stage in (2, 3):
     for _kind in MODELS:
-        case(2, f"{_kind}-stage{_stage}", _hand_tied, stage=_stage, kind=_kind)
+        case(2, f"{_kind}-stage{_stage}", _train_model_kind, stage=_stage, kind=_kind)
     case(2, f"hf-stage{_stage}", _hf_stage3, stage=_stage)
 
 
