@@ -2,12 +2,13 @@
 # Every LazyTrain check that needs a CUDA GPU, in one run of a few minutes:
 #   1. the chaos tests first (every copy delayed on its CUDA stream by a spin kernel, every NVMe request
 #      and layer update on the host: results must be bit-identical to the calm run), step traces
-#      timed by CUDA events (copies and the blocks' compute), a resident layer's refresh in forward order
+#      timed by CUDA events (copies, the blocks' compute and the waits: delayed copies measured as waits), a resident layer's refresh in forward order
 #      on the CUDA stream, emulated links refused on CUDA; then the engine's parity tests on the CUDA path (side-stream copies, events,
 #      pinned memory, the gradient sink, the optimizer update overlapping the next forward) against plain
 #      PyTorch, a block-less model with its optimizer on the host, and the optimizer and tier tests; two
 #      processes on the one GPU copying from node-shared host weights registered as pinned; selective
-#      layers bit-identical to the plan without them; policy auto refused on CUDA; stage 3 with two processes on
+#      layers bit-identical to the plan without them; policy auto measuring (stream-event traces), planning and
+#      training bit for bit as a fixed plan on CUDA; stage 3 with two processes on
 #      the one GPU (the non-block parameters partitioned between them) bit for bit as stage 2;
 #   2. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
 #   3. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama).
@@ -36,7 +37,7 @@ timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/te
   tests/test_no_blocks.py tests/test_optim*.py tests/test_tiers*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 # two ranks on the one GPU copying from the node-shared host weights (registered with CUDA as pinned);
 # selective and offloaded layers on CUDA (fp32, bf16) bit-identical to the plans that re-run them; policy
-# auto refused on CUDA
+# auto measuring and planning on CUDA
 timeout "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
   tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 

@@ -332,7 +332,9 @@ def batches(n: int, batch: int = 2, seq: int = 12, seed: int = 1):
 
 
 def lm_loss(out, y):
-    return F.cross_entropy(logits_of(out).float().flatten(0, 1), y.flatten())
+    """Cross-entropy of the model's logits (on whichever device the engine computed them) against ``y``."""
+    logits = logits_of(out)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device))
 
 
 def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1):

@@ -304,9 +304,35 @@ def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_pat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_a_gpu_policy_auto_is_refused_naming_why():
-    cfg = _config({"policy": "auto"})
-    cfg["lazytrain"]["device"] = "cuda"
-    del cfg["lazytrain"]["testing"]
-    with pytest.raises(ConfigError, match="measures each layer's time from traces of the CPU's steps; on CUDA"):
-        lazytrain.initialize(model=make_model("llama"), config=cfg)
+def test_on_a_gpu_policy_auto_measures_plans_and_trains_bit_for_bit_as_a_fixed_plan():
+    """On CUDA the blocks, the copies and the compute side's waits are timed by stream events: the rest of
+    the model (embedding, head, loss) is what remains, and the MILP plans from real link bandwidths."""
+    def train(lt):
+        cfg = _config(lt)
+        cfg["lazytrain"]["device"] = "cuda"
+        del cfg["lazytrain"]["testing"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+        plans = []
+        for x, y in batches(STEPS):
+            plans.append(engine.plan.policy)
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        return engine, plans
+    engine, plans = train({"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0}})
+    auto, profile, history = engine.module_state_dict(), engine.auto.last_profile, engine.auto.history
+    engine.destroy()
+    engine, _ = train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True})
+    fixed = engine.module_state_dict()
+    engine.destroy()
+    assert plans == ["auto-calibration"] * 5 + ["auto-calibration-selective"] * 3 + ["auto-milp"] * (STEPS - 8)
+    assert profile.device.startswith("cuda")
+    c = profile.costs
+    assert all(t > 0 for t in c.fwd_s + c.diff_s + c.update_s + c.selective_fwd_s + c.selective_rerun_s)
+    assert all(d > f for f, d in zip(c.fwd_s, c.diff_s))   # a re-run with autograd and a backward, over a forward
+    assert c.nonlayer_s > 0 and c.step_s > 0
+    assert profile.links_gbps["h2d_gbps"] > 0 and profile.links_gbps["d2h_gbps"] > 0
+    assert history[0].predicted_step_s > 0 and history[0].measured_step_s > 0
+    for k, v in fixed.items():
+        assert torch.equal(auto[k], v), k

@@ -177,10 +177,18 @@ def test_the_previous_steps_updates_running_in_this_forward_are_not_counted():
     assert MeasuredCosts.from_traces([step], 2).update_s == (0.5, 0.75)
 
 
-def test_a_cuda_trace_is_refused():
+def test_a_cuda_trace_is_read_as_a_cpu_one_its_waits_being_the_devices():
+    cpu = MeasuredCosts.from_traces([_two_layer_step()], 2)
     step = _two_layer_step()
     step.device = "cuda"
-    with pytest.raises(MeasurementError, match="measured costs are read from CPU traces only: on cuda"):
+    assert MeasuredCosts.from_traces([step], 2) == cpu
+
+
+def test_a_trace_whose_spans_overlap_is_refused():
+    step = _two_layer_step()
+    step.add_relative("wait", "weights 1", 0.5, 12.0)   # a wait within the blocks' compute
+    with pytest.raises(MeasurementError, match=r"the traced step's blocks and waits \(33.7500 s\) take longer than "
+                                               r"the time before step\(\) \(22.7500 s\): spans overlap"):
         MeasuredCosts.from_traces([step], 2)
 
 
@@ -211,6 +219,43 @@ def test_an_engine_trace_of_a_keep_all_step_gives_every_layers_costs():
     assert c.num_layers == 6
     assert all(d > 0 for d in c.fwd_s + c.diff_s + c.update_s) and c.step_s > 0 and c.nonlayer_s >= 0
     engine.destroy()
+
+
+def _keep_all_costs(device: str, testing: dict, steps: int = 2) -> tuple[MeasuredCosts, float]:
+    """The costs of a keep-all plan (boundaries on the host) measured over ``steps`` traced steps, and the
+    median time its compute side waited per step."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"policy": "keep_all", "boundary_home": "host", "last_segment_graph": False, "device": device,
+                         "overlap_optimizer": True, "testing": testing}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    traces = []
+    for i, (x, y) in enumerate(batches(steps + 2)):
+        if i >= 2:
+            engine.trace_next_step()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        if i >= 2:
+            traces.append(engine.last_trace)
+    engine.destroy()
+    waits = sorted(sum(s.end - s.start for s in t.spans if s.lane == "wait") for t in traces)
+    return MeasuredCosts.from_traces(traces, 6), waits[len(waits) // 2]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_late_copies_are_measured_as_waits_not_as_the_rest_of_the_model(device):
+    """Every copy and update delayed up to 20 ms: the compute side's extra time is in its waits (on CUDA
+    the compute stream's stalls, timed by events), and the rest of the model measures as it does calm."""
+    copy_threads = {"copy_threads": True} if device == "cpu" else {}
+    calm, calm_waits = _keep_all_costs(device, copy_threads)
+    late, late_waits = _keep_all_costs(device, {**copy_threads, "chaos_seed": 3, "chaos_max_delay_ms": 20})
+    assert late_waits > calm_waits + 0.05                      # seconds: several of ~30 delayed copies stalled it
+    assert late.nonlayer_s < calm.nonlayer_s + 0.25 * late_waits
+    for calm_t, late_t in zip(calm.fwd_s, late.fwd_s):         # the delays are not in the blocks' compute either
+        assert late_t < calm_t + 0.25 * late_waits
 
 
 # ---- the cost model with measured costs ------------------------------------------------------------

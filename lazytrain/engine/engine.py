@@ -266,11 +266,6 @@ class LazyTrainEngine(nn.Module):
     def _auto_planner(self) -> auto_plan.AutoPlanner:
         """Policy "auto" (auto_plan.py), wired to this engine's tracing, plan switching and ranks."""
         settings = self._config.lazytrain.auto
-        if self.device.type == "cuda":
-            raise ConfigError("config 'lazytrain.policy' \"auto\" measures each layer's time from traces of the "
-                              "CPU's steps; on CUDA the rest of the model (embedding, head, loss) runs outside the "
-                              "traced spans, so it cannot be measured that way yet: use policy \"milp\" with the "
-                              "profile `lazytrain bench tiers --json` writes for this machine")
         if self._model_cfg is None:
             raise ConfigError("config 'lazytrain.policy' \"auto\" needs the model's shape: a model with a Hugging "
                               "Face `config`")
@@ -509,7 +504,7 @@ class LazyTrainEngine(nn.Module):
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None:
-            streams.start_recording(Timeline("measured", device=self.device.type))   # the traced step begins with this forward
+            streams.start_recording(Timeline("measured", device=self.device.type), self.device)   # the traced step begins with this forward
             self._trace_path, self._trace_request = self._trace_request, None
         self._refuse_if_inconsistent("a forward" if not torch.is_grad_enabled() else "a training forward")
         if torch.is_grad_enabled():
@@ -647,7 +642,7 @@ class LazyTrainEngine(nn.Module):
         the compute side and what it waited for, and each layer's update. The result is
         ``engine.last_trace`` (a :class:`lazytrain.trace.Timeline`, with ``summary()``), written as a
         Chrome/Perfetto trace JSON at ``path`` when given (checked now, before any training time is spent).
-        On CUDA, copies and the blocks' compute are timed by their stream events, waits by the host."""
+        On CUDA, copies, the blocks' compute and the compute side's waits are timed by stream events."""
         if path is not None:
             check_writable(path)
         self._trace_request = path if path is not None else ""
@@ -690,7 +685,7 @@ class LazyTrainEngine(nn.Module):
         if self.shards is not None:
             self._refuse_added_block_params()
         try:
-            with streams.span("wait", "gradients to host"):
+            with streams.wait_span("gradients to host", self.device):
                 self.weights.flush_grads()
             self.weights.attach_grads()
             self.dist.fill_missing_grads([t for t in self._non_block_grad_holders() if not self._partitioned(t)])

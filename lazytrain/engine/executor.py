@@ -428,7 +428,7 @@ class LayerStreamingExecutor:
         if i in p.held:
             return p.held[i]
         handle = p.prefetched.get(i) or self._issue_prefetch(p, i)
-        with streams.span("wait", f"boundary {i}"):
+        with streams.wait_span(f"boundary {i}", self.device):
             x = handle.wait()
         if x.device != self.device:
             x = x.to(self.device)

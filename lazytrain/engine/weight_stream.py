@@ -27,7 +27,7 @@ import torch
 
 from ..tiers import TransferHandle
 from ..tiers.base import completion_reached, wait_completion
-from ..tiers.streams import issued_after, span
+from ..tiers.streams import issued_after, wait_span
 from .weights import LayerWeights
 
 
@@ -90,7 +90,7 @@ class WeightStream:
             if not on_seq:   # the model left the expected order: fetch on demand from here on
                 self._seq, self._prefetched, self._deferred = [], None, None
         if self.weights.update_pending(layer):
-            with span("wait", f"update {layer}"):
+            with wait_span(f"update {layer}", self.device):
                 self.weights.wait_updated(layer)   # outside the lock: the update thread takes it to publish
         else:
             self.weights.wait_updated(layer)       # raises a failed update
@@ -173,7 +173,7 @@ class WeightStream:
 
     def _take(self, s: int) -> torch.Tensor:
         slot = self.slots[s]
-        with span("wait", f"weights {slot.layer}"):
+        with wait_span(f"weights {slot.layer}", self.device):
             flat = slot.copy.wait()   # CUDA: the compute stream waits for the copy's event; CPU: the host does
         slot.copy = None
         return flat

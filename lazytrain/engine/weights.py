@@ -359,7 +359,7 @@ class _GradientSink:
             finally:
                 self.free.put(staging)
         while len(self.pending) >= self.max_in_flight:
-            with streams.span("wait", "gradient sink"):
+            with streams.wait_span("gradient sink", w.device):
                 self.pending.popleft().result()
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()

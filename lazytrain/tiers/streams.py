@@ -106,9 +106,13 @@ class TransferSettings:
 _timeline = None   # the lazytrain.trace.Timeline being recorded, if any
 
 
-def start_recording(timeline) -> None:
+def start_recording(timeline, device=None) -> None:
+    """Record spans into ``timeline`` from now. On a CUDA ``device`` the device's clock is tied to the
+    host's here, at the start (one wait for the work already queued), not inside the traced work."""
     global _timeline
     _timeline = timeline
+    if device is not None and torch.device(device).type == "cuda":
+        _device_origin(timeline, torch.device(device))
 
 
 def stop_recording():
@@ -164,13 +168,13 @@ def record_device_span(lane: str, name: str, start_event, end_event, **args) -> 
     t.add_deferred(lane, name, resolve, **args)
 
 
-class compute_span(span):
-    """A span of compute on ``device``: on CUDA timed by events on the current stream (the host only
-    queues the kernels, so its own clock would time the launches), elsewhere by the host."""
+class device_span(span):
+    """A span of the compute side on ``device``: on CUDA timed by events on the current stream (the host
+    only queues the kernels, so its own clock would time the launches), elsewhere by the host."""
     __slots__ = ("device", "start_event")
 
-    def __init__(self, name: str, device, **args):
-        super().__init__("compute", name, **args)
+    def __init__(self, lane: str, name: str, device, **args):
+        super().__init__(lane, name, **args)
         self.device, self.start_event = device, None
 
     def __enter__(self):
@@ -190,8 +194,25 @@ class compute_span(span):
         return False
 
 
+def compute_span(name: str, device, **args) -> device_span:
+    """A block's compute on ``device`` (the ``compute`` lane)."""
+    return device_span("compute", name, device, **args)
+
+
+def wait_span(name: str, device, **args) -> device_span:
+    """A wait of the compute side (the ``wait`` lane), named by what it waits for. On CUDA its events
+    bracket the wait on the compute stream, so the span is the time the device's compute sat still for it:
+    a stream waiting for a copy's event (the host queues the wait and goes on), or the host blocked (no
+    work queued meanwhile) once the device has run out of queued work; on the CPU the host's blocked time."""
+    return device_span("wait", name, device, **args)
+
+
 def _device_origin(t, device):
-    """(event, perf_counter time) taken together once per trace: device times are placed against it."""
+    """(event, perf_counter time) taken together once per trace and device: device times are placed
+    against it."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     origins = t.device_origins
     if device not in origins:
         event = torch.cuda.Event(enable_timing=True)
