@@ -4,6 +4,7 @@ again when the measured step drifts from the prediction; the profile it saves pl
 start-up and in `lazytrain plan --profile`."""
 import json
 import os
+import statistics
 import warnings
 
 import pytest
@@ -107,15 +108,30 @@ def test_selective_layers_are_measured_on_the_calibration_plan_with_every_layer_
         assert torch.equal(auto[k], v), k
 
 
-def test_selective_layers_are_not_measured_where_their_kept_outputs_would_not_fit_on_the_device():
+def test_where_not_every_layers_kept_outputs_fit_some_are_measured_and_the_others_take_their_kinds_times(capsys):
     """The plain calibration peaks at 74,240 bytes on the device; every layer's kept outputs would add
     6 layers x 288 elements per token x 24 tokens x 4 bytes = 165,888 bytes: over a 236,000-byte budget (the
-    planner needs 229,630 bytes for one layer's backward)."""
+    planner needs 229,630 bytes for one layer's backward), where 5 layers' (138,240 bytes) fit."""
     lt = {"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0}, "capacities": {"hbm": 236_000}}
+    engine, plans = _train(lt, steps=10)
+    assert plans == ["auto-calibration"] * 5 + ["auto-calibration-selective"] * 3 + ["auto-milp"] * 2
+    assert "[lazytrain] auto measures selective layers on 5 of 6 layers ([0, 1, 2, 4, 5]), the others taking " \
+           "their kind's times: every layer's kept matmul and attention outputs (about 0.2 MB) do not fit on the " \
+           "device tier beside the calibration plan's peak (0.2 MB free)" in capsys.readouterr().out
+    c = engine.auto.last_profile.costs
+    engine.destroy()
+    measured = (0, 1, 2, 4, 5)
+    for times in (c.selective_fwd_s, c.selective_rerun_s):   # layer 3: its forward times its kind's ratio
+        assert times[3] == c.fwd_s[3] * statistics.median(times[i] / c.fwd_s[i] for i in measured)
+        assert all(t > 0 for t in times)
+
+
+def test_where_no_layer_of_some_kind_can_be_measured_selective_auto_plans_without_selective_layers(monkeypatch):
+    from lazytrain.engine.engine import LazyTrainEngine
+    monkeypatch.setattr(LazyTrainEngine, "_selective_layers_to_measure", lambda self: ((), "no room"))
+    lt = {"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0}}
     with pytest.warns(UserWarning, match=r"lazytrain: policy \"auto\" does not measure selective layers, so its plan "
-                                         r"has none: every layer's kept matmul and attention outputs \(about 0.2 MB\) "
-                                         r"do not fit on the device tier beside the calibration plan's peak \(0.1 MB "
-                                         r"of 0.2 MB\)"):
+                                         r"has none: no room, not even one layer of each kind"):
         engine, plans = _train(lt, steps=7, quiet=False)
     assert plans == ["auto-calibration"] * 5 + ["auto-milp"] * 2
     assert engine.auto.last_profile.costs.selective_rerun_s is None and not engine.plan.selective_layers

@@ -312,6 +312,45 @@ def test_measured_selective_costs_are_read_from_traces_and_replace_the_assumed_s
         dataclasses.replace(c, selective_rerun_s=(1.0,))
 
 
+def test_selective_times_of_layers_not_measured_are_their_kinds_relative_to_their_own_forward():
+    from lazytrain.planner.measured import with_selective
+    c = MeasuredCosts(fwd_s=(1.0, 2.0, 4.0, 8.0), diff_s=(3.0,) * 4, nonlayer_s=0.5, step_s=0.25,
+                      update_s=(0.1,) * 4)
+    spans = [("compute", "fwd L0", 0, 1.5), ("compute", "diff L0", 2, 2.5),   # kind "a": 1.5x and 0.5x
+             ("compute", "fwd L1", 3, 6), ("compute", "diff L1", 6, 8)]       # kind "b": 1.5x and 1.0x
+    s = with_selective(c, [_timeline(spans)], layers=(0, 1), kinds=["a", "b", "a", "b"])
+    assert s.selective_fwd_s == (1.5, 3.0, 6.0, 12.0)
+    assert s.selective_rerun_s == (0.5, 2.0, 2.0, 8.0)
+    with pytest.raises(MeasurementError, match="layer 3 has no measured selective layer of its kind"):
+        with_selective(c, [_timeline(spans)], layers=(0, 1), kinds=["a", "b", "a", "c"])
+
+
+@pytest.mark.parametrize("room,layers,why", [
+    (None, (0, 1, 2, 3, 4, 5), False),
+    (60, (0, 1, 2, 3, 4, 5), False),
+    (59, (0, 1, 2, 4, 5), True),          # one kind: 5 of 6, spread evenly
+    (20, (0, 5), True),                   # two: the ends
+    (10, (3,), True),                     # one: the middle one
+    (9, (), True),                        # not one
+])
+def test_the_layers_a_selective_calibration_measures_are_those_whose_kept_outputs_fit(room, layers, why):
+    from lazytrain.planner.measured import layers_to_measure_selective
+    chosen, reason = layers_to_measure_selective([10] * 6, ["a"] * 6, room)
+    assert chosen == layers and (reason is not None) == why
+    if why:
+        assert reason == "every layer's kept matmul and attention outputs (about 0.0 MB) do not fit on the device " \
+                         f"tier beside the calibration plan's peak ({room / 1e6:.1f} MB free)"
+
+
+def test_a_selective_calibration_measures_every_kind_in_turn():
+    from lazytrain.planner.measured import layers_to_measure_selective
+    kinds = ["lin", "lin", "lin", "full"] * 3            # a hybrid stack: every fourth layer full attention
+    sizes = [10 if k == "lin" else 30 for k in kinds]
+    assert layers_to_measure_selective(sizes, kinds, 40)[0] == (5, 7)           # one of each, the middle
+    assert layers_to_measure_selective(sizes, kinds, 80)[0] == (0, 3, 10, 11)   # two of each, at the ends
+    assert layers_to_measure_selective(sizes, kinds, 29)[0] == ()               # no full-attention layer fits
+
+
 def test_measured_costs_for_another_model_are_refused():
     c = MeasuredCosts(fwd_s=(1.0,), diff_s=(1.0,), nonlayer_s=0.0, step_s=0.0, update_s=(0.0,))
     with pytest.raises(ValueError, match="measured costs are for 1 layers, the model 'm' has 3"):

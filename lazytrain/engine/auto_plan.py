@@ -4,9 +4,10 @@ Why: a cost model fitted to another machine's figures predicts this one's step o
 engine can measure it. The run starts on a calibration plan that keeps every boundary on the host, so
 that each layer has a plain forward, a re-run with its backward and an overlapped update of its own in a
 traced step. After ``warmup_steps`` steps it traces ``profile_steps`` steps, then (``selective``) as many
-of the same plan with every layer selective after one more warm-up step, takes the medians of each
-layer's times, a selective layer's, and each link's bandwidth from them (planner/measured.py), plans with
-the MILP from those
+of the same plan with every layer selective after one more warm-up step (as many layers as the device
+has room for the outputs they keep, when not every one: the others take their kind's times), takes the
+medians of each layer's times, a selective layer's, and each link's bandwidth from them
+(planner/measured.py), plans with the MILP from those
 (planner/search.py ``plan_from_profile``), and puts that plan in place at a step boundary. Every
 ``check_every`` steps it compares the median measured step with the plan's prediction; beyond
 ``drift_margin`` it measures and plans again, at most ``max_replans`` times. Each plan and each
@@ -56,15 +57,17 @@ class AutoPlanHooks:
     request_trace: Callable[[], None]              # trace the next step
     last_trace: Callable[[], object]               # the step just traced (a Timeline)
     switch: Callable[[Plan], None]                 # put a plan in place (between steps)
-    profile_of: Callable[[list, list | None], MachineProfile]   # traced steps (plain, all selective) -> profile
+    # traced steps (plain; with the given layers selective, or None) -> profile
+    profile_of: Callable[[list, list | None, tuple], MachineProfile]
     plan_from: Callable[[MachineProfile], Plan]    # plan from a profile (the MILP)
     on_rank0: Callable[[Callable[[], object]], object]   # computed on rank 0, the same answer on every rank
     say: Callable[[str], None]                     # report (rank 0 prints)
     warn: Callable[[str], None]                    # a warning (every rank)
     current_policy: Callable[[], str]              # the plan in place, by its policy's name
     save_profile: Callable[[MachineProfile], None] | None = None
-    # None when the device can hold every layer's kept outputs beside the plain calibration's peak; else why not
-    no_room_for_selective: Callable[[], str | None] = lambda: None
+    # the layers whose kept outputs the device can hold beside the plain calibration's peak, and why not every
+    # one (None when every one; no layer when some kind of layer cannot have one)
+    selective_layers_to_measure: Callable[[], tuple] = lambda: (None, None)
 
 
 @dataclass
@@ -79,6 +82,7 @@ class AutoPlanner:
     _steps_in_phase: int = 0
     _selective_phase: bool = False                 # measuring the calibration plan with every layer selective
     _plain_traces: list = field(default_factory=list)   # the plain calibration's, meanwhile
+    _selective_layers: tuple = ()                  # the layers the selective calibration makes selective
     _traces: list = field(default_factory=list)
     _times: list = field(default_factory=list)
     _replans: int = 0
@@ -105,11 +109,11 @@ class AutoPlanner:
             self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan it runs "
                             f"({self.hooks.current_policy()}): {self.stopped}")
 
-    @property
-    def selective_calibration(self) -> Plan:
-        """The calibration plan with every layer selective: its traces give a selective layer's costs."""
-        return dataclasses.replace(self.calibration, selective_layers=tuple(range(self.calibration.num_layers)),
-                                   policy="auto-calibration-selective")
+    def selective_calibration(self, layers: tuple | None = None) -> Plan:
+        """The calibration plan with ``layers`` (default every layer) selective: its traces give a selective
+        layer's costs."""
+        layers = tuple(range(self.calibration.num_layers)) if layers is None else tuple(layers)
+        return dataclasses.replace(self.calibration, selective_layers=layers, policy="auto-calibration-selective")
 
     def _warmup(self) -> int:
         return SELECTIVE_WARMUP_STEPS if self._selective_phase else self.settings.warmup_steps
@@ -125,18 +129,25 @@ class AutoPlanner:
             if len(self._traces) < s.profile_steps:
                 self._measure_next()
                 return
-            if s.selective and not self._selective_phase:   # now the same plan with every layer selective
-                no_room = self.hooks.on_rank0(self.hooks.no_room_for_selective)
-                if no_room is None:
+            if s.selective and not self._selective_phase:   # now the same plan with (some) layers selective
+                layers, why = self.hooks.on_rank0(self.hooks.selective_layers_to_measure)
+                L = self.calibration.num_layers
+                layers = tuple(range(L)) if layers is None else tuple(layers)
+                if layers:
+                    if why is not None:
+                        self.hooks.say(f"[lazytrain] auto measures selective layers on {len(layers)} of {L} layers "
+                                       f"({list(layers)}), the others taking their kind's times: {why}")
                     self._plain_traces, self._traces = self._traces, []
                     self._selective_phase, self._steps_in_phase = True, 0
-                    self.hooks.switch(self.selective_calibration)
+                    self._selective_layers = layers
+                    self.hooks.switch(self.selective_calibration(layers))
                     self._measure_next()
                     return
                 self.hooks.warn(f"lazytrain: policy \"auto\" does not measure selective layers, so its plan has none: "
-                                f"{no_room}")
+                                f"{why}, not even one layer of each kind")
             plain, selective = (self._plain_traces, self._traces) if self._selective_phase else (self._traces, None)
-            profile = self.hooks.on_rank0(lambda: self._profile_saved(plain, selective))
+            chosen = self._selective_layers
+            profile = self.hooks.on_rank0(lambda: self._profile_saved(plain, selective, chosen))
             reason = "measured" if not self.history else "measured again after drift"
             self._plan(profile, step, reason)
             return
@@ -157,8 +168,8 @@ class AutoPlanner:
             self.hooks.switch(self.calibration)
             self._measure_next()
 
-    def _profile_saved(self, traces: list, selective: list | None) -> MachineProfile:
-        profile = self.hooks.profile_of(traces, selective)
+    def _profile_saved(self, traces: list, selective: list | None, layers: tuple) -> MachineProfile:
+        profile = self.hooks.profile_of(traces, selective, layers)
         if self.hooks.save_profile is not None:
             self.hooks.save_profile(profile)
         return profile

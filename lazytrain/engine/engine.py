@@ -293,30 +293,29 @@ class LazyTrainEngine(nn.Module):
             warn=lambda message: warnings.warn(message, UserWarning),
             current_policy=lambda: self.plan.policy,
             save_profile=(lambda profile: profile.to_json(settings.profile_path)) if settings.profile_path else None,
-            no_room_for_selective=self._no_room_for_selective)
+            selective_layers_to_measure=self._selective_layers_to_measure)
         planner = auto_plan.AutoPlanner(settings, self.plan, hooks)
         planner.start(saved)
         return planner
 
-    def _no_room_for_selective(self) -> str | None:
-        """Whether the device tier can hold what the calibration plan with every layer selective keeps
-        (every layer's matmul and attention outputs at the turn, as the planner's model of this model counts
-        them) beside the plain calibration's peak: None when it can, else why not."""
+    def _selective_layers_to_measure(self) -> tuple[tuple[int, ...] | None, str | None]:
+        """The layers whose kept outputs (every selective layer's matmul and attention outputs at the turn,
+        as the planner's model of this model counts them) the device tier can hold beside the plain
+        calibration's peak, and why not every layer (planner/measured.py ``layers_to_measure_selective``)."""
         hbm = self.tiers["hbm"]
         if hbm.capacity is None or self._seq_len is None:
-            return None
+            return None, None
         from ..planner.search import as_model_shape
+        shape = as_model_shape(self._model_cfg)
         tokens = self.train_micro_batch_size_per_gpu() * self._seq_len
-        need = sum(as_model_shape(self._model_cfg).selective_bytes(tokens))
-        if hbm.peak_bytes + need <= hbm.capacity:
-            return None
-        return (f"every layer's kept matmul and attention outputs (about {need / 1e6:.1f} MB) do not fit on the "
-                f"device tier beside the calibration plan's peak ({hbm.peak_bytes / 1e6:.1f} MB of "
-                f"{hbm.capacity / 1e6:.1f} MB)")
+        return measured.layers_to_measure_selective(shape.selective_bytes(tokens), list(shape.layers),
+                                                    max(0, hbm.capacity - hbm.peak_bytes))
 
-    def _profile_of(self, traces: list, selective: list | None = None) -> measured.MachineProfile:
+    def _profile_of(self, traces: list, selective: list | None = None,
+                    selective_layers: tuple = ()) -> measured.MachineProfile:
         """This machine's profile from the traced steps: each layer's times, the links' bandwidths, and from
-        the steps traced with every layer selective (when given), a selective layer's times."""
+        the steps traced with ``selective_layers`` selective (when given), a selective layer's times (the
+        other layers' from their kind's)."""
         if self._seq_len is None:
             raise ConfigError("config 'lazytrain.policy' \"auto\" needs 'lazytrain.seq_len' (no token ids were "
                               "seen in the traced forwards to read it from)")
@@ -329,7 +328,9 @@ class LazyTrainEngine(nn.Module):
         costs = measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
                                                    micro_batches=k)
         if selective:
-            costs = measured.with_selective(costs, selective, micro_batches=k)
+            from ..planner.search import as_model_shape
+            costs = measured.with_selective(costs, selective, micro_batches=k, layers=selective_layers or None,
+                                            kinds=list(as_model_shape(self._model_cfg).layers))
         return measured.MachineProfile(
             costs=costs, links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device))

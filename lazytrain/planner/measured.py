@@ -107,11 +107,18 @@ class MeasuredCosts:
                    update_s=tuple(med("update", i) for i in range(num_layers)), source=source)
 
 
-def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1) -> MeasuredCosts:
+def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1, layers=None,
+                   kinds=None) -> MeasuredCosts:
     """``costs`` with the selective layers' times read from traced steps of a plan that keeps every
-    boundary and makes every layer selective: each layer's forward (it keeps its matmul outputs) and its
-    re-run with autograd before its backward (which takes them); medians per micro-batch."""
+    boundary and makes ``layers`` selective (default: every layer): each such layer's forward (it keeps
+    its matmul outputs) and its re-run with autograd before its backward (which takes them); medians per
+    micro-batch. A layer not measured takes the times of its kind (``kinds[i]``: equal for layers of one
+    shape) relative to its own forward: its forward times the median ratio of the measured layers of that
+    kind (see :func:`layers_to_measure_selective`)."""
     L = costs.num_layers
+    layers = tuple(range(L)) if layers is None else tuple(layers)
+    if not layers:
+        raise MeasurementError("no layer to measure the selective layers' times on")
     per_step = []
     for t in traces:
         fwd, rerun = [0.0] * L, [0.0] * L
@@ -124,15 +131,75 @@ def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1) -
                 fwd[i] += s.end - s.start
             elif kind == "diff":
                 rerun[i] += s.end - s.start
-        if not all(fwd) or not all(rerun):
+        if not all(fwd[i] for i in layers) or not all(rerun[i] for i in layers):
             raise MeasurementError("a traced step for the selective layers' times lacks a forward or a re-run of "
-                                   "some layer: trace a keep-all plan with every layer selective")
+                                   "some layer: trace a keep-all plan with those layers selective")
         per_step.append((fwd, rerun))
     if not per_step:
         raise MeasurementError("no traced step to measure the selective layers from")
     med = lambda k, i: statistics.median(s[k][i] for s in per_step) / micro_batches   # noqa: E731
-    return replace(costs, selective_fwd_s=tuple(med(0, i) for i in range(L)),
-                   selective_rerun_s=tuple(med(1, i) for i in range(L)))
+    sel_fwd = {i: med(0, i) for i in layers}
+    sel_rerun = {i: med(1, i) for i in layers}
+    if len(layers) < L:
+        kinds = list(kinds) if kinds is not None else [None] * L
+        if len(kinds) != L:
+            raise MeasurementError(f"kinds names {len(kinds)} layers, the costs have {L}")
+        for i in range(L):
+            if i in sel_fwd:
+                continue
+            peers = [j for j in layers if kinds[j] == kinds[i]]
+            if not peers:
+                raise MeasurementError(f"layer {i} has no measured selective layer of its kind to take its times "
+                                       f"from")
+            sel_fwd[i] = costs.fwd_s[i] * _median_ratio(sel_fwd, costs.fwd_s, peers)
+            sel_rerun[i] = costs.fwd_s[i] * _median_ratio(sel_rerun, costs.fwd_s, peers)
+    return replace(costs, selective_fwd_s=tuple(sel_fwd[i] for i in range(L)),
+                   selective_rerun_s=tuple(sel_rerun[i] for i in range(L)))
+
+
+def _median_ratio(times: dict, fwd_s: tuple, peers: list) -> float:
+    """The median over ``peers`` of a selective time over the layer's own plain forward."""
+    ratios = [times[j] / fwd_s[j] for j in peers if fwd_s[j] > 0]
+    if not ratios:
+        raise MeasurementError(f"layers {peers} have no forward time to scale their selective times by")
+    return statistics.median(ratios)
+
+
+def layers_to_measure_selective(selective_bytes: list, kinds: list, room: int | None
+                                ) -> tuple[tuple[int, ...], str | None]:
+    """Which layers a calibration makes selective to measure their times: every layer when their kept
+    outputs (``selective_bytes``, all held at the forward's end) fit in ``room`` bytes (None: no limit);
+    else as many as fit, one kind (``kinds[i]``) after another in turn and spread evenly within each kind,
+    the others taking their kind's times (:func:`with_selective`). Returns the layers, and why not every
+    layer (None when every one); no layer, with why, when some kind cannot have even one."""
+    L = len(selective_bytes)
+    if len(kinds) != L:
+        raise MeasurementError(f"kinds names {len(kinds)} layers, selective_bytes {L}")
+    total = sum(selective_bytes)
+    if room is None or total <= room:
+        return tuple(range(L)), None
+    groups: dict = {}
+    for i, k in enumerate(kinds):
+        groups.setdefault(k, []).append(i)
+    count = dict.fromkeys(groups, 0)
+    size = {k: max(selective_bytes[i] for i in members) for k, members in groups.items()}   # any member's
+    used, grew = 0, True
+    while grew:
+        grew = False
+        for k, members in groups.items():
+            if count[k] < len(members) and used + size[k] <= room:
+                used += size[k]
+                count[k] += 1
+                grew = True
+    why = (f"every layer's kept matmul and attention outputs (about {total / 1e6:.1f} MB) do not fit on the "
+           f"device tier beside the calibration plan's peak ({room / 1e6:.1f} MB free)")
+    if not all(count.values()):
+        return (), why
+    chosen = []
+    for k, members in groups.items():
+        n, c = len(members), count[k]
+        chosen += [members[round(j * (n - 1) / (c - 1))] for j in range(c)] if c > 1 else [members[n // 2]]
+    return tuple(sorted(chosen)), why
 
 
 def _one_step(timeline, L: int) -> dict[str, Any]:
