@@ -1,6 +1,7 @@
 """On one CUDA GPU, side by side: plain PyTorch (whole model and AdamW on the GPU, bf16 autocast) vs
 LazyTrain streaming the same model's layers from host memory under three Plans (MegaTrain's every-4,
-keep-all on the GPU, the MILP's plan). Median step time, tokens/s, TFLOPS (6 * N * tokens / time),
+keep-all on the GPU, the MILP's plan from the H200 profile, and policy auto's plan from what it measured here
+after its calibration steps, with its predicted and measured step). Median step time, tokens/s, TFLOPS (6 * N * tokens / time),
 peak GPU memory and, for LazyTrain, the host optimizer's exposed time per step: the update on the
 training thread plus the time the forward waited for overlapped layer updates. MegaTrain's row runs the
 optimizer after backward (``overlap_optimizer: false``); the others overlap it with the next forward.
@@ -72,12 +73,9 @@ def plain(model, batches, warmup):
     return timed(step, batches, warmup), {}
 
 
-def streamed(model, batches, warmup, section):
-    import lazytrain
-    cfg = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_clipping": 1.0,
-           "steps_per_print": 10**9, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "lazytrain": {"device": str(DEVICE), **section}}
-    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+def train_timed(engine, batches, skip):
+    """Median step time after the first ``skip`` steps, and the host optimizer's median exposed time per step:
+    the update on the training thread plus the time the forward waited for overlapped layer updates."""
     opt_times = []
 
     def step(ids):
@@ -86,12 +84,47 @@ def streamed(model, batches, warmup, section):
         waited = engine.layer_updates.waited_seconds if engine.layer_updates is not None else 0.0
         engine.step()
         opt_times.append(engine.last_optimizer_seconds + waited)
-    t = timed(step, batches, warmup)
-    info = {"optimizer_s": statistics.median(opt_times[warmup:]),
+    return timed(step, batches, skip), statistics.median(opt_times[skip:])
+
+
+def streamed(model, batches, warmup, section):
+    import lazytrain
+    cfg = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "lazytrain": {"device": str(DEVICE), **section}}
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    t, optimizer_s = train_timed(engine, batches, warmup)
+    info = {"optimizer_s": optimizer_s,
             "plan": engine.plan.policy + (" +overlap" if engine.layer_updates is not None else ""),
             "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers)}
     engine.destroy()
     return t, info
+
+
+def auto_streamed(model, batches, warmup, steps, seq):
+    """Policy auto: its calibration steps (plain, then with layers selective), its plan, then ``steps``
+    steps on that plan, timed; its own comparison of predicted and measured step is in the plan info."""
+    import lazytrain
+    calibration = AUTO["warmup_steps"] + AUTO["profile_steps"] + 1 + AUTO["profile_steps"]
+    cfg = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+           "lazytrain": {"device": str(DEVICE), "policy": "auto", "seq_len": seq, "gpu_memory": "40GB",
+                         "milp_time_limit": 10, "auto": {**AUTO, "check_every": steps}}}
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    data = (batches * (1 + (calibration + warmup + steps) // len(batches)))[:calibration + warmup + steps]
+    t, optimizer_s = train_timed(engine, data, calibration + warmup)
+    record = engine.auto.history[-1] if engine.auto.history else None
+    info = {"plan": engine.plan.policy + (f" predicted {record.predicted_step_s:.3f}s, measured "
+                                          f"{record.measured_step_s:.3f}s by auto"
+                                          if record and record.measured_step_s and record.predicted_step_s else ""),
+            "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers),
+            "optimizer_s": optimizer_s}
+    engine.destroy()
+    return t, info
+
+
+AUTO = {"warmup_steps": 2, "profile_steps": 2, "selective": True, "max_replans": 0}
 
 
 def main(argv=None) -> int:
@@ -132,6 +165,8 @@ def main(argv=None) -> int:
     if not args.skip_milp:
         runs.append(("LazyTrain MILP plan", lambda m: streamed(m, batches, args.warmup, {
             "policy": "milp", "hardware": "h200", "seq_len": args.seq, "gpu_memory": "40GB", "milp_time_limit": 10})))
+        runs.append(("LazyTrain auto (measured here)", lambda m: auto_streamed(m, batches, args.warmup, args.steps,
+                                                                              args.seq)))
     rows = []
     for name, fn in runs:
         if DEVICE.type == "cuda":

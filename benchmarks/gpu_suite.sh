@@ -12,7 +12,8 @@
 #      the one GPU (the non-block parameters partitioned between them) bit for bit as stage 2;
 #   2. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
 #   3. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama).
-# usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs.
+# usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs; ONLY (default
+# 123) runs those sections only, so that the suite can be split over two device calls (each at most 600 s).
 # Python packages missing on the GPU machine (pulp, highspy, kvikio) may be given as wheels in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,8 @@ echo "# LazyTrain gpu_suite.sh, $(date -u '+%Y-%m-%d %H:%M UTC')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
+ONLY=${ONLY:-123}
+if [[ $ONLY == *1* ]]; then
 echo "## 1. tests on the CUDA path"
 timeout "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_chaos.py tests/test_trace.py \
   tests/test_fidelity.py \
@@ -41,8 +44,15 @@ timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/te
 timeout "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
   tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 
+fi
+
+if [[ $ONLY == *2* ]]; then
 echo "## 2. tiers"
 OUT="$OUT" timeout "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40
 
-echo "## 3. engine throughput"
+fi
+
+if [[ $ONLY == *3* ]]; then
+echo "## 3. engine throughput (and policy auto's predicted vs measured step)"
 timeout "${ENGINE_TIMEOUT:-200}" python3 benchmarks/engine_gpu.py 2>&1 | tee "$OUT/engine_gpu.log" | tail -20
+fi
