@@ -99,7 +99,8 @@ def main(argv=None) -> int:
             engine.destroy()
     record = auto_engine.auto.history[0]
     plan, profile = auto_engine.plan, auto_engine.auto.last_profile
-    print(f"\nauto's plan: boundaries {' '.join(plan.homes)}, last segment graph {plan.last_segment_graph}; "
+    print(f"\nauto's plan: boundaries {' '.join(plan.homes)}, last segment graph {plan.last_segment_graph}, "
+          f"selective layers {list(plan.selective_layers)}, offloaded layers {list(plan.offloaded_layers)}; "
           f"measured links {', '.join(f'{k} {v:.4f} GB/s' for k, v in profile.links_gbps.items())}")
     print(f"auto: predicted {record.predicted_step_s * 1e3:.0f} ms/step, measured {record.measured_step_s * 1e3:.0f} "
           f"ms/step over {record.measured_steps} steps ({record.measured_step_s / record.predicted_step_s:.3f}x)")
