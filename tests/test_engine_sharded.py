@@ -124,10 +124,19 @@ def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm)
             result["gathered_bytes"] = sum(t.numel() * t.element_size() for t in pieces.values())
             return pieces, error
         sharded_checkpoint.gather_pieces = counting
+        fetched = []   # stage 3: the others' parameters this rank received whole to save (none: shapes only)
+        if engine.partitioned is not None:
+            pp = engine.partitioned
+            pp._fetch = lambda entries, fetch=pp._fetch: (
+                fetched.extend(e for e in entries if not e.held and e.owner != rank), fetch(entries))[1]
+            pp._fetch_masters = lambda fetch=pp._fetch_masters: (fetched.append("masters"), fetch())[1]
         try:
             engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
         finally:
             sharded_checkpoint.gather_pieces = gather
+            if engine.partitioned is not None:
+                del engine.partitioned._fetch, engine.partitioned._fetch_masters
+        result["save_fetched"] = len(fetched)
     result["node_shared"] = engine.node_shared_weights
     result["signals_only"] = engine._one_shared_node   # one node: owners broadcast a signal, not the weights
     if world > 1:   # does a write by the last rank reach this one's streamed weights? (then put back)
@@ -904,6 +913,22 @@ def test_bf16_at_stage_3_trains_bit_for_bit_as_replicated_ranks(spawned):
 SAVED_AT_3 = train(4, stage=3, steps="first", save=True)
 RESUMED_AT_3 = {world: train(world, stage=3, steps="then", load=SAVED_AT_3) for world in (4, 2, 1)}
 STAGE_1_TO_3 = train(2, stage=3, steps="then", load=SAVED_BY_4)
+
+
+SAVED_AT_3_BF16 = train(2, stage=3, steps="first", save=True, dtype="bf16")
+RESUMED_AT_3_BF16 = train(2, stage=3, steps="then", load=SAVED_AT_3_BF16, dtype="bf16")
+STRAIGHT_AT_3_BF16 = train(2, stage=3, steps="first+then", dtype="bf16")
+
+
+def test_a_stage_3_save_takes_the_others_parameters_from_their_owners_and_resumes_bit_for_bit_in_bf16(spawned):
+    """No rank receives another's partitioned parameter or fp32 master whole to save: each writes its
+    part of DeepSpeed's layout with the values sent by their owners, the shapes from placeholders."""
+    for r in spawned(SAVED_AT_3) + spawned(SAVED_AT_3_BF16):
+        assert r["save_fetched"] == 0
+    straight = spawned(STRAIGHT_AT_3_BF16)[0]["weights"]
+    for r in spawned(RESUMED_AT_3_BF16):
+        for k, v in straight.items():
+            assert torch.equal(r["weights"][k], v), k
 
 
 def test_a_stage_3_checkpoint_of_4_ranks_resumes_with_2_and_1_and_a_stage_1_one_at_stage_3(spawned):

@@ -1109,6 +1109,9 @@ class LazyTrainEngine(nn.Module):
             if exclude_frozen_parameters and p is not None and not p.requires_grad:
                 continue
             src = masters.get(id(t), t)
+            if self.partitioned is not None and self.partitioned.values_elsewhere(t):
+                out[name] = torch.empty(0, dtype=src.dtype)   # stage 3, another rank's: a save takes it from there
+                continue
             out[name] = src.detach().to("cpu", copy=copy)
         return out
 
@@ -1165,7 +1168,9 @@ class LazyTrainEngine(nn.Module):
         self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
         self.wait_for_update()
         if self.shards is not None:
-            with self._whole():   # stage 3: each rank writes its part of every parameter (DeepSpeed's layout)
+            # stage 3: each rank sees every parameter's shape, and takes the values of its part of DeepSpeed's
+            # layout from their owners (_holder_of_pieces), so no rank holds the others' parameters whole
+            with self.partitioned.shaped() if self.partitioned is not None else contextlib.nullcontext():
                 return self._save_sharded(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         error = None
         try:
@@ -1263,8 +1268,8 @@ class LazyTrainEngine(nn.Module):
         return ds_layout.Writer(export)
 
     def _holder_of_pieces(self):
-        """need -> the rank that holds its fp32 values: a moment's owner; fp32 weights here when this rank
-        has them, else the owner of their layer."""
+        """need -> the rank that holds its fp32 values: a partitioned parameter's owner (stage 3); a
+        moment's owner; fp32 weights here when this rank has them, else the owner of their layer."""
         masters = self.masters.by_param if self.masters is not None else {}
         layer_of = {id(p): i for i, params in enumerate(self.weights.params) for p in params}
         params = dict(self.module.named_parameters())
@@ -1273,6 +1278,9 @@ class LazyTrainEngine(nn.Module):
 
         def holder(need: ds_layout.Need) -> int:
             p = params[need.name]
+            owner = self.partitioned.owner(p) if self.partitioned is not None else None
+            if owner is not None:   # stage 3: whole on its owner alone, everything of it
+                return owner
             if need.key != "master":
                 return self.shards.param_owner.get(id(p), self.global_rank)   # the optimizer state's owner
             if masters.get(id(p), p).dtype == torch.float32:

@@ -18,9 +18,11 @@ When a copy is fetched and when it is dropped:
   is reduced to the owner (added into its fp32 master gradient there) and the copy dropped; one that is
   never differentiated keeps them until the next step. A backward that finds a copy gone (two forwards,
   then their two backwards) fetches them again first, from a hook on the forward's outputs.
-* ``materialized()`` (saves, loads, ``module_state_dict()``, ``destroy()``) and ``gathered()``
+* ``materialized()`` (loads, ``module_state_dict()``, ``destroy()``) and ``gathered()``
   (``deepspeed.zero.GatheredParameters``) pin what they fetch and drop only what they fetched, so scopes
-  nest and leave a pending backward's copies alone.
+  nest and leave a pending backward's copies alone. A checkpoint save fetches nothing: in ``shaped()``
+  every rank sees the others' parameters' shapes (placeholders without memory), and takes the values of
+  its part of the files from their owners.
 * After an optimizer step the copies held are out of date: dropped, or fetched again where pinned.
 
 Every rank must run the same forwards through the same modules (Hugging Face ``generate`` is made to keep
@@ -85,6 +87,7 @@ class PartitionedParams:
                 self._modules[module] = mine
         self.active = False
         self._whole_for = 0          # depth of materialized()
+        self._shaped = 0             # depth of shaped()
         self._calls: list[nn.Module] = []   # hooked forwards under way, outermost first
         self._held_at_start: set[int] = set()
         self._hooks = []
@@ -139,8 +142,9 @@ class PartitionedParams:
     @contextlib.contextmanager
     def materialized(self):
         """Meanwhile every partitioned parameter and its fp32 master are whole on every rank (received from
-        their owners), so that saves and loads see the model as one process has it; afterwards what this
-        fetched is dropped again (what a load wrote into the owners' stays). A collective."""
+        their owners), so that loads and ``module_state_dict()`` see the model as one process has it;
+        afterwards what this fetched is dropped again (what a load wrote into the owners' stays). A
+        collective."""
         if not self.active:
             yield
             return
@@ -155,6 +159,45 @@ class PartitionedParams:
                 if self._whole_for == 0:
                     for e in self.entries:
                         self._drop_master(e)
+
+    @contextlib.contextmanager
+    def shaped(self):
+        """Meanwhile each partitioned parameter not whole here, and its fp32 master, has its whole shape but
+        no values (a zero-stride view of one zero: no memory), so that a writer that takes the shapes from
+        every rank's model and the values from their owners (a sharded save: engine.py
+        ``_holder_of_pieces``) does not fetch them. Not a collective; nothing may read their values."""
+        if not self.active:
+            yield
+            return
+        swapped = [e for e in self.entries if e.owner != self.rank and not e.held]   # an owner's are whole
+        for e in swapped:
+            e.param.data = _no_values(e.param.dtype, e.param.device, e.shape)
+            if e.master is not e.param and e.master.numel() == 0:
+                e.master.data = _no_values(torch.float32, e.master.device, e.shape)
+        self._shaped += 1
+        try:
+            yield
+        finally:
+            self._shaped -= 1
+            for e in swapped:
+                if not e.held:   # nothing fetched it meanwhile
+                    e.param.data = _empty_like(e.param)
+                if e.master is not e.param and id(e.param) in self.masters.elsewhere:
+                    e.master.data = _empty_like(e.master)
+
+    def owner(self, t: torch.Tensor) -> int | None:
+        """The rank that holds ``t`` (a partitioned parameter or its master) whole between uses; None when
+        ``t`` is not partitioned."""
+        if not self.active:
+            return None
+        e = self._by_param.get(id(t)) or self._by_master.get(id(t))
+        return e.owner if e is not None else None
+
+    def values_elsewhere(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` (a partitioned parameter or its master) holds no values here now: another rank owns
+        it and it is not fetched (in :meth:`shaped`, a placeholder of its shape)."""
+        e = self._by_param.get(id(t)) or self._by_master.get(id(t)) if self.active else None
+        return e is not None and e.owner != self.rank and not e.held
 
     def gathered(self, params) -> contextlib.AbstractContextManager:
         """``deepspeed.zero.GatheredParameters(params)``: those of ``params`` partitioned here, whole for the
@@ -300,7 +343,7 @@ class PartitionedParams:
         return hook
 
     def _warn_partial_state_dict(self, module, prefix, keep_vars) -> None:
-        if self._whole_for or self._warned_state_dict or all(e.owner == self.rank for e in self.entries):
+        if self._whole_for or self._shaped or self._warned_state_dict or all(e.owner == self.rank for e in self.entries):
             return
         self._warned_state_dict = True
         warnings.warn("lazytrain: zero_optimization.stage 3 partitions the parameters outside the streamed blocks: "
@@ -351,6 +394,11 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _no_values(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> torch.Tensor:
+    """A tensor of ``shape`` holding one element (zero) seen everywhere: a shape without memory."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def _tensors(output):
