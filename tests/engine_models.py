@@ -12,6 +12,11 @@ from lazytrain.models.decoder import DecoderConfig, build_causal_lm, logits_of
 from lazytrain.tiers import Tier, TransferHandle
 
 VOCAB = 32
+# where an engine computes when its config leaves 'lazytrain.device' at "auto" (the tests' default): CUDA where it
+# exists. A plain-PyTorch reference an auto-device engine is held to runs there too, on the same kernels: a CPU
+# reference differs from CUDA by rounding (which AdamW turns into visible differences where a gradient is
+# near zero), draws other dropout masks, and a CPU autocast does not reach CUDA ops.
+AUTO_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class MLPBlock(nn.Module):
@@ -337,12 +342,13 @@ def lm_loss(out, y):
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device))
 
 
-def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1):
-    """Plain PyTorch: fused AdamW, clip_grad_norm_, the loss averaged over `gas` micro-batches."""
-    ref = copy.deepcopy(model)
+def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1, device="cpu"):
+    """Plain PyTorch on ``device`` (``AUTO_DEVICE`` for an engine on the default device): fused AdamW,
+    clip_grad_norm_, the loss averaged over `gas` micro-batches. The model returned is on ``device``."""
+    ref = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, fused=True)
     for i, (x, y) in enumerate(data):
-        (lm_loss(ref(x), y) / gas).backward()
+        (lm_loss(ref(x.to(device)), y) / gas).backward()
         if (i + 1) % gas == 0:
             if clip:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)

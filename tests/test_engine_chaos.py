@@ -11,7 +11,8 @@ import torch
 
 import lazytrain
 from lazytrain.tiers import streams
-from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+from lazytrain.tiers.base import completion_reached
+from engine_models import AUTO_DEVICE, batches, lm_loss, make_model, max_rel_diff, reference_train
 
 SEEDS = (1, 2, 3)
 NVME_AIO = {"block_size": 4096, "queue_depth": 1, "intra_op_parallelism": 4}   # several requests per layer
@@ -111,7 +112,7 @@ def test_copy_threads_train_like_pytorch():
     """The threaded path itself against plain PyTorch (fp32, within 1e-5)."""
     model = make_model("llama")
     data = batches(4)
-    ref = reference_train(model, data)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
     cfg = config(dict(checkpoint_interval=2), None, {"copy_threads": True, "chaos_seed": 7})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -150,7 +151,7 @@ def test_an_abandoned_prefetch_never_lands_in_a_slot_in_use(seed, tmp_path):
     is abandoned), then training. Against plain PyTorch, with every NVMe request delayed at random."""
     model = make_model("modulelist")
     data = batches(4)
-    ref = reference_train(model, data)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
     case = dict(checkpoint_interval=2, weights_home="nvme")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -178,7 +179,9 @@ def test_load_state_dict_waits_for_copies_reading_the_weights_it_rewrites(tmp_pa
     layers = engine.module.model.layers
 
     def check(*_):   # runs after the engine's own pre-hook, before any value of the block is written
-        in_flight_at_write.append([d for reads in engine.stream._reads.values() for d in reads if not d.done()])
+        # a read's completion: a Future or a host event on the CPU, a CUDA event (query(), no done()) on CUDA
+        in_flight_at_write.append([d for reads in engine.stream._reads.values() for d in reads
+                                   if not completion_reached(d)])
     hook = layers[5].register_load_state_dict_pre_hook(check)
     engine(x)   # a forward whose backward never comes: backward's first prefetch (layer 5) is in flight
     assert engine.stream._reads.get(5), "the test needs a copy of layer 5 issued"

@@ -12,7 +12,7 @@ import lazytrain
 from lazytrain.config import ConfigError
 from lazytrain.engine.layer_updates import OverlappedUpdateError
 from lazytrain.optim.hybrid_adamw import HybridAdamW
-from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+from engine_models import AUTO_DEVICE, batches, lm_loss, make_model, max_rel_diff, reference_train
 from test_engine_parity import RTOL, ds_config
 
 
@@ -115,7 +115,7 @@ def test_adamw_config_with_overlap_matches_pytorch(kind):
     snapshot of the hyperparameters) and still train like torch's fused AdamW within 1e-5."""
     model = make_model(kind)
     data = batches(5)
-    ref = reference_train(model, data)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
     engine = train(model, data, ds_config(checkpoint_interval=2, overlap_optimizer=True))
     assert isinstance(engine.optimizer, HybridAdamW)
     assert {r["states"] for r in engine.optimizer.state_report()} == {"fp32"}
@@ -185,15 +185,16 @@ def test_a_layer_is_never_fetched_while_its_update_runs():
 
     def record_fetch(i, buf):
         pending_at_fetch.append(engine.layer_updates.pending(i))
-        if i == 3:
-            layer3_fetched_by.append(threading.current_thread().name.split("_")[0])
+        if i == 3:   # backward runs on the main thread on the CPU, on autograd's device thread on CUDA
+            by_update = threading.current_thread().name.startswith("lazytrain-update")
+            layer3_fetched_by.append("update thread" if by_update else "training")
         return fetch(i, buf)
     engine.weights.fetch_into = record_fetch
     train_holding(engine, data, layer_taken)
     assert waited == [True, True, True]
     assert pending_at_fetch and not any(pending_at_fetch)
     # forward, backward; then in each forward that follows an update, by the update thread as it lands
-    assert layer3_fetched_by == ["MainThread"] * 2 + ["lazytrain-update", "MainThread"] * 2
+    assert layer3_fetched_by == ["training"] * 2 + ["update thread", "training"] * 2
     assert_same_training(engine, serial)
 
 
@@ -327,7 +328,8 @@ def test_checkpoint_of_a_serial_run_loads_into_an_overlapped_one(tmp_path):
     fp32 states) like the serial run continues, within 1e-5."""
     model = make_model("llama")
     data = batches(4)
-    first = train(copy.deepcopy(model), data[:2], ds_config(checkpoint_interval=2))
+    # serial (overlap "auto" is on with CUDA, where the optimizer would be HybridAdamW)
+    first = train(copy.deepcopy(model), data[:2], ds_config(checkpoint_interval=2, overlap_optimizer=False))
     assert type(first.optimizer) is torch.optim.AdamW
     first.save_checkpoint(str(tmp_path))
     for x, y in data[2:]:
@@ -349,10 +351,10 @@ def test_adam_with_l2_keeps_torch_adams_defaults_under_overlap():
     HybridAdamW for the overlap keeps those semantics and trains like torch.optim.Adam."""
     model = make_model("llama")
     data = batches(4)
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).to(AUTO_DEVICE)
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for x, y in data:
-        lm_loss(ref(x), y).backward()
+        lm_loss(ref(x.to(AUTO_DEVICE)), y).backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         opt.zero_grad()

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lazytrain
-from engine_models import max_rel_diff
+from engine_models import AUTO_DEVICE, max_rel_diff
 
 pytestmark = pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
 
@@ -31,7 +31,7 @@ class Net(nn.Module):
 def test_a_model_without_blocks_trains_like_pytorch_and_says_nothing_streams(tmp_path):
     torch.manual_seed(0)
     net = Net()
-    ref = copy.deepcopy(net)
+    ref = copy.deepcopy(net).to(AUTO_DEVICE)   # where the engine keeps the model (nothing streams)
     cfg = {"train_batch_size": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
     with pytest.warns(UserWarning, match="the model has no repeated blocks .* so nothing streams: every parameter "
@@ -41,6 +41,7 @@ def test_a_model_without_blocks_trains_like_pytorch_and_says_nothing_streams(tmp
     g = torch.Generator().manual_seed(0)
     for i in range(6):
         x, y = torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
+        x, y = x.to(AUTO_DEVICE), y.to(AUTO_DEVICE)   # the targets must be on the logits' device
         engine.backward(F.cross_entropy(engine(x), y))
         engine.step()
         (F.cross_entropy(ref(x), y) / 2).backward()
