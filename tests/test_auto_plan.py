@@ -126,6 +126,19 @@ def test_where_not_every_layers_kept_outputs_fit_some_are_measured_and_the_other
         assert all(t > 0 for t in times)
 
 
+def test_the_selective_calibration_leaves_a_margin_for_what_the_planners_count_of_kept_outputs_leaves_out(capsys):
+    """Six layers' kept outputs as the planner counts them (165,888 bytes) fit beside the plain calibration's
+    peak (74,240) in 241,000 bytes, but each layer really keeps 28,032 bytes (its attention's log-sum-exp
+    beside the counted outputs): six would run over the budget in the selective calibration's forward
+    (TierBudgetError in the training loop). With the margin five are measured and the run goes on."""
+    lt = {"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0}, "capacities": {"hbm": 241_000}}
+    engine, plans = _train(lt, steps=10)
+    assert plans == ["auto-calibration"] * 5 + ["auto-calibration-selective"] * 3 + ["auto-milp"] * 2
+    assert "[lazytrain] auto measures selective layers on 5 of 6 layers ([0, 1, 2, 4, 5])" in capsys.readouterr().out
+    assert engine.last_step_peak_bytes["hbm"] <= 241_000
+    engine.destroy()
+
+
 def test_where_no_layer_of_some_kind_can_be_measured_selective_auto_plans_without_selective_layers(monkeypatch):
     from lazytrain.engine.engine import LazyTrainEngine
     monkeypatch.setattr(LazyTrainEngine, "_selective_layers_to_measure", lambda self: ((), "no room"))

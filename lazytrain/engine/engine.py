@@ -45,6 +45,7 @@ from .precision import LossScaler, Masters
 from .weights import LayerWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/16 over the planner's estimate
 
 
 class StepFailedError(RuntimeError):
@@ -308,8 +309,13 @@ class LazyTrainEngine(nn.Module):
         from ..planner.search import as_model_shape
         shape = as_model_shape(self._model_cfg)
         tokens = self.train_micro_batch_size_per_gpu() * self._seq_len
-        return measured.layers_to_measure_selective(shape.selective_bytes(tokens), list(shape.layers),
-                                                    max(0, hbm.capacity - hbm.peak_bytes))
+        # the planner counts the kept ops' outputs; the kernels keep a little beside them (attention's fp32
+        # log-sum-exp) and the tier counts whole storages: chosen to the byte, the selective calibration would
+        # run over the tier's budget in the middle of the training's forward (TierBudgetError), so a margin
+        kept = [b + b // SELECTIVE_MARGIN for b in shape.selective_bytes(tokens)]
+        # the calibration step's own peak: the tiers' peaks were reset at the end of the step just done
+        peak = max(hbm.peak_bytes, self.last_step_peak_bytes.get("hbm", 0))
+        return measured.layers_to_measure_selective(kept, list(shape.layers), max(0, hbm.capacity - peak))
 
     def _profile_of(self, traces: list, selective: list | None = None,
                     selective_layers: tuple = ()) -> measured.MachineProfile:
