@@ -6,6 +6,7 @@ import sys
 import warnings
 
 import pytest
+import torch
 
 import lazytrain
 from lazytrain.planner import simulate as sim
@@ -105,3 +106,25 @@ def test_a_trace_path_that_cannot_be_written_is_refused_before_training(tmp_path
     assert out.returncode == 2
     assert out.stderr.strip().endswith("missing does not exist") and "Traceback" not in out.stderr
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_on_cuda_the_trace_starts_once_the_work_queued_before_it_has_run(monkeypatch):
+    """start_recording ties the device's clock to the host's by waiting for the work already queued on the
+    compute stream: that wait (the previous step's tail) is not the traced step's, so the timeline starts
+    after it, not before (else it would be read as the rest of the model). The wait is simulated here."""
+    import time
+
+    def origin_after_queued_work(t, device):   # as streams._device_origin: 50 ms of queued work drained
+        time.sleep(0.05)
+        t.device_origins[device] = (None, time.perf_counter())
+        return t.device_origins[device]
+    monkeypatch.setattr(streams, "_device_origin", origin_after_queued_work)
+    timeline = Timeline("measured", device="cuda")
+    streams.start_recording(timeline, torch.device("cuda", 0))
+    try:
+        with streams.span("compute", "fwd L0"):
+            pass
+    finally:
+        streams.stop_recording()
+    (s,) = timeline.spans
+    assert 0 <= s.start < 0.04, s.start    # not 0.05 s in: the drained work is before the origin

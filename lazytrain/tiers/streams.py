@@ -108,11 +108,15 @@ _timeline = None   # the lazytrain.trace.Timeline being recorded, if any
 
 def start_recording(timeline, device=None) -> None:
     """Record spans into ``timeline`` from now. On a CUDA ``device`` the device's clock is tied to the
-    host's here, at the start (one wait for the work already queued), not inside the traced work."""
+    host's here, at the start (one wait for the work already queued), not inside the traced work; the
+    timeline's origin moves to the end of that wait: the work queued before the trace (the last step's
+    non-block update on the device, say) is not the traced step's, and would otherwise count as the rest of
+    the model."""
     global _timeline
     _timeline = timeline
     if device is not None and torch.device(device).type == "cuda":
-        _device_origin(timeline, torch.device(device))
+        _, host = _device_origin(timeline, torch.device(device))
+        timeline.origin = host
 
 
 def stop_recording():
