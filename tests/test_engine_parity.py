@@ -1005,7 +1005,8 @@ def test_weight_shared_by_a_block_and_a_module_outside_is_refused():
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_failed_initialize_leaves_the_model_as_it_was(bf16):
     """A config error found late in set-up (overlap_optimizer true with SGD) leaves no forward routing,
-    hooks or bf16 weights behind: the model then trains in plain PyTorch exactly as an untouched copy."""
+    hooks, bf16 weights or weights moved to the GPU behind: the model then trains in plain PyTorch exactly
+    as an untouched copy."""
     model = make_model("llama")
     data = batches(2)
     ref = reference_train(model, data, device=AUTO_DEVICE)
@@ -1017,19 +1018,22 @@ def test_failed_initialize_leaves_the_model_as_it_was(bf16):
         lazytrain.initialize(model=model, config=cfg)
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert {t.device for t in [*model.parameters(), *model.buffers()]} == {torch.device("cpu")}   # as given
     trained = reference_train(model, data, device=AUTO_DEVICE)
     assert max_rel_diff(trained, ref) == 0.0
 
 
 def test_destroy_gives_non_block_gradients_back_to_the_model():
     """bf16: during training the non-block weights run in bf16 with fp32 masters taking their gradients;
-    destroy() hands back the fp32 model, whose plain backward leaves gradients on its own parameters."""
+    destroy() hands back the fp32 model, on the device it was given on (on a GPU the embedding and head
+    come back from it), whose plain backward leaves gradients on its own parameters."""
     model = make_model("llama")
     cfg = ds_config(checkpoint_interval=2)
     cfg["bf16"] = {"enabled": True}
     engine = train_engine(model, batches(1), cfg)
-    master = engine.masters.master_of(model.lm_head.weight).detach().clone()
+    master = engine.masters.master_of(model.lm_head.weight).detach().cpu()
     engine.destroy()
+    assert {t.device for t in [*model.parameters(), *model.buffers()]} == {torch.device("cpu")}
     assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight.detach(), master)
     x, y = batches(1)[0]
     lm_loss(model(x), y).backward()

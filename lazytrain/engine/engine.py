@@ -48,6 +48,33 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/16 over the planner's estimate
 
 
+def _devices_of(model: nn.Module) -> list[tuple[nn.Module, str, str, torch.device]]:
+    """Where each parameter and buffer of ``model`` is: (module, "param" or "buffer", name, device)."""
+    out = []
+    for mod in model.modules():
+        out += [(mod, "param", n, p.device) for n, p in mod._parameters.items() if p is not None]
+        out += [(mod, "buffer", n, b.device) for n, b in mod._buffers.items() if b is not None]
+    return out
+
+
+def _put_back(devices) -> None:
+    """Each parameter (with its gradient) and buffer on the device it was given on (:func:`_devices_of`), so
+    that the model handed back computes on one device as it came, not with its embedding on the GPU and its
+    blocks in host memory."""
+    for mod, kind, name, device in devices:
+        table = mod._parameters if kind == "param" else mod._buffers
+        t = table.get(name)
+        if t is None or t.device == device:
+            continue
+        if kind == "buffer":
+            table[name] = t.to(device)
+            continue
+        grad = t.grad
+        t.data = t.data.to(device)
+        if grad is not None:
+            t.grad = grad.to(device)
+
+
 class StepFailedError(RuntimeError):
     """engine.step() failed; the message says whether anything had changed (and then, until a checkpoint
     is loaded, training and saving are refused)."""
@@ -105,11 +132,13 @@ class LazyTrainEngine(nn.Module):
             self.stream.settle_all()   # no copy may still land in a buffer that is about to go
         for tier in d.get("tiers", {}).values():
             tier.close()
+        _put_back(d.get("_devices_given", []))
 
     def _set_up(self, model: nn.Module, config: EngineConfig, optimizer, model_parameters, lr_scheduler,
                 training_data, collate_fn) -> None:
         self.module = model
         self._config = config
+        self._devices_given = _devices_of(model)   # handed back on them (set-up moves some to the device)
         self.dist = DistributedContext("cuda" if torch.cuda.is_available() else "cpu",
                                        timeout_s=config.lazytrain.collective_timeout_s,
                                        comm_dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
@@ -1582,7 +1611,8 @@ class LazyTrainEngine(nn.Module):
     def destroy(self) -> None:
         """Release streaming buffers and tiers (NVMe run directories are removed) and hand the model back:
         its blocks called directly again, mixed-precision non-block weights back in fp32 (the trained
-        masters), no hooks of ours. A second call does nothing (accelerate's ``free_memory`` calls it too)."""
+        masters), every parameter, gradient and buffer on the device it was given on, no hooks of ours. A
+        second call does nothing (accelerate's ``free_memory`` calls it too)."""
         if self.__dict__.get("_destroyed"):
             return
         self._own_weights_again()
