@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
-# Every LazyTrain check that needs a CUDA GPU, in one run of a few minutes:
+# Every LazyTrain check that needs a CUDA GPU, in sections of a few minutes each:
 #   1. the chaos tests first (every copy delayed on its CUDA stream by a spin kernel, every NVMe request
-#      and layer update on the host: results must be bit-identical to the calm run), step traces
-#      timed by CUDA events (copies, the blocks' compute and the waits: delayed copies measured as waits), a resident layer's refresh in forward order
-#      on the CUDA stream, emulated links refused on CUDA; then the engine's parity tests on the CUDA path (side-stream copies, events,
-#      pinned memory, the gradient sink, the optimizer update overlapping the next forward) against plain
-#      PyTorch, a block-less model with its optimizer on the host, and the optimizer and tier tests; two
-#      processes on the one GPU copying from node-shared host weights registered as pinned; selective
-#      layers bit-identical to the plan without them; policy auto measuring (stream-event traces), planning and
-#      training bit for bit as a fixed plan on CUDA; stage 3 with two processes on
-#      the one GPU (the non-block parameters partitioned between them) bit for bit as stage 2;
-#   2. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
-#   3. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama).
+#      and layer update on the host: results must be bit-identical to the calm run), step traces timed by
+#      CUDA events (copies, the blocks' compute and the waits: delayed copies measured as waits), a
+#      resident layer's refresh in forward order on the CUDA stream, emulated links refused on CUDA; then
+#      the tests named on_a_gpu: two processes on the one GPU copying from node-shared host weights
+#      registered as pinned; selective and offloaded layers bit-identical to the plans without them; policy
+#      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; stage 3
+#      with two processes on the one GPU (the non-block parameters partitioned between them) bit for bit as
+#      stage 2;
+#   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
+#      sink, the optimizer update overlapping the next forward) against plain PyTorch on the same device, a
+#      block-less model with its optimizer on the host, the optimizer and tier tests;
+#   3. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
+#   4. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama, and policy auto's
+#      predicted vs measured step).
 # usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs; ONLY (default
-# 123) runs those sections only, so that the suite can be split over two device calls (each at most 600 s).
+# 1234) runs those sections only: one device call runs at most 600 s, so run ONLY=12, then ONLY=34.
+# cuBLAS is asked for deterministic kernels (CUBLAS_WORKSPACE_CONFIG): the bit-for-bit tests compare runs.
 # Python packages missing on the GPU machine (pulp, highspy, kvikio) may be given as wheels in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-lazytrain-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 SITE=$(mktemp -d)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \
@@ -30,29 +35,29 @@ echo "# LazyTrain gpu_suite.sh, $(date -u '+%Y-%m-%d %H:%M UTC')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
-ONLY=${ONLY:-123}
+ONLY=${ONLY:-1234}
 if [[ $ONLY == *1* ]]; then
-echo "## 1. tests on the CUDA path"
+echo "## 1. chaos, traces and the on_a_gpu tests"
 timeout "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_chaos.py tests/test_trace.py \
   tests/test_fidelity.py \
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -15
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py tests/test_engine_overlap.py \
-  tests/test_no_blocks.py tests/test_optim*.py tests/test_tiers*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-# two ranks on the one GPU copying from the node-shared host weights (registered with CUDA as pinned);
-# selective and offloaded layers on CUDA (fp32, bf16) bit-identical to the plans that re-run them; policy
-# auto measuring and planning on CUDA
 timeout "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
-  tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
-
+  tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py \
+  -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 fi
 
 if [[ $ONLY == *2* ]]; then
-echo "## 2. tiers"
-OUT="$OUT" timeout "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40
-
+echo "## 2. parity, optimizer and tier tests on the CUDA path"
+timeout "${TEST_TIMEOUT:-280}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py tests/test_engine_overlap.py \
+  tests/test_no_blocks.py tests/test_optim*.py tests/test_tiers*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 
 if [[ $ONLY == *3* ]]; then
-echo "## 3. engine throughput (and policy auto's predicted vs measured step)"
-timeout "${ENGINE_TIMEOUT:-200}" python3 benchmarks/engine_gpu.py 2>&1 | tee "$OUT/engine_gpu.log" | tail -20
+echo "## 3. tiers"
+OUT="$OUT" timeout "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40
+fi
+
+if [[ $ONLY == *4* ]]; then
+echo "## 4. engine throughput (and policy auto's predicted vs measured step)"
+timeout "${ENGINE_TIMEOUT:-240}" python3 benchmarks/engine_gpu.py 2>&1 | tee "$OUT/engine_gpu.log" | tail -20
 fi
