@@ -396,6 +396,9 @@ def test_a_resident_layers_refresh_waits_for_the_forward_to_come_to_it(tmp_path)
     h2d = [s.name for s in sorted(engine.last_trace.spans, key=lambda s: s.start) if s.lane == "h2d"]
     forward = h2d[:6]                                          # the forward's copies, in the order they ran
     assert forward == [f"weights.layer{i}" for i in range(6)]
+    # the compute side's wait for each refresh is a wait of its own (not the rest of the model's time)
+    waits = [s.name for s in engine.last_trace.spans if s.lane == "wait"]
+    assert waits.count("refresh 3") == waits.count("refresh 5") == 1
     engine.destroy()
 
 

@@ -99,7 +99,8 @@ class WeightStream:
                 self._refresh_if_stale(layer)   # not yet issued: the model left the expected order
                 refresh = self._resident_copy.get(layer)
                 if refresh is not None:
-                    refresh.wait()     # the compute side follows the refresh's copy (no host wait on CUDA)
+                    with wait_span(f"refresh {layer}", self.device):
+                        refresh.wait()     # the compute side follows the refresh's copy (no host wait on CUDA)
                     del self._resident_copy[layer]   # kept while it fails: every forward raises, none computes
                 flat = self.resident[layer]
                 self._move_to(None)
