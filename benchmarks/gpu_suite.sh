@@ -17,14 +17,15 @@
 #      predicted vs measured step).
 # usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs; ONLY (default
 # 1234) runs those sections only: one device call runs at most 600 s, so run ONLY=12, then ONLY=34.
-# cuBLAS is asked for deterministic kernels (CUBLAS_WORKSPACE_CONFIG): the bit-for-bit tests compare runs.
+# Deterministic kernels are asked for (CUBLAS_WORKSPACE_CONFIG; LAZYTRAIN_TEST_DETERMINISTIC makes the tests
+# call torch.use_deterministic_algorithms, warning where an op has none): the bit-for-bit tests compare runs.
 # Python packages missing on the GPU machine (pulp, highspy, kvikio) may be given as wheels in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-lazytrain-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8} LAZYTRAIN_TEST_DETERMINISTIC=1
 SITE=$(mktemp -d)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,11 @@ VOCAB = 32
 # reference differs from CUDA by rounding (which AdamW turns into visible differences where a gradient is
 # near zero), draws other dropout masks, and a CPU autocast does not reach CUDA ops.
 AUTO_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# benchmarks/gpu_suite.sh asks for deterministic kernels (the bit-for-bit tests compare two runs; some CUDA
+# kernels, such as memory-efficient attention's backward, add in an order of their own unless asked); here, so
+# that the ranks the tests spawn run under it too
+if os.environ.get("LAZYTRAIN_TEST_DETERMINISTIC") == "1":
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 class MLPBlock(nn.Module):
