@@ -770,7 +770,7 @@ class LazyTrainEngine(nn.Module):
                 else:
                     self._update_serial(factor, grads)
                 if self.masters is not None:
-                    with streams.span("optimizer", "embedding/head"):
+                    with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
                         self.masters.masters_to_params()
             except Exception as e:
                 raise self._inconsistent(
@@ -876,7 +876,7 @@ class LazyTrainEngine(nn.Module):
         groups = self.optimizer.snapshot()
         block_ids = {id(p) for params in w.params for p in params}
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
-        with streams.span("optimizer", "embedding/head"):
+        with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
             self.optimizer.step(params=rest, clip_coef=factor)
             if self.shards is not None:
                 self._share_updated(non_block=True)
