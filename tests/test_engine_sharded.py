@@ -931,6 +931,94 @@ def test_a_stage_3_save_takes_the_others_parameters_from_their_owners_and_resume
             assert torch.equal(r["weights"][k], v), k
 
 
+def _save_with_copies_held(rank, world, out_dir, dtype, how):
+    """The steps of ``train(world, stage=3, steps="first", save=True, dtype=dtype)``, then a save while this
+    rank holds the others' parameters: "pending" after a forward under grad whose backward has not run yet,
+    "gathered" inside GatheredParameters of the whole model. Their fp32 masters are still on their owners
+    alone (held copies are compute copies)."""
+    import contextlib
+
+    import lazytrain
+    from lazytrain.integrations.deepspeed_entry import _GatheredParameters
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, 3, False, dtype))
+    per = GLOBAL // world
+    part = slice(per * rank, per * rank + per)
+    for x, y in STEPS["first"]():
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+
+    def shapes():
+        return ({n: tuple(p.shape) for n, p in engine.module.named_parameters()},
+                [tuple(m.shape) for _, m in engine.masters.pairs] if engine.masters is not None else [])
+    before = shapes()
+    scope = _GatheredParameters(list(engine.module.parameters())) if how == "gathered" else contextlib.nullcontext()
+    with scope:
+        if how == "pending":
+            pending = engine(x[part]).sum()   # its backward pends: the others' parameters are held here
+        held = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        during = shapes()
+        engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+        out = {"held": sum(1 for n, p in engine.module.named_parameters() if before[0][n] != during[0][n]),
+               "held_kept": shapes() == during and
+               all(torch.equal(p.detach(), held[n]) for n, p in engine.module.named_parameters())}
+    if how == "pending":
+        del pending   # never differentiated: the copies stay until the next step
+    out["restored"] = shapes() == before if how == "gathered" else True
+    engine.destroy()
+    return out
+
+
+HELD_SAVES = {(dtype, how): case(2, f"stage3-save-held-{dtype}-{how}", _save_with_copies_held, dtype=dtype, how=how)
+              for dtype, how in (("bf16", "pending"), ("bf16", "gathered"), ("fp32", "pending"))}
+SAVED_AT_3_2 = train(2, stage=3, steps="first", save=True)
+RESUMED_HELD_BF16 = {world: train(world, stage=3, steps="then", load=HELD_SAVES["bf16", "pending"], dtype="bf16")
+                     for world in (2, 1)}
+RESUMED_AT_3_BF16_BY_1 = train(1, stage=3, steps="then", load=SAVED_AT_3_BF16, dtype="bf16")
+
+
+def _checkpoint_tensors(directory):
+    """file -> flattened key -> tensor or repr, of every file of a checkpoint's tag "t"."""
+    def flat(o, prefix):
+        if isinstance(o, dict):
+            return {k2: v2 for k, v in o.items() for k2, v2 in flat(v, f"{prefix}/{k}").items()}
+        if isinstance(o, (list, tuple)):
+            return {k2: v2 for i, v in enumerate(o) for k2, v2 in flat(v, f"{prefix}[{i}]").items()}
+        if torch.is_tensor(o):
+            return {prefix: o}
+        if hasattr(o, "__dict__") and not isinstance(o, type):   # DeepSpeed's record types
+            return flat(dict(vars(o)), f"{prefix}<{type(o).__name__}>")
+        return {prefix: repr(o)}
+    tag = os.path.join(str(directory), "ckpt", "t")
+    return {f: flat(torch.load(os.path.join(tag, f), weights_only=False), "") for f in sorted(os.listdir(tag))
+            if f.endswith(".pt")}
+
+
+def test_a_stage_3_save_while_the_others_parameters_are_held_writes_the_same_checkpoint(spawned):
+    """A save after a forward whose backward is pending, or inside GatheredParameters: the others' parameters
+    are whole here but their fp32 masters are not. The files are those of a save without them held (the
+    flat groups' layout, the parameter shapes, every fp32 range), it resumes bit for bit with 2 ranks and
+    with 1, and the held copies and the masters' placeholders are as they were."""
+    for (dtype, how), name in HELD_SAVES.items():
+        for r in spawned(name):
+            assert r["held"] > 0 and r["held_kept"] and r["restored"], (name, r)
+        got = _checkpoint_tensors(spawned.root / name)
+        want = _checkpoint_tensors(spawned.root / (SAVED_AT_3_BF16 if dtype == "bf16" else SAVED_AT_3_2))
+        assert sorted(got) == sorted(want), name
+        for f in want:
+            assert sorted(got[f]) == sorted(want[f]), (name, f)
+            for k, v in want[f].items():
+                if torch.is_tensor(v):
+                    assert got[f][k].dtype == v.dtype and torch.equal(got[f][k], v), (name, f, k)
+                else:
+                    assert got[f][k] == v, (name, f, k)
+    straight = spawned(STRAIGHT_AT_3_BF16)[0]["weights"]
+    by_1 = spawned(RESUMED_AT_3_BF16_BY_1)[0]["weights"]
+    for world, want in ((2, straight), (1, by_1)):
+        for r in spawned(RESUMED_HELD_BF16[world]):
+            for k, v in want.items():
+                assert torch.equal(r["weights"][k], v), (world, k)
+
+
 def test_a_stage_3_checkpoint_of_4_ranks_resumes_with_2_and_1_and_a_stage_1_one_at_stage_3(spawned):
     ckpt = os.path.join(str(spawned.root / SAVED_AT_3 / "ckpt"), "t")
     assert sorted(f for f in os.listdir(ckpt) if "model_states" in f) == \

@@ -1144,7 +1144,8 @@ class LazyTrainEngine(nn.Module):
             if exclude_frozen_parameters and p is not None and not p.requires_grad:
                 continue
             src = masters.get(id(t), t)
-            if self.partitioned is not None and self.partitioned.values_elsewhere(t):
+            if self.partitioned is not None and (self.partitioned.values_elsewhere(t) or
+                                                 self.partitioned.values_elsewhere(src)):
                 out[name] = torch.empty(0, dtype=src.dtype)   # stage 3, another rank's: a save takes it from there
                 continue
             out[name] = src.detach().to("cpu", copy=copy)

@@ -162,27 +162,34 @@ class PartitionedParams:
 
     @contextlib.contextmanager
     def shaped(self):
-        """Meanwhile each partitioned parameter not whole here, and its fp32 master, has its whole shape but
-        no values (a zero-stride view of one zero: no memory), so that a writer that takes the shapes from
-        every rank's model and the values from their owners (a sharded save: engine.py
-        ``_holder_of_pieces``) does not fetch them. Not a collective; nothing may read their values."""
+        """Meanwhile each partitioned parameter not whole here, and each fp32 master not here (even where its
+        parameter is held for a pending backward), has its whole shape but no values (a zero-stride view of
+        one zero: no memory), so that a writer that takes the shapes from every rank's model and the values
+        from their owners (a sharded save: engine.py ``_holder_of_pieces``) does not fetch them. Not a
+        collective; nothing may read their values."""
         if not self.active:
             yield
             return
-        swapped = [e for e in self.entries if e.owner != self.rank and not e.held]   # an owner's are whole
-        for e in swapped:
-            e.param.data = _no_values(e.param.dtype, e.param.device, e.shape)
-            if e.master is not e.param and e.master.numel() == 0:
-                e.master.data = _no_values(torch.float32, e.master.device, e.shape)
+        # an owner's are whole. A parameter held here (a forward under grad whose backward is pending, a
+        # gathered() scope) keeps its values, but its fp32 master still lives on its owner alone: the
+        # master gets a placeholder all the same (the writer takes the flat groups' layout from the masters)
+        params = [e for e in self.entries if e.owner != self.rank and not e.held]
+        masters = [e for e in self.entries if e.owner != self.rank and e.master is not e.param
+                   and id(e.param) in self.masters.elsewhere]
         self._shaped += 1
         try:
+            for e in params:
+                e.param.data = _no_values(e.param.dtype, e.param.device, e.shape)
+            for e in masters:
+                e.master.data = _no_values(torch.float32, e.master.device, e.shape)
             yield
         finally:
             self._shaped -= 1
-            for e in swapped:
+            for e in params:
                 if not e.held:   # nothing fetched it meanwhile
                     e.param.data = _empty_like(e.param)
-                if e.master is not e.param and id(e.param) in self.masters.elsewhere:
+            for e in masters:
+                if id(e.param) in self.masters.elsewhere:   # nothing fetched it meanwhile
                     e.master.data = _empty_like(e.master)
 
     def owner(self, t: torch.Tensor) -> int | None:
@@ -195,9 +202,14 @@ class PartitionedParams:
 
     def values_elsewhere(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a partitioned parameter or its master) holds no values here now: another rank owns
-        it and it is not fetched (in :meth:`shaped`, a placeholder of its shape)."""
+        it and it is not fetched (in :meth:`shaped`, a placeholder of its shape). A master is fetched only by
+        :meth:`materialized`: a parameter held for a pending backward has its values, its master none."""
         e = self._by_param.get(id(t)) or self._by_master.get(id(t)) if self.active else None
-        return e is not None and e.owner != self.rank and not e.held
+        if e is None or e.owner == self.rank:
+            return False
+        if t is e.master and t is not e.param:
+            return id(e.param) in self.masters.elsewhere
+        return not e.held
 
     def gathered(self, params) -> contextlib.AbstractContextManager:
         """``deepspeed.zero.GatheredParameters(params)``: those of ``params`` partitioned here, whole for the
