@@ -8,7 +8,7 @@
 #      registered as pinned; selective and offloaded layers bit-identical to the plans without them; policy
 #      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; stage 3
 #      with two processes on the one GPU (the non-block parameters partitioned between them) bit for bit as
-#      stage 2;
+#      stage 2; an NCCL group of one training bit for bit as one process;
 #   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
 #      sink, the optimizer update overlapping the next forward) against plain PyTorch on the same device, a
 #      block-less model with its optimizer on the host, the optimizer and tier tests;

@@ -825,6 +825,37 @@ def test_on_a_gpu_stage_3_with_two_ranks_on_one_gpu_trains_bit_for_bit_as_stage_
             assert torch.equal(r3["weights"][k], v), k
 
 
+def _nccl_world_of_one_worker(rank, port, out_dir, with_group):
+    if with_group:   # as `torchrun --nproc_per_node 1` on a GPU machine leaves it: an NCCL group of one
+        join_as(0, 1, port)
+        torch.distributed.init_process_group("nccl")
+    import lazytrain
+    cfg = _config(1, 2, True, "bf16")
+    cfg["lazytrain"]["device"] = "cuda:0"
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    for x, y in batches(3, batch=GLOBAL):
+        engine.backward(lm_loss(engine(x.cuda()), y.cuda()))
+        engine.step()
+    torch.save({"weights": engine.module_state_dict(), "sharded": engine.shards is not None,
+                "backend": torch.distributed.get_backend() if with_group else None},
+               os.path.join(out_dir, f"group{int(with_group)}.pt"))
+    engine.destroy()
+    if with_group:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_an_nccl_group_of_one_trains_bit_for_bit_as_one_process(tmp_path):
+    """A world of one under NCCL (zero_optimization.stage 2, bf16, overlapped updates): nothing is sharded
+    and nothing waits on a collective; the training is the single process's."""
+    for with_group in (True, False):
+        mp.spawn(_nccl_world_of_one_worker, args=(free_port(), str(tmp_path), with_group), nprocs=1, join=True)
+    grouped, alone = (torch.load(tmp_path / f"group{g}.pt") for g in (1, 0))
+    assert grouped["backend"] == "nccl" and not grouped["sharded"] and not alone["sharded"]
+    for k, v in alone["weights"].items():
+        assert torch.equal(grouped["weights"][k], v), k
+
+
 def node_memory_dir():
     from lazytrain.engine import node_memory
     return node_memory.SHM_DIR
