@@ -1031,6 +1031,11 @@ class LazyTrainEngine(nn.Module):
         """Meanwhile every parameter is whole on every rank (stage 3: a collective; else nothing to do)."""
         return self.partitioned.materialized() if self.partitioned is not None else contextlib.nullcontext()
 
+    def _shapes_only(self):
+        """Meanwhile every parameter has its shape on every rank, without the values of those other ranks
+        own (stage 3: placeholders, no collective; else nothing to do)."""
+        return self.partitioned.shaped() if self.partitioned is not None else contextlib.nullcontext()
+
     def _published(self, i: int) -> torch.Tensor:
         """What layer i's owner broadcasts after its update. When every rank is on one node and shares its
         copy of the weights, the owner has written them for all: a one-byte signal that they are written
@@ -1206,7 +1211,7 @@ class LazyTrainEngine(nn.Module):
         if self.shards is not None:
             # stage 3: each rank sees every parameter's shape, and takes the values of its part of DeepSpeed's
             # layout from their owners (_holder_of_pieces), so no rank holds the others' parameters whole
-            with self.partitioned.shaped() if self.partitioned is not None else contextlib.nullcontext():
+            with self._shapes_only():
                 return self._save_sharded(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         error = None
         try:

@@ -137,7 +137,13 @@ class PartitionedParams:
     # ---- what the engine asks ----------------------------------------------------------------------
     def partitioned(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a master the optimizer holds, or a model parameter) is partitioned here."""
-        return self.active and (id(t) in self._by_master or id(t) in self._by_param)
+        return self._entry_of(t) is not None
+
+    def _entry_of(self, t: torch.Tensor) -> _Entry | None:
+        """The entry of ``t`` (a partitioned parameter or its master) while partitioned, else None."""
+        if not self.active:
+            return None
+        return self._by_param.get(id(t)) or self._by_master.get(id(t))
 
     @contextlib.contextmanager
     def materialized(self):
@@ -195,16 +201,14 @@ class PartitionedParams:
     def owner(self, t: torch.Tensor) -> int | None:
         """The rank that holds ``t`` (a partitioned parameter or its master) whole between uses; None when
         ``t`` is not partitioned."""
-        if not self.active:
-            return None
-        e = self._by_param.get(id(t)) or self._by_master.get(id(t))
+        e = self._entry_of(t)
         return e.owner if e is not None else None
 
     def values_elsewhere(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a partitioned parameter or its master) holds no values here now: another rank owns
         it and it is not fetched (in :meth:`shaped`, a placeholder of its shape). A master is fetched only by
         :meth:`materialized`: a parameter held for a pending backward has its values, its master none."""
-        e = self._by_param.get(id(t)) or self._by_master.get(id(t)) if self.active else None
+        e = self._entry_of(t)
         if e is None or e.owner == self.rank:
             return False
         if t is e.master and t is not e.param:
