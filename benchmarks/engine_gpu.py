@@ -73,6 +73,14 @@ def plain(model, batches, warmup):
     return timed(step, batches, warmup), {}
 
 
+def engine_config(micro_batch: int, section: dict) -> dict:
+    """The DeepSpeed-style config every LazyTrain row uses (bf16, AdamW, clipping), with its own
+    ``lazytrain`` section."""
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+            "lazytrain": {"device": str(DEVICE), **section}}
+
+
 def train_timed(engine, batches, skip):
     """Median step time after the first ``skip`` steps, and the host optimizer's median exposed time per step:
     the update on the training thread plus the time the forward waited for overlapped layer updates."""
@@ -89,10 +97,8 @@ def train_timed(engine, batches, skip):
 
 def streamed(model, batches, warmup, section):
     import lazytrain
-    cfg = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_clipping": 1.0,
-           "steps_per_print": 10**9, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, "lazytrain": {"device": str(DEVICE), **section}}
-    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(),
+                                           config=engine_config(batches[0].shape[0], section))
     t, optimizer_s = train_timed(engine, batches, warmup)
     info = {"optimizer_s": optimizer_s,
             "plan": engine.plan.policy + (" +overlap" if engine.layer_updates is not None else ""),
@@ -106,12 +112,10 @@ def auto_streamed(model, batches, warmup, steps, seq):
     steps on that plan, timed; its own comparison of predicted and measured step is in the plan info."""
     import lazytrain
     calibration = AUTO["warmup_steps"] + AUTO["profile_steps"] + 1 + AUTO["profile_steps"]
-    cfg = {"train_micro_batch_size_per_gpu": batches[0].shape[0], "gradient_clipping": 1.0,
-           "steps_per_print": 10**9, "bf16": {"enabled": True},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
-           "lazytrain": {"device": str(DEVICE), "policy": "auto", "seq_len": seq, "gpu_memory": "40GB",
-                         "milp_time_limit": 10, "auto": {**AUTO, "check_every": steps}}}
-    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    section = {"policy": "auto", "seq_len": seq, "gpu_memory": "40GB", "milp_time_limit": 10,
+               "auto": {**AUTO, "check_every": steps}}
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(),
+                                           config=engine_config(batches[0].shape[0], section))
     data = (batches * (1 + (calibration + warmup + steps) // len(batches)))[:calibration + warmup + steps]
     t, optimizer_s = train_timed(engine, data, calibration + warmup)
     record = engine.auto.history[-1] if engine.auto.history else None

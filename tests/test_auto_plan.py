@@ -336,23 +336,12 @@ def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_pat
 def test_on_a_gpu_policy_auto_measures_plans_and_trains_bit_for_bit_as_a_fixed_plan():
     """On CUDA the blocks, the copies and the compute side's waits are timed by stream events: the rest of
     the model (embedding, head, loss) is what remains, and the MILP plans from real link bandwidths."""
-    def train(lt):
-        cfg = _config(lt)
-        cfg["lazytrain"]["device"] = "cuda"
-        del cfg["lazytrain"]["testing"]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
-        plans = []
-        for x, y in batches(STEPS):
-            plans.append(engine.plan.policy)
-            engine.backward(lm_loss(engine(x), y))
-            engine.step()
-        return engine, plans
-    engine, plans = train({"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0}})
+    engine, plans = _train({"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0}, "device": "cuda"},
+                           links=False)
     auto, profile, history = engine.module_state_dict(), engine.auto.last_profile, engine.auto.history
     engine.destroy()
-    engine, _ = train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True})
+    engine, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True, "device": "cuda"},
+                       links=False)
     fixed = engine.module_state_dict()
     engine.destroy()
     assert plans == ["auto-calibration"] * 5 + ["auto-calibration-selective"] * 3 + ["auto-milp"] * (STEPS - 8)

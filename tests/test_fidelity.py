@@ -199,49 +199,34 @@ def test_a_trace_without_the_step_is_refused():
         MeasuredCosts.from_traces([full], 2)
 
 
-def test_an_engine_trace_of_a_keep_all_step_gives_every_layers_costs():
+def _keep_all_costs(device: str, testing: dict, home: str = "host", warmup: int = 2,
+                    steps: int = 2) -> tuple[MeasuredCosts, float]:
+    """The costs of a keep-all plan (boundaries on ``home``) measured over ``steps`` traced steps after
+    ``warmup`` untraced ones, and the median time its compute side waited per step."""
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "lazytrain": {"policy": "keep_all", "boundary_home": "hbm", "last_segment_graph": False, "device": "cpu",
-                         "overlap_optimizer": True, "testing": {"copy_threads": True}}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
-    traces = []
-    for i, (x, y) in enumerate(batches(3)):
-        if i:
-            engine.trace_next_step()
-        engine.backward(lm_loss(engine(x), y))
-        engine.step()
-        if i:
-            traces.append(engine.last_trace)
-    c = MeasuredCosts.from_traces(traces, 6)
-    assert c.num_layers == 6
-    assert all(d > 0 for d in c.fwd_s + c.diff_s + c.update_s) and c.step_s > 0 and c.nonlayer_s >= 0
-    engine.destroy()
-
-
-def _keep_all_costs(device: str, testing: dict, steps: int = 2) -> tuple[MeasuredCosts, float]:
-    """The costs of a keep-all plan (boundaries on the host) measured over ``steps`` traced steps, and the
-    median time its compute side waited per step."""
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "lazytrain": {"policy": "keep_all", "boundary_home": "host", "last_segment_graph": False, "device": device,
+           "lazytrain": {"policy": "keep_all", "boundary_home": home, "last_segment_graph": False, "device": device,
                          "overlap_optimizer": True, "testing": testing}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
     traces = []
-    for i, (x, y) in enumerate(batches(steps + 2)):
-        if i >= 2:
+    for i, (x, y) in enumerate(batches(warmup + steps)):
+        if i >= warmup:
             engine.trace_next_step()
         engine.backward(lm_loss(engine(x), y))
         engine.step()
-        if i >= 2:
+        if i >= warmup:
             traces.append(engine.last_trace)
     engine.destroy()
     waits = sorted(sum(s.end - s.start for s in t.spans if s.lane == "wait") for t in traces)
     return MeasuredCosts.from_traces(traces, 6), waits[len(waits) // 2]
+
+
+def test_an_engine_trace_of_a_keep_all_step_gives_every_layers_costs():
+    c, _ = _keep_all_costs("cpu", {"copy_threads": True}, home="hbm", warmup=1)
+    assert c.num_layers == 6
+    assert all(d > 0 for d in c.fwd_s + c.diff_s + c.update_s) and c.step_s > 0 and c.nonlayer_s >= 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
