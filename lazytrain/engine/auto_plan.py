@@ -109,11 +109,10 @@ class AutoPlanner:
             self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan it runs "
                             f"({self.hooks.current_policy()}): {self.stopped}")
 
-    def selective_calibration(self, layers: tuple | None = None) -> Plan:
-        """The calibration plan with ``layers`` (default every layer) selective: its traces give a selective
-        layer's costs."""
-        layers = tuple(range(self.calibration.num_layers)) if layers is None else tuple(layers)
-        return dataclasses.replace(self.calibration, selective_layers=layers, policy="auto-calibration-selective")
+    def selective_calibration(self, layers: tuple) -> Plan:
+        """The calibration plan with ``layers`` selective: its traces give a selective layer's costs."""
+        return dataclasses.replace(self.calibration, selective_layers=tuple(layers),
+                                   policy="auto-calibration-selective")
 
     def _warmup(self) -> int:
         return SELECTIVE_WARMUP_STEPS if self._selective_phase else self.settings.warmup_steps
