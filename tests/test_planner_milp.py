@@ -10,27 +10,32 @@ from test_planner_toys import SLOW_HW, TOY_HW, brute_force, toy_problem
 
 
 def full_space(L: int, resident: bool, graph_tail: bool = True, selective: bool = False,
-               offload: bool = False) -> MilpOptions:
+               offload: bool = False, memory_rows: str = "auto") -> MilpOptions:
     """MILP options whose search space is the brute force's: any segment length, any window."""
     return MilpOptions(max_segment=L, offload_slack=2 * L, prefetch_lead=2 * L, allow_resident=resident,
                        allow_graph_tail=graph_tail, allow_selective=selective, allow_offload=offload,
-                       gap_rel=1e-9, time_limit_s=60)
+                       gap_rel=1e-9, time_limit_s=60, memory_rows=memory_rows)
 
 
 def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True, selective: bool = False,
                 offload: bool = False):
+    """The MILP's optimum is the brute force's, with its memory rows written out and as running levels."""
     best, best_plan, n = brute_force(p, free_windows=free_windows, residency=resident, graph_tail=graph_tail,
                                      selective=selective, offload=offload)
-    if n == 0:
-        with pytest.raises(InfeasibleBudgetError, match="no plan fits the budgets"):
-            build_and_solve(p, full_space(p.L, resident, graph_tail, selective, offload))
-        return None
-    plan, info = build_and_solve(p, full_space(p.L, resident, graph_tail, selective, offload))
-    assert info.status == "optimal"
-    got = simulate(p, plan).step_time_s          # strict: the MILP's plan satisfies every invariant
-    assert got == pytest.approx(best, rel=1e-7), (plan, best_plan)
-    assert info.objective_s == pytest.approx(got, rel=1e-6)
-    return plan
+    plans = []
+    for rows in ("dense", "running"):
+        opts = full_space(p.L, resident, graph_tail, selective, offload, memory_rows=rows)
+        if n == 0:
+            with pytest.raises(InfeasibleBudgetError, match="no plan fits the budgets"):
+                build_and_solve(p, opts)
+            continue
+        plan, info = build_and_solve(p, opts)
+        assert info.status == "optimal"
+        got = simulate(p, plan).step_time_s          # strict: the MILP's plan satisfies every invariant
+        assert got == pytest.approx(best, rel=1e-7), (rows, plan, best_plan)
+        assert info.objective_s == pytest.approx(got, rel=1e-6)
+        plans.append(plan)
+    return plans[0] if plans else None
 
 
 @pytest.mark.parametrize("hw", [TOY_HW, SLOW_HW], ids=["toy", "slow-link"])
@@ -228,3 +233,57 @@ def test_selective_layers_with_residency_and_accumulation_equal_brute_force():
     import dataclasses
     p = dataclasses.replace(toy_problem(4, 6.0, host_slots=0, hw=SLOW_HW), grad_accum=3)
     check_equal(p, free_windows=False, resident=True, selective=True)
+
+
+def _nonzeros(p, rows: str) -> int:
+    """Nonzeros of the MILP's constraint matrix, as built (the solver stopped at once)."""
+    import pulp
+
+    from lazytrain.planner import milp
+    seen = {}
+
+    def count(problem, solver):   # in place of solving: count the rows' terms of the model built
+        seen["nz"] = sum(len(c) for c in problem.constraints.values())
+        raise milp.PlanningError("counted")
+    original = pulp.LpProblem.solve
+    pulp.LpProblem.solve = count
+    try:
+        with pytest.raises(milp.PlanningError, match="counted"):
+            build_and_solve(p, MilpOptions(memory_rows=rows))
+    finally:
+        pulp.LpProblem.solve = original
+    return seen["nz"]
+
+
+def test_running_memory_rows_keep_the_model_linear_in_the_layers():
+    """Doubling the layers doubles the running model's nonzeros; the written-out rows grow with the square."""
+    from lazytrain.planner.hardware import load_profile
+    from lazytrain.planner.models import layers_of
+    from lazytrain.planner.problem import Budgets, Problem
+    nz = {}
+    for L in (32, 64, 128):
+        p = Problem(model=layers_of("paper-27b", L), hardware=load_profile("h200"),
+                    budgets=Budgets.of(gpu="140GB", host="2TB"), micro_batch=32, seq_len=1024)
+        nz[L] = {rows: _nonzeros(p, rows) for rows in ("running", "dense")}
+    growth = {rows: (nz[128][rows] - nz[64][rows]) / (nz[64][rows] - nz[32][rows]) for rows in ("running", "dense")}
+    assert growth["running"] == pytest.approx(2.0, rel=0.05), nz    # the same nonzeros per added layer
+    assert growth["dense"] > 3.0, nz                                # per added layer, more and more
+    assert nz[128]["running"] * 3 < nz[128]["dense"], nz
+
+
+def test_memory_rows_auto_writes_rows_out_up_to_its_layer_count_then_runs_them(monkeypatch):
+    from lazytrain.planner import milp
+    p = toy_problem(4, 1.5, host_slots=1, hw=SLOW_HW)
+    used = []
+    original = milp._Held.rows
+    monkeypatch.setattr(milp._Held, "rows", lambda self, m, how: used.append(how) or original(self, m, how))
+    for up_to, expected in ((4, "dense"), (3, "running")):
+        monkeypatch.setattr(milp, "DENSE_ROWS_UP_TO", up_to)
+        used.clear()
+        build_and_solve(p, MilpOptions())
+        assert set(used) == {expected}
+
+
+def test_memory_rows_must_be_named():
+    with pytest.raises(ValueError, match="memory_rows must be one of auto, dense, running, got 'sparse'"):
+        MilpOptions(memory_rows="sparse")

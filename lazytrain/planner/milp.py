@@ -28,6 +28,12 @@ materialised boundary, per-window transfer bytes, an NVMe tier) and removes its 
   ``t_w >= bytes / bandwidth`` for each link, plus the delay the host optimizer imposes on the next
   forward (it overlaps the forward layer by layer), plus the final gradient copy.
 
+A window's memory row sums what each tier holds in it (_Held: terms held over a range of windows). Up to
+``DENSE_ROWS_UP_TO`` layers the rows are written out, a boundary kept all step appearing in every row (the
+model grows with the square of the layers; HiGHS solves these fastest); beyond, as running levels, each
+term in two rows (linear in the layers; HiGHS's cut rounds on the written-out rows then ran far past the
+time limit). ``MilpOptions.memory_rows`` chooses; both have the same plans and optimum.
+
 The model is exactly the simulator's cost model (problem.py), so for a plan it returns, its objective
 equals the simulated step time up to the tie-breakers (1e-6 relative); the simulator re-checks every
 plan. Solved with HiGHS through PuLP (threads=1, fixed seed: deterministic), CBC as the fallback.
@@ -46,6 +52,12 @@ from .problem import InfeasibleBudgetError, Problem, fmt_bytes
 
 
 
+MEMORY_ROWS = ("auto", "dense", "running")   # how memory rows and prefix sums are written (MilpOptions.memory_rows)
+# auto writes the rows out up to this many layers: HiGHS solved those models faster than the running levels
+# (BENCHMARKS.md), whose size stays linear in the layers and whose cut rounds stay within the time limit
+DENSE_ROWS_UP_TO = 128
+
+
 @dataclass(frozen=True)
 class MilpOptions:
     time_limit_s: float = 10.0      # the whole build_and_solve call, building included
@@ -60,6 +72,12 @@ class MilpOptions:
     solver: str = "auto"            # auto | highs | cbc
     threads: int = 1
     warm_start: bool = True         # start from the fastest baseline plan that fits (an incumbent at once)
+    memory_rows: str = "auto"       # running: sums over windows as running levels (model size linear in
+                                    # layers); dense: each window's row lists every term (size quadratic)
+
+    def __post_init__(self):
+        if self.memory_rows not in MEMORY_ROWS:
+            raise ValueError(f"memory_rows must be one of {', '.join(MEMORY_ROWS)}, got {self.memory_rows!r}")
 
 
 @dataclass
@@ -77,6 +95,109 @@ class SolveInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def _prefix_sums(terms: list, name: str, m: pulp.LpProblem, rows: str) -> list:
+    """``out[i] = terms[0] + ... + terms[i]``: written out (dense) or as a chain of continuous variables,
+    ``out[i] = out[i-1] + terms[i]`` (running), which keeps every use of a sum to one column."""
+    out, total = [], 0
+    for i, term in enumerate(terms):
+        total = total + term
+        if rows == "running" and i > 0 and not isinstance(total, (int, float)):
+            level = pulp.LpVariable(f"{name}_{i}")
+            m += level == out[-1] + term, f"{name}_{i}"
+            total = level
+        out.append(total)
+    return out
+
+
+class _Held:
+    """What one tier holds over the windows: terms ``coef x var`` each held from window ``a`` to ``b``.
+
+    A window's memory is the sum of the terms alive in it. Written out (``dense``), each window's row lists
+    them all: a boundary kept for the whole step is in every row, and the model grows with the square of
+    the layers. As a running level (``running``), a continuous ``level_w = level_{w-1} + (terms starting
+    at w) - (terms ended at w-1)`` holds the long-lived terms, each in two rows; terms of one or two
+    windows stay in their rows. Both give the same feasible plans and the same optimum."""
+
+    SHORT = 2   # terms held this many windows or fewer are written into their rows
+
+    def __init__(self, W: int, name: str):
+        self.W, self.name = W, name
+        self.terms: list[tuple[Any, float, int, int]] = []
+        self.const_delta = [0.0] * (W + 1)
+        self.prefix_terms: list[tuple[list, int, float, int, int]] = []
+
+    def add(self, var, coef: float, a: int, b: int) -> None:
+        a, b = max(a, 0), min(b, self.W - 1)
+        if a > b or not coef or isinstance(var, (int, float)) and not var:
+            return
+        if isinstance(var, (int, float)):
+            self.add_constant(coef * var, a, b)
+        else:
+            self.terms.append((var, coef, a, b))
+
+    def add_prefix(self, vs: list, sums: list, j: int, coef: float, a: int, b: int) -> None:
+        """``coef x sums[j]`` from window a to b, where ``sums[j] = vs[0] + ... + vs[j]`` (_prefix_sums): a
+        column of its own when running; written out, per window, as one coefficient per ``vs[s]`` (a
+        suffix sum over the prefix terms alive in it), not as every term's ``j + 1`` columns."""
+        if isinstance(sums[j], pulp.LpVariable):
+            self.add(sums[j], coef, a, b)
+        elif coef and max(a, 0) <= min(b, self.W - 1):
+            self.prefix_terms.append((vs, j, coef, max(a, 0), min(b, self.W - 1)))
+
+    def add_constant(self, value: float, a: int, b: int) -> None:
+        a, b = max(a, 0), min(b, self.W - 1)
+        if a <= b and value:
+            self.const_delta[a] += value
+            self.const_delta[b + 1] -= value
+
+    def rows(self, m: pulp.LpProblem, how: str) -> list[pulp.LpAffineExpression]:
+        """Per window, an expression of what the tier holds (adding the running level's rows to ``m``)."""
+        W = self.W
+        direct = [defaultdict(float) for _ in range(W)]
+        start, stop = defaultdict(lambda: defaultdict(float)), defaultdict(lambda: defaultdict(float))
+        for var, coef, a, b in self.terms:
+            for v, c in (var.items() if isinstance(var, pulp.LpAffineExpression) else ((var, 1.0),)):
+                if how == "dense" or b - a + 1 <= self.SHORT:
+                    for w in range(a, b + 1):
+                        direct[w][v] += coef * c
+                else:
+                    start[a][v] += coef * c
+                    stop[b + 1][v] += coef * c
+            if isinstance(var, pulp.LpAffineExpression) and var.constant:
+                self.add_constant(coef * var.constant, a, b)
+        by_vs: dict[int, tuple[list, list[tuple[int, float, int, int]]]] = {}
+        for vs, j, coef, a, b in self.prefix_terms:
+            by_vs.setdefault(id(vs), (vs, []))[1].append((j, coef, a, b))
+        for vs, prefix in by_vs.values():
+            n = len(vs)
+            for w in range(W):
+                per_j = [0.0] * n
+                for j, coef, a, b in prefix:
+                    if a <= w <= b:
+                        per_j[j] += coef
+                suffix = 0.0
+                for s in reversed(range(n)):
+                    suffix += per_j[s]
+                    if suffix and not isinstance(vs[s], (int, float)):
+                        direct[w][vs[s]] += suffix
+        out, constant, level = [], 0.0, None
+        for w in range(W):
+            constant += self.const_delta[w]
+            delta = defaultdict(float)
+            for v, c in start[w].items():
+                delta[v] += c
+            for v, c in stop[w].items():
+                delta[v] -= c
+            change = pulp.LpAffineExpression([(v, c) for v, c in delta.items() if c])
+            if len(change):
+                new = pulp.LpVariable(f"{self.name}_held_{w}")
+                m += new == (level if level is not None else 0) + change, f"{self.name}_held_{w}"
+                level = new
+            row = pulp.LpAffineExpression([(v, c) for v, c in direct[w].items() if c], constant=constant)
+            out.append(row + level if level is not None else row)
+        return out
 
 
 class PlanningError(RuntimeError):
@@ -240,6 +361,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     deadline = t_build + opts.time_limit_s
     L, W = p.L, 2 * p.L
     K = max(1, min(opts.max_segment, L))
+    rows = opts.memory_rows if opts.memory_rows != "auto" else ("dense" if L <= DENSE_ROWS_UP_TO else "running")
     use_nvme = p.nvme_budget > 0
     tiers = ["H", "N"] if use_nvme else ["H"]
     bw_tier_h2d = {"H": p.bw_h2d, "N": p.bw_h2d}
@@ -256,7 +378,8 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     g = {i: B(f"g_{i}") for i in range(L)}                                # boundary home: GPU
     home = {(i, k): B(f"{k.lower()}_{i}") for i in range(L) for k in tiers}   # host (H) / NVMe (N)
     q = {s: (B(f"graph_{s}") if opts.allow_graph_tail else 0) for s in range(L)}  # graph tail [s, L)
-    G = {i: lsum(q[s] for s in range(i + 1)) for i in range(L)}         # layer i keeps its graph
+    q_list = [q[s] for s in range(L)]
+    G = _prefix_sums(q_list, "graph_kept", m, rows)                    # layer i keeps its graph
     z = {i: g[i] + lsum(home[i, k] for k in tiers) + q[i] for i in range(L)}   # boundary materialised
     off_windows = {i: range(i, min(i + opts.offload_slack, W - 2 - i) + 1) for i in range(L)}
     pre_windows = {i: range(max(i + 1, W - i - K - opts.prefetch_lead), W - i) for i in range(L)}
@@ -363,70 +486,57 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
                 + lsum(p.recompute_s(s, i + 1) * x[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
                 - lsum(sel_gain[j] * selrec[j, i + 1] for j in range(max(0, i + 1 - K), i) if (j, i + 1) in selrec))
 
-    # Rows that sum over every boundary alive in a window are built as coefficient maps (one pass over
-    # the boundaries alive in it, each with its few windows and covering edges): building them costs
-    # what they hold, not a scan of every edge for every (boundary, window) pair.
-    covering = {i: [(s_, e) for s_, e in edges if s_ < i < e] for i in range(L)}   # re-runs regenerate i
-
-    def add_on_device(row, i, w, a) -> float:
-        """Adds ``a`` x (boundary i has a device copy during window w) to ``row``; returns the constant."""
-        if w in (i - 1, i) or (i == 0 and w == 0):
-            return a
-        if w < i - 1 or w > W - 1 - i:
-            return 0.0
-        row[g[i]] += a
+    # ---- what each tier holds, as terms held over a range of windows -------------------------------
+    # Each holding is one term ``coef x var`` from window a to window b (_Held); a window's memory row is
+    # the sum of the terms alive in it, written as a running level, so that the model grows linearly
+    # with the layers (opts.memory_rows).
+    dev = _Held(W, "device")
+    hosts = {k: _Held(W, {"H": "host", "N": "nvme"}[k]) for k in tiers}
+    covering = defaultdict(list)                     # boundary i -> the re-run edges that regenerate it
+    for s_, e in edges:
+        for i in range(s_ + 1, e):
+            covering[i].append((s_, e))
+    for i in range(L):
+        a = p.A[i] / GBF
+        dev.add_constant(a, max(i - 1, 0), i)        # produced (or read) in windows i-1 and i
+        last = W - 1 - i                              # differentiated then
+        dev.add(g[i], a, i + 1, last)
         for k in tiers:
-            for v in off_windows[i]:
-                if v >= w:
-                    row[off[i, k, v]] += a
-            for v in pre_windows[i]:
-                if v <= w:
-                    row[pre[i, k, v]] += a
-        for s_, e in covering[i]:
-            if W - e <= w:            # regenerated by recompute
-                row[x[s_, e]] += a
-        return 0.0
-
-    def held_by_graphs(row, w) -> None:
-        """What graph-tail layers hold on the device in window w: their weights, saved internals and input.
-        G_j = q_0 + ... + q_j, so q_s's coefficient is the sum over j >= s (a suffix sum)."""
-        if not opts.allow_graph_tail:
-            return
-        per_layer = [0.0] * L
+            for v in off_windows[i]:                  # on the device until its offload window
+                dev.add(off[i, k, v], a, i + 1, v)
+                hosts[k].add(off[i, k, v], a, v, W - 1)
+            for v in pre_windows[i]:                  # and again from its prefetch
+                dev.add(pre[i, k, v], a, v, last)
+                hosts[k].add(pre[i, k, v], -a, v + 1, W - 1)
+        for s_, e in covering[i]:                     # regenerated by recompute
+            dev.add(x[s_, e], a, max(W - e, i + 1), last)
+    if opts.allow_resident:
         for j in range(L):
-            if j <= w <= W - 1 - j:
-                row[held_w[j]] += p.Wl[j] / GBF
-            if j <= w < W - 1 - j:
-                per_layer[j] += p.saved[j] / GBF
-            if j < w <= W - 1 - j:
-                per_layer[j] += p.A[j] / GBF
-        suffix = 0.0
-        for j in reversed(range(L)):
-            suffix += per_layer[j]
-            if suffix:
-                row[q[j]] += suffix
-
-    def held_by_offloaded(row, w) -> None:
-        """What offloaded layers hold on the device in window w: their internals in their forward window
-        (until copied out) and from their prefetch on; in its backward window the workspace counts the
-        internals and its input counts here. Boundary 0 of an offloaded layer 0 leaves with it."""
-        if not opts.allow_offload:
-            return
+            dev.add(y[j], p.Wl[j] / GBF, 0, W - 1)
+    if opts.allow_graph_tail:   # a graph layer holds its weights, internals (not in its backward window) and input
+        for j in range(L):
+            dev.add(held_w[j], p.Wl[j] / GBF, j, W - 1 - j)
+            dev.add_prefix(q_list, G, j, p.saved[j] / GBF, j, W - 2 - j)
+            dev.add_prefix(q_list, G, j, p.A[j] / GBF, j + 1, W - 1 - j)
+    if opts.allow_offload:
+        # its internals in its forward window (until copied out) and from their prefetch on; in its backward
+        # window the workspace counts the internals and its input counts here; on the host in between.
+        # Boundary 0 of an offloaded layer 0 leaves with it (kept with home 'hbm' in the path, not held)
         for j in range(L):
             bwd = W - 1 - j
-            if w == j:
-                row[offl[j]] += p.saved[j] / GBF
-            elif w == bwd:
-                row[offl[j]] += p.A[j] / GBF
-            elif L <= w < bwd:
-                for v in offl_windows[j]:
-                    if v <= w:
-                        row[offl_pre[j, v]] += p.offl_bytes[j] / GBF
-            if j == 0 and w >= 1:
-                row[offl[0]] -= p.A[0] / GBF   # kept with home 'hbm' (g_0) in the path, not on the device
-
-    def affine(row, constant=0.0):
-        return pulp.LpAffineExpression([(v, c) for v, c in row.items() if c], constant=constant)
+            dev.add(offl[j], p.saved[j] / GBF, j, j)
+            dev.add(offl[j], p.A[j] / GBF, bwd, bwd)
+            for v in offl_windows[j]:
+                dev.add(offl_pre[j, v], p.offl_bytes[j] / GBF, v, bwd - 1)
+            hosts["H"].add(offl[j], p.offl_bytes[j] / GBF, j, bwd)
+        dev.add(offl[0], -p.A[0] / GBF, 1, W - 1)
+    if opts.allow_selective:    # kept matmul/attention outputs, until the window before its backward
+        for j in range(L):
+            dev.add(sel[j], p.sel_bytes[j] / GBF, j, W - 2 - j)
+    for w in range(W):
+        dev.add_constant(p.fixed_gpu_bytes(w) / GBF, w, w)
+    dev_held = dev.rows(m, rows)
+    host_held = {k: hosts[k].rows(m, rows) for k in tiers}
 
     pre_at, off_at, ex_at = {}, {}, {}
     for table, at in ((pre, pre_at), (off, off_at), (ex, ex_at)):
@@ -435,7 +545,6 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     offl_pre_at = {}
     for (j, w) in offl_pre:
         offl_pre_at.setdefault(w, []).append(j)
-    resident = [(y[j], p.Wl[j] / GBF) for j in range(L)] if opts.allow_resident else []
     for w in range(W):
         h2d = loaded(w) + lsum(p.A[i] / GBF * pre[i, k, w] for i, k in pre_at.get(w, ())) + \
             lsum(p.offl_bytes[j] / GBF * offl_pre[j, w] for j in offl_pre_at.get(w, ()))
@@ -458,43 +567,21 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
             m += wait[w] >= exp_nr * (GBF / p.bw_nr), f"wait_nvme_read_{w}"
             m += t[w] >= nr * (GBF / p.bw_nr), f"time_nvme_read_{w}"
             m += t[w] >= nw * (GBF / p.bw_nw), f"time_nvme_write_{w}"
-        # time-indexed memory per tier: weights, boundaries with a device copy, graph-tail holdings
-        row = defaultdict(float)
-        for v, c in resident:
-            row[v] += c
-        constant = p.fixed_gpu_bytes(w) / GBF
-        for i in range(min(L, w + 2, W - w)):     # the boundaries whose device life can include w
-            constant += add_on_device(row, i, w, p.A[i] / GBF)
-        held_by_graphs(row, w)
-        held_by_offloaded(row, w)
-        if opts.allow_selective:    # kept matmul/attention outputs, until the window before its backward
-            for j in range(min(L, w + 1, W - 1 - w)):      # j <= w < W-1-j
-                row[sel[j]] += p.sel_bytes[j] / GBF
-        m += streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + affine(row, constant) \
-            <= p.gpu_budget / GBF, f"gpu_memory_{w}"
+        # time-indexed memory per tier: streamed weight buffers of this window and the next, and what is held
+        m += streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + dev_held[w] <= p.gpu_budget / GBF, \
+            f"gpu_memory_{w}"
         for k, budget, name in (("H", max(p.host_act_budget, 0), "host_memory"), ("N", p.nvme_budget, "nvme_memory")):
-            if k not in tiers:
-                continue
-            row = defaultdict(float)   # offloaded by window w and not yet fetched back before it
-            for i in range(min(L, w + 1)):
-                for v in off_windows[i]:
-                    if v <= w:
-                        row[off[i, k, v]] += p.A[i] / GBF
-                for v in pre_windows[i]:
-                    if v < w:
-                        row[pre[i, k, v]] -= p.A[i] / GBF
-            if k == "H" and opts.allow_offload:   # offloaded internals, from their forward to their backward
-                for j in range(min(L, w + 1, W - w)):     # j <= w <= W-1-j
-                    row[offl[j]] += p.offl_bytes[j] / GBF
-            m += affine(row) <= budget / GBF, f"{name}_{w}"
+            if k in tiers:
+                m += host_held[k][w] <= budget / GBF, f"{name}_{w}"
 
     # ---- host optimizer overlapping the next forward --------------------------------------------
     O = [p.opt_nl]
     for o in p.opt_l:
         O.append(O[-1] + o)
-    for w in range(L):
+    before = _prefix_sums([t[w] for w in range(L - 1)], "forward_time_before", m, rows)
+    for w in range(L):   # the time of windows 0..w-1 of the next forward
         start = O[w + 1] + p.load_l[w] + (p.load_nl if w == 0 else 0)
-        m += X >= start - lsum(t[j] for j in range(w)), f"optimizer_gates_forward_{w}"
+        m += X >= start - (before[w - 1] if w else 0), f"optimizer_gates_forward_{w}"
 
     # ---- objective: the step time (+ tiny tie-breakers: fewer copies, fewer resident layers) -----
     tie = lsum(home[i, k] * (1 if k == "H" else 2) for i in range(L) for k in tiers)
