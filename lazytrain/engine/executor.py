@@ -223,14 +223,15 @@ class LayerStreamingExecutor:
         """Run block ``layer`` on ``flat`` weights; ``replay``: a re-run, with its forward's random state;
         ``kept``: a context deciding what the block's autograd keeps (the selective cache that records or
         serves its kept outputs; the host offload of what its graph saves)."""
-        if layer in self.selective:
-            # a selective block's forward and re-runs must run the same ops: some choose how to compute
-            # by whether their inputs require grad (matmul), so every run sees the weights and the hidden
-            # state as the re-run with autograd does (without autograd recording anything it need not)
-            requires_grad = True
-            if hidden.is_floating_point() and not hidden.requires_grad:
-                hidden = hidden.detach().requires_grad_()
-        params = self.weights.views(flat, layer, requires_grad)
+        # every run sees the trainable weights as leaves that require grad, as a plain PyTorch model's
+        # parameters always are: some ops choose how to compute by it (matmul of a transposed input rounds
+        # otherwise), so a forward, its re-runs and plain PyTorch compute alike. Runs without autograd
+        # (the forward, the no-grad recompute, inference) record nothing for it.
+        if layer in self.selective and hidden.is_floating_point() and not hidden.requires_grad:
+            # a selective block's re-run with autograd takes the outputs its forward kept: every run sees
+            # its hidden state as that re-run does, too
+            hidden = hidden.detach().requires_grad_()
+        params = self.weights.views(flat, layer, requires_grad=True)
         leaves = list(call.leaves)
         if tensors is not None:
             for k, t in zip(call.tensor_idx, tensors):
