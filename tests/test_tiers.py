@@ -135,6 +135,34 @@ def test_bandwidth_of_queued_copies_is_timed_by_their_device_events():
     assert tier.stats()["bytes_written"] == 2_000_000
 
 
+class _FakeDeviceEvent:
+    """Stands in for a CUDA event of a copy into device memory."""
+    device = torch.device("cuda", 0)
+
+    def __init__(self):
+        self.synchronized = False
+
+    def query(self):
+        return self.synchronized
+
+    def synchronize(self):
+        self.synchronized = True
+
+
+def test_synchronize_blocks_the_host_without_queuing_a_stream_wait(monkeypatch):
+    """A worker thread (an NVMe read's) that waits for a device copy on the host must not make its current
+    stream, the default stream, which is the compute stream, wait for that copy as well."""
+    def no_stream(*args, **kwargs):
+        raise AssertionError("synchronize() queued a wait on a CUDA stream")
+    monkeypatch.setattr(torch.cuda, "current_stream", no_stream)
+    value, event = torch.ones(3), _FakeDeviceEvent()
+    handle = TransferHandle(value=value, event=event, keepalive=torch.zeros(3))
+    assert handle.synchronize() is value and event.synchronized and handle.done()
+    assert handle.synchronize() is value   # a second call has nothing left to wait for
+    with pytest.raises(AssertionError, match="queued a wait"):   # wait(): the compute side follows the copy
+        TransferHandle(value=value, event=_FakeDeviceEvent()).wait()
+
+
 @pytest.mark.parametrize("kind", ["host", "nvme"])
 def test_a_refused_overwrite_keeps_the_old_value(kind, tmp_path):
     tier = HostTier("t", capacity=8000) if kind == "host" else NVMeTier("t", capacity=8000, path=str(tmp_path))

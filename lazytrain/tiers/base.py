@@ -88,12 +88,18 @@ class TransferHandle:
         return self._value
 
     def synchronize(self) -> Any:
-        value = self.wait()
+        # The host blocks until the copy is over, so no stream needs to wait for it too. A stream wait
+        # (what ``wait`` queues for a device result) would land on the calling thread's current stream:
+        # on a worker thread (an NVMe read's I/O thread) that is the default stream, the compute stream,
+        # which would then stall on a copy it never asked for.
+        if self._future is not None:
+            self._value = self._future.result()
+            self._future = None
         if self._event is not None:
             self._event.synchronize()
             self._event = None
         self._keepalive = None
-        return value
+        return self._value
 
     def __await__(self):
         if self._future is not None:
