@@ -246,6 +246,25 @@ def test_slab_pool_alignment_classes_and_limit():
     assert pool.stats()["cached_bytes"] == 0
 
 
+@pytest.mark.parametrize("shift", [0, 64])
+def test_a_pinned_slab_asks_for_its_own_size_when_the_block_is_aligned(monkeypatch, shift):
+    """torch's pinned allocator rounds each request up to a power of two: a slab of 1 MiB asked as 1 MiB
+    plus the alignment would pin 2 MiB. Its blocks start on a page; where one does not (``shift``), the slab
+    is cut from a larger block as for pageable memory."""
+    from lazytrain.tiers.pool import aligned_empty
+    real_empty, asked = torch.empty, []
+
+    def pinned_empty(n, dtype=None, pin_memory=False):   # blocks at a page boundary plus ``shift``
+        asked.append((n, pin_memory))
+        raw = real_empty(n + 2 * 4096, dtype=dtype)
+        start = (-raw.data_ptr()) % 4096 + shift
+        return raw[start:start + n]
+    monkeypatch.setattr(torch, "empty", pinned_empty)
+    slab = aligned_empty(1 << 20, pinned=True)
+    assert slab.numel() == 1 << 20 and slab.data_ptr() % 4096 == 0
+    assert asked == ([(1 << 20, True)] if shift == 0 else [(1 << 20, True), ((1 << 20) + 4096, True)])
+
+
 def test_parse_and_format_bytes():
     assert parse_bytes("64GB") == 64 * 10**9
     assert parse_bytes("512MiB") == 512 * 2**20

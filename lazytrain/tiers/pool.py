@@ -43,6 +43,14 @@ def _use_count(buf: torch.Tensor) -> int | None:
 
 def aligned_empty(nbytes: int, pinned: bool, alignment: int = ALIGNMENT) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` whose data starts on an ``alignment`` boundary."""
+    if pinned:
+        # torch's pinned allocator rounds every request up to a power of two, and its blocks start on a page
+        # (cudaHostAlloc): ask for the bytes alone, since ``alignment`` more would double a slab whose size
+        # is a power of two. Over-allocate only where a block is not aligned after all.
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % alignment == 0:
+            return raw
+        del raw
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pinned)
     offset = (-raw.data_ptr()) % alignment
     return raw[offset:offset + nbytes]
