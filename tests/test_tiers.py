@@ -265,6 +265,19 @@ def test_a_pinned_slab_asks_for_its_own_size_when_the_block_is_aligned(monkeypat
     assert asked == ([(1 << 20, True)] if shift == 0 else [(1 << 20, True), ((1 << 20) + 4096, True)])
 
 
+def test_pinned_memory_let_go_of_is_handed_back_to_the_system(monkeypatch):
+    """torch keeps freed pinned blocks cached (pinned) until its host cache is emptied."""
+    from lazytrain.tiers import memory
+    emptied = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: emptied.append(True), raising=False)
+    monkeypatch.setattr(memory, "pinned_memory_available", lambda: False)
+    memory.release_cached_pinned_memory()   # no accelerator: nothing was pinned
+    assert emptied == []
+    monkeypatch.setattr(memory, "pinned_memory_available", lambda: True)
+    memory.release_cached_pinned_memory()
+    assert emptied == [True]
+
+
 def test_parse_and_format_bytes():
     assert parse_bytes("64GB") == 64 * 10**9
     assert parse_bytes("512MiB") == 512 * 2**20

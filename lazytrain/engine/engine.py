@@ -24,6 +24,7 @@ from ..config import ConfigError, EngineConfig
 from ..planner import measured
 from ..planner.plan import Plan
 from ..tiers import format_bytes, streams
+from ..tiers.memory import release_cached_pinned_memory
 from ..tiers.streams import Chaos, EmulatedLink
 from ..trace import Timeline, check_writable, write_chrome_trace
 from . import checkpoint as ckpt
@@ -283,6 +284,9 @@ class LazyTrainEngine(nn.Module):
             self._shard_host_weights()
             if self._fused_copies:    # the compute copies may have moved into node-shared memory
                 self.optimizer.set_compute_copies(self.weights.compute_copy_views())
+            # the pinned buffers sharding let go of (others' gradients and fp32 weights, the copies now shared
+            # by the node) go back to the system: torch would keep them cached, pinned, in every rank
+            release_cached_pinned_memory()
         # last: a set-up that fails leaves the model's own checkpointing flags as they were
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
         self._step_began: float | None = None   # the first training forward of the step under way

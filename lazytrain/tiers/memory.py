@@ -29,6 +29,19 @@ def empty_host(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+def release_cached_pinned_memory() -> None:
+    """Hand the pinned host memory freed so far back to the system. torch keeps every freed pinned block
+    cached for a later request of its power-of-two size and never returns it by itself, so the pinned
+    buffers LazyTrain lets go of (other ranks' layers, weights moved into node-shared memory) would stay
+    pinned in every process. A no-op without an accelerator."""
+    if not pinned_memory_available():
+        return
+    empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 def _warn_pageable(stacklevel: int) -> None:
     global _pinned_warning_given
     if not _pinned_warning_given:
