@@ -123,6 +123,7 @@ class _Entry:
     written: Future | None = None  # done when the file is complete
     readers: int = 0               # reads issued and not finished: the file stays until they are
     freed: bool = False            # the key was freed (or overwritten) while reads were in flight
+    device: torch.device | None = None   # kvikio: the CUDA device the tensor was written from
 
 
 class _Op:
@@ -397,7 +398,7 @@ class NVMeTier(Tier):
     def _write_kvikio(self, key, tensor):
         nbytes = tensor.numel() * tensor.element_size()
         path = self._new_path(key)
-        entry = _Entry(key, path, nbytes, tensor.shape, tensor.dtype, nbytes, True)
+        entry = _Entry(key, path, nbytes, tensor.shape, tensor.dtype, nbytes, True, device=tensor.device)
         staged = torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
         event = async_copy(staged.view(tensor.dtype).view(tensor.shape), tensor)._event
 
@@ -568,8 +569,10 @@ class NVMeTier(Tier):
             op.part_done()
 
     def _read_kvikio(self, entry: _Entry, out, target: torch.device, issued):
+        # a read to the host lands first on the GPU the tensor came from; "cuda" would mean this I/O thread's
+        # current device, which is GPU 0 whatever device the caller's rank uses
         device = out.device if out is not None and out.is_cuda else (target if target.type == "cuda" else
-                                                                      torch.device("cuda"))
+                                                                      entry.device)
         if issued is not None:
             issued.synchronize()  # kvikio writes device memory outside any stream: the caller's work first
         if out is not None and out.is_cuda and out.is_contiguous():
