@@ -254,3 +254,29 @@ def test_a_save_that_fails_on_rank_0_fails_every_rank_at_once(spawned):
                              f"{spawned.root / 'failing-save' / 'ckpt'} failed on another rank (rank 0 writes the "
                              f"files): see its error")
     assert r1["waited"] < 30                         # not the 120 s timeout
+
+
+def test_collectives_get_contiguous_tensors_and_strided_ones_get_the_result(monkeypatch):
+    """NCCL refuses a tensor that is not contiguous: a transposed weight (stage 3 broadcasts a parameter in its
+    own layout) or its gradient (which autograd gives the parameter's strides) goes as a contiguous copy, and
+    the result lands back in the strided tensor."""
+    from lazytrain.engine.distributed import DistributedContext
+    ctx = DistributedContext("cpu")
+    ctx.world_size = 2          # as one of two ranks; the collectives below stand in for NCCL's
+    received = torch.arange(12.0).view(3, 4)
+
+    def collective(what, fn, t, **kwargs):
+        assert t.is_contiguous(), what
+        if fn is torch.distributed.broadcast:
+            t.copy_(received)   # the owner's values
+    monkeypatch.setattr(ctx, "_collective", collective)
+    weight = torch.zeros(4, 3).t()
+    ctx.broadcast_from([weight], owner=1)
+    assert not weight.is_contiguous() and torch.equal(weight, received)
+    grad = torch.full((4, 3), 6.0).t()
+    ctx.average([], [grad])     # the other rank's share: none in this stand-in
+    assert torch.equal(grad, torch.full((3, 4), 3.0))
+    ctx.comm_dtype = torch.bfloat16
+    grad = torch.full((4, 3), 6.0).t()
+    ctx.reduce_to([grad], owner=0)
+    assert torch.equal(grad, torch.full((3, 4), 3.0))

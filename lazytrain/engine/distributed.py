@@ -112,11 +112,12 @@ class DistributedContext:
         return self.host_group if t.device.type == "cpu" else self.device_group
 
     def _for_sending(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` divided by the world size, in the communication dtype (``t`` itself, in place, when it is in
-        that dtype already)."""
+        """``t`` divided by the world size, in the communication dtype and contiguous (``t`` itself, in place,
+        when it is both already). NCCL refuses a tensor that is not contiguous (a transposed parameter's
+        gradient has its parameter's strides)."""
         if t.dtype == self.comm_dtype or not t.is_floating_point():
-            return t.div_(self.world_size)
-        return t.to(self.comm_dtype).div_(self.world_size)
+            return t.div_(self.world_size) if t.is_contiguous() else t.contiguous().div_(self.world_size)
+        return t.to(self.comm_dtype, memory_format=torch.contiguous_format).div_(self.world_size)
 
     def reduce_to(self, tensors: list[torch.Tensor], owner: int) -> None:
         """Divide by the world size, then sum into rank ``owner``'s tensors (the others' are left partial)."""
@@ -145,7 +146,10 @@ class DistributedContext:
                        what: str = "broadcast of updated weights in engine.step()") -> None:
         """Rank ``owner``'s values into every rank's ``tensors`` (the owner's updated weights)."""
         for t in tensors:
-            self._collective(what, dist.broadcast, t, src=owner, group=self.group_for(t))
+            sent = t if t.is_contiguous() else t.contiguous()   # NCCL refuses one that is not (a transposed weight)
+            self._collective(what, dist.broadcast, sent, src=owner, group=self.group_for(t))
+            if sent is not t:
+                t.copy_(sent)
 
     def broadcast_started(self, t: torch.Tensor, owner: int):
         """Start rank ``owner``'s broadcast of host tensor ``t`` on the update thread's group; returns the call
