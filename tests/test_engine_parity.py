@@ -10,7 +10,7 @@ import torch
 import lazytrain
 from lazytrain.config import ConfigError
 from lazytrain.engine.executor import ExecutorError
-from engine_models import (AUTO_DEVICE, batches, lm_loss, logits_of, make_hf_model, make_model, max_rel_diff,
+from engine_models import (AUTO_DEVICE, VOCAB, batches, lm_loss, logits_of, make_hf_model, make_model, max_rel_diff,
                            reference_train)
 
 RTOL = 1e-5
@@ -1282,3 +1282,48 @@ def test_a_model_partitioned_by_deepspeeds_zero_init_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"partitioned by DeepSpeed's zero.Init \(ZeRO-3\): LazyTrain needs them "
                                           r"whole. Call lazytrain.replace_deepspeed\(\) before TrainingArguments"):
         lazytrain.initialize(model=model, config=ds_config())
+
+
+class _TokenSinkBlock(torch.nn.Module):
+    """Appends one statistic per token (a tensor of many values) to a list the model hands every block."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x, sink):
+        h = self.fc(x)
+        sink.append(h.pow(2).mean(-1))
+        return x + torch.tanh(h)
+
+
+class _TokenSinkLM(torch.nn.Module):
+    def __init__(self, d: int = 16, n_layers: int = 4):
+        torch.manual_seed(0)
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, d)
+        self.layers = torch.nn.ModuleList([_TokenSinkBlock(d) for _ in range(n_layers)])
+        self.head = torch.nn.Linear(d, VOCAB)
+        self.sink = []
+
+    def forward(self, ids):
+        x, self.sink = self.emb(ids), []
+        for blk in self.layers:
+            x = blk(x, self.sink)
+        return self.head(x)
+
+
+def test_a_list_holding_what_graph_layers_appended_reaches_the_next_block():
+    """Graph layers record autograd in their forward, so what they append to a list carries a gradient;
+    the next block is handed that list. Such tensors are the blocks' own (the warning says they get no
+    gradient), and a tensor of many values among them is told apart by identity, not compared by value."""
+    model = _TokenSinkLM()
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2, last_segment_graph=True))
+    x, y = batches(1)[0]
+    with pytest.warns(UserWarning, match=r"added a tensor to a list or dict it was handed"):
+        out = engine(x)
+    assert len(model.sink) == 4 and all(t.shape == x.shape for t in model.sink)
+    assert [t.requires_grad for t in model.sink] == [False, False, True, True]   # layers 2 and 3 keep their graph
+    engine.backward(lm_loss(out, y))
+    engine.step()
+    engine.destroy()

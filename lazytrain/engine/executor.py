@@ -147,7 +147,7 @@ class LayerStreamingExecutor:
         self.recomputed_layer_forwards = 0
         self._warned_unchained = False
         self._warned_container_tensor = False
-        self._block_added = weakref.WeakSet()   # tensors blocks put into lists/dicts they were handed
+        self._block_added = _TensorsSeen()      # tensors blocks put into lists/dicts they were handed
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self.selective = frozenset(plan.selective_layers)   # layers whose forward keeps matmul outputs
         self.offloaded = frozenset(plan.offloaded_layers)   # layers whose graph's saved tensors go to the host
@@ -706,6 +706,20 @@ def _fresh_copy(container, held):
     if isinstance(container, _SharedStateWatch):
         return _SharedStateWatch(dict(held), container._layer, container._writers)
     return held.copy()
+
+
+class _TensorsSeen:
+    """A set of tensors by identity that does not keep them alive. (A ``weakref.WeakSet`` compares a
+    tensor it holds with ``==``, elementwise, and fails on one of many values.)"""
+
+    def __init__(self):
+        self._by_id: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def add(self, t: torch.Tensor) -> None:
+        self._by_id[id(t)] = t
+
+    def __contains__(self, t) -> bool:
+        return self._by_id.get(id(t)) is t
 
 
 def _container_snapshot(layer: int, call: _LayerCall, block_added) -> list[tuple[Any, Any]]:
