@@ -172,10 +172,22 @@ def _held(engine, with_moments: bool = True) -> tuple[dict, dict, list]:
     return masters, moments, steps
 
 
+def unsupported_here(cfg: dict) -> str | None:
+    """Why DeepSpeed cannot run ``cfg`` on this machine, or None: its CPU accelerator refuses fp16 where
+    oneDNN has no fp16 kernels for the CPU (an AVX-512 CPU without AVX512-FP16, for one)."""
+    from deepspeed.accelerator import get_accelerator
+    if cfg.get("fp16", {}).get("enabled") and not get_accelerator().is_fp16_supported():
+        return f"DeepSpeed's {get_accelerator().device_name()} accelerator does not support fp16 on this machine"
+    return None
+
+
 def run(case: dict) -> dict:
     import deepspeed
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     cfg = deepspeed_config(case["config"])
+    why = unsupported_here(cfg)
+    if why:
+        return {"unsupported": why}
     data = batches()
     out = {}
     model = Net(seed=1)                                 # other weights than the checkpoint's

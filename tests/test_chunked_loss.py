@@ -56,11 +56,18 @@ def test_chunked_loss_trains_as_the_models_own_loss(family, with_num_items, monk
         for e, loss in ((engine, out.loss), (whole, expected.loss)):
             e.backward(loss)
             e.step()
-        assert engine.get_global_grad_norm() == pytest.approx(whole.get_global_grad_norm(), rel=1e-6)
+        # the first step's gradients differ by a summation order; after it the weights differ as below, and
+        # the norms with them (by up to 1.4e-5 on an AVX-512 CPU)
+        assert engine.get_global_grad_norm() == pytest.approx(whole.get_global_grad_norm(), rel=1e-6 if step == 0 else 1e-4)
     assert rows and max(rows) <= 5                    # no chunk of logits over 5 positions
     # AdamW turns the last-bit differences of a summation order into a full step on elements whose
-    # gradient is near zero (m / sqrt(v) flips sign): weights within 1e-3 of the largest, losses to 1e-6
-    assert max_rel_diff(engine.module, whole.module) < 1e-3
+    # gradient is near zero (m / sqrt(v) flips sign): such an element moves by at most 2 x lr a step, and
+    # every other element agrees to rounding (at most 9.7e-5 seen, on an AVX-512 CPU)
+    a = torch.cat([t.detach().flatten() for t in engine.module.parameters()])
+    b = torch.cat([t.detach().flatten() for t in whole.module.parameters()])
+    diff = (a - b).abs()
+    assert diff.max() <= 2 * 1e-2 * 3
+    assert (diff > 1e-4).float().mean() < 0.01
 
 
 def test_chunks_are_not_used_where_the_logits_are_wanted():

@@ -84,15 +84,20 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     ``chunk_tokens`` positions at a time, no chunk's logits kept for backward."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1).to(hidden.device)
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
     if flat.shape[0] != shifted.shape[0]:
         raise ValueError(f"labels hold {shifted.shape[0]} positions, the hidden states {flat.shape[0]}")
+    # which chunks hold a label, read where the labels are (one read, none from the host): a check per
+    # chunk on the device would make the host wait for the GPU before every chunk
+    live = F.pad(shifted != IGNORE_INDEX, (0, (-shifted.shape[0]) % chunk_tokens)).view(-1, chunk_tokens)
+    live = live.any(dim=1).tolist()
+    shifted = shifted.to(hidden.device)
     # a batch whose labels are all ignored still has a loss in the graph (zero gradients), as the model's has
     total = flat[:0].sum().float()
-    for start in range(0, flat.shape[0], chunk_tokens):
+    for k, start in enumerate(range(0, flat.shape[0], chunk_tokens)):
         part = slice(start, start + chunk_tokens)
-        if bool((shifted[part] != IGNORE_INDEX).any()):
+        if live[k]:
             total = total + checkpoint(_chunk_loss_sum, flat[part], weight, bias, shifted[part], use_reentrant=False)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
