@@ -248,9 +248,9 @@ def test_slab_pool_alignment_classes_and_limit():
 
 @pytest.mark.parametrize("shift", [0, 64])
 def test_a_pinned_slab_asks_for_its_own_size_when_the_block_is_aligned(monkeypatch, shift):
-    """torch's pinned allocator rounds each request up to a power of two: a slab of 1 MiB asked as 1 MiB
-    plus the alignment would pin 2 MiB. Its blocks start on a page; where one does not (``shift``), the slab
-    is cut from a larger block as for pageable memory."""
+    """torch's pinned allocator rounds each request up to a power of two: a slab of 512 KiB asked as 512 KiB
+    plus the alignment would pin 1 MiB. Its blocks start on a page; where one does not (``shift``), the slab
+    is cut from a larger block as for pageable memory. (From 1 MiB on, slabs are registered memory, below.)"""
     from lazytrain.tiers.pool import aligned_empty
     real_empty, asked = torch.empty, []
 
@@ -260,9 +260,61 @@ def test_a_pinned_slab_asks_for_its_own_size_when_the_block_is_aligned(monkeypat
         start = (-raw.data_ptr()) % 4096 + shift
         return raw[start:start + n]
     monkeypatch.setattr(torch, "empty", pinned_empty)
-    slab = aligned_empty(1 << 20, pinned=True)
-    assert slab.numel() == 1 << 20 and slab.data_ptr() % 4096 == 0
-    assert asked == ([(1 << 20, True)] if shift == 0 else [(1 << 20, True), ((1 << 20) + 4096, True)])
+    slab = aligned_empty(1 << 19, pinned=True)
+    assert slab.numel() == 1 << 19 and slab.data_ptr() % 4096 == 0
+    assert asked == ([(1 << 19, True)] if shift == 0 else [(1 << 19, True), ((1 << 19) + 4096, True)])
+
+
+class _StandInCudart:
+    """torch.cuda.cudart() as far as registering host memory goes: records what is registered."""
+
+    def __init__(self, fail=False):
+        self.fail, self.registered, self.unregistered = fail, [], []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.registered.append((ptr, nbytes, flags))
+        return 1 if self.fail else 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_pinned_buffers_are_registered_memory_of_their_own_size(monkeypatch, dtype):
+    """From 1 MiB on a pinned host buffer is page-aligned memory of exactly its size, registered with
+    CUDA (torch's pinned allocator would round it up to a power of two) and unregistered once the last
+    tensor over it is gone; smaller ones, and any CUDA refuses to register, come from torch's allocator."""
+    import gc
+
+    from lazytrain.tiers import memory
+    cudart = _StandInCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(memory, "pinned_memory_available", lambda: True)
+    real_empty, from_torch = torch.empty, []
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: from_torch.append(a) or real_empty(*a, **k))
+    numel = 300_001                                          # 1.2 MB in fp32, 600 kB in bf16
+    buf = memory.empty_host(numel, dtype)
+    if numel * dtype.itemsize < memory.REGISTER_FROM_BYTES:
+        assert cudart.registered == [] and from_torch == [(numel,)]
+        return
+    assert buf.shape == (numel,) and buf.dtype == dtype and bool((buf == 0).all())
+    assert cudart.registered == [(buf.data_ptr(), numel * dtype.itemsize, 0)] and buf.data_ptr() % 4096 == 0
+    assert from_torch == []
+    view = buf[10:20]
+    del buf
+    gc.collect()
+    assert cudart.unregistered == []                         # a view still holds it
+    view.fill_(1)
+    ptr = view.data_ptr() - 10 * dtype.itemsize
+    del view
+    gc.collect()
+    assert cudart.unregistered == [ptr]
+    from lazytrain.tiers.pool import aligned_empty
+    slab = aligned_empty(1 << 21, pinned=True)               # the tiers' slabs too
+    assert slab.numel() == 1 << 21 and cudart.registered[-1] == (slab.data_ptr(), 1 << 21, 0)
+    cudart.fail = True                                       # refused: torch's allocator instead
+    assert memory.empty_host((numel,), dtype).shape == (numel,) and from_torch == [((numel,),)]
 
 
 def test_pinned_memory_let_go_of_is_handed_back_to_the_system(monkeypatch):

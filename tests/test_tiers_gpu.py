@@ -84,3 +84,23 @@ def test_nvme_catches_corruption_of_a_cuda_tensor(tmp_path):
     finally:
         tier.close()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_host_buffers_are_registered_pinned_memory_that_copies_asynchronously(dtype):
+    """A host buffer of 1 MiB or more is registered memory of its own size: CUDA sees it as pinned, and
+    copies both ways through it, queued without waiting, arrive whole."""
+    from lazytrain.tiers.memory import REGISTER_FROM_BYTES, empty_host
+    numel = 3 * REGISTER_FROM_BYTES // dtype.itemsize + 7
+    host = empty_host(numel, dtype)
+    assert host.is_pinned() and host.numel() == numel and host.data_ptr() % 4096 == 0
+    x = sample((numel,), dtype)
+    host.copy_(x, non_blocking=True)
+    back = torch.empty_like(x).copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, x)
+    del host, back
+    import gc
+    gc.collect()
+    again = empty_host(numel, dtype)                 # the pages were unregistered and can be registered anew
+    assert again.is_pinned()

@@ -5,9 +5,12 @@ the CUDA event; on a CPU-only machine the same code runs with plain synchronous 
 """
 from __future__ import annotations
 
+import mmap
 import time
 import warnings
+import weakref
 
+import numpy
 import torch
 
 from . import streams
@@ -21,12 +24,45 @@ def pinned_memory_available() -> bool:
     return torch.cuda.is_available()
 
 
+# below this many bytes a pinned buffer comes from torch's pinned allocator; from here on it is registered
+# memory of its own size (registered_host): torch rounds every pinned block up to a power of two, which for
+# the per-layer fp32 weights and gradients would pin up to twice the host memory the planner counts
+REGISTER_FROM_BYTES = 1 << 20
+
+
 def empty_host(shape, dtype: torch.dtype) -> torch.Tensor:
     """A host buffer, pinned where an accelerator exists, pageable (with one warning) where not."""
     if pinned_memory_available():
+        numel = 1
+        for n in ((shape,) if isinstance(shape, int) else shape):
+            numel *= n
+        nbytes = numel * dtype.itemsize
+        if nbytes >= REGISTER_FROM_BYTES:
+            flat = registered_host(nbytes)
+            if flat is not None:
+                return flat.view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     _warn_pageable(stacklevel=3)
     return torch.empty(shape, dtype=dtype)
+
+
+def registered_host(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of zeroed, page-aligned host memory registered with CUDA as pinned (cudaHostRegister),
+    as a flat uint8 tensor; unregistered when the last tensor over it is gone. None where CUDA refuses to
+    register it (the caller then takes torch's pinned allocator)."""
+    try:
+        cudart = torch.cuda.cudart()
+    except (AssertionError, AttributeError, RuntimeError):   # a torch without CUDA
+        return None
+    region = mmap.mmap(-1, nbytes)                 # anonymous: its own pages, zero-filled
+    array = numpy.frombuffer(region, dtype=numpy.uint8)
+    flat = torch.from_numpy(array)                 # its storage holds the array, the array the region
+    err = cudart.cudaHostRegister(flat.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        return None
+    # runs when the array goes, after the last storage over it and before the region is unmapped
+    weakref.finalize(array, cudart.cudaHostUnregister, flat.data_ptr())
+    return flat
 
 
 def release_cached_pinned_memory() -> None:
