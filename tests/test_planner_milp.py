@@ -287,3 +287,14 @@ def test_memory_rows_auto_writes_rows_out_up_to_its_layer_count_then_runs_them(m
 def test_memory_rows_must_be_named():
     with pytest.raises(ValueError, match="memory_rows must be one of auto, dense, running, got 'sparse'"):
         MilpOptions(memory_rows="sparse")
+
+
+def test_given_a_start_plan_highs_skips_the_heuristic_that_looks_for_a_first_plan():
+    """Feasibility jump searches for a first feasible plan, which a start plan already is, and runs without
+    calling back, so the deadline could not stop it; without a start it stays on."""
+    from lazytrain.planner.milp import _solver
+    pytest.importorskip("highspy")
+    _, started = _solver(MilpOptions(), start={object(): 1.0})
+    _, cold = _solver(MilpOptions())
+    assert started.optionsDict["mip_heuristic_run_feasibility_jump"] is False
+    assert "mip_heuristic_run_feasibility_jump" not in cold.optionsDict

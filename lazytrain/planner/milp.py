@@ -246,10 +246,13 @@ def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = N
     if want in ("auto", "highs") and "HiGHS" in available:
         # presolve and root restarts off: on some of these models HiGHS 1.16's presolve runs on far past
         # the time limit (seen on qwen2.5-14b / rtx3090 at micro-batch 5 and 9); without it they solve within it
-        # given a start, HiGHS's own limit leaves it time to take the start in; the callback stops it after
+        # given a start, HiGHS's own limit leaves it time to take the start in; the callback stops it after.
+        # Given a start, no feasibility jump: that heuristic looks for a first plan, which the start is, and
+        # it runs without calling back (1 s of a 1 s limit at 128 layers; BENCHMARKS.md)
+        extra = {"mip_heuristic_run_feasibility_jump": False} if start else {}
         return "highs", _HighsFromStart(start, deadline, msg=False, timeLimit=left + (5.0 if start else 0.0),
                                         gapRel=opts.gap_rel, gapAbs=abs_gap, threads=opts.threads, random_seed=0,
-                                        mip_allow_restart=False, presolve="off")
+                                        mip_allow_restart=False, presolve="off", **extra)
     for var, value in (start or {}).items():
         var.setInitialValue(value)
     if want in ("auto", "highs") and "HiGHS_CMD" in available:
