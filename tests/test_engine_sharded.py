@@ -672,6 +672,45 @@ def test_shared_memory_files_are_refused_by_size_before_anything_is_written(tmp_
     assert os.listdir(tmp_path) == []
 
 
+def test_on_cuda_a_mapped_shared_file_is_registered_pinned_and_unregistered_when_its_tensors_go(monkeypatch, tmp_path):
+    """Each mapping is registered with CUDA as pinned (a stand-in records it here) and unregistered once the
+    last tensor over it is gone, before it is unmapped: a later mapping may land at the same address. A
+    registration CUDA refuses is refused by name."""
+    import gc
+
+    from lazytrain.engine import node_memory
+    calls = []
+
+    class Cudart:
+        code = 0
+
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr, nbytes))
+            return self.code
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+    cudart = Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    paths = node_memory.create_shared_files([8192], str(tmp_path))
+    flat = node_memory.map_shared_file(paths[0], 8192, torch.device("cuda"))
+    ptr = flat.data_ptr()
+    assert calls == [("register", ptr, 8192)] and ptr % 4096 == 0
+    view = flat[100:200].view(torch.float32)
+    del flat
+    gc.collect()
+    assert calls == [("register", ptr, 8192)]          # a view still holds the mapping
+    del view
+    gc.collect()
+    assert calls == [("register", ptr, 8192), ("unregister", ptr)]
+    cudart.code = 2
+    with pytest.raises(node_memory.SharedMemoryUnavailable, match=r"cudaHostRegister of the node-shared weights "
+                                                                  r"failed \(CUDA error 2\)"):
+        node_memory.map_shared_file(paths[0], 8192, torch.device("cuda"))
+    node_memory.remove_files(paths)
+
+
 def test_a_shared_file_that_is_not_on_this_machine_is_refused_not_created(tmp_path):
     """Two machines with one host name and no torchrun node rank look like one node: the rank on the other
     machine finds no file, and says so (torch.from_file alone would create an empty one)."""

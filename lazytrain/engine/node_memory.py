@@ -12,12 +12,16 @@ so two torchrun "nodes" on one machine keep a copy each, as two machines would.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import uuid
 from dataclasses import dataclass
 
+import numpy
 import torch
+
+from ..tiers.memory import register_pinned
 
 SHM_DIR = "/dev/shm"
 
@@ -104,10 +108,13 @@ def map_shared_file(path: str, nbytes: int, device: torch.device) -> torch.Tenso
                                       f"but do not share /dev/shm?)") from e
     if size < nbytes:
         raise SharedMemoryUnavailable(f"{path} holds {size} bytes, not {nbytes}")
-    flat = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)[:nbytes]
-    if device.type == "cuda" and nbytes:
-        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)
-        code = int(getattr(err, "value", err))
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with open(path, "r+b") as f:                   # the map outlives the file object (and the file's name)
+        array = numpy.frombuffer(mmap.mmap(f.fileno(), nbytes), dtype=numpy.uint8)
+    flat = torch.from_numpy(array)                 # its storage holds the array, the array the map
+    if device.type == "cuda":
+        code = register_pinned(flat, array)
         if code != 0:
             raise SharedMemoryUnavailable(f"cudaHostRegister of the node-shared weights failed (CUDA error {code})")
     return flat

@@ -50,19 +50,26 @@ def registered_host(nbytes: int) -> torch.Tensor | None:
     """``nbytes`` of zeroed, page-aligned host memory registered with CUDA as pinned (cudaHostRegister),
     as a flat uint8 tensor; unregistered when the last tensor over it is gone. None where CUDA refuses to
     register it (the caller then takes torch's pinned allocator)."""
+    array = numpy.frombuffer(mmap.mmap(-1, nbytes), dtype=numpy.uint8)   # anonymous: its own pages, zeroed
+    flat = torch.from_numpy(array)                 # its storage holds the array, the array the map
+    return flat if register_pinned(flat, array) == 0 else None
+
+
+def register_pinned(flat: torch.Tensor, owner) -> int:
+    """Register the memory of ``flat`` with CUDA as pinned, so that copies from and to it run
+    asynchronously. It is unregistered when ``owner`` goes: the object whose life bounds the memory's (the
+    numpy array over a memory map, which the tensors' storage holds and which holds the map), so before
+    the map is unmapped (an address left registered could not be registered again when a later map lands
+    there). Returns CUDA's error code, 0 on success; -1 without CUDA."""
     try:
         cudart = torch.cuda.cudart()
     except (AssertionError, AttributeError, RuntimeError):   # a torch without CUDA
-        return None
-    region = mmap.mmap(-1, nbytes)                 # anonymous: its own pages, zero-filled
-    array = numpy.frombuffer(region, dtype=numpy.uint8)
-    flat = torch.from_numpy(array)                 # its storage holds the array, the array the region
-    err = cudart.cudaHostRegister(flat.data_ptr(), nbytes, 0)
-    if int(getattr(err, "value", err)) != 0:
-        return None
-    # runs when the array goes, after the last storage over it and before the region is unmapped
-    weakref.finalize(array, cudart.cudaHostUnregister, flat.data_ptr())
-    return flat
+        return -1
+    err = cudart.cudaHostRegister(flat.data_ptr(), flat.numel() * flat.element_size(), 0)
+    code = int(getattr(err, "value", err))
+    if code == 0:
+        weakref.finalize(owner, cudart.cudaHostUnregister, flat.data_ptr())
+    return code
 
 
 def release_cached_pinned_memory() -> None:
