@@ -1327,3 +1327,38 @@ def test_a_list_holding_what_graph_layers_appended_reaches_the_next_block():
     engine.backward(lm_loss(out, y))
     engine.step()
     engine.destroy()
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training-forward", "inference"])
+def test_user_autocast_keeps_no_cast_of_the_streamed_weights(grad):
+    """Under the user's torch.autocast, a cast of an fp32 leaf that requires grad is cached until that context
+    exits: the streamed weights, leaves that require grad in every run of a block, must not be, or the forward
+    would keep a lower-precision copy of every layer's weights it streamed."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):   # the weight casts autocast makes, by weak reference
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) in ((64, 32), (32, 64)):
+                self.made.append(weakref.ref(out))
+            return out
+
+    model = make_model("modulelist")
+    # no graph layer: a graph recorded in the forward keeps its layer's casts for backward, as it should
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2,
+                                                                         last_segment_graph=False))
+    x, _ = batches(1)[0]
+    casts = Casts()
+    with torch.autocast(AUTO_DEVICE.type, dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+        with casts:
+            out = engine(x)
+        assert len(casts.made) == 2 * 6   # each streamed layer's two weight matrices, cast once
+        assert [r for r in casts.made if r() is not None] == []
+    del out
+    engine.destroy()

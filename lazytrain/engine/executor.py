@@ -75,10 +75,14 @@ def _autocast_state(device: torch.device) -> tuple:
 @contextmanager
 def _replayed_autocast(call: _LayerCall):
     """Re-run (or differentiate) a block under the torch.autocast state of its forward call, as
-    torch.utils.checkpoint does: backward runs outside the user's autocast context."""
+    torch.utils.checkpoint does: backward runs outside the user's autocast context. Every run goes without
+    autocast's cache of casts: it keeps the cast of each fp32 leaf that requires grad until the outermost
+    autocast context exits, and the streamed weights are such leaves in every run, so a forward under the
+    user's autocast would keep a lower-precision copy of every layer it streamed."""
     with ExitStack() as stack:
         for device_type, dtype, enabled in call.autocast:
-            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled,
+                                               cache_enabled=False))
         yield
 
 
