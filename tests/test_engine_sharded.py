@@ -678,35 +678,25 @@ def test_on_cuda_a_mapped_shared_file_is_registered_pinned_and_unregistered_when
     registration CUDA refuses is refused by name."""
     import gc
 
+    from cuda_standins import StandInCudart, StandInDevices
     from lazytrain.engine import node_memory
-    calls = []
-
-    class Cudart:
-        code = 0
-
-        def cudaHostRegister(self, ptr, nbytes, flags):
-            calls.append(("register", ptr, nbytes))
-            return self.code
-
-        def cudaHostUnregister(self, ptr):
-            calls.append(("unregister", ptr))
-            return 0
-    cudart = Cudart()
+    cudart = StandInCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    StandInDevices(monkeypatch, cudart)
     paths = node_memory.create_shared_files([8192], str(tmp_path))
     flat = node_memory.map_shared_file(paths[0], 8192, torch.device("cuda"))
     ptr = flat.data_ptr()
-    assert calls == [("register", ptr, 8192)] and ptr % 4096 == 0
+    assert cudart.registered == [(ptr, 8192, 0)] and ptr % 4096 == 0
     view = flat[100:200].view(torch.float32)
     del flat
     gc.collect()
-    assert calls == [("register", ptr, 8192)]          # a view still holds the mapping
+    assert cudart.unregistered == []                   # a view still holds the mapping
     del view
     gc.collect()
-    assert calls == [("register", ptr, 8192), ("unregister", ptr)]
-    cudart.code = 2
+    assert cudart.unregistered == [ptr]
+    cudart.fail = True
     with pytest.raises(node_memory.SharedMemoryUnavailable, match=r"cudaHostRegister of the node-shared weights "
-                                                                  r"failed \(CUDA error 2\)"):
+                                                                  r"failed \(CUDA error 1\)"):
         node_memory.map_shared_file(paths[0], 8192, torch.device("cuda"))
     node_memory.remove_files(paths)
 

@@ -5,6 +5,8 @@ import time
 import pytest
 import torch
 
+from cuda_standins import StandInCudart, StandInDevices
+
 from lazytrain.tiers import (DeviceTier, HostTier, NVMeTier, SlabPool, Tier, TierBudgetError, TierError,
                              TransferHandle, create_tiers, format_bytes, parse_bytes, register_tier)
 from lazytrain.tiers.pool import size_class
@@ -265,21 +267,6 @@ def test_a_pinned_slab_asks_for_its_own_size_when_the_block_is_aligned(monkeypat
     assert asked == ([(1 << 19, True)] if shift == 0 else [(1 << 19, True), ((1 << 19) + 4096, True)])
 
 
-class _StandInCudart:
-    """torch.cuda.cudart() as far as registering host memory goes: records what is registered."""
-
-    def __init__(self, fail=False):
-        self.fail, self.registered, self.unregistered = fail, [], []
-
-    def cudaHostRegister(self, ptr, nbytes, flags):
-        self.registered.append((ptr, nbytes, flags))
-        return 1 if self.fail else 0
-
-    def cudaHostUnregister(self, ptr):
-        self.unregistered.append(ptr)
-        return 0
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_pinned_buffers_are_registered_memory_of_their_own_size(monkeypatch, dtype):
     """From 1 MiB on a pinned host buffer is page-aligned memory of exactly its size, registered with
@@ -288,8 +275,9 @@ def test_large_pinned_buffers_are_registered_memory_of_their_own_size(monkeypatc
     import gc
 
     from lazytrain.tiers import memory
-    cudart = _StandInCudart()
+    cudart = StandInCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    StandInDevices(monkeypatch, cudart)
     monkeypatch.setattr(memory, "pinned_memory_available", lambda: True)
     real_empty, from_torch = torch.empty, []
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: from_torch.append(a) or real_empty(*a, **k))
@@ -315,6 +303,64 @@ def test_large_pinned_buffers_are_registered_memory_of_their_own_size(monkeypatc
     assert slab.numel() == 1 << 21 and cudart.registered[-1] == (slab.data_ptr(), 1 << 21, 0)
     cudart.fail = True                                       # refused: torch's allocator instead
     assert memory.empty_host((numel,), dtype).shape == (numel,) and from_torch == [((numel,),)]
+
+
+def test_host_memory_is_registered_in_a_cuda_context_the_process_already_has(monkeypatch):
+    """A thread that set no device (an NVMe tier's I/O thread, whichever thread drops a buffer's last view)
+    has GPU 0 current: registering or unregistering there would create a CUDA context on GPU 0 in every rank
+    of a node. Both run on a device that already has one, the current device first, as torch's pinned
+    allocator does; in a forked child, which cannot use its parent's CUDA, nothing is unregistered."""
+    import gc
+
+    from lazytrain.tiers import memory
+    from lazytrain.tiers.pool import aligned_empty
+    cudart = StandInCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    devices = StandInDevices(monkeypatch, cudart, with_context=(1,))   # rank 1: its GPU is 1
+    monkeypatch.setattr(memory, "pinned_memory_available", lambda: True)
+    buf = memory.empty_host(1 << 20, torch.float32)
+    slab = aligned_empty(1 << 21, pinned=True)
+    del buf, slab
+    gc.collect()
+    assert devices.calls == [("cudaHostRegister", 1), ("cudaHostRegister", 1), ("cudaHostUnregister", 1),
+                             ("cudaHostUnregister", 1)] and devices.current == 0
+    devices.current = 1                                    # the thread's own device when it has a context
+    del devices.calls[:]
+    buf = memory.empty_host(1 << 20, torch.float32)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    del buf
+    gc.collect()
+    assert devices.calls == [("cudaHostRegister", 1)] and len(cudart.unregistered) == 2
+
+
+def test_a_refused_registration_leaves_no_cuda_error_behind(monkeypatch):
+    """CUDA keeps the error of a runtime call it refused as the thread's last error, and torch's next
+    kernel-launch check (cudaGetLastError) raises it as that kernel's own: a registration CUDA refuses, whose
+    buffer then comes from torch's allocator, takes its error back from the runtime torch loaded."""
+    import ctypes
+    import os
+
+    from lazytrain.tiers import memory
+    cudart = StandInCudart(fail=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    StandInDevices(monkeypatch, cudart)
+    monkeypatch.setattr(memory, "pinned_memory_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    taken = []
+
+    class Runtime:   # the CUDA runtime torch loaded, under its name; another would not be loaded
+        def __init__(self, name, mode=0):
+            if name != "libcudart.so.12" or not mode & os.RTLD_NOLOAD:
+                raise OSError(f"{name}: not loaded")
+
+        def cudaGetLastError(self):
+            taken.append(True)
+            return 1
+    monkeypatch.setattr(ctypes, "CDLL", Runtime)
+    buf = memory.empty_host(1 << 20, torch.float32)
+    assert buf.numel() == 1 << 20 and len(cudart.registered) == 1 and taken == [True]
 
 
 def test_pinned_memory_let_go_of_is_handed_back_to_the_system(monkeypatch):

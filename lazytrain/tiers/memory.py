@@ -5,7 +5,9 @@ the CUDA event; on a CPU-only machine the same code runs with plain synchronous 
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import time
 import warnings
 import weakref
@@ -65,11 +67,49 @@ def register_pinned(flat: torch.Tensor, owner) -> int:
         cudart = torch.cuda.cudart()
     except (AssertionError, AttributeError, RuntimeError):   # a torch without CUDA
         return -1
-    err = cudart.cudaHostRegister(flat.data_ptr(), flat.numel() * flat.element_size(), 0)
+    with torch.cuda.device(_device_with_context()):
+        err = cudart.cudaHostRegister(flat.data_ptr(), flat.numel() * flat.element_size(), 0)
     code = int(getattr(err, "value", err))
-    if code == 0:
-        weakref.finalize(owner, cudart.cudaHostUnregister, flat.data_ptr())
-    return code
+    if code != 0:
+        _clear_cuda_error()
+        return code
+    weakref.finalize(owner, _unregister, cudart, flat.data_ptr())
+    return 0
+
+
+def _unregister(cudart, ptr: int) -> None:
+    if torch.cuda._is_in_bad_fork():   # a forked child: the registration is its parent's CUDA's, not its own
+        return
+    with torch.cuda.device(_device_with_context()):
+        err = cudart.cudaHostUnregister(ptr)
+    if int(getattr(err, "value", err)) != 0:
+        _clear_cuda_error()
+
+
+def _clear_cuda_error() -> None:
+    """Take back the error of a CUDA runtime call that failed: CUDA keeps it as the thread's last error, and
+    torch's next kernel-launch check (cudaGetLastError) would raise it as that kernel's own. torch binds no
+    cudaGetLastError: it is called in the runtime torch loaded, found by name (never loading another)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    for name in (f"libcudart.so.{major}", f"libcudart.so.{major}.0"):   # CUDA 12 and 13; CUDA 11
+        try:
+            runtime = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except (OSError, AttributeError):   # not loaded under that name (or statically linked); not Linux
+            continue
+        runtime.cudaGetLastError()
+        return
+
+
+def _device_with_context() -> int:
+    """A CUDA device that already has a context in this process, the current one first, as torch's pinned
+    allocator chooses: a thread that set no device (an NVMe tier's I/O thread, whichever thread drops a
+    buffer's last view) has GPU 0 current, and a CUDA call there would create a context on GPU 0 in every
+    rank of the node."""
+    current = torch.cuda.current_device()
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if has_context is None or has_context(current):
+        return current
+    return next((i for i in range(torch.cuda.device_count()) if has_context(i)), current)
 
 
 def release_cached_pinned_memory() -> None:
