@@ -38,6 +38,7 @@ class StandInDevices:
             finally:
                 self.current = before
         monkeypatch.setattr(torch.cuda, "device", device)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: self.calls.append(("synchronize", self.current)))
         for name in ("cudaHostRegister", "cudaHostUnregister"):
             call = getattr(cudart, name)
             setattr(cudart, name, lambda *a, _name=name, _call=call: self.calls.append((_name, self.current)) or

@@ -322,8 +322,10 @@ def test_host_memory_is_registered_in_a_cuda_context_the_process_already_has(mon
     slab = aligned_empty(1 << 21, pinned=True)
     del buf, slab
     gc.collect()
-    assert devices.calls == [("cudaHostRegister", 1), ("cudaHostRegister", 1), ("cudaHostUnregister", 1),
-                             ("cudaHostUnregister", 1)] and devices.current == 0
+    # each unregistered after the device's queued copies are over
+    assert devices.calls == [("cudaHostRegister", 1), ("cudaHostRegister", 1), ("synchronize", 1),
+                             ("cudaHostUnregister", 1), ("synchronize", 1), ("cudaHostUnregister", 1)]
+    assert devices.current == 0
     devices.current = 1                                    # the thread's own device when it has a context
     del devices.calls[:]
     buf = memory.empty_host(1 << 20, torch.float32)

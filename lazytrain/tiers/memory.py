@@ -81,6 +81,10 @@ def _unregister(cudart, ptr: int) -> None:
     if torch.cuda._is_in_bad_fork():   # a forked child: the registration is its parent's CUDA's, not its own
         return
     with torch.cuda.device(_device_with_context()):
+        try:   # a copy still queued on a stream may read or write these pages (torch's own pinned blocks are
+            torch.cuda.synchronize()   # kept from reuse by events; nothing keeps registered memory)
+        except RuntimeError:   # CUDA already torn down (interpreter exit): no copy runs any more
+            pass
         err = cudart.cudaHostUnregister(ptr)
     if int(getattr(err, "value", err)) != 0:
         _clear_cuda_error()
