@@ -139,6 +139,29 @@ def test_the_selective_calibration_leaves_a_margin_for_what_the_planners_count_o
     engine.destroy()
 
 
+def test_on_a_gpu_without_a_device_budget_the_room_for_kept_outputs_is_what_the_gpu_had_left(monkeypatch):
+    """Without 'capacities.hbm', the CPU measures every layer selective (the kept outputs stay in host
+    memory); a GPU has the room its memory leaves beside torch's peak allocation and the planner's reserve
+    for the CUDA context (CUDA stood in for here), and measures as many layers as fit in it."""
+    import lazytrain.engine.engine as engine_module
+    engine, _ = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0}}, steps=2)
+    assert engine._selective_layers_to_measure() == (None, None)
+    per_layer = 288 * 24 * 4 + (288 * 24 * 4) // engine_module.SELECTIVE_MARGIN   # as the test above counts them
+    peak = 5_000_000
+
+    class Properties:
+        total_memory = engine_module.GPU_RESERVED_BYTES + peak + 3 * per_layer + 10
+    class OnAGpu:   # the engine's state as it would be on a GPU
+        tiers, _seq_len, _model_cfg = engine.tiers, engine._seq_len, engine._model_cfg
+        last_step_peak_bytes, train_micro_batch_size_per_gpu = engine.last_step_peak_bytes, engine.train_micro_batch_size_per_gpu
+        device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peak)
+    layers, why = engine_module.LazyTrainEngine._selective_layers_to_measure(OnAGpu())
+    assert len(layers) == 3 and "do not fit" in why
+    engine.destroy()
+
+
 def test_where_no_layer_of_some_kind_can_be_measured_selective_auto_plans_without_selective_layers(monkeypatch):
     from lazytrain.engine.engine import LazyTrainEngine
     monkeypatch.setattr(LazyTrainEngine, "_selective_layers_to_measure", lambda self: ((), "no room"))

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 from ..config import ConfigError, EngineConfig
 from ..planner import measured
 from ..planner.plan import Plan
+from ..planner.problem import Budgets
 from ..tiers import format_bytes, streams
 from ..tiers.memory import release_cached_pinned_memory
 from ..tiers.streams import Chaos, EmulatedLink
@@ -46,6 +47,7 @@ from .precision import LossScaler, Masters
 from .weights import LayerWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GPU_RESERVED_BYTES = Budgets().gpu_reserved_bytes   # the planner's reserve for the CUDA context and allocator
 SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/16 over the planner's estimate
 
 
@@ -337,7 +339,18 @@ class LazyTrainEngine(nn.Module):
         as the planner's model of this model counts them) the device tier can hold beside the plain
         calibration's peak, and why not every layer (planner/measured.py ``layers_to_measure_selective``)."""
         hbm = self.tiers["hbm"]
-        if hbm.capacity is None or self._seq_len is None:
+        if self._seq_len is None:
+            return None, None
+        if hbm.capacity is not None:
+            # the calibration step's own peak: the tiers' peaks were reset at the end of the step just done
+            room = hbm.capacity - max(hbm.peak_bytes, self.last_step_peak_bytes.get("hbm", 0))
+        elif self.device.type == "cuda":
+            # no device budget configured: the GPU's memory, less what torch has had allocated at its peak
+            # (the calibration steps' activations and workspaces with the tier's bytes) and the reserve the
+            # planner keeps for the CUDA context and allocator; every layer's kept outputs could overrun it
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            room = total - GPU_RESERVED_BYTES - torch.cuda.max_memory_allocated(self.device)
+        else:       # the CPU without a device budget: its kept outputs stay in host memory
             return None, None
         from ..planner.search import as_model_shape
         shape = as_model_shape(self._model_cfg)
@@ -346,9 +359,7 @@ class LazyTrainEngine(nn.Module):
         # log-sum-exp) and the tier counts whole storages: chosen to the byte, the selective calibration would
         # run over the tier's budget in the middle of the training's forward (TierBudgetError), so a margin
         kept = [b + b // SELECTIVE_MARGIN for b in shape.selective_bytes(tokens)]
-        # the calibration step's own peak: the tiers' peaks were reset at the end of the step just done
-        peak = max(hbm.peak_bytes, self.last_step_peak_bytes.get("hbm", 0))
-        return measured.layers_to_measure_selective(kept, list(shape.layers), max(0, hbm.capacity - peak))
+        return measured.layers_to_measure_selective(kept, list(shape.layers), max(0, room))
 
     def _profile_of(self, traces: list, selective: list | None = None,
                     selective_layers: tuple = ()) -> measured.MachineProfile:
