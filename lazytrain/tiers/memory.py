@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -138,17 +139,23 @@ def _warn_pageable(stacklevel: int) -> None:
 
 
 class _CopyStreams:
-    """One side stream per direction per CUDA device, shared by the memory tiers."""
+    """One side stream per direction per CUDA device, shared by the memory tiers (and by the threads that
+    copy: the first two to ask at once must not each make one)."""
     _streams: dict = {}
+    _lock = threading.Lock()
 
     @classmethod
     def get(cls, device: torch.device, direction: str):
         if device.type != "cuda":
             return None
         key = (device.index if device.index is not None else torch.cuda.current_device(), direction)
-        if key not in cls._streams:
-            cls._streams[key] = torch.cuda.Stream(device=key[0])
-        return cls._streams[key]
+        stream = cls._streams.get(key)
+        if stream is None:
+            with cls._lock:
+                stream = cls._streams.get(key)
+                if stream is None:
+                    stream = cls._streams[key] = torch.cuda.Stream(device=key[0])
+        return stream
 
 
 def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
