@@ -286,18 +286,23 @@ class _HighsFromStart(pulp.HiGHS):
             cols = np.array([v.index for v in self.start], dtype=np.int32)
             h.setSolution(len(cols), cols, np.array(list(self.start.values()), dtype=np.float64))
         if self.deadline is not None:
-            mip_interrupt = int(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+            kinds = highspy.cb.HighsCallbackType
+            mip_interrupt, improved = int(kinds.kCallbackMipInterrupt), int(kinds.kCallbackMipImprovingSolution)
+            incumbent = [False]   # HiGHS holds a plan to return (the start, taken in, or a better one)
 
             def stop_at_deadline(kind, message, data_out, data_in, user_data):
-                if time.perf_counter() < self.deadline:
+                kind = int(kind)
+                if kind == improved or (kind == mip_interrupt and data_out.mip_primal_bound < float("inf")):
+                    incumbent[0] = True
+                if kind == improved or time.perf_counter() < self.deadline:
                     return
-                # with a start plan, not before HiGHS has taken it in as its incumbent (a plan to return)
-                if not self.start or (int(kind) == mip_interrupt and data_out.mip_primal_bound < float("inf")):
+                # with a start plan, not before HiGHS has taken it in as its incumbent; then at any interrupt
+                # point, the LPs' simplex iterations included (the root LP alone can run past a short limit)
+                if not self.start or incumbent[0]:
                     data_in.user_interrupt = True
             h.setCallback(stop_at_deadline, None)
-            for kind in (highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt,
-                         highspy.cb.HighsCallbackType.kCallbackIpmInterrupt,
-                         highspy.cb.HighsCallbackType.kCallbackMipInterrupt):
+            for kind in (kinds.kCallbackSimplexInterrupt, kinds.kCallbackIpmInterrupt, kinds.kCallbackMipInterrupt,
+                         kinds.kCallbackMipImprovingSolution):
                 h.startCallback(kind)
         h.run()
 
