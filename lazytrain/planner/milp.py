@@ -286,23 +286,18 @@ class _HighsFromStart(pulp.HiGHS):
             cols = np.array([v.index for v in self.start], dtype=np.int32)
             h.setSolution(len(cols), cols, np.array(list(self.start.values()), dtype=np.float64))
         if self.deadline is not None:
-            kinds = highspy.cb.HighsCallbackType
-            mip_interrupt, improved = int(kinds.kCallbackMipInterrupt), int(kinds.kCallbackMipImprovingSolution)
-            incumbent = [False]   # HiGHS holds a plan to return (the start, taken in, or a better one)
+            mip_interrupt = int(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
 
             def stop_at_deadline(kind, message, data_out, data_in, user_data):
-                kind = int(kind)
-                if kind == improved or (kind == mip_interrupt and data_out.mip_primal_bound < float("inf")):
-                    incumbent[0] = True
-                if kind == improved or time.perf_counter() < self.deadline:
+                if time.perf_counter() < self.deadline:
                     return
-                # with a start plan, not before HiGHS has taken it in as its incumbent; then at any interrupt
-                # point, the LPs' simplex iterations included (the root LP alone can run past a short limit)
-                if not self.start or incumbent[0]:
+                # with a start plan, not before HiGHS has taken it in as its incumbent (a plan to return)
+                if not self.start or (int(kind) == mip_interrupt and data_out.mip_primal_bound < float("inf")):
                     data_in.user_interrupt = True
             h.setCallback(stop_at_deadline, None)
-            for kind in (kinds.kCallbackSimplexInterrupt, kinds.kCallbackIpmInterrupt, kinds.kCallbackMipInterrupt,
-                         kinds.kCallbackMipImprovingSolution):
+            for kind in (highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt,
+                         highspy.cb.HighsCallbackType.kCallbackIpmInterrupt,
+                         highspy.cb.HighsCallbackType.kCallbackMipInterrupt):
                 h.startCallback(kind)
         h.run()
 
