@@ -134,8 +134,10 @@ class _Held:
             return
         if isinstance(var, (int, float)):
             self.add_constant(coef * var, a, b)
-        else:
-            self.terms.append((var, coef, a, b))
+            return
+        if isinstance(var, pulp.LpAffineExpression) and var.constant:
+            self.add_constant(coef * var.constant, a, b)
+        self.terms.append((var, coef, a, b))
 
     def add_prefix(self, vs: list, sums: list, j: int, coef: float, a: int, b: int) -> None:
         """``coef x sums[j]`` from window a to b, where ``sums[j] = vs[0] + ... + vs[j]`` (_prefix_sums): a
@@ -156,17 +158,15 @@ class _Held:
         """Per window, an expression of what the tier holds (adding the running level's rows to ``m``)."""
         W = self.W
         direct = [defaultdict(float) for _ in range(W)]
-        start, stop = defaultdict(lambda: defaultdict(float)), defaultdict(lambda: defaultdict(float))
+        delta = [defaultdict(float) for _ in range(W + 1)]   # the running level's change at each window
         for var, coef, a, b in self.terms:
             for v, c in (var.items() if isinstance(var, pulp.LpAffineExpression) else ((var, 1.0),)):
                 if how == "dense" or b - a + 1 <= self.SHORT:
                     for w in range(a, b + 1):
                         direct[w][v] += coef * c
                 else:
-                    start[a][v] += coef * c
-                    stop[b + 1][v] += coef * c
-            if isinstance(var, pulp.LpAffineExpression) and var.constant:
-                self.add_constant(coef * var.constant, a, b)
+                    delta[a][v] += coef * c
+                    delta[b + 1][v] -= coef * c
         by_vs: dict[int, tuple[list, list[tuple[int, float, int, int]]]] = {}
         for vs, j, coef, a, b in self.prefix_terms:
             by_vs.setdefault(id(vs), (vs, []))[1].append((j, coef, a, b))
@@ -185,12 +185,7 @@ class _Held:
         out, constant, level = [], 0.0, None
         for w in range(W):
             constant += self.const_delta[w]
-            delta = defaultdict(float)
-            for v, c in start[w].items():
-                delta[v] += c
-            for v, c in stop[w].items():
-                delta[v] -= c
-            change = pulp.LpAffineExpression([(v, c) for v, c in delta.items() if c])
+            change = pulp.LpAffineExpression([(v, c) for v, c in delta[w].items() if c])
             if len(change):
                 new = pulp.LpVariable(f"{self.name}_held_{w}")
                 m += new == (level if level is not None else 0) + change, f"{self.name}_held_{w}"
@@ -491,8 +486,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
 
     # ---- what each tier holds, as terms held over a range of windows -------------------------------
     # Each holding is one term ``coef x var`` from window a to window b (_Held); a window's memory row is
-    # the sum of the terms alive in it, written as a running level, so that the model grows linearly
-    # with the layers (opts.memory_rows).
+    # the sum of the terms alive in it, written out or as a running level (``rows``, from opts.memory_rows).
     dev = _Held(W, "device")
     hosts = {k: _Held(W, {"H": "host", "N": "nvme"}[k]) for k in tiers}
     covering = defaultdict(list)                     # boundary i -> the re-run edges that regenerate it

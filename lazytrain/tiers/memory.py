@@ -6,6 +6,7 @@ the CUDA event; on a CPU-only machine the same code runs with plain synchronous 
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import threading
@@ -36,10 +37,7 @@ REGISTER_FROM_BYTES = 1 << 20
 def empty_host(shape, dtype: torch.dtype) -> torch.Tensor:
     """A host buffer, pinned where an accelerator exists, pageable (with one warning) where not."""
     if pinned_memory_available():
-        numel = 1
-        for n in ((shape,) if isinstance(shape, int) else shape):
-            numel *= n
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * dtype.itemsize
         if nbytes >= REGISTER_FROM_BYTES:
             flat = registered_host(nbytes)
             if flat is not None:
