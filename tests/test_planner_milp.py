@@ -14,7 +14,7 @@ def full_space(L: int, resident: bool, graph_tail: bool = True, selective: bool 
     """MILP options whose search space is the brute force's: any segment length, any window."""
     return MilpOptions(max_segment=L, offload_slack=2 * L, prefetch_lead=2 * L, allow_resident=resident,
                        allow_graph_tail=graph_tail, allow_selective=selective, allow_offload=offload,
-                       gap_rel=1e-9, time_limit_s=60, memory_rows=memory_rows)
+                       gap_rel=1e-9, time_limit_s=60, memory_rows=memory_rows, split_internals=False)
 
 
 def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True, selective: bool = False,
@@ -152,12 +152,12 @@ def test_a_start_plan_outside_the_models_space_is_not_used():
     import lazytrain.planner.milp as milp
     original = milp._start_values
     milp._start_values = capture
-    try:
-        build_and_solve(p, MilpOptions(max_segment=2), start_plan=megatrain_plan(p))   # serial optimizer
+    try:   # one model (split internals solve the unsplit model first, and start from its plan)
+        build_and_solve(p, MilpOptions(split_internals=False, max_segment=2), start_plan=megatrain_plan(p))   # serial optimizer
         assert captured["values"] is None
-        build_and_solve(p, MilpOptions(max_segment=2), start_plan=every_k_plan(6, 3))  # segments of 3 > 2
+        build_and_solve(p, MilpOptions(split_internals=False, max_segment=2), start_plan=every_k_plan(6, 3))  # segments of 3 > 2
         assert captured["values"] is None
-        build_and_solve(p, MilpOptions(max_segment=3), start_plan=every_k_plan(6, 3))
+        build_and_solve(p, MilpOptions(split_internals=False, max_segment=3), start_plan=every_k_plan(6, 3))
         assert captured["values"] and sum(captured["values"].values()) >= 2
     finally:
         milp._start_values = original

@@ -93,6 +93,48 @@ def test_internals_brought_back_in_the_backward_window_are_waited_for():
     assert any("bwd of layer 0 reads boundary 0, which has no device copy" in v for v in r.violations)
 
 
+def test_internals_copied_out_in_a_later_window_overlap_its_compute():
+    p = round_problem()
+    # layer 0's internals leave in window 1, beside layer 1's forward and the head (8 ms): window 0 is its
+    # forward alone; they hold the device in window 1 until then
+    plan = Plan(num_layers=2, homes=("hbm", "hbm", "hbm"), offloaded_layers=(0,), internals_offload_shares={0: {1: 1.0}})
+    r = simulate(p, plan)
+    assert r.window_s == pytest.approx([4 * MS, 8 * MS, 18 * MS, 8 * MS], rel=1e-12)
+    events = {(e.lane, e.label): (e.start, e.end, e.window) for e in r.timeline}
+    assert events["d2h", "offload internals L0"] == pytest.approx((4 * MS, 10 * MS, 1), rel=1e-12)
+    unsplit = simulate(p, Plan(num_layers=2, homes=("hbm", "hbm", "hbm"), offloaded_layers=(0,)))
+    gpu = [m["hbm"] - n["hbm"] for m, n in zip(r.memory, unsplit.memory)]
+    assert gpu == [0, p.offl_bytes[0], 0, 0]
+    # split in halves over windows 0 and 1, and back in halves in windows 2 and 3 (the second exposed)
+    half = Plan(num_layers=2, homes=("hbm", "hbm", "hbm"), offloaded_layers=(0,),
+                internals_offload_shares={0: {0: 0.5, 1: 0.5}}, internals_prefetch_shares={0: {2: 0.5, 3: 0.5}})
+    r = simulate(p, half)
+    assert r.window_s == pytest.approx([7 * MS, 8 * MS, 18 * MS, 14 * MS], rel=1e-12)
+    assert r.exposed_s["h2d"] == pytest.approx(6 * MS, rel=1e-12)
+    gpu = [m["hbm"] - n["hbm"] for m, n in zip(r.memory, unsplit.memory)]
+    assert gpu == pytest.approx([0, p.offl_bytes[0] / 2, -p.offl_bytes[0] / 2, 0], rel=1e-12)
+
+
+def test_the_milp_splits_the_internals_copies_where_that_gains_time():
+    """Two layers, memory plentiful, no graph tail: unsplit, offloading layer 0 costs its 6 ms copy in
+    window 0 and saves its 4 ms re-run, so the optimum re-runs it (42 ms of windows); split, its copy runs
+    beside window 1's 8 ms of compute and offloading it gains 4 ms (38 ms)."""
+    p = round_problem()
+    opts = MilpOptions(allow_graph_tail=False, allow_selective=False)
+    split, info = build_and_solve(p, opts)
+    r = simulate(p, split)
+    assert split.offloaded_layers == (0,) and split.internals_offload_shares == {0: {1: 1.0}}
+    assert sum(r.window_s) == pytest.approx(38 * MS, rel=1e-9)
+    assert info.objective_s == pytest.approx(r.step_time_s, rel=1e-6)
+    unsplit, info = build_and_solve(p, dataclasses.replace(opts, split_internals=False))
+    r = simulate(p, unsplit)
+    assert unsplit.offloaded_layers == () and sum(r.window_s) == pytest.approx(42 * MS, rel=1e-9)
+    assert info.objective_s == pytest.approx(r.step_time_s, rel=1e-6)
+    # the copy out spread over no later window than the options allow
+    none_later, _ = build_and_solve(p, dataclasses.replace(opts, internals_out_windows=0))
+    assert none_later.offloaded_layers == ()
+
+
 def test_boundary_0_of_an_offloaded_layer_0_goes_unused_whatever_its_home():
     p = toy_problem(3, 10.0, host_slots=20, hw=FAST_LINKS)
     on_device, on_host = offload_all_plan(3), offload_all_plan(3, input_home="host")
@@ -163,10 +205,16 @@ def test_a_plan_with_offloaded_layers_round_trips_through_json(tmp_path):
     plan.to_json(str(path))
     back = Plan.from_json(str(path))
     assert back == plan and back.offloaded_layers == plan.offloaded_layers
-    assert back.internals_prefetch_window == plan.internals_prefetch_window != {}
+    # the copies of this plan are split over windows (the links are fast and the device short)
+    assert back.internals_prefetch_shares == plan.internals_prefetch_shares != {}
+    assert back.internals_offload_shares == plan.internals_offload_shares != {}
     written = json.loads(path.read_text())
     assert written["offloaded_layers"] == list(plan.offloaded_layers)
-    assert written["internals_prefetch_window"] == {str(j): w for j, w in plan.internals_prefetch_window.items()}
+    assert written["internals_offload_shares"] == {str(j): {str(w): x for w, x in split.items()}
+                                                   for j, split in plan.internals_offload_shares.items()}
+    unsplit, _ = build_and_solve(p, MilpOptions(split_internals=False))
+    assert unsplit.internals_prefetch_window != {} and unsplit.internals_prefetch_shares == {}
+    assert Plan.from_json(unsplit.to_json()) == unsplit
     assert simulate(p, back).step_time_s == simulate(p, plan).step_time_s
 
 
@@ -189,9 +237,13 @@ def test_a_start_plan_with_offloaded_layers_is_taken_in_and_the_optimum_stays():
         return captured["values"]
     original, milp._start_values = milp._start_values, capture
     try:
-        build_and_solve(p, MilpOptions(), start_plan=start)
+        milp._build_and_solve(p, MilpOptions(), start)   # the split model alone (not after the unsplit one)
         chosen = {v.name for v, x in captured["values"].items() if x == 1.0}
         assert {f"offl_{j}" for j in range(6)} | {"g_0"} <= chosen
+        # its copies' shares are continuous: left for the solver to complete, not among the start's values
+        assert not any(v.name.startswith(("offl_pre", "offl_out")) for v in captured["values"])
+        build_and_solve(p, MilpOptions(split_internals=False), start_plan=start)
+        chosen = {v.name for v, x in captured["values"].items() if x == 1.0}
         assert {f"offl_pre_{j}_{start.internals_prefetch_at(j)}" for j in range(6)} <= chosen
         build_and_solve(p, MilpOptions(allow_offload=False, allow_graph_tail=False), start_plan=start)
         assert captured["values"] is None

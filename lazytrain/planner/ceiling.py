@@ -17,8 +17,9 @@ that counts memory and links:
   during the forward phase and come back during the backward phase, on the same PCIe links as the
   weights and gradients, with the layer's input (``Problem.offl_bytes``: what an offloaded layer of
   ``Plan.offloaded_layers`` moves, which the MILP copies back in backward windows only). The floor lets
-  these copies spread over the whole phase, where the executor makes each in its layer's windows, and
-  lets a kept graph hold only its internals there;
+  these copies spread over the whole phase, where the MILP spreads each over at most
+  ``MilpOptions.internals_out_windows`` windows after its forward and ``prefetch_lead`` before its
+  backward, and lets a kept graph hold only its internals there;
 - a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
 
 ``internals_fraction`` scales the bytes a layer must keep to skip its re-run entirely (1.0: its internals

@@ -32,6 +32,14 @@ Conventions (shared by the executor and the simulator):
   segment of its own: boundary j is not stored (the graph keeps it; it must be 'recompute', except
   boundary 0, whose home then goes unused) and boundary j+1 starts a segment (it is kept, is L, or
   starts another offloaded layer). Only layers below the graph tail, none of them selective.
+- ``internals_offload_shares[j]``: the share of offloaded layer j's internals (bytes, its input among them)
+  whose copy to the host is issued in each forward window ``w`` in ``[j, L-1]`` (default ``{j: 1}``: all
+  of it when its forward has saved them). What is issued in a later window stays on the device until
+  then: copies spread over the forward phase so that a slow link keeps pace with the compute.
+  ``internals_prefetch_shares[j]``: likewise the share copied back in each window of ``[j+1, 2L-1-j]``,
+  every one after its last offload window (default ``{internals_prefetch_at(j): 1}``); the share issued in
+  its backward window is exposed. Shares are positive and sum to 1; the executor issues whole saved
+  tensors, in the order the forward saved them, as long as the bytes issued stay within the running sum.
 - ``offload_window[i]``: window in which boundary i leaves the device for its home (>= i, since
   boundary i is produced at the end of window i-1; < need_window). ``prefetch_window[i]``: window in
   which it is copied back (> offload window, <= need window; == need window means it is exposed).
@@ -70,6 +78,8 @@ class Plan:
     selective_layers: tuple[int, ...] = ()      # see the module docstring
     offloaded_layers: tuple[int, ...] = ()      # see the module docstring
     internals_prefetch_window: dict[int, int] = field(default_factory=dict)   # offloaded layer -> window
+    internals_offload_shares: dict[int, dict[int, float]] = field(default_factory=dict)   # layer -> {window: share}
+    internals_prefetch_shares: dict[int, dict[int, float]] = field(default_factory=dict)  # layer -> {window: share}
 
     def __post_init__(self):
         object.__setattr__(self, "homes", tuple(self.homes))
@@ -79,6 +89,9 @@ class Plan:
         object.__setattr__(self, "internals_prefetch_window",
                            {int(k): int(v) for k, v in self.internals_prefetch_window.items()})
         object.__setattr__(self, "offload_window", {int(k): int(v) for k, v in self.offload_window.items()})
+        for name in ("internals_offload_shares", "internals_prefetch_shares"):
+            object.__setattr__(self, name, {int(j): {int(w): float(x) for w, x in sorted(split.items())}
+                                            for j, split in sorted(getattr(self, name).items())})
         object.__setattr__(self, "prefetch_window", {int(k): int(v) for k, v in self.prefetch_window.items()})
         self.validate()
 
@@ -120,7 +133,17 @@ class Plan:
     def internals_prefetch_at(self, layer: int) -> int:
         """Window in which offloaded ``layer``'s internals start back to the device (default: one window
         before its backward window, and after its forward)."""
+        if layer in self.internals_prefetch_shares:
+            return min(self.internals_prefetch_shares[layer])
         return self.internals_prefetch_window.get(layer, max(layer + 1, 2 * self.num_layers - 2 - layer))
+
+    def internals_offload_split(self, layer: int) -> dict[int, float]:
+        """{window: share of offloaded ``layer``'s internals whose copy to the host is issued then}."""
+        return self.internals_offload_shares.get(layer, {layer: 1.0})
+
+    def internals_prefetch_split(self, layer: int) -> dict[int, float]:
+        """{window: share of offloaded ``layer``'s internals whose copy back to the device is issued then}."""
+        return self.internals_prefetch_shares.get(layer, {self.internals_prefetch_at(layer): 1.0})
 
     def offload_at(self, boundary: int) -> int:
         """Window the offload of ``boundary`` is issued in (default: as soon as it exists)."""
@@ -198,6 +221,30 @@ class Plan:
             lo, hi = j + 1, 2 * L - 1 - j
             if not lo <= w <= hi:
                 raise PlanError(f"internals_prefetch_window[{j}] = {w} must lie in [{lo}, {hi}]")
+        for name, bounds in (("internals_offload_shares", lambda j: (j, L - 1)),
+                             ("internals_prefetch_shares", lambda j: (j + 1, 2 * L - 1 - j))):
+            for j, split in getattr(self, name).items():
+                if j not in off:
+                    raise PlanError(f"{name}[{j}] given, but layer {j} is not offloaded")
+                lo, hi = bounds(j)
+                if not split:
+                    raise PlanError(f"{name}[{j}] is empty: give at least one window's share")
+                for w, x in split.items():
+                    if not lo <= w <= hi:
+                        raise PlanError(f"{name}[{j}] names window {w}, outside [{lo}, {hi}]")
+                    if not 0 < x <= 1:   # NaN fails too
+                        raise PlanError(f"{name}[{j}][{w}] = {x!r}: a share must lie in (0, 1]")
+                if abs(sum(split.values()) - 1) > 1e-6:
+                    raise PlanError(f"{name}[{j}] shares sum to {sum(split.values())!r}, not 1")
+        for j in self.internals_prefetch_shares:
+            if j in self.internals_prefetch_window:
+                raise PlanError(f"internals_prefetch_window[{j}] and internals_prefetch_shares[{j}] both given: "
+                                f"give one (a window is the share {{window: 1}})")
+        for j in off:
+            last_out, first_back = max(self.internals_offload_split(j)), self.internals_prefetch_at(j)
+            if first_back <= last_out:
+                raise PlanError(f"offloaded layer {j}'s internals start back in window {first_back}, before their "
+                                f"copy out ends in window {last_out}: every copy back must come after it")
 
     def _check_boundary(self, b: int, name: str) -> None:
         if not 0 <= b < self.num_layers:
@@ -211,6 +258,8 @@ class Plan:
         d["selective_layers"] = list(self.selective_layers)
         d["offloaded_layers"] = list(self.offloaded_layers)
         d["internals_prefetch_window"] = {str(k): v for k, v in sorted(self.internals_prefetch_window.items())}
+        for name in ("internals_offload_shares", "internals_prefetch_shares"):
+            d[name] = {str(j): {str(w): x for w, x in split.items()} for j, split in getattr(self, name).items()}
         d["offload_window"] = {str(k): v for k, v in sorted(self.offload_window.items())}
         d["prefetch_window"] = {str(k): v for k, v in sorted(self.prefetch_window.items())}
         return d
@@ -226,7 +275,8 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         known = {"num_layers", "homes", "offload_window", "prefetch_window", "resident_layers",
                  "micro_batch_size", "seq_len", "policy", "prediction", "overlap_optimizer",
-                 "last_segment_graph", "selective_layers", "offloaded_layers", "internals_prefetch_window"}
+                 "last_segment_graph", "selective_layers", "offloaded_layers", "internals_prefetch_window",
+                 "internals_offload_shares", "internals_prefetch_shares"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise PlanError(f"unknown Plan field(s): {', '.join(unknown)}")
@@ -259,6 +309,11 @@ def _whole(v) -> int | None:
     return None
 
 
+def _number_key(k):
+    """A JSON object's key as the integer it spells ("3" -> 3); anything else unchanged."""
+    return int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+
+
 def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
     """A Plan's fields as read from JSON, each of the type it must have (window keys may be the strings
     JSON makes of integers); a wrong one is a PlanError naming the field and the value."""
@@ -276,11 +331,24 @@ def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
             raise bad(name, "an object {boundary: window}", windows)
         out[name] = {}
         for k, v in windows.items():
-            key = _whole(int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k)
+            key = _whole(_number_key(k))
             if key is None or _whole(v) is None:
                 raise PlanError(f"Plan field {name!r} must map {'layer' if name.startswith('internals') else 'boundary'} "
                                 f"numbers to window numbers, got {k!r}: {v!r}")
             out[name][key] = _whole(v)
+    for name in ("internals_offload_shares", "internals_prefetch_shares"):
+        splits = d.get(name, {})
+        if not isinstance(splits, dict) or not all(isinstance(v, dict) for v in splits.values()):
+            raise bad(name, "an object {layer: {window: share}}", splits)
+        out[name] = {}
+        for j, split in splits.items():
+            layer = _whole(_number_key(j))
+            windows = {_whole(_number_key(w)): x for w, x in split.items()}
+            if layer is None or None in windows or not all(
+                    isinstance(x, numbers.Real) and not isinstance(x, bool) for x in windows.values()):
+                raise PlanError(f"Plan field {name!r} must map layer numbers to {{window number: share}}, "
+                                f"got {j!r}: {split!r}")
+            out[name][layer] = {w: float(x) for w, x in windows.items()}
     for name in ("resident_layers", "selective_layers", "offloaded_layers"):
         given = d.get(name, ())
         layers = [_whole(x) for x in given] if isinstance(given, (list, tuple)) else [None]

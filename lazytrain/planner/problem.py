@@ -13,10 +13,11 @@ Execution model (the engine's streaming executor, see plan.py for the window con
   preceded, when ``i`` is the last layer of a recompute segment ``[s, e)``, by the no-grad recompute of
   layers ``s..e-2`` that regenerates the segment's boundaries. The LM head (forward, loss, backward)
   runs in window ``L-1`` after layer ``L-1``.
-- An offloaded layer ``j`` (Plan.offloaded_layers) records its graph in forward window ``j``; when its
-  forward ends, its saved internals and its input (``offl_bytes``) go device->host on the D2H link (they
-  hold the device until that copy ends), and come back host->device from window
-  ``Plan.internals_prefetch_at(j)``; its backward window runs its backward alone (``bwd_s``), no re-run.
+- An offloaded layer ``j`` (Plan.offloaded_layers) records its graph in forward window ``j``; its saved
+  internals and its input (``offl_bytes``) go device->host on the D2H link, window j's share when its
+  forward ends and later forward windows' shares as those windows start (Plan.internals_offload_split;
+  what has not left holds the device), and come back host->device in the shares of
+  ``Plan.internals_prefetch_split(j)``; its backward window runs its backward alone (``bwd_s``), no re-run.
 - Weights of the next window's layers are copied host->device during the current window (double
   buffering, generalised to windows with several layers); layers marked resident keep a device copy
   that is refreshed once per step during the forward. Gradients of the layer differentiated in window
