@@ -7,11 +7,12 @@ One process, one small Llama (transformers, fp32), the CPU standing in for a GPU
    serial host phase and each layer's update (``MeasuredCosts.from_traces``); the same with every layer
    selective gives a selective layer's forward and re-run (``measured.with_selective``). With the emulated links'
    bandwidths that is this machine's hardware profile.
-2. Five plans for that profile: MegaTrain's policy (every 4th boundary kept on the device, all else
+2. Six plans for that profile: MegaTrain's policy (every 4th boundary kept on the device, all else
    re-run, the update after the step), the same with every layer selective (its re-runs take the
    forward's matmul and attention outputs; its forward and re-run measured in calibration too), keep-all
    (every boundary offloaded to the host and fetched back), every layer but the last offloaded (the
-   tensors its autograd saves go to the host in its forward and come back for its backward) and the MILP's
+   tensors its autograd saves go to the host in its forward and come back for its backward), the same with
+   those copies split over several windows each (Plan.internals_offload_shares) and the MILP's
    plan within a device budget halfway between the peaks of MegaTrain's policy and of keeping every
    boundary on the device.
 3. Each runs in the engine with the same emulated links (copy threads limited to ``--gbps`` per
@@ -134,6 +135,20 @@ def profile_of(costs, model_cfg, links_gbps: float, nvme_gbps: float | None = No
         host_mem_bytes=64 * GiB)
 
 
+def spread_copies(plan, out: int, back: int):
+    """``plan`` with each offloaded layer's internals copied out in equal shares over its forward window and
+    the next ``out - 1`` (within the forward), and back in equal shares over the ``back`` windows before
+    its backward."""
+    L, outs, backs = plan.num_layers, {}, {}
+    for j in plan.offloaded_layers:
+        ws = range(j, min(j + out, L))
+        outs[j] = {w: 1 / len(ws) for w in ws}
+        ws = range(max(L, 2 * L - 1 - j - back), 2 * L - 1 - j)
+        backs[j] = {w: 1 / len(ws) for w in ws}
+    return dataclasses.replace(plan, policy=plan.policy + "-split", internals_offload_shares=outs,
+                               internals_prefetch_shares=backs)
+
+
 def plans_for(problem, milp_seconds: float, nvme: bool = False):
     from lazytrain.planner.milp import MilpOptions
     from lazytrain.planner.plan import keep_all_plan, offload_all_plan
@@ -147,7 +162,11 @@ def plans_for(problem, milp_seconds: float, nvme: bool = False):
              "MegaTrain's policy, all layers selective": dataclasses.replace(
                  mega, policy="megatrain-k4-selective", selective_layers=tuple(range(L))),
              # every layer but the last sends its autograd internals to the host and back, none re-run
-             "every layer offloaded (offload_all)": offload_all_plan(L, micro_batch_size=BATCH, seq_len=SEQ)}
+             "every layer offloaded (offload_all)": offload_all_plan(L, micro_batch_size=BATCH, seq_len=SEQ),
+             # the same with each layer's copies split: out over its forward window and the next three, back
+             # over the two windows before its backward
+             "every layer offloaded, copies split over windows": spread_copies(
+                 offload_all_plan(L, micro_batch_size=BATCH, seq_len=SEQ), out=4, back=2)}
     if nvme:
         plans["keep-all (NVMe)"] = keep_all_plan(L, home="nvme", micro_batch_size=BATCH, seq_len=SEQ)
     plans["MILP"] = solve(problem, MilpOptions(time_limit_s=milp_seconds))

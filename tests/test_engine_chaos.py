@@ -13,6 +13,7 @@ import lazytrain
 from lazytrain.tiers import streams
 from lazytrain.tiers.base import completion_reached
 from engine_models import AUTO_DEVICE, batches, lm_loss, make_model, max_rel_diff, reference_train
+from test_internals_offload import SPLIT
 
 SEEDS = (1, 2, 3)
 NVME_AIO = {"block_size": 4096, "queue_depth": 1, "intra_op_parallelism": 4}   # several requests per layer
@@ -23,6 +24,10 @@ def config(case: dict, tmp_path, testing: dict | None) -> dict:
     if "nvme" in (section.get("weights_home"), section.get("boundary_home")):
         tmp_path.mkdir(parents=True, exist_ok=True)
         section["nvme_path"] = str(tmp_path)
+    if "_plan" in case:
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        section.update(policy="plan", plan=str(tmp_path / "plan.json"))
+        case["_plan"].to_json(section["plan"])
     if testing:
         section["testing"] = testing
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
@@ -82,6 +87,8 @@ CASES = {
     "offload-internals": dict(policy="offload_all", overlap_optimizer=True, _eval="grad", _autograd_grad=True),
     "offload-internals-bf16-gas2": dict(policy="offload_all", weights_home="nvme", _bf16=True, _gas=2,
                                         _eval="no_grad"),
+    # internals' copies split over windows (tests/test_internals_offload.py: SPLIT), evaluations between steps
+    "offload-internals-split": dict(_plan=SPLIT, overlap_optimizer=True, _eval="grad", _autograd_grad=True),
     "user-tier-boundaries": dict(checkpoint_interval=2, boundary_home="dict", _eval="grad", _autograd_grad=True,
                                  tiers=[{"name": "dict", "class": "engine_models:DictTier"}]),
 }

@@ -163,6 +163,66 @@ def test_internals_come_back_in_the_window_the_plan_names(tmp_path):
     engine.destroy()
 
 
+# the copies of layers 0, 1 and 3 to the host spread over forward windows (layer 2's all in window 3), those of layers 0, 2 and 4 back
+# over several windows (layer 0's last share in its own backward window, 11: exposed; layer 4's first in
+# the forward, window 5)
+SPLIT = dataclasses.replace(
+    offload_all_plan(6), policy="split",
+    internals_offload_shares={0: {0: 0.4, 2: 0.3, 4: 0.3}, 1: {1: 0.5, 5: 0.5}, 2: {3: 1.0}, 3: {3: 0.2, 4: 0.8}},
+    internals_prefetch_shares={0: {6: 0.3, 9: 0.3, 11: 0.4}, 2: {7: 0.5, 8: 0.5}, 4: {5: 0.5, 7: 0.5}})
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["in-place", "links"])
+def test_copies_split_over_windows_train_bit_for_bit_as_the_plan_that_re_runs_them(tmp_path, links):
+    data = batches(4)
+    plain = _train(_engine(tmp_path, "llama", keep_all_plan(6), links), data)
+    split = _train(_engine(tmp_path, "llama", SPLIT, links), data)
+    for k, v in plain.items():
+        assert torch.equal(split[k], v), k
+
+
+def test_split_copies_leave_and_come_back_in_the_shares_the_plan_names(tmp_path):
+    """Each window issues the saved tensors (in the order saved) that bring the bytes issued to its running
+    share, each tensor whole: within half the largest tensor of it."""
+    engine = _engine(tmp_path, "llama", SPLIT, True)
+    host, executor = engine.tiers["host"], engine.executor
+    write, read, enter = host.write, host.read, executor._enter_window
+    window, sizes, writes, reads = [None], {}, [], []
+
+    def logged_write(key, value, *a, **kw):
+        if ".saved" in key:
+            sizes[key] = value.numel() * value.element_size()
+            writes.append((window[0], key))
+        return write(key, value, *a, **kw)
+
+    def logged_read(key, *a, **kw):
+        if ".saved" in key:
+            reads.append((window[0], key))
+        return read(key, *a, **kw)
+
+    def logged_enter(p, w):
+        window[0] = w
+        return enter(p, w)
+    host.write, host.read, executor._enter_window = logged_write, logged_read, logged_enter
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    for j in range(5):
+        keys = [k for _, k in writes if f".layer{j}." in k]
+        assert keys == sorted(keys, key=lambda k: int(k.rsplit("saved", 1)[1]))   # in the order saved
+        assert len(set(keys)) == len(keys) and {k for _, k in reads if f".layer{j}." in k} == set(keys)
+        total, largest = sum(sizes[k] for k in keys), max(sizes[k] for k in keys)
+        for log, split in ((writes, SPLIT.internals_offload_split(j)), (reads, SPLIT.internals_prefetch_split(j))):
+            mine = [(w, k) for w, k in log if f".layer{j}." in k]
+            assert {w for w, _ in mine} <= set(split), (j, mine)
+            share = 0.0
+            for w in sorted(split):
+                share += split[w]
+                issued = sum(sizes[k] for v, k in mine if v <= w)
+                assert abs(issued - share * total) <= largest / 2 + 1e-6, (j, w, issued, share * total)
+    engine.step()
+    engine.destroy()
+
+
 def test_policy_offload_all_from_the_config():
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -194,6 +254,22 @@ def test_plans_that_cannot_offload_a_layer_are_refused_by_name():
         (dict(offloaded_layers=(2,), internals_prefetch_window={2: 10}), "internals_prefetch_window[2] = 10 must "
                                                                          "lie in [3, 9]"),
         (dict(internals_prefetch_window={2: 5}), "internals_prefetch_window[2] given, but layer 2 is not offloaded"),
+        (dict(offloaded_layers=(2,), internals_offload_shares={2: {2: 0.5, 6: 0.5}}),
+         "internals_offload_shares[2] names window 6, outside [2, 5]"),
+        (dict(offloaded_layers=(2,), internals_offload_shares={2: {2: 0.5, 3: 0.4}}),
+         "internals_offload_shares[2] shares sum to 0.9, not 1"),
+        (dict(offloaded_layers=(2,), internals_prefetch_shares={2: {8: 0.0, 9: 1.0}}),
+         "internals_prefetch_shares[2][8] = 0.0: a share must lie in (0, 1]"),
+        (dict(offloaded_layers=(2,), internals_prefetch_shares={2: {8: 0.5, 9: float("nan")}}),
+         "internals_prefetch_shares[2][9] = nan: a share must lie in (0, 1]"),
+        (dict(offloaded_layers=(2,), internals_prefetch_shares={2: {}}),
+         "internals_prefetch_shares[2] is empty"),
+        (dict(internals_offload_shares={2: {2: 1.0}}), "internals_offload_shares[2] given, but layer 2 is not offloaded"),
+        (dict(offloaded_layers=(2,), internals_offload_shares={2: {2: 0.5, 4: 0.5}},
+              internals_prefetch_shares={2: {4: 0.5, 9: 0.5}}),
+         "offloaded layer 2's internals start back in window 4, before their copy out ends in window 4"),
+        (dict(offloaded_layers=(2,), internals_prefetch_window={2: 8}, internals_prefetch_shares={2: {8: 1.0}}),
+         "internals_prefetch_window[2] and internals_prefetch_shares[2] both given"),
     ]
     for fields, message in cases:
         with pytest.raises(PlanError) as e:
@@ -201,6 +277,10 @@ def test_plans_that_cannot_offload_a_layer_are_refused_by_name():
         assert str(e.value).startswith(message), (fields, str(e.value))
     plan = Plan(num_layers=6, homes=homes, offloaded_layers=(2, 5), internals_prefetch_window={2: 3})
     assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_json(SPLIT.to_json()) == SPLIT
+    for bad in ({"2": {"x": 0.5}}, {"2": {"3": "half"}}, {"2": 0.5}, {"2": {"3": True}}):
+        with pytest.raises(PlanError, match="internals_offload_shares"):
+            Plan.from_dict({**plan.to_dict(), "internals_offload_shares": bad})
     assert plan.segments() == [(0, 2), (2, 3), (3, 5), (5, 6)] and plan.recomputed_layers() == 2
 
 

@@ -169,8 +169,13 @@ class LayerStreamingExecutor:
             if home not in (RECOMPUTE, DEVICE_HOME) and i not in self.offloaded:
                 self._prefetch_in_window.setdefault(plan.prefetch_at(i), []).append(i)
         self._internals_in_window: dict[int, list[int]] = {}   # window -> offloaded layers whose internals it fetches
+        self._internals_out_in_window: dict[int, list[int]] = {}   # window -> ... whose internals' share it sends
         for j in sorted(self.offloaded):
-            self._internals_in_window.setdefault(plan.internals_prefetch_at(j), []).append(j)
+            for w in plan.internals_prefetch_split(j):
+                self._internals_in_window.setdefault(w, []).append(j)
+            for w in plan.internals_offload_split(j):
+                if w > j:
+                    self._internals_out_in_window.setdefault(w, []).append(j)
         self._install_proxies()
 
     # ---- wiring into the user's model ----------------------------------------------------------
@@ -404,6 +409,9 @@ class LayerStreamingExecutor:
             x = p.held.pop(i)
             self._put(p, self.plan.homes[i], self._key(p, i), x)
             self._drop(p, DEVICE_HOME, self._key(p, i) + ".held")
+        for j in self._internals_out_in_window.get(w, ()):   # a copy out is no prefetch: it always runs
+            if j in p.offloaded:
+                p.offloaded[j].send_through(w)
         if not self.prefetch:
             return
         for i in self._prefetch_in_window.get(w, ()):
@@ -411,7 +419,7 @@ class LayerStreamingExecutor:
                 self._issue_prefetch(p, i)
         for j in self._internals_in_window.get(w, ()):
             if j in p.offloaded:
-                p.offloaded[j].prefetch()
+                p.offloaded[j].prefetch(w)
 
     def _issue_prefetch(self, p: _Pass, i: int) -> TransferHandle:
         if i in p.held:      # still on the device: nothing to fetch
@@ -507,8 +515,10 @@ class LayerStreamingExecutor:
         flat = self._acquire(layer)
         kept = nullcontext() if keep else self._selective_rerun(p, layer)
         if keep and layer in self.offloaded:   # its weights are streamed again for its backward
-            internals = p.offloaded[layer] = OffloadedInternals(self.tiers["host"], f"pass{p.pass_id}.layer{layer}",
-                                                                self.device, flat, p.owned)
+            internals = p.offloaded[layer] = OffloadedInternals(
+                self.tiers["host"], f"pass{p.pass_id}.layer{layer}", self.device, flat, p.owned, window=layer,
+                out_split=self.plan.internals_offload_shares.get(layer),
+                back_split=self.plan.internals_prefetch_shares.get(layer))
             kept = internals.recording()
         elif keep and not self.stream.zero_copy and layer not in self.stream.resident:
             flat = flat.clone()

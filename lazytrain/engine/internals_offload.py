@@ -10,6 +10,11 @@ so backward differentiates the block from its graph without re-running it.
 The block's weights are not copied with its internals: a saved tensor that lies in the block's streamed
 weight buffer is kept as a reference into it (byte offset, shape, strides) and resolved, in backward,
 against the weights streamed to the device again for that backward.
+
+Where the Plan splits the copies over windows (``Plan.internals_offload_shares``, and
+``internals_prefetch_shares`` back), the saved tensors wait on the device and each window issues the
+next of them, in the order they were saved, while the bytes issued stay within the running sum of its
+shares (a tensor goes when at least half of it falls within; the last window issues the rest).
 """
 from __future__ import annotations
 
@@ -65,6 +70,31 @@ def _compact(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     return (dense, order) if dense.is_contiguous() else (v, None)
 
 
+def _running_shares(split: dict[int, float]) -> dict[int, float]:
+    """{window: share} -> {window: the shares of that window and those before it}; the last is exactly 1."""
+    out, total = {}, 0.0
+    for w in sorted(split):
+        total += split[w]
+        out[w] = total
+    out[max(split)] = 1.0
+    return out
+
+
+def _due_upto(running: dict[int, float], window: int, sizes: list[int], upto: int) -> int:
+    """How many saved tensors (in the order saved) are due by ``window``, ``upto`` being already issued: a
+    tensor is due when at least half of it falls within the running share of the bytes (all of them at
+    the split's last window)."""
+    if window >= max(running):
+        return len(sizes)
+    reached = [x for w, x in running.items() if w <= window]
+    target = sum(sizes) * reached[-1] if reached else 0.0
+    k, before = upto, sum(sizes[:upto])
+    while k < len(sizes) and before + sizes[k] / 2 <= target:
+        before += sizes[k]
+        k += 1
+    return k
+
+
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte offsets within its storage that ``t`` can reach."""
     start = t.storage_offset() * t.element_size()
@@ -78,8 +108,19 @@ class OffloadedInternals:
     """The tensors one block's forward saved for its backward, held in a host tier under keys of their
     own. It owns every read of them it issues: each is waited on before the keys are freed."""
 
-    def __init__(self, tier: Tier, key: str, device: torch.device, weights: torch.Tensor, owned: set):
+    def __init__(self, tier: Tier, key: str, device: torch.device, weights: torch.Tensor, owned: set,
+                 window: int = 0, out_split: dict[int, float] | None = None,
+                 back_split: dict[int, float] | None = None):
+        """``window``: the forward window recording it; ``out_split``/``back_split``: {window: share} of the
+        copies to the host and back (None: every copy to the host as its tensor is saved, every copy back
+        at the first ``prefetch()``)."""
         self._tier, self._key, self._device, self._owned = tier, key, device, owned
+        self._window = window
+        self._out = _running_shares(out_split) if out_split else None
+        self._back = _running_shares(back_split) if back_split else None
+        self._pending: dict[int, tuple] = {}          # saved index -> (tensor sent, tensor saved, version): not yet written
+        self._sizes: list[int] = []                  # saved index -> bytes
+        self._sent_upto = self._read_upto = 0        # split copies: indices below these are issued
         self._weights_storage = weights.untyped_storage().data_ptr()
         self._weights_span = _byte_span(weights)
         self._keys: list[str] = []
@@ -104,6 +145,22 @@ class OffloadedInternals:
                 if t._version != ident[-1]:               # plain autograd refuses it if backward uses it
                     self._changed[n] = (ident[-1], t._version)
             self._index.clear()
+        if self._out is not None:   # the forward window's share leaves now its forward has saved everything
+            self.send_through(self._window)
+
+    def send_through(self, window: int) -> None:
+        """Issue the copies to the host of the shares up to ``window`` (split copies only)."""
+        if self._out is None or not self._pending:
+            return
+        upto = _due_upto(self._out, window, self._sizes, self._sent_upto)
+        for n in range(self._sent_upto, upto):
+            sent, t, version = self._pending.pop(n)
+            if t._version != version:   # changed in place after the forward, before its copy: autograd's rule
+                self._changed[n] = (version, t._version)
+                continue
+            self._tier.write(self._keys[n], sent)
+            self._owned.add((self._tier.name, self._keys[n]))
+        self._sent_upto = max(self._sent_upto, upto)
 
     def _pack(self, t: torch.Tensor):
         if t.untyped_storage().data_ptr() == self._weights_storage:
@@ -124,9 +181,13 @@ class OffloadedInternals:
             self._index[ident] = (t, n)
             key = f"{self._key}.saved{n}"
             self._keys.append(key)
-            self._tier.write(key, sent)
-            self._owned.add((self._tier.name, key))
-            self.nbytes += sent.numel() * sent.element_size()
+            self._sizes.append(sent.numel() * sent.element_size())
+            if self._out is None:
+                self._tier.write(key, sent)
+                self._owned.add((self._tier.name, key))
+            else:                  # held on the device until its window's share is issued
+                self._pending[n] = (sent, t, ident[-1])
+            self.nbytes += self._sizes[-1]
         unpermute = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
         return _Sent(n, unpermute, tuple(t.shape))
 
@@ -150,12 +211,17 @@ class OffloadedInternals:
         return sorted(set(found))
 
     # ---- backward ------------------------------------------------------------------------------
-    def prefetch(self) -> None:
-        """Start every saved tensor's copy back to the device (idempotent)."""
-        for n, key in enumerate(self._keys):
-            if n not in self._reads and n not in self._values:
+    def prefetch(self, window: int | None = None) -> None:
+        """Start the saved tensors' copies back to the device: the shares up to ``window`` where the copies
+        back are split, else all of them (idempotent)."""
+        upto = len(self._keys)
+        if self._back is not None and window is not None:
+            upto = _due_upto(self._back, window, self._sizes, self._read_upto)
+        self._read_upto = max(self._read_upto, upto)
+        for n in range(upto):
+            if n not in self._reads and n not in self._values and n not in self._pending:
                 try:
-                    self._reads[n] = self._tier.read(key, device=self._device)
+                    self._reads[n] = self._tier.read(self._keys[n], device=self._device)
                 except TierError:   # its write failed: that is raised where backward needs it, if it does
                     pass
 
@@ -181,8 +247,10 @@ class OffloadedInternals:
             raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
                                f"inplace operation: a tensor of shape {list(packed.shape)} that offloaded block "
                                f"{self._key.rsplit('layer', 1)[-1]} saved is at version {now}; expected version {saved} "
-                               f"instead (it was changed in place later in the block's forward)")
+                               f"instead (it was changed in place after the block's forward saved it)")
         value = self._values.get(n)
+        if value is None and n in self._pending:   # never sent (its window's share was not issued): still here
+            value = self._pending[n][0]
         if value is None:
             handle = self._reads.pop(n, None) or self._tier.read(self._keys[n], device=self._device)
             value = handle.wait()
@@ -205,6 +273,7 @@ class OffloadedInternals:
                     pass
         finally:
             self._values.clear()
+            self._pending.clear()
             self._weights_now = None
             for key in self._keys:
                 self._tier.free(key)
