@@ -15,10 +15,11 @@ import torch
 
 import lazytrain
 from lazytrain.config import ConfigError
+from lazytrain.engine.internals_offload import OffloadedInternals
 from lazytrain.engine.executor import ExecutorError
 from lazytrain.planner.plan import RECOMPUTE, Plan, PlanError, keep_all_plan, offload_all_plan
 from lazytrain.tiers import streams
-from engine_models import (ModuleListLM, batches, lm_loss, make_model, max_rel_diff, plan_engine, reference_train,
+from engine_models import (MLPBlock, ModuleListLM, batches, lm_loss, make_model, max_rel_diff, plan_engine, reference_train,
                            train_and_destroy)
 
 pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
@@ -220,6 +221,36 @@ def test_split_copies_leave_and_come_back_in_the_shares_the_plan_names(tmp_path)
                 issued = sum(sizes[k] for v, k in mine if v <= w)
                 assert abs(issued - share * total) <= largest / 2 + 1e-6, (j, w, issued, share * total)
     engine.step()
+    engine.destroy()
+
+
+class _FailsWhenTold(MLPBlock):
+    """A block whose forward raises (as a CUDA out-of-memory error would) when its ``fail`` is set."""
+    fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("out of memory (simulated)")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("plan", [offload_all_plan(6), SPLIT], ids=["whole", "split"])
+def test_a_forward_that_fails_midway_frees_the_internals_it_holds(tmp_path, plan):
+    """Block 3 raises: layers 0 and 1 still hold shares their windows 4 and 5 were to send. Those saved
+    tensors, and the graphs that saved them, go with the failed forward, as they would in plain PyTorch."""
+    engine = _engine(tmp_path, None, plan, True, model=_lm_of(_FailsWhenTold)())
+    host = engine.tiers["host"]
+    base_used = host.stats()["used_bytes"]
+    x, y = batches(1)[0]
+    engine.module.stack[3].fail = True
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine(x)
+    engine.module.stack[3].fail = False
+    engine.backward(lm_loss(engine(x), y))   # the next step drops the failed pass and runs as usual
+    engine.step()
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, OffloadedInternals) and o._tier is host]
+    assert host.stats()["used_bytes"] == base_used
     engine.destroy()
 
 

@@ -185,8 +185,11 @@ class OffloadedInternals:
             if self._out is None:
                 self._tier.write(key, sent)
                 self._owned.add((self._tier.name, key))
-            else:                  # held on the device until its window's share is issued
-                self._pending[n] = (sent, t, ident[-1])
+            else:                  # held on the device until its window's share is issued; detached (the same
+                # memory and version counter): ``t``'s graph holds what these hooks packed, so ``t`` itself here
+                # would be a cycle through autograd that the collector cannot see, never freed if its window never
+                # comes (a forward that fails midway)
+                self._pending[n] = (sent.detach(), t.detach(), ident[-1])
             self.nbytes += self._sizes[-1]
         unpermute = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
         return _Sent(n, unpermute, tuple(t.shape))
