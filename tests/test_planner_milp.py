@@ -287,6 +287,9 @@ def test_memory_rows_auto_writes_rows_out_up_to_its_layer_count_then_runs_them(m
 def test_memory_rows_must_be_named():
     with pytest.raises(ValueError, match="memory_rows must be one of auto, dense, running, got 'sparse'"):
         MilpOptions(memory_rows="sparse")
+    with pytest.raises(ValueError, match=r"internals_out_windows must be an integer >= 0 \(windows after an offloaded "
+                                         r"layer's own\), got -1"):
+        MilpOptions(internals_out_windows=-1)
 
 
 def test_given_a_start_plan_highs_skips_the_heuristic_that_looks_for_a_first_plan():

@@ -135,6 +135,32 @@ def test_the_milp_splits_the_internals_copies_where_that_gains_time():
     assert none_later.offloaded_layers == ()
 
 
+def test_the_split_model_runs_only_after_the_unsplit_one_is_solved_with_time_left(monkeypatch):
+    import lazytrain.planner.milp as milp
+    p = round_problem()
+    opts = MilpOptions(allow_graph_tail=False, allow_selective=False)
+    calls, original = [], milp._build_and_solve
+
+    def recorded(p, o, start, status=None):
+        plan, info = original(p, o, start)
+        calls.append((o.split_internals, start))
+        if status:
+            info.status = status
+        return plan, info
+    monkeypatch.setattr(milp, "_build_and_solve", recorded)
+    plan, info = build_and_solve(p, opts)
+    unsplit_plan = calls[0][0] is False and calls[1][1]
+    assert [c[0] for c in calls] == [False, True] and unsplit_plan.internals_offload_shares == {}
+    assert plan.internals_offload_shares == {0: {1: 1.0}}
+    assert "started from the unsplit model's optimal plan" in info.detail
+    # the unsplit model stopped at its time limit (feasible, not optimal): its plan is the answer
+    calls.clear()
+    monkeypatch.setattr(milp, "_build_and_solve", lambda p, o, s: recorded(p, o, s, "feasible"))
+    plan, info = build_and_solve(p, opts)
+    assert [c[0] for c in calls] == [False] and plan.offloaded_layers == () and info.status == "feasible"
+    assert "internals copies unsplit (the split model had no time after the unsplit one)" in info.detail
+
+
 def test_boundary_0_of_an_offloaded_layer_0_goes_unused_whatever_its_home():
     p = toy_problem(3, 10.0, host_slots=20, hw=FAST_LINKS)
     on_device, on_host = offload_all_plan(3), offload_all_plan(3, input_home="host")

@@ -245,6 +245,8 @@ class OffloadedInternals:
         if isinstance(packed, _Kept):
             return packed.tensor
         n = packed.index
+        if n in self._pending and self._pending[n][1]._version != self._pending[n][2]:   # never sent, changed
+            self._changed[n] = (self._pending[n][2], self._pending[n][1]._version)
         if n in self._changed:
             saved, now = self._changed[n]
             raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
