@@ -141,8 +141,8 @@ def test_the_split_model_runs_only_after_the_unsplit_one_is_solved_with_time_lef
     opts = MilpOptions(allow_graph_tail=False, allow_selective=False)
     calls, original = [], milp._build_and_solve
 
-    def recorded(p, o, start, status=None):
-        plan, info = original(p, o, start)
+    def recorded(p, o, start, status=None, **kw):
+        plan, info = original(p, o, start, **kw)
         calls.append((o.split_internals, start))
         if status:
             info.status = status
@@ -155,10 +155,23 @@ def test_the_split_model_runs_only_after_the_unsplit_one_is_solved_with_time_lef
     assert "started from the unsplit model's optimal plan" in info.detail
     # the unsplit model stopped at its time limit (feasible, not optimal): its plan is the answer
     calls.clear()
-    monkeypatch.setattr(milp, "_build_and_solve", lambda p, o, s: recorded(p, o, s, "feasible"))
+    monkeypatch.setattr(milp, "_build_and_solve", lambda p, o, s, **kw: recorded(p, o, s, "feasible", **kw))
     plan, info = build_and_solve(p, opts)
     assert [c[0] for c in calls] == [False] and plan.offloaded_layers == () and info.status == "feasible"
     assert "internals copies unsplit (the split model had no time after the unsplit one)" in info.detail
+    # the split model stopped without a plan, or with none faster: the unsplit plan is the answer
+    for raised, message in ((milp.NoPlanInTimeError("stopped"), "found no plan in the time left"),
+                            (None, "found no faster plan in the time left")):
+        def second_fails(p, o, s, **kw):
+            if o.split_internals and raised:
+                raise raised
+            plan, info = original(p, o, s, **kw)
+            if o.split_internals:
+                info.objective_s = float("inf")
+            return plan, info
+        monkeypatch.setattr(milp, "_build_and_solve", second_fails)
+        plan, info = build_and_solve(p, opts)
+        assert plan.offloaded_layers == () and f"internals copies unsplit (the split model {message})" in info.detail
 
 
 def test_boundary_0_of_an_offloaded_layer_0_goes_unused_whatever_its_home():

@@ -241,7 +241,9 @@ def _silence_highs_banner() -> None:
 
 
 def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = None,
-            start: "dict[pulp.LpVariable, float] | None" = None):
+            start: "dict[pulp.LpVariable, float] | None" = None, start_past_deadline: bool = True):
+    """The solver for ``opts``; ``start_past_deadline``: given a start, HiGHS may run past the deadline
+    until it has taken the start in (else the deadline stops it, with or without a plan)."""
     available = pulp.listSolvers(onlyAvailable=True)
     if "HiGHS" in available:
         _silence_highs_banner()
@@ -254,7 +256,8 @@ def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = N
         # Given a start, no feasibility jump: that heuristic looks for a first plan, which the start is, and
         # it runs without calling back (1 s of a 1 s limit at 128 layers; BENCHMARKS.md)
         extra = {"mip_heuristic_run_feasibility_jump": False} if start else {}
-        return "highs", _HighsFromStart(start, deadline, msg=False, timeLimit=left + (5.0 if start else 0.0),
+        grace = 5.0 if start and start_past_deadline else 0.0
+        return "highs", _HighsFromStart(start, deadline, start_past_deadline, msg=False, timeLimit=left + grace,
                                         gapRel=opts.gap_rel, gapAbs=abs_gap, threads=opts.threads, random_seed=0,
                                         mip_allow_restart=False, presolve="off", **extra)
     for var, value in (start or {}).items():
@@ -278,9 +281,9 @@ class _HighsFromStart(pulp.HiGHS):
     layers): the interrupt callbacks stop it at the deadline, keeping the best plan found; given a start,
     not before the start is its incumbent (taking it in is an LP over the continuous columns)."""
 
-    def __init__(self, start, deadline, **kwargs):
+    def __init__(self, start, deadline, start_past_deadline=True, **kwargs):
         super().__init__(**kwargs)
-        self.start, self.deadline = start, deadline
+        self.start, self.deadline, self.start_past_deadline = start, deadline, start_past_deadline
 
     def callSolver(self, lp):
         import highspy
@@ -296,7 +299,8 @@ class _HighsFromStart(pulp.HiGHS):
                 if time.perf_counter() < self.deadline:
                     return
                 # with a start plan, not before HiGHS has taken it in as its incumbent (a plan to return)
-                if not self.start or (int(kind) == mip_interrupt and data_out.mip_primal_bound < float("inf")):
+                if not self.start or not self.start_past_deadline or (
+                        int(kind) == mip_interrupt and data_out.mip_primal_bound < float("inf")):
                     data_in.user_interrupt = True
             h.setCallback(stop_at_deadline, None)
             for kind in (highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt,
@@ -388,14 +392,22 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     if info.status != "optimal" or left < SPLIT_NEEDS_SHARE_LEFT * opts.time_limit_s:
         info.detail += "; internals copies unsplit (the split model had no time after the unsplit one)"
         return plan, info
-    split_plan, split_info = _build_and_solve(p, replace(opts, time_limit_s=left), plan)
+    try:   # the unsplit plan is in hand: the deadline stops the split model whether or not it took it in
+        split_plan, split_info = _build_and_solve(p, replace(opts, time_limit_s=left), plan, start_past_deadline=False)
+    except NoPlanInTimeError:
+        info.detail += "; internals copies unsplit (the split model found no plan in the time left)"
+        return plan, info
+    if split_info.objective_s is None or split_info.objective_s >= info.objective_s:
+        info.detail += "; internals copies unsplit (the split model found no faster plan in the time left)"
+        return plan, info
     split_info.build_time_s += info.build_time_s
     split_info.solve_time_s += info.solve_time_s
     split_info.detail += f"; started from the unsplit model's optimal plan ({opts.time_limit_s - left:.2f} s)"
     return split_plan, split_info
 
 
-def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> tuple[Plan, SolveInfo]:
+def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
+                     start_past_deadline: bool = True) -> tuple[Plan, SolveInfo]:
     t_build = time.perf_counter()
     deadline = t_build + opts.time_limit_s
     L, W = p.L, 2 * p.L
@@ -651,7 +663,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     if start_plan is not None:
         values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts, sel, offl, offl_pre)
     name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"], deadline=deadline,
-                           start=values)
+                           start=values, start_past_deadline=start_past_deadline)
     t0 = time.perf_counter()
     m.solve(solver)
     solve_s = time.perf_counter() - t0
