@@ -392,13 +392,15 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     if info.status != "optimal" or left < SPLIT_NEEDS_SHARE_LEFT * opts.time_limit_s:
         info.detail += "; internals copies unsplit (the split model had no time after the unsplit one)"
         return plan, info
+    t_split = time.perf_counter()
     try:   # the unsplit plan is in hand: the deadline stops the split model whether or not it took it in
         split_plan, split_info = _build_and_solve(p, replace(opts, time_limit_s=left), plan, start_past_deadline=False)
     except NoPlanInTimeError:
-        info.detail += "; internals copies unsplit (the split model found no plan in the time left)"
-        return plan, info
-    if split_info.objective_s is None or split_info.objective_s >= info.objective_s:
-        info.detail += "; internals copies unsplit (the split model found no faster plan in the time left)"
+        split_info = None
+    if split_info is None or split_info.objective_s is None or split_info.objective_s >= info.objective_s:
+        info.solve_time_s += time.perf_counter() - t_split   # the time is spent all the same
+        info.detail += (f"; internals copies unsplit (the split model found "
+                        f"{'no plan' if split_info is None else 'no faster plan'} in the time left)")
         return plan, info
     split_info.build_time_s += info.build_time_s
     split_info.solve_time_s += info.solve_time_s
