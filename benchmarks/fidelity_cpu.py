@@ -273,10 +273,11 @@ def main(argv=None) -> int:
                                (bracketed if before is not None else simulate(problem, plan, strict=False)).trace())
         rows.append((name, plan, measured, predicted, first))
 
-    print(f"\n{'plan':<40}{'measured (ms)':>15}{'predicted (ms)':>16}{'measured/predicted':>20}"
+    width = max(len(name) for name, *_ in rows) + 2
+    print(f"\n{'plan':<{width}}{'measured (ms)':>15}{'predicted (ms)':>16}{'measured/predicted':>20}"
           f"{'first calibration (ms)':>24}{'measured/first':>16}")
     for name, plan, m, p, f in rows:
-        print(f"{name:<40}{m * 1e3:>15.0f}{p * 1e3:>16.0f}{m / p:>19.3f}x{f * 1e3:>24.0f}{m / f:>15.3f}x")
+        print(f"{name:<{width}}{m * 1e3:>15.0f}{p * 1e3:>16.0f}{m / p:>19.3f}x{f * 1e3:>24.0f}{m / f:>15.3f}x")
     for name, plan, _, _, _ in rows:
         print(f"{name}: boundaries {' '.join(plan.homes)}, resident layers {list(plan.resident_layers)}, "
               f"selective layers {list(plan.selective_layers)}, offloaded layers {list(plan.offloaded_layers)}, "
