@@ -399,6 +399,9 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         split_info = None
     if split_info is None or split_info.objective_s is None or split_info.objective_s >= info.objective_s:
         info.solve_time_s += time.perf_counter() - t_split   # the time is spent all the same
+        if split_info is None or split_info.status != "optimal":   # optimal for the unsplit model only
+            info.status, info.gap = "feasible", None if split_info is None else split_info.gap
+            info.bound_s = None if split_info is None else split_info.bound_s
         info.detail += (f"; internals copies unsplit (the split model found "
                         f"{'no plan' if split_info is None else 'no faster plan'} in the time left)")
         return plan, info
