@@ -122,6 +122,28 @@ def test_a_selective_forward_keeps_matmul_and_attention_outputs_for_each_re_run(
         kept.next_rerun()
 
 
+def test_a_forward_kept_for_two_re_runs_runs_each_op_through_one_dispatch_mode(monkeypatch):
+    """Each re-run consumes a cache of its own; the forward records one and copies its entries, so its ops
+    pay one Python dispatch mode, not one per re-run (the policy is asked once per op)."""
+    import lazytrain.engine.selective as selective
+    asked, policy = [], selective._policy
+    monkeypatch.setattr(selective, "_policy", lambda ctx, op, *a, **k: asked.append(op) or policy(ctx, op, *a, **k))
+    lin, x = torch.nn.Linear(8, 8), torch.randn(2, 3, 8)
+    block = lambda: torch.relu(lin(x)) @ lin.weight   # noqa: E731
+    counts = []
+    for reruns in (1, 2):
+        asked.clear()
+        kept = SelectiveForward(reruns)
+        with torch.no_grad(), kept.recording():
+            out = block()
+        counts.append(len(asked))
+        for _ in range(reruns):   # each re-run takes the kept outputs
+            with kept.next_rerun():
+                again = block()
+            assert torch.equal(again, out)
+    assert counts[0] == counts[1] >= 3
+
+
 def test_a_selective_layer_must_be_one_that_backward_re_runs():
     plan = every_k_plan(6, 3, home="host")
     with pytest.raises(PlanError, match=r"selective_layers holds 4: a selective layer must be re-run in backward, "

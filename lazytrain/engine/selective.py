@@ -7,11 +7,13 @@ Between the two, torch.utils.checkpoint's selective policy keeps the outputs of 
 half the internals) and recomputes the cheap ones (norms, activations, elementwise). A Plan's
 ``selective_layers`` name the blocks that do this. LazyTrain runs a block's forward without autograd and
 re-runs it once or twice in backward (the no-grad recompute of a segment's interior, then the forward with
-autograd before its backward), so the forward records one cache per re-run (the same tensors, held once).
+autograd before its backward), so each re-run needs a cache of its own (a re-run consumes its entries). The
+forward records into one, and the others are copies of its entries (the same tensors, held once): two
+recording modes would run every op of the forward through two Python dispatch modes.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -53,11 +55,14 @@ class SelectiveForward:
 
     @contextmanager
     def recording(self):
-        """Run the block's forward inside this: every cache records the kept ops' outputs."""
-        with ExitStack() as stack:
-            for caching, _ in self._pairs:
-                stack.enter_context(caching)
+        """Run the block's forward inside this: the first cache records the kept ops' outputs, and every
+        other re-run's cache gets its entries (each a cache of its own: a re-run consumes its entries)."""
+        caching, _ = self._pairs[0]
+        with caching:
             yield
+        for other, _ in self._pairs[1:]:
+            other.storage.clear()
+            other.storage.update({key: dict(entries) for key, entries in caching.storage.items()})
 
     def tensors(self) -> list[torch.Tensor]:
         """The kept outputs, each storage once (the caches share them)."""
