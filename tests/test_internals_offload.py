@@ -319,16 +319,17 @@ def test_plans_that_cannot_offload_a_layer_are_refused_by_name():
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_on_a_gpu_offloaded_layers_train_bit_for_bit_as_the_plan_that_re_runs_them(tmp_path, precision):
     """On CUDA: saved tensors copied to pinned host memory on the copy stream in forward and back before
-    each backward, weights streamed into slots again for it."""
+    each backward, weights streamed into slots again for it; with SPLIT, copies held on the device and
+    issued from later windows (ordered after the compute that made them by the copy stream)."""
     data = batches(3)
     runs = {}
-    for plan in (keep_all_plan(6), offload_all_plan(6), MIXED):
+    for plan in (keep_all_plan(6), offload_all_plan(6), MIXED, SPLIT):
         engine = plan_engine(tmp_path, make_model("llama"), plan, device="cuda", bf16=precision == "bf16")
         written = engine.tiers["host"].stats()["bytes_written"]
         runs[plan.policy] = _train(engine, data)
         if plan.offloaded_layers:
             assert engine.tiers["host"].stats()["bytes_written"] > written
-    for policy in ("offload-all", "mixed"):
+    for policy in ("offload-all", "mixed", "split"):
         for k, v in runs["keep-all-host"].items():
             assert torch.equal(runs[policy][k], v), (policy, k)
 
