@@ -28,13 +28,19 @@ def run_program(name: str, out, *args) -> dict:
     return torch.load(os.path.join(out, "result.pt"))
 
 
-def run_with_torchrun(name: str, out, nproc: int, *args) -> dict:
-    """The program started by torchrun with ``nproc`` processes on this machine (rank 0's result)."""
+def run_with_torchrun(name: str, out, nproc: int, *args, reference: bool = False) -> dict:
+    """The program started by torchrun with ``nproc`` processes on this machine (rank 0's result).
+    ``reference``: plain PyTorch's run (no LazyTrain), run once more if a rank aborted in C++ teardown (seen
+    once in CI under load: "terminate called without an active exception" after its results were written)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                        "--master_port", str(free_port()), os.path.join(PROGRAMS, name), str(out), *args],
-                       env=dict(env, TOKENIZERS_PARALLELISM="false"), capture_output=True, text=True, timeout=600)
+    for attempt in range(2 if reference else 1):
+        r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node",
+                            str(nproc), "--master_port", str(free_port()), os.path.join(PROGRAMS, name), str(out),
+                            *args], env=dict(env, TOKENIZERS_PARALLELISM="false"), capture_output=True, text=True,
+                           timeout=600)
+        if r.returncode == 0 or "terminate called without an active exception" not in r.stderr:
+            break
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return torch.load(os.path.join(out, "result.pt"))
 
@@ -76,7 +82,7 @@ def runs(request, tmp_path_factory):
         program, args, _ = RUNS[name]
         out = root / name
         if name.startswith("torchrun"):
-            return run_with_torchrun(program, out, 2, *args), out
+            return run_with_torchrun(program, out, 2, *args, reference=args[-1] == "plain"), out
         if name == "resumed":   # once "zero2" has saved its checkpoints
             args = (*args, "--resume", str(get("zero2")[1] / "checkpoint-2"))
         return run_program(program, out, *args), out

@@ -51,3 +51,5 @@ torch.save({"weights": weights, "eval_loss": eval_loss, "logits": logits, "step"
             "sharded": getattr(engine, "shards", None) is not None,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]},
            os.path.join(a.out, "result.pt"))
+if torch.distributed.is_initialized():   # under torchrun: the process group torn down before the interpreter
+    torch.distributed.destroy_process_group()   # is (left to exit, a rank once aborted after its work was done)
