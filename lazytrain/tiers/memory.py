@@ -37,11 +37,9 @@ REGISTER_FROM_BYTES = 1 << 20
 def empty_host(shape, dtype: torch.dtype) -> torch.Tensor:
     """A host buffer, pinned where an accelerator exists, pageable (with one warning) where not."""
     if pinned_memory_available():
-        nbytes = math.prod((shape,) if isinstance(shape, int) else shape) * dtype.itemsize
-        if nbytes >= REGISTER_FROM_BYTES:
-            flat = registered_host(nbytes)
-            if flat is not None:
-                return flat.view(dtype).view(shape)
+        flat = registered_host(math.prod((shape,) if isinstance(shape, int) else shape) * dtype.itemsize)
+        if flat is not None:
+            return flat.view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     _warn_pageable(stacklevel=3)
     return torch.empty(shape, dtype=dtype)
@@ -49,8 +47,11 @@ def empty_host(shape, dtype: torch.dtype) -> torch.Tensor:
 
 def registered_host(nbytes: int) -> torch.Tensor | None:
     """``nbytes`` of zeroed, page-aligned host memory registered with CUDA as pinned (cudaHostRegister),
-    as a flat uint8 tensor; unregistered when the last tensor over it is gone. None where CUDA refuses to
-    register it (the caller then takes torch's pinned allocator)."""
+    as a flat uint8 tensor; unregistered when the last tensor over it is gone. None below
+    ``REGISTER_FROM_BYTES`` (pages of its own would waste more than torch's rounding) and where CUDA refuses
+    to register it: the caller then takes torch's pinned allocator."""
+    if nbytes < REGISTER_FROM_BYTES:
+        return None
     array = numpy.frombuffer(mmap.mmap(-1, nbytes), dtype=numpy.uint8)   # anonymous: its own pages, zeroed
     flat = torch.from_numpy(array)                 # its storage holds the array, the array the map
     return flat if register_pinned(flat, array) == 0 else None

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from .memory import REGISTER_FROM_BYTES, pinned_memory_available, registered_host
+from .memory import pinned_memory_available, registered_host
 
 ALIGNMENT = 4096  # O_DIRECT needs offsets, lengths and addresses aligned to the logical block size
 
@@ -43,10 +43,9 @@ def _use_count(buf: torch.Tensor) -> int | None:
 
 def aligned_empty(nbytes: int, pinned: bool, alignment: int = ALIGNMENT) -> torch.Tensor:
     """A uint8 tensor of ``nbytes`` whose data starts on an ``alignment`` boundary."""
-    if pinned and nbytes >= REGISTER_FROM_BYTES:   # registered memory of its own size, on a page
-        raw = registered_host(nbytes)
-        if raw is not None and raw.data_ptr() % alignment == 0:
-            return raw
+    raw = registered_host(nbytes) if pinned else None   # registered memory of its own size, on a page
+    if raw is not None and raw.data_ptr() % alignment == 0:
+        return raw
     if pinned:
         # torch's pinned allocator rounds every request up to a power of two, and its blocks start on a page
         # (cudaHostAlloc): ask for the bytes alone, since ``alignment`` more would double a slab whose size
