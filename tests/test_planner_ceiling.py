@@ -136,3 +136,19 @@ def test_paper_h800_7b_our_plan_sits_between_the_floor_and_megatrain():
     # one layer's internals are ~28 GB here: at most a few layers avoid their re-run in either space
     assert graph.kept_layers < 3 and offload.kept_layers + offload.offloaded_layers < 7
     assert graph.speedup_over(megatrain) < 1.35 and offload.speedup_over(megatrain) < 1.35
+
+
+def test_weights_stream_twice_a_micro_batch_unless_kept_or_resident():
+    import dataclasses
+    slow_h2d = HardwareProfile(name="toy-slow-h2d", achievable_tflops=1e-4, h2d_gbps=1e-5, d2h_gbps=10.0,
+                               nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
+    p = dataclasses.replace(fast_problem(4, room=0, hw=slow_h2d), grad_accum=3)
+    f = step_floor(p, offload=True)
+    # no room: every micro-batch streams each layer for its forward and all but the last again for its
+    # backward; the embedding and head once a step
+    streamed = 3 * (sum(p.Wl) + sum(p.Wl[:3])) + p.nonlayer_w
+    assert streamed / p.bw_h2d > 3 * p.minimal_compute_s()
+    assert f.step_s == pytest.approx(streamed / p.bw_h2d, rel=1e-9)
+    # room for layer 1's weights: resident, streamed once a step (its forward refresh) instead of six times
+    q = dataclasses.replace(fast_problem(4, room=p.Wl[1], hw=slow_h2d), grad_accum=3)
+    assert step_floor(q, offload=True).step_s == pytest.approx((streamed - 5 * p.Wl[1]) / p.bw_h2d, rel=1e-9)

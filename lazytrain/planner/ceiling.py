@@ -20,6 +20,10 @@ that counts memory and links:
   these copies spread over the whole phase, where the MILP spreads each over at most
   ``MilpOptions.internals_out_windows`` windows after its forward and ``prefetch_lead`` before its
   backward, and lets a kept graph hold only its internals there;
+- every micro-batch streams each layer's weights to the device for its forward, and again for its
+  backward unless the layer keeps its graph (which holds its weights), is resident (its weights on the
+  device the whole step, in the room at the turn, refreshed once per step) or is the last layer; the
+  embedding and head come once per step. At small micro-batches with gradient accumulation this traffic, not compute, bounds the step;
 - a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
 
 ``internals_fraction`` scales the bytes a layer must keep to skip its re-run entirely (1.0: its internals
@@ -70,11 +74,14 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     keep = [pulp.LpVariable(f"keep_{i}", 0, 1) for i in range(L)]
     park = [pulp.LpVariable(f"offload_{i}", 0, 1 if offload else 0) for i in range(L)]
     sel = [pulp.LpVariable(f"selective_{i}", 0, 1 if selective else 0) for i in range(L)]
+    res = [pulp.LpVariable(f"resident_{i}", 0, 1) for i in range(L - 1)]   # the last layer's weights: in room
     t_fwd, t_bwd, t = (pulp.LpVariable(n, 0) for n in ("t_forward", "t_backward", "t_step"))
     parked = pulp.lpSum(park[i] * moved[i] for i in range(L))
     m += t
     for i in range(L):
         m += keep[i] + park[i] + sel[i] <= 1, f"one_choice_{i}"
+    for i in range(L - 1):   # a kept graph holds its weights already: resident as well would gain nothing
+        m += keep[i] + res[i] <= 1, f"resident_or_kept_{i}"
     k = p.grad_accum   # micro-batches per step: forward, backward and their copies k times, the optimizer once
     m += t >= k * (t_fwd + t_bwd), "step_is_forward_then_backward"
     m += t_fwd >= sum(p.fwd_s) + p.head_s, "forward_compute"
@@ -90,12 +97,18 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     held = [S[i] + (0 if offload else p.Wl[i] + p.A[i]) for i in range(L)]   # + the input its graph holds
     room = p.gpu_budget - p.fixed_gpu_bytes(L) - p.Wl[L - 1] - p.A[L - 1]   # its input: a boundary or in its graph
     # a selective layer holds its matmul/attention outputs, on the GPU in either floor (executor's choice)
-    m += pulp.lpSum(keep[i] * held[i] + sel[i] * p.sel_bytes[i] for i in range(L - 1)) <= max(0, room), \
-        "gpu_holds_kept_internals_at_the_turn"
+    m += pulp.lpSum(keep[i] * held[i] + sel[i] * p.sel_bytes[i] + res[i] * p.Wl[i] for i in range(L - 1)) \
+        <= max(0, room), "gpu_holds_kept_internals_and_resident_weights_at_the_turn"
     m += parked <= max(0, p.host_act_budget) + p.nvme_budget, "host_holds_parked_internals"
     lb = p.lower_bound_s()
     m += t >= lb["optimizer"], "host_optimizer"
-    m += t * p.bw_h2d >= k * (sum(p.Wl) + p.nonlayer_w + parked), "h2d_link_over_the_step"
+    # each micro-batch: every layer's weights for its forward, and again for its backward unless kept with
+    # its graph or resident; a resident layer's (refreshed after the update) and the embedding's and head's
+    # once per step
+    restreamed = pulp.lpSum((1 - keep[i] - res[i]) * p.Wl[i] for i in range(L - 1))
+    refreshed = pulp.lpSum(res[i] * p.Wl[i] for i in range(L - 1))
+    m += t * p.bw_h2d >= k * (sum(p.Wl) - refreshed + restreamed + parked) + refreshed + p.nonlayer_w, \
+        "h2d_link_over_the_step"
     m += t * p.bw_d2h >= k * (sum(p.Gl) + p.nonlayer_w + parked), "d2h_link_over_the_step"
     _, solver = _solver(MilpOptions())
     m.solve(solver)

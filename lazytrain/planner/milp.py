@@ -10,7 +10,8 @@ materialised boundary, per-window transfer bytes, an NVMe tier) and removes its 
   and next window, gradient buffers, saved activations and transient workspaces count per window;
 - transfers may run in any forward or backward window (within ``offload_slack`` windows after the
   boundary exists and ``prefetch_lead`` windows before its earliest possible use);
-- layers may keep their weights resident on the GPU (saving their backward copies);
+- layers may keep their weights resident on the GPU (saving their backward copies, and with gradient
+  accumulation their forward copies after a step's first micro-batch);
 - the last segment may keep its autograd graph from forward (``Plan.last_segment_graph``): its layers
   are not re-run in backward and stream no weights there, at the price of their saved internals, inputs
   and weights held on the GPU from their forward to their backward (binary ``graph_s``: the tail starts at s);
@@ -473,6 +474,9 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
         bwd_w = {j: 1 - y[j] for j in range(L)}
         held_w = {j: 0 for j in range(L)}
     t = {w: C(f"t_{w}") for w in range(W)}                                  # window time
+    # with accumulation, the forward windows of the micro-batches after the first: resident copies are current
+    later = p.grad_accum > 1 and opts.allow_resident
+    t_later = {w: C(f"t_later_{w}") for w in range(L)} if later else {w: t[w] for w in range(L)}
     wait = {w: C(f"wait_{w}") for w in range(W)}                            # exposed prefetch wait
     X = C("opt_delay")                                                      # optimizer delay of next step
 
@@ -537,11 +541,11 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
             return p.Wl[i] / GBF * (1 - y[i])
         return p.Wl[i] / GBF * bwd_w[i] + lsum(u[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in u)
 
-    def loaded(w):     # weight GB copied host->device in window w (for window w+1)
+    def loaded(w, refresh=True):   # weight GB copied host->device in window w (for window w+1)
         if w + 1 >= W:
             return 0
-        if w + 1 < L:
-            return p.Wl[w + 1] / GBF           # forward: every layer, resident copies refreshed
+        if w + 1 < L and refresh:
+            return p.Wl[w + 1] / GBF           # the step's first forward: every layer, resident copies refreshed
         return streamed(w + 1)
 
     def compute(w):
@@ -623,19 +627,25 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
         exp_h2d = lsum(p.A[i] / GBF * ex[i, k, w] for i, k in ex_at.get(w, ()))
         if w >= L and (W - 1 - w, w) in offl_pre:        # internals brought back in their backward window
             exp_h2d += p.offl_bytes[W - 1 - w] / GBF * offl_pre[W - 1 - w, w]
-        m += t[w] >= compute(w) + wait[w], f"time_compute_{w}"
-        if w < L and opts.allow_offload:   # its internals leave when its forward has saved them
-            m += t[w] >= p.fwd_s[w] + p.offl_bytes[w] / p.bw_d2h * offl_out[w, w], f"time_offload_internals_{w}"
         m += wait[w] >= exp_h2d * (GBF / p.bw_h2d), f"wait_h2d_{w}"
-        m += t[w] >= h2d * (GBF / p.bw_h2d), f"time_h2d_{w}"
-        m += t[w] >= d2h * (GBF / p.bw_d2h), f"time_d2h_{w}"
         if use_nvme:
             nr = lsum(p.A[i] / GBF * pre[i, k, w] for i, k in pre_at.get(w, ()) if k == "N")
             nw = lsum(p.A[i] / GBF * off[i, k, w] for i, k in off_at.get(w, ()) if k == "N")
             exp_nr = lsum(p.A[i] / GBF * ex[i, k, w] for i, k in ex_at.get(w, ()) if k == "N")
             m += wait[w] >= exp_nr * (GBF / p.bw_nr), f"wait_nvme_read_{w}"
-            m += t[w] >= nr * (GBF / p.bw_nr), f"time_nvme_read_{w}"
-            m += t[w] >= nw * (GBF / p.bw_nw), f"time_nvme_write_{w}"
+        # the window's time: the step's first micro-batch, and (forward windows, with accumulation) the later
+        # ones, which stream no resident layer's weights
+        for tw, name, h2d_w in ((t[w], "", h2d),) + (
+                ((t_later[w], "later_", h2d - loaded(w) + loaded(w, refresh=False)),) if later and w < L else ()):
+            m += tw >= compute(w) + wait[w], f"time_{name}compute_{w}"
+            if w < L and opts.allow_offload:   # its internals leave when its forward has saved them
+                m += tw >= p.fwd_s[w] + p.offl_bytes[w] / p.bw_d2h * offl_out[w, w], \
+                    f"time_{name}offload_internals_{w}"
+            m += tw >= h2d_w * (GBF / p.bw_h2d), f"time_{name}h2d_{w}"
+            m += tw >= d2h * (GBF / p.bw_d2h), f"time_{name}d2h_{w}"
+            if use_nvme:
+                m += tw >= nr * (GBF / p.bw_nr), f"time_{name}nvme_read_{w}"
+                m += tw >= nw * (GBF / p.bw_nw), f"time_{name}nvme_write_{w}"
         # time-indexed memory per tier: streamed weight buffers of this window and the next, and what is held
         m += streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + dev_held[w] <= p.gpu_budget / GBF, \
             f"gpu_memory_{w}"
@@ -661,7 +671,9 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
         # backward) only where they gain time: otherwise a tie between splits would be broken at random
         tie += lsum(offl_out[j, w] * (w - j) / len(out_windows[j]) for j, w in offl_out)
         tie += lsum(offl_pre[j, w] * abs(W - 2 - j - w) / len(offl_windows[j]) for j, w in offl_pre)
-    m += p.grad_accum * (lsum(t.values()) + p.tail_s) + X + eps * tie, "step_time"
+    micro = p.grad_accum   # micro-batches: the first, then the others, whose forwards stream no resident weights
+    m += (micro * (lsum(t[w] for w in range(L, W)) + p.tail_s) + lsum(t[w] for w in range(L))
+          + (micro - 1) * lsum(t_later.values()) + X + eps * tie), "step_time"
 
     build_s = time.perf_counter() - t_build
     values = None

@@ -263,10 +263,11 @@ class Problem:
 
     def lower_bound_s(self) -> dict[str, float]:
         """The step's physical lower bounds (any plan): per micro-batch, each layer's forward and backward
-        once, one copy of every weight host->device and every gradient device->host; the host optimizer once."""
+        once, one copy of every layer's weights host->device and every gradient device->host; the embedding
+        and head to the device and the host optimizer once per step."""
         n, k = self.model.total_params, self.grad_accum
         parts = {"compute": k * self.minimal_compute_s(),
-                 "h2d": k * (sum(self.Wl) + self.nonlayer_w) / self.bw_h2d,
+                 "h2d": (k * sum(self.Wl) + self.nonlayer_w) / self.bw_h2d,
                  "d2h": k * (sum(self.Gl) + self.nonlayer_w) / self.bw_d2h,
                  "optimizer": n / self.opt_rate}
         parts["bound"] = max(parts.values())

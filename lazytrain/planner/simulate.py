@@ -10,6 +10,10 @@ for them. It outputs the step time, TFLOPS under the paper's
 convention (6 * N * batch * seq / step time), tokens/s, exposed time per link, peak bytes per tier and
 a timeline; it checks the invariants (every boundary on the device before a task reads it, no tier over
 budget) and reports each violation (raising :class:`SimulationError` when ``strict``).
+
+With gradient accumulation a step is its micro-batches, then the optimizer. The first micro-batch's forward
+refreshes the resident layers' device copies (their weights were just updated); the later ones find them
+current and stream only the other layers, as the engine's weight stream does.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ class SimResult:
     timeline: list[Event] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)   # per window: start, end, hbm, host, nvme
     violations: list[str] = field(default_factory=list)
+    micro_step_s: float = 0.0    # the first micro-batch: its windows and its last gradients' copy
 
     def trace(self, source: str = "predicted") -> Timeline:
         """The simulated step as a :class:`~lazytrain.trace.Timeline`, the format measured steps use."""
@@ -117,9 +122,10 @@ def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[li
 
 
 def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
-             executor: str = "lazytrain") -> SimResult:
+             executor: str = "lazytrain", *, refresh_resident: bool = True) -> SimResult:
     """Replay ``plan`` on ``executor``: ``"lazytrain"`` (this engine) or ``"megatrain"`` (MegaTrain's code:
-    all of a block re-run, its serial host phase and its device memory, see megatrain.py)."""
+    all of a block re-run, its serial host phase and its device memory, see megatrain.py).
+    ``refresh_resident=False`` replays a micro-batch whose resident copies are current (``micro_step_s``)."""
     L = p.L
     if plan.num_layers != L:
         raise SimulationError(f"plan has {plan.num_layers} layers, the model {p.model.name!r} has {L}")
@@ -195,7 +201,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             for kind, j, _ in tasks[w + 1]:
                 if not _needs_layer(kind, j, g):       # the head; a graph layer holds its weights
                     continue
-                if w + 1 < L or j not in resident:     # forward refreshes resident copies too
+                if (w + 1 < L and refresh_resident) or j not in resident:   # forward refreshes resident copies
                     other_tr.append((f"weights L{j}", {"h2d": p.Wl[j]}, None))
         free = {k: t0 for k in LINKS}
         compute_start = t0
@@ -335,7 +341,11 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         for j in range(L):
             events.append(Event("optimizer", f"update L{j}", opt_start + O[j], opt_start + O[j + 1], 2 * L))
     micro_step = t                        # windows and the last gradients' copy, once per micro-batch
-    step = p.grad_accum * micro_step + delay
+    later = micro_step                    # the micro-batches after the first: resident copies are current
+    if p.grad_accum > 1 and resident and refresh_resident:
+        later = simulate(p, plan, strict=False, timeline=False, executor=executor,
+                         refresh_resident=False).micro_step_s
+    step = micro_step + (p.grad_accum - 1) * later + delay
     if timeline:   # the rest of the step, so that the timeline ends where the step does
         if plan.overlap_optimizer:
             events.append(Event("wait", "optimizer exposed in the next forward", step - delay, step, 2 * L))
@@ -364,4 +374,4 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                      window_s=window_s, boundaries_per_home=counts, selective_layers=len(selective),
                      offloaded_layers=len(offl),
                      recomputed_layers=sum(1 for ws in tasks for kind, *_ in ws if kind == "recompute"),
-                     timeline=events, memory=memory, violations=violations)
+                     timeline=events, memory=memory, violations=violations, micro_step_s=micro_step)
