@@ -283,6 +283,7 @@ class LazyTrainSection:
     nvme_path: str | None = None
     seq_len: int | None = None          # for the planner; measured from the first batch when absent
     loss_chunk_tokens: int = 0          # >0: a causal LM's head and loss in chunks of this many tokens (no full logits)
+    non_block_state: str = "auto"       # auto (host) | host | device: the embedding's and head's fp32 masters and moments
     testing: TestingConfig = field(default_factory=TestingConfig)
 
 
@@ -291,7 +292,7 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
                    "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints",
-                   "loss_chunk_tokens", "auto"}
+                   "loss_chunk_tokens", "auto", "non_block_state"}
 
 
 @dataclass(frozen=True)
@@ -738,6 +739,10 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     overlap = section.get("overlap_optimizer", "auto")
     if overlap not in ("auto", True, False):
         raise ConfigError(f"config key 'lazytrain.overlap_optimizer' must be \"auto\", true or false, got {overlap!r}")
+    non_block = section.get("non_block_state", "auto")
+    if non_block not in ("auto", "host", "device"):
+        raise ConfigError(f"config key 'lazytrain.non_block_state' must be \"auto\", \"host\" or \"device\", "
+                          f"got {non_block!r}")
     nvme_path = section.get("nvme_path") or offload_param.nvme_path
     timeout = section.get("collective_timeout_s", 1800.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
@@ -766,4 +771,5 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         fp32_state_patterns=tuple(section["fp32_state_patterns"]) if "fp32_state_patterns" in section else None,
         milp_time_limit=float(section.get("milp_time_limit", 30.0)), nvme_path=nvme_path,
         seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),
-        collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section))
+        collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
+        non_block_state=non_block)

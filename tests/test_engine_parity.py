@@ -706,6 +706,29 @@ def test_bf16_accumulates_non_block_grads_in_fp32():
     assert head.grad is None and engine.masters.master_of(head).grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_non_block_optimizer_state_on_the_host_or_the_device_trains_alike(accumulation):
+    """'lazytrain.non_block_state': the embedding's and head's fp32 masters, gradients and moments on the
+    host by default (a GPU keeps only their bf16 copies, as the planner counts), or on the device. The
+    training is the same either way (on the CPU the same memory; on a GPU, host and device Adam kernels)."""
+    model = make_model("llama")
+    data = batches(4)
+    trained = {}
+    for where in ("auto", "host", "device"):
+        cfg = ds_config(checkpoint_interval=2, _top={"bf16": {"enabled": True}}, non_block_state=where)
+        cfg["gradient_accumulation_steps"] = accumulation
+        engine = train_engine(copy.deepcopy(model), data, cfg)
+        head = engine.masters.master_of(engine.module.lm_head.weight)
+        want = engine.device if where == "device" else torch.device("cpu")
+        assert head.device.type == want.type and head.dtype == torch.float32, where
+        assert engine.module.lm_head.weight.device.type == engine.device.type   # the bf16 copy computes there
+        trained[where] = engine.module_state_dict()
+        engine.destroy()
+    for name, w in trained["host"].items():
+        assert torch.equal(trained["auto"][name], w), name
+        assert ((trained["device"][name] - w).abs().max() / w.abs().max()).item() < 1e-5, name
+
+
 def test_retain_graph_is_a_clear_error():
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
     x, y = batches(1)[0]
@@ -1362,3 +1385,14 @@ def test_user_autocast_keeps_no_cast_of_the_streamed_weights(grad):
         assert [r for r in casts.made if r() is not None] == []
     del out
     engine.destroy()
+
+
+def test_non_block_state_is_given_to_the_planner_and_a_bad_value_is_refused():
+    from lazytrain.engine.placement import planning_budgets
+    for where, want in (("auto", "host"), ("host", "host"), ("device", "device")):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(non_block_state=where))
+        assert planning_budgets(engine._config, engine.tiers, 2, 12)["non_block_state"] == want
+        engine.destroy()
+    with pytest.raises(ConfigError, match="config key 'lazytrain.non_block_state' must be \"auto\", \"host\" or "
+                                          "\"device\", got 'gpu'"):
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(non_block_state="gpu"))

@@ -509,6 +509,23 @@ def test_a_fixed_global_batch_tries_only_its_divisors_and_counts_the_whole_step(
         plan_for(model, TOY_HW, budgets, micro_batch=5, seq_len=16, global_batch=12, options=opts)
 
 
+def test_the_global_batch_search_skips_a_micro_batch_whose_floor_cannot_beat_the_best_plan():
+    from lazytrain.planner.ceiling import step_floor
+    model = toy_model(4)
+    budgets = Budgets(gpu_bytes=400_000, host_bytes=400_000, gpu_reserved_bytes=0, loss_chunk_tokens=16)
+    opts = MilpOptions(max_segment=4)
+    best, trials = search_micro_batch(model, SLOW_HW, budgets, 16, opts, global_batch=12)
+    # on a slow link, micro-batch 1 streams every weight twelve times: its floor is above the best plan (6)
+    skipped = [t for t in trials if t.status.startswith("skipped")]
+    assert [t.micro_batch for t in skipped] == [1] and skipped[0].tokens_per_s is None
+    assert best.micro_batch_size == 6
+    one = Problem(model=model, hardware=SLOW_HW, budgets=budgets, micro_batch=1, seq_len=16, grad_accum=12)
+    floor = step_floor(one, offload=True).step_s
+    assert skipped[0].status == (f"skipped: its step floor {floor:.4g} s is no faster than the best plan's "
+                                 f"{best.prediction['step_time_s']:.4g} s")
+    assert solve(one, opts).prediction["step_time_s"] >= floor > best.prediction["step_time_s"]
+
+
 def test_accumulated_micro_batches_repeat_the_windows_and_share_one_optimizer_delay():
     p1 = toy_problem(4, 5.0, host_slots=4)
     plan = keep_all(p1)[0]
@@ -681,3 +698,24 @@ def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):
                                  "weights_copy_share": 0.25}
     cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 0}}, world_size=8)
     assert _host_shares(cfg) == {}
+
+
+def test_non_block_state_on_the_device_takes_gpu_memory_and_crosses_no_link():
+    """Budgets.non_block_state: the embedding's and head's fp32 master, gradient and moments (16 bytes a
+    parameter) on the GPU, updated there, or on the host (the default), updated first by the host optimizer,
+    their gradients sent each micro-batch and their weights copied back once a step."""
+    from lazytrain.planner.problem import NON_BLOCK_DEVICE_STATE_BYTES
+    model = catalog_model("qwen2.5-7b")
+    host, dev = (Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
+                         budgets=Budgets.of(gpu="70GB", non_block_state=where)) for where in ("host", "device"))
+    n = model.nonlayer_params
+    assert NON_BLOCK_DEVICE_STATE_BYTES == 16
+    assert dev.gpu_static - host.gpu_static == 16 * n
+    assert host.host_static - dev.host_static == pytest.approx(n * host.host_bytes_per_param, abs=1)
+    assert host.tail_s - dev.tail_s == pytest.approx(host.nonlayer_w / host.bw_d2h, rel=1e-12)
+    assert host.load_nl == pytest.approx(host.nonlayer_w / host.bw_h2d) and dev.load_nl == 0
+    assert host.opt_nl == pytest.approx(n / host.opt_rate) and dev.opt_nl == 0
+    assert host.lower_bound_s()["d2h"] > dev.lower_bound_s()["d2h"]
+    with pytest.raises(ValueError, match="non_block_state must be 'host' or 'device', got 'gpu'"):
+        Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
+                budgets=Budgets.of(gpu="70GB", non_block_state="gpu"))

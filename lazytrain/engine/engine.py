@@ -42,7 +42,7 @@ from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
-from .placement import build_plan, build_tiers, plan_from_measurements, resolve_device
+from .placement import build_plan, build_tiers, non_block_state_home, plan_from_measurements, resolve_device
 from .precision import LossScaler, Masters
 from .weights import LayerWeights
 
@@ -183,7 +183,7 @@ class LazyTrainEngine(nn.Module):
                                                prefetch=config.lazytrain.prefetch)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self._move_non_block(model, blocks)
-        home = self._masters_home(len(blocks))
+        home = self._masters_home()
         # stage 3 partitions the non-block parameters: each then has a master, which only its owner keeps
         partition = self.dist.enabled and config.zero_stage >= 3 and optimizer is None and \
             config.optimizer.type is not None
@@ -520,12 +520,12 @@ class LazyTrainEngine(nn.Module):
                 out.update({id(p): slot.of(buf) for slot, p in zip(w.layer_slots[i], w.params[i])})
         return out
 
-    def _masters_home(self, num_layers: int) -> torch.device:
-        """Where the non-block fp32 masters and their optimizer state live. A streamed model's non-block
-        parameters (embeddings, head) are updated on the device, beside their compute copies. A model with
-        nothing to stream keeps every parameter resident on the GPU and its optimizer on the host, as
-        DeepSpeed's ZeRO-Offload does: fp32 masters, gradients and Adam moments never take GPU memory."""
-        if num_layers == 0 and self.device.type == "cuda":
+    def _masters_home(self) -> torch.device:
+        """Where the non-block fp32 masters and their optimizer state live ('lazytrain.non_block_state',
+        placement.py): on a GPU the host by default, as DeepSpeed's ZeRO-Offload keeps them
+        (a model with nothing to stream too: every parameter resident on the GPU, its optimizer on the
+        host); with "device", beside their compute copies."""
+        if non_block_state_home(self._config, self.device) == "host":
             return torch.device("cpu")
         return self.device
 

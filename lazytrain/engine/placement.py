@@ -136,6 +136,17 @@ def _hardware_profile(cfg: EngineConfig, device: torch.device):
                       "rtx3090) or the JSON written by `lazytrain bench tiers --json`")
 
 
+def non_block_state_home(cfg: EngineConfig, device: torch.device) -> str:
+    """Where the parameters outside the streamed blocks (embeddings, final norm, head) keep their fp32
+    masters, gradients and Adam moments: "host" or "device". "auto" is the host: with a large vocabulary
+    they are 16 bytes a parameter beside the 2 of the compute copy (a 27B model's 2.5B embedding and head
+    parameters: 40 GB of a GPU), which is GPU memory the layers' activations need more; the host updates
+    them first, before the layers. On the CPU both are the same memory, and only the planner's accounting
+    (``Budgets.non_block_state``: whose budget they count in) differs."""
+    choice = cfg.lazytrain.non_block_state
+    return "host" if choice == "auto" else choice
+
+
 def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int, seq_len: int) -> dict:
     """The planner's budgets for this engine: the tiers' capacities (the card's memory on CUDA), the LM
     head's logits as the engine computes them, and what one rank holds of a sharded host state."""
@@ -148,6 +159,8 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
                if "nvme" in tiers else 0,
                # the logits as the engine computes them: in chunks when configured, else whole
                "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * seq_len,
+               # where the engine keeps the embedding's and head's optimizer state
+               "non_block_state": non_block_state_home(cfg, device),
                **_host_shares(cfg)}
     if device.type == "cpu":   # no CUDA context, workspace or allocator to hold back
         budgets["gpu_reserved_bytes"] = 0

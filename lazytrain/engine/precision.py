@@ -92,9 +92,11 @@ class Masters:
 
 def _into_master(master: nn.Parameter):
     def hook(p: torch.Tensor) -> None:
-        grad = p.grad.detach().to(master.device, torch.float32)   # a host master: the copy waits for it
+        # a host master: the copy waits for it, in the compute dtype (converted on the host, so that no fp32
+        # copy of a large embedding's gradient is made on the device)
+        grad = p.grad.detach().to(master.device)
         if master.grad is None:
-            master.grad = grad   # p.grad is dropped below: sharing its storage is safe
+            master.grad = grad.to(torch.float32)   # p.grad is dropped below: sharing its storage is safe
         else:
             master.grad.add_(grad)
         p.grad = None

@@ -107,9 +107,9 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     # once per step
     restreamed = pulp.lpSum((1 - keep[i] - res[i]) * p.Wl[i] for i in range(L - 1))
     refreshed = pulp.lpSum(res[i] * p.Wl[i] for i in range(L - 1))
-    m += t * p.bw_h2d >= k * (sum(p.Wl) - refreshed + restreamed + parked) + refreshed + p.nonlayer_w, \
+    m += t * p.bw_h2d >= k * (sum(p.Wl) - refreshed + restreamed + parked) + refreshed + p.nonlayer_link_bytes, \
         "h2d_link_over_the_step"
-    m += t * p.bw_d2h >= k * (sum(p.Gl) + p.nonlayer_w + parked), "d2h_link_over_the_step"
+    m += t * p.bw_d2h >= k * (sum(p.Gl) + p.nonlayer_link_bytes + parked), "d2h_link_over_the_step"
     _, solver = _solver(MilpOptions())
     m.solve(solver)
     if pulp.LpStatus[m.status] != "Optimal":

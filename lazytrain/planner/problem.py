@@ -49,6 +49,9 @@ from .models import ModelShape, load_model
 # writes whole activations at HBM bandwidth and launches kernels of its own, so their time is far above
 # their FLOP share. 0.1 of the forward is an assumption until the engine measures a selective re-run.
 SELECTIVE_RERUN_FLOOR = 0.1
+# what the embedding's and head's optimizer keeps on the GPU with Budgets.non_block_state "device", a parameter:
+# fp32 master, fp32 gradient, two fp32 Adam moments
+NON_BLOCK_DEVICE_STATE_BYTES = 4 + 4 + 8
 
 
 class InfeasibleBudgetError(ValueError):
@@ -75,6 +78,11 @@ class Budgets:
     master_share: float = 1.0           # the part of the fp32 master weights it holds (1/ranks: sharded bf16/fp16)
     gradient_share: float = 1.0         # the part of the host gradient buffers (1/ranks at ZeRO stage >= 2)
     weights_copy_share: float = 1.0     # its part of the streamed copy (1/ranks per node when the node shares one)
+    # where the parameters outside the layers (embedding, final norm, head) keep their fp32 masters, gradients
+    # and Adam moments: "host" (updated first by the host optimizer, their gradients sent after each
+    # micro-batch's backward and their weights copied back after the update) or "device" (16 bytes a
+    # parameter on the GPU, updated there: no link carries them, and their update is not timed)
+    non_block_state: str = "host"
 
     @classmethod
     def of(cls, gpu=None, host=None, nvme=None, **kw) -> "Budgets":
@@ -90,7 +98,7 @@ class Problem:
     seq_len: int
     check: bool = True
     # compute and update times measured by the engine on this machine (see measured.py): they replace the
-    # FLOP-based terms, and the non-block parameters stay on the compute device as the engine keeps them
+    # FLOP-based terms (the non-block parameters' copies and update among them)
     measured: MeasuredCosts | None = None
     # micro-batches per optimizer step: each runs the plan's windows and sends its last gradients to the
     # host; the host optimizer runs once, after the last (so its delay is shared by all of them)
@@ -159,30 +167,37 @@ class Problem:
         # resident emb/head + grads; plus, when layers differ in size, what the engine's two streaming
         # buffers (each sized for the largest layer) hold beyond the two layers a window streams
         self.slot_slack = 2 * (max(self.Wl) - min(self.Wl))
-        self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes + self.slot_slack
-        f8 = self.budgets.hybrid_8bit_fraction
         b = self.budgets
+        if b.non_block_state not in ("host", "device"):
+            raise ValueError(f"non_block_state must be 'host' or 'device', got {b.non_block_state!r}")
+        on_device = b.non_block_state == "device"
+        self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes + self.slot_slack
+        if on_device:   # fp32 master, fp32 gradient, two fp32 moments
+            self.gpu_static += m.nonlayer_params * NON_BLOCK_DEVICE_STATE_BYTES
+        f8 = self.budgets.hybrid_8bit_fraction
         for name in ("optimizer_state_share", "master_share", "gradient_share", "weights_copy_share"):
             if not 0 < getattr(b, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(b, name)}")
         adam = b.optimizer_state_share * ((1 - f8) * 8 + f8 * (2 + 8 / 4096))   # fp32 moments / 8-bit blockwise
         # master, streamed copy, grads, moments: the parts of them this rank holds
         self.host_bytes_per_param = 4 * b.master_share + db * b.weights_copy_share + db * b.gradient_share + adam
-        self.host_static = int(m.total_params * self.host_bytes_per_param)
+        self.host_static = int((m.layer_params if on_device else m.total_params) * self.host_bytes_per_param)
         self.host_act_budget = self.host_budget - self.host_static
         # host optimizer chain and the copies it gates
-        self.opt_nl = m.nonlayer_params / self.opt_rate
+        self.opt_nl = 0.0 if on_device else m.nonlayer_params / self.opt_rate
         self.opt_l = [l.params / self.opt_rate for l in m.layers]
         self.load_l = [w / self.bw_h2d for w in self.Wl]
-        self.load_nl = self.nonlayer_w / self.bw_h2d
-        self.tail_s = (self.Gl[0] + self.nonlayer_w) / self.bw_d2h     # last gradients to the host
+        # the embedding's and head's weights (once a step) and gradients (each micro-batch) on the links
+        self.nonlayer_link_bytes = 0 if on_device else self.nonlayer_w
+        self.load_nl = self.nonlayer_link_bytes / self.bw_h2d
+        self.tail_s = (self.Gl[0] + self.nonlayer_link_bytes) / self.bw_d2h     # last gradients to the host
         if self.measured is not None:
             self._use_measured(self.measured)
 
     def _use_measured(self, c: MeasuredCosts) -> None:
-        """Measured compute and update times in place of FLOPs at a nominal rate. The engine keeps the
-        non-block parameters (embedding, head) on the compute device and updates them there, inside
-        step()'s serial phase: no link carries them."""
+        """Measured compute and update times in place of FLOPs at a nominal rate. The non-block
+        parameters' (embedding, head) gradient copies and update are inside the measured times (the
+        compute side's, and step()'s serial phase), wherever Budgets.non_block_state puts them."""
         if c.num_layers != self.L:
             raise ValueError(f"measured costs are for {c.num_layers} layers, the model {self.model.name!r} has {self.L}")
         self.fwd_s, self.diff_s = list(c.fwd_s), list(c.diff_s)
@@ -196,6 +211,7 @@ class Problem:
         self.opt_nl, self.opt_l = c.step_s, list(c.update_s)
         self.load_nl = 0.0
         self.tail_s = self.Gl[0] / self.bw_d2h
+        self.nonlayer_link_bytes = 0
 
     # ---- windows -------------------------------------------------------------------------
     @property
@@ -267,8 +283,8 @@ class Problem:
         and head to the device and the host optimizer once per step."""
         n, k = self.model.total_params, self.grad_accum
         parts = {"compute": k * self.minimal_compute_s(),
-                 "h2d": (k * sum(self.Wl) + self.nonlayer_w) / self.bw_h2d,
-                 "d2h": k * (sum(self.Gl) + self.nonlayer_w) / self.bw_d2h,
+                 "h2d": (k * sum(self.Wl) + self.nonlayer_link_bytes) / self.bw_h2d,
+                 "d2h": k * (sum(self.Gl) + self.nonlayer_link_bytes) / self.bw_d2h,
                  "optimizer": n / self.opt_rate}
         parts["bound"] = max(parts.values())
         return parts
@@ -276,7 +292,9 @@ class Problem:
     def min_gpu_bytes(self, w: int) -> tuple[int, dict[str, int]]:
         """What window ``w`` needs on the device under any plan, itemised."""
         L, i = self.L, self.layer_of(w)
-        parts = {"static (resident embedding/head + grads + reserve"
+        parts = {"static (resident embedding/head + grads"
+                 + (" + their fp32 optimizer state" if self.budgets.non_block_state == "device" else "")
+                 + " + reserve"
                  + (", streaming buffers sized for the largest layer)" if self.slot_slack else ")"): self.gpu_static}
         if w < L:
             parts["forward transients"] = self.ws_fwd[i]

@@ -130,9 +130,11 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
     """Outer search: the micro-batch with the largest planned throughput that fits the budgets.
 
     ``global_batch`` (samples per optimizer step on this GPU, as a config's ``train_batch_size`` over the
-    ranks fixes it): only its divisors are tried, each with the gradient accumulation that completes the
-    batch (the optimizer's step is then the same whatever the micro-batch), and throughput counts the whole
-    step. Without it, one micro-batch per step and the search below.
+    ranks fixes it): only its divisors are tried, largest first, each with the gradient accumulation that
+    completes the batch (the optimizer's step is then the same whatever the micro-batch), and throughput
+    counts the whole step. A divisor whose step floor (ceiling.step_floor, an LP solved in milliseconds: no
+    plan of the space is faster) is no faster than the best plan found is skipped without a MILP. Without
+    it, one micro-batch per step and the search below.
 
     1. the largest micro-batch passing the static check (bisection, no MILP);
     2. the largest one the MILP can plan (bisection below it when that one has no plan);
@@ -173,6 +175,12 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         for b in sorted((d for d in range(1, hi + 1) if global_batch % d == 0), reverse=True):
             if len(trials) >= max_plans:
                 break
+            floor = _floor_s(model, hw, budgets, b, seq_len, global_batch // b) if plans else None
+            best_s = min((pl.prediction["step_time_s"] for pl in plans.values()), default=None)
+            if floor is not None and best_s is not None and floor >= best_s:
+                trials.append(BatchTrial(b, None, f"skipped: its step floor {floor:.4g} s is no faster than the "
+                                                  f"best plan's {best_s:.4g} s"))
+                continue
             attempt(b)
         if not plans:
             raise InfeasibleBudgetError(f"no micro-batch dividing the global batch {global_batch} fits the "
@@ -211,6 +219,18 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         attempt(b)
     best = max(plans.values(), key=lambda pl: (pl.prediction["tokens_per_s"], pl.micro_batch_size))
     return best, sorted(trials, key=lambda t: t.micro_batch)
+
+
+def _floor_s(model: ModelShape, hw: HardwareProfile, budgets: Budgets, micro_batch: int, seq_len: int,
+             grad_accum: int) -> float | None:
+    """The step floor at ``micro_batch`` (None where it does not fit: the MILP attempt says why)."""
+    from .ceiling import step_floor
+    try:
+        p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=micro_batch, seq_len=seq_len,
+                    grad_accum=grad_accum)
+    except InfeasibleBudgetError:
+        return None
+    return step_floor(p, offload=True).step_s
 
 
 def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: "int | None" = None,
