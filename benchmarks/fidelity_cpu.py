@@ -14,7 +14,10 @@ One process, one small Llama (transformers, fp32), the CPU standing in for a GPU
    tensors its autograd saves go to the host in its forward and come back for its backward), the same with
    those copies split over several windows each (Plan.internals_offload_shares) and the MILP's
    plan within a device budget halfway between the peaks of MegaTrain's policy and of keeping every
-   boundary on the device.
+   boundary on the device; then two with gradient accumulation (``--accumulation`` micro-batches a step,
+   one optimizer step after them): keep-all with half the layers resident (the first micro-batch
+   refreshes their device copies after the update, the later ones find them current) and the MILP's plan
+   for that step.
 3. Each runs in the engine with the same emulated links (copy threads limited to ``--gbps`` per
    direction, ``--latency-ms`` per transfer), and its measured step (median of ``--steps`` after
    ``--warmup``) is printed beside the simulator's prediction for it. The shared cores of a VM change speed
@@ -66,9 +69,10 @@ def batches(n: int):
     return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g) for _ in range(n)]
 
 
-def engine_for(model, lazytrain_section: dict):
+def engine_for(model, lazytrain_section: dict, accumulation: int = 1):
     import lazytrain
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": accumulation,
+           "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "lazytrain": {"device": "cpu", **lazytrain_section}}
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -149,7 +153,12 @@ def spread_copies(plan, out: int, back: int):
                                internals_prefetch_shares=backs)
 
 
-def plans_for(problem, milp_seconds: float, nvme: bool = False):
+def accumulation_of(plan) -> int:
+    """Micro-batches a step the plan was made for (1 unless its prediction says)."""
+    return int(plan.prediction.get("grad_accum", 1))
+
+
+def plans_for(problem, milp_seconds: float, nvme: bool = False, accumulation: int = 1):
     from lazytrain.planner.milp import MilpOptions
     from lazytrain.planner.plan import keep_all_plan, offload_all_plan
     from lazytrain.planner.policies import megatrain_plan
@@ -170,10 +179,20 @@ def plans_for(problem, milp_seconds: float, nvme: bool = False):
     if nvme:
         plans["keep-all (NVMe)"] = keep_all_plan(L, home="nvme", micro_batch_size=BATCH, seq_len=SEQ)
     plans["MILP"] = solve(problem, MilpOptions(time_limit_s=milp_seconds))
+    if accumulation > 1:
+        k = accumulation
+        plans[f"keep-all (host), layers 0-{L // 2 - 1} resident, {k} micro-batches a step"] = dataclasses.replace(
+            keep_all, policy="keep-all-host-resident", resident_layers=tuple(range(L // 2)),
+            prediction={"grad_accum": k})
+        plans[f"MILP, {k} micro-batches a step"] = solve(dataclasses.replace(problem, grad_accum=k),
+                                                         MilpOptions(time_limit_s=milp_seconds))
     return plans
 
 
 def measure(base, plan, data, warmup: int, links: dict, trace_path: str | None, nvme_path: str | None = None):
+    """Median seconds of an optimizer step (its micro-batches, accumulation_of(plan) of them) after
+    ``warmup`` steps; ``data`` holds one batch per step (a step's micro-batches reuse it)."""
+    k = accumulation_of(plan)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "plan.json")
         plan.to_json(path)
@@ -181,13 +200,14 @@ def measure(base, plan, data, warmup: int, links: dict, trace_path: str | None, 
                    "testing": {"copy_threads": True, "links": links}}
         if nvme_path:
             section["nvme_path"] = nvme_path
-        engine = engine_for(copy.deepcopy(base), section)
+        engine = engine_for(copy.deepcopy(base), section, accumulation=k)
     times = []
     for i, ids in enumerate(data):
         if trace_path and i == len(data) - 1:
             engine.trace_next_step(trace_path)
         t0 = time.perf_counter()
-        train_step(engine, ids)
+        for _ in range(k):
+            train_step(engine, ids)
         if i >= warmup and not (trace_path and i == len(data) - 1):
             times.append(time.perf_counter() - t0)
     engine.wait_for_update()
@@ -209,6 +229,8 @@ def main(argv=None) -> int:
                     help="traced steps of each calibration plan right before and right after each plan's run, "
                          "for its bracketed prediction (0: none)")
     ap.add_argument("--milp-seconds", type=float, default=20.0)
+    ap.add_argument("--accumulation", type=int, default=2,
+                    help="micro-batches a step of the two accumulating plans (1: leave them out)")
     ap.add_argument("--traces", help="write each plan's predicted and measured step as Chrome traces here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -252,8 +274,10 @@ def main(argv=None) -> int:
     nvme_dir = tempfile.mkdtemp(prefix="lazytrain-fidelity-nvme-") if args.nvme_gbps else None
 
     rows = []
-    for name, plan in plans_for(problem, args.milp_seconds, nvme=bool(args.nvme_gbps)).items():
-        first = simulate(problem, plan, strict=False).step_time_s
+    for name, plan in plans_for(problem, args.milp_seconds, nvme=bool(args.nvme_gbps),
+                                accumulation=args.accumulation).items():
+        k = accumulation_of(plan)
+        first = simulate(dataclasses.replace(problem, grad_accum=k), plan, strict=False).step_time_s
         before = calibration_traces(base, data, 1, args.bracket_steps) if args.bracket_steps else None
         trace = None
         if args.traces:
@@ -266,11 +290,13 @@ def main(argv=None) -> int:
         if before is not None:   # the same problem, with this plan's own calibration from both sides
             after = calibration_traces(base, data, 1, args.bracket_steps)
             around = costs_of(base, before[0] + after[0], before[1] + after[1])
-            bracketed = simulate(Problem(shape, hw, budget, BATCH, SEQ, measured=around), plan, strict=False)
+            bracketed = simulate(Problem(shape, hw, budget, BATCH, SEQ, measured=around, grad_accum=k), plan,
+                                 strict=False)
             predicted = bracketed.step_time_s
         if args.traces:
             write_chrome_trace(os.path.join(args.traces, f"{slug}-predicted.json"),
-                               (bracketed if before is not None else simulate(problem, plan, strict=False)).trace())
+                               (bracketed if before is not None else simulate(
+                                   dataclasses.replace(problem, grad_accum=k), plan, strict=False)).trace())
         rows.append((name, plan, measured, predicted, first))
 
     width = max(len(name) for name, *_ in rows) + 2
@@ -284,7 +310,7 @@ def main(argv=None) -> int:
               f"last segment graph {plan.last_segment_graph}, "
               f"update overlapped {plan.overlap_optimizer}")
     mega = rows[0]
-    milp = rows[-1]
+    milp = next(r for r in rows if r[0] == "MILP")
     print(f"\nMILP speed-up over MegaTrain's policy: measured {mega[2] / milp[2]:.3f}x, "
           f"predicted {mega[3] / milp[3]:.3f}x (first calibration {mega[4] / milp[4]:.3f}x)")
     if nvme_dir:
