@@ -526,6 +526,44 @@ def test_the_global_batch_search_skips_a_micro_batch_whose_floor_cannot_beat_the
     assert solve(one, opts).prediction["step_time_s"] >= floor > best.prediction["step_time_s"]
 
 
+def test_the_global_batch_search_skips_no_micro_batch_whose_plans_beat_the_best():
+    # a slow link and a large last layer: at micro-batch 2 (2 micro-batches a step) every layer, the last one
+    # too, is resident and its weights are copied once a step. The step floor must count the last layer's
+    # residency, or it sits above that plan and the search skips it for micro-batch 4's slower one
+    from lazytrain.planner.ceiling import step_floor
+    hw = HardwareProfile(name="toy-slow-h2d", achievable_tflops=1e-4, h2d_gbps=1e-5, d2h_gbps=10.0,
+                         nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
+    model = ModelShape.from_layers("toy", [2000, 2000, 12000], hidden=64, vocab_size=0, tied_embeddings=True,
+                                   q_dim=16, kv_dim=16, ffn=16)
+    budgets = Budgets(gpu_bytes=175_000, host_bytes=10 ** 7, gpu_reserved_bytes=0, loss_chunk_tokens=16)
+    opts = MilpOptions(max_segment=3)
+    steps = {}
+    for b in (4, 2, 1):
+        p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=b, seq_len=16, grad_accum=4 // b)
+        steps[b] = solve(p, opts).prediction["step_time_s"]
+        assert step_floor(p, offload=True).step_s <= steps[b] * (1 + 1e-9)
+    assert steps[2] < steps[4] * 0.95
+    best, trials = search_micro_batch(model, hw, budgets, 16, opts, global_batch=4)
+    assert best.prediction["step_time_s"] == pytest.approx(min(steps.values()), rel=1e-6)
+
+
+def test_the_floor_counts_the_host_optimizer_for_the_parameters_it_updates():
+    # with the embedding's and head's state on the device the host optimizer updates the layers only: the
+    # step floor (and Problem.lower_bound_s) must not charge it the embedding's update
+    from lazytrain.planner.ceiling import step_floor
+    hw = HardwareProfile(name="toy-slow-opt", achievable_tflops=1e-4, h2d_gbps=10.0, d2h_gbps=10.0,
+                         nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=1e-6)
+    model = ModelShape.from_layers("toy", [2000, 3000, 2500], hidden=64, vocab_size=4000, tied_embeddings=True,
+                                   q_dim=16, kv_dim=16, ffn=16)
+    for where in ("host", "device"):
+        p = Problem(model=model, hardware=hw, micro_batch=4, seq_len=16,
+                    budgets=Budgets(gpu_bytes=10 ** 8, host_bytes=10 ** 8, gpu_reserved_bytes=0, loss_chunk_tokens=16,
+                                    non_block_state=where))
+        step = simulate(p, keep_all(p)[0]).step_time_s
+        assert p.lower_bound_s()["bound"] <= step and step_floor(p, offload=True).step_s <= step, where
+        assert p.lower_bound_s()["optimizer"] == pytest.approx(p.opt_nl + sum(p.opt_l), rel=1e-12)
+
+
 def test_accumulated_micro_batches_repeat_the_windows_and_share_one_optimizer_delay():
     p1 = toy_problem(4, 5.0, host_slots=4)
     plan = keep_all(p1)[0]

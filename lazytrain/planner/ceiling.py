@@ -74,14 +74,25 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     keep = [pulp.LpVariable(f"keep_{i}", 0, 1) for i in range(L)]
     park = [pulp.LpVariable(f"offload_{i}", 0, 1 if offload else 0) for i in range(L)]
     sel = [pulp.LpVariable(f"selective_{i}", 0, 1 if selective else 0) for i in range(L)]
-    res = [pulp.LpVariable(f"resident_{i}", 0, 1) for i in range(L - 1)]   # the last layer's weights: in room
+    # resident weights: on the device all step, streamed once a step (its first forward's refresh); the last
+    # layer's are in the room at the turn whether resident or not
+    res = [pulp.LpVariable(f"resident_{i}", 0, 1) for i in range(L)]
     t_fwd, t_bwd, t = (pulp.LpVariable(n, 0) for n in ("t_forward", "t_backward", "t_step"))
     parked = pulp.lpSum(park[i] * moved[i] for i in range(L))
     m += t
     for i in range(L):
         m += keep[i] + park[i] + sel[i] <= 1, f"one_choice_{i}"
-    for i in range(L - 1):   # a kept graph holds its weights already: resident as well would gain nothing
-        m += keep[i] + res[i] <= 1, f"resident_or_kept_{i}"
+    # a layer may keep its graph and be resident (one copy of its weights on the device: ``dev_w``); with
+    # accumulation residency then still saves its forward copies after the step's first micro-batch
+    dev_w = [pulp.LpVariable(f"weights_on_device_{i}", 0, 1) for i in range(L - 1)]
+    for i in range(L - 1):
+        m += dev_w[i] >= res[i], f"resident_weights_on_device_{i}"
+        if not offload:   # LazyTrain's executor: a kept graph holds its weights (see held below)
+            m += dev_w[i] >= keep[i], f"graph_weights_on_device_{i}"
+    # weights streamed again for the backward: none for a layer that keeps its graph or is resident
+    bwd_w = [pulp.LpVariable(f"backward_weights_{i}", 0, 1) for i in range(L - 1)]
+    for i in range(L - 1):
+        m += bwd_w[i] >= 1 - keep[i] - res[i], f"backward_weights_{i}"
     k = p.grad_accum   # micro-batches per step: forward, backward and their copies k times, the optimizer once
     m += t >= k * (t_fwd + t_bwd), "step_is_forward_then_backward"
     m += t_fwd >= sum(p.fwd_s) + p.head_s, "forward_compute"
@@ -94,10 +105,10 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     # on the device then whatever the plan. In LazyTrain's executor a kept graph also holds its layer's
     # weights and input; a hypothetical offloading executor could stream them back instead, so with
     # offload they are not counted.
-    held = [S[i] + (0 if offload else p.Wl[i] + p.A[i]) for i in range(L)]   # + the input its graph holds
+    held = [S[i] + (0 if offload else p.A[i]) for i in range(L)]   # + the input its graph holds (weights: dev_w)
     room = p.gpu_budget - p.fixed_gpu_bytes(L) - p.Wl[L - 1] - p.A[L - 1]   # its input: a boundary or in its graph
     # a selective layer holds its matmul/attention outputs, on the GPU in either floor (executor's choice)
-    m += pulp.lpSum(keep[i] * held[i] + sel[i] * p.sel_bytes[i] + res[i] * p.Wl[i] for i in range(L - 1)) \
+    m += pulp.lpSum(keep[i] * held[i] + sel[i] * p.sel_bytes[i] + dev_w[i] * p.Wl[i] for i in range(L - 1)) \
         <= max(0, room), "gpu_holds_kept_internals_and_resident_weights_at_the_turn"
     m += parked <= max(0, p.host_act_budget) + p.nvme_budget, "host_holds_parked_internals"
     lb = p.lower_bound_s()
@@ -105,8 +116,8 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     # each micro-batch: every layer's weights for its forward, and again for its backward unless kept with
     # its graph or resident; a resident layer's (refreshed after the update) and the embedding's and head's
     # once per step
-    restreamed = pulp.lpSum((1 - keep[i] - res[i]) * p.Wl[i] for i in range(L - 1))
-    refreshed = pulp.lpSum(res[i] * p.Wl[i] for i in range(L - 1))
+    restreamed = pulp.lpSum(bwd_w[i] * p.Wl[i] for i in range(L - 1))
+    refreshed = pulp.lpSum(res[i] * p.Wl[i] for i in range(L))
     m += t * p.bw_h2d >= k * (sum(p.Wl) - refreshed + restreamed + parked) + refreshed + p.nonlayer_link_bytes, \
         "h2d_link_over_the_step"
     m += t * p.bw_d2h >= k * (sum(p.Gl) + p.nonlayer_link_bytes + parked), "d2h_link_over_the_step"

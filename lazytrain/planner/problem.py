@@ -279,13 +279,15 @@ class Problem:
 
     def lower_bound_s(self) -> dict[str, float]:
         """The step's physical lower bounds (any plan): per micro-batch, each layer's forward and backward
-        once, one copy of every layer's weights host->device and every gradient device->host; the embedding
-        and head to the device and the host optimizer once per step."""
-        n, k = self.model.total_params, self.grad_accum
+        once and every gradient device->host; once per step, every weight host->device (a resident layer's
+        refresh: with gradient accumulation its later micro-batches copy none) and the host optimizer's
+        update (of the parameters it updates: the embedding's and head's only when their state is on the
+        host, Budgets.non_block_state)."""
+        k = self.grad_accum
         parts = {"compute": k * self.minimal_compute_s(),
-                 "h2d": (k * sum(self.Wl) + self.nonlayer_link_bytes) / self.bw_h2d,
+                 "h2d": (sum(self.Wl) + self.nonlayer_link_bytes) / self.bw_h2d,
                  "d2h": k * (sum(self.Gl) + self.nonlayer_link_bytes) / self.bw_d2h,
-                 "optimizer": n / self.opt_rate}
+                 "optimizer": self.opt_nl + sum(self.opt_l)}
         parts["bound"] = max(parts.values())
         return parts
 
