@@ -387,6 +387,35 @@ def test_a_resident_layers_refresh_waits_for_the_forward_to_come_to_it(tmp_path)
     engine.destroy()
 
 
+def test_later_micro_batches_copy_no_resident_layer(tmp_path):
+    """With gradient accumulation, a micro-batch after the step's first copies no resident layer's weights:
+    the first refreshed them after the update (as the simulator and the MILP have it since the later
+    micro-batches got their own forward windows)."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"policy": "plan", "overlap_optimizer": True, "testing": {"copy_threads": True}}}
+    path = str(tmp_path / "plan.json")
+    keep_all_plan(6, home="hbm", resident_layers=(3, 5)).to_json(path)
+    cfg["lazytrain"]["plan"] = path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    for i, (x, y) in enumerate(batches(6)):
+        if i == 4:
+            engine.trace_next_step()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    spans = [s for s in sorted(engine.last_trace.spans, key=lambda s: s.start) if s.lane in ("h2d", "compute")]
+    engine.destroy()
+    names = [s.name for s in spans]
+    turn = names.index("bwd L0")                         # the first micro-batch's last compute
+    first = [s.name for s in spans[:turn] if s.lane == "h2d"]
+    later = [s.name for s in spans[turn:] if s.lane == "h2d"]
+    assert "weights.layer3" in first and "weights.layer5" in first       # refreshed after the update
+    assert "weights.layer3" not in later and "weights.layer5" not in later
+    assert "fwd L5" in names[turn:]                                       # the second micro-batch ran
+
+
 def test_a_resident_refresh_that_fails_to_start_stays_due(tmp_path):
     engine = _resident_engine(tmp_path)
     w, stream = engine.weights, engine.stream
