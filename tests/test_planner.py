@@ -569,7 +569,9 @@ def test_accumulated_micro_batches_repeat_the_windows_and_share_one_optimizer_de
     plan = keep_all(p1)[0]
     steps = {k: simulate(dataclasses.replace(p1, grad_accum=k), plan) for k in (1, 2, 5)}
     micro = steps[2].step_time_s - steps[1].step_time_s          # one more micro-batch
-    assert micro > 0
+    # its windows and last gradients, after layer 0's weights are copied (the first one's: in the delay)
+    assert 0 not in plan.resident_layers
+    assert micro == pytest.approx(steps[1].micro_step_s + p1.load_l[0], rel=1e-12)
     assert steps[5].step_time_s == pytest.approx(steps[1].step_time_s + 4 * micro, rel=1e-12)
     assert steps[5].tokens_per_s == pytest.approx(5 * p1.micro_batch * p1.seq_len / steps[5].step_time_s)
     lb1, lb5 = p1.lower_bound_s(), dataclasses.replace(p1, grad_accum=5).lower_bound_s()

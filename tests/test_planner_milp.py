@@ -32,7 +32,9 @@ def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True, 
         plan, info = build_and_solve(p, opts)
         assert info.status == "optimal"
         got = simulate(p, plan).step_time_s          # strict: the MILP's plan satisfies every invariant
-        assert got == pytest.approx(best, rel=1e-7), (rows, plan, best_plan)
+        # HiGHS closes a gap below its tolerances: a toy with 0.4 us weight copies had a plan 4e-7 s (4e-6 of
+        # its step) from the optimum declared optimal (started from the optimum, it keeps it)
+        assert got == pytest.approx(best, rel=1e-7, abs=1e-6), (rows, plan, best_plan)
         # each window's time may sit below its rows by HiGHS's feasibility tolerance (1e-7 s), and the
         # objective adds every window of every micro-batch
         assert info.objective_s == pytest.approx(got, rel=1e-6, abs=1e-7 * 2 * p.L * p.grad_accum)

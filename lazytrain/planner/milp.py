@@ -672,8 +672,10 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
         tie += lsum(offl_out[j, w] * (w - j) / len(out_windows[j]) for j, w in offl_out)
         tie += lsum(offl_pre[j, w] * abs(W - 2 - j - w) / len(offl_windows[j]) for j, w in offl_pre)
     micro = p.grad_accum   # micro-batches: the first, then the others, whose forwards stream no resident weights
+    # ... each of those starts with layer 0's weights copied (the first one's copy is in the delay X)
+    first_copy = p.load_l[0] * (1 - y[0]) if L else 0
     m += (micro * (lsum(t[w] for w in range(L, W)) + p.tail_s) + lsum(t[w] for w in range(L))
-          + (micro - 1) * lsum(t_later.values()) + X + eps * tie), "step_time"
+          + (micro - 1) * (lsum(t_later.values()) + first_copy) + X + eps * tie), "step_time"
 
     build_s = time.perf_counter() - t_build
     values = None

@@ -13,7 +13,8 @@ budget) and reports each violation (raising :class:`SimulationError` when ``stri
 
 With gradient accumulation a step is its micro-batches, then the optimizer. The first micro-batch's forward
 refreshes the resident layers' device copies (their weights were just updated); the later ones find them
-current and stream only the other layers, as the engine's weight stream does.
+current and stream only the other layers, as the engine's weight stream does, each starting when layer
+0's weights are copied (unless it is resident).
 """
 from __future__ import annotations
 
@@ -345,6 +346,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     if p.grad_accum > 1 and resident and refresh_resident:
         later = simulate(p, plan, strict=False, timeline=False, executor=executor,
                          refresh_resident=False).micro_step_s
+    # each later micro-batch's forward waits for layer 0's weights (the first one's copy is in the delay)
+    later += 0.0 if 0 in resident else p.load_l[0]
     step = micro_step + (p.grad_accum - 1) * later + delay
     if timeline:   # the rest of the step, so that the timeline ends where the step does
         if plan.overlap_optimizer:
