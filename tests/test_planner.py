@@ -756,6 +756,10 @@ def test_non_block_state_on_the_device_takes_gpu_memory_and_crosses_no_link():
     assert host.load_nl == pytest.approx(host.nonlayer_w / host.bw_h2d) and dev.load_nl == 0
     assert host.opt_nl == pytest.approx(n / host.opt_rate) and dev.opt_nl == 0
     assert host.lower_bound_s()["d2h"] > dev.lower_bound_s()["d2h"]
+    fp32 = dataclasses.replace(model, dtype_bytes=4)
+    host32, dev32 = (Problem(model=fp32, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
+                             budgets=Budgets.of(gpu="70GB", non_block_state=where)) for where in ("host", "device"))
+    assert dev32.gpu_static - host32.gpu_static == 8 * n   # the parameter is its own master: its moments only
     with pytest.raises(ValueError, match="non_block_state must be 'host' or 'device', got 'gpu'"):
         Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
                 budgets=Budgets.of(gpu="70GB", non_block_state="gpu"))

@@ -49,9 +49,11 @@ from .models import ModelShape, load_model
 # writes whole activations at HBM bandwidth and launches kernels of its own, so their time is far above
 # their FLOP share. 0.1 of the forward is an assumption until the engine measures a selective re-run.
 SELECTIVE_RERUN_FLOOR = 0.1
-# what the embedding's and head's optimizer keeps on the GPU with Budgets.non_block_state "device", a parameter:
-# fp32 master, fp32 gradient, two fp32 Adam moments
+# what the embedding's and head's optimizer keeps on the GPU with Budgets.non_block_state "device", a parameter,
+# beside the compute copy and its gradient: fp32 master, fp32 gradient, two fp32 Adam moments (in fp32
+# training the parameter is its own master: the moments only)
 NON_BLOCK_DEVICE_STATE_BYTES = 4 + 4 + 8
+NON_BLOCK_DEVICE_STATE_BYTES_FP32 = 8
 
 
 class InfeasibleBudgetError(ValueError):
@@ -172,8 +174,9 @@ class Problem:
             raise ValueError(f"non_block_state must be 'host' or 'device', got {b.non_block_state!r}")
         on_device = b.non_block_state == "device"
         self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes + self.slot_slack
-        if on_device:   # fp32 master, fp32 gradient, two fp32 moments
-            self.gpu_static += m.nonlayer_params * NON_BLOCK_DEVICE_STATE_BYTES
+        if on_device:
+            self.gpu_static += m.nonlayer_params * (NON_BLOCK_DEVICE_STATE_BYTES_FP32 if db == 4
+                                                    else NON_BLOCK_DEVICE_STATE_BYTES)
         f8 = self.budgets.hybrid_8bit_fraction
         for name in ("optimizer_state_share", "master_share", "gradient_share", "weights_copy_share"):
             if not 0 < getattr(b, name) <= 1:
