@@ -155,22 +155,7 @@ def main() -> int:
         print(fmt_table(header, rows))
 
     if floors:
-        print("\n## How fast could any plan be? Step floors (LP relaxation, planner/ceiling.py) at the same batch")
-    frows = []
-    for gpu, model, batch, p, mt_s, ours_s in floors:
-        graph, off = step_floor(p), step_floor(p, offload=True)
-        frac = internals_fraction_for(p, mt_s, 1.35)
-        frows.append([gpu, SHORT[model], batch, f"{mt_s:.3f}", f"{ours_s:.3f}", f"{mt_s / ours_s:.3f}x",
-                      f"{graph.step_s:.3f}", f"{graph.speedup_over(mt_s):.3f}x", f"{ours_s / graph.step_s:.3f}",
-                      f"{graph.kept_layers:.1f}/{graph.selective_layers:.1f}", f"{off.step_s:.3f}",
-                      f"{off.speedup_over(mt_s):.3f}x",
-                      f"{off.kept_layers:.1f}/{off.offloaded_layers:.1f}/{off.selective_layers:.1f}",
-                      "any" if frac == 1.0 else ("none" if frac is None else f"<= {frac:.2f}")])
-    if frows:
-      print(fmt_table(["GPU", "model", "batch", "MegaTrain s", "ours s", "ours / MegaTrain",
-                     "floor: keep, selective or re-run s", "its ceiling vs MegaTrain", "ours / that floor",
-                     "layers kept/selective", "floor: + offload s", "its ceiling vs MegaTrain",
-                     "layers kept/offloaded/selective", "internals fraction for 1.35x"], frows))
+        floor_table(floors)
 
     accum_speedups = global_batch_table(args, opts, bands)
 
@@ -227,6 +212,25 @@ def main() -> int:
         print(f"h800 27B >= 1.5x: {'yes' if h800_27b[0] >= 1.5 else 'NO'} ({h800_27b[0]:.3f}x)")
     print(f"min speed-up vs MegaTrain over the {len(accum_speedups)} scenarios: {min(x for *_, x in accum_speedups):.2f}x")
     return 0
+
+
+def floor_table(floors: list) -> None:
+    """The second table (module docstring): each scenario's step floors at the paper's batch."""
+    print("\n## How fast could any plan be? Step floors (LP relaxation, planner/ceiling.py) at the same batch")
+    frows = []
+    for gpu, model, batch, p, mt_s, ours_s in floors:
+        graph, off = step_floor(p), step_floor(p, offload=True)
+        frac = internals_fraction_for(p, mt_s, 1.35)
+        frows.append([gpu, SHORT[model], batch, f"{mt_s:.3f}", f"{ours_s:.3f}", f"{mt_s / ours_s:.3f}x",
+                      f"{graph.step_s:.3f}", f"{graph.speedup_over(mt_s):.3f}x", f"{ours_s / graph.step_s:.3f}",
+                      f"{graph.kept_layers:.1f}/{graph.selective_layers:.1f}", f"{off.step_s:.3f}",
+                      f"{off.speedup_over(mt_s):.3f}x",
+                      f"{off.kept_layers:.1f}/{off.offloaded_layers:.1f}/{off.selective_layers:.1f}",
+                      "any" if frac == 1.0 else ("none" if frac is None else f"<= {frac:.2f}")])
+    print(fmt_table(["GPU", "model", "batch", "MegaTrain s", "ours s", "ours / MegaTrain",
+                     "floor: keep, selective or re-run s", "its ceiling vs MegaTrain", "ours / that floor",
+                     "layers kept/selective", "floor: + offload s", "its ceiling vs MegaTrain",
+                     "layers kept/offloaded/selective", "internals fraction for 1.35x"], frows))
 
 
 def megatrain_best(model, hw, cap: str, paper_batch: int, our_batch: int) -> tuple[float, int, int]:

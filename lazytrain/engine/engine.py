@@ -525,7 +525,7 @@ class LazyTrainEngine(nn.Module):
         placement.py): on a GPU the host by default, as DeepSpeed's ZeRO-Offload keeps them
         (a model with nothing to stream too: every parameter resident on the GPU, its optimizer on the
         host); with "device", beside their compute copies."""
-        if non_block_state_home(self._config, self.device) == "host":
+        if non_block_state_home(self._config) == "host":
             return torch.device("cpu")
         return self.device
 

@@ -136,7 +136,7 @@ def _hardware_profile(cfg: EngineConfig, device: torch.device):
                       "rtx3090) or the JSON written by `lazytrain bench tiers --json`")
 
 
-def non_block_state_home(cfg: EngineConfig, device: torch.device) -> str:
+def non_block_state_home(cfg: EngineConfig) -> str:
     """Where the parameters outside the streamed blocks (embeddings, final norm, head) keep their fp32
     masters, gradients and Adam moments: "host" or "device". "auto" is the host: with a large vocabulary
     they are 16 bytes a parameter beside the 2 of the compute copy (a 27B model's 2.5B embedding and head
@@ -160,7 +160,7 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
                # the logits as the engine computes them: in chunks when configured, else whole
                "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * seq_len,
                # where the engine keeps the embedding's and head's optimizer state
-               "non_block_state": non_block_state_home(cfg, device),
+               "non_block_state": non_block_state_home(cfg),
                **_host_shares(cfg)}
     if device.type == "cpu":   # no CUDA context, workspace or allocator to hold back
         budgets["gpu_reserved_bytes"] = 0

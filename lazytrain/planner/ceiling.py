@@ -23,7 +23,8 @@ that counts memory and links:
 - every micro-batch streams each layer's weights to the device for its forward, and again for its
   backward unless the layer keeps its graph (which holds its weights), is resident (its weights on the
   device the whole step, in the room at the turn, refreshed once per step) or is the last layer; the
-  embedding and head come once per step. At small micro-batches with gradient accumulation this traffic, not compute, bounds the step;
+  embedding and head come once per step. At small micro-batches with gradient accumulation this traffic
+  can bound the step;
 - a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
 
 ``internals_fraction`` scales the bytes a layer must keep to skip its re-run entirely (1.0: its internals
@@ -85,13 +86,12 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     # a layer may keep its graph and be resident (one copy of its weights on the device: ``dev_w``); with
     # accumulation residency then still saves its forward copies after the step's first micro-batch
     dev_w = [pulp.LpVariable(f"weights_on_device_{i}", 0, 1) for i in range(L - 1)]
+    # weights streamed again for the backward: none for a layer that keeps its graph or is resident
+    bwd_w = [pulp.LpVariable(f"backward_weights_{i}", 0, 1) for i in range(L - 1)]
     for i in range(L - 1):
         m += dev_w[i] >= res[i], f"resident_weights_on_device_{i}"
         if not offload:   # LazyTrain's executor: a kept graph holds its weights (see held below)
             m += dev_w[i] >= keep[i], f"graph_weights_on_device_{i}"
-    # weights streamed again for the backward: none for a layer that keeps its graph or is resident
-    bwd_w = [pulp.LpVariable(f"backward_weights_{i}", 0, 1) for i in range(L - 1)]
-    for i in range(L - 1):
         m += bwd_w[i] >= 1 - keep[i] - res[i], f"backward_weights_{i}"
     k = p.grad_accum   # micro-batches per step: forward, backward and their copies k times, the optimizer once
     m += t >= k * (t_fwd + t_bwd), "step_is_forward_then_backward"
