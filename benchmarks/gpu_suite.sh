@@ -10,7 +10,9 @@
 #      with two processes on the one GPU (the non-block parameters partitioned between them) bit for bit as
 #      stage 2; an NCCL group of one training bit for bit as one process;
 #   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
-#      sink, the optimizer update overlapping the next forward) against plain PyTorch on the same device, a
+#      sink, the optimizer update overlapping the next forward, a window of re-run layers prefetched whole
+#      into extra buffers allocated on the compute stream and released after) against plain PyTorch on the
+#      same device, a
 #      block-less model with its optimizer on the host, the embedding's and head's fp32 state on the host by
 #      default and on the device when asked, the optimizer and tier tests;
 #   3. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);

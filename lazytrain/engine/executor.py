@@ -191,9 +191,11 @@ class LayerStreamingExecutor:
                 del block.forward
 
     # ---- weight streaming ----------------------------------------------------------------------
-    def _start_sequence(self, seq: list[int]) -> None:
+    def _start_sequence(self, windows: list[list[int]]) -> None:
+        """Expect these layers next, window by window (the Plan's windows: each window's layers are
+        prefetched while the one before it computes)."""
         with torch.inference_mode(False):   # it prefetches: see _acquire
-            self.stream.start(seq)
+            self.stream.start([i for w in windows for i in w], [len(w) for w in windows])
 
     def _acquire(self, layer: int) -> torch.Tensor:
         """Layer's compute weights on the device; then start prefetching the next layer in the sequence.
@@ -203,21 +205,23 @@ class LayerStreamingExecutor:
         with torch.inference_mode(False):
             return self.stream.acquire(layer)
 
-    def _backward_sequence(self, p: _Pass) -> list[int]:
-        seq = []
+    def _backward_windows(self, p: _Pass) -> list[list[int]]:
+        """The layers backward fetches, by window: the window differentiating the last layer of a
+        re-run segment re-runs the ones before it first."""
+        windows = []
         for s, e in reversed(self.plan.segments()):
             if s >= self.graph_start:                   # differentiated from the forward's graph
                 continue
             if s in self.offloaded:                     # differentiated from its graph, with its weights again
                 if p.graphs.get(s) is not None:
-                    seq.append(s)
+                    windows.append([s])
                 continue
             if self._keeps_segment_graph(s, e):
-                seq.extend(range(s, e))                 # recompute s..e-1 with grad, once
+                windows.append(list(range(s, e)))       # recompute s..e-1 with grad, once
             else:
-                seq.extend(range(s, e - 1))             # recompute s..e-2
-                seq.extend(range(e - 1, s - 1, -1))     # differentiate e-1..s
-        return seq
+                windows.append(list(range(s, e)))       # recompute s..e-2, differentiate e-1
+                windows.extend([j] for j in range(e - 2, s - 1, -1))   # differentiate e-2..s
+        return windows
 
     def _keeps_segment_graph(self, s: int, e: int) -> bool:
         """With the CPU as compute device the weights are used in place, so a segment can be recomputed
@@ -305,7 +309,7 @@ class LayerStreamingExecutor:
 
     def _run_inference(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
         if layer == 0 or not self._streaming_inference:
-            self._start_sequence(list(range(layer, self.L)))
+            self._start_sequence([[j] for j in range(layer, self.L)])
             self._streaming_inference = True
         flat = self._acquire(layer)
         out, _ = self._compute(layer, flat, hidden, call)
@@ -341,7 +345,7 @@ class LayerStreamingExecutor:
                           f"If the loss uses it (an auxiliary loss), return it from the block instead: a block's "
                           f"extra outputs are differentiated")
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
-            self._start_sequence(self._backward_sequence(p))
+            self._start_sequence(self._backward_windows(p))
             # the pass now lives only as long as its autograd graph: a forward never differentiated
             # frees its kept boundaries and graphs with that graph, not at the next forward
             self._current = None
@@ -357,7 +361,7 @@ class LayerStreamingExecutor:
         # frees what it still holds when it is garbage-collected
         weakref.finalize(p, _free_owned, self.tiers, p.owned)
         self._current = p
-        self._start_sequence(list(range(self.L)))
+        self._start_sequence([[j] for j in range(self.L)])
 
     def _key(self, p: _Pass, boundary: int) -> str:
         return f"pass{p.pass_id}.boundary{boundary}"

@@ -1,6 +1,13 @@
 """A layer's trip to the device: the device buffers the streamed weights land in, every copy in flight
 into them, and the order in which layers are fetched.
 
+Layers are fetched a window ahead, as the Plan's cost model has it: a sequence comes in windows (a
+forward window is one layer; a backward window that re-runs a segment holds every layer it re-runs and
+the one it differentiates), and when the compute side enters a window the copies of the whole next
+window are issued, in order. Two buffers are kept for the stream's life; a window pair that needs more
+(a multi-layer window ahead) takes extra buffers, each released as soon as compute leaves it, so the
+device holds what the Plan charges each window (the layers of this window and the next), no more.
+
 Invariants, each held by this one object:
 
 * Every copy into a device buffer is owned by the buffer's :class:`_Slot` until it is known to be done.
@@ -15,7 +22,12 @@ Invariants, each held by this one object:
   side takes the layer before it (as the Plan's cost model has it: a refresh issued as soon as the
   update lands would take the link ahead of the layers the forward needs first), and is ordered by
   events, with no host synchronisation. Once the update thread marks the layer updated,
-  :meth:`on_update_done` issues the prefetch that was deferred because the layer's update was pending.
+  :meth:`on_update_done` issues the prefetch that was deferred because the layer's update was pending
+  (and the ones after it: copies are issued in the sequence's order).
+* An extra buffer is released only once no copy into it can still be running: taken by the compute side
+  (which waited for its copy) or known to have landed. On CUDA it is allocated on the compute stream, so
+  the memory returns to the compute side's allocations; its copy is ordered after the compute queued
+  when it was allocated (whose kernels may still read that memory under an earlier owner).
 """
 from __future__ import annotations
 
@@ -31,10 +43,13 @@ from ..tiers.streams import issued_after, wait_span
 from .weights import LayerWeights
 
 
-@dataclass
+@dataclass(eq=False)   # a slot is itself: compared by identity
 class _Slot:
     """One device buffer the streamed layers take turns in."""
     buf: torch.Tensor
+    key: str                      # its name in the device tier
+    extra: bool = False           # beyond the two kept: released once compute leaves it
+    stream: object = None         # CUDA: the stream it was allocated on
     layer: int | None = None      # whose weights it holds or is receiving
     copy: TransferHandle | None = None   # the copy into it, until the compute side waited for it
     landed: object = None         # that copy's completion (a Future or an event), until known done
@@ -42,7 +57,9 @@ class _Slot:
 
 
 class WeightStream:
-    """Owns the streaming slots, the resident layers' device copies and every copy into them."""
+    """Owns the streaming buffers, the resident layers' device copies and every copy into them."""
+
+    BUFFERS_KEPT = 2   # what a one-layer window pair needs: the layer computing and the next one landing
 
     def __init__(self, weights: LayerWeights, resident_layers: tuple[int, ...] = (), prefetch: bool = True):
         self.weights = weights
@@ -58,16 +75,18 @@ class WeightStream:
             weights.fetch_into(i, buf).synchronize()
             self.resident[i] = buf
         self.slots: list[_Slot] = []
+        self._slot_names = 0
+        self.peak_slots = 0   # the most slots held at once (a Plan's window pair charges as many layers)
         if len(self.resident) < weights.num_layers:
-            for s in range(2):   # sized for the largest layer; a smaller one uses the front
-                buf = torch.empty(weights.max_layer_numel, dtype=weights.compute_dtype, device=self.device)
-                weights.device_tier.write(f"weights.slot{s}", buf, owned=True)
-                self.slots.append(_Slot(buf))
+            for _ in range(self.BUFFERS_KEPT):   # sized for the largest layer; a smaller one uses the front
+                self._new_slot(weights.max_layer_numel, extra=False)
         self._reads: dict[int, list] = {}   # layer -> completions of copies reading its host copy
         self._seq: list[int] = []
-        self._cursor = 0
-        self._current: int | None = None     # slot the compute side is using
-        self._prefetched: tuple[int, int] | None = None   # (sequence index, slot) of the prefetch in flight
+        self._window_end: list[int] = []   # sequence index -> end (exclusive) of the window holding it
+        self._cursor = 0                     # sequence index the compute side takes next
+        self._next = 0                       # first sequence index not yet issued (nor resident)
+        self._current: _Slot | None = None   # slot the compute side is using
+        self._prefetched: dict[int, _Slot] = {}   # sequence index -> the slot its copy lands in
         self._deferred: int | None = None    # sequence index whose prefetch waits for the layer's update
 
     @property
@@ -75,20 +94,32 @@ class WeightStream:
         return self.weights.zero_copy
 
     # ---- the order of fetches ----------------------------------------------------------------------
-    def start(self, seq: list[int]) -> None:
-        """Expect the layers in ``seq`` next. A prefetch of the old sequence is abandoned; its copy stays
-        with its slot until a later copy into that slot waits for it."""
+    def start(self, seq: list[int], window_sizes: list[int] | None = None) -> None:
+        """Expect the layers in ``seq`` next, in windows of ``window_sizes`` consecutive layers (default:
+        one each). A prefetch of the old sequence is abandoned; its copy stays with its slot until a later
+        copy into that slot waits for it."""
+        sizes = [1] * len(seq) if window_sizes is None else list(window_sizes)
+        if sum(sizes) != len(seq) or any(n < 1 for n in sizes):
+            raise ValueError(f"window sizes {sizes} do not split a sequence of {len(seq)} layers")
+        ends, at = [], 0
+        for n in sizes:
+            at += n
+            ends.extend([at] * n)
         with self._lock:
-            self._seq, self._cursor, self._prefetched, self._deferred = list(seq), 0, None, None
+            self._seq, self._window_end = list(seq), ends
+            self._cursor = self._next = 0
+            self._prefetched, self._deferred = {}, None
+            self._trim()
             self._prefetch_next()
 
     def acquire(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s compute weights on the device (the compute side may use them at once), then
-        the next layer of the sequence prefetched into the other slot."""
+        the next window's layers prefetched if this one starts a window."""
         with self._lock:
             on_seq = self._cursor < len(self._seq) and self._seq[self._cursor] == layer
             if not on_seq:   # the model left the expected order: fetch on demand from here on
-                self._seq, self._prefetched, self._deferred = [], None, None
+                self._seq, self._window_end, self._prefetched, self._deferred = [], [], {}, None
+                self._cursor = self._next = 0
         if self.weights.update_pending(layer):
             with wait_span(f"update {layer}", self.device):
                 self.weights.wait_updated(layer)   # outside the lock: the update thread takes it to publish
@@ -108,54 +139,107 @@ class WeightStream:
                 flat = self.weights.stored_copy(layer)
                 self._move_to(None)
             else:
-                pending = self._prefetched
-                if on_seq and pending is not None and pending[0] == self._cursor:
-                    s = pending[1]
-                    self._prefetched = None
-                else:
-                    if self._deferred is not None and self._deferred <= self._cursor:
+                slot = self._prefetched.pop(self._cursor, None) if on_seq else None
+                if slot is None:
+                    if on_seq and self._deferred is not None and self._deferred <= self._cursor:
                         self._deferred = None   # fetched here, now that its update is done
-                    s = self._other_slot()
-                    self._issue(layer, s)
-                flat = self._take(s)
-                self._move_to(s)
+                    slot = self._free_slot(layer)
+                    self._issue(layer, slot)
+                flat = self._take(slot)
+                self._move_to(slot)
             if on_seq:
                 self._cursor += 1
+                self._next = max(self._next, self._cursor)
             self._prefetch_next()
         return flat
 
-    def _other_slot(self) -> int:
-        return 0 if self._current is None else 1 - self._current
-
-    def _move_to(self, s: int | None) -> None:
-        """Compute moves to slot ``s`` (None: a resident or in-place layer): the slot it leaves is free
-        for a copy once what was queued on it so far has run."""
-        prev = self._current
-        if prev is not None and prev != s:
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
-                self.slots[prev].freed = event
-            else:
-                self.slots[prev].freed = None   # CPU compute is synchronous: its reads are done
-        self._current = s
+    def _horizon(self) -> int:
+        """Sequence index up to which copies are issued: the end of the window after the one the compute
+        side is in (before the first acquire, of the first window)."""
+        if not self._seq:
+            return 0
+        if self._cursor == 0:
+            return self._window_end[0]
+        end = self._window_end[self._cursor - 1]
+        return self._window_end[end] if end < len(self._seq) else end
 
     def _prefetch_next(self) -> None:
         seq, j = self._seq, self._cursor
         if j < len(seq) and seq[j] in self._stale and not self.weights.update_pending(seq[j]):
             self._refresh_if_stale(seq[j])   # the next layer is resident: its refresh goes now
-        if not self.prefetch or self.zero_copy or self._prefetched is not None or not self.slots:
+        self._issue_ahead()
+
+    def _issue_ahead(self) -> None:
+        """Issue the copies up to the horizon, in the sequence's order, stopping at a layer whose update is
+        still pending (``on_update_done`` goes on from there)."""
+        if not self.prefetch or self.zero_copy or self._deferred is not None or not self.slots:
             return
-        while j < len(seq) and seq[j] in self.resident:
-            j += 1
-        if j >= len(seq):
-            return
-        if self.weights.update_pending(seq[j]):
-            self._deferred = j      # issued by on_update_done once the layer's update lands
-            return
-        s = self._other_slot()
-        self._issue(seq[j], s)
-        self._prefetched = (j, s)
+        seq, horizon = self._seq, self._horizon()
+        while self._next < horizon:
+            j = self._next
+            if seq[j] not in self.resident:
+                if self.weights.update_pending(seq[j]):
+                    self._deferred = j   # issued by on_update_done once the layer's update lands
+                    return
+                slot = self._free_slot(seq[j])
+                self._issue(seq[j], slot)
+                self._prefetched[j] = slot
+            self._next = j + 1
+
+    # ---- the buffers -------------------------------------------------------------------------------
+    def _new_slot(self, numel: int, extra: bool) -> _Slot:
+        buf = torch.empty(numel, dtype=self.weights.compute_dtype, device=self.device)
+        key = f"weights.slot{self._slot_names}"
+        self._slot_names += 1
+        self.weights.device_tier.write(key, buf, owned=True)
+        slot = _Slot(buf, key, extra=extra)
+        if self.device.type == "cuda":
+            slot.stream = torch.cuda.current_stream(self.device)
+            if extra:   # the allocator may hand out memory that queued kernels still read under an earlier owner
+                event = torch.cuda.Event()
+                event.record(slot.stream)
+                slot.freed = event
+        self.slots.append(slot)
+        self.peak_slots = max(self.peak_slots, len(self.slots))
+        return slot
+
+    def _busy(self) -> list[_Slot]:
+        return [self._current, *self._prefetched.values()]
+
+    def _free_slot(self, layer: int) -> _Slot:
+        """A slot no one uses that fits layer ``layer``: a kept one first, else an extra, else a new extra."""
+        n = self.weights.layer_numels[layer]
+        busy = self._busy()
+        free = [s for s in self.slots if all(s is not b for b in busy) and s.buf.numel() >= n]
+        if free:
+            return min(free, key=lambda s: s.extra)
+        return self._new_slot(n, extra=True)
+
+    def _trim(self) -> None:
+        """Release the extra slots no one uses whose copies cannot still be running."""
+        busy = self._busy()
+        for slot in [s for s in self.slots if s.extra and all(s is not b for b in busy)]:
+            if slot.copy is not None and not completion_reached(slot.landed):
+                continue   # an abandoned copy still lands in it: kept (and reused, or released later)
+            if slot.stream is not None and slot.stream != torch.cuda.current_stream(self.device):
+                slot.buf.record_stream(torch.cuda.current_stream(self.device))
+            self.slots.remove(slot)
+            self.weights.device_tier.free(slot.key)
+
+    def _move_to(self, s: _Slot | None) -> None:
+        """Compute moves to slot ``s`` (None: a resident or in-place layer): the slot it leaves is free
+        for a copy once what was queued on it so far has run."""
+        prev = self._current
+        if prev is not None and prev is not s:
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                prev.freed = event
+            else:
+                prev.freed = None   # CPU compute is synchronous: its reads are done
+        self._current = s
+        if prev is not None and prev is not s and prev.extra:
+            self._trim()
 
     # ---- copies into slots -------------------------------------------------------------------------
     def _settle(self, slot: _Slot) -> None:
@@ -163,8 +247,7 @@ class WeightStream:
         wait_completion(slot.landed)
         slot.landed = slot.copy = None
 
-    def _issue(self, layer: int, s: int) -> None:
-        slot = self.slots[s]
+    def _issue(self, layer: int, slot: _Slot) -> None:
         self._settle(slot)
         n = self.weights.layer_numels[layer]
         with issued_after(slot.freed):
@@ -172,8 +255,7 @@ class WeightStream:
         slot.layer, slot.copy, slot.landed = layer, handle, handle.completion()
         self._note_read(layer, slot.landed)
 
-    def _take(self, s: int) -> torch.Tensor:
-        slot = self.slots[s]
+    def _take(self, slot: _Slot) -> torch.Tensor:
         with wait_span(f"weights {slot.layer}", self.device):
             flat = slot.copy.wait()   # CUDA: the compute stream waits for the copy's event; CPU: the host does
         slot.copy = None
@@ -217,19 +299,17 @@ class WeightStream:
         self._note_read(layer, handle.completion())
 
     def on_update_done(self, layer: int) -> None:
-        """Called by the update thread once layer ``layer`` is marked updated: issue its deferred prefetch."""
+        """Called by the update thread once layer ``layer`` is marked updated: issue its deferred prefetch
+        (and the ones after it up to the horizon)."""
         with self._lock:
             j = self._deferred
-            if j is None or j < self._cursor or j >= len(self._seq) or self._seq[j] != layer \
-                    or self._prefetched is not None:
-                return
-            s = self._other_slot()
-            try:
-                self._issue(layer, s)
-            except Exception:  # noqa: BLE001 - a prefetch is not the update: acquire fetches it and raises
+            if j is None or j < self._cursor or j >= len(self._seq) or self._seq[j] != layer:
                 return
             self._deferred = None
-            self._prefetched = (j, s)
+            try:
+                self._issue_ahead()
+            except Exception:  # noqa: BLE001 - a prefetch is not the update: acquire fetches it and raises
+                return
 
     def settle_all(self) -> None:
         """Wait for every copy in flight into the device buffers (before they are freed or rewritten)."""
@@ -239,4 +319,6 @@ class WeightStream:
             for handle in self._resident_copy.values():
                 wait_completion(handle.completion())   # its failure, if any, was the forward's to report
             self._resident_copy.clear()
-            self._prefetched = self._deferred = None
+            self._prefetched, self._deferred = {}, None
+            self._next = self._cursor
+            self._trim()
