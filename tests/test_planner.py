@@ -295,19 +295,41 @@ def test_last_segment_graph_skips_its_reruns_and_holds_its_internals():
     # layers 4 and 5 are not re-run for their backward, and segment (4, 6) is not recomputed
     assert rb.compute_s - rg.compute_s == pytest.approx(p.fwd_s[4] + p.fwd_s[5] + p.fwd_s[4])
     # window 5 (forward of layer 5): both graphs' internals are held, and both layers' own weight copies
-    # (layer 5's beside its streaming slot), where the base plan streams layers 4 and 5 for window 6's
-    # recompute and re-run; boundary 4 is held by layer 4's graph where the base plan keeps it on the GPU
+    # beside the two streaming buffers the engine keeps (layer 5 streams into one; window 6 streams none),
+    # where the base plan streams layer 5 and, for window 6's recompute and re-run, layers 4 and 5; boundary
+    # 4 is held by layer 4's graph where the base plan keeps it on the GPU
     at = {m["window"]: m["hbm"] for m in rg.memory}
     base_at = {m["window"]: m["hbm"] for m in rb.memory}
-    assert at[5] - base_at[5] == p.saved[4] + p.saved[5] + p.Wl[4] + p.Wl[5] - (p.Wl[4] + p.Wl[5])
+    assert p.kept_buffers == 2 * p.Wl[5]
+    assert at[5] - base_at[5] == (p.saved[4] + p.saved[5] + p.Wl[4] + p.Wl[5] + p.kept_buffers
+                                  - (p.Wl[5] + p.Wl[4] + p.Wl[5]))
     # every layer keeping its graph: at the first backward window each graph holds its internals (the last
-    # layer's are its window's working set), its weights and its input (RMSNorm's backward reads it)
+    # layer's are its window's working set), its weights and its input (RMSNorm's backward reads it); the
+    # engine's two streaming buffers are kept, though no window streams any more
     whole = dataclasses.replace(every_k_plan(6, 6), last_segment_graph=True)
     assert whole.graph_start() == 0
     turn = {m["window"]: m["hbm"] for m in simulate(p, whole, strict=False).memory}[6]
-    assert turn - p.fixed_gpu_bytes(6) == sum(p.A[:6]) + sum(p.saved[:5]) + sum(p.Wl)
+    assert turn - p.fixed_gpu_bytes(6) == sum(p.A[:6]) + sum(p.saved[:5]) + sum(p.Wl) + p.kept_buffers
     assert at[4] - base_at[4] == p.saved[4] + p.Wl[4]
     assert Plan.from_json(graph.to_json()) == graph
+
+
+def test_the_engines_two_kept_streaming_buffers_are_charged_while_any_layer_streams():
+    """Keep-all with every layer's weights but layer 2's resident: the windows around layer 2 stream it
+    (one layer), the others stream nothing, yet the engine keeps its two buffers (each of the largest
+    layer: the slack in gpu_static), charged as two of the smallest layers beside that slack. With every
+    layer resident the engine keeps none, and none is charged; with none resident, windows streaming two
+    layers are charged those two."""
+    p = toy_problem(6, 50.0, hw=SLOW_HW)
+    assert p.kept_buffers == 2 * min(p.Wl) == 8000 and p.Wl[1:3] == [6000, 5000]
+    keep = Plan(num_layers=6, homes=("hbm",) * 7)
+    plans = {"none": keep, "all but 2": dataclasses.replace(keep, resident_layers=(0, 1, 3, 4, 5)),
+             "every": dataclasses.replace(keep, resident_layers=tuple(range(6)))}
+    at = {name: [m["hbm"] for m in simulate(p, plan).memory] for name, plan in plans.items()}
+    # resident weights are held all step: layer 2's 5000 B leave them, the kept buffers' 8000 B come in
+    assert [a - e for a, e in zip(at["all but 2"], at["every"])] == [p.kept_buffers - p.Wl[2]] * 12
+    # window 1 (forward of layer 1) streams layer 1 and copies layer 2 for window 2: 11000 B in the buffers
+    assert at["none"][1] - at["every"][1] == p.Wl[1] + p.Wl[2] - sum(p.Wl)
 
 
 def test_selective_layers_rerun_only_their_non_matmul_ops_and_hold_their_outputs():

@@ -445,6 +445,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
     # exposed prefetch: issued in the window of its first use (needs edge (i, 2L-w))
     ex = {(i, k, w): C(f"ex{k}_{i}_{w}", 1) for (i, k, w) in pre if (i, W - w) in x}
     y = {j: (B(f"res_{j}") if opts.allow_resident else 0) for j in range(L)}   # weights resident
+    streams_any = C("streams_any", 1) if opts.allow_resident else 1           # some layer is not resident
     sel = {j: (B(f"sel_{j}") if opts.allow_selective else 0) for j in range(L)}  # selective layer
     # selective layer j re-run without autograd in the window of the segment [s, e) covering it (s <= j <= e-2):
     # selrec[j, e] <= sel_j and <= sum_s x[s, e]; minimising time raises it to their product
@@ -489,6 +490,9 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
         m += lsum(x[s, i] for s in range(max(0, i - K), i)) + offl[i - 1] == z[i] + offl[i], f"path_in_{i}"
         m += lsum(x[i, e] for e in range(i + 1, min(L, i + K) + 1)) + q[i] == z[i], f"path_out_{i}"
     m += z[0] == 1, "boundary_0_kept"
+    if opts.allow_resident:
+        for j in range(L):
+            m += streams_any >= 1 - y[j], f"streams_layer_{j}"
     if opts.allow_graph_tail:
         for j in range(L):
             m += bwd_w[j] >= 1 - y[j] - G[j], f"backward_weights_{j}"
@@ -646,9 +650,11 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
             if use_nvme:
                 m += tw >= nr * (GBF / p.bw_nr), f"time_{name}nvme_read_{w}"
                 m += tw >= nw * (GBF / p.bw_nw), f"time_{name}nvme_write_{w}"
-        # time-indexed memory per tier: streamed weight buffers of this window and the next, and what is held
+        # time-indexed memory per tier: streamed weight buffers of this window and the next (at least the two
+        # buffers the engine keeps while any layer streams), and what is held
         m += streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + dev_held[w] <= p.gpu_budget / GBF, \
             f"gpu_memory_{w}"
+        m += p.kept_buffers / GBF * streams_any + dev_held[w] <= p.gpu_budget / GBF, f"gpu_memory_kept_buffers_{w}"
         for k, budget, name in (("H", max(p.host_act_budget, 0), "host_memory"), ("N", p.nvme_budget, "nvme_memory")):
             if k in tiers:
                 m += host_held[k][w] <= budget / GBF, f"{name}_{w}"

@@ -169,6 +169,10 @@ class Problem:
         # resident emb/head + grads; plus, when layers differ in size, what the engine's two streaming
         # buffers (each sized for the largest layer) hold beyond the two layers a window streams
         self.slot_slack = 2 * (max(self.Wl) - min(self.Wl))
+        # the engine keeps its two streaming buffers whatever a window streams (unless every layer is resident):
+        # a window streaming fewer than two layers (a resident or graph layer's, with the one after it) still
+        # holds them; with slot_slack, two of the largest layers
+        self.kept_buffers = 2 * min(self.Wl)
         b = self.budgets
         if b.non_block_state not in ("host", "device"):
             raise ValueError(f"non_block_state must be 'host' or 'device', got {b.non_block_state!r}")

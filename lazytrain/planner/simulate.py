@@ -264,9 +264,12 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             worst = max(LINKS, key=lambda k: free[k])
             exposed[worst] += end - tc
         # --- memory during this window -------------------------------------------------------
-        weights = sum(p.Wl[j] for j in weight_stream(w)) + sum(p.Wl[j] for j in resident)
+        streamed = sum(p.Wl[j] for j in weight_stream(w))
         if w + 1 < 2 * L:
-            weights += sum(p.Wl[j] for j in weight_stream(w + 1))
+            streamed += sum(p.Wl[j] for j in weight_stream(w + 1))
+        if len(resident) < L:                                  # the engine's two kept buffers
+            streamed = max(streamed, p.kept_buffers)
+        weights = streamed + sum(p.Wl[j] for j in resident)
         graphs = 0                                             # graph layers: weights and internals held
         for j in range(g, L):
             if j <= w <= 2 * L - 1 - j and j not in resident:   # its own copy, beside the slot in window j
