@@ -1426,3 +1426,32 @@ def test_non_block_state_is_given_to_the_planner_and_a_bad_value_is_refused():
     with pytest.raises(ConfigError, match="config key 'lazytrain.non_block_state' must be \"auto\", \"host\" or "
                                           "\"device\", got 'gpu'"):
         lazytrain.initialize(model=make_model("llama"), config=ds_config(non_block_state="gpu"))
+
+
+def test_a_graph_tails_backward_holds_no_window_it_does_not_fetch():
+    """Segments of three layers, the last one a graph tail: backward's windows for layers 5, 4 and 3 fetch
+    no weights (their graphs hold them) and the Plan charges them none, so the copies of the first window
+    that does (re-run 0 and 1, differentiate 2) are issued while layer 3's window computes, as the Plan has
+    it, not all through the tail's backward in extra buffers."""
+    model = make_model("llama")
+    data = batches(2)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=3,
+                                                                         last_segment_graph=True))
+    engine.weights.zero_copy = False
+    assert engine.executor.graph_start == 3
+    held = {}
+    backward_layer = engine.executor.backward_layer
+    def spy(p, layer, *args, **kwargs):
+        held.setdefault(layer, len(engine.stream.slots))
+        return backward_layer(p, layer, *args, **kwargs)
+    engine.executor.backward_layer = spy
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+    assert max_rel_diff(engine.module, ref) < RTOL
+    assert [held[i] for i in (5, 4, 3)] == [2, 2, 2]   # the two kept buffers, nothing prefetched
+    assert held[2] == 4 and engine.stream.peak_slots == 4
+    engine.destroy()
+

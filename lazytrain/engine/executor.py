@@ -124,6 +124,8 @@ class _Pass:
     kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
     offloaded: dict = field(default_factory=dict)                        # offloaded layer -> OffloadedInternals
     released: bool = False                                               # its backward has run to block 0
+    backward_windows: list | None = None                                 # fetched from layer graph_start's backward
+                                                                         # window on (a graph tail's fetch nothing)
 
 
 class LayerStreamingExecutor:
@@ -345,7 +347,14 @@ class LayerStreamingExecutor:
                           f"If the loss uses it (an auxiliary loss), return it from the block instead: a block's "
                           f"extra outputs are differentiated")
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
-            self._start_sequence(self._backward_windows(p))
+            windows = self._backward_windows(p)
+            if self.graph_start < self.L and windows:
+                # the graph tail's backward windows fetch nothing: as in the Plan, the first window that
+                # does is fetched while the window before it (layer graph_start's) computes, not all
+                # through the tail's backward, whose windows the Plan charges no streamed weights
+                p.backward_windows = windows
+            else:
+                self._start_sequence(windows)
             # the pass now lives only as long as its autograd graph: a forward never differentiated
             # frees its kept boundaries and graphs with that graph, not at the next forward
             self._current = None
@@ -580,6 +589,9 @@ class LayerStreamingExecutor:
                                 "(backward(retain_graph=True), then backward again) is not supported; run the "
                                 "forward again")
         self._enter_window(p, 2 * self.L - 1 - layer)
+        if layer == self.graph_start and p.backward_windows is not None:
+            windows, p.backward_windows = p.backward_windows, None
+            self._start_sequence(windows)
         s, e = self._segment_of[layer]
         if layer == e - 1 and e - s > 1 and layer < self.graph_start:
             if self._keeps_segment_graph(s, e):
