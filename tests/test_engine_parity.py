@@ -1455,3 +1455,59 @@ def test_a_graph_tails_backward_holds_no_window_it_does_not_fetch():
     assert held[2] == 4 and engine.stream.peak_slots == 4
     engine.destroy()
 
+
+def test_extra_buffers_of_an_abandoned_prefetch_go_once_their_copies_land():
+    """An evaluation forward under grad, never differentiated, issues the copies of backward's first window
+    (re-run 3 and 4, differentiate 5: two of them into extra buffers). The next forward abandons them while
+    they are still in flight, so those buffers cannot go at once; but they go as soon as their copies have
+    landed, not after the whole forward, which the Plan charges two streamed layers at a time."""
+    from concurrent.futures import Future
+    from lazytrain.tiers import TransferHandle
+    model = make_model("llama")
+    data = batches(2)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=3,
+                                                                         last_segment_graph=False))
+    engine.weights.zero_copy = False
+    stream = engine.stream
+    holding, held = [False], []
+    fetch, start, acquire = engine.weights.fetch_into, stream.start, stream.acquire
+
+    def slow_fetch(i, buf):   # a copy into an extra buffer that has not landed yet (until released below)
+        handle = fetch(i, buf)
+        if not (holding[0] and any(s.extra and s.buf.data_ptr() == buf.data_ptr() for s in stream.slots)):
+            return handle
+        held.append((Future(), handle.wait()))
+        return TransferHandle(future=held[-1][0])
+
+    def first_backward_start(seq, window_sizes=None):
+        holding[0] = window_sizes is not None and max(window_sizes) > 1 and not held
+        try:
+            start(seq, window_sizes)
+        finally:
+            holding[0] = False
+
+    counts = []
+
+    def counting_acquire(i):
+        if i == 1:
+            for future, value in held:
+                if not future.done():
+                    future.set_result(value)
+        flat = acquire(i)
+        counts.append(len(stream.slots))
+        return flat
+
+    engine.weights.fetch_into, stream.start, stream.acquire = slow_fetch, first_backward_start, counting_acquire
+    x, y = data[0]
+    engine(x)   # evaluation under grad, never differentiated: its backward's first window is abandoned
+    assert len(held) == 2 and len(stream.slots) == 4
+    counts.clear()
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+    assert max_rel_diff(engine.module, ref) < RTOL
+    assert counts[0] == 4          # layer 0: the abandoned copies are still in flight
+    assert counts[1:6] == [2] * 5  # layers 1..5: they landed before layer 1, and their buffers went
+    engine.destroy()

@@ -238,7 +238,9 @@ class WeightStream:
             else:
                 prev.freed = None   # CPU compute is synchronous: its reads are done
         self._current = s
-        if prev is not None and prev is not s and prev.extra:
+        if any(slot.extra for slot in self.slots):
+            # the one compute left, and any an abandoned prefetch kept while its copy was in flight: once it
+            # has landed, it goes now rather than at the next start (a whole forward later)
             self._trim()
 
     # ---- copies into slots -------------------------------------------------------------------------
