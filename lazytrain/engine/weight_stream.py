@@ -25,9 +25,12 @@ Invariants, each held by this one object:
   :meth:`on_update_done` issues the prefetch that was deferred because the layer's update was pending
   (and the ones after it: copies are issued in the sequence's order).
 * An extra buffer is released only once no copy into it can still be running: taken by the compute side
-  (which waited for its copy) or known to have landed. On CUDA it is allocated on the compute stream, so
-  the memory returns to the compute side's allocations; its copy is ordered after the compute queued
-  when it was allocated (whose kernels may still read that memory under an earlier owner).
+  (which waited for its copy) or known to have landed. On CUDA it is allocated on the stream current
+  where it is issued (the compute stream; the update thread's when a deferred prefetch needs one, which
+  one-layer forward windows never do), so the memory returns to those allocations; its copy is ordered
+  after all the work queued there when it was allocated (whose kernels may still read that memory under
+  an earlier owner). That is later than a kept buffer's copy, which waits only for its last reader: the
+  copies of a multi-layer window issued as the forward ends overlap the head, not the last layer.
 """
 from __future__ import annotations
 
