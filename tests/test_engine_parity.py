@@ -432,6 +432,28 @@ def test_a_window_of_re_run_layers_is_prefetched_whole_while_the_window_before_c
     engine.destroy()
 
 
+@pytest.mark.parametrize("extra_layers, slots", [(0.7, 2), (1.5, 3)])
+def test_a_window_prefetch_without_room_for_its_buffers_stops_and_fetches_on_demand(extra_layers, slots):
+    """A fixed policy on a device budget no plan was checked against: beside the two kept buffers there is
+    room for less than one more layer, or for one. The window prefetch takes what fits and fetches the
+    rest when compute comes to it, into a kept buffer: training is unchanged, never refused."""
+    model = make_model("llama")
+    data = batches(2)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
+    layer_bytes = 37120   # the test model's layer: 9280 fp32 parameters
+    cfg = ds_config(checkpoint_interval=3, last_segment_graph=False, gpu_memory=int((2 + extra_layers) * layer_bytes))
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    engine.weights.zero_copy = False
+    assert engine.weights.layer_numels == [layer_bytes // 4] * 6
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+    assert max_rel_diff(engine.module, ref) < RTOL
+    assert engine.stream.peak_slots == slots
+    engine.destroy()
+
+
 def test_planner_gets_each_streamed_layers_measured_size(monkeypatch):
     """A mixture-of-experts layer holds far more parameters than the dense estimate from its config: the
     planner is given each streamed block's parameter count, measured on the model."""

@@ -6,7 +6,9 @@ forward window is one layer; a backward window that re-runs a segment holds ever
 the one it differentiates), and when the compute side enters a window the copies of the whole next
 window are issued, in order. Two buffers are kept for the stream's life; a window pair that needs more
 (a multi-layer window ahead) takes extra buffers, each released as soon as compute leaves it, so the
-device holds what the Plan charges each window (the layers of this window and the next), no more.
+device holds what the Plan charges each window (the layers of this window and the next), no more. Where
+the device tier has no room for an extra buffer (a fixed policy on a budget no plan was checked against),
+the prefetch stops there and the layer is fetched when compute comes to it, into a kept buffer.
 
 Invariants, each held by this one object:
 
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tiers import TransferHandle
+from ..tiers import TierBudgetError, TransferHandle
 from ..tiers.base import completion_reached, wait_completion
 from ..tiers.streams import issued_after, wait_span
 from .weights import LayerWeights
@@ -184,7 +186,12 @@ class WeightStream:
                 if self.weights.update_pending(seq[j]):
                     self._deferred = j   # issued by on_update_done once the layer's update lands
                     return
-                slot = self._free_slot(seq[j])
+                slot = self._free_slot(seq[j], allocate=False)
+                if slot is None:
+                    try:
+                        slot = self._new_slot(self.weights.layer_numels[seq[j]], extra=True)
+                    except (TierBudgetError, torch.OutOfMemoryError):
+                        return   # no room for another buffer now: acquire fetches it into a kept one
                 self._issue(seq[j], slot)
                 self._prefetched[j] = slot
             self._next = j + 1
@@ -209,14 +216,15 @@ class WeightStream:
     def _busy(self) -> list[_Slot]:
         return [self._current, *self._prefetched.values()]
 
-    def _free_slot(self, layer: int) -> _Slot:
-        """A slot no one uses that fits layer ``layer``: a kept one first, else an extra, else a new extra."""
+    def _free_slot(self, layer: int, allocate: bool = True) -> _Slot | None:
+        """A slot no one uses that fits layer ``layer``: a kept one first, else an extra, else a new extra
+        (``allocate``; otherwise None)."""
         n = self.weights.layer_numels[layer]
         busy = self._busy()
         free = [s for s in self.slots if all(s is not b for b in busy) and s.buf.numel() >= n]
         if free:
             return min(free, key=lambda s: s.extra)
-        return self._new_slot(n, extra=True)
+        return self._new_slot(n, extra=True) if allocate else None
 
     def _trim(self) -> None:
         """Release the extra slots no one uses whose copies cannot still be running."""
