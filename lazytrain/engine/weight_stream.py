@@ -114,6 +114,9 @@ class WeightStream:
             self._seq, self._window_end = list(seq), ends
             self._cursor = self._next = 0
             self._prefetched, self._deferred = {}, None
+            # the layer last taken is done with once its queued compute has run: the new sequence takes
+            # it again into a slot of its own (a graph layer computes on its own copy)
+            self._move_to(None)
             self._trim()
             self._prefetch_next()
 
