@@ -441,10 +441,13 @@ def test_a_window_prefetch_without_room_for_its_buffers_stops_and_fetches_on_dem
     data = batches(2)
     ref = reference_train(model, data, device=AUTO_DEVICE)
     layer_bytes = 37120   # the test model's layer: 9280 fp32 parameters
-    cfg = ds_config(checkpoint_interval=3, last_segment_graph=False, gpu_memory=int((2 + extra_layers) * layer_bytes))
-    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=3,
+                                                                         last_segment_graph=False))
     engine.weights.zero_copy = False
     assert engine.weights.layer_numels == [layer_bytes // 4] * 6
+    hbm = engine.weights.device_tier   # what it holds now (the kept buffers; on a GPU the embedding too), and room
+    assert "weights.slot0" in hbm and "weights.slot1" in hbm
+    hbm.capacity = hbm.used_bytes + int(extra_layers * layer_bytes)
     for x, y in data:
         engine.backward(lm_loss(engine(x), y))
         engine.step()
