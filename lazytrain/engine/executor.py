@@ -260,10 +260,16 @@ class LayerStreamingExecutor:
         block = self.blocks[layer]
         # the simulator's task names: a re-run with grad is the first half of its "diff" (the second: "bwd")
         kind = "fwd" if not replay else ("diff" if requires_grad else "recompute")
-        with streams.compute_span(f"{kind} L{layer}", self.device), \
+        # a traced plain re-run with autograd also measures what the block's graph saves (the planner's
+        # internals of a layer), beside the weights, its input and the tensors the call passes in
+        saved = (_SavedBytes([flat, hidden, *(t for t in leaves if isinstance(t, torch.Tensor))])
+                 if kind == "diff" and isinstance(kept, nullcontext) and streams.recording() is not None else None)
+        with streams.compute_span(f"{kind} L{layer}", self.device) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
-                _reparametrize_module(block, params), kept:
+                _reparametrize_module(block, params), kept, saved if saved is not None else nullcontext():
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
+            if saved is not None:
+                span.args["saved_bytes"] = saved.nbytes
         return out, params
 
     @staticmethod
@@ -721,6 +727,27 @@ class _Proxy:
 
     def __call__(self, *args, **kwargs):
         return self.executor.run(self.index, args, kwargs)
+
+
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes of the storages autograd saves inside the block, each once, leaving out those of
+    ``outside`` (held anyway: the weights, the input, what the call passes in). It changes nothing saved."""
+
+    def __init__(self, outside: list):
+        self.nbytes = 0
+        self._seen = {_storage_key(t) for t in outside}
+
+        def pack(t):
+            key = _storage_key(t)
+            if key not in self._seen:
+                self._seen.add(key)
+                self.nbytes += t.untyped_storage().nbytes()
+            return t
+        super().__init__(pack, lambda t: t)
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.device, t.untyped_storage().data_ptr())
 
 
 def _contents(container):

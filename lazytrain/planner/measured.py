@@ -44,6 +44,9 @@ class MeasuredCosts:
     # re-run with autograd, which takes them (None: not measured; the planner assumes a share)
     selective_fwd_s: tuple[float, ...] | None = None
     selective_rerun_s: tuple[float, ...] | None = None
+    # bytes layer i's autograd saves for its backward, its input and weights left out (None: not measured;
+    # the planner takes its analytic estimate): what a graph layer holds, and an offloaded one sends
+    saved_bytes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         L = len(self.fwd_s)
@@ -70,6 +73,12 @@ class MeasuredCosts:
                 raise MeasurementError(f"measured costs: {name} must hold a finite time >= 0 s for each of the "
                                        f"{L} layers, got {list(values)!r}")
             object.__setattr__(self, name, tuple(float(v) for v in values))
+        if self.saved_bytes is not None:
+            values = self.saved_bytes
+            if len(values) != L or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+                raise MeasurementError(f"measured costs: saved_bytes must hold a whole number of bytes >= 0 for each "
+                                       f"of the {L} layers, got {list(values)!r}")
+            object.__setattr__(self, "saved_bytes", tuple(values))
 
     @property
     def num_layers(self) -> int:
@@ -101,10 +110,14 @@ class MeasuredCosts:
         def med(key, i=None, per=1):
             return statistics.median(s[key] if i is None else s[key][i] for s in per_step) / per
         k = micro_batches
+        saved = None   # the most a layer's graph saved in any traced step (none on a trace without them)
+        if all(None not in s["saved"] for s in per_step):
+            saved = tuple(max(s["saved"][i] for s in per_step) for i in range(num_layers))
         return cls(fwd_s=tuple(med("fwd", i, k) for i in range(num_layers)),
                    diff_s=tuple(med("diff", i, k) for i in range(num_layers)),
                    nonlayer_s=med("nonlayer", per=k), step_s=med("step"),
-                   update_s=tuple(med("update", i) for i in range(num_layers)), source=source)
+                   update_s=tuple(med("update", i) for i in range(num_layers)), source=source,
+                   saved_bytes=saved)
 
 
 def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1, layers=None,
@@ -209,6 +222,7 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
     the time the device sat still for it), on the CPU by the host: either way on the clock that the compute
     side spent."""
     fwd, diff, update = [0.0] * L, [0.0] * L, [0.0] * L
+    saved: list[int | None] = [None] * L   # what a re-run with autograd saved (its span's saved_bytes)
     seen = {"fwd": set(), "diff": set(), "bwd": set(), "update": set()}
     step_start, step = None, 0.0
     layer_compute = waits = 0.0
@@ -226,6 +240,8 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
                 raise MeasurementError("the traced step re-ran a segment (a 'recompute' span): measure with a plan "
                                        "that keeps every boundary (policy keep_all)")
             (fwd if kind == "fwd" else diff)[i] += d
+            if kind == "diff" and "saved_bytes" in s.args:
+                saved[i] = max(saved[i] or 0, int(s.args["saved_bytes"]))
             seen[kind].add(i)
             layer_compute += d
         elif s.lane == "wait":
@@ -251,7 +267,7 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
         raise MeasurementError(f"the traced step's blocks and waits ({layer_compute + waits:.4f} s) take longer "
                                f"than the time before step() ({step_start:.4f} s): spans overlap in this trace, so "
                                f"it was not recorded by the engine's trace_next_step")
-    return {"fwd": fwd, "diff": diff, "update": update, "nonlayer": nonlayer, "step": step}
+    return {"fwd": fwd, "diff": diff, "update": update, "nonlayer": nonlayer, "step": step, "saved": saved}
 
 
 def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int) -> None:

@@ -214,6 +214,10 @@ class Problem:
             self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
         if c.selective_fwd_s is not None:
             self.sel_fwd_extra = [max(0.0, sf - f) for sf, f in zip(c.selective_fwd_s, self.fwd_s)]
+        if c.saved_bytes is not None:   # what each layer's graph saved, measured, for the analytic estimate
+            self.ws_bwd = [w - s + m for w, s, m in zip(self.ws_bwd, self.saved, c.saved_bytes)]
+            self.saved = list(c.saved_bytes)
+            self.offl_bytes = [s + a for s, a in zip(self.saved, self.A)]
         self.head_s = c.nonlayer_s
         self.opt_nl, self.opt_l = c.step_s, list(c.update_s)
         self.load_nl = 0.0
