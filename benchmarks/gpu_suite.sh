@@ -3,7 +3,8 @@
 #   1. the chaos tests first (every copy delayed on its CUDA stream by a spin kernel, every NVMe request
 #      and layer update on the host: results must be bit-identical to the calm run), step traces timed by
 #      CUDA events (copies, the blocks' compute and the waits: delayed copies measured as waits), a
-#      resident layer's refresh in forward order on the CUDA stream, emulated links refused on CUDA; then
+#      resident layer's refresh in forward order on the CUDA stream, what each layer's graph saves measured
+#      on CUDA, emulated links refused on CUDA; then
 #      the tests named on_a_gpu: two processes on the one GPU copying from node-shared host weights
 #      registered as pinned; selective and offloaded layers bit-identical to the plans without them; policy
 #      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; stage 3
