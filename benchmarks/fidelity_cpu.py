@@ -40,6 +40,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -257,6 +258,10 @@ def main(argv=None) -> int:
     model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in base.model.layers]
     model_cfg["dtype"] = model_cfg["torch_dtype"] = "float32"   # what the engine computes and streams in
     shape, hw = profile_of(costs, model_cfg, args.gbps, args.nvme_gbps)
+    if costs.saved_bytes is not None:
+        estimate = Problem(shape, hw, Budgets(gpu_reserved_bytes=0), BATCH, SEQ).saved
+        print(f"saved by a layer's graph: measured {statistics.mean(costs.saved_bytes):,.0f} bytes, the analytic "
+              f"estimate {statistics.mean(estimate):,.0f} ({statistics.mean(costs.saved_bytes) / statistics.mean(estimate):.3f}x)")
     nvme_bytes = 10**10 if args.nvme_gbps else 0
     # a device budget halfway between what MegaTrain's policy and keeping every boundary on the device
     # take at their peak: the MILP must choose what to re-run, offload or keep
@@ -282,7 +287,7 @@ def main(argv=None) -> int:
         trace = None
         if args.traces:
             os.makedirs(args.traces, exist_ok=True)
-            slug = name.split(" ")[0].lower()
+            slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")   # one file per plan, whatever its name
             trace = os.path.join(args.traces, f"{slug}-measured.json")
         measured = measure(base, plan, data[:args.warmup + args.steps + (1 if trace else 0)], args.warmup, links,
                            trace, nvme_dir)
