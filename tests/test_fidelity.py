@@ -243,6 +243,30 @@ def test_what_each_layers_graph_saves_is_measured_from_traces(device):
     assert MeasuredCosts.from_dict(c.to_dict()) == c
 
 
+def test_measuring_what_a_graph_saves_keeps_no_graph_alive():
+    """An op that saves its own output (exp), its graph never differentiated: once the output is dropped,
+    the graph goes (the measurement's hook keeps a detached tensor, not the output, which would hold its
+    own node), and a graph that is differentiated gets its gradient as without the measurement."""
+    import gc
+    import weakref
+    from lazytrain.engine.executor import _SavedBytes
+    x = torch.randn(8, 8, requires_grad=True)
+    outputs = []
+    for _ in range(3):
+        with _SavedBytes([x]):
+            y = x.exp()
+        outputs.append(weakref.ref(y))
+        del y
+    gc.collect()
+    assert [r() for r in outputs] == [None] * 3
+    counter = _SavedBytes([x])
+    with counter:
+        y = x.exp()
+    assert counter.nbytes == 8 * 8 * 4
+    y.sum().backward()
+    assert torch.equal(x.grad, x.exp())
+
+
 def test_measured_saved_bytes_replace_the_analytic_internals():
     """A graph layer holds, and an offloaded one sends, what was measured; the backward's working set
     trades the estimate for it too."""

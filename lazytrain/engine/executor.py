@@ -742,7 +742,9 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
             if key not in self._seen:
                 self._seen.add(key)
                 self.nbytes += t.untyped_storage().nbytes()
-            return t
+            # detached: the tensor itself, when it is an output of the op saving it, would hold that op's node,
+            # which holds what is saved: a cycle the garbage collector cannot see when no backward runs
+            return t.detach()
         super().__init__(pack, lambda t: t)
 
 
