@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
@@ -731,25 +732,52 @@ class _Proxy:
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Counts the bytes of the storages autograd saves inside the block, each once, leaving out those of
-    ``outside`` (held anyway: the weights, the input, what the call passes in). It changes nothing saved."""
+    ``outside`` (held anyway: the weights, the input, what the call passes in). It changes nothing saved,
+    and refuses at backward what plain autograd refuses: a saved tensor changed in place after it was
+    saved (autograd checks no version where saved-tensor hooks are set)."""
 
     def __init__(self, outside: list):
         self.nbytes = 0
-        self._seen = {_storage_key(t) for t in outside}
+        self._seen = {key for t in outside for key, _ in _storages(t)}
 
         def pack(t):
-            key = _storage_key(t)
-            if key not in self._seen:
-                self._seen.add(key)
-                self.nbytes += t.untyped_storage().nbytes()
+            for key, nbytes in _storages(t):
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.nbytes += nbytes
             # detached: the tensor itself, when it is an output of the op saving it, would hold that op's node,
             # which holds what is saved: a cycle the garbage collector cannot see when no backward runs
-            return t.detach()
-        super().__init__(pack, lambda t: t)
+            return t.detach(), t._version
+        super().__init__(pack, _unpack_checked)
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.device, t.untyped_storage().data_ptr())
+def _unpack_checked(packed) -> torch.Tensor:
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                           f"{version} instead (seen by LazyTrain's measurement of what a traced block saves)")
+    return t
+
+
+def _storages(t: torch.Tensor) -> list[tuple[tuple, int]]:
+    """(key, bytes) of each storage holding ``t``'s data: a sparse tensor's indices and values, a wrapper
+    subclass's inner tensors; none where no storage can be reached."""
+    if t.layout == torch.sparse_coo:
+        parts = [t._indices(), t._values()]
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [t.crow_indices(), t.col_indices(), t.values()]
+    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = [t.ccol_indices(), t.row_indices(), t.values()]
+    elif is_traceable_wrapper_subclass(t):
+        parts = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+    else:
+        try:
+            s = t.untyped_storage()
+            return [((t.device, s.data_ptr()), s.nbytes())]
+        except (RuntimeError, NotImplementedError):
+            return []
+    return [kb for p in parts if isinstance(p, torch.Tensor) for kb in _storages(p)]
 
 
 def _contents(container):
