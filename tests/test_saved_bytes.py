@@ -1,12 +1,22 @@
-import warnings, torch, torch.nn as nn, torch.nn.functional as F
+"""The measurement of what a traced block's graph saves (executor._SavedBytes): it changes no result, keeps
+autograd's in-place check, and counts tensors whose data sit in other tensors (sparse, wrapper subclasses)."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
 import lazytrain
+from lazytrain.engine.executor import _SavedBytes
 from engine_models import MLPBlock, ModuleListLM, batches, lm_loss
+
 
 class SparseMixBlock(MLPBlock):
     def forward(self, x, adj):   # a graph layer's neighbour mixing: a sparse matrix the call passes in
         h = self.fc1(self.norm(x))
         mixed = torch.sparse.mm(adj, h.flatten(0, 1)).view_as(h)
         return x + self.fc2(F.gelu(mixed))
+
 
 class SparseMixLM(ModuleListLM):
     block = SparseMixBlock
@@ -17,6 +27,7 @@ class SparseMixLM(ModuleListLM):
         for blk in self.stack:
             x = blk(x, adj)
         return self.head(self.extra[0](x))
+
 
 def _train(trace):
     torch.manual_seed(0)
@@ -38,6 +49,7 @@ def _train(trace):
     engine.destroy()
     return losses, saved
 
+
 def test_a_block_that_uses_a_sparse_tensor_trains_alike_traced_or_not():
     plain, _ = _train(False)
     traced, saved = _train(True)
@@ -46,8 +58,6 @@ def test_a_block_that_uses_a_sparse_tensor_trains_alike_traced_or_not():
 
 
 def test_a_saved_tensor_changed_in_place_is_refused_with_the_measurement_as_without():
-    from lazytrain.engine.executor import _SavedBytes
-    import pytest
     x = torch.randn(4, requires_grad=True)
     with _SavedBytes([x]):
         y = x * 2
@@ -58,7 +68,6 @@ def test_a_saved_tensor_changed_in_place_is_refused_with_the_measurement_as_with
 
 
 def test_storageless_tensors_are_counted_by_what_holds_them():
-    from lazytrain.engine.executor import _SavedBytes
     from torch.testing._internal.two_tensor import TwoTensor
     x = torch.randn(4, 4, requires_grad=True)
     sp = torch.eye(4).to_sparse()
