@@ -34,6 +34,14 @@ def assert_trains_like_plain(model, data, config):
     return engine
 
 
+def copy_path_engine(model, **lazytrain_section):
+    """An engine that copies every layer's weights into device slots (the path a GPU takes), also on the
+    CPU, where it would otherwise compute on the weights in place."""
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(**lazytrain_section))
+    engine.weights.zero_copy = False
+    return engine
+
+
 def pass_keys(engine):
     """What training passes still hold on the device tier (kept boundaries, graph layers' weight copies)."""
     return [key for key in engine.tiers["hbm"].keys() if key.startswith("pass")]
@@ -101,9 +109,8 @@ def test_forward_without_backward_frees_its_graph_tail_with_its_output():
     """A forward under grad that is never differentiated (a validation loss, say) holds its graph
     layers' internals and weight copies only as long as its output lives."""
     import gc
-    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(checkpoint_interval=6,
-                                                                                     last_segment_graph=True))
-    engine.weights.zero_copy = False           # the GPU path: graph layers copy their weights
+    # the GPU path: graph layers copy their weights
+    engine = copy_path_engine(make_model("llama"), checkpoint_interval=6, last_segment_graph=True)
     x, y = batches(1)[0]
     loss = lm_loss(engine(x), y)
     held = pass_keys(engine)
@@ -384,9 +391,7 @@ def test_copy_path_through_device_slots_matches_pytorch(graph, one_step):
     model = make_model("llama")
     data = batches(3)
     ref = reference_train(model, data, device=AUTO_DEVICE)
-    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2,
-                                                                         last_segment_graph=graph))
-    engine.weights.zero_copy = False
+    engine = copy_path_engine(model, checkpoint_interval=2, last_segment_graph=graph)
     fetched = []
     original_fetch = engine.weights.fetch_into
     slot_of = {}   # a window of two re-run layers takes a third buffer while it is prefetched
@@ -412,9 +417,7 @@ def test_a_window_of_re_run_layers_is_prefetched_whole_while_the_window_before_c
     model = make_model("llama")
     data = batches(2)
     ref = reference_train(model, data, device=AUTO_DEVICE)
-    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=3,
-                                                                         last_segment_graph=False))
-    engine.weights.zero_copy = False
+    engine = copy_path_engine(model, checkpoint_interval=3, last_segment_graph=False)
     log = []
     fetch, acquire = engine.weights.fetch_into, engine.stream.acquire
     engine.weights.fetch_into = lambda i, buf: log.append(f"F{i}") or fetch(i, buf)
@@ -441,9 +444,7 @@ def test_a_window_prefetch_without_room_for_its_buffers_stops_and_fetches_on_dem
     data = batches(2)
     ref = reference_train(model, data, device=AUTO_DEVICE)
     layer_bytes = 37120   # the test model's layer: 9280 fp32 parameters
-    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=3,
-                                                                         last_segment_graph=False))
-    engine.weights.zero_copy = False
+    engine = copy_path_engine(model, checkpoint_interval=3, last_segment_graph=False)
     assert engine.weights.layer_numels == [layer_bytes // 4] * 6
     hbm = engine.weights.device_tier   # what it holds now (the kept buffers; on a GPU the embedding too), and room
     assert "weights.slot0" in hbm and "weights.slot1" in hbm
@@ -1461,9 +1462,7 @@ def test_a_graph_tails_backward_holds_no_window_it_does_not_fetch():
     model = make_model("llama")
     data = batches(2)
     ref = reference_train(model, data, device=AUTO_DEVICE)
-    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=3,
-                                                                         last_segment_graph=True))
-    engine.weights.zero_copy = False
+    engine = copy_path_engine(model, checkpoint_interval=3, last_segment_graph=True)
     assert engine.executor.graph_start == 3
     held = {}
     backward_layer = engine.executor.backward_layer
@@ -1493,9 +1492,7 @@ def test_extra_buffers_of_an_abandoned_prefetch_go_once_their_copies_land():
     model = make_model("llama")
     data = batches(2)
     ref = reference_train(model, data, device=AUTO_DEVICE)
-    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=3,
-                                                                         last_segment_graph=False))
-    engine.weights.zero_copy = False
+    engine = copy_path_engine(model, checkpoint_interval=3, last_segment_graph=False)
     stream = engine.stream
     holding, held = [False], []
     fetch, start, acquire = engine.weights.fetch_into, stream.start, stream.acquire
@@ -1507,10 +1504,10 @@ def test_extra_buffers_of_an_abandoned_prefetch_go_once_their_copies_land():
         held.append((Future(), handle.wait()))
         return TransferHandle(future=held[-1][0])
 
-    def first_backward_start(seq, window_sizes=None):
-        holding[0] = window_sizes is not None and max(window_sizes) > 1 and not held
+    def first_backward_start(windows):
+        holding[0] = max((len(w) for w in windows), default=0) > 1 and not held
         try:
-            start(seq, window_sizes)
+            start(windows)
         finally:
             holding[0] = False
 

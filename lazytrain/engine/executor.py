@@ -198,7 +198,7 @@ class LayerStreamingExecutor:
         """Expect these layers next, window by window (the Plan's windows: each window's layers are
         prefetched while the one before it computes)."""
         with torch.inference_mode(False):   # it prefetches: see _acquire
-            self.stream.start([i for w in windows for i in w], [len(w) for w in windows])
+            self.stream.start(windows)
 
     def _acquire(self, layer: int) -> torch.Tensor:
         """Layer's compute weights on the device; then start prefetching the next layer in the sequence.

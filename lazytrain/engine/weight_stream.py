@@ -99,25 +99,20 @@ class WeightStream:
         return self.weights.zero_copy
 
     # ---- the order of fetches ----------------------------------------------------------------------
-    def start(self, seq: list[int], window_sizes: list[int] | None = None) -> None:
-        """Expect the layers in ``seq`` next, in windows of ``window_sizes`` consecutive layers (default:
-        one each). A prefetch of the old sequence is abandoned; its copy stays with its slot until a later
-        copy into that slot waits for it."""
-        sizes = [1] * len(seq) if window_sizes is None else list(window_sizes)
-        if sum(sizes) != len(seq) or any(n < 1 for n in sizes):
-            raise ValueError(f"window sizes {sizes} do not split a sequence of {len(seq)} layers")
-        ends, at = [], 0
-        for n in sizes:
-            at += n
-            ends.extend([at] * n)
+    def start(self, windows: list[list[int]]) -> None:
+        """Expect these layers next, window by window. A prefetch of the old sequence is abandoned; its copy
+        stays with its slot until a later copy into that slot waits for it."""
+        seq, ends = [], []
+        for w in windows:
+            seq.extend(w)
+            ends.extend([len(seq)] * len(w))
         with self._lock:
-            self._seq, self._window_end = list(seq), ends
+            self._seq, self._window_end = seq, ends
             self._cursor = self._next = 0
             self._prefetched, self._deferred = {}, None
             # the layer last taken is done with once its queued compute has run: the new sequence takes
-            # it again into a slot of its own (a graph layer computes on its own copy)
+            # it again into a slot of its own (a graph layer computes on its own copy); extras are trimmed
             self._move_to(None)
-            self._trim()
             self._prefetch_next()
 
     def acquire(self, layer: int) -> torch.Tensor:
