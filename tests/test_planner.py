@@ -107,7 +107,7 @@ def test_moe_flops_are_those_of_the_routed_width():
     h = MOE_BASE["hidden_size"]
     assert moe.layers[0].fwd_flops_per_token(1024) == dense.layers[0].fwd_flops_per_token(1024) + 2 * h * 4
     assert moe.layers[0].params == dense.layers[0].params + 2 * 3 * h * 96 + h * 4
-    assert moe.layers[0].saved_elems_per_token() == dense.layers[0].saved_elems_per_token()
+    assert moe.layers[0].saved_bytes_per_token(2) == dense.layers[0].saved_bytes_per_token(2)
 
 
 def test_measured_sizes_decide_which_layers_are_sparse():
@@ -556,7 +556,7 @@ def test_the_global_batch_search_skips_no_micro_batch_whose_plans_beat_the_best(
     hw = HardwareProfile(name="toy-slow-h2d", achievable_tflops=1e-4, h2d_gbps=1e-5, d2h_gbps=10.0,
                          nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
     model = ModelShape.from_layers("toy", [2000, 2000, 12000], hidden=64, vocab_size=0, tied_embeddings=True,
-                                   q_dim=16, kv_dim=16, ffn=16)
+                                   q_dim=16, kv_dim=16, ffn=16, saved_bytes_per_token=5 * 64 * 2)
     budgets = Budgets(gpu_bytes=175_000, host_bytes=10 ** 7, gpu_reserved_bytes=0, loss_chunk_tokens=16)
     opts = MilpOptions(max_segment=3)
     steps = {}
@@ -576,7 +576,7 @@ def test_the_floor_counts_the_host_optimizer_for_the_parameters_it_updates():
     hw = HardwareProfile(name="toy-slow-opt", achievable_tflops=1e-4, h2d_gbps=10.0, d2h_gbps=10.0,
                          nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=1e-6)
     model = ModelShape.from_layers("toy", [2000, 3000, 2500], hidden=64, vocab_size=4000, tied_embeddings=True,
-                                   q_dim=16, kv_dim=16, ffn=16)
+                                   q_dim=16, kv_dim=16, ffn=16, saved_bytes_per_token=5 * 64 * 2)
     for where in ("host", "device"):
         p = Problem(model=model, hardware=hw, micro_batch=4, seq_len=16,
                     budgets=Budgets(gpu_bytes=10 ** 8, host_bytes=10 ** 8, gpu_reserved_bytes=0, loss_chunk_tokens=16,

@@ -85,9 +85,12 @@ def test_hybrid_layers_against_a_hand_computation():
     # 2 * value heads * (chunk * (2*dk + 2*dv) + 3*dk*dv) = 2 * 4 * (64 * 32 + 192)
     assert full.fwd_flops_per_token(32) == 2 * 41120 + 2 * 32 * 64
     assert lin.fwd_flops_per_token(32) == lin.fwd_flops_per_token(4096) == 2 * 33680 + 17920
-    # saved per token: 3h + 4 ffn, plus 2q + 2kv + gate q (full) or 2*conv + 2*vh*dk + 4*vw + vh*chunk
-    assert full.saved_elems_per_token() == 192 + 512 + 128 + 64 + 64 == 960
-    assert lin.saved_elems_per_token() == 192 + 512 + 128 + 64 + 128 + 256 == 1280
+    # saved bytes per token in bf16: two fp32-scaled norms (fp32 input copy 4h, fp32 normalised 4h, output 2h
+    # each) and the MLP's four ffn-wide tensors (2 * 4 * 128); full attention: q, k, v, output 2 * (2q + 2kv),
+    # q/k norms (fp32 input and normalised: 8 * (q + kv)), the gate's sigmoid and product 2 * 2q; Gated DeltaNet
+    # 2 * (2*conv + 2*vh*dk + 4*vw + vh*chunk)
+    assert full.saved_bytes_per_token(2) == 20 * 64 + 1024 + 2 * (128 + 64) + 8 * (64 + 32) + 2 * 128 == 3712
+    assert lin.saved_bytes_per_token(2) == 20 * 64 + 1024 + 2 * (128 + 64 + 128 + 256) == 3456
     assert m.total_params == 2 * (41120 + 33680) + 2 * 100 * 64 + 64
 
 

@@ -39,8 +39,7 @@ def round_problem() -> Problem:
 
 def test_an_offloaded_layer_moves_its_internals_and_its_input():
     p = toy_problem(3, 1.0)
-    # the toy layer saves two norm outputs and the residual sum (3 x 64), gate, up, activation and product
-    # (4 x 16), q, k, v and the attention output (2 x 16 + 2 x 16) per token: 5 boundaries; its input: 1
+    # the toy layer saves 5 boundaries' worth per token (toy_model); its input: 1
     assert p.saved == [5 * A_BYTES] * 3 and p.offl_bytes == [6 * A_BYTES] * 3
     # its backward alone, measured or not: the forward with autograd and backward, less the forward
     q = round_problem()

@@ -19,9 +19,10 @@ SLOW_HW = HardwareProfile(name="toy-slow-link", achievable_tflops=1e-4, h2d_gbps
 
 
 def toy_model(L: int) -> ModelShape:
+    """Layers that save five boundaries' worth per token (the toys' hand computations count in boundaries)."""
     params = [2000, 3000, 2500, 2200, 2800, 2000][:L]
     return ModelShape.from_layers("toy", params, hidden=64, vocab_size=0, tied_embeddings=True,
-                                  q_dim=16, kv_dim=16, ffn=16)
+                                  q_dim=16, kv_dim=16, ffn=16, saved_bytes_per_token=5 * 64 * 2)
 
 
 def toy_problem(L: int, gpu_extra: float, host_slots: int = 2, nvme_slots: int = 0, hw=TOY_HW) -> Problem:

@@ -10,9 +10,10 @@ parameters (token embedding, final norm, LM head). Everything is derived analyti
 - mixture-of-experts layers (see :class:`MoeShape`) store every expert but a token multiplies only its
   top-k experts and the shared ones: FLOPs and activations come from those, memory and transfers from
   all of them;
-- activation bytes per token saved by a layer's forward-with-grad (what its backward reads):
-  ``(3*h + 2*q_dim + 2*kv_dim + 4*ffn) * dtype_bytes`` (norm outputs, q, k, v, attention output,
-  the residual sum, gate, up, activation and product of the MLP; the layer input is a boundary);
+- activation bytes per token saved by a layer's forward-with-grad (what its backward reads): what
+  transformers' layers save, tensor by tensor (:meth:`LayerShape.saved_bytes_per_token`: the RMSNorms'
+  fp32 inputs, normalised inputs and outputs, q, k, v and the attention output, the MLP's gate, up,
+  activation and product; the layer input is a boundary);
 - the boundary (hidden state) is ``tokens * hidden * dtype_bytes`` bytes;
 - hybrid stacks (Qwen3-Next, Qwen3.5: ``layer_types`` or ``full_attention_interval``) mix full-attention
   layers (with Qwen3-Next's output gate and q/k norms) and Gated DeltaNet linear-attention layers
@@ -118,6 +119,9 @@ class LayerShape:
     active_params: int | None = None   # parameters one token multiplies (MoE: fewer than ``params``)
     linear: LinearAttention | None = None   # a Gated DeltaNet token mixer instead of attention
     attn_gate: bool = False  # attention output scaled by a sigmoid gate (Qwen3-Next, Qwen3.5)
+    qk_norm: bool = False    # q and k RMS-normalised per head before the rotary embedding (Qwen3, Qwen3.5)
+    norm_fp32_weight: bool = False  # RMSNorms scale by (1 + weight) in fp32, cast after (Qwen3-Next, Qwen3.5)
+    saved_bytes: int | None = None  # bytes per token its autograd saves, where given; else derived from the shape
 
     def fwd_flops_per_token(self, seq_len: int) -> float:
         active = self.params if self.active_params is None else self.active_params
@@ -125,11 +129,39 @@ class LayerShape:
             return 2.0 * active + self.linear.mixing_flops_per_token()
         return 2.0 * active + 2.0 * seq_len * self.q_dim
 
-    def saved_elems_per_token(self) -> int:
-        mlp = 3 * self.hidden + 4 * self.ffn        # two norm outputs, the residual sum; gate, up, act, product
+    def saved_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes per token that autograd keeps from the layer's forward for its backward, tensor by tensor
+        as transformers' Llama, Qwen2, Qwen3 and Qwen3.5 layers save them (measured with saved-tensor hooks
+        in fp32 and bf16: tests/test_saved_bytes_model.py), the layer input (a boundary) left out:
+
+        - each of the two RMSNorms: its input in fp32 for the variance (a copy below fp32; in fp32 the first
+          norm's is the layer input itself and the second's the residual sum), its normalised input (for the
+          weight's gradient: fp32 where the norm scales in fp32) and its output (the projections' input);
+        - full attention: q and k after the rotary embedding, v (k and v at the key/value heads: SDPA's
+          grouped-query path) and the attention output; with q/k norms, each one's input in fp32 (in fp32 the
+          projection's output, with its gate half where q and the gate share one) and its normalised input;
+          with the output gate, the gate's sigmoid and the gated product (o_proj's input);
+        - the MLP: gate, up, activation and product;
+        - a Gated DeltaNet mixer: :meth:`LinearAttention.saved_elems_per_token` in the compute dtype (not
+          measured: on the CPU transformers runs its reference implementation, not the CUDA kernels).
+
+        Left out: the norms' reciprocal RMS and the attention's log-sum-exp, 4 bytes per token and head each.
+        A layer given its ``saved_bytes`` (a block that is no such layer) saves those.
+        """
+        if self.saved_bytes is not None:
+            return self.saved_bytes
+        e, h, q, kv = dtype_bytes, self.hidden, self.q_dim, self.kv_dim
+        normed = 4 if self.norm_fp32_weight else e
+        norms = (4 * h if e < 4 else 0) + 4 * h + 2 * (normed + e) * h
+        mlp = 4 * self.ffn * e
         if self.linear is not None:
-            return mlp + self.linear.saved_elems_per_token()
-        return mlp + 2 * self.q_dim + 2 * self.kv_dim + (self.q_dim if self.attn_gate else 0)
+            return norms + mlp + self.linear.saved_elems_per_token() * e
+        attn = (2 * q + 2 * kv) * e
+        if self.qk_norm:
+            attn += (4 + normed) * (q + kv) + (4 * q if e == 4 and self.attn_gate else 0)
+        if self.attn_gate:
+            attn += 2 * q * e
+        return norms + attn + mlp
 
     def selective_elems_per_token(self) -> int:
         """Elements per token that a forward under the selective checkpointing policy keeps for its re-runs
@@ -327,8 +359,10 @@ class ModelShape:
         kinds = cls._layer_kinds(cfg, n_layers)
         hybrid = "linear_attention" in kinds
         gate = hybrid and bool(cfg.get("attn_output_gate", True))
+        model_type = str(cfg.get("model_type", ""))
+        qk_norm = hybrid or model_type in QK_NORM_MODEL_TYPES
         attn = (h * q_dim * (2 if gate else 1) + 2 * h * kv_dim + q_dim * h + 2 * h
-                + ((q_dim + 2 * kv_dim) if bias else 0) + (2 * head_dim if hybrid else 0))
+                + ((q_dim + 2 * kv_dim) if bias else 0) + (2 * head_dim if qk_norm else 0))
         linear = cls._linear_attention(cfg) if hybrid else None
         mixer = {"full_attention": (attn, None, gate), "linear_attention": (
             (linear.params(h) + 2 * h, linear, False) if linear else None)}
@@ -337,7 +371,8 @@ class ModelShape:
 
         def shapes(kind: str) -> "tuple[LayerShape, LayerShape | None]":
             mix, lin, g = mixer[kind]
-            common = dict(hidden=h, q_dim=q_dim, kv_dim=kv_dim, linear=lin, attn_gate=g)
+            common = dict(hidden=h, q_dim=q_dim, kv_dim=kv_dim, linear=lin, attn_gate=g, qk_norm=qk_norm,
+                          norm_fp32_weight=hybrid or model_type in FP32_NORM_MODEL_TYPES)
             d = LayerShape(params=mix + 3 * h * dense_ffn, ffn=dense_ffn, **common)
             if moe is None:
                 return d, None
@@ -417,10 +452,17 @@ class ModelShape:
     @classmethod
     def from_layers(cls, name: str, layer_params: list[int], hidden: int, vocab_size: int = 0,
                     tied_embeddings: bool = True, q_dim: int | None = None, kv_dim: int | None = None,
-                    ffn: int | None = None, dtype_bytes: int = 2) -> "ModelShape":
-        """Explicit per-layer parameter counts (attention/MLP widths default to a 4h-FFN MHA block)."""
+                    ffn: int | None = None, dtype_bytes: int = 2,
+                    saved_bytes_per_token: int | None = None) -> "ModelShape":
+        """Explicit per-layer parameter counts (attention/MLP widths default to a 4h-FFN MHA block, whose
+        saved internals are a Llama layer's unless ``saved_bytes_per_token`` gives them)."""
+        if saved_bytes_per_token is not None and (isinstance(saved_bytes_per_token, bool)
+                                                  or not isinstance(saved_bytes_per_token, int)
+                                                  or saved_bytes_per_token < 0):
+            raise ModelShapeError(f"saved_bytes_per_token must be a whole number of bytes >= 0, "
+                                  f"got {saved_bytes_per_token!r}")
         layers = tuple(LayerShape(params=int(p), hidden=hidden, q_dim=q_dim or hidden, kv_dim=kv_dim or hidden,
-                                  ffn=ffn or 4 * hidden) for p in layer_params)
+                                  ffn=ffn or 4 * hidden, saved_bytes=saved_bytes_per_token) for p in layer_params)
         return cls(name=name, layers=layers, hidden=hidden, vocab_size=vocab_size,
                    tied_embeddings=tied_embeddings, dtype_bytes=dtype_bytes)
 
@@ -428,6 +470,14 @@ class ModelShape:
         return {"name": self.name, "num_layers": self.num_layers, "hidden": self.hidden,
                 "vocab_size": self.vocab_size, "tied_embeddings": self.tied_embeddings,
                 "total_params": self.total_params, "throughput_params": self.throughput_params}
+
+
+# Model types whose attention RMS-normalises q and k per head, and whose RMSNorms scale by (1 + weight) in
+# fp32 (what they save differs: LayerShape.saved_bytes_per_token); hybrid stacks do both. Other model types
+# are read as Llama's layer.
+QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+                                 "qwen3_5_moe_text"})
+FP32_NORM_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 
 
 # ---- catalog (Hugging Face config fields; read from the models' published config.json) ---------

@@ -149,8 +149,8 @@ class Problem:
         self.diff_s = [3.0 * f for f in self.fwd_s]                   # forward-with-grad + backward (2x)
         self.head_s = m.head_flops_per_token() * T / self.flops
         self.ws_fwd = [l.fwd_transient_elems_per_token() * T * db for l in m.layers]
-        self.ws_bwd = [(l.saved_elems_per_token() + l.bwd_transient_elems_per_token()) * T * db for l in m.layers]
-        self.saved = [l.saved_elems_per_token() * T * db for l in m.layers]   # a layer's autograd internals
+        self.saved = [l.saved_bytes_per_token(db) * T for l in m.layers]   # a layer's autograd internals
+        self.ws_bwd = [s + l.bwd_transient_elems_per_token() * T * db for s, l in zip(self.saved, m.layers)]
         # selective layers (Plan.selective_layers): the matmul and attention outputs their forward keeps,
         # and the share of a forward their re-runs still take (the non-matmul FLOPs' share, at least
         # SELECTIVE_RERUN_FLOOR)
