@@ -7,7 +7,8 @@
 #      on CUDA, emulated links refused on CUDA; then
 #      the tests named on_a_gpu: two processes on the one GPU copying from node-shared host weights
 #      registered as pinned; selective and offloaded layers bit-identical to the plans without them; policy
-#      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; stage 3
+#      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; lean RMSNorms
+#      bit for bit in bf16 and saving what the planner counts (within 10%) on CUDA; stage 3
 #      with two processes on the one GPU (the non-block parameters partitioned between them) bit for bit as
 #      stage 2; an NCCL group of one training bit for bit as one process;
 #   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
@@ -47,7 +48,7 @@ timeout "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/t
   tests/test_fidelity.py \
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -15
 timeout "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
-  tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py \
+  tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py tests/test_lean_norms.py \
   -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 fi
 

@@ -284,6 +284,7 @@ class LazyTrainSection:
     seq_len: int | None = None          # for the planner; measured from the first batch when absent
     loss_chunk_tokens: int = 0          # >0: a causal LM's head and loss in chunks of this many tokens (no full logits)
     non_block_state: str = "auto"       # auto (host) | host | device: the embedding's and head's fp32 masters and moments
+    lean_norms: bool = True             # the blocks' RMSNorms keep only their inputs for backward (engine/lean_norms.py)
     testing: TestingConfig = field(default_factory=TestingConfig)
 
 
@@ -292,7 +293,7 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
                    "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints",
-                   "loss_chunk_tokens", "auto", "non_block_state"}
+                   "loss_chunk_tokens", "auto", "non_block_state", "lean_norms"}
 
 
 @dataclass(frozen=True)
@@ -748,6 +749,9 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ConfigError(f"config key 'lazytrain.collective_timeout_s' must be a number of seconds > 0, "
                           f"got {timeout!r}")
+    lean = section.get("lean_norms", True)
+    if not isinstance(lean, bool):
+        raise ConfigError(f"config key 'lazytrain.lean_norms' must be true or false, got {lean!r}")
     trust = section.get("trust_checkpoints", False)
     if not isinstance(trust, bool):
         raise ConfigError(f"config key 'lazytrain.trust_checkpoints' must be true or false, got {trust!r}")
@@ -772,4 +776,4 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         milp_time_limit=float(section.get("milp_time_limit", 30.0)), nvme_path=nvme_path,
         seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),
         collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
-        non_block_state=non_block)
+        non_block_state=non_block, lean_norms=lean)

@@ -303,16 +303,20 @@ def test_the_offload_floor_stays_below_the_milps_optimum(hw):
 
 
 
-@pytest.mark.parametrize("flag,allowed", [([], True), (["--no-offload"], False)])
-def test_lazytrain_plan_offloads_unless_told_not_to(monkeypatch, capsys, flag, allowed):
+@pytest.mark.parametrize("flag,allowed,lean", [([], True, True), (["--no-offload"], False, True),
+                                               (["--no-lean-norms"], True, False)])
+def test_lazytrain_plan_offloads_and_counts_lean_norms_unless_told_not_to(monkeypatch, capsys, flag, allowed, lean):
     from lazytrain.cli import main
     from lazytrain.planner import report
     seen = {}
 
     def compare(p, opts, plan=None):
-        seen["opts"] = opts
+        seen["opts"], seen["problem"] = opts, p
         raise ValueError("stopped before solving")
     monkeypatch.setattr(report, "compare", compare)
     assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--micro-batch", "8",
                  "--gpu-mem", "24GiB"] + flag) == 2
     assert seen["opts"].allow_offload is allowed and "stopped before solving" in capsys.readouterr().err
+    p = seen["problem"]   # the RMSNorms' internals as lazytrain.lean_norms runs them, or as transformers saves them
+    assert p.budgets.lean_norms is lean
+    assert p.saved[0] == p.model.layers[0].saved_bytes_per_token(2, lean_norms=lean) * 8 * p.seq_len

@@ -37,6 +37,7 @@ from . import auto_plan, node_memory, sharding
 from .partitioned_params import PartitionedParams
 from . import sharded_checkpoint as sharded_ckpt
 from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
+from .lean_norms import make_norms_lean, restore_norms
 from .distributed import CollectiveError, DistributedContext
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
@@ -291,6 +292,7 @@ class LazyTrainEngine(nn.Module):
             release_cached_pinned_memory()
         # last: a set-up that fails leaves the model's own checkpointing flags as they were
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
+        self._lean_norms = make_norms_lean(blocks) if config.lazytrain.lean_norms else []
         self._step_began: float | None = None   # the first training forward of the step under way
         self._seq_len: int | None = config.lazytrain.seq_len
         self._profile_seq_len: int | None = None   # a saved profile's, until a batch has been seen
@@ -1640,6 +1642,7 @@ class LazyTrainEngine(nn.Module):
         self._hand_model_back()
         for m in self._checkpointing_turned_off:
             m.gradient_checkpointing = True
+        restore_norms(self._lean_norms)
         self._destroyed = True
 
     def _own_weights_again(self) -> None:

@@ -161,6 +161,8 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
                "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * seq_len,
                # where the engine keeps the embedding's and head's optimizer state
                "non_block_state": non_block_state_home(cfg),
+               # what the blocks' RMSNorms save
+               "lean_norms": lt.lean_norms,
                **_host_shares(cfg)}
     if device.type == "cpu":   # no CUDA context, workspace or allocator to hold back
         budgets["gpu_reserved_bytes"] = 0

@@ -74,6 +74,13 @@ def buffer_bytes(p) -> int:
     return 2 * max(p.Wl) + 2 * sum(params * p.model.dtype_bytes for params, _ in structures)
 
 
+def internals_bytes(p, i: int) -> int:
+    """What layer ``i``'s autograd saves and its backward's gradient transients, as MegaTrain runs the
+    transformers layer: its norms keep what they save (LazyTrain's lean norms are LazyTrain's)."""
+    layer, db = p.model.layers[i], p.model.dtype_bytes
+    return (layer.saved_bytes_per_token(db) + layer.bwd_transient_elems_per_token() * db) * p.tokens
+
+
 def gpu_bytes(p, k: int, w: int) -> dict[str, int]:
     """Bytes MegaTrain has allocated on the GPU at the peak of window ``w``, by part (no CUDA context)."""
     L, A = p.L, p.A[0]
@@ -94,7 +101,7 @@ def gpu_bytes(p, k: int, w: int) -> dict[str, int]:
     s = (i // k) * k
     parts["checkpoints"] = checkpoints * A
     parts["re-run outputs of the block"] = (i - s + 1) * A
-    parts["layer internals and gradient transients"] = p.ws_bwd[i]
+    parts["layer internals and gradient transients"] = internals_bytes(p, i)
     parts["boundary gradients"] = 2 * A
     parts["layer gradients"] = p.Gl[i] + (p.Gl[i + 1] if i + 1 < L else 0)
     return parts

@@ -129,7 +129,7 @@ class LayerShape:
             return 2.0 * active + self.linear.mixing_flops_per_token()
         return 2.0 * active + 2.0 * seq_len * self.q_dim
 
-    def saved_bytes_per_token(self, dtype_bytes: int) -> int:
+    def saved_bytes_per_token(self, dtype_bytes: int, lean_norms: bool = False) -> int:
         """Bytes per token that autograd keeps from the layer's forward for its backward, tensor by tensor
         as transformers' Llama, Qwen2, Qwen3 and Qwen3.5 layers save them (measured with saved-tensor hooks
         in fp32 and bf16: tests/test_saved_bytes_model.py), the layer input (a boundary) left out:
@@ -145,6 +145,10 @@ class LayerShape:
         - a Gated DeltaNet mixer: :meth:`LinearAttention.saved_elems_per_token` in the compute dtype (not
           measured: on the CPU transformers runs its reference implementation, not the CUDA kernels).
 
+        With ``lean_norms`` (the engine's ``lean_norms``: each RMSNorm keeps only its input and recomputes the
+        rest in backward), a norm saves its input (the first's is the layer input) and its output, and q/k
+        norms their input (a view of the projection's output: with the output gate, the gate half too).
+
         Left out: the norms' reciprocal RMS and the attention's log-sum-exp, 4 bytes per token and head each.
         A layer given its ``saved_bytes`` (a block that is no such layer) saves those.
         """
@@ -152,12 +156,17 @@ class LayerShape:
             return self.saved_bytes
         e, h, q, kv = dtype_bytes, self.hidden, self.q_dim, self.kv_dim
         normed = 4 if self.norm_fp32_weight else e
-        norms = (4 * h if e < 4 else 0) + 4 * h + 2 * (normed + e) * h
+        if lean_norms:
+            norms = 3 * e * h
+        else:
+            norms = (4 * h if e < 4 else 0) + 4 * h + 2 * (normed + e) * h
         mlp = 4 * self.ffn * e
         if self.linear is not None:
             return norms + mlp + self.linear.saved_elems_per_token() * e
         attn = (2 * q + 2 * kv) * e
-        if self.qk_norm:
+        if self.qk_norm and lean_norms:
+            attn += e * ((2 * q if self.attn_gate else q) + kv)
+        elif self.qk_norm:
             attn += (4 + normed) * (q + kv) + (4 * q if e == 4 and self.attn_gate else 0)
         if self.attn_gate:
             attn += 2 * q * e

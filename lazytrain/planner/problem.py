@@ -85,6 +85,8 @@ class Budgets:
     # micro-batch's backward and their weights copied back after the update) or "device" (16 bytes a
     # parameter on the GPU, updated there: no link carries them, and their update is not timed)
     non_block_state: str = "host"
+    # the engine's lazytrain.lean_norms: each block's RMSNorms keep only their inputs for the backward
+    lean_norms: bool = True
 
     @classmethod
     def of(cls, gpu=None, host=None, nvme=None, **kw) -> "Budgets":
@@ -149,7 +151,7 @@ class Problem:
         self.diff_s = [3.0 * f for f in self.fwd_s]                   # forward-with-grad + backward (2x)
         self.head_s = m.head_flops_per_token() * T / self.flops
         self.ws_fwd = [l.fwd_transient_elems_per_token() * T * db for l in m.layers]
-        self.saved = [l.saved_bytes_per_token(db) * T for l in m.layers]   # a layer's autograd internals
+        self.saved = [l.saved_bytes_per_token(db, self.budgets.lean_norms) * T for l in m.layers]   # autograd internals
         self.ws_bwd = [s + l.bwd_transient_elems_per_token() * T * db for s, l in zip(self.saved, m.layers)]
         # selective layers (Plan.selective_layers): the matmul and attention outputs their forward keeps,
         # and the share of a forward their re-runs still take (the non-matmul FLOPs' share, at least

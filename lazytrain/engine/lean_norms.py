@@ -1,0 +1,64 @@
+"""Lean RMSNorms: a streamed block's RMSNorms keep only their input for the backward, which recomputes the
+rest of the norm.
+
+Why: transformers' RMSNorm computes in fp32 and saves an fp32 copy of its input and its normalised input
+beside its output: in bf16, 8 to 10 bytes per hidden element and norm where the output alone is 2, a fifth
+to a quarter of what a decoder layer saves (planner/models.py, LayerShape.saved_bytes_per_token). Keeping
+the input instead (the layer input or the residual sum, which exist anyway, or a view of a projection's
+output) and recomputing the few elementwise ops in backward costs next to nothing beside the layer's
+matrix multiplies. The recomputation runs the norm's own forward with the weights the forward used, through
+torch.utils.checkpoint: the gradients are those of plain autograd, bit for bit.
+
+A norm is an ``nn.RMSNorm`` or a module whose class name ends in ``RMSNorm`` (transformers' convention),
+called with one tensor. Its forward is replaced on the instance (the class and the state dict are
+untouched); the replacement changes nothing where autograd does not record.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.checkpoint import checkpoint
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
+
+
+def make_norms_lean(blocks: nn.ModuleList) -> list[nn.Module]:
+    """Turns the RMSNorms of ``blocks`` lean; returns them (:func:`restore_norms` undoes it)."""
+    changed = []
+    for block in blocks:
+        for module in block.modules():
+            names = tuple(name for name, _ in module.named_parameters(recurse=False))
+            if (is_rms_norm(module) and "forward" not in module.__dict__
+                    and len(names) == sum(1 for _ in module.parameters())):   # no parameters in children
+                module.forward = partial(_lean_forward, module, names)
+                changed.append(module)
+    return changed
+
+
+def restore_norms(norms: list[nn.Module]) -> None:
+    for module in norms:
+        if isinstance(module.__dict__.get("forward"), partial) and module.forward.func is _lean_forward:
+            del module.forward
+
+
+def _lean_forward(module: nn.Module, names: tuple, hidden, *args, **kwargs):
+    own = type(module).forward
+    if args or kwargs or not torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor):
+        return own(module, hidden, *args, **kwargs)
+    # the weights go in as inputs: the streamed block's are views of a buffer that holds them only while
+    # the executor runs the block, and the backward's recomputation must see the ones the forward used
+    values = tuple(getattr(module, name) for name in names)
+    if not hidden.requires_grad and not any(v.requires_grad for v in values):
+        return own(module, hidden)
+    # an RMSNorm draws no random numbers: no generator state to save and restore
+    return checkpoint(_recompute, module, names, hidden, *values, use_reentrant=False, preserve_rng_state=False)
+
+
+def _recompute(module: nn.Module, names: tuple, hidden: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
+    with _reparametrize_module(module, dict(zip(names, values))):
+        return type(module).forward(module, hidden)

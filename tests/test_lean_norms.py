@@ -1,0 +1,171 @@
+"""Lean RMSNorms (engine/lean_norms.py, on by default): a block's norms keep only their inputs for the
+backward. Training is bit for bit what it is with the norms as transformers wrote them, in every way the
+executor runs a block with autograd (re-runs, a graph tail, selective layers, offloaded internals, copy
+threads with links); what a layer saves shrinks to what the planner counts; ``destroy`` hands the norms
+back as they were."""
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.config import ConfigError
+from lazytrain.engine.executor import _SavedBytes
+from lazytrain.engine.lean_norms import is_rms_norm, make_norms_lean, restore_norms
+from lazytrain.planner.plan import RECOMPUTE, Plan, every_k_plan, keep_all_plan, offload_all_plan
+
+transformers = pytest.importorskip("transformers")
+from engine_models import VOCAB, batches, lm_loss, make_hf_model, train_and_destroy   # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
+LINKS = {"copy_threads": True, "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
+PLANS = {
+    "re-run every layer": every_k_plan(6, 2, home="host"),
+    "graph tail": keep_all_plan(6, home="hbm", last_segment_graph=True),
+    "selective": Plan(num_layers=6, homes=("hbm", RECOMPUTE, RECOMPUTE, "host", RECOMPUTE, RECOMPUTE, "hbm"),
+                      selective_layers=(0, 1, 3), policy="selective"),
+    "offloaded": offload_all_plan(6),
+}
+
+
+def _engine(tmp_path, family, plan, lean, testing=None, bf16=False):
+    path = tmp_path / f"plan-{lean}.json"
+    plan.to_json(str(path))
+    lt = {"policy": "plan", "plan": str(path), "device": "cpu", "lean_norms": lean}
+    if testing:
+        lt["testing"] = testing
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}, "lazytrain": lt}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lazytrain.initialize(model=make_hf_model(family), config=cfg)[0]
+
+
+@pytest.mark.parametrize("plan", list(PLANS), ids=list(PLANS))
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_training_is_bit_for_bit_that_of_the_norms_as_written(tmp_path, family, plan):
+    data = batches(3)
+    engines = {lean: _engine(tmp_path, family, PLANS[plan], lean) for lean in (True, False)}
+    norms = [m for m in engines[True].module.modules() if is_rms_norm(m)]
+    assert norms and all("forward" in m.__dict__ for m in norms if m not in
+                         list(engines[True].module.model.norm.modules()))   # the blocks' norms, not the final one
+    lean, plain = (train_and_destroy(engines[k], data) for k in (True, False))
+    assert lean.keys() == plain.keys()
+    assert all(torch.equal(lean[k], plain[k]) for k in lean)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_bit_for_bit_with_copy_threads_links_and_bf16(tmp_path, bf16):
+    data = batches(2)
+    lean, plain = (train_and_destroy(_engine(tmp_path, "qwen3", PLANS["selective"], k, LINKS, bf16), data)
+                   for k in (True, False))
+    assert all(torch.equal(lean[k], plain[k]) for k in lean)
+
+
+def test_a_layer_saves_its_norms_inputs_only():
+    """A Qwen3 layer (q/k norms) in bf16: the lean norms save what LayerShape counts with lean_norms."""
+    from lazytrain.planner.models import ModelShape
+    model = make_hf_model("qwen3", n_layers=2).to(torch.bfloat16)
+    layer = model.model.layers[0]
+    shape = ModelShape.from_hf_config(model.config.to_dict()).layers[0]
+    counted = {}
+
+    def enter(module, args, kwargs):
+        outside = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, tuple) else (v,))
+                   if isinstance(t, torch.Tensor)] + list(module.parameters())
+        counted["hooks"] = _SavedBytes(outside)
+        counted["hooks"].__enter__()
+
+    layer.register_forward_pre_hook(enter, with_kwargs=True)
+    layer.register_forward_hook(lambda *a, **k: counted["hooks"].__exit__(None, None, None), with_kwargs=True)
+    x = torch.randint(0, VOCAB, (2, 12))
+    results = {}
+    for lean in (False, True):
+        norms = make_norms_lean(model.model.layers) if lean else []
+        model.zero_grad()
+        lm_loss(model(input_ids=x), x).backward()
+        results[lean] = (counted["hooks"].nbytes, {n: p.grad.clone() for n, p in model.named_parameters()})
+        restore_norms(norms)
+    tokens, heads, kv_heads = 2 * 12, 4, 2
+    # the estimate leaves out the attention's log-sum-exp (4 bytes a head); the norms' reciprocal RMS (4 bytes a
+    # norm and, for q and k, a head) is recomputed by the lean norms, saved by the others
+    lse, rsqrt = 4 * heads, 4 * 2 + 4 * (heads + kv_heads)
+    assert results[False][0] == (shape.saved_bytes_per_token(2) + lse + rsqrt) * tokens
+    assert results[True][0] == (shape.saved_bytes_per_token(2, lean_norms=True) + lse) * tokens
+    assert results[True][0] < 0.8 * results[False][0]
+    assert all(torch.equal(results[True][1][n], results[False][1][n]) for n in results[True][1])
+
+
+def test_destroy_hands_the_norms_back_and_the_setting_is_checked():
+    engine = _engine_default()
+    norms = [m for m in engine.module.modules() if is_rms_norm(m) and "forward" in m.__dict__]
+    assert len(norms) == 6 * 2                # two per Llama block; the final norm is no block's
+    engine.destroy()
+    assert not any("forward" in m.__dict__ for m in norms)
+    with pytest.raises(ConfigError, match="config key 'lazytrain.lean_norms' must be true or false, got 'yes'"):
+        lazytrain.initialize(model=make_hf_model("llama"), config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "lazytrain": {"device": "cpu", "lean_norms": "yes"}})
+    off = lazytrain.initialize(model=make_hf_model("llama"), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "lazytrain": {"device": "cpu", "lean_norms": False}})[0]
+    assert not any("forward" in m.__dict__ for m in off.module.modules() if is_rms_norm(m))
+    off.destroy()
+
+
+def _engine_default():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lazytrain.initialize(model=make_hf_model("llama"), config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "lazytrain": {"device": "cpu"}})[0]
+
+
+def test_the_engine_measures_what_the_planner_counts_for_lean_and_written_norms(tmp_path):
+    """The traced re-runs of a keep-every-boundary plan (a Llama in fp32): each layer's measured saved bytes
+    are LayerShape's count with and without lean norms (plus the log-sum-exp, 4 bytes a head, and without
+    lean norms the two norms' reciprocal RMS), the setting the engine hands the planner."""
+    from lazytrain.planner.models import ModelShape
+    shape = ModelShape.from_hf_config(make_hf_model("llama").config.to_dict()).layers[0]
+    tokens, heads = 2 * 12, 4
+    for lean in (True, False):
+        engine = _engine(tmp_path, "llama", keep_all_plan(6, home="hbm"), lean)
+        (x, y), = batches(1)
+        engine.trace_next_step()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        saved = [s.args["saved_bytes"] for s in engine.last_trace.spans if s.name.startswith("diff")]
+        per_token = shape.saved_bytes_per_token(4, lean_norms=lean) + 4 * heads + (0 if lean else 4 * 2)
+        assert saved == [per_token * tokens] * 6
+        engine.destroy()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("plan", ["selective", "offloaded", "graph tail"])
+def test_on_a_gpu_lean_norms_train_bit_for_bit_and_save_less(tmp_path, plan):
+    """On the CUDA path (side-stream copies, the backward on autograd's device thread): bf16 training bit for
+    bit with and without lean norms, and the traced re-runs' saved bytes within 10% of the planner's count
+    (the CUDA attention kernels save their log-sum-exp in layouts of their own)."""
+    from lazytrain.planner.models import ModelShape
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    data = batches(2)
+    shape = ModelShape.from_hf_config(make_hf_model("qwen3").config.to_dict()).layers[0]
+    results = {}
+    for lean in (True, False):
+        path = tmp_path / f"{lean}.json"
+        PLANS[plan].to_json(str(path))
+        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 1.0,
+               "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+               "lazytrain": {"policy": "plan", "plan": str(path), "device": "cuda", "lean_norms": lean}}
+        engine = lazytrain.initialize(model=make_hf_model("qwen3"), config=cfg)[0]
+        engine.trace_next_step()
+        results[lean] = (train_and_destroy(engine, data),
+                         [s.args["saved_bytes"] for s in engine.last_trace.spans if "saved_bytes" in s.args])
+    assert all(torch.equal(results[True][0][k], results[False][0][k]) for k in results[True][0])
+    for lean in (True, False):
+        estimate = shape.saved_bytes_per_token(2, lean_norms=lean) * 2 * 12
+        print(f"lean_norms {lean}: measured {results[lean][1]}, estimate {estimate}")
+        assert results[lean][1] or plan == "offloaded"      # an offloaded layer is never re-run
+        assert all(abs(m - estimate) <= 0.1 * estimate for m in results[lean][1])
