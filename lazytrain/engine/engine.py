@@ -126,6 +126,11 @@ class LazyTrainEngine(nn.Module):
             streams.stop_recording()
         if "executor" in d:
             self.executor.uninstall()
+        # the model's own checkpointing flags and its blocks' norms as they were (set-up may fail after it
+        # changed them: policy "auto" is checked later)
+        for m in d.get("_checkpointing_turned_off", []):
+            m.gradient_checkpointing = True
+        restore_norms(d.get("_lean_norms", []))
         for handle in list(d.get("_load_hooks", [])) + list(d.get("_settle_hooks", [])):
             handle.remove()
         if d.get("layer_updates") is not None:
@@ -290,7 +295,7 @@ class LazyTrainEngine(nn.Module):
             # the pinned buffers sharding let go of (others' gradients and fp32 weights, the copies now shared
             # by the node) go back to the system: torch would keep them cached, pinned, in every rank
             release_cached_pinned_memory()
-        # last: a set-up that fails leaves the model's own checkpointing flags as they were
+        # a set-up that fails from here on hands the flags and the norms back (_hand_model_back)
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
         self._lean_norms = make_norms_lean(blocks) if config.lazytrain.lean_norms else []
         self._step_began: float | None = None   # the first training forward of the step under way
@@ -378,7 +383,7 @@ class LazyTrainEngine(nn.Module):
             links.update(dict.fromkeys(missing, gbps))
         k = self.gradient_accumulation_steps()
         costs = measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
-                                                   micro_batches=k)
+                                                   micro_batches=k, lean_norms=self._config.lazytrain.lean_norms)
         if selective:
             from ..planner.search import as_model_shape
             costs = measured.with_selective(costs, selective, micro_batches=k, layers=selective_layers or None,
@@ -1640,9 +1645,6 @@ class LazyTrainEngine(nn.Module):
             return
         self._own_weights_again()
         self._hand_model_back()
-        for m in self._checkpointing_turned_off:
-            m.gradient_checkpointing = True
-        restore_norms(self._lean_norms)
         self._destroyed = True
 
     def _own_weights_again(self) -> None:

@@ -10,7 +10,7 @@ matrix multiplies. The recomputation runs the norm's own forward with the weight
 torch.utils.checkpoint: the gradients are those of plain autograd, bit for bit.
 
 A norm is an ``nn.RMSNorm`` or a module whose class name ends in ``RMSNorm`` (transformers' convention),
-called with one tensor. Its forward is replaced on the instance (the class and the state dict are
+called with one tensor by position. Its forward is replaced on the instance (the class and the state dict are
 untouched); the replacement changes nothing where autograd does not record.
 """
 from __future__ import annotations
@@ -46,17 +46,20 @@ def restore_norms(norms: list[nn.Module]) -> None:
             del module.forward
 
 
-def _lean_forward(module: nn.Module, names: tuple, hidden, *args, **kwargs):
+def _lean_forward(module: nn.Module, names: tuple, *args, **kwargs):
     own = type(module).forward
-    if args or kwargs or not torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor):
-        return own(module, hidden, *args, **kwargs)
+    # one tensor, by position: anything else (a keyword, more arguments) is the norm as written
+    if len(args) != 1 or kwargs or not torch.is_grad_enabled() or not isinstance(args[0], torch.Tensor):
+        return own(module, *args, **kwargs)
+    hidden = args[0]
     # the weights go in as inputs: the streamed block's are views of a buffer that holds them only while
     # the executor runs the block, and the backward's recomputation must see the ones the forward used
     values = tuple(getattr(module, name) for name in names)
     if not hidden.requires_grad and not any(v.requires_grad for v in values):
         return own(module, hidden)
-    # an RMSNorm draws no random numbers: no generator state to save and restore
-    return checkpoint(_recompute, module, names, hidden, *values, use_reentrant=False, preserve_rng_state=False)
+    # the generator state goes with it: an RMSNorm draws no random numbers, but a module named like one may
+    # (dropout), and its recomputation must draw what its forward drew (saving the state costs next to nothing)
+    return checkpoint(_recompute, module, names, hidden, *values, use_reentrant=False, preserve_rng_state=True)
 
 
 def _recompute(module: nn.Module, names: tuple, hidden: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,9 @@ class MeasuredCosts:
     # bytes layer i's autograd saves for its backward, its input and weights left out (None: not measured;
     # the planner takes its analytic estimate): what a graph layer holds, and an offloaded one sends
     saved_bytes: tuple[int, ...] | None = None
+    # the engine's lazytrain.lean_norms when saved_bytes were measured (None: not known, as in profiles written
+    # before it, taken as they are); planned with the other setting, they are shifted by the estimate's difference
+    lean_norms: bool | None = None
 
     def __post_init__(self):
         L = len(self.fwd_s)
@@ -79,6 +82,8 @@ class MeasuredCosts:
                 raise MeasurementError(f"measured costs: saved_bytes must hold a whole number of bytes >= 0 for each "
                                        f"of the {L} layers, got {list(values)!r}")
             object.__setattr__(self, "saved_bytes", tuple(values))
+        if self.lean_norms is not None and not isinstance(self.lean_norms, bool):
+            raise MeasurementError(f"measured costs: lean_norms must be true, false or null, got {self.lean_norms!r}")
 
     @property
     def num_layers(self) -> int:
@@ -96,11 +101,13 @@ class MeasuredCosts:
 
     @classmethod
     def from_traces(cls, traces: list, num_layers: int, source: str = "measured",
-                    micro_batches: int = 1) -> "MeasuredCosts":
+                    micro_batches: int = 1, lean_norms: bool | None = None) -> "MeasuredCosts":
         """The medians over traced steps. Each layer must have a plain forward and a re-run with autograd
         (a ``diff`` span) followed by its backward (``bwd``): trace a plan that keeps every boundary. With
         gradient accumulation a step runs ``micro_batches`` forwards and backwards: the compute times are
-        per micro-batch (as the cost model counts them), the updates and the host phase per step."""
+        per micro-batch (as the cost model counts them), the updates and the host phase per step.
+        ``lean_norms``: the engine's ``lazytrain.lean_norms`` in the traced steps (what the layers' graphs
+        saved depends on it)."""
         if not traces:
             raise MeasurementError("no traced step to measure from")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -117,7 +124,7 @@ class MeasuredCosts:
                    diff_s=tuple(med("diff", i, k) for i in range(num_layers)),
                    nonlayer_s=med("nonlayer", per=k), step_s=med("step"),
                    update_s=tuple(med("update", i) for i in range(num_layers)), source=source,
-                   saved_bytes=saved)
+                   saved_bytes=saved, lean_norms=lean_norms)
 
 
 def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1, layers=None,

@@ -78,7 +78,9 @@ def internals_bytes(p, i: int) -> int:
     """What layer ``i``'s autograd saves and its backward's gradient transients, as MegaTrain runs the
     transformers layer: its norms keep what they save (LazyTrain's lean norms are LazyTrain's)."""
     layer, db = p.model.layers[i], p.model.dtype_bytes
-    return (layer.saved_bytes_per_token(db) + layer.bwd_transient_elems_per_token() * db) * p.tokens
+    # LazyTrain's (measured, where the costs are) with the norms as written
+    written = layer.saved_bytes_per_token(db) - layer.saved_bytes_per_token(db, p.budgets.lean_norms)
+    return p.ws_bwd[i] + written * p.tokens
 
 
 def gpu_bytes(p, k: int, w: int) -> dict[str, int]:

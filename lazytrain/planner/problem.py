@@ -217,8 +217,13 @@ class Problem:
         if c.selective_fwd_s is not None:
             self.sel_fwd_extra = [max(0.0, sf - f) for sf, f in zip(c.selective_fwd_s, self.fwd_s)]
         if c.saved_bytes is not None:   # what each layer's graph saved, measured, for the analytic estimate
-            self.ws_bwd = [w - s + m for w, s, m in zip(self.ws_bwd, self.saved, c.saved_bytes)]
-            self.saved = list(c.saved_bytes)
+            # measured with the norms' other setting (lazytrain.lean_norms): shifted by the estimate's difference
+            db, lean = self.model.dtype_bytes, self.budgets.lean_norms
+            was = lean if c.lean_norms is None else c.lean_norms   # not known: taken as measured
+            saved = [m + (l.saved_bytes_per_token(db, lean) - l.saved_bytes_per_token(db, was)) * self.tokens
+                     for m, l in zip(c.saved_bytes, self.model.layers)]
+            self.ws_bwd = [w - s + m for w, s, m in zip(self.ws_bwd, self.saved, saved)]
+            self.saved = saved
             self.offl_bytes = [s + a for s, a in zip(self.saved, self.A)]
         self.head_s = c.nonlayer_s
         self.opt_nl, self.opt_l = c.step_s, list(c.update_s)
