@@ -199,7 +199,6 @@ class FP16Config:
 class OffloadConfig:
     device: str = "none"                # none | cpu | nvme
     nvme_path: str | None = None
-    pin_memory: bool = True
 
 
 @dataclass(frozen=True)
@@ -578,8 +577,10 @@ def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadC
         if key in section:
             seen.note(f"{name}.{key}", f"'{name}.{key}' is ignored: LazyTrain derives buffer sizes and "
                                        f"counts from the model and the plan.")
-    return OffloadConfig(device=device, nvme_path=section.get("nvme_path"),
-                         pin_memory=bool(section.get("pin_memory", True)))
+    if section.get("pin_memory", True) is False:   # true is what LazyTrain does anyway
+        seen.note(f"{name}.pin_memory", f"'{name}.pin_memory': false is not honoured: on a GPU LazyTrain keeps "
+                                        f"its host copies in pinned memory, from which copies overlap compute.")
+    return OffloadConfig(device=device, nvme_path=section.get("nvme_path"))
 
 
 def _parse_aio(section) -> AioConfig:

@@ -85,6 +85,19 @@ def test_unimplemented_deepspeed_features_are_listed_in_one_warning_and_off_valu
         assert off not in texts[0]
 
 
+def test_unpinned_offload_is_named_as_not_honoured_and_pinned_is_silent():
+    for name in ("offload_param", "offload_optimizer"):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            parse_config({"train_batch_size": 1, "zero_optimization": {
+                "stage": 2, name: {"device": "cpu", "pin_memory": False}}})
+        assert len(w) == 1 and f"'zero_optimization.{name}.pin_memory': false is not honoured" in str(w[0].message)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            parse_config({"train_batch_size": 1, "zero_optimization": {
+                "stage": 2, name: {"device": "cpu", "pin_memory": True}}})
+
+
 def test_the_stock_hugging_face_zero3_config_warns_once():
     """transformers' documented ZeRO-3 config, with the "auto" values its Trainer fills in."""
     cfg = {"bf16": {"enabled": True},
