@@ -85,3 +85,31 @@ def test_the_estimate_by_hand_for_a_qwen2_layer():
     assert layer.saved_bytes_per_token(4) == 20 * 3584 + 4 * (2 * 3584 + 2 * 512) + 16 * 18944 == 407_552
     given = ModelShape.from_layers("m", [100], hidden=8, saved_bytes_per_token=96).layers[0]
     assert given.saved_bytes_per_token(2) == given.saved_bytes_per_token(4) == 96
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type,extra,index", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_a_selective_layer_keeps_what_the_planner_counts(model_type, extra, index, dtype):
+    """What the engine's selective policy keeps from a forward without autograd (engine/selective.py: the
+    matmul and attention outputs) against LayerShape.selective_elems_per_token, plus the attention's
+    log-sum-exp (4 bytes a head), which the estimate leaves out."""
+    from lazytrain.engine.selective import SelectiveForward
+    cfg = _config(model_type, extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    layer, kept, recording = model.model.layers[index], SelectiveForward(1), []
+
+    def enter(module, args, kwargs):
+        recording.append(kept.recording())
+        recording[-1].__enter__()
+
+    def leave(module, args, kwargs, out):
+        recording[-1].__exit__(None, None, None)
+
+    layer.register_forward_pre_hook(enter, with_kwargs=True)
+    layer.register_forward_hook(leave, with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (BATCH, SEQ)))
+    shape = ModelShape.from_hf_config(cfg.to_dict()).layers[index]
+    e = torch.finfo(dtype).bits // 8
+    assert kept.nbytes() == (shape.selective_elems_per_token() * e + 4 * HEADS) * BATCH * SEQ
