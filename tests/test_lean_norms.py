@@ -169,3 +169,23 @@ def test_on_a_gpu_lean_norms_train_bit_for_bit_and_save_less(tmp_path, plan):
         print(f"lean_norms {lean}: measured {results[lean][1]}, estimate {estimate}")
         assert results[lean][1] or plan == "offloaded"      # an offloaded layer is never re-run
         assert all(abs(m - estimate) <= 0.1 * estimate for m in results[lean][1])
+
+
+def test_the_planner_charges_each_backward_its_norms_recompute():
+    """Qwen2.5-7B's layers: with lean norms a backward also recomputes the two norms, their share of the
+    layer's elementwise ops (8h of 10h + 5 ffn + 3 (q + kv) FLOPs a token) of a selective re-run (at its
+    floor, 0.1 of a forward); a block given its saved bytes has no norms the planner knows of."""
+    from lazytrain.planner.hardware import CATALOG
+    from lazytrain.planner.models import ModelShape, catalog_model
+    from lazytrain.planner.problem import SELECTIVE_RERUN_FLOOR, Budgets, Problem
+    shape = catalog_model("qwen2.5-7b")
+    lean, written = (Problem(model=shape, hardware=CATALOG["h800"], budgets=Budgets(lean_norms=flag), micro_batch=4,
+                             seq_len=1024) for flag in (True, False))
+    h, ffn, q, kv = 3584, 18944, 3584, 512
+    share = 8 * h / (10 * h + 5 * ffn + 3 * (q + kv))
+    assert lean.sel_rerun_s == written.sel_rerun_s
+    assert lean.sel_rerun_s[0] == pytest.approx(SELECTIVE_RERUN_FLOOR * lean.fwd_s[0], rel=1e-12)
+    assert [a - b for a, b in zip(lean.diff_s, written.diff_s)] == pytest.approx(
+        [SELECTIVE_RERUN_FLOOR * f * share for f in lean.fwd_s], rel=1e-9)
+    opaque = ModelShape.from_layers("m", [1000] * 2, hidden=8, saved_bytes_per_token=64)
+    assert [l.norm_flops_per_token() for l in opaque.layers] == [0.0, 0.0]

@@ -191,13 +191,23 @@ class LayerShape:
         :meth:`fwd_flops_per_token` does not count): two RMSNorms (~4 per hidden element each), two residual
         sums (hidden each), the MLP's SiLU (~4 per element) and product (1) over the ffn width; full
         attention: rotary embedding of q and k (~3 per element) and the output gate's sigmoid and product
-        (~5 per element); Gated DeltaNet: :meth:`LinearAttention.elementwise_flops_per_token`. An estimate:
+        (~5 per element) and the q/k norms where there are (~4 per element of q and k); Gated DeltaNet:
+        :meth:`LinearAttention.elementwise_flops_per_token`. An estimate:
         on a GPU these operations are bound by memory traffic, not by FLOPs (see problem.py,
         SELECTIVE_RERUN_FLOOR)."""
         base = 10.0 * self.hidden + 5.0 * self.ffn
         if self.linear is not None:
             return base + self.linear.elementwise_flops_per_token()
-        return base + 3.0 * (self.q_dim + self.kv_dim) + (5.0 * self.q_dim if self.attn_gate else 0.0)
+        return (base + 3.0 * (self.q_dim + self.kv_dim) + (5.0 * self.q_dim if self.attn_gate else 0.0)
+                + (4.0 * (self.q_dim + self.kv_dim) if self.qk_norm else 0.0))
+
+    def norm_flops_per_token(self) -> float:
+        """The RMSNorms' share of :meth:`elementwise_flops_per_token` (~4 per element: two over the hidden
+        state, and q and k per head where they are normed): what lean norms recompute in backward. 0 for a
+        block given its ``saved_bytes``: no norms the planner knows of."""
+        if self.saved_bytes is not None:
+            return 0.0
+        return 8.0 * self.hidden + (4.0 * (self.q_dim + self.kv_dim) if self.qk_norm and self.linear is None else 0.0)
 
     def fwd_transient_elems_per_token(self) -> int:
         """Largest transient of a no-grad forward: gate, up and activation of the MLP (or q,k,v,out)."""

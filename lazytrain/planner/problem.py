@@ -161,6 +161,9 @@ class Problem:
                                             / l.fwd_flops_per_token(S))) for l in m.layers]
         self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
         self.sel_fwd_extra = [0.0] * self.L   # what keeping the outputs adds to a forward (measured only)
+        if self.budgets.lean_norms:   # each backward recomputes its norms: their share of a selective re-run
+            self.diff_s = [d + r * l.norm_flops_per_token() / l.elementwise_flops_per_token()
+                           for d, r, l in zip(self.diff_s, self.sel_rerun_s, m.layers)]
         # offloaded layers (Plan.offloaded_layers): what crosses PCIe each way, the tensors its autograd saves
         # and its input (which ``saved`` leaves out: a graph layer's input is counted as a boundary). No other
         # cost: its forward is charged as any forward (as a graph layer's is), its backward is ``bwd_s``.
