@@ -189,3 +189,16 @@ def test_the_planner_charges_each_backward_its_norms_recompute():
         [SELECTIVE_RERUN_FLOOR * f * share for f in lean.fwd_s], rel=1e-9)
     opaque = ModelShape.from_layers("m", [1000] * 2, hidden=8, saved_bytes_per_token=64)
     assert [l.norm_flops_per_token() for l in opaque.layers] == [0.0, 0.0]
+
+
+def test_megatrain_is_simulated_with_the_norms_as_transformers_runs_them():
+    """MegaTrain's executor model takes no lean-norm recompute in its backwards, whichever setting the
+    Problem plans LazyTrain with: the same step time and memory either way."""
+    from lazytrain.planner.hardware import CATALOG
+    from lazytrain.planner.models import catalog_model
+    from lazytrain.planner.policies import simulate_megatrain
+    from lazytrain.planner.problem import Budgets, Problem
+    runs = [simulate_megatrain(Problem(model=catalog_model("qwen2.5-7b"), hardware=CATALOG["h800"],
+                                       budgets=Budgets.of(gpu="80GB", lean_norms=flag), micro_batch=8, seq_len=1024,
+                                       check=False)) for flag in (True, False)]
+    assert runs[0].step_time_s == runs[1].step_time_s and runs[0].peak_bytes == runs[1].peak_bytes
