@@ -107,7 +107,8 @@ def test_moe_flops_are_those_of_the_routed_width():
     h = MOE_BASE["hidden_size"]
     assert moe.layers[0].fwd_flops_per_token(1024) == dense.layers[0].fwd_flops_per_token(1024) + 2 * h * 4
     assert moe.layers[0].params == dense.layers[0].params + 2 * 3 * h * 96 + h * 4
-    assert moe.layers[0].saved_bytes_per_token(2) == dense.layers[0].saved_bytes_per_token(2)
+    # beside the routed width's MLP tensors, each routed copy of a token's input and its expert's output
+    assert moe.layers[0].saved_bytes_per_token(2) == dense.layers[0].saved_bytes_per_token(2) + 2 * 2 * 64 * 2
 
 
 def test_measured_sizes_decide_which_layers_are_sparse():

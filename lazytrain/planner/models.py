@@ -122,6 +122,7 @@ class LayerShape:
     qk_norm: bool = False    # q and k RMS-normalised per head before the rotary embedding (Qwen3, Qwen3.5)
     norm_fp32_weight: bool = False  # RMSNorms scale by (1 + weight) in fp32, cast after (Qwen3-Next, Qwen3.5)
     saved_bytes: int | None = None  # bytes per token its autograd saves, where given; else derived from the shape
+    moe_top_k: int = 0       # routed experts a token goes to (a mixture-of-experts layer; 0: a dense MLP)
 
     def fwd_flops_per_token(self, seq_len: int) -> float:
         active = self.params if self.active_params is None else self.active_params
@@ -141,7 +142,9 @@ class LayerShape:
           grouped-query path) and the attention output; with q/k norms, each one's input in fp32 (in fp32 the
           projection's output, with its gate half where q and the gate share one) and its normalised input;
           with the output gate, the gate's sigmoid and the gated product (o_proj's input);
-        - the MLP: gate, up, activation and product;
+        - the MLP: gate, up, activation and product (a mixture-of-experts layer's over its routed width, plus
+          each routed copy of the token's input and each expert's output: measured on Qwen3-MoE to within
+          the router's few values, tests/test_planner_lean_norms.py);
         - a Gated DeltaNet mixer: :meth:`LinearAttention.saved_elems_per_token` in the compute dtype (not
           measured: on the CPU transformers runs its reference implementation, not the CUDA kernels).
 
@@ -160,7 +163,8 @@ class LayerShape:
             norms = 3 * e * h
         else:
             norms = (4 * h if e < 4 else 0) + 4 * h + 2 * (normed + e) * h
-        mlp = 4 * self.ffn * e
+        # a routed token's gathered input to each of its experts and that expert's output (for the routing weight)
+        mlp = 4 * self.ffn * e + 2 * self.moe_top_k * h * e
         if self.linear is not None:
             return norms + mlp + self.linear.saved_elems_per_token() * e
         attn = (2 * q + 2 * kv) * e
@@ -396,7 +400,8 @@ class ModelShape:
             if moe is None:
                 return d, None
             return d, LayerShape(params=mix + moe.mlp_params(h), ffn=moe.active_width(),
-                                 active_params=mix + moe.mlp_params(h) - moe.idle_params(h), **common)
+                                 active_params=mix + moe.mlp_params(h) - moe.idle_params(h), moe_top_k=moe.top_k,
+                                 **common)
 
         by_kind = {kind: shapes(kind) for kind in set(kinds)}
         if measured is not None:
@@ -495,7 +500,8 @@ class ModelShape:
 # fp32 (what they save differs: LayerShape.saved_bytes_per_token); hybrid stacks do both. Other model types
 # are read as Llama's layer.
 QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
-                                 "qwen3_5_moe_text"})
+                                 "qwen3_5_moe_text", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe",
+                                 "qwen3_vl_moe_text"})
 FP32_NORM_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 
 

@@ -219,6 +219,11 @@ class Problem:
             self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
         if c.selective_fwd_s is not None:
             self.sel_fwd_extra = [max(0.0, sf - f) for sf, f in zip(c.selective_fwd_s, self.fwd_s)]
+        if c.lean_norms is not None and c.lean_norms != self.budgets.lean_norms:
+            # measured with the norms' other setting: their backward recompute (the charge _derive makes) in or out
+            sign = 1.0 if self.budgets.lean_norms else -1.0
+            self.diff_s = [max(f, d + sign * r * l.norm_flops_per_token() / l.elementwise_flops_per_token())
+                           for d, f, r, l in zip(self.diff_s, self.fwd_s, self.sel_rerun_s, self.model.layers)]
         if c.saved_bytes is not None:   # what each layer's graph saved, measured, for the analytic estimate
             # measured with the norms' other setting (lazytrain.lean_norms): shifted by the estimate's difference
             db, lean = self.model.dtype_bytes, self.budgets.lean_norms
