@@ -32,9 +32,10 @@ def make_norms_lean(blocks: nn.ModuleList) -> list[nn.Module]:
     changed = []
     for block in blocks:
         for module in block.modules():
+            if not is_rms_norm(module) or "forward" in module.__dict__:
+                continue
             names = tuple(name for name, _ in module.named_parameters(recurse=False))
-            if (is_rms_norm(module) and "forward" not in module.__dict__
-                    and len(names) == sum(1 for _ in module.parameters())):   # no parameters in children
+            if len(names) == sum(1 for _ in module.parameters()):   # no parameters in children
                 module.forward = partial(_lean_forward, module, names)
                 changed.append(module)
     return changed

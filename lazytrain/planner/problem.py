@@ -161,9 +161,8 @@ class Problem:
                                             / l.fwd_flops_per_token(S))) for l in m.layers]
         self.sel_rerun_s = [f * r for f, r in zip(self.fwd_s, self.sel_rerun_frac)]
         self.sel_fwd_extra = [0.0] * self.L   # what keeping the outputs adds to a forward (measured only)
-        if self.budgets.lean_norms:   # each backward recomputes its norms: their share of a selective re-run
-            self.diff_s = [d + r * l.norm_flops_per_token() / l.elementwise_flops_per_token()
-                           for d, r, l in zip(self.diff_s, self.sel_rerun_s, m.layers)]
+        if self.budgets.lean_norms:   # each backward recomputes its norms
+            self.diff_s = [d + n for d, n in zip(self.diff_s, self._norm_recompute_s())]
         # offloaded layers (Plan.offloaded_layers): what crosses PCIe each way, the tensors its autograd saves
         # and its input (which ``saved`` leaves out: a graph layer's input is counted as a boundary). No other
         # cost: its forward is charged as any forward (as a graph layer's is), its backward is ``bwd_s``.
@@ -222,8 +221,7 @@ class Problem:
         if c.lean_norms is not None and c.lean_norms != self.budgets.lean_norms:
             # measured with the norms' other setting: their backward recompute (the charge _derive makes) in or out
             sign = 1.0 if self.budgets.lean_norms else -1.0
-            self.diff_s = [max(f, d + sign * r * l.norm_flops_per_token() / l.elementwise_flops_per_token())
-                           for d, f, r, l in zip(self.diff_s, self.fwd_s, self.sel_rerun_s, self.model.layers)]
+            self.diff_s = [max(f, d + sign * n) for d, f, n in zip(self.diff_s, self.fwd_s, self._norm_recompute_s())]
         if c.saved_bytes is not None:   # what each layer's graph saved, measured, for the analytic estimate
             # measured with the norms' other setting (lazytrain.lean_norms): shifted by the estimate's difference
             db, lean = self.model.dtype_bytes, self.budgets.lean_norms
@@ -238,6 +236,12 @@ class Problem:
         self.load_nl = 0.0
         self.tail_s = self.Gl[0] / self.bw_d2h
         self.nonlayer_link_bytes = 0
+
+    def _norm_recompute_s(self) -> list[float]:
+        """What lean norms add to each layer's backward: the norms' share of its elementwise ops, of a
+        selective re-run's time."""
+        return [r * l.norm_flops_per_token() / l.elementwise_flops_per_token()
+                for r, l in zip(self.sel_rerun_s, self.model.layers)]
 
     # ---- windows -------------------------------------------------------------------------
     @property
