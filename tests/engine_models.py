@@ -288,6 +288,26 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     return ModuleListLM(n_layers=n_layers)
 
 
+def around_each_forward(layer: nn.Module, context) -> list:
+    """Runs each forward of ``layer`` inside ``context(outside)``, ``outside`` being the tensors the call passes
+    in and the layer's parameters (what the engine's saved-bytes measurement leaves out); returns the contexts
+    entered, the latest last."""
+    entered = []
+
+    def enter(module, args, kwargs):
+        outside = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, tuple) else (v,))
+                   if isinstance(t, torch.Tensor)] + list(module.parameters())
+        entered.append(context(outside))
+        entered[-1].__enter__()
+
+    def leave(module, args, kwargs, out):
+        entered[-1].__exit__(None, None, None)
+
+    layer.register_forward_pre_hook(enter, with_kwargs=True)
+    layer.register_forward_hook(leave, with_kwargs=True)
+    return entered
+
+
 def make_hf_model(family: str, n_layers: int = 6, dropout: float = 0.0) -> nn.Module:
     """A tiny transformers causal LM of another family, built as users build them (``use_cache`` left at
     its default, on). GPT-2's blocks live at ``transformer.h``; the others at ``model.layers``."""

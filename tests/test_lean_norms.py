@@ -15,7 +15,8 @@ from lazytrain.engine.lean_norms import is_rms_norm, make_norms_lean, restore_no
 from lazytrain.planner.plan import RECOMPUTE, Plan, every_k_plan, keep_all_plan, offload_all_plan
 
 transformers = pytest.importorskip("transformers")
-from engine_models import VOCAB, batches, lm_loss, make_hf_model, train_and_destroy   # noqa: E402
+from engine_models import (VOCAB, around_each_forward, batches, lm_loss, make_hf_model,   # noqa: E402
+                           train_and_destroy)
 
 pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
 LINKS = {"copy_threads": True, "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
@@ -70,23 +71,14 @@ def test_a_layer_saves_its_norms_inputs_only():
     model = make_hf_model("qwen3", n_layers=2).to(torch.bfloat16)
     layer = model.model.layers[0]
     shape = ModelShape.from_hf_config(model.config.to_dict()).layers[0]
-    counted = {}
-
-    def enter(module, args, kwargs):
-        outside = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, tuple) else (v,))
-                   if isinstance(t, torch.Tensor)] + list(module.parameters())
-        counted["hooks"] = _SavedBytes(outside)
-        counted["hooks"].__enter__()
-
-    layer.register_forward_pre_hook(enter, with_kwargs=True)
-    layer.register_forward_hook(lambda *a, **k: counted["hooks"].__exit__(None, None, None), with_kwargs=True)
+    counted = around_each_forward(layer, _SavedBytes)
     x = torch.randint(0, VOCAB, (2, 12))
     results = {}
     for lean in (False, True):
         norms = make_norms_lean(model.model.layers) if lean else []
         model.zero_grad()
         lm_loss(model(input_ids=x), x).backward()
-        results[lean] = (counted["hooks"].nbytes, {n: p.grad.clone() for n, p in model.named_parameters()})
+        results[lean] = (counted[-1].nbytes, {n: p.grad.clone() for n, p in model.named_parameters()})
         restore_norms(norms)
     tokens, heads, kv_heads = 2 * 12, 4, 2
     # the estimate leaves out the attention's log-sum-exp (4 bytes a head); the norms' reciprocal RMS (4 bytes a

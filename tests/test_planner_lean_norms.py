@@ -56,10 +56,11 @@ def test_qwen3_vl_text_layers_have_qk_norms():
 def test_a_qwen3_moe_layer_saves_what_the_estimate_counts():
     """transformers' Qwen3-MoE layer saves, beside the experts' gate/up/act/product (what ``ffn`` counts), each
     routed token's gathered input and its expert's output (for the routing weight's product): 2 x top_k x
-    hidden per token, which the estimate leaves out (23% of the layer in bf16 at this size)."""
+    hidden per token, which the estimate counts too (it had left them out: 23% of the layer in bf16 at this size)."""
     import torch
     transformers = pytest.importorskip("transformers")
     from lazytrain.engine.executor import _SavedBytes
+    from engine_models import around_each_forward
     if "qwen3_moe" not in transformers.CONFIG_MAPPING:
         pytest.skip("no qwen3_moe")
     H, HEADS, KV, HD, B, S, TOPK = 256, 8, 2, 32, 2, 64, 2
@@ -70,19 +71,10 @@ def test_a_qwen3_moe_layer_saves_what_the_estimate_counts():
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    layer, counted = model.model.layers[0], {}
-
-    def enter(module, args, kwargs):
-        outside = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, tuple) else (v,))
-                   if isinstance(t, torch.Tensor)] + list(module.parameters())
-        counted["h"] = _SavedBytes(outside)
-        counted["h"].__enter__()
-
-    layer.register_forward_pre_hook(enter, with_kwargs=True)
-    layer.register_forward_hook(lambda *a, **k: counted["h"].__exit__(None, None, None), with_kwargs=True)
+    counted = around_each_forward(model.model.layers[0], _SavedBytes)
     model(input_ids=torch.randint(0, 128, (B, S))).logits.float().sum().backward()
     shape = ModelShape.from_hf_config(cfg.to_dict()).layers[0]
     small = 4 * 2 + 4 * HEADS + 4 * (HEADS + KV)        # reciprocal RMS, log-sum-exp (as test_saved_bytes_model)
     estimate = (shape.saved_bytes_per_token(2) + small) * B * S
     # within the router's few fp32 values per token (logits, softmax, top-k weights and indices)
-    assert abs(counted["h"].nbytes - estimate) <= 128 * B * S
+    assert abs(counted[-1].nbytes - estimate) <= 128 * B * S

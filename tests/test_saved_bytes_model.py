@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from lazytrain.engine.executor import _SavedBytes
 from lazytrain.planner.models import ModelShape
+from engine_models import around_each_forward
 
 BATCH, SEQ = 2, 64
 HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 256, 704, 8, 2, 32
@@ -34,23 +35,12 @@ def _measure(cfg, dtype: torch.dtype, index: int) -> int:
     the call passes in) left out, as the engine counts them."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
-    layer, counted = model.model.layers[index], {}
-
-    def enter(module, args, kwargs):
-        outside = [t for v in (*args, *kwargs.values()) for t in (v if isinstance(v, tuple) else (v,))
-                   if isinstance(t, torch.Tensor)] + list(module.parameters())
-        counted["hooks"] = _SavedBytes(outside)
-        counted["hooks"].__enter__()
-
-    def leave(module, args, kwargs, out):
-        counted["hooks"].__exit__(None, None, None)
-
-    layer.register_forward_pre_hook(enter, with_kwargs=True)
-    layer.register_forward_hook(leave, with_kwargs=True)
+    layer = model.model.layers[index]
+    counted = around_each_forward(layer, _SavedBytes)
     logits = model(input_ids=torch.randint(0, 128, (BATCH, SEQ))).logits
     logits.float().sum().backward()          # the counted graph is a usable one
     assert layer.mlp.down_proj.weight.grad is not None
-    return counted["hooks"].nbytes
+    return counted[-1].nbytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -97,17 +87,8 @@ def test_a_selective_layer_keeps_what_the_planner_counts(model_type, extra, inde
     cfg = _config(model_type, extra)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
-    layer, kept, recording = model.model.layers[index], SelectiveForward(1), []
-
-    def enter(module, args, kwargs):
-        recording.append(kept.recording())
-        recording[-1].__enter__()
-
-    def leave(module, args, kwargs, out):
-        recording[-1].__exit__(None, None, None)
-
-    layer.register_forward_pre_hook(enter, with_kwargs=True)
-    layer.register_forward_hook(leave, with_kwargs=True)
+    kept = SelectiveForward(1)
+    around_each_forward(model.model.layers[index], lambda outside: kept.recording())
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (BATCH, SEQ)))
     shape = ModelShape.from_hf_config(cfg.to_dict()).layers[index]
