@@ -10,6 +10,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leave_group() -> None:
+    """The end of a rank's run: every rank done with its collectives before any tears the process group down
+    (torch's advice). A rank of a worker that tore its group down with no barrier once aborted (SIGABRT,
+    "terminate called without an active exception") after its work was done."""
+    import torch
+    if torch.distributed.is_initialized():   # a single process makes no group
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def join_as(rank: int, world: int, port: int) -> None:
     """The launcher's environment for rank ``rank`` of ``world`` on this machine."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -41,8 +51,7 @@ def _run_cases(rank: int, world: int, port: int, root: str, cases: list) -> None
         if torch.distributed.is_initialized():   # every rank done with the case before the next begins
             torch.distributed.barrier()
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    if torch.distributed.is_initialized():      # a single process makes no group
-        torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def spawn_cases(world: int, root, cases: dict) -> dict:

@@ -18,7 +18,7 @@ from lazytrain.planner.measured import MachineProfile, MeasurementError
 from lazytrain.planner.plan import Plan
 from lazytrain.planner.search import plan_from_profile
 from lazytrain.tiers import streams
-from dist_helpers import free_port, join_as
+from dist_helpers import free_port, join_as, leave_group
 from engine_models import batches, lm_loss, make_model
 
 LINKS = {"h2d": {"gbps": 0.05}, "d2h": {"gbps": 0.05}}
@@ -345,7 +345,7 @@ def _rank(rank, port, out_dir):
         engine.backward(lm_loss(engine(x[part]), y[part]))
         engine.step()
     torch.save({"plans": plans, "weights": engine.module_state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_path):

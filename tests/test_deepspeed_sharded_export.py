@@ -22,7 +22,7 @@ from lazytrain.engine import safe_load
 
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed_runs as runs  # noqa: E402
-from dist_helpers import free_port, join_as  # noqa: E402
+from dist_helpers import free_port, join_as, leave_group  # noqa: E402
 import test_deepspeed_export as single  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:lazytrain"),
@@ -44,7 +44,7 @@ def _rank(rank, port, root, job_file):
         torch.save(record, os.path.join(root, f"{name}.rank{rank}.pt"))
     torch.distributed.barrier()
     runs.main(job_file)
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dist_helpers import free_port, join_as, reports, spawn_cases
+from dist_helpers import free_port, join_as, leave_group, reports, spawn_cases
 from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
 
 
@@ -125,7 +125,7 @@ def _own_group_worker(rank: int, port: int, out_dir: str):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.save(_train(rank, 2, out_dir, False), os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 def test_a_process_group_the_script_made_itself_is_used(tmp_path):

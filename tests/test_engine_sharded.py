@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dist_helpers import free_port, join_as, reports, spawn_cases
+from dist_helpers import free_port, join_as, leave_group, reports, spawn_cases
 from engine_models import VOCAB, ModuleListLM, batches, lm_loss, make_hf_model, make_model, max_rel_diff, reference_train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -805,7 +805,7 @@ def _one_gpu_worker(rank, port, out_dir):
     on_gpu = weights.to(device, non_blocking=True)
     torch.cuda.synchronize(device)
     torch.save({"pinned": weights.is_pinned(), "values": on_gpu.cpu()}, os.path.join(out_dir, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -835,7 +835,7 @@ def _one_gpu_stage3_worker(rank, port, out_dir, stage):
                 "empty_here": [n for n, p in engine.module.named_parameters() if p.numel() == 0]},
                os.path.join(out_dir, f"rank{rank}.pt"))
     engine.destroy()
-    torch.distributed.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -869,8 +869,7 @@ def _nccl_world_of_one_worker(rank, port, out_dir, with_group):
                 "backend": torch.distributed.get_backend() if with_group else None},
                os.path.join(out_dir, f"group{int(with_group)}.pt"))
     engine.destroy()
-    if with_group:
-        torch.distributed.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -34,4 +34,5 @@ torch.save({"weights": engine.module_state_dict(), "node_shared": engine.node_sh
             "signals_only": engine._one_shared_node,
             "empty_here": [n for n, p in engine.module.named_parameters() if p.numel() == 0]},
            os.path.join(sys.argv[1], f"rank{rank}.pt"))
+torch.distributed.barrier()   # every rank done before any tears the group down
 torch.distributed.destroy_process_group()

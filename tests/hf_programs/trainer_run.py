@@ -51,5 +51,6 @@ torch.save({"weights": weights, "eval_loss": eval_loss, "logits": logits, "step"
             "sharded": getattr(engine, "shards", None) is not None,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]},
            os.path.join(a.out, "result.pt"))
-if torch.distributed.is_initialized():   # under torchrun: the process group torn down before the interpreter
-    torch.distributed.destroy_process_group()   # is (left to exit, a rank once aborted after its work was done)
+if torch.distributed.is_initialized():   # under torchrun: every rank done, then the process group torn down
+    torch.distributed.barrier()           # before the interpreter is (left to exit, or torn down with no
+    torch.distributed.destroy_process_group()   # barrier, a rank once aborted after its work was done)
