@@ -745,6 +745,8 @@ class LazyTrainEngine(nn.Module):
         try:
             with streams.wait_span("gradients to host", self.device):
                 self.weights.flush_grads()
+                if self.masters is not None:
+                    self.masters.flush_grads()
             self.weights.attach_grads()
             self.dist.fill_missing_grads([t for t in self._non_block_grad_holders() if not self._partitioned(t)])
             grads = self._all_grads()
@@ -1076,7 +1078,11 @@ class LazyTrainEngine(nn.Module):
     def _non_block_grad_holders(self) -> list[torch.Tensor]:
         """The trainable tensors outside the blocks whose ``.grad`` the optimizer reads (fp32 masters in
         mixed precision), in the same order on every rank."""
-        owners = self.masters.master_params() if self.masters is not None else self.non_block_params
+        if self.masters is None:
+            owners = self.non_block_params
+        else:
+            self.masters.flush_grads()   # their gradients all landed
+            owners = self.masters.master_params()
         return [p for p in owners if p.requires_grad] + self._extra_params()
 
     def _extra_params(self) -> list[torch.Tensor]:

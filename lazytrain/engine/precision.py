@@ -5,10 +5,15 @@ on the host (see weights.py), and only their streamed compute copies are bf16/fp
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
+
+from ..tiers import streams
+from ..tiers.memory import async_copy, empty_host
 
 
 class Masters:
@@ -17,12 +22,14 @@ class Masters:
     host (a model with nothing to stream on a GPU: its optimizer runs on the host, as the blocks' does).
     Each gradient is added into its master's fp32 ``.grad`` as soon as autograd produces it (so accumulation
     over micro-batches happens in fp32, as the blocks' does), and the weights are copied down after the
-    update."""
+    update. A master on the host gets its gradients through a :class:`MasterGradSink` (the backward goes on
+    while they are copied); whatever reads the masters' gradients goes through ``flush_grads`` first."""
 
     def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._hooks = {}
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
+        self.sink: MasterGradSink | None = None
         for p in params:
             where = p.device if home is None else home
             if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
@@ -31,7 +38,10 @@ class Masters:
                 master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=p.requires_grad)
                 p.data = p.data.to(compute_dtype)
             if p.requires_grad:
-                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(_into_master(master))
+                if self.sink is None and _copied(p.device, master.device):
+                    self.sink = MasterGradSink(compute_dtype)
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(
+                    _into_master(master, self.sink if _copied(p.device, master.device) else None))
             self.pairs.append((p, master))
         self.by_param = {id(p): m for p, m in self.pairs}
 
@@ -41,9 +51,16 @@ class Masters:
         if handle is not None:
             handle.remove()
 
+    def flush_grads(self) -> None:
+        """Every gradient autograd has produced is in its master's ``.grad`` (raises the first failed copy)."""
+        if self.sink is not None:
+            self.sink.flush()
+
     def hand_back(self) -> None:
         """The model as it was given: its parameters in fp32 again (the masters' values, where the parameters
         live) and keeping their own ``.grad`` (after ``destroy()``, or a set-up that failed)."""
+        if self.sink is not None:
+            self.sink.close()
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
@@ -59,6 +76,7 @@ class Masters:
         return [m for _, m in self.pairs]
 
     def master_grads(self) -> list[torch.Tensor]:
+        self.flush_grads()
         return [m.grad for _, m in self.pairs if m.grad is not None]
 
     @contextlib.contextmanager
@@ -85,22 +103,93 @@ class Masters:
     def zero_grad(self) -> None:
         """No gradient at all, not a zero one: a parameter that gets none in the next step is skipped by
         the optimizer (no weight decay, no momentum), as in fp32 training and plain PyTorch."""
+        self.flush_grads()   # a copy still in flight must not land after the zeroing
         for p, m in self.pairs:
             p.grad = None
             m.grad = None
 
 
-def _into_master(master: nn.Parameter):
+def _copied(device: torch.device, home: torch.device) -> bool:
+    """Whether gradients made on ``device`` cross a link to reach masters at ``home`` (with copy threads on,
+    the CPU stands in for a device, as for the streamed layers' gradients)."""
+    return device != home or (device.type == "cpu" and streams.settings().copy_threads)
+
+
+def _into_master(master: nn.Parameter, sink: MasterGradSink | None):
     def hook(p: torch.Tensor) -> None:
-        # a host master: the copy waits for it, in the compute dtype (converted on the host, so that no fp32
-        # copy of a large embedding's gradient is made on the device)
-        grad = p.grad.detach().to(master.device)
-        if master.grad is None:
-            master.grad = grad.to(torch.float32)   # p.grad is dropped below: sharing its storage is safe
+        grad = p.grad.detach()
+        p.grad = None
+        if sink is not None:   # copied beside the backward, in the compute dtype (converted on the host, so
+            sink.submit(master, grad)   # that no fp32 copy of a large embedding's gradient is made on the device)
+        elif master.grad is None:
+            master.grad = grad.to(torch.float32)   # p.grad is dropped above: sharing its storage is safe
         else:
             master.grad.add_(grad)
-        p.grad = None
     return hook
+
+
+class MasterGradSink:
+    """Gradients into host masters without holding up backward. The autograd hook records where on the
+    compute stream the gradient was made and hands it over; one worker thread copies it in pieces of
+    ``CHUNK`` elements through two staging buffers (pinned where an accelerator exists) on the device-to-host
+    stream, the next piece's copy running while the last one is added into the master's fp32 ``.grad``.
+    Gradients land in submission order (micro-batches accumulate in order), and each device gradient is held
+    until its copy is done. ``flush`` waits for all of them and raises the first failure."""
+
+    CHUNK = 16 * 2 ** 20   # elements: 32 MiB of bf16 a staging buffer
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-master-grads")
+        self.pending: collections.deque[Future] = collections.deque()
+        self._staging: list[torch.Tensor] | None = None
+
+    def submit(self, master: nn.Parameter, grad: torch.Tensor) -> None:
+        ready = None
+        if grad.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(grad.device))
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(self._land, master, grad, ready))
+
+    def _land(self, master: nn.Parameter, grad: torch.Tensor, ready) -> None:
+        src = grad.reshape(-1)
+        n = src.numel()
+        if self._staging is None:
+            self._staging = [empty_host(self.CHUNK, self.dtype) for _ in range(2)]
+        first = master.grad is None   # then it is set once whole: a failed copy leaves it missing
+        acc = torch.empty(master.shape, dtype=torch.float32, device=master.device) if first else master.grad
+        dst = acc.view(-1)
+        in_flight = None
+
+        def finish(piece) -> None:
+            handle, staged, start = piece
+            handle.synchronize()
+            part = dst[start:start + staged.numel()]
+            part.copy_(staged) if first else part.add_(staged)
+
+        for k, start in enumerate(range(0, n, self.CHUNK)):
+            staged = self._staging[k % 2][:min(self.CHUNK, n - start)]
+            handle = async_copy(staged, src[start:start + staged.numel()], after=ready, follow_current=False,
+                                direction="d2h", label=f"grads {tuple(master.shape)} [{start}:]")
+            if in_flight is not None:
+                finish(in_flight)
+            in_flight = (handle, staged, start)
+        if in_flight is not None:
+            finish(in_flight)
+        if first:
+            master.grad = acc
+
+    def flush(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+
+    def close(self) -> None:
+        """Waits for what is in flight (a failure is dropped: the model is being handed back), then stops."""
+        while self.pending:
+            self.pending.popleft().exception()
+        self.pool.shutdown(wait=True)
 
 
 class LossScaler:
