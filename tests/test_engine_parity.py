@@ -509,7 +509,9 @@ def test_milp_policy_plans_and_trains(tmp_path):
     data = batches(3)
     engine = assert_trains_like_plain(model, data, ds_config(policy="milp", hardware="h200", seq_len=12,
                                                              gpu_memory="2GB", milp_time_limit=10))
-    assert engine.plan.policy.startswith("milp") and engine.plan.prediction["solver"]["status"] == "optimal"
+    # solved to optimality (the model with unsplit internals copies at least: this toy's windows last
+    # microseconds, and HiGHS's feasibility tolerance of 1e-7 s can leave the split model's proof open)
+    assert engine.plan.policy.startswith("milp") and engine.plan.prediction["solver"]["detail"].startswith("Optimal")
 
 
 def test_milp_policy_plans_the_configs_whole_step_with_its_accumulation():

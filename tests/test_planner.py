@@ -763,6 +763,41 @@ def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):
     assert _host_shares(cfg) == {}
 
 
+def test_embedding_and_head_gradients_leave_beside_the_windows_on_lazytrain_and_after_them_on_megatrain():
+    """LazyTrain's engine copies the head's gradients during the first GRAD_SHARE_WINDOWS backward windows and
+    an earlier micro-batch's last ones during the next one's first forward windows: the step waits only for
+    the last micro-batch's layer-0 and embedding gradients. MegaTrain's executor copies them all at the end
+    of each micro-batch's backward."""
+    from lazytrain.planner.policies import megatrain_plan
+    from lazytrain.planner.problem import GRAD_SHARE_WINDOWS
+    model = catalog_model("qwen2.5-7b")
+    p1 = Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024, budgets=Budgets.of(gpu="70GB"))
+    L, n = p1.L, GRAD_SHARE_WINDOWS
+    plan = every_k_plan(L, 4)
+    r = simulate(p1, plan)
+    shares = [e for e in r.timeline if e.label == "grads embedding/head"]
+    assert [e.window for e in shares] == list(range(L, L + n))
+    assert all(e.end - e.start == pytest.approx(p1.head_grad_bytes / n / p1.bw_d2h, rel=1e-9) for e in shares)
+    tail = [e for e in r.timeline if e.label == "grads L0 + embedding"]
+    assert len(tail) == 1 and tail[0].end - tail[0].start == pytest.approx(p1.tail_s, rel=1e-12)
+    assert p1.tail_s == pytest.approx((p1.Gl[0] + p1.embed_grad_bytes) / p1.bw_d2h, rel=1e-12)
+    # a later micro-batch: the micro-batch before's last gradients in its first forward windows
+    later = simulate(p1, plan, refresh_resident=False)
+    carried = [e for e in later.timeline if e.label == "grads L0 + embedding of the micro-batch before"]
+    assert [e.window for e in carried] == list(range(n))
+    assert sum(e.end - e.start for e in carried) == pytest.approx(p1.carry_bytes / p1.bw_d2h, rel=1e-9)
+    p3 = dataclasses.replace(p1, grad_accum=3)
+    step3 = simulate(p3, plan).step_time_s
+    assert step3 - r.step_time_s == pytest.approx(2 * (later.micro_step_s + p1.load_l[0]), rel=1e-12)
+    # MegaTrain's executor: every micro-batch ends with them, none beside its windows
+    mt = simulate(p1, megatrain_plan(p1), executor="megatrain")
+    assert not [e for e in mt.timeline if e.label.startswith("grads embedding") or "micro-batch before" in e.label]
+    ends = [e for e in mt.timeline if e.label == "grads L0 + embedding/head"]
+    assert len(ends) == 1 and ends[0].end - ends[0].start == pytest.approx(
+        (p1.Gl[0] + p1.nonlayer_w) / p1.bw_d2h, rel=1e-12)
+    assert mt.micro_step_s == pytest.approx(sum(mt.window_s) + ends[0].end - ends[0].start, rel=1e-12)
+
+
 def test_non_block_state_on_the_device_takes_gpu_memory_and_crosses_no_link():
     """Budgets.non_block_state: the embedding's and head's fp32 master, gradient and moments (16 bytes a
     parameter) on the GPU, updated there, or on the host (the default), updated first by the host optimizer,
@@ -775,7 +810,12 @@ def test_non_block_state_on_the_device_takes_gpu_memory_and_crosses_no_link():
     assert NON_BLOCK_DEVICE_STATE_BYTES == 16
     assert dev.gpu_static - host.gpu_static == 16 * n
     assert host.host_static - dev.host_static == pytest.approx(n * host.host_bytes_per_param, abs=1)
-    assert host.tail_s - dev.tail_s == pytest.approx(host.nonlayer_w / host.bw_d2h, rel=1e-12)
+    # the embedding's gradient leaves after layer 0's, the head's and final norm's during the first backward windows
+    embedding = model.vocab_size * model.hidden * model.dtype_bytes
+    assert host.embed_grad_bytes == embedding and host.head_grad_bytes == host.nonlayer_w - embedding > embedding
+    assert dev.embed_grad_bytes == dev.head_grad_bytes == 0
+    assert host.tail_s - dev.tail_s == pytest.approx(embedding / host.bw_d2h, rel=1e-12)
+    assert host.carry_bytes - dev.carry_bytes == embedding
     assert host.load_nl == pytest.approx(host.nonlayer_w / host.bw_h2d) and dev.load_nl == 0
     assert host.opt_nl == pytest.approx(n / host.opt_rate) and dev.opt_nl == 0
     assert host.lower_bound_s()["d2h"] > dev.lower_bound_s()["d2h"]

@@ -92,7 +92,7 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
         m += dev_w[i] >= res[i], f"resident_weights_on_device_{i}"
         if not offload:   # LazyTrain's executor: a kept graph holds its weights (see held below)
             m += dev_w[i] >= keep[i], f"graph_weights_on_device_{i}"
-        m += bwd_w[i] >= 1 - keep[i] - res[i], f"backward_weights_{i}"
+        m += bwd_w[i] >= 1 - dev_w[i], f"backward_weights_{i}"   # held since the forward, or streamed again
     k = p.grad_accum   # micro-batches per step: forward, backward and their copies k times, the optimizer once
     m += t >= k * (t_fwd + t_bwd), "step_is_forward_then_backward"
     m += t_fwd >= sum(p.fwd_s) + p.head_s, "forward_compute"

@@ -54,6 +54,11 @@ SELECTIVE_RERUN_FLOOR = 0.1
 # training the parameter is its own master: the moments only)
 NON_BLOCK_DEVICE_STATE_BYTES = 4 + 4 + 8
 NON_BLOCK_DEVICE_STATE_BYTES_FP32 = 8
+# Gradients the engine copies to the host off the backward's path (the head's, an earlier micro-batch's last
+# ones) share the link with the next this many windows' own copies, in equal parts: the engine queues layers'
+# gradients behind them, and its backward waits only once more than four layers' are queued
+# (engine/weights.py, _GradientSink.max_in_flight).
+GRAD_SHARE_WINDOWS = 4
 
 
 class InfeasibleBudgetError(ValueError):
@@ -201,7 +206,12 @@ class Problem:
         # the embedding's and head's weights (once a step) and gradients (each micro-batch) on the links
         self.nonlayer_link_bytes = 0 if on_device else self.nonlayer_w
         self.load_nl = self.nonlayer_link_bytes / self.bw_h2d
-        self.tail_s = (self.Gl[0] + self.nonlayer_link_bytes) / self.bw_d2h     # last gradients to the host
+        # their gradients leave as autograd finishes them, beside the backward (the engine's copy queue):
+        # the head's and final norm's in the head's backward, copied in the first GRAD_SHARE_WINDOWS backward
+        # windows; the embedding's (a tied one's too) after layer 0's, with layer 0's
+        self.embed_grad_bytes = 0 if on_device else m.vocab_size * m.hidden * db
+        self.head_grad_bytes = self.nonlayer_link_bytes - self.embed_grad_bytes
+        self._last_grads(self.Gl[0] + self.embed_grad_bytes)
         if self.measured is not None:
             self._use_measured(self.measured)
 
@@ -234,8 +244,15 @@ class Problem:
         self.head_s = c.nonlayer_s
         self.opt_nl, self.opt_l = c.step_s, list(c.update_s)
         self.load_nl = 0.0
-        self.tail_s = self.Gl[0] / self.bw_d2h
-        self.nonlayer_link_bytes = 0
+        self.nonlayer_link_bytes = self.embed_grad_bytes = self.head_grad_bytes = 0
+        self._last_grads(self.Gl[0])
+
+    def _last_grads(self, nbytes: int) -> None:
+        """The gradients a micro-batch's backward finishes last (layer 0's, the embedding's): the step waits
+        for the last micro-batch's (``tail_s``); an earlier one's leave during the next micro-batch's first
+        GRAD_SHARE_WINDOWS forward windows (``carry_bytes``), which do not wait for them."""
+        self.carry_bytes = nbytes
+        self.tail_s = nbytes / self.bw_d2h
 
     def _norm_recompute_s(self) -> list[float]:
         """What lean norms add to each layer's backward: the norms' share of its elementwise ops, of a

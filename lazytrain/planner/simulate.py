@@ -24,7 +24,7 @@ from typing import Any
 from ..trace import Timeline
 from . import megatrain
 from .plan import DEVICE_HOME, RECOMPUTE, Plan
-from .problem import Problem, fmt_bytes
+from .problem import GRAD_SHARE_WINDOWS, Problem, fmt_bytes
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
 EXECUTORS = ("lazytrain", "megatrain")   # whose executor runs the plan (megatrain.py: MegaTrain's code)
@@ -61,7 +61,7 @@ class SimResult:
     timeline: list[Event] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)   # per window: start, end, hbm, host, nvme
     violations: list[str] = field(default_factory=list)
-    micro_step_s: float = 0.0    # the first micro-batch: its windows and its last gradients' copy
+    micro_step_s: float = 0.0    # the first micro-batch: its windows (on MegaTrain's executor, and its last gradients' copy)
 
     def trace(self, source: str = "predicted") -> Timeline:
         """The simulated step as a :class:`~lazytrain.trace.Timeline`, the format measured steps use."""
@@ -126,7 +126,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
              executor: str = "lazytrain", *, refresh_resident: bool = True) -> SimResult:
     """Replay ``plan`` on ``executor``: ``"lazytrain"`` (this engine) or ``"megatrain"`` (MegaTrain's code:
     all of a block re-run, its serial host phase and its device memory, see megatrain.py).
-    ``refresh_resident=False`` replays a micro-batch whose resident copies are current (``micro_step_s``)."""
+    ``refresh_resident=False`` replays a later micro-batch of the step (``micro_step_s``): its resident copies
+    are current, and on LazyTrain's executor the micro-batch before it is still copying its last gradients
+    (``Problem.carry_bytes``) in its first windows."""
     L = p.L
     if plan.num_layers != L:
         raise SimulationError(f"plan has {plan.num_layers} layers, the model {p.model.name!r} has {L}")
@@ -148,6 +150,17 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     offl_back = {j: plan.internals_prefetch_split(j) for j in offl}  # {window: share} back to the device
     tasks = window_tasks(p, plan, executor)
     seg_end = {s: e for s, e in plan.segments() if s < g}
+    # gradients copied beside the windows (Problem.GRAD_SHARE_WINDOWS): the head's in the first backward
+    # windows, an earlier micro-batch's last ones in a later micro-batch's first forward windows. MegaTrain's
+    # executor copies them at the end of each micro-batch's backward (tail_each below).
+    shared = min(GRAD_SHARE_WINDOWS, L)
+    beside: dict[int, tuple[str, float]] = {}
+    if mega_k is None:
+        for w in range(L, L + shared):
+            beside[w] = ("grads embedding/head", p.head_grad_bytes / shared)
+        if not refresh_resident:
+            for w in range(shared):
+                beside[w] = ("grads L0 + embedding of the micro-batch before", p.carry_bytes / shared)
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
     last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
     # recomputed boundary -> the window regenerating it
@@ -192,6 +205,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         if w >= L + 1:
             i_prev = p.layer_of(w - 1)
             other_tr.append((f"grads L{i_prev}", {"d2h": p.Gl[i_prev]}, None))
+        if beside.get(w, ("", 0))[1] > 0:
+            other_tr.append((beside[w][0], {"d2h": beside[w][1]}, None))
         for j in offl:                          # internals to the host, the shares after their forward window's
             if w in offl_out[j] and w > j:      # issued as the window starts
                 other_tr.append((_share_label(f"offload internals L{j}", offl_out[j], w),
@@ -318,12 +333,17 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         window_s.append(end - t0)
         t = end
 
-    # --- tail: last gradients to the host, then the host optimizer ---------------------------
+    # --- tail: last gradients to the host (each micro-batch's on MegaTrain's executor, the last one's on
+    # LazyTrain's), then the host optimizer
+    tail_each = (p.Gl[0] + p.nonlayer_link_bytes) / p.bw_d2h if mega_k is not None else 0.0
+    tail_once = 0.0 if mega_k is not None else p.tail_s
     tail_start = t
-    t += p.tail_s
-    exposed["d2h"] += p.tail_s
+    t += tail_each + tail_once
+    exposed["d2h"] += tail_each + tail_once
     if timeline:
-        events.append(Event("d2h", "grads L0 + embedding/head", tail_start, t, 2 * L))
+        events.append(Event("d2h", "grads L0 + embedding" + ("/head" if mega_k is not None else ""),
+                            tail_start, t, 2 * L))
+    micro_step = t - tail_once            # windows (and MegaTrain's gradient copy), once per micro-batch
     opt_start = t
     O = [p.opt_nl]
     for o in p.opt_l:
@@ -348,14 +368,13 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         events.append(Event("optimizer", "embedding/head", opt_start, opt_start + O[0], 2 * L))
         for j in range(L):
             events.append(Event("optimizer", f"update L{j}", opt_start + O[j], opt_start + O[j + 1], 2 * L))
-    micro_step = t                        # windows and the last gradients' copy, once per micro-batch
-    later = micro_step                    # the micro-batches after the first: resident copies are current
-    if p.grad_accum > 1 and resident and refresh_resident:
+    later = micro_step                    # the micro-batches after the first: resident copies are current,
+    if p.grad_accum > 1 and refresh_resident and (resident or beside):   # the last gradients still leaving
         later = simulate(p, plan, strict=False, timeline=False, executor=executor,
                          refresh_resident=False).micro_step_s
     # each later micro-batch's forward waits for layer 0's weights (the first one's copy is in the delay)
     later += 0.0 if 0 in resident else p.load_l[0]
-    step = micro_step + (p.grad_accum - 1) * later + delay
+    step = micro_step + (p.grad_accum - 1) * later + tail_once + delay
     if timeline:   # the rest of the step, so that the timeline ends where the step does
         if plan.overlap_optimizer:
             events.append(Event("wait", "optimizer exposed in the next forward", step - delay, step, 2 * L))
