@@ -57,7 +57,7 @@ def test_micro_batches_accumulate_in_fp32_in_order(copy_threads, monkeypatch):
     streams.configure(copy_threads=True, chaos=streams.Chaos(seed=3, max_delay_s=0.002))
     p = nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16))
     master = nn.Parameter(torch.zeros(4, 6))
-    sink = MasterGradSink(torch.bfloat16)
+    sink = MasterGradSink(torch.bfloat16, max_bytes=4 * 6 * 2)
     parts = [_bf16_grads(seed, (4, 6)) for seed in range(6)]
     for g in parts:
         sink.submit(master, g)
@@ -69,24 +69,101 @@ def test_micro_batches_accumulate_in_fp32_in_order(copy_threads, monkeypatch):
     sink.close()
 
 
-def test_a_failed_first_copy_leaves_the_gradient_missing(copy_threads, monkeypatch):
-    monkeypatch.setattr(MasterGradSink, "CHUNK", 4)
+def _failing_on(monkeypatch, bad_calls: set) -> list:
+    """Copies that fail on the given calls (counted from 1), the others done at once."""
     calls = []
 
-    def failing(dst, src, **kwargs):
+    def copy(dst, src, **kwargs):
         calls.append(src.numel())
-        if len(calls) == 2:
-            raise RuntimeError("link down")
+        if len(calls) in bad_calls:
+            raise RuntimeError(f"link down #{len(calls)}")
         dst.copy_(src)
         return _Done()
-    monkeypatch.setattr(precision, "async_copy", failing)
+    monkeypatch.setattr(precision, "async_copy", copy)
+    return calls
+
+
+def test_a_failed_first_copy_leaves_the_gradient_missing(copy_threads, monkeypatch):
+    monkeypatch.setattr(MasterGradSink, "CHUNK", 4)
+    calls = _failing_on(monkeypatch, {2})
     master = nn.Parameter(torch.zeros(10))
-    sink = MasterGradSink(torch.bfloat16)
+    sink = MasterGradSink(torch.bfloat16, max_bytes=20)
     sink.submit(master, torch.ones(10, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="link down"):
+    with pytest.raises(RuntimeError, match="missing or partly added: call zero_grad"):
         sink.flush()
     assert master.grad is None and calls == [4, 4]
     sink.close()
+
+
+def test_a_gradient_partly_added_keeps_every_flush_failing_until_zero_grad(copy_threads, monkeypatch):
+    """The second micro-batch's copy fails on its third piece: its first pieces were added. No step may read
+    that sum: each flush raises, until zero_grad drops the gradients."""
+    monkeypatch.setattr(MasterGradSink, "CHUNK", 4)
+    calls = _failing_on(monkeypatch, {6})
+    p = nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    masters = Masters([p], torch.bfloat16)
+    for _ in range(2):
+        p.float().sum().backward()   # the hook does not raise the failure: the backward goes on
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="link down #6"):
+            masters.flush_grads()
+    with pytest.raises(RuntimeError, match="link down #6"):
+        masters.master_grads()
+    masters.zero_grad()
+    assert masters.master_of(p).grad is None
+    masters.flush_grads()            # nothing failed since
+    p.float().sum().backward()
+    assert torch.equal(masters.master_grads()[0], torch.ones(10)) and len(calls) == 9
+
+
+def test_zero_grad_clears_after_several_failed_copies(copy_threads, monkeypatch):
+    _failing_on(monkeypatch, {1, 2})   # the link is down for both parameters' copies
+    a, b = (nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(2))
+    masters = Masters([a, b], torch.bfloat16)
+    (a.float().sum() + b.float().sum()).backward()
+    with pytest.raises(RuntimeError, match="link down #1"):
+        masters.flush_grads()
+    masters.zero_grad()               # the recovery the error advises
+    assert all(m.grad is None for m in masters.master_params()) and not masters.sink.pending
+
+
+def test_at_most_one_micro_batch_of_gradients_waits(copy_threads, gated):
+    """Device gradients waiting for the link are memory: a backward past one micro-batch's worth waits."""
+    p = nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16))
+    masters = Masters([p], torch.bfloat16)
+    assert masters.sink.max_bytes == 2000
+    (p.float() * 2).sum().backward()
+    assert len(masters.sink.pending) == 1
+    second = threading.Thread(target=lambda: (p.float() * 3).sum().backward())
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()          # held until the first one lands
+    gated.set()
+    second.join(30)
+    assert not second.is_alive()
+    assert torch.equal(masters.master_grads()[0], torch.full((1000,), 5.0))
+
+
+def test_the_optimizers_zero_grad_drops_gradients_still_on_their_way(tmp_path, copy_threads):
+    """A script that drops a micro-batch with optimizer.zero_grad() before step(): a copy in flight must not
+    bring its gradient back."""
+    import warnings
+
+    import lazytrain
+    from engine_models import batches, lm_loss, make_model
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"testing": {"copy_threads": True, "chaos_seed": 5, "chaos_max_delay_ms": 20}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, optimizer, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    assert engine.masters.sink is not None
+    (x, y), = batches(1)
+    engine.backward(lm_loss(engine(x), y))
+    optimizer.zero_grad()
+    engine.masters.sink.pool.submit(lambda: None).result()
+    assert all(m.grad is None for m in engine.masters.master_params())
+    engine.destroy()
 
 
 class _Done:

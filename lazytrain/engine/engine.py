@@ -237,6 +237,8 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = None
         if self.masters is not None and self.optimizer is not None:   # a group added later reaches the masters too
             self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
+            if self.masters.sink is not None:   # gradients still on their way must not land after it
+                self.optimizer.zero_grad = _after_landing(self.optimizer.zero_grad, self.masters.sink.discard)
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -1690,6 +1692,15 @@ def _onto_masters(add_param_group, master_of):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         return add_param_group({**param_group, "params": [master_of(p) for p in params]})
     return add
+
+
+def _after_landing(zero_grad, discard):
+    """The optimizer's ``zero_grad`` once the masters' gradients in flight have landed (``discard``)."""
+    @functools.wraps(zero_grad)
+    def zero(*args, **kwargs):
+        discard()
+        return zero_grad(*args, **kwargs)
+    return zero
 
 
 def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list[nn.Parameter]],

@@ -30,6 +30,10 @@ class Masters:
         self._hooks = {}
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
+        copied = [p for p in params if p.requires_grad and _copied(p.device, p.device if home is None else home)]
+        if copied:   # one micro-batch's gradients may wait to be copied, the most a device holds of them
+            self.sink = MasterGradSink(compute_dtype, max_bytes=sum(p.numel() for p in copied) * compute_dtype.itemsize,
+                                       max_numel=max(p.numel() for p in copied))
         for p in params:
             where = p.device if home is None else home
             if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
@@ -38,8 +42,6 @@ class Masters:
                 master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=p.requires_grad)
                 p.data = p.data.to(compute_dtype)
             if p.requires_grad:
-                if self.sink is None and _copied(p.device, master.device):
-                    self.sink = MasterGradSink(compute_dtype)
                 self._hooks[id(p)] = p.register_post_accumulate_grad_hook(
                     _into_master(master, self.sink if _copied(p.device, master.device) else None))
             self.pairs.append((p, master))
@@ -103,7 +105,8 @@ class Masters:
     def zero_grad(self) -> None:
         """No gradient at all, not a zero one: a parameter that gets none in the next step is skipped by
         the optimizer (no weight decay, no momentum), as in fp32 training and plain PyTorch."""
-        self.flush_grads()   # a copy still in flight must not land after the zeroing
+        if self.sink is not None:   # a copy still in flight must not land after the zeroing
+            self.sink.discard()
         for p, m in self.pairs:
             p.grad = None
             m.grad = None
@@ -130,37 +133,60 @@ def _into_master(master: nn.Parameter, sink: MasterGradSink | None):
 
 class MasterGradSink:
     """Gradients into host masters without holding up backward. The autograd hook records where on the
-    compute stream the gradient was made and hands it over; one worker thread copies it in pieces of
+    compute stream the gradient was made and hands it over; one worker thread copies it in pieces of at most
     ``CHUNK`` elements through two staging buffers (pinned where an accelerator exists) on the device-to-host
     stream, the next piece's copy running while the last one is added into the master's fp32 ``.grad``.
-    Gradients land in submission order (micro-batches accumulate in order), and each device gradient is held
-    until its copy is done. ``flush`` waits for all of them and raises the first failure."""
+    Gradients land in submission order (micro-batches accumulate in order); each device gradient is held
+    until its copy is done, and at most ``max_bytes`` of them (one micro-batch's) wait: past that, the
+    backward waits for the oldest. A failed landing leaves its gradient missing (the first of a step) or
+    partly added: every ``flush`` raises it from then on, until ``discard`` (zero_grad) drops the gradients."""
 
     CHUNK = 16 * 2 ** 20   # elements: 32 MiB of bf16 a staging buffer
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, max_bytes: int = 0, max_numel: int = CHUNK):
         self.dtype = dtype
+        self.max_bytes = max_bytes
+        self.staging_numel = max(1, min(self.CHUNK, max_numel))
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-master-grads")
-        self.pending: collections.deque[Future] = collections.deque()
+        self.pending: collections.deque[tuple[Future, int]] = collections.deque()
+        self.failed: BaseException | None = None
         self._staging: list[torch.Tensor] | None = None
 
     def submit(self, master: nn.Parameter, grad: torch.Tensor) -> None:
+        """Called from the autograd hook: never raises an earlier copy's failure (``flush`` does)."""
+        grad = grad if grad.is_contiguous() else grad.contiguous()   # on the compute stream, before the event
         ready = None
         if grad.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(grad.device))
-        while self.pending and self.pending[0].done():
-            self.pending.popleft().result()
-        self.pending.append(self.pool.submit(self._land, master, grad, ready))
+        nbytes = grad.numel() * grad.element_size()
+        self._collect(lambda: bool(self.pending) and self.pending[0][0].done())
+        if self.pending and sum(b for _, b in self.pending) + nbytes > self.max_bytes:
+            with streams.wait_span("gradient sink (embedding/head)", grad.device):
+                self._collect(lambda: bool(self.pending) and sum(b for _, b in self.pending) + nbytes > self.max_bytes)
+        self.pending.append((self.pool.submit(self._land, master, grad, ready), nbytes))
+
+    def _collect(self, more) -> None:
+        """Wait for the oldest landings while ``more()``; a failure is kept for ``flush``."""
+        while more():
+            error = self.pending.popleft()[0].exception()
+            if error is not None and self.failed is None:
+                self.failed = error
 
     def _land(self, master: nn.Parameter, grad: torch.Tensor, ready) -> None:
-        src = grad.reshape(-1)
+        src = grad.reshape(-1)   # contiguous: a view
         n = src.numel()
         if self._staging is None:
-            self._staging = [empty_host(self.CHUNK, self.dtype) for _ in range(2)]
+            self._staging = [empty_host(self.staging_numel, self.dtype) for _ in range(2)]
         first = master.grad is None   # then it is set once whole: a failed copy leaves it missing
-        acc = torch.empty(master.shape, dtype=torch.float32, device=master.device) if first else master.grad
+        if first:
+            acc = torch.empty(master.shape, dtype=torch.float32, device=master.device)
+        else:
+            if not master.grad.is_contiguous():   # e.g. zeros_like of a transposed master
+                master.grad = master.grad.contiguous()
+            acc = master.grad
         dst = acc.view(-1)
+        size = self.staging_numel
         in_flight = None
 
         def finish(piece) -> None:
@@ -169,8 +195,8 @@ class MasterGradSink:
             part = dst[start:start + staged.numel()]
             part.copy_(staged) if first else part.add_(staged)
 
-        for k, start in enumerate(range(0, n, self.CHUNK)):
-            staged = self._staging[k % 2][:min(self.CHUNK, n - start)]
+        for k, start in enumerate(range(0, n, size)):
+            staged = self._staging[k % 2][:min(size, n - start)]
             handle = async_copy(staged, src[start:start + staged.numel()], after=ready, follow_current=False,
                                 direction="d2h", label=f"grads {tuple(master.shape)} [{start}:]")
             if in_flight is not None:
@@ -182,14 +208,23 @@ class MasterGradSink:
             master.grad = acc
 
     def flush(self) -> None:
-        while self.pending:
-            self.pending.popleft().result()
+        """Every gradient handed over has landed; raises if any landing failed since the last ``discard``."""
+        self._collect(lambda: bool(self.pending))
+        if self.failed is not None:
+            raise RuntimeError(f"copying an embedding/head gradient to its host master failed "
+                               f"({type(self.failed).__name__}: {self.failed}); that gradient is missing or "
+                               f"partly added: call zero_grad() and redo the step's micro-batches") from self.failed
+
+    def discard(self) -> None:
+        """Waits for what is in flight, forgets any failure: the gradients are about to be dropped."""
+        self._collect(lambda: bool(self.pending))
+        self.failed = None
 
     def close(self) -> None:
         """Waits for what is in flight (a failure is dropped: the model is being handed back), then stops."""
-        while self.pending:
-            self.pending.popleft().exception()
+        self.discard()
         self.pool.shutdown(wait=True)
+        self._staging = None
 
 
 class LossScaler:
