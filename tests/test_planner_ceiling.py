@@ -96,6 +96,20 @@ def test_offload_is_limited_by_the_forward_phase_on_a_slow_link():
     assert f.step_s == pytest.approx(step_floor(p, selective=False).step_s - parked * p.fwd_s[1], rel=1e-9)
 
 
+def test_each_phase_waits_for_its_weights_on_a_slow_link():
+    """No room for residency (but the last layer's, whose weights are on the device at the turn anyway) and a
+    slow host-to-device link: each forward streams every other layer's weights but the two the weight
+    stream's slots may hold before it starts, and each backward the same again."""
+    slow = HardwareProfile(name="toy-slow-h2d", achievable_tflops=1e-4, h2d_gbps=0.0001, d2h_gbps=10.0,
+                           nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
+    p = fast_problem(4, room=0, hw=slow)
+    f = step_floor(p, selective=False)
+    streamed = (sum(p.Wl[:-1]) - 2 * max(p.Wl)) / p.bw_h2d
+    assert streamed > sum(p.fwd_s) + p.head_s                     # the link binds the forward
+    assert f.forward_s == pytest.approx(streamed, rel=1e-9)
+    assert f.backward_s >= streamed * (1 - 1e-9)
+
+
 def test_smaller_internals_lower_the_floor_and_the_fraction_search_inverts_it():
     p = fast_problem(4, room=1, host_bytes_extra=0)
     full = step_floor(p, offload=True, selective=False)

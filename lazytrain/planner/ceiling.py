@@ -24,7 +24,8 @@ that counts memory and links:
   backward unless the layer keeps its graph (which holds its weights), is resident (its weights on the
   device the whole step, in the room at the turn, refreshed once per step) or is the last layer; the
   embedding and head come once per step. At small micro-batches with gradient accumulation this traffic
-  can bound the step;
+  can bound the step, and each phase's share of it crosses while that phase runs (the weight stream copies
+  at most a window ahead: two layers' weights may arrive before their phase starts);
 - a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
 
 ``internals_fraction`` scales the bytes a layer must keep to skip its re-run entirely (1.0: its internals
@@ -118,6 +119,13 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     # once per step
     restreamed = pulp.lpSum(bwd_w[i] * p.Wl[i] for i in range(L - 1))
     refreshed = pulp.lpSum(res[i] * p.Wl[i] for i in range(L))
+    # each phase's weights cross while it runs: the weight stream copies a window's weights at most a window
+    # ahead (two slots), so at most two layers' arrive before their phase starts (later micro-batches: resident
+    # copies current)
+    ahead = 2 * max(p.Wl)
+    m += t_fwd * p.bw_h2d >= pulp.lpSum((1 - res[i]) * p.Wl[i] for i in range(L)) - ahead, \
+        "forward_weights_during_forward"
+    m += t_bwd * p.bw_h2d >= restreamed + parked - ahead, "backward_weights_and_internals_during_backward"
     m += t * p.bw_h2d >= k * (sum(p.Wl) - refreshed + restreamed + parked) + refreshed + p.nonlayer_link_bytes, \
         "h2d_link_over_the_step"
     m += t * p.bw_d2h >= k * (sum(p.Gl) + p.nonlayer_link_bytes + parked), "d2h_link_over_the_step"
