@@ -49,7 +49,7 @@ timeout "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/t
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -15
 timeout "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
   tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py tests/test_lean_norms.py \
-  -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
+  tests/test_master_grad_sink.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 fi
 
 if [[ $ONLY == *2* ]]; then

@@ -190,3 +190,24 @@ def test_a_master_on_the_same_cpu_without_copy_threads_is_added_at_once():
     assert masters.sink is None
     (p.float() * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
     assert torch.equal(masters.master_of(p).grad, torch.tensor([1.0, 2.0, 3.0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_gradients_reach_host_masters_beside_the_backward(gated, monkeypatch):
+    """On CUDA: the copy runs on the device-to-host stream after the event the hook recorded, through
+    pinned staging, in pieces; the backward is not held up, and the master's gradient is the sum, in fp32,
+    of the micro-batches' bf16 gradients."""
+    monkeypatch.setattr(MasterGradSink, "CHUNK", 1000)
+    head = nn.Linear(64, 300, bias=False).cuda().to(torch.bfloat16)
+    ref = nn.Linear(64, 300, bias=False).cuda().to(torch.bfloat16)
+    ref.load_state_dict(head.state_dict())
+    masters = Masters([head.weight], torch.bfloat16, home=torch.device("cpu"))
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    head(x).float().square().sum().backward()
+    assert masters.master_of(head.weight).grad is None   # held at the gate: the backward went on
+    gated.set()
+    head(x).float().square().sum().backward()
+    g, = torch.autograd.grad(ref(x).float().square().sum(), [ref.weight])
+    got = masters.master_grads()[0]
+    assert got.device.type == "cpu" and got.dtype == torch.float32 and masters.sink._staging[0].is_pinned()
+    torch.testing.assert_close(got, 2 * g.float().cpu(), rtol=1e-6, atol=1e-6)
