@@ -319,6 +319,32 @@ def test_measured_costs_replace_the_flop_based_terms():
     assert simulate(p, plan).step_time_s == pytest.approx(expected, rel=1e-9)
 
 
+def test_measured_costs_put_the_gradients_the_engine_copies_beside_its_windows_on_the_link():
+    """A profile from an engine whose embedding and head have host masters records what their gradients
+    send each micro-batch; the planner puts them on the link as the analytic model does (the head's in the
+    first backward windows, the input embedding's with layer 0's), not inside the measured compute."""
+    import dataclasses
+    c = MeasuredCosts(fwd_s=(1.0, 2.0, 3.0), diff_s=(4.0, 5.0, 6.0), nonlayer_s=0.5, step_s=0.25,
+                      update_s=(0.125, 0.125, 0.25), grads_beside_bytes=(6000, 2000))
+    p = _problem(c, gbps=1e-6)   # 1000 bytes a second
+    assert (p.head_grad_bytes, p.embed_grad_bytes, p.nonlayer_link_bytes, p.load_nl) == (6000, 2000, 0, 0.0)
+    assert p.carry_bytes == 4000 + 2000 and p.tail_s == pytest.approx(6.0, rel=1e-12)
+    plan = Plan(num_layers=3, homes=("hbm",) * 4, overlap_optimizer=False)
+    r = simulate(p, plan)
+    shares = [e for e in r.timeline if e.label == "grads embedding/head"]
+    assert [e.window for e in shares] == [3, 4, 5] and all(e.end - e.start == pytest.approx(2.0) for e in shares)
+    old = _problem(dataclasses.replace(c, grads_beside_bytes=None), gbps=1e-6)   # a profile from before
+    assert (old.head_grad_bytes, old.embed_grad_bytes, old.tail_s) == (0, 0, pytest.approx(4.0, rel=1e-12))
+    assert MeasuredCosts.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("value", [(1, 2, 3), (-1, 2), (1.5, 2), "12", (True, 0)])
+def test_bad_gradient_bytes_in_a_profile_are_named(value):
+    with pytest.raises(MeasurementError, match="grads_beside_bytes must be two whole numbers"):
+        MeasuredCosts(fwd_s=(1.0,), diff_s=(2.0,), nonlayer_s=0.5, step_s=0.25, update_s=(0.1,),
+                      grads_beside_bytes=value)
+
+
 def test_measured_selective_costs_are_read_from_traces_and_replace_the_assumed_share():
     from lazytrain.planner.measured import with_selective
     c = MeasuredCosts(fwd_s=(1.0, 2.0, 3.0), diff_s=(4.0, 5.0, 6.0), nonlayer_s=0.5, step_s=0.25,

@@ -158,6 +158,9 @@ def test_the_optimizers_zero_grad_drops_gradients_still_on_their_way(tmp_path, c
         warnings.simplefilter("ignore")
         engine, optimizer, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
     assert engine.masters.sink is not None
+    # what a policy-auto profile records the sink copying a micro-batch: the head and final norm (32 x 32 + 32
+    # bf16 values), and the input embedding (32 x 32), which autograd finishes last
+    assert engine._grads_beside_bytes() == ((32 * 32 + 32) * 2, 32 * 32 * 2)
     (x, y), = batches(1)
     engine.backward(lm_loss(engine(x), y))
     optimizer.zero_grad()

@@ -385,7 +385,8 @@ class LazyTrainEngine(nn.Module):
             links.update(dict.fromkeys(missing, gbps))
         k = self.gradient_accumulation_steps()
         costs = measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
-                                                   micro_batches=k, lean_norms=self._config.lazytrain.lean_norms)
+                                                   micro_batches=k, lean_norms=self._config.lazytrain.lean_norms,
+                                                   grads_beside_bytes=self._grads_beside_bytes())
         if selective:
             from ..planner.search import as_model_shape
             costs = measured.with_selective(costs, selective, micro_batches=k, layers=selective_layers or None,
@@ -393,6 +394,18 @@ class LazyTrainEngine(nn.Module):
         return measured.MachineProfile(
             costs=costs, links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device))
+
+    def _grads_beside_bytes(self) -> tuple[int, int] | None:
+        """What the masters' gradient sink copies each micro-batch: (head side, input embedding)."""
+        if self.masters is None:
+            return None
+        get = getattr(self.module, "get_input_embeddings", None)
+        try:
+            embedding = get() if callable(get) else None
+        except NotImplementedError:   # a transformers model without one named
+            embedding = None
+        last = {id(p) for p in embedding.parameters()} if isinstance(embedding, nn.Module) else set()
+        return self.masters.sink_bytes(last)
 
     def _check_profile(self, profile: measured.MachineProfile) -> None:
         where = f"config 'lazytrain.auto.profile' ({self._config.lazytrain.auto.profile})"

@@ -30,6 +30,7 @@ class Masters:
         self._hooks = {}
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
+        self._to_sink: list[nn.Parameter] = []
         copied = [p for p in params if p.requires_grad and _copied(p.device, p.device if home is None else home)]
         if copied:   # one micro-batch's gradients may wait to be copied, the most a device holds of them
             self.sink = MasterGradSink(compute_dtype, max_bytes=sum(p.numel() for p in copied) * compute_dtype.itemsize,
@@ -42,10 +43,21 @@ class Masters:
                 master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=p.requires_grad)
                 p.data = p.data.to(compute_dtype)
             if p.requires_grad:
+                to_sink = _copied(p.device, master.device)
                 self._hooks[id(p)] = p.register_post_accumulate_grad_hook(
-                    _into_master(master, self.sink if _copied(p.device, master.device) else None))
+                    _into_master(master, self.sink if to_sink else None))
+                if to_sink:
+                    self._to_sink.append(p)
             self.pairs.append((p, master))
         self.by_param = {id(p): m for p, m in self.pairs}
+
+    def sink_bytes(self, last: set[int]) -> tuple[int, int] | None:
+        """Gradient bytes a micro-batch sends through the sink: (the others', those of the parameters whose ids
+        are in ``last``, the ones autograd finishes last: the input embedding's); None without a sink."""
+        if self.sink is None:
+            return None
+        sizes = [(id(p) in last, p.numel() * p.element_size()) for p in self._to_sink if id(p) in self._hooks]
+        return sum(b for lst, b in sizes if not lst), sum(b for lst, b in sizes if lst)
 
     def remove_grad_hook(self, p: nn.Parameter) -> None:
         """``p``'s gradient goes elsewhere (partitioned_params.py reduces it to the master's owner)."""

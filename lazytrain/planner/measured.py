@@ -50,6 +50,11 @@ class MeasuredCosts:
     # the engine's lazytrain.lean_norms when saved_bytes were measured (None: not known, as in profiles written
     # before it, taken as they are); planned with the other setting, they are shifted by the estimate's difference
     lean_norms: bool | None = None
+    # the embedding's and head's gradient bytes the engine copies to their host masters each micro-batch, beside
+    # its windows: (those made at the backward's start: head, final norm; those made last: the input embedding).
+    # None: none cross a link (the masters are the parameters), or a profile from before the engine copied them
+    # so (then inside the measured compute times)
+    grads_beside_bytes: tuple[int, int] | None = None
 
     def __post_init__(self):
         L = len(self.fwd_s)
@@ -82,6 +87,13 @@ class MeasuredCosts:
                 raise MeasurementError(f"measured costs: saved_bytes must hold a whole number of bytes >= 0 for each "
                                        f"of the {L} layers, got {list(values)!r}")
             object.__setattr__(self, "saved_bytes", tuple(values))
+        if self.grads_beside_bytes is not None:
+            values = self.grads_beside_bytes
+            if not isinstance(values, (list, tuple)) or len(values) != 2 or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+                raise MeasurementError(f"measured costs: grads_beside_bytes must be two whole numbers of bytes >= 0 "
+                                       f"(head side, embedding), got {values!r}")
+            object.__setattr__(self, "grads_beside_bytes", tuple(values))
         if self.lean_norms is not None and not isinstance(self.lean_norms, bool):
             raise MeasurementError(f"measured costs: lean_norms must be true, false or null, got {self.lean_norms!r}")
 
@@ -101,13 +113,15 @@ class MeasuredCosts:
 
     @classmethod
     def from_traces(cls, traces: list, num_layers: int, source: str = "measured",
-                    micro_batches: int = 1, lean_norms: bool | None = None) -> "MeasuredCosts":
+                    micro_batches: int = 1, lean_norms: bool | None = None,
+                    grads_beside_bytes: tuple[int, int] | None = None) -> "MeasuredCosts":
         """The medians over traced steps. Each layer must have a plain forward and a re-run with autograd
         (a ``diff`` span) followed by its backward (``bwd``): trace a plan that keeps every boundary. With
         gradient accumulation a step runs ``micro_batches`` forwards and backwards: the compute times are
         per micro-batch (as the cost model counts them), the updates and the host phase per step.
         ``lean_norms``: the engine's ``lazytrain.lean_norms`` in the traced steps (what the layers' graphs
-        saved depends on it)."""
+        saved depends on it). ``grads_beside_bytes``: what the engine's masters' gradient sink copies each
+        micro-batch (see the field)."""
         if not traces:
             raise MeasurementError("no traced step to measure from")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
@@ -124,7 +138,7 @@ class MeasuredCosts:
                    diff_s=tuple(med("diff", i, k) for i in range(num_layers)),
                    nonlayer_s=med("nonlayer", per=k), step_s=med("step"),
                    update_s=tuple(med("update", i) for i in range(num_layers)), source=source,
-                   saved_bytes=saved, lean_norms=lean_norms)
+                   saved_bytes=saved, lean_norms=lean_norms, grads_beside_bytes=grads_beside_bytes)
 
 
 def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1, layers=None,

@@ -217,8 +217,9 @@ class Problem:
 
     def _use_measured(self, c: MeasuredCosts) -> None:
         """Measured compute and update times in place of FLOPs at a nominal rate. The non-block
-        parameters' (embedding, head) gradient copies and update are inside the measured times (the
-        compute side's, and step()'s serial phase), wherever Budgets.non_block_state puts them."""
+        parameters' (embedding, head) update and weight copies are inside the measured times (step()'s
+        serial phase), wherever Budgets.non_block_state puts them; their gradients, where the engine copies
+        them to host masters beside its windows, are on the link as the analytic model has them."""
         if c.num_layers != self.L:
             raise ValueError(f"measured costs are for {c.num_layers} layers, the model {self.model.name!r} has {self.L}")
         self.fwd_s, self.diff_s = list(c.fwd_s), list(c.diff_s)
@@ -244,8 +245,10 @@ class Problem:
         self.head_s = c.nonlayer_s
         self.opt_nl, self.opt_l = c.step_s, list(c.update_s)
         self.load_nl = 0.0
-        self.nonlayer_link_bytes = self.embed_grad_bytes = self.head_grad_bytes = 0
-        self._last_grads(self.Gl[0])
+        self.nonlayer_link_bytes = 0
+        # their gradients: copied beside the windows by the engine (measured in its profile), else inside the times
+        self.head_grad_bytes, self.embed_grad_bytes = c.grads_beside_bytes or (0, 0)
+        self._last_grads(self.Gl[0] + self.embed_grad_bytes)
 
     def _last_grads(self, nbytes: int) -> None:
         """The gradients a micro-batch's backward finishes last (layer 0's, the embedding's): the step waits
