@@ -320,3 +320,24 @@ def test_three_layers_with_residency_and_accumulation():
     assert plan.resident_layers
     first, later = simulate(p, plan).micro_step_s, simulate(p, plan, refresh_resident=False).micro_step_s
     assert later < first
+
+
+def test_embedding_and_head_gradients_beside_the_windows_with_accumulation():
+    """A vocabulary whose embedding and head gradients are a layer's size or more, on a slow link, two
+    micro-batches a step: the head's share the first backward windows, the embedding's and layer 0's the next
+    micro-batch's first forward windows, and the step waits for the last micro-batch's. The MILP's objective
+    counts them as the simulator replays them, and its optimum is the brute force's."""
+    import dataclasses
+
+    from lazytrain.planner.models import ModelShape
+    from lazytrain.planner.problem import Problem
+    base = toy_problem(3, 2.0, host_slots=1, hw=SLOW_HW)
+    model = ModelShape.from_layers("toy-vocab", [2000, 3000, 2500], hidden=64, vocab_size=40,
+                                   tied_embeddings=False, q_dim=16, kv_dim=16, ffn=16,
+                                   saved_bytes_per_token=5 * 64 * 2)
+    n = model.nonlayer_params   # their weights and gradients on the GPU, their fp32 state on the host
+    budgets = dataclasses.replace(base.budgets, gpu_bytes=base.budgets.gpu_bytes + 2 * 2 * n,
+                                  host_bytes=base.budgets.host_bytes + 16 * n)
+    p = Problem(model=model, hardware=SLOW_HW, micro_batch=4, seq_len=16, grad_accum=2, budgets=budgets)
+    assert p.head_grad_bytes == (40 * 64 + 64) * 2 and p.embed_grad_bytes == 40 * 64 * 2 > p.Gl[0] / 2
+    check_equal(p, free_windows=True, resident=True)

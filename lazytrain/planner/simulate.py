@@ -61,7 +61,7 @@ class SimResult:
     timeline: list[Event] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)   # per window: start, end, hbm, host, nvme
     violations: list[str] = field(default_factory=list)
-    micro_step_s: float = 0.0    # the first micro-batch: its windows (on MegaTrain's executor, and its last gradients' copy)
+    micro_step_s: float = 0.0    # the first micro-batch's windows (MegaTrain's: and its last gradients' copy)
 
     def trace(self, source: str = "predicted") -> Timeline:
         """The simulated step as a :class:`~lazytrain.trace.Timeline`, the format measured steps use."""
