@@ -214,3 +214,30 @@ def test_on_a_gpu_gradients_reach_host_masters_beside_the_backward(gated, monkey
     got = masters.master_grads()[0]
     assert got.device.type == "cpu" and got.dtype == torch.float32 and masters.sink._staging[0].is_pinned()
     torch.testing.assert_close(got, 2 * g.float().cpu(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_weights_go_down_in_pieces_through_two_staging_buffers(copy_threads, seed):
+    """The pieces' order with copies that finish late (the CPU's copy thread, random delays): a staging
+    buffer is refilled only once the copy that read it is done."""
+    from lazytrain.engine.precision import _to_device_through_staging
+    streams.configure(copy_threads=True, chaos=streams.Chaos(seed=seed, max_delay_s=0.003))
+    src = torch.randn(1003, generator=torch.Generator().manual_seed(seed))
+    dst = torch.zeros(1003, dtype=torch.bfloat16)
+    _to_device_through_staging(dst, src, [torch.empty(100, dtype=torch.bfloat16) for _ in range(2)])
+    assert torch.equal(dst, src.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_weights_reach_the_device_through_pinned_staging_in_the_compute_dtype(monkeypatch):
+    """After the update, each host fp32 master is converted on the host and its compute-dtype bytes copied,
+    piece by piece through pinned staging: the device copy is the master rounded to bf16, exactly."""
+    monkeypatch.setattr(MasterGradSink, "CHUNK", 1000)
+    emb = nn.Embedding(300, 16).cuda()
+    masters = Masters([emb.weight], torch.bfloat16, home=torch.device("cpu"))
+    master = masters.master_of(emb.weight)
+    with torch.no_grad():
+        master.normal_()
+    masters.masters_to_params()
+    assert emb.weight.dtype == torch.bfloat16 and masters._staging[0].is_pinned()
+    assert torch.equal(emb.weight.cpu(), master.to(torch.bfloat16))

@@ -31,6 +31,7 @@ class Masters:
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
         self._to_sink: list[nn.Parameter] = []
+        self._staging: list[torch.Tensor] | None = None   # masters_to_params' pieces in the compute dtype
         copied = [p for p in params if p.requires_grad and _copied(p.device, p.device if home is None else home)]
         if copied:   # one micro-batch's gradients may wait to be copied, the most a device holds of them
             self.sink = MasterGradSink(compute_dtype, max_bytes=sum(p.numel() for p in copied) * compute_dtype.itemsize,
@@ -75,6 +76,7 @@ class Masters:
         live) and keeping their own ``.grad`` (after ``destroy()``, or a set-up that failed)."""
         if self.sink is not None:
             self.sink.close()
+        self._staging = None
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
@@ -109,9 +111,18 @@ class Masters:
             self.masters_to_params()
 
     def masters_to_params(self) -> None:
+        """The compute-dtype copies from the masters; a device copy of a host master goes through
+        :func:`_to_device_through_staging` (the compute dtype's bytes over the link, at pinned speed)."""
         with torch.no_grad():
             for p, m in self.pairs:
-                if id(p) not in self.elsewhere and p.data_ptr() != m.data_ptr():
+                if id(p) in self.elsewhere or p.data_ptr() == m.data_ptr():
+                    continue
+                if p.is_cuda and not m.is_cuda and p.is_contiguous():
+                    if self._staging is None:
+                        self._staging = [empty_host(min(MasterGradSink.CHUNK, max(q.numel() for q, _ in self.pairs)),
+                                                    p.dtype) for _ in range(2)]
+                    _to_device_through_staging(p.data, m.detach(), self._staging)
+                else:
                     p.copy_(m)
 
     def zero_grad(self) -> None:
@@ -122,6 +133,25 @@ class Masters:
         for p, m in self.pairs:
             p.grad = None
             m.grad = None
+
+
+def _to_device_through_staging(dst: torch.Tensor, src: torch.Tensor, staging: list[torch.Tensor]) -> None:
+    """``dst`` (a device tensor) = ``src`` (a host tensor in another dtype), returning when it is done: each
+    piece converted on the host into one of two staging buffers (pinned where an accelerator exists) while the
+    other's copy runs, then copied on the host-to-device stream after the compute queued on the current
+    stream (which may still read ``dst``). ``dst.copy_(src)`` would send the fp32 bytes from pageable memory."""
+    flat_dst, flat_src = dst.view(-1), src.reshape(-1)
+    size = staging[0].numel()
+    handles = []
+    for k, start in enumerate(range(0, flat_src.numel(), size)):
+        if k >= 2:
+            handles[k - 2].synchronize()   # the copy that read this buffer is done
+        piece = staging[k % 2][:min(size, flat_src.numel() - start)]
+        piece.copy_(flat_src[start:start + piece.numel()])
+        handles.append(async_copy(flat_dst[start:start + piece.numel()], piece, direction="h2d",
+                                  label=f"weights {tuple(dst.shape)} [{start}:]"))
+    for handle in handles[-2:]:
+        handle.synchronize()
 
 
 def _copied(device: torch.device, home: torch.device) -> bool:
