@@ -144,9 +144,11 @@ def test_at_most_one_micro_batch_of_gradients_waits(copy_threads, gated):
     assert torch.equal(masters.master_grads()[0], torch.full((1000,), 5.0))
 
 
-def test_the_optimizers_zero_grad_drops_gradients_still_on_their_way(tmp_path, copy_threads):
-    """A script that drops a micro-batch with optimizer.zero_grad() before step(): a copy in flight must not
-    bring its gradient back."""
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_optimizers_zero_grad_drops_gradients_still_on_their_way(tmp_path, copy_threads, set_to_none):
+    """A script that drops a micro-batch with optimizer.zero_grad() before step(): no copy in flight brings
+    its gradient back, and the streamed layers' gradient buffers are dropped with the embedding's and head's
+    (else the next step would mix the dropped micro-batch's layer gradients into the update)."""
     import warnings
 
     import lazytrain
@@ -163,9 +165,30 @@ def test_the_optimizers_zero_grad_drops_gradients_still_on_their_way(tmp_path, c
     assert engine._grads_beside_bytes() == ((32 * 32 + 32) * 2, 32 * 32 * 2)
     (x, y), = batches(1)
     engine.backward(lm_loss(engine(x), y))
-    optimizer.zero_grad()
+    optimizer.zero_grad(set_to_none=set_to_none)
     engine.masters.sink.pool.submit(lambda: None).result()
+    engine.weights.flush_grads()
     assert all(m.grad is None for m in engine.masters.master_params())
+    assert all(not g.any() for g in engine.weights.grad if g is not None)
+    engine.destroy()
+
+
+def test_an_embedding_is_counted_as_sent_last_in_a_model_of_ones_own(copy_threads):
+    """The profile's split for a model with no get_input_embeddings: its nn.Embedding's gradient (32 x 32 in
+    bf16) is the one the backward finishes last; the head's weight and bias and the rest go beside."""
+    import warnings
+
+    import lazytrain
+    from engine_models import VOCAB, make_model
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"testing": {"copy_threads": True}}}
+    model = make_model("modulelist")
+    assert not hasattr(model, "get_input_embeddings")
+    others = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("stack.", "emb.")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    assert engine._grads_beside_bytes() == (others * 2, VOCAB * 32 * 2)
     engine.destroy()
 
 
@@ -228,6 +251,23 @@ def test_weights_go_down_in_pieces_through_two_staging_buffers(copy_threads, see
     assert torch.equal(dst, src.to(torch.bfloat16))
 
 
+def test_a_piece_that_fails_leaves_no_copy_reading_the_staging(copy_threads, monkeypatch):
+    from lazytrain.engine.precision import _to_device_through_staging
+    streams.configure(copy_threads=True, chaos=streams.Chaos(seed=1, max_delay_s=0.05))
+    real, calls = precision.async_copy, []
+
+    def third_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("link down")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(precision, "async_copy", third_fails)
+    src, dst = torch.randn(500), torch.zeros(500, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="link down"):
+        _to_device_through_staging(dst, src, [torch.empty(100, dtype=torch.bfloat16) for _ in range(2)])
+    assert torch.equal(dst[:200], src[:200].to(torch.bfloat16)) and not dst[200:].any()   # both copies done
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_weights_reach_the_device_through_pinned_staging_in_the_compute_dtype(monkeypatch):
     """After the update, each host fp32 master is converted on the host and its compute-dtype bytes copied,
@@ -238,6 +278,8 @@ def test_on_a_gpu_weights_reach_the_device_through_pinned_staging_in_the_compute
     master = masters.master_of(emb.weight)
     with torch.no_grad():
         master.normal_()
+    version = emb.weight._version
     masters.masters_to_params()
-    assert emb.weight.dtype == torch.bfloat16 and masters._staging[0].is_pinned()
+    assert emb.weight._version > version   # an in-place change for autograd, as copy_ is
+    assert emb.weight.dtype == torch.bfloat16 and masters._staging[torch.bfloat16][0].is_pinned()
     assert torch.equal(emb.weight.cpu(), master.to(torch.bfloat16))

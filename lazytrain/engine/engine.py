@@ -237,8 +237,8 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = None
         if self.masters is not None and self.optimizer is not None:   # a group added later reaches the masters too
             self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
-            if self.masters.sink is not None:   # gradients still on their way must not land after it
-                self.optimizer.zero_grad = _after_landing(self.optimizer.zero_grad, self.masters.sink.discard)
+        if self.optimizer is not None:   # the engine's gradient buffers, and copies still landing in them, too
+            self.optimizer.zero_grad = _zeroing_the_engine_too(self.optimizer.zero_grad, self.zero_grad)
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -396,15 +396,11 @@ class LazyTrainEngine(nn.Module):
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device))
 
     def _grads_beside_bytes(self) -> tuple[int, int] | None:
-        """What the masters' gradient sink copies each micro-batch: (head side, input embedding)."""
+        """What the masters' gradient sink copies each micro-batch: (head side, embeddings). An embedding's
+        gradient (token or position; a tied head's too) is finished by the backward's last op."""
         if self.masters is None:
             return None
-        get = getattr(self.module, "get_input_embeddings", None)
-        try:
-            embedding = get() if callable(get) else None
-        except NotImplementedError:   # a transformers model without one named
-            embedding = None
-        last = {id(p) for p in embedding.parameters()} if isinstance(embedding, nn.Module) else set()
+        last = {id(m.weight) for m in self.module.modules() if isinstance(m, nn.Embedding)}
         return self.masters.sink_bytes(last)
 
     def _check_profile(self, profile: measured.MachineProfile) -> None:
@@ -1707,11 +1703,14 @@ def _onto_masters(add_param_group, master_of):
     return add
 
 
-def _after_landing(zero_grad, discard):
-    """The optimizer's ``zero_grad`` once the masters' gradients in flight have landed (``discard``)."""
+def _zeroing_the_engine_too(zero_grad, engine_zero_grad):
+    """The optimizer's ``zero_grad``, which also drops what the engine holds: the streamed layers' gradient
+    buffers and the embedding's and head's masters' gradients, once the copies still landing in them are done
+    (``engine.zero_grad``). The optimizer alone would clear only the parameters' ``.grad``, and the next step
+    would reattach the layers' buffers with the dropped micro-batch in them."""
     @functools.wraps(zero_grad)
     def zero(*args, **kwargs):
-        discard()
+        engine_zero_grad()
         return zero_grad(*args, **kwargs)
     return zero
 

@@ -31,7 +31,7 @@ class Masters:
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
         self._to_sink: list[nn.Parameter] = []
-        self._staging: list[torch.Tensor] | None = None   # masters_to_params' pieces in the compute dtype
+        self._staging: dict[torch.dtype, list[torch.Tensor]] = {}   # masters_to_params' pieces, by dtype
         copied = [p for p in params if p.requires_grad and _copied(p.device, p.device if home is None else home)]
         if copied:   # one micro-batch's gradients may wait to be copied, the most a device holds of them
             self.sink = MasterGradSink(compute_dtype, max_bytes=sum(p.numel() for p in copied) * compute_dtype.itemsize,
@@ -76,7 +76,7 @@ class Masters:
         live) and keeping their own ``.grad`` (after ``destroy()``, or a set-up that failed)."""
         if self.sink is not None:
             self.sink.close()
-        self._staging = None
+        self._staging = {}
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
@@ -118,10 +118,11 @@ class Masters:
                 if id(p) in self.elsewhere or p.data_ptr() == m.data_ptr():
                     continue
                 if p.is_cuda and not m.is_cuda and p.is_contiguous():
-                    if self._staging is None:
-                        self._staging = [empty_host(min(MasterGradSink.CHUNK, max(q.numel() for q, _ in self.pairs)),
-                                                    p.dtype) for _ in range(2)]
-                    _to_device_through_staging(p.data, m.detach(), self._staging)
+                    if p.dtype not in self._staging:
+                        size = min(MasterGradSink.CHUNK, max(q.numel() for q, _ in self.pairs))
+                        self._staging[p.dtype] = [empty_host(size, p.dtype) for _ in range(2)]
+                    # through detach(): the write counts as an in-place change of p for autograd, as copy_ does
+                    _to_device_through_staging(p.detach(), m.detach(), self._staging[p.dtype])
                 else:
                     p.copy_(m)
 
@@ -142,16 +143,24 @@ def _to_device_through_staging(dst: torch.Tensor, src: torch.Tensor, staging: li
     stream (which may still read ``dst``). ``dst.copy_(src)`` would send the fp32 bytes from pageable memory."""
     flat_dst, flat_src = dst.view(-1), src.reshape(-1)
     size = staging[0].numel()
-    handles = []
-    for k, start in enumerate(range(0, flat_src.numel(), size)):
-        if k >= 2:
-            handles[k - 2].synchronize()   # the copy that read this buffer is done
-        piece = staging[k % 2][:min(size, flat_src.numel() - start)]
-        piece.copy_(flat_src[start:start + piece.numel()])
-        handles.append(async_copy(flat_dst[start:start + piece.numel()], piece, direction="h2d",
-                                  label=f"weights {tuple(dst.shape)} [{start}:]"))
-    for handle in handles[-2:]:
-        handle.synchronize()
+    handles, error, done = [], None, False
+    try:
+        for k, start in enumerate(range(0, flat_src.numel(), size)):
+            if k >= 2:
+                handles[k - 2].synchronize()   # the copy that read this buffer is done
+            piece = staging[k % 2][:min(size, flat_src.numel() - start)]
+            piece.copy_(flat_src[start:start + piece.numel()])
+            handles.append(async_copy(flat_dst[start:start + piece.numel()], piece, direction="h2d",
+                                      label=f"weights {tuple(dst.shape)} [{start}:]"))
+        done = True
+    finally:   # none left reading the staging buffers, even when a piece failed (that failure propagates)
+        for handle in handles[-2:]:
+            try:
+                handle.synchronize()
+            except Exception as e:   # noqa: BLE001 - the first one is raised below
+                error = error or e
+    if done and error is not None:
+        raise error
 
 
 def _copied(device: torch.device, home: torch.device) -> bool:
