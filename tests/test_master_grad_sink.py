@@ -173,6 +173,33 @@ def test_the_optimizers_zero_grad_drops_gradients_still_on_their_way(tmp_path, c
     engine.destroy()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
+def test_the_optimizers_zero_grad_after_a_step_does_not_zero_the_layers_again(overlap):
+    """The usual loop calls optimizer.zero_grad() after engine.step(), which zeroed the layers' buffers
+    already (or its update thread does): a second pass over every layer's fp32 gradients (4 bytes a
+    parameter of host memory written) would be pure cost."""
+    import warnings
+
+    import lazytrain
+    from engine_models import batches, lm_loss, make_model
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"overlap_optimizer": overlap}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, optimizer, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    zeroed = []
+    real = engine.weights.zero_layer_grads
+    engine.weights.zero_layer_grads = lambda i: zeroed.append(i) or real(i)
+    for x, y in batches(2):
+        optimizer.zero_grad()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+    n = engine.weights.num_layers
+    assert sorted(zeroed) == sorted(list(range(n)) * 2)   # each layer once a step
+    engine.destroy()
+
+
 def test_an_embedding_is_counted_as_sent_last_in_a_model_of_ones_own(copy_threads):
     """The profile's split for a model with no get_input_embeddings: its nn.Embedding's gradient (32 x 32 in
     bf16) is the one the backward finishes last; the head's weight and bias and the rest go beside."""

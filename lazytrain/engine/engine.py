@@ -238,7 +238,7 @@ class LazyTrainEngine(nn.Module):
         if self.masters is not None and self.optimizer is not None:   # a group added later reaches the masters too
             self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
         if self.optimizer is not None:   # the engine's gradient buffers, and copies still landing in them, too
-            self.optimizer.zero_grad = _zeroing_the_engine_too(self.optimizer.zero_grad, self.zero_grad)
+            self.optimizer.zero_grad = _zeroing_the_engine_too(self.optimizer.zero_grad, self._drop_unstepped_grads)
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -827,6 +827,7 @@ class LazyTrainEngine(nn.Module):
             self.partitioned.after_step()   # the owners' weights changed: the copies held for forwards are old
         if self.layer_updates is not None and self._step_applied:
             self._zero_non_block_grads()   # the update thread zeroes each layer's gradients after its update
+            self.weights.landed_since_zeroed = False
         else:
             self.zero_grad()
         self._scaled_backward = False
@@ -1007,6 +1008,15 @@ class LazyTrainEngine(nn.Module):
         peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.last_step_peak_bytes.items())
         print(f"[lazytrain] step {self.global_steps}: lr {self.get_lr()}, grad norm {self._global_grad_norm:.4g}, "
               f"{dt * 1000:.0f} ms/step, peak {peaks}")
+
+    def _drop_unstepped_grads(self) -> None:
+        """What ``optimizer.zero_grad()`` drops beside the parameters' ``.grad``: gradients a backward sent
+        since the last step or zeroing (``zero_grad``); after a step, whose buffers are zeroed already (or by
+        the update thread), only the embedding's and head's, without zeroing every layer's buffer again."""
+        if self.weights.landed_since_zeroed:
+            self.zero_grad()
+        else:
+            self._zero_non_block_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.weights.flush_grads()   # gradient adds still in flight must not land after the zeroing
