@@ -237,8 +237,8 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = None
         if self.masters is not None and self.optimizer is not None:   # a group added later reaches the masters too
             self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
-        if self.optimizer is not None:   # the engine's gradient buffers, and copies still landing in them, too
-            self.optimizer.zero_grad = _zeroing_the_engine_too(self.optimizer.zero_grad, self._drop_unstepped_grads)
+        if self.optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
+            self.optimizer.zero_grad = _zero_grad_as_zero_optimizers(self.optimizer.zero_grad, self)
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -827,7 +827,6 @@ class LazyTrainEngine(nn.Module):
             self.partitioned.after_step()   # the owners' weights changed: the copies held for forwards are old
         if self.layer_updates is not None and self._step_applied:
             self._zero_non_block_grads()   # the update thread zeroes each layer's gradients after its update
-            self.weights.landed_since_zeroed = False
         else:
             self.zero_grad()
         self._scaled_backward = False
@@ -1008,15 +1007,6 @@ class LazyTrainEngine(nn.Module):
         peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.last_step_peak_bytes.items())
         print(f"[lazytrain] step {self.global_steps}: lr {self.get_lr()}, grad norm {self._global_grad_norm:.4g}, "
               f"{dt * 1000:.0f} ms/step, peak {peaks}")
-
-    def _drop_unstepped_grads(self) -> None:
-        """What ``optimizer.zero_grad()`` drops beside the parameters' ``.grad``: gradients a backward sent
-        since the last step or zeroing (``zero_grad``); after a step, whose buffers are zeroed already (or by
-        the update thread), only the embedding's and head's, without zeroing every layer's buffer again."""
-        if self.weights.landed_since_zeroed:
-            self.zero_grad()
-        else:
-            self._zero_non_block_grads()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.weights.flush_grads()   # gradient adds still in flight must not land after the zeroing
@@ -1713,15 +1703,25 @@ def _onto_masters(add_param_group, master_of):
     return add
 
 
-def _zeroing_the_engine_too(zero_grad, engine_zero_grad):
-    """The optimizer's ``zero_grad``, which also drops what the engine holds: the streamed layers' gradient
-    buffers and the embedding's and head's masters' gradients, once the copies still landing in them are done
-    (``engine.zero_grad``). The optimizer alone would clear only the parameters' ``.grad``, and the next step
-    would reattach the layers' buffers with the dropped micro-batch in them."""
+def _zero_grad_as_zero_optimizers(zero_grad, engine):
+    """The optimizer's ``zero_grad`` as DeepSpeed's ZeRO optimizers have it: it never drops the gradients the
+    engine accumulates for the step (the streamed layers' buffers, which their parameters' ``.grad`` only
+    show, and the embedding's and head's in their masters or themselves); ``engine.zero_grad()`` and the step
+    do. torch's own would clear the masters' and leave the layers' buffers, so a script calling it each
+    micro-batch would step on the layers' whole accumulation and the embedding's last micro-batch. Tensors
+    the optimizer updates that the engine does not accumulate (a loss's learnable temperature) are cleared
+    as torch clears them."""
     @functools.wraps(zero_grad)
-    def zero(*args, **kwargs):
-        engine_zero_grad()
-        return zero_grad(*args, **kwargs)
+    def zero(set_to_none: bool = True) -> None:
+        for layer in engine.weights.params:
+            for p in layer:
+                p.grad = None   # a view of its buffer: reattached at the step, the buffer kept
+        for p in engine._extra_params():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
     return zero
 
 

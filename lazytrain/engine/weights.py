@@ -92,9 +92,6 @@ class LayerWeights:
         # with copy threads on, the CPU stands in for a device: gradients and weights are copied as on CUDA
         emulated = device.type == "cpu" and streams.settings().copy_threads
         self._grad_sink = _GradientSink(self) if device.type == "cuda" or emulated else None
-        # a backward has sent layer gradients since the buffers were last zeroed (or handed to the update
-        # thread, which zeroes each layer after its update): zeroing them again then has nothing to drop
-        self.landed_since_zeroed = False
         # With the CPU as compute device and the weights already in host memory in the compute dtype,
         # a "copy to the device" would copy memory onto itself: hand out the stored buffer instead.
         self.zero_copy = device.type == "cpu" and weights_tier.kind == "host" and not emulated
@@ -250,7 +247,6 @@ class LayerWeights:
     # ---- gradients -------------------------------------------------------------------------
     def accumulate_grads(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         """Add a layer's weight gradients (device, compute dtype) into its fp32 host buffer."""
-        self.landed_since_zeroed = True
         if self._grad_sink is not None:
             self._grad_sink.submit(i, grads)
             return
@@ -320,7 +316,6 @@ class LayerWeights:
     def zero_grads(self) -> None:
         for i in range(self.num_layers):
             self.zero_layer_grads(i)
-        self.landed_since_zeroed = False
 
     def zero_layer_grads(self, i: int) -> None:
         if self.grad[i] is not None:
