@@ -30,12 +30,12 @@ class Masters:
         self._hooks = {}
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
-        self._to_sink: list[nn.Parameter] = []
         self._staging: dict[torch.dtype, list[torch.Tensor]] = {}   # masters_to_params' pieces, by dtype
-        copied = [p for p in params if p.requires_grad and _copied(p.device, p.device if home is None else home)]
-        if copied:   # one micro-batch's gradients may wait to be copied, the most a device holds of them
-            self.sink = MasterGradSink(compute_dtype, max_bytes=sum(p.numel() for p in copied) * compute_dtype.itemsize,
-                                       max_numel=max(p.numel() for p in copied))
+        # the trainable parameters whose gradients cross a link to their masters, through the sink
+        self._to_sink = [p for p in params if p.requires_grad and _copied(p.device, p.device if home is None else home)]
+        if self._to_sink:   # one micro-batch's gradients may wait to be copied, the most a device holds of them
+            self.sink = MasterGradSink(compute_dtype, max_numel=max(p.numel() for p in self._to_sink),
+                                       max_bytes=sum(p.numel() for p in self._to_sink) * compute_dtype.itemsize)
         for p in params:
             where = p.device if home is None else home
             if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
@@ -44,11 +44,8 @@ class Masters:
                 master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=p.requires_grad)
                 p.data = p.data.to(compute_dtype)
             if p.requires_grad:
-                to_sink = _copied(p.device, master.device)
                 self._hooks[id(p)] = p.register_post_accumulate_grad_hook(
-                    _into_master(master, self.sink if to_sink else None))
-                if to_sink:
-                    self._to_sink.append(p)
+                    _into_master(master, self.sink if _copied(p.device, where) else None))
             self.pairs.append((p, master))
         self.by_param = {id(p): m for p, m in self.pairs}
 
