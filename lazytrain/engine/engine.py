@@ -238,7 +238,7 @@ class LazyTrainEngine(nn.Module):
         if self.masters is not None and self.optimizer is not None:   # a group added later reaches the masters too
             self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
         if self.optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
-            self.optimizer.zero_grad = _zero_grad_as_zero_optimizers(self.optimizer.zero_grad, self)
+            self.optimizer.zero_grad = _zero_grad_as_zero_optimizers(self)
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -1703,7 +1703,7 @@ def _onto_masters(add_param_group, master_of):
     return add
 
 
-def _zero_grad_as_zero_optimizers(zero_grad, engine):
+def _zero_grad_as_zero_optimizers(engine):
     """The optimizer's ``zero_grad`` as DeepSpeed's ZeRO optimizers have it: it never drops the gradients the
     engine accumulates for the step (the streamed layers' buffers, which their parameters' ``.grad`` only
     show, and the embedding's and head's in their masters or themselves); ``engine.zero_grad()`` and the step
@@ -1711,8 +1711,7 @@ def _zero_grad_as_zero_optimizers(zero_grad, engine):
     micro-batch would step on the layers' whole accumulation and the embedding's last micro-batch. Tensors
     the optimizer updates that the engine does not accumulate (a loss's learnable temperature) are cleared
     as torch clears them."""
-    @functools.wraps(zero_grad)
-    def zero(set_to_none: bool = True) -> None:
+    def zero_grad(set_to_none: bool = True) -> None:
         for layer in engine.weights.params:
             for p in layer:
                 p.grad = None   # a view of its buffer: reattached at the step, the buffer kept
@@ -1722,7 +1721,8 @@ def _zero_grad_as_zero_optimizers(zero_grad, engine):
             elif p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
-    return zero
+    zero_grad.__doc__ = _zero_grad_as_zero_optimizers.__doc__
+    return zero_grad
 
 
 def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list[nn.Parameter]],

@@ -12,6 +12,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from dist_helpers import leave_group  # noqa: E402
 from engine_models import batches, lm_loss, make_model  # noqa: E402
 
 import lazytrain  # noqa: E402
@@ -34,5 +35,4 @@ torch.save({"weights": engine.module_state_dict(), "node_shared": engine.node_sh
             "signals_only": engine._one_shared_node,
             "empty_here": [n for n, p in engine.module.named_parameters() if p.numel() == 0]},
            os.path.join(sys.argv[1], f"rank{rank}.pt"))
-torch.distributed.barrier()   # every rank done before any tears the group down
-torch.distributed.destroy_process_group()
+leave_group()
