@@ -96,6 +96,27 @@ def test_offload_is_limited_by_the_forward_phase_on_a_slow_link():
     assert f.step_s == pytest.approx(step_floor(p, selective=False).step_s - parked * p.fwd_s[1], rel=1e-9)
 
 
+
+def test_parking_matmul_outputs_moves_more_layers_through_the_same_link():
+    """The hypothetical selective offload parks a layer's matmul/attention outputs and input (3.5 + 1
+    boundaries) where an offloaded layer parks its internals and input (5 + 1): the same forward's link
+    carries 6/4.5 as many layers, each re-run from its outputs."""
+    slow = HardwareProfile(name="toy-slow-d2h", achievable_tflops=1e-4, h2d_gbps=10.0, d2h_gbps=0.0015,
+                           nvme_read_gbps=10.0, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
+    p = fast_problem(4, room=0, host_bytes_extra=10 ** 8, hw=slow)
+    t_fwd = sum(p.fwd_s) + p.head_s
+    f = step_floor(p, selective=False, selective_offload=True)
+    parked = t_fwd * p.bw_d2h / (p.sel_bytes[1] + p.A[1])
+    assert parked == pytest.approx(0.42 * 6 / 4.5, abs=0.01)
+    assert (f.selective_offloaded_layers, f.offloaded_layers) == (pytest.approx(parked, rel=1e-6), 0)
+    assert f.step_s == pytest.approx(step_floor(p, selective=False).step_s
+                                     - parked * (p.fwd_s[1] - p.sel_rerun_s[1]), rel=1e-9)
+    # here it beats offloading the internals, so the floor with both kinds parks outputs only
+    both = step_floor(p, offload=True, selective=False, selective_offload=True)
+    assert both.step_s == pytest.approx(f.step_s, rel=1e-9)
+    assert both.offloaded_layers == pytest.approx(0, abs=1e-9)
+    assert f.step_s < step_floor(p, offload=True, selective=False).step_s
+
 def test_each_phase_waits_for_its_weights_on_a_slow_link():
     """No room for residency (but the last layer's, whose weights are on the device at the turn anyway) and a
     slow host-to-device link: each forward streams every other layer's weights but the two the weight

@@ -28,6 +28,12 @@ that counts memory and links:
   at most a window ahead: two layers' weights may arrive before their phase starts);
 - a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
 
+``selective_offload=True`` adds a kind the executor does not run: a selective layer whose matmul and
+attention outputs (``Problem.sel_bytes``, with its input) cross to the host in the forward phase and back in
+the backward phase like offloaded internals, and whose re-run then takes ``sel_rerun_s``. Like
+``internals_fraction`` below 1 it answers a question outside the executor's plan space: would that kind
+lift the ceiling?
+
 ``internals_fraction`` scales the bytes a layer must keep to skip its re-run entirely (1.0: its internals
 as the model's autograd saves them). A value below 1 is outside LazyTrain's executor and outside the
 floor's guarantee: it answers "how lean would the internals have to be".
@@ -54,6 +60,7 @@ class StepFloor:
     offload: bool
     internals_fraction: float
     selective_layers: float = 0.0   # ... re-run in backward from their kept matmul/attention outputs
+    selective_offloaded_layers: float = 0.0   # ... from those outputs parked on the host (selective_offload)
 
     def speedup_over(self, step_s: float) -> float:
         """The largest speed-up any plan of the space can have over a step of ``step_s`` seconds."""
@@ -61,10 +68,11 @@ class StepFloor:
 
 
 def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.0,
-               selective: bool = True) -> StepFloor:
+               selective: bool = True, selective_offload: bool = False) -> StepFloor:
     """Lower bound on the step time of every plan that keeps, re-runs or (``selective``) re-runs from its
-    kept matmul/attention outputs each layer (and, with ``offload``, may park its internals on the host);
-    see the module docstring for the model."""
+    kept matmul/attention outputs each layer (and, with ``offload``, may park its internals on the host;
+    with ``selective_offload``, a hypothetical kind, its matmul/attention outputs); see the module
+    docstring for the model."""
     if not 0 < internals_fraction <= 1:
         raise ValueError(f"internals_fraction must be in (0, 1], got {internals_fraction}")
     from .milp import MilpOptions, _solver   # one place picks and configures the solver
@@ -72,18 +80,20 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     L = p.L
     S = [s * internals_fraction for s in p.saved]
     moved = [S[i] + p.A[i] for i in range(L)]   # an offloaded layer's internals travel with its input
+    sel_moved = [p.sel_bytes[i] * internals_fraction + p.A[i] for i in range(L)]   # ... or its matmul outputs
     m = pulp.LpProblem("lazytrain_step_floor", pulp.LpMinimize)
     keep = [pulp.LpVariable(f"keep_{i}", 0, 1) for i in range(L)]
     park = [pulp.LpVariable(f"offload_{i}", 0, 1 if offload else 0) for i in range(L)]
     sel = [pulp.LpVariable(f"selective_{i}", 0, 1 if selective else 0) for i in range(L)]
+    sel_park = [pulp.LpVariable(f"selective_offload_{i}", 0, 1 if selective_offload else 0) for i in range(L)]
     # resident weights: on the device all step, streamed once a step (its first forward's refresh); the last
     # layer's are in the room at the turn whether resident or not
     res = [pulp.LpVariable(f"resident_{i}", 0, 1) for i in range(L)]
     t_fwd, t_bwd, t = (pulp.LpVariable(n, 0) for n in ("t_forward", "t_backward", "t_step"))
-    parked = pulp.lpSum(park[i] * moved[i] for i in range(L))
+    parked = pulp.lpSum(park[i] * moved[i] + sel_park[i] * sel_moved[i] for i in range(L))
     m += t
     for i in range(L):
-        m += keep[i] + park[i] + sel[i] <= 1, f"one_choice_{i}"
+        m += keep[i] + park[i] + sel[i] + sel_park[i] <= 1, f"one_choice_{i}"
     # a layer may keep its graph and be resident (one copy of its weights on the device: ``dev_w``); with
     # accumulation residency then still saves its forward copies after the step's first micro-batch
     dev_w = [pulp.LpVariable(f"weights_on_device_{i}", 0, 1) for i in range(L - 1)]
@@ -99,7 +109,7 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     m += t_fwd >= sum(p.fwd_s) + p.head_s, "forward_compute"
     m += t_fwd * p.bw_d2h >= parked, "offload_during_forward"
     m += t_bwd >= sum(d - f for d, f in zip(p.diff_s, p.fwd_s)) + \
-        pulp.lpSum((1 - keep[i] - park[i]) * p.fwd_s[i] - sel[i] * (p.fwd_s[i] - p.sel_rerun_s[i])
+        pulp.lpSum((1 - keep[i] - park[i]) * p.fwd_s[i] - (sel[i] + sel_park[i]) * (p.fwd_s[i] - p.sel_rerun_s[i])
                    for i in range(L)), "backward_compute_with_reruns"
     m += t_bwd * p.bw_h2d >= parked, "fetch_during_backward"
     # the last layer's internals are part of its own backward window's fixed bytes, and its weights are
@@ -138,7 +148,8 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     gone = sum(v.value() for v in park)
     return StepFloor(step_s=t.value(), forward_s=t_fwd.value(), backward_s=t_bwd.value(), kept_layers=kept,
                      offloaded_layers=gone, rerun_layers=L - kept - gone, offload=offload,
-                     internals_fraction=internals_fraction, selective_layers=sum(v.value() for v in sel))
+                     internals_fraction=internals_fraction, selective_layers=sum(v.value() for v in sel),
+                     selective_offloaded_layers=sum(v.value() for v in sel_park))
 
 
 def internals_fraction_for(p: Problem, reference_s: float, speedup: float, tol: float = 1e-3,
