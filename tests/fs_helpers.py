@@ -1,5 +1,6 @@
 """A small file system of a given size or mode for tests, where this machine lets them mount one."""
 import contextlib
+import gc
 import subprocess
 
 import pytest
@@ -16,4 +17,6 @@ def tmpfs(mountpoint, options: str):
     try:
         yield mountpoint
     finally:
-        subprocess.run(["umount", str(mountpoint)], capture_output=True)
+        gc.collect()   # files a test's objects still hold open or mapped keep the mount busy
+        if subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)   # detached once they close

@@ -464,3 +464,34 @@ def test_a_saved_tensor_changed_in_place_later_in_the_forward_fails_its_backward
                                            r"block 5 saved is at version 1; expected version 0 instead"):
         engine.backward(lm_loss(engine(x), y))
     engine.destroy()
+
+
+class _CheckpointingBlock(MLPBlock):
+    """A block that checkpoints its own MLP (torch.utils.checkpoint, non-reentrant), as some models do:
+    the backward re-runs the MLP from the block's attributes, which must be the streamed weights."""
+    def _mlp(self, h):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+
+    def forward(self, x):
+        return x + torch.utils.checkpoint.checkpoint(self._mlp, self.norm(x), use_reentrant=False)
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["in-place", "links"])
+def test_a_checkpoint_inside_a_block_re_runs_from_the_streamed_weights(tmp_path, links):
+    """Every plan kind trains as plain PyTorch in fp32. In bf16 the module's own weights are fp32 masters,
+    so a re-run from them failed with a dtype error; an offloaded layer's forward slot holds another layer's
+    weights by its backward, so a re-run from the forward's views trained on wrong weights, silently."""
+    model = _lm_of(_CheckpointingBlock)
+    data = batches(3)
+    reference = reference_train(model(), data)
+    selective = dataclasses.replace(MIXED, offloaded_layers=(2,), selective_layers=(0, 3))
+    plans = {"keep_all": keep_all_plan(6), "mixed_offload": MIXED, "selective": selective}
+    for name, plan in plans.items():
+        trained = model()
+        trained.load_state_dict(_train(_engine(tmp_path, None, plan, links, model=model()), data))
+        assert max_rel_diff(trained, reference) < 1e-5, name
+    bf16 = {name: _train(plan_engine(tmp_path, model(), plan, LINKS if links else None, bf16=True), data)
+            for name, plan in plans.items()}
+    for name in ("mixed_offload", "selective"):
+        for k, v in bf16["keep_all"].items():
+            assert torch.equal(bf16[name][k], v), (name, k)

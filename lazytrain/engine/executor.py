@@ -605,10 +605,13 @@ class LayerStreamingExecutor:
                 self._record_segment(p, s, e)
             else:
                 self._recompute_segment(p, s, e)
+        weights_now = None   # the block's weights where backward reads them, when not where the forward did
         if layer in p.graphs:
             graph = p.graphs.pop(layer)     # None: a frozen graph layer with no gradient to pass on
             if graph is not None and layer in p.offloaded:
-                p.offloaded[layer].use_weights(self._acquire(layer))
+                flat = self._acquire(layer)
+                p.offloaded[layer].use_weights(flat)
+                weights_now = self.weights.views(flat, layer, requires_grad=True)
         else:
             x_in, out, params, t_in = self._forward_with_grad(p, layer, self._boundary(p, layer),
                                                               needs_input_grad[0], needs_input_grad[1:])
@@ -616,16 +619,19 @@ class LayerStreamingExecutor:
         if graph is None:
             g_x, t_grads = None, [None] * len(p.calls[layer].tensor_idx)
         else:
-            g_x, t_grads = self._differentiate(layer, graph, grad_outs, needs_input_grad[0], accumulate)
+            g_x, t_grads = self._differentiate(layer, graph, grad_outs, needs_input_grad[0], accumulate,
+                                               weights_now)
         self._free_boundary(p, layer)
         if layer == 0:
             self.release_pass(p)
         return g_x, t_grads
 
     def _differentiate(self, layer: int, graph: tuple, grad_outs: tuple, x_needs_grad: bool,
-                       accumulate: bool = True):
+                       accumulate: bool = True, weights_now: dict | None = None):
         """Backward through one block's recorded graph, from each output the loss used: its weight
-        gradients go to the host buffers; returns the gradients of its input and side tensors."""
+        gradients go to the host buffers; returns the gradients of its input and side tensors.
+        ``weights_now``: views of the block's weights where they are now, when the forward's slot was
+        given up (an offloaded layer's); a checkpoint inside the block re-runs from them."""
         x_in, outs, params, t_in = graph
         used = [(o, g) for o, g in zip(outs, grad_outs)
                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
@@ -635,7 +641,10 @@ class LayerStreamingExecutor:
             inputs = ([x_in] if want_x else []) + [t for _, t in trainable] + \
                 [t for t in t_in if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs and used:
-                with streams.compute_span(f"bwd L{layer}", self.device):
+                # a checkpoint the block runs itself re-runs its function here, from the block's attributes:
+                # they must be the weights the graph was built with, not the module's own
+                with streams.compute_span(f"bwd L{layer}", self.device), \
+                        _reparametrize_module(self.blocks[layer], params if weights_now is None else weights_now):
                     grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used],
                                                 allow_unused=True)
             else:
