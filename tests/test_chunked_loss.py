@@ -131,3 +131,48 @@ def test_other_heads_and_arguments_keep_the_models_own_forward():
     assert not chunked_loss.applies(llama, {"labels": labels, "logits_to_keep": 1})
     llama.config.model_type = "falcon_h1"                                                # scales its logits
     assert not chunked_loss.applies(llama, {"labels": labels})
+
+
+def test_a_loss_function_the_user_set_keeps_the_models_own_forward():
+    """transformers' ``model.loss_function = fn`` (label smoothing here): the chunks compute plain
+    cross-entropy, so that model keeps its own forward and its own loss."""
+    import torch.nn.functional as F
+
+    def smoothed(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, **kwargs):
+        shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
+        return F.cross_entropy(logits.float().view(-1, vocab_size), shifted, ignore_index=ignore_index,
+                               label_smoothing=0.3)
+    model = make_hf_model("llama", n_layers=2)
+    model.loss_function = smoothed
+    ids, labels = data(1)[0]
+    expected = copy.deepcopy(model).train()(input_ids=ids, labels=labels).loss
+    assert not chunked_loss.applies(model.train(), {"labels": labels})
+    engine = lazytrain.initialize(model=model, config=config(chunk=5))[0]
+    assert engine(input_ids=ids, labels=labels).loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    plain = make_hf_model("llama", n_layers=2)
+    assert chunked_loss.applies(plain.train(), {"labels": labels})
+    plain.config.loss_type = "ForMaskedLM"
+    plain.loss_type = "ForMaskedLM"
+    assert not chunked_loss.applies(plain, {"labels": labels})
+
+
+def test_a_head_with_a_hook_or_its_own_forward_keeps_the_models_own_forward():
+    """A forward hook on the head (one that scales the logits, say) or an instance ``forward`` (as
+    accelerate's hooks set) would be bypassed by the chunks: the model keeps its own forward, and the
+    instance ``forward`` is still there after it."""
+    ids, labels = data(1)[0]
+    hooked = make_hf_model("llama", n_layers=2).train()
+    hooked.lm_head.register_forward_hook(lambda module, args, out: out * 0.5)
+    assert not chunked_loss.applies(hooked, {"labels": labels})
+    wrapped = make_hf_model("llama", n_layers=2).train()
+    calls = []
+    original = wrapped.lm_head.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    wrapped.lm_head.forward = counted
+    assert not chunked_loss.applies(wrapped, {"labels": labels})
+    engine = lazytrain.initialize(model=wrapped, config=config(chunk=5))[0]
+    engine(input_ids=ids, labels=labels)
+    assert calls == [1] and wrapped.lm_head.forward is counted

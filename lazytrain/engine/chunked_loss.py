@@ -12,8 +12,9 @@ when the caller passes it (Trainer does), else averaged over the counted tokens.
 is None: a training forward with labels gives the loss only.
 
 Only families whose head is a plain linear layer on the last hidden states and whose loss is
-``ForCausalLMLoss`` take this path (:data:`FAMILIES`; no soft-capping or logit multiplier), and only with the
-usual forward arguments: any other model or argument (TRL's ``fused_lm_head``) keeps the model's forward, as
+``ForCausalLMLoss`` take this path (:data:`FAMILIES`; no soft-capping or logit multiplier; no loss function
+the user set with ``model.loss_function = ...``; no forward hook or instance ``forward`` on the head, which
+would see or change logits the chunks compute without them), and only with the usual forward arguments: any other model or argument (TRL's ``fused_lm_head``) keeps the model's forward, as
 does every forward without labels or without gradients (evaluation and generation see the logits as usual).
 """
 from __future__ import annotations
@@ -42,14 +43,24 @@ def applies(model: nn.Module, kwargs: dict) -> bool:
     if not set(kwargs) <= FORWARD_KWARGS or kwargs.get("return_dict") is False:
         return False
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear:
+    if type(head) is not nn.Linear or "forward" in vars(head) or head._forward_hooks or head._forward_pre_hooks:
         return False
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in FAMILIES:
         return False
-    if getattr(config, "loss_type", None) not in (None, "ForCausalLM"):
+    if not _uses_causal_lm_loss(model):
         return False
     return all(getattr(config, k, None) in (None, 1, 1.0) for k in _SCALED_HEAD)
+
+
+def _uses_causal_lm_loss(model: nn.Module) -> bool:
+    """Whether the model's loss is transformers' ``ForCausalLMLoss``: not another ``loss_type``, nor a
+    function the user set (``model.loss_function = fn``, label smoothing or a z-loss, say)."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return False
+    return getattr(model, "loss_function", None) is ForCausalLMLoss
 
 
 def forward(model: nn.Module, chunk_tokens: int, args: tuple, kwargs: dict):
