@@ -11,12 +11,19 @@ from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_
 
 
 def _train(rank: int, world: int, out_dir: str, overlap: bool, kind: str = "modulelist", data=None,
-           dtype: str = "fp32"):
-    """One rank of a two-rank run: its weights after three steps on its half of each batch."""
+           dtype: str = "fp32", seeded_by_rank: bool = False, stage: int = 0):
+    """One rank of a two-rank run: its weights after three steps on its half of each batch.
+    ``seeded_by_rank``: rank 1 builds its model from other random values (a script seeding by rank)."""
     import lazytrain
     model = make_model(kind)
+    if seeded_by_rank and rank:
+        torch.manual_seed(100 + rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage},
            "lazytrain": {"checkpoint_interval": 2, "overlap_optimizer": overlap}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -74,6 +81,40 @@ for _overlap in (False, True):
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
 def test_two_ranks_equal_one_big_batch(spawned, overlap):
     _assert_each_rank_equals_one_big_batch(spawned(f"one-big-batch-overlap{overlap}"))
+
+
+for _stage in (0, 1):
+    case(f"seeded-by-rank-stage{_stage}", _train, overlap=False, seeded_by_rank=True, stage=_stage)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_every_rank_starts_from_rank_0s_weights(spawned, stage):
+    """As DeepSpeed's initialize: rank 1 built its model from other random values, and both ranks train rank
+    0's model, as one process on the whole batch."""
+    _assert_each_rank_equals_one_big_batch(spawned(f"seeded-by-rank-stage{stage}"))
+
+
+def _mismatched_models(rank: int, world: int, out_dir: str):
+    """Rank 1 builds a model with one more layer: initialize refuses it on every rank, before any broadcast."""
+    import lazytrain
+    from engine_models import ModuleListLM
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    try:
+        lazytrain.initialize(model=ModuleListLM(n_layers=2 + rank), config=cfg)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+case("mismatched-models", _mismatched_models)
+
+
+def test_ranks_that_built_different_models_are_refused(spawned):
+    for rank, message in enumerate(spawned("mismatched-models")):
+        assert message == (f"rank {rank} of 2: the ranks' models differ in their parameters' names, shapes or dtypes "
+                           f"({[17, 23][rank]} parameters here); every rank must build the same model before "
+                           f"lazytrain.initialize()")
 
 
 def _branch_data():

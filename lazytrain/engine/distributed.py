@@ -142,6 +142,34 @@ class DistributedContext:
                          "the same trainable layers in each backward; a model that skips layers on some ranks "
                          "needs stage 1)", dist.reduce, t, dst=owner, group=self.gradient_group)
 
+    def start_from_rank_0(self, model: torch.nn.Module) -> None:
+        """Rank 0's parameters into every rank's model, as DeepSpeed's ``initialize`` broadcasts them: a script
+        that seeds each rank differently, or loads weights on rank 0 only, still trains one model. The ranks
+        first agree that they hold the same parameters (names, shapes, dtypes), else the broadcasts would pair
+        tensors of different sizes."""
+        if not self.enabled:
+            return
+        import hashlib
+        params = list(model.named_parameters())
+        digest = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in params]).encode()).digest()
+        mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64)
+        low, high = mine.clone(), mine.clone()
+        what = "comparison of the ranks' models in initialize()"
+        self._collective(what, dist.all_reduce, low, op=dist.ReduceOp.MIN, group=self.host_group)
+        self._collective(what, dist.all_reduce, high, op=dist.ReduceOp.MAX, group=self.host_group)
+        if low.item() != high.item():
+            raise RuntimeError(f"rank {self.rank} of {self.world_size}: the ranks' models differ in their parameters' "
+                               f"names, shapes or dtypes ({len(params)} parameters here); every rank must build the "
+                               f"same model before lazytrain.initialize()")
+        with torch.no_grad():
+            for name, p in params:
+                data = p.detach()
+                sent = data.view(torch.uint8) if data.is_contiguous() and data.numel() else data.contiguous()
+                self._collective(f"broadcast of rank 0's parameter {name!r} in initialize()", dist.broadcast, sent,
+                                 src=0, group=self.group_for(data))
+                if data.numel() and not data.is_contiguous():
+                    data.copy_(sent)
+
     def broadcast_from(self, tensors: list[torch.Tensor], owner: int,
                        what: str = "broadcast of updated weights in engine.step()") -> None:
         """Rank ``owner``'s values into every rank's ``tensors`` (the owner's updated weights)."""

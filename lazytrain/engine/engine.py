@@ -172,6 +172,7 @@ class LazyTrainEngine(nn.Module):
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
         refuse_compiled_blocks(model, self.blocks_path, blocks)
         check_no_shared_weights(model, self.blocks_path, blocks)
+        self.dist.start_from_rank_0(model)   # before any weight is copied out of the model
         block_param_ids = {id(p) for p in blocks.parameters()}
         self.tiers = build_tiers(config, self.device)
         model_cfg = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
