@@ -330,6 +330,31 @@ def test_checkpoint_round_trip(tmp_path):
     assert engine2.load_checkpoint(str(tmp_path / "empty")) == (None, None)
 
 
+
+@pytest.mark.parametrize("saved_mid_accumulation", [False, True], ids=["at-a-step", "mid-accumulation"])
+def test_a_resumed_run_accumulates_a_whole_batch_at_its_own_accumulation(tmp_path, saved_mid_accumulation):
+    """Saved by a run accumulating 1 (or 2, after half a batch: those gradients are not in the checkpoint),
+    resumed by one accumulating 2 over the same global batch (half the ranks, say): its next step comes after
+    two micro-batches, as after DeepSpeed's load, not where the saving run's count would put it."""
+    data = batches(3)
+    gas = 2 if saved_mid_accumulation else 1
+    engine = train_engine(make_model("modulelist"), [], ds_config(_top={"gradient_accumulation_steps": gas}))
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert (engine.global_steps, engine.micro_steps) == ((1, 3) if saved_mid_accumulation else (3, 3))
+    engine.save_checkpoint(str(tmp_path))
+    resumed = train_engine(make_model("modulelist"), [], ds_config(_top={"gradient_accumulation_steps": 2}))
+    resumed.load_checkpoint(str(tmp_path))
+    steps = engine.global_steps
+    for n, (x, y) in enumerate(batches(2, seed=9)):
+        assert resumed.is_gradient_accumulation_boundary() == (n == 1)
+        resumed.backward(lm_loss(resumed(x), y))
+        resumed.step()
+        assert resumed.global_steps == steps + n
+    engine.destroy()
+    resumed.destroy()
+
 def test_client_optimizer_and_callable_scheduler():
     model = make_model("modulelist")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1449,15 +1449,16 @@ class LazyTrainEngine(nn.Module):
             self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
         if self.loss_scaler is not None and model_state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(model_state["loss_scaler"])
-        for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+        for k in ("global_steps", "global_samples", "skipped_steps"):
             setattr(self, k, model_state.get(k, 0))
+        self.micro_steps = self._micro_steps_after_load()
         return path, model_state.get("client_state", {})
 
     def _load_own(self, path: str, own: dict, state, strict: bool, module_only: bool, load_scheduler: bool,
                   custom_load_fn):
         """A checkpoint this LazyTrain wrote: the DeepSpeed files (the fp32 masters, the moments they hold
         exactly, the schedule, counters and client state) with the LazyTrain file (the optimizer's own
-        state around those moments, micro_steps, the loss scaler): bit-identical to what was saved."""
+        state around those moments, the loss scaler): bit-identical to what was saved."""
         module = {**state.module, **own.get("module_extra", {})}
         for alias, source in ds_layout.shared_params(self.module).items():
             if source in module:   # a tied weight's every name holds its fp32 value (stage 0 keeps only the
@@ -1483,8 +1484,14 @@ class LazyTrainEngine(nn.Module):
             self.loss_scaler.load_state_dict(own["loss_scaler"])
         for k, v in state.counters.items():
             setattr(self, k, v)
-        self.micro_steps = int(own.get("micro_steps", self.global_steps * self.gradient_accumulation_steps()))
+        self.micro_steps = self._micro_steps_after_load()
         return path, state.client_state
+
+    def _micro_steps_after_load(self) -> int:
+        """No gradient a checkpoint's run had accumulated is in it, and this run may accumulate over another
+        number of micro-batches (another number of ranks on the same global batch): the next step takes a
+        whole batch at this run's accumulation, as after DeepSpeed's load."""
+        return self.global_steps * self.gradient_accumulation_steps()
 
     def _owned_names(self) -> set[str] | None:
         """Sharded: the names of the tensors whose optimizer state this rank keeps (a load reads those
@@ -1554,7 +1561,7 @@ class LazyTrainEngine(nn.Module):
                                               "last_overflow_iter": s.get("last_overflow_iter", -1)})
         for k, v in state.counters.items():
             setattr(self, k, v)
-        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self.micro_steps = self._micro_steps_after_load()
         return path, state.client_state
 
     def _refuse_added_block_params(self) -> None:
