@@ -117,6 +117,63 @@ def test_ranks_that_built_different_models_are_refused(spawned):
                            f"lazytrain.initialize()")
 
 
+def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage: int):
+    """Rank 1's gradients fail to reach its host once (step 2): what each rank's step() raised, and its
+    weights after both follow the error's advice (zero_grad, redo the micro-batch) and train on."""
+    import lazytrain
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
+           "lazytrain": {"collective_timeout_s": 20}}
+    engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
+    if rank == 1:
+        attach, calls = engine.weights.attach_grads, []
+
+        def failing_once(*layer):   # the step's call (no layer): its second one fails
+            calls.extend([] if layer else [1])
+            if not layer and len(calls) == 2:
+                raise OSError("a gradient copy failed")
+            return attach(*layer)
+        engine.weights.attach_grads = failing_once
+    errors = []
+    for x, y in batches(3, batch=4):
+        half = slice(2 * rank, 2 * rank + 2)
+        for _ in range(2):
+            engine.backward(lm_loss(engine(x[half]), y[half]))
+            try:
+                engine.step()
+                break
+            except lazytrain.StepFailedError as e:
+                errors.append(str(e))
+                engine.zero_grad()
+    weights = engine.module_state_dict()
+    engine.destroy()
+    return errors, weights
+
+
+for _stage in (0, 2, 3):
+    case(f"one-rank-fails-stage{_stage}", _one_rank_fails_before_the_update, stage=_stage)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_step_that_fails_on_one_rank_before_the_update_fails_on_every_rank(spawned, stage):
+    """Not a wait for the collective timeout on the others (nor, at stage 3, their collectives paired with the
+    failed rank's redone forward): every rank's step() fails at once, and after zero_grad and the redone
+    micro-batch the ranks train on alike, as one process on the whole batch."""
+    (errors0, w0), (errors1, w1) = spawned(f"one-rank-fails-stage{stage}")
+    tail = ("no weight, optimizer state, counter or schedule moved. The gradient buffers keep what reached the host; "
+            "a gradient whose copy failed is missing from them: call zero_grad() and redo the step's micro-batches, "
+            "or fix the cause and call step() again if none was lost")
+    assert errors1 == [f"step 2 failed before the optimizer changed anything (OSError: a gradient copy failed): {tail}"]
+    assert errors0 == [f"step 2 failed before the optimizer changed anything (RuntimeError: another rank's gradients "
+                       f"did not all reach its host; its own error says why): {tail}"]
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    halves = [(x[h], y[h]) for x, y in batches(3, batch=4) for h in (slice(0, 2), slice(2, 4))]
+    ref = reference_train(make_model("modulelist"), halves, lr=1e-2, gas=2, wd=0.0, clip=0.0)
+    model = make_model("modulelist")
+    model.load_state_dict(w0)
+    assert max_rel_diff(model, ref) < 1e-5
+
+
 def _branch_data():
     """Rank 0's samples (rows 0-1) all take BranchLM's side layer, rank 1's (rows 2-3) never do."""
     data = batches(3, batch=4)
@@ -248,7 +305,7 @@ def test_a_rank_that_stops_fails_the_others_within_the_timeout(tmp_path):
             p.kill()
             p.join()
     message = (tmp_path / "rank0.err").read_text()
-    assert message.startswith("rank 0 of 2: the all-reduce of which parameters have gradients, in engine.step() "
+    assert message.startswith("rank 0 of 2: the agreement that every rank's gradients reached its host in engine.step() "
                               "did not complete: it failed after ")
     assert "with a collective timeout of 3 s ('lazytrain.collective_timeout_s'). Another rank stopped, hung or " \
            "died before reaching it" in message

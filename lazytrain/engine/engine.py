@@ -747,6 +747,12 @@ class LazyTrainEngine(nn.Module):
         grads += [p.grad for p in self._extra_params() if p.grad is not None]
         return grads
 
+    def _failed_before_update(self, e: BaseException) -> str:
+        return (f"step {self.global_steps + 1} failed before the optimizer changed anything ({type(e).__name__}: "
+                f"{e}): no weight, optimizer state, counter or schedule moved. The gradient buffers keep what "
+                f"reached the host; a gradient whose copy failed is missing from them: call zero_grad() and redo "
+                f"the step's micro-batches, or fix the cause and call step() again if none was lost")
+
     def _take_model_step(self, lr_kwargs) -> None:
         if self.optimizer is None:
             raise ConfigError("engine.step() needs an optimizer: add an 'optimizer' section to the config or pass "
@@ -754,12 +760,23 @@ class LazyTrainEngine(nn.Module):
         self.wait_for_update()
         if self.shards is not None:
             self._refuse_added_block_params()
-        try:
+        local_failure = None
+        try:   # this rank's own part: no collective yet
             with streams.wait_span("gradients to host", self.device):
                 self.weights.flush_grads()
                 if self.masters is not None:
                     self.masters.flush_grads()
             self.weights.attach_grads()
+        except Exception as e:   # noqa: BLE001 - every rank hears of it before any rank enters a collective
+            local_failure = e
+        # a rank that failed alone would leave the others waiting in the step's collectives until the timeout,
+        # or pair its redone micro-batches' collectives with theirs: every rank fails the step together
+        if not self.dist.all_succeeded(local_failure is None, "agreement that every rank's gradients reached its "
+                                                              "host in engine.step()"):
+            cause = local_failure if local_failure is not None else \
+                RuntimeError("another rank's gradients did not all reach its host; its own error says why")
+            raise StepFailedError(self._failed_before_update(cause)) from local_failure
+        try:
             self.dist.fill_missing_grads([t for t in self._non_block_grad_holders() if not self._partitioned(t)])
             grads = self._all_grads()
             # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
@@ -776,11 +793,7 @@ class LazyTrainEngine(nn.Module):
         except CollectiveError:
             raise   # names the collective; the run cannot go on with a rank missing
         except Exception as e:
-            raise StepFailedError(f"step {self.global_steps + 1} failed before the optimizer changed anything "
-                                  f"({type(e).__name__}: {e}): no weight, optimizer state, counter or schedule "
-                                  f"moved. The gradient buffers keep what reached the host; a gradient whose copy "
-                                  f"failed is missing from them: call zero_grad() and redo the step's "
-                                  f"micro-batches, or fix the cause and call step() again if none was lost") from e
+            raise StepFailedError(self._failed_before_update(e)) from e
         finite = math.isfinite(norm)
         self._global_grad_norm = norm
         if not finite:
