@@ -438,6 +438,27 @@ def test_a_host_tensor_saved_beside_a_device_stays_where_it_is():
     assert back is t and host.stats()["bytes_written"] == 0
 
 
+
+class _SparseMixing(MLPBlock):
+    """Mixes each position with the one before through a sparse matrix, which autograd saves (sparse.mm)."""
+
+    def forward(self, x):
+        h = self.fc1(self.norm(x))
+        n = h.shape[1]
+        mix = (torch.eye(n) + torch.diag(torch.ones(n - 1), -1)).to_sparse().to(h.device)
+        return x + self.fc2(torch.nn.functional.gelu(torch.stack([torch.sparse.mm(mix, r) for r in h])))
+
+
+def test_a_sparse_saved_tensor_stays_where_it_is_and_the_layer_trains_as_in_pytorch(tmp_path):
+    sparse = torch.eye(3).to_sparse()
+    back, host, _ = _roundtrip(sparse)
+    assert back is sparse and host.stats()["bytes_written"] == 0
+    model, data = _lm_of(_SparseMixing), batches(2)
+    trained = model()
+    trained.load_state_dict(_train(_engine(tmp_path, None, offload_all_plan(6), False, model=model()), data))
+    assert max_rel_diff(trained, reference_train(model(), data)) < 1e-5
+
+
 class _SigmoidThenScaledInPlace(torch.nn.Module):
     """sigmoid saves its output for its backward, which the block then scales in place: plain autograd
     refuses the backward; so must an offloaded layer, not train on the values as they were."""

@@ -163,6 +163,8 @@ class OffloadedInternals:
         self._sent_upto = max(self._sent_upto, upto)
 
     def _pack(self, t: torch.Tensor):
+        if t.layout != torch.strided:   # a sparse tensor has no one storage to copy: it stays where it is
+            return _Kept(t)
         if t.untyped_storage().data_ptr() == self._weights_storage:
             first, last = _byte_span(t)
             lo, hi = self._weights_span
