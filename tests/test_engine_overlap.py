@@ -365,6 +365,38 @@ def test_adam_with_l2_keeps_torch_adams_defaults_under_overlap():
     assert max_rel_diff(engine.module, ref) < RTOL
 
 
+
+@pytest.mark.parametrize("typ,extra,decay", [("AdamW", {"torch_adam": True}, 0.01), ("AdamW", {}, 0.0),
+                                             ("Adam", {"torch_adam": True}, 0.01),
+                                             ("Adam", {"torch_adam": True, "adam_w_mode": False}, 0.0)])
+def test_adams_weight_decay_defaults_to_what_deepspeed_builds(typ, extra, decay):
+    """DeepSpeed builds torch's AdamW (weight decay 0.01) for "torch_adam", torch's Adam (0) with adam_w_mode
+    false, and else its FusedAdam or CPUAdam (0)."""
+    cfg = ds_config(device="cpu")
+    cfg["optimizer"] = {"type": typ, "params": {"lr": 1e-2, **extra}}
+    engine, opt, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    assert [g["weight_decay"] for g in opt.param_groups] == [decay] * len(opt.param_groups)
+    engine.destroy()
+
+
+def test_a_fresh_adagrad_object_is_taken_and_one_that_stepped_is_refused():
+    """torch's Adagrad builds its state (step 0) with the optimizer: that is no step taken."""
+    model = make_model("modulelist")
+    engine, opt, _, _ = lazytrain.initialize(model=model, config={"train_batch_size": 2, "steps_per_print": 10**9},
+                                             optimizer=torch.optim.Adagrad(model.parameters(), lr=0.1))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 1 and {float(s["step"]) for s in opt.state.values()} == {1.0}
+    engine.destroy()
+    stepped = make_model("modulelist")
+    adagrad = torch.optim.Adagrad(stepped.parameters(), lr=0.1)
+    lm_loss(stepped(x), y).backward()
+    adagrad.step()
+    with pytest.raises(ConfigError, match="the optimizer passed to lazytrain.initialize has already stepped"):
+        lazytrain.initialize(model=stepped, config={"train_batch_size": 2}, optimizer=adagrad)
+
+
 def test_overlap_config():
     model = make_model("llama")
     engine, opt, _, _ = lazytrain.initialize(model=copy.deepcopy(model), config=ds_config(device="cpu"))

@@ -55,8 +55,10 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
                               f"{typ} (allowed: {', '.join(sorted(_ADAM_KEYS))})")
         adam_w_mode = bool(params.pop("adam_w_mode", True)) if lower == "adam" else True
         params.pop("adam_w_mode", None)
-        params.setdefault("weight_decay", 0.0)   # DeepSpeed's FusedAdam/CPUAdam default (torch AdamW's is 0.01)
-        params.pop("torch_adam", None)
+        # DeepSpeed's default: torch's AdamW's (0.01) where "torch_adam" makes it build one, else its FusedAdam's
+        # and CPUAdam's (0)
+        torch_adamw = bool(params.pop("torch_adam", False)) and adam_w_mode
+        params.setdefault("weight_decay", 0.01 if torch_adamw else 0.0)
         params.pop("fused", None)
         params.pop("foreach", None)
         if params.pop("bias_correction", True) is False:
@@ -108,12 +110,21 @@ def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable) -> tor
         return _no_own_clipping(optimizer(groups))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
-    if any(optimizer.state.values()):
+    if any(_has_stepped(state) for state in optimizer.state.values()):
         raise ConfigError("the optimizer passed to lazytrain.initialize has already stepped; pass a fresh one")
     _no_own_clipping(optimizer)
     for g in optimizer.param_groups:
         g["params"] = [remap(p) for p in g["params"]]
     return optimizer
+
+
+def _has_stepped(state: dict) -> bool:
+    """A parameter's optimizer state after a step: Adagrad builds its state (step 0, zero sums) with the
+    optimizer, so a state alone does not say so; a step count above 0, or a state without one, does."""
+    step = state.get("step")
+    if step is None:
+        return bool(state)
+    return float(step) > 0
 
 
 def _no_own_clipping(optimizer):
