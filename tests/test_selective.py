@@ -77,6 +77,40 @@ def test_selective_layers_train_bit_for_bit_as_the_plan_without_them(tmp_path, k
     assert max_rel_diff(model, reference_train(_model(kind), data)) < 1e-4   # the engine's usual parity
 
 
+class _InPlaceReluBlock(torch.nn.Module):
+    """An activation applied in place to a Linear's output: the output a selective forward kept changes."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.relu(self.fc1(x), inplace=True))
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["one-re-run", "two-re-runs"])
+def test_a_kept_output_the_model_changes_in_place_makes_its_layer_re_run_whole(tmp_path, links):
+    """torch's selective checkpoint refuses a cached output changed in place: a plan with selective layers
+    would fail where the same plan without them trains. The layer re-runs whole instead, with a warning."""
+    from engine_models import ModuleListLM
+
+    class LM(ModuleListLM):
+        block = _InPlaceReluBlock
+
+    def model():
+        torch.manual_seed(0)
+        return LM()
+    data = batches(2)
+    plan = every_k_plan(6, 3, home="host")
+    plain = _train(plan_engine(tmp_path, model(), plan, LINKS if links else None), data)
+    selective = dataclasses.replace(plan, selective_layers=(0, 1, 3, 4))
+    with pytest.warns(UserWarning, match="lazytrain: a selective layer's kept matmul output was changed in place by "
+                                         "the model; that layer re-runs its whole forward in backward instead"):
+        kept = _train(plan_engine(tmp_path, model(), selective, LINKS if links else None), data)
+    for k, v in plain.items():
+        assert torch.equal(kept[k], v), k
+
+
 def test_with_gradient_accumulation_each_micro_batch_keeps_its_own_outputs(tmp_path):
     data = batches(4)
     plain = _train(_engine(tmp_path, "llama", (), True, accumulation=2), data)

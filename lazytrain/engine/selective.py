@@ -13,7 +13,8 @@ recording modes would run every op of the forward through two Python dispatch mo
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+import warnings
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -80,10 +81,26 @@ class SelectiveForward:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def next_rerun(self):
-        """The context of the next re-run: the kept ops return their forward's outputs in it."""
+        """The context of the next re-run: the kept ops return their forward's outputs in it; or, where the
+        model changed one of those outputs in place since (``relu(fc(x), inplace=True)``, say), none: the
+        re-run computes everything again, as a block that is not selective does."""
         if self._used == len(self._pairs):
             raise RuntimeError(f"a selective block was re-run more than the {len(self._pairs)} time(s) its "
                                f"forward kept outputs for")
-        _, cached = self._pairs[self._used]
+        caching, cached = self._pairs[self._used]
         self._used += 1
+        if _changed_in_place(caching.storage):
+            warnings.warn("lazytrain: a selective layer's kept matmul output was changed in place by the model; "
+                          "that layer re-runs its whole forward in backward instead", UserWarning)
+            return nullcontext()
         return cached
+
+
+def _changed_in_place(storage: dict) -> bool:
+    """Whether a kept output changed since the forward kept it (the cache's entries record its version)."""
+    for entries in storage.values():
+        for leaf in tree_leaves(list(entries.values())):
+            version = getattr(leaf, "version", None)
+            if version is not None and leaf.val._version != version:
+                return True
+    return False
