@@ -86,13 +86,15 @@ def test_with_gradient_accumulation_and_frozen_layers_as_plain_pytorch(tmp_path)
 
 def _saved_bytes_per_layer(model, x) -> list[int]:
     """What plain PyTorch's autograd saves in each block of ``model``'s forward, without the tensors that
-    are the model's parameters or views of them, each tensor once."""
+    are the model's parameters or views of them, each region of memory once (views of the same bytes in
+    other shapes, as attention's output and its reshape for the output projection, hold it once)."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     layer, seen, alive, sizes = [None], set(), [], [0] * len(model.model.layers)
 
     def pack(t):
         if layer[0] is not None and t.untyped_storage().data_ptr() not in params:
-            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), reach, t.dtype)
             if (layer[0], ident) not in seen:
                 seen.add((layer[0], ident))
                 sizes[layer[0]] += t.numel() * t.element_size()
@@ -437,6 +439,26 @@ def test_a_host_tensor_saved_beside_a_device_stays_where_it_is():
     back, host, _ = _roundtrip(t, device=torch.device("cuda"))   # the CUDA device need not exist: nothing moves
     assert back is t and host.stats()["bytes_written"] == 0
 
+
+
+def test_views_of_the_same_bytes_in_other_shapes_go_once_and_come_back_as_they_were():
+    """Attention's output (batch, heads, seq, dim) laid out as (batch, seq, heads, dim), and its reshape for
+    the output projection: autograd saves both, the host gets their bytes once."""
+    from lazytrain.tiers.memory import HostTier
+    out = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 4, 3, 5).transpose(1, 2)   # (2, 3, 4, 5)
+    views = [out, out.transpose(1, 2).reshape(8, 15), out.transpose(1, 2).reshape(2, 4, 15)]
+    host = HostTier("host")
+    internals = OffloadedInternals(host, "pass0.layer0", torch.device("cpu"), torch.zeros(4), set())
+    with internals.recording():
+        packed = [internals._pack(v) for v in views]
+        packed.append(internals._pack(out[:, 1]))   # a slice of them: other bytes, sent on its own
+    internals.prefetch()
+    assert host.stats()["bytes_written"] == (out.numel() + out[:, 1].numel()) * 4 == internals.nbytes
+    for v, p in zip(views, packed):
+        back = internals._unpack(p)
+        assert torch.equal(back, v) and back.stride() == v.stride()
+    assert torch.equal(internals._unpack(packed[-1]), out[:, 1])   # a slice comes back contiguous
+    internals.release()
 
 
 class _SparseMixing(MLPBlock):

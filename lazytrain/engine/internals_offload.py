@@ -48,12 +48,14 @@ class _Kept:
 
 
 class _Sent:
-    """A saved tensor sent to the host: its index, and how to give it back its shape and strides (the
-    permutation that undoes :func:`_compact`'s, None for none, then its broadcast shape)."""
-    __slots__ = ("index", "unpermute", "shape")
+    """A saved tensor sent to the host: its index, and how to give it back its shape and strides (the shape
+    of its dense form when it is another view of the bytes sent under that index, else None; the
+    permutation that undoes :func:`_compact`'s, None for none; then its broadcast shape)."""
+    __slots__ = ("index", "unpermute", "shape", "reshape")
 
-    def __init__(self, index: int, unpermute: tuple[int, ...] | None, shape: tuple[int, ...]):
-        self.index, self.unpermute, self.shape = index, unpermute, shape
+    def __init__(self, index: int, unpermute: tuple[int, ...] | None, shape: tuple[int, ...],
+                 reshape: tuple[int, ...] | None = None):
+        self.index, self.unpermute, self.shape, self.reshape = index, unpermute, shape, reshape
 
 
 def _compact(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
@@ -68,6 +70,18 @@ def _compact(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
     order = tuple(sorted(range(v.dim()), key=lambda d: -v.stride(d)))
     dense = v.permute(order)
     return (dense, order) if dense.is_contiguous() else (v, None)
+
+
+def _dense_span(t: torch.Tensor, sent: torch.Tensor) -> tuple | None:
+    """What identifies the bytes ``t`` holds when ``sent`` (its :func:`_compact` form) is every byte of
+    ``t``'s span in memory order: any view whose dense form is the same span holds the same values in the
+    same order (a reshape, or a transpose then a reshape). None for other tensors (slices, broadcasts)."""
+    if not sent.is_contiguous() or sent.numel() == 0:
+        return None
+    first, last = _byte_span(t)
+    if last - first != sent.numel() * sent.element_size():
+        return None
+    return t.untyped_storage().data_ptr(), first, last, t.dtype, t._version
 
 
 def _running_shares(split: dict[int, float]) -> dict[int, float]:
@@ -124,7 +138,11 @@ class OffloadedInternals:
         self._weights_storage = weights.untyped_storage().data_ptr()
         self._weights_span = _byte_span(weights)
         self._keys: list[str] = []
-        self._index: dict[tuple, tuple] = {}         # (data_ptr, offset, shape, stride, dtype, version) -> (tensor, index)
+        # (data_ptr, offset, shape, stride, dtype, version) -> (tensor, index, the shape it is viewed as or None)
+        self._index: dict[tuple, tuple] = {}
+        # (data_ptr, first byte, last byte, dtype, version) -> index, for tensors whose dense form is every byte
+        # of that span in memory order: another view of the same bytes (a reshape of it) is not sent again
+        self._spans: dict[tuple, int] = {}
         self._reads: dict[int, TransferHandle] = {}  # saved index -> read in flight
         self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
         self._changed: dict[int, tuple] = {}         # saved index -> (version saved, version after the forward)
@@ -141,10 +159,11 @@ class OffloadedInternals:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
-            for ident, (t, n) in self._index.items():   # changed in place after it was saved, in the forward:
+            for ident, (t, n, _) in self._index.items():   # changed in place after it was saved, in the forward:
                 if t._version != ident[-1]:               # plain autograd refuses it if backward uses it
                     self._changed[n] = (ident[-1], t._version)
             self._index.clear()
+            self._spans.clear()
         if self._out is not None:   # the forward window's share leaves now its forward has saved everything
             self.send_through(self._window)
 
@@ -177,10 +196,16 @@ class OffloadedInternals:
         ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
                  t._version)
         sent, order = _compact(t)
-        n = self._index.get(ident, (None, None))[1]
-        if n is None:
+        _, n, reshape = self._index.get(ident, (None, None, None))
+        span = _dense_span(t, sent) if n is None else None
+        if span is not None and span in self._spans:   # the bytes of a tensor already sent, in another shape
+            n, reshape = self._spans[span], tuple(sent.shape)
+            self._index[ident] = (t, n, reshape)
+        elif n is None:
             n = len(self._keys)
-            self._index[ident] = (t, n)
+            self._index[ident] = (t, n, None)
+            if span is not None:
+                self._spans[span] = n
             key = f"{self._key}.saved{n}"
             self._keys.append(key)
             self._sizes.append(sent.numel() * sent.element_size())
@@ -194,7 +219,7 @@ class OffloadedInternals:
                 self._pending[n] = (sent.detach(), t.detach(), ident[-1])
             self.nbytes += self._sizes[-1]
         unpermute = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
-        return _Sent(n, unpermute, tuple(t.shape))
+        return _Sent(n, unpermute, tuple(t.shape), reshape)
 
     def weights_kept_outside_saved_tensors(self, outputs) -> list[str]:
         """The autograd Functions of the recorded graph (reached from ``outputs``) that keep a view of the
@@ -264,6 +289,8 @@ class OffloadedInternals:
             if value.device != self._device:
                 value = value.to(self._device)
             self._values[n] = value
+        if packed.reshape is not None:
+            value = value.view(packed.reshape)
         if packed.unpermute is not None:
             value = value.permute(packed.unpermute)
         return value.expand(packed.shape)
