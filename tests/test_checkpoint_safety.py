@@ -2,6 +2,7 @@
 stays consistent (or says it is not) when a step fails half-way."""
 import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -146,6 +147,18 @@ def test_a_checkpoint_without_a_manifest_loads_as_deepspeed_writes_them(tmp_path
         torch.save(obj, tmp_path / "global_step3" / name)
     (tmp_path / "latest").write_text("global_step3")
     assert loaded_step(tmp_path) == 3
+
+
+def test_an_empty_latest_file_is_named_as_the_problem(tmp_path):
+    """A 'latest' truncated (a full disk, another tool) names no tag: the error says so, not that the
+    directory itself is an incomplete checkpoint."""
+    ckpt.save(str(tmp_path), "t", files_of(1), True)
+    (tmp_path / "latest").write_text(" \n")
+    latest = tmp_path / "latest"
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"the 'latest' file in {tmp_path} ({latest}) is empty: "
+                                                             f"it names no checkpoint tag")):
+        ckpt.resolve_tag(str(tmp_path), None)
+    assert ckpt.resolve_tag(str(tmp_path), "t") == "t"
 
 
 @pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", "..", "latest.tmp", " spaced "])

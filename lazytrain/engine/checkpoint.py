@@ -487,7 +487,11 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
                       f"checkpoint)")
         return None
     with open(latest) as f:
-        return f.read().strip()
+        tag = f.read().strip()
+    if not tag:   # truncated (a full disk, another tool): an empty tag would name load_dir itself
+        raise CheckpointError(f"the 'latest' file in {load_dir} ({latest}) is empty: it names no checkpoint tag; "
+                              f"pass tag= to load a specific checkpoint, or write the tag's name into it")
+    return tag
 
 
 def _manifest_problem(path: str) -> str | None:
