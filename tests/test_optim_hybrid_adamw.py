@@ -289,6 +289,60 @@ def test_state_dict_keeps_checkpoint_block_size_and_kind():
         HybridAdamW(pc).load_state_dict(oa.state_dict())
 
 
+def layout(opt, params):
+    return [{k: (v.dtype, tuple(v.shape), v.is_contiguous()) if torch.is_tensor(v) else (type(v), v)
+             for k, v in opt.state[p].items() if k != "step"} for p in params]
+
+
+@pytest.mark.parametrize("chunk", [None, 512])
+def test_fp32_moments_loaded_into_8bit_states_are_quantized_as_a_step_quantizes_them(monkeypatch, chunk):
+    """A checkpoint with fp32 moments (an optimizer_states="fp32" run, torch's AdamW, DeepSpeed) resumes
+    with the 8-bit states this optimizer is set up for, laid out as a fresh one lays them out; its
+    groups' state settings stay this optimizer's (a chunk of 512 converts whole blocks at a time)."""
+    if chunk is not None:
+        monkeypatch.setattr(H, "_CONVERT_CHUNK", chunk)
+    pa = make_params()
+    oa = HybridAdamW(pa, lr=1e-3, optimizer_states="fp32")
+    run(oa, pa, 3)
+    pb, pc = make_params(), make_params()
+    ob, oc = HybridAdamW(pb, lr=1e-3), HybridAdamW(pc, lr=1e-3)
+    ob.load_state_dict(oa.state_dict())
+    run(oc, pc, 1)
+    assert ob.param_groups[0]["optimizer_states"] == "8bit"
+    assert layout(ob, pb) == layout(oc, pc)
+    assert [sorted(ob.state[p]) for p in pb] == [["absmax1", "absmax2", "block_size", "state1", "state2", "step"],
+                                                 ["exp_avg", "exp_avg_sq", "step"],   # 1-D: fp32
+                                                 ["absmax1", "absmax2", "block_size", "state1", "state2", "step"]]
+    for a, b in ((pa[0], pb[0]), (pa[2], pb[2])):
+        for key, which, kind in (("exp_avg", "1", "dynamic"), ("exp_avg_sq", "2", "udynamic")):
+            codes, absmax = H._requant(oa.state[a][key].reshape(-1), H.get_qmap(kind, a.device), 256)
+            assert torch.equal(ob.state[b]["state" + which].reshape(-1), codes)
+            assert torch.equal(ob.state[b]["absmax" + which], absmax)
+        assert ob.state[b]["step"] == 3
+    assert torch.equal(ob.state[pb[1]]["exp_avg"], oa.state[pa[1]]["exp_avg"])
+    run(ob, pb, 1)                                                 # and it steps as 8-bit
+    assert ob.state[pb[0]]["state1"].dtype == torch.uint8 and ob.state[pb[0]]["step"] == 4
+
+
+def test_8bit_moments_loaded_into_fp32_states_are_dequantized():
+    pa = make_params()
+    oa = HybridAdamW(pa, lr=1e-3)
+    run(oa, pa, 3)
+    assert "state1" in oa.state[pa[0]]
+    pb = make_params()
+    ob = HybridAdamW(pb, lr=1e-3, optimizer_states="fp32")
+    ob.load_state_dict(oa.state_dict())
+    assert ob.param_groups[0]["optimizer_states"] == "fp32"
+    assert all(sorted(ob.state[p]) == ["exp_avg", "exp_avg_sq", "step"] for p in pb)
+    for a, b in zip(pa, pb):
+        for key in ("exp_avg", "exp_avg_sq"):
+            st = ob.state[b][key]
+            assert st.dtype == torch.float32 and st.shape == b.shape and st.is_contiguous()
+            assert torch.equal(st.reshape(-1), torch.cat(list(oa.fp32_moment_chunks(a, key))))
+    run(ob, pb, 1)
+    assert ob.state[pb[0]]["step"] == 4
+
+
 # ---------------------------------------------------------------- selection rules and report
 def test_hybrid_selection_rules():
     model = torch.nn.ModuleDict({

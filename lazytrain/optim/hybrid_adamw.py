@@ -57,6 +57,8 @@ DEFAULT_BLOCK_SIZE = 256
 DEFAULT_FP32_PATTERNS: Tuple[str, ...] = (r"norm", r"bias", r"(^|[._])ln(_|\d|\.|$)")
 
 _STATE_KINDS = ("8bit", "fp32")
+#: the group settings that say which states a tensor gets: the optimizer's own, whatever a checkpoint says
+_LAYOUT_KEYS = ("optimizer_states", "min_8bit_size", "block_size")
 
 
 def _split_named(params) -> Tuple[list, Dict[int, str]]:
@@ -246,19 +248,26 @@ class HybridAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a checkpoint; quantized states keep their uint8 codes, fp32 absmax and block size."""
+        """Load a checkpoint; quantized states keep their uint8 codes, fp32 absmax and block size. Moments
+        of the other kind than this optimizer gives the parameter (fp32 ones from torch's AdamW, DeepSpeed or
+        an ``optimizer_states="fp32"`` run; 8-bit ones into fp32 states) are converted to its kind, so
+        that the configured state precision holds after a resume (see :meth:`_into_kind`): the groups'
+        layout settings (``optimizer_states``, ``min_8bit_size``, ``block_size``) stay this optimizer's, the
+        checkpoint's other settings (lr, betas, ...) are loaded."""
         saved_state = state_dict["state"]
         saved_groups = state_dict["param_groups"]
         for group in saved_groups:        # refused before anything is loaded
             _check_flags(group, "the checkpoint's parameter group")
+        layouts = [{k: g[k] for k in _LAYOUT_KEYS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
-        for group in self.param_groups:   # a checkpoint from torch's Adam(W) lacks HybridAdamW's own keys
-            for key, value in self.defaults.items():
+        for group, layout in zip(self.param_groups, layouts):
+            group.update(layout)
+            for key, value in self.defaults.items():   # a checkpoint from torch's Adam(W) lacks HybridAdamW's keys
                 group.setdefault(key, value)
             _check_group(group)
         saved_ids = [i for g in saved_groups for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, p in zip(saved_ids, params):
+        params = [(p, g) for g in self.param_groups for p in g["params"]]
+        for idx, (p, group) in zip(saved_ids, params):
             if idx not in saved_state:
                 continue
             src = saved_state[idx]
@@ -291,6 +300,28 @@ class HybridAdamW(torch.optim.Optimizer):
                     # parameter); the kernel reads state memory as contiguous
                     st[key] = _contiguous_copy(t, p, torch.float32)
             st["step"] = int(src["step"])
+            self._into_kind(p, st, group)
+
+    def _into_kind(self, p: torch.Tensor, st: Dict[str, Any], group: Mapping[str, Any]) -> None:
+        """``st`` (a loaded state) in the kind :meth:`_choose` gives ``p``, laid out as :meth:`_init_state`
+        makes it: fp32 moments quantized blockwise at the group's block size as a step requantizes them
+        (:func:`_requant`), 8-bit ones dequantized to fp32. Without it a resume from fp32 moments would
+        keep 8 bytes per parameter for good where 8-bit states were asked for (or the reverse)."""
+        kind, _ = self._choose(p, group)
+        if _kind_of(st) == kind:
+            return
+        q1, q2 = get_qmap("dynamic", p.device), get_qmap("udynamic", p.device)
+        if kind == "8bit":
+            bs = group["block_size"]
+            st["state1"], st["absmax1"] = _quantized(st.pop("exp_avg").reshape(-1), q1, bs)
+            st["state2"], st["absmax2"] = _quantized(st.pop("exp_avg_sq").reshape(-1), q2, bs)
+            st["state1"], st["state2"] = st["state1"].view(p.shape), st["state2"].view(p.shape)
+            st["block_size"] = bs
+        else:
+            bs = int(st.pop("block_size"))
+            for key, which, qmap in (("exp_avg", "1", q1), ("exp_avg_sq", "2", q2)):
+                codes, absmax = st.pop("state" + which), st.pop("absmax" + which)
+                st[key] = _dequantized(codes.reshape(-1), absmax, qmap, bs).view(p.shape)
 
     def fp32_moment_chunks(self, p: torch.Tensor, key: str, max_elems: int = 1 << 24):
         """``p``'s moment ``key`` ("exp_avg" or "exp_avg_sq") in fp32, flat, as host tensors of at most
@@ -545,6 +576,37 @@ def _requant(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, to
     absmax = xb.abs().amax(dim=1)
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     return encode(xb * scale[:, None], qmap).reshape(-1)[:n], absmax
+
+
+#: elements converted at a time between fp32 and 8-bit moments (the temporaries of a few blocks, not of a
+#: whole embedding)
+_CONVERT_CHUNK = 1 << 24
+
+
+def _quantized(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Flat fp32 ``x`` as uint8 codes and per-block absmax on ``qmap``'s device, as :func:`_requant` gives
+    them, a chunk of whole blocks at a time."""
+    n, device = x.numel(), qmap.values.device
+    codes = torch.empty(n, dtype=torch.uint8, device=device)
+    absmax = torch.empty(num_blocks(n, bs), dtype=torch.float32, device=device)
+    step = max(bs, _CONVERT_CHUNK // bs * bs)
+    for start in range(0, n, step):
+        c, a = _requant(x[start:start + step].to(device, torch.float32), qmap, bs)
+        codes[start:start + c.numel()] = c
+        absmax[start // bs:start // bs + a.numel()] = a
+    return codes, absmax
+
+
+def _dequantized(codes: torch.Tensor, absmax: torch.Tensor, qmap: QuantMap, bs: int) -> torch.Tensor:
+    """Flat uint8 ``codes`` as fp32 values (what a step dequantizes them to), a chunk of blocks at a time."""
+    n = codes.numel()
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    step = max(bs, _CONVERT_CHUNK // bs * bs)
+    for start in range(0, n, step):
+        part = codes[start:start + step]
+        out[start:start + part.numel()] = _dequant(part, absmax[start // bs:start // bs + num_blocks(part.numel(), bs)],
+                                                   qmap, bs)
+    return out
 
 
 def _dequant(codes: torch.Tensor, absmax: torch.Tensor, qmap: QuantMap, bs: int) -> torch.Tensor:
