@@ -1,7 +1,9 @@
 """DeepSpeed's checkpoints resume in LazyTrain: every ZeRO stage, one rank or several, fp32 and 16-bit.
 
 The checkpoints are DeepSpeed 0.19.8's own (tests/data/deepspeed_0_19/make_fixtures.py): a two-layer MLP
-after one AdamW step. Every fp32 one holds the same weights and moments (the ranks saw the same input)."""
+after one AdamW step. Every fp32 one holds the same weights and moments (the ranks saw the same input). The
+``_frozen`` ones leave ``0.bias`` frozen and hold the group settings ``make_fixtures.SETTINGS``;
+``stage2_fp32_step0`` was saved before any step, ``stage0_fp16_scaled`` after three from a loss scale of 2**12."""
 import copy
 import os
 import warnings
@@ -22,13 +24,18 @@ def mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
 
 
-def engine_for(precision=None):
+def engine_for(precision=None, frozen=False, scheduler=True, weight_decay=0.01, **lazy):
+    """``frozen``: 0.bias frozen (as in the ``_frozen`` checkpoints); ``lazy``: LazyTrain's own settings."""
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}, "lazytrain": {"device": "cpu"}}
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": weight_decay}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}, "lazytrain": {"device": "cpu", **lazy}}
+    if not scheduler:
+        del cfg["scheduler"]
     if precision:
         cfg[precision] = {"enabled": True}
     model = mlp()
+    if frozen:
+        model[0].bias.requires_grad_(False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -153,3 +160,128 @@ def test_a_deepspeed_stage0_fp16_checkpoint_resumes_with_its_fp32_masters_and_mo
         assert torch.equal(moments[name]["exp_avg_sq"], inner[i]["exp_avg_sq"]), name
     assert engine.loss_scaler.scale == raw["optimizer"]["cur_scale"]
     assert engine.global_steps == 1
+
+
+def raw_model_file(name):
+    """DeepSpeed's own model file, read here to state the expectations."""
+    return torch.load(os.path.join(HERE, name, "global_step1", "mp_rank_00_model_states.pt"), weights_only=False)
+
+
+def layout(state):
+    """A state's keys with their tensors' dtypes and shapes (other values' types)."""
+    return {k: (v.dtype, tuple(v.shape)) if torch.is_tensor(v) else type(v) for k, v in state.items()}
+
+
+def state_of(engine):
+    """Each parameter's optimizer state by name ({} where it has none)."""
+    return {engine._param_names[id(p)]: engine.optimizer.state.get(p, {})
+            for g in engine.optimizer.param_groups for p in g["params"]}
+
+
+@pytest.mark.parametrize("name,precision", [("stage0_fp32_frozen", None), ("stage0_bf16_frozen", "bf16"),
+                                            ("stage2_bf16_frozen", "bf16")])
+def test_a_frozen_parameter_loads_with_no_optimizer_state_and_the_others_with_theirs(name, precision):
+    """DeepSpeed keeps no moments for a frozen parameter (and its 16-bit stage-0 wrappers leave it out of
+    their groups, so the others' positions skip it): it starts fresh, the others resume."""
+    engine = engine_for(precision, frozen=True)
+    engine.load_checkpoint(os.path.join(HERE, name))
+    trained = ["0.weight", "2.weight", "2.bias"]
+    opt = raw_model_file(name)["optimizer"]
+    if name == "stage0_fp32_frozen":      # torch's own state dict: every parameter's position, 0.bias's empty
+        assert sorted(opt["state"]) == [0, 2, 3]
+        expected = {n: opt["state"][i] for n, i in zip(trained, [0, 2, 3])}
+    elif name == "stage0_bf16_frozen":    # FP16_UnfusedOptimizer: the three trainable ones alone
+        assert [t.shape for t in opt["fp32_groups"][0]] == [(8, 8), (8, 8), (8,)]
+        expected = {n: opt["optimizer_state_dict"]["state"][i] for i, n in enumerate(trained)}
+        masters = engine.module_state_dict()
+        for i, n in enumerate(trained):
+            assert torch.equal(masters[n], opt["fp32_groups"][0][i]), n
+    else:
+        expected = ds_ckpt.read(os.path.join(HERE, name, "global_step1"), True).moments
+        assert sorted(expected) == sorted(trained)
+    state = state_of(engine)
+    assert state["0.bias"] == {}
+    for n in trained:
+        assert float(state[n]["step"]) == float(expected[n]["step"]), n   # FP16_UnfusedOptimizer's set-up adds one
+        assert torch.equal(state[n]["exp_avg"], expected[n]["exp_avg"]), n
+        assert torch.equal(state[n]["exp_avg_sq"], expected[n]["exp_avg_sq"]), n
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(4))
+    engine.backward(engine(x.to(engine.compute_dtype)).float().pow(2).mean())
+    engine.step()
+    assert engine.global_steps == 2 and state_of(engine)["0.bias"] == {}
+
+
+def test_a_trainable_parameter_without_moments_beside_others_with_them_is_refused():
+    """0.bias is trainable here, frozen in the checkpoint's run: its moments are missing, not fresh."""
+    with pytest.raises(ds_ckpt.DeepSpeedCheckpointError,
+                       match=r"has no optimizer state for parameter '0.bias' \(it has 3 parameters\); load it with "
+                             r"load_optimizer_states=False"):
+        engine_for("bf16").load_checkpoint(os.path.join(HERE, "stage2_bf16_frozen"))
+    with pytest.raises(ds_ckpt.DeepSpeedCheckpointError,
+                       match=r"the stage-0 fp32 masters hold \[3\] parameters per group, this model's optimizer "
+                             r"\[4\] trainable ones"):
+        engine_for("bf16").load_checkpoint(os.path.join(HERE, "stage0_bf16_frozen"))
+
+
+def test_a_checkpoint_saved_before_the_first_step_loads_with_no_optimizer_state():
+    engine = engine_for()
+    engine.load_checkpoint(os.path.join(HERE, "stage2_fp32_step0"))
+    assert engine.global_steps == 0 and not engine.optimizer.state
+    expected = ds_ckpt.read(os.path.join(HERE, "stage2_fp32_step0", "global_step1"), False).module
+    for n, p in engine.module.named_parameters():
+        assert torch.equal(p, expected[n]), n
+    engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+    engine.step()
+    assert sorted(float(st["step"]) for st in state_of(engine).values()) == [1.0] * 4
+
+
+@pytest.mark.parametrize("name,precision,settings", [
+    ("stage0_fp32_frozen", None, {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}),
+    ("stage0_bf16_frozen", "bf16", {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}),
+    ("stage2_bf16_frozen", "bf16", {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}),
+    ("stage3_fp32", None, {"lr": 0.0, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}),
+    ("stage2_fp32_2ranks", None, {"lr": 0.0, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8})])
+def test_the_optimizer_groups_settings_are_restored_as_deepspeed_restores_them(name, precision, settings):
+    """DeepSpeed loads its optimizer's groups with its state: a script's own lr (no scheduler), its
+    weight decay, betas and eps resume as saved, not as the config starts them."""
+    engine = engine_for(precision, frozen="frozen" in name, scheduler=False, weight_decay=0.1)
+    before = {k: engine.optimizer.param_groups[0][k] for k in settings}
+    assert before == {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.999), "eps": 1e-8}
+    engine.load_checkpoint(os.path.join(HERE, name))
+    assert [{k: g[k] for k in settings} for g in engine.optimizer.param_groups] == [settings]
+    assert engine.get_lr() == [settings["lr"]]
+
+
+def test_a_stage0_fp16_checkpoint_resumes_with_its_loss_scale():
+    """Stage 0 keeps the loss scale in FP16_Optimizer's state in the model file (ZeRO in its optim
+    files): saved after three steps from 2**12, it is not the config's initial 2**16."""
+    engine = engine_for("fp16")
+    assert engine.loss_scaler.scale == 2.0 ** 16
+    engine.load_checkpoint(os.path.join(HERE, "stage0_fp16_scaled"))
+    assert engine.loss_scaler.state_dict() == {"scale": 4096.0, "cur_hysteresis": 2, "cur_iter": 3,
+                                               "last_overflow_iter": -1}
+    assert engine.global_steps == 3
+
+
+def test_an_8bit_moment_engine_quantizes_the_fp32_moments_it_loads():
+    """fp32 moments loaded into an engine configured for 8-bit ones take the layout a fresh one has
+    (uint8 codes and per-block absmax, quantized as a step requantizes them), not fp32 for good."""
+    from lazytrain.optim import hybrid_adamw as H
+    from lazytrain.optim.quantization import get_qmap
+    engine = engine_for(optimizer_states="8bit", hybrid_threshold=16)
+    engine.load_checkpoint(os.path.join(HERE, "stage3_fp32"))
+    fresh = engine_for(optimizer_states="8bit", hybrid_threshold=16)
+    fresh.backward(fresh(torch.randn(2, 8)).pow(2).mean())
+    fresh.step()
+    loaded, made = state_of(engine), state_of(fresh)
+    assert {n: layout(st) for n, st in loaded.items()} == {n: layout(st) for n, st in made.items()}
+    assert sorted(loaded["0.weight"]) == ["absmax1", "absmax2", "block_size", "state1", "state2", "step"]
+    assert sorted(loaded["0.bias"]) == ["exp_avg", "exp_avg_sq", "step"]   # biases keep fp32 moments
+    expected = ds_ckpt.read(os.path.join(HERE, "stage3_fp32", "global_step1"), True).moments
+    for n in ("0.weight", "2.weight"):
+        for key, which, qmap in (("exp_avg", "1", "dynamic"), ("exp_avg_sq", "2", "udynamic")):
+            codes, absmax = H._requant(expected[n][key].reshape(-1), get_qmap(qmap, torch.device("cpu")), 256)
+            assert torch.equal(loaded[n]["state" + which].reshape(-1), codes), (n, key)
+            assert torch.equal(loaded[n]["absmax" + which], absmax), (n, key)
+    for n in ("0.bias", "2.bias"):
+        assert torch.equal(loaded[n]["exp_avg"], expected[n]["exp_avg"]), n

@@ -47,6 +47,9 @@ class DeepSpeedState:
     loss_scale: dict | None                         # DeepSpeed's loss scaler's attributes
     client_state: dict = field(default_factory=dict)
     stage: int = 0
+    # by name: the settings (lr, betas, eps, weight_decay, ...; no 'params') of the checkpoint's optimizer group
+    # that holds the parameter; None where the checkpoint keeps none (ZeRO 1-2's elastic layout)
+    group_settings: dict[str, dict] | None = None
 
 
 def is_deepspeed(tag_dir: str, trust: bool = False) -> bool:
@@ -78,12 +81,15 @@ def _rank_of(path: str) -> int:
 
 
 def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
-         stage0_names: list[list[str]] | None = None, wanted: set[str] | None = None) -> DeepSpeedState:
+         stage0_names: list[list[str]] | None = None, wanted: set[str] | None = None,
+         stage0_frozen: set[str] | None = None) -> DeepSpeedState:
     """The checkpoint in ``tag_dir`` by parameter name. ``stage0_names``: the names of the parameters of
     the stage-0 optimizer's groups in its order (a stage-0 checkpoint keeps its optimizer state by
     position): given, the stage-0 moments (and in 16 bits, the fp32 masters) are read by name too.
-    ``wanted``: the names whose moments to read (a rank of a sharded engine reads its own share; the
-    files are memory-mapped, so the rest is never read); None: every one."""
+    ``stage0_frozen``: the names among them that DeepSpeed's 16-bit stage-0 wrappers leave out of their
+    groups (frozen or empty parameters: its ``is_optimized_parameter``), when ``stage0_names`` lists every
+    parameter of the groups. ``wanted``: the names whose moments to read (a rank of a sharded engine reads
+    its own share; the files are memory-mapped, so the rest is never read); None: every one."""
     model_files = _model_files(tag_dir)
     if not model_files:
         raise DeepSpeedCheckpointError(f"{tag_dir} holds no DeepSpeed model file (mp_rank_*_model_states.pt)")
@@ -97,6 +103,7 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     full = _frozen(model, model_files, stage, trust)  # names whose full-precision value was found
     moments = None
     loss_scale = None
+    settings = None
     optim_files = _optim_files(tag_dir)
     if optim_files:                                   # ZeRO 1-3 (or bf16 at stage 0): fp32 partitions
         states = [safe_load.load(f, trust)["optimizer_state_dict"] for f in optim_files]
@@ -108,11 +115,17 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
         full.update(masters)
         scaler = states[0].get("loss_scaler")
         loss_scale = dict(vars(scaler)) if scaler is not None else None
+        base = states[0].get("base_optimizer_state", states[0].get("optimizer_state_dict"))
+        if isinstance(base, dict):                    # the elastic layout (a list) keeps no group settings
+            settings = _group_settings(base.get("param_groups"), [list(g) for g in shapes])
     elif stage0_names is not None and model.get("optimizer") is not None:
-        masters, moments = _stage0(model["optimizer"], stage0_names, module, want_optimizer)
+        opt = model["optimizer"]
+        masters, moments = _stage0(opt, stage0_names, module, want_optimizer, stage0_frozen or set())
         if moments is not None and wanted is not None:
             moments = {n: m for n, m in moments.items() if n in wanted}
         full.update(masters)
+        settings = _group_settings(opt.get("optimizer_state_dict", opt).get("param_groups"), stage0_names)
+        loss_scale = _stage0_loss_scale(opt)
     module.update(full)                               # fp32 masters over the 16-bit module weights
     for alias, source in (model.get("shared_params") or {}).items():
         if source in full:                            # a tied weight: its other name takes the same master
@@ -120,7 +133,26 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     stage0 = model.get("optimizer") if want_optimizer and not optim_files and stage0_names is None else None
     return DeepSpeedState(module=module, moments=moments if want_optimizer else None, optimizer_state_dict=stage0,
                           lr_scheduler=model.get("lr_scheduler"), counters=counters, loss_scale=loss_scale,
-                          client_state=client, stage=stage)
+                          client_state=client, stage=stage, group_settings=settings if want_optimizer else None)
+
+
+def _group_settings(groups: list[dict] | None, names: list[list[str]]) -> dict[str, dict] | None:
+    """Each name's group settings (not its 'params'), the checkpoint's optimizer groups in the order of
+    ``names``' groups (DeepSpeed restores them with the optimizer state); None if they do not pair up."""
+    if not groups or len(groups) != len(names):
+        return None
+    return {n: {k: v for k, v in g.items() if k != "params"} for g, group in zip(groups, names) for n in group}
+
+
+def _stage0_loss_scale(opt: dict) -> dict | None:
+    """The loss scale a stage-0 model file keeps in its 16-bit wrapper's state (FP16_Optimizer,
+    FP16_UnfusedOptimizer: ``cur_scale``, ``cur_iter``, and when dynamic ``last_overflow_iter``), under
+    the names of DeepSpeed's loss scaler's attributes as ZeRO saves them; None for a plain optimizer's."""
+    if "cur_scale" not in opt:
+        return None
+    out = {"cur_scale": opt["cur_scale"], "dynamic": bool(opt.get("dynamic_loss_scale", False))}
+    out.update({k: opt[k] for k in ("cur_iter", "last_overflow_iter", "scale_factor", "scale_window") if k in opt})
+    return out
 
 
 def _frozen(model: dict, model_files: list[str], stage: int, trust: bool) -> dict[str, torch.Tensor]:
@@ -206,10 +238,13 @@ def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: 
     return masters, moments
 
 
-def _stage0(opt: dict, names: list[list[str]], module: dict, want_optimizer: bool):
+def _stage0(opt: dict, names: list[list[str]], module: dict, want_optimizer: bool, frozen: set[str]):
     """Masters and moments by name from a stage-0 model file's ``optimizer``: the optimizer's own state
     dict (fp32), DeepSpeed's FP16_UnfusedOptimizer (fp32 masters per parameter) or FP16_Optimizer (one
-    flat fp32 master per group)."""
+    flat fp32 master per group). The 16-bit wrappers hold the ``frozen`` parameters nowhere (neither
+    masters nor inner optimizer state): the others' positions skip them."""
+    if "fp32_groups_flat" in opt or "fp32_groups" in opt:
+        names = [[n for n in group if n not in frozen] for group in names]
     flat_names = [n for group in names for n in group]
     if "fp32_groups_flat" in opt:                     # one flat master, one flat state, per group
         masters, moments = {}, {} if want_optimizer else None
@@ -233,6 +268,10 @@ def _stage0(opt: dict, names: list[list[str]], module: dict, want_optimizer: boo
     masters = {}
     inner = opt
     if "fp32_groups" in opt:                          # fp32 masters per trainable parameter
+        held = [len(ts) for ts in opt["fp32_groups"]]
+        if held != [len(group) for group in names]:
+            raise DeepSpeedCheckpointError(f"the stage-0 fp32 masters hold {held} parameters per group, this "
+                                           f"model's optimizer {[len(group) for group in names]} trainable ones")
         masters = {n: t for group, ts in zip(names, opt["fp32_groups"]) for n, t in zip(group, ts)}
         inner = opt["optimizer_state_dict"]
     if not want_optimizer:

@@ -135,7 +135,7 @@ class Need:
     length: int
 
 
-def _trainable(p: torch.Tensor) -> bool:
+def trainable(p: torch.Tensor) -> bool:
     """DeepSpeed's ``is_optimized_parameter``: what its optimizer wrappers own."""
     return p.requires_grad and p.numel() > 0
 
@@ -164,7 +164,7 @@ class Writer:
         # DeepSpeed's optimizer wrappers own the trainable parameters of each group (stages 1-3, and stage 0
         # in 16 bits); at stage 0 in fp32 the optimizer is used as it is
         self.wrapped = self.stage > 0 or self.dtype != torch.float32
-        self.flat_groups = [[p for p in g["params"] if _trainable(p)] for g in self.groups]
+        self.flat_groups = [[p for p in g["params"] if trainable(p)] for g in self.groups]
         self.covered = {x.names[id(p)] for ps in self.flat_groups for p in ps} if self.wrapped else set()
         self._casts: dict[tuple, ckpt.Streamed] = {}
         first: dict[int, str] = {}
@@ -368,13 +368,13 @@ class Writer:
         """The parameters DeepSpeed's model file keeps as frozen (stages 2, 3)."""
         if self.stage < 2 or self.opt is None or self.x.exclude_frozen:
             return []
-        return [p for _, p in self.x.model.named_parameters() if not _trainable(p)]
+        return [p for _, p in self.x.model.named_parameters() if not trainable(p)]
 
     def _outside_groups(self) -> list[torch.Tensor]:
         """Parameters no flat group holds, whose fp32 values the module (stages 1, 2) or the LazyTrain file
         (stage 3) keeps: frozen ones, and trainable ones in none of the optimizer's groups."""
         if self.stage == 3:
-            return [p for n, p in self.x.model.named_parameters() if n not in self.covered and _trainable(p)]
+            return [p for n, p in self.x.model.named_parameters() if n not in self.covered and trainable(p)]
         return [p for n, p in self.x.model.named_parameters() if n not in self.covered and n in self.x.module_state]
 
     def files(self) -> dict[str, object]:
@@ -422,11 +422,11 @@ class Writer:
             if zero else None
         frozen = self.stage >= 2 and self.opt is not None and not x.exclude_frozen
         model["frozen_param_shapes"] = OrderedDict((n, torch.Size(p.shape)) for n, p in x.model.named_parameters()
-                                                   if not _trainable(p)) if frozen else None
+                                                   if not trainable(p)) if frozen else None
         # DeepSpeed's ranks other than 0 find no tied weights (it looks for them on rank 0 alone)
         model["shared_params"] = (shared_params(x.model) if self.rank == 0 else {}) if zero else None
         model["frozen_param_fragments"] = OrderedDict(
-            (n, self._frozen_fragment(p)) for n, p in x.model.named_parameters() if not _trainable(p)) \
+            (n, self._frozen_fragment(p)) for n, p in x.model.named_parameters() if not trainable(p)) \
             if frozen else None
         model["lr_scheduler"] = x.lr_scheduler
         model["data_sampler"] = None

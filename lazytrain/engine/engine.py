@@ -1434,8 +1434,10 @@ class LazyTrainEngine(nn.Module):
             groups = self._all_whole_groups() if self.shards is not None else \
                 (self.optimizer.param_groups if self.optimizer is not None else [])
             names = [[self._param_names.get(id(p), "") for p in g["params"]] for g in groups]
+            frozen = {self._param_names.get(id(p), "") for g in groups for p in g["params"]
+                      if not ds_layout.trainable(p)}
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=names if want_optim else None,
-                                 wanted=self._owned_names())
+                                 wanted=self._owned_names(), stage0_frozen=frozen)
             apply = lambda: self._load_deepspeed(directory, state, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
         else:
@@ -1563,7 +1565,7 @@ class LazyTrainEngine(nn.Module):
         if state.optimizer_state_dict is not None:   # stage 0: the optimizer's own state, by position as in DeepSpeed
             self._load_whole_optimizer_state(state.optimizer_state_dict)
         elif state.moments is not None:
-            self.optimizer.load_state_dict(self._optimizer_state_from(state.moments, directory))
+            self.optimizer.load_state_dict(self._optimizer_state_from(state.moments, directory, state.group_settings))
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         if self.loss_scaler is not None and state.loss_scale:
@@ -1603,14 +1605,29 @@ class LazyTrainEngine(nn.Module):
         else:
             self.optimizer.load_state_dict(sharding.local_state(whole, self._all_whole_groups(), self.shards))
 
-    def _optimizer_state_from(self, moments: dict, directory: str) -> dict:
-        """This optimizer's state_dict with DeepSpeed's moments put in by parameter name."""
+    def _optimizer_state_from(self, moments: dict, directory: str, settings: dict[str, dict] | None = None) -> dict:
+        """This optimizer's state_dict with DeepSpeed's moments put in by parameter name, and each group's
+        settings (lr, betas, eps, weight_decay, ...) from ``settings`` (by name: the checkpoint's group of
+        the group's parameters), as DeepSpeed restores its optimizer's groups. A parameter DeepSpeed keeps no
+        moments for starts fresh where DeepSpeed's would: a frozen one, or every one in a checkpoint saved
+        before the first step; a trainable one missing beside others' moments is another model's."""
         sd = self.optimizer.state_dict()
+        if settings:
+            # sharded: this rank's groups are the whole groups' owned parts (some maybe empty): named by the whole
+            whole = self._all_whole_groups() if self.shards is not None else self.optimizer.param_groups
+            for group, mine in zip(whole, sd["param_groups"]):
+                saved = next((settings[n] for n in (self._param_names.get(id(p)) for p in group["params"])
+                              if n in settings), None)
+                if saved is not None:   # how the optimizer runs (foreach, fused, ...) stays this engine's
+                    mine.update({k: v for k, v in saved.items()
+                                 if k in mine and k not in ("foreach", "fused", "capturable", "differentiable")})
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         indices = [i for g in sd["param_groups"] for i in g["params"]]
         state = {}
         for i, p in zip(indices, params):
             name = self._param_names.get(id(p))
+            if name not in moments and (not moments or not ds_layout.trainable(p)):
+                continue
             if name not in moments:
                 raise ds_ckpt.DeepSpeedCheckpointError(
                     f"the DeepSpeed checkpoint {directory} has no optimizer state for parameter {name!r} (it has "

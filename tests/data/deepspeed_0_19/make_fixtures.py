@@ -3,8 +3,12 @@ AdamW): ZeRO stage 0 in fp32, stage 1 in fp16, stage 2 in bf16, stage 3 in fp32,
 ranks (each rank on the same input, so every fp32 run ends with the same weights and moments), and stage 2 in
 bf16 with the two layers sharing their weight, and stage 0 in fp16 (its FP16_Optimizer state in the model
 file, by position), each saved
-with the ``args`` namespace a DeepSpeed script passes to ``deepspeed.initialize`` and a plain client state. Run it where DeepSpeed is
-installed (it runs on the CPU): ``python tests/data/deepspeed_0_19/make_fixtures.py``."""
+with the ``args`` namespace a DeepSpeed script passes to ``deepspeed.initialize`` and a plain client state. The
+``_frozen`` ones (stage 0 in fp32 and bf16, stage 2 in bf16) leave ``0.bias`` frozen and change the group's
+settings before the save, as a script that sets its own learning rate does; ``stage2_fp32_step0`` is saved before
+any step (no moments at all); ``stage0_fp16_scaled`` starts from another loss scale and saves after three steps.
+Run it where DeepSpeed is installed (it runs on the CPU): ``python tests/data/deepspeed_0_19/make_fixtures.py``
+(all of them) or ``... make_fixtures.py NAME...`` (those alone)."""
 import argparse
 import os
 import shutil
@@ -12,11 +16,17 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# name: (ZeRO stage, precision, ranks); "tied": the two linear layers share their weight
+# name: (ZeRO stage, precision, ranks); "tied": the two linear layers share their weight; "frozen": 0.bias is
+# frozen and the group's settings are SETTINGS at the save; "step0": saved before any step
 CONFIGS = {"stage0_fp32": (0, None, 1), "stage0_fp16": (0, "fp16", 1), "stage1_fp16": (1, "fp16", 1),
            "stage2_bf16": (2, "bf16", 1),
            "stage3_fp32": (3, None, 1), "stage2_fp32_2ranks": (2, None, 2), "stage3_fp32_2ranks": (3, None, 2),
-           "stage2_bf16_tied": (2, "bf16", 1)}
+           "stage2_bf16_tied": (2, "bf16", 1),
+           "stage0_fp32_frozen": (0, None, 1), "stage0_bf16_frozen": (0, "bf16", 1),
+           "stage2_bf16_frozen": (2, "bf16", 1),
+           "stage2_fp32_step0": (2, None, 1), "stage0_fp16_scaled": (0, "fp16", 1)}
+SETTINGS = {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}
+SCALED_POWER, SCALED_STEPS = 12, 3   # stage0_fp16_scaled: its initial loss scale 2**12, its steps
 
 
 def one(name: str) -> None:
@@ -28,18 +38,30 @@ def one(name: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
     if name.endswith("_tied"):
         model[2].weight = model[0].weight
+    if name.endswith("_frozen"):
+        model[0].bias.requires_grad_(False)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}},
            "zero_optimization": {"stage": stage}}
     if precision:
         cfg[precision] = {"enabled": True}
+    steps = 0 if name.endswith("_step0") else SCALED_STEPS if name.endswith("_scaled") else 1
+    if name.endswith("_scaled"):
+        cfg[precision]["initial_scale_power"] = SCALED_POWER
+    if precision == "fp16":   # the CPU accelerator refuses fp16 where oneDNN has no fp16 kernels; torch runs it
+        from deepspeed.accelerator import get_accelerator
+        type(get_accelerator()).is_fp16_supported = lambda self: True
     args = argparse.Namespace(local_rank=int(os.environ["LOCAL_RANK"]))
     engine, _, _, _ = deepspeed.initialize(args=args, model=model,
                                            model_parameters=model.parameters(), config=cfg)
-    x = torch.randn(2, 8, dtype=next(engine.parameters()).dtype)
-    engine.backward(engine(x).float().pow(2).mean())
-    engine.step()
+    for _ in range(steps):
+        x = torch.randn(2, 8, dtype=next(engine.parameters()).dtype)
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    if name.endswith("_frozen"):
+        for group in engine.optimizer.param_groups:   # DeepSpeed's wrappers share the inner optimizer's groups
+            group.update(SETTINGS)
     out = os.path.join(HERE, name)
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(out, ignore_errors=True)
@@ -52,10 +74,12 @@ def one(name: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if "RANK" in os.environ:   # one rank of one checkpoint, started below
         one(sys.argv[1])
     else:
         for port, (name, (_, _, ranks)) in enumerate(CONFIGS.items(), start=29541):
+            if sys.argv[1:] and name not in sys.argv[1:]:
+                continue
             procs = [subprocess.Popen([sys.executable, __file__, name],
                                       env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
