@@ -110,22 +110,62 @@ def _mismatched_models(rank: int, world: int, out_dir: str):
 case("mismatched-models", _mismatched_models)
 
 
+def _odd_parameters(rank: int, world: int, out_dir: str):
+    """A 0-dim scale, a transposed weight, a bf16 and an empty parameter, each rank's own values: after the
+    start-up broadcast, rank 0's on every rank."""
+    from lazytrain.engine.distributed import DistributedContext
+    torch.manual_seed(rank)
+    module = torch.nn.Module()
+    module.scale = torch.nn.Parameter(torch.tensor(1.0 + rank))
+    module.transposed = torch.nn.Parameter(torch.randn(4, 3).t())
+    module.bf16 = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    module.empty = torch.nn.Parameter(torch.empty(0, 3))
+    before = {k: v.detach().clone() for k, v in module.named_parameters()}
+    DistributedContext("cpu").start_from_rank_0(module)
+    assert not module.transposed.is_contiguous()
+    return before, {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+case("odd-parameters", _odd_parameters)
+
+
+def test_scalars_strided_and_16_bit_parameters_start_from_rank_0s_too(spawned):
+    (before0, after0), (before1, after1) = spawned("odd-parameters")
+    assert not torch.equal(before0["scale"], before1["scale"])
+    for k in before0:
+        assert torch.equal(after0[k], before0[k]) and torch.equal(after1[k], before0[k]), k
+
+
 def test_ranks_that_built_different_models_are_refused(spawned):
     for rank, message in enumerate(spawned("mismatched-models")):
-        assert message == (f"rank {rank} of 2: the ranks' models differ in their parameters' names, shapes or dtypes "
-                           f"({[17, 23][rank]} parameters here); every rank must build the same model before "
-                           f"lazytrain.initialize()")
+        assert message == (f"rank {rank} of 2: the ranks' models differ in their parameters' names, shapes, dtypes or "
+                           f"device types ({[17, 23][rank]} parameters here); every rank must build the same model "
+                           f"before lazytrain.initialize()")
 
 
-def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage: int):
+def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage: int, copy_fails: int = 0):
     """Rank 1's gradients fail to reach its host once (step 2): what each rank's step() raised, and its
-    weights after both follow the error's advice (zero_grad, redo the micro-batch) and train on."""
+    weights after both follow the error's advice (zero_grad, redo the micro-batch) and train on.
+    ``copy_fails``: the copy of that many-th layer gradient off the device fails (on the copy threads'
+    gradient sink, which at stage 2 reduces each layer to its owner as it lands), else attaching them."""
     import lazytrain
+    import lazytrain.engine.weights as weights_module
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
-           "lazytrain": {"collective_timeout_s": 20}}
+           "lazytrain": {"collective_timeout_s": 20, "testing": {"copy_threads": bool(copy_fails)}}}
     engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
-    if rank == 1:
+    real_copy = weights_module.async_copy
+    if rank == 1 and copy_fails:
+        copies = []
+
+        def failing_copy(*args, **kwargs):
+            if kwargs.get("label", "").startswith("grads L"):
+                copies.append(1)
+                if len(copies) == copy_fails:
+                    raise OSError("a gradient copy failed")
+            return real_copy(*args, **kwargs)
+        weights_module.async_copy = failing_copy
+    elif rank == 1:
         attach, calls = engine.weights.attach_grads, []
 
         def failing_once(*layer):   # the step's call (no layer): its second one fails
@@ -145,6 +185,7 @@ def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage
             except lazytrain.StepFailedError as e:
                 errors.append(str(e))
                 engine.zero_grad()
+    weights_module.async_copy = real_copy
     weights = engine.module_state_dict()
     engine.destroy()
     return errors, weights
@@ -152,14 +193,20 @@ def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage
 
 for _stage in (0, 2, 3):
     case(f"one-rank-fails-stage{_stage}", _one_rank_fails_before_the_update, stage=_stage)
+for _nth in (7, 9, 12):   # step 2's layer 5, 3 and 0 (six layers a step)
+    case(f"one-rank-fails-copy{_nth}", _one_rank_fails_before_the_update, stage=2, copy_fails=_nth)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_a_step_that_fails_on_one_rank_before_the_update_fails_on_every_rank(spawned, stage):
+@pytest.mark.parametrize("stage,copy_fails", [(0, 0), (2, 0), (3, 0), (2, 7), (2, 9), (2, 12)],
+                         ids=["stage0", "stage2", "stage3", "stage2-copy-of-layer5", "stage2-copy-of-layer3",
+                              "stage2-copy-of-layer0"])
+def test_a_step_that_fails_on_one_rank_before_the_update_fails_on_every_rank(spawned, stage, copy_fails):
     """Not a wait for the collective timeout on the others (nor, at stage 3, their collectives paired with the
-    failed rank's redone forward): every rank's step() fails at once, and after zero_grad and the redone
-    micro-batch the ranks train on alike, as one process on the whole batch."""
-    (errors0, w0), (errors1, w1) = spawned(f"one-rank-fails-stage{stage}")
+    failed rank's redone forward; nor, at stage 2, a failed gradient copy that left its layer's reduce out of
+    the backward): every rank's step() fails at once, and after zero_grad and the redone micro-batch the
+    ranks train on alike, as one process on the whole batch."""
+    (errors0, w0), (errors1, w1) = spawned(f"one-rank-fails-copy{copy_fails}" if copy_fails else
+                                           f"one-rank-fails-stage{stage}")
     tail = ("no weight, optimizer state, counter or schedule moved. The gradient buffers keep what reached the host; "
             "a gradient whose copy failed is missing from them: call zero_grad() and redo the step's micro-batches, "
             "or fix the cause and call step() again if none was lost")

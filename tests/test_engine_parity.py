@@ -355,6 +355,37 @@ def test_a_resumed_run_accumulates_a_whole_batch_at_its_own_accumulation(tmp_pat
     engine.destroy()
     resumed.destroy()
 
+
+def test_a_layer_gradient_copy_that_failed_fails_every_step_until_zero_grad(monkeypatch):
+    """The copy of one layer's gradient off the device fails (the copy threads' gradient sink, as on CUDA):
+    the backward goes on, every step() then refuses buffers that miss it, and zero_grad() drops them; the
+    redone micro-batches train as plain PyTorch."""
+    import lazytrain.engine.weights as weights_module
+    engine = train_engine(make_model("modulelist"), [], ds_config(testing={"copy_threads": True}))
+    real, copies = weights_module.async_copy, []
+
+    def failing(*args, **kwargs):
+        if kwargs.get("label", "").startswith("grads L"):
+            copies.append(1)
+            if len(copies) == 2:
+                raise OSError("a gradient copy failed")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(weights_module, "async_copy", failing)
+    data = batches(2)
+    x, y = data[0]
+    engine.backward(lm_loss(engine(x), y))
+    for _ in range(2):
+        with pytest.raises(lazytrain.StepFailedError, match=r"step 1 failed before the optimizer changed anything "
+                                                            r"\(OSError: a gradient copy failed\)"):
+            engine.step()
+    engine.zero_grad()
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 2
+    assert max_rel_diff(engine.module, reference_train(make_model("modulelist"), data)) < RTOL
+    engine.destroy()
+
 def test_client_optimizer_and_callable_scheduler():
     model = make_model("modulelist")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -151,7 +151,8 @@ class DistributedContext:
             return
         import hashlib
         params = list(model.named_parameters())
-        digest = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in params]).encode()).digest()
+        digest = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype), p.device.type)
+                                      for n, p in params]).encode()).digest()
         mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64)
         low, high = mine.clone(), mine.clone()
         what = "comparison of the ranks' models in initialize()"
@@ -159,16 +160,19 @@ class DistributedContext:
         self._collective(what, dist.all_reduce, high, op=dist.ReduceOp.MAX, group=self.host_group)
         if low.item() != high.item():
             raise RuntimeError(f"rank {self.rank} of {self.world_size}: the ranks' models differ in their parameters' "
-                               f"names, shapes or dtypes ({len(params)} parameters here); every rank must build the "
-                               f"same model before lazytrain.initialize()")
+                               f"names, shapes, dtypes or device types ({len(params)} parameters here); every rank "
+                               f"must build the same model before lazytrain.initialize()")
         with torch.no_grad():
             for name, p in params:
                 data = p.detach()
-                sent = data.view(torch.uint8) if data.is_contiguous() and data.numel() else data.contiguous()
-                self._collective(f"broadcast of rank 0's parameter {name!r} in initialize()", dist.broadcast, sent,
-                                 src=0, group=self.group_for(data))
-                if data.numel() and not data.is_contiguous():
-                    data.copy_(sent)
+                if data.numel() == 0:
+                    continue
+                dense = data if data.is_contiguous() else data.contiguous()
+                # as bytes: any dtype crosses (a 0-dim scale, float8), and the values arrive bit for bit
+                self._collective(f"broadcast of rank 0's parameter {name!r} in initialize()", dist.broadcast,
+                                 dense.reshape(-1).view(torch.uint8), src=0, group=self.group_for(data))
+                if dense is not data:
+                    data.copy_(dense)
 
     def broadcast_from(self, tensors: list[torch.Tensor], owner: int,
                        what: str = "broadcast of updated weights in engine.step()") -> None:

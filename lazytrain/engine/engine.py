@@ -1023,7 +1023,7 @@ class LazyTrainEngine(nn.Module):
               f"{dt * 1000:.0f} ms/step, peak {peaks}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.weights.flush_grads()   # gradient adds still in flight must not land after the zeroing
+        self.weights.flush_grads(discard=True)   # adds in flight must not land after the zeroing
         if self.layer_updates is None or not self.layer_updates.running():
             self.weights.zero_grads()
         # else the update thread zeroes each layer's gradients once its update is done: no need to wait

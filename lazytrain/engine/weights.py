@@ -293,9 +293,10 @@ class LayerWeights:
                 for p in self.params[i]:
                     p.grad = None
 
-    def flush_grads(self) -> None:
+    def flush_grads(self, discard: bool = False) -> None:
+        """Every gradient in flight landed (``discard``: or given up, the buffers being zeroed next)."""
         if self._grad_sink is not None:
-            self._grad_sink.flush()
+            self._grad_sink.flush(discard)
 
     def grad_views(self, i: int) -> dict[nn.Parameter, torch.Tensor]:
         """{trainable parameter of layer i: its view in the layer's flat fp32 gradient buffer}; empty for a
@@ -329,7 +330,13 @@ class _GradientSink:
     takes a free pinned staging buffer, copies into it on the device-to-host stream after that event, and
     adds it into the layer's fp32 buffer. Adds run in submission order, so micro-batches accumulate into
     one layer in order. At most ``max_in_flight`` layers wait for the worker (their device buffers are
-    memory); past that, backward waits for the oldest (back-pressure, not a fixed two-layer lag)."""
+    memory); past that, backward waits for the oldest (back-pressure, not a fixed two-layer lag).
+
+    A copy that fails does not stop the backward: the failure is kept, and every flush raises it until
+    the gradients are dropped (``flush(discard=True)``, from ``zero_grad``), so no step takes buffers that
+    miss a gradient. When gradients go to their owners as they land, the failed layer still lands (as
+    zeros): every rank takes part in the same reduces, in the same order, and the step fails on all of
+    them together."""
 
     def __init__(self, weights: LayerWeights, depth: int = 2, max_in_flight: int = 4):
         self.weights = weights
@@ -339,6 +346,7 @@ class _GradientSink:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
         self.max_in_flight = max_in_flight
         self.pending: collections.deque[Future] = collections.deque()
+        self.failure: BaseException | None = None   # the first copy that failed since the last discard
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
@@ -353,8 +361,15 @@ class _GradientSink:
             staging = self.free.get()
             try:
                 part = staging[:numel]
-                async_copy(part, flat, after=ready, follow_current=False, direction="d2h",
-                           label=f"grads L{i}").synchronize()
+                try:
+                    async_copy(part, flat, after=ready, follow_current=False, direction="d2h",
+                               label=f"grads L{i}").synchronize()
+                except Exception as e:   # noqa: BLE001 - kept: every flush raises it until the gradients go
+                    if self.failure is None:
+                        self.failure = e
+                    if not w.grads_to_owners:
+                        return
+                    part.zero_()         # the layer's reduce still pairs with the other ranks'
                 w.land_grads(i, part)
             finally:
                 self.free.put(staging)
@@ -365,7 +380,12 @@ class _GradientSink:
             self.pending.popleft().result()
         self.pending.append(self.pool.submit(add))
 
-    def flush(self) -> None:
-        """Every submitted gradient is in its fp32 buffer (raises the first failure)."""
+    def flush(self, discard: bool = False) -> None:
+        """Every submitted gradient is in its fp32 buffer, or (``discard``: the gradients are being dropped)
+        done with. Raises a failed copy's error until discarded; a failure to land raises once."""
         while self.pending:
             self.pending.popleft().result()
+        if discard:
+            self.failure = None
+        elif self.failure is not None:
+            raise self.failure
