@@ -193,10 +193,14 @@ def test_restore_deepspeed_puts_back_what_replace_changed():
 
     import lazytrain
     from lazytrain.engine.engine import LazyTrainEngine
+    import accelerate.accelerator
     before = (deepspeed.initialize, deepspeed.DeepSpeedEngine, deepspeed.zero.Init,
-              deepspeed.zero.GatheredParameters, hf_ds.set_hf_deepspeed_config)
+              deepspeed.zero.GatheredParameters, hf_ds.set_hf_deepspeed_config,
+              accelerate.accelerator.map_pytorch_optim_to_deepspeed)
     lazytrain.replace_deepspeed()
     try:
+        adamw = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+        assert accelerate.accelerator.map_pytorch_optim_to_deepspeed(adamw) is adamw   # not DeepSpeed's CPU Adam
         assert deepspeed.initialize.__doc__ == lazytrain.initialize.__doc__ and deepspeed.initialize is not before[0]
         assert issubclass(LazyTrainEngine, deepspeed.DeepSpeedEngine)
         assert issubclass(before[1], deepspeed.DeepSpeedEngine)
@@ -210,7 +214,8 @@ def test_restore_deepspeed_puts_back_what_replace_changed():
     finally:
         lazytrain.restore_deepspeed()
     assert (deepspeed.initialize, deepspeed.DeepSpeedEngine, deepspeed.zero.Init,
-            deepspeed.zero.GatheredParameters, hf_ds.set_hf_deepspeed_config) == before
+            deepspeed.zero.GatheredParameters, hf_ds.set_hf_deepspeed_config,
+            accelerate.accelerator.map_pytorch_optim_to_deepspeed) == before
 
 
 def test_a_gathered_write_meant_for_every_rank_is_refused_with_several_ranks(monkeypatch):

@@ -13,6 +13,9 @@ that code reaches into DeepSpeed:
 - transformers' ZeRO-3 switch (``is_deepspeed_zero3_enabled``): off, so that a model is built whole; otherwise
   ``from_pretrained`` would build the model through DeepSpeed's partitioning.
 
+- accelerate's swap of a script's torch optimizer for DeepSpeed's CPU Adam (ZeRO offloading the optimizer, the
+  config naming none): the script's optimizer stays.
+
 DeepSpeed itself must be installed (transformers and accelerate check for it before they take this path), but
 none of its optimizers or kernels is used (on a CPU, DeepSpeed's process-group set-up, which accelerate calls,
 builds its shared-memory communication op once, as it does without LazyTrain). :func:`restore_deepspeed`
@@ -62,6 +65,7 @@ def replace_deepspeed() -> None:
         put(deepspeed.zero, "Init", _WholeParameters)
         put(deepspeed.zero, "GatheredParameters", _GatheredParameters)
         _replace_transformers_zero3_switch(put)
+        _keep_the_scripts_optimizer(put)
         _saved = saved
 
 
@@ -163,6 +167,20 @@ class _GatheredParameters:
 def _world_size() -> int:
     import torch.distributed as dist
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _keep_the_scripts_optimizer(put) -> None:
+    """accelerate swaps a script's torch optimizer for DeepSpeed's CPU Adam (a compiled op) when ZeRO offloads
+    the optimizer and the config names none (a ``Trainer``'s own AdamW, an ``accelerate`` loop's): LazyTrain
+    updates on the host whatever optimizer it is given, so the script's own stays, as it would without
+    DeepSpeed (the same update, resumed bit for bit: DeepSpeed's op computes its bias correction one way in a
+    long run and another in a resumed one)."""
+    try:
+        import accelerate.accelerator as accelerator
+    except ImportError:
+        return
+    if hasattr(accelerator, "map_pytorch_optim_to_deepspeed"):
+        put(accelerator, "map_pytorch_optim_to_deepspeed", lambda optimizer: optimizer)
 
 
 def _replace_transformers_zero3_switch(put) -> None:

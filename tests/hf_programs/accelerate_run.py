@@ -58,6 +58,8 @@ unwrapped = accelerator.unwrap_model(model)
 unwrapped.save_pretrained(os.path.join(a.out, "final"), state_dict=accelerator.get_state_dict(model))
 if a.config != "plain":
     assert type(model).__name__ == "LazyTrainEngine", type(model)
+    # ZeRO offloads the optimizer and the config names none: the script's own AdamW, not DeepSpeed's CPU Adam
+    assert type(model.optimizer) is torch.optim.AdamW, type(model.optimizer)
     weights = model.module_state_dict()
 else:
     weights = {k: v.clone() for k, v in unwrapped.state_dict().items()}
