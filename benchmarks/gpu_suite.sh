@@ -8,11 +8,13 @@
 #      the tests named on_a_gpu: two processes on the one GPU copying from node-shared host weights
 #      registered as pinned; selective and offloaded layers bit-identical to the plans without them; policy
 #      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; lean RMSNorms
-#      bit for bit in bf16 and saving what the planner counts (within 10%) on CUDA; stage 3
+#      bit for bit in bf16 and saving what the planner counts (within 10%) on CUDA; a block that checkpoints
+#      its own MLP re-run from the streamed weights (keep-all, offloaded and selective layers alike); stage 3
 #      with two processes on the one GPU (the non-block parameters partitioned between them) bit for bit as
 #      stage 2; an NCCL group of one training bit for bit as one process;
 #   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
-#      sink, the optimizer update overlapping the next forward, a window of re-run layers prefetched whole
+#      sink, a layer gradient's failed copy refused by every step until zero_grad, the optimizer update
+#      overlapping the next forward, a window of re-run layers prefetched whole
 #      into extra buffers allocated on the compute stream and released after) against plain PyTorch on the
 #      same device, a
 #      block-less model with its optimizer on the host, the embedding's and head's fp32 state on the host by

@@ -538,3 +538,17 @@ def test_a_checkpoint_inside_a_block_re_runs_from_the_streamed_weights(tmp_path,
     for name in ("mixed_offload", "selective"):
         for k, v in bf16["keep_all"].items():
             assert torch.equal(bf16[name][k], v), (name, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_on_a_gpu_a_checkpoint_inside_a_block_re_runs_from_the_streamed_weights(tmp_path, precision):
+    """On CUDA the module's own weights are fp32 masters on the host: a re-run from them failed (device and,
+    in bf16, dtype); an offloaded layer's re-run reads the slot its weights were streamed into again."""
+    model, data = _lm_of(_CheckpointingBlock), batches(3)
+    selective = dataclasses.replace(MIXED, offloaded_layers=(2,), selective_layers=(0, 3))
+    runs = {name: _train(plan_engine(tmp_path, model(), plan, device="cuda", bf16=precision == "bf16"), data)
+            for name, plan in (("keep_all", keep_all_plan(6)), ("mixed_offload", MIXED), ("selective", selective))}
+    for name in ("mixed_offload", "selective"):
+        for k, v in runs["keep_all"].items():
+            assert torch.equal(runs[name][k], v), (name, k)
