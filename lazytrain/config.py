@@ -154,6 +154,42 @@ def _check_keys(section: dict, allowed: set, name: str) -> None:
                               f"(allowed: {', '.join(sorted(allowed))})")
 
 
+_TRUE, _FALSE = {"true", "yes", "on", "1", "t", "y"}, {"false", "no", "off", "0", "f", "n"}
+
+
+def _flag(section: dict, key: str, default: bool, where: str) -> bool:
+    """A true/false setting as DeepSpeed's config models read it: a JSON boolean, 0 or 1, or a string such as
+    "true" or "false" (``bool("false")`` would be True: a setting turned on by the word that says off)."""
+    value = section.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"config key '{where}.{key}' must be true or false, got {value!r}")
+
+
+def _number(section: dict, key: str, default, where: str, integer: bool = False, minimum: float | None = None,
+            above: float | None = None):
+    """A number setting, refused by name when it is not one (a string, a fraction where a whole number is due, a
+    value out of range) rather than converted or truncated behind the user's back."""
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ConfigError(f"config key '{where}.{key}' must be a number, got {value!r}")
+    if integer:
+        if value != int(value):
+            raise ConfigError(f"config key '{where}.{key}' must be a whole number, got {value!r}")
+        value = int(value)
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"config key '{where}.{key}' must be >= {minimum:g}, got {value!r}")
+    if above is not None and value <= above:
+        raise ConfigError(f"config key '{where}.{key}' must be > {above:g}, got {value!r}")
+    return value
+
+
 def _check_no_auto(d: Any, path: str) -> None:
     if isinstance(d, dict):
         for k, v in d.items():
@@ -445,7 +481,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     fp16 = _parse_fp16(d.get("fp16", {}))
     bf16_section = d.get("bf16", d.get("bfloat16", {}))
     _check_keys(bf16_section, _BF16_KEYS, "bf16")
-    bf16 = bool(bf16_section.get("enabled", False))
+    bf16 = _flag(bf16_section, "enabled", False, "bf16")
     for key, what in (("bf16_master_weights_and_grads", "master weights and gradients"),
                       ("bf16_optimizer_states", "optimizer states")):
         if bf16 and bf16_section.get(key):
@@ -496,10 +532,22 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     return EngineConfig(
         communication_data_type=comm, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
-        wall_clock_breakdown=bool(d.get("wall_clock_breakdown", False)), dataloader_drop_last=drop_last, seed=seed,
+        wall_clock_breakdown=_flag(d, "wall_clock_breakdown", False, "config"), dataloader_drop_last=drop_last, seed=seed,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         gather_16bit_weights_on_model_save=gather_on_save, offload_param=offload_param,
         offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
+
+
+def _patterns(section: dict) -> tuple[str, ...] | None:
+    """``lazytrain.fp32_state_patterns``: a list of regular expressions (a lone string would be taken letter
+    by letter, each letter a pattern that matches nearly every parameter name)."""
+    patterns = section.get("fp32_state_patterns")
+    if patterns is None:
+        return None
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(x, str) for x in patterns):
+        raise ConfigError(f"config key 'lazytrain.fp32_state_patterns' must be a list of regular expressions such "
+                          f"as [\"norm\", \"bias\"], got {patterns!r}")
+    return tuple(patterns)
 
 
 def _loss_chunk_tokens(section: dict) -> int:
@@ -552,17 +600,18 @@ def _parse_scheduler(section) -> SchedulerConfig:
 
 def _parse_fp16(section) -> FP16Config:
     _check_keys(section, _FP16_KEYS, "fp16")
-    if section.get("enabled") and section.get("fp16_master_weights_and_grads"):
+    enabled = _flag(section, "enabled", False, "fp16")
+    if enabled and _flag(section, "fp16_master_weights_and_grads", False, "fp16"):
         raise ConfigError("config key 'fp16.fp16_master_weights_and_grads' keeps the master weights and gradients in "
                           "fp16, which LazyTrain does not do: its host optimizer keeps fp32 masters and gradients. "
                           "Remove the key")
-    return FP16Config(
-        enabled=bool(section.get("enabled", False)), loss_scale=float(section.get("loss_scale", 0.0)),
-        initial_scale_power=int(section.get("initial_scale_power", 16)),
-        loss_scale_window=int(section.get("loss_scale_window", 1000)),
-        hysteresis=int(section.get("hysteresis", 2)),
-        consecutive_hysteresis=bool(section.get("consecutive_hysteresis", False)),
-        min_loss_scale=float(section.get("min_loss_scale", 1.0)))
+    return FP16Config(   # loss_scale 0: dynamic
+        enabled=enabled, loss_scale=float(_number(section, "loss_scale", 0.0, "fp16", minimum=0)),
+        initial_scale_power=_number(section, "initial_scale_power", 16, "fp16", integer=True, minimum=0),
+        loss_scale_window=_number(section, "loss_scale_window", 1000, "fp16", integer=True, minimum=1),
+        hysteresis=_number(section, "hysteresis", 2, "fp16", integer=True, minimum=1),
+        consecutive_hysteresis=_flag(section, "consecutive_hysteresis", False, "fp16"),
+        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0)))
 
 
 def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadConfig:
@@ -710,6 +759,9 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if policy == "plan" and not section.get("plan"):
         raise ConfigError("config key 'lazytrain.plan' (path to a Plan JSON) is required when 'lazytrain.policy' "
                           "is \"plan\"")
+    if policy != "plan" and section.get("plan") is not None:   # else the plan would be left unread, unsaid
+        raise ConfigError(f"config key 'lazytrain.plan' is read only with 'lazytrain.policy': \"plan\" (the policy "
+                          f"here is {policy!r}): set the policy to \"plan\" to run it, or remove the key")
     interval = section.get("checkpoint_interval", 4)
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ConfigError(f"config key 'lazytrain.checkpoint_interval' must be an integer >= 1, got {interval!r}")
@@ -768,13 +820,13 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         number_checkpoints=kw.get("number_checkpoints"),
         boundary_home=section.get("boundary_home", kw.get("boundary_home", "hbm")),
         plan_path=section.get("plan"), device=str(section.get("device", "auto")),
-        prefetch=bool(section.get("prefetch", True)), weights_home=weights_home, last_segment_graph=last_graph,
+        prefetch=_flag(section, "prefetch", True, "lazytrain"), weights_home=weights_home, last_segment_graph=last_graph,
         overlap_optimizer=overlap,
         tiers=tuple(tiers), capacities=capacities, optimizer_states=states,
-        hybrid_threshold=int(section.get("hybrid_threshold", 4096)),
-        quant_block_size=int(section.get("quant_block_size", 256)),
-        fp32_state_patterns=tuple(section["fp32_state_patterns"]) if "fp32_state_patterns" in section else None,
-        milp_time_limit=float(section.get("milp_time_limit", 30.0)), nvme_path=nvme_path,
+        hybrid_threshold=_number(section, "hybrid_threshold", 4096, "lazytrain", integer=True, minimum=0),
+        quant_block_size=_number(section, "quant_block_size", 256, "lazytrain", integer=True, minimum=1),
+        fp32_state_patterns=_patterns(section),
+        milp_time_limit=float(_number(section, "milp_time_limit", 30.0, "lazytrain", above=0)), nvme_path=nvme_path,
         seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),
         collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
         non_block_state=non_block, lean_norms=lean)

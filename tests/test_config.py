@@ -372,3 +372,44 @@ def test_communication_data_type_takes_deepspeeds_values_and_message():
     with pytest.raises(ConfigError, match=re.escape("Invalid communication_data_type. Supported data types: "
                                                     "['fp16', 'bf16', 'fp32']. Got: float32")):
         parse_config({**base, "communication_data_type": "float32"})
+
+
+@pytest.mark.parametrize("word,on", [("false", False), ("False", False), ("no", False), ("0", False), (0, False),
+                                     ("true", True), ("yes", True), (1, True), (True, True)])
+def test_true_false_settings_read_words_as_deepspeed_does(word, on):
+    """``bool("false")`` is True: a string that says off turned fp16 on."""
+    cfg = parse_config({"train_batch_size": 2, "fp16": {"enabled": word, "consecutive_hysteresis": word},
+                        "bf16": {"enabled": False}, "lazytrain": {"prefetch": word}, "wall_clock_breakdown": word})
+    assert (cfg.fp16.enabled, cfg.fp16.consecutive_hysteresis, cfg.lazytrain.prefetch, cfg.wall_clock_breakdown) == \
+        (on, on, on, on)
+    bf16 = parse_config({"train_batch_size": 2, "bf16": {"enabled": word}})
+    assert bf16.bf16 is on
+
+
+@pytest.mark.parametrize("section,key,value,message", [
+    ("fp16", "enabled", "maybe", "config key 'fp16.enabled' must be true or false, got 'maybe'"),
+    ("fp16", "initial_scale_power", 16.7, "config key 'fp16.initial_scale_power' must be a whole number, got 16.7"),
+    ("fp16", "loss_scale", -4, "config key 'fp16.loss_scale' must be >= 0, got -4"),
+    ("fp16", "loss_scale", "dynamic", "config key 'fp16.loss_scale' must be a number, got 'dynamic'"),
+    ("fp16", "min_loss_scale", 0, "config key 'fp16.min_loss_scale' must be > 0, got 0"),
+    ("lazytrain", "hybrid_threshold", 4096.9, "config key 'lazytrain.hybrid_threshold' must be a whole number, got 4096.9"),
+    ("lazytrain", "hybrid_threshold", "big", "config key 'lazytrain.hybrid_threshold' must be a number, got 'big'"),
+    ("lazytrain", "milp_time_limit", "10s", "config key 'lazytrain.milp_time_limit' must be a number, got '10s'"),
+    ("lazytrain", "fp32_state_patterns", "norm", "config key 'lazytrain.fp32_state_patterns' must be a list of "
+                                                 "regular expressions such as [\"norm\", \"bias\"], got 'norm'"),
+    ("lazytrain", "plan", "/nonexistent/plan.json", "config key 'lazytrain.plan' is read only with 'lazytrain.policy': "
+                                                    "\"plan\" (the policy here is 'every_k'): set the policy to \"plan\" "
+                                                    "to run it, or remove the key"),
+])
+def test_values_that_would_be_converted_or_ignored_silently_are_refused_by_name(section, key, value, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"train_batch_size": 2, section: {key: value}})
+    assert str(e.value) == message
+
+
+def test_onecycle_refuses_step_sizes_deepspeed_refuses():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match="cycle_second_step_size must be non-negative, got -3"):
+        OneCycle(opt, 0.01, 0.1, cycle_first_step_size=2, cycle_second_step_size=-3)
+    with pytest.raises(ValueError, match="cycle_first_step_size must be positive, got 0"):
+        OneCycle(opt, 0.01, 0.1, cycle_first_step_size=0)

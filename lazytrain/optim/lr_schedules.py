@@ -150,6 +150,10 @@ class OneCycle(_Schedule):
                  cycle_second_step_size=None, cycle_first_stair_count=0, cycle_second_stair_count=None,
                  decay_step_size=0, cycle_momentum=True, cycle_min_mom=0.8, cycle_max_mom=0.9,
                  decay_mom_rate=0.0, last_batch_iteration=-1):
+        if cycle_first_step_size <= 0:   # DeepSpeed's checks and messages
+            raise ValueError(f"cycle_first_step_size must be positive, got {cycle_first_step_size}")
+        if cycle_second_step_size is not None and cycle_second_step_size < 0:
+            raise ValueError(f"cycle_second_step_size must be non-negative, got {cycle_second_step_size}")
         super().__init__(optimizer, last_batch_iteration)
         self.first_step_size = float(cycle_first_step_size)
         self.second_step_size = (float(cycle_second_step_size) if cycle_second_step_size is not None
