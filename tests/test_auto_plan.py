@@ -212,6 +212,25 @@ def test_a_saved_profile_plans_at_start_up_as_lazytrain_plan_does(measured, tmp_
     assert Plan.from_json(str(out)).homes == offline.homes
 
 
+
+def test_a_profile_plans_for_a_card_larger_than_the_profiles_default_memory(measured):
+    """An 80 GB card's budget, no hardware profile: the measured machine's memory is the budget's (it was a
+    64 GiB default, which refused the budget, so policy auto never planned on such a card); a catalog entry
+    smaller than the card takes the card's size the engine passes."""
+    from lazytrain.planner.problem import InfeasibleBudgetError
+    from lazytrain.planner.search import profile_problem
+    _, _, path = measured
+    profile = MachineProfile.from_json(path)
+    big = {"gpu": "80GB", "loss_chunk_tokens": 24}
+    p = profile_problem(profile, big)
+    assert p.hardware.gpu_mem_bytes == 80 * 10 ** 9 and p.gpu_budget <= 80 * 10 ** 9
+    card = {"gpu": 150_754_820_096, "loss_chunk_tokens": 24}
+    with pytest.raises(InfeasibleBudgetError, match="GPU budget .* is more than the GPU memory of hardware profile"):
+        profile_problem(profile, card, "h200")
+    p = profile_problem(profile, card, "h200", memory={"gpu_mem_bytes": 150_754_820_096})
+    assert p.hardware.gpu_mem_bytes == 150_754_820_096 and p.hardware.name == "h200"
+    assert plan_from_profile(profile, big, time_limit_s=5).policy == "milp"
+
 def test_drift_beyond_the_margin_measures_and_plans_again_at_most_max_replans_times(capsys):
     # a margin no measurement meets: every check after a plan is a drift
     engine, plans = _train({"policy": "auto", "auto": {**AUTO, "check_every": 2, "drift_margin": 1e-9,

@@ -198,6 +198,13 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     return plan
 
 
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):   # not POSIX: the profile's default stands
+        return None
+
+
 def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile) -> Plan:
     """Policy "auto": the MILP's plan from what was measured here (planner ``plan_from_profile``), in a
     child process with a deadline as for policy "milp". Resident layers are left out (the running engine
@@ -218,7 +225,14 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile) -
     # selective layers only on measured costs (their re-run's share of a forward varies too much to assume)
     options = MilpOptions(allow_resident=False, allow_graph_tail=lt.last_segment_graph is not False,
                           allow_selective=profile.costs.selective_rerun_s is not None)
+    # this machine's memory: the card's own (a catalog entry's size, or the profile's 64 GiB default, can be
+    # below it, and a budget above the profile's memory is refused), and without a hardware profile its RAM
+    memory = {}
+    if tiers["hbm"].device.type == "cuda":
+        memory["gpu_mem_bytes"] = torch.cuda.get_device_properties(tiers["hbm"].device).total_memory
+    if hardware is None:
+        memory["host_mem_bytes"] = _physical_memory()
     plan = call_with_deadline(plan_from_profile, profile, budgets, hardware, time_limit_s=lt.milp_time_limit,
                               global_batch=profile.micro_batch * cfg.gradient_accumulation_steps, options=options,
-                              deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
+                              memory=memory, deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
     return dataclasses.replace(plan, policy=f"auto-{plan.policy}")

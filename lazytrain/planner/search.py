@@ -268,25 +268,34 @@ def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: 
 
 
 def plan_from_profile(profile, budgets: Any = None, hardware: Any = None, time_limit_s: float = 10.0,
-                      global_batch: int | None = None, options: MilpOptions | None = None) -> Plan:
+                      global_batch: int | None = None, options: MilpOptions | None = None,
+                      memory: dict | None = None) -> Plan:
     """Plan from a :class:`~lazytrain.planner.measured.MachineProfile` (what policy "auto" measured): the
     MILP's plan for :func:`profile_problem`."""
     opts = replace(options or MilpOptions(), time_limit_s=time_limit_s)
-    return solve(profile_problem(profile, budgets, hardware, global_batch), opts)
+    return solve(profile_problem(profile, budgets, hardware, global_batch, memory), opts)
 
 
-def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_batch: int | None = None) -> Problem:
+def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_batch: int | None = None,
+                    memory: dict | None = None) -> Problem:
     """The planning problem of a measured profile: its measured compute and update times replace the FLOP
     model, its measured links replace the hardware profile's. ``hardware`` (optional) supplies what was not
     measured (links no traced copy used, memory sizes); without it, a profile named after the measurement
-    is built from the measured values."""
+    is built from the measured values, its memory sizes the budgets' (else 64 GiB). ``memory``
+    (``gpu_mem_bytes``, ``host_mem_bytes``): the sizes of the machine planned for, over either (the engine
+    passes the card's own: a catalog entry, or the 64 GiB default, may be smaller than the card)."""
     from .hardware import GiB
+    budgets = as_budgets(budgets)
+    memory = {k: int(v) for k, v in (memory or {}).items() if v}
+    unknown = set(memory) - {"gpu_mem_bytes", "host_mem_bytes"}
+    if unknown:
+        raise ValueError(f"memory takes gpu_mem_bytes and host_mem_bytes, got {sorted(unknown)}")
     model = as_model_shape(profile.model)
     if len(model.layers) != profile.costs.num_layers:
         raise ValueError(f"the profile's costs are for {profile.costs.num_layers} layers, its model has "
                          f"{len(model.layers)}")
     if hardware is not None:
-        hw = replace(load_profile(hardware), **profile.links_gbps)
+        hw = replace(load_profile(hardware), **profile.links_gbps, **memory)
     else:
         # nominal rates for the fields the cost model reads before the measured times replace them
         T = profile.micro_batch * profile.seq_len
@@ -295,9 +304,11 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
         hw = HardwareProfile(name=f"measured on {profile.device}",
                              achievable_tflops=flops / max(sum(profile.costs.diff_s), 1e-9) / 1e12,
                              host_optimizer_gparams_per_s=params / max(sum(profile.costs.update_s), 1e-9) / 1e9,
-                             gpu_mem_bytes=64 * GiB, host_mem_bytes=64 * GiB, **profile.links_gbps)
+                             gpu_mem_bytes=memory.get("gpu_mem_bytes", budgets.gpu_bytes or 64 * GiB),
+                             host_mem_bytes=memory.get("host_mem_bytes", budgets.host_bytes or 64 * GiB),
+                             **profile.links_gbps)
     gb = global_batch if global_batch is not None else profile.micro_batch
     if gb % profile.micro_batch:
         raise ValueError(f"the profile's micro-batch {profile.micro_batch} does not divide global_batch {gb}")
-    return Problem(model=model, hardware=hw, budgets=as_budgets(budgets), micro_batch=profile.micro_batch,
+    return Problem(model=model, hardware=hw, budgets=budgets, micro_batch=profile.micro_batch,
                    seq_len=profile.seq_len, measured=profile.costs, grad_accum=gb // profile.micro_batch)
