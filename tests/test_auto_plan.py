@@ -246,6 +246,26 @@ def test_drift_beyond_the_margin_measures_and_plans_again_at_most_max_replans_ti
     assert "x the prediction)" in out
 
 
+def test_a_plan_again_after_drift_that_fails_goes_back_to_the_plan_it_had(monkeypatch):
+    """Measuring again runs the slow calibration plan; a re-plan that fails then must not leave the run on
+    it for good."""
+    import lazytrain.engine.engine as engine_module
+    real, calls = engine_module.plan_from_measurements, []
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the planner failed")
+        return real(*args)
+    monkeypatch.setattr(engine_module, "plan_from_measurements", second_fails)
+    with pytest.warns(UserWarning, match=r"policy \"auto\" stopped after step 12 and keeps the plan auto-milp: "
+                                         r"RuntimeError: the planner failed"):
+        engine, plans = _train({"policy": "auto", "auto": {**AUTO, "check_every": 2, "drift_margin": 1e-9,
+                                                           "max_replans": 1}}, steps=16, quiet=False)
+    engine.destroy()
+    assert plans == ["auto-calibration"] * 5 + ["auto-milp"] * 2 + ["auto-calibration"] * 5 + ["auto-milp"] * 4
+
+
 def test_a_skipped_step_is_not_measured_and_a_cpu_without_copy_threads_plans_with_its_memory_copy_speed():
     engine, plans = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0}}, steps=8, links=False, spoil=3)
     history, profile, stopped = engine.auto.history, engine.auto.last_profile, engine.auto.stopped
@@ -258,8 +278,8 @@ def test_a_skipped_step_is_not_measured_and_a_cpu_without_copy_threads_plans_wit
 
 def test_planning_that_fails_warns_and_keeps_the_plan_in_place_while_training_goes_on():
     # a device budget the calibration plan runs in and the planner finds too small for any plan
-    with pytest.warns(UserWarning, match=r"policy \"auto\" stopped after step 5 and keeps the plan it runs "
-                                         r"\(auto-calibration\): InfeasibleBudgetError"):
+    with pytest.warns(UserWarning, match=r"policy \"auto\" stopped after step 5 and keeps the plan "
+                                         r"auto-calibration: InfeasibleBudgetError"):
         engine, plans = _train({"policy": "auto", "gpu_memory": "220KB", "auto": AUTO}, steps=5, accumulation=2,
                                quiet=False)
     assert engine.global_steps == 5 and engine.micro_steps == 10   # every micro-batch counted
@@ -276,14 +296,30 @@ def test_an_evaluation_output_kept_across_the_plan_change_does_not_touch_the_new
     lt = {"policy": "auto", "gpu_memory": "238KB", "auto": {**AUTO, "max_replans": 0}}
     engine, plans = _train(lt, steps=8, evaluate=(4,))
     auto = engine.module_state_dict()
+    left_out = engine.auto._mixed
     engine.destroy()
-    assert plans[5:] == ["auto-milp"] * 3
+    # the traced step with the evaluation in it is left out of the measurement: step 6 measures instead
+    assert left_out == 1 and plans[5:] == ["auto-calibration"] + ["auto-milp"] * 2
     engine, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True}, steps=8,
                        evaluate=(4,))
     fixed = engine.module_state_dict()
     engine.destroy()
     for k, v in fixed.items():
         assert torch.equal(auto[k], v), k
+
+
+def test_steps_with_an_evaluation_under_grad_are_not_measured_and_too_many_stop_auto():
+    """An evaluation forward under grad in a traced step would add its time to the layers' forwards (25x
+    the measured forward in one case): such steps are left out, and when every step has one, auto stops."""
+    with pytest.warns(UserWarning) as caught:
+        engine, plans = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0}}, steps=10,
+                               evaluate=tuple(range(10)), quiet=False)
+    assert plans == ["auto-calibration"] * 10 and engine.auto._mixed == 5
+    assert engine.auto.stopped == ("MeasurementError: 5 traced steps each ran a forward that was never differentiated "
+                                   "(an evaluation with gradients on?), whose time cannot be told apart from the "
+                                   "step's: run evaluation under torch.no_grad() while policy \"auto\" measures")
+    assert any("policy \"auto\" stopped after step 8" in str(w.message) for w in caught)
+    engine.destroy()
 
 
 @pytest.mark.parametrize("lt,message", [

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import AutoPlanConfig
-from ..planner.measured import MachineProfile
+from ..planner.measured import MachineProfile, MeasurementError, ran_an_undifferentiated_forward
 from ..planner.plan import Plan
 
 
 SELECTIVE_WARMUP_STEPS = 1   # after the switch to the selective calibration, one step before tracing
+MIXED_STEPS_ALLOWED = 4      # traced steps with an undifferentiated forward left out before auto stops
 
 
 @dataclass
@@ -86,6 +87,8 @@ class AutoPlanner:
     _traces: list = field(default_factory=list)
     _times: list = field(default_factory=list)
     _replans: int = 0
+    _mixed: int = 0                                # traced steps left out: a forward in them was never differentiated
+    _last_plan: Plan | None = None                 # the last plan made (back to it when measuring again fails)
 
     def start(self, saved: MachineProfile | None = None) -> None:
         """Before the first step: plan from a saved profile, or measure first."""
@@ -103,11 +106,13 @@ class AutoPlanner:
             return
         try:
             self._after_step(step, seconds)
-        except Exception as e:   # noqa: BLE001 - the step completed; the run keeps its plan
+        except Exception as e:   # noqa: BLE001 - the step completed; the run keeps a plan
             self.stopped = f"{type(e).__name__}: {e}"
             self._traces, self._times = [], []
-            self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan it runs "
-                            f"({self.hooks.current_policy()}): {self.stopped}")
+            if self._last_plan is not None and self.hooks.current_policy() != self._last_plan.policy:
+                self.hooks.switch(self._last_plan)   # measuring again after drift: back to the plan it had
+            self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan "
+                            f"{self.hooks.current_policy()}: {self.stopped}")
 
     def selective_calibration(self, layers: tuple) -> Plan:
         """The calibration plan with ``layers`` selective: its traces give a selective layer's costs."""
@@ -122,7 +127,15 @@ class AutoPlanner:
         if self.measuring:
             if self._steps_in_phase >= self._warmup():
                 trace = self.hooks.last_trace()   # None: this step was not traced, or was skipped
-                if trace is not None:
+                # rank 0's answer on every rank: the ranks measure the same steps
+                if trace is not None and self.hooks.on_rank0(lambda: ran_an_undifferentiated_forward(trace)):
+                    self._mixed += 1              # an evaluation under grad in it: measure another step
+                    if self._mixed > MIXED_STEPS_ALLOWED:
+                        raise MeasurementError(
+                            f"{self._mixed} traced steps each ran a forward that was never differentiated (an "
+                            f"evaluation with gradients on?), whose time cannot be told apart from the step's: run "
+                            f"evaluation under torch.no_grad() while policy \"auto\" measures")
+                elif trace is not None:
                     self._traces.append(trace)
             self._steps_in_phase += 1
             if len(self._traces) < s.profile_steps:
@@ -170,7 +183,11 @@ class AutoPlanner:
     def _profile_saved(self, traces: list, selective: list | None, layers: tuple) -> MachineProfile:
         profile = self.hooks.profile_of(traces, selective, layers)
         if self.hooks.save_profile is not None:
-            self.hooks.save_profile(profile)
+            try:
+                self.hooks.save_profile(profile)
+            except OSError as e:   # the plan does not need the file: plan anyway, and say so
+                self.hooks.warn(f"lazytrain: policy \"auto\" could not save its profile ({type(e).__name__}: {e}); "
+                                f"it plans from it all the same")
         return profile
 
     def _measure_next(self) -> None:
@@ -181,6 +198,7 @@ class AutoPlanner:
         plan = self.hooks.on_rank0(lambda: self.hooks.plan_from(profile))
         self.last_profile = profile
         self.hooks.switch(plan)
+        self._last_plan = plan
         predicted = (plan.prediction or {}).get("step_time_s")
         self.history.append(PlanRecord(step=step, policy=plan.policy, reason=reason, predicted_step_s=predicted))
         self.hooks.say(self.history[-1].line())

@@ -46,6 +46,8 @@ class _LayerCall:
     rng: tuple | None = None        # (CPU, CUDA) generator states before the block's forward (training)
     autocast: tuple = ()            # (device type, dtype, enabled) of torch.autocast at the call
     held: dict = field(default_factory=dict)   # leaf index -> what a list/dict/mapping argument held at the call
+    pass_id: int | None = None      # the training pass it belongs to (its spans say so: a profile counts the
+                                    # forwards that were differentiated, not an evaluation's under grad)
 
 
 def _whole_storage(t: torch.Tensor) -> torch.Tensor:
@@ -265,7 +267,8 @@ class LayerStreamingExecutor:
         # internals of a layer), beside the weights, its input and the tensors the call passes in
         saved = (_SavedBytes([flat, hidden, *(t for t in leaves if isinstance(t, torch.Tensor))])
                  if kind == "diff" and isinstance(kept, nullcontext) and streams.recording() is not None else None)
-        with streams.compute_span(f"{kind} L{layer}", self.device) as span, \
+        pass_arg = {} if call.pass_id is None else {"pass": call.pass_id}
+        with streams.compute_span(f"{kind} L{layer}", self.device, **pass_arg) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
                 _reparametrize_module(block, params), kept, saved if saved is not None else nullcontext():
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
@@ -336,6 +339,7 @@ class LayerStreamingExecutor:
                           or hidden._version != p.last_out[1]):   # replaced, or changed in place
             self._keep_unchained_input(p, layer, hidden)
         call.rng = _rng_state(self.device)
+        call.pass_id = p.pass_id
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
         _watch_shared_state(p, layer, call)

@@ -248,6 +248,12 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
     step_start, step = None, 0.0
     layer_compute = waits = 0.0
     updates = []                       # (layer, span): the previous step's may still run in this forward
+    # a forward never differentiated (an evaluation under grad between the micro-batches) would add its
+    # blocks' time to the layers' forwards and the rest of its time to the rest of the model's
+    if ran_an_undifferentiated_forward(timeline):
+        raise MeasurementError("the traced step ran a forward that was never differentiated (an evaluation with "
+                               "gradients on?), whose time cannot be told apart from the step's: run evaluation "
+                               "under torch.no_grad() while policy \"auto\" measures")
     for s in timeline.spans:
         d = s.end - s.start
         if s.lane == "compute":
@@ -289,6 +295,14 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
                                f"than the time before step() ({step_start:.4f} s): spans overlap in this trace, so "
                                f"it was not recorded by the engine's trace_next_step")
     return {"fwd": fwd, "diff": diff, "update": update, "nonlayer": nonlayer, "step": step, "saved": saved}
+
+
+def ran_an_undifferentiated_forward(timeline) -> bool:
+    """Whether a traced step holds the blocks' forward of a pass that no backward re-ran (each block's spans
+    name their pass): a step policy "auto" cannot measure, its time mixed with that forward's."""
+    passes = {kind: {s.args["pass"] for s in timeline.spans if s.lane == "compute" and s.name.startswith(kind + " ")
+                     and "pass" in s.args} for kind in ("fwd", "diff")}
+    return bool(passes["diff"]) and bool(passes["fwd"] - passes["diff"])
 
 
 def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int) -> None:
