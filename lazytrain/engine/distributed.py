@@ -9,6 +9,7 @@ tensors over the default group's backend. A rank that stops or dies makes the ot
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from datetime import timedelta
@@ -145,11 +146,10 @@ class DistributedContext:
     def start_from_rank_0(self, model: torch.nn.Module) -> None:
         """Rank 0's parameters into every rank's model, as DeepSpeed's ``initialize`` broadcasts them: a script
         that seeds each rank differently, or loads weights on rank 0 only, still trains one model. The ranks
-        first agree that they hold the same parameters (names, shapes, dtypes), else the broadcasts would pair
-        tensors of different sizes."""
+        first agree that they hold the same parameters (names, shapes, dtypes, device types), else the
+        broadcasts would pair tensors of different sizes or groups."""
         if not self.enabled:
             return
-        import hashlib
         params = list(model.named_parameters())
         digest = hashlib.sha256(repr([(n, tuple(p.shape), str(p.dtype), p.device.type)
                                       for n, p in params]).encode()).digest()
