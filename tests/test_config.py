@@ -413,3 +413,13 @@ def test_onecycle_refuses_step_sizes_deepspeed_refuses():
         OneCycle(opt, 0.01, 0.1, cycle_first_step_size=2, cycle_second_step_size=-3)
     with pytest.raises(ValueError, match="cycle_first_step_size must be positive, got 0"):
         OneCycle(opt, 0.01, 0.1, cycle_first_step_size=0)
+
+
+
+def test_a_schedule_parameter_out_of_range_is_named_with_its_section():
+    with pytest.raises(ConfigError, match=r"config 'scheduler.params' for OneCycle: cycle_first_step_size must be "
+                                          r"positive, got 0"):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                                                         "cycle_first_step_size": 0}}})

@@ -664,6 +664,8 @@ def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, caps
     assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
                  "--json", str(missing)]) == 2
     assert capsys.readouterr().err == f"lazytrain plan: --json {missing}: directory {missing.parent} does not exist\n"
+    assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "abc"]) == 2
+    assert "--micro-batch must be a whole number or 'auto', got 'abc'" in capsys.readouterr().err
     for flag, kind in (("--time-limit", "number"), ("--seq", "integer"), ("--max-segment", "integer")):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", flag, "-1"])

@@ -238,5 +238,5 @@ def build_schedule(name: str, optimizer, params: dict):
         raise ValueError(f"config 'scheduler.type' {name!r} is unknown (known: {', '.join(SCHEDULES)})")
     try:
         return SCHEDULES[name](optimizer, **params)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:   # named by where it is set in the config
         raise ValueError(f"config 'scheduler.params' for {name}: {e}") from None

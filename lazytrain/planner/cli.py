@@ -85,7 +85,12 @@ def run(args: argparse.Namespace) -> int:
                 f"{t.micro_batch}: " + (f"{t.tokens_per_s:.0f} tok/s" if t.tokens_per_s else t.status) for t in trials))
             mb = best.micro_batch_size
         else:
-            best, mb = None, int(args.micro_batch)
+            try:
+                best, mb = None, int(args.micro_batch)
+            except ValueError:
+                raise ValueError(f"--micro-batch must be a whole number or 'auto', got {args.micro_batch!r}") from None
+            if mb < 1:
+                raise ValueError(f"--micro-batch must be at least 1, got {mb}")
         if p is None:
             if args.global_batch is not None and args.global_batch % mb:
                 raise ValueError(f"--micro-batch {mb} does not divide --global-batch {args.global_batch}")

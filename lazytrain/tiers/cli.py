@@ -22,6 +22,20 @@ def _size(text: str) -> int:
     return value
 
 
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (None: it can), without touching a file already there."""
+    if os.path.isdir(path):
+        return "it is a directory"
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        return f"its directory cannot be made: {e.strerror or e}"
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench", help="measure this machine (tiers, copies, optimizer, compute) for the planner",
@@ -39,7 +53,7 @@ def register(subparsers) -> None:
                         help="size of each tensor moved (default: 64MiB)")
     parser.add_argument("--copy-bytes", type=_size, default=256 << 20, metavar="SIZE",
                         help="size of each host<->device and host memory copy (default: 256MiB)")
-    parser.add_argument("--seconds", type=float, default=1.0,
+    parser.add_argument("--seconds", type=positive(float), default=1.0,
                         help="minimum time per timed measurement (default: 1.0)")
     parser.add_argument("--optimizer-params", type=positive(int), default=16 << 20, metavar="N",
                         help="parameters updated in the host optimizer measurement (default: 16777216)")
@@ -59,6 +73,11 @@ def run(args) -> int:
         except OSError as e:
             print(f"lazytrain bench tiers: cannot create files under --path {args.path} ({e.strerror}); give a "
                   f"directory on the disk to measure", file=sys.stderr)
+            return 2
+    if args.json != "-":   # where the profile goes, checked before the measurements (minutes), not after
+        problem = _unwritable(args.json)
+        if problem:
+            print(f"lazytrain bench tiers: cannot write the profile to --json {args.json} ({problem})", file=sys.stderr)
             return 2
     profile, rows = run_bench(path=args.path, nvme_bytes=args.nvme_bytes, tensor_bytes=args.tensor_bytes,
                               copy_bytes=args.copy_bytes, seconds=args.seconds,
