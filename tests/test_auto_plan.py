@@ -374,6 +374,10 @@ def test_a_saved_profile_of_another_model_or_sequence_length_and_an_unwritable_p
     with pytest.raises(ConfigError, match=r"was measured on another model: its layer_params is \[1, 1, 1, 1, 1, 1\]"):
         lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
                                                                          "auto": {"profile": str(other)}}))
+    other.write_text(json.dumps({**d, "device": "cuda:0"}))   # its times are a GPU's
+    with pytest.raises(ConfigError, match=r"was measured on cuda:0, this run trains on cpu: measure again"):
+        lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
+                                                                         "auto": {"profile": str(other)}}))
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(
         {"policy": "auto", "auto": {"profile": measured[2]}}))
     x, y = batches(1, seq=16)[0]

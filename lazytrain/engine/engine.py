@@ -409,6 +409,9 @@ class LazyTrainEngine(nn.Module):
         if profile.costs.num_layers != self.weights.num_layers:
             raise ConfigError(f"{where} measured {profile.costs.num_layers} layers, this model streams "
                               f"{self.weights.num_layers}")
+        if torch.device(profile.device).type != self.device.type:   # its times are another machine's
+            raise ConfigError(f"{where} was measured on {profile.device}, this run trains on {self.device}: measure "
+                              f"again (leave 'profile' out)")
         if profile.micro_batch != self.train_micro_batch_size_per_gpu():
             raise ConfigError(f"{where} was measured at micro-batch {profile.micro_batch}, this run trains "
                               f"{self.train_micro_batch_size_per_gpu()}: measure again (leave 'profile' out)")
