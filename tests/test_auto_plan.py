@@ -231,6 +231,30 @@ def test_a_profile_plans_for_a_card_larger_than_the_profiles_default_memory(meas
     assert p.hardware.gpu_mem_bytes == 150_754_820_096 and p.hardware.name == "h200"
     assert plan_from_profile(profile, big, time_limit_s=5).policy == "milp"
 
+
+def test_a_profile_records_its_runs_accumulation_and_lazytrain_plan_keeps_it(measured, tmp_path, capsys):
+    """The engine plans with its config's accumulation; `lazytrain plan --profile` planned the same profile with
+    one micro-batch a step unless told --global-batch. The profile now says, and a profile without the field
+    (written before) reads as one."""
+    _, _, path = measured
+    d = json.loads(open(path).read())
+    assert d["grad_accum"] == 1
+    legacy = {k: v for k, v in d.items() if k != "grad_accum"}
+    assert MachineProfile.from_dict(legacy).grad_accum == 1
+    accumulated = tmp_path / "accum.json"
+    accumulated.write_text(json.dumps({**d, "grad_accum": 3}))
+    profile = MachineProfile.from_json(str(accumulated))
+    assert profile.grad_accum == 3 and MachineProfile.from_dict(profile.to_dict()).grad_accum == 3
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--profile", str(accumulated), "--time-limit", "5", "--json", str(out)]) == 0
+    capsys.readouterr()
+    offline = plan_from_profile(profile, {"loss_chunk_tokens": 24}, time_limit_s=5, global_batch=3 * profile.micro_batch)
+    assert Plan.from_json(str(out)).prediction["step_time_s"] == pytest.approx(offline.prediction["step_time_s"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**d, "grad_accum": 0}))
+    with pytest.raises(MeasurementError, match="grad_accum must be an integer >= 1, got 0"):
+        MachineProfile.from_json(str(bad))
+
 def test_drift_beyond_the_margin_measures_and_plans_again_at_most_max_replans_times(capsys):
     # a margin no measurement meets: every check after a plan is a drift
     engine, plans = _train({"policy": "auto", "auto": {**AUTO, "check_every": 2, "drift_margin": 1e-9,

@@ -394,7 +394,8 @@ class LazyTrainEngine(nn.Module):
                                             kinds=list(as_model_shape(self._model_cfg).layers))
         return measured.MachineProfile(
             costs=costs, links_gbps=links, model=self._model_cfg,
-            micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device))
+            micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device),
+            grad_accum=self.gradient_accumulation_steps())
 
     def _grads_beside_bytes(self) -> tuple[int, int] | None:
         """What the masters' gradient sink copies each micro-batch: (head side, embeddings). An embedding's

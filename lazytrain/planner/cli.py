@@ -141,4 +141,6 @@ def _profile_problem(args: argparse.Namespace, budgets):
     if args.hardware is not None:
         from .hardware import load_profile
         hardware = load_profile(args.hardware, base=args.base)
-    return profile_problem(profile, budgets, hardware, args.global_batch)
+    # the run measured fixed its global batch: planned with its accumulation unless --global-batch says otherwise
+    global_batch = args.global_batch if args.global_batch is not None else profile.micro_batch * profile.grad_accum
+    return profile_problem(profile, budgets, hardware, global_batch)

@@ -346,11 +346,12 @@ class MachineProfile:
     micro_batch: int
     seq_len: int
     device: str = "cpu"
+    grad_accum: int = 1             # micro-batches per optimizer step in the run measured (its global batch)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": 1, "costs": self.costs.to_dict(),
                 "links_gbps": dict(self.links_gbps), "model": self.model, "micro_batch": self.micro_batch,
-                "seq_len": self.seq_len, "device": self.device}
+                "seq_len": self.seq_len, "device": self.device, "grad_accum": self.grad_accum}
 
     def to_json(self, path: str) -> None:
         import json
@@ -377,14 +378,15 @@ class MachineProfile:
                 any(not _is_time(v) or v == 0 for v in links.values()):
             raise MeasurementError(f"{where}: links_gbps must map {', '.join(LINK_LANES.values())} to GB/s > 0, "
                                    f"got {links!r}")
-        for k in ("micro_batch", "seq_len"):
+        d = {"grad_accum": 1, **d}   # profiles written before it was recorded: one micro-batch a step
+        for k in ("micro_batch", "seq_len", "grad_accum"):
             if isinstance(d[k], bool) or not isinstance(d[k], int) or d[k] < 1:
                 raise MeasurementError(f"{where}: {k} must be an integer >= 1, got {d[k]!r}")
         if not isinstance(d["model"], dict):
             raise MeasurementError(f"{where}: model must be the model's config object, got {type(d['model']).__name__}")
         return cls(costs=MeasuredCosts.from_dict(d["costs"]), links_gbps={k: float(v) for k, v in links.items()},
                    model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
-                   device=str(d.get("device", "cpu")))
+                   device=str(d.get("device", "cpu")), grad_accum=d["grad_accum"])
 
     @classmethod
     def from_json(cls, path: str) -> "MachineProfile":
