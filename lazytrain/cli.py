@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 # (module, what it adds): each module defines register(subparsers) -> None
@@ -24,7 +25,7 @@ def positive(kind=int):
             value = kind(text)
         except ValueError:
             value = 0
-        if value <= 0:
+        if not math.isfinite(value) or value <= 0:   # nan compares false with everything
             raise argparse.ArgumentTypeError(f"must be a positive {'integer' if kind is int else 'number'}, "
                                              f"got {text!r}")
         return value

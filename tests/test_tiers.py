@@ -71,6 +71,65 @@ def test_read_missing_key_and_bad_out():
         tier.write("b", [1, 2])
 
 
+@pytest.mark.parametrize("tier_cls", [DeviceTier, HostTier])
+def test_a_read_racing_a_free_of_its_key_raises_the_tiers_error(tier_cls):
+    """The key is freed by another thread between the read's check and its lookup (widened here: the check
+    frees it): the reader gets the tier's error, not a bare KeyError."""
+    tier = tier_cls("t")
+    tier.write("k", torch.zeros(3)).wait()
+    armed = [True]
+
+    class FreedWhileChecked(dict):
+        def __contains__(self, key):
+            held = dict.__contains__(self, key)
+            if held and armed and armed.pop():   # once: the free itself asks too
+                tier.free(key)
+            return held
+    tier._sizes = FreedWhileChecked(tier._sizes)
+    with pytest.raises(TierError, match=f"^tier '{tier.name}' holds no tensor under key 'k'$"):
+        tier.read("k")
+
+
+def test_a_failed_read_adds_no_time_to_the_tiers_bandwidth(monkeypatch):
+    import time as time_module
+    tier = DeviceTier("d", device="cpu")
+    tier.write("k", torch.ones(1 << 16)).wait()
+    tier.read("k", out=torch.empty(1 << 16)).wait()
+    seconds, nbytes = tier._meters["read"].seconds, tier._meters["read"].nbytes
+    real = tier._read
+
+    def slow_then_wrong(key, out, device):
+        time_module.sleep(0.2)
+        return real(key, out, device)
+    monkeypatch.setattr(tier, "_read", slow_then_wrong)
+    with pytest.raises(ValueError):
+        tier.read("k", out=torch.empty(3)).wait()
+    assert (tier._meters["read"].seconds, tier._meters["read"].nbytes) == (seconds, nbytes)
+
+
+def test_closing_a_host_tier_whose_copies_fail_returns_and_the_handles_say_why():
+    """Each write's copy fails (its source changed before the copy thread read it); close() waits for the
+    copies outside the tier's lock, which a failed write's clean-up takes on the copy thread."""
+    import threading
+    from lazytrain.tiers import streams
+    streams.configure(copy_threads=True, chaos=streams.Chaos(0, 0.3))
+    try:
+        tier = HostTier("host")
+        sources = [torch.ones(1024) for _ in range(3)]
+        handles = [tier.write(f"k{i}", t) for i, t in enumerate(sources)]
+        for t in sources:
+            t.add_(1)
+        closer = threading.Thread(target=tier.close, daemon=True)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive(), "close() hung"
+        for h in handles:
+            with pytest.raises(Exception):
+                h.wait()
+    finally:
+        streams.configure()
+
+
 def test_handles_await_and_stats():
     tier = HostTier()
     x = torch.arange(10.0)

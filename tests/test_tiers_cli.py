@@ -55,7 +55,9 @@ def test_bench_arguments_are_checked(tmp_path, capsys):
     assert capsys.readouterr().err == f"lazytrain bench tiers: --path {tmp_path / 'missing'} is not a directory\n"
     for flag, value, message in (("--tensor-bytes", "2", "size must be at least 4KiB, got '2'"),
                                  ("--optimizer-params", "0", "must be a positive integer, got '0'"),
-                                 ("--seconds", "-1", "must be a positive number, got '-1'")):
+                                 ("--seconds", "-1", "must be a positive number, got '-1'"),
+                                 ("--seconds", "nan", "must be a positive number, got 'nan'"),
+                                 ("--seconds", "inf", "must be a positive number, got 'inf'")):
         with pytest.raises(SystemExit):
             parser().parse_args(["bench", "tiers", flag, value])
         assert f"argument {flag}: {message}" in capsys.readouterr().err
@@ -64,6 +66,10 @@ def test_bench_arguments_are_checked(tmp_path, capsys):
     assert args.func(args) == 2
     assert capsys.readouterr().err == (f"lazytrain bench tiers: cannot write the profile to --json {tmp_path} "
                                        f"(it is a directory)\n")
+    args = parser().parse_args(["bench", "tiers", "--json", "/proc/hw.json"])   # root's permission bits say yes
+    assert args.func(args) == 2
+    assert capsys.readouterr().err.startswith("lazytrain bench tiers: cannot write the profile to --json "
+                                              "/proc/hw.json (")
     args = parser().parse_args(["bench", "tiers", "--path", "/proc"])
     assert args.func(args) == 2
     assert capsys.readouterr().err.startswith("lazytrain bench tiers: cannot create files under --path /proc (")

@@ -256,7 +256,7 @@ class Tier(ABC):
             if self._on_copy_thread(tensor.device):
                 handle = self._completed_late(handle)
         except BaseException:
-            meter.end(0)
+            meter.cancel()   # a failed operation moved nothing: its time is not the link's
             self._release(key)
             raise
         finally:
@@ -267,13 +267,13 @@ class Tier(ABC):
     def read(self, key: str, out: torch.Tensor | None = None, device: torch.device | str | None = None) -> TransferHandle:
         """Fetch ``key``: into ``out`` when given (no extra copy), else as a new tensor on ``device``
         (default: the tier's own device)."""
-        if key not in self._sizes:
+        nbytes = self._payload.get(key) if key in self._sizes else None   # one lookup: a free may come between
+        if nbytes is None:
             failure = self._failed.get(key)
             if failure is not None:
                 raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}: its write failed: "
                                 f"{failure}") from failure
             raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
-        nbytes = self._payload[key]
         meter = self._meters["read"]
         meter.begin()
         try:
@@ -283,7 +283,7 @@ class Tier(ABC):
             else:
                 handle = self._read(key, out, device)
         except BaseException:
-            meter.end(0)
+            meter.cancel()   # a failed operation moved nothing: its time is not the link's
             raise
         self._track(handle, meter, nbytes)
         return handle
@@ -415,7 +415,10 @@ class Tier(ABC):
         def finished(f: Future) -> None:
             error = f.exception() if not f.cancelled() else TierError(
                 f"tier {self.name!r}: an operation on {key!r} was cancelled")
-            meter.end(0 if error is not None else nbytes)
+            if error is not None:
+                meter.cancel()   # a failed operation moved nothing: its time is not the link's
+            else:
+                meter.end(nbytes)
             try:
                 if error is not None and key is not None:
                     with self._lock:

@@ -23,16 +23,19 @@ def _size(text: str) -> int:
 
 
 def _unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written as a file (None: it can), without touching a file already there."""
+    """Why ``path`` cannot be written as a file (None: it can), found by creating a file beside it (permission
+    bits say little for root or on a pseudo file system); a file already there is not touched."""
     if os.path.isdir(path):
         return "it is a directory"
+    import tempfile
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".lazytrain-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
-        return f"its directory cannot be made: {e.strerror or e}"
-    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return "not writable"
+        return e.strerror or str(e)
     return None
 
 

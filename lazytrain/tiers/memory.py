@@ -392,11 +392,14 @@ class HostTier(MemoryTier):
                 self._draining.append((slab, event))
 
     def _drain(self, wait: bool = False) -> None:
+        if wait:   # outside the lock: a copy thread finishing a failed write takes it before the next copy runs
+            with self._lock:
+                draining = list(self._draining)
+            for _, event in draining:
+                wait_completion(event)   # over, failed or not: the slab is free either way
         with self._lock:   # frees and given-up writes on other threads append to the list
             keep = []
             for slab, event in self._draining:
-                if wait:
-                    wait_completion(event)   # over, failed or not: the slab is free either way
                 if event.query():
                     self.pool.release(slab)
                 else:
