@@ -14,8 +14,9 @@ is None: a training forward with labels gives the loss only.
 Only families whose head is a plain linear layer on the last hidden states and whose loss is
 ``ForCausalLMLoss`` take this path (:data:`FAMILIES`; no soft-capping or logit multiplier; no loss function
 the user set with ``model.loss_function = ...``; no forward hook or instance ``forward`` on the head, which
-would see or change logits the chunks compute without them), and only with the usual forward arguments: any other model or argument (TRL's ``fused_lm_head``) keeps the model's forward, as
-does every forward without labels or without gradients (evaluation and generation see the logits as usual).
+would see or change logits the chunks compute without them), and only with the usual forward arguments:
+any other model or argument (TRL's ``fused_lm_head``) keeps the model's forward, as does every forward
+without labels or without gradients (evaluation and generation see the logits as usual).
 """
 from __future__ import annotations
 

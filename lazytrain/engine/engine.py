@@ -43,7 +43,8 @@ from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
-from .placement import build_plan, build_tiers, non_block_state_home, plan_from_measurements, resolve_device
+from .placement import (build_plan, build_tiers, card_memory, non_block_state_home, plan_from_measurements,
+                        resolve_device)
 from .precision import LossScaler, Masters
 from .weights import LayerWeights
 
@@ -358,8 +359,7 @@ class LazyTrainEngine(nn.Module):
             # no device budget configured: the GPU's memory, less what torch has had allocated at its peak
             # (the calibration steps' activations and workspaces with the tier's bytes) and the reserve the
             # planner keeps for the CUDA context and allocator; every layer's kept outputs could overrun it
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            room = total - GPU_RESERVED_BYTES - torch.cuda.max_memory_allocated(self.device)
+            room = card_memory(self.device) - GPU_RESERVED_BYTES - torch.cuda.max_memory_allocated(self.device)
         else:       # the CPU without a device budget: its kept outputs stay in host memory
             return None, None
         from ..planner.search import as_model_shape

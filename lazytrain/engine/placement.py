@@ -153,8 +153,8 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
     lt = cfg.lazytrain
     device = tiers["hbm"].device
     gpu = lt.capacities.get("hbm")
-    if gpu is None and device.type == "cuda":
-        gpu = torch.cuda.get_device_properties(device).total_memory
+    if gpu is None:
+        gpu = card_memory(device)
     budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
                if "nvme" in tiers else 0,
                # the logits as the engine computes them: in chunks when configured, else whole
@@ -186,8 +186,7 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     hardware = _hardware_profile(cfg, device)
     if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model
         from ..planner.hardware import load_profile
-        hardware = dataclasses.replace(load_profile(hardware),
-                                       gpu_mem_bytes=torch.cuda.get_device_properties(device).total_memory)
+        hardware = dataclasses.replace(load_profile(hardware), gpu_mem_bytes=card_memory(device))
     plan = call_with_deadline(plan_for, model_config, hardware, budgets, micro_batch=micro_batch,
                               # the config's batch triple fixes the step: planned with its accumulation
                               global_batch=micro_batch * cfg.gradient_accumulation_steps,
@@ -196,6 +195,11 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if plan.num_layers != num_layers:
         raise ConfigError(f"the planner planned {plan.num_layers} layers but the model streams {num_layers} blocks")
     return plan
+
+
+def card_memory(device: torch.device) -> int | None:
+    """The whole memory of the CUDA card ``device`` (None for another device)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _physical_memory() -> int | None:
@@ -227,11 +231,8 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile) -
                           allow_selective=profile.costs.selective_rerun_s is not None)
     # this machine's memory: the card's own (a catalog entry's size, or the profile's 64 GiB default, can be
     # below it, and a budget above the profile's memory is refused), and without a hardware profile its RAM
-    memory = {}
-    if tiers["hbm"].device.type == "cuda":
-        memory["gpu_mem_bytes"] = torch.cuda.get_device_properties(tiers["hbm"].device).total_memory
-    if hardware is None:
-        memory["host_mem_bytes"] = _physical_memory()
+    memory = {"gpu_mem_bytes": card_memory(tiers["hbm"].device),
+              "host_mem_bytes": _physical_memory() if hardware is None else None}   # None: not given
     plan = call_with_deadline(plan_from_profile, profile, budgets, hardware, time_limit_s=lt.milp_time_limit,
                               global_batch=profile.micro_batch * cfg.gradient_accumulation_steps, options=options,
                               memory=memory, deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")

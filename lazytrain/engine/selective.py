@@ -69,12 +69,11 @@ class SelectiveForward:
         """The kept outputs, each storage once (the caches share them)."""
         out, seen = [], set()
         for caching, _ in self._pairs:
-            for entries in caching.storage.values():
-                for leaf in tree_leaves(list(entries.values())):
-                    t = getattr(leaf, "val", None)
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                        seen.add(t.untyped_storage().data_ptr())
-                        out.append(t)
+            for leaf in _cache_entries(caching.storage):
+                t = getattr(leaf, "val", None)
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    out.append(t)
         return out
 
     def nbytes(self) -> int:
@@ -96,11 +95,13 @@ class SelectiveForward:
         return cached
 
 
+def _cache_entries(storage: dict):
+    """The entries of a selective checkpoint cache (each wraps a kept output: ``val``, ``version``)."""
+    for entries in storage.values():
+        yield from tree_leaves(list(entries.values()))
+
+
 def _changed_in_place(storage: dict) -> bool:
     """Whether a kept output changed since the forward kept it (the cache's entries record its version)."""
-    for entries in storage.values():
-        for leaf in tree_leaves(list(entries.values())):
-            version = getattr(leaf, "version", None)
-            if version is not None and leaf.val._version != version:
-                return True
-    return False
+    return any(getattr(leaf, "version", None) is not None and leaf.val._version != leaf.version
+               for leaf in _cache_entries(storage))

@@ -333,13 +333,10 @@ class HybridAdamW(torch.optim.Optimizer):
                 yield flat[start:start + max_elems].to("cpu", torch.float32)
             return
         which = "1" if key == "exp_avg" else "2"
-        bs = int(st["block_size"])
         qmap = get_qmap("dynamic" if which == "1" else "udynamic", st["state" + which].device)
-        codes, absmax = st["state" + which].reshape(-1), st["absmax" + which]
-        step = max(bs, max_elems // bs * bs)
-        for start in range(0, codes.numel(), step):
-            part = codes[start:start + step]
-            yield _dequant(part, absmax[start // bs:start // bs + num_blocks(part.numel(), bs)], qmap, bs).cpu()
+        for part in _dequant_chunks(st["state" + which], st["absmax" + which], qmap, int(st["block_size"]),
+                                    max_elems):
+            yield part.cpu()
 
     # ------------------------------------------------------------------ step
     def record_skipped_step(self, grad_norm: Optional[float] = None) -> None:
@@ -597,15 +594,23 @@ def _quantized(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, 
     return codes, absmax
 
 
-def _dequantized(codes: torch.Tensor, absmax: torch.Tensor, qmap: QuantMap, bs: int) -> torch.Tensor:
-    """Flat uint8 ``codes`` as fp32 values (what a step dequantizes them to), a chunk of blocks at a time."""
-    n = codes.numel()
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
-    step = max(bs, _CONVERT_CHUNK // bs * bs)
-    for start in range(0, n, step):
+def _dequant_chunks(codes: torch.Tensor, absmax: torch.Tensor, qmap: QuantMap, bs: int, max_elems: int):
+    """Uint8 ``codes`` as fp32 values (what a step dequantizes them to), flat, in order, a chunk of at most
+    ``max_elems`` elements (whole blocks) at a time: never the whole tensor's temporaries at once."""
+    codes = codes.reshape(-1)
+    step = max(bs, max_elems // bs * bs)
+    for start in range(0, codes.numel(), step):
         part = codes[start:start + step]
-        out[start:start + part.numel()] = _dequant(part, absmax[start // bs:start // bs + num_blocks(part.numel(), bs)],
-                                                   qmap, bs)
+        yield _dequant(part, absmax[start // bs:start // bs + num_blocks(part.numel(), bs)], qmap, bs)
+
+
+def _dequantized(codes: torch.Tensor, absmax: torch.Tensor, qmap: QuantMap, bs: int) -> torch.Tensor:
+    """Flat uint8 ``codes`` as one flat fp32 tensor, dequantized by :func:`_dequant_chunks`."""
+    out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
+    start = 0
+    for part in _dequant_chunks(codes, absmax, qmap, bs, _CONVERT_CHUNK):
+        out[start:start + part.numel()] = part
+        start += part.numel()
     return out
 
 

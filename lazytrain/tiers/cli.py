@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 from ..cli import positive
 from .base import parse_bytes
@@ -22,21 +23,28 @@ def _size(text: str) -> int:
     return value
 
 
-def _unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written as a file (None: it can), found by creating a file beside it (permission
-    bits say little for root or on a pseudo file system); a file already there is not touched."""
-    if os.path.isdir(path):
-        return "it is a directory"
-    import tempfile
-    directory = os.path.dirname(os.path.abspath(path))
+def _cannot_create_in(directory: str) -> str | None:
+    """Why no file can be created in ``directory`` (None: one can), found by creating and removing one:
+    permission bits say little for root or on a pseudo file system."""
     try:
-        os.makedirs(directory, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".lazytrain-probe-", dir=directory)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         return e.strerror or str(e)
     return None
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written as a file (None: it can); a file already there is not touched."""
+    if os.path.isdir(path):
+        return "it is a directory"
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        return e.strerror or str(e)
+    return _cannot_create_in(directory)
 
 
 def register(subparsers) -> None:
@@ -68,15 +76,11 @@ def run(args) -> int:
     if args.path is not None and not os.path.isdir(args.path):
         print(f"lazytrain bench tiers: --path {args.path} is not a directory", file=sys.stderr)
         return 2
-    if args.path is not None:   # fail before the other measurements, not after them
-        import shutil
-        import tempfile
-        try:
-            shutil.rmtree(tempfile.mkdtemp(prefix="lazytrain-probe-", dir=args.path))
-        except OSError as e:
-            print(f"lazytrain bench tiers: cannot create files under --path {args.path} ({e.strerror}); give a "
-                  f"directory on the disk to measure", file=sys.stderr)
-            return 2
+    problem = _cannot_create_in(args.path) if args.path is not None else None
+    if problem:   # fail before the other measurements, not after them
+        print(f"lazytrain bench tiers: cannot create files under --path {args.path} ({problem}); give a "
+              f"directory on the disk to measure", file=sys.stderr)
+        return 2
     if args.json != "-":   # where the profile goes, checked before the measurements (minutes), not after
         problem = _unwritable(args.json)
         if problem:
