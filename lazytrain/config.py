@@ -173,10 +173,18 @@ def _flag(section: dict, key: str, default: bool, where: str) -> bool:
 
 
 def _number(section: dict, key: str, default, where: str, integer: bool = False, minimum: float | None = None,
-            above: float | None = None):
+            above: float | None = None, text: bool = False):
     """A number setting, refused by name when it is not one (a string, a fraction where a whole number is due, a
-    value out of range) rather than converted or truncated behind the user's back."""
+    value out of range) rather than converted or truncated behind the user's back. ``text``: a key DeepSpeed
+    reads through a pydantic model, which takes a number written as a string ("0", "1e-3") as that number."""
     value = section.get(key, default)
+    if text and isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if math.isfinite(number):
+            value = int(number) if number.is_integer() else number
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ConfigError(f"config key '{where}.{key}' must be a number, got {value!r}")
     if integer:
@@ -202,9 +210,16 @@ def _check_no_auto(d: Any, path: str) -> None:
 def _positive_int(value: Any, key: str, allow_none: bool = True) -> int | None:
     if value is None and allow_none:
         return None
+    if isinstance(value, float) and value.is_integer():   # 8.0, as DeepSpeed takes it
+        return int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
     return value
+
+
+def _section(value: Any) -> Any:
+    """A config section set to null is a section not set, as DeepSpeed reads ``"bf16": null``."""
+    return {} if value is None else value
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,6 +417,8 @@ def load_config_source(config: Any) -> dict:
 def _json_default(o):
     if isinstance(o, float) and math.isinf(o):
         return o
+    if type(o).__module__ == "numpy" and getattr(o, "ndim", None) == 0:   # np.int64(8), np.float32(1e-3)
+        return o.item()   # as DeepSpeed, which reads the dict as it is, takes them
     raise ConfigError(f"config value {o!r} is not JSON-serializable")
 
 
@@ -478,8 +495,8 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         opt_section = {k: v for k, v in opt_section.items() if k != "legacy_fusion"}
     optimizer = _parse_optimizer(opt_section)
     scheduler = _parse_scheduler(d.get("scheduler"))
-    fp16 = _parse_fp16(d.get("fp16", {}))
-    bf16_section = d.get("bf16", d.get("bfloat16", {}))
+    fp16 = _parse_fp16(_section(d.get("fp16")))
+    bf16_section = _section(d["bf16"] if d.get("bf16") is not None else d.get("bfloat16"))
     _check_keys(bf16_section, _BF16_KEYS, "bf16")
     bf16 = _flag(bf16_section, "enabled", False, "bf16")
     for key, what in (("bf16_master_weights_and_grads", "master weights and gradients"),
@@ -492,25 +509,25 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     if bf16 and fp16.enabled:
         raise ConfigError("config enables both 'fp16' and 'bf16'; enable one")
 
-    zero = d.get("zero_optimization", {})
+    zero = _section(d.get("zero_optimization"))
     _check_keys(zero, {"stage", "offload_param", "offload_optimizer", *_GATHER_ON_SAVE_KEYS} | _ZERO_UNIMPLEMENTED,
                 "zero_optimization")
-    for key in _GATHER_ON_SAVE_KEYS:
-        if not isinstance(zero.get(key, False), bool):
-            raise ConfigError(f"config key 'zero_optimization.{key}' must be true or false, got {zero[key]!r}")
-    gather_on_save = any(zero.get(k, False) for k in _GATHER_ON_SAVE_KEYS)
+    gather_on_save = any([_flag(zero, key, False, "zero_optimization") for key in _GATHER_ON_SAVE_KEYS])
     for key in zero:
         if key in _ZERO_UNIMPLEMENTED and not _is_off(zero[key]):
             seen.note(f"zero.{key}", f"'zero_optimization.{key}' tunes DeepSpeed's ZeRO partitioning and has "
                                      f"no effect in LazyTrain (buffer sizes are derived from the model).")
     stage = zero.get("stage", 0)
-    if stage not in (0, 1, 2, 3):
+    if isinstance(stage, str) and stage.strip() in ("0", "1", "2", "3"):   # "3", as DeepSpeed's model reads it
+        stage = int(stage)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ConfigError(f"config key 'zero_optimization.stage' must be 0, 1, 2 or 3, got {stage!r}")
-    offload_param = _parse_offload(zero.get("offload_param", {}), _OFFLOAD_PARAM_KEYS,
+    stage = int(stage)
+    offload_param = _parse_offload(_section(zero.get("offload_param")), _OFFLOAD_PARAM_KEYS,
                                    "zero_optimization.offload_param", seen)
-    offload_optimizer = _parse_offload(zero.get("offload_optimizer", {}), _OFFLOAD_OPT_KEYS,
+    offload_optimizer = _parse_offload(_section(zero.get("offload_optimizer")), _OFFLOAD_OPT_KEYS,
                                        "zero_optimization.offload_optimizer", seen)
-    if offload_optimizer.device == "none" and "offload_optimizer" in zero:
+    if offload_optimizer.device == "none" and zero.get("offload_optimizer") is not None:
         seen.note("offopt-none", "'zero_optimization.offload_optimizer.device' is \"none\", but LazyTrain "
                                  "always runs the optimizer on the host (that is how it trains models "
                                  "larger than GPU memory).")
@@ -519,13 +536,13 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
                                  "optimizer states in host memory (8-bit states keep them small); set "
                                  "\"lazytrain\": {\"optimizer_states\": \"8bit\"} to shrink them.")
 
-    aio = _parse_aio(d.get("aio", {}))
-    lt = _parse_lazytrain(d.get("lazytrain", {}), d.get("activation_checkpointing", {}), offload_param, seen)
+    aio = _parse_aio(_section(d.get("aio")))
+    lt = _parse_lazytrain(_section(d.get("lazytrain")), _section(d.get("activation_checkpointing")), offload_param, seen)
 
     seed = d.get("seed")
     seen.emit()
     comm = d.get("communication_data_type")
-    comm = "fp32" if comm is None else comm
+    comm = "fp32" if comm is None else comm.lower() if isinstance(comm, str) else comm   # DeepSpeed lowers it
     if comm not in ("fp16", "bf16", "fp32"):   # DeepSpeed's values and message
         raise ConfigError(f"Invalid communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']. "
                           f"Got: {comm}")
@@ -573,9 +590,10 @@ def _parse_optimizer(section) -> OptimizerConfig:
     if section is None:
         return OptimizerConfig()
     _check_keys(section, {"type", "params"}, "optimizer")
-    params = dict(section.get("params", {}))
+    params = _section(section.get("params"))
     if not isinstance(params, dict):
         raise ConfigError("config key 'optimizer.params' must be an object")
+    params = dict(params)
     if "max_grad_norm" in params:
         raise ConfigError("'max_grad_norm' is not supported as an optimizer parameter in config 'optimizer.params'; "
                           "please use the top-level 'gradient_clipping' key instead")
@@ -592,7 +610,7 @@ def _parse_scheduler(section) -> SchedulerConfig:
     typ = section.get("type")
     if not isinstance(typ, str):
         raise ConfigError(f"config key 'scheduler.type' must be a string, got {typ!r}")
-    params = section.get("params", {})
+    params = _section(section.get("params"))
     if not isinstance(params, dict):
         raise ConfigError("config key 'scheduler.params' must be an object")
     return SchedulerConfig(type=typ, params=dict(params))
@@ -606,12 +624,12 @@ def _parse_fp16(section) -> FP16Config:
                           "fp16, which LazyTrain does not do: its host optimizer keeps fp32 masters and gradients. "
                           "Remove the key")
     return FP16Config(   # loss_scale 0: dynamic
-        enabled=enabled, loss_scale=float(_number(section, "loss_scale", 0.0, "fp16", minimum=0)),
-        initial_scale_power=_number(section, "initial_scale_power", 16, "fp16", integer=True, minimum=0),
-        loss_scale_window=_number(section, "loss_scale_window", 1000, "fp16", integer=True, minimum=1),
-        hysteresis=_number(section, "hysteresis", 2, "fp16", integer=True, minimum=1),
+        enabled=enabled, loss_scale=float(_number(section, "loss_scale", 0.0, "fp16", minimum=0, text=True)),
+        initial_scale_power=_number(section, "initial_scale_power", 16, "fp16", integer=True, minimum=0, text=True),
+        loss_scale_window=_number(section, "loss_scale_window", 1000, "fp16", integer=True, minimum=1, text=True),
+        hysteresis=_number(section, "hysteresis", 2, "fp16", integer=True, minimum=1, text=True),
         consecutive_hysteresis=_flag(section, "consecutive_hysteresis", False, "fp16"),
-        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0)))
+        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0, text=True)))
 
 
 def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadConfig:

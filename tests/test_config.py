@@ -10,7 +10,7 @@ import torch
 
 import lazytrain
 from lazytrain.config import BatchConfigError, ConfigError, parse_config
-from lazytrain.optim.lr_schedules import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from lazytrain.optim.lr_schedules import build_schedule, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,8 +127,9 @@ def test_gather_16bit_weights_on_model_save_is_read_under_each_of_deepspeeds_nam
     assert parse_config(base, world_size=1).gather_16bit_weights_on_model_save is False
     on = parse_config(dict(base, zero_optimization={"stage": 3, key: True}), world_size=1)
     assert on.gather_16bit_weights_on_model_save is True
-    with pytest.raises(ConfigError, match=f"config key 'zero_optimization.{key}' must be true or false, got 'yes'"):
-        parse_config(dict(base, zero_optimization={key: "yes"}), world_size=1)
+    assert parse_config(dict(base, zero_optimization={key: "yes"}), world_size=1).gather_16bit_weights_on_model_save
+    with pytest.raises(ConfigError, match=f"config key 'zero_optimization.{key}' must be true or false, got 'maybe'"):
+        parse_config(dict(base, zero_optimization={key: "maybe"}), world_size=1)
 
 
 @pytest.mark.parametrize("section,key", [({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
@@ -296,8 +297,7 @@ def _run(sched, n):
 
 def test_warmup_lr_log_and_linear():
     s = WarmupLR(_opt(), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="log")
-    with pytest.raises(AssertionError, match="need to call step"):
-        s.get_last_lr()
+    assert s.get_last_lr() == [0.0]   # DeepSpeed's: the lr it starts from
     assert _run(s, 12) == pytest.approx([math.log(i + 1) / math.log(10) if i < 10 else 1.0 for i in range(12)])
     s = WarmupLR(_opt(), warmup_min_lr=0.1, warmup_max_lr=0.5, warmup_num_steps=4, warmup_type="linear")
     assert _run(s, 6) == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.5])
@@ -318,6 +318,114 @@ def test_warmup_cosine_lr():
         progress = min(1.0, (step - 2 + 1) / 8)
         expect.append(0.2 * (0.1 + 0.9 * (1 + math.cos(math.pi * progress)) / 2))
     assert got == pytest.approx(expect)
+
+
+def test_lr_range_test_continuous_and_staircase():
+    opt = _opt()
+    s = LRRangeTest(opt, lr_range_test_min_lr=0.1, lr_range_test_step_size=2, lr_range_test_step_rate=1.0)
+    assert opt.param_groups[0]["lr"] == 0.1   # the optimizer starts at min_lr, as in DeepSpeed
+    assert _run(s, 4) == pytest.approx([0.15, 0.2, 0.25, 0.3])   # min_lr * (1 + rate * (step + 1) / step_size)
+    s = LRRangeTest(_opt(), lr_range_test_min_lr=0.1, lr_range_test_step_size=2, lr_range_test_step_rate=2.0,
+                    lr_range_test_staircase=True)
+    assert _run(s, 5) == pytest.approx([0.1, 0.3, 0.3, 0.5, 0.5])
+    resumed = LRRangeTest(_opt(), lr_range_test_min_lr=0.1, lr_range_test_step_size=2, lr_range_test_step_rate=2.0,
+                          lr_range_test_staircase=True)
+    resumed.load_state_dict(s.state_dict())
+    assert _run(resumed, 2) == _run(s, 2) == pytest.approx([0.7, 0.7])
+    with pytest.raises(ValueError, match="lr_range_test_step_size must be a positive integer, got 0"):
+        LRRangeTest(_opt(), lr_range_test_step_size=0)
+
+
+def test_warmup_goes_to_each_groups_own_lr_when_no_max_is_given():
+    opt = torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.01},
+                             {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.05}])
+    s = WarmupLR(opt, warmup_num_steps=4, warmup_type="linear")
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.0]
+    for _ in range(5):
+        s.step()
+    assert s.get_last_lr() == pytest.approx([0.01, 0.05])
+    cosine = WarmupCosineLR(_opt(0.2), total_num_steps=10)
+    assert cosine.get_last_lr() == [0.0]
+
+
+def test_an_unknown_warmup_type_warms_up_on_the_log_curve_with_a_warning_as_deepspeed():
+    with pytest.warns(UserWarning, match=r"unknown warmup_type 'cosine' in the scheduler's params: the warmup is "
+                                         r"'log', as in DeepSpeed"):
+        s = WarmupLR(_opt(), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="cosine")
+    assert _run(s, 3) == pytest.approx([math.log(i + 1) / math.log(10) for i in range(3)])
+
+
+def test_one_cycle_starts_unstepped_and_a_loaded_state_sets_lr_and_betas():
+    s = OneCycle(_opt(), cycle_min_lr=0.2, cycle_max_lr=1.0, cycle_first_step_size=4)
+    with pytest.raises(AssertionError, match="need to call step"):   # DeepSpeed's OneCycle too
+        s.get_last_lr()
+    _run(s, 3)
+    fresh = _opt()
+    resumed = OneCycle(fresh, cycle_min_lr=0.2, cycle_max_lr=1.0, cycle_first_step_size=4)
+    resumed.load_state_dict(s.state_dict())
+    assert fresh.param_groups[0]["betas"] == s.optimizer.param_groups[0]["betas"] != (0.8, 0.99)
+    assert fresh.param_groups[0]["lr"] == s.optimizer.param_groups[0]["lr"]
+
+
+def test_a_torch_scheduler_by_its_class_name_as_deepspeed_builds_it():
+    engine, _, _, sched = lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}})
+    assert type(sched) is torch.optim.lr_scheduler.StepLR
+    engine.backward(engine(torch.ones(2, 2)).sum())
+    engine.step()
+    assert engine.get_lr() == [0.05]
+    with pytest.raises(ConfigError, match=r"config 'scheduler.type' 'StepLr' is unknown \(known: WarmupLR, .*, or any "
+                                          r"torch.optim.lr_scheduler class by its name\)"):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "scheduler": {"type": "StepLr"}})
+    with pytest.raises(ConfigError, match=r"config 'scheduler.params' for StepLR: .*step_size"):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "scheduler": {"type": "StepLR"}})
+
+
+def test_adam_params_deepspeed_takes_are_taken_or_refused_by_name():
+    engine, opt, _, _ = lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {
+            "lr": 0.1, "set_grad_none": True, "fp32_optimizer_states": True}}})
+    assert opt.param_groups[0]["lr"] == 0.1
+    with pytest.raises(ConfigError, match=r"config 'optimizer.params.fp32_optimizer_states' = false keeps DeepSpeed's "
+                                          r"CPU Adam states in the parameters' 16-bit type"):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1,
+                                                                           "fp32_optimizer_states": False}}})
+
+
+@pytest.mark.parametrize("name, params", [
+    ("WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 7}),
+    ("WarmupLR", {"warmup_max_lr": [0.02, 0.03], "warmup_num_steps": 5, "warmup_type": "linear"}),
+    ("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 6, "warmup_max_lr": 0.01}),
+    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 4, "warmup_min_ratio": 0.1}),
+    ("WarmupCosineLR", {"total_num_steps": 3, "warmup_num_steps": 5, "warmup_type": "linear"}),
+    ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 4, "decay_lr_rate": 0.5,
+                  "decay_step_size": 2, "decay_mom_rate": 0.1}),
+    ("OneCycle", {"cycle_min_lr": [0.001, 0.002], "cycle_max_lr": 0.02, "cycle_first_step_size": 6,
+                  "cycle_second_step_size": 3, "cycle_first_stair_count": 3}),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 3, "lr_range_test_step_rate": 0.5}),
+    ("LRRangeTest", {"lr_range_test_min_lr": [0.001, 0.01], "lr_range_test_staircase": True,
+                     "lr_range_test_step_size": 4}),
+])
+def test_each_schedule_gives_deepspeeds_lr_and_betas_step_by_step(name, params):
+    theirs_module = pytest.importorskip("deepspeed.runtime.lr_schedules")
+
+    def groups():
+        return torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.01},
+                                  {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.04}])
+
+    ours_opt, theirs_opt = groups(), groups()
+    ours = build_schedule(name, ours_opt, dict(params))
+    theirs = getattr(theirs_module, name)(theirs_opt, **params)
+    for step in range(30):
+        for mine, other in zip(ours_opt.param_groups, theirs_opt.param_groups):
+            assert (mine["lr"], *mine["betas"]) == pytest.approx((other["lr"], *other["betas"]), rel=1e-12), step
+        ours.step()
+        theirs.step()
+    assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr(), rel=1e-12)
 
 
 def test_one_cycle_takes_one_value_per_parameter_group():
@@ -423,3 +531,106 @@ def test_a_schedule_parameter_out_of_range_is_named_with_its_section():
             "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
             "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
                                                          "cycle_first_step_size": 0}}})
+
+
+# ---- what DeepSpeed 0.19 accepts (checked against its DeepSpeedConfig), LazyTrain accepts the same way ----
+
+def test_sections_set_to_null_read_as_not_set():
+    cfg = parse_config({"train_batch_size": 2, "bf16": None, "fp16": None, "zero_optimization": None, "aio": None,
+                        "activation_checkpointing": None, "scheduler": None, "lazytrain": None,
+                        "optimizer": {"type": "AdamW", "params": None}})
+    assert (cfg.bf16, cfg.fp16.enabled, cfg.zero_stage, cfg.optimizer.params, cfg.scheduler.type) == \
+        (False, False, 0, {}, None)
+    zero = parse_config({"train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": None},
+                         "zero_optimization": {"stage": 3, "offload_param": None, "offload_optimizer": None}})
+    assert (zero.zero_stage, zero.offload_param.device, zero.offload_optimizer.device, zero.scheduler.params) == \
+        (3, "none", "none", {})
+
+
+def test_numpy_numbers_in_a_dict_config_are_taken_as_numbers():
+    np = pytest.importorskip("numpy")
+    cfg = parse_config({"train_batch_size": np.int64(8), "train_micro_batch_size_per_gpu": np.int32(4),
+                        "optimizer": {"type": "AdamW", "params": {"lr": np.float32(0.5)}}}, world_size=1)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps, cfg.optimizer.params["lr"]) == (8, 2, 0.5)
+    assert type(cfg.train_batch_size) is int and type(cfg.optimizer.params["lr"]) is float
+    with pytest.raises(ConfigError, match=r"config value array\(\[1, 2\]\) is not JSON-serializable"):
+        parse_config({"train_batch_size": np.array([1, 2])})
+
+
+def test_numbers_written_as_deepspeeds_models_read_them():
+    cfg = parse_config({"train_batch_size": 8.0, "gradient_accumulation_steps": 2.0, "communication_data_type": "BF16",
+                        "zero_optimization": {"stage": "2", "stage3_gather_16bit_weights_on_model_save": "true"},
+                        "fp16": {"enabled": True, "loss_scale": "0", "initial_scale_power": "12",
+                                 "min_loss_scale": "0.5"}}, world_size=1)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps, cfg.train_micro_batch_size_per_gpu) == (8, 2, 4)
+    assert type(cfg.train_batch_size) is int and type(cfg.zero_stage) is int
+    assert (cfg.zero_stage, cfg.gather_16bit_weights_on_model_save, cfg.communication_data_type) == (2, True, "bf16")
+    assert (cfg.fp16.loss_scale, cfg.fp16.initial_scale_power, cfg.fp16.min_loss_scale) == (0.0, 12, 0.5)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"train_batch_size": 2.5}, "config key 'train_batch_size' must be an integer, got 2.5"),
+    ({"train_batch_size": "8"}, "config key 'train_batch_size' must be an integer, got '8'"),
+    ({"zero_optimization": {"stage": "three"}}, "config key 'zero_optimization.stage' must be 0, 1, 2 or 3, got 'three'"),
+    ({"zero_optimization": {"stage": True}}, "config key 'zero_optimization.stage' must be 0, 1, 2 or 3, got True"),
+    ({"fp16": {"initial_scale_power": "12.5"}}, "config key 'fp16.initial_scale_power' must be a whole number, got 12.5"),
+    ({"fp16": {"loss_scale": "nan"}}, "config key 'fp16.loss_scale' must be a number, got 'nan'"),
+    ({"optimizer": {"type": "AdamW", "params": [0.1]}}, "config key 'optimizer.params' must be an object"),
+])
+def test_what_deepspeed_would_fail_on_later_is_refused_at_once(config, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"train_batch_size": 2, **config}, world_size=1)
+    assert str(e.value) == message
+
+
+def _one_step_with(optimizer_section, lr_of=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    plain.load_state_dict(model.state_dict())
+    engine, optimizer, _, _ = lazytrain.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": optimizer_section, "lazytrain": {"policy": "keep_all"}})
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    return engine, optimizer, plain, x
+
+
+@pytest.mark.parametrize("typ, cls, params", [
+    ("RMSprop", torch.optim.RMSprop, {"lr": 0.01, "alpha": 0.9}),
+    ("Adagrad", torch.optim.Adagrad, {"lr": 0.1}),
+    ("adagrad", torch.optim.Adagrad, {"lr": 0.1}),
+    ("NAdam", torch.optim.NAdam, {"lr": 0.01}),
+])
+def test_any_torch_optimizer_by_its_class_name_as_deepspeed_builds_it(typ, cls, params):
+    engine, optimizer, plain, x = _one_step_with({"type": typ, "params": params})
+    assert type(optimizer) is cls
+    reference = cls(plain.parameters(), **params)
+    for _ in range(2):
+        reference.zero_grad()
+        plain(x).square().mean().backward()
+        reference.step()
+    for p, q in zip(engine.module.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("typ, message", [
+    ("Lamb", "config 'optimizer.type' 'Lamb' is DeepSpeed's FusedLamb, which LazyTrain does not implement"),
+    ("OneBitAdam", "config 'optimizer.type' 'OneBitAdam' is DeepSpeed's 1-bit Adam, which LazyTrain does not implement"),
+    ("ZeroOneAdam", "config 'optimizer.type' 'ZeroOneAdam' is DeepSpeed's 0/1 Adam, which LazyTrain does not implement"),
+    ("Lion", "config 'optimizer.type' 'Lion' is DeepSpeed's Lion (FusedLion / CPU Lion), which LazyTrain does not "
+             "implement"),
+    ("Optimizer", "config 'optimizer.type' 'Optimizer' is not supported by LazyTrain"),
+    ("Adamm", "config 'optimizer.type' 'Adamm' is not supported by LazyTrain"),
+    ("LBFGS", "config 'optimizer.type' \"LBFGS\" needs a closure"),
+])
+def test_optimizers_lazytrain_does_not_build_are_refused_by_name(typ, message):
+    with pytest.raises(ConfigError) as e:
+        _one_step_with({"type": typ, "params": {"lr": 0.1}})
+    assert str(e.value).startswith(message)
+
+
+def test_a_bad_parameter_of_a_torch_optimizer_is_named_with_its_section():
+    with pytest.raises(ConfigError, match=r"config 'optimizer.params' for RMSprop: .*'betas'"):
+        _one_step_with({"type": "RMSprop", "params": {"lr": 0.1, "betas": [0.9, 0.99]}})

@@ -296,8 +296,7 @@ def test_counters_lr_and_grad_norm():
                                                                        "warmup_num_steps": 10,
                                                                        "warmup_type": "linear"}}})
     engine, opt, _, sched = lazytrain.initialize(model=model, config=cfg)
-    with pytest.raises(AssertionError, match="need to call step"):
-        sched.get_last_lr()
+    assert sched.get_last_lr() == [0.0] == engine.get_lr()   # DeepSpeed's: where the schedule starts
     for x, y in batches(3):
         engine.backward(lm_loss(engine(x), y))
         engine.step()
@@ -400,6 +399,43 @@ def test_client_optimizer_and_callable_scheduler():
     engine.backward(lm_loss(engine(x), y))
     engine.step()
     assert engine.get_lr() == [0.05]
+
+
+def test_a_scheduler_class_is_built_with_the_optimizer_and_wins_over_the_config_one_with_a_warning():
+    class Halve(torch.optim.lr_scheduler.StepLR):
+        def __init__(self, optimizer):
+            super().__init__(optimizer, step_size=1, gamma=0.5)
+
+    cfg = ds_config(_top={"scheduler": {"type": "WarmupLR"}})
+    with pytest.warns(UserWarning, match=r"an lr_scheduler was passed to initialize, so the config's 'scheduler' "
+                                         r"\(WarmupLR\) is not used, as in DeepSpeed"):
+        engine, _, _, sched = lazytrain.initialize(model=make_model("modulelist"), config=cfg, lr_scheduler=Halve)
+    assert type(sched) is Halve and sched is engine.lr_scheduler
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.get_lr() == [0.005]
+
+
+@pytest.mark.parametrize("schedule, params, first", [
+    ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 4}, 0.0055),
+    ("LRRangeTest", {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 2}, 0.001 * (1 + 6 / 2)),
+    ("WarmupLR", {"warmup_max_lr": 0.01, "warmup_num_steps": 10, "warmup_type": "linear"}, 0.005),
+])
+def test_lr_kwargs_take_deepspeeds_step_argument_and_bad_ones_are_refused_before_the_update(schedule, params, first):
+    name = "last_batch_iteration" if schedule == "WarmupLR" else "batch_iteration"
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(
+        _top={"scheduler": {"type": schedule, "params": params}}))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    with pytest.raises(TypeError, match=rf"engine.step\(lr_kwargs=\{{'iteration': 5\}}\): {schedule}.step.* does "
+                                        rf"not take them .*nothing was updated"):
+        engine.step(lr_kwargs={"iteration": 5})
+    assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+    engine.step(lr_kwargs={name: 5})
+    assert engine.was_step_applied() and engine.global_steps == 1
+    assert engine.get_lr() == pytest.approx([first])
 
 
 def test_a_client_optimizer_that_clips_by_itself_is_refused():

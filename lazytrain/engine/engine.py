@@ -679,12 +679,28 @@ class LazyTrainEngine(nn.Module):
         self._refuse_if_inconsistent("step()")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
+            self._check_lr_kwargs(lr_kwargs)
             self._take_model_step(lr_kwargs)
             began, self._step_began = self._step_began, None
         self.micro_steps += 1
         if boundary and self.auto is not None:
             self.auto.after_step(self.global_steps, time.perf_counter() - (began or time.perf_counter()))
         self._raise_unstored_copies()
+
+    def _check_lr_kwargs(self, lr_kwargs: dict | None) -> None:
+        """Arguments the schedule's step() does not take are refused before the update, not after it (where
+        the schedule would fail with the weights already updated)."""
+        if not lr_kwargs or self.lr_scheduler is None:
+            return
+        try:
+            signature = inspect.signature(self.lr_scheduler.step)
+        except (TypeError, ValueError):   # a builtin without a signature: it will say for itself
+            return
+        try:
+            signature.bind(**lr_kwargs)
+        except TypeError as e:
+            raise TypeError(f"engine.step(lr_kwargs={lr_kwargs!r}): {type(self.lr_scheduler).__name__}.step"
+                            f"{signature} does not take them ({e}); nothing was updated") from None
 
     def _raise_unstored_copies(self) -> None:
         """After a step that completed but could not store some compute copies (every counter advanced)."""

@@ -6,6 +6,7 @@ DeepSpeed semantics: optimizer "Adam" is AdamW (decoupled weight decay) unless
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -14,9 +15,13 @@ from ..config import ConfigError, EngineConfig
 from ..optim.lr_schedules import build_schedule
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction",
-              "fused", "foreach"}
+              "fused", "foreach", "set_grad_none", "fp32_optimizer_states"}
 _HYBRID_TYPES = {"adamw8bit", "hybridadamw"}
-KNOWN_TYPES = ("Adam", "AdamW", "AdamW8bit", "HybridAdamW", "SGD")
+KNOWN_TYPES = ("Adam", "AdamW", "AdamW8bit", "HybridAdamW", "SGD", "Adagrad")
+# DeepSpeed's own optimizers (its compiled kernels, its communication schemes): refused by name
+_DEEPSPEED_OWN = {"lamb": "FusedLamb", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
+                  "onebitlamb": "1-bit LAMB", "lion": "Lion (FusedLion / CPU Lion)", "muon": "Muon",
+                  "muadam": "MuAdam (mup)", "muadamw": "MuAdamW (mup)", "musgd": "MuSGD (mup)"}
 
 
 def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, remap: Callable) -> list[dict]:
@@ -61,6 +66,12 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         params.setdefault("weight_decay", 0.01 if torch_adamw else 0.0)
         params.pop("fused", None)
         params.pop("foreach", None)
+        params.pop("set_grad_none", None)   # FusedAdam's zero_grad: the engine zeroes gradients its own way
+        if params.pop("fp32_optimizer_states", True) is False:
+            raise ConfigError("config 'optimizer.params.fp32_optimizer_states' = false keeps DeepSpeed's CPU Adam "
+                              "states in the parameters' 16-bit type, which LazyTrain does not do: its host optimizer "
+                              "keeps fp32 states. Remove the key; to shrink the host state use \"lazytrain\": "
+                              "{\"optimizer_states\": \"8bit\"}")
         if params.pop("bias_correction", True) is False:
             raise ConfigError("config 'optimizer.params.bias_correction' = false is not supported by LazyTrain's "
                               "host optimizer")
@@ -80,10 +91,29 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
         return _hybrid(groups, params, True, cfg, named)
-    if lower == "sgd":
-        return torch.optim.SGD(groups, **params)
-    raise ConfigError(f"config 'optimizer.type' {typ!r} is not supported by LazyTrain (supported: "
-                      f"{', '.join(KNOWN_TYPES)}; or pass an optimizer object or callable to initialize)")
+    if lower in _DEEPSPEED_OWN:
+        raise ConfigError(f"config 'optimizer.type' {typ!r} is DeepSpeed's {_DEEPSPEED_OWN[lower]}, which LazyTrain "
+                          f"does not implement (supported: {', '.join(KNOWN_TYPES)}, or any torch.optim optimizer by "
+                          f"its class name; or pass an optimizer object or callable to initialize)")
+    if typ == "LBFGS":
+        raise ConfigError("config 'optimizer.type' \"LBFGS\" needs a closure that re-evaluates the loss at every "
+                          "step, which engine.step() does not take; use another optimizer")
+    cls = _torch_optimizer("Adagrad" if lower == "adagrad" else "SGD" if lower == "sgd" else typ)
+    if cls is None:
+        raise ConfigError(f"config 'optimizer.type' {typ!r} is not supported by LazyTrain (supported: "
+                          f"{', '.join(KNOWN_TYPES)}, or any torch.optim optimizer by its class name; or pass an "
+                          f"optimizer object or callable to initialize)")
+    try:
+        return cls(groups, **params)
+    except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
+        raise ConfigError(f"config 'optimizer.params' for {typ}: {e}") from None
+
+
+def _torch_optimizer(name: str):
+    """A torch.optim optimizer class by its name, as DeepSpeed builds any type it does not implement itself."""
+    cls = getattr(torch.optim, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and \
+        cls is not torch.optim.Optimizer else None
 
 
 def _fused_ok(groups: list[dict]) -> bool:
@@ -140,11 +170,13 @@ def _no_own_clipping(optimizer):
 
 
 def build_scheduler(cfg: EngineConfig, optimizer, lr_scheduler: Any):
+    """The schedule passed to ``initialize`` (an object, or a callable or class given the optimizer) wins over
+    the config's, as in DeepSpeed, which uses it without a word; here a warning says the section is unused."""
     if lr_scheduler is not None:
         if cfg.scheduler.type is not None:
-            raise ConfigError("both a 'scheduler' section in the config and an lr_scheduler argument were given; "
-                              "pass one")
-        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            warnings.warn(f"lazytrain: an lr_scheduler was passed to initialize, so the config's 'scheduler' "
+                          f"({cfg.scheduler.type}) is not used, as in DeepSpeed", UserWarning, stacklevel=4)
+        if isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step")):
             return lr_scheduler(optimizer)
         return lr_scheduler
     if cfg.scheduler.type is None:

@@ -1,11 +1,15 @@
-"""DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle), same formulas.
+"""DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest), same
+formulas.
 
-Each schedule is stepped once per optimizer step. ``get_last_lr()`` before the first ``step()``
-raises an AssertionError whose text contains "need to call step" (Hugging Face Trainer relies on it).
+Each schedule is stepped once per optimizer step. As in DeepSpeed, ``get_last_lr()`` before the first
+``step()`` gives the learning rate the schedule starts from (OneCycle's raises an AssertionError whose text
+contains "need to call step", which Hugging Face Trainer reads as lr 0), and ``step()`` takes the step
+number under DeepSpeed's name for each schedule (``last_batch_iteration`` or ``batch_iteration``).
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
@@ -17,6 +21,15 @@ def _per_group(optimizer, value, name: str) -> list[float]:
             raise ValueError(f"expected {len(optimizer.param_groups)} values for {name}, got {len(value)}")
         return list(value)
     return [value] * len(optimizer.param_groups)
+
+
+def _warmup_type(warmup_type: str) -> str:
+    """DeepSpeed's reading of an unknown warmup_type: a warning, then the log warmup."""
+    if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
+        warnings.warn(f"lazytrain: unknown warmup_type {warmup_type!r} in the scheduler's params: the warmup is "
+                      f"'log', as in DeepSpeed (known: 'log', 'linear')", UserWarning, stacklevel=4)
+        return WARMUP_LOG_RATE
+    return warmup_type
 
 
 def _warmup_fraction(step: int, warmup_steps: int, warmup_type: str) -> float:
@@ -43,9 +56,10 @@ class _Schedule:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def step(self, last_batch_iteration: int | None = None) -> None:
-        if last_batch_iteration is None:
-            last_batch_iteration = self.last_batch_iteration + 1
-        self.last_batch_iteration = last_batch_iteration
+        self._advance(last_batch_iteration)
+
+    def _advance(self, iteration: int | None) -> None:
+        self.last_batch_iteration = self.last_batch_iteration + 1 if iteration is None else iteration
         self._last_lr = self._apply(self.get_lr())
 
     def get_last_lr(self) -> list[float]:
@@ -69,16 +83,14 @@ class WarmupLR(_Schedule):
         super().__init__(optimizer, last_batch_iteration)
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
-        if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
-        if warmup_max_lr is None:
-            warmup_max_lr = optimizer.param_groups[0]["lr"]
+        if warmup_max_lr is None:   # each group warms up to its own lr
+            warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_type(warmup_type)
         if last_batch_iteration == -1:
-            self._apply(self.min_lrs)   # the optimizer starts at min_lr, as in DeepSpeed
+            self._last_lr = self._apply(self.min_lrs)   # the optimizer starts at min_lr, as in DeepSpeed
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -115,16 +127,14 @@ class WarmupCosineLR(_Schedule):
         super().__init__(optimizer, last_batch_iteration)
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
-        if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_type(warmup_type)
         self.org_lrs = [group["lr"] for group in optimizer.param_groups]
         if last_batch_iteration == -1:
-            self._apply([0.0 for _ in self.org_lrs])
+            self._last_lr = self._apply([0.0 for _ in self.org_lrs])
 
     def get_lr_ratio(self) -> float:
         step = self.last_batch_iteration
@@ -218,25 +228,68 @@ class OneCycle(_Schedule):
         interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
         return [(b0 * (1 + self.decay_mom_rate * interval), b1) for b0, b1 in self.max_moms]
 
-    def step(self, last_batch_iteration=None):
-        super().step(last_batch_iteration)
+    def step(self, batch_iteration=None):
+        self._advance(batch_iteration)
+        self._apply_mom()
+
+    def load_state_dict(self, sd: dict) -> None:
+        super().load_state_dict(sd)
+        if self.last_batch_iteration >= 0:
+            self._apply_mom()   # the betas go with the lr: a resume without optimizer states keeps both
+
+    def _apply_mom(self) -> None:
         if self.cycle_momentum:
             for group, mom in zip(self.optimizer.param_groups, self.get_mom()):
                 group["betas"] = mom
 
 
+class LRRangeTest(_Schedule):
+    """The learning-rate range test: min_lr * (1 + step_rate * interval), the interval growing by one every
+    step_size steps (continuously, or in stairs), to find the largest lr that trains without diverging."""
+
+    def __init__(self, optimizer, lr_range_test_min_lr=1e-3, lr_range_test_step_size: int = 2000,
+                 lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False,
+                 last_batch_iteration: int = -1):
+        super().__init__(optimizer, last_batch_iteration)
+        if not isinstance(lr_range_test_step_size, int) or lr_range_test_step_size <= 0:   # DeepSpeed's message
+            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {lr_range_test_step_size}")
+        self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size = lr_range_test_step_size
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = lr_range_test_staircase
+        if last_batch_iteration == -1:
+            self._last_lr = self._apply(self.min_lrs)
+
+    def step(self, batch_iteration=None):
+        self._advance(batch_iteration)
+
+    def get_lr(self) -> list[float]:
+        interval = (self.last_batch_iteration + 1) / self.step_size
+        if self.staircase:
+            interval = math.floor(interval)
+        return [lr * (1 + self.step_rate * interval) for lr in self.min_lrs]
+
+
 SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "WarmupCosineLR": WarmupCosineLR,
-             "OneCycle": OneCycle}
+             "OneCycle": OneCycle, "LRRangeTest": LRRangeTest}
 
 
 def build_schedule(name: str, optimizer, params: dict):
     """A schedule from config ``scheduler: {type, params}``; unknown names and params raise naming the key."""
-    if name == "LRRangeTest":
-        raise ValueError("config 'scheduler.type' \"LRRangeTest\" is not supported by LazyTrain; use WarmupLR, "
-                         "WarmupDecayLR, WarmupCosineLR or OneCycle")
-    if name not in SCHEDULES:
-        raise ValueError(f"config 'scheduler.type' {name!r} is unknown (known: {', '.join(SCHEDULES)})")
+    cls = SCHEDULES.get(name) or _torch_schedule(name)
+    if cls is None:
+        raise ValueError(f"config 'scheduler.type' {name!r} is unknown (known: {', '.join(SCHEDULES)}, or any "
+                         f"torch.optim.lr_scheduler class by its name)")
     try:
-        return SCHEDULES[name](optimizer, **params)
+        return cls(optimizer, **params)
     except (TypeError, ValueError) as e:   # named by where it is set in the config
         raise ValueError(f"config 'scheduler.params' for {name}: {e}") from None
+
+
+def _torch_schedule(name: str):
+    """A torch.optim.lr_scheduler class by its name, as DeepSpeed builds a type it does not implement itself."""
+    import torch
+
+    cls = getattr(torch.optim.lr_scheduler, name, None)
+    base = torch.optim.lr_scheduler.LRScheduler
+    return cls if isinstance(cls, type) and issubclass(cls, base) and cls is not base else None
