@@ -7,7 +7,7 @@ Importing ``lazytrain`` loads nothing heavy; torch is imported with the engine, 
 """
 __version__ = "0.1.0"
 __all__ = ["initialize", "replace_deepspeed", "restore_deepspeed", "init_distributed", "CollectiveError", "register_tier", "CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError",
-           "StepFailedError", "__version__"]
+           "StepFailedError", "LossScaleAtMinimumError", "__version__"]
 _CHECKPOINT_ERRORS = ("CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError")
 
 
@@ -30,4 +30,7 @@ def __getattr__(name):
     if name == "StepFailedError":
         from .engine.engine import StepFailedError
         return StepFailedError
+    if name == "LossScaleAtMinimumError":
+        from .engine.precision import LossScaleAtMinimumError
+        return LossScaleAtMinimumError
     raise AttributeError(f"module 'lazytrain' has no attribute {name!r}")

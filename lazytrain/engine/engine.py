@@ -45,7 +45,7 @@ from .weight_stream import WeightStream
 from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
 from .placement import (build_plan, build_tiers, card_memory, non_block_state_home, plan_from_measurements,
                         resolve_device)
-from .precision import LossScaler, Masters
+from .precision import LossScaleAtMinimumError, LossScaler, Masters
 from .weights import LayerWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -821,7 +821,12 @@ class LazyTrainEngine(nn.Module):
             self.skipped_steps += 1
             if self.loss_scaler is not None:
                 old = self.loss_scaler.scale
-                self.loss_scaler.update(overflow=True)
+                try:
+                    self.loss_scaler.update(overflow=True)
+                except LossScaleAtMinimumError:
+                    self.zero_grad()   # the step is skipped, as every overflow's, before the run is stopped
+                    self._scaled_backward = False
+                    raise
                 if self.global_rank == 0:
                     print(f"[lazytrain] fp16 overflow at step {self.global_steps}: skipped, loss scale "
                           f"{old:g} -> {self.loss_scaler.scale:g}")

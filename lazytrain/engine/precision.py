@@ -275,8 +275,15 @@ class MasterGradSink:
         self._staging = None
 
 
+class LossScaleAtMinimumError(RuntimeError):
+    """fp16 gradients overflow at ``min_loss_scale``: no smaller scale is left to try, so the run stops (as
+    DeepSpeed's does) rather than skip every step from here on without a word."""
+
+
 class LossScaler:
-    """fp16 loss scale: static (``loss_scale`` > 0) or dynamic with DeepSpeed's window and hysteresis."""
+    """fp16 loss scale: static (``loss_scale`` > 0) or dynamic with DeepSpeed 0.19's window and hysteresis
+    (the scale doubles after ``scale_window`` overflow-free steps counted from the step after an overflow,
+    or from the start)."""
 
     def __init__(self, static_scale: float = 0.0, initial_scale_power: int = 16, scale_window: int = 1000,
                  hysteresis: int = 2, consecutive_hysteresis: bool = False, min_scale: float = 1.0):
@@ -293,6 +300,11 @@ class LossScaler:
             return
         if overflow:
             if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                if self.scale == self.min_scale:   # DeepSpeed's text, then what to do about it
+                    raise LossScaleAtMinimumError(
+                        f"Current loss scale already at minimum - cannot decrease scale anymore. Exiting run. "
+                        f"(fp16: the gradients overflow even at fp16.min_loss_scale = {self.min_scale:g}; lower the "
+                        f"learning rate, lower min_loss_scale, or train in bf16)")
                 self.scale = max(self.scale / 2, self.min_scale)
             else:
                 self.cur_hysteresis -= 1
@@ -300,7 +312,8 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable = self.cur_iter - self.last_overflow_iter - 1   # overflow-free steps before this one
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.hysteresis
                 self.scale *= 2

@@ -1,0 +1,58 @@
+"""fp16 dynamic loss scaling as DeepSpeed 0.19 does it: window, hysteresis, the stop at the minimum scale."""
+import random
+
+import pytest
+
+from lazytrain.engine.precision import LossScaleAtMinimumError, LossScaler
+
+
+def _scales(scaler, overflows):
+    out = []
+    for overflow in overflows:
+        scaler.update(overflow)
+        out.append(scaler.scale)
+    return out
+
+
+def test_the_scale_doubles_after_a_window_of_overflow_free_steps_not_one_step_earlier():
+    # DeepSpeed 0.19: the step that completes the window does not double yet; the next one does
+    assert _scales(LossScaler(0.0, 4, scale_window=4), [False] * 10) == [16] * 4 + [32] * 4 + [64] * 2
+    assert _scales(LossScaler(0.0, 4, scale_window=1, hysteresis=1), [False] * 3) == [16, 32, 64]
+    assert _scales(LossScaler(0.0, 4, scale_window=3, hysteresis=1), [True] + [False] * 5) == [8] * 4 + [16] * 2
+
+
+def test_an_overflow_at_the_minimum_scale_stops_the_run_as_deepspeed_does():
+    scaler = LossScaler(0.0, 1, hysteresis=1, min_scale=1.0)
+    assert _scales(scaler, [True]) == [1.0]
+    with pytest.raises(LossScaleAtMinimumError, match=r"^Current loss scale already at minimum - cannot decrease "
+                                                      r"scale anymore\. Exiting run\. \(fp16: the gradients overflow "
+                                                      r"even at fp16\.min_loss_scale = 1;"):
+        scaler.update(True)
+
+
+def test_a_static_scale_never_moves():
+    assert _scales(LossScaler(128.0), [True, False, True]) == [128.0] * 3
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_overflow_sequence_gives_deepspeeds_scales(seed, monkeypatch):
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *a, **k: 0)   # its log line asks for the rank
+    rng = random.Random(seed)
+    window, hysteresis, consecutive = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 3]), rng.random() < 0.5
+    power, minimum = rng.choice([2, 4, 6]), rng.choice([1.0, 2.0, 4.0])
+    ours = LossScaler(0.0, power, window, hysteresis, consecutive, minimum)
+    theirs = loss_scaler.DynamicLossScaler(init_scale=2.0 ** power, scale_window=window, min_scale=minimum,
+                                           delayed_shift=hysteresis, consecutive_hysteresis=consecutive)
+    p = rng.choice([0.1, 0.3, 0.6])
+    for step in range(60):
+        overflow = rng.random() < p
+        try:
+            theirs.update_scale(overflow)
+        except Exception as e:   # noqa: BLE001 - DeepSpeed raises a bare Exception at the minimum
+            with pytest.raises(LossScaleAtMinimumError) as stopped:
+                ours.update(overflow)
+            assert str(stopped.value).startswith(str(e))
+            return
+        ours.update(overflow)
+        assert (ours.scale, ours.cur_hysteresis) == (theirs.cur_scale, theirs.cur_hysteresis), f"step {step}"
