@@ -542,3 +542,59 @@ def test_settings_it_cannot_run_are_refused_wherever_they_come_from():
     with pytest.raises(ValueError, match=r"amsgrad=True \(set in the checkpoint's parameter group\)"):
         fresh.load_state_dict(torch_opt.state_dict())
     assert not fresh.state                                        # nothing was loaded
+
+
+# ---------------------------------------------------------------- non-finite moments in 8-bit blocks
+def _huge_and_nan_grads(params, step, poison):
+    set_grads(params, step)
+    if step == 0:
+        params[0].grad[0, 0] = poison
+
+
+@pytest.mark.parametrize("poison", [2e19, float("nan")])   # 2e19: finite, but its square overflows fp32
+@pytest.mark.parametrize("scalar", [False, True])
+def test_one_non_finite_moment_leaves_its_block_finite_on_the_kernel_and_torch_paths_alike(k, monkeypatch, poison,
+                                                                                           scalar):
+    """An overflowed moment made its block's absmax inf: every weight of the block NaN after the next step
+    (0 * inf), where torch AdamW keeps the others finite; and the kernel's absmax skipped a NaN that the
+    torch path's kept. Both now clamp to finite moments and skip NaN, with the same codes."""
+    if scalar and not k.has_avx2:
+        pytest.skip("no AVX2 build: the kernel runs its scalar loop anyway")
+    pa, pb, pc = make_params(), make_params(), make_params()
+    kw = dict(lr=1e-3, optimizer_states="8bit", min_8bit_size=0, check_finite=False)
+    oa, ob, oc = HybridAdamW(pa, **kw), HybridAdamW(pb, **kw), torch.optim.AdamW(pc, lr=1e-3, weight_decay=0.0)
+    k.set_force_scalar(scalar)
+    try:
+        for step in range(3):
+            _huge_and_nan_grads(pa, step, poison)
+            oa.step()
+    finally:
+        k.set_force_scalar(False)
+    with monkeypatch.context() as m:
+        m.setattr(H, "cpu_kernels", lambda: None)
+        for step in range(3):
+            _huge_and_nan_grads(pb, step, poison)
+            ob.step()
+    for step in range(3):
+        _huge_and_nan_grads(pc, step, poison)
+        oc.step()
+    torch_bad = int((~torch.isfinite(pc[0])).sum())
+    assert torch_bad == (0 if poison == 2e19 else 1)   # NaN: the poisoned weight alone, as torch's
+    for a, b in zip(pa, pb):
+        assert int((~torch.isfinite(a)).sum()) == int((~torch.isfinite(b)).sum()) == (torch_bad if a is pa[0] else 0)
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    states_equal(oa, pa, ob, pb)
+    assert "absmax1" in oa.state[pa[0]]   # the poisoned tensor has 8-bit states
+    assert all(bool(torch.isfinite(oa.state[p][key]).all()) for p in pa for key in ("absmax1", "absmax2")
+               if key in oa.state[p])
+
+
+def test_quantize_blockwise_refuses_non_finite_values():
+    from lazytrain.optim.quantization import quantize_blockwise
+    for bad in (float("inf"), float("nan")):
+        x = torch.zeros(300)
+        x[7] = bad
+        for use_kernel in (True, False):
+            with pytest.raises(ValueError, match="quantize_blockwise quantizes finite values only; the tensor holds "
+                                                 "inf or NaN"):
+                quantize_blockwise(x, use_kernel=use_kernel)

@@ -567,13 +567,20 @@ def _adam_math(h, pf: torch.Tensor, gf: torch.Tensor, m: torch.Tensor, v: torch.
 
 
 def _requant(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise codes and absmax of moments, clamped to finite values first: one overflowed moment (a
+    gradient whose square overflows fp32) would make its block's absmax inf and every value in the block NaN
+    once dequantized (0 * inf); clamped, its own update stays about 0 as AdamW's, and the block stays finite.
+    A NaN moment is not its block's absmax and encodes as +-absmax, as in the kernel."""
+    x = x.clamp(-_FP32_MAX, _FP32_MAX)   # a NaN stays NaN
     n = x.numel()
     nb = num_blocks(n, bs)
     xb = torch.nn.functional.pad(x, (0, nb * bs - n)).view(nb, bs)
-    absmax = xb.abs().amax(dim=1)
+    absmax = xb.abs().nan_to_num(nan=0.0).amax(dim=1)   # as the kernel's: a NaN is not the block's max
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     return encode(xb * scale[:, None], qmap).reshape(-1)[:n], absmax
 
+
+_FP32_MAX = torch.finfo(torch.float32).max
 
 #: elements converted at a time between fp32 and 8-bit moments (the temporaries of a few blocks, not of a
 #: whole embedding)

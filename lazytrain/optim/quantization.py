@@ -302,6 +302,8 @@ def quantize_blockwise(A: torch.Tensor, qmap: Union[None, str, QuantMap] = None,
     flat = A.detach().reshape(-1)
     if not qm.signed and n and bool((flat < 0).any()):
         raise ValueError(f"the unsigned map {qm.name!r} quantizes non-negative values only")
+    if n and not bool(torch.isfinite(flat).all()):   # inf makes the block's scale 0 and its values NaN
+        raise ValueError("quantize_blockwise quantizes finite values only; the tensor holds inf or NaN")
     if use_kernel and A.device.type == "cpu":
         from .kernels import cpu_kernels
         k = cpu_kernels()

@@ -13,6 +13,7 @@
 // lazytrain/optim/quantization.py, which builds the table). The AVX2 path and the scalar path compute
 // the same operations in the same order (compiled with -ffp-contract=off), so they agree bit for bit.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -228,7 +229,7 @@ inline float absmax_of(const float* x, int64_t len) {
   if (!g_force_scalar) {
     __m256 vm = _mm256_setzero_ps();
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (; j + 8 <= len; j += 8) vm = _mm256_max_ps(vm, _mm256_and_ps(_mm256_loadu_ps(x + j), absmask));
+    for (; j + 8 <= len; j += 8) vm = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), absmask), vm);
     mx = hmax8(vm);
   }
 #endif
@@ -256,18 +257,21 @@ void adam8bit_impl(const Hyper& h, float* p, const void* g, uint8_t* c1, uint8_t
         const __m256 va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2);
         const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
         __m256 vm1 = _mm256_setzero_ps(), vm2 = _mm256_setzero_ps();
+        const __m256 vfmax = _mm256_set1_ps(FLT_MAX), vfmin = _mm256_set1_ps(-FLT_MAX);
         for (; j + 8 <= len; j += 8) {
           const int64_t i = s + j;
           __m256 m = dequant8(c1 + i, q1, va1);
           __m256 v = dequant8(c2 + i, q2, va2);
           __m256 pp = _mm256_loadu_ps(p + i);
           adam8<ADAMW>(h, pp, load_g8<GT>(g, i), m, v);
+          m = _mm256_min_ps(vfmax, _mm256_max_ps(vfmin, m));   // finite moments (a NaN stays NaN)
+          v = _mm256_min_ps(vfmax, v);
           _mm256_storeu_ps(p + i, pp);
           store_copy8<CT>(copy, i, pp);
           _mm256_store_ps(mbuf + j, m);
           _mm256_store_ps(vbuf + j, v);
-          vm1 = _mm256_max_ps(vm1, _mm256_and_ps(m, absmask));
-          vm2 = _mm256_max_ps(vm2, _mm256_and_ps(v, absmask));
+          vm1 = _mm256_max_ps(_mm256_and_ps(m, absmask), vm1);   // a NaN lane yields vm1: NaN is not a max
+          vm2 = _mm256_max_ps(_mm256_and_ps(v, absmask), vm2);
         }
         mx1 = hmax8(vm1);
         mx2 = hmax8(vm2);
@@ -277,6 +281,8 @@ void adam8bit_impl(const Hyper& h, float* p, const void* g, uint8_t* c1, uint8_t
         const int64_t i = s + j;
         float m = q1[c1[i]] * a1, v = q2[c2[i]] * a2, pp = p[i];
         adam_scalar<ADAMW>(h, pp, load_g<GT>(g, i), m, v);
+        m = std::min(std::max(m, -FLT_MAX), FLT_MAX);   // finite moments (a NaN stays NaN)
+        v = std::min(v, FLT_MAX);
         p[i] = pp;
         store_copy<CT>(copy, i, pp);
         mbuf[j] = m;
