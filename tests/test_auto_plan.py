@@ -210,6 +210,12 @@ def test_a_saved_profile_plans_at_start_up_as_lazytrain_plan_does(measured, tmp_
     assert main(["plan", "--profile", path, "--time-limit", "5", "--json", str(out)]) == 0
     assert "lazytrain (milp)" in capsys.readouterr().out
     assert Plan.from_json(str(out)).homes == offline.homes
+    measured_at = MachineProfile.from_json(path)
+    assert measured_at.seq_len != 1024   # an explicit --seq 1024 (the default without a profile) is still checked
+    assert main(["plan", "--profile", path, "--seq", "1024"]) == 2
+    assert f"--profile was measured at sequence length {measured_at.seq_len}, not 1024" in capsys.readouterr().err
+    assert main(["plan", "--profile", path, "--micro-batch", "abc"]) == 2
+    assert "--micro-batch must be a whole number or 'auto', got 'abc'" in capsys.readouterr().err
 
 
 

@@ -319,6 +319,15 @@ def test_measured_costs_replace_the_flop_based_terms():
     assert simulate(p, plan).step_time_s == pytest.approx(expected, rel=1e-9)
 
 
+def test_a_measured_diff_below_its_forward_gives_a_backward_of_zero_not_a_negative_one():
+    """diff_s includes a forward; measured below fwd_s (a forward slowed by a wait), it planned a negative
+    backward that shortened the layer's window."""
+    c = MeasuredCosts(fwd_s=(1.0, 2.0, 3.0), diff_s=(4.0, 0.5, 6.0), nonlayer_s=0.5, step_s=0.25,
+                      update_s=(0.125, 0.125, 0.25))
+    p = _problem(c)
+    assert p.diff_s == [4.0, 2.0, 6.0] and p.bwd_s(1) == 0.0
+
+
 def test_measured_costs_put_the_gradients_the_engine_copies_beside_its_windows_on_the_link():
     """A profile from an engine whose embedding and head have host masters records what their gradients
     send each micro-batch; the planner puts them on the link as the analytic model does (the head's in the
@@ -379,7 +388,7 @@ def test_measured_selective_costs_are_read_from_traces_and_replace_the_assumed_s
 
 def test_selective_times_of_layers_not_measured_are_their_kinds_relative_to_their_own_forward():
     from lazytrain.planner.measured import with_selective
-    c = MeasuredCosts(fwd_s=(1.0, 2.0, 4.0, 8.0), diff_s=(3.0,) * 4, nonlayer_s=0.5, step_s=0.25,
+    c = MeasuredCosts(fwd_s=(1.0, 2.0, 4.0, 8.0), diff_s=(24.0,) * 4, nonlayer_s=0.5, step_s=0.25,
                       update_s=(0.1,) * 4)
     spans = [("compute", "fwd L0", 0, 1.5), ("compute", "diff L0", 2, 2.5),   # kind "a": 1.5x and 0.5x
              ("compute", "fwd L1", 3, 6), ("compute", "diff L1", 6, 8)]       # kind "b": 1.5x and 1.0x

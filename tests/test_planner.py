@@ -733,7 +733,7 @@ def test_a_rank_holding_a_share_of_the_optimizer_state_is_budgeted_for_that_shar
     moments = whole.host_bytes_per_param - weights_and_grads
     assert quarter.host_bytes_per_param == pytest.approx(weights_and_grads + moments / 4)
     assert quarter.host_act_budget > whole.host_act_budget
-    with pytest.raises(ValueError, match=r"optimizer_state_share must be in \(0, 1\], got 0"):
+    with pytest.raises(ValueError, match=r"Budgets field 'optimizer_state_share' must be a fraction in \(0, 1\], got 0"):
         make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", optimizer_state_share=0))
 
 
@@ -745,7 +745,7 @@ def test_a_rank_holding_shares_of_the_weights_and_gradients_is_budgeted_for_them
         gpu="70GB", host="400GB", optimizer_state_share=0.25, master_share=0.25, gradient_share=0.25,
         weights_copy_share=0.25))
     assert shared.host_bytes_per_param == pytest.approx(whole.host_bytes_per_param / 4)
-    with pytest.raises(ValueError, match=r"weights_copy_share must be in \(0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"Budgets field 'weights_copy_share' must be a fraction in \(0, 1\], got 1.5"):
         make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", weights_copy_share=1.5))
 
 
@@ -825,6 +825,71 @@ def test_non_block_state_on_the_device_takes_gpu_memory_and_crosses_no_link():
     host32, dev32 = (Problem(model=fp32, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
                              budgets=Budgets.of(gpu="70GB", non_block_state=where)) for where in ("host", "device"))
     assert dev32.gpu_static - host32.gpu_static == 8 * n   # the parameter is its own master: its moments only
-    with pytest.raises(ValueError, match="non_block_state must be 'host' or 'device', got 'gpu'"):
-        Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
-                budgets=Budgets.of(gpu="70GB", non_block_state="gpu"))
+
+
+# ---- inputs refused by name before they reach the solver or a Plan --------------------------------------
+@pytest.mark.parametrize("field, value, message", [
+    ("h2d_gbps", 1e-16, "hardware profile field 'h2d_gbps' must be 0 (unknown) or between 1e-06 and 1e+09 "
+                        "(GB/s, TFLOPS or Gparams/s), got 1e-16"),
+    ("achievable_tflops", float("nan"), "hardware profile field 'achievable_tflops' must be a finite number >= 0, "
+                                        "got nan"),
+    ("gpu_mem_bytes", float("nan"), "hardware profile field 'gpu_mem_bytes' must be a byte count between 0 and "
+                                    "2**60 (1 EiB), got nan"),
+    ("name", 3, "hardware profile field 'name' must be a string, got 3"),
+])
+def test_a_hardware_profile_built_in_python_is_checked_as_a_json_one(field, value, message):
+    with pytest.raises(HardwareError) as e:
+        dataclasses.replace(CATALOG["h800"], **{field: value})
+    assert str(e.value) == message
+
+
+def test_a_hardware_argument_that_is_no_name_or_file_is_named(tmp_path):
+    with pytest.raises(HardwareError, match="hardware must be a catalog name, a JSON file path, a dict or a "
+                                            "HardwareProfile, got int"):
+        load_profile(3)
+    with pytest.raises(HardwareError, match=r"hardware profile file '.*' cannot be read: \[Errno 21\] Is a directory"):
+        load_profile(str(tmp_path) + "/")
+    upper = tmp_path / "H800.JSON"
+    upper.write_text(json.dumps({"name": "up", "h2d_gbps": 20.0}))
+    assert load_profile(str(upper)).h2d_gbps == 20.0 and load_profile("H800.JSON".lower().replace(".json", "")).name
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("gpu_reserved_bytes", -1e10, "Budgets field 'gpu_reserved_bytes' must be a number of bytes >= 0, got -10000000000.0"),
+    ("loss_chunk_tokens", 0, "Budgets field 'loss_chunk_tokens' must be a whole number of tokens >= 1, got 0"),
+    ("hybrid_8bit_fraction", 2.0, "Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got 2.0"),
+    ("hybrid_8bit_fraction", float("nan"), "Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got nan"),
+    ("master_share", 0, "Budgets field 'master_share' must be a fraction in (0, 1], got 0"),
+    ("lean_norms", "no", "Budgets field 'lean_norms' must be true or false, got 'no'"),
+    ("non_block_state", "gpu", "Budgets field 'non_block_state' must be \"host\" or \"device\", got 'gpu'"),
+])
+def test_budgets_that_would_skew_the_memory_accounts_are_refused_by_field(field, value, message):
+    with pytest.raises(ValueError) as e:
+        Budgets(**{field: value})
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"micro_batch": 2.7}, "micro_batch must be a positive integer or None (search), got 2.7"),
+    ({"micro_batch": 4, "global_batch": 0}, "global_batch must be a positive integer, got 0"),
+    ({"micro_batch": 4, "global_batch": "8"}, "global_batch must be a positive integer, got '8'"),
+    ({"micro_batch": 4, "seq_len": 512.5}, "seq_len must be an integer >= 1, got 512.5"),
+    ({"micro_batch": 4, "time_limit_s": float("nan")}, "time_limit_s must be a finite number of seconds > 0, got nan"),
+])
+def test_plan_for_refuses_numbers_a_plan_cannot_hold(kw, message):
+    with pytest.raises(ValueError) as e:
+        plan_for(toy_model(4), TOY_HW, **kw)
+    assert str(e.value) == message
+
+
+def test_a_plan_holds_whole_numbers_only():
+    with pytest.raises(PlanError, match=r"seq_len must be an integer >= 1 or None, got -3"):
+        dataclasses.replace(every_k_plan(4, 2), seq_len=-3).validate()
+    with pytest.raises(PlanError, match=r"micro_batch_size must be an integer >= 1 or None, got 2.5"):
+        dataclasses.replace(every_k_plan(4, 2), micro_batch_size=2.5).validate()
+
+
+def test_lazytrain_plan_names_a_hardware_path_that_is_a_directory(tmp_path, capsys):
+    from lazytrain.cli import main
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", str(tmp_path) + "/"]) == 2
+    assert f"hardware profile file '{tmp_path}/' cannot be read: [Errno 21] Is a directory" in capsys.readouterr().err

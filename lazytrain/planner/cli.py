@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--global-batch", type=positive(int), default=None,
                    help="samples per optimizer step to keep fixed (a config's train_batch_size per GPU): "
                         "gradient accumulation fills it, and 'auto' tries only micro-batches dividing it")
-    p.add_argument("--seq", type=positive(int), default=1024, help="sequence length (default 1024)")
+    p.add_argument("--seq", type=positive(int), default=None,
+                   help="sequence length (default 1024; with --profile, the profile's)")
     p.add_argument("--gpu-mem", default=None, help="GPU memory cap, e.g. 70GB (default: the card's size)")
     p.add_argument("--host-mem", default=None, help="host memory budget (default: the profile's host memory)")
     p.add_argument("--nvme", default="0", help="NVMe budget for activations (default 0: no NVMe)")
@@ -77,25 +78,21 @@ def run(args: argparse.Namespace) -> int:
             p = None
             model = load_model(args.model)
             hw = load_profile(args.hardware, base=args.base)
+        seq = args.seq if args.seq is not None else 1024
         if p is not None:
             pass
-        elif str(args.micro_batch).lower() == "auto":
-            best, trials = search_micro_batch(model, hw, budgets, args.seq, opts, global_batch=args.global_batch)
+        elif _micro_batch(args.micro_batch) == "auto":
+            best, trials = search_micro_batch(model, hw, budgets, seq, opts, global_batch=args.global_batch)
             print("micro-batch search: " + ", ".join(
                 f"{t.micro_batch}: " + (f"{t.tokens_per_s:.0f} tok/s" if t.tokens_per_s else t.status) for t in trials))
             mb = best.micro_batch_size
         else:
-            try:
-                best, mb = None, int(args.micro_batch)
-            except ValueError:
-                raise ValueError(f"--micro-batch must be a whole number or 'auto', got {args.micro_batch!r}") from None
-            if mb < 1:
-                raise ValueError(f"--micro-batch must be at least 1, got {mb}")
+            best, mb = None, _micro_batch(args.micro_batch)
         if p is None:
             if args.global_batch is not None and args.global_batch % mb:
                 raise ValueError(f"--micro-batch {mb} does not divide --global-batch {args.global_batch}")
             accum = args.global_batch // mb if args.global_batch else 1
-            p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=mb, seq_len=args.seq,
+            p = Problem(model=model, hardware=hw, budgets=budgets, micro_batch=mb, seq_len=seq,
                         grad_accum=accum)
         mb = p.micro_batch
         rows = compare(p, opts, plan=best)
@@ -125,6 +122,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _micro_batch(text: str) -> "int | str":
+    """``--micro-batch``: "auto" or a whole number >= 1, refused by the flag's name otherwise."""
+    if str(text).lower() == "auto":
+        return "auto"
+    try:
+        mb = int(text)
+    except ValueError:
+        raise ValueError(f"--micro-batch must be a whole number or 'auto', got {text!r}") from None
+    if mb < 1:
+        raise ValueError(f"--micro-batch must be at least 1, got {mb}")
+    return mb
+
+
 def _profile_problem(args: argparse.Namespace, budgets):
     """The problem of a measured profile; the flags that the profile fixes must agree with it."""
     from .measured import MachineProfile
@@ -132,10 +142,11 @@ def _profile_problem(args: argparse.Namespace, budgets):
     profile = MachineProfile.from_json(args.profile)
     if args.model is not None:
         raise ValueError("--profile gives the model it measured: leave --model out")
-    if str(args.micro_batch).lower() != "auto" and int(args.micro_batch) != profile.micro_batch:
-        raise ValueError(f"--profile was measured at micro-batch {profile.micro_batch}, not {args.micro_batch}: "
+    mb = _micro_batch(args.micro_batch)
+    if mb != "auto" and mb != profile.micro_batch:
+        raise ValueError(f"--profile was measured at micro-batch {profile.micro_batch}, not {mb}: "
                          f"measure again at that micro-batch")
-    if args.seq != 1024 and args.seq != profile.seq_len:
+    if args.seq is not None and args.seq != profile.seq_len:
         raise ValueError(f"--profile was measured at sequence length {profile.seq_len}, not {args.seq}")
     hardware = None
     if args.hardware is not None:

@@ -29,6 +29,7 @@ from .models import read_json
 GB = 1e9
 GiB = 2 ** 30
 MAX_BYTES = 2 ** 60   # a memory size beyond this is a typo, and would break the solver's numerics
+MIN_RATE, MAX_RATE = 1e-6, 1e9   # GB/s, TFLOPS, Gparams/s: outside, a unit slip (and times HiGHS cannot hold)
 
 
 class HardwareError(ValueError):
@@ -49,6 +50,28 @@ class HardwareProfile:
     gpu_mem_bytes: int | None = None
     host_mem_bytes: int | None = None
 
+    def __post_init__(self):
+        """Every field checked however the profile is made (a JSON file, the constructor, ``replace``): a NaN,
+        a negative or an absurdly small rate would otherwise reach the solver and fail deep inside it."""
+        if not isinstance(self.name, str):
+            raise HardwareError(f"hardware profile field 'name' must be a string, got {self.name!r}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "name" or v is None:
+                continue
+            if f.name.endswith("_bytes"):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_BYTES:
+                    raise HardwareError(f"hardware profile field {f.name!r} must be a byte count between 0 and "
+                                        f"2**60 (1 EiB), got {v!r}")
+                object.__setattr__(self, f.name, int(v))
+            else:
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                    raise HardwareError(f"hardware profile field {f.name!r} must be a finite number >= 0, got {v!r}")
+                if 0 < v < MIN_RATE or v > MAX_RATE:   # a unit slip: step times the solver cannot hold
+                    raise HardwareError(f"hardware profile field {f.name!r} must be 0 (unknown) or between "
+                                        f"{MIN_RATE:g} and {MAX_RATE:g} (GB/s, TFLOPS or Gparams/s), got {v!r}")
+                object.__setattr__(self, f.name, float(v))
+
     # ---- accessors that insist on a value -----------------------------------------------
     def need(self, field_name: str) -> float:
         value = getattr(self, field_name)
@@ -57,7 +80,7 @@ class HardwareProfile:
                 f"hardware profile {self.name!r} has no value for {field_name!r}, which the plan needs; "
                 f"measure it with `lazytrain bench tiers` or fill it from a catalog entry "
                 f"(`lazytrain plan --hardware FILE.json --base h800`)")
-        if value <= 0:
+        if not value > 0:
             raise HardwareError(f"hardware profile {self.name!r}: {field_name!r} must be > 0, got {value!r}")
         return value
 
@@ -117,24 +140,7 @@ class HardwareProfile:
         if unknown:
             raise HardwareError(f"unknown hardware profile field(s): {', '.join(unknown)} "
                                 f"(known: {', '.join(sorted(known))})")
-        kw: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in d or d[f.name] is None:
-                continue
-            v = d[f.name]
-            if f.name == "name":
-                if not isinstance(v, str):
-                    raise HardwareError(f"hardware profile field 'name' must be a string, got {v!r}")
-            elif f.name.endswith("_bytes"):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_BYTES:
-                    raise HardwareError(f"hardware profile field {f.name!r} must be a byte count between 0 and "
-                                        f"2**60 (1 EiB), got {v!r}")
-                v = int(v)
-            else:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                    raise HardwareError(f"hardware profile field {f.name!r} must be a finite number >= 0, got {v!r}")
-                v = float(v)
-            kw[f.name] = v
+        kw = {name: v for name, v in d.items() if v is not None}   # checked by __post_init__
         kw.setdefault("name", "unnamed")
         return cls(**kw)
 
@@ -197,9 +203,12 @@ def load_profile(name_or_path: str | dict | HardwareProfile, base: str | None = 
         prof = name_or_path
     elif isinstance(name_or_path, dict):
         prof = HardwareProfile.from_dict(name_or_path)
+    elif not isinstance(name_or_path, str):
+        raise HardwareError(f"hardware must be a catalog name, a JSON file path, a dict or a HardwareProfile, "
+                            f"got {type(name_or_path).__name__}")
     elif name_or_path.lower() in CATALOG:
         prof = CATALOG[name_or_path.lower()]
-    elif name_or_path.endswith(".json") or "/" in name_or_path:
+    elif name_or_path.lower().endswith(".json") or "/" in name_or_path:
         prof = HardwareProfile.from_dict(read_json(name_or_path, HardwareError, "hardware profile"))
     else:
         prof = catalog_profile(name_or_path)

@@ -68,7 +68,8 @@ DENSE_ROWS_UP_TO = 128
 
 @dataclass(frozen=True)
 class MilpOptions:
-    time_limit_s: float = 10.0      # the whole build_and_solve call, building included
+    time_limit_s: float = 10.0      # the whole build_and_solve call, building included; given a start plan,
+                                    # HiGHS may run up to 5 s past it until it has taken the start in
     max_segment: int = 8            # longest recompute segment (edge e - s)
     offload_slack: int = 4          # an offload is issued within this many windows after the boundary exists
     prefetch_lead: int = 4          # a prefetch is issued at most this many windows before its earliest use
@@ -86,6 +87,9 @@ class MilpOptions:
                                     # layers); dense: each window's row lists every term (size quadratic)
 
     def __post_init__(self):
+        t = self.time_limit_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise ValueError(f"time_limit_s must be a finite number of seconds > 0, got {t!r}")
         if not isinstance(self.internals_out_windows, int) or self.internals_out_windows < 0:
             raise ValueError(f"internals_out_windows must be an integer >= 0 (windows after an offloaded layer's own), "
                              f"got {self.internals_out_windows!r}")

@@ -36,6 +36,8 @@ def read_json(path: str, error: type[Exception], what: str) -> Any:
         raise error(f"{what} file {path!r} does not exist") from None
     except json.JSONDecodeError as e:
         raise error(f"{what} {path!r} is not valid JSON: {e}") from e
+    except (OSError, UnicodeDecodeError) as e:   # a directory, no permission, a binary file
+        raise error(f"{what} file {path!r} cannot be read: {e}") from None
 
 
 class ModelShapeError(ValueError):

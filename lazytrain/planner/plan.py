@@ -197,8 +197,10 @@ class Plan:
                                 f"so lie in 0..{g - 1}" + (f" (layers {g}..{L - 1} keep their forward graph)"
                                                            if g < L else ""))
         self._check_offloaded(g)
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise PlanError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        for name in ("micro_batch_size", "seq_len"):   # what from_json reads back: whole numbers or null
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise PlanError(f"{name} must be an integer >= 1 or None, got {v!r}")
 
     def _check_offloaded(self, g: int) -> None:
         L, off = self.num_layers, set(self.offloaded_layers)

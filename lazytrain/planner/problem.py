@@ -93,6 +93,36 @@ class Budgets:
     # the engine's lazytrain.lean_norms: each block's RMSNorms keep only their inputs for the backward
     lean_norms: bool = True
 
+    def __post_init__(self):
+        """Each field checked by name: a negative reserve or an 8-bit share of 2 would plan with memory
+        accounts that are silently wrong."""
+        def whole(name, least, optional=False):   # sizes past any machine are named by Problem, with the tier
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= least:
+                raise ValueError(f"Budgets field {name!r} must be a number of bytes >= {least}, got {v!r}")
+
+        for name in ("gpu_bytes", "host_bytes"):
+            whole(name, 0, optional=True)
+        whole("nvme_bytes", 0)
+        whole("gpu_reserved_bytes", 0)
+        v = self.loss_chunk_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"Budgets field 'loss_chunk_tokens' must be a whole number of tokens >= 1, got {v!r}")
+        v = self.hybrid_8bit_fraction
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got {v!r}")
+        for name in ("optimizer_state_share", "master_share", "gradient_share", "weights_copy_share"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"Budgets field {name!r} must be a fraction in (0, 1], got {v!r}")
+        if self.non_block_state not in ("host", "device"):
+            raise ValueError(f"Budgets field 'non_block_state' must be \"host\" or \"device\", got "
+                             f"{self.non_block_state!r}")
+        if not isinstance(self.lean_norms, bool):
+            raise ValueError(f"Budgets field 'lean_norms' must be true or false, got {self.lean_norms!r}")
+
     @classmethod
     def of(cls, gpu=None, host=None, nvme=None, **kw) -> "Budgets":
         return cls(gpu_bytes=parse_size(gpu), host_bytes=parse_size(host), nvme_bytes=parse_size(nvme) or 0, **kw)
@@ -114,12 +144,10 @@ class Problem:
     grad_accum: int = 1
 
     def __post_init__(self):
-        if self.micro_batch < 1:
-            raise ValueError(f"micro_batch must be >= 1, got {self.micro_batch}")
-        if not isinstance(self.grad_accum, int) or self.grad_accum < 1:
-            raise ValueError(f"grad_accum must be an integer >= 1, got {self.grad_accum!r}")
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        for name in ("micro_batch", "seq_len", "grad_accum"):   # whole numbers: a Plan stores them
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         hw = self.hardware
         # touch every speed the cost model needs so a missing one fails here, naming the field
         self.flops = hw.flops_per_s
@@ -183,17 +211,12 @@ class Problem:
         # holds them; with slot_slack, two of the largest layers
         self.kept_buffers = 2 * min(self.Wl)
         b = self.budgets
-        if b.non_block_state not in ("host", "device"):
-            raise ValueError(f"non_block_state must be 'host' or 'device', got {b.non_block_state!r}")
         on_device = b.non_block_state == "device"
         self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes + self.slot_slack
         if on_device:
             self.gpu_static += m.nonlayer_params * (NON_BLOCK_DEVICE_STATE_BYTES_FP32 if db == 4
                                                     else NON_BLOCK_DEVICE_STATE_BYTES)
         f8 = self.budgets.hybrid_8bit_fraction
-        for name in ("optimizer_state_share", "master_share", "gradient_share", "weights_copy_share"):
-            if not 0 < getattr(b, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(b, name)}")
         adam = b.optimizer_state_share * ((1 - f8) * 8 + f8 * (2 + 8 / 4096))   # fp32 moments / 8-bit blockwise
         # master, streamed copy, grads, moments: the parts of them this rank holds
         self.host_bytes_per_param = 4 * b.master_share + db * b.weights_copy_share + db * b.gradient_share + adam
@@ -222,7 +245,9 @@ class Problem:
         them to host masters beside its windows, are on the link as the analytic model has them."""
         if c.num_layers != self.L:
             raise ValueError(f"measured costs are for {c.num_layers} layers, the model {self.model.name!r} has {self.L}")
-        self.fwd_s, self.diff_s = list(c.fwd_s), list(c.diff_s)
+        # diff_s includes a forward; measured below fwd_s (a forward slowed by a wait, timer noise), the layer's
+        # backward is taken as 0 s, not a negative time that would shorten its window
+        self.fwd_s, self.diff_s = list(c.fwd_s), [max(d, f) for d, f in zip(c.diff_s, c.fwd_s)]
         if c.selective_rerun_s is not None:   # measured on traced selective steps (measured.with_selective)
             self.sel_rerun_s = list(c.selective_rerun_s)
         else:                                 # not measured: the same share of the measured forward
@@ -390,5 +415,5 @@ def make_problem(model, hardware, micro_batch: int, seq_len: int, budgets: Budge
                  grad_accum: int = 1) -> Problem:
     """Build a Problem from names, paths, dicts or objects (see models.load_model, hardware.load_profile)."""
     return Problem(model=load_model(model), hardware=load_profile(hardware, base=base),
-                   budgets=budgets or Budgets(), micro_batch=int(micro_batch), seq_len=int(seq_len), check=check,
-                   measured=measured, grad_accum=int(grad_accum))
+                   budgets=budgets or Budgets(), micro_batch=micro_batch, seq_len=seq_len, check=check,
+                   measured=measured, grad_accum=grad_accum)   # whole numbers, checked by Problem

@@ -143,7 +143,8 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
        optimizer, but small ones let more layers keep their forward graph (no re-run in backward), and
        close to the memory limit boundaries wait for their copies, so the curve can have two peaks.
        At most ``max_plans`` MILP solves in all; every trial is returned so callers can show the curve."""
-    if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):
         raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     trials: list[BatchTrial] = []
     plans: dict[int, Plan] = {}
@@ -260,11 +261,16 @@ def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: 
     opts = replace(options or MilpOptions(), time_limit_s=time_limit_s)
     if micro_batch is None:
         return search_micro_batch(model, hw, b, seq_len, opts, global_batch=global_batch)[0]
-    mb = int(micro_batch)
-    if global_batch is not None and global_batch % mb:
-        raise ValueError(f"micro_batch {mb} does not divide global_batch {global_batch}")
+    mb = micro_batch
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+        raise ValueError(f"micro_batch must be a positive integer or None (search), got {mb!r}")
+    if global_batch is not None:
+        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+            raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+        if global_batch % mb:
+            raise ValueError(f"micro_batch {mb} does not divide global_batch {global_batch}")
     return solve(Problem(model=model, hardware=hw, budgets=b, micro_batch=mb, seq_len=seq_len,
-                         grad_accum=global_batch // mb if global_batch else 1), opts)
+                         grad_accum=global_batch // mb if global_batch is not None else 1), opts)
 
 
 def plan_from_profile(profile, budgets: Any = None, hardware: Any = None, time_limit_s: float = 10.0,
