@@ -136,6 +136,8 @@ class LazyTrainEngine(nn.Module):
             handle.remove()
         if d.get("layer_updates") is not None:
             self.layer_updates.close()
+        if d.get("weights") is not None:
+            self.weights.close_grad_sink()
         if d.get("masters") is not None:
             self.masters.hand_back()
         if d.get("stream") is not None:
@@ -838,6 +840,7 @@ class LazyTrainEngine(nn.Module):
             factor = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) * inv_scale
             t0 = time.perf_counter()
             self._unstored_copies = None
+            self.executor.weights_changed()   # a forward taken before this step can no longer be differentiated
             try:
                 if self.layer_updates is not None:
                     self._update_overlapped(factor)
@@ -846,11 +849,14 @@ class LazyTrainEngine(nn.Module):
                 if self.masters is not None:
                     with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
                         self.masters.masters_to_params()
-            except Exception as e:
-                raise self._inconsistent(
+            except BaseException as e:   # a KeyboardInterrupt too: it leaves the same half-updated state
+                failed = self._inconsistent(
                     f"step {self.global_steps + 1} failed during the optimizer update", e,
                     "some weights and optimizer states hold the update and some do not, and the step counter, "
-                    "the learning-rate schedule and the gradients did not advance") from e
+                    "the learning-rate schedule and the gradients did not advance")
+                if isinstance(e, Exception):
+                    raise failed from e
+                raise   # as it is (Ctrl-C stops the script); the engine refuses to go on until a load
             self.last_optimizer_seconds = time.perf_counter() - t0
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
@@ -858,10 +864,13 @@ class LazyTrainEngine(nn.Module):
             if self.lr_scheduler is not None:
                 try:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
-                except Exception as e:
-                    raise self._inconsistent(
+                except BaseException as e:
+                    failed = self._inconsistent(
                         f"step {self.global_steps + 1} updated the weights, then advancing the learning-rate "
-                        f"schedule failed", e, "the step counter and the gradients did not advance") from e
+                        f"schedule failed", e, "the step counter and the gradients did not advance")
+                    if isinstance(e, Exception):
+                        raise failed from e
+                    raise
         if self.partitioned is not None:
             self.partitioned.after_step()   # the owners' weights changed: the copies held for forwards are old
         if self.layer_updates is not None and self._step_applied:
@@ -922,9 +931,11 @@ class LazyTrainEngine(nn.Module):
         if launch_event is None:   # kernels queued so far may read resident copies
             launch_event = self._compute_stream_point()
         self.stream.before_host_write(layers)
-        yield
-        for i in layers:
-            self.stream.after_host_write(i, launch_event)
+        try:
+            yield
+        finally:   # a write cut short may have changed them too: their device copies are stale either way
+            for i in layers:
+                self.stream.after_host_write(i, launch_event)
 
     def _compute_stream_point(self):
         """A CUDA event after the work queued so far on the compute stream (None on the CPU)."""
@@ -936,6 +947,7 @@ class LazyTrainEngine(nn.Module):
 
     def _refresh_streamed_layers(self) -> None:
         """After the masters were written from outside an optimizer step (a checkpoint load)."""
+        self.executor.weights_changed()
         with self._host_writes(range(self.weights.num_layers)):
             for i in range(self.weights.num_layers):
                 self.weights.refresh_compute_copy(i)

@@ -127,6 +127,8 @@ class _Pass:
     kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
     offloaded: dict = field(default_factory=dict)                        # offloaded layer -> OffloadedInternals
     released: bool = False                                               # its backward has run to block 0
+    settle_queued: bool = False                                          # its backward waits for its gradients
+    weights_epoch: int = 0                                               # the executor's, at its forward
     backward_windows: list | None = None                                 # fetched from layer graph_start's backward
                                                                          # window on (a graph tail's fetch nothing)
 
@@ -145,6 +147,7 @@ class LayerStreamingExecutor:
         self.blocks = blocks
         self.plan = plan
         self.weights = weights
+        self.weights_epoch = 0    # bumped by every write of the block weights (weights_changed)
         self.stream = stream      # the weights' trip to the device: slots, copies, prefetch order
         self.tiers = tiers
         self.device = device
@@ -376,12 +379,16 @@ class LayerStreamingExecutor:
     # ---- forward bookkeeping -------------------------------------------------------------------
     def _begin_pass(self) -> None:
         self._streaming_inference = False
-        p = _Pass(next(self.pass_ids))
+        p = _Pass(next(self.pass_ids), weights_epoch=self.weights_epoch)
         # a pass whose graph is dropped without backward (e.g. a forward under grad for evaluation)
         # frees what it still holds when it is garbage-collected
         weakref.finalize(p, _free_owned, self.tiers, p.owned)
         self._current = p
         self._start_sequence([[j] for j in range(self.L)])
+
+    def weights_changed(self) -> None:
+        """The block weights were written (a step, a load): a pass taken before cannot be differentiated."""
+        self.weights_epoch += 1
 
     def _key(self, p: _Pass, boundary: int) -> str:
         return f"pass{p.pass_id}.boundary{boundary}"
@@ -599,6 +606,16 @@ class LayerStreamingExecutor:
                                 "boundaries freed: a second backward through the same forward "
                                 "(backward(retain_graph=True), then backward again) is not supported; run the "
                                 "forward again")
+        if accumulate and self.weights.grads_in_flight and not p.settle_queued:
+            # the gradients land on a worker thread: the backward ends once they have (its final callback),
+            # so .grad read after it is the whole backward's (a failed copy is kept for the step to raise)
+            p.settle_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.weights.settle_grads)
+        if p.weights_epoch != self.weights_epoch:   # PyTorch refuses it too (a variable modified in place)
+            raise ExecutorError(f"block {layer}'s weights changed (an optimizer step or a load) between this forward "
+                                f"and its backward: the backward would re-run the blocks with the new weights "
+                                f"against boundaries the old ones made. Differentiate a forward before step(), or "
+                                f"run it again after")
         self._enter_window(p, 2 * self.L - 1 - layer)
         if layer == self.graph_start and p.backward_windows is not None:
             windows, p.backward_windows = p.backward_windows, None

@@ -298,6 +298,24 @@ class LayerWeights:
         if self._grad_sink is not None:
             self._grad_sink.flush(discard)
 
+    def settle_grads(self) -> None:
+        """Every gradient in flight landed or failed (a failure is kept for the next flush): at the end of a
+        backward, so that the block parameters' ``.grad`` read after it hold the whole backward's gradients."""
+        if self._grad_sink is not None:
+            self._grad_sink.settle()
+
+    @property
+    def grads_in_flight(self) -> bool:
+        """Gradients leave the device through the sink: they land after the backward that made them."""
+        return self._grad_sink is not None
+
+    def close_grad_sink(self) -> None:
+        """Before the model is handed back: every add landed (or failed) and the sink's thread stopped, so no
+        ``.grad`` of the handed-back parameters changes afterwards."""
+        if self._grad_sink is not None:
+            self._grad_sink.close()
+            self._grad_sink = None
+
     def grad_views(self, i: int) -> dict[nn.Parameter, torch.Tensor]:
         """{trainable parameter of layer i: its view in the layer's flat fp32 gradient buffer}; empty for a
         layer whose gradients another rank holds, or whose fp32 weights it does (its parameters are then
@@ -389,3 +407,16 @@ class _GradientSink:
             self.failure = None
         elif self.failure is not None:
             raise self.failure
+
+    def settle(self) -> None:
+        """Every submitted add done; a failure to land is kept as a failed copy is, for the next flush."""
+        while self.pending:
+            try:
+                self.pending.popleft().result()
+            except BaseException as e:   # noqa: BLE001 - raised by the flush that takes the gradients
+                if self.failure is None:
+                    self.failure = e
+
+    def close(self) -> None:
+        self.settle()
+        self.pool.shutdown(wait=True)
