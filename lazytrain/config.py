@@ -198,6 +198,26 @@ def _number(section: dict, key: str, default, where: str, integer: bool = False,
     return value
 
 
+_OFFLOAD_IGNORED = {"buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write", "fast_init",
+                    "ratio", "pipeline", "super_offload", "cpuadam_cores_perc"}
+
+
+def _drop_ignored_auto(d: dict) -> None:
+    """"auto" left in a ZeRO tuning key LazyTrain ignores (TRL copies the config before Trainer fills them):
+    dropped, as DeepSpeed's config models drop "auto" and take their defaults. Where LazyTrain uses the value,
+    "auto" stays an error (_check_no_auto)."""
+    zero = d.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    for key in [k for k in zero if k in _ZERO_UNIMPLEMENTED and zero[k] == "auto"]:
+        del zero[key]
+    for name in ("offload_param", "offload_optimizer"):
+        section = zero.get(name)
+        if isinstance(section, dict):
+            for key in [k for k in section if k in _OFFLOAD_IGNORED and section[k] == "auto"]:
+                del section[key]
+
+
 def _check_no_auto(d: Any, path: str) -> None:
     if isinstance(d, dict):
         for k, v in d.items():
@@ -455,6 +475,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     d = load_config_source(config)
     if not isinstance(d, dict):
         raise ConfigError(f"config must be a JSON object, got {type(d).__name__}")
+    _drop_ignored_auto(d)
     _check_no_auto({k: v for k, v in d.items() if k not in ("lazytrain", "job")}, "")
     seen = _Ignored()
     for key in d:
@@ -639,8 +660,7 @@ def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadC
         raise ConfigError(f"config key '{name}.device' must be \"none\", \"cpu\" or \"nvme\", got {device!r}")
     if device == "nvme" and not section.get("nvme_path"):
         raise ConfigError(f"config key '{name}.nvme_path' is required when '{name}.device' is \"nvme\"")
-    for key in ("buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write", "fast_init",
-                "ratio", "pipeline", "super_offload", "cpuadam_cores_perc"):
+    for key in sorted(_OFFLOAD_IGNORED):
         if key in section:
             seen.note(f"{name}.{key}", f"'{name}.{key}' is ignored: LazyTrain derives buffer sizes and "
                                        f"counts from the model and the plan.")

@@ -634,3 +634,26 @@ def test_optimizers_lazytrain_does_not_build_are_refused_by_name(typ, message):
 def test_a_bad_parameter_of_a_torch_optimizer_is_named_with_its_section():
     with pytest.raises(ConfigError, match=r"config 'optimizer.params' for RMSprop: .*'betas'"):
         _one_step_with({"type": "RMSprop", "params": {"lr": 0.1, "betas": [0.9, 0.99]}})
+
+
+def test_auto_left_in_zero_tuning_keys_lazytrain_ignores_is_dropped_as_deepspeed_drops_it():
+    """TRL's reference model copies the config before Trainer fills its "auto" values: DeepSpeed's models
+    drop "auto" and take their defaults; where LazyTrain uses the value, "auto" stays an error."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # and nothing to say about keys left at "auto"
+        cfg = parse_config({"train_batch_size": 2, "zero_optimization": {
+            "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto", "offload_param": {"device": "cpu", "buffer_size": "auto"}}})
+    assert cfg.zero_stage == 3 and "reduce_bucket_size" not in cfg.raw["zero_optimization"]
+    with pytest.raises(ConfigError, match="config key 'zero_optimization.stage' is \"auto\""):
+        parse_config({"train_batch_size": 2, "zero_optimization": {"stage": "auto"}})
+
+
+def test_a_config_schedule_without_an_optimizer_is_not_built_as_deepspeed_does():
+    """An evaluation run (Trainer's evaluate() before train(), under the stock ZeRO-3 config) keeps the
+    config's scheduler section and drops its optimizer: DeepSpeed evaluates, and so does LazyTrain."""
+    engine, optimizer, _, scheduler = lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_batch_size": 2, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}})
+    assert optimizer is None and scheduler is None and engine.lr_scheduler is None
+    with torch.no_grad():
+        assert engine(torch.ones(1, 2)).shape == (1, 2)

@@ -243,6 +243,9 @@ class LazyTrainEngine(nn.Module):
             self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
         if self.optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
             self.optimizer.zero_grad = _zero_grad_as_zero_optimizers(self)
+            # as DeepSpeed's optimizers: whether the last step was skipped (accelerate and Trainer read it to
+            # hold their own schedule back)
+            self.optimizer.overflow = False
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -878,6 +881,8 @@ class LazyTrainEngine(nn.Module):
         else:
             self.zero_grad()
         self._scaled_backward = False
+        if self.optimizer is not None:
+            self.optimizer.overflow = not self._step_applied
         if self._trace_path is not None:
             self._finish_trace()
         self.global_steps += 1

@@ -179,10 +179,8 @@ def build_scheduler(cfg: EngineConfig, optimizer, lr_scheduler: Any):
         if isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step")):
             return lr_scheduler(optimizer)
         return lr_scheduler
-    if cfg.scheduler.type is None:
-        return None
-    if optimizer is None:
-        raise ConfigError("config 'scheduler' needs an optimizer (config 'optimizer' or the optimizer argument)")
+    if cfg.scheduler.type is None or optimizer is None:   # DeepSpeed: no optimizer, no schedule (an evaluation
+        return None                                       # run under a training config)
     try:
         return build_schedule(cfg.scheduler.type, optimizer, cfg.scheduler.params)
     except ValueError as e:
