@@ -515,6 +515,59 @@ def _group_adding(rank, world, out_dir):
 case(2, "group-adding", _group_adding)
 
 
+class ScaledLM(ModuleListLM):
+    """A model with a 0-dim trainable parameter (a logit temperature) beside its blocks."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, ids):
+        return super().forward(ids) * self.scale
+
+
+def _scalar_state(engine) -> dict:
+    """The 0-dim parameter's Adam moments, where this rank holds them (its owner)."""
+    names = engine._param_names
+    return {k: v.clone() for p, st in engine.optimizer.state.items() if names.get(id(p)) == "scale"
+            for k, v in st.items() if k != "step"}
+
+
+def _scalar_save(rank, world, out_dir):
+    import lazytrain
+    engine, _, _, _ = lazytrain.initialize(model=ScaledLM(), config=_config(2, 2, False))
+    for x, y in batches(2, batch=GLOBAL):
+        part = slice(2 * rank, 2 * rank + 2)
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+    return {"state": _scalar_state(engine), "weights": engine.module_state_dict()}
+
+
+def _scalar_load(rank, world, out_dir):
+    import lazytrain
+    engine, _, _, _ = lazytrain.initialize(model=ScaledLM(), config=_config(1, 0, False))
+    engine.load_checkpoint(os.path.join(os.path.dirname(out_dir), "scalar-save", "ckpt"), tag="t")
+    return {"state": _scalar_state(engine), "weights": engine.module_state_dict()}
+
+
+case(2, "scalar-save", _scalar_save)
+case(1, "scalar-load", _scalar_load)
+
+
+def test_a_sharded_save_of_a_model_with_a_0_dim_parameter_resumes_its_moments(spawned):
+    """A 0-dim parameter's moments are 0-dim: taken for scalars, they were never gathered, and every
+    sharded save failed looking them up (KeyError)."""
+    saved = spawned("scalar-save")
+    owner = next(r["state"] for r in saved if r["state"])
+    assert set(owner) == {"exp_avg", "exp_avg_sq"} and owner["exp_avg"].abs() > 0
+    loaded = spawned("scalar-load")[0]
+    assert loaded["state"].keys() == owner.keys()
+    assert all(torch.equal(loaded["state"][k].reshape(()), owner[k].reshape(())) for k in owner)
+    assert all(torch.equal(loaded["weights"][k], v) for k, v in saved[0]["weights"].items())
+
+
 def test_a_group_added_after_initialize_is_replicated_saved_and_restored(spawned):
     r0, r1 = spawned("group-adding")
     assert torch.equal(r0["temperature"], r1["temperature"]) and not torch.equal(r0["temperature"], torch.ones(()))
@@ -1260,3 +1313,31 @@ def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
         assert r3["generated"] == r2["generated"]
     assert hf[0]["first"][0] != hf[0]["first"][1]
     assert len(hf[0]["generated"]) == 5 and len(hf[1]["generated"]) > 5   # rank 0 stopped first
+
+
+class _OwnsAll:
+    @staticmethod
+    def owns(_):
+        return True
+
+
+def test_a_whole_optimizer_state_loads_into_sharded_groups_only_when_the_groups_match():
+    """Positions matched states to parameters: a checkpoint whose groups differ (in number, in order) gave
+    parameters the moments of others, which CPU AdamW then read past their end; one process refuses it."""
+    from lazytrain.engine.sharding import local_state
+    w, b, s = (torch.nn.Parameter(torch.randn(*shape)) for shape in ((4, 3), (4,), (3,)))
+    saved = torch.optim.AdamW([{"params": [w], "weight_decay": 0.1}, {"params": [b, s], "weight_decay": 0.0}])
+    for p in (w, b, s):
+        p.grad = torch.ones_like(p)
+    saved.step()
+    full = saved.state_dict()
+    same = local_state(full, [{"params": [w]}, {"params": [b, s]}], _OwnsAll)
+    assert torch.equal(same["state"][2]["exp_avg"], full["state"][2]["exp_avg"])
+    for groups, message in (([{"params": [w, b, s]}], "loaded state dict has a different number of parameter groups"),
+                            ([{"params": [b, s]}, {"params": [w]}], "loaded state dict contains a parameter group "
+                                                                    "that doesn't match the size of optimizer's group"),
+                            ([{"params": [w]}, {"params": [s, b]}], "loaded state dict holds an exp_avg of shape (4,) "
+                                                                    "for a parameter of shape (3,)")):
+        with pytest.raises(ValueError) as e:
+            local_state(full, groups, _OwnsAll)
+        assert str(e.value).startswith(message)

@@ -350,7 +350,7 @@ class Writer:
                 for p, start, n in (seg for seg in segments if not isinstance(seg, int)):
                     add(p, "master", start, n)
                     for key, v in (self._summary(p) or {}).items():
-                        if key != "step" and _is_moment(v):
+                        if key != "step" and _is_moment(v, p):
                             add(p, key, start, n)
             for p in self._frozen_params():
                 if self.stage == 3:
@@ -620,8 +620,8 @@ class Writer:
         states = {id(p): self._summary(p) for p in ps}
         if all(s is None for s in states.values()):
             return None
-        keys = list(dict.fromkeys(k for s in states.values() if s is not None for k, v in s.items()
-                                  if k != "step" and _is_moment(v)))
+        keys = list(dict.fromkeys(k for p in ps if states[id(p)] is not None for k, v in states[id(p)].items()
+                                  if k != "step" and _is_moment(v, p)))
         steps = [float(states[id(p)]["step"]) if states[id(p)] is not None and "step" in states[id(p)] else None
                  for p in ps]
         known = [s for s in steps if s is not None]
@@ -638,7 +638,8 @@ class Writer:
                 else:
                     p, start, n = seg
                     st = states[id(p)]
-                    parts.append(self._piece(p, key, start, n) if st is not None and key in st else n)
+                    parts.append(self._piece(p, key, start, n) if st is not None and key in st
+                                 and _is_moment(st[key], p) else n)
             out[key] = self._flat(parts, numel)
         for st in states.values():   # scalars other than the step, as the optimizer holds them
             for k, v in (st or {}).items():
@@ -749,9 +750,12 @@ class Writer:
 _MOMENT = "<a moment tensor>"   # stands for a moment in a state's summary (:meth:`Writer.summaries`)
 
 
-def _is_moment(v) -> bool:
-    return isinstance(v, ckpt.Streamed) or (isinstance(v, torch.Tensor) and v.dim() > 0) or \
-        (isinstance(v, str) and v == _MOMENT)
+def _is_moment(v, p=None) -> bool:
+    """A per-element state (an Adam moment), laid out as the masters are; ``p``, the parameter it belongs
+    to: a 0-dim parameter's moments are 0-dim too (only its step is a scalar of another kind)."""
+    if isinstance(v, ckpt.Streamed) or (isinstance(v, str) and v == _MOMENT):
+        return True
+    return isinstance(v, torch.Tensor) and (v.dim() > 0 or (p is not None and p.dim() == 0 and v.numel() == 1))
 
 
 def _summarised(st: dict | None) -> dict | None:

@@ -114,6 +114,19 @@ def local_state(full: dict, groups: list[dict], ownership: Ownership) -> dict:
     params = [p for g in groups for p in g["params"]]
     if len(full_ids) != len(params):
         raise ValueError(f"the checkpoint's optimizer holds {len(full_ids)} parameters, this model's {len(params)}")
+    # torch's own checks (a single process loading it makes them): states matched by position are right only
+    # when the groups are the same groups
+    if len(full["param_groups"]) != len(groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(saved["params"]) != len(g["params"]) for saved, g in zip(full["param_groups"], groups)):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's group")
+    for pid, p in zip(full_ids, params):   # and no fp32 Adam moment that is not its parameter's size
+        st = full["state"].get(pid, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            v = st.get(key)
+            if isinstance(v, torch.Tensor) and v.numel() != p.numel():
+                raise ValueError(f"loaded state dict holds an {key} of shape {tuple(v.shape)} for a parameter of "
+                                 f"shape {tuple(p.shape)}: the checkpoint is of another model or parameter order")
     index_of = dict(zip((id(p) for p in params), full_ids))
     state, out_groups, k = {}, [], 0
     for saved, g in zip(full["param_groups"], groups):
