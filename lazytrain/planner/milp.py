@@ -42,8 +42,9 @@ term in two rows (linear in the layers; HiGHS's cut rounds on the written-out ro
 time limit). ``MilpOptions.memory_rows`` chooses; both have the same plans and optimum.
 
 The model is exactly the simulator's cost model (problem.py), so for a plan it returns, its objective
-equals the simulated step time up to the tie-breakers (1e-6 relative); the simulator re-checks every
-plan. Solved with HiGHS through PuLP (threads=1, fixed seed: deterministic), CBC as the fallback.
+equals the simulated step time up to the tie-breakers (1e-6 relative) and the solver's feasibility
+tolerance (HiGHS may leave a row short by 1e-6 s: on toy steps of 0.1 s, up to about 1e-5 relative); the
+simulator re-checks every plan. Solved with HiGHS through PuLP (threads=1, fixed seed: deterministic), CBC as the fallback.
 """
 from __future__ import annotations
 
