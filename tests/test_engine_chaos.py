@@ -235,9 +235,9 @@ def test_block_grads_read_after_backward_are_the_whole_backwards(seed):
     to clip by hand) held part of them, and after destroy() they went on changing."""
     model = make_model("llama")
     x, y = batches(1)[0]
-    ref = copy.deepcopy(model)
-    lm_loss(ref(x), y).backward()
-    expect = {k: p.grad for k, p in ref.named_parameters() if "layers" in k}
+    ref = copy.deepcopy(model).to(AUTO_DEVICE)   # on a GPU: the same kernels as the engine's
+    lm_loss(ref(x.to(AUTO_DEVICE)), y.to(AUTO_DEVICE)).backward()
+    expect = {k: p.grad.cpu() for k, p in ref.named_parameters() if "layers" in k}
     engine = _engine(dict(checkpoint_interval=2), {"copy_threads": True, "chaos_seed": seed,
                                                    "chaos_max_delay_ms": 10.0})
     lm_loss(engine(x), y).backward()   # the direct backward: no engine call after it
