@@ -223,10 +223,11 @@ def test_a_users_tier_is_read_on_a_copy_thread_of_its_own():
     assert tier.reader == threading.current_thread().name   # calm: read where it is asked
 
 
-def _engine(section: dict, testing: dict, tmp_path=None):
+def _engine(section: dict, testing: dict, tmp_path=None, model=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return lazytrain.initialize(model=make_model("llama"), config=config(section, tmp_path, testing))[0]
+        return lazytrain.initialize(model=model if model is not None else make_model("llama"),
+                                    config=config(section, tmp_path, testing))[0]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -291,4 +292,47 @@ def test_a_forward_taken_before_a_step_is_not_differentiated_after_it(section):
     engine.zero_grad()
     engine.backward(lm_loss(engine(x2), y2))   # a forward taken again is
     engine.step()
+    engine.destroy()
+
+
+def test_an_interrupt_of_the_wait_for_the_gradients_propagates_and_leaves_the_add_pending(monkeypatch):
+    """Ctrl-C while backward's end waits for the gradient adds was stored as a failed copy (backward
+    returned as if nothing happened), and the add it was waiting for left the queue: a zero_grad then
+    no longer waited for it, and it landed after the zeroing."""
+    import collections
+    from concurrent.futures import Future
+    from lazytrain.engine import weights as weights_module
+    sink = object.__new__(weights_module._GradientSink)
+    sink.pending, sink.failure = collections.deque([Future()]), None
+    waited = []
+
+    def interrupted(fs):
+        waited.append(fs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(weights_module, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sink.settle()
+    assert len(sink.pending) == 1 and sink.failure is None and waited
+    monkeypatch.undo()
+    failed = RuntimeError("copy failed")
+    sink.pending[0].set_exception(failed)
+    sink.settle()   # a failure to land is kept for the step's flush
+    assert not sink.pending and sink.failure is failed
+
+
+def test_with_frozen_blocks_a_forward_from_before_a_step_is_differentiated_as_pytorch_does():
+    """A step that cannot change the blocks (every block frozen: prompt tuning) does not make the forwards
+    before it stale."""
+    model = make_model("llama")
+    for layer in model.model.layers:
+        layer.requires_grad_(False)
+    engine = _engine(dict(checkpoint_interval=2), {"copy_threads": True}, model=model)
+    (x1, y1), (x2, y2) = batches(2)
+    first, second = lm_loss(engine(x1), y1), lm_loss(engine(x2), y2)
+    engine.backward(first)
+    engine.step()
+    engine.backward(second)
+    engine.step()
+    assert engine.global_steps == 2
     engine.destroy()

@@ -190,7 +190,8 @@ class LazyTrainEngine(nn.Module):
         self.weights = LayerWeights(blocks, self.compute_dtype, self.device, weights_tier, self.tiers["hbm"])
         self.stream = WeightStream(self.weights, self.plan.resident_layers, prefetch=config.lazytrain.prefetch)
         self.executor = LayerStreamingExecutor(blocks, self.plan, self.weights, self.stream, self.tiers, self.device,
-                                               prefetch=config.lazytrain.prefetch)
+                                               prefetch=config.lazytrain.prefetch,
+                                               backward_ends_step=self.is_gradient_accumulation_boundary)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self._move_non_block(model, blocks)
         home = self._masters_home()
@@ -460,7 +461,9 @@ class LazyTrainEngine(nn.Module):
         # under grad) keeps its boundaries under keys no new pass reuses
         self.executor = LayerStreamingExecutor(blocks, plan, self.weights, self.stream, self.tiers, self.device,
                                                prefetch=self._config.lazytrain.prefetch,
-                                               pass_ids=self.executor.pass_ids)
+                                               pass_ids=self.executor.pass_ids,
+                                               weights_epoch=self.executor.weights_epoch,
+                                               backward_ends_step=self.is_gradient_accumulation_boundary)
         self.plan = plan
 
     def _overlapped_updates(self, wanted: bool, required: bool) -> LayerUpdates | None:
@@ -843,7 +846,8 @@ class LazyTrainEngine(nn.Module):
             factor = (min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0) * inv_scale
             t0 = time.perf_counter()
             self._unstored_copies = None
-            self.executor.weights_changed()   # a forward taken before this step can no longer be differentiated
+            if self.weights.any_trainable:   # a forward taken before this step can no longer be differentiated
+                self.executor.weights_changed()
             try:
                 if self.layer_updates is not None:
                     self._update_overlapped(factor)

@@ -137,7 +137,8 @@ class LayerStreamingExecutor:
     """Owns the block weights' streaming and the boundary placement of every training pass."""
 
     def __init__(self, blocks: nn.ModuleList, plan: Plan, weights: LayerWeights, stream: WeightStream,
-                 tiers: dict[str, Tier], device: torch.device, prefetch: bool = True, pass_ids=None):
+                 tiers: dict[str, Tier], device: torch.device, prefetch: bool = True, pass_ids=None,
+                 weights_epoch: int = 0, backward_ends_step=None):
         if plan.num_layers != len(blocks):
             raise ExecutorError(f"the plan is for {plan.num_layers} layers but the model has {len(blocks)} blocks")
         for i, home in enumerate(plan.homes):
@@ -147,7 +148,11 @@ class LayerStreamingExecutor:
         self.blocks = blocks
         self.plan = plan
         self.weights = weights
-        self.weights_epoch = 0    # bumped by every write of the block weights (weights_changed)
+        self.weights_epoch = weights_epoch   # bumped by every write of the block weights (weights_changed)
+        # whether the backward running now ends a step's micro-batches (the engine's accumulation boundary):
+        # then it waits for its gradients to land (the step would), so .grad read after it is whole; the
+        # others' land while the next micro-batch runs
+        self.backward_ends_step = backward_ends_step or (lambda: True)
         self.stream = stream      # the weights' trip to the device: slots, copies, prefetch order
         self.tiers = tiers
         self.device = device
@@ -606,7 +611,7 @@ class LayerStreamingExecutor:
                                 "boundaries freed: a second backward through the same forward "
                                 "(backward(retain_graph=True), then backward again) is not supported; run the "
                                 "forward again")
-        if accumulate and self.weights.grads_in_flight and not p.settle_queued:
+        if accumulate and self.weights.grads_in_flight and not p.settle_queued and self.backward_ends_step():
             # the gradients land on a worker thread: the backward ends once they have (its final callback),
             # so .grad read after it is the whole backward's (a failed copy is kept for the step to raise)
             p.settle_queued = True

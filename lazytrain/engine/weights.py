@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import queue
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -409,13 +409,13 @@ class _GradientSink:
             raise self.failure
 
     def settle(self) -> None:
-        """Every submitted add done; a failure to land is kept as a failed copy is, for the next flush."""
+        """Every submitted add done; a failure to land is kept as a failed copy is, for the next flush. An
+        interrupt of the wait itself (Ctrl-C) propagates, the add it waited for still pending."""
         while self.pending:
-            try:
-                self.pending.popleft().result()
-            except BaseException as e:   # noqa: BLE001 - raised by the flush that takes the gradients
-                if self.failure is None:
-                    self.failure = e
+            wait([self.pending[0]])
+            error = self.pending.popleft().exception()
+            if error is not None and self.failure is None:   # raised by the flush that takes the gradients
+                self.failure = error
 
     def close(self) -> None:
         self.settle()
