@@ -372,7 +372,7 @@ class EngineConfig:
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
     world_size: int = 1
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0      # DeepSpeed 0.19's default (GRADIENT_CLIPPING_DEFAULT); 0 turns it off
     steps_per_print: float = 10
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False   # the loader built from training_data keeps a last, smaller batch
@@ -499,7 +499,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
                                                     "gradient_accumulation_steps"),
                                       world_size)
 
-    clip = d.get("gradient_clipping", 0.0)
+    clip = d.get("gradient_clipping", 1.0)   # DeepSpeed 0.19's default
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0 (0 = off), got {clip!r}")
     spp = d.get("steps_per_print", 10)

@@ -657,3 +657,20 @@ def test_a_config_schedule_without_an_optimizer_is_not_built_as_deepspeed_does()
     assert optimizer is None and scheduler is None and engine.lr_scheduler is None
     with torch.no_grad():
         assert engine(torch.ones(1, 2)).shape == (1, 2)
+
+
+def test_parameter_groups_as_torch_reads_them_and_an_optimizer_object_without_model_parameters():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    groups = [{"params": model[0].weight, "weight_decay": 0.0},               # one tensor
+              {"params": [("bias", model[0].bias)]},                             # (name, parameter) pairs
+              {"params": list(model[1].parameters()), "lr": 0.5}]
+    engine, optimizer, _, _ = lazytrain.initialize(model=model, model_parameters=groups, config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    assert [len(g["params"]) for g in optimizer.param_groups] == [1, 1, 2]
+    engine.backward(engine(torch.ones(2, 2)).sum())
+    engine.step()
+    other = torch.nn.Linear(2, 2)   # an optimizer object keeps its groups: model_parameters unused, as in DeepSpeed
+    _, given, _, _ = lazytrain.initialize(model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+                                          model_parameters=[], config={"train_batch_size": 2})
+    assert len(given.param_groups[0]["params"]) == 2

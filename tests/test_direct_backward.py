@@ -95,3 +95,33 @@ def test_fp16_refuses_a_direct_backward_as_deepspeed_does():
     engine.backward(lm_loss(engine(x), y))          # the engine's own backward goes through
     engine.step()
     assert engine.global_steps == 1
+
+
+def test_a_direct_backward_through_a_plain_dataclass_output_is_divided_as_engine_backward_is():
+    """pytree takes an unregistered dataclass for one leaf: no output got the hook, and with accumulation the
+    gradients were summed, not averaged."""
+    import dataclasses
+    from engine_models import ModuleListLM
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+
+    class DataclassLM(ModuleListLM):
+        def forward(self, ids):
+            return Out(super().forward(ids))
+
+    torch.manual_seed(0)
+    model, data = DataclassLM(), batches(4)
+    a = train(engine_for(model), data, lambda e, x, y: e.backward(lm_loss(e(x).logits, y)))
+    b = train(engine_for(model), data, lambda e, x, y: lm_loss(e(x).logits, y).backward())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_engine_backward_takes_a_one_element_loss_as_deepspeed_does():
+    model, data = make_model("llama"), batches(2)
+    a = train(engine_for(model), data, via_engine)
+    b = train(engine_for(model), data, lambda e, x, y: e.backward(lm_loss(e(x), y).reshape(1)))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    with pytest.raises(ValueError, match="engine.backward\\(loss\\) needs a scalar loss tensor"):
+        engine_for(model).backward(torch.ones(2, requires_grad=True))

@@ -10,8 +10,8 @@ import torch
 import lazytrain
 from lazytrain.config import ConfigError
 from lazytrain.engine.executor import ExecutorError
-from engine_models import (AUTO_DEVICE, VOCAB, batches, lm_loss, logits_of, make_hf_model, make_model, max_rel_diff,
-                           reference_train)
+from engine_models import (AUTO_DEVICE, VOCAB, ModuleListLM, batches, lm_loss, logits_of, make_hf_model, make_model,
+                           max_rel_diff, reference_train)
 
 RTOL = 1e-5
 
@@ -1635,3 +1635,73 @@ def test_extra_buffers_of_an_abandoned_prefetch_go_once_their_copies_land():
     assert counts[0] == 3          # layer 0: the abandoned copy is still in flight
     assert counts[1:6] == [2] * 5  # layers 1..5: it landed before layer 1, and its buffer went
     engine.destroy()
+
+
+# ---- models a user builds: buffers a forward updates, a weight on the block list, ties within a block ----
+class _BatchNormBlock(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.bn = torch.nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.bn(self.fc(x).transpose(1, 2)).transpose(1, 2))
+
+
+class _GatedLM(ModuleListLM):
+    """A weight registered on the block list itself, used between the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack.register_parameter("gate", torch.nn.Parameter(torch.full((32,), 0.9)))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.stack:
+            x = blk(x) * self.stack.gate
+        return self.head(self.extra[0](x))
+
+
+def _user_lm(block=None, gate=False):
+    torch.manual_seed(0)
+    model = _GatedLM() if gate else ModuleListLM()
+    if block is not None:
+        model.stack = torch.nn.ModuleList([block(32) for _ in range(6)])
+    return model
+
+
+def test_a_re_run_block_updates_its_batchnorm_statistics_once_per_forward_as_pytorch_does():
+    """Each re-run of a block in backward ran its training forward again: BatchNorm's running statistics
+    moved twice per step in re-run blocks (num_batches_tracked 6 for 3 steps), and evaluation differed."""
+    data = batches(3)
+    ref = reference_train(_user_lm(_BatchNormBlock), data, device=AUTO_DEVICE)
+    engine = train_engine(_user_lm(_BatchNormBlock), data, ds_config(checkpoint_interval=3))
+    assert max_rel_diff(engine.module, ref) < RTOL
+    for mine, theirs in zip(engine.module.stack, ref.stack):
+        assert int(mine.bn.num_batches_tracked) == int(theirs.bn.num_batches_tracked) == 3
+        torch.testing.assert_close(mine.bn.running_mean.cpu(), theirs.bn.running_mean.cpu(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine.bn.running_var.cpu(), theirs.bn.running_var.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_registered_on_the_block_list_itself_trains_as_a_non_block_weight():
+    """It was counted as a block weight but streamed with none: never zeroed, clipped or moved."""
+    data = batches(4)
+    ref = reference_train(_user_lm(gate=True), data, device=AUTO_DEVICE)
+    engine = train_engine(_user_lm(gate=True), data, ds_config(checkpoint_interval=2))
+    assert max_rel_diff(engine.module, ref) < RTOL
+    torch.testing.assert_close(engine.module.stack.gate.detach().cpu(), ref.stack.gate.detach().cpu(),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_a_weight_tied_within_a_block_is_refused_by_name():
+    class TiedBlock(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(d, d), torch.nn.Linear(d, d, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return x + self.b(torch.tanh(self.a(x)))
+
+    with pytest.raises(Exception, match=r"block 0's parameters 'a.weight' and 'b.weight' are one tied weight"):
+        lazytrain.initialize(model=_user_lm(TiedBlock), config=ds_config())

@@ -106,6 +106,14 @@ def check_no_shared_weights(model: nn.Module, path: str, blocks: nn.ModuleList) 
     would train a stale copy. Refused, naming both places, rather than trained wrong."""
     owner: dict[int, tuple[int, str]] = {}
     for i, block in enumerate(blocks):
+        names: dict[int, str] = {}
+        for name, p in block.named_parameters(remove_duplicate=False):   # tied within the block
+            if id(p) in names and p.requires_grad:
+                raise BlockDiscoveryError(
+                    f"block {i}'s parameters {names[id(p)]!r} and {name!r} are one tied weight: LazyTrain computes a "
+                    f"block on views of its weights by name, and a tie within a block would train one of the two "
+                    f"uses on a stale copy. Untie it, or name another block list in 'lazytrain.blocks'")
+            names.setdefault(id(p), name)
         for name, p in block.named_parameters():
             if id(p) in owner and p.requires_grad:   # a frozen copy in each block's buffers cannot go stale
                 j, other = owner[id(p)]

@@ -176,7 +176,9 @@ class LazyTrainEngine(nn.Module):
         refuse_compiled_blocks(model, self.blocks_path, blocks)
         check_no_shared_weights(model, self.blocks_path, blocks)
         self.dist.start_from_rank_0(model)   # before any weight is copied out of the model
-        block_param_ids = {id(p) for p in blocks.parameters()}
+        # the blocks' own parameters (a parameter registered on the block list itself is not in a block:
+        # it stays with the non-block ones, clipped, averaged and updated as they are)
+        block_param_ids = {id(p) for b in blocks for p in b.parameters()}
         self.tiers = build_tiers(config, self.device)
         model_cfg = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
         if model_cfg is not None:   # the planner sizes each streamed layer as it is, not from the config,
@@ -217,8 +219,10 @@ class LazyTrainEngine(nn.Module):
         self.partitioned: PartitionedParams | None = None   # stage 3: the non-block parameters too
         self.node_shared_weights = False   # the streamed layers' weights: one host copy per node
         self._one_shared_node = False      # ... and every rank on that one node: owners broadcast a signal
-        if optimizer is not None:
-            self.optimizer = client_optimizer(optimizer, param_groups(model_parameters, model, remap), remap)
+        if optimizer is not None:   # an object keeps its own groups (model_parameters unused, as in DeepSpeed)
+            groups = param_groups(model_parameters, model, remap) if not isinstance(optimizer, torch.optim.Optimizer) \
+                else []
+            self.optimizer = client_optimizer(optimizer, groups, remap)
             if self.dist.enabled and config.zero_stage >= 1:
                 warnings.warn(f"lazytrain: zero_optimization.stage {config.zero_stage} shards the optimizer state "
                               f"of an optimizer built from the config; the one passed to initialize updates "
@@ -564,7 +568,7 @@ class LazyTrainEngine(nn.Module):
         """Embeddings, final norm, head and their buffers go to the compute device."""
         for p in self.non_block_params:
             p.data = p.data.to(self.device)
-        block_modules = {id(m) for m in blocks.modules()}
+        block_modules = {id(m) for b in blocks for m in b.modules()}   # the block list's own buffers move too
         for mod in model.modules():
             if id(mod) in block_modules:
                 continue
@@ -636,8 +640,7 @@ class LazyTrainEngine(nn.Module):
         gas = self.gradient_accumulation_steps()
         if gas == 1 and self.loss_scaler is None:
             return
-        leaves, _ = tree_flatten(out)
-        outputs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        outputs = [t for t in _output_tensors(out) if t.requires_grad and t.grad_fn is not None]
         for t in _upstream_outputs(outputs):
             t.register_hook(self._direct_backward_hook)
 
@@ -655,8 +658,9 @@ class LazyTrainEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """``loss.backward()`` with the loss divided by the accumulation steps (and fp16-scaled)."""
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:   # shape (1,) too, as DeepSpeed takes it
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
+        loss = loss.reshape(())
         if retain_graph:
             raise ValueError("engine.backward(retain_graph=True) is not supported: streamed blocks free their "
                              "boundaries as backward consumes them, so a second backward has nothing to use")
@@ -1460,10 +1464,10 @@ class LazyTrainEngine(nn.Module):
             return None, None
         if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
             self.layer_updates.forget_failure()
-            self.zero_grad()                  # layers the failed update never reached kept their gradients
-        if self._failed_step is not None:
-            self.zero_grad()                  # the failed step's gradients belong to no state being loaded
+        # gradients accumulated before the load belong to no state being loaded (a rollback after a loss spike)
+        self.zero_grad()
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
+        failed_before = self._failed_step
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
         directory = ckpt.tag_dir(load_dir, tag)
         lazytrain_file = os.path.join(directory, ds_layout.LAZYTRAIN_FILE)
@@ -1497,6 +1501,11 @@ class LazyTrainEngine(nn.Module):
                                "some of its state was applied and some was not")
             raise   # the error itself, as the caller of load_checkpoint expects it
         self._failed_step = None   # every streamed layer and the non-block weights were rewritten from the file
+        if failed_before is not None and self.optimizer is not None and not want_optim:
+            # the weights are the file's, the optimizer's state is still the failed step's mix
+            kept = ("; a load_checkpoint without the optimizer states (load_optimizer_states=False or "
+                    "load_module_only=True) kept that optimizer state")
+            self._failed_step = failed_before if failed_before.endswith(kept) else failed_before + kept
         return result
 
     def _load_lazytrain(self, path: str, model_state: dict, optim_state: dict | None, strict: bool,
@@ -1537,8 +1546,13 @@ class LazyTrainEngine(nn.Module):
             for t, saved in zip(extras, saved_extras):
                 t.copy_(saved)
         if state.moments is not None and own.get("optimizer") is not None:
-            self._load_whole_optimizer_state(self._own_optimizer_state(own, state.moments, path,
-                                                                       self._owned_names()))
+            if _holds_8bit_moments(own["optimizer"]) and type(self.optimizer).__name__ != "HybridAdamW":
+                # saved by an 8-bit HybridAdamW: its codes mean nothing to this optimizer, which takes the fp32
+                # moments the DeepSpeed files hold (dequantized), by parameter name
+                self._apply_optimizer_state(self._optimizer_state_from(state.moments, os.path.dirname(path)))
+            else:
+                self._load_whole_optimizer_state(self._own_optimizer_state(own, state.moments, path,
+                                                                           self._owned_names()))
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         if self.loss_scaler is not None and own.get("loss_scaler"):
@@ -1611,7 +1625,7 @@ class LazyTrainEngine(nn.Module):
         if state.optimizer_state_dict is not None:   # stage 0: the optimizer's own state, by position as in DeepSpeed
             self._load_whole_optimizer_state(state.optimizer_state_dict)
         elif state.moments is not None:
-            self.optimizer.load_state_dict(self._optimizer_state_from(state.moments, directory, state.group_settings))
+            self._apply_optimizer_state(self._optimizer_state_from(state.moments, directory, state.group_settings))
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         if self.loss_scaler is not None and state.loss_scale:
@@ -1647,9 +1661,17 @@ class LazyTrainEngine(nn.Module):
         """A whole optimizer state_dict (one process's order, any number of ranks saved it): sharded, this
         rank keeps its own parameters' states."""
         if self.shards is None:
-            self.optimizer.load_state_dict(whole)
+            self._apply_optimizer_state(whole)
         else:
-            self.optimizer.load_state_dict(sharding.local_state(whole, self._all_whole_groups(), self.shards))
+            self._apply_optimizer_state(sharding.local_state(whole, self._all_whole_groups(), self.shards))
+
+    def _apply_optimizer_state(self, sd: dict) -> None:
+        """The optimizer takes ``sd`` with tensors of its own: a loaded file's are memory-mapped, and torch's
+        load_state_dict keeps a tensor of the right dtype as it is, which kept the checkpoint's file mapped
+        (its disk space not freed when it is deleted, a SIGBUS when it is rewritten in place)."""
+        state = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+                 for k, st in sd["state"].items()}
+        self.optimizer.load_state_dict({**sd, "state": state})
 
     def _optimizer_state_from(self, moments: dict, directory: str, settings: dict[str, dict] | None = None) -> dict:
         """This optimizer's state_dict with DeepSpeed's moments put in by parameter name, and each group's
@@ -1773,6 +1795,29 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _holds_8bit_moments(optimizer_state: dict) -> bool:
+    """A saved HybridAdamW state with 8-bit blockwise moments (codes and absmax, not exp_avg)."""
+    return any("state1" in st for st in optimizer_state.get("state", {}).values())
+
+
+def _output_tensors(out) -> list[torch.Tensor]:
+    """The tensors in a model's output: in tuples, lists, dicts and Hugging Face outputs (pytree), and in the
+    fields of a plain dataclass, which pytree takes for one leaf."""
+    found, todo = [], [out]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type) and not isinstance(x, (dict, tuple, list)):
+            todo.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        else:
+            leaves, _ = tree_flatten(x)
+            if len(leaves) == 1 and leaves[0] is x:
+                continue   # not a container pytree knows
+            todo.extend(leaves)
+    return found
 
 
 def _onto_masters(add_param_group, master_of):

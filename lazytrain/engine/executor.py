@@ -278,6 +278,7 @@ class LayerStreamingExecutor:
         pass_arg = {} if call.pass_id is None else {"pass": call.pass_id}
         with streams.compute_span(f"{kind} L{layer}", self.device, **pass_arg) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
+                _buffers_kept(block) if replay else nullcontext(), \
                 _reparametrize_module(block, params), kept, saved if saved is not None else nullcontext():
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
             if saved is not None:
@@ -709,6 +710,20 @@ class LayerStreamingExecutor:
     def forward_window(self, p: _Pass, layer: int, x: torch.Tensor) -> None:
         self._enter_window(p, layer)
         self._keep_boundary(p, layer, x)
+
+
+@contextmanager
+def _buffers_kept(block: nn.Module):
+    """A re-run leaves the block's buffers as the forward left them: BatchNorm's running statistics (and any
+    buffer a training forward updates) move once per forward, as in plain PyTorch, not again per re-run."""
+    kept = [(m, name, buf) for m in block.modules() for name, buf in m._buffers.items() if buf is not None]
+    for m, name, buf in kept:   # the re-run updates copies (its graph may save them: they are not written again)
+        m._buffers[name] = buf.clone()
+    try:
+        yield
+    finally:
+        for m, name, buf in kept:
+            m._buffers[name] = buf
 
 
 class _BlockFunction(torch.autograd.Function):

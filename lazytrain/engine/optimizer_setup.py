@@ -36,7 +36,9 @@ def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, rema
         groups = []
         for g in items:
             g = dict(g)
-            g["params"] = [remap(p) for p in g["params"]]
+            params = g["params"]   # as torch reads a group: one tensor, or (name, parameter) pairs
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            g["params"] = [remap(p[1] if isinstance(p, tuple) else p) for p in params]
             groups.append(g)
         return groups
     if isinstance(items[0], tuple):  # named_parameters()
