@@ -518,14 +518,14 @@ def test_an_optimizer_tensor_outside_the_model_is_saved_and_restored(tmp_path):
 
 
 # ---- what a load leaves behind ----------------------------------------------------------------------
-def _engine(**lazytrain_section):
+def _adamw_engine(**lazytrain_section):
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
            "lazytrain": {"checkpoint_interval": 2, **lazytrain_section}}
     return lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
 
 
-def _steps(engine, data):
+def _train_steps(engine, data):
     for x, y in data:
         engine.backward(lm_loss(engine(x), y))
         engine.step()
@@ -535,13 +535,13 @@ def test_8bit_optimizer_states_load_into_an_engine_with_fp32_states(tmp_path):
     """The saved optimizer's 8-bit codes were handed to torch AdamW as its state: the load said nothing and
     the first step failed half-way (KeyError 'exp_avg'). It takes the DeepSpeed files' fp32 moments."""
     data = batches(3)
-    saved = _engine(optimizer_states="8bit", hybrid_threshold=0)
-    _steps(saved, data[:2])
+    saved = _adamw_engine(optimizer_states="8bit", hybrid_threshold=0)
+    _train_steps(saved, data[:2])
     saved.save_checkpoint(str(tmp_path), tag="t")
-    engine = _engine()
+    engine = _adamw_engine()
     engine.load_checkpoint(str(tmp_path), tag="t")
     assert type(engine.optimizer) is torch.optim.AdamW and engine.global_steps == 2
-    hybrid = _engine(overlap_optimizer=True)   # HybridAdamW with fp32 states: it dequantizes the codes itself
+    hybrid = _adamw_engine(overlap_optimizer=True)   # HybridAdamW with fp32 states: it dequantizes the codes itself
     hybrid.load_checkpoint(str(tmp_path), tag="t")
 
     def moments(e):
@@ -549,7 +549,7 @@ def test_8bit_optimizer_states_load_into_an_engine_with_fp32_states(tmp_path):
     ours, theirs = moments(engine), moments(hybrid)
     assert ours.keys() == theirs.keys() and len(ours) == len(list(engine.module.parameters()))
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    _steps(engine, data[2:])
+    _train_steps(engine, data[2:])
     assert engine.was_step_applied()
 
 
@@ -557,25 +557,25 @@ def test_a_load_drops_the_gradients_accumulated_before_it(tmp_path):
     """A rollback (a loss spike after backward, then the last checkpoint) trained its first step on the
     gradients from before the load, unless overlap_optimizer happened to clear them."""
     data = batches(3)
-    engine = _engine()
-    _steps(engine, data[:1])
+    engine = _adamw_engine()
+    _train_steps(engine, data[:1])
     engine.save_checkpoint(str(tmp_path), tag="t")
     x, y = data[1]
     engine.backward(lm_loss(engine(x), y) * 1e3)
     engine.load_checkpoint(str(tmp_path), tag="t")
     assert all(p.grad is None or not p.grad.any() for p in engine.module.parameters())
-    fresh = _engine()
+    fresh = _adamw_engine()
     fresh.load_checkpoint(str(tmp_path), tag="t")
-    _steps(engine, data[2:])
-    _steps(fresh, data[2:])
+    _train_steps(engine, data[2:])
+    _train_steps(fresh, data[2:])
     assert all(torch.equal(a, b) for a, b in zip(engine.module_state_dict().values(),
                                                   fresh.module_state_dict().values()))
 
 
 def test_a_load_without_the_optimizer_states_keeps_refusing_after_a_failed_update(tmp_path):
     data = batches(3)
-    engine = _engine()
-    _steps(engine, data[:1])
+    engine = _adamw_engine()
+    _train_steps(engine, data[:1])
     engine.save_checkpoint(str(tmp_path), tag="t")
     x, y = data[1]
     engine.backward(lm_loss(engine(x), y))
@@ -595,17 +595,17 @@ def test_a_load_without_the_optimizer_states_keeps_refusing_after_a_failed_updat
                                                             r"kept that optimizer state, and the engine holds"):
             engine(x)
     engine.load_checkpoint(str(tmp_path), tag="t")
-    _steps(engine, data[2:])
+    _train_steps(engine, data[2:])
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads the process's memory maps")
 def test_a_loaded_optimizer_state_does_not_keep_the_checkpoint_files_mapped(tmp_path):
     """torch keeps a tensor of the right dtype as it is, and the files are loaded memory-mapped: deleting the
     checkpoint freed no space until the engine went, and rewriting it in place killed training (SIGBUS)."""
-    engine = _engine()
-    _steps(engine, batches(1))
+    engine = _adamw_engine()
+    _train_steps(engine, batches(1))
     engine.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
-    other = _engine()
+    other = _adamw_engine()
     other.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
     shutil.rmtree(tmp_path / "ckpt")
     import gc
@@ -613,4 +613,4 @@ def test_a_loaded_optimizer_state_does_not_keep_the_checkpoint_files_mapped(tmp_
     with open("/proc/self/maps") as f:
         mapped = [line for line in f if str(tmp_path) in line]
     assert mapped == []
-    _steps(other, batches(1))
+    _train_steps(other, batches(1))
