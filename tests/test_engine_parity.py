@@ -1705,3 +1705,30 @@ def test_a_weight_tied_within_a_block_is_refused_by_name():
 
     with pytest.raises(Exception, match=r"block 0's parameters 'a.weight' and 'b.weight' are one tied weight"):
         lazytrain.initialize(model=_user_lm(TiedBlock), config=ds_config())
+
+
+def test_deepspeed_engine_methods_scripts_call():
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
+    assert (engine.dp_world_size, engine.optimizer_name(), engine.get_mom()) == (1, "AdamW", [(0.9, 0.999)])
+    engine.set_train_batch_size(6)   # DeepSpeed's: more micro-batches of the same size
+    assert (engine.train_batch_size(), engine.gradient_accumulation_steps()) == (6, 3)
+    with pytest.raises(ValueError, match="Train batch size must be divisible by micro-batch data parallelism"):
+        engine.set_train_batch_size(5)
+    x, y = batches(1)[0]
+    with engine.no_sync():
+        engine.backward(lm_loss(engine(x), y))
+        with pytest.raises(AssertionError, match="It is illegal to call Engine.step\\(\\) inside no_sync"):
+            engine.step()
+    engine.step()   # the first of the 3 micro-batches
+    for _ in range(2):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 1 and engine.micro_steps == 3
+    stage2, _, _, _ = lazytrain.initialize(model=make_model("modulelist"),
+                                           config=ds_config(_top={"zero_optimization": {"stage": 2}}))
+    with pytest.raises(AssertionError, match="incompatible with gradient partitioning logic of ZeRO stage 2"):
+        with stage2.no_sync():
+            pass
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), optimizer=lambda p: torch.optim.SGD(
+        p, lr=0.1, momentum=0.5), config={"train_batch_size": 2})
+    assert (engine.optimizer_name(), engine.get_mom()) == ("SGD", [0.5])

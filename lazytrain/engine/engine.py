@@ -286,6 +286,7 @@ class LazyTrainEngine(nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        self._inside_no_sync = False
         self._scaled_backward = False
         self._engine_backward_depth = 0   # engine.backward running (its loss already divided): see _scale_direct_backward
         self._global_grad_norm: float | None = None
@@ -687,6 +688,8 @@ class LazyTrainEngine(nn.Module):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """On an accumulation boundary: clip, update, zero grads, advance the schedule."""
+        if self._inside_no_sync:
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")   # DeepSpeed's
         self._step_applied = False            # as DeepSpeed: true only after a step() that updated
         self._refuse_if_inconsistent("step()")
         boundary = self.is_gradient_accumulation_boundary()
@@ -1191,6 +1194,46 @@ class LazyTrainEngine(nn.Module):
 
     def train_batch_size(self) -> int:
         return self._config.train_batch_size
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: a new global batch by another number of micro-batches (the micro-batch stays)."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
+                or train_batch_size % per_step:
+            raise ValueError("Train batch size must be divisible by micro-batch data parallelism")   # DeepSpeed's
+        self._config = dataclasses.replace(self._config, train_batch_size=train_batch_size,
+                                           gradient_accumulation_steps=train_batch_size // per_step)
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.world_size
+
+    def optimizer_name(self) -> str | None:
+        """The config's optimizer type, or the class name of the optimizer passed to initialize."""
+        if self._config.optimizer.type is not None:
+            return self._config.optimizer.type
+        return type(self.optimizer).__name__ if self.optimizer is not None else None
+
+    def get_mom(self) -> list:
+        """DeepSpeed's: each group's momentum (SGD, RMSprop) or betas (the others); 0.0 where a group has none."""
+        key = "momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas"
+        return [g.get(key, 0.0) for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's: backward without reducing the gradients over the ranks. Here ranks reduce at the step
+        (ZeRO stages 0 and 1), so nothing changes inside it but that step() is refused there, as DeepSpeed
+        refuses it; stages 2 and 3 reduce as gradients land, which this cannot hold back (DeepSpeed's rule)."""
+        if self.zero_optimization_stage() >= 2:
+            raise AssertionError(f"no_sync context manager is incompatible with gradient partitioning logic of "
+                                 f"ZeRO stage {self.zero_optimization_stage()}")
+        if self._inside_no_sync:
+            raise AssertionError("no_sync context manager reentry is unsupported")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return self._config.train_micro_batch_size_per_gpu
