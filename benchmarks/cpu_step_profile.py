@@ -1,7 +1,7 @@
 """Where a plain PyTorch training step of the engine benchmark's model spends its time on this CPU, and
 the matrix-product rate the CPU reaches: the context for reading ``engine_cpu.py``'s ratios.
 
-Times each phase of a plain step (blocks forward, LM head forward, loss, backward, clipping + fused
+Times each phase of a plain step (embedding, blocks and final norm forward, LM head forward, loss, backward, clipping + fused
 AdamW) of the same ~20M-parameter Llama (``--shape`` as in engine_cpu.py), median over the timed
 steps, then fp32 matrix products of the head's shape and of 2048^3.
 
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     model = build_model(args.shape)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    phases = {"blocks forward": [], "LM head forward": [], "loss": [], "backward": [], "clip + AdamW": []}
+    phases = {"embedding + blocks + norm forward": [], "LM head forward": [], "loss": [], "backward": [], "clip + AdamW": []}
     for i, ids in enumerate(data(args.steps + args.warmup)):
         hidden, t_blocks = timed(lambda: model.model(ids[:, :-1]).last_hidden_state)
         logits, t_head = timed(lambda: model.lm_head(hidden))

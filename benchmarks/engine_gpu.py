@@ -1,7 +1,8 @@
 """On one CUDA GPU, side by side: plain PyTorch (whole model and AdamW on the GPU, bf16 autocast) vs
-LazyTrain streaming the same model's layers from host memory under three Plans (MegaTrain's every-4,
-keep-all on the GPU, the MILP's plan from the H200 profile, and policy auto's plan from what it measured here
-after its calibration steps, with its predicted and measured step). Median step time, tokens/s, TFLOPS (6 * N * tokens / time),
+LazyTrain streaming the same model's layers from host memory under several Plans (MegaTrain's every-4, every-4
+overlapped and with its last segment's graph kept, keep-all on the GPU, the MILP's plan from the H200 profile,
+and policy auto's plan from what it measured here after its calibration steps, with its predicted and measured
+step). Median step time, tokens/s, TFLOPS (6 * N * tokens / time),
 peak GPU memory and, for LazyTrain, the host optimizer's exposed time per step: the update on the
 training thread plus the time the forward waited for overlapped layer updates. MegaTrain's row runs the
 optimizer after backward (``overlap_optimizer: false``); the others overlap it with the next forward.

@@ -148,9 +148,9 @@ measure=$?
 echo "measurements: exit $measure ($(( $(date +%s) - t0 )) s so far)"
 
 timeout 120 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider tests/test_tiers.py tests/test_tiers_nvme.py \
-  tests/test_tiers_gpu.py tests/test_tiers_custom.py > "$OUT/gpu_tests.log" 2>&1
+  tests/test_tiers_gpu.py tests/test_tiers_custom.py > "$OUT/gpu_tiers_tests.log" 2>&1
 tests=$?
-tail -25 "$OUT/gpu_tests.log"
+tail -25 "$OUT/gpu_tiers_tests.log"
 echo "tier tests: exit $tests ($(( $(date +%s) - t0 )) s so far)"
 
 timeout 90 python3 -m lazytrain.cli bench tiers --path "$DIR" --json "$OUT/hardware-gpu.json" 2>&1 | grep -v "^  "

@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     print(f"command: python {' '.join(sys.argv)}")
     print()
     print("| seed | optimizer | final train loss (last 20) | held-out loss | held-out exact match | "
-          "train loss vs fp32 AdamW | s |")
+          f"train loss vs {kinds[0]} | s |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     summary = {k: [] for k in kinds}
     notes = set()
