@@ -614,3 +614,23 @@ def test_a_loaded_optimizer_state_does_not_keep_the_checkpoint_files_mapped(tmp_
         mapped = [line for line in f if str(tmp_path) in line]
     assert mapped == []
     _train_steps(other, batches(1))
+
+
+def test_a_tag_too_long_for_its_staging_directory_is_refused_by_name(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match=r"is 250 bytes long: at most 245 \(a file name holds 255, and a "
+                                                   r"save names '.<tag>.previous' too\)"):
+        ckpt.check_tag("x" * 250)
+    assert ckpt.check_tag("x" * 245) == "x" * 245
+
+
+def test_a_zero_checkpoint_gets_deepspeeds_recovery_script_beside_it_as_deepspeed_saves_it(tmp_path):
+    """DeepSpeed copies zero_to_fp32.py into save_dir with every ZeRO save, and its docs run it from there."""
+    pytest.importorskip("deepspeed.utils.zero_to_fp32")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
+    _train_steps(engine, batches(1))
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    script = tmp_path / "zero_to_fp32.py"
+    assert script.is_file() and os.access(script, os.X_OK)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t", "zero_to_fp32.py", "zero_to_torch.py"]

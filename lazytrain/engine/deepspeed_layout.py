@@ -107,6 +107,37 @@ class Export:
         return self.pieces is not None
 
 
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def copy_recovery_scripts(save_dir: str, tag: str) -> None:
+    """DeepSpeed's zero_to_fp32.py (and zero_to_torch.py) beside a ZeRO checkpoint, as DeepSpeed copies them
+    with every save: its docs tell users to run ``<save_dir>/zero_to_fp32.py``. Only where DeepSpeed is
+    installed (its scripts are its own); a copy that fails warns and leaves the checkpoint as saved."""
+    import glob
+    import importlib.util
+    import os
+    import shutil
+    import stat
+    if not glob.glob(os.path.join(save_dir, tag, "*_optim_states.pt")):
+        return   # no ZeRO files: nothing for the scripts to convert
+    spec = importlib.util.find_spec("deepspeed")   # found, not imported
+    if spec is None or not spec.origin:
+        return
+    for script in RECOVERY_SCRIPTS:
+        src = os.path.join(os.path.dirname(spec.origin), "utils", script)
+        if not os.path.isfile(src):
+            continue
+        dst = os.path.join(save_dir, script)
+        try:
+            shutil.copyfile(src, dst + ".tmp")
+            os.chmod(dst + ".tmp", os.stat(dst + ".tmp").st_mode | stat.S_IEXEC)
+            os.replace(dst + ".tmp", dst)
+        except OSError as e:
+            warnings.warn(f"lazytrain: the checkpoint is saved, but DeepSpeed's {script} could not be copied "
+                          f"beside it ({e})", UserWarning, stacklevel=3)
+
+
 def files(x: Export) -> dict[str, object]:
     """File name -> object for ``checkpoint.save``: the DeepSpeed files and the LazyTrain file."""
     return Writer(x).files()

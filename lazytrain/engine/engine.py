@@ -1358,7 +1358,10 @@ class LazyTrainEngine(nn.Module):
             # stage 3: each rank sees every parameter's shape, and takes the values of its part of DeepSpeed's
             # layout from their owners (_holder_of_pieces), so no rank holds the others' parameters whole
             with self._shapes_only():
-                return self._save_sharded(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+                self._save_sharded(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            if self.global_rank == 0:
+                ds_layout.copy_recovery_scripts(save_dir, tag)
+            return True
         error = None
         try:
             export = self._export(client_state, exclude_frozen_parameters)
@@ -1371,6 +1374,8 @@ class LazyTrainEngine(nn.Module):
                 error = e
         # no rank returns (and may load) before the files exist; a failed save fails every rank at once
         self._agree_on_save(error, tag, save_dir, "rank 0 writes the files")
+        if self.global_rank == 0:
+            ds_layout.copy_recovery_scripts(save_dir, tag)
         return True
 
     def _agree_on_save(self, error: BaseException | None, tag: str, save_dir: str, who: str) -> None:
