@@ -10,8 +10,10 @@ Pure Python (no torch): the planner writes Plans' predicted timelines with it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -114,7 +116,7 @@ class Timeline:
         waits: dict[str, float] = {}
         for s in self.spans:
             if s.lane == "wait":
-                what = s.name.rsplit(" ", 1)[0]   # "weights 3" -> "weights"
+                what = re.sub(r" \d+$", "", s.name)   # "weights 3" -> "weights"; "gradients to host" as it is
                 waits[what] = waits.get(what, 0.0) + s.end - s.start
         if waits:
             rows.append("waits: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in
@@ -127,8 +129,15 @@ def write_chrome_trace(path: str, *timelines: Timeline) -> None:
     events = []
     for pid, t in enumerate(timelines, start=1):
         events += t.chrome_events(pid)
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    partial = f"{path}.tmp"   # a write cut short never leaves a truncated trace under the name
+    try:
+        with open(partial, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
 
 
 def check_writable(path: str) -> None:

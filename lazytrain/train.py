@@ -110,6 +110,11 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
     if h % heads or heads % kv:
         raise JobError(f"'job.model': hidden_size ({h}) must be a multiple of num_attention_heads ({heads}), and "
                        f"num_attention_heads a multiple of num_key_value_heads ({kv})")
+    if (h // heads) % 2:   # rotary embeddings turn pairs of a head's dimensions
+        raise JobError(f"'job.model': hidden_size / num_attention_heads ({h} / {heads} = {h // heads}) must be even "
+                       f"(rotary position embeddings rotate pairs of each head's dimensions)")
+    # unset, one key/value head per attention head, as transformers' LlamaConfig reads it
+    model = {**model, "num_key_value_heads": kv}
     return steps, task, model
 
 
@@ -143,7 +148,9 @@ def _run(args) -> int:
             check_writable(trace_path)
         except ValueError as e:
             raise JobError(str(e)) from None
-    if args.steps and "scheduler" in cfg and "total_num_steps" in cfg["scheduler"].get("params", {}):
+    sched = cfg.get("scheduler")
+    if args.steps and isinstance(sched, dict) and isinstance(sched.get("params"), dict) and \
+            "total_num_steps" in sched["params"]:
         cfg["scheduler"]["params"]["total_num_steps"] = steps
     torch.manual_seed(job.get("seed", 0))
     task = ArithmeticTask(**task_settings)

@@ -1732,3 +1732,9 @@ def test_deepspeed_engine_methods_scripts_call():
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), optimizer=lambda p: torch.optim.SGD(
         p, lr=0.1, momentum=0.5), config={"train_batch_size": 2})
     assert (engine.optimizer_name(), engine.get_mom()) == ("SGD", [0.5])
+
+
+def test_lazytrains_own_decoder_ties_its_embeddings_when_the_config_says_so():
+    from lazytrain.models.decoder import DecoderConfig, build_causal_lm
+    model = build_causal_lm(DecoderConfig(tie_word_embeddings=True), prefer_transformers=False)
+    assert model.lm_head.weight is model.embed_tokens.weight

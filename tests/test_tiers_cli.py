@@ -73,3 +73,15 @@ def test_bench_arguments_are_checked(tmp_path, capsys):
     args = parser().parse_args(["bench", "tiers", "--path", "/proc"])
     assert args.func(args) == 2
     assert capsys.readouterr().err.startswith("lazytrain bench tiers: cannot create files under --path /proc (")
+
+
+def test_bench_tiers_json_to_stdout_is_the_profile_alone(tmp_path, capsys):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = parser().parse_args(["bench", "tiers", "--path", str(disk), "--json", "-", "--nvme-bytes", "2MiB",
+                                "--tensor-bytes", "512KiB", "--copy-bytes", "1MiB", "--seconds", "0.01",
+                                "--optimizer-params", "8192"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert list(json.loads(out)) == FIELDS   # what `lazytrain plan --hardware` reads
+    assert "| what |" in err

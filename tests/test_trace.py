@@ -128,3 +128,41 @@ def test_on_cuda_the_trace_starts_once_the_work_queued_before_it_has_run(monkeyp
         streams.stop_recording()
     (s,) = timeline.spans
     assert 0 <= s.start < 0.04, s.start    # not 0.05 s in: the drained work is before the origin
+
+
+def test_a_traced_step_that_raised_is_dropped_and_the_next_trace_goes_where_it_was_asked(tmp_path):
+    """The recording of a step that raised went on into the next step, which was written under the failed
+    step's path, while the path asked for next got the step after."""
+    engine = traced_engine(tmp_path)
+    (x, y), (x2, y2) = batches(2)
+    engine.trace_next_step(str(tmp_path / "a.json"))
+    engine(x)
+    with pytest.warns(UserWarning, match=r"the step traced for .*a.json never completed \(it raised before step\(\)\); "
+                                         r"its partial trace is dropped"):
+        engine.trace_next_step(str(tmp_path / "b.json"))
+    engine.backward(lm_loss(engine(x2), y2))
+    engine.step()
+    assert not (tmp_path / "a.json").exists() and (tmp_path / "b.json").exists()
+    names = [e["name"] for e in json.loads((tmp_path / "b.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert names.count("fwd L0") == 1
+
+
+def test_a_trace_that_cannot_be_written_warns_and_the_step_is_counted(tmp_path):
+    engine = traced_engine(tmp_path)
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    engine.trace_next_step(str(folder / "t.json"))
+    folder.rmdir()
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    with pytest.warns(UserWarning, match=r"the trace of step 1 could not be written to .*t.json"):
+        engine.step()
+    assert engine.global_steps == 1 and engine.last_trace is not None and not list(tmp_path.glob("gone*"))
+
+
+def test_the_summary_names_each_wait_whole():
+    from lazytrain.trace import Span
+    t = Timeline("measured")
+    t.spans += [Span("wait", "gradients to host", 0.0, 0.004), Span("wait", "weights 3", 0.0, 0.001),
+                Span("wait", "gradient sink (embedding/head)", 0.0, 0.002), Span("compute", "fwd L0", 0.0, 0.01)]
+    assert "waits: gradients to host 4.00 ms, gradient sink (embedding/head) 2.00 ms, weights 1.00 ms" in t.summary()

@@ -40,6 +40,8 @@ def set_in(section, **kw):
     (lambda cfg: cfg.update(job="x"), "'job' must be an object with model, task and steps, got 'x'"),
     (set_in(("lazytrain",), polcy="x"), "unknown key 'polcy' in config section 'lazytrain'"),
     (lambda cfg: cfg.update(train_batch_size=7), "Check batch related parameters."),
+    (set_in(("job", "model"), hidden_size=12, num_attention_heads=4, num_key_value_heads=4),
+     "'job.model': hidden_size / num_attention_heads (12 / 4 = 3) must be even"),
 ])
 def test_a_bad_job_setting_is_one_line(tmp_path, capsys, change, message):
     assert main(["train", job_file(tmp_path, change)]) == 2
@@ -63,3 +65,18 @@ def test_bad_job_files_and_paths_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--steps", "0"])
     assert "argument --steps: must be a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_unset_key_value_heads_are_one_per_attention_head_as_transformers_reads_it():
+    from lazytrain.train import _job_settings
+    job = copy.deepcopy(DEFAULT_CONFIG["job"])
+    job["model"] = {k: v for k, v in job["model"].items() if k != "num_key_value_heads"}
+    job["model"]["num_attention_heads"] = 8
+    job["model"]["hidden_size"] = 128
+    _, _, model = _job_settings(job, None)
+    assert model["num_key_value_heads"] == 8
+
+
+def test_steps_given_with_a_null_scheduler_section_trains(tmp_path, capsys):
+    path = job_file(tmp_path, lambda cfg: cfg.update(scheduler=None))
+    assert main(["train", path, "--steps", "1", "--out", str(tmp_path / "out")]) == 0

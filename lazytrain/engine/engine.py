@@ -750,6 +750,12 @@ class LazyTrainEngine(nn.Module):
         On CUDA, copies, the blocks' compute and the compute side's waits are timed by stream events."""
         if path is not None:
             check_writable(path)
+        if self._trace_path is not None:   # a traced step began and never reached its step(): it failed
+            streams.stop_recording()
+            warnings.warn(f"lazytrain: the step traced for {self._trace_path or 'engine.last_trace'} never "
+                          f"completed (it raised before step()); its partial trace is dropped", UserWarning,
+                          stacklevel=2)
+            self._trace_path = None
         self._trace_request = path if path is not None else ""
 
     def _finish_trace(self) -> None:
@@ -759,9 +765,13 @@ class LazyTrainEngine(nn.Module):
             return
         self.last_trace = timeline.finish()
         self._traced_step = self.global_steps + 1   # the step being completed (counted right after)
-        if self._trace_path:
-            write_chrome_trace(self._trace_path, self.last_trace)
-        self._trace_path = None
+        path, self._trace_path = self._trace_path, None
+        if path:
+            try:   # the step itself is done: a trace that cannot be written must not undo its accounting
+                write_chrome_trace(path, self.last_trace)
+            except OSError as e:
+                warnings.warn(f"lazytrain: the trace of step {self._traced_step} could not be written to {path} "
+                              f"({e}); it is in engine.last_trace", UserWarning, stacklevel=3)
 
     def wait_for_update(self) -> None:
         """Block until the update that ``engine.step()`` started on the streamed layers is done. Only

@@ -86,6 +86,8 @@ class TinyDecoder(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.apply(self._init)
+        if cfg.tie_word_embeddings:   # as transformers' models tie them
+            self.lm_head.weight = self.embed_tokens.weight
 
     @staticmethod
     def _init(m):

@@ -145,7 +145,7 @@ def run_bench(path: str | None = None, nvme_bytes: int = 1 << 30, tensor_bytes: 
     else:
         profile["peak_tflops"] = None
 
-    log(f"compute: matrix products on {device} for {seconds:.1f} s ...")
+    log(f"compute: matrix products on {device} for {seconds:g} s ...")
     tflops, what = measure_matmul(device, seconds)
     profile["achievable_tflops"] = tflops
     rows.append(("compute", None, None, f"{tflops:.2f} TFLOP/s ({what})"))

@@ -65,7 +65,8 @@ def register(subparsers) -> None:
     parser.add_argument("--copy-bytes", type=_size, default=256 << 20, metavar="SIZE",
                         help="size of each host<->device and host memory copy (default: 256MiB)")
     parser.add_argument("--seconds", type=positive(float), default=1.0,
-                        help="minimum time per timed measurement (default: 1.0)")
+                        help="time per timed measurement: each repeats until this long has passed, or 1000 "
+                             "repeats (200 for the optimizer) if sooner (default: 1.0)")
     parser.add_argument("--optimizer-params", type=positive(int), default=16 << 20, metavar="N",
                         help="parameters updated in the host optimizer measurement (default: 16777216)")
     parser.set_defaults(func=run)
@@ -90,7 +91,8 @@ def run(args) -> int:
                               copy_bytes=args.copy_bytes, seconds=args.seconds,
                               optimizer_params=args.optimizer_params,
                               log=lambda line: print(line, file=sys.stderr))
-    print(format_rows(rows))
+    # with --json -, stdout holds the profile alone (a file lazytrain plan --hardware reads); the table goes to stderr
+    print(format_rows(rows), file=sys.stderr if args.json == "-" else sys.stdout)
     text = json.dumps(profile, indent=2)
     if args.json == "-":
         print(text)
