@@ -116,6 +116,8 @@ _TOP_IMPLEMENTED = {
     "job",   # settings of the `lazytrain train` command (model, task, steps); not read by the engine
 }
 
+GRADIENT_CLIPPING_DEFAULT = 1.0   # DeepSpeed 0.19's (runtime/constants.py)
+
 POLICIES = ("every_k", "keep_all", "offload_all", "plan", "milp", "auto")
 
 
@@ -372,7 +374,7 @@ class EngineConfig:
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
     world_size: int = 1
-    gradient_clipping: float = 1.0      # DeepSpeed 0.19's default (GRADIENT_CLIPPING_DEFAULT); 0 turns it off
+    gradient_clipping: float = GRADIENT_CLIPPING_DEFAULT   # 0 turns it off
     steps_per_print: float = 10
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False   # the loader built from training_data keeps a last, smaller batch
@@ -499,7 +501,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
                                                     "gradient_accumulation_steps"),
                                       world_size)
 
-    clip = d.get("gradient_clipping", 1.0)   # DeepSpeed 0.19's default
+    clip = d.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0 (0 = off), got {clip!r}")
     spp = d.get("steps_per_print", 10)

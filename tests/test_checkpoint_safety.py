@@ -537,10 +537,14 @@ def test_8bit_optimizer_states_load_into_an_engine_with_fp32_states(tmp_path):
     data = batches(3)
     saved = _adamw_engine(optimizer_states="8bit", hybrid_threshold=0)
     _train_steps(saved, data[:2])
+    for group in saved.optimizer.param_groups:   # the group settings the load restores with the moments
+        group.update(lr=0.123, weight_decay=0.5, betas=(0.5, 0.6))
     saved.save_checkpoint(str(tmp_path), tag="t")
     engine = _adamw_engine()
     engine.load_checkpoint(str(tmp_path), tag="t")
     assert type(engine.optimizer) is torch.optim.AdamW and engine.global_steps == 2
+    assert all((g["lr"], g["weight_decay"], tuple(g["betas"])) == (0.123, 0.5, (0.5, 0.6))
+               for g in engine.optimizer.param_groups)
     hybrid = _adamw_engine(overlap_optimizer=True)   # HybridAdamW with fp32 states: it dequantizes the codes itself
     hybrid.load_checkpoint(str(tmp_path), tag="t")
 
@@ -562,6 +566,13 @@ def test_a_load_drops_the_gradients_accumulated_before_it(tmp_path):
     engine.save_checkpoint(str(tmp_path), tag="t")
     x, y = data[1]
     engine.backward(lm_loss(engine(x), y) * 1e3)
+    held = [p.grad.clone() for p in engine.module.parameters() if p.grad is not None]
+    (tmp_path / "t" / "mp_rank_00_model_states.pt").rename(tmp_path / "moved.pt")
+    with pytest.raises(ckpt.CheckpointError):   # a load that fails reading its files changes nothing
+        engine.load_checkpoint(str(tmp_path), tag="t")
+    assert all(torch.equal(a, p.grad) for a, p in zip(held, [p for p in engine.module.parameters()
+                                                              if p.grad is not None]))
+    (tmp_path / "moved.pt").rename(tmp_path / "t" / "mp_rank_00_model_states.pt")
     engine.load_checkpoint(str(tmp_path), tag="t")
     assert all(p.grad is None or not p.grad.any() for p in engine.module.parameters())
     fresh = _adamw_engine()
@@ -634,3 +645,15 @@ def test_a_zero_checkpoint_gets_deepspeeds_recovery_script_beside_it_as_deepspee
     script = tmp_path / "zero_to_fp32.py"
     assert script.is_file() and os.access(script, os.X_OK)
     assert sorted(os.listdir(tmp_path)) == ["latest", "t", "zero_to_fp32.py", "zero_to_torch.py"]
+
+
+def test_the_clipping_a_checkpoint_records_is_the_one_the_engine_trained_with(tmp_path):
+    """With no gradient_clipping key the engine clips at DeepSpeed's 1.0; the checkpoint said 0.0, and
+    DeepSpeed, which restores clip_grad from it, would have resumed unclipped."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "fp16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}   # fp16 at stage 0: DeepSpeed's FP16_Optimizer
+    engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
+    _train_steps(engine, batches(1))
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    model_states = torch.load(tmp_path / "t" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert engine.gradient_clipping() == 1.0 and model_states["optimizer"]["clip_grad"] == 1.0

@@ -674,3 +674,10 @@ def test_parameter_groups_as_torch_reads_them_and_an_optimizer_object_without_mo
     _, given, _, _ = lazytrain.initialize(model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
                                           model_parameters=[], config={"train_batch_size": 2})
     assert len(given.param_groups[0]["params"]) == 2
+
+
+def test_hybrid_adamw_settings_given_as_optimizer_params_are_named_with_where_they_belong():
+    with pytest.raises(ConfigError, match="config 'optimizer.params.optimizer_states' is not an optimizer parameter "
+                                          "here: set 'lazytrain.optimizer_states' instead"):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_batch_size": 2, "optimizer": {"type": "HybridAdamW", "params": {"optimizer_states": "8bit"}}})

@@ -1709,7 +1709,8 @@ def test_a_weight_tied_within_a_block_is_refused_by_name():
 
 def test_deepspeed_engine_methods_scripts_call():
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
-    assert (engine.dp_world_size, engine.optimizer_name(), engine.get_mom()) == (1, "AdamW", [(0.9, 0.999)])
+    # DeepSpeed lower-cases the types it implements (its ADAM_OPTIMIZER etc.)
+    assert (engine.dp_world_size, engine.optimizer_name(), engine.get_mom()) == (1, "adamw", [(0.9, 0.999)])
     engine.set_train_batch_size(6)   # DeepSpeed's: more micro-batches of the same size
     assert (engine.train_batch_size(), engine.gradient_accumulation_steps()) == (6, 3)
     with pytest.raises(ValueError, match="Train batch size must be divisible by micro-batch data parallelism"):
@@ -1738,3 +1739,34 @@ def test_lazytrains_own_decoder_ties_its_embeddings_when_the_config_says_so():
     from lazytrain.models.decoder import DecoderConfig, build_causal_lm
     model = build_causal_lm(DecoderConfig(tie_word_embeddings=True), prefer_transformers=False)
     assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_an_optimizer_with_an_overflow_of_its_own_keeps_it():
+    class Flagged(torch.optim.SGD):
+        @property
+        def overflow(self):
+            return "mine"
+
+    model = make_model("modulelist")
+    engine, optimizer, _, _ = lazytrain.initialize(model=model, optimizer=Flagged(model.parameters(), lr=0.1),
+                                                   config={"train_batch_size": 2})
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert optimizer.overflow == "mine"
+
+
+def test_a_schedule_whose_step_needs_an_argument_is_refused_before_the_update():
+    """ReduceLROnPlateau by name: step() without its metrics failed after the weights were updated, which
+    left the engine refusing to train until a checkpoint was loaded."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(
+        _top={"scheduler": {"type": "ReduceLROnPlateau"}}))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    with pytest.raises(TypeError, match=r"ReduceLROnPlateau.step\(.* needs arguments that engine.step\(\) does not "
+                                        r"give it .*pass them as engine.step\(lr_kwargs=\{...\}\); nothing was updated"):
+        engine.step()
+    assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+    engine.step(lr_kwargs={"metrics": 1.0})
+    assert engine.was_step_applied()

@@ -598,3 +598,28 @@ def test_quantize_blockwise_refuses_non_finite_values():
             with pytest.raises(ValueError, match="quantize_blockwise quantizes finite values only; the tensor holds "
                                                  "inf or NaN"):
                 quantize_blockwise(x, use_kernel=use_kernel)
+
+
+
+def test_an_overflowed_moment_keeps_its_codes_where_denormals_are_flushed(k, monkeypatch):
+    """Clamped to FLT_MAX, a block's scale 1 / absmax was subnormal: flushed to 0, every code of the block
+    read 0 and the next update of the overflowed weight was 5e19. Moments stop at 2**126."""
+    flushed = torch.set_flush_denormal(True)
+    try:
+        for kernel in (True, False):
+            params = make_params()
+            opt = HybridAdamW(params, lr=1e-3, optimizer_states="8bit", min_8bit_size=0, check_finite=False)
+            with monkeypatch.context() as m:
+                if not kernel:
+                    m.setattr(H, "cpu_kernels", lambda: None)
+                before = None
+                for step in range(3):
+                    _huge_and_nan_grads(params, step, 2e19)
+                    if step == 2:
+                        before = params[0].detach().clone()
+                    opt.step()
+            assert float((params[0] - before).abs().max()) < 1e-2, kernel
+            assert int(opt.state[params[0]]["state2"].view(-1)[0]) != 0
+    finally:
+        torch.set_flush_denormal(False)
+    assert flushed in (True, False)

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint as ckpt
+from ..config import GRADIENT_CLIPPING_DEFAULT
 from .deepspeed_checkpoint import DEEPSPEED_KEYS
 
 DS_VERSION = "0.19.8"
@@ -548,7 +549,7 @@ class Writer:
             if st is not None:
                 state[i] = st
         groups = [{**self._group(g), "params": [i]} for i, g in enumerate(self.groups)]
-        clip = float(self.x.config.get("gradient_clipping", 0.0) or 0.0)
+        clip = float(self.x.config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or 0.0)   # as trained
         return {**self._loss_scale_entries(always=False),
                 "optimizer_state_dict": {"state": state, "param_groups": groups},
                 "fp32_groups_flat": flats, "clip_grad": clip}
@@ -698,7 +699,7 @@ class Writer:
             mappings.append(OrderedDict((self._name(p), FragmentAddress(numel=n, start=offset_of[id(p)] + start - lo))
                                         for p, start, n in (seg for seg in segments if not isinstance(seg, int))))
         groups = [{**self._group(g), "params": [i]} for i, g in enumerate(self.groups)]
-        clip = float(self.x.config.get("gradient_clipping", 0.0) or 0.0)
+        clip = float(self.x.config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or 0.0)   # as trained
         return {"loss_scaler": self._ds_loss_scaler(), "dynamic_loss_scale": self._dynamic(),
                 "overflow": bool(self.x.overflow), "clip_grad": clip,
                 "base_optimizer_state": {"state": base_state, "param_groups": groups},

@@ -249,8 +249,10 @@ class LazyTrainEngine(nn.Module):
         if self.optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
             self.optimizer.zero_grad = _zero_grad_as_zero_optimizers(self)
             # as DeepSpeed's optimizers: whether the last step was skipped (accelerate and Trainer read it to
-            # hold their own schedule back)
-            self.optimizer.overflow = False
+            # hold their own schedule back); an optimizer with an overflow of its own keeps it
+            self._sets_overflow = not hasattr(self.optimizer, "overflow")
+            if self._sets_overflow:
+                self.optimizer.overflow = False
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -705,8 +707,9 @@ class LazyTrainEngine(nn.Module):
     def _check_lr_kwargs(self, lr_kwargs: dict | None) -> None:
         """Arguments the schedule's step() does not take are refused before the update, not after it (where
         the schedule would fail with the weights already updated)."""
-        if not lr_kwargs or self.lr_scheduler is None:
+        if self.lr_scheduler is None:
             return
+        lr_kwargs = lr_kwargs or {}   # none at all: a schedule whose step needs an argument (ReduceLROnPlateau)
         try:
             signature = inspect.signature(self.lr_scheduler.step)
         except (TypeError, ValueError):   # a builtin without a signature: it will say for itself
@@ -714,6 +717,10 @@ class LazyTrainEngine(nn.Module):
         try:
             signature.bind(**lr_kwargs)
         except TypeError as e:
+            if not lr_kwargs:
+                raise TypeError(f"{type(self.lr_scheduler).__name__}.step{signature} needs arguments that engine.step() "
+                                f"does not give it ({e}): pass them as engine.step(lr_kwargs={{...}}); nothing was "
+                                f"updated") from None
             raise TypeError(f"engine.step(lr_kwargs={lr_kwargs!r}): {type(self.lr_scheduler).__name__}.step"
                             f"{signature} does not take them ({e}); nothing was updated") from None
 
@@ -902,7 +909,7 @@ class LazyTrainEngine(nn.Module):
         else:
             self.zero_grad()
         self._scaled_backward = False
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._sets_overflow:
             self.optimizer.overflow = not self._step_applied
         if self._trace_path is not None:
             self._finish_trace()
@@ -1220,8 +1227,9 @@ class LazyTrainEngine(nn.Module):
 
     def optimizer_name(self) -> str | None:
         """The config's optimizer type, or the class name of the optimizer passed to initialize."""
-        if self._config.optimizer.type is not None:
-            return self._config.optimizer.type
+        typ = self._config.optimizer.type
+        if typ is not None:   # DeepSpeed lower-cases the types it implements (its ADAM_OPTIMIZER etc. are)
+            return typ.lower() if typ.lower() in _DEEPSPEED_OPTIMIZER_NAMES else typ
         return type(self.optimizer).__name__ if self.optimizer is not None else None
 
     def get_mom(self) -> list:
@@ -1522,8 +1530,6 @@ class LazyTrainEngine(nn.Module):
             return None, None
         if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
             self.layer_updates.forget_failure()
-        # gradients accumulated before the load belong to no state being loaded (a rollback after a loss spike)
-        self.zero_grad()
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         failed_before = self._failed_step
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
@@ -1552,6 +1558,9 @@ class LazyTrainEngine(nn.Module):
             loaded = ckpt.load(load_dir, tag, want_optim, trust=trust)
             apply = lambda: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
+        # the files are read: gradients accumulated before the load belong to no state being loaded (a rollback
+        # after a loss spike); a load that failed reading them changed nothing, these gradients included
+        self.zero_grad()
         try:
             result = apply()
         except Exception as e:
@@ -1607,7 +1616,8 @@ class LazyTrainEngine(nn.Module):
             if _holds_8bit_moments(own["optimizer"]) and type(self.optimizer).__name__ != "HybridAdamW":
                 # saved by an 8-bit HybridAdamW: its codes mean nothing to this optimizer, which takes the fp32
                 # moments the DeepSpeed files hold (dequantized), by parameter name
-                self._apply_optimizer_state(self._optimizer_state_from(state.moments, os.path.dirname(path)))
+                self._apply_optimizer_state(self._optimizer_state_from(state.moments, os.path.dirname(path),
+                                                                       state.group_settings))
             else:
                 self._load_whole_optimizer_state(self._own_optimizer_state(own, state.moments, path,
                                                                            self._owned_names()))
@@ -1727,6 +1737,9 @@ class LazyTrainEngine(nn.Module):
         """The optimizer takes ``sd`` with tensors of its own: a loaded file's are memory-mapped, and torch's
         load_state_dict keeps a tensor of the right dtype as it is, which kept the checkpoint's file mapped
         (its disk space not freed when it is deleted, a SIGBUS when it is rewritten in place)."""
+        if type(self.optimizer).__name__ == "HybridAdamW":   # it copies every tensor it takes in: no clone first
+            self.optimizer.load_state_dict(sd)
+            return
         state = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
                  for k, st in sd["state"].items()}
         self.optimizer.load_state_dict({**sd, "state": state})
@@ -1853,6 +1866,9 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+_DEEPSPEED_OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:

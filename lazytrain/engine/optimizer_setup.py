@@ -129,6 +129,13 @@ def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[in
     except ImportError as e:  # pragma: no cover - present once the hybrid optimizer ships
         raise ConfigError(f"8-bit optimizer states need lazytrain.optim.hybrid_adamw: {e}") from e
     lt = cfg.lazytrain
+    set_elsewhere = {"optimizer_states": "lazytrain.optimizer_states", "min_8bit_size": "lazytrain.hybrid_threshold",
+                     "block_size": "lazytrain.quant_block_size", "fp32_name_patterns": "lazytrain.fp32_state_patterns",
+                     "named_parameters": None, "check_finite": None, "adamw_mode": "optimizer.type"}
+    for key in sorted(set(params) & set(set_elsewhere)):
+        where = set_elsewhere[key]
+        raise ConfigError(f"config 'optimizer.params.{key}' is not an optimizer parameter here: "
+                          + (f"set '{where}' instead" if where else "the engine sets it"))
     return HybridAdamW(groups, adamw_mode=adam_w_mode, optimizer_states=lt.optimizer_states
                        if cfg.optimizer.type.lower() not in _HYBRID_TYPES else "8bit",
                        min_8bit_size=lt.hybrid_threshold, block_size=lt.quant_block_size,

@@ -571,7 +571,7 @@ def _requant(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, to
     gradient whose square overflows fp32) would make its block's absmax inf and every value in the block NaN
     once dequantized (0 * inf); clamped, its own update stays about 0 as AdamW's, and the block stays finite.
     A NaN moment is not its block's absmax and encodes as +-absmax, as in the kernel."""
-    x = x.clamp(-_FP32_MAX, _FP32_MAX)   # a NaN stays NaN
+    x = x.clamp(-_MOMENT_MAX, _MOMENT_MAX)   # a NaN stays NaN
     n = x.numel()
     nb = num_blocks(n, bs)
     xb = torch.nn.functional.pad(x, (0, nb * bs - n)).view(nb, bs)
@@ -580,7 +580,7 @@ def _requant(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, to
     return encode(xb * scale[:, None], qmap).reshape(-1)[:n], absmax
 
 
-_FP32_MAX = torch.finfo(torch.float32).max
+_MOMENT_MAX = 2.0 ** 126   # as the kernel's: 1 / absmax stays a normal float (1 / FLT_MAX is flushed with denormals)
 
 #: elements converted at a time between fp32 and 8-bit moments (the temporaries of a few blocks, not of a
 #: whole embedding)

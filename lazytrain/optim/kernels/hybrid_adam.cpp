@@ -13,7 +13,6 @@
 // lazytrain/optim/quantization.py, which builds the table). The AVX2 path and the scalar path compute
 // the same operations in the same order (compiled with -ffp-contract=off), so they agree bit for bit.
 #include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -222,6 +221,10 @@ inline void encode_block(const float* buf, int64_t len, float scale, const Table
 
 inline float inv_absmax(float amax) { return amax > 0.0f ? 1.0f / amax : 0.0f; }
 
+// The largest moment kept: 2^126, so that 1 / absmax stays a normal float (1 / FLT_MAX is subnormal, and
+// flushed to 0 where denormals are flushed: every code of the block would then read 0).
+constexpr float kMomentMax = 0x1p126f;
+
 inline float absmax_of(const float* x, int64_t len) {
   float mx = 0.0f;
   int64_t j = 0;
@@ -257,7 +260,7 @@ void adam8bit_impl(const Hyper& h, float* p, const void* g, uint8_t* c1, uint8_t
         const __m256 va1 = _mm256_set1_ps(a1), va2 = _mm256_set1_ps(a2);
         const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
         __m256 vm1 = _mm256_setzero_ps(), vm2 = _mm256_setzero_ps();
-        const __m256 vfmax = _mm256_set1_ps(FLT_MAX), vfmin = _mm256_set1_ps(-FLT_MAX);
+        const __m256 vfmax = _mm256_set1_ps(kMomentMax), vfmin = _mm256_set1_ps(-kMomentMax);
         for (; j + 8 <= len; j += 8) {
           const int64_t i = s + j;
           __m256 m = dequant8(c1 + i, q1, va1);
@@ -281,8 +284,8 @@ void adam8bit_impl(const Hyper& h, float* p, const void* g, uint8_t* c1, uint8_t
         const int64_t i = s + j;
         float m = q1[c1[i]] * a1, v = q2[c2[i]] * a2, pp = p[i];
         adam_scalar<ADAMW>(h, pp, load_g<GT>(g, i), m, v);
-        m = std::min(std::max(m, -FLT_MAX), FLT_MAX);   // finite moments (a NaN stays NaN)
-        v = std::min(v, FLT_MAX);
+        m = std::min(std::max(m, -kMomentMax), kMomentMax);   // finite moments (a NaN stays NaN)
+        v = std::min(v, kMomentMax);
         p[i] = pp;
         store_copy<CT>(copy, i, pp);
         mbuf[j] = m;
