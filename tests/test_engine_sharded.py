@@ -489,7 +489,8 @@ def test_a_sharded_save_that_fails_on_one_rank_fails_on_every_rank_and_keeps_the
     if how == "not-shared":
         assert r1["outcome"].endswith("save_dir must be on a file system every rank sees"), r1["outcome"]
     assert r0["waited"] < 20 and r1["waited"] < 20                   # every rank told, none left to time out
-    assert sorted(os.listdir(out / "ckpt")) == ["latest", "t"]   # no staging left behind
+    from lazytrain.engine.deepspeed_layout import RECOVERY_SCRIPTS   # DeepSpeed's scripts, beside the first save
+    assert sorted(set(os.listdir(out / "ckpt")) - set(RECOVERY_SCRIPTS)) == ["latest", "t"]   # no staging left
     loaded = spawned(train(1, steps="none", load=f"failing-save-{how}"))[0]   # the first save, whole
     assert loaded["weights"].keys() == r0["first"].keys()
     assert all(torch.equal(loaded["weights"][k], v) for k, v in r0["first"].items())
