@@ -84,17 +84,35 @@ class Timeline:
         return total
 
     def chrome_events(self, pid: int = 1) -> list[dict]:
+        """Each lane one track, or more where its spans overlap without nesting (concurrent NVMe requests):
+        Chrome and Perfetto draw a track's events right only when each lies after or inside another."""
         lanes = [lane for lane in LANES if any(s.lane == lane for s in self.spans)] + \
             sorted({s.lane for s in self.spans} - set(LANES))
-        tid = {lane: k + 1 for k, lane in enumerate(lanes)}
+        tracks: list[tuple[str, int]] = []   # (lane, row) in display order
+        row_of: dict[int, int] = {}
+        for lane in lanes:
+            rows: list[list[float]] = []     # per row, the ends of the spans still open at the current start
+            for s in sorted((s for s in self.spans if s.lane == lane), key=lambda s: (s.start, -s.end)):
+                for k, open_ends in enumerate(rows):
+                    while open_ends and open_ends[-1] <= s.start:
+                        open_ends.pop()
+                    if not open_ends or s.end <= open_ends[-1]:   # after, or inside, what is open there
+                        break
+                else:
+                    rows.append([])
+                    k = len(rows) - 1
+                rows[k].append(s.end)
+                row_of[id(s)] = k
+            tracks += [(lane, k) for k in range(len(rows))]
+        tid = {track: n + 1 for n, track in enumerate(tracks)}
         events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": self.source}}]
-        events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid[lane], "args": {"name": lane}}
-                   for lane in lanes]
-        events += [{"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid[lane], "args": {"sort_index": tid[lane]}}
-                   for lane in lanes]
+        events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid[(lane, k)],
+                    "args": {"name": lane if k == 0 else f"{lane} {k + 1}"}} for lane, k in tracks]
+        events += [{"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": n, "args": {"sort_index": n}}
+                   for n in tid.values()]
         base = min((s.start for s in self.spans), default=0.0)
         for s in self.spans:
-            events.append({"ph": "X", "name": s.name, "cat": s.lane, "pid": pid, "tid": tid[s.lane],
+            events.append({"ph": "X", "name": s.name, "cat": s.lane, "pid": pid, "tid": tid[(s.lane, row_of[id(s)])],
                            "ts": round((s.start - base) * 1e6, 3), "dur": round(max(0.0, s.end - s.start) * 1e6, 3),
                            "args": s.args})
         return events

@@ -166,3 +166,24 @@ def test_the_summary_names_each_wait_whole():
     t.spans += [Span("wait", "gradients to host", 0.0, 0.004), Span("wait", "weights 3", 0.0, 0.001),
                 Span("wait", "gradient sink (embedding/head)", 0.0, 0.002), Span("compute", "fwd L0", 0.0, 0.01)]
     assert "waits: gradients to host 4.00 ms, gradient sink (embedding/head) 2.00 ms, weights 1.00 ms" in t.summary()
+
+
+def test_spans_of_one_lane_that_overlap_without_nesting_go_on_tracks_of_their_own():
+    """Concurrent NVMe requests overlapped on one track, which Chrome and Perfetto draw wrongly."""
+    from lazytrain.trace import Span
+    t = Timeline("measured")
+    t.spans += [Span("nvme_read", "a", 0.0, 0.003), Span("nvme_read", "b", 0.001, 0.004),   # b overlaps a
+                Span("nvme_read", "c", 0.005, 0.006), Span("compute", "fwd L0", 0.0, 0.004),
+                Span("compute", "inner", 0.001, 0.002)]                                    # nested: same track
+    events = t.chrome_events()
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    track = {e["name"]: names[e["tid"]] for e in events if e["ph"] == "X"}
+    assert track == {"a": "nvme_read", "b": "nvme_read 2", "c": "nvme_read", "fwd L0": "compute",
+                     "inner": "compute"}
+    for tid in names:   # on every track, each event lies after or inside the ones before it
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X" and e["tid"] == tid)
+        open_ends = []
+        for start, end in spans:
+            open_ends = [x for x in open_ends if x > start]
+            assert not open_ends or end <= open_ends[-1]
+            open_ends.append(end)
