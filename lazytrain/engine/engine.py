@@ -42,7 +42,7 @@ from .distributed import CollectiveError, DistributedContext
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
-from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, param_groups
+from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name, param_groups
 from .placement import (build_plan, build_tiers, card_memory, non_block_state_home, plan_from_measurements,
                         resolve_device)
 from .precision import LossScaleAtMinimumError, LossScaler, Masters
@@ -742,6 +742,14 @@ class LazyTrainEngine(nn.Module):
         return StepFailedError(f"{self._failed_step}: {lost}. The engine refuses to train or save until a "
                                f"checkpoint is loaded (engine.load_checkpoint)")
 
+    def _fail_inconsistent(self, reason: str, error: BaseException, lost: str):
+        """Marks the engine inconsistent (see _inconsistent) and raises: an Exception as a StepFailedError, a
+        KeyboardInterrupt or SystemExit as it is (Ctrl-C stops the script; the mark stays for a later call)."""
+        failed = self._inconsistent(reason, error, lost)
+        if isinstance(error, Exception):
+            raise failed from error
+        raise error
+
     def _refuse_if_inconsistent(self, what: str, error=None) -> None:
         if self._failed_step is not None:
             raise (error or StepFailedError)(
@@ -881,13 +889,10 @@ class LazyTrainEngine(nn.Module):
                     with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
                         self.masters.masters_to_params()
             except BaseException as e:   # a KeyboardInterrupt too: it leaves the same half-updated state
-                failed = self._inconsistent(
+                self._fail_inconsistent(
                     f"step {self.global_steps + 1} failed during the optimizer update", e,
                     "some weights and optimizer states hold the update and some do not, and the step counter, "
                     "the learning-rate schedule and the gradients did not advance")
-                if isinstance(e, Exception):
-                    raise failed from e
-                raise   # as it is (Ctrl-C stops the script); the engine refuses to go on until a load
             self.last_optimizer_seconds = time.perf_counter() - t0
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
@@ -896,12 +901,9 @@ class LazyTrainEngine(nn.Module):
                 try:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
                 except BaseException as e:
-                    failed = self._inconsistent(
+                    self._fail_inconsistent(
                         f"step {self.global_steps + 1} updated the weights, then advancing the learning-rate "
                         f"schedule failed", e, "the step counter and the gradients did not advance")
-                    if isinstance(e, Exception):
-                        raise failed from e
-                    raise
         if self.partitioned is not None:
             self.partitioned.after_step()   # the owners' weights changed: the copies held for forwards are old
         if self.layer_updates is not None and self._step_applied:
@@ -1227,9 +1229,8 @@ class LazyTrainEngine(nn.Module):
 
     def optimizer_name(self) -> str | None:
         """The config's optimizer type, or the class name of the optimizer passed to initialize."""
-        typ = self._config.optimizer.type
-        if typ is not None:   # DeepSpeed lower-cases the types it implements (its ADAM_OPTIMIZER etc. are)
-            return typ.lower() if typ.lower() in _DEEPSPEED_OPTIMIZER_NAMES else typ
+        if self._config.optimizer.type is not None:
+            return deepspeed_optimizer_name(self._config.optimizer.type)
         return type(self.optimizer).__name__ if self.optimizer is not None else None
 
     def get_mom(self) -> list:
@@ -1377,21 +1378,19 @@ class LazyTrainEngine(nn.Module):
             # layout from their owners (_holder_of_pieces), so no rank holds the others' parameters whole
             with self._shapes_only():
                 self._save_sharded(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-            if self.global_rank == 0:
-                ds_layout.copy_recovery_scripts(save_dir, tag)
-            return True
-        error = None
-        try:
-            export = self._export(client_state, exclude_frozen_parameters)
-        except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
-            error = e
-        if self.global_rank == 0 and error is None:
+        else:
+            error = None
             try:
-                ckpt.save(save_dir, tag, ds_layout.files(export), save_latest)
+                export = self._export(client_state, exclude_frozen_parameters)
             except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
                 error = e
-        # no rank returns (and may load) before the files exist; a failed save fails every rank at once
-        self._agree_on_save(error, tag, save_dir, "rank 0 writes the files")
+            if self.global_rank == 0 and error is None:
+                try:
+                    ckpt.save(save_dir, tag, ds_layout.files(export), save_latest)
+                except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
+                    error = e
+            # no rank returns (and may load) before the files exist; a failed save fails every rank at once
+            self._agree_on_save(error, tag, save_dir, "rank 0 writes the files")
         if self.global_rank == 0:
             ds_layout.copy_recovery_scripts(save_dir, tag)
         return True
@@ -1866,9 +1865,6 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
-
-
-_DEEPSPEED_OPTIMIZER_NAMES = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:

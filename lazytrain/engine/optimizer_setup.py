@@ -24,6 +24,12 @@ _DEEPSPEED_OWN = {"lamb": "FusedLamb", "onebitadam": "1-bit Adam", "zerooneadam"
                   "muadam": "MuAdam (mup)", "muadamw": "MuAdamW (mup)", "musgd": "MuSGD (mup)"}
 
 
+def deepspeed_optimizer_name(typ: str) -> str:
+    """A config's optimizer type as DeepSpeed's optimizer_name() gives it: lower-cased where DeepSpeed implements
+    the type itself (its ADAM_OPTIMIZER etc. are), as written otherwise (a torch.optim class name)."""
+    return typ.lower() if typ.lower() in {"adam", "adamw", "adagrad", *_DEEPSPEED_OWN} else typ
+
+
 def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, remap: Callable) -> list[dict]:
     """The user's parameters (a list, a generator or param groups) with each parameter replaced by the
     tensor the optimizer must update (its fp32 master where one exists)."""

@@ -143,9 +143,7 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
        optimizer, but small ones let more layers keep their forward graph (no re-run in backward), and
        close to the memory limit boundaries wait for their copies, so the curve can have two peaks.
        At most ``max_plans`` MILP solves in all; every trial is returned so callers can show the curve."""
-    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
-                                     or global_batch < 1):
-        raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+    _check_global_batch(global_batch)
     trials: list[BatchTrial] = []
     plans: dict[int, Plan] = {}
     failed: set[int] = set()
@@ -234,6 +232,12 @@ def _floor_s(model: ModelShape, hw: HardwareProfile, budgets: Budgets, micro_bat
     return step_floor(p, offload=True).step_s
 
 
+def _check_global_batch(global_batch) -> None:
+    if global_batch is not None and (isinstance(global_batch, bool) or not isinstance(global_batch, int)
+                                     or global_batch < 1):
+        raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+
+
 def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: "int | None" = None,
              seq_len: int = 1024, time_limit_s: float = 10.0, base: str | None = None,
              options: MilpOptions | None = None, global_batch: int | None = None) -> Plan:
@@ -264,11 +268,9 @@ def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: 
     mb = micro_batch
     if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
         raise ValueError(f"micro_batch must be a positive integer or None (search), got {mb!r}")
-    if global_batch is not None:
-        if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-            raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
-        if global_batch % mb:
-            raise ValueError(f"micro_batch {mb} does not divide global_batch {global_batch}")
+    _check_global_batch(global_batch)
+    if global_batch is not None and global_batch % mb:
+        raise ValueError(f"micro_batch {mb} does not divide global_batch {global_batch}")
     return solve(Problem(model=model, hardware=hw, budgets=b, micro_batch=mb, seq_len=seq_len,
                          grad_accum=global_batch // mb if global_batch is not None else 1), opts)
 
