@@ -23,7 +23,10 @@
 #   4. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama, and policy auto's
 #      predicted vs measured step).
 # usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs; ONLY (default
-# 1234) runs those sections only: one device call runs at most 600 s, so run ONLY=12, then ONLY=34.
+# 1234) runs those sections only; BUDGET (default 540) caps the whole run in seconds: each section's timeout is
+# cut to what is left of it and a section with under 30 s left is skipped, saying so. One device call runs at
+# most 600 s and a session has 900 s of device time in all, start-up included: run ONLY=12, then ONLY=34 with
+# what is left (BUDGET=300 fits a warm machine).
 # Deterministic kernels are asked for (CUBLAS_WORKSPACE_CONFIG; LAZYTRAIN_TEST_DETERMINISTIC makes the tests
 # call torch.use_deterministic_algorithms, warning where an op has none): the bit-for-bit tests compare runs.
 # Python packages missing on the GPU machine (pulp, highspy, kvikio) may be given as wheels in .whl/.
@@ -44,28 +47,41 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 ONLY=${ONLY:-1234}
+BUDGET=${BUDGET:-540}
+# The timeout for a section: its own default, cut to what is left of BUDGET; 0 when under 30 s are left.
+limit() {
+  local left=$((BUDGET - SECONDS))
+  if (( left < 30 )); then echo 0; elif (( $1 < left )); then echo "$1"; else echo "$left"; fi
+}
+# Runs "$@" under the section's limit, or says it was skipped for want of time.
+run_within() {
+  local t
+  t=$(limit "$1"); shift
+  if (( t == 0 )); then echo "skipped for want of time (BUDGET=$BUDGET s, $SECONDS s used): $*"; return 0; fi
+  timeout "$t" "$@"
+}
 if [[ $ONLY == *1* ]]; then
 echo "## 1. chaos, traces and the on_a_gpu tests"
-timeout "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_chaos.py tests/test_trace.py \
+run_within "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_chaos.py tests/test_trace.py \
   tests/test_fidelity.py \
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -15
-timeout "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
+run_within "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
   tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py tests/test_lean_norms.py \
   tests/test_master_grad_sink.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 fi
 
 if [[ $ONLY == *2* ]]; then
 echo "## 2. parity, optimizer and tier tests on the CUDA path"
-timeout "${TEST_TIMEOUT:-280}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py tests/test_engine_overlap.py \
+run_within "${TEST_TIMEOUT:-280}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py tests/test_engine_overlap.py \
   tests/test_no_blocks.py tests/test_optim*.py tests/test_tiers*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 
 if [[ $ONLY == *3* ]]; then
 echo "## 3. tiers"
-OUT="$OUT" timeout "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40
+OUT="$OUT" run_within "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40
 fi
 
 if [[ $ONLY == *4* ]]; then
 echo "## 4. engine throughput (and policy auto's predicted vs measured step)"
-timeout "${ENGINE_TIMEOUT:-240}" python3 benchmarks/engine_gpu.py 2>&1 | tee "$OUT/engine_gpu.log" | tail -20
+run_within "${ENGINE_TIMEOUT:-240}" python3 benchmarks/engine_gpu.py 2>&1 | tee "$OUT/engine_gpu.log" | tail -20
 fi

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..config import ConfigError, EngineConfig
-from ..optim.lr_schedules import build_schedule
+from ..optim.lr_schedules import build_schedule, torch_class_by_name
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction",
               "fused", "foreach", "set_grad_none", "fp32_optimizer_states"}
@@ -119,9 +119,7 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
 
 def _torch_optimizer(name: str):
     """A torch.optim optimizer class by its name, as DeepSpeed builds any type it does not implement itself."""
-    cls = getattr(torch.optim, name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and \
-        cls is not torch.optim.Optimizer else None
+    return torch_class_by_name(torch.optim, name, torch.optim.Optimizer)
 
 
 def _fused_ok(groups: list[dict]) -> bool:

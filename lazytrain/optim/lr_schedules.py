@@ -290,6 +290,11 @@ def _torch_schedule(name: str):
     """A torch.optim.lr_scheduler class by its name, as DeepSpeed builds a type it does not implement itself."""
     import torch
 
-    cls = getattr(torch.optim.lr_scheduler, name, None)
-    base = torch.optim.lr_scheduler.LRScheduler
+    return torch_class_by_name(torch.optim.lr_scheduler, name, torch.optim.lr_scheduler.LRScheduler)
+
+
+def torch_class_by_name(namespace, name: str, base: type):
+    """``namespace.name`` when it is a proper subclass of ``base`` (DeepSpeed's fallback for a config type it
+    does not implement: a torch optimizer or schedule by its class name), else None."""
+    cls = getattr(namespace, name, None)
     return cls if isinstance(cls, type) and issubclass(cls, base) and cls is not base else None
