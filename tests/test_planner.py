@@ -549,6 +549,19 @@ def test_the_global_batch_search_skips_a_micro_batch_whose_floor_cannot_beat_the
     assert solve(one, opts).prediction["step_time_s"] >= floor > best.prediction["step_time_s"]
 
 
+def test_a_divisor_skipped_by_its_floor_does_not_count_against_max_plans(monkeypatch):
+    import lazytrain.planner.search as search
+    model = toy_model(4)
+    budgets = Budgets(gpu_bytes=400_000, host_bytes=400_000, gpu_reserved_bytes=0, loss_chunk_tokens=16)
+    opts = MilpOptions(max_segment=4)
+    # every divisor after the first has a floor no plan can beat except 3: it is still solved with max_plans 2
+    monkeypatch.setattr(search, "_floor_s", lambda model, hw, budgets, b, *rest: 0.0 if b == 3 else float("inf"))
+    _, trials = search_micro_batch(model, TOY_HW, budgets, 16, opts, global_batch=12, max_plans=2)
+    solved = [t.micro_batch for t in trials if not t.status.startswith("skipped")]
+    skipped = [t.micro_batch for t in trials if t.status.startswith("skipped")]
+    assert len(solved) == 2 and 3 in solved and skipped and max(skipped) > 3 and min(skipped) > 3
+
+
 def test_the_global_batch_search_skips_no_micro_batch_whose_plans_beat_the_best():
     # a slow link and a large last layer: at micro-batch 2 (2 micro-batches a step) every layer, the last one
     # too, is resident and its weights are copied once a step. The step floor must count the last layer's

@@ -163,6 +163,9 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         plans[b] = plan
         return plan
 
+    def solves() -> int:   # MILP solves (and refused Problems) so far; a floor-skipped divisor is not one
+        return len(plans) + len(failed)
+
     def tps(b: int) -> float:
         plan = attempt(b)
         return plan.prediction["tokens_per_s"] if plan else -1.0
@@ -172,7 +175,7 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         Problem(model=model, hardware=hw, budgets=budgets, micro_batch=1, seq_len=seq_len)  # raises, named
     if global_batch is not None:   # the divisors that fit, largest first (fewest copies of each weight)
         for b in sorted((d for d in range(1, hi + 1) if global_batch % d == 0), reverse=True):
-            if len(trials) >= max_plans:
+            if solves() >= max_plans:
                 break
             floor = _floor_s(model, hw, budgets, b, seq_len, global_batch // b) if plans else None
             best_s = min((pl.prediction["step_time_s"] for pl in plans.values()), default=None)
@@ -199,21 +202,21 @@ def search_micro_batch(model: ModelShape, hw: HardwareProfile, budgets: Budgets,
         hi = lo
     grid = sorted({hi} | {1 << k for k in range(hi.bit_length()) if 1 << k < hi})
     for b in reversed(grid):                    # largest first: they are the likeliest optimum
-        if len(trials) >= max_plans - 2:
+        if solves() >= max_plans - 2:
             break
         attempt(b)
     scanned = [b for b in grid if b in plans]
     top = max(scanned, key=lambda b: (tps(b), b))
     k = grid.index(top)
     lo, hi = grid[max(0, k - 1)], grid[min(len(grid) - 1, k + 1)]
-    while hi - lo > 2 and len(trials) + 2 <= max_plans:
+    while hi - lo > 2 and solves() + 2 <= max_plans:
         m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
         if tps(m1) < tps(m2):
             lo = m1
         else:
             hi = m2
     for b in range(lo, hi + 1):
-        if len(trials) >= max_plans:
+        if solves() >= max_plans:
             break
         attempt(b)
     best = max(plans.values(), key=lambda pl: (pl.prediction["tokens_per_s"], pl.micro_batch_size))
