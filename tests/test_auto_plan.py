@@ -4,6 +4,7 @@ again when the measured step drifts from the prediction; the profile it saves pl
 start-up and in `lazytrain plan --profile`."""
 import json
 import os
+import platform
 import statistics
 import warnings
 
@@ -408,6 +409,15 @@ def test_a_saved_profile_of_another_model_or_sequence_length_and_an_unwritable_p
     with pytest.raises(ConfigError, match=r"was measured on cuda:0, this run trains on cpu: measure again"):
         lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
                                                                          "auto": {"profile": str(other)}}))
+    assert d["device_name"] == (platform.processor() or platform.machine() or "cpu")
+    other.write_text(json.dumps({**d, "device_name": "Some Other CPU"}))   # the same kind, another model
+    with pytest.raises(ConfigError, match=r"was measured on Some Other CPU, this run trains on .*: its times are "
+                                          r"another machine's; measure again"):
+        lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
+                                                                         "auto": {"profile": str(other)}}))
+    other.write_text(json.dumps({k: v for k, v in d.items() if k != "device_name"}))   # an older profile
+    lazytrain.initialize(model=make_model("llama"), config=_config(
+        {"policy": "auto", "auto": {"profile": str(other)}}))[0].destroy()
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(
         {"policy": "auto", "auto": {"profile": measured[2]}}))
     x, y = batches(1, seq=16)[0]

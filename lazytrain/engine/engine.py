@@ -12,6 +12,7 @@ import functools
 import inspect
 import math
 import os
+import platform
 import time
 import warnings
 from typing import Any
@@ -408,7 +409,13 @@ class LazyTrainEngine(nn.Module):
         return measured.MachineProfile(
             costs=costs, links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device),
-            grad_accum=self.gradient_accumulation_steps())
+            grad_accum=self.gradient_accumulation_steps(), device_name=self._device_name())
+
+    def _device_name(self) -> str:
+        """The device's model, so that a profile is not reused on another kind of GPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return platform.processor() or platform.machine() or self.device.type
 
     def _grads_beside_bytes(self) -> tuple[int, int] | None:
         """What the masters' gradient sink copies each micro-batch: (head side, embeddings). An embedding's
@@ -426,6 +433,10 @@ class LazyTrainEngine(nn.Module):
         if torch.device(profile.device).type != self.device.type:   # its times are another machine's
             raise ConfigError(f"{where} was measured on {profile.device}, this run trains on {self.device}: measure "
                               f"again (leave 'profile' out)")
+        if profile.device_name is not None and profile.device_name != self._device_name():
+            raise ConfigError(f"{where} was measured on {profile.device_name}, this run trains on "
+                              f"{self._device_name()}: its times are another machine's; measure again (leave "
+                              f"'profile' out)")
         if profile.micro_batch != self.train_micro_batch_size_per_gpu():
             raise ConfigError(f"{where} was measured at micro-batch {profile.micro_batch}, this run trains "
                               f"{self.train_micro_batch_size_per_gpu()}: measure again (leave 'profile' out)")

@@ -347,11 +347,13 @@ class MachineProfile:
     seq_len: int
     device: str = "cpu"
     grad_accum: int = 1             # micro-batches per optimizer step in the run measured (its global batch)
+    device_name: str | None = None  # the device's model (e.g. "NVIDIA H200"); None in profiles written before
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": 1, "costs": self.costs.to_dict(),
                 "links_gbps": dict(self.links_gbps), "model": self.model, "micro_batch": self.micro_batch,
-                "seq_len": self.seq_len, "device": self.device, "grad_accum": self.grad_accum}
+                "seq_len": self.seq_len, "device": self.device, "grad_accum": self.grad_accum,
+                "device_name": self.device_name}
 
     def to_json(self, path: str) -> None:
         import json
@@ -384,9 +386,12 @@ class MachineProfile:
                 raise MeasurementError(f"{where}: {k} must be an integer >= 1, got {d[k]!r}")
         if not isinstance(d["model"], dict):
             raise MeasurementError(f"{where}: model must be the model's config object, got {type(d['model']).__name__}")
+        name = d.get("device_name")
+        if name is not None and not isinstance(name, str):
+            raise MeasurementError(f"{where}: device_name must be a string, got {name!r}")
         return cls(costs=MeasuredCosts.from_dict(d["costs"]), links_gbps={k: float(v) for k, v in links.items()},
                    model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
-                   device=str(d.get("device", "cpu")), grad_accum=d["grad_accum"])
+                   device=str(d.get("device", "cpu")), grad_accum=d["grad_accum"], device_name=name)
 
     @classmethod
     def from_json(cls, path: str) -> "MachineProfile":
