@@ -45,7 +45,7 @@ def test_round_trip(tier, dtype, shape):
     assert torch.equal(tier.read("x").wait(), x)
     out = torch.full_like(x, 0)
     assert tier.read("x", out=out).wait() is out and torch.equal(out, x)
-    assert tier.used_bytes == nbytes
+    assert tier.used_bytes == -(-nbytes // 4096) * 4096   # the whole 4 KiB blocks its file takes
     if x.dim() >= 2:  # non-contiguous source and destination
         nc = sample(tuple(reversed(shape)), dtype, seed=1).transpose(0, -1)
         assert not nc.is_contiguous()
@@ -109,7 +109,8 @@ def test_many_concurrent_operations(tier):
     for k in tensors:
         assert torch.equal(tier.read(k).wait(), new.get(k, tensors[k]))
     assert len(data_files(tier)) == 48
-    assert tier.used_bytes == sum(v.numel() * v.element_size() for v in {**tensors, **new}.values())
+    # each file takes whole 4 KiB blocks
+    assert tier.used_bytes == sum(-(-v.numel() * v.element_size() // 4096) * 4096 for v in {**tensors, **new}.values())
 
 
 def test_read_waits_for_the_write_in_flight(tier):
@@ -185,7 +186,7 @@ def test_enospc_on_write(tier, after):
     tier.free("w")
     with pytest.raises(TierError, match="^tier 'nvme' holds no tensor under key 'w'$"):
         tier.read("w")
-    assert tier.used_bytes == (40 if after else 0)
+    assert tier.used_bytes == (4096 if after else 0)
     if after:
         assert torch.equal(tier.read("old").wait(), torch.ones(10))
 
@@ -531,3 +532,87 @@ def test_a_file_that_cannot_be_removed_is_reported_and_the_tier_goes_on(tmp_path
     monkeypatch.undo()
     assert "a" not in tier and torch.equal(tier.read("b").wait(), torch.arange(5.0))
     tier.close()
+
+
+# ---- edge shapes, budgets and close (found by review) ------------------------------------------------
+def open_tier_files(run_dir):
+    fds = []
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{f}"))
+        except OSError:
+            pass
+    return [p for p in fds if p.startswith(str(run_dir)) and ".bin" in p]   # not the owner lock
+
+
+def test_zero_dim_and_one_element_tensors_with_odd_strides_round_trip(tier):
+    scalar = empty_aligned((), torch.float32, pinned=False)   # aligned: written in place, read in place
+    scalar.fill_(3.5)
+    tier.write("s", scalar, owned=True).wait()
+    out = empty_aligned((), torch.float32, pinned=False)
+    assert tier.read("s", out=out).wait() is out and out.item() == 3.5
+    tier.write("h", torch.tensor([[1.0, 2.5]], dtype=torch.float16)[:, 1]).wait()
+    strided = torch.zeros(1, 3, dtype=torch.float16)[:, 1]   # contiguous, one element, stride 3
+    assert strided.is_contiguous() and strided.stride() == (3,)
+    tier.read("h", out=strided).wait()
+    assert strided.tolist() == [2.5]
+    assert open_tier_files(tier.run_dir) == [] and data_files(tier) == sorted(os.listdir(tier.run_dir))[1:]
+
+
+def test_the_budget_counts_the_4k_blocks_files_take(tmp_path):
+    t = NVMeTier(path=tmp_path, capacity=8192)
+    try:
+        t.write("a", torch.ones(1)).wait()
+        t.write("b", torch.ones(1)).wait()
+        with pytest.raises(TierBudgetError, match=r"writing 'c' \(4 B, held in 4.0 KiB\) would bring its use to "
+                                                  r"12.0 KiB"):
+            t.write("c", torch.ones(1))
+        assert t.used_bytes == 8192 == sum(os.path.getsize(t.file_of(k)) for k in "ab")
+    finally:
+        t.close()
+
+
+def test_close_delivers_a_read_issued_before_the_write_landed(tmp_path, monkeypatch):
+    for trial in range(10):
+        t = NVMeTier(path=tmp_path, aio={"block_size": BLOCK, "queue_depth": 1, "intra_op_parallelism": 2})
+        real = t.backend.pwritev
+
+        def slow(fd, iov, offset, real=real):
+            threading.Event().wait(0.002)   # the write lands after close() has started
+            return real(fd, iov, offset)
+        t.backend.pwritev = slow
+        x = sample((10_000,), torch.float32, seed=trial)
+        t.write("a", x)
+        read = t.read("a")
+        run_dir = t.run_dir
+        t.close()
+        assert torch.equal(read.wait(), x)
+        assert open_tier_files(run_dir) == [] and not os.path.exists(run_dir)
+
+
+def test_a_request_the_closing_pool_refuses_fails_its_transfer_and_leaks_nothing(tier):
+    tier.write("old", torch.ones(5000)).wait()
+    tier._executor.shutdown(wait=True)   # as when close() on another thread stops the pool mid-write
+    h = tier.write("x", torch.ones(5000))
+    with pytest.raises(TierError, match="^tier 'nvme' is closed$"):
+        h.wait()
+    with pytest.raises(TierError, match="^tier 'nvme' is closed$"):
+        tier.read("old").wait()
+    assert "x" not in tier and open_tier_files(tier.run_dir) == [] and len(data_files(tier)) == 1
+
+
+def test_a_run_directory_left_under_its_staging_name_is_removed_once_old(tmp_path):
+    from lazytrain.tiers.nvme import STAGING_STALE_S
+    old_locked, old_bare, young = (tmp_path / ".lazytrain-new-1-a", tmp_path / ".lazytrain-new-2-b",
+                                   tmp_path / ".lazytrain-new-3-c")
+    for d in (old_locked, old_bare, young):
+        d.mkdir()
+    (old_locked / ".owner.lock").write_text("")
+    (young / ".owner.lock").write_text("")
+    (tmp_path / ".lazytrain-new-4-d").write_text("a file, not ours")
+    past = os.path.getmtime(young) - STAGING_STALE_S - 1
+    for d in (old_locked, old_bare):
+        os.utime(d, (past, past))
+    t = NVMeTier(path=tmp_path)   # a process killed while making its run directory left the old two
+    t.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lazytrain-new-3-c", ".lazytrain-new-4-d"]

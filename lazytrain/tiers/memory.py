@@ -249,8 +249,10 @@ def _host_thread_copy(dst, src, value, afters, direction: str, label: str,
 class MemoryTier(Tier):
     """Tensors kept in a dict on one device; reads copy into ``out`` or return the stored tensor.
 
-    With CUDA, the last copy event touching each stored buffer is kept: reads are ordered after the
-    write that fills the buffer, and a freed buffer is recycled only once its copies are done.
+    With CUDA (or copy threads), the event of the copy that fills each stored buffer is kept, and reads
+    are ordered after it; the events of reads still copying out of a buffer are kept apart, so that a
+    freed buffer is recycled only once they are done, and so that a read that failed (its source intact)
+    never holds back the reads after it.
     """
 
     kind = "memory"
@@ -262,7 +264,8 @@ class MemoryTier(Tier):
     def __init__(self, name: str, capacity=None, device=None):
         super().__init__(name, capacity, device)
         self._store: dict[str, torch.Tensor] = {}
-        self._events: dict[str, object] = {}  # key -> last CUDA event of a copy into or out of its buffer
+        self._events: dict[str, object] = {}  # key -> event of the copy that filled its buffer, until done
+        self._reading: dict[str, list] = {}   # key -> events of reads out of its buffer, while in flight
 
     def _allocate(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
         """(buffer for ``tensor``, what backs it for the tier's own bookkeeping or None)."""
@@ -329,12 +332,21 @@ class MemoryTier(Tier):
         else:
             handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after, label=key)
         if handle._event is not None:
-            self._events[key] = handle._event  # copies out of the buffer follow the write on one stream
+            with self._lock:   # unless another thread rewrote or freed the key since: that buffer is not src
+                if self._store.get(key) is src:
+                    reading = [e for e in self._reading.get(key, ()) if not e.query()]
+                    self._reading[key] = reading + [handle._event]
         return handle
+
+    def _in_flight(self, key) -> list:
+        """The copies into and out of ``key``'s buffer not yet over (failed ones are over)."""
+        events = [self._events.get(key), *self._reading.get(key, ())]
+        return [e for e in events if e is not None and not e.query()]
 
     def _free(self, key):
         self._store.pop(key, None)
         self._events.pop(key, None)
+        self._reading.pop(key, None)
 
 
 class DeviceTier(MemoryTier):
@@ -360,7 +372,7 @@ class HostTier(MemoryTier):
             _warn_pageable(stacklevel=2)
         self.pool = SlabPool(limit_bytes=self.capacity)
         self._slabs: dict[str, torch.Tensor] = {}
-        self._draining: list[tuple[torch.Tensor, object]] = []  # freed slabs whose copies are in flight
+        self._draining: list[tuple[torch.Tensor, list]] = []  # freed slabs and the copies in flight on them
 
     def _footprint(self, tensor, owned):
         from .pool import size_class
@@ -381,39 +393,38 @@ class HostTier(MemoryTier):
 
     def _give_up(self, slab, event):
         if slab is not None:
-            self._return_slab(slab, event)
+            self._return_slab(slab, [] if event is None else [event])
 
-    def _return_slab(self, slab, event) -> None:
-        """Back to the pool, once the copy still running on it (``event``) has ended, never before."""
-        if event is None:
+    def _return_slab(self, slab, events: list) -> None:
+        """Back to the pool, once the copies still running on it (``events``) have ended, never before."""
+        if not events:
             self.pool.release(slab)
         else:
             with self._lock:
-                self._draining.append((slab, event))
+                self._draining.append((slab, events))
 
     def _drain(self, wait: bool = False) -> None:
         if wait:   # outside the lock: a copy thread finishing a failed write takes it before the next copy runs
             with self._lock:
                 draining = list(self._draining)
-            for _, event in draining:
-                wait_completion(event)   # over, failed or not: the slab is free either way
+            for _, events in draining:
+                for event in events:
+                    wait_completion(event)   # over, failed or not: the slab is free either way
         with self._lock:   # frees and given-up writes on other threads append to the list
             keep = []
-            for slab, event in self._draining:
-                if event.query():
+            for slab, events in self._draining:
+                if all(event.query() for event in events):
                     self.pool.release(slab)
                 else:
-                    keep.append((slab, event))
+                    keep.append((slab, events))
             self._draining = keep
 
     def _free(self, key):
-        event = self._pending(key)
-        if event is not None and event.query():   # a copy that failed: over, it holds the slab no more
-            event = None
+        events = self._in_flight(key)
         super()._free(key)
         slab = self._slabs.pop(key, None)
         if slab is not None:
-            self._return_slab(slab, event)
+            self._return_slab(slab, events)
 
     def close(self):
         super().close()

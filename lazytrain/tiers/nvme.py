@@ -26,6 +26,7 @@ import warnings
 import zlib
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +66,14 @@ class NVMeDataError(TierError):
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's memory."""
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(bytearray())
+    return memoryview(_byte_view(t).numpy()) if t.numel() else memoryview(bytearray())
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as a flat uint8 tensor. Flattened by its strides, not ``view(-1)``:
+    a 0-dim tensor, or a contiguous one of one element with another stride (``x[:, 1]`` of a 1-row ``x``),
+    has no byte view by ``view``."""
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 class _Landing:
@@ -209,6 +217,7 @@ class NVMeTier(Tier):
         self.run_dir: str | None = None
         self._closed = False
         self._entries: dict[str, _Entry] = {}
+        self._reads: set[Future] = set()   # reads issued and not delivered: close() waits for them
         self._seq = 0
         self._kv_streams: dict[int, object] = {}  # per CUDA device: where kvikio's checksums and copies run
         self._check_path()
@@ -322,7 +331,12 @@ class NVMeTier(Tier):
 
         # The bytes to write: the tensor's own memory when it is ours to keep and aligned, else a staging
         # slab (a snapshot, so the caller may reuse its tensor at once; pinned where CUDA exists).
-        landing = _in_place(tensor, nbytes, file_bytes) if owned else None
+        try:
+            landing = _in_place(tensor, nbytes, file_bytes) if owned else None
+        except BaseException:
+            self.backend.close(fd)
+            _unlink(path)
+            raise
         event = slab = None
         if landing is not None:
             if landing.tail is not None:  # the last partial block, zero-padded
@@ -367,11 +381,24 @@ class NVMeTier(Tier):
         op = _Op(max(1, len(requests)), finish)
         entry.written = op.future
         self._register(key, entry)
-        for offset, length in requests:
-            self._executor.submit(self._write_request, op, fd, landing, offset, length, nbytes, entry, event, data)
+        self._submit_all(op, requests, self._write_request, fd, landing, nbytes, entry, event, data)
+        return TransferHandle(future=op.future)
+
+    def _submit_all(self, op: "_Op", requests: list, fn, fd, landing, *args) -> None:
+        """Queue one ``fn`` per request of ``op``. A request that cannot be queued (the tier closed on
+        another thread meanwhile) completes its part with the error, so ``op``'s finish still runs once
+        and gives back the descriptor and staging memory."""
+        for i, (offset, length) in enumerate(requests):
+            try:
+                self._executor.submit(fn, op, fd, landing, offset, length, *args)
+            except RuntimeError as e:   # cannot schedule new futures after shutdown
+                error = TierError(f"tier {self.name!r} is closed")
+                error.__cause__ = e
+                for _ in requests[i:]:
+                    op.part_done(error)
+                return
         if not requests:
             op.part_done()  # an empty tensor: an empty file
-        return TransferHandle(future=op.future)
 
     def _write_request(self, op, fd, landing: _Landing, offset, length, nbytes, entry, event, keepalive):
         try:
@@ -442,6 +469,9 @@ class NVMeTier(Tier):
             issued = torch.cuda.Event()
             issued.record(torch.cuda.current_stream(target))
         result: Future = Future()
+        with self._lock:
+            self._reads.add(result)
+        result.add_done_callback(self._read_delivered)
 
         def fail(error):   # the file is released before the caller sees the outcome
             self._reader_done(entry)
@@ -467,6 +497,10 @@ class NVMeTier(Tier):
         else:
             entry.written.add_done_callback(start)  # read after the write lands
         return TransferHandle(future=result)
+
+    def _read_delivered(self, result: Future) -> None:
+        with self._lock:
+            self._reads.discard(result)
 
     def _start_read(self, entry: _Entry, out, target: torch.device, issued) -> Future:
         if entry.via_kvikio:
@@ -503,7 +537,7 @@ class NVMeTier(Tier):
             landing = _Landing(_as_bytes(slab[:entry.file_bytes]), entry.file_bytes)
             value = None
             if out is not None and out.device.type == "cpu" and out.is_contiguous():
-                scatter = (out.view(-1).view(torch.uint8), slab)
+                scatter = (_byte_view(out), slab)
                 value = out
 
         def finish(error):
@@ -529,10 +563,7 @@ class NVMeTier(Tier):
 
         requests = self._requests(entry.file_bytes)
         op = _Op(max(1, len(requests)), finish)
-        for offset, length in requests:
-            self._executor.submit(self._read_request, op, fd, landing, offset, length, entry, scatter)
-        if not requests:
-            op.part_done()
+        self._submit_all(op, requests, self._read_request, fd, landing, entry, scatter)
         return op.future
 
     def _read_request(self, op, fd, landing: _Landing, offset, length, entry: _Entry, scatter):
@@ -621,6 +652,10 @@ class NVMeTier(Tier):
                 return
         _unlink(entry.path)        # writes in flight hold their own descriptors
 
+    def _footprint(self, tensor, owned):
+        """A file takes whole 4 KiB blocks of the disk: the budget counts those."""
+        return round_up(tensor.numel() * tensor.element_size(), ALIGNMENT)
+
     def _register(self, key: str, entry: _Entry) -> None:
         """Make ``entry`` the file behind ``key``, unless another thread freed or rewrote the key while
         this write was being set up: then its file goes at once. A file it supersedes goes like a freed
@@ -666,6 +701,11 @@ class NVMeTier(Tier):
                     entry.written.exception()  # wait
                 except BaseException:  # noqa: BLE001
                     pass
+        # a read issued before a write landed starts from that write's callback, which may run after the
+        # waits above return: wait for every read to be delivered before the pool stops taking requests
+        with self._lock:
+            reads = list(self._reads)
+        futures_wait(reads)
         self._executor.shutdown(wait=True)
         self._entries.clear()
         with self._lock:
@@ -699,6 +739,8 @@ class NVMeTier(Tier):
 
 
 RUN_PREFIX = "lazytrain-run-"
+STAGING_PREFIX = ".lazytrain-new-"
+STAGING_STALE_S = 300.0   # a run directory still being prepared this long after it was made was left over
 _OWNER_LOCK = ".owner.lock"
 
 
@@ -707,7 +749,7 @@ def _make_run_dir(root: str, name_part: str, run_dir: str) -> int | None:
     that a run directory without a held lock is known to be left over. The directory is prepared under
     a temporary name and renamed, so no one ever sees it unlocked. Returns the lock's descriptor, or None
     on filesystems without flock (their directories are then never judged left over)."""
-    staging = os.path.join(root, f".lazytrain-new-{name_part}")
+    staging = os.path.join(root, f"{STAGING_PREFIX}{name_part}")
     os.mkdir(staging, 0o700)
     fd = None
     try:
@@ -728,36 +770,51 @@ def _make_run_dir(root: str, name_part: str, run_dir: str) -> int | None:
 
 def remove_stale_run_dirs(root: str) -> list[tuple[str, int]]:
     """Remove run directories under ``root`` whose owner lock is not held: their process ended without
-    closing its tier (killed, crashed). Returns (directory, bytes freed) for each one removed."""
+    closing its tier (killed, crashed). A directory still under its staging name (a process killed while
+    making it) goes too once ``STAGING_STALE_S`` old with its lock free: younger, it may be another
+    process's in the making. Returns (directory, bytes freed) for each one removed."""
     removed = []
     try:
         names = os.listdir(root)
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(RUN_PREFIX):
-            continue
         path = os.path.join(root, name)
+        if name.startswith(STAGING_PREFIX):
+            try:
+                if time.time() - os.stat(path).st_mtime < STAGING_STALE_S:
+                    continue
+            except OSError:
+                continue
+        elif not name.startswith(RUN_PREFIX):
+            continue
         try:
             fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDWR | os.O_CLOEXEC)
         except OSError:
-            continue  # no lock file: not a directory this version made, leave it alone
+            if name.startswith(STAGING_PREFIX) and os.path.isdir(path):
+                removed.append(_remove_dir(path))   # killed before it made its lock file
+            continue  # else no lock file: not a directory this version made, leave it alone
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # held: its tier is alive
-            nbytes = 0
-            for entry in os.scandir(path):
-                try:
-                    nbytes += entry.stat(follow_symlinks=False).st_size
-                except OSError:
-                    pass
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append((path, nbytes))
+            removed.append(_remove_dir(path))
         finally:
             os.close(fd)
     return removed
+
+
+def _remove_dir(path: str) -> tuple[str, int]:
+    """Remove a left-over run directory: (its path, the bytes its files held)."""
+    nbytes = 0
+    for entry in os.scandir(path):
+        try:
+            nbytes += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            pass
+    shutil.rmtree(path, ignore_errors=True)
+    return path, nbytes
 
 
 def _unlink(path: str) -> None:
