@@ -92,6 +92,65 @@ class _InPlaceReluBlock(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.relu(self.fc1(x), inplace=True))
 
 
+class RouterBlock(torch.nn.Module):
+    """A router that divides its top-k weights in place, as Mixtral's and DeepSeek-V3's do: under autograd
+    the division adds a clone that the forward without autograd never runs."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin, self.router = torch.nn.Linear(d, d), torch.nn.Linear(d, 4)
+
+    def forward(self, x):
+        weights, _ = self.router(x).softmax(-1).topk(2, dim=-1)
+        weights /= weights.sum(-1, keepdim=True)
+        return x + torch.tanh(self.lin(x)) * weights[..., :1]
+
+
+class GradOnlyMatmulBlock(torch.nn.Module):
+    """Runs one more matmul when autograd records (as a grad-mode-dependent integration might): its
+    re-runs' kept ops no longer line up with its forward's."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            x = x + 0.0 * (x @ self.lin.weight)
+        return x + torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("block", [RouterBlock, GradOnlyMatmulBlock], ids=["router", "grad-only-matmul"])
+@pytest.mark.parametrize("links", [False, True], ids=["one-re-run", "two-re-runs"])
+def test_a_block_that_runs_other_ops_under_autograd_trains_as_the_plan_without_selective_layers(
+        tmp_path, block, links):
+    from engine_models import ModuleListLM
+
+    class LM(ModuleListLM):
+        pass
+    LM.block = block
+
+    def model():
+        torch.manual_seed(0)
+        return LM()
+    data = batches(2)
+    plan = every_k_plan(6, 3, home="host")
+    plain = _train(plan_engine(tmp_path, model(), plan, LINKS if links else None), data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = _train(plan_engine(tmp_path, model(), dataclasses.replace(plan, selective_layers=(0, 1, 3, 4)),
+                                  LINKS if links else None), data)
+    lined_up = [str(w.message) for w in caught if "did not repeat its forward's kept ops" in str(w.message)]
+    if block is RouterBlock:   # its extra ops are cheap ones, which are never kept: every kept op lines up
+        assert lined_up == []
+    else:   # the extra matmul comes first: the re-run computes from there, correctly
+        assert lined_up and lined_up[0].startswith("lazytrain: a selective layer's re-run did not repeat its "
+                                                   "forward's kept ops (aten.mm.default number 0 has no kept "
+                                                   "output of its signature)")
+    for k, v in plain.items():
+        assert torch.equal(kept[k], v), k
+
+
 @pytest.mark.parametrize("links", [False, True], ids=["one-re-run", "two-re-runs"])
 def test_a_kept_output_the_model_changes_in_place_makes_its_layer_re_run_whole(tmp_path, links):
     """torch's selective checkpoint refuses a cached output changed in place: a plan with selective layers
@@ -161,11 +220,11 @@ def test_a_selective_forward_keeps_matmul_and_attention_outputs_for_each_re_run(
 
 
 def test_a_forward_kept_for_two_re_runs_runs_each_op_through_one_dispatch_mode(monkeypatch):
-    """Each re-run consumes a cache of its own; the forward records one and copies its entries, so its ops
-    pay one Python dispatch mode, not one per re-run (the policy is asked once per op)."""
+    """One recording serves every re-run (a re-run reads the kept outputs, it does not consume them), so
+    the forward's ops pay one Python dispatch mode whatever the number of re-runs."""
     import lazytrain.engine.selective as selective
-    asked, policy = [], selective._policy
-    monkeypatch.setattr(selective, "_policy", lambda ctx, op, *a, **k: asked.append(op) or policy(ctx, op, *a, **k))
+    asked, keeps = [], selective.keeps
+    monkeypatch.setattr(selective, "keeps", lambda op, args, kwargs: asked.append(op) or keeps(op, args, kwargs))
     lin, x = torch.nn.Linear(8, 8), torch.randn(2, 3, 8)
     block = lambda: torch.relu(lin(x)) @ lin.weight   # noqa: E731
     counts = []
@@ -192,17 +251,16 @@ def test_a_selective_layer_must_be_one_that_backward_re_runs():
 
 
 def test_attention_that_drops_out_and_kernels_without_a_log_sum_exp_are_recomputed_not_kept():
-    from torch.utils.checkpoint import CheckpointPolicy
-    from lazytrain.engine.selective import _policy
+    from lazytrain.engine.selective import keeps
     aten, q = torch.ops.aten, torch.zeros(1)
-    assert _policy(None, aten.mm.default, q, q) == CheckpointPolicy.MUST_SAVE
+    assert keeps(aten.mm.default, (q, q), {})
     flash = aten._scaled_dot_product_flash_attention_for_cpu.default
-    assert _policy(None, flash, q, q, q, 0.0) == CheckpointPolicy.MUST_SAVE
-    assert _policy(None, flash, q, q, q, 0.1) == CheckpointPolicy.PREFER_RECOMPUTE
-    assert _policy(None, flash, q, q, q, dropout_p=0.1) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert keeps(flash, (q, q, q, 0.0), {})
+    assert not keeps(flash, (q, q, q, 0.1), {})
+    assert not keeps(flash, (q, q, q), {"dropout_p": 0.1})
     efficient = aten._scaled_dot_product_efficient_attention.default
-    assert _policy(None, efficient, q, q, q, None, False) == CheckpointPolicy.PREFER_RECOMPUTE
-    assert _policy(None, aten.relu.default, q) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert not keeps(efficient, (q, q, q, None, False), {})
+    assert not keeps(aten.relu.default, (q,), {})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -3,22 +3,31 @@ from its forward, so that its re-runs in backward recompute only the rest.
 
 Why: re-running a block in backward costs a whole forward, nearly all of it in matrix multiplies and
 attention; keeping a whole block's autograd internals instead costs their memory until its backward.
-Between the two, torch.utils.checkpoint's selective policy keeps the outputs of the expensive ops (about
-half the internals) and recomputes the cheap ones (norms, activations, elementwise). A Plan's
-``selective_layers`` name the blocks that do this. LazyTrain runs a block's forward without autograd and
-re-runs it once or twice in backward (the no-grad recompute of a segment's interior, then the forward with
-autograd before its backward), so each re-run needs a cache of its own (a re-run consumes its entries). The
-forward records into one, and the others are copies of its entries (the same tensors, held once): two
-recording modes would run every op of the forward through two Python dispatch modes.
+Between the two, selective checkpointing keeps the outputs of the expensive ops (about half the
+internals) and recomputes the cheap ones (norms, activations, elementwise). A Plan's ``selective_layers``
+name the blocks that do this. LazyTrain runs a block's forward without autograd and re-runs it once or
+twice in backward (the no-grad recompute of a segment's interior, then the forward with autograd before its
+backward).
+
+The caches are LazyTrain's own dispatch modes, not torch.utils.checkpoint's selective contexts: those
+number every op of the region and refuse a re-run that runs an op the forward did not, and model code runs
+other ops when autograd records (Mixtral's router divides a top-k output in place, which adds a clone
+under autograd only). Here only the kept ops are numbered, each with its arguments' shapes and dtypes; a
+re-run takes the kept output whose number and signature match, runs every other op as it is, and where
+the kept ops no longer line up it computes them again from there on (correct, only slower), with a
+warning. One recording serves every re-run: a re-run reads the entries, it does not consume them.
 """
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 _aten = torch.ops.aten
 
@@ -35,45 +44,106 @@ ATTENTION_OPS = _ops("_scaled_dot_product_flash_attention", "_scaled_dot_product
 KEPT_OPS = MATMUL_OPS + ATTENTION_OPS
 
 
-def _policy(ctx, op, *args, **kwargs):
+def keeps(op, args: tuple, kwargs: dict) -> bool:
     """Keep matmul outputs, and attention's unless it drops out: a kept attention would not draw its
     dropout's random numbers again in a re-run, and the ops after it would draw different ones."""
     if op in MATMUL_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    if op in ATTENTION_OPS and float(kwargs.get("dropout_p", args[3] if len(args) > 3 else 0.0)) == 0.0:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+        return True
+    return op in ATTENTION_OPS and float(kwargs.get("dropout_p", args[3] if len(args) > 3 else 0.0)) == 0.0
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What must match for a re-run's op to take a kept output: each tensor argument's shape and dtype,
+    each other argument's value."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return ("tensor", tuple(a.shape), a.dtype)
+        return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else type(a).__name__
+    return tuple(one(a) for a in tree_leaves((args, kwargs)))
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _versions(out) -> tuple:
+    return tuple(t._version for t in _tensors(out))
+
+
+@dataclass
+class _Kept:
+    signature: tuple
+    output: Any            # the op's output itself (the forward runs without autograd): the model's views of
+    versions: tuple        # it share its version counter, so an in-place change by the model shows here
+
+
+class _Recording(TorchDispatchMode):
+    """Runs every op; keeps the kept ops' outputs under (op, number)."""
+
+    def __init__(self, store: dict):
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if keeps(func, args, kwargs):
+            self.store[func].append(_Kept(_signature(args, kwargs), out, _versions(out)))
+        return out
+
+
+class _Replaying(TorchDispatchMode):
+    """Returns the kept output of each kept op whose number and signature match; runs the rest. What it
+    returns are aliases (autograd records its history on them, not on the kept tensors) with version
+    counters of their own: ``served`` keeps them, so that a re-run that changes one in place shows."""
+
+    def __init__(self, store: dict):
+        super().__init__()
+        self.store = store
+        self.counters: dict = defaultdict(int)
+        self.lined_up = True
+        self.served: list[tuple[list[torch.Tensor], tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.lined_up and keeps(func, args, kwargs):
+            entries, n = self.store.get(func, ()), self.counters[func]
+            self.counters[func] += 1
+            if n < len(entries) and entries[n].signature == _signature(args, kwargs):
+                out = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, entries[n].output)
+                self.served.append((_tensors(out), _versions(out)))
+                return out
+            self.lined_up = False
+            warnings.warn(f"lazytrain: a selective layer's re-run did not repeat its forward's kept ops ({func} "
+                          f"number {n} has no kept output of its signature); it computes them again from there",
+                          UserWarning)
+        return func(*args, **kwargs)
 
 
 class SelectiveForward:
-    """The kept outputs of one block's forward, for ``reruns`` re-runs (each consumes its own cache)."""
+    """The kept outputs of one block's forward, for ``reruns`` re-runs."""
 
     def __init__(self, reruns: int):
         if reruns < 1:
             raise ValueError(f"a selective block is re-run at least once, got {reruns}")
-        self._pairs = [create_selective_checkpoint_contexts(_policy) for _ in range(reruns)]
+        self._reruns = reruns
+        self._store: dict = defaultdict(list)   # op -> [_Kept], in the forward's order
+        self._replays: list[_Replaying] = []
         self._used = 0
 
     @contextmanager
     def recording(self):
-        """Run the block's forward inside this: the first cache records the kept ops' outputs, and every
-        other re-run's cache gets its entries (each a cache of its own: a re-run consumes its entries)."""
-        caching, _ = self._pairs[0]
-        with caching:
+        """Run the block's forward inside this: the kept ops' outputs are kept for every re-run."""
+        with _Recording(self._store):
             yield
-        for other, _ in self._pairs[1:]:
-            other.storage.clear()
-            other.storage.update({key: dict(entries) for key, entries in caching.storage.items()})
 
     def tensors(self) -> list[torch.Tensor]:
-        """The kept outputs, each storage once (the caches share them)."""
+        """The kept outputs, each storage once."""
         out, seen = [], set()
-        for caching, _ in self._pairs:
-            for leaf in _cache_entries(caching.storage):
-                t = getattr(leaf, "val", None)
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    out.append(t)
+        for t in self._kept_tensors():
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                out.append(t)
         return out
 
     def nbytes(self) -> int:
@@ -83,25 +153,26 @@ class SelectiveForward:
         """The context of the next re-run: the kept ops return their forward's outputs in it; or, where the
         model changed one of those outputs in place since (``relu(fc(x), inplace=True)``, say), none: the
         re-run computes everything again, as a block that is not selective does."""
-        if self._used == len(self._pairs):
-            raise RuntimeError(f"a selective block was re-run more than the {len(self._pairs)} time(s) its "
+        if self._used == self._reruns:
+            raise RuntimeError(f"a selective block was re-run more than the {self._reruns} time(s) its "
                                f"forward kept outputs for")
-        caching, cached = self._pairs[self._used]
         self._used += 1
-        if _changed_in_place(caching.storage):
+        if self._changed_in_place():
             warnings.warn("lazytrain: a selective layer's kept matmul output was changed in place by the model; "
                           "that layer re-runs its whole forward in backward instead", UserWarning)
             return nullcontext()
-        return cached
+        replay = _Replaying(self._store)
+        self._replays.append(replay)
+        return replay
 
+    def _kept_tensors(self):
+        for entries in self._store.values():
+            for kept in entries:
+                yield from _tensors(kept.output)
 
-def _cache_entries(storage: dict):
-    """The entries of a selective checkpoint cache (each wraps a kept output: ``val``, ``version``)."""
-    for entries in storage.values():
-        yield from tree_leaves(list(entries.values()))
-
-
-def _changed_in_place(storage: dict) -> bool:
-    """Whether a kept output changed since the forward kept it (the cache's entries record its version)."""
-    return any(getattr(leaf, "version", None) is not None and leaf.val._version != leaf.version
-               for leaf in _cache_entries(storage))
+    def _changed_in_place(self) -> bool:
+        """Whether a kept output changed since the forward kept it (by the forward, or by an earlier re-run
+        through what it was served)."""
+        if any(_versions(kept.output) != kept.versions for entries in self._store.values() for kept in entries):
+            return True
+        return any(_versions(tensors) != versions for replay in self._replays for tensors, versions in replay.served)

@@ -20,7 +20,7 @@ Conventions (shared by the executor and the simulator):
   device from its forward window j to its backward window 2L-1-j: the
   later the layer, the shorter that is. The segment has no length limit (it can be the whole stack).
 - ``selective_layers``: layers whose forward keeps the outputs of its matrix multiplies and attention
-  (torch.utils.checkpoint's selective policy), so that its re-runs in backward (the no-grad recompute of
+  (selective checkpointing, engine/selective.py), so that its re-runs in backward (the no-grad recompute of
   a segment's interior, and the forward with autograd before its backward) recompute only the other ops
   (norms, activations, elementwise: little time). Those outputs stay on the device from the layer's
   forward window j to its backward window 2L-1-j. Only layers below the graph tail (a graph layer keeps
