@@ -92,6 +92,21 @@ class _InPlaceReluBlock(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.relu(self.fc1(x), inplace=True))
 
 
+def _plain_run_of_blocks(tmp_path, block, links):
+    """A six-``block`` model's maker, two batches, the every-3 plan, and that plan's trained weights."""
+    from engine_models import ModuleListLM
+
+    class LM(ModuleListLM):
+        pass
+    LM.block = block
+
+    def model():
+        torch.manual_seed(0)
+        return LM()
+    data, plan = batches(2), every_k_plan(6, 3, home="host")
+    return model, data, plan, _train(plan_engine(tmp_path, model(), plan, LINKS if links else None), data)
+
+
 class RouterBlock(torch.nn.Module):
     """A router that divides its top-k weights in place, as Mixtral's and DeepSeek-V3's do: under autograd
     the division adds a clone that the forward without autograd never runs."""
@@ -124,18 +139,7 @@ class GradOnlyMatmulBlock(torch.nn.Module):
 @pytest.mark.parametrize("links", [False, True], ids=["one-re-run", "two-re-runs"])
 def test_a_block_that_runs_other_ops_under_autograd_trains_as_the_plan_without_selective_layers(
         tmp_path, block, links):
-    from engine_models import ModuleListLM
-
-    class LM(ModuleListLM):
-        pass
-    LM.block = block
-
-    def model():
-        torch.manual_seed(0)
-        return LM()
-    data = batches(2)
-    plan = every_k_plan(6, 3, home="host")
-    plain = _train(plan_engine(tmp_path, model(), plan, LINKS if links else None), data)
+    model, data, plan, plain = _plain_run_of_blocks(tmp_path, block, links)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         kept = _train(plan_engine(tmp_path, model(), dataclasses.replace(plan, selective_layers=(0, 1, 3, 4)),
@@ -155,17 +159,7 @@ def test_a_block_that_runs_other_ops_under_autograd_trains_as_the_plan_without_s
 def test_a_kept_output_the_model_changes_in_place_makes_its_layer_re_run_whole(tmp_path, links):
     """torch's selective checkpoint refuses a cached output changed in place: a plan with selective layers
     would fail where the same plan without them trains. The layer re-runs whole instead, with a warning."""
-    from engine_models import ModuleListLM
-
-    class LM(ModuleListLM):
-        block = _InPlaceReluBlock
-
-    def model():
-        torch.manual_seed(0)
-        return LM()
-    data = batches(2)
-    plan = every_k_plan(6, 3, home="host")
-    plain = _train(plan_engine(tmp_path, model(), plan, LINKS if links else None), data)
+    model, data, plan, plain = _plain_run_of_blocks(tmp_path, _InPlaceReluBlock, links)
     selective = dataclasses.replace(plan, selective_layers=(0, 1, 3, 4))
     with pytest.warns(UserWarning, match="lazytrain: a selective layer's kept matmul output was changed in place by "
                                          "the model; that layer re-runs its whole forward in backward instead"):
