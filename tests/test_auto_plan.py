@@ -41,9 +41,10 @@ def _config(lt: dict, micro_batch: int = 2) -> dict:
 
 
 def _train(lt: dict, steps: int = STEPS, accumulation: int = 1, links: bool = True, spoil=None, evaluate=(),
-           quiet: bool = True):
+           quiet: bool = True, evaluate_grad: bool = True):
     """``spoil``: micro-batch whose loss is made NaN (its step is skipped); ``evaluate``: micro-batches
-    before which an evaluation forward under grad runs, its output kept until the end."""
+    before which an evaluation forward runs (under grad unless ``evaluate_grad`` is False), its output kept
+    until the end."""
     cfg = _config(lt)
     cfg["train_batch_size"] = 2 * accumulation
     if not links:
@@ -55,7 +56,8 @@ def _train(lt: dict, steps: int = STEPS, accumulation: int = 1, links: bool = Tr
         data = batches(steps * accumulation)
         for i, (x, y) in enumerate(data):
             if i in evaluate:
-                kept.append(engine(data[0][0]))   # never differentiated
+                with torch.set_grad_enabled(evaluate_grad):
+                    kept.append(engine(data[0][0]))   # never differentiated
             plans.append(engine.plan.policy)
             loss = lm_loss(engine(x), y)
             engine.backward(loss * float("nan") if i == spoil else loss)
@@ -339,16 +341,22 @@ def test_an_evaluation_output_kept_across_the_plan_change_does_not_touch_the_new
         assert torch.equal(auto[k], v), k
 
 
-def test_steps_with_an_evaluation_under_grad_are_not_measured_and_too_many_stop_auto():
-    """An evaluation forward under grad in a traced step would add its time to the layers' forwards (25x
-    the measured forward in one case): such steps are left out, and when every step has one, auto stops."""
+@pytest.mark.parametrize("grad", [True, False], ids=["under-grad", "no-grad"])
+def test_steps_with_an_evaluation_are_not_measured_and_too_many_stop_auto(grad):
+    """An evaluation forward in a traced step, under grad or not, would add its time to the layers' forwards
+    (25x the measured forward in one case): such steps are left out, and when every step has one, auto
+    stops. A step's trace starts at its first forward under grad: an evaluation without grad lands in it
+    between the micro-batches (before the second of two here)."""
+    accumulation = 1 if grad else 2
     with pytest.warns(UserWarning) as caught:
         engine, plans = _train({"policy": "auto", "auto": {**AUTO, "max_replans": 0}}, steps=10,
-                               evaluate=tuple(range(10)), quiet=False)
-    assert plans == ["auto-calibration"] * 10 and engine.auto._mixed == 5
+                               accumulation=accumulation, evaluate=tuple(range(accumulation - 1, 20, accumulation)),
+                               quiet=False, evaluate_grad=grad)
+    assert plans == ["auto-calibration"] * 10 * accumulation and engine.auto._mixed == 5
     assert engine.auto.stopped == ("MeasurementError: 5 traced steps each ran a forward that was never differentiated "
-                                   "(an evaluation with gradients on?), whose time cannot be told apart from the "
-                                   "step's: run evaluation under torch.no_grad() while policy \"auto\" measures")
+                                   "(an evaluation between its micro-batches, with gradients on or off?), whose time "
+                                   "cannot be told apart from the step's: evaluate between optimizer steps (after "
+                                   "engine.step()) while policy \"auto\" measures")
     assert any("policy \"auto\" stopped after step 8" in str(w.message) for w in caught)
     engine.destroy()
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import AutoPlanConfig
-from ..planner.measured import MachineProfile, MeasurementError, ran_an_undifferentiated_forward
+from ..planner.measured import UNDIFFERENTIATED, MachineProfile, MeasurementError, ran_an_undifferentiated_forward
 from ..planner.plan import Plan
 
 
@@ -129,12 +129,9 @@ class AutoPlanner:
                 trace = self.hooks.last_trace()   # None: this step was not traced, or was skipped
                 # rank 0's answer on every rank: the ranks measure the same steps
                 if trace is not None and self.hooks.on_rank0(lambda: ran_an_undifferentiated_forward(trace)):
-                    self._mixed += 1              # an evaluation under grad in it: measure another step
+                    self._mixed += 1              # an evaluation in it: measure another step
                     if self._mixed > MIXED_STEPS_ALLOWED:
-                        raise MeasurementError(
-                            f"{self._mixed} traced steps each ran a forward that was never differentiated (an "
-                            f"evaluation with gradients on?), whose time cannot be told apart from the step's: run "
-                            f"evaluation under torch.no_grad() while policy \"auto\" measures")
+                        raise MeasurementError(f"{self._mixed} traced steps each {UNDIFFERENTIATED}")
                 elif trace is not None:
                     self._traces.append(trace)
             self._steps_in_phase += 1

@@ -245,10 +245,11 @@ class LayerStreamingExecutor:
     # ---- running a block ---------------------------------------------------------------------
     def _compute(self, layer: int, flat: torch.Tensor, hidden: torch.Tensor, call: _LayerCall,
                  tensors: list | None = None, requires_grad: bool = False, replay: bool = False,
-                 kept=nullcontext()):
+                 kept=nullcontext(), inference: bool = False):
         """Run block ``layer`` on ``flat`` weights; ``replay``: a re-run, with its forward's random state;
         ``kept``: a context deciding what the block's autograd keeps (the selective cache that records or
-        serves its kept outputs; the host offload of what its graph saves)."""
+        serves its kept outputs; the host offload of what its graph saves); ``inference``: a forward without
+        autograd, traced as "infer" (no step's forward: policy auto leaves a step with one out)."""
         # every run sees the trainable weights as leaves that require grad, as a plain PyTorch model's
         # parameters always are: some ops choose how to compute by it (matmul of a transposed input rounds
         # otherwise), so a forward, its re-runs and plain PyTorch compute alike. Runs without autograd
@@ -270,7 +271,7 @@ class LayerStreamingExecutor:
             rest_args, kwargs = _without_kv_cache(rest_args, kwargs)
         block = self.blocks[layer]
         # the simulator's task names: a re-run with grad is the first half of its "diff" (the second: "bwd")
-        kind = "fwd" if not replay else ("diff" if requires_grad else "recompute")
+        kind = ("infer" if inference else "fwd") if not replay else ("diff" if requires_grad else "recompute")
         # a traced plain re-run with autograd also measures what the block's graph saves (the planner's
         # internals of a layer), beside the weights, its input and the tensors the call passes in
         saved = (_SavedBytes([flat, hidden, *(t for t in leaves if isinstance(t, torch.Tensor))])
@@ -333,7 +334,7 @@ class LayerStreamingExecutor:
             self._start_sequence([[j] for j in range(layer, self.L)])
             self._streaming_inference = True
         flat = self._acquire(layer)
-        out, _ = self._compute(layer, flat, hidden, call)
+        out, _ = self._compute(layer, flat, hidden, call, inference=True)
         return out
 
     def _run_training(self, layer: int, hidden: torch.Tensor, call: _LayerCall):

@@ -248,12 +248,10 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
     step_start, step = None, 0.0
     layer_compute = waits = 0.0
     updates = []                       # (layer, span): the previous step's may still run in this forward
-    # a forward never differentiated (an evaluation under grad between the micro-batches) would add its
-    # blocks' time to the layers' forwards and the rest of its time to the rest of the model's
+    # a forward never differentiated (an evaluation between the micro-batches, under grad or not) would add
+    # its blocks' time to the layers' forwards and the rest of its time to the rest of the model's
     if ran_an_undifferentiated_forward(timeline):
-        raise MeasurementError("the traced step ran a forward that was never differentiated (an evaluation with "
-                               "gradients on?), whose time cannot be told apart from the step's: run evaluation "
-                               "under torch.no_grad() while policy \"auto\" measures")
+        raise MeasurementError(f"the traced step {UNDIFFERENTIATED}")
     for s in timeline.spans:
         d = s.end - s.start
         if s.lane == "compute":
@@ -297,11 +295,20 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
     return {"fwd": fwd, "diff": diff, "update": update, "nonlayer": nonlayer, "step": step, "saved": saved}
 
 
+UNDIFFERENTIATED = ("ran a forward that was never differentiated (an evaluation between its micro-batches, with "
+                    "gradients on or off?), whose time cannot be told apart from the step's: evaluate between "
+                    "optimizer steps (after engine.step()) while policy \"auto\" measures")
+
+
 def ran_an_undifferentiated_forward(timeline) -> bool:
-    """Whether a traced step holds the blocks' forward of a pass that no backward re-ran (each block's spans
-    name their pass): a step policy "auto" cannot measure, its time mixed with that forward's."""
-    passes = {kind: {s.args["pass"] for s in timeline.spans if s.lane == "compute" and s.name.startswith(kind + " ")
-                     and "pass" in s.args} for kind in ("fwd", "diff")}
+    """Whether a traced step holds a forward of the blocks that is not the step's: one under grad whose pass
+    no backward re-ran (each block's spans name their pass), or one without autograd ("infer" spans). A
+    step policy "auto" cannot measure, its time mixed with that forward's."""
+    compute = [s for s in timeline.spans if s.lane == "compute"]
+    if any(s.name.startswith("infer ") for s in compute):
+        return True
+    passes = {kind: {s.args["pass"] for s in compute if s.name.startswith(kind + " ") and "pass" in s.args}
+              for kind in ("fwd", "diff")}
     return bool(passes["diff"]) and bool(passes["fwd"] - passes["diff"])
 
 
