@@ -353,7 +353,7 @@ class LazyTrainSection:
     trust_checkpoints: bool = False     # unpickle checkpoints without restriction (they may then run code)
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
-    seq_len: int | None = None          # for the planner; measured from the first batch when absent
+    seq_len: int | None = None          # for the planner; policy auto: the longest batch seen when absent
     loss_chunk_tokens: int = 0          # >0: a causal LM's head and loss in chunks of this many tokens (no full logits)
     non_block_state: str = "auto"       # auto (host) | host | device: the embedding's and head's fp32 masters and moments
     lean_norms: bool = True             # the blocks' RMSNorms keep only their inputs for backward (engine/lean_norms.py)

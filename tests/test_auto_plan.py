@@ -274,6 +274,10 @@ def test_drift_beyond_the_margin_measures_and_plans_again_at_most_max_replans_ti
     assert plans == ["auto-calibration"] * 5 + ["auto-milp"] * 2 + ["auto-calibration"] * 5 + ["auto-milp"] * 6
     assert [(r.step, r.reason) for r in history] == [(5, "measured"), (12, "measured again after drift")]
     assert history[0].measured_steps == 2 and history[1].measured_steps == 2
+    # every comparison is kept: one on the first plan, three on the second (no plan again after them)
+    assert [c[0] for c in history[0].checks] == [7] and [c[0] for c in history[1].checks] == [14, 16, 18]
+    assert all(c[2] == 2 and c[1] > 0 for r in history for c in r.checks)
+    assert history[1].measured_step_s == history[1].checks[-1][1]
     out = capsys.readouterr().out
     assert "[lazytrain] auto plan after step 12 (measured again after drift): auto-milp, predicted" in out
     assert "x the prediction)" in out
@@ -390,6 +394,31 @@ def test_a_model_without_a_config_and_a_profile_of_another_micro_batch_are_refus
                                                                          micro_batch=4))
 
 
+@pytest.mark.filterwarnings("ignore:lazytrain")
+def test_batches_of_several_lengths_are_planned_for_the_longest_and_a_saved_profile_bounds_them(tmp_path):
+    path = str(tmp_path / "profile.json")
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(
+        {"policy": "auto", "auto": {"warmup_steps": 1, "profile_steps": 2, "selective": False, "max_replans": 0,
+                                    "profile_path": path}}))
+    for step in range(5):   # padded to each batch's own length: 6, 12, 6, 12, 6 tokens (traced: 12, 6)
+        x, y = batches(1, seq=12 if step % 2 else 6, seed=step)[0]
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.plan.policy == "auto-milp" and engine._seq_len == 12
+    engine.destroy()
+    assert MachineProfile.from_json(path).seq_len == 12   # the last traced step's was 6
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(
+        {"policy": "auto", "auto": {"profile": path}}))
+    for seq in (6, 12):   # shorter than the profile's, and its own
+        x, y = batches(1, seq=seq)[0]
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    with pytest.raises(ConfigError, match="was measured at sequence length 12, and this batch's is 13: measure "
+                                          "again"):
+        engine(batches(1, seq=13)[0][0])
+    engine.destroy()
+
+
 def test_a_file_that_is_not_a_profile_is_named(tmp_path, measured):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"format": "something else"}))
@@ -398,7 +427,10 @@ def test_a_file_that_is_not_a_profile_is_named(tmp_path, measured):
     d = json.loads(open(measured[2]).read())
     for change, message in (({"version": 99}, "has version 99; this LazyTrain reads version 1"),
                             ({"costs": {**d["costs"], "step_s": True}}, "step_s must be a finite time >= 0 s, got True"),
-                            ({"links_gbps": {"h2d_gbps": float("inf")}}, "links_gbps must map")):
+                            ({"links_gbps": {"h2d_gbps": float("inf")}}, "links_gbps must map"),
+                            ({"device": "banana"}, 'device must be a torch device such as "cuda:0" or "cpu", got '
+                                                   "'banana'"),
+                            ({"device_name": 3}, "device_name must be a string, got 3")):
         bad.write_text(json.dumps({**d, **change}))
         with pytest.raises(MeasurementError, match=message):
             MachineProfile.from_json(str(bad))

@@ -35,13 +35,15 @@ MIXED_STEPS_ALLOWED = 4      # traced steps with an undifferentiated forward lef
 
 @dataclass
 class PlanRecord:
-    """A plan put in place after ``step`` steps, its predicted step, and the median step measured on it."""
+    """A plan put in place after ``step`` steps, its predicted step, and the median step measured on it at
+    each check: ``checks`` holds every one, (after step, median s, steps), ``measured_*`` the latest."""
     step: int
     policy: str
     reason: str
     predicted_step_s: float | None
     measured_step_s: float | None = None
     measured_steps: int = 0
+    checks: list = field(default_factory=list)
 
     def line(self) -> str:
         said = f"[lazytrain] auto plan after step {self.step} ({self.reason}): {self.policy}, predicted " + \
@@ -166,6 +168,7 @@ class AutoPlanner:
         record = self.history[-1]
         measured = statistics.median(self._times)
         record.measured_step_s, record.measured_steps = measured, len(self._times)
+        record.checks.append((step, measured, len(self._times)))
         self._times = []
         self.hooks.say(record.line())
         drifted = self.hooks.on_rank0(lambda: record.predicted_step_s is not None and

@@ -318,7 +318,7 @@ class LazyTrainEngine(nn.Module):
         self._lean_norms = make_norms_lean(blocks) if config.lazytrain.lean_norms else []
         self._step_began: float | None = None   # the first training forward of the step under way
         self._seq_len: int | None = config.lazytrain.seq_len
-        self._profile_seq_len: int | None = None   # a saved profile's, until a batch has been seen
+        self._profile_seq_len: int | None = None   # a saved profile's: no batch may be longer
         self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
         if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
             self.partitioned.partition()
@@ -447,7 +447,7 @@ class LazyTrainEngine(nn.Module):
             if profile.model.get(key) != self._model_cfg.get(key):
                 raise ConfigError(f"{where} was measured on another model: its {key} is {profile.model.get(key)!r}, "
                                   f"this model's {self._model_cfg.get(key)!r}")
-        self._profile_seq_len = profile.seq_len   # checked against the first training batch
+        self._profile_seq_len = profile.seq_len   # checked against every training batch
 
     def _on_rank0(self, compute):
         """``compute()`` on rank 0, its answer on every rank (its error raised on every rank)."""
@@ -614,12 +614,13 @@ class LazyTrainEngine(nn.Module):
             if self.auto is not None and self._config.lazytrain.seq_len is None:
                 ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
                 if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2:
-                    self._seq_len = int(ids.shape[-1])
-                    if self._profile_seq_len is not None and self._seq_len != self._profile_seq_len:
+                    # the longest seen: what the plan's memory must hold (batches padded to their own length)
+                    n = int(ids.shape[-1])
+                    if self._profile_seq_len is not None and n > self._profile_seq_len:
                         raise ConfigError(f"config 'lazytrain.auto.profile' was measured at sequence length "
-                                          f"{self._profile_seq_len}, and this batch's is {self._seq_len}: measure "
-                                          f"again (leave 'profile' out), or train at the profile's length")
-                    self._profile_seq_len = None
+                                          f"{self._profile_seq_len}, and this batch's is {n}: measure again (leave "
+                                          f"'profile' out), or train at most at the profile's length")
+                    self._seq_len = max(self._seq_len or 0, n)
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:

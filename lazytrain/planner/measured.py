@@ -323,6 +323,7 @@ def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int) -> None:
 
 # ---- a machine profile: what policy "auto" measured, saved for `lazytrain plan --profile` ----------------
 PROFILE_FORMAT = "lazytrain-profile"
+_DEVICE = re.compile(r"^(cpu|cuda|xpu|mps|hpu|npu|mtia|privateuseone)(:\d+)?$")   # torch's device types
 LINK_LANES = {"h2d": "h2d_gbps", "d2h": "d2h_gbps", "nvme_read": "nvme_read_gbps", "nvme_write": "nvme_write_gbps"}
 
 
@@ -393,12 +394,16 @@ class MachineProfile:
                 raise MeasurementError(f"{where}: {k} must be an integer >= 1, got {d[k]!r}")
         if not isinstance(d["model"], dict):
             raise MeasurementError(f"{where}: model must be the model's config object, got {type(d['model']).__name__}")
+        device = d.get("device", "cpu")
+        if not isinstance(device, str) or not _DEVICE.match(device):
+            raise MeasurementError(f"{where}: device must be a torch device such as \"cuda:0\" or \"cpu\", got "
+                                   f"{device!r}")
         name = d.get("device_name")
         if name is not None and not isinstance(name, str):
             raise MeasurementError(f"{where}: device_name must be a string, got {name!r}")
         return cls(costs=MeasuredCosts.from_dict(d["costs"]), links_gbps={k: float(v) for k, v in links.items()},
                    model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
-                   device=str(d.get("device", "cpu")), grad_accum=d["grad_accum"], device_name=name)
+                   device=device, grad_accum=d["grad_accum"], device_name=name)
 
     @classmethod
     def from_json(cls, path: str) -> "MachineProfile":
