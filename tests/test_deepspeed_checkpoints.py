@@ -239,6 +239,8 @@ def test_a_checkpoint_saved_before_the_first_step_loads_with_no_optimizer_state(
     ("stage0_fp32_frozen", None, {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}),
     ("stage0_bf16_frozen", "bf16", {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}),
     ("stage2_bf16_frozen", "bf16", {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}),
+    # one group over three ZeRO-3 sub-groups: its settings once, its partitions three times
+    ("stage3_fp32_subgroups_frozen", None, {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}),
     ("stage3_fp32", None, {"lr": 0.0, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8}),
     ("stage2_fp32_2ranks", None, {"lr": 0.0, "weight_decay": 0.01, "betas": (0.9, 0.999), "eps": 1e-8})])
 def test_the_optimizer_groups_settings_are_restored_as_deepspeed_restores_them(name, precision, settings):
@@ -250,6 +252,18 @@ def test_the_optimizer_groups_settings_are_restored_as_deepspeed_restores_them(n
     engine.load_checkpoint(os.path.join(HERE, name))
     assert [{k: g[k] for k in settings} for g in engine.optimizer.param_groups] == [settings]
     assert engine.get_lr() == [settings["lr"]]
+
+
+@pytest.mark.parametrize("name,gone", [("stage2_fp32_2ranks", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                       ("stage3_fp32_2ranks", "zero_pp_rank_1_mp_rank_00_model_states.pt")])
+def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(tmp_path, name, gone):
+    import shutil
+    tag = tmp_path / "global_step1"
+    shutil.copytree(os.path.join(HERE, name, "global_step1"), tag)
+    os.remove(tag / gone)
+    with pytest.raises(ds_ckpt.DeepSpeedCheckpointError, match=f"^{tag} was saved by 2 ranks but holds 1 "
+                                                              f"(optim|model) state file\\(s\\): {gone} missing$"):
+        ds_ckpt.read(str(tag), want_optimizer=True)
 
 
 def test_a_stage0_fp16_checkpoint_resumes_with_its_loss_scale():
@@ -285,3 +299,13 @@ def test_an_8bit_moment_engine_quantizes_the_fp32_moments_it_loads():
             assert torch.equal(loaded[n]["absmax" + which], absmax), (n, key)
     for n in ("0.bias", "2.bias"):
         assert torch.equal(loaded[n]["exp_avg"], expected[n]["exp_avg"]), n
+
+
+def test_group_settings_that_do_not_map_onto_the_partitions_warn_and_are_not_guessed():
+    groups = [{"lr": 1.0, "params": [0]}, {"lr": 2.0, "params": [2]}]   # index 1 is nobody's
+    with pytest.warns(UserWarning, match=r"the optimizer groups of f.pt \(2\) do not map onto its 3 flat partitions; "
+                                         r"their settings \(lr, betas, eps, weight_decay\) are not restored"):
+        assert ds_ckpt._zero_group_settings(groups, [["a"], ["b"], ["c"]], "f.pt") is None
+    groups[1]["params"] = [1, 2]
+    assert ds_ckpt._zero_group_settings(groups, [["a"], ["b"], ["c"]], "f.pt") == {"a": {"lr": 1.0}, "b": {"lr": 2.0},
+                                                                                 "c": {"lr": 2.0}}

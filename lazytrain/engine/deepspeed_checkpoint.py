@@ -18,6 +18,7 @@ import glob
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,21 @@ def is_deepspeed(tag_dir: str, trust: bool = False) -> bool:
     return "ds_version" in safe_load.load(files[0], trust)
 
 
+def _check_every_rank(tag_dir: str, model: dict, model_files: list[str], optim_files: list[str], stage: int) -> None:
+    """A file per rank where DeepSpeed writes one (the optimizer's partitions; at stage 3 the model's too):
+    a missing one would shift every rank's partition after it (DeepSpeed's own loader counts them too)."""
+    world = model.get("dp_world_size")
+    if not isinstance(world, int) or world < 1:
+        return
+    for kind, files, needed in (("optim", optim_files, bool(optim_files)), ("model", model_files, stage == 3)):
+        ranks = {_rank_of(f) for f in files}
+        missing = [r for r in range(world) if r not in ranks]
+        if needed and missing:
+            names = ", ".join(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in missing[:4])
+            raise DeepSpeedCheckpointError(f"{tag_dir} was saved by {world} ranks but holds {len(files)} {kind} "
+                                           f"state file(s): {names}{' ...' if len(missing) > 4 else ''} missing")
+
+
 def _model_files(tag_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")) +
                   glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_*_model_states.pt")), key=_rank_of)
@@ -105,6 +121,7 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     loss_scale = None
     settings = None
     optim_files = _optim_files(tag_dir)
+    _check_every_rank(tag_dir, model, model_files, optim_files, stage)
     if optim_files:                                   # ZeRO 1-3 (or bf16 at stage 0): fp32 partitions
         states = [safe_load.load(f, trust)["optimizer_state_dict"] for f in optim_files]
         shapes = model.get("param_shapes")
@@ -117,7 +134,7 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
         loss_scale = dict(vars(scaler)) if scaler is not None else None
         base = states[0].get("base_optimizer_state", states[0].get("optimizer_state_dict"))
         if isinstance(base, dict):                    # the elastic layout (a list) keeps no group settings
-            settings = _group_settings(base.get("param_groups"), [list(g) for g in shapes])
+            settings = _zero_group_settings(base.get("param_groups"), [list(g) for g in shapes], model_files[0])
     elif stage0_names is not None and model.get("optimizer") is not None:
         opt = model["optimizer"]
         masters, moments = _stage0(opt, stage0_names, module, want_optimizer, stage0_frozen or set())
@@ -134,6 +151,24 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     return DeepSpeedState(module=module, moments=moments if want_optimizer else None, optimizer_state_dict=stage0,
                           lr_scheduler=model.get("lr_scheduler"), counters=counters, loss_scale=loss_scale,
                           client_state=client, stage=stage, group_settings=settings if want_optimizer else None)
+
+
+def _zero_group_settings(groups: list[dict] | None, flat_names: list[list[str]], where: str) -> dict[str, dict] | None:
+    """Each name's group settings in a ZeRO checkpoint: the inner optimizer's groups hold flat partitions,
+    each group's ``params`` their indices into ``param_shapes`` (one per group at stages 1-2, one per
+    sub-group at stage 3, several per group where ``sub_group_size`` splits it). Settings that cannot be
+    mapped so are not guessed at: a warning says the config's are kept."""
+    if not groups:
+        return None
+    indices = [g.get("params") for g in groups]
+    flat = [i for ids in indices if isinstance(ids, list) for i in ids]
+    if all(isinstance(ids, list) for ids in indices) and sorted(flat) == list(range(len(flat_names))):
+        names = [[n for i in ids for n in flat_names[i]] for ids in indices]
+        return _group_settings(groups, names)
+    warnings.warn(f"lazytrain: the optimizer groups of {where} ({len(groups)}) do not map onto its "
+                  f"{len(flat_names)} flat partitions; their settings (lr, betas, eps, weight_decay) are not "
+                  f"restored and the config's stay", UserWarning, stacklevel=3)
+    return None
 
 
 def _group_settings(groups: list[dict] | None, names: list[list[str]]) -> dict[str, dict] | None:

@@ -6,7 +6,9 @@ file, by position), each saved
 with the ``args`` namespace a DeepSpeed script passes to ``deepspeed.initialize`` and a plain client state. The
 ``_frozen`` ones (stage 0 in fp32 and bf16, stage 2 in bf16) leave ``0.bias`` frozen and change the group's
 settings before the save, as a script that sets its own learning rate does; ``stage2_fp32_step0`` is saved before
-any step (no moments at all); ``stage0_fp16_scaled`` starts from another loss scale and saves after three steps.
+any step (no moments at all); ``stage0_fp16_scaled`` starts from another loss scale and saves after three steps;
+``stage3_fp32_subgroups_frozen`` splits its one group into sub-groups of at most 40 elements (ZeRO-3's
+``sub_group_size``: its files keep one flat partition per sub-group, the settings once per group).
 Run it where DeepSpeed is installed (it runs on the CPU): ``python tests/data/deepspeed_0_19/make_fixtures.py``
 (all of them) or ``... make_fixtures.py NAME...`` (those alone)."""
 import argparse
@@ -24,7 +26,8 @@ CONFIGS = {"stage0_fp32": (0, None, 1), "stage0_fp16": (0, "fp16", 1), "stage1_f
            "stage2_bf16_tied": (2, "bf16", 1),
            "stage0_fp32_frozen": (0, None, 1), "stage0_bf16_frozen": (0, "bf16", 1),
            "stage2_bf16_frozen": (2, "bf16", 1),
-           "stage2_fp32_step0": (2, None, 1), "stage0_fp16_scaled": (0, "fp16", 1)}
+           "stage2_fp32_step0": (2, None, 1), "stage0_fp16_scaled": (0, "fp16", 1),
+           "stage3_fp32_subgroups_frozen": (3, None, 1)}
 SETTINGS = {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}
 SCALED_POWER, SCALED_STEPS = 12, 3   # stage0_fp16_scaled: its initial loss scale 2**12, its steps
 
@@ -46,6 +49,8 @@ def one(name: str) -> None:
            "zero_optimization": {"stage": stage}}
     if precision:
         cfg[precision] = {"enabled": True}
+    if "_subgroups" in name:
+        cfg["zero_optimization"]["sub_group_size"] = 40
     steps = 0 if name.endswith("_step0") else SCALED_STEPS if name.endswith("_scaled") else 1
     if name.endswith("_scaled"):
         cfg[precision]["initial_scale_power"] = SCALED_POWER
