@@ -309,3 +309,48 @@ def test_group_settings_that_do_not_map_onto_the_partitions_warn_and_are_not_gue
     groups[1]["params"] = [1, 2]
     assert ds_ckpt._zero_group_settings(groups, [["a"], ["b"], ["c"]], "f.pt") == {"a": {"lr": 1.0}, "b": {"lr": 2.0},
                                                                                  "c": {"lr": 2.0}}
+
+
+def _lazytrain_save_at_stage_3(save_dir):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 3},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}, "lazytrain": {"device": "cpu"}}
+    model = mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine.backward(engine(torch.randn(2, 8)).pow(2).mean())
+    engine.step()
+    engine.save_checkpoint(str(save_dir), tag="global_step1", client_state={"epoch": 9})
+    return cfg
+
+
+def test_a_deepspeed_save_over_a_lazytrain_tag_of_the_same_name_loads_as_deepspeeds(tmp_path):
+    """A script that moved to DeepSpeed and saved the tag again: DeepSpeed rewrote its state files and left
+    LazyTrain's manifest and lazytrain_state.pt, which are stale. The tag loads as DeepSpeed's checkpoint;
+    a tag holding files of both saves is refused; a copy of a LazyTrain tag (new file times) is still
+    LazyTrain's."""
+    import shutil
+    _lazytrain_save_at_stage_3(tmp_path / "lt")
+    copied = tmp_path / "copied" / "global_step1"
+    os.makedirs(copied)
+    for name in sorted(os.listdir(tmp_path / "lt" / "global_step1"), reverse=True):   # state files last
+        shutil.copy(tmp_path / "lt" / "global_step1" / name, copied / name)
+    engine = engine_for()
+    assert engine.load_checkpoint(str(tmp_path / "copied"), tag="global_step1")[1] == {"epoch": 9}
+    tag = tmp_path / "lt" / "global_step1"
+    source = os.path.join(HERE, "stage3_fp32", "global_step1")
+    shutil.copy(os.path.join(source, "zero_pp_rank_0_mp_rank_00_model_states.pt"), tag)   # half of a save
+    with pytest.raises(lazytrain.engine.checkpoint.CheckpointError,
+                       match=r"holds state files written after LazyTrain saved it \(zero_pp_rank_0_mp_rank_00_model_"
+                             r"states.pt: a DeepSpeed save of the same tag\?\) beside files of that save "
+                             r"\(zero_pp_rank_0_mp_rank_00_optim_states.pt\): they are not one checkpoint"):
+        engine_for().load_checkpoint(str(tmp_path / "lt"))
+    shutil.copy(os.path.join(source, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), tag)   # the whole save
+    engine = engine_for()
+    with pytest.warns(UserWarning, match="its DeepSpeed files were written after LazyTrain saved it"):
+        path, client = engine.load_checkpoint(str(tmp_path / "lt"))
+    assert client == {"epoch": 3}   # DeepSpeed's, not LazyTrain's 9
+    expected = ds_ckpt.read(source, True)
+    for n, p in engine.module.named_parameters():
+        assert torch.equal(p, expected.module[n]), n

@@ -162,7 +162,9 @@ def finish(save_dir: str, tag: str, staging: str, sizes: dict[str, int], save_la
                     f"{staging}: the ranks did not write into one directory (save_dir must be on a file system "
                     f"every rank sees); the previous checkpoint is left as it was")
         _warn_if_unsafe(staging, tag)
-        _write_json(os.path.join(staging, MANIFEST), {"format": FORMAT, "version": 1, "tag": tag, "files": sizes})
+        tails = {name: _tail_fingerprint(os.path.join(staging, name)) for name in sizes if name.endswith("_states.pt")}
+        _write_json(os.path.join(staging, MANIFEST), {"format": FORMAT, "version": 1, "tag": tag, "files": sizes,
+                                                      "tails": tails})
         _fsync_dir(staging)
     except Exception:
         abort(staging)
@@ -521,13 +523,57 @@ def _manifest_problem(path: str) -> str | None:
     return None
 
 
+def rewritten_after_save(path: str) -> bool:
+    """Whether every DeepSpeed-layout state file of a tag LazyTrain saved was written again since (by
+    size and by the fingerprint of its last bytes, where a torch file keeps its zip directory with the
+    CRC of every entry): DeepSpeed saved the same tag, and LazyTrain's own state beside them (its
+    manifest, ``lazytrain_state.pt``) is stale. Raises when some were and some were not: the tag then
+    holds files of two saves, which no one wrote together. A copy of the tag (new times) still matches."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        sizes, tails = manifest["files"], manifest.get("tails", {})
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    names = sorted(os.path.basename(f) for f in glob.glob(os.path.join(path, "*_states.pt")))
+    same = [n for n in names if sizes.get(n) == os.path.getsize(os.path.join(path, n)) and
+            (n not in tails or tails[n] == _tail_fingerprint(os.path.join(path, n)))]
+    if not names or len(same) == len(names):
+        return False
+    if same:
+        changed = [n for n in names if n not in same]
+        raise CheckpointError(f"checkpoint {path} holds state files written after LazyTrain saved it "
+                              f"({', '.join(changed[:3])}: a DeepSpeed save of the same tag?) beside files of that "
+                              f"save ({', '.join(same[:3])}): they are not one checkpoint; save to a new tag, or "
+                              f"remove the tag's old files")
+    return True
+
+
+TAIL_BYTES = 1 << 16
+
+
+def _tail_fingerprint(path: str) -> str:
+    """A hash of a file's last bytes (a torch zip file's directory: every entry's CRC and size)."""
+    import hashlib
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - TAIL_BYTES))
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def tag_dir(load_dir: str, tag: str) -> str:
     """The directory to load tag ``tag`` from: the tag itself when complete (or written by DeepSpeed, with
-    no manifest); else the complete copy an interrupted save left beside it; never a partial one."""
+    no manifest, or over a LazyTrain save of the same tag); else the complete copy an interrupted save left
+    beside it; never a partial one."""
     final = os.path.join(load_dir, tag)
     if os.path.isdir(final) and not os.path.isfile(os.path.join(final, MANIFEST)) and \
             glob.glob(os.path.join(final, "*model_states.pt")):
         return final                                   # DeepSpeed's, or an earlier LazyTrain's
+    if os.path.isdir(final) and rewritten_after_save(final):
+        warnings.warn(f"lazytrain: checkpoint tag {tag!r} in {load_dir}: its DeepSpeed files were written after "
+                      f"LazyTrain saved it (DeepSpeed saved the same tag since?): it loads as DeepSpeed's "
+                      f"checkpoint, and LazyTrain's own state beside them ({MANIFEST}, lazytrain_state.pt) is "
+                      f"ignored", UserWarning, stacklevel=3)
+        return final
     problem = _manifest_problem(final)
     if problem is None:
         return final

@@ -1546,7 +1546,8 @@ class LazyTrainEngine(nn.Module):
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
         directory = ckpt.tag_dir(load_dir, tag)
         lazytrain_file = os.path.join(directory, ds_layout.LAZYTRAIN_FILE)
-        if os.path.isfile(lazytrain_file):   # LazyTrain's, in DeepSpeed's layout; read everything first
+        if os.path.isfile(lazytrain_file) and not ckpt.rewritten_after_save(directory):
+            # LazyTrain's, in DeepSpeed's layout; read everything first
             own = self._with_optimizer_shards(safe_load.load(lazytrain_file, trust), directory, trust, want_optim)
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=own.get("stage0_names"),
                                  wanted=self._owned_names())
