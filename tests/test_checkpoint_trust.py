@@ -43,14 +43,15 @@ def trained(engine):
     return engine
 
 
-def test_a_checkpoint_whose_pickle_runs_code_is_refused_and_runs_nothing(tmp_path):
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy-format"])
+def test_a_checkpoint_whose_pickle_runs_code_is_refused_and_runs_nothing(tmp_path, legacy):
     engine = trained(engine_for())
     engine.save_checkpoint(str(tmp_path), tag="t")
     model_file = tmp_path / "t" / ckpt.MODEL_FILE
     state = torch.load(model_file, weights_only=True)
     marker = tmp_path / "it-ran"
     state["client_state"] = {"epoch": RunsACommand(marker)}
-    torch.save(state, model_file)                     # a file someone else handed over
+    torch.save(state, model_file, _use_new_zipfile_serialization=not legacy)   # a file someone else handed over
     os.remove(tmp_path / "t" / ckpt.MANIFEST)         # (as DeepSpeed would have written it: no manifest)
     other = engine_for()
     with pytest.raises(safe_load.UntrustedCheckpointError) as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import enum
 import pickle
+import re
 import types
 
 import torch
@@ -96,9 +97,15 @@ def unsafe_globals(path: str) -> list[str]:
         return []
 
 
+def _globals_in_message(message: str) -> list[str]:
+    """The globals torch's refusal names (``GLOBAL posix.system``): a legacy-format file is not listed by
+    ``get_unsafe_globals_in_checkpoint``."""
+    return list(dict.fromkeys(re.findall(r"GLOBAL ([\w.]+)", message)))
+
+
 def _refusal(path: str, error: Exception) -> str:
-    names = unsafe_globals(path)
-    what = ", ".join(names) if names else str(error).splitlines()[0]
+    names = unsafe_globals(path) or _globals_in_message(str(error))
+    what = ", ".join(names) if names else "something"
     return (f"checkpoint file {path} names {what}, which a checkpoint load does not build: loading it would run "
             f"that code. Nothing of the checkpoint was loaded. If you trust where this checkpoint came from, "
             f"load it with engine.load_checkpoint(..., trust_checkpoint=True) or set "
