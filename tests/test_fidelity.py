@@ -530,6 +530,53 @@ def test_a_resident_refresh_that_fails_to_start_stays_due(tmp_path):
     engine.destroy()
 
 
+def test_a_resident_refresh_whose_copy_fails_refuses_every_forward_until_a_load(tmp_path):
+    """The refresh's copy fails (its handle raises): the device copy holds no valid weights, and each
+    forward says so by layer, with the way out, until load_checkpoint rewrites it."""
+    from lazytrain.engine.weight_stream import ResidentRefreshError
+    engine = _resident_engine(tmp_path)
+    w, stream = engine.weights, engine.stream
+    (x0, y0), (x1, y1) = batches(2)
+    engine.backward(lm_loss(engine(x0), y0))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"), tag="a")
+    real, armed = w.fetch_into, [True]
+
+    class FailedCopy:   # a copy that ran and failed, as its handle reports it
+        def __init__(self, handle):
+            self.handle = handle
+
+        def completion(self):
+            return self.handle.completion()
+
+        def wait(self):
+            self.handle.wait()
+            raise RuntimeError("injected copy failure")
+
+    def fetch_into(i, buf):
+        handle = real(i, buf)
+        if armed[0] and buf.data_ptr() == stream.resident[3].data_ptr():
+            armed[0] = False
+            return FailedCopy(handle)
+        return handle
+    w.fetch_into = fetch_into
+    for _ in range(2):   # the first step's update made layer 3 stale: its refresh goes in this forward
+        with pytest.raises(ResidentRefreshError, match=r"^resident layer 3's device copy could not be refreshed from "
+                                                       r"its host copy \(RuntimeError: injected copy failure\): it "
+                                                       r"holds no valid weights, so every forward refuses until "
+                                                       r"engine.load_checkpoint\(...\) rewrites them$"):
+            engine(x1)
+        engine.zero_grad()
+    engine.load_checkpoint(str(tmp_path / "ckpt"), tag="a")
+    engine.backward(lm_loss(engine(x1), y1))
+    engine.step()
+    engine.wait_for_update()
+    with torch.no_grad():
+        engine(x1)                                     # refreshed after the update, from the loaded weights on
+    assert torch.equal(stream.resident[3].cpu(), w.weights_tier.read("weights.layer3").wait())
+    engine.destroy()
+
+
 def test_a_refresh_due_from_an_earlier_step_never_reads_a_host_copy_being_written(tmp_path):
     from lazytrain.engine.weight_stream import WeightStream
     engine = _resident_engine(tmp_path)

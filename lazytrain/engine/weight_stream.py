@@ -48,6 +48,10 @@ from ..tiers.streams import issued_after, wait_span
 from .weights import LayerWeights
 
 
+class ResidentRefreshError(RuntimeError):
+    """A resident layer's device copy failed to take its updated weights: it is stale until a load."""
+
+
 @dataclass(eq=False)   # a slot is itself: compared by identity
 class _Slot:
     """One device buffer the streamed layers take turns in."""
@@ -134,7 +138,13 @@ class WeightStream:
                 refresh = self._resident_copy.get(layer)
                 if refresh is not None:
                     with wait_span(f"refresh {layer}", self.device):
-                        refresh.wait()     # the compute side follows the refresh's copy (no host wait on CUDA)
+                        try:
+                            refresh.wait()   # the compute side follows the refresh's copy (no host wait on CUDA)
+                        except Exception as e:
+                            raise ResidentRefreshError(
+                                f"resident layer {layer}'s device copy could not be refreshed from its host copy "
+                                f"({type(e).__name__}: {e}): it holds no valid weights, so every forward refuses "
+                                f"until engine.load_checkpoint(...) rewrites them") from e
                     del self._resident_copy[layer]   # kept while it fails: every forward raises, none computes
                 flat = self.resident[layer]
                 self._move_to(None)
