@@ -476,8 +476,14 @@ def test_a_schedule_that_fails_after_the_update_is_named_and_fenced(tmp_path):
 
 def test_the_next_save_leaves_files_of_the_users_own_alone(tmp_path):
     (tmp_path / ".notes.staging").write_text("mine")     # a file, not a directory a save staged
+    (tmp_path / ".venv.previous").mkdir()                # a directory of the user's, not one a save set aside
+    (tmp_path / ".venv.previous" / "pyvenv.cfg").write_text("home = /usr")
+    (tmp_path / ".t2.staging").mkdir()                   # what a save killed while writing left
+    (tmp_path / ".t2.staging" / ckpt.MODEL_FILE).write_bytes(b"partial")
     ckpt.save(str(tmp_path), "t", files_of(1), True)
     assert (tmp_path / ".notes.staging").read_text() == "mine"
+    assert (tmp_path / ".venv.previous" / "pyvenv.cfg").read_text() == "home = /usr"
+    assert not (tmp_path / ".t2.staging").exists()
 
 
 def test_an_optimizer_tensor_outside_the_model_is_saved_and_restored(tmp_path):

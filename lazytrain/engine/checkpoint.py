@@ -423,13 +423,26 @@ def _aside(save_dir: str, tag: str, suffix: str) -> str:
     return os.path.join(save_dir, f".{tag}{suffix}")
 
 
+_SAVED_FILE_ENDINGS = (".pt", ".json", ".py", ".tmp")   # states, manifests, recovery scripts, files being written
+
+
+def _a_saves_directory(path: str) -> bool:
+    """A directory a save staged or set aside: files of the kinds a save writes, nothing else (a user's own
+    hidden directory that happens to end in .staging is left alone)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    return all(e.is_file(follow_symlinks=False) and e.name.endswith(_SAVED_FILE_ENDINGS) for e in entries)
+
+
 def settle_leftovers(save_dir: str) -> None:
     """Finish or roll back what interrupted saves left in ``save_dir``: a tag missing while its complete
     staging copy exists is put in place (the save had finished writing), else its previous copy is put
     back; then every staging and previous directory left is removed."""
     for entry in sorted(os.listdir(save_dir)):
         for suffix in (_STAGING, _PREVIOUS):
-            if entry.startswith(".") and entry.endswith(suffix) and os.path.isdir(os.path.join(save_dir, entry)):
+            if entry.startswith(".") and entry.endswith(suffix) and _a_saves_directory(os.path.join(save_dir, entry)):
                 tag = entry[1:-len(suffix)]
                 final = os.path.join(save_dir, tag)
                 if tag and not os.path.lexists(final):
