@@ -148,9 +148,9 @@ def test_a_block_that_runs_other_ops_under_autograd_trains_as_the_plan_without_s
     if block is RouterBlock:   # its extra ops are cheap ones, which are never kept: every kept op lines up
         assert lined_up == []
     else:   # the extra matmul comes first: the re-run computes from there, correctly
-        assert lined_up and lined_up[0].startswith("lazytrain: a selective layer's re-run did not repeat its "
-                                                   "forward's kept ops (aten.mm.default number 0 has no kept "
-                                                   "output of its signature)")
+        assert lined_up and lined_up[0] == ("lazytrain: a selective layer's re-run did not repeat its forward's kept "
+                                            "ops (its kept op 0 is aten.mm.default, the forward's aten.addmm.default, "
+                                            "or of another signature); it computes them again from there")
     for k, v in plain.items():
         assert torch.equal(kept[k], v), k
 
@@ -211,6 +211,34 @@ def test_a_selective_forward_keeps_matmul_and_attention_outputs_for_each_re_run(
         out.sum().backward()
     with pytest.raises(RuntimeError, match="re-run more than the 2 time"):
         kept.next_rerun()
+
+
+def test_a_re_run_whose_kept_ops_shift_is_never_served_another_ops_output():
+    """torch.matmul of a transposed input runs bmm without grad and mm with it: the forward keeps [bmm, mm],
+    the re-run runs [mm, mm] with one signature (batch == sequence). Counted per op, the re-run's first mm
+    would take the forward's mm (another projection's output); in one sequence it meets the forward's bmm
+    and computes from there."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(8, 8), torch.randn(8, 8)
+    x = torch.randn(4, 4, 8)
+
+    def block(x, w1, w2):
+        a = torch.nn.functional.linear(x.transpose(0, 1), w1).transpose(0, 1)
+        return x + torch.tanh(a) * torch.nn.functional.linear(x, w2)
+    kept = SelectiveForward(1)
+    with torch.no_grad(), kept.recording():
+        out = block(x, w1, w2)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    with pytest.warns(UserWarning, match=r"its kept op 0 is aten.mm.default, the forward's aten.bmm.default"), \
+            kept.next_rerun():
+        again = block(*leaves)
+    plain = block(*[t.clone().requires_grad_() for t in (x, w1, w2)])
+    assert torch.allclose(again, out, atol=1e-6) and torch.equal(again, plain)
+    again.sum().backward()
+    plain_leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    block(*plain_leaves).sum().backward()
+    for mine, theirs in zip(leaves, plain_leaves):
+        assert torch.equal(mine.grad, theirs.grad)
 
 
 def test_a_forward_kept_for_two_re_runs_runs_each_op_through_one_dispatch_mode(monkeypatch):

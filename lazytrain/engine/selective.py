@@ -12,15 +12,17 @@ backward).
 The caches are LazyTrain's own dispatch modes, not torch.utils.checkpoint's selective contexts: those
 number every op of the region and refuse a re-run that runs an op the forward did not, and model code runs
 other ops when autograd records (Mixtral's router divides a top-k output in place, which adds a clone
-under autograd only). Here only the kept ops are numbered, each with its arguments' shapes and dtypes; a
-re-run takes the kept output whose number and signature match, runs every other op as it is, and where
-the kept ops no longer line up it computes them again from there on (correct, only slower), with a
-warning. One recording serves every re-run: a re-run reads the entries, it does not consume them.
+under autograd only). Here only the kept ops are numbered, in one sequence whatever their kind, each
+with its op and its arguments' shapes and dtypes; a re-run's n-th kept op takes the n-th kept output when
+its op and signature match, every other op runs as it is, and from the first kept op that does not match
+(torch.matmul runs bmm or mm by whether its inputs require grad, say) the re-run computes them all again
+(correct, only slower), with a warning. One sequence, not a count per op: counted per op, an op shifted
+out of line could meet another of its kind with the same signature and take its output. One recording
+serves every re-run: a re-run reads the entries, it does not consume them.
 """
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -72,51 +74,54 @@ def _versions(out) -> tuple:
 
 @dataclass
 class _Kept:
+    op: Any
     signature: tuple
     output: Any            # the op's output itself (the forward runs without autograd): the model's views of
     versions: tuple        # it share its version counter, so an in-place change by the model shows here
 
 
 class _Recording(TorchDispatchMode):
-    """Runs every op; keeps the kept ops' outputs under (op, number)."""
+    """Runs every op; keeps the kept ops' outputs in the order they ran."""
 
-    def __init__(self, store: dict):
+    def __init__(self, sequence: list):
         super().__init__()
-        self.store = store
+        self.sequence = sequence
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if keeps(func, args, kwargs):
-            self.store[func].append(_Kept(_signature(args, kwargs), out, _versions(out)))
+            self.sequence.append(_Kept(func, _signature(args, kwargs), out, _versions(out)))
         return out
 
 
 class _Replaying(TorchDispatchMode):
-    """Returns the kept output of each kept op whose number and signature match; runs the rest. What it
-    returns are aliases (autograd records its history on them, not on the kept tensors) with version
-    counters of their own: ``served`` keeps them, so that a re-run that changes one in place shows."""
+    """Returns the n-th kept output to the n-th kept op while op and signature match; runs the rest. What
+    it returns are aliases (autograd records its history on them, not on the kept tensors); ``served``
+    keeps them with their versions, so that a re-run that changes one in place shows."""
 
-    def __init__(self, store: dict):
+    def __init__(self, sequence: list):
         super().__init__()
-        self.store = store
-        self.counters: dict = defaultdict(int)
+        self.sequence = sequence
+        self.next = 0
         self.lined_up = True
         self.served: list[tuple[list[torch.Tensor], tuple]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.lined_up and keeps(func, args, kwargs):
-            entries, n = self.store.get(func, ()), self.counters[func]
-            self.counters[func] += 1
-            if n < len(entries) and entries[n].signature == _signature(args, kwargs):
-                out = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, entries[n].output)
+            n = self.next
+            self.next += 1
+            kept = self.sequence[n] if n < len(self.sequence) else None
+            if kept is not None and kept.op == func and kept.signature == _signature(args, kwargs):
+                out = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, kept.output)
                 self.served.append((_tensors(out), _versions(out)))
                 return out
             self.lined_up = False
-            warnings.warn(f"lazytrain: a selective layer's re-run did not repeat its forward's kept ops ({func} "
-                          f"number {n} has no kept output of its signature); it computes them again from there",
-                          UserWarning)
+            forward = f"{kept.op}" if kept is not None else "none"
+            warnings.warn(f"lazytrain: a selective layer's re-run did not repeat its forward's kept ops (its kept op "
+                          f"{n} is {func}, the forward's {forward}, or of another signature); it computes them "
+                          f"again from there", UserWarning)
         return func(*args, **kwargs)
 
 
@@ -127,14 +132,14 @@ class SelectiveForward:
         if reruns < 1:
             raise ValueError(f"a selective block is re-run at least once, got {reruns}")
         self._reruns = reruns
-        self._store: dict = defaultdict(list)   # op -> [_Kept], in the forward's order
+        self._sequence: list[_Kept] = []   # the kept ops' outputs, in the forward's order
         self._replays: list[_Replaying] = []
         self._used = 0
 
     @contextmanager
     def recording(self):
         """Run the block's forward inside this: the kept ops' outputs are kept for every re-run."""
-        with _Recording(self._store):
+        with _Recording(self._sequence):
             yield
 
     def tensors(self) -> list[torch.Tensor]:
@@ -161,18 +166,17 @@ class SelectiveForward:
             warnings.warn("lazytrain: a selective layer's kept matmul output was changed in place by the model; "
                           "that layer re-runs its whole forward in backward instead", UserWarning)
             return nullcontext()
-        replay = _Replaying(self._store)
+        replay = _Replaying(self._sequence)
         self._replays.append(replay)
         return replay
 
     def _kept_tensors(self):
-        for entries in self._store.values():
-            for kept in entries:
-                yield from _tensors(kept.output)
+        for kept in self._sequence:
+            yield from _tensors(kept.output)
 
     def _changed_in_place(self) -> bool:
         """Whether a kept output changed since the forward kept it (by the forward, or by an earlier re-run
         through what it was served)."""
-        if any(_versions(kept.output) != kept.versions for entries in self._store.values() for kept in entries):
+        if any(_versions(kept.output) != kept.versions for kept in self._sequence):
             return True
         return any(_versions(tensors) != versions for replay in self._replays for tensors, versions in replay.served)
