@@ -148,14 +148,16 @@ def test_a_read_racing_an_overwrite_keeps_the_read_after_ordered_after_the_new_w
             if kwargs.get("direction") == "h2d" and first[0]:   # the read's copy is queued, not yet recorded
                 first[0] = False
                 streams.host_stream("d2h").submit(gate.wait)    # the overwrite's copy waits for the gate
-                writer = threading.Thread(target=tier.write, args=("k", torch.ones(1000)))
-                writer.start()
-                writer.join()
+                writers.append(threading.Thread(target=tier.write, args=("k", torch.ones(1000))))
+                writers[0].start()   # the overwrite runs now, or (the read holding the tier) once it is recorded
+                writers[0].join(0.2)
                 handle._future.exception()
             return handle
+        writers = []
         monkeypatch.setattr(memory, "async_copy", read_then_overwrite)
         tier.read("k", out=torch.empty(1000)).wait()
         monkeypatch.setattr(memory, "async_copy", real_copy)
+        writers[0].join()
         threading.Timer(0.2, gate.set).start()
         assert torch.equal(tier.read("k").wait(), torch.ones(1000))
         tier.close()

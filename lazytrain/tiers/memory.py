@@ -313,29 +313,31 @@ class MemoryTier(Tier):
         return event   # in flight, or failed: a read ordered after it waits on it and fails with it
 
     def _read(self, key, out, device):
-        with self._lock:   # a free on another thread may have taken the key since read() checked it
+        # under the lock from the lookup until the copy's event is counted as reading the buffer: a free or
+        # an overwrite on another thread cannot hand the buffer back to the pool in between (issuing a copy
+        # queues it and waits for nothing, so the lock is held briefly)
+        with self._lock:
             src = self._store.get(key)
             if src is None:
                 raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
             after = self._pending(key)
-        if out is not None:
-            if out.shape != src.shape or out.dtype != src.dtype:
-                raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
-                                 f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
-            handle = async_copy(out, src, after=after, direction=self.copy_out, label=key)
-        elif device is not None and device.type == "cpu" and self.copy_out and streams.settings().copy_threads:
-            # the CPU standing in for a device: a read "to the device" is a copy, as it would be on CUDA
-            handle = async_copy(torch.empty(src.shape, dtype=src.dtype), src, after=after, direction=self.copy_out,
-                                label=key)
-        elif device is None or device == self.device or (device.type == self.device.type == "cpu"):
-            return TransferHandle(value=src, event=after, host=src.device.type != "cuda", moved=False)
-        else:
-            handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after, label=key)
-        if handle._event is not None:
-            with self._lock:   # unless another thread rewrote or freed the key since: that buffer is not src
-                if self._store.get(key) is src:
-                    reading = [e for e in self._reading.get(key, ()) if not e.query()]
-                    self._reading[key] = reading + [handle._event]
+            if out is not None:
+                if out.shape != src.shape or out.dtype != src.dtype:
+                    raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
+                                     f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
+                handle = async_copy(out, src, after=after, direction=self.copy_out, label=key)
+            elif device is not None and device.type == "cpu" and self.copy_out and streams.settings().copy_threads:
+                # the CPU standing in for a device: a read "to the device" is a copy, as it would be on CUDA
+                handle = async_copy(torch.empty(src.shape, dtype=src.dtype), src, after=after,
+                                    direction=self.copy_out, label=key)
+            elif device is None or device == self.device or (device.type == self.device.type == "cpu"):
+                return TransferHandle(value=src, event=after, host=src.device.type != "cuda", moved=False)
+            else:
+                handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after,
+                                    label=key)
+            if handle._event is not None:
+                reading = [e for e in self._reading.get(key, ()) if not e.query()]
+                self._reading[key] = reading + [handle._event]
         return handle
 
     def _in_flight(self, key) -> list:
