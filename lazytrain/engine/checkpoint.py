@@ -541,7 +541,8 @@ def rewritten_after_save(path: str) -> bool:
     size and by the fingerprint of its last bytes, where a torch file keeps its zip directory with the
     CRC of every entry): DeepSpeed saved the same tag, and LazyTrain's own state beside them (its
     manifest, ``lazytrain_state.pt``) is stale. Raises when some were and some were not: the tag then
-    holds files of two saves, which no one wrote together. A copy of the tag (new times) still matches."""
+    holds files of two saves, which no one wrote together. A copy of the tag (new times) still matches. A
+    manifest written before the fingerprints were recorded is checked by size alone."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)

@@ -1320,10 +1320,11 @@ class LazyTrainEngine(nn.Module):
         masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
         masters.update(foreign or {})
         out = {}
-        params = dict(self.module.named_parameters())
+        # by identity, not by name: a frozen weight tied under two names is left out under both (named_parameters
+        # names it once; its other name would be written at stage 3 as a placeholder no file fills)
+        frozen = {id(p) for p in self.module.parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
         for name, t in self.module.state_dict(keep_vars=True).items():
-            p = params.get(name)
-            if exclude_frozen_parameters and p is not None and not p.requires_grad:
+            if id(t) in frozen:
                 continue
             src = masters.get(id(t), t)
             if self.partitioned is not None and (self.partitioned.values_elsewhere(t) or
