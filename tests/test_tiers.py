@@ -165,6 +165,32 @@ def test_a_read_racing_an_overwrite_keeps_the_read_after_ordered_after_the_new_w
         streams.configure()
 
 
+def test_a_read_waiting_on_a_host_event_does_not_hold_the_tier_while_a_failed_write_cleans_up():
+    """Issuing a copy may wait on a write's host event (CUDA with copy threads; the CPU without them): that
+    wait is outside the tier's lock, which the copy thread takes to give up a write that failed before it."""
+    import threading
+    from lazytrain.tiers import streams
+    streams.configure(copy_threads=True)
+    try:
+        tier, gate, done = HostTier("host"), threading.Event(), threading.Event()
+        streams.host_stream("d2h").submit(gate.wait)   # the writes' copies wait for the gate
+        a = torch.ones(1000)
+        tier.write("a", a)
+        a.add_(1)                                      # a's copy fails: its source changed before it ran
+        tier.write("b", torch.full((1000,), 2.0))
+        streams.configure(copy_threads=False)          # the read's copy waits on b's event in the caller
+        got = []
+        reader = threading.Thread(target=lambda: (got.append(tier.read("b", out=torch.empty(1000)).wait()),
+                                                  done.set()), daemon=True)
+        reader.start()
+        threading.Timer(0.2, gate.set).start()
+        assert done.wait(30), "the read and the failed write's clean-up deadlocked"
+        assert torch.equal(got[0], torch.full((1000,), 2.0)) and "a" not in tier
+        tier.close()
+    finally:
+        streams.configure()
+
+
 def test_closing_a_host_tier_whose_copies_fail_returns_and_the_handles_say_why():
     """Each write's copy fails (its source changed before the copy thread read it); close() waits for the
     copies outside the tier's lock, which a failed write's clean-up takes on the copy thread."""

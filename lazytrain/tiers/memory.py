@@ -246,6 +246,28 @@ def _host_thread_copy(dst, src, value, afters, direction: str, label: str,
                           host=direction == "d2h")
 
 
+class _ReadBeingIssued:
+    """A read's copy from its lookup (under the tier's lock) until it is issued (outside it), then that copy:
+    what a free of the buffer meanwhile waits for before the buffer is recycled."""
+
+    def __init__(self):
+        self._issued = threading.Event()
+        self._event = None
+
+    def issued(self, event) -> None:
+        """The copy is issued (``event``: its completion; None when it failed to issue or moves nothing)."""
+        self._event = event
+        self._issued.set()
+
+    def query(self) -> bool:
+        return self._issued.is_set() and (self._event is None or self._event.query())
+
+    def synchronize(self) -> None:
+        self._issued.wait()
+        if self._event is not None:
+            self._event.synchronize()
+
+
 class MemoryTier(Tier):
     """Tensors kept in a dict on one device; reads copy into ``out`` or return the stored tensor.
 
@@ -313,31 +335,35 @@ class MemoryTier(Tier):
         return event   # in flight, or failed: a read ordered after it waits on it and fails with it
 
     def _read(self, key, out, device):
-        # under the lock from the lookup until the copy's event is counted as reading the buffer: a free or
-        # an overwrite on another thread cannot hand the buffer back to the pool in between (issuing a copy
-        # queues it and waits for nothing, so the lock is held briefly)
-        with self._lock:
+        with self._lock:   # a free on another thread may have taken the key since read() checked it
             src = self._store.get(key)
             if src is None:
                 raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
             after = self._pending(key)
+            if out is not None and (out.shape != src.shape or out.dtype != src.dtype):
+                raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
+                                 f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
+            on_host = device is not None and device.type == "cpu" and self.copy_out and streams.settings().copy_threads
+            if out is None and not on_host and (device is None or device == self.device or
+                                                device.type == self.device.type == "cpu"):
+                return TransferHandle(value=src, event=after, host=src.device.type != "cuda", moved=False)
+            # counted as reading the buffer before the lock goes: a free or overwrite meanwhile waits for the
+            # copy it becomes. The copy is issued outside the lock: issuing may wait on host events (a write's
+            # on a copy thread), whose failure clean-up takes this lock
+            reading = _ReadBeingIssued()
+            self._reading[key] = [e for e in self._reading.get(key, ()) if not e.query()] + [reading]
+        handle = None
+        try:
             if out is not None:
-                if out.shape != src.shape or out.dtype != src.dtype:
-                    raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} "
-                                     f"{out.dtype}, but it holds {tuple(src.shape)} {src.dtype}")
                 handle = async_copy(out, src, after=after, direction=self.copy_out, label=key)
-            elif device is not None and device.type == "cpu" and self.copy_out and streams.settings().copy_threads:
-                # the CPU standing in for a device: a read "to the device" is a copy, as it would be on CUDA
+            elif on_host:   # the CPU standing in for a device: a read "to the device" is a copy, as on CUDA
                 handle = async_copy(torch.empty(src.shape, dtype=src.dtype), src, after=after,
                                     direction=self.copy_out, label=key)
-            elif device is None or device == self.device or (device.type == self.device.type == "cpu"):
-                return TransferHandle(value=src, event=after, host=src.device.type != "cuda", moved=False)
             else:
                 handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after,
                                     label=key)
-            if handle._event is not None:
-                reading = [e for e in self._reading.get(key, ()) if not e.query()]
-                self._reading[key] = reading + [handle._event]
+        finally:
+            reading.issued(handle._event if handle is not None else None)
         return handle
 
     def _in_flight(self, key) -> list:
