@@ -135,7 +135,22 @@ class GradOnlyMatmulBlock(torch.nn.Module):
         return x + torch.tanh(self.lin(x))
 
 
-@pytest.mark.parametrize("block", [RouterBlock, GradOnlyMatmulBlock], ids=["router", "grad-only-matmul"])
+class GradOnlySameShapeMatmulBlock(torch.nn.Module):
+    """Runs one more matmul under autograd, of the same op and shapes as the next one: a shape check would
+    serve it the next one's kept output and shift every later one (the re-run runs again without them)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            x = x + 0.1 * torch.tanh(torch.nn.functional.linear(x, self.a.weight))
+        return x + torch.tanh(self.a(x)) * self.b(x)
+
+
+@pytest.mark.parametrize("block", [RouterBlock, GradOnlyMatmulBlock, GradOnlySameShapeMatmulBlock],
+                         ids=["router", "grad-only-matmul", "grad-only-same-shape-matmul"])
 @pytest.mark.parametrize("links", [False, True], ids=["one-re-run", "two-re-runs"])
 def test_a_block_that_runs_other_ops_under_autograd_trains_as_the_plan_without_selective_layers(
         tmp_path, block, links):
@@ -145,9 +160,14 @@ def test_a_block_that_runs_other_ops_under_autograd_trains_as_the_plan_without_s
         kept = _train(plan_engine(tmp_path, model(), dataclasses.replace(plan, selective_layers=(0, 1, 3, 4)),
                                   LINKS if links else None), data)
     lined_up = [str(w.message) for w in caught if "did not repeat its forward's kept ops" in str(w.message)]
+    again = [str(w.message) for w in caught if "runs again without them" in str(w.message)]
     if block is RouterBlock:   # its extra ops are cheap ones, which are never kept: every kept op lines up
-        assert lined_up == []
-    else:   # the extra matmul comes first: the re-run computes from there, correctly
+        assert lined_up == [] and again == []
+    elif block is GradOnlySameShapeMatmulBlock:   # served shifted outputs until the forward's ran out
+        assert set(again) == {f"lazytrain: selective layer {i}'s re-run ran other kept ops than its forward after "
+                              f"taking kept outputs; it runs again without them" for i in (0, 1, 3, 4)}
+    else:   # the extra matmul (mm, no bias) meets the forward's addmm first: nothing served, computed from there
+        assert again == []
         assert lined_up and lined_up[0] == ("lazytrain: a selective layer's re-run did not repeat its forward's kept "
                                             "ops (its kept op 0 is aten.mm.default, the forward's aten.addmm.default, "
                                             "or of another signature); it computes them again from there")

@@ -504,9 +504,19 @@ class LayerStreamingExecutor:
             self._put(p, DEVICE_HOME, key, _whole_storage(t), owned=True)
         p.kept_outputs[layer] = (kept, keys)
 
-    def _selective_rerun(self, p: _Pass, layer: int):
+    def _rerun(self, p: _Pass, layer: int, flat, hidden, call: _LayerCall, tensors=None, requires_grad=False):
+        """A re-run of ``layer`` (replaying its forward), taking a selective layer's kept outputs. A re-run
+        whose kept ops did not line up one for one with its forward's after it took some may have served an
+        op another's output: it runs again without them (as a layer that is not selective), with a warning."""
         kept = p.kept_outputs.get(layer)
-        return kept[0].next_rerun() if kept is not None else nullcontext()
+        context = kept[0].next_rerun() if kept is not None else nullcontext()
+        out, params = self._compute(layer, flat, hidden, call, tensors, requires_grad=requires_grad, replay=True,
+                                    kept=context)
+        if hasattr(context, "whole") and not context.whole():
+            warnings.warn(f"lazytrain: selective layer {layer}'s re-run ran other kept ops than its forward after "
+                          f"taking kept outputs; it runs again without them", UserWarning)
+            out, params = self._compute(layer, flat, hidden, call, tensors, requires_grad=requires_grad, replay=True)
+        return out, params
 
     def _drop_kept_outputs(self, p: _Pass, layer: int) -> None:
         _, keys = p.kept_outputs.pop(layer, (None, ()))
@@ -518,7 +528,7 @@ class LayerStreamingExecutor:
         with torch.no_grad():
             for j in range(s, e - 1):
                 flat = self._acquire(j)
-                out, _ = self._compute(j, flat, x, p.calls[j], replay=True, kept=self._selective_rerun(p, j))
+                out, _ = self._rerun(p, j, flat, x, p.calls[j])
                 if j + 1 in p.unchained:
                     x = p.unchained[j + 1]
                 else:
@@ -551,7 +561,7 @@ class LayerStreamingExecutor:
         t_in = [t.detach().requires_grad_(True) if (t.is_floating_point() and need) else t
                 for t, need in zip(tensors, side_needs)]
         flat = self._acquire(layer)
-        kept = nullcontext() if keep else self._selective_rerun(p, layer)
+        kept = nullcontext()
         if keep and layer in self.offloaded:   # its weights are streamed again for its backward
             internals = p.offloaded[layer] = OffloadedInternals(
                 self.tiers["host"], f"pass{p.pass_id}.layer{layer}", self.device, flat, p.owned, window=layer,
@@ -562,8 +572,10 @@ class LayerStreamingExecutor:
             flat = flat.clone()
             self._put(p, DEVICE_HOME, self._key(p, layer) + ".weights", flat, owned=True)
         with torch.enable_grad():
-            out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True, replay=not keep,
-                                        kept=kept)
+            if keep:
+                out, params = self._compute(layer, flat, x_in, call, t_in, requires_grad=True, kept=kept)
+            else:
+                out, params = self._rerun(p, layer, flat, x_in, call, t_in, requires_grad=True)
         if keep and layer in self.offloaded and not self.stream.zero_copy and layer not in self.stream.resident:
             held = p.offloaded[layer].weights_kept_outside_saved_tensors(self._outputs(out))
             if held:   # their backward would read whatever layer the streaming buffer holds by then

@@ -15,10 +15,12 @@ other ops when autograd records (Mixtral's router divides a top-k output in plac
 under autograd only). Here only the kept ops are numbered, in one sequence whatever their kind, each
 with its op and its arguments' shapes and dtypes; a re-run's n-th kept op takes the n-th kept output when
 its op and signature match, every other op runs as it is, and from the first kept op that does not match
-(torch.matmul runs bmm or mm by whether its inputs require grad, say) the re-run computes them all again
-(correct, only slower), with a warning. One sequence, not a count per op: counted per op, an op shifted
-out of line could meet another of its kind with the same signature and take its output. One recording
-serves every re-run: a re-run reads the entries, it does not consume them.
+(torch.matmul runs bmm or mm by whether its inputs require grad, say) the re-run computes them all again,
+with a warning. A shape check cannot tell a kept op run only under autograd from the next one of the same
+op and shapes, which would take its output and shift every later one: so a re-run that took any kept output
+and did not run exactly the forward's sequence is not to be used (``_Replaying.whole``): the executor runs
+that block again without kept outputs. One recording serves every re-run: a re-run reads the entries, it
+does not consume them.
 """
 from __future__ import annotations
 
@@ -106,6 +108,11 @@ class _Replaying(TorchDispatchMode):
         self.next = 0
         self.lined_up = True
         self.served: list[tuple[list[torch.Tensor], tuple]] = []
+
+    def whole(self) -> bool:
+        """After the re-run: whether what it computed can be trusted: it took no kept output, or its kept ops
+        were exactly the forward's, one for one. Else an op of its own may have taken another's output."""
+        return not self.served or (self.lined_up and self.next == len(self.sequence))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
