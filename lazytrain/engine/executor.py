@@ -515,6 +515,7 @@ class LayerStreamingExecutor:
         if hasattr(context, "whole") and not context.whole():
             warnings.warn(f"lazytrain: selective layer {layer}'s re-run ran other kept ops than its forward after "
                           f"taking kept outputs; it runs again without them", UserWarning)
+            del out, params   # the first run's graph goes before the second builds its own
             out, params = self._compute(layer, flat, hidden, call, tensors, requires_grad=requires_grad, replay=True)
         return out, params
 

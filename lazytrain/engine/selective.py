@@ -18,9 +18,10 @@ its op and signature match, every other op runs as it is, and from the first kep
 (torch.matmul runs bmm or mm by whether its inputs require grad, say) the re-run computes them all again,
 with a warning. A shape check cannot tell a kept op run only under autograd from the next one of the same
 op and shapes, which would take its output and shift every later one: so a re-run that took any kept output
-and did not run exactly the forward's sequence is not to be used (``_Replaying.whole``): the executor runs
-that block again without kept outputs. One recording serves every re-run: a re-run reads the entries, it
-does not consume them.
+and did not run the forward's sequence one for one is not to be used (``_Replaying.whole``): the executor
+runs that block again without kept outputs. What this cannot see: a block that runs one kept op only under
+autograd and another, of the same op and shapes, only without it (the counts then agree); no model is known
+to. One recording serves every re-run: a re-run reads the entries, it does not consume them.
 """
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ class _Replaying(TorchDispatchMode):
 
     def whole(self) -> bool:
         """After the re-run: whether what it computed can be trusted: it took no kept output, or its kept ops
-        were exactly the forward's, one for one. Else an op of its own may have taken another's output."""
+        matched the forward's one for one by op and signature (see the module's note for what that cannot
+        see). Else an op of its own may have taken another's output."""
         return not self.served or (self.lined_up and self.next == len(self.sequence))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
