@@ -697,6 +697,30 @@ def test_transformers_families_with_their_kv_cache_default_match_pytorch(family,
     assert max_rel_diff(engine.module, ref) < RTOL
 
 
+def test_a_model_wrapping_a_transformers_model_as_peft_does_gets_no_kv_cache_in_a_training_forward():
+    """PEFT's models take use_cache through **kwargs into the model they wrap (get_base_model()): a training
+    forward asks that model for no KV cache too, or every layer's keys and values stay on the device."""
+    class PeftLike(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_model, self.config = base, base.config
+
+        def get_base_model(self):
+            return self.base_model
+
+        def forward(self, *args, **kwargs):
+            return self.base_model(*args, **kwargs)
+    model = PeftLike(make_hf_model("llama"))
+    assert model.config.use_cache
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    x, y = batches(1)[0]
+    out = engine(x.to(engine.device))
+    assert out.past_key_values is None
+    engine.backward(lm_loss(out, y))
+    engine.step()
+    engine.destroy()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("k, graph", [(2, True), (2, False), (1, False)])
 def test_dropout_masks_are_replayed_in_recompute(family, k, graph):

@@ -281,7 +281,7 @@ class LazyTrainEngine(nn.Module):
         # a transformers model with use_cache on would hand every block a KV cache to fill in training
         self._warned_attentions = False
         self._drops_kv_cache = bool(getattr(getattr(model, "config", None), "use_cache", False)) and \
-            "use_cache" in inspect.signature(model.forward).parameters
+            _takes_use_cache(model)
 
         # counters (DeepSpeed's names)
         self.global_steps = 0
@@ -1985,6 +1985,20 @@ def _upstream_outputs(outputs: list[torch.Tensor], max_nodes: int = 100_000) -> 
         if not downstream:
             keep.append(t)
     return keep
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether the model's forward takes ``use_cache``: by name, or through ``**kwargs`` into the model it
+    wraps (a PEFT model's ``get_base_model()``, whose forward names it)."""
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params:
+        return True
+    base = getattr(model, "get_base_model", None)
+    if not callable(base) or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return False
+    inner = base()
+    return inner is not model and isinstance(inner, nn.Module) and \
+        "use_cache" in inspect.signature(inner.forward).parameters
 
 
 def _wants(model: nn.Module, kwargs: dict, flag: str) -> bool:
