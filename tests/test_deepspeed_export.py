@@ -410,3 +410,36 @@ def test_parameters_stepped_fewer_times_than_their_group_are_named(tmp_path):
     other.load_checkpoint(str(tmp_path), tag="t")
     steps = {other._param_names[id(p)]: float(st["step"]) for p, st in other.optimizer.state.items()}
     assert steps["norm.weight"] == 1.0 and steps["emb.weight"] == 2.0
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("exclude", [True, False], ids=["without-frozen", "with-frozen"])
+def test_a_model_file_holds_each_weight_once_not_the_layer_buffer_it_views(tmp_path, stage, exclude):
+    """In fp32 the module entries are views of each layer's flat fp32 buffer: saved as they are, torch.save
+    wrote the whole buffer behind each (a save without frozen parameters, as Trainer makes for a LoRA run,
+    as large as the whole model). Each tensor is written with its own elements only."""
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from engine_models import batches, lm_loss, make_model
+    model = make_model("llama")
+    for name, p in model.named_parameters():
+        p.requires_grad_("layers" in name and name.endswith("o_proj.weight"))   # a small trainable part
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"device": "cpu"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                             if p.requires_grad], config=cfg)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.save_checkpoint(str(tmp_path), tag="t", exclude_frozen_parameters=exclude)
+    module = torch.load(tmp_path / "t" / ckpt.MODEL_FILE, weights_only=False)["module"]
+    held = engine.module_state_dict()
+    trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    assert (set(module) & set(dict(engine.module.named_parameters())) == trainable) if exclude else \
+        (module.keys() == held.keys())
+    for name, t in module.items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+        assert torch.equal(t, held[name]), name
+    engine.destroy()

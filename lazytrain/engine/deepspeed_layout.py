@@ -346,12 +346,19 @@ class Writer:
     def _lowp(self, t: torch.Tensor):
         """The module entry of a parameter whose fp32 master the optimizer state holds: in the training
         precision, as DeepSpeed's module holds it (cast piece by piece)."""
-        if self.dtype == torch.float32 or not t.is_floating_point():
+        if not t.is_floating_point():
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))   # a tied weight: one copy
+        return self._written_alone(t, self.dtype if self.dtype != torch.float32 else t.dtype)
+
+    def _written_alone(self, t: torch.Tensor, dtype: torch.dtype):
+        """``t`` in ``dtype`` as the file holds it, its own elements only: a view into a layer's flat buffer
+        would make torch.save write the whole buffer (every layer's weights in a file meant to hold some:
+        a save without frozen parameters, a LoRA run's adapters). Written as it is when it is its storage."""
+        if dtype == t.dtype and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), dtype)   # a tied weight: once
         if key not in self._casts:
-            self._casts[key] = ckpt.Streamed(tuple(t.shape), self.dtype,
-                                             lambda t=t: (c.to(self.dtype) for c in _chunks(t)))
+            self._casts[key] = ckpt.Streamed(tuple(t.shape), dtype, lambda t=t: (c.to(dtype) for c in _chunks(t)))
         return self._casts[key]
 
     def _flat(self, parts: list, numel: int) -> ckpt.Streamed:
@@ -497,8 +504,8 @@ class Writer:
                 out[name] = self._lowp(t)
             elif source is not None and id(self.by_name.get(source)) in outside:
                 out[name] = self._whole(self.by_name[source]).detach()   # fp32, from where it is kept
-            else:
-                out[name] = t   # buffers, frozen parameters: as LazyTrain holds them (DeepSpeed casts on load)
+            else:   # buffers, frozen parameters: as LazyTrain holds them (DeepSpeed casts on load)
+                out[name] = self._written_alone(t, t.dtype) if t.is_floating_point() else t
         return out
 
     # stage 0 ---------------------------------------------------------------------------------------
