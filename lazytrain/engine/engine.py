@@ -1845,9 +1845,10 @@ class LazyTrainEngine(nn.Module):
 
     def destroy(self) -> None:
         """Release streaming buffers and tiers (NVMe run directories are removed) and hand the model back:
-        its blocks called directly again, mixed-precision non-block weights back in fp32 (the trained
-        masters), every parameter, gradient and buffer on the device it was given on, no hooks of ours. A
-        second call does nothing (accelerate's ``free_memory`` calls it too)."""
+        its blocks called directly again, every parameter in fp32 (the trained masters: the blocks' and, in
+        mixed precision, the non-block weights', whatever dtype the model was loaded in), every parameter,
+        gradient and buffer on the device it was given on, no hooks of ours. A second call does nothing
+        (accelerate's ``free_memory`` calls it too)."""
         if self.__dict__.get("_destroyed"):
             return
         self._own_weights_again()
