@@ -25,8 +25,8 @@
 # usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs; ONLY (default
 # 1234) runs those sections only; BUDGET (default 540) caps the whole run in seconds: each section's timeout is
 # cut to what is left of it and a section with under 30 s left is skipped, saying so. One device call runs at
-# most 600 s and a session has 900 s of device time in all, start-up included: run ONLY=12, then ONLY=34 with
-# what is left (BUDGET=300 fits a warm machine).
+# most 600 s and a session has 900 s of device time in all, start-up included: run ONLY=12 first, then ONLY=34
+# with BUDGET set to what the device's status says is left, less a minute (the sections skipped say so).
 # Deterministic kernels are asked for (CUBLAS_WORKSPACE_CONFIG; LAZYTRAIN_TEST_DETERMINISTIC makes the tests
 # call torch.use_deterministic_algorithms, warning where an op has none): the bit-for-bit tests compare runs.
 # Python packages missing on the GPU machine (pulp, highspy, kvikio) may be given as wheels in .whl/.
