@@ -359,8 +359,8 @@ def test_steps_with_an_evaluation_are_not_measured_and_too_many_stop_auto(grad):
     assert plans == ["auto-calibration"] * 10 * accumulation and engine.auto._mixed == 5
     assert engine.auto.stopped == ("MeasurementError: 5 traced steps each ran a forward that was never differentiated "
                                    "(an evaluation between its micro-batches, with gradients on or off?), whose time "
-                                   "cannot be told apart from the step's: evaluate between optimizer steps (after "
-                                   "engine.step()) while policy \"auto\" measures")
+                                   "cannot be told apart from the step's: evaluate under torch.no_grad() between "
+                                   "optimizer steps (after engine.step()) while policy \"auto\" measures")
     assert any("policy \"auto\" stopped after step 8" in str(w.message) for w in caught)
     engine.destroy()
 

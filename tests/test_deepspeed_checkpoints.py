@@ -354,3 +354,18 @@ def test_a_deepspeed_save_over_a_lazytrain_tag_of_the_same_name_loads_as_deepspe
     expected = ds_ckpt.read(source, True)
     for n, p in engine.module.named_parameters():
         assert torch.equal(p, expected.module[n]), n
+
+
+@pytest.mark.parametrize("damaged", ["zero_pp_rank_0_mp_rank_00_model_states.pt",
+                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_a_lazytrain_tag_with_a_file_cut_short_is_incomplete_not_a_deepspeed_save(tmp_path, damaged):
+    """A state file cut short (a copy that stopped, a full disk) changed size as a DeepSpeed save over the
+    tag would: it is no whole file, so the tag is refused as incomplete, naming it."""
+    _lazytrain_save_at_stage_3(tmp_path)
+    path = tmp_path / "global_step1" / damaged
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(lazytrain.engine.checkpoint.IncompleteCheckpointError,
+                       match=f"{damaged} has {size // 2} bytes, the manifest says {size}"):
+        engine_for().load_checkpoint(str(tmp_path))

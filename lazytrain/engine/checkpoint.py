@@ -554,6 +554,8 @@ def rewritten_after_save(path: str) -> bool:
             (n not in tails or tails[n] == _tail_fingerprint(os.path.join(path, n)))]
     if not names or len(same) == len(names):
         return False
+    if not all(_whole_zip(os.path.join(path, n)) for n in names if n not in same):
+        return False   # a damaged file (a copy cut short, a full disk): the manifest's check names it
     if same:
         changed = [n for n in names if n not in same]
         raise CheckpointError(f"checkpoint {path} holds state files written after LazyTrain saved it "
@@ -561,6 +563,16 @@ def rewritten_after_save(path: str) -> bool:
                               f"save ({', '.join(same[:3])}): they are not one checkpoint; save to a new tag, or "
                               f"remove the tag's old files")
     return True
+
+
+def _whole_zip(path: str) -> bool:
+    """Whether ``path`` is a whole zip file (its directory at the end reads): what a finished torch.save
+    writes, and a file cut short is not."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 TAIL_BYTES = 1 << 16

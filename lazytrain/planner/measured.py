@@ -296,8 +296,8 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
 
 
 UNDIFFERENTIATED = ("ran a forward that was never differentiated (an evaluation between its micro-batches, with "
-                    "gradients on or off?), whose time cannot be told apart from the step's: evaluate between "
-                    "optimizer steps (after engine.step()) while policy \"auto\" measures")
+                    "gradients on or off?), whose time cannot be told apart from the step's: evaluate under "
+                    "torch.no_grad() between optimizer steps (after engine.step()) while policy \"auto\" measures")
 
 
 def ran_an_undifferentiated_forward(timeline) -> bool:
