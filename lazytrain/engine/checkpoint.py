@@ -587,26 +587,31 @@ def _tail_fingerprint(path: str) -> str:
 
 
 def tag_dir(load_dir: str, tag: str) -> str:
-    """The directory to load tag ``tag`` from: the tag itself when complete (or written by DeepSpeed, with
-    no manifest, or over a LazyTrain save of the same tag); else the complete copy an interrupted save left
-    beside it; never a partial one."""
+    """The directory to load tag ``tag`` from (see :func:`find_tag`)."""
+    return find_tag(load_dir, tag)[0]
+
+
+def find_tag(load_dir: str, tag: str) -> tuple[str, bool]:
+    """(the directory to load tag ``tag`` from, whether DeepSpeed saved it over a LazyTrain save of the same
+    tag). The directory: the tag itself when complete (or written by DeepSpeed, with no manifest or over
+    LazyTrain's save); else the complete copy an interrupted save left beside it; never a partial one."""
     final = os.path.join(load_dir, tag)
     if os.path.isdir(final) and not os.path.isfile(os.path.join(final, MANIFEST)) and \
             glob.glob(os.path.join(final, "*model_states.pt")):
-        return final                                   # DeepSpeed's, or an earlier LazyTrain's
+        return final, False                            # DeepSpeed's, or an earlier LazyTrain's
     if os.path.isdir(final) and rewritten_after_save(final):
         warnings.warn(f"lazytrain: checkpoint tag {tag!r} in {load_dir}: its DeepSpeed files were written after "
                       f"LazyTrain saved it (DeepSpeed saved the same tag since?): it loads as DeepSpeed's "
                       f"checkpoint, and LazyTrain's own state beside them ({MANIFEST}, lazytrain_state.pt) is "
                       f"ignored", UserWarning, stacklevel=3)
-        return final
+        return final, True
     problem = _manifest_problem(final)
     if problem is None:
-        return final
+        return final, False
     for suffix in (_STAGING, _PREVIOUS):               # a save died between its two renames
         aside = _aside(load_dir, tag, suffix)
         if not os.path.isdir(final) and _manifest_problem(aside) is None:
-            return aside
+            return aside, False
     if not os.path.isdir(final) and not os.path.isdir(_aside(load_dir, tag, _STAGING)):
         raise FileNotFoundError(f"no checkpoint tag {tag!r} in {load_dir}")
     where = final if os.path.isdir(final) else _aside(load_dir, tag, _STAGING)

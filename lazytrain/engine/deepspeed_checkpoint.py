@@ -54,11 +54,11 @@ class DeepSpeedState:
 
 
 def is_deepspeed(tag_dir: str, trust: bool = False) -> bool:
-    """A tag directory DeepSpeed wrote: no LazyTrain manifest (or one older than the state files: DeepSpeed
-    saved the tag again), and a model file carrying ``ds_version`` (an earlier LazyTrain's has none; the
-    file is memory-mapped, so this reads little of it)."""
-    from .checkpoint import MANIFEST, rewritten_after_save
-    if os.path.isfile(os.path.join(tag_dir, MANIFEST)) and not rewritten_after_save(tag_dir):
+    """A tag directory DeepSpeed wrote: no LazyTrain manifest, and a model file carrying ``ds_version``
+    (an earlier LazyTrain's has none; the file is memory-mapped, so this reads little of it). A DeepSpeed
+    save over a LazyTrain tag is told by ``checkpoint.find_tag``."""
+    from .checkpoint import MANIFEST
+    if os.path.isfile(os.path.join(tag_dir, MANIFEST)):
         return False
     files = _model_files(tag_dir)
     if not files:

@@ -433,10 +433,10 @@ class LazyTrainEngine(nn.Module):
         if torch.device(profile.device).type != self.device.type:   # its times are another machine's
             raise ConfigError(f"{where} was measured on {profile.device}, this run trains on {self.device}: measure "
                               f"again (leave 'profile' out)")
-        if profile.device_name is not None and profile.device_name != self._device_name():
-            raise ConfigError(f"{where} was measured on {profile.device_name}, this run trains on "
-                              f"{self._device_name()}: its times are another machine's; measure again (leave "
-                              f"'profile' out)")
+        here = self._device_name()
+        if profile.device_name is not None and profile.device_name != here:
+            raise ConfigError(f"{where} was measured on {profile.device_name}, this run trains on {here}: its times "
+                              f"are another machine's; measure again (leave 'profile' out)")
         if profile.micro_batch != self.train_micro_batch_size_per_gpu():
             raise ConfigError(f"{where} was measured at micro-batch {profile.micro_batch}, this run trains "
                               f"{self.train_micro_batch_size_per_gpu()}: measure again (leave 'profile' out)")
@@ -1545,9 +1545,9 @@ class LazyTrainEngine(nn.Module):
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         failed_before = self._failed_step
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
-        directory = ckpt.tag_dir(load_dir, tag)
+        directory, saved_over = ckpt.find_tag(load_dir, tag)   # saved_over: DeepSpeed saved over LazyTrain's tag
         lazytrain_file = os.path.join(directory, ds_layout.LAZYTRAIN_FILE)
-        if os.path.isfile(lazytrain_file) and not ckpt.rewritten_after_save(directory):
+        if os.path.isfile(lazytrain_file) and not saved_over:
             # LazyTrain's, in DeepSpeed's layout; read everything first
             own = self._with_optimizer_shards(safe_load.load(lazytrain_file, trust), directory, trust, want_optim)
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=own.get("stage0_names"),
@@ -1555,7 +1555,8 @@ class LazyTrainEngine(nn.Module):
             path = os.path.join(load_dir, tag, ds_layout.model_file(state.stage))   # as DeepSpeed returns it
             apply = lambda: self._load_own(path, own, state, load_module_strict, load_module_only,  # noqa: E731
                                            load_lr_scheduler_states, custom_load_fn)
-        elif ds_ckpt.is_deepspeed(directory, trust):   # read everything first: a file that fails changes nothing
+        elif saved_over or ds_ckpt.is_deepspeed(directory, trust):
+            # read everything first: a file that fails changes nothing.
             # a stage-0 checkpoint keeps the optimizer's state by position: DeepSpeed's groups are the ones the
             # script passed to initialize, as this engine's are, so its positions name the same parameters
             groups = self._all_whole_groups() if self.shards is not None else \
