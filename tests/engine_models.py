@@ -288,6 +288,34 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
     return ModuleListLM(n_layers=n_layers)
 
 
+class LoRALinear(nn.Module):
+    """A low-rank adapter around a frozen ``nn.Linear``, laid out as PEFT's: the frozen base first, then the
+    trainable ``lora_A`` and ``lora_B`` (so a block's trainable tensors do not come first in its own order)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.02)   # not PEFT's zeros: every adapter gets a gradient at once
+
+    def forward(self, x):
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def add_lora(model: nn.Module, targets: tuple[str, ...], rank: int = 4) -> nn.Module:
+    """A LoRA fine-tuning set-up: each ``nn.Linear`` whose attribute name is in ``targets`` wrapped in a
+    :class:`LoRALinear`, and every parameter but the adapters' frozen (embeddings, norms and head too)."""
+    torch.manual_seed(1)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in targets and isinstance(child, nn.Linear):
+                setattr(module, name, LoRALinear(child, rank))
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return model
+
+
 def around_each_forward(layer: nn.Module, context) -> list:
     """Runs each forward of ``layer`` inside ``context(outside)``, ``outside`` being the tensors the call passes
     in and the layer's parameters (what the engine's saved-bytes measurement leaves out); returns the contexts

@@ -12,7 +12,7 @@ import torch
 import lazytrain
 from lazytrain.tiers import streams
 from lazytrain.tiers.base import completion_reached
-from engine_models import AUTO_DEVICE, batches, lm_loss, make_model, max_rel_diff, reference_train
+from engine_models import AUTO_DEVICE, add_lora, batches, lm_loss, make_model, max_rel_diff, reference_train
 from test_internals_offload import SPLIT
 
 SEEDS = (1, 2, 3)
@@ -89,6 +89,10 @@ CASES = {
                                         _eval="no_grad"),
     # internals' copies split over windows (tests/test_internals_offload.py: SPLIT), evaluations between steps
     "offload-internals-split": dict(_plan=SPLIT, overlap_optimizer=True, _eval="grad", _autograd_grad=True),
+    # a LoRA run: frozen block weights kept in the bf16 compute copies alone, adapters' gradients alone sent
+    "lora-bf16-overlap-gas2": dict(checkpoint_interval=2, overlap_optimizer=True, _bf16=True, _gas=2, _lora=True,
+                                   _eval="grad"),
+    "lora-bf16-resident": dict(weights_home="hbm", overlap_optimizer=True, _bf16=True, _lora=True, _eval="no_grad"),
     "user-tier-boundaries": dict(checkpoint_interval=2, boundary_home="dict", _eval="grad", _autograd_grad=True,
                                  tiers=[{"name": "dict", "class": "engine_models:DictTier"}]),
 }
@@ -103,6 +107,8 @@ def _calm_transfers_after():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_random_transfer_delays_change_nothing(case, tmp_path):
     model = make_model("llama")
+    if CASES[case].get("_lora"):
+        model = add_lora(model, ("q_proj", "v_proj"))
     calm, calm_engine = run(model, CASES[case], tmp_path / "calm", None)
     threaded, engine = run(model, CASES[case], tmp_path / "threads", {"copy_threads": True})
     assert not engine.weights.zero_copy   # the CPU took the GPU's path: every layer copied into slots

@@ -556,15 +556,32 @@ def test_a_window_prefetch_without_room_for_its_buffers_stops_and_fetches_on_dem
     engine.destroy()
 
 
+def test_planner_gets_the_share_of_the_blocks_parameters_that_train(monkeypatch):
+    """A LoRA run: the planner budgets the frozen block weights as their streamed copy alone (weights.py),
+    so it is told which share of the blocks' parameters trains, counted on the model."""
+    import lazytrain.engine.engine as engine_module
+    from lazytrain.engine.placement import planning_budgets
+    from engine_models import add_lora
+    seen = []
+    build_plan = engine_module.build_plan
+    monkeypatch.setattr(engine_module, "build_plan", lambda *args: seen.append(args[-1]) or build_plan(*args))
+    model = add_lora(make_model("llama"), ("q_proj", "v_proj"))
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(_top={"bf16": {"enabled": True}}))
+    blocks = list(model.model.layers.parameters())
+    share = sum(p.numel() for p in blocks if p.requires_grad) / sum(p.numel() for p in blocks)
+    assert seen == [share] and 0 < share < 0.05
+    assert planning_budgets(engine._config, engine.tiers, 2, 12, share)["trainable_share"] == share
+
+
 def test_planner_gets_each_streamed_layers_measured_size(monkeypatch):
     """A mixture-of-experts layer holds far more parameters than the dense estimate from its config: the
     planner is given each streamed block's parameter count, measured on the model."""
     import lazytrain.engine.engine as engine_module
     seen = {}
 
-    def spy(cfg, num_layers, tiers, model_config, micro_batch):
+    def spy(cfg, num_layers, tiers, model_config, micro_batch, trainable_share):
         seen["model_config"] = model_config
-        return build_plan(cfg, num_layers, tiers, model_config, micro_batch)
+        return build_plan(cfg, num_layers, tiers, model_config, micro_batch, trainable_share)
     build_plan = engine_module.build_plan
     monkeypatch.setattr(engine_module, "build_plan", spy)
     model = make_hf_model("mixtral")

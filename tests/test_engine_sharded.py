@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dist_helpers import free_port, join_as, leave_group, reports, spawn_cases
-from engine_models import VOCAB, ModuleListLM, batches, lm_loss, make_hf_model, make_model, max_rel_diff, reference_train
+from engine_models import VOCAB, ModuleListLM, add_lora, batches, lm_loss, make_hf_model, make_model, max_rel_diff, reference_train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 GLOBAL = 4   # samples per step over all ranks
@@ -68,14 +68,20 @@ def case(world: int, name: str, fn, last: bool = False, **kwargs) -> str:
     return name
 
 
-def train(world, stage=1, overlap=False, steps="3", save=False, load=None, dtype="fp32", comm=None) -> str:
+def train(world, stage=1, overlap=False, steps="3", save=False, load=None, dtype="fp32", comm=None,
+          lora=False) -> str:
     """The case of ``_train`` with these settings (the same settings: one case, whichever tests read it).
     ``save``: a checkpoint (tag "t") in the case's directory; ``load``: the name of the case whose checkpoint
-    it resumes."""
+    it resumes; ``lora``: every weight frozen but low-rank adapters on each block's ``fc1``."""
     name = f"train{world}-stage{stage}-{'overlap' if overlap else 'serial'}-{dtype}-steps{steps}" + \
-        (f"-comm{comm}" if comm else "") + ("-save" if save else "") + (f"-from-{load}" if load else "")
+        (f"-comm{comm}" if comm else "") + ("-lora" if lora else "") + ("-save" if save else "") + \
+        (f"-from-{load}" if load else "")
     return case(world, name, _train, stage=stage, overlap=overlap, steps=steps, save=save, load=load, dtype=dtype,
-                comm=comm)
+                comm=comm, lora=lora)
+
+
+def lora_model():
+    return add_lora(make_model("modulelist"), ("fc1",))
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +102,12 @@ def spawned(tmp_path_factory):
     return get
 
 
-def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm):
+def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm, lora):
     import lazytrain
     cfg = _config(world, stage, overlap, dtype)
     if comm is not None:
         cfg["communication_data_type"] = comm
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    engine, _, _, _ = lazytrain.initialize(model=lora_model() if lora else make_model("modulelist"), config=cfg)
     if load:
         engine.load_checkpoint(os.path.join(os.path.dirname(out_dir), load, "ckpt"))
     per = GLOBAL // world
@@ -154,7 +160,8 @@ def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm)
     if rank == 0:
         engine.destroy()   # a second call, on one rank: nothing to gather, nothing to wait for
     params = dict(engine.module.named_parameters())
-    result["handed_back"] = all(params[k].dtype == torch.float32 and torch.equal(params[k].detach(), v)
+    # as trained; frozen block weights kept in bf16 alone: those values, in the fp32 they were given in
+    result["handed_back"] = all(params[k].dtype == torch.float32 and torch.equal(params[k].detach().to(v.dtype), v)
                                 for k, v in result["weights"].items())
     return result
 
@@ -258,6 +265,35 @@ def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_r
         assert r["handed_back"]
         for k, v in replicated[0]["weights"].items():
             assert v.dtype == torch.float32 and torch.equal(r["weights"][k], v), k
+
+
+LORA = {"stage2-overlap": train(2, stage=2, overlap=True, dtype="bf16", lora=True),
+        "stage1-serial": train(2, stage=1, dtype="bf16", lora=True),
+        "stage0-overlap": train(2, stage=0, overlap=True, dtype="bf16", lora=True),
+        "stage0-serial": train(2, stage=0, dtype="bf16", lora=True)}
+LORA_SAVED = train(2, stage=2, overlap=True, steps="first", save=True, dtype="bf16", lora=True)
+LORA_LOADED = train(1, stage=2, overlap=True, steps="none", load=LORA_SAVED, dtype="bf16", lora=True)
+
+
+@pytest.mark.parametrize("sharded, replicated", [("stage2-overlap", "stage0-overlap"),
+                                                  ("stage1-serial", "stage0-serial")])
+def test_a_sharded_lora_run_keeps_fp32_weights_of_its_adapters_alone_and_trains_as_replicated_ranks(
+        spawned, sharded, replicated):
+    """bf16 LoRA over 2 ranks: fp32 weights for the adapters only (each layer's on its owner), the frozen
+    block weights in the node's one bf16 copy; the result bit for bit that of ranks holding everything, and
+    a checkpoint of the sharded ranks loads into one process exactly."""
+    results, whole = spawned(LORA[sharded]), spawned(LORA[replicated])
+    adapters = sum(p.numel() * 4 for block in lora_model().stack for p in block.parameters() if p.requires_grad)
+    assert whole[0]["master_bytes"] == adapters
+    assert sum(r["master_bytes"] for r in results) == adapters and max(r["master_bytes"] for r in results) < adapters
+    for r in results:
+        assert r["sharded"] and r["node_shared"] and r["handed_back"]
+        for k, v in whole[0]["weights"].items():
+            assert v.dtype == (torch.float32 if "lora_" in k else torch.bfloat16), k   # frozen: as kept
+            assert torch.equal(r["weights"][k], v), k
+    saved, loaded = spawned(LORA_SAVED), spawned(LORA_LOADED)[0]
+    for k, v in saved[0]["weights"].items():
+        assert torch.equal(loaded["weights"][k], v), k
 
 
 MIXED = [(2, False, "bf16"), (1, False, "fp16"), (3, True, "bf16")]

@@ -671,6 +671,18 @@ def test_cli_reports_an_infeasible_budget(capsys):
     assert rc == 2 and "host memory budget 50.00 GB" in capsys.readouterr().err
 
 
+def test_cli_plans_a_lora_run_that_full_fine_tuning_could_not_fit(capsys, tmp_path):
+    """--trainable-share: the host that cannot hold a 7B model's full optimizer state holds a LoRA run's."""
+    from lazytrain.cli import main
+    args = ["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8", "--gpu-mem", "70GB",
+            "--host-mem", "50GB"]
+    assert main(args + ["--trainable-share", "0.01", "--json", str(tmp_path / "lora.json")]) == 0
+    assert Plan.from_json(str(tmp_path / "lora.json")).num_layers == 28
+    capsys.readouterr()
+    assert main(args + ["--trainable-share", "1.5"]) == 2
+    assert "Budgets field 'trainable_share' must be a fraction in [0, 1], got 1.5" in capsys.readouterr().err
+
+
 def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, capsys):
     from lazytrain.cli import main
     missing = tmp_path / "no" / "p.json"
@@ -760,6 +772,31 @@ def test_a_rank_holding_shares_of_the_weights_and_gradients_is_budgeted_for_them
     assert shared.host_bytes_per_param == pytest.approx(whole.host_bytes_per_param / 4)
     with pytest.raises(ValueError, match=r"Budgets field 'weights_copy_share' must be a fraction in \(0, 1\], got 1.5"):
         make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", weights_copy_share=1.5))
+
+
+def test_a_lora_run_is_budgeted_for_its_frozen_layer_weights_as_the_streamed_copy_alone():
+    """Budgets.trainable_share: of a layer's parameters only the trainable share has an fp32 master, a
+    gradient buffer, moments, an update and gradients on the link; the others hold their bf16 copy alone.
+    The embedding and head keep the whole count."""
+    model = catalog_model("qwen2.5-7b")
+    whole, lora = (Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
+                           budgets=Budgets.of(gpu="70GB", host="400GB", trainable_share=share)) for share in (1.0, 0.01))
+    per_trainable = whole.host_bytes_per_param - 2   # all but the bf16 streamed copy
+    assert lora.host_bytes_per_layer_param == pytest.approx(2 + 0.01 * per_trainable)
+    assert lora.host_static == int(model.layer_params * lora.host_bytes_per_layer_param
+                                   + model.nonlayer_params * whole.host_bytes_per_param)
+    assert whole.host_static == int(model.total_params * whole.host_bytes_per_param)
+    assert lora.Gl == pytest.approx([g * 0.01 for g in whole.Gl])
+    assert lora.opt_l == pytest.approx([o * 0.01 for o in whole.opt_l])
+    assert lora.Wl == whole.Wl   # every weight still streams
+    # a host too small for full fine-tuning holds the LoRA run
+    small = Budgets.of(gpu="70GB", host="40GB")
+    with pytest.raises(InfeasibleBudgetError, match=r"cannot hold the optimizer state: 7\.62B parameters x 15\.88 bytes"):
+        Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024, budgets=small)
+    Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
+            budgets=dataclasses.replace(small, trainable_share=0.01))
+    with pytest.raises(ValueError, match=r"Budgets field 'trainable_share' must be a fraction in \[0, 1\], got 2"):
+        Budgets.of(gpu="70GB", trainable_share=2)
 
 
 def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):

@@ -391,23 +391,11 @@ class Writer:
                     for key, v in (self._summary(p) or {}).items():
                         if key != "step" and _is_moment(v, p):
                             add(p, key, start, n)
-            for p in self._frozen_params():
-                if self.stage == 3:
-                    start, n = self._stage3_range(p)
-                    if n:
-                        add(p, "master", start, n)
-                elif self.rank == 0:
-                    add(p, "master", 0, p.numel())
-            if self.rank == 0:
+            if self.rank == 0:   # frozen parameters: every rank holds them whole (_frozen_fragment, _module)
                 for p in self._outside_groups():
-                    add(p, "master", 0, p.numel())
+                    if trainable(p):
+                        add(p, "master", 0, p.numel())
         return list(out.values())
-
-    def _frozen_params(self) -> list[torch.Tensor]:
-        """The parameters DeepSpeed's model file keeps as frozen (stages 2, 3)."""
-        if self.stage < 2 or self.opt is None or self.x.exclude_frozen:
-            return []
-        return [p for _, p in self.x.model.named_parameters() if not trainable(p)]
 
     def _outside_groups(self) -> list[torch.Tensor]:
         """Parameters no flat group holds, whose fp32 values the module (stages 1, 2) or the LazyTrain file
@@ -480,16 +468,16 @@ class Writer:
         model.update(x.client_state)
         return model
 
-    def _frozen_fragment(self, p) -> torch.Tensor:
+    def _frozen_fragment(self, p):
         """DeepSpeed's frozen parameter fragment: the whole (stages 1, 2), or this rank's part of it,
-        flat, padded to ``ceil(numel / ranks)`` (stage 3); at its fp32 value where LazyTrain keeps one."""
+        flat, padded to ``ceil(numel / ranks)`` (stage 3); in the training precision, as DeepSpeed's module
+        holds it (and as LazyTrain keeps a frozen parameter in bf16/fp16 with the weights in host memory).
+        Every rank holds the frozen parameters whole: nothing is gathered for them."""
         if self.stage != 3:
-            return self._whole(p).detach().to("cpu")
+            return self._lowp(self._master(p).detach())
         start, n = self._stage3_range(p)
-        if self.x.pieces is not None:
-            part = self.x.pieces[(self._name(p), "master", start)] if n else torch.zeros(0)
-        else:
-            part = self._master(p).detach().reshape(-1).narrow(0, start, n).to("cpu")
+        dtype = self.dtype if self.dtype != torch.float32 else p.dtype
+        part = self._master(p).detach().reshape(-1).narrow(0, start, n).to("cpu", dtype)
         pad = self._partition_numel(p) - n
         return torch.cat([part, torch.zeros(pad, dtype=part.dtype)]) if pad else part
 
@@ -502,9 +490,11 @@ class Writer:
                 out[name] = torch.empty(0, dtype=self.dtype if t.is_floating_point() else t.dtype)
             elif source in self.covered:
                 out[name] = self._lowp(t)
-            elif source is not None and id(self.by_name.get(source)) in outside:
+            elif source is not None and id(self.by_name.get(source)) in outside and trainable(self.by_name[source]):
                 out[name] = self._whole(self.by_name[source]).detach()   # fp32, from where it is kept
-            else:   # buffers, frozen parameters: as LazyTrain holds them (DeepSpeed casts on load)
+            elif source is not None:   # frozen: in the training precision, as DeepSpeed's module holds it
+                out[name] = self._lowp(t)
+            else:   # buffers: as LazyTrain holds them (DeepSpeed casts on load)
                 out[name] = self._written_alone(t, t.dtype) if t.is_floating_point() else t
         return out
 

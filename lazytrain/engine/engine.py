@@ -119,6 +119,9 @@ class LazyTrainEngine(nn.Module):
         except BaseException:   # a config error found late leaves the model usable as it was
             self._hand_model_back()
             raise
+        self.weights.set_up_done()
+        if self.masters is not None:
+            self.masters.set_up_done()
 
     def _hand_model_back(self) -> None:
         """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
@@ -143,6 +146,8 @@ class LazyTrainEngine(nn.Module):
             self.masters.hand_back()
         if d.get("stream") is not None:
             self.stream.settle_all()   # no copy may still land in a buffer that is about to go
+        if d.get("weights") is not None:   # frozen ones kept in the compute copy: out of the tier's memory
+            self.weights.hand_back_frozen()
         for tier in d.get("tiers", {}).values():
             tier.close()
         _put_back(d.get("_devices_given", []))
@@ -186,7 +191,8 @@ class LazyTrainEngine(nn.Module):
             model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in blocks]
             # in the precision this engine computes and streams in (not what the model was saved in)
             model_cfg["dtype"] = model_cfg["torch_dtype"] = config.compute_dtype_name
-        self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu)
+        self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu,
+                               _trainable_share(blocks))
         self._model_cfg = model_cfg
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
@@ -234,7 +240,7 @@ class LazyTrainEngine(nn.Module):
                 self.shards = self._assign_shards(groups)
                 if config.zero_stage >= 2:   # as DeepSpeed's stage 2: gradients partitioned too
                     self.weights.send_grads_to_owners(sharding.GradientsToOwners(
-                        self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_layer_numel,
+                        self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_trainable_numel,
                         self.dist.reduce_gradient, self.dist.comm_dtype))
                 self._whole_groups = groups
                 groups = sharding.owned_groups(groups, self.shards)
@@ -349,7 +355,8 @@ class LazyTrainEngine(nn.Module):
             last_trace=lambda: self.last_trace if self._traced_step == self.global_steps and
             self._step_applied else None,
             switch=self._use_plan, profile_of=self._profile_of, on_rank0=self._on_rank0,
-            plan_from=lambda profile: plan_from_measurements(self._config, self.tiers, profile),
+            plan_from=lambda profile: plan_from_measurements(self._config, self.tiers, profile,
+                                                             _trainable_share(self.weights.blocks)),
             say=lambda line: print(line) if self.global_rank == 0 else None,
             warn=lambda message: warnings.warn(message, UserWarning),
             current_policy=lambda: self.plan.policy,
@@ -562,11 +569,13 @@ class LazyTrainEngine(nn.Module):
             return out
         for i in range(w.num_layers):
             mine = w.master[i] is not None
-            buf = w.master[i] if mine else torch.empty(w.layer_numels[i], dtype=torch.float32)
+            buf = w.master[i] if mine else torch.empty(w.master_numels[i], dtype=torch.float32)
             self.dist.broadcast_from([buf], self.shards.layer_owner[i], what="gather of the fp32 weights of "
                                      "the streamed layers from their owners")
-            if not mine:
-                out.update({id(p): slot.of(buf) for slot, p in zip(w.layer_slots[i], w.params[i])})
+            if not mine:   # frozen parameters kept in the compute copy alone have no fp32 weights anywhere
+                out.update({id(p): slot.of(buf) for slot, p, trains in zip(w.layer_slots[i], w.params[i],
+                                                                            w.trainable[i])
+                            if trains or not w.frozen_in_copy})
         return out
 
     def _masters_home(self) -> torch.device:
@@ -709,12 +718,29 @@ class LazyTrainEngine(nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._check_lr_kwargs(lr_kwargs)
+            self._refuse_unfrozen()
             self._take_model_step(lr_kwargs)
             began, self._step_began = self._step_began, None
         self.micro_steps += 1
         if boundary and self.auto is not None:
             self.auto.after_step(self.global_steps, time.perf_counter() - (began or time.perf_counter()))
         self._raise_unstored_copies()
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen when initialize() ran has no fp32 master, gradient buffer or optimizer state (and a
+        block's gets no gradient): one that requires grad now would train wrongly or not at all, so the step is
+        refused before it updates anything."""
+        w = self.weights
+        frozen = [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains) if not t]
+        frozen += [p for p, _ in (self.masters.frozen if self.masters is not None else ())]
+        unfrozen = [p for p in frozen if p.requires_grad]
+        if unfrozen:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            raise RuntimeError(f"lazytrain: parameter {names.get(id(unfrozen[0]), '?')!r} was frozen (requires_grad "
+                               f"False) when initialize() ran and requires grad now: LazyTrain keeps a frozen "
+                               f"parameter without fp32 weights, gradients or optimizer state, as DeepSpeed does, so "
+                               f"it cannot start training after initialize(). Set requires_grad before initialize(), "
+                               f"or freeze it again")
 
     def _check_lr_kwargs(self, lr_kwargs: dict | None) -> None:
         """Arguments the schedule's step() does not take are refused before the update, not after it (where
@@ -996,6 +1022,7 @@ class LazyTrainEngine(nn.Module):
         """After the masters were written from outside an optimizer step (a checkpoint load)."""
         self.executor.weights_changed()
         with self._host_writes(range(self.weights.num_layers)):
+            self.weights.copy_shared_frozen()
             for i in range(self.weights.num_layers):
                 self.weights.refresh_compute_copy(i)
 
@@ -1303,7 +1330,9 @@ class LazyTrainEngine(nn.Module):
 
     # ---- state ---------------------------------------------------------------------------------
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """The model's weights in fp32 (masters), each tensor its own storage, on the host. With the state
+        """The model's weights in fp32 (masters), each tensor its own storage, on the host; frozen weights as
+        they are kept: in bf16/fp16 training in the training precision (a block's in fp32 with the weights on
+        NVMe). With the state
         sharded in bf16/fp16, every rank gathers the fp32 weights of the streamed layers other ranks
         own, so every rank must call it."""
         self._refuse_if_inconsistent("module_state_dict()")
@@ -1869,7 +1898,9 @@ class LazyTrainEngine(nn.Module):
             return
         for i in range(w.num_layers):
             flat = w.master[i].clone() if w.master[i] is not None else None
-            for slot, p in zip(w.layer_slots[i], w.params[i]):
+            for slot, p, trains in zip(w.layer_slots[i], w.params[i], w.trainable[i]):
+                if not trains and w.frozen_in_copy:   # views of the compute copy: hand_back_frozen's
+                    continue
                 p.data = slot.of(flat) if flat is not None else foreign[id(p)]
 
     # ---- attribute passthrough to the wrapped module --------------------------------------------
@@ -1881,6 +1912,14 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _trainable_share(blocks: nn.ModuleList) -> float:
+    """The share of the streamed blocks' parameters that train (the planner budgets the rest as their
+    streamed copy alone: weights.py keeps them so in bf16/fp16)."""
+    params = list(blocks.parameters())
+    total = sum(p.numel() for p in params)
+    return sum(p.numel() for p in params if p.requires_grad) / total if total else 1.0
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:

@@ -23,10 +23,15 @@ class Masters:
     Each gradient is added into its master's fp32 ``.grad`` as soon as autograd produces it (so accumulation
     over micro-batches happens in fp32, as the blocks' does), and the weights are copied down after the
     update. A master on the host gets its gradients through a :class:`MasterGradSink` (the backward goes on
-    while they are copied); whatever reads the masters' gradients goes through ``flush_grads`` first."""
+    while they are copied); whatever reads the masters' gradients goes through ``flush_grads`` first.
+    A frozen parameter (``requires_grad`` false: a LoRA run's embedding and head) has no master: nothing
+    updates it, so it is kept in the compute dtype alone, as DeepSpeed's bf16/fp16 module keeps it."""
 
     def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        # frozen parameters, no master: (parameter, its storage as given); the storage is let go once set-up is
+        # done (set_up_done), so that a set-up that fails hands it back untouched
+        self.frozen: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._hooks = {}
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
@@ -36,18 +41,28 @@ class Masters:
         if self._to_sink:   # one micro-batch's gradients may wait to be copied, the most a device holds of them
             self.sink = MasterGradSink(compute_dtype, max_numel=max(p.numel() for p in self._to_sink),
                                        max_bytes=sum(p.numel() for p in self._to_sink) * compute_dtype.itemsize)
-        for p in params:
-            where = p.device if home is None else home
-            if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
-                master = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-            else:
-                master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=p.requires_grad)
-                p.data = p.data.to(compute_dtype)
-            if p.requires_grad:
-                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(
-                    _into_master(master, self.sink if _copied(p.device, where) else None))
-            self.pairs.append((p, master))
+        try:
+            for p in params:
+                self._take(p, compute_dtype, p.device if home is None else home)
+        except BaseException:   # what was taken so far goes back as it was
+            self.hand_back()
+            raise
         self.by_param = {id(p): m for p, m in self.pairs}
+
+    def _take(self, p: nn.Parameter, compute_dtype: torch.dtype, where: torch.device) -> None:
+        """``p`` in the compute dtype; a trainable one with its fp32 master at ``where``."""
+        if not p.requires_grad:
+            self.frozen.append((p, p.data))
+            p.data = p.data.to(compute_dtype)
+            return
+        if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
+            master = nn.Parameter(p.detach(), requires_grad=True)
+        else:
+            master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=True)
+            p.data = p.data.to(compute_dtype)
+        self._hooks[id(p)] = p.register_post_accumulate_grad_hook(
+            _into_master(master, self.sink if _copied(p.device, where) else None))
+        self.pairs.append((p, master))
 
     def sink_bytes(self, last: set[int]) -> tuple[int, int] | None:
         """Gradient bytes a micro-batch sends through the sink: (the others', those of the parameters whose ids
@@ -81,6 +96,13 @@ class Masters:
             for p, m in self.pairs:
                 if id(p) not in self.elsewhere:
                     p.data = m.data.to(p.device)
+            for p, given in self.frozen:   # as given during set-up; after it, the values trained with in fp32
+                p.data = given if given is not None else p.data.to(torch.float32)
+        self.set_up_done()
+
+    def set_up_done(self) -> None:
+        """The engine is set up: the frozen parameters' storage as given is let go."""
+        self.frozen = [(p, None) for p, _ in self.frozen]
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
@@ -131,6 +153,8 @@ class Masters:
         for p, m in self.pairs:
             p.grad = None
             m.grad = None
+        for p, _ in self.frozen:   # one made while it was set to require grad (a step then refuses to run)
+            p.grad = None
 
 
 def _to_device_through_staging(dst: torch.Tensor, src: torch.Tensor, staging: list[torch.Tensor]) -> None:

@@ -2,9 +2,13 @@
 gradient buffers and the path gradients take into them. Their trip to the device (slots, resident
 copies, prefetch order) is :mod:`~lazytrain.engine.weight_stream`'s.
 
-The user's block ``nn.Parameter`` objects become views into the fp32 master buffer, so
+The user's trainable block ``nn.Parameter`` objects become views into the fp32 master buffer, so
 ``model.parameters()``, ``state_dict()`` and any optimizer built over them see the real master weights;
-their ``.grad`` are views into one fp32 flat gradient buffer per layer. With the state sharded over
+their ``.grad`` are views into one fp32 flat gradient buffer per layer. Frozen block parameters (a LoRA
+run's base weights) have no gradient buffer, and in bf16/fp16 with the copies in host memory no fp32 weights
+either: they are views of the compute copy, as DeepSpeed's bf16/fp16 module holds them (2 host bytes a
+parameter, not 10). Each layer lays out its trainable parameters first, so that their fp32 weights and
+gradients are a prefix of the layer's layout and only that prefix crosses a link. With the state sharded over
 data-parallel ranks, a rank may hold no gradient buffer (``send_grads_to_owners``) and, in bf16/fp16, no fp32
 weights (``drop_foreign_masters``: the parameters are then views of the compute copy) for layers other
 ranks own; the buffers may live in memory the node's ranks share (``move_masters``, ``move_compute_copies``).
@@ -37,13 +41,17 @@ class ParamSlot:
         return flat[self.offset:self.offset + self.numel].view(self.shape)
 
 
-def _layout(block: nn.Module) -> list[ParamSlot]:
-    """Where each of a block's parameters sits in its layer's flat buffers, in ``named_parameters`` order."""
-    slots, offset = [], 0
-    for name, p in block.named_parameters():
-        slots.append(ParamSlot(name, p.shape, offset, p.numel()))
+def _layout(block: nn.Module) -> list[tuple[ParamSlot, nn.Parameter]]:
+    """Where each of a block's parameters sits in its layer's flat buffers: the trainable ones first, then
+    the frozen ones, each in ``named_parameters`` order (the trainable ones' fp32 weights and gradients are
+    then the first elements of the layer's layout, what :class:`LayerWeights` stores and sends of them)."""
+    named = list(block.named_parameters())
+    ordered = [(n, p) for n, p in named if p.requires_grad] + [(n, p) for n, p in named if not p.requires_grad]
+    out, offset = [], 0
+    for name, p in ordered:
+        out.append((ParamSlot(name, p.shape, offset, p.numel()), p))
         offset += p.numel()
-    return slots
+    return out
 
 
 class LayerWeights:
@@ -59,36 +67,35 @@ class LayerWeights:
         self.device_tier = device_tier
         # each layer's parameter layout in its flat buffers; layers may differ (a dense first layer before
         # mixture-of-experts ones, sliding and global attention with different head sizes)
-        self.layer_slots: list[list[ParamSlot]] = [_layout(block) for block in blocks]
+        layouts = [_layout(block) for block in blocks]
+        self.layer_slots: list[list[ParamSlot]] = [[s for s, _ in layout] for layout in layouts]
+        self.params: list[list[nn.Parameter]] = [[p for _, p in layout] for layout in layouts]
         self.layer_numels = [sum(s.numel for s in slots) for slots in self.layer_slots]
         self.max_layer_numel = max(self.layer_numels, default=0)
-        # which parameters train, per layer (a user may freeze some layers or some tensors)
-        self.trainable = [[p.requires_grad for _, p in block.named_parameters()] for block in blocks]
+        # which parameters train, per layer (a user may freeze some layers or some tensors), and how many
+        # elements of the layout they take (its first ones: the size of the layer's gradient buffer)
+        self.trainable = [[p.requires_grad for p in params] for params in self.params]
         self.any_trainable = any(any(t) for t in self.trainable)
+        self.trainable_numels = [sum(s.numel for s, t in zip(slots, trains) if t)
+                                 for slots, trains in zip(self.layer_slots, self.trainable)]
+        self.max_trainable_numel = max(self.trainable_numels, default=0)
+        self.shares_master = compute_dtype == torch.float32 and weights_tier.kind == "host"
+        # frozen parameters kept in the compute copy alone (it is in host memory, apart from the fp32 weights)
+        self.frozen_in_copy = not self.shares_master and weights_tier.kind == "host"
+        # fp32 weights per layer: the trainable prefix, or the whole layer (the copy is the fp32 weights, or is
+        # not in host memory, where a frozen parameter could be a view of it)
+        self.master_numels = self.trainable_numels if self.frozen_in_copy else self.layer_numels
         self.master: list[torch.Tensor | None] = []   # None: another rank's layer (drop_foreign_masters)
         self.grad: list[torch.Tensor | None] = []   # None: a layer another rank owns (sharded gradients)
-        self.params: list[list[nn.Parameter]] = []
-        for block, slots, numel in zip(blocks, self.layer_slots, self.layer_numels):
-            master = empty_host(numel, torch.float32)
-            grad = empty_host(numel, torch.float32).zero_()
-            params = [p for _, p in block.named_parameters()]
-            for slot, p in zip(slots, params):
-                slot.of(master).copy_(p.detach())
-                p.data = slot.of(master)
-                if p.requires_grad:
-                    p.grad = slot.of(grad)
-            # buffers (e.g. rotary inv_freq) stay on the compute device
-            for bname, buf in list(block.named_buffers()):
-                mod_name, _, attr = bname.rpartition(".")
-                owner = block.get_submodule(mod_name) if mod_name else block
-                owner._buffers[attr] = buf.to(device)
-            self.master.append(master)
-            self.grad.append(grad)
-            self.params.append(params)
-        self.shares_master = compute_dtype == torch.float32 and weights_tier.kind == "host"
         self._staging: torch.Tensor | None = None
-        for i in range(self.num_layers):
-            self._store_compute_copy(i)
+        # frozen parameters' storage as the user gave it, kept until set-up is done (see hand_back_frozen)
+        self._given: dict[int, torch.Tensor] = {}
+        self._given_up = False
+        try:
+            self._build(blocks, device)
+        except BaseException:   # the frozen parameters moved so far go back to what they were given as
+            self.hand_back_frozen()
+            raise
         # with copy threads on, the CPU stands in for a device: gradients and weights are copied as on CUDA
         emulated = device.type == "cpu" and streams.settings().copy_threads
         self._grad_sink = _GradientSink(self) if device.type == "cuda" or emulated else None
@@ -100,6 +107,34 @@ class LayerWeights:
         self._unstored: set[int] = set()   # see mark_unstored
         self._to_owners = None              # see send_grads_to_owners
         self.masters_sharded = False        # see drop_foreign_masters
+
+    def _build(self, blocks: nn.ModuleList, device: torch.device) -> None:
+        """Every layer's buffers, the block parameters made views into them (see the module docstring)."""
+        for i, block in enumerate(blocks):
+            slots, params = self.layer_slots[i], self.params[i]
+            if self.frozen_in_copy:
+                self._write_compute_copy(i, lambda flat: [s.of(flat).copy_(p.detach()) for s, p in zip(slots, params)])
+            master = empty_host(self.master_numels[i], torch.float32)
+            grad = empty_host(self.trainable_numels[i], torch.float32).zero_()
+            copy = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else None
+            for slot, p, trains in zip(slots, params, self.trainable[i]):
+                if copy is not None and not trains:
+                    self._given.setdefault(id(p), p.data)
+                    p.data = slot.of(copy)
+                    continue
+                slot.of(master).copy_(p.detach())
+                p.data = slot.of(master)
+                if trains:
+                    p.grad = slot.of(grad)
+            # buffers (e.g. rotary inv_freq) stay on the compute device
+            for bname, buf in list(block.named_buffers()):
+                mod_name, _, attr = bname.rpartition(".")
+                owner = block.get_submodule(mod_name) if mod_name else block
+                owner._buffers[attr] = buf.to(device)
+            self.master.append(master)
+            self.grad.append(grad)
+        for i in range(self.num_layers):
+            self._store_compute_copy(i)
 
     def move_masters(self, homes: list[torch.Tensor], copy_values: bool = True) -> None:
         """Move every layer's fp32 weights into ``homes[i]`` (fp32 buffers of the layers' sizes: the node-shared
@@ -139,6 +174,33 @@ class LayerWeights:
         if got != [(n, dtype) for n in self.layer_numels]:
             raise ValueError(f"the layers need {dtype} buffers of {self.layer_numels} elements, got {got}")
 
+    def set_up_done(self) -> None:
+        """The engine is set up: the storage the frozen parameters were given in (kept so that a set-up that
+        fails hands them back as they were) is let go."""
+        self._given.clear()
+        self._given_up = True
+
+    def hand_back_frozen(self) -> None:
+        """Before the model is handed back (``destroy()``, a set-up that failed): frozen parameters kept in the
+        compute copy get storage of their own again: during set-up the very storage they were given in, after
+        it the compute copy's values (what training computed with) in fp32, as the trained parameters."""
+        if not self.frozen_in_copy:
+            return
+        done = set()
+        for params, trains in zip(self.params, self.trainable):
+            for p, t in zip(params, trains):
+                if t or id(p) in done:
+                    continue
+                done.add(id(p))
+                given = self._given.get(id(p))
+                if given is not None:
+                    p.data = given
+                elif not self._given_up:   # set-up never moved it (it failed before this layer)
+                    continue
+                else:
+                    p.data = p.data.to(torch.float32, copy=True)
+        self._given.clear()
+
     def drop_foreign_masters(self, owns) -> None:
         """Sharded state in mixed precision: the fp32 weights of the layers other ranks own (``owns(i)``
         false) are dropped, 4 bytes a parameter. Their parameters become views of the layers' compute copies,
@@ -157,9 +219,11 @@ class LayerWeights:
 
     def published(self, i: int) -> torch.Tensor:
         """What layer i's owner sends the other ranks after updating it: its fp32 weights, or with the
-        masters sharded its compute copy (the others keep no fp32 weights for it)."""
+        masters sharded its compute copy (the others keep no fp32 weights for it); of the trainable
+        parameters only, where the frozen ones are the copy's alone."""
         if self.masters_sharded:
-            return self.weights_tier.read(self._key(i)).wait()
+            copy = self.weights_tier.read(self._key(i)).wait()
+            return copy[:self.trainable_numels[i]] if self.frozen_in_copy else copy
         return self.master[i]
 
     # ---- readiness after an overlapped optimizer step ------------------------------------------
@@ -176,20 +240,51 @@ class LayerWeights:
         return f"weights.layer{i}"
 
     def _store_compute_copy(self, i: int) -> None:
-        if self.master[i] is None:   # another rank's layer: the copy itself is what its owner sent
+        """Layer i's compute copy written from its fp32 weights (with ``frozen_in_copy``, their trainable
+        prefix: the frozen rest is the copy's own)."""
+        master = self.master[i]
+        if master is None:   # another rank's layer: the copy itself is what its owner sent
             return
         if self.shares_master:
             if self._key(i) not in self.weights_tier:
-                self.weights_tier.write(self._key(i), self.master[i], owned=True)
+                self.weights_tier.write(self._key(i), master, owned=True)
             return
         if self.weights_tier.kind == "host" and self._key(i) in self.weights_tier:
-            self.weights_tier.read(self._key(i)).wait().copy_(self.master[i])   # in place, same buffer
+            self.weights_tier.read(self._key(i)).wait()[:master.numel()].copy_(master)   # in place, same buffer
             return
+        self._write_compute_copy(i, lambda flat: flat.copy_(master))
+
+    def _write_compute_copy(self, i: int, fill) -> None:
+        """Write layer i's compute copy whole into its tier: ``fill(flat)`` writes its values into a
+        compute-dtype buffer of the layer's size."""
         if self._staging is None:   # one staging buffer, reused: each write completes before the next
             self._staging = empty_host(self.max_layer_numel, self.compute_dtype)
         staging = self._staging[:self.layer_numels[i]]
-        staging.copy_(self.master[i])
+        fill(staging)
         self.weights_tier.write(self._key(i), staging).synchronize()
+
+    def copy_shared_frozen(self) -> None:
+        """A frozen weight shared by several blocks is stored in each of their layers, the parameter a view of
+        one of them: after a load wrote it there, the others are written the same (inside the weight stream's
+        fence: in bf16/fp16 they are the compute copies)."""
+        where: dict[int, list[tuple[int, ParamSlot]]] = {}
+        params = {}
+        for i in range(self.num_layers):
+            for slot, p, trains in zip(self.layer_slots[i], self.params[i], self.trainable[i]):
+                if not trains:
+                    where.setdefault(id(p), []).append((i, slot))
+                    params[id(p)] = p
+        for key, places in where.items():
+            if len(places) < 2:
+                continue
+            src = params[key].detach()
+            for i, slot in places:
+                home = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else self.master[i]
+                if home is None:   # another rank's layer, its copy written by its owner
+                    continue
+                dst = slot.of(home)
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
 
     def mark_unstored(self, layers) -> None:
         """Layers whose compute copy could not be stored after their update: stored again, from the fp32
@@ -217,8 +312,9 @@ class LayerWeights:
         views = {}
         for i in range(self.num_layers):
             flat = self.weights_tier.read(self._key(i)).wait()
-            for s, p in zip(self.layer_slots[i], self.params[i]):
-                views[p] = s.of(flat)
+            for s, p, trains in zip(self.layer_slots[i], self.params[i], self.trainable[i]):
+                if trains:
+                    views[p] = s.of(flat)
         return views
 
     # ---- what the weight stream copies -------------------------------------------------------
@@ -251,18 +347,22 @@ class LayerWeights:
             self._grad_sink.submit(i, grads)
             return
         if self._to_owners is not None:   # flattened into the send buffer
-            flat = self.flatten_grads(i, grads, self._to_owners.send_buffer(self.layer_numels[i]))
+            flat = self.flatten_grads(i, grads, self._to_owners.send_buffer(self.trainable_numels[i]))
             self._to_owners.land(i, flat, self.grad[i])
             return
         flat = self.grad[i]
-        for s in self.layer_slots[i]:
+        for s in self._trainable_slots(i):
             g = grads.get(s.name)
             if g is not None:
                 s.of(flat).add_(g)
 
+    def _trainable_slots(self, i: int) -> list[ParamSlot]:
+        return [s for s, trains in zip(self.layer_slots[i], self.trainable[i]) if trains]
+
     def flatten_grads(self, i: int, grads: dict[str, torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
-        """Layer i's named gradients laid out in ``flat`` as its weights are (zeros for a missing one)."""
-        for s in self.layer_slots[i]:
+        """Layer i's named gradients laid out in ``flat`` (``trainable_numels[i]`` elements) as its trainable
+        weights are (zeros for a missing one)."""
+        for s in self._trainable_slots(i):
             g = grads.get(s.name)
             s.of(flat).copy_(g) if g is not None else s.of(flat).zero_()
         return flat
@@ -360,7 +460,7 @@ class _GradientSink:
         self.weights = weights
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(depth):
-            self.free.put(empty_host(weights.max_layer_numel, weights.compute_dtype))
+            self.free.put(empty_host(weights.max_trainable_numel, weights.compute_dtype))
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
         self.max_in_flight = max_in_flight
         self.pending: collections.deque[Future] = collections.deque()
@@ -368,7 +468,7 @@ class _GradientSink:
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
-        numel = w.layer_numels[i]
+        numel = w.trainable_numels[i]
         flat = w.flatten_grads(i, grads, torch.empty(numel, dtype=w.compute_dtype, device=w.device))
         ready = None
         if flat.is_cuda:

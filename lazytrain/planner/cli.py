@@ -45,6 +45,9 @@ def register(subparsers) -> None:
                    help="never offload a layer's internals to the host (for an executor that does not run them)")
     p.add_argument("--no-lean-norms", action="store_true",
                    help="count the RMSNorms' internals as transformers saves them (for 'lazytrain.lean_norms': false)")
+    p.add_argument("--trainable-share", type=float, default=1.0,
+                   help="share of the layers' parameters that train (a LoRA run's adapters, e.g. 0.01): the frozen "
+                        "rest is budgeted as its streamed bf16/fp16 copy alone (default 1: full fine-tuning)")
     p.add_argument("--json", default=None, help="write the Plan the engine loads to this file")
     p.add_argument("--plot", default=None, help="draw a Gantt chart with memory per tier (needs matplotlib)")
     p.set_defaults(func=run)
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print("lazytrain plan: give --model and --hardware, or --profile", file=sys.stderr)
         return 2
     try:
-        budgets = Budgets.of(gpu=args.gpu_mem, host=args.host_mem, nvme=args.nvme, lean_norms=not args.no_lean_norms)
+        budgets = Budgets.of(gpu=args.gpu_mem, host=args.host_mem, nvme=args.nvme, lean_norms=not args.no_lean_norms,
+                             trainable_share=args.trainable_share)
         opts = MilpOptions(time_limit_s=args.time_limit, max_segment=args.max_segment, solver=args.solver,
                            allow_resident=not args.no_resident, allow_offload=not args.no_offload)
         if args.profile is not None:

@@ -92,6 +92,10 @@ class Budgets:
     non_block_state: str = "host"
     # the engine's lazytrain.lean_norms: each block's RMSNorms keep only their inputs for the backward
     lean_norms: bool = True
+    # the share of the layers' parameters that train (a LoRA run: its adapters'): only they have fp32 masters,
+    # gradient buffers, Adam moments, an update and gradients sent to the host; frozen ones are kept in the
+    # streamed compute-dtype copy alone
+    trainable_share: float = 1.0
 
     def __post_init__(self):
         """Each field checked by name: a negative reserve or an 8-bit share of 2 would plan with memory
@@ -120,6 +124,9 @@ class Budgets:
         if self.non_block_state not in ("host", "device"):
             raise ValueError(f"Budgets field 'non_block_state' must be \"host\" or \"device\", got "
                              f"{self.non_block_state!r}")
+        v = self.trainable_share
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"Budgets field 'trainable_share' must be a fraction in [0, 1], got {v!r}")
         if not isinstance(self.lean_norms, bool):
             raise ValueError(f"Budgets field 'lean_norms' must be true or false, got {self.lean_norms!r}")
 
@@ -179,7 +186,8 @@ class Problem:
         self.L, self.tokens = L, T
         self.A = [T * m.hidden * db] * (L + 1)                       # boundary bytes 0..L
         self.Wl = [l.params * db for l in m.layers]                   # compute-dtype weights per layer
-        self.Gl = [l.params * db for l in m.layers]                   # gradients per layer
+        share = self.budgets.trainable_share
+        self.Gl = [l.params * db * share for l in m.layers]           # gradients per layer (trainable ones')
         self.fwd_s = [l.fwd_flops_per_token(S) * T / self.flops for l in m.layers]
         self.diff_s = [3.0 * f for f in self.fwd_s]                   # forward-with-grad + backward (2x)
         self.head_s = m.head_flops_per_token() * T / self.flops
@@ -218,13 +226,17 @@ class Problem:
                                                     else NON_BLOCK_DEVICE_STATE_BYTES)
         f8 = self.budgets.hybrid_8bit_fraction
         adam = b.optimizer_state_share * ((1 - f8) * 8 + f8 * (2 + 8 / 4096))   # fp32 moments / 8-bit blockwise
-        # master, streamed copy, grads, moments: the parts of them this rank holds
-        self.host_bytes_per_param = 4 * b.master_share + db * b.weights_copy_share + db * b.gradient_share + adam
-        self.host_static = int((m.layer_params if on_device else m.total_params) * self.host_bytes_per_param)
+        # master, streamed copy, grads, moments: the parts of them this rank holds; of a layer's parameters,
+        # the frozen ones (1 - trainable_share) hold the streamed copy alone
+        trains = 4 * b.master_share + db * b.gradient_share + adam
+        self.host_bytes_per_param = db * b.weights_copy_share + trains
+        self.host_bytes_per_layer_param = db * b.weights_copy_share + b.trainable_share * trains
+        self.host_static = int(m.layer_params * self.host_bytes_per_layer_param +
+                               (0 if on_device else m.nonlayer_params * self.host_bytes_per_param))
         self.host_act_budget = self.host_budget - self.host_static
         # host optimizer chain and the copies it gates
         self.opt_nl = 0.0 if on_device else m.nonlayer_params / self.opt_rate
-        self.opt_l = [l.params / self.opt_rate for l in m.layers]
+        self.opt_l = [l.params * b.trainable_share / self.opt_rate for l in m.layers]
         self.load_l = [w / self.bw_h2d for w in self.Wl]
         # the embedding's and head's weights (once a step) and gradients (each micro-batch) on the links
         self.nonlayer_link_bytes = 0 if on_device else self.nonlayer_w
@@ -386,13 +398,22 @@ class Problem:
             parts["weights (this layer + next)"] = self.Wl[i] + (self.Wl[i - 1] if i > 0 else 0)
         return sum(parts.values()), parts
 
+    def _static_terms(self) -> str:
+        """What ``host_static`` counts, as parameters x bytes each."""
+        m, b = self.model, self.budgets
+        if b.trainable_share == 1 and b.non_block_state == "host":
+            return f"{m.total_params / 1e9:.2f}B parameters x {self.host_bytes_per_param:.2f} bytes"
+        terms = f"{m.layer_params / 1e9:.2f}B layer parameters x {self.host_bytes_per_layer_param:.2f} bytes"
+        if b.non_block_state == "host":
+            terms += f" + {m.nonlayer_params / 1e9:.2f}B others x {self.host_bytes_per_param:.2f} bytes"
+        return terms
+
     def check_static_fit(self) -> None:
-        n = self.model.total_params
         if self.host_act_budget < 0:
             raise InfeasibleBudgetError(
                 f"host memory budget {fmt_bytes(self.host_budget)} cannot hold the optimizer state: "
-                f"{n / 1e9:.2f}B parameters x {self.host_bytes_per_param:.2f} bytes (fp32 master weights, "
-                f"Adam moments, compute-dtype weights and gradients) = {fmt_bytes(self.host_static)}; "
+                f"{self._static_terms()} (fp32 master weights, Adam moments, compute-dtype weights and "
+                f"gradients) = {fmt_bytes(self.host_static)}; "
                 f"short by {fmt_bytes(-self.host_act_budget)}. Raise --host-mem.")
         worst = max(range(self.num_windows), key=lambda w: self.min_gpu_bytes(w)[0])
         need, parts = self.min_gpu_bytes(worst)

@@ -1,0 +1,282 @@
+"""Frozen block weights (a LoRA run's base model): in bf16/fp16 with the weights in host memory they are kept in
+the streamed layers' compute copies alone (2 host bytes a parameter: no fp32 weights, no gradient buffer), and
+only the trainable parameters' gradients leave the device. Training is bit for bit what it is with fp32 weights
+kept for them (weights on NVMe keep those), and the model is handed back as it was given."""
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.config import ConfigError
+from engine_models import add_lora, batches, lm_loss, make_model
+
+TARGETS = ("q_proj", "v_proj")
+
+
+def lora_llama():
+    return add_lora(make_model("llama"), TARGETS)
+
+
+def config(tmp_path, home="host", testing=None, gas=1, **lazytrain_section):
+    section = {"checkpoint_interval": 2, "weights_home": home, **lazytrain_section}
+    if home == "nvme":
+        os.makedirs(tmp_path / "nvme", exist_ok=True)
+        section["nvme_path"] = str(tmp_path / "nvme")
+    if testing:
+        section["testing"] = testing
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "bf16": {"enabled": True}, "lazytrain": section}
+
+
+def engine_of(model, cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lazytrain.initialize(model=model, config=cfg)[0]
+
+
+def train(engine, data):
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+
+
+def frozen_names(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if not p.requires_grad and ".layers." in n]
+
+
+def test_frozen_block_weights_are_kept_in_the_compute_copy_alone(tmp_path):
+    """Per layer: fp32 weights and gradient buffer for the adapters only, each frozen weight a bf16 view of
+    the layer's host compute copy; the gradient sink's staging is sized to the largest adapter set."""
+    model = lora_llama()
+    engine = engine_of(model, config(tmp_path, testing={"copy_threads": True}))
+    w = engine.weights
+    assert w.frozen_in_copy
+    for i, block in enumerate(model.model.layers):
+        trainable = sum(p.numel() for p in block.parameters() if p.requires_grad)
+        assert w.trainable_numels[i] == trainable == 4 * (32 + 32) + 4 * (32 + 16)   # rank 4; q: 32->32, v: 32->16
+        assert w.master[i].numel() == trainable and w.master[i].dtype == torch.float32
+        assert w.grad[i].numel() == trainable
+        copy_ = w.weights_tier.read(w._key(i)).wait()
+        assert copy_.numel() == sum(p.numel() for p in block.parameters()) and copy_.dtype == torch.bfloat16
+        start, end = copy_.data_ptr(), copy_.data_ptr() + copy_.numel() * 2
+        for name, p in block.named_parameters():
+            if p.requires_grad:
+                assert p.dtype == torch.float32 and w.master[i].data_ptr() <= p.data_ptr(), name
+            else:
+                assert p.dtype == torch.bfloat16 and start <= p.data_ptr() < end, name
+    staging = [w._grad_sink.free.get() for _ in range(2)]
+    assert {t.numel() for t in staging} == {max(w.trainable_numels)}
+    engine.destroy()
+
+
+def test_only_the_trainable_gradients_leave_the_device(tmp_path):
+    """A traced step with copy threads (the GPU's path): each layer's gradient copy carries its adapters'
+    bf16 gradients and nothing of the frozen weights."""
+    engine = engine_of(lora_llama(), config(tmp_path, testing={"copy_threads": True}))
+    engine.trace_next_step()
+    train(engine, batches(1))
+    grads = [s for s in engine.last_trace.spans if s.name.startswith("grads L")]
+    assert sorted(s.name for s in grads) == sorted(f"grads L{i}" for i in range(6))
+    assert {s.args["bytes"] for s in grads} == {engine.weights.trainable_numels[0] * 2}
+    engine.destroy()
+
+
+CASES = {
+    "serial": dict(),
+    "overlap-gas2": dict(gas=2, overlap_optimizer=True),
+    "copy-threads-chaos": dict(testing={"copy_threads": True, "chaos_seed": 5, "chaos_max_delay_ms": 1.0},
+                               overlap_optimizer=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lora_in_bf16_trains_as_with_fp32_frozen_weights(case, tmp_path):
+    """The adapters train bit for bit as with fp32 weights kept for the frozen ones (weights on NVMe keep
+    them: the compute copies are the same bf16 values either way); the frozen weights come back in the
+    dtype they were given, rounded to bf16 (what training computed with) where kept in the copy alone."""
+    model = lora_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    kwargs = dict(CASES[case])
+    gas = kwargs.get("gas", 1)
+    data = batches(3 * gas)
+    results = {}
+    for home in ("host", "nvme"):
+        m = copy.deepcopy(model)
+        engine = engine_of(m, config(tmp_path / home, home=home, **kwargs))
+        assert engine.weights.frozen_in_copy == (home == "host")
+        train(engine, data)
+        engine.destroy()
+        results[home] = dict(m.named_parameters())
+    host, nvme = results["host"], results["nvme"]
+    moved = 0
+    for name, p in host.items():
+        assert p.dtype == torch.float32, name
+        if p.requires_grad:
+            assert torch.equal(p, nvme[name]), name
+            moved += not torch.equal(p, before[name])
+        else:   # never moved: rounded to bf16 as kept, but a block's with weights on NVMe (fp32 weights kept)
+            rounded = before[name].bfloat16().float()
+            assert torch.equal(nvme[name], before[name] if ".layers." in name else rounded), name
+            assert torch.equal(p, rounded), name
+    assert moved == len([n for n in host if "lora_" in n])
+
+
+def test_a_failed_set_up_hands_the_frozen_weights_back_in_their_own_storage(tmp_path):
+    """A config error found after the layers' buffers were built: every frozen block weight is the very
+    tensor storage it was given, unrounded."""
+    model = lora_llama()
+    given = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    cfg = config(tmp_path, overlap_optimizer=True)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2}}   # overlap_optimizer true needs the hybrid AdamW
+    with pytest.raises(ConfigError, match="overlap_optimizer"):
+        engine_of(model, cfg)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert len(frozen) > len(frozen_names(model))   # the embedding and head too
+    for name in frozen:
+        p = dict(model.named_parameters())[name]
+        assert p.data_ptr() == given[name][0] and torch.equal(p, given[name][1]), name
+
+
+def test_a_set_up_failing_while_the_layers_are_built_hands_every_frozen_weight_back(tmp_path):
+    """A host tier too small for the third layer's compute copy: the frozen weights of the layers built
+    before it are the very tensors given again, and the model trains in plain PyTorch."""
+    model = lora_llama()
+    given = {n: (p.data_ptr(), p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
+    layer_bytes = sum(p.numel() for p in model.model.layers[0].parameters()) * 2
+    from lazytrain.tiers import TierBudgetError
+    with pytest.raises(TierBudgetError, match="writing 'weights.layer2'"):
+        engine_of(model, config(tmp_path, host_memory=int(layer_bytes * 2.5)))
+    for name, p in model.named_parameters():   # the trainable ones in fp32 weights of their own, as given
+        assert p.dtype == given[name][1] and torch.equal(p, given[name][2]), name
+        assert p.requires_grad or p.data_ptr() == given[name][0], name
+    x, y = batches(1)[0]
+    lm_loss(model(x), y).backward()
+
+
+def test_a_load_reaches_every_block_sharing_a_frozen_weight(tmp_path):
+    """A frozen weight shared by all blocks is stored in each layer's copy: a ``load_state_dict`` writes
+    every one of them (the parameter is a view of one), as plain PyTorch's shared weight changes for all."""
+    def shared():
+        m = lora_llama()
+        for layer in m.model.layers[1:]:
+            layer.mlp.down_proj.weight = m.model.layers[0].mlp.down_proj.weight
+        return m
+    model = shared()
+    torch.manual_seed(3)
+    new = {k: v + 0.3 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    for k in new:
+        if "mlp.down_proj.weight" in k:
+            new[k] = new["model.layers.0.mlp.down_proj.weight"]
+    x, _ = batches(1)[0]
+    logits = {}
+    for home in ("host", "nvme"):
+        engine = engine_of(copy.deepcopy(model), config(tmp_path / home, home=home))
+        engine.module.load_state_dict(new)
+        w = engine.weights
+        for i in range(w.num_layers):
+            home_i = w.weights_tier.read(w._key(i)).wait() if w.frozen_in_copy else w.master[i]
+            slot = next(s for s in w.layer_slots[i] if s.name == "mlp.down_proj.weight")
+            assert torch.equal(slot.of(home_i).float(), new["model.layers.0.mlp.down_proj.weight"].to(
+                home_i.dtype).float()), (home, i)
+        with torch.no_grad():
+            logits[home] = engine(x).logits
+        engine.destroy()
+    assert torch.equal(logits["host"], logits["nvme"])
+
+
+def test_destroy_gives_frozen_weights_storage_of_their_own(tmp_path):
+    """After ``destroy()`` no frozen weight is a view of memory the engine's tiers held."""
+    model = lora_llama()
+    engine = engine_of(model, config(tmp_path))
+    w = engine.weights
+    copies = [w.weights_tier.read(w._key(i)).wait() for i in range(w.num_layers)]
+    spans = [(c.data_ptr(), c.data_ptr() + c.numel() * c.element_size()) for c in copies]
+    train(engine, batches(1))
+    engine.destroy()
+    for name in frozen_names(model):   # in fp32, as every parameter destroy() hands back
+        p = dict(model.named_parameters())[name]
+        assert p.dtype == torch.float32 and p.untyped_storage().nbytes() == p.numel() * 4, name
+        assert not any(a <= p.data_ptr() < b for a, b in spans), name
+
+
+def test_a_checkpoint_of_a_lora_run_resumes_bit_identically(tmp_path):
+    """Saved after one step (the frozen weights as they are kept: bf16), loaded into a fresh engine of the
+    same model, two more steps: the same as three steps without the break. Saved without the frozen
+    weights, the fresh engine takes them from the model itself."""
+    model = lora_llama()
+    data = batches(3)
+    straight = engine_of(copy.deepcopy(model), config(tmp_path / "a"))
+    train(straight, data)
+    want = {n: p.detach().float().clone() for n, p in straight.module.named_parameters()}
+    straight.destroy()
+    for exclude in (False, True):
+        first = engine_of(copy.deepcopy(model), config(tmp_path / f"b{exclude}"))
+        train(first, data[:1])
+        first.save_checkpoint(str(tmp_path / f"ckpt{exclude}"), tag="t", exclude_frozen_parameters=exclude)
+        first.destroy()
+        second = engine_of(copy.deepcopy(model), config(tmp_path / f"c{exclude}"))
+        second.load_checkpoint(str(tmp_path / f"ckpt{exclude}"), tag="t", load_module_strict=not exclude)
+        train(second, data[1:])
+        for n, p in second.module.named_parameters():
+            assert torch.equal(p.detach().float(), want[n]), (exclude, n)
+        second.destroy()
+
+
+def test_module_state_dict_holds_the_frozen_weights_as_kept(tmp_path):
+    """``module_state_dict()``: the adapters' fp32 weights, the frozen block weights in bf16 (as DeepSpeed's
+    bf16 module holds every weight), each its own storage."""
+    model = lora_llama()
+    engine = engine_of(model, config(tmp_path))
+    state = engine.module_state_dict()
+    for name, p in model.named_parameters():
+        if ".layers." not in name:
+            continue
+        assert state[name].dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
+        assert state[name].untyped_storage().nbytes() == state[name].numel() * state[name].element_size(), name
+    engine.destroy()
+
+
+def test_frozen_embedding_and_head_have_no_fp32_master(tmp_path):
+    """Outside the blocks too: a frozen parameter is kept in bf16 alone (nothing updates it), the trainable
+    ones get their fp32 masters; destroy() hands the frozen ones back in fp32, as trained with."""
+    model = lora_llama()
+    model.model.norm.weight.requires_grad_(True)   # one trainable parameter outside the blocks
+    engine = engine_of(model, config(tmp_path))
+    assert [engine._param_names[id(p)] for p, _ in engine.masters.pairs] == ["model.norm.weight"]
+    for p in (model.model.embed_tokens.weight, model.lm_head.weight):
+        assert p.dtype == torch.bfloat16 and engine.masters.master_of(p) is p
+    given = model.lm_head.weight.detach().float()
+    train(engine, batches(2))
+    state = engine.module_state_dict()
+    assert state["lm_head.weight"].dtype == torch.bfloat16 and state["model.norm.weight"].dtype == torch.float32
+    engine.destroy()
+    assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight, given)
+
+
+@pytest.mark.parametrize("which", ["model.embed_tokens.weight", "model.layers.2.mlp.up_proj.weight"])
+def test_a_parameter_frozen_at_initialize_that_requires_grad_later_is_refused_by_name(tmp_path, which):
+    """Unfreezing after initialize() (an embedding: it would train on raw, unclipped bf16 gradients; a block
+    weight: it would get none) makes the step raise before it updates anything; frozen again, training goes on."""
+    model = lora_llama()
+    engine = engine_of(model, config(tmp_path))
+    train(engine, batches(1))
+    param = dict(model.named_parameters())[which]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    param.requires_grad_(True)
+    x, y = batches(1, seed=3)[0]
+    engine.backward(lm_loss(engine(x), y))
+    with pytest.raises(RuntimeError, match=rf"^lazytrain: parameter '{which}' was frozen \(requires_grad False\) when "
+                                           r"initialize\(\) ran and requires grad now"):
+        engine.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    param.requires_grad_(False)
+    engine.zero_grad()
+    assert param.grad is None
+    train(engine, batches(1, seed=4))
+    assert torch.equal(param, before[which])
+    engine.destroy()
