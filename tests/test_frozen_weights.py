@@ -280,3 +280,19 @@ def test_a_parameter_frozen_at_initialize_that_requires_grad_later_is_refused_by
     train(engine, batches(1, seed=4))
     assert torch.equal(param, before[which])
     engine.destroy()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a model given in a GPU's memory")
+def test_a_model_given_on_a_gpu_gets_its_frozen_weights_back_there_after_a_failed_set_up(tmp_path):
+    """Frozen weights given in a GPU's memory are not held there through set-up (the engine's copies replace
+    them): a set-up that fails hands them back on the GPU, in their dtype, with the values of the training
+    precision; the trainable ones exactly as given."""
+    model = lora_llama().cuda()
+    given = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = config(tmp_path, overlap_optimizer=True)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2}}
+    with pytest.raises(ConfigError, match="overlap_optimizer"):
+        engine_of(model, cfg)
+    for name, p in model.named_parameters():
+        assert p.is_cuda and p.dtype == torch.float32, name
+        assert torch.equal(p, given[name] if p.requires_grad else given[name].bfloat16().float()), name

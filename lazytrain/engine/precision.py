@@ -27,11 +27,16 @@ class Masters:
     A frozen parameter (``requires_grad`` false: a LoRA run's embedding and head) has no master: nothing
     updates it, so it is kept in the compute dtype alone, as DeepSpeed's bf16/fp16 module keeps it."""
 
-    def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None):
+    def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None,
+                 given: dict[int, tuple[torch.Tensor | None, torch.dtype]] | None = None):
+        """``given``: frozen parameters as the user gave them, by ``id`` (their host storage or None, their
+        dtype), when the engine moved them before (in the compute dtype); else taken as they are now."""
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        # frozen parameters, no master: (parameter, its storage as given); the storage is let go once set-up is
-        # done (set_up_done), so that a set-up that fails hands it back untouched
-        self.frozen: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        # frozen parameters, no master: (parameter, its storage as given where host memory, its dtype as given);
+        # the storage is let go once set-up is done (set_up_done), so that a set-up that fails hands it back
+        self.frozen: list[tuple[nn.Parameter, torch.Tensor | None, torch.dtype]] = []
+        self._given = given or {}
+        self._set_up_done = False
         self._hooks = {}
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
@@ -52,7 +57,8 @@ class Masters:
     def _take(self, p: nn.Parameter, compute_dtype: torch.dtype, where: torch.device) -> None:
         """``p`` in the compute dtype; a trainable one with its fp32 master at ``where``."""
         if not p.requires_grad:
-            self.frozen.append((p, p.data))
+            storage, dtype = self._given.get(id(p), (p.data if p.device.type == "cpu" else None, p.dtype))
+            self.frozen.append((p, storage, dtype))
             p.data = p.data.to(compute_dtype)
             return
         if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
@@ -96,13 +102,15 @@ class Masters:
             for p, m in self.pairs:
                 if id(p) not in self.elsewhere:
                     p.data = m.data.to(p.device)
-            for p, given in self.frozen:   # as given during set-up; after it, the values trained with in fp32
-                p.data = given if given is not None else p.data.to(torch.float32)
+            for p, storage, dtype in self.frozen:   # as given during set-up; after it, as trained with, in fp32
+                p.data = storage if storage is not None else p.data.to(dtype if not self._set_up_done else torch.float32)
         self.set_up_done()
 
     def set_up_done(self) -> None:
         """The engine is set up: the frozen parameters' storage as given is let go."""
-        self.frozen = [(p, None) for p, _ in self.frozen]
+        self.frozen = [(p, None, dtype) for p, _, dtype in self.frozen]
+        self._given = {}
+        self._set_up_done = True
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
@@ -153,7 +161,7 @@ class Masters:
         for p, m in self.pairs:
             p.grad = None
             m.grad = None
-        for p, _ in self.frozen:   # one made while it was set to require grad (a step then refuses to run)
+        for p, _, _ in self.frozen:   # one made while it was set to require grad (a step then refuses to run)
             p.grad = None
 
 

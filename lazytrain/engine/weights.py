@@ -88,8 +88,9 @@ class LayerWeights:
         self.master: list[torch.Tensor | None] = []   # None: another rank's layer (drop_foreign_masters)
         self.grad: list[torch.Tensor | None] = []   # None: a layer another rank owns (sharded gradients)
         self._staging: torch.Tensor | None = None
-        # frozen parameters' storage as the user gave it, kept until set-up is done (see hand_back_frozen)
-        self._given: dict[int, torch.Tensor] = {}
+        # frozen parameters as the user gave them, until set-up is done (see hand_back_frozen): their storage
+        # where it is host memory (the user's own), else None (a device's memory is not held through set-up)
+        self._given: dict[int, tuple[torch.Tensor | None, torch.dtype]] = {}
         self._given_up = False
         try:
             self._build(blocks, device)
@@ -119,7 +120,7 @@ class LayerWeights:
             copy = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else None
             for slot, p, trains in zip(slots, params, self.trainable[i]):
                 if copy is not None and not trains:
-                    self._given.setdefault(id(p), p.data)
+                    self._given.setdefault(id(p), (p.data if p.device.type == "cpu" else None, p.dtype))
                     p.data = slot.of(copy)
                     continue
                 slot.of(master).copy_(p.detach())
@@ -182,8 +183,9 @@ class LayerWeights:
 
     def hand_back_frozen(self) -> None:
         """Before the model is handed back (``destroy()``, a set-up that failed): frozen parameters kept in the
-        compute copy get storage of their own again: during set-up the very storage they were given in, after
-        it the compute copy's values (what training computed with) in fp32, as the trained parameters."""
+        compute copy get storage of their own again: during set-up the very storage they were given in (given
+        in a device's memory, their values in the compute dtype, in the dtype given), after it the compute
+        copy's values (what training computed with) in fp32, as the trained parameters."""
         if not self.frozen_in_copy:
             return
         done = set()
@@ -194,7 +196,8 @@ class LayerWeights:
                 done.add(id(p))
                 given = self._given.get(id(p))
                 if given is not None:
-                    p.data = given
+                    storage, dtype = given
+                    p.data = storage if storage is not None else p.data.to(dtype, copy=True)
                 elif not self._given_up:   # set-up never moved it (it failed before this layer)
                     continue
                 else:
