@@ -296,3 +296,34 @@ def test_a_model_given_on_a_gpu_gets_its_frozen_weights_back_there_after_a_faile
     for name, p in model.named_parameters():
         assert p.is_cuda and p.dtype == torch.float32, name
         assert torch.equal(p, given[name] if p.requires_grad else given[name].bfloat16().float()), name
+
+
+def test_a_model_rebuilt_in_place_after_initialize_is_refused_until_destroy(tmp_path):
+    """PEFT's ``merge_and_unload()`` on the live model swaps each adapter module for a plain linear layer with
+    the merged weight: the engine refuses to stream the old names into it, naming the way out; after
+    ``destroy()`` the merged model runs as plain PyTorch."""
+    from lazytrain.engine.executor import ExecutorError
+    from engine_models import LoRALinear
+    model = lora_llama()
+    engine = engine_of(model, config(tmp_path))
+    train(engine, batches(1))
+
+    def merge(module):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LoRALinear):
+                merged = child.base
+                with torch.no_grad():
+                    merged.weight += (child.lora_B.weight.float() @ child.lora_A.weight.float()).to(merged.weight.dtype)
+                setattr(module, name, merged)
+            else:
+                merge(child)
+    merge(model)
+    x, _ = batches(1)[0]
+    with pytest.raises(ExecutorError, match=r"^block 0's modules changed after initialize\(\) \(.*\): LazyTrain "
+                                            r"streams the parameters it found then\. A model rebuilt in place "
+                                            r"\(PEFT's merge_and_unload\(\)\) runs after engine\.destroy\(\)"):
+        with torch.no_grad():
+            engine(x)
+    engine.destroy()
+    with torch.no_grad():
+        assert torch.isfinite(model(x).logits).all()

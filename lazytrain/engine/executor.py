@@ -37,6 +37,22 @@ class ExecutorError(RuntimeError):
     pass
 
 
+@contextmanager
+def _streamed_weights(block: nn.Module, params: dict[str, torch.Tensor], layer: int):
+    """Block ``layer`` computes on ``params`` (its weights as streamed, by the names recorded at set-up). A block
+    whose modules were replaced since (PEFT's ``merge_and_unload()`` on the live model) no longer has those
+    names: refused with the way out, not torch's attribute error from deep inside."""
+    stack = ExitStack()
+    try:
+        stack.enter_context(_reparametrize_module(block, params))
+    except AttributeError as e:
+        raise ExecutorError(f"block {layer}'s modules changed after initialize() ({e}): LazyTrain streams the "
+                            f"parameters it found then. A model rebuilt in place (PEFT's merge_and_unload()) runs "
+                            f"after engine.destroy(), which hands the model back") from e
+    with stack:
+        yield
+
+
 @dataclass
 class _LayerCall:
     """Everything besides the hidden state that one block call received (kept for recompute)."""
@@ -280,7 +296,7 @@ class LayerStreamingExecutor:
         with streams.compute_span(f"{kind} L{layer}", self.device, **pass_arg) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
                 _buffers_kept(block) if replay else nullcontext(), \
-                _reparametrize_module(block, params), kept, saved if saved is not None else nullcontext():
+                _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
             if saved is not None:
                 span.args["saved_bytes"] = saved.nbytes
@@ -685,7 +701,7 @@ class LayerStreamingExecutor:
                 # a checkpoint the block runs itself re-runs its function here, from the block's attributes:
                 # they must be the weights the graph was built with, not the module's own
                 with streams.compute_span(f"bwd L{layer}", self.device), \
-                        _reparametrize_module(self.blocks[layer], params if weights_now is None else weights_now):
+                        _streamed_weights(self.blocks[layer], params if weights_now is None else weights_now, layer):
                     grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used],
                                                 allow_unused=True)
             else:
