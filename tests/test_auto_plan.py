@@ -518,3 +518,38 @@ def test_on_a_gpu_policy_auto_measures_plans_and_trains_bit_for_bit_as_a_fixed_p
     assert history[0].predicted_step_s > 0 and history[0].measured_step_s > 0
     for k, v in fixed.items():
         assert torch.equal(auto[k], v), k
+
+
+def test_a_lora_runs_profile_records_its_trainable_share_and_lazytrain_plan_budgets_it(measured, tmp_path,
+                                                                                      monkeypatch):
+    """A profile measured on a LoRA run records the share of the layers' parameters that trained, and
+    ``lazytrain plan --profile`` budgets it (unless --trainable-share says otherwise); older profiles and full
+    fine-tuning read as 1."""
+    import json
+    import lazytrain.planner.search as search
+    from engine_models import add_lora
+    _, _, full_path = measured
+    assert MachineProfile.from_json(full_path).trainable_share == 1.0
+    path = str(tmp_path / "lora.json")
+    model = add_lora(make_model("llama"), ("q_proj", "v_proj"))
+    cfg = _config({"policy": "auto", "auto": {**AUTO, "max_replans": 0, "profile_path": path}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+        for x, y in batches(6):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    blocks = list(model.model.layers.parameters())
+    share = sum(p.numel() for p in blocks if p.requires_grad) / sum(p.numel() for p in blocks)
+    engine.destroy()
+    assert MachineProfile.from_json(path).trainable_share == pytest.approx(share) and share < 0.1
+    seen, real = [], search.profile_problem
+    monkeypatch.setattr(search, "profile_problem",
+                        lambda profile, budgets, *a: seen.append(budgets.trainable_share) or real(profile, budgets, *a))
+    assert main(["plan", "--profile", path, "--time-limit", "5"]) == 0
+    assert main(["plan", "--profile", path, "--time-limit", "5", "--trainable-share", "1"]) == 0
+    assert seen == [pytest.approx(share), 1.0]
+    with open(path) as f:
+        older = json.load(f)
+    del older["trainable_share"]   # as written before the share was recorded
+    assert MachineProfile.from_dict(older).trainable_share == 1.0

@@ -258,12 +258,17 @@ def test_frozen_embedding_and_head_have_no_fp32_master(tmp_path):
     assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight, given)
 
 
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("which", ["model.embed_tokens.weight", "model.layers.2.mlp.up_proj.weight"])
-def test_a_parameter_frozen_at_initialize_that_requires_grad_later_is_refused_by_name(tmp_path, which):
-    """Unfreezing after initialize() (an embedding: it would train on raw, unclipped bf16 gradients; a block
-    weight: it would get none) makes the step raise before it updates anything; frozen again, training goes on."""
+def test_a_parameter_frozen_at_initialize_that_requires_grad_later_is_refused_by_name(tmp_path, which, bf16):
+    """Unfreezing after initialize() (in bf16 an embedding would train on raw, unclipped bf16 gradients; a
+    block weight would get none) makes the step raise before it updates anything, in any precision; frozen
+    again, training goes on."""
     model = lora_llama()
-    engine = engine_of(model, config(tmp_path))
+    cfg = config(tmp_path)
+    if not bf16:
+        del cfg["bf16"]
+    engine = engine_of(model, cfg)
     train(engine, batches(1))
     param = dict(model.named_parameters())[which]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -327,3 +332,4 @@ def test_a_model_rebuilt_in_place_after_initialize_is_refused_until_destroy(tmp_
     engine.destroy()
     with torch.no_grad():
         assert torch.isfinite(model(x).logits).all()
+

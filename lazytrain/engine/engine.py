@@ -208,9 +208,10 @@ class LazyTrainEngine(nn.Module):
                                                prefetch=config.lazytrain.prefetch,
                                                backward_ends_step=self.is_gradient_accumulation_boundary)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
+        self._frozen_non_block = [p for p in self.non_block_params if not p.requires_grad]   # stay so (step())
         # frozen ones as given (their host storage; a device's is not held), for a set-up that fails (Masters)
         self._frozen_given = {id(p): (p.data if p.device.type == "cpu" else None, p.dtype)
-                              for p in self.non_block_params if not p.requires_grad}
+                              for p in self._frozen_non_block}
         self._move_non_block(model, blocks)
         home = self._masters_home()
         # stage 3 partitions the non-block parameters: each then has a master, which only its owner keeps
@@ -425,7 +426,8 @@ class LazyTrainEngine(nn.Module):
         return measured.MachineProfile(
             costs=costs, links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device),
-            grad_accum=self.gradient_accumulation_steps(), device_name=self._device_name())
+            grad_accum=self.gradient_accumulation_steps(), device_name=self._device_name(),
+            trainable_share=_trainable_share(self.weights.blocks))
 
     def _device_name(self) -> str:
         """The device's model, so that a profile is not reused on another kind of GPU."""
@@ -743,7 +745,7 @@ class LazyTrainEngine(nn.Module):
         refused before it updates anything."""
         w = self.weights
         frozen = [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains) if not t]
-        frozen += [p for p, _, _ in (self.masters.frozen if self.masters is not None else ())]
+        frozen += self._frozen_non_block
         unfrozen = [p for p in frozen if p.requires_grad]
         if unfrozen:
             names = {id(p): n for n, p in self.module.named_parameters()}
