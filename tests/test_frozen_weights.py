@@ -333,3 +333,14 @@ def test_a_model_rebuilt_in_place_after_initialize_is_refused_until_destroy(tmp_
     with torch.no_grad():
         assert torch.isfinite(model(x).logits).all()
 
+
+def test_an_integer_frozen_parameter_outside_the_blocks_keeps_its_dtype(tmp_path):
+    """A frozen integer parameter (quantized weights, a lookup table) is not a weight to cast: it stays int8
+    through training and after ``destroy()``."""
+    model = lora_llama()
+    model.codes = torch.nn.Parameter(torch.arange(-4, 4, dtype=torch.int8), requires_grad=False)
+    engine = engine_of(model, config(tmp_path))
+    assert model.codes.dtype == torch.int8
+    train(engine, batches(1))
+    engine.destroy()
+    assert model.codes.dtype == torch.int8 and torch.equal(model.codes, torch.arange(-4, 4, dtype=torch.int8))

@@ -59,7 +59,8 @@ class Masters:
         if not p.requires_grad:
             storage, dtype = self._given.get(id(p), (p.data if p.device.type == "cpu" else None, p.dtype))
             self.frozen.append((p, storage, dtype))
-            p.data = p.data.to(compute_dtype)
+            if p.is_floating_point():   # an integer one (quantized weights) stays as it is
+                p.data = p.data.to(compute_dtype)
             return
         if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
             master = nn.Parameter(p.detach(), requires_grad=True)
@@ -103,7 +104,8 @@ class Masters:
                 if id(p) not in self.elsewhere:
                     p.data = m.data.to(p.device)
             for p, storage, dtype in self.frozen:   # as given during set-up; after it, as trained with, in fp32
-                p.data = storage if storage is not None else p.data.to(dtype if not self._set_up_done else torch.float32)
+                after = self._set_up_done and p.is_floating_point()
+                p.data = storage if storage is not None else p.data.to(torch.float32 if after else dtype)
         self.set_up_done()
 
     def set_up_done(self) -> None:
