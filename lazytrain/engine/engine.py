@@ -46,7 +46,7 @@ from .weight_stream import WeightStream
 from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name, param_groups
 from .placement import (build_plan, build_tiers, card_memory, non_block_state_home, plan_from_measurements,
                         resolve_device)
-from .precision import LossScaleAtMinimumError, LossScaler, Masters
+from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
 from .weights import LayerWeights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -120,9 +120,7 @@ class LazyTrainEngine(nn.Module):
             self._hand_model_back()
             raise
         self.weights.set_up_done()
-        if self.masters is not None:
-            self.masters.set_up_done()
-        self._frozen_given = {}
+        self.frozen_non_block.set_up_done()
 
     def _hand_model_back(self) -> None:
         """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
@@ -145,11 +143,8 @@ class LazyTrainEngine(nn.Module):
             self.weights.close_grad_sink()
         if d.get("masters") is not None:
             self.masters.hand_back()
-        elif d.get("_frozen_given"):   # frozen ones moved in the training precision before the masters were built
-            for p in self.non_block_params:
-                storage, dtype = self._frozen_given.get(id(p), (None, None))
-                if dtype is not None:
-                    p.data = storage if storage is not None else p.data.to(dtype)
+        if d.get("frozen_non_block") is not None:
+            self.frozen_non_block.hand_back()
         if d.get("stream") is not None:
             self.stream.settle_all()   # no copy may still land in a buffer that is about to go
         if d.get("weights") is not None:   # frozen ones kept in the compute copy: out of the tier's memory
@@ -208,16 +203,13 @@ class LazyTrainEngine(nn.Module):
                                                prefetch=config.lazytrain.prefetch,
                                                backward_ends_step=self.is_gradient_accumulation_boundary)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
-        self._frozen_non_block = [p for p in self.non_block_params if not p.requires_grad]   # stay so (step())
-        # frozen ones as given (their host storage; a device's is not held), for a set-up that fails (Masters)
-        self._frozen_given = {id(p): (p.data if p.device.type == "cpu" else None, p.dtype)
-                              for p in self._frozen_non_block}
+        self.frozen_non_block = FrozenParams(self.non_block_params, self.compute_dtype, self.device)
         self._move_non_block(model, blocks)
         home = self._masters_home()
         # stage 3 partitions the non-block parameters: each then has a master, which only its owner keeps
         partition = self.dist.enabled and config.zero_stage >= 3 and optimizer is None and \
             config.optimizer.type is not None
-        self.masters = Masters(self.non_block_params, self.compute_dtype, home, given=self._frozen_given) \
+        self.masters = Masters(self.non_block_params, self.compute_dtype, home) \
             if self.compute_dtype != torch.float32 or home != self.device or partition else None
         remap = self.masters.master_of if self.masters is not None else (lambda p: p)
 
@@ -599,11 +591,10 @@ class LazyTrainEngine(nn.Module):
         return self.device
 
     def _move_non_block(self, model: nn.Module, blocks: nn.ModuleList) -> None:
-        """Embeddings, final norm, head and their buffers go to the compute device; a frozen parameter in the
-        training precision (it keeps no fp32 master: precision.py), so no fp32 copy of it reaches the device."""
+        """Embeddings, final norm, head and their buffers go to the compute device (the frozen ones are there
+        already: FrozenParams)."""
         for p in self.non_block_params:
-            p.data = p.data.to(self.device, self.compute_dtype if not p.requires_grad and p.is_floating_point()
-                               else None)
+            p.data = p.data.to(self.device)
         block_modules = {id(m) for b in blocks for m in b.modules()}   # the block list's own buffers move too
         for mod in model.modules():
             if id(mod) in block_modules:
@@ -745,8 +736,7 @@ class LazyTrainEngine(nn.Module):
         refused before it updates anything."""
         w = self.weights
         frozen = [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains) if not t]
-        frozen += self._frozen_non_block
-        unfrozen = [p for p in frozen if p.requires_grad]
+        unfrozen = [p for p in frozen if p.requires_grad] + self.frozen_non_block.unfrozen()
         if unfrozen:
             names = {id(p): n for n, p in self.module.named_parameters()}
             raise RuntimeError(f"lazytrain: parameter {names.get(id(unfrozen[0]), '?')!r} was frozen (requires_grad "
@@ -1247,6 +1237,7 @@ class LazyTrainEngine(nn.Module):
     def _zero_non_block_grads(self) -> None:
         if self.masters is not None:
             self.masters.zero_grad()
+            self.frozen_non_block.zero_grad()
         else:
             for p in self.non_block_params:
                 p.grad = None

@@ -24,19 +24,10 @@ class Masters:
     over micro-batches happens in fp32, as the blocks' does), and the weights are copied down after the
     update. A master on the host gets its gradients through a :class:`MasterGradSink` (the backward goes on
     while they are copied); whatever reads the masters' gradients goes through ``flush_grads`` first.
-    A frozen parameter (``requires_grad`` false: a LoRA run's embedding and head) has no master: nothing
-    updates it, so it is kept in the compute dtype alone, as DeepSpeed's bf16/fp16 module keeps it."""
+    A frozen parameter (``requires_grad`` false) gets no master: nothing updates it (:class:`FrozenParams`)."""
 
-    def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None,
-                 given: dict[int, tuple[torch.Tensor | None, torch.dtype]] | None = None):
-        """``given``: frozen parameters as the user gave them, by ``id`` (their host storage or None, their
-        dtype), when the engine moved them before (in the compute dtype); else taken as they are now."""
+    def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        # frozen parameters, no master: (parameter, its storage as given where host memory, its dtype as given);
-        # the storage is let go once set-up is done (set_up_done), so that a set-up that fails hands it back
-        self.frozen: list[tuple[nn.Parameter, torch.Tensor | None, torch.dtype]] = []
-        self._given = given or {}
-        self._set_up_done = False
         self._hooks = {}
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
@@ -55,12 +46,8 @@ class Masters:
         self.by_param = {id(p): m for p, m in self.pairs}
 
     def _take(self, p: nn.Parameter, compute_dtype: torch.dtype, where: torch.device) -> None:
-        """``p`` in the compute dtype; a trainable one with its fp32 master at ``where``."""
+        """A trainable ``p`` in the compute dtype, with its fp32 master at ``where``."""
         if not p.requires_grad:
-            storage, dtype = self._given.get(id(p), (p.data if p.device.type == "cpu" else None, p.dtype))
-            self.frozen.append((p, storage, dtype))
-            if p.is_floating_point():   # an integer one (quantized weights) stays as it is
-                p.data = p.data.to(compute_dtype)
             return
         if compute_dtype == torch.float32 and where == p.device:   # stage 3 in fp32: the parameter is its master
             master = nn.Parameter(p.detach(), requires_grad=True)
@@ -103,16 +90,6 @@ class Masters:
             for p, m in self.pairs:
                 if id(p) not in self.elsewhere:
                     p.data = m.data.to(p.device)
-            for p, storage, dtype in self.frozen:   # as given during set-up; after it, as trained with, in fp32
-                after = self._set_up_done and p.is_floating_point()
-                p.data = storage if storage is not None else p.data.to(torch.float32 if after else dtype)
-        self.set_up_done()
-
-    def set_up_done(self) -> None:
-        """The engine is set up: the frozen parameters' storage as given is let go."""
-        self.frozen = [(p, None, dtype) for p, _, dtype in self.frozen]
-        self._given = {}
-        self._set_up_done = True
 
     def master_of(self, p: nn.Parameter) -> nn.Parameter:
         return self.by_param.get(id(p), p)
@@ -163,7 +140,46 @@ class Masters:
         for p, m in self.pairs:
             p.grad = None
             m.grad = None
-        for p, _, _ in self.frozen:   # one made while it was set to require grad (a step then refuses to run)
+
+
+class FrozenParams:
+    """The parameters outside the blocks that do not train (a LoRA run's embedding and head): no fp32 master,
+    since nothing updates them; on the compute device in the training precision alone, as DeepSpeed's
+    bf16/fp16 module keeps them (an integer one, quantized weights, as it is). Handed back during set-up as
+    they were given (their host storage; one given in a device's memory is not held through set-up and comes
+    back in the training precision), after it in fp32, as every parameter ``destroy()`` hands back."""
+
+    def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, device: torch.device):
+        self.params = [p for p in params if not p.requires_grad]
+        self._given = [(p.data if p.device.type == "cpu" else None, p.dtype) for p in self.params]
+        self._set_up_done = False
+        try:
+            for p in self.params:   # moved in the training precision: no fp32 copy of them reaches the device
+                p.data = p.data.to(device, compute_dtype if p.is_floating_point() else None)
+        except BaseException:   # those moved so far go back as they were
+            self.hand_back()
+            raise
+
+    def set_up_done(self) -> None:
+        """The engine is set up: the storage they were given in is let go."""
+        self._given = [(None, dtype) for _, dtype in self._given]
+        self._set_up_done = True
+
+    def hand_back(self) -> None:
+        for p, (storage, dtype) in zip(self.params, self._given):
+            if storage is not None:
+                p.data = storage
+            else:
+                p.data = p.data.to(torch.float32 if self._set_up_done and p.is_floating_point() else dtype)
+        self.set_up_done()
+
+    def unfrozen(self) -> list[nn.Parameter]:
+        """Those set to require grad since (engine.step() refuses to run then)."""
+        return [p for p in self.params if p.requires_grad]
+
+    def zero_grad(self) -> None:
+        """A gradient one got while it was set to require grad goes (no optimizer may apply it)."""
+        for p in self.params:
             p.grad = None
 
 

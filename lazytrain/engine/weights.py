@@ -91,7 +91,7 @@ class LayerWeights:
         # frozen parameters as the user gave them, until set-up is done (see hand_back_frozen): their storage
         # where it is host memory (the user's own), else None (a device's memory is not held through set-up)
         self._given: dict[int, tuple[torch.Tensor | None, torch.dtype]] = {}
-        self._given_up = False
+        self._set_up_done = False
         try:
             self._build(blocks, device)
         except BaseException:   # the frozen parameters moved so far go back to what they were given as
@@ -179,7 +179,7 @@ class LayerWeights:
         """The engine is set up: the storage the frozen parameters were given in (kept so that a set-up that
         fails hands them back as they were) is let go."""
         self._given.clear()
-        self._given_up = True
+        self._set_up_done = True
 
     def hand_back_frozen(self) -> None:
         """Before the model is handed back (``destroy()``, a set-up that failed): frozen parameters kept in the
@@ -198,7 +198,7 @@ class LayerWeights:
                 if given is not None:
                     storage, dtype = given
                     p.data = storage if storage is not None else p.data.to(dtype, copy=True)
-                elif not self._given_up:   # set-up never moved it (it failed before this layer)
+                elif not self._set_up_done:   # set-up never moved it (it failed before this layer)
                     continue
                 else:
                     p.data = p.data.to(torch.float32, copy=True)
