@@ -542,14 +542,21 @@ def test_a_lora_runs_profile_records_its_trainable_share_and_lazytrain_plan_budg
     blocks = list(model.model.layers.parameters())
     share = sum(p.numel() for p in blocks if p.requires_grad) / sum(p.numel() for p in blocks)
     engine.destroy()
-    assert MachineProfile.from_json(path).trainable_share == pytest.approx(share) and share < 0.1
+    profile = MachineProfile.from_json(path)
+    assert profile.trainable_share == pytest.approx(share) and share < 0.1
+    assert profile.non_block_trainable_share == 0.0   # the embedding, final norm and head were frozen
+    assert MachineProfile.from_json(full_path).non_block_trainable_share == 1.0
     seen, real = [], search.profile_problem
-    monkeypatch.setattr(search, "profile_problem",
-                        lambda profile, budgets, *a: seen.append(budgets.trainable_share) or real(profile, budgets, *a))
+    monkeypatch.setattr(search, "profile_problem", lambda profile, budgets, *a: seen.append(
+        (budgets.trainable_share, budgets.non_block_trainable_share)) or real(profile, budgets, *a))
     assert main(["plan", "--profile", path, "--time-limit", "5"]) == 0
-    assert main(["plan", "--profile", path, "--time-limit", "5", "--trainable-share", "1"]) == 0
-    assert seen == [pytest.approx(share), 1.0]
+    assert main(["plan", "--profile", path, "--time-limit", "5", "--trainable-share", "1",
+                 "--non-block-trainable-share", "0.5"]) == 0
+    assert seen == [(pytest.approx(share), 0.0), (1.0, 0.5)]
     with open(path) as f:
         older = json.load(f)
-    del older["trainable_share"]   # as written before the share was recorded
-    assert MachineProfile.from_dict(older).trainable_share == 1.0
+    del older["trainable_share"], older["non_block_trainable_share"]   # as written before they were recorded
+    assert (MachineProfile.from_dict(older).trainable_share, MachineProfile.from_dict(older).non_block_trainable_share) \
+        == (1.0, 1.0)
+    with pytest.raises(MeasurementError, match=r"non_block_trainable_share must be a fraction in \[0, 1\], got 2"):
+        MachineProfile.from_dict({**older, "non_block_trainable_share": 2})

@@ -556,9 +556,10 @@ def test_a_window_prefetch_without_room_for_its_buffers_stops_and_fetches_on_dem
     engine.destroy()
 
 
-def test_planner_gets_the_share_of_the_blocks_parameters_that_train(monkeypatch):
-    """A LoRA run: the planner budgets the frozen block weights as their streamed copy alone (weights.py),
-    so it is told which share of the blocks' parameters trains, counted on the model."""
+def test_planner_gets_the_shares_of_the_parameters_that_train(monkeypatch):
+    """A LoRA run: the planner budgets the frozen block weights as their streamed copy alone (weights.py) and a
+    frozen embedding and head as their device copy alone (precision.FrozenParams), so it is told which share of
+    the blocks' parameters trains and which of the others, counted on the model."""
     import lazytrain.engine.engine as engine_module
     from lazytrain.engine.placement import planning_budgets
     from engine_models import add_lora
@@ -566,11 +567,18 @@ def test_planner_gets_the_share_of_the_blocks_parameters_that_train(monkeypatch)
     build_plan = engine_module.build_plan
     monkeypatch.setattr(engine_module, "build_plan", lambda *args: seen.append(args[-1]) or build_plan(*args))
     model = add_lora(make_model("llama"), ("q_proj", "v_proj"))
+    model.lm_head.weight.requires_grad_(True)   # trained beside the adapters (PEFT's modules_to_save)
     engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(_top={"bf16": {"enabled": True}}))
     blocks = list(model.model.layers.parameters())
     share = sum(p.numel() for p in blocks if p.requires_grad) / sum(p.numel() for p in blocks)
-    assert seen == [share] and 0 < share < 0.05
-    assert planning_budgets(engine._config, engine.tiers, 2, 12, share)["trainable_share"] == share
+    in_blocks = {id(p) for p in blocks}
+    others = [p for p in model.parameters() if id(p) not in in_blocks]
+    head_share = model.lm_head.weight.numel() / sum(p.numel() for p in others)
+    assert seen == [{"trainable_share": share, "non_block_trainable_share": head_share}]
+    assert 0 < share < 0.05 and 0.4 < head_share < 0.5   # the head of the embedding, head and final norm
+    budgets = planning_budgets(engine._config, engine.tiers, 2, 12, seen[0])
+    assert (budgets["trainable_share"], budgets["non_block_trainable_share"]) == (share, head_share)
+    engine.destroy()
 
 
 def test_planner_gets_each_streamed_layers_measured_size(monkeypatch):
@@ -579,9 +587,9 @@ def test_planner_gets_each_streamed_layers_measured_size(monkeypatch):
     import lazytrain.engine.engine as engine_module
     seen = {}
 
-    def spy(cfg, num_layers, tiers, model_config, micro_batch, trainable_share):
+    def spy(cfg, num_layers, tiers, model_config, micro_batch, trainable):
         seen["model_config"] = model_config
-        return build_plan(cfg, num_layers, tiers, model_config, micro_batch, trainable_share)
+        return build_plan(cfg, num_layers, tiers, model_config, micro_batch, trainable)
     build_plan = engine_module.build_plan
     monkeypatch.setattr(engine_module, "build_plan", spy)
     model = make_hf_model("mixtral")

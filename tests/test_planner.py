@@ -799,6 +799,48 @@ def test_a_lora_run_is_budgeted_for_its_frozen_layer_weights_as_the_streamed_cop
         Budgets.of(gpu="70GB", trainable_share=2)
 
 
+def test_a_frozen_embedding_and_head_are_budgeted_as_their_device_copy_alone():
+    """Budgets.non_block_trainable_share: a frozen parameter outside the layers (a LoRA run's embedding and
+    head) has no host master, gradient or moments, no update, no gradient or weight copy on the links, and on
+    the device its compute copy alone (no gradient beside it)."""
+    model = catalog_model("qwen2.5-7b")
+    kw = dict(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024)
+    whole, lora, half = (Problem(**kw, budgets=Budgets.of(gpu="70GB", host="400GB", trainable_share=0.01,
+                                                          non_block_trainable_share=s)) for s in (1.0, 0.0, 0.5))
+    nonlayer_w = model.nonlayer_params * 2
+    assert lora.host_static == int(model.layer_params * lora.host_bytes_per_layer_param)
+    assert whole.host_static == int(model.layer_params * lora.host_bytes_per_layer_param
+                                    + model.nonlayer_params * whole.host_bytes_per_param)
+    assert (lora.opt_nl, lora.nonlayer_link_bytes, lora.load_nl, lora.embed_grad_bytes, lora.head_grad_bytes) == \
+        (0, 0, 0, 0, 0)
+    assert lora.gpu_static == whole.gpu_static - nonlayer_w   # the gradients of the embedding and head go
+    assert half.embed_grad_bytes == model.vocab_size * model.hidden * 2 * 0.5
+    assert half.nonlayer_link_bytes == nonlayer_w * 0.5 and half.opt_nl == pytest.approx(whole.opt_nl / 2)
+    lb_lora, lb_whole = lora.lower_bound_s(), whole.lower_bound_s()
+    assert lb_lora["optimizer"] == pytest.approx(lb_whole["optimizer"] - whole.opt_nl)
+    assert lb_lora["h2d"] == pytest.approx(lb_whole["h2d"] - nonlayer_w / whole.bw_h2d)
+    # with their state on the device, a frozen one holds no fp32 state there either
+    dev = [Problem(**kw, budgets=Budgets.of(gpu="70GB", host="400GB", non_block_state="device",
+                                            non_block_trainable_share=s)) for s in (1.0, 0.0)]
+    assert dev[1].gpu_static == dev[0].gpu_static - nonlayer_w - model.nonlayer_params * 16
+    # a host that holds the LoRA run's layers only when the embedding and head are frozen
+    need = lora.host_static
+    tight = Budgets.of(gpu="70GB", host=str(need + 2 ** 30), trainable_share=0.01)
+    with pytest.raises(InfeasibleBudgetError, match=r"6\.53B layer parameters x 2\.14 bytes \+ 1\.09B others trained "
+                                                     r"x 15\.88 bytes"):
+        Problem(**kw, budgets=tight)
+    assert Problem(**kw, budgets=dataclasses.replace(tight, non_block_trainable_share=0.0)).host_static == need
+    with pytest.raises(ValueError, match=r"Budgets field 'non_block_trainable_share' must be a fraction in \[0, 1\], "
+                                         r"got -0\.5"):
+        Budgets.of(gpu="70GB", non_block_trainable_share=-0.5)
+    # solved and simulated alike with the frozen embedding and head
+    plan = plan_for("qwen2.5-7b", "h800", Budgets.of(gpu="70GB", host="400GB", trainable_share=0.01,
+                                                      non_block_trainable_share=0.0), micro_batch=8, seq_len=1024,
+                    time_limit_s=20)
+    assert simulate(lora, plan).step_time_s == pytest.approx(plan.prediction["step_time_s"], rel=1e-9)
+    assert plan.prediction["step_time_s"] >= plan.prediction["lower_bound_s"]
+
+
 def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):
     from lazytrain.config import parse_config
     from lazytrain.engine.placement import _host_shares

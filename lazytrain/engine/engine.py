@@ -192,8 +192,10 @@ class LazyTrainEngine(nn.Module):
             model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in blocks]
             # in the precision this engine computes and streams in (not what the model was saved in)
             model_cfg["dtype"] = model_cfg["torch_dtype"] = config.compute_dtype_name
+        # what trains, as set up here (the engine's buffers keep this layout; unfreezing later is refused)
+        self._trainable = _trainable_shares(model, blocks)
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu,
-                               _trainable_share(blocks))
+                               self._trainable)
         self._model_cfg = model_cfg
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
@@ -358,7 +360,7 @@ class LazyTrainEngine(nn.Module):
             self._step_applied else None,
             switch=self._use_plan, profile_of=self._profile_of, on_rank0=self._on_rank0,
             plan_from=lambda profile: plan_from_measurements(self._config, self.tiers, profile,
-                                                             _trainable_share(self.weights.blocks)),
+                                                             self._trainable),
             say=lambda line: print(line) if self.global_rank == 0 else None,
             warn=lambda message: warnings.warn(message, UserWarning),
             current_policy=lambda: self.plan.policy,
@@ -419,7 +421,7 @@ class LazyTrainEngine(nn.Module):
             costs=costs, links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device),
             grad_accum=self.gradient_accumulation_steps(), device_name=self._device_name(),
-            trainable_share=_trainable_share(self.weights.blocks))
+            **self._trainable)
 
     def _device_name(self) -> str:
         """The device's model, so that a profile is not reused on another kind of GPU."""
@@ -1918,12 +1920,17 @@ class LazyTrainEngine(nn.Module):
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
 
 
-def _trainable_share(blocks: nn.ModuleList) -> float:
-    """The share of the streamed blocks' parameters that train (the planner budgets the rest as their
-    streamed copy alone: weights.py keeps them so in bf16/fp16)."""
-    params = list(blocks.parameters())
-    total = sum(p.numel() for p in params)
-    return sum(p.numel() for p in params if p.requires_grad) / total if total else 1.0
+def _trainable_shares(model: nn.Module, blocks: nn.ModuleList) -> dict[str, float]:
+    """The shares of the streamed blocks' parameters and of the others (embedding, final norm, head) that train,
+    as the planner's ``Budgets`` fields: it budgets a frozen block weight as its streamed copy alone (weights.py
+    keeps it so in bf16/fp16) and a frozen parameter outside the blocks as its device copy alone
+    (precision.FrozenParams)."""
+    def share(params) -> float:
+        total = sum(p.numel() for p in params)
+        return sum(p.numel() for p in params if p.requires_grad) / total if total else 1.0
+    in_blocks = {id(p) for p in blocks.parameters()}
+    return {"trainable_share": share(list(blocks.parameters())),
+            "non_block_trainable_share": share([p for p in model.parameters() if id(p) not in in_blocks])}
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:

@@ -50,6 +50,10 @@ def register(subparsers) -> None:
                    help="share of the layers' parameters that train (a LoRA run's adapters, e.g. 0.01): the frozen "
                         "rest is budgeted as its streamed bf16/fp16 copy alone (default 1, full fine-tuning; with "
                         "--profile, the share of the run measured)")
+    p.add_argument("--non-block-trainable-share", type=float, default=None,
+                   help="share of the parameters outside the layers (embedding, final norm, head) that train: 0 for "
+                        "a LoRA run whose embedding and head are frozen, budgeted as their device copy alone (default "
+                        "1; with --profile, the share of the run measured)")
     p.add_argument("--json", default=None, help="write the Plan the engine loads to this file")
     p.add_argument("--plot", default=None, help="draw a Gantt chart with memory per tier (needs matplotlib)")
     p.set_defaults(func=run)
@@ -75,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         budgets = Budgets.of(gpu=args.gpu_mem, host=args.host_mem, nvme=args.nvme, lean_norms=not args.no_lean_norms,
-                             trainable_share=1.0 if args.trainable_share is None else args.trainable_share)
+                             trainable_share=1.0 if args.trainable_share is None else args.trainable_share,
+                             non_block_trainable_share=1.0 if args.non_block_trainable_share is None
+                             else args.non_block_trainable_share)
         opts = MilpOptions(time_limit_s=args.time_limit, max_segment=args.max_segment, solver=args.solver,
                            allow_resident=not args.no_resident, allow_offload=not args.no_offload)
         if args.profile is not None:
@@ -160,6 +166,7 @@ def _profile_problem(args: argparse.Namespace, budgets):
         hardware = load_profile(args.hardware, base=args.base)
     # the run measured fixed its global batch: planned with its accumulation unless --global-batch says otherwise
     global_batch = args.global_batch if args.global_batch is not None else profile.micro_batch * profile.grad_accum
-    if args.trainable_share is None:   # the run measured trained this share of the layers
-        budgets = dataclasses.replace(budgets, trainable_share=profile.trainable_share)
+    for k in ("trainable_share", "non_block_trainable_share"):
+        if getattr(args, k) is None:   # the run measured trained this share of the layers (of the others)
+            budgets = dataclasses.replace(budgets, **{k: getattr(profile, k)})
     return profile_problem(profile, budgets, hardware, global_batch)

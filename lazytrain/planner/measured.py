@@ -357,12 +357,14 @@ class MachineProfile:
     grad_accum: int = 1             # micro-batches per optimizer step in the run measured (its global batch)
     device_name: str | None = None  # the device's model (e.g. "NVIDIA H200"); None in profiles written before
     trainable_share: float = 1.0    # the share of the layers' parameters that trained (Budgets.trainable_share)
+    non_block_trainable_share: float = 1.0   # and of the others (Budgets.non_block_trainable_share)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": 1, "costs": self.costs.to_dict(),
                 "links_gbps": dict(self.links_gbps), "model": self.model, "micro_batch": self.micro_batch,
                 "seq_len": self.seq_len, "device": self.device, "grad_accum": self.grad_accum,
-                "device_name": self.device_name, "trainable_share": self.trainable_share}
+                "device_name": self.device_name, "trainable_share": self.trainable_share,
+                "non_block_trainable_share": self.non_block_trainable_share}
 
     def to_json(self, path: str) -> None:
         import json
@@ -402,12 +404,15 @@ class MachineProfile:
         name = d.get("device_name")
         if name is not None and not isinstance(name, str):
             raise MeasurementError(f"{where}: device_name must be a string, got {name!r}")
-        share = d.get("trainable_share", 1.0)   # profiles written before it was recorded: full fine-tuning
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise MeasurementError(f"{where}: trainable_share must be a fraction in [0, 1], got {share!r}")
+        shares = {}
+        for k in ("trainable_share", "non_block_trainable_share"):
+            share = d.get(k, 1.0)   # profiles written before it was recorded: full fine-tuning
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+                raise MeasurementError(f"{where}: {k} must be a fraction in [0, 1], got {share!r}")
+            shares[k] = float(share)
         return cls(costs=MeasuredCosts.from_dict(d["costs"]), links_gbps={k: float(v) for k, v in links.items()},
                    model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
-                   device=device, grad_accum=d["grad_accum"], device_name=name, trainable_share=float(share))
+                   device=device, grad_accum=d["grad_accum"], device_name=name, **shares)
 
     @classmethod
     def from_json(cls, path: str) -> "MachineProfile":

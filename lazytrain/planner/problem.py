@@ -96,6 +96,11 @@ class Budgets:
     # gradient buffers, Adam moments, an update and gradients sent to the host; frozen ones are kept in the
     # streamed compute-dtype copy alone
     trainable_share: float = 1.0
+    # the share of the parameters outside the layers (embedding, final norm, head) that train: a frozen one has
+    # no fp32 master, gradient, moments, update or link traffic, and is kept on the device in the compute dtype
+    # alone (a LoRA run's embedding and head). One share for all of them: the embedding's and head's gradient
+    # bytes are each scaled by it
+    non_block_trainable_share: float = 1.0
 
     def __post_init__(self):
         """Each field checked by name: a negative reserve or an 8-bit share of 2 would plan with memory
@@ -124,9 +129,10 @@ class Budgets:
         if self.non_block_state not in ("host", "device"):
             raise ValueError(f"Budgets field 'non_block_state' must be \"host\" or \"device\", got "
                              f"{self.non_block_state!r}")
-        v = self.trainable_share
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ValueError(f"Budgets field 'trainable_share' must be a fraction in [0, 1], got {v!r}")
+        for name in ("trainable_share", "non_block_trainable_share"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"Budgets field {name!r} must be a fraction in [0, 1], got {v!r}")
         if not isinstance(self.lean_norms, bool):
             raise ValueError(f"Budgets field 'lean_norms' must be true or false, got {self.lean_norms!r}")
 
@@ -220,10 +226,14 @@ class Problem:
         self.kept_buffers = 2 * min(self.Wl)
         b = self.budgets
         on_device = b.non_block_state == "device"
-        self.gpu_static = 2 * self.nonlayer_w + self.budgets.gpu_reserved_bytes + self.slot_slack
+        # the parameters outside the layers that train (the others: their compute copy on the device alone)
+        nb_trains = b.non_block_trainable_share
+        self.nonlayer_trained = m.nonlayer_params * nb_trains
+        # their compute copy, and the gradients of those that train
+        self.gpu_static = self.nonlayer_w * (1 + nb_trains) + self.budgets.gpu_reserved_bytes + self.slot_slack
         if on_device:
-            self.gpu_static += m.nonlayer_params * (NON_BLOCK_DEVICE_STATE_BYTES_FP32 if db == 4
-                                                    else NON_BLOCK_DEVICE_STATE_BYTES)
+            self.gpu_static += self.nonlayer_trained * (NON_BLOCK_DEVICE_STATE_BYTES_FP32 if db == 4
+                                                        else NON_BLOCK_DEVICE_STATE_BYTES)
         f8 = self.budgets.hybrid_8bit_fraction
         adam = b.optimizer_state_share * ((1 - f8) * 8 + f8 * (2 + 8 / 4096))   # fp32 moments / 8-bit blockwise
         # master, streamed copy, grads, moments: the parts of them this rank holds; of a layer's parameters,
@@ -232,19 +242,19 @@ class Problem:
         self.host_bytes_per_param = db * b.weights_copy_share + trains
         self.host_bytes_per_layer_param = db * b.weights_copy_share + b.trainable_share * trains
         self.host_static = int(m.layer_params * self.host_bytes_per_layer_param +
-                               (0 if on_device else m.nonlayer_params * self.host_bytes_per_param))
+                               (0 if on_device else self.nonlayer_trained * self.host_bytes_per_param))
         self.host_act_budget = self.host_budget - self.host_static
         # host optimizer chain and the copies it gates
-        self.opt_nl = 0.0 if on_device else m.nonlayer_params / self.opt_rate
+        self.opt_nl = 0.0 if on_device else self.nonlayer_trained / self.opt_rate
         self.opt_l = [l.params * b.trainable_share / self.opt_rate for l in m.layers]
         self.load_l = [w / self.bw_h2d for w in self.Wl]
-        # the embedding's and head's weights (once a step) and gradients (each micro-batch) on the links
-        self.nonlayer_link_bytes = 0 if on_device else self.nonlayer_w
+        # the embedding's and head's trained weights (once a step) and gradients (each micro-batch) on the links
+        self.nonlayer_link_bytes = 0 if on_device else self.nonlayer_w * nb_trains
         self.load_nl = self.nonlayer_link_bytes / self.bw_h2d
         # their gradients leave as autograd finishes them, beside the backward (the engine's copy queue):
         # the head's and final norm's in the head's backward, copied in the first GRAD_SHARE_WINDOWS backward
         # windows; the embedding's (a tied one's too) after layer 0's, with layer 0's
-        self.embed_grad_bytes = 0 if on_device else m.vocab_size * m.hidden * db
+        self.embed_grad_bytes = 0 if on_device else m.vocab_size * m.hidden * db * nb_trains
         self.head_grad_bytes = self.nonlayer_link_bytes - self.embed_grad_bytes
         self._last_grads(self.Gl[0] + self.embed_grad_bytes)
         if self.measured is not None:
@@ -401,11 +411,11 @@ class Problem:
     def _static_terms(self) -> str:
         """What ``host_static`` counts, as parameters x bytes each."""
         m, b = self.model, self.budgets
-        if b.trainable_share == 1 and b.non_block_state == "host":
+        if b.trainable_share == 1 and b.non_block_trainable_share == 1 and b.non_block_state == "host":
             return f"{m.total_params / 1e9:.2f}B parameters x {self.host_bytes_per_param:.2f} bytes"
         terms = f"{m.layer_params / 1e9:.2f}B layer parameters x {self.host_bytes_per_layer_param:.2f} bytes"
-        if b.non_block_state == "host":
-            terms += f" + {m.nonlayer_params / 1e9:.2f}B others x {self.host_bytes_per_param:.2f} bytes"
+        if b.non_block_state == "host" and self.nonlayer_trained:
+            terms += f" + {self.nonlayer_trained / 1e9:.2f}B others trained x {self.host_bytes_per_param:.2f} bytes"
         return terms
 
     def check_static_fit(self) -> None:
