@@ -1,13 +1,16 @@
 """Host memory of a LoRA run: what the engine holds for a Llama model with PEFT adapters, trained in bf16 with the
-streamed weights in host memory, by category and per block parameter (frozen and trainable apart).
+streamed weights in host memory (or on NVMe: --home nvme), by category and per block parameter (frozen and
+trainable apart).
 
-Counted exactly, each storage once: the host tier's compute copies, the blocks' fp32 weights and gradient
-buffers, the optimizer's state, and the embedding's and head's fp32 masters and gradients. The process's
+Counted exactly, each storage once: the host tier's compute copies (none with the weights on NVMe), the blocks'
+fp32 weights, frozen weights kept apart from the copies and gradient buffers, the optimizer's state, and the
+embedding's and head's fp32 masters and gradients. The process's
 resident memory before set-up and after two steps is printed beside them (it includes the user's own model as
 built, allocator caches and the libraries).
 
     python benchmarks/lora_host_memory.py                       # hidden 1024, 8 layers, LoRA r 16 on q/k/v/o
     python benchmarks/lora_host_memory.py --hidden 2048 --layers 4 --rank 8
+    python benchmarks/lora_host_memory.py --home nvme --nvme-path /tmp/lora-nvme
 
 Needs PEFT (``pip install peft``) and transformers.
 """
@@ -68,7 +71,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--home", choices=("host", "nvme"), default="host", help="lazytrain.weights_home")
+    ap.add_argument("--nvme-path", default=None, help="the NVMe tier's directory (--home nvme)")
     args = ap.parse_args()
+    if args.home == "nvme" and not args.nvme_path:
+        ap.error("--home nvme needs --nvme-path")
 
     model, peft_version = lora_llama(args.hidden, args.layers, args.vocab, args.rank)
     blocks = model.base_model.model.model.layers
@@ -78,7 +85,8 @@ def main() -> None:
     rss_before = rss_bytes()
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "lazytrain": {"checkpoint_interval": 2, "weights_home": "host"}}
+           "lazytrain": {"checkpoint_interval": 2, "weights_home": args.home,
+                         **({"nvme_path": args.nvme_path} if args.home == "nvme" else {})}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
@@ -93,8 +101,9 @@ def main() -> None:
     rss_after = rss_bytes()
 
     w, seen = engine.weights, set()
-    copies = w.weights_tier.stats()["used_bytes"]
+    copies = w.weights_tier.stats()["used_bytes"] if w.weights_tier.kind == "host" else 0
     masters = storage_bytes(w.master, seen)
+    frozen_apart = storage_bytes(getattr(w, "frozen_part", ()), seen)   # weights on NVMe
     grads = storage_bytes(w.grad, seen)
     block_ids = {id(p) for params in w.params for p in params}
     block_state = storage_bytes([t for p, st in engine.optimizer.state.items() if id(p) in block_ids
@@ -103,8 +112,9 @@ def main() -> None:
                                  for t in st.values()], seen)
     non_block = storage_bytes([t for _, m in (engine.masters.pairs if engine.masters else ()) for t in (m, m.grad)],
                               seen)
-    block_total = copies + masters + grads + block_state
+    block_total = copies + masters + frozen_apart + grads + block_state
     rows = [("compute copies (host tier)", copies), ("block fp32 weights", masters),
+            ("block frozen weights apart from the copies", frozen_apart),
             ("block gradient buffers", grads), ("block optimizer state", block_state),
             ("embedding/head fp32 masters + gradients", non_block), ("embedding/head optimizer state", other_state)]
     try:
@@ -119,7 +129,7 @@ def main() -> None:
     print(f"# LoRA host memory, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{platform.node()}, torch {torch.__version__}, peft {peft_version}, library at {commit}")
     print(f"# Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; LoRA r {args.rank} on q/k/v/o; "
-          f"bf16, weights_home host")
+          f"bf16, weights_home {args.home}")
     print(f"# block parameters: {frozen / 1e6:.2f}M frozen, {trainable / 1e6:.3f}M trainable")
     print(f"{'what the engine holds on the host':<42}{'MiB':>10}")
     for name, nbytes in rows:

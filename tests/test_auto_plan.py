@@ -143,7 +143,7 @@ def test_the_selective_calibration_leaves_a_margin_for_what_the_planners_count_o
     engine.destroy()
 
 
-def test_on_a_gpu_without_a_device_budget_the_room_for_kept_outputs_is_what_the_gpu_had_left(monkeypatch):
+def test_a_gpu_without_a_device_budget_gives_kept_outputs_the_room_it_had_left(monkeypatch):
     """Without 'capacities.hbm', the CPU measures every layer selective (the kept outputs stay in host
     memory); a GPU has the room its memory leaves beside torch's peak allocation and the planner's reserve
     for the CUDA context (CUDA stood in for here), and measures as many layers as fit in it."""

@@ -1,7 +1,8 @@
-"""Frozen block weights (a LoRA run's base model): in bf16/fp16 with the weights in host memory they are kept in
-the streamed layers' compute copies alone (2 host bytes a parameter: no fp32 weights, no gradient buffer), and
-only the trainable parameters' gradients leave the device. Training is bit for bit what it is with fp32 weights
-kept for them (weights on NVMe keep those), and the model is handed back as it was given."""
+"""Frozen block weights (a LoRA run's base model): in bf16/fp16 they are kept in the compute dtype alone (2 host
+bytes a parameter: no fp32 weights, no gradient buffer), with the weights in host memory in the streamed layers'
+compute copies, with the weights on NVMe in a host buffer of each layer's frozen part; only the trainable
+parameters' gradients leave the device. Training is bit for bit the same either way, and the model is handed
+back as it was given."""
 import copy
 import os
 import warnings
@@ -87,7 +88,7 @@ def test_only_the_trainable_gradients_leave_the_device(tmp_path):
 
 
 CASES = {
-    "serial": dict(),
+    "serial": dict(overlap_optimizer=False),
     "overlap-gas2": dict(gas=2, overlap_optimizer=True),
     "copy-threads-chaos": dict(testing={"copy_threads": True, "chaos_seed": 5, "chaos_max_delay_ms": 1.0},
                                overlap_optimizer=True),
@@ -95,10 +96,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_lora_in_bf16_trains_as_with_fp32_frozen_weights(case, tmp_path):
-    """The adapters train bit for bit as with fp32 weights kept for the frozen ones (weights on NVMe keep
-    them: the compute copies are the same bf16 values either way); the frozen weights come back in the
-    dtype they were given, rounded to bf16 (what training computed with) where kept in the copy alone."""
+def test_lora_in_bf16_trains_alike_with_the_weights_in_host_memory_and_on_nvme(case, tmp_path):
+    """The adapters train bit for bit whether the frozen weights are kept in the host compute copies or apart
+    from the copies on NVMe (the streamed values are the same bf16 ones); the frozen weights come back in
+    fp32, rounded to bf16 (what training computed with)."""
     model = lora_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     kwargs = dict(CASES[case])
@@ -108,7 +109,7 @@ def test_lora_in_bf16_trains_as_with_fp32_frozen_weights(case, tmp_path):
     for home in ("host", "nvme"):
         m = copy.deepcopy(model)
         engine = engine_of(m, config(tmp_path / home, home=home, **kwargs))
-        assert engine.weights.frozen_in_copy == (home == "host")
+        assert (engine.weights.frozen_in_copy, engine.weights.frozen_apart) == (home == "host", home == "nvme")
         train(engine, data)
         engine.destroy()
         results[home] = dict(m.named_parameters())
@@ -119,19 +120,43 @@ def test_lora_in_bf16_trains_as_with_fp32_frozen_weights(case, tmp_path):
         if p.requires_grad:
             assert torch.equal(p, nvme[name]), name
             moved += not torch.equal(p, before[name])
-        else:   # never moved: rounded to bf16 as kept, but a block's with weights on NVMe (fp32 weights kept)
+        else:   # never moved: rounded to bf16 as kept
             rounded = before[name].bfloat16().float()
-            assert torch.equal(nvme[name], before[name] if ".layers." in name else rounded), name
+            assert torch.equal(nvme[name], rounded), name
             assert torch.equal(p, rounded), name
     assert moved == len([n for n in host if "lora_" in n])
 
 
-def test_a_failed_set_up_hands_the_frozen_weights_back_in_their_own_storage(tmp_path):
+def test_with_the_weights_on_nvme_frozen_block_weights_are_kept_in_bf16_apart(tmp_path):
+    """The compute copies on NVMe: per layer, fp32 weights for the adapters only and one bf16 host buffer of
+    the frozen part, each frozen weight a view of it (2 host bytes a parameter, where 4 were kept before);
+    what streams is the adapters' bf16 values, then the frozen part, in the layer's layout."""
+    model = lora_llama()
+    engine = engine_of(model, config(tmp_path, home="nvme"))
+    w = engine.weights
+    assert w.frozen_apart and not w.frozen_in_copy
+    for i, block in enumerate(model.model.layers):
+        frozen = sum(p.numel() for p in block.parameters() if not p.requires_grad)
+        assert w.master[i].numel() == w.trainable_numels[i] and w.grad[i].numel() == w.trainable_numels[i]
+        part = w.frozen_part[i]
+        assert part.numel() == frozen and part.dtype == torch.bfloat16
+        start, end = part.data_ptr(), part.data_ptr() + part.numel() * 2
+        for name, p in block.named_parameters():
+            if not p.requires_grad:
+                assert p.dtype == torch.bfloat16 and start <= p.data_ptr() < end, name
+        stored = w.stored_copy(i)
+        assert torch.equal(stored[:w.trainable_numels[i]], w.master[i].bfloat16())
+        assert torch.equal(stored[w.trainable_numels[i]:], part)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("home", ["host", "nvme"])
+def test_a_failed_set_up_hands_the_frozen_weights_back_in_their_own_storage(home, tmp_path):
     """A config error found after the layers' buffers were built: every frozen block weight is the very
     tensor storage it was given, unrounded."""
     model = lora_llama()
     given = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
-    cfg = config(tmp_path, overlap_optimizer=True)
+    cfg = config(tmp_path, home=home, overlap_optimizer=True)
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 1e-2}}   # overlap_optimizer true needs the hybrid AdamW
     with pytest.raises(ConfigError, match="overlap_optimizer"):
         engine_of(model, cfg)
@@ -178,11 +203,11 @@ def test_a_load_reaches_every_block_sharing_a_frozen_weight(tmp_path):
         engine = engine_of(copy.deepcopy(model), config(tmp_path / home, home=home))
         engine.module.load_state_dict(new)
         w = engine.weights
-        for i in range(w.num_layers):
-            home_i = w.weights_tier.read(w._key(i)).wait() if w.frozen_in_copy else w.master[i]
+        want = new["model.layers.0.mlp.down_proj.weight"].bfloat16()
+        for i in range(w.num_layers):   # where it is kept and what streams
             slot = next(s for s in w.layer_slots[i] if s.name == "mlp.down_proj.weight")
-            assert torch.equal(slot.of(home_i).float(), new["model.layers.0.mlp.down_proj.weight"].to(
-                home_i.dtype).float()), (home, i)
+            kept = slot.of(w.stored_copy(i)) if w.frozen_in_copy else w._frozen_slot(i, slot, w.frozen_part[i])
+            assert torch.equal(kept, want) and torch.equal(slot.of(w.stored_copy(i)), want), (home, i)
         with torch.no_grad():
             logits[home] = engine(x).logits
         engine.destroy()

@@ -5,9 +5,11 @@ copies, prefetch order) is :mod:`~lazytrain.engine.weight_stream`'s.
 The user's trainable block ``nn.Parameter`` objects become views into the fp32 master buffer, so
 ``model.parameters()``, ``state_dict()`` and any optimizer built over them see the real master weights;
 their ``.grad`` are views into one fp32 flat gradient buffer per layer. Frozen block parameters (a LoRA
-run's base weights) have no gradient buffer, and in bf16/fp16 with the copies in host memory no fp32 weights
-either: they are views of the compute copy, as DeepSpeed's bf16/fp16 module holds them (2 host bytes a
-parameter, not 10). Each layer lays out its trainable parameters first, so that their fp32 weights and
+run's base weights) have no gradient buffer and, unless the fp32 weights are the compute copy (fp32 training
+with the copies in host memory), no fp32 weights either: they are kept in the compute dtype, as DeepSpeed's
+bf16/fp16 module holds them (2 host bytes a parameter, not 10): views of the compute copy where it is in host
+memory, else (the copies on NVMe) of a host buffer of the layer's frozen part, from which its stored copy is
+written. Each layer lays out its trainable parameters first, so that their fp32 weights and
 gradients are a prefix of the layer's layout and only that prefix crosses a link. With the state sharded over
 data-parallel ranks, a rank may hold no gradient buffer (``send_grads_to_owners``) and, in bf16/fp16, no fp32
 weights (``drop_foreign_masters``: the parameters are then views of the compute copy) for layers other
@@ -80,12 +82,17 @@ class LayerWeights:
                                  for slots, trains in zip(self.layer_slots, self.trainable)]
         self.max_trainable_numel = max(self.trainable_numels, default=0)
         self.shares_master = compute_dtype == torch.float32 and weights_tier.kind == "host"
-        # frozen parameters kept in the compute copy alone (it is in host memory, apart from the fp32 weights)
-        self.frozen_in_copy = not self.shares_master and weights_tier.kind == "host"
-        # fp32 weights per layer: the trainable prefix, or the whole layer (the copy is the fp32 weights, or is
-        # not in host memory, where a frozen parameter could be a view of it)
-        self.master_numels = self.trainable_numels if self.frozen_in_copy else self.layer_numels
+        # frozen parameters kept in the compute dtype, without fp32 weights (unless those are the copy itself)
+        self.frozen_without_master = not self.shares_master
+        # ... in the compute copy (it is in host memory, apart from the fp32 weights)
+        self.frozen_in_copy = self.frozen_without_master and weights_tier.kind == "host"
+        # ... or, the copy in another tier (NVMe), in a host buffer per layer of its frozen part (frozen_part)
+        self.frozen_apart = self.frozen_without_master and weights_tier.kind != "host"
+        # fp32 weights per layer: the trainable prefix, or the whole layer where the copy is the fp32 weights
+        self.master_numels = self.layer_numels if self.shares_master else self.trainable_numels
         self.master: list[torch.Tensor | None] = []   # None: another rank's layer (drop_foreign_masters)
+        # with frozen_apart: each layer's frozen parameters (the layout's elements past the trainable prefix)
+        self.frozen_part: list[torch.Tensor | None] = []
         self.grad: list[torch.Tensor | None] = []   # None: a layer another rank owns (sharded gradients)
         self._staging: torch.Tensor | None = None
         # frozen parameters as the user gave them, until set-up is done (see hand_back_frozen): their storage
@@ -117,11 +124,18 @@ class LayerWeights:
                 self._write_compute_copy(i, lambda flat: [s.of(flat).copy_(p.detach()) for s, p in zip(slots, params)])
             master = empty_host(self.master_numels[i], torch.float32)
             grad = empty_host(self.trainable_numels[i], torch.float32).zero_()
+            frozen_part = empty_host(self.layer_numels[i] - self.trainable_numels[i], self.compute_dtype) \
+                if self.frozen_apart else None
             copy = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else None
             for slot, p, trains in zip(slots, params, self.trainable[i]):
-                if copy is not None and not trains:
+                if self.frozen_without_master and not trains:
                     self._given.setdefault(id(p), (p.data if p.device.type == "cpu" else None, p.dtype))
-                    p.data = slot.of(copy)
+                    if copy is not None:
+                        p.data = slot.of(copy)
+                    else:
+                        home = self._frozen_slot(i, slot, frozen_part)
+                        home.copy_(p.detach())
+                        p.data = home
                     continue
                 slot.of(master).copy_(p.detach())
                 p.data = slot.of(master)
@@ -134,8 +148,14 @@ class LayerWeights:
                 owner._buffers[attr] = buf.to(device)
             self.master.append(master)
             self.grad.append(grad)
+            self.frozen_part.append(frozen_part)
         for i in range(self.num_layers):
             self._store_compute_copy(i)
+
+    def _frozen_slot(self, i: int, slot: ParamSlot, frozen_part: torch.Tensor) -> torch.Tensor:
+        """A frozen parameter's place in layer i's ``frozen_part`` (its layout offset past the trainable prefix)."""
+        start = slot.offset - self.trainable_numels[i]
+        return frozen_part[start:start + slot.numel].view(slot.shape)
 
     def move_masters(self, homes: list[torch.Tensor], copy_values: bool = True) -> None:
         """Move every layer's fp32 weights into ``homes[i]`` (fp32 buffers of the layers' sizes: the node-shared
@@ -186,7 +206,7 @@ class LayerWeights:
         compute copy get storage of their own again: during set-up the very storage they were given in (given
         in a device's memory, their values in the compute dtype, in the dtype given), after it the compute
         copy's values (what training computed with) in fp32, as the trained parameters."""
-        if not self.frozen_in_copy:
+        if not self.frozen_without_master:
             return
         done = set()
         for params, trains in zip(self.params, self.trainable):
@@ -255,7 +275,15 @@ class LayerWeights:
         if self.weights_tier.kind == "host" and self._key(i) in self.weights_tier:
             self.weights_tier.read(self._key(i)).wait()[:master.numel()].copy_(master)   # in place, same buffer
             return
-        self._write_compute_copy(i, lambda flat: flat.copy_(master))
+        frozen = self.frozen_part[i]
+        if frozen is None:
+            self._write_compute_copy(i, lambda flat: flat.copy_(master))
+            return
+
+        def fill(flat: torch.Tensor) -> None:   # the trainable prefix from the fp32 weights, then the frozen rest
+            flat[:master.numel()].copy_(master)
+            flat[master.numel():].copy_(frozen)
+        self._write_compute_copy(i, fill)
 
     def _write_compute_copy(self, i: int, fill) -> None:
         """Write layer i's compute copy whole into its tier: ``fill(flat)`` writes its values into a
@@ -282,10 +310,13 @@ class LayerWeights:
                 continue
             src = params[key].detach()
             for i, slot in places:
-                home = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else self.master[i]
-                if home is None:   # another rank's layer, its copy written by its owner
-                    continue
-                dst = slot.of(home)
+                if self.frozen_apart:
+                    dst = self._frozen_slot(i, slot, self.frozen_part[i])
+                else:
+                    home = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else self.master[i]
+                    if home is None:   # another rank's layer, its copy written by its owner
+                        continue
+                    dst = slot.of(home)
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
 
