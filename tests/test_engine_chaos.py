@@ -93,6 +93,9 @@ CASES = {
     "lora-bf16-overlap-gas2": dict(checkpoint_interval=2, overlap_optimizer=True, _bf16=True, _gas=2, _lora=True,
                                    _eval="grad"),
     "lora-bf16-resident": dict(weights_home="hbm", overlap_optimizer=True, _bf16=True, _lora=True, _eval="no_grad"),
+    # ... with the weights on NVMe: the frozen part kept apart in bf16, each layer's file written from both
+    "lora-bf16-nvme-overlap": dict(checkpoint_interval=2, weights_home="nvme", overlap_optimizer=True, _bf16=True,
+                                   _lora=True, _eval="grad"),
     "user-tier-boundaries": dict(checkpoint_interval=2, boundary_home="dict", _eval="grad", _autograd_grad=True,
                                  tiers=[{"name": "dict", "class": "engine_models:DictTier"}]),
 }
