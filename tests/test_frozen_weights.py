@@ -359,13 +359,52 @@ def test_a_model_rebuilt_in_place_after_initialize_is_refused_until_destroy(tmp_
         assert torch.isfinite(model(x).logits).all()
 
 
-def test_an_integer_frozen_parameter_outside_the_blocks_keeps_its_dtype(tmp_path):
-    """A frozen integer parameter (quantized weights, a lookup table) is not a weight to cast: it stays int8
-    through training and after ``destroy()``."""
+def test_a_quantized_frozen_parameter_outside_the_blocks_keeps_its_dtype(tmp_path):
+    """A frozen integer or 8-bit float parameter (quantized weights, a lookup table) is not a weight to cast: it
+    keeps its dtype through training and after ``destroy()``."""
     model = lora_llama()
-    model.codes = torch.nn.Parameter(torch.arange(-4, 4, dtype=torch.int8), requires_grad=False)
+    codes = torch.arange(-4, 4, dtype=torch.int8)
+    scales = torch.linspace(-2, 2, 8).to(torch.float8_e4m3fn)
+    model.codes = torch.nn.Parameter(codes.clone(), requires_grad=False)
+    model.scales = torch.nn.Parameter(scales.clone(), requires_grad=False)
     engine = engine_of(model, config(tmp_path))
-    assert model.codes.dtype == torch.int8
+    assert (model.codes.dtype, model.scales.dtype) == (torch.int8, torch.float8_e4m3fn)
     train(engine, batches(1))
     engine.destroy()
-    assert model.codes.dtype == torch.int8 and torch.equal(model.codes, torch.arange(-4, 4, dtype=torch.int8))
+    assert model.codes.dtype == torch.int8 and torch.equal(model.codes, codes)
+    assert model.scales.dtype == torch.float8_e4m3fn and torch.equal(model.scales.view(torch.uint8),
+                                                                     scales.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.float8_e4m3fn])
+def test_a_quantized_block_weight_is_refused_before_anything_moves(dtype, tmp_path):
+    """The blocks stream in flat buffers of the training precision, which would cast a quantized weight (an int32
+    of packed 4-bit values would lose them): refused at initialize, naming it, the model untouched."""
+    model = lora_llama()
+    packed = torch.zeros(4, 8).to(dtype)
+    model.model.layers[1].mlp.packed = torch.nn.Parameter(packed, requires_grad=False)
+    given = {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
+    name = str(dtype).replace("torch.", "")
+    with pytest.raises(ConfigError, match=rf"^block parameter model\.layers\.1\.mlp\.packed is quantized \({name}\): "
+                                          r"LazyTrain streams the blocks' weights in the training precision and cannot "
+                                          r"stream quantized weights \(bitsandbytes 4-bit/8-bit layers, GPTQ/AWQ, FP8\)"):
+        engine_of(model, config(tmp_path))
+    assert {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()} == given
+
+
+def test_a_qlora_model_of_bitsandbytes_4bit_layers_is_refused_by_name(tmp_path):
+    """PEFT adapters over bitsandbytes 4-bit layers (QLoRA): the packed uint8 weights and their quant_state
+    cannot stream; refused with the way out, where it used to crash inside bitsandbytes' kernel."""
+    bnb = pytest.importorskip("bitsandbytes")
+    model = make_model("llama")
+    layer = model.model.layers[0].self_attn
+    q = bnb.nn.Linear4bit(layer.q_proj.in_features, layer.q_proj.out_features, bias=False,
+                          compute_dtype=torch.bfloat16, quant_type="nf4")
+    q.load_state_dict(layer.q_proj.state_dict())
+    layer.q_proj = q.to("cpu")   # quantized as it moves
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.lm_head.weight.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"^block parameter model\.layers\.0\.self_attn\.q_proj\.weight is quantized "
+                                          r"\(uint8, Params4bit\).*Load the model unquantized in bf16"):
+        engine_of(model, config(tmp_path))

@@ -754,7 +754,7 @@ def test_a_rank_holding_a_share_of_the_optimizer_state_is_budgeted_for_that_shar
     whole = make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", host="400GB"))
     quarter = make_problem("qwen2.5-7b", "h800", 4, 1024, Budgets.of(gpu="70GB", host="400GB",
                                                                         optimizer_state_share=0.25))
-    weights_and_grads = 4 + 2 + 2             # fp32 master, bf16 streamed copy, gradients: whole on every rank
+    weights_and_grads = 4 + 2 + 4             # fp32 master, bf16 streamed copy, fp32 gradients: whole on every rank
     moments = whole.host_bytes_per_param - weights_and_grads
     assert quarter.host_bytes_per_param == pytest.approx(weights_and_grads + moments / 4)
     assert quarter.host_act_budget > whole.host_act_budget
@@ -784,14 +784,20 @@ def test_a_lora_run_is_budgeted_for_its_frozen_layer_weights_as_the_streamed_cop
     per_trainable = whole.host_bytes_per_param - 2   # all but the bf16 streamed copy
     assert lora.host_bytes_per_layer_param == pytest.approx(2 + 0.01 * per_trainable)
     assert lora.host_static == int(model.layer_params * lora.host_bytes_per_layer_param
-                                   + model.nonlayer_params * whole.host_bytes_per_param)
-    assert whole.host_static == int(model.total_params * whole.host_bytes_per_param)
+                                   + model.nonlayer_params * whole.host_bytes_per_nonlayer_param)
+    assert whole.host_static == int(model.layer_params * whole.host_bytes_per_param
+                                    + model.nonlayer_params * whole.host_bytes_per_nonlayer_param)
+    # bf16: an fp32 master, a bf16 copy, an fp32 gradient buffer and moments (2% of them 8-bit); outside the
+    # layers no copy (it is on the device)
+    assert whole.host_bytes_per_param == pytest.approx(4 + 2 + 4 + 0.98 * 8 + 0.02 * (2 + 8 / 256))
+    assert whole.host_bytes_per_nonlayer_param == pytest.approx(whole.host_bytes_per_param - 2)
     assert lora.Gl == pytest.approx([g * 0.01 for g in whole.Gl])
     assert lora.opt_l == pytest.approx([o * 0.01 for o in whole.opt_l])
     assert lora.Wl == whole.Wl   # every weight still streams
     # a host too small for full fine-tuning holds the LoRA run
     small = Budgets.of(gpu="70GB", host="40GB")
-    with pytest.raises(InfeasibleBudgetError, match=r"cannot hold the optimizer state: 7\.62B parameters x 15\.88 bytes"):
+    with pytest.raises(InfeasibleBudgetError, match=r"cannot hold the optimizer state: 6\.53B layer parameters x "
+                                                     r"17\.88 bytes \+ 1\.09B others trained x 15\.88 bytes"):
         Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024, budgets=small)
     Problem(model=model, hardware=CATALOG["h800"], micro_batch=8, seq_len=1024,
             budgets=dataclasses.replace(small, trainable_share=0.01))
@@ -810,7 +816,7 @@ def test_a_frozen_embedding_and_head_are_budgeted_as_their_device_copy_alone():
     nonlayer_w = model.nonlayer_params * 2
     assert lora.host_static == int(model.layer_params * lora.host_bytes_per_layer_param)
     assert whole.host_static == int(model.layer_params * lora.host_bytes_per_layer_param
-                                    + model.nonlayer_params * whole.host_bytes_per_param)
+                                    + model.nonlayer_params * whole.host_bytes_per_nonlayer_param)
     assert (lora.opt_nl, lora.nonlayer_link_bytes, lora.load_nl, lora.embed_grad_bytes, lora.head_grad_bytes) == \
         (0, 0, 0, 0, 0)
     assert lora.gpu_static == whole.gpu_static - nonlayer_w   # the gradients of the embedding and head go
@@ -826,7 +832,7 @@ def test_a_frozen_embedding_and_head_are_budgeted_as_their_device_copy_alone():
     # a host that holds the LoRA run's layers only when the embedding and head are frozen
     need = lora.host_static
     tight = Budgets.of(gpu="70GB", host=str(need + 2 ** 30), trainable_share=0.01)
-    with pytest.raises(InfeasibleBudgetError, match=r"6\.53B layer parameters x 2\.14 bytes \+ 1\.09B others trained "
+    with pytest.raises(InfeasibleBudgetError, match=r"6\.53B layer parameters x 2\.16 bytes \+ 1\.09B others trained "
                                                      r"x 15\.88 bytes"):
         Problem(**kw, budgets=tight)
     assert Problem(**kw, budgets=dataclasses.replace(tight, non_block_trainable_share=0.0)).host_static == need
@@ -903,7 +909,7 @@ def test_non_block_state_on_the_device_takes_gpu_memory_and_crosses_no_link():
     n = model.nonlayer_params
     assert NON_BLOCK_DEVICE_STATE_BYTES == 16
     assert dev.gpu_static - host.gpu_static == 16 * n
-    assert host.host_static - dev.host_static == pytest.approx(n * host.host_bytes_per_param, abs=1)
+    assert host.host_static - dev.host_static == pytest.approx(n * host.host_bytes_per_nonlayer_param, abs=1)
     # the embedding's gradient leaves after layer 0's, the head's and final norm's during the first backward windows
     embedding = model.vocab_size * model.hidden * model.dtype_bytes
     assert host.embed_grad_bytes == embedding and host.head_grad_bytes == host.nonlayer_w - embedding > embedding

@@ -162,3 +162,26 @@ def refuse_compiled_blocks(model: nn.Module, path: str, blocks: nn.ModuleList) -
     for name, module in blocks.named_modules():
         if is_compiled(module):
             raise compiled_error(f"submodule {path + '.' + name if name else path!r}")
+
+
+def is_quantized(t) -> bool:
+    """Quantized weights: integer storage (bitsandbytes' 4-bit and 8-bit layers, packed GPTQ/AWQ values) or an
+    8-bit float (FP8 checkpoints): values that mean something only beside their scales, in their own dtype."""
+    return not t.is_floating_point() or t.element_size() == 1
+
+
+def refuse_quantized_block_weights(path: str, blocks: nn.ModuleList) -> None:
+    """The streamed layers keep their weights in flat buffers of the training precision: a quantized weight
+    cast into one would lose its dtype (and the bitsandbytes ``quant_state`` its forward reads), so a
+    quantized model would crash inside its kernels or compute on wrong values. Refused before anything moves,
+    naming the parameter."""
+    for i, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            if is_quantized(p):
+                kind = type(p).__name__
+                raise ConfigError(
+                    f"block parameter {path}.{i}.{name} is quantized ({str(p.dtype).replace('torch.', '')}"
+                    f"{'' if kind == 'Parameter' else ', ' + kind}): LazyTrain streams the blocks' weights in the "
+                    f"training precision and cannot stream quantized weights (bitsandbytes 4-bit/8-bit layers, "
+                    f"GPTQ/AWQ, FP8). Load the model unquantized in bf16: a frozen weight then costs 2 host bytes a "
+                    f"parameter (a LoRA run's base model, README), or train the quantized model without LazyTrain")

@@ -37,13 +37,15 @@ from . import deepspeed_layout as ds_layout
 from . import auto_plan, node_memory, sharding
 from .partitioned_params import PartitionedParams
 from . import sharded_checkpoint as sharded_ckpt
-from .blocks import check_no_shared_weights, find_blocks, refuse_compiled_blocks, turn_off_layer_checkpointing
+from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_compiled_blocks,
+                     refuse_quantized_block_weights, turn_off_layer_checkpointing)
 from .lean_norms import make_norms_lean, restore_norms
 from .distributed import CollectiveError, DistributedContext
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
-from .optimizer_setup import build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name, param_groups
+from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
+                              eight_bit_share, param_groups)
 from .placement import (build_plan, build_tiers, card_memory, non_block_state_home, plan_from_measurements,
                         resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
@@ -181,6 +183,7 @@ class LazyTrainEngine(nn.Module):
         # what streams and what stays
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)
         refuse_compiled_blocks(model, self.blocks_path, blocks)
+        refuse_quantized_block_weights(self.blocks_path, blocks)
         check_no_shared_weights(model, self.blocks_path, blocks)
         self.dist.start_from_rank_0(model)   # before any weight is copied out of the model
         # the blocks' own parameters (a parameter registered on the block list itself is not in a block:
@@ -192,10 +195,13 @@ class LazyTrainEngine(nn.Module):
             model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in blocks]
             # in the precision this engine computes and streams in (not what the model was saved in)
             model_cfg["dtype"] = model_cfg["torch_dtype"] = config.compute_dtype_name
-        # what trains, as set up here (the engine's buffers keep this layout; unfreezing later is refused)
+        # what trains, as set up here (the engine's buffers keep this layout; unfreezing later is refused), and
+        # the share of it whose moments the config's optimizer keeps in 8 bits (a script's own optimizer: none)
         self._trainable = _trainable_shares(model, blocks)
+        self._model_budgets = {**self._trainable,
+                               "hybrid_8bit_fraction": 0.0 if optimizer is not None else eight_bit_share(config, model)}
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu,
-                               self._trainable)
+                               self._model_budgets)
         self._model_cfg = model_cfg
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
@@ -360,7 +366,7 @@ class LazyTrainEngine(nn.Module):
             self._step_applied else None,
             switch=self._use_plan, profile_of=self._profile_of, on_rank0=self._on_rank0,
             plan_from=lambda profile: plan_from_measurements(self._config, self.tiers, profile,
-                                                             self._trainable),
+                                                             self._model_budgets),
             say=lambda line: print(line) if self.global_rank == 0 else None,
             warn=lambda message: warnings.warn(message, UserWarning),
             current_policy=lambda: self.plan.policy,
@@ -2079,7 +2085,7 @@ def _check_model_dtype(model: nn.Module, compute_dtype: torch.dtype) -> None:
     if compute_dtype != torch.float32:
         return   # mixed precision: the engine keeps fp32 masters and casts the model to the compute dtype
     low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
-                  if p.is_floating_point() and p.dtype != torch.float32})
+                  if not is_quantized(p) and p.dtype != torch.float32})
     if low:
         raise ConfigError(f"the model's parameters are {', '.join(low)} but the config trains in float32 (no "
                           f"'bf16' or 'fp16' section enabled): add \"bf16\": {{\"enabled\": true}} (or fp16) to "

@@ -147,6 +147,25 @@ def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[in
                        named_parameters=named, check_finite=False, **params)   # the engine checks finiteness
 
 
+def eight_bit_share(cfg: EngineConfig, model: torch.nn.Module) -> float:
+    """The share of the trainable parameters (by elements) whose Adam moments the config's optimizer keeps in
+    8 bits (the planner's ``Budgets.hybrid_8bit_fraction``): HybridAdamW's choice with 8-bit states asked for
+    ('lazytrain.optimizer_states' "8bit", or an 8-bit optimizer type), else none."""
+    typ = (cfg.optimizer.type or "").lower()
+    if typ not in _HYBRID_TYPES and not (typ in ("adam", "adamw") and cfg.lazytrain.optimizer_states == "8bit"):
+        return 0.0
+    import re
+    from ..optim.hybrid_adamw import DEFAULT_FP32_PATTERNS, choose_states
+    lt = cfg.lazytrain
+    patterns = DEFAULT_FP32_PATTERNS if lt.fp32_state_patterns is None else lt.fp32_state_patterns
+    fp32_res = [re.compile(pat, re.IGNORECASE) for pat in patterns]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    total = sum(p.numel() for _, p in named)
+    eight = sum(p.numel() for n, p in named
+                if choose_states(p, n, "8bit", lt.hybrid_threshold, fp32_res)[0] == "8bit")
+    return eight / total if total else 0.0
+
+
 def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable) -> torch.optim.Optimizer:
     """A user's optimizer object (its parameters re-pointed at the masters) or a callable."""
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):

@@ -40,17 +40,18 @@ def build_tiers(cfg: EngineConfig, device: torch.device) -> dict[str, Tier]:
 
 
 def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
-               micro_batch: int, trainable: dict[str, float] | None = None) -> Plan:
+               micro_batch: int, from_model: dict[str, float] | None = None) -> Plan:
     """The policy's Plan, with ``lazytrain.last_segment_graph`` applied: "auto" turns it on for the
     built-in policies where the CPU computes on the host weights in place (there it costs no weight
     copies, and the last segment's recompute would hold the same internals a moment later anyway);
     a Plan file, the MILP and offload_all (the last layer's graph on the device) decide for themselves
-    unless the config says true or false. ``trainable``: the shares of the blocks' parameters and of the others
-    that train (``Budgets.trainable_share``, ``non_block_trainable_share``: the MILP budgets the frozen ones as
-    their compute copy alone); None: every parameter trains."""
+    unless the config says true or false. ``from_model``: ``Budgets`` fields counted on the model: the shares of
+    the blocks' parameters and of the others that train (``trainable_share``, ``non_block_trainable_share``: the
+    MILP budgets the frozen ones as their compute copy alone) and of the trained ones with 8-bit moments
+    (``hybrid_8bit_fraction``); None: the planner's defaults."""
     if num_layers == 0:   # nothing streams: every parameter stays on the device
         return Plan(num_layers=0, homes=(DEVICE_HOME,), policy="nothing-streams", micro_batch_size=micro_batch)
-    plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch, trainable)
+    plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model)
     choice = cfg.lazytrain.last_segment_graph
     if choice == "auto":
         if cfg.lazytrain.policy in ("plan", "milp", "auto", "offload_all"):
@@ -60,7 +61,7 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
 
 
 def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
-                 micro_batch: int, trainable: dict[str, float] | None) -> Plan:
+                 micro_batch: int, from_model: dict[str, float] | None) -> Plan:
     lt = cfg.lazytrain
     home = lt.boundary_home
     if home not in tiers:
@@ -89,7 +90,7 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
                           f"memory and time predictions do not hold (plan again with --micro-batch {micro_batch})")
         return plan
     if lt.policy == "milp":
-        return _milp_plan(cfg, num_layers, tiers, model_config, micro_batch, trainable)
+        return _milp_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model)
     if lt.policy == "auto":
         return calibration_plan(cfg, num_layers, micro_batch)
     raise ConfigError(f"config 'lazytrain.policy' {lt.policy!r} is unknown")
@@ -150,10 +151,10 @@ def non_block_state_home(cfg: EngineConfig) -> str:
 
 
 def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int, seq_len: int,
-                     trainable: dict[str, float] | None = None) -> dict:
+                     from_model: dict[str, float] | None = None) -> dict:
     """The planner's budgets for this engine: the tiers' capacities (the card's memory on CUDA), the LM
     head's logits as the engine computes them, what one rank holds of a sharded host state, and the shares
-    of the blocks' parameters and of the others that train (``trainable``, Budgets' field names)."""
+    of the parameters that train and that keep 8-bit moments (``from_model``, Budgets' field names)."""
     lt = cfg.lazytrain
     device = tiers["hbm"].device
     gpu = lt.capacities.get("hbm")
@@ -167,7 +168,10 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
                "non_block_state": non_block_state_home(cfg),
                # what the blocks' RMSNorms save
                "lean_norms": lt.lean_norms,
-               **(trainable or {}),
+               "quant_block_size": lt.quant_block_size,
+               # where the streamed copies are kept (on NVMe the host holds the fp32 weights apart)
+               "weights_in_host": lt.weights_home in ("host", "hbm"),
+               **(from_model or {}),
                **_host_shares(cfg)}
     if device.type == "cpu":   # no CUDA context, workspace or allocator to hold back
         budgets["gpu_reserved_bytes"] = 0
@@ -175,7 +179,7 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
 
 
 def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
-               micro_batch: int, trainable: dict[str, float] | None) -> Plan:
+               micro_batch: int, from_model: dict[str, float] | None) -> Plan:
     """The MILP planner's Plan for this model on this machine within the configured budgets."""
     from ..planner import plan_for
     from ..planner.isolate import call_with_deadline
@@ -186,7 +190,7 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if lt.seq_len is None:
         raise ConfigError("config 'lazytrain.policy' \"milp\" needs 'lazytrain.seq_len' (the training sequence length)")
     device = tiers["hbm"].device
-    budgets = planning_budgets(cfg, tiers, micro_batch, lt.seq_len, trainable)
+    budgets = planning_budgets(cfg, tiers, micro_batch, lt.seq_len, from_model)
     # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
     hardware = _hardware_profile(cfg, device)
     if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model
@@ -215,7 +219,7 @@ def _physical_memory() -> int | None:
 
 
 def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
-                           trainable: dict[str, float] | None = None) -> Plan:
+                           from_model: dict[str, float] | None = None) -> Plan:
     """Policy "auto": the MILP's plan from what was measured here (planner ``plan_from_profile``), in a
     child process with a deadline as for policy "milp". Resident layers are left out (the running engine
     keeps the device copies it started with), selective layers are allowed where their costs were measured;
@@ -226,7 +230,7 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
     from ..planner.search import plan_from_profile
     lt = cfg.lazytrain
     hardware = lt.hardware if lt.hardware != "auto" else None
-    budgets = planning_budgets(cfg, tiers, profile.micro_batch, profile.seq_len, trainable)
+    budgets = planning_budgets(cfg, tiers, profile.micro_batch, profile.seq_len, from_model)
     if hardware is None and budgets.get("nvme") and "nvme_read_gbps" not in profile.links_gbps:
         warnings.warn("lazytrain: policy \"auto\" measured no NVMe transfer (the calibration plan keeps the "
                       "boundaries on the host) and 'lazytrain.hardware' gives no NVMe bandwidth: the plan keeps no "

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..tiers import streams
 from ..tiers.memory import async_copy, empty_host
+from .blocks import is_quantized
 
 
 class Masters:
@@ -145,7 +146,7 @@ class Masters:
 class FrozenParams:
     """The parameters outside the blocks that do not train (a LoRA run's embedding and head): no fp32 master,
     since nothing updates them; on the compute device in the training precision alone, as DeepSpeed's
-    bf16/fp16 module keeps them (an integer one, quantized weights, as it is). Handed back during set-up as
+    bf16/fp16 module keeps them (a quantized one, integer or 8-bit float, as it is). Handed back during set-up as
     they were given (their host storage; one given in a device's memory is not held through set-up and comes
     back in the training precision), after it in fp32, as every parameter ``destroy()`` hands back."""
 
@@ -155,7 +156,7 @@ class FrozenParams:
         self._set_up_done = False
         try:
             for p in self.params:   # moved in the training precision: no fp32 copy of them reaches the device
-                p.data = p.data.to(device, compute_dtype if p.is_floating_point() else None)
+                p.data = p.data.to(device, None if is_quantized(p) else compute_dtype)
         except BaseException:   # those moved so far go back as they were
             self.hand_back()
             raise
@@ -170,7 +171,7 @@ class FrozenParams:
             if storage is not None:
                 p.data = storage
             else:
-                p.data = p.data.to(torch.float32 if self._set_up_done and p.is_floating_point() else dtype)
+                p.data = p.data.to(torch.float32 if self._set_up_done and not is_quantized(p) else dtype)
         self.set_up_done()
 
     def unfrozen(self) -> list[nn.Parameter]:

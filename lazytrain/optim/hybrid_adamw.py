@@ -89,6 +89,23 @@ def _split_named(params) -> Tuple[list, Dict[int, str]]:
     return strip(params), names
 
 
+def choose_states(p: torch.Tensor, name: Optional[str], optimizer_states: str, min_8bit_size: int,
+                  fp32_res: Sequence["re.Pattern"]) -> Tuple[str, str]:
+    """(kind, reason): whether ``p`` (named ``name``, or None) gets "8bit" or "fp32" Adam states under these rules
+    (what :class:`HybridAdamW` does; the engine tells its planner the share that will)."""
+    if optimizer_states == "fp32":
+        return "fp32", "optimizer_states=fp32"
+    if p.numel() < min_8bit_size:
+        return "fp32", f"numel < min_8bit_size ({min_8bit_size})"
+    if name is not None:
+        for rx in fp32_res:
+            if rx.search(name):
+                return "fp32", f"name matches {rx.pattern!r}"
+    elif p.dim() < 2:
+        return "fp32", "1-D tensor without a name (bias or norm)"
+    return "8bit", f"numel >= {min_8bit_size}"
+
+
 class HybridAdamW(torch.optim.Optimizer):
     """AdamW (``adamw_mode=True``) or Adam with L2 (``adamw_mode=False``) with hybrid 8-bit/fp32 states.
 
@@ -163,18 +180,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def _choose(self, p: torch.Tensor, group: Dict[str, Any]) -> Tuple[str, str]:
         """(kind, reason) for a parameter under the current rules."""
-        if group["optimizer_states"] == "fp32":
-            return "fp32", "optimizer_states=fp32"
-        if p.numel() < group["min_8bit_size"]:
-            return "fp32", f"numel < min_8bit_size ({group['min_8bit_size']})"
-        name = self.param_name(p)
-        if name is not None:
-            for rx in self._fp32_re:
-                if rx.search(name):
-                    return "fp32", f"name matches {rx.pattern!r}"
-        elif p.dim() < 2:
-            return "fp32", "1-D tensor without a name (bias or norm)"
-        return "8bit", f"numel >= {group['min_8bit_size']}"
+        return choose_states(p, self.param_name(p), group["optimizer_states"], group["min_8bit_size"], self._fp32_re)
 
 
     def state_report(self) -> List[Dict[str, Any]]:

@@ -80,11 +80,15 @@ class Budgets:
     nvme_bytes: int = 0
     gpu_reserved_bytes: int = GiB       # CUDA context, cuBLAS workspace, allocator fragmentation
     hybrid_8bit_fraction: float = 0.02  # share of parameters whose Adam moments are 8-bit blockwise
+    quant_block_size: int = 256         # elements per 8-bit block (two fp32 absmax values each)
     loss_chunk_tokens: int = 2048       # the LM head computes logits and loss in chunks of this many tokens
     optimizer_state_share: float = 1.0  # the part of the Adam moments this rank holds (1/ranks when sharded)
     master_share: float = 1.0           # the part of the fp32 master weights it holds (1/ranks: sharded bf16/fp16)
     gradient_share: float = 1.0         # the part of the host gradient buffers (1/ranks at ZeRO stage >= 2)
     weights_copy_share: float = 1.0     # its part of the streamed copy (1/ranks per node when the node shares one)
+    # the streamed compute copies live in host memory (weights_home "host" or "hbm"); False with them on NVMe,
+    # where the host keeps the fp32 weights apart and the frozen parameters in the compute dtype alone
+    weights_in_host: bool = True
     # where the parameters outside the layers (embedding, final norm, head) keep their fp32 masters, gradients
     # and Adam moments: "host" (updated first by the host optimizer, their gradients sent after each
     # micro-batch's backward and their weights copied back after the update) or "device" (16 bytes a
@@ -119,6 +123,9 @@ class Budgets:
         v = self.loss_chunk_tokens
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"Budgets field 'loss_chunk_tokens' must be a whole number of tokens >= 1, got {v!r}")
+        v = self.quant_block_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"Budgets field 'quant_block_size' must be a whole number of elements >= 1, got {v!r}")
         v = self.hybrid_8bit_fraction
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got {v!r}")
@@ -133,8 +140,9 @@ class Budgets:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"Budgets field {name!r} must be a fraction in [0, 1], got {v!r}")
-        if not isinstance(self.lean_norms, bool):
-            raise ValueError(f"Budgets field 'lean_norms' must be true or false, got {self.lean_norms!r}")
+        for name in ("lean_norms", "weights_in_host"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Budgets field {name!r} must be true or false, got {getattr(self, name)!r}")
 
     @classmethod
     def of(cls, gpu=None, host=None, nvme=None, **kw) -> "Budgets":
@@ -235,14 +243,21 @@ class Problem:
             self.gpu_static += self.nonlayer_trained * (NON_BLOCK_DEVICE_STATE_BYTES_FP32 if db == 4
                                                         else NON_BLOCK_DEVICE_STATE_BYTES)
         f8 = self.budgets.hybrid_8bit_fraction
-        adam = b.optimizer_state_share * ((1 - f8) * 8 + f8 * (2 + 8 / 4096))   # fp32 moments / 8-bit blockwise
-        # master, streamed copy, grads, moments: the parts of them this rank holds; of a layer's parameters,
-        # the frozen ones (1 - trainable_share) hold the streamed copy alone
-        trains = 4 * b.master_share + db * b.gradient_share + adam
-        self.host_bytes_per_param = db * b.weights_copy_share + trains
-        self.host_bytes_per_layer_param = db * b.weights_copy_share + b.trainable_share * trains
+        adam = b.optimizer_state_share * ((1 - f8) * 8 + f8 * (2 + 8 / b.quant_block_size))   # fp32 / 8-bit moments
+        # the parts of them this rank holds: fp32 gradient buffers (micro-batches accumulate in fp32) and moments;
+        # a layer's fp32 weights apart from its streamed copy, except in fp32 with the copy in host memory, where
+        # that copy is them; of a layer's parameters the frozen ones (1 - trainable_share) hold their compute-dtype
+        # value alone: in the host's streamed copy, or, the copies on NVMe, apart from them
+        grads = 4 * b.gradient_share
+        layer_trains = (0 if db == 4 and b.weights_in_host else 4 * b.master_share) + grads + adam
+        copy = db * b.weights_copy_share if b.weights_in_host else 0.0
+        self.host_bytes_per_param = copy + layer_trains   # a layer's trained parameter
+        self.host_bytes_per_layer_param = (copy if b.weights_in_host else db * (1 - b.trainable_share)) \
+            + b.trainable_share * layer_trains
+        # a trained parameter outside the layers: its fp32 master, gradient and moments (its copy is on the device)
+        self.host_bytes_per_nonlayer_param = 4 * b.master_share + grads + adam
         self.host_static = int(m.layer_params * self.host_bytes_per_layer_param +
-                               (0 if on_device else self.nonlayer_trained * self.host_bytes_per_param))
+                               (0 if on_device else self.nonlayer_trained * self.host_bytes_per_nonlayer_param))
         self.host_act_budget = self.host_budget - self.host_static
         # host optimizer chain and the copies it gates
         self.opt_nl = 0.0 if on_device else self.nonlayer_trained / self.opt_rate
@@ -411,11 +426,10 @@ class Problem:
     def _static_terms(self) -> str:
         """What ``host_static`` counts, as parameters x bytes each."""
         m, b = self.model, self.budgets
-        if b.trainable_share == 1 and b.non_block_trainable_share == 1 and b.non_block_state == "host":
-            return f"{m.total_params / 1e9:.2f}B parameters x {self.host_bytes_per_param:.2f} bytes"
         terms = f"{m.layer_params / 1e9:.2f}B layer parameters x {self.host_bytes_per_layer_param:.2f} bytes"
         if b.non_block_state == "host" and self.nonlayer_trained:
-            terms += f" + {self.nonlayer_trained / 1e9:.2f}B others trained x {self.host_bytes_per_param:.2f} bytes"
+            terms += (f" + {self.nonlayer_trained / 1e9:.2f}B others trained x "
+                      f"{self.host_bytes_per_nonlayer_param:.2f} bytes")
         return terms
 
     def check_static_fit(self) -> None:
