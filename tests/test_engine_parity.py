@@ -359,13 +359,15 @@ def test_a_resumed_run_accumulates_a_whole_batch_at_its_own_accumulation(tmp_pat
     resumed.destroy()
 
 
-def test_a_layer_gradient_copy_that_failed_fails_every_step_until_zero_grad(monkeypatch):
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_layer_gradient_copy_that_failed_fails_every_step_until_zero_grad(monkeypatch, stage):
     """The copy of one layer's gradient off the device fails (the gradient sink: the copy threads' on the
     CPU, the device-to-host stream's on CUDA):
-    the backward goes on, every step() then refuses buffers that miss it, and zero_grad() drops them; the
-    redone micro-batches train as plain PyTorch."""
+    the backward goes on, every step() then refuses buffers that miss it, and zero_grad() drops them (at ZeRO
+    stage 2 too, where it keeps gradients that landed); the redone micro-batches train as plain PyTorch."""
     import lazytrain.engine.weights as weights_module
-    engine = train_engine(make_model("modulelist"), [], ds_config(testing={"copy_threads": True}))
+    engine = train_engine(make_model("modulelist"), [], ds_config(testing={"copy_threads": True},
+                                                                  _top={"zero_optimization": {"stage": stage}}))
     real, copies = weights_module.async_copy, []
 
     def failing(*args, **kwargs):
@@ -556,6 +558,47 @@ def test_a_window_prefetch_without_room_for_its_buffers_stops_and_fetches_on_dem
     engine.destroy()
 
 
+def test_an_optimizer_passed_beside_a_config_optimizer_is_the_one_used_as_deepspeed_does():
+    """A copied config keeps its 'optimizer' section while the script passes its own: DeepSpeed uses the one
+    passed and ignores the section; so does LazyTrain, saying so."""
+    model = make_model("modulelist")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    with pytest.warns(UserWarning, match=r"an optimizer was passed to initialize and the config has an 'optimizer' "
+                                         r"section \(AdamW\) too: the optimizer passed is used and the section "
+                                         r"ignored, as DeepSpeed does"):
+        engine, got, _, _ = lazytrain.initialize(model=model, optimizer=opt, config=ds_config())
+    assert got is opt and [g["lr"] for g in got.param_groups] == [3e-4] == engine.get_lr()
+    ref = make_model("modulelist")
+    data = batches(2)
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-4)
+    for x, y in data:
+        lm_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert max_rel_diff(engine.module, ref) < RTOL
+    engine.destroy()
+
+
+def test_the_global_grad_norm_is_a_tensor_from_zero_stage_1_as_deepspeeds():
+    """DeepSpeed's ZeRO optimizers give the norm as a 0-dim tensor (scripts log ``.item()``); stage 0 a float.
+    The same value either way."""
+    norms = {}
+    for stage in (0, 1, 2):
+        cfg = ds_config(_top={"zero_optimization": {"stage": stage}})
+        engine = train_engine(make_model("modulelist"), batches(2), cfg)
+        norms[stage] = engine.get_global_grad_norm()
+        engine.destroy()
+    assert isinstance(norms[0], float) and norms[0] > 0
+    for stage in (1, 2):
+        assert torch.is_tensor(norms[stage]) and norms[stage].dim() == 0
+        assert norms[stage].item() == torch.tensor(norms[0], dtype=torch.float32).item()
+
+
 def test_planner_gets_the_shares_of_the_parameters_that_train(monkeypatch):
     """A LoRA run: the planner budgets the frozen block weights as their streamed copy alone (weights.py) and a
     frozen embedding and head as their device copy alone (precision.FrozenParams), so it is told which share of
@@ -574,7 +617,8 @@ def test_planner_gets_the_shares_of_the_parameters_that_train(monkeypatch):
     in_blocks = {id(p) for p in blocks}
     others = [p for p in model.parameters() if id(p) not in in_blocks]
     head_share = model.lm_head.weight.numel() / sum(p.numel() for p in others)
-    assert seen == [{"trainable_share": share, "non_block_trainable_share": head_share}]
+    assert seen == [{"trainable_share": share, "non_block_trainable_share": head_share,
+                     "hybrid_8bit_fraction": 0.0}]   # fp32 Adam states
     assert 0 < share < 0.05 and 0.4 < head_share < 0.5   # the head of the embedding, head and final norm
     budgets = planning_budgets(engine._config, engine.tiers, 2, 12, seen[0])
     assert (budgets["trainable_share"], budgets["non_block_trainable_share"]) == (share, head_share)
@@ -1378,6 +1422,45 @@ def test_training_data_keeps_the_last_smaller_batch_unless_dataloader_drop_last(
     _, _, loader, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=dataset,
                                            config=ds_config(_top={"dataloader_drop_last": True}))
     assert [x.shape[0] for x, _ in loader] == [2, 2]
+
+
+def test_under_a_launcher_the_training_data_comes_in_deepspeeds_order(monkeypatch):
+    """DeepSpeed's loader under a launcher (LOCAL_RANK set) draws from a DistributedSampler shuffled from seed 0,
+    whatever torch's random state: the same order here, so the same script trains on the same batches."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    want = list(torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
+    orders = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        _, _, loader, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=dataset,
+                                               config=ds_config())
+        orders.append([int(i) for (x,) in loader for i in x])
+    assert orders[0] == orders[1] == want
+
+
+def test_deepspeed_io_builds_an_evaluation_loader_in_order():
+    """``engine.deepspeed_io`` (DeepSpeed scripts build their evaluation loaders with it): the micro-batch size,
+    ``initialize``'s collate_fn, the dataset's order on the eval and predict routes, a shuffled one on train."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(7))
+    seen = []
+
+    def collate(items):
+        seen.append(len(items))
+        return torch.stack([x for (x,) in items])
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=dataset,
+                                           collate_fn=collate, config=ds_config())
+    for route in ("eval", "predict"):
+        loader = engine.deepspeed_io(dataset, route=route)
+        assert [x.tolist() for x in loader] == [[0, 1], [2, 3], [4, 5], [6]]
+    assert [x.tolist() for x in engine.deepspeed_io(dataset, batch_size=4, route="eval")] == [[0, 1, 2, 3], [4, 5, 6]]
+    assert sorted(i for x in engine.deepspeed_io(dataset) for i in x.tolist()) == list(range(7))
+    assert seen and set(seen) <= {1, 2, 3, 4}
+    with pytest.raises(ValueError, match=r"^Training data must be a torch Dataset$"):
+        engine.deepspeed_io([1, 2, 3])
+    with pytest.raises(ValueError, match=r'^deepspeed_io route must be "train", "eval" or "predict", got \'test\'$'):
+        engine.deepspeed_io(dataset, route="test")
+    engine.destroy()
 
 
 def test_was_step_applied_is_false_after_a_micro_step_that_did_not_update():

@@ -144,7 +144,7 @@ def test_at_most_one_micro_batch_of_gradients_waits(copy_threads, gated):
     assert torch.equal(masters.master_grads()[0], torch.full((1000,), 5.0))
 
 
-def _bf16_engine(gas: int, seed: int | None = None):
+def _bf16_engine(gas: int, seed: int | None = None, stage: int = 0):
     import warnings
 
     import lazytrain
@@ -154,10 +154,32 @@ def _bf16_engine(gas: int, seed: int | None = None):
         testing.update(chaos_seed=seed, chaos_max_delay_ms=10)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 10 ** 9,
            "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "lazytrain": {"testing": testing}}
+           "zero_optimization": {"stage": stage}, "lazytrain": {"testing": testing}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return lazytrain.initialize(model=make_model("llama"), config=cfg)[:2]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_zero_grad_each_micro_batch_keeps_the_accumulation_from_zero_stage_2_as_deepspeed(copy_threads,
+                                                                                                 stage):
+    """DeepSpeed's engine.zero_grad() clears the parameters' .grad: at stages 0 and 1 that is the accumulated
+    gradient, at 2 and 3 it is not (the partitions keep it). A loop calling ``engine.step(); engine.zero_grad()``
+    every micro-batch with accumulation 2 trains as one that does not from stage 2, and on the second
+    micro-batch alone (its gradient divided by 2) below it, as under DeepSpeed."""
+    from engine_models import batches, lm_loss
+    weights = []
+    for calls in (False, True):
+        engine, _ = _bf16_engine(gas=2, seed=5, stage=stage)
+        for x, y in batches(4):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            if calls:
+                engine.zero_grad()
+        weights.append(engine.module_state_dict())
+        engine.destroy()
+    same = all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert same == (stage >= 2)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])

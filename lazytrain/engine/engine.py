@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from ..config import ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig, OptimizerConfig
 from ..planner import measured
 from ..planner.plan import Plan
 from ..planner.problem import Budgets
@@ -89,10 +89,11 @@ class StepFailedError(RuntimeError):
 
 
 class EpochDataLoader(torch.utils.data.DataLoader):
-    """The loader ``initialize`` builds from ``training_data``: each pass over it is a new epoch, so a
-    DistributedSampler reshuffles (``set_epoch``), as a single process's shuffling loader does and as
-    DeepSpeed's loader does. ``epoch`` counts the passes started; a ``sampler.set_epoch(k)`` of the
-    user's (resuming a run, or a loop that sets it each epoch) is followed."""
+    """The loader ``initialize`` builds from ``training_data`` (and ``deepspeed_io``): each pass over it is a new
+    epoch, so a DistributedSampler reshuffles (``set_epoch``), as a single process's shuffling loader does and
+    as DeepSpeed's loader does after 0.19 (0.19.8's keeps its first order every epoch). ``epoch`` counts the
+    passes started; a ``sampler.set_epoch(k)`` of the user's (resuming a run, or a loop that sets it each epoch)
+    is followed."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -157,6 +158,11 @@ class LazyTrainEngine(nn.Module):
 
     def _set_up(self, model: nn.Module, config: EngineConfig, optimizer, model_parameters, lr_scheduler,
                 training_data, collate_fn) -> None:
+        if optimizer is not None and config.optimizer.type is not None:   # DeepSpeed takes the script's, silently
+            warnings.warn(f"lazytrain: an optimizer was passed to initialize and the config has an 'optimizer' "
+                          f"section ({config.optimizer.type}) too: the optimizer passed is used and the section "
+                          f"ignored, as DeepSpeed does", UserWarning)
+            config = dataclasses.replace(config, optimizer=OptimizerConfig())
         self.module = model
         self._config = config
         self._devices_given = _devices_of(model)   # handed back on them (set-up moves some to the device)
@@ -226,9 +232,6 @@ class LazyTrainEngine(nn.Module):
         if self.masters is not None:
             names.update({id(m): names[id(p)] for p, m in self.masters.pairs})
         self._param_names = names   # what the optimizer updates, by the model's parameter names
-        if optimizer is not None and config.optimizer.type is not None:
-            raise ConfigError("an optimizer was passed to initialize and the config has an 'optimizer' section; "
-                              "pass one")
         overlap = config.lazytrain.overlap_optimizer
         wants_overlap = overlap is True or (overlap == "auto" and (self.device.type == "cuda" or
                                                                    config.lazytrain.policy == "auto"))
@@ -293,6 +296,7 @@ class LazyTrainEngine(nn.Module):
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
                                       config.fp16.consecutive_hysteresis, config.fp16.min_loss_scale) \
             if config.fp16.enabled else None
+        self._collate_fn = collate_fn
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         # a transformers model with use_cache on would hand every block a KV cache to fill in training
         self._warned_attentions = False
@@ -611,16 +615,38 @@ class LazyTrainEngine(nn.Module):
                 if buf is not None:
                     mod._buffers[name] = buf.to(self.device)
 
-    def _build_dataloader(self, training_data, collate_fn):
+    def _build_dataloader(self, training_data, collate_fn, batch_size: int | None = None, shuffle: bool = True,
+                          sampler=None, pin_memory: bool = False, num_workers: int = 0):
+        """DeepSpeed's loader over ``training_data``: under a launcher (``LOCAL_RANK`` set, or several ranks) a
+        DistributedSampler of this rank's part, shuffled from seed 0, so the order is DeepSpeed's own; a
+        process started alone shuffles with torch's random generator, as DeepSpeed's does."""
         if training_data is None:
             return None
-        sampler = None
-        if self.dist.enabled:
+        if isinstance(training_data, torch.utils.data.IterableDataset):   # it orders (and splits) itself
+            return EpochDataLoader(training_data, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+                                   collate_fn=collate_fn, drop_last=self._config.dataloader_drop_last,
+                                   num_workers=num_workers, pin_memory=pin_memory and torch.cuda.is_available())
+        if sampler is None and (self.dist.enabled or "LOCAL_RANK" in os.environ or not shuffle):
             sampler = torch.utils.data.distributed.DistributedSampler(training_data, num_replicas=self.world_size,
-                                                                      rank=self.global_rank)
-        return EpochDataLoader(training_data, batch_size=self.train_micro_batch_size_per_gpu(),
+                                                                      rank=self.global_rank, shuffle=shuffle)
+        return EpochDataLoader(training_data, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
                                sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn,
-                               drop_last=self._config.dataloader_drop_last)
+                               drop_last=self._config.dataloader_drop_last, num_workers=num_workers,
+                               pin_memory=pin_memory and torch.cuda.is_available())
+
+    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
+                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):
+        """DeepSpeed's: a loader over ``dataset`` (an evaluation or prediction set, or another training set) at
+        the micro-batch size unless ``batch_size`` says otherwise, with ``initialize``'s ``collate_fn`` unless
+        given; ``route`` "eval" or "predict" keeps the dataset's order (this rank's part of it), "train"
+        shuffles as the training loader does. Pinned memory only where CUDA is."""
+        if not isinstance(dataset, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)):
+            raise ValueError("Training data must be a torch Dataset")   # DeepSpeed's words
+        if route not in ("train", "eval", "predict"):
+            raise ValueError(f"deepspeed_io route must be \"train\", \"eval\" or \"predict\", got {route!r}")
+        return self._build_dataloader(dataset, collate_fn if collate_fn is not None else self._collate_fn,
+                                      batch_size=batch_size, shuffle=route == "train", sampler=data_sampler,
+                                      pin_memory=pin_memory, num_workers=num_local_io_workers or 0)
 
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -913,7 +939,7 @@ class LazyTrainEngine(nn.Module):
                 try:
                     self.loss_scaler.update(overflow=True)
                 except LossScaleAtMinimumError:
-                    self.zero_grad()   # the step is skipped, as every overflow's, before the run is stopped
+                    self._drop_grads()   # the step is skipped, as every overflow's, before the run is stopped
                     self._scaled_backward = False
                     raise
                 if self.global_rank == 0:
@@ -958,7 +984,7 @@ class LazyTrainEngine(nn.Module):
         if self.layer_updates is not None and self._step_applied:
             self._zero_non_block_grads()   # the update thread zeroes each layer's gradients after its update
         else:
-            self.zero_grad()
+            self._drop_grads()
         self._scaled_backward = False
         if self.optimizer is not None and self._sets_overflow:
             self.optimizer.overflow = not self._step_applied
@@ -1145,6 +1171,21 @@ class LazyTrainEngine(nn.Module):
               f"{dt * 1000:.0f} ms/step, peak {peaks}")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """DeepSpeed's ``engine.zero_grad()``: at ZeRO stages 0 and 1 the gradients accumulated for the step are
+        dropped; at stage 2 and above they are kept, as DeepSpeed's partitioned gradients are (its call clears
+        only the parameters' ``.grad``): a loop calling ``engine.step(); engine.zero_grad()`` every micro-batch
+        accumulates every micro-batch there. A failed gradient copy is dropped at every stage (the accumulated
+        gradients are unusable; the steps refuse to run until this call)."""
+        if self._config.zero_stage >= 2 and not self._grad_copy_failed():
+            _zero_grad_as_zero_optimizers(self)(set_to_none)
+            return
+        self._drop_grads()
+
+    def _grad_copy_failed(self) -> bool:
+        return self.weights.grad_copy_failed() or (self.masters is not None and self.masters.grad_copy_failed())
+
+    def _drop_grads(self) -> None:
+        """The gradients accumulated for the step, dropped."""
         self.weights.flush_grads(discard=True)   # adds in flight must not land after the zeroing
         if self.layer_updates is None or not self.layer_updates.running():
             self.weights.zero_grads()
@@ -1256,8 +1297,13 @@ class LazyTrainEngine(nn.Module):
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
-    def get_global_grad_norm(self) -> float | None:
-        return self._global_grad_norm
+    def get_global_grad_norm(self) -> float | torch.Tensor | None:
+        """The last step's gradient norm (before clipping): a float, or, as DeepSpeed's ZeRO optimizers give it
+        at stages 1 and above, a 0-dim tensor (scripts call ``.item()`` on it)."""
+        norm = self._global_grad_norm
+        if norm is None or self._config.zero_stage < 1:
+            return norm
+        return torch.tensor(norm, dtype=torch.float32)
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -1615,7 +1661,7 @@ class LazyTrainEngine(nn.Module):
                                                  load_lr_scheduler_states, custom_load_fn)
         # the files are read: gradients accumulated before the load belong to no state being loaded (a rollback
         # after a loss spike); a load that failed reading them changed nothing, these gradients included
-        self.zero_grad()
+        self._drop_grads()
         try:
             result = apply()
         except Exception as e:
@@ -1975,10 +2021,10 @@ def _onto_masters(add_param_group, master_of):
 
 
 def _zero_grad_as_zero_optimizers(engine):
-    """The optimizer's ``zero_grad`` as DeepSpeed's ZeRO optimizers have it: it never drops the gradients the
-    engine accumulates for the step (the streamed layers' buffers, which their parameters' ``.grad`` only
-    show, and the embedding's and head's in their masters or themselves); ``engine.zero_grad()`` and the step
-    do. torch's own would clear the masters' and leave the layers' buffers, so a script calling it each
+    """The optimizer's ``zero_grad`` as DeepSpeed's stage-2/3 ZeRO optimizers have it, at every stage: it never
+    drops the gradients the engine accumulates for the step (the streamed layers' buffers, which their
+    parameters' ``.grad`` only show, and the embedding's and head's in their masters or themselves); the step
+    does, and ``engine.zero_grad()`` at stages 0 and 1 (DeepSpeed's optimizers there drop them too). torch's own would clear the masters' and leave the layers' buffers, so a script calling it each
     micro-batch would step on the layers' whole accumulation and the embedding's last micro-batch. Tensors
     the optimizer updates that the engine does not accumulate (a loss's learnable temperature) are cleared
     as torch clears them."""
