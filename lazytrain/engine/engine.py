@@ -1389,10 +1389,9 @@ class LazyTrainEngine(nn.Module):
     # ---- state ---------------------------------------------------------------------------------
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's weights in fp32 (masters), each tensor its own storage, on the host; frozen weights as
-        they are kept: in bf16/fp16 training in the training precision (a block's in fp32 with the weights on
-        NVMe). With the state
-        sharded in bf16/fp16, every rank gathers the fp32 weights of the streamed layers other ranks
-        own, so every rank must call it."""
+        they are kept: in bf16/fp16 training in the training precision (with the weights in host memory or on
+        NVMe alike). With the state sharded in bf16/fp16, every rank gathers the fp32 weights of the streamed
+        layers other ranks own, so every rank must call it."""
         self._refuse_if_inconsistent("module_state_dict()")
         self.wait_for_update()
         with self._whole():
