@@ -392,6 +392,15 @@ def test_a_quantized_block_weight_is_refused_before_anything_moves(dtype, tmp_pa
     assert {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()} == given
 
 
+def test_a_complex_block_weight_is_refused_as_complex(tmp_path):
+    model = lora_llama()
+    model.model.layers[0].mlp.phase = torch.nn.Parameter(torch.ones(4, dtype=torch.complex64), requires_grad=False)
+    with pytest.raises(ConfigError, match=r"^block parameter model\.layers\.0\.mlp\.phase is complex64: LazyTrain "
+                                          r"streams the blocks' weights in the training precision, which has no "
+                                          r"imaginary part"):
+        engine_of(model, config(tmp_path))
+
+
 def test_a_qlora_model_of_bitsandbytes_4bit_layers_is_refused_by_name(tmp_path):
     """PEFT adapters over bitsandbytes 4-bit layers (QLoRA): the packed uint8 weights and their quant_state
     cannot stream; refused with the way out, where it used to crash inside bitsandbytes' kernel."""

@@ -160,6 +160,47 @@ def _bf16_engine(gas: int, seed: int | None = None, stage: int = 0):
         return lazytrain.initialize(model=make_model("llama"), config=cfg)[:2]
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_zero_grad_after_a_step_that_failed_before_its_update_drops_the_gradients_at_every_stage(stage):
+    """A step that fails before the update (here attaching the gradients) says to call zero_grad() and redo the
+    micro-batches: the redone step applies the redone gradients alone, at ZeRO stage 2 and 3 too, where
+    zero_grad() otherwise keeps what was accumulated."""
+    import warnings
+
+    import lazytrain
+    from engine_models import batches, lm_loss, make_model, max_rel_diff
+    models = []
+    for fail in (False, True):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10 ** 9,
+               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": stage}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
+        attach, calls = engine.weights.attach_grads, []
+
+        def failing_once(*layer):
+            calls.extend([] if layer else [1])
+            if fail and not layer and len(calls) == 1:
+                raise OSError("attaching failed")
+            return attach(*layer)
+        engine.weights.attach_grads = failing_once
+        failures = 0
+        for x, y in batches(2):
+            for _ in range(2):
+                engine.backward(lm_loss(engine(x), y))
+                try:
+                    engine.step()
+                    break
+                except lazytrain.StepFailedError as e:
+                    assert "call zero_grad() and redo the step's micro-batches" in str(e)
+                    failures += 1
+                    engine.zero_grad()
+        engine.wait_for_update()
+        assert failures == fail
+        models.append(engine.module)
+    assert max_rel_diff(models[1], models[0]) == 0
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_engine_zero_grad_each_micro_batch_keeps_the_accumulation_from_zero_stage_2_as_deepspeed(copy_threads,
                                                                                                  stage):

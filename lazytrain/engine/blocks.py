@@ -177,6 +177,10 @@ def refuse_quantized_block_weights(path: str, blocks: nn.ModuleList) -> None:
     naming the parameter."""
     for i, block in enumerate(blocks):
         for name, p in block.named_parameters():
+            if p.is_complex():
+                raise ConfigError(f"block parameter {path}.{i}.{name} is {str(p.dtype).replace('torch.', '')}: "
+                                  f"LazyTrain streams the blocks' weights in the training precision, which has no "
+                                  f"imaginary part; keep complex tensors in buffers, or outside the blocks")
             if is_quantized(p):
                 kind = type(p).__name__
                 raise ConfigError(

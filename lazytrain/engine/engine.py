@@ -314,6 +314,7 @@ class LazyTrainEngine(nn.Module):
         self._engine_backward_depth = 0   # engine.backward running (its loss already divided): see _scale_direct_backward
         self._global_grad_norm: float | None = None
         self._step_applied = False
+        self._grads_unusable = False   # a step failed before its update: zero_grad() drops what was accumulated
         self._failed_step: str | None = None   # a step that failed half-way: the engine is inconsistent
         self._unstored_copies: tuple | None = None   # (first layer, error): a step whose copies were not stored
         self._step_start = time.perf_counter()
@@ -757,7 +758,11 @@ class LazyTrainEngine(nn.Module):
         if boundary:
             self._check_lr_kwargs(lr_kwargs)
             self._refuse_unfrozen()
-            self._take_model_step(lr_kwargs)
+            try:
+                self._take_model_step(lr_kwargs)
+            except StepFailedError:   # before the update: the accumulated gradients are not to be stepped on
+                self._grads_unusable = True
+                raise
             began, self._step_began = self._step_began, None
         self.micro_steps += 1
         if boundary and self.auto is not None:
@@ -1174,9 +1179,11 @@ class LazyTrainEngine(nn.Module):
         """DeepSpeed's ``engine.zero_grad()``: at ZeRO stages 0 and 1 the gradients accumulated for the step are
         dropped; at stage 2 and above they are kept, as DeepSpeed's partitioned gradients are (its call clears
         only the parameters' ``.grad``): a loop calling ``engine.step(); engine.zero_grad()`` every micro-batch
-        accumulates every micro-batch there. A failed gradient copy is dropped at every stage (the accumulated
-        gradients are unusable; the steps refuse to run until this call)."""
-        if self._config.zero_stage >= 2 and not self._grad_copy_failed():
+        accumulates every micro-batch there (a tensor the optimizer updates that the engine does not accumulate,
+        a loss's learnable temperature, is cleared as torch clears it). After a step that failed before its
+        update (a failed gradient copy, on this rank or another) the accumulated gradients are dropped at every
+        stage: they are unusable, and the error asks for this call before the micro-batches are redone."""
+        if self._config.zero_stage >= 2 and not self._grads_unusable and not self._grad_copy_failed():
             _zero_grad_as_zero_optimizers(self)(set_to_none)
             return
         self._drop_grads()
@@ -1186,6 +1193,7 @@ class LazyTrainEngine(nn.Module):
 
     def _drop_grads(self) -> None:
         """The gradients accumulated for the step, dropped."""
+        self._grads_unusable = False
         self.weights.flush_grads(discard=True)   # adds in flight must not land after the zeroing
         if self.layer_updates is None or not self.layer_updates.running():
             self.weights.zero_grads()
