@@ -545,18 +545,21 @@ def test_a_lora_runs_profile_records_its_trainable_share_and_lazytrain_plan_budg
     profile = MachineProfile.from_json(path)
     assert profile.trainable_share == pytest.approx(share) and share < 0.1
     assert profile.non_block_trainable_share == 0.0   # the embedding, final norm and head were frozen
+    assert profile.hybrid_8bit_fraction == 0.0          # its AdamW kept fp32 moments
     assert MachineProfile.from_json(full_path).non_block_trainable_share == 1.0
     seen, real = [], search.profile_problem
     monkeypatch.setattr(search, "profile_problem", lambda profile, budgets, *a: seen.append(
-        (budgets.trainable_share, budgets.non_block_trainable_share)) or real(profile, budgets, *a))
+        (budgets.trainable_share, budgets.non_block_trainable_share)) or real(profile, budgets, *a)
+        if budgets.hybrid_8bit_fraction == 0.0 else pytest.fail("the profile's 8-bit share was not budgeted"))
     assert main(["plan", "--profile", path, "--time-limit", "5"]) == 0
     assert main(["plan", "--profile", path, "--time-limit", "5", "--trainable-share", "1",
                  "--non-block-trainable-share", "0.5"]) == 0
     assert seen == [(pytest.approx(share), 0.0), (1.0, 0.5)]
     with open(path) as f:
         older = json.load(f)
-    del older["trainable_share"], older["non_block_trainable_share"]   # as written before they were recorded
-    assert (MachineProfile.from_dict(older).trainable_share, MachineProfile.from_dict(older).non_block_trainable_share) \
-        == (1.0, 1.0)
+    del older["trainable_share"], older["non_block_trainable_share"], older["hybrid_8bit_fraction"]   # older ones
+    old_profile = MachineProfile.from_dict(older)
+    assert (old_profile.trainable_share, old_profile.non_block_trainable_share, old_profile.hybrid_8bit_fraction) \
+        == (1.0, 1.0, None)
     with pytest.raises(MeasurementError, match=r"non_block_trainable_share must be a fraction in \[0, 1\], got 2"):
         MachineProfile.from_dict({**older, "non_block_trainable_share": 2})

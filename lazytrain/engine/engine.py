@@ -203,8 +203,7 @@ class LazyTrainEngine(nn.Module):
             model_cfg["dtype"] = model_cfg["torch_dtype"] = config.compute_dtype_name
         # what trains, as set up here (the engine's buffers keep this layout; unfreezing later is refused), and
         # the share of it whose moments the config's optimizer keeps in 8 bits (a script's own optimizer: none)
-        self._trainable = _trainable_shares(model, blocks)
-        self._model_budgets = {**self._trainable,
+        self._model_budgets = {**_trainable_shares(model, blocks),
                                "hybrid_8bit_fraction": 0.0 if optimizer is not None else eight_bit_share(config, model)}
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu,
                                self._model_budgets)
@@ -432,7 +431,7 @@ class LazyTrainEngine(nn.Module):
             costs=costs, links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device),
             grad_accum=self.gradient_accumulation_steps(), device_name=self._device_name(),
-            **self._trainable)
+            **self._model_budgets)
 
     def _device_name(self) -> str:
         """The device's model, so that a profile is not reused on another kind of GPU."""

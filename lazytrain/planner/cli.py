@@ -169,4 +169,6 @@ def _profile_problem(args: argparse.Namespace, budgets):
     for k in ("trainable_share", "non_block_trainable_share"):
         if getattr(args, k) is None:   # the run measured trained this share of the layers (of the others)
             budgets = dataclasses.replace(budgets, **{k: getattr(profile, k)})
+    if profile.hybrid_8bit_fraction is not None:   # its optimizer kept this share of the moments in 8 bits
+        budgets = dataclasses.replace(budgets, hybrid_8bit_fraction=profile.hybrid_8bit_fraction)
     return profile_problem(profile, budgets, hardware, global_batch)

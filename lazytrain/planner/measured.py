@@ -358,13 +358,15 @@ class MachineProfile:
     device_name: str | None = None  # the device's model (e.g. "NVIDIA H200"); None in profiles written before
     trainable_share: float = 1.0    # the share of the layers' parameters that trained (Budgets.trainable_share)
     non_block_trainable_share: float = 1.0   # and of the others (Budgets.non_block_trainable_share)
+    hybrid_8bit_fraction: float | None = None   # of the trained ones, with 8-bit moments (None: not recorded)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": 1, "costs": self.costs.to_dict(),
                 "links_gbps": dict(self.links_gbps), "model": self.model, "micro_batch": self.micro_batch,
                 "seq_len": self.seq_len, "device": self.device, "grad_accum": self.grad_accum,
                 "device_name": self.device_name, "trainable_share": self.trainable_share,
-                "non_block_trainable_share": self.non_block_trainable_share}
+                "non_block_trainable_share": self.non_block_trainable_share,
+                "hybrid_8bit_fraction": self.hybrid_8bit_fraction}
 
     def to_json(self, path: str) -> None:
         import json
@@ -405,8 +407,12 @@ class MachineProfile:
         if name is not None and not isinstance(name, str):
             raise MeasurementError(f"{where}: device_name must be a string, got {name!r}")
         shares = {}
-        for k in ("trainable_share", "non_block_trainable_share"):
-            share = d.get(k, 1.0)   # profiles written before it was recorded: full fine-tuning
+        for k, before in (("trainable_share", 1.0), ("non_block_trainable_share", 1.0),
+                          ("hybrid_8bit_fraction", None)):
+            share = d.get(k, before)   # profiles written before it was recorded: full fine-tuning, not recorded
+            if share is None and before is None:
+                shares[k] = None
+                continue
             if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
                 raise MeasurementError(f"{where}: {k} must be a fraction in [0, 1], got {share!r}")
             shares[k] = float(share)
