@@ -584,6 +584,26 @@ def test_an_optimizer_passed_beside_a_config_optimizer_is_the_one_used_as_deepsp
     engine.destroy()
 
 
+def test_deepspeeds_configuration_getters():
+    """The getters DeepSpeed's engine has that scripts read (values as DeepSpeed 0.19.8 gives them)."""
+    cfg = ds_config(_top={"fp16": {"enabled": True, "loss_scale": 0}, "gradient_accumulation_steps": 3,
+                          "communication_data_type": "bf16",
+                          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    assert engine.get_batch_info() == (6, 2, 3)
+    assert engine.loss_scale() == 0 and engine.dynamic_loss_scale()
+    assert engine.zero_cpu_offload() and engine.zero_offload_optimizer().device == "cpu"
+    assert engine.get_data_types() == (torch.float16, torch.float32)
+    assert engine.communication_data_type == torch.bfloat16
+    engine.destroy()
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
+    assert not engine.zero_cpu_offload() and engine.zero_offload_optimizer() is None
+    assert engine.get_data_types() == (torch.float32, torch.float32) and engine.communication_data_type == torch.float32
+    engine.destroy()
+
+
 def test_the_global_grad_norm_is_a_tensor_from_zero_stage_1_as_deepspeeds():
     """DeepSpeed's ZeRO optimizers give the norm as a 0-dim tensor (scripts log ``.item()``); stage 0 a float.
     The same value either way."""

@@ -1379,6 +1379,34 @@ class LazyTrainEngine(nn.Module):
     def zero_optimization_stage(self) -> int:
         return self._config.zero_stage
 
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """DeepSpeed's: (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def loss_scale(self) -> float:
+        """DeepSpeed's: the config's fp16 ``loss_scale`` (0: dynamic)."""
+        return self._config.fp16.loss_scale
+
+    def dynamic_loss_scale(self) -> bool:
+        return self._config.fp16.loss_scale == 0
+
+    def zero_offload_optimizer(self):
+        """DeepSpeed's: the config's ``offload_optimizer`` section, or None (LazyTrain's host optimizer runs
+        either way)."""
+        return self._config.offload_optimizer if self._config.offload_optimizer.device != "none" else None
+
+    def zero_cpu_offload(self) -> bool:
+        return self._config.offload_optimizer.device == "cpu"
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """DeepSpeed's: (model dtype, gradient accumulation dtype); LazyTrain accumulates gradients in fp32."""
+        return self.compute_dtype, torch.float32
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are summed in across data-parallel ranks (config 'communication_data_type')."""
+        return self.dist.comm_dtype
+
     def wall_clock_breakdown(self) -> bool:
         return self._config.wall_clock_breakdown
 
