@@ -838,6 +838,10 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         raise ConfigError(f"config key 'lazytrain.non_block_state' must be \"auto\", \"host\" or \"device\", "
                           f"got {non_block!r}")
     nvme_path = section.get("nvme_path") or offload_param.nvme_path
+    if weights_home == "nvme" and not nvme_path and not any(t.get("name") == "nvme" for t in tiers):
+        raise ConfigError("config key 'lazytrain.nvme_path' is required when 'lazytrain.weights_home' is \"nvme\" "
+                          "(the directory the streamed weights' files go to; DeepSpeed's "
+                          "'zero_optimization.offload_param.nvme_path' serves as well)")
     timeout = section.get("collective_timeout_s", 1800.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ConfigError(f"config key 'lazytrain.collective_timeout_s' must be a number of seconds > 0, "

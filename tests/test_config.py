@@ -193,6 +193,15 @@ def test_offload_sections_map_onto_tiers():
         parse_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"device": "nvme"}}})
 
 
+def test_weights_on_nvme_without_a_path_are_refused_by_name():
+    """The weights' files need a directory: named, where the engine used to fail with a bare KeyError."""
+    with pytest.raises(ConfigError, match=r"^config key 'lazytrain.nvme_path' is required when "
+                                          r"'lazytrain.weights_home' is \"nvme\""):
+        parse_config({"train_batch_size": 1, "lazytrain": {"weights_home": "nvme"}})
+    assert parse_config({"train_batch_size": 1, "lazytrain": {"weights_home": "nvme", "nvme_path": "/tmp/x"}}
+                        ).lazytrain.nvme_path == "/tmp/x"
+
+
 def test_activation_checkpointing_is_honoured():
     cfg = parse_config({"train_batch_size": 1, "activation_checkpointing": {"number_checkpoints": 3,
                                                                            "cpu_checkpointing": True}})
