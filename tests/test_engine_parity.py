@@ -1483,6 +1483,46 @@ def test_deepspeed_io_builds_an_evaluation_loader_in_order():
     engine.destroy()
 
 
+def test_a_sampler_given_to_deepspeed_io_goes_on_from_the_epoch_it_was_set_to():
+    """A resumed run sets its sampler's epoch before building the loader: the first pass is that epoch's order,
+    as torch's and DeepSpeed's loaders give it, and the next pass the next epoch's."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(5)
+    loader = engine.deepspeed_io(dataset, data_sampler=sampler)
+
+    def order(epoch):
+        s = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        s.set_epoch(epoch)
+        return list(s)
+    assert [int(i) for (x,) in loader for i in x] == order(5)
+    assert [int(i) for (x,) in loader for i in x] == order(6)
+    engine.destroy()
+
+
+def test_the_planners_8bit_share_follows_the_groups_the_optimizer_holds():
+    """HybridAdamW's per-group optimizer_states and min_8bit_size, and only the parameters given to it: the
+    share of 8-bit moments the planner is told is the optimizer's own."""
+    def share(groups_of):
+        model = make_model("modulelist")
+        cfg = ds_config(optimizer_states="8bit", hybrid_threshold=16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine, opt, _, _ = lazytrain.initialize(model=model, model_parameters=groups_of(model), config=cfg)
+        told = engine._model_budgets["hybrid_8bit_fraction"]
+        held = [(p.numel(), opt._choose(p, g)[0]) for g in opt.param_groups for p in g["params"]]
+        engine.destroy()
+        return told, sum(n for n, k in held if k == "8bit") / sum(n for n, _ in held)
+    told, held = share(lambda m: [{"params": list(m.parameters()), "optimizer_states": "fp32"}])
+    assert told == held == 0.0
+    told, held = share(lambda m: [{"params": list(m.stack.parameters())},
+                                  {"params": list(m.head.parameters()), "min_8bit_size": 10 ** 9}])
+    assert told == pytest.approx(held) and 0 < told < 1
+    told, held = share(lambda m: (p for p in m.parameters()))   # a generator, read twice
+    assert told == pytest.approx(held) and 0 < told < 1
+
+
 def test_was_step_applied_is_false_after_a_micro_step_that_did_not_update():
     cfg = ds_config(_top={"gradient_accumulation_steps": 2, "train_batch_size": 4})
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)

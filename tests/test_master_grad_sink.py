@@ -201,6 +201,88 @@ def test_zero_grad_after_a_step_that_failed_before_its_update_drops_the_gradient
     assert max_rel_diff(models[1], models[0]) == 0
 
 
+def test_at_zero_stage_2_a_failed_copy_is_not_swallowed_by_zero_grad(monkeypatch):
+    """DeepSpeed's stage-2 loop (backward; step; zero_grad every micro-batch, accumulation 2) with a layer's
+    gradient copy failing in the first micro-batch: zero_grad() keeps the accumulation and its failure, so the
+    boundary step refuses it, nothing updated (it went through on the second micro-batch alone before); the
+    next zero_grad() drops it and training goes on."""
+    import warnings
+
+    import lazytrain
+    import lazytrain.engine.weights as weights_module
+    from engine_models import batches, lm_loss, make_model
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2},
+           "lazytrain": {"testing": {"copy_threads": True}}}
+    model = make_model("modulelist")
+    before = make_model("modulelist")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = lazytrain.initialize(model=model, config=cfg)[0]
+    real, copies = weights_module.async_copy, []
+
+    def failing(*args, **kwargs):
+        if kwargs.get("label", "").startswith("grads L"):
+            copies.append(1)
+            if len(copies) == 1:
+                raise OSError("a gradient copy failed")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(weights_module, "async_copy", failing)
+    (x0, y0), (x1, y1) = batches(2)
+    engine.backward(lm_loss(engine(x0), y0))
+    engine.step()
+    engine.zero_grad()
+    engine.backward(lm_loss(engine(x1), y1))
+    with pytest.raises(lazytrain.StepFailedError, match=r"OSError: a gradient copy failed"):
+        engine.step()
+    assert engine.global_steps == 0
+    got, want = engine.module_state_dict(), before.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)   # nothing updated
+    engine.zero_grad()   # the error's advice: now the accumulation goes
+    engine.backward(lm_loss(engine(x1), y1))
+    engine.step()
+    assert engine.global_steps == 1
+    engine.destroy()
+
+
+def test_a_step_retried_after_a_failure_leaves_zero_grad_keeping_the_next_accumulation():
+    """A step that failed before its update and then went through when called again (the error allows it): the
+    next accumulation's zero_grad() at stage 2 keeps it, with the update overlapped as without."""
+    import warnings
+
+    import lazytrain
+    from engine_models import batches, lm_loss, make_model, max_rel_diff
+    for overlap in (False, True):
+        models = []
+        for fail in (False, True):
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 2},
+                   "lazytrain": {"overlap_optimizer": overlap}}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
+            attach, calls = engine.weights.attach_grads, []
+
+            def failing_once(*layer):
+                if not layer:
+                    calls.append(1)
+                    if fail and len(calls) == 1:
+                        raise OSError("attaching failed once")
+                return attach(*layer)
+            engine.weights.attach_grads = failing_once
+            for n, (x, y) in enumerate(batches(4)):
+                engine.backward(lm_loss(engine(x), y))
+                if n == 2:
+                    engine.zero_grad()   # mid-accumulation: kept at stage 2
+                try:
+                    engine.step()
+                except lazytrain.StepFailedError:
+                    engine.step()        # nothing was lost: called again
+            engine.wait_for_update()
+            models.append(engine.module)
+        assert max_rel_diff(models[1], models[0]) == 0, overlap
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_engine_zero_grad_each_micro_batch_keeps_the_accumulation_from_zero_stage_2_as_deepspeed(copy_threads,
                                                                                                  stage):

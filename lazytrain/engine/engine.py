@@ -97,8 +97,8 @@ class EpochDataLoader(torch.utils.data.DataLoader):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.epoch = 0
-        self._epoch_given = getattr(self.sampler, "epoch", 0)   # what the sampler was last set to by us
+        # a sampler the script gave, set to an epoch already (a resumed run), goes on from there
+        self.epoch = self._epoch_given = getattr(self.sampler, "epoch", 0)   # what the sampler was last set to
 
     def __iter__(self):
         sampler = self.sampler
@@ -203,8 +203,11 @@ class LazyTrainEngine(nn.Module):
             model_cfg["dtype"] = model_cfg["torch_dtype"] = config.compute_dtype_name
         # what trains, as set up here (the engine's buffers keep this layout; unfreezing later is refused), and
         # the share of it whose moments the config's optimizer keeps in 8 bits (a script's own optimizer: none)
-        self._model_budgets = {**_trainable_shares(model, blocks),
-                               "hybrid_8bit_fraction": 0.0 if optimizer is not None else eight_bit_share(config, model)}
+        if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+            model_parameters = list(model_parameters)   # a generator: read here and again for the optimizer
+        eight_bit = 0.0 if optimizer is not None or config.optimizer.type is None else \
+            eight_bit_share(config, model, param_groups(model_parameters, model, lambda p: p))
+        self._model_budgets = {**_trainable_shares(model, blocks), "hybrid_8bit_fraction": eight_bit}
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu,
                                self._model_budgets)
         self._model_cfg = model_cfg
@@ -762,6 +765,7 @@ class LazyTrainEngine(nn.Module):
             except StepFailedError:   # before the update: the accumulated gradients are not to be stepped on
                 self._grads_unusable = True
                 raise
+            self._grads_unusable = False   # a retried step that went through
             began, self._step_began = self._step_began, None
         self.micro_steps += 1
         if boundary and self.auto is not None:
@@ -1181,14 +1185,15 @@ class LazyTrainEngine(nn.Module):
         accumulates every micro-batch there (a tensor the optimizer updates that the engine does not accumulate,
         a loss's learnable temperature, is cleared as torch clears it). After a step that failed before its
         update (a failed gradient copy, on this rank or another) the accumulated gradients are dropped at every
-        stage: they are unusable, and the error asks for this call before the micro-batches are redone."""
-        if self._config.zero_stage >= 2 and not self._grads_unusable and not self._grad_copy_failed():
+        stage: they are unusable, and the error asks for this call before the micro-batches are redone. At stage
+        2 and above a copy that failed before the step is kept until the step reports it, so that no step goes
+        through on part of the accumulation."""
+        if self._config.zero_stage >= 2 and not self._grads_unusable:
+            # kept, a failed copy too: the step refuses the accumulation (StepFailedError), and then this
+            # call drops it, so no step goes through on part of it
             _zero_grad_as_zero_optimizers(self)(set_to_none)
             return
         self._drop_grads()
-
-    def _grad_copy_failed(self) -> bool:
-        return self.weights.grad_copy_failed() or (self.masters is not None and self.masters.grad_copy_failed())
 
     def _drop_grads(self) -> None:
         """The gradients accumulated for the step, dropped."""

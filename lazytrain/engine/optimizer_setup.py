@@ -147,10 +147,11 @@ def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[in
                        named_parameters=named, check_finite=False, **params)   # the engine checks finiteness
 
 
-def eight_bit_share(cfg: EngineConfig, model: torch.nn.Module) -> float:
-    """The share of the trainable parameters (by elements) whose Adam moments the config's optimizer keeps in
-    8 bits (the planner's ``Budgets.hybrid_8bit_fraction``): HybridAdamW's choice with 8-bit states asked for
-    ('lazytrain.optimizer_states' "8bit", or an 8-bit optimizer type), else none."""
+def eight_bit_share(cfg: EngineConfig, model: torch.nn.Module, groups: list[dict]) -> float:
+    """The share of the parameters the optimizer will update (``groups``, as :func:`param_groups` gives them,
+    by elements) whose Adam moments it keeps in 8 bits (the planner's ``Budgets.hybrid_8bit_fraction``):
+    HybridAdamW's choice, a group's own ``optimizer_states`` and ``min_8bit_size`` included, with 8-bit states
+    asked for ('lazytrain.optimizer_states' "8bit", or an 8-bit optimizer type); else none."""
     typ = (cfg.optimizer.type or "").lower()
     if typ not in _HYBRID_TYPES and not (typ in ("adam", "adamw") and cfg.lazytrain.optimizer_states == "8bit"):
         return 0.0
@@ -159,10 +160,15 @@ def eight_bit_share(cfg: EngineConfig, model: torch.nn.Module) -> float:
     lt = cfg.lazytrain
     patterns = DEFAULT_FP32_PATTERNS if lt.fp32_state_patterns is None else lt.fp32_state_patterns
     fp32_res = [re.compile(pat, re.IGNORECASE) for pat in patterns]
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    total = sum(p.numel() for _, p in named)
-    eight = sum(p.numel() for n, p in named
-                if choose_states(p, n, "8bit", lt.hybrid_threshold, fp32_res)[0] == "8bit")
+    names = {id(p): n for n, p in model.named_parameters()}
+    total = eight = 0
+    for g in groups:
+        states, min_size = g.get("optimizer_states", "8bit"), g.get("min_8bit_size", lt.hybrid_threshold)
+        for p in g["params"]:
+            if p.requires_grad:
+                total += p.numel()
+                if choose_states(p, names.get(id(p)), states, min_size, fp32_res)[0] == "8bit":
+                    eight += p.numel()
     return eight / total if total else 0.0
 
 

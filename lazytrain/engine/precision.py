@@ -67,10 +67,6 @@ class Masters:
         sizes = [(id(p) in last, p.numel() * p.element_size()) for p in self._to_sink if id(p) in self._hooks]
         return sum(b for lst, b in sizes if not lst), sum(b for lst, b in sizes if lst)
 
-    def grad_copy_failed(self) -> bool:
-        """A gradient's copy to its host master failed since the gradients were last dropped."""
-        return self.sink is not None and self.sink.failed is not None
-
     def remove_grad_hook(self, p: nn.Parameter) -> None:
         """``p``'s gradient goes elsewhere (partitioned_params.py reduces it to the master's owner)."""
         handle = self._hooks.pop(id(p), None)

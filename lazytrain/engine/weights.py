@@ -438,10 +438,6 @@ class LayerWeights:
         if self._grad_sink is not None:
             self._grad_sink.settle()
 
-    def grad_copy_failed(self) -> bool:
-        """A layer's gradient copy failed since the gradients were last dropped (known once it has landed)."""
-        return self._grad_sink is not None and self._grad_sink.failure is not None
-
     @property
     def grads_in_flight(self) -> bool:
         """Gradients leave the device through the sink: they land after the backward that made them."""
