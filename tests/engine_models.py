@@ -469,3 +469,18 @@ class DictTier(Tier):
 
     def _free(self, key):
         del self.store[key]
+
+
+def fail_gradient_copy(monkeypatch, nth: int) -> None:
+    """The ``nth`` copy of a layer's gradient off the device (the gradient sink's, from 1) raises
+    ``OSError("a gradient copy failed")``; the others copy as usual."""
+    import lazytrain.engine.weights as weights_module
+    real, copies = weights_module.async_copy, []
+
+    def failing(*args, **kwargs):
+        if kwargs.get("label", "").startswith("grads L"):
+            copies.append(1)
+            if len(copies) == nth:
+                raise OSError("a gradient copy failed")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(weights_module, "async_copy", failing)

@@ -365,18 +365,10 @@ def test_a_layer_gradient_copy_that_failed_fails_every_step_until_zero_grad(monk
     CPU, the device-to-host stream's on CUDA):
     the backward goes on, every step() then refuses buffers that miss it, and zero_grad() drops them (at ZeRO
     stage 2 too, where it keeps gradients that landed); the redone micro-batches train as plain PyTorch."""
-    import lazytrain.engine.weights as weights_module
+    from engine_models import fail_gradient_copy
     engine = train_engine(make_model("modulelist"), [], ds_config(testing={"copy_threads": True},
                                                                   _top={"zero_optimization": {"stage": stage}}))
-    real, copies = weights_module.async_copy, []
-
-    def failing(*args, **kwargs):
-        if kwargs.get("label", "").startswith("grads L"):
-            copies.append(1)
-            if len(copies) == 2:
-                raise OSError("a gradient copy failed")
-        return real(*args, **kwargs)
-    monkeypatch.setattr(weights_module, "async_copy", failing)
+    fail_gradient_copy(monkeypatch, 2)
     data = batches(2)
     x, y = data[0]
     engine.backward(lm_loss(engine(x), y))

@@ -209,8 +209,7 @@ def test_at_zero_stage_2_a_failed_copy_is_not_swallowed_by_zero_grad(monkeypatch
     import warnings
 
     import lazytrain
-    import lazytrain.engine.weights as weights_module
-    from engine_models import batches, lm_loss, make_model
+    from engine_models import batches, fail_gradient_copy, lm_loss, make_model
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 9,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 2},
            "lazytrain": {"testing": {"copy_threads": True}}}
@@ -219,15 +218,7 @@ def test_at_zero_stage_2_a_failed_copy_is_not_swallowed_by_zero_grad(monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = lazytrain.initialize(model=model, config=cfg)[0]
-    real, copies = weights_module.async_copy, []
-
-    def failing(*args, **kwargs):
-        if kwargs.get("label", "").startswith("grads L"):
-            copies.append(1)
-            if len(copies) == 1:
-                raise OSError("a gradient copy failed")
-        return real(*args, **kwargs)
-    monkeypatch.setattr(weights_module, "async_copy", failing)
+    fail_gradient_copy(monkeypatch, 1)
     (x0, y0), (x1, y1) = batches(2)
     engine.backward(lm_loss(engine(x0), y0))
     engine.step()
