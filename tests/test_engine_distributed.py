@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dist_helpers import free_port, join_as, leave_group, reports, spawn_cases
-from engine_models import batches, lm_loss, make_model, max_rel_diff, reference_train
+from engine_models import batches, fail_gradient_copy, lm_loss, make_model, max_rel_diff, reference_train
 
 
 def _train(rank: int, world: int, out_dir: str, overlap: bool, kind: str = "modulelist", data=None,
@@ -149,22 +149,13 @@ def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage
     ``copy_fails``: the copy of that many-th layer gradient off the device fails (on the copy threads'
     gradient sink, which at stage 2 reduces each layer to its owner as it lands), else attaching them."""
     import lazytrain
-    import lazytrain.engine.weights as weights_module
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
            "lazytrain": {"collective_timeout_s": 20, "testing": {"copy_threads": bool(copy_fails)}}}
     engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
-    real_copy = weights_module.async_copy
+    patch = pytest.MonkeyPatch()
     if rank == 1 and copy_fails:
-        copies = []
-
-        def failing_copy(*args, **kwargs):
-            if kwargs.get("label", "").startswith("grads L"):
-                copies.append(1)
-                if len(copies) == copy_fails:
-                    raise OSError("a gradient copy failed")
-            return real_copy(*args, **kwargs)
-        weights_module.async_copy = failing_copy
+        fail_gradient_copy(patch, copy_fails)
     elif rank == 1:
         attach, calls = engine.weights.attach_grads, []
 
@@ -185,7 +176,7 @@ def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage
             except lazytrain.StepFailedError as e:
                 errors.append(str(e))
                 engine.zero_grad()
-    weights_module.async_copy = real_copy
+    patch.undo()
     weights = engine.module_state_dict()
     engine.destroy()
     return errors, weights
