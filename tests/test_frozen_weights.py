@@ -206,7 +206,7 @@ def test_a_load_reaches_every_block_sharing_a_frozen_weight(tmp_path):
         want = new["model.layers.0.mlp.down_proj.weight"].bfloat16()
         for i in range(w.num_layers):   # where it is kept and what streams
             slot = next(s for s in w.layer_slots[i] if s.name == "mlp.down_proj.weight")
-            kept = slot.of(w.stored_copy(i)) if w.frozen_in_copy else w._frozen_slot(i, slot, w.frozen_part[i])
+            kept = w.frozen_home(i, slot)
             assert torch.equal(kept, want) and torch.equal(slot.of(w.stored_copy(i)), want), (home, i)
         with torch.no_grad():
             logits[home] = engine(x).logits

@@ -625,17 +625,15 @@ class LazyTrainEngine(nn.Module):
         process started alone shuffles with torch's random generator, as DeepSpeed's does."""
         if training_data is None:
             return None
+        common = dict(batch_size=batch_size or self.train_micro_batch_size_per_gpu(), collate_fn=collate_fn,
+                      drop_last=self._config.dataloader_drop_last, num_workers=num_workers,
+                      pin_memory=pin_memory and torch.cuda.is_available())
         if isinstance(training_data, torch.utils.data.IterableDataset):   # it orders (and splits) itself
-            return EpochDataLoader(training_data, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                                   collate_fn=collate_fn, drop_last=self._config.dataloader_drop_last,
-                                   num_workers=num_workers, pin_memory=pin_memory and torch.cuda.is_available())
+            return EpochDataLoader(training_data, **common)
         if sampler is None and (self.dist.enabled or "LOCAL_RANK" in os.environ or not shuffle):
             sampler = torch.utils.data.distributed.DistributedSampler(training_data, num_replicas=self.world_size,
                                                                       rank=self.global_rank, shuffle=shuffle)
-        return EpochDataLoader(training_data, batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
-                               sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn,
-                               drop_last=self._config.dataloader_drop_last, num_workers=num_workers,
-                               pin_memory=pin_memory and torch.cuda.is_available())
+        return EpochDataLoader(training_data, sampler=sampler, shuffle=sampler is None, **common)
 
     def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
                      data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):

@@ -124,18 +124,17 @@ class LayerWeights:
                 self._write_compute_copy(i, lambda flat: [s.of(flat).copy_(p.detach()) for s, p in zip(slots, params)])
             master = empty_host(self.master_numels[i], torch.float32)
             grad = empty_host(self.trainable_numels[i], torch.float32).zero_()
-            frozen_part = empty_host(self.layer_numels[i] - self.trainable_numels[i], self.compute_dtype) \
-                if self.frozen_apart else None
-            copy = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else None
+            self.master.append(master)
+            self.grad.append(grad)
+            self.frozen_part.append(empty_host(self.layer_numels[i] - self.trainable_numels[i], self.compute_dtype)
+                                    if self.frozen_apart else None)
             for slot, p, trains in zip(slots, params, self.trainable[i]):
                 if self.frozen_without_master and not trains:
                     self._given.setdefault(id(p), (p.data if p.device.type == "cpu" else None, p.dtype))
-                    if copy is not None:
-                        p.data = slot.of(copy)
-                    else:
-                        home = self._frozen_slot(i, slot, frozen_part)
+                    home = self.frozen_home(i, slot)
+                    if self.frozen_apart:   # the compute copy was written with it already (frozen_in_copy)
                         home.copy_(p.detach())
-                        p.data = home
+                    p.data = home
                     continue
                 slot.of(master).copy_(p.detach())
                 p.data = slot.of(master)
@@ -146,16 +145,18 @@ class LayerWeights:
                 mod_name, _, attr = bname.rpartition(".")
                 owner = block.get_submodule(mod_name) if mod_name else block
                 owner._buffers[attr] = buf.to(device)
-            self.master.append(master)
-            self.grad.append(grad)
-            self.frozen_part.append(frozen_part)
         for i in range(self.num_layers):
             self._store_compute_copy(i)
 
-    def _frozen_slot(self, i: int, slot: ParamSlot, frozen_part: torch.Tensor) -> torch.Tensor:
-        """A frozen parameter's place in layer i's ``frozen_part`` (its layout offset past the trainable prefix)."""
-        start = slot.offset - self.trainable_numels[i]
-        return frozen_part[start:start + slot.numel].view(slot.shape)
+    def frozen_home(self, i: int, slot: ParamSlot) -> torch.Tensor | None:
+        """Where layer i keeps the frozen parameter at ``slot``: in its compute copy (``frozen_in_copy``), its
+        frozen part (``frozen_apart``: the layout past the trainable prefix) or its fp32 weights; None for
+        another rank's layer, whose fp32 weights this rank does not hold."""
+        if self.frozen_apart:
+            start = slot.offset - self.trainable_numels[i]
+            return self.frozen_part[i][start:start + slot.numel].view(slot.shape)
+        flat = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else self.master[i]
+        return None if flat is None else slot.of(flat)
 
     def move_masters(self, homes: list[torch.Tensor], copy_values: bool = True) -> None:
         """Move every layer's fp32 weights into ``homes[i]`` (fp32 buffers of the layers' sizes: the node-shared
@@ -310,13 +311,9 @@ class LayerWeights:
                 continue
             src = params[key].detach()
             for i, slot in places:
-                if self.frozen_apart:
-                    dst = self._frozen_slot(i, slot, self.frozen_part[i])
-                else:
-                    home = self.weights_tier.read(self._key(i)).wait() if self.frozen_in_copy else self.master[i]
-                    if home is None:   # another rank's layer, its copy written by its owner
-                        continue
-                    dst = slot.of(home)
+                dst = self.frozen_home(i, slot)
+                if dst is None:   # another rank's layer, its copy written by its owner
+                    continue
                 if dst.data_ptr() != src.data_ptr():
                     dst.copy_(src)
 
