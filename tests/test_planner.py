@@ -855,10 +855,14 @@ def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):
     cfg = parse_config({**base, "train_batch_size": 8, "bf16": {"enabled": True},
                         "zero_optimization": {"stage": 2}}, world_size=8)
     assert _host_shares(cfg) == {"optimizer_state_share": 0.125, "master_share": 0.125, "gradient_share": 0.125,
-                                 "weights_copy_share": 0.25}
+                                 "non_block_share": 1.0, "weights_copy_share": 0.25}
     cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 1}}, world_size=8)
     assert _host_shares(cfg) == {"optimizer_state_share": 0.125, "master_share": 1.0, "gradient_share": 1.0,
-                                 "weights_copy_share": 0.25}
+                                 "non_block_share": 1.0, "weights_copy_share": 0.25}
+    # stage 3 partitions the parameters outside the layers: their fp32 masters and gradients too
+    cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 3}}, world_size=8)
+    assert _host_shares(cfg) == {"optimizer_state_share": 0.125, "master_share": 1.0, "gradient_share": 0.125,
+                                 "non_block_share": 0.125, "weights_copy_share": 0.25}
     cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 0}}, world_size=8)
     assert _host_shares(cfg) == {}
 
@@ -958,6 +962,7 @@ def test_a_hardware_argument_that_is_no_name_or_file_is_named(tmp_path):
     ("hybrid_8bit_fraction", 2.0, "Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got 2.0"),
     ("hybrid_8bit_fraction", float("nan"), "Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got nan"),
     ("master_share", 0, "Budgets field 'master_share' must be a fraction in (0, 1], got 0"),
+    ("non_block_share", 1.5, "Budgets field 'non_block_share' must be a fraction in (0, 1], got 1.5"),
     ("lean_norms", "no", "Budgets field 'lean_norms' must be true or false, got 'no'"),
     ("non_block_state", "gpu", "Budgets field 'non_block_state' must be \"host\" or \"device\", got 'gpu'"),
 ])

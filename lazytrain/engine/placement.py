@@ -111,9 +111,11 @@ _GPU_PROFILES = (("H800", "h800"), ("H200", "h200"), ("H100", "h800"), ("3090", 
 
 def _host_shares(cfg: EngineConfig) -> dict[str, float]:
     """What one rank holds of the host state when the optimizer state is sharded (engine.py,
-    ``_shard_host_weights``): the Adam moments of its share of the layers; in bf16/fp16 their fp32 weights
-    too; at stage >= 2 their gradient buffers; with the weights in host memory, its part of the node's one
-    streamed copy (the launcher's ranks per node, when it says)."""
+    ``_shard_host_weights``): the Adam moments of its share of the parameters; in bf16/fp16 the fp32 weights
+    of its share of the layers too; at stage >= 2 their gradient buffers; at stage 3 the fp32 masters and
+    gradients of its share of the parameters outside the layers (below it every rank keeps them whole);
+    with the weights in host memory, its part of the node's one streamed copy (the launcher's ranks per node,
+    when it says)."""
     sharded = cfg.zero_stage >= 1 and cfg.world_size > 1 and cfg.optimizer.type is not None
     if not sharded:
         return {}
@@ -124,6 +126,7 @@ def _host_shares(cfg: EngineConfig) -> dict[str, float]:
     return {"optimizer_state_share": per_rank,
             "master_share": per_rank if mixed and in_host else 1.0,
             "gradient_share": per_rank if cfg.zero_stage >= 2 else 1.0,
+            "non_block_share": per_rank if cfg.zero_stage >= 3 else 1.0,
             "weights_copy_share": 1 / per_node if in_host and per_node > 1 else 1.0}
 
 

@@ -83,8 +83,11 @@ class Budgets:
     quant_block_size: int = 256         # elements per 8-bit block (two fp32 absmax values each)
     loss_chunk_tokens: int = 2048       # the LM head computes logits and loss in chunks of this many tokens
     optimizer_state_share: float = 1.0  # the part of the Adam moments this rank holds (1/ranks when sharded)
-    master_share: float = 1.0           # the part of the fp32 master weights it holds (1/ranks: sharded bf16/fp16)
-    gradient_share: float = 1.0         # the part of the host gradient buffers (1/ranks at ZeRO stage >= 2)
+    master_share: float = 1.0           # the part of the layers' fp32 master weights it holds (1/ranks: sharded bf16/fp16)
+    gradient_share: float = 1.0         # the part of the layers' host gradient buffers (1/ranks at ZeRO stage >= 2)
+    # the part of the fp32 masters and gradient buffers of the parameters outside the layers it holds: 1/ranks at
+    # ZeRO stage 3, which partitions those parameters; below it every rank keeps them whole
+    non_block_share: float = 1.0
     weights_copy_share: float = 1.0     # its part of the streamed copy (1/ranks per node when the node shares one)
     # the streamed compute copies live in host memory (weights_home "host" or "hbm"); False with them on NVMe,
     # where the host keeps the fp32 weights apart and the frozen parameters in the compute dtype alone
@@ -129,7 +132,8 @@ class Budgets:
         v = self.hybrid_8bit_fraction
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got {v!r}")
-        for name in ("optimizer_state_share", "master_share", "gradient_share", "weights_copy_share"):
+        for name in ("optimizer_state_share", "master_share", "gradient_share", "weights_copy_share",
+                     "non_block_share"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise ValueError(f"Budgets field {name!r} must be a fraction in (0, 1], got {v!r}")
@@ -255,7 +259,7 @@ class Problem:
         self.host_bytes_per_layer_param = (copy if b.weights_in_host else db * (1 - b.trainable_share)) \
             + b.trainable_share * layer_trains
         # a trained parameter outside the layers: its fp32 master, gradient and moments (its copy is on the device)
-        self.host_bytes_per_nonlayer_param = 4 * b.master_share + grads + adam
+        self.host_bytes_per_nonlayer_param = (4 + 4) * b.non_block_share + adam
         self.host_static = int(m.layer_params * self.host_bytes_per_layer_param +
                                (0 if on_device else self.nonlayer_trained * self.host_bytes_per_nonlayer_param))
         self.host_act_budget = self.host_budget - self.host_static
