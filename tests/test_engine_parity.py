@@ -171,6 +171,23 @@ def test_plan_file_for_another_micro_batch_warns(tmp_path):
         lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
 
 
+def test_a_micro_batch_changed_from_the_plans_warns_and_one_set_to_it_does_not(tmp_path):
+    from lazytrain.planner.plan import every_k_plan
+    path = tmp_path / "plan.json"
+    every_k_plan(6, 2, micro_batch_size=2).to_json(str(path))
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
+    with pytest.warns(UserWarning, match=r"the plan \(every-2-hbm\) was made for micro-batch 2; at 3 it runs, but its memory "
+                                         r"and time predictions do not hold"):
+        engine.set_train_micro_batch_size(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.set_train_micro_batch_size(2)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 1
+
+
 def test_gradient_accumulation_equals_big_batch():
     model = make_model("llama")
     data = batches(8)
@@ -1899,6 +1916,12 @@ def test_deepspeed_engine_methods_scripts_call():
     assert (engine.train_batch_size(), engine.gradient_accumulation_steps()) == (6, 3)
     with pytest.raises(ValueError, match="Train batch size must be divisible by micro-batch data parallelism"):
         engine.set_train_batch_size(5)
+    engine.set_train_micro_batch_size(4)   # DeepSpeed's: the same accumulation, the global batch follows
+    assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            engine.train_batch_size(), engine.mp_world_size) == (4, 3, 12, 1)
+    with pytest.raises(ValueError, match=r"micro_batch_size must be a whole number >= 1, got 0"):
+        engine.set_train_micro_batch_size(0)
+    engine.set_train_micro_batch_size(2)
     x, y = batches(1)[0]
     with engine.no_sync():
         engine.backward(lm_loss(engine(x), y))

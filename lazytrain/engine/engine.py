@@ -1330,9 +1330,29 @@ class LazyTrainEngine(nn.Module):
         self._config = dataclasses.replace(self._config, train_batch_size=train_batch_size,
                                            gradient_accumulation_steps=train_batch_size // per_step)
 
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: another micro-batch size with the same number of micro-batches a step (the global batch
+        follows). A data loader already built keeps its batch size, as DeepSpeed's does. The layers' streaming
+        runs at any size; a plan made for another micro-batch (policy milp, auto or a Plan file) runs too, but
+        its memory and time predictions do not hold: a warning says so."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}")
+        accum = self.gradient_accumulation_steps()
+        self._config = dataclasses.replace(self._config, train_micro_batch_size_per_gpu=micro_batch_size,
+                                           train_batch_size=micro_batch_size * accum * self.world_size)
+        planned = self.plan.micro_batch_size
+        if planned is not None and planned != micro_batch_size:
+            warnings.warn(f"lazytrain: the plan ({self.plan.policy}) was made for micro-batch {planned}; at "
+                          f"{micro_batch_size} it runs, but its memory and time predictions do not hold", UserWarning)
+
     @property
     def dp_world_size(self) -> int:
         return self.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """DeepSpeed's model-parallel world size: LazyTrain runs no model parallelism."""
+        return 1
 
     def optimizer_name(self) -> str | None:
         """The config's optimizer type, or the class name of the optimizer passed to initialize."""
