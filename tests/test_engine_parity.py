@@ -710,6 +710,19 @@ def test_milp_policy_plans_and_trains(tmp_path):
     assert engine.plan.policy.startswith("milp") and engine.plan.prediction["solver"]["detail"].startswith("Optimal")
 
 
+def test_milp_policy_on_the_cpu_takes_a_profile_without_links_as_bench_tiers_writes_it_there(tmp_path):
+    """``lazytrain bench tiers`` on a machine without a GPU measures no host-to-device link: the CPU's
+    "device" is host memory, and the engine takes a memory copy's rate for the missing links."""
+    import json
+    from lazytrain.planner.hardware import CATALOG
+    profile = {**CATALOG["h200"].to_dict(), "name": "cpu-only", "h2d_gbps": None, "d2h_gbps": None}
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps(profile))
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(
+        policy="milp", hardware=str(path), seq_len=12, gpu_memory="2GB", milp_time_limit=10, device="cpu"))
+    assert engine.plan.policy.startswith("milp")
+
+
 def test_milp_policy_plans_the_configs_whole_step_with_its_accumulation():
     cfg = ds_config(policy="milp", hardware="h200", seq_len=12, gpu_memory="2GB", milp_time_limit=10,
                     _top={"gradient_accumulation_steps": 3})

@@ -46,8 +46,8 @@ from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, param_groups)
-from .placement import (build_plan, build_tiers, card_memory, non_block_state_home, plan_from_measurements,
-                        resolve_device)
+from .placement import (build_plan, build_tiers, card_memory, memory_copy_gbps, non_block_state_home,
+                        plan_from_measurements, resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
 from .weights import LayerWeights
 
@@ -420,7 +420,7 @@ class LazyTrainEngine(nn.Module):
         links = measured.link_bandwidths(traces)
         missing = [name for name in ("h2d_gbps", "d2h_gbps") if name not in links]
         if self.device.type == "cpu" and missing:   # copies that ran in place are memory copies: measured here
-            gbps = _memory_copy_gbps()              # once, for both directions
+            gbps = memory_copy_gbps()              # once, for both directions
             links.update(dict.fromkeys(missing, gbps))
         k = self.gradient_accumulation_steps()
         costs = measured.MeasuredCosts.from_traces(traces, self.weights.num_layers, source=f"{self.device}",
@@ -2226,14 +2226,3 @@ def _raise_save_failure(error: BaseException | None, tag: str, save_dir: str, wh
         raise error
     raise ckpt.CheckpointError(f"save_checkpoint of tag {tag!r} to {save_dir} failed on another rank ({who}): see "
                                f"its error")
-
-
-def _memory_copy_gbps(nbytes: int = 1 << 25, repeats: int = 3) -> float:
-    """GB/s of a memory copy on this host (the fastest of a few 32 MiB copies)."""
-    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / max(best, 1e-9) / 1e9

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 
 import torch
@@ -199,6 +200,8 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model
         from ..planner.hardware import load_profile
         hardware = dataclasses.replace(load_profile(hardware), gpu_mem_bytes=card_memory(device))
+    else:
+        hardware = with_cpu_links(hardware)
     plan = call_with_deadline(plan_for, model_config, hardware, budgets, micro_batch=micro_batch,
                               # the config's batch triple fixes the step: planned with its accumulation
                               global_batch=micro_batch * cfg.gradient_accumulation_steps,
@@ -207,6 +210,30 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if plan.num_layers != num_layers:
         raise ConfigError(f"the planner planned {plan.num_layers} layers but the model streams {num_layers} blocks")
     return plan
+
+
+def memory_copy_gbps(nbytes: int = 1 << 25, repeats: int = 3) -> float:
+    """GB/s of a memory copy on this host (the fastest of a few 32 MiB copies)."""
+    src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / max(best, 1e-9) / 1e9
+
+
+def with_cpu_links(hardware):
+    """On the CPU the "device" is host memory: a profile's missing host-to-device and device-to-host links
+    (``lazytrain bench tiers`` on a machine without a GPU measures none) are a memory copy, measured here, as
+    policy "auto" takes them."""
+    from ..planner.hardware import load_profile
+    profile = load_profile(hardware)
+    missing = {name: None for name in ("h2d_gbps", "d2h_gbps") if getattr(profile, name) is None}
+    if not missing:
+        return profile
+    gbps = memory_copy_gbps()
+    return dataclasses.replace(profile, **dict.fromkeys(missing, gbps))
 
 
 def card_memory(device: torch.device) -> int | None:
