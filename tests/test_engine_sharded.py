@@ -402,12 +402,14 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
     assert empty == (sorted(NON_BLOCK * (world - 1)) if stage == 3 else [])
 
 
-def _failing_update(rank, world, out_dir, overlap):
-    """Rank 1's optimizer fails in step 2 (serially, or in layer 1's overlapped update). Every rank must fail
-    that step together, well within the collective timeout, and then resume from the checkpoint of step 1."""
+def _failing_update(rank, world, out_dir, stage, overlap, method):
+    """Rank 1's optimizer fails in step 2 (``method``: its ``step``, serially or, overlapped, the update of the
+    parameters outside the layers; its ``update``: the layers' overlapped updates). Every rank must fail that
+    step together, well within the collective timeout, and then resume from the checkpoint of step 1: sharded
+    or replicated (stage 0), no rank may go on alone with other weights than the rest."""
     import time
     import lazytrain
-    cfg = _config(2, 1, overlap)
+    cfg = _config(2, stage, overlap)
     cfg["lazytrain"]["collective_timeout_s"] = 60
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     data = batches(3, batch=GLOBAL)
@@ -420,12 +422,11 @@ def _failing_update(rank, world, out_dir, overlap):
 
     train(*data[0])
     engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="one")
-    name = "update" if overlap else "step"
-    original = getattr(engine.optimizer, name)
+    original = getattr(engine.optimizer, method)
     if rank == 1:
         def broken(*args, **kwargs):
             raise RuntimeError("disk on fire")
-        setattr(engine.optimizer, name, broken)
+        setattr(engine.optimizer, method, broken)
     t0 = time.monotonic()
     try:
         train(*data[1])
@@ -433,23 +434,90 @@ def _failing_update(rank, world, out_dir, overlap):
     except Exception as e:   # noqa: BLE001 - the test's subject
         outcome = f"{type(e).__name__}: {e}"
     waited = time.monotonic() - t0
-    setattr(engine.optimizer, name, original)
+    setattr(engine.optimizer, method, original)
     engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="one")
     train(*data[2])
     return {"outcome": outcome, "waited": waited, "weights": engine.module_state_dict()}
 
 
-for _overlap in (False, True):
-    case(2, f"failing-update-overlap{_overlap}", _failing_update, last=True, overlap=_overlap)
+FAILING_UPDATES = [(stage, overlap, name) for stage in (0, 1) for overlap, name in
+                   ((False, "step"), (True, "step"), (True, "update"))]
+for _stage, _overlap, _name in FAILING_UPDATES:
+    case(2, f"failing-update-stage{_stage}-overlap{_overlap}-{_name}", _failing_update, last=True, stage=_stage,
+         overlap=_overlap, method=_name)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial-update", "overlapped-update"])
-def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_recovers(spawned, overlap):
-    r0, r1 = spawned(f"failing-update-overlap{overlap}")
+@pytest.mark.parametrize("stage, overlap, name", FAILING_UPDATES,
+                         ids=[f"stage{s}-{'overlapped' if o else 'serial'}-{n}" for s, o, n in FAILING_UPDATES])
+def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_recovers(spawned, stage, overlap,
+                                                                                        name):
+    r0, r1 = spawned(f"failing-update-stage{stage}-overlap{overlap}-{name}")
     assert "disk on fire" in r1["outcome"]
     assert "failed on another rank: see its error" in r0["outcome"]
     assert r0["waited"] < 30 and r1["waited"] < 30            # not the collective timeout
     for k in r0["weights"]:                                    # resumed and trained on: still one model
+        assert torch.equal(r0["weights"][k], r1["weights"][k]), k
+
+
+def _diverging_load(rank, world, out_dir, stage, how):
+    """Every rank saves tag "one" after step 1 and trains step 2, then loads from a copy of its own of the
+    checkpoint directory, where rank 1's differs: it holds no checkpoint ("none": a node with disks of its own)
+    or a truncated file ("corrupt"). Every rank must refuse the load, and a script that catches the error and
+    trains on must keep one model on every rank."""
+    import shutil
+    import lazytrain
+    cfg = _config(2, stage, False)
+    cfg["lazytrain"]["collective_timeout_s"] = 60
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    data = batches(3, batch=GLOBAL)
+    part = slice(2 * rank, 2 * rank + 2)
+
+    def train(x, y):
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+
+    train(*data[0])
+    saved = os.path.join(out_dir, "ckpt")
+    engine.save_checkpoint(saved, tag="one")
+    train(*data[1])
+    mine = os.path.join(out_dir, f"copy{rank}")
+    if rank == 1 and how == "none":
+        os.makedirs(mine)
+    else:
+        shutil.copytree(saved, mine)
+    if rank == 1 and how == "corrupt":
+        model_file = os.path.join(mine, "one", "mp_rank_00_model_states.pt")
+        with open(model_file, "r+b") as f:
+            f.truncate(os.path.getsize(model_file) // 2)
+    try:
+        engine.load_checkpoint(mine)
+        outcome = "loaded"
+    except Exception as e:   # noqa: BLE001 - the test's subject
+        outcome = f"{type(e).__name__}: {e}"
+    train(*data[2])   # as a script that catches the error and goes on
+    return {"outcome": outcome, "steps": engine.global_steps, "weights": engine.module_state_dict()}
+
+
+DIVERGING_LOADS = [(stage, how) for stage in (0, 1) for how in ("none", "corrupt")]
+for _stage, _how in DIVERGING_LOADS:
+    case(2, f"diverging-load-stage{_stage}-{_how}", _diverging_load, stage=_stage, how=_how)
+
+
+@pytest.mark.parametrize("stage, how", DIVERGING_LOADS, ids=[f"stage{s}-{h}" for s, h in DIVERGING_LOADS])
+def test_a_load_one_rank_cannot_make_is_refused_on_every_rank_and_the_ranks_stay_one_model(spawned, stage, how):
+    r0, r1 = spawned(f"diverging-load-stage{stage}-{how}")
+    if how == "none":   # rank 1 sees no checkpoint at all
+        for r in (r0, r1):
+            assert r["outcome"].startswith("CheckpointError: load_checkpoint from "), r["outcome"]
+            assert "the ranks see different checkpoints (tag per rank: 0: 'one', 1: None)" in r["outcome"]
+    else:
+        assert r1["outcome"].startswith("IncompleteCheckpointError: checkpoint tag 'one' in ") and \
+            "mp_rank_00_model_states.pt has " in r1["outcome"], r1["outcome"]
+        assert r0["outcome"] == ("CheckpointError: load_checkpoint of tag 'one' from " + r0["outcome"].split(
+            " from ", 1)[1].split(":", 1)[0] + ": reading it failed on another rank (see its error); nothing was "
+            "loaded on any rank")
+    assert r0["steps"] == r1["steps"] == 3   # nothing loaded: both trained on from step 2
+    for k in r0["weights"]:
         assert torch.equal(r0["weights"][k], r1["weights"][k]), k
 
 

@@ -1013,8 +1013,8 @@ class LazyTrainEngine(nn.Module):
                     if factor != 1.0:
                         _scale_(grads, factor)
                     self.optimizer.step()
-            except Exception as e:   # noqa: BLE001 - sharded: the other ranks must hear of it first
-                if self.shards is None:
+            except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
+                if not self.dist.enabled:
                     raise
                 error = e
             w = self.weights
@@ -1027,9 +1027,10 @@ class LazyTrainEngine(nn.Module):
                     error = e
             if self.shards is not None:   # every rank takes part in every broadcast, then all fail together
                 self._share_updated(self._layers_with_grads(), non_block=True)
-                if not self.dist.all_succeeded(error is None, "agreement that every rank's share of the update "
-                                                              "succeeded, in engine.step()"):
-                    raise error or RuntimeError("the optimizer update failed on another rank: see its error")
+            if self.dist.enabled and not self.dist.all_succeeded(
+                    error is None, "agreement that every rank's optimizer update succeeded, in engine.step()"):
+                # replicated ranks too: one that went on alone would train on other weights than the rest
+                raise error or RuntimeError("the optimizer update failed on another rank: see its error")
             # with the masters sharded the copies are written already (owners above, broadcasts for the rest)
             for i in (range(w.num_layers) if not w.masters_sharded else ()):
                 try:
@@ -1079,10 +1080,20 @@ class LazyTrainEngine(nn.Module):
         groups = self.optimizer.snapshot()
         block_ids = {id(p) for params in w.params for p in params}
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
+        error = None
         with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
-            self.optimizer.step(params=rest, clip_coef=factor)
+            try:
+                self.optimizer.step(params=rest, clip_coef=factor)
+            except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
+                if not self.dist.enabled:
+                    raise
+                error = e
             if self.shards is not None:
                 self._share_updated(non_block=True)
+        if self.dist.enabled and not self.dist.all_succeeded(
+                error is None, "agreement that every rank's update of the parameters outside the streamed layers "
+                               "succeeded, in engine.step()"):   # before any layer's update starts
+            raise error or RuntimeError("the optimizer update failed on another rank: see its error")
         layer_grads = [w.grad_views(i) for i in range(w.num_layers)]
         for grads in layer_grads:
             for p in grads:
@@ -1093,13 +1104,26 @@ class LazyTrainEngine(nn.Module):
         if self.shards is not None:
             update_layer = self._sharded_layer_updates(layer_grads, groups, factor, launched)
         else:
+            failed: list[BaseException] = []
+
             def update_layer(i: int) -> None:
-                if layer_grads[i]:
-                    with self._host_writes([i], launched):
-                        self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
-                                              grads=layer_grads[i])
-                        w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
-                w.zero_layer_grads(i)
+                try:
+                    if layer_grads[i]:
+                        with self._host_writes([i], launched):
+                            self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
+                                                  grads=layer_grads[i])
+                            w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                    w.zero_layer_grads(i)
+                except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
+                    if not self.dist.enabled:
+                        raise
+                    failed.append(e)
+                # replicated ranks: after the last layer they agree whether every update succeeded, so that all
+                # fail together and none trains on alone with other weights than the rest
+                if self.dist.enabled and i == w.num_layers - 1 and not self.dist.all_succeeded(
+                        not failed, "agreement that every rank's layer updates succeeded", on_update_thread=True):
+                    raise failed[0] if failed else RuntimeError("a layer update failed on another rank: see its "
+                                                                "error")
         self.layer_updates.launch(update_layer, range(w.num_layers))
 
     def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched):
@@ -1681,14 +1705,77 @@ class LazyTrainEngine(nn.Module):
         values; DeepSpeed's own record types): a checkpoint naming anything else is refused, unless
         ``trust_checkpoint`` (default: the config's ``lazytrain.trust_checkpoints``) says it comes from a
         source trusted like the training script itself."""
-        tag = ckpt.resolve_tag(load_dir, tag)
+        tag = self._agreed_tag(load_dir, tag)
         if tag is None:
             return None, None
-        if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
-            self.layer_updates.forget_failure()
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         failed_before = self._failed_step
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
+        error = None
+        try:
+            apply = self._read_checkpoint(load_dir, tag, want_optim, trust, load_module_strict, load_module_only,
+                                          load_lr_scheduler_states, custom_load_fn)
+        except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
+            if not self.dist.enabled:
+                raise
+            error = e
+        # a rank that could not read its files loads nothing, and neither may the others: a script that catches
+        # the error and trains on would train the ranks from different states
+        if self.dist.enabled and not self.dist.all_succeeded(
+                error is None, f"agreement that every rank read checkpoint {tag!r}, in load_checkpoint()"):
+            raise error or ckpt.CheckpointError(f"load_checkpoint of tag {tag!r} from {load_dir}: reading it failed "
+                                                f"on another rank (see its error); nothing was loaded on any rank")
+        if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
+            self.layer_updates.forget_failure()
+        # the files are read: gradients accumulated before the load belong to no state being loaded (a rollback
+        # after a loss spike); a load that failed reading them changed nothing, these gradients included
+        self._drop_grads()
+        try:
+            result = apply()
+        except Exception as e:
+            self._inconsistent(f"load_checkpoint of tag {tag!r} from {load_dir} failed half-way", e,
+                               "some of its state was applied and some was not")
+            raise   # the error itself, as the caller of load_checkpoint expects it
+        self._failed_step = None   # every streamed layer and the non-block weights were rewritten from the file
+        if failed_before is not None and self.optimizer is not None and not want_optim:
+            # the weights are the file's, the optimizer's state is still the failed step's mix
+            kept = ("; a load_checkpoint without the optimizer states (load_optimizer_states=False or "
+                    "load_module_only=True) kept that optimizer state")
+            self._failed_step = failed_before if failed_before.endswith(kept) else failed_before + kept
+        return result
+
+    def _agreed_tag(self, load_dir: str, tag: str | None) -> str | None:
+        """The tag to load (``latest`` when none is given; None: no checkpoint there), the same on every rank:
+        ranks that see different checkpoints (a save_dir on disks of their own, a ``latest`` not yet synced)
+        are refused, every one of them, rather than each loading its own."""
+        error, resolved = None, None
+        try:
+            resolved = ckpt.resolve_tag(load_dir, tag)
+        except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
+            if not self.dist.enabled:
+                raise
+            error = e
+        if not self.dist.enabled:
+            return resolved
+        seen = self.dist.all_gather_object((error is None, resolved), "agreement on the checkpoint tag to load, "
+                                                                       "in load_checkpoint()")
+        if error is not None:
+            raise error
+        failed = [rank for rank, (ok, _) in enumerate(seen) if not ok]
+        if failed:
+            raise ckpt.CheckpointError(f"load_checkpoint from {load_dir}: rank(s) {failed} could not read which tag "
+                                       f"to load (see their errors); nothing was loaded on any rank")
+        tags = [t for _, t in seen]
+        if len(set(tags)) > 1:
+            raise ckpt.CheckpointError(
+                f"load_checkpoint from {load_dir}: the ranks see different checkpoints (tag per rank: "
+                f"{', '.join(f'{r}: {t!r}' for r, t in enumerate(tags))}); every rank must load the same one: put "
+                f"the checkpoints on a file system every rank sees, or pass the same tag on every rank")
+        return resolved
+
+    def _read_checkpoint(self, load_dir: str, tag: str, want_optim: bool, trust: bool, load_module_strict: bool,
+                         load_module_only: bool, load_lr_scheduler_states: bool, custom_load_fn):
+        """Reads checkpoint ``tag`` whole (a file that fails changes nothing) and returns what applies it."""
         directory, saved_over = ckpt.find_tag(load_dir, tag)   # saved_over: DeepSpeed saved over LazyTrain's tag
         lazytrain_file = os.path.join(directory, ds_layout.LAZYTRAIN_FILE)
         if os.path.isfile(lazytrain_file) and not saved_over:
@@ -1716,22 +1803,7 @@ class LazyTrainEngine(nn.Module):
             loaded = ckpt.load(load_dir, tag, want_optim, trust=trust)
             apply = lambda: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
-        # the files are read: gradients accumulated before the load belong to no state being loaded (a rollback
-        # after a loss spike); a load that failed reading them changed nothing, these gradients included
-        self._drop_grads()
-        try:
-            result = apply()
-        except Exception as e:
-            self._inconsistent(f"load_checkpoint of tag {tag!r} from {load_dir} failed half-way", e,
-                               "some of its state was applied and some was not")
-            raise   # the error itself, as the caller of load_checkpoint expects it
-        self._failed_step = None   # every streamed layer and the non-block weights were rewritten from the file
-        if failed_before is not None and self.optimizer is not None and not want_optim:
-            # the weights are the file's, the optimizer's state is still the failed step's mix
-            kept = ("; a load_checkpoint without the optimizer states (load_optimizer_states=False or "
-                    "load_module_only=True) kept that optimizer state")
-            self._failed_step = failed_before if failed_before.endswith(kept) else failed_before + kept
-        return result
+        return apply
 
     def _load_lazytrain(self, path: str, model_state: dict, optim_state: dict | None, strict: bool,
                         module_only: bool, load_scheduler: bool, custom_load_fn):
