@@ -402,24 +402,29 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
     assert empty == (sorted(NON_BLOCK * (world - 1)) if stage == 3 else [])
 
 
-def _failing_update(rank, world, out_dir, stage, overlap, method):
-    """Rank 1's optimizer fails in step 2 (``method``: its ``step``, serially or, overlapped, the update of the
-    parameters outside the layers; its ``update``: the layers' overlapped updates). Every rank must fail that
-    step together, well within the collective timeout, and then resume from the checkpoint of step 1: sharded
-    or replicated (stage 0), no rank may go on alone with other weights than the rest."""
-    import time
+def _two_ranks_training(rank, stage, overlap):
+    """Rank ``rank`` of 2 (a collective timeout of 60 s, so a hang shows): its engine, 3 global batches, and
+    ``train(x, y)``, one step on this rank's half of a batch."""
     import lazytrain
     cfg = _config(2, stage, overlap)
     cfg["lazytrain"]["collective_timeout_s"] = 60
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
-    data = batches(3, batch=GLOBAL)
     part = slice(2 * rank, 2 * rank + 2)
 
     def train(x, y):
         engine.backward(lm_loss(engine(x[part]), y[part]))
         engine.step()
         engine.wait_for_update()
+    return engine, batches(3, batch=GLOBAL), train
 
+
+def _failing_update(rank, world, out_dir, stage, overlap, method):
+    """Rank 1's optimizer fails in step 2 (``method``: its ``step``, serially or, overlapped, the update of the
+    parameters outside the layers; its ``update``: the layers' overlapped updates). Every rank must fail that
+    step together, well within the collective timeout, and then resume from the checkpoint of step 1: sharded
+    or replicated (stage 0), no rank may go on alone with other weights than the rest."""
+    import time
+    engine, data, train = _two_ranks_training(rank, stage, overlap)
     train(*data[0])
     engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="one")
     original = getattr(engine.optimizer, method)
@@ -465,17 +470,7 @@ def _diverging_load(rank, world, out_dir, stage, how):
     or a truncated file ("corrupt"). Every rank must refuse the load, and a script that catches the error and
     trains on must keep one model on every rank."""
     import shutil
-    import lazytrain
-    cfg = _config(2, stage, False)
-    cfg["lazytrain"]["collective_timeout_s"] = 60
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
-    data = batches(3, batch=GLOBAL)
-    part = slice(2 * rank, 2 * rank + 2)
-
-    def train(x, y):
-        engine.backward(lm_loss(engine(x[part]), y[part]))
-        engine.step()
-
+    engine, data, train = _two_ranks_training(rank, stage, overlap=False)
     train(*data[0])
     saved = os.path.join(out_dir, "ckpt")
     engine.save_checkpoint(saved, tag="one")
