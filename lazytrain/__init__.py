@@ -7,8 +7,8 @@ Importing ``lazytrain`` loads nothing heavy; torch is imported with the engine, 
 """
 __version__ = "0.1.0"
 __all__ = ["initialize", "replace_deepspeed", "restore_deepspeed", "init_distributed", "CollectiveError", "register_tier", "CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError",
-           "StepFailedError", "LossScaleAtMinimumError", "__version__"]
-_CHECKPOINT_ERRORS = ("CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError")
+           "CheckpointMismatchError", "StepFailedError", "LossScaleAtMinimumError", "__version__"]
+_CHECKPOINT_ERRORS = ("CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError", "CheckpointMismatchError")
 
 
 def __getattr__(name):

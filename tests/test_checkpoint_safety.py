@@ -670,3 +670,76 @@ def test_the_clipping_a_checkpoint_records_is_the_one_the_engine_trained_with(tm
     engine.save_checkpoint(str(tmp_path), tag="t")
     model_states = torch.load(tmp_path / "t" / "mp_rank_00_model_states.pt", weights_only=False)
     assert engine.gradient_clipping() == 1.0 and model_states["optimizer"]["clip_grad"] == 1.0
+
+
+def _lm(layers=6, hidden=32, tied=False):
+    from lazytrain.models.decoder import DecoderConfig, build_causal_lm
+    torch.manual_seed(0)
+    return build_causal_lm(DecoderConfig(vocab_size=32, hidden_size=hidden, intermediate_size=64,
+                                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=tied), prefer_transformers=True)
+
+
+def _trained(model, steps=1, **section):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"checkpoint_interval": 2, "device": "cpu", **section}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    for x, y in batches(steps):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    return engine
+
+
+OTHER_MODELS = {   # (layers, hidden, tied) of the checkpoint's model -> the start of what the load says
+    "one-layer-more": ((7, 32, False), "is of another model: tensors 9 not in this model (model.layers.6."),
+    "one-layer-fewer": ((5, 32, False), "is of another model: tensors 9 missing (model.layers.5."),
+    "another-hidden-size": ((6, 48, False), "is of another model: tensors 57 of another shape (model.embed_tokens"
+                                            ".weight (32, 48) there, (32, 32) here"),
+    "tied-head": ((6, 32, True), "holds optimizer state for parameter groups of [56] tensors; this engine's "
+                                 "optimizer has groups of [57]"),
+}
+
+
+@pytest.mark.parametrize("other", sorted(OTHER_MODELS))
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(tmp_path, other):
+    """torch's load_state_dict copies every tensor that fits before it reports the rest: the engine checks
+    names, shapes and optimizer groups first, so a wrong directory costs nothing (it used to leave the engine
+    half-loaded and refusing to train or save)."""
+    (layers, hidden, tied), says = OTHER_MODELS[other]
+    _trained(_lm(layers, hidden, tied)).save_checkpoint(str(tmp_path / "other"), tag="t")
+    engine = _trained(_lm(), steps=2)
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    with pytest.raises(lazytrain.CheckpointMismatchError) as refused:
+        engine.load_checkpoint(str(tmp_path / "other"), tag="t")
+    assert str(refused.value).startswith(f"checkpoint tag 't' in {tmp_path / 'other'} {says}"), str(refused.value)
+    assert str(refused.value).endswith("nothing was loaded")
+    after = engine.module_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.save_checkpoint(str(tmp_path / "mine"), tag="kept")   # the engine trains and saves on as it was
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 3
+
+
+def _mlp_trains(model):
+    for name, p in model.named_parameters():
+        p.requires_grad_("mlp" in name)
+    return model
+
+
+def test_a_checkpoint_without_its_frozen_weights_names_the_strict_load_as_the_cause(tmp_path):
+    first = _trained(_mlp_trains(_lm()))
+    first.save_checkpoint(str(tmp_path), tag="t", exclude_frozen_parameters=True)
+    saved = {k: v.clone() for k, v in first.module_state_dict().items()}
+    second = _trained(_mlp_trains(_lm()), steps=0)
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"tensors \d+ missing \(model.embed_tokens.weight, .*\) "
+                                                           r"\(saved with exclude_frozen_parameters=True: load with "
+                                                           r"load_module_strict=False\); nothing was loaded"):
+        second.load_checkpoint(str(tmp_path), tag="t")
+    second.load_checkpoint(str(tmp_path), tag="t", load_module_strict=False)
+    loaded = second.module_state_dict()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)

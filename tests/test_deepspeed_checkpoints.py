@@ -13,6 +13,7 @@ import torch
 
 import lazytrain
 from lazytrain.engine import deepspeed_checkpoint as ds_ckpt
+from lazytrain.engine.checkpoint import CheckpointMismatchError
 
 pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
 HERE = os.path.join(os.path.dirname(__file__), "data", "deepspeed_0_19")
@@ -115,7 +116,9 @@ def test_a_deepspeed_checkpoint_for_another_model_is_refused_by_name():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
-    with pytest.raises(RuntimeError, match=r"size mismatch for 2.weight"):
+    with pytest.raises(CheckpointMismatchError, match=r"is of another model: tensors 2 of another shape \(2.weight "
+                                                      r"\(8, 8\) there, \(4, 8\) here, 2.bias \(8,\) there, \(4,\) "
+                                                      r"here\); nothing was loaded"):
         engine.load_checkpoint(os.path.join(HERE, "stage2_fp32_2ranks"))
     with pytest.raises(ds_ckpt.DeepSpeedCheckpointError, match=r"holds moments of shape \(8, 8\) for '2.weight', "
                                                                r"whose shape here is \(4, 8\)"):

@@ -56,6 +56,11 @@ class IncompleteCheckpointError(CheckpointError):
     """A tag whose save never completed: nothing of it is loaded."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of another model (other names or shapes, other parameter groups): refused before anything
+    of it is applied, so the engine trains on as it was."""
+
+
 class CheckpointSpaceError(CheckpointError):
     """Not enough space to save: the previous checkpoint is left as it was."""
 

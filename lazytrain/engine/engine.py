@@ -1784,8 +1784,13 @@ class LazyTrainEngine(nn.Module):
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=own.get("stage0_names"),
                                  wanted=self._owned_names())
             path = os.path.join(load_dir, tag, ds_layout.model_file(state.stage))   # as DeepSpeed returns it
-            apply = lambda: self._load_own(path, own, state, load_module_strict, load_module_only,  # noqa: E731
-                                           load_lr_scheduler_states, custom_load_fn)
+            module = {**state.module, **own.get("module_extra", {})}
+            for alias, source in ds_layout.shared_params(self.module).items():
+                if source in module:   # a tied weight's every name holds its fp32 value (stage 0 keeps only the
+                    module[alias] = module[source]   # first name's master, the others at the training precision)
+            optimizer = own.get("optimizer") if want_optim else None
+            apply = lambda: self._load_own(path, own, state, module, load_module_strict,  # noqa: E731
+                                           load_module_only, load_lr_scheduler_states, custom_load_fn)
         elif saved_over or ds_ckpt.is_deepspeed(directory, trust):
             # read everything first: a file that fails changes nothing.
             # a stage-0 checkpoint keeps the optimizer's state by position: DeepSpeed's groups are the ones the
@@ -1797,13 +1802,76 @@ class LazyTrainEngine(nn.Module):
                       if not ds_layout.trainable(p)}
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=names if want_optim else None,
                                  wanted=self._owned_names(), stage0_frozen=frozen)
+            module, optimizer = state.module, state.optimizer_state_dict
             apply = lambda: self._load_deepspeed(directory, state, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
         else:
             loaded = ckpt.load(load_dir, tag, want_optim, trust=trust)
+            module, optimizer = loaded[1]["module"], (loaded[2] or {}).get("optimizer")
             apply = lambda: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
+        where = f"checkpoint tag {tag!r} in {load_dir}"
+        if custom_load_fn is None:   # the user's own loader decides what fits
+            self._check_module_state_fits(module, load_module_strict, where)
+        if not load_module_only:
+            self._check_optimizer_state_fits(optimizer, where)
         return apply
+
+    def _state_shapes(self) -> dict[str, tuple | None]:
+        """The names the module's ``state_dict()`` holds, each with its shape (a parameter another rank holds
+        at stage 3: its whole shape; None: a module's extra state, which has none), read without gathering."""
+        whole = self.partitioned.whole_shape if self.partitioned is not None else (lambda t: t.shape)
+        shapes: dict[str, tuple | None] = {}
+        for name, module in self.module.named_modules(remove_duplicate=False):
+            prefix = f"{name}." if name else ""
+            for n, p in module._parameters.items():
+                if p is not None:
+                    shapes[prefix + n] = tuple(whole(p))
+            for n, b in module._buffers.items():
+                if b is not None and n not in module._non_persistent_buffers_set:
+                    shapes[prefix + n] = tuple(b.shape)
+            if type(module).get_extra_state is not nn.Module.get_extra_state:
+                shapes[prefix + "_extra_state"] = None
+        return shapes
+
+    def _check_module_state_fits(self, state: dict, strict: bool, where: str) -> None:
+        """A checkpoint of another model is refused before anything is written (torch's load_state_dict
+        copies every tensor that fits before it reports the rest, which would leave the engine half-loaded):
+        a tensor of another shape always, a missing or unexpected name when ``strict``."""
+        shapes = self._state_shapes()
+        wrong = [f"{k} {tuple(v.shape)} there, {shapes[k]} here" for k, v in state.items()
+                 if shapes.get(k) is not None and torch.is_tensor(v) and tuple(v.shape) != shapes[k]]
+        missing = [k for k in shapes if k not in state] if strict else []
+        unexpected = [k for k in state if k not in shapes] if strict else []
+        if not (wrong or missing or unexpected):
+            return
+
+        def listed(what: str, names: list[str]) -> str:
+            return f"{len(names)} {what} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+        parts = [listed(what, names) for what, names in (("of another shape", wrong), ("missing", missing),
+                                                         ("not in this model", unexpected)) if names]
+        frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        hint = " (saved with exclude_frozen_parameters=True: load with load_module_strict=False)" \
+            if missing and not wrong and not unexpected and set(missing) <= frozen else ""
+        raise ckpt.CheckpointMismatchError(f"{where} is of another model: tensors {'; '.join(parts)}{hint}; nothing "
+                                           f"was loaded")
+
+    def _check_optimizer_state_fits(self, sd: dict | None, where: str) -> None:
+        """An optimizer state of other parameter groups (another model's, or a head tied here and not there)
+        is refused before anything is written, naming the groups' sizes."""
+        if sd is None or self.optimizer is None or not isinstance(sd.get("param_groups"), list):
+            return
+        groups = self._all_whole_groups() if self.shards is not None else getattr(self.optimizer, "param_groups", None)
+        if groups is None:
+            return
+        here = [len(g["params"]) for g in groups]
+        there = [len(g.get("params", ())) for g in sd["param_groups"]]
+        if here != there:
+            raise ckpt.CheckpointMismatchError(
+                f"{where} holds optimizer state for parameter groups of {there} tensors; this engine's optimizer "
+                f"has groups of {here} (another model's, other trainable parameters, or an embedding and head tied "
+                f"in one and not the other): load it with load_optimizer_states=False to take the weights alone; "
+                f"nothing was loaded")
 
     def _load_lazytrain(self, path: str, model_state: dict, optim_state: dict | None, strict: bool,
                         module_only: bool, load_scheduler: bool, custom_load_fn):
@@ -1821,15 +1889,12 @@ class LazyTrainEngine(nn.Module):
         self.micro_steps = self._micro_steps_after_load()
         return path, model_state.get("client_state", {})
 
-    def _load_own(self, path: str, own: dict, state, strict: bool, module_only: bool, load_scheduler: bool,
-                  custom_load_fn):
+    def _load_own(self, path: str, own: dict, state, module: dict, strict: bool, module_only: bool,
+                  load_scheduler: bool, custom_load_fn):
         """A checkpoint this LazyTrain wrote: the DeepSpeed files (the fp32 masters, the moments they hold
         exactly, the schedule, counters and client state) with the LazyTrain file (the optimizer's own
-        state around those moments, the loss scaler): bit-identical to what was saved."""
-        module = {**state.module, **own.get("module_extra", {})}
-        for alias, source in ds_layout.shared_params(self.module).items():
-            if source in module:   # a tied weight's every name holds its fp32 value (stage 0 keeps only the
-                module[alias] = module[source]   # first name's master, the others at the training precision)
+        state around those moments, the loss scaler): bit-identical to what was saved. ``module``: the
+        module's state as read (its tied weights' every name)."""
         self._load_module_state(module, strict, custom_load_fn)
         if module_only:
             return path, state.client_state

@@ -139,6 +139,11 @@ class PartitionedParams:
         """Whether ``t`` (a master the optimizer holds, or a model parameter) is partitioned here."""
         return self._entry_of(t) is not None
 
+    def whole_shape(self, t: torch.Tensor) -> torch.Size:
+        """The shape of ``t`` as the model has it (a parameter another rank holds: its whole shape)."""
+        entry = self._entry_of(t)
+        return entry.shape if entry is not None else t.shape
+
     def _entry_of(self, t: torch.Tensor) -> _Entry | None:
         """The entry of ``t`` (a partitioned parameter or its master) while partitioned, else None."""
         if not self.active:
