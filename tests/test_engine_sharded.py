@@ -324,7 +324,8 @@ def test_a_mixed_precision_sharded_run_resumes_bit_identically(spawned, stage, o
 
 def _stalling_worker(rank, port, out_dir, where):
     """Rank 1 stops (SIGSTOP) where the sharded step is: before its gradient reduce, or on the update thread
-    before its broadcast of updated weights; rank 0 must fail naming that collective."""
+    before its broadcast of updated weights, or (stage 3) before it joins destroy()'s gather of the partitioned
+    parameters; rank 0 must fail naming that collective."""
     import signal
     import warnings
     join_as(rank, 2, port)
@@ -332,10 +333,17 @@ def _stalling_worker(rank, port, out_dir, where):
     import lazytrain
     from lazytrain.engine.distributed import DistributedContext
     torch.set_num_threads(1)
-    cfg = _config(2, 1, overlap=where == "broadcast")
+    cfg = _config(2, 3 if where == "destroy" else 1, overlap=where == "broadcast")
     cfg["lazytrain"]["collective_timeout_s"] = 3
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
-    if rank == 1:
+    if rank == 1 and where == "destroy":
+        original = engine.destroy
+
+        def stop_then_destroy():
+            os.kill(os.getpid(), signal.SIGSTOP)
+            original()
+        engine.destroy = stop_then_destroy
+    elif rank == 1:
         name = "reduce_to" if where == "reduce" else "broadcast_started"   # the update thread's broadcasts
         original = getattr(DistributedContext, name)
 
@@ -349,13 +357,18 @@ def _stalling_worker(rank, port, out_dir, where):
             engine.backward(lm_loss(engine(x[part]), y[part]))
             engine.step()
         engine.wait_for_update()
+        if where == "destroy":
+            engine.destroy()
     except Exception as e:   # noqa: BLE001 - what rank 0 reports is the test's subject
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(f"{type(e).__name__}: {e}")
 
 
 @pytest.mark.parametrize("where,collective", [("reduce", "gradient reduce of engine.step()"),
-                                              ("broadcast", "broadcast of updated weights in engine.step()")])
+                                              ("broadcast", "broadcast of updated weights in engine.step()"),
+                                              ("destroy", "gather of the partitioned parameters (module_state_dict(), "
+                                                          "a load, a save's 16-bit weights or destroy(): every rank "
+                                                          "must call it)")])
 def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collective(tmp_path, where, collective):
     ctx = mp.get_context("spawn")
     port = free_port()

@@ -47,6 +47,12 @@ import torch.nn as nn
 from .precision import Masters
 
 _LIVE: list = []   # weak references to the partitioned engines, in the order made: live()
+# what a broadcast of a partitioned parameter is for, named in the error of a rank whose peers never joined it
+FOR_FORWARD = ("broadcast of a partitioned parameter for its module (zero_optimization.stage 3: every rank must run "
+               "the same forwards through the same modules outside the streamed blocks)")
+FOR_GATHER = ("gather of the partitioned parameters (module_state_dict(), a load, a save's 16-bit weights or "
+              "destroy(): every rank must call it)")
+FOR_GATHERED = "gather of the parameters a GatheredParameters scope names (every rank must enter it)"
 
 
 @dataclass(eq=False)
@@ -123,7 +129,7 @@ class PartitionedParams:
         """Every parameter whole on every rank again, no hooks of ours (``destroy()``: a collective)."""
         if not self.active:
             return
-        self._fetch(self.entries)
+        self._fetch(self.entries, FOR_GATHER)
         self._fetch_masters()
         for handle in self._hooks:
             handle.remove()
@@ -159,7 +165,7 @@ class PartitionedParams:
         if not self.active:
             yield
             return
-        with self._pinned(self.entries):
+        with self._pinned(self.entries, FOR_GATHER):
             if self._whole_for == 0:
                 self._fetch_masters()
             self._whole_for += 1
@@ -223,17 +229,18 @@ class PartitionedParams:
     def gathered(self, params) -> contextlib.AbstractContextManager:
         """``deepspeed.zero.GatheredParameters(params)``: those of ``params`` partitioned here, whole for the
         duration (read only: a write by one rank would reach no other); then what this fetched is dropped."""
-        return self._pinned([self._by_param[id(p)] for p in params if id(p) in self._by_param] if self.active else [])
+        return self._pinned([self._by_param[id(p)] for p in params if id(p) in self._by_param] if self.active else [],
+                            FOR_GATHERED)
 
     @contextlib.contextmanager
-    def _pinned(self, entries):
+    def _pinned(self, entries, what: str):
         """A scope: ``entries`` fetched and kept whole until it ends, then what it fetched dropped (what was
         held before it, for a pending backward or an outer scope, stays)."""
         before = {id(e) for e in entries if e.held}
         for e in entries:
             e.pins += 1
         try:
-            self._fetch(entries)
+            self._fetch(entries, what)
             yield
         finally:
             for e in entries:
@@ -260,12 +267,12 @@ class PartitionedParams:
                 if e.owner != self.rank:
                     self.held_bytes -= e.param.numel() * e.param.element_size()
                 e.held = False
-                self._fetch([e])
+                self._fetch([e], FOR_GATHER)
             else:
                 self._drop(e)
 
     # ---- fetch and drop ------------------------------------------------------------------------------
-    def _fetch(self, entries) -> None:
+    def _fetch(self, entries, what: str = FOR_FORWARD) -> None:
         if not self.active:   # after unpartition(): every parameter is whole, and a graph's hooks may remain
             return
         for e in entries:
@@ -274,9 +281,7 @@ class PartitionedParams:
             mine = e.owner == self.rank
             buf = e.param.data if mine else torch.empty_strided(e.shape, e.stride, dtype=e.param.dtype,
                                                                  device=e.param.device)
-            self.dist.broadcast_from([buf], e.owner, what="broadcast of a partitioned parameter for its module "
-                                     "(zero_optimization.stage 3: every rank must run the same forwards through the "
-                                     "same modules outside the streamed blocks)")
+            self.dist.broadcast_from([buf], e.owner, what=what)
             if not mine:
                 e.param.data = buf
                 self.held_bytes += buf.numel() * buf.element_size()
