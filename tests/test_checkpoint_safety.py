@@ -743,3 +743,20 @@ def test_a_checkpoint_without_its_frozen_weights_names_the_strict_load_as_the_ca
     second.load_checkpoint(str(tmp_path), tag="t", load_module_strict=False)
     loaded = second.module_state_dict()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_a_save_between_the_micro_batches_of_a_step_warns_that_their_gradients_are_not_in_it(tmp_path):
+    engine = _engine(_gas=2)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()   # the first of 2 micro-batches
+    with pytest.warns(UserWarning, match=r"save_checkpoint 'mid' between the micro-batches of a step \(1 of 2 "
+                                         r"done\): their accumulated gradients are not saved \(as in DeepSpeed\), "
+                                         r"and a run resumed from it starts that step afresh"):
+        engine.save_checkpoint(str(tmp_path), tag="mid")
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()   # the step's last
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.save_checkpoint(str(tmp_path), tag="whole")
+    assert engine.global_steps == 1

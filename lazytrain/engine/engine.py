@@ -1553,6 +1553,12 @@ class LazyTrainEngine(nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         tag = ckpt.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
         self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
+        into_step = self.micro_steps % self.gradient_accumulation_steps()
+        if into_step and self._boundary_override is None and self.global_rank == 0:   # else the script says
+            warnings.warn(f"lazytrain: save_checkpoint {tag!r} between the micro-batches of a step ({into_step} of "
+                          f"{self.gradient_accumulation_steps()} done): their accumulated gradients are not saved "
+                          f"(as in DeepSpeed), and a run resumed from it starts that step afresh; save after a "
+                          f"step's last micro-batch", UserWarning)
         self.wait_for_update()
         if self.shards is not None:
             # stage 3: each rank sees every parameter's shape, and takes the values of its part of DeepSpeed's
