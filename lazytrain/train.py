@@ -7,7 +7,6 @@ problems. It prints accuracy before and after, peak memory per tier, and where t
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json

@@ -1261,7 +1261,7 @@ class LazyTrainEngine(nn.Module):
     def _share_updated(self, layers=(), non_block: bool = False) -> None:
         """Sharded state: the owners' updated weights to every rank (fp32, or the compute copies with the
         masters sharded; the update thread has its own, pipelined way: :meth:`_sharded_layer_updates`)."""
-        shards, w = self.shards, self.weights
+        shards = self.shards
         for i in layers:
             self.dist.broadcast_from([self._published(i)], shards.layer_owner[i])
         if non_block:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pulp
@@ -430,7 +430,6 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
     rows = opts.memory_rows if opts.memory_rows != "auto" else ("dense" if L <= DENSE_ROWS_UP_TO else "running")
     use_nvme = p.nvme_budget > 0
     tiers = ["H", "N"] if use_nvme else ["H"]
-    bw_tier_h2d = {"H": p.bw_h2d, "N": p.bw_h2d}
     eps = 1e-6 * p.no_recompute_compute_s() / W          # tie-breaker unit (seconds)
     GBF = p.gpu_budget / 1000.0                          # byte unit of the model: rows stay well scaled
     m = pulp.LpProblem("lazytrain_plan", pulp.LpMinimize)

@@ -23,7 +23,7 @@ parameters (token embedding, final norm, LM head). Everything is derived analyti
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 from .hardware import HardwareProfile
 from .plan import DEVICE_HOME, RECOMPUTE, Plan, every_k_plan
 from .problem import Budgets, Problem
-from .simulate import SimResult, SimulationError, simulate
+from .simulate import SimResult, simulate
 
 # The paper's reported results (single runs): (gpu, model) -> {system: (batch, TFLOPS, GPU GB, CPU GB, tokens/s)}
 PAPER = {

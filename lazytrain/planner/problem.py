@@ -33,11 +33,10 @@ Execution model (the engine's streaming executor, see plan.py for the window con
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
 
 from ..units import parse_size
-from .hardware import GB, MAX_BYTES, GiB, HardwareProfile, load_profile
+from .hardware import MAX_BYTES, GiB, HardwareProfile, load_profile
 from .measured import MeasuredCosts
 from .models import ModelShape, load_model
 
