@@ -1795,6 +1795,9 @@ class LazyTrainEngine(nn.Module):
                 if source in module:   # a tied weight's every name holds its fp32 value (stage 0 keeps only the
                     module[alias] = module[source]   # first name's master, the others at the training precision)
             optimizer = own.get("optimizer") if want_optim else None
+            if optimizer is not None and _holds_8bit_moments(optimizer) and \
+                    type(self.optimizer).__name__ != "HybridAdamW":
+                optimizer = None   # its moments go by parameter name (_load_own), which checks them one by one
             apply = lambda: self._load_own(path, own, state, module, load_module_strict,  # noqa: E731
                                            load_module_only, load_lr_scheduler_states, custom_load_fn)
         elif saved_over or ds_ckpt.is_deepspeed(directory, trust):
@@ -1840,13 +1843,29 @@ class LazyTrainEngine(nn.Module):
                 shapes[prefix + "_extra_state"] = None
         return shapes
 
+    def _loads_by_name(self) -> bool:
+        """Whether the module loads each tensor under its own name and shape: no module of it overrides
+        ``_load_from_state_dict`` (as BatchNorm does for old checkpoints) or has a load pre-hook other than
+        the engine's (legacy key renames)."""
+        ours = {h.id for h in self._load_hooks + getattr(self, "_settle_hooks", []) if hasattr(h, "id")}
+        for module in self.module.modules():
+            if type(module)._load_from_state_dict is not nn.Module._load_from_state_dict:
+                return False
+            if any(k not in ours for k in module._load_state_dict_pre_hooks):
+                return False
+        return True
+
     def _check_module_state_fits(self, state: dict, strict: bool, where: str) -> None:
         """A checkpoint of another model is refused before anything is written (torch's load_state_dict
         copies every tensor that fits before it reports the rest, which would leave the engine half-loaded):
         a tensor of another shape always, a missing or unexpected name when ``strict``."""
+        if not self._loads_by_name():
+            return   # a module that renames or reshapes what it loads decides for itself, as torch lets it
         shapes = self._state_shapes()
+        # torch takes a one-element tensor for a 0-dim parameter (checkpoints of old torch versions)
         wrong = [f"{k} {tuple(v.shape)} there, {shapes[k]} here" for k, v in state.items()
-                 if shapes.get(k) is not None and torch.is_tensor(v) and tuple(v.shape) != shapes[k]]
+                 if shapes.get(k) is not None and torch.is_tensor(v) and tuple(v.shape) != shapes[k]
+                 and not (shapes[k] == () and tuple(v.shape) == (1,))]
         missing = [k for k in shapes if k not in state] if strict else []
         unexpected = [k for k in state if k not in shapes] if strict else []
         if not (wrong or missing or unexpected):
