@@ -174,6 +174,15 @@ def _flag(section: dict, key: str, default: bool, where: str) -> bool:
     raise ConfigError(f"config key '{where}.{key}' must be true or false, got {value!r}")
 
 
+def _quant_block_size(section: dict) -> int:
+    """HybridAdamW's 8-bit block: a multiple of 32 from 32 to 16384 elements (its kernels' and bitsandbytes')."""
+    size = _number(section, "quant_block_size", 256, "lazytrain", integer=True, minimum=32)
+    if size % 32 or size > 16384:
+        raise ConfigError(f"config key 'lazytrain.quant_block_size' must be a multiple of 32 from 32 to 16384, got "
+                          f"{size}")
+    return size
+
+
 def _number(section: dict, key: str, default, where: str, integer: bool = False, minimum: float | None = None,
             above: float | None = None, text: bool = False):
     """A number setting, refused by name when it is not one (a string, a fraction where a whole number is due, a
@@ -868,7 +877,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         overlap_optimizer=overlap,
         tiers=tuple(tiers), capacities=capacities, optimizer_states=states,
         hybrid_threshold=_number(section, "hybrid_threshold", 4096, "lazytrain", integer=True, minimum=0),
-        quant_block_size=_number(section, "quant_block_size", 256, "lazytrain", integer=True, minimum=1),
+        quant_block_size=_quant_block_size(section),
         fp32_state_patterns=_patterns(section),
         milp_time_limit=float(_number(section, "milp_time_limit", 30.0, "lazytrain", above=0)), nvme_path=nvme_path,
         seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),

@@ -645,6 +645,29 @@ def test_a_bad_parameter_of_a_torch_optimizer_is_named_with_its_section():
         _one_step_with({"type": "RMSprop", "params": {"lr": 0.1, "betas": [0.9, 0.99]}})
 
 
+@pytest.mark.parametrize("params, says", [
+    ({"lr": 0.1, "amsgrad": True}, r"config 'optimizer.params' for AdamW8bit: .*'amsgrad'"),
+    ({"lr": -0.1}, r"config 'optimizer.params' for AdamW8bit: lr must be >= 0, got -0.1"),
+    ({"lr": float("nan")}, r"config 'optimizer.params' for AdamW8bit: lr must be >= 0, got nan"),
+])
+def test_a_bad_parameter_of_the_8bit_optimizer_is_named_with_its_section(params, says):
+    with pytest.raises(ConfigError, match=says):
+        _one_step_with({"type": "AdamW8bit", "params": params})
+
+
+def test_the_hybrid_optimizer_runs_adam_with_l2_decay_when_adam_w_mode_is_false():
+    engine, _, _, _ = _one_step_with({"type": "HybridAdamW", "params": {"lr": 0.1, "adam_w_mode": False}})
+    assert [g["adamw_mode"] for g in engine.optimizer.param_groups] == [False]
+
+
+@pytest.mark.parametrize("size", [16, 100, 32768])
+def test_a_quant_block_size_the_8bit_kernels_cannot_run_is_refused_at_parsing(size):
+    says = (f"config key 'lazytrain.quant_block_size' must be >= 32, got {size}" if size < 32 else
+            f"config key 'lazytrain.quant_block_size' must be a multiple of 32 from 32 to 16384, got {size}")
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        parse_config({"train_batch_size": 2, "lazytrain": {"quant_block_size": size}})
+
+
 def test_auto_left_in_zero_tuning_keys_lazytrain_ignores_is_dropped_as_deepspeed_drops_it():
     """TRL's reference model copies the config before Trainer fills its "auto" values: DeepSpeed's models
     drop "auto" and take their defaults; where LazyTrain uses the value, "auto" stays an error."""

@@ -399,6 +399,45 @@ def test_invalid_arguments():
         HybridAdamW(p, lr=-1.0)
 
 
+@pytest.mark.parametrize("name, value, says", [("lr", float("nan"), "lr must be >= 0, got nan"),
+                                               ("eps", float("nan"), "eps must be >= 0, got nan"),
+                                               ("weight_decay", float("nan"), "weight_decay must be >= 0, got nan"),
+                                               ("betas", (0.9, float("nan")), r"betas must be two numbers in \[0, 1\), "
+                                                                              r"got \(0.9, nan\)")])
+def test_nan_hyperparameters_are_refused_wherever_they_come_from(name, value, says):
+    """NaN compares false with everything: written as torch writes its checks, NaN fails them (it would turn
+    every weight into NaN)."""
+    p = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match=says):
+        HybridAdamW(p, **{name: value})
+    opt = HybridAdamW(p, lr=1e-3)
+    with pytest.raises(ValueError, match=says):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], name: value})
+    opt.param_groups[0][name] = value   # edited before a step
+    p[0].grad = torch.ones(4)
+    with pytest.raises(ValueError, match=says):
+        opt.step()
+    assert torch.equal(p[0], torch.zeros(4))
+
+
+@pytest.mark.parametrize("states", ["fp32", "8bit"])
+def test_finite_gradients_whose_fp32_norm_overflows_are_stepped_as_torch_steps_them(states):
+    """Without clipping the norm is computed only to find non-finite gradients; gradients of 1e18 are finite,
+    though the fp32 sum of their squares is not: the step goes through, as torch's AdamW's."""
+    ref, mine = (torch.nn.Parameter(torch.ones(64, 64)) for _ in range(2))
+    torch_opt, opt = torch.optim.AdamW([ref], lr=1e-2), HybridAdamW([mine], lr=1e-2, optimizer_states=states,
+                                                                     min_8bit_size=0)
+    for _ in range(3):
+        ref.grad, mine.grad = torch.full((64, 64), 1e18), torch.full((64, 64), 1e18)
+        torch_opt.step()
+        opt.step()
+    assert opt.skipped_steps == 0
+    assert torch.allclose(mine, ref, rtol=1e-2)
+    mine.grad = torch.full((64, 64), float("inf"))   # a non-finite one is still skipped
+    opt.step()
+    assert opt.last_step_skipped and opt.skipped_steps == 1
+
+
 # ---------------------------------------------------------------- works with schedulers and other dtypes
 def test_lr_scheduler_drives_the_step():
     params = make_params()

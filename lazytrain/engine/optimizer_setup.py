@@ -95,10 +95,10 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
         return cls(groups, fused=_fused_ok(groups), **params)
     if lower in _HYBRID_TYPES:
-        params.pop("adam_w_mode", None)
+        adam_w_mode = bool(params.pop("adam_w_mode", True))   # false: Adam with L2 decay, as DeepSpeed's key says
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
-        return _hybrid(groups, params, True, cfg, named)
+        return _hybrid(groups, params, adam_w_mode, cfg, named)
     if lower in _DEEPSPEED_OWN:
         raise ConfigError(f"config 'optimizer.type' {typ!r} is DeepSpeed's {_DEEPSPEED_OWN[lower]}, which LazyTrain "
                           f"does not implement (supported: {', '.join(KNOWN_TYPES)}, or any torch.optim optimizer by "
@@ -140,11 +140,14 @@ def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[in
         where = set_elsewhere[key]
         raise ConfigError(f"config 'optimizer.params.{key}' is not an optimizer parameter here: "
                           + (f"set '{where}' instead" if where else "the engine sets it"))
-    return HybridAdamW(groups, adamw_mode=adam_w_mode, optimizer_states=lt.optimizer_states
-                       if cfg.optimizer.type.lower() not in _HYBRID_TYPES else "8bit",
-                       min_8bit_size=lt.hybrid_threshold, block_size=lt.quant_block_size,
-                       fp32_name_patterns=lt.fp32_state_patterns,
-                       named_parameters=named, check_finite=False, **params)   # the engine checks finiteness
+    try:
+        return HybridAdamW(groups, adamw_mode=adam_w_mode, optimizer_states=lt.optimizer_states
+                           if cfg.optimizer.type.lower() not in _HYBRID_TYPES else "8bit",
+                           min_8bit_size=lt.hybrid_threshold, block_size=lt.quant_block_size,
+                           fp32_name_patterns=lt.fp32_state_patterns,
+                           named_parameters=named, check_finite=False, **params)   # the engine checks finiteness
+    except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
+        raise ConfigError(f"config 'optimizer.params' for {cfg.optimizer.type}: {e}") from None
 
 
 def eight_bit_share(cfg: EngineConfig, model: torch.nn.Module, groups: list[dict]) -> float:

@@ -132,15 +132,8 @@ class HybridAdamW(torch.optim.Optimizer):
                  fp32_name_patterns: Optional[Sequence[str]] = DEFAULT_FP32_PATTERNS,
                  named_parameters=None, max_grad_norm: float = 0.0,
                  check_finite: bool = True, compute_copies: Optional[Mapping[torch.Tensor, torch.Tensor]] = None):
-        if lr < 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
-        if eps < 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if max_grad_norm < 0.0:
+        _check_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if not max_grad_norm >= 0.0:   # written so that NaN fails too
             raise ValueError(f"max_grad_norm must be >= 0, got {max_grad_norm}")
         _check_kind(optimizer_states)
         _check_block(block_size)
@@ -406,6 +399,9 @@ class HybridAdamW(torch.optim.Optimizer):
                                  "or clip_coef computed over all gradients")
             norm, _ = clipping.global_grad_norm([g for _, g, _ in targets])
         self.last_step_skipped = False
+        if norm is not None and grad_norm is None and clip_coef is None and self.max_grad_norm == 0 and \
+                not clipping.is_finite(norm) and all(bool(torch.isfinite(g).all()) for _, g, _ in targets):
+            norm = None   # only the fp32 sum of squares overflowed: finite gradients, and nothing to clip
         if norm is not None:
             if not clipping.is_finite(norm):
                 self.record_skipped_step(float(norm) if not isinstance(norm, torch.Tensor) else norm.item())
@@ -510,9 +506,24 @@ def _check_flags(group: Mapping[str, Any], where: str = "a parameter group") -> 
                              f"for it")
 
 
+def _check_hyperparameters(group: Mapping[str, Any]) -> None:
+    """torch's AdamW's checks, written so that NaN fails them too (NaN compares false with everything: a
+    NaN learning rate would pass ``lr < 0`` and turn every weight into NaN)."""
+    lr, betas, eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if not lr >= 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if len(betas) != 2 or not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
 def _check_group(group: Mapping[str, Any], params: bool = True) -> None:
     """What HybridAdamW can run, checked wherever a group can come from (constructor, add_param_group,
     load_state_dict, edits before a step)."""
+    _check_hyperparameters(group)
     _check_kind(group["optimizer_states"])
     _check_block(group["block_size"])
     _check_flags(group)
