@@ -111,10 +111,11 @@ class Timeline:
         events += [{"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": n, "args": {"sort_index": n}}
                    for n in tid.values()]
         base = min((s.start for s in self.spans), default=0.0)
-        for s in self.spans:
+        for s in self.spans:   # both ends rounded, the duration taken from them: spans back to back stay so
+            ts = round((s.start - base) * 1e6, 3)
+            end = round((max(s.start, s.end) - base) * 1e6, 3)
             events.append({"ph": "X", "name": s.name, "cat": s.lane, "pid": pid, "tid": tid[(s.lane, row_of[id(s)])],
-                           "ts": round((s.start - base) * 1e6, 3), "dur": round(max(0.0, s.end - s.start) * 1e6, 3),
-                           "args": s.args})
+                           "ts": ts, "dur": round(end - ts, 3), "args": s.args})
         return events
 
     def summary(self) -> str:

@@ -445,6 +445,13 @@ def test_a_saved_profile_of_another_model_or_sequence_length_and_an_unwritable_p
     with pytest.raises(ConfigError, match=r"was measured on another model: its layer_params is \[1, 1, 1, 1, 1, 1\]"):
         lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
                                                                          "auto": {"profile": str(other)}}))
+    # the same layers with another embedding and head: what the step does outside the layers differs
+    for key, value, says in (("vocab_size", 200000, "its vocab_size is 200000, this model's 32"),
+                             ("tie_word_embeddings", True, "its tie_word_embeddings is True, this model's False")):
+        other.write_text(json.dumps({**d, "model": {**d["model"], key: value}}))
+        with pytest.raises(ConfigError, match=f"was measured on another model: {says}"):
+            lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
+                                                                             "auto": {"profile": str(other)}}))
     other.write_text(json.dumps({**d, "device": "cuda:0"}))   # its times are a GPU's
     with pytest.raises(ConfigError, match=r"was measured on cuda:0, this run trains on cpu: measure again"):
         lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",

@@ -187,3 +187,17 @@ def test_spans_of_one_lane_that_overlap_without_nesting_go_on_tracks_of_their_ow
             open_ends = [x for x in open_ends if x > start]
             assert not open_ends or end <= open_ends[-1]
             open_ends.append(end)
+
+
+def test_spans_back_to_back_stay_back_to_back_in_the_written_trace():
+    """Each end rounded to the nanosecond apart would let one span end a nanosecond after the next begins on
+    its track; the written duration is taken from the rounded ends (checked in nanoseconds, as Perfetto
+    reads them)."""
+    from lazytrain.trace import Span
+    t = Timeline("measured")
+    edges = [0.1 + k * 0.000123456789 for k in range(201)]
+    t.spans += [Span("compute", f"L{k}", edges[k], edges[k + 1]) for k in range(200)]
+    spans = sorted((e["ts"], e["dur"]) for e in t.chrome_events() if e["ph"] == "X")
+    assert len(spans) == 200 and {e["tid"] for e in t.chrome_events() if e["ph"] == "X"} == {1}
+    for (ts, dur), (next_ts, _) in zip(spans, spans[1:]):
+        assert round(ts * 1000) + round(dur * 1000) == round(next_ts * 1000)

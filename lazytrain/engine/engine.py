@@ -468,10 +468,14 @@ class LazyTrainEngine(nn.Module):
         if self._seq_len is not None and profile.seq_len != self._seq_len:
             raise ConfigError(f"{where} was measured at sequence length {profile.seq_len}, 'lazytrain.seq_len' is "
                               f"{self._seq_len}")
-        for key in ("layer_params", "hidden_size", "dtype"):
-            if profile.model.get(key) != self._model_cfg.get(key):
-                raise ConfigError(f"{where} was measured on another model: its {key} is {profile.model.get(key)!r}, "
-                                  f"this model's {self._model_cfg.get(key)!r}")
+        # the layers, and what lies outside them (the embedding's and head's size sets the non-block update and
+        # the host memory the plan budgets)
+        for key, default in (("layer_params", None), ("hidden_size", None), ("vocab_size", None), ("dtype", None),
+                             ("tie_word_embeddings", False)):
+            theirs, mine = profile.model.get(key, default), self._model_cfg.get(key, default)
+            if theirs != mine:
+                raise ConfigError(f"{where} was measured on another model: its {key} is {theirs!r}, this model's "
+                                  f"{mine!r}")
         self._profile_seq_len = profile.seq_len   # checked against every training batch
 
     def _on_rank0(self, compute):
