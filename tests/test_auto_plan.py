@@ -283,6 +283,29 @@ def test_drift_beyond_the_margin_measures_and_plans_again_at_most_max_replans_ti
     assert "x the prediction)" in out
 
 
+def test_a_new_micro_batch_is_measured_and_planned_again(capsys):
+    """set_train_micro_batch_size under policy auto: the plan and its measurements were another step's, so
+    the calibration plan runs again at the new micro-batch, then a plan for it (outside max_replans)."""
+    cfg = _config({"policy": "auto", "auto": {**AUTO, "max_replans": 0}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+        plans = []
+        for micro, steps in ((2, 6), (4, 6)):
+            if micro != engine.train_micro_batch_size_per_gpu():
+                engine.set_train_micro_batch_size(micro)
+            for x, y in batches(steps, batch=micro):
+                plans.append((engine.plan.policy, engine.plan.micro_batch_size))
+                engine.backward(lm_loss(engine(x), y))
+                engine.step()
+    history = engine.auto.history
+    engine.destroy()
+    assert plans == [("auto-calibration", 2)] * 5 + [("auto-milp", 2)] + [("auto-calibration", 4)] * 5 + \
+        [("auto-milp", 4)]
+    assert [(r.step, r.reason) for r in history] == [(5, "measured"), (11, "measured again at micro-batch 4")]
+    assert "[lazytrain] auto plan after step 11 (measured again at micro-batch 4): auto-milp" in capsys.readouterr().out
+
+
 def test_a_plan_again_after_drift_that_fails_goes_back_to_the_plan_it_had(monkeypatch):
     """Measuring again runs the slow calibration plan; a re-plan that fails then must not leave the run on
     it for good."""

@@ -91,6 +91,7 @@ class AutoPlanner:
     _replans: int = 0
     _mixed: int = 0                                # traced steps left out: a forward in them was never differentiated
     _last_plan: Plan | None = None                 # the last plan made (back to it when measuring again fails)
+    _measuring_why: str | None = None              # why it measures again, when the script asked it to
 
     def start(self, saved: MachineProfile | None = None) -> None:
         """Before the first step: plan from a saved profile, or measure first."""
@@ -115,6 +116,19 @@ class AutoPlanner:
                 self.hooks.switch(self._last_plan)   # measuring again after drift: back to the plan it had
             self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan "
                             f"{self.hooks.current_policy()}: {self.stopped}")
+
+    def measure_again(self, micro_batch: int) -> None:
+        """The step changed shape (``set_train_micro_batch_size``): what was measured and planned is another
+        step's, so the calibration plan runs again at the new micro-batch and a new plan follows (not counted
+        against ``max_replans``: the script asked for it)."""
+        if self.stopped:
+            return
+        self.calibration = dataclasses.replace(self.calibration, micro_batch_size=micro_batch)
+        self._measuring_why = f"measured again at micro-batch {micro_batch}"
+        self.measuring, self._steps_in_phase, self._traces, self._times = True, 0, [], []
+        self._selective_phase, self._plain_traces, self._mixed = False, [], 0
+        self.hooks.switch(self.calibration)
+        self._measure_next()
 
     def selective_calibration(self, layers: tuple) -> Plan:
         """The calibration plan with ``layers`` selective: its traces give a selective layer's costs."""
@@ -159,8 +173,9 @@ class AutoPlanner:
             plain, selective = (self._plain_traces, self._traces) if self._selective_phase else (self._traces, None)
             chosen = self._selective_layers
             profile = self.hooks.on_rank0(lambda: self._profile_saved(plain, selective, chosen))
-            reason = "measured" if not self.history else "measured again after drift"
+            reason = self._measuring_why or ("measured" if not self.history else "measured again after drift")
             self._plan(profile, step, reason)
+            self._measuring_why = None
             return
         self._times.append(seconds)
         if len(self._times) < s.check_every:

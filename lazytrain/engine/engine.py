@@ -1361,15 +1361,19 @@ class LazyTrainEngine(nn.Module):
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """DeepSpeed's: another micro-batch size with the same number of micro-batches a step (the global batch
         follows). A data loader already built keeps its batch size, as DeepSpeed's does. The layers' streaming
-        runs at any size; a plan made for another micro-batch (policy milp, auto or a Plan file) runs too, but
-        its memory and time predictions do not hold: a warning says so."""
+        runs at any size; policy auto measures and plans again at the new size; a plan made for another
+        micro-batch (policy milp or a Plan file) runs, but its memory and time predictions do not hold: a
+        warning says so."""
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}")
         accum = self.gradient_accumulation_steps()
         self._config = dataclasses.replace(self._config, train_micro_batch_size_per_gpu=micro_batch_size,
                                            train_batch_size=micro_batch_size * accum * self.world_size)
         planned = self.plan.micro_batch_size
-        if planned is not None and planned != micro_batch_size:
+        if self.auto is not None and not self.auto.stopped:
+            if planned != micro_batch_size:
+                self.auto.measure_again(micro_batch_size)
+        elif planned is not None and planned != micro_batch_size:
             warnings.warn(f"lazytrain: the plan ({self.plan.policy}) was made for micro-batch {planned}; at "
                           f"{micro_batch_size} it runs, but its memory and time predictions do not hold", UserWarning)
 
