@@ -762,20 +762,15 @@ def test_a_save_between_the_micro_batches_of_a_step_warns_that_their_gradients_a
     assert engine.global_steps == 1
 
 
-def test_8bit_moments_load_by_name_into_an_optimizer_grouped_otherwise(tmp_path):
-    """A checkpoint of the 8-bit HybridAdamW (decay and no-decay groups) loaded into a script's own AdamW over
-    one group: its moments go by parameter name, dequantized, so the groups need not line up (the check of
-    the groups' sizes applies where the state goes by position)."""
-    model = _lm()
-    decay = [p for n, p in model.named_parameters() if "norm" not in n]
-    plain = [p for n, p in model.named_parameters() if "norm" in n]
+def _8bit_saved_and_loader(tmp_path, model, groups):
+    """An AdamW8bit engine over ``groups`` of ``model`` trained a step and saved (tag "t" in ``tmp_path``), and
+    an engine of a fresh model with a script's own torch AdamW over all its parameters, to load it into."""
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-2}},
            "lazytrain": {"device": "cpu", "hybrid_threshold": 0}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        saver, _, _, _ = lazytrain.initialize(model=model, config=cfg, model_parameters=[
-            {"params": decay, "weight_decay": 0.1}, {"params": plain, "weight_decay": 0.0}])
+        saver, _, _, _ = lazytrain.initialize(model=model, config=cfg, model_parameters=groups)
         x, y = batches(1)[0]
         saver.backward(lm_loss(saver(x), y))
         saver.step()
@@ -783,6 +778,18 @@ def test_8bit_moments_load_by_name_into_an_optimizer_grouped_otherwise(tmp_path)
         other = _lm()
         loader, _, _, _ = lazytrain.initialize(model=other, optimizer=torch.optim.AdamW(other.parameters(), lr=1e-2),
                                                config={k: v for k, v in cfg.items() if k != "optimizer"})
+    return saver, loader, other
+
+
+def test_8bit_moments_load_by_name_into_an_optimizer_grouped_otherwise(tmp_path):
+    """A checkpoint of the 8-bit HybridAdamW (decay and no-decay groups) loaded into a script's own AdamW over
+    one group: its moments go by parameter name, dequantized, so the groups need not line up (the check of
+    the groups' sizes applies where the state goes by position)."""
+    model = _lm()
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    plain = [p for n, p in model.named_parameters() if "norm" in n]
+    saver, loader, other = _8bit_saved_and_loader(tmp_path, model, [{"params": decay, "weight_decay": 0.1},
+                                                                    {"params": plain, "weight_decay": 0.0}])
     assert [len(g["params"]) for g in saver.optimizer.param_groups] != [len(g["params"])
                                                                         for g in loader.optimizer.param_groups]
     loader.load_checkpoint(str(tmp_path), tag="t")
@@ -807,3 +814,79 @@ def test_a_module_that_renames_what_it_loads_is_left_to_load_as_torch_lets_it(tm
     torch.save(files, path)
     second.load_checkpoint(str(tmp_path), tag="t", trust_checkpoint=True)
     assert torch.equal(second.module_state_dict()["model.norm.weight"], saved["model.norm.weight"])
+
+
+def _batch_norm_lm(n_layers: int):
+    """A model with a BatchNorm outside its blocks (torch's norms load their own way: an old checkpoint may
+    lack num_batches_tracked)."""
+    from engine_models import ModuleListLM
+
+    class BatchNormLM(ModuleListLM):
+        def __init__(self):
+            super().__init__(n_layers=n_layers)
+            self.bn = torch.nn.BatchNorm1d(32)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for blk in self.stack:
+                x = blk(x)
+            return self.head(self.extra[0](self.bn(x.transpose(1, 2)).transpose(1, 2)))
+    torch.manual_seed(n_layers)
+    return BatchNormLM()
+
+
+def test_a_batch_norm_in_the_model_keeps_the_check_and_an_old_checkpoint_without_its_counter_loads(tmp_path):
+    _trained(_batch_norm_lm(7)).save_checkpoint(str(tmp_path / "other"), tag="t")
+    engine = _trained(_batch_norm_lm(6))
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    with pytest.raises(lazytrain.CheckpointMismatchError, match=r"tensors 6 not in this model \(stack.6.norm.weight"):
+        engine.load_checkpoint(str(tmp_path / "other"), tag="t", load_optimizer_states=False)
+    assert all(torch.equal(before[k], v) for k, v in engine.module_state_dict().items())
+    engine.save_checkpoint(str(tmp_path / "mine"), tag="t")
+    path = tmp_path / "mine" / "t" / "mp_rank_00_model_states.pt"
+    files = torch.load(path, weights_only=False)
+    del files["module"]["bn.num_batches_tracked"]   # as a checkpoint of an old torch holds it
+    torch.save(files, path)
+    engine.load_checkpoint(str(tmp_path / "mine"), tag="t", trust_checkpoint=True, load_optimizer_states=False)
+
+
+def test_8bit_moments_that_do_not_fit_an_optimizer_grouped_otherwise_are_refused_before_anything_loads(tmp_path):
+    """The moments that go by name are each checked as the files are read: a parameter that trains here and
+    had none there is named, and nothing of the checkpoint is loaded."""
+    model = _lm()
+    model.model.norm.weight.requires_grad_(False)
+    _, loader, _ = _8bit_saved_and_loader(tmp_path, model, [p for p in model.parameters() if p.requires_grad])
+    x, y = batches(1)[0]
+    before = {k: v.clone() for k, v in loader.module_state_dict().items()}
+    with pytest.raises(Exception, match=r"has no optimizer state for parameter 'model.norm.weight'"):
+        loader.load_checkpoint(str(tmp_path), tag="t")
+    assert all(torch.equal(before[k], v) for k, v in loader.module_state_dict().items())
+    loader.backward(lm_loss(loader(x), y))   # not refused: nothing was loaded
+    loader.step()
+
+
+def test_a_one_element_tensor_loads_into_a_0_dim_parameter_in_bf16_as_torch_takes_it(tmp_path):
+    from engine_models import ModuleListLM
+
+    class ScaledLM(ModuleListLM):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, ids):
+            return super().forward(ids) * self.scale
+    torch.manual_seed(0)
+    engine = _trained(ScaledLM(), steps=0)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    path = tmp_path / "t" / "mp_rank_00_model_states.pt"
+    files = torch.load(path, weights_only=False)
+    files["module"]["scale"] = torch.tensor([2.5])   # as an old torch saved a scalar
+    torch.save(files, path)
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"device": "cpu"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bf16, _, _, _ = lazytrain.initialize(model=ScaledLM(), config=cfg)
+    bf16.load_checkpoint(str(tmp_path), tag="t", trust_checkpoint=True, load_optimizer_states=False)
+    assert bf16.module_state_dict()["scale"].item() == 2.5

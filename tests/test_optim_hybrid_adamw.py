@@ -436,6 +436,15 @@ def test_finite_gradients_whose_fp32_norm_overflows_are_stepped_as_torch_steps_t
     mine.grad = torch.full((64, 64), float("inf"))   # a non-finite one is still skipped
     opt.step()
     assert opt.last_step_skipped and opt.skipped_steps == 1
+    # a finite one whose square overflows too: stepped, its second moment would be inf and its weight stuck
+    mine.grad = torch.ones(64, 64)
+    mine.grad[0, 0] = 3e19
+    opt.step()
+    assert opt.last_step_skipped and opt.skipped_steps == 2
+    mine.grad = torch.ones(64, 64)
+    opt.step()
+    assert not opt.last_step_skipped and all(bool(torch.isfinite(v).all()) for v in opt.state[mine].values()
+                                             if torch.is_tensor(v))
 
 
 # ---------------------------------------------------------------- works with schedulers and other dtypes

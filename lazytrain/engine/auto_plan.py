@@ -92,6 +92,7 @@ class AutoPlanner:
     _mixed: int = 0                                # traced steps left out: a forward in them was never differentiated
     _last_plan: Plan | None = None                 # the last plan made (back to it when measuring again fails)
     _measuring_why: str | None = None              # why it measures again, when the script asked it to
+    _pending_micro: int | None = None              # a new micro-batch: measure again after the step under way
 
     def start(self, saved: MachineProfile | None = None) -> None:
         """Before the first step: plan from a saved profile, or measure first."""
@@ -108,6 +109,10 @@ class AutoPlanner:
         if self.stopped:
             return
         try:
+            if self._pending_micro is not None:
+                micro, self._pending_micro = self._pending_micro, None
+                self._restart_at(micro)
+                return
             self._after_step(step, seconds)
         except Exception as e:   # noqa: BLE001 - the step completed; the run keeps a plan
             self.stopped = f"{type(e).__name__}: {e}"
@@ -119,10 +124,12 @@ class AutoPlanner:
 
     def measure_again(self, micro_batch: int) -> None:
         """The step changed shape (``set_train_micro_batch_size``): what was measured and planned is another
-        step's, so the calibration plan runs again at the new micro-batch and a new plan follows (not counted
-        against ``max_replans``: the script asked for it)."""
-        if self.stopped:
-            return
+        step's, so once the step under way (or, between steps, the next) is done, the calibration plan runs
+        again at the new micro-batch and a new plan follows (not counted against ``max_replans``: the script
+        asked for it). That step itself is measured by nothing: it may hold micro-batches of both sizes."""
+        self._pending_micro = micro_batch
+
+    def _restart_at(self, micro_batch: int) -> None:
         self.calibration = dataclasses.replace(self.calibration, micro_batch_size=micro_batch)
         self._measuring_why = f"measured again at micro-batch {micro_batch}"
         self.measuring, self._steps_in_phase, self._traces, self._times = True, 0, [], []

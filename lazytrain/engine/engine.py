@@ -1366,12 +1366,12 @@ class LazyTrainEngine(nn.Module):
         warning says so."""
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a whole number >= 1, got {micro_batch_size!r}")
-        accum = self.gradient_accumulation_steps()
+        accum, before = self.gradient_accumulation_steps(), self.train_micro_batch_size_per_gpu()
         self._config = dataclasses.replace(self._config, train_micro_batch_size_per_gpu=micro_batch_size,
                                            train_batch_size=micro_batch_size * accum * self.world_size)
         planned = self.plan.micro_batch_size
         if self.auto is not None and not self.auto.stopped:
-            if planned != micro_batch_size:
+            if micro_batch_size != before:
                 self.auto.measure_again(micro_batch_size)
         elif planned is not None and planned != micro_batch_size:
             warnings.warn(f"lazytrain: the plan ({self.plan.policy}) was made for micro-batch {planned}; at "
@@ -1554,7 +1554,8 @@ class LazyTrainEngine(nn.Module):
                 for name, p in module.named_parameters(remove_duplicate=False):   # tied weights: either name
                     m = self.masters.by_param.get(id(p))
                     if m is not None and prefix + name in state:
-                        m.copy_(state[prefix + name])
+                        value = state[prefix + name]   # a one-element tensor for a 0-dim one, as torch takes it
+                        m.copy_(value.reshape(()) if m.dim() == 0 and value.shape == (1,) else value)
         self._refresh_streamed_layers()
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
@@ -1802,12 +1803,21 @@ class LazyTrainEngine(nn.Module):
             for alias, source in ds_layout.shared_params(self.module).items():
                 if source in module:   # a tied weight's every name holds its fp32 value (stage 0 keeps only the
                     module[alias] = module[source]   # first name's master, the others at the training precision)
-            optimizer = own.get("optimizer") if want_optim else None
-            if optimizer is not None and _holds_8bit_moments(optimizer) and \
-                    type(self.optimizer).__name__ != "HybridAdamW":
-                optimizer = None   # its moments go by parameter name (_load_own), which checks them one by one
-            apply = lambda: self._load_own(path, own, state, module, load_module_strict,  # noqa: E731
-                                           load_module_only, load_lr_scheduler_states, custom_load_fn)
+            if not load_module_only:
+                self._check_extra_params(own, directory)
+            # the optimizer's state, prepared (and refused where it does not fit) before anything is written
+            optimizer, by_name = None, None
+            if want_optim and state.moments is not None and own.get("optimizer") is not None:
+                if _holds_8bit_moments(own["optimizer"]) and type(self.optimizer).__name__ != "HybridAdamW":
+                    # saved by an 8-bit HybridAdamW: its codes mean nothing to this optimizer, which takes the fp32
+                    # moments the DeepSpeed files hold (dequantized), by parameter name, each checked as prepared
+                    by_name = lambda: self._optimizer_state_from(state.moments, directory,  # noqa: E731
+                                                                 state.group_settings)
+                else:
+                    optimizer = self._own_optimizer_state(own, state.moments, path, self._owned_names())
+            apply = lambda: self._load_own(path, own, state, module, optimizer, prepared,  # noqa: E731
+                                           load_module_strict, load_module_only, load_lr_scheduler_states,
+                                           custom_load_fn)
         elif saved_over or ds_ckpt.is_deepspeed(directory, trust):
             # read everything first: a file that fails changes nothing.
             # a stage-0 checkpoint keeps the optimizer's state by position: DeepSpeed's groups are the ones the
@@ -1820,11 +1830,14 @@ class LazyTrainEngine(nn.Module):
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=names if want_optim else None,
                                  wanted=self._owned_names(), stage0_frozen=frozen)
             module, optimizer = state.module, state.optimizer_state_dict
-            apply = lambda: self._load_deepspeed(directory, state, load_module_strict, load_module_only,  # noqa: E731
-                                                 load_lr_scheduler_states, custom_load_fn)
+            # DeepSpeed's moments by parameter name, each checked as prepared, before anything is written
+            by_name = (lambda: self._optimizer_state_from(state.moments, directory, state.group_settings)) \
+                if optimizer is None and state.moments is not None and not load_module_only else None
+            apply = lambda: self._load_deepspeed(directory, state, prepared, load_module_strict,  # noqa: E731
+                                                 load_module_only, load_lr_scheduler_states, custom_load_fn)
         else:
             loaded = ckpt.load(load_dir, tag, want_optim, trust=trust)
-            module, optimizer = loaded[1]["module"], (loaded[2] or {}).get("optimizer")
+            module, optimizer, by_name = loaded[1]["module"], (loaded[2] or {}).get("optimizer"), None
             apply = lambda: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
         where = f"checkpoint tag {tag!r} in {load_dir}"
@@ -1832,6 +1845,7 @@ class LazyTrainEngine(nn.Module):
             self._check_module_state_fits(module, load_module_strict, where)
         if not load_module_only:
             self._check_optimizer_state_fits(optimizer, where)
+        prepared = by_name() if by_name is not None else None   # the moments by name: each checked here
         return apply
 
     def _state_shapes(self) -> dict[str, tuple | None]:
@@ -1851,31 +1865,39 @@ class LazyTrainEngine(nn.Module):
                 shapes[prefix + "_extra_state"] = None
         return shapes
 
-    def _loads_by_name(self) -> bool:
-        """Whether the module loads each tensor under its own name and shape: no module of it overrides
-        ``_load_from_state_dict`` (as BatchNorm does for old checkpoints) or has a load pre-hook other than
-        the engine's (legacy key renames)."""
+    def _self_loading_modules(self) -> tuple[tuple[str, ...], set[str]]:
+        """The prefixes of the modules that decide for themselves what they load (their own
+        ``_load_from_state_dict``, or a load pre-hook other than the engine's, such as a legacy key rename),
+        and the names a module may do without (BatchNorm's ``num_batches_tracked``, absent from old
+        checkpoints)."""
+        from torch.nn.modules.batchnorm import _NormBase
         ours = {h.id for h in self._load_hooks + getattr(self, "_settle_hooks", []) if hasattr(h, "id")}
-        for module in self.module.modules():
-            if type(module)._load_from_state_dict is not nn.Module._load_from_state_dict:
-                return False
-            if any(k not in ours for k in module._load_state_dict_pre_hooks):
-                return False
-        return True
+        prefixes, optional = [], set()
+        for name, module in self.module.named_modules(remove_duplicate=False):
+            prefix = f"{name}." if name else ""
+            loads = type(module)._load_from_state_dict
+            if isinstance(module, _NormBase) and loads is _NormBase._load_from_state_dict:
+                optional.add(prefix + "num_batches_tracked")
+            elif loads is not nn.Module._load_from_state_dict or any(k not in ours
+                                                                     for k in module._load_state_dict_pre_hooks):
+                prefixes.append(prefix)
+        return tuple(prefixes), optional
 
     def _check_module_state_fits(self, state: dict, strict: bool, where: str) -> None:
         """A checkpoint of another model is refused before anything is written (torch's load_state_dict
         copies every tensor that fits before it reports the rest, which would leave the engine half-loaded):
         a tensor of another shape always, a missing or unexpected name when ``strict``."""
-        if not self._loads_by_name():
-            return   # a module that renames or reshapes what it loads decides for itself, as torch lets it
+        own_way, optional = self._self_loading_modules()   # what such a module loads, torch lets it decide
+
+        def checked(name: str) -> bool:
+            return not name.startswith(own_way)
         shapes = self._state_shapes()
         # torch takes a one-element tensor for a 0-dim parameter (checkpoints of old torch versions)
         wrong = [f"{k} {tuple(v.shape)} there, {shapes[k]} here" for k, v in state.items()
-                 if shapes.get(k) is not None and torch.is_tensor(v) and tuple(v.shape) != shapes[k]
+                 if checked(k) and shapes.get(k) is not None and torch.is_tensor(v) and tuple(v.shape) != shapes[k]
                  and not (shapes[k] == () and tuple(v.shape) == (1,))]
-        missing = [k for k in shapes if k not in state] if strict else []
-        unexpected = [k for k in state if k not in shapes] if strict else []
+        missing = [k for k in shapes if k not in state and k not in optional and checked(k)] if strict else []
+        unexpected = [k for k in state if k not in shapes and checked(k)] if strict else []
         if not (wrong or missing or unexpected):
             return
 
@@ -1922,33 +1944,33 @@ class LazyTrainEngine(nn.Module):
         self.micro_steps = self._micro_steps_after_load()
         return path, model_state.get("client_state", {})
 
-    def _load_own(self, path: str, own: dict, state, module: dict, strict: bool, module_only: bool,
-                  load_scheduler: bool, custom_load_fn):
+    def _check_extra_params(self, own: dict, directory: str) -> None:
+        """The optimizer's tensors outside the model (a loss's learnable temperature) as saved, shape by shape."""
+        extras, saved_extras = self._extra_params(), own.get("extra_params", [])
+        if [tuple(t.shape) for t in extras] != [tuple(t.shape) for t in saved_extras]:
+            raise ckpt.CheckpointMismatchError(
+                f"checkpoint {directory} holds {len(saved_extras)} optimizer tensor(s) outside the model "
+                f"({[tuple(t.shape) for t in saved_extras]}); this engine's optimizer has "
+                f"{[tuple(t.shape) for t in extras]}: add the same parameter groups before loading; nothing was "
+                f"loaded")
+
+    def _load_own(self, path: str, own: dict, state, module: dict, optimizer: dict | None, by_name: dict | None,
+                  strict: bool, module_only: bool, load_scheduler: bool, custom_load_fn):
         """A checkpoint this LazyTrain wrote: the DeepSpeed files (the fp32 masters, the moments they hold
         exactly, the schedule, counters and client state) with the LazyTrain file (the optimizer's own
         state around those moments, the loss scaler): bit-identical to what was saved. ``module``: the
-        module's state as read (its tied weights' every name)."""
+        module's state as read (its tied weights' every name); the optimizer's state as read: ``optimizer``, a
+        whole state dict, or ``by_name``, this optimizer's own with the moments put in by name (None: none)."""
         self._load_module_state(module, strict, custom_load_fn)
         if module_only:
             return path, state.client_state
-        extras, saved_extras = self._extra_params(), own.get("extra_params", [])
-        if [tuple(t.shape) for t in extras] != [tuple(t.shape) for t in saved_extras]:
-            raise ckpt.CheckpointError(f"checkpoint {os.path.dirname(path)} holds {len(saved_extras)} optimizer "
-                                       f"tensor(s) outside the model ({[tuple(t.shape) for t in saved_extras]}); "
-                                       f"this engine's optimizer has {[tuple(t.shape) for t in extras]}: add the "
-                                       f"same parameter groups before loading")
         with torch.no_grad():
-            for t, saved in zip(extras, saved_extras):
+            for t, saved in zip(self._extra_params(), own.get("extra_params", [])):
                 t.copy_(saved)
-        if state.moments is not None and own.get("optimizer") is not None:
-            if _holds_8bit_moments(own["optimizer"]) and type(self.optimizer).__name__ != "HybridAdamW":
-                # saved by an 8-bit HybridAdamW: its codes mean nothing to this optimizer, which takes the fp32
-                # moments the DeepSpeed files hold (dequantized), by parameter name
-                self._apply_optimizer_state(self._optimizer_state_from(state.moments, os.path.dirname(path),
-                                                                       state.group_settings))
-            else:
-                self._load_whole_optimizer_state(self._own_optimizer_state(own, state.moments, path,
-                                                                           self._owned_names()))
+        if by_name is not None:
+            self._apply_optimizer_state(by_name)
+        elif optimizer is not None:
+            self._load_whole_optimizer_state(optimizer)
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         if self.loss_scaler is not None and own.get("loss_scaler"):
@@ -2009,8 +2031,8 @@ class LazyTrainEngine(nn.Module):
                 state[i][k] = v
         return {"state": state, "param_groups": sd["param_groups"]}
 
-    def _load_deepspeed(self, directory: str, state, strict: bool, module_only: bool, load_scheduler: bool,
-                        custom_load_fn):
+    def _load_deepspeed(self, directory: str, state, by_name: dict | None, strict: bool, module_only: bool,
+                        load_scheduler: bool, custom_load_fn):
         """A checkpoint DeepSpeed wrote (any ZeRO stage, any number of ranks, merged by name): the fp32
         weights, the Adam moments mapped onto this engine's optimizer by parameter name, the schedule, the
         counters, the loss scale, and the client state DeepSpeed kept as top-level keys."""
@@ -2020,8 +2042,8 @@ class LazyTrainEngine(nn.Module):
             return path, state.client_state
         if state.optimizer_state_dict is not None:   # stage 0: the optimizer's own state, by position as in DeepSpeed
             self._load_whole_optimizer_state(state.optimizer_state_dict)
-        elif state.moments is not None:
-            self._apply_optimizer_state(self._optimizer_state_from(state.moments, directory, state.group_settings))
+        elif by_name is not None:   # the moments by parameter name, prepared as the files were read
+            self._apply_optimizer_state(by_name)
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         if self.loss_scaler is not None and state.loss_scale:

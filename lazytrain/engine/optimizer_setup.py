@@ -147,7 +147,8 @@ def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[in
                            fp32_name_patterns=lt.fp32_state_patterns,
                            named_parameters=named, check_finite=False, **params)   # the engine checks finiteness
     except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
-        raise ConfigError(f"config 'optimizer.params' for {cfg.optimizer.type}: {e}") from None
+        raise ConfigError(f"config 'optimizer.params' for {cfg.optimizer.type} (or a parameter group passed to "
+                          f"initialize): {e}") from None
 
 
 def eight_bit_share(cfg: EngineConfig, model: torch.nn.Module, groups: list[dict]) -> float:

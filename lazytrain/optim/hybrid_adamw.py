@@ -37,6 +37,7 @@ Streaming engine use (per-layer norms during backward, update layer by layer, bf
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -400,8 +401,8 @@ class HybridAdamW(torch.optim.Optimizer):
             norm, _ = clipping.global_grad_norm([g for _, g, _ in targets])
         self.last_step_skipped = False
         if norm is not None and grad_norm is None and clip_coef is None and self.max_grad_norm == 0 and \
-                not clipping.is_finite(norm) and all(bool(torch.isfinite(g).all()) for _, g, _ in targets):
-            norm = None   # only the fp32 sum of squares overflowed: finite gradients, and nothing to clip
+                not clipping.is_finite(norm) and all(_squares_finite(g) for _, g, _ in targets):
+            norm = None   # only the fp32 sum of squares overflowed: each square is finite, and nothing to clip
         if norm is not None:
             if not clipping.is_finite(norm):
                 self.record_skipped_step(float(norm) if not isinstance(norm, torch.Tensor) else norm.item())
@@ -504,6 +505,15 @@ def _check_flags(group: Mapping[str, Any], where: str = "a parameter group") -> 
         if group.get(flag):
             raise ValueError(f"HybridAdamW does not implement {flag}=True (set in {where}); use torch.optim.AdamW "
                              f"for it")
+
+
+_SQRT_FP32_MAX = math.sqrt(torch.finfo(torch.float32).max)
+
+
+def _squares_finite(g: torch.Tensor) -> bool:
+    """Whether every element of ``g`` and its square are finite in fp32 (the second moment takes g*g: a
+    square that overflows would leave that moment inf, and its weight stuck, for good)."""
+    return g.numel() == 0 or bool(g.detach().abs().max().float() <= _SQRT_FP32_MAX)
 
 
 def _check_hyperparameters(group: Mapping[str, Any]) -> None:
