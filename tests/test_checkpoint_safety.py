@@ -890,3 +890,77 @@ def test_a_one_element_tensor_loads_into_a_0_dim_parameter_in_bf16_as_torch_take
         bf16, _, _, _ = lazytrain.initialize(model=ScaledLM(), config=cfg)
     bf16.load_checkpoint(str(tmp_path), tag="t", trust_checkpoint=True, load_optimizer_states=False)
     assert bf16.module_state_dict()["scale"].item() == 2.5
+
+
+def _engine_of(model, client_optimizer=None, client_scheduler=None, **top):
+    """An engine trained one step: with the script's own optimizer (and scheduler) when given, else the config's
+    (``top``: top-level config sections)."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "lazytrain": {"device": "cpu"}, **top}
+    if client_optimizer is None and "optimizer" not in cfg:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, optimizer=client_optimizer, lr_scheduler=client_scheduler,
+                                               config=cfg)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    return engine
+
+
+def _refused_and_unchanged(engine, path, says, **kwargs):
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    with pytest.raises(Exception, match=says):
+        engine.load_checkpoint(str(path), tag="t", **kwargs)
+    assert all(torch.equal(before[k], v) for k, v in engine.module_state_dict().items())
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))   # not refused: nothing was loaded
+    engine.step()
+
+
+def test_optimizer_and_schedule_states_another_engine_cannot_take_are_refused_before_anything_loads(tmp_path):
+    model = _lm()
+    amsgrad = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    _engine_of(model, amsgrad, torch.optim.lr_scheduler.StepLR(amsgrad, 5)).save_checkpoint(str(tmp_path), tag="t")
+    hybrid = _engine_of(_lm(), lazytrain={"device": "cpu", "overlap_optimizer": True}, scheduler={"type": "WarmupLR"})
+    assert type(hybrid.optimizer).__name__ == "HybridAdamW"
+    _refused_and_unchanged(hybrid, tmp_path, r"holds the state of an optimizer with amsgrad=True, which this engine's "
+                                             r"HybridAdamW does not run")
+    _refused_and_unchanged(hybrid, tmp_path, r"holds a learning-rate schedule's state without 'last_batch_iteration', "
+                                             r"which this engine's WarmupLR keeps", load_optimizer_states=False)
+    hybrid.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=False, load_lr_scheduler_states=False)
+
+
+def test_8bit_moments_of_a_tensor_outside_the_model_are_refused_by_name_before_anything_loads(tmp_path):
+    model, temperature = _lm(), torch.nn.Parameter(torch.tensor(1.0))
+    saver = _engine_of(model, optimizer={"type": "AdamW8bit", "params": {"lr": 1e-2}},
+                       lazytrain={"device": "cpu", "hybrid_threshold": 0})
+    saver.optimizer.add_param_group({"params": [temperature]})
+    saver.save_checkpoint(str(tmp_path), tag="t")
+    other, mine = _lm(), torch.nn.Parameter(torch.tensor(1.0))
+    loader = _engine_of(other, torch.optim.AdamW(other.parameters(), lr=1e-2))
+    loader.optimizer.add_param_group({"params": [mine]})
+    _refused_and_unchanged(loader, tmp_path, r"this optimizer holds a tensor of shape \(\) outside the model, which "
+                                             r"has none")
+
+
+def test_a_users_load_hooks_decide_their_modules_names_as_torch_lets_them(tmp_path):
+    """A BatchNorm's own pre-hook renaming a legacy key, and a post-hook forgiving a missing key: torch's
+    strict load takes both, and so does the engine's check."""
+    _trained(_batch_norm_lm(6)).save_checkpoint(str(tmp_path), tag="t")
+    path = tmp_path / "t" / "mp_rank_00_model_states.pt"
+    files = torch.load(path, weights_only=False)
+    files["module"]["bn.old_weight"] = files["module"].pop("bn.weight")
+    del files["module"]["extra.0.bias"]
+    torch.save(files, path)
+    engine = _trained(_batch_norm_lm(6), steps=0)
+
+    def rename(module, state, prefix, *args):
+        if prefix + "old_weight" in state:
+            state[prefix + "weight"] = state.pop(prefix + "old_weight")
+
+    def forgive(module, incompatible):
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k != "extra.0.bias"]
+    engine.module.bn.register_load_state_dict_pre_hook(rename)
+    engine.module.register_load_state_dict_post_hook(forgive)
+    engine.load_checkpoint(str(tmp_path), tag="t", trust_checkpoint=True, load_optimizer_states=False)

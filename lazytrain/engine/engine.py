@@ -1727,6 +1727,8 @@ class LazyTrainEngine(nn.Module):
         failed_before = self._failed_step
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
         error = None
+        if self.layer_updates is not None:   # what is read is checked against the optimizer's state: let it be
+            self.layer_updates.settle()
         try:
             apply = self._read_checkpoint(load_dir, tag, want_optim, trust, load_module_strict, load_module_only,
                                           load_lr_scheduler_states, custom_load_fn)
@@ -1815,6 +1817,7 @@ class LazyTrainEngine(nn.Module):
                                                                  state.group_settings)
                 else:
                     optimizer = self._own_optimizer_state(own, state.moments, path, self._owned_names())
+            schedule = state.lr_scheduler
             apply = lambda: self._load_own(path, own, state, module, optimizer, prepared,  # noqa: E731
                                            load_module_strict, load_module_only, load_lr_scheduler_states,
                                            custom_load_fn)
@@ -1833,11 +1836,13 @@ class LazyTrainEngine(nn.Module):
             # DeepSpeed's moments by parameter name, each checked as prepared, before anything is written
             by_name = (lambda: self._optimizer_state_from(state.moments, directory, state.group_settings)) \
                 if optimizer is None and state.moments is not None and not load_module_only else None
+            schedule = state.lr_scheduler
             apply = lambda: self._load_deepspeed(directory, state, prepared, load_module_strict,  # noqa: E731
                                                  load_module_only, load_lr_scheduler_states, custom_load_fn)
         else:
             loaded = ckpt.load(load_dir, tag, want_optim, trust=trust)
             module, optimizer, by_name = loaded[1]["module"], (loaded[2] or {}).get("optimizer"), None
+            schedule = loaded[1].get("lr_scheduler")
             apply = lambda: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
                                                  load_lr_scheduler_states, custom_load_fn)
         where = f"checkpoint tag {tag!r} in {load_dir}"
@@ -1845,6 +1850,8 @@ class LazyTrainEngine(nn.Module):
             self._check_module_state_fits(module, load_module_strict, where)
         if not load_module_only:
             self._check_optimizer_state_fits(optimizer, where)
+            if load_lr_scheduler_states:
+                self._check_scheduler_state_fits(schedule, where)
         prepared = by_name() if by_name is not None else None   # the moments by name: each checked here
         return apply
 
@@ -1869,18 +1876,20 @@ class LazyTrainEngine(nn.Module):
         """The prefixes of the modules that decide for themselves what they load (their own
         ``_load_from_state_dict``, or a load pre-hook other than the engine's, such as a legacy key rename),
         and the names a module may do without (BatchNorm's ``num_batches_tracked``, absent from old
-        checkpoints)."""
+        checkpoints). A post-hook of the user's counts too: torch lets it forgive missing keys."""
         from torch.nn.modules.batchnorm import _NormBase
         ours = {h.id for h in self._load_hooks + getattr(self, "_settle_hooks", []) if hasattr(h, "id")}
         prefixes, optional = [], set()
         for name, module in self.module.named_modules(remove_duplicate=False):
             prefix = f"{name}." if name else ""
             loads = type(module)._load_from_state_dict
-            if isinstance(module, _NormBase) and loads is _NormBase._load_from_state_dict:
-                optional.add(prefix + "num_batches_tracked")
-            elif loads is not nn.Module._load_from_state_dict or any(k not in ours
-                                                                     for k in module._load_state_dict_pre_hooks):
+            # a hook of the user's may rename keys before the load or forgive missing ones after it
+            hooked = any(k not in ours for k in (*module._load_state_dict_pre_hooks,
+                                                 *module._load_state_dict_post_hooks))
+            if hooked or loads not in (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict):
                 prefixes.append(prefix)
+            elif loads is _NormBase._load_from_state_dict:
+                optional.add(prefix + "num_batches_tracked")
         return tuple(prefixes), optional
 
     def _check_module_state_fits(self, state: dict, strict: bool, where: str) -> None:
@@ -1911,11 +1920,32 @@ class LazyTrainEngine(nn.Module):
         raise ckpt.CheckpointMismatchError(f"{where} is of another model: tensors {'; '.join(parts)}{hint}; nothing "
                                            f"was loaded")
 
+    def _check_scheduler_state_fits(self, sd: dict | None, where: str) -> None:
+        """A schedule of LazyTrain's (DeepSpeed's types) takes only its own state: one of another kind (a
+        script's torch scheduler) is refused before anything is written, not half-way through the load."""
+        from ..optim.lr_schedules import _Schedule
+        if not sd or not isinstance(self.lr_scheduler, _Schedule):
+            return
+        missing = sorted(set(self.lr_scheduler.state_dict()) - set(sd))
+        if missing:
+            raise ckpt.CheckpointMismatchError(
+                f"{where} holds a learning-rate schedule's state without {', '.join(map(repr, missing))}, which this "
+                f"engine's {type(self.lr_scheduler).__name__} keeps (a schedule of another kind): load it with "
+                f"load_lr_scheduler_states=False to keep this one; nothing was loaded")
+
     def _check_optimizer_state_fits(self, sd: dict | None, where: str) -> None:
         """An optimizer state of other parameter groups (another model's, or a head tied here and not there)
-        is refused before anything is written, naming the groups' sizes."""
+        is refused before anything is written, naming the groups' sizes; so is one HybridAdamW cannot run
+        (an AMSGrad or maximizing optimizer's)."""
         if sd is None or self.optimizer is None or not isinstance(sd.get("param_groups"), list):
             return
+        if type(self.optimizer).__name__ == "HybridAdamW":
+            for flag in ("amsgrad", "maximize"):
+                if any(g.get(flag) for g in sd["param_groups"]):
+                    raise ckpt.CheckpointMismatchError(
+                        f"{where} holds the state of an optimizer with {flag}=True, which this engine's HybridAdamW "
+                        f"does not run: load it with load_optimizer_states=False to take the weights alone; nothing "
+                        f"was loaded")
         groups = self._all_whole_groups() if self.shards is not None else getattr(self.optimizer, "param_groups", None)
         if groups is None:
             return
@@ -2117,6 +2147,12 @@ class LazyTrainEngine(nn.Module):
             name = self._param_names.get(id(p))
             if name not in moments and (not moments or not ds_layout.trainable(p)):
                 continue
+            if name is None:   # a tensor outside the model: nothing names it in the checkpoint's moments
+                raise ds_ckpt.DeepSpeedCheckpointError(
+                    f"the checkpoint {directory} keeps its Adam moments by parameter name, and this optimizer holds "
+                    f"a tensor of shape {tuple(p.shape)} outside the model, which has none: load it into the "
+                    f"optimizer that saved it (the 8-bit HybridAdamW keeps such a tensor's state by position), or "
+                    f"with load_optimizer_states=False to take the weights alone")
             if name not in moments:
                 raise ds_ckpt.DeepSpeedCheckpointError(
                     f"the DeepSpeed checkpoint {directory} has no optimizer state for parameter {name!r} (it has "

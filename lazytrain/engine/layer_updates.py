@@ -11,6 +11,7 @@ old ones, so training must not go on as if nothing happened.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import warnings
@@ -103,6 +104,12 @@ class LayerUpdates:
             self._future = None
             self.waited_seconds += time.perf_counter() - t0
         self._raise_if_failed()
+
+    def settle(self) -> None:
+        """Block until a launched update has finished, whatever its outcome: a failure stays to be raised
+        (by the next wait) or forgotten (:meth:`forget_failure`)."""
+        if self._future is not None and not self._on_worker():
+            concurrent.futures.wait([self._future])
 
     def forget_failure(self) -> None:
         """After a failed update: the caller restores a consistent state (a checkpoint) and goes on."""
