@@ -941,7 +941,7 @@ def test_8bit_moments_of_a_tensor_outside_the_model_are_refused_by_name_before_a
     loader = _engine_of(other, torch.optim.AdamW(other.parameters(), lr=1e-2))
     loader.optimizer.add_param_group({"params": [mine]})
     _refused_and_unchanged(loader, tmp_path, r"this optimizer holds a tensor of shape \(\) outside the model, which "
-                                             r"has none")
+                                             r"no name matches")
 
 
 def test_a_users_load_hooks_decide_their_modules_names_as_torch_lets_them(tmp_path):
@@ -964,3 +964,61 @@ def test_a_users_load_hooks_decide_their_modules_names_as_torch_lets_them(tmp_pa
     engine.module.bn.register_load_state_dict_pre_hook(rename)
     engine.module.register_load_state_dict_post_hook(forgive)
     engine.load_checkpoint(str(tmp_path), tag="t", trust_checkpoint=True, load_optimizer_states=False)
+
+
+def test_a_users_post_hook_leaves_the_shapes_checked(tmp_path):
+    """A post-hook may forgive missing or unexpected keys, never a tensor of another shape (torch's strict load
+    reports those whatever the hooks say, after copying the rest): the check of shapes stays."""
+    _trained(_lm(hidden=48)).save_checkpoint(str(tmp_path), tag="t")
+    engine = _trained(_lm())
+    engine.module.register_load_state_dict_post_hook(lambda module, incompatible: None)
+    _refused_and_unchanged(engine, tmp_path, r"is of another model: tensors 57 of another shape")
+
+
+def test_a_torch_schedule_that_reads_its_own_keys_is_refused_another_kinds_state_before_anything_loads(tmp_path):
+    _engine_of(_lm(), scheduler={"type": "WarmupLR"}).save_checkpoint(str(tmp_path), tag="t")
+    model = _lm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = _engine_of(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    _refused_and_unchanged(engine, tmp_path, r"holds a learning-rate schedule's state without 'lr_lambdas', which "
+                                             r"this engine's LambdaLR keeps")
+
+
+def test_a_checkpoint_in_deepspeeds_layout_loads_with_its_moments_after_a_failed_overlapped_update(tmp_path):
+    """The way out of a failed overlapped update is a load; reading DeepSpeed's moments by name reads the
+    optimizer's state, whose hook raised the stored failure and refused the very load it asks for."""
+    engine = _engine_of(_lm(), lazytrain={"device": "cpu", "overlap_optimizer": True})
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    for name in ("lazytrain_state.pt", "lazytrain_manifest.json"):   # as DeepSpeed writes it
+        os.remove(tmp_path / "t" / name)
+    update, layer3 = engine.optimizer.update, {id(p) for p in engine.weights.params[3]}
+
+    def fail(params, **kwargs):
+        if {id(p) for p in params} <= layer3:
+            raise RuntimeError("host out of memory")
+        return update(params, **kwargs)
+    engine.optimizer.update = fail
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    with pytest.raises(Exception, match="host out of memory"):
+        engine.wait_for_update()
+    engine.optimizer.update = update
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.wait_for_update()
+
+
+def test_deepspeeds_files_of_an_amsgrad_run_are_refused_by_hybrid_adamw_before_anything_loads(tmp_path):
+    """DeepSpeed's ZeRO files keep each group's settings beside the moments; HybridAdamW's groups have no
+    amsgrad key, and the setting was dropped without a word."""
+    model = _lm()
+    zero = {"zero_optimization": {"stage": 1}}
+    _engine_of(model, torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True), **zero).save_checkpoint(
+        str(tmp_path), tag="t")
+    for name in ("lazytrain_state.pt", "lazytrain_manifest.json"):   # as DeepSpeed writes it
+        os.remove(tmp_path / "t" / name)
+    hybrid = _engine_of(_lm(), lazytrain={"device": "cpu", "overlap_optimizer": True}, **zero)
+    _refused_and_unchanged(hybrid, tmp_path, r"holds the state of an optimizer with amsgrad=True, which this "
+                                             r"engine's HybridAdamW does not run")

@@ -283,6 +283,7 @@ class LazyTrainEngine(nn.Module):
         if copies:
             self.optimizer.set_compute_copies(copies)
         self._fused_copies = bool(copies)
+        self._reading_checkpoint = False   # load_checkpoint reading its files (the optimizer's hooks must not raise)
         self.layer_updates = self._overlapped_updates(wants_overlap, overlap is True)
         # load_state_dict(...) by the user, on the model or any submodule, also reaches the fp32 masters
         # and the compute copies
@@ -527,7 +528,9 @@ class LazyTrainEngine(nn.Module):
             return None
         updates = LayerUpdates(self.weights.num_layers, self.device, on_done=self.stream.on_update_done)
         self.weights.updates = updates
-        settle = lambda *args, **kwargs: updates.wait_all()  # noqa: E731 - hook signatures differ
+        def settle(*args, **kwargs):   # hook signatures differ
+            # a checkpoint being read (the way out of a failed update) reads the optimizer's state: no raise
+            updates.settle() if self._reading_checkpoint else updates.wait_all()
         self._settle_hooks = [self.optimizer.register_step_pre_hook(settle),
                               self.optimizer.register_state_dict_pre_hook(settle),
                               self.optimizer.register_load_state_dict_pre_hook(settle)]
@@ -1729,6 +1732,7 @@ class LazyTrainEngine(nn.Module):
         error = None
         if self.layer_updates is not None:   # what is read is checked against the optimizer's state: let it be
             self.layer_updates.settle()
+        self._reading_checkpoint = True
         try:
             apply = self._read_checkpoint(load_dir, tag, want_optim, trust, load_module_strict, load_module_only,
                                           load_lr_scheduler_states, custom_load_fn)
@@ -1736,6 +1740,8 @@ class LazyTrainEngine(nn.Module):
             if not self.dist.enabled:
                 raise
             error = e
+        finally:
+            self._reading_checkpoint = False
         # a rank that could not read its files loads nothing, and neither may the others: a script that catches
         # the error and trains on would train the ranks from different states
         if self.dist.enabled and not self.dist.all_succeeded(
@@ -1872,31 +1878,32 @@ class LazyTrainEngine(nn.Module):
                 shapes[prefix + "_extra_state"] = None
         return shapes
 
-    def _self_loading_modules(self) -> tuple[tuple[str, ...], set[str]]:
-        """The prefixes of the modules that decide for themselves what they load (their own
-        ``_load_from_state_dict``, or a load pre-hook other than the engine's, such as a legacy key rename),
-        and the names a module may do without (BatchNorm's ``num_batches_tracked``, absent from old
-        checkpoints). A post-hook of the user's counts too: torch lets it forgive missing keys."""
+    def _self_loading_modules(self) -> tuple[tuple[str, ...], set[str], bool]:
+        """What the module lets torch decide as it loads: the prefixes of the modules that load their own way
+        (their own ``_load_from_state_dict``, or a load pre-hook of the user's, such as a legacy key rename:
+        their names are not checked); the names a module may do without (BatchNorm's
+        ``num_batches_tracked``, absent from old checkpoints); and whether a load post-hook of the user's may
+        forgive missing or unexpected keys (torch hands each one the whole lists: then only shapes are checked)."""
         from torch.nn.modules.batchnorm import _NormBase
         ours = {h.id for h in self._load_hooks + getattr(self, "_settle_hooks", []) if hasattr(h, "id")}
-        prefixes, optional = [], set()
+        prefixes, optional, forgiving = [], set(), False
         for name, module in self.module.named_modules(remove_duplicate=False):
             prefix = f"{name}." if name else ""
             loads = type(module)._load_from_state_dict
-            # a hook of the user's may rename keys before the load or forgive missing ones after it
-            hooked = any(k not in ours for k in (*module._load_state_dict_pre_hooks,
-                                                 *module._load_state_dict_post_hooks))
-            if hooked or loads not in (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict):
+            forgiving = forgiving or any(k not in ours for k in module._load_state_dict_post_hooks)
+            if any(k not in ours for k in module._load_state_dict_pre_hooks) or \
+                    loads not in (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict):
                 prefixes.append(prefix)
             elif loads is _NormBase._load_from_state_dict:
                 optional.add(prefix + "num_batches_tracked")
-        return tuple(prefixes), optional
+        return tuple(prefixes), optional, forgiving
 
     def _check_module_state_fits(self, state: dict, strict: bool, where: str) -> None:
         """A checkpoint of another model is refused before anything is written (torch's load_state_dict
         copies every tensor that fits before it reports the rest, which would leave the engine half-loaded):
         a tensor of another shape always, a missing or unexpected name when ``strict``."""
-        own_way, optional = self._self_loading_modules()   # what such a module loads, torch lets it decide
+        own_way, optional, forgiving = self._self_loading_modules()   # what torch lets such modules decide
+        strict = strict and not forgiving
 
         def checked(name: str) -> bool:
             return not name.startswith(own_way)
@@ -1924,9 +1931,13 @@ class LazyTrainEngine(nn.Module):
         """A schedule of LazyTrain's (DeepSpeed's types) takes only its own state: one of another kind (a
         script's torch scheduler) is refused before anything is written, not half-way through the load."""
         from ..optim.lr_schedules import _Schedule
-        if not sd or not isinstance(self.lr_scheduler, _Schedule):
+        if not sd or self.lr_scheduler is None:
             return
-        missing = sorted(set(self.lr_scheduler.state_dict()) - set(sd))
+        if isinstance(self.lr_scheduler, _Schedule):
+            needed = set(self.lr_scheduler.state_dict())
+        else:   # torch's take any keys into their __dict__, but these read the ones they hold apart
+            needed = {key for cls, key in _TORCH_SCHEDULE_KEYS if isinstance(self.lr_scheduler, cls)}
+        missing = sorted(needed - set(sd))
         if missing:
             raise ckpt.CheckpointMismatchError(
                 f"{where} holds a learning-rate schedule's state without {', '.join(map(repr, missing))}, which this "
@@ -2137,6 +2148,13 @@ class LazyTrainEngine(nn.Module):
             for group, mine in zip(whole, sd["param_groups"]):
                 saved = next((settings[n] for n in (self._param_names.get(id(p)) for p in group["params"])
                               if n in settings), None)
+                if saved is not None and type(self.optimizer).__name__ == "HybridAdamW":
+                    flags = [flag for flag in ("amsgrad", "maximize") if saved.get(flag)]
+                    if flags:   # its groups have no such key: the setting would be dropped without a word
+                        raise ckpt.CheckpointMismatchError(
+                            f"checkpoint {directory} holds the state of an optimizer with {flags[0]}=True, which "
+                            f"this engine's HybridAdamW does not run: load it with load_optimizer_states=False to "
+                            f"take the weights alone; nothing was loaded")
                 if saved is not None:   # how the optimizer runs (foreach, fused, ...) stays this engine's
                     mine.update({k: v for k, v in saved.items()
                                  if k in mine and k not in ("foreach", "fused", "capturable", "differentiable")})
@@ -2147,12 +2165,12 @@ class LazyTrainEngine(nn.Module):
             name = self._param_names.get(id(p))
             if name not in moments and (not moments or not ds_layout.trainable(p)):
                 continue
-            if name is None:   # a tensor outside the model: nothing names it in the checkpoint's moments
+            if name is None:   # a tensor outside the model: no name matches it to the checkpoint's moments
                 raise ds_ckpt.DeepSpeedCheckpointError(
-                    f"the checkpoint {directory} keeps its Adam moments by parameter name, and this optimizer holds "
-                    f"a tensor of shape {tuple(p.shape)} outside the model, which has none: load it into the "
-                    f"optimizer that saved it (the 8-bit HybridAdamW keeps such a tensor's state by position), or "
-                    f"with load_optimizer_states=False to take the weights alone")
+                    f"the moments of checkpoint {directory} are loaded here by parameter name, and this optimizer "
+                    f"holds a tensor of shape {tuple(p.shape)} outside the model, which no name matches: load it "
+                    f"into the optimizer that saved it, or with load_optimizer_states=False to take the weights "
+                    f"alone")
             if name not in moments:
                 raise ds_ckpt.DeepSpeedCheckpointError(
                     f"the DeepSpeed checkpoint {directory} has no optimizer state for parameter {name!r} (it has "
@@ -2291,6 +2309,13 @@ def _output_tensors(out) -> list[torch.Tensor]:
                 continue   # not a container pytree knows
             todo.extend(leaves)
     return found
+
+
+# torch schedulers whose load_state_dict reads a key apart from the rest (a KeyError half-way through a load)
+_TORCH_SCHEDULE_KEYS = ((torch.optim.lr_scheduler.LambdaLR, "lr_lambdas"),
+                        (torch.optim.lr_scheduler.MultiplicativeLR, "lr_lambdas"),
+                        (torch.optim.lr_scheduler.SequentialLR, "_schedulers"),
+                        (torch.optim.lr_scheduler.ChainedScheduler, "_schedulers"))
 
 
 def _onto_masters(add_param_group, master_of):
