@@ -162,7 +162,10 @@ def _run(args) -> int:
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
-    print(f"LazyTrain {lazytrain.__version__}: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, "
+    # under a launcher every rank trains on batches of its own, and rank 0 alone reports
+    rank = engine.global_rank
+    say = print if rank == 0 else (lambda *args, **kwargs: None)
+    say(f"LazyTrain {lazytrain.__version__}: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, "
           f"{len(engine.plan.homes) - 1} streamed layers, plan {engine.plan.policy} "
           f"(kept boundaries {list(engine.plan.kept)}), device {engine.device}, "
           f"{engine.engine_config.compute_dtype_name}")
@@ -175,9 +178,9 @@ def _run(args) -> int:
     acc_before = exact_match(model_fn, task, pairs, engine.device)
     engine.train()
 
-    bar = _progress(steps, disabled=args.no_progress)
+    bar = _progress(steps, disabled=args.no_progress, silent=rank != 0)
     tokens, t0 = 0, time.perf_counter()
-    batches = task.train_batches(micro, steps * gas, seed=job.get("seed", 0) + 1)
+    batches = task.train_batches(micro, steps * gas, seed=job.get("seed", 0) + 1 + 1_000_003 * rank)
     loss_value = float("nan")
     for step in range(steps):
         if trace_path and step == min(1, steps - 1):   # the second step: the first warms up
@@ -194,17 +197,17 @@ def _run(args) -> int:
     bar.close()
     elapsed = time.perf_counter() - t0
     if trace_path and engine.last_trace is not None:
-        print(engine.last_trace.summary())
-        print(f"trace of step {min(1, steps - 1) + 1} written to {os.path.abspath(trace_path)}")
+        say(engine.last_trace.summary())
+        say(f"trace of step {min(1, steps - 1) + 1} written to {os.path.abspath(trace_path)}")
 
     engine.eval()
     acc_after = exact_match(model_fn, task, pairs, engine.device)
     engine.save_checkpoint(out_dir, tag="final")
-    print(f"trained {steps} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s), final loss {loss_value:.4f}")
-    print(f"held-out exact match ({len(pairs)} problems): {acc_before:.1%} before -> {acc_after:.1%} after")
+    say(f"trained {steps} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s), final loss {loss_value:.4f}")
+    say(f"held-out exact match ({len(pairs)} problems): {acc_before:.1%} before -> {acc_after:.1%} after")
     peaks = ", ".join(f"{name} {format_bytes(b)}" for name, b in engine.last_step_peak_bytes.items())
-    print(f"peak memory per tier (last step): {peaks}")
-    print(f"trained weights saved to {os.path.abspath(os.path.join(out_dir, 'final'))}")
+    say(f"peak memory per tier (last step): {peaks}")
+    say(f"trained weights saved to {os.path.abspath(os.path.join(out_dir, 'final'))}")
     engine.destroy()
     return 0
 
@@ -212,10 +215,10 @@ def _run(args) -> int:
 class _progress:
     """tqdm bar with loss and tokens/s; a plain line every 10% when tqdm is absent or disabled."""
 
-    def __init__(self, total: int, disabled: bool):
-        self.total, self.n = total, 0
+    def __init__(self, total: int, disabled: bool, silent: bool = False):
+        self.total, self.n, self.silent = total, 0, silent
         self.bar = None
-        if not disabled:
+        if not disabled and not silent:
             try:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
@@ -227,7 +230,7 @@ class _progress:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", refresh=False)
             self.bar.update(1)
-        elif self.n % max(1, self.total // 10) == 0 or self.n == self.total:
+        elif not self.silent and (self.n % max(1, self.total // 10) == 0 or self.n == self.total):
             print(f"step {self.n}/{self.total}: loss {loss:.4f}, {tok_s:,.0f} tokens/s", flush=True)
 
     def close(self) -> None:

@@ -271,23 +271,31 @@ def test_a_process_group_the_script_made_itself_is_used(tmp_path):
     _assert_each_rank_equals_one_big_batch([torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)])
 
 
-def test_the_training_loader_moves_a_distributed_sampler_to_the_next_epoch():
-    """Each pass is a new epoch, so a rank's DistributedSampler reshuffles as a single process does."""
-    from lazytrain.engine.engine import EpochDataLoader
+def test_the_training_loader_moves_its_own_sampler_to_the_next_epoch_unless_the_script_set_it():
+    """As DeepSpeed's loader after 0.19: each pass is a new epoch for the sampler it built, so a rank reshuffles
+    as a single process does; an epoch the script set since the last pass is followed, the same one too (a
+    rank that ran one pass more than another cannot drift to another split); a sampler the script passed is
+    its own, left alone."""
+    from lazytrain.data.loader import EpochDataLoader, EpochTrackingSampler
     data = torch.utils.data.TensorDataset(torch.arange(40))
-    sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=2, rank=0, seed=0)
-    loader = EpochDataLoader(data, batch_size=4, sampler=sampler)
-    first, second = ([int(i) for (b,) in loader for i in b] for _ in range(2))
-    assert len(first) == len(second) == 20 and first != second and loader.epoch == 2
-    sampler.set_epoch(1)
-    assert second == list(sampler)
-    sampler.set_epoch(5)                          # a resumed run sets its epoch itself: followed
-    fifth = [int(i) for (b,) in loader for i in b]
-    sampler.set_epoch(5)
-    assert fifth == list(sampler) and loader.epoch == 6
-    sixth = [int(i) for (b,) in loader for i in b]
-    sampler.set_epoch(6)
-    assert sixth == list(sampler)
+
+    def order(epoch):
+        s = torch.utils.data.distributed.DistributedSampler(data, num_replicas=2, rank=0, seed=0)
+        s.set_epoch(epoch)
+        return list(s)
+
+    def one_pass(loader):
+        return [int(i) for (b,) in loader for i in b]
+    loader = EpochDataLoader(data, batch_size=4, sampler=EpochTrackingSampler(data, num_replicas=2, rank=0, seed=0))
+    assert [one_pass(loader) for _ in range(3)] == [order(0), order(1), order(2)]
+    for epoch in (0, 0, 5):   # a loop that sets its epoch each time, the same one twice
+        loader.data_sampler.set_epoch(epoch)
+        assert one_pass(loader) == order(epoch)
+    assert one_pass(loader) == order(6) and loader.data_sampler.epoch == 6
+    own = torch.utils.data.distributed.DistributedSampler(data, num_replicas=2, rank=0, seed=0)
+    own.set_epoch(3)
+    theirs = EpochDataLoader(data, batch_size=4, sampler=own)
+    assert [one_pass(theirs) for _ in range(2)] == [order(3), order(3)] and own.epoch == 3
 
 
 def _engine(timeout_s: float):

@@ -1498,16 +1498,23 @@ def test_deepspeed_io_builds_an_evaluation_loader_in_order():
     assert [x.tolist() for x in engine.deepspeed_io(dataset, batch_size=4, route="eval")] == [[0, 1, 2, 3], [4, 5, 6]]
     assert sorted(i for x in engine.deepspeed_io(dataset) for i in x.tolist()) == list(range(7))
     assert seen and set(seen) <= {1, 2, 3, 4}
+    # anything indexable with a length, as DeepSpeed takes it (a list, a Hugging Face dataset)
+    assert [x.tolist() for x in engine.deepspeed_io([{"x": i} for i in range(3)], route="eval",
+                                                    collate_fn=lambda rows: torch.tensor([r["x"] for r in rows]))] \
+        == [[0, 1], [2]]
     with pytest.raises(ValueError, match=r"^Training data must be a torch Dataset$"):
-        engine.deepspeed_io([1, 2, 3])
+        engine.deepspeed_io(42)
+    with pytest.raises(ValueError, match=r"^deepspeed_io batch_size must be a whole number >= 1 \(or None: the "
+                                         r"micro-batch size\), got 0$"):
+        engine.deepspeed_io(dataset, batch_size=0)
     with pytest.raises(ValueError, match=r'^deepspeed_io route must be "train", "eval" or "predict", got \'test\'$'):
         engine.deepspeed_io(dataset, route="test")
     engine.destroy()
 
 
-def test_a_sampler_given_to_deepspeed_io_goes_on_from_the_epoch_it_was_set_to():
-    """A resumed run sets its sampler's epoch before building the loader: the first pass is that epoch's order,
-    as torch's and DeepSpeed's loaders give it, and the next pass the next epoch's."""
+def test_a_sampler_given_to_deepspeed_io_is_the_scripts_own_and_left_alone():
+    """A sampler the script passes keeps the epoch the script sets (DeepSpeed's loader after 0.19 moves only a
+    sampler it built itself): every pass is that epoch's order until the script sets another."""
     dataset = torch.utils.data.TensorDataset(torch.arange(16))
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -1519,6 +1526,8 @@ def test_a_sampler_given_to_deepspeed_io_goes_on_from_the_epoch_it_was_set_to():
         s.set_epoch(epoch)
         return list(s)
     assert [int(i) for (x,) in loader for i in x] == order(5)
+    assert [int(i) for (x,) in loader for i in x] == order(5) and sampler.epoch == 5
+    loader.data_sampler.set_epoch(6)
     assert [int(i) for (x,) in loader for i in x] == order(6)
     engine.destroy()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 
@@ -80,3 +81,33 @@ def test_unset_key_value_heads_are_one_per_attention_head_as_transformers_reads_
 def test_steps_given_with_a_null_scheduler_section_trains(tmp_path, capsys):
     path = job_file(tmp_path, lambda cfg: cfg.update(scheduler=None))
     assert main(["train", path, "--steps", "1", "--out", str(tmp_path / "out")]) == 0
+
+
+def _train_as_rank(rank, world, out_dir, job):
+    """One rank of `lazytrain train` under a launcher: the seed its batches are drawn from, and what it printed."""
+    import contextlib
+    import io
+
+    from lazytrain.data.arithmetic import ArithmeticTask
+    seeds, original = [], ArithmeticTask.train_batches
+
+    def recorded(self, micro, n, seed=0):
+        seeds.append(seed)
+        return original(self, micro, n, seed=seed)
+    ArithmeticTask.train_batches = recorded
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["train", job, "--steps", "1", "--no-progress", "--out", os.path.join(out_dir, "out")])
+    return {"code": code, "seeds": seeds, "printed": printed.getvalue()}
+
+
+def test_under_a_launcher_each_rank_trains_on_batches_of_its_own_and_rank_0_alone_reports(tmp_path):
+    from dist_helpers import spawn_cases
+    def small(cfg):
+        cfg.update(train_micro_batch_size_per_gpu=4)
+        cfg["job"].update(eval_examples=8)
+    job = job_file(tmp_path, small)
+    r0, r1 = spawn_cases(2, tmp_path, {"train": (_train_as_rank, {"job": job})})["train"]
+    assert r0["code"] == r1["code"] == 0
+    assert len(r0["seeds"]) == len(r1["seeds"]) == 1 and r0["seeds"] != r1["seeds"]
+    assert "trained 1 steps in" in r0["printed"] and r1["printed"] == ""

@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ..config import ConfigError, EngineConfig, OptimizerConfig
+from ..data.loader import EpochDataLoader, EpochTrackingSampler, is_dataset
 from ..planner import measured
 from ..planner.plan import Plan
 from ..planner.problem import Budgets
@@ -86,29 +87,6 @@ def _put_back(devices) -> None:
 class StepFailedError(RuntimeError):
     """engine.step() failed; the message says whether anything had changed (and then, until a checkpoint
     is loaded, training and saving are refused)."""
-
-
-class EpochDataLoader(torch.utils.data.DataLoader):
-    """The loader ``initialize`` builds from ``training_data`` (and ``deepspeed_io``): each pass over it is a new
-    epoch, so a DistributedSampler reshuffles (``set_epoch``), as a single process's shuffling loader does and
-    as DeepSpeed's loader does after 0.19 (0.19.8's keeps its first order every epoch). ``epoch`` counts the
-    passes started; a ``sampler.set_epoch(k)`` of the user's (resuming a run, or a loop that sets it each epoch)
-    is followed."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # a sampler the script gave, set to an epoch already (a resumed run), goes on from there
-        self.epoch = self._epoch_given = getattr(self.sampler, "epoch", 0)   # what the sampler was last set to
-
-    def __iter__(self):
-        sampler = self.sampler
-        if hasattr(sampler, "set_epoch"):
-            if getattr(sampler, "epoch", self._epoch_given) != self._epoch_given:
-                self.epoch = sampler.epoch     # the user set it (a resumed run): continue from there
-            sampler.set_epoch(self.epoch)
-            self._epoch_given = self.epoch
-        self.epoch += 1
-        return super().__iter__()
 
 
 class LazyTrainEngine(nn.Module):
@@ -638,8 +616,8 @@ class LazyTrainEngine(nn.Module):
         if isinstance(training_data, torch.utils.data.IterableDataset):   # it orders (and splits) itself
             return EpochDataLoader(training_data, **common)
         if sampler is None and (self.dist.enabled or "LOCAL_RANK" in os.environ or not shuffle):
-            sampler = torch.utils.data.distributed.DistributedSampler(training_data, num_replicas=self.world_size,
-                                                                      rank=self.global_rank, shuffle=shuffle)
+            sampler = EpochTrackingSampler(training_data, num_replicas=self.world_size, rank=self.global_rank,
+                                           shuffle=shuffle)
         return EpochDataLoader(training_data, sampler=sampler, shuffle=sampler is None, **common)
 
     def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
@@ -648,8 +626,12 @@ class LazyTrainEngine(nn.Module):
         the micro-batch size unless ``batch_size`` says otherwise, with ``initialize``'s ``collate_fn`` unless
         given; ``route`` "eval" or "predict" keeps the dataset's order (this rank's part of it), "train"
         shuffles as the training loader does. Pinned memory only where CUDA is."""
-        if not isinstance(dataset, (torch.utils.data.Dataset, torch.utils.data.IterableDataset)):
+        if not is_dataset(dataset):   # a list or a Hugging Face dataset too, as DeepSpeed takes them
             raise ValueError("Training data must be a torch Dataset")   # DeepSpeed's words
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or
+                                       batch_size < 1):
+            raise ValueError(f"deepspeed_io batch_size must be a whole number >= 1 (or None: the micro-batch "
+                             f"size), got {batch_size!r}")
         if route not in ("train", "eval", "predict"):
             raise ValueError(f"deepspeed_io route must be \"train\", \"eval\" or \"predict\", got {route!r}")
         return self._build_dataloader(dataset, collate_fn if collate_fn is not None else self._collate_fn,
