@@ -1,6 +1,8 @@
 """Checkpoints that survive a process dying at any moment and a disk that fills up, and an engine that
 stays consistent (or says it is not) when a step fails half-way."""
+import copy
 import errno
+import gc
 import os
 import re
 import shutil
@@ -1022,3 +1024,43 @@ def test_deepspeeds_files_of_an_amsgrad_run_are_refused_by_hybrid_adamw_before_a
     hybrid = _engine_of(_lm(), lazytrain={"device": "cpu", "overlap_optimizer": True}, **zero)
     _refused_and_unchanged(hybrid, tmp_path, r"holds the state of an optimizer with amsgrad=True, which this "
                                              r"engine's HybridAdamW does not run")
+
+
+def test_a_backward_whose_boundary_read_fails_frees_its_pass_and_its_partial_gradients_are_not_stepped(tmp_path):
+    """A kept boundary that cannot be read back in the backward (EIO): the pass's files are freed (its failed
+    read held it through the error's traceback until destroy()), and the step refuses the accumulation the
+    layers after it had sent; zero_grad() and the micro-batch again train as plain PyTorch."""
+    import errno
+    from engine_models import max_rel_diff, reference_train
+    model, data = _lm(), batches(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=copy.deepcopy(model), config={
+            "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+            "lazytrain": {"device": "cpu", "boundary_home": "nvme", "nvme_path": str(tmp_path), "policy": "keep_all"}})
+    backend, fired = engine.tiers["nvme"].backend, []
+    read = backend.preadv
+
+    def failing_once(fd, buffers, offset):
+        if not fired:
+            fired.append(1)
+            raise OSError(errno.EIO, "Input/output error")
+        return read(fd, buffers, offset)
+    x, y = data[0]
+    loss = lm_loss(engine(x), y)
+    backend.preadv = failing_once
+    with pytest.raises(Exception, match="EIO"):
+        engine.backward(loss)
+    backend.preadv = read
+    del loss
+    gc.collect()
+    assert engine.tiers["nvme"].used_bytes == 0   # the failed pass's boundaries are gone
+    with pytest.raises(lazytrain.StepFailedError, match=r"a backward through the streamed layers failed \(NVMeIOError"):
+        engine.step()
+    engine.zero_grad()
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert max_rel_diff(engine.module, reference_train(model, data)) < 1e-5
+    engine.destroy()

@@ -480,7 +480,7 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError(f"plan {plan.policy!r} keeps layers {list(plan.resident_layers)} resident, and this "
                               f"engine started with {sorted(self.stream.resident)}: a running engine keeps its "
                               f"resident layers")
-        blocks = self.executor.blocks
+        blocks, failure = self.executor.blocks, self.executor.backward_failure
         self.stream.settle_all()
         self.executor.uninstall()
         # the pass numbers go on from the old executor's: a pass of it still alive (an evaluation output
@@ -490,6 +490,7 @@ class LazyTrainEngine(nn.Module):
                                                pass_ids=self.executor.pass_ids,
                                                weights_epoch=self.executor.weights_epoch,
                                                backward_ends_step=self.is_gradient_accumulation_boundary)
+        self.executor.backward_failure = failure
         self.plan = plan
 
     def _overlapped_updates(self, wanted: bool, required: bool) -> LayerUpdates | None:
@@ -892,6 +893,9 @@ class LazyTrainEngine(nn.Module):
             self._refuse_added_block_params()
         local_failure = None
         try:   # this rank's own part: no collective yet
+            if self.executor.backward_failure is not None:
+                raise RuntimeError(f"a backward through the streamed layers failed ({self.executor.backward_failure}) "
+                                   f"after some layers had sent their gradients: the accumulation holds part of it")
             with streams.wait_span("gradients to host", self.device):
                 self.weights.flush_grads()
                 if self.masters is not None:
@@ -1209,6 +1213,7 @@ class LazyTrainEngine(nn.Module):
     def _drop_grads(self) -> None:
         """The gradients accumulated for the step, dropped."""
         self._grads_unusable = False
+        self.executor.backward_failure = None   # a backward that failed left nothing behind now
         self.weights.flush_grads(discard=True)   # adds in flight must not land after the zeroing
         if self.layer_updates is None or not self.layer_updates.running():
             self.weights.zero_grads()

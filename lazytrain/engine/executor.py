@@ -169,6 +169,9 @@ class LayerStreamingExecutor:
         # then it waits for its gradients to land (the step would), so .grad read after it is whole; the
         # others' land while the next micro-batch runs
         self.backward_ends_step = backward_ends_step or (lambda: True)
+        # a backward through the blocks that raised since the step's gradients were last dropped (the error, as
+        # text): the layers after the failing one had sent theirs, so the accumulation holds part of it
+        self.backward_failure: str | None = None
         self.stream = stream      # the weights' trip to the device: slots, copies, prefetch order
         self.tiers = tiers
         self.device = device
@@ -495,8 +498,14 @@ class LayerStreamingExecutor:
         if i in p.held:
             return p.held[i]
         handle = p.prefetched.get(i) or self._issue_prefetch(p, i)
-        with streams.wait_span(f"boundary {i}", self.device):
-            x = handle.wait()
+        try:
+            with streams.wait_span(f"boundary {i}", self.device):
+                x = handle.wait()
+        except BaseException:
+            # the failed handle keeps its error, whose traceback holds this pass through autograd's context: kept
+            # here, the cycle would keep the pass (its tier keys, its graph) until the engine is destroyed
+            p.prefetched.pop(i, None)
+            raise
         if x.device != self.device:
             x = x.to(self.device)
         return x
@@ -796,7 +805,13 @@ class _BlockFunction(torch.autograd.Function):
                                 "cannot go through streamed blocks: their weight gradients are sent to host "
                                 "buffers, not returned to autograd")
         needs = ctx.needs_input_grad[4:]
-        g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_outs, needs, ex.accumulates_weight_grads())
+        try:
+            g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_outs, needs, ex.accumulates_weight_grads())
+        except BaseException as e:
+            # the layers after this one sent their gradients already: the step's accumulation holds part of
+            # this backward (what failed is kept as text: the error itself would hold the pass)
+            ex.backward_failure = f"{type(e).__name__}: {e}"
+            raise
         return (None, None, None, None, g_hidden, *t_grads)
 
 

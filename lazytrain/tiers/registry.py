@@ -13,7 +13,8 @@ _REGISTRY: dict[str, type[Tier]] = {}
 
 def register_tier(name: str, cls: type[Tier]) -> type[Tier]:
     """Make ``cls`` available under ``name`` as a tier ``kind`` in the config's ``lazytrain.tiers`` list;
-    a tier configured there (under its own name) can then be a boundary or weights home."""
+    a tier configured there (under its own name) can then be a boundary home (``boundary_home``, a plan's
+    homes); the streamed weights live in host memory, on NVMe or on the device only."""
     if not (isinstance(cls, type) and issubclass(cls, Tier)):
         raise TypeError(f"register_tier({name!r}, ...) needs a subclass of lazytrain.tiers.Tier, got {cls!r}")
     _REGISTRY[name] = cls
