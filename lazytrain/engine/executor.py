@@ -498,14 +498,8 @@ class LayerStreamingExecutor:
         if i in p.held:
             return p.held[i]
         handle = p.prefetched.get(i) or self._issue_prefetch(p, i)
-        try:
-            with streams.wait_span(f"boundary {i}", self.device):
-                x = handle.wait()
-        except BaseException:
-            # the failed handle keeps its error, whose traceback holds this pass through autograd's context: kept
-            # here, the cycle would keep the pass (its tier keys, its graph) until the engine is destroyed
-            p.prefetched.pop(i, None)
-            raise
+        with streams.wait_span(f"boundary {i}", self.device):
+            x = handle.wait()   # a failed read: _BlockFunction.backward drops the pass's reads
         if x.device != self.device:
             x = x.to(self.device)
         return x
@@ -811,8 +805,8 @@ class _BlockFunction(torch.autograd.Function):
             # the layers after this one sent their gradients already: the step's accumulation holds part of
             # this backward (what failed is kept as text: the error itself would hold the pass)
             ex.backward_failure = f"{type(e).__name__}: {e}"
-            # no boundary of this pass is read again: its reads ahead end here and go (one that failed with the
-            # same error keeps it, whose traceback would hold the pass until the engine is destroyed)
+            # no boundary of this pass is read again: its reads (ahead, and one that failed) end here and go (a
+            # failed one keeps its error, whose traceback would hold the pass until the engine is destroyed)
             for handle in list(ctx.p.prefetched.values()):
                 try:
                     handle.wait()
