@@ -1811,9 +1811,9 @@ class LazyTrainEngine(nn.Module):
                 else:
                     optimizer = self._own_optimizer_state(own, state.moments, path, self._owned_names())
             schedule = state.lr_scheduler
-            apply = lambda: self._load_own(path, own, state, module, optimizer, prepared,  # noqa: E731
-                                           load_module_strict, load_module_only, load_lr_scheduler_states,
-                                           custom_load_fn)
+            apply = lambda by_name_state: self._load_own(  # noqa: E731
+                path, own, state, module, optimizer, by_name_state, load_module_strict, load_module_only,
+                load_lr_scheduler_states, custom_load_fn)
         elif saved_over or ds_ckpt.is_deepspeed(directory, trust):
             # read everything first: a file that fails changes nothing.
             # a stage-0 checkpoint keeps the optimizer's state by position: DeepSpeed's groups are the ones the
@@ -1830,14 +1830,15 @@ class LazyTrainEngine(nn.Module):
             by_name = (lambda: self._optimizer_state_from(state.moments, directory, state.group_settings)) \
                 if optimizer is None and state.moments is not None and not load_module_only else None
             schedule = state.lr_scheduler
-            apply = lambda: self._load_deepspeed(directory, state, prepared, load_module_strict,  # noqa: E731
-                                                 load_module_only, load_lr_scheduler_states, custom_load_fn)
+            apply = lambda by_name_state: self._load_deepspeed(  # noqa: E731
+                directory, state, by_name_state, load_module_strict, load_module_only, load_lr_scheduler_states,
+                custom_load_fn)
         else:
             loaded = ckpt.load(load_dir, tag, want_optim, trust=trust)
             module, optimizer, by_name = loaded[1]["module"], (loaded[2] or {}).get("optimizer"), None
             schedule = loaded[1].get("lr_scheduler")
-            apply = lambda: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
-                                                 load_lr_scheduler_states, custom_load_fn)
+            apply = lambda _: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
+                                                   load_lr_scheduler_states, custom_load_fn)
         where = f"checkpoint tag {tag!r} in {load_dir}"
         if custom_load_fn is None:   # the user's own loader decides what fits
             self._check_module_state_fits(module, load_module_strict, where)
@@ -1846,7 +1847,7 @@ class LazyTrainEngine(nn.Module):
             if load_lr_scheduler_states:
                 self._check_scheduler_state_fits(schedule, where)
         prepared = by_name() if by_name is not None else None   # the moments by name: each checked here
-        return apply
+        return functools.partial(apply, prepared)
 
     def _state_shapes(self) -> dict[str, tuple | None]:
         """The names the module's ``state_dict()`` holds, each with its shape (a parameter another rank holds
@@ -1931,19 +1932,25 @@ class LazyTrainEngine(nn.Module):
                 f"engine's {type(self.lr_scheduler).__name__} keeps (a schedule of another kind): load it with "
                 f"load_lr_scheduler_states=False to keep this one; nothing was loaded")
 
+    def _refuse_settings_hybrid_cannot_run(self, groups, where: str) -> None:
+        """Saved group settings (a state dict's groups, or DeepSpeed's by parameter) of an AMSGrad or maximizing
+        optimizer, refused by a HybridAdamW, whose groups have no such key to carry them."""
+        if type(self.optimizer).__name__ != "HybridAdamW":
+            return
+        for flag in ("amsgrad", "maximize"):
+            if any(g.get(flag) for g in groups):
+                raise ckpt.CheckpointMismatchError(
+                    f"{where} holds the state of an optimizer with {flag}=True, which this engine's HybridAdamW "
+                    f"does not run: load it with load_optimizer_states=False to take the weights alone; nothing "
+                    f"was loaded")
+
     def _check_optimizer_state_fits(self, sd: dict | None, where: str) -> None:
         """An optimizer state of other parameter groups (another model's, or a head tied here and not there)
         is refused before anything is written, naming the groups' sizes; so is one HybridAdamW cannot run
         (an AMSGrad or maximizing optimizer's)."""
         if sd is None or self.optimizer is None or not isinstance(sd.get("param_groups"), list):
             return
-        if type(self.optimizer).__name__ == "HybridAdamW":
-            for flag in ("amsgrad", "maximize"):
-                if any(g.get(flag) for g in sd["param_groups"]):
-                    raise ckpt.CheckpointMismatchError(
-                        f"{where} holds the state of an optimizer with {flag}=True, which this engine's HybridAdamW "
-                        f"does not run: load it with load_optimizer_states=False to take the weights alone; nothing "
-                        f"was loaded")
+        self._refuse_settings_hybrid_cannot_run(sd["param_groups"], where)
         groups = self._all_whole_groups() if self.shards is not None else getattr(self.optimizer, "param_groups", None)
         if groups is None:
             return
@@ -2135,14 +2142,9 @@ class LazyTrainEngine(nn.Module):
             for group, mine in zip(whole, sd["param_groups"]):
                 saved = next((settings[n] for n in (self._param_names.get(id(p)) for p in group["params"])
                               if n in settings), None)
-                if saved is not None and type(self.optimizer).__name__ == "HybridAdamW":
-                    flags = [flag for flag in ("amsgrad", "maximize") if saved.get(flag)]
-                    if flags:   # its groups have no such key: the setting would be dropped without a word
-                        raise ckpt.CheckpointMismatchError(
-                            f"checkpoint {directory} holds the state of an optimizer with {flags[0]}=True, which "
-                            f"this engine's HybridAdamW does not run: load it with load_optimizer_states=False to "
-                            f"take the weights alone; nothing was loaded")
-                if saved is not None:   # how the optimizer runs (foreach, fused, ...) stays this engine's
+                if saved is not None:
+                    self._refuse_settings_hybrid_cannot_run([saved], f"checkpoint {directory}")
+                    # how the optimizer runs (foreach, fused, ...) stays this engine's
                     mine.update({k: v for k, v in saved.items()
                                  if k in mine and k not in ("foreach", "fused", "capturable", "differentiable")})
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
