@@ -120,7 +120,11 @@ def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm,
               "sharded": engine.shards is not None, "non_block_bytes": non_block_bytes(engine),
               "empty_here": sorted(n for n, p in engine.module.named_parameters() if p.numel() == 0),
               "held_peak": engine.partitioned.peak_held_bytes if engine.partitioned is not None else None,
-              "master_bytes": sum(m.numel() * 4 for m in engine.weights.master if m is not None)}
+              "master_bytes": sum(m.numel() * 4 for m in engine.weights.master if m is not None),
+              # the non-block fp32 masters with values here (another rank's, at stages 1-2: a placeholder)
+              "non_block_masters_here": None if engine.masters is None else sorted(
+                  n for n, p in engine.module.named_parameters()
+                  if id(p) in engine.masters.by_param and id(p) not in engine.masters.elsewhere)}
     if save:   # what this rank gathers to write its part: fp32 values of the ranges its files hold
         from lazytrain.engine import sharded_checkpoint
         gather = sharded_checkpoint.gather_pieces
@@ -246,20 +250,26 @@ def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(spawned):
 
 
 for _overlap in (True, False):
-    train(2, stage=2, overlap=_overlap, dtype="bf16")
-    train(2, stage=0, overlap=_overlap, dtype="bf16")
+    for _stage in (2, 1, 0):
+        train(2, stage=_stage, overlap=_overlap, dtype="bf16")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_replicated_ranks(spawned, overlap):
+def test_bf16_sharded_ranks_keep_fp32_weights_of_their_own_layers_and_train_as_replicated_ranks(spawned, overlap,
+                                                                                                stage):
     """bf16: a rank keeps fp32 weights only for the layers it owns (every layer's exactly once over the
-    ranks), the node's ranks share one compute copy, and the fp32 weights gathered at the end are bit for
-    bit those of ranks that each hold everything (stage 0)."""
-    results = spawned(train(2, stage=2, overlap=overlap, dtype="bf16"))
+    ranks) and only for the parameters outside the layers it owns (each non-block master on one rank), the
+    node's ranks share one compute copy, and the fp32 weights gathered at the end, and those ``destroy()``
+    hands back, are bit for bit those of ranks that each hold everything (stage 0)."""
+    results = spawned(train(2, stage=stage, overlap=overlap, dtype="bf16"))
     replicated = spawned(train(2, stage=0, overlap=overlap, dtype="bf16"))
     whole = replicated[0]["master_bytes"]
     assert whole == sum(p.numel() * 4 for block in make_model("modulelist").stack for p in block.parameters())
     assert sum(r["master_bytes"] for r in results) == whole and max(r["master_bytes"] for r in results) < whole
+    assert all(r["non_block_masters_here"] == NON_BLOCK for r in replicated)
+    here = [r["non_block_masters_here"] for r in results]
+    assert sorted(here[0] + here[1]) == NON_BLOCK and here[0] and here[1]   # each on one rank, both hold some
     for r in results:
         assert r["sharded"] and r["node_shared"] and r["sees_last_ranks_write"] in (True, None)
         assert r["handed_back"]
@@ -1005,19 +1015,21 @@ def _one_gpu_stage3_worker(rank, port, out_dir, stage):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_stage_3_with_two_ranks_on_one_gpu_trains_bit_for_bit_as_stage_2(tmp_path):
+def test_on_a_gpu_stages_2_and_3_with_two_ranks_on_one_gpu_train_bit_for_bit_as_stage_0(tmp_path):
     """The non-block parameters partitioned between two processes on the one GPU (bf16, overlapped updates):
-    fetched before the forward, gradients reduced to their owners from the backward, on CUDA tensors."""
+    at stage 3 fetched before the forward, gradients reduced to their owners from the backward, on CUDA
+    tensors; at stage 2 their fp32 host masters on their owners, which send the updated device copies."""
     weights = {}
-    for stage in (2, 3):
+    for stage in (0, 2, 3):
         out = tmp_path / f"stage{stage}"
         out.mkdir()
         mp.spawn(_one_gpu_stage3_worker, args=(free_port(), str(out), stage), nprocs=2, join=True)
         weights[stage] = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     assert sorted(n for r in weights[3] for n in r["empty_here"]) == sorted(NON_BLOCK)
-    for r2, r3 in zip(weights[2], weights[3]):
-        for k, v in r2["weights"].items():
-            assert torch.equal(r3["weights"][k], v), k
+    for stage in (2, 3):
+        for r0, r in zip(weights[0], weights[stage]):
+            for k, v in r0["weights"].items():
+                assert torch.equal(r["weights"][k], v), (stage, k)
 
 
 def _nccl_world_of_one_worker(rank, port, out_dir, with_group):
@@ -1325,6 +1337,67 @@ def test_stage_3_evaluation_forwards_gathers_state_dicts_and_loads(spawned):
     owner_of_head = [r for r in results if r["head_after"] != (0,)]
     assert len(owner_of_head) == 1 and [r["state_dict_shapes"]["head.weight"] for r in results if
                                         r is not owner_of_head[0]] == [(0,)]
+
+
+def _masters_on_owners_uses(rank, world, out_dir, stage):
+    """bf16 at stages 0-2: what scripts do with the weights outside the engine's steps, where the non-block
+    fp32 masters live on their owners (stages 1-2): the module's own load_state_dict on every rank, a load
+    through a custom_load_fn, a 16-bit save by rank 0 alone (no collective below stage 3), and steps after each."""
+    import lazytrain
+    from safetensors.torch import load_file
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, stage, False, "bf16"))
+    per = GLOBAL // world
+    out = {}
+
+    def one_step(seed):
+        x, y = batches(1, batch=GLOBAL, seed=seed)[0]
+        part = slice(per * rank, per * rank + per)
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+
+    one_step(1)
+    torch.manual_seed(5)   # fp32 values no bf16 rounding keeps: the masters must take them whole
+    fresh = {k: v + 1e-4 * torch.randn_like(v) for k, v in make_model("modulelist").state_dict().items()}
+    engine.module.load_state_dict(fresh)
+    out["after_direct_load"] = engine.module_state_dict()
+    one_step(2)
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+    one_step(3)
+    engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="t",
+                           custom_load_fn=lambda src, dst: dst.load_state_dict(src))
+    out["after_custom_load"] = engine.module_state_dict()
+    one_step(4)
+    if rank == 0:   # the others go on: at stages 1-2 it needs no collective
+        engine.save_16bit_model(os.path.join(out_dir, "bf16"))
+        out["bf16_file"] = load_file(os.path.join(out_dir, "bf16", "model.safetensors"))
+    out["weights"] = engine.module_state_dict()
+    engine.destroy()
+    return out
+
+
+for _stage in (0, 1, 2):
+    case(2, f"masters-on-owners-uses-{_stage}", _masters_on_owners_uses, stage=_stage)
+
+
+def test_non_block_masters_on_their_owners_take_loads_whole_and_a_16bit_save_needs_no_collective(spawned):
+    """Stages 1-2 in bf16 give bit for bit what stage 0 gives (every rank holding every master): after the
+    module's own load (fp32 values below bf16's resolution reach the masters), after a checkpoint load
+    through a custom_load_fn, after steps from each, and in a 16-bit save rank 0 writes alone."""
+    replicated = spawned("masters-on-owners-uses-0")
+    fresh_head = None
+    for stage in (1, 2):
+        results = spawned(f"masters-on-owners-uses-{stage}")
+        for r in results:
+            for key in ("after_direct_load", "after_custom_load", "weights"):
+                for k, v in replicated[0][key].items():
+                    assert torch.equal(r[key][k], v), (stage, key, k)
+        bf16 = results[0]["bf16_file"]
+        assert set(bf16) == set(replicated[0]["bf16_file"])
+        for k, v in replicated[0]["bf16_file"].items():
+            assert v.dtype == torch.bfloat16 and torch.equal(bf16[k], v), (stage, k)
+        fresh_head = results[0]["after_direct_load"]["head.weight"]
+    # the load kept what bf16 cannot hold: the masters took the fp32 values, not their compute copies
+    assert not torch.equal(fresh_head, fresh_head.to(torch.bfloat16).float())
 
 
 class HandTiedLM(ModuleListLM):

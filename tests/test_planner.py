@@ -849,22 +849,31 @@ def test_a_frozen_embedding_and_head_are_budgeted_as_their_device_copy_alone():
 
 def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):
     from lazytrain.config import parse_config
+    import torch
     from lazytrain.engine.placement import _host_shares
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     base = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     cfg = parse_config({**base, "train_batch_size": 8, "bf16": {"enabled": True},
                         "zero_optimization": {"stage": 2}}, world_size=8)
-    assert _host_shares(cfg) == {"optimizer_state_share": 0.125, "master_share": 0.125, "gradient_share": 0.125,
-                                 "non_block_share": 1.0, "weights_copy_share": 0.25}
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    # bf16: the non-block fp32 masters live on their owners; every rank accumulates their gradients until the step
+    assert _host_shares(cfg, cpu) == {"optimizer_state_share": 0.125, "master_share": 0.125, "gradient_share": 0.125,
+                                      "non_block_master_share": 0.125, "non_block_gradient_share": 1.0,
+                                      "weights_copy_share": 0.25}
     cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 1}}, world_size=8)
-    assert _host_shares(cfg) == {"optimizer_state_share": 0.125, "master_share": 1.0, "gradient_share": 1.0,
-                                 "non_block_share": 1.0, "weights_copy_share": 0.25}
+    # fp32 on the CPU: a non-block parameter is its own master, which every rank computes with
+    assert _host_shares(cfg, cpu) == {"optimizer_state_share": 0.125, "master_share": 1.0, "gradient_share": 1.0,
+                                      "non_block_master_share": 1.0, "non_block_gradient_share": 1.0,
+                                      "weights_copy_share": 0.25}
+    # fp32 beside a GPU: the masters are on the host, apart from the device copies
+    assert _host_shares(cfg, gpu)["non_block_master_share"] == 0.125
     # stage 3 partitions the parameters outside the layers: their fp32 masters and gradients too
     cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 3}}, world_size=8)
-    assert _host_shares(cfg) == {"optimizer_state_share": 0.125, "master_share": 1.0, "gradient_share": 0.125,
-                                 "non_block_share": 0.125, "weights_copy_share": 0.25}
+    assert _host_shares(cfg, cpu) == {"optimizer_state_share": 0.125, "master_share": 1.0, "gradient_share": 0.125,
+                                      "non_block_master_share": 0.125, "non_block_gradient_share": 0.125,
+                                      "weights_copy_share": 0.25}
     cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 0}}, world_size=8)
-    assert _host_shares(cfg) == {}
+    assert _host_shares(cfg, cpu) == {}
 
 
 def test_embedding_and_head_gradients_leave_beside_the_windows_on_lazytrain_and_after_them_on_megatrain():
@@ -962,7 +971,8 @@ def test_a_hardware_argument_that_is_no_name_or_file_is_named(tmp_path):
     ("hybrid_8bit_fraction", 2.0, "Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got 2.0"),
     ("hybrid_8bit_fraction", float("nan"), "Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got nan"),
     ("master_share", 0, "Budgets field 'master_share' must be a fraction in (0, 1], got 0"),
-    ("non_block_share", 1.5, "Budgets field 'non_block_share' must be a fraction in (0, 1], got 1.5"),
+    ("non_block_master_share", 1.5, "Budgets field 'non_block_master_share' must be a fraction in (0, 1], got 1.5"),
+    ("non_block_gradient_share", 0, "Budgets field 'non_block_gradient_share' must be a fraction in (0, 1], got 0"),
     ("lean_norms", "no", "Budgets field 'lean_norms' must be true or false, got 'no'"),
     ("non_block_state", "gpu", "Budgets field 'non_block_state' must be \"host\" or \"device\", got 'gpu'"),
 ])

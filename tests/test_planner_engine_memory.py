@@ -93,8 +93,9 @@ def test_the_planners_host_bytes_are_what_the_engine_holds(case, tmp_path):
 def _rank_host_bytes(engine, nb_grad_bytes: int) -> float:
     """What one rank of a sharded run holds, as the planner counts it: its streamed layers' state as above,
     a node-shared buffer (the fp32 weights in fp32 training, else the compute copies) as its part of the
-    node's one copy, the non-block fp32 masters it keeps (those of its own partition at stage 3) with the
-    gradients it held at the step (``nb_grad_bytes``, counted before it), and its share of the moments."""
+    node's one copy, the non-block fp32 masters it keeps (those it owns, where they are apart from the compute
+    copies or partitioned) with the gradients it held at the step (``nb_grad_bytes``, counted before it), and
+    its share of the moments."""
     w = engine.weights
     per_node = int(os.environ["LOCAL_WORLD_SIZE"]) if engine.node_shared_weights else 1
     held = 0.0
@@ -102,7 +103,8 @@ def _rank_host_bytes(engine, nb_grad_bytes: int) -> float:
         held += sum(w.layer_numels) * w.compute_dtype.itemsize / per_node
     held += _nbytes(w.master) / (per_node if w.shares_master else 1) + _nbytes(w.frozen_part) + _nbytes(w.grad)
     if engine.masters is not None:
-        held += sum(m.untyped_storage().nbytes() for _, m in engine.masters.pairs)
+        # another rank's master (stages 1-2) is a placeholder of its shape: one element, seen everywhere
+        held += sum(m.untyped_storage().nbytes() for p, m in engine.masters.pairs if id(p) not in engine.masters.elsewhere)
     else:   # fp32 on the CPU: the parameter is its own master
         held += sum(p.numel() * 4 for p in engine.non_block_params if p.requires_grad)
     held += nb_grad_bytes
@@ -137,7 +139,8 @@ def _sharded_rank(rank, world, out_dir, stage, bf16, lora, home):
     out = {"held": _rank_host_bytes(engine, nb_grads), "planned": problem.host_static,
            "whole": Problem(model=problem.model, hardware=CATALOG["h800"], micro_batch=MICRO, seq_len=SEQ,
                             budgets=dataclasses.replace(budgets, optimizer_state_share=1.0, master_share=1.0,
-                                                        gradient_share=1.0, non_block_share=1.0,
+                                                        gradient_share=1.0, non_block_master_share=1.0,
+                                                        non_block_gradient_share=1.0,
                                                         weights_copy_share=1.0), check=False).host_static,
            "shared": engine.node_shared_weights}
     engine.destroy()

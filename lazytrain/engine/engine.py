@@ -200,9 +200,11 @@ class LazyTrainEngine(nn.Module):
         self.frozen_non_block = FrozenParams(self.non_block_params, self.compute_dtype, self.device)
         self._move_non_block(model, blocks)
         home = self._masters_home()
-        # stage 3 partitions the non-block parameters: each then has a master, which only its owner keeps
-        partition = self.dist.enabled and config.zero_stage >= 3 and optimizer is None and \
+        # the optimizer state sharded (stage >= 1, several ranks, the config's optimizer): the non-block fp32
+        # masters live on their owners alone; stage 3 partitions the parameters too: each then has a master
+        sharded = self.dist.enabled and config.zero_stage >= 1 and optimizer is None and \
             config.optimizer.type is not None
+        partition = sharded and config.zero_stage >= 3
         self.masters = Masters(self.non_block_params, self.compute_dtype, home) \
             if self.compute_dtype != torch.float32 or home != self.device or partition else None
         remap = self.masters.master_of if self.masters is not None else (lambda p: p)
@@ -216,7 +218,8 @@ class LazyTrainEngine(nn.Module):
         wants_overlap = overlap is True or (overlap == "auto" and (self.device.type == "cuda" or
                                                                    config.lazytrain.policy == "auto"))
         self.shards: sharding.Ownership | None = None   # zero_optimization.stage >= 1 over several ranks
-        self.partitioned: PartitionedParams | None = None   # stage 3: the non-block parameters too
+        # the non-block parameters on their owners (stage 3), or their fp32 masters alone (stages 1-2)
+        self.partitioned: PartitionedParams | None = None
         self.node_shared_weights = False   # the streamed layers' weights: one host copy per node
         self._one_shared_node = False      # ... and every rank on that one node: owners broadcast a signal
         if optimizer is not None:   # an object keeps its own groups (model_parameters unused, as in DeepSpeed)
@@ -237,10 +240,10 @@ class LazyTrainEngine(nn.Module):
                         self.dist.reduce_gradient, self.dist.comm_dtype))
                 self._whole_groups = groups
                 groups = sharding.owned_groups(groups, self.shards)
-                if partition:
+                if self.masters is not None:
                     self.partitioned = PartitionedParams(self.masters, lambda m: self.shards.param_owner.get(id(m)),
                                                          self.global_rank, self.dist, model,
-                                                         {id(m) for m in blocks.modules()})
+                                                         {id(m) for m in blocks.modules()}, masters_only=not partition)
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
@@ -959,7 +962,7 @@ class LazyTrainEngine(nn.Module):
                     self._update_overlapped(factor)
                 else:
                     self._update_serial(factor, grads)
-                if self.masters is not None:
+                if self.masters is not None and not self._masters_on_owners():   # else written and sent already
                     with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
                         self.masters.masters_to_params()
             except BaseException as e:   # a KeyboardInterrupt too: it leaves the same half-updated state
@@ -1018,6 +1021,8 @@ class LazyTrainEngine(nn.Module):
                             w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
                 except Exception as e:   # noqa: BLE001 - as above
                     error = e
+            if error is None:
+                error = self._owners_write_non_block_copies()
             if self.shards is not None:   # every rank takes part in every broadcast, then all fail together
                 self._share_updated(self._layers_with_grads(), non_block=True)
             if self.dist.enabled and not self.dist.all_succeeded(
@@ -1081,6 +1086,8 @@ class LazyTrainEngine(nn.Module):
                 if not self.dist.enabled:
                     raise
                 error = e
+            if error is None:
+                error = self._owners_write_non_block_copies()
             if self.shards is not None:
                 self._share_updated(non_block=True)
         if self.dist.enabled and not self.dist.all_succeeded(
@@ -1259,17 +1266,45 @@ class LazyTrainEngine(nn.Module):
         for i in layers:
             self.dist.broadcast_from([self._published(i)], shards.layer_owner[i])
         if non_block:
+            # a master its owner alone holds: its compute copy (which the owner wrote from it) goes instead
+            copy_of = {id(m): p for p, m in self.masters.pairs} if self._masters_on_owners() else {}
             for t in self._non_block_grad_holders():
                 owner = shards.param_owner.get(id(t))
                 if owner is not None and not self._partitioned(t):   # a partitioned one: fetched at its next use
-                    self.dist.broadcast_from([t.data], owner)
+                    self.dist.broadcast_from([copy_of.get(id(t), t).data], owner)
+
+    def _owners_write_non_block_copies(self) -> BaseException | None:
+        """Stages 1-2 over several ranks: each owner writes the compute copies of the non-block masters it
+        updated, which :meth:`_share_updated` then sends (the error, if one fails, for the ranks to agree on)."""
+        if not self._masters_on_owners():
+            return None
+        try:
+            with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
+                self.masters.masters_to_params()   # the masters this rank holds: those it owns, and any unowned
+        except Exception as e:   # noqa: BLE001 - the ranks agree on it after the broadcasts
+            return e
+        return None
 
     def _partitioned(self, t: torch.Tensor) -> bool:
-        return self.partitioned is not None and self.partitioned.partitioned(t)
+        """Whether ``t`` (a non-block parameter or its master) is partitioned, values and all (stage 3): its
+        gradient reaches its owner in the backward, and its copies are fetched for each use."""
+        return self.partitioned is not None and not self.partitioned.masters_only and self.partitioned.partitioned(t)
+
+    def _masters_on_owners(self) -> bool:
+        """Stages 1-2 over several ranks: the non-block fp32 masters live on their owners alone, which write
+        their compute copies after the update and send them to every rank (:meth:`_share_updated`)."""
+        return self.partitioned is not None and self.partitioned.masters_only
 
     def _whole(self):
-        """Meanwhile every parameter is whole on every rank (stage 3: a collective; else nothing to do)."""
+        """Meanwhile every parameter and its fp32 master is whole on every rank (a collective where they are
+        partitioned: stage 3, and stages 1-2 for the masters; else nothing to do)."""
         return self.partitioned.materialized() if self.partitioned is not None else contextlib.nullcontext()
+
+    def _whole_copies(self):
+        """Meanwhile every parameter's compute copy is whole on every rank (stage 3: a collective; below it
+        they are whole already, the fp32 masters on their owners notwithstanding)."""
+        return self._whole() if self.partitioned is not None and not self.partitioned.masters_only \
+            else contextlib.nullcontext()
 
     def _shapes_only(self):
         """Meanwhile every parameter has its shape on every rank, without the values of those other ranks
@@ -1478,10 +1513,13 @@ class LazyTrainEngine(nn.Module):
             return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
 
     def _module_state(self, exclude_frozen_parameters: bool, copy: bool,
-                      foreign: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                      foreign: dict[int, torch.Tensor] | None = None,
+                      copies_for_masters_elsewhere: bool = False) -> dict[str, torch.Tensor]:
         """``copy=False`` (a checkpoint save, which writes them before anything changes them): host tensors
         as they are, so a save streams the weights to disk without a second copy in memory. ``foreign``:
-        fp32 weights of other ranks' layers (:meth:`_foreign_masters`), in place of their compute copies."""
+        fp32 weights of other ranks' layers (:meth:`_foreign_masters`), in place of their compute copies.
+        ``copies_for_masters_elsewhere`` (a state in the training precision): a non-block parameter whose
+        master another rank holds (stages 1-2) gives its compute copy, which every rank holds whole."""
         self.wait_for_update()
         masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
         masters.update(foreign or {})
@@ -1493,6 +1531,8 @@ class LazyTrainEngine(nn.Module):
             if id(t) in frozen:
                 continue
             src = masters.get(id(t), t)
+            if copies_for_masters_elsewhere and self._masters_on_owners() and self.partitioned.values_elsewhere(src):
+                src = t
             if self.partitioned is not None and (self.partitioned.values_elsewhere(t) or
                                                  self.partitioned.values_elsewhere(src)):
                 out[name] = torch.empty(0, dtype=src.dtype)   # stage 3, another rank's: a save takes it from there
@@ -1543,7 +1583,8 @@ class LazyTrainEngine(nn.Module):
             with torch.no_grad():
                 for name, p in module.named_parameters(remove_duplicate=False):   # tied weights: either name
                     m = self.masters.by_param.get(id(p))
-                    if m is not None and prefix + name in state:
+                    # a master another rank holds (stages 1-2, a load outside the engine's): its owner takes it
+                    if m is not None and id(p) not in self.masters.elsewhere and prefix + name in state:
                         value = state[prefix + name]   # a one-element tensor for a 0-dim one, as torch takes it
                         m.copy_(value.reshape(()) if m.dim() == 0 and value.shape == (1,) else value)
         self._refresh_streamed_layers()
@@ -2183,7 +2224,7 @@ class LazyTrainEngine(nn.Module):
         ``torch.save`` as asked."""
         self._refuse_if_inconsistent("save_16bit_model()")
         # safetensors refuses tensors that share memory: tied names each get their own copy, as in DeepSpeed
-        with self._whole():
+        with self._whole_copies():
             state = self._state_in_compute_dtype(exclude_frozen_parameters, share_tied=False)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
@@ -2204,7 +2245,7 @@ class LazyTrainEngine(nn.Module):
         ``None`` on the others. It answers at every stage; at stage 3 every rank must call it (the non-block
         parameters are gathered from their owners)."""
         self._refuse_if_inconsistent("_zero3_consolidated_16bit_state_dict()")
-        with self._whole():   # every rank takes part in the gather; rank 0 alone builds the state
+        with self._whole_copies():   # every rank takes part in a gather; rank 0 alone builds the state
             return self._state_in_compute_dtype(exclude_frozen_parameters) if self.global_rank == 0 else None
 
     def _state_in_compute_dtype(self, exclude_frozen_parameters: bool, share_tied: bool = True) -> dict[str, torch.Tensor]:
@@ -2212,7 +2253,7 @@ class LazyTrainEngine(nn.Module):
         tied names share one tensor, as in the model, so a saver that drops tied keys can (Hugging Face's
         ``save_pretrained``); else each name has its own."""
         dtype = self.compute_dtype
-        state = self._module_state(exclude_frozen_parameters, copy=False)
+        state = self._module_state(exclude_frozen_parameters, copy=False, copies_for_masters_elsewhere=True)
         tensor_of = {name: id(t) for name, t in self.module.state_dict(keep_vars=True).items()}
         cast: dict[int, torch.Tensor] = {}
         out = {}

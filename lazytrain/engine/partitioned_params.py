@@ -1,10 +1,19 @@
-"""Stage 3: the parameters outside the streamed blocks partitioned across the ranks.
+"""The parameters outside the streamed blocks partitioned across the ranks (stage 3), or their fp32 masters
+alone (stages 1 and 2).
 
 At ``zero_optimization.stage`` 3 each trainable parameter outside the blocks (embeddings, final norm, head)
-is held between uses by the one rank that owns its optimizer state (sharding.py assigns it whole, as at
-stages 1-2) and by no other: the owner keeps its compute copy, its fp32 master, gradient and moments; the
-other ranks keep an empty tensor in its place, as DeepSpeed's partitioned parameters are. (The streamed
-layers need none of this: a node's ranks compute them from one shared host copy, engine.py.)
+is held between uses by the one rank that owns its optimizer state (sharding.py assigns it whole) and by no
+other: the owner keeps its compute copy, its fp32 master, gradient and moments; the other ranks keep an
+empty tensor in its place, as DeepSpeed's partitioned parameters are. (The streamed layers need none of
+this: a node's ranks compute them from one shared host copy, engine.py.)
+
+At stages 1 and 2 (``masters_only``) every rank keeps the compute copies whole, as DeepSpeed's do, and
+only the owner keeps the fp32 master, as DeepSpeed's partitioned fp32 groups are; the others keep a
+placeholder of its shape without memory, so that the gradients they accumulate in fp32 until the step
+(which reduces them to the owner) can hang from it. The owner sends the updated compute copy to every
+rank (engine.py ``_share_updated``). Nothing is fetched for a forward; what needs the fp32 values whole
+(loads, ``module_state_dict()``, ``destroy()``) fetches the masters through ``materialized()``, and a save
+takes them from their owners, as at stage 3. The rest of this docstring is about stage 3.
 
 When a copy is fetched and when it is dropped:
 
@@ -70,15 +79,18 @@ class _Entry:
 
 class PartitionedParams:
     """The non-block parameters of one engine partitioned by ``owner_of(master)`` (None: not partitioned,
-    replicated on every rank). Built before :meth:`partition`, which is the last step of the engine's
-    set-up, so that a set-up that fails leaves every parameter whole."""
+    replicated on every rank); with ``masters_only``, their fp32 masters alone. Built before :meth:`partition`,
+    which is the last step of the engine's set-up, so that a set-up that fails leaves every parameter whole."""
 
-    def __init__(self, masters: Masters, owner_of, rank: int, dist, model: nn.Module, block_modules: set[int]):
+    def __init__(self, masters: Masters, owner_of, rank: int, dist, model: nn.Module, block_modules: set[int],
+                 masters_only: bool = False):
         self.masters, self.rank, self.dist, self.model = masters, rank, dist, model
+        self.masters_only = masters_only
         self.entries: list[_Entry] = []
         for p, m in masters.pairs:
             owner = owner_of(m)
-            if owner is not None and p.requires_grad and p.numel() > 0:
+            # masters only: a master that is its parameter (fp32 beside it) is needed whole for the forwards
+            if owner is not None and p.requires_grad and p.numel() > 0 and not (masters_only and _same_storage(p, m)):
                 self.entries.append(_Entry(p, m, owner, p.shape, p.stride(), m.stride(), _same_storage(p, m)))
         self._by_param = {id(e.param): e for e in self.entries}
         self._by_master = {id(e.master): e for e in self.entries}
@@ -106,7 +118,13 @@ class PartitionedParams:
 
     # ---- set-up and hand-back --------------------------------------------------------------------
     def partition(self) -> None:
-        """Each rank keeps what it owns; hooks fetch the rest for each use."""
+        """Each rank keeps what it owns; hooks fetch the rest for each use (masters only: nothing to fetch for
+        a forward, and the gradients accumulate on every rank until the step, as at stages 1 and 2)."""
+        if self.masters_only:
+            self.active = True
+            for e in self.entries:
+                self._drop_master(e)
+            return
         for e in self.entries:
             self.masters.remove_grad_hook(e.param)
             self._hooks.append(e.param.register_post_accumulate_grad_hook(self._gradient_hook(e)))
@@ -207,7 +225,7 @@ class PartitionedParams:
                     e.param.data = _empty_like(e.param)
             for e in masters:
                 if id(e.param) in self.masters.elsewhere:   # nothing fetched it meanwhile
-                    e.master.data = _empty_like(e.master)
+                    e.master.data = self._master_placeholder(e)
 
     def owner(self, t: torch.Tensor) -> int | None:
         """The rank that holds ``t`` (a partitioned parameter or its master) whole between uses; None when
@@ -259,8 +277,9 @@ class PartitionedParams:
 
     def after_step(self) -> None:
         """The owners' weights changed: held copies are dropped, or, where a scope pins them, fetched again
-        (every rank pins the same ones: the same collectives)."""
-        if not self.active:
+        (every rank pins the same ones: the same collectives). Masters only: the engine sends the owners'
+        compute copies to every rank."""
+        if not self.active or self.masters_only:
             return
         for e in self.entries:
             if e.pins and e.held:
@@ -305,7 +324,7 @@ class PartitionedParams:
 
     def _drop(self, e: _Entry) -> None:
         """The copy of another rank's parameter goes (unless a scope pins it); the owner keeps its own."""
-        if e.pins or not self.active:
+        if e.pins or not self.active or self.masters_only:
             return
         if e.owner != self.rank:
             if e.held:
@@ -315,8 +334,13 @@ class PartitionedParams:
 
     def _drop_master(self, e: _Entry) -> None:
         if e.owner != self.rank and self.active:   # the master lives on its owner alone: Masters leaves this pair alone
-            e.master.data = _empty_like(e.master)
+            e.master.data = self._master_placeholder(e)
             self.masters.elsewhere.add(id(e.param))
+
+    def _master_placeholder(self, e: _Entry) -> torch.Tensor:
+        """What stands for another rank's master here: nothing (stage 3: no gradient reaches it); with masters
+        only, its shape without memory, for the gradient accumulated here until the step."""
+        return _no_values(torch.float32, e.master.device, e.shape) if self.masters_only else _empty_like(e.master)
 
     # ---- hooks ---------------------------------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -380,8 +404,8 @@ class PartitionedParams:
     def refuse_partial_load(self, module: nn.Module, state_dict: dict) -> None:
         """Before a ``load_state_dict`` into ``module`` writes anything (the engine's first load pre-hook): a
         load that names a partitioned parameter (by any of its names) is refused; others go ahead."""
-        if not self.active or self._whole_for:
-            return
+        if not self.active or self._whole_for or self.masters_only:   # masters only: every rank loads its copies,
+            return                                                           # the owners their masters (engine.py)
         partitioned = {id(e.param) for e in self.entries}
         if any(id(p) in partitioned and name in state_dict
                for name, p in module.named_parameters(remove_duplicate=False)):

@@ -110,13 +110,14 @@ def calibration_plan(cfg: EngineConfig, num_layers: int, micro_batch: int) -> Pl
 _GPU_PROFILES = (("H800", "h800"), ("H200", "h200"), ("H100", "h800"), ("3090", "rtx3090"))
 
 
-def _host_shares(cfg: EngineConfig) -> dict[str, float]:
+def _host_shares(cfg: EngineConfig, device: torch.device) -> dict[str, float]:
     """What one rank holds of the host state when the optimizer state is sharded (engine.py,
     ``_shard_host_weights``): the Adam moments of its share of the parameters; in bf16/fp16 the fp32 weights
-    of its share of the layers too; at stage >= 2 their gradient buffers; at stage 3 the fp32 masters and
-    gradients of its share of the parameters outside the layers (below it every rank keeps them whole);
-    with the weights in host memory, its part of the node's one streamed copy (the launcher's ranks per node,
-    when it says)."""
+    of its share of the layers too; at stage >= 2 their gradient buffers; of the parameters outside the layers
+    the fp32 masters of its share where they are apart from the compute copies (bf16/fp16, or on the host
+    beside a GPU's copies; partitioned_params.py), and at stage 3 their gradients too (below it every rank
+    accumulates them whole); with the weights in host memory, its part of the node's one streamed copy (the
+    launcher's ranks per node, when it says)."""
     sharded = cfg.zero_stage >= 1 and cfg.world_size > 1 and cfg.optimizer.type is not None
     if not sharded:
         return {}
@@ -124,10 +125,12 @@ def _host_shares(cfg: EngineConfig) -> dict[str, float]:
     in_host = cfg.lazytrain.weights_home in ("host", "hbm")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     mixed = cfg.compute_dtype_name != "float32"
+    apart = non_block_state_home(cfg) == "host" and device.type != "cpu"   # fp32 masters on the host, copies on a GPU
     return {"optimizer_state_share": per_rank,
             "master_share": per_rank if mixed and in_host else 1.0,
             "gradient_share": per_rank if cfg.zero_stage >= 2 else 1.0,
-            "non_block_share": per_rank if cfg.zero_stage >= 3 else 1.0,
+            "non_block_master_share": per_rank if cfg.zero_stage >= 3 or mixed or apart else 1.0,
+            "non_block_gradient_share": per_rank if cfg.zero_stage >= 3 else 1.0,
             "weights_copy_share": 1 / per_node if in_host and per_node > 1 else 1.0}
 
 
@@ -176,7 +179,7 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
                # where the streamed copies are kept (on NVMe the host holds the fp32 weights apart)
                "weights_in_host": lt.weights_home in ("host", "hbm"),
                **(from_model or {}),
-               **_host_shares(cfg)}
+               **_host_shares(cfg, device)}
     if device.type == "cpu":   # no CUDA context, workspace or allocator to hold back
         budgets["gpu_reserved_bytes"] = 0
     return {k: v for k, v in budgets.items() if v is not None}

@@ -84,9 +84,12 @@ class Budgets:
     optimizer_state_share: float = 1.0  # the part of the Adam moments this rank holds (1/ranks when sharded)
     master_share: float = 1.0           # the part of the layers' fp32 master weights it holds (1/ranks: sharded bf16/fp16)
     gradient_share: float = 1.0         # the part of the layers' host gradient buffers (1/ranks at ZeRO stage >= 2)
-    # the part of the fp32 masters and gradient buffers of the parameters outside the layers it holds: 1/ranks at
-    # ZeRO stage 3, which partitions those parameters; below it every rank keeps them whole
-    non_block_share: float = 1.0
+    # the part of the fp32 masters of the parameters outside the layers it holds: 1/ranks when sharded (stage >= 1)
+    # and the masters are apart from the compute copies (bf16/fp16, or kept on the host beside a GPU's copies)
+    non_block_master_share: float = 1.0
+    # the part of their fp32 gradient buffers: 1/ranks at ZeRO stage 3, which partitions those parameters; below
+    # it every rank accumulates them whole until the step
+    non_block_gradient_share: float = 1.0
     weights_copy_share: float = 1.0     # its part of the streamed copy (1/ranks per node when the node shares one)
     # the streamed compute copies live in host memory (weights_home "host" or "hbm"); False with them on NVMe,
     # where the host keeps the fp32 weights apart and the frozen parameters in the compute dtype alone
@@ -132,7 +135,7 @@ class Budgets:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
             raise ValueError(f"Budgets field 'hybrid_8bit_fraction' must be a fraction in [0, 1], got {v!r}")
         for name in ("optimizer_state_share", "master_share", "gradient_share", "weights_copy_share",
-                     "non_block_share"):
+                     "non_block_master_share", "non_block_gradient_share"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise ValueError(f"Budgets field {name!r} must be a fraction in (0, 1], got {v!r}")
@@ -258,7 +261,7 @@ class Problem:
         self.host_bytes_per_layer_param = (copy if b.weights_in_host else db * (1 - b.trainable_share)) \
             + b.trainable_share * layer_trains
         # a trained parameter outside the layers: its fp32 master, gradient and moments (its copy is on the device)
-        self.host_bytes_per_nonlayer_param = (4 + 4) * b.non_block_share + adam
+        self.host_bytes_per_nonlayer_param = 4 * b.non_block_master_share + 4 * b.non_block_gradient_share + adam
         self.host_static = int(m.layer_params * self.host_bytes_per_layer_param +
                                (0 if on_device else self.nonlayer_trained * self.host_bytes_per_nonlayer_param))
         self.host_act_budget = self.host_budget - self.host_static
