@@ -675,3 +675,42 @@ def test_a_host_write_whose_copy_fails_on_a_copy_thread_is_never_read_back():
         tier.close()
     finally:
         streams.configure()
+
+
+def test_a_failed_transfer_raises_each_waiter_its_own_copy_of_the_error():
+    """The stored error is shared (other waiters, a tier's record of a failed key): each waiter raises a copy,
+    so the frames it passes through (an executor's backward holding its pass) are not kept alive by the
+    future; type, message, attributes and cause are the error's."""
+    import errno
+    import gc
+    import weakref
+    from concurrent.futures import Future
+
+    from lazytrain.tiers.base import TransferHandle
+
+    class Pass:   # what a caller's frame holds while the error passes through it
+        pass
+
+    cause = ValueError("the disk")
+    stored = OSError(errno.EIO, "Input/output error")
+    stored.__cause__ = cause
+    future = Future()
+    future.set_exception(stored)
+
+    def caller(handle, wait, held):   # its frame holds ``held``, as the backward's frames hold its pass
+        getattr(handle, wait)()
+
+    refs = []
+    for wait in ("wait", "synchronize"):
+        handle = TransferHandle(future=future)
+        try:
+            held = Pass()
+            refs.append(weakref.ref(held))
+            caller(handle, wait, held)
+        except OSError as e:
+            assert e is not stored and type(e) is OSError and e.errno == errno.EIO and str(e) == str(stored)
+            assert e.__cause__ is cause
+        del held
+    gc.collect()
+    assert stored.__traceback__ is None   # it never passed through a caller
+    assert all(r() is None for r in refs)

@@ -9,6 +9,7 @@ its budget and the request.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -76,7 +77,7 @@ class TransferHandle:
 
     def wait(self) -> Any:
         if self._future is not None:
-            self._value = self._future.result()
+            self._value = _result_of(self._future)
             self._future = None
         if self._event is not None:
             if self._host or getattr(self._event, "on_host", False):   # the host uses it, or a host copy thread made it
@@ -93,7 +94,7 @@ class TransferHandle:
         # on a worker thread (an NVMe read's I/O thread) that is the default stream, the compute stream,
         # which would then stall on a copy it never asked for.
         if self._future is not None:
-            self._value = self._future.result()
+            self._value = _result_of(self._future)
             self._future = None
         if self._event is not None:
             self._event.synchronize()
@@ -109,6 +110,31 @@ class TransferHandle:
         async def ready():
             return self._value
         return ready().__await__()
+
+
+def _result_of(future: Future) -> Any:
+    """The future's result, or its error raised as this waiter's own copy. The stored error is shared (the
+    future's other waiters, the tier's record of a failed key): raised itself, it would gain the frames of
+    every caller it passes through (an executor's backward, holding its pass) and keep them alive as long
+    as the future or the record lives."""
+    error = future.exception()   # waits; unlike result(), adds no frame to the stored error's traceback
+    if error is not None:
+        raise _waiters_copy(error)
+    return future.result()
+
+
+def _waiters_copy(error: BaseException) -> BaseException:
+    """``error`` with its type, arguments, attributes, cause and traceback so far, as a new object (the
+    error itself where it cannot be copied: an exception whose constructor does not take its own args)."""
+    try:
+        fresh = copy.copy(error)
+    except Exception:   # noqa: BLE001 - any failure to rebuild it: raise the original
+        return error
+    if type(fresh) is not type(error) or str(fresh) != str(error):
+        return error
+    fresh.__cause__, fresh.__context__ = error.__cause__, error.__context__
+    fresh.__suppress_context__ = error.__suppress_context__
+    return fresh.with_traceback(error.__traceback__)
 
 
 def completion_reached(done: Any) -> bool:
