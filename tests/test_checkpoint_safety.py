@@ -136,7 +136,7 @@ def test_a_save_that_never_completed_is_refused_and_never_half_loaded(tmp_path):
     staging = tmp_path / ".t.staging"
     staging.mkdir(parents=True)
     torch.save({"step": 1}, staging / ckpt.MODEL_FILE)   # died before the optimizer file and the manifest
-    with pytest.raises(ckpt.IncompleteCheckpointError, match=f"no lazytrain_manifest.json"):
+    with pytest.raises(ckpt.IncompleteCheckpointError, match="no lazytrain_manifest.json"):
         ckpt.load(str(tmp_path), "t", want_optimizer=True)
     with pytest.raises(FileNotFoundError, match="no checkpoint tag 'u'"):
         ckpt.load(str(tmp_path), "u", want_optimizer=True)
