@@ -196,3 +196,81 @@ def test_a_failed_asynchronous_write_of_a_user_tier(shm):
     tier.write("x", torch.ones(3)).wait()  # the key is usable again
     assert torch.equal(tier.read("x").wait(), torch.ones(3))
     tier.close()
+
+
+class HalfPrecisionTier(RamDiskTier):
+    """A faulty tier: it keeps floating tensors in fp16 and gives them back so (a compressing tier that
+    forgot to convert back)."""
+
+    kind = "half"
+
+    def _write(self, key, tensor, owned):
+        return super()._write(key, tensor.half() if tensor.is_floating_point() else tensor, owned=True)
+
+
+def test_a_user_tier_that_gives_back_another_dtype_or_shape_fails_naming_itself_and_the_key(shm):
+    tier = HalfPrecisionTier("half", path=shm)
+    tier.write("x", torch.ones(3)).wait()
+    message = ("tier 'half' (HalfPrecisionTier) gave back a torch.float16 tensor of shape (3,) for 'x', which was "
+               "written as a torch.float32 tensor of shape (3,): a tier's read must return the tensor as written")
+    for wait in ("wait", "synchronize"):
+        with pytest.raises(lazytrain.tiers.TierError) as e:
+            getattr(tier.read("x"), wait)()
+        assert str(e.value) == message
+
+    async def awaited():
+        return await tier.read("x")
+    import asyncio
+    with pytest.raises(lazytrain.tiers.TierError, match="gave back a torch.float16 tensor"):
+        asyncio.run(awaited())
+    tier.write("i", torch.arange(4, dtype=torch.int64)).wait()   # kept as written: read back as written
+    assert torch.equal(tier.read("i").wait(), torch.arange(4))
+    tier.meta["i"] = (torch.Size([2]), torch.int64, tier.meta["i"][2])   # now it reads back half of it
+    with pytest.raises(lazytrain.tiers.TierError, match=r"gave back a torch.int64 tensor of shape \(2,\) for 'i', "
+                                                        r"which was written as a torch.int64 tensor of shape \(4,\)"):
+        tier.read("i").wait()
+    tier.close()
+
+
+def test_an_engine_whose_boundary_tier_gives_back_fp16_fails_the_backward_naming_the_tier(tmp_path):
+    """Boundaries kept on that tier: the backward fails naming it, rather than training on rounded values."""
+    engine_models = pytest.importorskip("engine_models")
+    lazytrain.register_tier("half", HalfPrecisionTier)
+    engine, _, _, _ = lazytrain.initialize(model=engine_models.make_model("modulelist"), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": float("inf"),
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "lazytrain": {"device": "cpu", "checkpoint_interval": 2, "boundary_home": "half",
+                      "tiers": [{"name": "half", "class": "half", "path": str(tmp_path)}]}})
+    (x, y), = engine_models.batches(1)
+    with pytest.raises(lazytrain.tiers.TierError, match=r"tier 'half' \(HalfPrecisionTier\) gave back a "
+                                                        r"torch.float16 tensor"):
+        engine.backward(engine_models.lm_loss(engine(x), y))
+    engine.destroy()
+
+
+class RaisingTier(RamDiskTier):
+    """A tier whose own calls raise as they are made."""
+
+    kind = "raising"
+
+    def _read(self, key, out, device):
+        raise KeyError(key)
+
+    def _write(self, key, tensor, owned):
+        if key == "bad":
+            raise ValueError("no room in the ram disk")
+        return super()._write(key, tensor, owned)
+
+
+def test_a_user_tiers_own_error_is_raised_naming_the_tier_and_the_key(shm):
+    tier = RaisingTier("r", path=shm)
+    with pytest.raises(lazytrain.tiers.TierError) as e:
+        tier.write("bad", torch.ones(2))
+    assert str(e.value) == "tier 'r' (RaisingTier) failed writing 'bad': ValueError: no room in the ram disk"
+    assert isinstance(e.value.__cause__, ValueError) and "bad" not in tier and tier.used_bytes == 0
+    tier.write("x", torch.ones(2)).wait()
+    with pytest.raises(lazytrain.tiers.TierError) as e:
+        tier.read("x")
+    assert str(e.value) == "tier 'r' (RaisingTier) failed reading 'x': KeyError: 'x'"
+    assert isinstance(e.value.__cause__, KeyError)
+    tier.close()

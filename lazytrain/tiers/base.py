@@ -112,6 +112,43 @@ class TransferHandle:
         return ready().__await__()
 
 
+class _CheckedRead(TransferHandle):
+    """A read from a user's tier: what it gives back is checked against what was written (a tensor of the
+    same dtype and shape), so that a tier returning another precision or size fails naming itself and the
+    key, instead of training on rounded values or failing later in a kernel."""
+
+    __slots__ = ("_check",)
+
+    @classmethod
+    def around(cls, handle: TransferHandle, tier: "Tier", key: str, dtype: torch.dtype,
+               shape: torch.Size) -> "_CheckedRead":
+        checked = cls(handle._value, handle._future, handle._event, handle._keepalive, handle._host, handle._timing,
+                      handle._moved)
+
+        def check(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                got = f"a {type(value).__name__}"
+            elif value.dtype != dtype or value.shape != shape:
+                got = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            else:
+                return value
+            raise TierError(f"tier {tier.name!r} ({type(tier).__name__}) gave back {got} for {key!r}, which "
+                            f"was written as a {dtype} tensor of shape {tuple(shape)}: a tier's read must return "
+                            f"the tensor as written")
+        checked._check = check
+        return checked
+
+    def wait(self) -> Any:
+        return self._check(super().wait())
+
+    def synchronize(self) -> Any:
+        return self._check(super().synchronize())
+
+    def __await__(self):
+        value = yield from super().__await__()
+        return self._check(value)
+
+
 def _result_of(future: Future) -> Any:
     """The future's result, or its error raised as this waiter's own copy. The stored error is shared (the
     future's other waiters, the tier's record of a failed key): raised itself, it would gain the frames of
@@ -248,6 +285,7 @@ class Tier(ABC):
         self.used_bytes = 0
         self.peak_bytes = 0
         self._tokens: dict[str, object] = {}
+        self._written_as: dict[str, tuple[torch.dtype, torch.Size]] = {}   # key -> what its read must give back
         self._failed: dict[str, BaseException] = {}  # keys whose asynchronous write failed, until rewritten
         self._writing = threading.local()   # .token: the reservation of the write this thread is issuing
         self._meters = {"read": _BandwidthMeter(), "write": _BandwidthMeter()}
@@ -274,6 +312,7 @@ class Tier(ABC):
                 self.free(key)
             self._failed.pop(key, None)
             token = self._reserve(key, need, nbytes)
+            self._written_as[key] = (tensor.dtype, tensor.shape)
         meter = self._meters["write"]
         meter.begin()
         self._writing.token = token          # lets _write tell whether its reservation is still current
@@ -281,10 +320,13 @@ class Tier(ABC):
             handle = self._write(key, tensor, owned)
             if self._on_copy_thread(tensor.device):
                 handle = self._completed_late(handle)
-        except BaseException:
+        except BaseException as e:
             meter.cancel()   # a failed operation moved nothing: its time is not the link's
             self._release(key)
-            raise
+            named = self._named(e, "writing", key)
+            if named is e:
+                raise
+            raise named from e
         finally:
             self._writing.token = None
         self._track(handle, meter, nbytes, key, token)
@@ -300,6 +342,7 @@ class Tier(ABC):
                 raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}: its write failed: "
                                 f"{failure}") from failure
             raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
+        written_as = self._written_as.get(key)
         meter = self._meters["read"]
         meter.begin()
         try:
@@ -308,11 +351,24 @@ class Tier(ABC):
                 handle = self._completed_late(lambda: self._read_if_held(key, out, device))
             else:
                 handle = self._read(key, out, device)
-        except BaseException:
+        except BaseException as e:
             meter.cancel()   # a failed operation moved nothing: its time is not the link's
-            raise
+            named = self._named(e, "reading", key)
+            if named is e:
+                raise
+            raise named from e
+        if not self.runs_own_transfers and written_as is not None:   # a user's tier: what it gives back is checked
+            handle = _CheckedRead.around(handle, self, key, *written_as)
         self._track(handle, meter, nbytes)
         return handle
+
+    def _named(self, error: BaseException, doing: str, key: str) -> BaseException:
+        """A user's tier's own error, raised as it was called, as a TierError naming the tier and the key (a
+        built-in tier's, and a TierError or an interruption, as they are)."""
+        if self.runs_own_transfers or isinstance(error, TierError) or not isinstance(error, Exception):
+            return error
+        return TierError(f"tier {self.name!r} ({type(self).__name__}) failed {doing} {key!r}: "
+                         f"{type(error).__name__}: {error}")
 
     def free(self, key: str) -> None:
         """Drop ``key`` (no-op when absent); a tier may keep the memory or file for reuse."""
@@ -373,7 +429,13 @@ class Tier(ABC):
         if key not in self._sizes:
             raise TierError(f"tier {self.name!r}: key {key!r} was freed before its read ran; a key must not be "
                             f"freed until the reads issued of it are done")
-        return self._read(key, out, device)
+        try:
+            return self._read(key, out, device)
+        except Exception as e:
+            named = self._named(e, "reading", key)
+            if named is e:
+                raise
+            raise named from e
 
     def _completed_late(self, op) -> "TransferHandle":
         """``op`` (a handle already issued, or a call that issues one) completing on this tier's copy
@@ -420,6 +482,7 @@ class Tier(ABC):
     def _release(self, key: str) -> None:
         with self._lock:
             self._tokens.pop(key, None)
+            self._written_as.pop(key, None)
             self._payload.pop(key, None)
             self.used_bytes -= self._sizes.pop(key, 0)
 
