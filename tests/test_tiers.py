@@ -714,3 +714,32 @@ def test_a_failed_transfer_raises_each_waiter_its_own_copy_of_the_error():
     gc.collect()
     assert stored.__traceback__ is None   # it never passed through a caller
     assert all(r() is None for r in refs)
+
+
+def test_each_waiters_copy_keeps_an_os_errors_fields_and_notes_and_await_raises_a_copy_too():
+    """Fields an OSError set after it was made (NVMeIOError's errno), and notes, reach the waiter's copy;
+    a note a waiter adds stays its own; ``await`` raises a copy as wait() does."""
+    import errno
+    from concurrent.futures import Future
+
+    from lazytrain.tiers.base import TransferHandle
+    from lazytrain.tiers.nvme import NVMeIOError
+
+    stored = NVMeIOError("tier 'nvme': writing 'x' failed: no space", errno.ENOSPC)
+    stored.filename = "/nvme/x"
+    stored.add_note("first")
+    future = Future()
+    future.set_exception(stored)
+    with pytest.raises(NVMeIOError) as e:
+        TransferHandle(future=future).wait()
+    assert e.value is not stored and e.value.errno == errno.ENOSPC and e.value.filename == "/nvme/x"
+    assert e.value.__notes__ == ["first"]
+    e.value.add_note("the waiter's")
+    assert stored.__notes__ == ["first"]
+
+    async def awaited():
+        return await TransferHandle(future=future)
+    with pytest.raises(NVMeIOError) as e:
+        asyncio.run(awaited())
+    assert e.value is not stored and e.value.errno == errno.ENOSPC
+    assert stored.__traceback__ is None   # never raised itself

@@ -274,3 +274,17 @@ def test_a_user_tiers_own_error_is_raised_naming_the_tier_and_the_key(shm):
     assert str(e.value) == "tier 'r' (RaisingTier) failed reading 'x': KeyError: 'x'"
     assert isinstance(e.value.__cause__, KeyError)
     tier.close()
+
+
+def test_a_read_into_a_buffer_of_another_dtype_is_the_callers_mistake_and_a_bad_device_is_not_the_tiers(shm):
+    tier = RamDiskTier("ram", path=shm)
+    tier.write("x", torch.ones(4)).wait()
+    with pytest.raises(lazytrain.tiers.TierError) as e:
+        tier.read("x", out=torch.empty(4, dtype=torch.float16))
+    assert str(e.value) == "tier 'ram': read of 'x' into a buffer of (4,) torch.float16, but it holds (4,) torch.float32"
+    with pytest.raises(RuntimeError) as e:
+        tier.read("x", device="cdua")
+    assert not isinstance(e.value, lazytrain.tiers.TierError)
+    out = torch.empty(4)
+    assert tier.read("x", out=out).wait() is out and torch.equal(out, torch.ones(4))
+    tier.close()

@@ -103,8 +103,16 @@ class TransferHandle:
         return self._value
 
     def __await__(self):
-        if self._future is not None:
-            return asyncio.wrap_future(self._future).__await__()
+        if self._future is not None:   # waited for without raising its error, then raised as wait() raises it
+            future = self._future
+
+            async def done():
+                wrapped = asyncio.wrap_future(future)
+                await asyncio.wait([wrapped])
+                if not wrapped.cancelled():
+                    wrapped.exception()   # retrieved: the loop does not report it as never retrieved
+                return self.wait()
+            return done().__await__()
         if self._event is not None:
             return asyncio.get_event_loop().run_in_executor(None, self.synchronize).__await__()
         async def ready():
@@ -165,10 +173,16 @@ def _waiters_copy(error: BaseException) -> BaseException:
     error itself where it cannot be copied: an exception whose constructor does not take its own args)."""
     try:
         fresh = copy.copy(error)
+        if isinstance(error, OSError):   # fields an OSError may have set after it was made, outside its args
+            for field in ("errno", "strerror", "filename", "filename2"):
+                if getattr(fresh, field) != getattr(error, field):   # (setting None would change its message)
+                    setattr(fresh, field, getattr(error, field))
     except Exception:   # noqa: BLE001 - any failure to rebuild it: raise the original
         return error
     if type(fresh) is not type(error) or str(fresh) != str(error):
         return error
+    if isinstance(getattr(error, "__notes__", None), list):   # a waiter's add_note stays its own
+        fresh.__notes__ = list(error.__notes__)
     fresh.__cause__, fresh.__context__ = error.__cause__, error.__context__
     fresh.__suppress_context__ = error.__suppress_context__
     return fresh.with_traceback(error.__traceback__)
@@ -343,10 +357,14 @@ class Tier(ABC):
                                 f"{failure}") from failure
             raise TierError(f"tier {self.name!r} holds no tensor under key {key!r}")
         written_as = self._written_as.get(key)
+        device = torch.device(device) if device is not None else None
+        if out is not None and not self.runs_own_transfers and written_as is not None and \
+                (out.dtype, out.shape) != written_as:   # a user's tier is not asked to convert: the caller's mistake
+            raise TierError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} {out.dtype}, "
+                            f"but it holds {tuple(written_as[1])} {written_as[0]}")
         meter = self._meters["read"]
         meter.begin()
         try:
-            device = torch.device(device) if device is not None else None
             if self._on_copy_thread(out.device if out is not None else device or self.device):
                 handle = self._completed_late(lambda: self._read_if_held(key, out, device))
             else:
