@@ -699,6 +699,25 @@ def test_a_group_added_after_initialize_is_replicated_saved_and_restored(spawned
 
 
 BF16_SAVED = train(2, stage=2, steps="first", save=True, dtype="bf16")
+BF16_SAVED_BY = {stage: train(2, stage=stage, steps="first", save=True, dtype="bf16") for stage in (0, 1)}
+
+
+def test_the_module_file_of_a_bf16_save_at_stages_1_and_2_holds_every_weight_as_stage_0s_does(spawned):
+    """DeepSpeed's model-states file holds the module in the training precision: at stages 1-2 the ranks'
+    part for the non-block parameters others own comes from the compute copies (their fp32 masters live on
+    their owners), bit for bit what replicated ranks write; DeepSpeed and torch load it as a state dict."""
+    def module_file(case_name):
+        path = os.path.join(str(spawned.root), case_name, "ckpt", "t", "mp_rank_00_model_states.pt")
+        return torch.load(path, weights_only=False)["module"]
+    for name in (BF16_SAVED_BY[0], BF16_SAVED_BY[1], BF16_SAVED):
+        spawned(name)
+    want = module_file(BF16_SAVED_BY[0])
+    for name in (BF16_SAVED_BY[1], BF16_SAVED):
+        got = module_file(name)
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), (name, k)
+    make_model("modulelist").to(torch.bfloat16).load_state_dict(want)
 BF16_LOADED = train(1, stage=2, steps="none", load=BF16_SAVED, dtype="bf16")
 
 
@@ -755,11 +774,11 @@ def test_pipelined_sharded_updates_under_random_delays_give_the_calm_runs_weight
                 assert torch.equal(shaken[k], calm[k]), (seed, rank, k)
 
 
-def _accumulating(rank, world, out_dir, chaos_seed):
+def _accumulating(rank, world, out_dir, chaos_seed, stage, dtype):
     """Two micro-batches per rank per step; reports the weights and the bytes of this rank's layer gradient
     buffers."""
     import lazytrain
-    cfg = _config(world, 2, overlap=True)
+    cfg = _config(world, stage, overlap=True, dtype=dtype)
     cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world // 2
     if chaos_seed is not None:   # gradients land on the copy thread, each transfer delayed at random
         cfg["lazytrain"]["testing"] = {"copy_threads": True, "chaos_seed": chaos_seed + 1000 * rank,
@@ -768,17 +787,40 @@ def _accumulating(rank, world, out_dir, chaos_seed):
     assert engine.gradient_accumulation_steps() == 2
     grad_bytes = sum(g.numel() * g.element_size() for g in engine.weights.grad if g is not None)
     per = GLOBAL // world // 2
+    non_block_grad_bytes = 0   # the most the non-block fp32 masters' gradients held here at a step's end
     for x, y in batches(3, batch=GLOBAL):
         for micro in range(2):
             part = slice(per * (2 * rank + micro), per * (2 * rank + micro) + per)
             engine.backward(lm_loss(engine(x[part]), y[part]))
+            if engine.masters is not None and micro == 1:
+                engine.masters.flush_grads()
+                non_block_grad_bytes = max(non_block_grad_bytes, sum(
+                    m.grad.numel() * 4 for _, m in engine.masters.pairs if m.grad is not None))
             engine.step()
     engine.wait_for_update()
-    return {"weights": engine.module_state_dict(), "grad_bytes": grad_bytes}
+    return {"weights": engine.module_state_dict(), "grad_bytes": grad_bytes,
+            "non_block_grad_bytes": non_block_grad_bytes}
 
 
 for _seed in (None, 5):
-    case(2, f"accumulating-chaos{_seed}", _accumulating, chaos_seed=_seed)
+    case(2, f"accumulating-chaos{_seed}", _accumulating, chaos_seed=_seed, stage=2, dtype="fp32")
+for _stage in (0, 1, 2):
+    case(2, f"accumulating-bf16-stage{_stage}", _accumulating, chaos_seed=None, stage=_stage, dtype="bf16")
+
+
+
+
+def test_bf16_accumulation_with_the_non_block_masters_on_their_owners_trains_bit_for_bit_as_stage_0(spawned):
+    """bf16, two micro-batches a step: at stages 1 and 2 every rank accumulates the fp32 gradients of the
+    parameters outside the streamed blocks until the step (a rank whose batch skips one still takes part in
+    its reduce), and only their owners keep their masters; the weights are bit for bit stage 0's."""
+    whole = sum(p.numel() * 4 for n, p in make_model("modulelist").named_parameters() if n in NON_BLOCK)
+    runs = {stage: spawned(f"accumulating-bf16-stage{stage}") for stage in (0, 1, 2)}
+    for stage in (1, 2):
+        assert [r["non_block_grad_bytes"] for r in runs[stage]] == [whole, whole]
+        for r in runs[stage]:
+            for k, v in runs[0][0]["weights"].items():
+                assert torch.equal(r["weights"][k], v), (stage, k)
 
 
 @pytest.mark.parametrize("chaos_seed", [None, 5])

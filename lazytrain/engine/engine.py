@@ -1505,8 +1505,9 @@ class LazyTrainEngine(nn.Module):
     def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's weights in fp32 (masters), each tensor its own storage, on the host; frozen weights as
         they are kept: in bf16/fp16 training in the training precision (with the weights in host memory or on
-        NVMe alike). With the state sharded in bf16/fp16, every rank gathers the fp32 weights of the streamed
-        layers other ranks own, so every rank must call it."""
+        NVMe alike). With the state sharded in bf16/fp16 (or in fp32 beside a GPU, the masters of the
+        parameters outside the streamed blocks on the host), every rank gathers the fp32 weights other ranks
+        own, so every rank must call it."""
         self._refuse_if_inconsistent("module_state_dict()")
         self.wait_for_update()
         with self._whole():
@@ -1732,7 +1733,10 @@ class LazyTrainEngine(nn.Module):
         masters = self.masters.by_param if self.masters is not None else {}
         return ds_layout.Export(
             model=self.module, config=self._config.raw, compute_dtype=self.compute_dtype,
-            module_state=self._module_state(exclude_frozen, copy=False), names=self._param_names,
+            # a non-block master another rank holds (stages 1-2): the compute copy, which is its value in the
+            # training precision, the precision of DeepSpeed's module file (the fp32 values go by their owners)
+            module_state=self._module_state(exclude_frozen, copy=False, copies_for_masters_elsewhere=True),
+            names=self._param_names,
             masters={n: masters.get(id(p), p) for n, p in self.module.named_parameters()},
             optimizer=self.optimizer, optimizer_from_config=self._config.optimizer.type is not None,
             lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,

@@ -318,8 +318,9 @@ class PartitionedParams:
                 continue
             buf = e.master.data if mine else torch.empty_strided(e.shape, e.master_stride, dtype=torch.float32,
                                                                   device=e.master.device)
-            self.dist.broadcast_from([buf], e.owner, what="gather of the partitioned parameters' fp32 weights (a save, "
-                                     "a load or destroy(): every rank must call it)")
+            self.dist.broadcast_from([buf], e.owner, what="gather of the fp32 weights of the parameters outside the "
+                                     "streamed blocks from their owners (module_state_dict(), a load or destroy(): "
+                                     "every rank must call it)")
             e.master.data = buf
 
     def _drop(self, e: _Entry) -> None:
