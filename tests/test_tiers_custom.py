@@ -288,3 +288,33 @@ def test_a_read_into_a_buffer_of_another_dtype_is_the_callers_mistake_and_a_bad_
     out = torch.empty(4)
     assert tier.read("x", out=out).wait() is out and torch.equal(out, torch.ones(4))
     tier.close()
+
+
+class CountingHandle(TransferHandle):
+    """A user's own handle class: its wait() counts the waits."""
+
+    __slots__ = ("waits",)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.waits = 0
+
+    def wait(self):
+        self.waits += 1
+        return super().wait()
+
+
+class OwnHandleTier(RamDiskTier):
+    kind = "ownhandle"
+
+    def _read(self, key, out, device):
+        self.last = CountingHandle(future=super()._read(key, out, device)._future)
+        return self.last
+
+
+def test_a_user_tiers_own_handle_class_is_what_its_reads_wait_on(shm):
+    tier = OwnHandleTier("own", path=shm)
+    tier.write("x", torch.ones(3)).wait()
+    handle = tier.read("x")
+    assert torch.equal(handle.wait(), torch.ones(3)) and tier.last.waits == 1
+    tier.close()

@@ -123,15 +123,14 @@ class TransferHandle:
 class _CheckedRead(TransferHandle):
     """A read from a user's tier: what it gives back is checked against what was written (a tensor of the
     same dtype and shape), so that a tier returning another precision or size fails naming itself and the
-    key, instead of training on rounded values or failing later in a kernel."""
+    key, instead of training on rounded values or failing later in a kernel. Every call goes to the tier's
+    own handle (which may be a subclass of its own)."""
 
-    __slots__ = ("_check",)
+    __slots__ = ("_inner", "_check")
 
-    @classmethod
-    def around(cls, handle: TransferHandle, tier: "Tier", key: str, dtype: torch.dtype,
-               shape: torch.Size) -> "_CheckedRead":
-        checked = cls(handle._value, handle._future, handle._event, handle._keepalive, handle._host, handle._timing,
-                      handle._moved)
+    def __init__(self, inner: TransferHandle, tier: "Tier", key: str, dtype: torch.dtype, shape: torch.Size):
+        super().__init__(moved=inner._moved)   # its own fields stay unused
+        self._inner = inner
 
         def check(value: Any) -> Any:
             if not isinstance(value, torch.Tensor):
@@ -143,17 +142,22 @@ class _CheckedRead(TransferHandle):
             raise TierError(f"tier {tier.name!r} ({type(tier).__name__}) gave back {got} for {key!r}, which "
                             f"was written as a {dtype} tensor of shape {tuple(shape)}: a tier's read must return "
                             f"the tensor as written")
-        checked._check = check
-        return checked
+        self._check = check
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def completion(self) -> Any:
+        return self._inner.completion()
 
     def wait(self) -> Any:
-        return self._check(super().wait())
+        return self._check(self._inner.wait())
 
     def synchronize(self) -> Any:
-        return self._check(super().synchronize())
+        return self._check(self._inner.synchronize())
 
     def __await__(self):
-        value = yield from super().__await__()
+        value = yield from self._inner.__await__()
         return self._check(value)
 
 
@@ -375,9 +379,9 @@ class Tier(ABC):
             if named is e:
                 raise
             raise named from e
-        if not self.runs_own_transfers and written_as is not None:   # a user's tier: what it gives back is checked
-            handle = _CheckedRead.around(handle, self, key, *written_as)
         self._track(handle, meter, nbytes)
+        if not self.runs_own_transfers and written_as is not None:   # a user's tier: what it gives back is checked
+            handle = _CheckedRead(handle, self, key, *written_as)
         return handle
 
     def _named(self, error: BaseException, doing: str, key: str) -> BaseException:
