@@ -425,11 +425,11 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
     assert empty == (sorted(NON_BLOCK * (world - 1)) if stage == 3 else [])
 
 
-def _two_ranks_training(rank, stage, overlap):
+def _two_ranks_training(rank, stage, overlap, dtype="fp32"):
     """Rank ``rank`` of 2 (a collective timeout of 60 s, so a hang shows): its engine, 3 global batches, and
     ``train(x, y)``, one step on this rank's half of a batch."""
     import lazytrain
-    cfg = _config(2, stage, overlap)
+    cfg = _config(2, stage, overlap, dtype)
     cfg["lazytrain"]["collective_timeout_s"] = 60
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     part = slice(2 * rank, 2 * rank + 2)
@@ -441,20 +441,22 @@ def _two_ranks_training(rank, stage, overlap):
     return engine, batches(3, batch=GLOBAL), train
 
 
-def _failing_update(rank, world, out_dir, stage, overlap, method):
+def _failing_update(rank, world, out_dir, stage, overlap, method, dtype="fp32"):
     """Rank 1's optimizer fails in step 2 (``method``: its ``step``, serially or, overlapped, the update of the
-    parameters outside the layers; its ``update``: the layers' overlapped updates). Every rank must fail that
+    parameters outside the layers; its ``update``: the layers' overlapped updates; ``masters_to_params``: in
+    bf16 at stages 1-2, the owner's writing of the non-block compute copies it sends). Every rank must fail that
     step together, well within the collective timeout, and then resume from the checkpoint of step 1: sharded
     or replicated (stage 0), no rank may go on alone with other weights than the rest."""
     import time
-    engine, data, train = _two_ranks_training(rank, stage, overlap)
+    engine, data, train = _two_ranks_training(rank, stage, overlap, dtype)
     train(*data[0])
     engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="one")
-    original = getattr(engine.optimizer, method)
+    failing = engine.masters if method == "masters_to_params" else engine.optimizer
+    original = getattr(failing, method)
     if rank == 1:
         def broken(*args, **kwargs):
             raise RuntimeError("disk on fire")
-        setattr(engine.optimizer, method, broken)
+        setattr(failing, method, broken)
     t0 = time.monotonic()
     try:
         train(*data[1])
@@ -462,24 +464,25 @@ def _failing_update(rank, world, out_dir, stage, overlap, method):
     except Exception as e:   # noqa: BLE001 - the test's subject
         outcome = f"{type(e).__name__}: {e}"
     waited = time.monotonic() - t0
-    setattr(engine.optimizer, method, original)
+    setattr(failing, method, original)
     engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="one")
     train(*data[2])
     return {"outcome": outcome, "waited": waited, "weights": engine.module_state_dict()}
 
 
-FAILING_UPDATES = [(stage, overlap, name) for stage in (0, 1) for overlap, name in
-                   ((False, "step"), (True, "step"), (True, "update"))]
-for _stage, _overlap, _name in FAILING_UPDATES:
-    case(2, f"failing-update-stage{_stage}-overlap{_overlap}-{_name}", _failing_update, last=True, stage=_stage,
-         overlap=_overlap, method=_name)
+FAILING_UPDATES = [(stage, overlap, name, "fp32") for stage in (0, 1) for overlap, name in
+                   ((False, "step"), (True, "step"), (True, "update"))] + \
+    [(2, overlap, name, "bf16") for overlap in (False, True) for name in ("step", "masters_to_params")]
+for _stage, _overlap, _name, _dtype in FAILING_UPDATES:
+    case(2, f"failing-update-stage{_stage}-overlap{_overlap}-{_name}-{_dtype}", _failing_update, last=True,
+         stage=_stage, overlap=_overlap, method=_name, dtype=_dtype)
 
 
-@pytest.mark.parametrize("stage, overlap, name", FAILING_UPDATES,
-                         ids=[f"stage{s}-{'overlapped' if o else 'serial'}-{n}" for s, o, n in FAILING_UPDATES])
+@pytest.mark.parametrize("stage, overlap, name, dtype", FAILING_UPDATES,
+                         ids=[f"stage{s}-{'overlapped' if o else 'serial'}-{n}-{d}" for s, o, n, d in FAILING_UPDATES])
 def test_an_update_that_fails_on_one_rank_fails_every_rank_together_and_a_load_recovers(spawned, stage, overlap,
-                                                                                        name):
-    r0, r1 = spawned(f"failing-update-stage{stage}-overlap{overlap}-{name}")
+                                                                                        name, dtype):
+    r0, r1 = spawned(f"failing-update-stage{stage}-overlap{overlap}-{name}-{dtype}")
     assert "disk on fire" in r1["outcome"]
     assert "failed on another rank: see its error" in r0["outcome"]
     assert r0["waited"] < 30 and r1["waited"] < 30            # not the collective timeout
