@@ -9,6 +9,7 @@ tensors over the default group's backend. A rank that stops or dies makes the ot
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -262,3 +263,35 @@ class DistributedContext:
         group = self.update_group if on_update_thread else self.host_group
         self._collective(what, dist.all_reduce, flag, op=dist.ReduceOp.MIN, group=group)
         return bool(flag.item())
+
+
+class RankFailure:
+    """This rank's failure of a part of the work that every rank must fail together (an optimizer update, a
+    checkpoint read): kept, not raised, while the part's collectives go on (a rank that raised at once would
+    leave the others waiting in them, or would train on alone with other weights), then agreed on by every
+    rank in :meth:`agree`. A single process raises it at once."""
+
+    def __init__(self, dist: "DistributedContext", on_update_thread: bool = False):
+        self.dist, self.on_update_thread = dist, on_update_thread
+        self.error: BaseException | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @contextlib.contextmanager
+    def kept(self):
+        """Around a piece of this rank's part: its exception kept (the first), or raised at once alone."""
+        try:
+            yield
+        except Exception as e:   # noqa: BLE001 - the other ranks hear of it in agree()
+            if not self.dist.enabled:
+                raise
+            if self.error is None:
+                self.error = e
+
+    def agree(self, what: str, elsewhere: BaseException) -> None:
+        """Every rank fails here if any rank's part failed: with its own error where it failed, else with
+        ``elsewhere`` (which says another rank's error tells why). ``what`` names the collective."""
+        if self.dist.enabled and not self.dist.all_succeeded(self.error is None, what, self.on_update_thread):
+            raise self.error or elsewhere

@@ -41,7 +41,7 @@ from . import sharded_checkpoint as sharded_ckpt
 from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_compiled_blocks,
                      refuse_quantized_block_weights, turn_off_layer_checkpointing)
 from .lean_norms import make_norms_lean, restore_norms
-from .distributed import CollectiveError, DistributedContext
+from .distributed import CollectiveError, DistributedContext, RankFailure
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
@@ -1001,34 +1001,28 @@ class LazyTrainEngine(nn.Module):
     def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
         """The whole update now, then every streamed layer's compute copy refreshed."""
         with self._host_writes(range(self.weights.num_layers)), streams.span("optimizer", "update all"):
-            error = None
-            try:
+            failure = RankFailure(self.dist)
+            with failure.kept():
                 if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
                     self.optimizer.step(clip_coef=factor)
                 else:
                     if factor != 1.0:
                         _scale_(grads, factor)
                     self.optimizer.step()
-            except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
-                if not self.dist.enabled:
-                    raise
-                error = e
             w = self.weights
-            if w.masters_sharded and error is None:   # what the owners send is their compute copies
-                try:
+            if w.masters_sharded and not failure.failed:   # what the owners send is their compute copies
+                with failure.kept():
                     for i in self._layers_with_grads():
                         if w.master[i] is not None:
                             w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
-                except Exception as e:   # noqa: BLE001 - as above
-                    error = e
-            if error is None:
-                error = self._owners_write_non_block_copies()
+            if not failure.failed:
+                with failure.kept():
+                    self._owners_write_non_block_copies()
             if self.shards is not None:   # every rank takes part in every broadcast, then all fail together
                 self._share_updated(self._layers_with_grads(), non_block=True)
-            if self.dist.enabled and not self.dist.all_succeeded(
-                    error is None, "agreement that every rank's optimizer update succeeded, in engine.step()"):
-                # replicated ranks too: one that went on alone would train on other weights than the rest
-                raise error or RuntimeError("the optimizer update failed on another rank: see its error")
+            # replicated ranks too: one that went on alone would train on other weights than the rest
+            failure.agree("agreement that every rank's optimizer update succeeded, in engine.step()",
+                          RuntimeError("the optimizer update failed on another rank: see its error"))
             # with the masters sharded the copies are written already (owners above, broadcasts for the rest)
             for i in (range(w.num_layers) if not w.masters_sharded else ()):
                 try:
@@ -1078,22 +1072,18 @@ class LazyTrainEngine(nn.Module):
         groups = self.optimizer.snapshot()
         block_ids = {id(p) for params in w.params for p in params}
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
-        error = None
+        failure = RankFailure(self.dist)
         with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
-            try:
+            with failure.kept():
                 self.optimizer.step(params=rest, clip_coef=factor)
-            except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
-                if not self.dist.enabled:
-                    raise
-                error = e
-            if error is None:
-                error = self._owners_write_non_block_copies()
+            if not failure.failed:
+                with failure.kept():
+                    self._owners_write_non_block_copies()
             if self.shards is not None:
                 self._share_updated(non_block=True)
-        if self.dist.enabled and not self.dist.all_succeeded(
-                error is None, "agreement that every rank's update of the parameters outside the streamed layers "
-                               "succeeded, in engine.step()"):   # before any layer's update starts
-            raise error or RuntimeError("the optimizer update failed on another rank: see its error")
+        failure.agree("agreement that every rank's update of the parameters outside the streamed layers succeeded, "
+                      "in engine.step()",   # before any layer's update starts
+                      RuntimeError("the optimizer update failed on another rank: see its error"))
         layer_grads = [w.grad_views(i) for i in range(w.num_layers)]
         for grads in layer_grads:
             for p in grads:
@@ -1104,26 +1094,21 @@ class LazyTrainEngine(nn.Module):
         if self.shards is not None:
             update_layer = self._sharded_layer_updates(layer_grads, groups, factor, launched)
         else:
-            failed: list[BaseException] = []
+            failure = RankFailure(self.dist, on_update_thread=True)
 
             def update_layer(i: int) -> None:
-                try:
+                with failure.kept():
                     if layer_grads[i]:
                         with self._host_writes([i], launched):
                             self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
                                                   grads=layer_grads[i])
                             w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
                     w.zero_layer_grads(i)
-                except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
-                    if not self.dist.enabled:
-                        raise
-                    failed.append(e)
                 # replicated ranks: after the last layer they agree whether every update succeeded, so that all
                 # fail together and none trains on alone with other weights than the rest
-                if self.dist.enabled and i == w.num_layers - 1 and not self.dist.all_succeeded(
-                        not failed, "agreement that every rank's layer updates succeeded", on_update_thread=True):
-                    raise failed[0] if failed else RuntimeError("a layer update failed on another rank: see its "
-                                                                "error")
+                if i == w.num_layers - 1:
+                    failure.agree("agreement that every rank's layer updates succeeded",
+                                  RuntimeError("a layer update failed on another rank: see its error"))
         self.layer_updates.launch(update_layer, range(w.num_layers))
 
     def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched):
@@ -1141,17 +1126,15 @@ class LazyTrainEngine(nn.Module):
         position = {layer: n for n, layer in enumerate(layers)}
         started: dict[int, object] = {}      # layer -> the wait for its broadcast
         issued = [0]                         # how many of ``layers`` were started
-        failed: list[BaseException] = []
+        failure = RankFailure(self.dist, on_update_thread=True)
 
         def start(k: int) -> None:
             self.stream.before_host_write([k])
-            try:
-                if shards.owns_layer(k) and not failed:
+            with failure.kept():   # the broadcasts go on; the ranks fail together after the last layer
+                if shards.owns_layer(k) and not failure.failed:
                     self.optimizer.update(list(layer_grads[k]), clip_coef=factor, groups=groups, grads=layer_grads[k])
                     if w.masters_sharded:   # what it sends is its compute copy
                         w.refresh_compute_copy(k, host_copy_current=self._fused_copies)
-            except Exception as e:   # noqa: BLE001 - the broadcasts go on; the ranks fail together at the end
-                failed.append(e)
             started[k] = self.dist.broadcast_started(self._published(k), shards.layer_owner[k])
 
         def update_layer(i: int) -> None:
@@ -1172,16 +1155,14 @@ class LazyTrainEngine(nn.Module):
                             pass
                     started.clear()
                     raise
-                try:
+                with failure.kept():
                     if not w.masters_sharded:   # else the broadcast wrote the copy (or its owner did)
                         w.refresh_compute_copy(i, host_copy_current=self._fused_copies and shards.owns_layer(i))
-                except Exception as e:   # noqa: BLE001 - as above
-                    failed.append(e)
                 self.stream.after_host_write(i, launched)
             w.zero_layer_grads(i)
-            if i == w.num_layers - 1 and not self.dist.all_succeeded(
-                    not failed, "agreement that every rank's layer updates succeeded", on_update_thread=True):
-                raise failed[0] if failed else RuntimeError("a layer update failed on another rank: see its error")
+            if i == w.num_layers - 1:
+                failure.agree("agreement that every rank's layer updates succeeded",
+                              RuntimeError("a layer update failed on another rank: see its error"))
         return update_layer
 
     def _record_peaks(self) -> None:
@@ -1273,17 +1254,12 @@ class LazyTrainEngine(nn.Module):
                 if owner is not None and not self._partitioned(t):   # a partitioned one: fetched at its next use
                     self.dist.broadcast_from([copy_of.get(id(t), t).data], owner)
 
-    def _owners_write_non_block_copies(self) -> BaseException | None:
+    def _owners_write_non_block_copies(self) -> None:
         """Stages 1-2 over several ranks: each owner writes the compute copies of the non-block masters it
-        updated, which :meth:`_share_updated` then sends (the error, if one fails, for the ranks to agree on)."""
-        if not self._masters_on_owners():
-            return None
-        try:
+        updated, which :meth:`_share_updated` then sends."""
+        if self._masters_on_owners():
             with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
                 self.masters.masters_to_params()   # the masters this rank holds: those it owns, and any unowned
-        except Exception as e:   # noqa: BLE001 - the ranks agree on it after the broadcasts
-            return e
-        return None
 
     def _partitioned(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a non-block parameter or its master) is partitioned, values and all (stage 3): its
@@ -1761,25 +1737,21 @@ class LazyTrainEngine(nn.Module):
         want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
         failed_before = self._failed_step
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
-        error = None
         if self.layer_updates is not None:   # what is read is checked against the optimizer's state: let it be
             self.layer_updates.settle()
+        failure = RankFailure(self.dist)
         self._reading_checkpoint = True
         try:
-            apply = self._read_checkpoint(load_dir, tag, want_optim, trust, load_module_strict, load_module_only,
-                                          load_lr_scheduler_states, custom_load_fn)
-        except Exception as e:   # noqa: BLE001 - several ranks: the others must hear of it first
-            if not self.dist.enabled:
-                raise
-            error = e
+            with failure.kept():
+                apply = self._read_checkpoint(load_dir, tag, want_optim, trust, load_module_strict, load_module_only,
+                                              load_lr_scheduler_states, custom_load_fn)
         finally:
             self._reading_checkpoint = False
         # a rank that could not read its files loads nothing, and neither may the others: a script that catches
         # the error and trains on would train the ranks from different states
-        if self.dist.enabled and not self.dist.all_succeeded(
-                error is None, f"agreement that every rank read checkpoint {tag!r}, in load_checkpoint()"):
-            raise error or ckpt.CheckpointError(f"load_checkpoint of tag {tag!r} from {load_dir}: reading it failed "
-                                                f"on another rank (see its error); nothing was loaded on any rank")
+        failure.agree(f"agreement that every rank read checkpoint {tag!r}, in load_checkpoint()",
+                      ckpt.CheckpointError(f"load_checkpoint of tag {tag!r} from {load_dir}: reading it failed on "
+                                           f"another rank (see its error); nothing was loaded on any rank"))
         if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
             self.layer_updates.forget_failure()
         # the files are read: gradients accumulated before the load belong to no state being loaded (a rollback
