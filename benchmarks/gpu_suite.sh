@@ -9,9 +9,10 @@
 #      registered as pinned; selective and offloaded layers bit-identical to the plans without them; policy
 #      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; lean RMSNorms
 #      bit for bit in bf16 and saving what the planner counts (within 10%) on CUDA; a block that checkpoints
-#      its own MLP re-run from the streamed weights (keep-all, offloaded and selective layers alike); stage 3
-#      with two processes on the one GPU (the non-block parameters partitioned between them) bit for bit as
-#      stage 2; an NCCL group of one training bit for bit as one process;
+#      its own MLP re-run from the streamed weights (keep-all, offloaded and selective layers alike); stages 2
+#      and 3 with two processes on the one GPU (at stage 3 the non-block parameters partitioned between them,
+#      at stage 2 their fp32 host masters, the owners sending the updated device copies) bit for bit as
+#      stage 0; an NCCL group of one training bit for bit as one process;
 #   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
 #      sink, a layer gradient's failed copy refused by every step until zero_grad, the optimizer update
 #      overlapping the next forward, a window of re-run layers prefetched whole
@@ -67,7 +68,7 @@ echo "## 1. chaos, traces and the on_a_gpu tests"
 run_within "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --durations=8 tests/test_frozen_weights.py \
   tests/test_engine_chaos.py tests/test_trace.py tests/test_fidelity.py \
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -25
-run_within "${SHARED_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
+run_within "${SHARED_TIMEOUT:-165}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
   tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py tests/test_lean_norms.py \
   tests/test_master_grad_sink.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 fi
