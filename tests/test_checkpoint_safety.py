@@ -1066,3 +1066,29 @@ def test_a_backward_whose_boundary_read_fails_leaves_partial_gradients_the_step_
         engine.step()
     assert max_rel_diff(engine.module, reference_train(model, data)) < 1e-5
     engine.destroy()
+
+
+@pytest.mark.parametrize("flags", [dict(load_optimizer_states=False), dict(load_module_only=True)])
+def test_a_bf16_load_without_the_optimizer_states_restores_the_exact_fp32_weights(tmp_path, flags):
+    """The fp32 masters the files hold come back, not the module's bf16 copies (DeepSpeed takes those)."""
+    def engine():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return lazytrain.initialize(model=make_model("modulelist"), config={
+                "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "bf16": {"enabled": True},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "lazytrain": {"device": "cpu"}})[0]
+    trained = engine()
+    for x, y in batches(2):
+        trained.backward(lm_loss(trained(x), y))
+        trained.step()
+    trained.save_checkpoint(str(tmp_path), tag="t")
+    want = trained.module_state_dict()
+    trained.destroy()
+    fresh = engine()
+    fresh.load_checkpoint(str(tmp_path), tag="t", **flags)
+    got = fresh.module_state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert v.dtype == torch.float32 and torch.equal(got[k], v), k
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in want.values())   # below bf16's resolution
+    fresh.destroy()
