@@ -424,3 +424,37 @@ def test_collectives_get_contiguous_tensors_and_strided_ones_get_the_result(monk
     grad = torch.full((4, 3), 6.0).t()
     ctx.reduce_to([grad], owner=0)
     assert torch.equal(grad, torch.full((3, 4), 3.0))
+
+
+class _Counting(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def _iterable_data(rank, world, out_dir):
+    """An IterableDataset under 2 ranks: each rank reads it whole, and is told so once."""
+    import warnings
+
+    import lazytrain
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, _, loader, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=_Counting(), config={
+            "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "lazytrain": {"device": "cpu"}})
+        engine.deepspeed_io(_Counting(), route="eval")
+    said = [str(w.message) for w in caught if "IterableDataset" in str(w.message)]
+    read = [x.tolist() for x in loader]
+    engine.destroy()
+    return {"said": said, "read": read}
+
+
+case("iterable-data", _iterable_data)
+
+
+def test_an_iterable_dataset_under_several_ranks_is_read_whole_by_each_and_the_script_is_told_once(spawned):
+    for r in spawned("iterable-data"):
+        assert r["read"] == [[0, 1], [2, 3]]
+        assert r["said"] == ["lazytrain: an IterableDataset under 2 ranks: every rank reads it as it yields, so "
+                             "unless it yields each rank its own part (as Hugging Face's "
+                             "datasets.distributed.split_dataset_by_node makes it), every rank trains on the same "
+                             "samples"]

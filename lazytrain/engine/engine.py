@@ -281,6 +281,7 @@ class LazyTrainEngine(nn.Module):
                                       config.fp16.consecutive_hysteresis, config.fp16.min_loss_scale) \
             if config.fp16.enabled else None
         self._collate_fn = collate_fn
+        self._warned_iterable = False
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
         # a transformers model with use_cache on would hand every block a KV cache to fill in training
         self._warned_attentions = False
@@ -618,6 +619,12 @@ class LazyTrainEngine(nn.Module):
                       drop_last=self._config.dataloader_drop_last, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available())
         if isinstance(training_data, torch.utils.data.IterableDataset):   # it orders (and splits) itself
+            if self.world_size > 1 and not self._warned_iterable:
+                self._warned_iterable = True
+                warnings.warn(f"lazytrain: an IterableDataset under {self.world_size} ranks: every rank reads it "
+                              f"as it yields, so unless it yields each rank its own part (as Hugging Face's "
+                              f"datasets.distributed.split_dataset_by_node makes it), every rank trains on the same "
+                              f"samples", UserWarning, stacklevel=3)
             return EpochDataLoader(training_data, **common)
         if sampler is None and (self.dist.enabled or "LOCAL_RANK" in os.environ or not shuffle):
             sampler = EpochTrackingSampler(training_data, num_replicas=self.world_size, rank=self.global_rank,
