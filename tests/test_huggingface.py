@@ -49,6 +49,7 @@ TRAINS = "test_a_trainer_script_trains_as_it_does_without_deepspeed"
 SAVES = "test_saved_folders_load_with_from_pretrained_to_exactly_the_trained_weights"
 SAVES_BF16 = "test_in_bf16_saved_folders_hold_the_trained_weights_in_bf16_as_deepspeed_saves_them"
 TWO_RANKS = "test_two_ranks_of_a_trainer_script_shard_the_state_and_train_as_plain_data_parallel"
+TWO_RANKS_BF16 = "test_two_ranks_in_bf16_keep_the_non_block_masters_on_their_owners_and_save_the_trained_weights"
 RESUMES = "test_resume_from_checkpoint_continues_bit_identically"
 OTHER_SCRIPTS = "test_accelerate_and_trl_scripts_train_as_they_do_without_deepspeed"
 # every run the tests read: name: (program, its arguments, the tests that read it); "torchrun" in the name:
@@ -61,6 +62,7 @@ RUNS = {
     "zero3_bf16": ("trainer_run.py", ("--config", "zero3", "--bf16"), {SAVES_BF16}),
     "torchrun_zero2": ("trainer_run.py", ("--config", "zero2"), {TWO_RANKS}),
     "torchrun_plain": ("trainer_run.py", ("--config", "plain"), {TWO_RANKS}),
+    "torchrun_zero2_bf16": ("trainer_run.py", ("--config", "zero2", "--bf16"), {TWO_RANKS_BF16}),
     "resumed": ("trainer_run.py", ("--config", "zero2"), {RESUMES}),
     **{f"{program[:-3]}_{config}": (program, ("--config", config), {OTHER_SCRIPTS})
        for program in ("accelerate_run.py", "sft_run.py") for config in ("plain", "zero2", "zero3")},
@@ -159,6 +161,19 @@ def test_two_ranks_of_a_trainer_script_shard_the_state_and_train_as_plain_data_p
     torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert_same_weights(lazy["weights"], plain["weights"], exact=False)
     assert_same_weights(from_pretrained(lazy_out / "final"), lazy["weights"], exact=True)
+
+
+def test_two_ranks_in_bf16_keep_the_non_block_masters_on_their_owners_and_save_the_trained_weights(runs):
+    """torchrun with 2 processes in bf16 under the stock ZeRO-2 config: the embedding's and head's fp32 masters
+    live on their owners (each on one rank); every saved folder holds the gathered fp32 weights in bf16, as
+    DeepSpeed saves them."""
+    lazy, out = runs("torchrun_zero2_bf16")
+    assert lazy["sharded"] and sum(lazy["masters_here"]) == lazy["masters"] and min(lazy["masters_here"]) < lazy["masters"]
+    masters_in_bf16 = {k: v.bfloat16() for k, v in lazy["weights"].items()}
+    for folder in ("final", "checkpoint-4"):
+        loaded = from_pretrained(out / folder)
+        assert {v.dtype for v in loaded.values()} == {torch.bfloat16}
+        assert_same_weights(loaded, masters_in_bf16, exact=True)
 
 
 def test_resume_from_checkpoint_continues_bit_identically(runs):

@@ -47,8 +47,16 @@ engine = trainer.model_wrapped
 weights = engine.module_state_dict() if a.config != "plain" else {k: v.clone() for k, v in model.state_dict().items()}
 if a.config != "plain":
     assert type(engine).__name__ == "LazyTrainEngine", type(engine)
+masters = getattr(engine, "masters", None)   # the non-block fp32 masters: their owners' alone when sharded
+masters_here = sum(id(p) not in masters.elsewhere for p, _ in masters.pairs) if masters is not None else None
+if torch.distributed.is_initialized():   # how many each rank holds
+    held = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, masters_here)
+    masters_here = held
 torch.save({"weights": weights, "eval_loss": eval_loss, "logits": logits, "step": trainer.state.global_step,
             "sharded": getattr(engine, "shards", None) is not None,
+            "masters": len(masters.pairs) if masters is not None else None,
+            "masters_here": masters_here,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]},
            os.path.join(a.out, "result.pt"))
 if torch.distributed.is_initialized():   # under torchrun: every rank done, then the process group torn down
