@@ -1519,14 +1519,14 @@ class LazyTrainEngine(nn.Module):
                 src = t
             if self.partitioned is not None and (self.partitioned.values_elsewhere(t) or
                                                  self.partitioned.values_elsewhere(src)):
-                out[name] = torch.empty(0, dtype=src.dtype)   # stage 3, another rank's: a save takes it from there
+                out[name] = torch.empty(0, dtype=src.dtype)   # another rank's: a save takes it from there
                 continue
             out[name] = src.detach().to("cpu", copy=copy)
         return out
 
     def _load_module_state(self, state: dict, strict: bool, custom_load_fn=None) -> None:
         self.wait_for_update()
-        with self._whole():   # stage 3: every rank loads every parameter; the owners keep them
+        with self._whole():   # every rank loads every parameter and master; the owners keep what is partitioned
             self._load_module_state_whole(state, strict, custom_load_fn)
 
     def _load_module_state_whole(self, state: dict, strict: bool, custom_load_fn) -> None:
@@ -1688,8 +1688,9 @@ class LazyTrainEngine(nn.Module):
         return ds_layout.Writer(export)
 
     def _holder_of_pieces(self):
-        """need -> the rank that holds its fp32 values: a partitioned parameter's owner (stage 3); a
-        moment's owner; fp32 weights here when this rank has them, else the owner of their layer."""
+        """need -> the rank that holds its fp32 values: a partitioned non-block parameter's owner (stage 3; at
+        stages 1-2 the owner of its master); a moment's owner; fp32 weights here when this rank has them, else
+        the owner of their layer."""
         masters = self.masters.by_param if self.masters is not None else {}
         layer_of = {id(p): i for i, params in enumerate(self.weights.params) for p in params}
         params = dict(self.module.named_parameters())
@@ -1699,7 +1700,7 @@ class LazyTrainEngine(nn.Module):
         def holder(need: ds_layout.Need) -> int:
             p = params[need.name]
             owner = self.partitioned.owner(p) if self.partitioned is not None else None
-            if owner is not None:   # stage 3: whole on its owner alone, everything of it
+            if owner is not None:   # everything of it on its owner alone (stages 1-2: but its compute copy)
                 return owner
             if need.key != "master":
                 return self.shards.param_owner.get(id(p), self.global_rank)   # the optimizer state's owner
