@@ -335,7 +335,8 @@ def test_a_mixed_precision_sharded_run_resumes_bit_identically(spawned, stage, o
 def _stalling_worker(rank, port, out_dir, where):
     """Rank 1 stops (SIGSTOP) where the sharded step is: before its gradient reduce, or on the update thread
     before its broadcast of updated weights, or (stage 3) before it joins destroy()'s gather of the partitioned
-    parameters; rank 0 must fail naming that collective."""
+    parameters, or (stage 1 in bf16) instead of joining the gather of the non-block masters that
+    module_state_dict() called on rank 0 alone makes; rank 0 must fail naming that collective."""
     import signal
     import warnings
     join_as(rank, 2, port)
@@ -343,8 +344,13 @@ def _stalling_worker(rank, port, out_dir, where):
     import lazytrain
     from lazytrain.engine.distributed import DistributedContext
     torch.set_num_threads(1)
-    cfg = _config(2, 3 if where == "destroy" else 1, overlap=where == "broadcast")
+    cfg = _config(2, 3 if where == "destroy" else 1, overlap=where == "broadcast",
+                  dtype="bf16" if where == "module_state_dict" else "fp32")
     cfg["lazytrain"]["collective_timeout_s"] = 3
+    if where == "module_state_dict":   # the layers' masters are not sharded with the weights on NVMe: the only
+        cfg["lazytrain"]["weights_home"] = "nvme"   # gather is that of the non-block masters, on their owners
+        cfg["lazytrain"]["nvme_path"] = os.path.join(out_dir, f"nvme{rank}")
+        os.makedirs(cfg["lazytrain"]["nvme_path"], exist_ok=True)
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     if rank == 1 and where == "destroy":
         original = engine.destroy
@@ -369,6 +375,10 @@ def _stalling_worker(rank, port, out_dir, where):
         engine.wait_for_update()
         if where == "destroy":
             engine.destroy()
+        if where == "module_state_dict":   # called on rank 0 alone
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            engine.module_state_dict()
     except Exception as e:   # noqa: BLE001 - what rank 0 reports is the test's subject
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(f"{type(e).__name__}: {e}")
@@ -378,7 +388,11 @@ def _stalling_worker(rank, port, out_dir, where):
                                               ("broadcast", "broadcast of updated weights in engine.step()"),
                                               ("destroy", "gather of the partitioned parameters (module_state_dict(), "
                                                           "a load, a save's 16-bit weights or destroy(): every rank "
-                                                          "must call it)")])
+                                                          "must call it)"),
+                                              ("module_state_dict", "gather of the fp32 weights of the parameters "
+                                                                    "outside the streamed blocks from their owners "
+                                                                    "(module_state_dict(), a load or destroy(): every "
+                                                                    "rank must call it)")])
 def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collective(tmp_path, where, collective):
     ctx = mp.get_context("spawn")
     port = free_port()
