@@ -148,7 +148,9 @@ def write_chrome_trace(path: str, *timelines: Timeline) -> None:
     events = []
     for pid, t in enumerate(timelines, start=1):
         events += t.chrome_events(pid)
-    partial = f"{path}.tmp"   # a write cut short never leaves a truncated trace under the name
+    # a write cut short never leaves a truncated trace under the name; the temporary name is this process's
+    # own, so that processes writing the same path (ranks given one trace path) never share one
+    partial = f"{path}.{os.getpid()}.tmp"
     try:
         with open(partial, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
@@ -174,4 +176,5 @@ def check_writable(path: str) -> None:
     except OSError as e:
         raise ValueError(f"trace path {path} cannot be written: {e.strerror or e}") from e
     if not existed:
-        os.remove(path)
+        with contextlib.suppress(FileNotFoundError):   # another process checking the same path removed it
+            os.remove(path)

@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+MAX_OPERAND = 999   # the task lists every pair of operands: (999 + 1) ** 2 pairs take about 130 MB
+
 DEFAULT_CONFIG = {
     "train_micro_batch_size_per_gpu": 64,
     "gradient_accumulation_steps": 1,
@@ -99,6 +101,9 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
         if unknown:
             raise JobError(f"unknown key(s) in 'job.{key}': {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
     _check_int("job.task.max_operand", task.get("max_operand", 99))
+    if task.get("max_operand", 99) > MAX_OPERAND:   # the task lists every pair of operands
+        raise JobError(f"'job.task.max_operand' must be at most {MAX_OPERAND} (the task holds every pair of operands "
+                       f"in memory), got {task['max_operand']}")
     fraction = task.get("held_out_fraction", 0.1)
     if not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
         raise JobError(f"'job.task.held_out_fraction' must lie strictly between 0 and 1, got {fraction!r}")
@@ -141,6 +146,8 @@ def _run(args) -> int:
     except OSError as e:
         raise JobError(f"cannot create the output directory {out_dir}: {e.strerror}") from None
     trace_path = getattr(args, "trace", None)
+    if int(os.environ.get("RANK", "0")) != 0:   # under a launcher rank 0 alone records (and reports) the trace
+        trace_path = None
     if trace_path:
         from lazytrain.trace import check_writable
         try:   # before training, not after it
@@ -159,7 +166,9 @@ def _run(args) -> int:
     except Exception as e:   # noqa: BLE001 - transformers validates its config its own way
         raise JobError(f"'job.model' does not build a model: {e}") from None
     n_params = sum(p.numel() for p in model.parameters())
+    made_group = torch.distributed.is_available() and not torch.distributed.is_initialized()
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    made_group = made_group and torch.distributed.is_initialized()   # initialize made it from the launcher's env
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     # under a launcher every rank trains on batches of its own, and rank 0 alone reports
@@ -209,6 +218,9 @@ def _run(args) -> int:
     say(f"peak memory per tier (last step): {peaks}")
     say(f"trained weights saved to {os.path.abspath(os.path.join(out_dir, 'final'))}")
     engine.destroy()
+    if made_group and torch.distributed.is_initialized():   # its threads torn down before the interpreter's exit,
+        torch.distributed.barrier()                         # which else may abort the process after its work
+        torch.distributed.destroy_process_group()           # (every rank done first, as torch advises)
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from lazytrain.cli import main
 from lazytrain.train import DEFAULT_CONFIG
@@ -35,6 +36,9 @@ def set_in(section, **kw):
     (set_in(("job", "model"), hiden_size=3), "unknown key(s) in 'job.model': hiden_size (known: "),
     (set_in(("job", "model"), num_hidden_layers=0), "'job.model.num_hidden_layers' must be a positive integer, got 0"),
     (set_in(("job", "task"), max_oprand=9), "unknown key(s) in 'job.task': max_oprand (known: "),
+    (set_in(("job", "task"), max_operand=10**30),
+     "'job.task.max_operand' must be at most 999 (the task holds every pair of operands in memory), got "
+     "1000000000000000000000000000000"),
     (set_in(("job", "task"), held_out_fraction=1.0),
      "'job.task.held_out_fraction' must lie strictly between 0 and 1, got 1.0"),
     (set_in(("job",), steps="2"), "'job.steps' must be a positive integer, got '2'"),
@@ -96,9 +100,11 @@ def _train_as_rank(rank, world, out_dir, job):
         return original(self, micro, n, seed=seed)
     ArithmeticTask.train_batches = recorded
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = main(["train", job, "--steps", "1", "--no-progress", "--out", os.path.join(out_dir, "out")])
-    return {"code": code, "seeds": seeds, "printed": printed.getvalue()}
+    with contextlib.redirect_stdout(printed):   # every rank is given the same trace path, as a launcher gives it
+        code = main(["train", job, "--steps", "2", "--no-progress", "--out", os.path.join(out_dir, "out"),
+                     "--trace", os.path.join(os.path.dirname(out_dir), "step.json")])
+    return {"code": code, "seeds": seeds, "printed": printed.getvalue(),
+            "group_left": not torch.distributed.is_initialized()}
 
 
 def test_under_a_launcher_each_rank_trains_on_batches_of_its_own_and_rank_0_alone_reports(tmp_path):
@@ -110,4 +116,9 @@ def test_under_a_launcher_each_rank_trains_on_batches_of_its_own_and_rank_0_alon
     r0, r1 = spawn_cases(2, tmp_path, {"train": (_train_as_rank, {"job": job})})["train"]
     assert r0["code"] == r1["code"] == 0
     assert len(r0["seeds"]) == len(r1["seeds"]) == 1 and r0["seeds"] != r1["seeds"]
-    assert "trained 1 steps in" in r0["printed"] and r1["printed"] == ""
+    assert "trained 2 steps in" in r0["printed"] and r1["printed"] == ""
+    # rank 0 alone checks, records and writes the trace (both ranks doing so raced on the file)
+    assert f"trace of step 2 written to {tmp_path / 'step.json'}" in r0["printed"]
+    assert json.loads((tmp_path / "step.json").read_text())["traceEvents"]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    assert r0["group_left"] and r1["group_left"]   # the command's own process group torn down at its end
