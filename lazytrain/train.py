@@ -138,6 +138,9 @@ def _run(args) -> int:
     from lazytrain.tiers import format_bytes
 
     cfg = load_job_config(args.config)
+    if not isinstance(cfg.get("optimizer"), dict):   # refused before the evaluation before training, not after it
+        raise JobError("the config has no 'optimizer' section: lazytrain train trains the job's model with it (e.g. "
+                       "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-3}})")
     job = cfg["job"]
     steps, task_settings, model_settings = _job_settings(job, args.steps)
     out_dir = args.out or job.get("out_dir", "lazytrain-out")

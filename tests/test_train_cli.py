@@ -36,6 +36,8 @@ def set_in(section, **kw):
     (set_in(("job", "model"), hiden_size=3), "unknown key(s) in 'job.model': hiden_size (known: "),
     (set_in(("job", "model"), num_hidden_layers=0), "'job.model.num_hidden_layers' must be a positive integer, got 0"),
     (set_in(("job", "task"), max_oprand=9), "unknown key(s) in 'job.task': max_oprand (known: "),
+    (lambda cfg: cfg.pop("optimizer"), "the config has no 'optimizer' section: lazytrain train trains the job's "
+                                        "model with it"),
     (set_in(("job", "task"), max_operand=10**30),
      "'job.task.max_operand' must be at most 999 (the task holds every pair of operands in memory), got "
      "1000000000000000000000000000000"),
