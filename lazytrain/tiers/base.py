@@ -9,6 +9,7 @@ its budget and the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import threading
@@ -335,16 +336,14 @@ class Tier(ABC):
         meter.begin()
         self._writing.token = token          # lets _write tell whether its reservation is still current
         try:
-            handle = self._write(key, tensor, owned)
-            if self._on_copy_thread(tensor.device):
-                handle = self._completed_late(handle)
-        except BaseException as e:
+            with self._errors_named("writing", key):
+                handle = self._write(key, tensor, owned)
+                if self._on_copy_thread(tensor.device):
+                    handle = self._completed_late(handle)
+        except BaseException:
             meter.cancel()   # a failed operation moved nothing: its time is not the link's
             self._release(key)
-            named = self._named(e, "writing", key)
-            if named is e:
-                raise
-            raise named from e
+            raise
         finally:
             self._writing.token = None
         self._track(handle, meter, nbytes, key, token)
@@ -369,28 +368,30 @@ class Tier(ABC):
         meter = self._meters["read"]
         meter.begin()
         try:
-            if self._on_copy_thread(out.device if out is not None else device or self.device):
-                handle = self._completed_late(lambda: self._read_if_held(key, out, device))
-            else:
-                handle = self._read(key, out, device)
-        except BaseException as e:
+            with self._errors_named("reading", key):
+                if self._on_copy_thread(out.device if out is not None else device or self.device):
+                    handle = self._completed_late(lambda: self._read_if_held(key, out, device))
+                else:
+                    handle = self._read(key, out, device)
+        except BaseException:
             meter.cancel()   # a failed operation moved nothing: its time is not the link's
-            named = self._named(e, "reading", key)
-            if named is e:
-                raise
-            raise named from e
+            raise
         self._track(handle, meter, nbytes)
         if not self.runs_own_transfers and written_as is not None:   # a user's tier: what it gives back is checked
             handle = _CheckedRead(handle, self, key, *written_as)
         return handle
 
-    def _named(self, error: BaseException, doing: str, key: str) -> BaseException:
-        """A user's tier's own error, raised as it was called, as a TierError naming the tier and the key (a
-        built-in tier's, and a TierError or an interruption, as they are)."""
-        if self.runs_own_transfers or isinstance(error, TierError) or not isinstance(error, Exception):
-            return error
-        return TierError(f"tier {self.name!r} ({type(self).__name__}) failed {doing} {key!r}: "
-                         f"{type(error).__name__}: {error}")
+    @contextlib.contextmanager
+    def _errors_named(self, doing: str, key: str):
+        """Around a call into a user's tier: its own error, raised as it was called, is raised as a TierError
+        naming the tier and the key, with it as the cause (a built-in tier's, and a TierError, as they are)."""
+        try:
+            yield
+        except Exception as e:
+            if self.runs_own_transfers or isinstance(e, TierError):
+                raise
+            raise TierError(f"tier {self.name!r} ({type(self).__name__}) failed {doing} {key!r}: "
+                            f"{type(e).__name__}: {e}") from e
 
     def free(self, key: str) -> None:
         """Drop ``key`` (no-op when absent); a tier may keep the memory or file for reuse."""
@@ -451,13 +452,8 @@ class Tier(ABC):
         if key not in self._sizes:
             raise TierError(f"tier {self.name!r}: key {key!r} was freed before its read ran; a key must not be "
                             f"freed until the reads issued of it are done")
-        try:
+        with self._errors_named("reading", key):
             return self._read(key, out, device)
-        except Exception as e:
-            named = self._named(e, "reading", key)
-            if named is e:
-                raise
-            raise named from e
 
     def _completed_late(self, op) -> "TransferHandle":
         """``op`` (a handle already issued, or a call that issues one) completing on this tier's copy
