@@ -47,8 +47,8 @@ from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, param_groups)
-from .placement import (build_plan, build_tiers, card_memory, memory_copy_gbps, non_block_state_home,
-                        plan_from_measurements, resolve_device)
+from .placement import (build_plan, build_tiers, card_memory, memory_copy_gbps, non_block_masters_apart,
+                        non_block_state_home, plan_from_measurements, resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
 from .weights import LayerWeights
 
@@ -206,7 +206,7 @@ class LazyTrainEngine(nn.Module):
             config.optimizer.type is not None
         partition = sharded and config.zero_stage >= 3
         self.masters = Masters(self.non_block_params, self.compute_dtype, home) \
-            if self.compute_dtype != torch.float32 or home != self.device or partition else None
+            if non_block_masters_apart(config, self.device) or partition else None
         remap = self.masters.master_of if self.masters is not None else (lambda p: p)
 
         # optimizer and schedule
@@ -1264,9 +1264,8 @@ class LazyTrainEngine(nn.Module):
     def _owners_write_non_block_copies(self) -> None:
         """Stages 1-2 over several ranks: each owner writes the compute copies of the non-block masters it
         updated, which :meth:`_share_updated` then sends."""
-        if self._masters_on_owners():
-            with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
-                self.masters.masters_to_params()   # the masters this rank holds: those it owns, and any unowned
+        if self._masters_on_owners():   # (inside the update's own span)
+            self.masters.masters_to_params()   # the masters this rank holds: those it owns, and any unowned
 
     def _partitioned(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a non-block parameter or its master) is partitioned, values and all (stage 3): its
@@ -1286,8 +1285,7 @@ class LazyTrainEngine(nn.Module):
     def _whole_copies(self):
         """Meanwhile every parameter's compute copy is whole on every rank (stage 3: a collective; below it
         they are whole already, the fp32 masters on their owners notwithstanding)."""
-        return self._whole() if self.partitioned is not None and not self.partitioned.masters_only \
-            else contextlib.nullcontext()
+        return contextlib.nullcontext() if self._masters_on_owners() else self._whole()
 
     def _shapes_only(self):
         """Meanwhile every parameter has its shape on every rank, without the values of those other ranks
@@ -1497,13 +1495,12 @@ class LazyTrainEngine(nn.Module):
             return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
 
     def _module_state(self, exclude_frozen_parameters: bool, copy: bool,
-                      foreign: dict[int, torch.Tensor] | None = None,
-                      copies_for_masters_elsewhere: bool = False) -> dict[str, torch.Tensor]:
+                      foreign: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """``copy=False`` (a checkpoint save, which writes them before anything changes them): host tensors
         as they are, so a save streams the weights to disk without a second copy in memory. ``foreign``:
-        fp32 weights of other ranks' layers (:meth:`_foreign_masters`), in place of their compute copies.
-        ``copies_for_masters_elsewhere`` (a state in the training precision): a non-block parameter whose
-        master another rank holds (stages 1-2) gives its compute copy, which every rank holds whole."""
+        fp32 weights of other ranks' layers (:meth:`_foreign_masters`), in place of their compute copies. A
+        non-block parameter whose fp32 master another rank holds (stages 1-2, outside :meth:`_whole`) gives its
+        compute copy, which every rank holds whole (a save's module file and a 16-bit state want no more)."""
         self.wait_for_update()
         masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
         masters.update(foreign or {})
@@ -1515,7 +1512,7 @@ class LazyTrainEngine(nn.Module):
             if id(t) in frozen:
                 continue
             src = masters.get(id(t), t)
-            if copies_for_masters_elsewhere and self._masters_on_owners() and self.partitioned.values_elsewhere(src):
+            if self._masters_on_owners() and self.partitioned.values_elsewhere(src):
                 src = t
             if self.partitioned is not None and (self.partitioned.values_elsewhere(t) or
                                                  self.partitioned.values_elsewhere(src)):
@@ -1719,7 +1716,7 @@ class LazyTrainEngine(nn.Module):
             model=self.module, config=self._config.raw, compute_dtype=self.compute_dtype,
             # a non-block master another rank holds (stages 1-2): the compute copy, which is its value in the
             # training precision, the precision of DeepSpeed's module file (the fp32 values go by their owners)
-            module_state=self._module_state(exclude_frozen, copy=False, copies_for_masters_elsewhere=True),
+            module_state=self._module_state(exclude_frozen, copy=False),
             names=self._param_names,
             masters={n: masters.get(id(p), p) for n, p in self.module.named_parameters()},
             optimizer=self.optimizer, optimizer_from_config=self._config.optimizer.type is not None,
@@ -2237,7 +2234,7 @@ class LazyTrainEngine(nn.Module):
         tied names share one tensor, as in the model, so a saver that drops tied keys can (Hugging Face's
         ``save_pretrained``); else each name has its own."""
         dtype = self.compute_dtype
-        state = self._module_state(exclude_frozen_parameters, copy=False, copies_for_masters_elsewhere=True)
+        state = self._module_state(exclude_frozen_parameters, copy=False)
         tensor_of = {name: id(t) for name, t in self.module.state_dict(keep_vars=True).items()}
         cast: dict[int, torch.Tensor] = {}
         out = {}

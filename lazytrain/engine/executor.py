@@ -805,8 +805,8 @@ class _BlockFunction(torch.autograd.Function):
             # the layers after this one sent their gradients already: the step's accumulation holds part of
             # this backward (what failed is kept as text: the error itself would hold the pass)
             ex.backward_failure = f"{type(e).__name__}: {e}"
-            # no boundary of this pass is read again: its reads (ahead, and one that failed) end here and go (a
-            # failed one keeps its error, whose traceback would hold the pass until the engine is destroyed)
+            # no boundary of this pass is read again: its reads (ahead, and one that failed) end here and go,
+            # none left to land later into a pass that is being dropped
             for handle in list(ctx.p.prefetched.values()):
                 try:
                     handle.wait()

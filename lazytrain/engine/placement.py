@@ -125,11 +125,10 @@ def _host_shares(cfg: EngineConfig, device: torch.device) -> dict[str, float]:
     in_host = cfg.lazytrain.weights_home in ("host", "hbm")
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     mixed = cfg.compute_dtype_name != "float32"
-    apart = non_block_state_home(cfg) == "host" and device.type != "cpu"   # fp32 masters on the host, copies on a GPU
     return {"optimizer_state_share": per_rank,
             "master_share": per_rank if mixed and in_host else 1.0,
             "gradient_share": per_rank if cfg.zero_stage >= 2 else 1.0,
-            "non_block_master_share": per_rank if cfg.zero_stage >= 3 or mixed or apart else 1.0,
+            "non_block_master_share": per_rank if cfg.zero_stage >= 3 or non_block_masters_apart(cfg, device) else 1.0,
             "non_block_gradient_share": per_rank if cfg.zero_stage >= 3 else 1.0,
             "weights_copy_share": 1 / per_node if in_host and per_node > 1 else 1.0}
 
@@ -155,6 +154,13 @@ def non_block_state_home(cfg: EngineConfig) -> str:
     (``Budgets.non_block_state``: whose budget they count in) differs."""
     choice = cfg.lazytrain.non_block_state
     return "host" if choice == "auto" else choice
+
+
+def non_block_masters_apart(cfg: EngineConfig, device: torch.device) -> bool:
+    """Whether the parameters outside the streamed blocks keep fp32 masters apart from the copies they compute
+    with (engine.py ``Masters``): in bf16/fp16, or in fp32 on a GPU with the masters on the host. Sharded
+    (stages 1-2) those masters live on their owners alone; else, on the CPU in fp32, a parameter is its own."""
+    return cfg.compute_dtype_name != "float32" or (non_block_state_home(cfg) == "host" and device.type != "cpu")
 
 
 def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int, seq_len: int,
