@@ -393,7 +393,7 @@ class EngineConfig:
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: bool = False
     zero_stage: int = 0
-    communication_data_type: str = "fp32"   # the dtype data-parallel gradients are summed over ranks in
+    communication_data_type: str | None = None   # the dtype gradients are summed over ranks in; None: the model's
     gather_16bit_weights_on_model_save: bool = False
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
@@ -413,6 +413,14 @@ class EngineConfig:
     @property
     def compute_dtype_name(self) -> str:
         return "bfloat16" if self.bf16 else ("float16" if self.fp16.enabled else "float32")
+
+    @property
+    def communication_dtype_name(self) -> str:
+        """The dtype data-parallel gradients are summed over ranks in: 'communication_data_type' when set, else
+        the model's dtype, as DeepSpeed 0.19 defaults it (bf16/fp16 training sends half the bytes of fp32)."""
+        if self.communication_data_type is not None:
+            return self.communication_data_type
+        return "bf16" if self.bf16 else ("fp16" if self.fp16.enabled else "fp32")
 
 
 # --------------------------------------------------------------------------------------------
@@ -574,8 +582,8 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     seed = d.get("seed")
     seen.emit()
     comm = d.get("communication_data_type")
-    comm = "fp32" if comm is None else comm.lower() if isinstance(comm, str) else comm   # DeepSpeed lowers it
-    if comm not in ("fp16", "bf16", "fp32"):   # DeepSpeed's values and message
+    comm = comm.lower() if isinstance(comm, str) else comm   # DeepSpeed lowers it
+    if comm not in (None, "fp16", "bf16", "fp32"):   # DeepSpeed's values and message
         raise ConfigError(f"Invalid communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']. "
                           f"Got: {comm}")
     return EngineConfig(

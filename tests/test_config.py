@@ -483,7 +483,10 @@ def test_aio_section_has_one_schema_and_reaches_the_nvme_tier(tmp_path):
 
 def test_communication_data_type_takes_deepspeeds_values_and_message():
     base = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}
-    assert parse_config(base).communication_data_type == "fp32"
+    assert parse_config(base).communication_data_type is None   # unset: the model's dtype, as DeepSpeed's
+    assert [parse_config({**base, **extra}).communication_dtype_name
+            for extra in ({}, {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}},
+                          {"bf16": {"enabled": True}, "communication_data_type": "fp32"})] == ["fp32", "bf16", "fp16", "fp32"]
     for value in ("fp16", "bf16", "fp32"):
         assert parse_config({**base, "communication_data_type": value}).communication_data_type == value
     with pytest.raises(ConfigError, match=re.escape("Invalid communication_data_type. Supported data types: "

@@ -611,6 +611,9 @@ def test_deepspeeds_configuration_getters():
     assert not engine.zero_cpu_offload() and engine.zero_offload_optimizer() is None
     assert engine.get_data_types() == (torch.float32, torch.float32) and engine.communication_data_type == torch.float32
     engine.destroy()
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(_top={"bf16": {"enabled": True}}))
+    assert engine.communication_data_type == torch.bfloat16   # unset: the model's dtype, as DeepSpeed's
+    engine.destroy()
 
 
 def test_the_global_grad_norm_is_a_tensor_from_zero_stage_1_as_deepspeeds():

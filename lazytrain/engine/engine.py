@@ -147,7 +147,7 @@ class LazyTrainEngine(nn.Module):
         self.dist = DistributedContext("cuda" if torch.cuda.is_available() else "cpu",
                                        timeout_s=config.lazytrain.collective_timeout_s,
                                        comm_dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
-                                                   "fp16": torch.float16}[config.communication_data_type])
+                                                   "fp16": torch.float16}[config.communication_dtype_name])
         self.local_rank, self.global_rank, self.world_size = self.dist.local_rank, self.dist.rank, self.dist.world_size
         self.device = resolve_device(config, self.local_rank)
         if self.device.type == "cuda":
