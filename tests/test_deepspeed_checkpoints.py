@@ -275,9 +275,11 @@ def test_a_stage0_fp16_checkpoint_resumes_with_its_loss_scale():
     engine = engine_for("fp16")
     assert engine.loss_scaler.scale == 2.0 ** 16
     engine.load_checkpoint(os.path.join(HERE, "stage0_fp16_scaled"))
-    assert engine.loss_scaler.state_dict() == {"scale": 4096.0, "cur_hysteresis": 2, "cur_iter": 3,
-                                               "last_overflow_iter": -1}
+    # no hysteresis at stage 0, as in FP16_Optimizer
+    assert engine.loss_scaler.state_dict() == {"scale": 4096.0, "cur_hysteresis": 1, "cur_iter": 3,
+                                               "last_overflow_iter": -1, "hysteresis": 1}
     assert engine.global_steps == 3
+    assert engine.optimizer.loss_scale == engine.optimizer.cur_scale == 4096.0   # as DeepSpeed's optimizer says
 
 
 def test_an_8bit_moment_engine_quantizes_the_fp32_moments_it_loads():

@@ -2,6 +2,7 @@
 import copy
 import inspect
 import json
+import math
 import warnings
 
 import pytest
@@ -296,6 +297,48 @@ def test_fp16_overflow_skips_step_and_halves_scale():
     engine.backward(lm_loss(engine(x), y))
     engine.step()
     assert engine.was_step_applied() and engine.optimizer.overflow is False
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_fp16_overflows_move_the_scale_as_deepspeeds_optimizer_of_that_stage(stage):
+    """DeepSpeed 0.19: without ZeRO its FP16_Optimizer halves the scale on every overflow (no hysteresis)
+    and at the minimum goes on skipping; its ZeRO optimizers wait out the hysteresis and stop the run at
+    the minimum. Either way an overflowing step reports an infinite norm (the sum here is nan) and the
+    optimizer's loss_scale and cur_scale say the scale, as DeepSpeed's optimizers' do."""
+    from lazytrain.engine.precision import LossScaleAtMinimumError
+    cfg = ds_config(_top={"fp16": {"enabled": True, "initial_scale_power": 2, "hysteresis": 2, "min_loss_scale": 1},
+                          "zero_optimization": {"stage": stage}})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    x, y = batches(1)[0]
+    assert engine.optimizer.loss_scale == engine.optimizer.cur_scale == 4.0
+    scales = []
+    for _ in range(4):
+        engine.backward(lm_loss(engine(x), y) * float("nan"))
+        try:
+            engine.step()
+        except LossScaleAtMinimumError:
+            scales.append("stopped")
+            break
+        assert engine.get_global_grad_norm() == math.inf and not engine.was_step_applied()
+        assert engine.optimizer.loss_scale == engine.optimizer.cur_scale == engine.loss_scaler.scale
+        scales.append(engine.loss_scaler.scale)
+    assert scales == ([2.0, 1.0, 1.0, 1.0] if stage == 0 else [4.0, 2.0, 1.0, "stopped"])
+    engine.destroy()
+
+
+def test_a_loss_scale_set_on_the_optimizer_holds_from_the_next_step_as_deepspeeds_setter():
+    cfg = ds_config(_top={"fp16": {"enabled": True, "initial_scale_power": 4}})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    x, y = batches(1)[0]
+    engine.optimizer.cur_scale = 64.0
+    engine.backward(lm_loss(engine(x), y))
+    assert engine.loss_scaler.scale == engine.optimizer.loss_scale == 64.0
+    engine.step()
+    assert engine.was_step_applied() and engine.optimizer.cur_scale == 64.0
+    engine.optimizer.loss_scale = float("nan")
+    with pytest.raises(ValueError, match=r"^optimizer.loss_scale was set to nan: a loss scale is a finite number > 0$"):
+        engine.backward(lm_loss(engine(x), y))
+    engine.destroy()
 
 
 def test_eval_no_grad_streams_and_matches_module():

@@ -1,7 +1,10 @@
-"""fp16 dynamic loss scaling as DeepSpeed 0.19 does it: window, hysteresis, the stop at the minimum scale."""
+"""fp16 dynamic loss scaling as DeepSpeed 0.19 does it: window, hysteresis, the stop at the minimum scale under
+ZeRO; without ZeRO (stage 0) its FP16_Optimizer's rule."""
 import random
+import types
 
 import pytest
+import torch
 
 from lazytrain.engine.precision import LossScaleAtMinimumError, LossScaler
 
@@ -56,3 +59,42 @@ def test_every_overflow_sequence_gives_deepspeeds_scales(seed, monkeypatch):
             return
         ours.update(overflow)
         assert (ours.scale, ours.cur_hysteresis) == (theirs.cur_scale, theirs.cur_hysteresis), f"step {step}"
+
+
+def test_without_zero_every_overflow_halves_the_scale_and_the_minimum_only_stops_it_falling():
+    # DeepSpeed 0.19's FP16_Optimizer (ZeRO stage 0): no hysteresis, no stop at the minimum
+    scaler = LossScaler(0.0, 3, scale_window=2, hysteresis=2, min_scale=2.0, zero=False)
+    assert _scales(scaler, [True, True, True, True, False, False, False]) == [4, 2, 2, 2, 2, 2, 4]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_overflow_sequence_gives_deepspeeds_stage_0_scales(seed):
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    unfused = pytest.importorskip("deepspeed.runtime.fp16.unfused_optimizer")
+    rng = random.Random(seed)
+    window, hysteresis, power, minimum = rng.choice([1, 2, 3, 5]), rng.choice([1, 2, 3]), rng.choice([2, 4, 6]), \
+        rng.choice([1.0, 2.0, 4.0])
+    ours = LossScaler(0.0, power, window, hysteresis, rng.random() < 0.5, minimum, zero=False)
+    config = loss_scaler.LossScaleConfig(
+        torch.float16, True, 0.0, {loss_scaler.INITIAL_LOSS_SCALE: 2.0 ** power, loss_scaler.SCALE_WINDOW: window,
+                                   loss_scaler.MIN_LOSS_SCALE: minimum}, profile=loss_scaler.LossScaleProfile.UNFUSED)
+    theirs = types.SimpleNamespace(loss_scale_config=config, verbose=False)   # what its _update_scale reads
+    p = rng.choice([0.1, 0.3, 0.6])
+    for step in range(60):
+        overflow = rng.random() < p
+        unfused.FP16_UnfusedOptimizer._update_scale(theirs, overflow)
+        ours.update(overflow)
+        assert ours.scale == config.cur_scale, f"step {step}"
+
+
+def test_a_scaler_saved_with_another_hysteresis_starts_this_ones_afresh():
+    """A stage-0 scaler (no hysteresis) resumed under ZeRO: the overflows it absorbs are not used up."""
+    stage0 = LossScaler(0.0, 4, hysteresis=2, zero=False)
+    _scales(stage0, [True, False])
+    zero = LossScaler(0.0, 4, hysteresis=2)
+    zero.load_state_dict(stage0.state_dict())
+    assert (zero.scale, zero.cur_hysteresis, zero.cur_iter) == (8.0, 2, 2)
+    assert _scales(zero, [True]) == [8.0]   # absorbed, as a fresh ZeRO scaler absorbs it
+    resumed = LossScaler(0.0, 4, hysteresis=2)
+    resumed.load_state_dict(zero.state_dict())
+    assert resumed.cur_hysteresis == 1      # the same hysteresis: its count goes on

@@ -278,8 +278,14 @@ class LazyTrainEngine(nn.Module):
         self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
-                                      config.fp16.consecutive_hysteresis, config.fp16.min_loss_scale) \
+                                      config.fp16.consecutive_hysteresis, config.fp16.min_loss_scale,
+                                      zero=config.zero_stage > 0) \
             if config.fp16.enabled else None
+        # as DeepSpeed's fp16 optimizers: their loss_scale and cur_scale, which loggers read (kept current by
+        # _show_loss_scale); an optimizer with either of its own keeps it
+        self._sets_scale = self.loss_scaler is not None and self.optimizer is not None and not any(
+            hasattr(self.optimizer, name) for name in ("loss_scale", "cur_scale"))
+        self._show_loss_scale()
         self._collate_fn = collate_fn
         self._warned_iterable = False
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
@@ -731,6 +737,8 @@ class LazyTrainEngine(nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss
         if self.loss_scaler is not None:
+            if not self._scaled_backward:   # the step's first micro-batch: a scale set on the optimizer holds
+                self._adopt_loss_scale_set()
             scaled = loss.float() * self.loss_scaler.scale
             self._scaled_backward = True
         self._engine_backward_depth += 1
@@ -939,7 +947,8 @@ class LazyTrainEngine(nn.Module):
         except Exception as e:
             raise StepFailedError(self._failed_before_update(e)) from e
         finite = math.isfinite(norm)
-        self._global_grad_norm = norm
+        # an fp16 overflow reports an infinite norm, as DeepSpeed's optimizers do (the sum may be nan)
+        self._global_grad_norm = norm if finite or self.loss_scaler is None else math.inf
         if not finite:
             self._step_applied = False
             self.skipped_steps += 1
@@ -997,6 +1006,7 @@ class LazyTrainEngine(nn.Module):
         self._scaled_backward = False
         if self.optimizer is not None and self._sets_overflow:
             self.optimizer.overflow = not self._step_applied
+        self._show_loss_scale()
         if self._trace_path is not None:
             self._finish_trace()
         self.global_steps += 1
@@ -1004,6 +1014,24 @@ class LazyTrainEngine(nn.Module):
         self._record_peaks()
         if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
             self._print_progress()
+
+    def _show_loss_scale(self) -> None:
+        if self._sets_scale:
+            self.optimizer.loss_scale = self.optimizer.cur_scale = self._shown_scale = self.loss_scaler.scale
+
+    def _adopt_loss_scale_set(self) -> None:
+        """A script's ``optimizer.loss_scale = x`` (or ``cur_scale``) sets the scale, as DeepSpeed's setters do;
+        read at a step's first backward, so every micro-batch of a step has one scale."""
+        if not self._sets_scale:
+            return
+        for name in ("cur_scale", "loss_scale"):
+            value = getattr(self.optimizer, name, self._shown_scale)
+            if value != self._shown_scale:
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                    raise ValueError(f"optimizer.{name} was set to {value!r}: a loss scale is a finite number > 0")
+                self.loss_scaler.scale = float(value)
+                break
+        self._show_loss_scale()
 
     def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
         """The whole update now, then every streamed layer's compute copy refreshed."""
@@ -1769,6 +1797,7 @@ class LazyTrainEngine(nn.Module):
                                "some of its state was applied and some was not")
             raise   # the error itself, as the caller of load_checkpoint expects it
         self._failed_step = None   # every streamed layer and the non-block weights were rewritten from the file
+        self._show_loss_scale()
         if failed_before is not None and self.optimizer is not None and not want_optim:
             # the weights are the file's, the optimizer's state is still the failed step's mix
             kept = ("; a load_checkpoint without the optimizer states (load_optimizer_states=False or "

@@ -327,22 +327,28 @@ class MasterGradSink:
 
 
 class LossScaleAtMinimumError(RuntimeError):
-    """fp16 gradients overflow at ``min_loss_scale``: no smaller scale is left to try, so the run stops (as
-    DeepSpeed's does) rather than skip every step from here on without a word."""
+    """fp16 gradients overflow at ``min_loss_scale`` under ZeRO: no smaller scale is left to try, so the run
+    stops, as DeepSpeed's ZeRO optimizers stop it."""
 
 
 class LossScaler:
-    """fp16 loss scale: static (``loss_scale`` > 0) or dynamic with DeepSpeed 0.19's window and hysteresis
-    (the scale doubles after ``scale_window`` overflow-free steps counted from the step after an overflow,
-    or from the start)."""
+    """fp16 loss scale: static (``loss_scale`` > 0) or dynamic, as DeepSpeed 0.19's optimizers move it.
+
+    With ZeRO (stage >= 1, ``zero=True``) its ``DynamicLossScaler``: the scale halves after ``hysteresis``
+    overflows and a further overflow at the minimum stops the run. Without ZeRO (stage 0) its
+    ``FP16_Optimizer``'s rule: every overflow halves the scale, hysteresis unused, and at the minimum the
+    steps go on being skipped. In both the scale doubles after ``scale_window`` overflow-free steps counted
+    from the step after an overflow, or from the start."""
 
     def __init__(self, static_scale: float = 0.0, initial_scale_power: int = 16, scale_window: int = 1000,
-                 hysteresis: int = 2, consecutive_hysteresis: bool = False, min_scale: float = 1.0):
+                 hysteresis: int = 2, consecutive_hysteresis: bool = False, min_scale: float = 1.0,
+                 zero: bool = True):
         self.dynamic = static_scale == 0
         self.scale = float(2 ** initial_scale_power) if self.dynamic else float(static_scale)
-        self.scale_window, self.hysteresis, self.min_scale = scale_window, hysteresis, min_scale
+        self.scale_window, self.min_scale, self.zero = scale_window, min_scale, zero
+        self.hysteresis = hysteresis if zero else 1
         self.consecutive_hysteresis = consecutive_hysteresis
-        self.cur_hysteresis = hysteresis
+        self.cur_hysteresis = self.hysteresis
         self.cur_iter = 0
         self.last_overflow_iter = -1
 
@@ -351,7 +357,7 @@ class LossScaler:
             return
         if overflow:
             if self.hysteresis == 1 or self.cur_hysteresis == 1:
-                if self.scale == self.min_scale:   # DeepSpeed's text, then what to do about it
+                if self.zero and self.scale == self.min_scale:   # DeepSpeed's text, then what to do about it
                     raise LossScaleAtMinimumError(
                         f"Current loss scale already at minimum - cannot decrease scale anymore. Exiting run. "
                         f"(fp16: the gradients overflow even at fp16.min_loss_scale = {self.min_scale:g}; lower the "
@@ -371,8 +377,14 @@ class LossScaler:
         self.cur_iter += 1
 
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("scale", "cur_hysteresis", "cur_iter", "last_overflow_iter")}
+        return {k: getattr(self, k) for k in ("scale", "cur_hysteresis", "cur_iter", "last_overflow_iter",
+                                              "hysteresis")}
 
     def load_state_dict(self, sd: dict) -> None:
-        for k, v in sd.items():
-            setattr(self, k, v)
+        for k in ("scale", "cur_hysteresis", "cur_iter", "last_overflow_iter"):
+            if k in sd:
+                setattr(self, k, sd[k])
+        # a scaler saved with another hysteresis (stage 0 has none; the config changed) starts this one's
+        # afresh rather than count its overflows as used up
+        if sd.get("hysteresis", self.hysteresis) != self.hysteresis or self.cur_hysteresis > self.hysteresis:
+            self.cur_hysteresis = self.hysteresis
