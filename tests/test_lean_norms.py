@@ -194,3 +194,61 @@ def test_megatrain_is_simulated_with_the_norms_as_transformers_runs_them():
                                        budgets=Budgets.of(gpu="80GB", lean_norms=flag), micro_batch=8, seq_len=1024,
                                        check=False)) for flag in (True, False)]
     assert runs[0].step_time_s == runs[1].step_time_s and runs[0].peak_bytes == runs[1].peak_bytes
+
+
+class _UpcastRMSNorm(torch.nn.Module):
+    """transformers' RMSNorm as written: computes in fp32, so in bf16 autograd saves the upcast copy."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, h):
+        dtype, h = h.dtype, h.to(torch.float32)
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+
+class _InPlaceResidual(torch.nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.fc1, self.post_norm, self.fc2 = torch.nn.Linear(d, d), _UpcastRMSNorm(d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x + self.fc1(x)
+        h += self.fc2(self.post_norm(h))   # the norm's input changed in place after the norm read it
+        return h
+
+
+def test_a_norm_input_changed_in_place_later_is_named_in_the_backward():
+    """Plain autograd trains this bf16 block (the norm saved its upcast copy); a lean norm, which keeps its
+    input to recompute itself, cannot, and says which norm and which setting instead of autograd's version
+    error."""
+    blocks = torch.nn.ModuleList([_InPlaceResidual(), _InPlaceResidual()]).to(torch.bfloat16)
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+    blocks[1](blocks[0](x)).float().sum().backward()          # as written: trains
+    norms = make_norms_lean(blocks)
+    assert len(norms) == 2
+    with pytest.raises(RuntimeError) as failed:
+        blocks[1](blocks[0](x)).float().sum().backward()
+    assert str(failed.value) == (
+        "lazytrain: the input of block 1's post_norm, a lean RMSNorm, was changed in place after the norm read it; "
+        "a lean norm keeps its input to recompute itself in the backward. Where the norm copies its input (its "
+        "upcast in bf16 or fp16), \"lazytrain\": {\"lean_norms\": false} in the config lets this model train")
+    restore_norms(norms)
+
+
+def test_under_saved_tensor_hooks_the_copies_they_keep_train_as_plain_autograd_does():
+    """Offloaded internals save through saved-tensor hooks: the copy they keep is immune to a later change in
+    place, plain autograd checks nothing there, and neither does a lean norm (nor does it hold the input)."""
+    grads = {}
+    for lean in (False, True):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList([_InPlaceResidual(), _InPlaceResidual()]).to(torch.bfloat16)
+        norms = make_norms_lean(blocks) if lean else []
+        x = torch.randn(2, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            out = blocks[1](blocks[0](x))
+        out.float().sum().backward()
+        grads[lean] = [p.grad for p in blocks.parameters()] + [x.grad]
+        restore_norms(norms)
+    assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))

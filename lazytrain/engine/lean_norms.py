@@ -30,13 +30,13 @@ def is_rms_norm(module: nn.Module) -> bool:
 def make_norms_lean(blocks: nn.ModuleList) -> list[nn.Module]:
     """Turns the RMSNorms of ``blocks`` lean; returns them (:func:`restore_norms` undoes it)."""
     changed = []
-    for block in blocks:
-        for module in block.modules():
+    for index, block in enumerate(blocks):
+        for name, module in block.named_modules():
             if not is_rms_norm(module) or "forward" in module.__dict__:
                 continue
             names = tuple(name for name, _ in module.named_parameters(recurse=False))
             if len(names) == sum(1 for _ in module.parameters()):   # no parameters in children
-                module.forward = partial(_lean_forward, module, names)
+                module.forward = partial(_lean_forward, module, names, f"block {index}'s {name or 'norm'}")
                 changed.append(module)
     return changed
 
@@ -47,7 +47,7 @@ def restore_norms(norms: list[nn.Module]) -> None:
             del module.forward
 
 
-def _lean_forward(module: nn.Module, names: tuple, *args, **kwargs):
+def _lean_forward(module: nn.Module, names: tuple, where: str, *args, **kwargs):
     own = type(module).forward
     # one tensor, by position: anything else (a keyword, more arguments) is the norm as written
     if len(args) != 1 or kwargs or not torch.is_grad_enabled() or not isinstance(args[0], torch.Tensor):
@@ -60,7 +60,30 @@ def _lean_forward(module: nn.Module, names: tuple, *args, **kwargs):
         return own(module, hidden)
     # the generator state goes with it: an RMSNorm draws no random numbers, but a module named like one may
     # (dropout), and its recomputation must draw what its forward drew (saving the state costs next to nothing)
-    return checkpoint(_recompute, module, names, hidden, *values, use_reentrant=False, preserve_rng_state=True)
+    out = checkpoint(_recompute, module, names, hidden, *values, use_reentrant=False, preserve_rng_state=True)
+    if isinstance(out, torch.Tensor) and out.grad_fn is not None and not _saved_tensors_hooked():
+        # the checkpoint holds the input until the backward anyway; under saved-tensor hooks (offloaded
+        # internals) it does not, and the copy they keep is immune to a later change in place
+        out.grad_fn.register_prehook(partial(_input_unchanged, hidden, hidden._version, where))
+    return out
+
+
+def _saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are active here (torch keeps no public question for it; without the
+    private one, assume they are, and leave the check to autograd)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def _input_unchanged(hidden: torch.Tensor, version: int, where: str, grad_outputs):
+    """Before the norm's backward, which recomputes it from its input: the input as the forward read it.
+    A model that changes it in place afterwards (``h += mlp(norm(h))`` where the norm's upcast copied ``h``)
+    trains under plain autograd, which saved the copy; a lean norm cannot, and says so by name."""
+    if hidden._version != version:
+        raise RuntimeError(
+            f"lazytrain: the input of {where}, a lean RMSNorm, was changed in place after the norm read it; a "
+            f"lean norm keeps its input to recompute itself in the backward. Where the norm copies its input (its upcast "
+            f"in bf16 or fp16), \"lazytrain\": {{\"lean_norms\": false}} in the config lets this model train")
 
 
 def _recompute(module: nn.Module, names: tuple, hidden: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
