@@ -104,6 +104,7 @@ def test_loss_chunk_tokens_must_be_a_whole_number(bad):
 
 def test_a_batch_with_every_label_ignored_steps_as_the_models_own_loss_does():
     model = make_hf_model("llama", n_layers=4)
+    model_before_step = copy.deepcopy(model)
     whole, _, _, _ = lazytrain.initialize(model=copy.deepcopy(model), config=config(chunk=0))
     engine, _, _, _ = lazytrain.initialize(model=model, config=config(chunk=5))
     ids = data(1)[0][0]
@@ -114,6 +115,10 @@ def test_a_batch_with_every_label_ignored_steps_as_the_models_own_loss_does():
         e.backward(out.loss)
         e.step()
     assert engine.get_global_grad_norm() == whole.get_global_grad_norm() == 0.0
+    # the head had a zero gradient, not none: AdamW's weight decay moved it as it moved the model's own
+    moved = engine.module.lm_head.weight.detach()
+    assert not torch.equal(moved, model_before_step.lm_head.weight)
+    assert torch.equal(moved, whole.module.lm_head.weight.detach())
 
 
 def test_the_output_keeps_the_loss_first():

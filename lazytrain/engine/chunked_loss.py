@@ -105,8 +105,9 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     live = F.pad(shifted != IGNORE_INDEX, (0, (-shifted.shape[0]) % chunk_tokens)).view(-1, chunk_tokens)
     live = live.any(dim=1).tolist()
     shifted = shifted.to(hidden.device)
-    # a batch whose labels are all ignored still has a loss in the graph (zero gradients), as the model's has
-    total = flat[:0].sum().float()
+    # a batch whose labels are all ignored still has a loss in the graph, zero gradients reaching the head
+    # (AdamW then decays its weights) as the model's own loss does
+    total = F.linear(flat[:0], weight, bias).float().sum()
     for k, start in enumerate(range(0, flat.shape[0], chunk_tokens)):
         part = slice(start, start + chunk_tokens)
         if live[k]:
