@@ -671,3 +671,43 @@ def test_an_overflowed_moment_keeps_its_codes_where_denormals_are_flushed(k, mon
     finally:
         torch.set_flush_denormal(False)
     assert flushed in (True, False)
+
+
+@pytest.mark.parametrize("states", ["8bit", "fp32"])
+def test_a_refused_checkpoint_leaves_the_optimizer_as_it_was(states):
+    """A checkpoint of another model (its second tensor smaller) is refused part-way through its tensors:
+    the groups' settings and every state stay this optimizer's, and the next step is the one it would
+    have taken (a moment of another size reached the native kernel before, which wrote past its end)."""
+    params, twins = make_params(), make_params()
+    opts = [HybridAdamW(ps, lr=1e-3, optimizer_states=states, min_8bit_size=0) for ps in (params, twins)]
+    for opt, ps in zip(opts, (params, twins)):
+        run(opt, ps, 2)
+    other = make_params(shapes=((48, 512), (100,), (40, 130)))
+    foreign = HybridAdamW(other, lr=5e-2, optimizer_states=states, min_8bit_size=0)
+    run(foreign, other, 3)
+    with pytest.raises(ValueError, match=r"checkpoint (state1|exp_avg) of parameter 1 does not match its shape"):
+        opts[0].load_state_dict(foreign.state_dict())
+    assert opts[0].param_groups[0]["lr"] == 1e-3 and opts[0].state[params[0]]["step"] == 2
+    for opt, ps in zip(opts, (params, twins)):
+        set_grads(ps, 7)
+        opt.step()
+    assert all(torch.equal(p, t) for p, t in zip(params, twins))
+
+
+def test_the_native_kernel_is_never_given_a_state_of_another_size():
+    if kernels.cpu_kernels() is None:
+        pytest.skip("the compiled host kernels are not built here")
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = HybridAdamW([p], lr=1e-3, optimizer_states="fp32")
+    p.grad = torch.ones(64)
+    opt.step()
+    opt.state[p]["exp_avg"] = torch.zeros(32)
+    with pytest.raises(RuntimeError, match=r"^HybridAdamW: a parameter of shape \(64,\) has a moment of 32 "
+                                           r"elements, not 64$"):
+        opt.step()
+    for bad in (torch.zeros(64, dtype=torch.bfloat16), torch.zeros(1).expand(64)):
+        opt.state[p]["exp_avg"] = bad
+        with pytest.raises(RuntimeError, match=r"^HybridAdamW: a parameter of shape \(64,\) has a moment that is "
+                                               r"torch\.\S+, (not )?contiguous, on cpu: the host kernel needs "
+                                               r"torch\.float32, contiguous, in host memory$"):
+            opt.step()

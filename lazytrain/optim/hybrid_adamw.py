@@ -259,6 +259,17 @@ class HybridAdamW(torch.optim.Optimizer):
         for group in saved_groups:        # refused before anything is loaded
             _check_flags(group, "the checkpoint's parameter group")
         layouts = [{k: g[k] for k in _LAYOUT_KEYS if k in g} for g in self.param_groups]
+        before = {"state": self.state, "param_groups": self.param_groups}   # torch's load replaces both
+        try:
+            self._load_checked(state_dict, saved_state, saved_groups, layouts)
+        except BaseException:
+            # a refused checkpoint leaves this optimizer as it was: half its groups' settings and a moment of
+            # another parameter's size would reach the update kernel, which trusts the sizes
+            self.__setstate__(before)
+            raise
+
+    def _load_checked(self, state_dict: Dict[str, Any], saved_state: Dict, saved_groups: list,
+                      layouts: list) -> None:
         super().load_state_dict(state_dict)
         for group, layout in zip(self.param_groups, layouts):
             group.update(layout)
@@ -469,6 +480,8 @@ class HybridAdamW(torch.optim.Optimizer):
         q1, q2 = get_qmap("dynamic", p.device), get_qmap("udynamic", p.device)
         k = self._kernel_ok(p, g, copy)
         if k is not None:
+            _check_native_operands(p, g, copy, (st["state1"], st["state2"]),
+                                (st["absmax1"], st["absmax2"]), num_blocks(p.numel(), bs))
             k.adam8bit(hyper, p, g.contiguous(), st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2,
                        bs, copy)
             return
@@ -487,6 +500,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def _update_fp32(self, p, g, st, group, hyper, copy) -> None:
         k = self._kernel_ok(p, g, copy)
         if k is not None:
+            _check_native_operands(p, g, copy, (st["exp_avg"], st["exp_avg_sq"]))
             k.adam32(hyper, p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], copy)
             return
         if p.device.type != "cpu" and p.dtype == g.dtype == torch.float32 and p.is_contiguous():
@@ -693,3 +707,26 @@ def torch_adam32(p, g, st, h, copy=None) -> None:
     p.detach().copy_(pf)
     if copy is not None:
         copy.copy_(pf)
+
+
+def _check_native_operands(p: torch.Tensor, g: torch.Tensor, copy: Optional[torch.Tensor], moments: tuple,
+                        absmax: tuple = (), blocks: int = 0) -> None:
+    """The native kernels read and write as many elements as ``p`` holds in every tensor they are given:
+    a state of another size (a checkpoint of another model written into ``state`` by hand) is refused
+    here rather than read or written past its end."""
+    n = p.numel()
+    sizes = [("gradient", g), ("compute copy", copy)] + [("moment", m) for m in moments]
+    for what, t in sizes:
+        if t is not None and t.numel() != n:
+            raise RuntimeError(f"HybridAdamW: a parameter of shape {tuple(p.shape)} has a {what} of "
+                               f"{t.numel()} elements, not {n}")
+    kind = torch.uint8 if absmax else torch.float32
+    for what, t, dtype in [("moment", m, kind) for m in moments] + [("absmax", a, torch.float32) for a in absmax]:
+        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise RuntimeError(f"HybridAdamW: a parameter of shape {tuple(p.shape)} has a {what} that is "
+                               f"{t.dtype}, {'' if t.is_contiguous() else 'not '}contiguous, on {t.device}: the "
+                               f"host kernel needs {dtype}, contiguous, in host memory")
+    for t in absmax:
+        if t.numel() != blocks:
+            raise RuntimeError(f"HybridAdamW: a parameter of shape {tuple(p.shape)} has {t.numel()} absmax values, "
+                               f"not {blocks} (one per block)")
