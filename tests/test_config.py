@@ -431,10 +431,27 @@ def test_each_schedule_gives_deepspeeds_lr_and_betas_step_by_step(name, params):
     theirs = getattr(theirs_module, name)(theirs_opt, **params)
     for step in range(30):
         for mine, other in zip(ours_opt.param_groups, theirs_opt.param_groups):
-            assert (mine["lr"], *mine["betas"]) == pytest.approx((other["lr"], *other["betas"]), rel=1e-12), step
+            assert (mine["lr"], *mine["betas"]) == (other["lr"], *other["betas"]), step   # to the last bit
         ours.step()
         theirs.step()
-    assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr(), rel=1e-12)
+    assert ours.get_last_lr() == theirs.get_last_lr()
+
+
+@pytest.mark.parametrize("name, params", [
+    ("WarmupLR", {"warmup_num_steps": 5}),
+    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 3}),
+])
+def test_a_tensor_lr_is_filled_in_place_as_deepspeed_fills_it(name, params):
+    """A captured or compiled optimizer step reads the group's lr tensor: the schedule keeps the object."""
+    theirs_module = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    opts = [torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=torch.tensor(0.01)) for _ in range(2)]
+    lr_tensors = [opt.param_groups[0]["lr"] for opt in opts]
+    ours, theirs = build_schedule(name, opts[0], dict(params)), getattr(theirs_module, name)(opts[1], **params)
+    for _ in range(8):
+        ours.step()
+        theirs.step()
+        assert [opt.param_groups[0]["lr"] for opt in opts] == lr_tensors   # the same objects
+        assert lr_tensors[0].item() == lr_tensors[1].item()
 
 
 def test_one_cycle_takes_one_value_per_parameter_group():

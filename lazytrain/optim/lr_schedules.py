@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import warnings
 
+import torch
+
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
 
@@ -33,9 +35,9 @@ def _warmup_type(warmup_type: str) -> str:
 
 
 def _warmup_fraction(step: int, warmup_steps: int, warmup_type: str) -> float:
-    """0 -> 1 over the warmup: log(step+1)/log(W) or step/W."""
+    """0 -> 1 over the warmup: log(step+1)/log(W) or step/W (DeepSpeed's arithmetic, to the last bit)."""
     if warmup_type == WARMUP_LOG_RATE:
-        return math.log(step + 1) / math.log(warmup_steps)
+        return (1.0 / math.log(warmup_steps)) * math.log(step + 1)
     return step / warmup_steps
 
 
@@ -52,7 +54,10 @@ class _Schedule:
 
     def _apply(self, lrs: list[float]) -> list[float]:
         for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
+            if torch.is_tensor(group["lr"]):   # filled in place, as DeepSpeed's: a captured step keeps reading it
+                group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
+            else:
+                group["lr"] = lr
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def step(self, last_batch_iteration: int | None = None) -> None:
@@ -83,8 +88,9 @@ class WarmupLR(_Schedule):
         super().__init__(optimizer, last_batch_iteration)
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
-        if warmup_max_lr is None:   # each group warms up to its own lr
-            warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
+        if warmup_max_lr is None:   # each group warms up to its own lr (a tensor's value now: it is filled)
+            warmup_max_lr = [group["lr"].clone() if torch.is_tensor(group["lr"]) else group["lr"]
+                             for group in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = max(2, warmup_num_steps)
@@ -132,7 +138,8 @@ class WarmupCosineLR(_Schedule):
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
         self.warmup_type = _warmup_type(warmup_type)
-        self.org_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.org_lrs = [group["lr"].clone() if torch.is_tensor(group["lr"]) else group["lr"]
+                        for group in optimizer.param_groups]
         if last_batch_iteration == -1:
             self._last_lr = self._apply([0.0 for _ in self.org_lrs])
 
