@@ -2045,3 +2045,31 @@ def test_a_schedule_whose_step_needs_an_argument_is_refused_before_the_update():
     assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
     engine.step(lr_kwargs={"metrics": 1.0})
     assert engine.was_step_applied()
+
+
+def test_an_argparse_style_deepspeed_script_runs_with_import_lazytrain_as_deepspeed(tmp_path):
+    """DeepSpeedExamples' style: ``deepspeed.add_config_arguments(parser)``, the config from
+    ``args.deepspeed_config`` (or the deprecated ``deepscale_config``), the model built under ``deepspeed.zero.Init()``."""
+    import argparse
+    import lazytrain as deepspeed
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds_config()))
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert vars(args) == {"deepspeed": True, "deepspeed_config": str(path), "deepscale": False,
+                          "deepscale_config": None}
+    with deepspeed.zero.Init():
+        model = make_model("modulelist")
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.global_steps == 1
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        assert all(p.numel() > 0 for p in engine.module.parameters())
+    engine.destroy()
+    old = parser.parse_args(["--deepscale", "--deepscale_config", str(path)])
+    with pytest.warns(DeprecationWarning, match="args.deepscale_config is deprecated, as in DeepSpeed"):
+        engine, _, _, _ = deepspeed.initialize(args=old, model=make_model("modulelist"))
+    assert engine.train_micro_batch_size_per_gpu() == 2
+    engine.destroy()

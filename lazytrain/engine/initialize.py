@@ -27,6 +27,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     elif config is not None and config_params is not None:
         raise ConfigError("pass the config as 'config' or 'config_params', not both")
     args_config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if args_config is None and getattr(args, "deepscale_config", None) is not None:
+        warnings.warn("lazytrain: args.deepscale_config is deprecated, as in DeepSpeed: use args.deepspeed_config",
+                      DeprecationWarning, stacklevel=2)
+        args_config = args.deepscale_config
     if args_config is not None and config is not None:
         raise ConfigError("Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments and "
                           "lazytrain.initialize() function call")

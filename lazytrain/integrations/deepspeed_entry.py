@@ -23,6 +23,7 @@ undoes all of it.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -123,6 +124,21 @@ def _engine_type(deepspeed_engine: type, lazytrain_engine: type) -> type:
 
     return _EitherEngineType("DeepSpeedEngine", (), {"__doc__": deepspeed_engine.__doc__,
                                                      "__module__": deepspeed_engine.__module__})
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line arguments, as ``deepspeed.add_config_arguments`` adds them: ``--deepspeed``
+    and ``--deepspeed_config`` (and the deprecated ``--deepscale``, ``--deepscale_config``), which
+    :func:`lazytrain.initialize` reads from ``args``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated DeepSpeed json configuration file.")
+    return parser
 
 
 class _WholeParameters(contextlib.nullcontext):
