@@ -2073,3 +2073,23 @@ def test_an_argparse_style_deepspeed_script_runs_with_import_lazytrain_as_deepsp
         engine, _, _, _ = deepspeed.initialize(args=old, model=make_model("modulelist"))
     assert engine.train_micro_batch_size_per_gpu() == 2
     engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_load_without_optimizer_states_takes_the_loss_scale_where_deepspeed_does(tmp_path, stage):
+    """DeepSpeed keeps the loss scale in FP16_Optimizer's state at stage 0 (restored with the optimizer states
+    only) and in ZeRO's global state from stage 1 (restored either way)."""
+    cfg = ds_config(_top={"fp16": {"enabled": True, "initial_scale_power": 4, "hysteresis": 1},
+                          "zero_optimization": {"stage": stage}})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y) * float("inf"))
+    engine.step()
+    assert engine.loss_scaler.scale == 8.0
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    engine.destroy()
+    for with_states, expected in ((True, 8.0), (False, 8.0 if stage else 16.0)):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+        engine.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=with_states)
+        assert engine.loss_scaler.scale == engine.optimizer.loss_scale == expected, with_states
+        engine.destroy()

@@ -57,6 +57,19 @@ GPU_RESERVED_BYTES = Budgets().gpu_reserved_bytes   # the planner's reserve for 
 SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/16 over the planner's estimate
 
 
+def _as_loss_scaler_state(saved: dict | None) -> dict | None:
+    """DeepSpeed's loss scaler record (its FP16_Optimizer's state at stage 0, ZeRO's scaler object from stage 1)
+    in LossScaler's state dict terms; None where it keeps none."""
+    if not saved or "cur_scale" not in saved:
+        return None
+    state = {"scale": float(saved["cur_scale"]), "cur_iter": saved.get("cur_iter", 0),
+             "last_overflow_iter": saved.get("last_overflow_iter", -1),
+             "hysteresis": saved.get("delayed_shift", 1)}   # FP16_Optimizer has none
+    if "cur_hysteresis" in saved:
+        state["cur_hysteresis"] = saved["cur_hysteresis"]
+    return state
+
+
 def _devices_of(model: nn.Module) -> list[tuple[nn.Module, str, str, torch.device]]:
     """Where each parameter and buffer of ``model`` is: (module, "param" or "buffer", name, device)."""
     out = []
@@ -1861,7 +1874,7 @@ class LazyTrainEngine(nn.Module):
                                                                  state.group_settings)
                 else:
                     optimizer = self._own_optimizer_state(own, state.moments, path, self._owned_names())
-            schedule = state.lr_scheduler
+            schedule, scale = state.lr_scheduler, own.get("loss_scaler")
             apply = lambda by_name_state: self._load_own(  # noqa: E731
                 path, own, state, module, optimizer, by_name_state, load_module_strict, load_module_only,
                 load_lr_scheduler_states, custom_load_fn)
@@ -1880,14 +1893,14 @@ class LazyTrainEngine(nn.Module):
             # DeepSpeed's moments by parameter name, each checked as prepared, before anything is written
             by_name = (lambda: self._optimizer_state_from(state.moments, directory, state.group_settings)) \
                 if optimizer is None and state.moments is not None and not load_module_only else None
-            schedule = state.lr_scheduler
+            schedule, scale = state.lr_scheduler, _as_loss_scaler_state(state.loss_scale)
             apply = lambda by_name_state: self._load_deepspeed(  # noqa: E731
                 directory, state, by_name_state, load_module_strict, load_module_only, load_lr_scheduler_states,
                 custom_load_fn)
         else:
             loaded = ckpt.load(load_dir, tag, want_optim, trust=trust)
             module, optimizer, by_name = loaded[1]["module"], (loaded[2] or {}).get("optimizer"), None
-            schedule = loaded[1].get("lr_scheduler")
+            schedule, scale = loaded[1].get("lr_scheduler"), loaded[1].get("loss_scaler")
             apply = lambda _: self._load_lazytrain(*loaded, load_module_strict, load_module_only,  # noqa: E731
                                                    load_lr_scheduler_states, custom_load_fn)
         where = f"checkpoint tag {tag!r} in {load_dir}"
@@ -1898,7 +1911,17 @@ class LazyTrainEngine(nn.Module):
             if load_lr_scheduler_states:
                 self._check_scheduler_state_fits(schedule, where)
         prepared = by_name() if by_name is not None else None   # the moments by name: each checked here
-        return functools.partial(apply, prepared)
+        # the loss scale as DeepSpeed restores it: from stage 1 ZeRO's state holds it (loaded with or without the
+        # optimizer states), at stage 0 FP16_Optimizer's state (loaded with them only)
+        restore_scale = self.loss_scaler is not None and bool(scale) and not load_module_only and \
+            (want_optim or self._config.zero_stage > 0)
+
+        def apply_all():
+            result = apply(prepared)
+            if restore_scale:
+                self.loss_scaler.load_state_dict(scale)
+            return result
+        return apply_all
 
     def _state_shapes(self) -> dict[str, tuple | None]:
         """The names the module's ``state_dict()`` holds, each with its shape (a parameter another rank holds
@@ -2023,8 +2046,6 @@ class LazyTrainEngine(nn.Module):
             self._load_whole_optimizer_state(optim_state["optimizer"])
         if load_scheduler and self.lr_scheduler is not None and model_state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
-        if self.loss_scaler is not None and model_state.get("loss_scaler"):
-            self.loss_scaler.load_state_dict(model_state["loss_scaler"])
         for k in ("global_steps", "global_samples", "skipped_steps"):
             setattr(self, k, model_state.get(k, 0))
         self.micro_steps = self._micro_steps_after_load()
@@ -2059,8 +2080,6 @@ class LazyTrainEngine(nn.Module):
             self._load_whole_optimizer_state(optimizer)
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
-        if self.loss_scaler is not None and own.get("loss_scaler"):
-            self.loss_scaler.load_state_dict(own["loss_scaler"])
         for k, v in state.counters.items():
             setattr(self, k, v)
         self.micro_steps = self._micro_steps_after_load()
@@ -2132,12 +2151,6 @@ class LazyTrainEngine(nn.Module):
             self._apply_optimizer_state(by_name)
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
-        if self.loss_scaler is not None and state.loss_scale:
-            s = state.loss_scale
-            self.loss_scaler.load_state_dict({"scale": float(s.get("cur_scale", self.loss_scaler.scale)),
-                                              "cur_hysteresis": s.get("cur_hysteresis", self.loss_scaler.cur_hysteresis),
-                                              "cur_iter": s.get("cur_iter", 0),
-                                              "last_overflow_iter": s.get("last_overflow_iter", -1)})
         for k, v in state.counters.items():
             setattr(self, k, v)
         self.micro_steps = self._micro_steps_after_load()
