@@ -1134,6 +1134,26 @@ for _stage in (0, 1, 2):
     train(2, stage=_stage, dtype="bf16", comm="fp32")
 
 
+def _fp16_sums(rank, world, out_dir):
+    """fp32 gradient sums, one rank's above fp16's range, its share within it, sent in fp16."""
+    from lazytrain.engine.distributed import DistributedContext
+    ctx = DistributedContext("cpu", comm_dtype=torch.float16)
+    grads = [torch.tensor([80000.0 if rank == 0 else 10000.0, 3.0]) for _ in range(2)]
+    ctx.average([grads[0]], [])
+    ctx.reduce_to([grads[1]], owner=0)
+    return grads
+
+
+case(2, "fp16-sums", _fp16_sums)
+
+
+def test_a_share_within_fp16s_range_is_sent_though_the_rank_sum_is_not(spawned):
+    """Each rank's fp32 sum is divided by the world size before it is rounded into fp16 (as the docstring
+    promised and the code did the other way round): the mean 45000 arrives at fp16's resolution, not inf."""
+    averaged, reduced = spawned("fp16-sums")[0]
+    assert averaged.tolist() == reduced.tolist() == [torch.tensor(45000.0).half().item(), 3.0] == [44992.0, 3.0]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_gradients_summed_in_bf16_when_the_config_says_so(spawned, stage):
     """``communication_data_type: "bf16"`` (DeepSpeed's key): the ranks sum gradients in bf16, half the bytes

@@ -119,7 +119,10 @@ class DistributedContext:
         gradient has its parameter's strides)."""
         if t.dtype == self.comm_dtype or not t.is_floating_point():
             return t.div_(self.world_size) if t.is_contiguous() else t.contiguous().div_(self.world_size)
-        return t.to(self.comm_dtype, memory_format=torch.contiguous_format).div_(self.world_size)
+        # divided in t's own dtype, then rounded once into the communication dtype: an fp32 sum of loss-scaled
+        # micro-batches above fp16's range whose share fits is sent, not turned into inf
+        sent = torch.empty(t.shape, dtype=self.comm_dtype, device=t.device)
+        return torch.div(t, self.world_size, out=sent)
 
     def reduce_to(self, tensors: list[torch.Tensor], owner: int) -> None:
         """Divide by the world size, then sum into rank ``owner``'s tensors (the others' are left partial)."""
