@@ -252,3 +252,17 @@ def test_under_saved_tensor_hooks_the_copies_they_keep_train_as_plain_autograd_d
         grads[lean] = [p.grad for p in blocks.parameters()] + [x.grad]
         restore_norms(norms)
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+
+
+def test_an_input_made_under_inference_mode_takes_the_norm_as_written():
+    """Autograd cannot keep an inference tensor for the backward; the written norm's upcast copies it (bf16)."""
+    norm = _UpcastRMSNorm(8).to(torch.bfloat16)
+    with torch.inference_mode():
+        h = torch.randn(2, 8, dtype=torch.bfloat16)
+    norms = make_norms_lean(torch.nn.ModuleList([torch.nn.Sequential(norm)]))
+    norm(h).float().sum().backward()
+    lean_grad = norm.weight.grad.clone()
+    restore_norms(norms)
+    norm.weight.grad = None
+    norm(h).float().sum().backward()
+    assert torch.equal(norm.weight.grad, lean_grad)

@@ -52,6 +52,8 @@ def _lean_forward(module: nn.Module, names: tuple, where: str, *args, **kwargs):
     # one tensor, by position: anything else (a keyword, more arguments) is the norm as written
     if len(args) != 1 or kwargs or not torch.is_grad_enabled() or not isinstance(args[0], torch.Tensor):
         return own(module, *args, **kwargs)
+    if args[0].is_inference():   # made under inference_mode: autograd cannot keep it, the norm as written copies it
+        return own(module, *args)
     hidden = args[0]
     # the weights go in as inputs: the streamed block's are views of a buffer that holds them only while
     # the executor runs the block, and the backward's recomputation must see the ones the forward used
