@@ -794,6 +794,8 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     # activation_checkpointing is honoured: it maps onto the checkpoint plan (DeepSpeed ignores it
     # unless the model calls deepspeed.checkpointing).
     n_ckpt = ac.get("number_checkpoints")
+    if isinstance(n_ckpt, float) and n_ckpt.is_integer():   # 2.0, as DeepSpeed reads it
+        n_ckpt = int(n_ckpt)
     if n_ckpt is not None:
         if isinstance(n_ckpt, bool) or not isinstance(n_ckpt, int) or n_ckpt < 1:
             raise ConfigError(f"config key 'activation_checkpointing.number_checkpoints' must be an integer >= 1, "

@@ -595,6 +595,16 @@ def test_numbers_written_as_deepspeeds_models_read_them():
     assert type(cfg.train_batch_size) is int and type(cfg.zero_stage) is int
     assert (cfg.zero_stage, cfg.gather_16bit_weights_on_model_save, cfg.communication_data_type) == (2, True, "bf16")
     assert (cfg.fp16.loss_scale, cfg.fp16.initial_scale_power, cfg.fp16.min_loss_scale) == (0.0, 12, 0.5)
+    # whole numbers written 2.0 in DeepSpeed's own sections, as its get_scalar_param reads them
+    cfg = parse_config({"train_batch_size": 2, "activation_checkpointing": {"number_checkpoints": 2.0},
+                        "aio": {"queue_depth": 8.0, "intra_op_parallelism": 2.0}}, world_size=1)
+    assert cfg.lazytrain.number_checkpoints == 2 and type(cfg.lazytrain.number_checkpoints) is int
+    assert (cfg.aio.queue_depth, cfg.aio.intra_op_parallelism) == (8, 2) and type(cfg.aio.queue_depth) is int
+    for bad, message in (({"activation_checkpointing": {"number_checkpoints": 2.5}},
+                          "config key 'activation_checkpointing.number_checkpoints' must be an integer >= 1, got 2.5"),
+                         ({"aio": {"queue_depth": 8.5}}, "aio.queue_depth must be an integer >= 1, got 8.5")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config({"train_batch_size": 2, **bad}, world_size=1)
 
 
 @pytest.mark.parametrize("config, message", [

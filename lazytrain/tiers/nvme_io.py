@@ -72,8 +72,10 @@ class AioSettings:
                            ("intra_op_parallelism", "intra_op_parallelism")):
             if key in aio:
                 value = aio[key]
+                if isinstance(value, float) and value.is_integer():   # 8.0, as DeepSpeed reads it
+                    value = int(value)
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"aio.{key} must be an integer >= 1, got {value!r}")
+                    raise ValueError(f"aio.{key} must be an integer >= 1, got {aio[key]!r}")
                 fields[field] = value
         for key in ("single_submit", "overlap_events"):
             if key in aio and not isinstance(aio[key], bool):
