@@ -2093,3 +2093,24 @@ def test_a_load_without_optimizer_states_takes_the_loss_scale_where_deepspeed_do
         engine.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=with_states)
         assert engine.loss_scaler.scale == engine.optimizer.loss_scale == expected, with_states
         engine.destroy()
+
+
+def test_deepspeed_comm_names_answer_through_import_lazytrain_as_deepspeed(tmp_path, monkeypatch):
+    """``deepspeed.comm`` calls as DeepSpeedExamples make them: torch.distributed under DeepSpeed's names, the
+    logger's keywords accepted, the launcher's LOCAL_RANK; a name torch.distributed lacks is refused by name."""
+    import lazytrain as deepspeed
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                                         world_size=1)
+    try:
+        t = torch.ones(3)
+        deepspeed.comm.all_reduce(t, op=deepspeed.comm.ReduceOp.SUM, log_name="grads", prof=False)
+        deepspeed.comm.barrier()
+        assert (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size(), deepspeed.comm.get_local_rank()) == (0, 1, 0)
+        assert deepspeed.comm.is_initialized() and t.tolist() == [1.0, 1.0, 1.0]
+        with pytest.raises(AttributeError, match=r"lazytrain.comm \(deepspeed.comm for `import lazytrain as deepspeed`\) "
+                                                 r"has no 'configure'"):
+            deepspeed.comm.configure()
+        deepspeed.comm.log_summary()   # no communication log kept, as DeepSpeed's default keeps none
+    finally:
+        torch.distributed.destroy_process_group()
