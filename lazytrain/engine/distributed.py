@@ -33,11 +33,15 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(dist_backend: str | None = None, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S),
-                     init_method: str | None = None, rank: int = -1, world_size: int = -1, **_ignored) -> None:
-    """DeepSpeed's ``init_distributed``: the default process group from the launcher's environment (or
-    the arguments), NCCL on CUDA and gloo otherwise, with ``timeout`` on its collectives. A no-op when a
-    group exists or when there is a single process."""
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
+                     verbose: bool = True, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S),
+                     init_method: str | None = None, dist_init_required: bool | None = None, config=None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """DeepSpeed's ``init_distributed``, its parameters in its order: the default process group from the
+    launcher's environment (or the arguments), NCCL on CUDA and gloo otherwise, with ``timeout`` on its
+    collectives. A no-op when a group exists or when there is a single process. MPI discovery, the port
+    fallback, ``verbose``, ``dist_init_required`` and ``config`` are accepted and unused: LazyTrain takes
+    the launcher's environment as torchrun and DeepSpeed's launcher give it."""
     if not dist.is_available() or dist.is_initialized():
         return
     if world_size < 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
@@ -65,7 +69,7 @@ class DistributedContext:
                 if missing:
                     raise RuntimeError(f"WORLD_SIZE={self.world_size} but {', '.join(missing)} is not set: launch with "
                                        f"torchrun, or unset WORLD_SIZE for a single process")
-                init_distributed("nccl" if device_type == "cuda" else "gloo", timedelta(seconds=self.timeout_s))
+                init_distributed("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=self.timeout_s))
             # groups of our own, so that the timeout holds whoever made the default group and how
             timeout = timedelta(seconds=self.timeout_s)
             self.host_group = dist.new_group(backend="gloo", timeout=timeout)
@@ -117,7 +121,9 @@ class DistributedContext:
         """``t`` divided by the world size, in the communication dtype and contiguous (``t`` itself, in place,
         when it is both already). NCCL refuses a tensor that is not contiguous (a transposed parameter's
         gradient has its parameter's strides)."""
-        if t.dtype == self.comm_dtype or not t.is_floating_point():
+        if not t.is_floating_point():
+            raise TypeError(f"a {t.dtype} tensor cannot be averaged over the ranks: gradients are floating point")
+        if t.dtype == self.comm_dtype:
             return t.div_(self.world_size) if t.is_contiguous() else t.contiguous().div_(self.world_size)
         # divided in t's own dtype, then rounded once into the communication dtype: an fp32 sum of loss-scaled
         # micro-batches above fp16's range whose share fits is sent, not turned into inf

@@ -1911,10 +1911,9 @@ class LazyTrainEngine(nn.Module):
             if load_lr_scheduler_states:
                 self._check_scheduler_state_fits(schedule, where)
         prepared = by_name() if by_name is not None else None   # the moments by name: each checked here
-        # the loss scale as DeepSpeed restores it: from stage 1 ZeRO's state holds it (loaded with or without the
-        # optimizer states), at stage 0 FP16_Optimizer's state (loaded with them only)
-        restore_scale = self.loss_scaler is not None and bool(scale) and not load_module_only and \
-            (want_optim or self._config.zero_stage > 0)
+        # the loss scale as DeepSpeed 0.19 restores it: with the optimizer states only (FP16_Optimizer's state at
+        # stage 0; from stage 1 ZeRO's files, which its load_checkpoint reads only for those states)
+        restore_scale = self.loss_scaler is not None and bool(scale) and want_optim
 
         def apply_all():
             result = apply(prepared)
