@@ -2123,3 +2123,18 @@ def test_deepspeed_comm_names_answer_through_import_lazytrain_as_deepspeed(monke
             deepspeed.comm.configure()
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_destroy_hands_a_client_optimizer_back_without_the_engines_attributes():
+    """zero_grad, add_param_group and DeepSpeed's overflow / loss_scale / cur_scale are the engine's while it
+    runs; after destroy the optimizer's own are back (another engine given it would find the first's)."""
+    model = make_model("modulelist")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    own_zero_grad = optimizer.zero_grad
+    cfg = ds_config(_top={"fp16": {"enabled": True}})
+    del cfg["optimizer"]
+    engine, _, _, _ = lazytrain.initialize(model=model, optimizer=optimizer, config=cfg)
+    assert {"zero_grad", "add_param_group", "overflow", "loss_scale", "cur_scale"} <= set(vars(optimizer))
+    engine.destroy()
+    assert not {"zero_grad", "add_param_group", "overflow", "loss_scale", "cur_scale"} & set(vars(optimizer))
+    assert optimizer.zero_grad == own_zero_grad

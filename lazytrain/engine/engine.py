@@ -57,6 +57,10 @@ GPU_RESERVED_BYTES = Budgets().gpu_reserved_bytes   # the planner's reserve for 
 SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/16 over the planner's estimate
 
 
+# the optimizer attributes the engine sets (DeepSpeed's optimizers' behaviour and flags), undone by destroy
+_OPTIMIZER_ATTRIBUTES_SET = ("add_param_group", "zero_grad", "overflow", "loss_scale", "cur_scale")
+
+
 def _as_loss_scaler_state(saved: dict | None) -> dict | None:
     """DeepSpeed's loss scaler record (its FP16_Optimizer's state at stage 0, ZeRO's scaler object from stage 1)
     in LossScaler's state dict terms; None where it keeps none."""
@@ -129,6 +133,10 @@ class LazyTrainEngine(nn.Module):
         for m in d.get("_checkpointing_turned_off", []):
             m.gradient_checkpointing = True
         restore_norms(d.get("_lean_norms", []))
+        if d.get("_optimizer_own") is not None:   # a client optimizer reused by another engine starts clean
+            for name in _OPTIMIZER_ATTRIBUTES_SET:
+                self.optimizer.__dict__.pop(name, None)
+            self.optimizer.__dict__.update(self._optimizer_own)
         for handle in list(d.get("_load_hooks", [])) + list(d.get("_settle_hooks", [])):
             handle.remove()
         if d.get("layer_updates") is not None:
@@ -260,6 +268,9 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
+        if self.optimizer is not None:   # what of the optimizer's own the engine replaces: handed back by destroy
+            self._optimizer_own = {name: self.optimizer.__dict__[name] for name in _OPTIMIZER_ATTRIBUTES_SET
+                                   if name in self.optimizer.__dict__}
         if self.masters is not None and self.optimizer is not None:   # a group added later reaches the masters too
             self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
         if self.optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
