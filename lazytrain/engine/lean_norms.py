@@ -84,8 +84,9 @@ def _input_unchanged(hidden: torch.Tensor, version: int, where: str, grad_output
     if hidden._version != version:
         raise RuntimeError(
             f"lazytrain: the input of {where}, a lean RMSNorm, was changed in place after the norm read it; a "
-            f"lean norm keeps its input to recompute itself in the backward. Where the norm copies its input (its upcast "
-            f"in bf16 or fp16), \"lazytrain\": {{\"lean_norms\": false}} in the config lets this model train")
+            f"lean norm keeps its input to recompute itself in the backward. Where the norm copies its input "
+            f"(its upcast in bf16 or fp16), \"lazytrain\": {{\"lean_norms\": false}} in the config lets this "
+            f"model train")
 
 
 def _recompute(module: nn.Module, names: tuple, hidden: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:

@@ -481,7 +481,7 @@ class HybridAdamW(torch.optim.Optimizer):
         k = self._kernel_ok(p, g, copy)
         if k is not None:
             _check_native_operands(p, g, copy, (st["state1"], st["state2"]),
-                                (st["absmax1"], st["absmax2"]), num_blocks(p.numel(), bs))
+                                   (st["absmax1"], st["absmax2"]), num_blocks(p.numel(), bs))
             k.adam8bit(hyper, p, g.contiguous(), st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2,
                        bs, copy)
             return
@@ -710,10 +710,10 @@ def torch_adam32(p, g, st, h, copy=None) -> None:
 
 
 def _check_native_operands(p: torch.Tensor, g: torch.Tensor, copy: Optional[torch.Tensor], moments: tuple,
-                        absmax: tuple = (), blocks: int = 0) -> None:
-    """The native kernels read and write as many elements as ``p`` holds in every tensor they are given:
-    a state of another size (a checkpoint of another model written into ``state`` by hand) is refused
-    here rather than read or written past its end."""
+                           absmax: tuple = (), blocks: int = 0) -> None:
+    """The native kernels read and write as many elements as ``p`` holds in every tensor they are given, as
+    contiguous host memory of their dtype: a state of another size, dtype, layout or device (a checkpoint of
+    another model written into ``state`` by hand) is refused here rather than read or written past its end."""
     n = p.numel()
     sizes = [("gradient", g), ("compute copy", copy)] + [("moment", m) for m in moments]
     for what, t in sizes:
