@@ -78,12 +78,18 @@ def test_every_k_matches_pytorch(kind, k, home, graph, tmp_path):
     assert max_rel_diff(engine.module, ref) < RTOL
 
 
-@pytest.mark.parametrize("k, graph, runs", [
-    (6, False, 6 + 6),      # forward, then the one segment recorded again in backward
-    (6, True, 6),           # the whole stack is the last segment: no block runs twice
-    (2, True, 6 + 4),       # segments (0,2), (2,4) re-run; (4,6) keeps its graph
-    (1, True, 6 + 5)])      # every layer re-run for its backward except the last
-def test_block_forward_runs_per_step(k, graph, runs, monkeypatch):
+@pytest.mark.parametrize("copies", [False, True], ids=["in-place", "copied"])
+@pytest.mark.parametrize("k, graph, runs, copied_runs", [
+    (6, False, 6 + 6, 6 + 5 + 6),   # forward, then the one segment recorded again in backward; with copied
+                                    # weights (a GPU's slots are reused) layers 0-4 re-run without grad, then
+                                    # each layer again when it is differentiated
+    (6, True, 6, 6),                # the whole stack is the last segment: no block runs twice
+    (2, True, 6 + 4, 6 + 2 * 3),    # segments (0,2), (2,4) re-run; (4,6) keeps its graph
+    (1, True, 6 + 5, 6 + 5)])       # every layer re-run for its backward except the last
+def test_block_forward_runs_per_step(k, graph, runs, copied_runs, copies, monkeypatch):
+    """Block forwards per step: on the CPU the weights are used in place and a re-run segment is recorded
+    once; where they are copied into device slots (a GPU, or copy threads here) each layer of a re-run
+    segment runs again when it is differentiated."""
     from engine_models import MLPBlock
     calls = []
     original = MLPBlock.forward
@@ -92,8 +98,14 @@ def test_block_forward_runs_per_step(k, graph, runs, monkeypatch):
     data = batches(2)
     ref = reference_train(model, data, device=AUTO_DEVICE)
     calls.clear()
-    engine = train_engine(model, data, ds_config(checkpoint_interval=k, last_segment_graph=graph))
-    assert len(calls) == 2 * runs
+    section = dict(checkpoint_interval=k, last_segment_graph=graph)
+    if copies and AUTO_DEVICE.type == "cpu":
+        section["testing"] = {"copy_threads": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the testing section's warning
+        engine = train_engine(model, data, ds_config(**section))
+    assert engine.executor.stream.zero_copy == (AUTO_DEVICE.type == "cpu" and not copies)
+    assert len(calls) == 2 * (runs if engine.executor.stream.zero_copy else copied_runs)
     assert max_rel_diff(engine.module, ref) < RTOL
 
 
@@ -2108,7 +2120,9 @@ def test_deepspeed_comm_names_answer_through_import_lazytrain_as_deepspeed(monke
     try:
         assert (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size(), deepspeed.comm.get_local_rank()) == (0, 1, 0)
         assert deepspeed.comm.is_initialized()
-        t, gathered, exchanged = torch.arange(4.0), torch.empty(4), torch.empty(4)
+        # on the device computing: with a GPU the group is NCCL's, as DeepSpeed's is, and refuses host tensors
+        t, gathered, exchanged = (torch.arange(4.0, device=AUTO_DEVICE), torch.empty(4, device=AUTO_DEVICE),
+                                  torch.empty(4, device=AUTO_DEVICE))
         deepspeed.comm.all_reduce(t, op=deepspeed.comm.ReduceOp.SUM, log_name="grads", prof=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)   # torch's renaming of the function, not ours
