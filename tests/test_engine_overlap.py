@@ -389,6 +389,21 @@ def test_a_fresh_adagrad_object_is_taken_and_one_that_stepped_is_refused():
     engine.step()
     assert engine.global_steps == 1 and {float(s["step"]) for s in opt.state.values()} == {1.0}
     engine.destroy()
+    # in bf16 the embedding and head get fp32 masters (on a GPU also in fp32): the state Adagrad built with
+    # them moves to the masters (they found none: KeyError 'sum'), its sums at the initial value in fp32
+    model = make_model("modulelist")
+    engine, opt, _, _ = lazytrain.initialize(
+        model=model, config={"train_batch_size": 2, "steps_per_print": 10**9, "bf16": {"enabled": True}},
+        optimizer=torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5))
+    head = engine.masters.master_of(model.head.weight)
+    assert head is not model.head.weight and model.head.weight not in opt.state
+    assert opt.state[head]["sum"].dtype == torch.float32 and torch.equal(opt.state[head]["sum"],
+                                                                         torch.full_like(head, 0.5))
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    grouped = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert all(id(p) in grouped for p in opt.state) and {float(s["step"]) for s in opt.state.values()} == {1.0}
+    engine.destroy()
     stepped = make_model("modulelist")
     adagrad = torch.optim.Adagrad(stepped.parameters(), lr=0.1)
     lm_loss(stepped(x), y).backward()

@@ -187,7 +187,20 @@ def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable) -> tor
     _no_own_clipping(optimizer)
     for g in optimizer.param_groups:
         g["params"] = [remap(p) for p in g["params"]]
+    _move_initial_state(optimizer, remap)
     return optimizer
+
+
+def _move_initial_state(optimizer: torch.optim.Optimizer, remap: Callable) -> None:
+    """A fresh optimizer's state built with it (Adagrad's step 0 and its sums at initial_accumulator_value)
+    moves to the master each parameter now has, in the master's dtype and device: left under the model's
+    parameter, the optimizer found none for the master (KeyError: 'sum' on a GPU) and kept an orphan."""
+    for p in list(optimizer.state):
+        m = remap(p)
+        if m is p:
+            continue
+        optimizer.state[m] = {k: v.to(device=m.device, dtype=m.dtype) if torch.is_tensor(v) and v.shape == m.shape
+                              else v for k, v in optimizer.state.pop(p).items()}
 
 
 def _has_stepped(state: dict) -> bool:
