@@ -76,16 +76,20 @@ def exported(tmp_path_factory):
     return {name: (lazy[name], [r[name] for r in results], job["cases"][name]) for name in NAMES}
 
 
-def case(exported, name):
+def case(exported, name, deepspeeds_side: bool = True):
+    """LazyTrain's side, DeepSpeed's ranks' results and the paths; skipped where DeepSpeed could not run the
+    case here and the test reads its side."""
     lt, ds, paths = exported[name]
     for r in ds:
         assert "error" not in r, r.get("error")
+        if "unsupported" in r and deepspeeds_side:   # DeepSpeed's CPU accelerator refuses fp16 where oneDNN has no fp16 kernels
+            pytest.skip(r["unsupported"])
     return lt, ds, paths
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_each_rank_writes_its_share_in_deepspeeds_layout(exported, name):
-    _, _, paths = case(exported, name)
+    _, _, paths = case(exported, name, deepspeeds_side=False)
     stage = single.CASES[name][0]["stage"]
     tag = os.path.join(paths["dir"], "global_step2")
     bf16 = "bf16" in name
