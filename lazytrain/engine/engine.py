@@ -35,7 +35,7 @@ from . import chunked_loss
 from . import safe_load
 from . import deepspeed_checkpoint as ds_ckpt
 from . import deepspeed_layout as ds_layout
-from . import auto_plan, node_memory, sharding
+from . import auto_plan, node_memory, param_access, sharding
 from .partitioned_params import PartitionedParams
 from . import sharded_checkpoint as sharded_ckpt
 from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_compiled_blocks,
@@ -119,11 +119,13 @@ class LazyTrainEngine(nn.Module):
             raise
         self.weights.set_up_done()
         self.frozen_non_block.set_up_done()
+        param_access.register(self)   # lazytrain.utils' safe_get_full_* find the engine of a parameter
 
     def _hand_model_back(self) -> None:
         """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
         here, no hooks of ours, non-block weights back in fp32; then close the tiers."""
         d = self.__dict__
+        param_access.unregister(self)
         if d.get("_trace_path") is not None:   # a traced step that never finished
             streams.stop_recording()
         if "executor" in d:
@@ -280,6 +282,7 @@ class LazyTrainEngine(nn.Module):
             self._sets_overflow = not hasattr(self.optimizer, "overflow")
             if self._sets_overflow:
                 self.optimizer.overflow = False
+        self._layer_of_param = {id(p): i for i, params in enumerate(self.weights.params) for p in params}
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
         self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
@@ -1368,6 +1371,12 @@ class LazyTrainEngine(nn.Module):
             self.masters.flush_grads()   # their gradients all landed
             owners = self.masters.master_params()
         return [p for p in owners if p.requires_grad] + self._extra_params()
+
+    def _block_grad_view(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s view in its layer's flat fp32 gradient buffer (what its ``.grad`` shows until an
+        optimizer's ``zero_grad(set_to_none=True)`` detaches it), or None: not a trainable block parameter."""
+        layer = self._layer_of_param.get(id(param))
+        return None if layer is None else self.weights.grad_views(layer).get(param)
 
     def _extra_params(self) -> list[torch.Tensor]:
         """Parameters the optimizer updates that the model does not own (a loss's learnable temperature),

@@ -67,6 +67,8 @@ def replace_deepspeed() -> None:
         put(deepspeed.zero, "GatheredParameters", _GatheredParameters)
         _replace_transformers_zero3_switch(put)
         _keep_the_scripts_optimizer(put)
+        for name in ("safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state"):
+            put(deepspeed.utils, name, _lazytrain_first(name, getattr(deepspeed.utils, name)))
         _saved = saved
 
 
@@ -80,6 +82,23 @@ def restore_deepspeed() -> None:
             setattr(obj, name, value)
         _saved = None
 
+
+
+def _lazytrain_first(name: str, deepspeeds):
+    """``deepspeed.utils.<name>``: LazyTrain's answer for a parameter a LazyTrain engine trains (whose state
+    DeepSpeed's version cannot find: it would give ``.grad``, None for a non-block parameter on a GPU),
+    DeepSpeed's for any other."""
+    from .. import utils
+    from ..engine import param_access
+    ours = getattr(utils, name)
+
+    def either(param, *args, **kwargs):
+        if param_access.owner_of(param) is not None:
+            return ours(param, *args, **kwargs)
+        return deepspeeds(param, *args, **kwargs)
+    either.__name__ = either.__qualname__ = name
+    either.__doc__ = ours.__doc__
+    return either
 
 
 def _initialize_as_deepspeed_does(initialize):

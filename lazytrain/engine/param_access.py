@@ -1,0 +1,91 @@
+"""A model parameter's full fp32 gradient, weight and optimizer state, wherever the engine keeps them.
+
+LazyTrain keeps a parameter's training state away from the parameter a script holds: the embedding's and
+head's gradients accumulate in fp32 masters (on the host by default, so ``p.grad`` of the copy that computes
+is ``None``), 8-bit moments are codes. DeepSpeed's answer to the same problem is ``deepspeed.utils``'
+``safe_get_full_grad`` / ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``; ``lazytrain.utils``
+offers them with DeepSpeed's signatures, answered here by the engine that owns the parameter.
+
+Live engines are found through a weak set (an engine registers when set up, leaves when destroyed), so the
+functions take the parameter alone, as DeepSpeed's do."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_ENGINES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register(engine) -> None:
+    _ENGINES.add(engine)
+
+
+def unregister(engine) -> None:
+    _ENGINES.discard(engine)
+
+
+def owner_of(param: torch.Tensor):
+    """The live engine training ``param`` (a parameter of its model, or an fp32 master it gave one), or None."""
+    for engine in list(_ENGINES):
+        if id(param) in engine.__dict__.get("_model_param_ids", ()):
+            return engine
+    return None
+
+
+def _refuse_sharded(engine, what: str) -> None:
+    if engine.world_size > 1:
+        raise NotImplementedError(
+            f"lazytrain.utils.{what} over {engine.world_size} ranks is not implemented: the parameter's state may "
+            f"live on another rank (ZeRO stages 1-3) and assembling it is a collective LazyTrain does not offer "
+            f"yet; read it in one process, or from engine.module_state_dict() / a saved checkpoint")
+
+
+def _master(engine, param: torch.Tensor) -> torch.Tensor:
+    """The fp32 tensor the optimizer updates for ``param``: its master outside the blocks in mixed precision
+    (or in fp32 beside a GPU), else the parameter itself (a block parameter is its host master)."""
+    return engine.masters.master_of(param) if engine.masters is not None else param
+
+
+def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``param``'s gradient as accumulated for the coming ``step()`` (fp32, on the host where the
+    engine keeps it; in fp16 multiplied by the loss scale, as DeepSpeed's); None before any backward reached
+    it, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits for gradients still in flight."""
+    _refuse_sharded(engine, "safe_get_full_grad")
+    engine.weights.flush_grads()          # a copy that failed raises here, as at step()
+    if engine.masters is not None:
+        engine.masters.flush_grads()
+    layer_grad = engine._block_grad_view(param)
+    if layer_grad is not None:
+        return layer_grad.detach().clone()
+    grad = _master(engine, param).grad
+    return None if grad is None else grad.detach().to("cpu", torch.float32, copy=True)
+
+
+def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor:
+    """A copy of the fp32 weight the optimizer updates for ``param`` (its master), on the host, once an
+    overlapped update has landed."""
+    _refuse_sharded(engine, "safe_get_full_fp32_param")
+    engine.wait_for_update()
+    return _master(engine, param).detach().to("cpu", torch.float32, copy=True)
+
+
+def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor | None:
+    """A copy of the optimizer's state ``key`` ("exp_avg", "exp_avg_sq", ...) for ``param``, in fp32 and in
+    the parameter's shape (8-bit moments dequantized), on the host; None before the first step and for a
+    key the optimizer does not keep."""
+    _refuse_sharded(engine, "safe_get_full_optimizer_state")
+    engine.wait_for_update()
+    opt = engine.optimizer
+    if opt is None:
+        return None
+    master = _master(engine, param)
+    state = opt.state.get(master)
+    if not state:
+        return None
+    if type(opt).__name__ == "HybridAdamW" and key in ("exp_avg", "exp_avg_sq"):
+        return torch.cat(list(opt.fp32_moment_chunks(master, key))).reshape(master.shape)
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor):
+        return None
+    return value.detach().to("cpu", torch.float32, copy=True)

@@ -1,0 +1,45 @@
+"""DeepSpeed's ``deepspeed.utils`` accessors for what the engine keeps of a parameter away from it.
+
+    from lazytrain.utils import safe_get_full_grad
+    engine.backward(loss)
+    norms = {n: safe_get_full_grad(p).norm() for n, p in model.named_parameters() if p.requires_grad}
+
+Between ``backward`` and ``step`` a parameter's ``.grad`` may be ``None`` where the engine accumulates it
+elsewhere (the embedding's and head's fp32 masters on the host, the default on a GPU), as under DeepSpeed's
+ZeRO; these read it wherever it is. Each returns a copy in fp32 on the host. With
+:func:`lazytrain.replace_deepspeed` DeepSpeed's own names answer for LazyTrain's parameters too. Several
+ranks are refused (the state may be on another rank) with a message saying so."""
+from __future__ import annotations
+
+__all__ = ["safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state"]
+
+
+def _owner(param, name: str):
+    from .engine import param_access
+    engine = param_access.owner_of(param)
+    if engine is None:
+        raise ValueError(f"lazytrain.utils.{name}: the parameter (shape {tuple(param.shape)}) belongs to no live "
+                         f"LazyTrain engine: pass a parameter of the model given to lazytrain.initialize, before "
+                         f"engine.destroy()")
+    return param_access, engine
+
+
+def safe_get_full_grad(param):
+    """``param``'s fp32 gradient accumulated for the coming ``step()`` (in fp16, multiplied by the loss scale,
+    as DeepSpeed's), or None where none is (a frozen parameter; an embedding or head before a backward and
+    after ``step()``). A streamed block's gradient lives in a buffer that ``step()`` zeroes: zeros then."""
+    access, engine = _owner(param, "safe_get_full_grad")
+    return access.full_grad(engine, param)
+
+
+def safe_get_full_fp32_param(param):
+    """The fp32 weight the optimizer updates for ``param`` (its master), once an overlapped update landed."""
+    access, engine = _owner(param, "safe_get_full_fp32_param")
+    return access.full_fp32_param(engine, param)
+
+
+def safe_get_full_optimizer_state(param, optim_state_key: str):
+    """The optimizer's ``optim_state_key`` ("exp_avg", "exp_avg_sq") for ``param`` in fp32 and its shape
+    (HybridAdamW's 8-bit moments dequantized), or None before the first step."""
+    access, engine = _owner(param, "safe_get_full_optimizer_state")
+    return access.full_optimizer_state(engine, param, optim_state_key)

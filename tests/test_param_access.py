@@ -1,0 +1,170 @@
+"""lazytrain.utils' safe_get_full_* (DeepSpeed's deepspeed.utils accessors): a parameter's fp32 gradient,
+weight and optimizer state read wherever the engine keeps them. In bf16 the embedding's and head's
+gradients accumulate in fp32 masters apart from the parameters (on a GPU in fp32 too), so their ``.grad`` is
+None: these tests are the CPU's view of that path."""
+import copy
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+from engine_models import AUTO_DEVICE, batches, lm_loss, make_model
+
+
+def engine_for(model, dtype: str = "fp32", gas: int = 1, optimizer: str = "AdamW", **lazytrain_section):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
+           "gradient_clipping": 0, "optimizer": {"type": optimizer, "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": {"checkpoint_interval": 2, **lazytrain_section}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return lazytrain.initialize(model=model, config=cfg)[0]
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_full_grad_is_plain_pytorchs_gradient_for_every_parameter(dtype, gas):
+    """After the step's backwards, every parameter's full gradient is plain PyTorch's (the loss averaged over
+    the micro-batches, as engine.backward does), the non-block ones included where ``.grad`` is None. In bf16
+    the reference is the same model in bf16, whose kernels round otherwise: within 2% in norm (a wrong
+    tensor, scale or missing micro-batch is off by far more)."""
+    model = make_model("llama")
+    ref = copy.deepcopy(model).to(AUTO_DEVICE, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    data = batches(gas)
+    ref_grads = {}
+    for x, y in data:
+        ref.zero_grad()
+        (lm_loss(ref(x.to(AUTO_DEVICE)), y) / gas).backward()
+        for n, q in ref.named_parameters():
+            ref_grads[n] = ref_grads.get(n, 0) + q.grad.float().cpu()
+    engine = engine_for(model, dtype, gas)
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+    if dtype == "bf16":
+        assert model.lm_head.weight.grad is None and model.model.embed_tokens.weight.grad is None
+    for n, p in model.named_parameters():
+        g = safe_get_full_grad(p)
+        assert g.dtype == torch.float32 and g.device.type == "cpu" and g.shape == p.shape, n
+        if dtype == "fp32":
+            assert torch.allclose(g, ref_grads[n], rtol=1e-5, atol=1e-7), n
+        else:
+            assert float((g - ref_grads[n]).norm() / ref_grads[n].norm()) < 2e-2, n
+    engine.destroy()
+
+
+def test_full_grad_is_a_copy_and_follows_the_step():
+    """A copy (writing it changes nothing the optimizer reads); after step() the non-block masters' gradients
+    are gone (None) and the blocks' buffers zeroed, as before the first backward."""
+    model = make_model("llama")
+    engine = engine_for(model, "bf16")
+    head, block = model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight
+    assert safe_get_full_grad(head) is None and torch.count_nonzero(safe_get_full_grad(block)) == 0
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    g = safe_get_full_grad(head)
+    g.zero_()
+    assert torch.count_nonzero(safe_get_full_grad(head)) > 0
+    engine.step()
+    assert safe_get_full_grad(head) is None and torch.count_nonzero(safe_get_full_grad(block)) == 0
+    engine.destroy()
+
+
+def test_a_frozen_parameter_has_no_full_grad():
+    model = make_model("llama")
+    model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    engine = engine_for(model, "bf16")
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    assert safe_get_full_grad(model.model.layers[1].mlp.up_proj.weight) is None
+    assert safe_get_full_grad(model.model.embed_tokens.weight) is None
+    engine.destroy()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_full_fp32_param_and_optimizer_state_are_the_masters_and_torch_adamw_s(dtype):
+    """After two steps: the fp32 weights are the module's fp32 state (its masters), and the Adam moments equal
+    those of plain torch AdamW stepped on the same fp32 gradients (8-bit moments are tested below)."""
+    model = make_model("llama")
+    engine = engine_for(model, dtype, optimizer="AdamW", lean_norms=False)
+    names = dict(model.named_parameters())
+    masters, moments = {}, {}
+    for x, y in batches(2):
+        engine.backward(lm_loss(engine(x), y))
+        grads = {n: safe_get_full_grad(p) for n, p in names.items()}
+        before = {n: safe_get_full_fp32_param(p) for n, p in names.items()}
+        engine.step()
+        for n, g in grads.items():
+            if n not in masters:
+                masters[n] = torch.nn.Parameter(before[n])
+                moments[n] = torch.optim.AdamW([masters[n]], lr=1e-2, weight_decay=0.1)
+            masters[n].grad = g
+            moments[n].step()
+    state = engine.module_state_dict()
+    for n, p in names.items():
+        assert torch.equal(safe_get_full_fp32_param(p), state[n]), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine = safe_get_full_optimizer_state(p, key)
+            theirs = moments[n].state[masters[n]][key]
+            assert mine.shape == p.shape and torch.allclose(mine, theirs, rtol=1e-5, atol=1e-9), (n, key)
+        assert torch.allclose(safe_get_full_fp32_param(p), masters[n].detach(), rtol=1e-5, atol=1e-6), n
+    assert safe_get_full_optimizer_state(names["lm_head.weight"], "no_such_key") is None
+    engine.destroy()
+
+
+def test_eight_bit_moments_come_back_dequantized_in_the_parameters_shape():
+    """HybridAdamW keeps 8-bit moments for large tensors: the full state is their fp32 dequantization,
+    within the blockwise code's resolution of torch AdamW's moment."""
+    model = make_model("llama")
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "gradient_clipping": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"checkpoint_interval": 2, "optimizer_states": "8bit", "hybrid_threshold": 0}}
+    engine = lazytrain.initialize(model=model, config=cfg)[0]
+    p = model.model.layers[0].mlp.up_proj.weight
+    assert safe_get_full_optimizer_state(p, "exp_avg") is None   # before the first step
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    g = safe_get_full_grad(p)
+    engine.step()
+    st = engine.optimizer.state[p]
+    assert "state1" in st   # the 8-bit layout, not fp32 moments
+    m = safe_get_full_optimizer_state(p, "exp_avg")
+    assert m.shape == p.shape and m.dtype == torch.float32
+    exact = 0.1 * g   # Adam's first moment after one step, (1 - beta1) * g
+    assert float((m - exact).abs().max()) <= 0.02 * float(exact.abs().max())
+    engine.destroy()
+
+
+def test_a_parameter_of_no_engine_and_several_ranks_are_refused_by_name():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=r"^lazytrain\.utils\.safe_get_full_grad: the parameter \(shape \(32, 32\)\) "
+                                         r"belongs to no live LazyTrain engine"):
+        safe_get_full_grad(model.lm_head.weight)
+    engine = engine_for(model)
+    engine.world_size = 2   # what several ranks see: the state may be another rank's
+    with pytest.raises(NotImplementedError, match=r"^lazytrain\.utils\.safe_get_full_fp32_param over 2 ranks is "
+                                                  r"not implemented"):
+        safe_get_full_fp32_param(model.lm_head.weight)
+    engine.world_size = 1
+    engine.destroy()
+    with pytest.raises(ValueError, match="before engine.destroy"):
+        safe_get_full_optimizer_state(model.lm_head.weight, "exp_avg")
+
+
+def test_replace_deepspeed_routes_deepspeeds_accessors_for_lazytrain_parameters():
+    deepspeed_utils = pytest.importorskip("deepspeed.utils")
+    model = make_model("llama")
+    engine = engine_for(model, "bf16")
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    lazytrain.replace_deepspeed()
+    try:
+        g = deepspeed_utils.safe_get_full_grad(model.lm_head.weight)
+        other = torch.nn.Parameter(torch.ones(3))
+        other.grad = torch.full((3,), 2.0)
+        assert deepspeed_utils.safe_get_full_grad(other) is other.grad   # DeepSpeed's own answer for the rest
+    finally:
+        lazytrain.restore_deepspeed()
+    assert torch.equal(g, safe_get_full_grad(model.lm_head.weight))
+    assert deepspeed_utils.safe_get_full_grad(model.lm_head.weight) is None   # DeepSpeed's own: .grad
+    engine.destroy()
