@@ -11,7 +11,7 @@ import torch
 import lazytrain
 from lazytrain.config import ConfigError
 from lazytrain.engine.executor import ExecutorError
-from lazytrain.utils import safe_get_full_grad
+from lazytrain.utils import safe_get_full_grad, safe_get_full_optimizer_state
 from engine_models import (AUTO_DEVICE, VOCAB, ModuleListLM, batches, lm_loss, logits_of, make_hf_model, make_model,
                            max_rel_diff, reference_train)
 
@@ -2138,6 +2138,33 @@ def test_deepspeed_comm_names_answer_through_import_lazytrain_as_deepspeed(monke
             deepspeed.comm.configure()
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_destroy_hands_a_client_optimizer_back_on_the_models_parameters():
+    """In bf16 the optimizer updates fp32 masters of the embedding and head while the engine runs; after
+    destroy its groups and state are under the model's parameters again (they were left on the masters, so a
+    script going on with plain PyTorch stepped tensors no model read, and the head never moved)."""
+    model = make_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = ds_config(checkpoint_interval=2, _top={"bf16": {"enabled": True}})
+    del cfg["optimizer"]
+    engine, _, _, _ = lazytrain.initialize(model=model, optimizer=optimizer, config=cfg)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    moments = {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in model.named_parameters()}
+    engine.destroy()
+    params = list(model.parameters())
+    assert [id(p) for g in optimizer.param_groups for p in g["params"]] == [id(p) for p in params]
+    assert set(map(id, optimizer.state)) == set(map(id, params))
+    for n, p in model.named_parameters():
+        state = optimizer.state[p]
+        assert float(state["step"]) == 1 and torch.equal(state["exp_avg"].cpu(), moments[n]), n
+        assert state["exp_avg"].device == p.device, n
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lm_loss(model(x.to(AUTO_DEVICE)), y).backward()
+    optimizer.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters()), "a weight did not move"
 
 
 def test_destroy_hands_a_client_optimizer_back_without_the_engines_attributes():

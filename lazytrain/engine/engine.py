@@ -46,7 +46,7 @@ from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
-                              eight_bit_share, param_groups)
+                              eight_bit_share, hand_back_to_params, param_groups)
 from .placement import (build_plan, build_tiers, card_memory, memory_copy_gbps, non_block_masters_apart,
                         non_block_state_home, plan_from_measurements, resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
@@ -147,6 +147,8 @@ class LazyTrainEngine(nn.Module):
             self.weights.close_grad_sink()
         if d.get("masters") is not None:
             self.masters.hand_back()
+            if d.get("optimizer") is not None:   # a script may go on with the optimizer: on the parameters again
+                hand_back_to_params(self.optimizer, self.masters.pairs)
         if d.get("frozen_non_block") is not None:
             self.frozen_non_block.hand_back()
         if d.get("stream") is not None:

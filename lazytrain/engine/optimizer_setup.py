@@ -203,6 +203,20 @@ def _move_initial_state(optimizer: torch.optim.Optimizer, remap: Callable) -> No
                               else v for k, v in optimizer.state.pop(p).items()}
 
 
+def hand_back_to_params(optimizer: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """After ``destroy()``: the optimizer's groups and state under the model's parameters again, in place of
+    the masters the engine gave it (the parameters hold the masters' values by then); each state tensor of the
+    parameter's shape moves to the parameter's device. Left on the masters, an optimizer the script goes on
+    using after the engine updated tensors no model reads, without a word."""
+    param_of = {id(m): p for p, m in pairs}
+    for g in optimizer.param_groups:
+        g["params"] = [param_of.get(id(t), t) for t in g["params"]]
+    for m in [m for m in optimizer.state if id(m) in param_of]:
+        p = param_of[id(m)]
+        optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v
+                              for k, v in optimizer.state.pop(m).items()}
+
+
 def _has_stepped(state: dict) -> bool:
     """A parameter's optimizer state after a step: Adagrad builds its state (step 0, zero sums) with the
     optimizer, so a state alone does not say so; a step count above 0, or a state without one, does."""
