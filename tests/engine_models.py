@@ -24,6 +24,10 @@ AUTO_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # that the ranks the tests spawn run under it too
 if os.environ.get("LAZYTRAIN_TEST_DETERMINISTIC") == "1":
     torch.use_deterministic_algorithms(True, warn_only=True)
+    if torch.cuda.is_available():   # cuDNN's and the flash attention backwards have no deterministic mode
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
 
 
 class MLPBlock(nn.Module):
