@@ -19,6 +19,9 @@ VOCAB = 32
 # reference differs from CUDA by rounding (which AdamW turns into visible differences where a gradient is
 # near zero), draws other dropout masks, and a CPU autocast does not reach CUDA ops.
 AUTO_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# LAZYTRAIN_TEST_OVERLAP=1: the parity tests' configs turn lazytrain.overlap_optimizer on (a GPU's default), so a
+# CPU runs them as a GPU does
+OVERLAP_FORCED = os.environ.get("LAZYTRAIN_TEST_OVERLAP") == "1"
 # benchmarks/gpu_suite.sh asks for deterministic kernels (the bit-for-bit tests compare two runs; some CUDA
 # kernels, such as memory-efficient attention's backward, add in an order of their own unless asked); here, so
 # that the ranks the tests spawn run under it too
@@ -401,18 +404,38 @@ def lm_loss(out, y):
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device))
 
 
-def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1, device="cpu"):
-    """Plain PyTorch on ``device`` (``AUTO_DEVICE`` for an engine on the default device): fused AdamW,
-    clip_grad_norm_, the loss averaged over `gas` micro-batches. The model returned is on ``device``."""
+def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1, device="cpu", optimizer="torch"):
+    """Plain PyTorch on ``device`` (``AUTO_DEVICE`` for an engine on the default device): clip_grad_norm_,
+    the loss averaged over `gas` micro-batches, then torch's fused AdamW (``optimizer="torch"``) or, for an
+    engine whose update overlaps the next forward (``"hybrid"``), the AdamW arithmetic that update runs:
+    HybridAdamW on fp32 host copies of the weights (so a weight whose gradient is rounding noise, which Adam
+    turns into steps, compares like with like). The model returned is on ``device``."""
     ref = copy.deepcopy(model).to(device)
-    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd, fused=True)
+    params = [p for p in ref.parameters()]
+    if optimizer == "hybrid":
+        from lazytrain.optim.hybrid_adamw import HybridAdamW
+        masters = [nn.Parameter(p.detach().to("cpu", torch.float32, copy=True)) for p in params]
+        opt = HybridAdamW(masters, lr=lr, weight_decay=wd, optimizer_states="fp32")
+    elif optimizer == "torch":
+        masters = params
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=True)
+    else:
+        raise ValueError(f"optimizer must be 'torch' or 'hybrid', got {optimizer!r}")
     for i, (x, y) in enumerate(data):
         (lm_loss(ref(x.to(device)), y) / gas).backward()
         if (i + 1) % gas == 0:
             if clip:
-                torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            if masters is not params:
+                for p, m in zip(params, masters):
+                    m.grad = None if p.grad is None else p.grad.to("cpu", torch.float32)
             opt.step()
+            if masters is not params:
+                with torch.no_grad():
+                    for p, m in zip(params, masters):
+                        p.copy_(m)
             opt.zero_grad()
+            ref.zero_grad()
     return ref
 
 

@@ -12,14 +12,27 @@ import lazytrain
 from lazytrain.config import ConfigError
 from lazytrain.engine.executor import ExecutorError
 from lazytrain.utils import safe_get_full_grad, safe_get_full_optimizer_state
-from engine_models import (AUTO_DEVICE, VOCAB, ModuleListLM, batches, lm_loss, logits_of, make_hf_model, make_model,
-                           max_rel_diff, reference_train)
+from engine_models import (AUTO_DEVICE, OVERLAP_FORCED, VOCAB, ModuleListLM, batches, lm_loss, logits_of, make_hf_model, make_model,
+                           max_rel_diff)
+from engine_models import reference_train as plain_reference_train
 
 RTOL = 1e-5
 
 
+# the AdamW arithmetic of the engine's update under ds_config: HybridAdamW's where the layers' update overlaps
+# the next forward (a GPU's default, or LAZYTRAIN_TEST_OVERLAP=1), torch's fused AdamW otherwise
+ENGINE_ADAMW = "hybrid" if OVERLAP_FORCED or AUTO_DEVICE.type == "cuda" else "torch"
+
+
+def reference_train(*args, optimizer=None, **kwargs):
+    """Plain PyTorch training (engine_models.reference_train) stepped with the engine's AdamW arithmetic."""
+    return plain_reference_train(*args, optimizer=optimizer or ENGINE_ADAMW, **kwargs)
+
+
 def ds_config(**lazytrain_section):
     extra = lazytrain_section.pop("_top", {})
+    if OVERLAP_FORCED:   # the GPU's default, on any machine: the layers' update overlaps the next forward
+        lazytrain_section.setdefault("overlap_optimizer", True)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": float("inf"),
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
            "lazytrain": lazytrain_section}
@@ -578,11 +591,12 @@ def test_a_window_of_re_run_layers_is_prefetched_whole_while_the_window_before_c
     the Plan's cost model, entering a window issues the copies of the whole next window (all three while
     the forward's last layer and the head compute), and the extra buffers this takes are released as soon
     as compute leaves them: four at most (the layer computing and the next window's three, what the Plan
-    charges), two after the step."""
+    charges), two after the step. The update is not overlapped (a GPU's default), whose layers' readiness
+    would move the next step's fetches by when each update lands."""
     model = make_model("llama")
     data = batches(2)
     ref = reference_train(model, data, device=AUTO_DEVICE)
-    engine = copy_path_engine(model, checkpoint_interval=3, last_segment_graph=False)
+    engine = copy_path_engine(model, checkpoint_interval=3, last_segment_graph=False, overlap_optimizer=False)
     log = []
     fetch, acquire = engine.weights.fetch_into, engine.stream.acquire
     engine.weights.fetch_into = lambda i, buf: log.append(f"F{i}") or fetch(i, buf)
@@ -631,7 +645,7 @@ def test_an_optimizer_passed_beside_a_config_optimizer_is_the_one_used_as_deepsp
     with pytest.warns(UserWarning, match=r"an optimizer was passed to initialize and the config has an 'optimizer' "
                                          r"section \(AdamW\) too: the optimizer passed is used and the section "
                                          r"ignored, as DeepSpeed does"):
-        engine, got, _, _ = lazytrain.initialize(model=model, optimizer=opt, config=ds_config())
+        engine, got, _, _ = lazytrain.initialize(model=model, optimizer=opt, config=ds_config(overlap_optimizer="auto"))
     assert got is opt and [g["lr"] for g in got.param_groups] == [3e-4] == engine.get_lr()
     ref = make_model("modulelist")
     data = batches(2)
@@ -2146,7 +2160,7 @@ def test_destroy_hands_a_client_optimizer_back_on_the_models_parameters():
     script going on with plain PyTorch stepped tensors no model read, and the head never moved)."""
     model = make_model("llama")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = ds_config(checkpoint_interval=2, _top={"bf16": {"enabled": True}})
+    cfg = ds_config(checkpoint_interval=2, overlap_optimizer="auto", _top={"bf16": {"enabled": True}})   # client AdamW
     del cfg["optimizer"]
     engine, _, _, _ = lazytrain.initialize(model=model, optimizer=optimizer, config=cfg)
     x, y = batches(1)[0]
@@ -2173,7 +2187,7 @@ def test_destroy_hands_a_client_optimizer_back_without_the_engines_attributes():
     model = make_model("modulelist")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     own_zero_grad = optimizer.zero_grad
-    cfg = ds_config(_top={"fp16": {"enabled": True}})
+    cfg = ds_config(overlap_optimizer="auto", _top={"fp16": {"enabled": True}})   # a client AdamW: no overlap
     del cfg["optimizer"]
     engine, _, _, _ = lazytrain.initialize(model=model, optimizer=optimizer, config=cfg)
     assert {"zero_grad", "add_param_group", "overflow", "loss_scale", "cur_scale"} <= set(vars(optimizer))

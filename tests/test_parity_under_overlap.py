@@ -1,0 +1,23 @@
+"""The engine's parity tests once more with the streamed layers' update overlapping the next forward: a GPU's
+default, off on the CPU, so CI runs them both ways on every machine (LAZYTRAIN_TEST_OVERLAP=1 turns it on in
+their configs and steps their plain-PyTorch reference with the overlapped update's AdamW arithmetic)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_models import AUTO_DEVICE, OVERLAP_FORCED
+
+
+def test_the_parity_tests_pass_with_the_update_overlapping_the_next_forward():
+    if OVERLAP_FORCED or AUTO_DEVICE.type == "cuda":
+        pytest.skip("this run's parity tests overlap the update already")
+    tests = Path(__file__).parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                          str(tests / "test_engine_parity.py")],
+                         env={**os.environ, "LAZYTRAIN_TEST_OVERLAP": "1"}, cwd=tests.parent,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1] and "failed" not in run.stdout.splitlines()[-1]
