@@ -6,9 +6,11 @@
 
 Between ``backward`` and ``step`` a parameter's ``.grad`` may be ``None`` where the engine accumulates it
 elsewhere (the embedding's and head's fp32 masters on the host, the default on a GPU), as under DeepSpeed's
-ZeRO; these read it wherever it is. Each returns a copy in fp32 on the host. With
-:func:`lazytrain.replace_deepspeed` DeepSpeed's own names answer for LazyTrain's parameters too. Several
-ranks are refused (the state may be on another rank) with a message saying so."""
+ZeRO; these read it wherever it is. Each returns a copy in fp32 on the host, waiting first for what is in
+flight (gradient copies, an overlapped update): call them from the training thread. With
+:func:`lazytrain.replace_deepspeed` DeepSpeed's own names answer for LazyTrain's parameters too (a name
+imported from ``deepspeed.utils`` before that call is DeepSpeed's own). Several ranks are refused (the state
+may be on another rank) with a message saying so."""
 from __future__ import annotations
 
 __all__ = ["safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state"]
@@ -33,13 +35,15 @@ def safe_get_full_grad(param):
 
 
 def safe_get_full_fp32_param(param):
-    """The fp32 weight the optimizer updates for ``param`` (its master), once an overlapped update landed."""
+    """The fp32 weight the optimizer updates for ``param`` (its master), once an overlapped update landed;
+    None for a frozen parameter (nothing updates it), as DeepSpeed's."""
     access, engine = _owner(param, "safe_get_full_fp32_param")
     return access.full_fp32_param(engine, param)
 
 
 def safe_get_full_optimizer_state(param, optim_state_key: str):
     """The optimizer's ``optim_state_key`` ("exp_avg", "exp_avg_sq") for ``param`` in fp32 and its shape
-    (HybridAdamW's 8-bit moments dequantized), or None before the first step."""
+    (HybridAdamW's 8-bit moments dequantized), or None before the first step; a key the optimizer does not
+    keep raises ValueError, as DeepSpeed's."""
     access, engine = _owner(param, "safe_get_full_optimizer_state")
     return access.full_optimizer_state(engine, param, optim_state_key)

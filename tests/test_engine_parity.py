@@ -2174,11 +2174,42 @@ def test_destroy_hands_a_client_optimizer_back_on_the_models_parameters():
     for n, p in model.named_parameters():
         state = optimizer.state[p]
         assert float(state["step"]) == 1 and torch.equal(state["exp_avg"].cpu(), moments[n]), n
-        assert state["exp_avg"].device == p.device, n
+        assert state["exp_avg"].device == p.device == torch.device("cpu"), n   # where the model was given
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    lm_loss(model(x.to(AUTO_DEVICE)), y).backward()
+    lm_loss(model(x), y).backward()
     optimizer.step()
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters()), "a weight did not move"
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_optimizer_state_handed_back_lies_on_each_parameters_device(fused):
+    """destroy() puts the parameters back where they were given (a GPU's: its host masters' state was on the
+    host): every state tensor follows its parameter, a scalar step too where the group is fused or capturable
+    (torch keeps it on the device there, and on the host otherwise). The meta device stands in for a GPU."""
+    from lazytrain.engine.optimizer_setup import hand_back_to_params
+    master = torch.nn.Parameter(torch.zeros(3, 2))
+    param, block = (torch.nn.Parameter(torch.zeros(3, 2, device="meta")) for _ in range(2))
+    opt = torch.optim.AdamW([master, block], lr=1e-3)
+    opt.param_groups[0]["fused"] = fused
+    for t in (master, block):
+        opt.state[t] = {"step": torch.tensor(2.0), "exp_avg": torch.ones(3, 2), "exp_avg_sq": torch.ones(3, 2)}
+    hand_back_to_params(opt, [(param, master)])
+    assert opt.param_groups[0]["params"] == [param, block] and set(opt.state) == {param, block}
+    for t in (param, block):
+        assert opt.state[t]["exp_avg"].device.type == opt.state[t]["exp_avg_sq"].device.type == "meta"
+        assert opt.state[t]["step"].device.type == ("meta" if fused else "cpu")
+
+
+def test_destroy_leaves_hybrid_adamw_no_view_of_the_engines_compute_copies():
+    """HybridAdamW writes the streamed layers' bf16 compute copies in its update pass; after destroy() it kept
+    views of them (the whole streamed model in bf16, held as long as the script kept the optimizer), and a plain
+    step went on writing into them."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(
+        checkpoint_interval=2, overlap_optimizer=True, _top={"bf16": {"enabled": True}}))
+    optimizer = engine.optimizer
+    assert type(optimizer).__name__ == "HybridAdamW" and len(optimizer.compute_copies) > 0
+    engine.destroy()
+    assert optimizer.compute_copies == {}
 
 
 def test_destroy_hands_a_client_optimizer_back_without_the_engines_attributes():

@@ -3,6 +3,8 @@ weight and optimizer state read wherever the engine keeps them. In bf16 the embe
 gradients accumulate in fp32 masters apart from the parameters (on a GPU in fp32 too), so their ``.grad`` is
 None: these tests are the CPU's view of that path."""
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -52,11 +54,21 @@ def test_full_grad_is_plain_pytorchs_gradient_for_every_parameter(dtype, gas):
     engine.destroy()
 
 
-def test_full_grad_is_a_copy_and_follows_the_step():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_full_grad_is_a_copy_and_follows_the_step(overlap):
     """A copy (writing it changes nothing the optimizer reads); after step() the non-block masters' gradients
-    are gone (None) and the blocks' buffers zeroed, as before the first backward."""
+    are gone (None) and the blocks' buffers zeroed, as before the first backward. With the update overlapping
+    (a GPU's default) it waits for the update, which reads the layers' gradients and then zeroes them: right
+    after step() the read gave the step's gradient, on every one of 10 runs."""
     model = make_model("llama")
-    engine = engine_for(model, "bf16")
+    engine = engine_for(model, "bf16", overlap_optimizer=overlap)
+    if overlap:
+        update = engine.optimizer.update
+
+        def slow_update(*args, **kwargs):   # the update thread still at work when step() returns
+            time.sleep(0.01)
+            return update(*args, **kwargs)
+        engine.optimizer.update = slow_update
     head, block = model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight
     assert safe_get_full_grad(head) is None and torch.count_nonzero(safe_get_full_grad(block)) == 0
     x, y = batches(1)[0]
@@ -69,7 +81,36 @@ def test_full_grad_is_a_copy_and_follows_the_step():
     engine.destroy()
 
 
-def test_a_frozen_parameter_has_no_full_grad():
+def test_a_tensor_added_to_the_optimizer_is_answered_for_and_another_thread_is_refused():
+    """A loss's learnable temperature added with add_param_group is trained by the engine: its gradient and
+    moments are read like a parameter's. A logger thread calling in while the training thread trains would
+    wait on the gradient sinks beside it (two threads popping one queue crashed the training thread)."""
+    model = make_model("llama")
+    engine = engine_for(model)
+    temperature = torch.nn.Parameter(torch.ones(()))
+    engine.optimizer.add_param_group({"params": [temperature], "weight_decay": 0.0})
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y) * temperature)
+    assert safe_get_full_grad(temperature).shape == () and float(safe_get_full_grad(temperature)) != 0.0
+    engine.step()
+    assert safe_get_full_optimizer_state(temperature, "exp_avg").shape == ()
+    errors = []
+
+    def logger():
+        try:
+            safe_get_full_grad(model.lm_head.weight)
+        except RuntimeError as e:
+            errors.append(str(e))
+    t = threading.Thread(target=logger)
+    t.start()
+    t.join()
+    assert errors == ["lazytrain.utils.safe_get_full_grad was called from a thread other than the one that set up "
+                      "the engine: it waits for the gradient copies and the overlapped update, which only the "
+                      "training thread may do; call it from the training loop"]
+    engine.destroy()
+
+
+def test_a_frozen_parameter_has_no_full_grad_weight_or_state():
     model = make_model("llama")
     model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
     model.model.embed_tokens.weight.requires_grad_(False)
@@ -78,6 +119,9 @@ def test_a_frozen_parameter_has_no_full_grad():
     engine.backward(lm_loss(engine(x), y))
     assert safe_get_full_grad(model.model.layers[1].mlp.up_proj.weight) is None
     assert safe_get_full_grad(model.model.embed_tokens.weight) is None
+    assert safe_get_full_fp32_param(model.model.embed_tokens.weight) is None   # nothing updates it (DeepSpeed's)
+    engine.step()
+    assert safe_get_full_optimizer_state(model.model.layers[1].mlp.up_proj.weight, "exp_avg") is None
     engine.destroy()
 
 
@@ -108,7 +152,9 @@ def test_full_fp32_param_and_optimizer_state_are_the_masters_and_torch_adamw_s(d
             theirs = moments[n].state[masters[n]][key]
             assert mine.shape == p.shape and torch.allclose(mine, theirs, rtol=1e-5, atol=1e-9), (n, key)
         assert torch.allclose(safe_get_full_fp32_param(p), masters[n].detach(), rtol=1e-5, atol=1e-6), n
-    assert safe_get_full_optimizer_state(names["lm_head.weight"], "no_such_key") is None
+    with pytest.raises(ValueError, match=r"^lazytrain\.utils\.safe_get_full_optimizer_state: \w+ keeps no state "
+                                         r"'no_such_key' of this parameter's shape; it keeps 'exp_avg', 'exp_avg_sq'"):
+        safe_get_full_optimizer_state(names["lm_head.weight"], "no_such_key")
     engine.destroy()
 
 

@@ -13,6 +13,7 @@ import inspect
 import math
 import os
 import platform
+import threading
 import time
 import warnings
 from typing import Any
@@ -119,6 +120,7 @@ class LazyTrainEngine(nn.Module):
             raise
         self.weights.set_up_done()
         self.frozen_non_block.set_up_done()
+        self._setup_thread = threading.get_ident()   # the training thread, which alone waits on the engine's threads
         param_access.register(self)   # lazytrain.utils' safe_get_full_* find the engine of a parameter
 
     def _hand_model_back(self) -> None:
@@ -147,8 +149,6 @@ class LazyTrainEngine(nn.Module):
             self.weights.close_grad_sink()
         if d.get("masters") is not None:
             self.masters.hand_back()
-            if d.get("optimizer") is not None:   # a script may go on with the optimizer: on the parameters again
-                hand_back_to_params(self.optimizer, self.masters.pairs)
         if d.get("frozen_non_block") is not None:
             self.frozen_non_block.hand_back()
         if d.get("stream") is not None:
@@ -158,6 +158,10 @@ class LazyTrainEngine(nn.Module):
         for tier in d.get("tiers", {}).values():
             tier.close()
         _put_back(d.get("_devices_given", []))
+        if d.get("optimizer") is not None:   # a script may go on with it: on the parameters, where they are now
+            if d.get("_fused_copies"):   # no more writes into (nor references to) the engine's compute copies
+                self.optimizer.compute_copies.clear()
+            hand_back_to_params(self.optimizer, self.masters.pairs if d.get("masters") is not None else [])
 
     def _set_up(self, model: nn.Module, config: EngineConfig, optimizer, model_parameters, lr_scheduler,
                 training_data, collate_fn) -> None:

@@ -204,17 +204,23 @@ def _move_initial_state(optimizer: torch.optim.Optimizer, remap: Callable) -> No
 
 
 def hand_back_to_params(optimizer: torch.optim.Optimizer, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """After ``destroy()``: the optimizer's groups and state under the model's parameters again, in place of
-    the masters the engine gave it (the parameters hold the masters' values by then); each state tensor of the
-    parameter's shape moves to the parameter's device. Left on the masters, an optimizer the script goes on
-    using after the engine updated tensors no model reads, without a word."""
+    """After ``destroy()`` put the parameters back where they were given: the optimizer's groups and state under
+    the model's parameters again, in place of the masters the engine gave it, and every state tensor on its
+    parameter's device (a scalar step stays on the host unless the group is fused or capturable, as torch keeps
+    it). Left on the masters, an optimizer the script goes on using steps tensors no model reads, without a
+    word; left on the host beside a parameter on a GPU, its next step raises."""
     param_of = {id(m): p for p, m in pairs}
     for g in optimizer.param_groups:
         g["params"] = [param_of.get(id(t), t) for t in g["params"]]
     for m in [m for m in optimizer.state if id(m) in param_of]:
-        p = param_of[id(m)]
-        optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.shape == p.shape else v
-                              for k, v in optimizer.state.pop(m).items()}
+        optimizer.state[param_of[id(m)]] = optimizer.state.pop(m)
+    for g in optimizer.param_groups:
+        step_on_device = bool(g.get("fused") or g.get("capturable"))
+        for p in g["params"]:
+            state = optimizer.state.get(p)
+            if state:
+                optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and (v.dim() > 0 or step_on_device)
+                                      else v for k, v in state.items()}
 
 
 def _has_stepped(state: dict) -> bool:

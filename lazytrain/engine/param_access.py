@@ -10,6 +10,7 @@ Live engines are found through a weak set (an engine registers when set up, leav
 functions take the parameter alone, as DeepSpeed's do."""
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -26,14 +27,25 @@ def unregister(engine) -> None:
 
 
 def owner_of(param: torch.Tensor):
-    """The live engine training ``param`` (a parameter of its model, or an fp32 master it gave one), or None."""
-    for engine in list(_ENGINES):
+    """The live engine training ``param`` (a parameter of its model, an fp32 master it gave one, or a tensor
+    the script added to its optimizer, such as a loss's learnable temperature), or None."""
+    engines = list(_ENGINES)
+    for engine in engines:
         if id(param) in engine.__dict__.get("_model_param_ids", ()):
+            return engine
+    for engine in engines:
+        if any(t is param for t in engine._extra_params()):
             return engine
     return None
 
 
-def _refuse_sharded(engine, what: str) -> None:
+def _refuse(engine, what: str) -> None:
+    """What the accessors cannot answer: another thread's call (the gradient sinks and the update thread are
+    waited on by the thread that trains), and state that may be on another rank."""
+    if threading.get_ident() != engine._setup_thread:
+        raise RuntimeError(f"lazytrain.utils.{what} was called from a thread other than the one that set up the "
+                           f"engine: it waits for the gradient copies and the overlapped update, which only the "
+                           f"training thread may do; call it from the training loop")
     if engine.world_size > 1:
         raise NotImplementedError(
             f"lazytrain.utils.{what} over {engine.world_size} ranks is not implemented: the parameter's state may "
@@ -51,7 +63,8 @@ def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
     """A copy of ``param``'s gradient as accumulated for the coming ``step()`` (fp32, on the host where the
     engine keeps it; in fp16 multiplied by the loss scale, as DeepSpeed's); None before any backward reached
     it, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits for gradients still in flight."""
-    _refuse_sharded(engine, "safe_get_full_grad")
+    _refuse(engine, "safe_get_full_grad")
+    engine.wait_for_update()              # the overlapped update reads and then zeroes the layers' gradients
     engine.weights.flush_grads()          # a copy that failed raises here, as at step()
     if engine.masters is not None:
         engine.masters.flush_grads()
@@ -62,10 +75,12 @@ def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
     return None if grad is None else grad.detach().to("cpu", torch.float32, copy=True)
 
 
-def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor:
+def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor | None:
     """A copy of the fp32 weight the optimizer updates for ``param`` (its master), on the host, once an
-    overlapped update has landed."""
-    _refuse_sharded(engine, "safe_get_full_fp32_param")
+    overlapped update has landed; None for a frozen parameter, which nothing updates (as DeepSpeed's)."""
+    _refuse(engine, "safe_get_full_fp32_param")
+    if not param.requires_grad:
+        return None
     engine.wait_for_update()
     return _master(engine, param).detach().to("cpu", torch.float32, copy=True)
 
@@ -73,8 +88,8 @@ def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor:
 def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor | None:
     """A copy of the optimizer's state ``key`` ("exp_avg", "exp_avg_sq", ...) for ``param``, in fp32 and in
     the parameter's shape (8-bit moments dequantized), on the host; None before the first step and for a
-    key the optimizer does not keep."""
-    _refuse_sharded(engine, "safe_get_full_optimizer_state")
+    frozen parameter. A key the optimizer does not keep is refused, naming those it keeps (as DeepSpeed's)."""
+    _refuse(engine, "safe_get_full_optimizer_state")
     engine.wait_for_update()
     opt = engine.optimizer
     if opt is None:
@@ -83,9 +98,13 @@ def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor 
     state = opt.state.get(master)
     if not state:
         return None
-    if type(opt).__name__ == "HybridAdamW" and key in ("exp_avg", "exp_avg_sq"):
-        return torch.cat(list(opt.fp32_moment_chunks(master, key))).reshape(master.shape)
-    value = state.get(key)
-    if not isinstance(value, torch.Tensor):
-        return None
-    return value.detach().to("cpu", torch.float32, copy=True)
+    if type(opt).__name__ == "HybridAdamW":
+        if key in ("exp_avg", "exp_avg_sq"):
+            return torch.cat(list(opt.fp32_moment_chunks(master, key))).reshape(master.shape)
+        keys = ["exp_avg", "exp_avg_sq"]
+    else:
+        keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == master.shape]
+    if key not in keys:
+        raise ValueError(f"lazytrain.utils.safe_get_full_optimizer_state: {type(opt).__name__} keeps no state "
+                         f"{key!r} of this parameter's shape; it keeps {', '.join(map(repr, keys)) or 'none'}")
+    return state[key].detach().to("cpu", torch.float32, copy=True)
