@@ -18,7 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-LANES = ("compute", "wait", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer")
+# "host": the host's arithmetic on gradients outside the optimizer (the sinks' fp32 adds), on their workers
+LANES = ("compute", "wait", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "host")
 
 
 @dataclass

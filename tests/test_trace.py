@@ -54,6 +54,9 @@ def test_a_traced_step_records_each_layer_each_transfer_and_each_update(tmp_path
     assert len([s for s in t.spans if s.lane == "d2h" and s.args["bytes"] == boundary_bytes]) == 3   # offloads
     assert len([s for s in t.spans if s.lane == "h2d" and s.args["bytes"] == boundary_bytes]) == 3   # prefetches
     assert len([s for s in t.spans if s.lane == "d2h" and s.args["bytes"] == layer_bytes]) == 6      # gradients
+    # each layer's gradient added into its fp32 buffer on the sink's worker, and the end of backward's wait
+    assert sorted(names("host")) == sorted(f"grad add L{i}" for i in range(6))
+    assert "gradients landing (end of backward)" in names("wait")
     # the step's own updates last (the previous step's ran while this forward did: recorded too)
     assert names("optimizer")[-6:] == [f"update L{i}" for i in range(6)]
     assert all(s.end >= s.start for s in t.spans)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from ..tiers import streams
 from ..tiers.memory import async_copy, empty_host
 from .blocks import is_quantized
+from .host_accumulate import add_into, scratch_for
 
 
 class Masters:
@@ -277,6 +278,7 @@ class MasterGradSink:
         n = src.numel()
         if self._staging is None:
             self._staging = [empty_host(self.staging_numel, self.dtype) for _ in range(2)]
+            self._scratch = scratch_for(self.staging_numel)   # the one worker's, for the fp32 adds
         first = master.grad is None   # then it is set once whole: a failed copy leaves it missing
         if first:
             acc = torch.empty(master.shape, dtype=torch.float32, device=master.device)
@@ -292,7 +294,8 @@ class MasterGradSink:
             handle, staged, start = piece
             handle.synchronize()
             part = dst[start:start + staged.numel()]
-            part.copy_(staged) if first else part.add_(staged)
+            with streams.span("host", f"grad add {tuple(master.shape)}", bytes=staged.numel() * staged.element_size()):
+                part.copy_(staged) if first else add_into(part, staged, self._scratch)
 
         for k, start in enumerate(range(0, n, size)):
             staged = self._staging[k % 2][:min(size, n - start)]

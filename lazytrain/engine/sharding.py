@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from .host_accumulate import add_into
+
 
 @dataclass(frozen=True)
 class Ownership:
@@ -89,16 +91,17 @@ class GradientsToOwners:
         """The buffer to flatten a layer's gradient into, for :meth:`land` without another copy."""
         return self._send[:numel]
 
-    def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None) -> None:
+    def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None, scratch: torch.Tensor) -> None:
         """Reduce ``flat`` (layer i's gradient from this micro-batch, flat, on the host) to the layer's owner,
-        which adds the sum into ``target`` (its fp32 buffer; None on the other ranks)."""
+        which adds the sum into ``target`` (its fp32 buffer; None on the other ranks) through the caller's fp32
+        ``scratch`` (host_accumulate.py)."""
         send = self.send_buffer(flat.numel())
         if flat.data_ptr() != send.data_ptr():
             send.copy_(flat)
         send.div_(self.world_size)
         self.reduce(send, self.layer_owner[i])
         if self.owns(i):
-            target.add_(send)
+            add_into(target, send, scratch)
 
 
 def owned_groups(groups: list[dict], ownership: Ownership) -> list[dict]:

@@ -18,6 +18,7 @@ ranks own; the buffers may live in memory the node's ranks share (``move_masters
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch.nn as nn
 from ..tiers import Tier, TransferHandle, empty_host
 from ..tiers import streams
 from ..tiers.memory import async_copy
+from .host_accumulate import add_into, scratch_for
 from .layer_updates import LayerUpdates
 
 
@@ -379,13 +381,19 @@ class LayerWeights:
             return
         if self._to_owners is not None:   # flattened into the send buffer
             flat = self.flatten_grads(i, grads, self._to_owners.send_buffer(self.trainable_numels[i]))
-            self._to_owners.land(i, flat, self.grad[i])
+            self._to_owners.land(i, flat, self.grad[i], self._backward_scratch())
             return
         flat = self.grad[i]
         for s in self._trainable_slots(i):
             g = grads.get(s.name)
             if g is not None:
-                s.of(flat).add_(g)
+                add_into(s.of(flat).view(-1), g.reshape(-1), self._backward_scratch())
+
+    def _backward_scratch(self) -> torch.Tensor:
+        """The fp32 scratch of the adds made on the autograd thread (no gradient sink)."""
+        if self.__dict__.get("_scratch") is None:
+            self._scratch = scratch_for(self.max_trainable_numel)
+        return self._scratch
 
     def _trainable_slots(self, i: int) -> list[ParamSlot]:
         return [s for s, trains in zip(self.layer_slots[i], self.trainable[i]) if trains]
@@ -398,13 +406,15 @@ class LayerWeights:
             s.of(flat).copy_(g) if g is not None else s.of(flat).zero_()
         return flat
 
-    def land_grads(self, i: int, flat: torch.Tensor) -> None:
-        """Add layer i's flat gradient of one micro-batch (on the host) into its fp32 buffer, or reduce it to
-        the layer's owner when the gradients are sharded."""
+    def land_grads(self, i: int, flat: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Add layer i's flat gradient of one micro-batch (on the host) into its fp32 buffer (through the
+        caller's fp32 ``scratch``: host_accumulate.py), or reduce it to the layer's owner when the gradients
+        are sharded."""
         if self._to_owners is not None:
-            self._to_owners.land(i, flat, self.grad[i])
+            self._to_owners.land(i, flat, self.grad[i], scratch)
         else:
-            self.grad[i].add_(flat)
+            with streams.span("host", f"grad add L{i}", bytes=flat.numel() * flat.element_size()):
+                add_into(self.grad[i], flat, scratch)
 
     @property
     def grads_to_owners(self) -> bool:
@@ -473,6 +483,9 @@ class LayerWeights:
             self.attach_grads(i)
 
 
+_NO_SPAN = contextlib.nullcontext()
+
+
 class _GradientSink:
     """Gradients off the device without holding up backward: the autograd thread only flattens a layer's
     gradients into one device buffer (queued on the compute stream) and records an event; a worker thread
@@ -493,6 +506,7 @@ class _GradientSink:
         for _ in range(depth):
             self.free.put(empty_host(weights.max_trainable_numel, weights.compute_dtype))
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
+        self.scratch = scratch_for(weights.max_trainable_numel)   # the one worker's, for the fp32 adds
         self.max_in_flight = max_in_flight
         self.pending: collections.deque[Future] = collections.deque()
         self.failure: BaseException | None = None   # the first copy that failed since the last discard
@@ -519,7 +533,7 @@ class _GradientSink:
                     if not w.grads_to_owners:
                         return
                     part.zero_()         # the layer's reduce still pairs with the other ranks'
-                w.land_grads(i, part)
+                w.land_grads(i, part, self.scratch)
             finally:
                 self.free.put(staging)
         while len(self.pending) >= self.max_in_flight:
@@ -541,12 +555,14 @@ class _GradientSink:
 
     def settle(self) -> None:
         """Every submitted add done; a failure to land is kept as a failed copy is, for the next flush. An
-        interrupt of the wait itself (Ctrl-C) propagates, the add it waited for still pending."""
-        while self.pending:
-            wait([self.pending[0]])
-            error = self.pending.popleft().exception()
-            if error is not None and self.failure is None:   # raised by the flush that takes the gradients
-                self.failure = error
+        interrupt of the wait itself (Ctrl-C) propagates, the add it waited for still pending. Traced as a
+        wait of the host (it ends the backward, on the thread that called it)."""
+        with streams.span("wait", "gradients landing (end of backward)") if self.pending else _NO_SPAN:
+            while self.pending:
+                wait([self.pending[0]])
+                error = self.pending.popleft().exception()
+                if error is not None and self.failure is None:   # raised by the flush that takes the gradients
+                    self.failure = error
 
     def close(self) -> None:
         self.settle()
