@@ -7,13 +7,22 @@ peak GPU memory and, for LazyTrain, the host optimizer's exposed time per step: 
 training thread plus the time the forward waited for overlapped layer updates. MegaTrain's row runs the
 optimizer after backward (``overlap_optimizer: false``); the others overlap it with the next forward.
 
+GPU peak is each system's allocated peak over a training step: plain PyTorch's over its run, LazyTrain's over
+its last step (the engine resets the counter at every step; ``engine.last_step_peak_bytes``). With
+``--trace DIR`` the last timed step of each LazyTrain row is traced (``engine.trace_next_step``): its
+Chrome/Perfetto JSON goes to DIR, and its summary (per lane: compute, copies, waits by what they waited for,
+the host's gradient adds, the layer updates) is printed under the table, with the update thread's busy time
+and the host's threads and CPU quota, which the host-side work depends on.
+
     python benchmarks/engine_gpu.py [--layers 16] [--hidden 2048] [--batch 8] [--seq 1024] [--steps 5]
+                                    [--trace DIR]
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import gc
+import os
 import statistics
 import sys
 import time
@@ -82,26 +91,57 @@ def engine_config(micro_batch: int, section: dict) -> dict:
             "lazytrain": {"device": str(DEVICE), **section}}
 
 
-def train_timed(engine, batches, skip):
+TRACE_DIR: str | None = None   # --trace: where each LazyTrain row's traced last step goes
+TRACES: list[tuple[str, str]] = []   # (row, summary) of the traced steps, printed after the table
+
+
+def train_timed(engine, batches, skip, row: str = ""):
     """Median step time after the first ``skip`` steps, and the host optimizer's median exposed time per step:
-    the update on the training thread plus the time the forward waited for overlapped layer updates."""
+    the update on the training thread plus the time the forward waited for overlapped layer updates. With
+    --trace the last step is traced (a traced step records events: it is left out of the median)."""
     opt_times = []
+    traced = TRACE_DIR is not None and len(batches) - skip >= 2
 
     def step(ids):
+        if traced and len(opt_times) == len(batches) - 1:
+            engine.trace_next_step(os.path.join(TRACE_DIR, _file_name(row) + ".json"))
         ids = ids.to(engine.device)
         engine.backward(loss_of(engine(ids[:, :-1]).logits, ids))
         waited = engine.layer_updates.waited_seconds if engine.layer_updates is not None else 0.0
         engine.step()
         opt_times.append(engine.last_optimizer_seconds + waited)
-    return timed(step, batches, skip), statistics.median(opt_times[skip:])
+    t = timed(step, batches[:-1] if traced else batches, skip)
+    if traced:
+        step(batches[-1].clone())
+        _sync()
+        engine.wait_for_update()
+        busy = engine.layer_updates.busy_seconds if engine.layer_updates is not None else None
+        TRACES.append((row, engine.last_trace.summary() + (f"\nupdate thread busy {busy * 1e3:.1f} ms (last step)"
+                                                           if busy is not None else "")))
+    return t, statistics.median(opt_times[skip:])
+
+
+def _file_name(row: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in row.lower()).strip("-") or "row"
+
+
+def _host_facts() -> str:
+    """What the host-side work (gradient adds, the optimizer) runs on."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota = f.read().strip()
+    except OSError:
+        quota = "unknown"
+    return (f"host: {os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable, torch threads "
+            f"{torch.get_num_threads()}, cgroup cpu.max {quota}")
 
 
 def streamed(model, batches, warmup, section):
     import lazytrain
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(),
                                            config=engine_config(batches[0].shape[0], section))
-    t, optimizer_s = train_timed(engine, batches, warmup)
-    info = {"optimizer_s": optimizer_s,
+    t, optimizer_s = train_timed(engine, batches, warmup, _ROW[0])
+    info = {"optimizer_s": optimizer_s, "cuda_peak": engine.last_step_peak_bytes.get("cuda_allocated"),
             "plan": engine.plan.policy + (" +overlap" if engine.layer_updates is not None else ""),
             "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers)}
     engine.destroy()
@@ -118,18 +158,19 @@ def auto_streamed(model, batches, warmup, steps, seq):
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(),
                                            config=engine_config(batches[0].shape[0], section))
     data = (batches * (1 + (calibration + warmup + steps) // len(batches)))[:calibration + warmup + steps]
-    t, optimizer_s = train_timed(engine, data, calibration + warmup)
+    t, optimizer_s = train_timed(engine, data, calibration + warmup, _ROW[0])
     record = engine.auto.history[-1] if engine.auto.history else None
     info = {"plan": engine.plan.policy + (f" predicted {record.predicted_step_s:.3f}s, measured "
                                           f"{record.measured_step_s:.3f}s by auto"
                                           if record and record.measured_step_s and record.predicted_step_s else ""),
             "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers),
-            "optimizer_s": optimizer_s}
+            "optimizer_s": optimizer_s, "cuda_peak": engine.last_step_peak_bytes.get("cuda_allocated")}
     engine.destroy()
     return t, info
 
 
 AUTO = {"warmup_steps": 2, "profile_steps": 2, "selective": True, "max_replans": 0}
+_ROW = [""]   # the row being run, for its trace's name
 
 
 def main(argv=None) -> int:
@@ -142,9 +183,13 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip-milp", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark), or cpu for a quick smoke run")
+    ap.add_argument("--trace", metavar="DIR", help="trace each LazyTrain row's last step into DIR (see above)")
     args = ap.parse_args(argv)
-    global DEVICE
+    global DEVICE, TRACE_DIR
     DEVICE = torch.device(args.device)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        TRACE_DIR = args.trace
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         print("engine_gpu.py needs a CUDA GPU (or --device cpu for a smoke run)")
         return 1
@@ -174,6 +219,7 @@ def main(argv=None) -> int:
                                                                               args.seq)))
     rows = []
     for name, fn in runs:
+        _ROW[0] = name
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -182,7 +228,10 @@ def main(argv=None) -> int:
         except Exception as e:  # report and go on: one failing variant must not hide the others
             print(f"{name}: FAILED: {type(e).__name__}: {e}")
             continue
-        peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE.type == "cuda" else float("nan")
+        peak = torch.cuda.max_memory_allocated() if DEVICE.type == "cuda" else float("nan")
+        if info.get("cuda_peak") is not None:   # the engine's last step (it resets the counter every step)
+            peak = info["cuda_peak"]
+        peak /= 2**30
         rows.append((name, t, peak, info))
         gc.collect()
     plain_t = rows[0][1] if rows and rows[0][0].startswith("plain") else None
@@ -193,6 +242,10 @@ def main(argv=None) -> int:
         print(f"{name:<32}{t:>8.3f}{tokens / t:>10.0f}{6 * n * tokens / t / 1e12:>8.1f}{peak:>13.1f}"
               f"{info.get('optimizer_s', 0):>7.2f}{ratio:>9}  {info.get('plan', '')} "
               f"{'kept ' + str(info['kept']) + ' resident ' + str(info['resident']) if info else ''}")
+    if TRACES:
+        print("\n" + _host_facts())
+    for row, summary in TRACES:
+        print(f"\n{row}, last step traced ({TRACE_DIR}/{_file_name(row)}.json):\n{summary}")
     return 0
 
 

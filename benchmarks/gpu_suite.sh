@@ -22,7 +22,8 @@
 #      default and on the device when asked, the optimizer and tier tests;
 #   3. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present);
 #   4. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama, and policy auto's
-#      predicted vs measured step).
+#      predicted vs measured step), each LazyTrain row's last step traced (summaries printed: where the time
+#      over plain PyTorch's goes; the Chrome traces in $OUT/traces).
 # usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs; ONLY (default
 # 1234) runs those sections only; BUDGET (default 540) caps the whole run in seconds: each section's timeout is
 # cut to what is left of it and a section with under 30 s left is skipped, saying so. One device call runs at
@@ -86,5 +87,6 @@ fi
 
 if [[ $ONLY == *4* ]]; then
 echo "## 4. engine throughput (and policy auto's predicted vs measured step)"
-run_within "${ENGINE_TIMEOUT:-240}" python3 benchmarks/engine_gpu.py 2>&1 | tee "$OUT/engine_gpu.log" | tail -20
+run_within "${ENGINE_TIMEOUT:-240}" python3 benchmarks/engine_gpu.py --trace "$OUT/traces" 2>&1 | tee "$OUT/engine_gpu.log" \
+  | tail -80
 fi
