@@ -441,3 +441,24 @@ def test_on_a_gpu_weights_reach_the_device_through_pinned_staging_in_the_compute
     assert emb.weight._version > version   # an in-place change for autograd, as copy_ is
     assert emb.weight.dtype == torch.bfloat16 and masters._staging[torch.bfloat16][0].is_pinned()
     assert torch.equal(emb.weight.cpu(), master.to(torch.bfloat16))
+
+
+def test_the_next_steps_first_gradient_lands_in_the_last_ones_memory(copy_threads, monkeypatch):
+    """zero_grad drops the masters' gradients (None: a parameter with no gradient in a step is skipped, as in
+    plain PyTorch), and the next first landing reuses their memory instead of allocating and page-faulting a
+    fresh embedding-sized tensor every step; the values are the new gradient's alone."""
+    monkeypatch.setattr(MasterGradSink, "CHUNK", 7)
+    head = nn.Linear(5, 9, bias=False)
+    masters = Masters([head.weight], torch.bfloat16)
+    master = masters.master_of(head.weight)
+    x1, x2 = torch.randn(3, 5, dtype=torch.bfloat16), 2 * torch.randn(3, 5, dtype=torch.bfloat16)
+    head(x1).float().sum().backward()
+    first = masters.master_grads()[0]
+    memory = first.data_ptr()
+    masters.zero_grad()
+    assert master.grad is None
+    head(x2).float().sum().backward()
+    second = masters.master_grads()[0]
+    assert second.data_ptr() == memory
+    assert torch.equal(second, (torch.ones(3, 9, dtype=torch.bfloat16).T @ x2).float())
+    masters.hand_back()

@@ -141,6 +141,8 @@ class Masters:
             self.sink.discard()
         for p, m in self.pairs:
             p.grad = None
+            if self.sink is not None and m.grad is not None:   # its memory takes the next step's first gradient
+                self.sink.reuse(m, m.grad)
             m.grad = None
 
 
@@ -251,6 +253,7 @@ class MasterGradSink:
         self.pending: collections.deque[tuple[Future, int]] = collections.deque()
         self.failed: BaseException | None = None
         self._staging: list[torch.Tensor] | None = None
+        self._spare: dict[int, torch.Tensor] = {}   # id(master) -> the memory of its dropped gradient (reuse)
 
     def submit(self, master: nn.Parameter, grad: torch.Tensor) -> None:
         """Called from the autograd hook: never raises an earlier copy's failure (``flush`` does)."""
@@ -280,8 +283,10 @@ class MasterGradSink:
             self._staging = [empty_host(self.staging_numel, self.dtype) for _ in range(2)]
             self._scratch = scratch_for(self.staging_numel)   # the one worker's, for the fp32 adds
         first = master.grad is None   # then it is set once whole: a failed copy leaves it missing
-        if first:
-            acc = torch.empty(master.shape, dtype=torch.float32, device=master.device)
+        if first:   # into the last step's gradient's memory: a fresh one is allocated and page-faulted each step
+            acc = self._spare.pop(id(master), None)
+            if acc is None:
+                acc = torch.empty(master.shape, dtype=torch.float32, device=master.device)
         else:
             if not master.grad.is_contiguous():   # e.g. zeros_like of a transposed master
                 master.grad = master.grad.contiguous()
@@ -309,6 +314,13 @@ class MasterGradSink:
         if first:
             master.grad = acc
 
+    def reuse(self, master: nn.Parameter, grad: torch.Tensor) -> None:
+        """``grad`` (``master``'s, being dropped by zero_grad) becomes the memory its next first gradient lands
+        in, whole: a tensor of another layout is not kept."""
+        if grad.shape == master.shape and grad.is_contiguous() and grad.dtype == torch.float32 and \
+                grad.device == master.device:
+            self._spare[id(master)] = grad
+
     def flush(self) -> None:
         """Every gradient handed over has landed; raises if any landing failed since the last ``discard``."""
         self._collect(lambda: bool(self.pending))
@@ -327,6 +339,7 @@ class MasterGradSink:
         self.discard()
         self.pool.shutdown(wait=True)
         self._staging = None
+        self._spare = {}
 
 
 class LossScaleAtMinimumError(RuntimeError):
