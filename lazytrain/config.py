@@ -831,12 +831,17 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if not isinstance(tiers, list) or not all(isinstance(t, dict) and "name" in t for t in tiers):
         raise ConfigError("config key 'lazytrain.tiers' must be a list of objects, each with a 'name' "
                           "(and 'class', 'capacity', ...)")
-    capacities = dict(section.get("capacities", {}))
+    capacities = section.get("capacities", {})
+    if not isinstance(capacities, dict):
+        raise ConfigError(f"config key 'lazytrain.capacities' must be an object of tier names and sizes, got "
+                          f"{capacities!r}")
+    capacities = dict(capacities)
+    given_by = {tier: f"config key 'lazytrain.capacities.{tier}'" for tier in capacities}   # what errors name
     for key, tier in (("gpu_memory", "hbm"), ("host_memory", "host"), ("nvme_memory", "nvme")):
         if key in section:
-            capacities[tier] = section[key]
+            capacities[tier], given_by[tier] = section[key], f"config key 'lazytrain.{key}'"
     try:
-        capacities = {k: parse_bytes(v, f"lazytrain budget for tier '{k}'") for k, v in capacities.items()}
+        capacities = {k: parse_bytes(v, given_by[k]) for k, v in capacities.items()}
     except ValueError as e:
         raise ConfigError(str(e)) from None
     weights_home = section.get("weights_home")

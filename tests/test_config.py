@@ -202,6 +202,23 @@ def test_weights_on_nvme_without_a_path_are_refused_by_name():
                         ).lazytrain.nvme_path == "/tmp/x"
 
 
+@pytest.mark.parametrize("section, message", [
+    ({"gpu_memory": "lots"}, "config key 'lazytrain.gpu_memory': cannot read 'lots' as a size (examples: 1073741824, "
+                             "'64GB', '512MiB')"),
+    ({"nvme_memory": -3}, "config key 'lazytrain.nvme_memory' must be >= 0, got -3"),
+    ({"capacities": {"host": "x"}}, "config key 'lazytrain.capacities.host': cannot read 'x' as a size (examples: "
+                                    "1073741824, '64GB', '512MiB')"),
+    ({"capacities": {"hbm": "x"}, "gpu_memory": "y"}, "config key 'lazytrain.gpu_memory': cannot read 'y' as a size "
+                                                      "(examples: 1073741824, '64GB', '512MiB')"),
+    ({"capacities": 5}, "config key 'lazytrain.capacities' must be an object of tier names and sizes, got 5"),
+])
+def test_a_budget_that_is_no_size_names_the_config_key_it_was_given_by(section, message):
+    """It named the tier ("lazytrain budget for tier 'hbm'") rather than the key the config gave it by."""
+    with pytest.raises(ConfigError) as e:
+        parse_config({"train_batch_size": 1, "lazytrain": section})
+    assert str(e.value) == message
+
+
 def test_activation_checkpointing_is_honoured():
     cfg = parse_config({"train_batch_size": 1, "activation_checkpointing": {"number_checkpoints": 3,
                                                                            "cpu_checkpointing": True}})

@@ -110,6 +110,26 @@ def test_moe_flops_are_those_of_the_routed_width():
     # beside the routed width's MLP tensors, each routed copy of a token's input and its expert's output
     assert moe.layers[0].saved_bytes_per_token(2) == dense.layers[0].saved_bytes_per_token(2) + 2 * 2 * 64 * 2
 
+def test_moe_tflops_count_the_active_parameters():
+    """The TFLOPS convention's N is what a token multiplies: a mixture-of-experts model's routed top-k and shared
+    experts, not all it stores. Counted with all 8 experts (3x the 2 a token visits), a compute-bound step came
+    out at 1.8x the hardware's peak."""
+    moe = ModelShape.from_hf_config({**MOE_BASE, "num_local_experts": 8, "num_experts_per_tok": 2})
+    h, attn = 64, 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 64          # q, k, v, o projections and the two norms
+    active = 4 * (attn + 2 * 3 * h * 96 + h * 8) + 2 * 128 * h + h   # 2 experts and the router; embedding, head, norm
+    assert (moe.active_params, moe.total_params) == (active, active + 4 * 6 * 3 * h * 96) == (215_616, 657_984)
+    assert moe.throughput_params == active and moe.to_dict()["active_params"] == active
+    dense = ModelShape.from_hf_config(MOE_BASE)
+    assert dense.active_params == dense.total_params == dense.throughput_params
+    fast = HardwareProfile("fast-links", achievable_tflops=1e-4, h2d_gbps=1e6, d2h_gbps=1e6,
+                           host_optimizer_gparams_per_s=1e6)
+    p = Problem(model=moe, hardware=fast, micro_batch=1, seq_len=256,
+                budgets=Budgets(gpu_bytes=10 ** 9, host_bytes=10 ** 9, gpu_reserved_bytes=0))
+    r = simulate(p, keep_all(p)[0])
+    assert r.step_time_s == pytest.approx(r.compute_s, rel=1e-6)     # compute-bound: the links take no time
+    assert r.tflops == pytest.approx(6 * active * 256 / r.step_time_s / 1e12, rel=1e-12)
+    assert 0.5 * fast.achievable_tflops < r.tflops < fast.achievable_tflops
+
 
 def test_measured_sizes_decide_which_layers_are_sparse():
     """DeepSeek-style: a config whose attention the planner does not model exactly (MLA), with the first
@@ -153,6 +173,81 @@ def test_model_from_a_local_config_json(tmp_path):
     for spec in (str(d), str(d / "config.json")):
         m = load_model(spec)
         assert m.name == "my-model" and m.total_params == 7_615_616_512
+
+TIE_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=128)
+
+
+@pytest.mark.parametrize("model_type, tied", [("gemma", True), ("gemma2", True), ("gemma3_text", True),
+                                              ("llama", False), ("qwen2", False), (None, False)])
+def test_a_config_without_tie_word_embeddings_takes_its_model_types_default(model_type, tied, monkeypatch):
+    """save_pretrained leaves tie_word_embeddings out where it is the default: a Gemma config then ties its head
+    (GemmaConfig's default), which the planner read as untied (one more vocabulary x hidden of parameters). The
+    model types the planner knows need no transformers."""
+    from lazytrain.planner import models
+    monkeypatch.setattr(models, "transformers_default", lambda *a: pytest.fail(f"asked transformers for {a}"),
+                        raising=False)
+    cfg = dict(TIE_BASE, **({"model_type": model_type} if model_type else {}))
+    m = ModelShape.from_hf_config(cfg)
+    assert m.tied_embeddings is tied
+    assert m.nonlayer_params == 128 * 64 * (1 if tied else 2) + 64
+    assert ModelShape.from_hf_config({**cfg, "tie_word_embeddings": not tied}).tied_embeddings is (not tied)
+    # a multimodal config: the text config's key, else the outer one's, else the text model type's default
+    nested = {"text_config": cfg}
+    assert ModelShape.from_hf_config(nested).tied_embeddings is tied
+    assert ModelShape.from_hf_config({**nested, "tie_word_embeddings": not tied}).tied_embeddings is (not tied)
+
+
+def test_the_planners_tied_defaults_are_transformers_and_other_model_types_ask_it():
+    transformers = pytest.importorskip("transformers")
+    from lazytrain.planner.models import TIED_BY_DEFAULT
+    checked = 0
+    for model_type, tied in TIED_BY_DEFAULT.items():
+        try:
+            config = transformers.AutoConfig.for_model(model_type)
+        except ValueError:      # a model type newer than this transformers
+            continue
+        assert config.tie_word_embeddings is tied, model_type
+        checked += 1
+    assert checked >= 10
+    # a model type the table does not hold: its config class's default, read in a child interpreter (FalconConfig
+    # ties); one transformers does not know: untied
+    assert "falcon" not in TIED_BY_DEFAULT and transformers.AutoConfig.for_model("falcon").tie_word_embeddings
+    assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "falcon"}).tied_embeddings is True
+    assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "no-such-model"}).tied_embeddings is False
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": "4096"}, "model config 'hidden_size' must be an integer >= 1, got '4096'"),
+    ({"num_hidden_layers": [2]}, "model config 'num_hidden_layers' must be an integer >= 1, got [2]"),
+    ({"num_attention_heads": -4}, "model config 'num_attention_heads' must be an integer >= 1, got -4"),
+    ({"vocab_size": 0}, "model config 'vocab_size' must be an integer >= 1, got 0"),
+    ({"intermediate_size": 96.0}, "model config 'intermediate_size' must be an integer >= 1, got 96.0"),
+    ({"num_key_value_heads": True}, "model config 'num_key_value_heads' must be an integer >= 1, got True"),
+    ({"head_dim": {"q": 16}}, "model config 'head_dim' must be an integer >= 1, got {'q': 16}"),
+    ({"tie_word_embeddings": "false"}, "model config 'tie_word_embeddings' must be true or false, got 'false'"),
+    ({"attention_bias": 1}, "model config 'attention_bias' must be true or false, got 1"),
+    ({"num_local_experts": "8", "num_experts_per_tok": 2},
+     "model config 'num_local_experts' must be an integer >= 0, got '8'"),
+    ({"num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": -32},
+     "model config 'moe_intermediate_size' must be an integer >= 1, got -32"),
+    ({"num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": "0"},
+     "model config 'mlp_only_layers' must list layer indices, got '0'"),
+    ({"layer_params": ["1", 2]}, "model config 'layer_params' must hold 2 non-negative counts (one per layer), "
+                                 "got ['1', 2]"),
+    ({"reported_params": "7B"}, "model config 'reported_params' must be an integer >= 1, got '7B'"),
+])
+def test_a_model_config_value_of_the_wrong_type_is_refused_by_key_and_file(change, message, tmp_path, capsys):
+    """int() read "4096" and 96.0 as sizes, a list or a dict ended in a TypeError traceback, bool() read "false" as
+    true: each is refused naming the key, and with `lazytrain plan` the file, before any solving."""
+    from lazytrain.cli import main
+    cfg = dict(TIE_BASE, model_type="llama", **change)
+    with pytest.raises(ModelShapeError) as e:
+        ModelShape.from_hf_config(cfg)
+    assert str(e.value) == message
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["plan", "--model", str(path), "--hardware", "h800", "--micro-batch", "1"]) == 2
+    assert capsys.readouterr() == ("", f"lazytrain plan: {path}: {message}\n")
 
 
 def test_parse_size():
@@ -615,6 +710,44 @@ def test_accumulated_micro_batches_repeat_the_windows_and_share_one_optimizer_de
     with pytest.raises(ValueError, match="grad_accum must be an integer >= 1, got 0"):
         dataclasses.replace(p1, grad_accum=0)
 
+def test_a_simulated_step_with_accumulation_traces_every_micro_batch():
+    """The step time covers every micro-batch, then the last gradients and the update; so do the timeline (a
+    trace or plot of the step), the memory over time and the compute and exposed times. The trace held the
+    first micro-batch alone, with the update drawn right after it."""
+    p1 = toy_problem(4, 5.0, host_slots=4)
+    plan = keep_all(p1)[0]
+    one, later = simulate(p1, plan), simulate(p1, plan, refresh_resident=False)
+    r = simulate(dataclasses.replace(p1, grad_accum=3), plan)
+    spans = lambda res, k: [(e.lane, e.label, e.window, e.end - e.start) for e in res.timeline if e.micro_batch == k]
+    assert {e.micro_batch for e in r.timeline} == {0, 1, 2, None}
+    assert spans(r, 0) == spans(one, 0)
+    # each later micro-batch: layer 0's weights copied (the first one's came with the step before), then its windows
+    load = ("h2d", "weights L0", 0, pytest.approx(p1.load_l[0], rel=1e-12))
+    for k in (1, 2):
+        assert spans(r, k) == [load] + [pytest.approx(s, rel=1e-9) for s in spans(later, 0)]
+    start = lambda k: min(e.start for e in r.timeline if e.micro_batch == k)
+    end = lambda k: max(e.end for e in r.timeline if e.micro_batch == k)
+    assert (start(1), start(2)) == (pytest.approx(end(0), rel=1e-12), pytest.approx(end(1), rel=1e-12))
+    assert end(0) == pytest.approx(one.micro_step_s, rel=1e-12)
+    assert end(1) - start(1) == pytest.approx(p1.load_l[0] + later.micro_step_s, rel=1e-12)
+    # then the last micro-batch's last gradients, the update, and the step ends where the timeline's wait does
+    step_end = [(e.lane, e.label) for e in r.timeline if e.micro_batch is None]
+    assert step_end == [("d2h", "grads L0 + embedding"), ("optimizer", "embedding/head")] + \
+        [("optimizer", f"update L{j}") for j in range(4)] + [("wait", "optimizer exposed in the next forward")]
+    tail = next(e for e in r.timeline if e.label == "grads L0 + embedding")
+    assert tail.start == pytest.approx(end(2), rel=1e-12) and tail.end - tail.start == pytest.approx(p1.tail_s)
+    assert max(e.end for e in r.timeline if e.lane != "optimizer") == pytest.approx(r.step_time_s, rel=1e-12)
+    assert r.trace().duration >= r.step_time_s       # the overlapped update runs on into the next step
+    # the memory over time, the compute and the exposed times are the whole step's too
+    assert [(m["micro_batch"], m["window"]) for m in r.memory] == [(k, w) for k in range(3) for w in range(8)]
+    assert r.compute_s == pytest.approx(3 * one.compute_s, rel=1e-12)
+    assert sum(e.end - e.start for e in r.timeline if e.lane == "compute") == pytest.approx(r.compute_s, rel=1e-12)
+    assert r.compute_s + sum(r.exposed_s.values()) == pytest.approx(r.step_time_s, rel=1e-12)
+    # MegaTrain's executor: each micro-batch ends with its last gradients' copy
+    mt = simulate(dataclasses.replace(p1, grad_accum=3), megatrain_plan(p1), strict=False, executor="megatrain")
+    assert [e.micro_batch for e in mt.timeline if e.label == "grads L0 + embedding/head"] == [0, 1, 2]
+    assert mt.compute_s + sum(mt.exposed_s.values()) == pytest.approx(mt.step_time_s, rel=1e-12)
+
 
 class _TwoArgError(ValueError):
     def __init__(self, message, code):
@@ -695,6 +828,53 @@ def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, caps
         with pytest.raises(SystemExit):
             main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", flag, "-1"])
         assert f"argument {flag}: must be a positive {kind}, got '-1'" in capsys.readouterr().err
+
+def test_cli_refuses_a_plot_file_of_no_known_format_before_solving(tmp_path, capsys):
+    """matplotlib refused the extension only once the plan was solved, with a ValueError traceback."""
+    from lazytrain.cli import main
+    from lazytrain.planner.plot import plot_step
+    known = ".png, .svg, .svgz, .pdf, .eps, .ps, .jpg, .jpeg, .tif, .tiff"
+    args = ["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--micro-batch", "8"]
+    for name, why in (("g.xyz", f"'.xyz' is not a plot format (use {known})"),
+                      ("g", f"no extension to tell the plot format (use {known})")):
+        assert main(args + ["--plot", str(tmp_path / name)]) == 2
+        assert capsys.readouterr() == ("", f"lazytrain plan: --plot {tmp_path / name}: {why}\n")
+    with pytest.raises(ValueError) as e:
+        plot_step(simulate(toy_problem(2, 4.0), every_k_plan(2, 1)), str(tmp_path / "g.xyz"))
+    assert str(e.value) == f"{tmp_path / 'g.xyz'}: '.xyz' is not a plot format (use {known})"
+    assert not os.listdir(tmp_path)
+
+
+def test_plot_formats_are_those_matplotlib_writes():
+    pytest.importorskip("matplotlib")
+    from matplotlib.backend_bases import FigureCanvasBase
+    from lazytrain.planner.plot import FORMATS, unsupported_format
+    assert set(FORMATS) <= set(FigureCanvasBase.get_supported_filetypes())
+    assert unsupported_format("out/Step.PNG") is None and unsupported_format("a.b/step.svg") is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpu-mem", "lots"], "--gpu-mem: cannot read 'lots' as a size (examples: 1073741824, '64GB', '512MiB')"),
+    (["--host-mem=-5GB"], "--host-mem must be >= 0, got '-5GB'"),
+    (["--nvme", "2EB"], "--nvme: cannot read '2EB' as a size (examples: 1073741824, '64GB', '512MiB')"),
+    (["--nvme", "2e18"], "NVMe budget 2000000000000000000 bytes is not a memory size (0 to 2**60, 1 EiB): check "
+                         "--nvme or lazytrain.nvme_memory"),
+])
+def test_cli_size_errors_name_their_flag(flags, message, capsys):
+    """A size that is none said "size: cannot read ...", naming no flag."""
+    from lazytrain.cli import main
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--micro-batch", "8"] + flags) == 2
+    assert capsys.readouterr() == ("", f"lazytrain plan: {message}\n")
+
+
+def test_plan_for_size_errors_name_the_budgets_key():
+    with pytest.raises(ValueError) as e:
+        plan_for(toy_model(2), TOY_HW, {"gpu": "1GB", "host": "many"}, micro_batch=1)
+    assert str(e.value) == "budgets['host']: cannot read 'many' as a size (examples: 1073741824, '64GB', '512MiB')"
+    with pytest.raises(InfeasibleBudgetError) as e:
+        plan_for(toy_model(2), TOY_HW, {"gpu": "1GB", "host": "1GB", "nvme": 2 ** 61}, micro_batch=1)
+    assert str(e.value) == (f"NVMe budget {2 ** 61} bytes is not a memory size (0 to 2**60, 1 EiB): check --nvme or "
+                            f"lazytrain.nvme_memory")
 
 
 def test_cli_hardware_file_with_gaps_and_base(tmp_path, capsys):
@@ -874,6 +1054,31 @@ def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):
                                       "weights_copy_share": 0.25}
     cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 0}}, world_size=8)
     assert _host_shares(cfg, cpu) == {}
+
+@pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+def test_a_plan_file_on_nvme_without_an_nvme_path_is_refused_naming_the_keys(tmp_path):
+    """The executor refused it only once the engine had set up the weights, naming neither key."""
+    from lazytrain.config import ConfigError, parse_config
+    import torch
+    from lazytrain.engine.placement import build_plan, build_tiers
+    path = str(tmp_path / "plan.json")
+    Plan(num_layers=4, homes=("hbm", "nvme", "recompute", "nvme", "hbm")).to_json(path)
+    base = {"train_micro_batch_size_per_gpu": 1, "lazytrain": {"device": "cpu", "policy": "plan", "plan": path}}
+    cfg = parse_config(base)
+    tiers = build_tiers(cfg, torch.device("cpu"))
+    with pytest.raises(ConfigError) as e:
+        build_plan(cfg, 4, tiers, None, 1)
+    assert str(e.value) == (f"config 'lazytrain.plan' ({path}) puts boundary 1 and 1 more on tier 'nvme', which is "
+                            f"not configured (configured: hbm, host); the NVMe tier exists when 'lazytrain.nvme_path' "
+                            f"names a directory on the drive; or plan again without NVMe (`lazytrain plan --nvme 0`)")
+    cfg = parse_config({**base, "lazytrain": {"device": "cpu", "boundary_home": "nvme"}})
+    with pytest.raises(ConfigError) as e:
+        build_plan(cfg, 4, build_tiers(cfg, torch.device("cpu")), None, 1)
+    assert str(e.value) == ("config 'lazytrain.boundary_home' is 'nvme', which is not a configured tier (configured: "
+                            "hbm, host); the NVMe tier exists when 'lazytrain.nvme_path' names a directory on the "
+                            "drive")
+    cfg = parse_config({**base, "lazytrain": {**base["lazytrain"], "nvme_path": str(tmp_path)}})
+    assert build_plan(cfg, 4, build_tiers(cfg, torch.device("cpu")), None, 1).homes[1] == "nvme"
 
 
 def test_embedding_and_head_gradients_leave_beside_the_windows_on_lazytrain_and_after_them_on_megatrain():

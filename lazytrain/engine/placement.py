@@ -65,9 +65,10 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
                  micro_batch: int, from_model: dict[str, float] | None) -> Plan:
     lt = cfg.lazytrain
     home = lt.boundary_home
+    no_nvme = "; the NVMe tier exists when 'lazytrain.nvme_path' names a directory on the drive"
     if home not in tiers:
         raise ConfigError(f"config 'lazytrain.boundary_home' is {home!r}, which is not a configured tier "
-                          f"(configured: {', '.join(tiers)})")
+                          f"(configured: {', '.join(tiers)})" + (no_nvme if home == "nvme" else ""))
     resident = tuple(range(num_layers)) if lt.weights_home == "hbm" else ()
     if lt.policy == "every_k":
         k = cfg.interval_for(num_layers)
@@ -85,6 +86,13 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
         if plan.num_layers != num_layers:
             raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}) is for {plan.num_layers} layers, but the "
                               f"model has {num_layers} blocks")
+        # a plan written with --nvme: refused here, naming the keys, not by the executor once the weights are set up
+        on_nvme = [i for i, h in enumerate(plan.homes) if h == "nvme"]
+        if on_nvme and "nvme" not in tiers:
+            more = f" and {len(on_nvme) - 1} more" if len(on_nvme) > 1 else ""
+            raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}) puts boundary {on_nvme[0]}{more} on tier "
+                              f"'nvme', which is not configured (configured: {', '.join(tiers)}){no_nvme}; or "
+                              f"plan again without NVMe (`lazytrain plan --nvme 0`)")
         if plan.micro_batch_size is not None and plan.micro_batch_size != micro_batch:
             warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for micro-batch "
                           f"{plan.micro_batch_size}, but this run trains micro-batch {micro_batch}: it runs, but its "

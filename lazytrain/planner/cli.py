@@ -55,7 +55,8 @@ def register(subparsers) -> None:
                         "a LoRA run whose embedding and head are frozen, budgeted as their device copy alone (default "
                         "1; with --profile, the share of the run measured)")
     p.add_argument("--json", default=None, help="write the Plan the engine loads to this file")
-    p.add_argument("--plot", default=None, help="draw a Gantt chart with memory per tier (needs matplotlib)")
+    p.add_argument("--plot", default=None,
+                   help="draw a Gantt chart with memory per tier to this .png, .svg, .pdf, ... file (needs matplotlib)")
     p.set_defaults(func=run)
 
 
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from .measured import MeasurementError
     from .milp import MilpOptions, PlanningError
     from .models import ModelShapeError, load_model
+    from .plot import unsupported_format
     from .problem import Budgets, InfeasibleBudgetError, Problem
     from .report import compare, table
     from .search import search_micro_batch
@@ -74,11 +76,16 @@ def run(args: argparse.Namespace) -> int:
         if folder and not os.path.isdir(folder):
             print(f"lazytrain plan: {flag} {path}: directory {folder} does not exist", file=sys.stderr)
             return 2
+    why = unsupported_format(args.plot) if args.plot else None
+    if why:
+        print(f"lazytrain plan: --plot {args.plot}: {why}", file=sys.stderr)
+        return 2
     if args.profile is None and (args.model is None or args.hardware is None):
         print("lazytrain plan: give --model and --hardware, or --profile", file=sys.stderr)
         return 2
     try:
         budgets = Budgets.of(gpu=args.gpu_mem, host=args.host_mem, nvme=args.nvme, lean_norms=not args.no_lean_norms,
+                             sources={"gpu": "--gpu-mem", "host": "--host-mem", "nvme": "--nvme"},
                              trainable_share=1.0 if args.trainable_share is None else args.trainable_share,
                              non_block_trainable_share=1.0 if args.non_block_trainable_share is None
                              else args.non_block_trainable_share)

@@ -22,6 +22,8 @@ parameters (token embedding, final norm, LM head). Everything is derived analyti
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,7 +43,27 @@ def read_json(path: str, error: type[Exception], what: str) -> Any:
 
 
 class ModelShapeError(ValueError):
-    """A model description the planner cannot use; the message names the key."""
+    """A model description the planner cannot use; the message names the key (and the file it came from)."""
+
+
+def _whole(value: Any, key: str, least: int = 1) -> int:
+    """A count or size of a model config, refused by its key unless a whole number >= ``least``: int() would
+    read "4096" or 2.5 as one, and a list would end in a bare TypeError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ModelShapeError(f"model config {key!r} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _flag(value: Any, key: str) -> bool:
+    """A switch of a model config, refused by its key unless true or false: bool() reads "false" as true."""
+    if not isinstance(value, bool):
+        raise ModelShapeError(f"model config {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _optional_whole(cfg: dict[str, Any], key: str, least: int = 1) -> int | None:
+    """An optional count of a model config: None where it is absent or null, else as :func:`_whole` reads it."""
+    return None if cfg.get(key) is None else _whole(cfg[key], key, least)
 
 
 @dataclass(frozen=True)
@@ -257,31 +279,37 @@ class MoeShape:
         OLMoE, GraniteMoE, GPT-OSS and Llama 4, and which layers are sparse (``decoder_sparse_step`` /
         ``mlp_only_layers``, ``first_k_dense_replace`` / ``moe_layer_freq``,
         ``interleave_moe_layer_step``; every layer otherwise)."""
-        experts = next((cfg[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
-                        if isinstance(cfg.get(k), int) and cfg[k] > 1), None)
+        counts = [_optional_whole(cfg, k, least=0) for k in ("num_local_experts", "num_experts", "n_routed_experts")]
+        experts = next((n for n in counts if n is not None and n > 1), None)
         if experts is None:
             return None
         top_k = cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or cfg.get("top_k")
-        if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
             raise ModelShapeError(f"mixture-of-experts config with {experts} experts needs 'num_experts_per_tok' "
                                   f"between 1 and {experts}, got {top_k!r}")
-        expert_ffn = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-        shared = cfg.get("shared_expert_intermediate_size")
-        if not shared and cfg.get("n_shared_experts"):
-            shared = int(cfg["n_shared_experts"]) * expert_ffn
+        expert_ffn = _optional_whole(cfg, "moe_intermediate_size") or _whole(cfg["intermediate_size"],
+                                                                            "intermediate_size")
+        shared = _optional_whole(cfg, "shared_expert_intermediate_size", least=0)
+        n_shared = _optional_whole(cfg, "n_shared_experts", least=0)
+        if not shared and n_shared:
+            shared = n_shared * expert_ffn
         if not shared and cfg.get("model_type") == "llama4_text":
-            shared = int(cfg["intermediate_size"])          # Llama 4: one shared expert of the expert width
+            shared = _whole(cfg["intermediate_size"], "intermediate_size")   # Llama 4: one shared expert
         sparse = [True] * n_layers
         if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:                 # DeepSeek
-            k, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+            k = _optional_whole(cfg, "first_k_dense_replace", least=0) or 0
+            freq = _optional_whole(cfg, "moe_layer_freq") or 1
             sparse = [i >= k and i % freq == 0 for i in range(n_layers)]
         elif "decoder_sparse_step" in cfg or cfg.get("mlp_only_layers"):             # Qwen-MoE
-            step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+            step, dense = _optional_whole(cfg, "decoder_sparse_step") or 1, cfg.get("mlp_only_layers") or []
+            if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+                raise ModelShapeError(f"model config 'mlp_only_layers' must list layer indices, got {dense!r}")
+            dense = set(dense)
             sparse = [i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
-        elif cfg.get("interleave_moe_layer_step"):                                   # Llama 4
-            step = int(cfg["interleave_moe_layer_step"])
+        elif cfg.get("interleave_moe_layer_step") is not None:                       # Llama 4
+            step = _whole(cfg["interleave_moe_layer_step"], "interleave_moe_layer_step")
             sparse = [(i + 1) % step == 0 for i in range(n_layers)]
-        return cls(experts=int(experts), top_k=int(top_k), expert_ffn=expert_ffn, shared_ffn=int(shared or 0),
+        return cls(experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_ffn=shared or 0,
                    moe_layers=tuple(sparse), shared_gate=bool(cfg.get("shared_expert_intermediate_size")))
 
 
@@ -320,9 +348,18 @@ class ModelShape:
         return self.layer_params + self.nonlayer_params
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token multiplies: a mixture-of-experts layer's routed top-k and shared experts, not
+        every expert it stores (a dense model: all of them)."""
+        layers = sum(l.params if l.active_params is None else l.active_params for l in self.layers)
+        return layers + self.nonlayer_params
+
+    @property
     def throughput_params(self) -> int:
-        """N in the paper's TFLOPS = 6 * N * batch * seq / step_time convention."""
-        return self.reported_params or self.total_params
+        """N in the paper's TFLOPS = 6 * N * batch * seq / step_time convention: the active parameters, as MoE
+        throughputs are quoted (the stored ones would count FLOPs of experts a token never visits, and put a
+        mixture-of-experts model above the hardware's peak)."""
+        return self.reported_params or self.active_params
 
     def selective_bytes(self, tokens: int) -> list[int]:
         """Bytes each layer's forward under the selective checkpointing policy keeps for its re-runs, at
@@ -339,7 +376,8 @@ class ModelShape:
         """From a Hugging Face ``config.json`` (a dict, e.g. ``model.config.to_dict()``, or a path).
 
         Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``,
-        ``vocab_size`` and optionally ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``,
+        ``vocab_size`` and optionally ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings`` (where it
+        is missing, the model type's default in transformers: tied for Gemma, :data:`TIED_BY_DEFAULT`),
         ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``), and the expert keys
         of mixture-of-experts configs (:meth:`MoeShape.from_hf_config`). Hybrid stacks: ``layer_types``
         (``"full_attention"`` / ``"linear_attention"`` per layer) or, without it,
@@ -351,13 +389,19 @@ class ModelShape:
         streams, measured on the model) replaces the dense-Llama estimate of every layer's size, which is
         wrong for stacks whose layers differ and, in the details, for attention variants (MLA, q/k norms).
         """
-        if isinstance(cfg, str):
-            cfg = read_json(cfg, ModelShapeError, "model config")
+        if isinstance(cfg, str):   # a file: its errors name it beside the key
+            path = cfg
+            cfg = read_json(path, ModelShapeError, "model config")
+            try:
+                return cls.from_hf_config(cfg, name)
+            except ModelShapeError as e:
+                raise ModelShapeError(f"{path}: {e}") from None
         if not isinstance(cfg, dict):
             raise ModelShapeError("a Hugging Face config must be a JSON object")
-        measured = cfg.get("layer_params")
+        outer, measured = cfg, cfg.get("layer_params")
         if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
             cfg = cfg["text_config"]
+        reported = cfg.get("reported_params")
 
         def get(key: str, default: Any = None) -> Any:
             if key in cfg and cfg[key] is not None:
@@ -366,25 +410,26 @@ class ModelShape:
                 raise ModelShapeError(f"model config lacks {key!r}, which the planner needs")
             return default
 
-        h = int(get("hidden_size"))
-        n_layers = int(get("num_hidden_layers"))
-        heads = int(get("num_attention_heads"))
-        kv_heads = int(get("num_key_value_heads", heads))
-        head_dim = int(get("head_dim", h // heads))
-        ffn = int(get("intermediate_size"))
-        vocab = int(get("vocab_size"))
-        tied = bool(cfg.get("tie_word_embeddings", False))
-        bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))))
-        for key, v in (("hidden_size", h), ("num_hidden_layers", n_layers), ("num_attention_heads", heads),
-                       ("num_key_value_heads", kv_heads), ("intermediate_size", ffn), ("vocab_size", vocab),
-                       ("head_dim", head_dim)):
-            if v < 1:
-                raise ModelShapeError(f"model config {key!r} must be >= 1, got {v}")
+        def count(key: str, default: Any = None) -> int:
+            return _whole(get(key, default), key)
+
+        def flag(key: str, default: bool) -> bool:
+            return default if cfg.get(key) is None else _flag(cfg[key], key)
+
+        h = count("hidden_size")
+        n_layers = count("num_hidden_layers")
+        heads = count("num_attention_heads")
+        kv_heads = count("num_key_value_heads", heads)
+        head_dim = count("head_dim", h // heads)
+        ffn = count("intermediate_size")
+        vocab = count("vocab_size")
+        tied = _tied_embeddings(cfg, outer)
+        model_type = str(cfg.get("model_type", ""))
+        bias = flag("attention_bias", flag("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
         kinds = cls._layer_kinds(cfg, n_layers)
         hybrid = "linear_attention" in kinds
-        gate = hybrid and bool(cfg.get("attn_output_gate", True))
-        model_type = str(cfg.get("model_type", ""))
+        gate = hybrid and flag("attn_output_gate", True)
         qk_norm = hybrid or model_type in QK_NORM_MODEL_TYPES
         attn = (h * q_dim * (2 if gate else 1) + 2 * h * kv_dim + q_dim * h + 2 * h
                 + ((q_dim + 2 * kv_dim) if bias else 0) + (2 * head_dim if qk_norm else 0))
@@ -392,7 +437,7 @@ class ModelShape:
         mixer = {"full_attention": (attn, None, gate), "linear_attention": (
             (linear.params(h) + 2 * h, linear, False) if linear else None)}
         moe = MoeShape.from_hf_config(cfg, n_layers)
-        dense_ffn = int(cfg.get("intermediate_size_mlp") or ffn)     # Llama 4 names its dense MLP apart
+        dense_ffn = _optional_whole(cfg, "intermediate_size_mlp") or ffn   # Llama 4 names its dense MLP apart
 
         def shapes(kind: str) -> "tuple[LayerShape, LayerShape | None]":
             mix, lin, g = mixer[kind]
@@ -407,10 +452,11 @@ class ModelShape:
 
         by_kind = {kind: shapes(kind) for kind in set(kinds)}
         if measured is not None:
-            if len(measured) != n_layers or any(int(p) < 0 for p in measured):
+            if (not isinstance(measured, list) or len(measured) != n_layers
+                    or any(isinstance(p, bool) or not isinstance(p, int) or p < 0 for p in measured)):
                 raise ModelShapeError(f"model config 'layer_params' must hold {n_layers} non-negative counts "
                                       f"(one per layer), got {measured!r}")
-            layers = tuple(cls._measured_layer(int(p), *by_kind[kind], moe) for p, kind in zip(measured, kinds))
+            layers = tuple(cls._measured_layer(p, *by_kind[kind], moe) for p, kind in zip(measured, kinds))
         elif moe is not None:
             layers = tuple(by_kind[kind][1] if is_moe else by_kind[kind][0] for kind, is_moe in zip(kinds, moe.moe_layers))
         else:
@@ -421,7 +467,8 @@ class ModelShape:
         dtype_bytes = 4 if dtype in ("float32", "torch.float32") else 2
         return cls(name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
                    layers=layers, hidden=h, vocab_size=vocab, tied_embeddings=tied,
-                   dtype_bytes=dtype_bytes, reported_params=cfg.get("reported_params"))
+                   dtype_bytes=dtype_bytes,
+                   reported_params=None if reported is None else _whole(reported, "reported_params"))
 
     @staticmethod
     def _layer_kinds(cfg: dict[str, Any], n_layers: int) -> tuple[str, ...]:
@@ -495,7 +542,8 @@ class ModelShape:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "num_layers": self.num_layers, "hidden": self.hidden,
                 "vocab_size": self.vocab_size, "tied_embeddings": self.tied_embeddings,
-                "total_params": self.total_params, "throughput_params": self.throughput_params}
+                "total_params": self.total_params, "active_params": self.active_params,
+                "throughput_params": self.throughput_params}
 
 
 # Model types whose attention RMS-normalises q and k per head, and whose RMSNorms scale by (1 + weight) in
@@ -505,6 +553,63 @@ QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", 
                                  "qwen3_5_moe_text", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe",
                                  "qwen3_vl_moe_text"})
 FP32_NORM_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
+
+
+# transformers' default for ``tie_word_embeddings``, by model type, for the decoder families the planner reads:
+# a config.json may leave the key out (save_pretrained writes only what differs from the defaults, so a Gemma
+# config whose head is tied says nothing) and transformers then loads its config class's default. Checked
+# against those classes by tests/test_planner.py; another model type's default is asked of transformers.
+TIED_BY_DEFAULT: dict[str, bool] = {
+    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "cohere", "cohere2",
+                     "starcoder2", "smollm3"), True),
+    **dict.fromkeys(("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next",
+                     "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "deepseek_v2", "deepseek_v3",
+                     "olmoe", "granitemoe", "gpt_oss", "llama4", "llama4_text"), False),
+}
+
+
+def _tied_embeddings(cfg: dict[str, Any], outer: dict[str, Any]) -> bool:
+    """Whether the LM head shares the embedding's weights: ``tie_word_embeddings`` of the text config, else of
+    the config holding it (a multimodal one), else what transformers loads where the key is missing, the
+    default of the model type's config class; untied (LlamaConfig's default) where that is unknown too."""
+    for c in (cfg, outer):
+        if c.get("tie_word_embeddings") is not None:
+            return _flag(c["tie_word_embeddings"], "tie_word_embeddings")
+    for c in (cfg, outer):
+        model_type = c.get("model_type")
+        if not isinstance(model_type, str) or not model_type:
+            continue
+        default = TIED_BY_DEFAULT.get(model_type)
+        if default is None:
+            default = transformers_default(model_type, "tie_word_embeddings")
+        if isinstance(default, bool):
+            return default
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_default(model_type: str, key: str) -> Any:
+    """``key`` of transformers' config class for ``model_type``, built with its defaults; None where
+    transformers is not installed or knows neither. Asked of a child interpreter: importing transformers
+    imports torch, which the planner never does."""
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    from .isolate import call_with_deadline
+    from .milp import PlanningError
+    try:
+        return call_with_deadline(_config_class_default, model_type, key, deadline_s=120,
+                                  what="reading transformers' config defaults")
+    except (LookupError, PlanningError):
+        return None
+
+
+def _config_class_default(model_type: str, key: str) -> Any:
+    """The child's side of :func:`transformers_default`; LookupError where transformers cannot say."""
+    from transformers import AutoConfig
+    try:
+        return getattr(AutoConfig.for_model(model_type), key)
+    except Exception as e:  # noqa: BLE001 - an unknown type (ValueError), a class without the key or not building
+        raise LookupError(f"transformers has no default {key!r} for model type {model_type!r}: {e}") from None
 
 
 # ---- catalog (Hugging Face config fields; read from the models' published config.json) ---------

@@ -3,7 +3,13 @@
 matplotlib is the optional extra ``plot`` (``pip install lazytrain[plot]``) and is imported lazily."""
 from __future__ import annotations
 
+import os
+
 from .simulate import SimResult
+
+# The extensions plot_step writes: matplotlib's savefig formats that need nothing beside it (pgf needs LaTeX,
+# raw and rgba are bare pixel buffers, newer ones depend on the matplotlib and Pillow versions)
+FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff")
 
 LANES = ["compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "wait"]
 COLORS = {"fwd": "#4c72b0", "head": "#8172b2", "recompute": "#c44e52", "diff": "#55a868", "weights": "#8c8c8c",
@@ -20,8 +26,22 @@ def _pyplot():
     return plt
 
 
+def unsupported_format(path: str) -> str | None:
+    """Why :func:`plot_step` cannot write ``path`` (its extension names no format of :data:`FORMATS`), else
+    None: so that ``lazytrain plan`` refuses it before solving, not when matplotlib does after."""
+    ext = os.path.splitext(path)[1]
+    if ext[1:].lower() in FORMATS:
+        return None
+    what = f"{ext!r} is not a plot format" if ext else "no extension to tell the plot format"
+    return f"{what} (use {', '.join('.' + f for f in FORMATS)})"
+
+
 def plot_step(sim: SimResult, path: str, title: str = "") -> str:
-    """Draw ``sim``'s timeline and per-window memory to ``path`` (PNG, SVG, PDF by extension)."""
+    """Draw ``sim``'s timeline and per-window memory to ``path`` (PNG, SVG, PDF, ...: :data:`FORMATS`, by
+    extension)."""
+    why = unsupported_format(path)
+    if why:
+        raise ValueError(f"{path}: {why}")
     plt = _pyplot()
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(14, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for ev in sim.timeline:

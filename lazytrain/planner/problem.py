@@ -64,6 +64,11 @@ class InfeasibleBudgetError(ValueError):
     """A budget that cannot hold what the step needs; the message names the tier, the need and the gap."""
 
 
+# Where each tier's budget is given: the `lazytrain plan` flag and the engine's config key, for its errors to name
+BUDGET_SOURCES = {"GPU": "--gpu-mem or lazytrain.gpu_memory", "host": "--host-mem or lazytrain.host_memory",
+                  "NVMe": "--nvme or lazytrain.nvme_memory"}
+
+
 def fmt_bytes(n: float) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= size:
@@ -151,8 +156,15 @@ class Budgets:
                 raise ValueError(f"Budgets field {name!r} must be true or false, got {getattr(self, name)!r}")
 
     @classmethod
-    def of(cls, gpu=None, host=None, nvme=None, **kw) -> "Budgets":
-        return cls(gpu_bytes=parse_size(gpu), host_bytes=parse_size(host), nvme_bytes=parse_size(nvme) or 0, **kw)
+    def of(cls, gpu=None, host=None, nvme=None, sources: "dict[str, str] | None" = None, **kw) -> "Budgets":
+        """Budgets from sizes as people write them ("70GB"). A size that is none is refused by where it was
+        given: ``sources`` names it for gpu, host and nvme (``lazytrain plan``'s flags), else plan_for's
+        ``budgets['gpu']``."""
+        def size(key, value):
+            return parse_size(value, (sources or {}).get(key, f"budgets[{key!r}]"))
+
+        return cls(gpu_bytes=size("gpu", gpu), host_bytes=size("host", host), nvme_bytes=size("nvme", nvme) or 0,
+                   **kw)
 
 
 @dataclass
@@ -184,16 +196,16 @@ class Problem:
         self.bw_nw = hw.nvme_write_bps if self.budgets.nvme_bytes > 0 else float("inf")
         gpu = self.budgets.gpu_bytes if self.budgets.gpu_bytes is not None else hw.need("gpu_mem_bytes")
         host = self.budgets.host_bytes if self.budgets.host_bytes is not None else hw.need("host_mem_bytes")
-        for what, budget, size, flag in (("GPU", gpu, hw.gpu_mem_bytes, "--gpu-mem or lazytrain.gpu_memory"),
-                                         ("host", host, hw.host_mem_bytes, "--host-mem or lazytrain.host_memory")):
+        for what, budget, size in (("GPU", gpu, hw.gpu_mem_bytes), ("host", host, hw.host_mem_bytes)):
             if size is not None and budget > size:   # a budget caps the machine's memory, never adds to it
                 raise InfeasibleBudgetError(
                     f"{what} budget {fmt_bytes(budget)} is more than the {what} memory of hardware profile "
-                    f"{hw.name!r} ({fmt_bytes(size)}); lower {flag}, or describe the machine you have in a "
-                    f"hardware profile JSON (`lazytrain bench tiers` writes one)")
+                    f"{hw.name!r} ({fmt_bytes(size)}); lower {BUDGET_SOURCES[what]}, or describe the machine you "
+                    f"have in a hardware profile JSON (`lazytrain bench tiers` writes one)")
         for what, budget in (("GPU", gpu), ("host", host), ("NVMe", self.budgets.nvme_bytes)):
             if not 0 <= budget <= MAX_BYTES:
-                raise InfeasibleBudgetError(f"{what} budget {budget!r} bytes is not a memory size (0 to 2**60, 1 EiB)")
+                raise InfeasibleBudgetError(f"{what} budget {budget!r} bytes is not a memory size (0 to 2**60, 1 EiB): "
+                                            f"check {BUDGET_SOURCES[what]}")
         self.gpu_budget, self.host_budget, self.nvme_budget = int(gpu), int(host), int(self.budgets.nvme_bytes)
         self._derive()
         if self.check:

@@ -6,15 +6,17 @@ the host optimizer, tracks where every boundary's copies are and when each becom
 accounts device, host and NVMe bytes over time; an offloaded layer's internals (Plan.offloaded_layers)
 are copied to the host after its forward (or in the shares Plan.internals_offload_split gives, each at
 the start of its window) and back in the shares of Plan.internals_prefetch_split, and its backward waits
-for them. It outputs the step time, TFLOPS under the paper's
-convention (6 * N * batch * seq / step time), tokens/s, exposed time per link, peak bytes per tier and
-a timeline; it checks the invariants (every boundary on the device before a task reads it, no tier over
-budget) and reports each violation (raising :class:`SimulationError` when ``strict``).
+for them. It outputs the step time, TFLOPS under the paper's convention (6 * N * batch * seq / step time, N
+the parameters a token multiplies: ModelShape.throughput_params), tokens/s, exposed time per link, peak bytes
+per tier and a timeline; it checks the invariants (every boundary on the device before a task reads it, no
+tier over budget) and reports each violation (raising :class:`SimulationError` when ``strict``).
 
 With gradient accumulation a step is its micro-batches, then the optimizer. The first micro-batch's forward
 refreshes the resident layers' device copies (their weights were just updated); the later ones find them
 current and stream only the other layers, as the engine's weight stream does, each starting when layer
-0's weights are copied (unless it is resident).
+0's weights are copied (unless it is resident). The timeline and the memory over time hold every micro-batch
+(each event names its own: ``Event.micro_batch``), and the compute and exposed times are the whole step's, as
+the step time is: a plot or trace of the step shows the step it times.
 """
 from __future__ import annotations
 
@@ -43,6 +45,20 @@ class Event:
     start: float
     end: float
     window: int
+    micro_batch: int | None = 0   # which micro-batch of the step; None: the step's end (last gradients, update)
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch as replayed, on a clock of its own from 0: the step repeats it and shifts its events."""
+    events: list[Event]
+    memory: list[dict[str, Any]]
+    window_s: list[float]
+    exposed: dict[str, float]
+    compute_s: float
+    peak: dict[str, int]
+    violations: list[str]
+    duration: float       # its windows (on MegaTrain's executor, and its last gradients' copy)
 
 
 @dataclass
@@ -52,14 +68,15 @@ class SimResult:
     tokens_per_s: float
     exposed_s: dict[str, float]
     peak_bytes: dict[str, int]
-    compute_s: float
-    window_s: list[float]
+    compute_s: float             # the step's: every micro-batch's (so are exposed_s, timeline and memory)
+    window_s: list[float]        # the first micro-batch's windows
     recomputed_layers: int
     boundaries_per_home: dict[str, int]
     selective_layers: int = 0    # layers whose forward keeps its matmul/attention outputs (Plan.selective_layers)
     offloaded_layers: int = 0    # layers whose internals go to the host and back (Plan.offloaded_layers)
     timeline: list[Event] = field(default_factory=list)
-    memory: list[dict[str, Any]] = field(default_factory=list)   # per window: start, end, hbm, host, nvme
+    # per window of each micro-batch: window, micro_batch, start, end, hbm, host, nvme
+    memory: list[dict[str, Any]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     micro_step_s: float = 0.0    # the first micro-batch's windows (MegaTrain's: and its last gradients' copy)
 
@@ -67,7 +84,7 @@ class SimResult:
         """The simulated step as a :class:`~lazytrain.trace.Timeline`, the format measured steps use."""
         t = Timeline(source)
         for e in self.timeline:
-            t.add_relative(e.lane, e.label, e.start, e.end, window=e.window)
+            t.add_relative(e.lane, e.label, e.start, e.end, window=e.window, micro_batch=e.micro_batch)
         return t.finish()
 
     def summary(self) -> dict[str, Any]:
@@ -150,17 +167,6 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     offl_back = {j: plan.internals_prefetch_split(j) for j in offl}  # {window: share} back to the device
     tasks = window_tasks(p, plan, executor)
     seg_end = {s: e for s, e in plan.segments() if s < g}
-    # gradients copied beside the windows (Problem.GRAD_SHARE_WINDOWS): the head's in the first backward
-    # windows, an earlier micro-batch's last ones in a later micro-batch's first forward windows. MegaTrain's
-    # executor copies them at the end of each micro-batch's backward (tail_each below).
-    shared = min(GRAD_SHARE_WINDOWS, L)
-    beside: dict[int, tuple[str, float]] = {}
-    if mega_k is None:
-        for w in range(L, L + shared):
-            beside[w] = ("grads embedding/head", p.head_grad_bytes / shared)
-        if not refresh_resident:
-            for w in range(shared):
-                beside[w] = ("grads L0 + embedding of the micro-batch before", p.carry_bytes / shared)
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
     last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
     # recomputed boundary -> the window regenerating it
@@ -171,180 +177,227 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     off_w = {b: plan.offload_at(b) for b in offloaded}
     pre_w = {b: plan.prefetch_at(b) for b in offloaded}
 
-    violations: list[str] = []
-    events: list[Event] = []
-    memory: list[dict[str, Any]] = []
-    exposed = {k: 0.0 for k in LINKS + ("optimizer",)}
-    ready_at: dict[int, float] = {0: 0.0}   # boundary -> time its device copy becomes readable
-    on_device: set[int] = {0}               # boundaries with a device copy (during the current window)
-    window_s: list[float] = []
-    peak = {"hbm": 0, "host": 0, "nvme": 0}
-    t = 0.0
-    compute_total = 0.0
-
-    def weight_stream(ws: int) -> list[int]:
-        """Layers whose weights window ``ws`` streams into a buffer (resident layers use theirs)."""
-        return [j for kind, j, _ in tasks[ws] if _needs_layer(kind, j, g) and j not in resident]
-
-    for w in range(2 * L):
-        t0 = t
-        fwd = w < L
-        # --- transfers issued in this window -------------------------------------------------
-        exposed_tr, other_tr = [], []           # (label, {link: bytes}, boundary or None)
-        for b in offloaded:
-            if pre_w[b] == w:
-                legs = {"h2d": p.A[b]}
-                if plan.homes[b] == "nvme":
-                    legs["nvme_read"] = p.A[b]
-                (exposed_tr if w == need[b] else other_tr).append((f"prefetch b{b}", legs, b))
-        for j in offl:                          # internals back, with the input they hold (boundary j)
-            if w in offl_back[j]:
-                (exposed_tr if w == 2 * L - 1 - j else other_tr).append(
-                    (_share_label(f"prefetch internals L{j}", offl_back[j], w),
-                     {"h2d": p.offl_bytes[j] * offl_back[j][w]}, j))
-        if w >= L + 1:
-            i_prev = p.layer_of(w - 1)
-            other_tr.append((f"grads L{i_prev}", {"d2h": p.Gl[i_prev]}, None))
-        if beside.get(w, ("", 0))[1] > 0:
-            other_tr.append((beside[w][0], {"d2h": beside[w][1]}, None))
-        for j in offl:                          # internals to the host, the shares after their forward window's
-            if w in offl_out[j] and w > j:      # issued as the window starts
-                other_tr.append((_share_label(f"offload internals L{j}", offl_out[j], w),
-                                 {"d2h": p.offl_bytes[j] * offl_out[j][w]}, None))
-        for b in offloaded:
-            if off_w[b] == w:
-                legs = {"d2h": p.A[b]}
-                if plan.homes[b] == "nvme":
-                    legs["nvme_write"] = p.A[b]
-                other_tr.append((f"offload b{b}", legs, None))
-        if w + 1 < 2 * L:
-            for kind, j, _ in tasks[w + 1]:
-                if not _needs_layer(kind, j, g):       # the head; a graph layer holds its weights
-                    continue
-                if (w + 1 < L and refresh_resident) or j not in resident:   # forward refreshes resident copies
-                    other_tr.append((f"weights L{j}", {"h2d": p.Wl[j]}, None))
-        free = {k: t0 for k in LINKS}
-        compute_start = t0
-        for n_tr, (label, legs, b) in enumerate(exposed_tr + other_tr):
-            done = t0
-            for link, nbytes in legs.items():
-                start = free[link]
-                free[link] = start + nbytes / _link_bw(p, link)
-                done = max(done, free[link])
-                if timeline:
-                    events.append(Event(link, label, start, free[link], w))
-            if b is not None:
-                ready_at[b] = done
-            if n_tr < len(exposed_tr):
-                compute_start = max(compute_start, done)
-        if compute_start > t0:
-            legs_used = {k for _, lg, _ in exposed_tr for k in lg}
-            exposed[max(legs_used, key=lambda k: free[k] if k in ("h2d", "nvme_read") else -1.0)] += compute_start - t0
-        # --- boundaries with a device copy during this window --------------------------------
-        if w < L:
-            on_device.add(w + 1)                               # produced by this window
-        for b in offloaded:
-            if pre_w[b] == w:
-                on_device.add(b)
-        for j in offl:                          # its input is back (in its internals) for its backward
-            if w == 2 * L - 1 - j and max(offl_back[j]) <= w:
-                on_device.add(j)
-        for j, rw in recompute_window.items():
-            if rw == w:
-                on_device.add(j)
-        # --- compute -----------------------------------------------------------------------
-        tc = compute_start
-        fwd_done = None
-        for kind, j, dur in tasks[w]:
-            if _needs_layer(kind, j, g):                       # a layer task reads boundary j
-                if j not in on_device:
-                    violations.append(f"window {w}: {kind} of layer {j} reads boundary {j}, "
-                                      f"which has no device copy (home {plan.homes[j]!r})")
-                elif ready_at.get(j, float("inf")) > tc + 1e-12:
-                    violations.append(f"window {w}: {kind} of layer {j} starts at {tc:.6f}s but boundary {j} "
-                                      f"is readable only at {ready_at.get(j, float('inf')):.6f}s")
-            if timeline:
-                events.append(Event("compute", f"{kind} L{j}" if j >= 0 else "head", tc, tc + dur, w))
-            tc += dur
-            if kind in ("fwd", "recompute"):
-                ready_at[j + 1] = tc                           # output boundary j+1 produced
-            if kind == "fwd":
-                fwd_done = tc
-        if fwd and w in offl_out and w in offl_out[w]:   # its internals and input to the host once its
-            start = max(free["d2h"], fwd_done)               # forward has saved them
-            free["d2h"] = start + p.offl_bytes[w] * offl_out[w][w] / p.bw_d2h
-            if timeline:
-                events.append(Event("d2h", _share_label(f"offload internals L{w}", offl_out[w], w), start,
-                                    free["d2h"], w))
-        compute_w = tc - compute_start
-        compute_total += compute_w
-        end = max([tc] + list(free.values()))
-        if end > tc + 1e-15:
-            worst = max(LINKS, key=lambda k: free[k])
-            exposed[worst] += end - tc
-        # --- memory during this window -------------------------------------------------------
-        streamed = sum(p.Wl[j] for j in weight_stream(w))
-        if w + 1 < 2 * L:
-            streamed += sum(p.Wl[j] for j in weight_stream(w + 1))
-        if len(resident) < L:                                  # the engine's two kept buffers
-            streamed = max(streamed, p.kept_buffers)
-        weights = streamed + sum(p.Wl[j] for j in resident)
-        graphs = 0                                             # graph layers: weights and internals held
-        for j in range(g, L):
-            if j <= w <= 2 * L - 1 - j and j not in resident:   # its own copy, beside the slot in window j
-                weights += p.Wl[j]
-            if j <= w < 2 * L - 1 - j:                         # its own backward window counts them already
-                graphs += p.saved[j]
-        for j in selective:   # kept matmul/attention outputs; in its backward window the diff task's autograd
-            if j <= w < 2 * L - 1 - j:   # saves these same tensors, which the window's workspace counts
-                graphs += p.sel_bytes[j]
-        for j in offl:        # internals: in its forward window (its input counts as boundary j), then what is
-            if w == j:        # still to be copied out; from their prefetch what is back (its input with them);
-                graphs += p.saved[j]                           # its backward window's workspace counts them
-            elif j < w < 2 * L - 1 - j:
-                graphs += p.offl_bytes[j] * (sum(x for v, x in offl_out[j].items() if v >= w)
-                                             + sum(x for v, x in offl_back[j].items() if v <= w))
-        bnd = sum(p.A[b] for b in on_device if b <= L)
-        if w == L - 1:
-            bnd -= p.A[L]                                      # counted in the window's fixed bytes
-        hbm = p.fixed_gpu_bytes(w) + weights + bnd + graphs
-        if mega_k is not None:
-            hbm = sum(megatrain.gpu_bytes(p, mega_k, w).values()) + p.budgets.gpu_reserved_bytes
-        host = sum(p.A[b] for b in offloaded if plan.homes[b] == "host" and off_w[b] <= w <= pre_w[b])
-        host += sum(p.offl_bytes[j] for j in offl if j <= w <= 2 * L - 1 - j)   # until its backward frees them
-        nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
-        memory.append({"window": w, "start": t0, "end": end, "hbm": hbm, "host": p.host_static + host, "nvme": nvme})
-        peak["hbm"] = max(peak["hbm"], hbm)
-        peak["host"] = max(peak["host"], p.host_static + host)
-        peak["nvme"] = max(peak["nvme"], nvme)
-        # --- copies released at the end of this window ---------------------------------------
-        for b in list(on_device):
-            if b == L and w >= L - 1:
-                on_device.discard(b)
-            elif b < L and b in off_w and off_w[b] == w:
-                on_device.discard(b)                          # offload done: device copy freed
-            elif b < L and w >= last_use[b]:
-                on_device.discard(b)                          # layer b differentiated
-            elif fwd and w == b and (plan.homes[b] == RECOMPUTE or b in offl_back) and b < g:
-                on_device.discard(b)                          # dropped after the forward used it (an
-                                                              # offloaded layer's input: copied out with it)
-            # a graph layer's input stays until its backward: its recorded graph holds it (RMSNorm's
-            # backward reads it), so it counts as a boundary on the device until the layer is done
-        window_s.append(end - t0)
-        t = end
-
-    # --- tail: last gradients to the host (each micro-batch's on MegaTrain's executor, the last one's on
-    # LazyTrain's), then the host optimizer
+    # MegaTrain's executor copies each micro-batch's last gradients (layer 0's, the embedding's and head's)
+    # after its backward; LazyTrain's engine sends an earlier micro-batch's beside the next one's windows, and
+    # the step waits for the last one's alone (tail_once below)
     tail_each = (p.Gl[0] + p.nonlayer_link_bytes) / p.bw_d2h if mega_k is not None else 0.0
+
+    def micro_batch(refresh: bool) -> _MicroBatch:
+        """One micro-batch's windows, on a clock of its own from 0. ``refresh``: its forward refreshes the
+        resident layers' device copies (the step's first); a later one finds them current and, on LazyTrain's
+        executor, copies the micro-batch before's last gradients in its first windows."""
+        # gradients copied beside the windows (Problem.GRAD_SHARE_WINDOWS): the head's in the first backward
+        # windows, an earlier micro-batch's last ones in a later micro-batch's first forward windows. MegaTrain's
+        # executor copies them at the end of each micro-batch's backward (tail_each above).
+        shared = min(GRAD_SHARE_WINDOWS, L)
+        beside: dict[int, tuple[str, float]] = {}
+        if mega_k is None:
+            for w in range(L, L + shared):
+                beside[w] = ("grads embedding/head", p.head_grad_bytes / shared)
+            if not refresh:
+                for w in range(shared):
+                    beside[w] = ("grads L0 + embedding of the micro-batch before", p.carry_bytes / shared)
+        violations: list[str] = []
+        events: list[Event] = []
+        memory: list[dict[str, Any]] = []
+        exposed = {k: 0.0 for k in LINKS + ("optimizer",)}
+        ready_at: dict[int, float] = {0: 0.0}   # boundary -> time its device copy becomes readable
+        on_device: set[int] = {0}               # boundaries with a device copy (during the current window)
+        window_s: list[float] = []
+        peak = {"hbm": 0, "host": 0, "nvme": 0}
+        t = 0.0
+        compute_total = 0.0
+
+        def weight_stream(ws: int) -> list[int]:
+            """Layers whose weights window ``ws`` streams into a buffer (resident layers use theirs)."""
+            return [j for kind, j, _ in tasks[ws] if _needs_layer(kind, j, g) and j not in resident]
+
+        for w in range(2 * L):
+            t0 = t
+            fwd = w < L
+            # --- transfers issued in this window -------------------------------------------------
+            exposed_tr, other_tr = [], []           # (label, {link: bytes}, boundary or None)
+            for b in offloaded:
+                if pre_w[b] == w:
+                    legs = {"h2d": p.A[b]}
+                    if plan.homes[b] == "nvme":
+                        legs["nvme_read"] = p.A[b]
+                    (exposed_tr if w == need[b] else other_tr).append((f"prefetch b{b}", legs, b))
+            for j in offl:                          # internals back, with the input they hold (boundary j)
+                if w in offl_back[j]:
+                    (exposed_tr if w == 2 * L - 1 - j else other_tr).append(
+                        (_share_label(f"prefetch internals L{j}", offl_back[j], w),
+                         {"h2d": p.offl_bytes[j] * offl_back[j][w]}, j))
+            if w >= L + 1:
+                i_prev = p.layer_of(w - 1)
+                other_tr.append((f"grads L{i_prev}", {"d2h": p.Gl[i_prev]}, None))
+            if beside.get(w, ("", 0))[1] > 0:
+                other_tr.append((beside[w][0], {"d2h": beside[w][1]}, None))
+            for j in offl:                          # internals to the host, the shares after their forward window's
+                if w in offl_out[j] and w > j:      # issued as the window starts
+                    other_tr.append((_share_label(f"offload internals L{j}", offl_out[j], w),
+                                     {"d2h": p.offl_bytes[j] * offl_out[j][w]}, None))
+            for b in offloaded:
+                if off_w[b] == w:
+                    legs = {"d2h": p.A[b]}
+                    if plan.homes[b] == "nvme":
+                        legs["nvme_write"] = p.A[b]
+                    other_tr.append((f"offload b{b}", legs, None))
+            if w + 1 < 2 * L:
+                for kind, j, _ in tasks[w + 1]:
+                    if not _needs_layer(kind, j, g):       # the head; a graph layer holds its weights
+                        continue
+                    if (w + 1 < L and refresh) or j not in resident:   # forward refreshes resident copies
+                        other_tr.append((f"weights L{j}", {"h2d": p.Wl[j]}, None))
+            free = {k: t0 for k in LINKS}
+            compute_start = t0
+            for n_tr, (label, legs, b) in enumerate(exposed_tr + other_tr):
+                done = t0
+                for link, nbytes in legs.items():
+                    start = free[link]
+                    free[link] = start + nbytes / _link_bw(p, link)
+                    done = max(done, free[link])
+                    if timeline:
+                        events.append(Event(link, label, start, free[link], w))
+                if b is not None:
+                    ready_at[b] = done
+                if n_tr < len(exposed_tr):
+                    compute_start = max(compute_start, done)
+            if compute_start > t0:
+                legs_used = {k for _, lg, _ in exposed_tr for k in lg}
+                waited = max(legs_used, key=lambda k: free[k] if k in ("h2d", "nvme_read") else -1.0)
+                exposed[waited] += compute_start - t0
+            # --- boundaries with a device copy during this window --------------------------------
+            if w < L:
+                on_device.add(w + 1)                               # produced by this window
+            for b in offloaded:
+                if pre_w[b] == w:
+                    on_device.add(b)
+            for j in offl:                          # its input is back (in its internals) for its backward
+                if w == 2 * L - 1 - j and max(offl_back[j]) <= w:
+                    on_device.add(j)
+            for j, rw in recompute_window.items():
+                if rw == w:
+                    on_device.add(j)
+            # --- compute -----------------------------------------------------------------------
+            tc = compute_start
+            fwd_done = None
+            for kind, j, dur in tasks[w]:
+                if _needs_layer(kind, j, g):                       # a layer task reads boundary j
+                    if j not in on_device:
+                        violations.append(f"window {w}: {kind} of layer {j} reads boundary {j}, "
+                                          f"which has no device copy (home {plan.homes[j]!r})")
+                    elif ready_at.get(j, float("inf")) > tc + 1e-12:
+                        violations.append(f"window {w}: {kind} of layer {j} starts at {tc:.6f}s but boundary {j} "
+                                          f"is readable only at {ready_at.get(j, float('inf')):.6f}s")
+                if timeline:
+                    events.append(Event("compute", f"{kind} L{j}" if j >= 0 else "head", tc, tc + dur, w))
+                tc += dur
+                if kind in ("fwd", "recompute"):
+                    ready_at[j + 1] = tc                           # output boundary j+1 produced
+                if kind == "fwd":
+                    fwd_done = tc
+            if fwd and w in offl_out and w in offl_out[w]:   # its internals and input to the host once its
+                start = max(free["d2h"], fwd_done)               # forward has saved them
+                free["d2h"] = start + p.offl_bytes[w] * offl_out[w][w] / p.bw_d2h
+                if timeline:
+                    events.append(Event("d2h", _share_label(f"offload internals L{w}", offl_out[w], w), start,
+                                        free["d2h"], w))
+            compute_w = tc - compute_start
+            compute_total += compute_w
+            end = max([tc] + list(free.values()))
+            if end > tc + 1e-15:
+                worst = max(LINKS, key=lambda k: free[k])
+                exposed[worst] += end - tc
+            # --- memory during this window -------------------------------------------------------
+            streamed = sum(p.Wl[j] for j in weight_stream(w))
+            if w + 1 < 2 * L:
+                streamed += sum(p.Wl[j] for j in weight_stream(w + 1))
+            if len(resident) < L:                                  # the engine's two kept buffers
+                streamed = max(streamed, p.kept_buffers)
+            weights = streamed + sum(p.Wl[j] for j in resident)
+            graphs = 0                                             # graph layers: weights and internals held
+            for j in range(g, L):
+                if j <= w <= 2 * L - 1 - j and j not in resident:   # its own copy, beside the slot in window j
+                    weights += p.Wl[j]
+                if j <= w < 2 * L - 1 - j:                         # its own backward window counts them already
+                    graphs += p.saved[j]
+            for j in selective:   # kept matmul/attention outputs; in its backward window the diff task's autograd
+                if j <= w < 2 * L - 1 - j:   # saves these same tensors, which the window's workspace counts
+                    graphs += p.sel_bytes[j]
+            for j in offl:        # internals: in its forward window (its input counts as boundary j), then what is
+                if w == j:        # still to be copied out; from their prefetch what is back (its input with them);
+                    graphs += p.saved[j]                           # its backward window's workspace counts them
+                elif j < w < 2 * L - 1 - j:
+                    graphs += p.offl_bytes[j] * (sum(x for v, x in offl_out[j].items() if v >= w)
+                                                 + sum(x for v, x in offl_back[j].items() if v <= w))
+            bnd = sum(p.A[b] for b in on_device if b <= L)
+            if w == L - 1:
+                bnd -= p.A[L]                                      # counted in the window's fixed bytes
+            hbm = p.fixed_gpu_bytes(w) + weights + bnd + graphs
+            if mega_k is not None:
+                hbm = sum(megatrain.gpu_bytes(p, mega_k, w).values()) + p.budgets.gpu_reserved_bytes
+            host = sum(p.A[b] for b in offloaded if plan.homes[b] == "host" and off_w[b] <= w <= pre_w[b])
+            host += sum(p.offl_bytes[j] for j in offl if j <= w <= 2 * L - 1 - j)   # until its backward frees them
+            nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
+            memory.append({"window": w, "micro_batch": 0, "start": t0, "end": end, "hbm": hbm,
+                           "host": p.host_static + host, "nvme": nvme})
+            peak["hbm"] = max(peak["hbm"], hbm)
+            peak["host"] = max(peak["host"], p.host_static + host)
+            peak["nvme"] = max(peak["nvme"], nvme)
+            # --- copies released at the end of this window ---------------------------------------
+            for b in list(on_device):
+                if b == L and w >= L - 1:
+                    on_device.discard(b)
+                elif b < L and b in off_w and off_w[b] == w:
+                    on_device.discard(b)                          # offload done: device copy freed
+                elif b < L and w >= last_use[b]:
+                    on_device.discard(b)                          # layer b differentiated
+                elif fwd and w == b and (plan.homes[b] == RECOMPUTE or b in offl_back) and b < g:
+                    on_device.discard(b)                          # dropped after the forward used it (an
+                                                                  # offloaded layer's input: copied out with it)
+                # a graph layer's input stays until its backward: its recorded graph holds it (RMSNorm's
+                # backward reads it), so it counts as a boundary on the device until the layer is done
+            window_s.append(end - t0)
+            t = end
+        end_of_windows = t
+        t += tail_each
+        exposed["d2h"] += tail_each
+        if timeline and mega_k is not None:
+            events.append(Event("d2h", "grads L0 + embedding/head", end_of_windows, t, 2 * L))
+        return _MicroBatch(events, memory, window_s, exposed, compute_total, peak, violations, t)
+
+    # --- the step: its micro-batches one after another, the last one's last gradients to the host (LazyTrain's
+    # executor), then the host optimizer
+    first = micro_batch(refresh_resident)
+    micro_step = first.duration           # windows (and MegaTrain's gradient copy), once per micro-batch
+    # the micro-batches after the first: resident copies are current, the last gradients still leaving; each
+    # one's forward waits for layer 0's weights (the first one's copy is in the delay)
+    later = micro_batch(False) if p.grad_accum > 1 else first
+    load_first = 0.0 if 0 in resident else p.load_l[0]
+    later_s = later.duration + load_first
+    events, memory, window_s = list(first.events), list(first.memory), first.window_s
+    exposed, compute_total, peak = dict(first.exposed), first.compute_s, dict(first.peak)
+    violations = list(first.violations)
+    for k in range(1, p.grad_accum):      # the timeline and the accounts hold every micro-batch of the step
+        start = micro_step + (k - 1) * later_s + load_first
+        if timeline and load_first:
+            events.append(Event("h2d", "weights L0", start - load_first, start, 0, micro_batch=k))
+        events += [replace(e, start=e.start + start, end=e.end + start, micro_batch=k) for e in later.events]
+        memory += [dict(m, start=m["start"] + start, end=m["end"] + start, micro_batch=k) for m in later.memory]
+        exposed["h2d"] += load_first
+        for link, s in later.exposed.items():
+            exposed[link] += s
+        compute_total += later.compute_s
+    if p.grad_accum > 1:
+        peak = {tier: max(peak[tier], later.peak[tier]) for tier in peak}
+        violations += [f"later micro-batches: {v}" for v in later.violations if v not in first.violations]
     tail_once = 0.0 if mega_k is not None else p.tail_s
-    tail_start = t
-    t += tail_each + tail_once
-    exposed["d2h"] += tail_each + tail_once
-    if timeline:
-        events.append(Event("d2h", "grads L0 + embedding" + ("/head" if mega_k is not None else ""),
-                            tail_start, t, 2 * L))
-    micro_step = t - tail_once            # windows (and MegaTrain's gradient copy), once per micro-batch
-    opt_start = t
+    tail_start = micro_step + (p.grad_accum - 1) * later_s
+    opt_start = tail_start + tail_once
+    exposed["d2h"] += tail_once
+    if timeline and mega_k is None:
+        events.append(Event("d2h", "grads L0 + embedding", tail_start, opt_start, 2 * L, micro_batch=None))
     O = [p.opt_nl]
     for o in p.opt_l:
         O.append(O[-1] + o)                                    # O[w+1] = layers 0..w updated
@@ -362,25 +415,21 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     if timeline and mega_k is not None:
         start = opt_start
         for label, dur in host.items():
-            events.append(Event("optimizer", label, start, start + dur, 2 * L))
+            events.append(Event("optimizer", label, start, start + dur, 2 * L, micro_batch=None))
             start += dur
     elif timeline:
-        events.append(Event("optimizer", "embedding/head", opt_start, opt_start + O[0], 2 * L))
+        events.append(Event("optimizer", "embedding/head", opt_start, opt_start + O[0], 2 * L, micro_batch=None))
         for j in range(L):
-            events.append(Event("optimizer", f"update L{j}", opt_start + O[j], opt_start + O[j + 1], 2 * L))
-    later = micro_step                    # the micro-batches after the first: resident copies are current,
-    if p.grad_accum > 1 and refresh_resident and (resident or beside):   # the last gradients still leaving
-        later = simulate(p, plan, strict=False, timeline=False, executor=executor,
-                         refresh_resident=False).micro_step_s
-    # each later micro-batch's forward waits for layer 0's weights (the first one's copy is in the delay)
-    later += 0.0 if 0 in resident else p.load_l[0]
-    step = micro_step + (p.grad_accum - 1) * later + tail_once + delay
+            events.append(Event("optimizer", f"update L{j}", opt_start + O[j], opt_start + O[j + 1], 2 * L,
+                                micro_batch=None))
+    step = micro_step + (p.grad_accum - 1) * later_s + tail_once + delay
     if timeline:   # the rest of the step, so that the timeline ends where the step does
         if plan.overlap_optimizer:
-            events.append(Event("wait", "optimizer exposed in the next forward", step - delay, step, 2 * L))
+            events.append(Event("wait", "optimizer exposed in the next forward", step - delay, step, 2 * L,
+                                micro_batch=None))
         else:
             events.append(Event("h2d", "next step's first weights (embedding/head + L0)",
-                                step - p.load_nl - p.load_l[0], step, 2 * L))
+                                step - p.load_nl - p.load_l[0], step, 2 * L, micro_batch=None))
 
     # --- budgets -----------------------------------------------------------------------------
     # a plan's internals shares are floats a solver chose at its feasibility tolerance: a share of a byte over
