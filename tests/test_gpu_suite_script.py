@@ -18,5 +18,5 @@ def test_sections_past_the_budget_are_skipped_by_name(tmp_path):
     assert len(skipped) == 3, done.stdout
     assert "tests/test_engine_chaos.py" in skipped[0]
     assert "-k on_a_gpu" in skipped[1]
-    assert skipped[2].endswith("python3 benchmarks/engine_gpu.py")
+    assert skipped[2].endswith(f"python3 benchmarks/engine_gpu.py --trace {tmp_path / 'out'}/traces")
     assert "## 2." not in done.stdout and "## 3." not in done.stdout
