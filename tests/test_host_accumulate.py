@@ -24,3 +24,9 @@ def test_a_scratch_smaller_than_the_gradient_is_reused_piece_by_piece():
     dst, src = torch.zeros(10), torch.arange(10, dtype=torch.bfloat16)
     add_into(dst, src, torch.empty(3))
     assert torch.equal(dst, torch.arange(10, dtype=torch.float32))
+
+
+def test_a_gradient_of_another_size_is_refused():
+    """The pieces would add into a part of the buffer, where add_ broadcasts or raises."""
+    with pytest.raises(ValueError, match=r"^add_into: a gradient of 4 elements into a buffer of 10$"):
+        add_into(torch.zeros(10), torch.ones(4, dtype=torch.bfloat16), torch.empty(3))

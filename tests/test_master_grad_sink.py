@@ -462,3 +462,17 @@ def test_the_next_steps_first_gradient_lands_in_the_last_ones_memory(copy_thread
     assert second.data_ptr() == memory
     assert torch.equal(second, (torch.ones(3, 9, dtype=torch.bfloat16).T @ x2).float())
     masters.hand_back()
+
+
+def test_a_master_whose_gradient_goes_elsewhere_keeps_no_dropped_gradient(copy_threads):
+    """Partitioned (stage 3) a master's gradient is reduced to its owner, not landed by the sink: zero_grad
+    must not keep the dropped one alive for a landing that never comes (a second embedding-sized tensor held
+    through every step)."""
+    head = nn.Linear(5, 9, bias=False)
+    masters = Masters([head.weight], torch.bfloat16)
+    master = masters.master_of(head.weight)
+    masters.remove_grad_hook(head.weight)
+    master.grad = torch.ones(9, 5)
+    masters.zero_grad()
+    assert master.grad is None and masters.sink._spare == {}
+    masters.hand_back()

@@ -20,6 +20,8 @@ def scratch_for(numel: int) -> torch.Tensor:
 def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor) -> None:
     """``dst += src`` for a flat fp32 ``dst`` and a flat ``src`` of any floating dtype, through ``scratch``
     (one caller at a time: it is overwritten)."""
+    if src.numel() != dst.numel():   # the pieces would add into a part of dst, where add_ broadcasts or raises
+        raise ValueError(f"add_into: a gradient of {src.numel()} elements into a buffer of {dst.numel()}")
     if src.dtype == dst.dtype:
         dst.add_(src)
         return

@@ -31,6 +31,7 @@ class Masters:
     def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._hooks = {}
+        self._through_sink: set[int] = set()   # ids of the parameters whose gradients land through the sink
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
         self._staging: dict[torch.dtype, list[torch.Tensor]] = {}   # masters_to_params' pieces, by dtype
@@ -56,8 +57,10 @@ class Masters:
         else:
             master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=True)
             p.data = p.data.to(compute_dtype)
-        self._hooks[id(p)] = p.register_post_accumulate_grad_hook(
-            _into_master(master, self.sink if _copied(p.device, where) else None))
+        sunk = _copied(p.device, where)
+        self._hooks[id(p)] = p.register_post_accumulate_grad_hook(_into_master(master, self.sink if sunk else None))
+        if sunk:
+            self._through_sink.add(id(p))
         self.pairs.append((p, master))
 
     def sink_bytes(self, last: set[int]) -> tuple[int, int] | None:
@@ -70,6 +73,7 @@ class Masters:
 
     def remove_grad_hook(self, p: nn.Parameter) -> None:
         """``p``'s gradient goes elsewhere (partitioned_params.py reduces it to the master's owner)."""
+        self._through_sink.discard(id(p))
         handle = self._hooks.pop(id(p), None)
         if handle is not None:
             handle.remove()
@@ -136,12 +140,14 @@ class Masters:
 
     def zero_grad(self) -> None:
         """No gradient at all, not a zero one: a parameter that gets none in the next step is skipped by
-        the optimizer (no weight decay, no momentum), as in fp32 training and plain PyTorch."""
+        the optimizer (no weight decay, no momentum), as in fp32 training and plain PyTorch. A master whose
+        gradients land through the sink gives the dropped gradient's memory to its next first landing (as
+        the layers' flat buffers are reused): a master's ``.grad`` held across a step changes with it."""
         if self.sink is not None:   # a copy still in flight must not land after the zeroing
             self.sink.discard()
         for p, m in self.pairs:
             p.grad = None
-            if self.sink is not None and m.grad is not None:   # its memory takes the next step's first gradient
+            if id(p) in self._through_sink and m.grad is not None:   # the next first landing writes it whole
                 self.sink.reuse(m, m.grad)
             m.grad = None
 
@@ -279,9 +285,9 @@ class MasterGradSink:
     def _land(self, master: nn.Parameter, grad: torch.Tensor, ready) -> None:
         src = grad.reshape(-1)   # contiguous: a view
         n = src.numel()
-        if self._staging is None:
-            self._staging = [empty_host(self.staging_numel, self.dtype) for _ in range(2)]
-            self._scratch = scratch_for(self.staging_numel)   # the one worker's, for the fp32 adds
+        if self._staging is None:   # the one worker's, with the scratch of its fp32 adds
+            self._staging, self._scratch = ([empty_host(self.staging_numel, self.dtype) for _ in range(2)],
+                                            scratch_for(self.staging_numel))
         first = master.grad is None   # then it is set once whole: a failed copy leaves it missing
         if first:   # into the last step's gradient's memory: a fresh one is allocated and page-faulted each step
             acc = self._spare.pop(id(master), None)

@@ -411,7 +411,8 @@ class LayerWeights:
         caller's fp32 ``scratch``: host_accumulate.py), or reduce it to the layer's owner when the gradients
         are sharded."""
         if self._to_owners is not None:
-            self._to_owners.land(i, flat, self.grad[i], scratch)
+            with streams.span("host", f"grad reduce L{i}", bytes=flat.numel() * flat.element_size()):
+                self._to_owners.land(i, flat, self.grad[i], scratch)
         else:
             with streams.span("host", f"grad add L{i}", bytes=flat.numel() * flat.element_size()):
                 add_into(self.grad[i], flat, scratch)
