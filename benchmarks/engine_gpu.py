@@ -136,11 +136,11 @@ def _host_facts() -> str:
             f"{torch.get_num_threads()}, cgroup cpu.max {quota}")
 
 
-def streamed(model, batches, warmup, section):
+def streamed(model, batches, warmup, section, row=""):
     import lazytrain
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(),
                                            config=engine_config(batches[0].shape[0], section))
-    t, optimizer_s = train_timed(engine, batches, warmup, _ROW[0])
+    t, optimizer_s = train_timed(engine, batches, warmup, row)
     info = {"optimizer_s": optimizer_s, "cuda_peak": engine.last_step_peak_bytes.get("cuda_allocated"),
             "plan": engine.plan.policy + (" +overlap" if engine.layer_updates is not None else ""),
             "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers)}
@@ -148,7 +148,7 @@ def streamed(model, batches, warmup, section):
     return t, info
 
 
-def auto_streamed(model, batches, warmup, steps, seq):
+def auto_streamed(model, batches, warmup, steps, seq, row=""):
     """Policy auto: its calibration steps (plain, then with layers selective), its plan, then ``steps``
     steps on that plan, timed; its own comparison of predicted and measured step is in the plan info."""
     import lazytrain
@@ -158,7 +158,7 @@ def auto_streamed(model, batches, warmup, steps, seq):
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(),
                                            config=engine_config(batches[0].shape[0], section))
     data = (batches * (1 + (calibration + warmup + steps) // len(batches)))[:calibration + warmup + steps]
-    t, optimizer_s = train_timed(engine, data, calibration + warmup, _ROW[0])
+    t, optimizer_s = train_timed(engine, data, calibration + warmup, row)
     record = engine.auto.history[-1] if engine.auto.history else None
     info = {"plan": engine.plan.policy + (f" predicted {record.predicted_step_s:.3f}s, measured "
                                           f"{record.measured_step_s:.3f}s by auto"
@@ -170,7 +170,6 @@ def auto_streamed(model, batches, warmup, steps, seq):
 
 
 AUTO = {"warmup_steps": 2, "profile_steps": 2, "selective": True, "max_replans": 0}
-_ROW = [""]   # the row being run, for its trace's name
 
 
 def main(argv=None) -> int:
@@ -201,30 +200,29 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "none (CPU smoke run)"
     print(f"GPU {gpu}, torch {torch.__version__}; Llama {n / 1e9:.2f}B params, "
           f"{args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, bf16")
-    runs = [("plain PyTorch (all on GPU)", lambda m: plain(m, batches, args.warmup)),
-            ("LazyTrain every-4 (MegaTrain)", lambda m: streamed(m, batches, args.warmup,
+    runs = [("plain PyTorch (all on GPU)", lambda m, row: plain(m, batches, args.warmup)),
+            ("LazyTrain every-4 (MegaTrain)", lambda m, row: streamed(m, batches, args.warmup,
                                                                 {"policy": "every_k", "checkpoint_interval": 4,
                                                                  "last_segment_graph": False,
-                                                                 "overlap_optimizer": False})),
-            ("LazyTrain every-4, overlapped", lambda m: streamed(m, batches, args.warmup, {
-                "policy": "every_k", "checkpoint_interval": 4, "last_segment_graph": False})),
-            ("LazyTrain every-4, last graph", lambda m: streamed(m, batches, args.warmup, {
-                "policy": "every_k", "checkpoint_interval": 4, "last_segment_graph": True})),
-            ("LazyTrain keep-all on GPU", lambda m: streamed(m, batches, args.warmup,
-                                                             {"policy": "keep_all", "boundary_home": "hbm"}))]
+                                                                 "overlap_optimizer": False}, row)),
+            ("LazyTrain every-4, overlapped", lambda m, row: streamed(m, batches, args.warmup, {
+                "policy": "every_k", "checkpoint_interval": 4, "last_segment_graph": False}, row)),
+            ("LazyTrain every-4, last graph", lambda m, row: streamed(m, batches, args.warmup, {
+                "policy": "every_k", "checkpoint_interval": 4, "last_segment_graph": True}, row)),
+            ("LazyTrain keep-all on GPU", lambda m, row: streamed(m, batches, args.warmup,
+                                                             {"policy": "keep_all", "boundary_home": "hbm"}, row))]
     if not args.skip_milp:
-        runs.append(("LazyTrain MILP plan", lambda m: streamed(m, batches, args.warmup, {
-            "policy": "milp", "hardware": "h200", "seq_len": args.seq, "gpu_memory": "40GB", "milp_time_limit": 10})))
-        runs.append(("LazyTrain auto (measured here)", lambda m: auto_streamed(m, batches, args.warmup, args.steps,
-                                                                              args.seq)))
+        runs.append(("LazyTrain MILP plan", lambda m, row: streamed(m, batches, args.warmup, {
+            "policy": "milp", "hardware": "h200", "seq_len": args.seq, "gpu_memory": "40GB", "milp_time_limit": 10}, row)))
+        runs.append(("LazyTrain auto (measured here)", lambda m, row: auto_streamed(m, batches, args.warmup, args.steps,
+                                                                              args.seq, row)))
     rows = []
     for name, fn in runs:
-        _ROW[0] = name
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
-            t, info = fn(copy.deepcopy(base))
+            t, info = fn(copy.deepcopy(base), name)   # the row's name names its trace
         except Exception as e:  # report and go on: one failing variant must not hide the others
             print(f"{name}: FAILED: {type(e).__name__}: {e}")
             continue

@@ -1756,7 +1756,7 @@ class LazyTrainEngine(nn.Module):
         stages 1-2 the owner of its master); a moment's owner; fp32 weights here when this rank has them, else
         the owner of their layer."""
         masters = self.masters.by_param if self.masters is not None else {}
-        layer_of = {id(p): i for i, params in enumerate(self.weights.params) for p in params}
+        layer_of = self._layer_of_param
         params = dict(self.module.named_parameters())
         params.update((self._param_names[id(p)], p) for g in self._all_whole_groups() for p in g["params"]
                       if id(p) in self._param_names)

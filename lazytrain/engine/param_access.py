@@ -31,7 +31,7 @@ def owner_of(param: torch.Tensor):
     the script added to its optimizer, such as a loss's learnable temperature), or None."""
     engines = list(_ENGINES)
     for engine in engines:
-        if id(param) in engine.__dict__.get("_model_param_ids", ()):
+        if id(param) in engine._model_param_ids:   # registered once set up: it has them
             return engine
     for engine in engines:
         if any(t is param for t in engine._extra_params()):

@@ -31,7 +31,6 @@ class Masters:
     def __init__(self, params: list[nn.Parameter], compute_dtype: torch.dtype, home: torch.device | None = None):
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self._hooks = {}
-        self._through_sink: set[int] = set()   # ids of the parameters whose gradients land through the sink
         self.elsewhere: set[int] = set()   # ids of parameters whose master another rank holds (partitioned_params.py)
         self.sink: MasterGradSink | None = None
         self._staging: dict[torch.dtype, list[torch.Tensor]] = {}   # masters_to_params' pieces, by dtype
@@ -57,10 +56,8 @@ class Masters:
         else:
             master = nn.Parameter(p.detach().to(where, torch.float32, copy=True), requires_grad=True)
             p.data = p.data.to(compute_dtype)
-        sunk = _copied(p.device, where)
-        self._hooks[id(p)] = p.register_post_accumulate_grad_hook(_into_master(master, self.sink if sunk else None))
-        if sunk:
-            self._through_sink.add(id(p))
+        self._hooks[id(p)] = p.register_post_accumulate_grad_hook(
+            _into_master(master, self.sink if _copied(p.device, where) else None))
         self.pairs.append((p, master))
 
     def sink_bytes(self, last: set[int]) -> tuple[int, int] | None:
@@ -68,12 +65,16 @@ class Masters:
         are in ``last``, the ones autograd finishes last: the input embedding's); None without a sink."""
         if self.sink is None:
             return None
-        sizes = [(id(p) in last, p.numel() * p.element_size()) for p in self._to_sink if id(p) in self._hooks]
+        sizes = [(id(p) in last, p.numel() * p.element_size()) for p in self._landing_through_sink()]
         return sum(b for lst, b in sizes if not lst), sum(b for lst, b in sizes if lst)
+
+    def _landing_through_sink(self) -> list[nn.Parameter]:
+        """The parameters whose gradients the sink lands in their masters (not those partitioned_params.py
+        reduces to an owner instead)."""
+        return [p for p in self._to_sink if id(p) in self._hooks]
 
     def remove_grad_hook(self, p: nn.Parameter) -> None:
         """``p``'s gradient goes elsewhere (partitioned_params.py reduces it to the master's owner)."""
-        self._through_sink.discard(id(p))
         handle = self._hooks.pop(id(p), None)
         if handle is not None:
             handle.remove()
@@ -145,10 +146,12 @@ class Masters:
         the layers' flat buffers are reused): a master's ``.grad`` held across a step changes with it."""
         if self.sink is not None:   # a copy still in flight must not land after the zeroing
             self.sink.discard()
+        for p in self._landing_through_sink():   # the next first landing writes it whole
+            m = self.by_param[id(p)]
+            if m.grad is not None:
+                self.sink.reuse(m, m.grad)
         for p, m in self.pairs:
             p.grad = None
-            if id(p) in self._through_sink and m.grad is not None:   # the next first landing writes it whole
-                self.sink.reuse(m, m.grad)
             m.grad = None
 
 

@@ -116,6 +116,7 @@ class LayerWeights:
         self.updates: LayerUpdates | None = None
         self._unstored: set[int] = set()   # see mark_unstored
         self._to_owners = None              # see send_grads_to_owners
+        self._scratch: torch.Tensor | None = None   # the adds made on the autograd thread: _backward_scratch
         self.masters_sharded = False        # see drop_foreign_masters
 
     def _build(self, blocks: nn.ModuleList, device: torch.device) -> None:
@@ -391,7 +392,7 @@ class LayerWeights:
 
     def _backward_scratch(self) -> torch.Tensor:
         """The fp32 scratch of the adds made on the autograd thread (no gradient sink)."""
-        if self.__dict__.get("_scratch") is None:
+        if self._scratch is None:
             self._scratch = scratch_for(self.max_trainable_numel)
         return self._scratch
 
