@@ -12,7 +12,9 @@
 #      its own MLP re-run from the streamed weights (keep-all, offloaded and selective layers alike); stages 2
 #      and 3 with two processes on the one GPU (at stage 3 the non-block parameters partitioned between them,
 #      at stage 2 their fp32 host masters, the owners sending the updated device copies) bit for bit as
-#      stage 0; an NCCL group of one training bit for bit as one process;
+#      stage 0; an NCCL group of one training bit for bit as one process; stage 2's gradient reduce on the
+#      device (NCCL, a group of one: started from the backward, the owner's copy after it) bit for bit as on
+#      the host;
 #   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
 #      sink, a layer gradient's failed copy refused by every step until zero_grad, the optimizer update
 #      overlapping the next forward, a window of re-run layers prefetched whole

@@ -359,6 +359,7 @@ class LazyTrainSection:
     fp32_state_patterns: tuple | None = None   # None: HybridAdamW's defaults (norms, biases, ln_*)
     milp_time_limit: float = 30.0
     collective_timeout_s: float = 1800.0   # a rank that hangs fails the others after this long (torch's default)
+    gradient_reduce: str = "auto"       # auto | device | host: where stage >= 2 reduces layer gradients to owners
     trust_checkpoints: bool = False     # unpickle checkpoints without restriction (they may then run code)
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
@@ -374,7 +375,7 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
                    "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints",
-                   "loss_chunk_tokens", "auto", "non_block_state", "lean_norms"}
+                   "loss_chunk_tokens", "auto", "non_block_state", "lean_norms", "gradient_reduce"}
 
 
 @dataclass(frozen=True)
@@ -579,6 +580,10 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     aio = _parse_aio(_section(d.get("aio")))
     lt = _parse_lazytrain(_section(d.get("lazytrain")), _section(d.get("activation_checkpointing")), offload_param, seen)
 
+    if lt.gradient_reduce == "device" and stage < 2:
+        raise ConfigError(f"config key 'lazytrain.gradient_reduce' is \"device\", which reduces each micro-batch's "
+                          f"layer gradients to their owners as they are made: that needs 'zero_optimization.stage' "
+                          f">= 2 (it is {stage}; below 2 gradients are reduced once a step, from the host)")
     seed = d.get("seed")
     seen.emit()
     comm = d.get("communication_data_type")
@@ -870,6 +875,10 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ConfigError(f"config key 'lazytrain.collective_timeout_s' must be a number of seconds > 0, "
                           f"got {timeout!r}")
+    reduce_at = section.get("gradient_reduce", "auto")
+    if reduce_at not in ("auto", "device", "host"):
+        raise ConfigError(f"config key 'lazytrain.gradient_reduce' must be \"auto\", \"device\" or \"host\", "
+                          f"got {reduce_at!r}")
     lean = section.get("lean_norms", True)
     if not isinstance(lean, bool):
         raise ConfigError(f"config key 'lazytrain.lean_norms' must be true or false, got {lean!r}")
@@ -897,4 +906,4 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         milp_time_limit=float(_number(section, "milp_time_limit", 30.0, "lazytrain", above=0)), nvme_path=nvme_path,
         seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),
         collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
-        non_block_state=non_block, lean_norms=lean)
+        non_block_state=non_block, lean_norms=lean, gradient_reduce=reduce_at)

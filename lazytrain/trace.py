@@ -19,7 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 # "host": the host's arithmetic on gradients outside the optimizer (the sinks' fp32 adds), on their workers
-LANES = ("compute", "wait", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "host")
+# "comm": the gradient path's collectives across ranks, from their start to when the thread that waits for
+# them saw them done
+LANES = ("compute", "wait", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "host", "comm")
 
 
 @dataclass

@@ -332,8 +332,95 @@ def test_a_mixed_precision_sharded_run_resumes_bit_identically(spawned, stage, o
             assert torch.equal(r["weights"][k], v), k
 
 
+# ---- stage 2: each micro-batch's layer gradients reduced on the device, before they leave it -------------
+def _reduce_where(rank, world, out_dir, where, dtype, comm):
+    """Stage 2 with the CPU standing in for a GPU (copy threads, random delays on every copy and update),
+    each layer's gradient reduced to its owner on the "device" (``where``: "device") or after it reached the
+    host ("host"), over two micro-batches a step; reports the weights and the bytes of layer gradients this
+    rank copied off the device in each step (from the step's trace)."""
+    import lazytrain
+    from lazytrain.tiers import streams
+    from lazytrain.trace import Timeline
+    cfg = _config(world, 2, True, dtype)
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world // 2    # two micro-batches a step
+    if comm is not None:
+        cfg["communication_data_type"] = comm
+    cfg["lazytrain"].update(gradient_reduce=where, testing={"copy_threads": True, "chaos_seed": 11 + rank,
+                                                            "chaos_max_delay_ms": 3})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    per = GLOBAL // world // 2
+    copied, reduces = [], []
+    for x, y in batches(3, batch=GLOBAL):
+        timeline = Timeline("measured")
+        streams.start_recording(timeline)
+        try:
+            for m in range(2):
+                part = slice(2 * per * rank + per * m, 2 * per * rank + per * (m + 1))
+                engine.backward(lm_loss(engine(x[part]), y[part]))
+                engine.step()   # the last micro-batch's: every gradient landed before the update starts
+        finally:
+            streams.stop_recording()
+        copied.append(sum(s.args["bytes"] for s in timeline.spans if s.lane == "d2h" and s.name.startswith("grads L")))
+        reduces.append(sorted(s.name for s in timeline.spans if s.lane == "comm"))
+    engine.wait_for_update()
+    w = engine.weights
+    result = {"weights": engine.module_state_dict(), "copied": copied, "reduces": reduces,
+              "numels": list(w.trainable_numels),
+              "owned": [engine.shards.owns_layer(i) for i in range(w.num_layers)],
+              "on_device": w._to_owners.on_device}
+    engine.destroy()
+    return result
+
+
+def reduce_case(where, dtype, comm=None) -> str:
+    return case(2, f"reduce-on-{where}-{dtype}-comm{comm}", _reduce_where, where=where, dtype=dtype, comm=comm)
+
+
+REDUCED = [("fp32", None), ("bf16", None), ("bf16", "fp32")]
+for _dtype, _comm in REDUCED:
+    for _where in ("device", "host"):
+        reduce_case(_where, _dtype, _comm)
+
+
+@pytest.mark.parametrize("dtype,comm", REDUCED)
+def test_gradients_reduced_on_the_device_leave_it_only_on_their_owner_and_train_as_reduced_on_the_host(
+        spawned, dtype, comm):
+    """The device path (NCCL's on a GPU; here gloo over what stands for device memory, its copies on copy
+    threads with random delays) sums what the host path sums, in the same order: the same weights, bit for
+    bit; and a rank copies off its device only the layers it owns, in the communication dtype, where the host
+    path copies every layer in the compute dtype."""
+    on_device, on_host = spawned(reduce_case("device", dtype, comm)), spawned(reduce_case("host", dtype, comm))
+    made = {"fp32": 4, "bf16": 2}[dtype]         # bytes a gradient element is made in
+    sent = {None: made, "fp32": 4}[comm]         # ... and summed in (communication_data_type; unset: as made)
+    for d, h in zip(on_device, on_host):
+        assert d["on_device"] and not h["on_device"]
+        for k, v in h["weights"].items():
+            assert torch.equal(d["weights"][k], v), k
+        owned = sum(n for n, mine in zip(d["numels"], d["owned"]) if mine)
+        assert 0 < owned < sum(d["numels"])
+        assert d["copied"] == [2 * owned * sent] * 3          # two micro-batches a step, three steps
+        assert h["copied"] == [2 * sum(h["numels"]) * made] * 3
+        # each micro-batch's reduce of each layer traced on the "comm" lane
+        assert d["reduces"] == [sorted(f"grad reduce L{i}" for i in range(len(d["numels"])) for _ in range(2))] * 3
+    if dtype == "fp32":   # and as one process on the global batch
+        steps = batches(3, batch=GLOBAL)
+        parts = [(x[i:i + 1], y[i:i + 1]) for x, y in steps for i in range(GLOBAL)]
+        ref = reference_train(make_model("modulelist"), parts, lr=1e-3, gas=GLOBAL)
+        assert max_rel_diff(as_model(on_device[0]["weights"]), ref) < 1e-5
+
+
+def test_gradient_reduce_on_the_device_is_refused_where_it_cannot_run():
+    from lazytrain.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match=r"config key 'lazytrain.gradient_reduce' must be \"auto\", \"device\" "
+                                          r"or \"host\", got 'gpu'"):
+        parse_config({**_config(2, 2, False), "lazytrain": {"gradient_reduce": "gpu"}}, world_size=2)
+    with pytest.raises(ConfigError, match=r"needs 'zero_optimization.stage' >= 2 \(it is 1;"):
+        parse_config({**_config(2, 1, False), "lazytrain": {"gradient_reduce": "device"}}, world_size=2)
+
+
 def _stalling_worker(rank, port, out_dir, where):
-    """Rank 1 stops (SIGSTOP) where the sharded step is: before its gradient reduce, or on the update thread
+    """Rank 1 stops (SIGSTOP) where the sharded step is: before its gradient reduce (at the step, or at stage 2
+    in the backward, reduced on the "device"), or on the update thread
     before its broadcast of updated weights, or (stage 3) before it joins destroy()'s gather of the partitioned
     parameters, or (stage 1 in bf16) instead of joining the gather of the non-block masters that
     module_state_dict() called on rank 0 alone makes; rank 0 must fail naming that collective."""
@@ -344,13 +431,24 @@ def _stalling_worker(rank, port, out_dir, where):
     import lazytrain
     from lazytrain.engine.distributed import DistributedContext
     torch.set_num_threads(1)
-    cfg = _config(2, 3 if where == "destroy" else 1, overlap=where == "broadcast",
+    cfg = _config(2, {"destroy": 3, "device_reduce": 2}.get(where, 1), overlap=where == "broadcast",
                   dtype="bf16" if where == "module_state_dict" else "fp32")
     cfg["lazytrain"]["collective_timeout_s"] = 3
+    if where == "device_reduce":   # the CPU standing in for a GPU: the reduce started in the backward
+        cfg["lazytrain"].update(gradient_reduce="device", testing={"copy_threads": True})
     if where == "module_state_dict":   # the layers' masters are not sharded with the weights on NVMe: the only
         cfg["lazytrain"]["weights_home"] = "nvme"   # gather is that of the non-block masters, on their owners
         cfg["lazytrain"]["nvme_path"] = os.path.join(out_dir, f"nvme{rank}")
         os.makedirs(cfg["lazytrain"]["nvme_path"], exist_ok=True)
+    if rank == 1 and where in ("reduce", "device_reduce", "broadcast"):   # before initialize, which keeps
+        name = {"reduce": "reduce_to", "device_reduce": "reduce_gradient_started",   # the gradient path's
+                "broadcast": "broadcast_started"}[where]                       # (broadcasts: the update thread's)
+        original = getattr(DistributedContext, name)
+
+        def stop(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return original(self, *args, **kwargs)
+        setattr(DistributedContext, name, stop)
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     if rank == 1 and where == "destroy":
         original = engine.destroy
@@ -359,14 +457,6 @@ def _stalling_worker(rank, port, out_dir, where):
             os.kill(os.getpid(), signal.SIGSTOP)
             original()
         engine.destroy = stop_then_destroy
-    elif rank == 1:
-        name = "reduce_to" if where == "reduce" else "broadcast_started"   # the update thread's broadcasts
-        original = getattr(DistributedContext, name)
-
-        def stop(self, *args, **kwargs):
-            os.kill(os.getpid(), signal.SIGSTOP)
-            return original(self, *args, **kwargs)
-        setattr(DistributedContext, name, stop)
     try:
         for x, y in batches(2, batch=GLOBAL):
             part = slice(2 * rank, 2 * rank + 2)
@@ -385,6 +475,10 @@ def _stalling_worker(rank, port, out_dir, where):
 
 
 @pytest.mark.parametrize("where,collective", [("reduce", "gradient reduce of engine.step()"),
+                                              ("device_reduce", "gradient reduce in the backward (at "
+                                                                "zero_optimization.stage >= 2 every rank must run the "
+                                                                "same trainable layers in each backward; a model that "
+                                                                "skips layers on some ranks needs stage 1)"),
                                               ("broadcast", "broadcast of updated weights in engine.step()"),
                                               ("destroy", "gather of the partitioned parameters (module_state_dict(), "
                                                           "a load, a save's 16-bit weights or destroy(): every rank "
@@ -1122,6 +1216,66 @@ def test_on_a_gpu_an_nccl_group_of_one_trains_bit_for_bit_as_one_process(tmp_pat
     assert grouped["backend"] == "nccl" and not grouped["sharded"] and not alone["sharded"]
     for k, v in alone["weights"].items():
         assert torch.equal(grouped["weights"][k], v), k
+
+
+def _reduced_in_a_world_of_one(rank, port, out_dir, device, via):
+    """One process in a group of one (NCCL on a GPU, gloo on the CPU with copy threads standing in for its
+    streams; chaos delays on every copy either way), bf16 over two micro-batches a step, every layer's
+    gradient sent through the stage-2 gradient path to its owner (this rank): ``via`` "device" reduces it
+    before it leaves the device (NCCL's reduce started on the autograd thread, waited for on the gradient
+    worker with the copy stream current, then the owner's copy to the host), "host" after, or "none":
+    straight into the buffers."""
+    import lazytrain
+    from lazytrain.engine.sharding import GradientsToOwners
+    join_as(0, 1, port)
+    backend = "nccl" if device == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend)
+    cfg = _config(1, 2, True, "bf16")
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL // 2
+    cfg["lazytrain"].update(device=device, testing={"copy_threads": device == "cpu", "chaos_seed": 5,
+                                                    "chaos_max_delay_ms": 2})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    ctx, w = engine.dist, engine.weights
+    assert not ctx.enabled and engine.shards is None   # a world of one shards nothing: the path is set here
+    if via != "none":
+        ctx.device_gradient_group = torch.distributed.new_group(backend=backend)
+        ctx.gradient_group = torch.distributed.new_group(backend="gloo")
+        w.send_grads_to_owners(GradientsToOwners(
+            (0,) * w.num_layers, 0, 1, w.max_trainable_numel, ctx.reduce_gradient, ctx.comm_dtype,
+            start_on_device=ctx.reduce_gradient_started if via == "device" else None))
+    for x, y in batches(3, batch=GLOBAL):
+        for m in range(2):
+            part = slice(2 * m, 2 * m + 2)
+            engine.backward(lm_loss(engine(x[part].to(device)), y[part].to(device)))
+            engine.step()
+    engine.wait_for_update()
+    torch.save({"weights": engine.module_state_dict(), "backend": torch.distributed.get_backend(),
+                "on_device": w._to_owners is not None and w._to_owners.on_device},
+               os.path.join(out_dir, f"{via}.pt"))
+    engine.destroy()
+    leave_group()
+
+
+def _reduce_in_a_world_of_one(tmp_path, device):
+    for via in ("device", "host", "none"):
+        mp.spawn(_reduced_in_a_world_of_one, args=(free_port(), str(tmp_path), device, via), nprocs=1, join=True)
+    device_, host, none = (torch.load(tmp_path / f"{via}.pt") for via in ("device", "host", "none"))
+    assert device_["on_device"] and not host["on_device"]
+    assert device_["backend"] == ("nccl" if device == "cuda" else "gloo")
+    for k, v in none["weights"].items():
+        assert torch.equal(device_["weights"][k], v), k
+        assert torch.equal(host["weights"][k], v), k
+
+
+def test_a_world_of_one_trains_the_same_through_the_device_and_the_host_gradient_reduce(tmp_path):
+    _reduce_in_a_world_of_one(tmp_path, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_nccl_reduces_layer_gradients_on_the_device_as_the_host_path_does(tmp_path):
+    """The NCCL path of stage 2's gradient reduce in a group of one (NCCL refuses two ranks on one GPU): the
+    reduce started from the backward, the copy of its result ordered after it on the copy stream."""
+    _reduce_in_a_world_of_one(tmp_path, "cuda")
 
 
 def node_memory_dir():

@@ -4,7 +4,8 @@ A plain ``python train.py`` (no RANK/WORLD_SIZE) is a single process: no process
 Under torchrun, the group is created from the environment (NCCL on CUDA, gloo otherwise). The engine's
 own collectives run on groups it makes with ``lazytrain.collective_timeout_s`` (default 30 minutes, as
 torch and DeepSpeed): host gradient buffers over gloo, since NCCL cannot reduce host memory, device
-tensors over the default group's backend. A rank that stops or dies makes the others fail with
+tensors over the default group's backend; at stage >= 2 on a GPU with NCCL each layer's gradient is reduced
+to its owner on the device, before it leaves it (``reduce_gradients_on_device``). A rank that stops or dies makes the others fail with
 :class:`CollectiveError`, naming the collective and the timeout, instead of hanging.
 """
 from __future__ import annotations
@@ -19,6 +20,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 1800.0
+
+
+_GRADIENT_REDUCE = ("gradient reduce in the backward (at zero_optimization.stage >= 2 every rank must run the "
+                    "same trainable layers in each backward; a model that skips layers on some ranks needs stage 1)")
 
 
 class CollectiveError(RuntimeError):
@@ -63,6 +68,7 @@ class DistributedContext:
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if own_group else 0))
         self.timeout_s = float(timeout_s)
         self.host_group = self.device_group = self.update_group = self.gradient_group = None
+        self.device_gradient_group = None   # see reduce_gradients_on_device
         if self.world_size > 1:
             if not dist.is_initialized():
                 missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -149,9 +155,7 @@ class DistributedContext:
     def reduce_gradient(self, t: torch.Tensor, owner: int) -> None:
         """Sum every rank's host tensor ``t`` into rank ``owner``'s, on the gradient path's group (one layer's
         gradient of one micro-batch, as it lands: sharding.GradientsToOwners)."""
-        self._collective("gradient reduce in the backward (at zero_optimization.stage >= 2 every rank must run "
-                         "the same trainable layers in each backward; a model that skips layers on some ranks "
-                         "needs stage 1)", dist.reduce, t, dst=owner, group=self.gradient_group)
+        self._collective(_GRADIENT_REDUCE, dist.reduce, t, dst=owner, group=self.gradient_group)
 
     def start_from_rank_0(self, model: torch.nn.Module) -> None:
         """Rank 0's parameters into every rank's model, as DeepSpeed's ``initialize`` broadcasts them: a script
@@ -198,9 +202,46 @@ class DistributedContext:
         that waits for it (at most the timeout from that call, a failure named as in :meth:`_collective`).
         Every rank starts the same broadcasts in the same order, which pairs them up across ranks; gloo may
         complete them in another order, so each is waited for on its own."""
-        what = "broadcast of updated weights in engine.step()"
+        return self._started("broadcast of updated weights in engine.step()", dist.broadcast, t, src=owner,
+                             group=self.update_group)
+
+    def reduce_gradients_on_device(self, device: torch.device, mode: str) -> bool:
+        """Whether each micro-batch's layer gradients are reduced to their owners on ``device``, before they
+        leave it (``mode``: the config's ``lazytrain.gradient_reduce``); if so, makes the group they run on.
+        "auto" does so on a GPU whose default group is NCCL: a rank then copies to its host only the
+        gradients of the layers it owns (1/world of them), where reducing on the host copies all of them.
+        On the CPU the "device" is host memory: "device" runs the same ordering there (the tests' copy
+        threads stand in for a GPU's streams) over gloo. Every rank calls it at the same point of set-up
+        with the same arguments (making a group is a collective)."""
+        if not self.enabled or mode == "host":
+            return False
+        if device.type == "cuda":
+            if dist.get_backend() != "nccl":
+                if mode == "device":
+                    from ..config import ConfigError
+                    raise ConfigError(f"config key 'lazytrain.gradient_reduce' is \"device\", but the process "
+                                      f"group's backend is {dist.get_backend()!r}: reducing GPU tensors needs "
+                                      f"NCCL; set it \"host\" or \"auto\"")
+                return False
+            self.device_gradient_group = dist.new_group(backend="nccl", timeout=timedelta(seconds=self.timeout_s))
+            return True
+        if mode == "auto":
+            return False
+        self.device_gradient_group = self.gradient_group
+        return True
+
+    def reduce_gradient_started(self, t: torch.Tensor, owner: int):
+        """Start summing every rank's device tensor ``t`` into rank ``owner``'s, on the device gradient group,
+        from the thread that makes the gradients (every rank starts the same reduces in the same order: the
+        order the backward reaches the layers); returns the call that waits for it, made by the thread that
+        lands the gradient (on a GPU with its copy stream current: NCCL's wait also orders that stream)."""
+        return self._started(_GRADIENT_REDUCE, dist.reduce, t, dst=owner, group=self.device_gradient_group)
+
+    def _started(self, what: str, collective, /, *args, **kwargs):
+        """``collective(*args, **kwargs)`` started without waiting; returns the call that waits for it (for at
+        most the timeout from that call; a failure named as in :meth:`_collective`)."""
         try:
-            work = dist.broadcast(t, src=owner, group=self.update_group, async_op=True)
+            work = collective(*args, async_op=True, **kwargs)
         except RuntimeError as e:
             raise self._failed(what, time.monotonic(), e) from e
 

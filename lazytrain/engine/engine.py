@@ -259,14 +259,21 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn(f"lazytrain: zero_optimization.stage {config.zero_stage} shards the optimizer state "
                               f"of an optimizer built from the config; the one passed to initialize updates "
                               f"every parameter on every rank, so its state is not sharded", UserWarning)
+                if config.lazytrain.gradient_reduce == "device":
+                    raise ConfigError("config key 'lazytrain.gradient_reduce' is \"device\", which reduces layer "
+                                      "gradients to the ranks that own their optimizer state; the optimizer passed to "
+                                      "initialize is not sharded (every rank updates every parameter): build it from "
+                                      "the config's 'optimizer' section, or leave the key \"auto\"")
         elif config.optimizer.type is not None:
             groups = param_groups(model_parameters, model, remap)
             if self.dist.enabled and config.zero_stage >= 1:
                 self.shards = self._assign_shards(groups)
                 if config.zero_stage >= 2:   # as DeepSpeed's stage 2: gradients partitioned too
+                    on_device = self.dist.reduce_gradients_on_device(self.device, config.lazytrain.gradient_reduce)
                     self.weights.send_grads_to_owners(sharding.GradientsToOwners(
                         self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_trainable_numel,
-                        self.dist.reduce_gradient, self.dist.comm_dtype))
+                        self.dist.reduce_gradient, self.dist.comm_dtype,
+                        start_on_device=self.dist.reduce_gradient_started if on_device else None))
                 self._whole_groups = groups
                 groups = sharding.owned_groups(groups, self.shards)
                 if self.masters is not None:

@@ -5,8 +5,9 @@ alone keeps their Adam moments and updates them, then broadcasts the updated wei
 (fp32, or in bf16/fp16 the compute copies: the other ranks keep no fp32 weights for its layers). The
 clipping norm is the square root of the owners' summed squares. Gradients reach the owner by a reduce (half
 an all-reduce's traffic): at stage 1 every rank's whole buffers at the step; at stage >= 2 one micro-batch
-at a time as they reach the host (:class:`GradientsToOwners`), a rank keeping gradient buffers for its own
-layers only. Where the layers' weights live (one copy per node) is engine.py's ``_shard_host_weights``.
+at a time as they are made (:class:`GradientsToOwners`: on a GPU with NCCL before they leave the device, else
+as they reach the host), a rank keeping gradient buffers for its own layers only. Where the layers' weights
+live (one copy per node) is engine.py's ``_shard_host_weights``.
 
 A checkpoint is written by every rank, each its part (sharded_checkpoint.py); a load reads the whole
 optimizer state by the order a single process's optimizer has it, and each rank keeps its own part of it,
@@ -67,28 +68,42 @@ def assign(layer_params: list[list[torch.Tensor]], other_params: list[torch.Tens
 
 class GradientsToOwners:
     """Each micro-batch's gradient of a streamed layer, summed over the ranks into its owner's fp32 buffer as
-    it reaches the host (so a rank holds gradient buffers for its own layers only, and the reduces overlap
-    the backward, as DeepSpeed's ZeRO-2 does). Every rank reduces the same layers in the same order: the
-    order the backward reaches them, which data parallel makes the same on every rank.
+    it is made (so a rank holds gradient buffers for its own layers only, and the reduces overlap the
+    backward, as DeepSpeed's ZeRO-2 does). Every rank reduces the same layers in the same order: the order
+    the backward reaches them, which data parallel makes the same on every rank.
 
-    ``reduce(t, owner)`` sums every rank's ``t`` into rank ``owner``'s (a collective on a group of the
-    gradient path's own). Each part is divided by the world size first, so that the sum is the mean and
-    loss-scaled gradients cannot overflow it. One send buffer is reused (fp32, or the config's
-    ``communication_data_type``): the gradient path lands one layer at a time, in order."""
+    Where the sum is made: on the host, ``reduce(t, owner)`` (a collective on a group of the gradient path's
+    own) once every rank copied the layer's gradient off its device; or, with ``start_on_device``, on the
+    device before it leaves it (``start_on_device(t, owner)`` starts the collective and returns the call that
+    waits for it), so only the owner copies the sum to its host. Each part is divided by the world size first,
+    so that the sum is the mean and loss-scaled gradients cannot overflow it, in ``dtype`` (fp32, or the
+    config's ``communication_data_type``); the host path reuses one send buffer, as the gradient path lands
+    one layer at a time, in order."""
 
     def __init__(self, layer_owner: tuple[int, ...], rank: int, world_size: int, max_layer_numel: int,
-                 reduce: Callable[[torch.Tensor, int], None], dtype: torch.dtype = torch.float32):
+                 reduce: Callable[[torch.Tensor, int], None], dtype: torch.dtype = torch.float32,
+                 start_on_device: Callable[[torch.Tensor, int], Callable[[], None]] | None = None):
         self.layer_owner = layer_owner
         self.rank = rank
         self.world_size = world_size
         self.reduce = reduce
-        self._send = torch.zeros(max_layer_numel, dtype=dtype)   # dtype: the config's communication_data_type
+        self.dtype = dtype
+        self.start_on_device = start_on_device
+        self.max_layer_numel = max_layer_numel
+        self._send: torch.Tensor | None = None   # the host path's, made when first used
+
+    @property
+    def on_device(self) -> bool:
+        """Reduced on the device, before the gradients leave it (the device copies only its own layers')."""
+        return self.start_on_device is not None
 
     def owns(self, i: int) -> bool:
         return self.layer_owner[i] == self.rank
 
     def send_buffer(self, numel: int) -> torch.Tensor:
-        """The buffer to flatten a layer's gradient into, for :meth:`land` without another copy."""
+        """The buffer to flatten a layer's gradient into on the host, for :meth:`land` without another copy."""
+        if self._send is None:
+            self._send = torch.zeros(self.max_layer_numel, dtype=self.dtype)
         return self._send[:numel]
 
     def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None, scratch: torch.Tensor) -> None:
@@ -102,6 +117,15 @@ class GradientsToOwners:
         self.reduce(send, self.layer_owner[i])
         if self.owns(i):
             add_into(target, send, scratch)
+
+    def started_on_device(self, i: int, flat: torch.Tensor) -> Callable[[], None]:
+        """Start reducing layer i's gradient from this micro-batch (``flat``: on the device, in :attr:`dtype`,
+        divided here by the world size in place) into its owner's ``flat``; returns the call that waits for
+        it. The owner then copies ``flat`` to its host and adds it into the layer's buffer."""
+        if flat.dtype != self.dtype:
+            raise TypeError(f"layer {i}'s gradient is reduced in {self.dtype}, got a {flat.dtype} buffer")
+        flat.div_(self.world_size)
+        return self.start_on_device(flat, self.layer_owner[i])
 
 
 def owned_groups(groups: list[dict], ownership: Ownership) -> list[dict]:

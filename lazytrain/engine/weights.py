@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import queue
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ import torch.nn as nn
 
 from ..tiers import Tier, TransferHandle, empty_host
 from ..tiers import streams
-from ..tiers.memory import async_copy
+from ..tiers.memory import async_copy, d2h_stream
 from .host_accumulate import add_into, scratch_for
 from .layer_updates import LayerUpdates
 
@@ -494,7 +495,9 @@ class _GradientSink:
     takes a free pinned staging buffer, copies into it on the device-to-host stream after that event, and
     adds it into the layer's fp32 buffer. Adds run in submission order, so micro-batches accumulate into
     one layer in order. At most ``max_in_flight`` layers wait for the worker (their device buffers are
-    memory); past that, backward waits for the oldest (back-pressure, not a fixed two-layer lag).
+    memory); past that, backward waits for the oldest (back-pressure, not a fixed two-layer lag). Where the
+    gradients are reduced to their owners on the device, the autograd thread starts each layer's reduce and
+    the worker copies off the device only the layers this rank owns.
 
     A copy that fails does not stop the backward: the failure is kept, and every flush raises it until
     the gradients are dropped (``flush(discard=True)``, from ``zero_grad``), so no step takes buffers that
@@ -504,17 +507,19 @@ class _GradientSink:
 
     def __init__(self, weights: LayerWeights, depth: int = 2, max_in_flight: int = 4):
         self.weights = weights
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(depth):
-            self.free.put(empty_host(weights.max_trainable_numel, weights.compute_dtype))
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
         self.scratch = scratch_for(weights.max_trainable_numel)   # the one worker's, for the fp32 adds
         self.max_in_flight = max_in_flight
         self.pending: collections.deque[Future] = collections.deque()
         self.failure: BaseException | None = None   # the first copy that failed since the last discard
+        self.depth = depth
+        self._free: dict[torch.dtype, queue.SimpleQueue] = {}   # see _staging
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
+        if w._to_owners is not None and w._to_owners.on_device:
+            self._submit_reduced_on_device(i, grads, w._to_owners)
+            return
         numel = w.trainable_numels[i]
         flat = w.flatten_grads(i, grads, torch.empty(numel, dtype=w.compute_dtype, device=w.device))
         ready = None
@@ -523,27 +528,83 @@ class _GradientSink:
             ready.record(torch.cuda.current_stream(flat.device))
 
         def add():
-            staging = self.free.get()
+            free = self._staging(w.compute_dtype)
+            staging = free.get()
             try:
                 part = staging[:numel]
                 try:
                     async_copy(part, flat, after=ready, follow_current=False, direction="d2h",
                                label=f"grads L{i}").synchronize()
                 except Exception as e:   # noqa: BLE001 - kept: every flush raises it until the gradients go
-                    if self.failure is None:
-                        self.failure = e
+                    self._keep(e)
                     if not w.grads_to_owners:
                         return
                     part.zero_()         # the layer's reduce still pairs with the other ranks'
                 w.land_grads(i, part, self.scratch)
             finally:
-                self.free.put(staging)
+                free.put(staging)
+        self._queue(add)
+
+    def _submit_reduced_on_device(self, i: int, grads: dict[str, torch.Tensor], to_owners) -> None:
+        """Layer i's gradient reduced to its owner on the device, before it leaves it: flattened in the
+        communication dtype and the reduce started here, on the autograd thread (so every rank starts the
+        layers' reduces in the backward's order); the worker waits for it, and only the owner copies the
+        sum to its host and adds it. A failed copy is kept as on the host path; no collective follows it."""
+        w = self.weights
+        numel = w.trainable_numels[i]
+        flat = w.flatten_grads(i, grads, torch.empty(numel, dtype=to_owners.dtype, device=w.device))
+        started = time.perf_counter()
+        finish = to_owners.started_on_device(i, flat)
+        owned = to_owners.owns(i)
+        # on a GPU the wait orders the copy stream after the reduce (NCCL's wait makes the current stream
+        # wait), never the compute stream, which would stall the backward behind the collective
+        copy_stream = d2h_stream(flat.device) if flat.is_cuda else None
+
+        def land():
+            with torch.cuda.stream(copy_stream) if copy_stream is not None else _NO_SPAN:
+                finish()
+            streams.record("comm", f"grad reduce L{i}", started, time.perf_counter(),
+                           bytes=numel * flat.element_size())
+            if not owned:
+                return
+            free = self._staging(to_owners.dtype)
+            staging = free.get()
+            try:
+                part = staging[:numel]
+                try:
+                    async_copy(part, flat, follow_current=False, direction="d2h", label=f"grads L{i}").synchronize()
+                except Exception as e:   # noqa: BLE001 - kept: every flush raises it until the gradients go
+                    self._keep(e)
+                    return
+                with streams.span("host", f"grad add L{i}", bytes=numel * part.element_size()):
+                    add_into(w.grad[i], part, self.scratch)
+            finally:
+                free.put(staging)
+        self._queue(land)
+
+    def _staging(self, dtype: torch.dtype) -> queue.SimpleQueue:
+        """The free pinned buffers gradients of ``dtype`` land in (the compute dtype; where they are reduced
+        on the device, the communication dtype), made on first use: ``depth`` of them, each a layer's."""
+        free = self._free.get(dtype)
+        if free is None:
+            free = self._free[dtype] = queue.SimpleQueue()
+            for _ in range(self.depth):
+                free.put(empty_host(self.weights.max_trainable_numel, dtype))
+        return free
+
+    def _keep(self, e: BaseException) -> None:
+        if self.failure is None:
+            self.failure = e
+
+    def _queue(self, fn) -> None:
+        """``fn`` to the worker, after back-pressure: at most ``max_in_flight`` layers wait for it."""
+        w = self.weights
         while len(self.pending) >= self.max_in_flight:
             with streams.wait_span("gradient sink", w.device):
                 self.pending.popleft().result()
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()
-        self.pending.append(self.pool.submit(add))
+        self.pending.append(self.pool.submit(fn))
 
     def flush(self, discard: bool = False) -> None:
         """Every submitted gradient is in its fp32 buffer, or (``discard``: the gradients are being dropped)
