@@ -1,6 +1,9 @@
 """The gradient sinks' host add: a layer's bf16 gradient added into its fp32 buffer, as torch's mixed-dtype
 add does it (a whole-size fp32 temporary per add) and as lazytrain/engine/host_accumulate.py does it (a piece
-at a time through a reused scratch). Same sums, bit for bit (checked here).
+at a time through a reused scratch). Same sums, bit for bit (checked here). Then what the step's clipping
+norm costs: the buffer's sum of squares taken in that add (as the sinks take it as each layer's gradient
+lands) against a pass over the buffer of its own (what the step read from every layer before), the two equal
+bit for bit (checked).
 
     python benchmarks/host_add.py [--numel 51400000] [--reps 7]
 
@@ -10,7 +13,7 @@ import time
 
 import torch
 
-from lazytrain.engine.host_accumulate import add_into, scratch_for
+from lazytrain.engine.host_accumulate import add_into, scratch_for, sum_of_squares
 
 
 def best_and_median(f, reps: int) -> tuple[float, float]:
@@ -46,6 +49,13 @@ def main() -> None:
     print(f"{'torch mixed-dtype add_':<36}{mixed[0] * 1e3:>10.1f}{mixed[1] * 1e3:>11.1f}")
     print(f"{'add_into (pieces through a scratch)':<36}{pieces[0] * 1e3:>10.1f}{pieces[1] * 1e3:>11.1f}")
     print(f"speed-up (median): {mixed[1] / pieces[1]:.2f}x")
+    assert add_into(dst, src, scratch, square_sum=True) == sum_of_squares(dst), "the two square sums differ"
+    fused = best_and_median(lambda: add_into(dst, src, scratch, square_sum=True), args.reps)
+    separate = best_and_median(lambda: sum_of_squares(dst), args.reps)
+    print(f"{'add_into + square sum in the add':<36}{fused[0] * 1e3:>10.1f}{fused[1] * 1e3:>11.1f}")
+    print(f"{'square sum, a pass of its own':<36}{separate[0] * 1e3:>10.1f}{separate[1] * 1e3:>11.1f}")
+    print(f"the norm's cost in the add / in a pass of its own (median): "
+          f"{(fused[1] - pieces[1]) / separate[1]:.2f}")
 
 
 if __name__ == "__main__":

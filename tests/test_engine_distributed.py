@@ -129,6 +129,35 @@ def _odd_parameters(rank: int, world: int, out_dir: str):
 case("odd-parameters", _odd_parameters)
 
 
+def _device_reduce_unsharded(rank: int, world: int, out_dir: str):
+    """``gradient_reduce: "device"`` at stage 2 where nothing is sharded: an optimizer passed to initialize, and
+    no optimizer at all. What each initialize raised."""
+    import lazytrain
+    from lazytrain.config import ConfigError
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": 2}, "lazytrain": {"gradient_reduce": "device"}}
+    messages = []
+    for optimizer in (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), None):
+        model = make_model("modulelist")
+        try:
+            lazytrain.initialize(model=model, config=cfg, optimizer=optimizer(model) if optimizer else None)
+            messages.append(None)
+        except ConfigError as e:
+            messages.append(str(e))
+    return messages
+
+
+case("device-reduce-unsharded", _device_reduce_unsharded)
+
+
+def test_a_device_gradient_reduce_with_nothing_sharded_is_refused(spawned):
+    message = ("config key 'lazytrain.gradient_reduce' is \"device\", which reduces layer gradients to the ranks "
+               "that own their optimizer state; this engine's state is not sharded (the optimizer was passed to "
+               "initialize, or there is none): build it from the config's 'optimizer' section, or leave the key "
+               "\"auto\"")
+    assert spawned("device-reduce-unsharded") == [[message, message]] * 2
+
+
 def test_scalars_strided_and_16_bit_parameters_start_from_rank_0s_too(spawned):
     (before0, after0), (before1, after1) = spawned("odd-parameters")
     assert not torch.equal(before0["scale"], before1["scale"])
@@ -143,15 +172,18 @@ def test_ranks_that_built_different_models_are_refused(spawned):
                            f"before lazytrain.initialize()")
 
 
-def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage: int, copy_fails: int = 0):
+def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage: int, copy_fails: int = 0,
+                                      reduce: str = "host"):
     """Rank 1's gradients fail to reach its host once (step 2): what each rank's step() raised, and its
     weights after both follow the error's advice (zero_grad, redo the micro-batch) and train on.
     ``copy_fails``: the copy of that many-th layer gradient off the device fails (on the copy threads'
-    gradient sink, which at stage 2 reduces each layer to its owner as it lands), else attaching them."""
+    gradient sink, which at stage 2 reduces each layer to its owner as it lands), else attaching them.
+    ``reduce``: "device", each layer reduced before it leaves the device (then only the owner's copies)."""
     import lazytrain
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
-           "lazytrain": {"collective_timeout_s": 20, "testing": {"copy_threads": bool(copy_fails)}}}
+           "lazytrain": {"collective_timeout_s": 20, "testing": {"copy_threads": bool(copy_fails)},
+                         "gradient_reduce": reduce}}
     engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
     patch = pytest.MonkeyPatch()
     if rank == 1 and copy_fails:
@@ -186,11 +218,16 @@ for _stage in (0, 2, 3):
     case(f"one-rank-fails-stage{_stage}", _one_rank_fails_before_the_update, stage=_stage)
 for _nth in (7, 9, 12):   # step 2's layer 5, 3 and 0 (six layers a step)
     case(f"one-rank-fails-copy{_nth}", _one_rank_fails_before_the_update, stage=2, copy_fails=_nth)
+for _nth in (4, 6):   # reduced on the device, rank 1 copies its own layers 5, 3, 1: step 2's layer 5 and 1
+    case(f"one-rank-fails-copy{_nth}-device", _one_rank_fails_before_the_update, stage=2, copy_fails=_nth,
+         reduce="device")
 
 
-@pytest.mark.parametrize("stage,copy_fails", [(0, 0), (2, 0), (3, 0), (2, 7), (2, 9), (2, 12)],
+@pytest.mark.parametrize("stage,copy_fails", [(0, 0), (2, 0), (3, 0), (2, 7), (2, 9), (2, 12), (2, "4-device"),
+                                              (2, "6-device")],
                          ids=["stage0", "stage2", "stage3", "stage2-copy-of-layer5", "stage2-copy-of-layer3",
-                              "stage2-copy-of-layer0"])
+                              "stage2-copy-of-layer0", "stage2-device-reduced-copy-of-layer5",
+                              "stage2-device-reduced-copy-of-layer1"])
 def test_a_step_that_fails_on_one_rank_before_the_update_fails_on_every_rank(spawned, stage, copy_fails):
     """Not a wait for the collective timeout on the others (nor, at stage 3, their collectives paired with the
     failed rank's redone forward; nor, at stage 2, a failed gradient copy that left its layer's reduce out of

@@ -333,7 +333,7 @@ def test_a_mixed_precision_sharded_run_resumes_bit_identically(spawned, stage, o
 
 
 # ---- stage 2: each micro-batch's layer gradients reduced on the device, before they leave it -------------
-def _reduce_where(rank, world, out_dir, where, dtype, comm):
+def _reduce_where(rank, world, out_dir, where, dtype, comm, stage):
     """Stage 2 with the CPU standing in for a GPU (copy threads, random delays on every copy and update),
     each layer's gradient reduced to its owner on the "device" (``where``: "device") or after it reached the
     host ("host"), over two micro-batches a step; reports the weights and the bytes of layer gradients this
@@ -341,7 +341,7 @@ def _reduce_where(rank, world, out_dir, where, dtype, comm):
     import lazytrain
     from lazytrain.tiers import streams
     from lazytrain.trace import Timeline
-    cfg = _config(world, 2, True, dtype)
+    cfg = _config(world, stage, True, dtype)
     cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world // 2    # two micro-batches a step
     if comm is not None:
         cfg["communication_data_type"] = comm
@@ -372,24 +372,27 @@ def _reduce_where(rank, world, out_dir, where, dtype, comm):
     return result
 
 
-def reduce_case(where, dtype, comm=None) -> str:
-    return case(2, f"reduce-on-{where}-{dtype}-comm{comm}", _reduce_where, where=where, dtype=dtype, comm=comm)
+def reduce_case(where, dtype, comm=None, stage=2) -> str:
+    return case(2, f"reduce-on-{where}-{dtype}-comm{comm}-stage{stage}", _reduce_where, where=where, dtype=dtype,
+                comm=comm, stage=stage)
 
 
-REDUCED = [("fp32", None), ("bf16", None), ("bf16", "fp32")]
-for _dtype, _comm in REDUCED:
+REDUCED = [("fp32", None, 2), ("bf16", None, 2), ("bf16", "fp32", 2), ("bf16", None, 3)]
+for _dtype, _comm, _stage in REDUCED:
     for _where in ("device", "host"):
-        reduce_case(_where, _dtype, _comm)
+        reduce_case(_where, _dtype, _comm, _stage)
 
 
-@pytest.mark.parametrize("dtype,comm", REDUCED)
+@pytest.mark.parametrize("dtype,comm,stage", REDUCED)
 def test_gradients_reduced_on_the_device_leave_it_only_on_their_owner_and_train_as_reduced_on_the_host(
-        spawned, dtype, comm):
+        spawned, dtype, comm, stage):
     """The device path (NCCL's on a GPU; here gloo over what stands for device memory, its copies on copy
     threads with random delays) sums what the host path sums, in the same order: the same weights, bit for
-    bit; and a rank copies off its device only the layers it owns, in the communication dtype, where the host
+    bit (at stage 3 too, the non-block parameters partitioned); and a rank copies off its device only the
+    layers it owns, in the communication dtype, where the host
     path copies every layer in the compute dtype."""
-    on_device, on_host = spawned(reduce_case("device", dtype, comm)), spawned(reduce_case("host", dtype, comm))
+    on_device = spawned(reduce_case("device", dtype, comm, stage))
+    on_host = spawned(reduce_case("host", dtype, comm, stage))
     made = {"fp32": 4, "bf16": 2}[dtype]         # bytes a gradient element is made in
     sent = {None: made, "fp32": 4}[comm]         # ... and summed in (communication_data_type; unset: as made)
     for d, h in zip(on_device, on_host):
@@ -1223,8 +1226,8 @@ def _reduced_in_a_world_of_one(rank, port, out_dir, device, via):
     streams; chaos delays on every copy either way), bf16 over two micro-batches a step, every layer's
     gradient sent through the stage-2 gradient path to its owner (this rank): ``via`` "device" reduces it
     before it leaves the device (NCCL's reduce started on the autograd thread, waited for on the gradient
-    worker with the copy stream current, then the owner's copy to the host), "host" after, or "none":
-    straight into the buffers."""
+    worker with a stream of the sink's own current, then the owner's copy to the host), "host" after, or
+    "none": straight into the buffers."""
     import lazytrain
     from lazytrain.engine.sharding import GradientsToOwners
     join_as(0, 1, port)
@@ -1238,8 +1241,9 @@ def _reduced_in_a_world_of_one(rank, port, out_dir, device, via):
     ctx, w = engine.dist, engine.weights
     assert not ctx.enabled and engine.shards is None   # a world of one shards nothing: the path is set here
     if via != "none":
-        ctx.device_gradient_group = torch.distributed.new_group(backend=backend)
-        ctx.gradient_group = torch.distributed.new_group(backend="gloo")
+        ctx.gradient_group = torch.distributed.new_group(backend="gloo")   # the host path's
+        if via == "device":
+            ctx.open_device_gradient_group(engine.device)
         w.send_grads_to_owners(GradientsToOwners(
             (0,) * w.num_layers, 0, 1, w.max_trainable_numel, ctx.reduce_gradient, ctx.comm_dtype,
             start_on_device=ctx.reduce_gradient_started if via == "device" else None))
@@ -1273,8 +1277,10 @@ def test_a_world_of_one_trains_the_same_through_the_device_and_the_host_gradient
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_nccl_reduces_layer_gradients_on_the_device_as_the_host_path_does(tmp_path):
-    """The NCCL path of stage 2's gradient reduce in a group of one (NCCL refuses two ranks on one GPU): the
-    reduce started from the backward, the copy of its result ordered after it on the copy stream."""
+    """The NCCL calls of stage 2's gradient reduce in a group of one (NCCL refuses two ranks on one GPU): the
+    group opened at set-up, each reduce started from the backward and waited for on the worker, the owner's
+    copy after it. A group of one sums nothing (the reduce is a copy, the division by one exact): how NCCL's
+    stream orders a real sum against the copies needs two GPUs."""
     _reduce_in_a_world_of_one(tmp_path, "cuda")
 
 

@@ -1,10 +1,12 @@
 """host_accumulate.add_into: a compute-dtype gradient added into an fp32 host buffer a piece at a time through
 a reused scratch gives the sums torch's own mixed-dtype add gives, bit for bit, without its whole-size
-temporary."""
+temporary; and the buffer's sum of squares taken in the same pass."""
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
-from lazytrain.engine.host_accumulate import PIECE, add_into, scratch_for
+from lazytrain.engine.host_accumulate import PIECE, add_into, scratch_for, sum_of_squares
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -30,3 +32,32 @@ def test_a_gradient_of_another_size_is_refused():
     """The pieces would add into a part of the buffer, where add_ broadcasts or raises."""
     with pytest.raises(ValueError, match=r"^add_into: a gradient of 4 elements into a buffer of 10$"):
         add_into(torch.zeros(10), torch.ones(4, dtype=torch.bfloat16), torch.empty(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("numel", [1, 1000, 3 * PIECE + 17])
+def test_the_square_sum_taken_in_the_add_is_the_buffers_bit_for_bit(dtype, numel):
+    """What the sinks take as each piece is added is what the step would read from the buffer afterwards,
+    on any thread and thread count (ATen's reduction: BLAS's dot differs between threads); and both are
+    the buffer's sum of squares to fp32's rounding."""
+    g = torch.Generator().manual_seed(numel)
+    dst = torch.randn(numel, generator=g)
+    src = torch.randn(numel, generator=g).to(dtype)
+    expected = dst.clone().add_(src)
+    taken = add_into(dst, src, scratch_for(numel), square_sum=True)
+    assert torch.equal(dst, expected)
+    assert taken == sum_of_squares(dst)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ThreadPoolExecutor(1).submit(sum_of_squares, dst).result() == sum_of_squares(dst) == taken
+    finally:
+        torch.set_num_threads(threads)
+    assert taken == pytest.approx(float(expected.double().square().sum()), rel=1e-5)
+
+
+def test_a_scratch_that_cuts_other_pieces_cannot_take_the_square_sum():
+    with pytest.raises(ValueError, match=r"^add_into: a scratch of 3 elements cuts a buffer of 10 into other "
+                                         rf"pieces than sum_of_squares' \({PIECE}\)$"):
+        add_into(torch.zeros(10), torch.ones(10, dtype=torch.bfloat16), torch.empty(3), square_sum=True)
+    assert add_into(torch.zeros(10), torch.ones(10), torch.empty(10), square_sum=True) == 10.0

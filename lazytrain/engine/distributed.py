@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 1800.0
+NCCL_WATCHDOG_MARGIN_S = 60.0   # an NCCL group's timeout past the engine's (DistributedContext._nccl_timeout)
 
 
 _GRADIENT_REDUCE = ("gradient reduce in the backward (at zero_optimization.stage >= 2 every rank must run the "
@@ -80,8 +81,8 @@ class DistributedContext:
             timeout = timedelta(seconds=self.timeout_s)
             self.host_group = dist.new_group(backend="gloo", timeout=timeout)
             backend = dist.get_backend()
-            self.device_group = self.host_group if backend == "gloo" else dist.new_group(backend=backend,
-                                                                                         timeout=timeout)
+            self.device_group = self.host_group if backend == "gloo" else dist.new_group(
+                backend=backend, timeout=self._nccl_timeout() if "nccl" in backend else timeout)
             # the layer-update thread's broadcasts (sharded optimizer state), apart from the main thread's
             self.update_group = dist.new_group(backend="gloo", timeout=timeout)
             # the gradient path's reduces (sharded gradients), from the thread that lands gradients on the host
@@ -207,28 +208,46 @@ class DistributedContext:
 
     def reduce_gradients_on_device(self, device: torch.device, mode: str) -> bool:
         """Whether each micro-batch's layer gradients are reduced to their owners on ``device``, before they
-        leave it (``mode``: the config's ``lazytrain.gradient_reduce``); if so, makes the group they run on.
+        leave it (``mode``: the config's ``lazytrain.gradient_reduce``); if so, opens the group they run on.
         "auto" does so on a GPU whose default group is NCCL: a rank then copies to its host only the
         gradients of the layers it owns (1/world of them), where reducing on the host copies all of them.
         On the CPU the "device" is host memory: "device" runs the same ordering there (the tests' copy
         threads stand in for a GPU's streams) over gloo. Every rank calls it at the same point of set-up
-        with the same arguments (making a group is a collective)."""
+        with the same arguments (opening a group is a collective)."""
         if not self.enabled or mode == "host":
             return False
-        if device.type == "cuda":
-            if dist.get_backend() != "nccl":
-                if mode == "device":
-                    from ..config import ConfigError
-                    raise ConfigError(f"config key 'lazytrain.gradient_reduce' is \"device\", but the process "
-                                      f"group's backend is {dist.get_backend()!r}: reducing GPU tensors needs "
-                                      f"NCCL; set it \"host\" or \"auto\"")
-                return False
-            self.device_gradient_group = dist.new_group(backend="nccl", timeout=timedelta(seconds=self.timeout_s))
-            return True
-        if mode == "auto":
+        if device.type == "cuda" and "nccl" not in dist.get_backend():
+            if mode == "device":
+                from ..config import ConfigError
+                raise ConfigError(f"config key 'lazytrain.gradient_reduce' is \"device\", but the process group's "
+                                  f"backend is {dist.get_backend()!r}: reducing GPU tensors needs NCCL; set it "
+                                  f"\"host\" or \"auto\"")
             return False
-        self.device_gradient_group = self.gradient_group
+        if device.type != "cuda" and mode == "auto":
+            return False
+        self.open_device_gradient_group(device)
         return True
+
+    def open_device_gradient_group(self, device: torch.device) -> None:
+        """The group the layer gradients' device reduces run on: on CUDA an NCCL group of its own (apart from
+        the main thread's collectives), its communicator made now, at set-up, by a one-element all-reduce
+        (NCCL makes it at a group's first collective: else inside the first backward, at its peak memory);
+        on the CPU the gradient path's gloo group."""
+        if device.type != "cuda":
+            self.device_gradient_group = self.gradient_group or dist.new_group(backend="gloo",
+                                                                               timeout=self._timeout())
+            return
+        self.device_gradient_group = dist.new_group(backend="nccl", timeout=self._nccl_timeout())
+        self._collective("set-up of the device gradient group in initialize()", dist.all_reduce,
+                         torch.zeros(1, device=device), group=self.device_gradient_group)
+
+    def _timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def _nccl_timeout(self) -> timedelta:
+        """An NCCL group's own timeout: past the engine's, so that the wait that names the collective
+        (``CollectiveError``) fails before NCCL's watchdog ends the process (both count from the start)."""
+        return timedelta(seconds=self.timeout_s + NCCL_WATCHDOG_MARGIN_S)
 
     def reduce_gradient_started(self, t: torch.Tensor, owner: int):
         """Start summing every rank's device tensor ``t`` into rank ``owner``'s, on the device gradient group,
@@ -240,10 +259,11 @@ class DistributedContext:
     def _started(self, what: str, collective, /, *args, **kwargs):
         """``collective(*args, **kwargs)`` started without waiting; returns the call that waits for it (for at
         most the timeout from that call; a failure named as in :meth:`_collective`)."""
+        t0 = time.monotonic()
         try:
             work = collective(*args, async_op=True, **kwargs)
         except RuntimeError as e:
-            raise self._failed(what, time.monotonic(), e) from e
+            raise self._failed(what, t0, e) from e
 
         def finish() -> None:
             t0 = time.monotonic()

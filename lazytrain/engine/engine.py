@@ -259,17 +259,15 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn(f"lazytrain: zero_optimization.stage {config.zero_stage} shards the optimizer state "
                               f"of an optimizer built from the config; the one passed to initialize updates "
                               f"every parameter on every rank, so its state is not sharded", UserWarning)
-                if config.lazytrain.gradient_reduce == "device":
-                    raise ConfigError("config key 'lazytrain.gradient_reduce' is \"device\", which reduces layer "
-                                      "gradients to the ranks that own their optimizer state; the optimizer passed to "
-                                      "initialize is not sharded (every rank updates every parameter): build it from "
-                                      "the config's 'optimizer' section, or leave the key \"auto\"")
         elif config.optimizer.type is not None:
             groups = param_groups(model_parameters, model, remap)
             if self.dist.enabled and config.zero_stage >= 1:
                 self.shards = self._assign_shards(groups)
                 if config.zero_stage >= 2:   # as DeepSpeed's stage 2: gradients partitioned too
-                    on_device = self.dist.reduce_gradients_on_device(self.device, config.lazytrain.gradient_reduce)
+                    # where gradients leave a device (a GPU, or copy threads standing in for one); on the CPU
+                    # without them they are made in host memory and reduced there
+                    on_device = self.weights.grads_in_flight and \
+                        self.dist.reduce_gradients_on_device(self.device, config.lazytrain.gradient_reduce)
                     self.weights.send_grads_to_owners(sharding.GradientsToOwners(
                         self.shards.layer_owner, self.global_rank, self.world_size, self.weights.max_trainable_numel,
                         self.dist.reduce_gradient, self.dist.comm_dtype,
@@ -283,6 +281,11 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
+        if config.lazytrain.gradient_reduce == "device" and self.dist.enabled and not self.weights.grads_to_owners:
+            raise ConfigError("config key 'lazytrain.gradient_reduce' is \"device\", which reduces layer gradients to "
+                              "the ranks that own their optimizer state; this engine's state is not sharded (the "
+                              "optimizer was passed to initialize, or there is none): build it from the config's "
+                              "'optimizer' section, or leave the key \"auto\"")
         if self.optimizer is not None:   # what of the optimizer's own the engine replaces: handed back by destroy
             self._optimizer_own = {name: self.optimizer.__dict__[name] for name in _OPTIMIZER_ATTRIBUTES_SET
                                    if name in self.optimizer.__dict__}
@@ -959,6 +962,8 @@ class LazyTrainEngine(nn.Module):
                 if self.masters is not None:
                     self.masters.flush_grads()
             self.weights.attach_grads()
+        except CollectiveError:
+            raise   # a collective of the gradient path failed: the ranks' group is gone, no agreement can run
         except Exception as e:   # noqa: BLE001 - every rank hears of it before any rank enters a collective
             local_failure = e
         # a rank that failed alone would leave the others waiting in the step's collectives until the timeout,
@@ -981,7 +986,7 @@ class LazyTrainEngine(nn.Module):
                 self.dist.average([g for g in grads if g.device.type == "cpu"],
                                   [g for g in grads if g.device.type != "cpu"])
                 with streams.span("optimizer", "gradient norm"):   # the step's serial host phase begins
-                    norm = _global_norm(grads) * inv_scale
+                    norm = math.sqrt(self._square_sum(grads)) * inv_scale
         except CollectiveError:
             raise   # names the collective; the run cannot go on with a rank missing
         except Exception as e:
@@ -1311,9 +1316,17 @@ class LazyTrainEngine(nn.Module):
         self.dist.average([g for g in replicated if g.device.type == "cpu"],
                           [g for g in replicated if g.device.type != "cpu"])
         with streams.span("optimizer", "gradient norm"):
-            local = _global_norm(owned) ** 2
-            mine = local + (_global_norm(replicated) ** 2 if self.global_rank == 0 else 0.0)
+            local = self._square_sum(owned)
+            mine = local + (_global_square_sum(replicated) if self.global_rank == 0 else 0.0)
             return math.sqrt(self.dist.sum_over_ranks(mine))
+
+    def _square_sum(self, grads: list[torch.Tensor]) -> float:
+        """The sum of the squares of ``grads``: a streamed layer's buffer's as taken when its last gradient
+        landed (weights.py: no pass over the host gradients here), the others' read now."""
+        layer_of = {id(g): i for i, g in enumerate(self.weights.grad) if g is not None}
+        layers = [layer_of[id(g)] for g in grads if id(g) in layer_of]
+        others = [g for g in grads if id(g) not in layer_of]
+        return sum(self.weights.grad_square_sum(i) for i in layers) + _global_square_sum(others)
 
     def _share_updated(self, layers=(), non_block: bool = False) -> None:
         """Sharded state: the owners' updated weights to every rank (fp32, or the compute copies with the
@@ -2546,15 +2559,13 @@ def _scale_(grads: list[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(gs, factor)
 
 
-def _global_norm(grads: list[torch.Tensor]) -> float:
-    """L2 norm over all gradients, from per-tensor norms accumulated in fp32 on each device."""
-    if not grads:
-        return 0.0
+def _global_square_sum(grads: list[torch.Tensor]) -> float:
+    """The squared L2 norm over all gradients, from per-tensor norms accumulated in fp32 on each device."""
     total = 0.0
     for gs in _by_device(grads):
         norms = torch._foreach_norm(gs, 2.0)
         total += float(torch.stack([n.float() for n in norms]).pow(2).sum())
-    return math.sqrt(total)
+    return total
 
 
 def _raise_save_failure(error: BaseException | None, tag: str, save_dir: str, who: str) -> None:

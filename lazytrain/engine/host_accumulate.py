@@ -4,12 +4,15 @@
 worth of memory allocated and page-faulted on every add: 76 ms for a 51M-parameter layer on two cores, where
 converting a piece at a time into a reused scratch and adding it takes 11 ms, bit for bit the same sums).
 The gradient sinks add every layer's gradient of every micro-batch this way, on the thread the backward
-waits for at its end."""
+waits for at its end, and take the buffer's sum of squares while each piece is in cache: the step's gradient
+norm then needs no pass over the host gradients of its own (:func:`sum_of_squares` gives the same value for a
+buffer whose sum was not taken so, piece for piece)."""
 from __future__ import annotations
 
 import torch
 
 PIECE = 1 << 20   # elements: 4 MiB of fp32, in cache while it is converted and added
+ROW = 1 << 14     # elements a thread sums alone (half ATen's grain: a reduction never splits it)
 
 
 def scratch_for(numel: int) -> torch.Tensor:
@@ -17,17 +20,53 @@ def scratch_for(numel: int) -> torch.Tensor:
     return torch.empty(min(PIECE, max(1, numel)), dtype=torch.float32)
 
 
-def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor) -> None:
+def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, square_sum: bool = False) -> float | None:
     """``dst += src`` for a flat fp32 ``dst`` and a flat ``src`` of any floating dtype, through ``scratch``
-    (one caller at a time: it is overwritten)."""
+    (one caller at a time: it is overwritten). With ``square_sum``, returns ``sum_of_squares(dst)`` after the
+    add, bit for bit, taken a piece at a time as the pieces are added (scratch must then be a whole piece,
+    or hold all of ``dst``)."""
     if src.numel() != dst.numel():   # the pieces would add into a part of dst, where add_ broadcasts or raises
         raise ValueError(f"add_into: a gradient of {src.numel()} elements into a buffer of {dst.numel()}")
-    if src.dtype == dst.dtype:
+    if src.dtype == dst.dtype and not square_sum:
         dst.add_(src)
-        return
+        return None
     size = scratch.numel()
+    if square_sum and size < min(PIECE, dst.numel()):
+        raise ValueError(f"add_into: a scratch of {size} elements cuts a buffer of {dst.numel()} into other pieces "
+                         f"than sum_of_squares' ({PIECE})")
+    total = 0.0
     for start in range(0, src.numel(), size):
         end = min(src.numel(), start + size)
         piece = scratch[:end - start]
-        piece.copy_(src[start:end])
-        dst[start:end].add_(piece)
+        part = dst[start:end]
+        if src.dtype == dst.dtype:
+            part.add_(src[start:end])
+        else:
+            piece.copy_(src[start:end])
+            part.add_(piece)
+        if square_sum:
+            total += _piece_square_sum(part, piece)
+    return total if square_sum else None
+
+
+def sum_of_squares(t: torch.Tensor, scratch: torch.Tensor | None = None) -> float:
+    """The sum of the squares of flat fp32 ``t``, a piece of ``PIECE`` elements at a time, the same on every
+    thread and at every thread count (where BLAS's dot, and ATen's sum of a whole piece, are not: they split
+    the work by threads): each row of ``ROW`` squares summed in fp32 by one thread, the rows' sums in fp64,
+    the pieces' in a Python float."""
+    if scratch is None:
+        scratch = torch.empty(min(PIECE, max(1, t.numel())), dtype=torch.float32)
+    total = 0.0
+    for start in range(0, t.numel(), PIECE):
+        part = t[start:start + PIECE]
+        total += _piece_square_sum(part, scratch[:part.numel()])
+    return total
+
+
+def _piece_square_sum(part: torch.Tensor, out: torch.Tensor) -> float:
+    squares = torch.mul(part, part, out=out)
+    full = squares.numel() // ROW * ROW
+    total = float(squares[:full].view(-1, ROW).sum(dim=1).double().sum()) if full else 0.0
+    if full < squares.numel():   # under ATen's grain: summed by one thread
+        total += float(squares[full:].double().sum())
+    return total

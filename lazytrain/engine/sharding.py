@@ -106,17 +106,18 @@ class GradientsToOwners:
             self._send = torch.zeros(self.max_layer_numel, dtype=self.dtype)
         return self._send[:numel]
 
-    def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None, scratch: torch.Tensor) -> None:
+    def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None, scratch: torch.Tensor) -> float | None:
         """Reduce ``flat`` (layer i's gradient from this micro-batch, flat, on the host) to the layer's owner,
         which adds the sum into ``target`` (its fp32 buffer; None on the other ranks) through the caller's fp32
-        ``scratch`` (host_accumulate.py)."""
+        ``scratch`` (host_accumulate.py); returns ``target``'s sum of squares then, on the owner."""
         send = self.send_buffer(flat.numel())
         if flat.data_ptr() != send.data_ptr():
             send.copy_(flat)
         send.div_(self.world_size)
         self.reduce(send, self.layer_owner[i])
         if self.owns(i):
-            add_into(target, send, scratch)
+            return add_into(target, send, scratch, square_sum=True)
+        return None
 
     def started_on_device(self, i: int, flat: torch.Tensor) -> Callable[[], None]:
         """Start reducing layer i's gradient from this micro-batch (``flat``: on the device, in :attr:`dtype`,

@@ -29,8 +29,9 @@ import torch.nn as nn
 
 from ..tiers import Tier, TransferHandle, empty_host
 from ..tiers import streams
-from ..tiers.memory import async_copy, d2h_stream
-from .host_accumulate import add_into, scratch_for
+from ..tiers.memory import async_copy
+from .distributed import CollectiveError
+from .host_accumulate import add_into, scratch_for, sum_of_squares
 from .layer_updates import LayerUpdates
 
 
@@ -119,6 +120,8 @@ class LayerWeights:
         self._to_owners = None              # see send_grads_to_owners
         self._scratch: torch.Tensor | None = None   # the adds made on the autograd thread: _backward_scratch
         self.masters_sharded = False        # see drop_foreign_masters
+        # layer -> (its gradient buffer's version, its sum of squares then): taken as gradients land
+        self._square_sums: list[tuple[int, float] | None] = [None] * self.num_layers
 
     def _build(self, blocks: nn.ModuleList, device: torch.device) -> None:
         """Every layer's buffers, the block parameters made views into them (see the module docstring)."""
@@ -383,7 +386,7 @@ class LayerWeights:
             return
         if self._to_owners is not None:   # flattened into the send buffer
             flat = self.flatten_grads(i, grads, self._to_owners.send_buffer(self.trainable_numels[i]))
-            self._to_owners.land(i, flat, self.grad[i], self._backward_scratch())
+            self._note_square_sum(i, self._to_owners.land(i, flat, self.grad[i], self._backward_scratch()))
             return
         flat = self.grad[i]
         for s in self._trainable_slots(i):
@@ -414,10 +417,28 @@ class LayerWeights:
         are sharded."""
         if self._to_owners is not None:
             with streams.span("host", f"grad reduce L{i}", bytes=flat.numel() * flat.element_size()):
-                self._to_owners.land(i, flat, self.grad[i], scratch)
+                self._note_square_sum(i, self._to_owners.land(i, flat, self.grad[i], scratch))
         else:
             with streams.span("host", f"grad add L{i}", bytes=flat.numel() * flat.element_size()):
-                add_into(self.grad[i], flat, scratch)
+                self._note_square_sum(i, add_into(self.grad[i], flat, scratch, square_sum=True))
+
+    def _note_square_sum(self, i: int, value: float | None) -> None:
+        """Layer i's gradient buffer has ``value`` as its sum of squares now (None: not known)."""
+        if value is not None:
+            self._square_sums[i] = (self.grad[i]._version, value)
+
+    def grad_square_sum(self, i: int) -> float:
+        """The sum of squares of layer i's fp32 gradient buffer, for the step's norm: the one taken as its last
+        gradient landed, when nothing wrote the buffer since (its version says: an all-reduce, a script's
+        change of a ``.grad`` in place), else read from it now (the same value, bit for bit, as
+        host_accumulate.py takes it)."""
+        buf = self.grad[i]
+        known = self._square_sums[i]
+        if known is not None and known[0] == buf._version:
+            return known[1]
+        value = sum_of_squares(buf)
+        self._square_sums[i] = (buf._version, value)
+        return value
 
     @property
     def grads_to_owners(self) -> bool:
@@ -431,6 +452,8 @@ class LayerWeights:
         gradient buffers of the layers it does not own."""
         self.flush_grads()
         self._to_owners = to_owners
+        if to_owners.on_device and self._grad_sink is not None:
+            self._grad_sink.reduce_on_device(to_owners.dtype)
         for i in range(self.num_layers):
             if not to_owners.owns(i):
                 self.grad[i] = None
@@ -483,6 +506,7 @@ class LayerWeights:
     def zero_layer_grads(self, i: int) -> None:
         if self.grad[i] is not None:
             self.grad[i].zero_()
+            self._note_square_sum(i, 0.0)
             self.attach_grads(i)
 
 
@@ -496,24 +520,54 @@ class _GradientSink:
     adds it into the layer's fp32 buffer. Adds run in submission order, so micro-batches accumulate into
     one layer in order. At most ``max_in_flight`` layers wait for the worker (their device buffers are
     memory); past that, backward waits for the oldest (back-pressure, not a fixed two-layer lag). Where the
-    gradients are reduced to their owners on the device, the autograd thread starts each layer's reduce and
-    the worker copies off the device only the layers this rank owns.
+    gradients are reduced to their owners on the device (:meth:`reduce_on_device`), the autograd thread
+    starts each layer's reduce and the worker copies off the device only the layers this rank owns.
 
     A copy that fails does not stop the backward: the failure is kept, and every flush raises it until
     the gradients are dropped (``flush(discard=True)``, from ``zero_grad``), so no step takes buffers that
     miss a gradient. When gradients go to their owners as they land, the failed layer still lands (as
     zeros): every rank takes part in the same reduces, in the same order, and the step fails on all of
-    them together."""
+    them together. Whatever fails on the worker is kept so (the backward goes on starting the reduces the
+    other ranks pair with), except a collective that failed: then the ranks' group is broken, and the
+    layers after it neither reduce nor wait (each would wait out the timeout)."""
 
     def __init__(self, weights: LayerWeights, depth: int = 2, max_in_flight: int = 4):
         self.weights = weights
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad")
+        device = weights.device
+        # the worker's CUDA calls on the engine's device (a fresh thread has device 0 current: a context there)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-grad",
+                                       initializer=(lambda: torch.cuda.set_device(device))
+                                       if device.type == "cuda" else None)
         self.scratch = scratch_for(weights.max_trainable_numel)   # the one worker's, for the fp32 adds
         self.max_in_flight = max_in_flight
         self.pending: collections.deque[Future] = collections.deque()
         self.failure: BaseException | None = None   # the first copy that failed since the last discard
+        self.broken = False   # a collective of the gradient path failed: the ranks' group is gone
         self.depth = depth
-        self._free: dict[torch.dtype, queue.SimpleQueue] = {}   # see _staging
+        self._free: dict[torch.dtype, queue.SimpleQueue] = {}
+        self._add_staging(weights.compute_dtype)
+        self._wait_stream = None   # CUDA: where the worker waits for a device reduce (reduce_on_device)
+
+    def reduce_on_device(self, dtype: torch.dtype) -> None:
+        """From now on gradients reduced on the device reach this sink (in ``dtype``): their staging buffers
+        made now, at set-up, and on CUDA a stream of the sink's own for the worker to wait for each reduce on
+        (NCCL's wait makes the current stream wait; the compute stream would stall the backward behind the
+        collective, the shared copy stream every device-to-host copy of the process); at most one layer
+        waits for the worker, so that two layers' gradients in ``dtype`` are what the device holds for them."""
+        self._add_staging(dtype)
+        if self.weights.device.type == "cuda":
+            self._wait_stream = torch.cuda.Stream(device=self.weights.device)
+        self.max_in_flight = 1
+
+    def _add_staging(self, dtype: torch.dtype) -> None:
+        """``depth`` pinned buffers of a layer's size that gradients of ``dtype`` land in (made whole before
+        any is taken: a failure to allocate leaves no half-filled pool a later land would wait on)."""
+        if dtype in self._free:
+            return
+        free = queue.SimpleQueue()
+        for _ in range(self.depth):
+            free.put(empty_host(self.weights.max_trainable_numel, dtype))
+        self._free[dtype] = free
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
@@ -528,7 +582,9 @@ class _GradientSink:
             ready.record(torch.cuda.current_stream(flat.device))
 
         def add():
-            free = self._staging(w.compute_dtype)
+            if self.broken:
+                return
+            free = self._free[w.compute_dtype]
             staging = free.get()
             try:
                 part = staging[:numel]
@@ -541,6 +597,8 @@ class _GradientSink:
                         return
                     part.zero_()         # the layer's reduce still pairs with the other ranks'
                 w.land_grads(i, part, self.scratch)
+            except Exception as e:   # noqa: BLE001 - the reduce, or the add after it
+                self._keep(e)
             finally:
                 free.put(staging)
         self._queue(add)
@@ -549,62 +607,65 @@ class _GradientSink:
         """Layer i's gradient reduced to its owner on the device, before it leaves it: flattened in the
         communication dtype and the reduce started here, on the autograd thread (so every rank starts the
         layers' reduces in the backward's order); the worker waits for it, and only the owner copies the
-        sum to its host and adds it. A failed copy is kept as on the host path; no collective follows it."""
+        sum to its host and adds it."""
         w = self.weights
         numel = w.trainable_numels[i]
         flat = w.flatten_grads(i, grads, torch.empty(numel, dtype=to_owners.dtype, device=w.device))
+        if self.broken:
+            return
         started = time.perf_counter()
         finish = to_owners.started_on_device(i, flat)
         owned = to_owners.owns(i)
-        # on a GPU the wait orders the copy stream after the reduce (NCCL's wait makes the current stream
-        # wait), never the compute stream, which would stall the backward behind the collective
-        copy_stream = d2h_stream(flat.device) if flat.is_cuda else None
 
         def land():
-            with torch.cuda.stream(copy_stream) if copy_stream is not None else _NO_SPAN:
-                finish()
-            streams.record("comm", f"grad reduce L{i}", started, time.perf_counter(),
-                           bytes=numel * flat.element_size())
-            if not owned:
+            if self.broken:   # an earlier reduce failed: this one cannot complete, and is not waited out
                 return
-            free = self._staging(to_owners.dtype)
-            staging = free.get()
             try:
-                part = staging[:numel]
-                try:
-                    async_copy(part, flat, follow_current=False, direction="d2h", label=f"grads L{i}").synchronize()
-                except Exception as e:   # noqa: BLE001 - kept: every flush raises it until the gradients go
-                    self._keep(e)
-                    return
-                with streams.span("host", f"grad add L{i}", bytes=numel * part.element_size()):
-                    add_into(w.grad[i], part, self.scratch)
-            finally:
-                free.put(staging)
+                with torch.cuda.stream(self._wait_stream) if self._wait_stream is not None else _NO_SPAN:
+                    finish()   # on the host, until the sum is made (or the timeout)
+                streams.record("comm", f"grad reduce L{i}", started, time.perf_counter(),
+                               bytes=numel * flat.element_size())
+                if owned:
+                    self._land_owned(i, flat)
+            except Exception as e:   # noqa: BLE001 - kept: every flush raises it until the gradients go
+                self._keep(e)
         self._queue(land)
 
-    def _staging(self, dtype: torch.dtype) -> queue.SimpleQueue:
-        """The free pinned buffers gradients of ``dtype`` land in (the compute dtype; where they are reduced
-        on the device, the communication dtype), made on first use: ``depth`` of them, each a layer's."""
-        free = self._free.get(dtype)
-        if free is None:
-            free = self._free[dtype] = queue.SimpleQueue()
-            for _ in range(self.depth):
-                free.put(empty_host(self.weights.max_trainable_numel, dtype))
-        return free
+    def _land_owned(self, i: int, flat: torch.Tensor) -> None:
+        """The owner's part of a reduce made on the device: its sum copied to the host and added."""
+        w = self.weights
+        free = self._free[flat.dtype]
+        staging = free.get()
+        try:
+            part = staging[:flat.numel()]
+            async_copy(part, flat, follow_current=False, direction="d2h", label=f"grads L{i}").synchronize()
+            with streams.span("host", f"grad add L{i}", bytes=flat.numel() * part.element_size()):
+                w._note_square_sum(i, add_into(w.grad[i], part, self.scratch, square_sum=True))
+        finally:
+            free.put(staging)
 
     def _keep(self, e: BaseException) -> None:
+        if isinstance(e, CollectiveError):
+            self.broken = True
         if self.failure is None:
             self.failure = e
 
     def _queue(self, fn) -> None:
-        """``fn`` to the worker, after back-pressure: at most ``max_in_flight`` layers wait for it."""
+        """``fn`` to the worker, after back-pressure: at most ``max_in_flight`` layers wait for it. What the
+        worker raised is kept, not raised here: the backward goes on (its reduces pair with the others')."""
         w = self.weights
         while len(self.pending) >= self.max_in_flight:
             with streams.wait_span("gradient sink", w.device):
-                self.pending.popleft().result()
+                wait([self.pending[0]])   # an interrupt here leaves it pending, as settle() does
+            self._take(self.pending.popleft())
         while self.pending and self.pending[0].done():
-            self.pending.popleft().result()
+            self._take(self.pending.popleft())
         self.pending.append(self.pool.submit(fn))
+
+    def _take(self, done: Future) -> None:
+        error = done.exception()
+        if error is not None:
+            self._keep(error)
 
     def flush(self, discard: bool = False) -> None:
         """Every submitted gradient is in its fp32 buffer, or (``discard``: the gradients are being dropped)
@@ -623,9 +684,7 @@ class _GradientSink:
         with streams.span("wait", "gradients landing (end of backward)") if self.pending else _NO_SPAN:
             while self.pending:
                 wait([self.pending[0]])
-                error = self.pending.popleft().exception()
-                if error is not None and self.failure is None:   # raised by the flush that takes the gradients
-                    self.failure = error
+                self._take(self.pending.popleft())   # raised by the flush that takes the gradients
 
     def close(self) -> None:
         self.settle()

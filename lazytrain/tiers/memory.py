@@ -157,11 +157,6 @@ class _CopyStreams:
         return stream
 
 
-def d2h_stream(device: torch.device):
-    """The side stream the copies out of CUDA device ``device`` run on."""
-    return _CopyStreams.get(device, "d2h")
-
-
 def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
                follow_current: bool = True, direction: str | None = None, label: str | None = None) -> TransferHandle:
     """Copy ``src`` into ``dst`` on a side stream when a CUDA device is involved, else synchronously, or,

@@ -1,0 +1,87 @@
+"""The step's gradient norm from the sums of squares the gradient path took as each layer's last gradient
+landed: no pass over the host gradient buffers at the step, the same norm as reading them, and a buffer
+written since (a script's in-place change of a ``.grad``) read again."""
+import math
+
+import pytest
+
+import lazytrain
+from lazytrain.engine import weights as weights_module
+from lazytrain.engine.host_accumulate import sum_of_squares
+from engine_models import batches, lm_loss, make_model
+
+
+def engine_of(copy_threads: bool, accumulation: int = 2, dtype: str = "fp32"):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
+           "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "lazytrain": {"testing": {"copy_threads": copy_threads}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    return engine
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The layers whose gradient buffers the step read (their sums of squares taken there, not as they landed)."""
+    read = []
+    real = weights_module.sum_of_squares
+
+    def counting(t, *args):
+        read.append(t.numel())
+        return real(t, *args)
+    monkeypatch.setattr(weights_module, "sum_of_squares", counting)
+    return read
+
+
+def expected_norm(engine) -> float:
+    """The norm over every gradient the optimizer reads, from the buffers as they are now."""
+    layer_grads = {id(g) for g in engine.weights.grad if g is not None}
+    squares = [float(g.double().square().sum()) for g in engine._all_grads() if id(g) not in layer_grads]
+    return math.sqrt(sum(sum_of_squares(g) for g in engine.weights.grad if g is not None) + sum(squares))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("copy_threads", [True, False])
+def test_the_step_takes_the_layers_square_sums_from_the_gradient_path(counted, copy_threads, dtype):
+    """With the gradient sink (the GPU's path: copy threads here) every layer's sum of squares was taken as its
+    last micro-batch's gradient was added; without it (the CPU adds each parameter's gradient on its own) the
+    step reads the buffers. The norm is the buffers' either way."""
+    engine = engine_of(copy_threads, dtype=dtype)
+    for step, (x, y) in enumerate(batches(4)):
+        engine.backward(lm_loss(engine(x), y))
+        if step % 2 == 1:   # the accumulation boundary: every layer's gradient landed
+            engine.weights.flush_grads()
+            norm = expected_norm(engine)
+            counted.clear()
+            engine.step()
+            assert counted == ([] if copy_threads else engine.weights.trainable_numels)
+            assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-6)
+        else:
+            engine.step()
+    engine.destroy()
+
+
+def test_a_gradient_changed_in_place_after_it_landed_is_read_again(counted):
+    engine = engine_of(copy_threads=True, accumulation=1)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    block_param = next(engine.module.stack[3].parameters())
+    block_param.grad.mul_(100.0)   # a view of layer 3's buffer: its version moves
+    norm = expected_norm(engine)
+    counted.clear()
+    engine.step()
+    assert counted == [engine.weights.trainable_numels[3]]
+    assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-6)
+    engine.destroy()
+
+
+def test_zeroed_buffers_have_no_square_sum_to_read(counted):
+    """zero_grad leaves each layer's sum known (0): a step after a backward that reached no layer reads none."""
+    engine = engine_of(copy_threads=True, accumulation=1)
+    engine.zero_grad()
+    counted.clear()
+    assert all(engine.weights.grad_square_sum(i) == 0.0 for i in range(engine.weights.num_layers))
+    assert counted == []
+    engine.destroy()
