@@ -216,6 +216,44 @@ def test_the_planners_tied_defaults_are_transformers_and_other_model_types_ask_i
     assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "no-such-model"}).tied_embeddings is False
 
 
+SPARSE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=32, intermediate_size=96, vocab_size=128)
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "mistral", "qwen2", "llama", "glm"])
+def test_a_config_without_kv_heads_or_head_dim_takes_what_transformers_loads(model_type):
+    """save_pretrained leaves a key out where it is the config class's default: a Gemma config's head_dim 256, a
+    Mistral one's 8 KV heads. The planner reads the attention's size as transformers loads it (GLM: a model
+    type outside the planner's table, whose defaults are asked of transformers in a child interpreter)."""
+    transformers = pytest.importorskip("transformers")
+    loaded = transformers.AutoConfig.for_model(model_type, **SPARSE)
+    head_dim = getattr(loaded, "head_dim", None) or loaded.hidden_size // loaded.num_attention_heads
+    layer = ModelShape.from_hf_config({**SPARSE, "model_type": model_type}).layers[0]
+    assert (layer.q_dim, layer.kv_dim) == (32 * head_dim, loaded.num_key_value_heads * head_dim)
+    # what a config says wins
+    said = ModelShape.from_hf_config({**SPARSE, "model_type": model_type, "num_key_value_heads": 4,
+                                      "head_dim": 16}).layers[0]
+    assert (said.q_dim, said.kv_dim) == (32 * 16, 4 * 16)
+
+
+def test_the_planners_shape_defaults_are_transformers():
+    pytest.importorskip("transformers")
+    from lazytrain.planner.models import SHAPE_DEFAULTS_BY_TYPE, TIED_BY_DEFAULT, _config_signature_defaults
+    assert set(SHAPE_DEFAULTS_BY_TYPE) == set(TIED_BY_DEFAULT)
+    checked = 0
+    for model_type, known in SHAPE_DEFAULTS_BY_TYPE.items():
+        try:
+            theirs = _config_signature_defaults(model_type)
+        except LookupError:     # a model type newer than this transformers
+            continue
+        assert known == theirs, model_type
+        checked += 1
+    assert checked >= 20
+    # without a model type, or one transformers does not know: derived from the config's own sizes
+    for extra in ({}, {"model_type": "no-such-model"}):
+        layer = ModelShape.from_hf_config({**SPARSE, **extra}).layers[0]
+        assert (layer.q_dim, layer.kv_dim) == (256, 256)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"hidden_size": "4096"}, "model config 'hidden_size' must be an integer >= 1, got '4096'"),
     ({"num_hidden_layers": [2]}, "model config 'num_hidden_layers' must be an integer >= 1, got [2]"),

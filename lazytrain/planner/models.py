@@ -376,7 +376,9 @@ class ModelShape:
         """From a Hugging Face ``config.json`` (a dict, e.g. ``model.config.to_dict()``, or a path).
 
         Reads ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``,
-        ``vocab_size`` and optionally ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings`` (where it
+        ``vocab_size`` and optionally ``num_key_value_heads``, ``head_dim`` (each left out: its default in the
+        model type's config class, as transformers loads it; else the heads, the hidden size over the heads),
+        ``tie_word_embeddings`` (where it
         is missing, the model type's default in transformers: tied for Gemma, :data:`TIED_BY_DEFAULT`),
         ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``), and the expert keys
         of mixture-of-experts configs (:meth:`MoeShape.from_hf_config`). Hybrid stacks: ``layer_types``
@@ -406,6 +408,11 @@ class ModelShape:
         def get(key: str, default: Any = None) -> Any:
             if key in cfg and cfg[key] is not None:
                 return cfg[key]
+            # left out: what transformers loads, its config class's default (save_pretrained writes only what
+            # differs from them: a Gemma config with head_dim 256 may not say so)
+            class_default = _class_defaults(cfg, outer).get(key) if key in DEFAULTED_SHAPE_KEYS else None
+            if class_default is not None:
+                return class_default
             if default is None:
                 raise ModelShapeError(f"model config lacks {key!r}, which the planner needs")
             return default
@@ -585,6 +592,75 @@ def _tied_embeddings(cfg: dict[str, Any], outer: dict[str, Any]) -> bool:
         if isinstance(default, bool):
             return default
     return False
+
+
+# the shape keys a config.json may leave to its config class's defaults (where they have none, the planner
+# derives them: the attention heads, the hidden size over the heads)
+DEFAULTED_SHAPE_KEYS = ("num_key_value_heads", "head_dim")
+
+# their defaults in transformers' config classes, by model type, for the families the planner knows (a Gemma
+# config.json saved by save_pretrained leaves head_dim 256 out; a Mistral one its 8 KV heads); checked against
+# those classes by tests/test_planner.py; another model type's are asked of transformers
+SHAPE_DEFAULTS_BY_TYPE: dict[str, dict[str, int]] = {
+    "gemma": {"num_key_value_heads": 16, "head_dim": 256}, "gemma2": {"num_key_value_heads": 4, "head_dim": 256},
+    "gemma3_text": {"num_key_value_heads": 4, "head_dim": 256},
+    "gemma3n_text": {"num_key_value_heads": 2, "head_dim": 256},
+    "starcoder2": {"num_key_value_heads": 2}, "smollm3": {"num_key_value_heads": 4},
+    "mistral": {"num_key_value_heads": 8}, "mixtral": {"num_key_value_heads": 8},
+    "qwen2": {"num_key_value_heads": 32}, "qwen2_moe": {"num_key_value_heads": 16},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128}, "qwen3_moe": {"num_key_value_heads": 4},
+    "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256},
+    "qwen3_5_text": {"num_key_value_heads": 4, "head_dim": 256},
+    "qwen3_5_moe_text": {"num_key_value_heads": 2, "head_dim": 256},
+    "deepseek_v3": {"num_key_value_heads": 128}, "gpt_oss": {"num_key_value_heads": 8, "head_dim": 64},
+    "llama4_text": {"num_key_value_heads": 8, "head_dim": 128},
+    **dict.fromkeys(("llama", "cohere", "cohere2", "phi3", "olmoe", "granitemoe", "deepseek_v2", "gemma3", "gemma3n",
+                     "qwen3_5", "qwen3_5_moe", "llama4"), {}),
+}
+
+
+def _class_defaults(cfg: dict[str, Any], outer: dict[str, Any]) -> dict[str, Any]:
+    """The defaults of the config class of ``cfg``'s model type (else the outer config's) for
+    :data:`DEFAULTED_SHAPE_KEYS`, as its ``__init__`` declares them (not as a default instance derives them:
+    LlamaConfig's head_dim is None, the hidden size over the heads, which the planner derives from this
+    config's own); {} where no model type is given or transformers cannot say."""
+    for c in (cfg, outer):
+        model_type = c.get("model_type")
+        if isinstance(model_type, str) and model_type:
+            known = SHAPE_DEFAULTS_BY_TYPE.get(model_type)
+            return known if known is not None else transformers_signature_defaults(model_type)
+    return {}
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_signature_defaults(model_type: str) -> dict[str, Any]:
+    """:data:`DEFAULTED_SHAPE_KEYS` as transformers' config class for ``model_type`` declares their defaults
+    (None ones left out); {} where transformers is not installed or knows no such class. Asked of a child
+    interpreter, as :func:`transformers_default`, once per model type, and only for a config that leaves a
+    key out."""
+    if importlib.util.find_spec("transformers") is None:
+        return {}
+    from .isolate import call_with_deadline
+    from .milp import PlanningError
+    try:
+        return call_with_deadline(_config_signature_defaults, model_type, deadline_s=120,
+                                  what="reading transformers' config defaults")
+    except (LookupError, PlanningError):
+        return {}
+
+
+def _config_signature_defaults(model_type: str) -> dict[str, Any]:
+    """The child's side of :func:`transformers_signature_defaults`."""
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise LookupError(f"transformers knows no model type {model_type!r}") from None
+    params = inspect.signature(cls.__init__).parameters
+    return {k: params[k].default for k in DEFAULTED_SHAPE_KEYS
+            if k in params and params[k].default not in (None, inspect.Parameter.empty)}
 
 
 @functools.lru_cache(maxsize=None)
