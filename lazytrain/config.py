@@ -360,6 +360,7 @@ class LazyTrainSection:
     milp_time_limit: float = 30.0
     collective_timeout_s: float = 1800.0   # a rank that hangs fails the others after this long (torch's default)
     gradient_reduce: str = "auto"       # auto | device | host: where stage >= 2 reduces layer gradients to owners
+    grad_norm_as_landed: bool = True    # the clipping norm from sums of squares taken as gradients land
     trust_checkpoints: bool = False     # unpickle checkpoints without restriction (they may then run code)
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
@@ -375,7 +376,8 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
                    "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints",
-                   "loss_chunk_tokens", "auto", "non_block_state", "lean_norms", "gradient_reduce"}
+                   "loss_chunk_tokens", "auto", "non_block_state", "lean_norms", "gradient_reduce",
+                   "grad_norm_as_landed"}
 
 
 @dataclass(frozen=True)
@@ -879,6 +881,9 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if reduce_at not in ("auto", "device", "host"):
         raise ConfigError(f"config key 'lazytrain.gradient_reduce' must be \"auto\", \"device\" or \"host\", "
                           f"got {reduce_at!r}")
+    as_landed = section.get("grad_norm_as_landed", True)
+    if not isinstance(as_landed, bool):
+        raise ConfigError(f"config key 'lazytrain.grad_norm_as_landed' must be true or false, got {as_landed!r}")
     lean = section.get("lean_norms", True)
     if not isinstance(lean, bool):
         raise ConfigError(f"config key 'lazytrain.lean_norms' must be true or false, got {lean!r}")
@@ -906,4 +911,4 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         milp_time_limit=float(_number(section, "milp_time_limit", 30.0, "lazytrain", above=0)), nvme_path=nvme_path,
         seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),
         collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
-        non_block_state=non_block, lean_norms=lean, gradient_reduce=reduce_at)
+        non_block_state=non_block, lean_norms=lean, gradient_reduce=reduce_at, grad_norm_as_landed=as_landed)

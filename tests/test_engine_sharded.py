@@ -347,9 +347,11 @@ def _reduce_where(rank, world, out_dir, where, dtype, comm, stage):
         cfg["communication_data_type"] = comm
     cfg["lazytrain"].update(gradient_reduce=where, testing={"copy_threads": True, "chaos_seed": 11 + rank,
                                                             "chaos_max_delay_ms": 3})
+    from lazytrain.engine import weights as weights_module
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
     per = GLOBAL // world // 2
-    copied, reduces = [], []
+    copied, reduces, read_at_step = [], [], []
+    real_read = weights_module.sum_of_squares
     for x, y in batches(3, batch=GLOBAL):
         timeline = Timeline("measured")
         streams.start_recording(timeline)
@@ -357,14 +359,19 @@ def _reduce_where(rank, world, out_dir, where, dtype, comm, stage):
             for m in range(2):
                 part = slice(2 * per * rank + per * m, 2 * per * rank + per * (m + 1))
                 engine.backward(lm_loss(engine(x[part]), y[part]))
-                engine.step()   # the last micro-batch's: every gradient landed before the update starts
+                if m == 1:   # the step's norm: the owned layers' sums of squares as their gradients landed
+                    weights_module.sum_of_squares = lambda t, *a: (read_at_step.append(t.numel()), real_read(t, *a))[1]
+                try:
+                    engine.step()   # the last micro-batch's: every gradient landed before the update starts
+                finally:
+                    weights_module.sum_of_squares = real_read
         finally:
             streams.stop_recording()
         copied.append(sum(s.args["bytes"] for s in timeline.spans if s.lane == "d2h" and s.name.startswith("grads L")))
         reduces.append(sorted(s.name for s in timeline.spans if s.lane == "comm"))
     engine.wait_for_update()
     w = engine.weights
-    result = {"weights": engine.module_state_dict(), "copied": copied, "reduces": reduces,
+    result = {"weights": engine.module_state_dict(), "copied": copied, "reduces": reduces, "read_at_step": read_at_step,
               "numels": list(w.trainable_numels),
               "owned": [engine.shards.owns_layer(i) for i in range(w.num_layers)],
               "on_device": w._to_owners.on_device}
@@ -403,6 +410,7 @@ def test_gradients_reduced_on_the_device_leave_it_only_on_their_owner_and_train_
         assert 0 < owned < sum(d["numels"])
         assert d["copied"] == [2 * owned * sent] * 3          # two micro-batches a step, three steps
         assert h["copied"] == [2 * sum(h["numels"]) * made] * 3
+        assert d["read_at_step"] == h["read_at_step"] == []   # no gradient buffer read for the norm
         # each micro-batch's reduce of each layer traced on the "comm" lane
         assert d["reduces"] == [sorted(f"grad reduce L{i}" for i in range(len(d["numels"])) for _ in range(2))] * 3
     if dtype == "fp32":   # and as one process on the global batch
@@ -1282,6 +1290,63 @@ def test_on_a_gpu_nccl_reduces_layer_gradients_on_the_device_as_the_host_path_do
     copy after it. A group of one sums nothing (the reduce is a copy, the division by one exact): how NCCL's
     stream orders a real sum against the copies needs two GPUs."""
     _reduce_in_a_world_of_one(tmp_path, "cuda")
+
+
+def _broken_gradient_group(rank, port, out_dir):
+    """A group of one on gloo, the device path on copy threads; the third layer reduce's wait fails as a
+    stopped rank's would. What step(), zero_grad(), load_checkpoint() and the next step raise."""
+    import lazytrain
+    from lazytrain.engine.distributed import CollectiveError
+    from lazytrain.engine.sharding import GradientsToOwners
+    join_as(0, 1, port)
+    torch.distributed.init_process_group("gloo")
+    cfg = _config(1, 2, False, "fp32")
+    cfg["lazytrain"]["testing"] = {"copy_threads": True}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag="t")
+    ctx, w = engine.dist, engine.weights
+    ctx.open_device_gradient_group(engine.device)
+    started = []
+
+    def start(t, owner):
+        finish = ctx.reduce_gradient_started(t, owner)
+        started.append(1)
+        if len(started) == 3:
+            def failed():
+                finish()
+                raise CollectiveError("the gradient reduce in the backward did not complete (injected)")
+            return failed
+        return finish
+    w.send_grads_to_owners(GradientsToOwners((0,) * w.num_layers, 0, 1, w.max_trainable_numel, ctx.reduce_gradient,
+                                             ctx.comm_dtype, start_on_device=start))
+    before = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    raised = []
+    x, y = batches(1, batch=GLOBAL)[0]
+    for call in (lambda: (engine.backward(lm_loss(engine(x), y)), engine.step()), engine.zero_grad,
+                 lambda: engine.load_checkpoint(os.path.join(out_dir, "ckpt"), tag="t"),
+                 lambda: (engine.backward(lm_loss(engine(x), y)), engine.step())):
+        try:
+            call()
+            raised.append(None)
+        except CollectiveError as e:
+            raised.append(str(e))
+    unchanged = all(torch.equal(v, engine.module.state_dict()[k]) for k, v in before.items())
+    torch.save({"raised": raised, "reduces_started": len(started), "unchanged": unchanged},
+               os.path.join(out_dir, "broken.pt"))
+    engine.destroy()
+    leave_group()
+
+
+def test_a_failed_gradient_reduce_ends_the_run_on_every_later_call(tmp_path):
+    """Once a reduce of the gradient path failed (a rank stopped or died), the layers after it neither start
+    their reduces nor wait out the timeout, and nothing trains on: the step, a checkpoint load (which drops
+    the gradients) and every later step raise the reduce's error; zero_grad at stage 2 keeps the gradients,
+    as DeepSpeed's, and raises nothing."""
+    mp.spawn(_broken_gradient_group, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    r = torch.load(tmp_path / "broken.pt")
+    error = "the gradient reduce in the backward did not complete (injected)"
+    assert r["raised"] == [error, None, error, error]
+    assert r["reduces_started"] == 3 and r["unchanged"]
 
 
 def node_memory_dir():

@@ -49,8 +49,10 @@ def test_the_square_sum_taken_in_the_add_is_the_buffers_bit_for_bit(dtype, numel
     assert taken == sum_of_squares(dst)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert ThreadPoolExecutor(1).submit(sum_of_squares, dst).result() == sum_of_squares(dst) == taken
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with ThreadPoolExecutor(1) as pool:
+                assert pool.submit(sum_of_squares, dst).result() == sum_of_squares(dst) == taken, n
     finally:
         torch.set_num_threads(threads)
     assert taken == pytest.approx(float(expected.double().square().sum()), rel=1e-5)
@@ -61,3 +63,6 @@ def test_a_scratch_that_cuts_other_pieces_cannot_take_the_square_sum():
                                          rf"pieces than sum_of_squares' \({PIECE}\)$"):
         add_into(torch.zeros(10), torch.ones(10, dtype=torch.bfloat16), torch.empty(3), square_sum=True)
     assert add_into(torch.zeros(10), torch.ones(10), torch.empty(10), square_sum=True) == 10.0
+    big = 3 * PIECE + 7   # a scratch above a piece would cut pieces of its own size
+    with pytest.raises(ValueError, match="cuts a buffer"):
+        add_into(torch.zeros(big), torch.ones(big), torch.empty(PIECE + 1000), square_sum=True)

@@ -1,6 +1,8 @@
 """The step's gradient norm from the sums of squares the gradient path took as each layer's last gradient
 landed: no pass over the host gradient buffers at the step, the same norm as reading them, and a buffer
-written since (a script's in-place change of a ``.grad``) read again."""
+written since (a script's in-place change of a ``.grad``) read again; with ``grad_norm_as_landed`` false,
+every buffer read at the step (a script that writes gradients through ``.data``, which autograd's version
+counter does not see)."""
 import math
 
 import pytest
@@ -11,11 +13,11 @@ from lazytrain.engine.host_accumulate import sum_of_squares
 from engine_models import batches, lm_loss, make_model
 
 
-def engine_of(copy_threads: bool, accumulation: int = 2, dtype: str = "fp32"):
+def engine_of(copy_threads: bool, accumulation: int = 2, dtype: str = "fp32", **lazytrain_keys):
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
            "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "lazytrain": {"testing": {"copy_threads": copy_threads}}}
+           "lazytrain": {"testing": {"copy_threads": copy_threads}, **lazytrain_keys}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
@@ -85,3 +87,25 @@ def test_zeroed_buffers_have_no_square_sum_to_read(counted):
     assert all(engine.weights.grad_square_sum(i) == 0.0 for i in range(engine.weights.num_layers))
     assert counted == []
     engine.destroy()
+
+
+def test_with_the_norm_not_as_landed_the_step_reads_every_buffer(counted):
+    """A write through ``.data`` moves no version counter: only reading the buffers sees it."""
+    engine = engine_of(copy_threads=True, accumulation=1, grad_norm_as_landed=False)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    for p in engine.module.stack[2].parameters():
+        p.grad.data.mul_(0.0)
+    norm = expected_norm(engine)
+    counted.clear()
+    engine.step()
+    assert counted == engine.weights.trainable_numels
+    assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-6)
+    engine.destroy()
+
+
+def test_the_key_is_a_flag():
+    from lazytrain.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match=r"^config key 'lazytrain.grad_norm_as_landed' must be true or false, "
+                                          r"got 'no'$"):
+        parse_config({"train_micro_batch_size_per_gpu": 1, "lazytrain": {"grad_norm_as_landed": "no"}})

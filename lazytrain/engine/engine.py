@@ -281,6 +281,10 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
+        # each layer's sum of squares taken as its gradients land, for the step's norm; not where every rank's
+        # whole buffers are reduced at the step (stages 0-1 over several ranks): that rewrites them
+        self.weights.landed_sums = config.lazytrain.grad_norm_as_landed and \
+            (not self.dist.enabled or self.weights.grads_to_owners)
         if config.lazytrain.gradient_reduce == "device" and self.dist.enabled and not self.weights.grads_to_owners:
             raise ConfigError("config key 'lazytrain.gradient_reduce' is \"device\", which reduces layer gradients to "
                               "the ranks that own their optimizer state; this engine's state is not sharded (the "

@@ -24,14 +24,14 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, square
     """``dst += src`` for a flat fp32 ``dst`` and a flat ``src`` of any floating dtype, through ``scratch``
     (one caller at a time: it is overwritten). With ``square_sum``, returns ``sum_of_squares(dst)`` after the
     add, bit for bit, taken a piece at a time as the pieces are added (scratch must then be a whole piece,
-    or hold all of ``dst``)."""
+    or hold all of ``dst``: the pieces are sum_of_squares')."""
     if src.numel() != dst.numel():   # the pieces would add into a part of dst, where add_ broadcasts or raises
         raise ValueError(f"add_into: a gradient of {src.numel()} elements into a buffer of {dst.numel()}")
     if src.dtype == dst.dtype and not square_sum:
         dst.add_(src)
         return None
     size = scratch.numel()
-    if square_sum and size < min(PIECE, dst.numel()):
+    if square_sum and size != PIECE and dst.numel() > min(size, PIECE):
         raise ValueError(f"add_into: a scratch of {size} elements cuts a buffer of {dst.numel()} into other pieces "
                          f"than sum_of_squares' ({PIECE})")
     total = 0.0

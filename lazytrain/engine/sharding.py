@@ -106,17 +106,19 @@ class GradientsToOwners:
             self._send = torch.zeros(self.max_layer_numel, dtype=self.dtype)
         return self._send[:numel]
 
-    def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None, scratch: torch.Tensor) -> float | None:
+    def land(self, i: int, flat: torch.Tensor, target: torch.Tensor | None, scratch: torch.Tensor,
+             square_sum: bool = True) -> float | None:
         """Reduce ``flat`` (layer i's gradient from this micro-batch, flat, on the host) to the layer's owner,
         which adds the sum into ``target`` (its fp32 buffer; None on the other ranks) through the caller's fp32
-        ``scratch`` (host_accumulate.py); returns ``target``'s sum of squares then, on the owner."""
+        ``scratch`` (host_accumulate.py); with ``square_sum``, returns ``target``'s sum of squares then, on
+        the owner."""
         send = self.send_buffer(flat.numel())
         if flat.data_ptr() != send.data_ptr():
             send.copy_(flat)
         send.div_(self.world_size)
         self.reduce(send, self.layer_owner[i])
         if self.owns(i):
-            return add_into(target, send, scratch, square_sum=True)
+            return add_into(target, send, scratch, square_sum=square_sum)
         return None
 
     def started_on_device(self, i: int, flat: torch.Tensor) -> Callable[[], None]:

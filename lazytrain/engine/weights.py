@@ -120,8 +120,10 @@ class LayerWeights:
         self._to_owners = None              # see send_grads_to_owners
         self._scratch: torch.Tensor | None = None   # the adds made on the autograd thread: _backward_scratch
         self.masters_sharded = False        # see drop_foreign_masters
-        # layer -> (its gradient buffer's version, its sum of squares then): taken as gradients land
-        self._square_sums: list[tuple[int, float] | None] = [None] * self.num_layers
+        # layer -> (its gradient buffer, the buffer's version, its sum of squares then): taken as gradients
+        # land, unless landed_sums is off (lazytrain.grad_norm_as_landed; or reduced only at the step)
+        self._square_sums: list[tuple[torch.Tensor, int, float] | None] = [None] * self.num_layers
+        self.landed_sums = True
 
     def _build(self, blocks: nn.ModuleList, device: torch.device) -> None:
         """Every layer's buffers, the block parameters made views into them (see the module docstring)."""
@@ -386,7 +388,8 @@ class LayerWeights:
             return
         if self._to_owners is not None:   # flattened into the send buffer
             flat = self.flatten_grads(i, grads, self._to_owners.send_buffer(self.trainable_numels[i]))
-            self._note_square_sum(i, self._to_owners.land(i, flat, self.grad[i], self._backward_scratch()))
+            self._note_square_sum(i, self._to_owners.land(i, flat, self.grad[i], self._backward_scratch(),
+                                                          self.landed_sums))
             return
         flat = self.grad[i]
         for s in self._trainable_slots(i):
@@ -417,28 +420,29 @@ class LayerWeights:
         are sharded."""
         if self._to_owners is not None:
             with streams.span("host", f"grad reduce L{i}", bytes=flat.numel() * flat.element_size()):
-                self._note_square_sum(i, self._to_owners.land(i, flat, self.grad[i], scratch))
+                self._note_square_sum(i, self._to_owners.land(i, flat, self.grad[i], scratch, self.landed_sums))
         else:
             with streams.span("host", f"grad add L{i}", bytes=flat.numel() * flat.element_size()):
-                self._note_square_sum(i, add_into(self.grad[i], flat, scratch, square_sum=True))
+                self._note_square_sum(i, add_into(self.grad[i], flat, scratch, square_sum=self.landed_sums))
 
     def _note_square_sum(self, i: int, value: float | None) -> None:
         """Layer i's gradient buffer has ``value`` as its sum of squares now (None: not known)."""
-        if value is not None:
-            self._square_sums[i] = (self.grad[i]._version, value)
+        if value is not None and self.landed_sums:
+            buf = self.grad[i]
+            self._square_sums[i] = (buf, buf._version, value)
 
     def grad_square_sum(self, i: int) -> float:
         """The sum of squares of layer i's fp32 gradient buffer, for the step's norm: the one taken as its last
-        gradient landed, when nothing wrote the buffer since (its version says: an all-reduce, a script's
-        change of a ``.grad`` in place), else read from it now (the same value, bit for bit, as
-        host_accumulate.py takes it)."""
+        gradient landed, when nothing wrote the buffer since as autograd's version counter sees it (an
+        in-place op on it or on a parameter's ``.grad``, the engine's own reduces and zeroing), else read from
+        it now (the same value, bit for bit, as host_accumulate.py takes it). A write the counter does not
+        see (through ``.data``, numpy, a collective writing its memory) is not seen here: with
+        ``lazytrain.grad_norm_as_landed`` false every buffer is read at the step."""
         buf = self.grad[i]
         known = self._square_sums[i]
-        if known is not None and known[0] == buf._version:
-            return known[1]
-        value = sum_of_squares(buf)
-        self._square_sums[i] = (buf._version, value)
-        return value
+        if self.landed_sums and known is not None and known[0] is buf and known[1] == buf._version:
+            return known[2]
+        return sum_of_squares(buf)
 
     @property
     def grads_to_owners(self) -> bool:
@@ -531,7 +535,7 @@ class _GradientSink:
     other ranks pair with), except a collective that failed: then the ranks' group is broken, and the
     layers after it neither reduce nor wait (each would wait out the timeout)."""
 
-    def __init__(self, weights: LayerWeights, depth: int = 2, max_in_flight: int = 4):
+    def __init__(self, weights: LayerWeights, depth: int = 1, max_in_flight: int = 4):
         self.weights = weights
         device = weights.device
         # the worker's CUDA calls on the engine's device (a fresh thread has device 0 current: a context there)
@@ -542,7 +546,8 @@ class _GradientSink:
         self.max_in_flight = max_in_flight
         self.pending: collections.deque[Future] = collections.deque()
         self.failure: BaseException | None = None   # the first copy that failed since the last discard
-        self.broken = False   # a collective of the gradient path failed: the ranks' group is gone
+        # a collective of the gradient path that failed: the ranks' group is gone (never discarded)
+        self.broken_by: BaseException | None = None
         self.depth = depth
         self._free: dict[torch.dtype, queue.SimpleQueue] = {}
         self._add_staging(weights.compute_dtype)
@@ -555,13 +560,16 @@ class _GradientSink:
         collective, the shared copy stream every device-to-host copy of the process); at most one layer
         waits for the worker, so that two layers' gradients in ``dtype`` are what the device holds for them."""
         self._add_staging(dtype)
+        if dtype != self.weights.compute_dtype:   # no gradient takes the host path any more
+            del self._free[self.weights.compute_dtype]
         if self.weights.device.type == "cuda":
             self._wait_stream = torch.cuda.Stream(device=self.weights.device)
         self.max_in_flight = 1
 
     def _add_staging(self, dtype: torch.dtype) -> None:
         """``depth`` pinned buffers of a layer's size that gradients of ``dtype`` land in (made whole before
-        any is taken: a failure to allocate leaves no half-filled pool a later land would wait on)."""
+        any is taken: a failure to allocate leaves no half-filled pool a later land would wait on). The one
+        worker lands one layer at a time, giving its buffer back before the next: one is enough."""
         if dtype in self._free:
             return
         free = queue.SimpleQueue()
@@ -621,33 +629,46 @@ class _GradientSink:
             if self.broken:   # an earlier reduce failed: this one cannot complete, and is not waited out
                 return
             try:
-                with torch.cuda.stream(self._wait_stream) if self._wait_stream is not None else _NO_SPAN:
-                    finish()   # on the host, until the sum is made (or the timeout)
+                reduced = None
+                if self._wait_stream is not None:
+                    with torch.cuda.stream(self._wait_stream):
+                        finish()   # on the host, until the sum is made (or the timeout); and this stream waits
+                        reduced = torch.cuda.Event()
+                        reduced.record(self._wait_stream)   # the owner's copy follows it on the GPU too
+                else:
+                    finish()
                 streams.record("comm", f"grad reduce L{i}", started, time.perf_counter(),
                                bytes=numel * flat.element_size())
                 if owned:
-                    self._land_owned(i, flat)
+                    self._land_owned(i, flat, reduced)
             except Exception as e:   # noqa: BLE001 - kept: every flush raises it until the gradients go
                 self._keep(e)
         self._queue(land)
 
-    def _land_owned(self, i: int, flat: torch.Tensor) -> None:
-        """The owner's part of a reduce made on the device: its sum copied to the host and added."""
+    def _land_owned(self, i: int, flat: torch.Tensor, reduced) -> None:
+        """The owner's part of a reduce made on the device (``reduced``: its CUDA event, or None): its sum
+        copied to the host and added."""
         w = self.weights
         free = self._free[flat.dtype]
         staging = free.get()
         try:
             part = staging[:flat.numel()]
-            async_copy(part, flat, follow_current=False, direction="d2h", label=f"grads L{i}").synchronize()
+            async_copy(part, flat, after=reduced, follow_current=False, direction="d2h",
+                       label=f"grads L{i}").synchronize()
             with streams.span("host", f"grad add L{i}", bytes=flat.numel() * part.element_size()):
-                w._note_square_sum(i, add_into(w.grad[i], part, self.scratch, square_sum=True))
+                w._note_square_sum(i, add_into(w.grad[i], part, self.scratch, square_sum=w.landed_sums))
         finally:
             free.put(staging)
 
+    @property
+    def broken(self) -> bool:
+        return self.broken_by is not None
+
     def _keep(self, e: BaseException) -> None:
         if isinstance(e, CollectiveError):
-            self.broken = True
-        if self.failure is None:
+            if self.broken_by is None:
+                self.broken_by = e
+        elif self.failure is None:
             self.failure = e
 
     def _queue(self, fn) -> None:
@@ -669,9 +690,13 @@ class _GradientSink:
 
     def flush(self, discard: bool = False) -> None:
         """Every submitted gradient is in its fp32 buffer, or (``discard``: the gradients are being dropped)
-        done with. Raises a failed copy's error until discarded; a failure to land raises once."""
+        done with. Raises what failed (a copy, an add) until discarded; a failed collective always: the
+        ranks' group is gone, and no later gradient lands (the run cannot go on)."""
         while self.pending:
-            self.pending.popleft().result()
+            wait([self.pending[0]])   # an interrupt here leaves it pending, as settle() does
+            self._take(self.pending.popleft())
+        if self.broken_by is not None:
+            raise self.broken_by
         if discard:
             self.failure = None
         elif self.failure is not None:
