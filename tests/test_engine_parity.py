@@ -1115,6 +1115,15 @@ def test_weights_streamed_from_nvme_match_pytorch(tmp_path):
     engine.destroy()
 
 
+# The "parallel" model (every block fed the embedding, the outputs summed) trains with a sensitivity to the clip
+# coefficient that RTOL cannot hold: plain PyTorch with its own coefficient moved by one fp32 ulp at each of the
+# three steps ends 1.3e-5 (torch's AdamW) and 2.6e-5 (HybridAdamW's arithmetic, the overlap reference) from
+# itself, measured on the CPU. The engine's norm is summed in another order than torch's (per layer buffer, in
+# fp64, not per parameter in fp32), so its coefficient may sit an ulp apart from the reference's: a bound
+# above that sensitivity, not RTOL.
+PARALLEL_RTOL = 1e-4
+
+
 @pytest.mark.parametrize("kind", ["parallel", "between", "in-place"])
 @pytest.mark.parametrize("k, graph", [(2, False), (3, True), (6, False)])
 @pytest.mark.parametrize("weights", ["host", "nvme"], ids=["recorded-segment", "re-run-segment"])
@@ -1133,7 +1142,7 @@ def test_blocks_whose_input_is_not_the_previous_output_match_pytorch(kind, k, gr
     with pytest.warns(UserWarning, match="block 1's input is not block 0's output") as seen:
         engine = train_engine(model, data, cfg)
     assert sum("is not block" in str(w.message) for w in seen) == 1
-    assert max_rel_diff(engine.module, ref) < RTOL
+    assert max_rel_diff(engine.module, ref) < (PARALLEL_RTOL if kind == "parallel" else RTOL)
     assert pass_keys(engine) == []      # the kept inputs are freed with their pass
     engine.destroy()
 

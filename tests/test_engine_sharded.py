@@ -1891,3 +1891,31 @@ def test_a_stage_3_save_without_frozen_parameters_leaves_out_a_tied_frozen_weigh
     for k, v in reports[0]["saved"].items():
         assert torch.equal(engine.module_state_dict()[k], v), k
     engine.destroy()
+
+
+def test_a_layer_gradients_share_within_fp16s_range_is_sent_though_the_gradient_is_not():
+    """fp32 gradients summed in fp16 (communication_data_type): each part is divided by the world size before
+    it is rounded into fp16, on the host path and on the device path alike, so that a share within fp16's
+    range is sent and not turned into inf (as the step's reduces send theirs)."""
+    from lazytrain.engine.sharding import GradientsToOwners
+    sent = []
+
+    def reduce(t, owner):
+        sent.append(t.clone())
+
+    def start(t, owner):
+        sent.append(t.clone())
+        return lambda: None
+    to_owners = GradientsToOwners((0,), 0, 2, 2, reduce, torch.float16, start_on_device=start)
+    target = torch.zeros(2)
+    to_owners.land(0, torch.tensor([80000.0, 3.0]), target, torch.empty(2))
+    assert to_owners.flat_dtype(torch.float32) == torch.float32   # flattened as made, divided into fp16
+    summed, _ = to_owners.started_on_device(0, torch.tensor([80000.0, 3.0]))
+    assert summed.dtype == torch.float16
+    assert [t.tolist() for t in sent] == [[40000.0, 1.5]] * 2 and target.tolist() == [40000.0, 1.5]
+    # where the communication dtype holds the gradient's values: flattened into it and divided in place
+    widening = GradientsToOwners((0,), 0, 2, 2, reduce, torch.float32, start_on_device=start)
+    assert widening.flat_dtype(torch.bfloat16) == torch.float32
+    flat = torch.tensor([3.0, 5.0])
+    summed, _ = widening.started_on_device(0, flat)
+    assert summed is flat and flat.tolist() == [1.5, 2.5]

@@ -113,22 +113,48 @@ class GradientsToOwners:
         ``scratch`` (host_accumulate.py); with ``square_sum``, returns ``target``'s sum of squares then, on
         the owner."""
         send = self.send_buffer(flat.numel())
-        if flat.data_ptr() != send.data_ptr():
-            send.copy_(flat)
-        send.div_(self.world_size)
+        if flat.data_ptr() == send.data_ptr():
+            send.div_(self.world_size)
+        else:
+            share_into(send, flat, self.world_size)
         self.reduce(send, self.layer_owner[i])
         if self.owns(i):
             return add_into(target, send, scratch, square_sum=square_sum)
         return None
 
-    def started_on_device(self, i: int, flat: torch.Tensor) -> Callable[[], None]:
-        """Start reducing layer i's gradient from this micro-batch (``flat``: on the device, in :attr:`dtype`,
-        divided here by the world size in place) into its owner's ``flat``; returns the call that waits for
-        it. The owner then copies ``flat`` to its host and adds it into the layer's buffer."""
-        if flat.dtype != self.dtype:
-            raise TypeError(f"layer {i}'s gradient is reduced in {self.dtype}, got a {flat.dtype} buffer")
-        flat.div_(self.world_size)
-        return self.start_on_device(flat, self.layer_owner[i])
+    def flat_dtype(self, made_in: torch.dtype) -> torch.dtype:
+        """The dtype to flatten a layer's gradient (made in ``made_in``) into on the device: the communication
+        dtype where it holds every value of ``made_in`` (then divided in place), else ``made_in`` (divided
+        into a buffer of the communication dtype: see :func:`share_into`)."""
+        return self.dtype if _holds(self.dtype, made_in) else made_in
+
+    def started_on_device(self, i: int, flat: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Start reducing layer i's gradient from this micro-batch (``flat``: on the device, in
+        :meth:`flat_dtype`) into its owner's; returns what is summed (``flat`` divided by the world size in
+        place, or its share in :attr:`dtype`; on the owner it ends up holding the sum) and the call that waits
+        for it. The owner then copies it to its host and adds it into the layer's buffer."""
+        if flat.dtype == self.dtype:
+            sent = flat.div_(self.world_size)
+        else:
+            sent = share_into(torch.empty(flat.shape, dtype=self.dtype, device=flat.device), flat, self.world_size)
+        return sent, self.start_on_device(sent, self.layer_owner[i])
+
+
+def _holds(dtype: torch.dtype, other: torch.dtype) -> bool:
+    """Whether every value of ``other`` converts into ``dtype`` without overflow or lost bits."""
+    a, b = torch.finfo(dtype), torch.finfo(other)
+    return a.bits >= b.bits and a.max >= b.max and a.eps <= b.eps
+
+
+def share_into(out: torch.Tensor, t: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``t / world_size`` into ``out`` (the communication dtype), computed in the wider of the two and rounded
+    once: where ``out`` holds ``t``'s values, converted then divided; where it is narrower (fp16 for fp32
+    gradients), divided then rounded, so that a share within its range is sent though the whole is not, as
+    DistributedContext sends the step's gradients."""
+    if _holds(out.dtype, t.dtype):
+        out.copy_(t)
+        return out.div_(world_size)
+    return torch.div(t, world_size, out=out)
 
 
 def owned_groups(groups: list[dict], ownership: Ownership) -> list[dict]:

@@ -618,11 +618,12 @@ class _GradientSink:
         sum to its host and adds it."""
         w = self.weights
         numel = w.trainable_numels[i]
-        flat = w.flatten_grads(i, grads, torch.empty(numel, dtype=to_owners.dtype, device=w.device))
+        flat = w.flatten_grads(i, grads, torch.empty(numel, dtype=to_owners.flat_dtype(w.compute_dtype),
+                                                     device=w.device))
         if self.broken:
             return
         started = time.perf_counter()
-        finish = to_owners.started_on_device(i, flat)
+        flat, finish = to_owners.started_on_device(i, flat)   # flat: what is summed, in the communication dtype
         owned = to_owners.owns(i)
 
         def land():
