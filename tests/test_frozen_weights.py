@@ -70,10 +70,8 @@ def test_frozen_block_weights_are_kept_in_the_compute_copy_alone(tmp_path):
                 assert p.dtype == torch.float32 and w.master[i].data_ptr() <= p.data_ptr(), name
             else:
                 assert p.dtype == torch.bfloat16 and start <= p.data_ptr() < end, name
-    free = w._grad_sink._free[w.compute_dtype]   # the sink's pinned buffer: a layer's trainable part
-    staging = free.get_nowait()
-    assert staging.numel() == max(w.trainable_numels) and free.empty()
-    free.put(staging)
+    staging = w._grad_sink._staging   # the sink's pinned buffer: a layer's trainable part
+    assert list(staging) == [w.compute_dtype] and staging[w.compute_dtype].numel() == max(w.trainable_numels)
     engine.destroy()
 
 

@@ -5,8 +5,9 @@ Under torchrun, the group is created from the environment (NCCL on CUDA, gloo ot
 own collectives run on groups it makes with ``lazytrain.collective_timeout_s`` (default 30 minutes, as
 torch and DeepSpeed): host gradient buffers over gloo, since NCCL cannot reduce host memory, device
 tensors over the default group's backend; at stage >= 2 on a GPU with NCCL each layer's gradient is reduced
-to its owner on the device, before it leaves it (``reduce_gradients_on_device``). A rank that stops or dies makes the others fail with
-:class:`CollectiveError`, naming the collective and the timeout, instead of hanging.
+to its owner on the device, before it leaves it (``reduce_gradients_on_device``). A rank that stops or dies
+makes the others fail with :class:`CollectiveError`, naming the collective and the timeout, instead of
+hanging.
 """
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ class DistributedContext:
                 if missing:
                     raise RuntimeError(f"WORLD_SIZE={self.world_size} but {', '.join(missing)} is not set: launch with "
                                        f"torchrun, or unset WORLD_SIZE for a single process")
-                init_distributed("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=self.timeout_s))
+                init_distributed("nccl" if device_type == "cuda" else "gloo", timeout=self._timeout())
             # groups of our own, so that the timeout holds whoever made the default group and how
-            timeout = timedelta(seconds=self.timeout_s)
+            timeout = self._timeout()
             self.host_group = dist.new_group(backend="gloo", timeout=timeout)
             backend = dist.get_backend()
             self.device_group = self.host_group if backend == "gloo" else dist.new_group(
@@ -98,7 +99,7 @@ class DistributedContext:
         the process without naming it. A failure names the collective and the timeout."""
         t0 = time.monotonic()
         try:
-            collective(*args, async_op=True, **kwargs).wait(timedelta(seconds=self.timeout_s))
+            collective(*args, async_op=True, **kwargs).wait(self._timeout())
         except RuntimeError as e:
             raise self._failed(what, t0, e) from e
 
@@ -253,7 +254,7 @@ class DistributedContext:
         """Start summing every rank's device tensor ``t`` into rank ``owner``'s, on the device gradient group,
         from the thread that makes the gradients (every rank starts the same reduces in the same order: the
         order the backward reaches the layers); returns the call that waits for it, made by the thread that
-        lands the gradient (on a GPU with its copy stream current: NCCL's wait also orders that stream)."""
+        lands the gradient (on a GPU with a stream of its own current: NCCL's wait also orders that stream)."""
         return self._started(_GRADIENT_REDUCE, dist.reduce, t, dst=owner, group=self.device_gradient_group)
 
     def _started(self, what: str, collective, /, *args, **kwargs):
@@ -268,7 +269,7 @@ class DistributedContext:
         def finish() -> None:
             t0 = time.monotonic()
             try:
-                work.wait(timedelta(seconds=self.timeout_s))
+                work.wait(self._timeout())
             except RuntimeError as e:
                 raise self._failed(what, t0, e) from e
         return finish
@@ -284,7 +285,7 @@ class DistributedContext:
     def _point_to_point(self, what: str, op, t: torch.Tensor, peer: int) -> None:
         t0 = time.monotonic()
         try:
-            op(t, peer, group=self.host_group).wait(timedelta(seconds=self.timeout_s))
+            op(t, peer, group=self.host_group).wait(self._timeout())
         except RuntimeError as e:
             raise self._failed(what, t0, e) from e
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -520,8 +519,8 @@ _NO_SPAN = contextlib.nullcontext()
 class _GradientSink:
     """Gradients off the device without holding up backward: the autograd thread only flattens a layer's
     gradients into one device buffer (queued on the compute stream) and records an event; a worker thread
-    takes a free pinned staging buffer, copies into it on the device-to-host stream after that event, and
-    adds it into the layer's fp32 buffer. Adds run in submission order, so micro-batches accumulate into
+    copies it into its pinned staging buffer on the device-to-host stream after that event, and adds it into
+    the layer's fp32 buffer. Adds run in submission order, so micro-batches accumulate into
     one layer in order. At most ``max_in_flight`` layers wait for the worker (their device buffers are
     memory); past that, backward waits for the oldest (back-pressure, not a fixed two-layer lag). Where the
     gradients are reduced to their owners on the device (:meth:`reduce_on_device`), the autograd thread
@@ -535,7 +534,7 @@ class _GradientSink:
     other ranks pair with), except a collective that failed: then the ranks' group is broken, and the
     layers after it neither reduce nor wait (each would wait out the timeout)."""
 
-    def __init__(self, weights: LayerWeights, depth: int = 1, max_in_flight: int = 4):
+    def __init__(self, weights: LayerWeights, max_in_flight: int = 4):
         self.weights = weights
         device = weights.device
         # the worker's CUDA calls on the engine's device (a fresh thread has device 0 current: a context there)
@@ -548,8 +547,8 @@ class _GradientSink:
         self.failure: BaseException | None = None   # the first copy that failed since the last discard
         # a collective of the gradient path that failed: the ranks' group is gone (never discarded)
         self.broken_by: BaseException | None = None
-        self.depth = depth
-        self._free: dict[torch.dtype, queue.SimpleQueue] = {}
+        # the pinned buffer gradients of each dtype land in: the one worker lands one layer at a time
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
         self._add_staging(weights.compute_dtype)
         self._wait_stream = None   # CUDA: where the worker waits for a device reduce (reduce_on_device)
 
@@ -561,21 +560,15 @@ class _GradientSink:
         waits for the worker, so that two layers' gradients in ``dtype`` are what the device holds for them."""
         self._add_staging(dtype)
         if dtype != self.weights.compute_dtype:   # no gradient takes the host path any more
-            del self._free[self.weights.compute_dtype]
+            del self._staging[self.weights.compute_dtype]
         if self.weights.device.type == "cuda":
             self._wait_stream = torch.cuda.Stream(device=self.weights.device)
         self.max_in_flight = 1
 
     def _add_staging(self, dtype: torch.dtype) -> None:
-        """``depth`` pinned buffers of a layer's size that gradients of ``dtype`` land in (made whole before
-        any is taken: a failure to allocate leaves no half-filled pool a later land would wait on). The one
-        worker lands one layer at a time, giving its buffer back before the next: one is enough."""
-        if dtype in self._free:
-            return
-        free = queue.SimpleQueue()
-        for _ in range(self.depth):
-            free.put(empty_host(self.weights.max_trainable_numel, dtype))
-        self._free[dtype] = free
+        """The pinned buffer of a layer's size that gradients of ``dtype`` land in, made at set-up."""
+        if dtype not in self._staging:
+            self._staging[dtype] = empty_host(self.weights.max_trainable_numel, dtype)
 
     def submit(self, i: int, grads: dict[str, torch.Tensor]) -> None:
         w = self.weights
@@ -592,10 +585,8 @@ class _GradientSink:
         def add():
             if self.broken:
                 return
-            free = self._free[w.compute_dtype]
-            staging = free.get()
+            part = self._staging[w.compute_dtype][:numel]
             try:
-                part = staging[:numel]
                 try:
                     async_copy(part, flat, after=ready, follow_current=False, direction="d2h",
                                label=f"grads L{i}").synchronize()
@@ -607,8 +598,6 @@ class _GradientSink:
                 w.land_grads(i, part, self.scratch)
             except Exception as e:   # noqa: BLE001 - the reduce, or the add after it
                 self._keep(e)
-            finally:
-                free.put(staging)
         self._queue(add)
 
     def _submit_reduced_on_device(self, i: int, grads: dict[str, torch.Tensor], to_owners) -> None:
@@ -616,12 +605,12 @@ class _GradientSink:
         communication dtype and the reduce started here, on the autograd thread (so every rank starts the
         layers' reduces in the backward's order); the worker waits for it, and only the owner copies the
         sum to its host and adds it."""
+        if self.broken:   # an earlier reduce failed: no later one is started
+            return
         w = self.weights
         numel = w.trainable_numels[i]
         flat = w.flatten_grads(i, grads, torch.empty(numel, dtype=to_owners.flat_dtype(w.compute_dtype),
                                                      device=w.device))
-        if self.broken:
-            return
         started = time.perf_counter()
         flat, finish = to_owners.started_on_device(i, flat)   # flat: what is summed, in the communication dtype
         owned = to_owners.owns(i)
@@ -650,16 +639,10 @@ class _GradientSink:
         """The owner's part of a reduce made on the device (``reduced``: its CUDA event, or None): its sum
         copied to the host and added."""
         w = self.weights
-        free = self._free[flat.dtype]
-        staging = free.get()
-        try:
-            part = staging[:flat.numel()]
-            async_copy(part, flat, after=reduced, follow_current=False, direction="d2h",
-                       label=f"grads L{i}").synchronize()
-            with streams.span("host", f"grad add L{i}", bytes=flat.numel() * part.element_size()):
-                w._note_square_sum(i, add_into(w.grad[i], part, self.scratch, square_sum=w.landed_sums))
-        finally:
-            free.put(staging)
+        part = self._staging[flat.dtype][:flat.numel()]
+        async_copy(part, flat, after=reduced, follow_current=False, direction="d2h", label=f"grads L{i}").synchronize()
+        with streams.span("host", f"grad add L{i}", bytes=flat.numel() * part.element_size()):
+            w._note_square_sum(i, add_into(w.grad[i], part, self.scratch, square_sum=w.landed_sums))
 
     @property
     def broken(self) -> bool:
@@ -678,14 +661,16 @@ class _GradientSink:
         w = self.weights
         while len(self.pending) >= self.max_in_flight:
             with streams.wait_span("gradient sink", w.device):
-                wait([self.pending[0]])   # an interrupt here leaves it pending, as settle() does
-            self._take(self.pending.popleft())
+                self._take_oldest()
         while self.pending and self.pending[0].done():
-            self._take(self.pending.popleft())
+            self._take_oldest()
         self.pending.append(self.pool.submit(fn))
 
-    def _take(self, done: Future) -> None:
-        error = done.exception()
+    def _take_oldest(self) -> None:
+        """The oldest pending land waited for, then dropped, what it raised kept; an interrupt of the wait
+        (Ctrl-C) propagates with the land still pending."""
+        wait([self.pending[0]])
+        error = self.pending.popleft().exception()
         if error is not None:
             self._keep(error)
 
@@ -694,8 +679,7 @@ class _GradientSink:
         done with. Raises what failed (a copy, an add) until discarded; a failed collective always: the
         ranks' group is gone, and no later gradient lands (the run cannot go on)."""
         while self.pending:
-            wait([self.pending[0]])   # an interrupt here leaves it pending, as settle() does
-            self._take(self.pending.popleft())
+            self._take_oldest()
         if self.broken_by is not None:
             raise self.broken_by
         if discard:
@@ -709,8 +693,7 @@ class _GradientSink:
         wait of the host (it ends the backward, on the thread that called it)."""
         with streams.span("wait", "gradients landing (end of backward)") if self.pending else _NO_SPAN:
             while self.pending:
-                wait([self.pending[0]])
-                self._take(self.pending.popleft())   # raised by the flush that takes the gradients
+                self._take_oldest()   # what failed is raised by the flush that takes the gradients
 
     def close(self) -> None:
         self.settle()

@@ -638,15 +638,7 @@ def transformers_signature_defaults(model_type: str) -> dict[str, Any]:
     (None ones left out); {} where transformers is not installed or knows no such class. Asked of a child
     interpreter, as :func:`transformers_default`, once per model type, and only for a config that leaves a
     key out."""
-    if importlib.util.find_spec("transformers") is None:
-        return {}
-    from .isolate import call_with_deadline
-    from .milp import PlanningError
-    try:
-        return call_with_deadline(_config_signature_defaults, model_type, deadline_s=120,
-                                  what="reading transformers' config defaults")
-    except (LookupError, PlanningError):
-        return {}
+    return _ask_transformers(_config_signature_defaults, model_type, otherwise={})
 
 
 def _config_signature_defaults(model_type: str) -> dict[str, Any]:
@@ -668,15 +660,20 @@ def transformers_default(model_type: str, key: str) -> Any:
     """``key`` of transformers' config class for ``model_type``, built with its defaults; None where
     transformers is not installed or knows neither. Asked of a child interpreter: importing transformers
     imports torch, which the planner never does."""
+    return _ask_transformers(_config_class_default, model_type, key, otherwise=None)
+
+
+def _ask_transformers(fn, *args: Any, otherwise: Any) -> Any:
+    """``fn(*args)`` in a child interpreter (importing transformers imports torch, which the planner never
+    does); ``otherwise`` where transformers is not installed, cannot say (LookupError) or does not answer."""
     if importlib.util.find_spec("transformers") is None:
-        return None
+        return otherwise
     from .isolate import call_with_deadline
     from .milp import PlanningError
     try:
-        return call_with_deadline(_config_class_default, model_type, key, deadline_s=120,
-                                  what="reading transformers' config defaults")
+        return call_with_deadline(fn, *args, deadline_s=120, what="reading transformers' config defaults")
     except (LookupError, PlanningError):
-        return None
+        return otherwise
 
 
 def _config_class_default(model_type: str, key: str) -> Any:
