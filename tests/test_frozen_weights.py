@@ -281,7 +281,7 @@ def test_frozen_embedding_and_head_have_no_fp32_master(tmp_path):
     assert state["lm_head.weight"].dtype == torch.bfloat16 and state["model.norm.weight"].dtype == torch.float32
     engine.destroy()
     # handed back where the model computed (a GPU's memory), in fp32
-    assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight.cpu(), given)
+    assert model.lm_head.weight.dtype == torch.float32 and torch.equal(model.lm_head.weight.cpu(), given.cpu())
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])

@@ -54,6 +54,16 @@ def test_full_grad_is_plain_pytorchs_gradient_for_every_parameter(dtype, gas):
     engine.destroy()
 
 
+def slow_layer_updates(engine) -> None:
+    """Each layer's update sleeps first: the update thread is still at work when step() returns."""
+    update = engine.optimizer.update
+
+    def slow_update(*args, **kwargs):
+        time.sleep(0.01)
+        return update(*args, **kwargs)
+    engine.optimizer.update = slow_update
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_full_grad_is_a_copy_and_follows_the_step(overlap):
     """A copy (writing it changes nothing the optimizer reads); after step() the non-block masters' gradients
@@ -63,12 +73,7 @@ def test_full_grad_is_a_copy_and_follows_the_step(overlap):
     model = make_model("llama")
     engine = engine_for(model, "bf16", overlap_optimizer=overlap)
     if overlap:
-        update = engine.optimizer.update
-
-        def slow_update(*args, **kwargs):   # the update thread still at work when step() returns
-            time.sleep(0.01)
-            return update(*args, **kwargs)
-        engine.optimizer.update = slow_update
+        slow_layer_updates(engine)
     head, block = model.lm_head.weight, model.model.layers[0].mlp.up_proj.weight
     assert safe_get_full_grad(head) is None and torch.count_nonzero(safe_get_full_grad(block)) == 0
     x, y = batches(1)[0]
@@ -158,20 +163,27 @@ def test_full_fp32_param_and_optimizer_state_are_the_masters_and_torch_adamw_s(d
     engine.destroy()
 
 
-def test_eight_bit_moments_come_back_dequantized_in_the_parameters_shape():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eight_bit_moments_come_back_dequantized_in_the_parameters_shape(overlap):
     """HybridAdamW keeps 8-bit moments for large tensors: the full state is their fp32 dequantization,
-    within the blockwise code's resolution of torch AdamW's moment."""
+    within the blockwise code's resolution of torch AdamW's moment. With the update overlapping (a GPU's
+    default) the streamed layers' state is written on the update thread after step() returns: the script
+    waits (engine.wait_for_update()) before it reads engine.optimizer.state directly."""
     model = make_model("llama")
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "gradient_clipping": 0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "lazytrain": {"checkpoint_interval": 2, "optimizer_states": "8bit", "hybrid_threshold": 0}}
+           "lazytrain": {"checkpoint_interval": 2, "optimizer_states": "8bit", "hybrid_threshold": 0,
+                         "overlap_optimizer": overlap}}
     engine = lazytrain.initialize(model=model, config=cfg)[0]
+    if overlap:
+        slow_layer_updates(engine)
     p = model.model.layers[0].mlp.up_proj.weight
     assert safe_get_full_optimizer_state(p, "exp_avg") is None   # before the first step
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
     g = safe_get_full_grad(p)
     engine.step()
+    engine.wait_for_update()   # the optimizer's state is a plain dict: reading it does not wait
     st = engine.optimizer.state[p]
     assert "state1" in st   # the 8-bit layout, not fp32 moments
     m = safe_get_full_optimizer_state(p, "exp_avg")
