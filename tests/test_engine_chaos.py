@@ -290,25 +290,32 @@ def test_an_interrupt_during_the_update_leaves_the_engine_refusing_to_go_on(sect
 def test_a_forward_taken_before_a_step_is_not_differentiated_after_it(section):
     """PyTorch refuses it (a variable needed for the gradient was modified in place); the engine re-ran the
     blocks with the new weights against boundaries the old ones made, and gave wrong gradients silently.
-    Where the head computes from a copy of its fp32 master (a GPU; bf16) the step writes that copy in place
-    and PyTorch's own check fires first, at the head; else the engine's, at the last block."""
-    engine = _engine(section, {"copy_threads": True})
-    (x1, y1), (x2, y2) = batches(2)
-    first, second = lm_loss(engine(x1), y1), lm_loss(engine(x2), y2)
-    engine.backward(first)
-    engine.step()
-    if engine.masters is not None:
-        refusal = (RuntimeError, r"one of the variables needed for gradient computation has been modified by an "
-                                 r"inplace operation")
-    else:
-        refusal = (lazytrain.engine.executor.ExecutorError,
-                   r"block 5's weights changed \(an optimizer step or a load\) between this forward and its backward")
-    with pytest.raises(refusal[0], match=refusal[1]):
-        engine.backward(second)
-    engine.zero_grad()
-    engine.backward(lm_loss(engine(x2), y2))   # a forward taken again is
-    engine.step()
-    engine.destroy()
+    The step writes the head and the final norm in place on every device (a copy from an fp32 master, or the
+    host optimizer's own write, counted as an in-place op), so PyTorch's own check fires first, at the head;
+    with those two frozen, the engine's, at the last block."""
+    for head_trained in (True, False):
+        model = make_model("llama")
+        if not head_trained:
+            model.lm_head.requires_grad_(False)
+            model.model.norm.requires_grad_(False)
+        engine = _engine(section, {"copy_threads": True}, model=model)
+        (x1, y1), (x2, y2) = batches(2)
+        first, second = lm_loss(engine(x1), y1), lm_loss(engine(x2), y2)
+        engine.backward(first)
+        engine.step()
+        if head_trained:
+            refusal = (RuntimeError, r"one of the variables needed for gradient computation has been modified by "
+                                     r"an inplace operation")
+        else:
+            refusal = (lazytrain.engine.executor.ExecutorError,
+                       r"block 5's weights changed \(an optimizer step or a load\) between this forward and its "
+                       r"backward")
+        with pytest.raises(refusal[0], match=refusal[1]):
+            engine.backward(second)
+        engine.zero_grad()
+        engine.backward(lm_loss(engine(x2), y2))   # a forward taken again is
+        engine.step()
+        engine.destroy()
 
 
 def test_an_interrupt_of_the_wait_for_the_gradients_propagates_and_leaves_the_add_pending(monkeypatch):
@@ -337,17 +344,23 @@ def test_an_interrupt_of_the_wait_for_the_gradients_propagates_and_leaves_the_ad
     assert not sink.pending and sink.failure is failed
 
 
-def test_with_frozen_blocks_a_forward_from_before_a_step_is_differentiated_as_pytorch_does():
+@pytest.mark.parametrize("trained", ["embedding, norm and head", "embedding"])
+def test_with_frozen_blocks_a_forward_from_before_a_step_is_differentiated_as_pytorch_does(trained):
     """A step that cannot change the blocks (every block frozen: prompt tuning) does not make the forwards
-    before it stale: the second forward's backward after the step goes as plain PyTorch's on the same device
-    goes. On the CPU that trains on; where PyTorch's step bumps the head's version in place (a GPU's, and the
-    engine's copy of the updated head into the one computing) autograd refuses it, in both."""
+    before it stale by itself: the second forward's backward after the step goes as plain PyTorch's (its
+    default AdamW, in place) on the same device goes. With the final norm and head trained the step changed
+    weights that backward uses: autograd refuses it, in both, on every device (the engine counts its in-place
+    writes as PyTorch's in-place steps do); with only the embedding trained (its backward uses no weight) it
+    trains on."""
     model = make_model("llama")
     for layer in model.model.layers:
         layer.requires_grad_(False)
+    if trained == "embedding":
+        model.lm_head.requires_grad_(False)
+        model.model.norm.requires_grad_(False)
     (x1, y1), (x2, y2) = batches(2)
     ref = copy.deepcopy(model).to(AUTO_DEVICE)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, fused=True)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     first, second = lm_loss(ref(x1.to(AUTO_DEVICE)), y1), lm_loss(ref(x2.to(AUTO_DEVICE)), y2)
     first.backward()
     opt.step()
@@ -360,6 +373,7 @@ def test_with_frozen_blocks_a_forward_from_before_a_step_is_differentiated_as_py
     first, second = lm_loss(engine(x1), y1), lm_loss(engine(x2), y2)
     engine.backward(first)
     engine.step()
+    assert (refused is None) == (trained == "embedding")
     if refused is None:
         engine.backward(second)
         engine.step()

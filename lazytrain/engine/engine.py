@@ -1030,6 +1030,8 @@ class LazyTrainEngine(nn.Module):
                 if self.masters is not None and not self._masters_on_owners():   # else written and sent already
                     with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
                         self.masters.masters_to_params()
+                elif self.masters is None:
+                    self._count_non_block_writes()
             except BaseException as e:   # a KeyboardInterrupt too: it leaves the same half-updated state
                 self._fail_inconsistent(
                     f"step {self.global_steps + 1} failed during the optimizer update", e,
@@ -1145,6 +1147,15 @@ class LazyTrainEngine(nn.Module):
             self.weights.copy_shared_frozen()
             for i in range(self.weights.num_layers):
                 self.weights.refresh_compute_copy(i)
+
+    def _count_non_block_writes(self) -> None:
+        """Without masters the host optimizer wrote the parameters outside the streamed layers in place, past
+        autograd's version counter (a copy from a master counts itself): counted here, as PyTorch's own
+        in-place steps count them, so that a forward from before the step is refused at its backward, as a
+        streamed block's is, and as on a GPU, instead of differentiating the new weights."""
+        for p in self.non_block_params:
+            if p.grad is not None:
+                torch.autograd.graph.increment_version(p)
 
     def _update_overlapped(self, factor: float) -> None:
         """Everything but the streamed layers now (through ``optimizer.step``, so its hooks run once, here);
