@@ -1,12 +1,26 @@
 """host_accumulate.add_into: a compute-dtype gradient added into an fp32 host buffer a piece at a time through
 a reused scratch gives the sums torch's own mixed-dtype add gives, bit for bit, without its whole-size
-temporary; and the buffer's sum of squares taken in the same pass."""
+temporary; and the buffer's sum of squares taken in the same pass. Each test runs both ways a process may
+use: LazyTrain's compiled host kernels, and torch's ops a piece at a time where they do not load."""
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from lazytrain.engine.host_accumulate import PIECE, add_into, scratch_for, sum_of_squares
+from lazytrain.engine import host_accumulate
+from lazytrain.engine.host_accumulate import PIECE, ROW, add_into, scratch_for, sum_of_squares
+from lazytrain.optim.kernels import cpu_kernels
+
+
+@pytest.fixture(autouse=True, params=["kernels", "torch"])
+def way(request, monkeypatch):
+    """Every test once through the compiled kernels and once through torch's ops."""
+    if request.param == "kernels":
+        if cpu_kernels() is None:
+            pytest.skip("LazyTrain's host kernels did not build here")
+    else:
+        monkeypatch.setattr(host_accumulate, "_kernels_for", lambda dst: None)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -66,3 +80,31 @@ def test_a_scratch_that_cuts_other_pieces_cannot_take_the_square_sum():
     big = 3 * PIECE + 7   # a scratch above a piece would cut pieces of its own size
     with pytest.raises(ValueError, match="cuts a buffer"):
         add_into(torch.zeros(big), torch.ones(big), torch.empty(PIECE + 1000), square_sum=True)
+
+
+def test_both_ways_add_alike_and_take_the_square_sum_to_fp32s_rounding(way):
+    """The compiled pass and torch's pieces make the same sums bit for bit; their square sums are summed in
+    other orders, both within fp32's rounding of the exact value (a process uses one way for both values)."""
+    g = torch.Generator().manual_seed(7)
+    dst = torch.randn(2 * PIECE + 5 * ROW + 3, generator=g)
+    src = torch.randn(dst.numel(), generator=g).to(torch.bfloat16)
+    added, pieces = dst.clone(), dst.clone()
+    exact = float((dst.double() + src.double()).square().sum())
+    taken = add_into(added, src, scratch_for(dst.numel()), square_sum=True)
+    torch_taken = 0.0
+    for start in range(0, dst.numel(), PIECE):
+        part = pieces[start:start + PIECE]
+        part.add_(src[start:start + PIECE].float())
+        torch_taken += float(part.double().square().sum())
+    assert torch.equal(added, pieces)
+    assert taken == pytest.approx(exact, rel=1e-6) and torch_taken == pytest.approx(exact, rel=1e-6)
+
+
+def test_the_add_counts_as_an_in_place_write(way):
+    """A square sum cached against the buffer's version (weights.py) must see every add, the compiled
+    kernel's too (it writes past autograd's counter, and counts itself)."""
+    buf = torch.zeros(100)
+    view = buf[10:60]
+    before = buf._version
+    add_into(view, torch.ones(50, dtype=torch.bfloat16), scratch_for(50))
+    assert buf._version > before and float(buf.sum()) == 50.0

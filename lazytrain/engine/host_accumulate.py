@@ -6,10 +6,17 @@ converting a piece at a time into a reused scratch and adding it takes 11 ms, bi
 The gradient sinks add every layer's gradient of every micro-batch this way, on the thread the backward
 waits for at its end, and take the buffer's sum of squares while each piece is in cache: the step's gradient
 norm then needs no pass over the host gradients of its own (:func:`sum_of_squares` gives the same value for a
-buffer whose sum was not taken so, piece for piece)."""
+buffer whose sum was not taken so, piece for piece).
+
+Where LazyTrain's compiled host kernels load (lazytrain/optim/kernels) both are one pass of theirs over the
+buffer (the add and the squares together, each row one thread's: 0.54x the time of torch's ops on two cores),
+else torch's ops a piece at a time. For a contiguous fp32 host buffer and a host gradient in fp32, bf16 or
+fp16 (every sink's) both values take the same way, so they agree bit for bit."""
 from __future__ import annotations
 
 import torch
+
+from lazytrain.optim.kernels import CpuKernels, cpu_kernels
 
 PIECE = 1 << 20   # elements: 4 MiB of fp32, in cache while it is converted and added
 ROW = 1 << 14     # elements a thread sums alone (half ATen's grain: a reduction never splits it)
@@ -34,6 +41,11 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, square
     if square_sum and size != PIECE and dst.numel() > min(size, PIECE):
         raise ValueError(f"add_into: a scratch of {size} elements cuts a buffer of {dst.numel()} into other pieces "
                          f"than sum_of_squares' ({PIECE})")
+    kernels = _kernels_for(dst)
+    if kernels is not None and src.device.type == "cpu" and src.dtype in _KERNEL_DTYPES:
+        total = kernels.add_square_sum(dst, src.contiguous(), ROW, square_sum)
+        torch.autograd.graph.increment_version(dst)   # written past autograd's counter, which readers trust
+        return total if square_sum else None
     total = 0.0
     for start in range(0, src.numel(), size):
         end = min(src.numel(), start + size)
@@ -54,6 +66,9 @@ def sum_of_squares(t: torch.Tensor, scratch: torch.Tensor | None = None) -> floa
     thread and at every thread count (where BLAS's dot, and ATen's sum of a whole piece, are not: they split
     the work by threads): each row of ``ROW`` squares summed in fp32 by one thread, the rows' sums in fp64,
     the pieces' in a Python float."""
+    kernels = _kernels_for(t)
+    if kernels is not None:
+        return kernels.add_square_sum(t, None, ROW, True)
     if scratch is None:
         scratch = torch.empty(min(PIECE, max(1, t.numel())), dtype=torch.float32)
     total = 0.0
@@ -61,6 +76,16 @@ def sum_of_squares(t: torch.Tensor, scratch: torch.Tensor | None = None) -> floa
         part = t[start:start + PIECE]
         total += _piece_square_sum(part, scratch[:part.numel()])
     return total
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernels_for(dst: torch.Tensor) -> CpuKernels | None:
+    """The compiled kernels, for a contiguous fp32 host buffer (what the sinks add into); else None."""
+    if dst.device.type != "cpu" or dst.dtype != torch.float32 or not dst.is_contiguous():
+        return None
+    return cpu_kernels()
 
 
 def _piece_square_sum(part: torch.Tensor, out: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""Host kernels for the hybrid optimizer: a small C++ library built on first use and called through ctypes.
+"""Host kernels for the hybrid optimizer (and the gradient sinks' add): a small C++ library built on first use
+and called through ctypes.
 
 The library (``hybrid_adam.cpp``) has no torch or pybind11 headers, so it compiles in a few seconds with
 the system C++ compiler (``$CXX`` or ``c++``; OpenMP for multi-threading, ``-march=native`` for AVX2).
@@ -26,7 +27,7 @@ import torch
 __all__ = ["cpu_kernels", "CpuKernels", "build_error"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybrid_adam.cpp")
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -99,6 +100,8 @@ class CpuKernels:
                                     P, I32, I32, I32, P, I32, I32, P, ctypes.c_int, I64, I64, ctypes.c_int]
         lib.lt_adam32.argtypes = [ctypes.POINTER(Hyper), P, P, ctypes.c_int, P, P, P, ctypes.c_int, I64,
                                   ctypes.c_int]
+        lib.lt_add_square_sum.argtypes = [P, P, ctypes.c_int, I64, I64, ctypes.c_int, ctypes.c_int]
+        lib.lt_add_square_sum.restype = ctypes.c_double
         if lib.lt_abi_version() != _ABI_VERSION:
             raise RuntimeError(f"{path}: ABI version mismatch")
         self.has_avx2 = bool(lib.lt_has_avx2())
@@ -140,6 +143,15 @@ class CpuKernels:
             ctypes.byref(hyper), p.data_ptr(), g.data_ptr(), _DTYPE_CODE[g.dtype], m.data_ptr(), v.data_ptr(),
             copy.data_ptr() if copy is not None else None,
             _DTYPE_CODE[copy.dtype] if copy is not None else _NO_COPY, p.numel(), self._threads())
+
+
+    def add_square_sum(self, dst: torch.Tensor, g: Optional[torch.Tensor], row: int, want_sum: bool) -> float:
+        """``dst += g`` (fp32 ``dst``; ``g`` fp32, bf16 or fp16 of as many elements, or None to add nothing)
+        and, with ``want_sum``, ``dst``'s sum of squares after: rows of ``row`` elements, each one thread's,
+        so the same value at every thread count (hybrid_adam.cpp)."""
+        return self.lib.lt_add_square_sum(dst.data_ptr(), g.data_ptr() if g is not None else None,
+                                          _DTYPE_CODE[g.dtype] if g is not None else 0, dst.numel(), row,
+                                          1 if want_sum else 0, self._threads())
 
 
 _lock = threading.Lock()

@@ -7,6 +7,8 @@
 //   buffer in fp32.
 // * lt_adam32: the same update with fp32 moments (small and sensitive tensors).
 // * lt_quantize_blockwise / lt_dequantize_blockwise: the storage format on its own.
+// * lt_add_square_sum: the gradient sinks' add of a compute-dtype gradient into its fp32 buffer and the
+//   buffer's sum of squares, in one pass (lazytrain/engine/host_accumulate.py).
 //
 // The encoder is exact nearest-code: a table indexed by sign, exponent and the leading 8 mantissa bits
 // of x gives the code at the bucket start and the low-mantissa threshold at which it steps by one (see
@@ -17,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -332,6 +335,56 @@ void adam32_impl(const Hyper& h, float* p, const void* g, float* m, float* v, vo
   }
 }
 
+// dst += g (fp32, bf16 or fp16, widened exactly: the IEEE sums torch's add gives), and, with want_sum, the
+// sum of squares of dst afterwards. A row of `row` elements is one thread's: element j's square (rounded:
+// -ffp-contract=off) goes into running fp32 sum j % 16, and the 16 sums are added in order; the rows' sums
+// are added in fp64 in row order. So the value is the same at every thread count, in every build.
+template <int GT, bool ADD, bool SUM>
+float add_square_row(float* __restrict d, const void* __restrict g, int64_t n) {
+  float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    for (int k = 0; k < 16; ++k) {
+      float x = d[j + k];
+      if (ADD) {
+        x = x + load_g<GT>(g, j + k);
+        d[j + k] = x;
+      }
+      if (SUM) acc[k] = acc[k] + x * x;
+    }
+  }
+  for (int k = 0; j < n; ++j, ++k) {
+    float x = d[j];
+    if (ADD) {
+      x = x + load_g<GT>(g, j);
+      d[j] = x;
+    }
+    if (SUM) acc[k] = acc[k] + x * x;
+  }
+  float total = 0.f;
+  for (int k = 0; k < 16; ++k) total = total + acc[k];
+  return total;
+}
+
+template <int GT>
+double add_square_sum_impl(float* d, const void* g, int64_t n, int64_t row, bool want_sum, int nthreads) {
+  const int64_t nr = (n + row - 1) / row;
+  const bool add = g != nullptr;
+  std::vector<float> sums(want_sum ? nr : 0);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nr > 1)
+  for (int64_t r = 0; r < nr; ++r) {
+    const int64_t s = r * row, len = std::min(row, n - s);
+    const void* gr = add ? static_cast<const void*>(static_cast<const char*>(g) + s * (GT == kF32 ? 4 : 2)) : nullptr;
+    const float v = !add ? add_square_row<GT, false, true>(d + s, gr, len)
+                    : want_sum ? add_square_row<GT, true, true>(d + s, gr, len)
+                               : add_square_row<GT, true, false>(d + s, gr, len);
+    if (want_sum) sums[r] = v;
+  }
+  double total = 0.0;
+  for (int64_t r = 0; r < (want_sum ? nr : 0); ++r) total += static_cast<double>(sums[r]);
+  return total;
+}
+
 #define LT_DISPATCH(FN, GT_, CT_, ADAMW_, ...)                                   \
   do {                                                                           \
     auto run_ct = [&](auto gt_tag) {                                             \
@@ -353,7 +406,7 @@ void adam32_impl(const Hyper& h, float* p, const void* g, float* m, float* v, vo
 
 extern "C" {
 
-int lt_abi_version() { return 3; }
+int lt_abi_version() { return 4; }
 int lt_has_avx2() { return LT_AVX2; }
 int lt_max_block() { return (int)kMaxBlock; }
 void lt_set_force_scalar(int v) { g_force_scalar = v; }
@@ -402,6 +455,15 @@ void lt_adam8bit(const Hyper* h, float* p, const void* g, int gtype, uint8_t* c1
 void lt_adam32(const Hyper* h, float* p, const void* g, int gtype, float* m, float* v, void* copy, int ctype,
                int64_t n, int nthreads) {
   LT_DISPATCH(adam32_impl, gtype, ctype, h->adamw, *h, p, g, m, v, copy, n, nthreads);
+}
+
+// g: nullptr to take the sum of squares of d alone. Returns 0 unless want_sum.
+double lt_add_square_sum(float* d, const void* g, int gtype, int64_t n, int64_t row, int want_sum, int nthreads) {
+  switch (gtype) {
+    case kBF16: return add_square_sum_impl<kBF16>(d, g, n, row, want_sum != 0, nthreads);
+    case kF16: return add_square_sum_impl<kF16>(d, g, n, row, want_sum != 0, nthreads);
+    default: return add_square_sum_impl<kF32>(d, g, n, row, want_sum != 0, nthreads);
+  }
 }
 
 }  // extern "C"
