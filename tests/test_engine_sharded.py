@@ -1339,14 +1339,15 @@ def _broken_gradient_group(rank, port, out_dir):
 
 def test_a_failed_gradient_reduce_ends_the_run_on_every_later_call(tmp_path):
     """Once a reduce of the gradient path failed (a rank stopped or died), the layers after it neither start
-    their reduces nor wait out the timeout, and nothing trains on: the step, a checkpoint load (which drops
+    their reduces (but the next, which the backward may start while the worker still waits for the failing
+    one) nor wait out the timeout, and nothing trains on: the step, a checkpoint load (which drops
     the gradients) and every later step raise the reduce's error; zero_grad at stage 2 keeps the gradients,
     as DeepSpeed's, and raises nothing."""
     mp.spawn(_broken_gradient_group, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
     r = torch.load(tmp_path / "broken.pt")
     error = "the gradient reduce in the backward did not complete (injected)"
     assert r["raised"] == [error, None, error, error]
-    assert r["reduces_started"] == 3 and r["unchanged"]
+    assert r["reduces_started"] in (3, 4) and r["unchanged"]   # of 6 layers: none after the next one
 
 
 def node_memory_dir():
