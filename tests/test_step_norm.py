@@ -109,3 +109,16 @@ def test_the_key_is_a_flag():
     with pytest.raises(ConfigError, match=r"^config key 'lazytrain.grad_norm_as_landed' must be true or false, "
                                           r"got 'no'$"):
         parse_config({"train_micro_batch_size_per_gpu": 1, "lazytrain": {"grad_norm_as_landed": "no"}})
+
+
+def test_a_host_gradient_outside_the_layers_is_summed_as_accurately_as_a_layers():
+    """The embedding's or head's gradient on the host (a GPU's default) counts in the norm as a layer's buffer
+    does: fp32 rows summed in fp64. torch's CPU norm accumulates a large tensor in fp32 and comes out low (at
+    16M elements by 1.3e-3 with torch 2.13: BENCHMARKS.md), a norm a GPU would not have clipped by."""
+    import torch
+    from lazytrain.engine.engine import _global_square_sum
+    g = torch.randn(1 << 24, generator=torch.Generator().manual_seed(0))
+    exact = float(g.double().square().sum())
+    assert _global_square_sum([g.view(4096, -1)]) == pytest.approx(exact, rel=1e-7)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 0, 2]]), torch.tensor([1.0, 2.0, 3.0]), (4,))
+    assert _global_square_sum([sparse]) == 18.0   # index 0 twice: (1 + 2)^2, then 3^2

@@ -41,6 +41,7 @@ from .partitioned_params import PartitionedParams
 from . import sharded_checkpoint as sharded_ckpt
 from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_compiled_blocks,
                      refuse_quantized_block_weights, turn_off_layer_checkpointing)
+from .host_accumulate import sum_of_squares
 from .lean_norms import make_norms_lean, restore_norms
 from .distributed import CollectiveError, DistributedContext, RankFailure
 from .executor import LayerStreamingExecutor
@@ -2574,10 +2575,21 @@ def _scale_(grads: list[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(gs, factor)
 
 
+def _dense_values(g: torch.Tensor) -> torch.Tensor:
+    """What a gradient's squares sum over: a sparse one's stored values (coalesced: no index twice)."""
+    return g.detach().coalesce().values() if g.is_sparse else g.detach()
+
+
 def _global_square_sum(grads: list[torch.Tensor]) -> float:
-    """The squared L2 norm over all gradients, from per-tensor norms accumulated in fp32 on each device."""
+    """The squared L2 norm over all gradients: a host gradient's as host_accumulate.py sums a layer's buffer
+    (fp32 rows, fp64 across them), the others' from per-tensor norms on each device. Not torch's CPU norm:
+    it accumulates a large tensor in fp32 and comes out low (1.3e-3 at 16M elements, 7.5e-2 at 268M: an
+    embedding or head whose gradient is on the host would be clipped by another norm than a GPU's)."""
     total = 0.0
     for gs in _by_device(grads):
+        if gs[0].device.type == "cpu":
+            total += sum(sum_of_squares(_dense_values(g).reshape(-1).float().contiguous()) for g in gs)
+            continue
         norms = torch._foreach_norm(gs, 2.0)
         total += float(torch.stack([n.float() for n in norms]).pow(2).sum())
     return total
