@@ -8,7 +8,8 @@
 #      the tests named on_a_gpu: two processes on the one GPU copying from node-shared host weights
 #      registered as pinned; selective and offloaded layers bit-identical to the plans without them; policy
 #      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; lean RMSNorms
-#      bit for bit in bf16 and saving what the planner counts (within 10%) on CUDA; a block that checkpoints
+#      bit for bit in bf16 and, under the fused attention kernels, saving what the planner counts (within 10%)
+#      on CUDA; a block that checkpoints
 #      its own MLP re-run from the streamed weights (keep-all, offloaded and selective layers alike); stages 2
 #      and 3 with two processes on the one GPU (at stage 3 the non-block parameters partitioned between them,
 #      at stage 2 their fp32 host masters, the owners sending the updated device copies) bit for bit as

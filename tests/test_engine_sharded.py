@@ -1350,6 +1350,38 @@ def test_a_failed_gradient_reduce_ends_the_run_on_every_later_call(tmp_path):
     assert r["reduces_started"] in (3, 4) and r["unchanged"]   # of 6 layers: none after the next one
 
 
+def _stale_forward_worker(rank, port, out_dir, stage, dtype):
+    """Two forwards, the step after the first one's backward, then the second's backward: what each rank
+    raised."""
+    import lazytrain
+    join_as(rank, 2, port)
+    torch.distributed.init_process_group("gloo")
+    engine = lazytrain.initialize(model=make_model("llama"), config=_config(2, stage, False, dtype))[0]
+    (x1, y1), (x2, y2) = batches(2, batch=GLOBAL // 2, seed=rank)
+    first, second = lm_loss(engine(x1), y1), lm_loss(engine(x2), y2)
+    engine.backward(first)
+    engine.step()
+    try:
+        engine.backward(second)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    torch.save({"raised": raised}, os.path.join(out_dir, f"stale{rank}.pt"))
+    leave_group()
+
+
+@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (2, "bf16")])
+def test_a_forward_from_before_a_step_is_refused_on_every_rank(tmp_path, stage, dtype):
+    """At stages 1-2 each rank updates the embedding and head it owns and receives the others' by broadcast,
+    a write autograd's counter does not see: counted on every rank, so each refuses the stale backward, as
+    PyTorch does, where a rank that received the head would have differentiated the new weights (and with
+    frozen blocks, trained on apart from the other)."""
+    mp.spawn(_stale_forward_worker, args=(free_port(), str(tmp_path), stage, dtype), nprocs=2, join=True)
+    for rank in range(2):
+        raised = torch.load(tmp_path / f"stale{rank}.pt")["raised"]
+        assert raised is not None and "modified by an inplace operation" in raised, (rank, raised)
+
+
 def node_memory_dir():
     from lazytrain.engine import node_memory
     return node_memory.SHM_DIR

@@ -83,21 +83,18 @@ def test_a_scratch_that_cuts_other_pieces_cannot_take_the_square_sum():
 
 
 def test_both_ways_add_alike_and_take_the_square_sum_to_fp32s_rounding(way):
-    """The compiled pass and torch's pieces make the same sums bit for bit; their square sums are summed in
-    other orders, both within fp32's rounding of the exact value (a process uses one way for both values)."""
+    """Each way makes torch's sums bit for bit, and a square sum within fp32's rounding of the exact value
+    (the two ways sum in other orders; a process uses one way for both values)."""
     g = torch.Generator().manual_seed(7)
     dst = torch.randn(2 * PIECE + 5 * ROW + 3, generator=g)
     src = torch.randn(dst.numel(), generator=g).to(torch.bfloat16)
     added, pieces = dst.clone(), dst.clone()
     exact = float((dst.double() + src.double()).square().sum())
     taken = add_into(added, src, scratch_for(dst.numel()), square_sum=True)
-    torch_taken = 0.0
     for start in range(0, dst.numel(), PIECE):
-        part = pieces[start:start + PIECE]
-        part.add_(src[start:start + PIECE].float())
-        torch_taken += float(part.double().square().sum())
+        pieces[start:start + PIECE].add_(src[start:start + PIECE].float())
     assert torch.equal(added, pieces)
-    assert taken == pytest.approx(exact, rel=1e-6) and torch_taken == pytest.approx(exact, rel=1e-6)
+    assert taken == pytest.approx(exact, rel=1e-6)
 
 
 def test_the_add_counts_as_an_in_place_write(way):
@@ -108,3 +105,25 @@ def test_the_add_counts_as_an_in_place_write(way):
     before = buf._version
     add_into(view, torch.ones(50, dtype=torch.bfloat16), scratch_for(50))
     assert buf._version > before and float(buf.sum()) == 50.0
+
+
+def test_a_negated_view_and_a_source_sharing_the_buffer_add_as_torch_adds_them(way):
+    """A view with its negation bit set adds its negated values; a source in the buffer's own memory goes
+    torch's way (which sees the overlap), not the compiled pass's."""
+    dst = torch.ones(40)
+    add_into(dst, torch._neg_view(torch.ones(40, dtype=torch.bfloat16)), scratch_for(40))
+    assert torch.equal(dst, torch.zeros(40))
+    buf = torch.arange(8, dtype=torch.float32)
+    expected = buf[:4].clone().add_(buf[4:])
+    assert add_into(buf[:4], buf[4:], scratch_for(4), square_sum=True) == sum_of_squares(buf[:4])
+    assert torch.equal(buf[:4], expected)
+
+
+def test_the_square_sum_of_a_source_the_compiled_pass_does_not_take_is_sum_of_squares(way):
+    """An fp64 source is added a piece at a time (each rounded to fp32 first); the square sum returned is still
+    the buffer's sum_of_squares, bit for bit."""
+    dst = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    src = torch.randn(5000, dtype=torch.float64)
+    expected = dst.clone().add_(src)
+    taken = add_into(dst, src, scratch_for(5000), square_sum=True)
+    assert torch.allclose(dst, expected, rtol=1e-6, atol=1e-6) and taken == sum_of_squares(dst)

@@ -175,7 +175,8 @@ def test_on_a_gpu_lean_norms_train_bit_for_bit_and_save_less(tmp_path, plan):
     q = torch.randn(2, heads, 12, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     kv = [torch.randn(2, kv_heads, 12, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
           for _ in range(2)]
-    with fused_attention(), _SavedBytes([q, *kv]) as bare:
+    bare = _SavedBytes([q, *kv])   # (a saved-tensors hook's __enter__ returns None)
+    with fused_attention(), bare:
         out = torch.nn.functional.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True)
     beside_output = bare.nbytes - out.numel() * out.element_size()
     for lean in (True, False):

@@ -1031,8 +1031,7 @@ class LazyTrainEngine(nn.Module):
                 if self.masters is not None and not self._masters_on_owners():   # else written and sent already
                     with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
                         self.masters.masters_to_params()
-                elif self.masters is None:
-                    self._count_non_block_writes()
+                self._count_non_block_writes()
             except BaseException as e:   # a KeyboardInterrupt too: it leaves the same half-updated state
                 self._fail_inconsistent(
                     f"step {self.global_steps + 1} failed during the optimizer update", e,
@@ -1150,12 +1149,13 @@ class LazyTrainEngine(nn.Module):
                 self.weights.refresh_compute_copy(i)
 
     def _count_non_block_writes(self) -> None:
-        """Without masters the host optimizer wrote the parameters outside the streamed layers in place, past
-        autograd's version counter (a copy from a master counts itself): counted here, as PyTorch's own
-        in-place steps count them, so that a forward from before the step is refused at its backward, as a
-        streamed block's is, and as on a GPU, instead of differentiating the new weights."""
-        for p in self.non_block_params:
-            if p.grad is not None:
+        """The step wrote the trainable parameters outside the streamed layers in place, partly past autograd's
+        version counter (the host optimizer's kernels, a broadcast from their owner, a master that is its own
+        parameter): counted here, on every rank, as PyTorch's own in-place steps count them, so that a forward
+        from before the step is refused at its backward everywhere, as a streamed block's is, instead of
+        differentiating the new weights."""
+        for p in [*self.non_block_params, *self._extra_params()]:
+            if p.requires_grad:
                 torch.autograd.graph.increment_version(p)
 
     def _update_overlapped(self, factor: float) -> None:

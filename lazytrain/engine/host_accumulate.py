@@ -23,7 +23,9 @@ ROW = 1 << 14     # elements a thread sums alone (half ATen's grain: a reduction
 
 
 def scratch_for(numel: int) -> torch.Tensor:
-    """The reusable fp32 scratch :func:`add_into` needs for gradients of up to ``numel`` elements."""
+    """The reusable fp32 scratch :func:`add_into` needs for gradients of up to ``numel`` elements; the compiled
+    kernels are built now, at set-up (seconds, once), not in the first backward while other ranks wait."""
+    cpu_kernels()
     return torch.empty(min(PIECE, max(1, numel)), dtype=torch.float32)
 
 
@@ -42,10 +44,21 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, square
         raise ValueError(f"add_into: a scratch of {size} elements cuts a buffer of {dst.numel()} into other pieces "
                          f"than sum_of_squares' ({PIECE})")
     kernels = _kernels_for(dst)
-    if kernels is not None and src.device.type == "cpu" and src.dtype in _KERNEL_DTYPES:
-        total = kernels.add_square_sum(dst, src.contiguous(), ROW, square_sum)
+    if kernels is not None and src.device.type == "cpu" and src.dtype in _KERNEL_DTYPES and \
+            src.untyped_storage().data_ptr() != dst.untyped_storage().data_ptr():   # else torch's checks
+        total = kernels.add_square_sum(dst, src.resolve_neg().contiguous(), ROW, square_sum)
         torch.autograd.graph.increment_version(dst)   # written past autograd's counter, which readers trust
         return total if square_sum else None
+    if kernels is not None:   # the add torch's way; the square sum as sum_of_squares takes it, bit for bit
+        _add_in_pieces(dst, src, scratch)
+        return kernels.add_square_sum(dst, None, ROW, True) if square_sum else None
+    return _add_in_pieces(dst, src, scratch, square_sum)
+
+
+def _add_in_pieces(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, square_sum: bool = False):
+    """torch's ops a piece at a time (and, with ``square_sum``, the pieces' sums as sum_of_squares takes them
+    without the compiled kernels)."""
+    size = scratch.numel()
     total = 0.0
     for start in range(0, src.numel(), size):
         end = min(src.numel(), start + size)
