@@ -144,7 +144,6 @@ class CpuKernels:
             copy.data_ptr() if copy is not None else None,
             _DTYPE_CODE[copy.dtype] if copy is not None else _NO_COPY, p.numel(), self._threads())
 
-
     def add_square_sum(self, dst: torch.Tensor, g: Optional[torch.Tensor], row: int, want_sum: bool) -> float:
         """``dst += g`` (fp32 ``dst``; ``g`` fp32, bf16 or fp16 of as many elements, or None to add nothing)
         and, with ``want_sum``, ``dst``'s sum of squares after: rows of ``row`` elements, each one thread's,
