@@ -12,7 +12,15 @@ executor's model, as benchmarks/planner_paper.py picks it) and two step floors (
 With ``--plan`` it also solves the MILP at each micro-batch (``--time-limit`` seconds each) and prints the
 plan's speed-up beside its floor: how far today's window-by-window plans are from the relaxation.
 
+With ``--link-gbps X`` the catalog profile's host<->device links run at X GB/s per direction instead (the
+H800's catalog figure is the paper's conservative 12 GB/s; a PCIe Gen5 x16 link moves 55 GB/s from pinned
+memory on an H200, BENCHMARKS.md), and the profile's two calibrated values (achievable TFLOPS, host optimizer
+rate) are fitted again against the paper's MegaTrain column at that link rate (policies.calibrate), so both
+systems are modelled on the same hardware. It prints the refit and its residuals first. This asks how much of
+a goal depends on the link figure, not what the paper's machine did.
+
     python3 benchmarks/floor_by_micro_batch.py [--gpu h800] [--model paper-27b] [--plan] [--time-limit 10]
+                                               [--link-gbps 25]
 """
 from __future__ import annotations
 
@@ -25,12 +33,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from dataclasses import replace                                                   # noqa: E402
+
 from planner_paper import megatrain_best, fmt_table                               # noqa: E402
 from lazytrain.planner.ceiling import step_floor                                  # noqa: E402
 from lazytrain.planner.hardware import CATALOG                                    # noqa: E402
 from lazytrain.planner.milp import MilpOptions                                    # noqa: E402
 from lazytrain.planner.models import catalog_model                               # noqa: E402
-from lazytrain.planner.policies import PAPER, PAPER_GPU_CAP, PAPER_SEQ           # noqa: E402
+from lazytrain.planner.policies import (PAPER, PAPER_GPU_CAP, PAPER_SEQ, calibrate,  # noqa: E402
+                                        megatrain_errors)
 from lazytrain.planner.problem import Budgets, Problem                            # noqa: E402
 from lazytrain.planner.search import solve                                        # noqa: E402
 from lazytrain.planner.simulate import simulate                                   # noqa: E402
@@ -42,7 +53,11 @@ def main() -> int:
     ap.add_argument("--model", default="paper-27b")
     ap.add_argument("--plan", action="store_true", help="also solve the MILP at each micro-batch")
     ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--link-gbps", type=float, default=None,
+                    help="host<->device GB/s per direction instead of the catalog's; refits the calibration")
     args = ap.parse_args()
+    if args.link_gbps is not None and not 0 < args.link_gbps < 1e4:
+        ap.error(f"--link-gbps must be a positive rate in GB/s below 1e4, got {args.link_gbps}")
     if (args.gpu, args.model) not in PAPER:
         ap.error(f"no paper scenario {args.gpu} {args.model}; known: "
                  + ", ".join(f"{g} {m}" for g, m in PAPER))
@@ -51,6 +66,16 @@ def main() -> int:
     hw, cap, shape = CATALOG[args.gpu], PAPER_GPU_CAP[args.gpu], catalog_model(args.model)
     print(f"# {args.gpu} {args.model}, batch {batch} x seq {PAPER_SEQ}, cap {cap}; {platform.node()}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    if args.link_gbps is not None:
+        before = megatrain_errors(hw, args.gpu)
+        hw, _ = calibrate(replace(hw, h2d_gbps=args.link_gbps, d2h_gbps=args.link_gbps), args.gpu)
+        after = megatrain_errors(hw, args.gpu)
+        fmt = lambda errs: " ".join(f"{m} {e * 100:+.1f}%" for m, e in errs.items())
+        print(f"links {args.link_gbps:g} GB/s per direction (catalog: {CATALOG[args.gpu].h2d_gbps:g}); refit: "
+              f"achievable {hw.achievable_tflops:.1f} TFLOPS (catalog {CATALOG[args.gpu].achievable_tflops:.1f}), "
+              f"optimizer {hw.host_optimizer_gparams_per_s:.2f} Gparams/s "
+              f"(catalog {CATALOG[args.gpu].host_optimizer_gparams_per_s:.2f})")
+        print(f"MegaTrain step-time residuals (tokens/s): catalog {fmt(before)}; refit {fmt(after)}")
     best_tps, mt_mb, mt_accum = megatrain_best(shape, hw, cap, mt_batch, batch)
     print(f"MegaTrain's best: {best_tps:.0f} tokens/s ({mt_mb} x {mt_accum})")
     out, best = [], {"space": (0.0, 0), "hypothetical": (0.0, 0), "plan": (0.0, 0)}
