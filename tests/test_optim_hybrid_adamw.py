@@ -523,6 +523,67 @@ def test_update_uses_the_snapshot_and_the_given_gradients():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_update_clearing_the_gradients_updates_bit_for_bit_as_without(monkeypatch, kernels_on, grad_dtype):
+    """update(zero_grads=True): the same weights, moments and compute copies as update() then zero_() (8-bit
+    and fp32 moments, partial last blocks), every given gradient zero afterwards, each clear counted by
+    autograd's version counter (the engine's landed square sums trust it); a given gradient whose
+    parameter no group holds is cleared too."""
+    if kernels_on and kernels.cpu_kernels() is None:
+        pytest.skip(f"C++ kernels unavailable: {kernels.build_error()}")
+    if not kernels_on:
+        monkeypatch.setattr(H, "cpu_kernels", lambda: None)
+    shapes = ((37, 333), (300,), (64, 64), (5, 7))
+    pa, pb = make_params(shapes=shapes), make_params(shapes=shapes)
+    kw = dict(lr=3e-3, weight_decay=0.1, optimizer_states="8bit", min_8bit_size=1000, block_size=96)
+    oa, ob = HybridAdamW(pa[:3], **kw), HybridAdamW(pb[:3], **kw)   # the last parameter: in no group
+    for o, ps in ((oa, pa), (ob, pb)):
+        o.set_compute_copies({p: torch.empty(p.shape, dtype=torch.bfloat16) for p in ps[:3]})
+    for step in range(3):
+        set_grads(pa, step, heavy=True, dtype=grad_dtype)
+        set_grads(pb, step, heavy=True, dtype=grad_dtype)
+        ga, gb = {p: p.grad for p in pa}, {p: p.grad for p in pb}
+        versions = {p: g._version for p, g in ga.items()}
+        oa.update(pa, clip_coef=0.7, groups=oa.snapshot(), grads=ga, zero_grads=True)
+        ob.update(pb, clip_coef=0.7, groups=ob.snapshot(), grads=gb)
+        for g in gb.values():
+            g.zero_()
+        assert all(torch.equal(g, torch.zeros_like(g)) and g._version > versions[p] for p, g in ga.items())
+        for a, b in zip(pa, pb):
+            assert torch.equal(a, b)
+            assert torch.equal(oa.compute_copies[a], ob.compute_copies[b]) if a in oa.compute_copies else True
+        states_equal(oa, pa[:3], ob, pb[:3])
+    assert any("state1" in oa.state[p] for p in pa[:3]) and any("exp_avg" in oa.state[p] for p in pa[:3])
+
+
+def test_a_skipped_update_still_clears_the_gradients_it_was_given():
+    """A non-finite clip coefficient skips the step; with zero_grads the gradients are zero all the same
+    (the engine then skips its own pass over them)."""
+    params = make_params()
+    opt = HybridAdamW(params, lr=1e-3, optimizer_states="fp32")
+    set_grads(params, 0)
+    before = [p.detach().clone() for p in params]
+    grads = {p: p.grad for p in params}
+    opt.update(params, clip_coef=float("nan"), groups=opt.snapshot(), grads=grads, zero_grads=True)
+    assert opt.last_step_skipped
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(not g.any() for g in grads.values())
+
+
+def test_a_gradient_the_kernel_reads_through_a_copy_is_cleared_after(k):
+    """A non-contiguous gradient reaches the kernel as a contiguous copy; zero_grads clears the given one,
+    and the update is the one its contiguous copy gives."""
+    p = torch.nn.Parameter(torch.randn(64, 96) * 0.05)
+    ref = torch.nn.Parameter(p.detach().clone())
+    g = (torch.randn(96, 64) * 0.01).t()
+    assert not g.is_contiguous()
+    oa, ob = (HybridAdamW([q], lr=1e-3, optimizer_states="8bit", min_8bit_size=1, block_size=64) for q in (p, ref))
+    ob.update([ref], clip_coef=1.0, groups=ob.snapshot(), grads={ref: g.contiguous()})
+    oa.update([p], clip_coef=1.0, groups=oa.snapshot(), grads={p: g}, zero_grads=True)
+    assert torch.equal(p, ref) and not g.any()
+
+
 def test_update_runs_no_step_hooks_and_snapshot_keeps_its_groups():
     params = make_params()
     opt = HybridAdamW(params[:2], lr=1e-3, optimizer_states="fp32")

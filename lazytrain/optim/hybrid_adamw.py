@@ -383,15 +383,26 @@ class HybridAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def update(self, params: Iterable[torch.Tensor], *, clip_coef: float, groups: Sequence[Mapping[str, Any]],
-               grads: Optional[Mapping[torch.Tensor, torch.Tensor]] = None) -> None:
+               grads: Optional[Mapping[torch.Tensor, torch.Tensor]] = None, zero_grads: bool = False) -> None:
         """Update ``params`` as part of a step that :meth:`snapshot` captured, without the step hooks.
 
         For an engine that splits one step into per-layer updates on another thread: ``groups`` (from
         :meth:`snapshot`) fixes the groups and hyperparameters, so a scheduler may already move on, and
         ``grads`` (``{param: gradient}``) are read instead of ``.grad``, so a ``zero_grad`` elsewhere cannot
         drop the update. The optimizer's step hooks belong to the engine's one ``step`` call.
+
+        With ``zero_grads`` every gradient of ``grads`` (without ``grads``: of the updated parameters) is zero
+        when the call returns, also when the step is skipped: the compiled kernels clear each block of a
+        gradient as they read it, while it is in cache, which spares the engine a pass over every gradient
+        buffer after the update (other paths zero it after). If the call raises, some may be cleared.
         """
-        self._step(groups, params, None, clip_coef, None, grads)
+        params = list(params)
+        zeroed = self._step(groups, params, None, clip_coef, None, grads, zero_grads)
+        if zero_grads:
+            rest = grads.values() if grads is not None else (p.grad for p in params if p.grad is not None)
+            for g in rest:
+                if id(g) not in zeroed:
+                    g.zero_()
 
     def snapshot(self) -> List[Dict[str, Any]]:
         """The parameter groups as they are now: each group's parameter list and settings (tensor values
@@ -399,7 +410,9 @@ class HybridAdamW(torch.optim.Optimizer):
         return [{k: (list(v) if k == "params" else v.detach().clone() if isinstance(v, torch.Tensor) else v)
                  for k, v in group.items()} for group in self.param_groups]
 
-    def _step(self, groups, params, grad_norm, clip_coef, compute_copies, grads) -> None:
+    def _step(self, groups, params, grad_norm, clip_coef, compute_copies, grads, zero_grads=False) -> set:
+        """The step's update; returns the ids of the gradients it cleared (``zero_grads``: those the kernels
+        cleared as they read them)."""
         for group in groups:     # settings edited in param_groups after construction are checked too
             _check_group(group, params=False)
         targets = self._targets(groups, params, grads)
@@ -417,20 +430,23 @@ class HybridAdamW(torch.optim.Optimizer):
         if norm is not None:
             if not clipping.is_finite(norm):
                 self.record_skipped_step(float(norm) if not isinstance(norm, torch.Tensor) else norm.item())
-                return
+                return set()
             self.last_grad_norm = float(norm)
             if clip_coef is None and self.max_grad_norm > 0:
                 coef = float(clipping.clip_coefficient(norm, self.max_grad_norm))
         elif clip_coef is not None and not clipping.is_finite(coef):
             self.record_skipped_step(None)
-            return
+            return set()
         self.last_clip_coef = coef
         copies = self.compute_copies
         if compute_copies:
             copies = dict(copies)
             copies.update(compute_copies)
+        zeroed = set()
         for p, g, group in targets:
-            self._update(p, g, group, coef, copies.get(p))
+            if self._update(p, g, group, coef, copies.get(p), zero_grads):
+                zeroed.add(id(g))
+        return zeroed
 
     def _targets(self, groups, params, grads) -> List[Tuple[torch.Tensor, torch.Tensor, Mapping[str, Any]]]:
         """(param, gradient, group) for every parameter to update: those of ``params`` (all if None)
@@ -450,7 +466,8 @@ class HybridAdamW(torch.optim.Optimizer):
         return out
 
     def _update(self, p: torch.Tensor, g: torch.Tensor, group: Mapping[str, Any], coef: float,
-                copy: Optional[torch.Tensor]) -> None:
+                copy: Optional[torch.Tensor], zero_grad: bool = False) -> bool:
+        """One parameter's update; True when the kernel cleared ``g`` as it read it (``zero_grad``)."""
         st = self.state[p]
         if not st:
             st = self._init_state(p, group)
@@ -460,9 +477,8 @@ class HybridAdamW(torch.optim.Optimizer):
                            weight_decay=group["weight_decay"], step=st["step"], clip=coef,
                            adamw=group["adamw_mode"])
         if "state1" in st:
-            self._update_8bit(p, g, st, group, hyper, copy)
-        else:
-            self._update_fp32(p, g, st, group, hyper, copy)
+            return self._update_8bit(p, g, st, group, hyper, copy, zero_grad)
+        return self._update_fp32(p, g, st, group, hyper, copy, zero_grad)
 
     @staticmethod
     def _kernel_ok(p: torch.Tensor, g: torch.Tensor, copy: Optional[torch.Tensor]):
@@ -475,16 +491,17 @@ class HybridAdamW(torch.optim.Optimizer):
             return None
         return cpu_kernels()
 
-    def _update_8bit(self, p, g, st, group, hyper, copy) -> None:
+    def _update_8bit(self, p, g, st, group, hyper, copy, zero_grad=False) -> bool:
         bs = st["block_size"]
         q1, q2 = get_qmap("dynamic", p.device), get_qmap("udynamic", p.device)
         k = self._kernel_ok(p, g, copy)
         if k is not None:
             _check_native_operands(p, g, copy, (st["state1"], st["state2"]),
                                    (st["absmax1"], st["absmax2"]), num_blocks(p.numel(), bs))
+            clear = zero_grad and g.is_contiguous()   # else the kernel reads a copy of it
             k.adam8bit(hyper, p, g.contiguous(), st["state1"], st["state2"], st["absmax1"], st["absmax2"], q1, q2,
-                       bs, copy)
-            return
+                       bs, copy, zero_grad=clear)
+            return _counted(g) if clear else False
         if p.is_cuda and _bnb_cuda_ok(p, g, group, bs):
             import bitsandbytes.functional as bnbF
             beta1, beta2 = group["betas"]
@@ -496,20 +513,30 @@ class HybridAdamW(torch.optim.Optimizer):
                 copy.copy_(p)
             return
         torch_adam8bit(p, g, st, hyper, q1, q2, bs, copy)
+        return False
 
-    def _update_fp32(self, p, g, st, group, hyper, copy) -> None:
+    def _update_fp32(self, p, g, st, group, hyper, copy, zero_grad=False) -> bool:
         k = self._kernel_ok(p, g, copy)
         if k is not None:
             _check_native_operands(p, g, copy, (st["exp_avg"], st["exp_avg_sq"]))
-            k.adam32(hyper, p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], copy)
-            return
+            clear = zero_grad and g.is_contiguous()   # else the kernel reads a copy of it
+            k.adam32(hyper, p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], copy, zero_grad=clear)
+            return _counted(g) if clear else False
         if p.device.type != "cpu" and p.dtype == g.dtype == torch.float32 and p.is_contiguous():
             torch_fused_adam32(p, g.contiguous(), st, float(group["lr"]), hyper, copy)
-            return
+            return False
         torch_adam32(p, g, st, hyper, copy)
+        return False
 
 
 # ---------------------------------------------------------------------- helpers and torch implementation
+def _counted(g: torch.Tensor) -> bool:
+    """A kernel cleared ``g`` past autograd's version counter: count the write (readers that cache a value of
+    the gradient, such as the engine's landed square sums, trust the counter). Returns True."""
+    torch.autograd.graph.increment_version(g)
+    return True
+
+
 def _contiguous_copy(t: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(p.shape, dtype=dtype, device=p.device).copy_(t.reshape(p.shape))
 

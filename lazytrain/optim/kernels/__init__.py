@@ -27,7 +27,7 @@ import torch
 __all__ = ["cpu_kernels", "CpuKernels", "build_error"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybrid_adam.cpp")
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -97,9 +97,10 @@ class CpuKernels:
         lib.lt_quantize_blockwise.argtypes = [P, I64, I64, P, I32, I32, I32, I32, P, P, ctypes.c_int]
         lib.lt_dequantize_blockwise.argtypes = [P, P, P, I64, I64, P, ctypes.c_int]
         lib.lt_adam8bit.argtypes = [ctypes.POINTER(Hyper), P, P, ctypes.c_int, P, P, P, P, P, P,
-                                    P, I32, I32, I32, P, I32, I32, P, ctypes.c_int, I64, I64, ctypes.c_int]
+                                    P, I32, I32, I32, P, I32, I32, P, ctypes.c_int, I64, I64, ctypes.c_int,
+                                    ctypes.c_int]
         lib.lt_adam32.argtypes = [ctypes.POINTER(Hyper), P, P, ctypes.c_int, P, P, P, ctypes.c_int, I64,
-                                  ctypes.c_int]
+                                  ctypes.c_int, ctypes.c_int]
         lib.lt_add_square_sum.argtypes = [P, P, ctypes.c_int, I64, I64, ctypes.c_int, ctypes.c_int]
         lib.lt_add_square_sum.restype = ctypes.c_double
         if lib.lt_abi_version() != _ABI_VERSION:
@@ -126,8 +127,9 @@ class CpuKernels:
 
     def adam8bit(self, hyper: Hyper, p: torch.Tensor, g: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor,
                  absmax1: torch.Tensor, absmax2: torch.Tensor, qmap1, qmap2, block_size: int,
-                 copy: Optional[torch.Tensor]) -> None:
-        """Fused step; ``qmap1`` must be signed (first moment), ``qmap2`` unsigned (second moment)."""
+                 copy: Optional[torch.Tensor], zero_grad: bool = False) -> None:
+        """Fused step; ``qmap1`` must be signed (first moment), ``qmap2`` unsigned (second moment). With
+        ``zero_grad``, ``g`` is cleared block by block as it is read (its writer must count the write)."""
         assert qmap1.signed and not qmap2.signed
         self.lib.lt_adam8bit(
             ctypes.byref(hyper), p.data_ptr(), g.data_ptr(), _DTYPE_CODE[g.dtype], c1.data_ptr(), c2.data_ptr(),
@@ -135,14 +137,16 @@ class CpuKernels:
             qmap1.table.data_ptr(), qmap1.base, qmap1.kmax, qmap1.half,
             qmap2.table.data_ptr(), qmap2.base, qmap2.kmax,
             copy.data_ptr() if copy is not None else None,
-            _DTYPE_CODE[copy.dtype] if copy is not None else _NO_COPY, p.numel(), block_size, self._threads())
+            _DTYPE_CODE[copy.dtype] if copy is not None else _NO_COPY, p.numel(), block_size, int(zero_grad),
+            self._threads())
 
     def adam32(self, hyper: Hyper, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-               copy: Optional[torch.Tensor]) -> None:
+               copy: Optional[torch.Tensor], zero_grad: bool = False) -> None:
+        """The same step with fp32 moments; ``zero_grad`` as in :meth:`adam8bit`."""
         self.lib.lt_adam32(
             ctypes.byref(hyper), p.data_ptr(), g.data_ptr(), _DTYPE_CODE[g.dtype], m.data_ptr(), v.data_ptr(),
             copy.data_ptr() if copy is not None else None,
-            _DTYPE_CODE[copy.dtype] if copy is not None else _NO_COPY, p.numel(), self._threads())
+            _DTYPE_CODE[copy.dtype] if copy is not None else _NO_COPY, p.numel(), int(zero_grad), self._threads())
 
     def add_square_sum(self, dst: torch.Tensor, g: Optional[torch.Tensor], row: int, want_sum: bool) -> float:
         """``dst += g`` (fp32 ``dst``; ``g`` fp32, bf16 or fp16 of as many elements, or None to add nothing)

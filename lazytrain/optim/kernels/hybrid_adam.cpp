@@ -6,6 +6,8 @@
 //   requantize the block's moments with a new absmax. The moments never leave the L1-resident block
 //   buffer in fp32.
 // * lt_adam32: the same update with fp32 moments (small and sensitive tensors).
+//   Both can zero the gradient as they go (zero_g): each block's gradient is cleared right after the block
+//   read it, while it is in cache, instead of in a separate pass over the buffer after the step.
 // * lt_quantize_blockwise / lt_dequantize_blockwise: the storage format on its own.
 // * lt_add_square_sum: the gradient sinks' add of a compute-dtype gradient into its fp32 buffer and the
 //   buffer's sum of squares, in one pass (lazytrain/engine/host_accumulate.py).
@@ -243,10 +245,17 @@ inline float absmax_of(const float* x, int64_t len) {
   return mx;
 }
 
+// Clears elements [s, s + len) of the gradient (fp32, bf16 or fp16): every bit pattern 0 is +0.
+template <int GT>
+inline void zero_g(const void* g, int64_t s, int64_t len) {
+  constexpr int64_t size = GT == kF32 ? 4 : 2;
+  std::memset(static_cast<char*>(const_cast<void*>(g)) + s * size, 0, static_cast<size_t>(len * size));
+}
+
 template <int GT, int CT, bool ADAMW>
 void adam8bit_impl(const Hyper& h, float* p, const void* g, uint8_t* c1, uint8_t* c2, float* amax1,
                    float* amax2, const float* q1, const float* q2, Table t1, Table t2, void* copy, int64_t n,
-                   int64_t bs, int nthreads) {
+                   int64_t bs, bool clear_g, int nthreads) {
   const int64_t nb = (n + bs - 1) / bs;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nb > 1)
   {
@@ -298,6 +307,7 @@ void adam8bit_impl(const Hyper& h, float* p, const void* g, uint8_t* c1, uint8_t
       }
       amax1[b] = mx1;
       amax2[b] = mx2;
+      if (clear_g) zero_g<GT>(g, s, len);
       encode_block<true>(mbuf, len, inv_absmax(mx1), t1, c1 + s);
       encode_block<false>(vbuf, len, inv_absmax(mx2), t2, c2 + s);
     }
@@ -305,7 +315,8 @@ void adam8bit_impl(const Hyper& h, float* p, const void* g, uint8_t* c1, uint8_t
 }
 
 template <int GT, int CT, bool ADAMW>
-void adam32_impl(const Hyper& h, float* p, const void* g, float* m, float* v, void* copy, int64_t n, int nthreads) {
+void adam32_impl(const Hyper& h, float* p, const void* g, float* m, float* v, void* copy, int64_t n, bool clear_g,
+                 int nthreads) {
   constexpr int64_t chunk = 8192;
   const int64_t nc = (n + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nc > 1)
@@ -332,6 +343,7 @@ void adam32_impl(const Hyper& h, float* p, const void* g, float* m, float* v, vo
       v[i] = vv;
       store_copy<CT>(copy, i, pp);
     }
+    if (clear_g) zero_g<GT>(g, s, e - s);
   }
 }
 
@@ -406,7 +418,7 @@ double add_square_sum_impl(float* d, const void* g, int64_t n, int64_t row, bool
 
 extern "C" {
 
-int lt_abi_version() { return 4; }
+int lt_abi_version() { return 5; }
 int lt_has_avx2() { return LT_AVX2; }
 int lt_max_block() { return (int)kMaxBlock; }
 void lt_set_force_scalar(int v) { g_force_scalar = v; }
@@ -446,15 +458,15 @@ void lt_dequantize_blockwise(const uint8_t* c, const float* absmax, const float*
 void lt_adam8bit(const Hyper* h, float* p, const void* g, int gtype, uint8_t* c1, uint8_t* c2, float* amax1,
                  float* amax2, const float* q1, const float* q2, const int32_t* lut1, int32_t base1, int32_t kmax1,
                  int32_t half1, const int32_t* lut2, int32_t base2, int32_t kmax2, void* copy, int ctype, int64_t n,
-                 int64_t bs, int nthreads) {
+                 int64_t bs, int zero_grad, int nthreads) {
   const Table t1{lut1, base1, kmax1, half1}, t2{lut2, base2, kmax2, 0};
   LT_DISPATCH(adam8bit_impl, gtype, ctype, h->adamw, *h, p, g, c1, c2, amax1, amax2, q1, q2, t1, t2, copy, n, bs,
-              nthreads);
+              zero_grad != 0, nthreads);
 }
 
 void lt_adam32(const Hyper* h, float* p, const void* g, int gtype, float* m, float* v, void* copy, int ctype,
-               int64_t n, int nthreads) {
-  LT_DISPATCH(adam32_impl, gtype, ctype, h->adamw, *h, p, g, m, v, copy, n, nthreads);
+               int64_t n, int zero_grad, int nthreads) {
+  LT_DISPATCH(adam32_impl, gtype, ctype, h->adamw, *h, p, g, m, v, copy, n, zero_grad != 0, nthreads);
 }
 
 // g: nullptr to take the sum of squares of d alone. Returns 0 unless want_sum.
