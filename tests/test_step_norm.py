@@ -9,6 +9,7 @@ import pytest
 
 import lazytrain
 from lazytrain.engine import weights as weights_module
+from lazytrain.optim import hybrid_adamw
 from lazytrain.engine.host_accumulate import sum_of_squares
 from engine_models import batches, lm_loss, make_model
 
@@ -86,6 +87,39 @@ def test_zeroed_buffers_have_no_square_sum_to_read(counted):
     counted.clear()
     assert all(engine.weights.grad_square_sum(i) == 0.0 for i in range(engine.weights.num_layers))
     assert counted == []
+    engine.destroy()
+
+
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["kernels", "torch"])
+def test_the_overlapped_update_clears_each_layer_gradient_as_it_reads_it(counted, monkeypatch, kernels_on):
+    """With the layer updates on the update thread (a GPU's default), HybridAdamW clears each layer's gradient
+    buffer in its update (the compiled kernels block by block as they read it, torch's path after) and the
+    engine makes no pass of its own over it. The buffers are zero after the step, their sums known (0)
+    without a read, and the next step's norm is the buffers' again."""
+    calls = []
+    real = weights_module.LayerWeights.zero_layer_grads
+
+    def spy(self, i, cleared=False):
+        calls.append(cleared)
+        return real(self, i, cleared=cleared)
+    monkeypatch.setattr(weights_module.LayerWeights, "zero_layer_grads", spy)
+    if not kernels_on:
+        monkeypatch.setattr(hybrid_adamw, "cpu_kernels", lambda: None)
+    engine = engine_of(copy_threads=True, accumulation=1, overlap_optimizer=True)
+    layers = engine.weights.num_layers
+    for x, y in batches(2):
+        engine.backward(lm_loss(engine(x), y))
+        engine.weights.flush_grads()
+        norm = expected_norm(engine)
+        calls.clear()
+        engine.step()
+        engine.wait_for_update()
+        assert calls == [True] * layers
+        assert all(not g.any() for g in engine.weights.grad if g is not None)
+        assert engine.get_global_grad_norm() == pytest.approx(norm, rel=1e-6)
+        counted.clear()
+        assert all(engine.weights.grad_square_sum(i) == 0.0 for i in range(layers))
+        assert counted == []
     engine.destroy()
 
 

@@ -1193,13 +1193,15 @@ class LazyTrainEngine(nn.Module):
             failure = RankFailure(self.dist, on_update_thread=True)
 
             def update_layer(i: int) -> None:
+                cleared = False   # the update cleared the layer's whole gradient buffer as it read it
                 with failure.kept():
                     if layer_grads[i]:
                         with self._host_writes([i], launched):
                             self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
-                                                  grads=layer_grads[i])
+                                                  grads=layer_grads[i], zero_grads=True)
+                            cleared = True   # grad_views cover the buffer: every element is in one of them
                             w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
-                    w.zero_layer_grads(i)
+                    w.zero_layer_grads(i, cleared=cleared)
                 # replicated ranks: after the last layer they agree whether every update succeeded, so that all
                 # fail together and none trains on alone with other weights than the rest
                 if i == w.num_layers - 1:

@@ -506,9 +506,12 @@ class LayerWeights:
         for i in range(self.num_layers):
             self.zero_layer_grads(i)
 
-    def zero_layer_grads(self, i: int) -> None:
+    def zero_layer_grads(self, i: int, cleared: bool = False) -> None:
+        """Layer i's gradient buffer zero and attached to its parameters again; ``cleared``: it is zero already
+        (the optimizer's update cleared it as it read it, a write autograd's counter saw)."""
         if self.grad[i] is not None:
-            self.grad[i].zero_()
+            if not cleared:
+                self.grad[i].zero_()
             self._note_square_sum(i, 0.0)
             self.attach_grads(i)
 
