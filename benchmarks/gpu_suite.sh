@@ -25,7 +25,8 @@
 #      default and on the device when asked, the optimizer and tier tests;
 #   3. benchmarks/gpu_tiers.sh (pinned host<->device bandwidth, host/NVMe tiers, kvikio when present), then
 #      benchmarks/host_add.py (the gradient sinks' host add, torch's pieces against the compiled pass, on the
-#      GPU machine's cores);
+#      GPU machine's cores) and benchmarks/update_clear.py (a layer's update clearing its gradient as it reads
+#      it, against a zero_ pass after);
 #   4. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama, and policy auto's
 #      predicted vs measured step), each LazyTrain row's last step traced (summaries printed: where the time
 #      over plain PyTorch's goes; the Chrome traces in $OUT/traces).
@@ -89,6 +90,7 @@ if [[ $ONLY == *3* ]]; then
 echo "## 3. tiers"
 OUT="$OUT" run_within "${TIERS_TIMEOUT:-120}" bash benchmarks/gpu_tiers.sh 2>&1 | tee "$OUT/gpu_tiers.log" | tail -40
 run_within "${HOST_ADD_TIMEOUT:-60}" python3 benchmarks/host_add.py --reps 5 2>&1 | tee "$OUT/host_add.log"
+run_within "${UPDATE_CLEAR_TIMEOUT:-60}" python3 benchmarks/update_clear.py --reps 7 2>&1 | tee "$OUT/update_clear.log"
 fi
 
 if [[ $ONLY == *4* ]]; then
