@@ -584,6 +584,58 @@ def test_a_gradient_the_kernel_reads_through_a_copy_is_cleared_after(k):
     assert torch.equal(p, ref) and not g.any()
 
 
+def test_gradients_that_share_memory_are_not_cleared_as_they_are_read():
+    """Clearing one of two gradients that share memory would give the other a zero gradient: refused,
+    before any update. Views side by side in one buffer (the engine's layout) are cleared."""
+    pa = make_params(shapes=((8, 16), (8, 16)))
+    opt = HybridAdamW(pa, lr=1e-3, optimizer_states="fp32")
+    before = [p.detach().clone() for p in pa]
+    shared, flat = torch.randn(8, 16), torch.randn(256)
+    for grads in ({pa[0]: shared, pa[1]: shared}, {pa[0]: flat[:128].view(8, 16), pa[1]: flat[64:192].view(8, 16)}):
+        with pytest.raises(ValueError, match=r"two of the gradients share memory"):
+            opt.update(pa, clip_coef=1.0, groups=opt.snapshot(), grads=grads, zero_grads=True)
+        assert all(torch.equal(p, b) for p, b in zip(pa, before)) and shared.any() and flat.all()
+    opt.update(pa, clip_coef=1.0, groups=opt.snapshot(), grads={pa[0]: flat[:128].view(8, 16),
+                                                              pa[1]: flat[128:].view(8, 16)}, zero_grads=True)
+    assert not flat.any() and not any(torch.equal(p, b) for p, b in zip(pa, before))
+
+
+@pytest.mark.parametrize("states", ["8bit", "fp32"])
+def test_clearing_kernels_split_over_threads_update_as_one_thread_does(k, states):
+    """The kernels clear each block or chunk on the thread that read it: at 1 and 4 threads (each tensor
+    spanning many blocks), the same update, bit for bit, and every gradient zero."""
+    shapes = ((300, 1000), (70001,))
+    results = []
+    kept = torch.get_num_threads()
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            params = make_params(shapes=shapes)
+            opt = HybridAdamW(params, lr=1e-3, optimizer_states=states, min_8bit_size=1, block_size=256)
+            for step in range(2):
+                set_grads(params, step, dtype=torch.bfloat16)
+                grads = {p: p.grad for p in params}
+                opt.update(params, clip_coef=0.9, groups=opt.snapshot(), grads=grads, zero_grads=True)
+                assert all(not g.any() for g in grads.values())
+            results.append([p.detach().clone() for p in params])
+    finally:
+        torch.set_num_threads(kept)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_without_given_gradients_every_grad_of_the_params_is_cleared():
+    """update(zero_grads=True) without ``grads`` clears the ``.grad`` of each parameter passed, one in no group
+    included, and updates as update() does."""
+    pa, pb = make_params(), make_params()
+    oa, ob = HybridAdamW(pa[:2], lr=1e-3, optimizer_states="fp32"), HybridAdamW(pb[:2], lr=1e-3, optimizer_states="fp32")
+    set_grads(pa, 0)
+    set_grads(pb, 0)
+    oa.update(pa, clip_coef=1.0, groups=oa.snapshot(), zero_grads=True)
+    ob.update(pb, clip_coef=1.0, groups=ob.snapshot())
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert all(not p.grad.any() for p in pa) and all(p.grad.any() for p in pb)
+
+
 def test_update_runs_no_step_hooks_and_snapshot_keeps_its_groups():
     params = make_params()
     opt = HybridAdamW(params[:2], lr=1e-3, optimizer_states="fp32")

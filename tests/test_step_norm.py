@@ -123,6 +123,49 @@ def test_the_overlapped_update_clears_each_layer_gradient_as_it_reads_it(counted
     engine.destroy()
 
 
+def test_the_overlapped_update_clears_frozen_partly_trained_and_ungrouped_layers_buffers(monkeypatch):
+    """The engine skips its own clear only where the update covered the whole buffer: a frozen layer (no
+    buffer), a layer half frozen, a trainable parameter in no optimizer group (update clears what it is
+    given). Every buffer reads zero after each overlapped step, and the weights end bit for bit as with the
+    optimizer's torch path, which clears by ``zero_()`` after its update (its kernels and torch's path update
+    alike, bit for bit)."""
+    import copy
+    import torch
+    calls = []
+    real = weights_module.LayerWeights.zero_layer_grads
+
+    def spy(self, i, cleared=False):
+        calls.append((i, cleared))
+        return real(self, i, cleared=cleared)
+    monkeypatch.setattr(weights_module.LayerWeights, "zero_layer_grads", spy)
+    torch.manual_seed(0)
+    base = make_model("modulelist")
+    for p in base.stack[2].parameters():
+        p.requires_grad_(False)
+    base.stack[3].fc1.weight.requires_grad_(False)
+    ends = {}
+    for kernels_on in (True, False):
+        with monkeypatch.context() as m:
+            if not kernels_on:
+                m.setattr(hybrid_adamw, "cpu_kernels", lambda: None)
+            model = copy.deepcopy(base)
+            cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                   "lazytrain": {"testing": {"copy_threads": True}, "overlap_optimizer": True}}
+            grouped = [p for n, p in model.named_parameters() if p.requires_grad and n != "stack.4.fc2.bias"]
+            engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=grouped, config=cfg)
+            for x, y in batches(3):
+                engine.backward(lm_loss(engine(x), y))
+                calls.clear()
+                engine.step()
+                engine.wait_for_update()
+                assert all(not g.any() for g in engine.weights.grad if g is not None)
+                assert calls == [(i, i != 2) for i in range(engine.weights.num_layers)]
+            ends[kernels_on] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            engine.destroy()
+    assert all(torch.equal(ends[True][n], ends[False][n]) for n in ends[True])
+
+
 def test_with_the_norm_not_as_landed_the_step_reads_every_buffer(counted):
     """A write through ``.data`` moves no version counter: only reading the buffers sees it."""
     engine = engine_of(copy_threads=True, accumulation=1, grad_norm_as_landed=False)

@@ -391,16 +391,20 @@ class HybridAdamW(torch.optim.Optimizer):
         ``grads`` (``{param: gradient}``) are read instead of ``.grad``, so a ``zero_grad`` elsewhere cannot
         drop the update. The optimizer's step hooks belong to the engine's one ``step`` call.
 
-        With ``zero_grads`` every gradient of ``grads`` (without ``grads``: of the updated parameters) is zero
-        when the call returns, also when the step is skipped: the compiled kernels clear each block of a
-        gradient as they read it, while it is in cache, which spares the engine a pass over every gradient
-        buffer after the update (other paths zero it after). If the call raises, some may be cleared.
+        With ``zero_grads`` every gradient of ``grads`` (without ``grads``: the ``.grad`` of every parameter of
+        ``params``, in a group or not) is zero when the call returns, also when the step is skipped: the
+        compiled kernels clear each block of a gradient as they read it, while it is in cache, which spares
+        the engine a pass over every gradient buffer after the update (other paths zero it after). The
+        gradients must not share memory (one cleared would read as zero for the next): refused. If the call
+        raises, some may be cleared.
         """
         params = list(params)
+        given = list(grads.values()) if grads is not None else [p.grad for p in params if p.grad is not None]
+        if zero_grads:
+            _check_disjoint(given)
         zeroed = self._step(groups, params, None, clip_coef, None, grads, zero_grads)
         if zero_grads:
-            rest = grads.values() if grads is not None else (p.grad for p in params if p.grad is not None)
-            for g in rest:
+            for g in given:
                 if id(g) not in zeroed:
                     g.zero_()
 
@@ -511,7 +515,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"], gnorm_scale=hyper.clip, skip_zeros=False)
             if copy is not None:
                 copy.copy_(p)
-            return
+            return False
         torch_adam8bit(p, g, st, hyper, q1, q2, bs, copy)
         return False
 
@@ -530,6 +534,23 @@ class HybridAdamW(torch.optim.Optimizer):
 
 
 # ---------------------------------------------------------------------- helpers and torch implementation
+def _check_disjoint(grads: List[torch.Tensor]) -> None:
+    """Refuse gradients that share memory (the same tensor twice, overlapping views): clearing one as it is
+    read would hand the other a zero gradient."""
+    spans = []
+    for g in grads:
+        if g.numel():
+            start = g.data_ptr()
+            last = start + sum((n - 1) * s for n, s in zip(g.shape, g.stride())) * g.element_size()
+            spans.append((g.device, start, last + g.element_size()))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise ValueError("HybridAdamW.update(zero_grads=True): two of the gradients share memory, so clearing "
+                             "one as it is read would give the other a zero gradient; pass them without "
+                             "zero_grads, or give each parameter a gradient of its own")
+
+
 def _counted(g: torch.Tensor) -> bool:
     """A kernel cleared ``g`` past autograd's version counter: count the write (readers that cache a value of
     the gradient, such as the engine's landed square sums, trust the counter). Returns True."""
