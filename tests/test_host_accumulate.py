@@ -127,3 +127,42 @@ def test_the_square_sum_of_a_source_the_compiled_pass_does_not_take_is_sum_of_sq
     expected = dst.clone().add_(src)
     taken = add_into(dst, src, scratch_for(5000), square_sum=True)
     assert torch.allclose(dst, expected, rtol=1e-6, atol=1e-6) and taken == sum_of_squares(dst)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("square_sum", [False, True])
+@pytest.mark.parametrize("layout", ["aligned", "offset", "scalar"])
+def test_into_a_buffer_known_zero_the_add_writes_the_same_bits_without_reading_it(dtype, square_sum, layout, way):
+    """dst_is_zero: the compiled pass writes 0 + src (a -0 of src becomes +0, as the add makes it) and its
+    square sum as the add takes them, bit for bit, whether it streams its stores (a 32-byte aligned buffer),
+    stores them as the add does (a buffer one element off alignment) or runs its scalar loop; torch's pieces
+    add as always. The compiled pass does not read dst: over a buffer that is not zero it still writes
+    0 + src (the caller's promise is what it uses; checked with the square sum, which every source dtype
+    takes through the compiled pass)."""
+    numel = 2 * PIECE + 33
+    g = torch.Generator().manual_seed(7)
+    src = (torch.randn(numel, generator=g) * 1e-3).to(dtype)
+    src[::97] = -0.0
+    scratch = scratch_for(numel)
+    start = 1 if layout == "offset" else 0
+    added, from_zero = torch.zeros(numel), torch.zeros(numel + start)[start:]
+    assert (from_zero.data_ptr() % 32 == 0) == (layout != "offset")
+    kernels = cpu_kernels()
+    if layout == "scalar" and kernels is not None:
+        kernels.set_force_scalar(True)
+    try:
+        _check_known_zero_add(added, from_zero, src, scratch, square_sum, way)
+    finally:
+        if kernels is not None:
+            kernels.set_force_scalar(False)
+
+
+def _check_known_zero_add(added, from_zero, src, scratch, square_sum, way):
+    numel = src.numel()
+    sums = (add_into(added, src, scratch, square_sum=square_sum),
+            add_into(from_zero, src, scratch, square_sum=square_sum, dst_is_zero=True))
+    assert torch.equal(added.view(torch.int32), from_zero.view(torch.int32)) and sums[0] == sums[1]
+    assert not torch.signbit(from_zero[::97]).any()
+    stale = torch.ones(numel)
+    add_into(stale, src, scratch, square_sum=True, dst_is_zero=True)
+    assert torch.equal(stale, added if way == "kernels" else added + 1)

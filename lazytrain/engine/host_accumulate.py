@@ -29,11 +29,14 @@ def scratch_for(numel: int) -> torch.Tensor:
     return torch.empty(min(PIECE, max(1, numel)), dtype=torch.float32)
 
 
-def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, square_sum: bool = False) -> float | None:
+def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, square_sum: bool = False,
+             dst_is_zero: bool = False) -> float | None:
     """``dst += src`` for a flat fp32 ``dst`` and a flat ``src`` of any floating dtype, through ``scratch``
     (one caller at a time: it is overwritten). With ``square_sum``, returns ``sum_of_squares(dst)`` after the
     add, bit for bit, taken a piece at a time as the pieces are added (scratch must then be a whole piece,
-    or hold all of ``dst``: the pieces are sum_of_squares')."""
+    or hold all of ``dst``: the pieces are sum_of_squares'). ``dst_is_zero``: the caller knows every element
+    of ``dst`` is zero (a micro-batch's first gradient after the step cleared the buffer), so the compiled pass
+    writes ``0 + src`` without reading ``dst`` (the same bits as the add); torch's pieces add as always."""
     if src.numel() != dst.numel():   # the pieces would add into a part of dst, where add_ broadcasts or raises
         raise ValueError(f"add_into: a gradient of {src.numel()} elements into a buffer of {dst.numel()}")
     if src.dtype == dst.dtype and not square_sum:
@@ -46,7 +49,7 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor, square
     kernels = _kernels_for(dst)
     if kernels is not None and src.device.type == "cpu" and src.dtype in _KERNEL_DTYPES and \
             src.untyped_storage().data_ptr() != dst.untyped_storage().data_ptr():   # else torch's checks
-        total = kernels.add_square_sum(dst, src.resolve_neg().contiguous(), ROW, square_sum)
+        total = kernels.add_square_sum(dst, src.resolve_neg().contiguous(), ROW, square_sum, from_zero=dst_is_zero)
         torch.autograd.graph.increment_version(dst)   # written past autograd's counter, which readers trust
         return total if square_sum else None
     if kernels is not None:   # the add torch's way; the square sum as sum_of_squares takes it, bit for bit

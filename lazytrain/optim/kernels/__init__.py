@@ -27,7 +27,7 @@ import torch
 __all__ = ["cpu_kernels", "CpuKernels", "build_error"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hybrid_adam.cpp")
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -101,7 +101,7 @@ class CpuKernels:
                                     ctypes.c_int]
         lib.lt_adam32.argtypes = [ctypes.POINTER(Hyper), P, P, ctypes.c_int, P, P, P, ctypes.c_int, I64,
                                   ctypes.c_int, ctypes.c_int]
-        lib.lt_add_square_sum.argtypes = [P, P, ctypes.c_int, I64, I64, ctypes.c_int, ctypes.c_int]
+        lib.lt_add_square_sum.argtypes = [P, P, ctypes.c_int, I64, I64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         lib.lt_add_square_sum.restype = ctypes.c_double
         if lib.lt_abi_version() != _ABI_VERSION:
             raise RuntimeError(f"{path}: ABI version mismatch")
@@ -148,13 +148,16 @@ class CpuKernels:
             copy.data_ptr() if copy is not None else None,
             _DTYPE_CODE[copy.dtype] if copy is not None else _NO_COPY, p.numel(), int(zero_grad), self._threads())
 
-    def add_square_sum(self, dst: torch.Tensor, g: Optional[torch.Tensor], row: int, want_sum: bool) -> float:
+    def add_square_sum(self, dst: torch.Tensor, g: Optional[torch.Tensor], row: int, want_sum: bool,
+                       from_zero: bool = False) -> float:
         """``dst += g`` (fp32 ``dst``; ``g`` fp32, bf16 or fp16 of as many elements, or None to add nothing)
         and, with ``want_sum``, ``dst``'s sum of squares after: rows of ``row`` elements, each one thread's,
-        so the same value at every thread count (hybrid_adam.cpp)."""
+        so the same value at every thread count (hybrid_adam.cpp). ``from_zero``: ``dst`` is zero (the caller
+        knows), so ``0 + g`` is written without reading it, bit for bit the add."""
         return self.lib.lt_add_square_sum(dst.data_ptr(), g.data_ptr() if g is not None else None,
                                           _DTYPE_CODE[g.dtype] if g is not None else 0, dst.numel(), row,
-                                          1 if want_sum else 0, self._threads())
+                                          1 if want_sum else 0, 1 if from_zero and g is not None else 0,
+                                          self._threads())
 
 
 _lock = threading.Lock()

@@ -10,7 +10,8 @@
 //   read it, while it is in cache, instead of in a separate pass over the buffer after the step.
 // * lt_quantize_blockwise / lt_dequantize_blockwise: the storage format on its own.
 // * lt_add_square_sum: the gradient sinks' add of a compute-dtype gradient into its fp32 buffer and the
-//   buffer's sum of squares, in one pass (lazytrain/engine/host_accumulate.py).
+//   buffer's sum of squares, in one pass (lazytrain/engine/host_accumulate.py); into a buffer the caller
+//   knows is zero (from_zero) it writes 0 + g without reading the buffer.
 //
 // The encoder is exact nearest-code: a table indexed by sign, exponent and the leading 8 mantissa bits
 // of x gives the code at the bucket start and the low-mantissa threshold at which it steps by one (see
@@ -351,26 +352,52 @@ void adam32_impl(const Hyper& h, float* p, const void* g, float* m, float* v, vo
 // sum of squares of dst afterwards. A row of `row` elements is one thread's: element j's square (rounded:
 // -ffp-contract=off) goes into running fp32 sum j % 16, and the 16 sums are added in order; the rows' sums
 // are added in fp64 in row order. So the value is the same at every thread count, in every build.
-template <int GT, bool ADD, bool SUM>
+// MODE: kSumOnly (g unused), kAdd (d += g), kFromZero (d = 0 + g: the add into a zero d, bit for bit, -0 of g
+// included, without reading d).
+enum { kSumOnly = 0, kAdd = 1, kFromZero = 2 };
+
+template <int GT, int MODE>
+inline float next_value(const float* d, const void* g, int64_t j) {
+  if (MODE == kSumOnly) return d[j];
+  const float base = MODE == kFromZero ? 0.0f : d[j];
+  return base + load_g<GT>(g, j);
+}
+
+template <int GT, int MODE, bool SUM>
 float add_square_row(float* __restrict d, const void* __restrict g, int64_t n) {
-  float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  alignas(32) float acc[16] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int64_t j = 0;
+#if LT_AVX2
+  // Into a zero buffer: streaming stores, so the row's cache lines are written without first being read
+  // (a plain store reads each line in before it writes it). The same operations per lane as below.
+  if (MODE == kFromZero && !g_force_scalar && (reinterpret_cast<uintptr_t>(d) & 31) == 0) {
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 lo = zero, hi = zero;
+    for (; j + 16 <= n; j += 16) {
+      const __m256 x0 = _mm256_add_ps(zero, load_g8<GT>(g, j));
+      const __m256 x1 = _mm256_add_ps(zero, load_g8<GT>(g, j + 8));
+      _mm256_stream_ps(d + j, x0);
+      _mm256_stream_ps(d + j + 8, x1);
+      if (SUM) {
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(x0, x0));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(x1, x1));
+      }
+    }
+    _mm_sfence();  // the streamed stores are visible before anything this thread does next
+    _mm256_store_ps(acc, lo);
+    _mm256_store_ps(acc + 8, hi);
+  }
+#endif
   for (; j + 16 <= n; j += 16) {
     for (int k = 0; k < 16; ++k) {
-      float x = d[j + k];
-      if (ADD) {
-        x = x + load_g<GT>(g, j + k);
-        d[j + k] = x;
-      }
+      const float x = next_value<GT, MODE>(d, g, j + k);
+      if (MODE != kSumOnly) d[j + k] = x;
       if (SUM) acc[k] = acc[k] + x * x;
     }
   }
   for (int k = 0; j < n; ++j, ++k) {
-    float x = d[j];
-    if (ADD) {
-      x = x + load_g<GT>(g, j);
-      d[j] = x;
-    }
+    const float x = next_value<GT, MODE>(d, g, j);
+    if (MODE != kSumOnly) d[j] = x;
     if (SUM) acc[k] = acc[k] + x * x;
   }
   float total = 0.f;
@@ -379,7 +406,8 @@ float add_square_row(float* __restrict d, const void* __restrict g, int64_t n) {
 }
 
 template <int GT>
-double add_square_sum_impl(float* d, const void* g, int64_t n, int64_t row, bool want_sum, int nthreads) {
+double add_square_sum_impl(float* d, const void* g, int64_t n, int64_t row, bool want_sum, bool from_zero,
+                           int nthreads) {
   const int64_t nr = (n + row - 1) / row;
   const bool add = g != nullptr;
   std::vector<float> sums(want_sum ? nr : 0);
@@ -387,9 +415,11 @@ double add_square_sum_impl(float* d, const void* g, int64_t n, int64_t row, bool
   for (int64_t r = 0; r < nr; ++r) {
     const int64_t s = r * row, len = std::min(row, n - s);
     const void* gr = add ? static_cast<const void*>(static_cast<const char*>(g) + s * (GT == kF32 ? 4 : 2)) : nullptr;
-    const float v = !add ? add_square_row<GT, false, true>(d + s, gr, len)
-                    : want_sum ? add_square_row<GT, true, true>(d + s, gr, len)
-                               : add_square_row<GT, true, false>(d + s, gr, len);
+    const float v = !add ? add_square_row<GT, kSumOnly, true>(d + s, gr, len)
+                    : from_zero ? (want_sum ? add_square_row<GT, kFromZero, true>(d + s, gr, len)
+                                            : add_square_row<GT, kFromZero, false>(d + s, gr, len))
+                    : want_sum ? add_square_row<GT, kAdd, true>(d + s, gr, len)
+                               : add_square_row<GT, kAdd, false>(d + s, gr, len);
     if (want_sum) sums[r] = v;
   }
   double total = 0.0;
@@ -418,7 +448,7 @@ double add_square_sum_impl(float* d, const void* g, int64_t n, int64_t row, bool
 
 extern "C" {
 
-int lt_abi_version() { return 5; }
+int lt_abi_version() { return 6; }
 int lt_has_avx2() { return LT_AVX2; }
 int lt_max_block() { return (int)kMaxBlock; }
 void lt_set_force_scalar(int v) { g_force_scalar = v; }
@@ -469,12 +499,15 @@ void lt_adam32(const Hyper* h, float* p, const void* g, int gtype, float* m, flo
   LT_DISPATCH(adam32_impl, gtype, ctype, h->adamw, *h, p, g, m, v, copy, n, zero_grad != 0, nthreads);
 }
 
-// g: nullptr to take the sum of squares of d alone. Returns 0 unless want_sum.
-double lt_add_square_sum(float* d, const void* g, int gtype, int64_t n, int64_t row, int want_sum, int nthreads) {
+// g: nullptr to take the sum of squares of d alone. Returns 0 unless want_sum. from_zero: d is zero (the
+// caller knows), so d = 0 + g is written without reading d.
+double lt_add_square_sum(float* d, const void* g, int gtype, int64_t n, int64_t row, int want_sum, int from_zero,
+                         int nthreads) {
+  const bool z = from_zero != 0;
   switch (gtype) {
-    case kBF16: return add_square_sum_impl<kBF16>(d, g, n, row, want_sum != 0, nthreads);
-    case kF16: return add_square_sum_impl<kF16>(d, g, n, row, want_sum != 0, nthreads);
-    default: return add_square_sum_impl<kF32>(d, g, n, row, want_sum != 0, nthreads);
+    case kBF16: return add_square_sum_impl<kBF16>(d, g, n, row, want_sum != 0, z, nthreads);
+    case kF16: return add_square_sum_impl<kF16>(d, g, n, row, want_sum != 0, z, nthreads);
+    default: return add_square_sum_impl<kF32>(d, g, n, row, want_sum != 0, z, nthreads);
   }
 }
 
