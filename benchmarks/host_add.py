@@ -4,7 +4,8 @@ torch's ops (a piece at a time through a reused scratch) and with LazyTrain's co
 lazytrain/optim/kernels). Same sums, bit for bit (checked here). Then what the step's clipping norm costs: the
 buffer's sum of squares taken in that add (as the sinks take it as each layer's gradient lands), each way,
 against a pass over the buffer of its own (what the step reads from a buffer whose sum was not taken so), the
-two equal bit for bit within each way (checked).
+two equal bit for bit within each way (checked). Last, the compiled pass into a buffer known zero (a
+micro-batch's first gradient after the step cleared it: ``0 + src`` written without reading the buffer).
 
     python benchmarks/host_add.py [--numel 51400000] [--reps 7]
 
@@ -64,8 +65,26 @@ def main() -> None:
                              (f"square sum, a pass of its own ({way})", lambda: sum_of_squares(dst))):
                 best, median[label] = best_and_median(f, args.reps)
                 print(f"{label:<48}{best * 1e3:>10.1f}{median[label] * 1e3:>11.1f}")
+    # a micro-batch's first gradient after the step's clear: the buffer is known zero, so the compiled pass
+    # writes 0 + src without reading it (the same bits as the add into zeros: checked). Both ways into a buffer
+    # just cleared, alternating, as the sinks meet it
+    zeros, expected = torch.zeros_like(dst), torch.zeros_like(dst)
+    assert add_into(zeros, src, scratch, square_sum=True, dst_is_zero=True) == \
+        add_into(expected, src, scratch, square_sum=True) and torch.equal(zeros, expected)
+    into_zero = {False: [], True: []}
+    for _ in range(args.reps):
+        for known in (False, True):
+            zeros.zero_()
+            t0 = time.perf_counter()
+            add_into(zeros, src, scratch, square_sum=True, dst_is_zero=known)
+            into_zero[known].append(time.perf_counter() - t0)
+    cleared = {known: sorted(t)[len(t) // 2] for known, t in into_zero.items()}
+    print(f"{'add_into + square sum, into a cleared buffer':<48}{'':>10}{cleared[False] * 1e3:>11.1f}")
+    print(f"{'  the same, told the buffer is zero':<48}{'':>10}{cleared[True] * 1e3:>11.1f}")
     pieces, passes = (median[f"add_into + square sum ({way})"] for way in WAYS)
     print(f"add and square sum, torch pieces / compiled pass (median): {pieces / passes:.2f}x")
+    print(f"into a cleared buffer, added / written unread (median, alternating): "
+          f"{cleared[False] / cleared[True]:.2f}x")
     print(f"torch mixed add_ / compiled add (median): {mixed[1] / median['add_into (compiled pass)']:.2f}x")
 
 

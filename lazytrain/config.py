@@ -360,7 +360,8 @@ class LazyTrainSection:
     milp_time_limit: float = 30.0
     collective_timeout_s: float = 1800.0   # a rank that hangs fails the others after this long (torch's default)
     gradient_reduce: str = "auto"       # auto | device | host: where stage >= 2 reduces layer gradients to owners
-    grad_norm_as_landed: bool = True    # the clipping norm from sums of squares taken as gradients land
+    grad_norm_as_landed: bool = True    # trust the version counter on layer gradient buffers: the clipping norm
+                                        # from sums taken as gradients land, a cleared buffer written unread
     trust_checkpoints: bool = False     # unpickle checkpoints without restriction (they may then run code)
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None

@@ -166,6 +166,54 @@ def test_the_overlapped_update_clears_frozen_partly_trained_and_ungrouped_layers
     assert all(torch.equal(ends[True][n], ends[False][n]) for n in ends[True])
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+@pytest.mark.parametrize("as_landed", [True, False])
+def test_the_first_gradient_after_a_clear_is_written_without_reading_the_buffer(monkeypatch, as_landed, overlap):
+    """Each layer's first micro-batch after the step's clear (the engine's zero_, or the overlapped update's
+    kernel) lands with ``dst_is_zero`` (0 + gradient, bit for bit the add, no read of the buffer); the next
+    micro-batch adds. A script's in-place write into a ``.grad`` after the clear moves the version counter:
+    that layer's gradient adds to it. With ``grad_norm_as_landed`` false (the counter not trusted) every
+    gradient adds, so a write through ``.data``, which the counter does not see, is kept too."""
+    import torch
+    landed = []
+    real = weights_module.add_into
+
+    def spy(dst, src, scratch, square_sum=False, dst_is_zero=False):
+        landed.append((dst, src.clone(), dst_is_zero))
+        return real(dst, src, scratch, square_sum=square_sum, dst_is_zero=dst_is_zero)
+    monkeypatch.setattr(weights_module, "add_into", spy)
+    engine = engine_of(copy_threads=True, accumulation=2, grad_norm_as_landed=as_landed, overlap_optimizer=overlap)
+    w = engine.weights
+    layer_of = {id(g): i for i, g in enumerate(w.grad)}
+
+    def micro_batch(x, y):
+        landed.clear()
+        engine.backward(lm_loss(engine(x), y))
+        w.flush_grads()
+        return {layer_of[id(dst)]: (src, flag) for dst, src, flag in landed if id(dst) in layer_of}
+
+    (x0, y0), (x1, y1), (x2, y2), _ = batches(4)
+    first = micro_batch(x0, y0)
+    assert sorted(first) == list(range(w.num_layers)) and all(f == as_landed for _, f in first.values())
+    assert all(torch.equal(w.grad[i], src.float()) for i, (src, _) in first.items())
+    engine.step()
+    assert not any(flag for _, flag in micro_batch(x1, y1).values())
+    engine.step()   # the boundary: update, then every buffer cleared
+    engine.wait_for_update()
+    touched, hidden = next(engine.module.stack[3].parameters()), next(engine.module.stack[4].parameters())
+    touched.grad.add_(1.0)
+    if not as_landed:
+        hidden.grad.data.add_(2.0)   # past the version counter: kept only because the counter is not trusted
+    third = micro_batch(x2, y2)
+    assert {i: f for i, (_, f) in third.items()} == {i: as_landed and i != 3 for i in range(w.num_layers)}
+    for i, extra in ((3, 1.0), (4, 0.0 if as_landed else 2.0), (0, 0.0)):
+        expected = third[i][0].float().clone()
+        slot = w.layer_slots[i][0]
+        expected[slot.offset:slot.offset + slot.numel] += extra
+        assert torch.equal(w.grad[i], expected)
+    engine.destroy()
+
+
 def test_with_the_norm_not_as_landed_the_step_reads_every_buffer(counted):
     """A write through ``.data`` moves no version counter: only reading the buffers sees it."""
     engine = engine_of(copy_threads=True, accumulation=1, grad_norm_as_landed=False)

@@ -122,6 +122,10 @@ class LayerWeights:
         # layer -> (its gradient buffer, the buffer's version, its sum of squares then): taken as gradients
         # land, unless landed_sums is off (lazytrain.grad_norm_as_landed; or reduced only at the step)
         self._square_sums: list[tuple[torch.Tensor, int, float] | None] = [None] * self.num_layers
+        # layer -> (its gradient buffer, the buffer's version) when it was last cleared: the first gradient to
+        # land after, with the version unmoved, is written into it without reading it (landed_sums trusts the
+        # counter as this does)
+        self._cleared_at: list[tuple[torch.Tensor, int] | None] = [None] * self.num_layers
         self.landed_sums = True
 
     def _build(self, blocks: nn.ModuleList, device: torch.device) -> None:
@@ -422,7 +426,15 @@ class LayerWeights:
                 self._note_square_sum(i, self._to_owners.land(i, flat, self.grad[i], scratch, self.landed_sums))
         else:
             with streams.span("host", f"grad add L{i}", bytes=flat.numel() * flat.element_size()):
-                self._note_square_sum(i, add_into(self.grad[i], flat, scratch, square_sum=self.landed_sums))
+                self._note_square_sum(i, add_into(self.grad[i], flat, scratch, square_sum=self.landed_sums,
+                                                  dst_is_zero=self._still_cleared(i)))
+
+    def _still_cleared(self, i: int) -> bool:
+        """Whether layer i's buffer is zero as it was cleared, nothing having written it since as autograd's
+        version counter sees it (trusted as ``landed_sums`` trusts it); the answer is spent: the caller writes."""
+        cleared, self._cleared_at[i] = self._cleared_at[i], None
+        buf = self.grad[i]
+        return self.landed_sums and cleared is not None and cleared[0] is buf and cleared[1] == buf._version
 
     def _note_square_sum(self, i: int, value: float | None) -> None:
         """Layer i's gradient buffer has ``value`` as its sum of squares now (None: not known)."""
@@ -513,6 +525,7 @@ class LayerWeights:
             if not cleared:
                 self.grad[i].zero_()
             self._note_square_sum(i, 0.0)
+            self._cleared_at[i] = (self.grad[i], self.grad[i]._version)
             self.attach_grads(i)
 
 
