@@ -399,14 +399,15 @@ class HybridAdamW(torch.optim.Optimizer):
         raises, some may be cleared.
         """
         params = list(params)
+        if not zero_grads:
+            self._step(groups, params, None, clip_coef, None, grads)
+            return
         given = list(grads.values()) if grads is not None else [p.grad for p in params if p.grad is not None]
-        if zero_grads:
-            _check_disjoint(given)
-        zeroed = self._step(groups, params, None, clip_coef, None, grads, zero_grads)
-        if zero_grads:
-            for g in given:
-                if id(g) not in zeroed:
-                    g.zero_()
+        _check_disjoint(given)
+        zeroed = self._step(groups, params, None, clip_coef, None, grads, zero_grads=True)
+        for g in given:
+            if id(g) not in zeroed:
+                g.zero_()
 
     def snapshot(self) -> List[Dict[str, Any]]:
         """The parameter groups as they are now: each group's parameter list and settings (tensor values
