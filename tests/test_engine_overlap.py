@@ -465,3 +465,32 @@ def test_overlap_config():
         assert opt.defaults["weight_decay"] == 0.0
     with pytest.raises(ConfigError, match="'lazytrain.overlap_optimizer' must be \"auto\", true or false, got 'yes'"):
         lazytrain.initialize(model=copy.deepcopy(model), config=ds_config(overlap_optimizer="yes"))
+
+
+def test_zero_grad_clears_a_gradient_landed_while_the_update_thread_finishes():
+    """A backward that lands into layers whose updates are done, while the update thread is still on its
+    way out (held here after the last layer's flag), is cleared by engine.zero_grad(): a layer whose
+    update is done is zeroed on the calling thread, a pending one by its update."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=overlap_config(True))
+    last = engine.weights.num_layers - 1
+    landed, held = threading.Event(), []
+    on_done = engine.layer_updates._on_done
+
+    def hold_after_last(i):
+        on_done(i)
+        if i == last:
+            held.append(landed.wait(timeout=30))
+    engine.layer_updates._on_done = hold_after_last
+    (x, y), (x2, y2) = batches(2)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.backward(lm_loss(engine(x2), y2))   # every layer's update is done: its flag was set
+    engine.weights.flush_grads()
+    assert engine.layer_updates.running()
+    assert any(g is not None and bool(g.any()) for g in engine.weights.grad)
+    engine.zero_grad()
+    landed.set()
+    engine.wait_for_update()
+    assert held == [True]
+    for i, g in enumerate(engine.weights.grad):
+        assert g is None or not bool(g.any()), i

@@ -1301,9 +1301,12 @@ class LazyTrainEngine(nn.Module):
         self._grads_unusable = False
         self.executor.backward_failure = None   # a backward that failed left nothing behind now
         self.weights.flush_grads(discard=True)   # adds in flight must not land after the zeroing
-        if self.layer_updates is None or not self.layer_updates.running():
-            self.weights.zero_grads()
-        # else the update thread zeroes each layer's gradients once its update is done: no need to wait
+        updates = self.layer_updates
+        for i in range(self.weights.num_layers):
+            # a pending layer's update zeroes its gradients before its flag is set, so it needs no wait;
+            # a done one is zeroed here, a backward that landed after its update included
+            if updates is None or not updates.pending(i):
+                self.weights.zero_layer_grads(i)
         self._zero_non_block_grads()
 
     def _reduce_to_owners(self) -> float:
