@@ -104,3 +104,42 @@ def test_large_host_buffers_are_registered_pinned_memory_that_copies_asynchronou
     gc.collect()
     again = empty_host(numel, dtype)                 # the pages were unregistered and can be registered anew
     assert again.is_pinned()
+
+
+def test_on_a_gpu_an_nvme_read_to_the_device_is_not_overwritten_by_kernels_queued_after_it(tmp_path):
+    """A read into new device memory gets its destination when it is issued, on the caller's stream. Were it
+    allocated when the file read ends (on an I/O thread), it could be the block of a tensor the caller freed
+    meanwhile whose kernels have not run yet: the copy, which follows only what was queued before the
+    read, would land first and those kernels would overwrite it."""
+    tier = NVMeTier("nvme", path=tmp_path)
+    n = 1 << 20
+    data = sample((n,), torch.float32).cpu()
+    tier.write("k", data).wait()
+    try:
+        for _ in range(10):
+            handle = tier.read("k", device="cuda")
+            t = torch.empty(n, device="cuda")   # the size of the read's destination
+            torch.cuda._sleep(50_000_000)        # the kernels queued after the read run late
+            t.fill_(7.0)
+            del t                                # its block is free for this stream before fill_ has run
+            got = handle.wait()
+            assert torch.equal(got.cpu(), data)
+    finally:
+        tier.close()
+
+
+def test_on_a_gpu_a_host_tier_write_from_the_device_waited_for_is_on_the_host():
+    """``write(key, cuda_tensor).wait()`` returns once the bytes are in the host buffer (the host may read them
+    next), also when the copy runs late behind the caller's queued kernels."""
+    host = HostTier()
+    try:
+        for seed in range(5):
+            x = sample((1 << 20,), torch.float32, seed=seed)
+            expected = x.cpu()
+            torch.cuda._sleep(50_000_000)   # the copy follows this on the device
+            host.write("x", x).wait()
+            got = host._store["x"].clone()   # read by the host at once, nothing synchronised in between
+            assert torch.equal(got, expected)
+            host.free("x")
+    finally:
+        host.close()

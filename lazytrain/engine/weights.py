@@ -637,7 +637,7 @@ class _GradientSink:
             try:
                 reduced = None
                 if self._wait_stream is not None:
-                    with torch.cuda.stream(self._wait_stream):
+                    with streams.on_cuda_stream(self._wait_stream):
                         finish()   # on the host, until the sum is made (or the timeout); and this stream waits
                         reduced = torch.cuda.Event()
                         reduced.record(self._wait_stream)   # the owner's copy follows it on the GPU too

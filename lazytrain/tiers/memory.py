@@ -191,7 +191,7 @@ def async_copy(dst: torch.Tensor, src: torch.Tensor, value=None, after=None,
     chaos = streams.settings().chaos
     if chaos is not None:
         chaos.delay_stream(stream)
-    with torch.cuda.stream(stream):
+    with streams.on_cuda_stream(stream):
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
         dst.copy_(src, non_blocking=True)
@@ -325,7 +325,7 @@ class MemoryTier(Tier):
         # a copy on a host copy thread fails when its source changed before it ran: its future takes that
         # to Tier.write's bookkeeping, which gives the key up, so the unfilled buffer is never read as valid
         return TransferHandle(future=handle._future, event=handle._event, keepalive=handle._keepalive,
-                              timing=handle._timing)
+                              host=handle._host, timing=handle._timing)
 
     def _pending(self, key):
         event = self._events.get(key)

@@ -432,7 +432,7 @@ class NVMeTier(Tier):
         def job():
             try:
                 event.synchronize()
-                with torch.cuda.stream(self._kvikio_stream(staged.device)):
+                with streams.on_cuda_stream(self._kvikio_stream(staged.device)):
                     entry.checksums = device_checksums(staged, self.settings.block_size)
                 written = self.kvikio_backend.write(path, staged)
                 if written != nbytes:
@@ -461,8 +461,18 @@ class NVMeTier(Tier):
             raise ValueError(f"tier {self.name!r}: read of {key!r} into a buffer of {tuple(out.shape)} {out.dtype}, "
                              f"but it holds {tuple(entry.shape)} {entry.dtype}")
         target = out.device if out is not None else (device or self.device)
-        issued = None
         follow, ordered_after = streams.ordering()
+        if out is None and target.type == "cuda":
+            # the destination is allocated here, on the caller's stream, and the copy follows what that stream
+            # queued so far: allocated later on an I/O thread it could be a block the caller's kernels freed
+            # after this call and have not run yet, which the copy (or kvikio's DMA) would overwrite under them
+            try:
+                out = torch.empty(entry.shape, dtype=entry.dtype, device=target)
+            except BaseException:
+                self._reader_done(entry)
+                raise
+            follow = True
+        issued = None
         if not follow:   # the caller named what the copy must wait for (the destination's last reader)
             issued = ordered_after
         elif target.type == "cuda":  # the copy into device memory follows what the caller queued so far
@@ -608,8 +618,10 @@ class NVMeTier(Tier):
             issued.synchronize()  # kvikio writes device memory outside any stream: the caller's work first
         if out is not None and out.is_cuda and out.is_contiguous():
             dest = out.view(-1).view(torch.uint8) if entry.nbytes else out
-        else:
-            dest = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+        else:   # a bounce buffer used on the kvikio stream alone: from its pool, where no other stream's
+            # kernels may still use a block handed out again
+            with streams.on_cuda_stream(self._kvikio_stream(device)):
+                dest = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
         try:
             got = self.kvikio_backend.read(entry.path, dest) if entry.nbytes else 0
         except FileNotFoundError as e:
@@ -619,7 +631,7 @@ class NVMeTier(Tier):
         if got != entry.nbytes:
             raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: read "
                                 f"{got} of {entry.nbytes} bytes")
-        with torch.cuda.stream(self._kvikio_stream(device)):  # off the compute stream
+        with streams.on_cuda_stream(self._kvikio_stream(device)):  # off the compute stream
             sums = device_checksums(dest, self.settings.block_size)
             block = self.settings.block_size
             for i, (s, expected) in enumerate(zip(sums, entry.checksums)):

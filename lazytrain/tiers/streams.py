@@ -50,8 +50,18 @@ class Chaos:
         """Queue a random delay on a CUDA stream (a spin kernel), so the copies after it run late."""
         d = self.draw()
         if d > 0:
-            with torch.cuda.stream(stream):
+            with on_cuda_stream(stream):
                 torch.cuda._sleep(int(d * 1.5e9))   # cycles at about 1.5 GHz
+
+
+@contextmanager
+def on_cuda_stream(stream):
+    """``torch.cuda.stream(stream)`` with the stream's device current inside. The stream context alone,
+    entered on a thread whose current device is another GPU (a fresh thread's is GPU 0), restores that
+    device's stream on exit, which makes GPU 0 current and so creates a CUDA context there, in every rank of
+    a node; ``torch.cuda.device`` restores the previous device without creating one."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
 
 
 LINKS = ("h2d", "d2h", "nvme_read", "nvme_write")
