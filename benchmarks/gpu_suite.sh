@@ -15,9 +15,11 @@
 #      at stage 2 their fp32 host masters, the owners sending the updated device copies) bit for bit as
 #      stage 0; an NCCL group of one training bit for bit as one process; stage 2's gradient reduce on the
 #      device (NCCL, a group of one: started from the backward, the owner's copy after it) bit for bit as on
-#      the host;
+#      the host; an NVMe read into new device memory not overwritten by kernels queued after it; a tier
+#      write from the device, once waited for, on the host;
 #   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
-#      sink, a layer gradient's failed copy refused by every step until zero_grad, the optimizer update
+#      sink, a layer gradient's failed copy refused by every step until zero_grad, host boundaries' pinned
+#      buffers back in the host pool every step, the optimizer update
 #      overlapping the next forward, a window of re-run layers prefetched whole
 #      into extra buffers allocated on the compute stream and released after) against plain PyTorch on the
 #      same device, a
@@ -77,7 +79,7 @@ run_within "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --du
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -25
 run_within "${SHARED_TIMEOUT:-165}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
   tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py tests/test_lean_norms.py \
-  tests/test_master_grad_sink.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
+  tests/test_master_grad_sink.py tests/test_tiers_gpu.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 fi
 
 if [[ $ONLY == *2* ]]; then

@@ -174,6 +174,26 @@ def test_keep_all_policy_matches_pytorch(home):
     assert engine.executor.recomputed_layer_forwards == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="on the CPU the host is the device: a boundary's host "
+                    "buffer is the tensor autograd keeps, and leaves the pool whatever the executor does")
+def test_on_a_gpu_host_boundaries_reuse_the_host_pools_buffers_every_step():
+    """The boundaries kept on the host take their pinned buffers from the host tier's pool again in every
+    step after the first: a freed boundary's buffer goes back to the pool. A prefetch's handle keeps a view
+    of the buffer it read; were it dropped after the key, the buffer would leave the pool, be unregistered
+    (a device-wide synchronize in the backward) and be registered again by the next forward."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"),
+                                           config=ds_config(policy="keep_all", boundary_home="host"))
+    pool = engine.tiers["host"].pool
+    misses = []
+    for x, y in batches(4):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        misses.append(pool.misses)
+    engine.wait_for_update()
+    assert misses[0] > 0
+    assert misses[1:] == [misses[0]] * 3, misses
+
+
 def test_plan_file_with_transfer_windows(tmp_path):
     from lazytrain.planner.plan import Plan
     plan = Plan(num_layers=6, homes=("hbm", "recompute", "host", "recompute", "host", "recompute", "hbm"),

@@ -625,8 +625,10 @@ class LayerStreamingExecutor:
             if p.unchained.pop(i, None) is not None:
                 self._drop(p, DEVICE_HOME, key + ".input")
             return
-        self._drop(p, home, key)
+        # the prefetch's handle first: on CUDA it keeps a view of the host buffer it read, and a buffer still
+        # viewed when its key is freed leaves the host pool (unpinned, and pinned again by the next forward)
         p.prefetched.pop(i, None)
+        self._drop(p, home, key)
         if p.held.pop(i, None) is not None:
             self._drop(p, DEVICE_HOME, key + ".held")
 
@@ -728,10 +730,10 @@ class LayerStreamingExecutor:
             for internals in offloaded.values():   # their reads in flight end before their keys go
                 internals.release()
         finally:
+            p.prefetched.clear()   # before the keys go, as in _free_boundary
             _free_owned(self.tiers, p.owned)
             p.held.clear()
             p.cache.clear()
-            p.prefetched.clear()
             p.graphs.clear()
             p.calls.clear()
             p.unchained.clear()
