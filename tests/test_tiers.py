@@ -743,3 +743,19 @@ def test_each_waiters_copy_keeps_an_os_errors_fields_and_notes_and_await_raises_
         asyncio.run(awaited())
     assert e.value is not stored and e.value.errno == errno.ENOSPC
     assert stored.__traceback__ is None   # never raised itself
+
+
+def test_a_copy_into_memory_allocated_inside_issued_after_follows_the_current_stream_again():
+    """streams.following_current undoes an enclosing issued_after for the copies issued inside it, and
+    restores it after."""
+    from lazytrain.tiers import streams
+    marker = object()
+    assert streams.ordering() == (True, None)
+    with streams.issued_after(marker):
+        assert streams.ordering() == (False, marker)
+        with streams.following_current():
+            assert streams.ordering() == (True, None)
+        assert streams.ordering() == (False, marker)
+    with streams.following_current():
+        assert streams.ordering() == (True, None)
+    assert streams.ordering() == (True, None)

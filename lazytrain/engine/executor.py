@@ -815,6 +815,7 @@ class _BlockFunction(torch.autograd.Function):
                 except BaseException:   # noqa: BLE001 - the error raised is the one above
                     pass
             ctx.p.prefetched.clear()
+            handle = None   # the traceback keeps this frame: no view of a host buffer with it
             raise
         return (None, None, None, None, g_hidden, *t_grads)
 

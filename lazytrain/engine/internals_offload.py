@@ -306,6 +306,9 @@ class OffloadedInternals:
                 except Exception:  # noqa: BLE001 - a read backward never used: nobody's failure to report
                     pass
         finally:
+            # no handle left before the keys go: one read to the device keeps a view of its host buffer, which
+            # would then leave the host pool
+            reads = handle = None
             self._values.clear()
             self._pending.clear()
             self._weights_now = None

@@ -359,9 +359,10 @@ class MemoryTier(Tier):
             elif on_host:   # the CPU standing in for a device: a read "to the device" is a copy, as on CUDA
                 handle = async_copy(torch.empty(src.shape, dtype=src.dtype), src, after=after,
                                     direction=self.copy_out, label=key)
-            else:
-                handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after,
-                                    label=key)
+            else:   # a destination allocated now: the copy follows the stream it was allocated on
+                with streams.following_current():
+                    handle = async_copy(torch.empty(src.shape, dtype=src.dtype, device=device), src, after=after,
+                                        label=key)
         finally:
             reading.issued(handle._event if handle is not None else None)
         return handle

@@ -462,22 +462,22 @@ class NVMeTier(Tier):
                              f"but it holds {tuple(entry.shape)} {entry.dtype}")
         target = out.device if out is not None else (device or self.device)
         follow, ordered_after = streams.ordering()
-        if out is None and target.type == "cuda":
-            # the destination is allocated here, on the caller's stream, and the copy follows what that stream
-            # queued so far: allocated later on an I/O thread it could be a block the caller's kernels freed
-            # after this call and have not run yet, which the copy (or kvikio's DMA) would overwrite under them
-            try:
-                out = torch.empty(entry.shape, dtype=entry.dtype, device=target)
-            except BaseException:
-                self._reader_done(entry)
-                raise
-            follow = True
         issued = None
-        if not follow:   # the caller named what the copy must wait for (the destination's last reader)
-            issued = ordered_after
-        elif target.type == "cuda":  # the copy into device memory follows what the caller queued so far
-            issued = torch.cuda.Event()
-            issued.record(torch.cuda.current_stream(target))
+        try:
+            if out is None and target.type == "cuda":
+                # the destination is allocated here, on the caller's stream, and the copy follows what that
+                # stream queued so far: allocated later on an I/O thread it could be a block the caller's kernels
+                # freed after this call and have not run yet, which the copy (or kvikio's DMA) would overwrite
+                out = torch.empty(entry.shape, dtype=entry.dtype, device=target)
+                follow = True
+            if not follow:   # the caller named what the copy must wait for (the destination's last reader)
+                issued = ordered_after
+            elif target.type == "cuda":  # the copy into device memory follows what the caller queued so far
+                issued = torch.cuda.Event()
+                issued.record(torch.cuda.current_stream(target))
+        except BaseException:   # no read was started: the file may go
+            self._reader_done(entry)
+            raise
         result: Future = Future()
         with self._lock:
             self._reads.add(result)
@@ -618,10 +618,13 @@ class NVMeTier(Tier):
             issued.synchronize()  # kvikio writes device memory outside any stream: the caller's work first
         if out is not None and out.is_cuda and out.is_contiguous():
             dest = out.view(-1).view(torch.uint8) if entry.nbytes else out
-        else:   # a bounce buffer used on the kvikio stream alone: from its pool, where no other stream's
-            # kernels may still use a block handed out again
-            with streams.on_cuda_stream(self._kvikio_stream(device)):
+        else:   # a bounce buffer used on the kvikio stream alone, from its pool; kvikio's DMA runs outside any
+            # stream, so the kernels other I/O threads queued there (whose freed temporaries the block may be)
+            # finish first
+            stream = self._kvikio_stream(device)
+            with streams.on_cuda_stream(stream):
                 dest = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+            stream.synchronize()
         try:
             got = self.kvikio_backend.read(entry.path, dest) if entry.nbytes else 0
         except FileNotFoundError as e:

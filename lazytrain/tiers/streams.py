@@ -323,6 +323,20 @@ def issued_after(event):
 _UNSET = object()
 
 
+@contextmanager
+def following_current():
+    """Inside an :func:`issued_after` block, copies issued in this one follow the current stream again: a
+    copy into memory allocated just now, which may be a block the stream's queued kernels still use."""
+    prev = getattr(_order, "after", _UNSET)
+    if prev is not _UNSET:
+        del _order.after
+    try:
+        yield
+    finally:
+        if prev is not _UNSET:
+            _order.after = prev
+
+
 def ordering() -> tuple[bool, object]:
     """(follow the current stream, extra event to wait for) for a copy issued now."""
     after = getattr(_order, "after", _UNSET)
