@@ -8,7 +8,10 @@ training thread plus the time the forward waited for overlapped layer updates. M
 optimizer after backward (``overlap_optimizer: false``); the others overlap it with the next forward.
 
 GPU peak is each system's allocated peak over a training step: plain PyTorch's over its run, LazyTrain's over
-its last step (the engine resets the counter at every step; ``engine.last_step_peak_bytes``). With
+its last step (the engine resets the counter at every step; ``engine.last_step_peak_bytes``). Beside it, for
+a plan the planner made (the MILP's, policy auto's), the device peak its cost model predicted
+(``plan.prediction["peak_bytes"]["hbm"]``): how far the planner's memory model is from what the engine
+allocates on a real GPU. With
 ``--trace DIR`` the last timed step of each LazyTrain row is traced (``engine.trace_next_step``): its
 Chrome/Perfetto JSON goes to DIR, and its summary (per lane: compute, copies, waits by what they waited for,
 the host's gradient adds, the layer updates) is printed under the table, with the update thread's busy time
@@ -143,7 +146,8 @@ def streamed(model, batches, warmup, section, row=""):
     t, optimizer_s = train_timed(engine, batches, warmup, row)
     info = {"optimizer_s": optimizer_s, "cuda_peak": engine.last_step_peak_bytes.get("cuda_allocated"),
             "plan": engine.plan.policy + (" +overlap" if engine.layer_updates is not None else ""),
-            "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers)}
+            "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers),
+            "planned_peak": planned_peak(engine.plan)}
     engine.destroy()
     return t, info
 
@@ -164,9 +168,16 @@ def auto_streamed(model, batches, warmup, steps, seq, row=""):
                                           f"{record.measured_step_s:.3f}s by auto"
                                           if record and record.measured_step_s and record.predicted_step_s else ""),
             "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers),
-            "optimizer_s": optimizer_s, "cuda_peak": engine.last_step_peak_bytes.get("cuda_allocated")}
+            "optimizer_s": optimizer_s, "cuda_peak": engine.last_step_peak_bytes.get("cuda_allocated"),
+            "planned_peak": planned_peak(engine.plan)}
     engine.destroy()
     return t, info
+
+
+def planned_peak(plan) -> float | None:
+    """The device bytes the planner's cost model predicted for ``plan`` at its peak, when it predicted any."""
+    peak = (plan.prediction or {}).get("peak_bytes") or {}
+    return peak.get("hbm")
 
 
 AUTO = {"warmup_steps": 2, "profile_steps": 2, "selective": True, "max_replans": 0}
@@ -233,11 +244,12 @@ def main(argv=None) -> int:
         rows.append((name, t, peak, info))
         gc.collect()
     plain_t = rows[0][1] if rows and rows[0][0].startswith("plain") else None
-    print(f"\n{'system':<32}{'step s':>8}{'tokens/s':>10}{'TFLOPS':>8}{'GPU peak GiB':>13}{'opt s':>7}"
-          f"{'vs plain':>9}  plan")
+    print(f"\n{'system':<32}{'step s':>8}{'tokens/s':>10}{'TFLOPS':>8}{'GPU peak GiB':>13}{'planned GiB':>12}"
+          f"{'opt s':>7}{'vs plain':>9}  plan")
     for name, t, peak, info in rows:
         ratio = f"{t / plain_t:.2f}x" if plain_t else "-"
-        print(f"{name:<32}{t:>8.3f}{tokens / t:>10.0f}{6 * n * tokens / t / 1e12:>8.1f}{peak:>13.1f}"
+        planned = f"{info['planned_peak'] / 2**30:.1f}" if info.get("planned_peak") is not None else "-"
+        print(f"{name:<32}{t:>8.3f}{tokens / t:>10.0f}{6 * n * tokens / t / 1e12:>8.1f}{peak:>13.1f}{planned:>12}"
               f"{info.get('optimizer_s', 0):>7.2f}{ratio:>9}  {info.get('plan', '')} "
               f"{'kept ' + str(info['kept']) + ' resident ' + str(info['resident']) if info else ''}")
     if TRACES:

@@ -29,9 +29,10 @@
 #      benchmarks/host_add.py (the gradient sinks' host add, torch's pieces against the compiled pass, on the
 #      GPU machine's cores) and benchmarks/update_clear.py (a layer's update clearing its gradient as it reads
 #      it, against a zero_ pass after);
-#   4. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama, and policy auto's
-#      predicted vs measured step), each LazyTrain row's last step traced (summaries printed: where the time
-#      over plain PyTorch's goes; the Chrome traces in $OUT/traces).
+#   4. benchmarks/engine_gpu.py (plain PyTorch vs LazyTrain Plans on a ~1B Llama, policy auto's predicted vs
+#      measured step, and the device peak the planner predicted beside the one measured), each LazyTrain row's
+#      last step traced (summaries printed: where the time over plain PyTorch's goes; the Chrome traces in
+#      $OUT/traces).
 # usage: bash benchmarks/gpu_suite.sh      env: OUT (default lazytrain-out) receives the logs; ONLY (default
 # 1234) runs those sections only; BUDGET (default 540) caps the whole run in seconds: each section's timeout is
 # cut to what is left of it and a section with under 30 s left is skipped, saying so. One device call runs at
