@@ -952,6 +952,34 @@ def test_dropout_masks_are_replayed_in_recompute(family, k, graph):
     assert max_rel_diff(engine.module, ref) < RTOL
 
 
+@pytest.mark.parametrize("first, then", [("train", "eval"), ("eval", "train")])
+def test_a_re_run_block_keeps_the_mode_of_its_forward_when_the_model_switches_before_backward(first, then):
+    """A forward in one mode, then model.train()/eval(), then its backward: the blocks re-run in backward run
+    dropout as their forward did (autograd's recorded graph would), so the gradients are plain PyTorch's
+    (within 1e-5), and the model is left in the mode it was switched to."""
+    from lazytrain.utils import safe_get_full_grad
+    model = make_hf_model("gpt2", dropout=0.2)
+    model.config.use_cache = False
+    x, y = batches(1)[0]
+    ref = copy.deepcopy(model).to(AUTO_DEVICE)
+    getattr(ref, first)()
+    torch.manual_seed(5)
+    loss = lm_loss(ref(x.to(AUTO_DEVICE)), y.to(AUTO_DEVICE))
+    getattr(ref, then)()
+    loss.backward()
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2,
+                                                                         blocks="transformer.h"))
+    getattr(engine, first)()
+    torch.manual_seed(5)
+    out = engine(x)
+    getattr(engine, then)()
+    engine.backward(lm_loss(out, y))
+    worst = max(((safe_get_full_grad(p).cpu() - q.grad.cpu()).norm() / q.grad.norm()).item()
+                for p, q in zip(engine.module.parameters(), ref.parameters()) if q.grad is not None)
+    assert worst < 1e-5
+    assert all(m.training == (then == "train") for m in engine.module.modules())
+
+
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 def test_module_load_state_dict_reaches_masters_and_compute_copies(bf16):
     """model.load_state_dict(...) called by the user after initialize: the next forward computes with

@@ -61,6 +61,7 @@ class _LayerCall:
     tensor_idx: list[int]           # which leaves are tensors
     rng: tuple | None = None        # (CPU, CUDA) generator states before the block's forward (training)
     autocast: tuple = ()            # (device type, dtype, enabled) of torch.autocast at the call
+    modes: tuple = ()               # each of the block's modules' ``training`` flag at the call
     held: dict = field(default_factory=dict)   # leaf index -> what a list/dict/mapping argument held at the call
     pass_id: int | None = None      # the training pass it belongs to (its spans say so: a profile counts the
                                     # forwards that were differentiated, not an evaluation's under grad)
@@ -103,6 +104,25 @@ def _replayed_autocast(call: _LayerCall):
             stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled,
                                                cache_enabled=False))
         yield
+
+
+@contextmanager
+def _replayed_modes(block: nn.Module, call: _LayerCall):
+    """Re-run a block in the train/eval mode its forward ran in (dropout on or off), whatever the model's mode
+    is when backward runs (``model.eval()`` between a forward and its backward), as autograd's recorded graph
+    would differentiate it; the modes are put back after."""
+    modules = list(block.modules())
+    if len(modules) != len(call.modes):   # the block changed its modules since: nothing to replay
+        yield
+        return
+    now = [m.training for m in modules]
+    try:
+        for m, mode in zip(modules, call.modes):
+            m.training = mode
+        yield
+    finally:
+        for m, mode in zip(modules, now):
+            m.training = mode
 
 
 @contextmanager
@@ -299,6 +319,7 @@ class LayerStreamingExecutor:
         with streams.compute_span(f"{kind} L{layer}", self.device, **pass_arg) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
                 _buffers_kept(block) if replay else nullcontext(), \
+                _replayed_modes(block, call) if replay else nullcontext(), \
                 _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
             if saved is not None:
@@ -330,7 +351,8 @@ class LayerStreamingExecutor:
         # later blocks); tuples and tensors are taken apart so that tensors become inputs of the block
         leaves, spec = tree_flatten((rest, kwargs), is_leaf=lambda v: v is not kwargs and isinstance(v, (list, dict)))
         call = _LayerCall(spec, leaves, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)],
-                          autocast=_autocast_state(self.device))
+                          autocast=_autocast_state(self.device),
+                          modes=tuple(m.training for m in self.blocks[layer].modules()))
         if not torch.is_grad_enabled():
             return self._run_inference(layer, hidden, call)
         return self._run_training(layer, hidden, call)
