@@ -125,3 +125,35 @@ def test_engine_backward_takes_a_one_element_loss_as_deepspeed_does():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     with pytest.raises(ValueError, match="engine.backward\\(loss\\) needs a scalar loss tensor"):
         engine_for(model).backward(torch.ones(2, requires_grad=True))
+
+
+def test_a_model_returning_its_hidden_states_beside_the_logits_divides_every_path_once():
+    """The model also returns the hidden state its logits come from: a direct backward of a loss on the
+    logits divides the head's gradient too (a hook on the hidden state alone would miss it) and nothing
+    twice, so the gradients are engine.backward's."""
+    from engine_models import ModuleListLM
+
+    class TwoOutputs(ModuleListLM):
+        def forward(self, ids):
+            h = self.emb(ids)
+            for block in self.stack:
+                h = block(h)
+            return self.head(self.extra[0](h)), h
+
+    torch.manual_seed(0)
+    model, data = TwoOutputs(), batches(4)
+    a = train(engine_for(model), data, lambda e, x, y: e.backward(lm_loss(e(x)[0], y)))
+    b = train(engine_for(model), data, lambda e, x, y: lm_loss(e(x)[0], y).backward())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("extra", [{"output_hidden_states": True}, {"output_attentions": True,
+                                                                     "output_hidden_states": True}])
+def test_a_hugging_face_loss_with_hidden_states_or_attentions_returned_backpropagates_directly(extra):
+    model = make_hf_model("llama")
+    if "output_attentions" in extra:
+        model.config._attn_implementation = "eager"   # the attention weights are returned by the eager path only
+    data = batches(4)
+    a = train(engine_for(model), data, lambda e, x, y: e.backward(e(x, labels=y, **extra).loss))
+    b = train(engine_for(model), data, lambda e, x, y: e(x, labels=y, **extra).loss.backward())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

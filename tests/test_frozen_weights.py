@@ -313,6 +313,29 @@ def test_a_parameter_frozen_at_initialize_that_requires_grad_later_is_refused_by
     engine.destroy()
 
 
+def test_a_block_parameter_frozen_after_initialize_is_refused_by_name(tmp_path):
+    """Freezing a streamed block's trained parameter after initialize() (it would go on getting gradients and
+    updates) makes the step raise before it updates anything; trainable again, training goes on."""
+    model = make_model("llama")
+    engine = engine_of(model, config(tmp_path))
+    train(engine, batches(1))
+    which = "model.layers.2.mlp.up_proj.weight"
+    param = dict(model.named_parameters())[which]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    param.requires_grad_(False)
+    x, y = batches(1, seed=3)[0]
+    engine.backward(lm_loss(engine(x), y))
+    with pytest.raises(RuntimeError, match=rf"^lazytrain: parameter '{which}' of a streamed block trained when "
+                                           r"initialize\(\) ran and is frozen now \(requires_grad False\)"):
+        engine.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    param.requires_grad_(True)
+    engine.zero_grad()
+    train(engine, batches(1, seed=4))
+    assert not torch.equal(param, before[which])
+    engine.destroy()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: a model given in a GPU's memory")
 def test_a_model_given_on_a_gpu_gets_its_frozen_weights_back_there_after_a_failed_set_up(tmp_path):
     """Frozen weights given in a GPU's memory are not held there through set-up (the engine's copies replace

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..config import ConfigError, EngineConfig, OptimizerConfig
 from ..data.loader import EpochDataLoader, EpochTrackingSampler, is_dataset
@@ -745,21 +745,30 @@ class LazyTrainEngine(nn.Module):
         else:
             out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
-            self._scale_direct_backward(out)
+            out = self._scale_direct_backward(out)
         return out
 
-    def _scale_direct_backward(self, out) -> None:
+    def _scale_direct_backward(self, out):
         """DeepSpeed 0.19's PyTorch-compatible backward: ``loss.backward()`` or ``output.backward(grad)`` on
-        what the engine returned gives what ``engine.backward(loss)`` gives. A hook on each output tensor
-        divides the gradient reaching it by the accumulation steps, unless ``engine.backward`` already
-        divided the loss; a forward of the wrapped module called directly gets no hook (DeepSpeed's rule).
-        In fp16 a direct backward is refused, as DeepSpeed does: the loss must be scaled first."""
+        what the engine returned gives what ``engine.backward(loss)`` gives. Each output tensor is returned as
+        an alias of itself (a view) whose hook divides the gradient entering the model through it by the
+        accumulation steps, unless ``engine.backward`` already divided the loss. The hook is on the alias, not
+        on the model's own tensor, so a gradient is divided once where it enters: not again where the model
+        used that tensor inside (its hidden states, which its logits come from), and every path from the loss
+        is divided (the head's too, when the loss uses the logits). A forward of the wrapped module called
+        directly gets no hook (DeepSpeed's rule). In fp16 a direct backward is refused, as DeepSpeed does: the
+        loss must be scaled first."""
         gas = self.gradient_accumulation_steps()
         if gas == 1 and self.loss_scaler is None:
-            return
-        outputs = [t for t in _output_tensors(out) if t.requires_grad and t.grad_fn is not None]
-        for t in _upstream_outputs(outputs):
-            t.register_hook(self._direct_backward_hook)
+            return out
+
+        def scaled(t: torch.Tensor) -> torch.Tensor:
+            if not (t.requires_grad and t.grad_fn is not None):
+                return t
+            alias = t.view_as(t)
+            alias.register_hook(self._direct_backward_hook)
+            return alias
+        return _map_output_tensors(out, scaled)
 
     def _direct_backward_hook(self, grad):
         if self._engine_backward_depth:
@@ -829,17 +838,26 @@ class LazyTrainEngine(nn.Module):
     def _refuse_unfrozen(self) -> None:
         """A parameter frozen when initialize() ran has no fp32 master, gradient buffer or optimizer state (and a
         block's gets no gradient): one that requires grad now would train wrongly or not at all, so the step is
-        refused before it updates anything."""
+        refused before it updates anything. So is a streamed block's parameter frozen after initialize(): the
+        blocks' autograd views were made from what trained then, so it would go on getting gradients and
+        updates."""
         w = self.weights
+        names = {id(p): n for n, p in self.module.named_parameters()}
         frozen = [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains) if not t]
         unfrozen = [p for p in frozen if p.requires_grad] + self.frozen_non_block.unfrozen()
         if unfrozen:
-            names = {id(p): n for n, p in self.module.named_parameters()}
             raise RuntimeError(f"lazytrain: parameter {names.get(id(unfrozen[0]), '?')!r} was frozen (requires_grad "
                                f"False) when initialize() ran and requires grad now: LazyTrain keeps a frozen "
                                f"parameter without fp32 weights, gradients or optimizer state, as DeepSpeed does, so "
                                f"it cannot start training after initialize(). Set requires_grad before initialize(), "
                                f"or freeze it again")
+        newly_frozen = [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains)
+                        if t and not p.requires_grad]
+        if newly_frozen:
+            raise RuntimeError(f"lazytrain: parameter {names.get(id(newly_frozen[0]), '?')!r} of a streamed block "
+                               f"trained when initialize() ran and is frozen now (requires_grad False): the streamed "
+                               f"blocks compute gradients for what trained at initialize(), so it would go on "
+                               f"being updated. Freeze parameters before initialize(), or set requires_grad back")
 
     def _check_lr_kwargs(self, lr_kwargs: dict | None) -> None:
         """Arguments the schedule's step() does not take are refused before the update, not after it (where
@@ -2496,28 +2514,26 @@ def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list
     return handles
 
 
-def _upstream_outputs(outputs: list[torch.Tensor], max_nodes: int = 100_000) -> list[torch.Tensor]:
-    """The outputs no other output is computed from. A gradient reaching the model through an output
-    computed from another (a Hugging Face loss from its logits) passes through that other output too, so
-    a hook on both would divide it twice; hooks on these alone divide every path once."""
-    if len(outputs) < 2:
-        return outputs
-    nodes = {t.grad_fn for t in outputs}
-    keep = []
-    for t in outputs:
-        others = nodes - {t.grad_fn}
-        seen, stack, downstream = set(), [fn for fn, _ in t.grad_fn.next_functions if fn is not None], False
-        while stack and len(seen) < max_nodes:
-            fn = stack.pop()
-            if fn in others:
-                downstream = True
-                break
-            if fn not in seen:
-                seen.add(fn)
-                stack.extend(f for f, _ in fn.next_functions if f is not None)
-        if not downstream:
-            keep.append(t)
-    return keep
+def _map_output_tensors(out, fn):
+    """``out`` with each tensor ``t`` in it replaced by ``fn(t)``: in tuples, lists, dicts and Hugging Face
+    outputs (pytree, rebuilt), and in the fields of a plain dataclass (set in place; pytree takes it for one
+    leaf), as :func:`_output_tensors` finds them."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type) and not isinstance(out, (dict, tuple, list)):
+        for f in dataclasses.fields(out):
+            value = getattr(out, f.name)
+            mapped = _map_output_tensors(value, fn)
+            if mapped is not value:
+                object.__setattr__(out, f.name, mapped)   # a frozen dataclass's too: the object is the model's new output
+        return out
+    leaves, spec = tree_flatten(out)
+    if len(leaves) == 1 and leaves[0] is out:
+        return out   # not a container pytree knows
+    mapped = [_map_output_tensors(leaf, fn) for leaf in leaves]
+    if all(m is leaf for m, leaf in zip(mapped, leaves)):
+        return out
+    return tree_unflatten(mapped, spec)
 
 
 def _takes_use_cache(model: nn.Module) -> bool:
