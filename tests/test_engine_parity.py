@@ -440,6 +440,115 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 
+def grouped_engine(model, order, groups_of=None, **section):
+    """An engine whose optimizer has two groups (decay for matrices, none for vectors), each listing the
+    model's parameters in ``order`` ("model" or "reversed", as a script building them from a set may), or
+    grouped by ``groups_of(name) -> 0 or 1``."""
+    named = list(model.named_parameters())
+    if order == "reversed":
+        named = named[::-1]
+    groups_of = groups_of or (lambda n: 0 if dict(model.named_parameters())[n].dim() >= 2 else 1)
+    groups = [{"params": [p for n, p in named if groups_of(n) == k], "weight_decay": wd}
+              for k, wd in ((0, 0.1), (1, 0.0))]
+    return lazytrain.initialize(model=model, model_parameters=groups, config=ds_config(**section))[0]
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "AdamW8bit"])
+def test_a_resume_with_the_parameters_listed_in_another_order_takes_each_ones_state_by_name(tmp_path, optimizer):
+    """The checkpoint names the parameter at each position of the optimizer's groups: a script listing the
+    same groups' parameters in another order resumes bit for bit as the uninterrupted run (by position,
+    every parameter would get another's moments)."""
+    section = {"checkpoint_interval": 2, **({"hybrid_threshold": 64} if optimizer == "AdamW8bit" else {})}
+    data = batches(4)
+
+    def run(order, steps, load=False):
+        engine = grouped_engine(make_model("llama"), order, **section)
+        if optimizer == "AdamW8bit":
+            assert type(engine.optimizer).__name__ == "HybridAdamW"
+        if load:
+            engine.load_checkpoint(str(tmp_path))
+        for x, y in steps:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        engine.wait_for_update()
+        return engine
+    if optimizer == "AdamW8bit":
+        section["_top"] = {"optimizer": {"type": "AdamW8bit", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    run("model", data[:2]).save_checkpoint(str(tmp_path))
+    whole = run("model", data).module_state_dict()
+    resumed = run("reversed", data[2:], load=True).module_state_dict()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_resume_whose_groups_hold_other_parameters_is_refused_by_name(tmp_path):
+    """A matrix and a norm's weight swapped between the groups (the groups' sizes unchanged): their states
+    cannot move without their groups' settings (weight decay), so the load is refused, naming them, before
+    anything is written."""
+    saved = grouped_engine(make_model("llama"), "model", checkpoint_interval=2)
+    x, y = batches(1)[0]
+    saved.backward(lm_loss(saved(x), y))
+    saved.step()
+    saved.save_checkpoint(str(tmp_path))
+    matrix, vector = "model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"
+    model = make_model("llama")
+    dims = {n: p.dim() for n, p in model.named_parameters()}
+    engine = grouped_engine(model, "model", checkpoint_interval=2,
+                            groups_of=lambda n: 1 if n == matrix else 0 if n == vector else int(dims[n] < 2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(lazytrain.CheckpointMismatchError,
+                       match=rf"holds optimizer state for a group 0 of other parameters than this engine's group 0 "
+                             rf"\('{vector}', '{matrix}' in one of them only\): load it with "
+                             rf"load_optimizer_states=False"):
+        engine.load_checkpoint(str(tmp_path))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert engine.global_steps == 0
+
+
+class _Counter(torch.nn.Module):
+    """A module whose extra state is a dict, not a tensor (torch allows any picklable object)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def forward(self, x):
+        self.count += 1
+        return x
+
+    def get_extra_state(self):
+        return {"count": self.count}
+
+    def set_extra_state(self, state):
+        self.count = state["count"]
+
+
+@pytest.mark.parametrize("top", [{}, {"bf16": {"enabled": True}}, {"zero_optimization": {"stage": 3}}],
+                         ids=["fp32", "bf16", "stage3"])
+def test_a_module_extra_state_that_is_not_a_tensor_is_saved_and_loaded(tmp_path, top):
+    class CountingLM(ModuleListLM):
+        def __init__(self):
+            super().__init__()
+            self.counter = _Counter()
+
+        def forward(self, ids):
+            return super().forward(self.counter(ids))
+
+    def engine_of():
+        torch.manual_seed(0)
+        return lazytrain.initialize(model=CountingLM(), config=ds_config(checkpoint_interval=2, _top=top))[0]
+    engine = engine_of()
+    for x, y in batches(3):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.module_state_dict()["counter._extra_state"] == {"count": 3}
+    engine.save_16bit_model(str(tmp_path / "hf"), "model.bin")
+    assert torch.load(tmp_path / "hf" / "model.bin", weights_only=False)["counter._extra_state"] == {"count": 3}
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = engine_of()
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.module.counter.count == 3
+
+
 @pytest.mark.parametrize("saved_mid_accumulation", [False, True], ids=["at-a-step", "mid-accumulation"])
 def test_a_resumed_run_accumulates_a_whole_batch_at_its_own_accumulation(tmp_path, saved_mid_accumulation):
     """Saved by a run accumulating 1 (or 2, after half a batch: those gradients are not in the checkpoint),

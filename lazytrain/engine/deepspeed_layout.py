@@ -486,7 +486,9 @@ class Writer:
         outside = {id(p) for p in self._outside_groups()} if self.x.sharded else set()
         for name, t in self.x.module_state.items():
             source = self.first_names.get(name)   # None: a buffer
-            if self.stage == 3 and source is not None:   # DeepSpeed's partitioned parameters leave placeholders
+            if not isinstance(t, torch.Tensor):   # a module's extra state that is not a tensor: as it is
+                out[name] = t
+            elif self.stage == 3 and source is not None:   # DeepSpeed's partitioned parameters leave placeholders
                 out[name] = torch.empty(0, dtype=self.dtype if t.is_floating_point() else t.dtype)
             elif source in self.covered:
                 out[name] = self._lowp(t)

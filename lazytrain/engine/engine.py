@@ -7,6 +7,7 @@ counters and accumulation-boundary semantics.
 from __future__ import annotations
 
 import contextlib
+import copy as _copy_module
 import dataclasses
 import functools
 import inspect
@@ -1635,6 +1636,9 @@ class LazyTrainEngine(nn.Module):
         # names it once; its other name would be written at stage 3 as a placeholder no file fills)
         frozen = {id(p) for p in self.module.parameters() if not p.requires_grad} if exclude_frozen_parameters else set()
         for name, t in self.module.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor):   # a module's extra state may be any picklable object
+                out[name] = _copy_module.deepcopy(t) if copy else t
+                continue
             if id(t) in frozen:
                 continue
             src = masters.get(id(t), t)
@@ -1958,7 +1962,9 @@ class LazyTrainEngine(nn.Module):
                     by_name = lambda: self._optimizer_state_from(state.moments, directory,  # noqa: E731
                                                                  state.group_settings)
                 else:
-                    optimizer = self._own_optimizer_state(own, state.moments, path, self._owned_names())
+                    optimizer = self._in_this_optimizers_order(
+                        self._own_optimizer_state(own, state.moments, path, self._owned_names()),
+                        own["optimizer_names"], f"checkpoint tag {tag!r} in {load_dir}")
             schedule, scale = state.lr_scheduler, own.get("loss_scaler")
             apply = lambda by_name_state: self._load_own(  # noqa: E731
                 path, own, state, module, optimizer, by_name_state, load_module_strict, load_module_only,
@@ -2105,7 +2111,8 @@ class LazyTrainEngine(nn.Module):
     def _check_optimizer_state_fits(self, sd: dict | None, where: str) -> None:
         """An optimizer state of other parameter groups (another model's, or a head tied here and not there)
         is refused before anything is written, naming the groups' sizes; so is one HybridAdamW cannot run
-        (an AMSGrad or maximizing optimizer's)."""
+        (an AMSGrad or maximizing optimizer's), and a moment whose size is not its parameter's (torch's
+        optimizers, fused ones on a device above all, would run on it)."""
         if sd is None or self.optimizer is None or not isinstance(sd.get("param_groups"), list):
             return
         self._refuse_settings_hybrid_cannot_run(sd["param_groups"], where)
@@ -2120,6 +2127,47 @@ class LazyTrainEngine(nn.Module):
                 f"has groups of {here} (another model's, other trainable parameters, or an embedding and head tied "
                 f"in one and not the other): load it with load_optimizer_states=False to take the weights alone; "
                 f"nothing was loaded")
+        saved_state = sd.get("state") or {}
+        ids = [i for g in sd["param_groups"] for i in g.get("params", ())]
+        for p, i in zip((p for g in groups for p in g["params"]), ids):
+            for key, v in (saved_state.get(i) or {}).items():
+                if key in _PARAM_SHAPED_STATE and isinstance(v, torch.Tensor) and v.numel() != p.numel():
+                    raise ckpt.CheckpointMismatchError(
+                        f"{where} holds a {key!r} of {v.numel()} elements for the optimizer's parameter "
+                        f"{self._param_names.get(id(p), '?')!r}, which has {p.numel()} (the parameters listed in "
+                        f"another order, or another model's): load it with load_optimizer_states=False to take the "
+                        f"weights alone; nothing was loaded")
+
+    def _in_this_optimizers_order(self, sd: dict, saved_names: list, where: str) -> dict:
+        """LazyTrain's checkpoint names the parameter at each position of its optimizer's groups: a script that
+        lists the same parameters in another order (groups built from a set of names, whose order changes from
+        run to run) gets each one's state by name. A group that holds other parameters than the checkpoint's
+        group at its position is refused: its settings (weight decay, say) would go to other parameters."""
+        groups = self._all_whole_groups() if self.shards is not None else getattr(self.optimizer, "param_groups", None)
+        if groups is None or not isinstance(sd.get("param_groups"), list):
+            return sd
+        here = [[self._param_names.get(id(p)) for p in g["params"]] for g in groups]
+        if [len(g) for g in here] != [len(g.get("params", ())) for g in sd["param_groups"]] or \
+                len(saved_names) != sum(len(g) for g in here):
+            return sd   # refused by _check_optimizer_state_fits, naming the sizes
+        names = iter(saved_names)
+        reordered = []
+        for k, (group, names_here) in enumerate(zip(sd["param_groups"], here)):
+            ids = list(group["params"])
+            names_there = [next(names) for _ in ids]
+            if names_there == names_here:
+                reordered.append(group)
+                continue
+            unnamed = None in names_here or None in names_there
+            if unnamed or sorted(names_here) != sorted(names_there) or len(set(names_here)) != len(names_here):
+                differ = sorted(set(names_here) ^ set(names_there), key=str)
+                raise ckpt.CheckpointMismatchError(
+                    f"{where} holds optimizer state for a group {k} of other parameters than this engine's group "
+                    f"{k}" + (f" ({', '.join(map(repr, differ[:3]))} in one of them only)" if differ else "") +
+                    ": load it with load_optimizer_states=False to take the weights alone; nothing was loaded")
+            saved_id = dict(zip(names_there, ids))
+            reordered.append({**group, "params": [saved_id[n] for n in names_here]})
+        return {**sd, "param_groups": reordered}
 
     def _load_lazytrain(self, path: str, model_state: dict, optim_state: dict | None, strict: bool,
                         module_only: bool, load_scheduler: bool, custom_load_fn):
@@ -2365,6 +2413,9 @@ class LazyTrainEngine(nn.Module):
         cast: dict[int, torch.Tensor] = {}
         out = {}
         for k, v in state.items():
+            if not isinstance(v, torch.Tensor):   # a module's extra state that is not a tensor: as it is
+                out[k] = v
+                continue
             key = tensor_of[k] if share_tied else k
             if key not in cast:
                 cast[key] = v.to(dtype, copy=True) if v.is_floating_point() else v.clone()
@@ -2512,6 +2563,12 @@ def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list
                     state[prefix + name] = v.to(dtype, copy=True)
         handles.append(module.register_state_dict_post_hook(cast))
     return handles
+
+
+# the per-parameter states of torch's optimizers that have their parameter's size (Adam's, SGD's, RMSprop's,
+# Adagrad's): a saved one of another size is refused before torch's load takes it
+_PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                                 "acc_delta", "sum"})
 
 
 def _map_output_tensors(out, fn):
