@@ -275,6 +275,7 @@ class FP16Config:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
+    auto_cast: bool = False             # the forward's floating-point positional inputs cast to fp16 (DeepSpeed's)
 
 
 @dataclass(frozen=True)
@@ -677,7 +678,8 @@ def _parse_fp16(section) -> FP16Config:
         loss_scale_window=_number(section, "loss_scale_window", 1000, "fp16", integer=True, minimum=1, text=True),
         hysteresis=_number(section, "hysteresis", 2, "fp16", integer=True, minimum=1, text=True),
         consecutive_hysteresis=_flag(section, "consecutive_hysteresis", False, "fp16"),
-        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0, text=True)))
+        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0, text=True)),
+        auto_cast=_flag(section, "auto_cast", False, "fp16"))
 
 
 def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadConfig:

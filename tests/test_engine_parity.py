@@ -2424,3 +2424,24 @@ def test_destroy_hands_a_client_optimizer_back_without_the_engines_attributes():
     engine.destroy()
     assert not {"zero_grad", "add_param_group", "overflow", "loss_scale", "cur_scale"} & set(vars(optimizer))
     assert optimizer.zero_grad == own_zero_grad
+
+
+@pytest.mark.parametrize("auto_cast", [True, False])
+def test_fp16_auto_cast_casts_the_forwards_floating_point_inputs_as_deepspeed_does(auto_cast):
+    """fp16.auto_cast: the positional floating-point inputs reach the model in fp16 (integer ones as they are,
+    keywords as they are, as DeepSpeed casts them); off, as given."""
+    seen = {}
+
+    class EmbedsLM(ModuleListLM):
+        def forward(self, embeds, ids, scale=None):
+            seen.update(embeds=embeds.dtype, ids=ids.dtype, scale=scale.dtype)
+            return super().forward(ids) + embeds.sum() * 0
+
+    torch.manual_seed(0)
+    engine = lazytrain.initialize(model=EmbedsLM(), config=ds_config(
+        _top={"fp16": {"enabled": True, "auto_cast": auto_cast, "initial_scale_power": 8}}))[0]
+    x, y = batches(1)[0]
+    out = engine(torch.randn(2, 3), x, scale=torch.ones(1))
+    engine.backward(lm_loss(out, y))
+    engine.step()
+    assert seen == {"embeds": torch.float16 if auto_cast else torch.float32, "ids": x.dtype, "scale": torch.float32}

@@ -726,6 +726,8 @@ class LazyTrainEngine(nn.Module):
                     self._seq_len = max(self._seq_len or 0, n)
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
+        if self._config.fp16.enabled and self._config.fp16.auto_cast:
+            inputs = _cast_half(inputs)   # DeepSpeed's fp16.auto_cast: the positional inputs, not the keywords
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
             kwargs["use_cache"] = False   # a training forward fills no KV cache, as under gradient checkpointing
         if torch.is_grad_enabled():
@@ -2569,6 +2571,18 @@ def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list
 # Adagrad's): a saved one of another size is refused before torch's load takes it
 _PARAM_SHAPED_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
                                  "acc_delta", "sum"})
+
+
+def _cast_half(x):
+    """Every floating-point tensor in ``x`` (tuples, lists, dicts) in fp16, as DeepSpeed's fp16.auto_cast casts
+    a forward's inputs."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_half(v) for v in x) if not hasattr(x, "_fields") else type(x)(*(_cast_half(v) for v in x))
+    if isinstance(x, dict):
+        return {k: _cast_half(v) for k, v in x.items()}
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.half()
+    return x
 
 
 def _map_output_tensors(out, fn):
