@@ -692,6 +692,17 @@ def test_a_bad_parameter_of_a_torch_optimizer_is_named_with_its_section():
         _one_step_with({"type": "RMSprop", "params": {"lr": 0.1, "betas": [0.9, 0.99]}})
 
 
+@pytest.mark.parametrize("params, says", [
+    ({"lr": -0.1}, r"config 'optimizer.params' for AdamW: Invalid learning rate: -0.1"),
+    ({"lr": 0.1, "eps": -1}, r"config 'optimizer.params' for AdamW: Invalid epsilon value: -1"),
+    ({"lr": 0.1, "betas": [0.9]}, r"config 'optimizer.params.betas' must be two numbers, got \[0.9\]"),
+])
+def test_a_bad_parameter_of_torchs_adamw_is_named_with_its_section(params, says):
+    with pytest.raises(ConfigError, match=says):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={   # no streamed blocks: torch's AdamW
+            "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": params}})
+
+
 _HYBRID_PARAMS = r"config 'optimizer.params' for AdamW8bit \(or a parameter group passed to initialize\): "
 
 

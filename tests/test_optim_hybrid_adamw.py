@@ -824,3 +824,83 @@ def test_the_native_kernel_is_never_given_a_state_of_another_size():
                                                r"torch\.\S+, (not )?contiguous, on cpu: the host kernel needs "
                                                r"torch\.float32, contiguous, in host memory$"):
             opt.step()
+
+
+def test_a_checkpoints_8bit_block_size_outside_the_kernels_range_is_refused_at_load():
+    """The host kernel holds one block's moments in buffers of the largest block size (16384): a state whose
+    block size is larger is refused by load_state_dict, naming it, and the optimizer keeps its own state."""
+    p = torch.nn.Parameter(torch.randn(256, 256) * 0.02)
+    opt = HybridAdamW([p], lr=1e-3, optimizer_states="8bit", min_8bit_size=64)
+    p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    sd = opt.state_dict()
+    state = sd["state"][0]
+    big = 65536
+    state["block_size"] = big
+    state["absmax1"] = state["absmax1"][:1].clone()   # as many blocks as that size makes: the sizes agree
+    state["absmax2"] = state["absmax2"][:1].clone()
+    fresh = HybridAdamW([p], lr=1e-3, optimizer_states="8bit", min_8bit_size=64)
+    with pytest.raises(ValueError, match=r"^checkpoint state of parameter 0: block_size must be a multiple of 32 in "
+                                         r"\[32, 16384\], got 65536$"):
+        fresh.load_state_dict(sd)
+    assert not fresh.state
+
+
+def test_loading_an_8bit_state_never_casts_its_codes_to_the_parameters_dtype(monkeypatch):
+    """torch's Optimizer.load_state_dict casts every state tensor to its parameter's dtype (8-bit codes to
+    fp32: four times their bytes, all at once, during a resume); HybridAdamW builds its states from the
+    checkpoint's instead, so torch's load casts nothing. The loaded state is the saved one, bit for bit."""
+    p = torch.nn.Parameter(torch.randn(128, 64) * 0.02)
+    opt = HybridAdamW([p], lr=1e-3, optimizer_states="8bit", min_8bit_size=64)
+    p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    sd = opt.state_dict()
+    cast = []
+    policy = torch.optim.Optimizer._process_value_according_to_param_policy
+
+    def counted(param, value, param_id, param_groups, key=None):
+        cast.append(key)
+        return policy(param, value, param_id, param_groups, key)
+    monkeypatch.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", staticmethod(counted))
+    fresh = HybridAdamW([p], lr=1e-3, optimizer_states="8bit", min_8bit_size=64)
+    fresh.load_state_dict(sd)
+    assert cast == []
+    for key, v in opt.state[p].items():
+        w = fresh.state[p][key]
+        assert (torch.equal(v, w) and v.dtype == w.dtype) if isinstance(v, torch.Tensor) else v == w, key
+
+
+@pytest.mark.parametrize("given", ["object-bf16", "callable-fp32"])
+def test_an_optimizer_given_to_initialize_keeps_choosing_states_by_the_models_parameter_names(given):
+    """A HybridAdamW passed to initialize (an object re-pointed at the fp32 masters in bf16, or a callable the
+    engine hands the groups): its fp32_name_patterns still see the model's names, so the embedding and head
+    they name keep fp32 moments where their size alone would give them 8-bit ones."""
+    import lazytrain
+    from engine_models import batches, lm_loss, make_model
+    model = make_model("modulelist")
+    options = dict(lr=1e-3, min_8bit_size=64, fp32_name_patterns=(r"emb", r"head"))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": float("inf")}
+    if given == "object-bf16":
+        cfg["bf16"] = {"enabled": True}
+        optimizer = HybridAdamW(model.named_parameters(), **options)
+    else:
+        optimizer = lambda params: HybridAdamW(params, **options)   # noqa: E731
+    engine, opt, _, _ = lazytrain.initialize(model=model, optimizer=optimizer, config=cfg,
+                                             model_parameters=model.named_parameters())
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.wait_for_update()
+    kinds = {r["name"]: r["states"] for r in opt.state_report()}
+    assert kinds["emb.weight"] == kinds["head.weight"] == "fp32"
+    assert kinds["extra.0.weight"] == "8bit"
+
+
+def test_add_param_group_takes_named_parameters_as_the_constructor_does():
+    a, b = torch.nn.Parameter(torch.zeros(128)), torch.nn.Parameter(torch.zeros(128))
+    opt = HybridAdamW([a], lr=1e-3, min_8bit_size=64, fp32_name_patterns=(r"bias",))
+    opt.add_param_group({"params": [("layer.bias", b)], "lr": 1e-2})
+    assert opt.param_groups[1]["params"] == [b] and opt.param_name(b) == "layer.bias"
+    a.grad, b.grad = torch.ones(128), torch.ones(128)
+    opt.step()
+    assert {r["name"]: r["states"] for r in opt.state_report()}["layer.bias"] == "fp32"

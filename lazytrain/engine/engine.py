@@ -257,6 +257,8 @@ class LazyTrainEngine(nn.Module):
             groups = param_groups(model_parameters, model, remap) if not isinstance(optimizer, torch.optim.Optimizer) \
                 else []
             self.optimizer = client_optimizer(optimizer, groups, remap)
+            if hasattr(self.optimizer, "name_parameters"):   # a HybridAdamW: its patterns see the model's names
+                self.optimizer.name_parameters(names)
             if self.dist.enabled and config.zero_stage >= 1:
                 warnings.warn(f"lazytrain: zero_optimization.stage {config.zero_stage} shards the optimizer state "
                               f"of an optimizer built from the config; the one passed to initialize updates "

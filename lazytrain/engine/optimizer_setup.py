@@ -84,7 +84,7 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
             raise ConfigError("config 'optimizer.params.bias_correction' = false is not supported by LazyTrain's "
                               "host optimizer")
         if "betas" in params:
-            params["betas"] = tuple(params["betas"])
+            params["betas"] = _betas(params["betas"])
         amsgrad = bool(params.get("amsgrad", False))
         if cfg.lazytrain.optimizer_states == "8bit" and amsgrad:
             raise ConfigError("config 'optimizer.params.amsgrad' = true is not supported with "
@@ -93,11 +93,14 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
             params.pop("amsgrad", None)
             return _hybrid(groups, params, adam_w_mode, cfg, named)
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
-        return cls(groups, fused=_fused_ok(groups), **params)
+        try:
+            return cls(groups, fused=_fused_ok(groups), **params)
+        except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
+            raise ConfigError(f"config 'optimizer.params' for {typ}: {e}") from None
     if lower in _HYBRID_TYPES:
         adam_w_mode = bool(params.pop("adam_w_mode", True))   # false: Adam with L2 decay, as DeepSpeed's key says
         if "betas" in params:
-            params["betas"] = tuple(params["betas"])
+            params["betas"] = _betas(params["betas"])
         return _hybrid(groups, params, adam_w_mode, cfg, named)
     if lower in _DEEPSPEED_OWN:
         raise ConfigError(f"config 'optimizer.type' {typ!r} is DeepSpeed's {_DEEPSPEED_OWN[lower]}, which LazyTrain "
@@ -115,6 +118,17 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         return cls(groups, **params)
     except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
         raise ConfigError(f"config 'optimizer.params' for {typ}: {e}") from None
+
+
+def _betas(value) -> tuple:
+    """Adam's two betas, refused by name when they are not two numbers (torch would index past them)."""
+    try:
+        betas = tuple(value)
+    except TypeError:
+        betas = ()
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
+        raise ConfigError(f"config 'optimizer.params.betas' must be two numbers, got {value!r}")
+    return betas
 
 
 def _torch_optimizer(name: str):

@@ -172,6 +172,13 @@ class HybridAdamW(torch.optim.Optimizer):
     def param_name(self, p: torch.Tensor) -> Optional[str]:
         return self._names.get(id(p))
 
+    def name_parameters(self, names: Mapping[int, str]) -> None:
+        """Names (``id(param) -> name``) for parameters this optimizer was given without one: a caller that
+        re-points it at other tensors (an engine's fp32 masters) names them, so that ``fp32_name_patterns``
+        still choose their states. A name already known is kept."""
+        for key, name in names.items():
+            self._names.setdefault(key, name)
+
     def _choose(self, p: torch.Tensor, group: Dict[str, Any]) -> Tuple[str, str]:
         """(kind, reason) for a parameter under the current rules."""
         return choose_states(p, self.param_name(p), group["optimizer_states"], group["min_8bit_size"], self._fp32_re)
@@ -243,6 +250,11 @@ class HybridAdamW(torch.optim.Optimizer):
         if isinstance(param_group, dict):   # checked before it joins (torch reports other malformations)
             params = param_group.get("params", [])
             params = [params] if isinstance(params, torch.Tensor) else list(params)
+            named = [x for x in params if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)]
+            if named:   # (name, tensor) pairs, as the constructor takes them
+                self.name_parameters({id(t): n for n, t in named})
+                params = [x[1] if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) else x
+                          for x in params]
             param_group["params"] = params      # a generator is read once (torch lists it the same way)
             _check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
@@ -270,7 +282,9 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def _load_checked(self, state_dict: Dict[str, Any], saved_state: Dict, saved_groups: list,
                       layouts: list) -> None:
-        super().load_state_dict(state_dict)
+        # the groups through torch's load, the states built below from the checkpoint's: torch's load would cast
+        # every state tensor to its parameter's dtype first (the 8-bit codes to fp32, 4x their bytes at once)
+        super().load_state_dict({**state_dict, "state": {}})
         for group, layout in zip(self.param_groups, layouts):
             group.update(layout)
             for key, value in self.defaults.items():   # a checkpoint from torch's Adam(W) lacks HybridAdamW's keys
@@ -289,6 +303,11 @@ class HybridAdamW(torch.optim.Optimizer):
                                  f"fp32 (exp_avg/exp_avg_sq) moments (keys {sorted(src)}); was it saved by HybridAdamW?")
             if kind == "8bit":
                 bs = int(src["block_size"])
+                try:
+                    _check_block(bs)   # the kernel holds a block's moments in buffers of the largest size
+                except ValueError as e:
+                    raise ValueError(f"checkpoint state of parameter {idx}: {e}") from None
+                st["block_size"] = bs
                 nb = num_blocks(p.numel(), bs)
                 for key in ("state1", "state2"):
                     t = src[key]
