@@ -1535,6 +1535,43 @@ def test_model_gradient_checkpointing_is_turned_off_for_streamed_blocks(kind, gr
     assert all(m.gradient_checkpointing for m in flagged)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_turned_on_after_initialize_is_turned_off_again(reentrant):
+    """A script's gradient_checkpointing_enable() after initialize() sets the blocks' flags again: the next
+    training forward turns them off (with the warning), so the blocks are not re-run twice (or, reentrant,
+    differentiated the wrong way), training matches plain PyTorch, and destroy() turns them back on."""
+    model = make_model("llama")
+    data = batches(3)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    assert flagged
+    with pytest.warns(UserWarning, match="gradient checkpointing is off for the streamed blocks"):
+        for x, y in data:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    engine.wait_for_update()
+    assert not any(m.gradient_checkpointing for m in flagged)
+    assert max_rel_diff(engine.module, ref) < RTOL
+    engine.destroy()
+    assert all(m.gradient_checkpointing for m in flagged)
+
+
+def test_a_model_whose_use_cache_is_turned_on_after_initialize_gets_no_kv_cache_in_a_training_forward():
+    """use_cache off at initialize, on again later (for an evaluation callback): a training forward still
+    asks the model for no KV cache."""
+    model = make_hf_model("llama")
+    model.config.use_cache = False
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    engine.module.config.use_cache = True
+    x, y = batches(1)[0]
+    out = engine(x.to(engine.device))
+    assert out.past_key_values is None
+    engine.backward(lm_loss(out, y))
+    engine.step()
+
+
 def test_weight_shared_by_two_blocks_is_refused():
     """Each block streams from its own buffers; a weight in two blocks would train one stale copy."""
     from lazytrain.engine.blocks import BlockDiscoveryError

@@ -340,10 +340,10 @@ class LazyTrainEngine(nn.Module):
         self._collate_fn = collate_fn
         self._warned_iterable = False
         self.training_dataloader = self._build_dataloader(training_data, collate_fn)
-        # a transformers model with use_cache on would hand every block a KV cache to fill in training
+        # a transformers model with use_cache on would hand every block a KV cache to fill in training; asked
+        # for none whatever its config says now (a script sets use_cache back on for an evaluation callback)
         self._warned_attentions = False
-        self._drops_kv_cache = bool(getattr(getattr(model, "config", None), "use_cache", False)) and \
-            _takes_use_cache(model)
+        self._drops_kv_cache = _takes_use_cache(model)
 
         # counters (DeepSpeed's names)
         self.global_steps = 0
@@ -713,6 +713,7 @@ class LazyTrainEngine(nn.Module):
             self._trace_path, self._trace_request = self._trace_request, None
         self._refuse_if_inconsistent("a forward" if not torch.is_grad_enabled() else "a training forward")
         if torch.is_grad_enabled():
+            self._keep_layer_checkpointing_off()
             if self._step_began is None:
                 self._step_began = time.perf_counter()
             # policy auto plans for the sequences it sees (other policies need no sequence length)
@@ -752,6 +753,13 @@ class LazyTrainEngine(nn.Module):
         if torch.is_grad_enabled():
             out = self._scale_direct_backward(out)
         return out
+
+    def _keep_layer_checkpointing_off(self) -> None:
+        """The model's gradient checkpointing turned on after initialize() (a script's
+        ``gradient_checkpointing_enable()``) is off again for the streamed blocks, as at set-up: the executor
+        re-runs them itself, and the reentrant kind cannot be differentiated the executor's way."""
+        changed = turn_off_layer_checkpointing(self.module, self.blocks_path, self.executor.blocks)
+        self._checkpointing_turned_off += [m for m in changed if all(m is not k for k in self._checkpointing_turned_off)]
 
     def _scale_direct_backward(self, out):
         """DeepSpeed 0.19's PyTorch-compatible backward: ``loss.backward()`` or ``output.backward(grad)`` on
