@@ -2,6 +2,7 @@
 forward waits for each layer's update only when it needs that layer. Results are bit-identical to the
 serial step, and everything that reads weights, gradients or optimizer state waits first."""
 import copy
+import os
 import threading
 import time
 
@@ -350,6 +351,35 @@ def test_a_failed_update_is_raised_until_a_checkpoint_is_loaded(tmp_path):
     engine.destroy()
     model.state_dict()   # no hook of the engine left behind
     assert not any(h for m in model.modules() for h in m._state_dict_pre_hooks.values())
+
+
+@pytest.mark.parametrize("home", ["host", "nvme"])
+def test_destroy_after_a_failed_update_hands_the_model_back_and_frees_the_tiers(home, tmp_path):
+    """A failed overlapped update is raised by every wait, but destroy() (the script's way out, or its
+    clean-up) still hands the model back and closes the tiers: the NVMe run directory goes."""
+    section = {"weights_home": home}
+    if home == "nvme":
+        section["nvme_path"] = str(tmp_path)
+    model = make_model("llama")
+    engine, _, _, _ = lazytrain.initialize(model=model, config=overlap_config(True, **section))
+    (x, y), (x2, y2) = batches(2)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.wait_for_update()
+    update = engine.optimizer.update
+
+    def fail(params, **kwargs):
+        raise RuntimeError("host out of memory")
+    engine.optimizer.update = fail
+    engine.backward(lm_loss(engine(x2), y2))
+    engine.step()
+    with pytest.raises(OverlappedUpdateError):
+        engine(x2)
+    engine.optimizer.update = update
+    engine.destroy()
+    assert not any(name.startswith("lazytrain-run-") for name in os.listdir(tmp_path))
+    model(x2)   # the model's own forward: no engine in the way any more
+    assert not any(h for m in model.modules() for h in m._forward_pre_hooks.values())
 
 
 def test_checkpoint_of_a_serial_run_loads_into_an_overlapped_one(tmp_path):

@@ -1,6 +1,7 @@
 """The NVMe tier: round trips, concurrency, budgets, checksums and injected faults."""
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -616,3 +617,47 @@ def test_a_run_directory_left_under_its_staging_name_is_removed_once_old(tmp_pat
     t = NVMeTier(path=tmp_path)   # a process killed while making its run directory left the old two
     t.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lazytrain-new-3-c", ".lazytrain-new-4-d"]
+
+
+def test_a_left_over_directory_another_starting_process_removed_first_is_skipped(tmp_path, monkeypatch):
+    """Ranks of a node restarted together sweep one nvme_path at once: a left-over directory another one removed
+    (its lock file with it) between this one's open of the lock and its flock is skipped, and start-up goes on."""
+    import fcntl
+    from lazytrain.tiers import nvme
+    code = ("import os, sys, torch; from lazytrain.tiers import NVMeTier; t = NVMeTier(path=sys.argv[1]); "
+            "t.write('x', torch.ones(2048)).wait(); print(t.run_dir, flush=True); os._exit(0)")  # no clean-up
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    left = done.stdout.strip()
+    flock = fcntl.flock
+
+    def other_process_got_there_first(fd, op):
+        shutil.rmtree(left)   # the other process: locked, removed the directory, closed its fd
+        monkeypatch.setattr(fcntl, "flock", flock)
+        return flock(fd, op)
+    monkeypatch.setattr(fcntl, "flock", other_process_got_there_first)
+    assert nvme.remove_stale_run_dirs(str(tmp_path)) == []
+    assert nvme._remove_dir(left) == (left, 0)   # gone already: no error
+    t = NVMeTier(path=tmp_path)
+    t.close()
+
+
+def test_a_forked_child_never_removes_its_parents_run_directory(tmp_path):
+    """A child forked after the tier started inherits the object, not the files: its exit (atexit) or its
+    collection of the tier closes nothing of the parent's."""
+    t = NVMeTier(path=tmp_path)
+    try:
+        t.write("x", torch.arange(4096.0)).wait()
+        pid = os.fork()
+        if pid == 0:   # the child: what its atexit and garbage collection do
+            try:
+                t.close()
+                del t
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.path.isdir(t.run_dir)
+        assert torch.equal(t.read("x").wait(), torch.arange(4096.0))
+    finally:
+        t.close()
+    assert not os.path.exists(t.run_dir)

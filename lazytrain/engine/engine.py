@@ -2449,8 +2449,12 @@ class LazyTrainEngine(nn.Module):
     def _own_weights_again(self) -> None:
         """Before the model is handed back: block parameters in memory of this rank's own, in fp32 (the
         node-shared memory is the other ranks' too, and in sharded bf16/fp16 the layers other ranks own have
-        no fp32 weights here: they are gathered, so every rank must call ``destroy``)."""
-        self.wait_for_update()
+        no fp32 weights here: they are gathered, so every rank must call ``destroy``). After a failed overlapped
+        update the model is handed back all the same, as the layers hold it (partly updated, as the error said)."""
+        if self.layer_updates is not None:
+            self.layer_updates.settle()   # finished, whatever its outcome: destroy hands the model back anyway
+        else:
+            self.wait_for_update()
         if self.partitioned is not None:
             self.partitioned.unpartition()   # every non-block parameter and master whole here again
         w = self.weights

@@ -216,6 +216,7 @@ class NVMeTier(Tier):
         self.root = os.path.abspath(os.fspath(path))
         self.run_dir: str | None = None
         self._closed = False
+        self._pid = os.getpid()   # a forked child inherits this object, not the run directory
         self._entries: dict[str, _Entry] = {}
         self._reads: set[Future] = set()   # reads issued and not delivered: close() waits for them
         self._seq = 0
@@ -233,7 +234,12 @@ class NVMeTier(Tier):
         except BaseException:
             self._remove_run_dir()
             raise
-        for stale, nbytes in remove_stale_run_dirs(self.root):
+        try:   # left-overs of ended processes: a failure here is theirs, never this tier's start-up
+            stale_dirs = remove_stale_run_dirs(self.root)
+        except OSError as e:
+            stale_dirs = []
+            log.warning("tier %r: could not sweep %s for run directories of ended processes: %s", name, self.root, e)
+        for stale, nbytes in stale_dirs:
             log.warning("tier %r: removed %s (%s) left by a process that ended without closing its NVMe tier",
                         name, stale, format_bytes(nbytes))
         # Host staging slabs and read results, pinned where CUDA exists; at most 1 GiB kept idle.
@@ -535,20 +541,26 @@ class NVMeTier(Tier):
         # the caller gave no buffer). Else read into a staging slab and copy: each request copies its own
         # range into a contiguous CPU buffer; other buffers (CUDA, strided) get one copy at the end.
         slab = scatter = None
-        landing = _in_place(out, entry.nbytes, entry.file_bytes) if out is not None else None
-        if landing is not None:
-            value = out
-        elif out is None and target.type == "cpu":
-            dest = self.pool.lend(entry.file_bytes)
-            landing = _Landing(_as_bytes(dest), entry.file_bytes)
-            value = dest[:entry.nbytes].view(entry.dtype).view(entry.shape)
-        else:
-            slab = self.pool.acquire(max(entry.file_bytes, 1))
-            landing = _Landing(_as_bytes(slab[:entry.file_bytes]), entry.file_bytes)
-            value = None
-            if out is not None and out.device.type == "cpu" and out.is_contiguous():
-                scatter = (_byte_view(out), slab)
+        try:
+            landing = _in_place(out, entry.nbytes, entry.file_bytes) if out is not None else None
+            if landing is not None:
                 value = out
+            elif out is None and target.type == "cpu":
+                dest = self.pool.lend(entry.file_bytes)
+                landing = _Landing(_as_bytes(dest), entry.file_bytes)
+                value = dest[:entry.nbytes].view(entry.dtype).view(entry.shape)
+            else:
+                slab = self.pool.acquire(max(entry.file_bytes, 1))
+                landing = _Landing(_as_bytes(slab[:entry.file_bytes]), entry.file_bytes)
+                value = None
+                if out is not None and out.device.type == "cpu" and out.is_contiguous():
+                    scatter = (_byte_view(out), slab)
+                    value = out
+        except BaseException:   # no memory to land in: the file goes back closed
+            self.backend.close(fd)
+            if slab is not None:
+                self.pool.release(slab, exclusive=True)
+            raise
 
         def finish(error):
             try:
@@ -706,10 +718,14 @@ class NVMeTier(Tier):
         return self._entries[key].path
 
     def close(self) -> None:
-        """Wait for I/O in flight, then remove the run directory. Safe to call twice."""
+        """Wait for I/O in flight, then remove the run directory. Safe to call twice. In a forked child (its
+        atexit, or the object collected there) the tier is only marked closed: the files are the parent's."""
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            _LIVE_TIERS.discard(self)
+            return
         for entry in list(self._entries.values()):
             if entry.written is not None:
                 try:
@@ -814,6 +830,11 @@ def remove_stale_run_dirs(root: str) -> list[tuple[str, int]]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # held: its tier is alive
+            try:   # another process starting beside this one may have removed the directory meanwhile (its
+                if os.fstat(fd).st_ino != os.stat(os.path.join(path, _OWNER_LOCK)).st_ino:   # lock file too)
+                    continue
+            except OSError:
+                continue
             removed.append(_remove_dir(path))
         finally:
             os.close(fd)
@@ -821,13 +842,17 @@ def remove_stale_run_dirs(root: str) -> list[tuple[str, int]]:
 
 
 def _remove_dir(path: str) -> tuple[str, int]:
-    """Remove a left-over run directory: (its path, the bytes its files held)."""
+    """Remove a left-over run directory: (its path, the bytes its files held). One already gone (removed by
+    another process sweeping the same path) frees nothing and is no error."""
     nbytes = 0
-    for entry in os.scandir(path):
-        try:
-            nbytes += entry.stat(follow_symlinks=False).st_size
-        except OSError:
-            pass
+    try:
+        for entry in os.scandir(path):
+            try:
+                nbytes += entry.stat(follow_symlinks=False).st_size
+            except OSError:
+                pass
+    except OSError:
+        pass
     shutil.rmtree(path, ignore_errors=True)
     return path, nbytes
 
