@@ -759,3 +759,22 @@ def test_a_copy_into_memory_allocated_inside_issued_after_follows_the_current_st
     with streams.following_current():
         assert streams.ordering() == (True, None)
     assert streams.ordering() == (True, None)
+
+
+def test_the_host_pool_keeps_idle_no_more_than_the_tier_held_at_its_peak():
+    """Buffers of sizes that vary from step to step (sequence lengths): with no capacity set, the pool keeps
+    idle at most what the tier held at its peak since the last reset, not a slab of every size ever seen."""
+    host = HostTier()
+    g = torch.Generator().manual_seed(0)
+    for step in range(60):
+        host.reset_peak()
+        keys = [f"b{k}" for k in range(4)]
+        for key in keys:
+            n = int(torch.randint(25_000, 1_000_000, (1,), generator=g))
+            host.write(key, torch.ones(n)).wait()
+        for key in keys:
+            host.read(key).wait()
+            host.free(key)
+        assert host.used_bytes == 0
+        assert host.pool.cached_bytes <= host.peak_bytes, step
+    host.close()

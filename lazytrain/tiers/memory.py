@@ -425,9 +425,13 @@ class HostTier(MemoryTier):
             self._return_slab(slab, [] if event is None else [event])
 
     def _return_slab(self, slab, events: list) -> None:
-        """Back to the pool, once the copies still running on it (``events``) have ended, never before."""
+        """Back to the pool, once the copies still running on it (``events``) have ended, never before. The
+        pool keeps idle at most what the tier held at its peak (since the engine's last reset, a step): with
+        no capacity set nothing else bounds it, and sizes that vary (sequence lengths) would leave an idle
+        slab of every size class ever seen, pinned on a GPU machine."""
         if not events:
             self.pool.release(slab)
+            self.pool.trim_idle_to(self.peak_bytes)
         else:
             with self._lock:
                 self._draining.append((slab, events))
@@ -447,6 +451,7 @@ class HostTier(MemoryTier):
                 else:
                     keep.append((slab, events))
             self._draining = keep
+        self.pool.trim_idle_to(self.peak_bytes)
 
     def _free(self, key):
         events = self._in_flight(key)

@@ -144,6 +144,12 @@ class SlabPool:
             if self.limit_bytes is not None and self.reserved_bytes > self.limit_bytes:
                 self._trim_locked(self.reserved_bytes - self.limit_bytes)
 
+    def trim_idle_to(self, nbytes: int) -> None:
+        """Drop idle slabs (the largest first) until at most ``nbytes`` are kept idle."""
+        with self._lock:
+            if self.cached_bytes > nbytes:
+                self._trim_locked(self.cached_bytes - nbytes)
+
     def trim(self) -> None:
         """Drop every idle slab, and stop tracking lent ones (they are freed with their last user)."""
         with self._lock:
