@@ -616,6 +616,14 @@ def _patterns(section: dict) -> tuple[str, ...] | None:
     return tuple(patterns)
 
 
+def _seq_len(section: dict) -> int | None:
+    value = section.get("seq_len")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"config key 'lazytrain.seq_len' must be a whole number of tokens >= 1 (or absent: policy "
+                          f"\"auto\" takes the longest batch it sees), got {value!r}")
+    return value
+
+
 def _loss_chunk_tokens(section: dict) -> int:
     value = section.get("loss_chunk_tokens", 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -861,11 +869,11 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         raise ConfigError(f"config key 'lazytrain.weights_home' must be \"host\", \"nvme\" or \"hbm\", "
                           f"got {weights_home!r}")
     last_graph = section.get("last_segment_graph", "auto")
-    if last_graph not in ("auto", True, False):
+    if not (last_graph == "auto" or isinstance(last_graph, bool)):   # 0 and 1 too are refused: read with `is`
         raise ConfigError(f"config key 'lazytrain.last_segment_graph' must be \"auto\", true or false, "
                           f"got {last_graph!r}")
     overlap = section.get("overlap_optimizer", "auto")
-    if overlap not in ("auto", True, False):
+    if not (overlap == "auto" or isinstance(overlap, bool)):
         raise ConfigError(f"config key 'lazytrain.overlap_optimizer' must be \"auto\", true or false, got {overlap!r}")
     non_block = section.get("non_block_state", "auto")
     if non_block not in ("auto", "host", "device"):
@@ -912,6 +920,6 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         quant_block_size=_quant_block_size(section),
         fp32_state_patterns=_patterns(section),
         milp_time_limit=float(_number(section, "milp_time_limit", 30.0, "lazytrain", above=0)), nvme_path=nvme_path,
-        seq_len=section.get("seq_len"), hardware=str(section.get("hardware", "auto")),
+        seq_len=_seq_len(section), hardware=str(section.get("hardware", "auto")),
         collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
         non_block_state=non_block, lean_norms=lean, gradient_reduce=reduce_at, grad_norm_as_landed=as_landed)

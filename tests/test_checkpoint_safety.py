@@ -132,6 +132,23 @@ def test_a_tag_with_a_file_missing_is_refused_by_name(tmp_path):
         ckpt.load(str(tmp_path), "t", want_optimizer=True)
 
 
+def test_a_save_never_replaces_a_directory_of_the_users_that_is_not_a_checkpoint(tmp_path):
+    """A save replaces its tag's directory whole: where that directory holds what no save writes (a user's
+    own files), the save is refused before it writes anything, and the files stay; a tag saved before is
+    replaced as always."""
+    own = tmp_path / "final"
+    own.mkdir()
+    (own / "thesis.txt").write_text("precious")
+    with pytest.raises(ckpt.CheckpointError, match=rf"saving checkpoint tag 'final' to {tmp_path}: {own} exists and "
+                                                   r"is not a checkpoint .*nothing was saved"):
+        ckpt.save(str(tmp_path), "final", files_of(1), True)
+    assert (own / "thesis.txt").read_text() == "precious"
+    assert sorted(os.listdir(tmp_path)) == ["final"]
+    ckpt.save(str(tmp_path), "t", files_of(1), True)
+    ckpt.save(str(tmp_path), "t", files_of(2), True)   # a checkpoint's own directory: replaced
+    assert loaded_step(tmp_path, "t") == 2
+
+
 def test_a_save_that_never_completed_is_refused_and_never_half_loaded(tmp_path):
     staging = tmp_path / ".t.staging"
     staging.mkdir(parents=True)

@@ -774,3 +774,18 @@ def test_hybrid_adamw_settings_given_as_optimizer_params_are_named_with_where_th
                                           "here: set 'lazytrain.optimizer_states' instead"):
         lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
             "train_batch_size": 2, "optimizer": {"type": "HybridAdamW", "params": {"optimizer_states": "8bit"}}})
+
+
+@pytest.mark.parametrize("key, value", [("overlap_optimizer", 1), ("overlap_optimizer", 0), ("overlap_optimizer", 0.0),
+                                        ("last_segment_graph", 1), ("last_segment_graph", 0)])
+def test_switches_read_as_true_or_false_refuse_numbers(key, value):
+    """The engine reads these switches as true, false or "auto": a 1 would pass a membership test (1 == True)
+    and then count as off; it is refused by name."""
+    with pytest.raises(ConfigError, match=rf"config key 'lazytrain.{key}' must be \"auto\", true or false"):
+        parse_config({"train_batch_size": 2, "lazytrain": {key: value}})
+
+
+@pytest.mark.parametrize("value", ["16", True, -3, 0, 2.5])
+def test_seq_len_must_be_a_whole_number_of_tokens(value):
+    with pytest.raises(ConfigError, match=r"config key 'lazytrain.seq_len' must be a whole number of tokens >= 1"):
+        parse_config({"train_batch_size": 2, "lazytrain": {"seq_len": value}})

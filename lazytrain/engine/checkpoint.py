@@ -109,6 +109,13 @@ def begin(save_dir: str, tag: str, need: int) -> str:
         os.makedirs(save_dir)
         _fsync_dir(os.path.dirname(os.path.abspath(save_dir)))   # the new directory's own entry
     settle_leftovers(save_dir)
+    final = os.path.join(save_dir, tag)
+    if os.path.lexists(final) and not (os.path.isdir(final) and not os.path.islink(final) and
+                                       _a_saves_directory(final)):
+        raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {final} exists and is not a "
+                              f"checkpoint (it holds what a save does not write): a save replaces its tag's "
+                              f"directory whole, so nothing was saved. Choose another tag or save directory, or "
+                              f"move it away")
     free = shutil.disk_usage(save_dir).free
     if need > free:
         raise CheckpointSpaceError(_space_message(save_dir, tag, need, free))
