@@ -778,3 +778,20 @@ def test_the_host_pool_keeps_idle_no_more_than_the_tier_held_at_its_peak():
         assert host.used_bytes == 0
         assert host.pool.cached_bytes <= host.peak_bytes, step
     host.close()
+
+
+def test_the_host_pools_idle_bound_keeps_a_steps_buffers_for_the_next_step():
+    """The idle bound applies as buffers are freed, not as they are taken: after the engine's reset of the peak
+    (a step's end) the next step's writes of the same sizes all come from the pool."""
+    host = HostTier()
+    misses = []
+    for step in range(4):
+        for k in range(4):
+            host.write(f"b{k}", torch.ones(100_000)).wait()
+        for k in range(4):
+            host.read(f"b{k}").wait()
+            host.free(f"b{k}")
+        host.reset_peak()
+        misses.append(host.pool.misses)
+    assert misses == [4, 4, 4, 4]
+    host.close()

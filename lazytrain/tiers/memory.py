@@ -451,7 +451,6 @@ class HostTier(MemoryTier):
                 else:
                     keep.append((slab, events))
             self._draining = keep
-        self.pool.trim_idle_to(self.peak_bytes)
 
     def _free(self, key):
         events = self._in_flight(key)
