@@ -855,22 +855,22 @@ class LazyTrainEngine(nn.Module):
         blocks' autograd views were made from what trained then, so it would go on getting gradients and
         updates."""
         w = self.weights
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        frozen = [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains) if not t]
-        unfrozen = [p for p in frozen if p.requires_grad] + self.frozen_non_block.unfrozen()
+        block_params = [(p, t) for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains)]
+        unfrozen = [p for p, t in block_params if not t and p.requires_grad] + self.frozen_non_block.unfrozen()
+        newly_frozen = [p for p, t in block_params if t and not p.requires_grad]
+        if not unfrozen and not newly_frozen:
+            return
+        names = {id(p): n for n, p in self.module.named_parameters()}   # for the error alone
         if unfrozen:
             raise RuntimeError(f"lazytrain: parameter {names.get(id(unfrozen[0]), '?')!r} was frozen (requires_grad "
                                f"False) when initialize() ran and requires grad now: LazyTrain keeps a frozen "
                                f"parameter without fp32 weights, gradients or optimizer state, as DeepSpeed does, so "
                                f"it cannot start training after initialize(). Set requires_grad before initialize(), "
                                f"or freeze it again")
-        newly_frozen = [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains)
-                        if t and not p.requires_grad]
-        if newly_frozen:
-            raise RuntimeError(f"lazytrain: parameter {names.get(id(newly_frozen[0]), '?')!r} of a streamed block "
-                               f"trained when initialize() ran and is frozen now (requires_grad False): the streamed "
-                               f"blocks compute gradients for what trained at initialize(), so it would go on "
-                               f"being updated. Freeze parameters before initialize(), or set requires_grad back")
+        raise RuntimeError(f"lazytrain: parameter {names.get(id(newly_frozen[0]), '?')!r} of a streamed block "
+                           f"trained when initialize() ran and is frozen now (requires_grad False): the streamed "
+                           f"blocks compute gradients for what trained at initialize(), so it would go on "
+                           f"being updated. Freeze parameters before initialize(), or set requires_grad back")
 
     def _check_lr_kwargs(self, lr_kwargs: dict | None) -> None:
         """Arguments the schedule's step() does not take are refused before the update, not after it (where
@@ -2128,7 +2128,7 @@ class LazyTrainEngine(nn.Module):
         if sd is None or self.optimizer is None or not isinstance(sd.get("param_groups"), list):
             return
         self._refuse_settings_hybrid_cannot_run(sd["param_groups"], where)
-        groups = self._all_whole_groups() if self.shards is not None else getattr(self.optimizer, "param_groups", None)
+        groups = self._comparable_groups()
         if groups is None:
             return
         here = [len(g["params"]) for g in groups]
@@ -2155,7 +2155,7 @@ class LazyTrainEngine(nn.Module):
         lists the same parameters in another order (groups built from a set of names, whose order changes from
         run to run) gets each one's state by name. A group that holds other parameters than the checkpoint's
         group at its position is refused: its settings (weight decay, say) would go to other parameters."""
-        groups = self._all_whole_groups() if self.shards is not None else getattr(self.optimizer, "param_groups", None)
+        groups = self._comparable_groups()
         if groups is None or not isinstance(sd.get("param_groups"), list):
             return sd
         here = [[self._param_names.get(id(p)) for p in g["params"]] for g in groups]
@@ -2314,6 +2314,11 @@ class LazyTrainEngine(nn.Module):
                               f"optimizer state sharded (zero_optimization.stage >= 1) only tensors outside the "
                               f"blocks may be added later: pass the block parameters to initialize, or use stage 0")
 
+    def _comparable_groups(self) -> list[dict] | None:
+        """The optimizer's groups as a checkpoint's are laid out (sharded: whole); None for an optimizer
+        without groups."""
+        return self._all_whole_groups() if self.shards is not None else getattr(self.optimizer, "param_groups", None)
+
     def _all_whole_groups(self) -> list[dict]:
         """Sharded: the groups the optimizer was built with, whole, then any the script added since."""
         return self._whole_groups + self.optimizer.param_groups[len(self._whole_groups):]
@@ -2453,8 +2458,6 @@ class LazyTrainEngine(nn.Module):
         update the model is handed back all the same, as the layers hold it (partly updated, as the error said)."""
         if self.layer_updates is not None:
             self.layer_updates.settle()   # finished, whatever its outcome: destroy hands the model back anyway
-        else:
-            self.wait_for_update()
         if self.partitioned is not None:
             self.partitioned.unpartition()   # every non-block parameter and master whole here again
         w = self.weights
@@ -2495,24 +2498,6 @@ def _trainable_shares(model: nn.Module, blocks: nn.ModuleList) -> dict[str, floa
 def _holds_8bit_moments(optimizer_state: dict) -> bool:
     """A saved HybridAdamW state with 8-bit blockwise moments (codes and absmax, not exp_avg)."""
     return any("state1" in st for st in optimizer_state.get("state", {}).values())
-
-
-def _output_tensors(out) -> list[torch.Tensor]:
-    """The tensors in a model's output: in tuples, lists, dicts and Hugging Face outputs (pytree), and in the
-    fields of a plain dataclass, which pytree takes for one leaf."""
-    found, todo = [], [out]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, torch.Tensor):
-            found.append(x)
-        elif dataclasses.is_dataclass(x) and not isinstance(x, type) and not isinstance(x, (dict, tuple, list)):
-            todo.extend(getattr(x, f.name) for f in dataclasses.fields(x))
-        else:
-            leaves, _ = tree_flatten(x)
-            if len(leaves) == 1 and leaves[0] is x:
-                continue   # not a container pytree knows
-            todo.extend(leaves)
-    return found
 
 
 # torch schedulers whose load_state_dict reads a key apart from the rest (a KeyError half-way through a load)
@@ -2602,7 +2587,7 @@ def _cast_half(x):
 def _map_output_tensors(out, fn):
     """``out`` with each tensor ``t`` in it replaced by ``fn(t)``: in tuples, lists, dicts and Hugging Face
     outputs (pytree, rebuilt), and in the fields of a plain dataclass (set in place; pytree takes it for one
-    leaf), as :func:`_output_tensors` finds them."""
+    leaf)."""
     if isinstance(out, torch.Tensor):
         return fn(out)
     if dataclasses.is_dataclass(out) and not isinstance(out, type) and not isinstance(out, (dict, tuple, list)):
