@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                              non_block_trainable_share=1.0 if args.non_block_trainable_share is None
                              else args.non_block_trainable_share)
         opts = MilpOptions(time_limit_s=args.time_limit, max_segment=args.max_segment, solver=args.solver,
-                           allow_resident=not args.no_resident, allow_offload=not args.no_offload)
+                           allow_resident=not args.no_resident, allow_offload=not args.no_offload,
+                           isolate=True)   # a solver overrunning its limit cannot hang the command
         if args.profile is not None:
             p, best, mb = _profile_problem(args, budgets), None, None
         else:

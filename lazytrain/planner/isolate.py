@@ -16,14 +16,23 @@ from typing import Any, Callable
 
 from .milp import PlanningError
 
+# what to do when the engine's planning call overran its deadline
+ENGINE_PLANNING_ADVICE = ("Write a Plan with `lazytrain plan --json` and use policy \"plan\", "
+                          "or use policy \"every_k\"")
+
+
+class DeadlineExceededError(PlanningError):
+    """The child did not answer within its deadline and was stopped."""
+
 
 def call_with_deadline(fn: Callable[..., Any], *args: Any, deadline_s: float, what: str = "planning",
-                       **kwargs: Any) -> Any:
+                       advice: str = ENGINE_PLANNING_ADVICE, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a child interpreter; its result or its exception, re-raised here.
 
-    Raises :class:`PlanningError` when the child has not answered within ``deadline_s`` seconds (the
-    child is killed) or ends without an answer. ``fn``, its arguments and its result must be picklable
-    (module-level functions, Plans, dataclasses)."""
+    Raises :class:`DeadlineExceededError` when the child has not answered within ``deadline_s`` seconds
+    (the child is killed; ``advice`` ends the message), :class:`PlanningError` when it ends without an
+    answer. ``fn``, its arguments and its result must be picklable (module-level functions, Plans,
+    dataclasses)."""
     import lazytrain
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(lazytrain.__file__)))
     env = dict(os.environ)
@@ -34,9 +43,8 @@ def call_with_deadline(fn: Callable[..., Any], *args: Any, deadline_s: float, wh
         done = subprocess.run([sys.executable, "-m", "lazytrain.planner.isolate"], env=env, capture_output=True,
                               input=pickle.dumps((fn, args, kwargs)), timeout=deadline_s)
     except subprocess.TimeoutExpired:
-        raise PlanningError(f"{what} did not finish within {deadline_s:g} s (the solver overran its time "
-                            f"limit); stopped it. Write a Plan with `lazytrain plan --json` and use policy "
-                            f"\"plan\", or use policy \"every_k\"") from None
+        raise DeadlineExceededError(f"{what} did not finish within {deadline_s:g} s (the solver overran its "
+                                    f"time limit); stopped it" + (f". {advice}" if advice else "")) from None
     try:
         ok, value = pickle.loads(done.stdout)
     except Exception:   # noqa: BLE001 - the child died before answering

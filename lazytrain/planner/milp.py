@@ -57,7 +57,7 @@ from typing import Any
 import pulp
 
 from .plan import DEVICE_HOME, RECOMPUTE, Plan
-from .problem import GRAD_SHARE_WINDOWS, InfeasibleBudgetError, Problem, fmt_bytes
+from .problem import BUDGET_SOURCES, GRAD_SHARE_WINDOWS, InfeasibleBudgetError, Problem, fmt_bytes
 
 
 
@@ -86,6 +86,9 @@ class MilpOptions:
     warm_start: bool = True         # start from the fastest baseline plan that fits (an incumbent at once)
     memory_rows: str = "auto"       # running: sums over windows as running levels (model size linear in
                                     # layers); dense: each window's row lists every term (size quadratic)
+    isolate: bool = False           # solve in a child process stopped at isolated_deadline_s(): a solver
+                                    # overrunning its own limit (HiGHS 1.16 did, by minutes) then yields
+                                    # the start plan instead of hanging (the command line and the engine)
 
     def __post_init__(self):
         t = self.time_limit_s
@@ -96,6 +99,16 @@ class MilpOptions:
                              f"got {self.internals_out_windows!r}")
         if self.memory_rows not in MEMORY_ROWS:
             raise ValueError(f"memory_rows must be one of {', '.join(MEMORY_ROWS)}, got {self.memory_rows!r}")
+
+
+# an isolated solve is stopped this long after its time limit: past HiGHS's 5 s to take a start plan in,
+# and the child's start (an interpreter importing PuLP and HiGHS: about 0.3 s)
+ISOLATED_GRACE_S = 10.0
+
+
+def isolated_deadline_s(opts: MilpOptions) -> float:
+    """Seconds after which an isolated solve (``opts.isolate``) is stopped."""
+    return 1.25 * opts.time_limit_s + ISOLATED_GRACE_S
 
 
 @dataclass
@@ -265,6 +278,9 @@ def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = N
         # Given a start, no feasibility jump: that heuristic looks for a first plan, which the start is, and
         # it runs without calling back (1 s of a 1 s limit at 128 layers; BENCHMARKS.md)
         extra = {"mip_heuristic_run_feasibility_jump": False} if start else {}
+        # the root reduced-cost heuristic never returned on some models with offloaded layers (qwen2.5-3b on
+        # h800, micro-batch 2, seq 512, GPU 4.1 GB: minutes at the root, no callback), with or without a start
+        extra["mip_heuristic_run_root_reduced_cost"] = False
         grace = 5.0 if start and start_past_deadline else 0.0
         return "highs", _HighsFromStart(start, deadline, start_past_deadline, msg=False, timeLimit=left + grace,
                                         gapRel=opts.gap_rel, gapAbs=abs_gap, threads=opts.threads, random_seed=0,
@@ -711,7 +727,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
             f"no plan fits the budgets (GPU {fmt_bytes(p.gpu_budget)}, host {fmt_bytes(p.host_budget)} of which "
             f"{fmt_bytes(max(p.host_act_budget, 0))} free for activations, NVMe {fmt_bytes(p.nvme_budget)}) at "
             f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers; "
-            f"{_shortfall(p, K)}. Lower --micro-batch, raise a budget, or allow longer segments (max_segment)")
+            f"{_shortfall(p, K)}. Lower {BUDGET_SOURCES['micro-batch']}, raise a budget, or allow longer segments "
+            f"(max_segment)")
     if info.status == "no solution":
         raise NoPlanInTimeError(f"the solver ({name}) stopped after {solve_s:.1f}s without a feasible plan "
                             f"({info.detail}); raise the time limit")

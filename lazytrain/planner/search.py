@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .hardware import HardwareProfile, load_profile
-from .milp import MilpOptions, NoPlanInTimeError, PlanningError, build_and_solve
+from .milp import MilpOptions, NoPlanInTimeError, PlanningError, build_and_solve, isolated_deadline_s
 from .models import ModelShape, load_model
 from .plan import Plan
 from .problem import Budgets, InfeasibleBudgetError, Problem
@@ -43,12 +43,20 @@ def as_budgets(budgets: Any) -> Budgets:
 
 def solve(p: Problem, opts: MilpOptions) -> Plan:
     """Solve the MILP for ``p``, replay the plan in the simulator (strict: a violated invariant raises)
-    and record the simulator's prediction in the Plan."""
+    and record the simulator's prediction in the Plan. With ``opts.isolate`` the solve runs in a child
+    process, stopped when it overruns its time limit; then, as when the solver found no plan in its time,
+    the plan it started from (else the fastest baseline) is returned, with a warning."""
+    from .isolate import DeadlineExceededError, call_with_deadline
     t0 = time.perf_counter()
     start = _start_plan(p) if opts.warm_start else None
     try:
-        plan, info = build_and_solve(p, opts, start_plan=start)
-    except NoPlanInTimeError as e:
+        if opts.isolate:
+            plan, info = call_with_deadline(build_and_solve, p, replace(opts, isolate=False), start_plan=start,
+                                            deadline_s=isolated_deadline_s(opts), what="the MILP solver",
+                                            advice="")
+        else:
+            plan, info = build_and_solve(p, opts, start_plan=start)
+    except (NoPlanInTimeError, DeadlineExceededError) as e:
         return _fallback(p, e, time.perf_counter() - t0, start)
     r = simulate(p, plan, strict=True, timeline=False)
     return _predicted(p, plan, r, info.to_dict(), time.perf_counter() - t0, milp_step_time_s=info.objective_s,
@@ -76,8 +84,8 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
     return replace(plan, prediction=pred)
 
 
-def _fallback(p: Problem, error: NoPlanInTimeError, wall: float, start: Plan | None = None) -> Plan:
-    """When the solver found no plan in its time (a large model on a short limit): the plan it was to start
+def _fallback(p: Problem, error: PlanningError, wall: float, start: Plan | None = None) -> Plan:
+    """When the solver found no plan in its time (a large model on a short limit) or overran it: the plan it was to start
     from, else the fastest baseline policy that fits; a plan that runs, said to be one, rather than none."""
     from .policies import BASELINES
     if start is not None:
