@@ -183,6 +183,15 @@ def _quant_block_size(section: dict) -> int:
     return size
 
 
+def _milp_time_limit(section: dict) -> float:
+    """Seconds the MILP may search: a finite number > 0 (the planner stops it, and a child process running it,
+    at a deadline that grows with this)."""
+    limit = float(_number(section, "milp_time_limit", 30.0, "lazytrain", above=0))
+    if not math.isfinite(limit):
+        raise ConfigError(f"config key 'lazytrain.milp_time_limit' must be a finite number of seconds, got {limit!r}")
+    return limit
+
+
 def _number(section: dict, key: str, default, where: str, integer: bool = False, minimum: float | None = None,
             above: float | None = None, text: bool = False):
     """A number setting, refused by name when it is not one (a string, a fraction where a whole number is due, a
@@ -836,6 +845,13 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if policy == "plan" and not section.get("plan"):
         raise ConfigError("config key 'lazytrain.plan' (path to a Plan JSON) is required when 'lazytrain.policy' "
                           "is \"plan\"")
+    if section.get("plan") is not None and not isinstance(section["plan"], str):
+        raise ConfigError(f"config key 'lazytrain.plan' must be the path of a Plan JSON written by `lazytrain plan "
+                          f"--json` (or its text), got {section['plan']!r}")
+    hardware = section.get("hardware", "auto")
+    if not isinstance(hardware, str) or not hardware:
+        raise ConfigError(f"config key 'lazytrain.hardware' must be \"auto\", a catalog name (h800, h200, rtx3090) or "
+                          f"the path of a JSON written by `lazytrain bench tiers --json`, got {hardware!r}")
     if policy != "plan" and section.get("plan") is not None:   # else the plan would be left unread, unsaid
         raise ConfigError(f"config key 'lazytrain.plan' is read only with 'lazytrain.policy': \"plan\" (the policy "
                           f"here is {policy!r}): set the policy to \"plan\" to run it, or remove the key")
@@ -862,6 +878,11 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         capacities = {k: parse_bytes(v, given_by[k]) for k, v in capacities.items()}
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    for tier in ("hbm", "host"):   # the device and the host always hold something (a layer, the fp32 weights)
+        if capacities.get(tier) == 0:
+            holds = "device holds the layer being computed" if tier == "hbm" else "host holds the weights and the " \
+                                                                                  "optimizer state"
+            raise ConfigError(f"{given_by[tier]} must be above 0 (the {holds}); leave it out for no limit")
     weights_home = section.get("weights_home")
     if weights_home is None:   # no offload section (device "none") still streams from the host
         weights_home = "nvme" if offload_param.device == "nvme" else "host"
@@ -919,7 +940,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         hybrid_threshold=_number(section, "hybrid_threshold", 4096, "lazytrain", integer=True, minimum=0),
         quant_block_size=_quant_block_size(section),
         fp32_state_patterns=_patterns(section),
-        milp_time_limit=float(_number(section, "milp_time_limit", 30.0, "lazytrain", above=0)), nvme_path=nvme_path,
-        seq_len=_seq_len(section), hardware=str(section.get("hardware", "auto")),
+        milp_time_limit=_milp_time_limit(section), nvme_path=nvme_path,
+        seq_len=_seq_len(section), hardware=hardware,
         collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
         non_block_state=non_block, lean_norms=lean, gradient_reduce=reduce_at, grad_norm_as_landed=as_landed)

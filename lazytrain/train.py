@@ -124,9 +124,15 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
 
 def run(args) -> int:
     from lazytrain.config import ConfigError
+    from lazytrain.planner.hardware import HardwareError
+    from lazytrain.planner.milp import PlanningError
+    from lazytrain.planner.problem import InfeasibleBudgetError
+    from lazytrain.tiers.base import TierBudgetError
     try:
         return _run(args)
-    except (JobError, ConfigError) as e:   # a problem with the user's job or config: one line, no traceback
+    # a problem with the user's job or config (a budget too small for the model, a hardware profile the
+    # planner cannot read, no plan in time): one line naming what to change, no traceback
+    except (JobError, ConfigError, InfeasibleBudgetError, HardwareError, PlanningError, TierBudgetError) as e:
         print(f"lazytrain train: {e}", file=sys.stderr)
         return 2
 

@@ -389,6 +389,36 @@ def test_steps_with_an_evaluation_are_not_measured_and_too_many_stop_auto(grad):
     engine.destroy()
 
 
+def test_steps_with_an_evaluation_are_counted_per_measurement(monkeypatch):
+    """The count of traced steps left out for an evaluation in them was carried into the measurement after a
+    drift, so 3 such steps in the first and 2 in the second stopped auto (5 > 4 allowed)."""
+    import dataclasses
+    from lazytrain.config import AutoPlanConfig
+    from lazytrain.engine import auto_plan
+    from lazytrain.planner.plan import keep_all_plan
+    monkeypatch.setattr(auto_plan, "ran_an_undifferentiated_forward", lambda trace: trace["mixed"])
+    state = {}
+    planned = dataclasses.replace(keep_all_plan(2, home="hbm"), policy="milp", prediction={"step_time_s": 1.0})
+    calibration = dataclasses.replace(keep_all_plan(2, home="host"), policy="auto-calibration")
+    hooks = auto_plan.AutoPlanHooks(
+        request_trace=lambda: None, last_trace=lambda: state["trace"], switch=lambda p: state.update(plan=p),
+        profile_of=lambda *a: "profile", plan_from=lambda profile: planned, on_rank0=lambda f: f(),
+        say=lambda line: None, warn=lambda m: state.setdefault("warned", []).append(m),
+        current_policy=lambda: state["plan"].policy)
+    auto = auto_plan.AutoPlanner(AutoPlanConfig(warmup_steps=0, profile_steps=2, check_every=1, drift_margin=0.1,
+                                                max_replans=3, selective=False), calibration, hooks)
+    state["plan"] = calibration
+    auto.start()
+    steps = [(True, 1.0)] * 3 + [(False, 1.0)] * 2 + [(False, 5.0)] + [(True, 1.0)] * 2   # drift at the 6th
+    for step, (mixed, seconds) in enumerate(steps, 1):
+        state["trace"] = {"mixed": mixed}
+        auto.after_step(step, seconds)
+        if step == 5:
+            assert state["plan"].policy == "milp" and auto._mixed == 3
+    assert auto.measuring and state["plan"].policy == "auto-calibration"
+    assert auto._mixed == 2 and auto.stopped is None and "warned" not in state
+
+
 @pytest.mark.parametrize("lt,message", [
     ({"policy": "auto", "overlap_optimizer": False}, "measures each layer's host update, which runs layer by layer"),
     ({"policy": "auto", "weights_home": "hbm"}, "keeps every layer resident: there is nothing for it to plan"),

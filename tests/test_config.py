@@ -540,6 +540,27 @@ def test_true_false_settings_read_words_as_deepspeed_does(word, on):
     assert bf16.bf16 is on
 
 
+@pytest.mark.parametrize("lazytrain,message", [
+    ({"policy": "plan", "plan": 5}, "config key 'lazytrain.plan' must be the path of a Plan JSON written by "
+                                    "`lazytrain plan --json` (or its text), got 5"),
+    ({"hardware": None}, "config key 'lazytrain.hardware' must be \"auto\", a catalog name (h800, h200, rtx3090) or "
+                         "the path of a JSON written by `lazytrain bench tiers --json`, got None"),
+    ({"hardware": {"name": "x"}}, "config key 'lazytrain.hardware' must be \"auto\", a catalog name (h800, h200, "
+                                  "rtx3090) or the path of a JSON written by `lazytrain bench tiers --json`, got "
+                                  "{'name': 'x'}"),
+    ({"milp_time_limit": float("inf")}, "config key 'lazytrain.milp_time_limit' must be a finite number of seconds, "
+                                        "got inf"),
+    ({"gpu_memory": "0"}, "config key 'lazytrain.gpu_memory' must be above 0 (the device holds the layer being "
+                          "computed); leave it out for no limit"),
+    ({"capacities": {"host": 0}}, "config key 'lazytrain.capacities.host' must be above 0 (the host holds the weights "
+                                  "and the optimizer state); leave it out for no limit"),
+])
+def test_lazytrain_settings_the_engine_or_planner_would_fail_on_later_are_refused_by_name(lazytrain, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config({"train_batch_size": 2, "lazytrain": lazytrain})
+    assert str(e.value) == message
+
+
 @pytest.mark.parametrize("section,key,value,message", [
     ("fp16", "enabled", "maybe", "config key 'fp16.enabled' must be true or false, got 'maybe'"),
     ("fp16", "initial_scale_power", 16.7, "config key 'fp16.initial_scale_power' must be a whole number, got 16.7"),

@@ -815,6 +815,52 @@ def test_call_with_deadline_returns_raises_and_stops_an_overrun():
     assert time.perf_counter() - t0 < 30
 
 
+
+def _overrun(*args, **kwargs):
+    """A solver that never returns (HiGHS 1.16's root reduced-cost heuristic did so for minutes)."""
+    import time
+    time.sleep(600)
+
+
+def test_an_isolated_solve_returns_the_plan_an_in_process_solve_returns():
+    p = toy_problem(6, 1.5, host_slots=2, nvme_slots=1, hw=SLOW_HW)
+    opts = MilpOptions(max_segment=6, offload_slack=12, prefetch_lead=12)
+    here, there = solve(p, opts).to_dict(), solve(p, dataclasses.replace(opts, isolate=True)).to_dict()
+    assert here["prediction"]["solver"]["status"] == there["prediction"]["solver"]["status"] == "optimal"
+    here.pop("prediction"), there.pop("prediction")     # holds solve times
+    assert here == there
+
+
+def test_an_isolated_solve_that_overruns_its_limit_is_stopped_and_its_start_plan_returned(monkeypatch):
+    import time
+    from lazytrain.planner import search
+    from lazytrain.planner.milp import isolated_deadline_s
+    monkeypatch.setattr(search, "build_and_solve", _overrun)   # pickled by name: the child runs it too
+    p = toy_problem(6, 8.0, host_slots=6, hw=SLOW_HW)       # every boundary fits on the GPU: keep-all fits
+    opts = MilpOptions(time_limit_s=0.1, isolate=True)
+    assert isolated_deadline_s(opts) == 10.125
+    start = keep_all(p)[0]
+    t0 = time.perf_counter()
+    with pytest.warns(UserWarning, match=r"^lazytrain planner: the MILP solver did not finish within 10.125 s \(the "
+                                         r"solver overran its time limit\); stopped it; using the plan it started "
+                                         r"from instead, 'keep-all-hbm' \(predicted step"):
+        plan = solve(p, opts)
+    assert time.perf_counter() - t0 < 60
+    assert plan.prediction["solver"]["status"] == "no plan in time, fell back to keep-all-hbm"
+    assert plan.prediction["fallback"] == "keep-all-hbm"
+    got, want = plan.to_dict(), start.to_dict()
+    got.pop("prediction"), want.pop("prediction")
+    assert got == want
+
+
+def test_highs_options_leave_out_the_heuristic_that_did_not_return():
+    from lazytrain.planner.milp import _solver
+    name, solver = _solver(MilpOptions(), start={})
+    if name != "highs":
+        pytest.skip("HiGHS is not installed")
+    assert solver.optionsDict["mip_heuristic_run_root_reduced_cost"] is False
+
+
 # ---- CLI, plot, purity ------------------------------------------------------------------------------
 def test_cli_plan_prints_the_comparison_and_writes_the_plan(tmp_path, capsys):
     from lazytrain.cli import main
@@ -1092,6 +1138,69 @@ def test_the_engine_budgets_what_a_sharded_rank_holds(monkeypatch):
                                       "weights_copy_share": 0.25}
     cfg = parse_config({**base, "train_batch_size": 8, "zero_optimization": {"stage": 0}}, world_size=8)
     assert _host_shares(cfg, cpu) == {}
+
+@pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+def test_a_plan_file_that_contradicts_weights_home_or_last_segment_graph_is_refused_naming_the_keys(tmp_path):
+    """weights_home "hbm" was ignored under a streaming Plan file; last_segment_graph true over a plan with a
+    selective layer in the would-be tail gave a bare PlanError naming no config key."""
+    from lazytrain.config import ConfigError, parse_config
+    import torch
+    from lazytrain.engine.placement import build_plan, build_tiers
+    path = str(tmp_path / "plan.json")
+    every_k_plan(6, 2, home="host", resident_layers=(0, 1, 4)).to_json(path)
+    base = {"train_micro_batch_size_per_gpu": 1, "lazytrain": {"device": "cpu", "policy": "plan", "plan": path}}
+
+    def plan_of(**lt):
+        cfg = parse_config({**base, "lazytrain": {**base["lazytrain"], **lt}})
+        return build_plan(cfg, 6, build_tiers(cfg, torch.device("cpu")), None, 1)
+    with pytest.raises(ConfigError) as e:
+        plan_of(weights_home="hbm")
+    assert str(e.value) == (f"config 'lazytrain.weights_home' \"hbm\" keeps every layer resident, but 'lazytrain.plan' "
+                            f"({path}) streams layers 2-3, 5: set 'weights_home' to \"host\" or \"nvme\" to run the "
+                            f"plan, or plan with every layer resident")
+    every_k_plan(6, 2, home="host", resident_layers=tuple(range(6))).to_json(path)
+    assert plan_of(weights_home="hbm").resident_layers == tuple(range(6))
+    Plan(num_layers=6, homes=("host", "recompute", "host", "recompute", "host", "recompute", "hbm"),
+         selective_layers=(4,), last_segment_graph=False).to_json(path)
+    assert plan_of().selective_layers == (4,)
+    with pytest.raises(ConfigError, match=r"^config 'lazytrain.last_segment_graph' true does not fit the 'custom' "
+                                          r"plan: selective_layers holds 4: .*; leave the key \"auto\" to run the "
+                                          r"plan as it is$"):
+        plan_of(last_segment_graph=True)
+
+
+@pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
+def test_policy_milp_plans_without_a_graph_tail_when_the_config_turns_it_off(monkeypatch):
+    """The MILP planned a graph tail (its prediction counting no re-runs there) that the engine then turned off."""
+    from lazytrain.config import parse_config
+    import torch
+    from lazytrain.engine import placement
+    from engine_models import make_model
+    solved = []
+    policy_plan = placement._policy_plan
+    monkeypatch.setattr(placement, "_policy_plan", lambda *a: solved.append(policy_plan(*a)) or solved[-1])
+    model_config = make_model("llama").config.to_dict()
+    for choice in (False, True):
+        cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "lazytrain": {
+            "device": "cpu", "policy": "milp", "hardware": "h200", "seq_len": 12, "milp_time_limit": 5,
+            "last_segment_graph": choice, "capacities": {"hbm": "2MB"}}})
+        plan = placement.build_plan(cfg, 6, placement.build_tiers(cfg, torch.device("cpu")), model_config, 2)
+        assert solved[-1].last_segment_graph is plan.last_segment_graph is choice
+        assert plan.recomputed_layers() == solved[-1].recomputed_layers()
+
+
+def test_plan_window_keys_that_are_not_integers_and_a_file_that_is_not_utf8_are_plan_errors(tmp_path):
+    d = every_k_plan(4, 2, home="host").to_dict()
+    for key in ("--2", "\u00b2", "1\u2082"):
+        with pytest.raises(PlanError, match=r"offload_window"):
+            Plan.from_dict({**d, "offload_window": {key: 3}})
+        with pytest.raises(PlanError, match=r"offload_window"):
+            Plan.from_json(json.dumps({**d, "offload_window": {key: 3}}))
+    path = tmp_path / "plan.json"
+    path.write_bytes(b'{"num_layers": 2, "homes": ["hbm", "\xff", "hbm"]}')
+    with pytest.raises(PlanError, match=rf"^Plan file {path} is not UTF-8 JSON: "):
+        Plan.from_json(str(path))
+
 
 @pytest.mark.filterwarnings("ignore:lazytrain. no CUDA device")
 def test_a_plan_file_on_nvme_without_an_nvme_path_is_refused_naming_the_keys(tmp_path):

@@ -49,6 +49,14 @@ def set_in(section, **kw):
     (lambda cfg: cfg.update(train_batch_size=7), "Check batch related parameters."),
     (set_in(("job", "model"), hidden_size=12, num_attention_heads=4, num_key_value_heads=4),
      "'job.model': hidden_size / num_attention_heads (12 / 4 = 3) must be even"),
+    # the engine's and the planner's refusals of the config: one line too, not a traceback
+    (set_in(("lazytrain",), policy="milp", seq_len=16, hardware="h800", gpu_memory="1MB"),
+     "GPU budget 1.00 MB is too small at micro-batch 64 x seq 16: "),
+    (set_in(("lazytrain",), policy="milp", seq_len=16, hardware="h800", host_memory="1MB"),
+     "host memory budget 1.00 MB cannot hold the optimizer state: 852.99k layer parameters x 16.00 bytes"),
+    (set_in(("lazytrain",), policy="milp", seq_len=16, hardware="no-such-card"), "unknown hardware 'no-such-card'"),
+    (set_in(("lazytrain",), gpu_memory="1KB"), "tier 'hbm' is over its budget: writing 'weights.slot0'"),
+    (set_in(("lazytrain",), gpu_memory="0"), "config key 'lazytrain.gpu_memory' must be above 0"),
 ])
 def test_a_bad_job_setting_is_one_line(tmp_path, capsys, change, message):
     assert main(["train", job_file(tmp_path, change)]) == 2

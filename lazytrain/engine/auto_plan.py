@@ -198,6 +198,7 @@ class AutoPlanner:
         if drifted and self._replans < s.max_replans:
             self._replans += 1
             self.measuring, self._steps_in_phase, self._traces = True, 0, []
+            self._mixed = 0   # steps with an undifferentiated forward are counted per measurement
             self._selective_phase, self._plain_traces = False, []
             self.hooks.switch(self.calibration)
             self._measure_next()

@@ -58,7 +58,11 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
         if cfg.lazytrain.policy in ("plan", "milp", "auto", "offload_all"):
             return plan
         choice = tiers["hbm"].device.type == "cpu" and cfg.lazytrain.weights_home in ("host", "hbm")
-    return dataclasses.replace(plan, last_segment_graph=bool(choice))
+    try:
+        return dataclasses.replace(plan, last_segment_graph=bool(choice))
+    except PlanError as e:   # e.g. a selective or offloaded layer in what would become the graph tail
+        raise ConfigError(f"config 'lazytrain.last_segment_graph' {str(choice).lower()} does not fit the "
+                          f"{plan.policy!r} plan: {e}; leave the key \"auto\" to run the plan as it is") from e
 
 
 def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
@@ -86,6 +90,12 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
         if plan.num_layers != num_layers:
             raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}) is for {plan.num_layers} layers, but the "
                               f"model has {num_layers} blocks")
+        if lt.weights_home == "hbm" and set(plan.resident_layers) != set(range(num_layers)):
+            raise ConfigError(f"config 'lazytrain.weights_home' \"hbm\" keeps every layer resident, but "
+                              f"'lazytrain.plan' ({lt.plan_path}) streams layers "
+                              f"{_ranges(sorted(set(range(num_layers)) - set(plan.resident_layers)))}: set "
+                              f"'weights_home' to \"host\" or \"nvme\" to run the plan, or plan with every layer "
+                              f"resident")
         # a plan written with --nvme: refused here, naming the keys, not by the executor once the weights are set up
         on_nvme = [i for i, h in enumerate(plan.homes) if h == "nvme"]
         if on_nvme and "nvme" not in tiers:
@@ -103,6 +113,17 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
     if lt.policy == "auto":
         return calibration_plan(cfg, num_layers, micro_batch)
     raise ConfigError(f"config 'lazytrain.policy' {lt.policy!r} is unknown")
+
+
+def _ranges(layers: list[int]) -> str:
+    """Layer indices as runs: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def calibration_plan(cfg: EngineConfig, num_layers: int, micro_batch: int) -> Plan:
@@ -204,6 +225,7 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     """The MILP planner's Plan for this model on this machine within the configured budgets."""
     from ..planner import plan_for
     from ..planner.isolate import call_with_deadline
+    from ..planner.milp import MilpOptions
     lt = cfg.lazytrain
     if model_config is None:
         raise ConfigError("config 'lazytrain.policy' \"milp\" needs the model's shape: a model with a Hugging Face "
@@ -223,7 +245,10 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                               # the config's batch triple fixes the step: planned with its accumulation
                               global_batch=micro_batch * cfg.gradient_accumulation_steps,
                               seq_len=lt.seq_len, time_limit_s=lt.milp_time_limit,
-                              deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
+                              # the solve stopped when it overruns, its start plan used: the outer deadline
+                              # stops what else could hang
+                              options=MilpOptions(allow_graph_tail=lt.last_segment_graph is not False,
+                                                  isolate=True), deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
     if plan.num_layers != num_layers:
         raise ConfigError(f"the planner planned {plan.num_layers} layers but the model streams {num_layers} blocks")
     return plan
@@ -285,7 +310,7 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
         budgets["nvme"] = 0
     # selective layers only on measured costs (their re-run's share of a forward varies too much to assume)
     options = MilpOptions(allow_resident=False, allow_graph_tail=lt.last_segment_graph is not False,
-                          allow_selective=profile.costs.selective_rerun_s is not None)
+                          allow_selective=profile.costs.selective_rerun_s is not None, isolate=True)
     # this machine's memory: the card's own (a catalog entry's size, or the profile's 64 GiB default, can be
     # below it, and a budget above the profile's memory is refused), and without a hardware profile its RAM
     memory = {"gpu_mem_bytes": card_memory(tiers["hbm"].device),

@@ -290,8 +290,11 @@ class Plan:
     def from_json(cls, text_or_path: str) -> "Plan":
         text = text_or_path
         if not text_or_path.lstrip().startswith(("{", "[")):
-            with open(text_or_path) as f:
-                text = f.read()
+            try:
+                with open(text_or_path, encoding="utf-8") as f:
+                    text = f.read()
+            except UnicodeDecodeError as e:
+                raise PlanError(f"Plan file {text_or_path} is not UTF-8 JSON: {e}") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -312,8 +315,14 @@ def _whole(v) -> int | None:
 
 
 def _number_key(k):
-    """A JSON object's key as the integer it spells ("3" -> 3); anything else unchanged."""
-    return int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+    """A JSON object's key as the integer it spells ("3" -> 3); anything else ("--2", "²") unchanged, for the
+    field's check to name."""
+    if not isinstance(k, str):
+        return k
+    try:
+        return int(k)
+    except ValueError:
+        return k
 
 
 def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:

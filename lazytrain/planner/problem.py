@@ -66,7 +66,16 @@ class InfeasibleBudgetError(ValueError):
 
 # Where each tier's budget is given: the `lazytrain plan` flag and the engine's config key, for its errors to name
 BUDGET_SOURCES = {"GPU": "--gpu-mem or lazytrain.gpu_memory", "host": "--host-mem or lazytrain.host_memory",
-                  "NVMe": "--nvme or lazytrain.nvme_memory"}
+                  "NVMe": "--nvme or lazytrain.nvme_memory",
+                  "micro-batch": "--micro-batch or train_micro_batch_size_per_gpu"}
+
+
+def fmt_count(n: float) -> str:
+    """A parameter count as people read it: 7.62B, 856.32k, 12."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
 
 
 def fmt_bytes(n: float) -> str:
@@ -444,9 +453,9 @@ class Problem:
     def _static_terms(self) -> str:
         """What ``host_static`` counts, as parameters x bytes each."""
         m, b = self.model, self.budgets
-        terms = f"{m.layer_params / 1e9:.2f}B layer parameters x {self.host_bytes_per_layer_param:.2f} bytes"
+        terms = f"{fmt_count(m.layer_params)} layer parameters x {self.host_bytes_per_layer_param:.2f} bytes"
         if b.non_block_state == "host" and self.nonlayer_trained:
-            terms += (f" + {self.nonlayer_trained / 1e9:.2f}B others trained x "
+            terms += (f" + {fmt_count(self.nonlayer_trained)} others trained x "
                       f"{self.host_bytes_per_nonlayer_param:.2f} bytes")
         return terms
 
@@ -456,7 +465,7 @@ class Problem:
                 f"host memory budget {fmt_bytes(self.host_budget)} cannot hold the optimizer state: "
                 f"{self._static_terms()} (fp32 master weights, Adam moments, compute-dtype weights and "
                 f"gradients) = {fmt_bytes(self.host_static)}; "
-                f"short by {fmt_bytes(-self.host_act_budget)}. Raise --host-mem.")
+                f"short by {fmt_bytes(-self.host_act_budget)}. Raise {BUDGET_SOURCES['host']}.")
         worst = max(range(self.num_windows), key=lambda w: self.min_gpu_bytes(w)[0])
         need, parts = self.min_gpu_bytes(worst)
         if need > self.gpu_budget:
@@ -465,7 +474,8 @@ class Problem:
             raise InfeasibleBudgetError(
                 f"GPU budget {fmt_bytes(self.gpu_budget)} is too small at micro-batch {self.micro_batch} x "
                 f"seq {self.seq_len}: the {kind} of layer {self.layer_of(worst)} alone needs {fmt_bytes(need)} "
-                f"({items}); short by {fmt_bytes(need - self.gpu_budget)}. Lower --micro-batch or raise --gpu-mem.")
+                f"({items}); short by {fmt_bytes(need - self.gpu_budget)}. Lower {BUDGET_SOURCES['micro-batch']}, or raise "
+                f"{BUDGET_SOURCES['GPU']}.")
 
     def describe(self) -> dict:
         return {"model": self.model.name, "hardware": self.hardware.name, "micro_batch": self.micro_batch,
