@@ -216,6 +216,40 @@ def test_the_planners_tied_defaults_are_transformers_and_other_model_types_ask_i
     assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "no-such-model"}).tied_embeddings is False
 
 
+def test_a_model_type_whose_layers_are_not_llama_style_is_costed_as_one_with_a_warning():
+    import warnings
+    from lazytrain.planner.models import LLAMA_STYLE_MODEL_TYPES
+    for model_type in ("llama", "qwen2", "qwen3_5_text", "gemma2", "mixtral"):
+        assert model_type in LLAMA_STYLE_MODEL_TYPES
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ModelShape.from_hf_config({**TIE_BASE, "model_type": model_type, "tie_word_embeddings": False})
+    for measured, more in ((None, ""), ([10, 20], " (its layers' sizes are the measured ones)")):
+        with pytest.warns(UserWarning) as caught:
+            ModelShape.from_hf_config({**TIE_BASE, "model_type": "gpt_neox", "tie_word_embeddings": False,
+                                       **({"layer_params": measured} if measured else {})})
+        assert [str(w.message) for w in caught] == [
+            "lazytrain planner: model type 'gpt_neox' is costed as a Llama-style decoder (q/k/v/o projections, a gated "
+            "MLP of three matrices, RMSNorms); its layers differ in part, so the plan's predicted times and activation "
+            "memory are estimates" + more]
+
+
+def _warn_and_answer():
+    import warnings
+    warnings.warn("from the child", UserWarning)
+    warnings.warn("from the child", UserWarning)
+    return 7
+
+
+def test_a_childs_warnings_are_raised_again_in_the_caller_once_each():
+    """The engine plans in a child process: its warnings (a fallback plan, a model costed by analogy) went to
+    a stderr nobody read."""
+    from lazytrain.planner.isolate import call_with_deadline
+    with pytest.warns(UserWarning) as caught:
+        assert call_with_deadline(_warn_and_answer, deadline_s=60) == 7
+    assert [str(w.message) for w in caught] == ["from the child"]
+
+
 SPARSE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=32, intermediate_size=96, vocab_size=128)
 
 

@@ -12,6 +12,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 from typing import Any, Callable
 
 from .milp import PlanningError
@@ -27,7 +28,8 @@ class DeadlineExceededError(PlanningError):
 
 def call_with_deadline(fn: Callable[..., Any], *args: Any, deadline_s: float, what: str = "planning",
                        advice: str = ENGINE_PLANNING_ADVICE, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in a child interpreter; its result or its exception, re-raised here.
+    """``fn(*args, **kwargs)`` in a child interpreter; its result or its exception, re-raised here, and its
+    warnings raised again here.
 
     Raises :class:`DeadlineExceededError` when the child has not answered within ``deadline_s`` seconds
     (the child is killed; ``advice`` ends the message), :class:`PlanningError` when it ends without an
@@ -46,11 +48,13 @@ def call_with_deadline(fn: Callable[..., Any], *args: Any, deadline_s: float, wh
         raise DeadlineExceededError(f"{what} did not finish within {deadline_s:g} s (the solver overran its "
                                     f"time limit); stopped it" + (f". {advice}" if advice else "")) from None
     try:
-        ok, value = pickle.loads(done.stdout)
+        ok, value, caught = pickle.loads(done.stdout)
     except Exception:   # noqa: BLE001 - the child died before answering
         tail = done.stderr.decode(errors="replace").strip().splitlines()[-5:]
         raise PlanningError(f"{what} ended without an answer (exit status {done.returncode}): "
                             + (" | ".join(tail) or "no output")) from None
+    for message, category in caught:   # the child's warnings (a fallback plan, a model costed by analogy)
+        warnings.warn(message, category, stacklevel=2)
     if ok:
         return value
     raise value
@@ -63,15 +67,26 @@ def _serve() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     fn, args, kwargs = pickle.loads(sys.stdin.buffer.read())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")   # the caller's filters decide when they are raised again there
+        try:
+            result = (True, fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
+            result = (False, e)
+    relayed = []
+    for w in caught:
+        category = w.category
+        try:
+            pickle.loads(pickle.dumps(category))
+        except Exception:  # noqa: BLE001 - a category the caller cannot rebuild: a plain UserWarning
+            category = UserWarning
+        relayed.append((str(w.message), category))
+    relayed = list(dict.fromkeys(relayed))   # once each, as the default filter shows them
     try:
-        result = (True, fn(*args, **kwargs))
-    except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
-        result = (False, e)
-    try:
-        payload = pickle.dumps(result)
+        payload = pickle.dumps((*result, relayed))
         pickle.loads(payload)        # an exception class may pickle but not rebuild (extra __init__ args)
     except Exception:  # noqa: BLE001 - then it still reaches the caller, as text
-        payload = pickle.dumps((False, PlanningError(f"{type(result[1]).__name__}: {result[1]}")))
+        payload = pickle.dumps((False, PlanningError(f"{type(result[1]).__name__}: {result[1]}"), relayed))
     answer.write(payload)
     answer.flush()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -432,6 +433,12 @@ class ModelShape:
         vocab = count("vocab_size")
         tied = _tied_embeddings(cfg, outer)
         model_type = str(cfg.get("model_type", ""))
+        if model_type and model_type not in LLAMA_STYLE_MODEL_TYPES:
+            warnings.warn(f"lazytrain planner: model type {model_type!r} is costed as a Llama-style decoder (q/k/v/o "
+                          f"projections, a gated MLP of three matrices, RMSNorms); its layers differ in part, so the "
+                          f"plan's predicted times and activation memory are estimates"
+                          + (" (its layers' sizes are the measured ones)" if measured is not None else ""),
+                          UserWarning, stacklevel=2)
         bias = flag("attention_bias", flag("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
         kinds = cls._layer_kinds(cfg, n_layers)
@@ -556,6 +563,15 @@ class ModelShape:
 # Model types whose attention RMS-normalises q and k per head, and whose RMSNorms scale by (1 + weight) in
 # fp32 (what they save differs: LayerShape.saved_bytes_per_token); hybrid stacks do both. Other model types
 # are read as Llama's layer.
+# the model types whose layers are the planner's layer: q/k/v/o projections (with their variants here: biases,
+# q/k norms, an output gate, linear attention), a gated MLP of three matrices (or routed experts of one), and
+# RMSNorms. Another type is costed as one all the same, with a warning (a two-matrix MLP, LayerNorms with
+# biases, multi-latent attention: its times and activation memory are estimates)
+LLAMA_STYLE_MODEL_TYPES = frozenset({
+    "llama", "llama4", "llama4_text", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next",
+    "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe",
+    "qwen3_vl_moe_text", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3", "olmo", "olmo2", "olmoe", "granite",
+    "granitemoe", "smollm3", "cohere", "cohere2"})
 QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                                  "qwen3_5_moe_text", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe",
                                  "qwen3_vl_moe_text"})
