@@ -89,31 +89,51 @@ def measure_matmul(device: torch.device, seconds: float, n: int | None = None) -
     return 2 * n ** 3 / t / 1e12, f"{n}x{n} {str(dtype).replace('torch.', '')} matmul on {device.type}"
 
 
+# measure_tier holds this many bytes of source tensors and as many of read buffers, whatever the total
+ROUND_BYTES = 1 << 30
+
+
 def measure_tier(tier, total_bytes: int, tensor_bytes: int, device: torch.device | None = None,
-                 warmup_bytes: int = 0) -> dict:
-    """Write ``total_bytes`` in tensors of ``tensor_bytes`` to ``tier`` (all issued, then waited), then
-    read them back the same way; GB/s each way, timed from the first issue to the last completion.
-    A first, untimed pass of ``warmup_bytes`` fills the tier's buffer pools (pinning them where CUDA
-    exists), so the figures are those of a training step after the first."""
+                 warmup_bytes: int = 0, round_bytes: int = ROUND_BYTES) -> dict:
+    """Write ``total_bytes`` in tensors of ``tensor_bytes`` to ``tier``, then read them all back; GB/s each
+    way, timed from the first issue to the last completion of each round. Both go in rounds of at most
+    ``round_bytes`` (all of a round issued, then waited), through the same source tensors and read buffers,
+    so the memory held is two rounds' whatever the total (a drive larger than RAM can be measured); every
+    read is checked against what was written. A first, untimed pass of ``warmup_bytes`` fills the tier's
+    buffer pools (pinning them where CUDA exists), so the figures are those of a training step after the
+    first."""
     if warmup_bytes:
         measure_tier(tier, warmup_bytes, min(tensor_bytes, warmup_bytes), device)
     count = max(1, total_bytes // tensor_bytes)
+    per_round = max(1, min(count, round_bytes // tensor_bytes))
+    rounds = [range(first, min(count, first + per_round)) for first in range(0, count, per_round)]
     src_device = device or torch.device("cpu")
-    tensors = [torch.full((tensor_bytes // 4,), float(i), device=src_device) for i in range(count)]
+    sync = _cuda_sync if src_device.type == "cuda" else (lambda: None)
+    tensors = [torch.empty(tensor_bytes // 4, device=src_device) for _ in range(per_round)]
     outs = [torch.zeros_like(t) for t in tensors]  # touched before timing, like a reused buffer
     moved = count * (tensor_bytes // 4) * 4
-    start = time.perf_counter()
-    for h in [tier.write(f"bench-{i}", t) for i, t in enumerate(tensors)]:
-        h.synchronize()
-    write_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for h in [tier.read(f"bench-{i}", out=o) for i, o in enumerate(outs)]:
-        h.synchronize()
-    read_s = time.perf_counter() - start
-    for i, (t, o) in enumerate(zip(tensors, outs)):
-        if not torch.equal(t, o):
-            raise RuntimeError(f"tier {tier.name!r} returned wrong data for bench-{i}")
-        tier.free(f"bench-{i}")
+    write_s = read_s = 0.0
+    try:
+        for keys in rounds:   # each key's tensor holds its own number: a read of another key is caught
+            for t, i in zip(tensors, keys):
+                t.fill_(float(i))
+            sync()
+            start = time.perf_counter()
+            for h in [tier.write(f"bench-{i}", t) for t, i in zip(tensors, keys)]:
+                h.synchronize()
+            write_s += time.perf_counter() - start
+        for keys in rounds:
+            start = time.perf_counter()
+            for h in [tier.read(f"bench-{i}", out=o) for o, i in zip(outs, keys)]:
+                h.synchronize()
+            read_s += time.perf_counter() - start
+            for o, i in zip(outs, keys):
+                if not bool((o == float(i)).all()):
+                    raise RuntimeError(f"tier {tier.name!r} returned wrong data for bench-{i}")
+    finally:
+        for i in range(count):
+            if f"bench-{i}" in tier:
+                tier.free(f"bench-{i}")
     return {"write_gbps": moved / write_s / GB, "read_gbps": moved / read_s / GB, "bytes": moved}
 
 
