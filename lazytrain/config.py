@@ -118,6 +118,9 @@ _TOP_IMPLEMENTED = {
 
 GRADIENT_CLIPPING_DEFAULT = 1.0   # DeepSpeed 0.19's (runtime/constants.py)
 
+# torch.distributed's groups refuse a timeout past about 3e9 s (gloo's milliseconds), and a timedelta
+# overflows near 1e14 s: a "never" larger than this failed at set-up with a misleading socket time-out
+MAX_COLLECTIVE_TIMEOUT_S = 1e9
 POLICIES = ("every_k", "keep_all", "offload_all", "plan", "milp", "auto")
 
 
@@ -906,8 +909,9 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
                           "(the directory the streamed weights' files go to; DeepSpeed's "
                           "'zero_optimization.offload_param.nvme_path' serves as well)")
     timeout = section.get("collective_timeout_s", 1800.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ConfigError(f"config key 'lazytrain.collective_timeout_s' must be a number of seconds > 0, "
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_COLLECTIVE_TIMEOUT_S:
+        raise ConfigError(f"config key 'lazytrain.collective_timeout_s' must be a number of seconds > 0 and at most "
+                          f"{MAX_COLLECTIVE_TIMEOUT_S:g} (about 31 years; torch's process groups take no longer), "
                           f"got {timeout!r}")
     reduce_at = section.get("gradient_reduce", "auto")
     if reduce_at not in ("auto", "device", "host"):

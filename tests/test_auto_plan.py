@@ -219,6 +219,13 @@ def test_a_saved_profile_plans_at_start_up_as_lazytrain_plan_does(measured, tmp_
     assert f"--profile was measured at sequence length {measured_at.seq_len}, not 1024" in capsys.readouterr().err
     assert main(["plan", "--profile", path, "--micro-batch", "abc"]) == 2
     assert "--micro-batch must be a whole number or 'auto', got 'abc'" in capsys.readouterr().err
+    # --base without --hardware: the catalog entry supplies what was not measured (it was ignored)
+    assert main(["plan", "--profile", path, "--time-limit", "5"]) == 0
+    assert " on measured on " in capsys.readouterr().out
+    assert main(["plan", "--profile", path, "--base", "h200", "--time-limit", "5"]) == 0
+    assert " on h200: micro-batch " in capsys.readouterr().out
+    assert main(["plan", "--profile", path, "--base", "no-such-card"]) == 2
+    assert "unknown hardware 'no-such-card'" in capsys.readouterr().err
 
 
 

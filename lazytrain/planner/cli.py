@@ -27,7 +27,8 @@ def register(subparsers) -> None:
                         "(with --profile: what the profile did not measure)")
     p.add_argument("--profile", default=None,
                    help="a machine profile policy \"auto\" measured (JSON): plan from its measured times and links")
-    p.add_argument("--base", default=None, help="catalog entry that fills the profile's null fields")
+    p.add_argument("--base", default=None, help="catalog entry that fills the --hardware profile's null fields (with "
+                                                "--profile alone: what the measured profile did not measure)")
     p.add_argument("--micro-batch", default="auto",
                    help="micro-batch size, or 'auto' for the throughput-best one that fits (default)")
     p.add_argument("--global-batch", type=positive(int), default=None,
@@ -172,6 +173,9 @@ def _profile_problem(args: argparse.Namespace, budgets):
     if args.hardware is not None:
         from .hardware import load_profile
         hardware = load_profile(args.hardware, base=args.base)
+    elif args.base is not None:   # the catalog entry supplies what the profile did not measure
+        from .hardware import catalog_profile
+        hardware = catalog_profile(args.base)
     # the run measured fixed its global batch: planned with its accumulation unless --global-batch says otherwise
     global_batch = args.global_batch if args.global_batch is not None else profile.micro_batch * profile.grad_accum
     for k in ("trainable_share", "non_block_trainable_share"):
