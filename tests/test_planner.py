@@ -216,6 +216,29 @@ def test_the_planners_tied_defaults_are_transformers_and_other_model_types_ask_i
     assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "no-such-model"}).tied_embeddings is False
 
 
+def test_the_device_memory_of_a_backward_window_counts_the_gradients_the_engines_sink_may_hold():
+    """The planner counted one layer's gradients in flight; the engine's sink holds up to four, flattened on the
+    device, while the next layer's backward runs: where a layer's copy to the host outlasts its backward, the
+    queue fills. Where it does not, one layer's are in flight, as before."""
+    import inspect
+    from lazytrain.engine.weights import _GradientSink
+    from lazytrain.planner.problem import GRAD_SINK_IN_FLIGHT
+    assert inspect.signature(_GradientSink).parameters["max_in_flight"].default == GRAD_SINK_IN_FLIGHT == 4
+    slow = dataclasses.replace(TOY_HW, name="toy-slow-d2h", d2h_gbps=0.0001)
+    for hw, in_flight in ((TOY_HW, [1, 1, 1, 1, 1, 0]), (slow, [4, 4, 3, 2, 1, 0])):
+        p = toy_problem(6, 1.5, hw=hw)
+        L = p.L
+        link_bound = [p.Gl[i] / p.bw_d2h > 2 * p.fwd_s[i] for i in range(L)]
+        assert all(link_bound) if hw is slow else not any(link_bound)
+        assert [p.grads_in_flight(i) for i in range(L)] == in_flight
+        for i in range(L):
+            assert p.grad_bytes_on_device(i) == sum(p.Gl[i:i + 1 + in_flight[i]])
+            w = 2 * L - 1 - i   # layer i's backward window
+            assert p.layer_of(w) == i
+            assert p.fixed_gpu_bytes(w) == p.gpu_static + p.ws_bwd[i] + 2 * p.A[i] + p.grad_bytes_on_device(i)
+            assert p.min_gpu_bytes(w)[1]["gradient buffers"] == p.grad_bytes_on_device(i)
+
+
 def test_a_model_type_whose_layers_are_not_llama_style_is_costed_as_one_with_a_warning():
     import warnings
     from lazytrain.planner.models import LLAMA_STYLE_MODEL_TYPES

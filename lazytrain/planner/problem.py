@@ -58,6 +58,10 @@ NON_BLOCK_DEVICE_STATE_BYTES_FP32 = 8
 # gradients behind them, and its backward waits only once more than four layers' are queued
 # (engine/weights.py, _GradientSink.max_in_flight).
 GRAD_SHARE_WINDOWS = 4
+# Layers' gradients the engine's sink may hold on the device, flattened, waiting for their copy to the host,
+# beside the layer whose backward runs (engine/weights.py, _GradientSink.max_in_flight): where a layer's copy
+# takes longer than a layer's backward the queue fills to this depth and stays there (Problem.grads_in_flight)
+GRAD_SINK_IN_FLIGHT = 4
 
 
 class InfeasibleBudgetError(ValueError):
@@ -374,8 +378,21 @@ class Problem:
                 b += self.head_ws + self.A[L]                          # head workspace, stack output
         else:
             b += self.ws_bwd[i] + 2 * self.A[i]                        # saved activations, boundary grads
-            b += self.Gl[i] + (self.Gl[i + 1] if i + 1 < L else 0)     # grads made here, grads in flight
+            b += self.grad_bytes_on_device(i)
         return b
+
+    def grads_in_flight(self, i: int) -> int:
+        """Layers whose gradients the engine's sink may still hold on the device during layer ``i``'s backward
+        (those after it, whose backward ran before): one where copying a layer's gradients to the host takes
+        no longer than its backward (compute alone, the shortest its window can be), else the sink's whole
+        queue, which a slower link fills within a few layers."""
+        later = self.L - 1 - i
+        link_bound = self.Gl[i] / self.bw_d2h > 2 * self.fwd_s[i] if self.bw_d2h else False
+        return min(later, GRAD_SINK_IN_FLIGHT if link_bound else 1)
+
+    def grad_bytes_on_device(self, i: int) -> int:
+        """Gradient bytes on the device during layer ``i``'s backward: its own and those in flight."""
+        return self.Gl[i] + sum(self.Gl[i + 1:i + 1 + self.grads_in_flight(i)])
 
     def rerun_s(self, j: int, selective: "frozenset[int] | set[int]" = frozenset()) -> float:
         """Seconds of re-running layer ``j``'s forward in backward (the no-grad recompute, or the forward
@@ -446,7 +463,7 @@ class Problem:
         else:
             parts["saved activations of one layer (backward)"] = self.ws_bwd[i]
             parts["boundary + its gradients"] = 3 * self.A[i]
-            parts["gradient buffers"] = self.Gl[i] + (self.Gl[i + 1] if i + 1 < L else 0)
+            parts["gradient buffers"] = self.grad_bytes_on_device(i)
             parts["weights (this layer + next)"] = self.Wl[i] + (self.Wl[i - 1] if i > 0 else 0)
         return sum(parts.values()), parts
 
