@@ -401,7 +401,7 @@ class EngineConfig:
     gradient_accumulation_steps: int
     world_size: int = 1
     gradient_clipping: float = GRADIENT_CLIPPING_DEFAULT   # 0 turns it off
-    steps_per_print: float = 10
+    steps_per_print: float | None = None   # None: no progress lines (DeepSpeed's default)
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False   # the loader built from training_data keeps a last, smaller batch
     seed: int | None = None
@@ -538,9 +538,10 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     clip = d.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0 (0 = off), got {clip!r}")
-    spp = d.get("steps_per_print", 10)
-    if isinstance(spp, bool) or not isinstance(spp, (int, float)) or spp <= 0:
-        raise ConfigError(f"config key 'steps_per_print' must be a positive number (float('inf') allowed), got {spp!r}")
+    spp = d.get("steps_per_print")   # unset: no progress lines, as DeepSpeed's default (None)
+    if spp is not None and (isinstance(spp, bool) or not isinstance(spp, (int, float)) or spp <= 0):
+        raise ConfigError(f"config key 'steps_per_print' must be a positive number (float('inf') allowed) or null, "
+                          f"got {spp!r}")
 
     drop_last = d.get("dataloader_drop_last", False)
     if not isinstance(drop_last, bool):

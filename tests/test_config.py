@@ -236,6 +236,25 @@ def test_steps_per_print_accepts_infinity():
     assert parse_config({"train_batch_size": 1, "steps_per_print": float("inf")}).steps_per_print == math.inf
 
 
+def test_steps_per_print_unset_prints_no_progress_as_deepspeeds_default(capsys):
+    """DeepSpeed's default is None (no progress report); LazyTrain's was 10, a line every 10 steps."""
+    import lazytrain
+    from engine_models import batches, lm_loss, make_model
+    assert parse_config({"train_batch_size": 1}).steps_per_print is None
+    assert parse_config({"train_batch_size": 1, "steps_per_print": None}).steps_per_print is None
+    for every, lines in ((None, 0), (5, 2)):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+        if every is not None:
+            cfg["steps_per_print"] = every
+        engine, *_ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+        assert engine.steps_per_print() == every
+        for x, y in batches(10):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        engine.destroy()
+        assert capsys.readouterr().out.count("[lazytrain] step ") == lines
+
+
 def test_missing_model_is_a_clear_error():
     with pytest.raises(ConfigError, match="lazytrain.initialize requires a model"):
         lazytrain.initialize(config={"train_batch_size": 1})

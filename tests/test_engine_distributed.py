@@ -498,3 +498,45 @@ def test_an_iterable_dataset_under_several_ranks_is_read_whole_by_each_and_the_s
                              "unless it yields each rank its own part (as Hugging Face's "
                              "datasets.distributed.split_dataset_by_node makes it), every rank trains on the same "
                              "samples"]
+
+
+_ONE_RANK_SCRIPT = """
+import argparse, warnings
+import torch
+import lazytrain as deepspeed
+from engine_models import make_model
+warnings.simplefilter("ignore")
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args([])
+engine, *_ = deepspeed.initialize(args=args, model=make_model("modulelist"),
+                                  config={"train_micro_batch_size_per_gpu": 2})
+torch.distributed.barrier()
+print("rank", torch.distributed.get_rank(), "of", torch.distributed.get_world_size(), "args.local_rank", args.local_rank)
+"""
+
+
+def test_a_launchers_single_process_gets_a_process_group_and_args_local_rank_as_deepspeed_sets_them():
+    """Under `torchrun --nproc_per_node 1` no group was made (torch.distributed.get_rank() raised after
+    initialize), and args.local_rank stayed -1 (DeepSpeed sets it from LOCAL_RANK)."""
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", _ONE_RANK_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "rank 0 of 1 args.local_rank 0"
+
+
+def test_args_local_rank_is_set_without_a_launcher_and_no_group_is_made(monkeypatch):
+    import argparse
+    import lazytrain
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    args = argparse.Namespace(local_rank=-1)
+    engine, *_ = lazytrain.initialize(args=args, model=make_model("modulelist"),
+                                      config={"train_micro_batch_size_per_gpu": 2})
+    engine.destroy()
+    assert args.local_rank == 0 and not torch.distributed.is_initialized()

@@ -40,18 +40,24 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched() -> bool:
+    """Whether a launcher (torchrun, DeepSpeed's) started this process: its environment names the rank, the
+    world and the rendezvous, from which a process group can be made even for a world of one."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True, distributed_port: int = 29500,
                      verbose: bool = True, timeout: timedelta = timedelta(seconds=DEFAULT_TIMEOUT_S),
                      init_method: str | None = None, dist_init_required: bool | None = None, config=None,
                      rank: int = -1, world_size: int = -1) -> None:
     """DeepSpeed's ``init_distributed``, its parameters in its order: the default process group from the
     launcher's environment (or the arguments), NCCL on CUDA and gloo otherwise, with ``timeout`` on its
-    collectives. A no-op when a group exists or when there is a single process. MPI discovery, the port
+    collectives. A no-op when a group exists, or for a single process no launcher started. MPI discovery, the port
     fallback, ``verbose``, ``dist_init_required`` and ``config`` are accepted and unused: LazyTrain takes
     the launcher's environment as torchrun and DeepSpeed's launcher give it."""
     if not dist.is_available() or dist.is_initialized():
         return
-    if world_size < 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if world_size < 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not launched():
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     kwargs = {"backend": backend, "timeout": timeout, "init_method": init_method}

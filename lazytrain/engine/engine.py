@@ -1094,7 +1094,8 @@ class LazyTrainEngine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._record_peaks()
-        if self.global_rank == 0 and self.global_steps % self.steps_per_print() == 0:
+        every = self.steps_per_print()
+        if self.global_rank == 0 and every is not None and self.global_steps % every == 0:
             self._print_progress()
 
     def _show_loss_scale(self) -> None:

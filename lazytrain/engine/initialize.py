@@ -5,7 +5,7 @@ import warnings
 
 from ..config import ConfigError, parse_config
 from .blocks import compiled_error, is_compiled
-from .distributed import world_size
+from .distributed import init_distributed, launched, world_size
 from .engine import LazyTrainEngine
 
 
@@ -43,8 +43,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         warnings.warn("lazytrain: model/tensor parallelism (mpu, mesh_param) is not supported; they are ignored",
                       UserWarning, stacklevel=2)
     cfg = parse_config(config, world_size=world_size())   # the batch triple is checked against the real group
+    if world_size() <= 1 and launched():   # a launcher's one process gets its group, as DeepSpeed makes it
+        init_distributed()
     engine = LazyTrainEngine(model, cfg, optimizer=optimizer, model_parameters=model_parameters,
                              lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    if args is not None and hasattr(args, "local_rank"):   # scripts written for DeepSpeed read it (set_device,
+        args.local_rank = engine.local_rank                 # rank-0 gating), which DeepSpeed sets from LOCAL_RANK
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
