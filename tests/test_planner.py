@@ -888,6 +888,29 @@ def test_an_isolated_solve_returns_the_plan_an_in_process_solve_returns():
     assert here == there
 
 
+def _overrun_with_the_heuristic(p, opts, **kwargs):
+    """build_and_solve, except that it never returns with HiGHS's root reduced-cost heuristic on."""
+    if opts.root_reduced_cost_heuristic:
+        _overrun()
+    return build_and_solve(p, opts, **kwargs)
+
+
+def test_an_isolated_solve_that_overruns_is_solved_again_without_the_root_reduced_cost_heuristic(monkeypatch):
+    from lazytrain.planner import search
+    monkeypatch.setattr(search, "build_and_solve", _overrun_with_the_heuristic)
+    p = toy_problem(6, 1.5, host_slots=2, nvme_slots=1, hw=SLOW_HW)
+    opts = MilpOptions(max_segment=6, offload_slack=12, prefetch_lead=12, time_limit_s=2, isolate=True)
+    plan = solve(p, opts)
+    solver = plan.prediction["solver"]
+    assert solver["status"] == "optimal" and "fallback" not in plan.prediction
+    assert solver["detail"].endswith("; solved again without the root reduced-cost heuristic after a first solve "
+                                     "overran its time limit")
+    want = build_and_solve(p, dataclasses.replace(opts, isolate=False))[0].to_dict()
+    got = plan.to_dict()
+    got.pop("prediction"), want.pop("prediction")
+    assert got == want
+
+
 def test_an_isolated_solve_that_overruns_its_limit_is_stopped_and_its_start_plan_returned(monkeypatch):
     import time
     from lazytrain.planner import search
@@ -910,11 +933,13 @@ def test_an_isolated_solve_that_overruns_its_limit_is_stopped_and_its_start_plan
     assert got == want
 
 
-def test_highs_options_leave_out_the_heuristic_that_did_not_return():
+def test_the_root_reduced_cost_heuristic_runs_unless_the_options_turn_it_off():
     from lazytrain.planner.milp import _solver
     name, solver = _solver(MilpOptions(), start={})
     if name != "highs":
         pytest.skip("HiGHS is not installed")
+    assert "mip_heuristic_run_root_reduced_cost" not in solver.optionsDict   # HiGHS's default: on
+    _, solver = _solver(MilpOptions(root_reduced_cost_heuristic=False), start={})
     assert solver.optionsDict["mip_heuristic_run_root_reduced_cost"] is False
 
 

@@ -87,8 +87,12 @@ class MilpOptions:
     memory_rows: str = "auto"       # running: sums over windows as running levels (model size linear in
                                     # layers); dense: each window's row lists every term (size quadratic)
     isolate: bool = False           # solve in a child process stopped at isolated_deadline_s(): a solver
-                                    # overrunning its own limit (HiGHS 1.16 did, by minutes) then yields
-                                    # the start plan instead of hanging (the command line and the engine)
+                                    # overrunning its own limit (HiGHS 1.16 did, by minutes) is solved
+                                    # again without the heuristic below, then yields the start plan
+                                    # instead of hanging (the command line and the engine)
+    root_reduced_cost_heuristic: bool = True   # HiGHS's: its incumbents help within short limits (1.2% on
+                                    # the H800 27B at 24 x 3), but on some models with offloaded layers it
+                                    # ran minutes past the limit without calling back
 
     def __post_init__(self):
         t = self.time_limit_s
@@ -278,9 +282,8 @@ def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = N
         # Given a start, no feasibility jump: that heuristic looks for a first plan, which the start is, and
         # it runs without calling back (1 s of a 1 s limit at 128 layers; BENCHMARKS.md)
         extra = {"mip_heuristic_run_feasibility_jump": False} if start else {}
-        # the root reduced-cost heuristic never returned on some models with offloaded layers (qwen2.5-3b on
-        # h800, micro-batch 2, seq 512, GPU 4.1 GB: minutes at the root, no callback), with or without a start
-        extra["mip_heuristic_run_root_reduced_cost"] = False
+        if not opts.root_reduced_cost_heuristic:   # see MilpOptions
+            extra["mip_heuristic_run_root_reduced_cost"] = False
         grace = 5.0 if start and start_past_deadline else 0.0
         return "highs", _HighsFromStart(start, deadline, start_past_deadline, msg=False, timeLimit=left + grace,
                                         gapRel=opts.gap_rel, gapAbs=abs_gap, threads=opts.threads, random_seed=0,

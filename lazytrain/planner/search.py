@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .hardware import HardwareProfile, load_profile
+from .isolate import DeadlineExceededError, call_with_deadline
 from .milp import MilpOptions, NoPlanInTimeError, PlanningError, build_and_solve, isolated_deadline_s
 from .models import ModelShape, load_model
 from .plan import Plan
@@ -46,21 +47,32 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     and record the simulator's prediction in the Plan. With ``opts.isolate`` the solve runs in a child
     process, stopped when it overruns its time limit; then, as when the solver found no plan in its time,
     the plan it started from (else the fastest baseline) is returned, with a warning."""
-    from .isolate import DeadlineExceededError, call_with_deadline
     t0 = time.perf_counter()
     start = _start_plan(p) if opts.warm_start else None
     try:
-        if opts.isolate:
-            plan, info = call_with_deadline(build_and_solve, p, replace(opts, isolate=False), start_plan=start,
-                                            deadline_s=isolated_deadline_s(opts), what="the MILP solver",
-                                            advice="")
-        else:
-            plan, info = build_and_solve(p, opts, start_plan=start)
+        plan, info = (_isolated_solve(p, opts, start) if opts.isolate else build_and_solve(p, opts, start_plan=start))
     except (NoPlanInTimeError, DeadlineExceededError) as e:
         return _fallback(p, e, time.perf_counter() - t0, start)
     r = simulate(p, plan, strict=True, timeline=False)
     return _predicted(p, plan, r, info.to_dict(), time.perf_counter() - t0, milp_step_time_s=info.objective_s,
                       milp_vs_simulator=(info.objective_s / r.step_time_s - 1) if info.objective_s else None)
+
+
+def _isolated_solve(p: Problem, opts: MilpOptions, start: Plan | None):
+    """build_and_solve in a child process stopped at its deadline; one that overran is solved again without
+    HiGHS's root reduced-cost heuristic, which is what overran where it was seen."""
+    def attempt(o: MilpOptions):
+        return call_with_deadline(build_and_solve, p, replace(o, isolate=False), start_plan=start,
+                                  deadline_s=isolated_deadline_s(o), what="the MILP solver", advice="")
+    try:
+        return attempt(opts)
+    except DeadlineExceededError:
+        if not opts.root_reduced_cost_heuristic:
+            raise
+    plan, info = attempt(replace(opts, root_reduced_cost_heuristic=False))
+    info.detail += ("; solved again without the root reduced-cost heuristic after a first solve overran its "
+                    "time limit")
+    return plan, info
 
 
 def _start_plan(p: Problem) -> Plan | None:
