@@ -166,6 +166,24 @@ def test_blocks_named_in_config():
     assert engine.blocks_path == "layers"
 
 
+def test_a_blocks_path_that_a_wrapper_moved_is_refused_naming_the_wrapped_path():
+    """PEFT's PeftModel puts the model under base_model.model: 'model.layers' is then
+    'base_model.model.model.layers', which the refusal did not say."""
+    from lazytrain.engine.blocks import BlockDiscoveryError
+
+    class Wrapper(torch.nn.Module):   # as PeftModel wraps a causal LM
+        def __init__(self, model):
+            super().__init__()
+            self.base_model = torch.nn.Module()
+            self.base_model.model = model
+    with pytest.raises(BlockDiscoveryError) as e:
+        lazytrain.initialize(model=Wrapper(make_model("llama")), config=ds_config(blocks="model.layers"))
+    assert str(e.value) == ("config 'lazytrain.blocks' is 'model.layers', but the model has no attribute 'model' "
+                            "along that path; the model wraps them: did you mean 'base_model.model.model.layers'?")
+    with pytest.raises(BlockDiscoveryError, match=r"no attribute 'nowhere' along that path$"):
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(blocks="model.nowhere"))
+
+
 @pytest.mark.parametrize("home", ["host", "hbm"])
 def test_keep_all_policy_matches_pytorch(home):
     model = make_model("llama")

@@ -31,8 +31,12 @@ def _resolve(model: nn.Module, path: str) -> nn.Module:
     obj = model
     for part in path.split("."):
         if not hasattr(obj, part):
+            # a wrapper's path to the same blocks (PEFT's PeftModel puts the model under base_model.model)
+            wrapped = [name for name, m in model.named_modules() if name.endswith("." + path)
+                       and isinstance(m, (nn.ModuleList, nn.Sequential))]
             raise BlockDiscoveryError(f"config 'lazytrain.blocks' is {path!r}, but the model has no attribute "
-                                      f"{part!r} along that path")
+                                      f"{part!r} along that path"
+                                      + (f"; the model wraps them: did you mean {wrapped[0]!r}?" if wrapped else ""))
         obj = getattr(obj, part)
     return obj
 
