@@ -245,10 +245,11 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                               # the config's batch triple fixes the step: planned with its accumulation
                               global_batch=micro_batch * cfg.gradient_accumulation_steps,
                               seq_len=lt.seq_len, time_limit_s=lt.milp_time_limit,
-                              # the solve stopped when it overruns, its start plan used: the outer deadline
-                              # stops what else could hang
+                              # each solve is stopped when it overruns (solved again, else its start plan
+                              # used: planner search.solve); the outer deadline stops what else could hang
                               options=MilpOptions(allow_graph_tail=lt.last_segment_graph is not False,
-                                                  isolate=True), deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
+                                                  isolate=True),
+                              deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
     if plan.num_layers != num_layers:
         raise ConfigError(f"the planner planned {plan.num_layers} layers but the model streams {num_layers} blocks")
     return plan

@@ -560,10 +560,7 @@ class ModelShape:
                 "throughput_params": self.throughput_params}
 
 
-# Model types whose attention RMS-normalises q and k per head, and whose RMSNorms scale by (1 + weight) in
-# fp32 (what they save differs: LayerShape.saved_bytes_per_token); hybrid stacks do both. Other model types
-# are read as Llama's layer.
-# the model types whose layers are the planner's layer: q/k/v/o projections (with their variants here: biases,
+# The model types whose layers are the planner's layer: q/k/v/o projections (with their variants here: biases,
 # q/k norms, an output gate, linear attention), a gated MLP of three matrices (or routed experts of one), and
 # RMSNorms. Another type is costed as one all the same, with a warning (a two-matrix MLP, LayerNorms with
 # biases, multi-latent attention: its times and activation memory are estimates)
@@ -572,6 +569,11 @@ LLAMA_STYLE_MODEL_TYPES = frozenset({
     "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe",
     "qwen3_vl_moe_text", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3", "olmo", "olmo2", "olmoe", "granite",
     "granitemoe", "smollm3", "cohere", "cohere2"})
+
+
+# Model types whose attention RMS-normalises q and k per head, and whose RMSNorms scale by (1 + weight) in
+# fp32 (what they save differs: LayerShape.saved_bytes_per_token); hybrid stacks do both. Other model types
+# are read as Llama's layer.
 QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
                                  "qwen3_5_moe_text", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe",
                                  "qwen3_vl_moe_text"})

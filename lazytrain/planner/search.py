@@ -45,8 +45,9 @@ def as_budgets(budgets: Any) -> Budgets:
 def solve(p: Problem, opts: MilpOptions) -> Plan:
     """Solve the MILP for ``p``, replay the plan in the simulator (strict: a violated invariant raises)
     and record the simulator's prediction in the Plan. With ``opts.isolate`` the solve runs in a child
-    process, stopped when it overruns its time limit; then, as when the solver found no plan in its time,
-    the plan it started from (else the fastest baseline) is returned, with a warning."""
+    process, stopped when it overruns its time limit and solved again without HiGHS's root reduced-cost
+    heuristic (:func:`_isolated_solve`); when that overruns too, as when the solver found no plan in its
+    time, the plan it started from (else the fastest baseline) is returned, with a warning."""
     t0 = time.perf_counter()
     start = _start_plan(p) if opts.warm_start else None
     try:
@@ -97,8 +98,9 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
 
 
 def _fallback(p: Problem, error: PlanningError, wall: float, start: Plan | None = None) -> Plan:
-    """When the solver found no plan in its time (a large model on a short limit) or overran it: the plan it was to start
-    from, else the fastest baseline policy that fits; a plan that runs, said to be one, rather than none."""
+    """When the solver found no plan in its time (a large model on a short limit) or overran it: the plan it
+    was to start from, else the fastest baseline policy that fits; a plan that runs, said to be one, rather
+    than none."""
     from .policies import BASELINES
     if start is not None:
         found = [(start, simulate(p, start, strict=True, timeline=False))]
