@@ -226,18 +226,17 @@ def _host_thread_copy(dst, src, value, afters, direction: str, label: str,
     CUDA stream, the caller must not change ``src`` until the copy is done; a change is caught (the
     tensor's version moved) and fails the copy instead of copying half-changed data."""
     version = _version(src) if check_source else None
+    queued = time.perf_counter()
 
     def run():
-        for e in afters:
-            e.synchronize()
+        ready = streams.transfer_ready(queued, afters)
         t0 = time.perf_counter()
-        streams.chaos_delay()
         if version is not None and _version(src) != version:
             raise TierError(f"a tensor of {tuple(src.shape)} {src.dtype} was modified in place before its "
                             f"asynchronous copy ({direction}) ran; a tensor handed to a transfer must not "
                             f"change until the transfer is done")
         dst.copy_(src)
-        streams.emulate_link(direction, src.numel() * src.element_size(), t0)
+        t0 = streams.emulate_link(direction, src.numel() * src.element_size(), ready, t0)
         streams.record(direction, label, t0, time.perf_counter(),
                        bytes=src.numel() * src.element_size())
         return dst if value is None else value

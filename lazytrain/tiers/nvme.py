@@ -394,9 +394,10 @@ class NVMeTier(Tier):
         """Queue one ``fn`` per request of ``op``. A request that cannot be queued (the tier closed on
         another thread meanwhile) completes its part with the error, so ``op``'s finish still runs once
         and gives back the descriptor and staging memory."""
+        queued = time.perf_counter()   # when each request is ready for the link (streams.transfer_ready)
         for i, (offset, length) in enumerate(requests):
             try:
-                self._executor.submit(fn, op, fd, landing, offset, length, *args)
+                self._executor.submit(fn, op, fd, landing, offset, length, queued, *args)
             except RuntimeError as e:   # cannot schedule new futures after shutdown
                 error = TierError(f"tier {self.name!r} is closed")
                 error.__cause__ = e
@@ -406,12 +407,10 @@ class NVMeTier(Tier):
         if not requests:
             op.part_done()  # an empty tensor: an empty file
 
-    def _write_request(self, op, fd, landing: _Landing, offset, length, nbytes, entry, event, keepalive):
+    def _write_request(self, op, fd, landing: _Landing, offset, length, queued, nbytes, entry, event, keepalive):
         try:
-            if event is not None:
-                event.synchronize()
+            ready = streams.transfer_ready(queued, [event] if event is not None else [])
             t0 = time.perf_counter()
-            streams.chaos_delay()
             block = self.settings.block_size
             sums = landing.checksums(offset, min(length, max(0, nbytes - offset)), block)
             entry.checksums[offset // block:offset // block + len(sums)] = sums
@@ -421,7 +420,7 @@ class NVMeTier(Tier):
                 if n <= 0:
                     raise OSError(errno.EIO, "write returned no progress")
                 done += n
-            streams.emulate_link("nvme_write", length, t0)
+            t0 = streams.emulate_link("nvme_write", length, ready, t0)
         except BaseException as e:  # noqa: BLE001 - delivered through the op's future
             op.part_done(e)
         else:
@@ -588,10 +587,10 @@ class NVMeTier(Tier):
         self._submit_all(op, requests, self._read_request, fd, landing, entry, scatter)
         return op.future
 
-    def _read_request(self, op, fd, landing: _Landing, offset, length, entry: _Entry, scatter):
-        t0 = time.perf_counter()
+    def _read_request(self, op, fd, landing: _Landing, offset, length, queued, entry: _Entry, scatter):
         try:
-            streams.chaos_delay()
+            ready = streams.transfer_ready(queued)
+            t0 = time.perf_counter()
             done = 0
             while done < length:
                 n = self.backend.preadv(fd, landing.iov(offset + done, length - done), offset + done)
@@ -614,7 +613,7 @@ class NVMeTier(Tier):
                 dst[offset:offset + real].copy_(src[offset:offset + real])
             elif landing.tail is not None and offset + length > landing.split:  # the bounced last block
                 landing.head[landing.split:entry.nbytes] = landing.tail[:entry.nbytes - landing.split]
-            streams.emulate_link("nvme_read", length, t0)
+            t0 = streams.emulate_link("nvme_read", length, ready, t0)
         except BaseException as e:  # noqa: BLE001
             op.part_done(e)
         else:
