@@ -749,6 +749,9 @@ def _parse_testing(section) -> TestingConfig:
     if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay <= 1000:
         raise ConfigError(f"config key 'lazytrain.testing.chaos_max_delay_ms' must be a number of milliseconds "
                           f"in [0, 1000], got {delay!r}")
+    if "chaos_max_delay_ms" in section and seed is None:
+        raise ConfigError("config key 'lazytrain.testing.chaos_max_delay_ms' needs "
+                          "'lazytrain.testing.chaos_seed' (a test setting: the seed turns the random delays on)")
     links = _parse_links(section.get("links", {}))
     if links and not copy_threads:
         raise ConfigError("config key 'lazytrain.testing.links' needs 'lazytrain.testing.copy_threads': true (the "

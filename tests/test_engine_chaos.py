@@ -4,6 +4,7 @@ seed every transfer, NVMe request and layer update is delayed at random. Whateve
 must be bit-for-bit what it is without them: an ordering bug (a copy landing in a buffer still in use, an
 update rewriting weights a copy still reads) shows up here as a difference."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -147,16 +148,34 @@ def test_testing_section_warns_that_it_is_for_tests():
     engine.destroy()
 
 
+def test_an_engines_testing_settings_end_with_its_destroy():
+    """They are the process's (the copy paths read them), from initialize to destroy(): an engine built
+    after one with chaos and emulated links is not slowed by them once that one is destroyed."""
+    from lazytrain.tiers import streams
+    before = streams.settings()
+    testing = {"copy_threads": True, "chaos_seed": 1, "chaos_max_delay_ms": 5.0,
+               "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=config(dict(), None, testing))
+    now = streams.settings()
+    assert now.copy_threads and now.chaos.seed == 1 and sorted(now.links) == ["d2h", "h2d"]
+    engine.destroy()
+    assert streams.settings() is before
+
+
 @pytest.mark.parametrize("testing, message", [
     ({"chaos_seed": "1"}, "'lazytrain.testing.chaos_seed' must be an integer, got '1'"),
     ({"chaos_max_delay_ms": -1}, "'lazytrain.testing.chaos_max_delay_ms' must be a number of milliseconds in "
                                  "[0, 1000], got -1"),
     ({"copy_threads": 1}, "'lazytrain.testing.copy_threads' must be true or false, got 1"),
+    ({"chaos_max_delay_ms": 5}, "'lazytrain.testing.chaos_max_delay_ms' needs 'lazytrain.testing.chaos_seed' (a test "
+                                "setting: the seed turns the random delays on)"),
     ({"chaos": 1}, "chaos"),
 ])
 def test_bad_testing_settings_are_named(testing, message):
     from lazytrain.config import ConfigError
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         lazytrain.initialize(model=make_model("llama"), config=config(dict(), None, testing))
 
 

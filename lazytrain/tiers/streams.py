@@ -253,6 +253,12 @@ def settings() -> TransferSettings:
     return _settings
 
 
+def restore(previous: TransferSettings) -> None:
+    """Put back settings that :func:`settings` returned (an engine's ``destroy()``: the ones before it)."""
+    global _settings
+    _settings = previous
+
+
 def chaos_delay() -> float:
     """A random delay where a transfer or a layer update runs, when chaos is on; returns the seconds slept."""
     chaos = _settings.chaos
