@@ -156,6 +156,40 @@ def test_blocks_returning_a_one_tuple_get_a_tuple_back(graph):
     assert_trains_like_plain(model, data, ds_config(checkpoint_interval=2, last_segment_graph=graph))
 
 
+class _LinearOutBlock(torch.nn.Module):
+    """Ends in nn.Linear, whose output on a 3-D input is a view (of addmm's)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+class _ScalesInPlaceLM(ModuleListLM):
+    """Scales each block's output in place, as some models do between blocks."""
+
+    def _blocks(self, d, n_layers):
+        return [_LinearOutBlock(d) for _ in range(n_layers)]
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.stack:
+            x = blk(x)
+            x.mul_(0.5)
+        return self.head(self.extra[0](x))
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_a_block_output_that_is_a_view_may_be_changed_in_place_as_in_plain_pytorch(graph):
+    """Autograd refuses in-place changes to a view a custom Function returns; the streamed call hands back
+    the block's output detached, so the model trains as plain PyTorch does."""
+    torch.manual_seed(0)
+    assert_trains_like_plain(_ScalesInPlaceLM(n_layers=4), batches(3),
+                             ds_config(checkpoint_interval=2, last_segment_graph=graph))
+
+
 def test_modulelist_blocks_found_automatically():
     engine = train_engine(make_model("modulelist"), batches(1), ds_config())
     assert engine.blocks_path == "stack"

@@ -801,11 +801,13 @@ class _BlockFunction(torch.autograd.Function):
         if record:                          # backward differentiates this graph without a re-run
             x_in, out, params, t_in = executor._forward_with_grad(p, layer, hidden, needs[0], needs[1:], keep=True)
             p.graphs[layer] = (x_in, executor._outputs(out), params, t_in)
-            out = out.detach() if isinstance(out, torch.Tensor) else \
-                tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
         else:
             flat = executor._acquire(layer)
             out, _ = executor._compute(layer, flat, hidden, p.calls[layer], kept=executor._selective_forward(p, layer))
+        # detached: an output that is a view (nn.Linear's on a 3-D input) would be this Function's view output,
+        # which autograd refuses to let the model change in place, as plain PyTorch lets it
+        out = out.detach() if isinstance(out, torch.Tensor) else \
+            tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
         if isinstance(out, torch.Tensor):
             return (out,)
         p.returned_tuple.add(layer)   # the model indexes it (layer_outputs[0]): hand back a tuple too
