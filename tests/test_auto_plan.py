@@ -320,6 +320,37 @@ def test_a_new_micro_batch_is_measured_and_planned_again(capsys):
     assert "[lazytrain] auto plan after step 12 (measured again at micro-batch 4): auto-milp" in capsys.readouterr().out
 
 
+def test_a_plan_at_a_new_micro_batch_that_fails_keeps_the_calibration_plan_at_that_size(monkeypatch):
+    """The plan before the new micro-batch was made for the old one (its memory model is another step's):
+    a failure to plan at the new size stays on the calibration plan, which ran at it."""
+    import lazytrain.engine.engine as engine_module
+    real, calls = engine_module.plan_from_measurements, []
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the planner failed")
+        return real(*args)
+    monkeypatch.setattr(engine_module, "plan_from_measurements", second_fails)
+    cfg = _config({"policy": "auto", "auto": {**AUTO, "max_replans": 0}})
+    plans = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+        for micro, steps in ((2, 6), (4, 7)):
+            if micro != engine.train_micro_batch_size_per_gpu():
+                engine.set_train_micro_batch_size(micro)
+            for x, y in batches(steps, batch=micro):
+                engine.backward(lm_loss(engine(x), y))
+                engine.step()
+                plans.append((engine.plan.policy, engine.plan.micro_batch_size))
+    engine.destroy()
+    assert plans[-1] == ("auto-calibration", 4)
+    stopped = [str(w.message) for w in caught if "stopped" in str(w.message)]
+    assert stopped == ['lazytrain: policy "auto" stopped after step 12 and keeps the plan auto-calibration: '
+                       'RuntimeError: the planner failed']
+
+
 def test_a_plan_again_after_drift_that_fails_goes_back_to_the_plan_it_had(monkeypatch):
     """Measuring again runs the slow calibration plan; a re-plan that fails then must not leave the run on
     it for good."""
@@ -553,9 +584,9 @@ def _rank(rank, port, out_dir):
     cfg["train_batch_size"] = 4
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
     plans = []
-    for x, y in batches(9, batch=4):
+    for x, y in batches(9, batch=4, seq=12 + 4 * rank):   # rank 1's batches padded to a longer length
         part = slice(2 * rank, 2 * rank + 2)
-        plans.append((engine.plan.policy, engine.plan.homes, engine.plan.last_segment_graph))
+        plans.append((engine.plan.policy, engine.plan.homes, engine.plan.last_segment_graph, engine.plan.seq_len))
         engine.backward(lm_loss(engine(x[part]), y[part]))
         engine.step()
     torch.save({"plans": plans, "weights": engine.module_state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -563,10 +594,12 @@ def _rank(rank, port, out_dir):
 
 
 def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_path):
+    """Rank 0 plans for every rank, for the longest sequence any of them trained."""
     mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["plans"] == r1["plans"]
     assert [p[0] for p in r0["plans"]] == ["auto-calibration"] * 5 + ["auto-milp"] * 4
+    assert r0["plans"][-1][3] == 16
     for k, v in r0["weights"].items():
         assert torch.equal(r1["weights"][k], v), k
 

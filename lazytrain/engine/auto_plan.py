@@ -134,6 +134,7 @@ class AutoPlanner:
         self._measuring_why = f"measured again at micro-batch {micro_batch}"
         self.measuring, self._steps_in_phase, self._traces, self._times = True, 0, [], []
         self._selective_phase, self._plain_traces, self._mixed = False, [], 0
+        self._last_plan = None   # another micro-batch's: measuring that fails from here keeps the calibration plan
         self.hooks.switch(self.calibration)
         self._measure_next()
 

@@ -523,8 +523,13 @@ class LazyTrainEngine(nn.Module):
         self._profile_seq_len = profile.seq_len   # checked against every training batch
 
     def _on_rank0(self, compute):
-        """``compute()`` on rank 0, its answer on every rank (its error raised on every rank)."""
+        """``compute()`` on rank 0, its answer on every rank (its error raised on every rank). Rank 0 plans for
+        the longest sequence any rank has trained: every rank runs its plan."""
         answer, error = None, None
+        if self.dist.enabled:
+            seen = [n for n in self.dist.all_gather_object(self._seq_len, "agreement on the sequence length")
+                    if n is not None]
+            self._seq_len = max(seen) if seen else None
         if self.global_rank == 0:
             try:
                 answer = compute()
