@@ -187,6 +187,46 @@ def test_copies_split_over_windows_train_bit_for_bit_as_the_plan_that_re_runs_th
         assert torch.equal(split[k], v), k
 
 
+class _SavesItsOutputBlock(torch.nn.Module):
+    """tanh saves its own output: the block's output is a tensor its forward sent to the host."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) + x)
+
+
+class _ScalesInPlaceLM(ModuleListLM):
+    block = _SavesItsOutputBlock
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for blk in self.stack[:-1]:   # (the last block keeps its graph: plain autograd refuses a change there)
+            x = blk(x)
+            x.mul_(0.5)   # the model changes each block's output in place
+        return self.head(self.extra[0](self.stack[-1](x)))
+
+
+@pytest.mark.parametrize("testing", [None, LINKS, {**LINKS, "chaos_seed": 3, "chaos_max_delay_ms": 5.0}],
+                         ids=["in-place", "links", "links-chaos"])
+def test_an_output_the_forward_saved_and_the_model_then_changes_in_place_trains_as_the_re_run_plan(tmp_path, testing):
+    """The saved bytes' copy to the host may run after the model's in-place change (a copy stream, a
+    window's share): the model gets a copy of such an output, and the layer is differentiated as its
+    forward computed it, as the plan that re-runs it is. The async copy had read the changed values (a
+    TierError here; on a CUDA stream, which checks no versions, a race)."""
+    def model():
+        torch.manual_seed(0)
+        return _ScalesInPlaceLM(n_layers=6)
+    data = batches(3)
+    plain = _train(plan_engine(tmp_path, model(), keep_all_plan(6), testing), data)
+    for plan in (offload_all_plan(6), SPLIT):
+        offloaded = _train(plan_engine(tmp_path, model(), plan, testing), data)
+        for k, v in plain.items():
+            assert torch.equal(offloaded[k], v), (plan.policy, k)
+
+
 def test_split_copies_leave_and_come_back_in_the_shares_the_plan_names(tmp_path):
     """Each window issues the saved tensors (in the order saved) that bring the bytes issued to its running
     share, each tensor whole: within half the largest tensor of it."""

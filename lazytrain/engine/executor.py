@@ -801,6 +801,8 @@ class _BlockFunction(torch.autograd.Function):
         if record:                          # backward differentiates this graph without a re-run
             x_in, out, params, t_in = executor._forward_with_grad(p, layer, hidden, needs[0], needs[1:], keep=True)
             p.graphs[layer] = (x_in, executor._outputs(out), params, t_in)
+            if layer in p.offloaded:
+                out = p.offloaded[layer].hand_out(out)
         else:
             flat = executor._acquire(layer)
             out, _ = executor._compute(layer, flat, hidden, p.calls[layer], kept=executor._selective_forward(p, layer))

@@ -146,6 +146,7 @@ class OffloadedInternals:
         self._reads: dict[int, TransferHandle] = {}  # saved index -> read in flight
         self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
         self._changed: dict[int, tuple] = {}         # saved index -> (version saved, version after the forward)
+        self._saved_storages: set[int] = set()       # the storages of the tensors the forward sent (data_ptr)
         self._weights_now: torch.Tensor | None = None
         self.nbytes = 0                              # bytes sent to the host
 
@@ -162,10 +163,23 @@ class OffloadedInternals:
             for ident, (t, n, _) in self._index.items():   # changed in place after it was saved, in the forward:
                 if t._version != ident[-1]:               # plain autograd refuses it if backward uses it
                     self._changed[n] = (ident[-1], t._version)
+            self._saved_storages = {ident[0] for ident in self._index}
             self._index.clear()
             self._spans.clear()
         if self._out is not None:   # the forward window's share leaves now its forward has saved everything
             self.send_through(self._window)
+
+    def hand_out(self, outputs):
+        """The block's outputs as the model gets them: a copy of one whose memory the forward saved. The model
+        may change an output in place (scale the hidden state), which the saved bytes must not see: their
+        copy to the host may not have run yet (on a copy stream, or waiting for its window's share). The
+        re-run plans differentiate the block as its forward computed it; so does an offloaded layer."""
+        def out(t):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and \
+                    t.untyped_storage().data_ptr() in self._saved_storages:
+                return t.detach().clone()
+            return t
+        return out(outputs) if isinstance(outputs, torch.Tensor) else tuple(out(t) for t in outputs)
 
     def send_through(self, window: int) -> None:
         """Issue the copies to the host of the shares up to ``window`` (split copies only)."""
