@@ -50,12 +50,14 @@ class _Kept:
 class _Sent:
     """A saved tensor sent to the host: its index, and how to give it back its shape and strides (the shape
     of its dense form when it is another view of the bytes sent under that index, else None; the
-    permutation that undoes :func:`_compact`'s, None for none; then its broadcast shape)."""
-    __slots__ = ("index", "unpermute", "shape", "reshape")
+    permutation that undoes :func:`_compact`'s, None for none; the strides of a slice, whose values came
+    back contiguous, None for none; then its broadcast shape)."""
+    __slots__ = ("index", "unpermute", "shape", "reshape", "strides")
 
     def __init__(self, index: int, unpermute: tuple[int, ...] | None, shape: tuple[int, ...],
-                 reshape: tuple[int, ...] | None = None):
+                 reshape: tuple[int, ...] | None = None, strides: tuple[int, ...] | None = None):
         self.index, self.unpermute, self.shape, self.reshape = index, unpermute, shape, reshape
+        self.strides = strides
 
 
 def _compact(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
@@ -233,7 +235,10 @@ class OffloadedInternals:
                 self._pending[n] = (sent.detach(), t.detach(), ident[-1])
             self.nbytes += self._sizes[-1]
         unpermute = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
-        return _Sent(n, unpermute, tuple(t.shape), reshape)
+        # a slice (gate and up of one matmul's chunk(2)) comes back with its strides: a kernel given other
+        # strides may round otherwise (the CPU's vectorized and scalar loops), and no longer bit for bit
+        strides = tuple(sent.stride()) if order is None and reshape is None else None
+        return _Sent(n, unpermute, tuple(t.shape), reshape, strides)
 
     def weights_kept_outside_saved_tensors(self, outputs) -> list[str]:
         """The autograd Functions of the recorded graph (reached from ``outputs``) that keep a view of the
@@ -305,6 +310,9 @@ class OffloadedInternals:
             self._values[n] = value
         if packed.reshape is not None:
             value = value.view(packed.reshape)
+        if packed.strides is not None:
+            value = torch.empty_strided(value.shape, packed.strides, dtype=value.dtype,
+                                        device=value.device).copy_(value)
         if packed.unpermute is not None:
             value = value.permute(packed.unpermute)
         return value.expand(packed.shape)
