@@ -181,3 +181,34 @@ def test_a_head_with_a_hook_or_its_own_forward_keeps_the_models_own_forward():
     engine = lazytrain.initialize(model=wrapped, config=config(chunk=5))[0]
     engine(input_ids=ids, labels=labels)
     assert calls == [1] and wrapped.lm_head.forward is counted
+
+
+def test_a_bf16_heads_gradient_is_summed_over_the_chunks_in_fp32():
+    """Summed by autograd in bf16, the head's gradient took one rounding per chunk: here 64 chunks were
+    2.75x the error of the model's own loss against fp32, 256 chunks 4.62x; now 1.11x at any count."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 256, 64, generator=g)
+    weight = torch.randn(512, 64, generator=g) / 8
+    labels = torch.randint(0, 512, (4, 256), generator=g)
+    labels[:, :16] = -100
+
+    def head_grad(dtype, chunk):
+        w = weight.to(dtype).clone().requires_grad_(True)
+        h = hidden.to(dtype)
+        if chunk:
+            loss = chunked_loss.causal_lm_loss(h, w, None, labels, chunk)
+        else:
+            shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+            loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float().flatten(0, 1),
+                                                     shifted, ignore_index=-100)
+        loss.backward()
+        return w.grad.float()
+
+    exact = head_grad(torch.float32, 0)
+    assert torch.allclose(head_grad(torch.float32, 16), exact, rtol=1e-5, atol=1e-7)
+
+    def error(grad):
+        return ((grad - exact).norm() / exact.norm()).item()
+    own = error(head_grad(torch.bfloat16, 0))
+    for chunk in (256, 16, 4):   # 4, 64 and 256 chunks
+        assert error(head_grad(torch.bfloat16, chunk)) < 1.25 * own, chunk

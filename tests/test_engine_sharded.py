@@ -1793,10 +1793,11 @@ def _hf_stage3(rank, world, out_dir, stage):
     cfg["lazytrain"].update(loss_chunk_tokens=4, collective_timeout_s=120)   # a rank left waiting fails, soon
     engine, _, _, _ = lazytrain.initialize(model=make_hf_model("llama"), config=cfg)
     per = GLOBAL // world
-    losses = []
+    losses, chunked = [], []
     for x, y in batches(2, batch=GLOBAL):
         part = slice(per * rank, per * rank + per)
         out = engine(input_ids=x[part], labels=y[part])
+        chunked.append(out.logits is None)   # the chunked loss's output holds no logits
         engine.backward(out.loss)
         engine.step()
         losses.append(float(out.loss))
@@ -1809,7 +1810,7 @@ def _hf_stage3(rank, world, out_dir, stage):
         generated = model.generate(input_ids=mine, attention_mask=torch.ones_like(mine), max_new_tokens=5,
                                    do_sample=False, eos_token_id=int(first[0]), pad_token_id=0)
     result = {"losses": losses, "weights": engine.module_state_dict(), "generated": generated[0].tolist(),
-              "first": first.tolist()}
+              "first": first.tolist(), "chunked": chunked}
     engine.destroy()
     return result
 
@@ -1837,6 +1838,7 @@ def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
     for r2, r3 in zip(spawned("hf-stage2"), hf):
         assert r3["losses"] == pytest.approx(r2["losses"], rel=1e-6)
         assert r3["generated"] == r2["generated"]
+        assert r2["chunked"] == r3["chunked"] == [True, True]   # the engine's own hooks at stage 3 too
     assert hf[0]["first"][0] != hf[0]["first"][1]
     assert len(hf[0]["generated"]) == 5 and len(hf[1]["generated"]) > 5   # rank 0 stopped first
 

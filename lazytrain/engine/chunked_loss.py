@@ -6,7 +6,7 @@ logits and their gradient, more than the layers' whole working set. With ``lazyt
 set, a training forward with labels runs the model without them, with its head replaced for that call by
 one that only keeps its input (the final hidden states) and hands back a zero-byte stand-in for the
 logits; the loss is then computed here, ``chunk_tokens`` positions at a time, each chunk's logits
-recomputed in backward instead of kept (``torch.utils.checkpoint``). The loss is Hugging Face's
+recomputed in backward instead of kept, the head's gradient summed over the chunks in fp32. The loss is Hugging Face's
 ``ForCausalLMLoss``: labels shifted by one, -100 ignored, summed and divided by ``num_items_in_batch``
 when the caller passes it (Trainer does), else averaged over the counted tokens. The output's ``logits``
 is None: a training forward with labels gives the loss only.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 # model families whose causal-LM head is a plain linear layer on the last hidden states and whose loss is
@@ -37,14 +36,17 @@ _SCALED_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "out
                 "lm_head_multiplier")
 
 
-def applies(model: nn.Module, kwargs: dict) -> bool:
-    """Whether this forward can take the chunked path (see the module docstring for what is excluded)."""
+def applies(model: nn.Module, kwargs: dict, engine_hooks: frozenset = frozenset()) -> bool:
+    """Whether this forward can take the chunked path (see the module docstring for what is excluded).
+    ``engine_hooks``: ids of the engine's own hooks on modules (ZeRO stage 3 fetches a head's weight with
+    them, which the chunked path reads the same), not a user's that would see the logits."""
     if kwargs.get("labels") is None or not torch.is_grad_enabled() or not model.training:
         return False
     if not set(kwargs) <= FORWARD_KWARGS or kwargs.get("return_dict") is False:
         return False
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear or "forward" in vars(head) or head._forward_hooks or head._forward_pre_hooks:
+    if type(head) is not nn.Linear or "forward" in vars(head) or \
+            set(head._forward_hooks) - engine_hooks or set(head._forward_pre_hooks) - engine_hooks:
         return False
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in FAMILIES:
@@ -105,18 +107,60 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     live = F.pad(shifted != IGNORE_INDEX, (0, (-shifted.shape[0]) % chunk_tokens)).view(-1, chunk_tokens)
     live = live.any(dim=1).tolist()
     shifted = shifted.to(hidden.device)
-    # a batch whose labels are all ignored still has a loss in the graph, zero gradients reaching the head
-    # (AdamW then decays its weights) as the model's own loss does
-    total = F.linear(flat[:0], weight, bias).float().sum()
-    for k, start in enumerate(range(0, flat.shape[0], chunk_tokens)):
-        part = slice(start, start + chunk_tokens)
-        if live[k]:
-            total = total + checkpoint(_chunk_loss_sum, flat[part], weight, bias, shifted[part], use_reentrant=False)
+    total = _ChunkedCrossEntropy.apply(flat, weight, bias, shifted, chunk_tokens, live)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch
     return total / (shifted != IGNORE_INDEX).sum()
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of ``F.linear(flat, weight, bias)``, a chunk of positions at a time; backward
+    computes each chunk's logits again and differentiates them as autograd would, and sums the chunks'
+    weight and bias gradients in fp32, cast once to the weight's dtype. Summed by autograd in a bf16
+    weight's dtype, the head's gradient took one rounding per chunk (4x the model's own error at 64 chunks).
+    A batch whose labels are all ignored still gives the head a (zero) gradient, as the model's own loss does."""
+
+    @staticmethod
+    def forward(ctx, flat, weight, bias, shifted, chunk_tokens: int, live: list):
+        total = torch.zeros((), dtype=torch.float32, device=flat.device)
+        for part in _live_chunks(flat.shape[0], chunk_tokens, live):
+            total = total + _chunk_loss_sum(flat[part], weight, bias, shifted[part])
+        ctx.save_for_backward(flat, weight, bias, shifted)
+        ctx.chunk_tokens, ctx.live = chunk_tokens, live
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        flat, weight, bias, shifted = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(flat) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        w = weight.detach().requires_grad_(need_w)
+        b = bias.detach().requires_grad_(need_b) if bias is not None else None
+        wanted = [t for t, need in ((w, need_w), (b, need_b)) if need]
+        for part in _live_chunks(flat.shape[0], ctx.chunk_tokens, ctx.live):
+            with torch.enable_grad():
+                h = flat[part].detach().requires_grad_(need_h)
+                loss = _chunk_loss_sum(h, w, b, shifted[part])
+                grads = list(torch.autograd.grad(loss, ([h] if need_h else []) + wanted, grad_total))
+            if need_h:
+                grad_h[part] = grads.pop(0)
+            if need_w:
+                grad_w += grads.pop(0)
+            if need_b:
+                grad_b += grads.pop(0)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+
+
+def _live_chunks(positions: int, chunk_tokens: int, live: list):
+    """The slices of the chunks that hold a label."""
+    for k, start in enumerate(range(0, positions, chunk_tokens)):
+        if live[k]:
+            yield slice(start, start + chunk_tokens)
 
 
 def _chunk_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

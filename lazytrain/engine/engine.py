@@ -752,7 +752,8 @@ class LazyTrainEngine(nn.Module):
         if self.partitioned is not None:
             self.partitioned.begin_forward()
         chunk = self._config.lazytrain.loss_chunk_tokens
-        if chunk and chunked_loss.applies(self.module, kwargs):
+        engine_hooks = self.partitioned.hook_ids() if self.partitioned is not None else frozenset()
+        if chunk and chunked_loss.applies(self.module, kwargs, engine_hooks):
             out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
             if self.partitioned is not None:   # its backward recomputes the head's logits outside the head
                 head = self.module.get_output_embeddings()

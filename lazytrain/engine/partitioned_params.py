@@ -159,6 +159,10 @@ class PartitionedParams:
         _LIVE[:] = [r for r in _LIVE if r() is not None and r() is not self]
 
     # ---- what the engine asks ----------------------------------------------------------------------
+    def hook_ids(self) -> frozenset:
+        """The ids of the module hooks this registered (a module's ``_forward_hooks`` keys)."""
+        return frozenset(h.id for h in self._hooks)
+
     def partitioned(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a master the optimizer holds, or a model parameter) is partitioned here."""
         return self._entry_of(t) is not None
