@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import threading
@@ -36,9 +37,12 @@ class Span:
 class Timeline:
     """Spans on lanes; ``add`` may be called from any thread (copy threads, I/O threads, the update)."""
 
-    def __init__(self, source: str, device: str | None = None):
+    def __init__(self, source: str, device: str | None = None, step_s: float | None = None):
         self.source = source
         self.device = device        # the compute device of a measured step ("cpu", "cuda"); None: simulated
+        # a simulated step's time: its overlapped update runs on into the next step, past the step's end
+        self.step_s = step_s
+        self.written_to: str | None = None   # the file write_chrome_trace last wrote it into
         self.spans: list[Span] = []
         self.origin = time.perf_counter()
         self._lock = threading.Lock()
@@ -72,6 +76,8 @@ class Timeline:
     # ---- reading it ---------------------------------------------------------------------------
     @property
     def duration(self) -> float:
+        if self.step_s is not None:
+            return self.step_s
         return max((s.end for s in self.spans), default=0.0) - min((s.start for s in self.spans), default=0.0)
 
     def busy(self, lane: str) -> float:
@@ -114,11 +120,11 @@ class Timeline:
         events += [{"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": n, "args": {"sort_index": n}}
                    for n in tid.values()]
         base = min((s.start for s in self.spans), default=0.0)
-        for s in self.spans:   # both ends rounded, the duration taken from them: spans back to back stay so
-            ts = round((s.start - base) * 1e6, 3)
-            end = round((max(s.start, s.end) - base) * 1e6, 3)
+        for s in self.spans:   # both ends in integer ns, the duration taken from them: back to back stays so
+            start = round((s.start - base) * 1e9)
+            end = round((max(s.start, s.end) - base) * 1e9)
             events.append({"ph": "X", "name": s.name, "cat": s.lane, "pid": pid, "tid": tid[(s.lane, row_of[id(s)])],
-                           "ts": ts, "dur": round(end - ts, 3), "args": s.args})
+                           "ts": _us(start), "dur": _us(end - start), "args": s.args})
         return events
 
     def summary(self) -> str:
@@ -146,38 +152,76 @@ class Timeline:
         return "\n".join(rows)
 
 
+def _us(ns: int) -> float:
+    """``ns`` as the trace's microseconds: the least float at or above ns / 1000. Perfetto reads ts and dur
+    each as value * 1000 made integer ns, truncated (older releases) or rounded (newer ones), and gets ``ns``
+    back either way; the float nearest ns / 1000 may lie below it, and truncate a nanosecond short
+    (1056518.417 * 1000 is 1056518416.99...)."""
+    us = ns / 1000
+    return us if us * 1000 >= ns else math.nextafter(us, math.inf)
+
+
+def _target(path: str) -> str:
+    """The file a trace written to ``path`` replaces: a symlink's target, so that the link stays one. A path
+    that exists and is no regular file (a device such as /dev/null, a FIFO) is refused: the write would
+    replace the node itself with a file."""
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        named = path if target == os.path.abspath(path) else f"{path} (resolved: {target})"
+        raise OSError(f"trace path {named} is not a regular file; give the name of a file to write")
+    return target
+
+
+def _partial(target: str) -> str:
+    """The name a trace is written under before it is renamed to ``target``: a write cut short never leaves a
+    truncated trace under the name; it is this process's own, so that processes writing the same path (ranks
+    given one trace path) never share one."""
+    return f"{target}.{os.getpid()}.tmp"
+
+
 def write_chrome_trace(path: str, *timelines: Timeline) -> None:
     """Write timelines into one Chrome/Perfetto trace file, one process each (predicted beside measured)."""
+    target = _target(path)
     events = []
     for pid, t in enumerate(timelines, start=1):
         events += t.chrome_events(pid)
-    # a write cut short never leaves a truncated trace under the name; the temporary name is this process's
-    # own, so that processes writing the same path (ranks given one trace path) never share one
-    partial = f"{path}.{os.getpid()}.tmp"
+    partial = _partial(target)
     try:
         with open(partial, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-        os.replace(partial, path)
+        os.replace(partial, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(partial)
         raise
+    for t in timelines:
+        t.written_to = path
 
 
 def check_writable(path: str) -> None:
-    """Refuse a trace path that cannot be written, before any training time is spent."""
+    """Refuse a trace path that cannot be written, before any training time is spent: try what
+    :func:`write_chrome_trace` will do, create its temporary file beside the file it replaces (the folder must
+    take new files), and open that file when it exists (a file the user cannot write is not replaced)."""
     path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"trace path {path} is a directory; give a file name such as {os.path.join(path, 'step.json')}")
+    try:
+        target = _target(path)
+    except OSError as e:
+        raise ValueError(str(e)) from None
+    folder = os.path.dirname(target)
     if not os.path.isdir(folder):
         raise ValueError(f"trace path {path}: its directory {folder} does not exist")
-    existed = os.path.exists(path)
+    if os.path.exists(target):
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+        except OSError as e:
+            raise ValueError(f"trace path {path} cannot be written: {e.strerror or e}") from e
+    partial = _partial(target)
     try:
-        with open(path, "a"):
-            pass
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT, 0o644))
     except OSError as e:
-        raise ValueError(f"trace path {path} cannot be written: {e.strerror or e}") from e
-    if not existed:
-        with contextlib.suppress(FileNotFoundError):   # another process checking the same path removed it
-            os.remove(path)
+        raise ValueError(f"trace path {path} cannot be written: its temporary file {partial} cannot be created "
+                         f"({e.strerror or e}); the trace is written there, then renamed over the path") from e
+    with contextlib.suppress(FileNotFoundError):   # a write of this process's own to the path renamed it meanwhile
+        os.remove(partial)

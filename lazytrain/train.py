@@ -200,8 +200,10 @@ def _run(args) -> int:
     tokens, t0 = 0, time.perf_counter()
     batches = task.train_batches(micro, steps * gas, seed=job.get("seed", 0) + 1 + 1_000_003 * rank)
     loss_value = float("nan")
+    traced_step = min(1, steps - 1) if trace_path else None   # the second step: the first warms up
+    traced = None   # its trace, kept: auto-planning may trace later steps of its own
     for step in range(steps):
-        if trace_path and step == min(1, steps - 1):   # the second step: the first warms up
+        if step == traced_step:
             engine.trace_next_step(trace_path)
         for _ in range(gas):
             x, y = next(batches)
@@ -210,13 +212,19 @@ def _run(args) -> int:
             engine.backward(loss)
             engine.step()
             tokens += x.numel()
+        if step == traced_step:
+            traced = engine.last_trace
         loss_value = loss.item()
         bar.update(loss_value, tokens / (time.perf_counter() - t0))
     bar.close()
     elapsed = time.perf_counter() - t0
-    if trace_path and engine.last_trace is not None:
-        say(engine.last_trace.summary())
-        say(f"trace of step {min(1, steps - 1) + 1} written to {os.path.abspath(trace_path)}")
+    if traced is not None:
+        say(traced.summary())
+        if traced.written_to:
+            say(f"trace of step {traced_step + 1} written to {os.path.abspath(trace_path)}")
+        else:   # the engine's warning says why (it may be filtered out)
+            print(f"lazytrain: the trace of step {traced_step + 1} could not be written to "
+                  f"{os.path.abspath(trace_path)}; its summary is above", file=sys.stderr)
 
     engine.eval()
     acc_after = exact_match(model_fn, task, pairs, engine.device)

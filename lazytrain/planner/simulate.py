@@ -46,6 +46,7 @@ class Event:
     end: float
     window: int
     micro_batch: int | None = 0   # which micro-batch of the step; None: the step's end (last gradients, update)
+    nbytes: float = 0.0           # what a transfer (an event on a link) moves
 
 
 @dataclass
@@ -81,10 +82,13 @@ class SimResult:
     micro_step_s: float = 0.0    # the first micro-batch's windows (MegaTrain's: and its last gradients' copy)
 
     def trace(self, source: str = "predicted") -> Timeline:
-        """The simulated step as a :class:`~lazytrain.trace.Timeline`, the format measured steps use."""
-        t = Timeline(source)
+        """The simulated step as a :class:`~lazytrain.trace.Timeline`, the format measured steps use: its
+        transfers with their bytes, whole as measured ones count them, so that the two compare link by link;
+        its duration the step time (the overlapped update runs on into the next step)."""
+        t = Timeline(source, step_s=self.step_time_s)
         for e in self.timeline:
-            t.add_relative(e.lane, e.label, e.start, e.end, window=e.window, micro_batch=e.micro_batch)
+            t.add_relative(e.lane, e.label, e.start, e.end, window=e.window, micro_batch=e.micro_batch,
+                           **({"bytes": round(e.nbytes)} if e.lane in LINKS else {}))
         return t.finish()
 
     def summary(self) -> dict[str, Any]:
@@ -180,7 +184,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     # MegaTrain's executor copies each micro-batch's last gradients (layer 0's, the embedding's and head's)
     # after its backward; LazyTrain's engine sends an earlier micro-batch's beside the next one's windows, and
     # the step waits for the last one's alone (tail_once below)
-    tail_each = (p.Gl[0] + p.nonlayer_link_bytes) / p.bw_d2h if mega_k is not None else 0.0
+    tail_bytes = p.Gl[0] + p.nonlayer_link_bytes if mega_k is not None else 0
+    tail_each = tail_bytes / p.bw_d2h
 
     def micro_batch(refresh: bool) -> _MicroBatch:
         """One micro-batch's windows, on a clock of its own from 0. ``refresh``: its forward refreshes the
@@ -258,7 +263,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                     free[link] = start + nbytes / _link_bw(p, link)
                     done = max(done, free[link])
                     if timeline:
-                        events.append(Event(link, label, start, free[link], w))
+                        events.append(Event(link, label, start, free[link], w, nbytes=nbytes))
                 if b is not None:
                     ready_at[b] = done
                 if n_tr < len(exposed_tr):
@@ -299,10 +304,11 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                     fwd_done = tc
             if fwd and w in offl_out and w in offl_out[w]:   # its internals and input to the host once its
                 start = max(free["d2h"], fwd_done)               # forward has saved them
-                free["d2h"] = start + p.offl_bytes[w] * offl_out[w][w] / p.bw_d2h
+                nbytes = p.offl_bytes[w] * offl_out[w][w]
+                free["d2h"] = start + nbytes / p.bw_d2h
                 if timeline:
                     events.append(Event("d2h", _share_label(f"offload internals L{w}", offl_out[w], w), start,
-                                        free["d2h"], w))
+                                        free["d2h"], w, nbytes=nbytes))
             compute_w = tc - compute_start
             compute_total += compute_w
             end = max([tc] + list(free.values()))
@@ -364,7 +370,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         t += tail_each
         exposed["d2h"] += tail_each
         if timeline and mega_k is not None:
-            events.append(Event("d2h", "grads L0 + embedding/head", end_of_windows, t, 2 * L))
+            events.append(Event("d2h", "grads L0 + embedding/head", end_of_windows, t, 2 * L, nbytes=tail_bytes))
         return _MicroBatch(events, memory, window_s, exposed, compute_total, peak, violations, t)
 
     # --- the step: its micro-batches one after another, the last one's last gradients to the host (LazyTrain's
@@ -382,7 +388,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     for k in range(1, p.grad_accum):      # the timeline and the accounts hold every micro-batch of the step
         start = micro_step + (k - 1) * later_s + load_first
         if timeline and load_first:
-            events.append(Event("h2d", "weights L0", start - load_first, start, 0, micro_batch=k))
+            events.append(Event("h2d", "weights L0", start - load_first, start, 0, micro_batch=k, nbytes=p.Wl[0]))
         events += [replace(e, start=e.start + start, end=e.end + start, micro_batch=k) for e in later.events]
         memory += [dict(m, start=m["start"] + start, end=m["end"] + start, micro_batch=k) for m in later.memory]
         exposed["h2d"] += load_first
@@ -397,7 +403,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     opt_start = tail_start + tail_once
     exposed["d2h"] += tail_once
     if timeline and mega_k is None:
-        events.append(Event("d2h", "grads L0 + embedding", tail_start, opt_start, 2 * L, micro_batch=None))
+        events.append(Event("d2h", "grads L0 + embedding", tail_start, opt_start, 2 * L, micro_batch=None,
+                            nbytes=p.carry_bytes))
     O = [p.opt_nl]
     for o in p.opt_l:
         O.append(O[-1] + o)                                    # O[w+1] = layers 0..w updated
@@ -429,7 +436,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                                 micro_batch=None))
         else:
             events.append(Event("h2d", "next step's first weights (embedding/head + L0)",
-                                step - p.load_nl - p.load_l[0], step, 2 * L, micro_batch=None))
+                                step - p.load_nl - p.load_l[0], step, 2 * L, micro_batch=None,
+                                nbytes=p.nonlayer_link_bytes + p.Wl[0]))
 
     # --- budgets -----------------------------------------------------------------------------
     # a plan's internals shares are floats a solver chose at its feasibility tolerance: a share of a byte over
