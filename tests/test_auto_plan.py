@@ -671,3 +671,27 @@ def test_a_lora_runs_profile_records_its_trainable_share_and_lazytrain_plan_budg
         == (1.0, 1.0, None)
     with pytest.raises(MeasurementError, match=r"non_block_trainable_share must be a fraction in \[0, 1\], got 2"):
         MachineProfile.from_dict({**older, "non_block_trainable_share": 2})
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_a_profile_with_selective_costs_plans_selective_layers_only_where_auto_selective_allows(selective,
+                                                                                               monkeypatch):
+    """A saved profile may hold selective layers' costs; 'auto.selective': false keeps them out of the plan."""
+    import dataclasses
+    import types
+    import lazytrain.planner.isolate as isolate
+    from lazytrain.engine.placement import plan_from_measurements
+    seen = []
+    monkeypatch.setattr(isolate, "call_with_deadline",
+                        lambda *a, options, **kw: seen.append(options) or Plan(num_layers=1, homes=("hbm", "hbm")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config({}))
+    cfg = engine._config
+    cfg = dataclasses.replace(cfg, lazytrain=dataclasses.replace(
+        cfg.lazytrain, auto=dataclasses.replace(cfg.lazytrain.auto, selective=selective)))
+    profile = types.SimpleNamespace(micro_batch=2, seq_len=12, links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0},
+                                    costs=types.SimpleNamespace(selective_rerun_s=[0.001] * 6))
+    plan_from_measurements(cfg, engine.tiers, profile)
+    engine.destroy()
+    assert [o.allow_selective for o in seen] == [selective]

@@ -309,9 +309,11 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
                       "boundaries on the host) and 'lazytrain.hardware' gives no NVMe bandwidth: the plan keeps no "
                       "boundary on NVMe", UserWarning)
         budgets["nvme"] = 0
-    # selective layers only on measured costs (their re-run's share of a forward varies too much to assume)
+    # selective layers only on measured costs (their re-run's share of a forward varies too much to assume), and
+    # not where 'auto.selective' is false (a saved profile may hold them)
     options = MilpOptions(allow_resident=False, allow_graph_tail=lt.last_segment_graph is not False,
-                          allow_selective=profile.costs.selective_rerun_s is not None, isolate=True)
+                          allow_selective=lt.auto.selective and profile.costs.selective_rerun_s is not None,
+                          isolate=True)
     # this machine's memory: the card's own (a catalog entry's size, or the profile's 64 GiB default, can be
     # below it, and a budget above the profile's memory is refused), and without a hardware profile its RAM
     memory = {"gpu_mem_bytes": card_memory(tiers["hbm"].device),
