@@ -121,7 +121,7 @@ def train_timed(engine, batches, skip, row: str = ""):
         busy = engine.layer_updates.busy_seconds if engine.layer_updates is not None else None
         TRACES.append((row, engine.last_trace.summary() + (f"\nupdate thread busy {busy * 1e3:.1f} ms (last step)"
                                                            if busy is not None else "")))
-    return t, statistics.median(opt_times[skip:])
+    return t, statistics.median(opt_times[skip:len(opt_times) - 1 if traced else None])   # the traced step left out
 
 
 def _file_name(row: str) -> str:
@@ -164,9 +164,9 @@ def auto_streamed(model, batches, warmup, steps, seq, row=""):
     data = (batches * (1 + (calibration + warmup + steps) // len(batches)))[:calibration + warmup + steps]
     t, optimizer_s = train_timed(engine, data, calibration + warmup, row)
     record = engine.auto.history[-1] if engine.auto.history else None
-    info = {"plan": engine.plan.policy + (f" predicted {record.predicted_step_s:.3f}s, measured "
-                                          f"{record.measured_step_s:.3f}s by auto"
-                                          if record and record.measured_step_s and record.predicted_step_s else ""),
+    info = {"plan": engine.plan.policy + (" +overlap" if engine.layer_updates is not None else "")
+            + (f" predicted {record.predicted_step_s:.3f}s, measured {record.measured_step_s:.3f}s by auto"
+               if record and record.measured_step_s and record.predicted_step_s else ""),
             "kept": len(engine.plan.kept), "resident": len(engine.plan.resident_layers),
             "optimizer_s": optimizer_s, "cuda_peak": engine.last_step_peak_bytes.get("cuda_allocated"),
             "planned_peak": planned_peak(engine.plan)}

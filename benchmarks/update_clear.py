@@ -4,7 +4,8 @@ the update clearing each block of the gradient as its compiled kernel reads it (
 what the engine's overlapped layer updates do). Both leave the same weights, moments and compute copy, bit
 for bit (checked here), and a zero gradient.
 
-The two ways run alternately, ``--reps`` times each, from the same state and gradient, and the medians are
+The two ways run alternately, ``--reps`` times each, each repetition from the same gradient (the weights
+and moments go on from one to the next: every repetition does the same work), and the medians are
 compared. 8-bit moments with a bf16 compute copy, as the engine runs a streamed layer.
 
     python benchmarks/update_clear.py [--numel 51400000] [--reps 9]
