@@ -484,6 +484,27 @@ def _roundtrip(t: torch.Tensor, device=torch.device("cpu")):
     return internals._unpack(packed), host, internals
 
 
+def test_slices_of_one_storage_come_back_into_one_buffer_of_their_span():
+    """Gate and up, the halves of one matmul's output, cross as their values and come back as slices of one
+    buffer the size of their base, as autograd's views share it: not a span each, nor a contiguous copy
+    kept beside them."""
+    from lazytrain.tiers.memory import HostTier
+    host = HostTier("host")
+    internals = OffloadedInternals(host, "pass0.layer0", torch.device("cpu"), torch.zeros(4), set())
+    base = torch.randn(2, 8, 2 * 20)
+    gate, up = base.chunk(2, dim=-1)
+    with internals.recording():
+        packed = [internals._pack(gate), internals._pack(up)]
+    internals.prefetch()
+    back = [internals._unpack(p) for p in packed]
+    assert host.stats()["bytes_written"] == 4 * base.numel()
+    for b, t in zip(back, (gate, up)):
+        assert torch.equal(b, t) and b.stride() == t.stride()
+    held = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in [*internals._values.values(), *back]}
+    assert list(held.values()) == [base.untyped_storage().nbytes()]
+    internals.release()
+
+
 def test_a_saved_tensor_comes_back_with_its_strides_and_a_broadcast_goes_once():
     base = torch.arange(24.0).reshape(2, 3, 4)
     slice_ = base[:, 1:, :]   # not dense: its values cross contiguous, and come back with its strides

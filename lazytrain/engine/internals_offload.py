@@ -50,14 +50,15 @@ class _Kept:
 class _Sent:
     """A saved tensor sent to the host: its index, and how to give it back its shape and strides (the shape
     of its dense form when it is another view of the bytes sent under that index, else None; the
-    permutation that undoes :func:`_compact`'s, None for none; the strides of a slice, whose values came
-    back contiguous, None for none; then its broadcast shape)."""
-    __slots__ = ("index", "unpermute", "shape", "reshape", "strides")
+    permutation that undoes :func:`_compact`'s, None for none; where a slice lay, whose values crossed
+    contiguous: (its storage's key, its first byte, its strides), None for other tensors; then its broadcast
+    shape)."""
+    __slots__ = ("index", "unpermute", "shape", "reshape", "place")
 
     def __init__(self, index: int, unpermute: tuple[int, ...] | None, shape: tuple[int, ...],
-                 reshape: tuple[int, ...] | None = None, strides: tuple[int, ...] | None = None):
+                 reshape: tuple[int, ...] | None = None, place: tuple | None = None):
         self.index, self.unpermute, self.shape, self.reshape = index, unpermute, shape, reshape
-        self.strides = strides
+        self.place = place
 
 
 def _compact(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
@@ -149,6 +150,11 @@ class OffloadedInternals:
         self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
         self._changed: dict[int, tuple] = {}         # saved index -> (version saved, version after the forward)
         self._saved_storages: set[int] = set()       # the storages of the tensors the forward sent (data_ptr)
+        # slices (tensors that are not dense) by their storage and dtype: the bytes their spans cover together,
+        # and, in backward, one device buffer of that span they come back into, each at its place
+        self._slice_spans: dict[tuple, tuple[int, int]] = {}
+        self._slice_buffers: dict[tuple, torch.Tensor] = {}
+        self._placed: set[int] = set()               # saved indices whose value is in its slice buffer
         self._weights_now: torch.Tensor | None = None
         self.nbytes = 0                              # bytes sent to the host
 
@@ -235,10 +241,18 @@ class OffloadedInternals:
                 self._pending[n] = (sent.detach(), t.detach(), ident[-1])
             self.nbytes += self._sizes[-1]
         unpermute = None if order is None else tuple(sorted(range(len(order)), key=order.__getitem__))
-        # a slice (gate and up of one matmul's chunk(2)) comes back with its strides: a kernel given other
-        # strides may round otherwise (the CPU's vectorized and scalar loops), and no longer bit for bit
-        strides = tuple(sent.stride()) if order is None and reshape is None else None
-        return _Sent(n, unpermute, tuple(t.shape), reshape, strides)
+        # a slice (gate and up of one matmul's chunk(2)) comes back with its strides, where it lay among the
+        # other slices of its storage: a kernel given other strides may round otherwise (the CPU's vectorized
+        # and scalar loops), and no longer bit for bit; the slices of one storage share one buffer of the span
+        # they cover, as autograd's views share their base
+        place = None
+        if order is None and reshape is None and sent.numel() > 0:
+            storage = (t.untyped_storage().data_ptr(), t.dtype)
+            first, last = _byte_span(sent)
+            lo, hi = self._slice_spans.get(storage, (first, last))
+            self._slice_spans[storage] = (min(lo, first), max(hi, last))
+            place = (storage, first, tuple(sent.stride()))
+        return _Sent(n, unpermute, tuple(t.shape), reshape, place)
 
     def weights_kept_outside_saved_tensors(self, outputs) -> list[str]:
         """The autograd Functions of the recorded graph (reached from ``outputs``) that keep a view of the
@@ -300,22 +314,38 @@ class OffloadedInternals:
                                f"{self._key.rsplit('layer', 1)[-1]} saved is at version {now}; expected version {saved} "
                                f"instead (it was changed in place after the block's forward saved it)")
         value = self._values.get(n)
-        if value is None and n in self._pending:   # never sent (its window's share was not issued): still here
-            value = self._pending[n][0]
+        if value is None and n in self._pending:   # never sent (its window's share was not issued): still here,
+            value = self._pending[n][0]             # as it was saved
+            self._placed.add(n)
         if value is None:
             handle = self._reads.pop(n, None) or self._tier.read(self._keys[n], device=self._device)
             value = handle.wait()
             if value.device != self._device:
                 value = value.to(self._device)
             self._values[n] = value
+        if packed.place is not None and n not in self._placed:
+            value = self._values[n] = self._in_slice_buffer(packed.place, value)
+            self._placed.add(n)
         if packed.reshape is not None:
             value = value.view(packed.reshape)
-        if packed.strides is not None:
-            value = torch.empty_strided(value.shape, packed.strides, dtype=value.dtype,
-                                        device=value.device).copy_(value)
         if packed.unpermute is not None:
             value = value.permute(packed.unpermute)
         return value.expand(packed.shape)
+
+    def _in_slice_buffer(self, place: tuple, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a slice's values, contiguous) copied to its place in its storage's slice buffer: the
+        slice again, with its strides; the contiguous copy is let go."""
+        storage, first, strides = place
+        lo, _ = self._slice_spans[storage]
+        if (first - lo) % value.element_size():   # another dtype's bytes between them: not one buffer of these
+            return value
+        buffer = self._slice_buffers.get(storage)
+        hi = self._slice_spans[storage][1]
+        if buffer is None:
+            size = value.element_size()
+            buffer = self._slice_buffers[storage] = torch.empty((hi - lo + size - 1) // size, dtype=value.dtype,
+                                                                device=value.device)
+        return buffer.as_strided(value.shape, strides, (first - lo) // value.element_size()).copy_(value)
 
     def release(self) -> None:
         """Wait for the reads still in flight, then free the host copies (after the block's backward, or
@@ -332,6 +362,7 @@ class OffloadedInternals:
             # would then leave the host pool
             reads = handle = None
             self._values.clear()
+            self._slice_buffers.clear()
             self._pending.clear()
             self._weights_now = None
             for key in self._keys:
