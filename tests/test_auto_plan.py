@@ -322,7 +322,8 @@ def test_a_new_micro_batch_is_measured_and_planned_again(capsys):
 
 def test_a_plan_at_a_new_micro_batch_that_fails_keeps_the_calibration_plan_at_that_size(monkeypatch):
     """The plan before the new micro-batch was made for the old one (its memory model is another step's):
-    a failure to plan at the new size stays on the calibration plan, which ran at it."""
+    a failure to plan at the new size goes back to the plain calibration plan, which ran at it (not the
+    one with every layer selective that measures them)."""
     import lazytrain.engine.engine as engine_module
     real, calls = engine_module.plan_from_measurements, []
 
@@ -332,12 +333,12 @@ def test_a_plan_at_a_new_micro_batch_that_fails_keeps_the_calibration_plan_at_th
             raise RuntimeError("the planner failed")
         return real(*args)
     monkeypatch.setattr(engine_module, "plan_from_measurements", second_fails)
-    cfg = _config({"policy": "auto", "auto": {**AUTO, "max_replans": 0}})
+    cfg = _config({"policy": "auto", "auto": {**AUTO, "max_replans": 0, "selective": True}})
     plans = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
-        for micro, steps in ((2, 6), (4, 7)):
+        for micro, steps in ((2, 9), (4, 10)):
             if micro != engine.train_micro_batch_size_per_gpu():
                 engine.set_train_micro_batch_size(micro)
             for x, y in batches(steps, batch=micro):
@@ -347,7 +348,7 @@ def test_a_plan_at_a_new_micro_batch_that_fails_keeps_the_calibration_plan_at_th
     engine.destroy()
     assert plans[-1] == ("auto-calibration", 4)
     stopped = [str(w.message) for w in caught if "stopped" in str(w.message)]
-    assert stopped == ['lazytrain: policy "auto" stopped after step 12 and keeps the plan auto-calibration: '
+    assert stopped == ['lazytrain: policy "auto" stopped after step 18 and keeps the plan auto-calibration: '
                        'RuntimeError: the planner failed']
 
 

@@ -117,8 +117,11 @@ class AutoPlanner:
         except Exception as e:   # noqa: BLE001 - the step completed; the run keeps a plan
             self.stopped = f"{type(e).__name__}: {e}"
             self._traces, self._times = [], []
-            if self._last_plan is not None and self.hooks.current_policy() != self._last_plan.policy:
-                self.hooks.switch(self._last_plan)   # measuring again after drift: back to the plan it had
+            # measuring again after drift: back to the plan it had; before any (or at a new micro-batch), the
+            # plain calibration plan, not the one with every layer selective that measures them
+            back = self._last_plan if self._last_plan is not None else self.calibration
+            if self.hooks.current_policy() != back.policy:
+                self.hooks.switch(back)
             self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan "
                             f"{self.hooks.current_policy()}: {self.stopped}")
 
