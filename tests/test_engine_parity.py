@@ -12,8 +12,8 @@ import lazytrain
 from lazytrain.config import ConfigError
 from lazytrain.engine.executor import ExecutorError
 from lazytrain.utils import safe_get_full_grad, safe_get_full_optimizer_state
-from engine_models import (AUTO_DEVICE, OVERLAP_FORCED, VOCAB, ModuleListLM, batches, lm_loss, logits_of, make_hf_model, make_model,
-                           max_rel_diff)
+from engine_models import (AUTO_DEVICE, OVERLAP_FORCED, VOCAB, MLPBlock, ModuleListLM, batches, lm_loss, logits_of,
+                           make_hf_model, make_model, max_rel_diff)
 from engine_models import reference_train as plain_reference_train
 
 RTOL = 1e-5
@@ -188,6 +188,37 @@ def test_a_block_output_that_is_a_view_may_be_changed_in_place_as_in_plain_pytor
     torch.manual_seed(0)
     assert_trains_like_plain(_ScalesInPlaceLM(n_layers=4), batches(3),
                              ds_config(checkpoint_interval=2, last_segment_graph=graph))
+
+
+class _SkippedOrMLP(torch.nn.Module):
+    """A layer the model skips returns its input as it is."""
+
+    def __init__(self, d: int, skip: bool):
+        super().__init__()
+        self.inner, self.skip = MLPBlock(d), skip
+
+    def forward(self, x):
+        return x if self.skip else self.inner(x)
+
+
+class _SkipsAndScalesInPlaceLM(_ScalesInPlaceLM):
+    def _blocks(self, d, n_layers):
+        return [_SkippedOrMLP(d, skip=i == 2) for i in range(n_layers)]
+
+
+def test_a_block_that_returns_its_input_hands_the_model_a_copy_of_its_kept_boundary():
+    """The input of a skipped layer is a boundary on its way to the host: the model scaling the output in
+    place must not change it before its copy has run (a TierError on copy threads, a race on CUDA)."""
+    torch.manual_seed(0)
+    model, data = _SkipsAndScalesInPlaceLM(n_layers=6), batches(3)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
+    engine = train_engine(model, data, ds_config(checkpoint_interval=1, boundary_home="host", last_segment_graph=False,
+                                                 testing={"copy_threads": True, "chaos_seed": 1}))
+    trained, plain = dict(engine.module.named_parameters()), dict(ref.named_parameters())
+    engine.module.state_dict()   # the overlapped update landed
+    for k, v in plain.items():
+        if not k.startswith("stack.2."):   # the skipped layer's weights have no gradient in plain PyTorch
+            assert ((trained[k].detach().cpu() - v.detach().cpu()).abs().max() / v.abs().max()).item() < RTOL, k
 
 
 def test_modulelist_blocks_found_automatically():

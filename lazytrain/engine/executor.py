@@ -783,6 +783,23 @@ def _buffers_kept(block: nn.Module):
             m._buffers[name] = buf
 
 
+def _handed_out(out, inputs):
+    """A block's outputs as the model gets them. Detached: an output that is a view (nn.Linear's on a 3-D
+    input) would be the streamed call's view output, which autograd refuses to let the model change in
+    place, as plain PyTorch lets it. Copied where it is one of the block's inputs' memory (a block that
+    returns its input, a skipped layer): that input is a boundary the plan keeps, perhaps still on its way
+    to the host, which a change the model makes in place must not reach."""
+    given = {t.untyped_storage().data_ptr() for t in inputs
+             if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel()}
+
+    def hand(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach()
+        return t.clone() if t.layout == torch.strided and t.untyped_storage().data_ptr() in given else t
+    return hand(out) if isinstance(out, torch.Tensor) else tuple(hand(t) for t in out)
+
+
 class _BlockFunction(torch.autograd.Function):
     """One streamed block: forward without keeping internals (or, for the last segment when the Plan
     says so, recording its graph), backward recomputes and differentiates."""
@@ -806,10 +823,7 @@ class _BlockFunction(torch.autograd.Function):
         else:
             flat = executor._acquire(layer)
             out, _ = executor._compute(layer, flat, hidden, p.calls[layer], kept=executor._selective_forward(p, layer))
-        # detached: an output that is a view (nn.Linear's on a 3-D input) would be this Function's view output,
-        # which autograd refuses to let the model change in place, as plain PyTorch lets it
-        out = out.detach() if isinstance(out, torch.Tensor) else \
-            tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
+        out = _handed_out(out, (hidden, *tensors))
         if isinstance(out, torch.Tensor):
             return (out,)
         p.returned_tuple.add(layer)   # the model indexes it (layer_outputs[0]): hand back a tuple too
