@@ -67,16 +67,21 @@ def test_copies_on_an_emulated_link_take_at_least_its_time_and_keep_their_data()
 
 
 def test_copies_queued_together_occupy_the_link_back_to_back():
-    """Each copy is booked from when it was queued, not from when its thread took it up: the thread's lag
-    behind the last copy's sleep does not stretch the link. Small copies queued together ran at 0.040 of a
-    0.05 GB/s link when booked from the thread's clock."""
+    """Each copy is booked from when it became ready (here: when the copy all of them wait for ended), not
+    from when its thread took it up: the thread's lag behind the last copy's sleep does not stretch the
+    link. Small copies queued together ran at 0.040 of a 0.05 GB/s link when booked from the thread's clock."""
+    from concurrent.futures import Future
     link = streams.EmulatedLink("h2d", gbps=0.05, latency_s=5e-5)
     streams.configure(copy_threads=True, links={"h2d": link})
     src = torch.ones(9280)                                     # 37,120 bytes: 0.7924 ms with the latency
+    gate, ended = Future(), []
     timeline = Timeline("test")
     streams.start_recording(timeline)
     try:
-        handles = [async_copy(torch.empty_like(src), src, direction="h2d") for _ in range(12)]
+        handles = [async_copy(torch.empty_like(src), src, after=streams.HostEvent(gate, ended), direction="h2d")
+                   for _ in range(12)]
+        ended.append(time.perf_counter())
+        gate.set_result(None)
         for h in handles:
             h.wait()
     finally:
@@ -84,21 +89,34 @@ def test_copies_queued_together_occupy_the_link_back_to_back():
     starts = sorted(s.start for s in timeline.spans if s.lane == "h2d")
     assert len(starts) == 12
     per_copy = 5e-5 + 37_120 / 0.05e9
+    assert starts[0] == pytest.approx(ended[0] - timeline.origin, abs=1e-9)
     assert [b - a for a, b in zip(starts, starts[1:])] == pytest.approx([per_copy] * 11, abs=1e-9)
 
 
-def test_a_transfer_is_ready_when_queued_or_when_what_it_waits_for_ends_and_late_by_the_chaos_delay():
+def test_a_transfer_is_ready_when_queued_or_when_what_it_waits_for_ended_and_late_by_the_chaos_delay():
     from concurrent.futures import Future
+
+    def ended(at):
+        f = Future()
+        f.set_result(None)
+        return streams.HostEvent(f, [at])
     assert streams.transfer_ready(5.0) == 5.0                           # nothing to wait for
-    done = Future()
-    done.set_result(None)
-    assert streams.transfer_ready(5.0, [streams.HostEvent(done)]) == 5.0
-    pending = Future()
-    finisher = streams.host_stream("test-ready").submit(lambda: (time.sleep(0.02), pending.set_result(None)))
+    assert streams.transfer_ready(5.0, [ended(4.0)]) == 5.0             # ended before it was queued
+    assert streams.transfer_ready(5.0, [ended(6.0), ended(5.5)]) == 6.0   # ended after: whenever the thread looks
+    pending, finished = Future(), []
+
+    def finish():
+        time.sleep(0.02)
+        finished.append(time.perf_counter())
+        pending.set_result(None)
+    finisher = streams.host_stream("test-ready").submit(finish)
     before = time.perf_counter()
-    ready = streams.transfer_ready(before, [streams.HostEvent(pending)])
-    assert ready - before >= 0.02 and ready <= time.perf_counter()
+    assert streams.transfer_ready(before, [streams.HostEvent(pending, finished)]) == finished[0] >= before + 0.02
     finisher.result()
+    unknown = Future()
+    unknown.set_result(None)
+    before = time.perf_counter()   # an event that does not say when it ended: when the thread saw it had
+    assert before <= streams.transfer_ready(0.0, [streams.HostEvent(unknown)]) <= time.perf_counter()
     failed = Future()
     failed.set_exception(OSError("copy failed"))
     with pytest.raises(OSError, match="copy failed"):

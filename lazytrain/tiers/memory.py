@@ -226,7 +226,7 @@ def _host_thread_copy(dst, src, value, afters, direction: str, label: str,
     CUDA stream, the caller must not change ``src`` until the copy is done; a change is caught (the
     tensor's version moved) and fails the copy instead of copying half-changed data."""
     version = _version(src) if check_source else None
-    queued = time.perf_counter()
+    queued, finished = time.perf_counter(), []
 
     def run():
         ready = streams.transfer_ready(queued, afters)
@@ -237,11 +237,11 @@ def _host_thread_copy(dst, src, value, afters, direction: str, label: str,
                             f"change until the transfer is done")
         dst.copy_(src)
         t0 = streams.emulate_link(direction, src.numel() * src.element_size(), ready, t0)
-        streams.record(direction, label, t0, time.perf_counter(),
-                       bytes=src.numel() * src.element_size())
+        finished.append(time.perf_counter())
+        streams.record(direction, label, t0, finished[0], bytes=src.numel() * src.element_size())
         return dst if value is None else value
     future = streams.host_stream(direction).submit(run)
-    return TransferHandle(future=future, event=streams.HostEvent(future), keepalive=src,
+    return TransferHandle(future=future, event=streams.HostEvent(future, finished), keepalive=src,
                           host=direction == "d2h")
 
 
@@ -265,6 +265,10 @@ class _ReadBeingIssued:
         self._issued.wait()
         if self._event is not None:
             self._event.synchronize()
+
+    @property
+    def finished_at(self) -> float | None:
+        return getattr(self._event, "finished_at", None) if self._event is not None else None
 
 
 class MemoryTier(Tier):

@@ -267,18 +267,16 @@ def chaos_delay() -> float:
 
 def transfer_ready(queued: float, afters=()) -> float:
     """Waits for the copies in ``afters``, then for the chaos delay. Returns when the transfer became ready
-    for its link: when it was queued (``queued``, perf_counter seconds), or when its thread found a copy of
-    ``afters`` still running and waited for it, plus the chaos delay. A copy thread's own lag, such as the
-    last transfer's sleep overshooting, is not the transfer's. Booked from the thread's clock, small copies
-    queued back to back ran at 0.040 of a 0.05 GB/s link, and a chaos delay shorter than the link's time
-    delayed nothing."""
+    for its link: when it was queued (``queued``, perf_counter seconds) or when the last copy of ``afters``
+    ended, whichever is later (an event that does not say when it ended: when this thread saw it ended),
+    plus the chaos delay. A copy thread's own lag, such as the last transfer's sleep overshooting, is not
+    the transfer's. Booked from the thread's clock, small copies queued back to back ran at 0.040 of a
+    0.05 GB/s link, and a chaos delay shorter than the link's time delayed nothing."""
     ready = queued
     for e in afters:
-        if not e.query():
-            e.synchronize()
-            ready = time.perf_counter()
-        else:
-            e.synchronize()   # a failed one raises
+        e.synchronize()   # a failed one raises
+        ended = getattr(e, "finished_at", None)
+        ready = max(ready, ended if ended is not None else time.perf_counter())
     return ready + chaos_delay()
 
 
@@ -291,11 +289,18 @@ def emulate_link(link: str, nbytes: int, ready: float, started: float) -> float:
 
 
 class HostEvent:
-    """Completion of a copy queued on a host copy thread: the CPU counterpart of a CUDA event."""
+    """Completion of a copy queued on a host copy thread: the CPU counterpart of a CUDA event.
+    ``finished``: a list the copy appends its end time to (perf_counter seconds) before it completes."""
     on_host = True
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, finished: list | None = None):
         self.future = future
+        self._finished = finished
+
+    @property
+    def finished_at(self) -> float | None:
+        """When the copy ended, once it has; None when not known."""
+        return self._finished[0] if self._finished else None
 
     def query(self) -> bool:
         return self.future.done()
