@@ -149,18 +149,25 @@ def test_testing_section_warns_that_it_is_for_tests():
 
 
 def test_an_engines_testing_settings_end_with_its_destroy():
-    """They are the process's (the copy paths read them), from initialize to destroy(): an engine built
-    after one with chaos and emulated links is not slowed by them once that one is destroyed."""
+    """They are the process's (the copy paths read them), from an engine's initialize to its destroy(); then
+    the newest live engine's are in force again, else what streams.configure() set."""
     from lazytrain.tiers import streams
     before = streams.settings()
-    testing = {"copy_threads": True, "chaos_seed": 1, "chaos_max_delay_ms": 5.0,
-               "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
+    chaos = {"copy_threads": True, "chaos_seed": 1, "chaos_max_delay_ms": 5.0,
+             "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=config(dict(), None, testing))
-    now = streams.settings()
-    assert now.copy_threads and now.chaos.seed == 1 and sorted(now.links) == ["d2h", "h2d"]
-    engine.destroy()
+        a, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=config(dict(), None, chaos))
+        now = streams.settings()
+        assert now.copy_threads and now.chaos.seed == 1 and sorted(now.links) == ["d2h", "h2d"]
+        b, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=config(dict(), None, {"copy_threads": True}))
+        assert streams.settings().chaos is None
+        b.destroy()   # a's again, a alive
+        assert streams.settings() is now
+        c, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=config(dict(), None, None))
+        a.destroy()   # c's stay
+        assert not streams.settings().copy_threads and streams.settings().chaos is None
+        c.destroy()
     assert streams.settings() is before
 
 

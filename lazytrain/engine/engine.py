@@ -160,8 +160,8 @@ class LazyTrainEngine(nn.Module):
         for tier in d.get("tiers", {}).values():
             tier.close()
         _put_back(d.get("_devices_given", []))
-        if d.get("_transfers") is not None and streams.settings() is self._transfers:   # no later engine's
-            streams.restore(self._transfers_before)   # chaos and emulated links end with this engine
+        if d.get("_transfers_started"):   # its chaos and emulated links end with it
+            streams.engine_ended(self)
         if d.get("optimizer") is not None:   # a script may go on with it: on the parameters, where they are now
             if d.get("_fused_copies"):   # no more writes into (nor references to) the engine's compute copies
                 self.optimizer.compute_copies.clear()
@@ -191,13 +191,12 @@ class LazyTrainEngine(nn.Module):
         if testing.links and self.device.type != "cpu":
             raise ConfigError(f"config key 'lazytrain.testing.links' emulates links on the CPU's copy threads; the "
                               f"device {self.device} has real ones: remove the key, or set 'lazytrain.device': \"cpu\"")
-        self._transfers_before = streams.settings()   # this process's, put back when this engine is done
-        streams.configure(copy_threads=testing.copy_threads,
-                          chaos=Chaos(testing.chaos_seed, testing.chaos_max_delay_ms / 1e3)
-                          if testing.chaos_seed is not None else None,
-                          links={name: EmulatedLink(name, gbps, latency_ms / 1e3)
-                                 for name, (gbps, latency_ms) in testing.links.items()})
-        self._transfers = streams.settings()
+        streams.engine_started(self, copy_threads=testing.copy_threads,
+                               chaos=Chaos(testing.chaos_seed, testing.chaos_max_delay_ms / 1e3)
+                               if testing.chaos_seed is not None else None,
+                               links={name: EmulatedLink(name, gbps, latency_ms / 1e3)
+                                      for name, (gbps, latency_ms) in testing.links.items()})
+        self._transfers_started = True
 
         # what streams and what stays
         self.blocks_path, blocks = find_blocks(model, config.lazytrain.blocks)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -240,23 +241,36 @@ def _device_origin(t, device):
 
 
 _settings = TransferSettings()
+_base = _settings    # what configure() set: in force when no engine that set its own is alive
+_engines: list[tuple[weakref.ref, TransferSettings]] = []   # live engines' own settings, oldest first
 
 
 def configure(copy_threads: bool = False, chaos: Chaos | None = None,
               links: dict[str, EmulatedLink] | None = None) -> None:
-    """Set how transfers run in this process (the engine calls this from its config; tests too)."""
+    """Set how transfers run in this process (tests), in place of any engine's."""
+    global _settings, _base
+    _settings = _base = TransferSettings(copy_threads, chaos, links)
+    _engines.clear()
+
+
+def engine_started(engine, copy_threads: bool = False, chaos: Chaos | None = None,
+                   links: dict[str, EmulatedLink] | None = None) -> None:
+    """An engine's settings (its config's ``lazytrain.testing``), in force for the process from now until
+    it ends or another engine starts: they are the process's, the copy paths read them."""
     global _settings
     _settings = TransferSettings(copy_threads, chaos, links)
+    _engines.append((weakref.ref(engine), _settings))
+
+
+def engine_ended(engine) -> None:
+    """``engine`` is destroyed: the newest live engine's settings are in force again, else configure()'s."""
+    global _settings
+    _engines[:] = [(ref, s) for ref, s in _engines if ref() is not None and ref() is not engine]
+    _settings = _engines[-1][1] if _engines else _base
 
 
 def settings() -> TransferSettings:
     return _settings
-
-
-def restore(previous: TransferSettings) -> None:
-    """Put back settings that :func:`settings` returned (an engine's ``destroy()``: the ones before it)."""
-    global _settings
-    _settings = previous
 
 
 def chaos_delay() -> float:
