@@ -1786,21 +1786,27 @@ def _train_model_kind(rank, world, out_dir, stage, kind):
 
 
 def _hf_stage3(rank, world, out_dir, stage):
-    """A Hugging Face Llama with the chunked loss (its head's weight read outside the head), then generate
+    """A Hugging Face Llama with the chunked loss (its head's weight read outside the head; two forwards
+    before their backwards), then generate
     with an end token that stops one rank's sequence after one token and not the other's."""
     import lazytrain
     cfg = _config(world, stage, False)
     cfg["lazytrain"].update(loss_chunk_tokens=4, collective_timeout_s=120)   # a rank left waiting fails, soon
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world // 2             # two micro-batches a step
     engine, _, _, _ = lazytrain.initialize(model=make_hf_model("llama"), config=cfg)
     per = GLOBAL // world
     losses, chunked = [], []
     for x, y in batches(2, batch=GLOBAL):
-        part = slice(per * rank, per * rank + per)
-        out = engine(input_ids=x[part], labels=y[part])
-        chunked.append(out.logits is None)   # the chunked loss's output holds no logits
-        engine.backward(out.loss)
-        engine.step()
-        losses.append(float(out.loss))
+        mine = range(per * rank, per * rank + per, per // 2)
+        # both micro-batches' forwards, then their backwards: the first backward's gradient hooks drop the
+        # others' weights, which the second (reading the final norm's and the head's outside their
+        # forwards) must fetch again
+        outs = [engine(input_ids=x[i:i + per // 2], labels=y[i:i + per // 2]) for i in mine]
+        chunked += [out.logits is None for out in outs]   # the chunked loss's output holds no logits
+        for out in outs:
+            engine.backward(out.loss)
+            engine.step()
+            losses.append(float(out.loss))
     model = engine.module
     model.eval()
     prompts = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
@@ -1838,7 +1844,7 @@ def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
     for r2, r3 in zip(spawned("hf-stage2"), hf):
         assert r3["losses"] == pytest.approx(r2["losses"], rel=1e-6)
         assert r3["generated"] == r2["generated"]
-        assert r2["chunked"] == r3["chunked"] == [True, True]   # the engine's own hooks at stage 3 too
+        assert r2["chunked"] == r3["chunked"] == [True] * 4   # the engine's own hooks at stage 3 too
     assert hf[0]["first"][0] != hf[0]["first"][1]
     assert len(hf[0]["generated"]) == 5 and len(hf[1]["generated"]) > 5   # rank 0 stopped first
 

@@ -754,9 +754,10 @@ class LazyTrainEngine(nn.Module):
         engine_hooks = self.partitioned.hook_ids() if self.partitioned is not None else frozenset()
         if chunk and chunked_loss.applies(self.module, kwargs, engine_hooks):
             out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
-            if self.partitioned is not None:   # its backward recomputes the head's logits outside the head
-                head = self.module.get_output_embeddings()
-                self.partitioned.keep_for_backward([out.loss], [head.weight, head.bias])
+            if self.partitioned is not None:   # its backward recomputes the head's logits outside the head, and
+                # the model's own fetch-again hooks sit on outputs the loss does not use: every partitioned
+                # parameter the forward read is fetched again before this loss's backward, as they would be
+                self.partitioned.keep_for_backward([out.loss], list(self.module.parameters()))
         else:
             out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
