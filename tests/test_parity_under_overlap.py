@@ -15,8 +15,10 @@ def test_the_parity_tests_pass_with_the_update_overlapping_the_next_forward():
     if OVERLAP_FORCED or AUTO_DEVICE.type == "cuda":
         pytest.skip("this run's parity tests overlap the update already")
     tests = Path(__file__).parent
+    # not the planning policies' tests (they plan in child processes; what they train is trained by the others)
+    # nor the Hugging Face families' KV-cache tests (the forward's cache, not the update): 21 s of the suite
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                          str(tests / "test_engine_parity.py")],
+                          str(tests / "test_engine_parity.py"), "-k", "not milp_policy and not transformers_families"],
                          env={**os.environ, "LAZYTRAIN_TEST_OVERLAP": "1"}, cwd=tests.parent,
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
