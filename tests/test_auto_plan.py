@@ -320,10 +320,8 @@ def test_a_new_micro_batch_is_measured_and_planned_again(capsys):
     assert "[lazytrain] auto plan after step 12 (measured again at micro-batch 4): auto-milp" in capsys.readouterr().out
 
 
-def test_a_plan_at_a_new_micro_batch_that_fails_keeps_the_calibration_plan_at_that_size(monkeypatch):
-    """The plan before the new micro-batch was made for the old one (its memory model is another step's):
-    a failure to plan at the new size goes back to the plain calibration plan, which ran at it (not the
-    one with every layer selective that measures them)."""
+def _second_plan_fails(monkeypatch):
+    """The engine's second call of the planner raises "the planner failed"."""
     import lazytrain.engine.engine as engine_module
     real, calls = engine_module.plan_from_measurements, []
 
@@ -333,6 +331,13 @@ def test_a_plan_at_a_new_micro_batch_that_fails_keeps_the_calibration_plan_at_th
             raise RuntimeError("the planner failed")
         return real(*args)
     monkeypatch.setattr(engine_module, "plan_from_measurements", second_fails)
+
+
+def test_a_plan_at_a_new_micro_batch_that_fails_keeps_the_calibration_plan_at_that_size(monkeypatch):
+    """The plan before the new micro-batch was made for the old one (its memory model is another step's):
+    a failure to plan at the new size goes back to the plain calibration plan, which ran at it (not the
+    one with every layer selective that measures them)."""
+    _second_plan_fails(monkeypatch)
     cfg = _config({"policy": "auto", "auto": {**AUTO, "max_replans": 0, "selective": True}})
     plans = []
     with warnings.catch_warnings(record=True) as caught:
@@ -355,15 +360,7 @@ def test_a_plan_at_a_new_micro_batch_that_fails_keeps_the_calibration_plan_at_th
 def test_a_plan_again_after_drift_that_fails_goes_back_to_the_plan_it_had(monkeypatch):
     """Measuring again runs the slow calibration plan; a re-plan that fails then must not leave the run on
     it for good."""
-    import lazytrain.engine.engine as engine_module
-    real, calls = engine_module.plan_from_measurements, []
-
-    def second_fails(*args):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the planner failed")
-        return real(*args)
-    monkeypatch.setattr(engine_module, "plan_from_measurements", second_fails)
+    _second_plan_fails(monkeypatch)
     with pytest.warns(UserWarning, match=r"policy \"auto\" stopped after step 12 and keeps the plan auto-milp: "
                                          r"RuntimeError: the planner failed"):
         engine, plans = _train({"policy": "auto", "auto": {**AUTO, "check_every": 2, "drift_margin": 1e-9,

@@ -783,14 +783,15 @@ def _buffers_kept(block: nn.Module):
             m._buffers[name] = buf
 
 
-def _handed_out(out, inputs):
+def _handed_out(out, inputs, saved: frozenset = frozenset()):
     """A block's outputs as the model gets them. Detached: an output that is a view (nn.Linear's on a 3-D
     input) would be the streamed call's view output, which autograd refuses to let the model change in
-    place, as plain PyTorch lets it. Copied where it is one of the block's inputs' memory (a block that
-    returns its input, a skipped layer): that input is a boundary the plan keeps, perhaps still on its way
+    place, as plain PyTorch lets it. Copied where it is in the memory of one of the block's inputs (a block
+    that returns its input, a skipped layer: a boundary the plan keeps) or of a tensor an offloaded layer's
+    forward saved (``saved``, storages by data_ptr: tanh saves its output): either may still be on its way
     to the host, which a change the model makes in place must not reach."""
-    given = {t.untyped_storage().data_ptr() for t in inputs
-             if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel()}
+    given = saved | {t.untyped_storage().data_ptr() for t in inputs
+                     if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel()}
 
     def hand(t):
         if not isinstance(t, torch.Tensor):
@@ -818,12 +819,12 @@ class _BlockFunction(torch.autograd.Function):
         if record:                          # backward differentiates this graph without a re-run
             x_in, out, params, t_in = executor._forward_with_grad(p, layer, hidden, needs[0], needs[1:], keep=True)
             p.graphs[layer] = (x_in, executor._outputs(out), params, t_in)
-            if layer in p.offloaded:
-                out = p.offloaded[layer].hand_out(out)
+            saved = p.offloaded[layer].saved_storages if layer in p.offloaded else frozenset()
         else:
             flat = executor._acquire(layer)
             out, _ = executor._compute(layer, flat, hidden, p.calls[layer], kept=executor._selective_forward(p, layer))
-        out = _handed_out(out, (hidden, *tensors))
+            saved = frozenset()
+        out = _handed_out(out, (hidden, *tensors), saved)
         if isinstance(out, torch.Tensor):
             return (out,)
         p.returned_tuple.add(layer)   # the model indexes it (layer_outputs[0]): hand back a tuple too

@@ -149,7 +149,9 @@ class OffloadedInternals:
         self._reads: dict[int, TransferHandle] = {}  # saved index -> read in flight
         self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
         self._changed: dict[int, tuple] = {}         # saved index -> (version saved, version after the forward)
-        self._saved_storages: set[int] = set()       # the storages of the tensors the forward sent (data_ptr)
+        # the storages of the tensors the forward sent (data_ptr): an output in one reaches the model as a copy,
+        # as its copy to the host may not have run yet (executor._handed_out)
+        self.saved_storages: frozenset[int] = frozenset()
         # slices (tensors that are not dense) by their storage and dtype: the bytes their spans cover together,
         # and, in backward, one device buffer of that span they come back into, each at its place
         self._slice_spans: dict[tuple, tuple[int, int]] = {}
@@ -171,23 +173,11 @@ class OffloadedInternals:
             for ident, (t, n, _) in self._index.items():   # changed in place after it was saved, in the forward:
                 if t._version != ident[-1]:               # plain autograd refuses it if backward uses it
                     self._changed[n] = (ident[-1], t._version)
-            self._saved_storages = {ident[0] for ident in self._index}
+            self.saved_storages = frozenset(ident[0] for ident in self._index)
             self._index.clear()
             self._spans.clear()
         if self._out is not None:   # the forward window's share leaves now its forward has saved everything
             self.send_through(self._window)
-
-    def hand_out(self, outputs):
-        """The block's outputs as the model gets them: a copy of one whose memory the forward saved. The model
-        may change an output in place (scale the hidden state), which the saved bytes must not see: their
-        copy to the host may not have run yet (on a copy stream, or waiting for its window's share). The
-        re-run plans differentiate the block as its forward computed it; so does an offloaded layer."""
-        def out(t):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and \
-                    t.untyped_storage().data_ptr() in self._saved_storages:
-                return t.detach().clone()
-            return t
-        return out(outputs) if isinstance(outputs, torch.Tensor) else tuple(out(t) for t in outputs)
 
     def send_through(self, window: int) -> None:
         """Issue the copies to the host of the shares up to ``window`` (split copies only)."""
@@ -336,16 +326,14 @@ class OffloadedInternals:
         """``value`` (a slice's values, contiguous) copied to its place in its storage's slice buffer: the
         slice again, with its strides; the contiguous copy is let go."""
         storage, first, strides = place
-        lo, _ = self._slice_spans[storage]
-        if (first - lo) % value.element_size():   # another dtype's bytes between them: not one buffer of these
+        (lo, hi), size = self._slice_spans[storage], value.element_size()
+        if (first - lo) % size:   # another dtype's bytes between them: not one buffer of these
             return value
         buffer = self._slice_buffers.get(storage)
-        hi = self._slice_spans[storage][1]
         if buffer is None:
-            size = value.element_size()
             buffer = self._slice_buffers[storage] = torch.empty((hi - lo + size - 1) // size, dtype=value.dtype,
                                                                 device=value.device)
-        return buffer.as_strided(value.shape, strides, (first - lo) // value.element_size()).copy_(value)
+        return buffer.as_strided(value.shape, strides, (first - lo) // size).copy_(value)
 
     def release(self) -> None:
         """Wait for the reads still in flight, then free the host copies (after the block's backward, or

@@ -88,9 +88,12 @@ class EmulatedLink:
     def reserve(self, nbytes: int, ready: float) -> float:
         """Book the link for ``nbytes`` from ``ready`` (perf_counter seconds); returns when it completes."""
         with self._lock:
-            start = max(ready, self._free_at)
-            self._free_at = start + self.latency_s + nbytes / (self.gbps * 1e9)
+            self._free_at = max(ready, self._free_at) + self.seconds(nbytes)
             return self._free_at
+
+    def seconds(self, nbytes: int) -> float:
+        """How long the link takes for ``nbytes``, its latency included."""
+        return self.latency_s + nbytes / (self.gbps * 1e9)
 
     def hold(self, nbytes: int, ready: float) -> float:
         """A transfer of ``nbytes`` that became ready at ``ready`` and has run: wait until the link would
@@ -99,7 +102,7 @@ class EmulatedLink:
         left = done - time.perf_counter()
         if left > 0:
             time.sleep(left)
-        return done - self.latency_s - nbytes / (self.gbps * 1e9)
+        return done - self.seconds(nbytes)
 
 
 @dataclass
