@@ -293,6 +293,36 @@ def test_split_copies_leave_and_come_back_in_the_shares_the_plan_names(tmp_path)
     engine.destroy()
 
 
+@pytest.mark.parametrize("plan", [offload_all_plan(6), SPLIT], ids=["whole", "split"])
+def test_a_window_begins_only_once_the_copies_out_issued_before_it_have_ended(tmp_path, plan):
+    """The Plan's windows: the planner counts a saved tensor's device memory free, and the simulator starts
+    the next window, once its window's copies to the host are over. With every copy delayed at random, each
+    window begins with the copies out of the windows before it ended."""
+    testing = dict(LINKS, chaos_seed=3, chaos_max_delay_ms=5.0)
+    engine = plan_engine(tmp_path, make_model("llama"), plan, testing)
+    host, executor = engine.tiers["host"], engine.executor
+    write, enter = host.write, executor._enter_window
+    window, issued, late = [None], [], []
+
+    def logged_write(key, value, *a, **kw):
+        handle = write(key, value, *a, **kw)
+        if ".saved" in key:
+            issued.append((window[0], handle))
+        return handle
+
+    def logged_enter(p, w):
+        window[0] = w   # what it issues is its own
+        enter(p, w)
+        late.extend(v for v, handle in issued if v < w and not handle.done())
+    host.write, executor._enter_window = logged_write, logged_enter
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    sent_in = set(range(5)) if plan is not SPLIT else {0, 1, 2, 3, 4, 5}
+    assert {v for v, _ in issued} == sent_in and late == []
+    engine.step()
+    engine.destroy()
+
+
 class _FailsWhenTold(MLPBlock):
     """A block whose forward raises (as a CUDA out-of-memory error would) when its ``fail`` is set."""
     fail = False

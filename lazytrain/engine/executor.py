@@ -484,6 +484,8 @@ class LayerStreamingExecutor:
         if w in p.windows_entered:
             return
         p.windows_entered.add(w)
+        for internals in p.offloaded.values():   # the windows before ended with their copies out (the Plan's
+            internals.wait_sent()                # windows; the planner counts that device memory free by now)
         for i in p.pending_offload.pop(w, []):
             x = p.held.pop(i)
             self._put(p, self.plan.homes[i], self._key(p, i), x)

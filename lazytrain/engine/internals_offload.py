@@ -15,6 +15,11 @@ Where the Plan splits the copies over windows (``Plan.internals_offload_shares``
 ``internals_prefetch_shares`` back), the saved tensors wait on the device and each window issues the
 next of them, in the order they were saved, while the bytes issued stay within the running sum of its
 shares (a tensor goes when at least half of it falls within; the last window issues the rest).
+
+A window's copies to the host end before the next window computes (``wait_sent``), as the Plan's windows
+do: the planner counts a saved tensor's device memory free once its window's copies are over, and the
+simulator starts the next window then. A forward that ran on ahead of its copies would hold every
+offloaded layer's internals on the device at once where the link is the bottleneck.
 """
 from __future__ import annotations
 
@@ -23,8 +28,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..tiers import Tier, TransferHandle
-from ..tiers.base import TierError
+from ..tiers import Tier, TransferHandle, streams
+from ..tiers.base import TierError, wait_completion
 
 
 class InternalsOffloadError(RuntimeError):
@@ -147,6 +152,7 @@ class OffloadedInternals:
         # of that span in memory order: another view of the same bytes (a reshape of it) is not sent again
         self._spans: dict[tuple, int] = {}
         self._reads: dict[int, TransferHandle] = {}  # saved index -> read in flight
+        self._writes: list[TransferHandle] = []      # copies to the host issued and not yet waited on
         self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
         self._changed: dict[int, tuple] = {}         # saved index -> (version saved, version after the forward)
         # the storages of the tensors the forward sent (data_ptr): an output in one reaches the model as a copy,
@@ -189,9 +195,23 @@ class OffloadedInternals:
             if t._version != version:   # changed in place after the forward, before its copy: autograd's rule
                 self._changed[n] = (version, t._version)
                 continue
-            self._tier.write(self._keys[n], sent)
+            self._writes.append(self._tier.write(self._keys[n], sent))
             self._owned.add((self._tier.name, self._keys[n]))
         self._sent_upto = max(self._sent_upto, upto)
+
+    def wait_sent(self) -> None:
+        """Block until every copy to the host issued so far has ended (each window's, before the next window
+        computes). A failed copy is not raised here: the tier records it against its key, and it is raised
+        where backward reads that tensor, if it does (a tensor changed in place before its copy fails it, and
+        plain autograd objects only when backward uses it)."""
+        if not self._writes:
+            return
+        writes, self._writes = self._writes, []
+        if all(handle.done() for handle in writes):
+            return
+        with streams.wait_span(f"internals out {self._key.rsplit('.', 1)[-1]}", self._device):
+            for handle in writes:
+                wait_completion(handle.completion())
 
     def _pack(self, t: torch.Tensor):
         if t.layout != torch.strided:   # a sparse tensor has no one storage to copy: it stays where it is
@@ -222,7 +242,7 @@ class OffloadedInternals:
             self._keys.append(key)
             self._sizes.append(sent.numel() * sent.element_size())
             if self._out is None:
-                self._tier.write(key, sent)
+                self._writes.append(self._tier.write(key, sent))
                 self._owned.add((self._tier.name, key))
             else:                  # held on the device until its window's share is issued; detached (the same
                 # memory and version counter): ``t``'s graph holds what these hooks packed, so ``t`` itself here
@@ -336,10 +356,11 @@ class OffloadedInternals:
         return buffer.as_strided(value.shape, strides, (first - lo) // size).copy_(value)
 
     def release(self) -> None:
-        """Wait for the reads still in flight, then free the host copies (after the block's backward, or
+        """Wait for the copies still in flight, then free the host copies (after the block's backward, or
         when its pass is dropped)."""
         reads, self._reads = self._reads, {}
         try:
+            self.wait_sent()
             for handle in reads.values():
                 try:
                     handle.wait()
