@@ -16,6 +16,7 @@ import torch
 import lazytrain
 from lazytrain.config import ConfigError
 from lazytrain.engine.internals_offload import OffloadedInternals
+from lazytrain.tiers.base import completion_reached
 from lazytrain.engine.lean_norms import make_norms_lean
 from lazytrain.engine.executor import ExecutorError
 from lazytrain.planner.plan import RECOMPUTE, Plan, PlanError, keep_all_plan, offload_all_plan
@@ -294,31 +295,39 @@ def test_split_copies_leave_and_come_back_in_the_shares_the_plan_names(tmp_path)
 
 
 @pytest.mark.parametrize("plan", [offload_all_plan(6), SPLIT], ids=["whole", "split"])
-def test_a_window_begins_only_once_the_copies_out_issued_before_it_have_ended(tmp_path, plan):
+def test_a_window_begins_once_the_copies_out_before_it_have_ended_and_waits_for_none_of_its_own(tmp_path, plan,
+                                                                                                monkeypatch):
     """The Plan's windows: the planner counts a saved tensor's device memory free, and the simulator starts
     the next window, once its window's copies to the host are over. With every copy delayed at random, each
-    window begins with the copies out of the windows before it ended."""
+    window begins with the copies out of the windows before it ended, and never waits for those it issues
+    itself (that would serialise its compute with its own copies)."""
+    import lazytrain.engine.internals_offload as internals_offload
     testing = dict(LINKS, chaos_seed=3, chaos_max_delay_ms=5.0)
     engine = plan_engine(tmp_path, make_model("llama"), plan, testing)
     host, executor = engine.tiers["host"], engine.executor
-    write, enter = host.write, executor._enter_window
-    window, issued, late = [None], [], []
+    write, enter, wait = host.write, executor._enter_window, internals_offload.wait_completion
+    window, issued, late, own = [None], [], [], []
 
     def logged_write(key, value, *a, **kw):
         handle = write(key, value, *a, **kw)
         if ".saved" in key:
-            issued.append((window[0], handle))
+            issued.append((window[0], handle.completion()))
         return handle
 
     def logged_enter(p, w):
         window[0] = w   # what it issues is its own
         enter(p, w)
-        late.extend(v for v, handle in issued if v < w and not handle.done())
+        late.extend(v for v, done in issued if v < w and not completion_reached(done))
+
+    def logged_wait(done):
+        own.extend(v for v, d in issued if d is done and v == window[0])
+        wait(done)
     host.write, executor._enter_window = logged_write, logged_enter
+    monkeypatch.setattr(internals_offload, "wait_completion", logged_wait)
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
     sent_in = set(range(5)) if plan is not SPLIT else {0, 1, 2, 3, 4, 5}
-    assert {v for v, _ in issued} == sent_in and late == []
+    assert {v for v, _ in issued} == sent_in and late == [] and own == []
     engine.step()
     engine.destroy()
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..tiers import Tier, TransferHandle, streams
-from ..tiers.base import TierError, wait_completion
+from ..tiers.base import TierError, completion_reached, wait_completion
 
 
 class InternalsOffloadError(RuntimeError):
@@ -152,7 +152,9 @@ class OffloadedInternals:
         # of that span in memory order: another view of the same bytes (a reshape of it) is not sent again
         self._spans: dict[tuple, int] = {}
         self._reads: dict[int, TransferHandle] = {}  # saved index -> read in flight
-        self._writes: list[TransferHandle] = []      # copies to the host issued and not yet waited on
+        # what says each copy to the host issued is over, until waited on (not its handle: that keeps the saved
+        # tensor, device memory, alive until then)
+        self._writes: list = []
         self._values: dict[int, torch.Tensor] = {}   # saved index -> on the device, for this backward
         self._changed: dict[int, tuple] = {}         # saved index -> (version saved, version after the forward)
         # the storages of the tensors the forward sent (data_ptr): an output in one reaches the model as a copy,
@@ -195,7 +197,7 @@ class OffloadedInternals:
             if t._version != version:   # changed in place after the forward, before its copy: autograd's rule
                 self._changed[n] = (version, t._version)
                 continue
-            self._writes.append(self._tier.write(self._keys[n], sent))
+            self._writes.append(self._tier.write(self._keys[n], sent).completion())
             self._owned.add((self._tier.name, self._keys[n]))
         self._sent_upto = max(self._sent_upto, upto)
 
@@ -207,11 +209,11 @@ class OffloadedInternals:
         if not self._writes:
             return
         writes, self._writes = self._writes, []
-        if all(handle.done() for handle in writes):
+        if all(completion_reached(done) for done in writes):
             return
         with streams.wait_span(f"internals out {self._key.rsplit('.', 1)[-1]}", self._device):
-            for handle in writes:
-                wait_completion(handle.completion())
+            for done in writes:
+                wait_completion(done)
 
     def _pack(self, t: torch.Tensor):
         if t.layout != torch.strided:   # a sparse tensor has no one storage to copy: it stays where it is
@@ -242,7 +244,7 @@ class OffloadedInternals:
             self._keys.append(key)
             self._sizes.append(sent.numel() * sent.element_size())
             if self._out is None:
-                self._writes.append(self._tier.write(key, sent))
+                self._writes.append(self._tier.write(key, sent).completion())
                 self._owned.add((self._tier.name, key))
             else:                  # held on the device until its window's share is issued; detached (the same
                 # memory and version counter): ``t``'s graph holds what these hooks packed, so ``t`` itself here
