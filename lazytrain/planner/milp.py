@@ -69,8 +69,7 @@ DENSE_ROWS_UP_TO = 128
 
 @dataclass(frozen=True)
 class MilpOptions:
-    time_limit_s: float = 10.0      # the whole build_and_solve call, building included; given a start plan,
-                                    # HiGHS may run up to 5 s past it until it has taken the start in
+    time_limit_s: float = 10.0      # the whole build_and_solve call, building included
     max_segment: int = 8            # longest recompute segment (edge e - s)
     offload_slack: int = 4          # an offload is issued within this many windows after the boundary exists
     prefetch_lead: int = 4          # a prefetch is issued at most this many windows before its earliest use
@@ -105,14 +104,17 @@ class MilpOptions:
             raise ValueError(f"memory_rows must be one of {', '.join(MEMORY_ROWS)}, got {self.memory_rows!r}")
 
 
-# an isolated solve is stopped this long after its time limit: past HiGHS's 5 s to take a start plan in,
-# and the child's start (an interpreter importing PuLP and HiGHS: about 0.3 s)
+# an isolated solve is stopped this long after its time limit: past the child's start (an interpreter
+# importing PuLP and HiGHS: about 0.3 s) and a solver that does not stop at its deadline (BENCHMARKS.md)
 ISOLATED_GRACE_S = 10.0
 
 
-# the share of the time limit the solver leaves to stopping and to reading its plan back: on the H800 27B at
-# 10 s, HiGHS's interrupt came 0.12 s past the deadline it was given and PuLP read the plan back in 0.07 s
-FINISH_RESERVE = 0.03
+# what the solver leaves of the time limit to stopping and to reading its plan back: a share of the limit
+# for HiGHS's late stops (a sub-MIP heuristic ran 0.5 s past the deadline at 256 layers on a 10 s limit, a
+# root cut round up to 1 s at 96 layers) and seconds for reading back (PuLP, then the Plan and its
+# simulation: 0.03-0.1 s at 128 and 256 layers), BENCHMARKS.md
+FINISH_RESERVE = 0.05
+FINISH_RESERVE_S = 0.2
 
 
 def isolated_deadline_s(opts: MilpOptions) -> float:
@@ -272,9 +274,8 @@ def _silence_highs_banner() -> None:
 
 
 def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = None,
-            start: "dict[pulp.LpVariable, float] | None" = None, start_past_deadline: bool = True):
-    """The solver for ``opts``; ``start_past_deadline``: given a start, HiGHS may run past the deadline
-    until it has taken the start in (else the deadline stops it, with or without a plan)."""
+            start: "dict[pulp.LpVariable, float] | None" = None):
+    """The solver for ``opts``, stopped at ``deadline`` (perf_counter seconds) with or without a plan."""
     available = pulp.listSolvers(onlyAvailable=True)
     if "HiGHS" in available:
         _silence_highs_banner()
@@ -283,14 +284,14 @@ def _solver(opts: MilpOptions, abs_gap: float = 1e-6, deadline: float | None = N
     if want in ("auto", "highs") and "HiGHS" in available:
         # presolve and root restarts off: on some of these models HiGHS 1.16's presolve runs on far past
         # the time limit (seen on qwen2.5-14b / rtx3090 at micro-batch 5 and 9); without it they solve within it
-        # given a start, HiGHS's own limit leaves it time to take the start in; the callback stops it after.
+        # HiGHS's own limit is the deadline too (set as it starts, _HighsFromStart.callSolver): its sub-MIP
+        # heuristics (RINS, RENS) run without calling back, and take the limit that is left.
         # Given a start, no feasibility jump: that heuristic looks for a first plan, which the start is, and
         # it runs without calling back (1 s of a 1 s limit at 128 layers; BENCHMARKS.md)
         extra = {"mip_heuristic_run_feasibility_jump": False} if start else {}
         if not opts.root_reduced_cost_heuristic:   # see MilpOptions
             extra["mip_heuristic_run_root_reduced_cost"] = False
-        grace = 5.0 if start and start_past_deadline else 0.0
-        return "highs", _HighsFromStart(start, deadline, start_past_deadline, msg=False, timeLimit=left + grace,
+        return "highs", _HighsFromStart(start, deadline, msg=False, timeLimit=left,
                                         gapRel=opts.gap_rel, gapAbs=abs_gap, threads=opts.threads, random_seed=0,
                                         mip_allow_restart=False, presolve="off", **extra)
     for var, value in (start or {}).items():
@@ -311,12 +312,32 @@ class _HighsFromStart(pulp.HiGHS):
     The integer columns of the start plan are handed to HiGHS as a partial solution (it completes the
     continuous ones), so the search has an incumbent before its first node. HiGHS checks its own time
     limit between phases, and on large models its root LP alone ran past it (3 s on a 1 s limit at 128
-    layers): the interrupt callbacks stop it at the deadline, keeping the best plan found; given a start,
-    not before the start is its incumbent (taking it in is an LP over the continuous columns)."""
+    layers): the interrupt callbacks stop it at the deadline, keeping the best plan found. A deadline that
+    comes before HiGHS has taken the start in (an LP over the continuous columns) leaves no plan, and the
+    search falls back to the start plan itself (search._fallback)."""
 
-    def __init__(self, start, deadline, start_past_deadline=True, **kwargs):
+    def __init__(self, start, deadline, **kwargs):
         super().__init__(**kwargs)
-        self.start, self.deadline, self.start_past_deadline = start, deadline, start_past_deadline
+        self.start, self.deadline = start, deadline
+        self.num_variables: int | None = None
+        self.started = True
+
+    def actualSolve(self, lp):
+        """PuLP's, less what costs time on a model built once and solved once: PuLP walks every row again at
+        each ``lp.variables()`` (three calls, about 0.1 s each at 128 layers, two after the solver stops), and
+        resets each variable's and row's modified flags (for re-solves, which the planner never does)."""
+        variables = lp.variables()
+        self.num_variables = len(variables)
+        lp.variables = lambda: variables   # the instance's, for this solve: the model no longer changes
+        try:
+            self.createAndConfigureSolver(lp)
+            self.buildSolverModel(lp)
+            self.callSolver(lp)
+            status, sol_status = self.findSolutionValues(lp)
+        finally:
+            del lp.variables
+        lp.assignStatus(status, sol_status)
+        return status
 
     def callSolver(self, lp):
         import highspy
@@ -326,14 +347,14 @@ class _HighsFromStart(pulp.HiGHS):
             cols = np.array([v.index for v in self.start], dtype=np.int32)
             h.setSolution(len(cols), cols, np.array(list(self.start.values()), dtype=np.float64))
         if self.deadline is not None:
-            mip_interrupt = int(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+            left = self.deadline - time.perf_counter()
+            if left <= 0:   # building took the time: not started (its LP taking the start in ignores both limits)
+                self.started = False
+                return
+            h.setOptionValue("time_limit", left)   # HiGHS times it from run(), after PuLP built the model into it
 
             def stop_at_deadline(kind, message, data_out, data_in, user_data):
-                if time.perf_counter() < self.deadline:
-                    return
-                # with a start plan, not before HiGHS has taken it in as its incumbent (a plan to return)
-                if not self.start or not self.start_past_deadline or (
-                        int(kind) == mip_interrupt and data_out.mip_primal_bound < float("inf")):
+                if time.perf_counter() >= self.deadline:
                     data_in.user_interrupt = True
             h.setCallback(stop_at_deadline, None)
             for kind in (highspy.cb.HighsCallbackType.kCallbackSimplexInterrupt,
@@ -427,7 +448,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         return plan, info
     t_split = time.perf_counter()
     try:   # the unsplit plan is in hand: the deadline stops the split model whether or not it took it in
-        split_plan, split_info = _build_and_solve(p, replace(opts, time_limit_s=left), plan, start_past_deadline=False)
+        split_plan, split_info = _build_and_solve(p, replace(opts, time_limit_s=left), plan)
     except NoPlanInTimeError:
         split_info = None
     if split_info is None or split_info.objective_s is None or split_info.objective_s >= info.objective_s:
@@ -435,8 +456,10 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
         if split_info is None or split_info.status != "optimal":   # optimal for the unsplit model only
             info.status, info.gap = "feasible", None if split_info is None else split_info.gap
             info.bound_s = None if split_info is None else split_info.bound_s
-        info.detail += (f"; internals copies unsplit (the split model found "
-                        f"{'no plan' if split_info is None else 'no faster plan'} in the time left)")
+        found = "no plan" if split_info is None else "no faster plan"
+        split_gap = "" if split_info is None or split_info.gap is None else f", its gap {split_info.gap:.2%}"
+        info.detail += (f"; internals copies unsplit, the plan optimal among those (the split model found {found} "
+                        f"in the {left:.2f} s left{split_gap})")
         return plan, info
     split_info.build_time_s += info.build_time_s
     split_info.solve_time_s += info.solve_time_s
@@ -444,8 +467,7 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     return split_plan, split_info
 
 
-def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
-                     start_past_deadline: bool = True) -> tuple[Plan, SolveInfo]:
+def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> tuple[Plan, SolveInfo]:
     t_build = time.perf_counter()
     deadline = t_build + opts.time_limit_s
     L, W = p.L, 2 * p.L
@@ -725,8 +747,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
     if start_plan is not None:
         values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts, sel, offl, offl_pre)
     name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"],
-                           deadline=deadline - FINISH_RESERVE * opts.time_limit_s, start=values,
-                           start_past_deadline=start_past_deadline)
+                           deadline=deadline - FINISH_RESERVE * opts.time_limit_s - FINISH_RESERVE_S,
+                           start=values)
     t0 = time.perf_counter()
     m.solve(solver)
     solve_s = time.perf_counter() - t0
@@ -738,6 +760,10 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
             f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers; "
             f"{_shortfall(p, K)}. Lower {BUDGET_SOURCES['micro-batch']}, raise a budget, or allow longer segments "
             f"(max_segment)")
+    if info.status == "no solution" and getattr(solver, "started", True) is False:
+        raise NoPlanInTimeError(f"building the model ({build_s:.2f}s, then {solve_s:.2f}s handing it to the "
+                                f"solver) used the {opts.time_limit_s:.2f}s the MILP had, less what it leaves to "
+                                f"read a plan back: the solver ({name}) had no time to start; raise the time limit")
     if info.status == "no solution":
         raise NoPlanInTimeError(f"the solver ({name}) stopped after {solve_s:.1f}s without a feasible plan "
                             f"({info.detail}); raise the time limit")
@@ -769,7 +795,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None,
     backs = {j: _shares({w: val(offl_pre[j, w]) for w in offl_windows[j]}) for j in offloaded}
     outs = {j: _shares({w: val(offl_out[j, w]) for w in out_windows[j]}) for j in offloaded}
     internals_prew = {j: next(iter(b)) for j, b in backs.items() if len(b) == 1}
-    info.num_vars, info.num_constraints = len(m.variables()), len(m.constraints)
+    info.num_vars = getattr(solver, "num_variables", None) or len(m.variables())
+    info.num_constraints = len(m.constraints)
     plan = Plan(num_layers=L, homes=tuple(homes), offload_window=offw, prefetch_window=prew,
                 resident_layers=resident, micro_batch_size=p.micro_batch, seq_len=p.seq_len, policy="milp",
                 last_segment_graph=graph_start is not None, selective_layers=selective,

@@ -50,6 +50,8 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     time, the plan it started from (else the fastest baseline) is returned, with a warning."""
     t0 = time.perf_counter()
     start = _start_plan(p) if opts.warm_start else None
+    # the limit bounds the whole call: finding the start plan (simulations) counts against it
+    opts = replace(opts, time_limit_s=max(opts.time_limit_s - (time.perf_counter() - t0), 0.01))
     try:
         plan, info = (_isolated_solve(p, opts, start) if opts.isolate else build_and_solve(p, opts, start_plan=start))
     except (NoPlanInTimeError, DeadlineExceededError) as e:
