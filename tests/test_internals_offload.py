@@ -294,13 +294,21 @@ def test_split_copies_leave_and_come_back_in_the_shares_the_plan_names(tmp_path)
     engine.destroy()
 
 
-@pytest.mark.parametrize("plan", [offload_all_plan(6), SPLIT], ids=["whole", "split"])
+# boundaries kept on the host, two of them leaving the device in a later window than their own, beside
+# layers 2 and 5 offloaded (MIXED)
+DEFERRED = Plan(num_layers=6, homes=("hbm", "host", "host", "host", "host", "host", "hbm"),
+                offload_window={1: 3, 3: 4}, policy="deferred")
+
+
+@pytest.mark.parametrize("plan", [offload_all_plan(6), SPLIT, MIXED, DEFERRED],
+                         ids=["whole", "split", "mixed", "boundaries"])
 def test_a_window_begins_once_the_copies_out_before_it_have_ended_and_waits_for_none_of_its_own(tmp_path, plan,
                                                                                                 monkeypatch):
-    """The Plan's windows: the planner counts a saved tensor's device memory free, and the simulator starts
-    the next window, once its window's copies to the host are over. With every copy delayed at random, each
-    window begins with the copies out of the windows before it ended, and never waits for those it issues
-    itself (that would serialise its compute with its own copies)."""
+    """The Plan's windows: the planner counts a saved tensor's or a boundary's device memory free, and the
+    simulator starts the next window, once its window's copies to the host are over. With every copy delayed at
+    random, each window begins with the copies out of the windows before it ended, and never waits for those
+    it issues itself (that would serialise its compute with its own copies)."""
+    import lazytrain.engine.executor as executor_module
     import lazytrain.engine.internals_offload as internals_offload
     testing = dict(LINKS, chaos_seed=3, chaos_max_delay_ms=5.0)
     engine = plan_engine(tmp_path, make_model("llama"), plan, testing)
@@ -310,7 +318,7 @@ def test_a_window_begins_once_the_copies_out_before_it_have_ended_and_waits_for_
 
     def logged_write(key, value, *a, **kw):
         handle = write(key, value, *a, **kw)
-        if ".saved" in key:
+        if ".saved" in key or ".boundary" in key:
             issued.append((window[0], handle.completion()))
         return handle
 
@@ -324,10 +332,12 @@ def test_a_window_begins_once_the_copies_out_before_it_have_ended_and_waits_for_
         wait(done)
     host.write, executor._enter_window = logged_write, logged_enter
     monkeypatch.setattr(internals_offload, "wait_completion", logged_wait)
+    monkeypatch.setattr(executor_module, "wait_completion", logged_wait)
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
-    sent_in = set(range(5)) if plan is not SPLIT else {0, 1, 2, 3, 4, 5}
-    assert {v for v, _ in issued} == sent_in and late == [] and own == []
+    sent_in = {"whole": set(range(5)), "split": set(range(6)), "mixed": {2, 3, 5}, "deferred": {2, 3, 4, 5}}
+    assert {v for v, _ in issued} == sent_in[plan.policy.replace("offload-all", "whole")]
+    assert late == [] and own == []
     engine.step()
     engine.destroy()
 

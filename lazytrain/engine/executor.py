@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
+from ..tiers.base import completion_reached, wait_completion
 from .internals_offload import OffloadedInternals
 from .selective import SelectiveForward
 from .weight_stream import WeightStream
@@ -148,6 +149,8 @@ class _Pass:
     next_layer: int = 0
     pending_offload: dict[int, list[int]] = field(default_factory=dict)   # window -> boundaries
     held: dict[int, torch.Tensor] = field(default_factory=dict)          # boundary -> device tensor awaiting offload
+    copies_out: list = field(default_factory=list)                       # completions of the boundaries' copies off
+                                                                         # the device, waited for as the next window begins
     prefetched: dict[int, TransferHandle] = field(default_factory=dict)  # boundary -> read handle
     cache: dict[int, torch.Tensor] = field(default_factory=dict)         # recomputed boundaries (device)
     windows_entered: set = field(default_factory=set)
@@ -451,7 +454,7 @@ class LayerStreamingExecutor:
             return
         w = self.plan.offload_at(i)
         if w <= i:
-            self._put(p, home, self._key(p, i), x)
+            p.copies_out.append(self._put(p, home, self._key(p, i), x).completion())
         else:  # held on the device until its offload window
             self._put(p, DEVICE_HOME, self._key(p, i) + ".held", x, owned=True)
             p.held[i] = x
@@ -472,9 +475,10 @@ class LayerStreamingExecutor:
         self._put(p, DEVICE_HOME, self._key(p, i) + ".input", x, owned=True)
         p.unchained[i] = x
 
-    def _put(self, p: _Pass, tier: str, key: str, x: torch.Tensor, owned: bool = False) -> None:
-        self.tiers[tier].write(key, x, owned=owned)
+    def _put(self, p: _Pass, tier: str, key: str, x: torch.Tensor, owned: bool = False) -> TransferHandle:
+        handle = self.tiers[tier].write(key, x, owned=owned)
         p.owned.add((tier, key))
+        return handle
 
     def _drop(self, p: _Pass, tier: str, key: str) -> None:
         self.tiers[tier].free(key)
@@ -484,11 +488,10 @@ class LayerStreamingExecutor:
         if w in p.windows_entered:
             return
         p.windows_entered.add(w)
-        for internals in p.offloaded.values():   # the windows before ended with their copies out (the Plan's
-            internals.wait_sent()                # windows; the planner counts that device memory free by now)
+        self._end_copies_out(p)
         for i in p.pending_offload.pop(w, []):
             x = p.held.pop(i)
-            self._put(p, self.plan.homes[i], self._key(p, i), x)
+            p.copies_out.append(self._put(p, self.plan.homes[i], self._key(p, i), x).completion())
             self._drop(p, DEVICE_HOME, self._key(p, i) + ".held")
         for j in self._internals_out_in_window.get(w, ()):   # a copy out is no prefetch: it always runs
             if j in p.offloaded:
@@ -501,6 +504,18 @@ class LayerStreamingExecutor:
         for j in self._internals_in_window.get(w, ()):
             if j in p.offloaded:
                 p.offloaded[j].prefetch(w)
+
+    def _end_copies_out(self, p: _Pass) -> None:
+        """Wait for the copies off the device that the windows before issued (boundaries, offloaded layers'
+        internals), as the Plan's windows end with them: the planner counts that device memory free once
+        they are over. A failed copy is raised where backward reads what it held, not here."""
+        copies, p.copies_out = p.copies_out, []
+        if not all(completion_reached(done) for done in copies):
+            with streams.wait_span("boundaries out", self.device):
+                for done in copies:
+                    wait_completion(done)
+        for internals in p.offloaded.values():
+            internals.wait_sent()
 
     def _issue_prefetch(self, p: _Pass, i: int) -> TransferHandle:
         if i in p.held:      # still on the device: nothing to fetch
