@@ -257,6 +257,27 @@ def test_the_optimizer_groups_settings_are_restored_as_deepspeed_restores_them(n
     assert engine.get_lr() == [settings["lr"]]
 
 
+@pytest.mark.parametrize("name", ["stage0_fp32", "stage1_fp16", "stage2_fp32_2ranks", "stage3_fp32_2ranks"])
+@pytest.mark.parametrize("config", ["ds_config.json", {"zero_optimization": True}], ids=["path", "bool"])
+def test_a_checkpoint_whose_config_deepspeed_saved_as_a_path_reads_as_the_one_saved_with_it(tmp_path, name, config):
+    """DeepSpeed saves ``ds_config`` as given: the path of the JSON file where the run was configured by one
+    (``--deepspeed_config``). The stage then comes from the optimizer files' own record."""
+    import shutil
+    tag = tmp_path / "global_step1"
+    shutil.copytree(os.path.join(HERE, name, "global_step1"), tag)
+    for model_file in tag.glob("*model_states.pt"):   # every rank's (stage 3 saves one a rank)
+        raw = torch.load(model_file, weights_only=False)
+        raw["ds_config"] = config
+        torch.save(raw, model_file)
+    got = ds_ckpt.read(str(tag), want_optimizer=True)
+    want = ds_ckpt.read(os.path.join(HERE, name, "global_step1"), want_optimizer=True)
+    assert sorted(got.module) == sorted(want.module) and sorted(got.moments or {}) == sorted(want.moments or {})
+    for n, t in want.module.items():
+        assert torch.equal(got.module[n], t), n
+    for n, m in (want.moments or {}).items():
+        assert all(torch.equal(got.moments[n][k], v) for k, v in m.items()), n
+
+
 @pytest.mark.parametrize("name,gone", [("stage2_fp32_2ranks", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
                                        ("stage3_fp32_2ranks", "zero_pp_rank_1_mp_rank_00_model_states.pt")])
 def test_a_checkpoint_missing_a_ranks_file_is_refused_naming_it(tmp_path, name, gone):

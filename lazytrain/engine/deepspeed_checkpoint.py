@@ -97,6 +97,23 @@ def _rank_of(path: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def _zero_stage(model: dict, optim_files: list[str], trust: bool) -> int:
+    """The ZeRO stage the checkpoint was saved at: its config's, where DeepSpeed saved the config itself (a
+    dict); else the one its optimizer files record (DeepSpeed saves the config's path where it was given one,
+    and an old config's ``zero_optimization`` may be a bool); 0 without optimizer files, or where they record
+    none (16-bit stage 0)."""
+    config = model.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    if isinstance(zero, dict):
+        return int(zero.get("stage", 0))
+    if isinstance(config, dict) and not zero:   # no ZeRO section, or zero_optimization: false
+        return 0
+    if not optim_files:
+        return 0
+    recorded = safe_load.load(optim_files[0], trust).get("optimizer_state_dict", {}).get("zero_stage")
+    return int(recorded) if recorded is not None else 0
+
+
 def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
          stage0_names: list[list[str]] | None = None, wanted: set[str] | None = None,
          stage0_frozen: set[str] | None = None) -> DeepSpeedState:
@@ -113,7 +130,8 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     model = safe_load.load(model_files[0], trust)
     if "ds_version" not in model:
         raise DeepSpeedCheckpointError(f"{model_files[0]} has no 'ds_version': not a DeepSpeed checkpoint")
-    stage = int((model.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
+    optim_files = _optim_files(tag_dir)
+    stage = _zero_stage(model, optim_files, trust)
     counters = {k: int(model.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")}
     client = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
     module = {k: v for k, v in model["module"].items()}
@@ -121,7 +139,6 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     moments = None
     loss_scale = None
     settings = None
-    optim_files = _optim_files(tag_dir)
     _check_every_rank(tag_dir, model, model_files, optim_files, stage)
     if optim_files:                                   # ZeRO 1-3 (or bf16 at stage 0): fp32 partitions
         states = [safe_load.load(f, trust)["optimizer_state_dict"] for f in optim_files]
