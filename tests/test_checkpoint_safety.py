@@ -179,6 +179,21 @@ def test_an_empty_latest_file_is_named_as_the_problem(tmp_path):
     assert ckpt.resolve_tag(str(tmp_path), "t") == "t"
 
 
+@pytest.mark.parametrize("named", ["../elsewhere/t", "ABSOLUTE", "..", "."])
+def test_a_latest_file_naming_a_path_outside_its_directory_is_refused(tmp_path, named):
+    """'latest' is a file's content: a path in it would load (with trust_checkpoints, unpickle without
+    restriction) a checkpoint outside the directory the caller named."""
+    ckpt.save(str(tmp_path / "elsewhere"), "t", files_of(1), True)
+    run = tmp_path / "run"
+    run.mkdir()
+    named = str(tmp_path / "elsewhere" / "t") if named == "ABSOLUTE" else named
+    (run / "latest").write_text(named)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"the 'latest' file in {run} ({run / 'latest'}) names "
+                                                             f"{named!r}, which is not a checkpoint tag in that "
+                                                             f"directory")):
+        ckpt.resolve_tag(str(run), None)
+
+
 @pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", "..", "latest.tmp", " spaced "])
 def test_tags_that_cannot_be_a_directory_are_refused(tmp_path, tag):
     with pytest.raises(ckpt.CheckpointError, match="cannot name a directory of its own"):

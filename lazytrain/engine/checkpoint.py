@@ -524,6 +524,12 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     if not tag:   # truncated (a full disk, another tool): an empty tag would name load_dir itself
         raise CheckpointError(f"the 'latest' file in {load_dir} ({latest}) is empty: it names no checkpoint tag; "
                               f"pass tag= to load a specific checkpoint, or write the tag's name into it")
+    if tag in (".", "..") or "/" in tag or os.sep in tag or os.path.isabs(tag):
+        # a file's content, not the caller's argument: it must not lead the load (and, with trust_checkpoints,
+        # an unrestricted unpickling) outside the directory the caller named
+        raise CheckpointError(f"the 'latest' file in {load_dir} ({latest}) names {tag[:80]!r}, which is not a "
+                              f"checkpoint tag in that directory (a name without path separators); pass tag= to "
+                              f"load a specific checkpoint")
     return tag
 
 
