@@ -151,3 +151,40 @@ def test_trust_checkpoints_must_be_true_or_false():
     from lazytrain.config import ConfigError
     with pytest.raises(ConfigError, match="config key 'lazytrain.trust_checkpoints' must be true or false, got 'yes'"):
         engine_for(lazytrain={"trust_checkpoints": "yes"})
+
+
+def _damage_a_tensor_record(path):
+    """16 bytes of a tensor record of a torch zip file set to 0xff (four fp32 NaNs), its size unchanged."""
+    import struct
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size >= 64)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        f.write(b"\xff" * 16)
+    return info.filename
+
+
+@pytest.mark.parametrize("damage", ["record", "cut"])
+def test_a_checkpoint_file_damaged_or_cut_short_is_refused_naming_it(tmp_path, damage):
+    """torch's reader checks no CRC, and a memory-mapped load reads the bytes as they are: a damaged record of
+    the right size would load as NaN weights. Each record's CRC-32 is checked first; a file cut short is named
+    too, not left to torch's bare 'PytorchStreamReader failed'."""
+    import os
+    from lazytrain.engine import safe_load
+    path = str(tmp_path / "state.pt")
+    torch.save({"w": torch.arange(64, dtype=torch.float32), "step": 3}, path)
+    assert safe_load.load(path)["step"] == 3
+    if damage == "record":
+        record = _damage_a_tensor_record(path)
+        expected = (f"checkpoint file {path} cannot be read back as written: Bad CRC-32 for file '{record}'",
+                    "(the file is cut short or damaged); nothing of it was loaded")
+    else:   # no zip directory left: torch's reader fails, named
+        os.truncate(path, os.path.getsize(path) // 2)
+        expected = (f"checkpoint file {path} cannot be read: RuntimeError: PytorchStreamReader failed reading zip "
+                    f"archive", "(cut short, damaged, or not a torch file)")
+    with pytest.raises(safe_load.UnreadableCheckpointError) as e:
+        safe_load.load(path)
+    assert str(e.value).startswith(expected[0]) and str(e.value).endswith(expected[1]), str(e.value)
