@@ -76,8 +76,8 @@ _TRUSTING.Unpickler = _TrustingUnpickler
 def verify_records(path: str) -> None:
     """Raise :class:`UnreadableCheckpointError` unless every record of a zip-format checkpoint file holds the
     bytes its CRC-32 says (torch writes one for each; torch's reader never checks them, and a memory-mapped
-    load reads the bytes as they are: a flipped bit would load as a wrong weight). One read of the file, at
-    about 4 GB/s of CRC on the dev VM. A legacy-format file keeps no CRCs: nothing to check."""
+    load reads the bytes as they are: a flipped bit would load as a wrong weight). One more read of the file.
+    A legacy-format file keeps no CRCs: nothing to check."""
     try:
         if not zipfile.is_zipfile(path):
             return
