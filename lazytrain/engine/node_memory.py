@@ -5,7 +5,11 @@ layer, so each would keep a whole host copy of the streamed weights: on a node w
 Instead the ranks of a node map one buffer. The lowest rank of the node creates a file in ``/dev/shm``
 (its whole size reserved at once, so that a ``/dev/shm`` too small fails here, with a message, rather
 than killing a rank with SIGBUS mid-run), the others map it, and once every rank has it mapped the file
-is unlinked: the memory lives while a rank maps it, and nothing is left behind when the run ends or dies.
+is unlinked: the memory lives while a rank maps it, and nothing is left behind when the run ends or dies
+after that. A leader killed in between (SIGTERM from torchrun when another rank fails at start-up ends a
+process without its clean-up) leaves its files; their names carry its PID, and the next leader on the node
+removes such files of a process that is gone, once they are older than any start-up could take
+(:data:`STALE_AFTER_S`).
 
 Ranks are on the same node when they report the same host name and torchrun node rank (``GROUP_RANK``),
 so two torchrun "nodes" on one machine keep a copy each, as two machines would.
@@ -14,7 +18,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -24,6 +30,11 @@ import torch
 from ..tiers.memory import register_pinned
 
 SHM_DIR = "/dev/shm"
+# a leader's files live from their creation until every rank of its node has mapped them: seconds to minutes
+# (registering a large mapping as pinned). Older files of a process that is gone were left by a killed leader;
+# the age also spares a live job whose PID this process cannot see (another PID namespace on a shared /dev/shm)
+STALE_AFTER_S = 3600.0
+_NAME = re.compile(r"^lazytrain-(\d+)-[0-9a-f]{32}-\d+$")
 
 
 @dataclass(frozen=True)
@@ -64,13 +75,15 @@ def create_shared_files(sizes: list[int], shm_dir: str | None = None) -> list[st
     shm_dir = SHM_DIR if shm_dir is None else shm_dir
     if not os.path.isdir(shm_dir):
         raise SharedMemoryUnavailable(f"{shm_dir} does not exist")
+    nbytes = sum(sizes)
+    remove_stale_files(shm_dir)
     st = os.statvfs(shm_dir)
-    free, nbytes = st.f_bavail * st.f_frsize, sum(sizes)
+    free = st.f_bavail * st.f_frsize
     if free < nbytes:
         raise SharedMemoryUnavailable(f"{shm_dir} has {free / 2**30:.2f} GiB free and the node's copy of the "
                                       f"streamed weights needs {nbytes / 2**30:.2f} GiB (a container's /dev/shm "
                                       f"is often 64 MiB: raise it, e.g. docker run --shm-size)")
-    stem = os.path.join(shm_dir, f"lazytrain-{uuid.uuid4().hex}")
+    stem = os.path.join(shm_dir, f"lazytrain-{os.getpid()}-{uuid.uuid4().hex}")
     paths: list[str] = []
     try:
         for k, size in enumerate(sizes):
@@ -87,6 +100,36 @@ def create_shared_files(sizes: list[int], shm_dir: str | None = None) -> list[st
         remove_files(paths)
         raise
     return paths
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:   # another user's: alive
+        return False
+    return False
+
+
+def remove_stale_files(shm_dir: str, now: float | None = None) -> list[str]:
+    """Remove the node-shared files in ``shm_dir`` that a leader killed before unlinking them left: named as
+    :func:`create_shared_files` names them, by a process that is gone, last changed over
+    :data:`STALE_AFTER_S` ago. Returns the paths removed."""
+    now = time.time() if now is None else now
+    removed = []
+    for name in os.listdir(shm_dir):
+        m = _NAME.match(name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if now - os.stat(path).st_mtime > STALE_AFTER_S and _gone(int(m.group(1))):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:   # removed meanwhile, or not ours to remove
+            pass
+    return removed
 
 
 def remove_files(paths: list[str]) -> None:
@@ -133,16 +176,16 @@ def node_shared_buffers(sizes: list[int], dist_ctx, device: torch.device) -> tup
         if dist_ctx.rank == nodes.leader and len(nodes.mine) > 1:
             try:
                 created = create_shared_files(sizes)
-            except (SharedMemoryUnavailable, OSError) as e:
-                problem = str(e)
+            except Exception as e:   # noqa: BLE001 - the other ranks of the node hear of it in the exchange below
+                problem = str(e) if isinstance(e, (SharedMemoryUnavailable, OSError)) else f"{type(e).__name__}: {e}"
         made = dist_ctx.all_gather_object((created, problem), "exchange of the node-shared weights' files")
         paths, problem = made[nodes.leader]
         flats = None
         if paths:
             try:
                 flats = [map_shared_file(path, size, device) for path, size in zip(paths, sizes)]
-            except (SharedMemoryUnavailable, RuntimeError, OSError) as e:
-                problem = f"mapping the node-shared weights failed: {e}"
+            except Exception as e:   # noqa: BLE001 - any failure here must reach the other ranks, not leave them waiting
+                problem = f"mapping the node-shared weights failed: {type(e).__name__}: {e}"
         mapped = dist_ctx.all_gather_object(problem is None, "agreement that the node-shared weights are mapped")
     finally:   # every rank of the node has them mapped (or gave up): the names are no longer needed
         remove_files(created)
