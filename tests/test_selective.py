@@ -235,27 +235,36 @@ def test_a_selective_forward_keeps_matmul_and_attention_outputs_for_each_re_run(
 
 def test_a_re_run_run_again_without_its_kept_outputs_lets_the_first_runs_graph_go_first(tmp_path, monkeypatch):
     """The fallback's second run must not hold the first run's graph (a selective layer's served outputs and
-    all it recomputed) beside its own: the planner counts one."""
+    all it recomputed, an activation its ops saved among them) beside its own: the planner counts one."""
     import weakref
     from engine_models import ModuleListLM
     from lazytrain.engine import executor as executor_module
-    real, first, alive = executor_module.LayerStreamingExecutor._compute, {}, []
+    real, first, alive, inner = executor_module.LayerStreamingExecutor._compute, {}, [], []
 
     def compute(self, layer, flat, hidden, call, tensors=None, requires_grad=False, replay=False, **kwargs):
         if replay and requires_grad and layer in first:
-            alive.append(first.pop(layer)() is not None)   # the first run's output, as the second starts
+            # the first run's output and an activation its graph saved, as the second starts
+            alive.append(tuple(ref() is not None for ref in first.pop(layer)))
+        inner.clear()
         out, params = real(self, layer, flat, hidden, call, tensors, requires_grad, replay, **kwargs)
         if replay and requires_grad and "kept" in kwargs:
-            first[layer] = weakref.ref(out if isinstance(out, torch.Tensor) else out[0])
+            first[layer] = (weakref.ref(out if isinstance(out, torch.Tensor) else out[0]), inner[0])
         return out, params
     monkeypatch.setattr(executor_module.LayerStreamingExecutor, "_compute", compute)
 
+    class Block(GradOnlySameShapeMatmulBlock):
+        def forward(self, x):
+            if torch.is_grad_enabled():   # what the next matmul saves: held by the run's graph alone
+                x = x + 0.1 * torch.tanh(torch.nn.functional.linear(x, self.a.weight))
+                inner.append(weakref.ref(x))
+            return x + torch.tanh(self.a(x)) * self.b(x)
+
     class LM(ModuleListLM):
-        block = GradOnlySameShapeMatmulBlock
+        block = Block
     torch.manual_seed(0)
     plan = dataclasses.replace(every_k_plan(6, 3, home="host"), selective_layers=(0, 1, 3, 4))
     _train(plan_engine(tmp_path, LM(), plan), batches(1))
-    assert alive == [False] * 4
+    assert alive == [(False, False)] * 4
 
 
 def test_a_re_run_whose_kept_ops_shift_is_never_served_another_ops_output():

@@ -110,6 +110,13 @@ class _Replaying(TorchDispatchMode):
         self.lined_up = True
         self.served: list[tuple[list[torch.Tensor], tuple]] = []
 
+    def __exit__(self, *exc):
+        # keep what it served without the history autograd recorded on it (the re-run's graph, which a
+        # re-run that is run again without kept outputs must let go): a detached alias shares the version
+        # counter autograd gave the served one, so a later change in place still shows
+        self.served = [([t.detach() for t in tensors], versions) for tensors, versions in self.served]
+        return super().__exit__(*exc)
+
     def whole(self) -> bool:
         """After the re-run: whether what it computed can be trusted: it took no kept output, or its kept ops
         matched the forward's one for one by op and signature (see the module's note for what that cannot
