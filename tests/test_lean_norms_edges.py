@@ -70,7 +70,10 @@ class DropRMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
-def test_a_norm_drawing_random_numbers_gets_plain_autograds_gradients():
+@pytest.mark.parametrize("eval_between", [False, True], ids=["train", "eval-before-backward"])
+def test_a_norm_drawing_random_numbers_gets_plain_autograds_gradients(eval_between):
+    """Also with the model put in eval() between its forward and its backward: the recompute runs in the
+    forward's modes (with its dropout), as autograd's recorded graph differentiates it."""
     torch.manual_seed(0)
     blocks = nn.ModuleList([nn.Sequential(DropRMSNorm(16), nn.Linear(16, 16)) for _ in range(2)])
     x = torch.randn(4, 16, requires_grad=True)
@@ -78,13 +81,17 @@ def test_a_norm_drawing_random_numbers_gets_plain_autograds_gradients():
     for lean in (False, True):
         norms = make_norms_lean(blocks) if lean else []
         blocks.zero_grad()
+        blocks.train()
         torch.manual_seed(1)
         h = x
         for b in blocks:
             h = b(h)
+        if eval_between:
+            blocks.eval()
         torch.manual_seed(2)   # the backward's recompute draws from wherever the generator is by then
         h.square().sum().backward()
         grads[lean] = [p.grad.clone() for p in blocks.parameters()]
+        assert all(m.training is not eval_between for m in blocks.modules())   # its modes put back
         restore_norms(norms)
     assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
 

@@ -62,7 +62,9 @@ def _lean_forward(module: nn.Module, names: tuple, where: str, *args, **kwargs):
         return own(module, hidden)
     # the generator state goes with it: an RMSNorm draws no random numbers, but a module named like one may
     # (dropout), and its recomputation must draw what its forward drew (saving the state costs next to nothing)
-    out = checkpoint(_recompute, module, names, hidden, *values, use_reentrant=False, preserve_rng_state=True)
+    modes = tuple(m.training for m in module.modules())
+    out = checkpoint(_recompute, module, modes, names, hidden, *values, use_reentrant=False,
+                     preserve_rng_state=True)
     if isinstance(out, torch.Tensor) and out.grad_fn is not None and not _saved_tensors_hooked():
         # the checkpoint holds the input until the backward anyway; under saved-tensor hooks (offloaded
         # internals) it does not, and the copy they keep is immune to a later change in place
@@ -89,6 +91,20 @@ def _input_unchanged(hidden: torch.Tensor, version: int, where: str, grad_output
             f"model train")
 
 
-def _recompute(module: nn.Module, names: tuple, hidden: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
-    with _reparametrize_module(module, dict(zip(names, values))):
-        return type(module).forward(module, hidden)
+def _recompute(module: nn.Module, modes: tuple, names: tuple, hidden: torch.Tensor,
+               *values: torch.Tensor) -> torch.Tensor:
+    """The norm's forward with ``values`` as its weights, its modules in the train/eval modes of the forward
+    (``modes``, in ``module.modules()`` order): a model put in eval() between its forward and its backward
+    would else recompute a module named like a norm that drops out without its dropout, and the
+    recomputation would not match."""
+    modules = list(module.modules())
+    now = [m.training for m in modules]
+    try:
+        if len(modules) == len(modes):
+            for m, mode in zip(modules, modes):
+                m.training = mode
+        with _reparametrize_module(module, dict(zip(names, values))):
+            return type(module).forward(module, hidden)
+    finally:
+        for m, mode in zip(modules, now):
+            m.training = mode
