@@ -556,7 +556,9 @@ class LayerStreamingExecutor:
     def _counted(self, p: _Pass, layer: int, kept: SelectiveForward):
         with kept.recording():
             yield
-        tensors = kept.tensors()
+        # counted where they are: a kept op's host-side results beside a device's compute (CUDA flash
+        # attention's random seed and offset, 0-dim CPU tensors) take no device memory and stay as they are
+        tensors = [t for t in kept.tensors() if t.device.type == self.device.type]
         keys = [f"{self._key(p, layer)}.kept{k}" for k in range(len(tensors))]
         for key, t in zip(keys, tensors):   # counted as the storage it is, never copied
             self._put(p, DEVICE_HOME, key, _whole_storage(t), owned=True)
