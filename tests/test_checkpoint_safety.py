@@ -194,6 +194,17 @@ def test_a_latest_file_naming_a_path_outside_its_directory_is_refused(tmp_path, 
         ckpt.resolve_tag(str(run), None)
 
 
+@pytest.mark.parametrize("aside", [".t.staging", ".t.previous"])
+def test_a_users_own_directory_named_as_a_save_sets_aside_is_never_removed(tmp_path, aside):
+    own = tmp_path / aside
+    own.mkdir()
+    (own / "notes.txt").write_text("mine")
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(f"saving checkpoint tag 't' to {tmp_path}: {own} exists "
+                                                             f"and is not what a save sets aside")):
+        ckpt.save(str(tmp_path), "t", files_of(1), True)
+    assert (own / "notes.txt").read_text() == "mine" and not (tmp_path / "t").exists()
+
+
 @pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", "..", "latest.tmp", " spaced "])
 def test_tags_that_cannot_be_a_directory_are_refused(tmp_path, tag):
     with pytest.raises(ckpt.CheckpointError, match="cannot name a directory of its own"):

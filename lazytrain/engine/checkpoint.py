@@ -120,6 +120,12 @@ def begin(save_dir: str, tag: str, need: int) -> str:
     if need > free:
         raise CheckpointSpaceError(_space_message(save_dir, tag, need, free))
     staging = staging_dir(save_dir, tag)
+    for aside in (staging, _aside(save_dir, tag, _PREVIOUS)):   # a save removes both: never a user's own
+        if os.path.lexists(aside) and not (os.path.isdir(aside) and not os.path.islink(aside) and
+                                           _a_saves_directory(aside)):
+            raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {aside} exists and is not what a "
+                                  f"save sets aside (it holds what a save does not write); a save would remove it, "
+                                  f"so nothing was saved. Choose another tag or save directory, or move it away")
     shutil.rmtree(staging, ignore_errors=True)
     os.mkdir(staging)
     return staging
