@@ -188,3 +188,28 @@ def test_a_checkpoint_file_damaged_or_cut_short_is_refused_naming_it(tmp_path, d
     with pytest.raises(safe_load.UnreadableCheckpointError) as e:
         safe_load.load(path)
     assert str(e.value).startswith(expected[0]) and str(e.value).endswith(expected[1]), str(e.value)
+
+
+def test_a_file_saved_without_crcs_or_in_the_legacy_format_loads():
+    """torch.serialization.set_crc32_options(False) (for faster saves) writes 0 where the CRC goes: nothing to
+    check, not a damaged file. A legacy-format file keeps no CRCs at all."""
+    import io
+    from lazytrain.engine import safe_load
+    state = {"w": torch.arange(64, dtype=torch.float32), "step": 3}
+    torch.serialization.set_crc32_options(False)
+    try:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        for name, data in (("no-crc.pt", buffer.getvalue()), ("legacy.pt", None)):
+            path = os.path.join(d, name)
+            if data is None:
+                torch.save(state, path, _use_new_zipfile_serialization=False)
+            else:
+                with open(path, "wb") as f:
+                    f.write(data)
+            loaded = safe_load.load(path)
+            assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3

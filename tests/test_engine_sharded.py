@@ -1017,27 +1017,27 @@ def test_shared_memory_files_are_refused_by_size_before_anything_is_written(tmp_
 
 def test_files_a_killed_leader_left_are_removed_by_the_next_and_no_others(tmp_path):
     """A leader killed between creating its node's files and unlinking them (torchrun's SIGTERM skips its
-    clean-up) leaves them in /dev/shm. The next leader removes those of a process that is gone and old enough,
-    and leaves a live process's, a young one's and other names alone."""
-    import subprocess
-    import sys
-    import time
+    clean-up) leaves them in /dev/shm, their lock let go with it. The next leader removes those, and leaves a
+    live leader's (its lock held, whatever its PID namespace) and other names alone."""
+    import fcntl
     from lazytrain.engine import node_memory
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    old = time.time() - node_memory.STALE_AFTER_S - 60
-    names = {"dead_old": f"lazytrain-{child.pid}-{'a' * 32}-0", "dead_young": f"lazytrain-{child.pid}-{'b' * 32}-0",
-             "live_old": f"lazytrain-{os.getppid()}-{'c' * 32}-0", "other": f"lazytrain-x-{'d' * 32}-0"}
-    for key, name in names.items():
+    names = {"left": f"lazytrain-{'a' * 32}-0", "left_with_pid": f"lazytrain-4242-{'b' * 32}-1",
+             "live": f"lazytrain-{'c' * 32}-0", "other": f"lazytrain-x-{'d' * 32}-0"}
+    for name in names.values():
         (tmp_path / name).write_bytes(b"x")
-        if key != "dead_young":
-            os.utime(tmp_path / name, (old, old))
-    removed = node_memory.remove_stale_files(str(tmp_path))
-    assert removed == [str(tmp_path / names["dead_old"])]
-    assert sorted(os.listdir(tmp_path)) == sorted(n for k, n in names.items() if k != "dead_old")
-    paths = node_memory.create_shared_files([16], str(tmp_path))   # its own carry its PID
-    assert os.path.basename(paths[0]).startswith(f"lazytrain-{os.getpid()}-")
+    live = os.open(tmp_path / names["live"], os.O_RDWR)
+    fcntl.flock(live, fcntl.LOCK_EX)   # another process's leader, mid start-up
+    try:
+        removed = node_memory.remove_stale_files(str(tmp_path))
+    finally:
+        os.close(live)
+    assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("left", "left_with_pid"))
+    assert sorted(os.listdir(tmp_path)) == sorted([names["live"], names["other"]])
+    paths = node_memory.create_shared_files([16], str(tmp_path))   # removes the one let go since; its own held
+    assert not (tmp_path / names["live"]).exists()
+    assert node_memory.remove_stale_files(str(tmp_path)) == [] and os.path.exists(paths[0])
     node_memory.remove_files(paths)
+    assert sorted(os.listdir(tmp_path)) == [names["other"]] and not node_memory._LOCKED
 
 
 def test_on_cuda_a_mapped_shared_file_is_registered_pinned_and_unregistered_when_its_tensors_go(monkeypatch, tmp_path):

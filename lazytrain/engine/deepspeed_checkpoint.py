@@ -65,7 +65,7 @@ def is_deepspeed(tag_dir: str, trust: bool = False) -> bool:
         return False
     if "zero_pp_rank" in os.path.basename(files[0]):
         return True                                   # ZeRO-3 names its model files per rank
-    return "ds_version" in safe_load.load(files[0], trust)
+    return "ds_version" in safe_load.load(files[0], trust, whole=False)   # read whole (checked) by read()
 
 
 def _check_every_rank(tag_dir: str, model: dict, model_files: list[str], optim_files: list[str], stage: int) -> None:
@@ -97,20 +97,24 @@ def _rank_of(path: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _zero_stage(model: dict, optim_files: list[str], trust: bool) -> int:
+def _zero_stage(model: dict, model_files: list[str], optim_files: list[str], trust: bool) -> int:
     """The ZeRO stage the checkpoint was saved at: its config's, where DeepSpeed saved the config itself (a
-    dict); else the one its optimizer files record (DeepSpeed saves the config's path where it was given one,
-    and an old config's ``zero_optimization`` may be a bool); 0 without optimizer files, or where they record
-    none (16-bit stage 0)."""
+    dict); else (DeepSpeed saves the config's path where it was given one, and an old config's
+    ``zero_optimization`` may be a bool) 3 where each rank saved a model file, or what its optimizer files
+    record; 0 without optimizer files, or where they record none (DeepSpeed's 16-bit optimizers without
+    ZeRO's, whose files read as stage 0's)."""
     config = model.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, dict) else None
     if isinstance(zero, dict):
         return int(zero.get("stage", 0))
     if isinstance(config, dict) and not zero:   # no ZeRO section, or zero_optimization: false
         return 0
+    if "zero_pp_rank" in os.path.basename(model_files[0]):
+        return 3
     if not optim_files:
         return 0
-    recorded = safe_load.load(optim_files[0], trust).get("optimizer_state_dict", {}).get("zero_stage")
+    # one key of a mapped file that read() loads whole (and checks) next
+    recorded = safe_load.load(optim_files[0], trust, whole=False).get("optimizer_state_dict", {}).get("zero_stage")
     return int(recorded) if recorded is not None else 0
 
 
@@ -131,7 +135,7 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     if "ds_version" not in model:
         raise DeepSpeedCheckpointError(f"{model_files[0]} has no 'ds_version': not a DeepSpeed checkpoint")
     optim_files = _optim_files(tag_dir)
-    stage = _zero_stage(model, optim_files, trust)
+    stage = _zero_stage(model, model_files, optim_files, trust)
     counters = {k: int(model.get(k) or 0) for k in ("global_steps", "global_samples", "skipped_steps")}
     client = {k: v for k, v in model.items() if k not in DEEPSPEED_KEYS}
     module = {k: v for k, v in model["module"].items()}
@@ -141,7 +145,8 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     settings = None
     _check_every_rank(tag_dir, model, model_files, optim_files, stage)
     if optim_files:                                   # ZeRO 1-3 (or bf16 at stage 0): fp32 partitions
-        states = [safe_load.load(f, trust)["optimizer_state_dict"] for f in optim_files]
+        # a rank of a sharded engine reads its share of each mapped file: checked whole only where all is read
+        states = [safe_load.load(f, trust, whole=wanted is None)["optimizer_state_dict"] for f in optim_files]
         shapes = model.get("param_shapes")
         if not shapes:
             raise DeepSpeedCheckpointError(f"{model_files[0]} has no param_shapes: its ZeRO partitions cannot be "

@@ -7,20 +7,20 @@ Instead the ranks of a node map one buffer. The lowest rank of the node creates 
 than killing a rank with SIGBUS mid-run), the others map it, and once every rank has it mapped the file
 is unlinked: the memory lives while a rank maps it, and nothing is left behind when the run ends or dies
 after that. A leader killed in between (SIGTERM from torchrun when another rank fails at start-up ends a
-process without its clean-up) leaves its files; their names carry its PID, and the next leader on the node
-removes such files of a process that is gone, once they are older than any start-up could take
-(:data:`STALE_AFTER_S`).
+process without its clean-up) leaves its files. The leader holds a lock on each (``flock``) until it unlinks
+it, which the kernel lets go with the process, in any PID namespace: the next leader on the node removes
+the files whose lock it can take.
 
 Ranks are on the same node when they report the same host name and torchrun node rank (``GROUP_RANK``),
 so two torchrun "nodes" on one machine keep a copy each, as two machines would.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import re
 import socket
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -30,11 +30,8 @@ import torch
 from ..tiers.memory import register_pinned
 
 SHM_DIR = "/dev/shm"
-# a leader's files live from their creation until every rank of its node has mapped them: seconds to minutes
-# (registering a large mapping as pinned). Older files of a process that is gone were left by a killed leader;
-# the age also spares a live job whose PID this process cannot see (another PID namespace on a shared /dev/shm)
-STALE_AFTER_S = 3600.0
-_NAME = re.compile(r"^lazytrain-(\d+)-[0-9a-f]{32}-\d+$")
+_NAME = re.compile(r"^lazytrain-(\d+-)?[0-9a-f]{32}-\d+$")
+_LOCKED: dict[str, int] = {}   # path -> the open descriptor holding the lock on a file this process created
 
 
 @dataclass(frozen=True)
@@ -89,46 +86,44 @@ def create_shared_files(sizes: list[int], shm_dir: str | None = None) -> list[st
         for k, size in enumerate(sizes):
             path = f"{stem}-{k}"
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)   # held until remove_files: a file nobody holds was left behind
+            _LOCKED[path] = fd
             paths.append(path)
             try:
                 os.posix_fallocate(fd, 0, max(size, 1))
             except OSError as e:
                 raise SharedMemoryUnavailable(f"reserving {nbytes / 2**30:.2f} GiB in {shm_dir} failed: {e}") from e
-            finally:
-                os.close(fd)
     except BaseException:
         remove_files(paths)
         raise
     return paths
 
 
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:   # another user's: alive
-        return False
-    return False
-
-
-def remove_stale_files(shm_dir: str, now: float | None = None) -> list[str]:
+def remove_stale_files(shm_dir: str) -> list[str]:
     """Remove the node-shared files in ``shm_dir`` that a leader killed before unlinking them left: named as
-    :func:`create_shared_files` names them, by a process that is gone, last changed over
-    :data:`STALE_AFTER_S` ago. Returns the paths removed."""
-    now = time.time() if now is None else now
+    :func:`create_shared_files` names them, their lock free (a live leader holds its files' until it unlinks
+    them; the kernel drops a dead process's). Returns the paths removed."""
     removed = []
     for name in os.listdir(shm_dir):
-        m = _NAME.match(name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
         path = os.path.join(shm_dir, name)
+        if _NAME.match(name) is None or path in _LOCKED:
+            continue
         try:
-            if now - os.stat(path).st_mtime > STALE_AFTER_S and _gone(int(m.group(1))):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:   # removed meanwhile, or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:   # held: a live leader's
+            continue
+        else:
+            try:
                 os.unlink(path)
                 removed.append(path)
-        except OSError:   # removed meanwhile, or not ours to remove
-            pass
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -138,6 +133,9 @@ def remove_files(paths: list[str]) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        fd = _LOCKED.pop(path, None)
+        if fd is not None:   # after the unlink: the name is gone before the lock is
+            os.close(fd)
 
 
 def map_shared_file(path: str, nbytes: int, device: torch.device) -> torch.Tensor:

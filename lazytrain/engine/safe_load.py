@@ -77,27 +77,38 @@ def verify_records(path: str) -> None:
     """Raise :class:`UnreadableCheckpointError` unless every record of a zip-format checkpoint file holds the
     bytes its CRC-32 says (torch writes one for each; torch's reader never checks them, and a memory-mapped
     load reads the bytes as they are: a flipped bit would load as a wrong weight). One more read of the file.
-    A legacy-format file keeps no CRCs: nothing to check."""
+    Nothing to check in a legacy-format file (no CRCs; one whose last bytes read as a zip directory but are
+    none is left to torch), nor in a record saved with torch's CRCs turned off
+    (``torch.serialization.set_crc32_options(False)`` writes 0)."""
     try:
-        if not zipfile.is_zipfile(path):
-            return
-        with zipfile.ZipFile(path) as z:
+        z = zipfile.ZipFile(path)
+    except zipfile.BadZipFile:   # not a zip file: torch's legacy format, or none torch reads (it says so)
+        return
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
+    try:
+        with z:
             for info in z.infolist():
+                if info.CRC == 0 and info.file_size > 0:   # saved without CRCs
+                    continue
                 with z.open(info) as record:   # the reader compares the CRC once it has read the whole record
                     while record.read(16 << 20):
                         pass
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError) as e:
-        if isinstance(e, FileNotFoundError):
-            raise
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
         raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read back as written: {e} (the file is cut "
                                         f"short or damaged); nothing of it was loaded") from None
 
 
-def load(path: str, trust: bool = False):
+def load(path: str, trust: bool = False, whole: bool = True):
     """``torch.load`` of one checkpoint file on the host, restricted unless ``trust``; memory-mapped where
-    the file's format allows (its pages are read as the state is copied in, not all at once first). Every
-    record's CRC-32 is checked first (:func:`verify_records`), and a file torch cannot read is named."""
-    verify_records(path)
+    the file's format allows (its pages are read as the state is copied in, not all at once first). With
+    ``whole`` (the caller reads all of it), every record's CRC-32 is checked first (:func:`verify_records`);
+    a caller that reads a part of a mapped file (a rank's share of a sharded state, a glance at one key)
+    passes False, as the check would read every byte of it. A file torch's reader fails on is named."""
+    if whole:
+        verify_records(path)
 
     def attempt(mmap: bool):
         if trust:
@@ -115,7 +126,9 @@ def load(path: str, trust: bool = False):
         if trust:
             raise UnreadableCheckpointError(f"checkpoint file {path} cannot be unpickled: {e}") from e
         raise UntrustedCheckpointError(_refusal(path, e)) from None
-    except (RuntimeError, EOFError, ValueError) as e:   # torch's reader: "PytorchStreamReader failed ..."
+    except (RuntimeError, EOFError) as e:
+        if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
+            raise   # not the file's bytes (out of memory, a trusted pickle's own class): as it is
         raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read: {type(e).__name__}: {e} (cut short, "
                                         f"damaged, or not a torch file)") from e
 

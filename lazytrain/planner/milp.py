@@ -115,6 +115,8 @@ ISOLATED_GRACE_S = 10.0
 # simulation: 0.03-0.1 s at 128 and 256 layers), BENCHMARKS.md
 FINISH_RESERVE = 0.05
 FINISH_RESERVE_S = 0.2
+# HiGHS is not started with less than this left of its time
+MIN_SOLVE_S = 0.1
 
 
 def isolated_deadline_s(opts: MilpOptions) -> float:
@@ -348,8 +350,8 @@ class _HighsFromStart(pulp.HiGHS):
             h.setSolution(len(cols), cols, np.array(list(self.start.values()), dtype=np.float64))
         if self.deadline is not None:
             left = self.deadline - time.perf_counter()
-            if left <= 0:   # building took the time: not started (its LP taking the start in ignores both limits)
-                self.started = False
+            if left < MIN_SOLVE_S:   # building took the time: not started (its LP taking the start in heeds
+                self.started = False  # neither limit: 0.3-0.5 s at 128-256 layers)
                 return
             h.setOptionValue("time_limit", left)   # HiGHS times it from run(), after PuLP built the model into it
 
