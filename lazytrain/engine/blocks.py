@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from contextlib import contextmanager
 
 import torch.nn as nn
 
@@ -193,3 +194,27 @@ def refuse_quantized_block_weights(path: str, blocks: nn.ModuleList) -> None:
                     f"training precision and cannot stream quantized weights (bitsandbytes 4-bit/8-bit layers, "
                     f"GPTQ/AWQ, FP8). Load the model unquantized in bf16: a frozen weight then costs 2 host bytes a "
                     f"parameter (a LoRA run's base model, README), or train the quantized model without LazyTrain")
+
+
+def train_modes(module: nn.Module) -> tuple[bool, ...]:
+    """The train/eval flag of each of ``module.modules()``, in that order."""
+    return tuple(m.training for m in module.modules())
+
+
+@contextmanager
+def in_modes(module: nn.Module, modes: tuple[bool, ...]):
+    """``module``'s modules in the train/eval ``modes`` :func:`train_modes` took (a forward's, for its re-run
+    or recomputation: dropout on or off as it was, whatever the model's mode is by backward), put back after;
+    nothing changed where the module's modules changed since."""
+    modules = list(module.modules())
+    if len(modules) != len(modes):
+        yield
+        return
+    now = [m.training for m in modules]
+    try:
+        for m, mode in zip(modules, modes):
+            m.training = mode
+        yield
+    finally:
+        for m, mode in zip(modules, now):
+            m.training = mode

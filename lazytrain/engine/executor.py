@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
 from ..tiers.base import completion_reached, wait_completion
+from .blocks import in_modes, train_modes
 from .internals_offload import OffloadedInternals
 from .selective import SelectiveForward
 from .weight_stream import WeightStream
@@ -105,25 +106,6 @@ def _replayed_autocast(call: _LayerCall):
             stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled,
                                                cache_enabled=False))
         yield
-
-
-@contextmanager
-def _replayed_modes(block: nn.Module, call: _LayerCall):
-    """Re-run a block in the train/eval mode its forward ran in (dropout on or off), whatever the model's mode
-    is when backward runs (``model.eval()`` between a forward and its backward), as autograd's recorded graph
-    would differentiate it; the modes are put back after."""
-    modules = list(block.modules())
-    if len(modules) != len(call.modes):   # the block changed its modules since: nothing to replay
-        yield
-        return
-    now = [m.training for m in modules]
-    try:
-        for m, mode in zip(modules, call.modes):
-            m.training = mode
-        yield
-    finally:
-        for m, mode in zip(modules, now):
-            m.training = mode
 
 
 @contextmanager
@@ -322,7 +304,7 @@ class LayerStreamingExecutor:
         with streams.compute_span(f"{kind} L{layer}", self.device, **pass_arg) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
                 _buffers_kept(block) if replay else nullcontext(), \
-                _replayed_modes(block, call) if replay else nullcontext(), \
+                in_modes(block, call.modes) if replay else nullcontext(), \
                 _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
             out = type(block).forward(block, hidden, *rest_args, **kwargs)
             if saved is not None:
@@ -355,7 +337,7 @@ class LayerStreamingExecutor:
         leaves, spec = tree_flatten((rest, kwargs), is_leaf=lambda v: v is not kwargs and isinstance(v, (list, dict)))
         call = _LayerCall(spec, leaves, [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)],
                           autocast=_autocast_state(self.device),
-                          modes=tuple(m.training for m in self.blocks[layer].modules()))
+                          modes=train_modes(self.blocks[layer]))
         if not torch.is_grad_enabled():
             return self._run_inference(layer, hidden, call)
         return self._run_training(layer, hidden, call)

@@ -22,6 +22,8 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import checkpoint
 
+from .blocks import in_modes, train_modes
+
 
 def is_rms_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.RMSNorm) or type(module).__name__.endswith("RMSNorm")
@@ -62,8 +64,7 @@ def _lean_forward(module: nn.Module, names: tuple, where: str, *args, **kwargs):
         return own(module, hidden)
     # the generator state goes with it: an RMSNorm draws no random numbers, but a module named like one may
     # (dropout), and its recomputation must draw what its forward drew (saving the state costs next to nothing)
-    modes = tuple(m.training for m in module.modules())
-    out = checkpoint(_recompute, module, modes, names, hidden, *values, use_reentrant=False,
+    out = checkpoint(_recompute, module, train_modes(module), names, hidden, *values, use_reentrant=False,
                      preserve_rng_state=True)
     if isinstance(out, torch.Tensor) and out.grad_fn is not None and not _saved_tensors_hooked():
         # the checkpoint holds the input until the backward anyway; under saved-tensor hooks (offloaded
@@ -97,14 +98,5 @@ def _recompute(module: nn.Module, modes: tuple, names: tuple, hidden: torch.Tens
     (``modes``, in ``module.modules()`` order): a model put in eval() between its forward and its backward
     would else recompute a module named like a norm that drops out without its dropout, and the
     recomputation would not match."""
-    modules = list(module.modules())
-    now = [m.training for m in modules]
-    try:
-        if len(modules) == len(modes):
-            for m, mode in zip(modules, modes):
-                m.training = mode
-        with _reparametrize_module(module, dict(zip(names, values))):
-            return type(module).forward(module, hidden)
-    finally:
-        for m, mode in zip(modules, now):
-            m.training = mode
+    with in_modes(module, modes), _reparametrize_module(module, dict(zip(names, values))):
+        return type(module).forward(module, hidden)
