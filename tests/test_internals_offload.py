@@ -308,12 +308,11 @@ def test_a_window_begins_once_the_copies_out_before_it_have_ended_and_waits_for_
     simulator starts the next window, once its window's copies to the host are over. With every copy delayed at
     random, each window begins with the copies out of the windows before it ended, and never waits for those
     it issues itself (that would serialise its compute with its own copies)."""
-    import lazytrain.engine.executor as executor_module
-    import lazytrain.engine.internals_offload as internals_offload
+    import lazytrain.tiers.base as tiers_base
     testing = dict(LINKS, chaos_seed=3, chaos_max_delay_ms=5.0)
     engine = plan_engine(tmp_path, make_model("llama"), plan, testing)
     host, executor = engine.tiers["host"], engine.executor
-    write, enter, wait = host.write, executor._enter_window, internals_offload.wait_completion
+    write, enter, wait = host.write, executor._enter_window, tiers_base.wait_completion
     window, issued, late, own = [None], [], [], []
 
     def logged_write(key, value, *a, **kw):
@@ -331,8 +330,7 @@ def test_a_window_begins_once_the_copies_out_before_it_have_ended_and_waits_for_
         own.extend(v for v, d in issued if d is done and v == window[0])
         wait(done)
     host.write, executor._enter_window = logged_write, logged_enter
-    monkeypatch.setattr(internals_offload, "wait_completion", logged_wait)
-    monkeypatch.setattr(executor_module, "wait_completion", logged_wait)
+    monkeypatch.setattr(tiers_base, "wait_completion", logged_wait)   # what wait_completions waits with
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
     sent_in = {"whole": set(range(5)), "split": set(range(6)), "mixed": {2, 3, 5}, "deferred": {2, 3, 4, 5}}

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
-from ..tiers.base import completion_reached, wait_completion
+from ..tiers.base import wait_completions
 from .blocks import in_modes, train_modes
 from .internals_offload import OffloadedInternals
 from .selective import SelectiveForward
@@ -492,10 +492,7 @@ class LayerStreamingExecutor:
         internals), as the Plan's windows end with them: the planner counts that device memory free once
         they are over. A failed copy is raised where backward reads what it held, not here."""
         copies, p.copies_out = p.copies_out, []
-        if not all(completion_reached(done) for done in copies):
-            with streams.wait_span("boundaries out", self.device):
-                for done in copies:
-                    wait_completion(done)
+        wait_completions(copies, "boundaries out", self.device)
         for internals in p.offloaded.values():
             internals.wait_sent()
 

@@ -28,8 +28,8 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..tiers import Tier, TransferHandle, streams
-from ..tiers.base import TierError, completion_reached, wait_completion
+from ..tiers import Tier, TransferHandle
+from ..tiers.base import TierError, wait_completions
 
 
 class InternalsOffloadError(RuntimeError):
@@ -206,14 +206,9 @@ class OffloadedInternals:
         computes). A failed copy is not raised here: the tier records it against its key, and it is raised
         where backward reads that tensor, if it does (a tensor changed in place before its copy fails it, and
         plain autograd objects only when backward uses it)."""
-        if not self._writes:
-            return
-        writes, self._writes = self._writes, []
-        if all(completion_reached(done) for done in writes):
-            return
-        with streams.wait_span(f"internals out {self._key.rsplit('.', 1)[-1]}", self._device):
-            for done in writes:
-                wait_completion(done)
+        if self._writes:
+            writes, self._writes = self._writes, []
+            wait_completions(writes, f"internals out {self._key.rsplit('.', 1)[-1]}", self._device)
 
     def _pack(self, t: torch.Tensor):
         if t.layout != torch.strided:   # a sparse tensor has no one storage to copy: it stays where it is

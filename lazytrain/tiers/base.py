@@ -214,6 +214,16 @@ def wait_completion(done: Any) -> None:
             pass
 
 
+def wait_completions(completions: list, what: str, device) -> None:
+    """Block until every :meth:`TransferHandle.completion` in ``completions`` is reached, traced as one wait
+    of the compute side named ``what`` where any is not yet; failures are the handles' owners' to report."""
+    if all(completion_reached(done) for done in completions):
+        return
+    with streams.wait_span(what, device):
+        for done in completions:
+            wait_completion(done)
+
+
 class _BandwidthMeter:
     """Bytes moved over the wall time during which at least one operation was in flight.
 
