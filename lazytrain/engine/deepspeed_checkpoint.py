@@ -63,8 +63,8 @@ def is_deepspeed(tag_dir: str, trust: bool = False) -> bool:
     files = _model_files(tag_dir)
     if not files:
         return False
-    if "zero_pp_rank" in os.path.basename(files[0]):
-        return True                                   # ZeRO-3 names its model files per rank
+    if _saved_per_rank(files):
+        return True
     return "ds_version" in safe_load.load(files[0], trust, whole=False)   # read whole (checked) by read()
 
 
@@ -88,6 +88,11 @@ def _model_files(tag_dir: str) -> list[str]:
                   glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_*_model_states.pt")), key=_rank_of)
 
 
+def _saved_per_rank(model_files: list[str]) -> bool:
+    """Whether each rank saved a model file of its own, as ZeRO-3 does."""
+    return "zero_pp_rank" in os.path.basename(model_files[0])
+
+
 def _optim_files(tag_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(tag_dir, "*zero_pp_rank_*_mp_rank_*_optim_states.pt")), key=_rank_of)
 
@@ -109,7 +114,7 @@ def _zero_stage(model: dict, model_files: list[str], optim_files: list[str], tru
         return int(zero.get("stage", 0))
     if isinstance(config, dict) and not zero:   # no ZeRO section, or zero_optimization: false
         return 0
-    if "zero_pp_rank" in os.path.basename(model_files[0]):
+    if _saved_per_rank(model_files):
         return 3
     if not optim_files:
         return 0
