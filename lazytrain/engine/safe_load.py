@@ -19,6 +19,8 @@ import zipfile
 
 import torch
 
+from . import record_crc
+
 
 class UntrustedCheckpointError(RuntimeError):
     """A checkpoint file that names code to run when loaded; nothing of it was loaded or run."""
@@ -76,27 +78,19 @@ _TRUSTING.Unpickler = _TrustingUnpickler
 def verify_records(path: str) -> None:
     """Raise :class:`UnreadableCheckpointError` unless every record of a zip-format checkpoint file holds the
     bytes its CRC-32 says (torch writes one for each; torch's reader never checks them, and a memory-mapped
-    load reads the bytes as they are: a flipped bit would load as a wrong weight). One more read of the file.
-    Nothing to check in a legacy-format file (no CRCs; one whose last bytes read as a zip directory but are
-    none is left to torch), nor in a record saved with torch's CRCs turned off
-    (``torch.serialization.set_crc32_options(False)`` writes 0)."""
+    load reads the bytes as they are: a flipped bit would load as a wrong weight). One more read of the file,
+    on several threads (:mod:`record_crc`). Nothing to check in a legacy-format file (no CRCs; one whose last
+    bytes read as a zip directory but are none is left to torch), nor in a record saved with torch's CRCs
+    turned off (``torch.serialization.set_crc32_options(False)`` writes 0)."""
     try:
-        z = zipfile.ZipFile(path)
+        record_crc.check_records(path)
     except zipfile.BadZipFile:   # not a zip file: torch's legacy format, or none torch reads (it says so)
         return
     except FileNotFoundError:
         raise
     except OSError as e:
         raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
-    try:
-        with z:
-            for info in z.infolist():
-                if info.CRC == 0 and info.file_size > 0:   # saved without CRCs
-                    continue
-                with z.open(info) as record:   # the reader compares the CRC once it has read the whole record
-                    while record.read(16 << 20):
-                        pass
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+    except (record_crc.RecordCheckError, EOFError, ValueError) as e:
         raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read back as written: {e} (the file is cut "
                                         f"short or damaged); nothing of it was loaded") from None
 

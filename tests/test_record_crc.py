@@ -1,0 +1,91 @@
+"""The CRC-32 check of a checkpoint file's records on several threads: chunk CRCs joined exactly as zlib
+computes the whole, a damaged chunk anywhere in a record named, a record reaching past the file refused."""
+import os
+import random
+import struct
+import zipfile
+import zlib
+
+import pytest
+import torch
+
+from lazytrain.engine import record_crc
+
+
+def test_crc32_combine_equals_zlib_over_the_concatenation():
+    rng = random.Random(0)
+    for _ in range(200):
+        a = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200)))
+        b = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200)))
+        assert record_crc.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    big = os.urandom(3 << 20)   # lengths with many bits set, as a record's last chunk has
+    for cut in (1, 4095, (1 << 20) + 7, (3 << 20) - 1):
+        assert record_crc.crc32_combine(zlib.crc32(big[:cut]), zlib.crc32(big[cut:]), len(big) - cut) == zlib.crc32(big)
+
+
+def _record_span(path, name_part):
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if name_part in i.filename and i.file_size > 0)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info, info.header_offset + 30 + name_len + extra_len
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_record_checked_in_many_chunks_passes_whole_and_fails_at_any_damaged_byte(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(record_crc, "CHUNK_BYTES", 1000)   # a 40,000-byte record in 40 chunks on the pool
+    path = str(tmp_path / "state.pt")
+    torch.save({"w": torch.arange(10_000, dtype=torch.float32), "b": torch.ones(3)}, path)
+    record_crc.check_records(path, threads=threads)
+    info, first = _record_span(path, "/data/0")
+    assert info.file_size == 40_000
+    for at in (0, 999, 1000, 23_456, 39_999):   # the first and last bytes, chunk edges, a middle
+        with open(path, "r+b") as f:
+            f.seek(first + at)
+            was = f.read(1)
+            f.seek(first + at)
+            f.write(bytes([was[0] ^ 0x10]))
+        with pytest.raises(record_crc.RecordCheckError, match=f"^Bad CRC-32 for file '{info.filename}'$"):
+            record_crc.check_records(path, threads=threads)
+        with open(path, "r+b") as f:
+            f.seek(first + at)
+            f.write(was)
+        record_crc.check_records(path, threads=threads)
+
+
+def test_a_record_the_directory_says_reaches_past_the_end_of_the_file_is_refused(tmp_path):
+    path = str(tmp_path / "state.pt")
+    torch.save({"w": torch.arange(64, dtype=torch.float32)}, path)
+    info, _ = _record_span(path, "/data/0")
+    with zipfile.ZipFile(path) as z:
+        start_dir = z.start_dir
+        names = [i.filename for i in z.infolist()]
+    with open(path, "r+b") as f:   # its central directory entry: sizes at 20 and 24
+        f.seek(start_dir)
+        for name in names:
+            entry = f.tell()
+            fixed = f.read(46)
+            n, e, c = struct.unpack("<HHH", fixed[28:34])
+            if f.read(n).decode() == info.filename:
+                f.seek(entry + 20)
+                f.write(struct.pack("<II", 1 << 30, 1 << 30))
+                break
+            f.seek(e + c, os.SEEK_CUR)
+    with pytest.raises(record_crc.RecordCheckError,
+                       match=f"^record '{info.filename}' reaches past the end of the file$"):
+        record_crc.check_records(path)
+
+
+def test_records_saved_without_crcs_are_not_checked(tmp_path):
+    import io
+    torch.serialization.set_crc32_options(False)
+    try:
+        buffer = io.BytesIO()
+        torch.save({"w": torch.arange(64, dtype=torch.float32)}, buffer)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    path = str(tmp_path / "no-crc.pt")
+    with open(path, "wb") as f:
+        f.write(buffer.getvalue())
+    record_crc.check_records(path)
