@@ -396,3 +396,29 @@ def test_a_lazytrain_tag_with_a_file_cut_short_is_incomplete_not_a_deepspeed_sav
     with pytest.raises(lazytrain.engine.checkpoint.IncompleteCheckpointError,
                        match=f"{damaged} has {size // 2} bytes, the manifest says {size}"):
         engine_for().load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["stage2_fp32_2ranks", "stage3_fp32_2ranks"])
+def test_a_model_file_whose_param_shapes_its_partitions_cannot_hold_is_refused_naming_the_files(tmp_path, name):
+    """A model file beside optimizer files of another save (here: its param_shapes edited to a wider first
+    layer): read on, a parameter would take another's values or fail in a bare reshape."""
+    import shutil
+    from collections import OrderedDict
+    from lazytrain.engine import safe_load
+    tag = tmp_path / "global_step1"
+    shutil.copytree(os.path.join(HERE, name, "global_step1"), tag)
+    model_file = str(tag / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if name.startswith("stage3") else
+                            "mp_rank_00_model_states.pt"))
+    model = safe_load.load(model_file, trust=True)
+    model["param_shapes"] = [OrderedDict((n, torch.Size((64, 8)) if n == "0.weight" else s) for n, s in g.items())
+                             for g in model["param_shapes"]]
+    torch.save(model, model_file)   # DeepSpeed's records saved as LazyTrain's: read back trusted
+    if name.startswith("stage3"):
+        held = "72 elements in the smallest rank's partition, 296 needed there"   # ceil(n / 2) of each
+    else:
+        held = "144 elements over 2 rank\\(s\\), 592 needed"   # 64 + 8 + 64 + 8 saved
+    with pytest.raises(ds_ckpt.DeepSpeedCheckpointError,
+                       match=f"^{model_file} and its 2 optimizer state file\\(s\\) do not match: group 0's param_shapes "
+                             f"\\(4 parameters, 592 elements\\) does not fit its fp32 partitions \\({held}; files of "
+                             f"different saves\\?\\); nothing was loaded$"):
+        ds_ckpt.read(str(tag), want_optimizer=True, trust=True)

@@ -156,6 +156,7 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
         if not shapes:
             raise DeepSpeedCheckpointError(f"{model_files[0]} has no param_shapes: its ZeRO partitions cannot be "
                                            f"mapped to parameter names")
+        _check_partitions(states, shapes, stage, model_files[0], optim_files)
         masters, moments = _merge(states, shapes, want_optimizer, stage, wanted)
         full.update(masters)
         scaler = states[0].get("loss_scaler")
@@ -264,6 +265,38 @@ def _span(flats: list[torch.Tensor], offset: int, n: int) -> torch.Tensor:
 
 def _tensor_keys(state: dict) -> list[str]:
     return [k for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def _check_partitions(states: list[dict], shapes: list[dict], stage: int, model_file: str, optim_files: list[str]):
+    """Refuse, naming the files, a model file whose ``param_shapes`` the ranks' flat fp32 partitions cannot
+    hold: other groups, or more elements than they keep (a model file and optimizer files of different saves,
+    or of another model). Read on, a parameter would take another's values, or fail in a bare reshape."""
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    groups = [len(s.get(key) or []) for s in states]
+    where = f"{model_file} and its {len(optim_files)} optimizer state file(s)"
+    if any(g != len(shapes) for g in groups):
+        raise DeepSpeedCheckpointError(f"{where} do not match: param_shapes names {len(shapes)} parameter group(s), "
+                                       f"the ranks' fp32 partitions hold {groups} (files of different saves?); "
+                                       f"nothing was loaded")
+    world = len(states)
+    pads = states[0].get("param_alignment_paddings") if stage != 3 else None
+    if pads is not None and [len(p) for p in pads] != [len(group) for group in shapes]:
+        raise DeepSpeedCheckpointError(f"{where} do not match: param_shapes names {[len(group) for group in shapes]} "
+                                       f"parameters per group, the alignment paddings {[len(p) for p in pads]} "
+                                       f"(files of different saves?); nothing was loaded")
+    for g, group_shapes in enumerate(shapes):
+        numels = [math.prod(shape) for shape in group_shapes.values()]
+        if stage == 3:   # each parameter split on its own: every rank's flat group holds ceil(n / world) of each
+            needed, held = sum(math.ceil(n / world) for n in numels), min(s[key][g].numel() for s in states)
+            what = f"{held} elements in the smallest rank's partition, {needed} needed there"
+        else:            # the ranks' partitions end to end: each parameter, then its alignment padding
+            needed = sum(numels) + (sum(pads[g]) if pads is not None else 0)
+            held = sum(s[key][g].numel() for s in states)
+            what = f"{held} elements over {world} rank(s), {needed} needed"
+        if needed > held:
+            raise DeepSpeedCheckpointError(
+                f"{where} do not match: group {g}'s param_shapes ({len(numels)} parameters, {sum(numels)} elements) "
+                f"does not fit its fp32 partitions ({what}; files of different saves?); nothing was loaded")
 
 
 def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: int,
