@@ -376,6 +376,7 @@ class LazyTrainSection:
     grad_norm_as_landed: bool = True    # trust the version counter on layer gradient buffers: the clipping norm
                                         # from sums taken as gradients land, a cleared buffer written unread
     trust_checkpoints: bool = False     # unpickle checkpoints without restriction (they may then run code)
+    check_checkpoint_crcs: bool = True  # check each record's CRC-32 before a checkpoint file is loaded
     hardware: str = "auto"              # policy milp: catalog name or a `lazytrain bench tiers --json` file
     nvme_path: str | None = None
     seq_len: int | None = None          # for the planner; policy auto: the longest batch seen when absent
@@ -389,7 +390,7 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",
                    "hybrid_threshold", "quant_block_size", "fp32_state_patterns", "milp_time_limit",
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
-                   "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints",
+                   "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints", "check_checkpoint_crcs",
                    "loss_chunk_tokens", "auto", "non_block_state", "lean_norms", "gradient_reduce",
                    "grad_norm_as_landed"}
 
@@ -930,13 +931,16 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     trust = section.get("trust_checkpoints", False)
     if not isinstance(trust, bool):
         raise ConfigError(f"config key 'lazytrain.trust_checkpoints' must be true or false, got {trust!r}")
+    check_crcs = section.get("check_checkpoint_crcs", True)
+    if not isinstance(check_crcs, bool):
+        raise ConfigError(f"config key 'lazytrain.check_checkpoint_crcs' must be true or false, got {check_crcs!r}")
     testing = _parse_testing(section.get("testing", {}))
     if "auto" in section and policy != "auto":
         raise ConfigError(f"config key 'lazytrain.auto' sets up policy \"auto\", but 'lazytrain.policy' is {policy!r}")
     if policy == "auto" and section.get("overlap_optimizer") is False:
         raise ConfigError("config 'lazytrain.policy' \"auto\" measures each layer's host update, which runs layer "
                           "by layer with 'lazytrain.overlap_optimizer' on: leave it \"auto\" or set it true")
-    return LazyTrainSection(trust_checkpoints=trust, testing=testing, auto=_parse_auto(section.get("auto", {})),
+    return LazyTrainSection(trust_checkpoints=trust, check_checkpoint_crcs=check_crcs, testing=testing, auto=_parse_auto(section.get("auto", {})),
         blocks=section.get("blocks"), policy=policy,
         checkpoint_interval=interval if "checkpoint_interval" in section else None,
         number_checkpoints=kw.get("number_checkpoints"),

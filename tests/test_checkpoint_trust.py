@@ -190,6 +190,23 @@ def test_a_checkpoint_file_damaged_or_cut_short_is_refused_naming_it(tmp_path, d
     assert str(e.value).startswith(expected[0]) and str(e.value).endswith(expected[1]), str(e.value)
 
 
+def test_the_crc_check_can_be_turned_off_for_a_load_and_is_on_by_default(tmp_path):
+    """'lazytrain.check_checkpoint_crcs': false skips the check (one more read of every file) for that engine's
+    loads: a damaged record then loads as it is, here as NaN where the saved weight was finite."""
+    from lazytrain.config import ConfigError
+    trained(engine_for()).save_checkpoint(str(tmp_path), tag="t")
+    model_file = str(tmp_path / "t" / "mp_rank_00_model_states.pt")
+    record = _damage_a_tensor_record(model_file)
+    with pytest.raises(safe_load.UnreadableCheckpointError, match=f"Bad CRC-32 for file '{record}'"):
+        engine_for().load_checkpoint(str(tmp_path), tag="t")
+    unchecked = engine_for(lazytrain={"check_checkpoint_crcs": False})
+    unchecked.load_checkpoint(str(tmp_path), tag="t")
+    assert any(torch.isnan(v).any() for v in unchecked.module_state_dict().values() if v.is_floating_point())
+    assert safe_load._CHECK_RECORDS.get() is True   # the setting held for that load alone
+    with pytest.raises(ConfigError, match="config key 'lazytrain.check_checkpoint_crcs' must be true or false, got 0"):
+        engine_for(lazytrain={"check_checkpoint_crcs": 0})
+
+
 def test_a_file_saved_without_crcs_or_in_the_legacy_format_loads():
     """torch.serialization.set_crc32_options(False) (for faster saves) writes 0 where the CRC goes: nothing to
     check, not a damaged file. A legacy-format file keeps no CRCs at all."""

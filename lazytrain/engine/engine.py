@@ -1900,7 +1900,7 @@ class LazyTrainEngine(nn.Module):
         failure = RankFailure(self.dist)
         self._reading_checkpoint = True
         try:
-            with failure.kept():
+            with failure.kept(), safe_load.records_checked(self._config.lazytrain.check_checkpoint_crcs):
                 apply = self._read_checkpoint(load_dir, tag, want_optim, trust, load_module_strict, load_module_only,
                                               load_lr_scheduler_states, custom_load_fn)
         finally:

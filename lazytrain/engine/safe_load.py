@@ -11,6 +11,8 @@ and the file, and the way to opt in for a checkpoint the user trusts.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
 import enum
 import pickle
 import re
@@ -95,13 +97,29 @@ def verify_records(path: str) -> None:
                                         f"short or damaged); nothing of it was loaded") from None
 
 
+# whether load() checks the records' CRC-32s of a file read whole (the config's 'lazytrain.check_checkpoint_crcs',
+# set for the duration of one engine.load_checkpoint by records_checked)
+_CHECK_RECORDS: contextvars.ContextVar[bool] = contextvars.ContextVar("lazytrain_check_records", default=True)
+
+
+@contextlib.contextmanager
+def records_checked(enabled: bool):
+    """Within this, :func:`load` checks the records of the files it reads whole only if ``enabled``."""
+    token = _CHECK_RECORDS.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _CHECK_RECORDS.reset(token)
+
+
 def load(path: str, trust: bool = False, whole: bool = True):
     """``torch.load`` of one checkpoint file on the host, restricted unless ``trust``; memory-mapped where
     the file's format allows (its pages are read as the state is copied in, not all at once first). With
     ``whole`` (the caller reads all of it), every record's CRC-32 is checked first (:func:`verify_records`);
     a caller that reads a part of a mapped file (a rank's share of a sharded state, a glance at one key)
-    passes False, as the check would read every byte of it. A file torch's reader fails on is named."""
-    if whole:
+    passes False, as the check would read every byte of it; within ``records_checked(False)`` none is
+    checked. A file torch's reader fails on is named."""
+    if whole and _CHECK_RECORDS.get():
         verify_records(path)
 
     def attempt(mmap: bool):
