@@ -1,9 +1,10 @@
 """How long the CRC-32 check of a checkpoint file takes before it is loaded, side by side in one run: the
 whole file read by zipfile's reader on one thread (the check as it was) vs the chunked check on a thread
-pool (lazytrain.engine.record_crc) at 1, 2, ... threads; and torch.load of the same file, memory-mapped, each
-tensor copied out (every page read, as a load into the engine's buffers reads it: what the check is added to). Two layouts: many records (a model file, one record per
-tensor) and one record (a DeepSpeed rank's flat fp32 partition). The file is read once first, so every
-figure is from the page cache: the check's compute, not the disk.
+pool (lazytrain.engine.record_crc) at 1, 2, ... threads; and torch.load of the same file, memory-mapped,
+each tensor copied out (every page read, as a load into the engine's buffers reads it: what the check is
+added to). Three layouts: 64 records of one size, 4000 records of random sizes (a model file: one record
+per tensor, many shapes) and one record (a DeepSpeed rank's flat fp32 partition). The file is read once
+first, so every figure is from the page cache: the check's compute, not the disk.
 
     python benchmarks/checkpoint_crc.py [--gib 1] [--repeats 3] [--threads 1 2 4 8]
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -60,12 +62,14 @@ def main() -> None:
     print(f"{os.cpu_count()} cores; {args.gib:g} GiB per file; median of {args.repeats}")
     print(f"{'layout':<12} {'what':<26} {'s':>7} {'GB/s':>6} {'vs zipfile':>10}")
     with tempfile.TemporaryDirectory() as d:
-        layouts = {"64 records": {f"w{i}": torch.randn(numel // 64) for i in range(64)},
-                   "one record": {"flat": torch.randn(numel)}}
-        for layout, state in layouts.items():
+        rng = random.Random(0)
+        varied = [rng.randint(1, 2 * numel // 4000) for _ in range(4000)]
+        layouts = {"64 records": lambda: {f"w{i}": torch.randn(numel // 64) for i in range(64)},
+                   "4000 sizes": lambda: {f"w{i}": torch.randn(n) for i, n in enumerate(varied)},
+                   "one record": lambda: {"flat": torch.randn(numel)}}
+        for layout, build in layouts.items():   # one at a time: a layout's tensors are freed once saved
             path = os.path.join(d, "state.pt")
-            torch.save(state, path)
-            del state
+            torch.save(build(), path)
             size = os.path.getsize(path)
             zipfile_reader(path)   # into the page cache
             base = median_s(lambda: zipfile_reader(path), args.repeats)
@@ -76,7 +80,6 @@ def main() -> None:
             for what, s in rows:
                 print(f"{layout:<12} {what:<26} {s:>7.3f} {size / s / 1e9:>6.2f} {base / s:>9.2f}x")
             os.remove(path)
-        layouts.clear()
 
 
 if __name__ == "__main__":

@@ -89,3 +89,18 @@ def test_records_saved_without_crcs_are_not_checked(tmp_path):
     with open(path, "wb") as f:
         f.write(buffer.getvalue())
     record_crc.check_records(path)
+
+
+def test_a_damaged_compressed_record_is_named_not_taken_for_a_file_that_is_no_zip(tmp_path):
+    """torch writes stored records only; a compressed one is checked by zipfile's reader, whose bad-CRC error
+    is a BadZipFile: it must not read as "no zip file" (left to torch unchecked)."""
+    path = str(tmp_path / "deflated.zip")
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data/0", bytes(range(256)) * 64)
+    with zipfile.ZipFile(path) as z:
+        info = z.infolist()[0]
+    with open(path, "r+b") as f:   # the CRC the directory keeps for it, wrong
+        f.seek(z.start_dir + 16)
+        f.write(struct.pack("<I", info.CRC ^ 1))
+    with pytest.raises(record_crc.RecordCheckError, match="^Bad CRC-32 for file 'archive/data/0'$"):
+        record_crc.check_records(path)

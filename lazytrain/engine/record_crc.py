@@ -10,7 +10,6 @@ DeepSpeed rank's flat fp32 partition) is checked on every thread too.
 """
 from __future__ import annotations
 
-import functools
 import os
 import struct
 import threading
@@ -48,26 +47,37 @@ _FOUR_ZERO_BITS = _compose(_TWO_ZERO_BITS, _TWO_ZERO_BITS)
 _ONE_ZERO_BYTE = _compose(_FOUR_ZERO_BITS, _FOUR_ZERO_BITS)
 
 
-@functools.lru_cache(maxsize=64)
-def _zero_bytes(n: int) -> tuple[int, ...]:
-    """The operator that runs a CRC-32 register through ``n`` zero bytes (by squaring: log2(n) products;
-    a check meets two lengths per record, a whole chunk and the record's last)."""
-    result = tuple(1 << i for i in range(32))   # identity
-    power = _ONE_ZERO_BYTE
-    while n:
-        if n & 1:
-            result = _compose(power, result)
-        n >>= 1
-        if n:
-            power = _compose(power, power)
-    return result
+def _zero_byte_powers(count: int = 64) -> list[tuple[int, ...]]:
+    """The operators that run a CRC-32 register through 1, 2, 4, ... 2**(count-1) zero bytes (squarings)."""
+    powers = [_ONE_ZERO_BYTE]
+    while len(powers) < count:
+        powers.append(_compose(powers[-1], powers[-1]))
+    return powers
+
+
+_ZERO_BYTE_POWERS = _zero_byte_powers()
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of A + B from A's (``crc1``), B's (``crc2``) and B's length: A's CRC run through ``len2``
     zero bytes, xor B's (zlib's crc32_combine: CRC-32 is linear over GF(2) once its pre- and
-    post-inversions cancel, as they do between the two)."""
-    return _gf2_times(_zero_bytes(len2), crc1) ^ crc2 if len2 > 0 else crc1
+    post-inversions cancel, as they do between the two). The register is taken through the powers of two
+    of zero bytes that ``len2`` is made of, one 32-bit product each: no matrix is built per length."""
+    bit = 0
+    while crc1 and len2 > 0:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZERO_BYTE_POWERS[bit], crc1)
+        len2 >>= 1
+        bit += 1
+    return crc1 ^ crc2
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity, as a container or ``taskset`` sets it)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:   # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def check_records(path: str, threads: int | None = None) -> None:
@@ -75,19 +85,20 @@ def check_records(path: str, threads: int | None = None) -> None:
     says; ``zipfile.BadZipFile`` when it is no zip file. Records kept with a CRC of 0 (torch's
     ``set_crc32_options(False)``) are not checked; compressed ones (not torch's) are checked by zipfile's
     reader, on this thread."""
-    threads = max(1, min(MAX_THREADS, os.cpu_count() or 1) if threads is None else threads)
-    with zipfile.ZipFile(path) as z:
-        infos = [i for i in z.infolist() if i.CRC != 0 and i.file_size > 0]
-        for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
-                with z.open(info) as record:   # zipfile compares the CRC once it has read the whole record
-                    while record.read(CHUNK_BYTES):
-                        pass
+    threads = max(1, min(MAX_THREADS, _usable_cores()) if threads is None else threads)
+    fd = os.open(path, os.O_RDONLY)   # one open file for the directory and the bytes: a file replaced meanwhile
+    try:                              # is checked as the one whose directory was read
+        with os.fdopen(os.dup(fd), "rb") as f, zipfile.ZipFile(f) as z:
+            infos = [i for i in z.infolist() if i.CRC != 0 and i.file_size > 0]
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    try:
+                        with z.open(info) as record:   # zipfile compares the CRC once it has read the whole record
+                            while record.read(CHUNK_BYTES):
+                                pass
+                    except zipfile.BadZipFile as e:    # a record's, not "no zip file"
+                        raise RecordCheckError(str(e)) from None
         stored = [i for i in infos if i.compress_type == zipfile.ZIP_STORED]
-    if not stored:
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
         size = os.fstat(fd).st_size
         spans = []   # (record, its first byte)
         for info in stored:
