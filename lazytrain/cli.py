@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import sys
 
 # (module, what it adds): each module defines register(subparsers) -> None
@@ -34,6 +35,9 @@ def positive(kind=int):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazytrain", description=__doc__.splitlines()[0])
+    # DeepSpeed's launcher (`deepspeed --module lazytrain.cli train ...`) passes each process its local rank as
+    # an argument before the sub-command, as well as in the environment
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
     for module_name, _ in SUBCOMMANDS:
         try:
@@ -49,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     return int(args.func(args) or 0)
 
 

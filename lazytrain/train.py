@@ -17,6 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+FINAL_TAG = "final"   # the checkpoint tag the trained weights are saved under
 MAX_OPERAND = 999   # the task lists every pair of operands: (999 + 1) ** 2 pairs take about 130 MB
 
 DEFAULT_CONFIG = {
@@ -46,6 +47,8 @@ def register(subparsers) -> None:
     from .cli import positive
     p.add_argument("--steps", type=positive(int), help="override job.steps")
     p.add_argument("--out", help="override job.out_dir")
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoint an earlier run left in the "
+                                                            "output directory (refused otherwise)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--trace", metavar="PATH", help="record the second training step as a Chrome/Perfetto trace "
                                                    "JSON at PATH and print its summary")
@@ -89,6 +92,9 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
     _check_int("job.steps", steps)
     _check_int("job.eval_examples", job.get("eval_examples", 500))
     _check_int("job.seed", job.get("seed", 0), minimum=0)
+    out_dir = job.get("out_dir", "lazytrain-out")
+    if not isinstance(out_dir, str) or not out_dir:
+        raise JobError(f"'job.out_dir' must be a directory path, got {out_dir!r}")
     task, model = job.get("task", {}), job.get("model", {})
     for key, section in (("task", task), ("model", model)):
         if not isinstance(section, dict):
@@ -101,6 +107,7 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
         if unknown:
             raise JobError(f"unknown key(s) in 'job.{key}': {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
     _check_int("job.task.max_operand", task.get("max_operand", 99))
+    _check_int("job.task.seed", task.get("seed", 0), minimum=0)
     if task.get("max_operand", 99) > MAX_OPERAND:   # the task lists every pair of operands
         raise JobError(f"'job.task.max_operand' must be at most {MAX_OPERAND} (the task holds every pair of operands "
                        f"in memory), got {task['max_operand']}")
@@ -122,17 +129,41 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
     return steps, task, model
 
 
+def _check_output_dir(out_dir: str, overwrite: bool) -> None:
+    """Before training, not after it: the output directory exists and takes a file, and holds no checkpoint of
+    an earlier run that the save at the end would replace unasked."""
+    import tempfile
+    final = os.path.join(out_dir, FINAL_TAG)
+    if os.path.lexists(final) and not overwrite:
+        raise JobError(f"{os.path.abspath(final)} holds the checkpoint of an earlier run, which this run's would "
+                       f"replace: pass --overwrite, or another --out")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise JobError(f"cannot create the output directory {out_dir}: {e.strerror or e}") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".lazytrain-write-check-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise JobError(f"cannot write to the output directory {out_dir}: {e.strerror or e}") from None
+
+
 def run(args) -> int:
     from lazytrain.config import ConfigError
     from lazytrain.planner.hardware import HardwareError
     from lazytrain.planner.milp import PlanningError
     from lazytrain.planner.problem import InfeasibleBudgetError
     from lazytrain.tiers.base import TierBudgetError
+    from lazytrain.tiers.nvme import NVMeIOError
+    from lazytrain.engine.checkpoint import CheckpointSpaceError
     try:
         return _run(args)
     # a problem with the user's job or config (a budget too small for the model, a hardware profile the
-    # planner cannot read, no plan in time): one line naming what to change, no traceback
-    except (JobError, ConfigError, InfeasibleBudgetError, HardwareError, PlanningError, TierBudgetError) as e:
+    # planner cannot read, no plan in time, an NVMe path or an output disk that cannot take the files): one
+    # line naming what to change, no traceback
+    except (JobError, ConfigError, InfeasibleBudgetError, HardwareError, PlanningError, TierBudgetError,
+            NVMeIOError, CheckpointSpaceError) as e:
         print(f"lazytrain train: {e}", file=sys.stderr)
         return 2
 
@@ -150,10 +181,7 @@ def _run(args) -> int:
     job = cfg["job"]
     steps, task_settings, model_settings = _job_settings(job, args.steps)
     out_dir = args.out or job.get("out_dir", "lazytrain-out")
-    try:   # before training, not after it
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise JobError(f"cannot create the output directory {out_dir}: {e.strerror}") from None
+    _check_output_dir(out_dir, overwrite=getattr(args, "overwrite", False))
     trace_path = getattr(args, "trace", None)
     if int(os.environ.get("RANK", "0")) != 0:   # under a launcher rank 0 alone records (and reports) the trace
         trace_path = None
@@ -228,12 +256,12 @@ def _run(args) -> int:
 
     engine.eval()
     acc_after = exact_match(model_fn, task, pairs, engine.device)
-    engine.save_checkpoint(out_dir, tag="final")
+    engine.save_checkpoint(out_dir, tag=FINAL_TAG)
     say(f"trained {steps} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s), final loss {loss_value:.4f}")
     say(f"held-out exact match ({len(pairs)} problems): {acc_before:.1%} before -> {acc_after:.1%} after")
     peaks = ", ".join(f"{name} {format_bytes(b)}" for name, b in engine.last_step_peak_bytes.items())
     say(f"peak memory per tier (last step): {peaks}")
-    say(f"trained weights saved to {os.path.abspath(os.path.join(out_dir, 'final'))}")
+    say(f"trained weights saved to {os.path.abspath(os.path.join(out_dir, FINAL_TAG))}")
     engine.destroy()
     if made_group and torch.distributed.is_initialized():   # its threads torn down before the interpreter's exit,
         torch.distributed.barrier()                         # which else may abort the process after its work

@@ -393,6 +393,17 @@ def test_warmup_goes_to_each_groups_own_lr_when_no_max_is_given():
     assert cosine.get_last_lr() == [0.0]
 
 
+@pytest.mark.parametrize("schedule", [WarmupDecayLR, WarmupCosineLR])
+def test_a_run_shorter_than_its_warmup_warns_as_deepspeed_does(schedule):
+    with pytest.warns(UserWarning, match=f"^lazytrain: {schedule.__name__}'s total_num_steps 30 is less than "
+                                         f"warmup_num_steps 50: the run ends within its warmup, and the lr never "
+                                         f"decays$"):
+        schedule(_opt(), total_num_steps=30, warmup_num_steps=50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schedule(_opt(), total_num_steps=50, warmup_num_steps=50)
+
+
 def test_an_unknown_warmup_type_warms_up_on_the_log_curve_with_a_warning_as_deepspeed():
     with pytest.warns(UserWarning, match=r"unknown warmup_type 'cosine' in the scheduler's params: the warmup is "
                                          r"'log', as in DeepSpeed"):

@@ -57,9 +57,14 @@ def set_in(section, **kw):
     (set_in(("lazytrain",), policy="milp", seq_len=16, hardware="no-such-card"), "unknown hardware 'no-such-card'"),
     (set_in(("lazytrain",), gpu_memory="1KB"), "tier 'hbm' is over its budget: writing 'weights.slot0'"),
     (set_in(("lazytrain",), gpu_memory="0"), "config key 'lazytrain.gpu_memory' must be above 0"),
+    (set_in(("job",), out_dir=5), "'job.out_dir' must be a directory path, got 5"),
+    (set_in(("job", "task"), seed=[1]), "'job.task.seed' must be a non-negative integer, got [1]"),
+    (set_in(("lazytrain",), weights_home="nvme", nvme_path="/nonexistent/lazytrain-nvme"),
+     "tier 'nvme': nvme_path /nonexistent/lazytrain-nvme does not exist; create it or point nvme_path at an existing "
+     "directory on a fast disk"),
 ])
 def test_a_bad_job_setting_is_one_line(tmp_path, capsys, change, message):
-    assert main(["train", job_file(tmp_path, change)]) == 2
+    assert main(["train", job_file(tmp_path, change), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lazytrain train: " + message) and err.count("\n") == 1
 
@@ -82,6 +87,41 @@ def test_bad_job_files_and_paths_are_one_line(tmp_path, capsys):
     assert "argument --steps: must be a positive integer, got '0'" in capsys.readouterr().err
 
 
+def _refuses_a_file(directory) -> bool:
+    import tempfile
+    try:
+        fd, path = tempfile.mkstemp(dir=directory)
+    except PermissionError:
+        return True
+    os.close(fd)
+    os.remove(path)
+    return False
+
+
+def test_a_checkpoint_an_earlier_run_left_is_not_replaced_unasked_and_the_output_must_take_a_file(tmp_path, capsys):
+    """The trained weights are saved under tag 'final' at the end: an earlier run's is refused before any
+    training, unless --overwrite; an output directory that cannot take a file is refused then too, not after
+    the run."""
+    out = tmp_path / "out"
+    (out / "final").mkdir(parents=True)
+    assert main(["train", "--steps", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"lazytrain train: {out / 'final'} holds the checkpoint of an earlier run, "
+                                       f"which this run's would replace: pass --overwrite, or another --out\n")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    os.chmod(read_only, 0o500)
+    try:
+        if not _refuses_a_file(read_only):   # root writes to it: sysfs refuses root a file
+            read_only = "/sys/kernel"
+            if not os.path.isdir(read_only) or not _refuses_a_file(read_only):
+                pytest.skip("no directory here refuses this user a file")
+        assert main(["train", "--steps", "1", "--out", str(read_only)]) == 2
+        assert capsys.readouterr().err == (f"lazytrain train: cannot write to the output directory {read_only}: "
+                                           f"Permission denied\n")
+    finally:
+        os.chmod(tmp_path / "read-only", 0o700)
+
+
 def test_unset_key_value_heads_are_one_per_attention_head_as_transformers_reads_it():
     from lazytrain.train import _job_settings
     job = copy.deepcopy(DEFAULT_CONFIG["job"])
@@ -95,6 +135,9 @@ def test_unset_key_value_heads_are_one_per_attention_head_as_transformers_reads_
 def test_steps_given_with_a_null_scheduler_section_trains(tmp_path, capsys):
     path = job_file(tmp_path, lambda cfg: cfg.update(scheduler=None))
     assert main(["train", path, "--steps", "1", "--out", str(tmp_path / "out")]) == 0
+    # again into the same directory: its checkpoint replaced, as asked; DeepSpeed's launcher's --local_rank taken
+    assert main(["--local_rank=0", "train", path, "--steps", "2", "--out", str(tmp_path / "out"), "--overwrite"]) == 0
+    assert "trained 2 steps" in capsys.readouterr().out
 
 
 def _train_as_rank(rank, world, out_dir, job):

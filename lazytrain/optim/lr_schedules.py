@@ -110,6 +110,14 @@ class WarmupLR(_Schedule):
         return [lo + (hi - lo) * g for lo, hi in zip(self.min_lrs, self.max_lrs)]
 
 
+def _warn_if_warmup_outlasts(total_num_steps, warmup_num_steps, schedule: str) -> None:
+    """As DeepSpeed warns: a run that ends within its warmup never decays (its lr still rising at the end)."""
+    if total_num_steps < warmup_num_steps:
+        warnings.warn(f"lazytrain: {schedule}'s total_num_steps {total_num_steps} is less than warmup_num_steps "
+                      f"{warmup_num_steps}: the run ends within its warmup, and the lr never decays", UserWarning,
+                      stacklevel=3)
+
+
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then linear decay to 0 at total_num_steps."""
 
@@ -117,6 +125,7 @@ class WarmupDecayLR(WarmupLR):
                  warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
+        _warn_if_warmup_outlasts(total_num_steps, warmup_num_steps, "WarmupDecayLR")
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -134,6 +143,7 @@ class WarmupCosineLR(_Schedule):
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
         self.total_num_steps = total_num_steps
+        _warn_if_warmup_outlasts(total_num_steps, warmup_num_steps, "WarmupCosineLR")
         self.warmup_min_ratio = warmup_min_ratio
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
