@@ -13,7 +13,8 @@ imported from ``deepspeed.utils`` before that call is DeepSpeed's own). Several 
 may be on another rank) with a message saying so."""
 from __future__ import annotations
 
-__all__ = ["safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state"]
+__all__ = ["safe_get_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
+           "safe_get_full_optimizer_state"]
 
 
 def _owner(param, name: str):
@@ -39,6 +40,15 @@ def safe_get_full_fp32_param(param):
     None for a frozen parameter (nothing updates it), as DeepSpeed's."""
     access, engine = _owner(param, "safe_get_full_fp32_param")
     return access.full_fp32_param(engine, param)
+
+
+def safe_set_full_fp32_param(param, value):
+    """Set ``param``'s fp32 weight (its master) and every copy of it that computes to ``value`` (a tensor of
+    ``param``'s shape), as DeepSpeed's does: the way to change a weight after ``initialize`` (in bf16/fp16 a
+    write to the parameter itself reaches one copy, and the next forward or step undoes it). Every streamed
+    layer's compute copy is rewritten, as by a checkpoint load."""
+    access, engine = _owner(param, "safe_set_full_fp32_param")
+    access.set_full_fp32_param(engine, param, value)
 
 
 def safe_get_full_optimizer_state(param, optim_state_key: str):

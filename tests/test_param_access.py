@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import lazytrain
-from lazytrain.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
+from lazytrain.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                             safe_set_full_fp32_param)
 from engine_models import AUTO_DEVICE, batches, lm_loss, make_model
 
 
@@ -193,6 +194,46 @@ def test_eight_bit_moments_come_back_dequantized_in_the_parameters_shape(overlap
     engine.destroy()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_weight_set_after_initialize_trains_as_one_set_before_it(dtype):
+    """safe_set_full_fp32_param writes the master and every compute copy: the engine then computes, steps and
+    saves as an engine set up on a model that had the value all along (a block weight, the embedding, the
+    head), to the last bit."""
+    new = {"model.embed_tokens.weight": lambda p: torch.linspace(-1, 1, p.numel()).reshape(p.shape),
+           "model.layers.0.self_attn.q_proj.weight": lambda p: torch.full(p.shape, 0.03),
+           "lm_head.weight": lambda p: -p.detach().float()}
+    torch.manual_seed(0)
+    set_after = make_model("llama")
+    set_before = copy.deepcopy(set_after)
+    values = {n: f(dict(set_after.named_parameters())[n]) for n, f in new.items()}
+    with torch.no_grad():
+        for n, v in values.items():
+            dict(set_before.named_parameters())[n].copy_(v)
+    before = engine_for(set_before, dtype)
+    after = engine_for(set_after, dtype)
+    params = dict(set_after.named_parameters())
+    for n, v in values.items():
+        safe_set_full_fp32_param(params[n], v)
+        assert torch.equal(safe_get_full_fp32_param(params[n]), v), n
+    for x, y in batches(2):
+        losses = []
+        for engine in (before, after):
+            loss = lm_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    a, b = before.module_state_dict(), after.module_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match=r"^lazytrain\.utils\.safe_set_full_fp32_param: the value's shape \(3,\) is "
+                                         r"not the parameter's \(32, 32\)$"):
+        safe_set_full_fp32_param(params["lm_head.weight"], torch.zeros(3))
+    with pytest.raises(ValueError, match="the value must be floating point and finite"):
+        safe_set_full_fp32_param(params["lm_head.weight"], torch.full((32, 32), float("nan")))
+    before.destroy()
+    after.destroy()
+
+
 def test_a_parameter_of_no_engine_and_several_ranks_are_refused_by_name():
     model = make_model("llama")
     with pytest.raises(ValueError, match=r"^lazytrain\.utils\.safe_get_full_grad: the parameter \(shape \(32, 32\)\) "
@@ -221,6 +262,8 @@ def test_replace_deepspeed_routes_deepspeeds_accessors_for_lazytrain_parameters(
         other = torch.nn.Parameter(torch.ones(3))
         other.grad = torch.full((3,), 2.0)
         assert deepspeed_utils.safe_get_full_grad(other) is other.grad   # DeepSpeed's own answer for the rest
+        deepspeed_utils.safe_set_full_fp32_param(model.lm_head.weight, torch.full((32, 32), 0.25))
+        assert torch.equal(safe_get_full_fp32_param(model.lm_head.weight), torch.full((32, 32), 0.25))
     finally:
         lazytrain.restore_deepspeed()
     assert torch.equal(g, safe_get_full_grad(model.lm_head.weight))

@@ -1467,6 +1467,11 @@ class LazyTrainEngine(nn.Module):
         layer = self._layer_of_param.get(id(param))
         return None if layer is None else self.weights.grad_views(layer).get(param)
 
+    def _module_param_name(self, param: torch.Tensor) -> str | None:
+        """``param``'s name in the module (a tied weight's first), or None for a tensor that is not one of its
+        parameters."""
+        return next((name for name, p in self.module.named_parameters() if p is param), None)
+
     def _extra_params(self) -> list[torch.Tensor]:
         """Parameters the optimizer updates that the model does not own (a loss's learnable temperature),
         read from its groups as they are now (a group may be added during training)."""

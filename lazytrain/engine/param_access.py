@@ -85,6 +85,30 @@ def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor | None:
     return _master(engine, param).detach().to("cpu", torch.float32, copy=True)
 
 
+def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
+    """Write ``value`` (``param``'s shape) as ``param``'s fp32 weight and into every copy of it that computes,
+    as a checkpoint load writes them: a write to the parameter itself would reach only one of them in bf16/fp16
+    (a block parameter is a view of its master, whose compute copy the next forward does not read; an embedding
+    or head is its compute copy, whose master the next step writes back over it)."""
+    _refuse(engine, "safe_set_full_fp32_param")
+    value = torch.as_tensor(value)
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"lazytrain.utils.safe_set_full_fp32_param: the value's shape {tuple(value.shape)} is not "
+                         f"the parameter's {tuple(param.shape)}")
+    if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+        raise ValueError("lazytrain.utils.safe_set_full_fp32_param: the value must be floating point and finite")
+    name = engine._module_param_name(param)
+    if name is not None:   # the module's own: as a load_state_dict of that one name (hooks write masters and copies)
+        engine._load_module_state({name: value.detach().to("cpu", torch.float32)}, strict=False)
+        return
+    engine.wait_for_update()   # a tensor the script added to the optimizer: it is its own copy, or beside a master
+    master = _master(engine, param)
+    with torch.no_grad():
+        master.copy_(value)
+        if master is not param:
+            param.copy_(value)
+
+
 def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor | None:
     """A copy of the optimizer's state ``key`` ("exp_avg", "exp_avg_sq", ...) for ``param``, in fp32 and in
     the parameter's shape (8-bit moments dequantized), on the host; None before the first step and for a

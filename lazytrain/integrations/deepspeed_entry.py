@@ -67,8 +67,10 @@ def replace_deepspeed() -> None:
         put(deepspeed.zero, "GatheredParameters", _GatheredParameters)
         _replace_transformers_zero3_switch(put)
         _keep_the_scripts_optimizer(put)
-        for name in ("safe_get_full_grad", "safe_get_full_fp32_param", "safe_get_full_optimizer_state"):
-            put(deepspeed.utils, name, _lazytrain_first(name, getattr(deepspeed.utils, name)))
+        for name in ("safe_get_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
+                     "safe_get_full_optimizer_state"):
+            if hasattr(deepspeed.utils, name):
+                put(deepspeed.utils, name, _lazytrain_first(name, getattr(deepspeed.utils, name)))
         _saved = saved
 
 
