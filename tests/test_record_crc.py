@@ -34,7 +34,8 @@ def _record_span(path, name_part):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_record_checked_in_many_chunks_passes_whole_and_fails_at_any_damaged_byte(tmp_path, monkeypatch, threads):
-    monkeypatch.setattr(record_crc, "CHUNK_BYTES", 1000)   # a 40,000-byte record in 40 chunks on the pool
+    monkeypatch.setattr(record_crc, "CHUNK_BYTES", 1000)   # a 40,000-byte record in 40 tasks on the pool, the small
+    # records packed into tasks of their own
     path = str(tmp_path / "state.pt")
     torch.save({"w": torch.arange(10_000, dtype=torch.float32), "b": torch.ones(3)}, path)
     record_crc.check_records(path, threads=threads)
@@ -51,6 +52,14 @@ def test_a_record_checked_in_many_chunks_passes_whole_and_fails_at_any_damaged_b
         with open(path, "r+b") as f:
             f.seek(first + at)
             f.write(was)
+        record_crc.check_records(path, threads=threads)
+    # a small record read in one task with the others beside it (the pickle, the byte order, "b"): named alone
+    small, first = _record_span(path, "/data/1")
+    assert small.file_size == 12
+    with open(path, "r+b") as f:
+        f.seek(first + 5)
+        f.write(b"\x7f")
+    with pytest.raises(record_crc.RecordCheckError, match=f"^Bad CRC-32 for file '{small.filename}'$"):
         record_crc.check_records(path, threads=threads)
 
 

@@ -80,6 +80,23 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _tasks(spans: list) -> list[list[tuple[int, int, int]]]:
+    """The work of the pool: pieces (record index, first byte, length) of at most CHUNK_BYTES each, in file
+    order, packed into tasks whose bytes from first to last span at most CHUNK_BYTES: a large record is read
+    in chunks, and many small ones (a model file: a record per tensor) are read together, one read and one
+    task for all of them."""
+    pieces = sorted(((n, offset, min(CHUNK_BYTES, first + info.file_size - offset))
+                     for n, (info, first) in enumerate(spans)
+                     for offset in range(first, first + info.file_size, CHUNK_BYTES)), key=lambda p: p[1])
+    tasks: list[list[tuple[int, int, int]]] = []
+    for piece in pieces:
+        if tasks and piece[1] + piece[2] - tasks[-1][0][1] <= CHUNK_BYTES:
+            tasks[-1].append(piece)
+        else:
+            tasks.append([piece])
+    return tasks
+
+
 def check_records(path: str, threads: int | None = None) -> None:
     """Raise :class:`RecordCheckError` unless every record of zip file ``path`` holds the bytes its CRC-32
     says; ``zipfile.BadZipFile`` when it is no zip file. Records kept with a CRC of 0 (torch's
@@ -111,29 +128,29 @@ def check_records(path: str, threads: int | None = None) -> None:
             if first + info.file_size > size:
                 raise RecordCheckError(f"record '{info.filename}' reaches past the end of the file")
             spans.append((info, first))
-        chunks = [(n, offset, min(CHUNK_BYTES, first + info.file_size - offset))
-                  for n, (info, first) in enumerate(spans)
-                  for offset in range(first, first + info.file_size, CHUNK_BYTES)]
+        tasks = _tasks(spans)
         local = threading.local()
 
-        def crc_of(chunk):
-            n, offset, length = chunk
+        def crc_of(task):   # one read of the bytes from the task's first piece to its last, then each piece's CRC
+            first, last = task[0][1], task[-1][1] + task[-1][2]
             buffer = getattr(local, "buffer", None)
-            if buffer is None:
-                buffer = local.buffer = bytearray(CHUNK_BYTES)
-            view = memoryview(buffer)[:length]
+            if buffer is None or len(buffer) < last - first:
+                buffer = local.buffer = bytearray(max(CHUNK_BYTES, last - first))
+            view = memoryview(buffer)[:last - first]
             got = 0
-            while got < length:
-                read = os.preadv(fd, [view[got:]], offset + got)
+            while got < len(view):
+                read = os.preadv(fd, [view[got:]], first + got)
                 if read == 0:
-                    raise RecordCheckError(f"record '{spans[n][0].filename}' reaches past the end of the file")
+                    raise RecordCheckError(f"record '{spans[task[-1][0]][0].filename}' reaches past the end of the "
+                                           f"file")
                 got += read
-            return n, length, zlib.crc32(view)
+            return [(n, length, zlib.crc32(view[offset - first:offset - first + length])) for n, offset, length in task]
 
         crcs = [0] * len(spans)
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lazytrain-crc") as pool:
-            for n, length, crc in pool.map(crc_of, chunks):   # in order: each record's chunks joined as read
-                crcs[n] = crc32_combine(crcs[n], crc, length)
+            for done in pool.map(crc_of, tasks):   # in file order: each record's pieces joined as read
+                for n, length, crc in done:
+                    crcs[n] = crc32_combine(crcs[n], crc, length)
     finally:
         os.close(fd)
     for (info, _), crc in zip(spans, crcs):
