@@ -129,24 +129,42 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
     return steps, task, model
 
 
-def _check_output_dir(out_dir: str, overwrite: bool) -> None:
-    """Before training, not after it: the output directory exists and takes a file, and holds no checkpoint of
-    an earlier run that the save at the end would replace unasked."""
+def _output_dir_problem(out_dir: str, overwrite: bool) -> str | None:
+    """Why this rank cannot save the trained weights in ``out_dir`` (it cannot be made or take a file, or it holds
+    an earlier run's checkpoint, or what its interrupted save left, that the save at the end would replace
+    unasked), else None."""
     import tempfile
-    final = os.path.join(out_dir, FINAL_TAG)
-    if os.path.lexists(final) and not overwrite:
-        raise JobError(f"{os.path.abspath(final)} holds the checkpoint of an earlier run, which this run's would "
-                       f"replace: pass --overwrite, or another --out")
+    from lazytrain.engine.checkpoint import tag_present
+    if tag_present(out_dir, FINAL_TAG) and not overwrite:
+        return (f"{os.path.abspath(os.path.join(out_dir, FINAL_TAG))} holds the checkpoint of an earlier run (or what "
+                f"its interrupted save left), which this run's would replace: pass --overwrite, or another --out")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise JobError(f"cannot create the output directory {out_dir}: {e.strerror or e}") from None
+        return f"cannot create the output directory {out_dir}: {e.strerror or e}"
     try:
         fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".lazytrain-write-check-")
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise JobError(f"cannot write to the output directory {out_dir}: {e.strerror or e}") from None
+        return f"cannot write to the output directory {out_dir}: {e.strerror or e}"
+    return None
+
+
+def _check_output_dir(out_dir: str, overwrite: bool, group: bool) -> None:
+    """Before training, not after it, on every rank alike: each rank looks (a save directory may be a disk of
+    each node's own, and the ranks must stop together, not some of them wait for the others), and the first
+    problem any rank found is raised on all of them."""
+    problem = _output_dir_problem(out_dir, overwrite)
+    if group:
+        seen = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(seen, problem)
+        found = [(rank, p) for rank, p in enumerate(seen) if p is not None]
+        if found and problem is None:
+            rank, other = found[0]
+            problem = f"rank {rank}: {other}"
+    if problem is not None:
+        raise JobError(problem)
 
 
 def run(args) -> int:
@@ -156,23 +174,22 @@ def run(args) -> int:
     from lazytrain.planner.problem import InfeasibleBudgetError
     from lazytrain.tiers.base import TierBudgetError
     from lazytrain.tiers.nvme import NVMeIOError
-    from lazytrain.engine.checkpoint import CheckpointSpaceError
+    from lazytrain.engine.checkpoint import CheckpointError
     try:
         return _run(args)
     # a problem with the user's job or config (a budget too small for the model, a hardware profile the
-    # planner cannot read, no plan in time, an NVMe path or an output disk that cannot take the files): one
-    # line naming what to change, no traceback
+    # planner cannot read, no plan in time, an NVMe path or an output disk that cannot take the files, on this
+    # rank or another): one line naming what to change, no traceback
     except (JobError, ConfigError, InfeasibleBudgetError, HardwareError, PlanningError, TierBudgetError,
-            NVMeIOError, CheckpointSpaceError) as e:
+            NVMeIOError, CheckpointError) as e:
         print(f"lazytrain train: {e}", file=sys.stderr)
         return 2
 
 
 def _run(args) -> int:
     import lazytrain
-    from lazytrain.data.arithmetic import VOCAB_SIZE, ArithmeticTask, exact_match
-    from lazytrain.models.decoder import DecoderConfig, build_causal_lm, logits_of
-    from lazytrain.tiers import format_bytes
+    from lazytrain.data.arithmetic import VOCAB_SIZE, ArithmeticTask
+    from lazytrain.models.decoder import DecoderConfig, build_causal_lm
 
     cfg = load_job_config(args.config)
     if not isinstance(cfg.get("optimizer"), dict):   # refused before the evaluation before training, not after it
@@ -181,7 +198,8 @@ def _run(args) -> int:
     job = cfg["job"]
     steps, task_settings, model_settings = _job_settings(job, args.steps)
     out_dir = args.out or job.get("out_dir", "lazytrain-out")
-    _check_output_dir(out_dir, overwrite=getattr(args, "overwrite", False))
+    if not torch.distributed.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        _check_output_dir(out_dir, getattr(args, "overwrite", False), group=False)   # before the model is built
     trace_path = getattr(args, "trace", None)
     if int(os.environ.get("RANK", "0")) != 0:   # under a launcher rank 0 alone records (and reports) the trace
         trace_path = None
@@ -206,6 +224,21 @@ def _run(args) -> int:
     made_group = torch.distributed.is_available() and not torch.distributed.is_initialized()
     engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     made_group = made_group and torch.distributed.is_initialized()   # initialize made it from the launcher's env
+    try:
+        return _train(args, cfg, job, steps, out_dir, trace_path, engine, model, n_params, task, made_group)
+    except BaseException:
+        if made_group and torch.distributed.is_initialized():   # the group it made goes with it, as at the end
+            torch.distributed.destroy_process_group()
+        raise
+
+
+def _train(args, cfg, job, steps, out_dir, trace_path, engine, model, n_params, task, made_group) -> int:
+    import lazytrain
+    from lazytrain.data.arithmetic import exact_match
+    from lazytrain.models.decoder import logits_of
+    from lazytrain.tiers import format_bytes
+    if torch.distributed.is_initialized():   # several ranks: checked once every rank can hear of the others' problem
+        _check_output_dir(out_dir, getattr(args, "overwrite", False), group=True)
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     # under a launcher every rank trains on batches of its own, and rank 0 alone reports

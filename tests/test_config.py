@@ -399,6 +399,8 @@ def test_a_run_shorter_than_its_warmup_warns_as_deepspeed_does(schedule):
                                          f"warmup_num_steps 50: the run ends within its warmup, and the lr never "
                                          f"decays$"):
         schedule(_opt(), total_num_steps=30, warmup_num_steps=50)
+    with pytest.warns(UserWarning, match="total_num_steps 1 is less than warmup_num_steps 2"):   # warmup runs >= 2
+        schedule(_opt(), total_num_steps=1, warmup_num_steps=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         schedule(_opt(), total_num_steps=50, warmup_num_steps=50)

@@ -212,9 +212,13 @@ def test_a_weight_set_after_initialize_trains_as_one_set_before_it(dtype):
     before = engine_for(set_before, dtype)
     after = engine_for(set_after, dtype)
     params = dict(set_after.named_parameters())
+    rewritten, refresh = [], after.weights.refresh_compute_copy
+    after.weights.refresh_compute_copy = lambda i, *a, **k: (rewritten.append(i), refresh(i, *a, **k))
     for n, v in values.items():
         safe_set_full_fp32_param(params[n], v)
         assert torch.equal(safe_get_full_fp32_param(params[n]), v), n
+    assert rewritten == [0]   # the compute copy of the one streamed layer written (not every layer's)
+    after.weights.refresh_compute_copy = refresh
     for x, y in batches(2):
         losses = []
         for engine in (before, after):

@@ -104,9 +104,13 @@ def test_a_checkpoint_an_earlier_run_left_is_not_replaced_unasked_and_the_output
     the run."""
     out = tmp_path / "out"
     (out / "final").mkdir(parents=True)
+    refusal = (f"lazytrain train: {out / 'final'} holds the checkpoint of an earlier run (or what its interrupted "
+               f"save left), which this run's would replace: pass --overwrite, or another --out\n")
     assert main(["train", "--steps", "1", "--out", str(out)]) == 2
-    assert capsys.readouterr().err == (f"lazytrain train: {out / 'final'} holds the checkpoint of an earlier run, "
-                                       f"which this run's would replace: pass --overwrite, or another --out\n")
+    assert capsys.readouterr().err == refusal
+    (out / "final").rename(out / ".final.staging")   # a save cut short between its renames: a load takes this up
+    assert main(["train", "--steps", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == refusal
     read_only = tmp_path / "read-only"
     read_only.mkdir()
     os.chmod(read_only, 0o500)
@@ -160,6 +164,19 @@ def _train_as_rank(rank, world, out_dir, job):
             "group_left": not torch.distributed.is_initialized()}
 
 
+def _refused_on_every_rank(rank, world, out_dir, job):
+    """Each rank's output directory a disk of its own node's: rank 0's alone holds an earlier run's checkpoint."""
+    import contextlib
+    import io
+    own = os.path.join(out_dir, f"node{rank}")
+    if rank == 0:
+        os.makedirs(os.path.join(own, "final"))
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        code = main(["train", job, "--steps", "1", "--no-progress", "--out", own])
+    return {"code": code, "error": errors.getvalue(), "group_left": not torch.distributed.is_initialized()}
+
+
 def test_under_a_launcher_each_rank_trains_on_batches_of_its_own_and_rank_0_alone_reports(tmp_path):
     from dist_helpers import spawn_cases
     def small(cfg):
@@ -175,3 +192,17 @@ def test_under_a_launcher_each_rank_trains_on_batches_of_its_own_and_rank_0_alon
     assert json.loads((tmp_path / "step.json").read_text())["traceEvents"]
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
     assert r0["group_left"] and r1["group_left"]   # the command's own process group torn down at its end
+
+
+def test_under_a_launcher_one_ranks_problem_with_its_output_directory_stops_every_rank(tmp_path):
+    """Each rank looks at its own output directory (a disk of its node's) before training; the first problem
+    any rank found stops them all, not that rank alone while the others wait for it. (Processes of their own:
+    a second process group made on the same port in the processes of the test above can meet its stale store.)"""
+    from dist_helpers import spawn_cases
+    job = job_file(tmp_path, lambda cfg: cfg.update(train_micro_batch_size_per_gpu=4))
+    refused = spawn_cases(2, tmp_path, {"refused": (_refused_on_every_rank, {"job": job})})["refused"]
+    assert isinstance(refused, list), refused
+    assert [r["code"] for r in refused] == [2, 2], refused
+    assert refused[1]["error"].startswith("lazytrain train: rank 0: ") and refused[0]["error"].startswith(
+        f"lazytrain train: {tmp_path / 'refused' / 'node0' / 'final'} holds the checkpoint of an earlier run"), refused
+    assert all(r["group_left"] for r in refused)   # the group the command made, torn down on its way out

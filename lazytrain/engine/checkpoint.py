@@ -610,6 +610,13 @@ def _tail_fingerprint(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def tag_present(save_dir: str, tag: str) -> bool:
+    """Whether ``save_dir`` holds tag ``tag``, or what a save of it left when interrupted (its staging or
+    previous copy, which a load or the next save of the tag takes up): a new save of ``tag`` replaces it."""
+    return any(os.path.lexists(path) for path in (os.path.join(save_dir, tag), _aside(save_dir, tag, _STAGING),
+                                                  _aside(save_dir, tag, _PREVIOUS)))
+
+
 def tag_dir(load_dir: str, tag: str) -> str:
     """The directory to load tag ``tag`` from (see :func:`find_tag`)."""
     return find_tag(load_dir, tag)[0]

@@ -1182,12 +1182,14 @@ class LazyTrainEngine(nn.Module):
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _refresh_streamed_layers(self) -> None:
-        """After the masters were written from outside an optimizer step (a checkpoint load)."""
+    def _refresh_streamed_layers(self, layers=None) -> None:
+        """After the masters were written from outside an optimizer step (a checkpoint load): the compute
+        copies of ``layers`` (default: every layer) rewritten from them."""
+        layers = range(self.weights.num_layers) if layers is None else sorted(layers)
         self.executor.weights_changed()
-        with self._host_writes(range(self.weights.num_layers)):
+        with self._host_writes(layers):
             self.weights.copy_shared_frozen()
-            for i in range(self.weights.num_layers):
+            for i in layers:
                 self.weights.refresh_compute_copy(i)
 
     def _count_non_block_writes(self) -> None:
@@ -1718,6 +1720,7 @@ class LazyTrainEngine(nn.Module):
             return
         _, prefix, state = self._load_top
         self._load_top = None
+        written = {id(p) for name, p in module.named_parameters(remove_duplicate=False) if prefix + name in state}
         if self.masters is not None:
             with torch.no_grad():
                 for name, p in module.named_parameters(remove_duplicate=False):   # tied weights: either name
@@ -1726,7 +1729,9 @@ class LazyTrainEngine(nn.Module):
                     if m is not None and id(p) not in self.masters.elsewhere and prefix + name in state:
                         value = state[prefix + name]   # a one-element tensor for a 0-dim one, as torch takes it
                         m.copy_(value.reshape(()) if m.dim() == 0 and value.shape == (1,) else value)
-        self._refresh_streamed_layers()
+        # the layers a parameter of which the state wrote (a whole checkpoint: all; one weight set: its layer)
+        self._refresh_streamed_layers(i for i, params in enumerate(self.weights.params)
+                                      if any(id(p) in written for p in params))
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:

@@ -125,7 +125,7 @@ class WarmupDecayLR(WarmupLR):
                  warmup_num_steps: int = 1000, warmup_type: str = WARMUP_LOG_RATE, last_batch_iteration: int = -1):
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
-        _warn_if_warmup_outlasts(total_num_steps, warmup_num_steps, "WarmupDecayLR")
+        _warn_if_warmup_outlasts(total_num_steps, self.warmup_num_steps, "WarmupDecayLR")   # at least 2, as run
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -143,9 +143,9 @@ class WarmupCosineLR(_Schedule):
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps}")
         self.total_num_steps = total_num_steps
-        _warn_if_warmup_outlasts(total_num_steps, warmup_num_steps, "WarmupCosineLR")
         self.warmup_min_ratio = warmup_min_ratio
         self.warmup_num_steps = max(2, warmup_num_steps)
+        _warn_if_warmup_outlasts(total_num_steps, self.warmup_num_steps, "WarmupCosineLR")   # at least 2, as run
         self.cos_min_ratio = cos_min_ratio
         self.warmup_type = _warmup_type(warmup_type)
         self.org_lrs = [group["lr"].clone() if torch.is_tensor(group["lr"]) else group["lr"]
