@@ -113,3 +113,24 @@ def test_a_damaged_compressed_record_is_named_not_taken_for_a_file_that_is_no_zi
         f.write(struct.pack("<I", info.CRC ^ 1))
     with pytest.raises(record_crc.RecordCheckError, match="^Bad CRC-32 for file 'archive/data/0'$"):
         record_crc.check_records(path)
+
+
+def test_a_record_lying_inside_another_is_checked_whole(tmp_path):
+    """A valid zip may place one record's bytes inside another's (zipfile reads both): a task that reads them
+    together reads up to the end of the one that ends last, not of the one that starts last."""
+    def local(name, data):
+        return struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data),
+                           len(name), 0) + name + data
+
+    def central(name, data, offset):
+        return struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, zlib.crc32(data), len(data),
+                           len(data), len(name), 0, 0, 0, 0, 0, offset) + name
+    outer = b"\0" * 5 + local(b"B", b"b" * 10) + b"\0" * 200   # B's header and bytes 5 bytes into A's
+    blob = local(b"A", outer)
+    directory = central(b"A", outer, 0) + central(b"B", b"b" * 10, 30 + 1 + 5)
+    path = tmp_path / "inside.zip"
+    path.write_bytes(blob + directory + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 2, 2, len(directory),
+                                                    len(blob), 0))
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None
+    record_crc.check_records(str(path))

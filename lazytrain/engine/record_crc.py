@@ -89,12 +89,17 @@ def _tasks(spans: list) -> list[list[tuple[int, int, int]]]:
                      for n, (info, first) in enumerate(spans)
                      for offset in range(first, first + info.file_size, CHUNK_BYTES)), key=lambda p: p[1])
     tasks: list[list[tuple[int, int, int]]] = []
-    for piece in pieces:
-        if tasks and piece[1] + piece[2] - tasks[-1][0][1] <= CHUNK_BYTES:
+    for piece in pieces:   # by first byte; a record lying inside another (a valid zip may) may end before it
+        if tasks and max(piece[1] + piece[2], _end(tasks[-1])) - tasks[-1][0][1] <= CHUNK_BYTES:
             tasks[-1].append(piece)
         else:
             tasks.append([piece])
     return tasks
+
+
+def _end(task: list[tuple[int, int, int]]) -> int:
+    """The byte after the last byte any piece of ``task`` covers."""
+    return max(offset + length for _, offset, length in task)
 
 
 def check_records(path: str, threads: int | None = None) -> None:
@@ -132,7 +137,7 @@ def check_records(path: str, threads: int | None = None) -> None:
         local = threading.local()
 
         def crc_of(task):   # one read of the bytes from the task's first piece to its last, then each piece's CRC
-            first, last = task[0][1], task[-1][1] + task[-1][2]
+            first, last = task[0][1], _end(task)
             buffer = getattr(local, "buffer", None)
             if buffer is None or len(buffer) < last - first:
                 buffer = local.buffer = bytearray(max(CHUNK_BYTES, last - first))
@@ -141,8 +146,8 @@ def check_records(path: str, threads: int | None = None) -> None:
             while got < len(view):
                 read = os.preadv(fd, [view[got:]], first + got)
                 if read == 0:
-                    raise RecordCheckError(f"record '{spans[task[-1][0]][0].filename}' reaches past the end of the "
-                                           f"file")
+                    raise RecordCheckError(f"record '{spans[max(task, key=lambda p: p[1] + p[2])[0]][0].filename}' "
+                                           f"reaches past the end of the file")
                 got += read
             return [(n, length, zlib.crc32(view[offset - first:offset - first + length])) for n, offset, length in task]
 
