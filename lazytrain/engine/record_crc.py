@@ -89,11 +89,14 @@ def _tasks(spans: list) -> list[list[tuple[int, int, int]]]:
                      for n, (info, first) in enumerate(spans)
                      for offset in range(first, first + info.file_size, CHUNK_BYTES)), key=lambda p: p[1])
     tasks: list[list[tuple[int, int, int]]] = []
-    for piece in pieces:   # by first byte; a record lying inside another (a valid zip may) may end before it
-        if tasks and max(piece[1] + piece[2], _end(tasks[-1])) - tasks[-1][0][1] <= CHUNK_BYTES:
+    end = 0   # of the last task: a record lying inside another (a valid zip may) ends before the one it lies in
+    for piece in pieces:   # by first byte
+        if tasks and max(piece[1] + piece[2], end) - tasks[-1][0][1] <= CHUNK_BYTES:
             tasks[-1].append(piece)
+            end = max(end, piece[1] + piece[2])
         else:
             tasks.append([piece])
+            end = piece[1] + piece[2]
     return tasks
 
 
