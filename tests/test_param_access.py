@@ -238,6 +238,38 @@ def test_a_weight_set_after_initialize_trains_as_one_set_before_it(dtype):
     after.destroy()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_write_under_gathered_parameters_that_reaches_one_copy_is_said(dtype):
+    """GatheredParameters(modifier_rank=0) in one process: a write in bf16 reaches one copy of the weight (the
+    next step would undo it), which is said, naming the way that writes them all; a read, or fp32 on the CPU
+    (one copy), says nothing."""
+    import warnings
+    from lazytrain.integrations.deepspeed_entry import _GatheredParameters
+    model = make_model("llama")
+    engine = engine_for(model, dtype)
+    embedding, block = model.model.embed_tokens.weight, model.model.layers[0].mlp.up_proj.weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _GatheredParameters([embedding, block], modifier_rank=0):
+            embedding.sum()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with _GatheredParameters([embedding, block], modifier_rank=0):
+            with torch.no_grad():
+                embedding.mul_(0.5)
+                block.mul_(0.5)
+    said = [str(w.message) for w in seen if "GatheredParameters" in str(w.message)]
+    if dtype == "fp32":
+        assert said == []
+    else:
+        assert said == ["lazytrain: 2 parameter(s) written under deepspeed.zero.GatheredParameters(modifier_rank=...) "
+                        "(shapes (32, 32), (64, 32)) keep copies the write did not reach: the engine trains them in "
+                        "mixed precision, and the next forward or step would not see it or would undo it. Write them "
+                        "with lazytrain.utils.safe_set_full_fp32_param(p, value) (deepspeed.utils' after "
+                        "lazytrain.replace_deepspeed()), which writes every copy"]
+    engine.destroy()
+
+
 def test_a_parameter_of_no_engine_and_several_ranks_are_refused_by_name():
     model = make_model("llama")
     with pytest.raises(ValueError, match=r"^lazytrain\.utils\.safe_get_full_grad: the parameter \(shape \(32, 32\)\) "

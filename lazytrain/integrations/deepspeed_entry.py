@@ -28,6 +28,7 @@ import contextlib
 import os
 import socket
 import threading
+import warnings
 
 import torch
 
@@ -188,17 +189,40 @@ class _GatheredParameters:
         elif isinstance(params, torch.Tensor):
             params = [params]
         self._params = list(params) if enabled else []
+        self._modifies = enabled and modifier_rank is not None
+        self._versions: dict[int, int] = {}
         self._stack = contextlib.ExitStack()
 
     def __enter__(self):
         from ..engine.partitioned_params import live
         for partitioned in live():
             self._stack.enter_context(partitioned.gathered(self._params))
+        if self._modifies:
+            self._versions = {id(p): p._version for p in self._params}
         return self
 
     def __exit__(self, *exc):
         self._stack.close()
+        if self._modifies:
+            _warn_of_writes_to_one_copy([p for p in self._params if p._version != self._versions.get(id(p))])
         return False
+
+
+def _warn_of_writes_to_one_copy(written: list) -> None:
+    """Parameters written in place under ``GatheredParameters(..., modifier_rank=...)`` that a LazyTrain engine
+    trains in mixed precision (or beside a GPU) keep other copies the write did not reach: a block weight's
+    compute copy (the next forward reads it), an embedding's or head's fp32 master (the next step writes it
+    back over the write, as DeepSpeed's optimizer writes its fp32 partition back). Said, not left silent."""
+    from ..engine import param_access
+    stale = [p for p in written if (engine := param_access.owner_of(p)) is not None and
+             (engine.masters is not None or not engine.weights.shares_master)]
+    if stale:
+        warnings.warn(f"lazytrain: {len(stale)} parameter(s) written under deepspeed.zero.GatheredParameters("
+                      f"modifier_rank=...) (shapes {', '.join(str(tuple(p.shape)) for p in stale[:4])}"
+                      f"{', ...' if len(stale) > 4 else ''}) keep copies the write did not reach: the engine trains "
+                      f"them in mixed precision, and the next forward or step would not see it or would undo it. "
+                      f"Write them with lazytrain.utils.safe_set_full_fp32_param(p, value) (deepspeed.utils' after "
+                      f"lazytrain.replace_deepspeed()), which writes every copy", UserWarning, stacklevel=3)
 
 
 def _world_size() -> int:
