@@ -40,6 +40,7 @@ import torch
 
 from ..tiers import format_bytes
 from . import safe_load
+from .record_crc import first_byte
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -373,9 +374,7 @@ def _storage_records(path: str) -> list[tuple[str, int, int, list[int]]]:
             head, _, key = info.filename.rpartition("/data/")
             if not head or "/" in head or not key.isdigit():
                 continue
-            raw.seek(info.header_offset + 26)
-            name_len, extra_len = struct.unpack("<HH", raw.read(4))
-            offset = info.header_offset + 30 + name_len + extra_len
+            offset = first_byte(raw.fileno(), info)
             crc_at = [info.header_offset + 14]
             if info.flag_bits & 0x08:                 # the CRC follows the bytes, in a data descriptor
                 raw.seek(offset + info.compress_size)

@@ -80,29 +80,34 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _tasks(spans: list) -> list[list[tuple[int, int, int]]]:
+def _tasks(spans: list) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
     """The work of the pool: pieces (record index, first byte, length) of at most CHUNK_BYTES each, in file
-    order, packed into tasks whose bytes from first to last span at most CHUNK_BYTES: a large record is read
-    in chunks, and many small ones (a model file: a record per tensor) are read together, one read and one
-    task for all of them."""
+    order, packed into tasks (first byte, byte after the last, pieces) that span at most CHUNK_BYTES: a large
+    record is read in chunks, and many small ones (a model file: a record per tensor) are read together, one
+    read and one task for all of them."""
     pieces = sorted(((n, offset, min(CHUNK_BYTES, first + info.file_size - offset))
                      for n, (info, first) in enumerate(spans)
                      for offset in range(first, first + info.file_size, CHUNK_BYTES)), key=lambda p: p[1])
-    tasks: list[list[tuple[int, int, int]]] = []
-    end = 0   # of the last task: a record lying inside another (a valid zip may) ends before the one it lies in
-    for piece in pieces:   # by first byte
-        if tasks and max(piece[1] + piece[2], end) - tasks[-1][0][1] <= CHUNK_BYTES:
-            tasks[-1].append(piece)
-            end = max(end, piece[1] + piece[2])
+    tasks: list[tuple[int, int, list[tuple[int, int, int]]]] = []
+    for piece in pieces:   # by first byte; a record lying inside another (a valid zip may) ends before it
+        end = piece[1] + piece[2]
+        if tasks and max(end, tasks[-1][1]) - tasks[-1][0] <= CHUNK_BYTES:
+            first, last, packed = tasks[-1]
+            packed.append(piece)
+            tasks[-1] = (first, max(last, end), packed)
         else:
-            tasks.append([piece])
-            end = piece[1] + piece[2]
+            tasks.append((piece[1], end, [piece]))
     return tasks
 
 
-def _end(task: list[tuple[int, int, int]]) -> int:
-    """The byte after the last byte any piece of ``task`` covers."""
-    return max(offset + length for _, offset, length in task)
+def first_byte(fd: int, info: zipfile.ZipInfo) -> int:
+    """Where record ``info``'s bytes begin in the zip file open as ``fd``: past its local header, whose name
+    and extra field (torch's alignment padding) may differ in length from the central directory's."""
+    head = os.pread(fd, 30, info.header_offset)
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        raise RecordCheckError(f"record '{info.filename}' has no local header where the zip directory puts it")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    return info.header_offset + 30 + name_len + extra_len
 
 
 def check_records(path: str, threads: int | None = None) -> None:
@@ -127,20 +132,15 @@ def check_records(path: str, threads: int | None = None) -> None:
         size = os.fstat(fd).st_size
         spans = []   # (record, its first byte)
         for info in stored:
-            head = os.pread(fd, 30, info.header_offset)
-            if len(head) < 30 or head[:4] != b"PK\x03\x04":
-                raise RecordCheckError(f"record '{info.filename}' has no local header where the zip directory "
-                                       f"puts it")
-            name_len, extra_len = struct.unpack("<HH", head[26:30])
-            first = info.header_offset + 30 + name_len + extra_len
+            first = first_byte(fd, info)
             if first + info.file_size > size:
                 raise RecordCheckError(f"record '{info.filename}' reaches past the end of the file")
             spans.append((info, first))
         tasks = _tasks(spans)
         local = threading.local()
 
-        def crc_of(task):   # one read of the bytes from the task's first piece to its last, then each piece's CRC
-            first, last = task[0][1], _end(task)
+        def crc_of(task):   # one read of the bytes the task spans, then each piece's CRC
+            first, last, pieces = task
             buffer = getattr(local, "buffer", None)
             if buffer is None or len(buffer) < last - first:
                 buffer = local.buffer = bytearray(max(CHUNK_BYTES, last - first))
@@ -149,10 +149,11 @@ def check_records(path: str, threads: int | None = None) -> None:
             while got < len(view):
                 read = os.preadv(fd, [view[got:]], first + got)
                 if read == 0:
-                    raise RecordCheckError(f"record '{spans[max(task, key=lambda p: p[1] + p[2])[0]][0].filename}' "
+                    raise RecordCheckError(f"record '{spans[max(pieces, key=lambda p: p[1] + p[2])[0]][0].filename}' "
                                            f"reaches past the end of the file")
                 got += read
-            return [(n, length, zlib.crc32(view[offset - first:offset - first + length])) for n, offset, length in task]
+            return [(n, length, zlib.crc32(view[offset - first:offset - first + length]))
+                    for n, offset, length in pieces]
 
         crcs = [0] * len(spans)
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="lazytrain-crc") as pool:
