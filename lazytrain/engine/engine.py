@@ -1720,15 +1720,18 @@ class LazyTrainEngine(nn.Module):
             return
         _, prefix, state = self._load_top
         self._load_top = None
-        written = {id(p) for name, p in module.named_parameters(remove_duplicate=False) if prefix + name in state}
+        # tied weights: either name
+        loaded = [(p, state[prefix + name]) for name, p in module.named_parameters(remove_duplicate=False)
+                  if prefix + name in state]
         if self.masters is not None:
             with torch.no_grad():
-                for name, p in module.named_parameters(remove_duplicate=False):   # tied weights: either name
+                for p, value in loaded:
                     m = self.masters.by_param.get(id(p))
                     # a master another rank holds (stages 1-2, a load outside the engine's): its owner takes it
-                    if m is not None and id(p) not in self.masters.elsewhere and prefix + name in state:
-                        value = state[prefix + name]   # a one-element tensor for a 0-dim one, as torch takes it
+                    if m is not None and id(p) not in self.masters.elsewhere:
+                        # a one-element tensor for a 0-dim one, as torch takes it
                         m.copy_(value.reshape(()) if m.dim() == 0 and value.shape == (1,) else value)
+        written = {id(p) for p, _ in loaded}
         # the layers a parameter of which the state wrote (a whole checkpoint: all; one weight set: its layer)
         self._refresh_streamed_layers(i for i, params in enumerate(self.weights.params)
                                       if any(id(p) in written for p in params))
