@@ -686,6 +686,45 @@ def test_a_layer_gradient_copy_that_failed_fails_every_step_until_zero_grad(monk
     assert max_rel_diff(engine.module, reference_train(make_model("modulelist"), data, device=AUTO_DEVICE)) < RTOL
     engine.destroy()
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_betas_a_schedule_takes_past_one_fail_hybrid_adamws_step_before_it_changes_anything(overlap):
+    """DeepSpeed's OneCycle with decay_mom_rate > 0 takes beta1 past 1 after its cycle (torch's AdamW runs on
+    with it, HybridAdamW cannot): the step is refused before the update, naming the group and the betas, with
+    every weight, counter and the schedule as they were; with the betas set back, the redone step trains."""
+    schedule = {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 2,
+                                               "decay_step_size": 1, "decay_mom_rate": 0.1, "cycle_min_mom": 0.85,
+                                               "cycle_max_mom": 0.95}}
+    config = ds_config(optimizer_states="8bit", overlap_optimizer=overlap, _top={"scheduler": schedule})
+    engine, opt, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=config)
+    assert type(opt).__name__ == "HybridAdamW"
+    data = batches(6)
+    for x, y in data[:5]:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+    betas = opt.param_groups[0]["betas"]
+    assert betas[0] > 1
+    before = {n: p.detach().clone() for n, p in engine.module_state_dict().items()}
+    x, y = data[5]
+    engine.backward(lm_loss(engine(x), y))
+    with pytest.raises(lazytrain.StepFailedError) as failed:
+        engine.step()
+    assert str(failed.value).startswith(
+        f"step 6 failed before the optimizer changed anything (ValueError: HybridAdamW parameter group 0, as the "
+        f"learning-rate schedule or the script left it: betas must be two numbers in [0, 1), got {betas}): ")
+    assert engine.global_steps == 5 and opt.param_groups[0]["betas"] == betas
+    assert all(torch.equal(before[n], p) for n, p in engine.module_state_dict().items())
+    for group in opt.param_groups:
+        group["betas"] = (0.9, 0.99)
+    engine.zero_grad()
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.wait_for_update()
+    assert engine.global_steps == 6
+    assert not all(torch.equal(before[n], p) for n, p in engine.module_state_dict().items())
+    engine.destroy()
+
+
 def test_client_optimizer_and_callable_scheduler():
     model = make_model("modulelist")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -644,7 +644,8 @@ class LazyTrainEngine(nn.Module):
             mine = w.master[i] is not None
             buf = w.master[i] if mine else torch.empty(w.master_numels[i], dtype=torch.float32)
             self.dist.broadcast_from([buf], self.shards.layer_owner[i], what="gather of the fp32 weights of "
-                                     "the streamed layers from their owners")
+                                     "the streamed layers from their owners (module_state_dict() or destroy(): "
+                                     "every rank must call it)")
             if not mine:   # frozen parameters kept in the compute copy alone have no fp32 weights anywhere
                 out.update({id(p): slot.of(buf) for slot, p, trains in zip(w.layer_slots[i], w.params[i],
                                                                             w.trainable[i])
@@ -1000,6 +1001,9 @@ class LazyTrainEngine(nn.Module):
             self._refuse_added_block_params()
         local_failure = None
         try:   # this rank's own part: no collective yet
+            check_groups = getattr(self.optimizer, "check_groups", None)
+            if check_groups is not None:   # settings the update would refuse halfway through, refused here
+                check_groups()
             if self.executor.backward_failure is not None:
                 raise RuntimeError(f"a backward through the streamed layers failed ({self.executor.backward_failure}) "
                                    f"after some layers had sent their gradients: the accumulation holds part of it")

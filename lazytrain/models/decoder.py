@@ -5,7 +5,6 @@ builds a real ``LlamaForCausalLM`` from the same numbers instead.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +136,3 @@ def param_count(model: nn.Module) -> int:
 
 def flops_per_token(n_params: int) -> float:
     return 6.0 * n_params  # the paper's convention: 6 * N per token for forward + backward
-
-
-_ = math

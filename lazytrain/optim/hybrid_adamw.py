@@ -400,6 +400,17 @@ class HybridAdamW(torch.optim.Optimizer):
         self._step(self.param_groups, params, grad_norm, clip_coef, compute_copies, None)
         return loss
 
+    def check_groups(self) -> None:
+        """Refuse settings a step would refuse (a schedule may set betas or a learning rate this optimizer
+        cannot run), naming the group, before anything is updated: an engine asks before it starts an update
+        it cannot stop halfway."""
+        for i, group in enumerate(self.param_groups):
+            try:
+                _check_group(group, params=False)
+            except ValueError as e:
+                raise ValueError(f"HybridAdamW parameter group {i}, as the learning-rate schedule or the script "
+                                 f"left it: {e}") from None
+
     @torch.no_grad()
     def update(self, params: Iterable[torch.Tensor], *, clip_coef: float, groups: Sequence[Mapping[str, Any]],
                grads: Optional[Mapping[torch.Tensor, torch.Tensor]] = None, zero_grads: bool = False) -> None:
