@@ -28,7 +28,21 @@ def test_catalog_parameter_counts_match_the_published_models():
     assert catalog_model("qwen2.5-7b").total_params == 7_615_616_512
     assert catalog_model("qwen2.5-14b").total_params == 14_770_033_664
     m27 = catalog_model("paper-27b")
-    assert (m27.num_layers, m27.hidden, m27.throughput_params) == (64, 5120, 23_680_000_000)
+    assert (m27.num_layers, m27.hidden, m27.throughput_params) == (64, 5120, 26_895_998_464)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "qwen2"])
+def test_attention_biases_are_counted_as_transformers_builds_them(model_type):
+    """attention_bias puts a bias on Llama's and Qwen3's output projection too, not on Qwen2's (whose q/k/v
+    biases it names): a layer the size transformers builds."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    cfg = dict(model_type=model_type, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=128, attention_bias=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    built = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert ModelShape.from_hf_config(cfg).layers[0].params == built
 
 
 def test_hf_config_dict_and_explicit_layers():
@@ -144,6 +158,8 @@ def test_measured_sizes_decide_which_layers_are_sparse():
     assert [l.active_params for l in measured.layers] == [None] + [42384 - 2 * 3 * 64 * 32] * 3
     with pytest.raises(ModelShapeError, match=r"needs 'num_experts_per_tok' between 1 and 4, got 5"):
         ModelShape.from_hf_config({**cfg, "num_experts_per_tok": 5})
+    with pytest.raises(ModelShapeError, match=r"needs 'num_experts_per_tok' between 1 and 4, got 0$"):
+        ModelShape.from_hf_config({**cfg, "num_experts_per_tok": 0})   # was read as missing: "got None"
 
 
 def test_layers_of_different_sizes_reserve_the_streaming_buffers_slack():
@@ -174,7 +190,8 @@ def test_model_from_a_local_config_json(tmp_path):
         m = load_model(spec)
         assert m.name == "my-model" and m.total_params == 7_615_616_512
 
-TIE_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=128)
+# 32 heads: the default key/value heads of the model types below (Gemma 16, Qwen2 32) must divide them
+TIE_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=32, intermediate_size=96, vocab_size=128)
 
 
 @pytest.mark.parametrize("model_type, tied", [("gemma", True), ("gemma2", True), ("gemma3_text", True),
@@ -312,6 +329,30 @@ def test_the_planners_shape_defaults_are_transformers():
 
 
 @pytest.mark.parametrize("change, message", [
+    ({"layer_params": [-5_000_000, 1000]}, "model config 'layer_params' must be an integer >= 0, got -5000000"),
+    ({"layer_params": [2.9, 1000]}, "model config 'layer_params' must be an integer >= 0, got 2.9"),
+    ({"layer_params": []}, "model config 'layer_params' must list each layer's parameter count, got []"),
+    ({"hidden": float("nan")}, "model config 'hidden' must be an integer >= 1, got nan"),
+    ({"hidden": 0}, "model config 'hidden' must be an integer >= 1, got 0"),
+    ({"vocab_size": -100}, "model config 'vocab_size' must be an integer >= 0, got -100"),
+    ({"ffn": 0}, "model config 'ffn' must be an integer >= 1, got 0"),
+    ({"dtype_bytes": 0}, "model config 'dtype_bytes' must be 2 or 4, got 0"),
+    ({"tied_embeddings": "no"}, "model config 'tied_embeddings' must be true or false, got 'no'"),
+    ({"hiden": 64}, "a model of explicit layers takes dtype_bytes, ffn, hidden, kv_dim, layer_params, name, q_dim, "
+                    "saved_bytes_per_token, tied_embeddings, vocab_size; unknown: 'hiden'"),
+])
+def test_a_model_of_explicit_layers_is_refused_by_field(change, message):
+    """A negative layer size planned a negative step (-1.29 ms, "optimal"), a fraction was cut to a whole
+    number, NaN or 0 ended in a bare ValueError or ZeroDivisionError and a misspelt key in a TypeError."""
+    from lazytrain.planner.search import as_model_shape
+    with pytest.raises(ModelShapeError) as e:
+        as_model_shape({"layer_params": [1000, 1000], "hidden": 64, "vocab_size": 100, **change})
+    assert str(e.value) == message
+    with pytest.raises(ModelShapeError, match=r"needs 'hidden' \(the hidden size\) beside 'layer_params'"):
+        as_model_shape({"layer_params": [1000]})
+
+
+@pytest.mark.parametrize("change, message", [
     ({"hidden_size": "4096"}, "model config 'hidden_size' must be an integer >= 1, got '4096'"),
     ({"num_hidden_layers": [2]}, "model config 'num_hidden_layers' must be an integer >= 1, got [2]"),
     ({"num_attention_heads": -4}, "model config 'num_attention_heads' must be an integer >= 1, got -4"),
@@ -330,6 +371,13 @@ def test_the_planners_shape_defaults_are_transformers():
     ({"layer_params": ["1", 2]}, "model config 'layer_params' must hold 2 non-negative counts (one per layer), "
                                  "got ['1', 2]"),
     ({"reported_params": "7B"}, "model config 'reported_params' must be an integer >= 1, got '7B'"),
+    ({"num_key_value_heads": 3}, "model config 'num_key_value_heads' (3) must divide 'num_attention_heads' (32)"),
+    ({"num_attention_heads": 256}, "model config 'num_attention_heads' (256) must be at most 'hidden_size' (64) "
+                                   "when the config gives no 'head_dim'"),
+    ({"torch_dtype": "float64"}, "model config 'torch_dtype' must be one of bfloat16, float16, float32 (the "
+                                 "precision the layers compute and stream in), got 'float64'"),
+    ({"dtype": 5}, "model config 'dtype' must be one of bfloat16, float16, float32 (the precision the layers "
+                   "compute and stream in), got 5"),
 ])
 def test_a_model_config_value_of_the_wrong_type_is_refused_by_key_and_file(change, message, tmp_path, capsys):
     """int() read "4096" and 96.0 as sizes, a list or a dict ended in a TypeError traceback, bool() read "false" as
@@ -383,6 +431,20 @@ def test_hardware_json_missing_field_is_named_and_base_fills_it(tmp_path):
     with pytest.raises(HardwareError, match="unknown hardware profile field"):
         HardwareProfile.from_dict({"name": "x", "pcie": 3})
     assert HardwareProfile.from_dict(json.loads(CATALOG["rtx3090"].to_json())) == CATALOG["rtx3090"]
+
+
+def test_a_rate_of_0_is_unknown_as_the_profile_says():
+    """The checks call 0 "unknown": a base fills it, and an optimizer rate of 0 falls back to the memory
+    bandwidth, as a missing one does (they raised "must be > 0" at planning)."""
+    filled = load_profile({"name": "x", "h2d_gbps": 0, "nvme_read_gbps": 0.0}, base="h800")
+    assert (filled.name, filled.h2d_gbps, filled.nvme_read_gbps) == \
+        ("x+h800", CATALOG["h800"].h2d_gbps, CATALOG["h800"].nvme_read_gbps)
+    assert HardwareProfile(name="y", host_optimizer_gparams_per_s=0, host_mem_gbps=28).optimizer_params_per_s() == 1e9
+    with pytest.raises(HardwareError, match=r"'host_optimizer_gparams_per_s' must be > 0, got 0.0"):
+        HardwareProfile(name="y", host_optimizer_gparams_per_s=0).optimizer_params_per_s()
+    with pytest.raises(HardwareError, match=r"^hardware profile field 'achievable_tflops' \(500\) must be at most "
+                                            r"'peak_tflops' \(100\)$"):
+        HardwareProfile(name="z", achievable_tflops=500, peak_tflops=100)
 
 
 # ---- budgets --------------------------------------------------------------------------------------
@@ -1442,3 +1504,16 @@ def test_lazytrain_plan_names_a_hardware_path_that_is_a_directory(tmp_path, caps
     from lazytrain.cli import main
     assert main(["plan", "--model", "qwen2.5-3b", "--hardware", str(tmp_path) + "/"]) == 2
     assert f"hardware profile file '{tmp_path}/' cannot be read: [Errno 21] Is a directory" in capsys.readouterr().err
+
+
+def test_a_model_or_measured_costs_of_the_wrong_kind_are_refused_by_name():
+    from lazytrain.planner.measured import MeasuredCosts, MeasurementError
+    from lazytrain.planner.models import load_model
+    with pytest.raises(ModelShapeError, match=r"^a model is a catalog name, a config.json path, a config dict or a "
+                                              r"ModelShape, got int 5$"):
+        load_model(5)
+    ok = dict(fwd_s=[1.0], diff_s=[1.0], update_s=[1.0], nonlayer_s=0.0, step_s=0.0)
+    for key, value in (("fwd_s", 5), ("update_s", None)):
+        with pytest.raises(MeasurementError, match=rf"^measured costs: {key} must list one time per layer, "
+                                                   rf"got {value}$"):
+            MeasuredCosts.from_dict({**ok, key: value})

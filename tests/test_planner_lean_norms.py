@@ -33,7 +33,7 @@ def test_measured_times_are_shifted_to_the_planned_norms_like_the_saved_bytes(me
     estimate's difference, and so must the backward's recompute of the norms (what diff_s measured)."""
     L = 4
     model = {"model_type": "qwen2", "hidden_size": 256, "num_hidden_layers": L, "num_attention_heads": 8,
-             "intermediate_size": 704, "vocab_size": 128}
+             "num_key_value_heads": 8, "intermediate_size": 704, "vocab_size": 128}
     c = _costs(L, measured_lean)
     same = make_problem(model, "h800", 1, 64, Budgets(lean_norms=measured_lean), measured=c)
     other = make_problem(model, "h800", 1, 64, Budgets(lean_norms=not measured_lean), measured=c)

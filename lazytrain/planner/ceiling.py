@@ -80,7 +80,8 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     L = p.L
     S = [s * internals_fraction for s in p.saved]
     moved = [S[i] + p.A[i] for i in range(L)]   # an offloaded layer's internals travel with its input
-    sel_moved = [p.sel_bytes[i] * internals_fraction + p.A[i] for i in range(L)]   # ... or its matmul outputs
+    # ... or its matmul outputs, which internals_fraction leaves as they are (the GPU-held sel_bytes too)
+    sel_moved = [p.sel_bytes[i] + p.A[i] for i in range(L)]
     m = pulp.LpProblem("lazytrain_step_floor", pulp.LpMinimize)
     keep = [pulp.LpVariable(f"keep_{i}", 0, 1) for i in range(L)]
     park = [pulp.LpVariable(f"offload_{i}", 0, 1 if offload else 0) for i in range(L)]

@@ -71,6 +71,9 @@ class HardwareProfile:
                     raise HardwareError(f"hardware profile field {f.name!r} must be 0 (unknown) or between "
                                         f"{MIN_RATE:g} and {MAX_RATE:g} (GB/s, TFLOPS or Gparams/s), got {v!r}")
                 object.__setattr__(self, f.name, float(v))
+        if self.peak_tflops and self.achievable_tflops and self.achievable_tflops > self.peak_tflops:
+            raise HardwareError(f"hardware profile field 'achievable_tflops' ({self.achievable_tflops:g}) must be at "
+                                f"most 'peak_tflops' ({self.peak_tflops:g})")
 
     # ---- accessors that insist on a value -----------------------------------------------
     def need(self, field_name: str) -> float:
@@ -112,8 +115,9 @@ class HardwareProfile:
         assuming the update is memory-bound and touches ``bytes_per_param`` bytes per parameter
         (AdamW on fp32 master weights and moments, bf16 gradient in and bf16 weight out: 28 bytes).
         """
-        if self.host_optimizer_gparams_per_s is not None:
-            return self.need("host_optimizer_gparams_per_s") * 1e9
+        if self.host_optimizer_gparams_per_s or (self.host_optimizer_gparams_per_s is not None
+                                                 and not self.host_mem_gbps):
+            return self.need("host_optimizer_gparams_per_s") * 1e9   # 0 with no memory rate: said unknown
         if self.host_mem_gbps is not None:
             return self.need("host_mem_gbps") * GB / bytes_per_param
         raise HardwareError(
@@ -145,9 +149,10 @@ class HardwareProfile:
         return cls(**kw)
 
     def filled_from(self, base: "HardwareProfile") -> "HardwareProfile":
-        """This profile with every null field taken from ``base``."""
+        """This profile with every null field, and every rate given as 0 (unknown), taken from ``base``."""
         kw = {f.name: getattr(base, f.name) for f in fields(self)
-              if getattr(self, f.name) is None and f.name != "name"}
+              if f.name != "name" and (getattr(self, f.name) is None or
+                                       (getattr(self, f.name) == 0 and not f.name.endswith("_bytes")))}
         return replace(self, name=f"{self.name}+{base.name}" if kw else self.name, **kw)
 
 

@@ -57,6 +57,10 @@ class MeasuredCosts:
     grads_beside_bytes: tuple[int, int] | None = None
 
     def __post_init__(self):
+        for name in ("fwd_s", "diff_s", "update_s"):   # a number or null here would fail at len() unnamed
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise MeasurementError(f"measured costs: {name} must list one time per layer, got "
+                                       f"{getattr(self, name)!r}")
         L = len(self.fwd_s)
         if L == 0:
             raise MeasurementError("measured costs need at least one layer")

@@ -284,7 +284,7 @@ class MoeShape:
         experts = next((n for n in counts if n is not None and n > 1), None)
         if experts is None:
             return None
-        top_k = cfg.get("num_experts_per_tok") or cfg.get("moe_topk") or cfg.get("top_k")
+        top_k = next((cfg[k] for k in ("num_experts_per_tok", "moe_topk", "top_k") if cfg.get(k) is not None), None)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
             raise ModelShapeError(f"mixture-of-experts config with {experts} experts needs 'num_experts_per_tok' "
                                   f"between 1 and {experts}, got {top_k!r}")
@@ -428,6 +428,12 @@ class ModelShape:
         n_layers = count("num_hidden_layers")
         heads = count("num_attention_heads")
         kv_heads = count("num_key_value_heads", heads)
+        if heads % kv_heads:   # grouped-query attention shares each key/value head among whole query groups
+            raise ModelShapeError(f"model config 'num_key_value_heads' ({kv_heads}) must divide "
+                                  f"'num_attention_heads' ({heads})")
+        if cfg.get("head_dim") is None and h // heads < 1:
+            raise ModelShapeError(f"model config 'num_attention_heads' ({heads}) must be at most 'hidden_size' "
+                                  f"({h}) when the config gives no 'head_dim'")
         head_dim = count("head_dim", h // heads)
         ffn = count("intermediate_size")
         vocab = count("vocab_size")
@@ -440,13 +446,15 @@ class ModelShape:
                           + (" (its layers' sizes are the measured ones)" if measured is not None else ""),
                           UserWarning, stacklevel=2)
         bias = flag("attention_bias", flag("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
+        # Llama's and Qwen3's attention_bias is on the output projection too; Qwen2's q/k/v biases are not
+        o_bias = bias and cfg.get("attention_bias") is not None and model_type not in ("qwen2", "qwen2_moe")
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
         kinds = cls._layer_kinds(cfg, n_layers)
         hybrid = "linear_attention" in kinds
         gate = hybrid and flag("attn_output_gate", True)
         qk_norm = hybrid or model_type in QK_NORM_MODEL_TYPES
         attn = (h * q_dim * (2 if gate else 1) + 2 * h * kv_dim + q_dim * h + 2 * h
-                + ((q_dim + 2 * kv_dim) if bias else 0) + (2 * head_dim if qk_norm else 0))
+                + ((q_dim + 2 * kv_dim) if bias else 0) + (h if o_bias else 0) + (2 * head_dim if qk_norm else 0))
         linear = cls._linear_attention(cfg) if hybrid else None
         mixer = {"full_attention": (attn, None, gate), "linear_attention": (
             (linear.params(h) + 2 * h, linear, False) if linear else None)}
@@ -477,8 +485,12 @@ class ModelShape:
             layers = tuple(by_kind[kind][0] for kind in kinds)
         # the precision the layers compute and stream in: transformers >= 4.56 writes "dtype", older
         # versions "torch_dtype"; the engine sets both to its compute dtype
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-        dtype_bytes = 4 if dtype in ("float32", "torch.float32") else 2
+        dtype_key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+        dtype = cfg.get(dtype_key) or "bfloat16"
+        dtype_bytes = DTYPE_BYTES.get(str(dtype).removeprefix("torch.")) if isinstance(dtype, str) else None
+        if dtype_bytes is None:
+            raise ModelShapeError(f"model config {dtype_key!r} must be one of {', '.join(DTYPE_BYTES)} (the "
+                                  f"precision the layers compute and stream in), got {dtype!r}")
         return cls(name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
                    layers=layers, hidden=h, vocab_size=vocab, tied_embeddings=tied,
                    dtype_bytes=dtype_bytes,
@@ -548,6 +560,20 @@ class ModelShape:
                                                   or saved_bytes_per_token < 0):
             raise ModelShapeError(f"saved_bytes_per_token must be a whole number of bytes >= 0, "
                                   f"got {saved_bytes_per_token!r}")
+        # every number by its name: a negative count would plan a negative step, a fraction be cut silently
+        if not isinstance(layer_params, (list, tuple)) or not layer_params:
+            raise ModelShapeError(f"model config 'layer_params' must list each layer's parameter count, "
+                                  f"got {layer_params!r}")
+        for p in layer_params:
+            _whole(p, "layer_params", least=0)
+        _whole(hidden, "hidden")
+        _whole(vocab_size, "vocab_size", least=0)
+        for key, value in (("q_dim", q_dim), ("kv_dim", kv_dim), ("ffn", ffn)):
+            if value is not None:
+                _whole(value, key)
+        if dtype_bytes not in (2, 4) or isinstance(dtype_bytes, bool):
+            raise ModelShapeError(f"model config 'dtype_bytes' must be 2 or 4, got {dtype_bytes!r}")
+        tied_embeddings = _flag(tied_embeddings, "tied_embeddings")
         layers = tuple(LayerShape(params=int(p), hidden=hidden, q_dim=q_dim or hidden, kv_dim=kv_dim or hidden,
                                   ffn=ffn or 4 * hidden, saved_bytes=saved_bytes_per_token) for p in layer_params)
         return cls(name=name, layers=layers, hidden=hidden, vocab_size=vocab_size,
@@ -558,6 +584,10 @@ class ModelShape:
                 "vocab_size": self.vocab_size, "tied_embeddings": self.tied_embeddings,
                 "total_params": self.total_params, "active_params": self.active_params,
                 "throughput_params": self.throughput_params}
+
+
+# the precisions a model's layers compute and stream in, as a config's "dtype" / "torch_dtype" names them
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 # The model types whose layers are the planner's layer: q/k/v/o projections (with their variants here: biases,
@@ -717,15 +747,17 @@ CATALOG_CONFIGS: dict[str, dict[str, Any]] = {
     # The paper's 27B (64 layers, hidden 5120, 24 heads, 4 KV heads, FFN 17408) has the shape of
     # Qwen3.5-27B, which MegaTrain's model code supports: a hybrid whose every 4th layer is gated
     # full attention (head_dim 256) and the other three Gated DeltaNet linear attention, vocabulary
-    # 248,320 (Qwen3.5-27B's published text config). The paper states 23.68B trainable parameters, which
-    # its throughput convention uses; the shape holds 26.90B (24.35B in the layers).
+    # 248,320 (Qwen3.5-27B's published text config). The paper states 23.68B trainable parameters, but its
+    # TFLOPS and tokens/s imply N = TFLOPS / (6 * tokens/s) = 26.93B for LazyTrain on both GPUs (27.41B and
+    # 27.07B for MegaTrain): the 26.90B the shape holds (24.35B in the layers), which throughput_params gives.
+    # Its RTX 3090 rows imply each Qwen2.5's own count too (3.08B, 7.61B, 14.76B), its H800 rows the nominal
+    # 3B, 7B and 14B: only tokens/s compares with the paper everywhere.
     "paper-27b": {"model_type": "qwen3_5_text", "hidden_size": 5120, "num_hidden_layers": 64,
                   "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
                   "intermediate_size": 17408, "vocab_size": 248320, "tie_word_embeddings": False,
                   "attention_bias": False, "attn_output_gate": True, "full_attention_interval": 4,
                   "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
-                  "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-                  "reported_params": 23_680_000_000},
+                  "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4},
 }
 ALIASES = {"27b": "paper-27b", "qwen-27b": "paper-27b", "qwen3.5-27b": "paper-27b", "3b": "qwen2.5-3b", "7b": "qwen2.5-7b",
            "14b": "qwen2.5-14b"}
@@ -753,6 +785,10 @@ def load_model(spec: "str | dict | ModelShape") -> ModelShape:
         return spec
     if isinstance(spec, dict):
         return ModelShape.from_hf_config(spec)
+    if not isinstance(spec, (str, os.PathLike)):
+        raise ModelShapeError(f"a model is a catalog name, a config.json path, a config dict or a ModelShape, "
+                              f"got {type(spec).__name__} {spec!r}")
+    spec = os.fspath(spec)
     if os.path.isdir(spec):
         spec = os.path.join(spec, "config.json")
     if os.path.exists(spec) or spec.endswith(".json"):

@@ -2,6 +2,7 @@
 over micro-batch sizes (the largest throughput that fits the budgets)."""
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -10,7 +11,7 @@ from typing import Any
 from .hardware import HardwareProfile, load_profile
 from .isolate import DeadlineExceededError, call_with_deadline
 from .milp import MilpOptions, NoPlanInTimeError, PlanningError, build_and_solve, isolated_deadline_s
-from .models import ModelShape, load_model
+from .models import ModelShape, ModelShapeError, load_model
 from .plan import Plan
 from .problem import Budgets, InfeasibleBudgetError, Problem
 from .simulate import simulate
@@ -22,6 +23,13 @@ def as_model_shape(model_shape: Any) -> ModelShape:
     :meth:`ModelShape.from_layers`); a catalog name; or a path to a config.json."""
     if isinstance(model_shape, dict) and "layer_params" in model_shape and not _is_hf_config(model_shape):
         d = dict(model_shape)
+        known = set(inspect.signature(ModelShape.from_layers).parameters) - {"cls"}
+        unknown = sorted(set(d) - known, key=str)
+        if unknown:
+            raise ModelShapeError(f"a model of explicit layers takes {', '.join(sorted(known))}; "
+                                  f"unknown: {', '.join(map(repr, unknown))}")
+        if "hidden" not in d:
+            raise ModelShapeError("a model of explicit layers needs 'hidden' (the hidden size) beside 'layer_params'")
         return ModelShape.from_layers(d.pop("name", "model"), d.pop("layer_params"), **d)
     return load_model(model_shape)
 
