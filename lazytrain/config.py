@@ -14,6 +14,7 @@ import binascii
 import json
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,7 +175,8 @@ def _flag(section: dict, key: str, default: bool, where: str) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise ConfigError(f"config key '{where}.{key}' must be true or false, got {value!r}")
+    name = f"{where}.{key}" if where else key   # a top-level key is named alone
+    raise ConfigError(f"config key '{name}' must be true or false, got {value!r}")
 
 
 def _quant_block_size(section: dict) -> int:
@@ -196,10 +198,11 @@ def _milp_time_limit(section: dict) -> float:
 
 
 def _number(section: dict, key: str, default, where: str, integer: bool = False, minimum: float | None = None,
-            above: float | None = None, text: bool = False):
+            above: float | None = None, text: bool = False, finite: bool = False):
     """A number setting, refused by name when it is not one (a string, a fraction where a whole number is due, a
     value out of range) rather than converted or truncated behind the user's back. ``text``: a key DeepSpeed
-    reads through a pydantic model, which takes a number written as a string ("0", "1e-3") as that number."""
+    reads through a pydantic model, which takes a number written as a string ("0", "1e-3") as that number.
+    ``finite``: infinity refused too (a whole number always refuses it)."""
     value = section.get(key, default)
     if text and isinstance(value, str):
         try:
@@ -210,6 +213,9 @@ def _number(section: dict, key: str, default, where: str, integer: bool = False,
             value = int(number) if number.is_integer() else number
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ConfigError(f"config key '{where}.{key}' must be a number, got {value!r}")
+    if (finite or integer) and not math.isfinite(value):   # JSON's Infinity or 1e400
+        raise ConfigError(f"config key '{where}.{key}' must be a finite {'whole ' if integer else ''}number, "
+                          f"got {value!r}")
     if integer:
         if value != int(value):
             raise ConfigError(f"config key '{where}.{key}' must be a whole number, got {value!r}")
@@ -453,17 +459,18 @@ def load_config_source(config: Any) -> dict:
         if os.path.exists(text):
             with open(text) as f:
                 try:
-                    return json.load(f)
+                    return json.load(f, object_pairs_hook=_refuse_duplicate_keys)
                 except json.JSONDecodeError as e:
                     raise ConfigError(f"config file {text} is not valid JSON: {e}") from e
         if text.lstrip().startswith("{"):
             try:
-                return json.loads(text)
+                return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"config text is not valid JSON: {e}") from e
-        try:
-            decoded = base64.b64decode(text, validate=True).decode("utf-8")
-            return json.loads(decoded)
+        try:   # DeepSpeed's launcher and autotuner write it URL-safe ("-" and "_" for "+" and "/")
+            alphabet = b"-_" if any(c in text for c in "-_") else None
+            decoded = base64.b64decode(text, altchars=alphabet, validate=True).decode("utf-8")
+            return json.loads(decoded, object_pairs_hook=_refuse_duplicate_keys)
         except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError):
             raise ConfigError(f"config {text!r} is neither an existing JSON file, JSON text, nor base64-encoded "
                               f"JSON") from None
@@ -471,9 +478,21 @@ def load_config_source(config: Any) -> dict:
                       f"got {type(config).__name__}")
 
 
+def _refuse_duplicate_keys(pairs: list) -> dict:
+    """A JSON object that names a key twice is refused, as DeepSpeed refuses it: json keeps the last one, so a
+    pasted second section would change the run silently."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ConfigError(f"config names {', '.join(map(repr, twice))} twice in one object; keep one")
+    return dict(pairs)
+
+
 def _json_default(o):
     if isinstance(o, float) and math.isinf(o):
         return o
+    if isinstance(o, os.PathLike):   # nvme_path=pathlib.Path(...), as DeepSpeed takes it
+        return os.fspath(o)
     if type(o).__module__ == "numpy" and getattr(o, "ndim", None) == 0:   # np.int64(8), np.float32(1e-3)
         return o.item()   # as DeepSpeed, which reads the dict as it is, takes them
     raise ConfigError(f"config value {o!r} is not JSON-serializable")
@@ -481,6 +500,10 @@ def _json_default(o):
 
 def resolve_batch_sizes(tb: int | None, mb: int | None, gas: int | None, world_size: int) -> tuple[int, int, int]:
     """DeepSpeed's rules: any one or two of the triple may be omitted and are derived."""
+    if mb is not None and mb <= 0:   # before they divide the batch
+        raise BatchConfigError(f"Micro batch size per gpu: {mb} has to be greater than 0")
+    if gas is not None and gas <= 0:
+        raise BatchConfigError(f"Gradient accumulation steps: {gas} has to be greater than 0")
     if tb is not None and mb is not None and gas is not None:
         pass
     elif tb is not None and mb is not None:
@@ -569,6 +592,10 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         raise ConfigError("config enables both 'fp16' and 'bf16'; enable one")
 
     zero = _section(d.get("zero_optimization"))
+    if isinstance(zero, bool):   # DeepSpeed's deprecated form: true is stage 1, false stage 0
+        warnings.warn(f"lazytrain: config 'zero_optimization': {str(zero).lower()} is DeepSpeed's deprecated form; "
+                      f"read as {{\"stage\": {int(zero)}}}, as DeepSpeed reads it", UserWarning, stacklevel=3)
+        zero = {"stage": int(zero)}
     _check_keys(zero, {"stage", "offload_param", "offload_optimizer", *_GATHER_ON_SAVE_KEYS} | _ZERO_UNIMPLEMENTED,
                 "zero_optimization")
     gather_on_save = any([_flag(zero, key, False, "zero_optimization") for key in _GATHER_ON_SAVE_KEYS])
@@ -612,7 +639,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     return EngineConfig(
         communication_data_type=comm, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
-        wall_clock_breakdown=_flag(d, "wall_clock_breakdown", False, "config"), dataloader_drop_last=drop_last, seed=seed,
+        wall_clock_breakdown=_flag(d, "wall_clock_breakdown", False, ""), dataloader_drop_last=drop_last, seed=seed,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         gather_16bit_weights_on_model_save=gather_on_save, offload_param=offload_param,
         offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
@@ -627,6 +654,12 @@ def _patterns(section: dict) -> tuple[str, ...] | None:
     if not isinstance(patterns, (list, tuple)) or not all(isinstance(x, str) for x in patterns):
         raise ConfigError(f"config key 'lazytrain.fp32_state_patterns' must be a list of regular expressions such "
                           f"as [\"norm\", \"bias\"], got {patterns!r}")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"config key 'lazytrain.fp32_state_patterns' holds {pattern!r}, which is not a regular "
+                              f"expression: {e}") from None
     return tuple(patterns)
 
 
@@ -658,7 +691,7 @@ def _check_tensor_parallel(section) -> None:
 
 
 def _parse_optimizer(section) -> OptimizerConfig:
-    if section is None:
+    if section is None or section == {}:   # an empty section: none, as DeepSpeed reads it
         return OptimizerConfig()
     _check_keys(section, {"type", "params"}, "optimizer")
     params = _section(section.get("params"))
@@ -670,17 +703,19 @@ def _parse_optimizer(section) -> OptimizerConfig:
                           "please use the top-level 'gradient_clipping' key instead")
     typ = section.get("type")
     if not isinstance(typ, str):
-        raise ConfigError(f"config key 'optimizer.type' must be a string, got {typ!r}")
+        raise ConfigError(f"config key 'optimizer.type' must be a string such as \"AdamW\" (or leave the section "
+                          f"out), got {typ!r}")
     return OptimizerConfig(type=typ, params=params)
 
 
 def _parse_scheduler(section) -> SchedulerConfig:
-    if section is None:
+    if section is None or section == {}:
         return SchedulerConfig()
     _check_keys(section, {"type", "params"}, "scheduler")
     typ = section.get("type")
     if not isinstance(typ, str):
-        raise ConfigError(f"config key 'scheduler.type' must be a string, got {typ!r}")
+        raise ConfigError(f"config key 'scheduler.type' must be a string such as \"WarmupLR\" (or leave the section "
+                          f"out), got {typ!r}")
     params = _section(section.get("params"))
     if not isinstance(params, dict):
         raise ConfigError("config key 'scheduler.params' must be an object")
@@ -695,13 +730,23 @@ def _parse_fp16(section) -> FP16Config:
                           "fp16, which LazyTrain does not do: its host optimizer keeps fp32 masters and gradients. "
                           "Remove the key")
     return FP16Config(   # loss_scale 0: dynamic
-        enabled=enabled, loss_scale=float(_number(section, "loss_scale", 0.0, "fp16", minimum=0, text=True)),
-        initial_scale_power=_number(section, "initial_scale_power", 16, "fp16", integer=True, minimum=0, text=True),
+        enabled=enabled, loss_scale=float(_number(section, "loss_scale", 0.0, "fp16", minimum=0, text=True,
+                                                  finite=True)),
+        initial_scale_power=_fp16_scale_power(section),
         loss_scale_window=_number(section, "loss_scale_window", 1000, "fp16", integer=True, minimum=1, text=True),
         hysteresis=_number(section, "hysteresis", 2, "fp16", integer=True, minimum=1, text=True),
         consecutive_hysteresis=_flag(section, "consecutive_hysteresis", False, "fp16"),
-        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0, text=True)),
+        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0, text=True, finite=True)),
         auto_cast=_flag(section, "auto_cast", False, "fp16"))
+
+
+def _fp16_scale_power(section) -> int:
+    """The dynamic loss scale starts at 2**power, which must be a float (2**1024 is not)."""
+    power = _number(section, "initial_scale_power", 16, "fp16", integer=True, minimum=0, text=True)
+    if power > 1023:
+        raise ConfigError(f"config key 'fp16.initial_scale_power' must be at most 1023 (the loss scale is 2**power, "
+                          f"a float), got {power!r}")
+    return power
 
 
 def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadConfig:
@@ -709,6 +754,8 @@ def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadC
     device = section.get("device", "none")
     if device not in ("none", "cpu", "nvme"):
         raise ConfigError(f"config key '{name}.device' must be \"none\", \"cpu\" or \"nvme\", got {device!r}")
+    if section.get("nvme_path") is not None and not isinstance(section["nvme_path"], str):
+        raise ConfigError(f"config key '{name}.nvme_path' must be a directory path, got {section['nvme_path']!r}")
     if device == "nvme" and not section.get("nvme_path"):
         raise ConfigError(f"config key '{name}.nvme_path' is required when '{name}.device' is \"nvme\"")
     for key in sorted(_OFFLOAD_IGNORED):
@@ -836,7 +883,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
             raise ConfigError(f"config key 'activation_checkpointing.number_checkpoints' must be an integer >= 1, "
                               f"got {n_ckpt!r}")
         kw["number_checkpoints"] = n_ckpt
-    if ac.get("cpu_checkpointing"):
+    if _flag(ac, "cpu_checkpointing", False, "activation_checkpointing"):
         kw["boundary_home"] = "host"
     for key in ("partition_activations", "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
                 "profile"):
@@ -908,6 +955,8 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if non_block not in ("auto", "host", "device"):
         raise ConfigError(f"config key 'lazytrain.non_block_state' must be \"auto\", \"host\" or \"device\", "
                           f"got {non_block!r}")
+    if section.get("nvme_path") is not None and not isinstance(section["nvme_path"], str):
+        raise ConfigError(f"config key 'lazytrain.nvme_path' must be a directory path, got {section['nvme_path']!r}")
     nvme_path = section.get("nvme_path") or offload_param.nvme_path
     if weights_home == "nvme" and not nvme_path and not any(t.get("name") == "nvme" for t in tiers):
         raise ConfigError("config key 'lazytrain.nvme_path' is required when 'lazytrain.weights_home' is \"nvme\" "

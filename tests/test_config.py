@@ -842,3 +842,62 @@ def test_switches_read_as_true_or_false_refuse_numbers(key, value):
 def test_seq_len_must_be_a_whole_number_of_tokens(value):
     with pytest.raises(ConfigError, match=r"config key 'lazytrain.seq_len' must be a whole number of tokens >= 1"):
         parse_config({"train_batch_size": 2, "lazytrain": {"seq_len": value}})
+
+
+@pytest.mark.parametrize("config, error, message", [
+    ({"fp16": {"enabled": True, "loss_scale": math.inf}}, ConfigError,
+     "config key 'fp16.loss_scale' must be a finite number, got inf"),   # every step was skipped as an overflow
+    ({"fp16": {"enabled": True, "min_loss_scale": math.inf}}, ConfigError,
+     "config key 'fp16.min_loss_scale' must be a finite number, got inf"),
+    ({"fp16": {"enabled": True, "loss_scale_window": math.inf}}, ConfigError,
+     "config key 'fp16.loss_scale_window' must be a finite whole number, got inf"),   # was an OverflowError
+    ({"fp16": {"enabled": True, "initial_scale_power": 1024}}, ConfigError,
+     "config key 'fp16.initial_scale_power' must be at most 1023 (the loss scale is 2**power, a float), got 1024"),
+    ({"lazytrain": {"hybrid_threshold": math.inf}}, ConfigError,
+     "config key 'lazytrain.hybrid_threshold' must be a finite whole number, got inf"),
+    ({"train_batch_size": 8, "gradient_accumulation_steps": 0}, BatchConfigError,   # were ZeroDivisionErrors
+     "Gradient accumulation steps: 0 has to be greater than 0"),
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 0}, BatchConfigError,
+     "Micro batch size per gpu: 0 has to be greater than 0"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": 5}}}, ConfigError,
+     "config key 'zero_optimization.offload_param.nvme_path' must be a directory path, got 5"),
+    ({"lazytrain": {"nvme_path": 5}}, ConfigError, "config key 'lazytrain.nvme_path' must be a directory path, got 5"),
+    ({"lazytrain": {"fp32_state_patterns": ["norm", "("]}}, ConfigError,
+     "config key 'lazytrain.fp32_state_patterns' holds '(', which is not a regular expression: missing ), "
+     "unterminated subpattern at position 0"),
+    ({"wall_clock_breakdown": 2}, ConfigError, "config key 'wall_clock_breakdown' must be true or false, got 2"),
+    ({"optimizer": {"params": {"lr": 1e-3}}}, ConfigError,
+     "config key 'optimizer.type' must be a string such as \"AdamW\" (or leave the section out), got None"),
+])
+def test_values_no_run_can_use_are_refused_by_name(config, error, message):
+    with pytest.raises(error) as e:
+        parse_config({"train_batch_size": 2, **config}, world_size=1)
+    assert str(e.value) == message
+
+
+def test_a_config_file_naming_a_key_twice_is_refused_as_deepspeed_refuses_it(tmp_path):
+    """json keeps the last of two, so a pasted second section changed the run without a word."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 8, "gradient_clipping": 0.5, "gradient_clipping": 2.0}')
+    with pytest.raises(ConfigError, match=r"^config names 'gradient_clipping' twice in one object; keep one$"):
+        parse_config(str(path), world_size=1)
+
+
+def test_configs_deepspeed_reads_are_read_as_it_reads_them():
+    import base64
+    import json
+    import pathlib
+    cfg = {"train_batch_size": 4, "lazytrain": {"nvme_path": "/tmp/x?>~~"}}
+    urlsafe = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()   # DeepSpeed's launcher writes these
+    assert "-" in urlsafe and parse_config(urlsafe, world_size=1).lazytrain.nvme_path == "/tmp/x?>~~"
+    given = {"train_batch_size": 2, "zero_optimization": {"offload_param": {"device": "nvme",
+                                                                            "nvme_path": pathlib.Path("/tmp/nv")}}}
+    assert parse_config(given, world_size=1).offload_param.nvme_path == "/tmp/nv"
+    for empty in ("optimizer", "scheduler"):   # an empty section: none
+        parsed = parse_config({"train_batch_size": 2, empty: {}}, world_size=1)
+        assert (parsed.optimizer.type, parsed.scheduler.type) == (None, None)
+    for old, stage in ((True, 1), (False, 0)):
+        with pytest.warns(UserWarning, match=r"'zero_optimization': (true|false) is DeepSpeed's deprecated form"):
+            assert parse_config({"train_batch_size": 2, "zero_optimization": old}, world_size=1).zero_stage == stage
+    said_off = {"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": "false"}}
+    assert parse_config(said_off, world_size=1).lazytrain.boundary_home != "host"   # "false" turned it on
