@@ -37,7 +37,7 @@ from . import chunked_loss
 from . import safe_load
 from . import deepspeed_checkpoint as ds_ckpt
 from . import deepspeed_layout as ds_layout
-from . import auto_plan, node_memory, param_access, sharding
+from . import auto_plan, module_copy, node_memory, param_access, sharding
 from .partitioned_params import PartitionedParams
 from . import sharded_checkpoint as sharded_ckpt
 from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_compiled_blocks,
@@ -124,12 +124,16 @@ class LazyTrainEngine(nn.Module):
         self.frozen_non_block.set_up_done()
         self._setup_thread = threading.get_ident()   # the training thread, which alone waits on the engine's threads
         param_access.register(self)   # lazytrain.utils' safe_get_full_* find the engine of a parameter
+        self._attachments.set_up_done(model)
+        module_copy.install(model, self._copy_of_module)   # copy.deepcopy(engine.module): a plain model
 
     def _hand_model_back(self) -> None:
         """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
         here, no hooks of ours, non-block weights back in fp32; then close the tiers."""
         d = self.__dict__
         param_access.unregister(self)
+        if d["_modules"].get("module") is not None:   # set-up may have failed before it had the model
+            module_copy.uninstall(self.module)
         if d.get("_trace_path") is not None:   # a traced step that never finished
             streams.stop_recording()
         if "executor" in d:
@@ -177,6 +181,7 @@ class LazyTrainEngine(nn.Module):
         self.module = model
         self._config = config
         self._devices_given = _devices_of(model)   # handed back on them (set-up moves some to the device)
+        self._attachments = module_copy.EngineAttachments(model)   # told apart from the model's own
         self.dist = DistributedContext("cuda" if torch.cuda.is_available() else "cpu",
                                        timeout_s=config.lazytrain.collective_timeout_s,
                                        comm_dtype={"fp32": torch.float32, "bf16": torch.bfloat16,
@@ -1654,6 +1659,16 @@ class LazyTrainEngine(nn.Module):
         self.wait_for_update()
         with self._whole():
             return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
+
+    def _copy_of_module(self, memo: dict) -> nn.Module:
+        """``copy.deepcopy(engine.module)`` (module_copy.py): the model as ``destroy()`` would hand it back,
+        without handing it back. It reads the weights as :meth:`module_state_dict` does, so where that is a
+        collective (sharded bf16/fp16, stage 3) every rank makes its copy."""
+        copied = self._attachments.copy_module(self.module, memo, self.module_state_dict(),
+                                               {(id(m), name): device for m, kind, name, device in self._devices_given})
+        for m in self.__dict__.get("_checkpointing_turned_off", []):   # the model's own setting, as destroy gives
+            memo[id(m)].gradient_checkpointing = True
+        return copied
 
     def _module_state(self, exclude_frozen_parameters: bool, copy: bool,
                       foreign: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
