@@ -769,6 +769,16 @@ def test_a_bad_parameter_of_the_8bit_optimizer_is_named_with_its_section(params,
         _one_step_with({"type": "AdamW8bit", "params": params})
 
 
+@pytest.mark.parametrize("typ", ["AdamW", "AdamW8bit"])
+@pytest.mark.parametrize("key, value", [("lr", "3e-4"), ("eps", "1e-8"), ("weight_decay", [0.1])])
+def test_an_adam_setting_that_is_no_number_is_refused_by_key(typ, key, value):
+    """A string learning rate reached torch's check as "'<=' not supported between 'float' and 'str'"."""
+    with pytest.raises(ConfigError, match=rf"^config 'optimizer.params.{key}' for {typ} must be a number, "
+                                          rf"got {re.escape(repr(value))}$"):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_batch_size": 2, "optimizer": {"type": typ, "params": {key: value}}})
+
+
 def test_the_hybrid_optimizer_runs_adam_with_l2_decay_when_adam_w_mode_is_false():
     engine, _, _, _ = _one_step_with({"type": "HybridAdamW", "params": {"lr": 0.1, "adam_w_mode": False}})
     assert [g["adamw_mode"] for g in engine.optimizer.param_groups] == [False]

@@ -1,6 +1,6 @@
 """The training loader ``initialize`` and ``deepspeed_io`` build, epoch by epoch as DeepSpeed's.
 
-A DistributedSampler gives the same order every pass unless its epoch moves. DeepSpeed's loader (after 0.19)
+A DistributedSampler gives the same order every pass unless its epoch moves. DeepSpeed's loader (after 0.19.8)
 moves the sampler it built itself to the next epoch at each pass, unless the script set the epoch since the
 last one (``loader.data_sampler.set_epoch(k)``, as a resumed run or a loop over epochs does); a sampler the
 script passed in is the script's own, and left alone. Here likewise."""

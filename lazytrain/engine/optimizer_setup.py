@@ -85,6 +85,7 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
                               "host optimizer")
         if "betas" in params:
             params["betas"] = _betas(params["betas"])
+        _check_numbers(params, typ)
         amsgrad = bool(params.get("amsgrad", False))
         if cfg.lazytrain.optimizer_states == "8bit" and amsgrad:
             raise ConfigError("config 'optimizer.params.amsgrad' = true is not supported with "
@@ -101,6 +102,7 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         adam_w_mode = bool(params.pop("adam_w_mode", True))   # false: Adam with L2 decay, as DeepSpeed's key says
         if "betas" in params:
             params["betas"] = _betas(params["betas"])
+        _check_numbers(params, typ)
         return _hybrid(groups, params, adam_w_mode, cfg, named)
     if lower in _DEEPSPEED_OWN:
         raise ConfigError(f"config 'optimizer.type' {typ!r} is DeepSpeed's {_DEEPSPEED_OWN[lower]}, which LazyTrain "
@@ -118,6 +120,15 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         return cls(groups, **params)
     except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
         raise ConfigError(f"config 'optimizer.params' for {typ}: {e}") from None
+
+
+def _check_numbers(params: dict, typ: str) -> None:
+    """Adam's numeric settings, refused by key when they are not numbers (a string "3e-4" reached torch's
+    comparison as "'<=' not supported between instances of 'float' and 'str'")."""
+    for key in ("lr", "eps", "weight_decay"):
+        value = params.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor))):
+            raise ConfigError(f"config 'optimizer.params.{key}' for {typ} must be a number, got {value!r}")
 
 
 def _betas(value) -> tuple:
