@@ -1,6 +1,7 @@
 """Planner: model/hardware inputs, budgets, simulator invariants, policies, MILP vs simulator, CLI."""
 import dataclasses
 import json
+import re
 import os
 import subprocess
 import sys
@@ -1517,3 +1518,17 @@ def test_a_model_or_measured_costs_of_the_wrong_kind_are_refused_by_name():
         with pytest.raises(MeasurementError, match=rf"^measured costs: {key} must list one time per layer, "
                                                    rf"got {value}$"):
             MeasuredCosts.from_dict({**ok, key: value})
+
+
+def test_a_small_models_step_is_printed_in_significant_digits(tmp_path, capsys):
+    """`lazytrain plan` printed every policy's step of a tiny model as 0.000 s."""
+    from lazytrain.cli import main
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
+                                "vocab_size": 256}))
+    assert main(["plan", "--model", str(path), "--hardware", "h200", "--micro-batch", "2", "--seq", "24"]) == 0
+    out = capsys.readouterr().out
+    step = float(re.search(r"^lazytrain \(milp\)\s+(\S+)", out, re.M).group(1))
+    assert 0 < step < 1e-3
+    assert "step lower bound 0.000 s" not in out

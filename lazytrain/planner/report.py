@@ -72,12 +72,17 @@ def compare(p: Problem, opts: MilpOptions = MilpOptions(), baselines=("megatrain
     return rows
 
 
-COLUMNS = [("policy", "policy", "{}"), ("step_s", "step s", "{:.3f}"), ("tflops", "TFLOPS", "{:.1f}"),
+def _seconds(value: float) -> str:
+    """Milliseconds shown where a small model's step is below them (0.000 said nothing)."""
+    return f"{value:.3f}" if value >= 0.1 or value == 0 else f"{value:.3g}"
+
+
+COLUMNS = [("policy", "policy", "{}"), ("step_s", "step s", _seconds), ("tflops", "TFLOPS", "{:.1f}"),
            ("tokens_per_s", "tokens/s", "{:.0f}"), ("speedup", "vs MegaTrain", "{:.3f}x"),
            ("gpu_gb", "GPU GB", "{:.1f}"), ("host_gb", "host GB", "{:.1f}"), ("nvme_gb", "NVMe GB", "{:.1f}"),
            ("homes", "hbm/host/nvme/rec/graph", "{}"), ("recomputed", "recomputed", "{}"),
            ("selective", "selective", "{}"), ("offloaded", "offloaded", "{}"),
-           ("exposed_s", "exposed xfer s", "{:.3f}"), ("optimizer_s", "opt delay s", "{:.3f}"),
+           ("exposed_s", "exposed xfer s", _seconds), ("optimizer_s", "opt delay s", _seconds),
            ("vs_lower_bound", "/ lower bound", "{:.3f}"), ("solve_s", "solve s", "{:.2f}"), ("status", "status", "{}")]
 
 
@@ -86,7 +91,8 @@ def table(p: Problem, rows: list[Row]) -> str:
     dicts = [r.as_dict(p, ref) for r in rows]
     cells = [[h for _, h, _ in COLUMNS]]
     for d in dicts:
-        cells.append([("-" if d.get(k) is None else f.format(d[k])) for k, _, f in COLUMNS])
+        cells.append([("-" if d.get(k) is None else f(d[k]) if callable(f) else f.format(d[k]))
+                      for k, _, f in COLUMNS])
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     lines = []
     for n, c in enumerate(cells):
@@ -97,8 +103,8 @@ def table(p: Problem, rows: list[Row]) -> str:
     accum = f" x {p.grad_accum} accumulated" if p.grad_accum > 1 else ""
     head = (f"{p.model.name} on {p.hardware.name}: micro-batch {p.micro_batch}{accum} x seq {p.seq_len}, "
             f"budgets GPU {p.gpu_budget / 1e9:.1f} GB, host {p.host_budget / 1e9:.0f} GB, NVMe {p.nvme_budget / 1e9:.0f} GB; "
-            f"step lower bound {lb['bound']:.3f} s (compute {lb['compute']:.3f}, H2D {lb['h2d']:.3f}, "
-            f"D2H {lb['d2h']:.3f}, optimizer {lb['optimizer']:.3f})")
+            f"step lower bound {_seconds(lb['bound'])} s (compute {_seconds(lb['compute'])}, H2D "
+            f"{_seconds(lb['h2d'])}, D2H {_seconds(lb['d2h'])}, optimizer {_seconds(lb['optimizer'])})")
     return head + "\n" + floors_line(p, ref) + "\n" + "\n".join(lines)
 
 
@@ -110,5 +116,5 @@ def floors_line(p: Problem, megatrain: "Row | None") -> str:
         return f" ({f.speedup_over(megatrain.sim.step_time_s):.3f}x MegaTrain)" if megatrain else ""
     return (f"step floor, any plan that keeps each layer's autograd internals on the GPU, keeps its matmul "
             f"and attention outputs (selective) or re-runs it: "
-            f"{graph.step_s:.3f} s{over(graph)}; also offloading internals over PCIe (offloaded layers): "
-            f"{off.step_s:.3f} s{over(off)}")
+            f"{_seconds(graph.step_s)} s{over(graph)}; also offloading internals over PCIe (offloaded layers): "
+            f"{_seconds(off.step_s)} s{over(off)}")
