@@ -2461,6 +2461,9 @@ def test_an_argparse_style_deepspeed_script_runs_with_import_lazytrain_as_deepsp
         engine, _, _, _ = deepspeed.initialize(args=old, model=make_model("modulelist"))
     assert engine.train_micro_batch_size_per_gpu() == 2
     engine.destroy()
+    both = parser.parse_args(["--deepspeed_config", str(path), "--deepscale_config", str(path)])
+    with pytest.raises(ConfigError, match=r"^args holds both deepscale_config and deepspeed_config; give one"):
+        deepspeed.initialize(args=both, model=make_model("modulelist"))
 
 
 @pytest.mark.parametrize("stage", [0, 1])

@@ -27,6 +27,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     elif config is not None and config_params is not None:
         raise ConfigError("pass the config as 'config' or 'config_params', not both")
     args_config = getattr(args, "deepspeed_config", None) if args is not None else None
+    if args_config is not None and getattr(args, "deepscale_config", None) is not None:
+        raise ConfigError("args holds both deepscale_config and deepspeed_config; give one (deepspeed_config: "
+                          "deepscale_config is its deprecated name), as DeepSpeed asks")
     if args_config is None and getattr(args, "deepscale_config", None) is not None:
         warnings.warn("lazytrain: args.deepscale_config is deprecated, as in DeepSpeed: use args.deepspeed_config",
                       DeprecationWarning, stacklevel=2)
