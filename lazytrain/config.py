@@ -458,10 +458,11 @@ def load_config_source(config: Any) -> dict:
         text = str(config)
         if os.path.exists(text):
             with open(text) as f:
-                try:
-                    return json.load(f, object_pairs_hook=_refuse_duplicate_keys)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"config file {text} is not valid JSON: {e}") from e
+                source = f.read()
+            try:
+                return json.loads(source, object_pairs_hook=_refuse_duplicate_keys)
+            except json.JSONDecodeError as e:
+                return _hjson(source, f"config file {text}", e)
         if text.lstrip().startswith("{"):
             try:
                 return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
@@ -470,12 +471,38 @@ def load_config_source(config: Any) -> dict:
         try:   # DeepSpeed's launcher and autotuner write it URL-safe ("-" and "_" for "+" and "/")
             alphabet = b"-_" if any(c in text for c in "-_") else None
             decoded = base64.b64decode(text, altchars=alphabet, validate=True).decode("utf-8")
-            return json.loads(decoded, object_pairs_hook=_refuse_duplicate_keys)
-        except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError):
-            raise ConfigError(f"config {text!r} is neither an existing JSON file, JSON text, nor base64-encoded "
-                              f"JSON") from None
+        except (binascii.Error, UnicodeDecodeError):
+            decoded = None
+        if decoded is not None:
+            try:
+                return json.loads(decoded, object_pairs_hook=_refuse_duplicate_keys)
+            except json.JSONDecodeError as e:
+                try:
+                    return _hjson(decoded, "base64 config", e)
+                except ConfigError as duplicate_or_not_json:
+                    if "twice in one object" in str(duplicate_or_not_json):
+                        raise
+        raise ConfigError(f"config {text!r} is neither an existing JSON file, JSON text, nor base64-encoded "
+                          f"JSON") from None
     raise ConfigError(f"config must be a dict, a path to a JSON file or a base64 JSON string, "
                       f"got {type(config).__name__}")
+
+
+def _hjson(source: str, what: str, error: json.JSONDecodeError) -> dict:
+    """DeepSpeed reads config files and base64 configs with hjson (comments, trailing commas, unquoted keys):
+    so does LazyTrain where hjson is installed (DeepSpeed installs it)."""
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(f"{what} is not valid JSON: {error} (DeepSpeed reads configs with hjson, which takes "
+                          f"comments and trailing commas: pip install hjson to read it so)") from None
+    try:
+        parsed = hjson.loads(source, object_pairs_hook=_refuse_duplicate_keys)
+    except hjson.HjsonDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON ({error}) nor hjson ({e})") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"{what} is not valid JSON: {error}")
+    return parsed
 
 
 def _refuse_duplicate_keys(pairs: list) -> dict:

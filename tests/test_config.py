@@ -911,3 +911,18 @@ def test_configs_deepspeed_reads_are_read_as_it_reads_them():
             assert parse_config({"train_batch_size": 2, "zero_optimization": old}, world_size=1).zero_stage == stage
     said_off = {"train_batch_size": 2, "activation_checkpointing": {"cpu_checkpointing": "false"}}
     assert parse_config(said_off, world_size=1).lazytrain.boundary_home != "host"   # "false" turned it on
+
+
+def test_a_config_file_with_comments_is_read_with_hjson_as_deepspeed_reads_it(tmp_path, monkeypatch):
+    pytest.importorskip("hjson")
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  // from a DeepSpeed example\n  "train_batch_size": 8,\n  "gradient_clipping": 0.5,\n}\n')
+    assert parse_config(str(path), world_size=1).gradient_clipping == 0.5
+    path.write_text('{"train_batch_size": 8, "gradient_clipping": 0.5, // twice\n "gradient_clipping": 2}')
+    with pytest.raises(ConfigError, match=r"^config names 'gradient_clipping' twice in one object; keep one$"):
+        parse_config(str(path), world_size=1)
+    monkeypatch.setitem(__import__("sys").modules, "hjson", None)   # not installed: the reason, and the remedy
+    path.write_text('{"train_batch_size": 8, // a comment\n}')
+    with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(path))} is not valid JSON: .*pip install "
+                                          rf"hjson to read it so\)$"):
+        parse_config(str(path), world_size=1)
