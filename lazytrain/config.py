@@ -468,9 +468,10 @@ def load_config_source(config: Any) -> dict:
                 return json.loads(text, object_pairs_hook=_refuse_duplicate_keys)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"config text is not valid JSON: {e}") from e
-        try:   # DeepSpeed's launcher and autotuner write it URL-safe ("-" and "_" for "+" and "/")
-            alphabet = b"-_" if any(c in text for c in "-_") else None
-            decoded = base64.b64decode(text, altchars=alphabet, validate=True).decode("utf-8")
+        try:   # DeepSpeed's launcher and autotuner write it URL-safe ("-" and "_" for "+" and "/"); the base64
+            packed = "".join(text.split())   # command breaks its lines
+            alphabet = b"-_" if any(c in packed for c in "-_") else None
+            decoded = base64.b64decode(packed, altchars=alphabet, validate=True).decode("utf-8")
         except (binascii.Error, UnicodeDecodeError):
             decoded = None
         if decoded is not None:

@@ -900,6 +900,8 @@ def test_configs_deepspeed_reads_are_read_as_it_reads_them():
     cfg = {"train_batch_size": 4, "lazytrain": {"nvme_path": "/tmp/x?>~~"}}
     urlsafe = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()   # DeepSpeed's launcher writes these
     assert "-" in urlsafe and parse_config(urlsafe, world_size=1).lazytrain.nvme_path == "/tmp/x?>~~"
+    wrapped = "\n".join(urlsafe[i:i + 16] for i in range(0, len(urlsafe), 16))   # as the base64 command writes it
+    assert parse_config(wrapped, world_size=1).lazytrain.nvme_path == "/tmp/x?>~~"
     given = {"train_batch_size": 2, "zero_optimization": {"offload_param": {"device": "nvme",
                                                                             "nvme_path": pathlib.Path("/tmp/nv")}}}
     assert parse_config(given, world_size=1).offload_param.nvme_path == "/tmp/nv"

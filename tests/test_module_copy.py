@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import lazytrain
-from engine_models import batches, lm_loss, logits_of, make_hf_model, make_model
+from lazytrain.config import ConfigError
+from engine_models import add_lora, batches, lm_loss, logits_of, make_hf_model, make_model
 
 
 def _config(bf16: bool, overlap: bool) -> dict:
@@ -82,3 +83,77 @@ def test_a_deep_copy_of_a_hugging_face_model_generates_as_the_engines_and_keeps_
         theirs = engine.module.generate(x[:, :4], max_new_tokens=4, do_sample=False)
     assert torch.equal(ours, theirs)
     engine.destroy()
+
+
+def test_a_copy_of_a_lora_run_in_bf16_is_in_fp32_throughout_as_destroy_hands_it_back():
+    """The frozen base weights are kept in bf16 by the engine; a copy that kept them so beside fp32 adapters
+    could not run its forward (a DPO reference model of a LoRA run)."""
+    model = add_lora(make_model("modulelist"), ("fc1", "fc2"))
+    engine, _, _, _ = lazytrain.initialize(model=model, config=_config(True, False))
+    data = batches(2)
+    x, y = data[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    copied = copy.deepcopy(engine.module)
+    assert {p.dtype for p in copied.parameters()} == {torch.float32}
+    assert [p.requires_grad for p in copied.parameters()] == [p.requires_grad for p in engine.module.parameters()]
+    with torch.no_grad():
+        ours = logits_of(copied(data[1][0]))
+    engine.destroy()   # what destroy hands back is what the copy held
+    assert all(torch.equal(a, b) for a, b in zip(copied.state_dict().values(), engine.module.state_dict().values()))
+    with torch.no_grad():
+        assert torch.equal(ours, logits_of(engine.module(data[1][0])))
+
+
+def test_a_copy_of_one_module_is_that_module_plain():
+    """A block, the head or the block list alone: each was copied with the engine's hooks, which reached the
+    engine and failed ("'Linear' object has no attribute '_modules'")."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(False, False))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    trained = engine.module_state_dict()
+    head, block, stack = (copy.deepcopy(m) for m in (engine.module.head, engine.module.stack[2], engine.module.stack))
+    assert torch.equal(head.weight, trained["head.weight"]) and torch.equal(block.fc1.weight, trained["stack.2.fc1.weight"])
+    assert "forward" not in vars(block) and all("forward" not in vars(b) for b in stack)
+    h = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        assert torch.equal(block(h), stack[2](h))
+    engine.destroy()
+
+
+def test_a_copy_does_not_depend_on_the_models_state_dict_names_or_parameter_class():
+    """The weights are matched to parameters by identity (a state_dict hook of the model renamed the keys a copy
+    looked them up by), and each parameter keeps its class, as a plain deepcopy keeps it."""
+    class TaggedParameter(torch.nn.Parameter):
+        pass
+
+    model = make_model("modulelist")
+    model.head.weight = TaggedParameter(model.head.weight.detach().clone())
+    def rename_head(module, state, prefix, local):
+        for k in [k for k in state if k.startswith(prefix + "head.")]:
+            state["renamed." + k] = state.pop(k)
+
+    model.register_state_dict_post_hook(rename_head)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=_config(False, False))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    copied = copy.deepcopy(engine.module)
+    assert type(copied.head.weight) is TaggedParameter
+    assert torch.equal(copied.head.weight, engine.module_state_dict()["renamed.head.weight"])
+    engine.destroy()
+
+
+def test_a_second_engine_on_a_model_another_engine_trains_is_refused():
+    model = make_model("modulelist")
+    engine, _, _, _ = lazytrain.initialize(model=model, config=_config(False, False))
+    with pytest.raises(ConfigError, match=r"^this model is trained by a LazyTrain engine already: call "
+                                                    r"that engine's destroy\(\) before initialize builds another"):
+        lazytrain.initialize(model=model, config=_config(False, False))
+    x, y = batches(1)[0]   # the first engine is untouched
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.destroy()
+    again, _, _, _ = lazytrain.initialize(model=model, config=_config(False, False))
+    again.destroy()

@@ -351,6 +351,8 @@ def test_a_model_of_explicit_layers_is_refused_by_field(change, message):
     assert str(e.value) == message
     with pytest.raises(ModelShapeError, match=r"needs 'hidden' \(the hidden size\) beside 'layer_params'"):
         as_model_shape({"layer_params": [1000]})
+    # JSON writes 2.5e8 as a float: a whole one is the count
+    assert as_model_shape({"layer_params": [2.5e8, 1000], "hidden": 4096.0}).layers[0].params == 250_000_000
 
 
 @pytest.mark.parametrize("change, message", [
@@ -446,6 +448,10 @@ def test_a_rate_of_0_is_unknown_as_the_profile_says():
     with pytest.raises(HardwareError, match=r"^hardware profile field 'achievable_tflops' \(500\) must be at most "
                                             r"'peak_tflops' \(100\)$"):
         HardwareProfile(name="z", achievable_tflops=500, peak_tflops=100)
+    # a measured profile filled from a smaller card's entry: that card's peak is not this one's
+    measured = load_profile({"name": "bench", "achievable_tflops": 700, "peak_tflops": None}, base="rtx3090")
+    assert (measured.achievable_tflops, measured.peak_tflops, measured.h2d_gbps) == \
+        (700, None, CATALOG["rtx3090"].h2d_gbps)
 
 
 # ---- budgets --------------------------------------------------------------------------------------

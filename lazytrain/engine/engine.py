@@ -178,6 +178,9 @@ class LazyTrainEngine(nn.Module):
                           f"section ({config.optimizer.type}) too: the optimizer passed is used and the section "
                           f"ignored, as DeepSpeed does", UserWarning)
             config = dataclasses.replace(config, optimizer=OptimizerConfig())
+        if module_copy.engine_of(model):   # its blocks' forwards, hooks and weights are that engine's
+            raise ConfigError("this model is trained by a LazyTrain engine already: call that engine's destroy() "
+                              "before initialize builds another on it")
         self.module = model
         self._config = config
         self._devices_given = _devices_of(model)   # handed back on them (set-up moves some to the device)
@@ -1660,14 +1663,19 @@ class LazyTrainEngine(nn.Module):
         with self._whole():
             return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
 
-    def _copy_of_module(self, memo: dict) -> nn.Module:
-        """``copy.deepcopy(engine.module)`` (module_copy.py): the model as ``destroy()`` would hand it back,
-        without handing it back. It reads the weights as :meth:`module_state_dict` does, so where that is a
-        collective (sharded bf16/fp16, stage 3) every rank makes its copy."""
-        copied = self._attachments.copy_module(self.module, memo, self.module_state_dict(),
-                                               {(id(m), name): device for m, kind, name, device in self._devices_given})
+    def _copy_of_module(self, root: nn.Module, memo: dict) -> nn.Module:
+        """``copy.deepcopy`` of the model or one of its modules (module_copy.py): as ``destroy()`` would hand it
+        back, without handing it back. It reads the weights as :meth:`module_state_dict` does, so where that is
+        a collective (sharded bf16/fp16, stage 3) every rank makes its copy."""
+        self._refuse_if_inconsistent("copy.deepcopy of the model")
+        self.wait_for_update()
+        devices = {(id(m), name): device for m, _, name, device in self._devices_given}
+        with self._whole():
+            weight_of = self._weight_sources(self._foreign_masters())
+            copied = self._attachments.copy_module(root, memo, weight_of, devices)
         for m in self.__dict__.get("_checkpointing_turned_off", []):   # the model's own setting, as destroy gives
-            memo[id(m)].gradient_checkpointing = True
+            if id(m) in memo:
+                memo[id(m)].gradient_checkpointing = True
         return copied
 
     def _module_state(self, exclude_frozen_parameters: bool, copy: bool,
@@ -1678,8 +1686,7 @@ class LazyTrainEngine(nn.Module):
         non-block parameter whose fp32 master another rank holds (stages 1-2, outside :meth:`_whole`) gives its
         compute copy, which every rank holds whole (a save's module file and a 16-bit state want no more)."""
         self.wait_for_update()
-        masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
-        masters.update(foreign or {})
+        weight_of = self._weight_sources(foreign)
         out = {}
         # by identity, not by name: a frozen weight tied under two names is left out under both (named_parameters
         # names it once; its other name would be written at stage 3 as a placeholder no file fills)
@@ -1690,15 +1697,29 @@ class LazyTrainEngine(nn.Module):
                 continue
             if id(t) in frozen:
                 continue
+            src = weight_of(t)
+            if src is None:
+                out[name] = torch.empty(0, dtype=t.dtype)   # another rank's: a save takes it from there
+                continue
+            out[name] = src.detach().to("cpu", copy=copy)
+        return out
+
+    def _weight_sources(self, foreign: dict[int, torch.Tensor] | None):
+        """The tensor that holds a parameter's (or buffer's) weight as trained: its fp32 master where it has one
+        here (``foreign``: other ranks' layers, :meth:`_foreign_masters`), else itself; None where another rank
+        holds its values (partitioned, outside :meth:`_whole`)."""
+        masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
+        masters.update(foreign or {})
+
+        def weight_of(t: torch.Tensor) -> torch.Tensor | None:
             src = masters.get(id(t), t)
             if self._masters_on_owners() and self.partitioned.values_elsewhere(src):
                 src = t
             if self.partitioned is not None and (self.partitioned.values_elsewhere(t) or
                                                  self.partitioned.values_elsewhere(src)):
-                out[name] = torch.empty(0, dtype=src.dtype)   # another rank's: a save takes it from there
-                continue
-            out[name] = src.detach().to("cpu", copy=copy)
-        return out
+                return None
+            return src
+        return weight_of
 
     def _load_module_state(self, state: dict, strict: bool, custom_load_fn=None) -> None:
         self.wait_for_update()

@@ -4,13 +4,13 @@ Why: scripts copy the model after ``initialize`` for an EMA, a frozen reference 
 DeepSpeed's ZeRO-1/2 modules allow. The engine's hooks and forward proxies on the model reference the engine
 (its threads, locks and buffers), so a plain deepcopy fails, and a copy that kept them would route its
 forward into the original's engine. The copy is built without them: the model's own hooks and attributes as
-they were before ``initialize``, every trained parameter in fp32 from its master (the compute copies and the
-block parameters' views are the engine's), a frozen one as the engine keeps it, each on the device it was
-given on. Nothing is shared with the engine.
+they were before ``initialize``, every floating-point parameter in fp32 (a trained one from its master: the
+compute copies and the block parameters' views are the engine's; a frozen one from the copy the engine keeps),
+each on the device it was given on. Nothing is shared with the engine.
 
 :class:`EngineAttachments` records what set-up added to each module (hook entries and instance attributes,
 told apart from the model's own by a snapshot taken before set-up); :func:`install` makes ``deepcopy`` of the
-root module build the copy through :meth:`EngineAttachments.copy_module`.
+model or of any of its modules build the copy through :meth:`EngineAttachments.copy_module`.
 """
 from __future__ import annotations
 
@@ -50,11 +50,13 @@ class EngineAttachments:
             self._added[id(m)] = ({k: v for k, v in hooks.items() if v}, _own_attributes(m) - attrs_before)
         self._before = {}
 
-    def copy_module(self, model: nn.Module, memo: dict, weights: dict[str, torch.Tensor],
+    def copy_module(self, root: nn.Module, memo: dict, weight_of: Callable[[torch.Tensor], torch.Tensor | None],
                     devices: dict[tuple[int, str], torch.device]) -> nn.Module:
-        """A deep copy of ``model`` without what the engine added, its parameters from ``weights`` (by
-        name: the fp32 masters, frozen ones as kept) on ``devices`` ((id of module, name) -> device)."""
-        for m in model.modules():   # the engine's attachments copy as a placeholder, removed below
+        """A deep copy of ``root`` (the model or one of its modules) without what the engine added: each
+        parameter a new one of its class from ``weight_of(parameter)`` (its fp32 master, or itself), floating
+        point ones in fp32, on ``devices`` ((id of module, name) -> the device it was given on)."""
+        modules = list(root.modules())
+        for m in modules:   # the engine's attachments copy as a placeholder, removed below
             hooks, attrs = self._added.get(id(m), ({}, set()))
             for name, keys in hooks.items():
                 table = getattr(m, name)
@@ -62,22 +64,21 @@ class EngineAttachments:
                     memo[id(table[key])] = _STRIPPED
             for name in attrs & set(vars(m)):
                 memo[id(vars(m)[name])] = _STRIPPED
-        for module_name, m in model.named_modules():   # parameters: new ones, from the engine's weights
+        for m in modules:   # parameters and buffers: the engine's weights, copied once each
             for name, p in m._parameters.items():
                 if p is None or id(p) in memo:
                     continue
-                full = f"{module_name}.{name}" if module_name else name
-                value = weights[full].to(devices.get((id(m), name), p.device), copy=True)
-                memo[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+                memo[id(p)] = _parameter_like(p, _copied(weight_of(p), p, devices.get((id(m), name), p.device)))
             for name, b in m._buffers.items():
                 if b is not None and id(b) not in memo:
                     memo[id(b)] = b.detach().to(devices.get((id(m), name), b.device), copy=True)
-        own = vars(model).pop("__deepcopy__", None)   # the copy itself is made the ordinary way
-        try:
-            out = copy.deepcopy(model, memo)
+        own = {id(m): vars(m).pop("__deepcopy__") for m in modules if "__deepcopy__" in vars(m)}
+        try:   # the copy itself made the ordinary way
+            out = copy.deepcopy(root, memo)
         finally:
-            if own is not None:
-                vars(model)["__deepcopy__"] = own
+            for m in modules:
+                if id(m) in own:
+                    vars(m)["__deepcopy__"] = own[id(m)]
         for m in out.modules():
             for table in _hook_dicts(m).values():
                 for key in [k for k, v in table.items() if v is _STRIPPED]:
@@ -87,26 +88,54 @@ class EngineAttachments:
         return out
 
 
-class _DeepcopyThroughEngine:
-    """``model.__deepcopy__``: deepcopy of the root module asks the engine (held weakly: a model outlives an
-    engine that was not destroyed)."""
+def _copied(value: torch.Tensor | None, p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if value is None:   # outside the engine's _whole(): cannot happen there
+        raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has its values on another rank")
+    dtype = torch.float32 if value.is_floating_point() else value.dtype   # as destroy() hands them back
+    return value.detach().to(device=device, dtype=dtype, copy=True)
 
-    def __init__(self, copy_fn: Callable[[dict], nn.Module]):
+
+def _parameter_like(p: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
+    """A parameter of ``p``'s class (a subclass of the user's, where it builds from data and requires_grad)."""
+    try:
+        return type(p)(value, requires_grad=p.requires_grad)
+    except TypeError:
+        return nn.Parameter(value, requires_grad=p.requires_grad)
+
+
+class _DeepcopyThroughEngine:
+    """``module.__deepcopy__`` for each module of the model: deepcopy of it asks the engine (held weakly: a
+    model outlives an engine that was not destroyed)."""
+
+    def __init__(self, copy_fn: Callable[[nn.Module, dict], nn.Module], module: nn.Module):
         self._copy = weakref.WeakMethod(copy_fn)
+        self._module = weakref.ref(module)
+
+    def engine_alive(self) -> bool:
+        return self._copy() is not None
 
     def __call__(self, memo: dict) -> nn.Module:
-        copy_fn = self._copy()
-        if copy_fn is None:
+        copy_fn, module = self._copy(), self._module()
+        if copy_fn is None or module is None:
             raise RuntimeError("this model's LazyTrain engine is gone without destroy(); copy the model from its "
                                "state_dict instead")
-        return copy_fn(memo)
+        return copy_fn(module, memo)
 
 
-def install(model: nn.Module, copy_fn: Callable[[dict], nn.Module]) -> None:
-    """``copy.deepcopy(model)`` calls ``copy_fn(memo)`` (``copy.deepcopy`` looks ``__deepcopy__`` up on the
-    instance first)."""
-    object.__setattr__(model, "__deepcopy__", _DeepcopyThroughEngine(copy_fn))
+def install(model: nn.Module, copy_fn: Callable[[nn.Module, dict], nn.Module]) -> None:
+    """``copy.deepcopy`` of the model or any of its modules calls ``copy_fn(module, memo)`` (``copy.deepcopy``
+    looks ``__deepcopy__`` up on the instance first)."""
+    for m in model.modules():
+        object.__setattr__(m, "__deepcopy__", _DeepcopyThroughEngine(copy_fn, m))
+
+
+def engine_of(model: nn.Module) -> bool:
+    """Whether a live engine (not destroyed) trains this model or a module of it."""
+    return any(isinstance(vars(m).get("__deepcopy__"), _DeepcopyThroughEngine) and vars(m)["__deepcopy__"].engine_alive()
+               for m in model.modules())
 
 
 def uninstall(model: nn.Module) -> None:
-    vars(model).pop("__deepcopy__", None)
+    for m in model.modules():
+        if isinstance(vars(m).get("__deepcopy__"), _DeepcopyThroughEngine):
+            del vars(m)["__deepcopy__"]

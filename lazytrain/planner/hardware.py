@@ -153,6 +153,8 @@ class HardwareProfile:
         kw = {f.name: getattr(base, f.name) for f in fields(self)
               if f.name != "name" and (getattr(self, f.name) is None or
                                        (getattr(self, f.name) == 0 and not f.name.endswith("_bytes")))}
+        if self.achievable_tflops and (kw.get("peak_tflops") or math.inf) < self.achievable_tflops:
+            del kw["peak_tflops"]   # another card's datasheet peak, below what this one measured: left unknown
         return replace(self, name=f"{self.name}+{base.name}" if kw else self.name, **kw)
 
 

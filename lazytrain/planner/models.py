@@ -55,6 +55,11 @@ def _whole(value: Any, key: str, least: int = 1) -> int:
     return value
 
 
+def _integral(value: Any) -> Any:
+    """A float that is a whole number (2.5e8, 8.0) as that int; anything else as it is, for _whole to judge."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _flag(value: Any, key: str) -> bool:
     """A switch of a model config, refused by its key unless true or false: bool() reads "false" as true."""
     if not isinstance(value, bool):
@@ -564,13 +569,12 @@ class ModelShape:
         if not isinstance(layer_params, (list, tuple)) or not layer_params:
             raise ModelShapeError(f"model config 'layer_params' must list each layer's parameter count, "
                                   f"got {layer_params!r}")
-        for p in layer_params:
-            _whole(p, "layer_params", least=0)
-        _whole(hidden, "hidden")
-        _whole(vocab_size, "vocab_size", least=0)
-        for key, value in (("q_dim", q_dim), ("kv_dim", kv_dim), ("ffn", ffn)):
-            if value is not None:
-                _whole(value, key)
+        # JSON writes 2.5e8 as a float: a whole one is taken as the count it is
+        layer_params = [_whole(_integral(p), "layer_params", least=0) for p in layer_params]
+        hidden = _whole(_integral(hidden), "hidden")
+        vocab_size = _whole(_integral(vocab_size), "vocab_size", least=0)
+        q_dim, kv_dim, ffn = (None if value is None else _whole(_integral(value), key)
+                              for key, value in (("q_dim", q_dim), ("kv_dim", kv_dim), ("ffn", ffn)))
         if dtype_bytes not in (2, 4) or isinstance(dtype_bytes, bool):
             raise ModelShapeError(f"model config 'dtype_bytes' must be 2 or 4, got {dtype_bytes!r}")
         tied_embeddings = _flag(tied_embeddings, "tied_embeddings")
