@@ -272,13 +272,17 @@ def _train(args, cfg, job, steps, out_dir, trace_path, engine, model, n_params, 
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(engine.device).flatten(), ignore_index=-100)
             engine.backward(loss)
             engine.step()
-            tokens += x.numel()
+            tokens += x.numel() * engine.world_size   # every rank trains a micro-batch of the same shape
         if step == traced_step:
             traced = engine.last_trace
         loss_value = loss.item()
         bar.update(loss_value, tokens / (time.perf_counter() - t0))
     bar.close()
     elapsed = time.perf_counter() - t0
+    if engine.world_size > 1:   # the last micro-batches' loss over the ranks, not rank 0's alone
+        mean = torch.tensor([loss_value / engine.world_size], dtype=torch.float64)
+        torch.distributed.all_reduce(mean)
+        loss_value = float(mean.item())
     if traced is not None:
         say(traced.summary())
         if traced.written_to:
@@ -290,7 +294,9 @@ def _train(args, cfg, job, steps, out_dir, trace_path, engine, model, n_params, 
     engine.eval()
     acc_after = exact_match(model_fn, task, pairs, engine.device)
     engine.save_checkpoint(out_dir, tag=FINAL_TAG)
-    say(f"trained {steps} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s), final loss {loss_value:.4f}")
+    ranks = f" over {engine.world_size} ranks" if engine.world_size > 1 else ""
+    say(f"trained {steps} steps in {elapsed:.1f} s ({tokens / elapsed:,.0f} tokens/s{ranks}), final loss "
+        f"{loss_value:.4f}")
     say(f"held-out exact match ({len(pairs)} problems): {acc_before:.1%} before -> {acc_after:.1%} after")
     peaks = ", ".join(f"{name} {format_bytes(b)}" for name, b in engine.last_step_peak_bytes.items())
     say(f"peak memory per tier (last step): {peaks}")

@@ -480,6 +480,10 @@ def _stalling_worker(rank, port, out_dir, where):
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGSTOP)
             engine.module_state_dict()
+        if where == "save_checkpoint":   # called on rank 0 alone
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
     except Exception as e:   # noqa: BLE001 - what rank 0 reports is the test's subject
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(f"{type(e).__name__}: {e}")
@@ -497,7 +501,9 @@ def _stalling_worker(rank, port, out_dir, where):
                                               ("module_state_dict", "gather of the fp32 weights of the parameters "
                                                                     "outside the streamed blocks from their owners "
                                                                     "(module_state_dict(), a load or destroy(): every "
-                                                                    "rank must call it)")])
+                                                                    "rank must call it)"),
+                                              ("save_checkpoint", "exchange of optimizer state steps for "
+                                                                  "save_checkpoint (every rank must call it)")])
 def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collective(tmp_path, where, collective):
     ctx = mp.get_context("spawn")
     port = free_port()

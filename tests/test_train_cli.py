@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -187,6 +188,8 @@ def test_under_a_launcher_each_rank_trains_on_batches_of_its_own_and_rank_0_alon
     assert r0["code"] == r1["code"] == 0
     assert len(r0["seeds"]) == len(r1["seeds"]) == 1 and r0["seeds"] != r1["seeds"]
     assert "trained 2 steps in" in r0["printed"] and r1["printed"] == ""
+    # the run's throughput, every rank's tokens (it was rank 0's alone), and the ranks' mean last loss
+    assert re.search(r"tokens/s over 2 ranks\), final loss \d", r0["printed"])
     # rank 0 alone checks, records and writes the trace (both ranks doing so raced on the file)
     assert f"trace of step 2 written to {tmp_path / 'step.json'}" in r0["printed"]
     assert json.loads((tmp_path / "step.json").read_text())["traceEvents"]

@@ -306,11 +306,11 @@ class DistributedContext:
         if not self.enabled:
             return [obj]
         out = [None] * self.world_size
+        t0 = time.monotonic()
         try:   # no async form: the host group's own timeout bounds it
             dist.all_gather_object(out, obj, group=self.host_group)
-        except RuntimeError as e:
-            raise CollectiveError(f"rank {self.rank} of {self.world_size}: the {what} did not complete "
-                                  f"({type(e).__name__}: {e})") from e
+        except RuntimeError as e:   # named with the timeout, as every other collective's failure
+            raise self._failed(what, t0, e) from e
         return out
 
     def fill_missing_grads(self, params: list[torch.Tensor]) -> None:

@@ -1812,7 +1812,8 @@ class LazyTrainEngine(nn.Module):
     def _agree_on_save(self, error: BaseException | None, tag: str, save_dir: str, who: str) -> None:
         """Every rank learns whether every rank's part of a save succeeded; a failure is raised on every
         rank (its own error where it failed)."""
-        if not self.dist.all_succeeded(error is None, f"agreement of save_checkpoint ({who})"):
+        if not self.dist.all_succeeded(error is None, f"agreement of save_checkpoint ({who}; every rank must call "
+                                                      f"save_checkpoint)"):
             _raise_save_failure(error, tag, save_dir, who)
 
     def _fail_together(self, error: BaseException | None, succeeded: list[bool], tag: str, save_dir: str,
@@ -1836,7 +1837,8 @@ class LazyTrainEngine(nn.Module):
         except Exception as e:   # noqa: BLE001 - every rank hears of it, then it is raised here
             error = e
         told = self.dist.all_gather_object((error is None, summaries),
-                                           "exchange of optimizer state steps for save_checkpoint")
+                                           "exchange of optimizer state steps for save_checkpoint (every "
+                                           "rank must call it)")
         self._fail_together(error, [ok for ok, _ in told], tag, save_dir, "every rank prepares its part")
         writer.x.summaries = {name: st for _, part in told for name, st in part.items()}
         pieces, error = sharded_ckpt.gather_pieces(writer, self._holder_of_pieces(), self.dist)
@@ -1997,7 +1999,8 @@ class LazyTrainEngine(nn.Module):
         if not self.dist.enabled:
             return resolved
         seen = self.dist.all_gather_object((error is None, resolved), "agreement on the checkpoint tag to load, "
-                                                                       "in load_checkpoint()")
+                                                                       "in load_checkpoint() (every rank must call "
+                                                                       "it)")
         if error is not None:
             raise error
         failed = [rank for rank, (ok, _) in enumerate(seen) if not ok]
