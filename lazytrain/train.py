@@ -279,10 +279,8 @@ def _train(args, cfg, job, steps, out_dir, trace_path, engine, model, n_params, 
         bar.update(loss_value, tokens / (time.perf_counter() - t0))
     bar.close()
     elapsed = time.perf_counter() - t0
-    if engine.world_size > 1:   # the last micro-batches' loss over the ranks, not rank 0's alone
-        mean = torch.tensor([loss_value / engine.world_size], dtype=torch.float64)
-        torch.distributed.all_reduce(mean)
-        loss_value = float(mean.item())
+    if engine.world_size > 1:   # the last micro-batches' loss over the ranks (on the engine's host group: the
+        loss_value = engine.dist.sum_over_ranks(loss_value) / engine.world_size   # default one may be NCCL's)
     if traced is not None:
         say(traced.summary())
         if traced.written_to:

@@ -125,15 +125,14 @@ class LazyTrainEngine(nn.Module):
         self._setup_thread = threading.get_ident()   # the training thread, which alone waits on the engine's threads
         param_access.register(self)   # lazytrain.utils' safe_get_full_* find the engine of a parameter
         self._attachments.set_up_done(model)
-        module_copy.install(model, self._copy_of_module)   # copy.deepcopy(engine.module): a plain model
+        self._copy_patched = module_copy.install(model, self._copy_of_module)   # deepcopy: a plain model
 
     def _hand_model_back(self) -> None:
         """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
         here, no hooks of ours, non-block weights back in fp32; then close the tiers."""
         d = self.__dict__
         param_access.unregister(self)
-        if d["_modules"].get("module") is not None:   # set-up may have failed before it had the model
-            module_copy.uninstall(self.module)
+        module_copy.uninstall(d.get("_copy_patched", []))
         if d.get("_trace_path") is not None:   # a traced step that never finished
             streams.stop_recording()
         if "executor" in d:
@@ -1672,7 +1671,7 @@ class LazyTrainEngine(nn.Module):
         devices = {(id(m), name): device for m, _, name, device in self._devices_given}
         with self._whole():
             weight_of = self._weight_sources(self._foreign_masters())
-            copied = self._attachments.copy_module(root, memo, weight_of, devices)
+            copied = self._attachments.copy_module(self.module, root, memo, weight_of, devices)
         for m in self.__dict__.get("_checkpointing_turned_off", []):   # the model's own setting, as destroy gives
             if id(m) in memo:
                 memo[id(m)].gradient_checkpointing = True

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 
 _STRIPPED = object()   # stands for an engine's attachment while the module is copied; removed from the copy
+_COPYING = "lazytrain.module_copy.copying"   # memo keys of a copy in progress (deepcopy's own keys are ints)
+_MADE = "lazytrain.module_copy.made"
 
 
 def _hook_dicts(module: nn.Module) -> dict[str, dict]:
@@ -50,42 +52,63 @@ class EngineAttachments:
             self._added[id(m)] = ({k: v for k, v in hooks.items() if v}, _own_attributes(m) - attrs_before)
         self._before = {}
 
-    def copy_module(self, root: nn.Module, memo: dict, weight_of: Callable[[torch.Tensor], torch.Tensor | None],
+    def copy_module(self, model: nn.Module, root: nn.Module, memo: dict,
+                    weight_of: Callable[[torch.Tensor], torch.Tensor | None],
                     devices: dict[tuple[int, str], torch.device]) -> nn.Module:
-        """A deep copy of ``root`` (the model or one of its modules) without what the engine added: each
+        """A deep copy of ``root`` (``model`` or one of its modules) without what the engine added: each
         parameter a new one of its class from ``weight_of(parameter)`` (its fp32 master, or itself), floating
-        point ones in fp32, on ``devices`` ((id of module, name) -> the device it was given on)."""
-        modules = list(root.modules())
-        for m in modules:   # the engine's attachments copy as a placeholder, removed below
+        point ones in fp32, on ``devices`` ((id of module, name) -> the device it was given on). Nothing shared
+        is changed meanwhile (another thread may copy too): the state of this copy lives in ``memo``."""
+        everything = list(model.modules())   # root's copy may reach the rest of the model (a hook of its own)
+        for m in everything:   # the engine's attachments copy as a placeholder, removed below
             hooks, attrs = self._added.get(id(m), ({}, set()))
             for name, keys in hooks.items():
                 table = getattr(m, name)
                 for key in keys & set(table):
-                    memo[id(table[key])] = _STRIPPED
-            for name in attrs & set(vars(m)):
-                memo[id(vars(m)[name])] = _STRIPPED
-        for m in modules:   # parameters and buffers: the engine's weights, copied once each
+                    memo.setdefault(id(table[key]), _STRIPPED)
+            for name in (attrs | {"__deepcopy__"}) & set(vars(m)):
+                memo.setdefault(id(vars(m)[name]), _STRIPPED)
+        made = memo.setdefault(_MADE, set())   # the parameters this copy made, over nested calls
+        for m in root.modules():   # parameters and buffers: the engine's weights, copied once each
             for name, p in m._parameters.items():
                 if p is None or id(p) in memo:
                     continue
                 memo[id(p)] = _parameter_like(p, _copied(weight_of(p), p, devices.get((id(m), name), p.device)))
+                made.add(id(memo[id(p)]))
             for name, b in m._buffers.items():
                 if b is not None and id(b) not in memo:
                     memo[id(b)] = b.detach().to(devices.get((id(m), name), b.device), copy=True)
-        own = {id(m): vars(m).pop("__deepcopy__") for m in modules if "__deepcopy__" in vars(m)}
-        try:   # the copy itself made the ordinary way
-            out = copy.deepcopy(root, memo)
+        outermost = _COPYING not in memo
+        memo[_COPYING] = True   # the modules reached from here copy the ordinary way (_DeepcopyThroughEngine)
+        try:
+            out = _plain_copy(root, memo)
         finally:
-            for m in modules:
-                if id(m) in own:
-                    vars(m)["__deepcopy__"] = own[id(m)]
-        for m in out.modules():
-            for table in _hook_dicts(m).values():
+            if outermost:
+                del memo[_COPYING]
+        # a parameter the copy reached before its module (a list holding it first) was copied as it is: the
+        # compute copy, in bf16 where that is the training precision; it takes the weight here, in place
+        for m in everything:
+            for name, p in m._parameters.items():
+                twin = memo.get(id(p)) if p is not None else None
+                if isinstance(twin, torch.Tensor) and id(twin) not in made:
+                    with torch.no_grad():
+                        twin.data = _copied(weight_of(p), p, devices.get((id(m), name), p.device))
+                    made.add(id(twin))
+        for m in everything:
+            twin = memo.get(id(m))
+            if not isinstance(twin, nn.Module):
+                continue
+            for table in _hook_dicts(twin).values():
                 for key in [k for k, v in table.items() if v is _STRIPPED]:
                     del table[key]
-            for name in [k for k, v in vars(m).items() if v is _STRIPPED]:
-                delattr(m, name)
+            for name in [k for k, v in vars(twin).items() if v is _STRIPPED]:
+                delattr(twin, name)
         return out
+
+
+def _plain_copy(x: nn.Module, memo: dict) -> nn.Module:
+    """What ``copy.deepcopy`` does for an object without ``__deepcopy__`` (here: with one of ours, bypassed)."""
+    return copy._reconstruct(x, memo, *x.__reduce_ex__(4))
 
 
 def _copied(value: torch.Tensor | None, p: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -105,28 +128,35 @@ def _parameter_like(p: nn.Parameter, value: torch.Tensor) -> nn.Parameter:
 
 class _DeepcopyThroughEngine:
     """``module.__deepcopy__`` for each module of the model: deepcopy of it asks the engine (held weakly: a
-    model outlives an engine that was not destroyed)."""
+    model outlives an engine that was not destroyed); inside the engine's copy, an ordinary copy."""
 
     def __init__(self, copy_fn: Callable[[nn.Module, dict], nn.Module], module: nn.Module):
         self._copy = weakref.WeakMethod(copy_fn)
         self._module = weakref.ref(module)
 
     def engine_alive(self) -> bool:
-        return self._copy() is not None
+        copy_fn = self._copy()
+        return copy_fn is not None and not vars(copy_fn.__self__).get("_destroyed", False)
 
     def __call__(self, memo: dict) -> nn.Module:
         copy_fn, module = self._copy(), self._module()
+        if module is not None and memo.get(_COPYING):
+            return _plain_copy(module, memo)
         if copy_fn is None or module is None:
             raise RuntimeError("this model's LazyTrain engine is gone without destroy(); copy the model from its "
                                "state_dict instead")
         return copy_fn(module, memo)
 
 
-def install(model: nn.Module, copy_fn: Callable[[nn.Module, dict], nn.Module]) -> None:
+def install(model: nn.Module, copy_fn: Callable[[nn.Module, dict], nn.Module]) -> list:
     """``copy.deepcopy`` of the model or any of its modules calls ``copy_fn(module, memo)`` (``copy.deepcopy``
-    looks ``__deepcopy__`` up on the instance first)."""
+    looks ``__deepcopy__`` up on the instance first). Returns the modules given one (weakly), for
+    :func:`uninstall`: a module the script takes out of the model later is among them."""
+    patched = []
     for m in model.modules():
         object.__setattr__(m, "__deepcopy__", _DeepcopyThroughEngine(copy_fn, m))
+        patched.append(weakref.ref(m))
+    return patched
 
 
 def engine_of(model: nn.Module) -> bool:
@@ -135,7 +165,8 @@ def engine_of(model: nn.Module) -> bool:
                for m in model.modules())
 
 
-def uninstall(model: nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(vars(m).get("__deepcopy__"), _DeepcopyThroughEngine):
+def uninstall(patched: list) -> None:
+    for ref in patched:
+        m = ref()
+        if m is not None and isinstance(vars(m).get("__deepcopy__"), _DeepcopyThroughEngine):
             del vars(m)["__deepcopy__"]
