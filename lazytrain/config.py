@@ -480,9 +480,10 @@ def load_config_source(config: Any) -> dict:
             except json.JSONDecodeError as e:
                 try:
                     return _hjson(decoded, "base64 config", e)
-                except ConfigError as duplicate_or_not_json:
-                    if "twice in one object" in str(duplicate_or_not_json):
-                        raise
+                except _DuplicateKeys:
+                    raise
+                except ConfigError:   # not a config after all: said below as one
+                    pass
         raise ConfigError(f"config {text!r} is neither an existing JSON file, JSON text, nor base64-encoded "
                           f"JSON") from None
     raise ConfigError(f"config must be a dict, a path to a JSON file or a base64 JSON string, "
@@ -506,13 +507,17 @@ def _hjson(source: str, what: str, error: json.JSONDecodeError) -> dict:
     return parsed
 
 
+class _DuplicateKeys(ConfigError):
+    """A config object that names a key twice (told apart from text that is no config at all)."""
+
+
 def _refuse_duplicate_keys(pairs: list) -> dict:
     """A JSON object that names a key twice is refused, as DeepSpeed refuses it: json keeps the last one, so a
     pasted second section would change the run silently."""
     keys = [k for k, _ in pairs]
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
-        raise ConfigError(f"config names {', '.join(map(repr, twice))} twice in one object; keep one")
+        raise _DuplicateKeys(f"config names {', '.join(map(repr, twice))} twice in one object; keep one")
     return dict(pairs)
 
 
@@ -777,13 +782,18 @@ def _fp16_scale_power(section) -> int:
     return power
 
 
+def _check_nvme_path(section: dict, where: str) -> None:
+    path = section.get("nvme_path")
+    if path is not None and not isinstance(path, str):   # a number would fail at the NVMe tier's first open
+        raise ConfigError(f"config key '{where}.nvme_path' must be a directory path, got {path!r}")
+
+
 def _parse_offload(section, allowed: set, name: str, seen: _Ignored) -> OffloadConfig:
     _check_keys(section, allowed, name)
     device = section.get("device", "none")
     if device not in ("none", "cpu", "nvme"):
         raise ConfigError(f"config key '{name}.device' must be \"none\", \"cpu\" or \"nvme\", got {device!r}")
-    if section.get("nvme_path") is not None and not isinstance(section["nvme_path"], str):
-        raise ConfigError(f"config key '{name}.nvme_path' must be a directory path, got {section['nvme_path']!r}")
+    _check_nvme_path(section, name)
     if device == "nvme" and not section.get("nvme_path"):
         raise ConfigError(f"config key '{name}.nvme_path' is required when '{name}.device' is \"nvme\"")
     for key in sorted(_OFFLOAD_IGNORED):
@@ -983,8 +993,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     if non_block not in ("auto", "host", "device"):
         raise ConfigError(f"config key 'lazytrain.non_block_state' must be \"auto\", \"host\" or \"device\", "
                           f"got {non_block!r}")
-    if section.get("nvme_path") is not None and not isinstance(section["nvme_path"], str):
-        raise ConfigError(f"config key 'lazytrain.nvme_path' must be a directory path, got {section['nvme_path']!r}")
+    _check_nvme_path(section, "lazytrain")
     nvme_path = section.get("nvme_path") or offload_param.nvme_path
     if weights_home == "nvme" and not nvme_path and not any(t.get("name") == "nvme" for t in tiers):
         raise ConfigError("config key 'lazytrain.nvme_path' is required when 'lazytrain.weights_home' is \"nvme\" "

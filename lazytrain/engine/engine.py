@@ -1696,28 +1696,27 @@ class LazyTrainEngine(nn.Module):
                 continue
             if id(t) in frozen:
                 continue
-            src = weight_of(t)
-            if src is None:
-                out[name] = torch.empty(0, dtype=t.dtype)   # another rank's: a save takes it from there
+            src, here = weight_of(t)
+            if not here:
+                out[name] = torch.empty(0, dtype=src.dtype)   # another rank's: a save takes it from there
                 continue
             out[name] = src.detach().to("cpu", copy=copy)
         return out
 
     def _weight_sources(self, foreign: dict[int, torch.Tensor] | None):
-        """The tensor that holds a parameter's (or buffer's) weight as trained: its fp32 master where it has one
-        here (``foreign``: other ranks' layers, :meth:`_foreign_masters`), else itself; None where another rank
-        holds its values (partitioned, outside :meth:`_whole`)."""
+        """``weight_of(t)``: the tensor that holds a parameter's (or buffer's) weight as trained, its fp32 master
+        where it has one here (``foreign``: other ranks' layers, :meth:`_foreign_masters`), else itself; and
+        whether its values are here (False: another rank holds them, partitioned, outside :meth:`_whole`)."""
         masters = {id(p): m for p, m in self.masters.pairs} if self.masters is not None else {}
         masters.update(foreign or {})
 
-        def weight_of(t: torch.Tensor) -> torch.Tensor | None:
+        def weight_of(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
             src = masters.get(id(t), t)
             if self._masters_on_owners() and self.partitioned.values_elsewhere(src):
                 src = t
-            if self.partitioned is not None and (self.partitioned.values_elsewhere(t) or
-                                                 self.partitioned.values_elsewhere(src)):
-                return None
-            return src
+            elsewhere = self.partitioned is not None and (self.partitioned.values_elsewhere(t) or
+                                                          self.partitioned.values_elsewhere(src))
+            return src, not elsewhere
         return weight_of
 
     def _load_module_state(self, state: dict, strict: bool, custom_load_fn=None) -> None:

@@ -53,12 +53,17 @@ class EngineAttachments:
         self._before = {}
 
     def copy_module(self, model: nn.Module, root: nn.Module, memo: dict,
-                    weight_of: Callable[[torch.Tensor], torch.Tensor | None],
+                    weight_of: Callable[[torch.Tensor], tuple[torch.Tensor, bool]],
                     devices: dict[tuple[int, str], torch.device]) -> nn.Module:
         """A deep copy of ``root`` (``model`` or one of its modules) without what the engine added: each
-        parameter a new one of its class from ``weight_of(parameter)`` (its fp32 master, or itself), floating
-        point ones in fp32, on ``devices`` ((id of module, name) -> the device it was given on). Nothing shared
-        is changed meanwhile (another thread may copy too): the state of this copy lives in ``memo``."""
+        parameter a new one of its class from ``weight_of(parameter)`` (its fp32 master, or itself, and whether
+        its values are here), floating point ones in fp32, on ``devices`` ((id of module, name) -> the device it
+        was given on). Nothing shared is changed meanwhile (another thread may copy too): the state of this copy
+        lives in ``memo``."""
+
+        def weight(m: nn.Module, name: str, p: torch.Tensor) -> torch.Tensor:
+            return _copied(*weight_of(p), p, devices.get((id(m), name), p.device))
+
         everything = list(model.modules())   # root's copy may reach the rest of the model (a hook of its own)
         for m in everything:   # the engine's attachments copy as a placeholder, removed below
             hooks, attrs = self._added.get(id(m), ({}, set()))
@@ -73,7 +78,7 @@ class EngineAttachments:
             for name, p in m._parameters.items():
                 if p is None or id(p) in memo:
                     continue
-                memo[id(p)] = _parameter_like(p, _copied(weight_of(p), p, devices.get((id(m), name), p.device)))
+                memo[id(p)] = _parameter_like(p, weight(m, name, p))
                 made.add(id(memo[id(p)]))
             for name, b in m._buffers.items():
                 if b is not None and id(b) not in memo:
@@ -92,7 +97,7 @@ class EngineAttachments:
                 twin = memo.get(id(p)) if p is not None else None
                 if isinstance(twin, torch.Tensor) and id(twin) not in made:
                     with torch.no_grad():
-                        twin.data = _copied(weight_of(p), p, devices.get((id(m), name), p.device))
+                        twin.data = weight(m, name, p)
                     made.add(id(twin))
         for m in everything:
             twin = memo.get(id(m))
@@ -111,8 +116,8 @@ def _plain_copy(x: nn.Module, memo: dict) -> nn.Module:
     return copy._reconstruct(x, memo, *x.__reduce_ex__(4))
 
 
-def _copied(value: torch.Tensor | None, p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if value is None:   # outside the engine's _whole(): cannot happen there
+def _copied(value: torch.Tensor, here: bool, p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not here:   # outside the engine's _whole(): cannot happen there
         raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has its values on another rank")
     dtype = torch.float32 if value.is_floating_point() else value.dtype   # as destroy() hands them back
     return value.detach().to(device=device, dtype=dtype, copy=True)
