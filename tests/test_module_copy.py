@@ -1,6 +1,9 @@
 """copy.deepcopy(engine.module) after initialize: an EMA, a frozen reference model or a teacher, as DeepSpeed's
-ZeRO-1/2 modules allow. It failed ("cannot pickle '_thread.RLock' object": the engine's hooks on the model)."""
+ZeRO-1/2 modules allow. It failed ("cannot pickle '_thread.RLock' object": the engine's hooks on the model).
+torch.save(engine.module) likewise ("cannot pickle 'WeakMethod' object")."""
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -229,3 +232,35 @@ def test_a_module_taken_out_of_the_model_during_training_is_plain_again_after_de
     other, _, _, _ = lazytrain.initialize(model=torch.nn.Sequential(taken, make_model("modulelist")),
                                           config=_config(False, False))   # not refused
     other.destroy()
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_torch_save_of_the_model_writes_its_plain_copy(bf16):
+    """Pickling the model (torch.save(engine.module), as DeepSpeed's module allows) pickles the copy deepcopy
+    gives; the engine trains on; after destroy the model pickles the ordinary way."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(bf16, True))
+    data = batches(3)
+    for x, y in data[:2]:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    buffer = io.BytesIO()
+    torch.save(engine.module, buffer)
+    trained = engine.module_state_dict()
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert set(loaded.state_dict()) == set(trained)
+    for name, value in loaded.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, trained[name]), name
+    assert all(not {"forward", "__deepcopy__", "__reduce_ex__"} & set(vars(m)) for m in loaded.modules())
+    block = pickle.loads(pickle.dumps(engine.module.stack[1]))
+    assert torch.equal(block.fc2.weight, trained["stack.1.fc2.weight"]) and "forward" not in vars(block)
+    x, y = data[2]
+    with torch.no_grad():
+        expected = logits_of(copy.deepcopy(engine.module)(x))
+        assert torch.equal(logits_of(loaded(x)), expected)
+    engine.backward(lm_loss(engine(x), y))   # trains on
+    engine.step()
+    engine.destroy()
+    assert "__reduce_ex__" not in vars(engine.module)
+    again = pickle.loads(pickle.dumps(engine.module))
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), engine.module.state_dict().values()))

@@ -10,7 +10,8 @@ each on the device it was given on. Nothing is shared with the engine.
 
 :class:`EngineAttachments` records what set-up added to each module (hook entries and instance attributes,
 told apart from the model's own by a snapshot taken before set-up); :func:`install` makes ``deepcopy`` of the
-model or of any of its modules build the copy through :meth:`EngineAttachments.copy_module`.
+model or of any of its modules build the copy through :meth:`EngineAttachments.copy_module`, and pickling one
+(``torch.save(engine.module)``) pickle that copy.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class EngineAttachments:
                 table = getattr(m, name)
                 for key in keys & set(table):
                     memo.setdefault(id(table[key]), _STRIPPED)
-            for name in (attrs | {"__deepcopy__"}) & set(vars(m)):
+            for name in (attrs | set(_INSTALLED)) & set(vars(m)):
                 memo.setdefault(id(vars(m)[name]), _STRIPPED)
         made = memo.setdefault(_MADE, set())   # the parameters this copy made, over nested calls
         for m in root.modules():   # parameters and buffers: the engine's weights, copied once each
@@ -113,7 +114,7 @@ class EngineAttachments:
 
 def _plain_copy(x: nn.Module, memo: dict) -> nn.Module:
     """What ``copy.deepcopy`` does for an object without ``__deepcopy__`` (here: with one of ours, bypassed)."""
-    return copy._reconstruct(x, memo, *x.__reduce_ex__(4))
+    return copy._reconstruct(x, memo, *type(x).__reduce_ex__(x, 4))   # the class's: not ours (_PickleThroughEngine)
 
 
 def _copied(value: torch.Tensor, here: bool, p: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -148,18 +149,37 @@ class _DeepcopyThroughEngine:
         if module is not None and memo.get(_COPYING):
             return _plain_copy(module, memo)
         if copy_fn is None or module is None:
-            raise RuntimeError("this model's LazyTrain engine is gone without destroy(); copy the model from its "
-                               "state_dict instead")
+            raise RuntimeError("this model's LazyTrain engine is gone without destroy(); copy or save the model "
+                               "from its state_dict instead")
         return copy_fn(module, memo)
+
+
+class _PickleThroughEngine:
+    """``module.__reduce_ex__`` for each module of the model (pickle, like deepcopy, looks it up on the instance):
+    pickling the module pickles its plain copy (``torch.save(engine.module)``, as DeepSpeed's module allows).
+    The copy is made whole first, so it costs the module's size in fp32 while it is written. A pickle holding a
+    module and one of its modules beside it (``[model, model.head]``) loads two copies that share nothing."""
+
+    def __init__(self, deepcopy: _DeepcopyThroughEngine):
+        self._deepcopy = deepcopy
+
+    def __call__(self, protocol: int):
+        plain = self._deepcopy({})
+        return type(plain).__reduce_ex__(plain, protocol)
+
+
+_INSTALLED = ("__deepcopy__", "__reduce_ex__")   # the instance attributes install() sets on each module
 
 
 def install(model: nn.Module, copy_fn: Callable[[nn.Module, dict], nn.Module]) -> list:
     """``copy.deepcopy`` of the model or any of its modules calls ``copy_fn(module, memo)`` (``copy.deepcopy``
-    looks ``__deepcopy__`` up on the instance first). Returns the modules given one (weakly), for
-    :func:`uninstall`: a module the script takes out of the model later is among them."""
+    looks ``__deepcopy__`` up on the instance first), and pickling one pickles that copy. Returns the modules
+    given them (weakly), for :func:`uninstall`: a module the script takes out of the model later is among them."""
     patched = []
     for m in model.modules():
-        object.__setattr__(m, "__deepcopy__", _DeepcopyThroughEngine(copy_fn, m))
+        deepcopy = _DeepcopyThroughEngine(copy_fn, m)
+        object.__setattr__(m, "__deepcopy__", deepcopy)
+        object.__setattr__(m, "__reduce_ex__", _PickleThroughEngine(deepcopy))
         patched.append(weakref.ref(m))
     return patched
 
@@ -175,3 +195,5 @@ def uninstall(patched: list) -> None:
         m = ref()
         if m is not None and isinstance(vars(m).get("__deepcopy__"), _DeepcopyThroughEngine):
             del vars(m)["__deepcopy__"]
+        if m is not None and isinstance(vars(m).get("__reduce_ex__"), _PickleThroughEngine):
+            del vars(m)["__reduce_ex__"]
