@@ -11,9 +11,12 @@ hanging.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
+import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -30,6 +33,45 @@ _GRADIENT_REDUCE = ("gradient reduce in the backward (at zero_optimization.stage
 
 class CollectiveError(RuntimeError):
     """A collective that did not complete on every rank (one stopped, hung or died)."""
+
+
+class UnfinishedCollectives:
+    """Collectives whose wait failed (timed out) while the backend may still be running them, held until it
+    ends them. Why: gloo's worker thread ends such a collective later, at its own timeout, and dropping the last
+    reference to its tensors takes the GIL; once the interpreter is shutting down, taking the GIL ends that
+    thread inside a C++ destructor and the process aborts (SIGABRT, "terminate called without an active
+    exception") after its CollectiveError was reported, with exit status 134 in place of the script's own.
+    Held here, their last reference is dropped by the main thread; at exit (atexit runs before the shutdown)
+    the ones a gloo group runs are waited for until they end, for at most the timeout again."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held: list[tuple[object, float]] = []   # (work, when to stop waiting for it at exit)
+        self._at_exit = False
+
+    def hold(self, work, wait_at_exit_s: float) -> None:
+        with self._lock:
+            self._held.append((work, time.monotonic() + wait_at_exit_s))
+            if not self._at_exit:
+                atexit.register(self.wait_at_exit)
+                self._at_exit = True
+
+    def wait_at_exit(self, poll_s: float = 0.02) -> None:
+        t0, told = time.monotonic(), False
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                left = [until for work, until in self._held if until > now and not work.is_completed()]
+            if not left:
+                return
+            if not told and now - t0 > 2:
+                print(f"lazytrain: waiting up to {max(left) - now:.0f} s for {len(left)} collective(s) that timed "
+                      f"out to be ended by their backend, so that the process exits cleanly", file=sys.stderr)
+                told = True
+            time.sleep(poll_s)
+
+
+UNFINISHED = UnfinishedCollectives()
 
 
 def world_size() -> int:
@@ -105,8 +147,19 @@ class DistributedContext:
         the process without naming it. A failure names the collective and the timeout."""
         t0 = time.monotonic()
         try:
-            collective(*args, async_op=True, **kwargs).wait(self._timeout())
+            work = collective(*args, async_op=True, **kwargs)
         except RuntimeError as e:
+            raise self._failed(what, t0, e) from e
+        self._wait(what, t0, work, kwargs.get("group"))
+
+    def _wait(self, what: str, t0: float, work, group) -> None:
+        """``work`` waited for at most the timeout; if it fails, held in :data:`UNFINISHED` until the backend
+        ends it, and named (:meth:`_failed`)."""
+        try:
+            work.wait(self._timeout())
+        except RuntimeError as e:
+            gloo = group is not None and dist.get_backend(group) == "gloo"   # NCCL's watchdog ends its own
+            UNFINISHED.hold(work, self.timeout_s + 5.0 if gloo else 0.0)
             raise self._failed(what, t0, e) from e
 
     def _failed(self, what: str, t0: float, e: BaseException) -> CollectiveError:
@@ -273,11 +326,7 @@ class DistributedContext:
             raise self._failed(what, t0, e) from e
 
         def finish() -> None:
-            t0 = time.monotonic()
-            try:
-                work.wait(self._timeout())
-            except RuntimeError as e:
-                raise self._failed(what, t0, e) from e
+            self._wait(what, time.monotonic(), work, kwargs.get("group"))
         return finish
 
     def send_to(self, t: torch.Tensor, peer: int, what: str) -> None:
@@ -291,9 +340,10 @@ class DistributedContext:
     def _point_to_point(self, what: str, op, t: torch.Tensor, peer: int) -> None:
         t0 = time.monotonic()
         try:
-            op(t, peer, group=self.host_group).wait(self._timeout())
+            work = op(t, peer, group=self.host_group)
         except RuntimeError as e:
             raise self._failed(what, t0, e) from e
+        self._wait(what, t0, work, self.host_group)
 
     def sum_over_ranks(self, value: float) -> float:
         flag = torch.tensor([value], dtype=torch.float64)
