@@ -1,6 +1,7 @@
 """Data parallel under a torchrun-style environment (gloo on CPU): two ranks with half a batch each
 end with the same weights as one process on the whole batch."""
 import os
+import warnings
 
 import pytest
 import torch
@@ -398,6 +399,52 @@ def test_a_rank_that_stops_fails_the_others_within_the_timeout(tmp_path):
     assert waited < 60
 
 
+def _saving_on_rank_0_alone(rank: int, port: int, out_dir: str, stage: int):
+    """DDP's idiom: rank 0 alone saves after a step; rank 1 trains on."""
+    import lazytrain
+    join_as(rank, 2, port)
+    torch.set_num_threads(1)
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage},
+           "lazytrain": {"device": "cpu", "collective_timeout_s": 60}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    try:
+        for n, (x, y) in enumerate(batches(3, batch=4)):
+            half = slice(2 * rank, 2 * rank + 2)
+            engine.backward(lm_loss(engine(x[half]), y[half]))
+            engine.step()
+            if n == 1 and rank == 0:
+                engine.save_checkpoint(os.path.join(out_dir, "ckpt"))
+    except lazytrain.CollectiveError as e:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(str(e))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_save_on_rank_0_alone_fails_at_once_naming_the_rule_and_writes_nothing(tmp_path, stage):
+    """It entered a collective that paired with rank 1's next step's: gloo aborted rank 0 on the size mismatch
+    ("Is there a distributed collective mismatch in your code?") and rank 1 blamed a rank that stopped or died."""
+    import time
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_saving_on_rank_0_alone, args=(r, port, str(tmp_path), stage)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    t0 = time.monotonic()
+    for p in procs:
+        p.join(120)
+    assert time.monotonic() - t0 < 50   # not the collective timeout (60 s)
+    assert [p.exitcode for p in procs] == [0, 0]
+    went_on = "engine.step()" if stage == 0 else "engine.backward()"   # stage 2 reduces in the backward
+    assert (tmp_path / "rank0.err").read_text() == (
+        f"rank 0 of 2: save_checkpoint() was called here at micro-step 2, where rank 1 went on to {went_on} (at "
+        f"micro-step 2) without calling it: every rank must call save_checkpoint() (each writes or reads its part), "
+        f"as in DeepSpeed; a script that saves on rank 0 alone (as with DDP) calls it on every rank instead")
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
 class _Work:
     """A collective's handle, as torch.distributed's Work: completed when told."""
 
@@ -417,8 +464,8 @@ def test_a_collective_that_timed_out_is_held_and_waited_for_at_exit_until_it_end
     held.hold(ending, wait_at_exit_s=30.0)
     held.hold(never, wait_at_exit_s=0.3)
     held.hold(nccl, wait_at_exit_s=0.0)   # NCCL's: held, not waited for
-    threading.Timer(0.6, lambda: setattr(ending, "done", True)).start()
     t0 = time.monotonic()
+    threading.Timer(0.6, lambda: setattr(ending, "done", True)).start()
     held.wait_at_exit(poll_s=0.005)
     assert ending.done and 0.6 <= time.monotonic() - t0 < 10
     assert not never.done and [w for w, _ in held._held] == [ending, never, nccl]   # still held: freed at shutdown

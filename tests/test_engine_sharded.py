@@ -498,12 +498,8 @@ def _stalling_worker(rank, port, out_dir, where):
                                               ("destroy", "gather of the partitioned parameters (module_state_dict(), "
                                                           "a load, a save's 16-bit weights or destroy(): every rank "
                                                           "must call it)"),
-                                              ("module_state_dict", "gather of the fp32 weights of the parameters "
-                                                                    "outside the streamed blocks from their owners "
-                                                                    "(module_state_dict(), a load or destroy(): every "
-                                                                    "rank must call it)"),
-                                              ("save_checkpoint", "exchange of optimizer state steps for "
-                                                                  "save_checkpoint (every rank must call it)")])
+                                              ("module_state_dict", "arrival of every rank at module_state_dict()"),
+                                              ("save_checkpoint", "arrival of every rank at save_checkpoint()")])
 def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collective(tmp_path, where, collective):
     ctx = mp.get_context("spawn")
     port = free_port()

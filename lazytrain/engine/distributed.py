@@ -74,6 +74,83 @@ class UnfinishedCollectives:
 UNFINISHED = UnfinishedCollectives()
 
 
+class CallOrder:
+    """The calls every rank must make together (``save_checkpoint``, ``load_checkpoint``), checked on the process
+    group's store before their first collective. Why: a script that makes one on rank 0 alone (DDP's idiom for
+    saving) had rank 0's collectives pair up with the others' next step's: gloo then aborted a process on the
+    size mismatch, blaming "another rank stopped, hung or died", and where the sizes matched it would combine
+    unrelated tensors. Before each call whose collectives need every rank (a step, a backward that reduces, a
+    forward that gathers, a together-call), a rank publishes how many such calls it has made and which this one
+    is: every rank makes the same ones in the same order, so a together-call waits until every rank has
+    arrived at it, and fails at once, naming the call, where a rank's call at the same count is another, or a
+    rank is past it."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float, group):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.made = 0   # calls published so far (the same sequence on every rank)
+        self.store = None
+        if world > 1:
+            try:   # the store the process group was made from (torchrun's, a file or TCP store: any kind)
+                store = dist.distributed_c10d._get_default_store()
+            except (RuntimeError, AttributeError, ValueError):   # a group made some other way: not checked
+                return
+            # under the engine's own group's name: a second engine's calls are counted apart
+            self.store = dist.PrefixStore(f"lazytrain/calls/{group.group_name}/", store)
+
+    def entering(self, call: str, micro_step: int) -> int:
+        """This rank is about to run ``call``'s collectives at ``micro_step``; returns the call's number. Published
+        where it can be: a store that cannot be reached leaves the collective itself to fail, naming itself."""
+        number, self.made = self.made, self.made + 1
+        if self.store is not None:
+            try:
+                self.store.set(f"at/{self.rank}", f"{number} {micro_step} {call}")
+            except (RuntimeError, OSError):
+                pass
+        return number
+
+    def together(self, call: str, micro_step: int, poll_s: float = 0.001) -> None:
+        """Wait until every rank has arrived at this call (the same one, as the same call of the sequence); a
+        :class:`CollectiveError` naming ``call`` where one is seen elsewhere, or does not come in the timeout."""
+        number = self.entering(call, micro_step)
+        if self.store is None:
+            return
+        key, t0 = f"together/{number}", time.monotonic()
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            arrived = self.store.add(key, 1)
+            while arrived < self.world:
+                time.sleep(poll_s)
+                poll_s = min(2 * poll_s, 0.05)
+                keys = [f"at/{r}" for r in others]
+                published = self.store.check(keys)   # each rank publishes at its first such call (get would wait)
+                positions = [v.decode().split(" ", 2) for v in self.store.multi_get(keys)] if published else []
+                arrived = self.store.add(key, 0)   # after the positions: one seen past here went on once all came
+                if arrived >= self.world:
+                    break
+                behind = [] if published else others
+                for r, (there, step, elsewhere) in zip(others, positions):
+                    if int(there) > number or (int(there) == number and elsewhere != call):
+                        raise CollectiveError(
+                            f"rank {self.rank} of {self.world}: {call} was called here at micro-step {micro_step}, "
+                            f"where rank {r} went on to {elsewhere} (at micro-step {step}) without calling it: every "
+                            f"rank must call {call} (each writes or reads its part), as in DeepSpeed; a script that "
+                            f"saves on rank 0 alone (as with DDP) calls it on every rank instead")
+                    if int(there) < number:
+                        behind.append(r)
+                if time.monotonic() - t0 > self.timeout_s:
+                    raise CollectiveError(
+                        f"rank {self.rank} of {self.world}: the arrival of every rank at {call} did not complete: it "
+                        f"failed after {time.monotonic() - t0:.1f} s, with a collective timeout of {self.timeout_s:g} "
+                        f"s ('lazytrain.collective_timeout_s'). Rank(s) {behind} did not reach it: every rank must "
+                        f"call {call}; or another rank stopped, hung or died before reaching it")
+        except (RuntimeError, OSError, ValueError) as e:
+            if isinstance(e, CollectiveError):
+                raise
+            raise CollectiveError(f"rank {self.rank} of {self.world}: the arrival of every rank at {call} could not "
+                                  f"be checked: the process group's store failed ({type(e).__name__}: {e}); another "
+                                  f"rank or the launcher may have stopped") from e
+
+
 def world_size() -> int:
     """Ranks training together: the process group the script created itself (``mp.spawn`` and
     ``init_process_group`` by hand, as DeepSpeed accepts), else the launcher's ``WORLD_SIZE``."""
@@ -136,6 +213,7 @@ class DistributedContext:
             self.update_group = dist.new_group(backend="gloo", timeout=timeout)
             # the gradient path's reduces (sharded gradients), from the thread that lands gradients on the host
             self.gradient_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.calls = CallOrder(self.rank, self.world_size, self.timeout_s, self.host_group)   # checks nothing alone
 
     @property
     def enabled(self) -> bool:

@@ -295,6 +295,9 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
+        # the calls whose collectives need every rank, each published before them (CallOrder)
+        self._backward_reduces = self.shards is not None and config.zero_stage >= 2
+        self._forward_gathers = self.partitioned is not None and partition
         # each layer's sum of squares taken as its gradients land, for the step's norm; not where every rank's
         # whole buffers are reduced at the step (stages 0-1 over several ranks): that rewrites them
         self.weights.landed_sums = config.lazytrain.grad_norm_as_landed and \
@@ -756,6 +759,8 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
                               "no gradient from the streamed layers, which run without autograd in the forward: "
                               "use them for inspection, not in the loss")
+        if self._forward_gathers:
+            self.dist.calls.entering("a forward of the model", self.micro_steps)
         if self.partitioned is not None:
             self.partitioned.begin_forward()
         chunk = self._config.lazytrain.loss_chunk_tokens
@@ -829,6 +834,8 @@ class LazyTrainEngine(nn.Module):
                 self._adopt_loss_scale_set()
             scaled = loss.float() * self.loss_scaler.scale
             self._scaled_backward = True
+        if self._backward_reduces:
+            self.dist.calls.entering("engine.backward()", self.micro_steps)
         self._engine_backward_depth += 1
         try:
             scaled.backward(retain_graph=retain_graph)
@@ -854,6 +861,7 @@ class LazyTrainEngine(nn.Module):
         if boundary:
             self._check_lr_kwargs(lr_kwargs)
             self._refuse_unfrozen()
+            self.dist.calls.entering("engine.step()", self.micro_steps)
             try:
                 self._take_model_step(lr_kwargs)
             except StepFailedError:   # before the update: the accumulated gradients are not to be stepped on
@@ -1658,6 +1666,8 @@ class LazyTrainEngine(nn.Module):
         parameters outside the streamed blocks on the host), every rank gathers the fp32 weights other ranks
         own, so every rank must call it."""
         self._refuse_if_inconsistent("module_state_dict()")
+        if self.partitioned is not None or self.weights.masters_sharded:   # a gather (see the docstring)
+            self.dist.calls.together("module_state_dict()", self.micro_steps)
         self.wait_for_update()
         with self._whole():
             return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
@@ -1778,6 +1788,7 @@ class LazyTrainEngine(nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         tag = ckpt.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
         self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
+        self.dist.calls.together("save_checkpoint()", self.micro_steps)   # not on rank 0 alone, as DDP's scripts do
         into_step = self.micro_steps % self.gradient_accumulation_steps()
         if into_step and self._boundary_override is None and self.global_rank == 0:   # else the script says
             warnings.warn(f"lazytrain: save_checkpoint {tag!r} between the micro-batches of a step ({into_step} of "
@@ -1942,6 +1953,7 @@ class LazyTrainEngine(nn.Module):
         values; DeepSpeed's own record types): a checkpoint naming anything else is refused, unless
         ``trust_checkpoint`` (default: the config's ``lazytrain.trust_checkpoints``) says it comes from a
         source trusted like the training script itself."""
+        self.dist.calls.together("load_checkpoint()", self.micro_steps)
         tag = self._agreed_tag(load_dir, tag)
         if tag is None:
             return None, None
