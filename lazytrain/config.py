@@ -762,21 +762,27 @@ def _parse_fp16(section) -> FP16Config:
         raise ConfigError("config key 'fp16.fp16_master_weights_and_grads' keeps the master weights and gradients in "
                           "fp16, which LazyTrain does not do: its host optimizer keeps fp32 masters and gradients. "
                           "Remove the key")
-    return FP16Config(   # loss_scale 0: dynamic
-        enabled=enabled, loss_scale=float(_number(section, "loss_scale", 0.0, "fp16", minimum=0, text=True,
-                                                  finite=True)),
-        initial_scale_power=_fp16_scale_power(section),
-        loss_scale_window=_number(section, "loss_scale_window", 1000, "fp16", integer=True, minimum=1, text=True),
-        hysteresis=_number(section, "hysteresis", 2, "fp16", integer=True, minimum=1, text=True),
+    loss_scale = float(_number(section, "loss_scale", 0.0, "fp16", minimum=0, text=True, finite=True))
+    # the dynamic scaler's settings are checked for their range only where it runs (fp16 on, loss_scale 0), as
+    # DeepSpeed does: a static or disabled fp16 section may carry values it never uses
+    dynamic = enabled and loss_scale == 0
+    return FP16Config(
+        enabled=enabled, loss_scale=loss_scale,
+        initial_scale_power=_fp16_scale_power(section, dynamic),
+        loss_scale_window=_number(section, "loss_scale_window", 1000, "fp16", integer=True,
+                                  minimum=1 if dynamic else None, text=True),
+        hysteresis=_number(section, "hysteresis", 2, "fp16", integer=True, minimum=1 if dynamic else None, text=True),
         consecutive_hysteresis=_flag(section, "consecutive_hysteresis", False, "fp16"),
-        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0, text=True, finite=True)),
+        min_loss_scale=float(_number(section, "min_loss_scale", 1.0, "fp16", above=0 if dynamic else None, text=True,
+                                     finite=True)),
         auto_cast=_flag(section, "auto_cast", False, "fp16"))
 
 
-def _fp16_scale_power(section) -> int:
+def _fp16_scale_power(section, dynamic: bool) -> int:
     """The dynamic loss scale starts at 2**power, which must be a float (2**1024 is not)."""
-    power = _number(section, "initial_scale_power", 16, "fp16", integer=True, minimum=0, text=True)
-    if power > 1023:
+    power = _number(section, "initial_scale_power", 16, "fp16", integer=True, minimum=0 if dynamic else None,
+                    text=True)
+    if dynamic and power > 1023:
         raise ConfigError(f"config key 'fp16.initial_scale_power' must be at most 1023 (the loss scale is 2**power, "
                           f"a float), got {power!r}")
     return power

@@ -598,7 +598,6 @@ def test_lazytrain_settings_the_engine_or_planner_would_fail_on_later_are_refuse
     ("fp16", "initial_scale_power", 16.7, "config key 'fp16.initial_scale_power' must be a whole number, got 16.7"),
     ("fp16", "loss_scale", -4, "config key 'fp16.loss_scale' must be >= 0, got -4"),
     ("fp16", "loss_scale", "dynamic", "config key 'fp16.loss_scale' must be a number, got 'dynamic'"),
-    ("fp16", "min_loss_scale", 0, "config key 'fp16.min_loss_scale' must be > 0, got 0"),
     ("lazytrain", "hybrid_threshold", 4096.9, "config key 'lazytrain.hybrid_threshold' must be a whole number, got 4096.9"),
     ("lazytrain", "hybrid_threshold", "big", "config key 'lazytrain.hybrid_threshold' must be a number, got 'big'"),
     ("lazytrain", "milp_time_limit", "10s", "config key 'lazytrain.milp_time_limit' must be a number, got '10s'"),
@@ -848,6 +847,17 @@ def test_switches_read_as_true_or_false_refuse_numbers(key, value):
         parse_config({"train_batch_size": 2, "lazytrain": {key: value}})
 
 
+@pytest.mark.parametrize("fp16", [{"enabled": False}, {"enabled": True, "loss_scale": 128}])
+def test_the_dynamic_scalers_settings_are_range_checked_only_where_it_runs_as_deepspeed_does(fp16):
+    """A disabled or static-scale fp16 section carrying values the dynamic scaler would refuse: DeepSpeed 0.19.8
+    takes it (its checks run only for fp16 with loss_scale 0), and so does LazyTrain; their types are checked."""
+    unused = {"loss_scale_window": 0, "min_loss_scale": 0, "hysteresis": 0, "initial_scale_power": 2000}
+    cfg = parse_config({"train_batch_size": 2, "fp16": {**fp16, **unused}})
+    assert cfg.fp16.enabled == fp16["enabled"]
+    with pytest.raises(ConfigError, match=r"^config key 'fp16.loss_scale_window' must be a whole number, got 0.5$"):
+        parse_config({"train_batch_size": 2, "fp16": {**fp16, "loss_scale_window": 0.5}})
+
+
 @pytest.mark.parametrize("value", ["16", True, -3, 0, 2.5])
 def test_seq_len_must_be_a_whole_number_of_tokens(value):
     with pytest.raises(ConfigError, match=r"config key 'lazytrain.seq_len' must be a whole number of tokens >= 1"):
@@ -857,6 +867,9 @@ def test_seq_len_must_be_a_whole_number_of_tokens(value):
 @pytest.mark.parametrize("config, error, message", [
     ({"fp16": {"enabled": True, "loss_scale": math.inf}}, ConfigError,
      "config key 'fp16.loss_scale' must be a finite number, got inf"),   # every step was skipped as an overflow
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, ConfigError, "config key 'fp16.min_loss_scale' must be > 0, got 0"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, ConfigError,   # a ZeroDivisionError in the scaler
+     "config key 'fp16.loss_scale_window' must be >= 1, got 0"),
     ({"fp16": {"enabled": True, "min_loss_scale": math.inf}}, ConfigError,
      "config key 'fp16.min_loss_scale' must be a finite number, got inf"),
     ({"fp16": {"enabled": True, "loss_scale_window": math.inf}}, ConfigError,
