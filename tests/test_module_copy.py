@@ -264,3 +264,30 @@ def test_torch_save_of_the_model_writes_its_plain_copy(bf16):
     assert "__reduce_ex__" not in vars(engine.module)
     again = pickle.loads(pickle.dumps(engine.module))
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), engine.module.state_dict().values()))
+
+
+def _plain_in_child(module, path):
+    torch.save({"plain": all("forward" not in vars(m) and "__deepcopy__" not in vars(m) for m in module.modules()),
+                "weights": module.state_dict()}, path)
+
+
+def test_a_new_process_given_the_model_gets_its_plain_copy_and_copy_copy_stays_shallow(tmp_path):
+    """A spawned process given the model (mp.Process(args=...), a spawn DataLoader's dataset holding it) failed
+    with "bad value(s) in fds_to_keep": the copy pickled was freed, closing its shared memory, before the child
+    started. copy.copy, which looks __reduce_ex__ up on the instance too, gives a shallow copy as for any module."""
+    import multiprocessing
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(True, False))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    child = multiprocessing.get_context("spawn").Process(target=_plain_in_child,
+                                                         args=(engine.module, str(tmp_path / "child.pt")))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    seen = torch.load(tmp_path / "child.pt")
+    trained = engine.module_state_dict()
+    assert seen["plain"] and all(torch.equal(v, trained[n]) for n, v in seen["weights"].items())
+    shallow = copy.copy(engine.module)
+    assert shallow.head is engine.module.head and shallow.stack is engine.module.stack
+    engine.destroy()

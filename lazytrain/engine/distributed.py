@@ -88,25 +88,36 @@ class CallOrder:
     def __init__(self, rank: int, world: int, timeout_s: float, group):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.made = 0   # calls published so far (the same sequence on every rank)
+        self.micro_step = 0   # the last one published
         self.store = None
         if world > 1:
-            try:   # the store the process group was made from (torchrun's, a file or TCP store: any kind)
+            try:   # the store the process group was made from (torchrun's or a TCP store)
                 store = dist.distributed_c10d._get_default_store()
             except (RuntimeError, AttributeError, ValueError):   # a group made some other way: not checked
                 return
+            if _file_store(store):   # a file store's file grows with every write, for the whole run
+                return
             # under the engine's own group's name: a second engine's calls are counted apart
             self.store = dist.PrefixStore(f"lazytrain/calls/{group.group_name}/", store)
+            # a rank waiting in a save this one never makes learns it when this one's script ends
+            atexit.register(self.entering, "the end of its script", None)
 
-    def entering(self, call: str, micro_step: int) -> int:
+    def entering(self, call: str, micro_step: int | None) -> int:
         """This rank is about to run ``call``'s collectives at ``micro_step``; returns the call's number. Published
         where it can be: a store that cannot be reached leaves the collective itself to fail, naming itself."""
         number, self.made = self.made, self.made + 1
+        self.micro_step = self.micro_step if micro_step is None else micro_step
+        micro_step = self.micro_step
         if self.store is not None:
             try:
                 self.store.set(f"at/{self.rank}", f"{number} {micro_step} {call}")
             except (RuntimeError, OSError):
                 pass
         return number
+
+    def at_micro_step(self, micro_step: int) -> None:
+        """The micro-step the calls published without one (a gather, the script's end) are at."""
+        self.micro_step = micro_step
 
     def together(self, call: str, micro_step: int, poll_s: float = 0.001) -> None:
         """Wait until every rank has arrived at this call (the same one, as the same call of the sequence); a
@@ -130,11 +141,7 @@ class CallOrder:
                 behind = [] if published else others
                 for r, (there, step, elsewhere) in zip(others, positions):
                     if int(there) > number or (int(there) == number and elsewhere != call):
-                        raise CollectiveError(
-                            f"rank {self.rank} of {self.world}: {call} was called here at micro-step {micro_step}, "
-                            f"where rank {r} went on to {elsewhere} (at micro-step {step}) without calling it: every "
-                            f"rank must call {call} (each writes or reads its part), as in DeepSpeed; a script that "
-                            f"saves on rank 0 alone (as with DDP) calls it on every rank instead")
+                        raise CollectiveError(self._skipped(call, micro_step, number, r, int(there), step, elsewhere))
                     if int(there) < number:
                         behind.append(r)
                 if time.monotonic() - t0 > self.timeout_s:
@@ -149,6 +156,31 @@ class CallOrder:
             raise CollectiveError(f"rank {self.rank} of {self.world}: the arrival of every rank at {call} could not "
                                   f"be checked: the process group's store failed ({type(e).__name__}: {e}); another "
                                   f"rank or the launcher may have stopped") from e
+
+    def _skipped(self, call: str, micro_step: int, number: int, r: int, there: int, step: str, elsewhere: str) -> str:
+        """What a rank seen elsewhere means: it went on without this call, or (the same call at another count)
+        the ranks' calls differed earlier."""
+        if elsewhere == call:
+            return (f"rank {self.rank} of {self.world}: {call} is this rank's call {number} whose collectives need "
+                    f"every rank, and rank {r}'s call {there}: the ranks made different such calls before it (a "
+                    f"step, a backward, a save or a load on some ranks only); every rank must make the same ones")
+        return (f"rank {self.rank} of {self.world}: {call} was called here at micro-step {micro_step}, where rank {r} "
+                f"went on to {elsewhere} (at micro-step {step}) without calling it: every rank must call it (each writes "
+                f"or reads its part), as in DeepSpeed; a script that saves on rank 0 alone (as with DDP) calls it on "
+                f"every rank instead")
+
+
+def _is_gloo(group) -> bool:
+    try:
+        return group is not None and dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):   # a group already torn down: nothing to wait for
+        return False
+
+
+def _file_store(store) -> bool:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.FileStore)
 
 
 def world_size() -> int:
@@ -194,6 +226,8 @@ class DistributedContext:
         self.rank = dist.get_rank() if own_group else int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if own_group else 0))
         self.timeout_s = float(timeout_s)
+        self._started_lock = threading.Lock()
+        self._in_flight: dict[int, tuple] = {}   # works _started and not yet waited for: id -> (work, group)
         self.host_group = self.device_group = self.update_group = self.gradient_group = None
         self.device_gradient_group = None   # see reduce_gradients_on_device
         if self.world_size > 1:
@@ -236,9 +270,13 @@ class DistributedContext:
         try:
             work.wait(self._timeout())
         except RuntimeError as e:
-            gloo = group is not None and dist.get_backend(group) == "gloo"   # NCCL's watchdog ends its own
-            UNFINISHED.hold(work, self.timeout_s + 5.0 if gloo else 0.0)
+            with self._started_lock:   # those started beside it (_started) are as unfinished
+                held, self._in_flight = [(work, group), *self._in_flight.values()], {}
+            for w, g in held:
+                UNFINISHED.hold(w, self.timeout_s + 5.0 if _is_gloo(g) else 0.0)   # NCCL's watchdog ends its own
             raise self._failed(what, t0, e) from e
+        with self._started_lock:
+            self._in_flight.pop(id(work), None)
 
     def _failed(self, what: str, t0: float, e: BaseException) -> CollectiveError:
         return CollectiveError(
@@ -402,6 +440,8 @@ class DistributedContext:
             work = collective(*args, async_op=True, **kwargs)
         except RuntimeError as e:
             raise self._failed(what, t0, e) from e
+        with self._started_lock:
+            self._in_flight[id(work)] = (work, kwargs.get("group"))
 
         def finish() -> None:
             self._wait(what, time.monotonic(), work, kwargs.get("group"))

@@ -295,9 +295,9 @@ class LazyTrainEngine(nn.Module):
             self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.optimizer = None
-        # the calls whose collectives need every rank, each published before them (CallOrder)
+        # a backward whose collectives need every rank, published before them (CallOrder; a forward is not: at
+        # stage 3 it gathers only what is not held already, so it is not a collective on every rank every time)
         self._backward_reduces = self.shards is not None and config.zero_stage >= 2
-        self._forward_gathers = self.partitioned is not None and partition
         # each layer's sum of squares taken as its gradients land, for the step's norm; not where every rank's
         # whole buffers are reduced at the step (stages 0-1 over several ranks): that rewrites them
         self.weights.landed_sums = config.lazytrain.grad_norm_as_landed and \
@@ -759,8 +759,6 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
                               "no gradient from the streamed layers, which run without autograd in the forward: "
                               "use them for inspection, not in the loss")
-        if self._forward_gathers:
-            self.dist.calls.entering("a forward of the model", self.micro_steps)
         if self.partitioned is not None:
             self.partitioned.begin_forward()
         chunk = self._config.lazytrain.loss_chunk_tokens
@@ -870,6 +868,7 @@ class LazyTrainEngine(nn.Module):
             self._grads_unusable = False   # a retried step that went through
             began, self._step_began = self._step_began, None
         self.micro_steps += 1
+        self.dist.calls.at_micro_step(self.micro_steps)
         if boundary and self.auto is not None:
             self.auto.after_step(self.global_steps, time.perf_counter() - (began or time.perf_counter()))
         self._raise_unstored_copies()
@@ -1666,17 +1665,24 @@ class LazyTrainEngine(nn.Module):
         parameters outside the streamed blocks on the host), every rank gathers the fp32 weights other ranks
         own, so every rank must call it."""
         self._refuse_if_inconsistent("module_state_dict()")
-        if self.partitioned is not None or self.weights.masters_sharded:   # a gather (see the docstring)
+        if self._state_gathers():
             self.dist.calls.together("module_state_dict()", self.micro_steps)
         self.wait_for_update()
         with self._whole():
             return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
+
+    def _state_gathers(self) -> bool:
+        """Whether reading the whole model's fp32 weights gathers from other ranks (stage 3, and sharded masters
+        at stages 1-2): a collective every rank must make."""
+        return self.partitioned is not None or self.weights.masters_sharded
 
     def _copy_of_module(self, root: nn.Module, memo: dict) -> nn.Module:
         """``copy.deepcopy`` of the model or one of its modules (module_copy.py): as ``destroy()`` would hand it
         back, without handing it back. It reads the weights as :meth:`module_state_dict` does, so where that is
         a collective (sharded bf16/fp16, stage 3) every rank makes its copy."""
         self._refuse_if_inconsistent("copy.deepcopy of the model")
+        if self._state_gathers():
+            self.dist.calls.together("a copy of the model (copy.deepcopy, or pickling it)", self.micro_steps)
         self.wait_for_update()
         devices = {(id(m), name): device for m, _, name, device in self._devices_given}
         with self._whole():
@@ -2472,6 +2478,8 @@ class LazyTrainEngine(nn.Module):
         not ending in ``.safetensors`` (DeepSpeed's default ``pytorch_model.bin``) is written by
         ``torch.save`` as asked."""
         self._refuse_if_inconsistent("save_16bit_model()")
+        if self.partitioned is not None and not self._masters_on_owners():   # _whole_copies gathers
+            self.dist.calls.together("save_16bit_model()", self.micro_steps)
         # safetensors refuses tensors that share memory: tied names each get their own copy, as in DeepSpeed
         with self._whole_copies():
             state = self._state_in_compute_dtype(exclude_frozen_parameters, share_tied=False)
@@ -2494,6 +2502,8 @@ class LazyTrainEngine(nn.Module):
         ``None`` on the others. It answers at every stage; at stage 3 every rank must call it (the non-block
         parameters are gathered from their owners)."""
         self._refuse_if_inconsistent("_zero3_consolidated_16bit_state_dict()")
+        if self.partitioned is not None and not self._masters_on_owners():   # _whole_copies gathers
+            self.dist.calls.together("_zero3_consolidated_16bit_state_dict()", self.micro_steps)
         with self._whole_copies():   # every rank takes part in a gather; rank 0 alone builds the state
             return self._state_in_compute_dtype(exclude_frozen_parameters) if self.global_rank == 0 else None
 
@@ -2524,6 +2534,8 @@ class LazyTrainEngine(nn.Module):
         (accelerate's ``free_memory`` calls it too)."""
         if self.__dict__.get("_destroyed"):
             return
+        if "dist" in self.__dict__:   # a rank waiting in a save the others skipped learns it at once
+            self.dist.calls.entering("destroy()", self.micro_steps)
         self._own_weights_again()
         self._hand_model_back()
         self._destroyed = True

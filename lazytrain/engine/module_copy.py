@@ -16,6 +16,8 @@ model or of any of its modules build the copy through :meth:`EngineAttachments.c
 from __future__ import annotations
 
 import copy
+import multiprocessing.context
+import sys
 import weakref
 from typing import Callable
 
@@ -158,13 +160,22 @@ class _PickleThroughEngine:
     """``module.__reduce_ex__`` for each module of the model (pickle, like deepcopy, looks it up on the instance):
     pickling the module pickles its plain copy (``torch.save(engine.module)``, as DeepSpeed's module allows).
     The copy is made whole first, so it costs the module's size in fp32 while it is written. A pickle holding a
-    module and one of its modules beside it (``[model, model.head]``) loads two copies that share nothing."""
+    module and one of its modules beside it (``[model, model.head]``) loads two copies that share nothing.
+    ``copy.copy`` looks ``__reduce_ex__`` up on the instance too: it gets the class's, a shallow copy as for
+    any module."""
 
     def __init__(self, deepcopy: _DeepcopyThroughEngine):
         self._deepcopy = deepcopy
 
     def __call__(self, protocol: int):
+        module = self._deepcopy._module()
+        if module is not None and sys._getframe(1).f_code is copy.copy.__code__:
+            return type(module).__reduce_ex__(module, protocol)
         plain = self._deepcopy({})
+        popen = multiprocessing.context.get_spawning_popen()
+        if popen is not None:   # a new process started with the model: its tensors' shared memory is passed by
+            # file descriptors that must stay open until the child has them; the copy lives as long as the process
+            vars(popen).setdefault("_lazytrain_model_copies", []).append(plain)
         return type(plain).__reduce_ex__(plain, protocol)
 
 

@@ -298,9 +298,13 @@ class PartitionedParams:
     def _fetch(self, entries, what: str = FOR_FORWARD) -> None:
         if not self.active:   # after unpartition(): every parameter is whole, and a graph's hooks may remain
             return
+        published = False
         for e in entries:
             if e.held:
                 continue
+            if not published:   # a collective on every rank: a rank waiting in a save the others skipped sees it
+                self.dist.calls.entering("a gather of partitioned parameters", None)
+                published = True
             mine = e.owner == self.rank
             buf = e.param.data if mine else torch.empty_strided(e.shape, e.stride, dtype=e.param.dtype,
                                                                  device=e.param.device)
