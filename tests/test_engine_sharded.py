@@ -516,7 +516,8 @@ def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collect
     assert "with a collective timeout of 3 s" in message
 
 
-@pytest.mark.parametrize("per_node,stage", [(1, 2), (2, 2), (2, 3)])
+@pytest.mark.parametrize("per_node,stage", [pytest.param(1, 2, marks=pytest.mark.slow),   # (2, 3) runs both paths
+                                            pytest.param(2, 2, marks=pytest.mark.slow), (2, 3)])
 def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_node, stage):
     """Multi-node as torchrun runs it: two launchers (--nnodes 2, node ranks 0 and 1) meeting at one
     rendezvous address; here both on this machine. With two processes per node, each node's ranks share one

@@ -192,13 +192,13 @@ def test_a_time_limit_too_short_to_search_gives_the_plan_it_started_from_said_to
     assert "the solver (highs) had no time to start; raise the time limit" in plan.prediction["solver"]["detail"]
 
 
-@pytest.mark.parametrize("accum", [2, 7])
-def test_with_accumulated_micro_batches_the_milp_still_equals_brute_force(accum):
+@pytest.mark.parametrize("accum,layers,gpu,host_slots,free_windows,resident",   # each toy at one accumulation:
+                         [(2, 4, 1.5, 1, True, False), (7, 5, 2.5, 0, False, True)])   # a brute force is seconds
+def test_with_accumulated_micro_batches_the_milp_still_equals_brute_force(accum, layers, gpu, host_slots,
+                                                                          free_windows, resident):
     import dataclasses
-    p = dataclasses.replace(toy_problem(4, 1.5, host_slots=1, hw=SLOW_HW), grad_accum=accum)
-    check_equal(p, free_windows=True, resident=False)
-    p = dataclasses.replace(toy_problem(5, 2.5, host_slots=0, hw=SLOW_HW), grad_accum=accum)
-    check_equal(p, free_windows=False, resident=True)
+    p = dataclasses.replace(toy_problem(layers, gpu, host_slots=host_slots, hw=SLOW_HW), grad_accum=accum)
+    check_equal(p, free_windows=free_windows, resident=resident)
 
 
 def test_a_deadline_that_stops_the_solver_before_any_plan_falls_back_to_a_baseline():

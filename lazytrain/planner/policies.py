@@ -20,6 +20,7 @@ calibration can be given with the spread those fits allow.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Callable
 
@@ -153,6 +154,14 @@ def megatrain_memory_errors(hw: HardwareProfile, gpu: str) -> dict[str, float]:
 
 def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False,
               pcie_max_gbps: float = 48.0) -> tuple[HardwareProfile, dict]:
+    """:func:`_calibrated`, fitted once per process for the same arguments (a fit costs seconds; the band and
+    the reports fit the same calibration again)."""
+    hw, errors = _calibrated(base, gpu, fit_pcie, pcie_max_gbps)
+    return hw, dict(errors)
+
+
+@functools.lru_cache(maxsize=16)
+def _calibrated(base: HardwareProfile, gpu: str, fit_pcie: bool, pcie_max_gbps: float) -> tuple[HardwareProfile, tuple]:
     """Fit achievable_tflops and host_optimizer_gparams_per_s (and h2d = d2h GB/s when ``fit_pcie``) to
     the paper's MegaTrain column on ``gpu``, minimising the largest relative tokens/s error.
 
@@ -191,7 +200,7 @@ def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False,
     if bw is not None:
         kw.update(h2d_gbps=bw, d2h_gbps=bw)
     hw = replace(base, **kw)
-    return hw, megatrain_errors(hw, gpu)
+    return hw, tuple(megatrain_errors(hw, gpu).items())
 
 
 def calibration_band(base: HardwareProfile, gpu: str, tolerance: float = 0.01,
