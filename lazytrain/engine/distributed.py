@@ -80,7 +80,8 @@ class CallOrder:
     saving) had rank 0's collectives pair up with the others' next step's: gloo then aborted a process on the
     size mismatch, blaming "another rank stopped, hung or died", and where the sizes matched it would combine
     unrelated tensors. Before each call whose collectives need every rank (a step, a backward that reduces, a
-    forward that gathers, a together-call), a rank publishes how many such calls it has made and which this one
+    gather of partitioned parameters that broadcasts, a together-call, ``destroy()``, the script's end), a rank
+    publishes how many such calls it has made and which this one
     is: every rank makes the same ones in the same order, so a together-call waits until every rank has
     arrived at it, and fails at once, naming the call, where a rank's call at the same count is another, or a
     rank is past it."""
@@ -127,12 +128,12 @@ class CallOrder:
             return
         key, t0 = f"together/{number}", time.monotonic()
         others = [r for r in range(self.world) if r != self.rank]
+        keys = [f"at/{r}" for r in others]
         try:
             arrived = self.store.add(key, 1)
             while arrived < self.world:
                 time.sleep(poll_s)
                 poll_s = min(2 * poll_s, 0.05)
-                keys = [f"at/{r}" for r in others]
                 published = self.store.check(keys)   # each rank publishes at its first such call (get would wait)
                 positions = [v.decode().split(" ", 2) for v in self.store.multi_get(keys)] if published else []
                 arrived = self.store.add(key, 0)   # after the positions: one seen past here went on once all came
