@@ -1449,7 +1449,11 @@ class LazyTrainEngine(nn.Module):
     def _whole_copies(self):
         """Meanwhile every parameter's compute copy is whole on every rank (stage 3: a collective; below it
         they are whole already, the fp32 masters on their owners notwithstanding)."""
-        return contextlib.nullcontext() if self._masters_on_owners() else self._whole()
+        return self._whole() if self._copies_gather() else contextlib.nullcontext()
+
+    def _copies_gather(self) -> bool:
+        """Whether :meth:`_whole_copies` is a collective every rank must make (stage 3 over several ranks)."""
+        return self.partitioned is not None and not self._masters_on_owners()
 
     def _shapes_only(self):
         """Meanwhile every parameter has its shape on every rank, without the values of those other ranks
@@ -2478,7 +2482,7 @@ class LazyTrainEngine(nn.Module):
         not ending in ``.safetensors`` (DeepSpeed's default ``pytorch_model.bin``) is written by
         ``torch.save`` as asked."""
         self._refuse_if_inconsistent("save_16bit_model()")
-        if self.partitioned is not None and not self._masters_on_owners():   # _whole_copies gathers
+        if self._copies_gather():
             self.dist.calls.together("save_16bit_model()", self.micro_steps)
         # safetensors refuses tensors that share memory: tied names each get their own copy, as in DeepSpeed
         with self._whole_copies():
@@ -2502,7 +2506,7 @@ class LazyTrainEngine(nn.Module):
         ``None`` on the others. It answers at every stage; at stage 3 every rank must call it (the non-block
         parameters are gathered from their owners)."""
         self._refuse_if_inconsistent("_zero3_consolidated_16bit_state_dict()")
-        if self.partitioned is not None and not self._masters_on_owners():   # _whole_copies gathers
+        if self._copies_gather():
             self.dist.calls.together("_zero3_consolidated_16bit_state_dict()", self.micro_steps)
         with self._whole_copies():   # every rank takes part in a gather; rank 0 alone builds the state
             return self._state_in_compute_dtype(exclude_frozen_parameters) if self.global_rank == 0 else None

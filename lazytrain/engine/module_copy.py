@@ -179,7 +179,10 @@ class _PickleThroughEngine:
         return type(plain).__reduce_ex__(plain, protocol)
 
 
-_INSTALLED = ("__deepcopy__", "__reduce_ex__")   # the instance attributes install() sets on each module
+
+
+# the instance attributes install() sets on each module, and the class of each
+_INSTALLED = {"__deepcopy__": _DeepcopyThroughEngine, "__reduce_ex__": _PickleThroughEngine}
 
 
 def install(model: nn.Module, copy_fn: Callable[[nn.Module, dict], nn.Module]) -> list:
@@ -202,9 +205,11 @@ def engine_of(model: nn.Module) -> bool:
 
 
 def uninstall(patched: list) -> None:
+    """Removes what :func:`install` set, and only that (a script's own ``__deepcopy__`` stays)."""
     for ref in patched:
         m = ref()
-        if m is not None and isinstance(vars(m).get("__deepcopy__"), _DeepcopyThroughEngine):
-            del vars(m)["__deepcopy__"]
-        if m is not None and isinstance(vars(m).get("__reduce_ex__"), _PickleThroughEngine):
-            del vars(m)["__reduce_ex__"]
+        if m is None:
+            continue
+        for name, kind in _INSTALLED.items():
+            if isinstance(vars(m).get(name), kind):
+                del vars(m)[name]
