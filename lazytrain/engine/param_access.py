@@ -7,7 +7,12 @@ is ``None``), 8-bit moments are codes. DeepSpeed's answer to the same problem is
 offers them with DeepSpeed's signatures, answered here by the engine that owns the parameter.
 
 Live engines are found through a weak set (an engine registers when set up, leaves when destroyed), so the
-functions take the parameter alone, as DeepSpeed's do."""
+functions take the parameter alone, as DeepSpeed's do.
+
+Over several ranks with the state shared out (``zero_optimization.stage`` >= 1), a weight's fp32 master and
+its optimizer state live on one rank: reading them is a broadcast from it, and a set is checked to carry the
+same value on every rank, so every rank calls them, as DeepSpeed's (a call on some ranks only fails at once,
+naming itself: distributed.py's ``CallOrder``). The gradient is not assembled over several ranks (refused)."""
 from __future__ import annotations
 
 import threading
@@ -39,18 +44,58 @@ def owner_of(param: torch.Tensor):
     return None
 
 
-def _refuse(engine, what: str) -> None:
-    """What the accessors cannot answer: another thread's call (the gradient sinks and the update thread are
-    waited on by the thread that trains), and state that may be on another rank."""
+def _refuse_other_threads(engine, what: str) -> None:
+    """The accessors wait for the gradient sinks and the update thread, which only the thread that trains may."""
     if threading.get_ident() != engine._setup_thread:
         raise RuntimeError(f"lazytrain.utils.{what} was called from a thread other than the one that set up the "
                            f"engine: it waits for the gradient copies and the overlapped update, which only the "
                            f"training thread may do; call it from the training loop")
-    if engine.world_size > 1:
-        raise NotImplementedError(
-            f"lazytrain.utils.{what} over {engine.world_size} ranks is not implemented: the parameter's state may "
-            f"live on another rank (ZeRO stages 1-3) and assembling it is a collective LazyTrain does not offer "
-            f"yet; read it in one process, or from engine.module_state_dict() / a saved checkpoint")
+
+
+def _held_by(engine, param: torch.Tensor) -> int | None:
+    """The rank that holds ``param``'s fp32 master and optimizer state where the ranks share the state out
+    (``zero_optimization.stage`` >= 1 over several ranks: sharding.py), so that reading them is a broadcast
+    from it that every rank makes; None where every rank holds them (one rank, stage 0, a tensor added to
+    the optimizer after the ranks shared it out)."""
+    if engine.shards is None:
+        return None
+    return engine.shards.param_owner.get(id(_master(engine, param)))
+
+
+def _shape(engine, param: torch.Tensor) -> tuple[int, ...]:
+    """``param``'s shape on every rank (at stage 3 a parameter another rank owns is a placeholder here)."""
+    with engine._shapes_only():
+        return tuple(param.shape)
+
+
+def _from_holder(engine, param: torch.Tensor, holder: int, what: str, answer):
+    """Every rank's copy of what rank ``holder`` answers for ``param``: ``answer()`` there (a contiguous fp32
+    host tensor of the parameter's shape, None, or a ValueError, raised on every rank); a collective every
+    rank makes, once every rank has arrived at it (a call on some ranks only fails at once, naming it)."""
+    call = f"lazytrain.utils.{what}"
+    engine.dist.calls.together(call, engine.micro_steps)
+    engine.wait_for_update()
+    mine, failure = None, None
+    if engine.global_rank == holder:
+        try:
+            mine = answer()
+        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here as it is
+            failure = e
+    told = ("tensor" if mine is not None else None) if failure is None else \
+        (type(failure).__name__, str(failure), isinstance(failure, ValueError))
+    told = engine.dist.all_gather_object(told, f"{call}: what the rank that holds it answers")[holder]
+    if failure is not None:
+        raise failure
+    if isinstance(told, tuple):
+        name, message, refused = told
+        raise ValueError(message) if refused else RuntimeError(f"lazytrain.utils.{what}: rank {holder}, which holds "
+                                                               f"the parameter's state, failed: {name}: {message}")
+    if told is None:
+        return None
+    value = mine if mine is not None else torch.empty(_shape(engine, param), dtype=torch.float32)
+    engine.dist.broadcast_from([value], holder, what=f"{call}: the broadcast from the rank that holds it (every "
+                               f"rank must call it, as in DeepSpeed)")
+    return value
 
 
 def _master(engine, param: torch.Tensor) -> torch.Tensor:
@@ -63,7 +108,14 @@ def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
     """A copy of ``param``'s gradient as accumulated for the coming ``step()`` (fp32, on the host where the
     engine keeps it; in fp16 multiplied by the loss scale, as DeepSpeed's); None before any backward reached
     it, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits for gradients still in flight."""
-    _refuse(engine, "safe_get_full_grad")
+    _refuse_other_threads(engine, "safe_get_full_grad")
+    if engine.world_size > 1:
+        raise NotImplementedError(
+            f"lazytrain.utils.safe_get_full_grad over {engine.world_size} ranks is not implemented: until step() a "
+            f"gradient is partly this rank's own and partly reduced to the rank that owns it (how much depends on "
+            f"the ZeRO stage and the micro-step), and assembling the one step() applies is a collective LazyTrain "
+            f"does not offer yet; read it in one process (the weights and optimizer state can be read over "
+            f"several ranks: safe_get_full_fp32_param, safe_get_full_optimizer_state)")
     engine.wait_for_update()              # the overlapped update reads and then zeroes the layers' gradients
     engine.weights.flush_grads()          # a copy that failed raises here, as at step()
     if engine.masters is not None:
@@ -77,29 +129,41 @@ def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
 
 def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor | None:
     """A copy of the fp32 weight the optimizer updates for ``param`` (its master), on the host, once an
-    overlapped update has landed; None for a frozen parameter, which nothing updates (as DeepSpeed's)."""
-    _refuse(engine, "safe_get_full_fp32_param")
+    overlapped update has landed; None for a frozen parameter, which nothing updates (as DeepSpeed's). Where
+    the ranks share the state out, the rank that holds it sends it: every rank must call it, as in DeepSpeed."""
+    _refuse_other_threads(engine, "safe_get_full_fp32_param")
     if not param.requires_grad:
         return None
-    engine.wait_for_update()
-    return _master(engine, param).detach().to("cpu", torch.float32, copy=True)
+
+    def answer() -> torch.Tensor:
+        return _master(engine, param).detach().to("cpu", torch.float32, copy=True)
+    holder = _held_by(engine, param)
+    if holder is None:
+        engine.wait_for_update()
+        return answer()
+    return _from_holder(engine, param, holder, "safe_get_full_fp32_param()", answer)
 
 
 def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
     """Write ``value`` (``param``'s shape) as ``param``'s fp32 weight and into every copy of it that computes,
     as a checkpoint load writes them: a write to the parameter itself would reach only one of them in bf16/fp16
     (a block parameter is a view of its master, whose compute copy the next forward does not read; an embedding
-    or head is its compute copy, whose master the next step writes back over it)."""
-    _refuse(engine, "safe_set_full_fp32_param")
+    or head is its compute copy, whose master the next step writes back over it). Over several ranks every rank
+    calls it with the same value (checked: else the ranks' copies of the weight would differ)."""
+    _refuse_other_threads(engine, "safe_set_full_fp32_param")
     value = torch.as_tensor(value)
-    if tuple(value.shape) != tuple(param.shape):
+    shape = _shape(engine, param)
+    if tuple(value.shape) != shape:
         raise ValueError(f"lazytrain.utils.safe_set_full_fp32_param: the value's shape {tuple(value.shape)} is not "
-                         f"the parameter's {tuple(param.shape)}")
+                         f"the parameter's {shape}")
     if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
         raise ValueError("lazytrain.utils.safe_set_full_fp32_param: the value must be floating point and finite")
+    value = value.detach().to("cpu", torch.float32)
+    if engine.world_size > 1:
+        _refuse_values_that_differ(engine, value)
     name = engine._module_param_name(param)
     if name is not None:   # the module's own: as a load_state_dict of that one name (hooks write masters and copies)
-        engine._load_module_state({name: value.detach().to("cpu", torch.float32)}, strict=False)
+        engine._load_module_state({name: value}, strict=False)
         return
     engine.wait_for_update()   # a tensor the script added to the optimizer: it is its own copy, or beside a master
     master = _master(engine, param)
@@ -109,15 +173,38 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
             param.copy_(value)
 
 
+def _refuse_values_that_differ(engine, value: torch.Tensor) -> None:
+    """Every rank has arrived at the same set, with rank 0's value: a write of different values would leave
+    the ranks' copies of one weight different (at stage 0 each rank writes its own replica; above it the owner
+    writes the master, every rank its compute copy), and training would go on silently diverged."""
+    call = "lazytrain.utils.safe_set_full_fp32_param()"
+    engine.dist.calls.together(call, engine.micro_steps)
+    first = value.contiguous().clone() if engine.global_rank == 0 else torch.empty(value.shape, dtype=torch.float32)
+    engine.dist.broadcast_from([first], 0, what=f"{call}: rank 0's value, to compare (every rank must call it)")
+    if not engine.dist.all_succeeded(torch.equal(first, value), f"{call}: agreement that every rank passed the "
+                                                                f"same value"):
+        raise ValueError(f"lazytrain.utils.safe_set_full_fp32_param over {engine.world_size} ranks: the ranks passed "
+                         f"different values (rank 0's differs from another's); every rank must pass the same value, "
+                         f"else the ranks' copies of the weight would differ. Nothing was written")
+
+
 def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor | None:
     """A copy of the optimizer's state ``key`` ("exp_avg", "exp_avg_sq", ...) for ``param``, in fp32 and in
     the parameter's shape (8-bit moments dequantized), on the host; None before the first step and for a
     frozen parameter. A key the optimizer does not keep is refused, naming those it keeps (as DeepSpeed's)."""
-    _refuse(engine, "safe_get_full_optimizer_state")
-    engine.wait_for_update()
-    opt = engine.optimizer
-    if opt is None:
+    _refuse_other_threads(engine, "safe_get_full_optimizer_state")
+    if engine.optimizer is None:
         return None
+    holder = _held_by(engine, param)
+    if holder is None:
+        engine.wait_for_update()
+        return _optimizer_state_here(engine, param, key)
+    return _from_holder(engine, param, holder, "safe_get_full_optimizer_state()",
+                        lambda: _optimizer_state_here(engine, param, key))
+
+
+def _optimizer_state_here(engine, param: torch.Tensor, key: str) -> torch.Tensor | None:
+    opt = engine.optimizer
     master = _master(engine, param)
     state = opt.state.get(master)
     if not state:
