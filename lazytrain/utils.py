@@ -9,9 +9,9 @@ elsewhere (the embedding's and head's fp32 masters on the host, the default on a
 ZeRO; these read it wherever it is. Each returns a copy in fp32 on the host, waiting first for what is in
 flight (gradient copies, an overlapped update): call them from the training thread. With
 :func:`lazytrain.replace_deepspeed` DeepSpeed's own names answer for LazyTrain's parameters too (a name
-imported from ``deepspeed.utils`` before that call is DeepSpeed's own). Over several ranks, the weight and
-optimizer state are read from the rank that holds them and a set checks that every rank passes the same
-value: every rank calls them, as under DeepSpeed's ZeRO. ``safe_get_full_grad`` is refused over several ranks."""
+imported from ``deepspeed.utils`` before that call is DeepSpeed's own). Over several ranks every rank calls
+them, as under DeepSpeed's ZeRO: the gradient is the one ``step()`` applies, averaged over the ranks; the weight
+and optimizer state come from the rank that holds them; a set checks that every rank passes the same value."""
 from __future__ import annotations
 
 __all__ = ["safe_get_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",

@@ -1994,11 +1994,12 @@ ACCESSED = ["emb.weight", "head.weight", "stack.0.fc1.weight", "stack.5.fc2.bias
 
 
 def _accessors(rank, world, out_dir, stage, dtype):
-    """lazytrain.utils' accessors on every rank: after a step, each weight's fp32 master and Adam moment read
-    (over shared-out state, from the rank that holds them), each weight set to half of it, a set whose value
-    differs between the ranks refused, then a second step."""
+    """lazytrain.utils' accessors on every rank: each weight's gradient after a backward and after the step,
+    then its fp32 master and Adam moment (over shared-out state, from the rank that holds them), each weight
+    set to half of it, a set whose value differs between the ranks refused, then a second step."""
     import lazytrain
-    from lazytrain.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+    from lazytrain.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
+                                 safe_set_full_fp32_param)
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, stage, False, dtype))
     per = GLOBAL // world
     part = slice(per * rank, per * rank + per)
@@ -2007,7 +2008,9 @@ def _accessors(rank, world, out_dir, stage, dtype):
     out = {"before_step": {n: safe_get_full_optimizer_state(params[n], "exp_avg") for n in ACCESSED}}
     x, y = steps[0]
     engine.backward(lm_loss(engine(x[part]), y[part]))
+    out["grad"] = {n: safe_get_full_grad(params[n]) for n in ACCESSED}
     engine.step()
+    out["grad_after_step"] = {n: safe_get_full_grad(params[n]) for n in ACCESSED}
     out["fp32"] = {n: safe_get_full_fp32_param(params[n]) for n in ACCESSED}
     out["exp_avg"] = {n: safe_get_full_optimizer_state(params[n], "exp_avg") for n in ACCESSED}
     out["gathered"] = {n: v for n, v in engine.module_state_dict().items() if n in ACCESSED}
@@ -2033,8 +2036,8 @@ def _accessors(rank, world, out_dir, stage, dtype):
 
 ACCESSORS = {(world, stage, dtype): case(world, f"accessors{world}-stage{stage}-{dtype}", _accessors, stage=stage,
                                          dtype=dtype)
-             for world, stage, dtype in ((1, 0, "fp32"), (2, 0, "fp32"), (2, 2, "fp32"), (2, 3, "fp32"),
-                                         (2, 0, "bf16"), (2, 2, "bf16"), (2, 3, "bf16"))}
+             for world, stage, dtype in ((1, 0, "fp32"), *((2, stage, dtype) for dtype in ("fp32", "bf16")
+                                                            for stage in (0, 1, 2, 3)))}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -2042,23 +2045,31 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, stage: int, what) -> None:
-    """Bit for bit below stage 3; at stage 3 within 1e-6 (its gathers add nothing, but its evaluation order may)."""
+    """Bit for bit below stage 3; at stage 3 within 1e-6."""
     assert (torch.equal(a, b) if stage < 3 else _rel(a, b) < 1e-6), (stage, what)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_process(spawned, dtype):
-    """safe_get_full_fp32_param / safe_get_full_optimizer_state / safe_set_full_fp32_param over 2 ranks, with
-    the state shared out (stages 2 and 3: each weight's master and moments on one rank; in bf16 the block
-    layers' fp32 weights too) and replicated (stage 0): every rank gets the answers of ranks that hold
-    everything (stage 0; bit for bit at stage 2, as its training is; within 1e-6 at stage 3) and, in fp32, of
+    """lazytrain.utils' accessors over 2 ranks, with the state shared out (stages 1-3: each weight's master and
+    moments on one rank, in bf16 the block layers' fp32 weights too; at stage 2 the layers' gradients reduced to
+    their owners as they land, at stage 3 the embedding's and head's too) and replicated (stage 0): every rank
+    gets the answers of ranks that hold everything (the gradient averaged over the ranks; stage 0's, bit for
+    bit at stages 1 and 2, as their training is; within 1e-6 at stage 3) and, in fp32, of
     one process training the same global batch (within 1e-5; the weights after the next step within 1e-4); a set reaches the next step alike; a set whose
     value differs between the ranks is refused on every rank, writing nothing."""
     replicated = spawned(ACCESSORS[2, 0, dtype])[0]
     one = spawned(ACCESSORS[1, 0, "fp32"])[0]
-    for stage in (0, 2, 3):
+    def nonzero(grads):
+        return {n: None if g is None else (tuple(g.shape), torch.count_nonzero(g).item()) for n, g in grads.items()}
+    shapes = {n: tuple(p.shape) for n, p in make_model("modulelist").named_parameters()}
+    # after the step: none outside the blocks, a block's buffer zeroed
+    after_step = {n: None if n in NON_BLOCK else (shapes[n], 0) for n in ACCESSED}
+    assert nonzero(one["grad_after_step"]) == after_step
+    for stage in (0, 1, 2, 3):
         for r in spawned(ACCESSORS[2, stage, dtype]):
             assert r["before_step"] == {n: None for n in ACCESSED}, stage
+            assert nonzero(r["grad_after_step"]) == after_step, stage
             assert r["unknown_key"] == ("lazytrain.utils.safe_get_full_optimizer_state: AdamW keeps no state "
                                         "'momentum_buffer' of this parameter's shape; it keeps 'exp_avg', 'exp_avg_sq'")
             assert r["differing"] == ("lazytrain.utils.safe_set_full_fp32_param over 2 ranks: the ranks passed "
@@ -2068,7 +2079,7 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
             for n in ACCESSED:
                 assert torch.equal(r["fp32"][n], r["gathered"][n]), (stage, n)
                 assert torch.equal(r["after_set"][n], r["fp32"][n] * 0.5), (stage, n)   # the refused set wrote nothing
-                for key in ("fp32", "exp_avg", "after_set"):
+                for key in ("grad", "fp32", "exp_avg", "after_set"):
                     _same(r[key][n], replicated[key][n], stage, (key, n))
                     if dtype == "fp32":
                         assert _rel(r[key][n], one[key][n]) < 1e-5, (stage, key, n)

@@ -286,7 +286,8 @@ class DistributedContext:
             f"('lazytrain.collective_timeout_s'). Another rank stopped, hung or died before reaching it "
             f"({type(e).__name__}: {e})")
 
-    def average(self, host_tensors: list[torch.Tensor], device_tensors: list[torch.Tensor]) -> None:
+    def average(self, host_tensors: list[torch.Tensor], device_tensors: list[torch.Tensor],
+                what: str = "gradient all-reduce of engine.step()") -> None:
         """Divide by the world size, then all-reduce (sum), in place: dividing first keeps loss-scaled
         gradients from overflowing in the sum."""
         if not self.enabled:
@@ -294,7 +295,7 @@ class DistributedContext:
         for tensors, group in ((host_tensors, self.host_group), (device_tensors, self.device_group)):
             for t in tensors:
                 sent = self._for_sending(t)
-                self._collective("gradient all-reduce of engine.step()", dist.all_reduce, sent, group=group)
+                self._collective(what, dist.all_reduce, sent, group=group)
                 if sent is not t:
                     t.copy_(sent)
 
@@ -463,6 +464,10 @@ class DistributedContext:
         except RuntimeError as e:
             raise self._failed(what, t0, e) from e
         self._wait(what, t0, work, self.host_group)
+
+    def sum_into(self, t: torch.Tensor, what: str) -> None:
+        """Every rank's ``t`` (contiguous) summed into every rank's, in place."""
+        self._collective(what, dist.all_reduce, t, group=self.group_for(t))
 
     def sum_over_ranks(self, value: float) -> float:
         flag = torch.tensor([value], dtype=torch.float64)

@@ -12,7 +12,8 @@ functions take the parameter alone, as DeepSpeed's do.
 Over several ranks with the state shared out (``zero_optimization.stage`` >= 1), a weight's fp32 master and
 its optimizer state live on one rank: reading them is a broadcast from it, and a set is checked to carry the
 same value on every rank, so every rank calls them, as DeepSpeed's (a call on some ranks only fails at once,
-naming itself: distributed.py's ``CallOrder``). The gradient is not assembled over several ranks (refused)."""
+naming itself: distributed.py's ``CallOrder``). The gradient is the one ``step()`` applies, averaged over the
+ranks: each rank's share summed."""
 from __future__ import annotations
 
 import threading
@@ -107,15 +108,11 @@ def _master(engine, param: torch.Tensor) -> torch.Tensor:
 def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
     """A copy of ``param``'s gradient as accumulated for the coming ``step()`` (fp32, on the host where the
     engine keeps it; in fp16 multiplied by the loss scale, as DeepSpeed's); None before any backward reached
-    it, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits for gradients still in flight."""
+    it, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits for gradients still in flight.
+    Over several ranks, the gradient averaged over them, as ``step()`` applies it: every rank must call it."""
     _refuse_other_threads(engine, "safe_get_full_grad")
     if engine.world_size > 1:
-        raise NotImplementedError(
-            f"lazytrain.utils.safe_get_full_grad over {engine.world_size} ranks is not implemented: until step() a "
-            f"gradient is partly this rank's own and partly reduced to the rank that owns it (how much depends on "
-            f"the ZeRO stage and the micro-step), and assembling the one step() applies is a collective LazyTrain "
-            f"does not offer yet; read it in one process (the weights and optimizer state can be read over "
-            f"several ranks: safe_get_full_fp32_param, safe_get_full_optimizer_state)")
+        return _grad_over_ranks(engine, param)
     engine.wait_for_update()              # the overlapped update reads and then zeroes the layers' gradients
     engine.weights.flush_grads()          # a copy that failed raises here, as at step()
     if engine.masters is not None:
@@ -125,6 +122,47 @@ def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
         return layer_grad.detach().clone()
     grad = _master(engine, param).grad
     return None if grad is None else grad.detach().to("cpu", torch.float32, copy=True)
+
+
+def _grad_over_ranks(engine, param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient averaged over the ranks as ``step()`` averages it (in the communication dtype, then fp32):
+    a collective every rank makes, once every rank has arrived at it; None where no rank holds one."""
+    if not param.requires_grad:
+        return None
+    call = "lazytrain.utils.safe_get_full_grad()"
+    engine.dist.calls.together(call, engine.micro_steps)
+    engine.wait_for_update()
+    engine.weights.flush_grads()          # at stage >= 2 the layers' reduces to their owners complete here
+    if engine.masters is not None:
+        engine.masters.flush_grads()
+    grad, reduced = _grad_here(engine, param)
+    if not any(engine.dist.all_gather_object(grad is not None, f"{call}: which ranks hold a gradient of it")):
+        return None
+    total = grad if grad is not None else torch.zeros(_shape(engine, param), dtype=torch.float32)
+    what = f"{call}: the gradient's sum over the ranks (every rank must call it, as in DeepSpeed)"
+    if reduced:   # the owner holds the average, the others nothing
+        engine.dist.sum_into(total, what)
+    else:         # each holds its own micro-batches' sum: averaged as step() averages it
+        engine.dist.average([total], [], what)
+    return total
+
+
+def _grad_here(engine, param: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """A copy of ``param``'s gradient on this rank (fp32, contiguous, on the host) or None where it holds
+    none, and whether it was reduced to its owner already: each micro-batch's as it landed (stage >= 2: the
+    streamed layers; stage 3: the partitioned parameters), the same for every rank; else each rank holds
+    the sum of its own micro-batches' until ``step()`` reduces it."""
+    w = engine.weights
+    layer = engine._layer_of_param.get(id(param))
+    if layer is not None:
+        reduced = w.grads_to_owners
+        if w.grad[layer] is None:   # another rank's layer: its gradients went to the owner as they landed
+            return None, reduced
+        grad = next(s for s, p in zip(w.layer_slots[layer], w.params[layer]) if p is param).of(w.grad[layer])
+    else:
+        holder = _master(engine, param)
+        grad, reduced = holder.grad, engine._partitioned(holder)
+    return (None if grad is None else grad.detach().to("cpu", torch.float32, copy=True).contiguous()), reduced
 
 
 def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor | None:
