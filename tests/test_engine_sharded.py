@@ -2025,7 +2025,18 @@ def _accessors(rank, world, out_dir, stage, dtype):
             safe_set_full_fp32_param(params["head.weight"], out["fp32"]["head.weight"] + rank)
         except ValueError as e:
             out["differing"] = str(e)
+        try:   # a value one rank refuses: refused on every rank
+            safe_set_full_fp32_param(params["head.weight"], out["fp32"]["head.weight"] if rank == 0 else torch.zeros(2))
+        except ValueError as e:
+            out["unfit_elsewhere"] = str(e)
     out["after_set"] = {n: safe_get_full_fp32_param(params[n]) for n in ACCESSED}
+    if world > 1 and stage > 0:   # ranks asking for different weights: refused at once, not paired up
+        from lazytrain.engine.distributed import CollectiveError
+        try:
+            safe_get_full_optimizer_state(params["stack.0.fc1.weight"], "exp_avg" if rank == 0 else "exp_avg_sq")
+        except CollectiveError as e:
+            out["other_arguments"] = str(e)
+        torch.distributed.barrier()   # neither goes on to its next call before the other has seen this one
     x, y = steps[1]
     engine.backward(lm_loss(engine(x[part]), y[part]))
     engine.step()
@@ -2067,7 +2078,7 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
     after_step = {n: None if n in NON_BLOCK else (shapes[n], 0) for n in ACCESSED}
     assert nonzero(one["grad_after_step"]) == after_step
     for stage in (0, 1, 2, 3):
-        for r in spawned(ACCESSORS[2, stage, dtype]):
+        for rank, r in enumerate(spawned(ACCESSORS[2, stage, dtype])):
             assert r["before_step"] == {n: None for n in ACCESSED}, stage
             assert nonzero(r["grad_after_step"]) == after_step, stage
             assert r["unknown_key"] == ("lazytrain.utils.safe_get_full_optimizer_state: AdamW keeps no state "
@@ -2076,6 +2087,18 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
                                       "different values (rank 0's differs from another's); every rank must pass "
                                       "the same value, else the ranks' copies of the weight would differ. Nothing "
                                       "was written")
+            if stage > 0:
+                mine, theirs = ("'exp_avg'", "'exp_avg_sq'") if rank == 0 else ("'exp_avg_sq'", "'exp_avg'")
+                assert r["other_arguments"] == (
+                    f"rank {rank} of 2: lazytrain.utils.safe_get_full_optimizer_state('stack.0.fc1.weight', "
+                    f"{mine}) was called here at micro-step 1, where rank {1 - rank} called "
+                    f"lazytrain.utils.safe_get_full_optimizer_state('stack.0.fc1.weight', {theirs}): every rank must "
+                    f"make the same call, with the same arguments, as in DeepSpeed (its collectives would pair up "
+                    f"different tensors)")
+            assert r["unfit_elsewhere"] == (
+                "lazytrain.utils.safe_set_full_fp32_param over 2 ranks: another rank's value was refused (its error says "
+                "why). Nothing was written" if rank == 0 else
+                f"lazytrain.utils.safe_set_full_fp32_param: the value's shape (2,) is not the parameter's ({VOCAB}, 32)")
             for n in ACCESSED:
                 assert torch.equal(r["fp32"][n], r["gathered"][n]), (stage, n)
                 assert torch.equal(r["after_set"][n], r["fp32"][n] * 0.5), (stage, n)   # the refused set wrote nothing
@@ -2087,3 +2110,52 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
                 _same(r["weights"][k], v, stage, k)
                 if dtype == "fp32":   # two Adam steps, the first of halved weights: 3.8e-5 seen (norm and fc2)
                     assert _rel(r["weights"][k], one["weights"][k]) < 1e-4, (stage, k)
+
+
+def _gathered_writes(rank, world, out_dir):
+    """deepspeed.zero.GatheredParameters(..., modifier_rank=1) on every rank before initialize: rank 1's writes
+    reach every rank (a bf16 tensor and a transposed one too, bit for bit); after initialize an engine's
+    parameter is refused there."""
+    import lazytrain
+    from lazytrain.integrations.deepspeed_entry import _GatheredParameters
+    if not torch.distributed.is_initialized():   # an earlier case of these ranks may have made it
+        torch.distributed.init_process_group("gloo")
+    model = make_model("modulelist")
+    extra = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16))
+    transposed = torch.nn.Parameter(torch.zeros(4, 3).t())
+    with _GatheredParameters([model.emb.weight, extra, transposed], modifier_rank=1):
+        with torch.no_grad():
+            model.emb.weight[0] = 100.0 + rank
+            extra.fill_(1.0 / 3 + rank)
+            transposed[1, 2] = 7.0 + rank
+    out = {"emb": model.emb.weight.detach().clone(), "extra": extra.detach().clone(),
+           "transposed": transposed.detach().clone()}
+    engine, _, _, _ = lazytrain.initialize(model=model, config=_config(world, 2, False))
+    try:
+        _GatheredParameters([engine.module.head.weight], modifier_rank=0)
+    except NotImplementedError as e:
+        out["refused"] = str(e)
+    with _GatheredParameters([engine.module.head.weight]):   # a read is fine
+        pass
+    engine.destroy()
+    return out
+
+
+case(2, "gathered-writes", _gathered_writes)
+
+
+def test_a_write_under_gathered_parameters_with_a_modifier_rank_reaches_every_rank(spawned):
+    results = spawned("gathered-writes")
+    built = make_model("modulelist").emb.weight.detach()
+    for r in results:
+        assert torch.equal(r["emb"][0], torch.full((32,), 101.0)) and torch.equal(r["emb"][1:], built[1:])
+        assert torch.equal(r["extra"], torch.full((3, 4), 1.0 / 3 + 1, dtype=torch.bfloat16))
+        expected = torch.zeros(3, 4)
+        expected[1, 2] = 8.0
+        assert torch.equal(r["transposed"], expected)
+        assert r["refused"] == (
+            "deepspeed.zero.GatheredParameters(..., modifier_rank=...) over 2 ranks with 1 parameter(s) a LazyTrain "
+            "engine trains: the engine keeps several copies of each (fp32 masters on the ranks that own them, compute "
+            "copies on every rank) that a write to the parameter on one rank cannot reach. Write them with "
+            "lazytrain.utils.safe_set_full_fp32_param(p, value) on every rank (deepspeed.utils' after "
+            "lazytrain.replace_deepspeed()), which writes every copy")

@@ -126,7 +126,9 @@ class CallOrder:
         number = self.entering(call, micro_step)
         if self.store is None:
             return
-        key, t0 = f"together/{number}", time.monotonic()
+        # counted by call as well as by number: ranks at the same number with different calls never count each
+        # other as arrived, so they stay to compare positions (and fail) rather than pair their collectives up
+        key, t0 = f"together/{number}/{hashlib.sha256(call.encode()).hexdigest()[:16]}", time.monotonic()
         others = [r for r in range(self.world) if r != self.rank]
         keys = [f"at/{r}" for r in others]
         try:
@@ -161,6 +163,10 @@ class CallOrder:
     def _skipped(self, call: str, micro_step: int, number: int, r: int, there: int, step: str, elsewhere: str) -> str:
         """What a rank seen elsewhere means: it went on without this call, or (the same call at another count)
         the ranks' calls differed earlier."""
+        if there == number and elsewhere != call and elsewhere.split("(")[0] == call.split("(")[0]:
+            return (f"rank {self.rank} of {self.world}: {call} was called here at micro-step {micro_step}, where rank "
+                    f"{r} called {elsewhere}: every rank must make the same call, with the same arguments, as in "
+                    f"DeepSpeed (its collectives would pair up different tensors)")
         if elsewhere == call:
             return (f"rank {self.rank} of {self.world}: {call} is this rank's call {number} whose collectives need "
                     f"every rank, and rank {r}'s call {there}: the ranks made different such calls before it (a "

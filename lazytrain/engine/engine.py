@@ -1739,10 +1739,12 @@ class LazyTrainEngine(nn.Module):
             return src, not elsewhere
         return weight_of
 
-    def _load_module_state(self, state: dict, strict: bool, custom_load_fn=None) -> None:
+    def _load_module_state(self, state: dict, strict: bool, custom_load_fn=None, gather: bool = True) -> None:
+        """``gather=False``: ``state`` names no partitioned parameter (stage 3), so the load needs nothing
+        gathered: each rank writes the copies it holds, a master's owner the master (stages 1-2)."""
         self.wait_for_update()
-        with self._whole():   # every rank loads every parameter and master; the owners keep what is partitioned
-            self._load_module_state_whole(state, strict, custom_load_fn)
+        with self._whole() if gather else contextlib.nullcontext():   # every rank loads every parameter and
+            self._load_module_state_whole(state, strict, custom_load_fn)   # master; the owners keep what is partitioned
 
     def _load_module_state_whole(self, state: dict, strict: bool, custom_load_fn) -> None:
         if custom_load_fn is None:

@@ -69,11 +69,19 @@ def _shape(engine, param: torch.Tensor) -> tuple[int, ...]:
         return tuple(param.shape)
 
 
-def _from_holder(engine, param: torch.Tensor, holder: int, what: str, answer):
+def _call(engine, function: str, param: torch.Tensor, *more: str) -> str:
+    """``function``'s call as the ranks compare it before its collectives (CallOrder.together): naming the
+    parameter (and the state key), so that ranks passing different ones fail at once, naming both, instead of
+    pairing their broadcasts up wrongly."""
+    name = engine._module_param_name(param)
+    what = repr(name) if name is not None else f"a tensor of shape {_shape(engine, param)} the optimizer holds"
+    return f"lazytrain.utils.{function}({', '.join([what, *more])})"
+
+
+def _from_holder(engine, param: torch.Tensor, holder: int, call: str, answer):
     """Every rank's copy of what rank ``holder`` answers for ``param``: ``answer()`` there (a contiguous fp32
     host tensor of the parameter's shape, None, or a ValueError, raised on every rank); a collective every
     rank makes, once every rank has arrived at it (a call on some ranks only fails at once, naming it)."""
-    call = f"lazytrain.utils.{what}"
     engine.dist.calls.together(call, engine.micro_steps)
     engine.wait_for_update()
     mine, failure = None, None
@@ -89,8 +97,8 @@ def _from_holder(engine, param: torch.Tensor, holder: int, what: str, answer):
         raise failure
     if isinstance(told, tuple):
         name, message, refused = told
-        raise ValueError(message) if refused else RuntimeError(f"lazytrain.utils.{what}: rank {holder}, which holds "
-                                                               f"the parameter's state, failed: {name}: {message}")
+        raise ValueError(message) if refused else RuntimeError(f"{call}: rank {holder}, which holds the parameter's "
+                                                               f"state, failed: {name}: {message}")
     if told is None:
         return None
     value = mine if mine is not None else torch.empty(_shape(engine, param), dtype=torch.float32)
@@ -129,7 +137,7 @@ def _grad_over_ranks(engine, param: torch.Tensor) -> torch.Tensor | None:
     a collective every rank makes, once every rank has arrived at it; None where no rank holds one."""
     if not param.requires_grad:
         return None
-    call = "lazytrain.utils.safe_get_full_grad()"
+    call = _call(engine, "safe_get_full_grad", param)
     engine.dist.calls.together(call, engine.micro_steps)
     engine.wait_for_update()
     engine.weights.flush_grads()          # at stage >= 2 the layers' reduces to their owners complete here
@@ -179,7 +187,7 @@ def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor | None:
     if holder is None:
         engine.wait_for_update()
         return answer()
-    return _from_holder(engine, param, holder, "safe_get_full_fp32_param()", answer)
+    return _from_holder(engine, param, holder, _call(engine, "safe_get_full_fp32_param", param), answer)
 
 
 def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
@@ -187,21 +195,26 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
     as a checkpoint load writes them: a write to the parameter itself would reach only one of them in bf16/fp16
     (a block parameter is a view of its master, whose compute copy the next forward does not read; an embedding
     or head is its compute copy, whose master the next step writes back over it). Over several ranks every rank
-    calls it with the same value (checked: else the ranks' copies of the weight would differ)."""
+    calls it with the same value (checked: else the ranks' copies of the weight would differ); a value one
+    rank refuses is refused on every rank, so that the ranks' calls stay paired."""
     _refuse_other_threads(engine, "safe_set_full_fp32_param")
-    value = torch.as_tensor(value)
-    shape = _shape(engine, param)
-    if tuple(value.shape) != shape:
-        raise ValueError(f"lazytrain.utils.safe_set_full_fp32_param: the value's shape {tuple(value.shape)} is not "
-                         f"the parameter's {shape}")
-    if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
-        raise ValueError("lazytrain.utils.safe_set_full_fp32_param: the value must be floating point and finite")
-    value = value.detach().to("cpu", torch.float32)
-    if engine.world_size > 1:
+    several = engine.world_size > 1
+    if several:
+        engine.dist.calls.together(_call(engine, "safe_set_full_fp32_param", param), engine.micro_steps)
+    value, problem = _checked_value(engine, param, value)
+    if several and not engine.dist.all_succeeded(problem is None, "lazytrain.utils.safe_set_full_fp32_param(): "
+                                                                  "agreement that every rank's value is fit"):
+        raise ValueError(problem or f"lazytrain.utils.safe_set_full_fp32_param over {engine.world_size} ranks: "
+                                    f"another rank's value was refused (its error says why). Nothing was written")
+    if problem is not None:
+        raise ValueError(problem)
+    if several:
         _refuse_values_that_differ(engine, value)
     name = engine._module_param_name(param)
     if name is not None:   # the module's own: as a load_state_dict of that one name (hooks write masters and copies)
-        engine._load_module_state({name: value}, strict=False)
+        # a partitioned parameter (stage 3) is gathered with the rest for the load; any other is written where
+        # its copies are (a master by its owner) without gathering anything
+        engine._load_module_state({name: value}, strict=False, gather=engine._partitioned(param))
         return
     engine.wait_for_update()   # a tensor the script added to the optimizer: it is its own copy, or beside a master
     master = _master(engine, param)
@@ -211,16 +224,27 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
             param.copy_(value)
 
 
+def _checked_value(engine, param: torch.Tensor, value) -> tuple[torch.Tensor | None, str | None]:
+    """``value`` as the fp32 host tensor a set writes, or why it is refused."""
+    value = torch.as_tensor(value)
+    shape = _shape(engine, param)
+    if tuple(value.shape) != shape:
+        return None, (f"lazytrain.utils.safe_set_full_fp32_param: the value's shape {tuple(value.shape)} is not the "
+                      f"parameter's {shape}")
+    if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+        return None, "lazytrain.utils.safe_set_full_fp32_param: the value must be floating point and finite"
+    return value.detach().to("cpu", torch.float32).contiguous(), None
+
+
 def _refuse_values_that_differ(engine, value: torch.Tensor) -> None:
-    """Every rank has arrived at the same set, with rank 0's value: a write of different values would leave
+    """Every rank has rank 0's value, bit for bit (-0.0 is not 0.0): a write of different values would leave
     the ranks' copies of one weight different (at stage 0 each rank writes its own replica; above it the owner
     writes the master, every rank its compute copy), and training would go on silently diverged."""
+    first = value.clone() if engine.global_rank == 0 else torch.empty(value.shape, dtype=torch.float32)
     call = "lazytrain.utils.safe_set_full_fp32_param()"
-    engine.dist.calls.together(call, engine.micro_steps)
-    first = value.contiguous().clone() if engine.global_rank == 0 else torch.empty(value.shape, dtype=torch.float32)
     engine.dist.broadcast_from([first], 0, what=f"{call}: rank 0's value, to compare (every rank must call it)")
-    if not engine.dist.all_succeeded(torch.equal(first, value), f"{call}: agreement that every rank passed the "
-                                                                f"same value"):
+    same = torch.equal(first.view(torch.int32), value.view(torch.int32))
+    if not engine.dist.all_succeeded(same, f"{call}: agreement that every rank passed the same value"):
         raise ValueError(f"lazytrain.utils.safe_set_full_fp32_param over {engine.world_size} ranks: the ranks passed "
                          f"different values (rank 0's differs from another's); every rank must pass the same value, "
                          f"else the ranks' copies of the weight would differ. Nothing was written")
@@ -237,7 +261,7 @@ def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor 
     if holder is None:
         engine.wait_for_update()
         return _optimizer_state_here(engine, param, key)
-    return _from_holder(engine, param, holder, "safe_get_full_optimizer_state()",
+    return _from_holder(engine, param, holder, _call(engine, "safe_get_full_optimizer_state", param, repr(key)),
                         lambda: _optimizer_state_here(engine, param, key))
 
 

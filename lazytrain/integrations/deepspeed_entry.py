@@ -174,22 +174,22 @@ class _GatheredParameters:
     """``deepspeed.zero.GatheredParameters(...)`` under LazyTrain: the parameters LazyTrain partitions (at
     ``zero_optimization.stage`` 3, those outside the streamed blocks: partitioned_params.py) are gathered
     for the duration, read only, on every rank at once as under DeepSpeed; every other parameter is whole
-    already. With ``modifier_rank`` set, DeepSpeed broadcasts that rank's writes to the others on exit; with
-    more than one rank that write would stay on one rank here (the ranks' replicas would silently differ),
-    so it is refused."""
+    already. With ``modifier_rank`` set over several ranks, DeepSpeed broadcasts that rank's writes to the
+    others on exit, and so does this for parameters no LazyTrain engine trains (a model not yet given to
+    ``initialize``: its embeddings resized or initialised on one rank). An engine's parameters are refused
+    there: it keeps several copies of each (fp32 masters on their owners, compute copies on every rank) that a
+    write to one cannot reach; ``lazytrain.utils.safe_set_full_fp32_param`` on every rank writes them all."""
 
     def __init__(self, params=None, modifier_rank=None, fwd_module=None, enabled=True):
-        if enabled and modifier_rank is not None and _world_size() > 1:
-            raise NotImplementedError(
-                "deepspeed.zero.GatheredParameters(..., modifier_rank=...) with more than one rank under "
-                "lazytrain.replace_deepspeed(): the ranks' writes are not broadcast, so their replicas would "
-                "differ; run this step with one process, or write the parameters on every rank")
         if params is None:
             params = []
         elif isinstance(params, torch.Tensor):
             params = [params]
         self._params = list(params) if enabled else []
         self._modifies = enabled and modifier_rank is not None
+        self._broadcast_from = modifier_rank if self._modifies and _world_size() > 1 else None
+        if self._broadcast_from is not None:
+            _refuse_engine_params(self._params)
         self._versions: dict[int, int] = {}
         self._stack = contextlib.ExitStack()
 
@@ -203,9 +203,56 @@ class _GatheredParameters:
 
     def __exit__(self, *exc):
         self._stack.close()
-        if self._modifies:
+        if self._broadcast_from is not None:
+            if exc[0] is None:   # a rank that raised inside leaves the others to fail in the broadcast's timeout
+                _broadcast_params(self._params, self._broadcast_from)
+        elif self._modifies:
             _warn_of_writes_to_one_copy([p for p in self._params if p._version != self._versions.get(id(p))])
         return False
+
+
+def _refuse_engine_params(params: list) -> None:
+    from ..engine import param_access
+    trained = [p for p in params if param_access.owner_of(p) is not None]
+    if trained:
+        raise NotImplementedError(
+            f"deepspeed.zero.GatheredParameters(..., modifier_rank=...) over {_world_size()} ranks with "
+            f"{len(trained)} parameter(s) a LazyTrain engine trains: the engine keeps several copies of each (fp32 "
+            f"masters on the ranks that own them, compute copies on every rank) that a write to the parameter on "
+            f"one rank cannot reach. Write them with lazytrain.utils.safe_set_full_fp32_param(p, value) on every "
+            f"rank (deepspeed.utils' after lazytrain.replace_deepspeed()), which writes every copy")
+
+
+def _broadcast_params(params: list, src: int) -> None:
+    """Rank ``src``'s values of ``params`` into every rank's, in the list's order (every rank's list is the same,
+    as under DeepSpeed). Host tensors go over a gloo group (the default group may be NCCL, which carries
+    device tensors only), device tensors over the default group."""
+    import torch.distributed as dist
+    with torch.no_grad():
+        for p in params:
+            data = p.detach()
+            if data.numel() == 0:
+                continue
+            group = _host_group() if data.device.type == "cpu" else None
+            sent = data if data.is_contiguous() else data.contiguous()
+            dist.broadcast(sent.reshape(-1).view(torch.uint8), src=src, group=group)   # bit for bit, any dtype
+            if sent is not data:
+                data.copy_(sent)
+
+
+_HOST_GROUPS: dict = {}
+
+
+def _host_group():
+    """A gloo group of every rank for host tensors: the default group where it is gloo, else one made once
+    (every rank makes it at the same call: the first broadcast of a host tensor)."""
+    import torch.distributed as dist
+    if "gloo" in str(dist.get_backend()):   # "gloo", or a backend per device type ("cpu:gloo,cuda:nccl")
+        return None
+    key = dist.group.WORLD.group_name
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
+    return _HOST_GROUPS[key]
 
 
 def _warn_of_writes_to_one_copy(written: list) -> None:
