@@ -2012,6 +2012,8 @@ def _accessors(rank, world, out_dir, stage, dtype):
     engine.step()
     out["grad_after_step"] = {n: safe_get_full_grad(params[n]) for n in ACCESSED}
     out["fp32"] = {n: safe_get_full_fp32_param(params[n]) for n in ACCESSED}
+    if engine.masters is not None:   # a master from the optimizer's groups: the same weight, by the same name
+        out["via_master"] = safe_get_full_fp32_param(engine.masters.master_of(params["head.weight"]))
     out["exp_avg"] = {n: safe_get_full_optimizer_state(params[n], "exp_avg") for n in ACCESSED}
     out["gathered"] = {n: v for n, v in engine.module_state_dict().items() if n in ACCESSED}
     try:
@@ -2099,6 +2101,8 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
                 "lazytrain.utils.safe_set_full_fp32_param over 2 ranks: another rank's value was refused (its error says "
                 "why). Nothing was written" if rank == 0 else
                 f"lazytrain.utils.safe_set_full_fp32_param: the value's shape (2,) is not the parameter's ({VOCAB}, 32)")
+            if dtype == "bf16":
+                assert torch.equal(r["via_master"], r["fp32"]["head.weight"])
             for n in ACCESSED:
                 assert torch.equal(r["fp32"][n], r["gathered"][n]), (stage, n)
                 assert torch.equal(r["after_set"][n], r["fp32"][n] * 0.5), (stage, n)   # the refused set wrote nothing
@@ -2159,3 +2163,39 @@ def test_a_write_under_gathered_parameters_with_a_modifier_rank_reaches_every_ra
             "copies on every rank) that a write to the parameter on one rank cannot reach. Write them with "
             "lazytrain.utils.safe_set_full_fp32_param(p, value) on every rank (deepspeed.utils' after "
             "lazytrain.replace_deepspeed()), which writes every copy")
+
+
+def _gradient_read_failing_on_one_rank(rank, world, out_dir):
+    """safe_get_full_grad where one rank's gradient copy failed (as a device-to-host copy kept by the gradient
+    sink): every rank raises at once, not only that one (the others would wait out the collective timeout)."""
+    import time
+
+    import lazytrain
+    from lazytrain.utils import safe_get_full_grad
+    cfg = _config(world, 1, False)
+    cfg["lazytrain"].update(collective_timeout_s=60, testing={"copy_threads": True})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    per = GLOBAL // world
+    x, y = batches(1, batch=GLOBAL)[0]
+    engine.backward(lm_loss(engine(x[per * rank:per * rank + per]), y[per * rank:per * rank + per]))
+    if rank == 1:
+        engine.weights._grad_sink.failure = RuntimeError("a gradient copy failed")
+    t0 = time.monotonic()
+    try:
+        safe_get_full_grad(engine.module.stack[0].fc1.weight)
+        error = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
+case(2, "gradient-read-failing-on-one-rank", _gradient_read_failing_on_one_rank, last=True)
+
+
+def test_a_gradient_read_that_fails_on_one_rank_fails_on_every_rank_at_once(spawned):
+    results = spawned("gradient-read-failing-on-one-rank")
+    assert [r["error"] for r in results] == [
+        "RuntimeError: lazytrain.utils.safe_get_full_grad('stack.0.fc1.weight'): rank 1 could not read its gradient: "
+        "RuntimeError: a gradient copy failed",
+        "RuntimeError: a gradient copy failed"]
+    assert max(r["seconds"] for r in results) < 30   # not the collective timeout (60 s)

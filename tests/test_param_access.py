@@ -301,3 +301,19 @@ def test_replace_deepspeed_routes_deepspeeds_accessors_for_lazytrain_parameters(
     assert torch.equal(g, safe_get_full_grad(model.lm_head.weight))
     assert deepspeed_utils.safe_get_full_grad(model.lm_head.weight) is None   # DeepSpeed's own: .grad
     engine.destroy()
+
+
+def test_a_call_over_several_ranks_names_its_tensor_as_every_rank_does():
+    """What ranks compare before an accessor's collectives (param_access._call): a parameter and its fp32 master
+    by the model's name, a tensor added to the optimizer by its place among those (the same on every rank)."""
+    from lazytrain.engine import param_access
+    model = make_model("llama")
+    engine = engine_for(model, "bf16")
+    temperature = torch.nn.Parameter(torch.ones(2, 3))
+    engine.optimizer.add_param_group({"params": [temperature]})
+    head = model.lm_head.weight
+    assert param_access._call(engine, "f", head) == param_access._call(engine, "f", engine.masters.master_of(head)) \
+        == "lazytrain.utils.f('lm_head.weight')"
+    assert param_access._call(engine, "f", temperature, "'exp_avg'") == \
+        "lazytrain.utils.f(the optimizer's tensor 0 outside the model, of shape (2, 3), 'exp_avg')"
+    engine.destroy()

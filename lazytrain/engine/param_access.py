@@ -72,9 +72,14 @@ def _shape(engine, param: torch.Tensor) -> tuple[int, ...]:
 def _call(engine, function: str, param: torch.Tensor, *more: str) -> str:
     """``function``'s call as the ranks compare it before its collectives (CallOrder.together): naming the
     parameter (and the state key), so that ranks passing different ones fail at once, naming both, instead of
-    pairing their broadcasts up wrongly."""
-    name = engine._module_param_name(param)
-    what = repr(name) if name is not None else f"a tensor of shape {_shape(engine, param)} the optimizer holds"
+    pairing their broadcasts up wrongly. A parameter or its fp32 master goes by the model's name for it; a
+    tensor the script added to the optimizer by its place among them (the same list on every rank)."""
+    name = engine._param_names.get(id(param))
+    if name is not None:
+        what = repr(name)
+    else:
+        index = next((i for i, t in enumerate(engine._extra_params()) if t is param), None)
+        what = f"the optimizer's tensor {index} outside the model, of shape {_shape(engine, param)}"
     return f"lazytrain.utils.{function}({', '.join([what, *more])})"
 
 
@@ -139,12 +144,20 @@ def _grad_over_ranks(engine, param: torch.Tensor) -> torch.Tensor | None:
         return None
     call = _call(engine, "safe_get_full_grad", param)
     engine.dist.calls.together(call, engine.micro_steps)
-    engine.wait_for_update()
-    engine.weights.flush_grads()          # at stage >= 2 the layers' reduces to their owners complete here
-    if engine.masters is not None:
-        engine.masters.flush_grads()
-    grad, reduced = _grad_here(engine, param)
-    if not any(engine.dist.all_gather_object(grad is not None, f"{call}: which ranks hold a gradient of it")):
+    grad, reduced, failure = None, False, None
+    try:
+        grad, reduced = _grad_here(engine, param)
+    except Exception as e:  # noqa: BLE001 - told to the other ranks (waiting in the gather below), then raised here
+        failure = e
+    told = engine.dist.all_gather_object(
+        (grad is not None) if failure is None else f"{type(failure).__name__}: {failure}",
+        f"{call}: which ranks hold a gradient of it")
+    if failure is not None:
+        raise failure
+    failed = [(r, t) for r, t in enumerate(told) if isinstance(t, str)]
+    if failed:
+        raise RuntimeError(f"{call}: rank {failed[0][0]} could not read its gradient: {failed[0][1]}")
+    if not any(told):
         return None
     total = grad if grad is not None else torch.zeros(_shape(engine, param), dtype=torch.float32)
     what = f"{call}: the gradient's sum over the ranks (every rank must call it, as in DeepSpeed)"
@@ -159,7 +172,12 @@ def _grad_here(engine, param: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     """A copy of ``param``'s gradient on this rank (fp32, contiguous, on the host) or None where it holds
     none, and whether it was reduced to its owner already: each micro-batch's as it landed (stage >= 2: the
     streamed layers; stage 3: the partitioned parameters), the same for every rank; else each rank holds
-    the sum of its own micro-batches' until ``step()`` reduces it."""
+    the sum of its own micro-batches' until ``step()`` reduces it. Waits for what is in flight first (a
+    copy that failed raises, as at ``step()``)."""
+    engine.wait_for_update()
+    engine.weights.flush_grads()          # at stage >= 2 the layers' reduces to their owners complete here
+    if engine.masters is not None:
+        engine.masters.flush_grads()
     w = engine.weights
     layer = engine._layer_of_param.get(id(param))
     if layer is not None:
@@ -210,7 +228,7 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
         raise ValueError(problem)
     if several:
         _refuse_values_that_differ(engine, value)
-    name = engine._module_param_name(param)
+    name = engine._param_names.get(id(param))   # a parameter, or its fp32 master (from the optimizer's groups)
     if name is not None:   # the module's own: as a load_state_dict of that one name (hooks write masters and copies)
         # a partitioned parameter (stage 3) is gathered with the rest for the load; any other is written where
         # its copies are (a master by its owner) without gathering anything

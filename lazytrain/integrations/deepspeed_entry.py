@@ -178,7 +178,9 @@ class _GatheredParameters:
     others on exit, and so does this for parameters no LazyTrain engine trains (a model not yet given to
     ``initialize``: its embeddings resized or initialised on one rank). An engine's parameters are refused
     there: it keeps several copies of each (fp32 masters on their owners, compute copies on every rank) that a
-    write to one cannot reach; ``lazytrain.utils.safe_set_full_fp32_param`` on every rank writes them all."""
+    write to one cannot reach; ``lazytrain.utils.safe_set_full_fp32_param`` on every rank writes them all.
+    Every rank must enter and leave the scope (a rank that does not leaves the others waiting in the
+    broadcast until the process group's timeout), with the same parameters in the same order."""
 
     def __init__(self, params=None, modifier_rank=None, fwd_module=None, enabled=True):
         if params is None:
@@ -240,19 +242,19 @@ def _broadcast_params(params: list, src: int) -> None:
                 data.copy_(sent)
 
 
-_HOST_GROUPS: dict = {}
+_HOST_GROUP: list = []   # [the default group it was made beside, the gloo group]
 
 
 def _host_group():
     """A gloo group of every rank for host tensors: the default group where it is gloo, else one made once
-    (every rank makes it at the same call: the first broadcast of a host tensor)."""
+    per default group (every rank makes it at the same call: the first broadcast of a host tensor; a default
+    group made again after ``destroy_process_group()`` gets a new one)."""
     import torch.distributed as dist
     if "gloo" in str(dist.get_backend()):   # "gloo", or a backend per device type ("cpu:gloo,cuda:nccl")
         return None
-    key = dist.group.WORLD.group_name
-    if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = dist.new_group(backend="gloo")
-    return _HOST_GROUPS[key]
+    if not _HOST_GROUP or _HOST_GROUP[0] is not dist.group.WORLD:
+        _HOST_GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
+    return _HOST_GROUP[1]
 
 
 def _warn_of_writes_to_one_copy(written: list) -> None:
