@@ -2049,8 +2049,8 @@ def _accessors(rank, world, out_dir, stage, dtype):
 
 ACCESSORS = {(world, stage, dtype): case(world, f"accessors{world}-stage{stage}-{dtype}", _accessors, stage=stage,
                                          dtype=dtype)
-             for world, stage, dtype in ((1, 0, "fp32"), *((2, stage, dtype) for dtype in ("fp32", "bf16")
-                                                            for stage in (0, 1, 2, 3)))}
+             for world, stage, dtype in ((1, 0, "fp32"), (2, 2, "fp32"), (2, 3, "fp32"),
+                                         *((2, stage, "bf16") for stage in (0, 1, 2, 3)))}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -2067,19 +2067,20 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
     """lazytrain.utils' accessors over 2 ranks, with the state shared out (stages 1-3: each weight's master and
     moments on one rank, in bf16 the block layers' fp32 weights too; at stage 2 the layers' gradients reduced to
     their owners as they land, at stage 3 the embedding's and head's too) and replicated (stage 0): every rank
-    gets the answers of ranks that hold everything (the gradient averaged over the ranks; stage 0's, bit for
-    bit at stages 1 and 2, as their training is; within 1e-6 at stage 3) and, in fp32, of
-    one process training the same global batch (within 1e-5; the weights after the next step within 1e-4); a set reaches the next step alike; a set whose
-    value differs between the ranks is refused on every rank, writing nothing."""
-    replicated = spawned(ACCESSORS[2, 0, dtype])[0]
+    gets the answers of ranks that hold everything (the gradient averaged over the ranks): in bf16 those of
+    stage 0 (bit for bit at stages 1 and 2, as their training is; within 1e-6 at stage 3), in fp32 (stages 2
+    and 3) those of one process training the same global batch (within 1e-5; the weights after the next step
+    within 1e-4); a set reaches the next step alike; a set whose value differs between the ranks, or that
+    one rank refuses, is refused on every rank, writing nothing; ranks asking for different state fail at once."""
     one = spawned(ACCESSORS[1, 0, "fp32"])[0]
+    replicated = spawned(ACCESSORS[2, 0, dtype])[0] if dtype == "bf16" else None
     def nonzero(grads):
         return {n: None if g is None else (tuple(g.shape), torch.count_nonzero(g).item()) for n, g in grads.items()}
     shapes = {n: tuple(p.shape) for n, p in make_model("modulelist").named_parameters()}
     # after the step: none outside the blocks, a block's buffer zeroed
     after_step = {n: None if n in NON_BLOCK else (shapes[n], 0) for n in ACCESSED}
     assert nonzero(one["grad_after_step"]) == after_step
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 1, 2, 3) if dtype == "bf16" else (2, 3):
         for rank, r in enumerate(spawned(ACCESSORS[2, stage, dtype])):
             assert r["before_step"] == {n: None for n in ACCESSED}, stage
             assert nonzero(r["grad_after_step"]) == after_step, stage
@@ -2107,13 +2108,15 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
                 assert torch.equal(r["fp32"][n], r["gathered"][n]), (stage, n)
                 assert torch.equal(r["after_set"][n], r["fp32"][n] * 0.5), (stage, n)   # the refused set wrote nothing
                 for key in ("grad", "fp32", "exp_avg", "after_set"):
-                    _same(r[key][n], replicated[key][n], stage, (key, n))
-                    if dtype == "fp32":
+                    if dtype == "bf16":
+                        _same(r[key][n], replicated[key][n], stage, (key, n))
+                    else:
                         assert _rel(r[key][n], one[key][n]) < 1e-5, (stage, key, n)
-            for k, v in replicated["weights"].items():   # the set weights trained on alike
-                _same(r["weights"][k], v, stage, k)
-                if dtype == "fp32":   # two Adam steps, the first of halved weights: 3.8e-5 seen (norm and fc2)
-                    assert _rel(r["weights"][k], one["weights"][k]) < 1e-4, (stage, k)
+            for k, v in one["weights"].items():   # the set weights trained on alike
+                if dtype == "bf16":
+                    _same(r["weights"][k], replicated["weights"][k], stage, k)
+                else:   # two Adam steps, the first of halved weights: 3.8e-5 seen (norm and fc2)
+                    assert _rel(r["weights"][k], v) < 1e-4, (stage, k)
 
 
 def _gathered_writes(rank, world, out_dir):
