@@ -2032,6 +2032,14 @@ def _accessors(rank, world, out_dir, stage, dtype):
         except ValueError as e:
             out["unfit_elsewhere"] = str(e)
     out["after_set"] = {n: safe_get_full_fp32_param(params[n]) for n in ACCESSED}
+    if stage == 3 and world > 1:   # a set while every rank holds the partitioned head (its owner alone has a master)
+        from lazytrain.integrations.deepspeed_entry import _GatheredParameters
+        head = params["head.weight"]
+        with _GatheredParameters([head]):
+            safe_set_full_fp32_param(head, out["fp32"]["head.weight"])
+            out["held_after_set"] = head.detach().clone()
+        out["held_set"] = safe_get_full_fp32_param(head)
+        safe_set_full_fp32_param(head, out["after_set"]["head.weight"])   # as the other stages have it
     if world > 1 and stage > 0:   # ranks asking for different weights: refused at once, not paired up
         from lazytrain.engine.distributed import CollectiveError
         try:
@@ -2104,6 +2112,9 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
                 f"lazytrain.utils.safe_set_full_fp32_param: the value's shape (2,) is not the parameter's ({VOCAB}, 32)")
             if dtype == "bf16":
                 assert torch.equal(r["via_master"], r["fp32"]["head.weight"])
+            if stage == 3:
+                assert torch.equal(r["held_set"], r["fp32"]["head.weight"])
+                assert torch.equal(r["held_after_set"], r["fp32"]["head.weight"].to(r["held_after_set"].dtype))
             for n in ACCESSED:
                 assert torch.equal(r["fp32"][n], r["gathered"][n]), (stage, n)
                 assert torch.equal(r["after_set"][n], r["fp32"][n] * 0.5), (stage, n)   # the refused set wrote nothing

@@ -228,11 +228,14 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
         raise ValueError(problem)
     if several:
         _refuse_values_that_differ(engine, value)
+    if engine._partitioned(param):   # stage 3 outside the blocks: each rank writes the copies it holds
+        engine.wait_for_update()
+        engine.partitioned.write(param, value)
+        return
     name = engine._param_names.get(id(param))   # a parameter, or its fp32 master (from the optimizer's groups)
-    if name is not None:   # the module's own: as a load_state_dict of that one name (hooks write masters and copies)
-        # a partitioned parameter (stage 3) is gathered with the rest for the load; any other is written where
-        # its copies are (a master by its owner) without gathering anything
-        engine._load_module_state({name: value}, strict=False, gather=engine._partitioned(param))
+    if name is not None:   # the module's own: as a load_state_dict of that one name (hooks write masters and copies),
+        # where its copies are (a master by its owner), without gathering anything
+        engine._load_module_state({name: value}, strict=False, gather=False)
         return
     engine.wait_for_update()   # a tensor the script added to the optimizer: it is its own copy, or beside a master
     master = _master(engine, param)

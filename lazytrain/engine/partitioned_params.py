@@ -237,6 +237,17 @@ class PartitionedParams:
         e = self._entry_of(t)
         return e.owner if e is not None else None
 
+    def write(self, t: torch.Tensor, value: torch.Tensor) -> None:
+        """This rank's part of writing ``value`` as the weight of ``t`` (a partitioned parameter or its master),
+        every rank calling it with the same value (lazytrain.utils.safe_set_full_fp32_param): each copy that
+        holds values here is written (the owner's parameter and master; another rank's copy held now, for a
+        pending backward or a gathered scope). No collective, nothing fetched."""
+        e = self._entry_of(t)
+        with torch.no_grad():
+            for copy in (e.master, e.param):
+                if not self.values_elsewhere(copy):
+                    copy.copy_(value)
+
     def values_elsewhere(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a partitioned parameter or its master) holds no values here now: another rank owns
         it and it is not fetched (in :meth:`shaped`, a placeholder of its shape). A master is fetched only by
