@@ -2213,3 +2213,43 @@ def test_a_gradient_read_that_fails_on_one_rank_fails_on_every_rank_at_once(spaw
         "RuntimeError: a gradient copy failed",
         "RuntimeError: a gradient copy failed"]
     assert max(r["seconds"] for r in results) < 30   # not the collective timeout (60 s)
+
+
+def _set_between_backwards(rank, world, out_dir):
+    """Stage 3, two micro-batches: both forwards, the first backward, a set of the partitioned head (its owner's
+    copy written; the other rank dropped its copy after the first backward), then the second backward, whose
+    saved head is stale on every rank."""
+    import time
+
+    import lazytrain
+    from lazytrain.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+    cfg = _config(world, 3, False)
+    cfg["train_micro_batch_size_per_gpu"] = 1
+    cfg["lazytrain"]["collective_timeout_s"] = 60
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    x, y = batches(1, batch=GLOBAL)[0]
+    first, second = slice(2 * rank, 2 * rank + 1), slice(2 * rank + 1, 2 * rank + 2)
+    losses = [lm_loss(engine(x[first]), y[first]), lm_loss(engine(x[second]), y[second])]
+    engine.backward(losses[0])
+    head = engine.module.head.weight
+    safe_set_full_fp32_param(head, safe_get_full_fp32_param(head) * 0.5)
+    t0 = time.monotonic()
+    try:
+        engine.backward(losses[1])
+        error = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
+case(2, "set-between-backwards", _set_between_backwards, last=True)
+
+
+def test_a_set_between_a_forward_and_its_backward_refuses_that_backward_on_every_rank(spawned):
+    """The rank that owns the head wrote its copy; the other holds none then, yet counts it written, so both
+    refuse the stale backward at once (the owner alone did, and the other waited out the collective timeout)."""
+    results = spawned("set-between-backwards")
+    for r in results:
+        assert r["error"].startswith("RuntimeError: one of the variables needed for gradient computation has been "
+                                     "modified by an inplace operation"), r["error"]
+        assert r["seconds"] < 30

@@ -231,6 +231,7 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
     if engine._partitioned(param):   # stage 3 outside the blocks: each rank writes the copies it holds
         engine.wait_for_update()
         engine.partitioned.write(param, value)
+        engine.executor.weights_changed()   # a pending backward is refused, as after a load at any stage
         return
     name = engine._param_names.get(id(param))   # a parameter, or its fp32 master (from the optimizer's groups)
     if name is not None:   # the module's own: as a load_state_dict of that one name (hooks write masters and copies),

@@ -241,12 +241,15 @@ class PartitionedParams:
         """This rank's part of writing ``value`` as the weight of ``t`` (a partitioned parameter or its master),
         every rank calling it with the same value (lazytrain.utils.safe_set_full_fp32_param): each copy that
         holds values here is written (the owner's parameter and master; another rank's copy held now, for a
-        pending backward or a gathered scope). No collective, nothing fetched."""
+        pending backward or a gathered scope), and each copy counts as written for autograd on every rank. No
+        collective, nothing fetched."""
         e = self._entry_of(t)
         with torch.no_grad():
             for copy in (e.master, e.param):
                 if not self.values_elsewhere(copy):
                     copy.copy_(value)
+                else:   # counted as written on every rank alike: a pending backward that saved it is refused on
+                    torch.autograd.graph.increment_version(copy)   # all of them, not on the owner alone
 
     def values_elsewhere(self, t: torch.Tensor) -> bool:
         """Whether ``t`` (a partitioned parameter or its master) holds no values here now: another rank owns
