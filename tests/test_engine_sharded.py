@@ -2179,11 +2179,21 @@ def test_a_write_under_gathered_parameters_with_a_modifier_rank_reaches_every_ra
             "lazytrain.replace_deepspeed()), which writes every copy")
 
 
+def _raised(call) -> dict:
+    """What ``call()`` raised on this rank (type and first line; None if nothing) and how long it took."""
+    import time
+    t0 = time.monotonic()
+    try:
+        call()
+        error = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
 def _gradient_read_failing_on_one_rank(rank, world, out_dir):
     """safe_get_full_grad where one rank's gradient copy failed (as a device-to-host copy kept by the gradient
     sink): every rank raises at once, not only that one (the others would wait out the collective timeout)."""
-    import time
-
     import lazytrain
     from lazytrain.utils import safe_get_full_grad
     cfg = _config(world, 1, False)
@@ -2194,13 +2204,7 @@ def _gradient_read_failing_on_one_rank(rank, world, out_dir):
     engine.backward(lm_loss(engine(x[per * rank:per * rank + per]), y[per * rank:per * rank + per]))
     if rank == 1:
         engine.weights._grad_sink.failure = RuntimeError("a gradient copy failed")
-    t0 = time.monotonic()
-    try:
-        safe_get_full_grad(engine.module.stack[0].fc1.weight)
-        error = None
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
-        error = f"{type(e).__name__}: {e}"
-    return {"error": error, "seconds": time.monotonic() - t0}
+    return _raised(lambda: safe_get_full_grad(engine.module.stack[0].fc1.weight))
 
 
 case(2, "gradient-read-failing-on-one-rank", _gradient_read_failing_on_one_rank, last=True)
@@ -2219,8 +2223,6 @@ def _set_between_backwards(rank, world, out_dir):
     """Stage 3, two micro-batches: both forwards, the first backward, a set of the partitioned head (its owner's
     copy written; the other rank dropped its copy after the first backward), then the second backward, whose
     saved head is stale on every rank."""
-    import time
-
     import lazytrain
     from lazytrain.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
     cfg = _config(world, 3, False)
@@ -2233,13 +2235,7 @@ def _set_between_backwards(rank, world, out_dir):
     engine.backward(losses[0])
     head = engine.module.head.weight
     safe_set_full_fp32_param(head, safe_get_full_fp32_param(head) * 0.5)
-    t0 = time.monotonic()
-    try:
-        engine.backward(losses[1])
-        error = None
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
-        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    return {"error": error, "seconds": time.monotonic() - t0}
+    return _raised(lambda: engine.backward(losses[1]))
 
 
 case(2, "set-between-backwards", _set_between_backwards, last=True)
