@@ -2235,7 +2235,14 @@ def _set_between_backwards(rank, world, out_dir):
     engine.backward(losses[0])
     head = engine.module.head.weight
     safe_set_full_fp32_param(head, safe_get_full_fp32_param(head) * 0.5)
-    return _raised(lambda: engine.backward(losses[1]))
+    out = {"head": _raised(lambda: engine.backward(losses[1]))}
+    # the embedding, whose backward saves no weight: refused all the same, as after a load at any stage
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    loss = lm_loss(engine(x[first]), y[first])
+    emb = engine.module.emb.weight
+    safe_set_full_fp32_param(emb, safe_get_full_fp32_param(emb) * 0.5)
+    out["emb"] = _raised(lambda: engine.backward(loss))
+    return out
 
 
 case(2, "set-between-backwards", _set_between_backwards, last=True)
@@ -2243,9 +2250,11 @@ case(2, "set-between-backwards", _set_between_backwards, last=True)
 
 def test_a_set_between_a_forward_and_its_backward_refuses_that_backward_on_every_rank(spawned):
     """The rank that owns the head wrote its copy; the other holds none then, yet counts it written, so both
-    refuse the stale backward at once (the owner alone did, and the other waited out the collective timeout)."""
+    refuse the stale backward at once (the owner alone did, and the other waited out the collective timeout). A
+    set of the embedding, whose backward saves no weight, refuses the pending backward too, as at stages 0-2."""
     results = spawned("set-between-backwards")
     for r in results:
-        assert r["error"].startswith("RuntimeError: one of the variables needed for gradient computation has been "
-                                     "modified by an inplace operation"), r["error"]
-        assert r["seconds"] < 30
+        assert r["head"]["error"].startswith("RuntimeError: one of the variables needed for gradient computation has "
+                                             "been modified by an inplace operation"), r["head"]["error"]
+        assert r["head"]["seconds"] < 30
+        assert r["emb"]["error"].startswith("ExecutorError: ") and "weights changed" in r["emb"]["error"], r["emb"]
