@@ -21,6 +21,8 @@ import weakref
 
 import torch
 
+from .distributed import RankFailure
+
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -219,13 +221,12 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
     several = engine.world_size > 1
     if several:
         engine.dist.calls.together(_call(engine, "safe_set_full_fp32_param", param), engine.micro_steps)
-    value, problem = _checked_value(engine, param, value)
-    if several and not engine.dist.all_succeeded(problem is None, "lazytrain.utils.safe_set_full_fp32_param(): "
-                                                                  "agreement that every rank's value is fit"):
-        raise ValueError(problem or f"lazytrain.utils.safe_set_full_fp32_param over {engine.world_size} ranks: "
-                                    f"another rank's value was refused (its error says why). Nothing was written")
-    if problem is not None:
-        raise ValueError(problem)
+    unfit = RankFailure(engine.dist)   # a value one rank refuses is refused on every rank
+    with unfit.kept():
+        value = _checked_value(engine, param, value)
+    unfit.agree("lazytrain.utils.safe_set_full_fp32_param(): agreement that every rank's value is fit",
+                ValueError(f"lazytrain.utils.safe_set_full_fp32_param over {engine.world_size} ranks: another rank's "
+                           f"value was refused (its error says why). Nothing was written"))
     if several:
         _refuse_values_that_differ(engine, value)
     if engine._partitioned(param):   # stage 3 outside the blocks: each rank writes the copies it holds
@@ -246,16 +247,16 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
             param.copy_(value)
 
 
-def _checked_value(engine, param: torch.Tensor, value) -> tuple[torch.Tensor | None, str | None]:
-    """``value`` as the fp32 host tensor a set writes, or why it is refused."""
+def _checked_value(engine, param: torch.Tensor, value) -> torch.Tensor:
+    """``value`` as the fp32 host tensor a set writes; a ValueError says why it is refused."""
     value = torch.as_tensor(value)
     shape = _shape(engine, param)
     if tuple(value.shape) != shape:
-        return None, (f"lazytrain.utils.safe_set_full_fp32_param: the value's shape {tuple(value.shape)} is not the "
-                      f"parameter's {shape}")
+        raise ValueError(f"lazytrain.utils.safe_set_full_fp32_param: the value's shape {tuple(value.shape)} is not "
+                         f"the parameter's {shape}")
     if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
-        return None, "lazytrain.utils.safe_set_full_fp32_param: the value must be floating point and finite"
-    return value.detach().to("cpu", torch.float32).contiguous(), None
+        raise ValueError("lazytrain.utils.safe_set_full_fp32_param: the value must be floating point and finite")
+    return value.detach().to("cpu", torch.float32).contiguous()
 
 
 def _refuse_values_that_differ(engine, value: torch.Tensor) -> None:
