@@ -179,8 +179,6 @@ class _PickleThroughEngine:
         return type(plain).__reduce_ex__(plain, protocol)
 
 
-
-
 # the instance attributes install() sets on each module, and the class of each
 _INSTALLED = {"__deepcopy__": _DeepcopyThroughEngine, "__reduce_ex__": _PickleThroughEngine}
 

@@ -85,28 +85,42 @@ def _call(engine, function: str, param: torch.Tensor, *more: str) -> str:
     return f"lazytrain.utils.{function}({', '.join([what, *more])})"
 
 
+class _Failed(tuple):
+    """What another rank hears of this rank's failed attempt: (exception type name, message, whether it was a
+    ValueError, which the accessors raise as the value's refusal)."""
+
+
+def _told_by_every_rank(engine, attempt, summary, what: str) -> tuple[object, list]:
+    """``attempt()`` here, and by rank what every rank's gave: ``summary(result)``, or a :class:`_Failed`.
+    A rank whose attempt failed raises its exception here as it was, after the others heard of it (else they
+    would wait for it in the collective that follows until the timeout)."""
+    result, failure = None, None
+    try:
+        result = attempt()
+    except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here as it is
+        failure = e
+    told = summary(result) if failure is None else \
+        _Failed((type(failure).__name__, str(failure), isinstance(failure, ValueError)))
+    told = engine.dist.all_gather_object(told, what)
+    if failure is not None:
+        raise failure
+    return result, told
+
+
 def _from_holder(engine, param: torch.Tensor, holder: int, call: str, answer):
     """Every rank's copy of what rank ``holder`` answers for ``param``: ``answer()`` there (a contiguous fp32
     host tensor of the parameter's shape, None, or a ValueError, raised on every rank); a collective every
     rank makes, once every rank has arrived at it (a call on some ranks only fails at once, naming it)."""
     engine.dist.calls.together(call, engine.micro_steps)
     engine.wait_for_update()
-    mine, failure = None, None
-    if engine.global_rank == holder:
-        try:
-            mine = answer()
-        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised here as it is
-            failure = e
-    told = ("tensor" if mine is not None else None) if failure is None else \
-        (type(failure).__name__, str(failure), isinstance(failure, ValueError))
-    told = engine.dist.all_gather_object(told, f"{call}: what the rank that holds it answers")[holder]
-    if failure is not None:
-        raise failure
-    if isinstance(told, tuple):
+    mine, told = _told_by_every_rank(engine, answer if engine.global_rank == holder else lambda: None,
+                                     lambda value: value is not None, f"{call}: what the rank that holds it answers")
+    told = told[holder]
+    if isinstance(told, _Failed):
         name, message, refused = told
         raise ValueError(message) if refused else RuntimeError(f"{call}: rank {holder}, which holds the parameter's "
                                                                f"state, failed: {name}: {message}")
-    if told is None:
+    if not told:
         return None
     value = mine if mine is not None else torch.empty(_shape(engine, param), dtype=torch.float32)
     engine.dist.broadcast_from([value], holder, what=f"{call}: the broadcast from the rank that holds it (every "
@@ -146,19 +160,13 @@ def _grad_over_ranks(engine, param: torch.Tensor) -> torch.Tensor | None:
         return None
     call = _call(engine, "safe_get_full_grad", param)
     engine.dist.calls.together(call, engine.micro_steps)
-    grad, reduced, failure = None, False, None
-    try:
-        grad, reduced = _grad_here(engine, param)
-    except Exception as e:  # noqa: BLE001 - told to the other ranks (waiting in the gather below), then raised here
-        failure = e
-    told = engine.dist.all_gather_object(
-        (grad is not None) if failure is None else f"{type(failure).__name__}: {failure}",
-        f"{call}: which ranks hold a gradient of it")
-    if failure is not None:
-        raise failure
-    failed = [(r, t) for r, t in enumerate(told) if isinstance(t, str)]
-    if failed:
-        raise RuntimeError(f"{call}: rank {failed[0][0]} could not read its gradient: {failed[0][1]}")
+    (grad, reduced), told = _told_by_every_rank(engine, lambda: _grad_here(engine, param),
+                                                lambda here: here[0] is not None,
+                                                f"{call}: which ranks hold a gradient of it")
+    failed = next(((r, t) for r, t in enumerate(told) if isinstance(t, _Failed)), None)
+    if failed is not None:
+        rank, (name, message, _) = failed
+        raise RuntimeError(f"{call}: rank {rank} could not read its gradient: {name}: {message}")
     if not any(told):
         return None
     total = grad if grad is not None else torch.zeros(_shape(engine, param), dtype=torch.float32)
