@@ -83,12 +83,15 @@ def internals_bytes(p, i: int) -> int:
     return p.ws_bwd[i] + written * p.tokens
 
 
-def gpu_bytes(p, k: int, w: int) -> dict[str, int]:
-    """Bytes MegaTrain has allocated on the GPU at the peak of window ``w``, by part (no CUDA context)."""
+def gpu_bytes(p, k: int, w: int, buffers: int | None = None) -> dict[str, int]:
+    """Bytes MegaTrain has allocated on the GPU at the peak of window ``w``, by part (no CUDA context).
+    ``buffers``: :func:`buffer_bytes`, where a caller asking for every window has it already (it walks
+    every layer)."""
     L, A = p.L, p.A[0]
     i = p.layer_of(w)
     checkpoints = len(range(0, L, k)) + 1
-    parts = {"embedding/norm/head": p.nonlayer_w, "weight buffers and templates": buffer_bytes(p)}
+    parts = {"embedding/norm/head": p.nonlayer_w,
+             "weight buffers and templates": buffer_bytes(p) if buffers is None else buffers}
     if w < L:
         parts["checkpoints so far"] = (i // k + 1) * A
         parts["layer output (and input, unless a checkpoint), transients"] = (

@@ -173,8 +173,10 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     seg_end = {s: e for s, e in plan.segments() if s < g}
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
     last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
-    # recomputed boundary -> the window regenerating it
-    recompute_window = {j: 2 * L - e for s, e in seg_end.items() for j in range(s + 1, e)}
+    # window -> the recomputed boundaries it regenerates
+    regenerated: dict[int, list[int]] = {}
+    for s, e in seg_end.items():
+        regenerated.setdefault(2 * L - e, []).extend(range(s + 1, e))
     # boundaries stored off the device (an offloaded layer's input travels in its internals: boundary 0's home
     # then goes unused)
     offloaded = [b for b in range(g) if plan.homes[b] in OFFLOAD_HOMES and b not in offl_back]
@@ -185,6 +187,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     # after its backward; LazyTrain's engine sends an earlier micro-batch's beside the next one's windows, and
     # the step waits for the last one's alone (tail_once below)
     tail_bytes = p.Gl[0] + p.nonlayer_link_bytes if mega_k is not None else 0
+    mega_buffers = megatrain.buffer_bytes(p) if mega_k is not None else None
     tail_each = tail_bytes / p.bw_d2h
 
     def micro_batch(refresh: bool) -> _MicroBatch:
@@ -281,9 +284,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             for j in offl:                          # its input is back (in its internals) for its backward
                 if w == 2 * L - 1 - j and max(offl_back[j]) <= w:
                     on_device.add(j)
-            for j, rw in recompute_window.items():
-                if rw == w:
-                    on_device.add(j)
+            on_device.update(regenerated.get(w, ()))
             # --- compute -----------------------------------------------------------------------
             tc = compute_start
             fwd_done = None
@@ -316,33 +317,34 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                 worst = max(LINKS, key=lambda k: free[k])
                 exposed[worst] += end - tc
             # --- memory during this window -------------------------------------------------------
-            streamed = sum(p.Wl[j] for j in weight_stream(w))
-            if w + 1 < 2 * L:
-                streamed += sum(p.Wl[j] for j in weight_stream(w + 1))
-            if len(resident) < L:                                  # the engine's two kept buffers
-                streamed = max(streamed, p.kept_buffers)
-            weights = streamed + sum(p.Wl[j] for j in resident)
-            graphs = 0                                             # graph layers: weights and internals held
-            for j in range(g, L):
-                if j <= w <= 2 * L - 1 - j and j not in resident:   # its own copy, beside the slot in window j
-                    weights += p.Wl[j]
-                if j <= w < 2 * L - 1 - j:                         # its own backward window counts them already
-                    graphs += p.saved[j]
-            for j in selective:   # kept matmul/attention outputs; in its backward window the diff task's autograd
-                if j <= w < 2 * L - 1 - j:   # saves these same tensors, which the window's workspace counts
-                    graphs += p.sel_bytes[j]
-            for j in offl:        # internals: in its forward window (its input counts as boundary j), then what is
-                if w == j:        # still to be copied out; from their prefetch what is back (its input with them);
-                    graphs += p.saved[j]                           # its backward window's workspace counts them
-                elif j < w < 2 * L - 1 - j:
-                    graphs += p.offl_bytes[j] * (sum(x for v, x in offl_out[j].items() if v >= w)
-                                                 + sum(x for v, x in offl_back[j].items() if v <= w))
-            bnd = sum(p.A[b] for b in on_device if b <= L)
-            if w == L - 1:
-                bnd -= p.A[L]                                      # counted in the window's fixed bytes
-            hbm = p.fixed_gpu_bytes(w) + weights + bnd + graphs
-            if mega_k is not None:
-                hbm = sum(megatrain.gpu_bytes(p, mega_k, w).values()) + p.budgets.gpu_reserved_bytes
+            if mega_k is not None:                                 # MegaTrain's own allocations
+                hbm = sum(megatrain.gpu_bytes(p, mega_k, w, mega_buffers).values()) + p.budgets.gpu_reserved_bytes
+            else:
+                streamed = sum(p.Wl[j] for j in weight_stream(w))
+                if w + 1 < 2 * L:
+                    streamed += sum(p.Wl[j] for j in weight_stream(w + 1))
+                if len(resident) < L:                                  # the engine's two kept buffers
+                    streamed = max(streamed, p.kept_buffers)
+                weights = streamed + sum(p.Wl[j] for j in resident)
+                graphs = 0                                             # graph layers: weights and internals held
+                for j in range(g, L):
+                    if j <= w <= 2 * L - 1 - j and j not in resident:   # its own copy, beside the slot in window j
+                        weights += p.Wl[j]
+                    if j <= w < 2 * L - 1 - j:                         # its own backward window counts them already
+                        graphs += p.saved[j]
+                for j in selective:   # kept matmul/attention outputs; in its backward window the diff task's autograd
+                    if j <= w < 2 * L - 1 - j:   # saves these same tensors, which the window's workspace counts
+                        graphs += p.sel_bytes[j]
+                for j in offl:        # internals: in its forward window (its input counts as boundary j), then what is
+                    if w == j:        # still to be copied out; from their prefetch what is back (its input with them);
+                        graphs += p.saved[j]                           # its backward window's workspace counts them
+                    elif j < w < 2 * L - 1 - j:
+                        graphs += p.offl_bytes[j] * (sum(x for v, x in offl_out[j].items() if v >= w)
+                                                     + sum(x for v, x in offl_back[j].items() if v <= w))
+                bnd = sum(p.A[b] for b in on_device if b <= L)
+                if w == L - 1:
+                    bnd -= p.A[L]                                      # counted in the window's fixed bytes
+                hbm = p.fixed_gpu_bytes(w) + weights + bnd + graphs
             host = sum(p.A[b] for b in offloaded if plan.homes[b] == "host" and off_w[b] <= w <= pre_w[b])
             host += sum(p.offl_bytes[j] for j in offl if j <= w <= 2 * L - 1 - j)   # until its backward frees them
             nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
