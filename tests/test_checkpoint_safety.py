@@ -90,34 +90,49 @@ def test_a_save_killed_at_any_step_leaves_a_whole_checkpoint(tmp_path, monkeypat
 
 
 def test_killed_saves_in_a_real_process_never_tear_a_checkpoint(tmp_path):
-    """A subprocess saving to a reused tag and to new tags, killed (SIGKILL) at many moments."""
+    """A process saving to a reused tag and to new tags, killed (SIGKILL) at many moments. Each saver is
+    forked by one subprocess that imported torch and LazyTrain once (a fresh interpreter per kill spent most
+    of the test's time importing)."""
     script = textwrap.dedent(f"""
-        import sys, torch
+        import os, sys, torch
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_checkpoint_safety import files_of
         from lazytrain.engine import checkpoint as ckpt
         d = sys.argv[1]
-        step = int(sys.argv[2])
-        print("ready", flush=True)
-        while True:
-            step += 1
-            ckpt.save(d, "ckpt", files_of(step), True)
-            ckpt.save(d, f"s{{step}}", files_of(step), False)
+        for line in sys.stdin:                  # one saver per line: the step it starts after
+            step = int(line)
+            pid = os.fork()
+            if pid == 0:
+                print("ready", os.getpid(), flush=True)
+                while True:
+                    step += 1
+                    ckpt.save(d, "ckpt", files_of(step), True)
+                    ckpt.save(d, f"s{{step}}", files_of(step), False)
+            _, status = os.waitpid(pid, 0)
+            print("reaped", os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
     """)
     d = tmp_path / "ckpts"
     ckpt.save(str(d), "ckpt", files_of(1), True)
     delays = [0.002 * i for i in range(10)]
-    for i, delay in enumerate(delays):
-        p = subprocess.Popen([sys.executable, "-c", script, str(d), str(100 * (i + 1))], stdout=subprocess.PIPE)
-        assert p.stdout.readline().strip() == b"ready"
-        time.sleep(0.05 + delay)
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        step = loaded_step(d, "ckpt")
-        assert loaded_step(d) == step or ckpt.resolve_tag(str(d), None) != "ckpt"
-        for entry in os.listdir(d):
-            if entry.startswith("s"):
-                loaded_step(d, entry)                   # every new tag that exists is whole
+    forker = subprocess.Popen([sys.executable, "-c", script, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        for i, delay in enumerate(delays):
+            forker.stdin.write(f"{100 * (i + 1)}\n".encode())
+            forker.stdin.flush()
+            ready, pid = forker.stdout.readline().split()
+            assert ready == b"ready"
+            time.sleep(0.05 + delay)
+            os.kill(int(pid), signal.SIGKILL)
+            assert forker.stdout.readline().split() == [b"reaped", str(int(signal.SIGKILL)).encode()]
+            step = loaded_step(d, "ckpt")
+            assert loaded_step(d) == step or ckpt.resolve_tag(str(d), None) != "ckpt"
+            for entry in os.listdir(d):
+                if entry.startswith("s"):
+                    loaded_step(d, entry)                   # every new tag that exists is whole
+    finally:
+        forker.stdin.close()
+        forker.wait(timeout=60)
+    assert forker.returncode == 0
     ckpt.save(str(d), "ckpt", files_of(10_000), True)
     assert loaded_step(d) == 10_000
     assert [e for e in os.listdir(d) if e.startswith(".")] == []
