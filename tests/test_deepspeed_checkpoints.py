@@ -4,7 +4,6 @@ The checkpoints are DeepSpeed 0.19.8's own (tests/data/deepspeed_0_19/make_fixtu
 after one AdamW step. Every fp32 one holds the same weights and moments (the ranks saw the same input). The
 ``_frozen`` ones leave ``0.bias`` frozen and hold the group settings ``make_fixtures.SETTINGS``;
 ``stage2_fp32_step0`` was saved before any step, ``stage0_fp16_scaled`` after three from a loss scale of 2**12."""
-import copy
 import os
 import warnings
 

@@ -8,7 +8,6 @@ backward or with a forward never differentiated. Random transfer delays: tests/t
 import dataclasses
 import gc
 import time
-import warnings
 
 import pytest
 import torch

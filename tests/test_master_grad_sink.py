@@ -55,7 +55,6 @@ def test_the_hook_returns_before_the_copy_lands_and_readers_wait(copy_threads, g
 def test_micro_batches_accumulate_in_fp32_in_order(copy_threads, monkeypatch):
     monkeypatch.setattr(MasterGradSink, "CHUNK", 5)
     streams.configure(copy_threads=True, chaos=streams.Chaos(seed=3, max_delay_s=0.002))
-    p = nn.Parameter(torch.zeros(4, 6, dtype=torch.bfloat16))
     master = nn.Parameter(torch.zeros(4, 6))
     sink = MasterGradSink(torch.bfloat16, max_bytes=4 * 6 * 2)
     parts = [_bf16_grads(seed, (4, 6)) for seed in range(6)]

@@ -3,9 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from lazytrain.optim import kernels
 from lazytrain.optim.quantization import (build_encoder_table, create_dynamic_map, dequantize_blockwise, encode,
-                                          get_qmap, nearest_code_reference, quantize_blockwise)
+                                          get_qmap, quantize_blockwise)
 
 MAPS = ("dynamic", "udynamic")
 

@@ -12,7 +12,7 @@ from lazytrain.planner.hardware import CATALOG, HardwareError, HardwareProfile, 
 from lazytrain.planner.milp import MilpOptions, build_and_solve
 from lazytrain.planner.models import ModelShape, ModelShapeError, catalog_model
 from lazytrain.planner.plan import Plan, PlanError, every_k_plan
-from lazytrain.planner.policies import (PAPER, best_interval_plan, greedy_plan, keep_all, megatrain_errors,
+from lazytrain.planner.policies import (best_interval_plan, greedy_plan, keep_all, megatrain_errors,
                                         megatrain_plan)
 from lazytrain.planner.problem import Budgets, InfeasibleBudgetError, Problem, make_problem, parse_size
 from lazytrain.planner.search import plan_for, search_micro_batch, solve

@@ -4,7 +4,7 @@ import pytest
 from lazytrain.planner import megatrain
 from lazytrain.planner.hardware import CATALOG
 from lazytrain.planner.models import ModelShape, ModelShapeError, catalog_model
-from lazytrain.planner.plan import Plan, every_k_plan
+from lazytrain.planner.plan import every_k_plan
 from lazytrain.planner.policies import (calibrate, calibration_band, megatrain_errors, megatrain_plan,
                                         prediction_band, simulate_megatrain)
 from lazytrain.planner.simulate import SimulationError, simulate
