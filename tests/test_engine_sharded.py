@@ -1257,13 +1257,20 @@ def test_on_a_gpu_an_nccl_group_of_one_trains_bit_for_bit_as_one_process(tmp_pat
         assert torch.equal(grouped["weights"][k], v), k
 
 
-def _reduced_in_a_world_of_one(rank, port, out_dir, device, via):
-    """One process in a group of one (NCCL on a GPU, gloo on the CPU with copy threads standing in for its
-    streams; chaos delays on every copy either way), bf16 over two micro-batches a step, every layer's
-    gradient sent through the stage-2 gradient path to its owner (this rank): ``via`` "device" reduces it
-    before it leaves the device (NCCL's reduce started on the autograd thread, waited for on the gradient
-    worker with a stream of the sink's own current, then the owner's copy to the host), "host" after, or
-    "none": straight into the buffers."""
+def _reduced_in_a_world_of_one(rank, out_dir, device):
+    """The three paths in turn, in one process (one import), each in a group of one of its own (NCCL on a GPU,
+    gloo on the CPU with copy threads standing in for its streams; chaos delays on every copy either way),
+    bf16 over two micro-batches a step, every layer's gradient sent through the stage-2 gradient path to its
+    owner (this rank): "device" reduces it before it leaves the device (NCCL's reduce started on the autograd
+    thread, waited for on the gradient worker with a stream of the sink's own current, then the owner's copy
+    to the host), "host" after, "none" puts it straight into the buffers."""
+    from lazytrain.tiers import streams
+    for via in ("device", "host", "none"):
+        _reduced_via(free_port(), out_dir, device, via)
+        streams.configure()   # transfers as configured by default again before the next engine
+
+
+def _reduced_via(port, out_dir, device, via):
     import lazytrain
     from lazytrain.engine.sharding import GradientsToOwners
     join_as(0, 1, port)
@@ -1297,8 +1304,7 @@ def _reduced_in_a_world_of_one(rank, port, out_dir, device, via):
 
 
 def _reduce_in_a_world_of_one(tmp_path, device):
-    for via in ("device", "host", "none"):
-        mp.spawn(_reduced_in_a_world_of_one, args=(free_port(), str(tmp_path), device, via), nprocs=1, join=True)
+    mp.spawn(_reduced_in_a_world_of_one, args=(str(tmp_path), device), nprocs=1, join=True)
     device_, host, none = (torch.load(tmp_path / f"{via}.pt") for via in ("device", "host", "none"))
     assert device_["on_device"] and not host["on_device"]
     assert device_["backend"] == ("nccl" if device == "cuda" else "gloo")
