@@ -2138,8 +2138,8 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
 
 def _gathered_writes(rank, world, out_dir):
     """deepspeed.zero.GatheredParameters(..., modifier_rank=1) on every rank before initialize: rank 1's writes
-    reach every rank (a bf16 tensor and a transposed one too, bit for bit); after initialize an engine's
-    parameter is refused there."""
+    reach every rank (a bf16 tensor and a transposed one too, bit for bit); lists that differ between the
+    ranks are refused on entry on every rank; after initialize an engine's parameter is refused there."""
     import lazytrain
     from lazytrain.integrations.deepspeed_entry import _GatheredParameters
     if not torch.distributed.is_initialized():   # an earlier case of these ranks may have made it
@@ -2154,6 +2154,15 @@ def _gathered_writes(rank, world, out_dir):
             transposed[1, 2] = 7.0 + rank
     out = {"emb": model.emb.weight.detach().clone(), "extra": extra.detach().clone(),
            "transposed": transposed.detach().clone()}
+    mismatched = {"order": [model.emb.weight, extra] if rank == 0 else [extra, model.emb.weight],
+                  "count": [extra, transposed] if rank == 0 else [extra]}
+    for how, params in mismatched.items():   # refused on every rank on entry: nothing written, nothing sent
+        try:
+            with _GatheredParameters(params, modifier_rank=1):
+                extra.fill_(-1.0)
+        except ValueError as e:
+            out[f"mismatched {how}"] = str(e)
+    out["extra after the mismatched scopes"] = extra.detach().clone()
     engine, _, _, _ = lazytrain.initialize(model=model, config=_config(world, 2, False))
     try:
         _GatheredParameters([engine.module.head.weight], modifier_rank=0)
@@ -2177,6 +2186,13 @@ def test_a_write_under_gathered_parameters_with_a_modifier_rank_reaches_every_ra
         expected = torch.zeros(3, 4)
         expected[1, 2] = 8.0
         assert torch.equal(r["transposed"], expected)
+        assert r["mismatched order"] == (
+            "deepspeed.zero.GatheredParameters(..., modifier_rank=1) over 2 ranks: parameter 0 is (32, 32) float32 "
+            "on cpu on rank 0, (3, 4) bfloat16 on cpu on rank 1; every rank must pass the same parameters in the same "
+            "order (rank 1's values are broadcast into each rank's list in its order on exit)")
+        assert r["mismatched count"].startswith("deepspeed.zero.GatheredParameters(..., modifier_rank=1) over 2 "
+                                                "ranks: rank 0 passed 2 parameter(s), rank 1 1; every rank must")
+        assert torch.equal(r["extra after the mismatched scopes"], r["extra"])
         assert r["refused"] == (
             "deepspeed.zero.GatheredParameters(..., modifier_rank=...) over 2 ranks with 1 parameter(s) a LazyTrain "
             "engine trains: the engine keeps several copies of each (fp32 masters on the ranks that own them, compute "

@@ -180,7 +180,8 @@ class _GatheredParameters:
     there: it keeps several copies of each (fp32 masters on their owners, compute copies on every rank) that a
     write to one cannot reach; ``lazytrain.utils.safe_set_full_fp32_param`` on every rank writes them all.
     Every rank must enter and leave the scope (a rank that does not leaves the others waiting in the
-    broadcast until the process group's timeout), with the same parameters in the same order."""
+    broadcast until the process group's timeout), with the same parameters in the same order (lists that
+    differ in number, shapes or dtypes are refused on every rank on entry)."""
 
     def __init__(self, params=None, modifier_rank=None, fwd_module=None, enabled=True):
         if params is None:
@@ -197,6 +198,8 @@ class _GatheredParameters:
 
     def __enter__(self):
         from ..engine.partitioned_params import live
+        if self._broadcast_from is not None:   # before any gather: refused on every rank alike
+            _refuse_lists_that_differ(self._params, self._broadcast_from)
         for partitioned in live():
             self._stack.enter_context(partitioned.gathered(self._params))
         if self._modifies:
@@ -223,6 +226,28 @@ def _refuse_engine_params(params: list) -> None:
             f"masters on the ranks that own them, compute copies on every rank) that a write to the parameter on "
             f"one rank cannot reach. Write them with lazytrain.utils.safe_set_full_fp32_param(p, value) on every "
             f"rank (deepspeed.utils' after lazytrain.replace_deepspeed()), which writes every copy")
+
+
+def _refuse_lists_that_differ(params: list, src: int) -> None:
+    """Every rank's parameters must be rank ``src``'s in number, shape, dtype and device type, in order: else
+    the broadcast on exit would write ``src``'s values into other parameters, or pair up tensors of other
+    sizes. Refused on every rank on entry, before anything is written (two parameters of one shape and dtype
+    swapped between the ranks' lists cannot be told apart)."""
+    import torch.distributed as dist
+    mine = [f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')} on {p.device.type}" for p in params]
+    lists = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, mine, group=_host_group())
+    for rank, theirs in enumerate(lists):
+        if theirs == lists[src]:
+            continue
+        if len(theirs) != len(lists[src]):
+            differ = f"rank {rank} passed {len(theirs)} parameter(s), rank {src} {len(lists[src])}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(theirs, lists[src])) if a != b)
+            differ = f"parameter {i} is {theirs[i]} on rank {rank}, {lists[src][i]} on rank {src}"
+        raise ValueError(f"deepspeed.zero.GatheredParameters(..., modifier_rank={src}) over {len(lists)} ranks: "
+                         f"{differ}; every rank must pass the same parameters in the same order (rank {src}'s "
+                         f"values are broadcast into each rank's list in its order on exit)")
 
 
 def _broadcast_params(params: list, src: int) -> None:
