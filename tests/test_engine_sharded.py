@@ -2163,7 +2163,13 @@ def _gathered_writes(rank, world, out_dir):
         except ValueError as e:
             out[f"mismatched {how}"] = str(e)
     out["extra after the mismatched scopes"] = extra.detach().clone()
+    made_before = _GatheredParameters([model.head.weight], modifier_rank=0)
     engine, _, _, _ = lazytrain.initialize(model=model, config=_config(world, 2, False))
+    try:   # entered once an engine trains its parameter: refused as one made after
+        with made_before:
+            pass
+    except NotImplementedError as e:
+        out["refused once an engine took it"] = str(e)
     try:
         _GatheredParameters([engine.module.head.weight], modifier_rank=0)
     except NotImplementedError as e:
@@ -2193,6 +2199,7 @@ def test_a_write_under_gathered_parameters_with_a_modifier_rank_reaches_every_ra
         assert r["mismatched count"].startswith("deepspeed.zero.GatheredParameters(..., modifier_rank=1) over 2 "
                                                 "ranks: rank 0 passed 2 parameter(s), rank 1 1; every rank must")
         assert torch.equal(r["extra after the mismatched scopes"], r["extra"])
+        assert r["refused once an engine took it"] == r["refused"]
         assert r["refused"] == (
             "deepspeed.zero.GatheredParameters(..., modifier_rank=...) over 2 ranks with 1 parameter(s) a LazyTrain "
             "engine trains: the engine keeps several copies of each (fp32 masters on the ranks that own them, compute "

@@ -199,6 +199,7 @@ class _GatheredParameters:
     def __enter__(self):
         from ..engine.partitioned_params import live
         if self._broadcast_from is not None:   # before any gather: refused on every rank alike
+            _refuse_engine_params(self._params)   # again: an engine may have taken them since __init__
             _refuse_lists_that_differ(self._params, self._broadcast_from)
         for partitioned in live():
             self._stack.enter_context(partitioned.gathered(self._params))
