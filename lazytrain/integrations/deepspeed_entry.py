@@ -181,7 +181,7 @@ class _GatheredParameters:
     write to one cannot reach; ``lazytrain.utils.safe_set_full_fp32_param`` on every rank writes them all.
     Every rank must enter and leave the scope (a rank that does not leaves the others waiting in the
     broadcast until the process group's timeout), with the same parameters in the same order (lists that
-    differ in number, shapes or dtypes are refused on every rank on entry)."""
+    differ in number, shape, dtype or device are refused on every rank on entry)."""
 
     def __init__(self, params=None, modifier_rank=None, fwd_module=None, enabled=True):
         if params is None:
