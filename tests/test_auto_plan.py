@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import lazytrain
 from lazytrain.cli import main
@@ -19,7 +18,7 @@ from lazytrain.planner.measured import MachineProfile, MeasurementError
 from lazytrain.planner.plan import Plan
 from lazytrain.planner.search import plan_from_profile
 from lazytrain.tiers import streams
-from dist_helpers import free_port, join_as, leave_group
+from dist_helpers import free_port, join_as, leave_group, spawn
 from engine_models import batches, lm_loss, make_model
 
 LINKS = {"h2d": {"gbps": 0.05}, "d2h": {"gbps": 0.05}}
@@ -607,7 +606,7 @@ def _rank(rank, port, out_dir):
 
 def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_path):
     """Rank 0 plans for every rank, for the longest sequence any of them trained."""
-    mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["plans"] == r1["plans"]
     assert [p[0] for p in r0["plans"]] == ["auto-calibration"] * 5 + ["auto-milp"] * 4

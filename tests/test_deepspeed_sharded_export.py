@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lazytrain.engine import checkpoint as ckpt
 from lazytrain.engine import deepspeed_layout as ds_layout
@@ -22,7 +21,7 @@ from lazytrain.engine import safe_load
 
 sys.path.insert(0, os.path.dirname(__file__))
 import deepspeed_runs as runs  # noqa: E402
-from dist_helpers import free_port, join_as, leave_group  # noqa: E402
+from dist_helpers import free_port, join_as, leave_group, spawn  # noqa: E402
 import test_deepspeed_export as single  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore:lazytrain"),
@@ -61,7 +60,7 @@ def exported(tmp_path_factory):
            "out": str(root / "results.pt")}
     with open(root / "job.json", "w") as f:
         json.dump(job, f)
-    mp.spawn(_rank, args=(free_port(), str(root), str(root / "job.json")), nprocs=RANKS, join=True)
+    spawn(_rank, args=(free_port(), str(root), str(root / "job.json")), nprocs=RANKS)
     lazy = {}
     for name in NAMES:
         parts = [torch.load(root / f"{name}.rank{r}.pt") for r in range(RANKS)]

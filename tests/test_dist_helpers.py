@@ -1,10 +1,12 @@
-"""tests/dist_helpers.py's spawn_cases: cases run in turn in one set of spawned ranks, a failing case is
-reported with its rank's error, and the cases after it run in new processes."""
+"""tests/dist_helpers.py: spawn_cases runs cases in turn in one set of ranks, reports a failing case with its
+rank's error and runs the cases after it in new processes; spawn reports a failing rank's traceback; run_groups
+waits for the awaited ranks alone and kills the rest."""
 import os
+import time
 
 import pytest
 
-from dist_helpers import CaseFailed, reports, spawn_cases
+from dist_helpers import CaseFailed, Group, reports, run_groups, spawn, spawn_cases
 
 
 def _pid(rank, world, out_dir, tag):
@@ -27,3 +29,30 @@ def test_cases_share_a_process_and_a_failure_is_reported_then_the_rest_run_anew(
         str(outcomes["fails"])
     with pytest.raises(pytest.fail.Exception, match="case meant to fail"):
         reports(outcomes, "fails")
+
+
+def _fails_on_rank_1(rank, tag):
+    if rank == 1:
+        raise ValueError(f"meant to fail on rank {rank} ({tag})")
+    time.sleep(600)   # killed once rank 1 failed
+
+
+def test_spawn_kills_the_other_ranks_once_one_fails_and_raises_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        spawn(_fails_on_rank_1, args=("x",), nprocs=2)
+    assert time.monotonic() - t0 < 60
+    assert str(e.value).startswith("ranks that failed (rank, exit code): [(0, -9), (1, 1)]\n")
+    assert "ValueError: meant to fail on rank 1 (x)" in str(e.value)
+
+
+def _ends_or_sleeps(rank, port, code):
+    if rank == 0:
+        os._exit(code)
+    time.sleep(600)
+
+
+def test_run_groups_waits_for_the_awaited_ranks_and_kills_the_others():
+    first, second = run_groups([Group(_ends_or_sleeps, (0,)), Group(_ends_or_sleeps, (3,))], timeout=60)
+    assert (first.exitcodes, second.exitcodes) == ([0, -9], [3, -9])
+    assert list(first.seconds) == [0] and first.seconds[0] < 60

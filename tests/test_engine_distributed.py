@@ -5,9 +5,8 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from dist_helpers import free_port, join_as, leave_group, reports, spawn_cases
+from dist_helpers import Group, free_port, join_as, leave_group, reports, run_groups, spawn, spawn_cases
 from engine_models import batches, fail_gradient_copy, lm_loss, make_model, max_rel_diff, reference_train
 
 
@@ -290,7 +289,7 @@ def test_parameter_with_gradient_on_one_rank_only_bf16(spawned):
 
 
 def _own_group_worker(rank: int, port: int, out_dir: str):
-    """One rank of a script that makes the process group itself (mp.spawn + init_process_group) with no
+    """One rank of a script that makes the process group itself (its own processes + init_process_group) with no
     launcher environment, which the engine must train on, as DeepSpeed does."""
     import warnings
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -305,7 +304,7 @@ def _own_group_worker(rank: int, port: int, out_dir: str):
 def test_a_process_group_the_script_made_itself_is_used(tmp_path):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    mp.spawn(_own_group_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_own_group_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     _assert_each_rank_equals_one_big_batch([torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)])
 
 
@@ -374,29 +373,36 @@ def _stopping_worker(rank: int, port: int, out_dir: str):
             return
 
 
-def test_a_rank_that_stops_fails_the_others_within_the_timeout(tmp_path):
-    import time
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_stopping_worker, args=(r, port, str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    t0 = time.monotonic()
-    procs[0].join(120)
-    waited = time.monotonic() - t0
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    message = (tmp_path / "rank0.err").read_text()
+SAVES_ALONE = [(0, "trains on", "engine.step()"),
+               (2, "trains on", "engine.backward()"),                          # stage 2 reduces in the backward
+               (3, "trains on", "a gather of partitioned parameters"),         # stage 3 gathers in the forward first
+               (0, "ends", ("destroy()", "the end of its script"))]   # the second: rank 0 looked after rank 1 left
+
+
+@pytest.fixture(scope="module")
+def pairs_that_wait(tmp_path_factory):
+    """name: (the pair's directory, its GroupOutcome), for the pairs in which a rank stops or leaves the
+    others waiting: run side by side, so that their waits overlap. "stops": rank 1 stops after one step;
+    (stage, then): rank 0 alone saves."""
+    dirs = {"stops": tmp_path_factory.mktemp("stops")}
+    groups = [Group(_stopping_worker, (str(dirs["stops"]),))]
+    for stage, then, _ in SAVES_ALONE:
+        dirs[stage, then] = d = tmp_path_factory.mktemp(f"save-alone-{stage}-{then.replace(' ', '-')}")
+        groups.append(Group(_saving_on_rank_0_alone, (str(d), stage, then), awaited=(0, 1)))
+    return {name: (d, outcome) for (name, d), outcome in zip(dirs.items(), run_groups(groups))}
+
+
+def test_a_rank_that_stops_fails_the_others_within_the_timeout(pairs_that_wait):
+    out_dir, outcome = pairs_that_wait["stops"]
+    message = (out_dir / "rank0.err").read_text()
     # and exits as the script does: it aborted in 3 of 7 runs ("terminate called without an active exception",
     # SIGABRT), gloo's thread ending the timed-out collective while the interpreter was shutting down
-    assert procs[0].exitcode == 0
+    assert outcome.exitcodes == [0, -9]   # rank 1 stopped until killed
     assert message.startswith("rank 0 of 2: the agreement that every rank's gradients reached its host in engine.step() "
                               "did not complete: it failed after ")
     assert "with a collective timeout of 3 s ('lazytrain.collective_timeout_s'). Another rank stopped, hung or " \
            "died before reaching it" in message
-    assert waited < 60
+    assert outcome.seconds[0] < 60
 
 
 def _saving_on_rank_0_alone(rank: int, port: int, out_dir: str, stage: int, then: str):
@@ -423,31 +429,20 @@ def _saving_on_rank_0_alone(rank: int, port: int, out_dir: str, stage: int, then
             f.write(str(e))
 
 
-@pytest.mark.parametrize("stage,then,went_on", [
-    (0, "trains on", "engine.step()"),
-    (2, "trains on", "engine.backward()"),                          # stage 2 reduces in the backward
-    (3, "trains on", "a gather of partitioned parameters"),         # stage 3 gathers in the forward first
-    (0, "ends", ("destroy()", "the end of its script"))])   # the second where rank 0 looks after rank 1 is gone
-def test_a_save_on_rank_0_alone_fails_at_once_naming_the_rule_and_writes_nothing(tmp_path, stage, then, went_on):
+@pytest.mark.parametrize("stage,then,went_on", SAVES_ALONE)
+def test_a_save_on_rank_0_alone_fails_at_once_naming_the_rule_and_writes_nothing(pairs_that_wait, stage, then,
+                                                                                went_on):
     """It entered a collective that paired with rank 1's next step's: gloo aborted rank 0 on the size mismatch
     ("Is there a distributed collective mismatch in your code?") and rank 1 blamed a rank that stopped or died."""
-    import time
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_saving_on_rank_0_alone, args=(r, port, str(tmp_path), stage, then)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    t0 = time.monotonic()
-    for p in procs:
-        p.join(120)
-    assert time.monotonic() - t0 < 50   # not the collective timeout (60 s)
-    assert [p.exitcode for p in procs] == [0, 0]
-    assert (tmp_path / "rank0.err").read_text() in [
+    out_dir, outcome = pairs_that_wait[stage, then]
+    assert max(outcome.seconds.values()) < 50   # not the collective timeout (60 s)
+    assert outcome.exitcodes == [0, 0]
+    assert (out_dir / "rank0.err").read_text() in [
         f"rank 0 of 2: save_checkpoint() was called here at micro-step 2, where rank 1 went on to {call} (at "
         f"micro-step 2) without calling it: every rank must call it (each writes or reads its part), as in "
         f"DeepSpeed; a script that saves on rank 0 alone (as with DDP) calls it on every rank instead"
         for call in ([went_on] if isinstance(went_on, str) else went_on)]
-    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    assert not (out_dir / "ckpt").exists() or not any((out_dir / "ckpt").iterdir())
 
 
 class _Work:

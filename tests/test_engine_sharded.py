@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dist_helpers import free_port, join_as, leave_group, reports, spawn_cases
+from dist_helpers import Group, free_port, join_as, leave_group, reports, run_groups, spawn, spawn_cases
 from engine_models import VOCAB, ModuleListLM, add_lora, batches, lm_loss, make_hf_model, make_model, max_rel_diff, reference_train
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
@@ -429,7 +429,7 @@ def test_gradient_reduce_on_the_device_is_refused_where_it_cannot_run():
         parse_config({**_config(2, 1, False), "lazytrain": {"gradient_reduce": "device"}}, world_size=2)
 
 
-def _stalling_worker(rank, port, out_dir, where):
+def _stalling_worker(rank, port, out_dir, where, timeout_s):
     """Rank 1 stops (SIGSTOP) where the sharded step is: before its gradient reduce (at the step, or at stage 2
     in the backward, reduced on the "device"), or on the update thread
     before its broadcast of updated weights, or (stage 3) before it joins destroy()'s gather of the partitioned
@@ -444,7 +444,7 @@ def _stalling_worker(rank, port, out_dir, where):
     torch.set_num_threads(1)
     cfg = _config(2, {"destroy": 3, "device_reduce": 2}.get(where, 1), overlap=where == "broadcast",
                   dtype="bf16" if where == "module_state_dict" else "fp32")
-    cfg["lazytrain"]["collective_timeout_s"] = 3
+    cfg["lazytrain"]["collective_timeout_s"] = timeout_s
     if where == "device_reduce":   # the CPU standing in for a GPU: the reduce started in the backward
         cfg["lazytrain"].update(gradient_reduce="device", testing={"copy_threads": True})
     if where == "module_state_dict":   # the layers' masters are not sharded with the weights on NVMe: the only
@@ -489,31 +489,34 @@ def _stalling_worker(rank, port, out_dir, where):
             f.write(f"{type(e).__name__}: {e}")
 
 
-@pytest.mark.parametrize("where,collective", [("reduce", "gradient reduce of engine.step()"),
-                                              ("device_reduce", "gradient reduce in the backward (at "
-                                                                "zero_optimization.stage >= 2 every rank must run the "
-                                                                "same trainable layers in each backward; a model that "
-                                                                "skips layers on some ranks needs stage 1)"),
-                                              ("broadcast", "broadcast of updated weights in engine.step()"),
-                                              ("destroy", "gather of the partitioned parameters (module_state_dict(), "
-                                                          "a load, a save's 16-bit weights or destroy(): every rank "
-                                                          "must call it)"),
-                                              ("module_state_dict", "arrival of every rank at module_state_dict()"),
-                                              ("save_checkpoint", "arrival of every rank at save_checkpoint()")])
-def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collective(tmp_path, where, collective):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_stalling_worker, args=(r, port, str(tmp_path), where)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    procs[0].join(120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    message = (tmp_path / "rank0.err").read_text()
-    assert f"rank 0 of 2: the {collective} did not complete" in message
-    assert "with a collective timeout of 3 s" in message
+STALLS = {"reduce": "gradient reduce of engine.step()",
+          "device_reduce": "gradient reduce in the backward (at zero_optimization.stage >= 2 every rank must run "
+                           "the same trainable layers in each backward; a model that skips layers on some ranks "
+                           "needs stage 1)",
+          "broadcast": "broadcast of updated weights in engine.step()",
+          "destroy": "gather of the partitioned parameters (module_state_dict(), a load, a save's 16-bit weights "
+                     "or destroy(): every rank must call it)",
+          "module_state_dict": "arrival of every rank at module_state_dict()",
+          "save_checkpoint": "arrival of every rank at save_checkpoint()"}
+STALL_TIMEOUT_S = 5   # each pair's collective timeout: the six pairs run at once, on as few as 2 cores
+
+
+@pytest.fixture(scope="module")
+def stalled(tmp_path_factory):
+    """where: (the directory of the pair in which rank 1 stopped there, its GroupOutcome); the six pairs run
+    side by side, so that their timeouts overlap."""
+    dirs = {where: tmp_path_factory.mktemp(f"stall-{where}") for where in STALLS}
+    outcomes = run_groups([Group(_stalling_worker, (str(d), where, STALL_TIMEOUT_S)) for where, d in dirs.items()])
+    return {where: (dirs[where], outcome) for where, outcome in zip(dirs, outcomes)}
+
+
+@pytest.mark.parametrize("where", list(STALLS))
+def test_a_rank_that_stops_in_a_sharded_step_fails_the_others_naming_the_collective(stalled, where):
+    out_dir, outcome = stalled[where]
+    message = (out_dir / "rank0.err").read_text()
+    assert f"rank 0 of 2: the {STALLS[where]} did not complete" in message
+    assert f"with a collective timeout of {STALL_TIMEOUT_S} s" in message
+    assert outcome.exitcodes[1] == -9   # stopped until killed
 
 
 @pytest.mark.parametrize("per_node,stage", [pytest.param(1, 2, marks=pytest.mark.slow),   # (2, 3) runs both paths
@@ -1304,7 +1307,8 @@ def _reduced_via(port, out_dir, device, via):
 
 
 def _reduce_in_a_world_of_one(tmp_path, device):
-    mp.spawn(_reduced_in_a_world_of_one, args=(str(tmp_path), device), nprocs=1, join=True)
+    start = mp.spawn if device == "cuda" else spawn   # CUDA's in fresh interpreters, as a user's script runs
+    start(_reduced_in_a_world_of_one, args=(str(tmp_path), device), nprocs=1)
     device_, host, none = (torch.load(tmp_path / f"{via}.pt") for via in ("device", "host", "none"))
     assert device_["on_device"] and not host["on_device"]
     assert device_["backend"] == ("nccl" if device == "cuda" else "gloo")
@@ -1377,19 +1381,17 @@ def test_a_failed_gradient_reduce_ends_the_run_on_every_later_call(tmp_path):
     one) nor wait out the timeout, and nothing trains on: the step, a checkpoint load (which drops
     the gradients) and every later step raise the reduce's error; zero_grad at stage 2 keeps the gradients,
     as DeepSpeed's, and raises nothing."""
-    mp.spawn(_broken_gradient_group, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    spawn(_broken_gradient_group, args=(free_port(), str(tmp_path)), nprocs=1)
     r = torch.load(tmp_path / "broken.pt")
     error = "the gradient reduce in the backward did not complete (injected)"
     assert r["raised"] == [error, None, error, error]
     assert r["reduces_started"] in (3, 4) and r["unchanged"]   # of 6 layers: none after the next one
 
 
-def _stale_forward_worker(rank, port, out_dir, stage, dtype):
+def _stale_forward(rank, world, out_dir, stage, dtype):
     """Two forwards, the step after the first one's backward, then the second's backward: what each rank
     raised."""
     import lazytrain
-    join_as(rank, 2, port)
-    torch.distributed.init_process_group("gloo")
     engine = lazytrain.initialize(model=make_model("llama"), config=_config(2, stage, False, dtype))[0]
     (x1, y1), (x2, y2) = batches(2, batch=GLOBAL // 2, seed=rank)
     first, second = lm_loss(engine(x1), y1), lm_loss(engine(x2), y2)
@@ -1397,22 +1399,23 @@ def _stale_forward_worker(rank, port, out_dir, stage, dtype):
     engine.step()
     try:
         engine.backward(second)
-        raised = None
+        return None
     except RuntimeError as e:
-        raised = str(e)
-    torch.save({"raised": raised}, os.path.join(out_dir, f"stale{rank}.pt"))
-    leave_group()
+        return str(e)
 
 
-@pytest.mark.parametrize("stage,dtype", [(1, "fp32"), (2, "bf16")])
-def test_a_forward_from_before_a_step_is_refused_on_every_rank(tmp_path, stage, dtype):
+STALE_FORWARDS = [(1, "fp32"), (2, "bf16")]
+for _stage, _dtype in STALE_FORWARDS:
+    case(2, f"stale-forward-stage{_stage}-{_dtype}", _stale_forward, stage=_stage, dtype=_dtype)
+
+
+@pytest.mark.parametrize("stage,dtype", STALE_FORWARDS)
+def test_a_forward_from_before_a_step_is_refused_on_every_rank(spawned, stage, dtype):
     """At stages 1-2 each rank updates the embedding and head it owns and receives the others' by broadcast,
     a write autograd's counter does not see: counted on every rank, so each refuses the stale backward, as
     PyTorch does, where a rank that received the head would have differentiated the new weights (and with
     frozen blocks, trained on apart from the other)."""
-    mp.spawn(_stale_forward_worker, args=(free_port(), str(tmp_path), stage, dtype), nprocs=2, join=True)
-    for rank in range(2):
-        raised = torch.load(tmp_path / f"stale{rank}.pt")["raised"]
+    for rank, raised in enumerate(spawned(f"stale-forward-stage{stage}-{dtype}")):
         assert raised is not None and "modified by an inplace operation" in raised, (rank, raised)
 
 
