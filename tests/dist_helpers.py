@@ -32,12 +32,45 @@ def join_as(rank: int, world: int, port: int) -> None:
 def forked():
     """The multiprocessing context the helpers start ranks with: a forkserver that imported torch (with its
     compiler, which torch.optim imports) and LazyTrain once forks each process. A fresh interpreter per rank
-    spent about 5 s of CPU on these imports alone. The server starts with the first process of a test run,
-    and its children get its environment, not their caller's: what a rank needs goes in its arguments."""
+    spent about 5 s of CPU on these imports alone. The server starts with the first process of a test run;
+    each rank runs through :func:`_traced`, which gives it what a fresh interpreter would have but string
+    hashing: every forked rank hashes strings alike (PYTHONHASHSEED is read at start). The torchrun tests
+    (test_engine_sharded, test_huggingface) start interpreters of their own."""
     import multiprocessing
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "lazytrain"])   # read when the server starts
     return ctx
+
+
+def _start(fn, args: tuple, error_path: str, label: str):
+    """A started process of :func:`forked` running ``fn(*args)`` through :func:`_traced`, with the caller's
+    environment as it is now."""
+    p = forked().Process(target=_traced, args=(fn, tuple(args), error_path, label, dict(os.environ)))
+    p.start()
+    return p
+
+
+def _traced(fn, args: tuple, error_path: str, label: str, env: dict) -> None:
+    """``fn(*args)`` in a forked child as in a fresh interpreter: the caller's environment (the server's is
+    the one it started with), and the random generators seeded anew (torch seeds each new process at random;
+    forked children would share the server's state). A traceback goes to ``error_path``, headed ``label``."""
+    import random
+    import sys
+    import traceback
+
+    import torch
+    os.environ.clear()
+    os.environ.update(env)
+    random.seed()
+    torch.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    try:
+        fn(*args)
+    except BaseException:
+        with open(error_path, "w") as f:
+            f.write(f"{label}: {traceback.format_exc()}")
+        raise
 
 
 def _join_ending_all_on_a_failure(procs: list) -> None:
@@ -54,31 +87,22 @@ def _join_ending_all_on_a_failure(procs: list) -> None:
                     other.kill()
 
 
-def _traced(fn, rank: int, args: tuple, error_path: str) -> None:
-    """``fn(rank, *args)``, its traceback written to ``error_path`` if it raises."""
-    import traceback
-    try:
-        fn(rank, *args)
-    except BaseException:
-        with open(error_path, "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _told(paths: list, procs: list) -> str:
+    """What the ranks that failed said: each one's exit code, then the tracebacks written."""
+    told = [open(path).read() for path in paths if os.path.exists(path)]
+    return f"exit codes by rank: {[p.exitcode for p in procs]}" + "".join(f"\n{t}" for t in told)
 
 
 def spawn(fn, args: tuple = (), nprocs: int = 1) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)`` with processes from :func:`forked`: ``fn(rank,
-    *args)`` in each; once one fails, the others are killed and a RuntimeError carries its traceback."""
+    *args)`` in each; once one fails, the others are killed and a RuntimeError carries what each said."""
     import tempfile
     with tempfile.TemporaryDirectory() as errors:
         paths = [os.path.join(errors, f"rank{rank}") for rank in range(nprocs)]
-        procs = [forked().Process(target=_traced, args=(fn, rank, tuple(args), paths[rank])) for rank in range(nprocs)]
-        for p in procs:
-            p.start()
+        procs = [_start(fn, (rank, *args), paths[rank], f"rank {rank}") for rank in range(nprocs)]
         _join_ending_all_on_a_failure(procs)
-        failed = [(rank, p.exitcode) for rank, p in enumerate(procs) if p.exitcode != 0]
-        if failed:
-            told = [open(paths[rank]).read() for rank, _ in failed if os.path.exists(paths[rank])]
-            raise RuntimeError(f"ranks that failed (rank, exit code): {failed}\n" + "\n".join(told))
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"ranks failed: {_told(paths, procs)}")
 
 
 class CaseFailed(Exception):
@@ -88,7 +112,7 @@ class CaseFailed(Exception):
 def _run_cases(rank: int, world: int, port: int, root: str, cases: list) -> None:
     """One rank: every case in turn, in this process. A case's result goes to ROOT/NAME/rank<R>.pt; a case
     that raises writes its traceback to ROOT/NAME/rank<R>.error and ends the process (spawn_cases then ends
-    the other ranks and reports it)."""
+    the other ranks and reports it; an error outside the cases is written to ROOT/rank<R>.error)."""
     import traceback
     import warnings
 
@@ -98,7 +122,7 @@ def _run_cases(rank: int, world: int, port: int, root: str, cases: list) -> None
     join_as(rank, world, port)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    fresh = torch.get_rng_state()   # each case starts from the generator state of a new process
+    fresh = torch.get_rng_state()   # each case starts from this process's first generator state
     for name, fn, kwargs in cases:
         torch.set_rng_state(fresh)
         out_dir = os.path.join(root, name)
@@ -107,7 +131,7 @@ def _run_cases(rank: int, world: int, port: int, root: str, cases: list) -> None
             result = fn(rank, world, out_dir, **kwargs)
         except BaseException:
             with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
-                f.write(traceback.format_exc())
+                f.write(f"rank {rank}: {traceback.format_exc()}")
             raise
         streams.configure()   # transfers as configured by default, whatever the case set
         if torch.distributed.is_initialized():   # every rank done with the case before the next begins
@@ -128,20 +152,20 @@ def spawn_cases(world: int, root, cases: dict) -> dict:
     pending, outcomes = list(cases.items()), {}
     while pending:
         port, todo = free_port(), [(n, fn, kw) for n, (fn, kw) in pending]
-        ranks = [forked().Process(target=_run_cases, args=(rank, world, port, str(root), todo))
+        outside = [root / f"rank{rank}.error" for rank in range(world)]   # errors outside the cases
+        for path in outside:
+            path.unlink(missing_ok=True)
+        ranks = [_start(_run_cases, (rank, world, port, str(root), todo), str(outside[rank]), f"rank {rank}")
                  for rank in range(world)]
-        for p in ranks:
-            p.start()
         _join_ending_all_on_a_failure(ranks)
         while pending and all((root / pending[0][0] / f"rank{r}.pt").exists() for r in range(world)):
             name = pending.pop(0)[0]
             outcomes[name] = [torch.load(root / name / f"rank{r}.pt", weights_only=False) for r in range(world)]
         if pending:
             name = pending.pop(0)[0]
-            errors = [(root / name / f"rank{r}.error").read_text() for r in range(world)
-                      if (root / name / f"rank{r}.error").exists()]
-            outcomes[name] = CaseFailed(f"case {name!r} on {world} ranks failed: " + (
-                "\n".join(errors) or f"its ranks ended without reporting (exit codes {[p.exitcode for p in ranks]})"))
+            in_case = [root / name / f"rank{r}.error" for r in range(world)]
+            said = _told(in_case if any(path.exists() for path in in_case) else outside, ranks)
+            outcomes[name] = CaseFailed(f"case {name!r} on {world} ranks failed: {said}")
     return outcomes
 
 
@@ -167,10 +191,11 @@ class Group:
 class GroupOutcome:
     """What :func:`run_groups` saw of one group: each rank's exit code (negative: the signal that ended it,
     ``-SIGKILL`` for a rank killed once the awaited ranks ended) and the seconds from the group's start to
-    each awaited rank's end (None: not by the deadline)."""
+    each awaited rank's end (None: not by the deadline); ``said``: the exit codes and any rank's traceback,
+    for an assertion's message."""
 
-    def __init__(self, exitcodes: list, seconds: dict):
-        self.exitcodes, self.seconds = exitcodes, seconds
+    def __init__(self, exitcodes: list, seconds: dict, said: str):
+        self.exitcodes, self.seconds, self.said = exitcodes, seconds, said
 
 
 def run_groups(groups: list, timeout: float = 120.0) -> list:
@@ -178,30 +203,35 @@ def run_groups(groups: list, timeout: float = 120.0) -> list:
     stops or fails a rank on purpose waits out a timeout; side by side, their waits overlap.
 
     Waits up to ``timeout`` seconds in all for the awaited ranks of every group, then kills every rank still
-    running. Returns a :class:`GroupOutcome` per group, in order."""
+    running (and every rank started, if this raises). Returns a :class:`GroupOutcome` per group, in order."""
+    import tempfile
     from multiprocessing.connection import wait
-    ctx = forked()
-    started, procs = [], []
-    for group in groups:
-        port = free_port()
-        procs.append([ctx.Process(target=group.target, args=(rank, port, *group.args))
-                      for rank in range(group.world)])
-        for p in procs[-1]:
-            p.start()
-        started.append(time.monotonic())
-    ended = {}
-    deadline = time.monotonic() + timeout
-    waiting = {p.sentinel: (g, rank) for g, (group, ps) in enumerate(zip(groups, procs))
-               for rank, p in enumerate(ps) if rank in group.awaited}
-    while waiting and time.monotonic() < deadline:
-        for sentinel in wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
-            g, rank = waiting.pop(sentinel)
-            ended[g, rank] = time.monotonic() - started[g]
-    outcomes = []
-    for g, (group, ps) in enumerate(zip(groups, procs)):
-        for p in ps:
+    started, procs, said = [], [], []
+    try:
+        with tempfile.TemporaryDirectory() as errors:   # tracebacks: a rank's own .err files are the tests'
+            for g, group in enumerate(groups):
+                port = free_port()
+                procs.append([_start(group.target, (rank, port, *group.args), os.path.join(errors, f"{g}.{rank}"),
+                                     f"group {g} rank {rank}") for rank in range(group.world)])
+                started.append(time.monotonic())
+            ended = {}
+            deadline = time.monotonic() + timeout
+            waiting = {p.sentinel: (g, rank) for g, (group, ps) in enumerate(zip(groups, procs))
+                       for rank, p in enumerate(ps) if rank in group.awaited}
+            while waiting and time.monotonic() < deadline:
+                for sentinel in wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+                    g, rank = waiting.pop(sentinel)
+                    ended[g, rank] = time.monotonic() - started[g]
+            for p in (p for ps in procs for p in ps):
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            said = [_told([os.path.join(errors, f"{g}.{rank}") for rank in range(len(ps))], ps)
+                    for g, ps in enumerate(procs)]
+    finally:
+        for p in (p for ps in procs for p in ps):
             if p.is_alive():
                 p.kill()
             p.join()
-        outcomes.append(GroupOutcome([p.exitcode for p in ps], {rank: ended.get((g, rank)) for rank in group.awaited}))
-    return outcomes
+    return [GroupOutcome([p.exitcode for p in ps], {rank: ended.get((g, rank)) for rank in group.awaited}, told)
+            for g, (group, ps, told) in enumerate(zip(groups, procs, said))]

@@ -42,17 +42,47 @@ def test_spawn_kills_the_other_ranks_once_one_fails_and_raises_its_traceback():
     with pytest.raises(RuntimeError) as e:
         spawn(_fails_on_rank_1, args=("x",), nprocs=2)
     assert time.monotonic() - t0 < 60
-    assert str(e.value).startswith("ranks that failed (rank, exit code): [(0, -9), (1, 1)]\n")
+    assert str(e.value).startswith("ranks failed: exit codes by rank: [-9, 1]\nrank 1: Traceback")
     assert "ValueError: meant to fail on rank 1 (x)" in str(e.value)
 
 
 def _ends_or_sleeps(rank, port, code):
     if rank == 0:
+        if code == "raise":
+            raise ValueError("meant to fail on rank 0")
         os._exit(code)
     time.sleep(600)
 
 
 def test_run_groups_waits_for_the_awaited_ranks_and_kills_the_others():
-    first, second = run_groups([Group(_ends_or_sleeps, (0,)), Group(_ends_or_sleeps, (3,))], timeout=60)
-    assert (first.exitcodes, second.exitcodes) == ([0, -9], [3, -9])
+    first, second, third = run_groups([Group(_ends_or_sleeps, (0,)), Group(_ends_or_sleeps, (3,)),
+                                       Group(_ends_or_sleeps, ("raise",))], timeout=60)
+    assert (first.exitcodes, second.exitcodes, third.exitcodes) == ([0, -9], [3, -9], [1, -9])
     assert list(first.seconds) == [0] and first.seconds[0] < 60
+    assert first.said == "exit codes by rank: [0, -9]"
+    assert third.said.startswith("exit codes by rank: [1, -9]\ngroup 2 rank 0: Traceback")
+    assert third.said.endswith("ValueError: meant to fail on rank 0\n")
+
+
+def _environment_and_draws(rank, out_dir):
+    import random
+
+    import torch
+    torch.save({"env": os.environ.get("LAZYTRAIN_TEST_PROBE"), "torch": torch.rand(1), "random": random.random()},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_spawned_ranks_get_the_callers_environment_and_generators_of_their_own(tmp_path, monkeypatch):
+    """As fresh interpreters would: the forkserver's children would otherwise share its environment (from
+    when it started) and its generators' states."""
+    import torch
+    spawn(_environment_and_draws, args=(str(tmp_path),), nprocs=2)   # the server is running after this
+    monkeypatch.setenv("LAZYTRAIN_TEST_PROBE", "set after the server started")
+    (tmp_path / "later").mkdir()
+    spawn(_environment_and_draws, args=(str(tmp_path / "later"),), nprocs=2)
+    first = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    later = [torch.load(tmp_path / "later" / f"rank{r}.pt") for r in range(2)]
+    assert [r["env"] for r in first] == [None, None]
+    assert [r["env"] for r in later] == ["set after the server started"] * 2
+    draws = [(r["torch"].item(), r["random"]) for r in first + later]
+    assert len(set(draws)) == 4
