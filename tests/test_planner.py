@@ -529,6 +529,32 @@ def test_exposed_prefetch_waits_exactly_one_copy():
     assert r2.exposed_s["h2d"] >= A_BYTES / p.bw_h2d * (1 - 1e-12)
 
 
+_TIED_LEGS = """
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+from lazytrain.planner.plan import Plan
+from lazytrain.planner.simulate import simulate
+from test_planner_toys import A_BYTES, TOY_HW, toy_problem
+p = toy_problem(3, 4.0, nvme_slots=2, hw=dataclasses.replace(TOY_HW, nvme_read_gbps=TOY_HW.h2d_gbps))
+plan = Plan(num_layers=3, homes=("nvme", "hbm", "hbm", "hbm"), offload_window={0: 0}, prefetch_window={0: 5})
+r = simulate(p, plan)
+print(json.dumps([r.exposed_s["h2d"], r.exposed_s["nvme_read"], p.bw_h2d == p.bw_nr, A_BYTES / p.bw_h2d]))
+"""
+
+
+def test_a_wait_on_two_legs_that_end_together_is_the_host_to_device_links_in_every_process():
+    """Boundary 0 read from NVMe in the last window, where nothing else uses the links: its NVMe read and its
+    host->device copy, at one rate, end together. The wait counts on the first of LINKS, h2d; it went to
+    whichever a set of link names listed first, which string hashing orders anew in each process (for one
+    hash seed of 0-3, nvme_read)."""
+    tests = os.path.dirname(__file__)
+    for seed in range(4):
+        run = subprocess.run([sys.executable, "-c", _TIED_LEGS, tests], capture_output=True, text=True, check=True,
+                             env=dict(os.environ, PYTHONHASHSEED=str(seed)))
+        h2d, nvme_read, tied, copy_s = json.loads(run.stdout)
+        assert tied and (h2d, nvme_read) == (pytest.approx(copy_s, rel=1e-12), 0.0), seed
+
+
 def test_tflops_follow_the_paper_convention():
     p = toy_problem(3, 4.0)
     r = simulate(p, every_k_plan(3, 1))

@@ -272,8 +272,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                 if n_tr < len(exposed_tr):
                     compute_start = max(compute_start, done)
             if compute_start > t0:
-                legs_used = {k for _, lg, _ in exposed_tr for k in lg}
-                waited = max(legs_used, key=lambda k: free[k] if k in ("h2d", "nvme_read") else -1.0)
+                legs_used = {k for _, lg, _ in exposed_tr for k in lg}   # in LINKS' order: a tie goes to the first
+                waited = max((k for k in LINKS if k in legs_used), key=lambda k: free[k] if k in ("h2d", "nvme_read")
+                             else -1.0)
                 exposed[waited] += compute_start - t0
             # --- boundaries with a device copy during this window --------------------------------
             if w < L:
