@@ -2,10 +2,11 @@
 ranks train as one process on the same global batch, each rank holds its share of the Adam moments
 (measured), and a checkpoint saved with 4 ranks resumes with 2 and with 1.
 
-The runs of each world size are cases of one spawn (tests/dist_helpers.py: spawn_cases): the ranks start,
-import and join a process group once, then run every case in turn, each reporting what the tests below
+The runs of each world size are cases of one set of ranks (tests/dist_helpers.py: spawn_cases): the ranks
+start and join a process group once, then run every case in turn, each reporting what the tests below
 assert. The sizes run 4, then 2, then 1, so that smaller runs can resume the checkpoints larger ones saved.
-A rank that stops on purpose, and the torchrun launchers, start processes of their own."""
+The pairs in which a rank stops on purpose run side by side (run_groups), so that their timeouts overlap;
+the torchrun launchers start interpreters of their own."""
 import os
 
 import pytest
