@@ -18,10 +18,11 @@ def full_space(L: int, resident: bool, graph_tail: bool = True, selective: bool 
 
 
 def check_equal(p, free_windows: bool, resident: bool, graph_tail: bool = True, selective: bool = False,
-                offload: bool = False):
-    """The MILP's optimum is the brute force's, with its memory rows written out and as running levels."""
-    best, best_plan, n = brute_force(p, free_windows=free_windows, residency=resident, graph_tail=graph_tail,
-                                     selective=selective, offload=offload)
+                offload: bool = False, brute=None):
+    """The MILP's optimum is the brute force's, with its memory rows written out and as running levels.
+    ``brute``: the brute force's answer for these arguments, where the test has it already."""
+    best, best_plan, n = brute or brute_force(p, free_windows=free_windows, residency=resident,
+                                              graph_tail=graph_tail, selective=selective, offload=offload)
     plans = []
     for rows in ("dense", "running"):
         opts = full_space(p.L, resident, graph_tail, selective, offload, memory_rows=rows)
@@ -53,11 +54,11 @@ def test_three_layers_all_tiers_all_windows(hw, gpu_extra):
 
 def test_three_layers_with_residency():
     p = toy_problem(3, 2.0, host_slots=1, nvme_slots=1, hw=SLOW_HW)
-    check_equal(p, free_windows=True, resident=True)
+    with_residency = brute_force(p, free_windows=True, residency=True)
+    check_equal(p, free_windows=True, resident=True, brute=with_residency)
     # one micro-batch a step: each backward window's weight copy hides behind its compute, so residency only
     # ties (its forward copies are made anyway, to refresh it); with accumulation it pays (the test below)
-    assert brute_force(p, free_windows=True, residency=True)[0] == brute_force(p, free_windows=True,
-                                                                               residency=False)[0]
+    assert with_residency[0] == brute_force(p, free_windows=True, residency=False)[0]
 
 
 def test_four_layers_host_and_recompute():
@@ -228,9 +229,10 @@ def test_selective_layers_the_milp_equals_brute_force(L, gpu_extra, host_slots, 
     plan = check_equal(p, free_windows=free_windows, resident=False, graph_tail=graph_tail, selective=True)
     assert plan.selective_layers == selective
     if selective:   # it pays: faster than the best plan without selective layers, which the MILP finds without
-        best, _, _ = brute_force(p, free_windows=free_windows, residency=False, graph_tail=graph_tail)
-        assert simulate(p, plan).step_time_s < best * (1 - 1e-6)
-        plain = check_equal(p, free_windows=free_windows, resident=False, graph_tail=graph_tail, selective=False)
+        without = brute_force(p, free_windows=free_windows, residency=False, graph_tail=graph_tail)
+        assert simulate(p, plan).step_time_s < without[0] * (1 - 1e-6)
+        plain = check_equal(p, free_windows=free_windows, resident=False, graph_tail=graph_tail, selective=False,
+                            brute=without)
         assert plain.selective_layers == ()
         # a start plan with selective layers is taken in, and the optimum stays
         warm, info = build_and_solve(p, full_space(L, False, graph_tail, True), start_plan=plan)
