@@ -111,9 +111,7 @@ class CaseFailed(Exception):
 
 def _run_cases(rank: int, world: int, port: int, root: str, cases: list) -> None:
     """One rank: every case in turn, in this process. A case's result goes to ROOT/NAME/rank<R>.pt; a case
-    that raises writes its traceback to ROOT/NAME/rank<R>.error and ends the process (spawn_cases then ends
-    the other ranks and reports it; an error outside the cases is written to ROOT/rank<R>.error)."""
-    import traceback
+    that raises ends the process (spawn_cases then ends the other ranks and reports it)."""
     import warnings
 
     import torch
@@ -127,12 +125,7 @@ def _run_cases(rank: int, world: int, port: int, root: str, cases: list) -> None
         torch.set_rng_state(fresh)
         out_dir = os.path.join(root, name)
         os.makedirs(out_dir, exist_ok=True)
-        try:
-            result = fn(rank, world, out_dir, **kwargs)
-        except BaseException:
-            with open(os.path.join(out_dir, f"rank{rank}.error"), "w") as f:
-                f.write(f"rank {rank}: {traceback.format_exc()}")
-            raise
+        result = fn(rank, world, out_dir, **kwargs)
         streams.configure()   # transfers as configured by default, whatever the case set
         if torch.distributed.is_initialized():   # every rank done with the case before the next begins
             torch.distributed.barrier()
@@ -152,10 +145,10 @@ def spawn_cases(world: int, root, cases: dict) -> dict:
     pending, outcomes = list(cases.items()), {}
     while pending:
         port, todo = free_port(), [(n, fn, kw) for n, (fn, kw) in pending]
-        outside = [root / f"rank{rank}.error" for rank in range(world)]   # errors outside the cases
-        for path in outside:
+        errors = [root / f"rank{rank}.error" for rank in range(world)]   # what a rank raised, in a case or not
+        for path in errors:
             path.unlink(missing_ok=True)
-        ranks = [_start(_run_cases, (rank, world, port, str(root), todo), str(outside[rank]), f"rank {rank}")
+        ranks = [_start(_run_cases, (rank, world, port, str(root), todo), str(errors[rank]), f"rank {rank}")
                  for rank in range(world)]
         _join_ending_all_on_a_failure(ranks)
         while pending and all((root / pending[0][0] / f"rank{r}.pt").exists() for r in range(world)):
@@ -163,9 +156,7 @@ def spawn_cases(world: int, root, cases: dict) -> dict:
             outcomes[name] = [torch.load(root / name / f"rank{r}.pt", weights_only=False) for r in range(world)]
         if pending:
             name = pending.pop(0)[0]
-            in_case = [root / name / f"rank{r}.error" for r in range(world)]
-            said = _told(in_case if any(path.exists() for path in in_case) else outside, ranks)
-            outcomes[name] = CaseFailed(f"case {name!r} on {world} ranks failed: {said}")
+            outcomes[name] = CaseFailed(f"case {name!r} on {world} ranks failed: {_told(errors, ranks)}")
     return outcomes
 
 
@@ -206,15 +197,14 @@ def run_groups(groups: list, timeout: float = 120.0) -> list:
     running (and every rank started, if this raises). Returns a :class:`GroupOutcome` per group, in order."""
     import tempfile
     from multiprocessing.connection import wait
-    started, procs, said = [], [], []
-    try:
-        with tempfile.TemporaryDirectory() as errors:   # tracebacks: a rank's own .err files are the tests'
+    started, procs, ended = [], [], {}
+    with tempfile.TemporaryDirectory() as errors:   # tracebacks: a rank's own .err files are the tests'
+        try:
             for g, group in enumerate(groups):
                 port = free_port()
                 procs.append([_start(group.target, (rank, port, *group.args), os.path.join(errors, f"{g}.{rank}"),
                                      f"group {g} rank {rank}") for rank in range(group.world)])
                 started.append(time.monotonic())
-            ended = {}
             deadline = time.monotonic() + timeout
             waiting = {p.sentinel: (g, rank) for g, (group, ps) in enumerate(zip(groups, procs))
                        for rank, p in enumerate(ps) if rank in group.awaited}
@@ -222,16 +212,12 @@ def run_groups(groups: list, timeout: float = 120.0) -> list:
                 for sentinel in wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
                     g, rank = waiting.pop(sentinel)
                     ended[g, rank] = time.monotonic() - started[g]
+        finally:
             for p in (p for ps in procs for p in ps):
                 if p.is_alive():
                     p.kill()
                 p.join()
-            said = [_told([os.path.join(errors, f"{g}.{rank}") for rank in range(len(ps))], ps)
-                    for g, ps in enumerate(procs)]
-    finally:
-        for p in (p for ps in procs for p in ps):
-            if p.is_alive():
-                p.kill()
-            p.join()
+        said = [_told([os.path.join(errors, f"{g}.{rank}") for rank in range(len(ps))], ps)
+                for g, ps in enumerate(procs)]
     return [GroupOutcome([p.exitcode for p in ps], {rank: ended.get((g, rank)) for rank in group.awaited}, told)
             for g, (group, ps, told) in enumerate(zip(groups, procs, said))]
