@@ -202,8 +202,8 @@ def test_a_config_without_tie_word_embeddings_takes_its_model_types_default(mode
     (GemmaConfig's default), which the planner read as untied (one more vocabulary x hidden of parameters). The
     model types the planner knows need no transformers."""
     from lazytrain.planner import models
-    monkeypatch.setattr(models, "transformers_default", lambda *a: pytest.fail(f"asked transformers for {a}"),
-                        raising=False)
+    monkeypatch.setattr(models, "transformers_class_defaults",
+                        lambda *a: pytest.fail(f"asked transformers for {a}"))
     cfg = dict(TIE_BASE, **({"model_type": model_type} if model_type else {}))
     m = ModelShape.from_hf_config(cfg)
     assert m.tied_embeddings is tied
@@ -215,8 +215,9 @@ def test_a_config_without_tie_word_embeddings_takes_its_model_types_default(mode
     assert ModelShape.from_hf_config({**nested, "tie_word_embeddings": not tied}).tied_embeddings is (not tied)
 
 
-def test_the_planners_tied_defaults_are_transformers_and_other_model_types_ask_it():
+def test_the_planners_tied_defaults_are_transformers_and_other_model_types_ask_it(monkeypatch):
     transformers = pytest.importorskip("transformers")
+    from lazytrain.planner import isolate, models
     from lazytrain.planner.models import TIED_BY_DEFAULT
     checked = 0
     for model_type, tied in TIED_BY_DEFAULT.items():
@@ -230,8 +231,15 @@ def test_the_planners_tied_defaults_are_transformers_and_other_model_types_ask_i
     # a model type the table does not hold: its config class's default, read in a child interpreter (FalconConfig
     # ties); one transformers does not know: untied
     assert "falcon" not in TIED_BY_DEFAULT and transformers.AutoConfig.for_model("falcon").tie_word_embeddings
-    assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "falcon"}).tied_embeddings is True
-    assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "no-such-model"}).tied_embeddings is False
+    # one child per model type answers both what the shape and what the head leave out (TIE_BASE says neither
+    # its key/value heads nor whether it ties)
+    asked, ask = [], isolate.call_with_deadline
+    monkeypatch.setattr(isolate, "call_with_deadline", lambda fn, *a, **kw: asked.append(a) or ask(fn, *a, **kw))
+    models.transformers_class_defaults.cache_clear()
+    for _ in range(2):
+        assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "falcon"}).tied_embeddings is True
+        assert ModelShape.from_hf_config({**TIE_BASE, "model_type": "no-such-model"}).tied_embeddings is False
+    assert asked == [("falcon",), ("no-such-model",)]
 
 
 def test_the_device_memory_of_a_backward_window_counts_the_gradients_the_engines_sink_may_hold():
@@ -312,15 +320,17 @@ def test_a_config_without_kv_heads_or_head_dim_takes_what_transformers_loads(mod
 
 def test_the_planners_shape_defaults_are_transformers():
     pytest.importorskip("transformers")
-    from lazytrain.planner.models import SHAPE_DEFAULTS_BY_TYPE, TIED_BY_DEFAULT, _config_signature_defaults
+    from lazytrain.planner.models import (DEFAULTED_SHAPE_KEYS, SHAPE_DEFAULTS_BY_TYPE, TIED_BY_DEFAULT,
+                                          _config_class_defaults)
     assert set(SHAPE_DEFAULTS_BY_TYPE) == set(TIED_BY_DEFAULT)
     checked = 0
     for model_type, known in SHAPE_DEFAULTS_BY_TYPE.items():
         try:
-            theirs = _config_signature_defaults(model_type)
+            theirs = _config_class_defaults(model_type)
         except LookupError:     # a model type newer than this transformers
             continue
-        assert known == theirs, model_type
+        assert known == {k: v for k, v in theirs.items() if k in DEFAULTED_SHAPE_KEYS}, model_type
+        assert theirs["tie_word_embeddings"] is TIED_BY_DEFAULT[model_type], model_type
         checked += 1
     assert checked >= 20
     # without a model type, or one transformers does not know: derived from the config's own sizes

@@ -640,7 +640,7 @@ def _tied_embeddings(cfg: dict[str, Any], outer: dict[str, Any]) -> bool:
             continue
         default = TIED_BY_DEFAULT.get(model_type)
         if default is None:
-            default = transformers_default(model_type, "tie_word_embeddings")
+            default = transformers_class_defaults(model_type).get("tie_word_embeddings")
         if isinstance(default, bool):
             return default
     return False
@@ -680,22 +680,28 @@ def _class_defaults(cfg: dict[str, Any], outer: dict[str, Any]) -> dict[str, Any
         model_type = c.get("model_type")
         if isinstance(model_type, str) and model_type:
             known = SHAPE_DEFAULTS_BY_TYPE.get(model_type)
-            return known if known is not None else transformers_signature_defaults(model_type)
+            if known is not None:
+                return known
+            asked = transformers_class_defaults(model_type)
+            return {k: v for k, v in asked.items() if k in DEFAULTED_SHAPE_KEYS}
     return {}
 
 
 @functools.lru_cache(maxsize=None)
-def transformers_signature_defaults(model_type: str) -> dict[str, Any]:
-    """:data:`DEFAULTED_SHAPE_KEYS` as transformers' config class for ``model_type`` declares their defaults
-    (None ones left out); {} where transformers is not installed or knows no such class. Asked of a child
-    interpreter, as :func:`transformers_default`, once per model type, and only for a config that leaves a
-    key out."""
-    return _ask_transformers(_config_signature_defaults, model_type, otherwise={})
+def transformers_class_defaults(model_type: str) -> dict[str, Any]:
+    """What transformers' config class for ``model_type`` defaults to, for the keys the planner may find left
+    out of a config.json: :data:`DEFAULTED_SHAPE_KEYS` as its ``__init__`` declares them (None ones left out)
+    and ``tie_word_embeddings`` as a default instance holds it. {} where transformers is not installed or knows
+    no such class. Asked of one child interpreter per model type (importing transformers imports torch, which
+    the planner never does), and only for a model type outside the planner's tables."""
+    return _ask_transformers(_config_class_defaults, model_type, otherwise={})
 
 
-def _config_signature_defaults(model_type: str) -> dict[str, Any]:
-    """The child's side of :func:`transformers_signature_defaults`."""
+def _config_class_defaults(model_type: str) -> dict[str, Any]:
+    """The child's side of :func:`transformers_class_defaults`; LookupError for a model type transformers does
+    not know."""
     import inspect
+    import warnings
 
     from transformers import CONFIG_MAPPING
     try:
@@ -703,21 +709,22 @@ def _config_signature_defaults(model_type: str) -> dict[str, Any]:
     except KeyError:
         raise LookupError(f"transformers knows no model type {model_type!r}") from None
     params = inspect.signature(cls.__init__).parameters
-    return {k: params[k].default for k in DEFAULTED_SHAPE_KEYS
-            if k in params and params[k].default not in (None, inspect.Parameter.empty)}
-
-
-@functools.lru_cache(maxsize=None)
-def transformers_default(model_type: str, key: str) -> Any:
-    """``key`` of transformers' config class for ``model_type``, built with its defaults; None where
-    transformers is not installed or knows neither. Asked of a child interpreter: importing transformers
-    imports torch, which the planner never does."""
-    return _ask_transformers(_config_class_default, model_type, key, otherwise=None)
+    found = {k: params[k].default for k in DEFAULTED_SHAPE_KEYS
+             if k in params and params[k].default not in (None, inspect.Parameter.empty)}
+    try:
+        with warnings.catch_warnings():     # the caller is told what the planner infers, not how a class builds
+            warnings.simplefilter("ignore")
+            tied = cls().tie_word_embeddings
+    except Exception:  # noqa: BLE001 - a class without the key or that does not build with its defaults
+        tied = None
+    if isinstance(tied, bool):
+        found["tie_word_embeddings"] = tied
+    return found
 
 
 def _ask_transformers(fn, *args: Any, otherwise: Any) -> Any:
-    """``fn(*args)`` in a child interpreter (importing transformers imports torch, which the planner never
-    does); ``otherwise`` where transformers is not installed, cannot say (LookupError) or does not answer."""
+    """``fn(*args)`` in a child interpreter; ``otherwise`` where transformers is not installed, cannot say
+    (LookupError) or does not answer."""
     if importlib.util.find_spec("transformers") is None:
         return otherwise
     from .isolate import call_with_deadline
@@ -726,15 +733,6 @@ def _ask_transformers(fn, *args: Any, otherwise: Any) -> Any:
         return call_with_deadline(fn, *args, deadline_s=120, what="reading transformers' config defaults")
     except (LookupError, PlanningError):
         return otherwise
-
-
-def _config_class_default(model_type: str, key: str) -> Any:
-    """The child's side of :func:`transformers_default`; LookupError where transformers cannot say."""
-    from transformers import AutoConfig
-    try:
-        return getattr(AutoConfig.for_model(model_type), key)
-    except Exception as e:  # noqa: BLE001 - an unknown type (ValueError), a class without the key or not building
-        raise LookupError(f"transformers has no default {key!r} for model type {model_type!r}: {e}") from None
 
 
 # ---- catalog (Hugging Face config fields; read from the models' published config.json) ---------
