@@ -357,6 +357,61 @@ def test_lazytrain_resumes_its_own_checkpoints_bit_identically(tmp_path, monkeyp
     b.destroy()
 
 
+class _OddLayouts(torch.nn.Module):
+    """Weights whose memory order is not their shape's: a channels_last convolution and a transposed matrix."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.proj = torch.nn.Parameter(torch.randn(6, 16).t())   # (16, 6), strides (1, 16)
+
+    def forward(self, x):
+        return self.conv(x).flatten(1) @ self.proj
+
+
+@pytest.mark.parametrize("stage, precision", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (3, "bf16")])
+def test_a_resume_gives_moments_their_weights_memory_layout(tmp_path, stage, precision):
+    """A checkpoint's moments come back contiguous (DeepSpeed's flat partitions), and torch's fused AdamW
+    pairs a weight with its moments in memory order: a channels_last or transposed weight's moments were
+    applied to other elements from the first step after a resume, bit-identical weights at the load
+    hiding it. Loaded, the moments take their weight's layout, and the next steps are the saving engine's."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"device": "cpu"}}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    torch.manual_seed(1)
+    data = [torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last) for _ in range(4)]
+
+    def engine(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return lazytrain.initialize(model=model, config=copy.deepcopy(cfg))[0]
+
+    def train(e, xs):
+        for x in xs:
+            e.backward(e(x.to(e.compute_dtype)).float().pow(2).mean())
+            e.step()
+
+    a = engine(_OddLayouts())
+    train(a, data[:2])
+    a.save_checkpoint(str(tmp_path), tag="t")
+    train(a, data[2:])
+    model = _OddLayouts()
+    torch.nn.init.zeros_(model.proj)   # other weights than the checkpoint's, in the same layouts
+    b = engine(model)
+    b.load_checkpoint(str(tmp_path), tag="t")
+    for g in b.optimizer.param_groups:
+        for p in g["params"]:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert b.optimizer.state[p][key].stride() == p.stride(), (tuple(p.shape), key)
+    train(b, data[2:])
+    wa, wb = a.module_state_dict(), b.module_state_dict()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    a.destroy()
+    b.destroy()
+
+
 @pytest.mark.parametrize("states", ["fp32", "8bit"])
 def test_the_lazytrain_file_holds_what_the_deepspeed_files_do_not(tmp_path, states):
     """fp32 moments live in the DeepSpeed files only; with 8-bit moments the DeepSpeed files hold them

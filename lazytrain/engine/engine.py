@@ -2423,11 +2423,17 @@ class LazyTrainEngine(nn.Module):
     def _apply_optimizer_state(self, sd: dict) -> None:
         """The optimizer takes ``sd`` with tensors of its own: a loaded file's are memory-mapped, and torch's
         load_state_dict keeps a tensor of the right dtype as it is, which kept the checkpoint's file mapped
-        (its disk space not freed when it is deleted, a SIGBUS when it is rewritten in place)."""
+        (its disk space not freed when it is deleted, a SIGBUS when it is rewritten in place). A state tensor
+        of its parameter's shape takes the parameter's memory layout, as the optimizer builds its state
+        (``zeros_like``): a checkpoint's moments come back contiguous (DeepSpeed's flat partitions), and
+        torch's fused AdamW pairs a parameter with its moments in memory order, so a transposed or
+        channels_last weight's moments would have been applied to other elements, without a word."""
         if type(self.optimizer).__name__ == "HybridAdamW":   # it copies every tensor it takes in: no clone first
             self.optimizer.load_state_dict(sd)
             return
-        state = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+        params = {k: p for saved, mine in zip(sd["param_groups"], self.optimizer.param_groups)
+                  for k, p in zip(saved["params"], mine["params"])}
+        state = {k: {n: _in_layout_of(v, params.get(k)) if isinstance(v, torch.Tensor) else v for n, v in st.items()}
                  for k, st in sd["state"].items()}
         self.optimizer.load_state_dict({**sd, "state": state})
 
@@ -2600,6 +2606,14 @@ _TORCH_SCHEDULE_KEYS = ((torch.optim.lr_scheduler.LambdaLR, "lr_lambdas"),
                         (torch.optim.lr_scheduler.MultiplicativeLR, "lr_lambdas"),
                         (torch.optim.lr_scheduler.SequentialLR, "_schedulers"),
                         (torch.optim.lr_scheduler.ChainedScheduler, "_schedulers"))
+
+
+def _in_layout_of(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
+    """A copy of an optimizer state tensor for ``param``: in ``param``'s memory layout where it has its shape
+    (what ``zeros_like(param)`` gives the optimizer when it builds the state), else as it is."""
+    if param is None or value.dim() == 0 or value.shape != param.shape:
+        return value.clone()
+    return torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 def _onto_masters(add_param_group, master_of):
