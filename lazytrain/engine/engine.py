@@ -2049,9 +2049,7 @@ class LazyTrainEngine(nn.Module):
                                  wanted=self._owned_names())
             path = os.path.join(load_dir, tag, ds_layout.model_file(state.stage))   # as DeepSpeed returns it
             module = {**state.module, **own.get("module_extra", {})}
-            for alias, source in ds_layout.shared_params(self.module).items():
-                if source in module:   # a tied weight's every name holds its fp32 value (stage 0 keeps only the
-                    module[alias] = module[source]   # first name's master, the others at the training precision)
+            _masters_under_every_name(module, self.module)
             if not load_module_only:
                 self._check_extra_params(own, directory)
             # the optimizer's state, prepared (and refused where it does not fit) before anything is written
@@ -2082,6 +2080,7 @@ class LazyTrainEngine(nn.Module):
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=names if want_optim else None,
                                  wanted=self._owned_names(), stage0_frozen=frozen)
             module, optimizer = state.module, state.optimizer_state_dict
+            _masters_under_every_name(module, self.module)   # stage 0 writes no shared_params
             # DeepSpeed's moments by parameter name, each checked as prepared, before anything is written
             by_name = (lambda: self._optimizer_state_from(state.moments, directory, state.group_settings)) \
                 if optimizer is None and state.moments is not None and not load_module_only else None
@@ -2614,6 +2613,15 @@ def _in_layout_of(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tens
     if param is None or value.dim() == 0 or value.shape != param.shape:
         return value.clone()
     return torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
+def _masters_under_every_name(module_state: dict, model: nn.Module) -> None:
+    """A tied weight's every name in ``module_state`` takes its first name's value, the fp32 master: a stage-0
+    checkpoint (DeepSpeed's or LazyTrain's) keeps the master under the first name only, the other names at
+    the training precision, and loaded after it, the 16-bit copy would have replaced the shared weight."""
+    for alias, source in ds_layout.shared_params(model).items():
+        if source in module_state:
+            module_state[alias] = module_state[source]
 
 
 def _onto_masters(add_param_group, master_of):

@@ -1,7 +1,7 @@
 """Writes the DeepSpeed 0.19 checkpoints the safe-loading tests read (a tiny two-layer MLP, one step of
 AdamW): ZeRO stage 0 in fp32, stage 1 in fp16, stage 2 in bf16, stage 3 in fp32, and stages 2 and 3 over two
 ranks (each rank on the same input, so every fp32 run ends with the same weights and moments), and stage 2 in
-bf16 with the two layers sharing their weight, and stage 0 in fp16 (its FP16_Optimizer state in the model
+bf16 and stage 0 in bf16 with the two layers sharing their weight, and stage 0 in fp16 (its FP16_Optimizer state in the model
 file, by position), each saved
 with the ``args`` namespace a DeepSpeed script passes to ``deepspeed.initialize`` and a plain client state. The
 ``_frozen`` ones (stage 0 in fp32 and bf16, stage 2 in bf16) leave ``0.bias`` frozen and change the group's
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {"stage0_fp32": (0, None, 1), "stage0_fp16": (0, "fp16", 1), "stage1_fp16": (1, "fp16", 1),
            "stage2_bf16": (2, "bf16", 1),
            "stage3_fp32": (3, None, 1), "stage2_fp32_2ranks": (2, None, 2), "stage3_fp32_2ranks": (3, None, 2),
-           "stage2_bf16_tied": (2, "bf16", 1),
+           "stage2_bf16_tied": (2, "bf16", 1), "stage0_bf16_tied": (0, "bf16", 1),
            "stage0_fp32_frozen": (0, None, 1), "stage0_bf16_frozen": (0, "bf16", 1),
            "stage2_bf16_frozen": (2, "bf16", 1),
            "stage2_fp32_step0": (2, None, 1), "stage0_fp16_scaled": (0, "fp16", 1),
