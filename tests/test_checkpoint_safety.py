@@ -155,13 +155,34 @@ def test_a_save_never_replaces_a_directory_of_the_users_that_is_not_a_checkpoint
     own.mkdir()
     (own / "thesis.txt").write_text("precious")
     with pytest.raises(ckpt.CheckpointError, match=rf"saving checkpoint tag 'final' to {tmp_path}: {own} exists and "
-                                                   r"is not a checkpoint .*nothing was saved"):
+                                                   r"holds what a save does not write \(thesis.txt\): .*nothing was saved"):
         ckpt.save(str(tmp_path), "final", files_of(1), True)
     assert (own / "thesis.txt").read_text() == "precious"
     assert sorted(os.listdir(tmp_path)) == ["final"]
     ckpt.save(str(tmp_path), "t", files_of(1), True)
     ckpt.save(str(tmp_path), "t", files_of(2), True)   # a checkpoint's own directory: replaced
     assert loaded_step(tmp_path, "t") == 2
+
+
+def test_a_save_over_a_tag_that_holds_a_users_own_files_is_refused_and_keeps_them(tmp_path):
+    """A tokenizer config or training arguments the user put in a tag's directory are not the checkpoint's,
+    though they end as its files do: saving the tag again removed them without a word. It is refused, naming
+    them, and the tag loads as it was; without them, the tag is replaced as always."""
+    ckpt.save(str(tmp_path), "best", files_of(1), True)
+    (tmp_path / "best" / "tokenizer_config.json").write_text('{"model_max_length": 2048}')
+    torch.save({"epoch": 7}, tmp_path / "best" / "training_args.pt")
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(
+            f"saving checkpoint tag 'best' to {tmp_path}: {tmp_path / 'best'} exists and holds what a save does not "
+            f"write (tokenizer_config.json, training_args.pt): a save replaces its tag's directory whole, so nothing "
+            f"was saved")):
+        ckpt.save(str(tmp_path), "best", files_of(2), True)
+    assert sorted(os.listdir(tmp_path / "best")) == sorted([ckpt.MODEL_FILE, ckpt.OPTIM_FILE, ckpt.MANIFEST,
+                                                            "tokenizer_config.json", "training_args.pt"])
+    assert loaded_step(tmp_path, "best") == 1
+    os.remove(tmp_path / "best" / "tokenizer_config.json")
+    os.remove(tmp_path / "best" / "training_args.pt")
+    ckpt.save(str(tmp_path), "best", files_of(2), True)
+    assert loaded_step(tmp_path, "best") == 2
 
 
 def test_a_save_that_never_completed_is_refused_and_never_half_loaded(tmp_path):
@@ -215,7 +236,8 @@ def test_a_users_own_directory_named_as_a_save_sets_aside_is_never_removed(tmp_p
     own.mkdir()
     (own / "notes.txt").write_text("mine")
     with pytest.raises(ckpt.CheckpointError, match=re.escape(f"saving checkpoint tag 't' to {tmp_path}: {own} exists "
-                                                             f"and is not what a save sets aside")):
+                                                             f"and holds what a save does not write (notes.txt), unlike what a save "
+                                                             f"sets aside")):
         ckpt.save(str(tmp_path), "t", files_of(1), True)
     assert (own / "notes.txt").read_text() == "mine" and not (tmp_path / "t").exists()
 

@@ -113,10 +113,9 @@ def begin(save_dir: str, tag: str, need: int) -> str:
     final = os.path.join(save_dir, tag)
     if os.path.lexists(final) and not (os.path.isdir(final) and not os.path.islink(final) and
                                        _a_saves_directory(final)):
-        raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {final} exists and is not a "
-                              f"checkpoint (it holds what a save does not write): a save replaces its tag's "
-                              f"directory whole, so nothing was saved. Choose another tag or save directory, or "
-                              f"move it away")
+        raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {final} exists and {_foreign(final)}: "
+                              f"a save replaces its tag's directory whole, so nothing was saved. Choose another tag "
+                              f"or save directory, or move what is not a checkpoint's away")
     free = shutil.disk_usage(save_dir).free
     if need > free:
         raise CheckpointSpaceError(_space_message(save_dir, tag, need, free))
@@ -124,9 +123,9 @@ def begin(save_dir: str, tag: str, need: int) -> str:
     for aside in (staging, _aside(save_dir, tag, _PREVIOUS)):   # a save removes both: never a user's own
         if os.path.lexists(aside) and not (os.path.isdir(aside) and not os.path.islink(aside) and
                                            _a_saves_directory(aside)):
-            raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {aside} exists and is not what a "
-                                  f"save sets aside (it holds what a save does not write); a save would remove it, "
-                                  f"so nothing was saved. Choose another tag or save directory, or move it away")
+            raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {aside} exists and {_foreign(aside)}, "
+                                  f"unlike what a save sets aside; a save would remove it, so nothing was saved. "
+                                  f"Choose another tag or save directory, or move it away")
     shutil.rmtree(staging, ignore_errors=True)
     os.mkdir(staging)
     return staging
@@ -440,17 +439,39 @@ def _aside(save_dir: str, tag: str, suffix: str) -> str:
     return os.path.join(save_dir, f".{tag}{suffix}")
 
 
-_SAVED_FILE_ENDINGS = (".pt", ".json", ".py", ".tmp")   # states, manifests, recovery scripts, files being written
+def _a_saves_file(name: str) -> bool:
+    """A file name a save (LazyTrain's or DeepSpeed's) writes into a tag's directory: DeepSpeed's
+    ``*_states.pt`` (model, optimizer, expert and layer states), LazyTrain's ``lazytrain_*`` state and
+    manifest, and any of them under a temporary name while written. Told apart by name, not by kind: a
+    user's ``tokenizer_config.json`` or ``training_args.pt`` beside a checkpoint is not a save's."""
+    name = name[:-len(".tmp")] if name.endswith(".tmp") else name
+    return name.endswith("_states.pt") or (name.startswith("lazytrain_") and name.endswith((".pt", ".json")))
 
 
-def _a_saves_directory(path: str) -> bool:
-    """A directory a save staged or set aside: files of the kinds a save writes, nothing else (a user's own
-    hidden directory that happens to end in .staging is left alone)."""
+def _not_a_saves(path: str) -> list[str] | None:
+    """What in directory ``path`` no save writes (its names, sorted): [] for a directory a save wrote,
+    staged or set aside; None where it cannot be listed."""
     try:
         entries = list(os.scandir(path))
     except OSError:
-        return False
-    return all(e.is_file(follow_symlinks=False) and e.name.endswith(_SAVED_FILE_ENDINGS) for e in entries)
+        return None
+    return sorted(e.name for e in entries if not (e.is_file(follow_symlinks=False) and _a_saves_file(e.name)))
+
+
+def _a_saves_directory(path: str) -> bool:
+    """A directory a save wrote, staged or set aside: files a save writes, nothing else (a save replaces it
+    whole; a user's own files in it, or a hidden directory of theirs that ends in .staging, are left alone)."""
+    return _not_a_saves(path) == []
+
+
+def _foreign(path: str) -> str:
+    """Why ``path`` is not a save's to replace, for an error message."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return "is not a directory"
+    names = _not_a_saves(path)
+    if names is None:
+        return "cannot be listed"
+    return f"holds what a save does not write ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
 
 
 def settle_leftovers(save_dir: str) -> None:
