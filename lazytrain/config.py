@@ -58,6 +58,7 @@ _UNIMPLEMENTED_TOP = {
     "nebula": "not supported",
     "data_types": "gradients are accumulated in fp32",
     "compile": "not supported",
+    "fp32_allreduce": "DeepSpeed itself replaced it by 'communication_data_type': \"fp32\" reduces gradients in fp32",
     "eigenvalue": "not supported",
     "progressive_layer_drop": "not supported",
     "quantize_training": "not supported",
@@ -112,7 +113,7 @@ _BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_m
 _TOP_IMPLEMENTED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
-    "zero_optimization", "aio", "activation_checkpointing", "lazytrain", "seed", "fp32_allreduce",
+    "zero_optimization", "aio", "activation_checkpointing", "lazytrain",
     "dataloader_drop_last", "communication_data_type",
     "job",   # settings of the `lazytrain train` command (model, task, steps); not read by the engine
 }
@@ -411,7 +412,6 @@ class EngineConfig:
     steps_per_print: float | None = None   # None: no progress lines (DeepSpeed's default)
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False   # the loader built from training_data keeps a last, smaller batch
-    seed: int | None = None
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -593,16 +593,14 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
                                       world_size)
 
     clip = d.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:   # NaN: clipping off, unsaid
         raise ConfigError(f"config key 'gradient_clipping' must be a number >= 0 (0 = off), got {clip!r}")
     spp = d.get("steps_per_print")   # unset: no progress lines, as DeepSpeed's default (None)
-    if spp is not None and (isinstance(spp, bool) or not isinstance(spp, (int, float)) or spp <= 0):
+    if spp is not None and (isinstance(spp, bool) or not isinstance(spp, (int, float)) or not spp > 0):
         raise ConfigError(f"config key 'steps_per_print' must be a positive number (float('inf') allowed) or null, "
                           f"got {spp!r}")
 
-    drop_last = d.get("dataloader_drop_last", False)
-    if not isinstance(drop_last, bool):
-        raise ConfigError(f"config key 'dataloader_drop_last' must be true or false, got {drop_last!r}")
+    drop_last = _flag(d, "dataloader_drop_last", False, "")
     opt_section = d.get("optimizer")
     if isinstance(opt_section, dict) and "legacy_fusion" in opt_section:
         seen.note("optimizer.legacy_fusion", "'optimizer.legacy_fusion' selects DeepSpeed's old fused fp16 "
@@ -616,7 +614,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     bf16 = _flag(bf16_section, "enabled", False, "bf16")
     for key, what in (("bf16_master_weights_and_grads", "master weights and gradients"),
                       ("bf16_optimizer_states", "optimizer states")):
-        if bf16 and bf16_section.get(key):
+        if bf16 and _flag(bf16_section, key, False, "bf16"):
             raise ConfigError(f"config key 'bf16.{key}' keeps the {what} in bf16, which LazyTrain does not do: its "
                               f"host optimizer keeps fp32 masters and gradients. Remove the key; to shrink the host "
                               f"state use \"lazytrain\": {{\"optimizer_states\": \"8bit\"}} (2 bytes of Adam state per "
@@ -662,7 +660,6 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         raise ConfigError(f"config key 'lazytrain.gradient_reduce' is \"device\", which reduces each micro-batch's "
                           f"layer gradients to their owners as they are made: that needs 'zero_optimization.stage' "
                           f">= 2 (it is {stage}; below 2 gradients are reduced once a step, from the host)")
-    seed = d.get("seed")
     seen.emit()
     comm = d.get("communication_data_type")
     comm = comm.lower() if isinstance(comm, str) else comm   # DeepSpeed lowers it
@@ -672,7 +669,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
     return EngineConfig(
         communication_data_type=comm, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
-        wall_clock_breakdown=_flag(d, "wall_clock_breakdown", False, ""), dataloader_drop_last=drop_last, seed=seed,
+        wall_clock_breakdown=_flag(d, "wall_clock_breakdown", False, ""), dataloader_drop_last=drop_last,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         gather_16bit_weights_on_model_save=gather_on_save, offload_param=offload_param,
         offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)

@@ -176,8 +176,11 @@ def test_more_deepspeed_keys_are_accepted_with_a_warning(extra, warned):
 def test_dataloader_drop_last_is_a_boolean():
     assert parse_config({"train_batch_size": 1}).dataloader_drop_last is False
     assert parse_config({"train_batch_size": 1, "dataloader_drop_last": True}).dataloader_drop_last is True
-    with pytest.raises(ConfigError, match="config key 'dataloader_drop_last' must be true or false, got 'yes'"):
-        parse_config({"train_batch_size": 1, "dataloader_drop_last": "yes"})
+    # read as every flag is (DeepSpeed passes it to the DataLoader, which takes its truth value)
+    assert parse_config({"train_batch_size": 1, "dataloader_drop_last": 1}).dataloader_drop_last is True
+    assert parse_config({"train_batch_size": 1, "dataloader_drop_last": "no"}).dataloader_drop_last is False
+    with pytest.raises(ConfigError, match="config key 'dataloader_drop_last' must be true or false, got 'sometimes'"):
+        parse_config({"train_batch_size": 1, "dataloader_drop_last": "sometimes"})
 
 
 def test_auto_values_must_be_resolved():
@@ -613,6 +616,42 @@ def test_values_that_would_be_converted_or_ignored_silently_are_refused_by_name(
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("gradient_clipping", float("nan"), "config key 'gradient_clipping' must be a number >= 0 (0 = off), got nan"),
+    ("steps_per_print", float("nan"), "config key 'steps_per_print' must be a positive number (float('inf') allowed) "
+                                      "or null, got nan"),
+])
+def test_a_nan_setting_is_refused_not_read_as_off(key, value, message):
+    """NaN compares false both ways: a NaN clipping threshold passed the check for < 0, then clipped nothing
+    (the engine clips where it is > 0), and a NaN print interval never printed."""
+    with pytest.raises(ConfigError) as e:
+        parse_config({"train_batch_size": 2, key: value})
+    assert str(e.value) == message
+
+
+def test_flags_written_as_words_or_numbers_are_read_as_deepspeed_reads_them():
+    """bf16_master_weights_and_grads "false" was refused as if it were on (its truth value as a string)."""
+    for off in ("false", 0, False):
+        assert parse_config({"train_batch_size": 2, "bf16": {"enabled": True,
+                                                             "bf16_master_weights_and_grads": off}}).bf16
+    with pytest.raises(ConfigError, match="config key 'bf16.bf16_master_weights_and_grads' keeps the master weights"):
+        parse_config({"train_batch_size": 2, "bf16": {"enabled": True, "bf16_master_weights_and_grads": "true"}})
+
+
+def test_keys_deepspeed_no_longer_reads_are_said_to_have_no_effect():
+    """fp32_allreduce (DeepSpeed replaced it by communication_data_type) and seed (no DeepSpeed key) were
+    taken without a word, and read by nothing: a bf16 run with fp32_allreduce still reduced in bf16."""
+    with pytest.warns(UserWarning, match=r"'fp32_allreduce' is a DeepSpeed feature LazyTrain does not implement; it "
+                                         r"is ignored \(DeepSpeed itself replaced it by 'communication_data_type'"):
+        cfg = parse_config({"train_batch_size": 2, "bf16": {"enabled": True}, "fp32_allreduce": True})
+    assert cfg.communication_data_type is None
+    with pytest.warns(UserWarning, match=r"unknown top-level key\(s\) 'seed'"):
+        parse_config({"train_batch_size": 2, "seed": 1234})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_config({"train_batch_size": 2, "fp32_allreduce": False})   # off: nothing to say
+
+
 def test_onecycle_refuses_step_sizes_deepspeed_refuses():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(ValueError, match="cycle_second_step_size must be non-negative, got -3"):
@@ -737,6 +776,66 @@ def test_optimizers_lazytrain_does_not_build_are_refused_by_name(typ, message):
     with pytest.raises(ConfigError) as e:
         _one_step_with({"type": typ, "params": {"lr": 0.1}})
     assert str(e.value).startswith(message)
+
+
+_SCHEDULE_LR = "must be a learning rate >= 0 (or one per parameter group), got "
+
+
+@pytest.mark.parametrize("typ, params, message", [
+    ("WarmupLR", {"warmup_max_lr": "0.001"}, "'scheduler.params.warmup_max_lr' for WarmupLR " + _SCHEDULE_LR + "'0.001'"),
+    ("WarmupLR", {"warmup_min_lr": float("nan")}, "'scheduler.params.warmup_min_lr' for WarmupLR " + _SCHEDULE_LR + "nan"),
+    ("WarmupLR", {"warmup_max_lr": -0.01}, "'scheduler.params.warmup_max_lr' for WarmupLR " + _SCHEDULE_LR + "-0.01"),
+    ("WarmupDecayLR", {"total_num_steps": "100"}, "'scheduler.params.total_num_steps' for WarmupDecayLR must be a "
+                                                  "number, got '100'"),
+    ("WarmupCosineLR", {"total_num_steps": 100, "cos_min_ratio": float("inf")},
+     "'scheduler.params.cos_min_ratio' for WarmupCosineLR must be a number, got inf"),
+    ("OneCycle", {"cycle_min_lr": [0.01, float("nan")], "cycle_max_lr": 0.1},
+     "'scheduler.params.cycle_min_lr' for OneCycle " + _SCHEDULE_LR + "[0.01, nan]"),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_momentum": "maybe"},
+     "key 'scheduler.params.cycle_momentum' must be true or false, got 'maybe'"),
+])
+def test_a_schedule_setting_that_is_no_number_or_a_bad_learning_rate_is_refused_at_initialize(typ, params, message):
+    """A string learning rate (as a YAML file converted to JSON gives) passed initialize and failed at the first
+    step, after the weights had changed, leaving the engine refusing to train or save; a NaN or negative one
+    trained on without a word (every weight NaN, or uphill)."""
+    model = torch.nn.Linear(2, 2)
+    groups = [{"params": [model.weight]}, {"params": [model.bias]}]
+    with pytest.raises(ConfigError) as e:
+        lazytrain.initialize(model=model, model_parameters=groups, config={
+            "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+            "scheduler": {"type": typ, "params": params}})
+    assert str(e.value) == "config " + message
+
+
+def test_a_schedule_flag_written_as_a_word_is_read_as_deepspeed_reads_it():
+    engine, opt, _, schedule = lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "betas": [0.9, 0.99]}},
+        "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                                                     "cycle_momentum": "false"}}})
+    assert schedule.cycle_momentum is False and tuple(opt.param_groups[0]["betas"]) == (0.9, 0.99)
+
+
+@pytest.mark.parametrize("params, adam_w_mode, amsgrad", [
+    ({"adam_w_mode": "false"}, False, False), ({"adam_w_mode": 0, "amsgrad": "true"}, False, True),
+    ({"amsgrad": "false"}, True, False), ({"amsgrad": 1}, True, True),
+])
+def test_adam_flags_written_as_words_or_numbers_are_read_as_deepspeed_reads_them(params, adam_w_mode, amsgrad):
+    """adam_w_mode "false" read as true (the truth value of a string) and trained AdamW; amsgrad "false" reached
+    torch's fused kernel as a string and failed the first step."""
+    model = torch.nn.Linear(2, 2)   # no streamed blocks: torch's Adam or AdamW
+    _, opt, _, _ = lazytrain.initialize(model=model, config={
+        "train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1, **params}}})
+    assert type(opt) is (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)
+    assert opt.param_groups[0]["amsgrad"] is amsgrad
+
+
+@pytest.mark.parametrize("off", [False, 0, "false"])
+def test_adam_without_bias_correction_is_refused_however_it_is_written(off):
+    """bias_correction 0 (false to DeepSpeed's FusedAdam and CPUAdam) was dropped without a word, and the run
+    corrected the bias."""
+    with pytest.raises(ConfigError, match=r"^config 'optimizer.params.bias_correction' = false is not supported"):
+        lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+            "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "bias_correction": off}}})
 
 
 def test_a_bad_parameter_of_a_torch_optimizer_is_named_with_its_section():

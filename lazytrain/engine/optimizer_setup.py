@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..config import ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig, _flag
 from ..optim.lr_schedules import build_schedule, torch_class_by_name
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction",
@@ -66,16 +66,18 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         if unknown:
             raise ConfigError(f"unknown key '{sorted(unknown)[0]}' in config section 'optimizer.params' for "
                               f"{typ} (allowed: {', '.join(sorted(_ADAM_KEYS))})")
-        adam_w_mode = bool(params.pop("adam_w_mode", True)) if lower == "adam" else True
+        flags = _flags(params, ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "bias_correction",
+                                     "amsgrad", "set_grad_none", "fused", "foreach"))
+        adam_w_mode = flags.get("adam_w_mode", True) if lower == "adam" else True
         params.pop("adam_w_mode", None)
         # DeepSpeed's default: torch's AdamW's (0.01) where "torch_adam" makes it build one, else its FusedAdam's
         # and CPUAdam's (0)
-        torch_adamw = bool(params.pop("torch_adam", False)) and adam_w_mode
+        torch_adamw = flags.get("torch_adam", False) and adam_w_mode
         params.setdefault("weight_decay", 0.01 if torch_adamw else 0.0)
         params.pop("fused", None)
         params.pop("foreach", None)
         params.pop("set_grad_none", None)   # FusedAdam's zero_grad: the engine zeroes gradients its own way
-        if params.pop("fp32_optimizer_states", True) is False:
+        if params.pop("fp32_optimizer_states", True) is False:   # (a flag: 0 and "false" read as false)
             raise ConfigError("config 'optimizer.params.fp32_optimizer_states' = false keeps DeepSpeed's CPU Adam "
                               "states in the parameters' 16-bit type, which LazyTrain does not do: its host optimizer "
                               "keeps fp32 states. Remove the key; to shrink the host state use \"lazytrain\": "
@@ -86,7 +88,7 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         if "betas" in params:
             params["betas"] = _betas(params["betas"])
         _check_numbers(params, typ)
-        amsgrad = bool(params.get("amsgrad", False))
+        amsgrad = params.get("amsgrad", False)
         if cfg.lazytrain.optimizer_states == "8bit" and amsgrad:
             raise ConfigError("config 'optimizer.params.amsgrad' = true is not supported with "
                               "'lazytrain.optimizer_states' = \"8bit\" (HybridAdamW has no AMSGrad)")
@@ -99,7 +101,8 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
             raise ConfigError(f"config 'optimizer.params' for {typ}: {e}") from None
     if lower in _HYBRID_TYPES:
-        adam_w_mode = bool(params.pop("adam_w_mode", True))   # false: Adam with L2 decay, as DeepSpeed's key says
+        adam_w_mode = _flags(params, ("adam_w_mode",)).get("adam_w_mode", True)   # false: Adam with L2 decay,
+        params.pop("adam_w_mode", None)                                                 # as DeepSpeed's key says
         if "betas" in params:
             params["betas"] = _betas(params["betas"])
         _check_numbers(params, typ)
@@ -120,6 +123,15 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         return cls(groups, **params)
     except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
         raise ConfigError(f"config 'optimizer.params' for {typ}: {e}") from None
+
+
+def _flags(params: dict, keys: tuple[str, ...]) -> dict[str, bool]:
+    """The true/false settings among ``keys`` in ``params``, read as DeepSpeed's config reads them (0 and
+    "false" are false) and written back as booleans: ``bool("false")`` is True, and torch's fused kernel
+    refuses a string. Returns those present."""
+    found = {k: _flag(params, k, False, "optimizer.params") for k in keys if params.get(k) is not None}
+    params.update(found)
+    return found
 
 
 def _check_numbers(params: dict, typ: str) -> None:

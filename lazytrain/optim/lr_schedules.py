@@ -8,6 +8,7 @@ number under DeepSpeed's name for each schedule (``last_batch_iteration`` or ``b
 """
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 
@@ -297,10 +298,37 @@ def build_schedule(name: str, optimizer, params: dict):
     if cls is None:
         raise ValueError(f"config 'scheduler.type' {name!r} is unknown (known: {', '.join(SCHEDULES)}, or any "
                          f"torch.optim.lr_scheduler class by its name)")
+    if name in SCHEDULES:
+        params = _checked_settings(name, cls, params)
     try:
         return cls(optimizer, **params)
     except (TypeError, ValueError) as e:   # named by where it is set in the config
         raise ValueError(f"config 'scheduler.params' for {name}: {e}") from None
+
+
+def _checked_settings(name: str, cls, params: dict) -> dict:
+    """DeepSpeed's schedules' settings as they must be, refused at set-up naming the key: numbers, finite (a
+    learning rate >= 0, one for every group or one per group), and true/false flags read as DeepSpeed reads
+    them. Why: a string learning rate ("3e-5", as a YAML file converted to JSON gives) passed set-up and
+    failed at the first step, after the weights had changed; a NaN or negative one trained without a word
+    (every weight NaN, or training uphill). ``warmup_type`` is a word; an unknown key is named by the call."""
+    from ..config import _flag
+    declared = inspect.signature(cls.__init__).parameters
+    checked = dict(params)
+    for key, value in params.items():
+        if key not in declared or key == "warmup_type" or value is None:   # None: the schedule's default
+            continue
+        if isinstance(declared[key].default, bool):
+            checked[key] = _flag(params, key, declared[key].default, "scheduler.params")
+            continue
+        is_lr = key.endswith("_lr")
+        values = value if is_lr and isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (is_lr and v < 0):
+                raise ValueError(f"config 'scheduler.params.{key}' for {name} must be "
+                                 f"{'a learning rate >= 0 (or one per parameter group)' if is_lr else 'a number'}, "
+                                 f"got {value!r}")
+    return checked
 
 
 def _torch_schedule(name: str):
