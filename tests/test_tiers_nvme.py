@@ -661,3 +661,55 @@ def test_a_forked_child_never_removes_its_parents_run_directory(tmp_path):
     finally:
         t.close()
     assert not os.path.exists(t.run_dir)
+
+
+def test_transfers_issued_in_a_burst_wait_for_open_files_rather_than_fail(tmp_path, monkeypatch):
+    """Each transfer in flight holds its file open: 3000 writes issued without waiting failed with EMFILE at
+    the default limit of 1024 descriptors. Transfers now wait while the tier's bound of open files is
+    reached (here 4); a read started on an I/O thread, behind its key's write, never waits."""
+    from lazytrain.tiers import nvme
+    monkeypatch.setattr(nvme, "_open_files_limit", lambda: 4)
+    t = NVMeTier("nvme", path=tmp_path, aio={"block_size": BLOCK, "queue_depth": 2, "intra_op_parallelism": 2})
+    opened, most, lock = [0], [0], threading.Lock()
+    real_open, real_close = t.backend.open, t.backend.close
+
+    def counted_open(*args, **kwargs):
+        fd = real_open(*args, **kwargs)
+        with lock:
+            opened[0] += 1
+            most[0] = max(most[0], opened[0])
+        return fd
+
+    def counted_close(fd):
+        with lock:
+            opened[0] -= 1
+        real_close(fd)
+    monkeypatch.setattr(t.backend, "open", counted_open)
+    monkeypatch.setattr(t.backend, "close", counted_close)
+    try:
+        xs = [sample((3000,), torch.float32, seed=i) for i in range(40)]
+        writes = [t.write(f"k{i}", x) for i, x in enumerate(xs)]
+        for h in writes:
+            h.wait()
+        assert 1 <= most[0] <= 4
+        reads = [t.read(f"k{i}") for i in range(len(xs))]
+        assert all(torch.equal(h.wait(), x) for h, x in zip(reads, xs))
+        assert most[0] <= 4 and opened[0] == 0
+        # reads queued behind their writes start on the I/O threads: never held up there
+        pairs = [(t.write(f"j{i}", x), t.read(f"j{i}")) for i, x in enumerate(xs)]
+        assert all(torch.equal(r.wait(), x) for (_, r), x in zip(pairs, xs))
+        assert opened[0] == 0
+    finally:
+        t.close()
+
+
+
+def test_the_bound_of_open_files_is_a_quarter_of_the_processs_descriptor_limit():
+    code = ("import resource; from lazytrain.tiers import nvme\n"
+            "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+            "for soft in (1024, 256, 40):\n"
+            "    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))\n"
+            "    print(nvme._open_files_limit())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.stdout.split() == ["256", "64", "16"], done.stderr[-2000:]

@@ -49,6 +49,10 @@ _ERRNO_ADVICE = {
     errno.EACCES: "permission denied; point nvme_path at a directory you can write",
     errno.EPERM: "operation not permitted; point nvme_path at a directory you can write",
     errno.ENOENT: "the file or directory does not exist (was the run directory removed while training?)",
+    errno.EMFILE: "too many open files in this process: each transfer in flight holds its file open; wait for "
+                  "transfers before issuing more, or raise the limit (ulimit -n)",
+    errno.ENFILE: "too many open files on this machine; raise the system's limit (fs.file-max) or run fewer "
+                  "processes",
 }
 
 
@@ -183,6 +187,39 @@ class _StagingBudget:
             self._cond.notify_all()
 
 
+class _OpenFiles:
+    """The files the tier holds open for transfers in flight (each until its requests are done), bounded:
+    a burst of small transfers waits for earlier ones instead of failing with EMFILE. A transfer a caller
+    issues waits; a read started on an I/O thread (queued behind its key's write) never does, as what it
+    would wait for may need that thread."""
+
+    def __init__(self, limit: int):
+        self.limit, self.open = limit, 0
+        self._cond = threading.Condition()
+
+    def take(self, wait: bool) -> None:
+        with self._cond:
+            while wait and self.open >= self.limit:
+                self._cond.wait()
+            self.open += 1
+
+    def give_back(self) -> None:
+        with self._cond:
+            self.open -= 1
+            self._cond.notify_all()
+
+
+def _open_files_limit() -> int:
+    """Transfers in flight at once: a quarter of the process's descriptor limit (at least 16; Linux's
+    default limit is 1024 descriptors)."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, ValueError, OSError):   # no such limit here
+        return 256
+    return 4096 if soft == resource.RLIM_INFINITY else max(16, soft // 4)
+
+
 _LIVE_TIERS: "weakref.WeakSet[NVMeTier]" = weakref.WeakSet()
 
 
@@ -245,6 +282,7 @@ class NVMeTier(Tier):
         # Host staging slabs and read results, pinned where CUDA exists; at most 1 GiB kept idle.
         self.pool = SlabPool(limit_bytes=1 << 30)
         self._staging = _StagingBudget()
+        self._files_open = _OpenFiles(_open_files_limit())
         self._executor = ThreadPoolExecutor(self.settings.intra_op_parallelism,
                                             thread_name_prefix=f"lazytrain-{name}-io")
         _LIVE_TIERS.add(self)
@@ -324,14 +362,23 @@ class NVMeTier(Tier):
         path = self._new_path(key)
         entry = _Entry(key, path, nbytes, tensor.shape, tensor.dtype, file_bytes, False,
                        [0] * -(-nbytes // self.settings.block_size))
+        self._files_open.take(wait=True)   # given back with the file, by close_file
         try:
             fd = self.backend.open(path, write=True)
         except OSError as e:
+            self._files_open.give_back()
             raise self._os_error(e, f"creating {path}", key) from e
+
+        def close_file():
+            try:
+                self.backend.close(fd)
+            finally:
+                self._files_open.give_back()
+
         try:
             self.backend.allocate(fd, file_bytes)
         except OSError as e:
-            self.backend.close(fd)
+            close_file()
             _unlink(path)
             raise self._os_error(e, f"reserving {format_bytes(file_bytes)} for {path}", key) from e
 
@@ -340,7 +387,7 @@ class NVMeTier(Tier):
         try:
             landing = _in_place(tensor, nbytes, file_bytes) if owned else None
         except BaseException:
-            self.backend.close(fd)
+            close_file()
             _unlink(path)
             raise
         event = slab = None
@@ -362,7 +409,7 @@ class NVMeTier(Tier):
                 self._staging.release(file_bytes)
                 if slab is not None:
                     self.pool.release(slab, exclusive=True)
-                self.backend.close(fd)
+                close_file()
                 _unlink(path)
                 raise
             landing = _Landing(_as_bytes(slab[:file_bytes]), file_bytes)
@@ -370,7 +417,7 @@ class NVMeTier(Tier):
 
         def finish(error):
             try:
-                self.backend.close(fd)
+                close_file()
             except OSError as e:
                 error = error or e
             if slab is not None:
@@ -496,13 +543,13 @@ class NVMeTier(Tier):
             self._reader_done(entry)
             _chain(inner, result)
 
-        def start(_=None):
+        def start(written=None):   # called with the write's future: on the thread that finished it
             if entry.written.exception() is not None:
                 fail(TierError(f"tier {self.name!r}: key {key!r} cannot be read: its write "
                                f"failed ({entry.written.exception()})"))
                 return
             try:
-                inner = self._start_read(entry, out, target, issued)
+                inner = self._start_read(entry, out, target, issued, wait=written is None)
             except BaseException as e:  # noqa: BLE001
                 fail(e)
                 return
@@ -517,22 +564,31 @@ class NVMeTier(Tier):
         with self._lock:
             self._reads.discard(result)
 
-    def _start_read(self, entry: _Entry, out, target: torch.device, issued) -> Future:
+    def _start_read(self, entry: _Entry, out, target: torch.device, issued, wait: bool = True) -> Future:
         if entry.via_kvikio:
             return self._executor.submit(self._read_kvikio, entry, out, target, issued)
+        self._files_open.take(wait)   # given back with the file, by close_file
         try:
             fd = self.backend.open(entry.path, write=False)
         except OSError as e:
+            self._files_open.give_back()
             if e.errno == errno.ENOENT:
                 raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: its file {entry.path} is missing") from e
             raise self._os_error(e, f"opening {entry.path}", entry.key) from e
+
+        def close_file():
+            try:
+                self.backend.close(fd)
+            finally:
+                self._files_open.give_back()
+
         try:
             size = os.fstat(fd).st_size
         except OSError as e:
-            self.backend.close(fd)
+            close_file()
             raise self._os_error(e, f"inspecting {entry.path}", entry.key) from e
         if size < entry.file_bytes:
-            self.backend.close(fd)
+            close_file()
             raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: "
                                 f"{size} bytes on disk, {entry.file_bytes} written")
 
@@ -556,14 +612,14 @@ class NVMeTier(Tier):
                     scatter = (_byte_view(out), slab)
                     value = out
         except BaseException:   # no memory to land in: the file goes back closed
-            self.backend.close(fd)
+            close_file()
             if slab is not None:
                 self.pool.release(slab, exclusive=True)
             raise
 
         def finish(error):
             try:
-                self.backend.close(fd)
+                close_file()
             except OSError:
                 pass
             try:
