@@ -829,6 +829,13 @@ def test_adam_flags_written_as_words_or_numbers_are_read_as_deepspeed_reads_them
     assert opt.param_groups[0]["amsgrad"] is amsgrad
 
 
+@pytest.mark.parametrize("torch_adam, weight_decay", [(True, 0.01), ("true", 0.01), (0, 0.0), ("false", 0.0)])
+def test_torch_adam_sets_torchs_default_weight_decay_however_it_is_written(torch_adam, weight_decay):
+    _, opt, _, _ = lazytrain.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": torch_adam}}})
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["weight_decay"] == weight_decay
+
+
 @pytest.mark.parametrize("off", [False, 0, "false"])
 def test_adam_without_bias_correction_is_refused_however_it_is_written(off):
     """bias_correction 0 (false to DeepSpeed's FusedAdam and CPUAdam) was dropped without a word, and the run

@@ -73,6 +73,7 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         # DeepSpeed's default: torch's AdamW's (0.01) where "torch_adam" makes it build one, else its FusedAdam's
         # and CPUAdam's (0)
         torch_adamw = flags.get("torch_adam", False) and adam_w_mode
+        params.pop("torch_adam", None)
         params.setdefault("weight_decay", 0.01 if torch_adamw else 0.0)
         params.pop("fused", None)
         params.pop("foreach", None)
