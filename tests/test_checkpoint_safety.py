@@ -185,6 +185,63 @@ def test_a_save_over_a_tag_that_holds_a_users_own_files_is_refused_and_keeps_the
     assert loaded_step(tmp_path, "best") == 2
 
 
+_SAVING_ELSEWHERE = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, sys.argv[3])
+    from test_checkpoint_safety import files_of
+    from lazytrain.engine import checkpoint as ckpt
+    d, tag = sys.argv[1], sys.argv[2]
+    staging = ckpt.begin(d, tag, 0)
+    sizes = ckpt.write_files(d, tag, staging, files_of(7))
+    print("written", flush=True)
+    if sys.stdin.readline().strip() == "finish":
+        ckpt.finish(d, tag, staging, sizes, False)
+        print("finished", flush=True)
+""")
+
+
+def _saving_elsewhere(d, tag):
+    """Another process, stopped in its save of ``tag`` (its files written, its tag not yet in place)."""
+    other = subprocess.Popen([sys.executable, "-c", _SAVING_ELSEWHERE, str(d), tag, os.path.dirname(__file__)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline().strip() == "written"
+    return other
+
+
+def test_a_save_leaves_another_processs_save_in_progress_alone(tmp_path):
+    """Two processes saving into one directory: the second's start-up took the first's staging directory for
+    a left-over and removed it (the first then failed, blaming the file system). A save in progress holds a
+    lock on its staging directory; a save of another tag leaves it, a save of the same tag is refused."""
+    ckpt.save(str(tmp_path), "a", files_of(1), True)
+    other = _saving_elsewhere(tmp_path, "a")
+    try:
+        ckpt.save(str(tmp_path), "b", files_of(2), True)
+        assert (tmp_path / ".a.staging").is_dir()
+        with pytest.raises(ckpt.CheckpointError, match=re.escape(
+                f"saving checkpoint tag 'a' to {tmp_path}: another process is saving that tag there now "
+                f"({tmp_path / '.a.staging'} is its save in progress); nothing was saved")):
+            ckpt.save(str(tmp_path), "a", files_of(3), True)
+        other.stdin.write("finish\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "finished"
+        assert other.wait(timeout=60) == 0
+    finally:
+        other.kill()
+    assert (loaded_step(tmp_path, "a"), loaded_step(tmp_path, "b"), loaded_step(tmp_path)) == (7, 2, 2)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "latest"]
+
+
+def test_the_save_of_a_process_that_died_is_a_left_over_the_next_save_rolls_back(tmp_path):
+    ckpt.save(str(tmp_path), "a", files_of(1), True)
+    other = _saving_elsewhere(tmp_path, "a")
+    other.kill()
+    other.wait(timeout=60)
+    assert (tmp_path / ".a.staging").is_dir()
+    ckpt.save(str(tmp_path), "b", files_of(2), True)
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "latest"]
+    assert loaded_step(tmp_path, "a") == 1
+
+
 def test_a_save_that_never_completed_is_refused_and_never_half_loaded(tmp_path):
     staging = tmp_path / ".t.staging"
     staging.mkdir(parents=True)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..tiers import format_bytes
-from . import safe_load
+from . import safe_load, save_locks
 from .record_crc import first_byte
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -109,6 +109,11 @@ def begin(save_dir: str, tag: str, need: int) -> str:
     if not os.path.isdir(save_dir):
         os.makedirs(save_dir)
         _fsync_dir(os.path.dirname(os.path.abspath(save_dir)))   # the new directory's own entry
+    with save_locks.making_saves(save_dir):   # no other save sees the staging directory before its lock
+        return _begin(save_dir, tag, need)
+
+
+def _begin(save_dir: str, tag: str, need: int) -> str:
     settle_leftovers(save_dir)
     final = os.path.join(save_dir, tag)
     if os.path.lexists(final) and not (os.path.isdir(final) and not os.path.islink(final) and
@@ -120,6 +125,10 @@ def begin(save_dir: str, tag: str, need: int) -> str:
     if need > free:
         raise CheckpointSpaceError(_space_message(save_dir, tag, need, free))
     staging = staging_dir(save_dir, tag)
+    if save_locks.saving_elsewhere(staging):
+        raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: another process is saving that tag "
+                              f"there now ({staging} is its save in progress); nothing was saved. Save each job's "
+                              f"checkpoints under its own tags or save directory")
     for aside in (staging, _aside(save_dir, tag, _PREVIOUS)):   # a save removes both: never a user's own
         if os.path.lexists(aside) and not (os.path.isdir(aside) and not os.path.islink(aside) and
                                            _a_saves_directory(aside)):
@@ -128,6 +137,7 @@ def begin(save_dir: str, tag: str, need: int) -> str:
                                   f"Choose another tag or save directory, or move it away")
     shutil.rmtree(staging, ignore_errors=True)
     os.mkdir(staging)
+    save_locks.hold(staging)
     return staging
 
 
@@ -188,6 +198,7 @@ def finish(save_dir: str, tag: str, staging: str, sizes: dict[str, int], save_la
         abort(staging)
         raise
     _commit(save_dir, tag, staging)
+    save_locks.let_go(staging)
     if save_latest:
         _write_text_atomic(os.path.join(save_dir, "latest"), tag)
     return os.path.join(save_dir, tag)
@@ -196,6 +207,7 @@ def finish(save_dir: str, tag: str, staging: str, sizes: dict[str, int], save_la
 def abort(staging: str) -> None:
     """Remove a save's staging directory: the previous checkpoint stays as it was."""
     shutil.rmtree(staging, ignore_errors=True)
+    save_locks.let_go(staging)
 
 
 def _warn_if_unsafe(staging: str, tag: str) -> None:
@@ -477,11 +489,14 @@ def _foreign(path: str) -> str:
 def settle_leftovers(save_dir: str) -> None:
     """Finish or roll back what interrupted saves left in ``save_dir``: a tag missing while its complete
     staging copy exists is put in place (the save had finished writing), else its previous copy is put
-    back; then every staging and previous directory left is removed."""
+    back; then every staging and previous directory left is removed. Another process's save in progress
+    (its staging directory locked: save_locks.py) is left to finish."""
     for entry in sorted(os.listdir(save_dir)):
         for suffix in (_STAGING, _PREVIOUS):
             if entry.startswith(".") and entry.endswith(suffix) and _a_saves_directory(os.path.join(save_dir, entry)):
                 tag = entry[1:-len(suffix)]
+                if save_locks.saving_elsewhere(_aside(save_dir, tag, _STAGING)):
+                    continue
                 final = os.path.join(save_dir, tag)
                 if tag and not os.path.lexists(final):
                     staging, previous = _aside(save_dir, tag, _STAGING), _aside(save_dir, tag, _PREVIOUS)
