@@ -713,3 +713,25 @@ def test_the_bound_of_open_files_is_a_quarter_of_the_processs_descriptor_limit()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.stdout.split() == ["256", "64", "16"], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("owned", [False, True])
+@pytest.mark.parametrize("lazy", ["conj", "neg"])
+def test_conjugate_and_negative_views_round_trip_as_they_read(tmp_path, lazy, owned):
+    """A lazy view's memory holds other values than it reads as: written by its bytes (owned and aligned) it
+    raised torch's "view is not supported for conjugate view tensors"; it goes through the staging copy, which
+    resolves it, and a read into such a view lands as the values it should read as."""
+    from lazytrain.tiers.pool import aligned_empty
+    t = NVMeTier("nvme", path=tmp_path, aio={"block_size": BLOCK})
+    try:
+        base = aligned_empty(8 * 1500, pinned=False).view(torch.complex64)
+        base.copy_(torch.complex(sample((1500,), torch.float32), sample((1500,), torch.float32, seed=1)))
+        x = base.conj() if lazy == "conj" else torch._neg_view(base)
+        t.write("x", x, owned=owned).wait()
+        assert torch.equal(t.read("x").wait(), x.resolve_conj().resolve_neg())
+        out_base = aligned_empty(8 * 1500, pinned=False).view(torch.complex64)
+        out = out_base.conj() if lazy == "conj" else torch._neg_view(out_base)
+        t.read("x", out=out).wait()
+        assert torch.equal(out.resolve_conj().resolve_neg(), x.resolve_conj().resolve_neg())
+    finally:
+        t.close()

@@ -73,6 +73,11 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(_byte_view(t).numpy()) if t.numel() else memoryview(bytearray())
 
 
+def _lazy(t: torch.Tensor) -> bool:
+    """A conjugate or negative view: its memory holds other values than it reads as (``x.conj()``)."""
+    return t.is_conj() or t.is_neg()
+
+
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a flat uint8 tensor. Flattened by its strides, not ``view(-1)``:
     a 0-dim tensor, or a contiguous one of one element with another stride (``x[:, 1]`` of a 1-row ``x``),
@@ -110,8 +115,9 @@ class _Landing:
 
 def _in_place(t: torch.Tensor, nbytes: int, file_bytes: int) -> _Landing | None:
     """A landing in ``t``'s own memory (plus a one-block bounce for its tail) when ``t`` is a contiguous,
-    4 KiB-aligned CPU tensor; else None."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % ALIGNMENT or nbytes == 0:
+    4 KiB-aligned CPU tensor whose memory holds its values (not a lazy conjugate or negative view); else
+    None."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.data_ptr() % ALIGNMENT or nbytes == 0 or _lazy(t):
         return None
     split = nbytes - nbytes % ALIGNMENT
     tail = None
@@ -608,7 +614,7 @@ class NVMeTier(Tier):
                 slab = self.pool.acquire(max(entry.file_bytes, 1))
                 landing = _Landing(_as_bytes(slab[:entry.file_bytes]), entry.file_bytes)
                 value = None
-                if out is not None and out.device.type == "cpu" and out.is_contiguous():
+                if out is not None and out.device.type == "cpu" and out.is_contiguous() and not _lazy(out):
                     scatter = (_byte_view(out), slab)
                     value = out
         except BaseException:   # no memory to land in: the file goes back closed
