@@ -109,8 +109,8 @@ def test_a_transfer_is_ready_when_queued_or_when_what_it_waits_for_ended_and_lat
         time.sleep(0.02)
         finished.append(time.perf_counter())
         pending.set_result(None)
+    before = time.perf_counter()   # before the sleep can start: under load the thread may run at once
     finisher = streams.host_stream("test-ready").submit(finish)
-    before = time.perf_counter()
     assert streams.transfer_ready(before, [streams.HostEvent(pending, finished)]) == finished[0] >= before + 0.02
     finisher.result()
     unknown = Future()
