@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -666,7 +667,8 @@ def test_a_forked_child_never_removes_its_parents_run_directory(tmp_path):
 def test_transfers_issued_in_a_burst_wait_for_open_files_rather_than_fail(tmp_path, monkeypatch):
     """Each transfer in flight holds its file open: 3000 writes issued without waiting failed with EMFILE at
     the default limit of 1024 descriptors. Transfers now wait while the tier's bound of open files is
-    reached (here 4); a read started on an I/O thread, behind its key's write, never waits."""
+    reached (here 4); a read that starts on an I/O thread, behind its key's write, is parked rather than block
+    that thread, and started when a place is given back."""
     from lazytrain.tiers import nvme
     monkeypatch.setattr(nvme, "_open_files_limit", lambda: 4)
     t = NVMeTier("nvme", path=tmp_path, aio={"block_size": BLOCK, "queue_depth": 2, "intra_op_parallelism": 2})
@@ -695,12 +697,47 @@ def test_transfers_issued_in_a_burst_wait_for_open_files_rather_than_fail(tmp_pa
         reads = [t.read(f"k{i}") for i in range(len(xs))]
         assert all(torch.equal(h.wait(), x) for h, x in zip(reads, xs))
         assert most[0] <= 4 and opened[0] == 0
-        # reads queued behind their writes start on the I/O threads: never held up there
-        pairs = [(t.write(f"j{i}", x), t.read(f"j{i}")) for i, x in enumerate(xs)]
-        assert all(torch.equal(r.wait(), x) for (_, r), x in zip(pairs, xs))
-        assert opened[0] == 0
+        # reads queued behind their key's write start on an I/O thread when it lands: parked there, within the
+        # bound too (40 reads of one key, its write held until all are queued)
+        gate, real_write = threading.Event(), t.backend.pwritev
+        monkeypatch.setattr(t.backend, "pwritev", lambda *a: gate.wait() and real_write(*a))
+        most[0] = 0
+        t.write("j", xs[0])
+        queued = [t.read("j") for _ in range(40)]
+        gate.set()
+        assert all(torch.equal(r.wait(), xs[0]) for r in queued)
+        assert 1 <= most[0] <= 4 and opened[0] == 0 and t._files_open.open == 0
     finally:
         t.close()
+
+
+def test_a_write_waiting_for_an_open_file_when_the_tier_closes_is_told_it_closed(tmp_path, monkeypatch):
+    from lazytrain.tiers import nvme
+    monkeypatch.setattr(nvme, "_open_files_limit", lambda: 1)
+    t = NVMeTier("nvme", path=tmp_path, aio={"block_size": BLOCK})
+    gate, real = threading.Event(), t.backend.pwritev
+    monkeypatch.setattr(t.backend, "pwritev", lambda *a: gate.wait() and real(*a))
+    first = t.write("a", torch.ones(1000))   # holds the one place until the gate opens
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(_error_of(lambda: t.write("b", torch.ones(1000)))))
+    waiter.start()
+    time.sleep(0.2)   # the second write waits for the place
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    time.sleep(0.2)   # close() waits for the first write
+    gate.set()
+    closer.join(30)
+    waiter.join(30)
+    first.wait()
+    assert outcome == ["TierError: tier 'nvme' is closed"] and t._files_open.open == 0
+
+
+def _error_of(fn):
+    try:
+        fn().wait()
+    except Exception as e:   # noqa: BLE001 - what the test reads
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 

@@ -13,6 +13,7 @@ removes its file and gives its key up, so nothing half-written reads back as val
 from __future__ import annotations
 
 import atexit
+import collections
 import errno
 import fcntl
 import logging
@@ -27,6 +28,7 @@ import zlib
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from typing import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -196,23 +198,50 @@ class _StagingBudget:
 class _OpenFiles:
     """The files the tier holds open for transfers in flight (each until its requests are done), bounded:
     a burst of small transfers waits for earlier ones instead of failing with EMFILE. A transfer a caller
-    issues waits; a read started on an I/O thread (queued behind its key's write) never does, as what it
-    would wait for may need that thread."""
+    issues waits (:meth:`take`); one that starts on an I/O thread (a read queued behind its key's write)
+    must not block that thread, which what it waits for may need: it is parked (:meth:`take_or_park`) and
+    started by the :meth:`give_back` that frees a place, the place passing to it."""
 
     def __init__(self, limit: int):
         self.limit, self.open = limit, 0
+        self._parked: collections.deque = collections.deque()
         self._cond = threading.Condition()
+        self._starting = threading.local()   # the starts this thread runs for places given back
 
-    def take(self, wait: bool) -> None:
+    def take(self) -> None:
         with self._cond:
-            while wait and self.open >= self.limit:
+            while self.open >= self.limit:
                 self._cond.wait()
             self.open += 1
 
+    def take_or_park(self, start: Callable[[], None]) -> bool:
+        """True: a place is taken, the caller starts now; False: ``start`` runs when one is given back."""
+        with self._cond:
+            if self.open < self.limit:
+                self.open += 1
+                return True
+            self._parked.append(start)
+            return False
+
     def give_back(self) -> None:
         with self._cond:
-            self.open -= 1
-            self._cond.notify_all()
+            start = self._parked.popleft() if self._parked else None
+            if start is None:
+                self.open -= 1
+                self._cond.notify_all()
+                return
+        # the place passes on, outside the lock; a start that gives its place back at once (its file missing)
+        # hands it to the next one from this loop, not from a deeper call
+        pending = getattr(self._starting, "pending", None)
+        if pending is not None:
+            pending.append(start)
+            return
+        self._starting.pending = pending = collections.deque([start])
+        try:
+            while pending:
+                pending.popleft()()
+        finally:
+            self._starting.pending = None
 
 
 def _open_files_limit() -> int:
@@ -368,12 +397,16 @@ class NVMeTier(Tier):
         path = self._new_path(key)
         entry = _Entry(key, path, nbytes, tensor.shape, tensor.dtype, file_bytes, False,
                        [0] * -(-nbytes // self.settings.block_size))
-        self._files_open.take(wait=True)   # given back with the file, by close_file
+        self._files_open.take()   # given back with the file, by close_file
         try:
+            if self._closed:   # closed while this waited
+                raise TierError(f"tier {self.name!r} is closed")
             fd = self.backend.open(path, write=True)
-        except OSError as e:
+        except BaseException as e:   # an interrupt too: the place goes back
             self._files_open.give_back()
-            raise self._os_error(e, f"creating {path}", key) from e
+            if isinstance(e, OSError) and not isinstance(e, TierError):
+                raise self._os_error(e, f"creating {path}", key) from e
+            raise
 
         def close_file():
             try:
@@ -402,8 +435,10 @@ class NVMeTier(Tier):
                 landing.tail[:nbytes - landing.split] = landing.head[landing.split:nbytes]
             data = tensor
         else:
-            self._staging.acquire(file_bytes)
+            staged_bytes = 0
             try:
+                self._staging.acquire(file_bytes)   # (an interrupt while it waits gives back the file)
+                staged_bytes = file_bytes
                 slab = self.pool.acquire(file_bytes)
                 staged = slab[:nbytes].view(tensor.dtype).view(tensor.shape)
                 slab[nbytes:file_bytes].zero_()
@@ -412,7 +447,7 @@ class NVMeTier(Tier):
                 else:
                     staged.copy_(tensor)
             except BaseException:  # out of memory, say: give back what was taken, leave no file
-                self._staging.release(file_bytes)
+                self._staging.release(staged_bytes)
                 if slab is not None:
                     self.pool.release(slab, exclusive=True)
                 close_file()
@@ -549,17 +584,25 @@ class NVMeTier(Tier):
             self._reader_done(entry)
             _chain(inner, result)
 
-        def start(written=None):   # called with the write's future: on the thread that finished it
-            if entry.written.exception() is not None:
-                fail(TierError(f"tier {self.name!r}: key {key!r} cannot be read: its write "
-                               f"failed ({entry.written.exception()})"))
-                return
+        def launch():   # a POSIX read holds a place among the open files: _start_read gives it back
             try:
-                inner = self._start_read(entry, out, target, issued, wait=written is None)
+                inner = self._start_read(entry, out, target, issued)
             except BaseException as e:  # noqa: BLE001
                 fail(e)
                 return
             inner.add_done_callback(deliver)
+
+        def start(written=None):   # called with the write's future: on the thread that finished it
+            if entry.written.exception() is not None:
+                fail(TierError(f"tier {self.name!r}: key {key!r} cannot be read: its write "
+                               f"failed ({entry.written.exception()})"))
+            elif entry.via_kvikio:
+                launch()
+            elif written is None:
+                self._files_open.take()
+                launch()
+            elif self._files_open.take_or_park(launch):
+                launch()
         if entry.written.done():
             start()
         else:
@@ -570,14 +613,16 @@ class NVMeTier(Tier):
         with self._lock:
             self._reads.discard(result)
 
-    def _start_read(self, entry: _Entry, out, target: torch.device, issued, wait: bool = True) -> Future:
+    def _start_read(self, entry: _Entry, out, target: torch.device, issued) -> Future:
+        """A POSIX read is called with a place taken among the open files, which it gives back with its file."""
         if entry.via_kvikio:
             return self._executor.submit(self._read_kvikio, entry, out, target, issued)
-        self._files_open.take(wait)   # given back with the file, by close_file
         try:
             fd = self.backend.open(entry.path, write=False)
-        except OSError as e:
+        except BaseException as e:   # an interrupt too: the place goes back
             self._files_open.give_back()
+            if not isinstance(e, OSError):
+                raise
             if e.errno == errno.ENOENT:
                 raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: its file {entry.path} is missing") from e
             raise self._os_error(e, f"opening {entry.path}", entry.key) from e
