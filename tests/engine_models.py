@@ -405,7 +405,8 @@ def lm_loss(out, y):
 
 
 def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1, device="cpu", optimizer="torch"):
-    """Plain PyTorch on ``device`` (``AUTO_DEVICE`` for an engine on the default device): clip_grad_norm_,
+    """Plain PyTorch on ``device`` (``AUTO_DEVICE`` for an engine on the default device), but for a parameter the
+    loss did not reach, which gets a zero gradient as under DeepSpeed: clip_grad_norm_,
     the loss averaged over `gas` micro-batches, then torch's fused AdamW (``optimizer="torch"``) or, for an
     engine whose update overlaps the next forward (``"hybrid"``), the AdamW arithmetic that update runs:
     HybridAdamW on fp32 host copies of the weights (so a weight whose gradient is rounding noise, which Adam
@@ -424,6 +425,9 @@ def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1, de
     for i, (x, y) in enumerate(data):
         (lm_loss(ref(x.to(device)), y) / gas).backward()
         if (i + 1) % gas == 0:
+            for p in params:   # a parameter the loss did not reach: a zero gradient, as DeepSpeed and the engine
+                if p.requires_grad and p.grad is None:   # give it (its weight decay and momentum still apply)
+                    p.grad = torch.zeros_like(p)
             if clip:
                 torch.nn.utils.clip_grad_norm_(params, clip)
             if masters is not params:

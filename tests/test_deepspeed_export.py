@@ -445,15 +445,18 @@ def test_a_client_state_key_deepspeed_uses_itself_is_refused(tmp_path):
 
 
 def test_parameters_stepped_fewer_times_than_their_group_are_named(tmp_path):
-    """DeepSpeed keeps one step count per flat group: a parameter that got no gradient in a step cannot be
-    told apart there. The save says which, and LazyTrain's own load keeps each count."""
+    """DeepSpeed keeps one step count per flat group: a parameter the optimizer skipped in a step (frozen for
+    it: a parameter the loss merely did not reach gets a zero gradient, and is stepped) cannot be told apart
+    there. The save says which, and LazyTrain's own load keeps each count."""
     engine = lazytrain_engine(resume_config("stage2_fp32_overlapped") | {"lazytrain": {"device": "cpu"}})
     data = runs.batches(2)
     train(engine, data[:1])
     x, y = data[1]
     engine.backward(runs.loss_of(engine(x), y))
-    engine.module.norm.weight.grad = None             # it gets no update this step
+    engine.module.norm.weight.grad = None             # frozen for this step: it gets no update
+    engine.module.norm.weight.requires_grad_(False)
     engine.step()
+    engine.module.norm.weight.requires_grad_(True)
     with pytest.warns(UserWarning, match=r"stepped fewer times than others of their group: norm\.weight;"):
         engine.save_checkpoint(str(tmp_path), tag="t")
     opt = safe_load.load(str(tmp_path / "t" / ds_layout.optim_file(bf16=False)))["optimizer_state_dict"]

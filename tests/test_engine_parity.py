@@ -2025,9 +2025,11 @@ def test_load_checkpoint_calls_custom_load_fn_and_trains_on_what_it_wrote(tmp_pa
 
 
 @pytest.mark.parametrize("precision", [None, "bf16", "fp16"])
-def test_a_non_block_parameter_without_a_gradient_this_step_is_not_updated(precision):
-    """The side layer gets a gradient in step 1 only; in later steps AdamW must leave it alone (no
-    weight decay, no momentum), as plain PyTorch does: its fp32 master's gradient is gone, not zero."""
+def test_a_non_block_parameter_without_a_gradient_this_step_gets_a_zero_one_as_under_deepspeed(precision):
+    """The side layer gets a gradient in step 1 only. In later steps it gets a zero gradient, as DeepSpeed's
+    flat buffers and its stage-0 all-reduce give it, so AdamW's momentum and weight decay still move it, as
+    they move a block parameter the loss did not reach. Plain PyTorch's optimizer skips it, and so did this
+    engine's: its trajectory parted from DeepSpeed's (measured against DeepSpeed 0.19.8 on the CPU)."""
     top = {"bf16": {"enabled": True}} if precision == "bf16" else \
         {"fp16": {"enabled": True, "initial_scale_power": 4}} if precision == "fp16" else {}
     engine, _, _, _ = lazytrain.initialize(model=make_model("branch"), config=ds_config(_top=top))
@@ -2040,7 +2042,9 @@ def test_a_non_block_parameter_without_a_gradient_this_step_is_not_updated(preci
         engine.step()
         engine.wait_for_update()
         seen.append(engine.module_state_dict()["side.weight"].clone())
-    assert torch.equal(seen[0], seen[1]) and torch.equal(seen[1], seen[2])
+    assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
+    if precision is None:
+        assert max_rel_diff(engine.module, reference_train(make_model("branch"), data)) < RTOL
 
 
 def test_set_gradient_accumulation_boundary_controls_the_step():

@@ -1039,6 +1039,7 @@ class LazyTrainEngine(nn.Module):
             raise StepFailedError(self._failed_before_update(cause)) from local_failure
         try:
             self.dist.fill_missing_grads([t for t in self._non_block_grad_holders() if not self._partitioned(t)])
+            self._zero_grads_of_unreached_params()
             grads = self._all_grads()
             # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
             # so that the gradients are rescaled in one pass (or inside the fused optimizer update)
@@ -1474,6 +1475,22 @@ class LazyTrainEngine(nn.Module):
 
     def _layers_with_grads(self) -> list[int]:
         return [i for i in range(self.weights.num_layers) if any(self.weights.trainable[i])]
+
+    def _zero_grads_of_unreached_params(self) -> None:
+        """A trainable model parameter outside the blocks that no rank's backward reached since the last step
+        (a head or branch the loss did not use) gets a zero gradient, as DeepSpeed gives it (its flat gradient
+        buffers, and at stage 0 its all-reduce, hold zeros for every parameter): the optimizer then applies its
+        weight decay and momentum and counts the step, as it does for a block parameter the loss did not reach.
+        Left without one, torch's optimizer skipped it, and its trajectory parted from DeepSpeed's. The same on
+        every rank (fill_missing_grads gave one to those some rank reached). Tensors the script added to the
+        optimizer beside the model's keep plain PyTorch's rule, as at DeepSpeed's stage 0."""
+        holders = self.non_block_params if self.masters is None else self.masters.master_params()
+        for t in holders:
+            if not t.requires_grad or t.grad is not None:
+                continue
+            if self._partitioned(t) and self.partitioned.owner(t) != self.partitioned.rank:
+                continue   # stage 3: its gradient is its owner's alone (partitioned_params.py)
+            t.grad = torch.zeros_like(t)
 
     def _non_block_grad_holders(self) -> list[torch.Tensor]:
         """The trainable tensors outside the blocks whose ``.grad`` the optimizer reads (fp32 masters in

@@ -140,8 +140,8 @@ class Masters:
                     p.copy_(m)
 
     def zero_grad(self) -> None:
-        """No gradient at all, not a zero one: a parameter that gets none in the next step is skipped by
-        the optimizer (no weight decay, no momentum), as in fp32 training and plain PyTorch. A master whose
+        """No gradient at all, not a zero one (the engine gives a parameter the next step's loss does not reach
+        a zero one at the step, as DeepSpeed does: _zero_grads_of_unreached_params). A master whose
         gradients land through the sink gives the dropped gradient's memory to its next first landing (as
         the layers' flat buffers are reused): a master's ``.grad`` held across a step changes with it."""
         if self.sink is not None:   # a copy still in flight must not land after the zeroing
