@@ -1539,9 +1539,10 @@ class LazyTrainEngine(nn.Module):
 
     def get_global_grad_norm(self) -> float | torch.Tensor | None:
         """The last step's gradient norm (before clipping): a float, or, as DeepSpeed's ZeRO optimizers give it
-        at stages 1 and above, a 0-dim tensor (scripts call ``.item()`` on it)."""
+        at stages 1 and above, a 0-dim tensor (scripts call ``.item()`` on it); after an fp16 overflow the
+        float ``inf`` at every stage, as theirs give it."""
         norm = self._global_grad_norm
-        if norm is None or self._config.zero_stage < 1:
+        if norm is None or self._config.zero_stage < 1 or math.isinf(norm):
             return norm
         return torch.tensor(norm, dtype=torch.float32)
 
