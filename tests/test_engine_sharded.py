@@ -1796,7 +1796,16 @@ class TransposedHeadLM(ModuleListLM):
         self.head.weight = torch.nn.Parameter(torch.randn(32, VOCAB).t())
 
 
-MODELS = {"hand-tied": HandTiedLM, "transposed-head": TransposedHeadLM, "head-added-later": ModuleListLM}
+class UnreachedLM(ModuleListLM):
+    """A layer outside the blocks that no forward reaches: a zero gradient at each step, on its owner at stage 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.unreached = torch.nn.Linear(32, 32)
+
+
+MODELS = {"hand-tied": HandTiedLM, "transposed-head": TransposedHeadLM, "head-added-later": ModuleListLM,
+          "unreached": UnreachedLM}
 
 
 def _train_model_kind(rank, world, out_dir, stage, kind):
@@ -1878,6 +1887,11 @@ def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
         for r2, r3 in zip(at_2, at_3):
             for k, v in r2["weights"].items():
                 assert torch.allclose(r3["weights"][k], v, rtol=1e-5, atol=1e-6), (name, k)
+    # a layer no rank's loss reaches gets a zero gradient, as under DeepSpeed: AdamW's weight decay alone moves it
+    torch.manual_seed(0)
+    initial = UnreachedLM().unreached.weight.detach()
+    for r in spawned("unreached-stage2") + spawned("unreached-stage3"):
+        assert torch.allclose(r["weights"]["unreached.weight"], initial * (1 - 1e-3 * 0.1) ** 2, rtol=1e-6, atol=0)
     hf = spawned("hf-stage3")
     for r2, r3 in zip(spawned("hf-stage2"), hf):
         assert r3["losses"] == pytest.approx(r2["losses"], rel=1e-6)
