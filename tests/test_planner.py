@@ -88,6 +88,10 @@ MOE_FAMILIES = {   # (config class, model class, expert keys) of families whose 
                        shared_expert_intermediate_size=48, decoder_sparse_step=2, mlp_only_layers=[3])),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=2)),
+    # its own list of MoE layers wins over the step (a pruned or edited config): the planner read the step alone
+    "llama4-listed": ("Llama4TextConfig", "Llama4ForCausalLM",
+                      dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                           interleave_moe_layer_step=1, moe_layers=[0, 3])),
 }
 
 
@@ -316,6 +320,31 @@ def test_a_config_without_kv_heads_or_head_dim_takes_what_transformers_loads(mod
     said = ModelShape.from_hf_config({**SPARSE, "model_type": model_type, "num_key_value_heads": 4,
                                       "head_dim": 16}).layers[0]
     assert (said.q_dim, said.kv_dim) == (32 * 16, 4 * 16)
+
+
+@pytest.mark.parametrize("model_type, key, written, derived", [
+    ("qwen2", "num_key_value_heads", None, 16),   # null: the attention heads, not Qwen2's default 32
+    ("gemma", "head_dim", None, 256 // 16),       # null: hidden over heads, not Gemma's default 256
+])
+def test_a_key_written_as_null_is_derived_as_transformers_derives_it(model_type, key, written, derived):
+    """A left-out key takes its config class's default; one written as null is what the classes make of None
+    (transformers' Qwen2Config: the attention heads). The planner took the class default for both."""
+    heads = derived if key == "num_key_value_heads" else 16
+    m = ModelShape.from_hf_config({**SPARSE, "model_type": model_type, "num_attention_heads": heads, key: written})
+    layer = m.layers[0]
+    head_dim = 256 // heads
+    assert (layer.q_dim, layer.kv_dim) == ((heads * head_dim, derived * head_dim) if key == "num_key_value_heads"
+                                           else (heads * derived, layer.kv_dim))
+
+
+def test_a_multimodal_configs_precision_is_read_where_save_pretrained_writes_it():
+    """transformers writes dtype on the outer config of a multimodal model alone: read from the text config
+    only, a float32 model was planned at 2 bytes per element."""
+    text = {**SPARSE, "model_type": "llama", "num_key_value_heads": 8}
+    assert ModelShape.from_hf_config({"model_type": "llava", "dtype": "float32", "text_config": text}).dtype_bytes == 4
+    assert ModelShape.from_hf_config({"model_type": "llava", "text_config": {**text, "dtype": "float16"},
+                                      "dtype": "float32"}).dtype_bytes == 2   # the text config's own wins
+    assert ModelShape.from_hf_config({"model_type": "llava", "text_config": text}).dtype_bytes == 2   # bf16
 
 
 def test_the_planners_shape_defaults_are_transformers():

@@ -312,6 +312,13 @@ class MoeShape:
                 raise ModelShapeError(f"model config 'mlp_only_layers' must list layer indices, got {dense!r}")
             dense = set(dense)
             sparse = [i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
+        elif cfg.get("moe_layers") is not None:                                      # Llama 4's own list wins
+            listed = cfg["moe_layers"]
+            if not isinstance(listed, list) or any(isinstance(i, bool) or not isinstance(i, int)
+                                                   or not 0 <= i < n_layers for i in listed):
+                raise ModelShapeError(f"model config 'moe_layers' must list layer indices below {n_layers}, "
+                                      f"got {listed!r}")
+            sparse = [i in set(listed) for i in range(n_layers)]
         elif cfg.get("interleave_moe_layer_step") is not None:                       # Llama 4
             step = _whole(cfg["interleave_moe_layer_step"], "interleave_moe_layer_step")
             sparse = [(i + 1) % step == 0 for i in range(n_layers)]
@@ -415,8 +422,10 @@ class ModelShape:
             if key in cfg and cfg[key] is not None:
                 return cfg[key]
             # left out: what transformers loads, its config class's default (save_pretrained writes only what
-            # differs from them: a Gemma config with head_dim 256 may not say so)
-            class_default = _class_defaults(cfg, outer).get(key) if key in DEFAULTED_SHAPE_KEYS else None
+            # differs from them: a Gemma config with head_dim 256 may not say so). Written as null: what the
+            # classes derive from None, ``default`` here (Qwen2's null key/value heads are its attention heads)
+            class_default = _class_defaults(cfg, outer).get(key) if key in DEFAULTED_SHAPE_KEYS and key not in cfg \
+                else None
             if class_default is not None:
                 return class_default
             if default is None:
@@ -490,8 +499,10 @@ class ModelShape:
             layers = tuple(by_kind[kind][0] for kind in kinds)
         # the precision the layers compute and stream in: transformers >= 4.56 writes "dtype", older
         # versions "torch_dtype"; the engine sets both to its compute dtype
-        dtype_key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
-        dtype = cfg.get(dtype_key) or "bfloat16"
+        # (a multimodal config's text config, else the outer one: save_pretrained writes it on the outer alone)
+        said = next((c for c in (cfg, outer) if c.get("dtype") is not None or c.get("torch_dtype") is not None), cfg)
+        dtype_key = "dtype" if said.get("dtype") is not None else "torch_dtype"
+        dtype = said.get(dtype_key) or "bfloat16"
         dtype_bytes = DTYPE_BYTES.get(str(dtype).removeprefix("torch.")) if isinstance(dtype, str) else None
         if dtype_bytes is None:
             raise ModelShapeError(f"model config {dtype_key!r} must be one of {', '.join(DTYPE_BYTES)} (the "
