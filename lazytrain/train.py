@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -124,6 +125,13 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
     if (h // heads) % 2:   # rotary embeddings turn pairs of a head's dimensions
         raise JobError(f"'job.model': hidden_size / num_attention_heads ({h} / {heads} = {h // heads}) must be even "
                        f"(rotary position embeddings rotate pairs of each head's dimensions)")
+    for key in ("rope_theta", "rms_norm_eps"):   # a negative epsilon trained to NaN and saved it, exit status 0
+        value = model.get(key, getattr(DecoderConfig, key))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise JobError(f"'job.model.{key}' must be a finite number > 0, got {value!r}")
+    tied = model.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise JobError(f"'job.model.tie_word_embeddings' must be true or false, got {tied!r}")
     # unset, one key/value head per attention head, as transformers' LlamaConfig reads it
     model = {**model, "num_key_value_heads": kv}
     return steps, task, model

@@ -60,6 +60,11 @@ def set_in(section, **kw):
     (set_in(("lazytrain",), gpu_memory="0"), "config key 'lazytrain.gpu_memory' must be above 0"),
     (set_in(("job",), out_dir=5), "'job.out_dir' must be a directory path, got 5"),
     (set_in(("job", "task"), seed=[1]), "'job.task.seed' must be a non-negative integer, got [1]"),
+    # a negative epsilon trained to NaN, saved it and exited 0
+    (set_in(("job", "model"), rms_norm_eps=-1.0), "'job.model.rms_norm_eps' must be a finite number > 0, got -1.0"),
+    (set_in(("job", "model"), rope_theta="1e4"), "'job.model.rope_theta' must be a finite number > 0, got '1e4'"),
+    (set_in(("job", "model"), tie_word_embeddings="no"),
+     "'job.model.tie_word_embeddings' must be true or false, got 'no'"),
     (set_in(("lazytrain",), weights_home="nvme", nvme_path="/nonexistent/lazytrain-nvme"),
      "tier 'nvme': nvme_path /nonexistent/lazytrain-nvme does not exist; create it or point nvme_path at an existing "
      "directory on a fast disk"),
