@@ -19,6 +19,17 @@ SUBCOMMANDS = [
 ]
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1], else the usual one-line usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:   # nan compares false with everything
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text!r}")
+    return value
+
+
 def positive(kind=int):
     """An argparse type: a number of ``kind`` above zero, else the usual one-line usage error."""
     def read(text: str):

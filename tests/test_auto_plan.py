@@ -5,6 +5,7 @@ start-up and in `lazytrain plan --profile`."""
 import json
 import os
 import platform
+import re
 import statistics
 import warnings
 
@@ -229,7 +230,10 @@ def test_a_saved_profile_plans_at_start_up_as_lazytrain_plan_does(measured, tmp_
     offline = plan_from_profile(MachineProfile.from_json(path), {"loss_chunk_tokens": 24}, time_limit_s=5)
     assert (started.homes, started.last_segment_graph) == (offline.homes, offline.last_segment_graph)
     out = tmp_path / "plan.json"
-    assert main(["plan", "--profile", path, "--time-limit", "5", "--json", str(out)]) == 0
+    assert main(["plan", "--profile", path, "--time-limit", "5", "--json", str(out)]) == 2   # no memory sizes
+    assert ("--profile holds the measured times, not the machine's memory sizes: give --gpu-mem and --host-mem"
+            in capsys.readouterr().err)
+    assert main(["plan", "--profile", path, "--gpu-mem", "64GiB", "--host-mem", "64GiB", "--time-limit", "5", "--json", str(out)]) == 0
     assert "lazytrain (milp)" in capsys.readouterr().out
     assert Plan.from_json(str(out)).homes == offline.homes
     measured_at = MachineProfile.from_json(path)
@@ -239,13 +243,25 @@ def test_a_saved_profile_plans_at_start_up_as_lazytrain_plan_does(measured, tmp_
     assert main(["plan", "--profile", path, "--micro-batch", "abc"]) == 2
     assert "--micro-batch must be a whole number or 'auto', got 'abc'" in capsys.readouterr().err
     # --base without --hardware: the catalog entry supplies what was not measured (it was ignored)
-    assert main(["plan", "--profile", path, "--time-limit", "5"]) == 0
+    assert main(["plan", "--profile", path, "--gpu-mem", "64GiB", "--host-mem", "64GiB", "--time-limit", "5"]) == 0
     assert " on measured on " in capsys.readouterr().out
     assert main(["plan", "--profile", path, "--base", "h200", "--time-limit", "5"]) == 0
     assert " on h200: micro-batch " in capsys.readouterr().out
     assert main(["plan", "--profile", path, "--base", "no-such-card"]) == 2
     assert "unknown hardware 'no-such-card'" in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("key", ["saved_bytes", "selective_fwd_s"])
+def test_a_profile_whose_per_layer_costs_are_no_list_is_refused_naming_the_file(measured, tmp_path, key):
+    """A number where a list of one per layer belongs gave "object of type 'int' has no len()"."""
+    _, _, path = measured
+    d = json.loads(open(path).read())
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps({**d, "costs": {**d["costs"], key: 5}}))
+    with pytest.raises(MeasurementError, match=re.escape(f"machine profile {damaged}: measured costs: {key} must "
+                                                         f"hold ") + ".* for each of the .* layers, got 5$"):
+        MachineProfile.from_json(str(damaged))
 
 
 def test_a_profile_plans_for_a_card_larger_than_the_profiles_default_memory(measured):
@@ -281,7 +297,7 @@ def test_a_profile_records_its_runs_accumulation_and_lazytrain_plan_keeps_it(mea
     profile = MachineProfile.from_json(str(accumulated))
     assert profile.grad_accum == 3 and MachineProfile.from_dict(profile.to_dict()).grad_accum == 3
     out = tmp_path / "plan.json"
-    assert main(["plan", "--profile", str(accumulated), "--time-limit", "5", "--json", str(out)]) == 0
+    assert main(["plan", "--profile", str(accumulated), "--gpu-mem", "64GiB", "--host-mem", "64GiB", "--time-limit", "5", "--json", str(out)]) == 0
     capsys.readouterr()
     offline = plan_from_profile(profile, {"loss_chunk_tokens": 24}, time_limit_s=5, global_batch=3 * profile.micro_batch)
     assert Plan.from_json(str(out)).prediction["step_time_s"] == pytest.approx(offline.prediction["step_time_s"])
@@ -670,8 +686,8 @@ def test_a_lora_runs_profile_records_its_trainable_share_and_lazytrain_plan_budg
     monkeypatch.setattr(search, "profile_problem", lambda profile, budgets, *a: seen.append(
         (budgets.trainable_share, budgets.non_block_trainable_share)) or real(profile, budgets, *a)
         if budgets.hybrid_8bit_fraction == 0.0 else pytest.fail("the profile's 8-bit share was not budgeted"))
-    assert main(["plan", "--profile", path, "--time-limit", "5"]) == 0
-    assert main(["plan", "--profile", path, "--time-limit", "5", "--trainable-share", "1",
+    assert main(["plan", "--profile", path, "--gpu-mem", "64GiB", "--host-mem", "64GiB", "--time-limit", "5"]) == 0
+    assert main(["plan", "--profile", path, "--gpu-mem", "64GiB", "--host-mem", "64GiB", "--time-limit", "5", "--trainable-share", "1",
                  "--non-block-trainable-share", "0.5"]) == 0
     assert seen == [(pytest.approx(share), 0.0), (1.0, 0.5)]
     with open(path) as f:

@@ -1114,8 +1114,9 @@ def test_cli_plans_a_lora_run_that_full_fine_tuning_could_not_fit(capsys, tmp_pa
     assert main(args + ["--trainable-share", "0.01", "--json", str(tmp_path / "lora.json")]) == 0
     assert Plan.from_json(str(tmp_path / "lora.json")).num_layers == 28
     capsys.readouterr()
-    assert main(args + ["--trainable-share", "1.5"]) == 2
-    assert "Budgets field 'trainable_share' must be a fraction in [0, 1], got 1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # named by its flag (it was "Budgets field 'trainable_share'")
+        main(args + ["--trainable-share", "1.5"])
+    assert "argument --trainable-share: must be a fraction in [0, 1], got '1.5'" in capsys.readouterr().err
 
 
 def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, capsys):
@@ -1124,12 +1125,31 @@ def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, caps
     assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
                  "--json", str(missing)]) == 2
     assert capsys.readouterr().err == f"lazytrain plan: --json {missing}: directory {missing.parent} does not exist\n"
+    assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
+                 "--json", str(tmp_path)]) == 2   # a directory: refused before solving too, not after
+    assert capsys.readouterr().err == f"lazytrain plan: --json {tmp_path} is a directory; give a file name\n"
     assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "abc"]) == 2
     assert "--micro-batch must be a whole number or 'auto', got 'abc'" in capsys.readouterr().err
     for flag, kind in (("--time-limit", "number"), ("--seq", "integer"), ("--max-segment", "integer")):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", flag, "-1"])
         assert f"argument {flag}: must be a positive {kind}, got '-1'" in capsys.readouterr().err
+
+def test_a_written_json_file_holds_the_old_text_or_the_new_one_whole(tmp_path):
+    """Plans, profiles and measured hardware were written in place: a write that failed half-way (a full
+    disk) left a truncated file where the last good one was."""
+    from lazytrain.planner.models import write_text_atomic
+    path = tmp_path / "plan.json"
+    write_text_atomic(str(path), "old\n")
+
+    class Unwritable:
+        pass
+    with pytest.raises(TypeError):
+        write_text_atomic(str(path), Unwritable())   # fails inside the write
+    assert path.read_text() == "old\n" and sorted(os.listdir(tmp_path)) == ["plan.json"]
+    write_text_atomic(str(path), "new\n")
+    assert path.read_text() == "new\n" and sorted(os.listdir(tmp_path)) == ["plan.json"]
+
 
 def test_cli_refuses_a_plot_file_of_no_known_format_before_solving(tmp_path, capsys):
     """matplotlib refused the extension only once the plan was solved, with a ValueError traceback."""

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 
-from ..cli import positive
+from ..cli import fraction, positive
 
 
 def register(subparsers) -> None:
@@ -47,11 +47,11 @@ def register(subparsers) -> None:
                    help="never offload a layer's internals to the host (for an executor that does not run them)")
     p.add_argument("--no-lean-norms", action="store_true",
                    help="count the RMSNorms' internals as transformers saves them (for 'lazytrain.lean_norms': false)")
-    p.add_argument("--trainable-share", type=float, default=None,
+    p.add_argument("--trainable-share", type=fraction, default=None,
                    help="share of the layers' parameters that train (a LoRA run's adapters, e.g. 0.01): the frozen "
                         "rest is budgeted as its streamed bf16/fp16 copy alone (default 1, full fine-tuning; with "
                         "--profile, the share of the run measured)")
-    p.add_argument("--non-block-trainable-share", type=float, default=None,
+    p.add_argument("--non-block-trainable-share", type=fraction, default=None,
                    help="share of the parameters outside the layers (embedding, final norm, head) that train: 0 for "
                         "a LoRA run whose embedding and head are frozen, budgeted as their device copy alone (default "
                         "1; with --profile, the share of the run measured)")
@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             print(f"lazytrain plan: {flag} {path}: directory {folder} does not exist", file=sys.stderr)
+            return 2
+        if path and os.path.isdir(path):
+            print(f"lazytrain plan: {flag} {path} is a directory; give a file name", file=sys.stderr)
             return 2
     why = unsupported_format(args.plot) if args.plot else None
     if why:
@@ -176,6 +179,10 @@ def _profile_problem(args: argparse.Namespace, budgets):
     elif args.base is not None:   # the catalog entry supplies what the profile did not measure
         from .hardware import catalog_profile
         hardware = catalog_profile(args.base)
+    elif args.gpu_mem is None or args.host_mem is None:   # else planned for a 64 GiB card and host, whatever ran
+        missing = " and ".join(f for f, v in (("--gpu-mem", args.gpu_mem), ("--host-mem", args.host_mem)) if v is None)
+        raise ValueError(f"--profile holds the measured times, not the machine's memory sizes: give {missing} "
+                         f"(the sizes to plan for, e.g. 24GB for the card measured), or --hardware / --base")
     # the run measured fixed its global batch: planned with its accumulation unless --global-batch says otherwise
     global_batch = args.global_batch if args.global_batch is not None else profile.micro_batch * profile.grad_accum
     for k in ("trainable_share", "non_block_trainable_share"):

@@ -81,15 +81,16 @@ class MeasuredCosts:
             values = getattr(self, name)
             if values is None:
                 continue
-            if len(values) != L or not all(_is_time(v) for v in values):
+            if not isinstance(values, (list, tuple)) or len(values) != L or not all(_is_time(v) for v in values):
                 raise MeasurementError(f"measured costs: {name} must hold a finite time >= 0 s for each of the "
-                                       f"{L} layers, got {list(values)!r}")
+                                       f"{L} layers, got {values!r}")
             object.__setattr__(self, name, tuple(float(v) for v in values))
         if self.saved_bytes is not None:
             values = self.saved_bytes
-            if len(values) != L or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            if not isinstance(values, (list, tuple)) or len(values) != L or not all(
+                    isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
                 raise MeasurementError(f"measured costs: saved_bytes must hold a whole number of bytes >= 0 for each "
-                                       f"of the {L} layers, got {list(values)!r}")
+                                       f"of the {L} layers, got {values!r}")
             object.__setattr__(self, "saved_bytes", tuple(values))
         if self.grads_beside_bytes is not None:
             values = self.grads_beside_bytes
@@ -374,11 +375,9 @@ class MachineProfile:
 
     def to_json(self, path: str) -> None:
         import json
-        import os
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
+
+        from .models import write_text_atomic
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "profile") -> "MachineProfile":
@@ -420,7 +419,11 @@ class MachineProfile:
             if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
                 raise MeasurementError(f"{where}: {k} must be a fraction in [0, 1], got {share!r}")
             shares[k] = float(share)
-        return cls(costs=MeasuredCosts.from_dict(d["costs"]), links_gbps={k: float(v) for k, v in links.items()},
+        try:
+            costs = MeasuredCosts.from_dict(d["costs"])
+        except MeasurementError as e:   # named with the file it came from
+            raise MeasurementError(f"{where}: {e}") from None
+        return cls(costs=costs, links_gbps={k: float(v) for k, v in links.items()},
                    model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
                    device=device, grad_accum=d["grad_accum"], device_name=name, **shares)
 

@@ -269,8 +269,8 @@ class Plan:
     def to_json(self, path: str | None = None, indent: int = 2) -> str:
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            with open(path, "w") as f:
-                f.write(text + "\n")
+            from .models import write_text_atomic
+            write_text_atomic(path, text + "\n")
         return text
 
     @classmethod

@@ -97,9 +97,14 @@ def run(args) -> int:
     if args.json == "-":
         print(text)
     else:
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        from ..planner.models import write_text_atomic
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            write_text_atomic(args.json, text + "\n")
+        except OSError as e:   # after minutes of measuring: the profile goes to stdout rather than nowhere
+            print(text)
+            print(f"lazytrain bench tiers: cannot write --json {args.json}: {e.strerror or e}; the profile is "
+                  f"printed above", file=sys.stderr)
+            return 2
         print(f"hardware profile written to {args.json}")
     return 0
