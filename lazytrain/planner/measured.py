@@ -23,6 +23,11 @@ _UPDATE_SPAN = re.compile(r"^update L(\d+)$")
 STEP_SPANS = ("gradient norm", "embedding/head")   # the engine's serial host phase in step()
 
 
+def _as_listed(values: Any) -> Any:
+    """A sequence as the list a profile's JSON holds (a tuple as [1, 2]), anything else as it is."""
+    return list(values) if isinstance(values, (list, tuple)) else values
+
+
 class MeasurementError(ValueError):
     """Measured costs that cannot be used; the message says what is missing or wrong."""
 
@@ -83,14 +88,14 @@ class MeasuredCosts:
                 continue
             if not isinstance(values, (list, tuple)) or len(values) != L or not all(_is_time(v) for v in values):
                 raise MeasurementError(f"measured costs: {name} must hold a finite time >= 0 s for each of the "
-                                       f"{L} layers, got {values!r}")
+                                       f"{L} layers, got {_as_listed(values)!r}")
             object.__setattr__(self, name, tuple(float(v) for v in values))
         if self.saved_bytes is not None:
             values = self.saved_bytes
             if not isinstance(values, (list, tuple)) or len(values) != L or not all(
                     isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
                 raise MeasurementError(f"measured costs: saved_bytes must hold a whole number of bytes >= 0 for each "
-                                       f"of the {L} layers, got {values!r}")
+                                       f"of the {L} layers, got {_as_listed(values)!r}")
             object.__setattr__(self, "saved_bytes", tuple(values))
         if self.grads_beside_bytes is not None:
             values = self.grads_beside_bytes
