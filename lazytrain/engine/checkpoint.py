@@ -116,9 +116,9 @@ def begin(save_dir: str, tag: str, need: int) -> str:
 def _begin(save_dir: str, tag: str, need: int) -> str:
     settle_leftovers(save_dir)
     final = os.path.join(save_dir, tag)
-    if os.path.lexists(final) and not (os.path.isdir(final) and not os.path.islink(final) and
-                                       _a_saves_directory(final)):
-        raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {final} exists and {_foreign(final)}: "
+    foreign = _foreign(final) if os.path.lexists(final) else None
+    if foreign:
+        raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {final} exists and {foreign}: "
                               f"a save replaces its tag's directory whole, so nothing was saved. Choose another tag "
                               f"or save directory, or move what is not a checkpoint's away")
     free = shutil.disk_usage(save_dir).free
@@ -130,9 +130,9 @@ def _begin(save_dir: str, tag: str, need: int) -> str:
                               f"there now ({staging} is its save in progress); nothing was saved. Save each job's "
                               f"checkpoints under its own tags or save directory")
     for aside in (staging, _aside(save_dir, tag, _PREVIOUS)):   # a save removes both: never a user's own
-        if os.path.lexists(aside) and not (os.path.isdir(aside) and not os.path.islink(aside) and
-                                           _a_saves_directory(aside)):
-            raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {aside} exists and {_foreign(aside)}, "
+        foreign = _foreign(aside) if os.path.lexists(aside) else None
+        if foreign:
+            raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {aside} exists and {foreign}, "
                                   f"unlike what a save sets aside; a save would remove it, so nothing was saved. "
                                   f"Choose another tag or save directory, or move it away")
     shutil.rmtree(staging, ignore_errors=True)
@@ -476,13 +476,16 @@ def _a_saves_directory(path: str) -> bool:
     return _not_a_saves(path) == []
 
 
-def _foreign(path: str) -> str:
-    """Why ``path`` is not a save's to replace, for an error message."""
+def _foreign(path: str) -> str | None:
+    """None where a save may replace ``path`` (a directory, not a link, that :func:`_a_saves_directory`);
+    else why not, for an error message."""
     if os.path.islink(path) or not os.path.isdir(path):
         return "is not a directory"
     names = _not_a_saves(path)
     if names is None:
         return "cannot be listed"
+    if not names:
+        return None
     return f"holds what a save does not write ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
 
 

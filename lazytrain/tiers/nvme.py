@@ -382,6 +382,13 @@ class NVMeTier(Tier):
         safe = re.sub(r"[^A-Za-z0-9._-]+", "_", key)[:80]
         return os.path.join(self.run_dir, f"{seq:08d}-{safe}.bin")
 
+    def _close_file(self, fd: int) -> None:
+        """Close a transfer's file and give its place among the open files back (even if the close fails)."""
+        try:
+            self.backend.close(fd)
+        finally:
+            self._files_open.give_back()
+
     def _requests(self, file_bytes: int) -> list[tuple[int, int]]:
         step = self.settings.request_bytes
         return [(off, min(step, file_bytes - off)) for off in range(0, file_bytes, step)]
@@ -397,7 +404,7 @@ class NVMeTier(Tier):
         path = self._new_path(key)
         entry = _Entry(key, path, nbytes, tensor.shape, tensor.dtype, file_bytes, False,
                        [0] * -(-nbytes // self.settings.block_size))
-        self._files_open.take()   # given back with the file, by close_file
+        self._files_open.take()   # given back with the file, by _close_file
         try:
             if self._closed:   # closed while this waited
                 raise TierError(f"tier {self.name!r} is closed")
@@ -408,16 +415,10 @@ class NVMeTier(Tier):
                 raise self._os_error(e, f"creating {path}", key) from e
             raise
 
-        def close_file():
-            try:
-                self.backend.close(fd)
-            finally:
-                self._files_open.give_back()
-
         try:
             self.backend.allocate(fd, file_bytes)
         except OSError as e:
-            close_file()
+            self._close_file(fd)
             _unlink(path)
             raise self._os_error(e, f"reserving {format_bytes(file_bytes)} for {path}", key) from e
 
@@ -426,7 +427,7 @@ class NVMeTier(Tier):
         try:
             landing = _in_place(tensor, nbytes, file_bytes) if owned else None
         except BaseException:
-            close_file()
+            self._close_file(fd)
             _unlink(path)
             raise
         event = slab = None
@@ -450,7 +451,7 @@ class NVMeTier(Tier):
                 self._staging.release(staged_bytes)
                 if slab is not None:
                     self.pool.release(slab, exclusive=True)
-                close_file()
+                self._close_file(fd)
                 _unlink(path)
                 raise
             landing = _Landing(_as_bytes(slab[:file_bytes]), file_bytes)
@@ -458,7 +459,7 @@ class NVMeTier(Tier):
 
         def finish(error):
             try:
-                close_file()
+                self._close_file(fd)
             except OSError as e:
                 error = error or e
             if slab is not None:
@@ -627,19 +628,13 @@ class NVMeTier(Tier):
                 raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: its file {entry.path} is missing") from e
             raise self._os_error(e, f"opening {entry.path}", entry.key) from e
 
-        def close_file():
-            try:
-                self.backend.close(fd)
-            finally:
-                self._files_open.give_back()
-
         try:
             size = os.fstat(fd).st_size
         except OSError as e:
-            close_file()
+            self._close_file(fd)
             raise self._os_error(e, f"inspecting {entry.path}", entry.key) from e
         if size < entry.file_bytes:
-            close_file()
+            self._close_file(fd)
             raise NVMeDataError(f"tier {self.name!r}: key {entry.key!r}: file {entry.path} is truncated: "
                                 f"{size} bytes on disk, {entry.file_bytes} written")
 
@@ -663,14 +658,14 @@ class NVMeTier(Tier):
                     scatter = (_byte_view(out), slab)
                     value = out
         except BaseException:   # no memory to land in: the file goes back closed
-            close_file()
+            self._close_file(fd)
             if slab is not None:
                 self.pool.release(slab, exclusive=True)
             raise
 
         def finish(error):
             try:
-                close_file()
+                self._close_file(fd)
             except OSError:
                 pass
             try:
