@@ -1038,8 +1038,9 @@ class LazyTrainEngine(nn.Module):
                 RuntimeError("another rank's gradients did not all reach its host; its own error says why")
             raise StepFailedError(self._failed_before_update(cause)) from local_failure
         try:
-            self.dist.fill_missing_grads([t for t in self._non_block_grad_holders() if not self._partitioned(t)])
             self._zero_grads_of_unreached_params()
+            # tensors the script added: a zero gradient only where another rank has one (the same reduces)
+            self.dist.fill_missing_grads(self._extra_params())
             grads = self._all_grads()
             # fp16: the norm of the scaled grads, unscaled; the unscale is folded into the clip factor below
             # so that the gradients are rescaled in one pass (or inside the fused optimizer update)
@@ -1482,8 +1483,8 @@ class LazyTrainEngine(nn.Module):
         buffers, and at stage 0 its all-reduce, hold zeros for every parameter): the optimizer then applies its
         weight decay and momentum and counts the step, as it does for a block parameter the loss did not reach.
         Left without one, torch's optimizer skipped it, and its trajectory parted from DeepSpeed's. The same on
-        every rank (fill_missing_grads gave one to those some rank reached). Tensors the script added to the
-        optimizer beside the model's keep plain PyTorch's rule, as at DeepSpeed's stage 0."""
+        every rank, so no collective decides it. Tensors the script added to the optimizer beside the model's keep
+        plain PyTorch's rule, as at DeepSpeed's stage 0 (fill_missing_grads)."""
         holders = self.non_block_params if self.masters is None else self.masters.master_params()
         for t in holders:
             if not t.requires_grad or t.grad is not None:

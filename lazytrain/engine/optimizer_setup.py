@@ -66,8 +66,8 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         if unknown:
             raise ConfigError(f"unknown key '{sorted(unknown)[0]}' in config section 'optimizer.params' for "
                               f"{typ} (allowed: {', '.join(sorted(_ADAM_KEYS))})")
-        flags = _flags(params, ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "bias_correction",
-                                     "amsgrad", "set_grad_none", "fused", "foreach"))
+        flags = _flags(params, ("adam_w_mode", "torch_adam", "fp32_optimizer_states", "bias_correction", "amsgrad",
+                                "set_grad_none", "fused", "foreach"))
         adam_w_mode = flags.get("adam_w_mode", True) if lower == "adam" else True
         params.pop("adam_w_mode", None)
         # DeepSpeed's default: torch's AdamW's (0.01) where "torch_adam" makes it build one, else its FusedAdam's
@@ -102,8 +102,9 @@ def build_optimizer(cfg: EngineConfig, groups: list[dict], named: dict[int, str]
         except (TypeError, ValueError) as e:   # an unknown or bad parameter, named by where it is set
             raise ConfigError(f"config 'optimizer.params' for {typ}: {e}") from None
     if lower in _HYBRID_TYPES:
-        adam_w_mode = _flags(params, ("adam_w_mode",)).get("adam_w_mode", True)   # false: Adam with L2 decay,
-        params.pop("adam_w_mode", None)                                                 # as DeepSpeed's key says
+        # false: Adam with L2 decay, as DeepSpeed's key says
+        adam_w_mode = _flag(params, "adam_w_mode", True, "optimizer.params")
+        params.pop("adam_w_mode", None)
         if "betas" in params:
             params["betas"] = _betas(params["betas"])
         _check_numbers(params, typ)
