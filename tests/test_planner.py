@@ -475,6 +475,20 @@ def test_hardware_json_missing_field_is_named_and_base_fills_it(tmp_path):
     assert HardwareProfile.from_dict(json.loads(CATALOG["rtx3090"].to_json())) == CATALOG["rtx3090"]
 
 
+def test_a_hardware_file_named_without_json_is_read_as_a_file(tmp_path, monkeypatch):
+    """A profile saved as ``myhw`` (no ``.json``, given without a directory) is read, as a model's config
+    file is; it was looked up in the catalog ("unknown hardware 'myhw'"). A catalog name still wins."""
+    d = CATALOG["h800"].to_dict()
+    d["name"] = "measured"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myhw").write_text(json.dumps(d))
+    assert load_profile("myhw").name == "measured"
+    (tmp_path / "h200").write_text(json.dumps(d))
+    assert load_profile("h200") == CATALOG["h200"]
+    with pytest.raises(HardwareError, match="unknown hardware 'otherhw'"):
+        load_profile("otherhw")
+
+
 def test_a_rate_of_0_is_unknown_as_the_profile_says():
     """The checks call 0 "unknown": a base fills it, and an optimizer rate of 0 falls back to the memory
     bandwidth, as a missing one does (they raised "must be > 0" at planning)."""
@@ -1232,8 +1246,10 @@ def test_planner_never_imports_torch():
 @pytest.mark.parametrize("text,message", [
     ('{"name": "x", "achievable_tflops": NaN}', "field 'achievable_tflops' must be a finite number >= 0, got nan"),
     ('{"name": "x", "h2d_gbps": Infinity}', "field 'h2d_gbps' must be a finite number >= 0, got inf"),
-    ('{"name": "x", "gpu_mem_bytes": 1e30}', r"field 'gpu_mem_bytes' must be a byte count between 0 and 2\*\*60 "
-                                             r"\(1 EiB\), got 1e\+30"),
+    ('{"name": "x", "gpu_mem_bytes": 1e30}', r"field 'gpu_mem_bytes' must be a whole byte count between 0 and "
+                                             r"2\*\*60 \(1 EiB\), got 1e\+30"),
+    ('{"name": "x", "gpu_mem_bytes": 0.5}', r"field 'gpu_mem_bytes' must be a whole byte count between 0 and "
+                                            r"2\*\*60 \(1 EiB\), got 0.5$"),
 ])
 def test_a_hardware_profile_with_numbers_no_machine_has_is_named(tmp_path, text, message):
     """JSON allows NaN and Infinity; a profile carrying them (or an absurd size) is refused before the
@@ -1534,8 +1550,10 @@ def test_non_block_state_on_the_device_takes_gpu_memory_and_crosses_no_link():
                         "(GB/s, TFLOPS or Gparams/s), got 1e-16"),
     ("achievable_tflops", float("nan"), "hardware profile field 'achievable_tflops' must be a finite number >= 0, "
                                         "got nan"),
-    ("gpu_mem_bytes", float("nan"), "hardware profile field 'gpu_mem_bytes' must be a byte count between 0 and "
-                                    "2**60 (1 EiB), got nan"),
+    ("gpu_mem_bytes", float("nan"), "hardware profile field 'gpu_mem_bytes' must be a whole byte count between "
+                                    "0 and 2**60 (1 EiB), got nan"),
+    ("host_mem_bytes", 2.5e9 + 0.5, "hardware profile field 'host_mem_bytes' must be a whole byte count between "
+                                    "0 and 2**60 (1 EiB), got 2500000000.5"),
     ("name", 3, "hardware profile field 'name' must be a string, got 3"),
 ])
 def test_a_hardware_profile_built_in_python_is_checked_as_a_json_one(field, value, message):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -60,9 +61,10 @@ class HardwareProfile:
             if f.name == "name" or v is None:
                 continue
             if f.name.endswith("_bytes"):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_BYTES:
-                    raise HardwareError(f"hardware profile field {f.name!r} must be a byte count between 0 and "
-                                        f"2**60 (1 EiB), got {v!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_BYTES \
+                        or v != int(v):   # 0.5 was truncated to 0 and reported as "got 0"
+                    raise HardwareError(f"hardware profile field {f.name!r} must be a whole byte count between 0 "
+                                        f"and 2**60 (1 EiB), got {v!r}")
                 object.__setattr__(self, f.name, int(v))
             else:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
@@ -215,7 +217,8 @@ def load_profile(name_or_path: str | dict | HardwareProfile, base: str | None = 
                             f"got {type(name_or_path).__name__}")
     elif name_or_path.lower() in CATALOG:
         prof = CATALOG[name_or_path.lower()]
-    elif name_or_path.lower().endswith(".json") or "/" in name_or_path:
+    elif name_or_path.lower().endswith(".json") or os.sep in name_or_path or "/" in name_or_path \
+            or os.path.isfile(name_or_path):   # a file saved under another name is read, as a model's config is
         prof = HardwareProfile.from_dict(read_json(name_or_path, HardwareError, "hardware profile"))
     else:
         prof = catalog_profile(name_or_path)
