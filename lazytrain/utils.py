@@ -31,7 +31,9 @@ def _owner(param, name: str):
 def safe_get_full_grad(param):
     """``param``'s fp32 gradient accumulated for the coming ``step()`` (in fp16, multiplied by the loss scale,
     as DeepSpeed's), or None where none is (a frozen parameter; an embedding or head before a backward and
-    after ``step()``). A streamed block's gradient lives in a buffer that ``step()`` zeroes: zeros then."""
+    after ``step()``). A streamed block's gradient lives in a buffer that ``step()`` zeroes: zeros then. A
+    trainable parameter the backwards since the last step did not reach has a zero gradient, as in DeepSpeed
+    (and the step applies it as such)."""
     access, engine = _owner(param, "safe_get_full_grad")
     return access.full_grad(engine, param)
 

@@ -87,6 +87,29 @@ def test_full_grad_is_a_copy_and_follows_the_step(overlap):
     engine.destroy()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_unreached_parameter_has_a_zero_full_grad_once_a_backward_ran(dtype):
+    """``unused`` no forward reaches: before a backward its full gradient is None, after one (through
+    engine.backward, or a plain loss.backward()) zeros, as DeepSpeed's flat buffers give it and as the step
+    applies it (_zero_grads_of_unreached_params); after step() and zero_grad() None again. It was None between
+    backward and step."""
+    model = make_model("branch")
+    engine = engine_for(model, dtype)
+    unused = model.unused.weight
+    x, y = batches(1)[0]
+    assert safe_get_full_grad(unused) is None
+    engine.backward(lm_loss(engine(x), y))
+    g = safe_get_full_grad(unused)
+    assert g.dtype == torch.float32 and g.shape == unused.shape and torch.count_nonzero(g) == 0
+    engine.step()
+    assert safe_get_full_grad(unused) is None
+    lm_loss(engine(x), y).backward()   # no engine.backward: the streamed blocks' backward tells it
+    assert torch.count_nonzero(safe_get_full_grad(unused)) == 0 and safe_get_full_grad(unused).shape == unused.shape
+    engine.zero_grad()
+    assert safe_get_full_grad(unused) is None
+    engine.destroy()
+
+
 def test_a_tensor_added_to_the_optimizer_is_answered_for_and_another_thread_is_refused():
     """A loss's learnable temperature added with add_param_group is trained by the engine: its gradient and
     moments are read like a parameter's. A logger thread calling in while the training thread trains would

@@ -366,6 +366,7 @@ class LazyTrainEngine(nn.Module):
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
         self._scaled_backward = False
+        self._engine_backward_called = False   # since the gradients were last zeroed: backward_since_zeroed
         self._engine_backward_depth = 0   # engine.backward running (its loss already divided): see _scale_direct_backward
         self._global_grad_norm: float | None = None
         self._step_applied = False
@@ -834,6 +835,7 @@ class LazyTrainEngine(nn.Module):
             self._scaled_backward = True
         if self._backward_reduces:
             self.dist.calls.entering("engine.backward()", self.micro_steps)
+        self._engine_backward_called = True
         self._engine_backward_depth += 1
         try:
             scaled.backward(retain_graph=retain_graph)
@@ -1524,7 +1526,16 @@ class LazyTrainEngine(nn.Module):
             groups = self._all_whole_groups()
         return [p for g in groups for p in g["params"] if id(p) not in self._model_param_ids]
 
+    def backward_since_zeroed(self) -> bool:
+        """Whether a backward ran since the step's gradients were last zeroed: ``engine.backward``, a plain
+        ``loss.backward()`` through the streamed blocks, or one that reached a tensor outside them. A trainable
+        parameter it did not reach then has a zero gradient, as in DeepSpeed's flat buffers (the step gives it
+        one: _zero_grads_of_unreached_params); before any, none."""
+        return self._engine_backward_called or self.executor.backward_ran or \
+            any(t.grad is not None for t in self._non_block_grad_holders())
+
     def _zero_non_block_grads(self) -> None:
+        self._engine_backward_called = self.executor.backward_ran = False   # every gradient is zeroed with these
         if self.masters is not None:
             self.masters.zero_grad()
             self.frozen_non_block.zero_grad()

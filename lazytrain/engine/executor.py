@@ -177,6 +177,9 @@ class LayerStreamingExecutor:
         # a backward through the blocks that raised since the step's gradients were last dropped (the error, as
         # text): the layers after the failing one had sent theirs, so the accumulation holds part of it
         self.backward_failure: str | None = None
+        # a backward went through a streamed block since the engine last zeroed the gradients (a plain
+        # loss.backward() too): the engine then tells an unreached parameter's zero gradient from none
+        self.backward_ran = False
         self.stream = stream      # the weights' trip to the device: slots, copies, prefetch order
         self.tiers = tiers
         self.device = device
@@ -835,6 +838,7 @@ class _BlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outs):
         ex: LayerStreamingExecutor = ctx.executor
+        ex.backward_ran = True
         if torch.is_grad_enabled():
             raise ExecutorError("a backward with create_graph=True (a gradient penalty, second-order gradients) "
                                 "cannot go through streamed blocks: their weight gradients are sent to host "

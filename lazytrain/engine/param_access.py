@@ -136,8 +136,8 @@ def _master(engine, param: torch.Tensor) -> torch.Tensor:
 
 def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
     """A copy of ``param``'s gradient as accumulated for the coming ``step()`` (fp32, on the host where the
-    engine keeps it; in fp16 multiplied by the loss scale, as DeepSpeed's); None before any backward reached
-    it, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits for gradients still in flight.
+    engine keeps it; in fp16 multiplied by the loss scale, as DeepSpeed's); zeros where a backward ran and did
+    not reach it; None before any backward, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits for gradients still in flight.
     Over several ranks, the gradient averaged over them, as ``step()`` applies it: every rank must call it."""
     _refuse_other_threads(engine, "safe_get_full_grad")
     if engine.world_size > 1:
@@ -149,8 +149,17 @@ def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
     layer_grad = engine._block_grad_view(param)
     if layer_grad is not None:
         return layer_grad.detach().clone()
-    grad = _master(engine, param).grad
+    grad = _unreached_as_zeros(engine, param, _master(engine, param))
     return None if grad is None else grad.detach().to("cpu", torch.float32, copy=True)
+
+
+def _unreached_as_zeros(engine, param: torch.Tensor, holder: torch.Tensor) -> torch.Tensor | None:
+    """The gradient ``holder`` (``param``'s master, or itself) has; zeros where it is trainable and has none
+    although a backward ran since the gradients were zeroed (a head the loss did not use), as DeepSpeed's flat
+    buffers give it and as the step applies it; None before any backward."""
+    if holder.grad is not None or not holder.requires_grad or not engine.backward_since_zeroed():
+        return holder.grad
+    return torch.zeros(_shape(engine, param), dtype=torch.float32)
 
 
 def _grad_over_ranks(engine, param: torch.Tensor) -> torch.Tensor | None:
@@ -197,7 +206,7 @@ def _grad_here(engine, param: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         grad = next(s for s, p in zip(w.layer_slots[layer], w.params[layer]) if p is param).of(w.grad[layer])
     else:
         holder = _master(engine, param)
-        grad, reduced = holder.grad, engine._partitioned(holder)
+        grad, reduced = _unreached_as_zeros(engine, param, holder), engine._partitioned(holder)
     return (None if grad is None else grad.detach().to("cpu", torch.float32, copy=True).contiguous()), reduced
 
 
