@@ -212,3 +212,35 @@ def test_a_bf16_heads_gradient_is_summed_over_the_chunks_in_fp32():
     own = error(head_grad(torch.bfloat16, 0))
     for chunk in (256, 16, 4):   # 4, 64 and 256 chunks
         assert error(head_grad(torch.bfloat16, chunk)) < 1.25 * own, chunk
+
+
+def test_under_autocast_the_gradients_are_those_of_the_loss_it_returns():
+    """The chunks' logits are recomputed in backward under the forward's autocast: computed in bf16 there and
+    in fp32 again in backward (outside autocast), the loss was the bf16 one and the gradients the fp32 logits'
+    (hidden-state gradient 3.5e-3 from the model's own under autocast, 0 from fp32). Now the hidden state's
+    gradient is the model's own under autocast, and the head's differs from it by the chunks' fp32 sum alone."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 16, 32, generator=g), torch.randn(128, 32, generator=g) / 5
+    labels = torch.randint(0, 128, (2, 16), generator=g)
+
+    def grads(autocast: bool, chunk: int):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if chunk:
+                loss = chunked_loss.causal_lm_loss(h, w, None, labels, chunk)
+            else:
+                shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+                loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float().flatten(0, 1),
+                                                         shifted, ignore_index=-100)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+    own_loss, own_h, own_w = grads(True, 0)
+    _, fp32_h, fp32_w = grads(False, 0)
+    loss, h_grad, w_grad = grads(True, 5)
+    assert torch.allclose(loss, own_loss, rtol=1e-6)
+    assert rel(h_grad, own_h) < 1e-6 and rel(h_grad, fp32_h) > 1e-3
+    assert rel(w_grad, own_w) < rel(w_grad, fp32_w)
+    assert not torch.is_autocast_enabled("cpu")   # the backward's autocast ended with it

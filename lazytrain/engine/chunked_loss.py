@@ -129,6 +129,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             total = total + _chunk_loss_sum(flat[part], weight, bias, shifted[part])
         ctx.save_for_backward(flat, weight, bias, shifted)
         ctx.chunk_tokens, ctx.live = chunk_tokens, live
+        ctx.autocast = _autocast_state(flat.device.type)
         return total
 
     @staticmethod
@@ -142,7 +143,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         b = bias.detach().requires_grad_(need_b) if bias is not None else None
         wanted = [t for t, need in ((w, need_w), (b, need_b)) if need]
         for part in _live_chunks(flat.shape[0], ctx.chunk_tokens, ctx.live):
-            with torch.enable_grad():
+            # the forward's autocast again (backward runs outside it): the gradient of the logits it computed
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
                 h = flat[part].detach().requires_grad_(need_h)
                 loss = _chunk_loss_sum(h, w, b, shifted[part])
                 grads = list(torch.autograd.grad(loss, ([h] if need_h else []) + wanted, grad_total))
@@ -154,6 +156,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 grad_b += grads.pop(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+
+
+def _autocast_state(device_type: str) -> dict:
+    """The caller's autocast for ``device_type``, as ``torch.autocast``'s arguments, to recompute under."""
+    return {"device_type": device_type, "enabled": torch.is_autocast_enabled(device_type),
+            "dtype": torch.get_autocast_dtype(device_type), "cache_enabled": torch.is_autocast_cache_enabled()}
 
 
 def _live_chunks(positions: int, chunk_tokens: int, live: list):
