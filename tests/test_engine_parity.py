@@ -1597,14 +1597,18 @@ def test_blocks_re_run_see_their_containers_as_at_their_call(graph):
 @pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
 def test_list_kept_across_steps_collects_once_per_forward(graph):
     """Re-runs in backward append to throwaway copies, not to the model's list; tensors blocks appended
-    in an earlier step are not taken for the model's own in the next."""
+    in an earlier step are not taken for the model's own in the next. What a block appends carries no
+    gradient in every layer, as the warning says: a layer that records its graph (the last segment's) made it
+    with one, and a loss that used it failed with autograd's "backward through the graph a second time"."""
     model = make_model("kept-sink")
     engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2,
                                                                          last_segment_graph=graph))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")       # the warning that appended tensors carry no gradient
         for x, y in batches(2):
-            engine.backward(lm_loss(engine(x), y))
+            out = engine(x)
+            assert not any(t.requires_grad for t in model.sink)
+            engine.backward(lm_loss(out, y) + 0.1 * sum(t.sum() for t in model.sink[-6:]))
             assert len(model.sink) in (6, 12)
             engine.step()
     assert len(model.sink) == 12
@@ -2131,16 +2135,16 @@ class _TokenSinkLM(torch.nn.Module):
 
 
 def test_a_list_holding_what_graph_layers_appended_reaches_the_next_block():
-    """Graph layers record autograd in their forward, so what they append to a list carries a gradient;
-    the next block is handed that list. Such tensors are the blocks' own (the warning says they get no
-    gradient), and a tensor of many values among them is told apart by identity, not compared by value."""
+    """Graph layers record autograd in their forward, so what they append to a list was made with a graph;
+    it is detached where it lies, as the warning says (no gradient, in every layer alike), and the next block
+    is handed that list. A tensor of many values among them is told apart by identity, not compared by value."""
     model = _TokenSinkLM()
     engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2, last_segment_graph=True))
     x, y = batches(1)[0]
     with pytest.warns(UserWarning, match=r"added a tensor to a list or dict it was handed"):
         out = engine(x)
     assert len(model.sink) == 4 and all(t.shape == x.shape for t in model.sink)
-    assert [t.requires_grad for t in model.sink] == [False, False, True, True]   # layers 2 and 3 keep their graph
+    assert [t.requires_grad for t in model.sink] == [False] * 4   # layers 2 and 3's detached
     engine.backward(lm_loss(out, y))
     engine.step()
     engine.destroy()

@@ -973,18 +973,26 @@ def _container_snapshot(layer: int, call: _LayerCall, block_added) -> list[tuple
 
 def _added_tensors(snapshot: list[tuple[Any, Any]], block_added) -> bool:
     """Whether a block call put a floating-point tensor into a list or dict it was handed (the tensors go
-    into ``block_added``, a weak set: a later step may hand the same list back)."""
+    into ``block_added``, a weak set: a later step may hand the same list back). Each is detached where it
+    lies, so that it carries no gradient in every layer alike: a layer that records its graph (offloaded
+    internals, the last segment's graph) made it with one, which its own backward frees, and a loss that
+    used it failed with autograd's "backward through the graph a second time"."""
     added = False
     for container, before in snapshot:
         if isinstance(container, list):
             seen = {id(x) for x in before}
-            new = [x for x in container if id(x) not in seen]
+            places = [i for i, x in enumerate(container) if id(x) not in seen]
         else:
-            new = [v for key, v in container.items() if key not in before or before[key] is not v]
-        for t in tree_flatten(new)[0]:
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                block_added.add(t)
-                added = True
+            places = [key for key, v in container.items() if key not in before or before[key] is not v]
+        for place in places:
+            leaves, spec = tree_flatten(container[place])
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+                leaves = [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in leaves]
+                container[place] = tree_unflatten(leaves, spec)
+            for t in leaves:
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    block_added.add(t)
+                    added = True
     return added
 
 
