@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import math
 import os
@@ -655,6 +656,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
 
     aio = _parse_aio(_section(d.get("aio")))
     lt = _parse_lazytrain(_section(d.get("lazytrain")), _section(d.get("activation_checkpointing")), offload_param, seen)
+    lt = _states_of_an_8bit_type(optimizer, lt, _section(d.get("lazytrain")).get("optimizer_states"))
 
     if lt.gradient_reduce == "device" and stage < 2:
         raise ConfigError(f"config key 'lazytrain.gradient_reduce' is \"device\", which reduces each micro-batch's "
@@ -673,6 +675,22 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         gather_16bit_weights_on_model_save=gather_on_save, offload_param=offload_param,
         offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
+
+
+def _states_of_an_8bit_type(optimizer: OptimizerConfig, lt: LazyTrainSection, given) -> LazyTrainSection:
+    """The types ``HybridAdamW`` and ``AdamW8bit`` keep 8-bit moments unless ``lazytrain.optimizer_states``
+    says otherwise: ``HybridAdamW`` with "fp32" keeps fp32 ones (it was read as "8bit" without a word);
+    ``AdamW8bit`` with "fp32" contradicts its name and is refused."""
+    kind = (optimizer.type or "").lower()
+    if kind not in ("hybridadamw", "adamw8bit"):
+        return lt
+    if given is None:
+        return dataclasses.replace(lt, optimizer_states="8bit")
+    if given == "fp32" and kind == "adamw8bit":
+        raise ConfigError(f"config 'optimizer.type' {optimizer.type!r} keeps 8-bit Adam moments, and "
+                          f"'lazytrain.optimizer_states' is \"fp32\": for fp32 moments name the type \"AdamW\" "
+                          f"(or \"HybridAdamW\"), or remove the key")
+    return lt
 
 
 def _patterns(section: dict) -> tuple[str, ...] | None:

@@ -944,6 +944,28 @@ def test_hybrid_adamw_settings_given_as_optimizer_params_are_named_with_where_th
             "train_batch_size": 2, "optimizer": {"type": "HybridAdamW", "params": {"optimizer_states": "8bit"}}})
 
 
+@pytest.mark.parametrize("typ, states, kept", [("HybridAdamW", None, "8bit"), ("HybridAdamW", "fp32", "fp32"),
+                                               ("HybridAdamW", "8bit", "8bit"), ("AdamW8bit", None, "8bit"),
+                                               ("AdamW8bit", "8bit", "8bit"), ("AdamW", None, "fp32")])
+def test_the_8bit_types_keep_the_states_lazytrain_optimizer_states_names(typ, states, kept):
+    """HybridAdamW with 'lazytrain.optimizer_states' "fp32" kept 8-bit moments without a word (the message for
+    the key under optimizer.params sends users there)."""
+    section = {"policy": "keep_all"} if states is None else {"policy": "keep_all", "optimizer_states": states}
+    cfg = {"train_batch_size": 2, "optimizer": {"type": typ, "params": {"lr": 0.1}}, "lazytrain": section}
+    assert parse_config(cfg).lazytrain.optimizer_states == kept
+    engine, _, _, _ = lazytrain.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+    if typ != "AdamW":
+        assert [g["optimizer_states"] for g in engine.optimizer.param_groups] == [kept]
+
+
+def test_adamw8bit_with_fp32_states_is_refused():
+    with pytest.raises(ConfigError, match=re.escape(
+            "config 'optimizer.type' 'AdamW8bit' keeps 8-bit Adam moments, and 'lazytrain.optimizer_states' is "
+            "\"fp32\": for fp32 moments name the type \"AdamW\" (or \"HybridAdamW\"), or remove the key")):
+        parse_config({"train_batch_size": 2, "optimizer": {"type": "AdamW8bit"},
+                      "lazytrain": {"optimizer_states": "fp32"}})
+
+
 @pytest.mark.parametrize("key, value", [("overlap_optimizer", 1), ("overlap_optimizer", 0), ("overlap_optimizer", 0.0),
                                         ("last_segment_graph", 1), ("last_segment_graph", 0)])
 def test_switches_read_as_true_or_false_refuse_numbers(key, value):

@@ -1,6 +1,7 @@
 """HybridAdamW: parity with torch AdamW / Adam and bitsandbytes AdamW8bit, fused kernel vs torch path,
 compute copies, state_dict round trip, hybrid selection rules, LR schedulers."""
 import io
+import math
 
 import pytest
 import torch
@@ -431,7 +432,7 @@ def test_finite_gradients_whose_fp32_norm_overflows_are_stepped_as_torch_steps_t
         ref.grad, mine.grad = torch.full((64, 64), 1e18), torch.full((64, 64), 1e18)
         torch_opt.step()
         opt.step()
-    assert opt.skipped_steps == 0
+    assert opt.skipped_steps == 0 and opt.last_grad_norm == math.inf   # torch's get_total_norm's (it was stale)
     assert torch.allclose(mine, ref, rtol=1e-2)
     mine.grad = torch.full((64, 64), float("inf"))   # a non-finite one is still skipped
     opt.step()
@@ -904,3 +905,52 @@ def test_add_param_group_takes_named_parameters_as_the_constructor_does():
     a.grad, b.grad = torch.ones(128), torch.ones(128)
     opt.step()
     assert {r["name"]: r["states"] for r in opt.state_report()}["layer.bias"] == "fp32"
+
+
+@pytest.mark.parametrize("grad_norm", [None, 2.0])
+def test_a_non_finite_clip_coefficient_skips_the_step_beside_a_finite_norm_too(grad_norm):
+    """Given with a finite norm, a NaN coefficient went on into the update and made every weight NaN."""
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = HybridAdamW([p], lr=1e-3, optimizer_states="fp32")
+    p.grad = torch.ones(4)
+    opt.step(grad_norm=grad_norm, clip_coef=float("nan"))
+    assert opt.last_step_skipped and opt.skipped_steps == 1 and torch.equal(p.detach(), torch.ones(4))
+
+
+_SET_MESSAGE = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in "
+                "sets will change between runs. Please use a list instead.")
+
+
+def test_parameters_in_a_set_or_a_bare_tensor_are_refused_as_torch_refuses_them():
+    """Listed before torch's check, a set passed: its order follows id(), and a checkpoint pairs moments with
+    parameters by order, so a resume gave same-shaped parameters each other's moments. A bare tensor was
+    listed row by row (its rows trained, the tensor not)."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    for make in (lambda: HybridAdamW({a, b}), lambda: HybridAdamW([{"params": {a, b}}]),
+                 lambda: HybridAdamW([a]).add_param_group({"params": {b}})):
+        with pytest.raises(TypeError) as e:
+            make()
+        assert str(e.value) == _SET_MESSAGE
+    with pytest.raises(TypeError, match="^params argument given to the optimizer should be an iterable of Tensors "
+                                        "or dicts, but got torch.FloatTensor$"):
+        HybridAdamW(torch.ones(4, 3))
+    assert len(HybridAdamW([{"params": a}]).param_groups[0]["params"]) == 1   # one tensor in a group: as torch
+
+
+@pytest.mark.parametrize("how", ["model_parameters", "group"])
+def test_initialize_refuses_parameters_in_a_set_for_every_optimizer(how):
+    """initialize listed the parameters before the optimizer saw them, so torch's own optimizers took a set."""
+    import lazytrain
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    params = set(model.parameters())
+    with pytest.raises(TypeError) as e:
+        lazytrain.initialize(model=model, model_parameters=params if how == "model_parameters" else
+                             [{"params": params}], config={"train_batch_size": 2, "optimizer": {"type": "AdamW"}})
+    assert str(e.value) == _SET_MESSAGE
+
+
+def test_a_complex_parameter_is_refused():
+    """Stepped through .float(), it lost its imaginary part every step (with torch's casting warning only)."""
+    with pytest.raises(ValueError, match="^HybridAdamW keeps real fp32 moments: a complex parameter would lose its "
+                                         "imaginary part every step; use torch.optim.AdamW for complex parameters$"):
+        HybridAdamW([torch.nn.Parameter(torch.ones(2, dtype=torch.complex64))])

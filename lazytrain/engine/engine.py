@@ -48,6 +48,7 @@ from .distributed import CollectiveError, DistributedContext, RankFailure
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
+from ..optim.hybrid_adamw import refuse_unordered
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, hand_back_to_params, param_groups)
 from .placement import (build_plan, build_tiers, card_memory, memory_copy_gbps, non_block_masters_apart,
@@ -223,6 +224,7 @@ class LazyTrainEngine(nn.Module):
         # what trains, as set up here (the engine's buffers keep this layout; unfreezing later is refused), and
         # the share of it whose moments the config's optimizer keeps in 8 bits (a script's own optimizer: none)
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
+            refuse_unordered(model_parameters)           # torch's check, which listing first would pass
             model_parameters = list(model_parameters)   # a generator: read here and again for the optimizer
         eight_bit = 0.0 if optimizer is not None or config.optimizer.type is None else \
             eight_bit_share(config, model, param_groups(model_parameters, model, lambda p: p))

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..config import ConfigError, EngineConfig, _flag
+from ..optim.hybrid_adamw import refuse_unordered
 from ..optim.lr_schedules import build_schedule, torch_class_by_name
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction",
@@ -35,6 +36,7 @@ def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, rema
     tensor the optimizer must update (its fp32 master where one exists)."""
     if model_parameters is None:
         model_parameters = model.parameters()
+    refuse_unordered(model_parameters)   # torch's checks, which listing first would pass
     items = list(model_parameters)
     if not items:
         raise ConfigError("model_parameters is empty: pass model.parameters() or parameter groups")
@@ -43,6 +45,7 @@ def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, rema
         for g in items:
             g = dict(g)
             params = g["params"]   # as torch reads a group: one tensor, or (name, parameter) pairs
+            refuse_unordered(params, group=True)
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             g["params"] = [remap(p[1] if isinstance(p, tuple) else p) for p in params]
             groups.append(g)
@@ -180,8 +183,7 @@ def _hybrid(groups, params, adam_w_mode: bool, cfg: EngineConfig, named: dict[in
         raise ConfigError(f"config 'optimizer.params.{key}' is not an optimizer parameter here: "
                           + (f"set '{where}' instead" if where else "the engine sets it"))
     try:
-        return HybridAdamW(groups, adamw_mode=adam_w_mode, optimizer_states=lt.optimizer_states
-                           if cfg.optimizer.type.lower() not in _HYBRID_TYPES else "8bit",
+        return HybridAdamW(groups, adamw_mode=adam_w_mode, optimizer_states=lt.optimizer_states,   # 8-bit types: "8bit"
                            min_8bit_size=lt.hybrid_threshold, block_size=lt.quant_block_size,
                            fp32_name_patterns=lt.fp32_state_patterns,
                            named_parameters=named, check_finite=False, **params)   # the engine checks finiteness
@@ -196,7 +198,7 @@ def eight_bit_share(cfg: EngineConfig, model: torch.nn.Module, groups: list[dict
     HybridAdamW's choice, a group's own ``optimizer_states`` and ``min_8bit_size`` included, with 8-bit states
     asked for ('lazytrain.optimizer_states' "8bit", or an 8-bit optimizer type); else none."""
     typ = (cfg.optimizer.type or "").lower()
-    if typ not in _HYBRID_TYPES and not (typ in ("adam", "adamw") and cfg.lazytrain.optimizer_states == "8bit"):
+    if typ not in _HYBRID_TYPES | {"adam", "adamw"} or cfg.lazytrain.optimizer_states != "8bit":
         return 0.0
     import re
     from ..optim.hybrid_adamw import DEFAULT_FP32_PATTERNS, choose_states

@@ -62,9 +62,22 @@ _STATE_KINDS = ("8bit", "fp32")
 _LAYOUT_KEYS = ("optimizer_states", "min_8bit_size", "block_size")
 
 
+def refuse_unordered(params, group: bool = False) -> None:
+    """torch's optimizers' checks, run before the parameters are listed (listed first, they passed): a set's
+    order changes between runs, and a checkpoint pairs state with parameters by their order, so a resume gave
+    same-shaped parameters each other's moments; a bare tensor (not in a group) was listed row by row."""
+    if isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                        "tensors in sets will change between runs. Please use a list instead.")
+    if not group and isinstance(params, torch.Tensor):
+        raise TypeError(f"params argument given to the optimizer should be an iterable of Tensors or dicts, but "
+                        f"got {torch.typename(params)}")
+
+
 def _split_named(params) -> Tuple[list, Dict[int, str]]:
     """Accept tensors, (name, tensor) pairs or param-group dicts; return torch-style groups and names."""
     names: Dict[int, str] = {}
+    refuse_unordered(params)
     params = list(params)
     if not params:
         raise ValueError("HybridAdamW got an empty parameter list")
@@ -84,6 +97,7 @@ def _split_named(params) -> Tuple[list, Dict[int, str]]:
         for g in params:
             g = dict(g)
             ps = g["params"]
+            refuse_unordered(ps, group=True)
             g["params"] = strip([ps] if isinstance(ps, torch.Tensor) else list(ps))
             groups.append(g)
         return groups, names
@@ -249,6 +263,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if isinstance(param_group, dict):   # checked before it joins (torch reports other malformations)
             params = param_group.get("params", [])
+            refuse_unordered(params, group=True)
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             named = [x for x in params if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)]
             if named:   # (name, tensor) pairs, as the constructor takes them
@@ -374,8 +389,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self.skipped_steps += 1
         self.last_step_skipped = True
         self.last_grad_norm = None if grad_norm is None else float(grad_norm)
-        log.warning("HybridAdamW: non-finite gradient norm (%s); step skipped (%d skipped so far)",
-                    grad_norm, self.skipped_steps)
+        log.warning("HybridAdamW: non-finite gradient norm or clip coefficient (norm %s); step skipped (%d skipped "
+                    "so far)", grad_norm, self.skipped_steps)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_norm=None, clip_coef=None, params: Optional[Iterable[torch.Tensor]] = None,
@@ -462,6 +477,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if norm is not None and grad_norm is None and clip_coef is None and self.max_grad_norm == 0 and \
                 not clipping.is_finite(norm) and all(_squares_finite(g) for _, g, _ in targets):
             norm = None   # only the fp32 sum of squares overflowed: each square is finite, and nothing to clip
+            self.last_grad_norm = math.inf   # the norm as torch's get_total_norm gives it, not the last step's
         if norm is not None:
             if not clipping.is_finite(norm):
                 self.record_skipped_step(float(norm) if not isinstance(norm, torch.Tensor) else norm.item())
@@ -469,8 +485,8 @@ class HybridAdamW(torch.optim.Optimizer):
             self.last_grad_norm = float(norm)
             if clip_coef is None and self.max_grad_norm > 0:
                 coef = float(clipping.clip_coefficient(norm, self.max_grad_norm))
-        elif clip_coef is not None and not clipping.is_finite(coef):
-            self.record_skipped_step(None)
+        if not clipping.is_finite(coef):   # a coefficient given beside a finite norm too: every weight NaN
+            self.record_skipped_step(None if norm is None else float(norm))
             return set()
         self.last_clip_coef = coef
         copies = self.compute_copies
@@ -632,6 +648,9 @@ def _check_group(group: Mapping[str, Any], params: bool = True) -> None:
     _check_flags(group)
     if params:
         for p in group["params"]:
+            if p.is_complex():
+                raise ValueError("HybridAdamW keeps real fp32 moments: a complex parameter would lose its imaginary "
+                                 "part every step; use torch.optim.AdamW for complex parameters")
             if p.dtype == torch.float64:
                 raise ValueError("HybridAdamW keeps its moments and update in fp32; an fp64 parameter would be "
                                  "rounded to fp32 every step: use torch.optim.AdamW for fp64 models")
