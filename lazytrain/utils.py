@@ -6,7 +6,7 @@
 
 Between ``backward`` and ``step`` a parameter's ``.grad`` may be ``None`` where the engine accumulates it
 elsewhere (the embedding's and head's fp32 masters on the host, the default on a GPU), as under DeepSpeed's
-ZeRO; these read it wherever it is. Each returns a copy in fp32 on the host, waiting first for what is in
+ZeRO; these read it (and set it, with the weight and the optimizer state) wherever it is. Each returns a copy in fp32 on the host, waiting first for what is in
 flight (gradient copies, an overlapped update): call them from the training thread. With
 :func:`lazytrain.replace_deepspeed` DeepSpeed's own names answer for LazyTrain's parameters too (a name
 imported from ``deepspeed.utils`` before that call is DeepSpeed's own). Over several ranks every rank calls
@@ -14,8 +14,8 @@ them, as under DeepSpeed's ZeRO: the gradient is the one ``step()`` applies, ave
 and optimizer state come from the rank that holds them; a set checks that every rank passes the same value."""
 from __future__ import annotations
 
-__all__ = ["safe_get_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
-           "safe_get_full_optimizer_state"]
+__all__ = ["safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
+           "safe_get_full_optimizer_state", "safe_set_full_optimizer_state"]
 
 
 def _owner(param, name: str):
@@ -36,6 +36,14 @@ def safe_get_full_grad(param):
     (and the step applies it as such)."""
     access, engine = _owner(param, "safe_get_full_grad")
     return access.full_grad(engine, param)
+
+
+def safe_set_full_grad(param, value):
+    """Set the gradient the coming ``step()`` applies to ``param`` to ``value`` (a tensor of ``param``'s shape;
+    in fp16 multiplied by the loss scale, as :func:`safe_get_full_grad` reads it), as DeepSpeed's does. Over
+    several ranks every rank passes the same value, and the step applies it (averaged over equal values)."""
+    access, engine = _owner(param, "safe_set_full_grad")
+    access.set_full_grad(engine, param, value)
 
 
 def safe_get_full_fp32_param(param):
@@ -60,3 +68,11 @@ def safe_get_full_optimizer_state(param, optim_state_key: str):
     keep raises ValueError, as DeepSpeed's."""
     access, engine = _owner(param, "safe_get_full_optimizer_state")
     return access.full_optimizer_state(engine, param, optim_state_key)
+
+
+def safe_set_full_optimizer_state(param, value, optim_state_key: str):
+    """Set the optimizer's ``optim_state_key`` ("exp_avg", "exp_avg_sq") for ``param`` to ``value`` (a tensor
+    of ``param``'s shape; HybridAdamW's 8-bit moments quantized as a step requantizes them), as DeepSpeed's
+    does; refused before the first step, when there is no state to set."""
+    access, engine = _owner(param, "safe_set_full_optimizer_state")
+    access.set_full_optimizer_state(engine, param, value, optim_state_key)

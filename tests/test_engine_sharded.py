@@ -2023,7 +2023,7 @@ def _accessors(rank, world, out_dir, stage, dtype):
     set to half of it, a set whose value differs between the ranks refused, then a second step."""
     import lazytrain
     from lazytrain.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                                 safe_set_full_fp32_param)
+                                 safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=_config(world, stage, False, dtype))
     per = GLOBAL // world
     part = slice(per * rank, per * rank + per)
@@ -2071,8 +2071,16 @@ def _accessors(rank, world, out_dir, stage, dtype):
         except CollectiveError as e:
             out["other_arguments"] = str(e)
         torch.distributed.barrier()   # neither goes on to its next call before the other has seen this one
+    for n in ACCESSED:   # the first moments halved (written where they are held), the gradients doubled
+        safe_set_full_optimizer_state(params[n], out["exp_avg"][n] * 0.5, "exp_avg")
+    out["exp_avg_set"] = {n: safe_get_full_optimizer_state(params[n], "exp_avg") for n in ACCESSED}
     x, y = steps[1]
     engine.backward(lm_loss(engine(x[part]), y[part]))
+    out["grad_set"] = {}
+    for n in ACCESSED:
+        doubled = safe_get_full_grad(params[n]) * 2
+        safe_set_full_grad(params[n], doubled)
+        out["grad_set"][n] = (doubled, safe_get_full_grad(params[n]))
     engine.step()
     out["weights"] = engine.module_state_dict()
     engine.destroy()
@@ -2102,7 +2110,7 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
     gets the answers of ranks that hold everything (the gradient averaged over the ranks): in bf16 those of
     stage 0 (bit for bit at stages 1 and 2, as their training is; within 1e-6 at stage 3), in fp32 (stages 2
     and 3) those of one process training the same global batch (within 1e-5; the weights after the next step
-    within 1e-4); a set reaches the next step alike; a set whose value differs between the ranks, or that
+    within 1e-4); a set (of a weight, a first moment, a gradient) reaches the next step alike; a set whose value differs between the ranks, or that
     one rank refuses, is refused on every rank, writing nothing; ranks asking for different state fail at once."""
     one = spawned(ACCESSORS[1, 0, "fp32"])[0]
     replicated = spawned(ACCESSORS[2, 0, dtype])[0] if dtype == "bf16" else None
@@ -2140,6 +2148,8 @@ def test_weights_and_optimizer_state_read_and_set_on_every_rank_as_in_one_proces
                 assert torch.equal(r["held_set"], r["fp32"]["head.weight"])
                 assert torch.equal(r["held_after_set"], r["fp32"]["head.weight"].to(r["held_after_set"].dtype))
             for n in ACCESSED:
+                assert torch.equal(r["exp_avg_set"][n], r["exp_avg"][n] * 0.5), (stage, n)
+                assert torch.equal(*r["grad_set"][n]), (stage, n)
                 assert torch.equal(r["fp32"][n], r["gathered"][n]), (stage, n)
                 assert torch.equal(r["after_set"][n], r["fp32"][n] * 0.5), (stage, n)   # the refused set wrote nothing
                 for key in ("grad", "fp32", "exp_avg", "after_set"):

@@ -11,7 +11,7 @@ import torch
 
 import lazytrain
 from lazytrain.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                             safe_set_full_fp32_param)
+                             safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
 from engine_models import AUTO_DEVICE, batches, lm_loss, make_model
 
 
@@ -293,6 +293,92 @@ def test_a_write_under_gathered_parameters_that_reaches_one_copy_is_said(dtype):
     engine.destroy()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_gradient_set_is_the_one_the_step_applies(dtype):
+    """safe_set_full_grad on every parameter (a block's in its layer buffer, the embedding's and head's in
+    their fp32 masters in bf16, where ``.grad`` is None), then SGD with weight decay: each fp32 weight moves
+    by exactly lr * (value + wd * weight)."""
+    model = make_model("llama")
+    engine = engine_for(model, dtype, optimizer="SGD")
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    params = dict(model.named_parameters())
+    before = {n: safe_get_full_fp32_param(p) for n, p in params.items()}
+    values = {n: torch.linspace(-1, 1, p.numel()).reshape(p.shape) * (k + 1) for k, (n, p) in enumerate(params.items())}
+    for n, p in params.items():
+        safe_set_full_grad(p, values[n])
+        assert torch.equal(safe_get_full_grad(p), values[n]), n
+    engine.step()
+    for n, p in params.items():
+        expected = before[n] - 1e-2 * (values[n] + 0.1 * before[n])
+        assert torch.allclose(safe_get_full_fp32_param(p), expected, rtol=1e-6, atol=1e-7), n
+    with pytest.raises(ValueError, match=r"^lazytrain\.utils\.safe_set_full_grad: the value's shape \(3,\) is not "
+                                         r"the parameter's \(32, 32\)$"):
+        safe_set_full_grad(params["lm_head.weight"], torch.zeros(3))
+    engine.destroy()
+
+
+@pytest.mark.parametrize("states", ["fp32", "8bit"])
+def test_an_optimizer_state_set_is_the_one_the_next_step_reads(states):
+    """Two engines trained a step on different batches; the second is given the first's weights (fp32 set)
+    and moments (this set): the next step on one batch gives both the same weights, bit for bit with fp32
+    moments. 8-bit moments are quantized as a step requantizes them: read back within their codes' precision,
+    the weights after the step within 2e-4 (given the weights alone they part by more than 2e-3)."""
+    section = {"optimizer_states": states, "hybrid_threshold": 0} if states == "8bit" else {}
+    engines = [engine_for(make_model("llama"), **section) for _ in range(3)]
+    data = batches(3)
+    for engine, (x, y) in zip(engines, (data[0], data[1], data[1])):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    params = [dict(e.module.named_parameters()) for e in engines]
+    for n, p in params[0].items():
+        for other in params[1:]:
+            safe_set_full_fp32_param(other[n], safe_get_full_fp32_param(p))
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = safe_get_full_optimizer_state(p, key)
+            assert not torch.equal(safe_get_full_optimizer_state(params[1][n], key), value), (n, key)
+            safe_set_full_optimizer_state(params[1][n], value, key)
+            got = safe_get_full_optimizer_state(params[1][n], key)
+            assert torch.equal(got, value) if states == "fp32" else \
+                float((got - value).abs().max()) <= 0.02 * float(value.abs().max()), (n, key)
+    for engine in engines:
+        engine.backward(lm_loss(engine(data[2][0]), data[2][1]))
+        engine.step()
+    for n, p in params[0].items():
+        moved = safe_get_full_fp32_param(p)
+        given, weights_alone = (safe_get_full_fp32_param(other[n]) for other in params[1:])
+        if states == "fp32":
+            assert torch.equal(given, moved), n
+        else:
+            assert torch.allclose(given, moved, rtol=0, atol=2e-4), n
+        assert not torch.allclose(weights_alone, moved, rtol=0, atol=2e-3), n
+    for e in engines:
+        e.destroy()
+
+
+def test_an_optimizer_state_set_is_refused_where_there_is_none_to_set():
+    model = make_model("llama")
+    model.model.embed_tokens.weight.requires_grad_(False)
+    engine = engine_for(model)
+    head = model.lm_head.weight
+    prefix = r"^lazytrain\.utils\.safe_set_full_optimizer_state: "
+    with pytest.raises(ValueError, match=prefix + "the optimizer has no state of this parameter before its first "
+                                                  "step$"):
+        safe_set_full_optimizer_state(head, torch.zeros(32, 32), "exp_avg")
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    with pytest.raises(ValueError, match=prefix + "the parameter is frozen: the optimizer keeps no state of it$"):
+        safe_set_full_optimizer_state(model.model.embed_tokens.weight, torch.zeros(model.model.embed_tokens.weight.shape),
+                                      "exp_avg")
+    with pytest.raises(ValueError, match=prefix + "AdamW keeps no state 'momentum_buffer' of this parameter's shape; "
+                                                  "it keeps 'exp_avg', 'exp_avg_sq'$"):
+        safe_set_full_optimizer_state(head, torch.zeros(32, 32), "momentum_buffer")
+    with pytest.raises(ValueError, match=prefix + r"'exp_avg_sq' must be >= 0 \(Adam divides by its square root\)$"):
+        safe_set_full_optimizer_state(head, torch.full((32, 32), -1.0), "exp_avg_sq")
+    engine.destroy()
+
+
 def test_a_parameter_of_no_engine_is_refused_by_name():
     """(Several ranks: test_engine_sharded.py.)"""
     model = make_model("llama")
@@ -319,9 +405,15 @@ def test_replace_deepspeed_routes_deepspeeds_accessors_for_lazytrain_parameters(
         assert deepspeed_utils.safe_get_full_grad(other) is other.grad   # DeepSpeed's own answer for the rest
         deepspeed_utils.safe_set_full_fp32_param(model.lm_head.weight, torch.full((32, 32), 0.25))
         assert torch.equal(safe_get_full_fp32_param(model.lm_head.weight), torch.full((32, 32), 0.25))
+        # the setters too: DeepSpeed's own wrote nothing for a LazyTrain parameter, without a word
+        deepspeed_utils.safe_set_full_grad(model.lm_head.weight, torch.full((32, 32), 0.5))
+        g = safe_get_full_grad(model.lm_head.weight)
+        assert torch.equal(g, torch.full((32, 32), 0.5))
+        engine.step()
+        deepspeed_utils.safe_set_full_optimizer_state(model.lm_head.weight, torch.full((32, 32), 3.0), "exp_avg")
+        assert torch.equal(safe_get_full_optimizer_state(model.lm_head.weight, "exp_avg"), torch.full((32, 32), 3.0))
     finally:
         lazytrain.restore_deepspeed()
-    assert torch.equal(g, safe_get_full_grad(model.lm_head.weight))
     assert deepspeed_utils.safe_get_full_grad(model.lm_head.weight) is None   # DeepSpeed's own: .grad
     engine.destroy()
 

@@ -235,17 +235,9 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
     calls it with the same value (checked: else the ranks' copies of the weight would differ); a value one
     rank refuses is refused on every rank, so that the ranks' calls stay paired."""
     _refuse_other_threads(engine, "safe_set_full_fp32_param")
-    several = engine.world_size > 1
-    if several:
+    if engine.world_size > 1:
         engine.dist.calls.together(_call(engine, "safe_set_full_fp32_param", param), engine.micro_steps)
-    unfit = RankFailure(engine.dist)   # a value one rank refuses is refused on every rank
-    with unfit.kept():
-        value = _checked_value(engine, param, value)
-    unfit.agree("lazytrain.utils.safe_set_full_fp32_param(): agreement that every rank's value is fit",
-                ValueError(f"lazytrain.utils.safe_set_full_fp32_param over {engine.world_size} ranks: another rank's "
-                           f"value was refused (its error says why). Nothing was written"))
-    if several:
-        _refuse_values_that_differ(engine, value)
+    value = _fit_on_every_rank(engine, "safe_set_full_fp32_param", lambda: _checked_value(engine, param, value))
     if engine._partitioned(param):   # stage 3 outside the blocks: each rank writes the copies it holds
         engine.wait_for_update()
         engine.partitioned.write(param, value)
@@ -264,30 +256,47 @@ def set_full_fp32_param(engine, param: torch.Tensor, value) -> None:
             param.copy_(value)
 
 
-def _checked_value(engine, param: torch.Tensor, value) -> torch.Tensor:
+def _checked_value(engine, param: torch.Tensor, value, function: str = "safe_set_full_fp32_param") -> torch.Tensor:
     """``value`` as the fp32 host tensor a set writes; a ValueError says why it is refused."""
     value = torch.as_tensor(value)
     shape = _shape(engine, param)
     if tuple(value.shape) != shape:
-        raise ValueError(f"lazytrain.utils.safe_set_full_fp32_param: the value's shape {tuple(value.shape)} is not "
-                         f"the parameter's {shape}")
+        raise ValueError(f"lazytrain.utils.{function}: the value's shape {tuple(value.shape)} is not the "
+                         f"parameter's {shape}")
     if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
-        raise ValueError("lazytrain.utils.safe_set_full_fp32_param: the value must be floating point and finite")
+        raise ValueError(f"lazytrain.utils.{function}: the value must be floating point and finite")
     return value.detach().to("cpu", torch.float32).contiguous()
 
 
-def _refuse_values_that_differ(engine, value: torch.Tensor) -> None:
+def _refuse_values_that_differ(engine, value: torch.Tensor, function: str = "safe_set_full_fp32_param") -> None:
     """Every rank has rank 0's value, bit for bit (-0.0 is not 0.0): a write of different values would leave
-    the ranks' copies of one weight different (at stage 0 each rank writes its own replica; above it the owner
-    writes the master, every rank its compute copy), and training would go on silently diverged."""
+    the ranks' copies of one weight (or state, or gradient) different (at stage 0 each rank writes its own
+    replica; above it the owner writes the master, every rank its compute copy), and training would go on
+    silently diverged."""
     first = value.clone() if engine.global_rank == 0 else torch.empty(value.shape, dtype=torch.float32)
-    call = "lazytrain.utils.safe_set_full_fp32_param()"
+    call = f"lazytrain.utils.{function}()"
     engine.dist.broadcast_from([first], 0, what=f"{call}: rank 0's value, to compare (every rank must call it)")
     same = torch.equal(first.view(torch.int32), value.view(torch.int32))
     if not engine.dist.all_succeeded(same, f"{call}: agreement that every rank passed the same value"):
-        raise ValueError(f"lazytrain.utils.safe_set_full_fp32_param over {engine.world_size} ranks: the ranks passed "
-                         f"different values (rank 0's differs from another's); every rank must pass the same value, "
-                         f"else the ranks' copies of the weight would differ. Nothing was written")
+        what = {"safe_set_full_grad": "gradient", "safe_set_full_optimizer_state": "state"}.get(function, "weight")
+        raise ValueError(f"lazytrain.utils.{function} over {engine.world_size} ranks: the ranks passed different "
+                         f"values (rank 0's differs from another's); every rank must pass the same value, else the "
+                         f"ranks' copies of the {what} would differ. Nothing was written")
+
+
+def _fit_on_every_rank(engine, function: str, check) -> torch.Tensor:
+    """``check()`` (the value a set writes, or a ValueError) on every rank; a value one rank refuses is refused
+    on every rank, so that the ranks' calls stay paired, and one that differs between the ranks too."""
+    unfit = RankFailure(engine.dist)
+    value = None
+    with unfit.kept():
+        value = check()
+    unfit.agree(f"lazytrain.utils.{function}(): agreement that every rank's value is fit",
+                ValueError(f"lazytrain.utils.{function} over {engine.world_size} ranks: another rank's value was "
+                           f"refused (its error says why). Nothing was written"))
+    if engine.world_size > 1:
+        _refuse_values_that_differ(engine, value, function)
+    return value
 
 
 def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor | None:
@@ -311,13 +320,98 @@ def _optimizer_state_here(engine, param: torch.Tensor, key: str) -> torch.Tensor
     state = opt.state.get(master)
     if not state:
         return None
+    _refuse_unkept_key(opt, state, master, key, "safe_get_full_optimizer_state")
     if type(opt).__name__ == "HybridAdamW":
-        if key in ("exp_avg", "exp_avg_sq"):
-            return torch.cat(list(opt.fp32_moment_chunks(master, key))).reshape(master.shape)
-        keys = ["exp_avg", "exp_avg_sq"]
-    else:
-        keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == master.shape]
-    if key not in keys:
-        raise ValueError(f"lazytrain.utils.safe_get_full_optimizer_state: {type(opt).__name__} keeps no state "
-                         f"{key!r} of this parameter's shape; it keeps {', '.join(map(repr, keys)) or 'none'}")
+        return torch.cat(list(opt.fp32_moment_chunks(master, key))).reshape(master.shape)
     return state[key].detach().to("cpu", torch.float32, copy=True)
+
+
+def _refuse_unkept_key(opt, state: dict, master: torch.Tensor, key: str, function: str) -> None:
+    """A state the optimizer keeps for ``master`` in its shape (HybridAdamW's moments whatever their kind),
+    or a ValueError naming those it keeps (as DeepSpeed's)."""
+    keys = ["exp_avg", "exp_avg_sq"] if type(opt).__name__ == "HybridAdamW" else \
+        [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == master.shape]
+    if key not in keys:
+        raise ValueError(f"lazytrain.utils.{function}: {type(opt).__name__} keeps no state {key!r} of this "
+                         f"parameter's shape; it keeps {', '.join(map(repr, keys)) or 'none'}")
+
+
+def set_full_optimizer_state(engine, param: torch.Tensor, value, key: str) -> None:
+    """Write ``value`` (``param``'s shape) as the optimizer's state ``key`` for ``param`` (8-bit moments
+    quantized as a step requantizes them), as DeepSpeed's ``safe_set_full_optimizer_state``. Refused before
+    the first step (no state yet), for a frozen parameter, for a key the optimizer does not keep, and for a
+    negative ``exp_avg_sq`` (its square root would make the update NaN). Over several ranks every rank calls
+    it with the same value; the rank that holds the state writes it."""
+    function = "safe_set_full_optimizer_state"
+    _refuse_other_threads(engine, function)
+    if engine.world_size > 1:
+        engine.dist.calls.together(_call(engine, function, param, repr(key)), engine.micro_steps)
+    engine.wait_for_update()
+    holder = _held_by(engine, param)
+    here = holder is None or holder == engine.global_rank
+    opt, master = engine.optimizer, _master(engine, param)
+
+    def check() -> torch.Tensor:
+        checked = _checked_value(engine, param, value, function)
+        if opt is None or not param.requires_grad:
+            raise ValueError(f"lazytrain.utils.{function}: "
+                             + ("the engine has no optimizer" if opt is None else "the parameter is frozen: the "
+                                "optimizer keeps no state of it"))
+        if here:
+            state = opt.state.get(master)
+            if not state:
+                raise ValueError(f"lazytrain.utils.{function}: the optimizer has no state of this parameter before "
+                                 f"its first step")
+            _refuse_unkept_key(opt, state, master, key, function)
+        if key == "exp_avg_sq" and bool((checked < 0).any()):
+            raise ValueError(f"lazytrain.utils.{function}: 'exp_avg_sq' must be >= 0 (Adam divides by its square "
+                             f"root)")
+        return checked
+    checked = _fit_on_every_rank(engine, function, check)
+    if not here:
+        return
+    with torch.no_grad():
+        if type(opt).__name__ == "HybridAdamW":
+            opt.set_fp32_moment(master, key, checked)
+        else:
+            opt.state[master][key].copy_(checked)
+
+
+def set_full_grad(engine, param: torch.Tensor, value) -> None:
+    """Write ``value`` (``param``'s shape) as the gradient the coming ``step()`` applies to ``param`` (what
+    :func:`full_grad` reads: in fp16 multiplied by the loss scale), as DeepSpeed's ``safe_set_full_grad``.
+    Over several ranks every rank calls it with the same value: where each rank holds its own micro-batches'
+    sum (which the step averages) every rank writes it, where the gradient was reduced to its owner as it
+    landed the owner does."""
+    function = "safe_set_full_grad"
+    _refuse_other_threads(engine, function)
+    if engine.world_size > 1:
+        engine.dist.calls.together(_call(engine, function, param), engine.micro_steps)
+    engine.wait_for_update()               # the overlapped update reads and then zeroes the layers' gradients
+    engine.weights.flush_grads()           # nothing lands after the write
+    if engine.masters is not None:
+        engine.masters.flush_grads()
+
+    def check() -> torch.Tensor:
+        checked = _checked_value(engine, param, value, function)
+        if not param.requires_grad:
+            raise ValueError(f"lazytrain.utils.{function}: the parameter is frozen: the step applies no gradient "
+                             f"to it")
+        return checked
+    checked = _fit_on_every_rank(engine, function, check)
+    w = engine.weights
+    layer = engine._layer_of_param.get(id(param))
+    with torch.no_grad():
+        if layer is not None:
+            if w.grad[layer] is not None:   # else another rank's layer: its owner writes it
+                slot = next(s for s, p in zip(w.layer_slots[layer], w.params[layer]) if p is param)
+                slot.of(w.grad[layer]).copy_(checked)
+                w.attach_grads(layer)
+            return
+        holder = _master(engine, param)
+        if engine._partitioned(holder) and engine.partitioned.owner(holder) != engine.partitioned.rank:
+            return   # stage 3: its gradient is its owner's alone
+        if holder.grad is None:
+            holder.grad = checked.to(holder.device, holder.dtype)
+        else:
+            holder.grad.copy_(checked)

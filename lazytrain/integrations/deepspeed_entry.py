@@ -68,8 +68,8 @@ def replace_deepspeed() -> None:
         put(deepspeed.zero, "GatheredParameters", _GatheredParameters)
         _replace_transformers_zero3_switch(put)
         _keep_the_scripts_optimizer(put)
-        for name in ("safe_get_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
-                     "safe_get_full_optimizer_state"):
+        for name in ("safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param",
+                     "safe_set_full_fp32_param", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state"):
             if hasattr(deepspeed.utils, name):
                 put(deepspeed.utils, name, _lazytrain_first(name, getattr(deepspeed.utils, name)))
         _saved = saved

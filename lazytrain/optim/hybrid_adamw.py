@@ -383,6 +383,20 @@ class HybridAdamW(torch.optim.Optimizer):
                                     max_elems):
             yield part.cpu()
 
+    def set_fp32_moment(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
+        """Write ``p``'s moment ``key`` ("exp_avg" or "exp_avg_sq") from the fp32 ``value`` of ``p``'s shape:
+        8-bit moments quantized blockwise as a step requantizes them (what :meth:`fp32_moment_chunks` reads
+        back, to the 8-bit codes' precision)."""
+        st = self.state[p]
+        if _kind_of(st) == "fp32":
+            st[key].copy_(value)
+            return
+        which = "1" if key == "exp_avg" else "2"
+        qmap = get_qmap("dynamic" if which == "1" else "udynamic", st["state" + which].device)
+        codes, absmax = _quantized(value.reshape(-1), qmap, int(st["block_size"]))
+        st["state" + which].copy_(codes.view(p.shape))
+        st["absmax" + which].copy_(absmax)
+
     # ------------------------------------------------------------------ step
     def record_skipped_step(self, grad_norm: Optional[float] = None) -> None:
         """Count a step skipped because of non-finite gradients (also called by :meth:`step`)."""
