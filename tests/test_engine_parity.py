@@ -2052,6 +2052,27 @@ def test_a_non_block_parameter_without_a_gradient_this_step_gets_a_zero_one_as_u
         assert max_rel_diff(engine.module, reference_train(make_model("branch"), data)) < RTOL
 
 
+def test_a_step_without_a_backward_is_refused_and_changes_nothing():
+    """With no backward since the last step, the optimizer stepped on zero gradients: AdamW's momentum and
+    weight decay moved every weight (DeepSpeed fails there with an IndexError). A gradient set through
+    safe_set_full_grad is a step's gradient too."""
+    from lazytrain.utils import safe_set_full_grad
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
+    data = batches(2)
+    engine.backward(lm_loss(engine(data[0][0]), data[0][1]))
+    engine.step()
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    with pytest.raises(lazytrain.StepFailedError, match=r"engine.step\(\) at an accumulation boundary, with no "
+                                                        r"backward since the gradients were last zeroed"):
+        engine.step()
+    assert engine.global_steps == 1 and all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+    engine.zero_grad()
+    head = engine.module.head.weight
+    safe_set_full_grad(head, torch.ones(head.shape))
+    engine.step()
+    assert engine.global_steps == 2 and not torch.equal(engine.module_state_dict()["head.weight"], before["head.weight"])
+
+
 def test_set_gradient_accumulation_boundary_controls_the_step():
     """HF Trainer sets the boundary itself: with it False, step() only counts the micro-step."""
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())

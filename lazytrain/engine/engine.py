@@ -368,7 +368,7 @@ class LazyTrainEngine(nn.Module):
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
         self._scaled_backward = False
-        self._engine_backward_called = False   # since the gradients were last zeroed: backward_since_zeroed
+        self._grads_given = False   # engine.backward or a gradient set since they were zeroed: backward_since_zeroed
         self._engine_backward_depth = 0   # engine.backward running (its loss already divided): see _scale_direct_backward
         self._global_grad_norm: float | None = None
         self._step_applied = False
@@ -837,7 +837,7 @@ class LazyTrainEngine(nn.Module):
             self._scaled_backward = True
         if self._backward_reduces:
             self.dist.calls.entering("engine.backward()", self.micro_steps)
-        self._engine_backward_called = True
+        self._grads_given = True
         self._engine_backward_depth += 1
         try:
             scaled.backward(retain_graph=retain_graph)
@@ -1025,6 +1025,10 @@ class LazyTrainEngine(nn.Module):
             if self.executor.backward_failure is not None:
                 raise RuntimeError(f"a backward through the streamed layers failed ({self.executor.backward_failure}) "
                                    f"after some layers had sent their gradients: the accumulation holds part of it")
+            if not self.backward_since_zeroed():   # DeepSpeed fails here too (an IndexError)
+                raise RuntimeError("engine.step() at an accumulation boundary, with no backward since the gradients "
+                                   "were last zeroed: the optimizer would move every weight by its momentum and "
+                                   "weight decay alone. Call engine.backward(loss) before engine.step()")
             with streams.wait_span("gradients to host", self.device):
                 self.weights.flush_grads()
                 if self.masters is not None:
@@ -1530,14 +1534,15 @@ class LazyTrainEngine(nn.Module):
 
     def backward_since_zeroed(self) -> bool:
         """Whether a backward ran since the step's gradients were last zeroed: ``engine.backward``, a plain
-        ``loss.backward()`` through the streamed blocks, or one that reached a tensor outside them. A trainable
-        parameter it did not reach then has a zero gradient, as in DeepSpeed's flat buffers (the step gives it
-        one: _zero_grads_of_unreached_params); before any, none."""
-        return self._engine_backward_called or self.executor.backward_ran or \
+        ``loss.backward()`` through the streamed blocks, or one that reached a tensor outside them (or a gradient
+        was set: ``safe_set_full_grad``). A trainable parameter it did not reach then has a zero gradient, as in
+        DeepSpeed's flat buffers (the step gives it one: _zero_grads_of_unreached_params); before any, none, and
+        ``step()`` is refused."""
+        return self._grads_given or self.executor.backward_ran or \
             any(t.grad is not None for t in self._non_block_grad_holders())
 
     def _zero_non_block_grads(self) -> None:
-        self._engine_backward_called = self.executor.backward_ran = False   # every gradient is zeroed with these
+        self._grads_given = self.executor.backward_ran = False   # every gradient is zeroed with these
         if self.masters is not None:
             self.masters.zero_grad()
             self.frozen_non_block.zero_grad()

@@ -399,6 +399,7 @@ def set_full_grad(engine, param: torch.Tensor, value) -> None:
                              f"to it")
         return checked
     checked = _fit_on_every_rank(engine, function, check)
+    engine._grads_given = True   # a step may follow without a backward
     w = engine.weights
     layer = engine._layer_of_param.get(id(param))
     with torch.no_grad():
