@@ -349,6 +349,74 @@ def test_a_new_micro_batch_is_measured_and_planned_again(capsys):
     assert "[lazytrain] auto plan after step 12 (measured again at micro-batch 4): auto-milp" in capsys.readouterr().out
 
 
+def test_another_number_of_micro_batches_a_step_is_measured_and_planned_again(capsys):
+    """set_train_batch_size under policy auto changes the micro-batches a step: the steps measured at one were
+    divided by the other (a profile 2.5-3x too fast), and a plan made for one ran at the other unchecked."""
+    cfg = _config({"policy": "auto", "auto": {**AUTO, "max_replans": 0}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+        data = iter(batches(6 + 7 * 2))
+        for accumulation, steps in ((1, 6), (2, 7)):
+            engine.set_train_batch_size(2 * accumulation)
+            for _ in range(steps * accumulation):
+                x, y = next(data)
+                engine.backward(lm_loss(engine(x), y))
+                engine.step()
+    history = engine.auto.history
+    engine.destroy()
+    assert [(r.step, r.reason) for r in history] == [(5, "measured"), (12, "measured again at 2 micro-batches a step")]
+    assert "(measured again at 2 micro-batches a step): auto-milp" in capsys.readouterr().out
+
+
+def test_a_trace_asked_for_between_micro_batches_records_the_next_whole_step():
+    """Asked for after a step's first micro-batch, the trace began at the second and held half a step (and
+    policy auto counted it as a whole one); a second request during a traced step says so, not that it raised."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config={
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"checkpoint_interval": 2}})
+    data = iter(batches(6))
+
+    def micro_batch():
+        x, y = next(data)
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    micro_batch()
+    engine.trace_next_step()   # mid-step: the next step is traced, whole
+    micro_batch()
+    assert engine.last_trace is None
+    micro_batch()
+    micro_batch()
+    forwards = [s.name for s in engine.last_trace.spans if s.name.startswith("fwd L0")]
+    assert len(forwards) == 2   # both micro-batches' forwards of layer 0
+    engine.trace_next_step()
+    micro_batch()
+    with pytest.warns(UserWarning, match=r"did not complete \(it raised before step\(\), or trace_next_step\(\) was "
+                                         r"called again during it\); its partial trace is dropped, and the next step "
+                                         r"is traced whole"):
+        engine.trace_next_step()
+    engine.destroy()
+
+
+def test_batches_larger_than_policy_auto_plans_for_are_refused():
+    """The profile recorded the config's shape while its times were measured on the batches passed: 48-token
+    batches under 'seq_len' 8 were measured and planned as 8, and 8 samples under a micro-batch of 2 as 2."""
+    for lt, shape, says in (({"seq_len": 8}, (2, 48), r"2 x 8 tokens \('train_micro_batch_size_per_gpu' x "
+                                                      r"'lazytrain.seq_len'\), and this batch of shape \(2, 48\) "
+                                                      r"holds 96"),
+                            ({}, (8, 12), r"2 x 12 tokens \('train_micro_batch_size_per_gpu' x the longest seen\), "
+                                          r"and this batch of shape \(8, 12\) holds 96")):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(
+            {"policy": "auto", "auto": {**AUTO, "max_replans": 0}, **lt}))
+        x, y = batches(1, batch=2, seq=min(shape[1], 8 if lt else 12))[0]
+        engine.backward(lm_loss(engine(x), y))   # within the shape: trains
+        engine.step()
+        with pytest.raises(ConfigError, match=r"^config 'lazytrain.policy' \"auto\" measures and plans for "
+                                              r"micro-batches of " + says):
+            engine(batches(1, batch=shape[0], seq=shape[1])[0][0])
+        engine.destroy()
+
+
 def _second_plan_fails(monkeypatch):
     """The engine's second call of the planner raises "the planner failed"."""
     import lazytrain.engine.engine as engine_module
@@ -560,6 +628,11 @@ def test_a_file_that_is_not_a_profile_is_named(tmp_path, measured):
         bad.write_text(json.dumps({**d, **change}))
         with pytest.raises(MeasurementError, match=message):
             MachineProfile.from_json(str(bad))
+    # through the config: named by its key, a ConfigError (lazytrain train: one line, exit 2, not a traceback)
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"^config 'lazytrain.auto.profile': machine profile .*p.json"):
+        lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
+                                                                        "auto": {"profile": str(bad)}}))
 
 
 @pytest.mark.filterwarnings("ignore:lazytrain")

@@ -92,7 +92,7 @@ class AutoPlanner:
     _mixed: int = 0                                # traced steps left out: a forward in them was never differentiated
     _last_plan: Plan | None = None                 # the last plan made (back to it when measuring again fails)
     _measuring_why: str | None = None              # why it measures again, when the script asked it to
-    _pending_micro: int | None = None              # a new micro-batch: measure again after the step under way
+    _pending_micro: tuple[int, str] | None = None   # a new step shape: measure again after the step under way
 
     def start(self, saved: MachineProfile | None = None) -> None:
         """Before the first step: plan from a saved profile, or measure first."""
@@ -110,8 +110,8 @@ class AutoPlanner:
             return
         try:
             if self._pending_micro is not None:
-                micro, self._pending_micro = self._pending_micro, None
-                self._restart_at(micro)
+                (micro, why), self._pending_micro = self._pending_micro, None
+                self._restart_at(micro, why)
                 return
             self._after_step(step, seconds)
         except Exception as e:   # noqa: BLE001 - the step completed; the run keeps a plan
@@ -125,16 +125,17 @@ class AutoPlanner:
             self.hooks.warn(f"lazytrain: policy \"auto\" stopped after step {step} and keeps the plan "
                             f"{self.hooks.current_policy()}: {self.stopped}")
 
-    def measure_again(self, micro_batch: int) -> None:
-        """The step changed shape (``set_train_micro_batch_size``): what was measured and planned is another
-        step's, so once the step under way (or, between steps, the next) is done, the calibration plan runs
-        again at the new micro-batch and a new plan follows (not counted against ``max_replans``: the script
-        asked for it). That step itself is measured by nothing: it may hold micro-batches of both sizes."""
-        self._pending_micro = micro_batch
+    def measure_again(self, micro_batch: int, why: str) -> None:
+        """The step changed shape (``set_train_micro_batch_size``, or ``set_train_batch_size``: another number
+        of micro-batches a step): what was measured and planned is another step's, so once the step under way
+        (or, between steps, the next) is done, the calibration plan runs again at the new shape and a new plan
+        follows (not counted against ``max_replans``: the script asked for it). That step itself is measured by
+        nothing: it may hold micro-batches of both sizes, and its traces are divided by the new count."""
+        self._pending_micro = (micro_batch, why)
 
-    def _restart_at(self, micro_batch: int) -> None:
+    def _restart_at(self, micro_batch: int, why: str) -> None:
         self.calibration = dataclasses.replace(self.calibration, micro_batch_size=micro_batch)
-        self._measuring_why = f"measured again at micro-batch {micro_batch}"
+        self._measuring_why = f"measured again {why}"
         self.measuring, self._steps_in_phase, self._traces, self._times = True, 0, [], []
         self._selective_phase, self._plain_traces, self._mixed = False, [], 0
         self._last_plan = None   # another micro-batch's: measuring that fails from here keeps the calibration plan

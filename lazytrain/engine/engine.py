@@ -418,7 +418,10 @@ class LazyTrainEngine(nn.Module):
                 check_writable(settings.profile_path)
             except ValueError as e:
                 raise ConfigError(f"config 'lazytrain.auto.profile_path' cannot be written: {e}") from None
-        saved = measured.MachineProfile.from_json(settings.profile) if settings.profile else None
+        try:
+            saved = measured.MachineProfile.from_json(settings.profile) if settings.profile else None
+        except measured.MeasurementError as e:   # a config problem, named by its key (lazytrain train: one line)
+            raise ConfigError(f"config 'lazytrain.auto.profile': {e}") from None
         if saved is not None:
             self._check_profile(saved)
         hooks = auto_plan.AutoPlanHooks(
@@ -730,7 +733,8 @@ class LazyTrainEngine(nn.Module):
 
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None:
+        if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None \
+                and self._step_began is None:   # the step's first forward: a request made mid-step waits for the next
             streams.start_recording(Timeline("measured", device=self.device.type), self.device)   # the traced step begins with this forward
             self._trace_path, self._trace_request = self._trace_request, None
         self._refuse_if_inconsistent("a forward" if not torch.is_grad_enabled() else "a training forward")
@@ -738,17 +742,9 @@ class LazyTrainEngine(nn.Module):
             self._keep_layer_checkpointing_off()
             if self._step_began is None:
                 self._step_began = time.perf_counter()
-            # policy auto plans for the sequences it sees (other policies need no sequence length)
-            if self.auto is not None and self._config.lazytrain.seq_len is None:
-                ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
-                if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2:
-                    # the longest seen: what the plan's memory must hold (batches padded to their own length)
-                    n = int(ids.shape[-1])
-                    if self._profile_seq_len is not None and n > self._profile_seq_len:
-                        raise ConfigError(f"config 'lazytrain.auto.profile' was measured at sequence length "
-                                          f"{self._profile_seq_len}, and this batch's is {n}: measure again (leave "
-                                          f"'profile' out), or train at most at the profile's length")
-                    self._seq_len = max(self._seq_len or 0, n)
+            if self.auto is not None:   # policy auto plans for the batches it sees (others need no shape)
+                self._note_batch_for_auto(kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)),
+                                                                       None)))
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
@@ -953,6 +949,29 @@ class LazyTrainEngine(nn.Module):
                 f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and not-updated "
                 f"state; load a checkpoint (engine.load_checkpoint) first")
 
+    def _note_batch_for_auto(self, ids) -> None:
+        """Policy auto measures and plans for micro-batch x sequence-length tokens: the longest sequence seen
+        (batches padded to their own length), or 'lazytrain.seq_len'. A batch of more tokens was measured and
+        run as if it held fewer (the profile recorded the config's shape, and a reused one accepted it): it is
+        refused, naming what to change."""
+        if not (torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2):
+            return
+        n = int(ids.shape[-1])
+        if self._config.lazytrain.seq_len is None:
+            if self._profile_seq_len is not None and n > self._profile_seq_len:
+                raise ConfigError(f"config 'lazytrain.auto.profile' was measured at sequence length "
+                                  f"{self._profile_seq_len}, and this batch's is {n}: measure again (leave "
+                                  f"'profile' out), or train at most at the profile's length")
+            self._seq_len = max(self._seq_len or 0, n)
+        micro = self.train_micro_batch_size_per_gpu()
+        if ids.numel() > micro * self._seq_len:
+            declared = "'lazytrain.seq_len'" if self._config.lazytrain.seq_len is not None else "the longest seen"
+            raise ConfigError(f"config 'lazytrain.policy' \"auto\" measures and plans for micro-batches of "
+                              f"{micro} x {self._seq_len} tokens ('train_micro_batch_size_per_gpu' x {declared}), "
+                              f"and this batch of shape {tuple(ids.shape)} holds {ids.numel()}: pass batches of "
+                              f"at most that size, or set the micro-batch size (and 'lazytrain.seq_len') to "
+                              f"what is passed")
+
     def trace_next_step(self, path: str | None = None) -> None:
         """Record the next training step, from its first forward to the end of the layer updates its
         ``step()`` starts: each layer's compute, each transfer (link, bytes, start and end), every wait of
@@ -962,10 +981,11 @@ class LazyTrainEngine(nn.Module):
         On CUDA, copies, the blocks' compute and the compute side's waits are timed by stream events."""
         if path is not None:
             check_writable(path)
-        if self._trace_path is not None:   # a traced step began and never reached its step(): it failed
+        if self._trace_path is not None:   # a traced step began and has not reached its step()
             streams.stop_recording()
-            warnings.warn(f"lazytrain: the step traced for {self._trace_path or 'engine.last_trace'} never "
-                          f"completed (it raised before step()); its partial trace is dropped", UserWarning,
+            warnings.warn(f"lazytrain: the step traced for {self._trace_path or 'engine.last_trace'} did not "
+                          f"complete (it raised before step(), or trace_next_step() was called again during it); "
+                          f"its partial trace is dropped, and the next step is traced whole", UserWarning,
                           stacklevel=2)
             self._trace_path = None
         self._trace_request = path if path is not None else ""
@@ -1577,8 +1597,13 @@ class LazyTrainEngine(nn.Module):
         if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
                 or train_batch_size % per_step:
             raise ValueError("Train batch size must be divisible by micro-batch data parallelism")   # DeepSpeed's
+        before = self.gradient_accumulation_steps()
         self._config = dataclasses.replace(self._config, train_batch_size=train_batch_size,
                                            gradient_accumulation_steps=train_batch_size // per_step)
+        if self.auto is not None and not self.auto.stopped and self.gradient_accumulation_steps() != before:
+            # a step of another number of micro-batches: its times are not the ones measured and planned for
+            self.auto.measure_again(self.train_micro_batch_size_per_gpu(),
+                                    f"at {self.gradient_accumulation_steps()} micro-batches a step")
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """DeepSpeed's: another micro-batch size with the same number of micro-batches a step (the global batch
@@ -1594,7 +1619,7 @@ class LazyTrainEngine(nn.Module):
         planned = self.plan.micro_batch_size
         if self.auto is not None and not self.auto.stopped:
             if micro_batch_size != before:
-                self.auto.measure_again(micro_batch_size)
+                self.auto.measure_again(micro_batch_size, f"at micro-batch {micro_batch_size}")
         elif planned is not None and planned != micro_batch_size:
             warnings.warn(f"lazytrain: the plan ({self.plan.policy}) was made for micro-batch {planned}; at "
                           f"{micro_batch_size} it runs, but its memory and time predictions do not hold", UserWarning)
