@@ -250,6 +250,34 @@ def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(spawned):
             assert max_rel_diff(as_model(r["weights"]), as_model(straight)) < 1e-5
 
 
+def test_a_damaged_optimizer_shard_is_refused_where_one_process_reads_every_shard_whole(spawned, tmp_path):
+    """A rank that keeps a share of the state reads a share of each file (no CRC pass over all of it); one
+    process keeps it all, so each shard is checked: one flipped exponent bit of a step count loaded as 131072."""
+    import shutil
+    import zipfile
+    import lazytrain
+    from lazytrain.engine import record_crc
+    from lazytrain.engine.safe_load import UnreadableCheckpointError
+    spawned(SAVED_BY_4)
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(spawned.root / SAVED_BY_4 / "ckpt", ckpt)
+    path = os.path.join(ckpt, "t", "lazytrain_optimizer_rank_1.pt")
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename)
+    with open(path, "r+b") as f:
+        first = record_crc.first_byte(f.fileno(), info)
+        f.seek(first + 3)
+        byte = f.read(1)[0]
+        f.seek(first + 3)
+        f.write(bytes([byte ^ 0x08]))
+    cfg = {**_config(1, 1, False), "train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    with pytest.raises(UnreadableCheckpointError, match=r"lazytrain_optimizer_rank_1.pt cannot be read back as "
+                                                        r"written: Bad CRC-32"):
+        engine.load_checkpoint(ckpt, tag="t")
+    engine.destroy()
+
+
 for _overlap in (True, False):
     for _stage in (2, 1, 0):
         train(2, stage=_stage, overlap=_overlap, dtype="bf16")

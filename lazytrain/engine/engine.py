@@ -2106,7 +2106,8 @@ class LazyTrainEngine(nn.Module):
         lazytrain_file = os.path.join(directory, ds_layout.LAZYTRAIN_FILE)
         if os.path.isfile(lazytrain_file) and not saved_over:
             # LazyTrain's, in DeepSpeed's layout; read everything first
-            own = self._with_optimizer_shards(safe_load.load(lazytrain_file, trust), directory, trust, want_optim)
+            own = self._with_optimizer_shards(safe_load.load(lazytrain_file, trust), directory, trust, want_optim,
+                                              whole=self.shards is None)
             state = ds_ckpt.read(directory, want_optim, trust, stage0_names=own.get("stage0_names"),
                                  wanted=self._owned_names())
             path = os.path.join(load_dir, tag, ds_layout.model_file(state.stage))   # as DeepSpeed returns it
@@ -2394,9 +2395,10 @@ class LazyTrainEngine(nn.Module):
                 if id(p) in self._param_names}
 
     @staticmethod
-    def _with_optimizer_shards(own: dict, directory: str, trust: bool, want_optimizer: bool) -> dict:
+    def _with_optimizer_shards(own: dict, directory: str, trust: bool, want_optimizer: bool, whole: bool) -> dict:
         """The LazyTrain file with the optimizer states of a sharded save (one file per rank that saved it)
-        put in (memory-mapped: what this rank does not keep is never read)."""
+        put in (memory-mapped: what this rank does not keep is never read). ``whole``: this engine keeps every
+        state (no sharding here), so each file is read whole and its records' CRC-32 checked first."""
         shards = int(own.get("optimizer_shards") or 0)
         if not shards or not want_optimizer or own.get("optimizer") is None:
             return own
@@ -2406,7 +2408,7 @@ class LazyTrainEngine(nn.Module):
             if not os.path.isfile(path):
                 raise ckpt.CheckpointError(f"checkpoint {directory} was saved by {shards} ranks, and "
                                            f"{ds_layout.optimizer_shard_file(rank)} is missing")
-            state.update(safe_load.load(path, trust, whole=False)["state"])   # a share of it read: not checked whole
+            state.update(safe_load.load(path, trust, whole=whole)["state"])   # a share of it read: not checked
         return {**own, "optimizer": {**own["optimizer"], "state": state}}
 
     @staticmethod
