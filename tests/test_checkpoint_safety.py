@@ -1229,3 +1229,30 @@ def test_a_bf16_load_without_the_optimizer_states_restores_the_exact_fp32_weight
         assert v.dtype == torch.float32 and torch.equal(got[k], v), k
     assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in want.values())   # below bf16's resolution
     fresh.destroy()
+
+
+# ---- a checkpoint directory from elsewhere ---------------------------------------------------------
+@pytest.mark.parametrize("target", ["dangling", "existing"])
+def test_a_link_a_checkpoint_directory_came_with_never_leads_a_save_outside_it(tmp_path, target):
+    """A downloaded directory shipping 'latest.tmp' as a link: settling left-overs kept a dangling one (it
+    "did not exist"), and the save then wrote through it, created the file outside and made 'latest' the link.
+    Files a save makes are made anew, never written through what stands in their place."""
+    outside = tmp_path / "outside"
+    if target == "existing":
+        outside.write_text("the user's own")
+    save_dir = tmp_path / "ckpt"
+    engine = _engine(n_layers=2)
+    _train_steps(engine, batches(1))
+    engine.save_checkpoint(str(save_dir), tag="t")
+    os.symlink(outside, save_dir / "latest.tmp")
+    _train_steps(engine, batches(1))
+    engine.save_checkpoint(str(save_dir), tag="t2")
+    assert (outside.read_text() == "the user's own") if target == "existing" else not os.path.lexists(outside)
+    assert not os.path.islink(save_dir / "latest") and (save_dir / "latest").read_text() == "t2"
+    assert not os.path.lexists(save_dir / "latest.tmp")
+    os.symlink(outside, save_dir / "latest.tmp")   # planted after the left-overs were settled: not followed
+    with ckpt._create(str(save_dir / "latest.tmp")) as f:
+        f.write(b"x")
+    assert not os.path.islink(save_dir / "latest.tmp") and (save_dir / "latest.tmp").read_bytes() == b"x"
+    assert (outside.read_text() == "the user's own") if target == "existing" else not os.path.lexists(outside)
+    engine.destroy()

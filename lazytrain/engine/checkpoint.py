@@ -66,8 +66,17 @@ class CheckpointSpaceError(CheckpointError):
     """Not enough space to save: the previous checkpoint is left as it was."""
 
 
+def _create(path: str):
+    """``path`` made anew for writing: an entry already there is removed first (not written through), and a
+    link put in its place meanwhile is not followed, so that a file a checkpoint directory came with (a
+    ``latest.tmp`` linking elsewhere) cannot lead a save's bytes outside it."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666), "wb")
+
+
 # the file a checkpoint file is written through (tests swap in one that runs out of space)
-_open_for_write: Callable[[str], object] = lambda path: open(path, "wb")   # noqa: E731
+_open_for_write: Callable[[str], object] = _create
 
 
 # ---- saving ---------------------------------------------------------------------------------------
@@ -510,7 +519,7 @@ def settle_leftovers(save_dir: str) -> None:
                     _fsync_dir(save_dir)
                 shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
     stale = os.path.join(save_dir, "latest.tmp")
-    if os.path.exists(stale):
+    if os.path.lexists(stale):   # a link too, whether or not it leads anywhere
         os.remove(stale)
 
 
