@@ -272,7 +272,7 @@ def test_an_empty_latest_file_is_named_as_the_problem(tmp_path):
     assert ckpt.resolve_tag(str(tmp_path), "t") == "t"
 
 
-@pytest.mark.parametrize("named", ["../elsewhere/t", "ABSOLUTE", "..", "."])
+@pytest.mark.parametrize("named", ["../elsewhere/t", "ABSOLUTE", "..", ".", "t\x00x", "t\nsecond"])
 def test_a_latest_file_naming_a_path_outside_its_directory_is_refused(tmp_path, named):
     """'latest' is a file's content: a path in it would load (with trust_checkpoints, unpickle without
     restriction) a checkpoint outside the directory the caller named."""
@@ -285,6 +285,20 @@ def test_a_latest_file_naming_a_path_outside_its_directory_is_refused(tmp_path, 
                                                              f"{named[:80]!r}, which is not a checkpoint tag in that "
                                                              f"directory")):
         ckpt.resolve_tag(str(run), None)
+
+
+def test_a_latest_file_longer_than_a_tag_is_refused_without_reading_it_whole(tmp_path):
+    """A 'latest' of 64 MiB (sparse: a few disk blocks) was read whole and repeated whole in the error."""
+    latest = tmp_path / "latest"
+    with open(latest, "wb") as f:
+        f.write(b"t")
+        f.truncate(64 << 20)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.resolve_tag(str(tmp_path), None)
+    assert str(e.value) == (f"the 'latest' file in {tmp_path} ({latest}) holds more than a checkpoint tag (a tag is "
+                            f"at most {ckpt.MAX_TAG_BYTES} bytes); pass tag= to load a specific checkpoint")
+    (tmp_path / "latest").write_text("t" * ckpt.MAX_TAG_BYTES + "\n")   # the longest tag a save writes
+    assert ckpt.resolve_tag(str(tmp_path), None) == "t" * ckpt.MAX_TAG_BYTES
 
 
 @pytest.mark.parametrize("aside", [".t.staging", ".t.previous"])

@@ -572,17 +572,21 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
         warnings.warn(f"lazytrain: no 'latest' file in {load_dir}: nothing loaded (pass tag= to load a specific "
                       f"checkpoint)")
         return None
-    with open(latest) as f:
-        tag = f.read().strip()
+    with open(latest, "rb") as f:   # a tag's length at most: a file of any size is not read whole
+        raw = f.read(MAX_TAG_BYTES + 2)
+    if len(raw.strip()) > MAX_TAG_BYTES:
+        raise CheckpointError(f"the 'latest' file in {load_dir} ({latest}) holds more than a checkpoint tag (a "
+                              f"tag is at most {MAX_TAG_BYTES} bytes); pass tag= to load a specific checkpoint")
+    tag = raw.decode("utf-8", errors="replace").strip()
     if not tag:   # truncated (a full disk, another tool): an empty tag would name load_dir itself
         raise CheckpointError(f"the 'latest' file in {load_dir} ({latest}) is empty: it names no checkpoint tag; "
                               f"pass tag= to load a specific checkpoint, or write the tag's name into it")
-    if tag in (".", "..") or "/" in tag or os.sep in tag or os.path.isabs(tag):
+    if tag in (".", "..") or "/" in tag or os.sep in tag or os.path.isabs(tag) or any(ord(c) < 32 for c in tag):
         # a file's content, not the caller's argument: it must not lead the load (and, with trust_checkpoints,
         # an unrestricted unpickling) outside the directory the caller named
         raise CheckpointError(f"the 'latest' file in {load_dir} ({latest}) names {tag[:80]!r}, which is not a "
-                              f"checkpoint tag in that directory (a name without path separators); pass tag= to "
-                              f"load a specific checkpoint")
+                              f"checkpoint tag in that directory (a name without path separators or control "
+                              f"characters); pass tag= to load a specific checkpoint")
     return tag
 
 
