@@ -181,13 +181,52 @@ def test_a_checkpoint_file_damaged_or_cut_short_is_refused_naming_it(tmp_path, d
         record = _damage_a_tensor_record(path)
         expected = (f"checkpoint file {path} cannot be read back as written: Bad CRC-32 for file '{record}'",
                     "(the file is cut short or damaged); nothing of it was loaded")
-    else:   # no zip directory left: torch's reader fails, named
+    else:   # no zip directory left: torch's reader would fail, or take it for its legacy format
         os.truncate(path, os.path.getsize(path) // 2)
-        expected = (f"checkpoint file {path} cannot be read: RuntimeError: PytorchStreamReader failed reading zip "
-                    f"archive", "(cut short, damaged, or not a torch file)")
+        expected = (f"checkpoint file {path} cannot be read back as written: it begins as a zip file, and its zip "
+                    f"directory cannot be read (File is not a zip file)", "(the file is cut short or damaged); "
+                                                                           "nothing of it was loaded")
     with pytest.raises(safe_load.UnreadableCheckpointError) as e:
         safe_load.load(path)
     assert str(e.value).startswith(expected[0]) and str(e.value).endswith(expected[1]), str(e.value)
+
+
+@pytest.mark.parametrize("field, offset, bit, says", [
+    ("compression method", 10, 0, "cannot be read back as written: NotImplementedError: That compression method is "
+                                  "not supported (the file is cut short or damaged)"),
+    ("version needed", 6, 7, "cannot be read back as written: NotImplementedError: zip file version 12.8 (the file "
+                             "is cut short or damaged)"),
+    ("external attributes", 38, 4, "cannot be unpickled: "),   # a directory flag: torch reads other bytes
+])
+def test_one_flipped_bit_in_the_zip_directory_is_refused_as_damage_naming_the_file(tmp_path, field, offset, bit,
+                                                                                   says):
+    """zipfile's own errors came out raw (NotImplementedError, KeyError), and the directory flag on the pickle's
+    record was refused as a file naming code to run, advising trust_checkpoint=True."""
+    import zipfile
+    from lazytrain.engine import safe_load
+    path = str(tmp_path / "state.pt")
+    torch.save({"w": torch.arange(64, dtype=torch.float32), "step": 3}, path)
+    with zipfile.ZipFile(path) as z:
+        directory = z.start_dir   # its first entry: the pickle's record
+    data = bytearray(open(path, "rb").read())
+    data[directory + offset] ^= 1 << bit
+    open(path, "wb").write(data)
+    with pytest.raises(safe_load.UnreadableCheckpointError) as e:
+        safe_load.load(path)
+    assert str(e.value).startswith(f"checkpoint file {path} {says}"), str(e.value)
+    assert str(e.value).endswith("nothing of it was loaded") and "trust_checkpoint" not in str(e.value)
+
+
+def test_a_fifo_named_as_a_checkpoint_file_is_refused_not_waited_on(tmp_path):
+    """os.open of a FIFO blocks until a writer comes: the load waited forever."""
+    import os
+    from lazytrain.engine import safe_load
+    path = str(tmp_path / "mp_rank_00_model_states.pt")
+    os.mkfifo(path)
+    with pytest.raises(safe_load.UnreadableCheckpointError) as e:
+        safe_load.load(path)
+    assert str(e.value) == (f"checkpoint file {path} is not a regular file (a FIFO, a device or a directory); "
+                            f"nothing of it was loaded")
 
 
 def test_the_crc_check_can_be_turned_off_for_a_load_and_is_on_by_default(tmp_path):

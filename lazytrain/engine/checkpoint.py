@@ -646,8 +646,8 @@ def _whole_zip(path: str) -> bool:
     try:
         with zipfile.ZipFile(path):
             return True
-    except (OSError, zipfile.BadZipFile):
-        return False
+    except (OSError, zipfile.BadZipFile, NotImplementedError, KeyError, ValueError, EOFError):
+        return False   # zipfile's errors on a damaged directory too (a version, a method, a flag)
 
 
 TAIL_BYTES = 1 << 16

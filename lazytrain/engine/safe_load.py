@@ -14,10 +14,13 @@ import argparse
 import contextlib
 import contextvars
 import enum
+import os
 import pickle
 import re
+import stat
 import types
 import zipfile
+import zlib
 
 import torch
 
@@ -86,15 +89,40 @@ def verify_records(path: str) -> None:
     turned off (``torch.serialization.set_crc32_options(False)`` writes 0)."""
     try:
         record_crc.check_records(path)
-    except zipfile.BadZipFile:   # not a zip file: torch's legacy format, or none torch reads (it says so)
+    except zipfile.BadZipFile as e:   # not a zip file: torch's legacy format, or none torch reads (it says so)
+        if _starts_as_a_zip(path):     # one that begins as a zip file is a damaged one, not the legacy format
+            raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read back as written: it begins as "
+                                            f"a zip file, and its zip directory cannot be read ({e}) (the file is "
+                                            f"cut short or damaged); nothing of it was loaded") from None
         return
     except FileNotFoundError:
         raise
     except OSError as e:
         raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
-    except (record_crc.RecordCheckError, EOFError, ValueError) as e:
-        raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read back as written: {e} (the file is cut "
-                                        f"short or damaged); nothing of it was loaded") from None
+    except (record_crc.RecordCheckError, EOFError, ValueError, KeyError, NotImplementedError) as e:
+        # the last three: zipfile's own on a damaged directory (a compression method, a version, a flag)
+        what = str(e) if isinstance(e, record_crc.RecordCheckError) else f"{type(e).__name__}: {e}"
+        raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read back as written: {what} (the file "
+                                        f"is cut short or damaged); nothing of it was loaded") from None
+
+
+def _starts_as_a_zip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def _refuse_other_than_a_file(path: str) -> None:
+    """A checkpoint file is a regular file (or a link to one): a FIFO named like one blocked the load forever
+    on its open, a device would be read as one."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read: {e}") from None
+    if not stat.S_ISREG(mode):
+        raise UnreadableCheckpointError(f"checkpoint file {path} is not a regular file (a FIFO, a device or a "
+                                        f"directory); nothing of it was loaded")
 
 
 # whether load() checks the records' CRC-32s of a file read whole (the config's 'lazytrain.check_checkpoint_crcs',
@@ -119,6 +147,7 @@ def load(path: str, trust: bool = False, whole: bool = True):
     a caller that reads a part of a mapped file (a rank's share of a sharded state, a glance at one key)
     passes False, as the check would read every byte of it; within ``records_checked(False)`` none is
     checked. A file torch's reader fails on is named."""
+    _refuse_other_than_a_file(path)
     if whole and _CHECK_RECORDS.get():
         verify_records(path)
 
@@ -135,10 +164,16 @@ def load(path: str, trust: bool = False, whole: bool = True):
                 raise
             return attempt(mmap=False)   # torch's legacy format cannot be mapped
     except pickle.UnpicklingError as e:
-        if trust:
-            raise UnreadableCheckpointError(f"checkpoint file {path} cannot be unpickled: {e}") from e
+        if trust or not (unsafe_globals(path) or _globals_in_message(str(e))):
+            # naming no code: damage (a flag of the zip directory turned the pickle's record into a directory,
+            # and the unpickler read other bytes), not a file to trust
+            said = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(e))   # torch's own, past its advice
+            raise UnreadableCheckpointError(f"checkpoint file {path} cannot be unpickled: "
+                                            f"{said.group(1) if said else str(e).strip()[:300]} (damaged, or not a "
+                                            f"torch checkpoint); nothing of it was loaded") from e
         raise UntrustedCheckpointError(_refusal(path, e)) from None
-    except (RuntimeError, EOFError) as e:
+    except (RuntimeError, EOFError, zlib.error, UnicodeDecodeError, zipfile.BadZipFile, NotImplementedError,
+            IndexError) as e:   # the last: torch's restricted unpickler on other bytes than a pickle's
         if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
             raise   # not the file's bytes (out of memory, a trusted pickle's own class): as it is
         raise UnreadableCheckpointError(f"checkpoint file {path} cannot be read: {type(e).__name__}: {e} (cut short, "
@@ -162,8 +197,8 @@ def _globals_in_message(message: str) -> list[str]:
 
 def _refusal(path: str, error: Exception) -> str:
     names = unsafe_globals(path) or _globals_in_message(str(error))
-    what = ", ".join(names) if names else "something"
-    return (f"checkpoint file {path} names {what}, which a checkpoint load does not build: loading it would run "
+    return (f"checkpoint file {path} names {', '.join(names)}, which a checkpoint load does not build: loading it "
+            f"would run "
             f"that code. Nothing of the checkpoint was loaded. If you trust where this checkpoint came from, "
             f"load it with engine.load_checkpoint(..., trust_checkpoint=True) or set "
             f"'lazytrain.trust_checkpoints': true in the config")
