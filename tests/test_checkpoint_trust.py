@@ -269,3 +269,22 @@ def test_a_file_saved_without_crcs_or_in_the_legacy_format_loads():
                     f.write(data)
             loaded = safe_load.load(path)
             assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+
+
+def test_a_zero_stage_is_read_as_a_plain_number_that_no_pickle_can_rewrite(tmp_path):
+    """DeepSpeed's ZeroStageEnum was an enum here, whose shared members the unpickler handed out: a BUILD after
+    one rewrote ZeroStage(1) for the whole process. It is a plain int made anew; a BUILD on it is refused."""
+    config = pytest.importorskip("deepspeed.runtime.zero.config")
+    from lazytrain.engine import safe_load
+
+    class Rewritten:
+        def __reduce__(self):
+            return config.ZeroStageEnum, (1,), {"_name_": "weights", "_value_": 3}
+    path = str(tmp_path / "state.pt")
+    torch.save({"zero_stage": config.ZeroStageEnum(2)}, path)
+    stage = safe_load.load(path)["zero_stage"]
+    assert type(stage) is int and stage == 2
+    torch.save({"zero_stage": Rewritten()}, path)
+    with pytest.raises(safe_load.UnreadableCheckpointError, match="cannot be unpickled: Can only build"):
+        safe_load.load(path)
+    assert safe_load.zero_stage(1) == 1

@@ -424,3 +424,16 @@ def test_a_model_file_whose_param_shapes_its_partitions_cannot_hold_is_refused_n
                              f"\\(4 parameters, 592 elements\\) does not fit its fp32 partitions \\({held}; files of "
                              f"different saves\\?\\); nothing was loaded$"):
         ds_ckpt.read(str(tag), want_optimizer=True, trust=True)
+
+
+def test_a_ranks_count_a_file_makes_up_costs_nothing_to_check():
+    """dp_world_size is a number in the file: the check listed every rank it names (10**7 took 781 MiB, a
+    value of 2**31 would take some 170 GB). It names the first few ranks missing, whatever the count."""
+    files = [f"/t/zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 2)]
+    with pytest.raises(ds_ckpt.DeepSpeedCheckpointError) as e:
+        ds_ckpt._check_every_rank("/t", {"dp_world_size": 10**12}, [], files, 2)
+    assert str(e.value) == ("/t was saved by 1000000000000 ranks but holds 2 optim state file(s): "
+                            "zero_pp_rank_1_mp_rank_00_optim_states.pt, zero_pp_rank_3_mp_rank_00_optim_states.pt, "
+                            "zero_pp_rank_4_mp_rank_00_optim_states.pt, zero_pp_rank_5_mp_rank_00_optim_states.pt ... "
+                            "missing")
+    ds_ckpt._check_every_rank("/t", {"dp_world_size": 10**12}, files, [], 2)   # no optim files: nothing to count

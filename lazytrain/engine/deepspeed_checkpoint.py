@@ -15,6 +15,7 @@ restricted loader (:mod:`safe_load`).
 from __future__ import annotations
 
 import glob
+import itertools
 import math
 import os
 import re
@@ -75,9 +76,15 @@ def _check_every_rank(tag_dir: str, model: dict, model_files: list[str], optim_f
     if not isinstance(world, int) or world < 1:
         return
     for kind, files, needed in (("optim", optim_files, bool(optim_files)), ("model", model_files, stage == 3)):
+        if not needed:
+            continue
         ranks = {_rank_of(f) for f in files}
-        missing = [r for r in range(world) if r not in ranks]
-        if needed and missing:
+        if sum(1 for r in ranks if 0 <= r < world) == world:
+            continue
+        # the first few absent ranks, found among at most len(ranks) + 4: not a list as long as the file's
+        # dp_world_size says, which a file can make any length
+        missing = list(itertools.islice((r for r in range(world) if r not in ranks), 5))
+        if missing:
             names = ", ".join(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in missing[:4])
             raise DeepSpeedCheckpointError(f"{tag_dir} was saved by {world} ranks but holds {len(files)} {kind} "
                                            f"state file(s): {names}{' ...' if len(missing) > 4 else ''} missing")

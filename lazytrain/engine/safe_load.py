@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import contextvars
-import enum
 import os
 import pickle
 import re
@@ -46,12 +45,12 @@ class DeepSpeedRecord:
         return f"DeepSpeedRecord({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
 
-class ZeroStage(int, enum.Enum):
-    """DeepSpeed's ``ZeroStageEnum`` values."""
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
+def zero_stage(value) -> int:
+    """DeepSpeed's ``ZeroStageEnum`` as the stage number it holds: a plain int made anew. (An enum class here
+    handed the unpickler its shared members, and a BUILD after them rewrote one for the whole process.)"""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2, 3):
+        raise pickle.UnpicklingError(f"a ZeroStageEnum of {value!r}, which is no ZeRO stage")
+    return int(value)
 
 
 # the globals DeepSpeed 0.19's checkpoints name (found with torch.serialization.get_unsafe_globals_in_checkpoint
@@ -61,7 +60,7 @@ DEEPSPEED_GLOBALS = [
     (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
 ]
 
 
