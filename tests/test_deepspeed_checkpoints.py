@@ -4,6 +4,7 @@ The checkpoints are DeepSpeed 0.19.8's own (tests/data/deepspeed_0_19/make_fixtu
 after one AdamW step. Every fp32 one holds the same weights and moments (the ranks saw the same input). The
 ``_frozen`` ones leave ``0.bias`` frozen and hold the group settings ``make_fixtures.SETTINGS``;
 ``stage2_fp32_step0`` was saved before any step, ``stage0_fp16_scaled`` after three from a loss scale of 2**12."""
+import copy
 import os
 import warnings
 
@@ -437,3 +438,23 @@ def test_a_ranks_count_a_file_makes_up_costs_nothing_to_check():
                             "zero_pp_rank_4_mp_rank_00_optim_states.pt, zero_pp_rank_5_mp_rank_00_optim_states.pt ... "
                             "missing")
     ds_ckpt._check_every_rank("/t", {"dp_world_size": 10**12}, files, [], 2)   # no optim files: nothing to count
+
+
+def test_a_flat_partition_whose_strides_repeat_elements_is_refused_before_it_is_copied():
+    """One value expanded to 2**27 elements passed the element counts, and the moments' copy took the 512 MiB
+    it claims (from a 4 KB file) before the checkpoint was refused for another reason."""
+    fine = {"single_partition_of_fp32_groups": [torch.zeros(8)],
+            "base_optimizer_state": {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(8)}}}}
+    ds_ckpt._refuse_sparse_partitions(fine, "single_partition_of_fp32_groups", "f.pt")
+    for where in ("master", "moment"):
+        state = copy.deepcopy(fine)
+        expanded = torch.zeros(1).expand(1 << 27)
+        if where == "master":
+            state["single_partition_of_fp32_groups"][0] = expanded
+        else:
+            state["base_optimizer_state"]["state"][0]["exp_avg"] = expanded
+        with pytest.raises(ds_ckpt.DeepSpeedCheckpointError) as e:
+            ds_ckpt._refuse_sparse_partitions(state, "single_partition_of_fp32_groups", "f.pt")
+        assert str(e.value) == ("f.pt holds a flat partition that is not a 1-D tensor over its own bytes (shape "
+                                "(134217728,), strides (0,)): not what DeepSpeed writes (damaged or crafted); "
+                                "nothing was loaded")

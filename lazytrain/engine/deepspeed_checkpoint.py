@@ -285,6 +285,8 @@ def _check_partitions(states: list[dict], shapes: list[dict], stage: int, model_
         raise DeepSpeedCheckpointError(f"{where} do not match: param_shapes names {len(shapes)} parameter group(s), "
                                        f"the ranks' fp32 partitions hold {groups} (files of different saves?); "
                                        f"nothing was loaded")
+    for state, file in zip(states, optim_files):
+        _refuse_sparse_partitions(state, key, file)
     world = len(states)
     pads = states[0].get("param_alignment_paddings") if stage != 3 else None
     if pads is not None and [len(p) for p in pads] != [len(group) for group in shapes]:
@@ -304,6 +306,22 @@ def _check_partitions(states: list[dict], shapes: list[dict], stage: int, model_
             raise DeepSpeedCheckpointError(
                 f"{where} do not match: group {g}'s param_shapes ({len(numels)} parameters, {sum(numels)} elements) "
                 f"does not fit its fp32 partitions ({what}; files of different saves?); nothing was loaded")
+
+
+def _refuse_sparse_partitions(state: dict, key: str, file: str) -> None:
+    """DeepSpeed writes each flat partition (fp32 weights and moments) as a 1-D tensor over its own bytes. One
+    whose strides repeat elements (a single value expanded to 2**27) passed the count checks, and its copy
+    took the memory it claimed (1 GB from a 4 KB file) before a later check refused the checkpoint."""
+    tensors = list(state.get(key) or []) + [v for group in _moment_groups(state).values() if isinstance(group, dict)
+                                            for v in group.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or not t.is_contiguous() or \
+                t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+            what = f"a {type(t).__name__}" if not isinstance(t, torch.Tensor) else \
+                f"shape {tuple(t.shape)}, strides {t.stride()}"
+            raise DeepSpeedCheckpointError(f"{file} holds a flat partition that is not a 1-D tensor over its own "
+                                           f"bytes ({what}): not what DeepSpeed writes (damaged or crafted); "
+                                           f"nothing was loaded")
 
 
 def _merge(states: list[dict], shapes: list[dict], want_optimizer: bool, stage: int,
