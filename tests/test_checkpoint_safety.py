@@ -313,7 +313,7 @@ def test_a_users_own_directory_named_as_a_save_sets_aside_is_never_removed(tmp_p
     assert (own / "notes.txt").read_text() == "mine" and not (tmp_path / "t").exists()
 
 
-@pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", "..", "latest.tmp", " spaced "])
+@pytest.mark.parametrize("tag", ["", ".hidden", "a/b", "latest", "..", "latest.tmp", " spaced ", "run\t1"])
 def test_tags_that_cannot_be_a_directory_are_refused(tmp_path, tag):
     with pytest.raises(ckpt.CheckpointError, match="cannot name a directory of its own"):
         ckpt.save(str(tmp_path), tag, files_of(1), True)

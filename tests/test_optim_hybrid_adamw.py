@@ -921,10 +921,10 @@ _SET_MESSAGE = ("optimizer parameters need to be organized in ordered collection
                 "sets will change between runs. Please use a list instead.")
 
 
-def test_parameters_in_a_set_or_a_bare_tensor_are_refused_as_torch_refuses_them():
-    """Listed before torch's check, a set passed: its order follows id(), and a checkpoint pairs moments with
-    parameters by order, so a resume gave same-shaped parameters each other's moments. A bare tensor was
-    listed row by row (its rows trained, the tensor not)."""
+def test_parameters_in_a_set_or_a_bare_tensor_are_refused():
+    """A set passed (torch refuses one inside a group only): its order follows id(), and a checkpoint pairs
+    moments with parameters by order, so a resume gave same-shaped parameters each other's moments. A bare
+    tensor was listed row by row (its rows trained, the tensor not), where torch refuses it."""
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     for make in (lambda: HybridAdamW({a, b}), lambda: HybridAdamW([{"params": {a, b}}]),
                  lambda: HybridAdamW([a]).add_param_group({"params": {b}})):

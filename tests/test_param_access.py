@@ -122,6 +122,9 @@ def test_a_tensor_added_to_the_optimizer_is_answered_for_and_another_thread_is_r
     engine.backward(lm_loss(engine(x), y) * temperature)
     assert safe_get_full_grad(temperature).shape == () and float(safe_get_full_grad(temperature)) != 0.0
     engine.step()
+    engine.backward(lm_loss(engine(x), y))   # not reached: no gradient, as the step has it (plain PyTorch's rule)
+    assert safe_get_full_grad(temperature) is None
+    engine.step()
     assert safe_get_full_optimizer_state(temperature, "exp_avg").shape == ()
     errors = []
 
@@ -316,6 +319,29 @@ def test_a_gradient_set_is_the_one_the_step_applies(dtype):
                                          r"the parameter's \(32, 32\)$"):
         safe_set_full_grad(params["lm_head.weight"], torch.zeros(3))
     engine.destroy()
+
+
+def test_a_gradient_set_without_a_backward_in_fp16_is_a_scaled_one_as_after_a_backward():
+    """safe_set_full_grad takes the value as safe_get_full_grad gives it: in fp16 times the loss scale. Set with
+    no backward in the step, it was applied unscaled (the step divides by the scale only after a backward): the
+    weight moved loss-scale times too far."""
+    moved = []
+    for with_backward in (True, False):
+        model = make_model("llama")
+        engine = lazytrain.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 0,
+            "optimizer": {"type": "SGD", "params": {"lr": 1e-2}}, "fp16": {"enabled": True, "initial_scale_power": 8},
+            "lazytrain": {"checkpoint_interval": 2}})[0]
+        head = model.lm_head.weight
+        if with_backward:
+            x, y = batches(1)[0]
+            engine.backward(lm_loss(engine(x), y))
+        before = safe_get_full_fp32_param(head)
+        safe_set_full_grad(head, torch.full(head.shape, engine.loss_scaler.scale))   # 1.0, scaled
+        engine.step()
+        moved.append(float((before - safe_get_full_fp32_param(head)).abs().max()))
+        engine.destroy()
+    assert moved == [pytest.approx(1e-2, rel=1e-5)] * 2
 
 
 @pytest.mark.parametrize("states", ["fp32", "8bit"])

@@ -151,8 +151,9 @@ def test_a_traced_step_that_raised_is_dropped_and_the_next_trace_goes_where_it_w
     (x, y), (x2, y2) = batches(2)
     engine.trace_next_step(str(tmp_path / "a.json"))
     engine(x)
-    with pytest.warns(UserWarning, match=r"the step traced for .*a.json never completed \(it raised before step\(\)\); "
-                                         r"its partial trace is dropped"):
+    with pytest.warns(UserWarning, match=r"the step traced for .*a.json did not complete \(it raised before step\(\), "
+                                         r"or trace_next_step\(\) was called again during it\); its partial trace is "
+                                         r"dropped"):
         engine.trace_next_step(str(tmp_path / "b.json"))
     engine.backward(lm_loss(engine(x2), y2))
     engine.step()

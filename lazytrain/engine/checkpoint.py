@@ -86,9 +86,10 @@ MAX_TAG_BYTES = 255 - len(".") - max(len(_STAGING), len(_PREVIOUS))
 def check_tag(tag: str) -> str:
     tag = str(tag)
     if not tag or tag in (".", "..", "latest", "latest.tmp") or tag.startswith(".") or "/" in tag or os.sep in tag \
-            or tag != tag.strip():
+            or tag != tag.strip() or any(ord(c) < 32 for c in tag):   # 'latest' could not name it (resolve_tag)
         raise CheckpointError(f"checkpoint tag {tag!r} cannot name a directory of its own beside 'latest': use a "
-                              f"name without path separators or surrounding spaces that does not start with '.'")
+                              f"name without path separators, control characters or surrounding spaces that does "
+                              f"not start with '.'")
     if len(tag.encode()) > MAX_TAG_BYTES:   # the staging and previous directories' names add to it
         raise CheckpointError(f"checkpoint tag {tag[:40]!r}... is {len(tag.encode())} bytes long: at most "
                               f"{MAX_TAG_BYTES} (a file name holds 255, and a save names '.<tag>.previous' too)")

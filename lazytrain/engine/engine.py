@@ -224,7 +224,7 @@ class LazyTrainEngine(nn.Module):
         # what trains, as set up here (the engine's buffers keep this layout; unfreezing later is refused), and
         # the share of it whose moments the config's optimizer keeps in 8 bits (a script's own optimizer: none)
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
-            refuse_unordered(model_parameters)           # torch's check, which listing first would pass
+            refuse_unordered(model_parameters)           # a set: an order that changes between runs
             model_parameters = list(model_parameters)   # a generator: read here and again for the optimizer
         eight_bit = 0.0 if optimizer is not None or config.optimizer.type is None else \
             eight_bit_share(config, model, param_groups(model_parameters, model, lambda p: p))
@@ -364,6 +364,7 @@ class LazyTrainEngine(nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        self._step_starts_at = 0   # micro_steps when the step under way began: no step() of it called yet
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
@@ -734,7 +735,7 @@ class LazyTrainEngine(nn.Module):
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None \
-                and self._step_began is None:   # the step's first forward: a request made mid-step waits for the next
+                and self.micro_steps == self._step_starts_at:   # a request made mid-step waits for the next step
             streams.start_recording(Timeline("measured", device=self.device.type), self.device)   # the traced step begins with this forward
             self._trace_path, self._trace_request = self._trace_request, None
         self._refuse_if_inconsistent("a forward" if not torch.is_grad_enabled() else "a training forward")
@@ -868,6 +869,8 @@ class LazyTrainEngine(nn.Module):
             self._grads_unusable = False   # a retried step that went through
             began, self._step_began = self._step_began, None
         self.micro_steps += 1
+        if boundary:
+            self._step_starts_at = self.micro_steps
         self.dist.calls.at_micro_step(self.micro_steps)
         if boundary and self.auto is not None:
             self.auto.after_step(self.global_steps, time.perf_counter() - (began or time.perf_counter()))
@@ -1045,10 +1048,6 @@ class LazyTrainEngine(nn.Module):
             if self.executor.backward_failure is not None:
                 raise RuntimeError(f"a backward through the streamed layers failed ({self.executor.backward_failure}) "
                                    f"after some layers had sent their gradients: the accumulation holds part of it")
-            if not self.backward_since_zeroed():   # DeepSpeed fails here too (an IndexError)
-                raise RuntimeError("engine.step() at an accumulation boundary, with no backward since the gradients "
-                                   "were last zeroed: the optimizer would move every weight by its momentum and "
-                                   "weight decay alone. Call engine.backward(loss) before engine.step()")
             with streams.wait_span("gradients to host", self.device):
                 self.weights.flush_grads()
                 if self.masters is not None:
@@ -1058,12 +1057,19 @@ class LazyTrainEngine(nn.Module):
             raise   # a collective of the gradient path failed: the ranks' group is gone, no agreement can run
         except Exception as e:   # noqa: BLE001 - every rank hears of it before any rank enters a collective
             local_failure = e
+        no_backward = local_failure is None and not self.backward_since_zeroed()   # DeepSpeed fails too (IndexError)
         # a rank that failed alone would leave the others waiting in the step's collectives until the timeout,
         # or pair its redone micro-batches' collectives with theirs: every rank fails the step together
-        if not self.dist.all_succeeded(local_failure is None, "agreement that every rank's gradients reached its "
-                                                              "host in engine.step()"):
+        if not self.dist.all_succeeded(local_failure is None and not no_backward,
+                                       "agreement that every rank's gradients reached its host in engine.step()"):
+            if no_backward:   # nothing failed: the gradients (none) stay usable, and nothing moved
+                raise RuntimeError("engine.step() at an accumulation boundary, with no backward since the gradients "
+                                   "were last zeroed: the optimizer would move every weight by its momentum and "
+                                   "weight decay alone, so nothing was stepped. Call engine.backward(loss) before "
+                                   "engine.step()")
             cause = local_failure if local_failure is not None else \
-                RuntimeError("another rank's gradients did not all reach its host; its own error says why")
+                RuntimeError("another rank's gradients did not all reach its host, or it ran no backward since the "
+                             "gradients were zeroed; its own error says why")
             raise StepFailedError(self._failed_before_update(cause)) from local_failure
         try:
             self._zero_grads_of_unreached_params()
@@ -1551,6 +1557,14 @@ class LazyTrainEngine(nn.Module):
         if self.shards is not None:   # the same list on every rank: the whole groups, then any added since
             groups = self._all_whole_groups()
         return [p for g in groups for p in g["params"] if id(p) not in self._model_param_ids]
+
+    def note_grads_given(self) -> None:
+        """A gradient was set outside a backward (``safe_set_full_grad``): the step may follow without one, and
+        in fp16 the value is the scaled one, as a backward leaves it (the step divides by the scale)."""
+        self._grads_given = True
+        if self.loss_scaler is not None and not self._scaled_backward:
+            self._adopt_loss_scale_set()   # the scale the step's backwards would take
+            self._scaled_backward = True
 
     def backward_since_zeroed(self) -> bool:
         """Whether a backward ran since the step's gradients were last zeroed: ``engine.backward``, a plain
@@ -2343,7 +2357,7 @@ class LazyTrainEngine(nn.Module):
             self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
         for k in ("global_steps", "global_samples", "skipped_steps"):
             setattr(self, k, model_state.get(k, 0))
-        self.micro_steps = self._micro_steps_after_load()
+        self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
         return path, model_state.get("client_state", {})
 
     def _check_extra_params(self, own: dict, directory: str) -> None:
@@ -2377,7 +2391,7 @@ class LazyTrainEngine(nn.Module):
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         for k, v in state.counters.items():
             setattr(self, k, v)
-        self.micro_steps = self._micro_steps_after_load()
+        self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
         return path, state.client_state
 
     def _micro_steps_after_load(self) -> int:
@@ -2449,7 +2463,7 @@ class LazyTrainEngine(nn.Module):
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         for k, v in state.counters.items():
             setattr(self, k, v)
-        self.micro_steps = self._micro_steps_after_load()
+        self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
         return path, state.client_state
 
     def _refuse_added_block_params(self) -> None:

@@ -390,7 +390,7 @@ class LayerStreamingExecutor:
         result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
         p.last_out = (weakref.ref(out_hidden), out_hidden._version)
-        if _added_tensors(containers, self._block_added) and not self._warned_container_tensor:
+        if _added_tensors(containers, self._block_added, (hidden, *tensors)) and not self._warned_container_tensor:
             self._warned_container_tensor = True
             warnings.warn(f"lazytrain: block {layer} added a tensor to a list or dict it was handed, in a training "
                           f"forward: it carries no gradient (streamed blocks run without autograd in the forward). "
@@ -971,12 +971,15 @@ def _container_snapshot(layer: int, call: _LayerCall, block_added) -> list[tuple
     return snapshot
 
 
-def _added_tensors(snapshot: list[tuple[Any, Any]], block_added) -> bool:
+def _added_tensors(snapshot: list[tuple[Any, Any]], block_added, handed: tuple) -> bool:
     """Whether a block call put a floating-point tensor into a list or dict it was handed (the tensors go
-    into ``block_added``, a weak set: a later step may hand the same list back). Each is detached where it
-    lies, so that it carries no gradient in every layer alike: a layer that records its graph (offloaded
-    internals, the last segment's graph) made it with one, which its own backward frees, and a loss that
-    used it failed with autograd's "backward through the graph a second time"."""
+    into ``block_added``, a weak set: a later step may hand the same list back). One the block made is
+    detached where it lies, so that it carries no gradient in every layer alike: a layer that records its
+    graph (offloaded internals, the last segment's graph) made it with one, which its own backward frees, and
+    a loss that used it failed with autograd's "backward through the graph a second time". One of the
+    tensors the block was ``handed`` (its input) is the caller's own, whose graph reaches outside the block:
+    left as it is, it gets plain PyTorch's gradient."""
+    handed_ids = {id(t) for t in handed if isinstance(t, torch.Tensor)}
     added = False
     for container, before in snapshot:
         if isinstance(container, list):
@@ -986,8 +989,11 @@ def _added_tensors(snapshot: list[tuple[Any, Any]], block_added) -> bool:
             places = [key for key, v in container.items() if key not in before or before[key] is not v]
         for place in places:
             leaves, spec = tree_flatten(container[place])
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
-                leaves = [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in leaves]
+
+            def made_here(t) -> bool:
+                return isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in handed_ids
+            if any(made_here(t) for t in leaves):
+                leaves = [t.detach() if made_here(t) else t for t in leaves]
                 container[place] = tree_unflatten(leaves, spec)
             for t in leaves:
                 if isinstance(t, torch.Tensor) and t.is_floating_point():

@@ -36,7 +36,7 @@ def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, rema
     tensor the optimizer must update (its fp32 master where one exists)."""
     if model_parameters is None:
         model_parameters = model.parameters()
-    refuse_unordered(model_parameters)   # torch's checks, which listing first would pass
+    refuse_unordered(model_parameters)   # a set (order changes between runs), a bare tensor
     items = list(model_parameters)
     if not items:
         raise ConfigError("model_parameters is empty: pass model.parameters() or parameter groups")

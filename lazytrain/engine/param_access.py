@@ -154,10 +154,12 @@ def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
 
 
 def _unreached_as_zeros(engine, param: torch.Tensor, holder: torch.Tensor) -> torch.Tensor | None:
-    """The gradient ``holder`` (``param``'s master, or itself) has; zeros where it is trainable and has none
-    although a backward ran since the gradients were zeroed (a head the loss did not use), as DeepSpeed's flat
-    buffers give it and as the step applies it; None before any backward."""
-    if holder.grad is not None or not holder.requires_grad or not engine.backward_since_zeroed():
+    """The gradient ``holder`` (``param``'s master, or itself) has; zeros where it is a trainable model
+    parameter and has none although a backward ran since the gradients were zeroed (a head the loss did not
+    use), as DeepSpeed's flat buffers give it and as the step applies it; None before any backward, and for a
+    tensor the script added to the optimizer (plain PyTorch's rule, which the step keeps for it)."""
+    if holder.grad is not None or not holder.requires_grad or not engine.backward_since_zeroed() or \
+            id(param) not in engine._model_param_ids:   # a tensor the script added: none, as the step has it
         return holder.grad
     return torch.zeros(_shape(engine, param), dtype=torch.float32)
 
@@ -399,7 +401,7 @@ def set_full_grad(engine, param: torch.Tensor, value) -> None:
                              f"to it")
         return checked
     checked = _fit_on_every_rank(engine, function, check)
-    engine._grads_given = True   # a step may follow without a backward
+    engine.note_grads_given()   # a step may follow without a backward; in fp16 the value is a scaled one
     w = engine.weights
     layer = engine._layer_of_param.get(id(param))
     with torch.no_grad():

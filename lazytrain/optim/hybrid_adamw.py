@@ -63,9 +63,10 @@ _LAYOUT_KEYS = ("optimizer_states", "min_8bit_size", "block_size")
 
 
 def refuse_unordered(params, group: bool = False) -> None:
-    """torch's optimizers' checks, run before the parameters are listed (listed first, they passed): a set's
-    order changes between runs, and a checkpoint pairs state with parameters by their order, so a resume gave
-    same-shaped parameters each other's moments; a bare tensor (not in a group) was listed row by row."""
+    """Parameters in a set, anywhere (torch refuses one inside a group only, and accepts one in place of the
+    list): a set's order changes between runs, and a checkpoint pairs state with parameters by their order, so
+    a resume gave same-shaped parameters each other's moments. A bare tensor in place of the list (torch's
+    check, which listing it first passed) was listed row by row."""
     if isinstance(params, set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
                         "tensors in sets will change between runs. Please use a list instead.")
