@@ -304,6 +304,57 @@ def test_plan_file_for_another_micro_batch_warns(tmp_path):
         lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
 
 
+def test_plan_file_for_another_sequence_length_warns_at_start_and_at_a_longer_batch(tmp_path):
+    """Only the micro-batch was compared: a plan made for short sequences ran on long ones without a word until
+    a device budget overran mid-step."""
+    from lazytrain.planner.plan import every_k_plan
+    path = tmp_path / "plan.json"
+    every_k_plan(6, 2, micro_batch_size=2, seq_len=8).to_json(str(path))
+    with pytest.warns(UserWarning, match=r"was planned for sequence length 8, but 'lazytrain.seq_len' is 96: it runs, "
+                                         r"but its memory and time predictions do not hold \(plan again with "
+                                         r"--seq-len 96\)"):
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path), seq_len=96))
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine(batches(1, seq=8)[0][0])   # the plan's length: nothing to say
+    with pytest.warns(UserWarning, match=r"the plan \(every-2-hbm\) was made for sequence length 8, and this batch's "
+                                         r"is 12: it runs, but the plan's memory and time predictions do not hold"):
+        engine(batches(1, seq=12)[0][0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine(batches(1, seq=12)[0][0])   # said once
+
+
+def test_a_plan_file_is_read_for_a_model_with_no_blocks_and_unstored_boundaries_need_no_tier(tmp_path):
+    """With no repeated blocks the plan file was never read: a missing one, or one for 36 layers, ran as
+    "nothing-streams" without a word. A boundary the plan never stores (the graph tail's) on 'nvme' made the
+    plan refused for want of an NVMe tier it does not use."""
+    from lazytrain.planner.plan import Plan, every_k_plan
+    path = tmp_path / "plan.json"
+    every_k_plan(36, 2).to_json(str(path))
+    with pytest.raises(ConfigError, match=r"is for 36 layers, but the model has 0 blocks \(no repeated blocks to "
+                                          r"stream\)"):
+        lazytrain.initialize(model=torch.nn.Linear(4, 4), config=ds_config(policy="plan", plan=str(path)))
+    with pytest.raises(ConfigError, match=r"config 'lazytrain.plan' \(.*missing.json\): .*No such file"):
+        lazytrain.initialize(model=torch.nn.Linear(4, 4), config=ds_config(policy="plan",
+                                                                           plan=str(tmp_path / "missing.json")))
+    tail = Plan(num_layers=6, homes=("hbm", "recompute", "host", "recompute", "nvme", "recompute", "hbm"),
+                last_segment_graph=True, policy="tail-on-nvme")   # boundary 4 starts the graph tail
+    tail.to_json(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"),
+                                               config=ds_config(policy="plan", plan=str(path)))
+    assert engine.plan.graph_start() == 4 and "nvme" not in engine.tiers
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    with pytest.raises(ConfigError, match=r"puts boundary 4 on tier 'nvme', which is not configured"):
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path),
+                                                                          last_segment_graph=False))
+
+
 def test_a_micro_batch_changed_from_the_plans_warns_and_one_set_to_it_does_not(tmp_path):
     from lazytrain.planner.plan import every_k_plan
     path = tmp_path / "plan.json"

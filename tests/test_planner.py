@@ -1641,3 +1641,25 @@ def test_a_small_models_step_is_printed_in_significant_digits(tmp_path, capsys):
     step = float(re.search(r"^lazytrain \(milp\)\s+(\S+)", out, re.M).group(1))
     assert 0 < step < 1e-3
     assert "step lower bound 0.000 s" not in out
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"num_layers": 2, "homes": ["hbm", "host", "hbm"], "offload_window": {"1": 1, "1": 2}}',
+     "Plan JSON gives the key '1' twice in one object"),
+    ('{"num_layers": 2, "num_layers": 3, "homes": ["hbm", "host", "hbm"]}',
+     "Plan JSON gives the key 'num_layers' twice in one object"),
+    ('{"num_layers": 2, "homes": ["hbm", "host", "hbm"], "offload_window": {"1": 1, "01": 2}}',
+     "Plan field 'offload_window' must map boundary numbers to window numbers, got '01': 2"),
+    ('{"num_layers": 2, "homes": ["hbm", "host", "hbm"], "offload_window": {" 1 ": 1}}',
+     "Plan field 'offload_window' must map boundary numbers to window numbers, got ' 1 ': 1"),
+    ('{"num_layers": 2, "homes": ["hbm", "host", "hbm"], "offload_window": {"0_1": 1}}',
+     "Plan field 'offload_window' must map boundary numbers to window numbers, got '0_1': 1"),
+])
+def test_a_plan_key_given_twice_or_spelled_otherwise_is_refused(text, says):
+    """json.loads kept a repeated key's last value, and int() read "01", " 1 ", "0_1" (as 1) and "\u0661" as
+    numbers: two spellings of one boundary merged, the last winning, without a word."""
+    with pytest.raises(PlanError) as e:
+        Plan.from_json(text)
+    assert str(e.value) == says
+    assert Plan.from_json('{"num_layers": 2, "homes": ["hbm", "host", "hbm"], "offload_window": {"1": 1}}') \
+        .offload_window == {1: 1}

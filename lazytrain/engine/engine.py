@@ -365,6 +365,7 @@ class LazyTrainEngine(nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self._step_starts_at = 0   # micro_steps when the step under way began: no step() of it called yet
+        self._warned_beyond_plan = False   # a batch longer than the plan's sequence length was said
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
@@ -743,9 +744,12 @@ class LazyTrainEngine(nn.Module):
             self._keep_layer_checkpointing_off()
             if self._step_began is None:
                 self._step_began = time.perf_counter()
-            if self.auto is not None:   # policy auto plans for the batches it sees (others need no shape)
-                self._note_batch_for_auto(kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)),
-                                                                       None)))
+            if self.auto is not None or (self.plan.seq_len is not None and not self._warned_beyond_plan):
+                ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
+                if self.auto is not None:   # policy auto plans for the batches it sees
+                    self._note_batch_for_auto(ids)
+                else:
+                    self._warn_beyond_plan(ids)
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
         if self._config.fp16.enabled and self._config.fp16.auto_cast:
@@ -951,6 +955,17 @@ class LazyTrainEngine(nn.Module):
             raise (error or StepFailedError)(
                 f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and not-updated "
                 f"state; load a checkpoint (engine.load_checkpoint) first")
+
+    def _warn_beyond_plan(self, ids) -> None:
+        """A batch longer than the plan's sequence length runs, but the plan's memory (boundaries, kept outputs
+        on the device) was counted for shorter ones: said once, before a device budget overruns mid-step."""
+        if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2 and \
+                int(ids.shape[-1]) > self.plan.seq_len:
+            self._warned_beyond_plan = True
+            warnings.warn(f"lazytrain: the plan ({self.plan.policy}) was made for sequence length "
+                          f"{self.plan.seq_len}, and this batch's is {int(ids.shape[-1])}: it runs, but the plan's "
+                          f"memory and time predictions do not hold (plan again at the longest length trained)",
+                          UserWarning, stacklevel=3)
 
     def _note_batch_for_auto(self, ids) -> None:
         """Policy auto measures and plans for micro-batch x sequence-length tokens: the longest sequence seen

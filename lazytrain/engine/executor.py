@@ -162,8 +162,9 @@ class LayerStreamingExecutor:
                  weights_epoch: int = 0, backward_ends_step=None):
         if plan.num_layers != len(blocks):
             raise ExecutorError(f"the plan is for {plan.num_layers} layers but the model has {len(blocks)} blocks")
+        unstored = plan.unstored_boundaries()
         for i, home in enumerate(plan.homes):
-            if home != RECOMPUTE and home not in tiers:
+            if home != RECOMPUTE and home not in tiers and i not in unstored:
                 raise ExecutorError(f"the plan puts boundary {i} on tier {home!r}, which is not configured "
                                     f"(configured: {', '.join(tiers)})")
         self.blocks = blocks

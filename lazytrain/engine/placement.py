@@ -40,6 +40,9 @@ def build_tiers(cfg: EngineConfig, device: torch.device) -> dict[str, Tier]:
                         capacities=lt.capacities)
 
 
+_NO_NVME = "; the NVMe tier exists when 'lazytrain.nvme_path' names a directory on the drive"
+
+
 def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
                micro_batch: int, from_model: dict[str, float] | None = None) -> Plan:
     """The policy's Plan, with ``lazytrain.last_segment_graph`` applied: "auto" turns it on for the
@@ -51,6 +54,8 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     MILP budgets the frozen ones as their compute copy alone) and of the trained ones with 8-bit moments
     (``hybrid_8bit_fraction``); None: the planner's defaults."""
     if num_layers == 0:   # nothing streams: every parameter stays on the device
+        if cfg.lazytrain.policy == "plan":   # a Plan file is read and refused, not left unread without a word
+            _plan_file(cfg, 0, tiers, micro_batch)
         return Plan(num_layers=0, homes=(DEVICE_HOME,), policy="nothing-streams", micro_batch_size=micro_batch)
     plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model)
     choice = cfg.lazytrain.last_segment_graph
@@ -69,10 +74,9 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
                  micro_batch: int, from_model: dict[str, float] | None) -> Plan:
     lt = cfg.lazytrain
     home = lt.boundary_home
-    no_nvme = "; the NVMe tier exists when 'lazytrain.nvme_path' names a directory on the drive"
     if home not in tiers:
         raise ConfigError(f"config 'lazytrain.boundary_home' is {home!r}, which is not a configured tier "
-                          f"(configured: {', '.join(tiers)})" + (no_nvme if home == "nvme" else ""))
+                          f"(configured: {', '.join(tiers)})" + (_NO_NVME if home == "nvme" else ""))
     resident = tuple(range(num_layers)) if lt.weights_home == "hbm" else ()
     if lt.policy == "every_k":
         k = cfg.interval_for(num_layers)
@@ -82,37 +86,52 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
     if lt.policy == "offload_all":
         return offload_all_plan(num_layers, input_home=home, resident_layers=resident)
     if lt.policy == "plan":
-        try:
-            plan = Plan.from_json(lt.plan_path)
-            plan.validate(custom_tiers=tuple(tiers))
-        except (OSError, PlanError) as e:
-            raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}): {e}") from e
-        if plan.num_layers != num_layers:
-            raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}) is for {plan.num_layers} layers, but the "
-                              f"model has {num_layers} blocks")
-        if lt.weights_home == "hbm" and set(plan.resident_layers) != set(range(num_layers)):
-            raise ConfigError(f"config 'lazytrain.weights_home' \"hbm\" keeps every layer resident, but "
-                              f"'lazytrain.plan' ({lt.plan_path}) streams layers "
-                              f"{_ranges(sorted(set(range(num_layers)) - set(plan.resident_layers)))}: set "
-                              f"'weights_home' to \"host\" or \"nvme\" to run the plan, or plan with every layer "
-                              f"resident")
-        # a plan written with --nvme: refused here, naming the keys, not by the executor once the weights are set up
-        on_nvme = [i for i, h in enumerate(plan.homes) if h == "nvme"]
-        if on_nvme and "nvme" not in tiers:
-            more = f" and {len(on_nvme) - 1} more" if len(on_nvme) > 1 else ""
-            raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}) puts boundary {on_nvme[0]}{more} on tier "
-                              f"'nvme', which is not configured (configured: {', '.join(tiers)}){no_nvme}; or "
-                              f"plan again without NVMe (`lazytrain plan --nvme 0`)")
-        if plan.micro_batch_size is not None and plan.micro_batch_size != micro_batch:
-            warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for micro-batch "
-                          f"{plan.micro_batch_size}, but this run trains micro-batch {micro_batch}: it runs, but its "
-                          f"memory and time predictions do not hold (plan again with --micro-batch {micro_batch})")
-        return plan
+        return _plan_file(cfg, num_layers, tiers, micro_batch)
     if lt.policy == "milp":
         return _milp_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model)
     if lt.policy == "auto":
         return calibration_plan(cfg, num_layers, micro_batch)
     raise ConfigError(f"config 'lazytrain.policy' {lt.policy!r} is unknown")
+
+
+def _plan_file(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], micro_batch: int) -> Plan:
+    """The Plan file 'lazytrain.plan' names, checked against this run: refused where it cannot run here,
+    warned of where it runs but its predictions do not hold."""
+    lt = cfg.lazytrain
+    try:
+        plan = Plan.from_json(lt.plan_path)
+        plan.validate(custom_tiers=tuple(tiers))
+    except (OSError, PlanError) as e:
+        raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}): {e}") from e
+    if plan.num_layers != num_layers:
+        raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}) is for {plan.num_layers} layers, but the "
+                          f"model has {num_layers} blocks" + (" (no repeated blocks to stream)"
+                                                              if num_layers == 0 else ""))
+    if lt.weights_home == "hbm" and set(plan.resident_layers) != set(range(num_layers)):
+        raise ConfigError(f"config 'lazytrain.weights_home' \"hbm\" keeps every layer resident, but "
+                          f"'lazytrain.plan' ({lt.plan_path}) streams layers "
+                          f"{_ranges(sorted(set(range(num_layers)) - set(plan.resident_layers)))}: set "
+                          f"'weights_home' to \"host\" or \"nvme\" to run the plan, or plan with every layer "
+                          f"resident")
+    # a plan written with --nvme: refused here, naming the keys, not by the executor once the weights are set up
+    # (a boundary the plan never stores needs no tier: the graph tail's, unless the config turns the tail off)
+    runs_as = dataclasses.replace(plan, last_segment_graph=False) if lt.last_segment_graph is False else plan
+    unstored = runs_as.unstored_boundaries()
+    on_nvme = [i for i, h in enumerate(plan.homes) if h == "nvme" and i not in unstored]
+    if on_nvme and "nvme" not in tiers:
+        more = f" and {len(on_nvme) - 1} more" if len(on_nvme) > 1 else ""
+        raise ConfigError(f"config 'lazytrain.plan' ({lt.plan_path}) puts boundary {on_nvme[0]}{more} on tier "
+                          f"'nvme', which is not configured (configured: {', '.join(tiers)}){_NO_NVME}; or "
+                          f"plan again without NVMe (`lazytrain plan --nvme 0`)")
+    if plan.micro_batch_size is not None and plan.micro_batch_size != micro_batch:
+        warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for micro-batch "
+                      f"{plan.micro_batch_size}, but this run trains micro-batch {micro_batch}: it runs, but its "
+                      f"memory and time predictions do not hold (plan again with --micro-batch {micro_batch})")
+    if plan.seq_len is not None and lt.seq_len is not None and plan.seq_len != lt.seq_len:
+        warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for sequence length "
+                      f"{plan.seq_len}, but 'lazytrain.seq_len' is {lt.seq_len}: it runs, but its memory and time "
+                      f"predictions do not hold (plan again with --seq-len {lt.seq_len})")
+    return plan
 
 
 def _ranges(layers: list[int]) -> str:

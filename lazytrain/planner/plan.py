@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,6 +125,11 @@ class Plan:
         if not self.last_segment_graph or self.num_layers == 0:
             return self.num_layers
         return self.kept[-2]
+
+    def unstored_boundaries(self) -> set[int]:
+        """Boundaries the executor never stores, whatever their homes say: the graph tail's (its graph holds
+        them) and an offloaded layer 0's input (its saved internals hold it)."""
+        return set(range(self.graph_start(), self.num_layers)) | ({0} if 0 in self.offloaded_layers else set())
 
     def recomputed_layers(self) -> int:
         """Layer forwards repeated in backward: sum over recomputed segments of (length - 1)."""
@@ -296,7 +302,7 @@ class Plan:
             except UnicodeDecodeError as e:
                 raise PlanError(f"Plan file {text_or_path} is not UTF-8 JSON: {e}") from None
         try:
-            d = json.loads(text)
+            d = json.loads(text, object_pairs_hook=_no_repeated_keys)
         except json.JSONDecodeError as e:
             raise PlanError(f"Plan JSON does not parse: {e}") from e
         if not isinstance(d, dict):
@@ -315,14 +321,23 @@ def _whole(v) -> int | None:
 
 
 def _number_key(k):
-    """A JSON object's key as the integer it spells ("3" -> 3); anything else ("--2", "²") unchanged, for the
-    field's check to name."""
-    if not isinstance(k, str):
-        return k
-    try:
+    """A JSON object's key as the integer it spells in the one way JSON writes one ("3" -> 3); anything else
+    ("--2", "²", and "02", " 2 ", "0_2", "٢", which int() reads too, so that "2" and "02" were one key, the
+    last one's value kept) unchanged, for the field's check to name."""
+    if isinstance(k, str) and re.fullmatch(r"-?(0|[1-9][0-9]*)", k):
         return int(k)
-    except ValueError:
-        return k
+    return k
+
+
+def _no_repeated_keys(pairs: list) -> dict:
+    """A JSON object whose keys are each given once: a repeated one (a hand-edited plan) kept the last value
+    without a word."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise PlanError(f"Plan JSON gives the key {k!r} twice in one object")
+        out[k] = v
+    return out
 
 
 def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
