@@ -242,3 +242,26 @@ def test_under_autocast_the_gradients_are_those_of_the_loss_it_returns():
     assert rel(h_grad, own_h) < 1e-6 and rel(h_grad, fp32_h) > 1e-3
     assert rel(w_grad, own_w) < rel(w_grad, fp32_w)
     assert not torch.is_autocast_enabled("cpu")   # the backward's autocast ended with it
+
+
+def test_under_autocast_the_backward_casts_the_head_once_as_the_forward_does():
+    """A new autocast context per chunk dropped autocast's cache of the head's low-precision copy: each chunk
+    cast the whole head again (a vocabulary x hidden copy per chunk)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 16, 32, generator=g), torch.randn(128, 32, generator=g).requires_grad_(True)
+    labels = torch.randint(0, 128, (2, 16), generator=g)
+
+    class HeadCasts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == tuple(weight.shape) and \
+                    args[0].dtype == torch.float32 and (kwargs or {}).get("dtype") == torch.bfloat16:
+                HeadCasts.count += 1   # the fp32 head to bf16 (not the bf16 gradient back to fp32)
+            return func(*args, **(kwargs or {}))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_loss.causal_lm_loss(hidden.requires_grad_(True), weight, None, labels, 4)   # 8 chunks
+    with HeadCasts():
+        loss.backward()
+    assert HeadCasts.count == 1

@@ -142,18 +142,20 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         w = weight.detach().requires_grad_(need_w)
         b = bias.detach().requires_grad_(need_b) if bias is not None else None
         wanted = [t for t, need in ((w, need_w), (b, need_b)) if need]
-        for part in _live_chunks(flat.shape[0], ctx.chunk_tokens, ctx.live):
-            # the forward's autocast again (backward runs outside it): the gradient of the logits it computed
-            with torch.enable_grad(), torch.autocast(**ctx.autocast):
-                h = flat[part].detach().requires_grad_(need_h)
-                loss = _chunk_loss_sum(h, w, b, shifted[part])
-                grads = list(torch.autograd.grad(loss, ([h] if need_h else []) + wanted, grad_total))
-            if need_h:
-                grad_h[part] = grads.pop(0)
-            if need_w:
-                grad_w += grads.pop(0)
-            if need_b:
-                grad_b += grads.pop(0)
+        # the forward's autocast again (backward runs outside it): the gradients of the logits it computed. One
+        # context for every chunk, as the forward had, so that the head's low-precision cast is made once
+        with torch.autocast(**ctx.autocast):
+            for part in _live_chunks(flat.shape[0], ctx.chunk_tokens, ctx.live):
+                with torch.enable_grad():
+                    h = flat[part].detach().requires_grad_(need_h)
+                    loss = _chunk_loss_sum(h, w, b, shifted[part])
+                    grads = list(torch.autograd.grad(loss, ([h] if need_h else []) + wanted, grad_total))
+                if need_h:
+                    grad_h[part] = grads.pop(0)
+                if need_w:
+                    grad_w += grads.pop(0)
+                if need_b:
+                    grad_b += grads.pop(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
 
