@@ -14,13 +14,13 @@ _KEYWORDS = {"all_gather_into_tensor": {"tensor": "input_tensor"},
              "reduce_scatter_tensor": {"output_tensor": "output", "tensor": "input"},
              "all_to_all_single": {"tensor": "input"}}
 _LOGGER_KEYWORDS = ("prof", "log_name", "debug")
-_COLLECTIVES = ("get_rank", "get_world_size", "get_global_rank", "get_backend", "barrier", "monitored_barrier",
+_COLLECTIVES = ("get_rank", "get_world_size", "get_backend", "barrier", "monitored_barrier",
                 "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                 "all_to_all_single", "gather", "scatter", "send", "recv", "isend", "irecv", "all_gather_object",
                 "broadcast_object_list", "new_group", "destroy_process_group")
 
-__all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_local_rank", "log_summary",
-           *_COLLECTIVES]
+__all__ = ["ReduceOp", "init_distributed", "is_initialized", "is_available", "get_local_rank", "get_global_rank",
+           "log_summary", *_COLLECTIVES]
 
 
 def init_distributed(*args, **kwargs) -> None:
@@ -36,6 +36,13 @@ def is_initialized() -> bool:
 
 def is_available() -> bool:
     return _dist.is_available()
+
+
+def get_global_rank(group=None, group_rank: int = 0) -> int:
+    """DeepSpeed's signature (torch's needs both arguments): the global rank of ``group``'s rank
+    ``group_rank``, of the default group's without one."""
+    _with_a_group()
+    return _dist.get_global_rank(group if group is not None else _dist.group.WORLD, group_rank)
 
 
 def get_local_rank() -> int:

@@ -312,7 +312,7 @@ def test_plan_file_for_another_sequence_length_warns_at_start_and_at_a_longer_ba
     every_k_plan(6, 2, micro_batch_size=2, seq_len=8).to_json(str(path))
     with pytest.warns(UserWarning, match=r"was planned for sequence length 8, but 'lazytrain.seq_len' is 96: it runs, "
                                          r"but its memory and time predictions do not hold \(plan again with "
-                                         r"--seq-len 96\)"):
+                                         r"--seq 96\)"):
         lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path), seq_len=96))
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
     with warnings.catch_warnings():
@@ -1631,7 +1631,7 @@ def test_list_handed_to_blocks_is_the_models_own():
     assert len(model.sink) == 6 and all(torch.equal(a, b) for a, b in zip(model.sink, ref.sink))
     engine.train()
     with pytest.warns(UserWarning, match=r"block 0 added a tensor to a list or dict it was handed, in a training "
-                                         r"forward: it carries no gradient"):
+                                         r"forward: a tensor the block makes carries no gradient"):
         engine(x)
     assert len(model.sink) == 6
 
@@ -1960,11 +1960,17 @@ def test_training_data_keeps_the_last_smaller_batch_unless_dataloader_drop_last(
     assert [x.shape[0] for x, _ in loader] == [2, 2]
 
 
-def test_under_a_launcher_the_training_data_comes_in_deepspeeds_order(monkeypatch):
-    """DeepSpeed's loader under a launcher (LOCAL_RANK set) draws from a DistributedSampler shuffled from seed 0,
-    whatever torch's random state: the same order here, so the same script trains on the same batches."""
+@pytest.mark.parametrize("launcher", [True, False])
+def test_the_training_data_comes_in_deepspeeds_order_with_or_without_a_launcher(monkeypatch, launcher):
+    """DeepSpeed's loader draws from a DistributedSampler shuffled from seed 0, whatever torch's random state
+    (its engine needs LOCAL_RANK, which its set-up gives a process started alone too): the same order here, so
+    the same script trains on the same batches. Started alone, the loader drew from a RandomSampler, whose
+    order followed torch's random state and whose data_sampler.set_epoch (the README's resume advice) raised."""
     dataset = torch.utils.data.TensorDataset(torch.arange(10))
-    monkeypatch.setenv("LOCAL_RANK", "0")
+    if launcher:
+        monkeypatch.setenv("LOCAL_RANK", "0")
+    else:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
     want = list(torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
     orders = []
     for seed in (1, 2):
@@ -1973,6 +1979,24 @@ def test_under_a_launcher_the_training_data_comes_in_deepspeeds_order(monkeypatc
                                                config=ds_config())
         orders.append([int(i) for (x,) in loader for i in x])
     assert orders[0] == orders[1] == want
+    loader.data_sampler.set_epoch(0)   # the first pass again, as a resumed run asks for it
+    assert [int(i) for (x,) in loader for i in x] == want
+
+
+def test_training_data_that_is_no_dataset_or_an_iterable_with_a_sampler_is_refused():
+    """initialize's training_data was not checked as deepspeed_io's is (a raw "object of type 'int' has no
+    len()"); a sampler given with an IterableDataset was dropped without a word, where torch refuses it."""
+    with pytest.raises(ValueError, match="^Training data must be a torch Dataset$"):
+        lazytrain.initialize(model=make_model("modulelist"), training_data=42, config=ds_config())
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
+    with pytest.raises(ValueError, match="^DataLoader with IterableDataset: expected unspecified sampler option"):
+        engine.deepspeed_io(Stream(), data_sampler=[0, 1])
+    import numpy as np
+    assert [len(b) for b in engine.deepspeed_io(list(range(7)), batch_size=np.int64(5), route="eval")] == [5, 2]
 
 
 def test_deepspeed_io_builds_an_evaluation_loader_in_order():
@@ -2623,6 +2647,8 @@ def test_deepspeed_comm_names_answer_through_import_lazytrain_as_deepspeed(monke
         deepspeed.comm.barrier()
         assert gathered.tolist() == exchanged.tolist() == t.tolist() == [0.0, 1.0, 2.0, 3.0]
         assert pickle.loads(pickle.dumps(deepspeed.comm.get_rank)) is deepspeed.comm.get_rank
+        # DeepSpeed's get_global_rank(group=None, group_rank=0); torch's needs both
+        assert deepspeed.comm.get_global_rank() == deepspeed.comm.get_global_rank(torch.distributed.group.WORLD) == 0
         assert deepspeed.comm.log_summary(return_dict=True) == {}   # no communication log kept, as DeepSpeed's default
         with pytest.raises(AttributeError, match=r"lazytrain.comm \(deepspeed.comm for `import lazytrain as deepspeed`\) "
                                                  r"has no 'configure'"):

@@ -1654,6 +1654,8 @@ def test_a_small_models_step_is_printed_in_significant_digits(tmp_path, capsys):
      "Plan field 'offload_window' must map boundary numbers to window numbers, got ' 1 ': 1"),
     ('{"num_layers": 2, "homes": ["hbm", "host", "hbm"], "offload_window": {"0_1": 1}}',
      "Plan field 'offload_window' must map boundary numbers to window numbers, got '0_1': 1"),
+    ('{"num_layers": 2, "homes": ["hbm", "host", "hbm"], "offload_window": {"1": 1, "-0": 1}}',
+     "Plan field 'offload_window' must map boundary numbers to window numbers, got '-0': 1"),
 ])
 def test_a_plan_key_given_twice_or_spelled_otherwise_is_refused(text, says):
     """json.loads kept a repeated key's last value, and int() read "01", " 1 ", "0_1" (as 1) and "\u0661" as

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import numbers
 import os
 import platform
 import threading
@@ -694,15 +695,21 @@ class LazyTrainEngine(nn.Module):
 
     def _build_dataloader(self, training_data, collate_fn, batch_size: int | None = None, shuffle: bool = True,
                           sampler=None, pin_memory: bool = False, num_workers: int = 0):
-        """DeepSpeed's loader over ``training_data``: under a launcher (``LOCAL_RANK`` set, or several ranks) a
-        DistributedSampler of this rank's part, shuffled from seed 0, so the order is DeepSpeed's own; a
-        process started alone shuffles with torch's random generator, as DeepSpeed's does."""
+        """DeepSpeed's loader over ``training_data``: a DistributedSampler of this rank's part, shuffled from seed
+        0, so the order is DeepSpeed's own (its engine needs LOCAL_RANK, which its set-up gives a process started
+        alone too), and ``loader.data_sampler.set_epoch`` works in every run. A process started alone drew from a
+        RandomSampler, whose order followed torch's random state and which has no ``set_epoch``."""
         if training_data is None:
             return None
+        if not is_dataset(training_data):   # as deepspeed_io, for initialize's training_data too
+            raise ValueError("Training data must be a torch Dataset")   # DeepSpeed's words
         common = dict(batch_size=batch_size or self.train_micro_batch_size_per_gpu(), collate_fn=collate_fn,
                       drop_last=self._config.dataloader_drop_last, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available())
         if isinstance(training_data, torch.utils.data.IterableDataset):   # it orders (and splits) itself
+            if sampler is not None:   # torch's refusal: dropped here, the script's sampler went unused
+                raise ValueError(f"DataLoader with IterableDataset: expected unspecified sampler option, but got "
+                                 f"sampler={sampler}")
             if self.world_size > 1 and not self._warned_iterable:
                 self._warned_iterable = True
                 warnings.warn(f"lazytrain: an IterableDataset under {self.world_size} ranks: every rank reads it "
@@ -710,7 +717,7 @@ class LazyTrainEngine(nn.Module):
                               f"datasets.distributed.split_dataset_by_node makes it), every rank trains on the same "
                               f"samples", UserWarning, stacklevel=3)
             return EpochDataLoader(training_data, **common)
-        if sampler is None and (self.dist.enabled or "LOCAL_RANK" in os.environ or not shuffle):
+        if sampler is None:
             sampler = EpochTrackingSampler(training_data, num_replicas=self.world_size, rank=self.global_rank,
                                            shuffle=shuffle)
         return EpochDataLoader(training_data, sampler=sampler, shuffle=sampler is None, **common)
@@ -723,14 +730,15 @@ class LazyTrainEngine(nn.Module):
         shuffles as the training loader does. Pinned memory only where CUDA is."""
         if not is_dataset(dataset):   # a list or a Hugging Face dataset too, as DeepSpeed takes them
             raise ValueError("Training data must be a torch Dataset")   # DeepSpeed's words
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or
-                                       batch_size < 1):
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+                                       or batch_size < 1):   # numpy's integers too, as DeepSpeed takes them
             raise ValueError(f"deepspeed_io batch_size must be a whole number >= 1 (or None: the micro-batch "
                              f"size), got {batch_size!r}")
         if route not in ("train", "eval", "predict"):
             raise ValueError(f"deepspeed_io route must be \"train\", \"eval\" or \"predict\", got {route!r}")
         return self._build_dataloader(dataset, collate_fn if collate_fn is not None else self._collate_fn,
-                                      batch_size=batch_size, shuffle=route == "train", sampler=data_sampler,
+                                      batch_size=None if batch_size is None else int(batch_size),
+                                      shuffle=route == "train", sampler=data_sampler,
                                       pin_memory=pin_memory, num_workers=num_local_io_workers or 0)
 
     # ---- the training loop's surface -----------------------------------------------------------
@@ -970,8 +978,8 @@ class LazyTrainEngine(nn.Module):
     def _note_batch_for_auto(self, ids) -> None:
         """Policy auto measures and plans for micro-batch x sequence-length tokens: the longest sequence seen
         (batches padded to their own length), or 'lazytrain.seq_len'. A batch of more tokens was measured and
-        run as if it held fewer (the profile recorded the config's shape, and a reused one accepted it): it is
-        refused, naming what to change."""
+        run as if it held fewer without a word (the profile records the config's shape): it is said once,
+        naming what to change (a batch of concatenated pairs, as TRL's DPO makes, comes in every step)."""
         if not (torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2):
             return
         n = int(ids.shape[-1])
@@ -982,13 +990,15 @@ class LazyTrainEngine(nn.Module):
                                   f"'profile' out), or train at most at the profile's length")
             self._seq_len = max(self._seq_len or 0, n)
         micro = self.train_micro_batch_size_per_gpu()
-        if ids.numel() > micro * self._seq_len:
+        if ids.numel() > micro * self._seq_len and not self._warned_beyond_plan:
+            self._warned_beyond_plan = True   # once: concatenated pairs (TRL's DPO) come in every step
             declared = "'lazytrain.seq_len'" if self._config.lazytrain.seq_len is not None else "the longest seen"
-            raise ConfigError(f"config 'lazytrain.policy' \"auto\" measures and plans for micro-batches of "
-                              f"{micro} x {self._seq_len} tokens ('train_micro_batch_size_per_gpu' x {declared}), "
-                              f"and this batch of shape {tuple(ids.shape)} holds {ids.numel()}: pass batches of "
-                              f"at most that size, or set the micro-batch size (and 'lazytrain.seq_len') to "
-                              f"what is passed")
+            warnings.warn(f"lazytrain: policy \"auto\" measures and plans for micro-batches of {micro} x "
+                          f"{self._seq_len} tokens ('train_micro_batch_size_per_gpu' x {declared}), and this batch "
+                          f"of shape {tuple(ids.shape)} holds {ids.numel()} (concatenated pairs, or more samples than "
+                          f"the micro-batch?): it trains, but what is measured and planned is not this batch's time "
+                          f"and memory; set the micro-batch size (and 'lazytrain.seq_len') to what a forward is "
+                          f"passed", UserWarning, stacklevel=4)
 
     def trace_next_step(self, path: str | None = None) -> None:
         """Record the next training step, from its first forward to the end of the layer updates its
@@ -1072,19 +1082,18 @@ class LazyTrainEngine(nn.Module):
             raise   # a collective of the gradient path failed: the ranks' group is gone, no agreement can run
         except Exception as e:   # noqa: BLE001 - every rank hears of it before any rank enters a collective
             local_failure = e
-        no_backward = local_failure is None and not self.backward_since_zeroed()   # DeepSpeed fails too (IndexError)
+        if local_failure is None and self.world_size == 1 and not self.backward_since_zeroed():
+            # DeepSpeed fails here too (an IndexError). One process only: over several ranks a rank may hold no
+            # gradient after a backward (at stage 3 the owner's alone), and telling that apart needs a collective
+            raise RuntimeError("engine.step() at an accumulation boundary, with no backward since the gradients "
+                               "were last zeroed: the optimizer would move every weight by its momentum and weight "
+                               "decay alone, so nothing was stepped. Call engine.backward(loss) before engine.step()")
         # a rank that failed alone would leave the others waiting in the step's collectives until the timeout,
         # or pair its redone micro-batches' collectives with theirs: every rank fails the step together
-        if not self.dist.all_succeeded(local_failure is None and not no_backward,
-                                       "agreement that every rank's gradients reached its host in engine.step()"):
-            if no_backward:   # nothing failed: the gradients (none) stay usable, and nothing moved
-                raise RuntimeError("engine.step() at an accumulation boundary, with no backward since the gradients "
-                                   "were last zeroed: the optimizer would move every weight by its momentum and "
-                                   "weight decay alone, so nothing was stepped. Call engine.backward(loss) before "
-                                   "engine.step()")
+        if not self.dist.all_succeeded(local_failure is None, "agreement that every rank's gradients reached its "
+                                                              "host in engine.step()"):
             cause = local_failure if local_failure is not None else \
-                RuntimeError("another rank's gradients did not all reach its host, or it ran no backward since the "
-                             "gradients were zeroed; its own error says why")
+                RuntimeError("another rank's gradients did not all reach its host; its own error says why")
             raise StepFailedError(self._failed_before_update(cause)) from local_failure
         try:
             self._zero_grads_of_unreached_params()

@@ -394,9 +394,9 @@ class LayerStreamingExecutor:
         if _added_tensors(containers, self._block_added, (hidden, *tensors)) and not self._warned_container_tensor:
             self._warned_container_tensor = True
             warnings.warn(f"lazytrain: block {layer} added a tensor to a list or dict it was handed, in a training "
-                          f"forward: it carries no gradient (streamed blocks run without autograd in the forward). "
-                          f"If the loss uses it (an auxiliary loss), return it from the block instead: a block's "
-                          f"extra outputs are differentiated")
+                          f"forward: a tensor the block makes carries no gradient (streamed blocks run without "
+                          f"autograd in the forward). If the loss uses it (an auxiliary loss), return it from the "
+                          f"block instead: a block's extra outputs are differentiated")
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
             windows = self._backward_windows(p)
             if self.graph_start < self.L and windows:

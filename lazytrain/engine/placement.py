@@ -130,7 +130,7 @@ def _plan_file(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], micro
     if plan.seq_len is not None and lt.seq_len is not None and plan.seq_len != lt.seq_len:
         warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for sequence length "
                       f"{plan.seq_len}, but 'lazytrain.seq_len' is {lt.seq_len}: it runs, but its memory and time "
-                      f"predictions do not hold (plan again with --seq-len {lt.seq_len})")
+                      f"predictions do not hold (plan again with --seq {lt.seq_len})")
     return plan
 
 

@@ -324,7 +324,7 @@ def _number_key(k):
     """A JSON object's key as the integer it spells in the one way JSON writes one ("3" -> 3); anything else
     ("--2", "²", and "02", " 2 ", "0_2", "٢", which int() reads too, so that "2" and "02" were one key, the
     last one's value kept) unchanged, for the field's check to name."""
-    if isinstance(k, str) and re.fullmatch(r"-?(0|[1-9][0-9]*)", k):
+    if isinstance(k, str) and re.fullmatch(r"0|-?[1-9][0-9]*", k):   # not "-0", a second spelling of 0
         return int(k)
     return k
 
