@@ -391,7 +391,14 @@ class LayerStreamingExecutor:
         result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
         p.last_out = (weakref.ref(out_hidden), out_hidden._version)
-        if _added_tensors(containers, self._block_added, (hidden, *tensors)) and not self._warned_container_tensor:
+        # what the block was handed, by what it got: the tensors themselves in a re-run layer; in a layer that
+        # recorded its graph, the fresh leaves it computed from, each standing for the tensor it was made of
+        handed = {id(t): t for t in (hidden, *tensors) if isinstance(t, torch.Tensor)}
+        if p.graphs.get(layer) is not None:
+            x_in, _, _, t_in = p.graphs[layer]
+            handed.update({id(leaf): t for leaf, t in zip((x_in, *t_in), (hidden, *tensors))
+                           if isinstance(leaf, torch.Tensor)})
+        if _added_tensors(containers, self._block_added, handed) and not self._warned_container_tensor:
             self._warned_container_tensor = True
             warnings.warn(f"lazytrain: block {layer} added a tensor to a list or dict it was handed, in a training "
                           f"forward: a tensor the block makes carries no gradient (streamed blocks run without "
@@ -972,15 +979,15 @@ def _container_snapshot(layer: int, call: _LayerCall, block_added) -> list[tuple
     return snapshot
 
 
-def _added_tensors(snapshot: list[tuple[Any, Any]], block_added, handed: tuple) -> bool:
+def _added_tensors(snapshot: list[tuple[Any, Any]], block_added, handed: dict) -> bool:
     """Whether a block call put a floating-point tensor into a list or dict it was handed (the tensors go
     into ``block_added``, a weak set: a later step may hand the same list back). One the block made is
     detached where it lies, so that it carries no gradient in every layer alike: a layer that records its
     graph (offloaded internals, the last segment's graph) made it with one, which its own backward frees, and
-    a loss that used it failed with autograd's "backward through the graph a second time". One of the
-    tensors the block was ``handed`` (its input) is the caller's own, whose graph reaches outside the block:
-    left as it is, it gets plain PyTorch's gradient."""
-    handed_ids = {id(t) for t in handed if isinstance(t, torch.Tensor)}
+    a loss that used it failed with autograd's "backward through the graph a second time". One the block got
+    (``handed``: by id, what it got -> the caller's tensor) is put back as the caller's own, whose graph
+    reaches outside the block, so that it gets plain PyTorch's gradient in every layer (a graph layer got a
+    fresh leaf made of it)."""
     added = False
     for container, before in snapshot:
         if isinstance(container, list):
@@ -991,10 +998,13 @@ def _added_tensors(snapshot: list[tuple[Any, Any]], block_added, handed: tuple) 
         for place in places:
             leaves, spec = tree_flatten(container[place])
 
-            def made_here(t) -> bool:
-                return isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in handed_ids
-            if any(made_here(t) for t in leaves):
-                leaves = [t.detach() if made_here(t) else t for t in leaves]
+            def as_given(t):
+                if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                    return t
+                return handed[id(t)] if id(t) in handed else t.detach()
+            given = [as_given(t) for t in leaves]
+            if any(a is not b for a, b in zip(given, leaves)):
+                leaves = given
                 container[place] = tree_unflatten(leaves, spec)
             for t in leaves:
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
