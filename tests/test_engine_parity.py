@@ -326,6 +326,26 @@ def test_plan_file_for_another_sequence_length_warns_at_start_and_at_a_longer_ba
         engine(batches(1, seq=12)[0][0])   # said once
 
 
+def test_a_plan_file_predicting_more_device_memory_than_the_budget_warns(tmp_path):
+    """A plan written for a 20 GB budget ran under 'lazytrain.gpu_memory' 1 MB without a word, until a device
+    write overran the budget mid-step."""
+    import dataclasses
+    from lazytrain.planner.plan import every_k_plan
+    path = tmp_path / "plan.json"
+    plan = every_k_plan(6, 2, micro_batch_size=2)
+    dataclasses.replace(plan, prediction={"peak_bytes": {"hbm": 20e9, "host": 1e9}}).to_json(str(path))
+    with pytest.warns(UserWarning, match=r"predicts 18.6 GiB on the device, more than 'lazytrain.gpu_memory' here "
+                                         r"\(1.0 MiB\): it runs until a write would overrun that budget \(plan again "
+                                         r"with --gpu-mem 1048576\)"):
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path),
+                                                                          gpu_memory="1MiB"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*pageable memory")
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path),
+                                                                          gpu_memory="32GB"))
+
+
 def test_a_plan_file_is_read_for_a_model_with_no_blocks_and_unstored_boundaries_need_no_tier(tmp_path):
     """With no repeated blocks the plan file was never read: a missing one, or one for 36 layers, ran as
     "nothing-streams" without a word. A boundary the plan never stores (the graph tail's) on 'nvme' made the

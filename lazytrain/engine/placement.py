@@ -11,6 +11,7 @@ import torch
 from ..config import ConfigError, EngineConfig
 from ..planner.plan import DEVICE_HOME, Plan, PlanError, every_k_plan, keep_all_plan, offload_all_plan
 from ..tiers import Tier
+from ..tiers.base import format_bytes
 
 
 def resolve_device(cfg: EngineConfig, local_rank: int) -> torch.device:
@@ -127,6 +128,12 @@ def _plan_file(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], micro
         warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for micro-batch "
                       f"{plan.micro_batch_size}, but this run trains micro-batch {micro_batch}: it runs, but its "
                       f"memory and time predictions do not hold (plan again with --micro-batch {micro_batch})")
+    peak = (plan.prediction.get("peak_bytes") or {}).get(DEVICE_HOME) if isinstance(plan.prediction, dict) else None
+    budget = tiers[DEVICE_HOME].capacity
+    if isinstance(peak, (int, float)) and budget is not None and peak > budget:
+        warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) predicts {format_bytes(int(peak))} on the "
+                      f"device, more than 'lazytrain.gpu_memory' here ({format_bytes(budget)}): it runs until a write "
+                      f"would overrun that budget (plan again with --gpu-mem {budget})")
     if plan.seq_len is not None and lt.seq_len is not None and plan.seq_len != lt.seq_len:
         warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for sequence length "
                       f"{plan.seq_len}, but 'lazytrain.seq_len' is {lt.seq_len}: it runs, but its memory and time "
