@@ -111,3 +111,32 @@ def test_on_a_gpu_a_model_without_blocks_stays_on_the_gpu_and_its_optimizer_runs
     assert state and all(t.device.type == "cpu" for t in state)
     assert all(p.device.type == "cpu" for g in engine.optimizer.param_groups for p in g["params"])
     assert max_rel_diff(engine.module, ref) < 1e-5
+
+
+def test_a_vision_language_models_text_layers_are_streamed_not_its_vision_tower():
+    """transformers 5 keeps a VLM's language model under model.language_model (Llama 4: language_model.model):
+    no known path matched, and the search for a list of identical blocks skipped the text layers (Gemma 4's
+    differ in attention) and streamed the vision tower, the language model left on the device. A larger list
+    left unstreamed is said, naming the key that picks it."""
+    transformers = pytest.importorskip("transformers")
+    from lazytrain.engine.blocks import find_blocks
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, global_head_dim=16, max_position_embeddings=64, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    config = transformers.Gemma4Config(text_config=text, audio_config=None, vision_config=dict(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    path, blocks = find_blocks(model)
+    assert path == "model.language_model.layers" and len(blocks) == 4
+
+    class Named(nn.Module):   # a list merely named "layers", beside the blocks
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)])
+            self.blocks = nn.ModuleList([nn.Linear(64, 64) for _ in range(3)])
+    with pytest.warns(UserWarning, match=r"the streamed blocks are 'layers' \(2 blocks, 28 parameters\), and 'blocks' "
+                                         r"holds more \(12,480\), which stays on the compute device: if those are the "
+                                         r"blocks to stream, name them: \"lazytrain\": \{\"blocks\": \"blocks\"\}"):
+        assert find_blocks(Named())[0] == "layers"

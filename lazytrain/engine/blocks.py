@@ -51,7 +51,12 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
                                       f"not an nn.ModuleList")
         _check_blocks(blocks, path)
         return path, blocks
-    for candidate in ("model.layers", "model.model.layers", "transformer.h", "model.decoder.layers", "layers"):
+    # Hugging Face's layouts: decoders, then the language model of a vision-language model (transformers 5:
+    # Gemma 3/4, Qwen2/3.5-VL, LLaVA under model.language_model; Llama 4 under language_model.model), whose
+    # vision tower's identical blocks the search below would otherwise take where the text layers differ
+    for candidate in ("model.layers", "model.model.layers", "transformer.h", "model.decoder.layers",
+                      "model.language_model.layers", "language_model.model.layers", "language_model.layers",
+                      "layers"):
         try:
             blocks = _resolve(model, candidate)
         except BlockDiscoveryError:
@@ -61,6 +66,7 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
                 _check_blocks(blocks, candidate)
             except BlockDiscoveryError:
                 continue
+            _warn_if_larger_elsewhere(model, candidate, blocks)
             return candidate, blocks
     best: tuple[str, nn.ModuleList] | None = None
     for name, module in model.named_modules():
@@ -77,7 +83,25 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
                       "If it has blocks, name them: \"lazytrain\": {\"blocks\": \"path.to.layers\"}",
                       UserWarning, stacklevel=4)
         return "", nn.ModuleList()
+    _warn_if_larger_elsewhere(model, *best)
     return best
+
+
+def _warn_if_larger_elsewhere(model: nn.Module, path: str, blocks: nn.ModuleList) -> None:
+    """Said when another list of several modules outside the chosen one holds more parameters (an encoder
+    beside a decoder, a vision tower, a list merely named ``layers``): those stay on the device, and the
+    user may have meant them."""
+    chosen = sum(p.numel() for p in blocks.parameters())
+    larger = [(name, n) for name, module in model.named_modules()
+              if isinstance(module, nn.ModuleList) and len(module) > 1 and name != path
+              and not name.startswith(path + ".") and not path.startswith(name + ".")
+              and (n := sum(p.numel() for p in module.parameters())) > chosen]
+    if larger:
+        name, n = max(larger, key=lambda item: item[1])
+        warnings.warn(f"lazytrain: the streamed blocks are {path!r} ({len(blocks)} blocks, {chosen:,} parameters), "
+                      f"and {name!r} holds more ({n:,}), which stays on the compute device: if those are the "
+                      f"blocks to stream, name them: \"lazytrain\": {{\"blocks\": \"{name}\"}}",
+                      UserWarning, stacklevel=4)
 
 
 def _check_blocks(blocks, path: str) -> None:
