@@ -9,11 +9,13 @@ numeric string such as "1e9", is bytes.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 _UNITS = {"": 1, "b": 1,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "p": 2**50,
+          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
+          "pi": 2**50, "pib": 2**50}
 
 
 def parse_size(value: "int | float | str | None", what: str = "size") -> int | None:
@@ -37,4 +39,10 @@ def parse_size(value: "int | float | str | None", what: str = "size") -> int | N
         raise ValueError(f"{what}: cannot read {value!r} as a size (examples: 1073741824, '64GB', '512MiB')")
     if n < 0:
         raise ValueError(f"{what} must be >= 0, got {value!r}")
-    return int(n * _UNITS[unit])
+    # exactly, in whole bytes (rounded down): through a float, "4.1GB" was 4099999999 and integers above 2**53
+    # lost their last digits
+    exact = Fraction(value) if isinstance(value, (int, float)) else Fraction(num)
+    whole = math.floor(exact * _UNITS[unit])
+    if whole == 0 and exact > 0:   # "0.5" or "1e-9" read as a budget of 0 bytes
+        raise ValueError(f"{what}: {value!r} is less than one byte")
+    return whole

@@ -451,6 +451,17 @@ def test_parse_size():
             parse_bytes(bad)
 
 
+def test_a_size_is_read_exactly_in_whole_bytes():
+    """Through a float, "4.1GB" was 4099999999 bytes and an integer above 2**53 lost its last digit; "0.5" and
+    "1e-9" were budgets of 0 bytes; "1PiB" and "1P" were refused while "1PB" was read."""
+    assert [parse_size(v) for v in ("4.1GB", "2.01KB", 9007199254740993, "1.3GiB", "1PiB", "1P", 1e9)] == \
+        [4_100_000_000, 2010, 9007199254740993, 1395864371, 2**50, 2**50, 10**9]
+    for small in ("0.5", "1e-9", 0.25):
+        with pytest.raises(ValueError, match=f"^size: {re.escape(repr(small))} is less than one byte$"):
+            parse_size(small)
+    assert parse_size("0") == 0
+
+
 def test_a_budget_above_the_cards_memory_is_refused():
     with pytest.raises(InfeasibleBudgetError, match=r"GPU budget 70.00 GB is more than the GPU memory of hardware "
                                                     r"profile 'rtx3090' \(25.77 GB\); lower --gpu-mem"):
