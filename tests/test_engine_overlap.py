@@ -319,7 +319,11 @@ def test_param_group_added_while_layers_update():
     assert opt.state[extra]["step"] == 1 and not torch.equal(extra.detach(), torch.ones(3))
 
 
-def test_a_failed_update_is_raised_until_a_checkpoint_is_loaded(tmp_path):
+@pytest.mark.parametrize("partial", [None, {"load_module_only": True}, {"load_optimizer_states": False}])
+def test_a_failed_update_is_raised_until_a_checkpoint_is_loaded(tmp_path, partial):
+    """A full load is the way out; one without the optimizer states keeps the engine refusing, as after a failed
+    serial update (the moments are still the failed step's mix: it cleared the failure, and training went on
+    with some layers' moments stepped twice)."""
     model = make_model("llama")
     engine, _, _, _ = lazytrain.initialize(model=model, config=overlap_config(True))
     (x, y), (x2, y2) = batches(2)
@@ -342,6 +346,12 @@ def test_a_failed_update_is_raised_until_a_checkpoint_is_loaded(tmp_path):
     with pytest.raises(OverlappedUpdateError):   # and stays failed
         engine.module.state_dict()
     engine.optimizer.update = update
+    if partial is not None:
+        engine.load_checkpoint(str(tmp_path), tag="good", **partial)
+        with pytest.raises(lazytrain.StepFailedError, match=r"the overlapped optimizer update of step 2 failed on the "
+                                                            r"update thread \(RuntimeError\('host out of memory'\)\).*"
+                                                            r"kept that optimizer state"):
+            engine(x2)
     engine.load_checkpoint(str(tmp_path), tag="good")   # the way out
     assert all(float(g.abs().max()) == 0.0 for g in engine.weights.grad)   # no gradient of the failed step
     engine.backward(lm_loss(engine(x2), y2))
@@ -524,3 +534,24 @@ def test_zero_grad_clears_a_gradient_landed_while_the_update_thread_finishes():
     assert held == [True]
     for i, g in enumerate(engine.weights.grad):
         assert g is None or not bool(g.any()), i
+
+
+def test_an_interrupt_while_an_update_is_launched_leaves_no_layer_pending_forever():
+    """The layers' done flags were cleared before the update was handed to the worker: an interrupt (or a
+    thread that cannot start) in between left every layer pending with nothing to finish it, and the next
+    forward after a reload waited forever."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=overlap_config(True))
+    x, y = batches(1)[0]
+    submit, calls = engine.layer_updates._pool.submit, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return submit(*args, **kwargs)
+    engine.layer_updates._pool.submit = interrupted
+    engine.backward(lm_loss(engine(x), y))
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert not any(engine.layer_updates.pending(i) for i in range(engine.weights.num_layers))
+    engine.destroy()

@@ -2088,6 +2088,11 @@ class LazyTrainEngine(nn.Module):
                       ckpt.CheckpointError(f"load_checkpoint of tag {tag!r} from {load_dir}: reading it failed on "
                                            f"another rank (see its error); nothing was loaded on any rank"))
         if self.layer_updates is not None:   # a full reload is the way out of a failed overlapped update
+            failed_update = self.layer_updates.failure
+            if failed_update is not None and failed_before is None:   # as a failed serial update marks it
+                failed_before = (f"the overlapped optimizer update of step {self.global_steps} failed on the update "
+                                 f"thread ({failed_update!r}): some layers' weights and optimizer states hold the "
+                                 f"update and some do not")
             self.layer_updates.forget_failure()
         # the files are read: gradients accumulated before the load belong to no state being loaded (a rollback
         # after a loss spike); a load that failed reading them changed nothing, these gradients included

@@ -53,7 +53,12 @@ class LayerUpdates:
         for i in layers:
             self._done[i].clear()
         self.busy_seconds = self.waited_seconds = 0.0
-        self._future = self._pool.submit(self._run, update_layer, layers)
+        try:
+            self._future = self._pool.submit(self._run, update_layer, layers)
+        except BaseException:   # no thread, or an interrupt: nothing will set these flags, so no wait may hang
+            for i in layers:
+                self._done[i].set()
+            raise
 
     def _run(self, update_layer: Callable[[int], None], layers: list[int]) -> None:
         self._worker_ident = threading.get_ident()
@@ -110,6 +115,11 @@ class LayerUpdates:
         (by the next wait) or forgotten (:meth:`forget_failure`)."""
         if self._future is not None and not self._on_worker():
             concurrent.futures.wait([self._future])
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What a launched update that has finished raised on the worker (None: nothing, or forgotten)."""
+        return self._error
 
     def forget_failure(self) -> None:
         """After a failed update: the caller restores a consistent state (a checkpoint) and goes on."""
