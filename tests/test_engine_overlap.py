@@ -278,7 +278,9 @@ def test_readers_that_must_wait_do(tmp_path):
 
 def test_step_hooks_run_once_per_step_and_extra_parameters_are_updated():
     """The optimizer's step hooks run once per engine.step() on the training thread, and a parameter
-    the optimizer holds outside the model (a loss temperature) is updated (and clipped) as serially."""
+    the optimizer holds outside the model (a loss temperature) is updated (and clipped) as serially. A pre-hook
+    that sets the learning rate (a warm-up helper) reaches the streamed layers too: they were updated with the
+    groups as they were before the hooks ran."""
     def run(overlap):
         model = make_model("llama")
         temperature = torch.nn.Parameter(torch.ones(()))
@@ -290,6 +292,11 @@ def test_step_hooks_run_once_per_step_and_extra_parameters_are_updated():
                                                  min_8bit_size=64))
         threads = []
         opt.register_step_post_hook(lambda *a: threads.append(threading.current_thread().name))
+
+        def warm_up(optimizer, args, kwargs):
+            for group in optimizer.param_groups:
+                group["lr"] = 0.5 * group["lr"]
+        opt.register_step_pre_hook(warm_up)
         for x, y in batches(3):
             engine.backward(lm_loss(engine(x), y) * temperature)
             engine.step()

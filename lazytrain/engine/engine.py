@@ -1294,6 +1294,7 @@ class LazyTrainEngine(nn.Module):
         with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
             with failure.kept():
                 self.optimizer.step(params=rest, clip_coef=factor)
+                groups = self.optimizer.groups_of_last_step   # with what its pre-hooks set, as serial steps take it
             if not failure.failed:
                 with failure.kept():
                     self._owners_write_non_block_copies()

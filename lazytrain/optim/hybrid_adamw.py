@@ -180,6 +180,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_step_skipped = False
         self.last_grad_norm: Optional[float] = None
+        self.groups_of_last_step: List[Dict[str, Any]] = []   # snapshot() as the last step() ran its groups
         self.last_clip_coef = 1.0
         self._reported = False
 
@@ -427,6 +428,9 @@ class HybridAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # the groups as this step runs them, after the step pre-hooks and before the post-hooks: what the
+        # parameters left to a later update(groups=...) must take (a warm-up hook that sets lr)
+        self.groups_of_last_step = self.snapshot()
         self._step(self.param_groups, params, grad_norm, clip_coef, compute_copies, None)
         return loss
 
