@@ -677,6 +677,15 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)
 
 
+def _differ_as_sizes(a, b) -> bool:
+    """Whether two budgets that both read as sizes are different sizes ("5GB" and 5e9 agree); one that does
+    not read is left to the error that names its key."""
+    try:
+        return parse_bytes(a, "size") != parse_bytes(b, "size")
+    except (TypeError, ValueError):
+        return False
+
+
 def _states_of_an_8bit_type(optimizer: OptimizerConfig, lt: LazyTrainSection, given) -> LazyTrainSection:
     """The types ``HybridAdamW`` and ``AdamW8bit`` keep 8-bit moments unless ``lazytrain.optimizer_states``
     says otherwise: ``HybridAdamW`` with "fp32" keeps fp32 ones (it was read as "8bit" without a word);
@@ -987,6 +996,10 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     given_by = {tier: f"config key 'lazytrain.capacities.{tier}'" for tier in capacities}   # what errors name
     for key, tier in (("gpu_memory", "hbm"), ("host_memory", "host"), ("nvme_memory", "nvme")):
         if key in section:
+            if tier in capacities and _differ_as_sizes(capacities[tier], section[key]):   # one was dropped
+                raise ConfigError(f"config keys 'lazytrain.{key}' and 'lazytrain.capacities.{tier}' both give tier "
+                                  f"{tier!r} a budget ({section[key]!r} and {capacities[tier]!r}): give the budget "
+                                  f"in one place")
             capacities[tier], given_by[tier] = section[key], f"config key 'lazytrain.{key}'"
     try:
         capacities = {k: parse_bytes(v, given_by[k]) for k, v in capacities.items()}

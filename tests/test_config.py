@@ -1069,3 +1069,13 @@ def test_a_config_file_with_comments_is_read_with_hjson_as_deepspeed_reads_it(tm
     with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(path))} is not valid JSON: .*pip install "
                                           rf"hjson to read it so\)$"):
         parse_config(str(path), world_size=1)
+
+
+def test_a_tiers_budget_given_twice_is_refused():
+    """'lazytrain.gpu_memory' silently replaced 'lazytrain.capacities.hbm' (a user tier's two budgets are refused)."""
+    with pytest.raises(ConfigError) as e:
+        parse_config({"train_batch_size": 2, "lazytrain": {"gpu_memory": "10GB", "capacities": {"hbm": "5GB"}}})
+    assert str(e.value) == ("config keys 'lazytrain.gpu_memory' and 'lazytrain.capacities.hbm' both give tier 'hbm' a "
+                            "budget ('10GB' and '5GB'): give the budget in one place")
+    assert parse_config({"train_batch_size": 2, "lazytrain": {"host_memory": "5GB", "capacities": {"host": 5e9}}}) \
+        .lazytrain.capacities == {"host": 5 * 10**9}   # the same budget twice: one budget
