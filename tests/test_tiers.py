@@ -587,7 +587,7 @@ def test_create_tiers_without_nvme():
      "lazytrain.tiers[0].name: a tier name is a non-empty string, got ''"),
     ([{"name": "x", "class": "no_such_pkg.tiers:Tier"}], {}, ValueError,
      "lazytrain.tiers[0] ('x').class: tier class 'no_such_pkg.tiers:Tier' cannot be imported: "
-     "No module named 'no_such_pkg'"),
+     "ModuleNotFoundError: No module named 'no_such_pkg'"),
     ([{"name": "x", "class": "torch:Tensor"}], {}, TypeError,
      "lazytrain.tiers[0] ('x').class: tier 'torch:Tensor' resolves to <class 'torch.Tensor'>, which is not a "
      "subclass of lazytrain.tiers.Tier"),
@@ -795,3 +795,23 @@ def test_the_host_pools_idle_bound_keeps_a_steps_buffers_for_the_next_step():
         misses.append(host.pool.misses)
     assert misses == [4, 4, 4, 4]
     host.close()
+
+
+def test_a_tier_module_that_fails_to_import_or_a_class_that_skips_tier_init_is_named(tmp_path, monkeypatch):
+    """Only ImportError and AttributeError were named with the config key: a module's SyntaxError or its own
+    error at import came out raw, and a class whose __init__ skipped Tier.__init__ failed on 'tier.name'."""
+    (tmp_path / "raising_tier.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / "noinit_tier.py").write_text(
+        "from lazytrain.tiers.memory import HostTier\n"
+        "class NoSuper(HostTier):\n"
+        "    def __init__(self, name, capacity=None):\n"
+        "        pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as e:
+        create_tiers([{"name": "x", "class": "raising_tier:X"}], torch.device("cpu"))
+    assert str(e.value) == ("lazytrain.tiers[0] ('x').class: tier class 'raising_tier:X' cannot be imported: "
+                            "RuntimeError: boom at import")
+    with pytest.raises(TypeError) as e:
+        create_tiers([{"name": "x", "class": "noinit_tier:NoSuper"}], torch.device("cpu"))
+    assert str(e.value) == ("lazytrain.tiers[0] ('x'): NoSuper.__init__ did not call Tier.__init__(self, name, "
+                            "capacity) (the Tier contract), so the tier has no name, capacity or accounting")

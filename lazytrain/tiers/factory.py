@@ -78,6 +78,9 @@ def _user_tier(index: int, spec: Any, capacities: dict[str, Any], taken: set[str
         raise _with_context(e, f"{where}: {cls.__qualname__}(...) failed: {e}") from e
     if not isinstance(tier, Tier):
         raise TypeError(f"{where}.class: {class_spec!r} built {tier!r}, which is not a lazytrain.tiers.Tier")
+    if not hasattr(tier, "name"):   # it failed on tier.name, naming no cause
+        raise TypeError(f"{where}: {cls.__qualname__}.__init__ did not call Tier.__init__(self, name, capacity) "
+                        f"(the Tier contract), so the tier has no name, capacity or accounting")
     if tier.name != name:
         tier.close()
         raise ValueError(f"{where}: {cls.__qualname__} named itself {tier.name!r}; pass the 'name' argument "

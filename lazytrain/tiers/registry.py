@@ -29,15 +29,19 @@ def resolve_tier_class(spec: str) -> type[Tier]:
         module_name, _, attr = spec.partition(":")
         try:
             obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"tier class {spec!r} cannot be imported: {e}") from e
+        except Exception as e:   # the module's own errors too (a SyntaxError, what its import raised)
+            raise ValueError(f"tier class {spec!r} cannot be imported: {type(e).__name__}: {e}") from e
     else:
         eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
         if not eps:
             known = sorted(set(_REGISTRY) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
             raise ValueError(f"unknown tier {spec!r}: not registered, not an entry point in group "
                              f"{ENTRY_POINT_GROUP!r}, and not 'package.module:Class' (known: {', '.join(known)})")
-        obj = eps[0].load()
+        try:
+            obj = eps[0].load()
+        except Exception as e:
+            raise ValueError(f"tier {spec!r} (entry point {eps[0].value!r}) cannot be loaded: "
+                             f"{type(e).__name__}: {e}") from e
     if not (isinstance(obj, type) and issubclass(obj, Tier)):
         raise TypeError(f"tier {spec!r} resolves to {obj!r}, which is not a subclass of lazytrain.tiers.Tier")
     return obj
