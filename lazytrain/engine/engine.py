@@ -1294,7 +1294,9 @@ class LazyTrainEngine(nn.Module):
         with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
             with failure.kept():
                 self.optimizer.step(params=rest, clip_coef=factor)
-                groups = self.optimizer.groups_of_last_step   # with what its pre-hooks set, as serial steps take it
+                # with what its pre-hooks set, as serial steps take it (a subclass whose step() skips HybridAdamW's
+                # leaves none: the groups as they were)
+                groups = getattr(self.optimizer, "groups_of_last_step", None) or groups
             if not failure.failed:
                 with failure.kept():
                     self._owners_write_non_block_copies()
