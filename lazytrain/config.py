@@ -995,7 +995,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     capacities = dict(capacities)
     given_by = {tier: f"config key 'lazytrain.capacities.{tier}'" for tier in capacities}   # what errors name
     for key, tier in (("gpu_memory", "hbm"), ("host_memory", "host"), ("nvme_memory", "nvme")):
-        if key in section:
+        if section.get(key) is not None:   # null: not given (unbounded unless capacities says otherwise)
             if tier in capacities and _differ_as_sizes(capacities[tier], section[key]):   # one was dropped
                 raise ConfigError(f"config keys 'lazytrain.{key}' and 'lazytrain.capacities.{tier}' both give tier "
                                   f"{tier!r} a budget ({section[key]!r} and {capacities[tier]!r}): give the budget "

@@ -8,6 +8,7 @@ numeric string such as "1e9", is bytes.
 """
 from __future__ import annotations
 
+import decimal
 import math
 from fractions import Fraction
 
@@ -40,9 +41,14 @@ def parse_size(value: "int | float | str | None", what: str = "size") -> int | N
     if n < 0:
         raise ValueError(f"{what} must be >= 0, got {value!r}")
     # exactly, in whole bytes (rounded down): through a float, "4.1GB" was 4099999999 and integers above 2**53
-    # lost their last digits
-    exact = Fraction(value) if isinstance(value, (int, float)) else Fraction(num)
-    whole = math.floor(exact * _UNITS[unit])
-    if whole == 0 and exact > 0:   # "0.5" or "1e-9" read as a budget of 0 bytes
+    # lost their last digits. Text as a Decimal, which keeps "1e-999999999" as an exponent (a Fraction would
+    # build 10**999999999)
+    if isinstance(value, (int, float)):
+        scaled = Fraction(value) * _UNITS[unit]
+    else:
+        with decimal.localcontext() as context:
+            context.prec, context.Emax, context.Emin = 80, decimal.MAX_EMAX, decimal.MIN_EMIN
+            scaled = decimal.Decimal(num) * _UNITS[unit]
+    if 0 < scaled < 1:   # "0.5" or "1e-9" read as a budget of 0 bytes
         raise ValueError(f"{what}: {value!r} is less than one byte")
-    return whole
+    return math.floor(scaled)

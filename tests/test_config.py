@@ -1079,3 +1079,5 @@ def test_a_tiers_budget_given_twice_is_refused():
                             "budget ('10GB' and '5GB'): give the budget in one place")
     assert parse_config({"train_batch_size": 2, "lazytrain": {"host_memory": "5GB", "capacities": {"host": 5e9}}}) \
         .lazytrain.capacities == {"host": 5 * 10**9}   # the same budget twice: one budget
+    assert parse_config({"train_batch_size": 2, "lazytrain": {"gpu_memory": None, "capacities": {"hbm": "8GB"}}}) \
+        .lazytrain.capacities == {"hbm": 8 * 10**9}   # null is no budget given

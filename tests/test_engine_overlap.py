@@ -562,3 +562,35 @@ def test_an_interrupt_while_an_update_is_launched_leaves_no_layer_pending_foreve
         engine.step()
     assert not any(engine.layer_updates.pending(i) for i in range(engine.weights.num_layers))
     engine.destroy()
+
+
+def test_an_update_thread_that_cannot_start_leaves_nothing_queued_for_the_next_step(tmp_path, monkeypatch):
+    """ThreadPoolExecutor.submit queues the work before it starts its thread: a thread that could not start
+    left the update queued, to run first at the next launch on that step's gradients (every streamed layer
+    stepped twice after a clean reload)."""
+    def trained(fail_start: bool):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=overlap_config(True))
+        engine.save_checkpoint(str(tmp_path / ("a" if fail_start else "b")), tag="start")
+        (x, y), (x2, y2) = batches(2)
+        if fail_start:
+            start, failed = threading.Thread.start, []
+
+            def refusing(thread):
+                if thread.name.startswith("lazytrain-update") and not failed:
+                    failed.append(thread.name)
+                    raise RuntimeError("can't start new thread")
+                return start(thread)
+            monkeypatch.setattr(threading.Thread, "start", refusing)
+            engine.backward(lm_loss(engine(x), y))
+            with pytest.raises(lazytrain.StepFailedError, match="can't start new thread"):
+                engine.step()
+            monkeypatch.setattr(threading.Thread, "start", start)
+            engine.load_checkpoint(str(tmp_path / "a"), tag="start")
+        engine.backward(lm_loss(engine(x2), y2))
+        engine.step()
+        engine.wait_for_update()
+        state = {k: v.clone() for k, v in engine.module_state_dict().items()}
+        engine.destroy()
+        return state
+    clean, after_failure = trained(False), trained(True)
+    assert all(torch.equal(after_failure[k], v) for k, v in clean.items())

@@ -334,9 +334,9 @@ def test_a_plan_file_predicting_more_device_memory_than_the_budget_warns(tmp_pat
     path = tmp_path / "plan.json"
     plan = every_k_plan(6, 2, micro_batch_size=2)
     dataclasses.replace(plan, prediction={"peak_bytes": {"hbm": 20e9, "host": 1e9}}).to_json(str(path))
-    with pytest.warns(UserWarning, match=r"predicts 18.6 GiB on the device, more than 'lazytrain.gpu_memory' here "
-                                         r"\(1.0 MiB\): it runs until a write would overrun that budget \(plan again "
-                                         r"with --gpu-mem 1048576\)"):
+    with pytest.warns(UserWarning, match=r"predicts 18.6 GiB on the device, more than its budget here \(1.0 MiB: "
+                                         r"'lazytrain.gpu_memory' or 'lazytrain.capacities.hbm'\): it runs until a "
+                                         r"write would overrun that budget \(plan again with --gpu-mem 1048576\)"):
         lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path),
                                                                           gpu_memory="1MiB"))
     with warnings.catch_warnings():

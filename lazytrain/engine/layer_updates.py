@@ -37,7 +37,9 @@ class LayerUpdates:
             e.set()
         # CUDA work on the worker (a resident layer's refresh) targets the engine's device, not cuda:0
         init = (lambda: torch.cuda.set_device(device)) if device is not None and device.type == "cuda" else None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update", initializer=init)
+        self._new_pool = lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-update",
+                                                    initializer=init)
+        self._pool = self._new_pool()
         self._on_done = on_done   # told each layer, after its flag is set (the weight stream's deferred prefetch)
         self._future: Future | None = None
         self._worker_ident: int | None = None
@@ -58,6 +60,10 @@ class LayerUpdates:
         except BaseException:   # no thread, or an interrupt: nothing will set these flags, so no wait may hang
             for i in layers:
                 self._done[i].set()
+            # submit queues the work before it starts the thread: left queued, it would run first at the next
+            # launch, on that step's gradients (every layer stepped twice). A new pool holds nothing
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._new_pool()
             raise
 
     def _run(self, update_layer: Callable[[int], None], layers: list[int]) -> None:

@@ -132,8 +132,9 @@ def _plan_file(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], micro
     budget = tiers[DEVICE_HOME].capacity
     if isinstance(peak, (int, float)) and budget is not None and peak > budget:
         warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) predicts {format_bytes(int(peak))} on the "
-                      f"device, more than 'lazytrain.gpu_memory' here ({format_bytes(budget)}): it runs until a write "
-                      f"would overrun that budget (plan again with --gpu-mem {budget})")
+                      f"device, more than its budget here ({format_bytes(budget)}: 'lazytrain.gpu_memory' or "
+                      f"'lazytrain.capacities.hbm'): it runs until a write would overrun that budget (plan again "
+                      f"with --gpu-mem {budget})")
     if plan.seq_len is not None and lt.seq_len is not None and plan.seq_len != lt.seq_len:
         warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for sequence length "
                       f"{plan.seq_len}, but 'lazytrain.seq_len' is {lt.seq_len}: it runs, but its memory and time "
