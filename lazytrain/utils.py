@@ -6,8 +6,9 @@
 
 Between ``backward`` and ``step`` a parameter's ``.grad`` may be ``None`` where the engine accumulates it
 elsewhere (the embedding's and head's fp32 masters on the host, the default on a GPU), as under DeepSpeed's
-ZeRO; these read it (and set it, with the weight and the optimizer state) wherever it is. Each returns a copy in fp32 on the host, waiting first for what is in
-flight (gradient copies, an overlapped update): call them from the training thread. With
+ZeRO; these read it (and set it, with the weight and the optimizer state) wherever it is. Each returns a copy
+in fp32 on the host, waiting first for what is in flight (gradient copies, an overlapped update): call them
+from the training thread. With
 :func:`lazytrain.replace_deepspeed` DeepSpeed's own names answer for LazyTrain's parameters too (a name
 imported from ``deepspeed.utils`` before that call is DeepSpeed's own). Over several ranks every rank calls
 them, as under DeepSpeed's ZeRO: the gradient is the one ``step()`` applies, averaged over the ranks; the weight

@@ -83,10 +83,16 @@ _open_for_write: Callable[[str], object] = _create
 MAX_TAG_BYTES = 255 - len(".") - max(len(_STAGING), len(_PREVIOUS))
 
 
+def _leaves_its_directory(tag: str) -> bool:
+    """Whether ``tag`` names no entry of its own in a directory (".", "..", a path) or one 'latest' cannot name
+    (control characters): what a save refuses as a tag and a load refuses in 'latest'."""
+    return tag in (".", "..") or "/" in tag or os.sep in tag or os.path.isabs(tag) or any(ord(c) < 32 for c in tag)
+
+
 def check_tag(tag: str) -> str:
     tag = str(tag)
-    if not tag or tag in (".", "..", "latest", "latest.tmp") or tag.startswith(".") or "/" in tag or os.sep in tag \
-            or tag != tag.strip() or any(ord(c) < 32 for c in tag):   # 'latest' could not name it (resolve_tag)
+    if not tag or tag in ("latest", "latest.tmp") or tag.startswith(".") or _leaves_its_directory(tag) \
+            or tag != tag.strip():
         raise CheckpointError(f"checkpoint tag {tag!r} cannot name a directory of its own beside 'latest': use a "
                               f"name without path separators, control characters or surrounding spaces that does "
                               f"not start with '.'")
@@ -582,7 +588,7 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     if not tag:   # truncated (a full disk, another tool): an empty tag would name load_dir itself
         raise CheckpointError(f"the 'latest' file in {load_dir} ({latest}) is empty: it names no checkpoint tag; "
                               f"pass tag= to load a specific checkpoint, or write the tag's name into it")
-    if tag in (".", "..") or "/" in tag or os.sep in tag or os.path.isabs(tag) or any(ord(c) < 32 for c in tag):
+    if _leaves_its_directory(tag):
         # a file's content, not the caller's argument: it must not lead the load (and, with trust_checkpoints,
         # an unrestricted unpickling) outside the directory the caller named
         raise CheckpointError(f"the 'latest' file in {load_dir} ({latest}) names {tag[:80]!r}, which is not a "

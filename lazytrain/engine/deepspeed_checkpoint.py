@@ -84,10 +84,9 @@ def _check_every_rank(tag_dir: str, model: dict, model_files: list[str], optim_f
         # the first few absent ranks, found among at most len(ranks) + 4: not a list as long as the file's
         # dp_world_size says, which a file can make any length
         missing = list(itertools.islice((r for r in range(world) if r not in ranks), 5))
-        if missing:
-            names = ", ".join(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in missing[:4])
-            raise DeepSpeedCheckpointError(f"{tag_dir} was saved by {world} ranks but holds {len(files)} {kind} "
-                                           f"state file(s): {names}{' ...' if len(missing) > 4 else ''} missing")
+        names = ", ".join(f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in missing[:4])
+        raise DeepSpeedCheckpointError(f"{tag_dir} was saved by {world} ranks but holds {len(files)} {kind} "
+                                       f"state file(s): {names}{' ...' if len(missing) > 4 else ''} missing")
 
 
 def _model_files(tag_dir: str) -> list[str]:

@@ -753,10 +753,10 @@ class LazyTrainEngine(nn.Module):
             if self._step_began is None:
                 self._step_began = time.perf_counter()
             if self.auto is not None or (self.plan.seq_len is not None and not self._warned_beyond_plan):
-                ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
-                if self.auto is not None:   # policy auto plans for the batches it sees
+                ids = _token_ids(inputs, kwargs)
+                if ids is not None and self.auto is not None:   # policy auto plans for the batches it sees
                     self._note_batch_for_auto(ids)
-                else:
+                elif ids is not None:
                     self._warn_beyond_plan(ids)
         inputs = tuple(self._to_device(x) for x in inputs)
         kwargs = {k: self._to_device(v) for k, v in kwargs.items()}
@@ -967,8 +967,7 @@ class LazyTrainEngine(nn.Module):
     def _warn_beyond_plan(self, ids) -> None:
         """A batch longer than the plan's sequence length runs, but the plan's memory (boundaries, kept outputs
         on the device) was counted for shorter ones: said once, before a device budget overruns mid-step."""
-        if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2 and \
-                int(ids.shape[-1]) > self.plan.seq_len:
+        if int(ids.shape[-1]) > self.plan.seq_len:
             self._warned_beyond_plan = True
             warnings.warn(f"lazytrain: the plan ({self.plan.policy}) was made for sequence length "
                           f"{self.plan.seq_len}, and this batch's is {int(ids.shape[-1])}: it runs, but the plan's "
@@ -980,8 +979,6 @@ class LazyTrainEngine(nn.Module):
         (batches padded to their own length), or 'lazytrain.seq_len'. A batch of more tokens was measured and
         run as if it held fewer without a word (the profile records the config's shape): it is said once,
         naming what to change (a batch of concatenated pairs, as TRL's DPO makes, comes in every step)."""
-        if not (torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2):
-            return
         n = int(ids.shape[-1])
         if self._config.lazytrain.seq_len is None:
             if self._profile_seq_len is not None and n > self._profile_seq_len:
@@ -1499,6 +1496,10 @@ class LazyTrainEngine(nn.Module):
         gradient reaches its owner in the backward, and its copies are fetched for each use."""
         return self.partitioned is not None and not self.partitioned.masters_only and self.partitioned.partitioned(t)
 
+    def _grad_kept_by_another_rank(self, t: torch.Tensor) -> bool:
+        """Stage 3: a partitioned tensor's gradient is its owner's alone (partitioned_params.py)."""
+        return self._partitioned(t) and self.partitioned.owner(t) != self.partitioned.rank
+
     def _masters_on_owners(self) -> bool:
         """Stages 1-2 over several ranks: the non-block fp32 masters live on their owners alone, which write
         their compute copies after the update and send them to every rank (:meth:`_share_updated`)."""
@@ -1550,8 +1551,8 @@ class LazyTrainEngine(nn.Module):
         for t in holders:
             if not t.requires_grad or t.grad is not None:
                 continue
-            if self._partitioned(t) and self.partitioned.owner(t) != self.partitioned.rank:
-                continue   # stage 3: its gradient is its owner's alone (partitioned_params.py)
+            if self._grad_kept_by_another_rank(t):
+                continue
             t.grad = torch.zeros_like(t)
 
     def _non_block_grad_holders(self) -> list[torch.Tensor]:
@@ -2810,6 +2811,13 @@ def _cast_half(x):
         return x.half()
     return x
 
+
+
+def _token_ids(inputs: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A forward's token ids (``input_ids``, or the first tensor passed), where they are integer ids of at
+    least (batch, sequence) shape: what a plan's micro-batch and sequence length count; else None."""
+    ids = kwargs.get("input_ids", next((x for x in inputs if torch.is_tensor(x)), None))
+    return ids if torch.is_tensor(ids) and not ids.is_floating_point() and ids.dim() >= 2 else None
 
 def _map_output_tensors(out, fn):
     """``out`` with each tensor ``t`` in it replaced by ``fn(t)``: in tuples, lists, dicts and Hugging Face

@@ -36,8 +36,7 @@ def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, rema
     tensor the optimizer must update (its fp32 master where one exists)."""
     if model_parameters is None:
         model_parameters = model.parameters()
-    refuse_unordered(model_parameters)   # a set (order changes between runs), a bare tensor
-    items = list(model_parameters)
+    items = list(model_parameters)   # a set or a bare tensor was refused where the engine listed them
     if not items:
         raise ConfigError("model_parameters is empty: pass model.parameters() or parameter groups")
     if isinstance(items[0], dict):

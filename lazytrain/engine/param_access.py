@@ -137,8 +137,8 @@ def _master(engine, param: torch.Tensor) -> torch.Tensor:
 def full_grad(engine, param: torch.Tensor) -> torch.Tensor | None:
     """A copy of ``param``'s gradient as accumulated for the coming ``step()`` (fp32, on the host where the
     engine keeps it; in fp16 multiplied by the loss scale, as DeepSpeed's); zeros where a backward ran and did
-    not reach it; None before any backward, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits for gradients still in flight.
-    Over several ranks, the gradient averaged over them, as ``step()`` applies it: every rank must call it."""
+    not reach it; None before any backward, for a frozen parameter, and after ``step()``/``zero_grad()``. Waits
+    for gradients still in flight. Over several ranks, the gradient averaged over them, as ``step()`` applies it: every rank must call it."""
     _refuse_other_threads(engine, "safe_get_full_grad")
     if engine.world_size > 1:
         return _grad_over_ranks(engine, param)
@@ -205,11 +205,16 @@ def _grad_here(engine, param: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
         reduced = w.grads_to_owners
         if w.grad[layer] is None:   # another rank's layer: its gradients went to the owner as they landed
             return None, reduced
-        grad = next(s for s, p in zip(w.layer_slots[layer], w.params[layer]) if p is param).of(w.grad[layer])
+        grad = _layer_grad(w, layer, param)
     else:
         holder = _master(engine, param)
         grad, reduced = _unreached_as_zeros(engine, param, holder), engine._partitioned(holder)
     return (None if grad is None else grad.detach().to("cpu", torch.float32, copy=True).contiguous()), reduced
+
+
+def _layer_grad(w, layer: int, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s view in streamed layer ``layer``'s flat fp32 gradient buffer (held on this rank)."""
+    return next(s for s, p in zip(w.layer_slots[layer], w.params[layer]) if p is param).of(w.grad[layer])
 
 
 def full_fp32_param(engine, param: torch.Tensor) -> torch.Tensor | None:
@@ -407,13 +412,12 @@ def set_full_grad(engine, param: torch.Tensor, value) -> None:
     with torch.no_grad():
         if layer is not None:
             if w.grad[layer] is not None:   # else another rank's layer: its owner writes it
-                slot = next(s for s, p in zip(w.layer_slots[layer], w.params[layer]) if p is param)
-                slot.of(w.grad[layer]).copy_(checked)
+                _layer_grad(w, layer, param).copy_(checked)
                 w.attach_grads(layer)
             return
         holder = _master(engine, param)
-        if engine._partitioned(holder) and engine.partitioned.owner(holder) != engine.partitioned.rank:
-            return   # stage 3: its gradient is its owner's alone
+        if engine._grad_kept_by_another_rank(holder):
+            return
         if holder.grad is None:
             holder.grad = checked.to(holder.device, holder.dtype)
         else:

@@ -163,14 +163,15 @@ def load(path: str, trust: bool = False, whole: bool = True):
                 raise
             return attempt(mmap=False)   # torch's legacy format cannot be mapped
     except pickle.UnpicklingError as e:
-        if trust or not (unsafe_globals(path) or _globals_in_message(str(e))):
-            # naming no code: damage (a flag of the zip directory turned the pickle's record into a directory,
-            # and the unpickler read other bytes), not a file to trust
+        names = [] if trust else unsafe_globals(path) or _globals_in_message(str(e))
+        if not names:
+            # trusted, or naming no code: damage (a flag of the zip directory turned the pickle's record into a
+            # directory, and the unpickler read other bytes), not a file to trust
             said = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", str(e))   # torch's own, past its advice
             raise UnreadableCheckpointError(f"checkpoint file {path} cannot be unpickled: "
                                             f"{said.group(1) if said else str(e).strip()[:300]} (damaged, or not a "
                                             f"torch checkpoint); nothing of it was loaded") from e
-        raise UntrustedCheckpointError(_refusal(path, e)) from None
+        raise UntrustedCheckpointError(_refusal(path, names)) from None
     except (RuntimeError, EOFError, zlib.error, UnicodeDecodeError, zipfile.BadZipFile, NotImplementedError,
             IndexError) as e:   # the last: torch's restricted unpickler on other bytes than a pickle's
         if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
@@ -194,10 +195,8 @@ def _globals_in_message(message: str) -> list[str]:
     return list(dict.fromkeys(re.findall(r"GLOBAL ([\w.]+)", message)))
 
 
-def _refusal(path: str, error: Exception) -> str:
-    names = unsafe_globals(path) or _globals_in_message(str(error))
+def _refusal(path: str, names: list[str]) -> str:
     return (f"checkpoint file {path} names {', '.join(names)}, which a checkpoint load does not build: loading it "
-            f"would run "
-            f"that code. Nothing of the checkpoint was loaded. If you trust where this checkpoint came from, "
+            f"would run that code. Nothing of the checkpoint was loaded. If you trust where this checkpoint came from, "
             f"load it with engine.load_checkpoint(..., trust_checkpoint=True) or set "
             f"'lazytrain.trust_checkpoints': true in the config")
