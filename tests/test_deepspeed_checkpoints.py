@@ -302,7 +302,7 @@ def test_a_stage0_fp16_checkpoint_resumes_with_its_loss_scale():
     engine.load_checkpoint(os.path.join(HERE, "stage0_fp16_scaled"))
     # no hysteresis at stage 0, as in FP16_Optimizer
     assert engine.loss_scaler.state_dict() == {"scale": 4096.0, "cur_hysteresis": 1, "cur_iter": 3,
-                                               "last_overflow_iter": -1, "hysteresis": 1}
+                                               "last_overflow_iter": -1, "hysteresis": 1, "dynamic": True}
     assert engine.global_steps == 3
     assert engine.optimizer.loss_scale == engine.optimizer.cur_scale == 4096.0   # as DeepSpeed's optimizer says
 

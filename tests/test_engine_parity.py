@@ -1012,6 +1012,40 @@ def test_deepspeeds_configuration_getters():
     engine.destroy()
 
 
+def test_communication_data_type_is_set_as_deepspeeds_between_steps():
+    """DeepSpeed's engine has a setter scripts use after initialize: a torch dtype (LazyTrain also takes the
+    config's names; None: the model's dtype again). A value neither names is refused, and so is a change in
+    the middle of a step, whose gradients are being summed in the old dtype."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"),
+                                               config=ds_config(_top={"bf16": {"enabled": True},
+                                                                      "gradient_accumulation_steps": 2}))
+    engine.communication_data_type = torch.float32
+    assert engine.communication_data_type == torch.float32 and engine.dist.comm_dtype == torch.float32
+    engine.communication_data_type = "fp16"
+    assert engine.communication_data_type == torch.float16
+    engine.communication_data_type = None
+    assert engine.communication_data_type == torch.bfloat16
+    with pytest.raises(ValueError, match=r"communication_data_type must be torch.float32, torch.bfloat16 or "
+                                         r"torch.float16 \(or 'fp32', 'bf16', 'fp16'; None for the model's dtype\), "
+                                         r"got torch.float64"):
+        engine.communication_data_type = torch.float64
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    with pytest.raises(RuntimeError, match="communication_data_type cannot change in the middle of a step"):
+        engine.communication_data_type = torch.float32
+    engine.step()   # the first micro-batch of two: still mid-step
+    with pytest.raises(RuntimeError, match="communication_data_type cannot change in the middle of a step"):
+        engine.communication_data_type = torch.float32
+    engine.communication_data_type = torch.bfloat16   # no change: nothing refused
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.communication_data_type = torch.float32
+    assert engine.communication_data_type == torch.float32
+    engine.destroy()
+
+
 def test_the_global_grad_norm_is_a_tensor_from_zero_stage_1_as_deepspeeds():
     """DeepSpeed's ZeRO optimizers give the norm as a 0-dim tensor (scripts log ``.item()``); stage 0 a float.
     The same value either way."""
@@ -2644,6 +2678,35 @@ def test_a_load_without_optimizer_states_takes_the_loss_scale_where_deepspeed_do
         engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
         engine.load_checkpoint(str(tmp_path), tag="t", load_optimizer_states=with_states)
         assert engine.loss_scaler.scale == engine.optimizer.loss_scale == expected, with_states
+        engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_configured_loss_scale_mode_holds_over_a_resume_from_the_other_mode(tmp_path, stage):
+    """The config says static or dynamic: a static ``fp16.loss_scale`` resumed from a dynamic run keeps its
+    value (and stays static), and a dynamic run resumed from a static one (a bf16 or fp32 run saves 1.0)
+    starts its scale afresh rather than climb back from the saved one; each is said once."""
+    dynamic = ds_config(_top={"fp16": {"enabled": True, "initial_scale_power": 11}, "zero_optimization": {"stage": stage}})
+    static = ds_config(_top={"fp16": {"enabled": True, "loss_scale": 512}, "zero_optimization": {"stage": stage}})
+    x, y = batches(1)[0]
+    for saved_cfg, resumed_cfg, message, scale in (
+            (dynamic, static, r"the configured static fp16.loss_scale 512 is kept; the checkpoint's dynamic loss "
+                              r"scale 2048 is not restored", 512.0),
+            (static, dynamic, r"the checkpoint's static loss scale 512 is not restored: this run's fp16 scale is "
+                              r"dynamic \(fp16.loss_scale 0\) and starts at 2048", 2048.0)):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=saved_cfg)
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        engine.save_checkpoint(str(tmp_path), tag="t")
+        engine.destroy()
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=resumed_cfg)
+        with pytest.warns(UserWarning, match=message):
+            engine.load_checkpoint(str(tmp_path), tag="t")
+        assert engine.loss_scaler.scale == engine.optimizer.cur_scale == scale
+        assert engine.loss_scaler.dynamic == (resumed_cfg is dynamic)
+        engine.backward(lm_loss(engine(x), y) * float("inf"))
+        engine.step()
+        assert engine.loss_scaler.scale == (512.0 if resumed_cfg is static else 1024.0 if stage == 0 else 2048.0)
         engine.destroy()
 
 

@@ -362,7 +362,7 @@ def test_a_mixed_precision_sharded_run_resumes_bit_identically(spawned, stage, o
 
 
 # ---- stage 2: each micro-batch's layer gradients reduced on the device, before they leave it -------------
-def _reduce_where(rank, world, out_dir, where, dtype, comm, stage):
+def _reduce_where(rank, world, out_dir, where, dtype, comm, stage, set_comm=None):
     """Stage 2 with the CPU standing in for a GPU (copy threads, random delays on every copy and update),
     each layer's gradient reduced to its owner on the "device" (``where``: "device") or after it reached the
     host ("host"), over two micro-batches a step; reports the weights and the bytes of layer gradients this
@@ -378,6 +378,8 @@ def _reduce_where(rank, world, out_dir, where, dtype, comm, stage):
                                                             "chaos_max_delay_ms": 3})
     from lazytrain.engine import weights as weights_module
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    if set_comm is not None:   # as DeepSpeed's scripts set it after initialize
+        engine.communication_data_type = getattr(torch, set_comm)
     per = GLOBAL // world // 2
     copied, reduces, read_at_step = [], [], []
     real_read = weights_module.sum_of_squares
@@ -417,6 +419,28 @@ REDUCED = [("fp32", None, 2), ("bf16", None, 2), ("bf16", "fp32", 2), ("bf16", N
 for _dtype, _comm, _stage in REDUCED:
     for _where in ("device", "host"):
         reduce_case(_where, _dtype, _comm, _stage)
+
+
+def comm_set_case(where) -> str:
+    return case(2, f"reduce-on-{where}-bf16-comm-set-float32", _reduce_where, where=where, dtype="bf16", comm=None,
+                stage=2, set_comm="float32")
+
+
+for _where in ("device", "host"):
+    comm_set_case(_where)
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_communication_data_type_set_after_initialize_sums_as_the_config_key_does(spawned, where):
+    """``engine.communication_data_type = torch.float32`` (DeepSpeed's setter) in a bf16 run: its gradients
+    are summed in fp32 from then on, on the device path and the host path alike, the same weights bit for
+    bit as the config key, and the same bytes copied off the device."""
+    by_setter = spawned(comm_set_case(where))
+    by_config = spawned(reduce_case(where, "bf16", "fp32"))
+    for s, c in zip(by_setter, by_config):
+        assert s["copied"] == c["copied"]
+        for k, v in c["weights"].items():
+            assert torch.equal(s["weights"][k], v), k
 
 
 @pytest.mark.parametrize("dtype,comm,stage", REDUCED)

@@ -98,3 +98,21 @@ def test_a_scaler_saved_with_another_hysteresis_starts_this_ones_afresh():
     resumed = LossScaler(0.0, 4, hysteresis=2)
     resumed.load_state_dict(zero.state_dict())
     assert resumed.cur_hysteresis == 1      # the same hysteresis: its count goes on
+
+
+def test_a_saved_scale_of_the_other_mode_is_not_taken_and_the_reason_is_returned():
+    """The config's mode decides: a static scaler keeps its value, a dynamic one does not take a static
+    scaler's (a bf16 DeepSpeed checkpoint's 1.0); a state saved before ``dynamic`` was kept is this mode's."""
+    dynamic, static = LossScaler(0.0, 11), LossScaler(512.0)
+    _scales(dynamic, [False, True])
+    assert dynamic.state_dict()["dynamic"] and not static.state_dict()["dynamic"]
+    assert static.load_state_dict(dynamic.state_dict()) == (
+        "the configured static fp16.loss_scale 512 is kept; the checkpoint's dynamic loss scale 2048 is not restored")
+    assert static.load_state_dict(LossScaler(512.0).state_dict()) is None and static.scale == 512.0
+    fresh = LossScaler(0.0, 16)
+    assert fresh.load_state_dict({"scale": 1.0, "cur_iter": 7, "dynamic": False}) == (
+        "the checkpoint's static loss scale 1 is not restored: this run's fp16 scale is dynamic (fp16.loss_scale 0) "
+        "and starts at 65536")
+    assert (fresh.scale, fresh.cur_iter) == (65536.0, 0)
+    old = {k: v for k, v in dynamic.state_dict().items() if k != "dynamic"}
+    assert fresh.load_state_dict(old) is None and (fresh.scale, fresh.cur_iter) == (2048.0, 2)

@@ -74,6 +74,8 @@ def _as_loss_scaler_state(saved: dict | None) -> dict | None:
     state = {"scale": float(saved["cur_scale"]), "cur_iter": saved.get("cur_iter", 0),
              "last_overflow_iter": saved.get("last_overflow_iter", -1),
              "hysteresis": saved.get("delayed_shift", 1)}   # FP16_Optimizer has none
+    if "dynamic" in saved:   # LossScaler (static; a bf16 or fp32 run's 1.0) or DynamicLossScaler
+        state["dynamic"] = bool(saved["dynamic"])
     if "cur_hysteresis" in saved:
         state["cur_hysteresis"] = saved["cur_hysteresis"]
     return state
@@ -1751,6 +1753,30 @@ class LazyTrainEngine(nn.Module):
         """The dtype gradients are summed in across data-parallel ranks (config 'communication_data_type')."""
         return self.dist.comm_dtype
 
+    @communication_data_type.setter
+    def communication_data_type(self, value) -> None:
+        """As DeepSpeed's setter: a torch dtype (or "fp32", "bf16", "fp16"; None: the model's dtype), for the
+        steps after this one; refused while a step's gradients are being summed."""
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        if value is None:
+            name = dataclasses.replace(self._config, communication_data_type=None).communication_dtype_name
+        elif value in names:
+            name = names[value]
+        elif isinstance(value, str) and value in names.values():
+            name = value
+        else:
+            raise ValueError(f"communication_data_type must be torch.float32, torch.bfloat16 or torch.float16 (or "
+                             f"'fp32', 'bf16', 'fp16'; None for the model's dtype), got {value!r}")
+        dtype = {v: k for k, v in names.items()}[name]
+        if dtype == self.dist.comm_dtype:
+            return
+        if self.backward_since_zeroed() or self.micro_steps != self._step_starts_at:
+            raise RuntimeError("communication_data_type cannot change in the middle of a step: its gradients are "
+                               "being summed in the old dtype; set it before a step's first backward")
+        self.dist.comm_dtype = dtype
+        self.weights.set_comm_dtype(dtype)
+        self._config = dataclasses.replace(self._config, communication_data_type=name)
+
     def wall_clock_breakdown(self) -> bool:
         return self._config.wall_clock_breakdown
 
@@ -2219,7 +2245,9 @@ class LazyTrainEngine(nn.Module):
         def apply_all():
             result = apply(prepared)
             if restore_scale:
-                self.loss_scaler.load_state_dict(scale)
+                kept = self.loss_scaler.load_state_dict(scale)
+                if kept is not None and self.global_rank == 0:
+                    warnings.warn(f"load_checkpoint({where}): {kept}", stacklevel=3)
             return result
         return apply_all
 

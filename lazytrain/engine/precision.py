@@ -403,9 +403,24 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("scale", "cur_hysteresis", "cur_iter", "last_overflow_iter",
-                                              "hysteresis")}
+                                              "hysteresis", "dynamic")}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict) -> str | None:
+        """Take a saved scaler's state where its mode is this one's; returns why it was not taken, else None.
+
+        The config says static or dynamic: a static ``fp16.loss_scale`` keeps its value over a resume, and a
+        dynamic scaler does not adopt a static one's value (a bf16 or fp32 DeepSpeed checkpoint saves 1.0)
+        but starts afresh. A state with no ``dynamic`` (saved before it was kept) is taken as this mode's."""
+        saved_dynamic = bool(sd.get("dynamic", self.dynamic))
+        if not self.dynamic:
+            saved = sd.get("scale", self.scale)
+            if saved_dynamic or saved != self.scale:
+                return (f"the configured static fp16.loss_scale {self.scale:g} is kept; the checkpoint's "
+                        f"{'dynamic' if saved_dynamic else 'static'} loss scale {saved:g} is not restored")
+            return None
+        if not saved_dynamic:
+            return (f"the checkpoint's static loss scale {sd.get('scale', 1.0):g} is not restored: this run's fp16 "
+                    f"scale is dynamic (fp16.loss_scale 0) and starts at {self.scale:g}")
         for k in ("scale", "cur_hysteresis", "cur_iter", "last_overflow_iter"):
             if k in sd:
                 setattr(self, k, sd[k])
@@ -413,3 +428,4 @@ class LossScaler:
         # afresh rather than count its overflows as used up
         if sd.get("hysteresis", self.hysteresis) != self.hysteresis or self.cur_hysteresis > self.hysteresis:
             self.cur_hysteresis = self.hysteresis
+        return None

@@ -97,6 +97,11 @@ class GradientsToOwners:
         """Reduced on the device, before the gradients leave it (the device copies only its own layers')."""
         return self.start_on_device is not None
 
+    def use_dtype(self, dtype: torch.dtype) -> None:
+        """Sum in ``dtype`` from the next layer on (the host path's send buffer made again when first used)."""
+        if dtype != self.dtype:
+            self.dtype, self._send = dtype, None
+
     def owns(self, i: int) -> bool:
         return self.layer_owner[i] == self.rank
 

@@ -475,6 +475,16 @@ class LayerWeights:
                 for p in self.params[i]:
                     p.grad = None
 
+    def set_comm_dtype(self, dtype: torch.dtype) -> None:
+        """Gradients reduced to their owners are summed in ``dtype`` from now on (between steps: none in
+        flight)."""
+        if self._to_owners is None:
+            return
+        self.flush_grads()
+        self._to_owners.use_dtype(dtype)
+        if self._to_owners.on_device and self._grad_sink is not None:
+            self._grad_sink.reduce_on_device(dtype)
+
     def flush_grads(self, discard: bool = False) -> None:
         """Every gradient in flight landed (``discard``: or given up, the buffers being zeroed next)."""
         if self._grad_sink is not None:
@@ -574,10 +584,9 @@ class _GradientSink:
         (NCCL's wait makes the current stream wait; the compute stream would stall the backward behind the
         collective, the shared copy stream every device-to-host copy of the process); at most one layer
         waits for the worker, so that two layers' gradients in ``dtype`` are what the device holds for them."""
-        self._add_staging(dtype)
-        if dtype != self.weights.compute_dtype:   # no gradient takes the host path any more
-            del self._staging[self.weights.compute_dtype]
-        if self.weights.device.type == "cuda":
+        self._add_staging(dtype)   # no gradient takes the host path any more, nor an earlier dtype
+        self._staging = {dtype: self._staging[dtype]}
+        if self.weights.device.type == "cuda" and self._wait_stream is None:
             self._wait_stream = torch.cuda.Stream(device=self.weights.device)
         self.max_in_flight = 1
 
