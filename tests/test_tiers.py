@@ -58,6 +58,17 @@ def test_budget_error_names_tier_budget_and_request():
     assert tier.peak_bytes == 0
 
 
+def test_budget_error_gives_exact_counts_where_the_rounded_sizes_look_equal():
+    """1,056,768 bytes against 1 MiB both read "1.0 MiB": the message then says the bytes."""
+    tier = DeviceTier("host", capacity="1MiB", device="cpu")
+    tier.write("a", torch.zeros(516 * 1024, dtype=torch.uint8)).wait()
+    with pytest.raises(TierBudgetError) as e:
+        tier.write("b", torch.zeros(516 * 1024, dtype=torch.uint8))
+    assert str(e.value) == ("tier 'host' is over its budget: writing 'b' (516.0 KiB) would bring its use to 1.0 MiB "
+                            "(1,056,768 bytes), but its capacity is 1.0 MiB (1,048,576 bytes) (516.0 KiB in use). "
+                            "Raise the tier's capacity in the config or place fewer tensors on it.")
+
+
 def test_read_missing_key_and_bad_out():
     tier = HostTier()
     with pytest.raises(TierError, match="^tier 'host' holds no tensor under key 'nope'$"):

@@ -67,6 +67,21 @@ def test_nvme_with_cuda_tensors(tmp_path, use_gds, dtype, shape):
         tier.close()
 
 
+@pytest.mark.parametrize("use_gds", [None, False])
+def test_nvme_reads_into_a_one_element_cuda_view_with_another_stride(tmp_path, use_gds):
+    """``x[:, 1]`` of a one-row ``x``: contiguous, one element, stride 3; it has no ``view(-1)`` byte view."""
+    tier = NVMeTier(path=tmp_path, aio={"block_size": 4096, "use_gds": use_gds})
+    try:
+        tier.write("x", torch.tensor([7.5], device="cuda")).wait()
+        whole = torch.zeros(1, 3, device="cuda")
+        out = whole[:, 1]
+        assert out.is_contiguous() and out.stride() == (3,)
+        tier.read("x", out=out).wait()
+        assert whole.tolist() == [[0.0, 7.5, 0.0]]
+    finally:
+        tier.close()
+
+
 def test_nvme_catches_corruption_of_a_cuda_tensor(tmp_path):
     tier = NVMeTier(path=tmp_path, aio={"block_size": 4096})
     try:

@@ -479,10 +479,12 @@ class Tier(ABC):
         if self.capacity is not None and used + nbytes > self.capacity:
             held = "" if payload in (None, nbytes) else f", held in {format_bytes(nbytes)}"
             size = format_bytes(nbytes if payload is None else payload) + held
+            use, cap = format_bytes(used + nbytes), format_bytes(self.capacity)
+            if use == cap:   # rounded alike: the exact counts show the overshoot
+                use, cap = f"{use} ({used + nbytes:,} bytes)", f"{cap} ({self.capacity:,} bytes)"
             raise TierBudgetError(
                 f"tier {self.name!r} is over its budget: writing {key!r} ({size}) would bring "
-                f"its use to {format_bytes(used + nbytes)}, but its capacity is "
-                f"{format_bytes(self.capacity)} ({format_bytes(used)} in use). Raise the tier's "
+                f"its use to {use}, but its capacity is {cap} ({format_bytes(used)} in use). Raise the tier's "
                 f"capacity in the config or place fewer tensors on it.")
 
     def _reserve(self, key: str, nbytes: int, payload: int) -> object:

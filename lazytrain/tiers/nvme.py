@@ -730,7 +730,7 @@ class NVMeTier(Tier):
         if issued is not None:
             issued.synchronize()  # kvikio writes device memory outside any stream: the caller's work first
         if out is not None and out.is_cuda and out.is_contiguous():
-            dest = out.view(-1).view(torch.uint8) if entry.nbytes else out
+            dest = _byte_view(out) if entry.nbytes else out
         else:   # a bounce buffer used on the kvikio stream alone, from its pool; kvikio's DMA runs outside any
             # stream, so the kernels other I/O threads queued there (whose freed temporaries the block may be)
             # finish first

@@ -162,8 +162,9 @@ class PosixBackend:
 
 
 def probe_direct_io(directory: str) -> tuple[bool, str]:
-    """Whether ``directory``'s filesystem accepts O_DIRECT: write and read back one aligned block.
-    Raises OSError for anything but a refusal of O_DIRECT itself (ENOSPC, EROFS, EACCES, EIO)."""
+    """Whether ``directory``'s filesystem accepts O_DIRECT: one aligned block written with it (a filesystem
+    that refuses it does so at open or at the first aligned write). Raises OSError for anything but a
+    refusal of O_DIRECT itself (ENOSPC, EROFS, EACCES, EIO)."""
     path = os.path.join(directory, ".lazytrain-probe")
     buf = aligned_empty(ALIGNMENT, pinned=False)
     buf.fill_(0x5A)
