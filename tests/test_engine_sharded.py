@@ -1217,6 +1217,75 @@ def test_a_layer_one_ranks_batch_gives_no_gradient_still_reaches_its_owner(spawn
         assert max_rel_diff(trained, ref) < 1e-5
 
 
+def _skipping_model():
+    """Blocks 2 and 3 run only for a batch whose first token is even."""
+    from engine_models import ModuleListLM
+
+    class SkippingLM(ModuleListLM):
+        def forward(self, ids):
+            x = self.emb(ids)
+            for blk in self.stack[:len(self.stack) if int(ids[0, 0]) % 2 == 0 else 2]:
+                x = blk(x)
+            return self.head(self.extra[0](x))
+
+    torch.manual_seed(0)
+    return SkippingLM(n_layers=4)
+
+
+def _skipping(rank, world, out_dir, where):
+    """Two micro-batches a step: in the first rank 0 runs every block and rank 1 blocks 0-1 alone, in the
+    second the other way round, so both ranks make six reduces of the same sizes to the same owners
+    (layers 0-3 alternate between the two ranks), pairing different layers."""
+    import lazytrain
+    cfg = _config(2, 2, overlap=False)
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world // 2
+    cfg["lazytrain"]["collective_timeout_s"] = 60
+    if where == "device":
+        cfg["lazytrain"].update(gradient_reduce="device", testing={"copy_threads": True})
+    engine, _, _, _ = lazytrain.initialize(model=_skipping_model(), config=cfg)
+    assert [engine.shards.layer_owner[i] for i in range(4)] == [0, 1, 0, 1]
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    x, y = batches(1, batch=1)[0]
+    error = None
+    try:
+        for m in range(2):
+            ids = x.clone()
+            ids[:, 0] = 2 * (ids[:, 0] // 2) + (0 if m == rank else 1)   # even: every block runs
+            engine.backward(lm_loss(engine(ids), y))
+            engine.step()
+    except Exception as e:   # noqa: BLE001 - the report's subject
+        error = f"{type(e).__name__}: {e}"
+    engine.zero_grad()
+    after = engine.module_state_dict()
+    changed = [k for k, v in before.items() if not torch.equal(after[k], v)]
+    ids = x.clone()
+    ids[:, 0] = 2 * (ids[:, 0] // 2)   # every rank runs every block: the step goes through
+    engine.backward(lm_loss(engine(ids), y))   # the failed step's last micro-batch, redone
+    engine.step()
+    stepped = engine.global_steps
+    engine.destroy()
+    return {"error": error, "changed": changed, "stepped": stepped}
+
+
+for _where in ("host", "device"):
+    case(2, f"skipping-{_where}", _skipping, where=_where)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_ranks_that_reduce_different_layers_fail_the_step_together_before_anything_moves(spawned, where):
+    """At stage 2 the ranks' reduces pair by order alone: rank 0's layers [3, 2, 1, 0, 1, 0] met rank 1's
+    [1, 0, 3, 2, 1, 0] (same sizes, same owners) and the owners summed other layers' gradients, training on
+    without a word. The step now compares the order the ranks reduced in, and every rank refuses the step:
+    nothing moved, and after zero_grad() a step whose ranks run the same layers goes through."""
+    for r in spawned(f"skipping-{where}"):
+        assert r["error"].startswith("StepFailedError: step 1 failed before the optimizer changed anything "
+                                     "(RuntimeError: the ranks' backwards reduced different streamed layers (or "
+                                     "in another order) since the gradients were zeroed: at zero_optimization.stage "
+                                     ">= 2 each layer's gradient is summed on its owner as it lands"), r["error"]
+        assert "a model that skips layers on some ranks needs stage 1" in r["error"]
+        assert r["changed"] == [] and r["stepped"] == 1
+
+
 def _one_gpu_worker(rank, port, out_dir):
     join_as(rank, 2, port)
     torch.distributed.init_process_group("gloo")   # two processes on one GPU: NCCL refuses, gloo carries them

@@ -522,6 +522,16 @@ class DistributedContext:
         return bool(flag.item())
 
 
+    def all_succeeded_alike(self, ok: bool, value: int, what: str) -> tuple[bool, bool]:
+        """Whether ``ok`` holds on every rank, and whether every rank holds the same ``value`` (an int64), in
+        one collective."""
+        if not self.enabled:
+            return ok, True
+        t = torch.tensor([1 if ok else 0, value, -value], dtype=torch.int64)
+        self._collective(what, dist.all_reduce, t, op=dist.ReduceOp.MIN, group=self.host_group)
+        return bool(t[0].item()), t[1].item() == -t[2].item()
+
+
 class RankFailure:
     """This rank's failure of a part of the work that every rank must fail together (an optimizer update, a
     checkpoint read): kept, not raised, while the part's collectives go on (a rank that raised at once would

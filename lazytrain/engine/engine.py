@@ -1088,12 +1088,23 @@ class LazyTrainEngine(nn.Module):
                                "were last zeroed: the optimizer would move every weight by its momentum and weight "
                                "decay alone, so nothing was stepped. Call engine.backward(loss) before engine.step()")
         # a rank that failed alone would leave the others waiting in the step's collectives until the timeout,
-        # or pair its redone micro-batches' collectives with theirs: every rank fails the step together
-        if not self.dist.all_succeeded(local_failure is None, "agreement that every rank's gradients reached its "
-                                                              "host in engine.step()"):
+        # or pair its redone micro-batches' collectives with theirs: every rank fails the step together; and
+        # gradients reduced as they landed were summed with the same layer's on every rank
+        to_owners = self.weights.reduced_as_landed
+        ok, alike = self.dist.all_succeeded_alike(
+            local_failure is None, to_owners.sequence if to_owners is not None else 0,
+            "agreement that every rank's gradients reached its host in engine.step()")
+        if not ok:
             cause = local_failure if local_failure is not None else \
                 RuntimeError("another rank's gradients did not all reach its host; its own error says why")
             raise StepFailedError(self._failed_before_update(cause)) from local_failure
+        if not alike:   # step() keeps the accumulation unusable: zero_grad() drops it
+            raise StepFailedError(self._failed_before_update(RuntimeError(
+                "the ranks' backwards reduced different streamed layers (or in another order) since the gradients "
+                "were zeroed: at zero_optimization.stage >= 2 each layer's gradient is summed on its owner as it "
+                "lands, pairing the ranks' reduces by order, so some owners summed one layer's gradient into "
+                "another's. Every rank must run the same trainable layers in each backward; a model that skips "
+                "layers on some ranks needs stage 1")))
         try:
             self._zero_grads_of_unreached_params()
             # tensors the script added: a zero gradient only where another rank has one (the same reduces)
@@ -1607,6 +1618,8 @@ class LazyTrainEngine(nn.Module):
 
     def _zero_non_block_grads(self) -> None:
         self._grads_given = self.executor.backward_ran = False   # every gradient is zeroed with these
+        if self.weights.reduced_as_landed is not None:
+            self.weights.reduced_as_landed.restart_sequence()
         if self.masters is not None:
             self.masters.zero_grad()
             self.frozen_non_block.zero_grad()

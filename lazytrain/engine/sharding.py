@@ -91,6 +91,15 @@ class GradientsToOwners:
         self.start_on_device = start_on_device
         self.max_layer_numel = max_layer_numel
         self._send: torch.Tensor | None = None   # the host path's, made when first used
+        self.sequence = 0   # a digest of the layers reduced since the gradients were zeroed, in order
+
+    def _reducing(self, i: int) -> None:
+        """Layer i's reduce is the next one: the ranks' reduces pair by order alone, so a rank that skipped a
+        layer pairs the next of the same size and owner with another layer's; the step compares the digests."""
+        self.sequence = (self.sequence * _SEQUENCE_BASE + i + 1) % _SEQUENCE_MODULUS
+
+    def restart_sequence(self) -> None:
+        self.sequence = 0
 
     @property
     def on_device(self) -> bool:
@@ -117,6 +126,7 @@ class GradientsToOwners:
         which adds the sum into ``target`` (its fp32 buffer; None on the other ranks) through the caller's fp32
         ``scratch`` (host_accumulate.py); with ``square_sum``, returns ``target``'s sum of squares then, on
         the owner."""
+        self._reducing(i)
         send = self.send_buffer(flat.numel())
         if flat.data_ptr() == send.data_ptr():
             send.div_(self.world_size)
@@ -138,11 +148,16 @@ class GradientsToOwners:
         :meth:`flat_dtype`) into its owner's; returns what is summed (``flat`` divided by the world size in
         place, or its share in :attr:`dtype`; on the owner it ends up holding the sum) and the call that waits
         for it. The owner then copies it to its host and adds it into the layer's buffer."""
+        self._reducing(i)
         if flat.dtype == self.dtype:
             sent = flat.div_(self.world_size)
         else:
             sent = share_into(torch.empty(flat.shape, dtype=self.dtype, device=flat.device), flat, self.world_size)
         return sent, self.start_on_device(sent, self.layer_owner[i])
+
+
+_SEQUENCE_MODULUS = (1 << 61) - 1   # a prime: digests fit an int64 collective, with their negatives
+_SEQUENCE_BASE = 1_000_003
 
 
 def _holds(dtype: torch.dtype, other: torch.dtype) -> bool:

@@ -456,6 +456,12 @@ class LayerWeights:
         return sum_of_squares(buf)
 
     @property
+    def reduced_as_landed(self):
+        """The :class:`~lazytrain.engine.sharding.GradientsToOwners` reducing each layer's gradient to its
+        owner as it lands (sharded data parallel), else None."""
+        return self._to_owners
+
+    @property
     def grads_to_owners(self) -> bool:
         """Each micro-batch's layer gradients are reduced to the layer's owner as they land (then every rank
         must land every trainable layer the backward reaches, zeros where it has none)."""
