@@ -30,6 +30,17 @@ def fraction(text: str) -> float:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """An argparse type: a whole number >= 0, else the usual one-line usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
+
+
 def positive(kind=int):
     """An argparse type: a number of ``kind`` above zero, else the usual one-line usage error."""
     def read(text: str):

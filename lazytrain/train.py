@@ -181,15 +181,18 @@ def run(args) -> int:
     from lazytrain.planner.milp import PlanningError
     from lazytrain.planner.problem import InfeasibleBudgetError
     from lazytrain.tiers.base import TierBudgetError
+    from lazytrain.tiers.factory import TierSpecError
     from lazytrain.tiers.nvme import NVMeIOError
+    from lazytrain.engine.blocks import BlockDiscoveryError
     from lazytrain.engine.checkpoint import CheckpointError
     try:
         return _run(args)
     # a problem with the user's job or config (a budget too small for the model, a hardware profile the
     # planner cannot read, no plan in time, an NVMe path or an output disk that cannot take the files, on this
-    # rank or another): one line naming what to change, no traceback
+    # rank or another, blocks or tiers the config names that the model or the tier specs lack): one line
+    # naming what to change, no traceback
     except (JobError, ConfigError, InfeasibleBudgetError, HardwareError, PlanningError, TierBudgetError,
-            NVMeIOError, CheckpointError) as e:
+            TierSpecError, NVMeIOError, BlockDiscoveryError, CheckpointError) as e:
         print(f"lazytrain train: {e}", file=sys.stderr)
         return 2
 

@@ -252,6 +252,33 @@ def test_a_saved_profile_plans_at_start_up_as_lazytrain_plan_does(measured, tmp_
 
 
 
+def test_a_profile_records_how_the_head_computed_its_logits_and_lazytrain_plan_counts_them_so(measured, tmp_path,
+                                                                                                 capsys):
+    """`lazytrain plan --profile` counted the head's logits in 2048-token pieces whatever the run measured did
+    (the engine computes them whole unless 'lazytrain.loss_chunk_tokens' is set): the same profile planned
+    differently offline than in the engine. The profile now says, and --loss-chunk-tokens overrides it."""
+    _, _, path = measured
+    d = json.loads(open(path).read())
+    assert d["loss_chunk_tokens"] == 24   # micro-batch 2 x 12 tokens, whole
+    assert MachineProfile.from_dict({k: v for k, v in d.items() if k != "loss_chunk_tokens"}).loss_chunk_tokens is None
+    for bad in (0, 2.5, True, "24"):
+        with pytest.raises(MeasurementError, match=re.escape(f"profile: loss_chunk_tokens must be an integer >= 1 or "
+                                                             f"null, got {bad!r}")):
+            MachineProfile.from_dict({**d, "loss_chunk_tokens": bad})
+    counted = {}
+    for flags in ([], ["--loss-chunk-tokens", "3"], ["--loss-chunk-tokens", "0"]):
+        out = tmp_path / "plan.json"
+        assert main(["plan", "--profile", path, "--gpu-mem", "64GiB", "--host-mem", "64GiB", "--time-limit", "5",
+                     "--json", str(out), *flags]) == 0
+        capsys.readouterr()
+        prediction = Plan.from_json(str(out)).prediction
+        counted[tuple(flags)] = prediction["loss_chunk_tokens"]   # what the planner counted (Budgets)
+    assert counted == {(): 24, ("--loss-chunk-tokens", "3"): 3, ("--loss-chunk-tokens", "0"): 24}
+    with pytest.raises(SystemExit):
+        main(["plan", "--profile", path, "--loss-chunk-tokens", "-1"])
+    assert "argument --loss-chunk-tokens: must be a whole number >= 0, got '-1'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("key", ["saved_bytes", "selective_fwd_s"])
 def test_a_profile_whose_per_layer_costs_are_no_list_is_refused_naming_the_file(measured, tmp_path, key):
     """A number where a list of one per layer belongs gave "object of type 'int' has no len()"."""
@@ -280,6 +307,11 @@ def test_a_profile_plans_for_a_card_larger_than_the_profiles_default_memory(meas
         profile_problem(profile, card, "h200")
     p = profile_problem(profile, card, "h200", memory={"gpu_mem_bytes": 150_754_820_096})
     assert p.hardware.gpu_mem_bytes == 150_754_820_096 and p.hardware.name == "h200"
+    # the measured rates whichever profile supplies the rest (the MegaTrain comparison's host phase read the
+    # catalog entry's optimizer rate, so --hardware changed it)
+    alone = profile_problem(profile, big).hardware
+    assert (p.hardware.host_optimizer_gparams_per_s, p.hardware.achievable_tflops) == \
+        (alone.host_optimizer_gparams_per_s, alone.achievable_tflops)
     assert plan_from_profile(profile, big, time_limit_s=5).policy == "milp"
 
 

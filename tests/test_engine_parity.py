@@ -326,6 +326,32 @@ def test_plan_file_for_another_sequence_length_warns_at_start_and_at_a_longer_ba
         engine(batches(1, seq=12)[0][0])   # said once
 
 
+def test_a_plan_file_that_counted_the_heads_logits_in_smaller_pieces_than_the_run_warns(tmp_path):
+    """`lazytrain plan` counts the LM head's logits in 2048-token pieces unless told; the engine computes them
+    whole unless 'lazytrain.loss_chunk_tokens' is set: a plan file counted so predicts too little memory."""
+    import dataclasses
+    from lazytrain.planner.plan import every_k_plan
+    path = tmp_path / "plan.json"
+    dataclasses.replace(every_k_plan(6, 2, micro_batch_size=2, seq_len=8),
+                        prediction={"loss_chunk_tokens": 4}).to_json(str(path))
+    with pytest.warns(UserWarning, match=r"counted the LM head's logits in pieces of 4 tokens, but this run computes "
+                                         r"them whole \(16 tokens a micro-batch\): its device memory prediction is "
+                                         r"too low. Set 'lazytrain.loss_chunk_tokens' to 4, or plan again with "
+                                         r"--loss-chunk-tokens 0"):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
+    engine.destroy()
+    with pytest.warns(UserWarning, match=r"but this run computes them in pieces of 8 tokens"):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"),
+                                               config=ds_config(policy="plan", plan=str(path), loss_chunk_tokens=8))
+    engine.destroy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*pageable memory")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("llama"),
+                                               config=ds_config(policy="plan", plan=str(path), loss_chunk_tokens=4))
+    engine.destroy()
+
+
 def test_a_plan_file_predicting_more_device_memory_than_the_budget_warns(tmp_path):
     """A plan written for a 20 GB budget ran under 'lazytrain.gpu_memory' 1 MB without a word, until a device
     write overran the budget mid-step."""

@@ -1150,7 +1150,11 @@ def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, caps
     missing = tmp_path / "no" / "p.json"
     assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
                  "--json", str(missing)]) == 2
-    assert capsys.readouterr().err == f"lazytrain plan: --json {missing}: directory {missing.parent} does not exist\n"
+    assert capsys.readouterr().err == f"lazytrain plan: --json {missing}: {missing.parent} does not exist\n"
+    (tmp_path / "file").write_text("")
+    assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
+                 "--json", str(tmp_path / "file" / "p.json")]) == 2
+    assert capsys.readouterr().err == f"lazytrain plan: --json {tmp_path / 'file' / 'p.json'}: {tmp_path / 'file'} is not a directory\n"
     assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
                  "--json", str(tmp_path)]) == 2   # a directory: refused before solving too, not after
     assert capsys.readouterr().err == f"lazytrain plan: --json {tmp_path} is a directory; give a file name\n"
@@ -1245,6 +1249,21 @@ def test_plot_writes_an_image(tmp_path):
     plan, _ = build_and_solve(p, MilpOptions(max_segment=4))
     path = plot_step(simulate(p, plan), str(tmp_path / "g.png"))
     assert os.path.getsize(path) > 1000
+
+
+def test_every_kind_of_span_the_simulator_draws_has_a_colour_and_a_legend_entry():
+    """Graph layers' backward ("bwd") and the MegaTrain host phase fell back to the weights' grey, with no
+    legend entry; the legend now lists the kinds drawn, each with its own colour."""
+    from lazytrain.planner.plot import COLORS
+    from lazytrain.planner.policies import megatrain_plan
+    p = make_problem("qwen2.5-3b", "h800", micro_batch=8, seq_len=512)
+    kinds = set()
+    for plan, executor in ((every_k_plan(p.L, 4, last_segment_graph=True), "lazytrain"),
+                           (megatrain_plan(p, 4), "megatrain")):
+        kinds |= {ev.label.split()[0] for ev in simulate(p, plan, strict=False, executor=executor).timeline}
+    assert {"bwd", "fwd", "recompute", "optimizer", "clip_grad_norm_", "refresh"} <= kinds
+    assert kinds <= set(COLORS)
+    assert len(set(COLORS.values())) == len(COLORS)
 
 
 def test_planner_never_imports_torch():

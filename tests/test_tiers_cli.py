@@ -66,6 +66,12 @@ def test_bench_arguments_are_checked(tmp_path, capsys):
     assert args.func(args) == 2
     assert capsys.readouterr().err == (f"lazytrain bench tiers: cannot write the profile to --json {tmp_path} "
                                        f"(it is a directory)\n")
+    (tmp_path / "file").write_text("")   # a file where a folder belongs: makedirs said "File exists"
+    args = parser().parse_args(["bench", "tiers", "--json", str(tmp_path / "file" / "sub" / "hw.json")])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == (f"lazytrain bench tiers: cannot write the profile to --json "
+                                       f"{tmp_path / 'file' / 'sub' / 'hw.json'} ({tmp_path / 'file'} is not a "
+                                       f"directory)\n")
     args = parser().parse_args(["bench", "tiers", "--json", "/proc/hw.json"])   # root's permission bits say yes
     assert args.func(args) == 2
     assert capsys.readouterr().err.startswith("lazytrain bench tiers: cannot write the profile to --json "

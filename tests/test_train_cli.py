@@ -65,6 +65,13 @@ def set_in(section, **kw):
     (set_in(("job", "model"), rope_theta="1e4"), "'job.model.rope_theta' must be a finite number > 0, got '1e4'"),
     (set_in(("job", "model"), tie_word_embeddings="no"),
      "'job.model.tie_word_embeddings' must be true or false, got 'no'"),
+    # a blocks path the model lacks, and a tier spec that cannot be built: one line too
+    (set_in(("lazytrain",), blocks="model.nope"), "config 'lazytrain.blocks' is 'model.nope', but the model has no "
+                                                  "attribute"),
+    (set_in(("lazytrain",), tiers=[{"name": "x", "class": "nope_mod:Cls"}]),
+     "lazytrain.tiers[0] ('x').class: tier class 'nope_mod:Cls' cannot be imported"),
+    (set_in(("lazytrain",), tiers=[{"name": "host", "class": "x:y"}]), "lazytrain.tiers[0] ('host').name: 'host' is "
+                                                                      "built in"),
     (set_in(("lazytrain",), weights_home="nvme", nvme_path="/nonexistent/lazytrain-nvme"),
      "tier 'nvme': nvme_path /nonexistent/lazytrain-nvme does not exist; create it or point nvme_path at an existing "
      "directory on a fast disk"),

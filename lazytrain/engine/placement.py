@@ -139,7 +139,26 @@ def _plan_file(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], micro
         warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) was planned for sequence length "
                       f"{plan.seq_len}, but 'lazytrain.seq_len' is {lt.seq_len}: it runs, but its memory and time "
                       f"predictions do not hold (plan again with --seq {lt.seq_len})")
+    _warn_if_head_counted_smaller(plan, lt, micro_batch)
     return plan
+
+
+def _warn_if_head_counted_smaller(plan: Plan, lt, micro_batch: int) -> None:
+    """A plan that counted the LM head's logits in smaller pieces than this run computes them (`lazytrain plan`
+    counts 2048-token pieces unless told; the engine computes them whole unless 'lazytrain.loss_chunk_tokens'
+    is set) predicts too little device memory."""
+    counted = plan.prediction.get("loss_chunk_tokens") if isinstance(plan.prediction, dict) else None
+    seq = lt.seq_len or plan.seq_len
+    if isinstance(counted, bool) or not isinstance(counted, int) or not seq:
+        return
+    tokens = micro_batch * seq
+    runs = min(lt.loss_chunk_tokens or tokens, tokens)
+    if runs > counted:
+        how = f"in pieces of {runs} tokens" if runs < tokens else f"whole ({tokens} tokens a micro-batch)"
+        warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) counted the LM head's logits in pieces "
+                      f"of {counted} tokens, but this run computes them {how}: its device memory prediction is too "
+                      f"low. Set 'lazytrain.loss_chunk_tokens' to {counted}, or plan again with --loss-chunk-tokens "
+                      f"{lt.loss_chunk_tokens}")
 
 
 def _ranges(layers: list[int]) -> str:

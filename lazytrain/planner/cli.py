@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 
-from ..cli import fraction, positive
+from ..cli import fraction, nonnegative_int, positive
 
 
 def register(subparsers) -> None:
@@ -55,6 +55,10 @@ def register(subparsers) -> None:
                    help="share of the parameters outside the layers (embedding, final norm, head) that train: 0 for "
                         "a LoRA run whose embedding and head are frozen, budgeted as their device copy alone (default "
                         "1; with --profile, the share of the run measured)")
+    p.add_argument("--loss-chunk-tokens", type=nonnegative_int, default=None,
+                   help="tokens per piece the LM head computes logits and loss in: the config's "
+                        "'lazytrain.loss_chunk_tokens' (0: whole, the engine's default; default 2048; with --profile, "
+                        "the run measured's)")
     p.add_argument("--json", default=None, help="write the Plan the engine loads to this file")
     p.add_argument("--plot", default=None,
                    help="draw a Gantt chart with memory per tier to this .png, .svg, .pdf, ... file (needs matplotlib)")
@@ -75,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):   # before minutes of solving, not after
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
-            print(f"lazytrain plan: {flag} {path}: directory {folder} does not exist", file=sys.stderr)
+            what = "is not a directory" if os.path.exists(folder) else "does not exist"
+            print(f"lazytrain plan: {flag} {path}: {folder} {what}", file=sys.stderr)
             return 2
         if path and os.path.isdir(path):
             print(f"lazytrain plan: {flag} {path} is a directory; give a file name", file=sys.stderr)
@@ -92,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
                              sources={"gpu": "--gpu-mem", "host": "--host-mem", "nvme": "--nvme"},
                              trainable_share=1.0 if args.trainable_share is None else args.trainable_share,
                              non_block_trainable_share=1.0 if args.non_block_trainable_share is None
-                             else args.non_block_trainable_share)
+                             else args.non_block_trainable_share,
+                             # 0: the whole logits (the planner counts at most a micro-batch's tokens in a piece)
+                             **({} if args.loss_chunk_tokens is None else
+                                {"loss_chunk_tokens": args.loss_chunk_tokens or sys.maxsize}))
         opts = MilpOptions(time_limit_s=args.time_limit, max_segment=args.max_segment, solver=args.solver,
                            allow_resident=not args.no_resident, allow_offload=not args.no_offload,
                            isolate=True)   # a solver overrunning its limit cannot hang the command
@@ -190,4 +198,6 @@ def _profile_problem(args: argparse.Namespace, budgets):
             budgets = dataclasses.replace(budgets, **{k: getattr(profile, k)})
     if profile.hybrid_8bit_fraction is not None:   # its optimizer kept this share of the moments in 8 bits
         budgets = dataclasses.replace(budgets, hybrid_8bit_fraction=profile.hybrid_8bit_fraction)
+    if args.loss_chunk_tokens is None and profile.loss_chunk_tokens is not None:   # its head, as it computed it
+        budgets = dataclasses.replace(budgets, loss_chunk_tokens=profile.loss_chunk_tokens)
     return profile_problem(profile, budgets, hardware, global_batch)

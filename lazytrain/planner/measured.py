@@ -369,6 +369,7 @@ class MachineProfile:
     trainable_share: float = 1.0    # the share of the layers' parameters that trained (Budgets.trainable_share)
     non_block_trainable_share: float = 1.0   # and of the others (Budgets.non_block_trainable_share)
     hybrid_8bit_fraction: float | None = None   # of the trained ones, with 8-bit moments (None: not recorded)
+    loss_chunk_tokens: int | None = None   # tokens per piece the LM head computed logits in (None: not recorded)
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": 1, "costs": self.costs.to_dict(),
@@ -376,7 +377,7 @@ class MachineProfile:
                 "seq_len": self.seq_len, "device": self.device, "grad_accum": self.grad_accum,
                 "device_name": self.device_name, "trainable_share": self.trainable_share,
                 "non_block_trainable_share": self.non_block_trainable_share,
-                "hybrid_8bit_fraction": self.hybrid_8bit_fraction}
+                "hybrid_8bit_fraction": self.hybrid_8bit_fraction, "loss_chunk_tokens": self.loss_chunk_tokens}
 
     def to_json(self, path: str) -> None:
         import json
@@ -424,13 +425,16 @@ class MachineProfile:
             if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
                 raise MeasurementError(f"{where}: {k} must be a fraction in [0, 1], got {share!r}")
             shares[k] = float(share)
+        chunk = d.get("loss_chunk_tokens")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise MeasurementError(f"{where}: loss_chunk_tokens must be an integer >= 1 or null, got {chunk!r}")
         try:
             costs = MeasuredCosts.from_dict(d["costs"])
         except MeasurementError as e:   # named with the file it came from
             raise MeasurementError(f"{where}: {e}") from None
         return cls(costs=costs, links_gbps={k: float(v) for k, v in links.items()},
                    model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
-                   device=device, grad_accum=d["grad_accum"], device_name=name, **shares)
+                   device=device, grad_accum=d["grad_accum"], device_name=name, loss_chunk_tokens=chunk, **shares)
 
     @classmethod
     def from_json(cls, path: str) -> "MachineProfile":

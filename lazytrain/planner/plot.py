@@ -12,8 +12,12 @@ from .simulate import SimResult
 FORMATS = ("png", "svg", "svgz", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff")
 
 LANES = ["compute", "h2d", "d2h", "nvme_read", "nvme_write", "optimizer", "wait"]
-COLORS = {"fwd": "#4c72b0", "head": "#8172b2", "recompute": "#c44e52", "diff": "#55a868", "weights": "#8c8c8c",
-          "prefetch": "#dd8452", "offload": "#937860", "grads": "#64b5cd", "update": "#ccb974"}
+# by the first word of a span's label: every kind the simulator draws has its own colour and legend entry
+COLORS = {"fwd": "#4c72b0", "head": "#8172b2", "recompute": "#c44e52", "diff": "#55a868", "bwd": "#2e7d32",
+          "weights": "#8c8c8c", "prefetch": "#dd8452", "offload": "#937860", "grads": "#64b5cd",
+          "update": "#ccb974", "embedding/head": "#a1887f", "optimizer": "#e377c2", "clip_grad_norm_": "#bcbd22",
+          "refresh": "#17becf", "next": "#7f7f7f"}
+OTHER = "#999999"   # a kind without a colour of its own: drawn, and named "other" in the legend
 
 
 def _pyplot():
@@ -44,19 +48,20 @@ def plot_step(sim: SimResult, path: str, title: str = "") -> str:
         raise ValueError(f"{path}: {why}")
     plt = _pyplot()
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(14, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    drawn: dict[str, str] = {}   # the legend: each kind drawn, in order of first appearance
     for ev in sim.timeline:
         if ev.end <= ev.start:
             continue
         y = LANES.index(ev.lane)
         kind = ev.label.split()[0]
-        ax.barh(y, ev.end - ev.start, left=ev.start, height=0.8, color=COLORS.get(kind, "#999999"),
-                edgecolor="none")
+        drawn.setdefault(kind if kind in COLORS else "other", COLORS.get(kind, OTHER))
+        ax.barh(y, ev.end - ev.start, left=ev.start, height=0.8, color=COLORS.get(kind, OTHER), edgecolor="none")
     ax.set_yticks(range(len(LANES)))
     ax.set_yticklabels(LANES)
     ax.invert_yaxis()
     ax.set_title(title or f"step {sim.step_time_s:.3f} s, {sim.tflops:.1f} TFLOPS, {sim.tokens_per_s:.0f} tokens/s")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, list(COLORS), ncol=len(COLORS), fontsize=7, loc="upper right")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in drawn.values()]
+    ax.legend(handles, list(drawn), ncol=len(drawn) or 1, fontsize=7, loc="upper right")
     xs, tiers = [], {"hbm": [], "host": [], "nvme": []}
     for m in sim.memory:
         xs += [m["start"], m["end"]]

@@ -103,6 +103,8 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
             **extra, "solver": solver,
             "lower_bound_s": p.lower_bound_s()["bound"], "model": p.model.name, "hardware": p.hardware.name,
             "grad_accum": p.grad_accum,
+            # tokens per piece of the LM head's logits the plan counted: the engine warns where it computes more
+            "loss_chunk_tokens": min(p.budgets.loss_chunk_tokens, p.micro_batch * p.seq_len),
             "solve_wall_s": wall}
     return replace(plan, prediction=pred)
 
@@ -337,16 +339,17 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
     if len(model.layers) != profile.costs.num_layers:
         raise ValueError(f"the profile's costs are for {profile.costs.num_layers} layers, its model has "
                          f"{len(model.layers)}")
+    # the measured rates, for what reads a rate rather than the measured times (the MegaTrain comparison's
+    # host phase): the run's own, whichever profile supplies the rest
+    T = profile.micro_batch * profile.seq_len
+    flops = sum(3 * layer.fwd_flops_per_token(profile.seq_len) * T for layer in model.layers)
+    params = sum(layer.params for layer in model.layers)
+    rates = {"achievable_tflops": flops / max(sum(profile.costs.diff_s), 1e-9) / 1e12,
+             "host_optimizer_gparams_per_s": params / max(sum(profile.costs.update_s), 1e-9) / 1e9}
     if hardware is not None:
-        hw = replace(load_profile(hardware), **profile.links_gbps, **memory)
+        hw = replace(load_profile(hardware), **rates, **profile.links_gbps, **memory)
     else:
-        # nominal rates for the fields the cost model reads before the measured times replace them
-        T = profile.micro_batch * profile.seq_len
-        flops = sum(3 * layer.fwd_flops_per_token(profile.seq_len) * T for layer in model.layers)
-        params = sum(layer.params for layer in model.layers)
-        hw = HardwareProfile(name=f"measured on {profile.device}",
-                             achievable_tflops=flops / max(sum(profile.costs.diff_s), 1e-9) / 1e12,
-                             host_optimizer_gparams_per_s=params / max(sum(profile.costs.update_s), 1e-9) / 1e9,
+        hw = HardwareProfile(name=f"measured on {profile.device}", **rates,
                              gpu_mem_bytes=memory.get("gpu_mem_bytes", budgets.gpu_bytes or 64 * GiB),
                              host_mem_bytes=memory.get("host_mem_bytes", budgets.host_bytes or 64 * GiB),
                              **profile.links_gbps)

@@ -40,6 +40,11 @@ def _unwritable(path: str) -> str | None:
     if os.path.isdir(path):
         return "it is a directory"
     directory = os.path.dirname(os.path.abspath(path))
+    above = directory
+    while not os.path.exists(above):   # makedirs says "File exists" of a file where a folder belongs
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        return f"{above} is not a directory"
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:

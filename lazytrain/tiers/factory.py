@@ -11,6 +11,11 @@ from .base import Tier, parse_bytes
 from .memory import DeviceTier, HostTier
 from .registry import resolve_tier_class
 
+class TierSpecError(ValueError, TypeError):
+    """A tier spec, capacity or ``aio`` setting in the config that cannot be built as given (a ValueError, and
+    a TypeError where the spec's type is wrong, as raised before)."""
+
+
 BUILTIN_TIERS = ("hbm", "host", "nvme")
 RESERVED_NAMES = BUILTIN_TIERS + ("recompute",)  # "recompute" is a boundary home in a Plan, not a tier
 
@@ -25,65 +30,65 @@ def _accepted_kwargs(cls: type) -> tuple[set[str], bool]:
 def _user_tier(index: int, spec: Any, capacities: dict[str, Any], taken: set[str]) -> Tier:
     where = f"lazytrain.tiers[{index}]"
     if not isinstance(spec, dict):
-        raise TypeError(f"{where}: a tier spec is an object like "
+        raise TierSpecError(f"{where}: a tier spec is an object like "
                         f"{{'name': 'ramdisk', 'class': 'my_pkg.tiers:RamDiskTier', 'capacity': '64GB'}}, "
                         f"got {type(spec).__name__}")
     spec = dict(spec)
     for required in ("name", "class"):
         if required not in spec:
-            raise ValueError(f"{where}: missing key {required!r} (a tier spec needs 'name' and 'class')")
+            raise TierSpecError(f"{where}: missing key {required!r} (a tier spec needs 'name' and 'class')")
     name, class_spec = spec.pop("name"), spec.pop("class")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{where}.name: a tier name is a non-empty string, got {name!r}")
+        raise TierSpecError(f"{where}.name: a tier name is a non-empty string, got {name!r}")
     where = f"{where} ({name!r})"
     if name in RESERVED_NAMES:
-        raise ValueError(f"{where}.name: {name!r} is built in; give your tier another name "
+        raise TierSpecError(f"{where}.name: {name!r} is built in; give your tier another name "
                          f"(reserved: {', '.join(RESERVED_NAMES)})")
     if name in taken:
-        raise ValueError(f"{where}.name: a tier named {name!r} is already defined")
+        raise TierSpecError(f"{where}.name: a tier named {name!r} is already defined")
     if not isinstance(class_spec, str) or not class_spec:
-        raise ValueError(f"{where}.class: expected 'package.module:Class', a registered tier name or an entry "
+        raise TierSpecError(f"{where}.class: expected 'package.module:Class', a registered tier name or an entry "
                          f"point name, got {class_spec!r}")
     try:
         cls = resolve_tier_class(class_spec)
     except (ValueError, TypeError) as e:
-        raise _with_context(e, f"{where}.class: {e}") from e
+        raise TierSpecError(f"{where}.class: {e}") from e
 
     capacity = spec.pop("capacity", None)
     try:
         capacity = parse_bytes(capacity, f"{where}.capacity")
         override = parse_bytes(capacities.get(name), f"capacities[{name!r}]")
     except (TypeError, ValueError) as e:
-        raise ValueError(str(e)) from e
+        raise TierSpecError(str(e)) from e
     if override is not None:
         if capacity is not None and capacity != override:
-            raise ValueError(f"{where}.capacity is {capacity} bytes but capacities[{name!r}] is {override} bytes; "
+            raise TierSpecError(f"{where}.capacity is {capacity} bytes but capacities[{name!r}] is {override} bytes; "
                              f"give the budget in one place")
         capacity = override
 
     accepted, var_kw = _accepted_kwargs(cls)
     for required in ("name", "capacity"):
         if required not in accepted and not var_kw:
-            raise TypeError(f"{where}.class: {cls.__module__}.{cls.__qualname__}.__init__ must accept "
+            raise TierSpecError(f"{where}.class: {cls.__module__}.{cls.__qualname__}.__init__ must accept "
                             f"{required!r} (the Tier contract: __init__(self, name, capacity=None, ...))")
     if not var_kw:
         for key in spec:
             if key not in accepted:
                 options = sorted(accepted - {"self", "name", "capacity"})
-                raise ValueError(f"{where}: unknown key {key!r} for tier class {cls.__qualname__} "
+                raise TierSpecError(f"{where}: unknown key {key!r} for tier class {cls.__qualname__} "
                                  f"(it accepts: {', '.join(['name', 'class', 'capacity'] + options)})")
     try:
         tier = cls(name=name, capacity=capacity, **spec)
     except Exception as e:
         raise _with_context(e, f"{where}: {cls.__qualname__}(...) failed: {e}") from e
     if not isinstance(tier, Tier):
-        raise TypeError(f"{where}.class: {class_spec!r} built {tier!r}, which is not a lazytrain.tiers.Tier")
+        raise TierSpecError(f"{where}.class: {class_spec!r} built {tier!r}, which is not a lazytrain.tiers.Tier")
     if not hasattr(tier, "name"):   # it failed on tier.name, naming no cause
-        raise TypeError(f"{where}: {cls.__qualname__}.__init__ did not call Tier.__init__(self, name, capacity) "
+        raise TierSpecError(f"{where}: {cls.__qualname__}.__init__ did not call Tier.__init__(self, name, capacity) "
                         f"(the Tier contract), so the tier has no name, capacity or accounting")
     if tier.name != name:
         tier.close()
-        raise ValueError(f"{where}: {cls.__qualname__} named itself {tier.name!r}; pass the 'name' argument "
+        raise TierSpecError(f"{where}: {cls.__qualname__} named itself {tier.name!r}; pass the 'name' argument "
                          f"on to Tier.__init__")
     return tier
 
@@ -118,9 +123,9 @@ def create_tiers(specs: list[dict] | None, device: torch.device | str,
     for name in capacities:
         if name not in names:
             hint = " (nvme exists only when an nvme_path is given)" if name == "nvme" else ""
-            raise ValueError(f"capacities: no tier named {name!r}{hint}; tiers: {', '.join(sorted(names))}")
+            raise TierSpecError(f"capacities: no tier named {name!r}{hint}; tiers: {', '.join(sorted(names))}")
     if aio is not None and nvme_path is None:
-        raise ValueError("aio: these settings tune the NVMe tier, but no nvme_path was given")
+        raise TierSpecError("aio: these settings tune the NVMe tier, but no nvme_path was given")
 
     device = torch.device(device)
     tiers: dict[str, Tier] = {}
