@@ -147,6 +147,37 @@ def test_a_tied_weight_loads_its_fp32_master_under_both_names(name):
     assert torch.equal(masters["0.weight"], master) and torch.equal(masters["2.weight"], master)
 
 
+def test_a_stage3_checkpoint_leaving_out_a_frozen_tied_weight_loads_it_as_missing():
+    """ZeRO-3 with ``exclude_frozen_parameters`` (HF Trainer's save of a PEFT run of a tied-embedding model):
+    the frozen weight's tied name keeps only ZeRO-3's empty placeholder, which was refused as "of another
+    shape". It now counts as missing, as DeepSpeed's own load takes it: the model keeps its value, and the
+    rest is the file's."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"device": "cpu"}}
+    model = mlp()
+    model[2].weight = model[0].weight
+    model[0].weight.requires_grad_(False)
+    kept = model[0].weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                              if p.requires_grad], config=cfg)
+    with pytest.raises(CheckpointMismatchError, match=r"tensors 2 missing \(0.weight, 2.weight\) \(saved with "
+                                                      r"exclude_frozen_parameters=True: load with "
+                                                      r"load_module_strict=False\); nothing was loaded$"):
+        engine.load_checkpoint(os.path.join(HERE, "stage3_bf16_tied_excluded"))
+    engine.load_checkpoint(os.path.join(HERE, "stage3_bf16_tied_excluded"), load_module_strict=False)
+    state = ds_ckpt.read(os.path.join(HERE, "stage3_bf16_tied_excluded", "global_step1"), True)
+    assert sorted(state.module) == ["0.bias", "2.bias"]
+    loaded = engine.module_state_dict()
+    kept = kept.to(torch.bfloat16)   # frozen in bf16: no fp32 master
+    assert torch.equal(loaded["0.weight"], kept) and torch.equal(loaded["2.weight"], kept)
+    for name in ("0.bias", "2.bias"):
+        assert torch.equal(loaded[name], state.module[name])
+    assert engine.global_steps == 1
+    engine.destroy()
+
+
 def test_a_deepspeed_stage0_fp16_checkpoint_resumes_with_its_fp32_masters_and_moments():
     """Stage 0 in fp16 keeps FP16_Optimizer's state in the model file, by position: the fp32 masters in
     fp32_groups and the moments in the inner optimizer's state. They load by the names those positions have

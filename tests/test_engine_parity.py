@@ -2182,6 +2182,24 @@ def test_save_16bit_model_keeps_the_training_precision(tmp_path, precision, dtyp
         assert all(torch.equal(saved[k], v.to(dtype)) for k, v in trained.items())
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_16bit_model_keeps_a_buffer_in_the_dtype_the_engine_computes_with(tmp_path, stage):
+    """A bf16 run computes with an fp32 buffer in fp32 (the engine casts parameters only): its 16-bit save
+    and the consolidated state (HF Trainer's ZeRO-3 save) rounded it to bf16, so the file loaded back gave
+    other logits."""
+    from safetensors.torch import load_file
+    model = make_model("llama")
+    model.register_buffer("logit_bias", torch.randn(VOCAB, generator=torch.Generator().manual_seed(3)) * 3)
+    engine = train_engine(model, batches(1), ds_config(_top={"bf16": {"enabled": True},
+                                                             "zero_optimization": {"stage": stage}}))
+    assert engine.module.logit_bias.dtype == torch.float32
+    engine.save_16bit_model(str(tmp_path))
+    for saved in (load_file(str(tmp_path / "model.safetensors")), engine._zero3_consolidated_16bit_state_dict()):
+        assert saved["logit_bias"].dtype == torch.float32 and torch.equal(saved["logit_bias"], engine.module.logit_bias)
+        assert {v.dtype for k, v in saved.items() if k != "logit_bias" and v.is_floating_point()} == {torch.bfloat16}
+    engine.destroy()
+
+
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_load_checkpoint_calls_custom_load_fn_and_trains_on_what_it_wrote(tmp_path, precision):
     """DeepSpeed calls custom_load_fn(src=state, dst=module) instead of load_state_dict. A loader that

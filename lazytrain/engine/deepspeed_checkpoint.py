@@ -182,6 +182,10 @@ def read(tag_dir: str, want_optimizer: bool, trust: bool = False,
     for alias, source in (model.get("shared_params") or {}).items():
         if source in full:                            # a tied weight: its other name takes the same master
             module[alias] = full[source]
+        elif stage == 3 and source not in module and alias in module and module[alias].numel() == 0:
+            # its source left out (exclude_frozen_parameters): the other name holds only ZeRO-3's placeholder,
+            # left out too, as a missing name (DeepSpeed's own load keeps the model's value)
+            del module[alias]
     stage0 = model.get("optimizer") if want_optimizer and not optim_files and stage0_names is None else None
     return DeepSpeedState(module=module, moments=moments if want_optimizer else None, optimizer_state_dict=stage0,
                           lr_scheduler=model.get("lr_scheduler"), counters=counters, loss_scale=loss_scale,

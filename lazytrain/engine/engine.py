@@ -2672,12 +2672,14 @@ class LazyTrainEngine(nn.Module):
             return self._state_in_compute_dtype(exclude_frozen_parameters) if self.global_rank == 0 else None
 
     def _state_in_compute_dtype(self, exclude_frozen_parameters: bool, share_tied: bool = True) -> dict[str, torch.Tensor]:
-        """The masters cast to the training precision (fp32 training: the masters as they are). ``share_tied``:
-        tied names share one tensor, as in the model, so a saver that drops tied keys can (Hugging Face's
-        ``save_pretrained``); else each name has its own."""
+        """The masters cast to the training precision (fp32 training: the masters as they are); buffers as the
+        engine computes with them (an fp32 buffer of a bf16 run stays fp32, so that the file reproduces the
+        model as it trained). ``share_tied``: tied names share one tensor, as in the model, so a saver that
+        drops tied keys can (Hugging Face's ``save_pretrained``); else each name has its own."""
         dtype = self.compute_dtype
         state = self._module_state(exclude_frozen_parameters, copy=False)
         tensor_of = {name: id(t) for name, t in self.module.state_dict(keep_vars=True).items()}
+        params = {name for name, _ in self.module.named_parameters(remove_duplicate=False)}
         cast: dict[int, torch.Tensor] = {}
         out = {}
         for k, v in state.items():
@@ -2686,7 +2688,7 @@ class LazyTrainEngine(nn.Module):
                 continue
             key = tensor_of[k] if share_tied else k
             if key not in cast:
-                cast[key] = v.to(dtype, copy=True) if v.is_floating_point() else v.clone()
+                cast[key] = v.to(dtype, copy=True) if v.is_floating_point() and k in params else v.clone()
             out[k] = cast[key]
         return out
 

@@ -8,7 +8,9 @@ with the ``args`` namespace a DeepSpeed script passes to ``deepspeed.initialize`
 settings before the save, as a script that sets its own learning rate does; ``stage2_fp32_step0`` is saved before
 any step (no moments at all); ``stage0_fp16_scaled`` starts from another loss scale and saves after three steps;
 ``stage3_fp32_subgroups_frozen`` splits its one group into sub-groups of at most 40 elements (ZeRO-3's
-``sub_group_size``: its files keep one flat partition per sub-group, the settings once per group).
+``sub_group_size``: its files keep one flat partition per sub-group, the settings once per group);
+``stage3_bf16_tied_excluded`` ties the two weights, freezes them and saves with ``exclude_frozen_parameters``
+(as HF Trainer saves a PEFT run of a tied-embedding model).
 Run it where DeepSpeed is installed (it runs on the CPU): ``python tests/data/deepspeed_0_19/make_fixtures.py``
 (all of them) or ``... make_fixtures.py NAME...`` (those alone)."""
 import argparse
@@ -27,7 +29,7 @@ CONFIGS = {"stage0_fp32": (0, None, 1), "stage0_fp16": (0, "fp16", 1), "stage1_f
            "stage0_fp32_frozen": (0, None, 1), "stage0_bf16_frozen": (0, "bf16", 1),
            "stage2_bf16_frozen": (2, "bf16", 1),
            "stage2_fp32_step0": (2, None, 1), "stage0_fp16_scaled": (0, "fp16", 1),
-           "stage3_fp32_subgroups_frozen": (3, None, 1)}
+           "stage3_fp32_subgroups_frozen": (3, None, 1), "stage3_bf16_tied_excluded": (3, "bf16", 1)}
 SETTINGS = {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}
 SCALED_POWER, SCALED_STEPS = 12, 3   # stage0_fp16_scaled: its initial loss scale 2**12, its steps
 
@@ -39,8 +41,10 @@ def one(name: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
-    if name.endswith("_tied"):
+    if "_tied" in name:
         model[2].weight = model[0].weight
+    if name.endswith("_excluded"):   # the tied weight frozen, and left out of the save
+        model[0].weight.requires_grad_(False)
     if name.endswith("_frozen"):
         model[0].bias.requires_grad_(False)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
@@ -59,7 +63,8 @@ def one(name: str) -> None:
         type(get_accelerator()).is_fp16_supported = lambda self: True
     args = argparse.Namespace(local_rank=int(os.environ["LOCAL_RANK"]))
     engine, _, _, _ = deepspeed.initialize(args=args, model=model,
-                                           model_parameters=model.parameters(), config=cfg)
+                                           model_parameters=model.parameters() if not name.endswith("_excluded")
+                                           else [p for p in model.parameters() if p.requires_grad], config=cfg)
     for _ in range(steps):
         x = torch.randn(2, 8, dtype=next(engine.parameters()).dtype)
         engine.backward(engine(x).float().pow(2).mean())
@@ -71,7 +76,8 @@ def one(name: str) -> None:
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(out, ignore_errors=True)
     torch.distributed.barrier()
-    engine.save_checkpoint(out, tag="global_step1", client_state={"epoch": 3})
+    engine.save_checkpoint(out, tag="global_step1", client_state={"epoch": 3},
+                           exclude_frozen_parameters=name.endswith("_excluded"))
     torch.distributed.barrier()
     for helper in ("zero_to_fp32.py", "zero_to_torch.py"):   # DeepSpeed copies its scripts beside them
         if torch.distributed.get_rank() == 0 and os.path.exists(os.path.join(out, helper)):
