@@ -1570,6 +1570,70 @@ def test_blocks_whose_input_is_not_the_previous_output_match_pytorch(kind, k, gr
     engine.destroy()
 
 
+def test_a_full_backward_hook_on_each_block_keeps_no_inputs_and_trains_like_plain(recwarn):
+    """A full backward hook hands the next block an alias of the block's output (its identity autograd
+    function), which was taken for another hidden state: every boundary was kept on the device, outside the
+    plan, with a warning that the model changes the hidden state. The alias now counts as the output, and
+    the hook, which here halves each block's input gradient, still runs in the backward."""
+    model = make_model("llama")
+    calls = []
+
+    def halve(module, grad_in, grad_out):
+        calls.append(1)
+        return tuple(None if g is None else g * 0.5 for g in grad_in)
+    for block in model.model.layers:
+        block.register_full_backward_hook(halve)
+    data = batches(3)
+    engine = assert_trains_like_plain(model, data, ds_config(checkpoint_interval=3, last_segment_graph=False))
+    assert len(calls) == 2 * 6 * 3   # plain PyTorch's six a step, and as many here
+    assert not [w for w in recwarn if "is not block" in str(w.message)]
+    x, y = data[0]
+    out = engine(x)
+    assert not [k for k in pass_keys(engine) if k.endswith(".input")]
+    engine.backward(lm_loss(logits_of(out), y))
+    engine.destroy()
+
+
+def test_hooks_inside_blocks_and_on_their_parameters_are_warned_of_once_each():
+    """A forward hook on a module inside a streamed block runs on tensors without gradient, twice a training
+    forward; a gradient hook on a block's parameter never runs. Both were silent (a penalty built in such a
+    hook trained nothing). Each is said once, naming the module or parameter; a hook on the block itself
+    runs once on outputs with gradient, and is not warned of."""
+    model = make_model("llama")
+    outputs = []
+    model.model.layers[0].register_forward_hook(lambda m, a, o: outputs.append(o))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=3))
+    x, y = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*pageable memory")
+        engine.backward(lm_loss(logits_of(engine(x)), y))
+    assert len(outputs) == 1 and outputs[0].requires_grad
+    model.model.layers[2].mlp.register_forward_hook(lambda m, a, o: None)
+    model.model.layers[4].self_attn.register_forward_pre_hook(lambda m, a: None)
+    model.model.layers[1].mlp.down_proj.weight.register_hook(lambda g: g * 0)
+    with pytest.warns(UserWarning) as seen:
+        engine(x)
+    said = [str(w.message) for w in seen if "hook" in str(w.message)]
+    assert said == [
+        "lazytrain: forward hook(s) on model.layers.2.mlp and 1 more, inside a streamed block: the block's training "
+        "forward runs without autograd, so a tensor such a hook keeps carries no gradient (a loss term built from it "
+        "trains nothing, and tensor.register_hook on it fails), and the backward runs the block again, calling the "
+        "hook a second time. A hook on the block itself runs once, on outputs that carry gradient",
+        "lazytrain: gradient hook(s) on model.layers.1.mlp.down_proj.weight, a parameter of a streamed block, do not "
+        "run: the block computes from streamed copies of its weights, and its gradients go to host buffers, not "
+        "through the parameter. Read or change a gradient between engine.backward() and engine.step() with "
+        "lazytrain.utils.safe_get_full_grad / safe_set_full_grad"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        engine(x)   # said once
+        with torch.no_grad():
+            engine(x)   # an evaluation forward: nothing to say
+    engine.destroy()
+
+
 def test_chained_blocks_keep_no_inputs(recwarn):
     """Models that pass each block's output straight to the next (Hugging Face decoders) keep nothing
     extra and get no warning."""

@@ -38,7 +38,7 @@ from . import chunked_loss
 from . import safe_load
 from . import deepspeed_checkpoint as ds_ckpt
 from . import deepspeed_layout as ds_layout
-from . import auto_plan, module_copy, node_memory, param_access, sharding
+from . import auto_plan, module_copy, node_memory, param_access, sharding, user_hooks
 from .partitioned_params import PartitionedParams
 from . import sharded_checkpoint as sharded_ckpt
 from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_compiled_blocks,
@@ -361,6 +361,7 @@ class LazyTrainEngine(nn.Module):
         # a transformers model with use_cache on would hand every block a KV cache to fill in training; asked
         # for none whatever its config says now (a script sets use_cache back on for an evaluation callback)
         self._warned_attentions = False
+        self._warned_hooks = {"submodules": False, "parameters": False}
         self._drops_kv_cache = _takes_use_cache(model)
 
         # counters (DeepSpeed's names)
@@ -769,6 +770,7 @@ class LazyTrainEngine(nn.Module):
             kwargs["use_cache"] = False   # a training forward fills no KV cache, as under gradient checkpointing
         if torch.is_grad_enabled():
             _refuse_router_aux_loss(self.module, kwargs)
+            self._warn_of_user_hooks()
             if _wants(self.module, kwargs, "output_attentions") and not self._warned_attentions:
                 self._warned_attentions = True
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
@@ -789,6 +791,21 @@ class LazyTrainEngine(nn.Module):
         if torch.is_grad_enabled():
             out = self._scale_direct_backward(out)
         return out
+
+    def _warn_of_user_hooks(self) -> None:
+        """Once each: hooks inside the streamed blocks that run twice on tensors without gradient, and hooks on
+        their parameters that never run (user_hooks.py); looked for at each training forward until said."""
+        blocks, path = self.executor.blocks, self.blocks_path
+        if not self._warned_hooks["submodules"]:
+            names = user_hooks.hooked_submodules(blocks, path)
+            if names:
+                self._warned_hooks["submodules"] = True
+                warnings.warn(user_hooks.submodule_hooks_warning(names), stacklevel=4)
+        if not self._warned_hooks["parameters"]:
+            names = user_hooks.hooked_parameters(blocks, path)
+            if names:
+                self._warned_hooks["parameters"] = True
+                warnings.warn(user_hooks.parameter_hooks_warning(names), stacklevel=4)
 
     def _keep_layer_checkpointing_off(self) -> None:
         """The model's gradient checkpointing turned on after initialize() (a script's

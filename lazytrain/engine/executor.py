@@ -375,7 +375,7 @@ class LayerStreamingExecutor:
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
                                 f"{layer} was called when block {p.next_layer if p else 0} was expected")
         p.next_layer += 1
-        if layer > 0 and (p.last_out is None or p.last_out[0]() is not hidden
+        if layer > 0 and (p.last_out is None or not _alias_of(hidden, p.last_out[0]())
                           or hidden._version != p.last_out[1]):   # replaced, or changed in place
             self._keep_unchained_input(p, layer, hidden)
         call.rng = _rng_state(self.device)
@@ -808,6 +808,17 @@ def _handed_out(out, inputs, saved: frozenset = frozenset()):
         t = t.detach()
         return t.clone() if t.layout == torch.strided and t.untyped_storage().data_ptr() in given else t
     return hand(out) if isinstance(out, torch.Tensor) else tuple(hand(t) for t in out)
+
+
+def _alias_of(x: torch.Tensor, out: torch.Tensor | None) -> bool:
+    """Whether ``x`` is ``out``, or an alias of it holding the same values (the same memory, shape, strides
+    and dtype): what a full backward hook on a block (its identity autograd function) or a view hands the
+    next block. A re-run derives it from the block's output as it derives ``out``; the gradient goes
+    through autograd between the blocks either way."""
+    if out is None:
+        return False
+    return x is out or (x.data_ptr() == out.data_ptr() and x.shape == out.shape and x.stride() == out.stride()
+                        and x.dtype == out.dtype and x.device == out.device)
 
 
 class _BlockFunction(torch.autograd.Function):
