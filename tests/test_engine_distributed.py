@@ -521,6 +521,37 @@ def test_a_save_that_fails_on_rank_0_fails_every_rank_at_once(spawned):
     assert r1["waited"] < 30                         # not the 120 s timeout
 
 
+def _tags_per_rank(rank: int, world: int, out_dir: str, stage: int):
+    import lazytrain
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    try:
+        engine.save_checkpoint(os.path.join(out_dir, "ckpt"), tag=f"step1-rank{rank}")
+        outcome = "saved"
+    except Exception as e:   # noqa: BLE001 - the report's subject
+        outcome = f"{type(e).__name__}: {e}"
+    engine.destroy()
+    return {"outcome": outcome, "written": sorted(os.listdir(os.path.join(out_dir, "ckpt")))
+            if os.path.isdir(os.path.join(out_dir, "ckpt")) else []}
+
+
+for _stage in (0, 1):
+    case(f"tags-per-rank-stage{_stage}", _tags_per_rank, stage=_stage)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_ranks_that_give_different_tags_are_refused_before_anything_is_saved(spawned, stage):
+    """A tag made of a per-rank value: at stage 0 rank 0's alone was written while rank 1 returned True for
+    a tag that does not exist; from stage 1 each rank waited for the other's staging directory, then blamed
+    the file system. Every rank now refuses at once, naming the tags, and nothing is written."""
+    for r in spawned(f"tags-per-rank-stage{stage}"):
+        assert r["outcome"] == ("CheckpointError: save_checkpoint: the ranks gave different tags (rank 0: "
+                                "'step1-rank0', rank 1: 'step1-rank1'); every rank must save under the same tag (one "
+                                "made of the step, not of the rank). Nothing was saved")
+        assert r["written"] == []
+
+
 def test_collectives_get_contiguous_tensors_and_strided_ones_get_the_result(monkeypatch):
     """NCCL refuses a tensor that is not contiguous: a transposed weight (stage 3 broadcasts a parameter in its
     own layout) or its gradient (which autograd gives the parameter's strides) goes as a contiguous copy, and

@@ -1962,6 +1962,7 @@ class LazyTrainEngine(nn.Module):
         tag = ckpt.check_tag(f"global_step{self.global_steps}" if tag is None else tag)
         self._refuse_if_inconsistent("save_checkpoint", ckpt.CheckpointError)
         self.dist.calls.together("save_checkpoint()", self.micro_steps)   # not on rank 0 alone, as DDP's scripts do
+        self._refuse_tags_that_differ(tag)
         into_step = self.micro_steps % self.gradient_accumulation_steps()
         if into_step and self._boundary_override is None and self.global_rank == 0:   # else the script says
             warnings.warn(f"lazytrain: save_checkpoint {tag!r} between the micro-batches of a step ({into_step} of "
@@ -1990,6 +1991,23 @@ class LazyTrainEngine(nn.Module):
         if self.global_rank == 0:
             ds_layout.copy_recovery_scripts(save_dir, tag)
         return True
+
+    def _refuse_tags_that_differ(self, tag: str) -> None:
+        """Every rank saves under one tag: a tag made of a per-rank value (DeepSpeed warns) would have each rank
+        write its part under its own, or rank 0's alone be written; refused on every rank, before anything is."""
+        if not self.dist.enabled:
+            return
+        tags = self.dist.all_gather_object(tag, "agreement on the checkpoint tag to save (every rank must call "
+                                                "save_checkpoint)")
+        if len(set(tags)) > 1:
+            first = {}
+            for rank, t in enumerate(tags):
+                first.setdefault(t, rank)
+            shown = ", ".join(f"rank {r}: {t!r}" for t, r in list(first.items())[:4])
+            more = f" and {len(first) - 4} more" if len(first) > 4 else ""
+            raise ckpt.CheckpointError(f"save_checkpoint: the ranks gave different tags ({shown}{more}); every rank "
+                                       f"must save under the same tag (one made of the step, not of the rank). "
+                                       f"Nothing was saved")
 
     def _agree_on_save(self, error: BaseException | None, tag: str, save_dir: str, who: str) -> None:
         """Every rank learns whether every rank's part of a save succeeded; a failure is raised on every
