@@ -1610,7 +1610,11 @@ def test_hooks_inside_blocks_and_on_their_parameters_are_warned_of_once_each():
         warnings.simplefilter("error", UserWarning)
         warnings.filterwarnings("ignore", message=".*pageable memory")
         engine.backward(lm_loss(logits_of(engine(x)), y))
-    assert len(outputs) == 1 and outputs[0].requires_grad
+        with torch.no_grad():   # transformers installs its own (inactive) hooks inside the blocks for these
+            engine(x, output_attentions=True, output_hidden_states=True)
+        assert any(layer.self_attn._forward_hooks for layer in model.model.layers)
+        engine.backward(lm_loss(logits_of(engine(x)), y))   # ... which are not the user's
+    assert len(outputs) == 3 and outputs[0].requires_grad
     model.model.layers[2].mlp.register_forward_hook(lambda m, a, o: None)
     model.model.layers[4].self_attn.register_forward_pre_hook(lambda m, a: None)
     model.model.layers[1].mlp.down_proj.weight.register_hook(lambda g: g * 0)

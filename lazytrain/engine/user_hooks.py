@@ -12,6 +12,16 @@ import torch.nn as nn
 from torch.nn.modules import module as _module
 
 
+# modules whose hooks are not the user's: transformers' output capturing installs inactive hooks the first
+# time hidden states or attentions are asked for (engine.py warns of attentions asked for in training)
+_LIBRARY_HOOKS = ("transformers.utils.output_capturing",)
+
+
+def _users(hooks) -> bool:
+    """Whether ``hooks`` (a module's hook dict) holds one that is not a library's own."""
+    return any(getattr(h, "__module__", None) not in _LIBRARY_HOOKS for h in hooks.values())
+
+
 def _named(blocks: nn.ModuleList, blocks_path: str):
     for i, block in enumerate(blocks):
         yield f"{blocks_path}.{i}" if blocks_path else str(i), block
@@ -21,11 +31,11 @@ def hooked_submodules(blocks: nn.ModuleList, blocks_path: str) -> list[str]:
     """The modules inside the blocks (not the blocks themselves) with forward hooks or pre-hooks, by name;
     every one of them where a global module forward hook is set (named as such first)."""
     names = []
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+    if _users(_module._global_forward_hooks) or _users(_module._global_forward_pre_hooks):
         names.append("every module (a global hook: torch.nn.modules.module.register_module_forward_hook)")
     for prefix, block in _named(blocks, blocks_path):
         for name, sub in block.named_modules(prefix=prefix):
-            if sub is not block and (sub._forward_hooks or sub._forward_pre_hooks):
+            if sub is not block and (_users(sub._forward_hooks) or _users(sub._forward_pre_hooks)):
                 names.append(name)
     return names
 
