@@ -2287,8 +2287,9 @@ class LazyTrainEngine(nn.Module):
             if load_lr_scheduler_states:
                 self._check_scheduler_state_fits(schedule, where)
         prepared = by_name() if by_name is not None else None   # the moments by name: each checked here
-        # the loss scale as DeepSpeed 0.19 restores it: with the optimizer states only (FP16_Optimizer's state at
-        # stage 0; from stage 1 ZeRO's files, which its load_checkpoint reads only for those states)
+        # the loss scale where DeepSpeed 0.19 restores it: with the optimizer states only (FP16_Optimizer's state
+        # at stage 0; from stage 1 ZeRO's files, which its load_checkpoint reads only for those states); of the
+        # config's mode only (DeepSpeed adopts the file's mode: LossScaler.load_state_dict)
         restore_scale = self.loss_scaler is not None and bool(scale) and want_optim
 
         def apply_all():

@@ -811,14 +811,20 @@ def _handed_out(out, inputs, saved: frozenset = frozenset()):
 
 
 def _alias_of(x: torch.Tensor, out: torch.Tensor | None) -> bool:
-    """Whether ``x`` is ``out``, or an alias of it holding the same values (the same memory, shape, strides
-    and dtype): what a full backward hook on a block (its identity autograd function) or a view hands the
-    next block. A re-run derives it from the block's output as it derives ``out``; the gradient goes
-    through autograd between the blocks either way."""
+    """Whether ``x`` is ``out``, or an autograd view of it holding the same values (the same memory, shape,
+    strides, dtype and lazy conj/neg bits): what a full backward hook on a block (its identity autograd
+    function) hands the next block. A re-run derives it from the block's output as it derives ``out``; the
+    gradient goes through autograd between the blocks either way. Only a view of ``out`` shares its version
+    counter, so a change in place of either is seen; an alias made otherwise (``.data``, numpy, dlpack) does
+    not, and counts as another tensor."""
     if out is None:
         return False
-    return x is out or (x.data_ptr() == out.data_ptr() and x.shape == out.shape and x.stride() == out.stride()
-                        and x.dtype == out.dtype and x.device == out.device)
+    if x is out:
+        return True
+    return (x._base is not None and x._base is (out._base if out._base is not None else out)
+            and x.data_ptr() == out.data_ptr() and x.shape == out.shape and x.stride() == out.stride()
+            and x.dtype == out.dtype and x.device == out.device and x.is_conj() == out.is_conj()
+            and x.is_neg() == out.is_neg())
 
 
 class _BlockFunction(torch.autograd.Function):
