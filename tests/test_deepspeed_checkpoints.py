@@ -340,7 +340,7 @@ def test_a_stage0_fp16_checkpoint_resumes_with_its_loss_scale():
 
 def test_an_8bit_moment_engine_quantizes_the_fp32_moments_it_loads():
     """fp32 moments loaded into an engine configured for 8-bit ones take the layout a fresh one has
-    (uint8 codes and per-block absmax, quantized as a step requantizes them), not fp32 for good."""
+    (uint8 codes and per-block absmax, each block scaled to both ends of the map), not fp32 for good."""
     from lazytrain.optim import hybrid_adamw as H
     from lazytrain.optim.quantization import get_qmap
     engine = engine_for(optimizer_states="8bit", hybrid_threshold=16)
@@ -355,7 +355,7 @@ def test_an_8bit_moment_engine_quantizes_the_fp32_moments_it_loads():
     expected = ds_ckpt.read(os.path.join(HERE, "stage3_fp32", "global_step1"), True).moments
     for n in ("0.weight", "2.weight"):
         for key, which, qmap in (("exp_avg", "1", "dynamic"), ("exp_avg_sq", "2", "udynamic")):
-            codes, absmax = H._requant(expected[n][key].reshape(-1), get_qmap(qmap, torch.device("cpu")), 256)
+            codes, absmax = H._fitted(expected[n][key].reshape(-1), get_qmap(qmap, torch.device("cpu")), 256)
             assert torch.equal(loaded[n]["state" + which].reshape(-1), codes), (n, key)
             assert torch.equal(loaded[n]["absmax" + which], absmax), (n, key)
     for n in ("0.bias", "2.bias"):

@@ -296,10 +296,11 @@ def layout(opt, params):
 
 
 @pytest.mark.parametrize("chunk", [None, 512])
-def test_fp32_moments_loaded_into_8bit_states_are_quantized_as_a_step_quantizes_them(monkeypatch, chunk):
+def test_fp32_moments_loaded_into_8bit_states_are_quantized_blockwise(monkeypatch, chunk):
     """A checkpoint with fp32 moments (an optimizer_states="fp32" run, torch's AdamW, DeepSpeed) resumes
-    with the 8-bit states this optimizer is set up for, laid out as a fresh one lays them out; its
-    groups' state settings stay this optimizer's (a chunk of 512 converts whole blocks at a time)."""
+    with the 8-bit states this optimizer is set up for, laid out as a fresh one lays them out, each block
+    scaled to both ends of the map (_fitted); its groups' state settings stay this optimizer's (a chunk of
+    512 converts whole blocks at a time)."""
     if chunk is not None:
         monkeypatch.setattr(H, "_CONVERT_CHUNK", chunk)
     pa = make_params()
@@ -316,7 +317,7 @@ def test_fp32_moments_loaded_into_8bit_states_are_quantized_as_a_step_quantizes_
                                                  ["absmax1", "absmax2", "block_size", "state1", "state2", "step"]]
     for a, b in ((pa[0], pb[0]), (pa[2], pb[2])):
         for key, which, kind in (("exp_avg", "1", "dynamic"), ("exp_avg_sq", "2", "udynamic")):
-            codes, absmax = H._requant(oa.state[a][key].reshape(-1), H.get_qmap(kind, a.device), 256)
+            codes, absmax = H._fitted(oa.state[a][key].reshape(-1), H.get_qmap(kind, a.device), 256)
             assert torch.equal(ob.state[b]["state" + which].reshape(-1), codes)
             assert torch.equal(ob.state[b]["absmax" + which], absmax)
         assert ob.state[b]["step"] == 3
@@ -680,6 +681,48 @@ def test_loads_a_torch_adamw_checkpoint_of_a_transposed_parameter():
     assert opt.state[ph[0]]["exp_avg"].is_contiguous()
     step_both(opt, ph, ta, pt, range(2, 5))
     torch.testing.assert_close(ph[0], pt[0], rtol=0, atol=1e-6)
+
+
+def test_torch_state_dict_goes_back_into_torch_adamw_and_continues_as_it():
+    """A HybridAdamW state_dict() loads into torch's AdamW without a word, its 8-bit codes taken as fp32
+    numbers, and torch's first step fails (KeyError 'exp_avg'). torch_state_dict() holds what torch's holds:
+    fp32 moments (8-bit ones dequantized, as the next step would read them) and the step as a tensor."""
+    pa = make_params()
+    opt = HybridAdamW(pa, lr=1e-3, weight_decay=0.1)
+    run(opt, pa, 3)
+    assert {H._kind_of(opt.state[p]) for p in pa} == {"8bit", "fp32"}
+    sd = opt.torch_state_dict()
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    tb = torch.optim.AdamW(pb, lr=1e-3, weight_decay=0.1, foreach=False)
+    tb.load_state_dict(sd)
+    for i, p in enumerate(pa):
+        st = opt.state[p]
+        expected = st["exp_avg"] if H._kind_of(st) == "fp32" else dequantize_blockwise(
+            st["state1"].reshape(-1), st["absmax1"], H.get_qmap("dynamic", "cpu"), int(st["block_size"])).view(p.shape)
+        assert torch.equal(tb.state[pb[i]]["exp_avg"], expected)
+        assert tb.state[pb[i]]["step"].item() == 3.0
+    ta = torch.optim.AdamW(pa, lr=1e-3, weight_decay=0.1, foreach=False)   # the same state, kept in fp32
+    ta.load_state_dict(opt.torch_state_dict())
+    step_both(ta, pa, tb, pb, range(3, 6))
+    for a, b in zip(pa, pb):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_8bit_moment_written_through_fp32_comes_back_the_same():
+    """The signed map ends at -0.99297: a block whose largest magnitude is negative, read as fp32 and
+    written back (safe_set_full_optimizer_state, a load converting fp32 moments), was scaled by that
+    value's magnitude and came back 0.7% smaller, every value of the block (6.8% after ten round trips)."""
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    opt = HybridAdamW([p], lr=1e-3)
+    g = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    g.view(-1)[::256] = -10.0   # each block's largest magnitude negative
+    p.grad = g
+    opt.step()
+    assert H._kind_of(opt.state[p]) == "8bit"
+    first = next(opt.fp32_moment_chunks(p, "exp_avg")).clone()
+    for _ in range(10):
+        opt.set_fp32_moment(p, "exp_avg", next(opt.fp32_moment_chunks(p, "exp_avg")).clone().view(p.shape))
+    torch.testing.assert_close(next(opt.fp32_moment_chunks(p, "exp_avg")), first, rtol=1e-6, atol=0)
 
 
 def test_settings_it_cannot_run_are_refused_wherever_they_come_from():

@@ -276,6 +276,30 @@ class HybridAdamW(torch.optim.Optimizer):
             _check_group({**self.defaults, **param_group})
         super().add_param_group(param_group)
 
+    def torch_state_dict(self) -> Dict[str, Any]:
+        """This optimizer's state as ``torch.optim.AdamW.state_dict()`` holds it, for a script going back to
+        torch's AdamW: fp32 ``exp_avg``/``exp_avg_sq`` (8-bit ones dequantized) and ``step`` as a tensor.
+        torch's ``load_state_dict`` takes :meth:`state_dict`'s 8-bit codes without a word, as fp32 numbers,
+        and fails at its first step."""
+        sd = self.state_dict()
+        by_id = {i: p for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        q1, q2 = get_qmap("dynamic", "cpu"), get_qmap("udynamic", "cpu")
+        state = {}
+        for index, st in sd["state"].items():
+            kind = _kind_of(st)
+            if kind is None:
+                continue
+            shape = by_id[index].shape
+            if kind == "8bit":
+                bs = int(st["block_size"])
+                moments = {key: _dequantized(st["state" + which].reshape(-1).cpu(), st["absmax" + which].cpu(),
+                                             qmap, bs).view(shape)
+                           for key, which, qmap in (("exp_avg", "1", q1), ("exp_avg_sq", "2", q2))}
+            else:
+                moments = {key: st[key].detach().clone() for key in ("exp_avg", "exp_avg_sq")}
+            state[index] = {"step": torch.tensor(float(st["step"])), **moments}
+        return {"state": state, "param_groups": sd["param_groups"]}
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint; quantized states keep their uint8 codes, fp32 absmax and block size. Moments
         of the other kind than this optimizer gives the parameter (fp32 ones from torch's AdamW, DeepSpeed or
@@ -351,8 +375,8 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def _into_kind(self, p: torch.Tensor, st: Dict[str, Any], group: Mapping[str, Any]) -> None:
         """``st`` (a loaded state) in the kind :meth:`_choose` gives ``p``, laid out as :meth:`_init_state`
-        makes it: fp32 moments quantized blockwise at the group's block size as a step requantizes them
-        (:func:`_requant`), 8-bit ones dequantized to fp32. Without it a resume from fp32 moments would
+        makes it: fp32 moments quantized blockwise at the group's block size (:func:`_fitted`), 8-bit ones
+        dequantized to fp32. Without it a resume from fp32 moments would
         keep 8 bytes per parameter for good where 8-bit states were asked for (or the reverse)."""
         kind, _ = self._choose(p, group)
         if _kind_of(st) == kind:
@@ -387,8 +411,8 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def set_fp32_moment(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Write ``p``'s moment ``key`` ("exp_avg" or "exp_avg_sq") from the fp32 ``value`` of ``p``'s shape:
-        8-bit moments quantized blockwise as a step requantizes them (what :meth:`fp32_moment_chunks` reads
-        back, to the 8-bit codes' precision)."""
+        8-bit moments quantized blockwise (:func:`_fitted`: what :meth:`fp32_moment_chunks` reads back, to
+        the 8-bit codes' precision, and a value read so written back unchanged)."""
         st = self.state[p]
         if _kind_of(st) == "fp32":
             st[key].copy_(value)
@@ -745,15 +769,33 @@ _MOMENT_MAX = 2.0 ** 126   # as the kernel's: 1 / absmax stays a normal float (1
 _CONVERT_CHUNK = 1 << 24
 
 
+def _fitted(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_requant`, each block's scale fitted to both ends of the map: the signed map ends at -0.99297,
+    not -1, so a block whose largest magnitude is negative scaled by ``|x|.max()`` came back 0.7% smaller
+    after a round trip through fp32 (every value of the block; ten round trips, 6.8%). Scaled so that a
+    negative extreme meets the map's lowest code, decoded values quantize to their own codes again."""
+    x = x.clamp(-_MOMENT_MAX, _MOMENT_MAX)
+    n = x.numel()
+    nb = num_blocks(n, bs)
+    xb = torch.nn.functional.pad(x, (0, nb * bs - n)).view(nb, bs)
+    finite = xb.nan_to_num(nan=0.0)   # as _requant: a NaN is not the block's max (and encodes as +-absmax)
+    low, high = float(qmap.values[0]), float(qmap.values[-1])
+    absmax = finite.clamp(min=0).amax(dim=1) / high
+    if low < 0:
+        absmax = torch.maximum(absmax, finite.clamp(max=0).amin(dim=1) / low)
+    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    return encode((xb * scale[:, None]).clamp(low, high), qmap).reshape(-1)[:n], absmax
+
+
 def _quantized(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Flat fp32 ``x`` as uint8 codes and per-block absmax on ``qmap``'s device, as :func:`_requant` gives
-    them, a chunk of whole blocks at a time."""
+    """Flat fp32 ``x`` (moments written or loaded, not a step's) as uint8 codes and per-block absmax on
+    ``qmap``'s device (:func:`_fitted`), a chunk of whole blocks at a time."""
     n, device = x.numel(), qmap.values.device
     codes = torch.empty(n, dtype=torch.uint8, device=device)
     absmax = torch.empty(num_blocks(n, bs), dtype=torch.float32, device=device)
     step = max(bs, _CONVERT_CHUNK // bs * bs)
     for start in range(0, n, step):
-        c, a = _requant(x[start:start + step].to(device, torch.float32), qmap, bs)
+        c, a = _fitted(x[start:start + step].to(device, torch.float32), qmap, bs)
         codes[start:start + c.numel()] = c
         absmax[start // bs:start // bs + a.numel()] = a
     return codes, absmax
