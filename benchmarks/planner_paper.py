@@ -77,7 +77,7 @@ def main() -> int:
     opts = MilpOptions(time_limit_s=args.time_limit)
 
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
-    print("\n## Calibration (MegaTrain's executor vs the paper's measured MegaTrain tokens/s and peak GPU memory)")
+    print("\n### Calibration (MegaTrain's executor vs the paper's measured MegaTrain tokens/s and peak GPU memory)")
     bands = {}
     for gpu in ("h800", "rtx3090"):
         hw = CATALOG[gpu]
@@ -151,7 +151,7 @@ def main() -> int:
         floors.append((gpu, model, batch, p, mt.step_time_s, ours.step_time_s))
         print(f"  planned {gpu} {model}: {wall:.2f} s", file=sys.stderr)
     if rows:
-        print("\n## Step time at the paper's LazyTrain batch as one micro-batch (seq 1024; h800 cap 70 GB, rtx3090 24 GiB)")
+        print("\n### Step time at the paper's LazyTrain batch as one micro-batch (seq 1024; h800 cap 70 GB, rtx3090 24 GiB)")
         print(fmt_table(header, rows))
 
     if floors:
@@ -160,7 +160,7 @@ def main() -> int:
     accum_speedups = global_batch_table(args, opts, bands)
 
     if (not args.only or args.only == "rtx3090") and not args.skip_fixed:
-        print("\n## rtx3090: largest micro-batch our plan fits in 24 GiB (outer search)")
+        print("\n### rtx3090: largest micro-batch our plan fits in 24 GiB (outer search)")
         srows = []
         for (gpu, model), sysrows in PAPER.items():
             if gpu != "rtx3090":
@@ -177,7 +177,7 @@ def main() -> int:
                          "ours tok/s at best", "paper LazyTrain tok/s", "goal met", "search s"], srows))
 
     if (not args.only or args.only == "h800") and not args.skip_fixed:
-        print("\n## 27B on h800 with the paper's tier budgets (activations: host 15 GB or 8 GB free, NVMe 32 GB)")
+        print("\n### 27B on h800 with the paper's tier budgets (activations: host 15 GB or 8 GB free, NVMe 32 GB)")
         prow = []
         for cpu_gb, paper_homes in ((15, "30/21/1/13"), (8, "30/11/11/13")):
             base = Problem(model=catalog_model("paper-27b"), hardware=CATALOG["h800"],
@@ -197,7 +197,7 @@ def main() -> int:
         print(fmt_table(["host free", "ours hbm/host/nvme/rec/graph", "ours offloaded", "paper gpu/cpu/nvme/rec", "ours s",
                          "ours / MegaTrain", "NVMe GB", "solve s", "status"], prow))
 
-    print("\n## Goals")
+    print("\n### Goals")
     if speedups:
         met = [s >= 1.35 for _, _, s in speedups]
         print(f"the paper's batch as one micro-batch: ours >= 1.35x MegaTrain: {sum(met)}/{len(met)} scenarios "
@@ -216,7 +216,7 @@ def main() -> int:
 
 def floor_table(floors: list) -> None:
     """The second table (module docstring): each scenario's step floors at the paper's batch."""
-    print("\n## How fast could any plan be? Step floors (LP relaxation, planner/ceiling.py) at the same batch")
+    print("\n### How fast could any plan be? Step floors (LP relaxation, planner/ceiling.py) at the same batch")
     frows = []
     for gpu, model, batch, p, mt_s, ours_s in floors:
         graph, off = step_floor(p), step_floor(p, offload=True)
@@ -253,7 +253,7 @@ def megatrain_best(model, hw, cap: str, paper_batch: int, our_batch: int) -> tup
 
 def global_batch_table(args, opts: MilpOptions, bands: dict) -> list[tuple[str, str, float]]:
     """The third table (module docstring): returns (gpu, model, ours / MegaTrain's best) per scenario."""
-    print("\n## At the paper's batch per optimizer step, the micro-batch chosen (gradient accumulation fills the batch)")
+    print("\n### At the paper's batch per optimizer step, the micro-batch chosen (gradient accumulation fills the batch)")
     rows, out = [], []
     for (gpu, model), sysrows in PAPER.items():
         if args.only and gpu != args.only:
