@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import statistics
+import types
 import warnings
 
 import pytest
@@ -277,6 +278,41 @@ def test_a_profile_records_how_the_head_computed_its_logits_and_lazytrain_plan_c
     with pytest.raises(SystemExit):
         main(["plan", "--profile", path, "--loss-chunk-tokens", "-1"])
     assert "argument --loss-chunk-tokens: must be a whole number >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_a_gpt2_plans_under_auto_and_a_config_the_planner_cannot_read_is_refused_at_start():
+    """GPT-2's config names its width n_embd (hidden_size only through its attribute_map, which to_dict
+    leaves out): policy auto calibrated, then kept its calibration plan for good with a warning, and policy
+    milp raised a raw ModelShapeError. The standard names are now read through the attribute_map; a config
+    the planner still cannot read is refused at initialize, naming the policy."""
+    from engine_models import make_hf_model
+    from lazytrain.engine.engine import _planner_config
+    model = make_hf_model("gpt2", n_layers=4)
+    cfg = _planner_config(model)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["intermediate_size"]) == \
+        (model.config.n_embd, 4, model.config.n_head, 4 * model.config.n_embd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=_config({"policy": "auto", "auto": {
+            "warmup_steps": 1, "profile_steps": 1, "selective": False}}))
+        for x, y in batches(4):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    assert engine.auto.stopped is None and engine.plan.policy == "auto-milp"
+    engine.destroy()
+
+    class Opaque(torch.nn.Module):   # a config without the planner's names, and no attribute_map giving them
+        def __init__(self):
+            super().__init__()
+            self.inner = make_model("modulelist")
+            self.config = types.SimpleNamespace(to_dict=lambda: {"model_type": "opaque", "width": 32})
+
+        def forward(self, ids):
+            return self.inner(ids)
+    for policy in ("auto", "milp"):
+        with pytest.raises(ConfigError, match=f"^config 'lazytrain.policy' \"{policy}\" plans from the model's "
+                                              f"shape, which its config does not give: .*hidden_size"):
+            lazytrain.initialize(model=Opaque(), config=_config({"policy": policy, "seq_len": 12}))
 
 
 @pytest.mark.parametrize("key", ["saved_bytes", "selective_fwd_s"])

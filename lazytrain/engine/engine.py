@@ -52,7 +52,7 @@ from .weight_stream import WeightStream
 from ..optim.hybrid_adamw import refuse_unordered
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, hand_back_to_params, param_groups)
-from .placement import (build_plan, build_tiers, card_memory, memory_copy_gbps, non_block_masters_apart,
+from .placement import (build_plan, build_tiers, card_memory, check_model_shape, memory_copy_gbps, non_block_masters_apart,
                         non_block_state_home, plan_from_measurements, resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
 from .weights import LayerWeights
@@ -79,6 +79,22 @@ def _as_loss_scaler_state(saved: dict | None) -> dict | None:
     if "cur_hysteresis" in saved:
         state["cur_hysteresis"] = saved["cur_hysteresis"]
     return state
+
+
+def _planner_config(model: nn.Module) -> dict | None:
+    """The model's Hugging Face config as a dict, with the standard names its ``attribute_map`` gives under
+    its own (GPT-2's ``n_embd`` is its ``hidden_size``; ``to_dict`` keeps only the own names), and GPT-2's
+    ``n_inner`` (None: 4 x hidden) as ``intermediate_size``: the planner reads the standard ones."""
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_dict"):
+        return None
+    d = config.to_dict()
+    for standard, own in (getattr(config, "attribute_map", None) or {}).items():
+        if standard not in d and own in d:
+            d[standard] = d[own]
+    if "intermediate_size" not in d and "n_inner" in d and isinstance(d.get("hidden_size"), int):
+        d["intermediate_size"] = d["n_inner"] or 4 * d["hidden_size"]
+    return d
 
 
 def _devices_of(model: nn.Module) -> list[tuple[nn.Module, str, str, torch.device]]:
@@ -219,7 +235,7 @@ class LazyTrainEngine(nn.Module):
         # it stays with the non-block ones, clipped, averaged and updated as they are)
         block_param_ids = {id(p) for b in blocks for p in b.parameters()}
         self.tiers = build_tiers(config, self.device)
-        model_cfg = model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None
+        model_cfg = _planner_config(model)
         if model_cfg is not None:   # the planner sizes each streamed layer as it is, not from the config,
             model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in blocks]
             # in the precision this engine computes and streams in (not what the model was saved in)
@@ -415,6 +431,7 @@ class LazyTrainEngine(nn.Module):
         if self._model_cfg is None:
             raise ConfigError("config 'lazytrain.policy' \"auto\" needs the model's shape: a model with a Hugging "
                               "Face `config`")
+        check_model_shape(self._model_cfg, "auto")
         if self.layer_updates is None:
             raise ConfigError(f"config 'lazytrain.policy' \"auto\" measures each layer's update, which needs updates "
                               f"layer by layer (HybridAdamW: the config's Adam/AdamW without amsgrad); the optimizer "

@@ -266,6 +266,19 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
     return {k: v for k, v in budgets.items() if v is not None}
 
 
+def check_model_shape(model_config: dict, policy: str) -> None:
+    """A config the planner cannot read refused at set-up, named by the policy that needs it (policy auto would
+    calibrate, then keep its calibration plan for good with a warning)."""
+    from ..planner.models import ModelShapeError
+    from ..planner.search import as_model_shape
+    try:
+        as_model_shape(model_config)
+    except ModelShapeError as e:
+        raise ConfigError(f"config 'lazytrain.policy' \"{policy}\" plans from the model's shape, which its config "
+                          f"does not give: {e} (or write a Plan with `lazytrain plan --json` and use policy "
+                          f"\"plan\")") from None
+
+
 def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
                micro_batch: int, from_model: dict[str, float] | None) -> Plan:
     """The MILP planner's Plan for this model on this machine within the configured budgets."""
@@ -278,6 +291,7 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                           "`config` (or write a Plan with `lazytrain plan --json` and use policy \"plan\")")
     if lt.seq_len is None:
         raise ConfigError("config 'lazytrain.policy' \"milp\" needs 'lazytrain.seq_len' (the training sequence length)")
+    check_model_shape(model_config, "milp")
     device = tiers["hbm"].device
     budgets = planning_budgets(cfg, tiers, micro_batch, lt.seq_len, from_model)
     # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
