@@ -291,6 +291,12 @@ def test_a_gpt2_plans_under_auto_and_a_config_the_planner_cannot_read_is_refused
     cfg = _planner_config(model)
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["intermediate_size"]) == \
         (model.config.n_embd, 4, model.config.n_head, 4 * model.config.n_embd)
+    # only the shape names: others an attribute_map gives can mean something else (Zamba2's layer_types are
+    # its Mamba/hybrid labels, which the planner would read as linear-attention layers)
+    stub = types.SimpleNamespace(config=types.SimpleNamespace(
+        to_dict=lambda: {"d_model": 64, "layers_block_type": ["mamba", "hybrid"]},
+        attribute_map={"hidden_size": "d_model", "layer_types": "layers_block_type"}))
+    assert _planner_config(stub) == {"d_model": 64, "layers_block_type": ["mamba", "hybrid"], "hidden_size": 64}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, _, _, _ = lazytrain.initialize(model=model, config=_config({"policy": "auto", "auto": {

@@ -692,6 +692,9 @@ def test_torch_state_dict_goes_back_into_torch_adamw_and_continues_as_it():
     run(opt, pa, 3)
     assert {H._kind_of(opt.state[p]) for p in pa} == {"8bit", "fp32"}
     sd = opt.torch_state_dict()
+    assert sd["param_groups"][0]["decoupled_weight_decay"] is True and sd["param_groups"][0]["foreach"] is None
+    adam = HybridAdamW([torch.nn.Parameter(torch.zeros(64, 64))], adamw_mode=False)   # Adam with L2 decay
+    assert adam.torch_state_dict()["param_groups"][0]["decoupled_weight_decay"] is False
     pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
     tb = torch.optim.AdamW(pb, lr=1e-3, weight_decay=0.1, foreach=False)
     tb.load_state_dict(sd)

@@ -298,7 +298,11 @@ class HybridAdamW(torch.optim.Optimizer):
             else:
                 moments = {key: st[key].detach().clone() for key in ("exp_avg", "exp_avg_sq")}
             state[index] = {"step": torch.tensor(float(st["step"])), **moments}
-        return {"state": state, "param_groups": sd["param_groups"]}
+        # torch's group keys, AdamW's or Adam's decay as this group steps (loaded into torch.optim.Adam too)
+        groups = [{"amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+                   "fused": None, **g, "decoupled_weight_decay": bool(g.get("adamw_mode", True))}
+                  for g in sd["param_groups"]]
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a checkpoint; quantized states keep their uint8 codes, fp32 absmax and block size. Moments
@@ -412,7 +416,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def set_fp32_moment(self, p: torch.Tensor, key: str, value: torch.Tensor) -> None:
         """Write ``p``'s moment ``key`` ("exp_avg" or "exp_avg_sq") from the fp32 ``value`` of ``p``'s shape:
         8-bit moments quantized blockwise (:func:`_fitted`: what :meth:`fp32_moment_chunks` reads back, to
-        the 8-bit codes' precision, and a value read so written back unchanged)."""
+        the 8-bit codes' precision; a value read so and written back keeps its codes)."""
         st = self.state[p]
         if _kind_of(st) == "fp32":
             st[key].copy_(value)
@@ -773,7 +777,8 @@ def _fitted(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, tor
     """:func:`_requant`, each block's scale fitted to both ends of the map: the signed map ends at -0.99297,
     not -1, so a block whose largest magnitude is negative scaled by ``|x|.max()`` came back 0.7% smaller
     after a round trip through fp32 (every value of the block; ten round trips, 6.8%). Scaled so that a
-    negative extreme meets the map's lowest code, decoded values quantize to their own codes again."""
+    negative extreme meets the map's lowest code, decoded values quantize to their own codes again (their
+    absmax to within an ulp)."""
     x = x.clamp(-_MOMENT_MAX, _MOMENT_MAX)
     n = x.numel()
     nb = num_blocks(n, bs)
@@ -781,8 +786,8 @@ def _fitted(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, tor
     finite = xb.nan_to_num(nan=0.0)   # as _requant: a NaN is not the block's max (and encodes as +-absmax)
     low, high = float(qmap.values[0]), float(qmap.values[-1])
     absmax = finite.clamp(min=0).amax(dim=1) / high
-    if low < 0:
-        absmax = torch.maximum(absmax, finite.clamp(max=0).amin(dim=1) / low)
+    if low < 0:   # at most _MOMENT_MAX, whose reciprocal is a normal float (a clamped -2**126 encodes as low)
+        absmax = torch.maximum(absmax, finite.clamp(max=0).amin(dim=1) / low).clamp(max=_MOMENT_MAX)
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     return encode((xb * scale[:, None]).clamp(low, high), qmap).reshape(-1)[:n], absmax
 
