@@ -2758,19 +2758,48 @@ def test_an_optimizer_with_an_overflow_of_its_own_keeps_it():
 
 
 def test_a_schedule_whose_step_needs_an_argument_is_refused_before_the_update():
-    """ReduceLROnPlateau by name: step() without its metrics failed after the weights were updated, which
-    left the engine refusing to train until a checkpoint was loaded."""
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(
-        _top={"scheduler": {"type": "ReduceLROnPlateau"}}))
+    """A schedule whose step() needs an argument: step() without it failed after the weights were updated,
+    which left the engine refusing to train until a checkpoint was loaded."""
+    class NeedsLoss:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self, loss):
+            pass
+
+        def get_last_lr(self):
+            return [g["lr"] for g in self.optimizer.param_groups]
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(), lr_scheduler=NeedsLoss)
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
     before = {k: v.clone() for k, v in engine.module_state_dict().items()}
-    with pytest.raises(TypeError, match=r"ReduceLROnPlateau.step\(.* needs arguments that engine.step\(\) does not "
+    with pytest.raises(TypeError, match=r"NeedsLoss.step\(loss\) needs arguments that engine.step\(\) does not "
                                         r"give it .*pass them as engine.step\(lr_kwargs=\{...\}\); nothing was updated"):
         engine.step()
     assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
-    engine.step(lr_kwargs={"metrics": 1.0})
+    engine.step(lr_kwargs={"loss": 1.0})
     assert engine.was_step_applied()
+
+
+def test_reduce_lr_on_plateau_is_left_to_the_script_unless_step_is_given_its_metric():
+    """ReduceLROnPlateau was refused at every engine.step() without lr_kwargs, and HF Trainer (whose
+    lr_scheduler_type "reduce_lr_on_plateau" hands it to initialize) calls engine.step() with no way to pass
+    them: training failed where DeepSpeed's runs. The step now leaves the schedule to the script (Trainer
+    steps it with the validation metric at each evaluation), saying so once; given its metric, it steps."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(
+        _top={"scheduler": {"type": "ReduceLROnPlateau", "params": {"patience": 0, "factor": 0.5}}}))
+    plateau = engine.lr_scheduler
+    x, y = batches(1)[0]
+    with pytest.warns(UserWarning, match=r"engine.step\(\) does not step ReduceLROnPlateau, which needs a metric"):
+        for _ in range(3):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 3
+    assert plateau.last_epoch == 0 and engine.get_lr() == [1e-2]   # not stepped
+    for metric in (1.0, 1.0):   # no improvement after the first: the rate halves (patience 0)
+        engine.backward(lm_loss(engine(x), y))
+        engine.step(lr_kwargs={"metrics": metric})
+    assert engine.get_lr() == [5e-3]
 
 
 def test_an_argparse_style_deepspeed_script_runs_with_import_lazytrain_as_deepspeed(tmp_path):

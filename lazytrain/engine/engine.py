@@ -382,6 +382,7 @@ class LazyTrainEngine(nn.Module):
         # a transformers model with use_cache on would hand every block a KV cache to fill in training; asked
         # for none whatever its config says now (a script sets use_cache back on for an evaluation callback)
         self._warned_attentions = False
+        self._told_plateau = False
         self._warned_hooks = {"submodules": False, "parameters": False}
         self._drops_kv_cache = _takes_use_cache(model)
 
@@ -957,9 +958,9 @@ class LazyTrainEngine(nn.Module):
     def _check_lr_kwargs(self, lr_kwargs: dict | None) -> None:
         """Arguments the schedule's step() does not take are refused before the update, not after it (where
         the schedule would fail with the weights already updated)."""
-        if self.lr_scheduler is None:
+        if self.lr_scheduler is None or self._leaves_plateau_to_the_script(lr_kwargs):
             return
-        lr_kwargs = lr_kwargs or {}   # none at all: a schedule whose step needs an argument (ReduceLROnPlateau)
+        lr_kwargs = lr_kwargs or {}   # none at all: a schedule whose step needs an argument
         try:
             signature = inspect.signature(self.lr_scheduler.step)
         except (TypeError, ValueError):   # a builtin without a signature: it will say for itself
@@ -973,6 +974,20 @@ class LazyTrainEngine(nn.Module):
                                 f"updated") from None
             raise TypeError(f"engine.step(lr_kwargs={lr_kwargs!r}): {type(self.lr_scheduler).__name__}.step"
                             f"{signature} does not take them ({e}); nothing was updated") from None
+
+    def _leaves_plateau_to_the_script(self, lr_kwargs: dict | None) -> bool:
+        """ReduceLROnPlateau steps on a metric the engine does not have: ``engine.step()`` without
+        ``lr_kwargs`` leaves it to the script, which steps it with its validation metric (HF Trainer does so
+        at each evaluation, and calls ``engine.step()`` with no way to pass lr_kwargs). DeepSpeed steps it every
+        step with the batch size as the metric, cutting the rate every patience + 1 steps whatever the loss."""
+        if lr_kwargs or not isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            return False
+        if not self._told_plateau and self.global_rank == 0:
+            self._told_plateau = True
+            warnings.warn("lazytrain: engine.step() does not step ReduceLROnPlateau, which needs a metric: step it "
+                          "with your validation metric (HF Trainer does at each evaluation), or pass "
+                          "engine.step(lr_kwargs={'metrics': ...})", UserWarning, stacklevel=4)
+        return True
 
     def _raise_unstored_copies(self) -> None:
         """After a step that completed but could not store some compute copies (every counter advanced)."""
@@ -1210,7 +1225,7 @@ class LazyTrainEngine(nn.Module):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(overflow=False)
             self._step_applied = True
-            if self.lr_scheduler is not None:
+            if self.lr_scheduler is not None and not self._leaves_plateau_to_the_script(lr_kwargs):
                 try:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
                 except BaseException as e:
