@@ -288,7 +288,8 @@ def test_step_hooks_run_once_per_step_and_extra_parameters_are_updated():
         del cfg["optimizer"]
         engine, opt, _, _ = lazytrain.initialize(
             model=model, config=cfg,
-            optimizer=lambda groups: HybridAdamW(groups + [{"params": [temperature]}], lr=1e-2, weight_decay=0.1,
+            optimizer=lambda params: HybridAdamW([{"params": list(params)}, {"params": [temperature]}], lr=1e-2,
+                                                 weight_decay=0.1,
                                                  min_8bit_size=64))
         threads = []
         opt.register_step_post_hook(lambda *a: threads.append(threading.current_thread().name))

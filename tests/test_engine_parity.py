@@ -3,6 +3,7 @@ import copy
 import inspect
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -2757,6 +2758,13 @@ def test_an_optimizer_with_an_overflow_of_its_own_keeps_it():
     assert optimizer.overflow == "mine"
 
 
+def _refused_and_nothing_moved(engine, call, error, match):
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    with pytest.raises(error, match=match):
+        call()
+    assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+
+
 def test_a_schedule_whose_step_needs_an_argument_is_refused_before_the_update():
     """A schedule whose step() needs an argument: step() without it failed after the weights were updated,
     which left the engine refusing to train until a checkpoint was loaded."""
@@ -2772,13 +2780,94 @@ def test_a_schedule_whose_step_needs_an_argument_is_refused_before_the_update():
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(), lr_scheduler=NeedsLoss)
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
-    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
-    with pytest.raises(TypeError, match=r"NeedsLoss.step\(loss\) needs arguments that engine.step\(\) does not "
-                                        r"give it .*pass them as engine.step\(lr_kwargs=\{...\}\); nothing was updated"):
-        engine.step()
-    assert all(torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+    _refused_and_nothing_moved(engine, engine.step, TypeError,
+                               r"NeedsLoss.step\(loss\) needs arguments that engine.step\(\) does not give it .*pass "
+                               r"them as engine.step\(lr_kwargs=\{...\}\); nothing was updated")
     engine.step(lr_kwargs={"loss": 1.0})
     assert engine.was_step_applied()
+
+
+def test_destroy_hands_back_gradients_as_plain_pytorch_leaves_them_and_a_destroyed_engine_refuses_to_run():
+    """destroy() left every block parameter a zero .grad (a view of the engine's buffer) even after a step or
+    with no training: a torch optimizer skips only a None gradient, so a script that froze the blocks after
+    destroy() moved them by the weight decay. They are now None since the last zeroing, and a copy of the
+    accumulation before a step. A destroyed engine's forward, backward and step updated the handed-back model
+    (with the overlapped update, half of it): each is refused now."""
+    x, y = batches(1)[0]
+    model = make_model("modulelist")
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config())
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.destroy()
+    assert all(p.grad is None for p in model.stack.parameters())
+    model = make_model("modulelist")
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config())
+    engine.backward(lm_loss(engine(x), y))   # a step's accumulation, not stepped
+    accumulated = {n: safe_get_full_grad(p).clone() for n, p in model.stack.named_parameters()}
+    engine.destroy()
+    for n, p in model.stack.named_parameters():
+        assert torch.equal(p.grad, accumulated[n]), n
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for call, what in ((lambda: engine(x), "a forward"), (lambda: engine.backward(lm_loss(model(x), y)), "engine.backward()"),
+                       (engine.step, "step()")):
+        with pytest.raises(RuntimeError, match=f"^{re.escape(what)} refused: this engine was destroyed \\(destroy\\(\\) "
+                                               f"handed the model back\\); build a new one with lazytrain.initialize$"):
+            call()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_parameter_groups_given_as_generators_all_train():
+    """``{"params": module.parameters()}``: the engine read model_parameters twice (the 8-bit share, then the
+    optimizer), and the second reading found each group's generator spent: the optimizer's groups were empty
+    and nothing trained, without a word. A group without 'params' is named."""
+    model = make_model("modulelist")
+    blocks = {id(p) for p in model.stack.parameters()}
+    groups = [{"params": model.stack.parameters(), "lr": 0.05},
+              {"params": (p for p in model.parameters() if id(p) not in blocks), "weight_decay": 0.0}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, opt, _, _ = lazytrain.initialize(model=model, model_parameters=groups, config=ds_config())
+    assert [len(g["params"]) for g in opt.param_groups] == [len(blocks), len(list(model.parameters())) - len(blocks)]
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert all(not torch.equal(v, before[k]) for k, v in engine.module_state_dict().items())
+    engine.destroy()
+    with pytest.raises(ConfigError, match=r"^model_parameters\[1\]: a parameter group is a dict with 'params' "
+                                          r"\(as torch's optimizers take them\), got \['lr'\]$"):
+        lazytrain.initialize(model=make_model("modulelist"), config=ds_config(),
+                             model_parameters=[{"params": []}, {"lr": 1.0}])
+
+
+def test_an_optimizer_callable_is_called_as_deepspeed_calls_it_and_the_returned_optimizer_steps_only_through_the_engine():
+    """DeepSpeed calls a callable optimizer with model_parameters as given: a list of tensors stayed a list
+    of one group's dict here, and a callable splitting decay by p.ndim failed. Stepping the returned
+    optimizer directly updated the streamed blocks from no gradient after the first step (their gradients
+    reach it only through engine.step()), training silently wrong: it is refused, and after destroy() the
+    optimizer steps the model's parameters as plain PyTorch's."""
+    seen = []
+
+    def build(params):
+        params = list(params)
+        seen.append([type(p).__name__ for p in params[:1]])
+        return torch.optim.AdamW([{"params": [p for p in params if p.ndim > 1]},
+                                  {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}], lr=1e-2)
+    model = make_model("modulelist")
+    engine, opt, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), optimizer=build,
+                                             config={**ds_config(), "optimizer": None})
+    assert seen == [["Parameter"]] and len(opt.param_groups) == 2
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    _refused_and_nothing_moved(engine, opt.step, RuntimeError,
+                               r"^optimizer.step\(\) was called directly: with LazyTrain the streamed layers' "
+                               r"gradients reach the optimizer only through engine.step\(\)")
+    engine.step()
+    assert engine.global_steps == 1
+    engine.destroy()
+    lm_loss(model(x), y).backward()
+    opt.step()   # the model's own parameters again, as plain PyTorch steps them
+    assert "step" not in opt.__dict__
 
 
 def test_reduce_lr_on_plateau_is_left_to_the_script_unless_step_is_given_its_metric():

@@ -17,6 +17,7 @@ import os
 import platform
 import threading
 import time
+import types
 import warnings
 from typing import Any
 
@@ -51,7 +52,7 @@ from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from ..optim.hybrid_adamw import refuse_unordered
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
-                              eight_bit_share, hand_back_to_params, param_groups)
+                              eight_bit_share, hand_back_to_params, listed_groups, param_groups)
 from .placement import (build_plan, build_tiers, card_memory, check_model_shape, memory_copy_gbps, non_block_masters_apart,
                         non_block_state_home, plan_from_measurements, resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
@@ -63,7 +64,7 @@ SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/
 
 
 # the optimizer attributes the engine sets (DeepSpeed's optimizers' behaviour and flags), undone by destroy
-_OPTIMIZER_ATTRIBUTES_SET = ("add_param_group", "zero_grad", "overflow", "loss_scale", "cur_scale")
+_OPTIMIZER_ATTRIBUTES_SET = ("add_param_group", "zero_grad", "step", "overflow", "loss_scale", "cur_scale")
 
 
 def _as_loss_scaler_state(saved: dict | None) -> dict | None:
@@ -177,6 +178,11 @@ class LazyTrainEngine(nn.Module):
             self.layer_updates.close()
         if d.get("weights") is not None:
             self.weights.close_grad_sink()
+            # as plain PyTorch leaves them: None since the gradients were zeroed (a torch optimizer skips only a
+            # None one: a zero one moved frozen blocks by their weight decay), else the accumulation as a copy
+            executor = d.get("executor")
+            self.weights.hand_back_grads(keep=bool(d.get("_grads_given") or
+                                                   (executor is not None and executor.backward_ran)))
         if d.get("masters") is not None:
             self.masters.hand_back()
         if d.get("frozen_non_block") is not None:
@@ -250,6 +256,7 @@ class LazyTrainEngine(nn.Module):
         if model_parameters is not None and not isinstance(model_parameters, (list, tuple)):
             refuse_unordered(model_parameters)           # a set: an order that changes between runs
             model_parameters = list(model_parameters)   # a generator: read here and again for the optimizer
+        model_parameters = listed_groups(model_parameters)   # a group's generator too
         eight_bit = 0.0 if optimizer is not None or config.optimizer.type is None else \
             eight_bit_share(config, model, param_groups(model_parameters, model, lambda p: p))
         self._model_budgets = {**_trainable_shares(model, blocks), "hybrid_8bit_fraction": eight_bit}
@@ -292,7 +299,8 @@ class LazyTrainEngine(nn.Module):
         if optimizer is not None:   # an object keeps its own groups (model_parameters unused, as in DeepSpeed)
             groups = param_groups(model_parameters, model, remap) if not isinstance(optimizer, torch.optim.Optimizer) \
                 else []
-            self.optimizer = client_optimizer(optimizer, groups, remap)
+            self.optimizer = client_optimizer(optimizer, groups, remap, gave_groups=bool(
+                model_parameters) and isinstance(model_parameters[0], dict))
             if hasattr(self.optimizer, "name_parameters"):   # a HybridAdamW: its patterns see the model's names
                 self.optimizer.name_parameters(names)
             if self.dist.enabled and config.zero_stage >= 1:
@@ -340,6 +348,7 @@ class LazyTrainEngine(nn.Module):
             self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
         if self.optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
             self.optimizer.zero_grad = _zero_grad_as_zero_optimizers(self)
+            self.optimizer.step = _step_from_the_engine_only(self, self.optimizer)
             # as DeepSpeed's optimizers: whether the last step was skipped (accelerate and Trainer read it to
             # hold their own schedule back); an optimizer with an overflow of its own keeps it
             self._sets_overflow = not hasattr(self.optimizer, "overflow")
@@ -770,6 +779,7 @@ class LazyTrainEngine(nn.Module):
 
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        self._refuse_if_destroyed("a forward")
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None \
                 and self.micro_steps == self._step_starts_at:   # a request made mid-step waits for the next step
             streams.start_recording(Timeline("measured", device=self.device.type), self.device)   # the traced step begins with this forward
@@ -873,6 +883,7 @@ class LazyTrainEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """``loss.backward()`` with the loss divided by the accumulation steps (and fp16-scaled)."""
+        self._refuse_if_destroyed("engine.backward()")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:   # shape (1,) too, as DeepSpeed takes it
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
         loss = loss.reshape(())
@@ -1016,10 +1027,18 @@ class LazyTrainEngine(nn.Module):
         raise error
 
     def _refuse_if_inconsistent(self, what: str, error=None) -> None:
+        self._refuse_if_destroyed(what)
         if self._failed_step is not None:
             raise (error or StepFailedError)(
                 f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and not-updated "
                 f"state; load a checkpoint (engine.load_checkpoint) first")
+
+    def _refuse_if_destroyed(self, what: str) -> None:
+        """A destroyed engine's model is the script's again (a new engine may train it): a stale engine's step
+        updated it, and with the overlapped update failed half-way."""
+        if self.__dict__.get("_destroyed"):
+            raise RuntimeError(f"{what} refused: this engine was destroyed (destroy() handed the model back); "
+                               f"build a new one with lazytrain.initialize")
 
     def _warn_beyond_plan(self, ids) -> None:
         """A batch longer than the plan's sequence length runs, but the plan's memory (boundaries, kept outputs
@@ -1269,17 +1288,25 @@ class LazyTrainEngine(nn.Module):
                 break
         self._show_loss_scale()
 
+    def _step_optimizer(self, **kwargs) -> None:
+        """The optimizer's step, as the engine takes it (_step_from_the_engine_only lets it through)."""
+        self._optimizer_stepping = True
+        try:
+            self.optimizer.step(**kwargs)
+        finally:
+            self._optimizer_stepping = False
+
     def _update_serial(self, factor: float, grads: list[torch.Tensor]) -> None:
         """The whole update now, then every streamed layer's compute copy refreshed."""
         with self._host_writes(range(self.weights.num_layers)), streams.span("optimizer", "update all"):
             failure = RankFailure(self.dist)
             with failure.kept():
                 if self._fused_clip:   # the hybrid optimizer applies the factor inside its update pass
-                    self.optimizer.step(clip_coef=factor)
+                    self._step_optimizer(clip_coef=factor)
                 else:
                     if factor != 1.0:
                         _scale_(grads, factor)
-                    self.optimizer.step()
+                    self._step_optimizer()
             w = self.weights
             if w.masters_sharded and not failure.failed:   # what the owners send is their compute copies
                 with failure.kept():
@@ -1358,7 +1385,7 @@ class LazyTrainEngine(nn.Module):
         failure = RankFailure(self.dist)
         with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
             with failure.kept():
-                self.optimizer.step(params=rest, clip_coef=factor)
+                self._step_optimizer(params=rest, clip_coef=factor)
                 # with what its pre-hooks set, as serial steps take it (a subclass whose step() skips HybridAdamW's
                 # leaves none: the groups as they were)
                 groups = getattr(self.optimizer, "groups_of_last_step", None) or groups
@@ -2181,6 +2208,7 @@ class LazyTrainEngine(nn.Module):
         values; DeepSpeed's own record types): a checkpoint naming anything else is refused, unless
         ``trust_checkpoint`` (default: the config's ``lazytrain.trust_checkpoints``) says it comes from a
         source trusted like the training script itself."""
+        self._refuse_if_destroyed("load_checkpoint()")
         self.dist.calls.together("load_checkpoint()", self.micro_steps)
         tag = self._agreed_tag(load_dir, tag)
         if tag is None:
@@ -2862,6 +2890,25 @@ def _onto_masters(add_param_group, master_of):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         return add_param_group({**param_group, "params": [master_of(p) for p in params]})
     return add
+
+
+def _step_from_the_engine_only(engine, optimizer):
+    """The returned optimizer's ``step``, refused when a script calls it: the streamed layers' gradients reach
+    the optimizer only through ``engine.step()`` (attached, clipped, reduced over ranks), so a direct step
+    after the first updated the blocks with no gradient and trained silently wrong. The engine's own call
+    (and any wrapper a scheduler put around it since) goes through."""
+    step = optimizer.step
+
+    def guarded(_optimizer, *args, **kwargs):
+        if not engine.__dict__.get("_optimizer_stepping", False):
+            raise RuntimeError("optimizer.step() was called directly: with LazyTrain the streamed layers' gradients "
+                               "reach the optimizer only through engine.step() (which also clips, counts the step "
+                               "and advances the schedule); call engine.step() after engine.backward(loss). "
+                               "Nothing was updated")
+        return step(*args, **kwargs)
+    guarded.__doc__ = getattr(step, "__doc__", None)
+    # a bound method, as torch's schedulers expect to find (they wrap its __func__ to count the calls)
+    return types.MethodType(guarded, optimizer)
 
 
 def _zero_grad_as_zero_optimizers(engine):

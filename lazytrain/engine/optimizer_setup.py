@@ -31,6 +31,24 @@ def deepspeed_optimizer_name(typ: str) -> str:
     return typ.lower() if typ.lower() in {"adam", "adamw", "adagrad", *_DEEPSPEED_OWN} else typ
 
 
+def listed_groups(model_parameters: list | tuple | None) -> list | tuple | None:
+    """``model_parameters`` with each group's ``params`` listed once: a group's generator, read by the first
+    of the engine's two readings, left the optimizer's groups empty (nothing trained, without a word)."""
+    if not model_parameters or not isinstance(model_parameters[0], dict):
+        return model_parameters
+    out = []
+    for i, g in enumerate(model_parameters):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ConfigError(f"model_parameters[{i}]: a parameter group is a dict with 'params' (as torch's "
+                              f"optimizers take them), got {g if not isinstance(g, dict) else sorted(g)!r}")
+        params = g["params"]
+        if not isinstance(params, (torch.Tensor, list, tuple)):
+            refuse_unordered(params, group=True)
+            params = list(params)
+        out.append({**g, "params": params})
+    return out
+
+
 def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, remap: Callable) -> list[dict]:
     """The user's parameters (a list, a generator or param groups) with each parameter replaced by the
     tensor the optimizer must update (its fp32 master where one exists)."""
@@ -216,10 +234,16 @@ def eight_bit_share(cfg: EngineConfig, model: torch.nn.Module, groups: list[dict
     return eight / total if total else 0.0
 
 
-def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable) -> torch.optim.Optimizer:
-    """A user's optimizer object (its parameters re-pointed at the masters) or a callable."""
+def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable, gave_groups: bool = True
+                     ) -> torch.optim.Optimizer:
+    """A user's optimizer object (its parameters re-pointed at the masters) or a callable, called as DeepSpeed
+    calls it: with the groups where the script gave groups, else with the parameters as a list."""
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        return _no_own_clipping(optimizer(groups))
+        built = optimizer(groups if gave_groups else [p for g in groups for p in g["params"]])
+        if not isinstance(built, torch.optim.Optimizer):
+            raise ConfigError(f"the optimizer callable passed to lazytrain.initialize returned "
+                              f"{type(built).__name__}, not a torch.optim.Optimizer")
+        return _no_own_clipping(built)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
     if any(_has_stepped(state) for state in optimizer.state.values()):

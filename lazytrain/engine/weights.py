@@ -481,6 +481,13 @@ class LayerWeights:
                 for p in self.params[i]:
                     p.grad = None
 
+    def hand_back_grads(self, keep: bool) -> None:
+        """The block parameters' ``.grad`` as the model is handed back: views of this object's buffers no more
+        (copies where ``keep``, else None)."""
+        for params in self.params:
+            for p in params:
+                p.grad = p.grad.detach().clone() if keep and p.grad is not None else None
+
     def set_comm_dtype(self, dtype: torch.dtype) -> None:
         """Gradients reduced to their owners are summed in ``dtype`` from now on (between steps: none in
         flight)."""
