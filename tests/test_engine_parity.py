@@ -2816,6 +2816,27 @@ def test_destroy_hands_back_gradients_as_plain_pytorch_leaves_them_and_a_destroy
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_an_mpu_that_splits_the_model_is_refused_and_one_of_size_one_is_warned_of():
+    """DeepSpeed averages gradients over the data-parallel ranks an mpu names and sizes the batch by them;
+    LazyTrain treats every rank as data parallel, so an mpu with model parallelism of 2 trained as if it
+    were 2 data-parallel ranks, with a warning that it was ignored."""
+    class Mpu:
+        def __init__(self, size):
+            self.size = size
+
+        def get_model_parallel_world_size(self):
+            return self.size
+    with pytest.raises(ConfigError, match=r"^lazytrain.initialize: mpu/mesh_param split the model over ranks "
+                                          r"\(get_model_parallel_world_size: 2\); LazyTrain trains data parallel only"):
+        lazytrain.initialize(model=make_model("modulelist"), config=ds_config(), mpu=Mpu(2))
+    with pytest.raises(ConfigError, match=r"\(mesh_param's sequence-parallel size: 2\)"):
+        lazytrain.initialize(model=make_model("modulelist"), config=ds_config(), mesh_param=(1, 2))
+    with pytest.warns(UserWarning, match=r"model/tensor parallelism \(mpu, mesh_param\) is not supported; they are "
+                                         r"ignored"):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(), mpu=Mpu(1))
+    engine.destroy()
+
+
 def test_parameter_groups_given_as_generators_all_train():
     """``{"params": module.parameters()}``: the engine read model_parameters twice (the 8-bit share, then the
     optimizer), and the second reading found each group's generator spent: the optimizer's groups were empty

@@ -42,6 +42,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is None:
         raise ConfigError("lazytrain.initialize needs a config: config=dict, a JSON path or base64 JSON "
                           "(or args.deepspeed_config)")
+    _refuse_model_parallelism(mpu, mesh_param)
     if mpu is not None or mesh_param is not None:
         warnings.warn("lazytrain: model/tensor parallelism (mpu, mesh_param) is not supported; they are ignored",
                       UserWarning, stacklevel=2)
@@ -71,3 +72,24 @@ def _refuse_partitioned(model) -> None:
         raise ConfigError("the model's parameters were partitioned by DeepSpeed's zero.Init (ZeRO-3): LazyTrain "
                           "needs them whole. Call lazytrain.replace_deepspeed() before TrainingArguments and "
                           "before building or loading the model (from_pretrained, from_config)")
+
+
+def _refuse_model_parallelism(mpu, mesh_param) -> None:
+    """An ``mpu`` or ``mesh_param`` that splits the model over ranks: DeepSpeed would average gradients over the
+    data-parallel ranks alone and size the batch by them, where LazyTrain treats every rank as data parallel
+    (averaging over the model-parallel ones too). Of size 1, they change nothing and are only warned of."""
+    sizes = {}
+    for name in ("get_model_parallel_world_size", "get_tensor_model_parallel_world_size",
+                 "get_pipeline_model_parallel_world_size", "get_sequence_parallel_world_size"):
+        get = getattr(mpu, name, None)
+        if callable(get):
+            sizes[name] = get()
+    if isinstance(mesh_param, (tuple, list)) and len(mesh_param) > 1:
+        sizes["mesh_param's sequence-parallel size"] = mesh_param[1]
+    split = {k: v for k, v in sizes.items() if isinstance(v, int) and v > 1}
+    if split:
+        name, size = next(iter(split.items()))
+        raise ConfigError(f"lazytrain.initialize: mpu/mesh_param split the model over ranks ({name}: {size}); "
+                          f"LazyTrain trains data parallel only (every rank holds the whole model, streamed), and "
+                          f"would average gradients over the model-parallel ranks too")
+
