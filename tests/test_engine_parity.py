@@ -2837,6 +2837,20 @@ def test_an_mpu_that_splits_the_model_is_refused_and_one_of_size_one_is_warned_o
     engine.destroy()
 
 
+def test_model_parameters_of_another_kind_and_a_scheduler_callable_without_an_optimizer():
+    """A dict (its keys) or numbers as model_parameters gave a raw AttributeError; an lr_scheduler callable
+    with no optimizer was called on None (DeepSpeed leaves the schedule None there)."""
+    for bad, kind in (({"a": 1}, "str"), ([1, 2], "int")):
+        with pytest.raises(ConfigError, match=f"^model_parameters holds {kind} values: pass the parameters"):
+            lazytrain.initialize(model=make_model("modulelist"), config=ds_config(), model_parameters=bad)
+    cfg = {**ds_config(), "optimizer": None}
+    with pytest.warns(UserWarning, match="an lr_scheduler callable was passed to initialize without an optimizer"):
+        engine, opt, _, schedule = lazytrain.initialize(model=make_model("modulelist"), config=cfg,
+                                                        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))
+    assert opt is None and schedule is None
+    engine.destroy()
+
+
 def test_parameter_groups_given_as_generators_all_train():
     """``{"params": module.parameters()}``: the engine read model_parameters twice (the 8-bit share, then the
     optimizer), and the second reading found each group's generator spent: the optimizer's groups were empty

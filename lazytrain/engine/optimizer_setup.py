@@ -57,6 +57,9 @@ def param_groups(model_parameters: Iterable | None, model: torch.nn.Module, rema
     items = list(model_parameters)   # a set or a bare tensor was refused where the engine listed them
     if not items:
         raise ConfigError("model_parameters is empty: pass model.parameters() or parameter groups")
+    if not isinstance(items[0], (dict, tuple, torch.Tensor)):   # a dict's keys, numbers: a raw AttributeError
+        raise ConfigError(f"model_parameters holds {type(items[0]).__name__} values: pass the parameters "
+                          f"(model.parameters()), (name, parameter) pairs or parameter groups")
     if isinstance(items[0], dict):
         groups = []
         for g in items:
@@ -316,6 +319,10 @@ def build_scheduler(cfg: EngineConfig, optimizer, lr_scheduler: Any):
             warnings.warn(f"lazytrain: an lr_scheduler was passed to initialize, so the config's 'scheduler' "
                           f"({cfg.scheduler.type}) is not used, as in DeepSpeed", UserWarning, stacklevel=4)
         if isinstance(lr_scheduler, type) or (callable(lr_scheduler) and not hasattr(lr_scheduler, "step")):
+            if optimizer is None:   # as DeepSpeed: no optimizer, no schedule (it was an AttributeError here)
+                warnings.warn("lazytrain: an lr_scheduler callable was passed to initialize without an optimizer: "
+                              "it is not called, and the engine has no schedule", UserWarning, stacklevel=4)
+                return None
             return lr_scheduler(optimizer)
         return lr_scheduler
     if cfg.scheduler.type is None or optimizer is None:   # DeepSpeed: no optimizer, no schedule (an evaluation
