@@ -828,17 +828,12 @@ class LazyTrainEngine(nn.Module):
     def _warn_of_user_hooks(self) -> None:
         """Once each: hooks inside the streamed blocks that run twice on tensors without gradient, and hooks on
         their parameters that never run (user_hooks.py); looked for at each training forward until said."""
-        blocks, path = self.executor.blocks, self.blocks_path
-        if not self._warned_hooks["submodules"]:
-            names = user_hooks.hooked_submodules(blocks, path)
+        for kind, find, say in (("submodules", user_hooks.hooked_submodules, user_hooks.submodule_hooks_warning),
+                                ("parameters", user_hooks.hooked_parameters, user_hooks.parameter_hooks_warning)):
+            names = [] if self._warned_hooks[kind] else find(self.executor.blocks, self.blocks_path)
             if names:
-                self._warned_hooks["submodules"] = True
-                warnings.warn(user_hooks.submodule_hooks_warning(names), stacklevel=4)
-        if not self._warned_hooks["parameters"]:
-            names = user_hooks.hooked_parameters(blocks, path)
-            if names:
-                self._warned_hooks["parameters"] = True
-                warnings.warn(user_hooks.parameter_hooks_warning(names), stacklevel=4)
+                self._warned_hooks[kind] = True
+                warnings.warn(say(names), stacklevel=4)
 
     def _keep_layer_checkpointing_off(self) -> None:
         """The model's gradient checkpointing turned on after initialize() (a script's

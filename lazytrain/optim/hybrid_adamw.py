@@ -752,16 +752,24 @@ def _adam_math(h, pf: torch.Tensor, gf: torch.Tensor, m: torch.Tensor, v: torch.
     return pf, m, v
 
 
-def _requant(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _requant(x: torch.Tensor, qmap: QuantMap, bs: int, fit_ends: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Blockwise codes and absmax of moments, clamped to finite values first: one overflowed moment (a
     gradient whose square overflows fp32) would make its block's absmax inf and every value in the block NaN
     once dequantized (0 * inf); clamped, its own update stays about 0 as AdamW's, and the block stays finite.
-    A NaN moment is not its block's absmax and encodes as +-absmax, as in the kernel."""
+    A NaN moment is not its block's absmax and encodes as +-absmax, as in the kernel. ``fit_ends``: each
+    block's scale fitted to both ends of the map (:func:`_fitted`)."""
     x = x.clamp(-_MOMENT_MAX, _MOMENT_MAX)   # a NaN stays NaN
     n = x.numel()
     nb = num_blocks(n, bs)
     xb = torch.nn.functional.pad(x, (0, nb * bs - n)).view(nb, bs)
-    absmax = xb.abs().nan_to_num(nan=0.0).amax(dim=1)   # as the kernel's: a NaN is not the block's max
+    finite = xb.nan_to_num(nan=0.0)   # as the kernel's: a NaN is not the block's max
+    if fit_ends:
+        low, high = float(qmap.values[0]), float(qmap.values[-1])
+        absmax = finite.clamp(min=0).amax(dim=1) / high
+        if low < 0:   # at most _MOMENT_MAX, whose reciprocal is a normal float (a clamped -2**126 encodes as low)
+            absmax = torch.maximum(absmax, finite.clamp(max=0).amin(dim=1) / low).clamp(max=_MOMENT_MAX)
+    else:
+        absmax = finite.abs().amax(dim=1)
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     return encode(xb * scale[:, None], qmap).reshape(-1)[:n], absmax
 
@@ -779,17 +787,7 @@ def _fitted(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, tor
     after a round trip through fp32 (every value of the block; ten round trips, 6.8%). Scaled so that a
     negative extreme meets the map's lowest code, decoded values quantize to their own codes again (their
     absmax to within an ulp)."""
-    x = x.clamp(-_MOMENT_MAX, _MOMENT_MAX)
-    n = x.numel()
-    nb = num_blocks(n, bs)
-    xb = torch.nn.functional.pad(x, (0, nb * bs - n)).view(nb, bs)
-    finite = xb.nan_to_num(nan=0.0)   # as _requant: a NaN is not the block's max (and encodes as +-absmax)
-    low, high = float(qmap.values[0]), float(qmap.values[-1])
-    absmax = finite.clamp(min=0).amax(dim=1) / high
-    if low < 0:   # at most _MOMENT_MAX, whose reciprocal is a normal float (a clamped -2**126 encodes as low)
-        absmax = torch.maximum(absmax, finite.clamp(max=0).amin(dim=1) / low).clamp(max=_MOMENT_MAX)
-    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    return encode((xb * scale[:, None]).clamp(low, high), qmap).reshape(-1)[:n], absmax
+    return _requant(x, qmap, bs, fit_ends=True)
 
 
 def _quantized(x: torch.Tensor, qmap: QuantMap, bs: int) -> Tuple[torch.Tensor, torch.Tensor]:
