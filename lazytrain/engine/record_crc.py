@@ -121,6 +121,16 @@ def _refuse_shared_headers(infos: list) -> None:
                                    f"file torch writes)")
 
 
+def _refuse_directories(infos: list) -> None:
+    """A record flagged as a directory (a name ending in '/', or the MS-DOS directory bit of its external
+    attributes): torch writes none, and its reader (miniz) reads no bytes for one, so the unpickler would go on
+    with whatever its buffer held (one flipped bit of the zip directory; the error then differed run to run)."""
+    for info in infos:
+        if info.filename.endswith("/") or info.external_attr & 0x10:
+            raise RecordCheckError(f"record '{info.filename}' is marked as a directory in the zip directory (not a "
+                                   f"file torch writes)")
+
+
 def _refuse_overlaps(spans: list) -> None:
     """Records whose bytes overlap (one inside another, under other headers): not a file torch writes, and
     checked once each, their bytes would be read many times over."""
@@ -140,6 +150,7 @@ def check_records(path: str, threads: int | None = None) -> None:
     fd = os.open(path, os.O_RDONLY)   # one open file for the directory and the bytes: a file replaced meanwhile
     try:                              # is checked as the one whose directory was read
         with os.fdopen(os.dup(fd), "rb") as f, zipfile.ZipFile(f) as z:
+            _refuse_directories(z.infolist())
             infos = [i for i in z.infolist() if i.CRC != 0 and i.file_size > 0]
             _refuse_shared_headers(infos)
             for info in infos:
