@@ -393,6 +393,11 @@ class LazyTrainSection:
     lean_norms: bool = True             # the blocks' RMSNorms keep only their inputs for backward (engine/lean_norms.py)
     testing: TestingConfig = field(default_factory=TestingConfig)
 
+    def head_tokens(self, micro_batch_tokens: int) -> int:
+        """The tokens whose logits the LM head computes at once in a micro-batch of ``micro_batch_tokens``
+        (in chunks when 'loss_chunk_tokens' is set, else all of them): what a plan must count."""
+        return min(self.loss_chunk_tokens or micro_batch_tokens, micro_batch_tokens)
+
 
 _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "plan", "device", "prefetch",
                    "weights_home", "tiers", "gpu_memory", "host_memory", "nvme_memory", "optimizer_states",

@@ -531,8 +531,8 @@ class LazyTrainEngine(nn.Module):
             costs=costs, links_gbps=links, model=self._model_cfg,
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device),
             grad_accum=self.gradient_accumulation_steps(), device_name=self._device_name(),
-            loss_chunk_tokens=self._config.lazytrain.loss_chunk_tokens or
-            self.train_micro_batch_size_per_gpu() * self._seq_len, **self._model_budgets)
+            loss_chunk_tokens=self._config.lazytrain.head_tokens(
+                self.train_micro_batch_size_per_gpu() * self._seq_len), **self._model_budgets)
 
     def _device_name(self) -> str:
         """The device's model, so that a profile is not reused on another kind of GPU."""

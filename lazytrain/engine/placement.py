@@ -152,7 +152,7 @@ def _warn_if_head_counted_smaller(plan: Plan, lt, micro_batch: int) -> None:
     if isinstance(counted, bool) or not isinstance(counted, int) or not seq:
         return
     tokens = micro_batch * seq
-    runs = min(lt.loss_chunk_tokens or tokens, tokens)
+    runs = lt.head_tokens(tokens)
     if runs > counted:
         how = f"in pieces of {runs} tokens" if runs < tokens else f"whole ({tokens} tokens a micro-batch)"
         warnings.warn(f"lazytrain: config 'lazytrain.plan' ({lt.plan_path}) counted the LM head's logits in pieces "
@@ -251,7 +251,7 @@ def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int
     budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
                if "nvme" in tiers else 0,
                # the logits as the engine computes them: in chunks when configured, else whole
-               "loss_chunk_tokens": lt.loss_chunk_tokens or micro_batch * seq_len,
+               "loss_chunk_tokens": lt.head_tokens(micro_batch * seq_len),
                # where the engine keeps the embedding's and head's optimizer state
                "non_block_state": non_block_state_home(cfg),
                # what the blocks' RMSNorms save
