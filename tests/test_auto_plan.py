@@ -758,15 +758,19 @@ def test_a_saved_profile_of_another_model_or_sequence_length_and_an_unwritable_p
             {"policy": "auto", "auto": {"profile_path": "/nonexistent-dir/p.json"}}))
 
 
-def _rank(rank, port, out_dir):
+def _rank(rank, port, out_dir, own_trace_on_rank_0=False):
     join_as(rank, 2, port)
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    cfg = _config({"policy": "auto", "auto": AUTO})
-    cfg["train_batch_size"] = 4
+    cfg = _config({"policy": "auto", "auto": AUTO, "collective_timeout_s": 60})
+    cfg["train_batch_size"] = 8 if own_trace_on_rank_0 else 4
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
     plans = []
-    for x, y in batches(9, batch=4, seq=12 + 4 * rank):   # rank 1's batches padded to a longer length
+    steps = 9 + own_trace_on_rank_0   # one traced step more: rank 0's first is dropped
+    for x, y in batches(steps * (2 if own_trace_on_rank_0 else 1), batch=4, seq=12 + 4 * rank):
+        # rank 1's batches padded to a longer length
+        if own_trace_on_rank_0 and rank == 0 and engine.global_steps == AUTO["warmup_steps"]:
+            engine.trace_next_step()   # before each micro-batch of auto's first traced step: rank 0's is dropped
         part = slice(2 * rank, 2 * rank + 2)
         plans.append((engine.plan.policy, engine.plan.homes, engine.plan.last_segment_graph, engine.plan.seq_len))
         engine.backward(lm_loss(engine(x[part]), y[part]))
@@ -782,6 +786,19 @@ def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_pat
     assert r0["plans"] == r1["plans"]
     assert [p[0] for p in r0["plans"]] == ["auto-calibration"] * 5 + ["auto-milp"] * 4
     assert r0["plans"][-1][3] == 16
+    for k, v in r0["weights"].items():
+        assert torch.equal(r1["weights"][k], v), k
+
+
+def test_a_step_rank_0_did_not_trace_is_not_counted_on_any_rank(tmp_path):
+    """A script's own trace_next_step() on rank 0 alone, asked for before each micro-batch of the step auto
+    traces, drops rank 0's trace of it: rank 1 went on to the collective on its trace, which rank 0 never
+    joined, and both hung until the collective timeout."""
+    spawn(_rank, args=(free_port(), str(tmp_path), True), nprocs=2)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["plans"] == r1["plans"]
+    # two micro-batches a step: warm-up 3, three traced steps (the first not counted), then the plan
+    assert [p[0] for p in r0["plans"]] == ["auto-calibration"] * 12 + ["auto-milp"] * 8
     for k, v in r0["weights"].items():
         assert torch.equal(r1["weights"][k], v), k
 

@@ -27,6 +27,7 @@ from typing import Callable
 from ..config import AutoPlanConfig
 from ..planner.measured import UNDIFFERENTIATED, MachineProfile, MeasurementError, ran_an_undifferentiated_forward
 from ..planner.plan import Plan
+from .distributed import CollectiveError
 
 
 SELECTIVE_WARMUP_STEPS = 1   # after the switch to the selective calibration, one step before tracing
@@ -114,6 +115,8 @@ class AutoPlanner:
                 self._restart_at(micro, why)
                 return
             self._after_step(step, seconds)
+        except CollectiveError:   # a rank failed or hung: this rank cannot go on alone, as anywhere in a step
+            raise
         except Exception as e:   # noqa: BLE001 - the step completed; the run keeps a plan
             self.stopped = f"{type(e).__name__}: {e}"
             self._traces, self._times = [], []
@@ -155,13 +158,16 @@ class AutoPlanner:
         if self.measuring:
             if self._steps_in_phase >= self._warmup():
                 trace = self.hooks.last_trace()   # None: this step was not traced, or was skipped
-                # rank 0's answer on every rank: the ranks measure the same steps
-                if trace is not None and self.hooks.on_rank0(lambda: ran_an_undifferentiated_forward(trace)):
+                # rank 0's verdict on its own trace, asked on every rank whether or not it traced this step (a
+                # script's own trace_next_step() on one rank drops that rank's): the ranks count the same steps,
+                # and rank 0's traces are the ones profiled
+                verdict = self.hooks.on_rank0(lambda: _verdict(trace))
+                if verdict == "mixed":
                     self._mixed += 1              # an evaluation in it: measure another step
                     if self._mixed > MIXED_STEPS_ALLOWED:
                         raise MeasurementError(f"{self._mixed} traced steps each {UNDIFFERENTIATED}")
-                elif trace is not None:
-                    self._traces.append(trace)
+                elif verdict == "traced":
+                    self._traces.append(trace)   # None on another rank that traced nothing: only counted
             self._steps_in_phase += 1
             if len(self._traces) < s.profile_steps:
                 self._measure_next()
@@ -232,3 +238,10 @@ class AutoPlanner:
         self.hooks.say(self.history[-1].line())
         self.measuring, self._traces, self._times = False, [], []
         self._selective_phase, self._plain_traces = False, []
+
+
+def _verdict(trace) -> str | None:
+    """What a traced step counts as: not traced (None), ``"mixed"`` (an evaluation in it) or ``"traced"``."""
+    if trace is None:
+        return None
+    return "mixed" if ran_an_undifferentiated_forward(trace) else "traced"
