@@ -97,6 +97,9 @@ CASES = {
     # ... with the weights on NVMe: the frozen part kept apart in bf16, each layer's file written from both
     "lora-bf16-nvme-overlap": dict(checkpoint_interval=2, weights_home="nvme", overlap_optimizer=True, _bf16=True,
                                    _lora=True, _eval="grad"),
+    # a run that trains the top blocks alone: the frozen ones below are never differentiated
+    "frozen-bottom-overlap": dict(checkpoint_interval=1, boundary_home="host", overlap_optimizer=True,
+                                  _freeze_below=3, _eval="grad"),
     "user-tier-boundaries": dict(checkpoint_interval=2, boundary_home="dict", _eval="grad", _autograd_grad=True,
                                  tiers=[{"name": "dict", "class": "engine_models:DictTier"}]),
 }
@@ -113,6 +116,10 @@ def test_random_transfer_delays_change_nothing(case, tmp_path):
     model = make_model("llama")
     if CASES[case].get("_lora"):
         model = add_lora(model, ("q_proj", "v_proj"))
+    if CASES[case].get("_freeze_below"):
+        model.get_input_embeddings().requires_grad_(False)
+        for block in model.model.layers[:CASES[case]["_freeze_below"]]:
+            block.requires_grad_(False)
     calm, calm_engine = run(model, CASES[case], tmp_path / "calm", None)
     threaded, engine = run(model, CASES[case], tmp_path / "threads", {"copy_threads": True})
     assert not engine.weights.zero_copy   # the CPU took the GPU's path: every layer copied into slots

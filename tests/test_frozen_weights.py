@@ -12,7 +12,7 @@ import torch
 
 import lazytrain
 from lazytrain.config import ConfigError
-from engine_models import add_lora, batches, lm_loss, make_model
+from engine_models import AUTO_DEVICE, add_lora, batches, lm_loss, make_model, max_rel_diff, reference_train
 
 TARGETS = ("q_proj", "v_proj")
 
@@ -441,3 +441,43 @@ def test_a_qlora_model_of_bitsandbytes_4bit_layers_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"^block parameter model\.layers\.0\.self_attn\.q_proj\.weight is quantized "
                                           r"\(uint8, Params4bit\).*Load the model unquantized in bf16"):
         engine_of(model, config(tmp_path))
+
+
+def freeze_below(model, n: int):
+    """A fine-tuning set-up that trains the top blocks alone: the embedding and blocks 0..n-1 frozen."""
+    model.get_input_embeddings().requires_grad_(False)
+    for block in model.model.layers[:n]:
+        block.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("lt", [dict(checkpoint_interval=1, boundary_home="host", testing={"copy_threads": True}),
+                                dict(checkpoint_interval=2, last_segment_graph=True)],
+                         ids=["re-run-host-boundaries", "graph-tail"])
+def test_frozen_blocks_below_the_first_trainable_one_are_not_differentiated(lt):
+    """Their input gradients reach nothing that trains: plain PyTorch never differentiates them. Every block
+    was handed the engine's anchor, so each one's output required grad: the frozen blocks had their weights
+    and kept inputs fetched again, were re-run and differentiated, and most of the backward's compute was
+    theirs. Training is unchanged (against plain PyTorch, fp32, within 1e-5)."""
+    model = freeze_below(make_model("llama"), 4)
+    data = batches(3)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}, "lazytrain": lt}
+    engine = engine_of(model, cfg)
+    for n, (x, y) in enumerate(data):
+        if n == len(data) - 1:
+            engine.trace_next_step()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert max_rel_diff(engine.module, ref) < 1e-5
+    spans = engine.last_trace.spans
+    forward_end = max(s.end for s in spans if s.name.startswith("fwd L"))
+    assert sorted(int(s.name[len("bwd L"):]) for s in spans if s.name.startswith("bwd L")) == [4, 5]
+    assert not [s.name for s in spans if s.name.startswith("diff L") and int(s.name[len("diff L"):]) < 4]
+    read_back = sorted(s.name.split(".", 1)[1] for s in spans if s.lane == "h2d" and s.start >= forward_end)
+    if lt.get("last_segment_graph"):
+        assert read_back == []   # the last segment's graph: nothing fetched again
+    else:
+        assert read_back == ["boundary4", "layer4"]   # layer 5: the last segment's graph (a GPU's default)
+    engine.destroy()

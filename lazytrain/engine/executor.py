@@ -148,6 +148,8 @@ class _Pass:
     kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
     offloaded: dict = field(default_factory=dict)                        # offloaded layer -> OffloadedInternals
     released: bool = False                                               # its backward has run to block 0
+    differentiable: set = field(default_factory=set)                     # layers whose output requires grad: the
+                                                                         # ones a backward can reach
     settle_queued: bool = False                                          # its backward waits for its gradients
     weights_epoch: int = 0                                               # the executor's, at its forward
     backward_windows: list | None = None                                 # fetched from layer graph_start's backward
@@ -205,6 +207,7 @@ class LayerStreamingExecutor:
         # (loss.backward()), not for torch.autograd.grad(...) or backward(inputs=[...])
         self._anchor_node = torch.autograd.graph.get_gradient_edge(self._anchor).node \
             if self._anchor.requires_grad else None
+        self._no_anchor = torch.empty(0)   # a frozen block's: its output needs grad only if its inputs do
         self._prefetch_in_window: dict[int, list[int]] = {}   # window -> boundaries whose prefetch it issues
         for i, home in enumerate(plan.homes[:self.graph_start]):
             if home not in (RECOMPUTE, DEVICE_HOME) and i not in self.offloaded:
@@ -248,7 +251,11 @@ class LayerStreamingExecutor:
 
     def _backward_windows(self, p: _Pass) -> list[list[int]]:
         """The layers backward fetches, by window: the window differentiating the last layer of a
-        re-run segment re-runs the ones before it first."""
+        re-run segment re-runs the ones before it first. A window of layers no backward reaches (frozen
+        blocks below the first trainable one) is left out: their weights are not fetched again."""
+        return [w for w in self._all_backward_windows(p) if any(j in p.differentiable for j in w)]
+
+    def _all_backward_windows(self, p: _Pass) -> list[list[int]]:
         windows = []
         for s, e in reversed(self.plan.segments()):
             if s >= self.graph_start:                   # differentiated from the forward's graph
@@ -387,9 +394,13 @@ class LayerStreamingExecutor:
                      if isinstance(v, (list, dict, _SharedStateWatch))}
         containers = _container_snapshot(layer, call, self._block_added)
         # the anchor makes the block's output require grad even when nothing flowing in does (frozen
-        # embeddings): the block's own weights still need their backward
-        result = _BlockFunction.apply(self, p, layer, self._anchor, hidden, *tensors)
+        # embeddings): the block's own weights still need their backward. A frozen block gets none: below the
+        # first trainable block nothing needs a backward (no re-run, no weights streamed back, as in PyTorch)
+        anchor = self._anchor if any(self.weights.trainable[layer]) else self._no_anchor
+        result = _BlockFunction.apply(self, p, layer, anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
+        if out_hidden.requires_grad:
+            p.differentiable.add(layer)
         p.last_out = (weakref.ref(out_hidden), out_hidden._version)
         # what the block was handed, by what it got: the tensors themselves in a re-run layer; in a layer that
         # recorded its graph, the fresh leaves it computed from, each standing for the tensor it was made of
@@ -492,11 +503,19 @@ class LayerStreamingExecutor:
         if not self.prefetch:
             return
         for i in self._prefetch_in_window.get(w, ()):
-            if i not in p.prefetched:
+            if i not in p.prefetched and self._reached_by_backward(p, i):
                 self._issue_prefetch(p, i)
         for j in self._internals_in_window.get(w, ()):
             if j in p.offloaded:
                 p.offloaded[j].prefetch(w)
+
+    def _reached_by_backward(self, p: _Pass, i: int) -> bool:
+        """Whether a backward re-runs from boundary ``i``: some layer of its segment is differentiable (the
+        forward is complete: below the first trainable block, none is)."""
+        if p.next_layer < self.L:
+            return True
+        s, e = self._segment_of.get(i, (i, i + 1))
+        return any(j in p.differentiable for j in range(s, e))
 
     def _end_copies_out(self, p: _Pass) -> None:
         """Wait for the copies off the device that the windows before issued (boundaries, offloaded layers'
