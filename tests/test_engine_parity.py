@@ -3,6 +3,7 @@ import copy
 import inspect
 import json
 import math
+import os
 import re
 import warnings
 
@@ -2187,10 +2188,8 @@ def test_deepspeed_io_builds_an_evaluation_loader_in_order():
     """``engine.deepspeed_io`` (DeepSpeed scripts build their evaluation loaders with it): the micro-batch size,
     ``initialize``'s collate_fn, the dataset's order on the eval and predict routes, a shuffled one on train."""
     dataset = torch.utils.data.TensorDataset(torch.arange(7))
-    seen = []
 
     def collate(items):
-        seen.append(len(items))
         return torch.stack([x for (x,) in items])
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=dataset,
                                            collate_fn=collate, config=ds_config())
@@ -2199,7 +2198,10 @@ def test_deepspeed_io_builds_an_evaluation_loader_in_order():
         assert [x.tolist() for x in loader] == [[0, 1], [2, 3], [4, 5], [6]]
     assert [x.tolist() for x in engine.deepspeed_io(dataset, batch_size=4, route="eval")] == [[0, 1, 2, 3], [4, 5, 6]]
     assert sorted(i for x in engine.deepspeed_io(dataset) for i in x.tolist()) == list(range(7))
-    assert seen and set(seen) <= {1, 2, 3, 4}
+    assert engine.deepspeed_io(dataset).collate_fn is collate
+    # DeepSpeed's "encode" route shuffles as "train" does
+    assert [x.tolist() for x in engine.deepspeed_io(dataset, route="encode")] == \
+        [x.tolist() for x in engine.deepspeed_io(dataset, route="train")]
     # anything indexable with a length, as DeepSpeed takes it (a list, a Hugging Face dataset)
     assert [x.tolist() for x in engine.deepspeed_io([{"x": i} for i in range(3)], route="eval",
                                                     collate_fn=lambda rows: torch.tensor([r["x"] for r in rows]))] \
@@ -2209,8 +2211,42 @@ def test_deepspeed_io_builds_an_evaluation_loader_in_order():
     with pytest.raises(ValueError, match=r"^deepspeed_io batch_size must be a whole number >= 1 \(or None: the "
                                          r"micro-batch size\), got 0$"):
         engine.deepspeed_io(dataset, batch_size=0)
-    with pytest.raises(ValueError, match=r'^deepspeed_io route must be "train", "eval" or "predict", got \'test\'$'):
+    with pytest.raises(ValueError, match=r'^deepspeed_io route must be "train", "eval", "predict" or "encode", got '
+                                         r'\'test\'$'):
         engine.deepspeed_io(dataset, route="test")
+    engine.destroy()
+
+
+class _WhereLoaded(torch.utils.data.Dataset):
+    """Each sample says which process loaded it."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([i, os.getpid()])
+
+
+def test_batches_are_loaded_by_two_processes_as_deepspeeds_loader_loads_them():
+    """DeepSpeed's loader (initialize's training_data, deepspeed_io) has two worker processes a rank, so a
+    dataset's __getitem__ and collate_fn run beside the step; LazyTrain's loaded in the training process.
+    ``num_local_io_workers`` sets the number (0: in this process); an iterable dataset is read in this
+    process (each worker would read the whole stream). Where CUDA is, initialize's loader is pinned too."""
+    engine, _, loader, _ = lazytrain.initialize(model=make_model("modulelist"), training_data=_WhereLoaded(),
+                                                config=ds_config())
+    pids = {int(pid) for batch in loader for pid in batch[:, 1]}
+    assert loader.num_workers == 2 and len(pids) == 2 and os.getpid() not in pids
+    assert sorted(int(i) for batch in loader for i in batch[:, 0]) == list(range(8))
+    assert loader.pin_memory == torch.cuda.is_available()
+    assert engine.deepspeed_io(_WhereLoaded(), route="eval").num_workers == 2
+    here = engine.deepspeed_io(_WhereLoaded(), route="eval", num_local_io_workers=0)
+    assert [b[:, 0].tolist() for b in here] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert {int(pid) for b in here for pid in b[:, 1]} == {os.getpid()}
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+    assert engine.deepspeed_io(Stream()).num_workers == 0
     engine.destroy()
 
 

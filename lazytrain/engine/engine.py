@@ -61,6 +61,7 @@ from .weights import LayerWeights
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GPU_RESERVED_BYTES = Budgets().gpu_reserved_bytes   # the planner's reserve for the CUDA context and allocator
 SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/16 over the planner's estimate
+DEFAULT_LOADER_WORKERS = 2   # DeepSpeed's loader: two processes a launched rank load the batches
 
 
 # the optimizer attributes the engine sets (DeepSpeed's optimizers' behaviour and flags), undone by destroy
@@ -387,7 +388,8 @@ class LazyTrainEngine(nn.Module):
         self._show_loss_scale()
         self._collate_fn = collate_fn
         self._warned_iterable = False
-        self.training_dataloader = self._build_dataloader(training_data, collate_fn)
+        # DeepSpeed's deepspeed_io(training_data): pinned where CUDA is, two loading processes
+        self.training_dataloader = self._build_dataloader(training_data, collate_fn, pin_memory=True)
         # a transformers model with use_cache on would hand every block a KV cache to fill in training; asked
         # for none whatever its config says now (a script sets use_cache back on for an evaluation callback)
         self._warned_attentions = False
@@ -730,19 +732,25 @@ class LazyTrainEngine(nn.Module):
                     mod._buffers[name] = buf.to(self.device)
 
     def _build_dataloader(self, training_data, collate_fn, batch_size: int | None = None, shuffle: bool = True,
-                          sampler=None, pin_memory: bool = False, num_workers: int = 0):
+                          sampler=None, pin_memory: bool = False, num_workers: int | None = None):
         """DeepSpeed's loader over ``training_data``: a DistributedSampler of this rank's part, shuffled from seed
         0, so the order is DeepSpeed's own (its engine needs LOCAL_RANK, which its set-up gives a process started
         alone too), and ``loader.data_sampler.set_epoch`` works in every run. A process started alone drew from a
-        RandomSampler, whose order followed torch's random state and which has no ``set_epoch``."""
+        RandomSampler, whose order followed torch's random state and which has no ``set_epoch``. Unless
+        ``num_workers`` says otherwise, two processes a rank load the batches as DeepSpeed's loader has them
+        (a dataset's ``__getitem__`` and ``collate_fn`` run beside the step, not in it); an iterable dataset
+        is read in this process, as torch would hand each worker the whole stream."""
         if training_data is None:
             return None
         if not is_dataset(training_data):   # as deepspeed_io, for initialize's training_data too
             raise ValueError("Training data must be a torch Dataset")   # DeepSpeed's words
+        iterable = isinstance(training_data, torch.utils.data.IterableDataset)
+        if num_workers is None:
+            num_workers = 0 if iterable else DEFAULT_LOADER_WORKERS
         common = dict(batch_size=batch_size or self.train_micro_batch_size_per_gpu(), collate_fn=collate_fn,
                       drop_last=self._config.dataloader_drop_last, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available())
-        if isinstance(training_data, torch.utils.data.IterableDataset):   # it orders (and splits) itself
+        if iterable:   # it orders (and splits) itself
             if sampler is not None:   # torch's refusal: dropped here, the script's sampler went unused
                 raise ValueError(f"DataLoader with IterableDataset: expected unspecified sampler option, but got "
                                  f"sampler={sampler}")
@@ -762,20 +770,22 @@ class LazyTrainEngine(nn.Module):
                      data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):
         """DeepSpeed's: a loader over ``dataset`` (an evaluation or prediction set, or another training set) at
         the micro-batch size unless ``batch_size`` says otherwise, with ``initialize``'s ``collate_fn`` unless
-        given; ``route`` "eval" or "predict" keeps the dataset's order (this rank's part of it), "train"
-        shuffles as the training loader does. Pinned memory only where CUDA is."""
+        given; ``route`` "eval" or "predict" keeps the dataset's order (this rank's part of it), "train" (and
+        DeepSpeed's "encode") shuffles as the training loader does. Pinned memory only where CUDA is; two
+        loading processes unless ``num_local_io_workers`` says otherwise, as DeepSpeed's."""
         if not is_dataset(dataset):   # a list or a Hugging Face dataset too, as DeepSpeed takes them
             raise ValueError("Training data must be a torch Dataset")   # DeepSpeed's words
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
                                        or batch_size < 1):   # numpy's integers too, as DeepSpeed takes them
             raise ValueError(f"deepspeed_io batch_size must be a whole number >= 1 (or None: the micro-batch "
                              f"size), got {batch_size!r}")
-        if route not in ("train", "eval", "predict"):
-            raise ValueError(f"deepspeed_io route must be \"train\", \"eval\" or \"predict\", got {route!r}")
+        if route not in ("train", "eval", "predict", "encode"):
+            raise ValueError(f"deepspeed_io route must be \"train\", \"eval\", \"predict\" or \"encode\", got "
+                             f"{route!r}")
         return self._build_dataloader(dataset, collate_fn if collate_fn is not None else self._collate_fn,
                                       batch_size=None if batch_size is None else int(batch_size),
-                                      shuffle=route == "train", sampler=data_sampler,
-                                      pin_memory=pin_memory, num_workers=num_local_io_workers or 0)
+                                      shuffle=route in ("train", "encode"), sampler=data_sampler,
+                                      pin_memory=pin_memory, num_workers=num_local_io_workers)
 
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
