@@ -1040,6 +1040,81 @@ def test_deepspeeds_configuration_getters():
     engine.destroy()
 
 
+def test_more_of_deepspeeds_getters_and_its_old_save_name(tmp_path):
+    """Framework save paths and RLHF code read these (they were AttributeErrors)."""
+    cfg = ds_config(_top={"zero_optimization": {"stage": 2}, "dataloader_drop_last": True,
+                          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    assert engine.zero_optimization() and engine.zero_optimization_partition_gradients()
+    assert not engine.zero_optimization_partition_weights() and engine.zero_offload_param() is None
+    assert engine.dataloader_drop_last() and engine.get_data_parallel_rank() == 0
+    assert engine.optimizer_params() == cfg["optimizer"]["params"] and engine.scheduler_name() == "WarmupLR"
+    assert engine.empty_partition_cache() is None and engine.is_compiled is False
+    assert engine.save_fp16_model(str(tmp_path))
+    saved = torch.load(tmp_path / "pytorch_model.bin")   # DeepSpeed's default name for it
+    assert saved.keys() == engine.module.state_dict().keys()
+    engine.destroy()
+
+
+def test_a_move_or_cast_of_the_engine_is_refused_unless_it_changes_nothing():
+    """nn.Module.to() replaced each parameter's .data, cutting the streamed blocks' parameters off the engine's
+    buffers: the optimizer updated tensors the forward never read (a float64 round trip moved the evaluation
+    loss from 2.59 to 2.69). A move to where the engine computes (engine.to(local_rank)) changes nothing."""
+    data = batches(2)
+    ref = reference_train(make_model("llama"), data)
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config())
+    assert engine.to(engine.device) is engine and engine.to() is engine and engine.float() is engine
+    assert (engine.cpu() is engine) == (engine.device.type == "cpu")
+    for cast in (lambda: engine.to(torch.float64), lambda: engine.half(), lambda: engine.to("cpu", torch.bfloat16)):
+        with pytest.raises(RuntimeError, match=r"^lazytrain: moving or casting the engine's model after initialize "
+                                               r"is not supported \(model.embed_tokens.weight: torch.float32 on "):
+            cast()
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert max_rel_diff(engine.module, ref) < 1e-5
+    with pytest.raises(RuntimeError, match=r"^lazytrain: engine.compile\(\) is not supported"):
+        engine.compile(backend="inductor", compile_kwargs={})   # accelerate's call for torch_compile=True
+    engine.destroy()
+
+
+def test_deepspeeds_throughput_timer_and_monitor_are_there_for_the_scripts_that_read_them():
+    """The DeepSpeed-Chat template calls engine.tput_timer.update_epoch_count() each epoch and reads
+    engine.monitor.enabled: AttributeErrors after the first epoch had trained. The timer counts as DeepSpeed's:
+    micro-steps, optimizer steps, the first two steps left out of the average."""
+    cfg = ds_config(_top={"gradient_accumulation_steps": 2})
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    timer = engine.tput_timer
+    assert timer.avg_samples_per_sec() == float("-inf") and engine.monitor.enabled is False
+    for x, y in batches(8):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    timer.update_epoch_count()
+    assert (timer.global_step_count, timer.micro_step_count, timer.epoch_count) == (4, 0, 1)
+    assert timer.batch_size == 4 and timer.total_elapsed_time > 0 and timer.avg_samples_per_sec() > 0
+    engine.monitor.write_events([("Train/loss", 1.0, 1)])   # nothing written, as with no monitor configured
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_non_finite_gradient_norm_is_reported_as_deepspeeds_zero_optimizers_report_it(stage):
+    """From stage 1, DeepSpeed's optimizers report inf for a nan gradient norm (Trainer logs it); stage 0's
+    norm is as computed. The step is skipped either way."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"),
+                                               config=ds_config(_top={"zero_optimization": {"stage": stage}}))
+        x, y = batches(1)[0]
+        engine.backward(lm_loss(engine(x), y) * float("nan"))
+        engine.step()
+    norm = engine.get_global_grad_norm()
+    assert math.isinf(norm) if stage else math.isnan(norm)
+    assert engine.skipped_steps == 1
+    engine.destroy()
+
+
 def test_communication_data_type_is_set_as_deepspeeds_between_steps():
     """DeepSpeed's engine has a setter scripts use after initialize: a torch dtype (LazyTrain also takes the
     config's names; None: the model's dtype again). A value neither names is refused, and so is a change in
@@ -1518,11 +1593,31 @@ def test_non_block_optimizer_state_on_the_host_or_the_device_trains_alike(accumu
             assert ((trained["device"][name] - w).abs().max() / w.abs().max()).item() < 1e-5, name
 
 
-def test_retain_graph_is_a_clear_error():
-    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
-    x, y = batches(1)[0]
-    with pytest.raises(ValueError, match=r"backward\(retain_graph=True\) is not supported"):
-        engine.backward(lm_loss(engine(x), y), retain_graph=True)
+@pytest.mark.parametrize("frozen_below", [0, 2])
+def test_retain_graph_trains_and_a_second_backward_through_the_forward_is_a_clear_error(frozen_below):
+    """accelerate's backward(loss, retain_graph=True) goes to engine.backward: one backward with it trains as
+    without it (it was refused up front); a second through the same forward is refused by the executor, also
+    where the backward stops above block 0 (frozen blocks below: the pass is never released)."""
+    model = make_model("llama")
+    for block in model.model.layers[:frozen_below]:
+        block.requires_grad_(False)
+    if frozen_below:
+        model.get_input_embeddings().requires_grad_(False)
+    data = batches(2)
+    ref = reference_train(model, data)
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config())
+    for x, y in data:
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss, retain_graph=True)
+        engine.step()
+    assert max_rel_diff(engine.module, ref) < 1e-5
+    x, y = data[0]
+    loss = lm_loss(engine(x), y)
+    engine.backward(loss, retain_graph=True)
+    with pytest.raises(ExecutorError, match=r"a second backward through the same forward \(backward\("
+                                            r"retain_graph=True\), then backward again\) is not supported"):
+        engine.backward(loss)
+    engine.destroy()
 
 
 def test_weights_streamed_from_nvme_match_pytorch(tmp_path):

@@ -11,6 +11,7 @@ import copy as _copy_module
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import numbers
 import os
@@ -46,6 +47,7 @@ from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_
                      refuse_quantized_block_weights, turn_off_layer_checkpointing)
 from .host_accumulate import sum_of_squares
 from .lean_norms import make_norms_lean, restore_norms
+from .deepspeed_extras import Monitor, ThroughputTimer
 from .distributed import CollectiveError, DistributedContext, RankFailure
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
@@ -411,6 +413,8 @@ class LazyTrainEngine(nn.Module):
         self._engine_backward_depth = 0   # engine.backward running (its loss already divided): see _scale_direct_backward
         self._global_grad_norm: float | None = None
         self._step_applied = False
+        self.tput_timer = ThroughputTimer(config.train_batch_size)   # DeepSpeed's (deepspeed_extras.py)
+        self.monitor = Monitor()
         self._grads_unusable = False   # a step failed before its update: zero_grad() drops what was accumulated
         self._failed_step: str | None = None   # a step that failed half-way: the engine is inconsistent
         self._unstored_copies: tuple | None = None   # (first layer, error): a step whose copies were not stored
@@ -799,6 +803,8 @@ class LazyTrainEngine(nn.Module):
             self._keep_layer_checkpointing_off()
             if self._step_began is None:
                 self._step_began = time.perf_counter()
+            if not self.tput_timer.started:   # a micro-step's first training forward, as DeepSpeed's timer starts
+                self.tput_timer.start()
             if self.auto is not None or (self.plan.seq_len is not None and not self._warned_beyond_plan):
                 ids = _token_ids(inputs, kwargs)
                 if ids is not None and self.auto is not None:   # policy auto plans for the batches it sees
@@ -892,9 +898,6 @@ class LazyTrainEngine(nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:   # shape (1,) too, as DeepSpeed takes it
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
         loss = loss.reshape(())
-        if retain_graph:
-            raise ValueError("engine.backward(retain_graph=True) is not supported: streamed blocks free their "
-                             "boundaries as backward consumes them, so a second backward has nothing to use")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss
@@ -939,6 +942,7 @@ class LazyTrainEngine(nn.Module):
                 raise
             self._grads_unusable = False   # a retried step that went through
             began, self._step_began = self._step_began, None
+        self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
         if boundary:
             self._step_starts_at = self.micro_steps
@@ -1206,7 +1210,9 @@ class LazyTrainEngine(nn.Module):
             raise StepFailedError(self._failed_before_update(e)) from e
         finite = math.isfinite(norm)
         # an fp16 overflow reports an infinite norm, as DeepSpeed's optimizers do (the sum may be nan)
-        self._global_grad_norm = norm if finite or self.loss_scaler is None else math.inf
+        # (and, from stage 1, any non-finite norm: DeepSpeed's ZeRO optimizers report inf, not nan)
+        self._global_grad_norm = norm if finite or (self.loss_scaler is None and self._config.zero_stage < 1) \
+            else math.inf
         if not finite:
             self._step_applied = False
             self.skipped_steps += 1
@@ -1744,6 +1750,7 @@ class LazyTrainEngine(nn.Module):
         before = self.gradient_accumulation_steps()
         self._config = dataclasses.replace(self._config, train_batch_size=train_batch_size,
                                            gradient_accumulation_steps=train_batch_size // per_step)
+        self.tput_timer.batch_size = train_batch_size
         if self.auto is not None and not self.auto.stopped and self.gradient_accumulation_steps() != before:
             # a step of another number of micro-batches: its times are not the ones measured and planned for
             self.auto.measure_again(self.train_micro_batch_size_per_gpu(),
@@ -1835,6 +1842,36 @@ class LazyTrainEngine(nn.Module):
 
     def dynamic_loss_scale(self) -> bool:
         return self._config.fp16.loss_scale == 0
+
+    def zero_optimization(self) -> bool:
+        return self._config.zero_stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self._config.zero_stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self._config.zero_stage >= 3
+
+    def zero_offload_param(self):
+        """DeepSpeed's: the config's ``offload_param`` section, or None."""
+        return self._config.offload_param if self._config.offload_param.device != "none" else None
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's (ZeRO-3 frees its gathered parameters): LazyTrain's stage-3 copies are freed after each
+        use already, and the streamed blocks' slots are the engine's to keep."""
+
+    def dataloader_drop_last(self) -> bool:
+        return self._config.dataloader_drop_last
+
+    def get_data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    def optimizer_params(self) -> dict | None:
+        """DeepSpeed's: the config's ``optimizer.params``."""
+        return self._config.optimizer.params if self._config.optimizer.type is not None else None
+
+    def scheduler_name(self) -> str | None:
+        return self._config.scheduler.type
 
     def zero_offload_optimizer(self):
         """DeepSpeed's: the config's ``offload_optimizer`` section, or None (LazyTrain's host optimizer runs
@@ -2740,6 +2777,11 @@ class LazyTrainEngine(nn.Module):
         sd["state"] = state
         return sd
 
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's older name of :meth:`save_16bit_model`, with its default file name."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters)
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False) -> bool:
         """The weights in the precision the model trains in, as DeepSpeed saves them (16-bit in bf16/fp16
@@ -2832,6 +2874,51 @@ class LazyTrainEngine(nn.Module):
                     continue
                 p.data = slot.of(flat) if flat is not None else foreign[id(p)]
 
+    is_compiled = False
+
+    def compile(self, backend=None, compile_kwargs=None, schedule=None, **kwargs):
+        """DeepSpeed's ``engine.compile()`` (accelerate calls it for ``torch_compile=True``): refused, as a
+        ``torch.compile``d model is: the streamed blocks' forwards hand their weights to the engine's executor,
+        which a compiled graph would trace through or break at every block."""
+        raise RuntimeError("lazytrain: engine.compile() is not supported: the streamed blocks run through the "
+                           "engine's executor, which torch.compile cannot trace; train without torch_compile")
+
+    # ---- moves and casts of the whole model -----------------------------------------------------
+    def to(self, *args, **kwargs):
+        """``engine.to(local_rank)`` (or the engine's device): nothing to do, each tensor is already where the
+        engine computes with it (the blocks' weights stream from host buffers). Any other move or cast is
+        refused (:meth:`_apply`)."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and (device is None or _same_device(device, self.device)):
+            return self
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device=None):
+        if self.device.type == "cuda" and (device is None or _same_device(torch.device("cuda", device)
+                                                                          if isinstance(device, int) else
+                                                                          torch.device(device), self.device)):
+            return self
+        return super().cuda(device)
+
+    def cpu(self):
+        return self if self.device.type == "cpu" else super().cpu()
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.float()``, ``.cuda()`` ... of the engine: nn.Module's would replace each
+        parameter's ``.data``, cutting the streamed blocks' parameters off the engine's buffers (the optimizer
+        would then update tensors the forward never reads: silently wrong training). Refused unless it changes
+        nothing."""
+        for name, t in itertools.chain(self.module.named_parameters(), self.module.named_buffers()):
+            out = fn(t)
+            if out is not t:
+                raise RuntimeError(f"lazytrain: moving or casting the engine's model after initialize is not "
+                                   f"supported ({name}: {t.dtype} on {t.device} would become {out.dtype} on "
+                                   f"{out.device}): the engine keeps each tensor where it streams and trains it, "
+                                   f"and a new tensor would be cut off from it. Move or cast the model before "
+                                   f"lazytrain.initialize (the bf16/fp16 config casts it), or after "
+                                   f"engine.destroy()")
+        return self
+
     # ---- attribute passthrough to the wrapped module --------------------------------------------
     def __getattr__(self, name: str):
         try:
@@ -2841,6 +2928,18 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _same_device(asked: torch.device, engine_device: torch.device) -> bool:
+    """``asked`` names the engine's device (a CUDA device without an index: the current one)."""
+    if asked.type != engine_device.type:
+        return False
+    if asked.type != "cuda":
+        return True
+
+    def index(d: torch.device) -> int:
+        return d.index if d.index is not None else torch.cuda.current_device()
+    return index(asked) == index(engine_device)
 
 
 def _trainable_shares(model: nn.Module, blocks: nn.ModuleList) -> dict[str, float]:

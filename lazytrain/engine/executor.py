@@ -150,6 +150,7 @@ class _Pass:
     released: bool = False                                               # its backward has run to block 0
     differentiable: set = field(default_factory=set)                     # layers whose output requires grad: the
                                                                          # ones a backward can reach
+    differentiated: set = field(default_factory=set)                     # layers whose backward has run
     settle_queued: bool = False                                          # its backward waits for its gradients
     weights_epoch: int = 0                                               # the executor's, at its forward
     backward_windows: list | None = None                                 # fetched from layer graph_start's backward
@@ -692,11 +693,12 @@ class LayerStreamingExecutor:
                        accumulate: bool = True):
         """``grad_outs``: the gradient of each of the block's outputs (None where the loss did not use it);
         ``accumulate``: add the block's weight gradients into its host buffers."""
-        if p.released:
+        if p.released or layer in p.differentiated:
             raise ExecutorError("this forward's streamed blocks were already differentiated and their kept "
                                 "boundaries freed: a second backward through the same forward "
                                 "(backward(retain_graph=True), then backward again) is not supported; run the "
                                 "forward again")
+        p.differentiated.add(layer)
         if accumulate and self.weights.grads_in_flight and not p.settle_queued and self.backward_ends_step():
             # the gradients land on a worker thread: the backward ends once they have (its final callback),
             # so .grad read after it is the whole backward's (a failed copy is kept for the step to raise)
