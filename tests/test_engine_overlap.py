@@ -208,6 +208,22 @@ def test_a_layer_is_never_fetched_while_its_update_runs():
     engine, _, _, _ = lazytrain.initialize(model=model, config=overlap_config(True))
     zero_copy_off(engine)
     layer_taken, waited = hold_update_until_taken(engine, held=3, taken=2)
+    # the update thread sets layer 3's flag, then issues its held-back prefetch: a forward reaching layer 3 in
+    # between (the update thread pre-empted there on a busy core) would fetch it itself. The forward's take of
+    # layer 3 waits until the prefetch has been issued.
+    issued, on_done, acquire = threading.Event(), engine.layer_updates._on_done, engine.executor._acquire
+
+    def noting_done(i):
+        on_done(i)
+        if i == 3:
+            issued.set()
+
+    def acquire_once_issued(layer):
+        if layer == 3 and engine.global_steps > 0 and engine.executor._current is not None:
+            assert issued.wait(timeout=20)
+            issued.clear()
+        return acquire(layer)
+    engine.layer_updates._on_done, engine.executor._acquire = noting_done, acquire_once_issued
     pending_at_fetch = []
     fetch = engine.weights.fetch_into
 

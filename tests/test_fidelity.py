@@ -261,9 +261,10 @@ def test_a_trace_without_the_step_is_refused():
 
 
 def _keep_all_costs(device: str, testing: dict, home: str = "host", warmup: int = 2,
-                    steps: int = 2, model: str = "llama") -> tuple[MeasuredCosts, float]:
+                    steps: int = 2, model: str = "llama", fastest: bool = False) -> tuple[MeasuredCosts, float]:
     """The costs of a keep-all plan (boundaries on ``home``) measured over ``steps`` traced steps after
-    ``warmup`` untraced ones, and the median time its compute side waited per step."""
+    ``warmup`` untraced ones (``fastest``: each cost's least over the steps, as other work sharing the cores
+    only ever adds time; else their medians), and the median time its compute side waited per step."""
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "lazytrain": {"policy": "keep_all", "boundary_home": home, "last_segment_graph": False, "device": device,
@@ -281,6 +282,11 @@ def _keep_all_costs(device: str, testing: dict, home: str = "host", warmup: int 
             traces.append(engine.last_trace)
     engine.destroy()
     waits = sorted(sum(s.end - s.start for s in t.spans if s.lane == "wait") for t in traces)
+    if fastest:
+        each = [MeasuredCosts.from_traces([t], 6) for t in traces]
+        least = dataclasses.replace(each[0], fwd_s=tuple(map(min, zip(*(c.fwd_s for c in each)))),
+                                    nonlayer_s=min(c.nonlayer_s for c in each))
+        return least, waits[len(waits) // 2]
     return MeasuredCosts.from_traces(traces, 6), waits[len(waits) // 2]
 
 
@@ -348,10 +354,14 @@ def test_measured_saved_bytes_replace_the_analytic_internals():
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_late_copies_are_measured_as_waits_not_as_the_rest_of_the_model(device):
     """Every copy and update delayed up to 20 ms: the compute side's extra time is in its waits (on CUDA
-    the compute stream's stalls, timed by events), and the rest of the model measures as it does calm."""
+    the compute stream's stalls, timed by events), and the rest of the model measures as it does calm. Each
+    compute cost is the least of four steps: on shared cores, a wake-up of each of the ~30 delayed copies'
+    threads can cost the compute side a time slice, which a median of two took for compute (it failed 3 times
+    in 4 with both cores busy)."""
     copy_threads = {"copy_threads": True} if device == "cpu" else {}
-    calm, calm_waits = _keep_all_costs(device, copy_threads)
-    late, late_waits = _keep_all_costs(device, {**copy_threads, "chaos_seed": 3, "chaos_max_delay_ms": 20})
+    calm, calm_waits = _keep_all_costs(device, copy_threads, steps=4, fastest=True)
+    late, late_waits = _keep_all_costs(device, {**copy_threads, "chaos_seed": 3, "chaos_max_delay_ms": 20},
+                                       steps=4, fastest=True)
     assert late_waits > calm_waits + 0.05                      # seconds: several of ~30 delayed copies stalled it
     assert late.nonlayer_s < calm.nonlayer_s + 0.25 * late_waits
     for calm_t, late_t in zip(calm.fwd_s, late.fwd_s):         # the delays are not in the blocks' compute either

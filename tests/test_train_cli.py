@@ -149,8 +149,9 @@ def test_unset_key_value_heads_are_one_per_attention_head_as_transformers_reads_
     assert model["num_key_value_heads"] == 8
 
 
-def test_steps_given_with_a_null_scheduler_section_trains(tmp_path, capsys):
+def test_steps_given_with_a_null_scheduler_section_trains(tmp_path, capsys, monkeypatch):
     path = job_file(tmp_path, lambda cfg: cfg.update(scheduler=None))
+    monkeypatch.setenv("LOCAL_RANK", "0")   # what --local_rank sets is undone after the test
     assert main(["train", path, "--steps", "1", "--out", str(tmp_path / "out")]) == 0
     # again into the same directory: its checkpoint replaced, as asked; DeepSpeed's launcher's --local_rank taken
     assert main(["--local_rank=0", "train", path, "--steps", "2", "--out", str(tmp_path / "out"), "--overwrite"]) == 0
