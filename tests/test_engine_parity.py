@@ -1040,6 +1040,43 @@ def test_deepspeeds_configuration_getters():
     engine.destroy()
 
 
+class _ProjectedBlock(MLPBlock):
+    """A block multiplying its activations by a frozen projection kept as a buffer (PEFT's VeRA does)."""
+
+    def __init__(self, d: int):
+        super().__init__(d)
+        self.register_buffer("projection", torch.eye(d))
+
+    def forward(self, x):
+        return super().forward(x @ self.projection)
+
+
+class _ProjectedLM(ModuleListLM):
+    block = _ProjectedBlock
+
+
+def test_a_dtype_error_on_a_blocks_fp32_buffer_in_bf16_names_the_buffers_and_the_way_out():
+    """LazyTrain keeps fp32 buffers in fp32 where DeepSpeed's bf16 cast makes them bf16: PEFT's VeRA in a bf16
+    run failed with torch's bare dtype error from deep inside the block."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=_ProjectedLM(), config=ds_config(_top={"bf16": {"enabled": True}}))
+    x, _ = batches(1)[0]
+    with pytest.raises(RuntimeError, match="dtype") as e:
+        engine(x)
+    assert e.value.__notes__ == ["lazytrain: block 0 computes in bfloat16 and keeps fp32 buffers (projection), which "
+                                 "LazyTrain leaves in fp32 where DeepSpeed's bf16/fp16 cast makes them 16-bit; a "
+                                 "block that computes with them as its activations' dtype needs the model cast "
+                                 "before lazytrain.initialize (model.to(torch.bfloat16))"]
+    engine.destroy()
+    model = _ProjectedLM().to(torch.bfloat16)   # the way out: trains
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(_top={"bf16": {"enabled": True}}))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.destroy()
+
+
 def test_more_of_deepspeeds_getters_and_its_old_save_name(tmp_path):
     """Framework save paths and RLHF code read these (they were AttributeErrors)."""
     cfg = ds_config(_top={"zero_optimization": {"stage": 2}, "dataloader_drop_last": True,

@@ -318,7 +318,11 @@ class LayerStreamingExecutor:
                 _buffers_kept(block) if replay else nullcontext(), \
                 in_modes(block, call.modes) if replay else nullcontext(), \
                 _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
-            out = type(block).forward(block, hidden, *rest_args, **kwargs)
+            try:
+                out = type(block).forward(block, hidden, *rest_args, **kwargs)
+            except RuntimeError as e:
+                _note_fp32_buffers(e, block, layer, self.weights.compute_dtype)
+                raise
             if saved is not None:
                 span.args["saved_bytes"] = saved.nbytes
         return out, params
@@ -846,6 +850,21 @@ def _alias_of(x: torch.Tensor, out: torch.Tensor | None) -> bool:
             and x.data_ptr() == out.data_ptr() and x.shape == out.shape and x.stride() == out.stride()
             and x.dtype == out.dtype and x.device == out.device and x.is_conj() == out.is_conj()
             and x.is_neg() == out.is_neg())
+
+
+def _note_fp32_buffers(error: RuntimeError, block: nn.Module, layer: int, compute_dtype: torch.dtype) -> None:
+    """A dtype error in a 16-bit run of a block with fp32 buffers: LazyTrain keeps those fp32 where DeepSpeed's
+    up-front cast makes them 16-bit, and a block that multiplies its activations by one (PEFT's VeRA
+    projections) fails on it. The error gets a note naming them and the way out."""
+    if compute_dtype == torch.float32 or "dtype" not in str(error):
+        return
+    fp32 = [name for name, b in block.named_buffers() if b.dtype == torch.float32]
+    if fp32:
+        shown = ", ".join(fp32[:4]) + (f" and {len(fp32) - 4} more" if len(fp32) > 4 else "")
+        error.add_note(f"lazytrain: block {layer} computes in {str(compute_dtype).removeprefix('torch.')} and keeps "
+                       f"fp32 buffers ({shown}), which LazyTrain leaves in fp32 where DeepSpeed's bf16/fp16 cast "
+                       f"makes them 16-bit; a block that computes with them as its activations' dtype needs the "
+                       f"model cast before lazytrain.initialize (model.to(torch.bfloat16))")
 
 
 class _BlockFunction(torch.autograd.Function):
