@@ -706,7 +706,9 @@ def test_a_file_that_is_not_a_profile_is_named(tmp_path, measured):
                             ({"links_gbps": {"h2d_gbps": float("inf")}}, "links_gbps must map"),
                             ({"device": "banana"}, 'device must be a torch device such as "cuda:0" or "cpu", got '
                                                    "'banana'"),
-                            ({"device_name": 3}, "device_name must be a string, got 3")):
+                            ({"device_name": 3}, "device_name must be a string, got 3"),
+                            ({"world_size": 0}, "world_size must be an integer >= 1 or null, got 0"),
+                            ({"zero_stage": True}, "zero_stage must be an integer >= 0 or null, got True")):
         bad.write_text(json.dumps({**d, **change}))
         with pytest.raises(MeasurementError, match=message):
             MachineProfile.from_json(str(bad))
@@ -743,7 +745,15 @@ def test_a_saved_profile_of_another_model_or_sequence_length_and_an_unwritable_p
                                           r"another machine's; measure again"):
         lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
                                                                          "auto": {"profile": str(other)}}))
-    other.write_text(json.dumps({k: v for k, v in d.items() if k != "device_name"}))   # an older profile
+    # measured over two ranks: its steps held their collectives (and, from stage 1, a share of the updates)
+    assert (d["world_size"], d["zero_stage"]) == (1, 0)
+    other.write_text(json.dumps({**d, "world_size": 2, "zero_stage": 2}))
+    with pytest.raises(ConfigError, match=r"was measured over 2 ranks at ZeRO stage 2, this run trains over 1 rank: "
+                                          r"its step times are another run's; measure again"):
+        lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
+                                                                         "auto": {"profile": str(other)}}))
+    other.write_text(json.dumps({k: v for k, v in d.items() if k not in ("device_name", "world_size",
+                                                                         "zero_stage")}))   # an older profile
     lazytrain.initialize(model=make_model("llama"), config=_config(
         {"policy": "auto", "auto": {"profile": str(other)}}))[0].destroy()
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(

@@ -538,7 +538,8 @@ class LazyTrainEngine(nn.Module):
             micro_batch=self.train_micro_batch_size_per_gpu(), seq_len=self._seq_len, device=str(self.device),
             grad_accum=self.gradient_accumulation_steps(), device_name=self._device_name(),
             loss_chunk_tokens=self._config.lazytrain.head_tokens(
-                self.train_micro_batch_size_per_gpu() * self._seq_len), **self._model_budgets)
+                self.train_micro_batch_size_per_gpu() * self._seq_len), world_size=self.world_size,
+            zero_stage=self._config.zero_stage, **self._model_budgets)
 
     def _device_name(self) -> str:
         """The device's model, so that a profile is not reused on another kind of GPU."""
@@ -572,6 +573,13 @@ class LazyTrainEngine(nn.Module):
         if self._seq_len is not None and profile.seq_len != self._seq_len:
             raise ConfigError(f"{where} was measured at sequence length {profile.seq_len}, 'lazytrain.seq_len' is "
                               f"{self._seq_len}")
+        # over other ranks or another stage a step holds other collectives and updates other layers
+        ran = (profile.world_size, profile.zero_stage)
+        here = (self.world_size, self._config.zero_stage if self.world_size > 1 else 0)
+        if ran[0] is not None and (ran[0], ran[1] if ran[0] > 1 else 0) != here:
+            raise ConfigError(f"{where} was measured over {_ranks(ran[0], ran[1])}, this run trains over "
+                              f"{_ranks(*here)}: its step times are another run's; measure again (leave 'profile' "
+                              f"out)")
         # the layers, and what lies outside them (the embedding's and head's size sets the non-block update and
         # the host memory the plan budgets)
         for key, default in (("layer_params", None), ("hidden_size", None), ("vocab_size", None), ("dtype", None),
@@ -2928,6 +2936,10 @@ class LazyTrainEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
+
+
+def _ranks(world_size: int, zero_stage: int | None) -> str:
+    return "1 rank" if world_size == 1 else f"{world_size} ranks at ZeRO stage {zero_stage}"
 
 
 def _same_device(asked: torch.device, engine_device: torch.device) -> bool:

@@ -370,6 +370,8 @@ class MachineProfile:
     non_block_trainable_share: float = 1.0   # and of the others (Budgets.non_block_trainable_share)
     hybrid_8bit_fraction: float | None = None   # of the trained ones, with 8-bit moments (None: not recorded)
     loss_chunk_tokens: int | None = None   # tokens per piece the LM head computed logits in (None: not recorded)
+    world_size: int | None = None   # ranks of the run measured (its steps' times include their collectives)
+    zero_stage: int | None = None   # and its ZeRO stage (what each rank updates); None: not recorded
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": 1, "costs": self.costs.to_dict(),
@@ -377,7 +379,8 @@ class MachineProfile:
                 "seq_len": self.seq_len, "device": self.device, "grad_accum": self.grad_accum,
                 "device_name": self.device_name, "trainable_share": self.trainable_share,
                 "non_block_trainable_share": self.non_block_trainable_share,
-                "hybrid_8bit_fraction": self.hybrid_8bit_fraction, "loss_chunk_tokens": self.loss_chunk_tokens}
+                "hybrid_8bit_fraction": self.hybrid_8bit_fraction, "loss_chunk_tokens": self.loss_chunk_tokens,
+                "world_size": self.world_size, "zero_stage": self.zero_stage}
 
     def to_json(self, path: str) -> None:
         import json
@@ -428,13 +431,20 @@ class MachineProfile:
         chunk = d.get("loss_chunk_tokens")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise MeasurementError(f"{where}: loss_chunk_tokens must be an integer >= 1 or null, got {chunk!r}")
+        run = {}
+        for k, least in (("world_size", 1), ("zero_stage", 0)):
+            v = d.get(k)   # profiles written before it was recorded: None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+                raise MeasurementError(f"{where}: {k} must be an integer >= {least} or null, got {v!r}")
+            run[k] = v
         try:
             costs = MeasuredCosts.from_dict(d["costs"])
         except MeasurementError as e:   # named with the file it came from
             raise MeasurementError(f"{where}: {e}") from None
         return cls(costs=costs, links_gbps={k: float(v) for k, v in links.items()},
                    model=d["model"], micro_batch=d["micro_batch"], seq_len=d["seq_len"],
-                   device=device, grad_accum=d["grad_accum"], device_name=name, loss_chunk_tokens=chunk, **shares)
+                   device=device, grad_accum=d["grad_accum"], device_name=name, loss_chunk_tokens=chunk, **shares,
+                   **run)
 
     @classmethod
     def from_json(cls, path: str) -> "MachineProfile":
