@@ -482,3 +482,46 @@ def test_frozen_blocks_below_the_first_trainable_one_are_not_differentiated(lt):
     assert read_back == ([] if lt.get("last_segment_graph") else ["boundary4", "layer4"]) or \
         engine.device.type != "cpu"
     engine.destroy()
+
+
+def _pass_keys(engine) -> dict[str, int]:
+    return {name: sum(k.startswith("pass") for k in tier.keys()) for name, tier in engine.tiers.items()}
+
+
+@pytest.mark.parametrize("lt", [dict(checkpoint_interval=1), dict(checkpoint_interval=2, boundary_home="host")],
+                         ids=["every-1-device", "every-2-host"])
+def test_a_backward_that_stops_above_block_0_frees_its_pass_while_the_script_holds_the_loss(lt):
+    """A pass was freed when its backward reached block 0; below the first trainable block none does, and the
+    loss a script holds keeps the pass alive: its frozen blocks' kept boundaries stayed on their tiers, two
+    passes' worth at the next forward (a list of losses kept every one)."""
+    model = freeze_below(make_model("llama"), 4)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": lt}
+    engine = engine_of(model, cfg)
+    losses = []
+    for x, y in batches(3):
+        losses.append(lm_loss(engine(x), y))
+        engine.backward(losses[-1])
+        engine.step()
+        assert not any(_pass_keys(engine).values()), _pass_keys(engine)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("interval, frozen", [(3, (2, 5)), (2, (1, 3, 5))])
+def test_a_frozen_block_ending_a_re_run_segment_above_a_trainable_one_trains_as_pytorch(interval, frozen):
+    """Blocks that each take the embedding's output (not the previous block's), the embedding frozen: a frozen
+    block ending a re-run segment got no backward, and the trainable block below it in the segment found its
+    input neither kept nor recomputed (an internal error)."""
+    model = make_model("parallel")
+    model.emb.requires_grad_(False)
+    for i in frozen:
+        model.stack[i].requires_grad_(False)
+    data = batches(3)
+    ref = reference_train(model, data, device=AUTO_DEVICE)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": {"checkpoint_interval": interval, "testing": {"copy_threads": True}}}
+    engine = engine_of(model, cfg)
+    train(engine, data)
+    assert max_rel_diff(engine.module, ref) < 1e-5
+    engine.destroy()

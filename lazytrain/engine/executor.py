@@ -147,7 +147,8 @@ class _Pass:
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
     kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
     offloaded: dict = field(default_factory=dict)                        # offloaded layer -> OffloadedInternals
-    released: bool = False                                               # its backward has run to block 0
+    released: bool = False                                               # its backward has run to the lowest
+                                                                         # layer it reaches
     differentiable: set = field(default_factory=set)                     # layers whose output requires grad: the
                                                                          # ones a backward can reach
     differentiated: set = field(default_factory=set)                     # layers whose backward has run
@@ -209,6 +210,7 @@ class LayerStreamingExecutor:
         self._anchor_node = torch.autograd.graph.get_gradient_edge(self._anchor).node \
             if self._anchor.requires_grad else None
         self._no_anchor = torch.empty(0)   # a frozen block's: its output needs grad only if its inputs do
+        self._first_trainable = next((i for i, t in enumerate(weights.trainable) if any(t)), len(blocks))
         self._prefetch_in_window: dict[int, list[int]] = {}   # window -> boundaries whose prefetch it issues
         for i, home in enumerate(plan.homes[:self.graph_start]):
             if home not in (RECOMPUTE, DEVICE_HOME) and i not in self.offloaded:
@@ -399,9 +401,11 @@ class LayerStreamingExecutor:
                      if isinstance(v, (list, dict, _SharedStateWatch))}
         containers = _container_snapshot(layer, call, self._block_added)
         # the anchor makes the block's output require grad even when nothing flowing in does (frozen
-        # embeddings): the block's own weights still need their backward. A frozen block gets none: below the
-        # first trainable block nothing needs a backward (no re-run, no weights streamed back, as in PyTorch)
-        anchor = self._anchor if any(self.weights.trainable[layer]) else self._no_anchor
+        # embeddings): the block's own weights still need their backward. The frozen blocks below the first
+        # trainable one get none: nothing there needs a backward unless their input does (no re-run, no weights
+        # streamed back, as in PyTorch). A frozen block above it keeps the anchor: a re-run segment is
+        # recomputed by its last layer's backward, whatever trains below it in the segment
+        anchor = self._anchor if layer >= self._first_trainable else self._no_anchor
         result = _BlockFunction.apply(self, p, layer, anchor, hidden, *tensors)
         out_hidden, extras = result[0], result[1:]
         if out_hidden.requires_grad:
@@ -515,12 +519,11 @@ class LayerStreamingExecutor:
                 p.offloaded[j].prefetch(w)
 
     def _reached_by_backward(self, p: _Pass, i: int) -> bool:
-        """Whether a backward re-runs from boundary ``i``: some layer of its segment is differentiable (the
-        forward is complete: below the first trainable block, none is)."""
-        if p.next_layer < self.L:
-            return True
-        s, e = self._segment_of.get(i, (i, i + 1))
-        return any(j in p.differentiable for j in range(s, e))
+        """Whether a backward re-runs from boundary ``i`` (stored: layer ``i`` has run): a layer of its segment
+        from the first trainable one on, or one whose output required grad (below it, only where the input
+        did). One that has not run yet counts as not: a read it then needs is issued on demand."""
+        s, e = self._segment_of[i]
+        return e - 1 >= self._first_trainable or any(j in p.differentiable for j in range(s, min(e, p.next_layer)))
 
     def _end_copies_out(self, p: _Pass) -> None:
         """Wait for the copies off the device that the windows before issued (boundaries, offloaded layers'
@@ -740,7 +743,7 @@ class LayerStreamingExecutor:
             g_x, t_grads = self._differentiate(layer, graph, grad_outs, needs_input_grad[0], accumulate,
                                                weights_now)
         self._free_boundary(p, layer)
-        if layer == 0:
+        if layer == min(p.differentiable):   # the lowest a backward reaches: block 0, or the first trainable one
             self.release_pass(p)
         return g_x, t_grads
 
