@@ -63,7 +63,6 @@ from .weights import LayerWeights
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GPU_RESERVED_BYTES = Budgets().gpu_reserved_bytes   # the planner's reserve for the CUDA context and allocator
 SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/16 over the planner's estimate
-DEFAULT_LOADER_WORKERS = 2   # DeepSpeed's loader: two processes a launched rank load the batches
 
 
 # the optimizer attributes the engine sets (DeepSpeed's optimizers' behaviour and flags), undone by destroy
@@ -390,7 +389,7 @@ class LazyTrainEngine(nn.Module):
         self._show_loss_scale()
         self._collate_fn = collate_fn
         self._warned_iterable = False
-        # DeepSpeed's deepspeed_io(training_data): pinned where CUDA is, two loading processes
+        # DeepSpeed's deepspeed_io(training_data): pinned where CUDA is (loaded in this process: _build_dataloader)
         self.training_dataloader = self._build_dataloader(training_data, collate_fn, pin_memory=True)
         # a transformers model with use_cache on would hand every block a KV cache to fill in training; asked
         # for none whatever its config says now (a script sets use_cache back on for an evaluation callback)
@@ -748,17 +747,19 @@ class LazyTrainEngine(nn.Module):
         """DeepSpeed's loader over ``training_data``: a DistributedSampler of this rank's part, shuffled from seed
         0, so the order is DeepSpeed's own (its engine needs LOCAL_RANK, which its set-up gives a process started
         alone too), and ``loader.data_sampler.set_epoch`` works in every run. A process started alone drew from a
-        RandomSampler, whose order followed torch's random state and which has no ``set_epoch``. Unless
-        ``num_workers`` says otherwise, two processes a rank load the batches as DeepSpeed's loader has them
-        (a dataset's ``__getitem__`` and ``collate_fn`` run beside the step, not in it); an iterable dataset
-        is read in this process, as torch would hand each worker the whole stream."""
+        RandomSampler, whose order followed torch's random state and which has no ``set_epoch``. The batches
+        are loaded in this process unless ``num_workers`` says otherwise, where DeepSpeed's loader forks two
+        workers: a forked worker shares this process's memory copy-on-write, and the first step of each epoch
+        would copy every page of the host optimizer state it rewrites (LazyTrain always keeps that state on the
+        host: 8 bytes a parameter of Adam moments more, for the epoch, beyond what the plan budgets). An
+        iterable dataset is read in this process whatever ``num_workers`` says (torch would hand each worker
+        the whole stream)."""
         if training_data is None:
             return None
         if not is_dataset(training_data):   # as deepspeed_io, for initialize's training_data too
             raise ValueError("Training data must be a torch Dataset")   # DeepSpeed's words
         iterable = isinstance(training_data, torch.utils.data.IterableDataset)
-        if num_workers is None:
-            num_workers = 0 if iterable else DEFAULT_LOADER_WORKERS
+        num_workers = 0 if num_workers is None or iterable else num_workers
         common = dict(batch_size=batch_size or self.train_micro_batch_size_per_gpu(), collate_fn=collate_fn,
                       drop_last=self._config.dataloader_drop_last, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available())
@@ -783,8 +784,8 @@ class LazyTrainEngine(nn.Module):
         """DeepSpeed's: a loader over ``dataset`` (an evaluation or prediction set, or another training set) at
         the micro-batch size unless ``batch_size`` says otherwise, with ``initialize``'s ``collate_fn`` unless
         given; ``route`` "eval" or "predict" keeps the dataset's order (this rank's part of it), "train" (and
-        DeepSpeed's "encode") shuffles as the training loader does. Pinned memory only where CUDA is; two
-        loading processes unless ``num_local_io_workers`` says otherwise, as DeepSpeed's."""
+        DeepSpeed's "encode") shuffles as the training loader does. Pinned memory only where CUDA is; loaded in
+        this process unless ``num_local_io_workers`` asks for worker processes (:meth:`_build_dataloader`)."""
         if not is_dataset(dataset):   # a list or a Hugging Face dataset too, as DeepSpeed takes them
             raise ValueError("Training data must be a torch Dataset")   # DeepSpeed's words
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
