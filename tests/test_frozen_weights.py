@@ -252,6 +252,29 @@ def test_a_checkpoint_of_a_lora_run_resumes_bit_identically(tmp_path):
         second.destroy()
 
 
+def test_a_parameter_that_trains_now_and_had_no_state_when_saved_starts_fresh_and_is_said(tmp_path):
+    """A fine-tune's next phase: the head unfrozen, the first phase's checkpoint loaded. Its moments start fresh,
+    as torch's load_state_dict leaves them (a DeepSpeed-written checkpoint missing them is refused); it was
+    not said. A resume of the same set-up says nothing."""
+    first = engine_of(lora_llama(), config(tmp_path / "a"))
+    train(first, batches(1))
+    first.save_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    first.destroy()
+    same = engine_of(lora_llama(), config(tmp_path / "b"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    same.destroy()
+    model = lora_llama()
+    model.lm_head.weight.requires_grad_(True)
+    second = engine_of(model, config(tmp_path / "c"))
+    with pytest.warns(UserWarning, match=r"^lazytrain: the checkpoint loaded holds no optimizer state for 1 "
+                                         r"parameter\(s\) that train now \(lm_head.weight\): they start with fresh "
+                                         r"Adam moments \(frozen when it was saved\?\)$"):
+        second.load_checkpoint(str(tmp_path / "ckpt"), tag="t")
+    second.destroy()
+
+
 def test_module_state_dict_holds_the_frozen_weights_as_kept(tmp_path):
     """``module_state_dict()``: the adapters' fp32 weights, the frozen block weights in bf16 (as DeepSpeed's
     bf16 module holds every weight), each its own storage."""

@@ -2734,12 +2734,26 @@ class LazyTrainEngine(nn.Module):
         channels_last weight's moments would have been applied to other elements, without a word."""
         if type(self.optimizer).__name__ == "HybridAdamW":   # it copies every tensor it takes in: no clone first
             self.optimizer.load_state_dict(sd)
-            return
-        params = {k: p for saved, mine in zip(sd["param_groups"], self.optimizer.param_groups)
-                  for k, p in zip(saved["params"], mine["params"])}
-        state = {k: {n: _in_layout_of(v, params.get(k)) if isinstance(v, torch.Tensor) else v for n, v in st.items()}
-                 for k, st in sd["state"].items()}
-        self.optimizer.load_state_dict({**sd, "state": state})
+        else:
+            params = {k: p for saved, mine in zip(sd["param_groups"], self.optimizer.param_groups)
+                      for k, p in zip(saved["params"], mine["params"])}
+            state = {k: {n: _in_layout_of(v, params.get(k)) if isinstance(v, torch.Tensor) else v
+                         for n, v in st.items()} for k, st in sd["state"].items()}
+            self.optimizer.load_state_dict({**sd, "state": state})
+        self._warn_of_fresh_moments()
+
+    def _warn_of_fresh_moments(self) -> None:
+        """A parameter that trains now and has no state in the checkpoint beside others that have (frozen when it
+        was saved: a fine-tune's next phase) starts with fresh moments, as torch's load_state_dict leaves it;
+        said, as a DeepSpeed-written checkpoint missing them is refused."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+        fresh = [p for p in params if not self.optimizer.state.get(p)]
+        if fresh and len(fresh) < len(params):
+            names = [self._param_names.get(id(p), "?") for p in fresh]
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            warnings.warn(f"lazytrain: the checkpoint loaded holds no optimizer state for {len(fresh)} parameter(s) "
+                          f"that train now ({shown}): they start with fresh Adam moments (frozen when it was saved?)",
+                          UserWarning, stacklevel=4)
 
     def _optimizer_state_from(self, moments: dict, directory: str, settings: dict[str, dict] | None = None) -> dict:
         """This optimizer's state_dict with DeepSpeed's moments put in by parameter name, and each group's
