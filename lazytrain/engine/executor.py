@@ -864,10 +864,14 @@ def _note_fp32_buffers(error: RuntimeError, block: nn.Module, layer: int, comput
     fp32 = [name for name, b in block.named_buffers() if b.dtype == torch.float32]
     if fp32:
         shown = ", ".join(fp32[:4]) + (f" and {len(fp32) - 4} more" if len(fp32) > 4 else "")
-        error.add_note(f"lazytrain: block {layer} computes in {str(compute_dtype).removeprefix('torch.')} and keeps "
-                       f"fp32 buffers ({shown}), which LazyTrain leaves in fp32 where DeepSpeed's bf16/fp16 cast "
-                       f"makes them 16-bit; a block that computes with them as its activations' dtype needs the "
-                       f"model cast before lazytrain.initialize (model.to(torch.bfloat16))")
+        note = (f"lazytrain: block {layer} computes in {str(compute_dtype).removeprefix('torch.')} and keeps fp32 "
+                f"buffers ({shown}), which LazyTrain leaves in fp32 where DeepSpeed's bf16/fp16 cast makes them "
+                f"16-bit; a block that computes with them as its activations' dtype needs the model cast before "
+                f"lazytrain.initialize (model.to(torch.bfloat16))")
+        if hasattr(error, "add_note"):   # Python 3.11+
+            error.add_note(note)
+        else:
+            warnings.warn(note, UserWarning, stacklevel=2)
 
 
 class _BlockFunction(torch.autograd.Function):
