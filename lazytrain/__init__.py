@@ -7,7 +7,7 @@ Importing ``lazytrain`` loads nothing heavy; torch is imported with the engine, 
 """
 __version__ = "0.1.0"
 __all__ = ["initialize", "add_config_arguments", "zero", "comm", "replace_deepspeed", "restore_deepspeed", "init_distributed", "CollectiveError", "register_tier", "CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError",
-           "CheckpointMismatchError", "StepFailedError", "LossScaleAtMinimumError", "__version__"]
+           "CheckpointMismatchError", "StepFailedError", "LossScaleAtMinimumError", "engine_of", "__version__"]
 _CHECKPOINT_ERRORS = ("CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError", "CheckpointMismatchError")
 
 
@@ -30,6 +30,9 @@ def __getattr__(name):
     if name in _CHECKPOINT_ERRORS:
         from .engine import checkpoint
         return getattr(checkpoint, name)
+    if name == "engine_of":
+        from .engine.module_copy import engine_of
+        return engine_of
     if name == "StepFailedError":
         from .engine.engine import StepFailedError
         return StepFailedError

@@ -148,16 +148,22 @@ def test_a_copy_does_not_depend_on_the_models_state_dict_names_or_parameter_clas
     engine.destroy()
 
 
-def test_a_second_engine_on_a_model_another_engine_trains_is_refused():
+def test_a_second_engine_on_a_model_another_engine_trains_is_refused_and_the_first_can_be_found():
+    """A notebook cell that failed after initialize leaves the script no handle on the engine it built:
+    lazytrain.engine_of(model) finds it, to destroy it."""
     model = make_model("modulelist")
+    assert lazytrain.engine_of(model) is None
     engine, _, _, _ = lazytrain.initialize(model=model, config=_config(False, False))
     with pytest.raises(ConfigError, match=r"^this model is trained by a LazyTrain engine already: call "
-                                                    r"that engine's destroy\(\) before initialize builds another"):
+                                          r"that engine's destroy\(\) \(lazytrain.engine_of\(model\) returns it\) "
+                                          r"before initialize builds another"):
         lazytrain.initialize(model=model, config=_config(False, False))
     x, y = batches(1)[0]   # the first engine is untouched
     engine.backward(lm_loss(engine(x), y))
     engine.step()
-    engine.destroy()
+    assert lazytrain.engine_of(model) is engine and lazytrain.engine_of(model.stack[2]) is engine
+    lazytrain.engine_of(model).destroy()
+    assert lazytrain.engine_of(model) is None
     again, _, _, _ = lazytrain.initialize(model=model, config=_config(False, False))
     again.destroy()
 

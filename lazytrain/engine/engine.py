@@ -210,9 +210,9 @@ class LazyTrainEngine(nn.Module):
                           f"section ({config.optimizer.type}) too: the optimizer passed is used and the section "
                           f"ignored, as DeepSpeed does", UserWarning)
             config = dataclasses.replace(config, optimizer=OptimizerConfig())
-        if module_copy.engine_of(model):   # its blocks' forwards, hooks and weights are that engine's
+        if module_copy.engine_of(model) is not None:   # its blocks' forwards, hooks and weights are that engine's
             raise ConfigError("this model is trained by a LazyTrain engine already: call that engine's destroy() "
-                              "before initialize builds another on it")
+                              "(lazytrain.engine_of(model) returns it) before initialize builds another on it")
         self.module = model
         self._config = config
         self._devices_given = _devices_of(model)   # handed back on them (set-up moves some to the device)

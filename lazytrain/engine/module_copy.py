@@ -196,10 +196,14 @@ def install(model: nn.Module, copy_fn: Callable[[nn.Module, dict], nn.Module]) -
     return patched
 
 
-def engine_of(model: nn.Module) -> bool:
-    """Whether a live engine (not destroyed) trains this model or a module of it."""
-    return any(isinstance(vars(m).get("__deepcopy__"), _DeepcopyThroughEngine) and vars(m)["__deepcopy__"].engine_alive()
-               for m in model.modules())
+def engine_of(model: nn.Module):
+    """The live engine (not destroyed) that trains this model or a module of it, or None: a notebook that lost
+    its handle on one (a cell that failed after ``initialize``) reaches it here to ``destroy()`` it."""
+    for m in model.modules():
+        copier = vars(m).get("__deepcopy__")
+        if isinstance(copier, _DeepcopyThroughEngine) and copier.engine_alive():
+            return copier._copy().__self__
+    return None
 
 
 def uninstall(patched: list) -> None:
