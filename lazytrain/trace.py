@@ -45,6 +45,7 @@ class Timeline:
         self.written_to: str | None = None   # the file write_chrome_trace last wrote it into
         self.spans: list[Span] = []
         self.origin = time.perf_counter()
+        self.wall_origin = time.time()   # the same instant on the wall clock: traces of several ranks line up
         self._lock = threading.Lock()
         self._deferred: list = []   # (lane, name, resolve() -> (start, end) seconds, args): device-timed spans
         self.device_origins: dict = {}   # device -> (its event, perf_counter time) taken together
@@ -179,16 +180,25 @@ def _partial(target: str) -> str:
     return f"{target}.{os.getpid()}.tmp"
 
 
+def measured_source(rank: int, world_size: int) -> str:
+    """A measured step's process name: over several ranks, the rank's (each rank writes its own file)."""
+    return "measured" if world_size <= 1 else f"measured (rank {rank})"
+
+
 def write_chrome_trace(path: str, *timelines: Timeline) -> None:
-    """Write timelines into one Chrome/Perfetto trace file, one process each (predicted beside measured)."""
+    """Write timelines into one Chrome/Perfetto trace file, one process each (predicted beside measured). Each
+    process's times start at its first span; for a measured one, ``otherData.start_unix_s`` gives that
+    instant on the wall clock, so that the files of several ranks (or runs) can be lined up."""
     target = _target(path)
-    events = []
+    events, starts = [], {}
     for pid, t in enumerate(timelines, start=1):
         events += t.chrome_events(pid)
+        if t.device is not None:   # measured: its spans are perf_counter times from its origin
+            starts[t.source] = t.wall_origin + min((sp.start for sp in t.spans), default=0.0)
     partial = _partial(target)
     try:
         with open(partial, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"start_unix_s": starts}}, f)
         os.replace(partial, target)
     except BaseException:
         with contextlib.suppress(OSError):

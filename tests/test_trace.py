@@ -107,6 +107,23 @@ def test_the_simulator_writes_the_same_format(tmp_path):
     assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"predicted", "measured"}
 
 
+def test_a_measured_trace_says_its_rank_and_when_it_began_on_the_wall_clock(tmp_path):
+    """Over several ranks each rank writes its own file: named by its rank, and each file's times (which start
+    at its first span) placed on the wall clock, so that the ranks' files can be lined up."""
+    import time
+    from lazytrain.trace import measured_source
+    assert (measured_source(0, 1), measured_source(1, 2)) == ("measured", "measured (rank 1)")
+    before = time.time()
+    measured = Timeline(measured_source(1, 2), device="cpu")
+    measured.add(lane="compute", name="fwd L0", start=measured.origin + 0.25, end=measured.origin + 0.5)
+    path = tmp_path / "rank1.json"
+    write_chrome_trace(str(path), measured.finish())
+    written = json.loads(path.read_text())
+    assert [e["args"]["name"] for e in written["traceEvents"] if e["name"] == "process_name"] == ["measured (rank 1)"]
+    (name, start), = written["otherData"]["start_unix_s"].items()
+    assert name == "measured (rank 1)" and before + 0.25 <= start <= time.time() + 0.25
+
+
 def test_a_trace_path_that_cannot_be_written_is_refused_before_training(tmp_path):
     engine = traced_engine(tmp_path)
     with pytest.raises(ValueError, match=r"its directory .*missing does not exist"):

@@ -34,7 +34,7 @@ from ..planner.problem import Budgets
 from ..tiers import format_bytes, streams
 from ..tiers.memory import release_cached_pinned_memory
 from ..tiers.streams import Chaos, EmulatedLink
-from ..trace import Timeline, check_writable, write_chrome_trace
+from ..trace import Timeline, check_writable, measured_source, write_chrome_trace
 from . import checkpoint as ckpt
 from . import chunked_loss
 from . import safe_load
@@ -805,7 +805,9 @@ class LazyTrainEngine(nn.Module):
         self._refuse_if_destroyed("a forward")
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None \
                 and self.micro_steps == self._step_starts_at:   # a request made mid-step waits for the next step
-            streams.start_recording(Timeline("measured", device=self.device.type), self.device)   # the traced step begins with this forward
+            # the traced step begins with this forward
+            streams.start_recording(Timeline(measured_source(self.global_rank, self.world_size),
+                                             device=self.device.type), self.device)
             self._trace_path, self._trace_request = self._trace_request, None
         self._refuse_if_inconsistent("a forward" if not torch.is_grad_enabled() else "a training forward")
         if torch.is_grad_enabled():
