@@ -76,10 +76,15 @@ class Timeline:
 
     # ---- reading it ---------------------------------------------------------------------------
     @property
+    def first_start(self) -> float:
+        """When the first span began (seconds from the origin): where the written trace's times start."""
+        return min((s.start for s in self.spans), default=0.0)
+
+    @property
     def duration(self) -> float:
         if self.step_s is not None:
             return self.step_s
-        return max((s.end for s in self.spans), default=0.0) - min((s.start for s in self.spans), default=0.0)
+        return max((s.end for s in self.spans), default=0.0) - self.first_start
 
     def busy(self, lane: str) -> float:
         """Seconds during which at least one span of ``lane`` was open (overlapping spans count once)."""
@@ -120,7 +125,7 @@ class Timeline:
                     "args": {"name": lane if k == 0 else f"{lane} {k + 1}"}} for lane, k in tracks]
         events += [{"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": n, "args": {"sort_index": n}}
                    for n in tid.values()]
-        base = min((s.start for s in self.spans), default=0.0)
+        base = self.first_start
         for s in self.spans:   # both ends in integer ns, the duration taken from them: back to back stays so
             start = round((s.start - base) * 1e9)
             end = round((max(s.start, s.end) - base) * 1e9)
@@ -194,7 +199,7 @@ def write_chrome_trace(path: str, *timelines: Timeline) -> None:
     for pid, t in enumerate(timelines, start=1):
         events += t.chrome_events(pid)
         if t.device is not None:   # measured: its spans are perf_counter times from its origin
-            starts[t.source] = t.wall_origin + min((sp.start for sp in t.spans), default=0.0)
+            starts[t.source] = t.wall_origin + t.first_start
     partial = _partial(target)
     try:
         with open(partial, "w") as f:

@@ -573,12 +573,10 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError(f"{where} was measured at sequence length {profile.seq_len}, 'lazytrain.seq_len' is "
                               f"{self._seq_len}")
         # over other ranks or another stage a step holds other collectives and updates other layers
-        ran = (profile.world_size, profile.zero_stage)
-        here = (self.world_size, self._config.zero_stage if self.world_size > 1 else 0)
-        if ran[0] is not None and (ran[0], ran[1] if ran[0] > 1 else 0) != here:
-            raise ConfigError(f"{where} was measured over {_ranks(ran[0], ran[1])}, this run trains over "
-                              f"{_ranks(*here)}: its step times are another run's; measure again (leave 'profile' "
-                              f"out)")
+        ran, here = _ranks(profile.world_size, profile.zero_stage), _ranks(self.world_size, self._config.zero_stage)
+        if profile.world_size is not None and ran != here:
+            raise ConfigError(f"{where} was measured over {ran}, this run trains over {here}: its step times are "
+                              f"another run's; measure again (leave 'profile' out)")
         # the layers, and what lies outside them (the embedding's and head's size sets the non-block update and
         # the host memory the plan budgets)
         for key, default in (("layer_params", None), ("hidden_size", None), ("vocab_size", None), ("dtype", None),
@@ -2919,14 +2917,10 @@ class LazyTrainEngine(nn.Module):
         return super().to(*args, **kwargs)
 
     def cuda(self, device=None):
-        if self.device.type == "cuda" and (device is None or _same_device(torch.device("cuda", device)
-                                                                          if isinstance(device, int) else
-                                                                          torch.device(device), self.device)):
-            return self
-        return super().cuda(device)
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
 
     def cpu(self):
-        return self if self.device.type == "cpu" else super().cpu()
+        return self.to("cpu")
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.half()``, ``.float()``, ``.cuda()`` ... of the engine: nn.Module's would replace each
@@ -2955,7 +2949,8 @@ class LazyTrainEngine(nn.Module):
             raise AttributeError(f"'{type(self).__name__}' object and its module have no attribute '{name}'")
 
 
-def _ranks(world_size: int, zero_stage: int | None) -> str:
+def _ranks(world_size: int | None, zero_stage: int | None) -> str:
+    """How a run is spread over ranks, as far as its step times go (one rank has no stage to speak of)."""
     return "1 rank" if world_size == 1 else f"{world_size} ranks at ZeRO stage {zero_stage}"
 
 

@@ -142,9 +142,11 @@ class _DeepcopyThroughEngine:
         self._copy = weakref.WeakMethod(copy_fn)
         self._module = weakref.ref(module)
 
-    def engine_alive(self) -> bool:
+    def live_engine(self):
+        """The engine, unless it is gone or destroyed."""
         copy_fn = self._copy()
-        return copy_fn is not None and not vars(copy_fn.__self__).get("_destroyed", False)
+        engine = copy_fn.__self__ if copy_fn is not None else None
+        return engine if engine is not None and not vars(engine).get("_destroyed", False) else None
 
     def __call__(self, memo: dict) -> nn.Module:
         copy_fn, module = self._copy(), self._module()
@@ -201,8 +203,9 @@ def engine_of(model: nn.Module):
     its handle on one (a cell that failed after ``initialize``) reaches it here to ``destroy()`` it."""
     for m in model.modules():
         copier = vars(m).get("__deepcopy__")
-        if isinstance(copier, _DeepcopyThroughEngine) and copier.engine_alive():
-            return copier._copy().__self__
+        engine = copier.live_engine() if isinstance(copier, _DeepcopyThroughEngine) else None
+        if engine is not None:
+            return engine
     return None
 
 
