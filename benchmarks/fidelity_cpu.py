@@ -26,12 +26,16 @@ One process, one small Llama (transformers, fp32), the CPU standing in for a GPU
    after its own (``--bracket-steps`` traced steps of each calibration plan on each side, medians over
    both sides), and both are printed: "predicted" (bracketed) and "first calibration".
 
+With ``--frozen-bottom N`` the embedding and blocks 0..N-1 are frozen (training the top blocks): the backward
+stops at block N, the calibration measures no backward below it, and the plans are made and predicted for
+that (``Budgets.frozen_bottom_layers``); the plans that offload or make layers selective do so from block N on.
+
 The compute runs on one thread and the layer updates on another (``torch.set_num_threads(1)``), so the
 two cores stand for the GPU and the host as the cost model has them; copies on the emulated links mostly
 sleep. The last line is ``worst |measured/predicted - 1|: X%``.
 
     python benchmarks/fidelity_cpu.py [--gbps 0.05] [--latency-ms 0.05] [--nvme-gbps 0.05] [--steps 6]
-                                      [--warmup 2] [--layers 8] [--traces DIR]
+                                      [--warmup 2] [--layers 8] [--traces DIR] [--frozen-bottom N]
 """
 from __future__ import annotations
 
@@ -55,13 +59,18 @@ warnings.filterwarnings("ignore")
 BATCH, SEQ, VOCAB, HIDDEN, FFN, HEADS = 4, 512, 4096, 128, 344, 4
 
 
-def build_model(layers: int):
+def build_model(layers: int, frozen_bottom: int = 0):
+    """The Llama, with its embedding and its first ``frozen_bottom`` blocks frozen when that is > 0."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers,
                       num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
                       tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False)
-    return LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg)
+    if frozen_bottom:
+        for p in [*model.model.embed_tokens.parameters(), *model.model.layers[:frozen_bottom].parameters()]:
+            p.requires_grad_(False)
+    return model
 
 
 def batches(n: int):
@@ -75,7 +84,8 @@ def engine_for(model, lazytrain_section: dict, accumulation: int = 1):
            "gradient_clipping": 1.0, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "lazytrain": {"device": "cpu", **lazytrain_section}}
-    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                           config=cfg)
     return engine
 
 
@@ -159,23 +169,28 @@ def accumulation_of(plan) -> int:
 
 
 def plans_for(problem, milp_seconds: float, nvme: bool = False, accumulation: int = 1):
+    """The plans compared; below a frozen bottom (``problem.first_reached``) no layer is selective or
+    offloaded: none has a backward to keep anything for."""
     from lazytrain.planner.milp import MilpOptions
     from lazytrain.planner.plan import keep_all_plan, offload_all_plan
     from lazytrain.planner.policies import megatrain_plan
     from lazytrain.planner.search import solve
-    L = problem.L
+    L, f = problem.L, problem.first_reached
     keep_all = keep_all_plan(L, home="host", micro_batch_size=BATCH, seq_len=SEQ)
     mega = megatrain_plan(problem, 4)
+    offload_all = offload_all_plan(L, micro_batch_size=BATCH, seq_len=SEQ)
+    if f:
+        offload_all = dataclasses.replace(offload_all, offloaded_layers=tuple(j for j in offload_all.offloaded_layers
+                                                                              if j >= f))
     plans = {"MegaTrain (k=4, update after the step)": mega, "keep-all (host)": keep_all,
              # its policy with every layer selective: re-runs take the forward's matmul and attention outputs
              "MegaTrain's policy, all layers selective": dataclasses.replace(
-                 mega, policy="megatrain-k4-selective", selective_layers=tuple(range(L))),
+                 mega, policy="megatrain-k4-selective", selective_layers=tuple(range(f, L))),
              # every layer but the last sends its autograd internals to the host and back, none re-run
-             "every layer offloaded (offload_all)": offload_all_plan(L, micro_batch_size=BATCH, seq_len=SEQ),
+             "every layer offloaded (offload_all)": offload_all,
              # the same with each layer's copies split: out over its forward window and the next three, back
              # over the two windows before its backward
-             "every layer offloaded, copies split over windows": spread_copies(
-                 offload_all_plan(L, micro_batch_size=BATCH, seq_len=SEQ), out=4, back=2)}
+             "every layer offloaded, copies split over windows": spread_copies(offload_all, out=4, back=2)}
     if nvme:
         plans["keep-all (NVMe)"] = keep_all_plan(L, home="nvme", micro_batch_size=BATCH, seq_len=SEQ)
     plans["MILP"] = solve(problem, MilpOptions(time_limit_s=milp_seconds))
@@ -232,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--accumulation", type=int, default=2,
                     help="micro-batches a step of the two accumulating plans (1: leave them out)")
     ap.add_argument("--traces", help="write each plan's predicted and measured step as Chrome traces here")
+    ap.add_argument("--frozen-bottom", type=int, default=0,
+                    help="freeze the embedding and this many bottom blocks (train the top ones)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -241,33 +258,39 @@ def main(argv=None) -> int:
     from lazytrain.planner.simulate import simulate
     from lazytrain.trace import write_chrome_trace
 
-    base = build_model(args.layers)
+    base = build_model(args.layers, args.frozen_bottom)
     n = sum(p.numel() for p in base.parameters())
     data = batches(max(args.warmup + args.steps + 1, args.warmup + args.calibration_steps))
     print(f"model: LlamaForCausalLM {n / 1e6:.1f}M params, {args.layers} layers, hidden {HIDDEN}, batch {BATCH} x "
           f"seq {SEQ}, fp32, torch {torch.__version__}, 1 compute thread; links {args.gbps} GB/s each way, "
-          f"{args.latency_ms} ms per transfer")
+          f"{args.latency_ms} ms per transfer" + (f"; embedding and blocks 0-{args.frozen_bottom - 1} frozen"
+                                                   if args.frozen_bottom else ""))
     costs = calibrate(base, data, args.warmup, args.calibration_steps)
+    f0 = costs.first_differentiated   # the layers the backward reaches: f0.. (the others ran no backward)
+    reached = f" (blocks {f0}-{args.layers - 1}, which the backward reaches)" if f0 else ""
     print(f"measured: forward {statistics.mean(costs.fwd_s) * 1e3:.1f} ms/layer, forward+backward "
-          f"{statistics.mean(costs.diff_s) * 1e3:.1f} ms/layer, rest of the model {costs.nonlayer_s * 1e3:.1f} ms, "
-          f"step's host phase {costs.step_s * 1e3:.1f} ms, update {statistics.mean(costs.update_s) * 1e3:.1f} ms/layer")
-    print(f"selective layers: forward {statistics.mean(costs.selective_fwd_s) * 1e3:.1f} ms/layer, re-run "
-          f"{statistics.mean(costs.selective_rerun_s) * 1e3:.1f} ms/layer (the plain re-run is the forward's)")
+          f"{statistics.mean(costs.diff_s[f0:]) * 1e3:.1f} ms/layer{reached}, rest of the model "
+          f"{costs.nonlayer_s * 1e3:.1f} ms, step's host phase {costs.step_s * 1e3:.1f} ms, update "
+          f"{statistics.mean(costs.update_s) * 1e3:.1f} ms/layer")
+    print(f"selective layers: forward {statistics.mean(costs.selective_fwd_s[f0:]) * 1e3:.1f} ms/layer, re-run "
+          f"{statistics.mean(costs.selective_rerun_s[f0:]) * 1e3:.1f} ms/layer (the plain re-run is the forward's)")
     model_cfg = base.config.to_dict()
     model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in base.model.layers]
     model_cfg["dtype"] = model_cfg["torch_dtype"] = "float32"   # what the engine computes and streams in
     shape, hw = profile_of(costs, model_cfg, args.gbps, args.nvme_gbps)
     if costs.saved_bytes is not None:
-        estimate = Problem(shape, hw, Budgets(gpu_reserved_bytes=0), BATCH, SEQ).saved
-        print(f"saved by a layer's graph: measured {statistics.mean(costs.saved_bytes):,.0f} bytes, the analytic "
-              f"estimate {statistics.mean(estimate):,.0f} ({statistics.mean(costs.saved_bytes) / statistics.mean(estimate):.3f}x)")
+        estimate = Problem(shape, hw, Budgets(gpu_reserved_bytes=0), BATCH, SEQ).saved[f0:]
+        print(f"saved by a layer's graph: measured {statistics.mean(costs.saved_bytes[f0:]):,.0f} bytes, the analytic "
+              f"estimate {statistics.mean(estimate):,.0f} "
+              f"({statistics.mean(costs.saved_bytes[f0:]) / statistics.mean(estimate):.3f}x)")
     nvme_bytes = 10**10 if args.nvme_gbps else 0
     # a device budget halfway between what MegaTrain's policy and keeping every boundary on the device
     # take at their peak: the MILP must choose what to re-run, offload or keep
-    probe = Problem(shape, hw, Budgets(gpu_reserved_bytes=0), BATCH, SEQ, measured=costs)
+    probe = Problem(shape, hw, Budgets(gpu_reserved_bytes=0, frozen_bottom_layers=args.frozen_bottom), BATCH, SEQ, measured=costs)
     peak_all = simulate(probe, keep_all_plan(probe.L, home="hbm")).peak_bytes["hbm"]
     peak_mega = simulate(probe, megatrain_plan(probe)).peak_bytes["hbm"]
-    budget = Budgets(gpu_bytes=(peak_all + peak_mega) // 2, gpu_reserved_bytes=0, nvme_bytes=nvme_bytes)
+    budget = Budgets(gpu_bytes=(peak_all + peak_mega) // 2, gpu_reserved_bytes=0, nvme_bytes=nvme_bytes,
+                     frozen_bottom_layers=args.frozen_bottom)
     print(f"device budget {budget.gpu_bytes / 1e6:.1f} MB (MegaTrain's policy peaks at {peak_mega / 1e6:.1f} MB, "
           f"every boundary on the device at {peak_all / 1e6:.1f} MB)")
     problem = Problem(shape, hw, budget, BATCH, SEQ, measured=costs)

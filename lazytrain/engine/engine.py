@@ -263,7 +263,7 @@ class LazyTrainEngine(nn.Module):
             eight_bit_share(config, model, param_groups(model_parameters, model, lambda p: p))
         self._model_budgets = {**_trainable_shares(model, blocks), "hybrid_8bit_fraction": eight_bit}
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu,
-                               self._model_budgets)
+                               {**self._model_budgets, "frozen_bottom_layers": _frozen_bottom_blocks(model, blocks)})
         self._model_cfg = model_cfg
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
@@ -2977,6 +2977,24 @@ def _trainable_shares(model: nn.Module, blocks: nn.ModuleList) -> dict[str, floa
     in_blocks = {id(p) for p in blocks.parameters()}
     return {"trainable_share": share(list(blocks.parameters())),
             "non_block_trainable_share": share([p for p in model.parameters() if id(p) not in in_blocks])}
+
+
+def _frozen_bottom_blocks(model: nn.Module, blocks: nn.ModuleList) -> int:
+    """The blocks below the first one that trains, where nothing the model runs before them trains: the backward
+    reaches none of them (the executor differentiates none), so the planner charges them no backward (planner
+    ``Budgets.frozen_bottom_layers``). Before the blocks means registered before them (an embedding); a model that
+    makes its input embeddings require grad (transformers' ``enable_input_require_grads``) is differentiated from
+    block 0. An estimate for the first plan: policy "auto" measures where the backward stops."""
+    first = next((i for i, b in enumerate(blocks) if any(p.requires_grad for p in b.parameters())), len(blocks))
+    if first == 0 or any(getattr(m, "_require_grads_hook", None) is not None for m in model.modules()):
+        return 0
+    in_blocks = {id(p) for p in blocks.parameters()}
+    for p in model.parameters():   # in registration order: those before the blocks' first
+        if id(p) in in_blocks:
+            return first
+        if p.requires_grad:
+            return 0
+    return first
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:

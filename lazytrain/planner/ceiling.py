@@ -77,7 +77,7 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
         raise ValueError(f"internals_fraction must be in (0, 1], got {internals_fraction}")
     from .milp import MilpOptions, _solver   # one place picks and configures the solver
 
-    L = p.L
+    L, f = p.L, p.first_reached   # layers below f (a frozen bottom) have no backward: nothing to keep or re-run
     S = [s * internals_fraction for s in p.saved]
     moved = [S[i] + p.A[i] for i in range(L)]   # an offloaded layer's internals travel with its input
     # ... or its matmul outputs, which internals_fraction leaves as they are (the GPU-held sel_bytes too)
@@ -92,6 +92,8 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     res = [pulp.LpVariable(f"resident_{i}", 0, 1) for i in range(L)]
     t_fwd, t_bwd, t = (pulp.LpVariable(n, 0) for n in ("t_forward", "t_backward", "t_step"))
     parked = pulp.lpSum(park[i] * moved[i] + sel_park[i] * sel_moved[i] for i in range(L))
+    for v in keep[:f] + park[:f] + sel[:f] + sel_park[:f]:
+        v.upBound = 0
     m += t
     for i in range(L):
         m += keep[i] + park[i] + sel[i] + sel_park[i] <= 1, f"one_choice_{i}"
@@ -104,14 +106,15 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
         m += dev_w[i] >= res[i], f"resident_weights_on_device_{i}"
         if not offload:   # LazyTrain's executor: a kept graph holds its weights (see held below)
             m += dev_w[i] >= keep[i], f"graph_weights_on_device_{i}"
-        m += bwd_w[i] >= 1 - dev_w[i], f"backward_weights_{i}"   # held since the forward, or streamed again
+        if i >= f:
+            m += bwd_w[i] >= 1 - dev_w[i], f"backward_weights_{i}"   # held since the forward, or streamed again
     k = p.grad_accum   # micro-batches per step: forward, backward and their copies k times, the optimizer once
     m += t >= k * (t_fwd + t_bwd), "step_is_forward_then_backward"
     m += t_fwd >= sum(p.fwd_s) + p.head_s, "forward_compute"
     m += t_fwd * p.bw_d2h >= parked, "offload_during_forward"
-    m += t_bwd >= sum(d - f for d, f in zip(p.diff_s, p.fwd_s)) + \
+    m += t_bwd >= sum(p.bwd_s(i) for i in range(f, L)) + \
         pulp.lpSum((1 - keep[i] - park[i]) * p.fwd_s[i] - (sel[i] + sel_park[i]) * (p.fwd_s[i] - p.sel_rerun_s[i])
-                   for i in range(L)), "backward_compute_with_reruns"
+                   for i in range(f, L)), "backward_compute_with_reruns"
     m += t_bwd * p.bw_h2d >= parked, "fetch_during_backward"
     # the last layer's internals are part of its own backward window's fixed bytes, and its weights are
     # on the device then whatever the plan. In LazyTrain's executor a kept graph also holds its layer's

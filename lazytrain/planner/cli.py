@@ -55,6 +55,10 @@ def register(subparsers) -> None:
                    help="share of the parameters outside the layers (embedding, final norm, head) that train: 0 for "
                         "a LoRA run whose embedding and head are frozen, budgeted as their device copy alone (default "
                         "1; with --profile, the share of the run measured)")
+    p.add_argument("--frozen-bottom-layers", type=nonnegative_int, default=None,
+                   help="layers below the first one that trains, with nothing before them training (a frozen "
+                        "embedding; training the top layers only): the backward reaches none of them, so they have "
+                        "no backward, gradients or update (default 0; with --profile, the run measured's)")
     p.add_argument("--loss-chunk-tokens", type=nonnegative_int, default=None,
                    help="tokens per piece the LM head computes logits and loss in: the config's "
                         "'lazytrain.loss_chunk_tokens' (0: whole, the engine's default; default 2048; with --profile, "
@@ -98,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                              trainable_share=1.0 if args.trainable_share is None else args.trainable_share,
                              non_block_trainable_share=1.0 if args.non_block_trainable_share is None
                              else args.non_block_trainable_share,
+                             frozen_bottom_layers=args.frozen_bottom_layers or 0,
                              # 0: the whole logits (the planner counts at most a micro-batch's tokens in a piece)
                              **({} if args.loss_chunk_tokens is None else
                                 {"loss_chunk_tokens": args.loss_chunk_tokens or sys.maxsize}))
@@ -196,6 +201,11 @@ def _profile_problem(args: argparse.Namespace, budgets):
     for k in ("trainable_share", "non_block_trainable_share"):
         if getattr(args, k) is None:   # the run measured trained this share of the layers (of the others)
             budgets = dataclasses.replace(budgets, **{k: getattr(profile, k)})
+    measured_frozen = profile.costs.first_differentiated   # what its backwards reached is planned, measured
+    if args.frozen_bottom_layers is not None and args.frozen_bottom_layers != measured_frozen:
+        raise ValueError(f"--frozen-bottom-layers {args.frozen_bottom_layers}: the profile's backwards differentiated "
+                         f"from layer {measured_frozen}, and a profile is planned as it was measured; leave the flag "
+                         f"out, or measure a run that trains as the one to plan")
     if profile.hybrid_8bit_fraction is not None:   # its optimizer kept this share of the moments in 8 bits
         budgets = dataclasses.replace(budgets, hybrid_8bit_fraction=profile.hybrid_8bit_fraction)
     if args.loss_chunk_tokens is None and profile.loss_chunk_tokens is not None:   # its head, as it computed it

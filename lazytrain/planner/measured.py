@@ -60,6 +60,9 @@ class MeasuredCosts:
     # None: none cross a link (the masters are the parameters), or a profile from before the engine copied them
     # so (then inside the measured compute times)
     grads_beside_bytes: tuple[int, int] | None = None
+    # the lowest layer the traced backwards differentiated: the layers below it were frozen with nothing before
+    # them training, and no backward reached them (their diff_s is their fwd_s: no backward measured)
+    first_differentiated: int = 0
 
     def __post_init__(self):
         for name in ("fwd_s", "diff_s", "update_s"):   # a number or null here would fail at len() unnamed
@@ -104,6 +107,9 @@ class MeasuredCosts:
                 raise MeasurementError(f"measured costs: grads_beside_bytes must be two whole numbers of bytes >= 0 "
                                        f"(head side, embedding), got {values!r}")
             object.__setattr__(self, "grads_beside_bytes", tuple(values))
+        v = self.first_differentiated
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= L:
+            raise MeasurementError(f"measured costs: first_differentiated must be a layer in 0..{L}, got {v!r}")
         if self.lean_norms is not None and not isinstance(self.lean_norms, bool):
             raise MeasurementError(f"measured costs: lean_norms must be true, false or null, got {self.lean_norms!r}")
 
@@ -126,7 +132,9 @@ class MeasuredCosts:
                     micro_batches: int = 1, lean_norms: bool | None = None,
                     grads_beside_bytes: tuple[int, int] | None = None) -> "MeasuredCosts":
         """The medians over traced steps. Each layer must have a plain forward and a re-run with autograd
-        (a ``diff`` span) followed by its backward (``bwd``): trace a plan that keeps every boundary. With
+        (a ``diff`` span) followed by its backward (``bwd``): trace a plan that keeps every boundary. Layers
+        below the lowest one differentiated (a frozen bottom: ``first_differentiated``) have no backward; each
+        step must differentiate from the same layer. With
         gradient accumulation a step runs ``micro_batches`` forwards and backwards: the compute times are
         per micro-batch (as the cost model counts them), the updates and the host phase per step.
         ``lean_norms``: the engine's ``lazytrain.lean_norms`` in the traced steps (what the layers' graphs
@@ -137,18 +145,25 @@ class MeasuredCosts:
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise MeasurementError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
         per_step = [_one_step(t, num_layers) for t in traces]
+        firsts = sorted({s["first"] for s in per_step})
+        if len(firsts) > 1:
+            raise MeasurementError(f"the traced steps' backwards reached down to different layers ({firsts}): "
+                                   f"measure steps that train the same parameters")
+        first = firsts[0]
 
         def med(key, i=None, per=1):
             return statistics.median(s[key] if i is None else s[key][i] for s in per_step) / per
         k = micro_batches
         saved = None   # the most a layer's graph saved in any traced step (none on a trace without them)
-        if all(None not in s["saved"] for s in per_step):
-            saved = tuple(max(s["saved"][i] for s in per_step) for i in range(num_layers))
-        return cls(fwd_s=tuple(med("fwd", i, k) for i in range(num_layers)),
-                   diff_s=tuple(med("diff", i, k) for i in range(num_layers)),
+        if all(None not in s["saved"][first:] for s in per_step):   # none saved below it: no backward
+            saved = tuple(max(s["saved"][i] or 0 for s in per_step) for i in range(num_layers))
+        fwd = tuple(med("fwd", i, k) for i in range(num_layers))
+        return cls(fwd_s=fwd,
+                   diff_s=tuple(med("diff", i, k) if i >= first else fwd[i] for i in range(num_layers)),
                    nonlayer_s=med("nonlayer", per=k), step_s=med("step"),
                    update_s=tuple(med("update", i) for i in range(num_layers)), source=source,
-                   saved_bytes=saved, lean_norms=lean_norms, grads_beside_bytes=grads_beside_bytes)
+                   saved_bytes=saved, lean_norms=lean_norms, grads_beside_bytes=grads_beside_bytes,
+                   first_differentiated=first)
 
 
 def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1, layers=None,
@@ -159,9 +174,10 @@ def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1, l
     micro-batch. A layer not measured takes the times of its kind (``kinds[i]``: equal for layers of one
     shape) relative to its own forward: its forward times the median ratio of the measured layers of that
     kind (see :func:`layers_to_measure_selective`)."""
-    L = costs.num_layers
-    layers = tuple(range(L)) if layers is None else tuple(layers)
-    if not layers:
+    L, first = costs.num_layers, costs.first_differentiated
+    # a layer below the lowest one differentiated is never re-run: its selective times are its forward's
+    layers = tuple(i for i in (range(L) if layers is None else layers) if i >= first)
+    if not layers and first < L:
         raise MeasurementError("no layer to measure the selective layers' times on")
     per_step = []
     for t in traces:
@@ -190,6 +206,9 @@ def with_selective(costs: MeasuredCosts, traces: list, micro_batches: int = 1, l
             raise MeasurementError(f"kinds names {len(kinds)} layers, the costs have {L}")
         for i in range(L):
             if i in sel_fwd:
+                continue
+            if i < first:
+                sel_fwd[i] = sel_rerun[i] = costs.fwd_s[i]
                 continue
             peers = [j for j in layers if kinds[j] == kinds[i]]
             if not peers:
@@ -288,7 +307,10 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
             elif s.name in STEP_SPANS:
                 step += d
                 step_start = s.start if step_start is None else min(step_start, s.start)
-    _all_layers_seen(seen, ("fwd", "diff", "bwd"), L)
+    # the layers below the lowest one differentiated (a frozen bottom) have no backward
+    first = min(seen["diff"] | seen["bwd"], default=L)
+    _all_layers_seen(seen, ("fwd",), L)
+    _all_layers_seen(seen, ("diff", "bwd"), L, first)
     if step_start is None:
         raise MeasurementError("the traced step has no 'gradient norm' span: it must include engine.step()")
     for i, s in updates:
@@ -302,7 +324,8 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
         raise MeasurementError(f"the traced step's blocks and waits ({layer_compute + waits:.4f} s) take longer "
                                f"than the time before step() ({step_start:.4f} s): spans overlap in this trace, so "
                                f"it was not recorded by the engine's trace_next_step")
-    return {"fwd": fwd, "diff": diff, "update": update, "nonlayer": nonlayer, "step": step, "saved": saved}
+    return {"fwd": fwd, "diff": diff, "update": update, "nonlayer": nonlayer, "step": step, "saved": saved,
+            "first": first}
 
 
 UNDIFFERENTIATED = ("ran a forward that was never differentiated (an evaluation between its micro-batches, with "
@@ -322,9 +345,9 @@ def ran_an_undifferentiated_forward(timeline) -> bool:
     return bool(passes["diff"]) and bool(passes["fwd"] - passes["diff"])
 
 
-def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int) -> None:
+def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int, first: int = 0) -> None:
     for kind in kinds:
-        missing = sorted(set(range(L)) - seen[kind])
+        missing = sorted(set(range(first, L)) - seen[kind])
         if missing:
             raise MeasurementError(f"the traced step has no {kind!r} span for layer(s) {missing[:8]}: measure "
                                    f"a whole training step (forward, backward and step()) of a plan that keeps "

@@ -29,6 +29,10 @@ materialised boundary, per-window transfer bytes, an NVMe tier) and removes its 
   later ones as their window starts; what has not left holds the device), and ``offl_pre[j,w]`` come
   back in window w (each share on the device from then on): a slow link spreads a layer's copies over
   as many windows as it needs. Without, all leave in window j and come back in one window (binaries);
+- a frozen bottom (``Problem.first_reached`` f > 0) is one path edge [0, f) of any length: boundaries 1..f-1
+  are not stored, boundary 0 is never read back (no prefetch), layers below f keep no graph, outputs or
+  internals, and their backward windows cost nothing (the brute force over every plan, those that keep frozen
+  boundaries among them, finds no faster one);
 - the objective is the step time: per window ``t_w >= compute + exposed prefetch wait`` and
   ``t_w >= bytes / bandwidth`` for each link, plus the delay the host optimizer imposes on the next
   forward (it overlaps the forward layer by layer), plus the last micro-batch's final gradient copy. The
@@ -367,11 +371,12 @@ class _HighsFromStart(pulp.HiGHS):
 
 
 def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, off, pre, y,
-                  opts: MilpOptions, sel=None, offl=None, offl_pre=None) -> "dict[pulp.LpVariable, float] | None":
+                  opts: MilpOptions, sel=None, offl=None, offl_pre=None,
+                  frozen: int = 0) -> "dict[pulp.LpVariable, float] | None":
     """Every binary decision of ``plan`` in this model's variables, or None when the plan lies outside the
     model's space (a segment longer than ``max_segment``, a transfer outside its windows, a graph tail,
     resident, selective or offloaded layers the options rule out, an optimizer that does not overlap the
-    next forward)."""
+    next forward; with a ``frozen`` bottom, anything but one segment [0, frozen) below it)."""
     sel, offl, offl_pre = sel or {}, offl or {}, offl_pre or {}
     split = opts.split_internals
     if plan.num_layers != L or not plan.overlap_optimizer:
@@ -385,7 +390,13 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
     chosen: set[str] = set()   # variable names (an LpVariable's == builds a constraint)
     segments = plan.segments()
     tail = segments[-1][0] if plan.last_segment_graph else None
+    if frozen and ((0, frozen) not in segments and frozen < L or
+                   any(j < frozen for j in plan.selective_layers + plan.offloaded_layers) or
+                   tail is not None and tail < frozen):
+        return None
     for s_, e in segments:
+        if e <= frozen:
+            continue   # the frozen bottom's segment: no variable
         if s_ == tail:
             chosen.add(q[s_].name)
         elif s_ in offloaded:
@@ -411,9 +422,11 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
         if k not in tiers:
             return None
         ow, pw = plan.offload_at(i), plan.prefetch_at(i)
-        if (i, k, ow) not in off or (i, k, pw) not in pre:
+        if (i, k, ow) not in off or i >= frozen and (i, k, pw) not in pre:
             return None
-        chosen |= {home[i, k].name, off[i, k, ow].name, pre[i, k, pw].name}
+        chosen |= {home[i, k].name, off[i, k, ow].name}
+        if i >= frozen:   # one below the frozen bottom is never read back
+            chosen.add(pre[i, k, pw].name)
     chosen |= {y[j].name for j in plan.resident_layers}
     chosen |= {sel[j].name for j in plan.selective_layers}
     binaries = [v for table in (x, g, home, off, pre) for v in table.values()]
@@ -495,7 +508,11 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     G = _prefix_sums(q_list, "graph_kept", m, rows)                    # layer i keeps its graph
     z = {i: g[i] + lsum(home[i, k] for k in tiers) + q[i] for i in range(L)}   # boundary materialised
     off_windows = {i: range(i, min(i + opts.offload_slack, W - 2 - i) + 1) for i in range(L)}
-    pre_windows = {i: range(max(i + 1, W - i - K - opts.prefetch_lead), W - i) for i in range(L)}
+    # a boundary below the lowest layer the backward reaches (Problem.first_reached: a frozen bottom) is never
+    # read back: no prefetch
+    f = p.first_reached
+    pre_windows = {i: range(max(i + 1, W - i - K - opts.prefetch_lead), W - i) if i >= f else range(0)
+                   for i in range(L)}
     off = {(i, k, w): B(f"off{k}_{i}_{w}") for i in range(L) for k in tiers for w in off_windows[i]}
     pre = {(i, k, w): B(f"pre{k}_{i}_{w}") for i in range(L) for k in tiers for w in pre_windows[i]}
     # exposed prefetch: issued in the window of its first use (needs edge (i, 2L-w))
@@ -528,8 +545,15 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
         bwd_w = {j: C(f"bwd_weights_{j}", 1) for j in range(L)}
         held_w = {j: C(f"held_weights_{j}", 1) for j in range(L)}
     else:
-        bwd_w = {j: 1 - y[j] for j in range(L)}
+        bwd_w = {j: 1 - y[j] if j >= f else 0 for j in range(L)}
         held_w = {j: 0 for j in range(L)}
+    if f:   # a frozen bottom: one segment [0, f) the backward never re-runs, its boundaries 1..f-1 not stored, and
+        # none of its layers keeps a graph, outputs or internals for a backward
+        for v in ([x[e] for e in edges if e[0] < f] + [g[i] for i in range(1, f)] +
+                  [home[i, k] for i in range(1, f) for k in tiers] +
+                  [t[j] for t in (q, offl, sel, bwd_w) for j in range(f)]):
+            if isinstance(v, pulp.LpVariable):
+                v.upBound = 0
     t = {w: C(f"t_{w}") for w in range(W)}                                  # window time
     # with accumulation, the forward windows of the micro-batches after the first: resident copies are current,
     # and the micro-batch before is still copying its last gradients
@@ -541,17 +565,21 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     # ---- recompute path 0 -> L (paper) ----------------------------------------------------------
     # (a graph tail [s, L) ends the path at s instead of an edge (s, L); it has no length limit)
     # an offloaded layer j is an edge (j, j+1) of the path whose start j is not stored: into j flow z_j + offl_j
-    m += lsum(x[0, e] for e in range(1, min(L, K) + 1)) + q[0] + offl[0] == 1, "path_leaves_0"
-    m += lsum(x[s, L] for s in range(max(0, L - K), L)) + lsum(q.values()) + offl[L - 1] == 1, "path_reaches_L"
+    # a frozen bottom's segment [0, f) is the path's first edge, of any length
+    if not f:
+        m += lsum(x[0, e] for e in range(1, min(L, K) + 1)) + q[0] + offl[0] == 1, "path_leaves_0"
+    if f < L:
+        m += lsum(x[s, L] for s in range(max(0, L - K), L)) + lsum(q.values()) + offl[L - 1] == 1, "path_reaches_L"
     for i in range(1, L):
-        m += lsum(x[s, i] for s in range(max(0, i - K), i)) + offl[i - 1] == z[i] + offl[i], f"path_in_{i}"
+        into = 1 if i == f else lsum(x[s, i] for s in range(max(0, i - K), i)) + offl[i - 1]
+        m += into == z[i] + offl[i], f"path_in_{i}"
         m += lsum(x[i, e] for e in range(i + 1, min(L, i + K) + 1)) + q[i] == z[i], f"path_out_{i}"
     m += z[0] == 1, "boundary_0_kept"
     if opts.allow_resident:
         for j in range(L):
             m += streams_any >= 1 - y[j], f"streams_layer_{j}"
     if opts.allow_graph_tail:
-        for j in range(L):
+        for j in range(f, L):
             m += bwd_w[j] >= 1 - y[j] - G[j], f"backward_weights_{j}"
             m += held_w[j] >= G[j] - y[j], f"graph_holds_weights_{j}"
     if opts.allow_offload:
@@ -580,7 +608,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     for i in range(L):
         for k in tiers:
             m += lsum(off[i, k, w] for w in off_windows[i]) == home[i, k], f"one_offload_{k}_{i}"
-            m += lsum(pre[i, k, w] for w in pre_windows[i]) == home[i, k], f"one_prefetch_{k}_{i}"
+            if i >= f:
+                m += lsum(pre[i, k, w] for w in pre_windows[i]) == home[i, k], f"one_prefetch_{k}_{i}"
             for w in pre_windows[i]:   # the copy back starts after the offload window
                 m += (lsum(pre[i, k, v] for v in pre_windows[i] if v <= w)
                       <= lsum(off[i, k, v] for v in off_windows[i] if v < w)), f"prefetch_after_offload_{k}_{i}_{w}"
@@ -600,6 +629,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
         i = p.layer_of(w)
         if w < L:
             return p.Wl[i] / GBF * (1 - y[i])
+        if i < f:      # no backward reaches it
+            return 0
         return p.Wl[i] / GBF * bwd_w[i] + lsum(u[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in u)
 
     def loaded(w, refresh=True):   # weight GB copied host->device in window w (for window w+1)
@@ -613,6 +644,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
         if w < L:   # a selective layer's forward also keeps its outputs (measured costs only)
             return p.compute_s(w) + (p.sel_fwd_extra[w] * sel[w] if p.sel_fwd_extra[w] else 0)
         i = p.layer_of(w)
+        if i < f:      # no backward reaches it
+            return 0
         return (p.diff_s[i] - p.fwd_s[i] * G[i] - p.fwd_s[i] * offl[i] - sel_gain[i] * sel[i]
                 + lsum(p.recompute_s(s, i + 1) * x[s, i + 1] for s in range(max(0, i + 1 - K), i) if (s, i + 1) in x)
                 - lsum(sel_gain[j] * selrec[j, i + 1] for j in range(max(0, i + 1 - K), i) if (j, i + 1) in selrec))
@@ -630,11 +663,13 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
         a = p.A[i] / GBF
         dev.add_constant(a, max(i - 1, 0), i)        # produced (or read) in windows i-1 and i
         last = W - 1 - i                              # differentiated then
+        if i < f:                                     # never read back: held until the pass is released, after
+            last = W - 1 - f if f < L else W - 1      # the lowest layer the backward reaches
         dev.add(g[i], a, i + 1, last)
         for k in tiers:
             for v in off_windows[i]:                  # on the device until its offload window
                 dev.add(off[i, k, v], a, i + 1, v)
-                hosts[k].add(off[i, k, v], a, v, W - 1)
+                hosts[k].add(off[i, k, v], a, v, W - 1 if i >= f else last)
             for v in pre_windows[i]:                  # and again from its prefetch
                 dev.add(pre[i, k, v], a, v, last)
                 hosts[k].add(pre[i, k, v], -a, v + 1, W - 1)
@@ -682,7 +717,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     for w in range(W):
         h2d = loaded(w) + lsum(p.A[i] / GBF * pre[i, k, w] for i, k in pre_at.get(w, ())) + \
             lsum(p.offl_bytes[j] / GBF * offl_pre[j, w] for j in offl_pre_at.get(w, ()))
-        d2h = (p.Gl[p.layer_of(w - 1)] / GBF if w >= L + 1 else 0) + \
+        d2h = (p.Gl[p.layer_of(w - 1)] / GBF if w >= L + 1 and p.layer_of(w - 1) > f else 0) + \
             (p.head_grad_bytes / shared / GBF if L <= w < L + shared else 0) + \
             lsum(p.A[i] / GBF * off[i, k, w] for i, k in off_at.get(w, ())) + \
             lsum(p.offl_bytes[j] / GBF * offl_out[j, w] for j in offl_out_at.get(w, ()))
@@ -747,7 +782,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     build_s = time.perf_counter() - t_build
     values = None
     if start_plan is not None:
-        values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts, sel, offl, offl_pre)
+        values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts, sel, offl, offl_pre, f)
     name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"],
                            deadline=deadline - FINISH_RESERVE * opts.time_limit_s - FINISH_RESERVE_S,
                            start=values)
@@ -790,7 +825,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     offw = {i: next(w for w in off_windows[i] if val(off[i, kt[h], w]) > 0.5)
             for i, h in enumerate(homes[:L]) if h in kt}
     prew = {i: next(w for w in pre_windows[i] if val(pre[i, kt[h], w]) > 0.5)
-            for i, h in enumerate(homes[:L]) if h in kt}
+            for i, h in enumerate(homes[:L]) if h in kt and i >= f}
     resident = tuple(j for j in range(L) if opts.allow_resident and val(y[j]) > 0.5)
     selective = tuple(j for j in range(L) if opts.allow_selective and val(sel[j]) > 0.5)
     offloaded = tuple(j for j in range(L) if opts.allow_offload and val(offl[j]) > 0.5)

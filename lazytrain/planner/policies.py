@@ -73,10 +73,12 @@ def best_interval_plan(p: Problem) -> tuple[Plan, SimResult] | None:
 
 
 def keep_all(p: Problem) -> tuple[Plan, SimResult] | None:
-    """Keep every boundary (no recompute): all on the GPU if that fits, else all on the host (boundary 0
-    on the GPU if that fits, else on the host too)."""
+    """Keep every boundary the backward reads (no recompute): all on the GPU if that fits, else all on the host
+    (boundary 0 on the GPU if that fits, else on the host too). Below a frozen bottom
+    (``Problem.first_reached``) none but boundary 0 is kept: no backward reads them."""
+    f = p.first_reached
     for home, first in ((DEVICE_HOME, DEVICE_HOME), ("host", DEVICE_HOME), ("host", "host")):
-        homes = (first,) + (home,) * (p.L - 1) + (DEVICE_HOME,)
+        homes = (first,) + tuple(RECOMPUTE if b < f else home for b in range(1, p.L)) + (DEVICE_HOME,)
         plan = Plan(num_layers=p.L, homes=homes, policy=f"keep-all-{home}",
                     micro_batch_size=p.micro_batch, seq_len=p.seq_len)
         r = _fits(p, plan)
@@ -89,12 +91,13 @@ def greedy_plan(p: Problem) -> tuple[Plan, SimResult] | None:
     """Boundaries 0..L-1 in order, each on the first home in (GPU, host, NVMe, recompute) that keeps the
     plan feasible, with the boundaries not yet placed on the host (the lightest home for the GPU), and
     that does not slow the simulated step. None when even keeping everything on the host does not fit."""
-    homes = ["host"] * p.L + [DEVICE_HOME]
+    f = p.first_reached   # below a frozen bottom no backward reads a boundary: none but boundary 0 is kept
+    homes = ["host"] + [RECOMPUTE if b < f else "host" for b in range(1, p.L)] + [DEVICE_HOME]
     cur = _fits(p, Plan(num_layers=p.L, homes=tuple(homes), policy="greedy"))
     if cur is None:
         return None
     tiers = [DEVICE_HOME, "host"] + (["nvme"] if p.nvme_budget > 0 else []) + [RECOMPUTE]
-    for b in range(p.L):
+    for b in [0] + list(range(max(f, 1), p.L)):
         for home in tiers:
             if b == 0 and home == RECOMPUTE:
                 continue

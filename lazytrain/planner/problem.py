@@ -27,6 +27,10 @@ Execution model (the engine's streaming executor, see plan.py for the window con
   its bandwidth, NVMe transfers pipelined with the PCIe leg through a host bounce buffer) while the
   window computes; the next window starts when the compute and every transfer of the window are done.
   A prefetch issued in its need window is exposed: the window's compute waits for it.
+- A frozen bottom (``Budgets.frozen_bottom_layers`` f: layers 0..f-1 frozen, and nothing before them trains):
+  the backward stops at layer f (``first_reached``). Windows 2L-f..2L-1 run nothing, copy no weights and no
+  gradients; a boundary below f is never read back (held on its tier until layer f's backward, when the engine
+  releases the pass); the last gradients the step waits for are layer f's.
 - After the step the host optimizer updates the non-layer parameters, then layers 0..L-1. With
   overlap (LazyTrain), the next forward window ``w`` starts once layer ``w`` is updated and its weights
   are copied; without (MegaTrain), the next step starts after the whole update.
@@ -128,6 +132,11 @@ class Budgets:
     # alone (a LoRA run's embedding and head). One share for all of them: the embedding's and head's gradient
     # bytes are each scaled by it
     non_block_trainable_share: float = 1.0
+    # the layers below the first one that trains, when nothing run before the layers trains (a frozen embedding):
+    # the backward never reaches them (the engine differentiates none of them, fetches none of their weights
+    # again and reads none of their boundaries), so they have no backward window tasks, gradients or update,
+    # and the layers' trainable_share is all in the layers above them
+    frozen_bottom_layers: int = 0
 
     def __post_init__(self):
         """Each field checked by name: a negative reserve or an 8-bit share of 2 would plan with memory
@@ -164,6 +173,9 @@ class Budgets:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ValueError(f"Budgets field {name!r} must be a fraction in [0, 1], got {v!r}")
+        v = self.frozen_bottom_layers
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"Budgets field 'frozen_bottom_layers' must be a whole number of layers >= 0, got {v!r}")
         for name in ("lean_norms", "weights_in_host"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Budgets field {name!r} must be true or false, got {getattr(self, name)!r}")
@@ -229,10 +241,16 @@ class Problem:
         m, L, T, S = self.model, self.model.num_layers, self.micro_batch * self.seq_len, self.seq_len
         db = m.dtype_bytes
         self.L, self.tokens = L, T
+        f = self.budgets.frozen_bottom_layers
+        if f > L:
+            raise ValueError(f"Budgets field 'frozen_bottom_layers' is {f}, but the model {m.name!r} has {L} layers")
+        self.first_reached = f                                        # the lowest layer the backward reaches
         self.A = [T * m.hidden * db] * (L + 1)                       # boundary bytes 0..L
         self.Wl = [l.params * db for l in m.layers]                   # compute-dtype weights per layer
-        share = self.budgets.trainable_share
-        self.Gl = [l.params * db * share for l in m.layers]           # gradients per layer (trainable ones')
+        # the share of the layers above the frozen bottom that trains: the whole trainable_share is theirs
+        above = sum(l.params for l in m.layers[f:])
+        share = min(1.0, self.budgets.trainable_share * m.layer_params / above) if above else 0.0
+        self.Gl = [l.params * db * share if i >= f else 0.0 for i, l in enumerate(m.layers)]   # gradients per layer
         self.fwd_s = [l.fwd_flops_per_token(S) * T / self.flops for l in m.layers]
         self.diff_s = [3.0 * f for f in self.fwd_s]                   # forward-with-grad + backward (2x)
         self.head_s = m.head_flops_per_token() * T / self.flops
@@ -292,7 +310,7 @@ class Problem:
         self.host_act_budget = self.host_budget - self.host_static
         # host optimizer chain and the copies it gates
         self.opt_nl = 0.0 if on_device else self.nonlayer_trained / self.opt_rate
-        self.opt_l = [l.params * b.trainable_share / self.opt_rate for l in m.layers]
+        self.opt_l = [l.params * share / self.opt_rate if i >= f else 0.0 for i, l in enumerate(m.layers)]
         self.load_l = [w / self.bw_h2d for w in self.Wl]
         # the embedding's and head's trained weights (once a step) and gradients (each micro-batch) on the links
         self.nonlayer_link_bytes = 0 if on_device else self.nonlayer_w * nb_trains
@@ -300,9 +318,10 @@ class Problem:
         # their gradients leave as autograd finishes them, beside the backward (the engine's copy queue):
         # the head's and final norm's in the head's backward, copied in the first GRAD_SHARE_WINDOWS backward
         # windows; the embedding's (a tied one's too) after layer 0's, with layer 0's
-        self.embed_grad_bytes = 0 if on_device else m.vocab_size * m.hidden * db * nb_trains
+        # (a frozen bottom means a frozen embedding: the share that trains is the head's)
+        self.embed_grad_bytes = 0 if on_device or f else m.vocab_size * m.hidden * db * nb_trains
         self.head_grad_bytes = self.nonlayer_link_bytes - self.embed_grad_bytes
-        self._last_grads(self.Gl[0] + self.embed_grad_bytes)
+        self._last_grads(self.last_grads_of_layers() + self.embed_grad_bytes)
         if self.measured is not None:
             self._use_measured(self.measured)
 
@@ -313,6 +332,10 @@ class Problem:
         them to host masters beside its windows, are on the link as the analytic model has them."""
         if c.num_layers != self.L:
             raise ValueError(f"measured costs are for {c.num_layers} layers, the model {self.model.name!r} has {self.L}")
+        if c.first_differentiated > self.first_reached:
+            raise ValueError(f"the measured costs have no backward for layers 0..{c.first_differentiated - 1} (frozen "
+                             f"below the first trainable layer in the run measured), but this plan's backward reaches "
+                             f"layer {self.first_reached}: measure a run that trains as this one does")
         # diff_s includes a forward; measured below fwd_s (a forward slowed by a wait, timer noise), the layer's
         # backward is taken as 0 s, not a negative time that would shorten its window
         self.fwd_s, self.diff_s = list(c.fwd_s), [max(d, f) for d, f in zip(c.diff_s, c.fwd_s)]
@@ -341,7 +364,11 @@ class Problem:
         self.nonlayer_link_bytes = 0
         # their gradients: copied beside the windows by the engine (measured in its profile), else inside the times
         self.head_grad_bytes, self.embed_grad_bytes = c.grads_beside_bytes or (0, 0)
-        self._last_grads(self.Gl[0] + self.embed_grad_bytes)
+        self._last_grads(self.last_grads_of_layers() + self.embed_grad_bytes)
+
+    def last_grads_of_layers(self) -> float:
+        """The layers' gradients a backward makes last: the lowest layer's it reaches (none when it reaches none)."""
+        return self.Gl[self.first_reached] if self.first_reached < self.L else 0
 
     def _last_grads(self, nbytes: int) -> None:
         """The gradients a micro-batch's backward finishes last (layer 0's, the embedding's): the step waits
@@ -376,7 +403,7 @@ class Problem:
             b += self.ws_fwd[i]
             if w == L - 1:
                 b += self.head_ws + self.A[L]                          # head workspace, stack output
-        else:
+        elif i >= self.first_reached:
             b += self.ws_bwd[i] + 2 * self.A[i]                        # saved activations, boundary grads
             b += self.grad_bytes_on_device(i)
         return b
@@ -421,17 +448,21 @@ class Problem:
             return self.fwd_s[w] + (self.sel_fwd_extra[w] if w in selective else 0.0) + \
                 (self.head_s if w == L - 1 else 0.0)
         i = self.layer_of(w)
+        if i < self.first_reached:                                     # no backward reaches it
+            return 0.0
         rec = self.recompute_s(*segment, selective) if segment and segment[1] == i + 1 else 0.0
         return self.diff_task_s(i, selective) + rec
 
     # ---- bounds and checks ---------------------------------------------------------------
     def no_recompute_compute_s(self) -> float:
-        """Forward, then each layer re-run for its backward (no segment recompute)."""
-        return sum(self.fwd_s) + sum(self.diff_s) + self.head_s
+        """Forward, then each layer the backward reaches re-run for its backward (no segment recompute)."""
+        return sum(self.fwd_s) + sum(self.diff_s[self.first_reached:]) + self.head_s
 
     def minimal_compute_s(self) -> float:
-        """Each layer's forward once and its backward once (every layer keeps its graph)."""
-        return sum(self.diff_s) + self.head_s
+        """Each layer's forward once and, where the backward reaches it, its backward once (every layer keeps
+        its graph)."""
+        f = self.first_reached
+        return sum(self.fwd_s[:f]) + sum(self.diff_s[f:]) + self.head_s
 
     def lower_bound_s(self) -> dict[str, float]:
         """The step's physical lower bounds (any plan): per micro-batch, each layer's forward and backward
@@ -460,7 +491,7 @@ class Problem:
             parts["weights (this layer + next)"] = self.Wl[i] + self.Wl[min(i + 1, L - 1)]
             if w == L - 1:
                 parts["LM head logits chunk"] = self.head_ws
-        else:
+        elif i >= self.first_reached:
             parts["saved activations of one layer (backward)"] = self.ws_bwd[i]
             parts["boundary + its gradients"] = 3 * self.A[i]
             parts["gradient buffers"] = self.grad_bytes_on_device(i)

@@ -330,7 +330,8 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
     (``gpu_mem_bytes``, ``host_mem_bytes``): the sizes of the machine planned for, over either (the engine
     passes the card's own: a catalog entry, or the 64 GiB default, may be smaller than the card)."""
     from .hardware import GiB
-    budgets = as_budgets(budgets)
+    # the layers the measured backwards did not reach (a frozen bottom) are the run's own, whatever was guessed
+    budgets = replace(as_budgets(budgets), frozen_bottom_layers=profile.costs.first_differentiated)
     memory = {k: int(v) for k, v in (memory or {}).items() if v}
     unknown = set(memory) - {"gpu_mem_bytes", "host_mem_bytes"}
     if unknown:
@@ -342,9 +343,11 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
     # the measured rates, for what reads a rate rather than the measured times (the MegaTrain comparison's
     # host phase): the run's own, whichever profile supplies the rest
     T = profile.micro_batch * profile.seq_len
-    flops = sum(3 * layer.fwd_flops_per_token(profile.seq_len) * T for layer in model.layers)
+    c, f = profile.costs, profile.costs.first_differentiated   # layers below f ran no backward: their forward
+    flops = sum((3 if i >= f else 1) * layer.fwd_flops_per_token(profile.seq_len) * T
+                for i, layer in enumerate(model.layers))
     params = sum(layer.params for layer in model.layers)
-    rates = {"achievable_tflops": flops / max(sum(profile.costs.diff_s), 1e-9) / 1e12,
+    rates = {"achievable_tflops": flops / max(sum(c.diff_s[f:]) + sum(c.fwd_s[:f]), 1e-9) / 1e12,
              "host_optimizer_gparams_per_s": params / max(sum(profile.costs.update_s), 1e-9) / 1e9}
     if hardware is not None:
         hw = replace(load_profile(hardware), **rates, **profile.links_gbps, **memory)

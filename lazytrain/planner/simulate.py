@@ -119,8 +119,9 @@ def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[li
     """Compute tasks per window: (kind, layer, seconds); kind in fwd | head | recompute | diff | bwd
     (``bwd``: a graph layer's or an offloaded layer's backward alone, from the graph its forward recorded).
     LazyTrain re-runs layers s..e-2 of a segment [s, e); MegaTrain re-runs s..e-1 (megatrain.rerun_range).
-    A selective layer's re-runs (its recompute, and the forward part of its diff task) take ``sel_rerun_s``."""
-    L = p.L
+    A selective layer's re-runs (its recompute, and the forward part of its diff task) take ``sel_rerun_s``.
+    The backward windows of the layers below ``Problem.first_reached`` (a frozen bottom) have no tasks."""
+    L, f = p.L, p.first_reached
     g = plan.graph_start()
     sel = frozenset(plan.selective_layers)          # their re-runs recompute only the non-matmul ops
     offl = frozenset(plan.offloaded_layers)         # differentiated from their graph, brought back
@@ -134,6 +135,9 @@ def window_tasks(p: Problem, plan: Plan, executor: str = "lazytrain") -> list[li
         else:
             i = p.layer_of(w)
             t = []
+            if i < f:                               # no backward reaches it
+                out.append(t)
+                continue
             if i + 1 in seg_by_end:
                 s = seg_by_end[i + 1]
                 reruns = megatrain.rerun_range(s, i + 1) if executor == "megatrain" else range(s, i)
@@ -172,7 +176,12 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     tasks = window_tasks(p, plan, executor)
     seg_end = {s: e for s, e in plan.segments() if s < g}
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
-    last_use = {b: 2 * L - 1 - b for b in range(L)}             # layer b is differentiated then
+    # layer b is differentiated then; a boundary below the lowest layer the backward reaches (a frozen bottom)
+    # is held until that layer's backward, when the engine releases the pass
+    f = p.first_reached
+    last_use = {b: 2 * L - 1 - max(b, f) if f < L else 2 * L - 1 for b in range(L)}
+    # kept boundaries whose segment lies below that layer: stored in the forward, never read back
+    unread = {b for b, e in seg_end.items() if e <= f}
     # window -> the recomputed boundaries it regenerates
     regenerated: dict[int, list[int]] = {}
     for s, e in seg_end.items():
@@ -181,7 +190,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     # then goes unused)
     offloaded = [b for b in range(g) if plan.homes[b] in OFFLOAD_HOMES and b not in offl_back]
     off_w = {b: plan.offload_at(b) for b in offloaded}
-    pre_w = {b: plan.prefetch_at(b) for b in offloaded}
+    # (an unread one is on its tier until the pass is released, and comes back never)
+    pre_w = {b: last_use[b] if b in unread else plan.prefetch_at(b) for b in offloaded}
 
     # MegaTrain's executor copies each micro-batch's last gradients (layer 0's, the embedding's and head's)
     # after its backward; LazyTrain's engine sends an earlier micro-batch's beside the next one's windows, and
@@ -226,7 +236,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             # --- transfers issued in this window -------------------------------------------------
             exposed_tr, other_tr = [], []           # (label, {link: bytes}, boundary or None)
             for b in offloaded:
-                if pre_w[b] == w:
+                if pre_w[b] == w and b not in unread:
                     legs = {"h2d": p.A[b]}
                     if plan.homes[b] == "nvme":
                         legs["nvme_read"] = p.A[b]
@@ -236,7 +246,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                     (exposed_tr if w == 2 * L - 1 - j else other_tr).append(
                         (_share_label(f"prefetch internals L{j}", offl_back[j], w),
                          {"h2d": p.offl_bytes[j] * offl_back[j][w]}, j))
-            if w >= L + 1:
+            if w >= L + 1 and p.layer_of(w - 1) > p.first_reached:   # the lowest layer's: after the windows
                 i_prev = p.layer_of(w - 1)
                 other_tr.append((f"grads L{i_prev}", {"d2h": p.Gl[i_prev]}, None))
             if beside.get(w, ("", 0))[1] > 0:
@@ -280,7 +290,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             if w < L:
                 on_device.add(w + 1)                               # produced by this window
             for b in offloaded:
-                if pre_w[b] == w:
+                if pre_w[b] == w and b not in unread:
                     on_device.add(b)
             for j in offl:                          # its input is back (in its internals) for its backward
                 if w == 2 * L - 1 - j and max(offl_back[j]) <= w:
@@ -406,8 +416,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     opt_start = tail_start + tail_once
     exposed["d2h"] += tail_once
     if timeline and mega_k is None:
-        events.append(Event("d2h", "grads L0 + embedding", tail_start, opt_start, 2 * L, micro_batch=None,
-                            nbytes=p.carry_bytes))
+        last = "grads L0 + embedding" if not p.first_reached else \
+            f"grads L{p.first_reached}" if p.first_reached < L else "grads"   # the lowest layer's the backward reaches
+        events.append(Event("d2h", last, tail_start, opt_start, 2 * L, micro_batch=None, nbytes=p.carry_bytes))
     O = [p.opt_nl]
     for o in p.opt_l:
         O.append(O[-1] + o)                                    # O[w+1] = layers 0..w updated

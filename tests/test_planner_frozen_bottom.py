@@ -1,0 +1,278 @@
+"""A frozen bottom: the layers below the first one that trains, with nothing before them training (Budgets.
+frozen_bottom_layers). The engine differentiates none of them, so the planner charges them no backward, no
+gradients and no update, keeps none of their boundaries but boundary 0, and policy "auto" measures and plans
+such a run."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.planner.measured import MeasuredCosts, MeasurementError, with_selective
+from lazytrain.planner.milp import build_and_solve
+from lazytrain.planner.plan import Plan
+from lazytrain.planner.policies import greedy_plan, keep_all
+from lazytrain.planner.problem import Budgets, Problem
+from lazytrain.planner.simulate import simulate
+from lazytrain.tiers import streams
+from engine_models import batches, lm_loss, make_model, max_rel_diff, plan_engine, reference_train
+from test_planner_milp import check_equal, full_space
+from test_planner_toys import SLOW_HW, TOY_HW, toy_problem
+
+
+def frozen(p: Problem, f: int) -> Problem:
+    return dataclasses.replace(p, budgets=dataclasses.replace(p.budgets, frozen_bottom_layers=f))
+
+
+@pytest.mark.parametrize("L,f,gpu_extra,host_slots,hw,free_windows,offload", [
+    (3, 1, 2.0, 1, TOY_HW, True, False),     # every window free: boundary 0 never read back
+    (4, 2, 1.5, 1, SLOW_HW, False, True),    # offloaded layers allowed above the frozen bottom
+    (5, 3, 2.5, 1, TOY_HW, False, False),
+    (4, 4, 1.0, 1, TOY_HW, False, False),    # no layer trains: no backward through the layers at all
+])
+def test_the_milps_frozen_bottom_plan_is_the_best_of_every_plan(L, f, gpu_extra, host_slots, hw, free_windows,
+                                                               offload):
+    """The brute force runs over every plan, those that keep frozen boundaries or re-run frozen layers among
+    them; the MILP's space holds one segment [0, f) and nothing below f: it loses nothing."""
+    p = frozen(toy_problem(L, gpu_extra, host_slots=host_slots, hw=hw), f)
+    plan = check_equal(p, free_windows=free_windows, resident=False, selective=True, offload=offload)
+    assert plan.homes[1:f] == ("recompute",) * (f - 1)
+    assert not set(plan.selective_layers + plan.offloaded_layers) & set(range(f))
+
+
+def test_a_frozen_bottom_has_no_backward_tasks_gradients_or_updates_and_the_step_is_shorter():
+    p0 = toy_problem(4, 3.0, host_slots=4)
+    p = frozen(p0, 2)
+    plan = Plan(num_layers=4, homes=("host", "recompute", "host", "host", "hbm"), policy="t")
+    r, r0 = simulate(p, plan), simulate(p0, plan)
+    events = [(e.label, e.window) for e in r.timeline if e.lane != "optimizer"]
+    labels = [label for label, _ in events]
+    assert not [x for x in labels if x in ("diff L0", "diff L1", "grads L0", "grads L1") or x.startswith("prefetch b0")]
+    assert "diff L2" in labels and "prefetch b2" in labels
+    # layers 0 and 1 stream their weights for their forwards alone; windows 6 and 7 (their backwards') do nothing
+    assert [w for label, w in events if label in ("weights L0", "weights L1")] == [0]
+    assert [label for label, w in events if w in (6, 7)] == ["grads embedding/head"] * 2   # the head's, beside
+    assert labels.count("grads L2") == 1                       # after the windows, as the last ones
+    assert (p.Gl[:2], p.opt_l[:2]) == ([0.0, 0.0], [0.0, 0.0])
+    # the layers' trainable share is all above the frozen bottom: their gradients are whole
+    assert p.Gl[2:] == [l.params * 2 for l in p.model.layers[2:]]
+    assert p.tail_s == p.Gl[2] / p.bw_d2h                      # the lowest layer the backward reaches: 2
+    assert ("grads L2", 8) in events
+    # boundary 0 on the host: copied out once, never back, and held there until layer 2's backward window (5),
+    # when the engine releases the pass; boundaries 2 and 3 until their prefetch in window 4
+    a = p.A[0]
+    assert [m["host"] - p.host_static for m in r.memory] == [a, a, 2 * a, 3 * a, 3 * a, a, 0, 0]
+    assert r.step_time_s < r0.step_time_s
+    assert r.compute_s == pytest.approx(sum(p.fwd_s) + p.head_s + sum(p.diff_s[2:]))
+
+
+def test_the_baselines_keep_no_boundary_below_the_frozen_bottom_but_the_first():
+    p = frozen(toy_problem(5, 3.0, host_slots=5), 3)
+    assert keep_all(p)[0].homes[:4] == ("hbm", "recompute", "recompute", "hbm")
+    homes = greedy_plan(p)[0].homes
+    assert homes[1:3] == ("recompute", "recompute") and homes[0] != "recompute"
+    plan, info = build_and_solve(p, full_space(5, False), start_plan=keep_all(p)[0])
+    assert info.status == "optimal" and plan.homes[1:3] == ("recompute", "recompute")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("frozen_bottom_layers", -1, "'frozen_bottom_layers' must be a whole number of layers >= 0, got -1"),
+    ("frozen_bottom_layers", 1.5, "'frozen_bottom_layers' must be a whole number of layers >= 0, got 1.5"),
+    ("frozen_bottom_layers", True, "'frozen_bottom_layers' must be a whole number of layers >= 0, got True"),
+])
+def test_bad_frozen_bottoms_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        Budgets(**{field: value})
+
+
+def test_a_frozen_bottom_above_the_model_and_costs_measured_without_a_backward_it_needs_are_refused():
+    with pytest.raises(ValueError, match="'frozen_bottom_layers' is 5, but the model 'toy' has 4 layers"):
+        frozen(toy_problem(4, 3.0), 5)
+    c = MeasuredCosts(fwd_s=(1.0,) * 4, diff_s=(1.0, 1.0, 3.0, 3.0), nonlayer_s=0.5, step_s=0.25,
+                      update_s=(0.0, 0.0, 0.1, 0.1), first_differentiated=2)
+    p = toy_problem(4, 3.0)
+    with pytest.raises(ValueError, match=r"the measured costs have no backward for layers 0..1 .* but this plan's "
+                                         r"backward reaches layer 0: measure a run that trains as this one does"):
+        dataclasses.replace(p, measured=c)
+    assert dataclasses.replace(frozen(p, 3), measured=c).first_reached == 3   # measured lower than needed: fine
+    with pytest.raises(MeasurementError, match=r"first_differentiated must be a layer in 0..4, got 5"):
+        dataclasses.replace(c, first_differentiated=5)
+
+
+def _timeline(spans):
+    from lazytrain.trace import Timeline
+    t = Timeline("measured")
+    for lane, name, start, end in spans:
+        t.add_relative(lane, name, start, end)
+    return t
+
+
+def _step(first: int, L: int = 3):
+    """A traced step whose backward differentiates layers ``first``..L-1 (each layer 1 s forward, 3 s diff)."""
+    spans, t = [], 0.0
+    for i in range(L):
+        spans.append(("compute", f"fwd L{i}", t, t + 1.0))
+        t += 1.0
+    t += 0.5
+    for i in reversed(range(first, L)):
+        spans += [("compute", f"diff L{i}", t, t + 2.0), ("compute", f"bwd L{i}", t + 2.0, t + 3.0)]
+        t += 3.0
+    spans.append(("optimizer", "gradient norm", t, t + 0.25))
+    spans += [("optimizer", f"update L{i}", t + 0.25 + i, t + 0.5 + i) for i in range(L)]
+    return _timeline(spans)
+
+
+def test_costs_are_measured_from_steps_whose_backward_stops_above_layer_0():
+    c = MeasuredCosts.from_traces([_step(2), _step(2)], 3)
+    assert (c.first_differentiated, c.fwd_s, c.diff_s) == (2, (1.0, 1.0, 1.0), (1.0, 1.0, 3.0))
+    assert MeasuredCosts.from_dict(c.to_dict()) == c
+    assert MeasuredCosts.from_traces([_step(0)], 3).first_differentiated == 0
+    assert MeasuredCosts.from_traces([_step(3)], 3).first_differentiated == 3   # the head alone trains
+    with pytest.raises(MeasurementError, match=r"reached down to different layers \(\[1, 2\]\)"):
+        MeasuredCosts.from_traces([_step(1), _step(2)], 3)
+    gap = _step(0)
+    gap.spans = [s for s in gap.spans if s.name not in ("diff L1", "bwd L1")]   # a hole in the backward
+    with pytest.raises(MeasurementError, match=r"no 'diff' span for layer\(s\) \[1\]"):
+        MeasuredCosts.from_traces([gap], 3)
+    # selective times: measured on the layers the backward re-runs; a frozen one's are its forward's
+    sel = with_selective(c, [_step(2)], kinds=["a"] * 3)
+    assert (sel.selective_fwd_s, sel.selective_rerun_s) == ((1.0, 1.0, 1.0), (1.0, 1.0, 2.0))
+
+
+def test_a_profile_plans_as_measured_and_lazytrain_plan_refuses_another_frozen_bottom(tmp_path, capsys):
+    from lazytrain.cli import main
+    from lazytrain.planner.measured import MachineProfile
+    from lazytrain.planner.search import profile_problem
+    c = MeasuredCosts.from_traces([_step(2)], 3)
+    micro = lambda v: tuple(x * 1e-6 for x in v) if isinstance(v, tuple) else v * 1e-6   # noqa: E731 (a tiny model's)
+    c = dataclasses.replace(c, **{k: micro(getattr(c, k)) for k in ("fwd_s", "diff_s", "nonlayer_s", "step_s",
+                                                                     "update_s")})
+    cfg = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2}
+    profile = MachineProfile(costs=c, links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0}, model=cfg, micro_batch=2,
+                             seq_len=16, trainable_share=1 / 3, non_block_trainable_share=0.5)
+    assert profile_problem(profile, Budgets.of(gpu="4GB", host="4GB")).first_reached == 2
+    path = tmp_path / "profile.json"
+    profile.to_json(str(path))
+    assert main(["plan", "--profile", str(path), "--gpu-mem", "4GB", "--host-mem", "4GB", "--time-limit", "5"]) == 0
+    assert main(["plan", "--profile", str(path), "--gpu-mem", "4GB", "--host-mem", "4GB",
+                 "--frozen-bottom-layers", "1"]) == 2
+    assert ("--frozen-bottom-layers 1: the profile's backwards differentiated from layer 2, and a profile is planned "
+            "as it was measured") in capsys.readouterr().err
+
+
+# ---- the engine ----------------------------------------------------------------------------------------------
+LINKS = {"h2d": {"gbps": 0.05}, "d2h": {"gbps": 0.05}}
+
+
+def _frozen_llama(below: int, embedding: bool = False):
+    model = make_model("llama")
+    for name, p in model.named_parameters():
+        if ("embed" in name and not embedding) or any(f"layers.{i}." in name for i in range(below)):
+            p.requires_grad_(False)
+    return model
+
+
+def _train(lt: dict, model, steps: int = 12):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2, "steps_per_print": 10**9,
+           "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": {"device": "cpu", "milp_time_limit": 5, **lt,
+                         "testing": {"copy_threads": True, "links": LINKS}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                              if p.requires_grad], config=cfg)
+        plans = []
+        for x, y in batches(steps):
+            plans.append(engine.plan.policy)
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+    return engine, plans, [str(w.message) for w in caught]
+
+
+def test_policy_auto_measures_a_frozen_bottom_run_and_trains_it_as_a_fixed_plan():
+    """Blocks 0-2 and the embedding frozen: the backward reaches block 3 down. Auto used to find no 'diff' span
+    for blocks 0-2 and keep its calibration plan; it now plans, keeping no boundary of the frozen bottom but
+    boundary 0, and trains bit for bit as a fixed plan."""
+    auto = {"warmup_steps": 3, "profile_steps": 2, "check_every": 4, "selective": False, "max_replans": 0}
+    try:
+        engine, plans, said = _train({"policy": "auto", "auto": auto}, _frozen_llama(3))
+        assert plans == ["auto-calibration"] * 5 + ["auto-milp"] * 7, said
+        assert not [m for m in said if "span" in m or "auto" in m], said
+        assert engine.plan.homes[1:3] == ("recompute", "recompute") and engine.plan.homes[3] != "recompute"
+        record = engine.auto.history[0]
+        assert record.predicted_step_s == engine.plan.prediction["step_time_s"] > 0 and record.measured_step_s > 0
+        weights = engine.module_state_dict()
+        engine.destroy()
+        streams.configure()
+        engine, _, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True},
+                              _frozen_llama(3))
+        for k, v in engine.module_state_dict().items():
+            assert torch.equal(weights[k], v), k
+        engine.destroy()
+    finally:
+        streams.configure()
+
+
+def test_the_first_plan_counts_the_frozen_bottom_from_what_trains_before_the_blocks():
+    from lazytrain.engine.engine import _frozen_bottom_blocks
+    model = _frozen_llama(3)
+    assert _frozen_bottom_blocks(model, model.model.layers) == 3
+    model = _frozen_llama(3, embedding=True)   # the embedding trains: its gradient flows through every block
+    assert _frozen_bottom_blocks(model, model.model.layers) == 0
+    model = _frozen_llama(3)
+    model.enable_input_require_grads()         # PEFT's way to checkpoint a frozen model: the same
+    assert _frozen_bottom_blocks(model, model.model.layers) == 0
+    model = _frozen_llama(0)
+    assert _frozen_bottom_blocks(model, model.model.layers) == 0
+
+
+def test_a_frozen_bottom_plan_trains_right_where_the_blocks_input_needs_its_gradient_after_all(tmp_path):
+    """The first plan's count is an estimate: where the embedding trains after all, the plan's one segment
+    [0, 3) is re-run from boundary 0 for blocks 2..0, and the training matches plain PyTorch (the parity
+    tests' tolerance on the CPU)."""
+    plan = Plan(num_layers=6, homes=("hbm", "recompute", "recompute", "host", "hbm", "hbm", "hbm"), policy="frozen-3")
+    data = batches(3)
+    reference = reference_train(_frozen_llama(3, embedding=True), data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = plan_engine(tmp_path, _frozen_llama(3, embedding=True), plan)
+        module = engine.module
+        recomputed = []
+        for x, y in data:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+            recomputed.append(engine.executor.recomputed_layer_forwards)
+    try:
+        assert recomputed[0] == 2                  # blocks 0 and 1 re-run before block 2's backward
+        assert max_rel_diff(module, reference) < 1e-5     # measured 3.5e-6
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("f", [0, 2, 5])
+def test_the_step_floor_counts_no_backward_below_the_frozen_bottom_and_stays_below_the_milps_plan(f):
+    from lazytrain.planner.ceiling import step_floor
+    p = frozen(toy_problem(5, 3.0, host_slots=3), f)
+    floor = step_floor(p, offload=True)
+    plan, _ = build_and_solve(p, full_space(5, False, offload=True))
+    assert floor.step_s <= simulate(p, plan).step_time_s
+    assert floor.backward_s >= sum(p.bwd_s(i) for i in range(f, 5)) - 1e-12
+    if f:   # below the unfrozen floor: nothing of the frozen layers' backward is in it
+        assert floor.step_s < step_floor(frozen(p, 0), offload=True).step_s
+
+
+def test_lazytrain_plan_plans_a_frozen_bottom_and_refuses_one_beyond_the_model(tmp_path, capsys):
+    from lazytrain.cli import main
+    out = tmp_path / "plan.json"
+    args = ["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--micro-batch", "8", "--seq", "1024",
+            "--time-limit", "5", "--json", str(out)]
+    assert main(args + ["--frozen-bottom-layers", "30"]) == 0
+    plan = Plan.from_json(str(out))
+    assert plan.homes[1:30] == ("recompute",) * 29 and plan.homes[0] != "recompute"
+    capsys.readouterr()
+    assert main(args + ["--frozen-bottom-layers", "37"]) == 2
+    assert "'frozen_bottom_layers' is 37, but the model 'qwen2.5-3b' has 36 layers" in capsys.readouterr().err
