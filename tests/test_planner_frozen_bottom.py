@@ -226,6 +226,12 @@ def test_the_first_plan_counts_the_frozen_bottom_from_what_trains_before_the_blo
     model = _frozen_llama(3)
     model.enable_input_require_grads()         # PEFT's way to checkpoint a frozen model: the same
     assert _frozen_bottom_blocks(model, model.model.layers) == 0
+    model.disable_input_require_grads()        # the hook removed (the attribute stays)
+    assert _frozen_bottom_blocks(model, model.model.layers) == 3
+    model.model.norm.weight.requires_grad_(True)   # a final norm and an untied head train after the blocks
+    assert model.lm_head.weight.requires_grad and _frozen_bottom_blocks(model, model.model.layers) == 3
+    model.prompt = torch.nn.Embedding(4, 32)   # a trainable module beside the model (a prompt encoder): may run first
+    assert _frozen_bottom_blocks(model, model.model.layers) == 0
     model = _frozen_llama(0)
     assert _frozen_bottom_blocks(model, model.model.layers) == 0
 
