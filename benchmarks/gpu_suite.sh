@@ -7,7 +7,8 @@
 #      on CUDA, emulated links refused on CUDA; then
 #      the tests named on_a_gpu: two processes on the one GPU copying from node-shared host weights
 #      registered as pinned; selective and offloaded layers bit-identical to the plans without them; policy
-#      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan; lean RMSNorms
+#      auto measuring (stream-event traces), planning and training bit for bit as a fixed plan, also where a
+#      frozen bottom stops the backward above block 0; lean RMSNorms
 #      bit for bit in bf16 and, under the fused attention kernels, saving what the planner counts (within 10%)
 #      on CUDA; a block that checkpoints
 #      its own MLP re-run from the streamed weights (keep-all, offloaded and selective layers alike); stages 2
@@ -83,7 +84,7 @@ run_within "${CHAOS_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider --du
   2>&1 | tee "$OUT/gpu_chaos.log" | tail -25
 run_within "${SHARED_TIMEOUT:-165}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_sharded.py \
   tests/test_selective.py tests/test_internals_offload.py tests/test_auto_plan.py tests/test_lean_norms.py \
-  tests/test_master_grad_sink.py tests/test_tiers_gpu.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
+  tests/test_master_grad_sink.py tests/test_tiers_gpu.py tests/test_planner_frozen_bottom.py -k on_a_gpu 2>&1 | tee "$OUT/gpu_shared.log" | tail -5
 fi
 
 if [[ $ONLY == *2* ]]; then

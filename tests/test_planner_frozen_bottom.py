@@ -177,10 +177,11 @@ def _frozen_llama(below: int, embedding: bool = False):
 
 
 def _train(lt: dict, model, steps: int = 12):
+    """``lt`` over the CPU with emulated links (``"device": "cuda"``: the GPU's own links)."""
+    testing = {} if lt.get("device") == "cuda" else {"testing": {"copy_threads": True, "links": LINKS}}
     cfg = {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 2, "steps_per_print": 10**9,
            "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-           "lazytrain": {"device": "cpu", "milp_time_limit": 5, **lt,
-                         "testing": {"copy_threads": True, "links": LINKS}}}
+           "lazytrain": {"device": "cpu", "milp_time_limit": 5, **lt, **testing}}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=[p for p in model.parameters()
@@ -193,14 +194,20 @@ def _train(lt: dict, model, steps: int = 12):
     return engine, plans, [str(w.message) for w in caught]
 
 
-def test_policy_auto_measures_a_frozen_bottom_run_and_trains_it_as_a_fixed_plan():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"), id="on_a_gpu")])
+def test_policy_auto_measures_a_frozen_bottom_run_and_trains_it_as_a_fixed_plan(device):
     """Blocks 0-2 and the embedding frozen: the backward reaches block 3 down. Auto used to find no 'diff' span
     for blocks 0-2 and keep its calibration plan; it now plans, keeping no boundary of the frozen bottom but
-    boundary 0, and trains bit for bit as a fixed plan."""
-    auto = {"warmup_steps": 3, "profile_steps": 2, "check_every": 4, "selective": False, "max_replans": 0}
+    boundary 0, and trains bit for bit as a fixed plan. On CUDA from stream-event traces, with the selective
+    calibration (every layer selective; blocks 0-2 are never re-run)."""
+    selective = device == "cuda"
+    auto = {"warmup_steps": 3, "profile_steps": 2, "check_every": 4, "selective": selective, "max_replans": 0}
     try:
-        engine, plans, said = _train({"policy": "auto", "auto": auto}, _frozen_llama(3))
-        assert plans == ["auto-calibration"] * 5 + ["auto-milp"] * 7, said
+        engine, plans, said = _train({"policy": "auto", "auto": auto, "device": device}, _frozen_llama(3))
+        calibration = ["auto-calibration"] * 5 + (["auto-calibration-selective"] * 3 if selective else [])
+        assert plans == calibration + ["auto-milp"] * (12 - len(calibration)), said
+        assert engine.auto.last_profile.costs.first_differentiated == 3
         assert not [m for m in said if "span" in m or "auto" in m], said
         assert engine.plan.homes[1:3] == ("recompute", "recompute") and engine.plan.homes[3] != "recompute"
         record = engine.auto.history[0]
@@ -208,8 +215,8 @@ def test_policy_auto_measures_a_frozen_bottom_run_and_trains_it_as_a_fixed_plan(
         weights = engine.module_state_dict()
         engine.destroy()
         streams.configure()
-        engine, _, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True},
-                              _frozen_llama(3))
+        engine, _, _ = _train({"policy": "keep_all", "boundary_home": "host", "overlap_optimizer": True,
+                               "device": device}, _frozen_llama(3))
         for k, v in engine.module_state_dict().items():
             assert torch.equal(weights[k], v), k
         engine.destroy()
