@@ -391,6 +391,9 @@ class LazyTrainSection:
     loss_chunk_tokens: int = 0          # >0: a causal LM's head and loss in chunks of this many tokens (no full logits)
     non_block_state: str = "auto"       # auto (host) | host | device: the embedding's and head's fp32 masters and moments
     lean_norms: bool = True             # the blocks' RMSNorms keep only their inputs for backward (engine/lean_norms.py)
+    # policy milp: the blocks below the first that trains, with nothing run before them training (the backward stops
+    # above them); None ("auto"): counted from the parameters (engine._frozen_bottom_blocks). Policy auto measures it
+    frozen_bottom_layers: int | None = None
     testing: TestingConfig = field(default_factory=TestingConfig)
 
     def head_tokens(self, micro_batch_tokens: int) -> int:
@@ -405,7 +408,7 @@ _LAZYTRAIN_KEYS = {"blocks", "policy", "checkpoint_interval", "boundary_home", "
                    "nvme_path", "seq_len", "capacities", "hardware", "last_segment_graph",
                    "overlap_optimizer", "testing", "collective_timeout_s", "trust_checkpoints", "check_checkpoint_crcs",
                    "loss_chunk_tokens", "auto", "non_block_state", "lean_norms", "gradient_reduce",
-                   "grad_norm_as_landed"}
+                   "grad_norm_as_landed", "frozen_bottom_layers"}
 
 
 @dataclass(frozen=True)
@@ -738,6 +741,17 @@ def _loss_chunk_tokens(section: dict) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"config key 'lazytrain.loss_chunk_tokens' must be a whole number of tokens >= 0 "
                           f"(0: the model computes its logits whole), got {value!r}")
+    return value
+
+
+def _frozen_bottom_layers(section: dict) -> int | None:
+    value = section.get("frozen_bottom_layers", "auto")
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"config key 'lazytrain.frozen_bottom_layers' must be \"auto\" or a whole number of blocks "
+                          f">= 0 (the blocks below the first that trains, with nothing run before them training), "
+                          f"got {value!r}")
     return value
 
 
@@ -1080,4 +1094,5 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         milp_time_limit=_milp_time_limit(section), nvme_path=nvme_path,
         seq_len=_seq_len(section), hardware=hardware,
         collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
-        non_block_state=non_block, lean_norms=lean, gradient_reduce=reduce_at, grad_norm_as_landed=as_landed)
+        non_block_state=non_block, lean_norms=lean, gradient_reduce=reduce_at, grad_norm_as_landed=as_landed,
+        frozen_bottom_layers=_frozen_bottom_layers(section))

@@ -5,6 +5,7 @@ such a run."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -67,6 +68,18 @@ def test_a_frozen_bottom_has_no_backward_tasks_gradients_or_updates_and_the_step
     assert [m["host"] - p.host_static for m in r.memory] == [a, a, 2 * a, 3 * a, 3 * a, a, 0, 0]
     assert r.step_time_s < r0.step_time_s
     assert r.compute_s == pytest.approx(sum(p.fwd_s) + p.head_s + sum(p.diff_s[2:]))
+
+
+@pytest.mark.parametrize("L", [4, 6])
+def test_the_milp_starts_from_keep_all_at_every_frozen_bottom(L):
+    """keep_all's plan is the solver's first incumbent (search.solve's warm start) whatever the frozen bottom; at
+    f = 1 the edge [0, 1) is in no row, and a start naming it failed inside the solver."""
+    from lazytrain.planner.milp import MilpOptions
+    for f in range(L + 1):
+        p = frozen(toy_problem(L, 3.0, host_slots=L), f)
+        plan, info = build_and_solve(p, MilpOptions(), start_plan=keep_all(p)[0])
+        assert info.status == "optimal", f
+        assert info.objective_s == pytest.approx(simulate(p, plan).step_time_s, rel=1e-6, abs=1e-6 * 2 * L), f
 
 
 def test_the_baselines_keep_no_boundary_below_the_frozen_bottom_but_the_first():
@@ -289,3 +302,41 @@ def test_lazytrain_plan_plans_a_frozen_bottom_and_refuses_one_beyond_the_model(t
     capsys.readouterr()
     assert main(args + ["--frozen-bottom-layers", "37"]) == 2
     assert "'frozen_bottom_layers' is 37, but the model 'qwen2.5-3b' has 36 layers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("count,embedding,said", [
+    (1, False, "lazytrain: plan 'milp' was made for a backward that stops at block 1, but this backward stopped at "
+               "block 3 (the blocks below it are frozen and nothing run before them trains): the plan counted a "
+               "backward for blocks 1-2, which runs none. Set 'lazytrain.frozen_bottom_layers' to 3, or use policy "
+               "\"auto\", which measures where the backward stops"),
+    (3, True, "lazytrain: plan 'milp' was made for a backward that stops at block 3, but this backward went down to "
+              "block 0: the plan re-runs blocks 0-2 from the kept boundary below them, so its steps take longer and "
+              "hold more device memory than it predicted. Set 'lazytrain.frozen_bottom_layers' to 0, or use policy "
+              "\"auto\", which measures where the backward stops"),
+    ("auto", False, None),    # counted right: blocks 0-2 frozen with the embedding
+    ("auto", True, None),     # the embedding trains: none counted, and the backward reaches block 0
+])
+def test_a_plan_that_counted_the_frozen_bottom_otherwise_than_the_backward_ran_says_so_once(count, embedding, said):
+    lt = {"policy": "milp", "hardware": "h200", "seq_len": 12, "capacities": {"hbm": "2GB"},
+          "frozen_bottom_layers": count}
+    engine, _, messages = _train(lt, _frozen_llama(3, embedding=embedding), steps=3)
+    try:
+        planned = [m for m in messages if "was made for a backward" in m]
+        assert planned == ([said] if said else [])
+        assert engine.plan.prediction["frozen_bottom_layers"] == (count if isinstance(count, int) else
+                                                                  0 if embedding else 3)
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("value,message", [
+    (-1, "config key 'lazytrain.frozen_bottom_layers' must be \"auto\" or a whole number of blocks >= 0 (the blocks "
+         "below the first that trains, with nothing run before them training), got -1"),
+    ("3", "config key 'lazytrain.frozen_bottom_layers' must be \"auto\" or a whole number of blocks >= 0"),
+    (7, "config key 'lazytrain.frozen_bottom_layers' is 7, but the model has 6 blocks"),
+])
+def test_bad_frozen_bottom_counts_in_the_config_are_named(value, message):
+    from lazytrain.config import ConfigError
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _train({"policy": "milp", "hardware": "h200", "seq_len": 12, "frozen_bottom_layers": value},
+               _frozen_llama(3), steps=0)

@@ -262,8 +262,14 @@ class LazyTrainEngine(nn.Module):
         eight_bit = 0.0 if optimizer is not None or config.optimizer.type is None else \
             eight_bit_share(config, model, param_groups(model_parameters, model, lambda p: p))
         self._model_budgets = {**_trainable_shares(model, blocks), "hybrid_8bit_fraction": eight_bit}
+        frozen = config.lazytrain.frozen_bottom_layers
+        if frozen is None:
+            frozen = _frozen_bottom_blocks(model, blocks)
+        elif frozen > len(blocks):
+            raise ConfigError(f"config key 'lazytrain.frozen_bottom_layers' is {frozen}, but the model has "
+                              f"{len(blocks)} blocks")
         self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu,
-                               {**self._model_budgets, "frozen_bottom_layers": _frozen_bottom_blocks(model, blocks)})
+                               {**self._model_budgets, "frozen_bottom_layers": frozen})
         self._model_cfg = model_cfg
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
@@ -410,6 +416,7 @@ class LazyTrainEngine(nn.Module):
         self._scaled_backward = False
         self._grads_given = False   # engine.backward or a gradient set since they were zeroed: backward_since_zeroed
         self._engine_backward_depth = 0   # engine.backward running (its loss already divided): see _scale_direct_backward
+        self._backward_checked_for: Plan | None = None   # the plan whose backward's lowest block was checked
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self.tput_timer = ThroughputTimer(config.train_batch_size)   # DeepSpeed's (deepspeed_extras.py)
@@ -919,11 +926,38 @@ class LazyTrainEngine(nn.Module):
             self.dist.calls.entering("engine.backward()", self.micro_steps)
         self._grads_given = True
         self._engine_backward_depth += 1
+        self.executor.reached_down_to = None
         try:
             scaled.backward(retain_graph=retain_graph)
         finally:
             self._engine_backward_depth -= 1
+        self._check_where_the_backward_stopped()
         return loss
+
+    def _check_where_the_backward_stopped(self) -> None:
+        """Once a plan: whether the backward went down to the block its plan counted (a frozen bottom: the blocks
+        below the first that trains, with nothing run before them training, have none). The engine's count for a
+        first plan is an estimate from the parameters; a wrong one trains right, but the plan's time and memory are
+        then not what it predicted."""
+        planned = self.plan.prediction.get("frozen_bottom_layers")
+        if planned is None or self._backward_checked_for is self.plan:
+            return
+        self._backward_checked_for = self.plan
+        reached = self.executor.reached_down_to
+        if reached is None:   # no block's backward ran
+            reached = self.executor.L
+        if reached == planned:
+            return
+        if reached < planned:
+            why = (f"this backward went down to block {reached}: the plan re-runs blocks {reached}-{planned - 1} from "
+                   f"the kept boundary below them, so its steps take longer and hold more device memory than it "
+                   f"predicted")
+        else:
+            why = (f"this backward stopped at block {reached} (the blocks below it are frozen and nothing run before "
+                   f"them trains): the plan counted a backward for blocks {planned}-{reached - 1}, which runs none")
+        warnings.warn(f"lazytrain: plan {self.plan.policy!r} was made for a backward that stops at block {planned}, "
+                      f"but {why}. Set 'lazytrain.frozen_bottom_layers' to {reached}, or use policy \"auto\", which "
+                      f"measures where the backward stops", UserWarning, stacklevel=3)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

@@ -194,6 +194,7 @@ class LayerStreamingExecutor:
         self._current: _Pass | None = None
         self._streaming_inference = False   # an inference forward's sequence is running
         self.recomputed_layer_forwards = 0
+        self.reached_down_to: int | None = None   # the lowest block the last backward differentiated (engine.backward)
         self._warned_unchained = False
         self._warned_container_tensor = False
         self._block_added = _TensorsSeen()      # tensors blocks put into lists/dicts they were handed
@@ -744,6 +745,7 @@ class LayerStreamingExecutor:
                                                weights_now)
         self._free_boundary(p, layer)
         if layer == min(p.differentiable):   # the lowest a backward reaches: block 0, or the first trainable one
+            self.reached_down_to = layer
             self.release_pass(p)
         return g_x, t_grads
 

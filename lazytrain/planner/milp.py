@@ -432,7 +432,8 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
     binaries = [v for table in (x, g, home, off, pre) for v in table.values()]
     binaries += [v for table in (q, y, sel, offl) + (() if split else (offl_pre,)) for v in table.values()
                  if isinstance(v, pulp.LpVariable)]   # shares are continuous: the solver completes them
-    return {v: 1.0 if v.name in chosen else 0.0 for v in binaries}
+    # (a variable fixed at 0, as those below a frozen bottom, may be in no row: the solver holds no column for it)
+    return {v: 1.0 if v.name in chosen else 0.0 for v in binaries if v.upBound != 0}
 
 
 # with split internals copies, the split model runs only after the unsplit one is solved to optimality with

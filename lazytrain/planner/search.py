@@ -103,6 +103,8 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
             **extra, "solver": solver,
             "lower_bound_s": p.lower_bound_s()["bound"], "model": p.model.name, "hardware": p.hardware.name,
             "grad_accum": p.grad_accum,
+            # the lowest block the backward was counted to reach (Budgets.frozen_bottom_layers): the engine checks it
+            "frozen_bottom_layers": p.first_reached,
             # tokens per piece of the LM head's logits the plan counted: the engine warns where it computes more
             "loss_chunk_tokens": min(p.budgets.loss_chunk_tokens, p.micro_batch * p.seq_len),
             "solve_wall_s": wall}
