@@ -305,12 +305,12 @@ def test_lazytrain_plan_plans_a_frozen_bottom_and_refuses_one_beyond_the_model(t
 
 
 @pytest.mark.parametrize("count,embedding,said", [
-    (1, False, "lazytrain: plan 'milp' was made for a backward that stops at block 1, but this backward stopped at "
-               "block 3 (the blocks below it are frozen and nothing run before them trains): the plan counted a "
+    (1, False, "lazytrain: plan 'milp' was made for a backward that stops at block 1, but this training forward's "
+               "backward stops at block 3 (the blocks below it are frozen and nothing run before them trains): the plan counted a "
                "backward for blocks 1-2, which runs none. Set 'lazytrain.frozen_bottom_layers' to 3, or use policy "
                "\"auto\", which measures where the backward stops"),
-    (3, True, "lazytrain: plan 'milp' was made for a backward that stops at block 3, but this backward went down to "
-              "block 0: the plan re-runs blocks 0-2 from the kept boundary below them, so its steps take longer and "
+    (3, True, "lazytrain: plan 'milp' was made for a backward that stops at block 3, but this training forward's "
+              "backward goes down to block 0: the plan re-runs blocks 0-2 from the kept boundary below them, so its steps take longer and "
               "hold more device memory than it predicted. Set 'lazytrain.frozen_bottom_layers' to 0, or use policy "
               "\"auto\", which measures where the backward stops"),
     ("auto", False, None),    # counted right: blocks 0-2 frozen with the embedding
@@ -340,3 +340,91 @@ def test_bad_frozen_bottom_counts_in_the_config_are_named(value, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _train({"policy": "milp", "hardware": "h200", "seq_len": 12, "frozen_bottom_layers": value},
                _frozen_llama(3), steps=0)
+
+
+def test_a_plan_counting_too_many_frozen_blocks_is_said_at_the_first_training_forward_before_its_backward():
+    """The backward of a plan that counted blocks 0-2 as never reached re-runs them from boundary 0 with more
+    device memory than planned: said when the forward ends, before a backward that may not fit."""
+    lt = {"policy": "milp", "hardware": "h200", "seq_len": 12, "capacities": {"hbm": "2GB"}, "frozen_bottom_layers": 3}
+    engine, _, _ = _train(lt, _frozen_llama(3, embedding=True), steps=0)
+    try:
+        (x, y), second = batches(2)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:   # an evaluation: nothing said
+            warnings.simplefilter("always")
+            engine(x)
+        assert not [w for w in caught if "was made for a backward" in str(w.message)]
+        with pytest.warns(UserWarning, match="this training forward's backward goes down to block 0"):
+            loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # once a plan
+            engine.backward(lm_loss(engine(second[0]), second[1]))
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("below", [3, 6])
+def test_auto_measures_selective_layers_only_where_the_backward_reaches(below, monkeypatch, capsys):
+    """Blocks below the first differentiated one are never re-run: the selective calibration chooses among the
+    others (it used to spread its picks over all six and, with room for one, pick a frozen block and stop auto).
+    With every block frozen there is nothing to measure, and nothing is said."""
+    from lazytrain.planner import measured
+    offered = []
+
+    def room_for_one(kept, kinds, room):
+        offered.append(len(kept))
+        return (len(kept) // 2,), "room for one"
+    monkeypatch.setattr(measured, "layers_to_measure_selective", room_for_one)
+    auto = {"warmup_steps": 3, "profile_steps": 2, "check_every": 4, "selective": True, "max_replans": 0}
+    engine, plans, said = _train({"policy": "auto", "auto": auto, "capacities": {"hbm": 10**9}},
+                                 _frozen_llama(below))
+    try:
+        assert not [m for m in said if "auto" in m], said
+        if below == 3:
+            assert offered == [3]
+            assert "auto measures selective layers on 1 of 6 layers ([4])" in capsys.readouterr().out
+            assert plans == ["auto-calibration"] * 5 + ["auto-calibration-selective"] * 3 + ["auto-milp"] * 4
+            assert engine.auto.last_profile.costs.selective_rerun_s[4] > 0
+        else:
+            assert offered == [] and plans == ["auto-calibration"] * 5 + ["auto-milp"] * 7
+            assert engine.auto.last_profile.costs.selective_rerun_s is None
+    finally:
+        engine.destroy()
+        streams.configure()
+
+
+def test_with_no_block_differentiated_a_forward_beyond_the_steps_micro_batches_is_told_apart():
+    """Every block frozen (the head alone trains): no pass has a backward span, so an evaluation's forward under
+    grad cannot be told by a pass without one; it is one forward more than the step's micro-batches."""
+    from lazytrain.planner.measured import ran_an_undifferentiated_forward
+    from lazytrain.trace import Timeline
+
+    def step(passes: int) -> Timeline:
+        t, at = Timeline("measured"), 0.0
+        for k in range(passes):
+            for i in range(3):
+                t.add_relative("compute", f"fwd L{i}", at, at + 1.0, **{"pass": k})
+                at += 1.0
+        t.add_relative("optimizer", "gradient norm", at, at + 0.25)
+        for i in range(3):
+            t.add_relative("optimizer", f"update L{i}", at + 0.25, at + 0.5)
+        return t
+    assert not ran_an_undifferentiated_forward(step(2), micro_batches=2)
+    assert ran_an_undifferentiated_forward(step(3), micro_batches=2)
+    assert MeasuredCosts.from_traces([step(2)], 3, micro_batches=2).first_differentiated == 3
+    with pytest.raises(MeasurementError, match="ran a forward that was never differentiated"):
+        MeasuredCosts.from_traces([step(3)], 3, micro_batches=2)
+
+
+def test_megatrains_replay_copies_the_lowest_reached_layers_gradients_and_a_frozen_bottom_freezes_the_embedding():
+    from lazytrain.planner.models import ModelShape
+    from lazytrain.planner.policies import simulate_megatrain
+    p = frozen(toy_problem(6, 3.0, host_slots=6), 2)
+    tail = [e for e in simulate_megatrain(p, timeline=True).timeline if e.label == "grads L0 + embedding/head"]
+    assert [e.nbytes for e in tail] == [p.Gl[2] + p.nonlayer_link_bytes] and p.Gl[2] > 0
+    # an untied embedding and head: with a frozen bottom only the head (and final norm) can train
+    shape = ModelShape.from_layers("m", [1000] * 4, hidden=8, vocab_size=100, tied_embeddings=False)
+    q = Problem(shape, TOY_HW, Budgets(gpu_bytes=10**9, host_bytes=10**9, gpu_reserved_bytes=0, frozen_bottom_layers=2), 1, 4)
+    assert shape.nonlayer_params - 100 * 8 == 808 and q.nonlayer_trained == pytest.approx(808)
+    assert q.embed_grad_bytes == 0 and q.head_grad_bytes == pytest.approx(808 * 2)

@@ -72,6 +72,7 @@ class AutoPlanHooks:
     # the layers whose kept outputs the device can hold beside the plain calibration's peak, and why not every
     # one (None when every one; no layer when some kind of layer cannot have one)
     selective_layers_to_measure: Callable[[], tuple] = lambda: (None, None)
+    micro_batches: Callable[[], int] = lambda: 1     # forwards and backwards in an optimizer step
 
 
 @dataclass
@@ -161,7 +162,7 @@ class AutoPlanner:
                 # rank 0's verdict on its own trace, asked on every rank whether or not it traced this step (a
                 # script's own trace_next_step() on one rank drops that rank's): the ranks count the same steps,
                 # and rank 0's traces are the ones profiled
-                verdict = self.hooks.on_rank0(lambda: _verdict(trace))
+                verdict = self.hooks.on_rank0(lambda: _verdict(trace, self.hooks.micro_batches()))
                 if verdict == "mixed":
                     self._mixed += 1              # an evaluation in it: measure another step
                     if self._mixed > MIXED_STEPS_ALLOWED:
@@ -186,8 +187,9 @@ class AutoPlanner:
                     self.hooks.switch(self.selective_calibration(layers))
                     self._measure_next()
                     return
-                self.hooks.warn(f"lazytrain: policy \"auto\" does not measure selective layers, so its plan has none: "
-                                f"{why}, not even one layer of each kind")
+                if why is not None:   # none, with no why: no block is re-run in a backward (a frozen bottom)
+                    self.hooks.warn(f"lazytrain: policy \"auto\" does not measure selective layers, so its plan has "
+                                    f"none: {why}, not even one layer of each kind")
             plain, selective = (self._plain_traces, self._traces) if self._selective_phase else (self._traces, None)
             chosen = self._selective_layers
             profile = self.hooks.on_rank0(lambda: self._profile_saved(plain, selective, chosen))
@@ -240,8 +242,9 @@ class AutoPlanner:
         self._selective_phase, self._plain_traces = False, []
 
 
-def _verdict(trace) -> str | None:
-    """What a traced step counts as: not traced (None), ``"mixed"`` (an evaluation in it) or ``"traced"``."""
+def _verdict(trace, micro_batches: int = 1) -> str | None:
+    """What a traced step of ``micro_batches`` forwards and backwards counts as: not traced (None), ``"mixed"``
+    (an evaluation in it) or ``"traced"``."""
     if trace is None:
         return None
-    return "mixed" if ran_an_undifferentiated_forward(trace) else "traced"
+    return "mixed" if ran_an_undifferentiated_forward(trace, micro_batches) else "traced"

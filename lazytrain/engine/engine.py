@@ -487,7 +487,8 @@ class LazyTrainEngine(nn.Module):
             warn=lambda message: warnings.warn(message, UserWarning),
             current_policy=lambda: self.plan.policy,
             save_profile=(lambda profile: profile.to_json(settings.profile_path)) if settings.profile_path else None,
-            selective_layers_to_measure=self._selective_layers_to_measure)
+            selective_layers_to_measure=self._selective_layers_to_measure,
+            micro_batches=self.gradient_accumulation_steps)
         planner = auto_plan.AutoPlanner(settings, self.plan, hooks)
         planner.start(saved)
         return planner
@@ -495,10 +496,17 @@ class LazyTrainEngine(nn.Module):
     def _selective_layers_to_measure(self) -> tuple[tuple[int, ...] | None, str | None]:
         """The layers whose kept outputs (every selective layer's matmul and attention outputs at the turn,
         as the planner's model of this model counts them) the device tier can hold beside the plain
-        calibration's peak, and why not every layer (planner/measured.py ``layers_to_measure_selective``)."""
+        calibration's peak, and why not every layer (planner/measured.py ``layers_to_measure_selective``). Only
+        blocks the calibration's backward reaches: one below a frozen bottom is never re-run (none, with no why,
+        where no block is)."""
+        L = self.weights.num_layers
+        first = self.executor.backward_reaches or 0   # the calibration's last training forward's
+        if first >= L:
+            return (), None
+        reached = tuple(range(first, L)) if first else None   # None: every layer
         hbm = self.tiers["hbm"]
         if self._seq_len is None:
-            return None, None
+            return reached, None
         if hbm.capacity is not None:
             # the calibration step's own peak: the tiers' peaks were reset at the end of the step just done
             room = hbm.capacity - max(hbm.peak_bytes, self.last_step_peak_bytes.get("hbm", 0))
@@ -508,7 +516,7 @@ class LazyTrainEngine(nn.Module):
             # planner keeps for the CUDA context and allocator; every layer's kept outputs could overrun it
             room = card_memory(self.device) - GPU_RESERVED_BYTES - torch.cuda.max_memory_allocated(self.device)
         else:       # the CPU without a device budget: its kept outputs stay in host memory
-            return None, None
+            return reached, None
         from ..planner.search import as_model_shape
         shape = as_model_shape(self._model_cfg)
         tokens = self.train_micro_batch_size_per_gpu() * self._seq_len
@@ -516,7 +524,8 @@ class LazyTrainEngine(nn.Module):
         # log-sum-exp) and the tier counts whole storages: chosen to the byte, the selective calibration would
         # run over the tier's budget in the middle of the training's forward (TierBudgetError), so a margin
         kept = [b + b // SELECTIVE_MARGIN for b in shape.selective_bytes(tokens)]
-        return measured.layers_to_measure_selective(kept, list(shape.layers), max(0, room))
+        chosen, why = measured.layers_to_measure_selective(kept[first:], list(shape.layers)[first:], max(0, room))
+        return tuple(i + first for i in chosen), why
 
     def _profile_of(self, traces: list, selective: list | None = None,
                     selective_layers: tuple = ()) -> measured.MachineProfile:
@@ -845,6 +854,7 @@ class LazyTrainEngine(nn.Module):
             self.partitioned.begin_forward()
         chunk = self._config.lazytrain.loss_chunk_tokens
         engine_hooks = self.partitioned.hook_ids() if self.partitioned is not None else frozenset()
+        self.executor.backward_reaches = None
         if chunk and chunked_loss.applies(self.module, kwargs, engine_hooks):
             out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
             if self.partitioned is not None:   # its backward recomputes the head's logits outside the head, and
@@ -855,6 +865,7 @@ class LazyTrainEngine(nn.Module):
             out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             out = self._scale_direct_backward(out)
+            self._check_where_the_backward_stops()
         return out
 
     def _warn_of_user_hooks(self) -> None:
@@ -926,35 +937,32 @@ class LazyTrainEngine(nn.Module):
             self.dist.calls.entering("engine.backward()", self.micro_steps)
         self._grads_given = True
         self._engine_backward_depth += 1
-        self.executor.reached_down_to = None
         try:
             scaled.backward(retain_graph=retain_graph)
         finally:
             self._engine_backward_depth -= 1
-        self._check_where_the_backward_stopped()
         return loss
 
-    def _check_where_the_backward_stopped(self) -> None:
-        """Once a plan: whether the backward went down to the block its plan counted (a frozen bottom: the blocks
-        below the first that trains, with nothing run before them training, have none). The engine's count for a
-        first plan is an estimate from the parameters; a wrong one trains right, but the plan's time and memory are
-        then not what it predicted."""
+    def _check_where_the_backward_stops(self) -> None:
+        """Once a plan, at its first training forward (before a backward that may not fit): whether the backward
+        goes down to the block its plan counted (a frozen bottom: the blocks below the first that trains, with
+        nothing run before them training, have none). The engine's count for a first plan is an estimate from the
+        parameters; a wrong one trains right, but the plan's time and memory are then not what it predicted."""
         planned = self.plan.prediction.get("frozen_bottom_layers")
-        if planned is None or self._backward_checked_for is self.plan:
+        reached = self.executor.backward_reaches
+        if planned is None or reached is None or self._backward_checked_for is self.plan:
             return
         self._backward_checked_for = self.plan
-        reached = self.executor.reached_down_to
-        if reached is None:   # no block's backward ran
-            reached = self.executor.L
         if reached == planned:
             return
         if reached < planned:
-            why = (f"this backward went down to block {reached}: the plan re-runs blocks {reached}-{planned - 1} from "
-                   f"the kept boundary below them, so its steps take longer and hold more device memory than it "
-                   f"predicted")
+            why = (f"this training forward's backward goes down to block {reached}: the plan re-runs blocks "
+                   f"{reached}-{planned - 1} from the kept boundary below them, so its steps take longer and hold more "
+                   f"device memory than it predicted")
         else:
-            why = (f"this backward stopped at block {reached} (the blocks below it are frozen and nothing run before "
-                   f"them trains): the plan counted a backward for blocks {planned}-{reached - 1}, which runs none")
+            why = (f"this training forward's backward stops at block {reached} (the blocks below it are frozen and "
+                   f"nothing run before them trains): the plan counted a backward for blocks {planned}-{reached - 1}, "
+                   f"which runs none")
         warnings.warn(f"lazytrain: plan {self.plan.policy!r} was made for a backward that stops at block {planned}, "
                       f"but {why}. Set 'lazytrain.frozen_bottom_layers' to {reached}, or use policy \"auto\", which "
                       f"measures where the backward stops", UserWarning, stacklevel=3)

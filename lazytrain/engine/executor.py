@@ -194,7 +194,9 @@ class LayerStreamingExecutor:
         self._current: _Pass | None = None
         self._streaming_inference = False   # an inference forward's sequence is running
         self.recomputed_layer_forwards = 0
-        self.reached_down_to: int | None = None   # the lowest block the last backward differentiated (engine.backward)
+        # the lowest block the last training forward's backward reaches (its blocks' outputs that require grad; L
+        # for none), set as that forward ends: the engine checks it against its plan's count (a frozen bottom)
+        self.backward_reaches: int | None = None
         self._warned_unchained = False
         self._warned_container_tensor = False
         self._block_added = _TensorsSeen()      # tensors blocks put into lists/dicts they were handed
@@ -426,6 +428,7 @@ class LayerStreamingExecutor:
                           f"autograd in the forward). If the loss uses it (an auxiliary loss), return it from the "
                           f"block instead: a block's extra outputs are differentiated")
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
+            self.backward_reaches = min(p.differentiable, default=self.L)
             windows = self._backward_windows(p)
             if self.graph_start < self.L and windows:
                 # the graph tail's backward windows fetch nothing: as in the Plan, the first window that
@@ -745,7 +748,6 @@ class LayerStreamingExecutor:
                                                weights_now)
         self._free_boundary(p, layer)
         if layer == min(p.differentiable):   # the lowest a backward reaches: block 0, or the first trainable one
-            self.reached_down_to = layer
             self.release_pass(p)
         return g_x, t_grads
 

@@ -58,7 +58,8 @@ def register(subparsers) -> None:
     p.add_argument("--frozen-bottom-layers", type=nonnegative_int, default=None,
                    help="layers below the first one that trains, with nothing before them training (a frozen "
                         "embedding; training the top layers only): the backward reaches none of them, so they have "
-                        "no backward, gradients or update (default 0; with --profile, the run measured's)")
+                        "no backward, gradients or update; the embedding counts as frozen (default 0; with --profile, "
+                        "the run measured's)")
     p.add_argument("--loss-chunk-tokens", type=nonnegative_int, default=None,
                    help="tokens per piece the LM head computes logits and loss in: the config's "
                         "'lazytrain.loss_chunk_tokens' (0: whole, the engine's default; default 2048; with --profile, "

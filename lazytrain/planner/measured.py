@@ -144,7 +144,7 @@ class MeasuredCosts:
             raise MeasurementError("no traced step to measure from")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise MeasurementError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-        per_step = [_one_step(t, num_layers) for t in traces]
+        per_step = [_one_step(t, num_layers, micro_batches) for t in traces]
         firsts = sorted({s["first"] for s in per_step})
         if len(firsts) > 1:
             raise MeasurementError(f"the traced steps' backwards reached down to different layers ({firsts}): "
@@ -265,7 +265,7 @@ def layers_to_measure_selective(selective_bytes: list, kinds: list, room: int | 
     return tuple(sorted(chosen)), why
 
 
-def _one_step(timeline, L: int) -> dict[str, Any]:
+def _one_step(timeline, L: int, micro_batches: int = 1) -> dict[str, Any]:
     """One traced step's times. The rest of the model (embedding, head, loss) runs outside the blocks' spans,
     so its time is what remains of the compute side's time before step() once the blocks and the waits are
     taken out. On CUDA the blocks and the waits are timed by events on the compute stream (a wait's span is
@@ -279,7 +279,7 @@ def _one_step(timeline, L: int) -> dict[str, Any]:
     updates = []                       # (layer, span): the previous step's may still run in this forward
     # a forward never differentiated (an evaluation between the micro-batches, under grad or not) would add
     # its blocks' time to the layers' forwards and the rest of its time to the rest of the model's
-    if ran_an_undifferentiated_forward(timeline):
+    if ran_an_undifferentiated_forward(timeline, micro_batches):
         raise MeasurementError(f"the traced step {UNDIFFERENTIATED}")
     for s in timeline.spans:
         d = s.end - s.start
@@ -333,16 +333,21 @@ UNDIFFERENTIATED = ("ran a forward that was never differentiated (an evaluation 
                     "torch.no_grad() between optimizer steps (after engine.step()) while policy \"auto\" measures")
 
 
-def ran_an_undifferentiated_forward(timeline) -> bool:
+def ran_an_undifferentiated_forward(timeline, micro_batches: int | None = None) -> bool:
     """Whether a traced step holds a forward of the blocks that is not the step's: one under grad whose pass
     no backward re-ran (each block's spans name their pass), or one without autograd ("infer" spans). A
-    step policy "auto" cannot measure, its time mixed with that forward's."""
+    step policy "auto" cannot measure, its time mixed with that forward's. Where no backward reaches a block
+    (every block frozen, with nothing before them training), no pass has a backward span: then one pass more
+    than the step's ``micro_batches`` (when given) is such a forward."""
     compute = [s for s in timeline.spans if s.lane == "compute"]
     if any(s.name.startswith("infer ") for s in compute):
         return True
     passes = {kind: {s.args["pass"] for s in compute if s.name.startswith(kind + " ") and "pass" in s.args}
-              for kind in ("fwd", "diff")}
-    return bool(passes["diff"]) and bool(passes["fwd"] - passes["diff"])
+              for kind in ("fwd", "diff", "bwd")}
+    differentiated = passes["diff"] | passes["bwd"]
+    if not differentiated:
+        return micro_batches is not None and len(passes["fwd"]) > micro_batches
+    return bool(passes["fwd"] - differentiated)
 
 
 def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int, first: int = 0) -> None:

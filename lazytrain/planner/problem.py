@@ -132,7 +132,8 @@ class Budgets:
     # alone (a LoRA run's embedding and head). One share for all of them: the embedding's and head's gradient
     # bytes are each scaled by it
     non_block_trainable_share: float = 1.0
-    # the layers below the first one that trains, when nothing run before the layers trains (a frozen embedding):
+    # the layers below the first one that trains, when nothing run before the layers trains (a frozen embedding: at
+    # most the others outside the layers, the head, count as trained whatever non_block_trainable_share says):
     # the backward never reaches them (the engine differentiates none of them, fetches none of their weights
     # again and reads none of their boundaries), so they have no backward window tasks, gradients or update,
     # and the layers' trainable_share is all in the layers above them
@@ -285,6 +286,8 @@ class Problem:
         on_device = b.non_block_state == "device"
         # the parameters outside the layers that train (the others: their compute copy on the device alone)
         nb_trains = b.non_block_trainable_share
+        if f and m.nonlayer_params:   # a frozen bottom means a frozen embedding: at most the rest trains (the head)
+            nb_trains = min(nb_trains, max(0.0, 1 - m.vocab_size * m.hidden / m.nonlayer_params))
         self.nonlayer_trained = m.nonlayer_params * nb_trains
         # their compute copy, and the gradients of those that train
         self.gpu_static = self.nonlayer_w * (1 + nb_trains) + self.budgets.gpu_reserved_bytes + self.slot_slack

@@ -196,7 +196,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     # MegaTrain's executor copies each micro-batch's last gradients (layer 0's, the embedding's and head's)
     # after its backward; LazyTrain's engine sends an earlier micro-batch's beside the next one's windows, and
     # the step waits for the last one's alone (tail_once below)
-    tail_bytes = p.Gl[0] + p.nonlayer_link_bytes if mega_k is not None else 0
+    tail_bytes = p.last_grads_of_layers() + p.nonlayer_link_bytes if mega_k is not None else 0
     mega_buffers = megatrain.buffer_bytes(p) if mega_k is not None else None
     tail_each = tail_bytes / p.bw_d2h
 
