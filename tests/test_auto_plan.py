@@ -178,6 +178,7 @@ def test_a_gpu_without_a_device_budget_gives_kept_outputs_the_room_it_had_left(m
         total_memory = engine_module.GPU_RESERVED_BYTES + peak + 3 * per_layer + 10
     class OnAGpu:   # the engine's state as it would be on a GPU
         tiers, _seq_len, _model_cfg = engine.tiers, engine._seq_len, engine._model_cfg
+        weights, executor = engine.weights, engine.executor   # its blocks, and where its backward stops
         last_step_peak_bytes, train_micro_batch_size_per_gpu = engine.last_step_peak_bytes, engine.train_micro_batch_size_per_gpu
         device = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
@@ -618,7 +619,7 @@ def test_steps_with_an_evaluation_are_counted_per_measurement(monkeypatch):
     from lazytrain.config import AutoPlanConfig
     from lazytrain.engine import auto_plan
     from lazytrain.planner.plan import keep_all_plan
-    monkeypatch.setattr(auto_plan, "ran_an_undifferentiated_forward", lambda trace: trace["mixed"])
+    monkeypatch.setattr(auto_plan, "ran_an_undifferentiated_forward", lambda trace, micro_batches=None: trace["mixed"])
     state = {}
     planned = dataclasses.replace(keep_all_plan(2, home="hbm"), policy="milp", prediction={"step_time_s": 1.0})
     calibration = dataclasses.replace(keep_all_plan(2, home="host"), policy="auto-calibration")

@@ -252,6 +252,9 @@ def test_the_first_plan_counts_the_frozen_bottom_from_what_trains_before_the_blo
     assert model.lm_head.weight.requires_grad and _frozen_bottom_blocks(model, model.model.layers) == 3
     model.prompt = torch.nn.Embedding(4, 32)   # a trainable module beside the model (a prompt encoder): may run first
     assert _frozen_bottom_blocks(model, model.model.layers) == 0
+    model = _frozen_llama(3)                   # any forward hook on the input embeddings (one left registered twice
+    model.get_input_embeddings().register_forward_hook(lambda m, i, o: o)   # by transformers, NEFTune's): none
+    assert _frozen_bottom_blocks(model, model.model.layers) == 0
     model = _frozen_llama(0)
     assert _frozen_bottom_blocks(model, model.model.layers) == 0
 

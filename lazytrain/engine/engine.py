@@ -3025,13 +3025,24 @@ def _frozen_bottom_blocks(model: nn.Module, blocks: nn.ModuleList) -> int:
     """The blocks below the first one that trains, where nothing the model runs before them trains: the backward
     reaches none of them (the executor differentiates none), so the planner charges them no backward (planner
     ``Budgets.frozen_bottom_layers``). An estimate for the first plan (policy "auto" measures where the backward
-    stops), kept on the safe side: a trainable parameter outside the blocks counts as run after them only in a
-    module registered after the blocks beside them (a final norm) or in the output embeddings that are not the
-    input ones (an untied head); any other (an embedding, learned positions, a prompt encoder), or transformers'
-    ``enable_input_require_grads`` hook, counts none. Counted too high, the plan still trains right (its one
+    stops; the first training forward checks it), kept on the safe side: a trainable parameter outside the
+    blocks counts as run after them only in a module registered after the blocks beside them (a final norm) or
+    in the output embeddings that are not the input ones (an untied head); any other (an embedding, learned
+    positions, a prompt encoder), or a forward hook on the input embeddings (transformers'
+    ``enable_input_require_grads``), counts none. Counted too high, the plan still trains right (its one
     segment below is re-run from boundary 0), only slower and with more memory than planned."""
     first = next((i for i, b in enumerate(blocks) if any(p.requires_grad for p in b.parameters())), len(blocks))
-    if first == 0 or any(_hook_live(getattr(m, "_require_grads_hook", None)) for m in model.modules()):
+    if first == 0:
+        return 0
+    embeddings = {}
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, name)()
+        except Exception:   # noqa: BLE001 - a model without them, or one whose method raises: none counted
+            module = None
+        embeddings[name] = module if isinstance(module, nn.Module) else None
+    inputs, outputs = embeddings["get_input_embeddings"], embeddings["get_output_embeddings"]
+    if inputs is not None and inputs._forward_hooks:   # may make its output require grad
         return 0
     after: set[int] = set()
     parent = next((m for m in model.modules() if any(c is blocks for c in m.children())), None)
@@ -3039,26 +3050,14 @@ def _frozen_bottom_blocks(model: nn.Module, blocks: nn.ModuleList) -> int:
         siblings = list(parent.children())
         for c in siblings[siblings.index(next(c for c in siblings if c is blocks)) + 1:]:
             after.update(id(p) for p in c.parameters())
-    for name, sign in (("get_output_embeddings", 1), ("get_input_embeddings", -1)):
-        try:
-            module = getattr(model, name)()
-        except Exception:   # noqa: BLE001 - a model without them, or one whose method raises: none counted
-            module = None
-        if isinstance(module, nn.Module):
-            ids = {id(p) for p in module.parameters()}
-            after = after | ids if sign > 0 else after - ids
+    if outputs is not None:
+        after.update(id(p) for p in outputs.parameters())
+    if inputs is not None:
+        after.difference_update(id(p) for p in inputs.parameters())
     in_blocks = {id(p) for p in blocks.parameters()}
     if any(p.requires_grad and id(p) not in in_blocks and id(p) not in after for p in model.parameters()):
         return 0
     return first
-
-
-def _hook_live(handle) -> bool:
-    """Whether a hook handle (torch's RemovableHandle) is still registered: transformers keeps the attribute
-    after ``disable_input_require_grads()`` removes the hook."""
-    hooks = getattr(handle, "hooks_dict_ref", None)
-    table = hooks() if callable(hooks) else None
-    return table is not None and getattr(handle, "id", None) in table
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:
