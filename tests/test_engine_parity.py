@@ -1224,7 +1224,8 @@ def test_planner_gets_the_shares_of_the_parameters_that_train(monkeypatch):
     others = [p for p in model.parameters() if id(p) not in in_blocks]
     head_share = model.lm_head.weight.numel() / sum(p.numel() for p in others)
     assert seen == [{"trainable_share": share, "non_block_trainable_share": head_share,
-                     "hybrid_8bit_fraction": 0.0}]   # fp32 Adam states
+                     "hybrid_8bit_fraction": 0.0,     # fp32 Adam states
+                     "frozen_bottom_layers": 0}]      # adapters in every block: the backward reaches block 0
     assert 0 < share < 0.05 and 0.4 < head_share < 0.5   # the head of the embedding, head and final norm
     budgets = planning_budgets(engine._config, engine.tiers, 2, 12, seen[0])
     assert (budgets["trainable_share"], budgets["non_block_trainable_share"]) == (share, head_share)
