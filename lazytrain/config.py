@@ -1076,6 +1076,10 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     testing = _parse_testing(section.get("testing", {}))
     if "auto" in section and policy != "auto":
         raise ConfigError(f"config key 'lazytrain.auto' sets up policy \"auto\", but 'lazytrain.policy' is {policy!r}")
+    if section.get("frozen_bottom_layers", "auto") != "auto" and policy != "milp":
+        raise ConfigError(f"config key 'lazytrain.frozen_bottom_layers' is for policy \"milp\", which plans at start-up; "
+                          f"policy \"auto\" measures where the backward stops, and a Plan file is made for it with "
+                          f"`lazytrain plan --frozen-bottom-layers` (policy is {policy!r})")
     if policy == "auto" and section.get("overlap_optimizer") is False:
         raise ConfigError("config 'lazytrain.policy' \"auto\" measures each layer's host update, which runs layer "
                           "by layer with 'lazytrain.overlap_optimizer' on: leave it \"auto\" or set it true")

@@ -607,7 +607,10 @@ def test_steps_with_an_evaluation_are_not_measured_and_too_many_stop_auto(grad):
     assert engine.auto.stopped == ("MeasurementError: 5 traced steps each ran a forward that was never differentiated "
                                    "(an evaluation between its micro-batches, with gradients on or off?), whose time "
                                    "cannot be told apart from the step's: evaluate under torch.no_grad() between "
-                                   "optimizer steps (after engine.step()) while policy \"auto\" measures")
+                                   "optimizer steps (after engine.step()) while policy \"auto\" measures. Where every "
+                                   "block is frozen no forward is differentiated, and one forward more than the step's "
+                                   "micro-batches counts as such: a loss that runs the model twice a micro-batch cannot "
+                                   "be measured there (use a fixed policy)")
     assert any("policy \"auto\" stopped after step 8" in str(w.message) for w in caught)
     engine.destroy()
 

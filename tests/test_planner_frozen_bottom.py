@@ -337,12 +337,16 @@ def test_a_plan_that_counted_the_frozen_bottom_otherwise_than_the_backward_ran_s
          "below the first that trains, with nothing run before them training), got -1"),
     ("3", "config key 'lazytrain.frozen_bottom_layers' must be \"auto\" or a whole number of blocks >= 0"),
     (7, "config key 'lazytrain.frozen_bottom_layers' is 7, but the model has 6 blocks"),
+    ({"policy": "auto", "frozen_bottom_layers": 3}, "config key 'lazytrain.frozen_bottom_layers' is for policy "
+     "\"milp\", which plans at start-up; policy \"auto\" measures where the backward stops, and a Plan file is made "
+     "for it with `lazytrain plan --frozen-bottom-layers` (policy is 'auto')"),
 ])
 def test_bad_frozen_bottom_counts_in_the_config_are_named(value, message):
     from lazytrain.config import ConfigError
+    lt = value if isinstance(value, dict) else {"policy": "milp", "hardware": "h200", "seq_len": 12,
+                                                "frozen_bottom_layers": value}
     with pytest.raises(ConfigError, match=re.escape(message)):
-        _train({"policy": "milp", "hardware": "h200", "seq_len": 12, "frozen_bottom_layers": value},
-               _frozen_llama(3), steps=0)
+        _train(lt, _frozen_llama(3), steps=0)
 
 
 def test_a_plan_counting_too_many_frozen_blocks_is_said_at_the_first_training_forward_before_its_backward():
@@ -356,8 +360,9 @@ def test_a_plan_counting_too_many_frozen_blocks_is_said_at_the_first_training_fo
             warnings.simplefilter("always")
             engine(x)
         assert not [w for w in caught if "was made for a backward" in str(w.message)]
-        with pytest.warns(UserWarning, match="this training forward's backward goes down to block 0"):
+        with pytest.warns(UserWarning, match="this training forward's backward goes down to block 0") as said:
             loss = lm_loss(engine(x), y)
+        assert said[0].filename == __file__   # said where the script called the engine
         engine.backward(loss)
         engine.step()
         with warnings.catch_warnings():
@@ -424,10 +429,57 @@ def test_megatrains_replay_copies_the_lowest_reached_layers_gradients_and_a_froz
     from lazytrain.planner.models import ModelShape
     from lazytrain.planner.policies import simulate_megatrain
     p = frozen(toy_problem(6, 3.0, host_slots=6), 2)
-    tail = [e for e in simulate_megatrain(p, timeline=True).timeline if e.label == "grads L0 + embedding/head"]
+    tail = [e for e in simulate_megatrain(p, timeline=True).timeline if e.label == "grads L2 + embedding/head"]
     assert [e.nbytes for e in tail] == [p.Gl[2] + p.nonlayer_link_bytes] and p.Gl[2] > 0
     # an untied embedding and head: with a frozen bottom only the head (and final norm) can train
     shape = ModelShape.from_layers("m", [1000] * 4, hidden=8, vocab_size=100, tied_embeddings=False)
     q = Problem(shape, TOY_HW, Budgets(gpu_bytes=10**9, host_bytes=10**9, gpu_reserved_bytes=0, frozen_bottom_layers=2), 1, 4)
     assert shape.nonlayer_params - 100 * 8 == 808 and q.nonlayer_trained == pytest.approx(808)
     assert q.embed_grad_bytes == 0 and q.head_grad_bytes == pytest.approx(808 * 2)
+
+
+
+def test_a_plan_file_counted_otherwise_is_told_to_be_made_again_and_a_module_forward_is_checked_at_its_backward(
+        tmp_path):
+    """A Plan file records the count it was made for: the advice is to make it again (the config key is policy
+    milp's). A forward through engine.module (not the engine) is checked as its backward starts. A count that is
+    no number in a hand-edited file is not checked."""
+    plan = Plan(num_layers=6, homes=("hbm",) * 7, policy="from-file", prediction={"frozen_bottom_layers": 0})
+    path = tmp_path / "plan.json"
+    plan.to_json(str(path))
+    engine, _, _ = _train({"policy": "plan", "plan": str(path)}, _frozen_llama(3), steps=0)
+    try:
+        (x, y), = batches(1)
+        loss = lm_loss(engine.module(x), y)
+        with pytest.warns(UserWarning, match=re.escape(
+                "backward stops at block 3 (the blocks below it are frozen and nothing run before them trains): the "
+                "plan counted a backward for blocks 0-2, which runs none. Make the plan again with `lazytrain plan "
+                "--frozen-bottom-layers 3`")):
+            engine.backward(loss)
+    finally:
+        engine.destroy()
+    plan.to_json(str(path))
+    with open(path) as f:
+        text = f.read().replace('"frozen_bottom_layers": 0', '"frozen_bottom_layers": "three"')
+    with open(path, "w") as f:
+        f.write(text)
+    engine, _, said = _train({"policy": "plan", "plan": str(path)}, _frozen_llama(3), steps=1)
+    engine.destroy()
+    assert not [m for m in said if "was made for a backward" in m]
+
+
+def test_a_start_plan_keeping_boundaries_where_every_block_is_frozen_is_not_used():
+    from lazytrain.planner.milp import MilpOptions, _start_values
+    import lazytrain.planner.milp as milp
+    p = frozen(toy_problem(4, 3.0, host_slots=4), 4)
+    captured = []
+    original = milp._start_values
+    milp._start_values = lambda plan, *args: captured.append(original(plan, *args)) or captured[-1]
+    try:
+        build_and_solve(p, MilpOptions(split_internals=False), start_plan=Plan(num_layers=4, homes=("hbm",) + ("host",) * 3
+                                                                               + ("hbm",), policy="keeps"))
+        build_and_solve(p, MilpOptions(split_internals=False), start_plan=keep_all(p)[0])
+    finally:
+        milp._start_values = original
+    assert captured[0] is None and captured[1] is not None
+    assert _start_values is original

@@ -865,7 +865,8 @@ class LazyTrainEngine(nn.Module):
             out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             out = self._scale_direct_backward(out)
-            self._check_where_the_backward_stops()
+            # the caller, under nn.Module.__call__'s two frames
+            self._check_where_the_backward_stops(stacklevel=4)
         return out
 
     def _warn_of_user_hooks(self) -> None:
@@ -936,6 +937,7 @@ class LazyTrainEngine(nn.Module):
         if self._backward_reduces:
             self.dist.calls.entering("engine.backward()", self.micro_steps)
         self._grads_given = True
+        self._check_where_the_backward_stops(stacklevel=2)   # a forward through engine.module: not checked yet
         self._engine_backward_depth += 1
         try:
             scaled.backward(retain_graph=retain_graph)
@@ -943,14 +945,16 @@ class LazyTrainEngine(nn.Module):
             self._engine_backward_depth -= 1
         return loss
 
-    def _check_where_the_backward_stops(self) -> None:
-        """Once a plan, at its first training forward (before a backward that may not fit): whether the backward
-        goes down to the block its plan counted (a frozen bottom: the blocks below the first that trains, with
-        nothing run before them training, have none). The engine's count for a first plan is an estimate from the
-        parameters; a wrong one trains right, but the plan's time and memory are then not what it predicted."""
+    def _check_where_the_backward_stops(self, stacklevel: int) -> None:
+        """Once a plan, at its first training forward (before a backward that may not fit; at its backward for a
+        forward through ``engine.module``): whether the backward goes down to the block its plan counted (a frozen
+        bottom: the blocks below the first that trains, with nothing run before them training, have none). The
+        engine's count for a first plan is an estimate from the parameters; a wrong one trains right, but the
+        plan's time and memory are then not what it predicted."""
         planned = self.plan.prediction.get("frozen_bottom_layers")
         reached = self.executor.backward_reaches
-        if planned is None or reached is None or self._backward_checked_for is self.plan:
+        if isinstance(planned, bool) or not isinstance(planned, int) or reached is None \
+                or self._backward_checked_for is self.plan:
             return
         self._backward_checked_for = self.plan
         if reached == planned:
@@ -963,9 +967,19 @@ class LazyTrainEngine(nn.Module):
             why = (f"this training forward's backward stops at block {reached} (the blocks below it are frozen and "
                    f"nothing run before them trains): the plan counted a backward for blocks {planned}-{reached - 1}, "
                    f"which runs none")
+        lt = self._config.lazytrain
+        if lt.policy == "plan":
+            fix = f"Make the plan again with `lazytrain plan --frozen-bottom-layers {reached}`"
+        elif lt.policy == "auto" and lt.auto.profile:
+            fix = ("Measure again: the saved profile 'lazytrain.auto.profile' was measured on a run whose backward "
+                   "stopped elsewhere")
+        elif lt.policy == "auto":
+            fix = "The run changed what trains since policy \"auto\" measured it"
+        else:
+            fix = (f"Set 'lazytrain.frozen_bottom_layers' to {reached}, or use policy \"auto\", which measures where "
+                   f"the backward stops")
         warnings.warn(f"lazytrain: plan {self.plan.policy!r} was made for a backward that stops at block {planned}, "
-                      f"but {why}. Set 'lazytrain.frozen_bottom_layers' to {reached}, or use policy \"auto\", which "
-                      f"measures where the backward stops", UserWarning, stacklevel=3)
+                      f"but {why}. {fix}", UserWarning, stacklevel=stacklevel + 1)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:

@@ -330,7 +330,10 @@ def _one_step(timeline, L: int, micro_batches: int = 1) -> dict[str, Any]:
 
 UNDIFFERENTIATED = ("ran a forward that was never differentiated (an evaluation between its micro-batches, with "
                     "gradients on or off?), whose time cannot be told apart from the step's: evaluate under "
-                    "torch.no_grad() between optimizer steps (after engine.step()) while policy \"auto\" measures")
+                    "torch.no_grad() between optimizer steps (after engine.step()) while policy \"auto\" measures. "
+                    "Where every block is frozen no forward is differentiated, and one forward more than the step's "
+                    "micro-batches counts as such: a loss that runs the model twice a micro-batch cannot be measured "
+                    "there (use a fixed policy)")
 
 
 def ran_an_undifferentiated_forward(timeline, micro_batches: int | None = None) -> bool:

@@ -390,8 +390,8 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
     chosen: set[str] = set()   # variable names (an LpVariable's == builds a constraint)
     segments = plan.segments()
     tail = segments[-1][0] if plan.last_segment_graph else None
-    if frozen and ((0, frozen) not in segments and frozen < L or
-                   any(j < frozen for j in plan.selective_layers + plan.offloaded_layers) or
+    below = (0, frozen) not in segments if frozen < L else segments != [(0, L)]   # one segment [0, frozen)
+    if frozen and (below or any(j < frozen for j in plan.selective_layers + plan.offloaded_layers) or
                    tail is not None and tail < frozen):
         return None
     for s_, e in segments:

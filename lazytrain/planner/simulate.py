@@ -383,7 +383,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         t += tail_each
         exposed["d2h"] += tail_each
         if timeline and mega_k is not None:
-            events.append(Event("d2h", "grads L0 + embedding/head", end_of_windows, t, 2 * L, nbytes=tail_bytes))
+            last = f"grads L{p.first_reached} + " if p.first_reached < L else "grads "   # the lowest reached layer's
+            events.append(Event("d2h", last + "embedding/head", end_of_windows, t, 2 * L, nbytes=tail_bytes))
         return _MicroBatch(events, memory, window_s, exposed, compute_total, peak, violations, t)
 
     # --- the step: its micro-batches one after another, the last one's last gradients to the host (LazyTrain's
