@@ -483,3 +483,18 @@ def test_a_start_plan_keeping_boundaries_where_every_block_is_frozen_is_not_used
         milp._start_values = original
     assert captured[0] is None and captured[1] is not None
     assert _start_values is original
+
+
+def test_a_frozen_bottom_trains_none_of_its_parameters_and_its_forward_alone_counts_in_the_tflops():
+    """Budgets say every layer trains (lazytrain plan's default), but a frozen bottom's cannot: the host holds
+    no fp32 master, gradient or moments for them. The convention's 6 FLOPs per parameter and token count 2 for
+    them, their forward alone."""
+    p0, p = toy_problem(4, 3.0, host_slots=4), frozen(toy_problem(4, 3.0, host_slots=4), 2)
+    params = [l.params for l in p.model.layers]
+    assert p.layer_trainable_share == pytest.approx(sum(params[2:]) / sum(params))
+    db = p.model.dtype_bytes
+    assert p0.host_static - p.host_static == pytest.approx(sum(params[:2]) * (p0.host_bytes_per_param - db), abs=1)
+    plan = keep_all(p)[0]
+    r = simulate(p, plan)
+    tokens = p.micro_batch * p.seq_len
+    assert r.tflops == pytest.approx((6 * p.model.throughput_params - 4 * sum(params[:2])) * tokens / r.step_time_s / 1e12)

@@ -250,7 +250,9 @@ class Problem:
         self.Wl = [l.params * db for l in m.layers]                   # compute-dtype weights per layer
         # the share of the layers above the frozen bottom that trains: the whole trainable_share is theirs
         above = sum(l.params for l in m.layers[f:])
-        share = min(1.0, self.budgets.trainable_share * m.layer_params / above) if above else 0.0
+        # (the frozen bottom's parameters train by definition not: at most the layers above it count as trained)
+        self.layer_trainable_share = min(self.budgets.trainable_share, above / m.layer_params if m.layer_params else 0)
+        share = self.layer_trainable_share * m.layer_params / above if above else 0.0
         self.Gl = [l.params * db * share if i >= f else 0.0 for i, l in enumerate(m.layers)]   # gradients per layer
         self.fwd_s = [l.fwd_flops_per_token(S) * T / self.flops for l in m.layers]
         self.diff_s = [3.0 * f for f in self.fwd_s]                   # forward-with-grad + backward (2x)
@@ -304,8 +306,8 @@ class Problem:
         layer_trains = (0 if db == 4 and b.weights_in_host else 4 * b.master_share) + grads + adam
         copy = db * b.weights_copy_share if b.weights_in_host else 0.0
         self.host_bytes_per_param = copy + layer_trains   # a layer's trained parameter
-        self.host_bytes_per_layer_param = (copy if b.weights_in_host else db * (1 - b.trainable_share)) \
-            + b.trainable_share * layer_trains
+        tshare = self.layer_trainable_share
+        self.host_bytes_per_layer_param = (copy if b.weights_in_host else db * (1 - tshare)) + tshare * layer_trains
         # a trained parameter outside the layers: its fp32 master, gradient and moments (its copy is on the device)
         self.host_bytes_per_nonlayer_param = 4 * b.non_block_master_share + 4 * b.non_block_gradient_share + adam
         self.host_static = int(m.layer_params * self.host_bytes_per_layer_param +

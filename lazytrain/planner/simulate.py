@@ -7,7 +7,8 @@ accounts device, host and NVMe bytes over time; an offloaded layer's internals (
 are copied to the host after its forward (or in the shares Plan.internals_offload_split gives, each at
 the start of its window) and back in the shares of Plan.internals_prefetch_split, and its backward waits
 for them. It outputs the step time, TFLOPS under the paper's convention (6 * N * batch * seq / step time, N
-the parameters a token multiplies: ModelShape.throughput_params), tokens/s, exposed time per link, peak bytes
+the parameters a token multiplies: ModelShape.throughput_params; a frozen bottom's layers count 2 per parameter,
+their forward alone), tokens/s, exposed time per link, peak bytes
 per tier and a timeline; it checks the invariants (every boundary on the device before a task reads it, no
 tier over budget) and reports each violation (raising :class:`SimulationError` when ``strict``).
 
@@ -470,7 +471,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         h = "graph" if i >= g else h                           # held inside a recorded forward graph
         counts[h] = counts.get(h, 0) + 1
     toks = p.micro_batch * p.seq_len * p.grad_accum
-    return SimResult(step_time_s=step, tflops=6 * p.model.throughput_params * toks / step / 1e12,
+    # a frozen bottom's layers run their forward alone: 2 of the convention's 6 FLOPs per parameter and token
+    forward_only = sum(l.params if l.active_params is None else l.active_params for l in p.model.layers[:p.first_reached])
+    return SimResult(step_time_s=step, tflops=(6 * p.model.throughput_params - 4 * forward_only) * toks / step / 1e12,
                      tokens_per_s=toks / step, exposed_s=exposed, peak_bytes=peak, compute_s=compute_total,
                      window_s=window_s, boundaries_per_home=counts, selective_layers=len(selective),
                      offloaded_layers=len(offl),
