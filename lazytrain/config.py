@@ -1076,7 +1076,8 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
     testing = _parse_testing(section.get("testing", {}))
     if "auto" in section and policy != "auto":
         raise ConfigError(f"config key 'lazytrain.auto' sets up policy \"auto\", but 'lazytrain.policy' is {policy!r}")
-    if section.get("frozen_bottom_layers", "auto") != "auto" and policy != "milp":
+    frozen_bottom = _frozen_bottom_layers(section)
+    if frozen_bottom is not None and policy != "milp":
         raise ConfigError(f"config key 'lazytrain.frozen_bottom_layers' is for policy \"milp\", which plans at start-up; "
                           f"policy \"auto\" measures where the backward stops, and a Plan file is made for it with "
                           f"`lazytrain plan --frozen-bottom-layers` (policy is {policy!r})")
@@ -1099,4 +1100,4 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         seq_len=_seq_len(section), hardware=hardware,
         collective_timeout_s=float(timeout), loss_chunk_tokens=_loss_chunk_tokens(section),
         non_block_state=non_block, lean_norms=lean, gradient_reduce=reduce_at, grad_norm_as_landed=as_landed,
-        frozen_bottom_layers=_frozen_bottom_layers(section))
+        frozen_bottom_layers=frozen_bottom)

@@ -346,11 +346,10 @@ def ran_an_undifferentiated_forward(timeline, micro_batches: int | None = None) 
     if any(s.name.startswith("infer ") for s in compute):
         return True
     passes = {kind: {s.args["pass"] for s in compute if s.name.startswith(kind + " ") and "pass" in s.args}
-              for kind in ("fwd", "diff", "bwd")}
-    differentiated = passes["diff"] | passes["bwd"]
-    if not differentiated:
+              for kind in ("fwd", "diff")}   # (a "bwd" span names no pass)
+    if not passes["diff"]:
         return micro_batches is not None and len(passes["fwd"]) > micro_batches
-    return bool(passes["fwd"] - differentiated)
+    return bool(passes["fwd"] - passes["diff"])
 
 
 def _all_layers_seen(seen: dict[str, set], kinds: tuple, L: int, first: int = 0) -> None:

@@ -552,7 +552,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
         # none of its layers keeps a graph, outputs or internals for a backward
         for v in ([x[e] for e in edges if e[0] < f] + [g[i] for i in range(1, f)] +
                   [home[i, k] for i in range(1, f) for k in tiers] +
-                  [t[j] for t in (q, offl, sel, bwd_w) for j in range(f)]):
+                  [table[j] for table in (q, offl, sel, bwd_w) for j in range(f)]):
             if isinstance(v, pulp.LpVariable):
                 v.upBound = 0
     t = {w: C(f"t_{w}") for w in range(W)}                                  # window time
@@ -663,10 +663,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     for i in range(L):
         a = p.A[i] / GBF
         dev.add_constant(a, max(i - 1, 0), i)        # produced (or read) in windows i-1 and i
-        last = W - 1 - i                              # differentiated then
-        if i < f:                                     # never read back: held until the pass is released, after
-            last = W - 1 - f if f < L else W - 1      # the lowest layer the backward reaches
-        dev.add(g[i], a, i + 1, last)
+        last = p.last_use_window(i)                   # differentiated then (below a frozen bottom: never read back,
+        dev.add(g[i], a, i + 1, last)                 # held until the pass is released)
         for k in tiers:
             for v in off_windows[i]:                  # on the device until its offload window
                 dev.add(off[i, k, v], a, i + 1, v)

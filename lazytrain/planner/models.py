@@ -171,8 +171,13 @@ class LayerShape:
     saved_bytes: int | None = None  # bytes per token its autograd saves, where given; else derived from the shape
     moe_top_k: int = 0       # routed experts a token goes to (a mixture-of-experts layer; 0: a dense MLP)
 
+    @property
+    def token_params(self) -> int:
+        """Parameters one token multiplies: ``active_params`` where given (MoE), else all of them."""
+        return self.params if self.active_params is None else self.active_params
+
     def fwd_flops_per_token(self, seq_len: int) -> float:
-        active = self.params if self.active_params is None else self.active_params
+        active = self.token_params
         if self.linear is not None:
             return 2.0 * active + self.linear.mixing_flops_per_token()
         return 2.0 * active + 2.0 * seq_len * self.q_dim
@@ -381,7 +386,7 @@ class ModelShape:
     def active_params(self) -> int:
         """Parameters one token multiplies: a mixture-of-experts layer's routed top-k and shared experts, not
         every expert it stores (a dense model: all of them)."""
-        layers = sum(l.params if l.active_params is None else l.active_params for l in self.layers)
+        layers = sum(l.token_params for l in self.layers)
         return layers + self.nonlayer_params
 
     @property

@@ -371,6 +371,13 @@ class Problem:
         self.head_grad_bytes, self.embed_grad_bytes = c.grads_beside_bytes or (0, 0)
         self._last_grads(self.last_grads_of_layers() + self.embed_grad_bytes)
 
+    def last_use_window(self, b: int) -> int:
+        """The window after which boundary ``b`` (< L) is released: layer b's backward window; below the lowest layer
+        the backward reaches (a frozen bottom), that layer's, when the engine releases the pass (the step's last
+        window where the backward reaches none)."""
+        f, L = self.first_reached, self.L
+        return 2 * L - 1 - max(b, f) if f < L else 2 * L - 1
+
     def last_grads_of_layers(self) -> float:
         """The layers' gradients a backward makes last: the lowest layer's it reaches (none when it reaches none)."""
         return self.Gl[self.first_reached] if self.first_reached < self.L else 0

@@ -112,6 +112,13 @@ def _share_label(label: str, split: dict[int, float], w: int) -> str:
     return label if len(split) == 1 else f"{label} share {split[w]:.4g}"
 
 
+def _last_grads_label(p: Problem, *others: str) -> str:
+    """The gradients a backward copies last: the lowest layer's it reaches (none where it reaches none), and
+    ``others``'."""
+    parts = ([f"L{p.first_reached}"] if p.first_reached < p.L else []) + list(others)
+    return "grads " + " + ".join(parts) if parts else "grads"
+
+
 def _link_bw(p: Problem, link: str) -> float:
     return {"h2d": p.bw_h2d, "d2h": p.bw_d2h, "nvme_read": p.bw_nr, "nvme_write": p.bw_nw}[link]
 
@@ -177,12 +184,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     tasks = window_tasks(p, plan, executor)
     seg_end = {s: e for s, e in plan.segments() if s < g}
     need = {b: 2 * L - seg_end[b] for b in seg_end}            # first backward read of kept boundary b < L
-    # layer b is differentiated then; a boundary below the lowest layer the backward reaches (a frozen bottom)
-    # is held until that layer's backward, when the engine releases the pass
-    f = p.first_reached
-    last_use = {b: 2 * L - 1 - max(b, f) if f < L else 2 * L - 1 for b in range(L)}
-    # kept boundaries whose segment lies below that layer: stored in the forward, never read back
-    unread = {b for b, e in seg_end.items() if e <= f}
+    last_use = {b: p.last_use_window(b) for b in range(L)}       # layer b is differentiated then (Problem)
+    # kept boundaries whose segment lies below the lowest layer the backward reaches: stored, never read back
+    unread = {b for b, e in seg_end.items() if e <= p.first_reached}
     # window -> the recomputed boundaries it regenerates
     regenerated: dict[int, list[int]] = {}
     for s, e in seg_end.items():
@@ -384,8 +388,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         t += tail_each
         exposed["d2h"] += tail_each
         if timeline and mega_k is not None:
-            last = f"grads L{p.first_reached} + " if p.first_reached < L else "grads "   # the lowest reached layer's
-            events.append(Event("d2h", last + "embedding/head", end_of_windows, t, 2 * L, nbytes=tail_bytes))
+            events.append(Event("d2h", _last_grads_label(p, "embedding/head"), end_of_windows, t, 2 * L,
+                                nbytes=tail_bytes))
         return _MicroBatch(events, memory, window_s, exposed, compute_total, peak, violations, t)
 
     # --- the step: its micro-batches one after another, the last one's last gradients to the host (LazyTrain's
@@ -418,8 +422,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     opt_start = tail_start + tail_once
     exposed["d2h"] += tail_once
     if timeline and mega_k is None:
-        last = "grads L0 + embedding" if not p.first_reached else \
-            f"grads L{p.first_reached}" if p.first_reached < L else "grads"   # the lowest layer's the backward reaches
+        last = _last_grads_label(p, *(() if p.first_reached else ("embedding",)))   # a frozen bottom's: none
         events.append(Event("d2h", last, tail_start, opt_start, 2 * L, micro_batch=None, nbytes=p.carry_bytes))
     O = [p.opt_nl]
     for o in p.opt_l:
@@ -472,7 +475,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         counts[h] = counts.get(h, 0) + 1
     toks = p.micro_batch * p.seq_len * p.grad_accum
     # a frozen bottom's layers run their forward alone: 2 of the convention's 6 FLOPs per parameter and token
-    forward_only = sum(l.params if l.active_params is None else l.active_params for l in p.model.layers[:p.first_reached])
+    forward_only = sum(l.token_params for l in p.model.layers[:p.first_reached])
     return SimResult(step_time_s=step, tflops=(6 * p.model.throughput_params - 4 * forward_only) * toks / step / 1e12,
                      tokens_per_s=toks / step, exposed_s=exposed, peak_bytes=peak, compute_s=compute_total,
                      window_s=window_s, boundaries_per_home=counts, selective_layers=len(selective),
