@@ -425,18 +425,19 @@ def test_with_no_block_differentiated_a_forward_beyond_the_steps_micro_batches_i
         MeasuredCosts.from_traces([step(3)], 3, micro_batches=2)
 
 
-def test_megatrains_replay_copies_the_lowest_reached_layers_gradients_and_a_frozen_bottom_freezes_the_embedding():
+def test_megatrains_replay_trains_every_layer_below_a_frozen_bottom_and_a_frozen_bottom_freezes_the_embedding():
     from lazytrain.planner.models import ModelShape
     from lazytrain.planner.policies import simulate_megatrain
-    p = frozen(toy_problem(6, 3.0, host_slots=6), 2)
-    tail = [e for e in simulate_megatrain(p, timeline=True).timeline if e.label == "grads L2 + embedding/head"]
-    assert [e.nbytes for e in tail] == [p.Gl[2] + p.nonlayer_link_bytes] and p.Gl[2] > 0
+    p = toy_problem(6, 3.0, host_slots=6)
+    # MegaTrain has no frozen training: it differentiates layers 0 and 1 too, and copies layer 0's gradients last
+    mt = simulate_megatrain(frozen(p, 2), timeline=True)
+    assert [e.nbytes for e in mt.timeline if e.label == "grads L0 + embedding/head"] == [p.Wl[0] + p.nonlayer_w]
+    assert {e.label for e in mt.timeline if e.lane == "compute" and e.window >= 6} >= {"diff L0", "diff L1"}
     # an untied embedding and head: with a frozen bottom only the head (and final norm) can train
     shape = ModelShape.from_layers("m", [1000] * 4, hidden=8, vocab_size=100, tied_embeddings=False)
     q = Problem(shape, TOY_HW, Budgets(gpu_bytes=10**9, host_bytes=10**9, gpu_reserved_bytes=0, frozen_bottom_layers=2), 1, 4)
     assert shape.nonlayer_params - 100 * 8 == 808 and q.nonlayer_trained == pytest.approx(808)
     assert q.embed_grad_bytes == 0 and q.head_grad_bytes == pytest.approx(808 * 2)
-
 
 
 def test_a_plan_file_counted_otherwise_is_told_to_be_made_again_and_a_module_forward_is_checked_at_its_backward(

@@ -131,3 +131,99 @@ def test_calibration_band_contains_the_best_fit_and_orders_its_predictions():
     assert low <= value <= high and low < high
     with pytest.raises(ValueError, match="empty calibration band"):
         prediction_band([], lambda hw: 0.0)
+
+
+def test_megatrain_trains_every_parameter_whatever_the_problem_freezes_and_holds_its_own_host_state():
+    """MegaTrain has no frozen or partial training (its code differentiates every layer and the embedding, and
+    clips, updates and refreshes all parameters): a problem training less replays as the full fine-tuning."""
+    import dataclasses
+    p = toy_problem(6, 3.0, host_slots=6)
+    full = simulate_megatrain(p, timeline=True)
+    for less in (dict(frozen_bottom_layers=2), dict(trainable_share=0.1), dict(non_block_trainable_share=0.0),
+                 dict(frozen_bottom_layers=6, trainable_share=0.0, non_block_trainable_share=0.0)):
+        q = dataclasses.replace(p, budgets=dataclasses.replace(p.budgets, **less))
+        r = simulate_megatrain(q, timeline=True)
+        assert (r.step_time_s, r.peak_bytes, r.tflops) == (full.step_time_s, full.peak_bytes, full.tflops), less
+        assert r.step_time_s > simulate(q, megatrain_plan(q), strict=False).step_time_s   # LazyTrain's executor: less
+    # its host: bf16 parameters and gradients, fp32 moments, and each layer's pinned bf16 flat copy (no boundary
+    # is kept there)
+    m = p.model
+    assert full.peak_bytes["host"] == megatrain.host_bytes(p) == m.total_params * 12 + m.layer_params * 2
+    # the step ends copying every non-layer weight to the device, with layer 0's
+    last = [e for e in full.timeline if e.label == "next step's first weights (embedding/head + L0)"]
+    assert [e.nbytes for e in last] == [p.nonlayer_w + p.Wl[0]]
+
+
+def test_megatrain_differentiates_the_layers_below_a_measured_frozen_bottom_as_the_measured_ones_of_their_size():
+    import dataclasses
+    from lazytrain.planner.measured import MeasuredCosts
+    p = toy_problem(4, 3.0, host_slots=4)
+    c = MeasuredCosts(fwd_s=(1.0, 2.0, 2.0, 2.0), diff_s=(1.0, 2.0, 3.0, 3.4), nonlayer_s=0.5, step_s=0.25,
+                      update_s=(0.0, 0.0, 0.1, 0.1), saved_bytes=(0, 0, 100, 120), first_differentiated=2)
+    q = dataclasses.replace(p, budgets=dataclasses.replace(p.budgets, frozen_bottom_layers=2), measured=c)
+    full = megatrain.as_it_trains(q)
+    assert (full.budgets.frozen_bottom_layers, full.budgets.trainable_share, full.first_reached) == (0, 1.0, 0)
+    # the median diff / forward of layers 2 and 3 (1.5, 1.7): 1.6; the most either saved
+    assert full.measured.diff_s == pytest.approx((1.6, 3.2, 3.0, 3.4)) and full.measured.saved_bytes == (120, 120, 100, 120)
+    assert full.measured.first_differentiated == 0 and full.measured.fwd_s == c.fwd_s
+    # none differentiated: the cost model's 3x forward, and the analytic saved bytes
+    none = dataclasses.replace(c, diff_s=c.fwd_s, first_differentiated=4)
+    q4 = dataclasses.replace(q, budgets=dataclasses.replace(p.budgets, frozen_bottom_layers=4), measured=none)
+    assert megatrain.as_it_trains(q4).measured.diff_s == (3.0, 6.0, 6.0, 6.0)
+    assert megatrain.as_it_trains(q4).measured.saved_bytes is None
+    assert megatrain.as_it_trains(p) is p   # full fine-tuning: the problem itself
+
+
+def test_a_profiles_host_optimizer_rate_counts_the_parameters_its_updates_trained(tmp_path, capsys):
+    """The layer updates timed were of the trained parameters only: a LoRA share, the layers above a frozen
+    bottom. Where none trained the rate was not measured, and MegaTrain's row says so (the rest still plans)."""
+    import dataclasses
+    from lazytrain.cli import main
+    from lazytrain.planner.measured import MachineProfile, MeasuredCosts
+    from lazytrain.planner.problem import Budgets
+    from lazytrain.planner.search import as_model_shape, profile_problem
+    cfg = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2}
+    layer = as_model_shape(cfg).layers[0].params
+    c = MeasuredCosts(fwd_s=(1e-6,) * 3, diff_s=(1e-6, 3e-6, 3e-6), nonlayer_s=1e-6, step_s=1e-6,
+                      update_s=(1e-9, 2e-6, 2e-6), first_differentiated=1)
+    budgets = Budgets.of(gpu="4GB", host="4GB")
+    for share, trained in ((1.0, 2 * layer), (0.1, 0.3 * layer)):
+        profile = MachineProfile(costs=c, links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0}, model=cfg, micro_batch=2,
+                                 seq_len=16, trainable_share=share)
+        rate = profile_problem(profile, budgets).hardware.host_optimizer_gparams_per_s
+        assert rate == pytest.approx(trained / (4e-6 + 1e-9) / 1e9, rel=1e-12)
+    head_only = MachineProfile(costs=dataclasses.replace(c, diff_s=c.fwd_s, first_differentiated=3),
+                               links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0}, model=cfg, micro_batch=2, seq_len=16)
+    p = profile_problem(head_only, budgets)
+    assert p.hardware.host_optimizer_gparams_per_s is None and p.opt_rate is None
+    path = tmp_path / "profile.json"
+    head_only.to_json(str(path))
+    assert main(["plan", "--profile", str(path), "--gpu-mem", "4GB", "--host-mem", "4GB", "--time-limit", "5"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("megatrain")]
+    assert len(row) == 1 and row[0].endswith(
+        "not timed: MegaTrain's host phase needs the host optimizer's rate: the run measured updated no layer "
+        "parameter, and no hardware profile gives 'host_optimizer_gparams_per_s' or 'host_mem_gbps'")
+    # a hardware profile supplies it
+    assert profile_problem(head_only, budgets, "h800").hardware.host_optimizer_gparams_per_s == 10.96
+
+
+def test_lazytrain_plan_says_what_a_run_that_trains_less_trains_and_that_megatrains_row_trains_it_all(capsys):
+    from lazytrain.cli import main
+    args = ["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--micro-batch", "8", "--time-limit", "5"]
+    said = {}
+    for extra in (["--frozen-bottom-layers", "30"], ["--frozen-bottom-layers", "30", "--trainable-share", "0.1"],
+                  ["--trainable-share", "0.5", "--non-block-trainable-share", "0"], []):
+        assert main(args + extra) == 0
+        said[" ".join(extra)] = capsys.readouterr().out.splitlines()[1]
+    tail = ". MegaTrain has no frozen or partial training: its row trains every parameter, as its code would for this model"
+    assert said == {
+        "--frozen-bottom-layers 30": "trains 16.7% of the layers' parameters and 0.0% of the others; layers 0-29 "
+        "frozen, the backward stops at layer 30 (a trainable share of 100.0% is more than the layers above the frozen "
+        "bottom hold: all of theirs train; the embedding counts as frozen)" + tail,
+        "--frozen-bottom-layers 30 --trainable-share 0.1": "trains 10.0% of the layers' parameters and 0.0% of the "
+        "others; layers 0-29 frozen, the backward stops at layer 30 (the embedding counts as frozen)" + tail,
+        "--trainable-share 0.5 --non-block-trainable-share 0": "trains 50.0% of the layers' parameters and 0.0% of "
+        "the others" + tail,
+        "": said[""]}
+    assert said[""].startswith("step floor")   # full fine-tuning: no such line

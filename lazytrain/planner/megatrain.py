@@ -13,6 +13,13 @@ executor="megatrain")`` uses these terms; everything else (windows, links, FLOP 
   norm and head are copied to the GPU and the next forward waits for layer 0's weights. The phase is
   memory-bound, so it is charged in bytes moved at the host rate that LazyTrain's optimizer is charged
   at: ``host_optimizer_gparams_per_s`` parameters/s of LazyTrain's 28-byte update.
+- It trains every parameter: it has no frozen or partial training (its layer templates are made to require
+  grad before each backward, the backward runs down to block 0 and the embedding, and clipping, the
+  optimizer and the refresh take ``model.get_parameters()``, all of them). A problem that trains less
+  (a frozen bottom, a LoRA share) is replayed as :func:`as_it_trains` has it: the full fine-tuning MegaTrain
+  would run for that model.
+- Host memory (:func:`host_bytes`): the bf16 parameters, their bf16 gradients, CPUAdam's fp32 moments and
+  each layer's pinned bf16 flat copy.
 - Device memory (:func:`gpu_bytes`): the embedding, norm and head stay on the GPU; two flat weight
   buffers and, per distinct layer structure (two in a hybrid stack), two layer templates the flat
   buffers are copied into; every checkpoint boundary stays until the step ends; backward keeps the
@@ -20,6 +27,9 @@ executor="megatrain")`` uses these terms; everything else (windows, links, FLOP 
   logits in the autograd graph until one ``backward`` over their sum.
 """
 from __future__ import annotations
+
+import statistics
+from dataclasses import replace
 
 from .plan import DEVICE_HOME, RECOMPUTE, Plan
 
@@ -29,6 +39,9 @@ ADAM_BYTES = 2 + 2 + 8 + 8 + 2  # read weight, gradient, two moments; write both
 REFRESH_BYTES = 2 + 2           # a layer's weights read and written into its pinned flat buffer
 LAZYTRAIN_UPDATE_BYTES = 28     # what one LazyTrain update moves (hardware.optimizer_params_per_s)
 LOSS_CHUNK_POSITIONS = 128      # positions per loss chunk; all chunks' logits are kept until backward
+MOMENT_BYTES = 8                # CPUAdam's two moments, fp32 (its default fp32_optimizer_states)
+# a layer's diff over its forward where no layer's was measured (the cost model's: forward, then backward 2x)
+UNMEASURED_DIFF_RATIO = 3.0
 
 
 class MegaTrainPlanError(ValueError):
@@ -55,8 +68,52 @@ def rerun_range(s: int, e: int) -> range:
     return range(s, e)
 
 
+def as_it_trains(p):
+    """``p`` (a Problem) as MegaTrain's code trains it: every parameter differentiated, its gradient copied to
+    the host, clipped and updated, whatever ``p`` freezes (no frozen bottom, trainable shares 1). Measured
+    costs from a run with a frozen bottom have no backward for the layers below it: each takes its forward
+    times the median ratio of diff to forward of the measured layers of its size (of all measured layers if
+    none is of its size; the cost model's 3 if none was differentiated), and the saved bytes of the
+    largest of those layers. A LoRA run's measured backwards, which make no gradients for the frozen weights,
+    are taken as they are: short of MegaTrain's."""
+    b = p.budgets
+    full = replace(b, frozen_bottom_layers=0, trainable_share=1.0, non_block_trainable_share=1.0)
+    c = p.measured
+    if c is None or c.first_differentiated == 0:
+        return replace(p, budgets=full, check=False) if full != b else p
+    f, L, params = c.first_differentiated, c.num_layers, [l.params for l in p.model.layers]
+    diff = list(c.diff_s)
+    saved = list(c.saved_bytes) if c.saved_bytes is not None and f < L else None   # else the analytic estimate
+    for i in range(f):
+        peers = [j for j in range(f, L) if params[j] == params[i]] or list(range(f, L))
+        ratios = [c.diff_s[j] / c.fwd_s[j] for j in peers if c.fwd_s[j] > 0]
+        diff[i] = c.fwd_s[i] * (statistics.median(ratios) if ratios else UNMEASURED_DIFF_RATIO)
+        if saved is not None:
+            saved[i] = max(saved[j] for j in peers)
+    costs = replace(c, diff_s=tuple(diff), saved_bytes=None if saved is None else tuple(saved), first_differentiated=0)
+    return replace(p, budgets=full, measured=costs, check=False)
+
+
+def host_bytes(p) -> int:
+    """What MegaTrain keeps in host memory for ``p`` (as :func:`as_it_trains` has it): every parameter in the
+    model's dtype, its gradient in that dtype and CPUAdam's fp32 moments; and, for each layer, the pinned flat
+    copy its weights are streamed from."""
+    db = p.model.dtype_bytes
+    return int(p.model.total_params * (2 * db + MOMENT_BYTES) + p.model.layer_params * db)
+
+
+def tail_bytes(p) -> int:
+    """The gradients a micro-batch's backward copies to the host last, which the step waits for: layer 0's, the
+    embedding's and head's (every one trains, in the model's dtype)."""
+    return int(p.Wl[0] + p.nonlayer_w)
+
+
 def host_phase_parts(p) -> dict[str, float]:
     """Seconds of the serial host phase, by part (``p``: a Problem)."""
+    if p.opt_rate is None:
+        raise MegaTrainPlanError("MegaTrain's host phase needs the host optimizer's rate: the run measured updated no "
+                                 "layer parameter, and no hardware profile gives 'host_optimizer_gparams_per_s' or "
+                                 "'host_mem_gbps'")
     bps = p.opt_rate * LAZYTRAIN_UPDATE_BYTES
     n, nl = p.model.total_params, p.model.layer_params
     return {"clip_grad_norm_": n * CLIP_BYTES / bps, "optimizer step": n * ADAM_BYTES / bps,

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..units import parse_size
-from .hardware import MAX_BYTES, GiB, HardwareProfile, load_profile
+from .hardware import MAX_BYTES, GiB, HardwareError, HardwareProfile, load_profile
 from .measured import MeasuredCosts
 from .models import ModelShape, load_model
 
@@ -217,7 +217,13 @@ class Problem:
         # touch every speed the cost model needs so a missing one fails here, naming the field
         self.flops = hw.flops_per_s
         self.bw_h2d, self.bw_d2h = hw.h2d_bps, hw.d2h_bps
-        self.opt_rate = hw.optimizer_params_per_s()
+        try:
+            self.opt_rate = hw.optimizer_params_per_s()
+        except HardwareError:
+            if self.measured is None:
+                raise
+            # measured update times stand in for it; MegaTrain's host phase, which reads it, says it is missing
+            self.opt_rate = None
         self.bw_nr = hw.nvme_read_bps if self.budgets.nvme_bytes > 0 else float("inf")
         self.bw_nw = hw.nvme_write_bps if self.budgets.nvme_bytes > 0 else float("inf")
         gpu = self.budgets.gpu_bytes if self.budgets.gpu_bytes is not None else hw.need("gpu_mem_bytes")
@@ -314,8 +320,9 @@ class Problem:
                                (0 if on_device else self.nonlayer_trained * self.host_bytes_per_nonlayer_param))
         self.host_act_budget = self.host_budget - self.host_static
         # host optimizer chain and the copies it gates
-        self.opt_nl = 0.0 if on_device else self.nonlayer_trained / self.opt_rate
-        self.opt_l = [l.params * share / self.opt_rate if i >= f else 0.0 for i, l in enumerate(m.layers)]
+        rate = self.opt_rate or float("inf")   # none: measured times replace these (_use_measured)
+        self.opt_nl = 0.0 if on_device else self.nonlayer_trained / rate
+        self.opt_l = [l.params * share / rate if i >= f else 0.0 for i, l in enumerate(m.layers)]
         self.load_l = [w / self.bw_h2d for w in self.Wl]
         # the embedding's and head's trained weights (once a step) and gradients (each micro-batch) on the links
         self.nonlayer_link_bytes = 0 if on_device else self.nonlayer_w * nb_trains

@@ -168,6 +168,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     if executor not in EXECUTORS:
         raise SimulationError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
     mega_k = megatrain.checkpoint_interval(plan) if executor == "megatrain" else None   # refuses what it cannot run
+    if mega_k is not None:   # it trains every parameter, whatever the problem freezes
+        p = megatrain.as_it_trains(p)
     if executor == "megatrain" and p.budgets.lean_norms and (p.measured is None or p.measured.lean_norms is not None):
         # MegaTrain runs transformers' norms as written: its backwards recompute none (LazyTrain's lean norms).
         # Not checked again: a budget MegaTrain's memory overruns is a violation here, not an error
@@ -201,8 +203,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     # MegaTrain's executor copies each micro-batch's last gradients (layer 0's, the embedding's and head's)
     # after its backward; LazyTrain's engine sends an earlier micro-batch's beside the next one's windows, and
     # the step waits for the last one's alone (tail_once below)
-    tail_bytes = p.last_grads_of_layers() + p.nonlayer_link_bytes if mega_k is not None else 0
+    tail_bytes = megatrain.tail_bytes(p) if mega_k is not None else 0
     mega_buffers = megatrain.buffer_bytes(p) if mega_k is not None else None
+    host_static = megatrain.host_bytes(p) if mega_k is not None else p.host_static
     tail_each = tail_bytes / p.bw_d2h
 
     def micro_batch(refresh: bool) -> _MicroBatch:
@@ -365,9 +368,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             host += sum(p.offl_bytes[j] for j in offl if j <= w <= 2 * L - 1 - j)   # until its backward frees them
             nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
             memory.append({"window": w, "micro_batch": 0, "start": t0, "end": end, "hbm": hbm,
-                           "host": p.host_static + host, "nvme": nvme})
+                           "host": host_static + host, "nvme": nvme})
             peak["hbm"] = max(peak["hbm"], hbm)
-            peak["host"] = max(peak["host"], p.host_static + host)
+            peak["host"] = max(peak["host"], host_static + host)
             peak["nvme"] = max(peak["nvme"], nvme)
             # --- copies released at the end of this window ---------------------------------------
             for b in list(on_device):
@@ -424,6 +427,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     if timeline and mega_k is None:
         last = _last_grads_label(p, *(() if p.first_reached else ("embedding",)))   # a frozen bottom's: none
         events.append(Event("d2h", last, tail_start, opt_start, 2 * L, micro_batch=None, nbytes=p.carry_bytes))
+    # the embedding's and head's weights, copied to the GPU after the update: MegaTrain copies all of them
+    load_nl, load_nl_bytes = ((p.nonlayer_w / p.bw_h2d, p.nonlayer_w) if mega_k is not None
+                              else (p.load_nl, p.nonlayer_link_bytes))
     O = [p.opt_nl]
     for o in p.opt_l:
         O.append(O[-1] + o)                                    # O[w+1] = layers 0..w updated
@@ -434,7 +440,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         delay = s_w - sum(window_s[:L - 1])
     elif mega_k is not None:
         host = megatrain.host_phase_parts(p)
-        delay = sum(host.values()) + p.load_nl + p.load_l[0]
+        delay = sum(host.values()) + load_nl + p.load_l[0]
     else:
         delay = O[-1] + p.load_nl + p.load_l[0]
     exposed["optimizer"] += delay
@@ -455,8 +461,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                                 micro_batch=None))
         else:
             events.append(Event("h2d", "next step's first weights (embedding/head + L0)",
-                                step - p.load_nl - p.load_l[0], step, 2 * L, micro_batch=None,
-                                nbytes=p.nonlayer_link_bytes + p.Wl[0]))
+                                step - load_nl - p.load_l[0], step, 2 * L, micro_batch=None,
+                                nbytes=load_nl_bytes + p.Wl[0]))
 
     # --- budgets -----------------------------------------------------------------------------
     # a plan's internals shares are floats a solver chose at its feasibility tolerance: a share of a byte over
