@@ -145,10 +145,20 @@ def test_megatrain_trains_every_parameter_whatever_the_problem_freezes_and_holds
         r = simulate_megatrain(q, timeline=True)
         assert (r.step_time_s, r.peak_bytes, r.tflops) == (full.step_time_s, full.peak_bytes, full.tflops), less
         assert r.step_time_s > simulate(q, megatrain_plan(q), strict=False).step_time_s   # LazyTrain's executor: less
-    # its host: bf16 parameters and gradients, fp32 moments, and each layer's pinned bf16 flat copy (no boundary
-    # is kept there)
+    # its host: bf16 parameters and gradients, fp32 moments, each layer's pinned bf16 flat copy, and its pinned
+    # buffers: 12 gradient slabs and 2 staging buffers of the largest layer, the head slab (a tied head's weight
+    # and the final norm) and the embedding slab (no boundary is kept there)
     m = p.model
-    assert full.peak_bytes["host"] == megatrain.host_bytes(p) == m.total_params * 12 + m.layer_params * 2
+    assert m.tied_embeddings and m.nonlayer_params == m.vocab_size * m.hidden + m.hidden
+    slabs = 14 * max(l.params for l in m.layers) + m.nonlayer_params + m.vocab_size * m.hidden
+    assert full.peak_bytes["host"] == megatrain.host_bytes(p) == m.total_params * 12 + (m.layer_params + slabs) * 2
+    # gradients: the head slab beside the first backward windows, layer 0's and the embedding's after the backward
+    d2h = {}
+    for e in full.timeline:
+        if e.lane == "d2h" and e.label in ("grads head/norm", "grads L0 + embedding"):
+            d2h[e.label] = d2h.get(e.label, 0) + e.nbytes
+    assert d2h == {"grads head/norm": pytest.approx(m.nonlayer_params * 2), "grads L0 + embedding":
+                   p.Wl[0] + m.vocab_size * m.hidden * 2}
     # the step ends copying every non-layer weight to the device, with layer 0's
     last = [e for e in full.timeline if e.label == "next step's first weights (embedding/head + L0)"]
     assert [e.nbytes for e in last] == [p.nonlayer_w + p.Wl[0]]
@@ -166,6 +176,11 @@ def test_megatrain_differentiates_the_layers_below_a_measured_frozen_bottom_as_t
     # the median diff / forward of layers 2 and 3 (1.5, 1.7): 1.6; the most either saved
     assert full.measured.diff_s == pytest.approx((1.6, 3.2, 3.0, 3.4)) and full.measured.saved_bytes == (120, 120, 100, 120)
     assert full.measured.first_differentiated == 0 and full.measured.fwd_s == c.fwd_s
+    # selective times below it (with_selective gives them the forward's): the measured layers' ratios too
+    sel = dataclasses.replace(c, selective_fwd_s=(1.0, 2.0, 2.2, 2.4), selective_rerun_s=(1.0, 2.0, 1.0, 1.4))
+    full = megatrain.as_it_trains(dataclasses.replace(q, measured=sel)).measured
+    assert full.selective_fwd_s == pytest.approx((1.15, 2.3, 2.2, 2.4))
+    assert full.selective_rerun_s == pytest.approx((0.6, 1.2, 1.0, 1.4))
     # none differentiated: the cost model's 3x forward, and the analytic saved bytes
     none = dataclasses.replace(c, diff_s=c.fwd_s, first_differentiated=4)
     q4 = dataclasses.replace(q, budgets=dataclasses.replace(p.budgets, frozen_bottom_layers=4), measured=none)
@@ -175,8 +190,9 @@ def test_megatrain_differentiates_the_layers_below_a_measured_frozen_bottom_as_t
 
 
 def test_a_profiles_host_optimizer_rate_counts_the_parameters_its_updates_trained(tmp_path, capsys):
-    """The layer updates timed were of the trained parameters only: a LoRA share, the layers above a frozen
-    bottom. Where none trained the rate was not measured, and MegaTrain's row says so (the rest still plans)."""
+    """The rate is read from the layers whose updates were timed whole: those above a frozen bottom (the frozen
+    ones' updates left out). A LoRA share's updates are mostly each call's fixed cost: no rate is read from them,
+    as where no layer trained, and MegaTrain's row says so (the rest still plans)."""
     import dataclasses
     from lazytrain.cli import main
     from lazytrain.planner.measured import MachineProfile, MeasuredCosts
@@ -188,11 +204,11 @@ def test_a_profiles_host_optimizer_rate_counts_the_parameters_its_updates_traine
     c = MeasuredCosts(fwd_s=(1e-6,) * 3, diff_s=(1e-6, 3e-6, 3e-6), nonlayer_s=1e-6, step_s=1e-6,
                       update_s=(1e-9, 2e-6, 2e-6), first_differentiated=1)
     budgets = Budgets.of(gpu="4GB", host="4GB")
-    for share, trained in ((1.0, 2 * layer), (0.1, 0.3 * layer)):
+    for share, rate in ((1.0, 2 * layer / 4e-6 / 1e9), (2 / 3, 2 * layer / 4e-6 / 1e9), (0.1, None)):
         profile = MachineProfile(costs=c, links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0}, model=cfg, micro_batch=2,
                                  seq_len=16, trainable_share=share)
-        rate = profile_problem(profile, budgets).hardware.host_optimizer_gparams_per_s
-        assert rate == pytest.approx(trained / (4e-6 + 1e-9) / 1e9, rel=1e-12)
+        assert profile_problem(profile, budgets).hardware.host_optimizer_gparams_per_s == (
+            None if rate is None else pytest.approx(rate, rel=1e-12)), share
     head_only = MachineProfile(costs=dataclasses.replace(c, diff_s=c.fwd_s, first_differentiated=3),
                                links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0}, model=cfg, micro_batch=2, seq_len=16)
     p = profile_problem(head_only, budgets)
@@ -202,8 +218,9 @@ def test_a_profiles_host_optimizer_rate_counts_the_parameters_its_updates_traine
     assert main(["plan", "--profile", str(path), "--gpu-mem", "4GB", "--host-mem", "4GB", "--time-limit", "5"]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("megatrain")]
     assert len(row) == 1 and row[0].endswith(
-        "not timed: MegaTrain's host phase needs the host optimizer's rate: the run measured updated no layer "
-        "parameter, and no hardware profile gives 'host_optimizer_gparams_per_s' or 'host_mem_gbps'")
+        "not timed: MegaTrain's host phase needs the host optimizer's rate: the run measured did not update whole "
+        "layers (a LoRA share, or every layer frozen), whose times would give it, and no hardware profile gives "
+        "'host_optimizer_gparams_per_s' or 'host_mem_gbps'")
     # a hardware profile supplies it
     assert profile_problem(head_only, budgets, "h800").hardware.host_optimizer_gparams_per_s == 10.96
 

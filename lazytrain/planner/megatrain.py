@@ -18,8 +18,11 @@ executor="megatrain")`` uses these terms; everything else (windows, links, FLOP 
   optimizer and the refresh take ``model.get_parameters()``, all of them). A problem that trains less
   (a frozen bottom, a LoRA share) is replayed as :func:`as_it_trains` has it: the full fine-tuning MegaTrain
   would run for that model.
-- Host memory (:func:`host_bytes`): the bf16 parameters, their bf16 gradients, CPUAdam's fp32 moments and
-  each layer's pinned bf16 flat copy.
+- Host memory (:func:`host_bytes`): the bf16 parameters, their bf16 gradients, CPUAdam's fp32 moments,
+  each layer's pinned bf16 flat copy, and its pinned staging and gradient slabs.
+- Gradients to the host: the head's and final norm's (its head slab) right after the loss's backward, beside
+  the layers' backward; layer 0's and the embedding's after the backward, which the step waits for
+  (:func:`tail_bytes`).
 - Device memory (:func:`gpu_bytes`): the embedding, norm and head stay on the GPU; two flat weight
   buffers and, per distinct layer structure (two in a hybrid stack), two layer templates the flat
   buffers are copied into; every checkpoint boundary stays until the step ends; backward keeps the
@@ -40,6 +43,8 @@ REFRESH_BYTES = 2 + 2           # a layer's weights read and written into its pi
 LAZYTRAIN_UPDATE_BYTES = 28     # what one LazyTrain update moves (hardware.optimizer_params_per_s)
 LOSS_CHUNK_POSITIONS = 128      # positions per loss chunk; all chunks' logits are kept until backward
 MOMENT_BYTES = 8                # CPUAdam's two moments, fp32 (its default fp32_optimizer_states)
+GRAD_SLABS = 12                 # pinned layer-gradient slabs, each the largest layer (its num_grad_slabs default)
+STAGING_BUFFERS = 2             # pinned flat buffers the largest layer is staged in (double-buffered)
 # a layer's diff over its forward where no layer's was measured (the cost model's: forward, then backward 2x)
 UNMEASURED_DIFF_RATIO = 3.0
 
@@ -82,37 +87,62 @@ def as_it_trains(p):
     if c is None or c.first_differentiated == 0:
         return replace(p, budgets=full, check=False) if full != b else p
     f, L, params = c.first_differentiated, c.num_layers, [l.params for l in p.model.layers]
-    diff = list(c.diff_s)
-    saved = list(c.saved_bytes) if c.saved_bytes is not None and f < L else None   # else the analytic estimate
-    for i in range(f):
-        peers = [j for j in range(f, L) if params[j] == params[i]] or list(range(f, L))
-        ratios = [c.diff_s[j] / c.fwd_s[j] for j in peers if c.fwd_s[j] > 0]
-        diff[i] = c.fwd_s[i] * (statistics.median(ratios) if ratios else UNMEASURED_DIFF_RATIO)
-        if saved is not None:
-            saved[i] = max(saved[j] for j in peers)
-    costs = replace(c, diff_s=tuple(diff), saved_bytes=None if saved is None else tuple(saved), first_differentiated=0)
+    peers = {i: [j for j in range(f, L) if params[j] == params[i]] or list(range(f, L)) for i in range(f)}
+
+    def filled(values, default):
+        """``values`` below f: each layer's forward times the median ratio of its peers' to their forwards."""
+        out = list(values)
+        for i in range(f):
+            ratios = [values[j] / c.fwd_s[j] for j in peers[i] if c.fwd_s[j] > 0]
+            out[i] = c.fwd_s[i] * (statistics.median(ratios) if ratios else default)
+        return tuple(out)
+    costs = replace(c, diff_s=filled(c.diff_s, UNMEASURED_DIFF_RATIO), first_differentiated=0)
+    for name in ("selective_fwd_s", "selective_rerun_s"):   # a frozen layer's are its forward's (with_selective)
+        if getattr(c, name) is not None:
+            costs = replace(costs, **{name: filled(getattr(c, name), 1.0) if f < L else None})
+    if c.saved_bytes is not None:   # the most its peers saved; none measured: the analytic estimate
+        costs = replace(costs, saved_bytes=tuple(max(c.saved_bytes[j] for j in peers[i]) if i < f else v
+                                                 for i, v in enumerate(c.saved_bytes)) if f < L else None)
     return replace(p, budgets=full, measured=costs, check=False)
 
 
 def host_bytes(p) -> int:
     """What MegaTrain keeps in host memory for ``p`` (as :func:`as_it_trains` has it): every parameter in the
-    model's dtype, its gradient in that dtype and CPUAdam's fp32 moments; and, for each layer, the pinned flat
-    copy its weights are streamed from."""
-    db = p.model.dtype_bytes
-    return int(p.model.total_params * (2 * db + MOMENT_BYTES) + p.model.layer_params * db)
+    model's dtype, its gradient in that dtype and CPUAdam's fp32 moments; for each layer, the pinned flat copy
+    its weights are streamed from; and its pinned buffers: the staging buffers and gradient slabs of the largest
+    layer, the head slab and the embedding slab."""
+    m, db = p.model, p.model.dtype_bytes
+    largest = max(l.params for l in m.layers)
+    slabs = (GRAD_SLABS + STAGING_BUFFERS) * largest + _head_slab_params(m) + _embedding_params(m)
+    return int(m.total_params * (2 * db + MOMENT_BYTES) + (m.layer_params + slabs) * db)
+
+
+def _embedding_params(m) -> int:
+    return m.vocab_size * m.hidden
+
+
+def _head_slab_params(m) -> int:
+    """The head's parameters and the final norm's (a tied head's weight is the embedding's, copied here too)."""
+    return m.nonlayer_params - (0 if m.tied_embeddings else _embedding_params(m))
+
+
+def head_grad_bytes(p) -> int:
+    """The gradients MegaTrain copies right after the loss's backward, beside the layers': its head slab."""
+    return _head_slab_params(p.model) * p.model.dtype_bytes
 
 
 def tail_bytes(p) -> int:
-    """The gradients a micro-batch's backward copies to the host last, which the step waits for: layer 0's, the
-    embedding's and head's (every one trains, in the model's dtype)."""
-    return int(p.Wl[0] + p.nonlayer_w)
+    """The gradients a micro-batch's backward copies to the host last, which the step waits for: layer 0's and
+    the embedding's (every one trains, in the model's dtype)."""
+    return int(p.Wl[0] + _embedding_params(p.model) * p.model.dtype_bytes)
 
 
 def host_phase_parts(p) -> dict[str, float]:
     """Seconds of the serial host phase, by part (``p``: a Problem)."""
     if p.opt_rate is None:
-        raise MegaTrainPlanError("MegaTrain's host phase needs the host optimizer's rate: the run measured updated no "
-                                 "layer parameter, and no hardware profile gives 'host_optimizer_gparams_per_s' or "
+        raise MegaTrainPlanError("MegaTrain's host phase needs the host optimizer's rate: the run measured did not "
+                                 "update whole layers (a LoRA share, or every layer frozen), whose times would give "
+                                 "it, and no hardware profile gives 'host_optimizer_gparams_per_s' or "
                                  "'host_mem_gbps'")
     bps = p.opt_rate * LAZYTRAIN_UPDATE_BYTES
     n, nl = p.model.total_params, p.model.layer_params

@@ -348,12 +348,13 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
     c, f = profile.costs, profile.costs.first_differentiated   # layers below f ran no backward: their forward
     flops = sum((3 if i >= f else 1) * layer.fwd_flops_per_token(profile.seq_len) * T
                 for i, layer in enumerate(model.layers))
-    # the layer updates timed were of the parameters that trained: the layers' above a frozen bottom, their share
+    # the host optimizer's rate from the layers whose updates were timed whole: those above a frozen bottom where
+    # all of theirs trained. A LoRA share's updates are mostly each call's fixed cost, not a rate per parameter:
+    # then it is not measured, and a hardware profile's is used if given (only MegaTrain's host phase reads it)
     above = sum(layer.params for layer in model.layers[f:])
-    updated = min(profile.trainable_share * model.layer_params, above)
     rates = {"achievable_tflops": flops / max(sum(c.diff_s[f:]) + sum(c.fwd_s[:f]), 1e-9) / 1e12}
-    if updated:   # else not measured: the hardware profile's, if any (only MegaTrain's host phase reads it)
-        rates["host_optimizer_gparams_per_s"] = updated / max(sum(c.update_s), 1e-9) / 1e9
+    if above and profile.trainable_share * model.layer_params >= above * (1 - 1e-6):
+        rates["host_optimizer_gparams_per_s"] = above / max(sum(c.update_s[f:]), 1e-9) / 1e9
     if hardware is not None:
         hw = replace(load_profile(hardware), **rates, **profile.links_gbps, **memory)
     else:

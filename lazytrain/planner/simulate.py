@@ -214,10 +214,13 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         executor, copies the micro-batch before's last gradients in its first windows."""
         # gradients copied beside the windows (Problem.GRAD_SHARE_WINDOWS): the head's in the first backward
         # windows, an earlier micro-batch's last ones in a later micro-batch's first forward windows. MegaTrain's
-        # executor copies them at the end of each micro-batch's backward (tail_each above).
+        # executor copies its last ones at the end of each micro-batch's backward (tail_each above).
         shared = min(GRAD_SHARE_WINDOWS, L)
         beside: dict[int, tuple[str, float]] = {}
-        if mega_k is None:
+        if mega_k is not None:   # its head slab, on its gradient stream after the loss's backward
+            for w in range(L, L + shared):
+                beside[w] = ("grads head/norm", megatrain.head_grad_bytes(p) / shared)
+        else:
             for w in range(L, L + shared):
                 beside[w] = ("grads embedding/head", p.head_grad_bytes / shared)
             if not refresh:
@@ -391,7 +394,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
         t += tail_each
         exposed["d2h"] += tail_each
         if timeline and mega_k is not None:
-            events.append(Event("d2h", _last_grads_label(p, "embedding/head"), end_of_windows, t, 2 * L,
+            events.append(Event("d2h", _last_grads_label(p, "embedding"), end_of_windows, t, 2 * L,
                                 nbytes=tail_bytes))
         return _MicroBatch(events, memory, window_s, exposed, compute_total, peak, violations, t)
 
