@@ -150,6 +150,54 @@ def _device_reduce_unsharded(rank: int, world: int, out_dir: str):
 case("device-reduce-unsharded", _device_reduce_unsharded)
 
 
+def _milp_on_rank_0(rank: int, world: int, out_dir: str):
+    """Policy milp on two ranks: rank 1's planner raises if it is asked to plan. Each rank's plan, then what
+    each initialize raised where rank 0's planner fails, and where the MILP may outlast the collective timeout."""
+    import lazytrain
+    from lazytrain.config import ConfigError
+    from lazytrain.engine import placement
+    real, failing = placement._milp_plan, []
+
+    def only_rank_0(*args, **kwargs):
+        if rank:
+            raise AssertionError("rank 1 solved the MILP")
+        if failing:
+            raise ConfigError("rank 0's planner failed")
+        return real(*args, **kwargs)
+    placement._milp_plan = only_rank_0
+    lt = {"policy": "milp", "hardware": "h200", "seq_len": 12, "capacities": {"hbm": "2GB"}}
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "lazytrain": lt}
+    try:
+        engine = lazytrain.initialize(model=make_model("llama"), config=cfg)[0]
+        plan = engine.plan.to_dict()
+        engine.destroy()
+        messages = []
+        for bad in ({}, {"milp_time_limit": 600, "collective_timeout_s": 1800}):
+            failing[:] = [True]
+            try:
+                lazytrain.initialize(model=make_model("llama"), config={**cfg, "lazytrain": {**lt, **bad}})
+                messages.append(None)
+            except ConfigError as e:
+                messages.append(str(e).split(";")[0])
+    finally:
+        placement._milp_plan = real
+    return plan, messages
+
+
+case("milp-on-rank-0", _milp_on_rank_0)
+
+
+def test_policy_milp_is_solved_on_rank_0_and_every_rank_runs_its_plan(spawned):
+    (plan0, said0), (plan1, said1) = spawned("milp-on-rank-0")
+    assert plan0 == plan1 and plan0["policy"].startswith("milp")
+    assert plan0["prediction"]["solve_wall_s"] > 0   # a time: one solve's, not two alike by chance
+    assert said0 == said1 == ["rank 0's planner failed",   # its error raised on every rank
+                              "config key 'lazytrain.milp_time_limit' is 600 s: rank 0 plans for up to 3 x that + "
+                              "60 s while the other ranks wait for its plan, longer than "
+                              "'lazytrain.collective_timeout_s' (1800 s) lets them"]
+
+
 def test_a_device_gradient_reduce_with_nothing_sharded_is_refused(spawned):
     message = ("config key 'lazytrain.gradient_reduce' is \"device\", which reduces layer gradients to the ranks "
                "that own their optimizer state; this engine's state is not sharded (the optimizer was passed to "

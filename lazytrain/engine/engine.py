@@ -268,8 +268,19 @@ class LazyTrainEngine(nn.Module):
         elif frozen > len(blocks):
             raise ConfigError(f"config key 'lazytrain.frozen_bottom_layers' is {frozen}, but the model has "
                               f"{len(blocks)} blocks")
-        self.plan = build_plan(config, len(blocks), self.tiers, model_cfg, config.train_micro_batch_size_per_gpu,
-                               {**self._model_budgets, "frozen_bottom_layers": frozen})
+        lt = config.lazytrain
+        if self.dist.enabled and lt.policy in ("milp", "auto") and 3 * lt.milp_time_limit + 60 > lt.collective_timeout_s:
+            raise ConfigError(f"config key 'lazytrain.milp_time_limit' is {lt.milp_time_limit:g} s: rank 0 plans for up "
+                              f"to 3 x that + 60 s while the other ranks wait for its plan, longer than "
+                              f"'lazytrain.collective_timeout_s' ({lt.collective_timeout_s:g} s) lets them; lower the "
+                              f"one or raise the other")
+        make_plan = lambda: build_plan(config, len(blocks), self.tiers, model_cfg,   # noqa: E731
+                                       config.train_micro_batch_size_per_gpu,
+                                       {**self._model_budgets, "frozen_bottom_layers": frozen})
+        # the MILP's plan is solved once, on rank 0, and every rank runs it: ranks solving side by side would
+        # share the host's cores, and a solve stopped at its time limit can return another plan on each
+        self.plan = self._rank0_answer(make_plan, "agreement on the MILP's plan") \
+            if config.lazytrain.policy == "milp" else make_plan()
         self._model_cfg = model_cfg
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
@@ -606,18 +617,22 @@ class LazyTrainEngine(nn.Module):
     def _on_rank0(self, compute):
         """``compute()`` on rank 0, its answer on every rank (its error raised on every rank). Rank 0 plans for
         the longest sequence any rank has trained: every rank runs its plan."""
-        answer, error = None, None
         if self.dist.enabled:
             seen = [n for n in self.dist.all_gather_object(self._seq_len, "agreement on the sequence length")
                     if n is not None]
             self._seq_len = max(seen) if seen else None
+        return self._rank0_answer(compute, "agreement on the auto plan")
+
+    def _rank0_answer(self, compute, what: str):
+        """``compute()`` on rank 0 alone, its answer returned on every rank and its error raised on every rank."""
+        answer, error = None, None
         if self.global_rank == 0:
             try:
                 answer = compute()
             except Exception as e:   # noqa: BLE001 - every rank raises it
                 error = e
         if self.dist.enabled:
-            answer, error = self.dist.all_gather_object((answer, error), "agreement on the auto plan")[0]
+            answer, error = self.dist.all_gather_object((answer, error), what)[0]
         if error is not None:
             raise error
         return answer
