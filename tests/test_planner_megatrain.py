@@ -187,6 +187,30 @@ def test_megatrain_differentiates_the_layers_below_a_measured_frozen_bottom_as_t
     assert megatrain.as_it_trains(q4).measured.diff_s == (3.0, 6.0, 6.0, 6.0)
     assert megatrain.as_it_trains(q4).measured.saved_bytes is None
     assert megatrain.as_it_trains(p) is p   # full fine-tuning: the problem itself
+    full_ft = dataclasses.replace(c, diff_s=(3.0, 6.0, 6.0, 6.0), first_differentiated=0)
+    assert megatrain.as_it_trains(dataclasses.replace(p, measured=full_ft)).measured == full_ft
+
+
+def test_megatrain_makes_the_weight_gradients_a_measured_lora_backward_did_not():
+    """A LoRA share's measured backward made no gradients for the frozen weights; MegaTrain's makes them: 2
+    FLOPs per frozen weight and token, at the layer's measured forward rate."""
+    import dataclasses
+    from lazytrain.planner.measured import MeasuredCosts
+    p = toy_problem(4, 3.0, host_slots=4)
+    # the toy's layers: weights, and forward FLOPs a token at sequence 16
+    assert [(l.token_params, l.fwd_flops_per_token(p.seq_len)) for l in p.model.layers] == [
+        (2000, 4512.0), (3000, 6512.0), (2500, 5512.0), (2200, 4912.0)]
+    c = MeasuredCosts(fwd_s=(1.0,) * 4, diff_s=(2.1,) * 4, nonlayer_s=0.5, step_s=0.25, update_s=(0.1,) * 4)
+    lora = dataclasses.replace(p, budgets=dataclasses.replace(p.budgets, trainable_share=0.25), measured=c)
+    assert megatrain.as_it_trains(lora).measured.diff_s == pytest.approx(
+        (2.1 + 0.75 * 4000 / 4512, 2.1 + 0.75 * 6000 / 6512, 2.1 + 0.75 * 5000 / 5512, 2.1 + 0.75 * 4400 / 4912))
+    # above a frozen bottom, the share is the layers above's (0.25 of 9700 weights, of their 4700); below it, the
+    # median of theirs made whole (no layer above is of layer 0's or 1's size)
+    below = dataclasses.replace(c, diff_s=(1.0, 1.0, 2.1, 2.1), first_differentiated=2)
+    q = dataclasses.replace(lora, budgets=dataclasses.replace(lora.budgets, frozen_bottom_layers=2), measured=below)
+    frozen = 1 - 0.25 * 9700 / 4700
+    l2, l3 = 2.1 + frozen * 5000 / 5512, 2.1 + frozen * 4400 / 4912
+    assert megatrain.as_it_trains(q).measured.diff_s == pytest.approx(((l2 + l3) / 2, (l2 + l3) / 2, l2, l3))
 
 
 def test_a_profiles_host_optimizer_rate_counts_the_parameters_its_updates_trained(tmp_path, capsys):
@@ -204,11 +228,14 @@ def test_a_profiles_host_optimizer_rate_counts_the_parameters_its_updates_traine
     c = MeasuredCosts(fwd_s=(1e-6,) * 3, diff_s=(1e-6, 3e-6, 3e-6), nonlayer_s=1e-6, step_s=1e-6,
                       update_s=(1e-9, 2e-6, 2e-6), first_differentiated=1)
     budgets = Budgets.of(gpu="4GB", host="4GB")
-    for share, rate in ((1.0, 2 * layer / 4e-6 / 1e9), (2 / 3, 2 * layer / 4e-6 / 1e9), (0.1, None)):
+    whole = 2 * layer / 4e-6 / 1e9
+    for share, run, rate in ((1.0, {}, whole), (2 / 3, {}, whole), (0.1, {}, None),
+                             (1.0, {"world_size": 2, "zero_stage": 0}, whole),   # each rank updates every layer
+                             (1.0, {"world_size": 2, "zero_stage": 1}, None)):   # each its own, waiting for others'
         profile = MachineProfile(costs=c, links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0}, model=cfg, micro_batch=2,
-                                 seq_len=16, trainable_share=share)
+                                 seq_len=16, trainable_share=share, **run)
         assert profile_problem(profile, budgets).hardware.host_optimizer_gparams_per_s == (
-            None if rate is None else pytest.approx(rate, rel=1e-12)), share
+            None if rate is None else pytest.approx(rate, rel=1e-12)), (share, run)
     head_only = MachineProfile(costs=dataclasses.replace(c, diff_s=c.fwd_s, first_differentiated=3),
                                links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0}, model=cfg, micro_batch=2, seq_len=16)
     p = profile_problem(head_only, budgets)

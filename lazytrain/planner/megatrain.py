@@ -75,34 +75,46 @@ def rerun_range(s: int, e: int) -> range:
 
 def as_it_trains(p):
     """``p`` (a Problem) as MegaTrain's code trains it: every parameter differentiated, its gradient copied to
-    the host, clipped and updated, whatever ``p`` freezes (no frozen bottom, trainable shares 1). Measured
-    costs from a run with a frozen bottom have no backward for the layers below it: each takes its forward
-    times the median ratio of diff to forward of the measured layers of its size (of all measured layers if
-    none is of its size; the cost model's 3 if none was differentiated), and the saved bytes of the
-    largest of those layers. A LoRA run's measured backwards, which make no gradients for the frozen weights,
-    are taken as they are: short of MegaTrain's."""
+    the host, clipped and updated, whatever ``p`` freezes (no frozen bottom, trainable shares 1).
+
+    Measured costs are of the run measured. Where only a share of a layer trained (LoRA), its backward made no
+    gradients for the frozen weights; MegaTrain's makes them: the cost model's 2 FLOPs per frozen weight and
+    token, at the layer's measured forward rate. Below a frozen bottom no backward was measured: each layer takes
+    its forward times the median ratio of diff to forward of the measured layers of its size (of all measured
+    layers if none is of its size; the cost model's 3 if none was differentiated), their selective times
+    likewise, and the saved bytes of the largest of them."""
     b = p.budgets
     full = replace(b, frozen_bottom_layers=0, trainable_share=1.0, non_block_trainable_share=1.0)
     c = p.measured
-    if c is None or c.first_differentiated == 0:
+    if c is None:
         return replace(p, budgets=full, check=False) if full != b else p
-    f, L, params = c.first_differentiated, c.num_layers, [l.params for l in p.model.layers]
-    peers = {i: [j for j in range(f, L) if params[j] == params[i]] or list(range(f, L)) for i in range(f)}
+    m, f, L = p.model, c.first_differentiated, c.num_layers
+    params = [l.params for l in m.layers]
+    above = sum(params[f:])
+    share = p.layer_trainable_share * m.layer_params / above if above else 1.0   # of each layer above f
+    weight_grads = [(1 - share) * fwd * 2 * l.token_params / l.fwd_flops_per_token(p.seq_len)
+                    for fwd, l in zip(c.fwd_s, m.layers)]
+    diff = tuple(d + w if i >= f else d for i, (d, w) in enumerate(zip(c.diff_s, weight_grads)))
+    costs = replace(c, diff_s=diff, first_differentiated=0)
+    if f:
+        peers = {i: [j for j in range(f, L) if params[j] == params[i]] or list(range(f, L)) for i in range(f)}
 
-    def filled(values, default):
-        """``values`` below f: each layer's forward times the median ratio of its peers' to their forwards."""
-        out = list(values)
-        for i in range(f):
-            ratios = [values[j] / c.fwd_s[j] for j in peers[i] if c.fwd_s[j] > 0]
-            out[i] = c.fwd_s[i] * (statistics.median(ratios) if ratios else default)
-        return tuple(out)
-    costs = replace(c, diff_s=filled(c.diff_s, UNMEASURED_DIFF_RATIO), first_differentiated=0)
-    for name in ("selective_fwd_s", "selective_rerun_s"):   # a frozen layer's are its forward's (with_selective)
-        if getattr(c, name) is not None:
-            costs = replace(costs, **{name: filled(getattr(c, name), 1.0) if f < L else None})
-    if c.saved_bytes is not None:   # the most its peers saved; none measured: the analytic estimate
-        costs = replace(costs, saved_bytes=tuple(max(c.saved_bytes[j] for j in peers[i]) if i < f else v
-                                                 for i, v in enumerate(c.saved_bytes)) if f < L else None)
+        def filled(values, default):
+            """``values`` below f: each layer's forward times the median ratio of its peers' to their forwards."""
+            out = list(values)
+            for i in range(f):
+                ratios = [values[j] / c.fwd_s[j] for j in peers[i] if c.fwd_s[j] > 0]
+                out[i] = c.fwd_s[i] * (statistics.median(ratios) if ratios else default)
+            return tuple(out)
+        costs = replace(costs, diff_s=filled(diff, UNMEASURED_DIFF_RATIO))
+        for name in ("selective_fwd_s", "selective_rerun_s"):   # a frozen layer's are its forward's (with_selective)
+            if getattr(c, name) is not None:
+                costs = replace(costs, **{name: filled(getattr(c, name), 1.0) if f < L else None})
+        if c.saved_bytes is not None:   # the most its peers saved; none measured: the analytic estimate
+            costs = replace(costs, saved_bytes=tuple(max(c.saved_bytes[j] for j in peers[i]) if i < f else v
+                                                     for i, v in enumerate(c.saved_bytes)) if f < L else None)
+    if full == b and costs == c:
+        return p
     return replace(p, budgets=full, measured=costs, check=False)
 
 

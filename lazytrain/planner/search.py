@@ -353,7 +353,10 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
     # then it is not measured, and a hardware profile's is used if given (only MegaTrain's host phase reads it)
     above = sum(layer.params for layer in model.layers[f:])
     rates = {"achievable_tflops": flops / max(sum(c.diff_s[f:]) + sum(c.fwd_s[:f]), 1e-9) / 1e12}
-    if above and profile.trainable_share * model.layer_params >= above * (1 - 1e-6):
+    # (nor from a sharded run's: each rank's update spans hold its own layers' updates and its waits for the
+    # others', so their sum is no one process's rate)
+    sharded = (profile.world_size or 1) > 1 and (profile.zero_stage or 0) >= 1
+    if above and not sharded and profile.trainable_share * model.layer_params >= above * (1 - 1e-6):
         rates["host_optimizer_gparams_per_s"] = above / max(sum(c.update_s[f:]), 1e-9) / 1e9
     if hardware is not None:
         hw = replace(load_profile(hardware), **rates, **profile.links_gbps, **memory)
