@@ -46,7 +46,8 @@ from lazytrain.planner.ceiling import internals_fraction_for, step_floor        
 from lazytrain.planner.hardware import CATALOG                                    # noqa: E402
 from lazytrain.planner.milp import MilpOptions                                    # noqa: E402
 from lazytrain.planner.policies import (PAPER, PAPER_GPU_CAP, PAPER_SEQ, best_interval_plan,  # noqa: E402
-                                        calibrate, calibration_band, megatrain_errors, megatrain_memory_errors,
+                                        calibrate, calibration_band, megatrain_errors, megatrain_host_memory_errors,
+                                        megatrain_memory_errors,
                                         prediction_band, simulate_megatrain)
 from lazytrain.planner.problem import Budgets, Problem                            # noqa: E402
 from lazytrain.planner.search import search_micro_batch, solve                     # noqa: E402
@@ -95,6 +96,11 @@ def main() -> int:
         mem = megatrain_memory_errors(hw, gpu)
         print(f"{gpu} peak GPU memory residuals (MegaTrain's model vs the paper's GiB): " +
               ", ".join(f"{SHORT[m]} {e * 100:+.1f}%" for m, e in mem.items()))
+        for moments, what in ((8, "CPUAdam's fp32 moments"), (4, "torch AdamW's bf16 moments")):
+            host = megatrain_host_memory_errors(hw, gpu, moments)
+            print(f"{gpu} host memory residuals with {what} (MegaTrain's model after the step, its gradients "
+                  f"freed, vs the paper's CPU GiB, RSS): " + ", ".join(f"{SHORT[m]} {e * 100:+.1f}%"
+                                                                      for m, e in host.items()))
         if args.only and gpu != args.only:
             continue
         t0 = time.perf_counter()

@@ -271,3 +271,20 @@ def test_lazytrain_plan_says_what_a_run_that_trains_less_trains_and_that_megatra
         "the others" + tail,
         "": said[""]}
     assert said[""].startswith("step floor")   # full fine-tuning: no such line
+
+
+def test_megatrains_host_memory_after_a_step_against_the_papers_cpu_column():
+    """Its script reports RSS in GiB after the step, the gradients freed by optimizer.zero_grad(). Qwen2.5-7B by
+    hand: 7,615,616,512 parameters in bf16 with 8 bytes of fp32 moments; bf16 pinned copies of the 6,525,618,176
+    layer weights, 14 buffers of the largest layer (233,057,792), the untied head slab (544,997,376 + the final
+    norm's 3,584) and the embedding slab (544,997,376). The H800 column fits fp32 moments (CPUAdam), the RTX
+    3090 column bf16 ones (torch's AdamW)."""
+    from lazytrain.planner.policies import megatrain_host_memory_errors, paper_problem
+    p = paper_problem("h800", "qwen2.5-7b", CATALOG["h800"], check=False)
+    by_hand = 7615616512 * 10 + (6525618176 + 14 * 233057792 + 544997376 + 3584 + 544997376) * 2
+    assert megatrain.host_bytes_after_step(p) == by_hand
+    assert megatrain.host_bytes(p) == by_hand + 7615616512 * 2
+    residuals = {gpu: {m: round(e * 100, 1) for m, e in megatrain_host_memory_errors(CATALOG[gpu], gpu, mb).items()}
+                 for gpu, mb in (("h800", 8), ("rtx3090", 4))}
+    assert residuals == {"h800": {"qwen2.5-3b": -24.8, "qwen2.5-7b": -4.8, "qwen2.5-14b": -4.1, "paper-27b": -8.7},
+                         "rtx3090": {"qwen2.5-3b": 2.3, "qwen2.5-7b": 10.8, "qwen2.5-14b": 13.0, "paper-27b": 6.6}}

@@ -43,6 +43,8 @@ REFRESH_BYTES = 2 + 2           # a layer's weights read and written into its pi
 LAZYTRAIN_UPDATE_BYTES = 28     # what one LazyTrain update moves (hardware.optimizer_params_per_s)
 LOSS_CHUNK_POSITIONS = 128      # positions per loss chunk; all chunks' logits are kept until backward
 MOMENT_BYTES = 8                # CPUAdam's two moments, fp32 (its default fp32_optimizer_states)
+# torch's AdamW, which its script falls back to without DeepSpeed's CPUAdam: moments in the parameters' bf16
+FALLBACK_MOMENT_BYTES = 4
 GRAD_SLABS = 12                 # pinned layer-gradient slabs, each the largest layer (its num_grad_slabs default)
 STAGING_BUFFERS = 2             # pinned flat buffers the largest layer is staged in (double-buffered)
 # a layer's diff over its forward where no layer's was measured (the cost model's: forward, then backward 2x)
@@ -118,15 +120,23 @@ def as_it_trains(p):
     return replace(p, budgets=full, measured=costs, check=False)
 
 
-def host_bytes(p) -> int:
+def host_bytes(p, moment_bytes: int = MOMENT_BYTES) -> int:
     """What MegaTrain keeps in host memory for ``p`` (as :func:`as_it_trains` has it): every parameter in the
-    model's dtype, its gradient in that dtype and CPUAdam's fp32 moments; for each layer, the pinned flat copy
-    its weights are streamed from; and its pinned buffers: the staging buffers and gradient slabs of the largest
+    model's dtype, its gradient in that dtype and its optimizer's two moments (``moment_bytes`` a parameter:
+    CPUAdam's fp32 ones, or FALLBACK_MOMENT_BYTES with torch's AdamW); for each layer, the pinned flat copy its
+    weights are streamed from; and its pinned buffers: the staging buffers and gradient slabs of the largest
     layer, the head slab and the embedding slab."""
     m, db = p.model, p.model.dtype_bytes
     largest = max(l.params for l in m.layers)
     slabs = (GRAD_SLABS + STAGING_BUFFERS) * largest + _head_slab_params(m) + _embedding_params(m)
-    return int(m.total_params * (2 * db + MOMENT_BYTES) + (m.layer_params + slabs) * db)
+    return int(m.total_params * (2 * db + moment_bytes) + (m.layer_params + slabs) * db)
+
+
+def host_bytes_after_step(p, moment_bytes: int = MOMENT_BYTES) -> int:
+    """What its training script reports as host memory: the process's RSS after the step, whose
+    ``optimizer.zero_grad()`` (torch's default set_to_none) has freed the gradients; :func:`host_bytes` less
+    them. Python, CUDA's host side and the libraries are not in it."""
+    return host_bytes(p, moment_bytes) - p.model.total_params * p.model.dtype_bytes
 
 
 def _embedding_params(m) -> int:

@@ -155,6 +155,16 @@ def megatrain_memory_errors(hw: HardwareProfile, gpu: str) -> dict[str, float]:
     return out
 
 
+def megatrain_host_memory_errors(hw: HardwareProfile, gpu: str, moment_bytes: int | None = None) -> dict[str, float]:
+    """Relative error of MegaTrain's modelled host memory after a step vs the paper's CPU column, per model:
+    its train.py reports ``psutil`` RSS in GiB after the step (megatrain.host_bytes_after_step), with its
+    optimizer's moments of ``moment_bytes`` a parameter (default: CPUAdam's fp32)."""
+    from . import megatrain
+    mb = megatrain.MOMENT_BYTES if moment_bytes is None else moment_bytes
+    return {model: megatrain.host_bytes_after_step(paper_problem(gpu, model, hw, check=False), mb) / 2 ** 30
+            / rows["megatrain"][3] - 1 for (g, model), rows in PAPER.items() if g == gpu}
+
+
 def calibrate(base: HardwareProfile, gpu: str, fit_pcie: bool = False,
               pcie_max_gbps: float = 48.0) -> tuple[HardwareProfile, dict]:
     """:func:`_calibrated`, fitted once per process for the same arguments (a fit costs seconds; the band and
