@@ -148,6 +148,7 @@ def test_megatrain_trains_every_parameter_whatever_the_problem_freezes_and_holds
     # its host: bf16 parameters and gradients, fp32 moments, each layer's pinned bf16 flat copy, and its pinned
     # buffers: 12 gradient slabs and 2 staging buffers of the largest layer, the head slab (a tied head's weight
     # and the final norm) and the embedding slab (no boundary is kept there)
+    from lazytrain.planner.policies import paper_problem
     m = p.model
     assert m.tied_embeddings and m.nonlayer_params == m.vocab_size * m.hidden + m.hidden
     slabs = 14 * max(l.params for l in m.layers) + m.nonlayer_params + m.vocab_size * m.hidden
@@ -157,8 +158,11 @@ def test_megatrain_trains_every_parameter_whatever_the_problem_freezes_and_holds
     for e in full.timeline:
         if e.lane == "d2h" and e.label in ("grads head/norm", "grads L0 + embedding"):
             d2h[e.label] = d2h.get(e.label, 0) + e.nbytes
-    assert d2h == {"grads head/norm": pytest.approx(m.nonlayer_params * 2), "grads L0 + embedding":
+    # (a tied head's gradient is added to the embedding's: beside the windows only the final norm's)
+    assert d2h == {"grads head/norm": pytest.approx(m.hidden * 2), "grads L0 + embedding":
                    p.Wl[0] + m.vocab_size * m.hidden * 2}
+    untied = paper_problem("h800", "qwen2.5-7b", CATALOG["h800"], check=False)   # head 544,997,376 + norm 3,584
+    assert megatrain.head_grad_bytes(untied) == (544997376 + 3584) * 2
     # the step ends copying every non-layer weight to the device, with layer 0's
     last = [e for e in full.timeline if e.label == "next step's first weights (embedding/head + L0)"]
     assert [e.nbytes for e in last] == [p.nonlayer_w + p.Wl[0]]

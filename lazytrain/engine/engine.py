@@ -632,7 +632,9 @@ class LazyTrainEngine(nn.Module):
             except Exception as e:   # noqa: BLE001 - every rank raises it
                 error = e
         if self.dist.enabled:
-            answer, error = self.dist.all_gather_object((answer, error), what)[0]
+            gathered = self.dist.all_gather_object((answer, error), what)[0]
+            if self.global_rank:   # rank 0 keeps its own: a copy has lost its traceback
+                answer, error = gathered
         if error is not None:
             raise error
         return answer

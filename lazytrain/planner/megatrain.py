@@ -144,13 +144,14 @@ def _embedding_params(m) -> int:
 
 
 def _head_slab_params(m) -> int:
-    """The head's parameters and the final norm's (a tied head's weight is the embedding's, copied here too)."""
+    """Its head slab's size: the head's parameters and the final norm's (a tied head's weight is the embedding's)."""
     return m.nonlayer_params - (0 if m.tied_embeddings else _embedding_params(m))
 
 
 def head_grad_bytes(p) -> int:
-    """The gradients MegaTrain copies right after the loss's backward, beside the layers': its head slab."""
-    return _head_slab_params(p.model) * p.model.dtype_bytes
+    """The gradients MegaTrain copies right after the loss's backward, beside the layers': an untied head's and
+    the final norm's (a tied head's gradient is added to the embedding's, copied last: :func:`tail_bytes`)."""
+    return (p.model.nonlayer_params - _embedding_params(p.model)) * p.model.dtype_bytes
 
 
 def tail_bytes(p) -> int:
