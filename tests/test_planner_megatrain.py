@@ -259,11 +259,14 @@ def test_a_profiles_host_optimizer_rate_counts_the_parameters_its_updates_traine
 def test_lazytrain_plan_says_what_a_run_that_trains_less_trains_and_that_megatrains_row_trains_it_all(capsys):
     from lazytrain.cli import main
     args = ["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--micro-batch", "8", "--time-limit", "5"]
-    said = {}
+    said, megatrain_rows = {}, set()
     for extra in (["--frozen-bottom-layers", "30"], ["--frozen-bottom-layers", "30", "--trainable-share", "0.1"],
                   ["--trainable-share", "0.5", "--non-block-trainable-share", "0"], []):
         assert main(args + extra) == 0
-        said[" ".join(extra)] = capsys.readouterr().out.splitlines()[1]
+        out = capsys.readouterr().out.splitlines()
+        said[" ".join(extra)] = out[1]
+        megatrain_rows |= {line for line in out if line.startswith("megatrain")}
+    assert len(megatrain_rows) == 1   # the same full fine-tuning, its "/ lower bound" that of what it runs
     tail = ". MegaTrain has no frozen or partial training: its row trains every parameter, as its code would for this model"
     assert said == {
         "--frozen-bottom-layers 30": "trains 16.7% of the layers' parameters and 0.0% of the others; layers 0-29 "
