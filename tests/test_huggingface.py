@@ -52,6 +52,7 @@ TWO_RANKS = "test_two_ranks_of_a_trainer_script_shard_the_state_and_train_as_pla
 TWO_RANKS_BF16 = "test_two_ranks_in_bf16_keep_the_non_block_masters_on_their_owners_and_save_the_trained_weights"
 RESUMES = "test_resume_from_checkpoint_continues_bit_identically"
 OTHER_SCRIPTS = "test_accelerate_and_trl_scripts_train_as_they_do_without_deepspeed"
+GENERATES = "test_a_trl_trainer_that_generates_during_training_trains_as_it_does_without_deepspeed"
 # every run the tests read: name: (program, its arguments, the tests that read it); "torchrun" in the name:
 # started by torchrun with 2 processes; "resumed" continues "zero2" from its checkpoint-2
 RUNS = {
@@ -66,6 +67,7 @@ RUNS = {
     "resumed": ("trainer_run.py", ("--config", "zero2"), {RESUMES}),
     **{f"{program[:-3]}_{config}": (program, ("--config", config), {OTHER_SCRIPTS})
        for program in ("accelerate_run.py", "sft_run.py") for config in ("plain", "zero2", "zero3")},
+    **{f"grpo_run_{config}": ("grpo_run.py", ("--config", config), {GENERATES}) for config in ("plain", "zero2", "zero3")},
 }
 AT_ONCE = 2   # runs at a time (each its own process, as a user runs it): enough to keep two cores busy
 
@@ -195,6 +197,19 @@ def test_accelerate_and_trl_scripts_train_as_they_do_without_deepspeed(runs, pro
     torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert_same_weights(lazy["weights"], plain["weights"], exact=False)
     assert_same_weights(from_pretrained(out / "final"), lazy["weights"], exact=True)
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_a_trl_trainer_that_generates_during_training_trains_as_it_does_without_deepspeed(runs, config):
+    """TRL's GRPOTrainer generates its completions through ``unwrap_model_for_generation``, which under ZeRO-3
+    takes DeepSpeed's module hooks off the model and puts them back (``optimizer.parameter_offload``): the same
+    completions, rewards, losses and weights as without DeepSpeed."""
+    plain, _ = runs("grpo_run_plain")
+    lazy, _ = runs(f"grpo_run_{config}")
+    assert len(lazy["losses"]) == len(plain["losses"]) == 3 and plain["moved"] > 1e-3
+    assert lazy["rewards"] == plain["rewards"]   # the same completions sampled
+    torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
+    assert_same_weights(lazy["weights"], plain["weights"], exact=False)
 
 
 def test_replace_deepspeed_without_deepspeed_names_the_extra_to_install(monkeypatch):

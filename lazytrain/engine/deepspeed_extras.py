@@ -1,4 +1,5 @@
-"""``engine.tput_timer`` and ``engine.monitor``: two DeepSpeed engine attributes that scripts read.
+"""``engine.tput_timer``, ``engine.monitor`` and, at ZeRO stage 3, ``optimizer.parameter_offload``: DeepSpeed
+attributes that scripts read.
 
 Why: the DeepSpeed-Chat template (and its many forks) calls ``engine.tput_timer.update_epoch_count()`` at the
 end of every epoch and reads ``engine.monitor.enabled``; without them such a script failed after its first
@@ -69,3 +70,26 @@ class Monitor:
 
     def write_events(self, event_list) -> None:
         """Nothing is written: LazyTrain has no monitors (log from the training loop)."""
+
+
+class NoParameterOffloadHooks:
+    """``optimizer.parameter_offload`` at stage 3, for code that takes DeepSpeed's ZeRO-3 module hooks off the
+    model around a generation and puts them back (TRL's ``unwrap_model_for_generation``: GRPO, RLOO, online DPO,
+    GKD). Why: LazyTrain registers no such hooks (its blocks stream whatever the stage, and a
+    ``GatheredParameters`` scope gathers what stage 3 partitions), so there is nothing to take off; ``module``
+    holds no parameter, the hook lists are empty, and registering them again does nothing."""
+
+    class _NoParameters:
+        def named_parameters(self, prefix: str = "", recurse: bool = True):
+            return iter(())
+
+        def ds_external_parameters(self):
+            return []
+
+    def __init__(self):
+        self.module = self._NoParameters()
+        self.forward_hooks: list = []
+        self.backward_hooks: list = []
+
+    def _register_deepspeed_module(self, module, count=None) -> None:
+        """DeepSpeed's re-registration of the hooks: LazyTrain has none to register."""

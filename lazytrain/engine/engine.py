@@ -47,7 +47,7 @@ from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_
                      refuse_quantized_block_weights, turn_off_layer_checkpointing)
 from .host_accumulate import sum_of_squares
 from .lean_norms import make_norms_lean, restore_norms
-from .deepspeed_extras import Monitor, ThroughputTimer
+from .deepspeed_extras import Monitor, NoParameterOffloadHooks, ThroughputTimer
 from .distributed import CollectiveError, DistributedContext, RankFailure
 from .executor import LayerStreamingExecutor
 from .layer_updates import LayerUpdates
@@ -66,7 +66,8 @@ SELECTIVE_MARGIN = 16   # policy auto counts a selective layer's kept outputs 1/
 
 
 # the optimizer attributes the engine sets (DeepSpeed's optimizers' behaviour and flags), undone by destroy
-_OPTIMIZER_ATTRIBUTES_SET = ("add_param_group", "zero_grad", "step", "overflow", "loss_scale", "cur_scale")
+_OPTIMIZER_ATTRIBUTES_SET = ("add_param_group", "zero_grad", "step", "overflow", "loss_scale", "cur_scale",
+                             "parameter_offload")
 
 
 def _as_loss_scaler_state(saved: dict | None) -> dict | None:
@@ -373,6 +374,9 @@ class LazyTrainEngine(nn.Module):
             self._sets_overflow = not hasattr(self.optimizer, "overflow")
             if self._sets_overflow:
                 self.optimizer.overflow = False
+            if config.zero_stage >= 3 and not hasattr(self.optimizer, "parameter_offload"):
+                # as DeepSpeed's stage-3 optimizer: what TRL takes ZeRO-3's module hooks off around a generation
+                self.optimizer.parameter_offload = NoParameterOffloadHooks()
         self._layer_of_param = {id(p): i for i, params in enumerate(self.weights.params) for p in params}
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
