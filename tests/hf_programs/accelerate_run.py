@@ -6,7 +6,6 @@ The loop is accelerate's documented one (prepare, accumulate, backward, clip, st
 optimizer and schedule are the script's own (torch's AdamW, a LambdaLR), handed to the engine through
 ``prepare``; ``plain`` runs the same loop without DeepSpeed. Writes OUT/result.pt and OUT/final (saved with
 ``save_pretrained(state_dict=accelerator.get_state_dict(model))``)."""
-import argparse
 import copy
 import os
 import sys
@@ -14,12 +13,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CONFIGS, Tokens, tiny_gpt2, warmup_lr_factor  # noqa: E402
+from common import CONFIGS, Tokens, script_args, tiny_gpt2, warmup_lr_factor  # noqa: E402
 
-ap = argparse.ArgumentParser()
-ap.add_argument("out")
-ap.add_argument("--config", default="zero2")
-a = ap.parse_args()
+a = script_args()
 
 if a.config != "plain":
     import lazytrain

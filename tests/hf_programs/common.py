@@ -31,6 +31,17 @@ CONFIGS = {"zero2": ZERO2, "zero3": ZERO3}
 WARMUP = 3   # TrainingArguments.warmup_steps: DeepSpeed's WarmupLR gets it through "auto"
 
 
+def script_args():
+    """``OUT --config zero2|zero3|plain``: the output folder (made) and the DeepSpeed config the script runs."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--config", default="zero2")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    return a
+
+
 def write_config(name: str, directory: str) -> str:
     path = os.path.join(directory, f"ds_{name}.json")
     with open(path, "w") as f:

@@ -4,7 +4,6 @@
 
 ``plain`` is the same script without DeepSpeed, with torch's AdamW and DeepSpeed's WarmupLR as a LambdaLR.
 Writes OUT/result.pt (trained weights, logged losses) and OUT/final (``save_model``)."""
-import argparse
 import os
 import random
 import sys
@@ -12,13 +11,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import VOCAB, WARMUP, plain_optimizers, tiny_gpt2, word_tokenizer, write_config  # noqa: E402
+from common import (VOCAB, WARMUP, plain_optimizers, script_args, tiny_gpt2, word_tokenizer,  # noqa: E402
+                    write_config)
 
-ap = argparse.ArgumentParser()
-ap.add_argument("out")
-ap.add_argument("--config", default="zero2")
-a = ap.parse_args()
-os.makedirs(a.out, exist_ok=True)
+a = script_args()
 
 if a.config != "plain":
     import lazytrain
