@@ -1000,7 +1000,7 @@ def test_a_simulated_step_with_accumulation_traces_every_micro_batch():
     assert r.compute_s + sum(r.exposed_s.values()) == pytest.approx(r.step_time_s, rel=1e-12)
     # MegaTrain's executor: each micro-batch ends with its last gradients' copy
     mt = simulate(dataclasses.replace(p1, grad_accum=3), megatrain_plan(p1), strict=False, executor="megatrain")
-    assert [e.micro_batch for e in mt.timeline if e.label == "grads L0 + embedding/head"] == [0, 1, 2]
+    assert [e.micro_batch for e in mt.timeline if e.label == "grads L0 + embedding"] == [0, 1, 2]
     assert mt.compute_s + sum(mt.exposed_s.values()) == pytest.approx(mt.step_time_s, rel=1e-12)
 
 
@@ -1518,8 +1518,9 @@ def test_a_plan_file_on_nvme_without_an_nvme_path_is_refused_naming_the_keys(tmp
 def test_embedding_and_head_gradients_leave_beside_the_windows_on_lazytrain_and_after_them_on_megatrain():
     """LazyTrain's engine copies the head's gradients during the first GRAD_SHARE_WINDOWS backward windows and
     an earlier micro-batch's last ones during the next one's first forward windows: the step waits only for
-    the last micro-batch's layer-0 and embedding gradients. MegaTrain's executor copies them all at the end
-    of each micro-batch's backward."""
+    the last micro-batch's layer-0 and embedding gradients. MegaTrain's executor copies its head slab (the
+    untied head's and the final norm's) on its gradient stream after the loss's backward, beside its first
+    backward windows, and layer 0's and the embedding's at the end of each micro-batch's backward."""
     from lazytrain.planner.policies import megatrain_plan
     from lazytrain.planner.problem import GRAD_SHARE_WINDOWS
     model = catalog_model("qwen2.5-7b")
@@ -1541,12 +1542,15 @@ def test_embedding_and_head_gradients_leave_beside_the_windows_on_lazytrain_and_
     p3 = dataclasses.replace(p1, grad_accum=3)
     step3 = simulate(p3, plan).step_time_s
     assert step3 - r.step_time_s == pytest.approx(2 * (later.micro_step_s + p1.load_l[0]), rel=1e-12)
-    # MegaTrain's executor: every micro-batch ends with them, none beside its windows
+    # MegaTrain's executor: its head slab beside its first backward windows, none of a micro-batch before
     mt = simulate(p1, megatrain_plan(p1), executor="megatrain")
     assert not [e for e in mt.timeline if e.label.startswith("grads embedding") or "micro-batch before" in e.label]
-    ends = [e for e in mt.timeline if e.label == "grads L0 + embedding/head"]
-    assert len(ends) == 1 and ends[0].end - ends[0].start == pytest.approx(
-        (p1.Gl[0] + p1.nonlayer_w) / p1.bw_d2h, rel=1e-12)
+    head = [e for e in mt.timeline if e.label == "grads head/norm"]
+    emb = model.vocab_size * model.hidden * 2
+    assert [e.window for e in head] == list(range(L, L + n)) and sum(e.nbytes for e in head) == pytest.approx(
+        (model.nonlayer_params * 2 - emb), rel=1e-12)
+    ends = [e for e in mt.timeline if e.label == "grads L0 + embedding"]
+    assert len(ends) == 1 and ends[0].end - ends[0].start == pytest.approx((p1.Gl[0] + emb) / p1.bw_d2h, rel=1e-12)
     assert mt.micro_step_s == pytest.approx(sum(mt.window_s) + ends[0].end - ends[0].start, rel=1e-12)
 
 
