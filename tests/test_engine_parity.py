@@ -573,6 +573,23 @@ def test_a_loss_scale_set_on_the_optimizer_holds_from_the_next_step_as_deepspeed
     engine.destroy()
 
 
+@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, True), (3, True)])
+def test_in_bf16_and_fp32_zero_optimizers_say_a_static_loss_scale_of_1_as_deepspeeds(stage, bf16):
+    """DeepSpeed's ZeRO optimizers (stage >= 1) have loss_scale and cur_scale in every precision: 1.0 outside
+    fp16. Stage 0 in fp32 hands back the torch optimizer, which has neither. destroy takes them away."""
+    top = {"zero_optimization": {"stage": stage}, **({"bf16": {"enabled": True}} if bf16 else {})}
+    engine, optimizer, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config(_top=top))
+    if stage:
+        x, y = batches(1)[0]
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        assert optimizer.loss_scale == optimizer.cur_scale == 1.0 and engine.was_step_applied()
+    else:
+        assert not hasattr(optimizer, "loss_scale") and not hasattr(optimizer, "cur_scale")
+    engine.destroy()
+    assert not hasattr(optimizer, "loss_scale") and not hasattr(optimizer, "cur_scale")
+
+
 def test_eval_no_grad_streams_and_matches_module():
     model = make_model("llama")
     ref = copy.deepcopy(model).to(AUTO_DEVICE)

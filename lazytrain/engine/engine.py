@@ -409,6 +409,11 @@ class LazyTrainEngine(nn.Module):
         self._sets_scale = self.loss_scaler is not None and self.optimizer is not None and not any(
             hasattr(self.optimizer, name) for name in ("loss_scale", "cur_scale"))
         self._show_loss_scale()
+        # in bf16 and fp32 DeepSpeed's ZeRO optimizers (stage >= 1) say a static scale of 1 (loggers read it; one set
+        # there scales the loss and unscales the gradients by the same power of two, which changes nothing here)
+        if self.loss_scaler is None and config.zero_stage >= 1 and self.optimizer is not None and not any(
+                hasattr(self.optimizer, name) for name in ("loss_scale", "cur_scale")):
+            self.optimizer.loss_scale = self.optimizer.cur_scale = 1.0
         self._collate_fn = collate_fn
         self._warned_iterable = False
         # DeepSpeed's deepspeed_io(training_data): pinned where CUDA is (loaded in this process: _build_dataloader)
