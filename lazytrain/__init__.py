@@ -6,7 +6,7 @@
 Importing ``lazytrain`` loads nothing heavy; torch is imported with the engine, on first use.
 """
 __version__ = "0.1.0"
-__all__ = ["initialize", "add_config_arguments", "zero", "comm", "replace_deepspeed", "restore_deepspeed", "init_distributed", "CollectiveError", "register_tier", "CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError",
+__all__ = ["initialize", "add_config_arguments", "zero", "comm", "utils", "replace_deepspeed", "restore_deepspeed", "init_distributed", "CollectiveError", "register_tier", "CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError",
            "CheckpointMismatchError", "StepFailedError", "LossScaleAtMinimumError", "engine_of", "__version__"]
 _CHECKPOINT_ERRORS = ("CheckpointError", "IncompleteCheckpointError", "CheckpointSpaceError", "CheckpointMismatchError")
 
@@ -15,7 +15,7 @@ def __getattr__(name):
     if name == "initialize":
         from .engine.initialize import initialize
         return initialize
-    if name in ("zero", "comm"):   # deepspeed.zero's and deepspeed.comm's names, for `import lazytrain as deepspeed`
+    if name in ("zero", "comm", "utils"):   # deepspeed.zero's, .comm's and .utils' names, for `import lazytrain as deepspeed`
         import importlib
         return importlib.import_module(f".{name}", __name__)
     if name in ("replace_deepspeed", "restore_deepspeed", "add_config_arguments"):

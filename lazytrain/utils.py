@@ -1,4 +1,5 @@
-"""DeepSpeed's ``deepspeed.utils`` accessors for what the engine keeps of a parameter away from it.
+"""DeepSpeed's ``deepspeed.utils`` accessors for what the engine keeps of a parameter away from it, and its
+``RepeatingLoader``.
 
     from lazytrain.utils import safe_get_full_grad
     engine.backward(loss)
@@ -16,7 +17,9 @@ and optimizer state come from the rank that holds them; a set checks that every 
 from __future__ import annotations
 
 __all__ = ["safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param", "safe_set_full_fp32_param",
-           "safe_get_full_optimizer_state", "safe_set_full_optimizer_state"]
+           "safe_get_full_optimizer_state", "safe_set_full_optimizer_state", "RepeatingLoader"]
+
+from .data.loader import RepeatingLoader  # noqa: E402  (deepspeed.utils.RepeatingLoader)
 
 
 def _owner(param, name: str):

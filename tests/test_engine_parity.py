@@ -2340,6 +2340,23 @@ def test_the_training_data_comes_in_deepspeeds_order_with_or_without_a_launcher(
     assert [int(i) for (x,) in loader for i in x] == want
 
 
+def test_deepspeeds_repeating_loader_answers_through_import_lazytrain_as_deepspeed(monkeypatch):
+    """deepspeed.utils.RepeatingLoader, which DeepSpeed's examples wrap the engine's loader in to draw a set number
+    of batches: each pass ends into the next, whose order is the sampler's next epoch (DeepSpeed's order for
+    epochs 0 and 1); an empty loader ends the iteration."""
+    import lazytrain as deepspeed
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dataset = torch.utils.data.TensorDataset(torch.arange(10))
+    _, _, loader, _ = deepspeed.initialize(model=make_model("modulelist"), training_data=dataset, config=ds_config())
+    batches_drawn = deepspeed.utils.RepeatingLoader(loader)
+    drawn = [int(i) for _ in range(2 * len(loader)) for i in next(batches_drawn)[0]]
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert drawn == first + list(sampler) and first != list(sampler)
+    assert list(deepspeed.utils.RepeatingLoader([])) == []
+
+
 def test_training_data_that_is_no_dataset_or_an_iterable_with_a_sampler_is_refused():
     """initialize's training_data was not checked as deepspeed_io's is (a raw "object of type 'int' has no
     len()"); a sampler given with an IterableDataset was dropped without a word, where torch refuses it."""

@@ -50,3 +50,24 @@ def is_dataset(data) -> bool:
     Dataset, a list, a Hugging Face ``datasets.Dataset``)."""
     return isinstance(data, torch.utils.data.IterableDataset) or \
         (hasattr(data, "__getitem__") and hasattr(data, "__len__"))
+
+
+class RepeatingLoader:
+    """DeepSpeed's ``deepspeed.utils.RepeatingLoader``: ``loader`` iterated again from its start each time it ends,
+    for scripts that draw a fixed number of batches (``next(data_iter)`` per step) rather than epochs. Each new
+    pass is a new ``iter(loader)``: the engine's loader moves its sampler to the next epoch then. A loader that
+    yields nothing ends the iteration (StopIteration), as DeepSpeed's does."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
