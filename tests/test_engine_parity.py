@@ -584,6 +584,10 @@ def test_in_bf16_and_fp32_zero_optimizers_say_a_static_loss_scale_of_1_as_deepsp
         engine.backward(lm_loss(engine(x), y))
         engine.step()
         assert optimizer.loss_scale == optimizer.cur_scale == 1.0 and engine.was_step_applied()
+        optimizer.cur_scale = 4.0   # one value under two names, as DeepSpeed's property: both say it from then on
+        engine.backward(lm_loss(engine(x), y))
+        assert optimizer.loss_scale == optimizer.cur_scale == 4.0
+        engine.step()
     else:
         assert not hasattr(optimizer, "loss_scale") and not hasattr(optimizer, "cur_scale")
     engine.destroy()

@@ -229,6 +229,8 @@ def test_restore_deepspeed_puts_back_what_replace_changed():
     before = (deepspeed.initialize, deepspeed.DeepSpeedEngine, deepspeed.zero.Init,
               deepspeed.zero.GatheredParameters, hf_ds.set_hf_deepspeed_config,
               accelerate.accelerator.map_pytorch_optim_to_deepspeed)
+    before_get_rank = deepspeed.comm.get_rank
+    had_a_group = torch.distributed.is_initialized()
     lazytrain.replace_deepspeed()
     try:
         adamw = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
@@ -243,11 +245,22 @@ def test_restore_deepspeed_puts_back_what_replace_changed():
             pass
         assert built.weight.shape == (3, 3)
         assert not hf_ds.is_deepspeed_zero3_enabled()
+        # deepspeed.comm with no DeepSpeed backend set up (LazyTrain's initialize sets none up): over
+        # torch.distributed's group, where DeepSpeed's own asserted "DeepSpeed backend not set"
+        assert deepspeed.comm.comm.cdb is None and before_get_rank is not deepspeed.comm.get_rank
+        assert (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()) == (0, 1)
+        t = torch.ones(2)
+        deepspeed.comm.all_reduce(t)
+        deepspeed.comm.barrier()
+        assert t.tolist() == [1.0, 1.0]
     finally:
         lazytrain.restore_deepspeed()
+        if not had_a_group and torch.distributed.is_initialized():   # the group of one made here
+            torch.distributed.destroy_process_group()
     assert (deepspeed.initialize, deepspeed.DeepSpeedEngine, deepspeed.zero.Init,
             deepspeed.zero.GatheredParameters, hf_ds.set_hf_deepspeed_config,
             accelerate.accelerator.map_pytorch_optim_to_deepspeed) == before
+    assert deepspeed.comm.get_rank is before_get_rank
 
 
 def test_a_gathered_write_in_one_process_or_a_read_on_every_rank_broadcasts_nothing(monkeypatch):

@@ -411,9 +411,10 @@ class LazyTrainEngine(nn.Module):
         self._show_loss_scale()
         # in bf16 and fp32 DeepSpeed's ZeRO optimizers (stage >= 1) say a static scale of 1 (loggers read it; one set
         # there scales the loss and unscales the gradients by the same power of two, which changes nothing here)
+        self._static_scale = None   # the one both names say (one property in DeepSpeed's optimizers)
         if self.loss_scaler is None and config.zero_stage >= 1 and self.optimizer is not None and not any(
                 hasattr(self.optimizer, name) for name in ("loss_scale", "cur_scale")):
-            self.optimizer.loss_scale = self.optimizer.cur_scale = 1.0
+            self.optimizer.loss_scale = self.optimizer.cur_scale = self._static_scale = 1.0
         self._collate_fn = collate_fn
         self._warned_iterable = False
         # DeepSpeed's deepspeed_io(training_data): pinned where CUDA is (loaded in this process: _build_dataloader)
@@ -956,6 +957,8 @@ class LazyTrainEngine(nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss
+        if self._static_scale is not None:   # a scale set on the optimizer outside fp16: both names say it
+            self._adopt_loss_scale_set()
         if self.loss_scaler is not None:
             if not self._scaled_backward:   # the step's first micro-batch: a scale set on the optimizer holds
                 self._adopt_loss_scale_set()
@@ -1379,8 +1382,15 @@ class LazyTrainEngine(nn.Module):
 
     def _adopt_loss_scale_set(self) -> None:
         """A script's ``optimizer.loss_scale = x`` (or ``cur_scale``) sets the scale, as DeepSpeed's setters do;
-        read at a step's first backward, so every micro-batch of a step has one scale."""
+        read at a step's first backward, so every micro-batch of a step has one scale. Outside fp16 the value
+        set is what both names say from then on, as DeepSpeed's one property; the update is the same whatever it
+        is (DeepSpeed scales the loss and unscales the gradients by it)."""
         if not self._sets_scale:
+            if self._static_scale is not None:
+                shown = self._static_scale
+                set_to = next((v for v in (getattr(self.optimizer, n, shown) for n in ("cur_scale", "loss_scale"))
+                               if v != shown), shown)
+                self.optimizer.loss_scale = self.optimizer.cur_scale = self._static_scale = set_to
             return
         for name in ("cur_scale", "loss_scale"):
             value = getattr(self.optimizer, name, self._shown_scale)

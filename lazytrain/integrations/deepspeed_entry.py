@@ -1,8 +1,9 @@
 """DeepSpeed's entry points answered by LazyTrain, for code built on DeepSpeed that a user does not edit.
 
 Hugging Face ``Trainer`` (``TrainingArguments(deepspeed=...)``), ``accelerate`` with a DeepSpeed plugin and
-what builds on them (TRL's ``SFTTrainer`` is tested; trainers that generate under ZeRO-3 reach into
-DeepSpeed's parameter offload, which LazyTrain does not have) call ``deepspeed.initialize`` themselves. :func:`replace_deepspeed` makes
+what builds on them (TRL's ``SFTTrainer`` and ``GRPOTrainer`` are tested; under ZeRO-3 a generating trainer
+takes the module hooks off that LazyTrain does not have, through the engine optimizer's ``parameter_offload``)
+call ``deepspeed.initialize`` themselves. :func:`replace_deepspeed` makes
 that call return a :class:`~lazytrain.engine.engine.LazyTrainEngine`, and adjusts the few other places where
 that code reaches into DeepSpeed:
 
@@ -12,6 +13,8 @@ that code reaches into DeepSpeed:
   stage 3 the parameters outside the streamed blocks). ``deepspeed.zero.GatheredParameters``: gathers those.
 - transformers' ZeRO-3 switch (``is_deepspeed_zero3_enabled``): off, so that a model is built whole; otherwise
   ``from_pretrained`` would build the model through DeepSpeed's partitioning.
+- ``deepspeed.comm``'s collectives and ``get_rank``: over torch.distributed's group where DeepSpeed's own
+  backend was never set up (LazyTrain's ``initialize`` does not set it up; TRL's reference-model sync calls it).
 
 - accelerate's swap of a script's torch optimizer for DeepSpeed's CPU Adam (ZeRO offloading the optimizer, the
   config naming none): the script's optimizer stays.
@@ -67,6 +70,7 @@ def replace_deepspeed() -> None:
         put(deepspeed.zero, "Init", _WholeParameters)
         put(deepspeed.zero, "GatheredParameters", _GatheredParameters)
         _replace_transformers_zero3_switch(put)
+        _deepspeed_comm_on_the_process_group(put)
         _keep_the_scripts_optimizer(put)
         for name in ("safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param",
                      "safe_set_full_fp32_param", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state"):
@@ -85,6 +89,37 @@ def restore_deepspeed() -> None:
             setattr(obj, name, value)
         _saved = None
 
+
+
+# deepspeed.comm's functions that code built on DeepSpeed calls after initialize (TRL's reference-model sync and
+# transformers' ZeRO-3 weight init call get_rank): its set-up (init_distributed, is_initialized) stays its own
+_COMM_ANSWERED = ("get_rank", "get_world_size", "get_local_rank", "get_global_rank", "get_backend", "barrier",
+                  "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                  "all_to_all_single", "gather", "scatter", "all_gather_object", "broadcast_object_list")
+
+
+def _deepspeed_comm_on_the_process_group(put) -> None:
+    """``deepspeed.comm``'s functions answer over torch.distributed's group (lazytrain.comm) where DeepSpeed's own
+    communication backend was never set up: DeepSpeed's ``initialize`` sets it up, LazyTrain's does not (its
+    process group is torch.distributed's), and DeepSpeed's functions then fail ("DeepSpeed backend not set").
+    Where it was set up (accelerate's launch on a GPU), they are DeepSpeed's own."""
+    import deepspeed.comm
+    import deepspeed.comm.comm as backend
+
+    from .. import comm as ours
+    for name in _COMM_ANSWERED:
+        if hasattr(deepspeed.comm, name):
+            put(deepspeed.comm, name, _backend_else_ours(backend, getattr(deepspeed.comm, name), getattr(ours, name)))
+
+
+def _backend_else_ours(backend, deepspeeds, ours):
+    def either(*args, **kwargs):
+        if backend.cdb is not None and backend.cdb.is_initialized():
+            return deepspeeds(*args, **kwargs)
+        return ours(*args, **kwargs)
+    either.__name__ = either.__qualname__ = deepspeeds.__name__
+    either.__doc__ = deepspeeds.__doc__
+    return either
 
 
 def _lazytrain_first(name: str, deepspeeds):
