@@ -1162,8 +1162,9 @@ def test_deepspeeds_throughput_timer_and_monitor_are_there_for_the_scripts_that_
 
 def test_at_stage_3_trls_generation_takes_off_and_puts_back_module_hooks_that_are_not_there():
     """TRL's unwrap_model_for_generation takes DeepSpeed's ZeRO-3 module hooks off the model around a generation
-    (remove_hooks) and puts them back (add_hooks), through optimizer.parameter_offload: at stage 3 it is there
-    and holds nothing (AttributeError: 'AdamW' object has no attribute 'module' before); destroy takes it away."""
+    (remove_hooks) and puts them back (add_hooks; older TRL by DeepSpeed's older name), through
+    optimizer.parameter_offload: at stage 3 it is there and holds nothing (AttributeError: 'AdamW' object has no
+    attribute 'module' before); destroy takes it away."""
     trl_utils = pytest.importorskip("trl.models.utils")
     for stage in (2, 3):
         engine, optimizer, _, _ = lazytrain.initialize(
@@ -1173,6 +1174,7 @@ def test_at_stage_3_trls_generation_takes_off_and_puts_back_module_hooks_that_ar
             trl_utils.remove_hooks(engine)
             out = engine.module(batches(1)[0][0])   # a generation's forward through the model itself
             trl_utils.add_hooks(engine)
+            engine.optimizer.parameter_offload._register_hooks_recursively(engine.optimizer.parameter_offload.module)
             assert out.shape[0] == batches(1)[0][0].shape[0] and not engine.module._forward_hooks
         engine.destroy()
         assert not hasattr(optimizer, "parameter_offload")

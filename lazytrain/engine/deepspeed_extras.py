@@ -93,3 +93,5 @@ class NoParameterOffloadHooks:
 
     def _register_deepspeed_module(self, module, count=None) -> None:
         """DeepSpeed's re-registration of the hooks: LazyTrain has none to register."""
+
+    _register_hooks_recursively = _register_deepspeed_module   # its name before DeepSpeed renamed it (older TRL)
