@@ -200,9 +200,9 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     # (an unread one is on its tier until the pass is released, and comes back never)
     pre_w = {b: last_use[b] if b in unread else plan.prefetch_at(b) for b in offloaded}
 
-    # MegaTrain's executor copies each micro-batch's last gradients (layer 0's, the embedding's and head's)
-    # after its backward; LazyTrain's engine sends an earlier micro-batch's beside the next one's windows, and
-    # the step waits for the last one's alone (tail_once below)
+    # MegaTrain's executor copies each micro-batch's last gradients (layer 0's and the embedding's) after its
+    # backward (its head slab beside its first backward windows); LazyTrain's engine sends an earlier
+    # micro-batch's beside the next one's windows, and the step waits for the last one's alone (tail_once below)
     tail_bytes = megatrain.tail_bytes(p) if mega_k is not None else 0
     mega_buffers = megatrain.buffer_bytes(p) if mega_k is not None else None
     host_static = megatrain.host_bytes(p) if mega_k is not None else p.host_static
