@@ -42,6 +42,16 @@ def script_args():
     return a
 
 
+def trained_weights(trainer, model, config: str) -> dict:
+    """A Trainer's trained weights: through its LazyTrain engine's ``module_state_dict`` (checked to be one),
+    or, in the plain run, the model's own."""
+    if config == "plain":
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    engine = trainer.model_wrapped
+    assert type(engine).__name__ == "LazyTrainEngine", type(engine)
+    return engine.module_state_dict()
+
+
 def write_config(name: str, directory: str) -> str:
     path = os.path.join(directory, f"ds_{name}.json")
     with open(path, "w") as f:

@@ -11,8 +11,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (VOCAB, WARMUP, plain_optimizers, script_args, tiny_gpt2, word_tokenizer,  # noqa: E402
-                    write_config)
+from common import (VOCAB, WARMUP, plain_optimizers, script_args, tiny_gpt2, trained_weights,  # noqa: E402
+                    word_tokenizer, write_config)
 
 a = script_args()
 
@@ -35,11 +35,6 @@ trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"t
                      processing_class=word_tokenizer(), optimizers=optimizers)
 trainer.train()
 trainer.save_model(os.path.join(a.out, "final"))
-engine = trainer.model_wrapped
-if a.config != "plain":
-    assert type(engine).__name__ == "LazyTrainEngine", type(engine)
-    weights = engine.module_state_dict()
-else:
-    weights = {k: v.clone() for k, v in model.state_dict().items()}
+weights = trained_weights(trainer, model, a.config)
 torch.save({"weights": weights, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]},
            os.path.join(a.out, "result.pt"))

@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import WARMUP, Tokens, plain_optimizers, tiny_gpt2, write_config  # noqa: E402
+from common import Tokens, WARMUP, plain_optimizers, tiny_gpt2, trained_weights, write_config  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -44,9 +44,7 @@ eval_loss = trainer.evaluate()["eval_loss"]
 logits = torch.as_tensor(trainer.predict(Tokens(4, offset=2000)).predictions[0])
 trainer.save_model(os.path.join(a.out, "final"))
 engine = trainer.model_wrapped
-weights = engine.module_state_dict() if a.config != "plain" else {k: v.clone() for k, v in model.state_dict().items()}
-if a.config != "plain":
-    assert type(engine).__name__ == "LazyTrainEngine", type(engine)
+weights = trained_weights(trainer, model, a.config)
 masters = getattr(engine, "masters", None)   # the non-block fp32 masters: their owners' alone when sharded
 masters_here = sum(id(p) not in masters.elsewhere for p, _ in masters.pairs) if masters is not None else None
 if torch.distributed.is_initialized():   # how many each rank holds
