@@ -404,17 +404,15 @@ class LazyTrainEngine(nn.Module):
                                       config.fp16.consecutive_hysteresis, config.fp16.min_loss_scale,
                                       zero=config.zero_stage > 0) \
             if config.fp16.enabled else None
-        # as DeepSpeed's fp16 optimizers: their loss_scale and cur_scale, which loggers read (kept current by
-        # _show_loss_scale); an optimizer with either of its own keeps it
-        self._sets_scale = self.loss_scaler is not None and self.optimizer is not None and not any(
+        # as DeepSpeed's optimizers: loss_scale and cur_scale, one value under two names, which loggers read. In
+        # fp16 the scaler's (kept current by _show_loss_scale); from stage 1 in bf16 and fp32 a static 1 (one set
+        # there scales the loss and unscales the gradients by it, which leaves the update as it is). An optimizer
+        # with either of its own keeps it; None: the engine shows none
+        shows = self.optimizer is not None and (self.loss_scaler is not None or config.zero_stage >= 1) and not any(
             hasattr(self.optimizer, name) for name in ("loss_scale", "cur_scale"))
+        self._shown_scale: float | None = (self.loss_scaler.scale if self.loss_scaler is not None else 1.0) \
+            if shows else None
         self._show_loss_scale()
-        # in bf16 and fp32 DeepSpeed's ZeRO optimizers (stage >= 1) say a static scale of 1 (loggers read it; one set
-        # there scales the loss and unscales the gradients by the same power of two, which changes nothing here)
-        self._static_scale = None   # the one both names say (one property in DeepSpeed's optimizers)
-        if self.loss_scaler is None and config.zero_stage >= 1 and self.optimizer is not None and not any(
-                hasattr(self.optimizer, name) for name in ("loss_scale", "cur_scale")):
-            self.optimizer.loss_scale = self.optimizer.cur_scale = self._static_scale = 1.0
         self._collate_fn = collate_fn
         self._warned_iterable = False
         # DeepSpeed's deepspeed_io(training_data): pinned where CUDA is (loaded in this process: _build_dataloader)
@@ -957,11 +955,9 @@ class LazyTrainEngine(nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss
-        if self._static_scale is not None:   # a scale set on the optimizer outside fp16: both names say it
+        if not self._scaled_backward:   # the step's first micro-batch (fp16): a scale set on the optimizer holds
             self._adopt_loss_scale_set()
         if self.loss_scaler is not None:
-            if not self._scaled_backward:   # the step's first micro-batch: a scale set on the optimizer holds
-                self._adopt_loss_scale_set()
             scaled = loss.float() * self.loss_scaler.scale
             self._scaled_backward = True
         if self._backward_reduces:
@@ -1377,24 +1373,25 @@ class LazyTrainEngine(nn.Module):
             self._print_progress()
 
     def _show_loss_scale(self) -> None:
-        if self._sets_scale:
-            self.optimizer.loss_scale = self.optimizer.cur_scale = self._shown_scale = self.loss_scaler.scale
+        if self._shown_scale is None:
+            return
+        if self.loss_scaler is not None:
+            self._shown_scale = self.loss_scaler.scale
+        self.optimizer.loss_scale = self.optimizer.cur_scale = self._shown_scale
 
     def _adopt_loss_scale_set(self) -> None:
         """A script's ``optimizer.loss_scale = x`` (or ``cur_scale``) sets the scale, as DeepSpeed's setters do;
-        read at a step's first backward, so every micro-batch of a step has one scale. Outside fp16 the value
-        set is what both names say from then on, as DeepSpeed's one property; the update is the same whatever it
-        is (DeepSpeed scales the loss and unscales the gradients by it)."""
-        if not self._sets_scale:
-            if self._static_scale is not None:
-                shown = self._static_scale
-                set_to = next((v for v in (getattr(self.optimizer, n, shown) for n in ("cur_scale", "loss_scale"))
-                               if v != shown), shown)
-                self.optimizer.loss_scale = self.optimizer.cur_scale = self._static_scale = set_to
+        read at a step's first backward, so every micro-batch of a step has one scale. Both names say it from then
+        on, as DeepSpeed's one property; outside fp16 the update is the same whatever it is (DeepSpeed scales the
+        loss and unscales the gradients by it)."""
+        if self._shown_scale is None:
             return
         for name in ("cur_scale", "loss_scale"):
             value = getattr(self.optimizer, name, self._shown_scale)
             if value != self._shown_scale:
+                if self.loss_scaler is None:
+                    self._shown_scale = value
+                    break
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"optimizer.{name} was set to {value!r}: a loss scale is a finite number > 0")
                 self.loss_scaler.scale = float(value)
