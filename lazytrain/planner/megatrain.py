@@ -92,9 +92,7 @@ def as_it_trains(p):
         return replace(p, budgets=full, check=False) if full != b else p
     m, f, L = p.model, c.first_differentiated, c.num_layers
     params = [l.params for l in m.layers]
-    above = sum(params[f:])
-    share = p.layer_trainable_share * m.layer_params / above if above else 1.0   # of each layer above f
-    weight_grads = [(1 - share) * fwd * 2 * l.token_params / l.fwd_flops_per_token(p.seq_len)
+    weight_grads = [(1 - p.share_above) * fwd * 2 * l.token_params / l.fwd_flops_per_token(p.seq_len)
                     for fwd, l in zip(c.fwd_s, m.layers)]
     diff = tuple(d + w if i >= f else d for i, (d, w) in enumerate(zip(c.diff_s, weight_grads)))
     costs = replace(c, diff_s=diff, first_differentiated=0)

@@ -258,7 +258,8 @@ class Problem:
         above = sum(l.params for l in m.layers[f:])
         # (the frozen bottom's parameters train by definition not: at most the layers above it count as trained)
         self.layer_trainable_share = min(self.budgets.trainable_share, above / m.layer_params if m.layer_params else 0)
-        share = self.layer_trainable_share * m.layer_params / above if above else 0.0
+        # the share of each layer above the frozen bottom that trains
+        self.share_above = share = self.layer_trainable_share * m.layer_params / above if above else 0.0
         self.Gl = [l.params * db * share if i >= f else 0.0 for i, l in enumerate(m.layers)]   # gradients per layer
         self.fwd_s = [l.fwd_flops_per_token(S) * T / self.flops for l in m.layers]
         self.diff_s = [3.0 * f for f in self.fwd_s]                   # forward-with-grad + backward (2x)
