@@ -1180,6 +1180,38 @@ def test_at_stage_3_trls_generation_takes_off_and_puts_back_module_hooks_that_ar
         assert not hasattr(optimizer, "parameter_offload")
 
 
+def test_at_stage_3_an_engine_without_an_optimizer_shows_zero3s_empty_module_hooks_as_its_optimizer():
+    """DeepSpeed's stage 3 without an optimizer makes engine.optimizer its DeepSpeedZeRoOffload, whose module hooks
+    TRL takes off around a generation (a Trainer's evaluate() before its first step): there it is an object with
+    the (empty) hooks, returned by initialize as DeepSpeed returns it; below stage 3 it stays None. Anything an
+    optimizer does is refused by name, and the engine's step refuses as without it."""
+    trl_utils = pytest.importorskip("trl.models.utils")
+    for stage in (2, 3):
+        cfg = {**ds_config(_top={"zero_optimization": {"stage": stage}}), "optimizer": None}
+        engine, optimizer, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+        assert engine.basic_optimizer is None and optimizer is engine.optimizer
+        if stage < 3:
+            assert optimizer is None
+        else:
+            assert type(optimizer).__name__ == "NoParameterOffloadHooks"
+            with torch.no_grad():
+                trl_utils.remove_hooks(engine)
+                out = engine.module(batches(1)[0][0])
+                trl_utils.add_hooks(engine)
+            assert out.shape[0] == batches(1)[0][0].shape[0] and not engine.module._forward_hooks
+            assert not hasattr(optimizer, "param_groups")
+            refused = ("'step': this is no optimizer but the (empty) module hooks of ZeRO stage 3, which "
+                       "engine.optimizer is when the engine has no optimizer, as in DeepSpeed; to train, add an "
+                       "'optimizer' section to the config or pass one to initialize")
+            with pytest.raises(AttributeError, match=f"^{re.escape(refused)}$"):
+                optimizer.step()
+            with pytest.raises(ConfigError, match=r"^engine.step\(\) needs an optimizer"):
+                engine.step()
+        with pytest.raises(AttributeError, match="^engine.optimizer is the optimizer initialize\\(\\) set up"):
+            engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=0.1)
+        engine.destroy()
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_a_non_finite_gradient_norm_is_reported_as_deepspeeds_zero_optimizers_report_it(stage):
     """From stage 1, DeepSpeed's optimizers report inf for a nan gradient norm (Trainer logs it); stage 0's
@@ -1255,7 +1287,8 @@ def test_planner_gets_the_shares_of_the_parameters_that_train(monkeypatch):
     from engine_models import add_lora
     seen = []
     build_plan = engine_module.build_plan
-    monkeypatch.setattr(engine_module, "build_plan", lambda *args: seen.append(args[-1]) or build_plan(*args))
+    monkeypatch.setattr(engine_module, "build_plan",
+                        lambda *args, **kw: seen.append(args[-1]) or build_plan(*args, **kw))
     model = add_lora(make_model("llama"), ("q_proj", "v_proj"))
     model.lm_head.weight.requires_grad_(True)   # trained beside the adapters (PEFT's modules_to_save)
     engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(_top={"bf16": {"enabled": True}}))
@@ -1279,9 +1312,9 @@ def test_planner_gets_each_streamed_layers_measured_size(monkeypatch):
     import lazytrain.engine.engine as engine_module
     seen = {}
 
-    def spy(cfg, num_layers, tiers, model_config, micro_batch, trainable):
+    def spy(cfg, num_layers, tiers, model_config, micro_batch, trainable, **kw):
         seen["model_config"] = model_config
-        return build_plan(cfg, num_layers, tiers, model_config, micro_batch, trainable)
+        return build_plan(cfg, num_layers, tiers, model_config, micro_batch, trainable, **kw)
     build_plan = engine_module.build_plan
     monkeypatch.setattr(engine_module, "build_plan", spy)
     model = make_hf_model("mixtral")

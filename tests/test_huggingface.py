@@ -53,6 +53,7 @@ TWO_RANKS_BF16 = "test_two_ranks_in_bf16_keep_the_non_block_masters_on_their_own
 RESUMES = "test_resume_from_checkpoint_continues_bit_identically"
 OTHER_SCRIPTS = "test_accelerate_and_trl_scripts_train_as_they_do_without_deepspeed"
 GENERATES = "test_a_trl_trainer_that_generates_during_training_trains_as_it_does_without_deepspeed"
+EVALUATES_FIRST = "test_a_generating_trainer_evaluates_before_its_first_step_under_zero3"
 # every run the tests read: name: (program, its arguments, the tests that read it); "torchrun" in the name:
 # started by torchrun with 2 processes; "resumed" continues "zero2" from its checkpoint-2
 RUNS = {
@@ -68,6 +69,8 @@ RUNS = {
     **{f"{program[:-3]}_{config}": (program, ("--config", config), {OTHER_SCRIPTS})
        for program in ("accelerate_run.py", "sft_run.py") for config in ("plain", "zero2", "zero3")},
     **{f"grpo_run_{config}": ("grpo_run.py", ("--config", config), {GENERATES}) for config in ("plain", "zero2", "zero3")},
+    **{f"grpo_evaluates_{config}": ("grpo_run.py", ("--config", config, "--evaluate-first"), {EVALUATES_FIRST})
+       for config in ("plain", "zero3")},
 }
 AT_ONCE = 2   # runs at a time (each its own process, as a user runs it): enough to keep two cores busy
 
@@ -210,6 +213,18 @@ def test_a_trl_trainer_that_generates_during_training_trains_as_it_does_without_
     assert lazy["rewards"] == plain["rewards"]   # the same completions sampled
     torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
     assert_same_weights(lazy["weights"], plain["weights"], exact=False)
+
+
+def test_a_generating_trainer_evaluates_before_its_first_step_under_zero3(runs):
+    """A Trainer's ``evaluate()`` before ``train()`` builds the ZeRO-3 engine without an optimizer; TRL's generation
+    takes the module hooks off ``engine.optimizer``, which was None ("The model optimizer is None, which is not
+    yet supported") and is, as DeepSpeed's ``DeepSpeedZeRoOffload`` there, an object with ZeRO-3's (empty) hooks:
+    the same sampled completions' reward and loss as without DeepSpeed."""
+    plain, _ = runs("grpo_evaluates_plain")
+    lazy, _ = runs("grpo_evaluates_zero3")
+    assert lazy["engine"] == "LazyTrainEngine" and plain["engine"] == "GPT2LMHeadModel"
+    assert lazy["eval_reward"] == plain["eval_reward"]
+    torch.testing.assert_close(lazy["eval_loss"], plain["eval_loss"], **TOL)
 
 
 def test_replace_deepspeed_without_deepspeed_names_the_extra_to_install(monkeypatch):

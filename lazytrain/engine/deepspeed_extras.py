@@ -77,7 +77,10 @@ class NoParameterOffloadHooks:
     model around a generation and puts them back (TRL's ``unwrap_model_for_generation``: GRPO, RLOO, online DPO,
     GKD). Why: LazyTrain registers no such hooks (its blocks stream whatever the stage, and a
     ``GatheredParameters`` scope gathers what stage 3 partitions), so there is nothing to take off; ``module``
-    holds no parameter, the hook lists are empty, and registering them again does nothing."""
+    holds no parameter, the hook lists are empty, and registering them again does nothing. At stage 3 without an
+    optimizer it is ``engine.optimizer`` itself, as DeepSpeed's ``DeepSpeedZeRoOffload`` is there (a Trainer's
+    ``evaluate()`` before its first training step generates through it); anything else asked of it is refused
+    by name."""
 
     class _NoParameters:
         def named_parameters(self, prefix: str = "", recurse: bool = True):
@@ -95,3 +98,8 @@ class NoParameterOffloadHooks:
         """DeepSpeed's re-registration of the hooks: LazyTrain has none to register."""
 
     _register_hooks_recursively = _register_deepspeed_module   # its name before DeepSpeed renamed it (older TRL)
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"'{name}': this is no optimizer but the (empty) module hooks of ZeRO stage 3, which "
+                             f"engine.optimizer is when the engine has no optimizer, as in DeepSpeed; to train, add "
+                             f"an 'optimizer' section to the config or pass one to initialize")

@@ -180,8 +180,8 @@ class LazyTrainEngine(nn.Module):
         restore_norms(d.get("_lean_norms", []))
         if d.get("_optimizer_own") is not None:   # a client optimizer reused by another engine starts clean
             for name in _OPTIMIZER_ATTRIBUTES_SET:
-                self.optimizer.__dict__.pop(name, None)
-            self.optimizer.__dict__.update(self._optimizer_own)
+                self.basic_optimizer.__dict__.pop(name, None)
+            self.basic_optimizer.__dict__.update(self._optimizer_own)
         for handle in list(d.get("_load_hooks", [])) + list(d.get("_settle_hooks", [])):
             handle.remove()
         if d.get("layer_updates") is not None:
@@ -206,10 +206,10 @@ class LazyTrainEngine(nn.Module):
         _put_back(d.get("_devices_given", []))
         if d.get("_transfers_started"):   # its chaos and emulated links end with it
             streams.engine_ended(self)
-        if d.get("optimizer") is not None:   # a script may go on with it: on the parameters, where they are now
+        if d.get("basic_optimizer") is not None:   # a script may go on with it: on the parameters, where they are now
             if d.get("_fused_copies"):   # no more writes into (nor references to) the engine's compute copies
-                self.optimizer.compute_copies.clear()
-            hand_back_to_params(self.optimizer, self.masters.pairs if d.get("masters") is not None else [])
+                self.basic_optimizer.compute_copies.clear()
+            hand_back_to_params(self.basic_optimizer, self.masters.pairs if d.get("masters") is not None else [])
 
     def _set_up(self, model: nn.Module, config: EngineConfig, optimizer, model_parameters, lr_scheduler,
                 training_data, collate_fn) -> None:
@@ -320,10 +320,10 @@ class LazyTrainEngine(nn.Module):
         if optimizer is not None:   # an object keeps its own groups (model_parameters unused, as in DeepSpeed)
             groups = param_groups(model_parameters, model, remap) if not isinstance(optimizer, torch.optim.Optimizer) \
                 else []
-            self.optimizer = client_optimizer(optimizer, groups, remap, gave_groups=bool(
+            self.basic_optimizer = client_optimizer(optimizer, groups, remap, gave_groups=bool(
                 model_parameters) and isinstance(model_parameters[0], dict))
-            if hasattr(self.optimizer, "name_parameters"):   # a HybridAdamW: its patterns see the model's names
-                self.optimizer.name_parameters(names)
+            if hasattr(self.basic_optimizer, "name_parameters"):   # a HybridAdamW: its patterns see the model's names
+                self.basic_optimizer.name_parameters(names)
             if self.dist.enabled and config.zero_stage >= 1:
                 warnings.warn(f"lazytrain: zero_optimization.stage {config.zero_stage} shards the optimizer state "
                               f"of an optimizer built from the config; the one passed to initialize updates "
@@ -347,9 +347,11 @@ class LazyTrainEngine(nn.Module):
                     self.partitioned = PartitionedParams(self.masters, lambda m: self.shards.param_owner.get(id(m)),
                                                          self.global_rank, self.dist, model,
                                                          {id(m) for m in blocks.modules()}, masters_only=not partition)
-            self.optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
+            self.basic_optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
-            self.optimizer = None
+            self.basic_optimizer = None
+        # engine.optimizer at stage 3 without an optimizer, as DeepSpeed's DeepSpeedZeRoOffload is there
+        self._no_parameter_offload = NoParameterOffloadHooks()
         # a backward whose collectives need every rank, published before them (CallOrder; a forward is not: at
         # stage 3 it gathers only what is not held already, so it is not a collective on every rank every time)
         self._backward_reduces = self.shards is not None and config.zero_stage >= 2
@@ -362,30 +364,31 @@ class LazyTrainEngine(nn.Module):
                               "the ranks that own their optimizer state; this engine's state is not sharded (the "
                               "optimizer was passed to initialize, or there is none): build it from the config's "
                               "'optimizer' section, or leave the key \"auto\"")
-        if self.optimizer is not None:   # what of the optimizer's own the engine replaces: handed back by destroy
-            self._optimizer_own = {name: self.optimizer.__dict__[name] for name in _OPTIMIZER_ATTRIBUTES_SET
-                                   if name in self.optimizer.__dict__}
-        if self.masters is not None and self.optimizer is not None:   # a group added later reaches the masters too
-            self.optimizer.add_param_group = _onto_masters(self.optimizer.add_param_group, self.masters.master_of)
-        if self.optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
-            self.optimizer.zero_grad = _zero_grad_as_zero_optimizers(self)
-            self.optimizer.step = _step_from_the_engine_only(self, self.optimizer)
+        if self.basic_optimizer is not None:   # what of the optimizer's own the engine replaces: handed back by destroy
+            self._optimizer_own = {name: self.basic_optimizer.__dict__[name] for name in _OPTIMIZER_ATTRIBUTES_SET
+                                   if name in self.basic_optimizer.__dict__}
+        if self.masters is not None and self.basic_optimizer is not None:   # a group added later reaches the masters
+            self.basic_optimizer.add_param_group = _onto_masters(self.basic_optimizer.add_param_group,
+                                                                 self.masters.master_of)
+        if self.basic_optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
+            self.basic_optimizer.zero_grad = _zero_grad_as_zero_optimizers(self)
+            self.basic_optimizer.step = _step_from_the_engine_only(self, self.basic_optimizer)
             # as DeepSpeed's optimizers: whether the last step was skipped (accelerate and Trainer read it to
             # hold their own schedule back); an optimizer with an overflow of its own keeps it
-            self._sets_overflow = not hasattr(self.optimizer, "overflow")
+            self._sets_overflow = not hasattr(self.basic_optimizer, "overflow")
             if self._sets_overflow:
-                self.optimizer.overflow = False
-            if config.zero_stage >= 3 and not hasattr(self.optimizer, "parameter_offload"):
+                self.basic_optimizer.overflow = False
+            if config.zero_stage >= 3 and not hasattr(self.basic_optimizer, "parameter_offload"):
                 # as DeepSpeed's stage-3 optimizer: what TRL takes ZeRO-3's module hooks off around a generation
-                self.optimizer.parameter_offload = NoParameterOffloadHooks()
+                self.basic_optimizer.parameter_offload = NoParameterOffloadHooks()
         self._layer_of_param = {id(p): i for i, params in enumerate(self.weights.params) for p in params}
         self._model_param_ids = {id(p) for p in model.parameters()} | \
             {id(m) for _, m in (self.masters.pairs if self.masters else ())}
-        self._fused_clip = type(self.optimizer).__name__ == "HybridAdamW"
+        self._fused_clip = type(self.basic_optimizer).__name__ == "HybridAdamW"
         # the hybrid optimizer also writes the streamed layers' compute copies in its update pass
         copies = self.weights.compute_copy_views() if self._fused_clip else None
         if copies:
-            self.optimizer.set_compute_copies(copies)
+            self.basic_optimizer.set_compute_copies(copies)
         self._fused_copies = bool(copies)
         self._reading_checkpoint = False   # load_checkpoint reading its files (the optimizer's hooks must not raise)
         self.layer_updates = self._overlapped_updates(wants_overlap, overlap is True)
@@ -398,7 +401,7 @@ class LazyTrainEngine(nn.Module):
                                  module.register_load_state_dict_post_hook(self._after_module_load)]
         if self.compute_dtype != torch.float32:
             self._load_hooks += _state_dicts_in_training_precision(model, self.weights.params, self.compute_dtype)
-        self.lr_scheduler = build_scheduler(config, self.optimizer, lr_scheduler)
+        self.lr_scheduler = build_scheduler(config, self.basic_optimizer, lr_scheduler)
         self.loss_scaler = LossScaler(config.fp16.loss_scale, config.fp16.initial_scale_power,
                                       config.fp16.loss_scale_window, config.fp16.hysteresis,
                                       config.fp16.consecutive_hysteresis, config.fp16.min_loss_scale,
@@ -408,8 +411,8 @@ class LazyTrainEngine(nn.Module):
         # fp16 the scaler's (kept current by _show_loss_scale); from stage 1 in bf16 and fp32 a static 1 (one set
         # there scales the loss and unscales the gradients by it, which leaves the update as it is). An optimizer
         # with either of its own keeps it; None: the engine shows none
-        shows = self.optimizer is not None and (self.loss_scaler is not None or config.zero_stage >= 1) and not any(
-            hasattr(self.optimizer, name) for name in ("loss_scale", "cur_scale"))
+        shows = self.basic_optimizer is not None and (self.loss_scaler is not None or config.zero_stage >= 1) and \
+            not any(hasattr(self.basic_optimizer, name) for name in ("loss_scale", "cur_scale"))
         self._shown_scale: float | None = (self.loss_scaler.scale if self.loss_scaler is not None else 1.0) \
             if shows else None
         self._show_loss_scale()
@@ -457,7 +460,7 @@ class LazyTrainEngine(nn.Module):
         if self.shards is not None:   # late: a set-up that fails before it leaves the weights where they were
             self._shard_host_weights()
             if self._fused_copies:    # the compute copies may have moved into node-shared memory
-                self.optimizer.set_compute_copies(self.weights.compute_copy_views())
+                self.basic_optimizer.set_compute_copies(self.weights.compute_copy_views())
             # the pinned buffers sharding let go of (others' gradients and fp32 weights, the copies now shared
             # by the node) go back to the system: torch would keep them cached, pinned, in every rank
             release_cached_pinned_memory()
@@ -482,7 +485,7 @@ class LazyTrainEngine(nn.Module):
         if self.layer_updates is None:
             raise ConfigError(f"config 'lazytrain.policy' \"auto\" measures each layer's update, which needs updates "
                               f"layer by layer (HybridAdamW: the config's Adam/AdamW without amsgrad); the optimizer "
-                              f"is {type(self.optimizer).__name__}")
+                              f"is {type(self.basic_optimizer).__name__}")
         if settings.profile_path and self.global_rank == 0:
             try:   # now, not after the measured steps
                 check_writable(settings.profile_path)
@@ -674,22 +677,22 @@ class LazyTrainEngine(nn.Module):
         """Layer updates on a worker thread (``lazytrain.overlap_optimizer``), when the optimizer can update
         one layer with a snapshot of its groups (HybridAdamW). The engine's readers, every module's
         state_dict/load_state_dict and the optimizer's step/state_dict/load_state_dict wait for them."""
-        if not wanted or self.optimizer is None:
+        if not wanted or self.basic_optimizer is None:
             return None
         if not self._fused_clip:
             if required:
                 raise ConfigError(f"config 'lazytrain.overlap_optimizer' = true needs an optimizer that updates one "
                                   f"layer at a time (HybridAdamW, which the config's Adam/AdamW become unless "
-                                  f"amsgrad is set); got {type(self.optimizer).__name__}")
+                                  f"amsgrad is set); got {type(self.basic_optimizer).__name__}")
             return None
         updates = LayerUpdates(self.weights.num_layers, self.device, on_done=self.stream.on_update_done)
         self.weights.updates = updates
         def settle(*args, **kwargs):   # hook signatures differ
             # a checkpoint being read (the way out of a failed update) reads the optimizer's state: no raise
             updates.settle() if self._reading_checkpoint else updates.wait_all()
-        self._settle_hooks = [self.optimizer.register_step_pre_hook(settle),
-                              self.optimizer.register_state_dict_pre_hook(settle),
-                              self.optimizer.register_load_state_dict_pre_hook(settle)]
+        self._settle_hooks = [self.basic_optimizer.register_step_pre_hook(settle),
+                              self.basic_optimizer.register_state_dict_pre_hook(settle),
+                              self.basic_optimizer.register_load_state_dict_pre_hook(settle)]
         for module in self.module.modules():   # a submodule's state_dict (save_pretrained of an inner model)
             self._settle_hooks += [module.register_state_dict_pre_hook(settle),
                                    module.register_load_state_dict_pre_hook(settle)]
@@ -1232,7 +1235,7 @@ class LazyTrainEngine(nn.Module):
                 f"the step's micro-batches, or fix the cause and call step() again if none was lost")
 
     def _take_model_step(self, lr_kwargs) -> None:
-        if self.optimizer is None:
+        if self.basic_optimizer is None:
             raise ConfigError("engine.step() needs an optimizer: add an 'optimizer' section to the config or pass "
                               "optimizer= to lazytrain.initialize")
         self.wait_for_update()
@@ -1240,7 +1243,7 @@ class LazyTrainEngine(nn.Module):
             self._refuse_added_block_params()
         local_failure = None
         try:   # this rank's own part: no collective yet
-            check_groups = getattr(self.optimizer, "check_groups", None)
+            check_groups = getattr(self.basic_optimizer, "check_groups", None)
             if check_groups is not None:   # settings the update would refuse halfway through, refused here
                 check_groups()
             if self.executor.backward_failure is not None:
@@ -1360,8 +1363,8 @@ class LazyTrainEngine(nn.Module):
         else:
             self._drop_grads()
         self._scaled_backward = False
-        if self.optimizer is not None and self._sets_overflow:
-            self.optimizer.overflow = not self._step_applied
+        if self.basic_optimizer is not None and self._sets_overflow:
+            self.basic_optimizer.overflow = not self._step_applied
         self._show_loss_scale()
         if self._trace_path is not None:
             self._finish_trace()
@@ -1377,7 +1380,7 @@ class LazyTrainEngine(nn.Module):
             return
         if self.loss_scaler is not None:
             self._shown_scale = self.loss_scaler.scale
-        self.optimizer.loss_scale = self.optimizer.cur_scale = self._shown_scale
+        self.basic_optimizer.loss_scale = self.basic_optimizer.cur_scale = self._shown_scale
 
     def _adopt_loss_scale_set(self) -> None:
         """A script's ``optimizer.loss_scale = x`` (or ``cur_scale``) sets the scale, as DeepSpeed's setters do;
@@ -1387,7 +1390,7 @@ class LazyTrainEngine(nn.Module):
         if self._shown_scale is None:
             return
         for name in ("cur_scale", "loss_scale"):
-            value = getattr(self.optimizer, name, self._shown_scale)
+            value = getattr(self.basic_optimizer, name, self._shown_scale)
             if value != self._shown_scale:
                 if self.loss_scaler is None:
                     self._shown_scale = value
@@ -1402,7 +1405,7 @@ class LazyTrainEngine(nn.Module):
         """The optimizer's step, as the engine takes it (_step_from_the_engine_only lets it through)."""
         self._optimizer_stepping = True
         try:
-            self.optimizer.step(**kwargs)
+            self.basic_optimizer.step(**kwargs)
         finally:
             self._optimizer_stepping = False
 
@@ -1489,7 +1492,7 @@ class LazyTrainEngine(nn.Module):
         explicitly: block ``.grad`` stays unset until a layer is done, so a ``zero_grad`` meanwhile, on
         the optimizer or the module, cannot drop or zero a pending update."""
         w = self.weights
-        groups = self.optimizer.snapshot()
+        groups = self.basic_optimizer.snapshot()
         block_ids = {id(p) for params in w.params for p in params}
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
         failure = RankFailure(self.dist)
@@ -1498,7 +1501,7 @@ class LazyTrainEngine(nn.Module):
                 self._step_optimizer(params=rest, clip_coef=factor)
                 # with what its pre-hooks set, as serial steps take it (a subclass whose step() skips HybridAdamW's
                 # leaves none: the groups as they were)
-                groups = getattr(self.optimizer, "groups_of_last_step", None) or groups
+                groups = getattr(self.basic_optimizer, "groups_of_last_step", None) or groups
             if not failure.failed:
                 with failure.kept():
                     self._owners_write_non_block_copies()
@@ -1524,7 +1527,7 @@ class LazyTrainEngine(nn.Module):
                 with failure.kept():
                     if layer_grads[i]:
                         with self._host_writes([i], launched):
-                            self.optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
+                            self.basic_optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
                                                   grads=layer_grads[i], zero_grads=True)
                             cleared = True   # grad_views cover the buffer: every element is in one of them
                             w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
@@ -1557,7 +1560,8 @@ class LazyTrainEngine(nn.Module):
             self.stream.before_host_write([k])
             with failure.kept():   # the broadcasts go on; the ranks fail together after the last layer
                 if shards.owns_layer(k) and not failure.failed:
-                    self.optimizer.update(list(layer_grads[k]), clip_coef=factor, groups=groups, grads=layer_grads[k])
+                    self.basic_optimizer.update(list(layer_grads[k]), clip_coef=factor, groups=groups,
+                                                grads=layer_grads[k])
                     if w.masters_sharded:   # what it sends is its compute copy
                         w.refresh_compute_copy(k, host_copy_current=self._fused_copies)
             started[k] = self.dist.broadcast_started(self._published(k), shards.layer_owner[k])
@@ -1784,9 +1788,9 @@ class LazyTrainEngine(nn.Module):
     def _extra_params(self) -> list[torch.Tensor]:
         """Parameters the optimizer updates that the model does not own (a loss's learnable temperature),
         read from its groups as they are now (a group may be added during training)."""
-        if self.optimizer is None:
+        if self.basic_optimizer is None:
             return []
-        groups = self.optimizer.param_groups
+        groups = self.basic_optimizer.param_groups
         if self.shards is not None:   # the same list on every rank: the whole groups, then any added since
             groups = self._all_whole_groups()
         return [p for g in groups for p in g["params"] if id(p) not in self._model_param_ids]
@@ -1823,7 +1827,7 @@ class LazyTrainEngine(nn.Module):
 
     # ---- getters -------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+        return [g["lr"] for g in self.basic_optimizer.param_groups] if self.basic_optimizer is not None else []
 
     def get_global_grad_norm(self) -> float | torch.Tensor | None:
         """The last step's gradient norm (before clipping): a float, or, as DeepSpeed's ZeRO optimizers give it
@@ -1875,6 +1879,21 @@ class LazyTrainEngine(nn.Module):
                           f"{micro_batch_size} it runs, but its memory and time predictions do not hold", UserWarning)
 
     @property
+    def optimizer(self):
+        """What DeepSpeed's engine shows as its optimizer: the one that updates the parameters
+        (``basic_optimizer``); at stage 3 without one, as DeepSpeed's ``DeepSpeedZeRoOffload`` stands there, an
+        object with the (empty) module hooks of ZeRO-3: TRL takes them off around a generation, and before a
+        Trainer's first training step (``evaluate()`` first) the engine has no optimizer."""
+        if self.basic_optimizer is None and self._config.zero_stage >= 3:
+            return self._no_parameter_offload
+        return self.basic_optimizer
+
+    @optimizer.setter
+    def optimizer(self, value) -> None:
+        raise AttributeError("engine.optimizer is the optimizer initialize() set up, with the engine's buffers and "
+                             "shards laid out for it: pass another one to lazytrain.initialize")
+
+    @property
     def dp_world_size(self) -> int:
         return self.world_size
 
@@ -1887,12 +1906,12 @@ class LazyTrainEngine(nn.Module):
         """The config's optimizer type, or the class name of the optimizer passed to initialize."""
         if self._config.optimizer.type is not None:
             return deepspeed_optimizer_name(self._config.optimizer.type)
-        return type(self.optimizer).__name__ if self.optimizer is not None else None
+        return type(self.basic_optimizer).__name__ if self.basic_optimizer is not None else None
 
     def get_mom(self) -> list:
         """DeepSpeed's: each group's momentum (SGD, RMSprop) or betas (the others); 0.0 where a group has none."""
         key = "momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas"
-        return [g.get(key, 0.0) for g in self.optimizer.param_groups] if self.optimizer is not None else []
+        return [g.get(key, 0.0) for g in self.basic_optimizer.param_groups] if self.basic_optimizer is not None else []
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -2292,9 +2311,9 @@ class LazyTrainEngine(nn.Module):
         whole = self._all_whole_groups()
         export = dataclasses.replace(
             self._export(client_state, exclude_frozen), rank=self.global_rank, world=self.world_size,
-            groups=[{**g, "params": w["params"]} for g, w in zip(self.optimizer.param_groups, whole)],
+            groups=[{**g, "params": w["params"]} for g, w in zip(self.basic_optimizer.param_groups, whole)],
             whole_index=sharding.whole_indices(whole, self.shards),
-            whole_param_groups=sharding.whole_param_groups(self.optimizer.state_dict(), whole))
+            whole_param_groups=sharding.whole_param_groups(self.basic_optimizer.state_dict(), whole))
         return ds_layout.Writer(export)
 
     def _holder_of_pieces(self):
@@ -2332,7 +2351,7 @@ class LazyTrainEngine(nn.Module):
             module_state=self._module_state(exclude_frozen, copy=False),
             names=self._param_names,
             masters={n: masters.get(id(p), p) for n, p in self.module.named_parameters()},
-            optimizer=self.optimizer, optimizer_from_config=self._config.optimizer.type is not None,
+            optimizer=self.basic_optimizer, optimizer_from_config=self._config.optimizer.type is not None,
             lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             counters={"global_steps": self.global_steps, "global_samples": self.global_samples,
                       "skipped_steps": self.skipped_steps},
@@ -2354,7 +2373,7 @@ class LazyTrainEngine(nn.Module):
         tag = self._agreed_tag(load_dir, tag)
         if tag is None:
             return None, None
-        want_optim = load_optimizer_states and not load_module_only and self.optimizer is not None
+        want_optim = load_optimizer_states and not load_module_only and self.basic_optimizer is not None
         failed_before = self._failed_step
         trust = self._config.lazytrain.trust_checkpoints if trust_checkpoint is None else bool(trust_checkpoint)
         if self.layer_updates is not None:   # what is read is checked against the optimizer's state: let it be
@@ -2390,7 +2409,7 @@ class LazyTrainEngine(nn.Module):
             raise   # the error itself, as the caller of load_checkpoint expects it
         self._failed_step = None   # every streamed layer and the non-block weights were rewritten from the file
         self._show_loss_scale()
-        if failed_before is not None and self.optimizer is not None and not want_optim:
+        if failed_before is not None and self.basic_optimizer is not None and not want_optim:
             # the weights are the file's, the optimizer's state is still the failed step's mix
             kept = ("; a load_checkpoint without the optimizer states (load_optimizer_states=False or "
                     "load_module_only=True) kept that optimizer state")
@@ -2446,7 +2465,7 @@ class LazyTrainEngine(nn.Module):
             # the optimizer's state, prepared (and refused where it does not fit) before anything is written
             optimizer, by_name = None, None
             if want_optim and state.moments is not None and own.get("optimizer") is not None:
-                if _holds_8bit_moments(own["optimizer"]) and type(self.optimizer).__name__ != "HybridAdamW":
+                if _holds_8bit_moments(own["optimizer"]) and type(self.basic_optimizer).__name__ != "HybridAdamW":
                     # saved by an 8-bit HybridAdamW: its codes mean nothing to this optimizer, which takes the fp32
                     # moments the DeepSpeed files hold (dequantized), by parameter name, each checked as prepared
                     by_name = lambda: self._optimizer_state_from(state.moments, directory,  # noqa: E731
@@ -2464,7 +2483,7 @@ class LazyTrainEngine(nn.Module):
             # a stage-0 checkpoint keeps the optimizer's state by position: DeepSpeed's groups are the ones the
             # script passed to initialize, as this engine's are, so its positions name the same parameters
             groups = self._all_whole_groups() if self.shards is not None else \
-                (self.optimizer.param_groups if self.optimizer is not None else [])
+                (self.basic_optimizer.param_groups if self.basic_optimizer is not None else [])
             names = [[self._param_names.get(id(p), "") for p in g["params"]] for g in groups]
             frozen = {self._param_names.get(id(p), "") for g in groups for p in g["params"]
                       if not ds_layout.trainable(p)}
@@ -2593,7 +2612,7 @@ class LazyTrainEngine(nn.Module):
     def _refuse_settings_hybrid_cannot_run(self, groups, where: str) -> None:
         """Saved group settings (a state dict's groups, or DeepSpeed's by parameter) of an AMSGrad or maximizing
         optimizer, refused by a HybridAdamW, whose groups have no such key to carry them."""
-        if type(self.optimizer).__name__ != "HybridAdamW":
+        if type(self.basic_optimizer).__name__ != "HybridAdamW":
             return
         for flag in ("amsgrad", "maximize"):
             if any(g.get(flag) for g in groups):
@@ -2607,7 +2626,7 @@ class LazyTrainEngine(nn.Module):
         is refused before anything is written, naming the groups' sizes; so is one HybridAdamW cannot run
         (an AMSGrad or maximizing optimizer's), and a moment whose size is not its parameter's (torch's
         optimizers, fused ones on a device above all, would run on it)."""
-        if sd is None or self.optimizer is None or not isinstance(sd.get("param_groups"), list):
+        if sd is None or self.basic_optimizer is None or not isinstance(sd.get("param_groups"), list):
             return
         self._refuse_settings_hybrid_cannot_run(sd["param_groups"], where)
         groups = self._comparable_groups()
@@ -2722,7 +2741,7 @@ class LazyTrainEngine(nn.Module):
         alone); None: every one."""
         if self.shards is None:
             return None
-        return {self._param_names[id(p)] for g in self.optimizer.param_groups for p in g["params"]
+        return {self._param_names[id(p)] for g in self.basic_optimizer.param_groups for p in g["params"]
                 if id(p) in self._param_names}
 
     @staticmethod
@@ -2786,7 +2805,7 @@ class LazyTrainEngine(nn.Module):
     def _refuse_added_block_params(self) -> None:
         """A group added after initialize is updated by every rank; streamed block parameters in it would be
         updated once per rank in the node-shared copy (or, in bf16/fp16, have no fp32 weights here)."""
-        added = [p for g in self.optimizer.param_groups[len(self._whole_groups):] for p in g["params"]]
+        added = [p for g in self.basic_optimizer.param_groups[len(self._whole_groups):] for p in g["params"]]
         if not added:
             return
         blocks = {id(p) for params in self.weights.params for p in params}
@@ -2800,11 +2819,13 @@ class LazyTrainEngine(nn.Module):
     def _comparable_groups(self) -> list[dict] | None:
         """The optimizer's groups as a checkpoint's are laid out (sharded: whole); None for an optimizer
         without groups."""
-        return self._all_whole_groups() if self.shards is not None else getattr(self.optimizer, "param_groups", None)
+        if self.shards is not None:
+            return self._all_whole_groups()
+        return getattr(self.basic_optimizer, "param_groups", None)
 
     def _all_whole_groups(self) -> list[dict]:
         """Sharded: the groups the optimizer was built with, whole, then any the script added since."""
-        return self._whole_groups + self.optimizer.param_groups[len(self._whole_groups):]
+        return self._whole_groups + self.basic_optimizer.param_groups[len(self._whole_groups):]
 
     def _load_whole_optimizer_state(self, whole: dict) -> None:
         """A whole optimizer state_dict (one process's order, any number of ranks saved it): sharded, this
@@ -2822,22 +2843,22 @@ class LazyTrainEngine(nn.Module):
         (``zeros_like``): a checkpoint's moments come back contiguous (DeepSpeed's flat partitions), and
         torch's fused AdamW pairs a parameter with its moments in memory order, so a transposed or
         channels_last weight's moments would have been applied to other elements, without a word."""
-        if type(self.optimizer).__name__ == "HybridAdamW":   # it copies every tensor it takes in: no clone first
-            self.optimizer.load_state_dict(sd)
+        if type(self.basic_optimizer).__name__ == "HybridAdamW":   # it copies every tensor it takes in: no clone first
+            self.basic_optimizer.load_state_dict(sd)
         else:
-            params = {k: p for saved, mine in zip(sd["param_groups"], self.optimizer.param_groups)
+            params = {k: p for saved, mine in zip(sd["param_groups"], self.basic_optimizer.param_groups)
                       for k, p in zip(saved["params"], mine["params"])}
             state = {k: {n: _in_layout_of(v, params.get(k)) if isinstance(v, torch.Tensor) else v
                          for n, v in st.items()} for k, st in sd["state"].items()}
-            self.optimizer.load_state_dict({**sd, "state": state})
+            self.basic_optimizer.load_state_dict({**sd, "state": state})
         self._warn_of_fresh_moments()
 
     def _warn_of_fresh_moments(self) -> None:
         """A parameter that trains now and has no state in the checkpoint beside others that have (frozen when it
         was saved: a fine-tune's next phase) starts with fresh moments, as torch's load_state_dict leaves it;
         said, as a DeepSpeed-written checkpoint missing them is refused."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
-        fresh = [p for p in params if not self.optimizer.state.get(p)]
+        params = [p for g in self.basic_optimizer.param_groups for p in g["params"] if p.requires_grad]
+        fresh = [p for p in params if not self.basic_optimizer.state.get(p)]
         if fresh and len(fresh) < len(params):
             names = [self._param_names.get(id(p), "?") for p in fresh]
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -2851,10 +2872,10 @@ class LazyTrainEngine(nn.Module):
         the group's parameters), as DeepSpeed restores its optimizer's groups. A parameter DeepSpeed keeps no
         moments for starts fresh where DeepSpeed's would: a frozen one, or every one in a checkpoint saved
         before the first step; a trainable one missing beside others' moments is another model's."""
-        sd = self.optimizer.state_dict()
+        sd = self.basic_optimizer.state_dict()
         if settings:
             # sharded: this rank's groups are the whole groups' owned parts (some maybe empty): named by the whole
-            whole = self._all_whole_groups() if self.shards is not None else self.optimizer.param_groups
+            whole = self._all_whole_groups() if self.shards is not None else self.basic_optimizer.param_groups
             for group, mine in zip(whole, sd["param_groups"]):
                 saved = next((settings[n] for n in (self._param_names.get(id(p)) for p in group["params"])
                               if n in settings), None)
@@ -2863,7 +2884,7 @@ class LazyTrainEngine(nn.Module):
                     # how the optimizer runs (foreach, fused, ...) stays this engine's
                     mine.update({k: v for k, v in saved.items()
                                  if k in mine and k not in ("foreach", "fused", "capturable", "differentiable")})
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = [p for g in self.basic_optimizer.param_groups for p in g["params"]]
         indices = [i for g in sd["param_groups"] for i in g["params"]]
         state = {}
         for i, p in zip(indices, params):

@@ -311,7 +311,7 @@ def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor 
     the parameter's shape (8-bit moments dequantized), on the host; None before the first step and for a
     frozen parameter. A key the optimizer does not keep is refused, naming those it keeps (as DeepSpeed's)."""
     _refuse_other_threads(engine, "safe_get_full_optimizer_state")
-    if engine.optimizer is None:
+    if engine.basic_optimizer is None:
         return None
     holder = _held_by(engine, param)
     if holder is None:
@@ -322,7 +322,7 @@ def full_optimizer_state(engine, param: torch.Tensor, key: str) -> torch.Tensor 
 
 
 def _optimizer_state_here(engine, param: torch.Tensor, key: str) -> torch.Tensor | None:
-    opt = engine.optimizer
+    opt = engine.basic_optimizer
     master = _master(engine, param)
     state = opt.state.get(master)
     if not state:
@@ -356,7 +356,7 @@ def set_full_optimizer_state(engine, param: torch.Tensor, value, key: str) -> No
     engine.wait_for_update()
     holder = _held_by(engine, param)
     here = holder is None or holder == engine.global_rank
-    opt, master = engine.optimizer, _master(engine, param)
+    opt, master = engine.basic_optimizer, _master(engine, param)
 
     def check() -> torch.Tensor:
         checked = _checked_value(engine, param, value, function)

@@ -31,12 +31,15 @@ CONFIGS = {"zero2": ZERO2, "zero3": ZERO3}
 WARMUP = 3   # TrainingArguments.warmup_steps: DeepSpeed's WarmupLR gets it through "auto"
 
 
-def script_args():
-    """``OUT --config zero2|zero3|plain``: the output folder (made) and the DeepSpeed config the script runs."""
+def script_args(*flags: str):
+    """``OUT --config zero2|zero3|plain [FLAG ...]``: the output folder (made), the DeepSpeed config the script
+    runs, and the script's own on/off ``flags``."""
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--config", default="zero2")
+    for flag in flags:
+        ap.add_argument(flag, action="store_true")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     return a
