@@ -183,7 +183,8 @@ def test_a_gpu_without_a_device_budget_gives_kept_outputs_the_room_it_had_left(m
         device = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: peak)
-    layers, why = engine_module.LazyTrainEngine._selective_layers_to_measure(OnAGpu())
+    Engine = engine_module.LazyTrainEngine
+    layers, why = Engine._selective_layers_fitting(OnAGpu(), Engine._device_room(OnAGpu()))
     assert len(layers) == 3 and "do not fit" in why
     engine.destroy()
 
@@ -815,6 +816,71 @@ def test_a_step_rank_0_did_not_trace_is_not_counted_on_any_rank(tmp_path):
     assert [p[0] for p in r0["plans"]] == ["auto-calibration"] * 12 + ["auto-milp"] * 8
     for k, v in r0["weights"].items():
         assert torch.equal(r1["weights"][k], v), k
+
+
+def _rank_with_less_memory(rank, port, out_dir):
+    """Rank 1's card and RAM share are smaller than rank 0's, and its device has no room for a selective
+    layer's kept outputs beside its calibration's peak (rank 0's has no bound: the CPU without a device budget)."""
+    import lazytrain.engine.engine as engine_module
+    from lazytrain.engine import placement
+    join_as(rank, 2, port)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    memory = [placement.RankMemory(80 * 10**9, 512 * 10**9, 256 * 10**9),
+              placement.RankMemory(24 * 10**9, 1024 * 10**9, 128 * 10**9)][rank]
+    placement.RankMemory.of_this_rank = classmethod(lambda cls, device: memory)
+    engine_module.LazyTrainEngine._device_room = lambda self: [None, 0][rank]
+    planned_with, real = [], engine_module.plan_from_measurements
+
+    def recorded(cfg, tiers, profile, from_model=None, memory=None):
+        planned_with.append(memory)
+        return real(cfg, tiers, profile, from_model, memory)
+    engine_module.plan_from_measurements = recorded
+    cfg = _config({"policy": "auto", "auto": {**AUTO, "selective": True, "max_replans": 0},
+                   "collective_timeout_s": 60})
+    cfg["train_batch_size"] = 4
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+    plans = []
+    for x, y in batches(8, batch=4, seq=12):
+        part = slice(2 * rank, 2 * rank + 2)
+        plans.append(engine.plan.policy)
+        engine.backward(lm_loss(engine(x[part]), y[part]))
+        engine.step()
+    torch.save({"plans": plans, "memory": engine._rank_memory, "planned_with": planned_with,
+                "selective": engine.plan.selective_layers}, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_group()
+
+
+def test_rank_0_plans_for_the_least_memory_and_device_room_of_any_rank(tmp_path):
+    """Every rank runs rank 0's plan: it plans for the smallest card and RAM share of any rank, and measures
+    selective layers only where every rank's device has room for them (rank 1 has none: no selective phase;
+    rank 0 alone would have measured every layer selective, and rank 1 run over its device)."""
+    from lazytrain.engine.placement import RankMemory
+    spawn(_rank_with_less_memory, args=(free_port(), str(tmp_path)), nprocs=2)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    least = RankMemory(24 * 10**9, 512 * 10**9, 128 * 10**9)
+    assert r0["memory"] == r1["memory"] == least
+    assert r0["planned_with"] == [least] and r1["planned_with"] == []   # rank 0 plans, with the least
+    assert r0["plans"] == r1["plans"] == ["auto-calibration"] * 5 + ["auto-milp"] * 3
+    assert r0["selective"] == r1["selective"] == ()
+
+
+def test_the_memory_a_plan_counts_on_is_the_cards_and_a_share_of_the_ram_not_a_catalog_machines():
+    """A catalog entry describes another machine: the card's memory replaces its GPU's, and with no host budget
+    configured this rank's share of its node's RAM caps its host memory. A configured host budget is checked
+    against the profile's memory (or, where none gives one, the node's RAM) as before."""
+    from lazytrain.engine.placement import RankMemory
+    m = RankMemory(gpu_bytes=24 * 10**9, node_host_bytes=256 * 10**9, host_share_bytes=128 * 10**9)
+    assert m.planned(2048 * 2**30, host_budget_given=False) == {"gpu_mem_bytes": 24 * 10**9,
+                                                                "host_mem_bytes": 128 * 10**9}
+    assert m.planned(64 * 10**9, host_budget_given=False)["host_mem_bytes"] == 64 * 10**9
+    assert m.planned(None, host_budget_given=False)["host_mem_bytes"] == 128 * 10**9
+    assert m.planned(2048 * 2**30, host_budget_given=True)["host_mem_bytes"] is None   # the profile's stands
+    assert m.planned(None, host_budget_given=True)["host_mem_bytes"] == 256 * 10**9
+    unknown = RankMemory(None, None, None)
+    assert unknown.planned(None, False) == {"gpu_mem_bytes": None, "host_mem_bytes": None}
+    assert RankMemory.least([m, RankMemory(80 * 10**9, None, 200 * 10**9), unknown]) == \
+        RankMemory(24 * 10**9, 256 * 10**9, 128 * 10**9)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

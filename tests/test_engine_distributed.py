@@ -151,22 +151,27 @@ case("device-reduce-unsharded", _device_reduce_unsharded)
 
 
 def _milp_on_rank_0(rank: int, world: int, out_dir: str):
-    """Policy milp on two ranks: rank 1's planner raises if it is asked to plan. Each rank's plan, then what
-    each initialize raised where rank 0's planner fails."""
+    """Policy milp on two ranks: rank 1's planner raises if it is asked to plan, and its card is the smaller.
+    Each rank's plan and the memory rank 0 planned with, then what each initialize raised where rank 0's planner
+    fails."""
     import traceback
 
     import lazytrain
     from lazytrain.config import ConfigError
     from lazytrain.engine import placement
-    real, failing = placement._milp_plan, []
+    real, failing, planned_with = placement._milp_plan, [], []
+    of_this_rank = placement.RankMemory.of_this_rank
+    mine = placement.RankMemory([80, 24][rank] * 10**9, 64 * 2**30, [64, 32][rank] * 2**30)
 
     def only_rank_0(*args, **kwargs):
         if rank:
             raise AssertionError("rank 1 solved the MILP")
         if failing:
             raise ConfigError("rank 0's planner failed")
+        planned_with.append(args[6])
         return real(*args, **kwargs)
     placement._milp_plan = only_rank_0
+    placement.RankMemory.of_this_rank = classmethod(lambda cls, device: mine)
     lt = {"policy": "milp", "hardware": "h200", "seq_len": 12, "capacities": {"hbm": "2GB"}}
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "lazytrain": lt}
@@ -182,15 +187,19 @@ def _milp_on_rank_0(rank: int, world: int, out_dir: str):
             said = (str(e), "only_rank_0" in [f.name for f in traceback.extract_tb(e.__traceback__)])
     finally:
         placement._milp_plan = real
-    return plan, said
+        placement.RankMemory.of_this_rank = of_this_rank
+    return plan, said, planned_with
 
 
 case("milp-on-rank-0", _milp_on_rank_0)
 
 
 def test_policy_milp_is_solved_on_rank_0_and_every_rank_runs_its_plan(spawned):
-    (plan0, said0), (plan1, said1) = spawned("milp-on-rank-0")
+    from lazytrain.engine.placement import RankMemory
+    (plan0, said0, memory0), (plan1, said1, memory1) = spawned("milp-on-rank-0")
     assert plan0 == plan1 and plan0["policy"].startswith("milp")
+    # for the smaller card and RAM share: rank 1's
+    assert memory0 == [RankMemory(24 * 10**9, 64 * 2**30, 32 * 2**30)] and memory1 == []
     assert plan0["prediction"]["solve_wall_s"] > 0   # a time: one solve's, not two alike by chance
     # rank 0's planning error raised on every rank, on rank 0 with its own traceback
     assert said0 == ("rank 0's planner failed", True) and said1 == ("rank 0's planner failed", False)

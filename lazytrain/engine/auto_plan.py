@@ -70,7 +70,7 @@ class AutoPlanHooks:
     current_policy: Callable[[], str]              # the plan in place, by its policy's name
     save_profile: Callable[[MachineProfile], None] | None = None
     # the layers whose kept outputs the device can hold beside the plain calibration's peak, and why not every
-    # one (None when every one; no layer when some kind of layer cannot have one)
+    # one (None when every one; no layer when some kind of layer cannot have one): the same on every rank
     selective_layers_to_measure: Callable[[], tuple] = lambda: (None, None)
     micro_batches: Callable[[], int] = lambda: 1     # forwards and backwards in an optimizer step
 
@@ -174,7 +174,7 @@ class AutoPlanner:
                 self._measure_next()
                 return
             if s.selective and not self._selective_phase:   # now the same plan with (some) layers selective
-                layers, why = self.hooks.on_rank0(self.hooks.selective_layers_to_measure)
+                layers, why = self.hooks.selective_layers_to_measure()
                 L = self.calibration.num_layers
                 layers = tuple(range(L)) if layers is None else tuple(layers)
                 if layers:

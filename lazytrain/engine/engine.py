@@ -55,8 +55,8 @@ from .weight_stream import WeightStream
 from ..optim.hybrid_adamw import refuse_unordered
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, hand_back_to_params, listed_groups, param_groups)
-from .placement import (build_plan, build_tiers, card_memory, check_model_shape, memory_copy_gbps, non_block_masters_apart,
-                        non_block_state_home, plan_from_measurements, resolve_device)
+from .placement import (RankMemory, build_plan, build_tiers, card_memory, check_model_shape, memory_copy_gbps,
+                        non_block_masters_apart, non_block_state_home, plan_from_measurements, resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
 from .weights import LayerWeights
 
@@ -276,9 +276,13 @@ class LazyTrainEngine(nn.Module):
         elif frozen > len(blocks):
             raise ConfigError(f"config key 'lazytrain.frozen_bottom_layers' is {frozen}, but the model has "
                               f"{len(blocks)} blocks")
+        # the planners plan for the smallest card and host share of any rank: every rank runs rank 0's plan
+        self._rank_memory = self._least_memory_over_ranks() if config.lazytrain.policy in ("milp", "auto") \
+            else None
         make_plan = lambda: build_plan(config, len(blocks), self.tiers, model_cfg,   # noqa: E731
                                        config.train_micro_batch_size_per_gpu,
-                                       {**self._model_budgets, "frozen_bottom_layers": frozen})
+                                       {**self._model_budgets, "frozen_bottom_layers": frozen},
+                                       memory=self._rank_memory)
         # the MILP's plan is solved once, on rank 0, and every rank runs it: ranks solving side by side would
         # share the host's cores, and a solve stopped at its time limit can return another plan on each
         self.plan = self._rank0_answer(make_plan, _PLAN_ON_RANK_0) \
@@ -505,7 +509,7 @@ class LazyTrainEngine(nn.Module):
             self._step_applied else None,
             switch=self._use_plan, profile_of=self._profile_of, on_rank0=self._on_rank0,
             plan_from=lambda profile: plan_from_measurements(self._config, self.tiers, profile,
-                                                             self._model_budgets),
+                                                             self._model_budgets, self._rank_memory),
             say=lambda line: print(line) if self.global_rank == 0 else None,
             warn=lambda message: warnings.warn(message, UserWarning),
             current_policy=lambda: self.plan.policy,
@@ -516,29 +520,49 @@ class LazyTrainEngine(nn.Module):
         planner.start(saved)
         return planner
 
+    def _least_memory_over_ranks(self) -> RankMemory:
+        """The smallest card, node RAM and RAM share of any rank (this rank's alone without data parallel)."""
+        mine = RankMemory.of_this_rank(self.device)
+        if not self.dist.enabled:
+            return mine
+        return RankMemory.least(self.dist.all_gather_object(
+            mine, "agreement on the ranks' card and host memory, which rank 0 plans with"))
+
     def _selective_layers_to_measure(self) -> tuple[tuple[int, ...] | None, str | None]:
+        """The layers selective calibration steps measure, the same on every rank: chosen on rank 0 for the
+        least room any rank's device has beside its plain calibration's peak (every rank runs them)."""
+        room = self._device_room()
+        if self.dist.enabled:
+            rooms = [r for r in self.dist.all_gather_object(room, "agreement on the device room for the selective "
+                                                                  "calibration") if r is not None]
+            room = min(rooms) if rooms else None
+        return self._on_rank0(lambda: self._selective_layers_fitting(room))
+
+    def _device_room(self) -> int | None:
+        """The bytes this rank's device tier has left beside the plain calibration's peak (None: no bound, the
+        CPU without a device budget, whose kept outputs stay in host memory)."""
+        hbm = self.tiers["hbm"]
+        if hbm.capacity is not None:
+            # the calibration step's own peak: the tiers' peaks were reset at the end of the step just done
+            return hbm.capacity - max(hbm.peak_bytes, self.last_step_peak_bytes.get("hbm", 0))
+        if self.device.type == "cuda":
+            # no device budget configured: the GPU's memory, less what torch has had allocated at its peak
+            # (the calibration steps' activations and workspaces with the tier's bytes) and the reserve the
+            # planner keeps for the CUDA context and allocator; every layer's kept outputs could overrun it
+            return card_memory(self.device) - GPU_RESERVED_BYTES - torch.cuda.max_memory_allocated(self.device)
+        return None
+
+    def _selective_layers_fitting(self, room: int | None) -> tuple[tuple[int, ...] | None, str | None]:
         """The layers whose kept outputs (every selective layer's matmul and attention outputs at the turn,
-        as the planner's model of this model counts them) the device tier can hold beside the plain
-        calibration's peak, and why not every layer (planner/measured.py ``layers_to_measure_selective``). Only
-        blocks the calibration's backward reaches: one below a frozen bottom is never re-run (none, with no why,
-        where no block is)."""
+        as the planner's model of this model counts them) ``room`` bytes of the device tier can hold, and why
+        not every layer (planner/measured.py ``layers_to_measure_selective``). Only blocks the calibration's
+        backward reaches: one below a frozen bottom is never re-run (none, with no why, where no block is)."""
         L = self.weights.num_layers
         first = self.executor.backward_reaches or 0   # the calibration's last training forward's
         if first >= L:
             return (), None
         reached = tuple(range(first, L)) if first else None   # None: every layer
-        hbm = self.tiers["hbm"]
-        if self._seq_len is None:
-            return reached, None
-        if hbm.capacity is not None:
-            # the calibration step's own peak: the tiers' peaks were reset at the end of the step just done
-            room = hbm.capacity - max(hbm.peak_bytes, self.last_step_peak_bytes.get("hbm", 0))
-        elif self.device.type == "cuda":
-            # no device budget configured: the GPU's memory, less what torch has had allocated at its peak
-            # (the calibration steps' activations and workspaces with the tier's bytes) and the reserve the
-            # planner keeps for the CUDA context and allocator; every layer's kept outputs could overrun it
-            room = card_memory(self.device) - GPU_RESERVED_BYTES - torch.cuda.max_memory_allocated(self.device)
-        else:       # the CPU without a device budget: its kept outputs stay in host memory
+        if self._seq_len is None or room is None:
             return reached, None
         from ..planner.search import as_model_shape
         shape = as_model_shape(self._model_cfg)

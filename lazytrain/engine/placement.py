@@ -45,7 +45,7 @@ _NO_NVME = "; the NVMe tier exists when 'lazytrain.nvme_path' names a directory 
 
 
 def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
-               micro_batch: int, from_model: dict[str, float] | None = None) -> Plan:
+               micro_batch: int, from_model: dict[str, float] | None = None, memory: RankMemory | None = None) -> Plan:
     """The policy's Plan, with ``lazytrain.last_segment_graph`` applied: "auto" turns it on for the
     built-in policies where the CPU computes on the host weights in place (there it costs no weight
     copies, and the last segment's recompute would hold the same internals a moment later anyway);
@@ -53,12 +53,13 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     unless the config says true or false. ``from_model``: ``Budgets`` fields counted on the model: the shares of
     the blocks' parameters and of the others that train (``trainable_share``, ``non_block_trainable_share``: the
     MILP budgets the frozen ones as their compute copy alone) and of the trained ones with 8-bit moments
-    (``hybrid_8bit_fraction``); None: the planner's defaults."""
+    (``hybrid_8bit_fraction``); None: the planner's defaults. ``memory``: what the MILP plans with, the least over
+    the ranks (by default this rank's)."""
     if num_layers == 0:   # nothing streams: every parameter stays on the device
         if cfg.lazytrain.policy == "plan":   # a Plan file is read and refused, not left unread without a word
             _plan_file(cfg, 0, tiers, micro_batch)
         return Plan(num_layers=0, homes=(DEVICE_HOME,), policy="nothing-streams", micro_batch_size=micro_batch)
-    plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model)
+    plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model, memory)
     choice = cfg.lazytrain.last_segment_graph
     if choice == "auto":
         if cfg.lazytrain.policy in ("plan", "milp", "auto", "offload_all"):
@@ -72,7 +73,7 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
 
 
 def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
-                 micro_batch: int, from_model: dict[str, float] | None) -> Plan:
+                 micro_batch: int, from_model: dict[str, float] | None, memory: RankMemory | None) -> Plan:
     lt = cfg.lazytrain
     home = lt.boundary_home
     if home not in tiers:
@@ -89,7 +90,7 @@ def _policy_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], mod
     if lt.policy == "plan":
         return _plan_file(cfg, num_layers, tiers, micro_batch)
     if lt.policy == "milp":
-        return _milp_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model)
+        return _milp_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model, memory)
     if lt.policy == "auto":
         return calibration_plan(cfg, num_layers, micro_batch)
     raise ConfigError(f"config 'lazytrain.policy' {lt.policy!r} is unknown")
@@ -198,7 +199,7 @@ def _host_shares(cfg: EngineConfig, device: torch.device) -> dict[str, float]:
         return {}
     per_rank = 1 / cfg.world_size
     in_host = cfg.lazytrain.weights_home in ("host", "hbm")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    per_node = ranks_on_this_node()
     mixed = cfg.compute_dtype_name != "float32"
     return {"optimizer_state_share": per_rank,
             "master_share": per_rank if mixed and in_host else 1.0,
@@ -239,15 +240,16 @@ def non_block_masters_apart(cfg: EngineConfig, device: torch.device) -> bool:
 
 
 def planning_budgets(cfg: EngineConfig, tiers: dict[str, Tier], micro_batch: int, seq_len: int,
-                     from_model: dict[str, float] | None = None) -> dict:
-    """The planner's budgets for this engine: the tiers' capacities (the card's memory on CUDA), the LM
+                     from_model: dict[str, float] | None = None, memory: RankMemory | None = None) -> dict:
+    """The planner's budgets for this engine: the tiers' capacities (on CUDA the card's memory, the smallest
+    of the ranks' in ``memory``), the LM
     head's logits as the engine computes them, what one rank holds of a sharded host state, and the shares
     of the parameters that train and that keep 8-bit moments (``from_model``, Budgets' field names)."""
     lt = cfg.lazytrain
     device = tiers["hbm"].device
     gpu = lt.capacities.get("hbm")
     if gpu is None:
-        gpu = card_memory(device)
+        gpu = (memory or RankMemory.of_this_rank(device)).gpu_bytes
     budgets = {"gpu": gpu, "host": lt.capacities.get("host"), "nvme": lt.capacities.get("nvme", 0)
                if "nvme" in tiers else 0,
                # the logits as the engine computes them: in chunks when configured, else whole
@@ -280,7 +282,7 @@ def check_model_shape(model_config: dict, policy: str) -> None:
 
 
 def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
-               micro_batch: int, from_model: dict[str, float] | None) -> Plan:
+               micro_batch: int, from_model: dict[str, float] | None, memory: RankMemory | None = None) -> Plan:
     """The MILP planner's Plan for this model on this machine within the configured budgets."""
     from ..planner import plan_for
     from ..planner.isolate import call_with_deadline
@@ -293,14 +295,16 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
         raise ConfigError("config 'lazytrain.policy' \"milp\" needs 'lazytrain.seq_len' (the training sequence length)")
     check_model_shape(model_config, "milp")
     device = tiers["hbm"].device
-    budgets = planning_budgets(cfg, tiers, micro_batch, lt.seq_len, from_model)
+    memory = memory or RankMemory.of_this_rank(device)
+    budgets = planning_budgets(cfg, tiers, micro_batch, lt.seq_len, from_model, memory)
     # in a child process with a hard deadline: a solver overrunning its time limit cannot hang start-up
-    hardware = _hardware_profile(cfg, device)
-    if device.type == "cuda":   # the card in this machine, whatever the catalog entry says of its model
-        from ..planner.hardware import load_profile
-        hardware = dataclasses.replace(load_profile(hardware), gpu_mem_bytes=card_memory(device))
-    else:
+    from ..planner.hardware import load_profile
+    hardware = load_profile(_hardware_profile(cfg, device))
+    if device.type != "cuda":
         hardware = with_cpu_links(hardware)
+    # the cards and RAM of this machine, whatever the catalog entry says of its model's
+    sizes = memory.planned(hardware.host_mem_bytes, "host" in lt.capacities)
+    hardware = dataclasses.replace(hardware, **{k: v for k, v in sizes.items() if v is not None})
     plan = call_with_deadline(plan_for, model_config, hardware, budgets, micro_batch=micro_batch,
                               # the config's batch triple fixes the step: planned with its accumulation
                               global_batch=micro_batch * cfg.gradient_accumulation_steps,
@@ -351,19 +355,61 @@ def _physical_memory() -> int | None:
         return None
 
 
+def ranks_on_this_node() -> int:
+    """The launcher's ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 where it says none)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """The memory a rank's plan may count on: its card's (None off CUDA), its node's RAM and that RAM's share of
+    each of the node's ranks (None where unknown). Every rank runs rank 0's plan, so rank 0 plans with the
+    :meth:`least` of each over the ranks: a plan made for rank 0's card alone would overrun a smaller card's."""
+    gpu_bytes: int | None
+    node_host_bytes: int | None
+    host_share_bytes: int | None
+
+    @classmethod
+    def of_this_rank(cls, device: torch.device) -> "RankMemory":
+        node = _physical_memory()
+        return cls(card_memory(device), node, node // ranks_on_this_node() if node else None)
+
+    @classmethod
+    def least(cls, memories: list["RankMemory"]) -> "RankMemory":
+        def least(values):
+            known = [v for v in values if v is not None]
+            return min(known) if known else None
+        return cls(*(least(getattr(m, f.name) for m in memories) for f in dataclasses.fields(cls)))
+
+    def planned(self, profile_host_bytes: int | None, host_budget_given: bool) -> dict:
+        """The machine sizes to plan with, over a hardware profile's (``gpu_mem_bytes``, ``host_mem_bytes``;
+        None: the profile's stands): the card's memory, for a catalog entry's; and, with no host budget
+        configured, no more host memory than this rank's share of its node's RAM (a catalog entry's is another
+        machine's, and the node's ranks share the RAM). A configured host budget is checked against the node's
+        RAM where no profile gives one, as before ranks shared it."""
+        if not host_budget_given:
+            known = [v for v in (profile_host_bytes, self.host_share_bytes) if v is not None]
+            host = min(known) if known else None
+        else:
+            host = self.node_host_bytes if profile_host_bytes is None else None
+        return {"gpu_mem_bytes": self.gpu_bytes, "host_mem_bytes": host}
+
+
 def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
-                           from_model: dict[str, float] | None = None) -> Plan:
+                           from_model: dict[str, float] | None = None, memory: RankMemory | None = None) -> Plan:
     """Policy "auto": the MILP's plan from what was measured here (planner ``plan_from_profile``), in a
     child process with a deadline as for policy "milp". Resident layers are left out (the running engine
     keeps the device copies it started with), selective layers are allowed where their costs were measured;
     links no traced copy used come from 'lazytrain.hardware' when
-    given, else a tier whose link was not measured gets no budget."""
+    given, else a tier whose link was not measured gets no budget. ``memory``: the least over the ranks (by
+    default this rank's)."""
     from ..planner.isolate import call_with_deadline
     from ..planner.milp import MilpOptions
     from ..planner.search import plan_from_profile
     lt = cfg.lazytrain
     hardware = lt.hardware if lt.hardware != "auto" else None
-    budgets = planning_budgets(cfg, tiers, profile.micro_batch, profile.seq_len, from_model)
+    memory = memory or RankMemory.of_this_rank(tiers["hbm"].device)
+    budgets = planning_budgets(cfg, tiers, profile.micro_batch, profile.seq_len, from_model, memory)
     if hardware is None and budgets.get("nvme") and "nvme_read_gbps" not in profile.links_gbps:
         warnings.warn("lazytrain: policy \"auto\" measured no NVMe transfer (the calibration plan keeps the "
                       "boundaries on the host) and 'lazytrain.hardware' gives no NVMe bandwidth: the plan keeps no "
@@ -375,10 +421,11 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
                           allow_selective=lt.auto.selective and profile.costs.selective_rerun_s is not None,
                           isolate=True)
     # this machine's memory: the card's own (a catalog entry's size, or the profile's 64 GiB default, can be
-    # below it, and a budget above the profile's memory is refused), and without a hardware profile its RAM
-    memory = {"gpu_mem_bytes": card_memory(tiers["hbm"].device),
-              "host_mem_bytes": _physical_memory() if hardware is None else None}   # None: not given
+    # below it, and a budget above the profile's memory is refused), and this rank's share of its RAM
+    from ..planner.hardware import load_profile
+    sizes = memory.planned(load_profile(hardware).host_mem_bytes if hardware is not None else None,
+                           "host" in lt.capacities)
     plan = call_with_deadline(plan_from_profile, profile, budgets, hardware, time_limit_s=lt.milp_time_limit,
                               global_batch=profile.micro_batch * cfg.gradient_accumulation_steps, options=options,
-                              memory=memory, deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
+                              memory=sizes, deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
     return dataclasses.replace(plan, policy=f"auto-{plan.policy}")
