@@ -247,7 +247,12 @@ def test_a_profiles_host_optimizer_rate_counts_the_parameters_its_updates_traine
     path = tmp_path / "profile.json"
     head_only.to_json(str(path))
     assert main(["plan", "--profile", str(path), "--gpu-mem", "4GB", "--host-mem", "4GB", "--time-limit", "5"]) == 0
-    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("megatrain")]
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].endswith("every layer frozen, no backward through them (a trainable share of 100.0% is more than "
+                           "the layers above the frozen bottom hold: all of theirs train; the embedding counts as "
+                           "frozen). MegaTrain has no frozen or partial training, and its row is not timed (its status "
+                           "says why)")
+    row = [line for line in out if line.startswith("megatrain")]
     assert len(row) == 1 and row[0].endswith(
         "not timed: MegaTrain's host phase needs the host optimizer's rate: the run measured did not update whole "
         "layers (a LoRA share, or every layer frozen), whose times would give it, and no hardware profile gives "

@@ -113,13 +113,15 @@ def table(p: Problem, rows: list[Row]) -> str:
             f"budgets GPU {p.gpu_budget / 1e9:.1f} GB, host {p.host_budget / 1e9:.0f} GB, NVMe {p.nvme_budget / 1e9:.0f} GB; "
             f"step lower bound {_seconds(lb['bound'])} s (compute {_seconds(lb['compute'])}, H2D "
             f"{_seconds(lb['h2d'])}, D2H {_seconds(lb['d2h'])}, optimizer {_seconds(lb['optimizer'])})")
-    trained = trained_line(p)
+    shown = any(r.policy.startswith("megatrain") for r in rows)
+    trained = trained_line(p, "timed" if ref is not None else "not timed" if shown else None)
     return head + "\n" + (trained + "\n" if trained else "") + floors_line(p, ref) + "\n" + "\n".join(lines)
 
 
-def trained_line(p: Problem) -> str:
+def trained_line(p: Problem, megatrain: str | None = "timed") -> str:
     """What the problem trains where it trains less than the whole model ("" for full fine-tuning), where the
-    layers above a frozen bottom hold less than the share asked for, and that MegaTrain's row trains it all."""
+    layers above a frozen bottom hold less than the share asked for, and, where the table has a MegaTrain row
+    (``megatrain``: "timed", "not timed" or None for none), that it trains it all."""
     b, m, f = p.budgets, p.model, p.first_reached
     layers = p.layer_trainable_share
     others = p.nonlayer_trained / m.nonlayer_params if m.nonlayer_params else 0.0
@@ -136,8 +138,11 @@ def trained_line(p: Problem) -> str:
         notes.append("the embedding counts as frozen")
     if notes:
         line += " (" + "; ".join(notes) + ")"
-    line += (". MegaTrain has no frozen or partial training: its row trains every parameter, as its code "
-             "would for this model")
+    if megatrain == "timed":
+        line += (". MegaTrain has no frozen or partial training: its row trains every parameter, as its code "
+                 "would for this model")
+    elif megatrain is not None:
+        line += ". MegaTrain has no frozen or partial training, and its row is not timed (its status says why)"
     return line
 
 
