@@ -46,6 +46,7 @@ from . import sharded_checkpoint as sharded_ckpt
 from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_compiled_blocks,
                      refuse_quantized_block_weights, turn_off_layer_checkpointing)
 from .host_accumulate import sum_of_squares
+from .layout_guard import LayoutGuard
 from .lean_norms import make_norms_lean, restore_norms
 from .deepspeed_extras import Monitor, NoParameterOffloadHooks, ThroughputTimer
 from .distributed import CollectiveError, DistributedContext, RankFailure
@@ -167,6 +168,8 @@ class LazyTrainEngine(nn.Module):
         """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
         here, no hooks of ours, non-block weights back in fp32; then close the tiers."""
         d = self.__dict__
+        if d.get("_layout_guard") is not None:
+            self._layout_guard.remove()
         param_access.unregister(self)
         module_copy.uninstall(d.get("_copy_patched", []))
         if d.get("_trace_path") is not None:   # a traced step that never finished
@@ -477,6 +480,9 @@ class LazyTrainEngine(nn.Module):
         self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
         if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
             self.partitioned.partition()
+        # from here to destroy, a forward on a model whose parameters outside the blocks were replaced is refused
+        # (the executor checks the blocks'), and so is resize_token_embeddings
+        self._layout_guard = LayoutGuard(model, self.non_block_params)
 
     # ---- set-up helpers ------------------------------------------------------------------------
     def _auto_planner(self) -> auto_plan.AutoPlanner:
@@ -870,6 +876,7 @@ class LazyTrainEngine(nn.Module):
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self._refuse_if_destroyed("a forward")
+        self._layout_guard.check()
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None \
                 and self.micro_steps == self._step_starts_at:   # a request made mid-step waits for the next step
             # the traced step begins with this forward
