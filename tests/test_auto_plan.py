@@ -818,9 +818,10 @@ def test_a_step_rank_0_did_not_trace_is_not_counted_on_any_rank(tmp_path):
         assert torch.equal(r1["weights"][k], v), k
 
 
-def _rank_with_less_memory(rank, port, out_dir):
-    """Rank 1's card and RAM share are smaller than rank 0's, and its device has no room for a selective
-    layer's kept outputs beside its calibration's peak (rank 0's has no bound: the CPU without a device budget)."""
+def _rank_with_less_memory(rank, port, out_dir, rooms):
+    """Rank 1's card and RAM share are smaller than rank 0's; ``rooms``: each rank's device room beside its
+    calibration's peak (0: no room for a selective layer's kept outputs; None: no bound, the CPU without a
+    device budget)."""
     import lazytrain.engine.engine as engine_module
     from lazytrain.engine import placement
     join_as(rank, 2, port)
@@ -829,7 +830,7 @@ def _rank_with_less_memory(rank, port, out_dir):
     memory = [placement.RankMemory(80 * 10**9, 512 * 10**9, 256 * 10**9),
               placement.RankMemory(24 * 10**9, 1024 * 10**9, 128 * 10**9)][rank]
     placement.RankMemory.of_this_rank = classmethod(lambda cls, device: memory)
-    engine_module.LazyTrainEngine._device_room = lambda self: [None, 0][rank]
+    engine_module.LazyTrainEngine._device_room = lambda self: rooms[rank]
     planned_with, real = [], engine_module.plan_from_measurements
 
     def recorded(cfg, tiers, profile, from_model=None, memory=None):
@@ -851,12 +852,13 @@ def _rank_with_less_memory(rank, port, out_dir):
     leave_group()
 
 
-def test_rank_0_plans_for_the_least_memory_and_device_room_of_any_rank(tmp_path):
+@pytest.mark.parametrize("rooms", [(None, 0), (0, None)], ids=["rank-1-has-no-room", "rank-0-has-no-room"])
+def test_rank_0_plans_for_the_least_memory_and_device_room_of_any_rank(tmp_path, rooms):
     """Every rank runs rank 0's plan: it plans for the smallest card and RAM share of any rank, and measures
-    selective layers only where every rank's device has room for them (rank 1 has none: no selective phase;
-    rank 0 alone would have measured every layer selective, and rank 1 run over its device)."""
+    selective layers only where every rank's device has room for them (one has none: no selective phase; where
+    it was rank 1, rank 0 alone measured every layer selective, and rank 1 would run over its device)."""
     from lazytrain.engine.placement import RankMemory
-    spawn(_rank_with_less_memory, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn(_rank_with_less_memory, args=(free_port(), str(tmp_path), rooms), nprocs=2)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     least = RankMemory(24 * 10**9, 512 * 10**9, 128 * 10**9)
     assert r0["memory"] == r1["memory"] == least
@@ -868,19 +870,97 @@ def test_rank_0_plans_for_the_least_memory_and_device_room_of_any_rank(tmp_path)
 def test_the_memory_a_plan_counts_on_is_the_cards_and_a_share_of_the_ram_not_a_catalog_machines():
     """A catalog entry describes another machine: the card's memory replaces its GPU's, and with no host budget
     configured this rank's share of its node's RAM caps its host memory. A configured host budget is checked
-    against the profile's memory (or, where none gives one, the node's RAM) as before."""
+    as it was: against the profile's memory, or where there is no profile the node's RAM."""
+    import dataclasses
     from lazytrain.engine.placement import RankMemory
+    from lazytrain.planner.hardware import load_profile
+    h200 = load_profile("h200")   # 2 TiB of host memory
     m = RankMemory(gpu_bytes=24 * 10**9, node_host_bytes=256 * 10**9, host_share_bytes=128 * 10**9)
-    assert m.planned(2048 * 2**30, host_budget_given=False) == {"gpu_mem_bytes": 24 * 10**9,
-                                                                "host_mem_bytes": 128 * 10**9}
-    assert m.planned(64 * 10**9, host_budget_given=False)["host_mem_bytes"] == 64 * 10**9
+    assert m.planned(h200, host_budget_given=False) == {"gpu_mem_bytes": 24 * 10**9, "host_mem_bytes": 128 * 10**9}
+    small = dataclasses.replace(h200, host_mem_bytes=64 * 10**9)
+    assert m.planned(small, host_budget_given=False)["host_mem_bytes"] == 64 * 10**9
     assert m.planned(None, host_budget_given=False)["host_mem_bytes"] == 128 * 10**9
-    assert m.planned(2048 * 2**30, host_budget_given=True)["host_mem_bytes"] is None   # the profile's stands
+    assert m.planned(h200, host_budget_given=True)["host_mem_bytes"] is None   # the profile's stands
+    assert m.planned(dataclasses.replace(h200, host_mem_bytes=None), True)["host_mem_bytes"] is None
     assert m.planned(None, host_budget_given=True)["host_mem_bytes"] == 256 * 10**9
     unknown = RankMemory(None, None, None)
     assert unknown.planned(None, False) == {"gpu_mem_bytes": None, "host_mem_bytes": None}
     assert RankMemory.least([m, RankMemory(80 * 10**9, None, 200 * 10**9), unknown]) == \
         RankMemory(24 * 10**9, 256 * 10**9, 128 * 10**9)
+
+
+def test_a_rank_counts_its_share_of_the_nodes_ram_under_either_launcher(monkeypatch):
+    from lazytrain.engine import placement
+    monkeypatch.setattr(placement, "_physical_memory", lambda: 64 * 2**30)
+    for env, share in (({}, 64), ({"LOCAL_WORLD_SIZE": "4"}, 16), ({"LOCAL_SIZE": "2"}, 32),
+                       ({"LOCAL_WORLD_SIZE": "4", "LOCAL_SIZE": "2"}, 16)):
+        for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert placement.RankMemory.of_this_rank(torch.device("cpu")) == \
+            placement.RankMemory(None, 64 * 2**30, share * 2**30), env
+
+
+class _Planned(Exception):
+    pass
+
+
+def _what_reaches_the_planner(monkeypatch) -> dict:
+    """The planner's call as policy milp or auto makes it (in a child process, with a deadline), caught."""
+    from lazytrain.planner import isolate
+    seen = {}
+
+    def caught(fn, *args, **kwargs):
+        seen.update(fn=fn.__name__, args=args, kwargs=kwargs)
+        raise _Planned
+    monkeypatch.setattr(isolate, "call_with_deadline", caught)
+    return seen
+
+
+@pytest.mark.parametrize("host", [None, "4GB"])
+def test_policy_milp_plans_with_the_least_memory_it_is_given(monkeypatch, host):
+    """What reaches the planner: the least card as the GPU budget and the hardware's GPU memory, and without a
+    host budget the least RAM share as the hardware's host memory (with one, the catalog entry's 2 TiB stand)."""
+    from lazytrain.engine import placement
+    from lazytrain.planner.hardware import load_profile
+    seen = _what_reaches_the_planner(monkeypatch)
+    least = placement.RankMemory(24 * 10**9, 96 * 2**30, 48 * 2**30)
+    monkeypatch.setattr(placement.RankMemory, "of_this_rank", classmethod(lambda cls, device: least))
+    lt = {"policy": "milp", "hardware": "h200", "seq_len": 12, "device": "cpu",
+          **({"capacities": {"host": host}} if host else {})}
+    with pytest.raises(_Planned):
+        lazytrain.initialize(model=make_model("llama"), config={
+            "train_batch_size": 2, "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "lazytrain": lt})
+    assert seen["fn"] == "plan_for"
+    _, hardware, budgets = seen["args"]
+    assert hardware.gpu_mem_bytes == budgets["gpu"] == 24 * 10**9
+    assert hardware.host_mem_bytes == (48 * 2**30 if host is None else load_profile("h200").host_mem_bytes)
+    assert budgets.get("host") == (None if host is None else 4 * 10**9)
+
+
+def test_policy_auto_plans_with_the_least_memory_it_is_given(monkeypatch):
+    from lazytrain.config import parse_config
+    from lazytrain.engine import placement
+    from lazytrain.planner.measured import MeasuredCosts
+    seen = _what_reaches_the_planner(monkeypatch)
+    cfg = parse_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                        "lazytrain": {"policy": "auto", "device": "cpu"}})
+    tiers = placement.build_tiers(cfg, torch.device("cpu"))
+    model = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    profile = MachineProfile(costs=MeasuredCosts(fwd_s=(1e-3,) * 2, diff_s=(3e-3,) * 2, nonlayer_s=1e-3, step_s=1e-2,
+                                                 update_s=(1e-3,) * 2),
+                             links_gbps={"h2d_gbps": 1.0, "d2h_gbps": 1.0}, model=model, micro_batch=2, seq_len=12)
+    least = placement.RankMemory(24 * 10**9, 96 * 2**30, 48 * 2**30)
+    with pytest.raises(_Planned):
+        placement.plan_from_measurements(cfg, tiers, profile, memory=least)
+    assert seen["fn"] == "plan_from_profile"
+    assert seen["kwargs"]["memory"] == {"gpu_mem_bytes": 24 * 10**9, "host_mem_bytes": 48 * 2**30}
+    assert seen["args"][1]["gpu"] == 24 * 10**9   # the budgets
+    for tier in tiers.values():
+        tier.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

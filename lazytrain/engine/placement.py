@@ -303,7 +303,7 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if device.type != "cuda":
         hardware = with_cpu_links(hardware)
     # the cards and RAM of this machine, whatever the catalog entry says of its model's
-    sizes = memory.planned(hardware.host_mem_bytes, "host" in lt.capacities)
+    sizes = memory.planned(hardware, _host_budget_given(cfg))
     hardware = dataclasses.replace(hardware, **{k: v for k, v in sizes.items() if v is not None})
     plan = call_with_deadline(plan_for, model_config, hardware, budgets, micro_batch=micro_batch,
                               # the config's batch triple fixes the step: planned with its accumulation
@@ -355,9 +355,15 @@ def _physical_memory() -> int | None:
         return None
 
 
+def _host_budget_given(cfg: EngineConfig) -> bool:
+    """'lazytrain.host_memory' or 'capacities.host' set (null: unbounded, as not set)."""
+    return cfg.lazytrain.capacities.get("host") is not None
+
+
 def ranks_on_this_node() -> int:
-    """The launcher's ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 where it says none)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    """The launcher's ranks on this node (torchrun's LOCAL_WORLD_SIZE, DeepSpeed's launcher's LOCAL_SIZE; 1 where
+    neither says)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,17 +387,19 @@ class RankMemory:
             return min(known) if known else None
         return cls(*(least(getattr(m, f.name) for m in memories) for f in dataclasses.fields(cls)))
 
-    def planned(self, profile_host_bytes: int | None, host_budget_given: bool) -> dict:
-        """The machine sizes to plan with, over a hardware profile's (``gpu_mem_bytes``, ``host_mem_bytes``;
-        None: the profile's stands): the card's memory, for a catalog entry's; and, with no host budget
-        configured, no more host memory than this rank's share of its node's RAM (a catalog entry's is another
-        machine's, and the node's ranks share the RAM). A configured host budget is checked against the node's
-        RAM where no profile gives one, as before ranks shared it."""
-        if not host_budget_given:
-            known = [v for v in (profile_host_bytes, self.host_share_bytes) if v is not None]
-            host = min(known) if known else None
+    def planned(self, profile, host_budget_given: bool) -> dict:
+        """The machine sizes to plan with, over a hardware profile's (``profile``, a HardwareProfile or None for
+        none; the answer's ``gpu_mem_bytes``, ``host_mem_bytes``, None where the profile's stands): the card's
+        memory, for a catalog entry's; and, with no host budget configured, no more host memory than this rank's
+        share of its node's RAM (a catalog entry's is another machine's, and the node's ranks share the RAM). A
+        configured host budget is checked as it was: against the profile's host memory, or without a profile
+        the node's RAM."""
+        if host_budget_given:
+            host = self.node_host_bytes if profile is None else None
         else:
-            host = self.node_host_bytes if profile_host_bytes is None else None
+            known = [v for v in (profile.host_mem_bytes if profile is not None else None, self.host_share_bytes)
+                     if v is not None]
+            host = min(known) if known else None
         return {"gpu_mem_bytes": self.gpu_bytes, "host_mem_bytes": host}
 
 
@@ -423,8 +431,7 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
     # this machine's memory: the card's own (a catalog entry's size, or the profile's 64 GiB default, can be
     # below it, and a budget above the profile's memory is refused), and this rank's share of its RAM
     from ..planner.hardware import load_profile
-    sizes = memory.planned(load_profile(hardware).host_mem_bytes if hardware is not None else None,
-                           "host" in lt.capacities)
+    sizes = memory.planned(load_profile(hardware) if hardware is not None else None, _host_budget_given(cfg))
     plan = call_with_deadline(plan_from_profile, profile, budgets, hardware, time_limit_s=lt.milp_time_limit,
                               global_batch=profile.micro_batch * cfg.gradient_accumulation_steps, options=options,
                               memory=sizes, deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
