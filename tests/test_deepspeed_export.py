@@ -498,3 +498,38 @@ def test_a_model_file_holds_each_weight_once_not_the_layer_buffer_it_views(tmp_p
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
         assert torch.equal(t, held[name]), name
     engine.destroy()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_stage3_checkpoint_of_an_engine_without_an_optimizer_holds_its_weights(tmp_path, precision):
+    """At stage 3 the model file holds DeepSpeed's empty placeholders and the optimizer file the weights; an
+    engine without an optimizer (an evaluation's) has no optimizer file, and its checkpoint held no weights at
+    all (its load was refused: "(0,) there, (32, 32) here"). Its model file holds them whole, in the training
+    precision, as a frozen parameter's; another model loads them."""
+    import sys as _sys
+    _sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from engine_models import make_model
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": 3},
+           "bf16": {"enabled": precision == "bf16"}, "lazytrain": {"device": "cpu"}}
+    saved_model = make_model("llama")
+    with torch.no_grad():
+        for p in saved_model.parameters():
+            p.add_(0.25)   # not what a fresh model holds
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, optimizer, _, _ = lazytrain.initialize(model=saved_model, config=cfg)
+        assert engine.basic_optimizer is None
+        engine.save_checkpoint(str(tmp_path), tag="t")
+        saved = engine.module_state_dict()
+        engine.destroy()
+        assert sorted(os.listdir(tmp_path / "t")) == ["lazytrain_manifest.json", "lazytrain_state.pt",
+                                                      "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+        module = torch.load(tmp_path / "t" / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False)["module"]
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        for name, t in module.items():
+            assert t.shape == saved[name].shape and t.dtype == dtype, name
+        other, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+        other.load_checkpoint(str(tmp_path), tag="t")
+    for name, value in other.module_state_dict().items():
+        assert torch.equal(value, saved[name].to(dtype).float()), name
+    other.destroy()

@@ -488,7 +488,10 @@ class Writer:
             source = self.first_names.get(name)   # None: a buffer
             if not isinstance(t, torch.Tensor):   # a module's extra state that is not a tensor: as it is
                 out[name] = t
-            elif self.stage == 3 and source is not None:   # DeepSpeed's partitioned parameters leave placeholders
+            elif self.stage == 3 and source is not None and self.opt is not None:
+                # DeepSpeed's partitioned parameters leave placeholders: the optimizer file holds them. Without
+                # an optimizer there is none (DeepSpeed writes no weights at all there), and they are written
+                # whole below, in the training precision, as frozen ones are
                 out[name] = torch.empty(0, dtype=self.dtype if t.is_floating_point() else t.dtype)
             elif source in self.covered:
                 out[name] = self._lowp(t)
