@@ -54,6 +54,7 @@ RESUMES = "test_resume_from_checkpoint_continues_bit_identically"
 OTHER_SCRIPTS = "test_accelerate_and_trl_scripts_train_as_they_do_without_deepspeed"
 GENERATES = "test_a_trl_trainer_that_generates_during_training_trains_as_it_does_without_deepspeed"
 EVALUATES_FIRST = "test_a_generating_trainer_evaluates_before_its_first_step_under_zero3"
+PRECOMPUTES = "test_dpo_precomputing_reference_log_probs_without_a_reference_model_trains_as_without_deepspeed"
 # every run the tests read: name: (program, its arguments, the tests that read it); "torchrun" in the name:
 # started by torchrun with 2 processes; "resumed" continues "zero2" from its checkpoint-2
 RUNS = {
@@ -71,6 +72,7 @@ RUNS = {
     **{f"grpo_run_{config}": ("grpo_run.py", ("--config", config), {GENERATES}) for config in ("plain", "zero2", "zero3")},
     **{f"grpo_evaluates_{config}": ("grpo_run.py", ("--config", config, "--evaluate-first"), {EVALUATES_FIRST})
        for config in ("plain", "zero3")},
+    **{f"dpo_run_{config}": ("dpo_run.py", ("--config", config), {PRECOMPUTES}) for config in ("plain", "zero2", "zero3")},
 }
 AT_ONCE = 2   # runs at a time (each its own process, as a user runs it): enough to keep two cores busy
 
@@ -225,6 +227,22 @@ def test_a_generating_trainer_evaluates_before_its_first_step_under_zero3(runs):
     assert lazy["engine"] == "LazyTrainEngine" and plain["engine"] == "GPT2LMHeadModel"
     assert lazy["eval_reward"] == plain["eval_reward"]
     torch.testing.assert_close(lazy["eval_loss"], plain["eval_loss"], **TOL)
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_dpo_precomputing_reference_log_probs_without_a_reference_model_trains_as_without_deepspeed(runs, config):
+    """TRL's DPOTrainer with ``precompute_ref_log_probs`` and no reference model computes them through an
+    inference engine of its own on the policy model, then the Trainer builds the training engine on the same
+    model: that second engine was refused ("this model is trained by a LazyTrain engine already"). The engine
+    without an optimizer is handed back and the new one takes the model: the same reference log-probabilities,
+    losses and weights as without DeepSpeed."""
+    plain, _ = runs("dpo_run_plain")
+    lazy, _ = runs(f"dpo_run_{config}")
+    assert lazy["reference"] == plain["reference"]
+    assert len(lazy["losses"]) == len(plain["losses"]) == 5 and plain["losses"][-1] < plain["losses"][0] - 0.03
+    torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(plain["losses"]), **TOL)
+    assert plain["moved"] > 1e-3
+    assert_same_weights(lazy["weights"], plain["weights"], exact=False)
 
 
 def test_replace_deepspeed_without_deepspeed_names_the_extra_to_install(monkeypatch):

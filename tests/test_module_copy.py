@@ -168,6 +168,45 @@ def test_a_second_engine_on_a_model_another_engine_trains_is_refused_and_the_fir
     again.destroy()
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_an_engine_without_an_optimizer_hands_the_model_to_a_second_engine(bf16):
+    """TRL's DPO and KTO precompute reference log-probabilities through an engine without an optimizer on the
+    policy model, then the Trainer builds the training engine on it (DeepSpeed lets a second engine take a
+    model). The first is destroyed, saying so, and refuses forwards naming why; the second trains the model as
+    one built on it alone does."""
+    cfg = _config(bf16, False)
+    evaluation = {k: v for k, v in cfg.items() if k != "optimizer"}
+    model = make_model("modulelist")
+    first, _, _, _ = lazytrain.initialize(model=model, config=evaluation)
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        before = logits_of(first(x)).float()
+    with pytest.warns(UserWarning, match=r"^lazytrain: the model's engine without an optimizer \(an evaluation's\) "
+                                         r"is destroyed: the engine initialize builds now takes the model over, and a "
+                                         r"forward through the old one is refused$"):
+        second, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    with pytest.raises(RuntimeError, match=r"^a forward refused: this engine had no optimizer and was destroyed when "
+                                           r"another engine was built on its model, which that engine now trains; "
+                                           r"use that one$"):
+        first(x)
+    assert lazytrain.engine_of(model) is second
+    for x, y in batches(2):
+        second.backward(lm_loss(second(x), y))
+        second.step()
+    trained = second.module_state_dict()
+    second.destroy()
+    alone, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        assert torch.equal(logits_of(alone(x)).float(), before)   # the evaluation's forward: the model's own
+    for x, y in batches(2):
+        alone.backward(lm_loss(alone(x), y))
+        alone.step()
+    for name, value in alone.module_state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    alone.destroy()
+
+
 def test_a_parameter_the_copy_reaches_before_its_model_is_the_models_weight_all_the_same():
     """A holder of the head's weight and the model, copied together in bf16: the weight was copied first, as the
     parameter holds it (the bf16 compute copy), and the copied model's forward mixed dtypes."""

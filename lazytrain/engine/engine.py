@@ -221,9 +221,19 @@ class LazyTrainEngine(nn.Module):
                           f"section ({config.optimizer.type}) too: the optimizer passed is used and the section "
                           f"ignored, as DeepSpeed does", UserWarning)
             config = dataclasses.replace(config, optimizer=OptimizerConfig())
-        if module_copy.engine_of(model) is not None:   # its blocks' forwards, hooks and weights are that engine's
+        existing = module_copy.engine_of(model)   # its blocks' forwards, hooks and weights are that engine's
+        if existing is not None and existing.basic_optimizer is not None:
             raise ConfigError("this model is trained by a LazyTrain engine already: call that engine's destroy() "
                               "(lazytrain.engine_of(model) returns it) before initialize builds another on it")
+        if existing is not None:
+            # one without an optimizer holds nothing the model does not (an evaluation's, built before the training
+            # one, as TRL's DPO and KTO build one to precompute reference log-probabilities): handed back, as
+            # DeepSpeed lets a second engine take the model
+            warnings.warn("lazytrain: the model's engine without an optimizer (an evaluation's) is destroyed: the "
+                          "engine initialize builds now takes the model over, and a forward through the old one is "
+                          "refused", UserWarning)
+            existing._superseded = True
+            existing.destroy()
         self.module = model
         self._config = config
         self._devices_given = _devices_of(model)   # handed back on them (set-up moves some to the device)
@@ -1170,6 +1180,9 @@ class LazyTrainEngine(nn.Module):
     def _refuse_if_destroyed(self, what: str) -> None:
         """A destroyed engine's model is the script's again (a new engine may train it): a stale engine's step
         updated it, and with the overlapped update failed half-way."""
+        if self.__dict__.get("_superseded"):
+            raise RuntimeError(f"{what} refused: this engine had no optimizer and was destroyed when another engine "
+                               f"was built on its model, which that engine now trains; use that one")
         if self.__dict__.get("_destroyed"):
             raise RuntimeError(f"{what} refused: this engine was destroyed (destroy() handed the model back); "
                                f"build a new one with lazytrain.initialize")
