@@ -1,7 +1,7 @@
 """A model changed in place after initialize (lazytrain/engine/layout_guard.py): resize_token_embeddings is
-refused before it starts, and a forward once a parameter outside the blocks was replaced. The engine's masters,
-gradients and optimizer state are laid out for the parameters it was given: before, a resized or replaced head
-trained on and was never updated."""
+refused before it starts, and a pass once a parameter set-up found has left the model. The engine's streamed
+buffers, masters, gradients and optimizer state are laid out for the parameters it was given: before, a resized
+or replaced head trained on and was never updated, and a block's replaced projection was never used."""
 import copy
 import re
 import warnings
@@ -16,6 +16,10 @@ from engine_models import VOCAB, batches, lm_loss, make_hf_model
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+RESIZE = ("resize_token_embeddings after lazytrain.initialize: the engine laid its fp32 masters, gradients and "
+          "optimizer state out for the embedding and head it was given, and resized ones would train outside them "
+          "(a resized head would never be updated). Resize before lazytrain.initialize (with a Trainer: before "
+          "building it), or call engine.destroy() and initialize again")
 
 
 def _engine(family: str = "llama"):
@@ -32,20 +36,26 @@ def _train(engine, steps: int = 2) -> None:
         engine.step()
 
 
-def _shapes(model) -> dict:
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+def _gone(path: str, more: int = 0) -> str:
+    return "^" + re.escape(
+        f"'{path}'{f' and {more} more parameters' if more else ''} found at initialize() no longer in the model: it "
+        f"was changed in place since (a new head, a module replaced, PEFT's merge_and_unload()). LazyTrain trains "
+        f"the parameters it found then, and a new one would not be updated: change the model before "
+        f"lazytrain.initialize, or after engine.destroy(), which hands it back") + "$"
 
 
 def test_resize_token_embeddings_after_initialize_is_refused_before_it_changes_anything():
     model, engine = _engine()
-    shapes, vocab = _shapes(model), model.config.vocab_size
-    with pytest.raises(ModelChangedError, match=re.escape(
-            "resize_token_embeddings after lazytrain.initialize: the engine laid its fp32 masters, gradients and "
-            "optimizer state out for the embedding and head it was given, and resized ones would train outside "
-            "them (a resized head would never be updated). Resize before lazytrain.initialize (with a Trainer: "
-            "before building it), or call engine.destroy() and initialize again") + "$"):
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    vocab = model.config.vocab_size
+    with pytest.raises(ModelChangedError, match="^" + re.escape(RESIZE) + "$"):
         model.resize_token_embeddings(VOCAB + 16)
-    assert _shapes(model) == shapes and model.config.vocab_size == vocab
+    with pytest.raises(ModelChangedError, match="^resize_token_embeddings after"):
+        model.resize_token_embeddings(VOCAB, pad_to_multiple_of=48)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == shapes and model.config.vocab_size == vocab
+    # a call that changes nothing goes through, as it does on a plain model
+    assert model.resize_token_embeddings(None) is model.get_input_embeddings()
+    assert model.resize_token_embeddings(VOCAB).weight.shape[0] == VOCAB
     head = model.lm_head.weight.detach().clone()
     _train(engine)
     assert not torch.equal(model.lm_head.weight, head)   # trains on, the head too
@@ -54,59 +64,81 @@ def test_resize_token_embeddings_after_initialize_is_refused_before_it_changes_a
     assert model.get_input_embeddings().weight.shape[0] == model.lm_head.weight.shape[0] == VOCAB + 16
 
 
-def _changed(path: str, what: str) -> str:
-    return re.escape(f"'{path}' is not {what} initialize() found: the model was changed in place since (a new "
-                     f"head, PEFT's merge_and_unload()). LazyTrain trains the parameters it found then, and a new one "
-                     f"would not be updated: change the model before lazytrain.initialize, or after "
-                     f"engine.destroy(), which hands it back")
-
-
-@pytest.mark.parametrize("change", ["head module", "head weight", "norm weight", "tied anew"])
-def test_a_forward_after_a_parameter_outside_the_blocks_was_replaced_is_refused_until_destroy(change):
-    """Before, a new head trained on in place of the old one, never updated (its gradients went nowhere)."""
+@pytest.mark.parametrize("change", ["head module", "head weight", "norm weight", "tied anew", "block projection",
+                                    "block weight"])
+@pytest.mark.parametrize("route", ["engine", "model"])
+def test_a_pass_after_a_parameter_left_the_model_is_refused_until_destroy(change, route):
+    """Through the engine, or through the model itself (the blocks routed to the engine): in training and in
+    evaluation. Before, a new head trained on, never updated, and a block's new projection was never used."""
     model, engine = _engine()
     _train(engine, 1)
     x, y = batches(1)[0]
+    mlp = model.model.layers[1].mlp
     if change == "head module":
-        model.lm_head = nn.Linear(32, VOCAB, bias=False)
-        path, what = "lm_head", "a module"
+        model.lm_head, path = nn.Linear(32, VOCAB, bias=False), "lm_head.weight"
     elif change == "head weight":
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
-        path, what = "lm_head.weight", "a parameter"
+        model.lm_head.weight, path = nn.Parameter(model.lm_head.weight.detach().clone()), "lm_head.weight"
     elif change == "norm weight":
-        model.model.norm.weight = nn.Parameter(torch.ones(32))
-        path, what = "model.norm.weight", "a parameter"
+        model.model.norm.weight, path = nn.Parameter(torch.ones(32)), "model.norm.weight"
+    elif change == "tied anew":
+        model.lm_head.weight, path = model.model.embed_tokens.weight, "lm_head.weight"
+    elif change == "block projection":
+        mlp.up_proj, path = nn.Linear(32, 64, bias=False), "model.layers.1.mlp.up_proj.weight"
     else:
-        model.lm_head.weight = model.model.embed_tokens.weight
-        path, what = "lm_head.weight", "a parameter"
-    for grad in (True, False):   # training and evaluation alike
-        with torch.set_grad_enabled(grad), pytest.raises(ModelChangedError, match="^" + _changed(path, what) + "$"):
-            engine(x)
+        mlp.down_proj.weight, path = nn.Parameter(torch.zeros(32, 64)), "model.layers.1.mlp.down_proj.weight"
+    run = engine if route == "engine" else model
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ModelChangedError, match=_gone(path)):
+            run(x)
     engine.destroy()
     assert lm_loss(model(x), y).isfinite()   # handed back: the changed model runs as plain PyTorch
 
 
-def test_a_change_that_puts_back_what_was_there_and_a_module_without_parameters_train_on():
-    """``tie_weights()`` assigns a tied head the parameter it already is; an activation swapped for another holds
-    no parameter the engine trains. Modules made anywhere else are not watched."""
-    model, engine = _engine()
-    model.lm_head.weight = model.lm_head.weight
-    model.model.layers[0].mlp.act_fn = nn.GELU()
+def test_a_wrapper_that_keeps_the_original_module_and_what_changes_nothing_train_on():
+    """A wrapper holding the original head (PEFT's modules_to_save when another adapter is added) keeps the
+    parameter in the model, on another path, where it is watched from then on. ``tie_weights()`` assigns a tied
+    head the parameter it already is; an activation swapped for another holds no parameter. Modules made
+    anywhere else are not watched."""
+    class KeepsOriginal(nn.Module):
+        def __init__(self, original):
+            super().__init__()
+            self.original_module = original
+
+        def forward(self, x):
+            return self.original_module(x)
+    model, engine = _engine("gpt2")
+    model.tie_weights()
+    model.transformer.h[0].mlp.act = nn.GELU()
     other = nn.Linear(2, 2)
     other.weight = nn.Parameter(torch.zeros(2, 2))
-    _train(engine)
+    _train(engine, 1)
+    llama, llama_engine = _engine()
+    llama.lm_head = KeepsOriginal(llama.lm_head)
+    _train(llama_engine, 1)
+    x, _ = batches(1)[0]
+    llama.lm_head.original_module.weight = nn.Parameter(torch.zeros(VOCAB, 32))   # on its new path: watched
+    with pytest.raises(ModelChangedError, match=_gone("lm_head.original_module.weight")):
+        llama_engine(x)
+    llama_engine.destroy()
     engine.destroy()
 
 
-def test_a_copy_of_the_model_is_its_own_to_resize():
-    """``copy.deepcopy(model)`` while the engine trains is the model as destroy() would hand it back (module_copy.py):
-    without the engine's refusal of resize_token_embeddings."""
+def test_the_refusal_of_a_resize_is_the_engines_alone():
+    """A copy of the model while the engine trains is the model as destroy() would hand it back (module_copy.py):
+    it resizes. An instance's own resize_token_embeddings is put back at destroy()."""
     model, engine = _engine()
     copied = copy.deepcopy(model)
     copied.resize_token_embeddings(VOCAB + 16)
     assert copied.lm_head.weight.shape[0] == VOCAB + 16 and model.lm_head.weight.shape[0] == VOCAB
     _train(engine)
     engine.destroy()
+    own = lambda *args, **kwargs: "the script's own"   # noqa: E731
+    model.resize_token_embeddings = own
+    engine, _, _, _ = lazytrain.initialize(model=model, config=CONFIG)
+    with pytest.raises(ModelChangedError, match="^resize_token_embeddings after"):
+        model.resize_token_embeddings(VOCAB + 16)
+    engine.destroy()
+    assert model.resize_token_embeddings is own
 
 
 def test_a_tied_models_resize_is_refused_too():

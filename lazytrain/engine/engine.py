@@ -307,7 +307,8 @@ class LazyTrainEngine(nn.Module):
         self.stream = WeightStream(self.weights, self.plan.resident_layers, prefetch=config.lazytrain.prefetch)
         self.executor = LayerStreamingExecutor(blocks, self.plan, self.weights, self.stream, self.tiers, self.device,
                                                prefetch=config.lazytrain.prefetch,
-                                               backward_ends_step=self.is_gradient_accumulation_boundary)
+                                               backward_ends_step=self.is_gradient_accumulation_boundary,
+                                               before_pass=self._check_model_unchanged)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self.frozen_non_block = FrozenParams(self.non_block_params, self.compute_dtype, self.device)
         self._move_non_block(model, blocks)
@@ -488,11 +489,11 @@ class LazyTrainEngine(nn.Module):
         self._seq_len: int | None = config.lazytrain.seq_len
         self._profile_seq_len: int | None = None   # a saved profile's: no batch may be longer
         self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
+        # from here to destroy, a pass through a model that a parameter found here has left is refused, and so is
+        # resize_token_embeddings
+        self._layout_guard = LayoutGuard(model)
         if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
             self.partitioned.partition()
-        # from here to destroy, a forward on a model whose parameters outside the blocks were replaced is refused
-        # (the executor checks the blocks'), and so is resize_token_embeddings
-        self._layout_guard = LayoutGuard(model, self.non_block_params)
 
     # ---- set-up helpers ------------------------------------------------------------------------
     def _auto_planner(self) -> auto_plan.AutoPlanner:
@@ -709,7 +710,8 @@ class LazyTrainEngine(nn.Module):
                                                prefetch=self._config.lazytrain.prefetch,
                                                pass_ids=self.executor.pass_ids,
                                                weights_epoch=self.executor.weights_epoch,
-                                               backward_ends_step=self.is_gradient_accumulation_boundary)
+                                               backward_ends_step=self.is_gradient_accumulation_boundary,
+                                               before_pass=self._check_model_unchanged)
         self.executor.backward_failure = failure
         self.plan = plan
 
@@ -886,7 +888,7 @@ class LazyTrainEngine(nn.Module):
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self._refuse_if_destroyed("a forward")
-        self._layout_guard.check()
+        self._check_model_unchanged()
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None \
                 and self.micro_steps == self._step_starts_at:   # a request made mid-step waits for the next step
             # the traced step begins with this forward
@@ -1176,6 +1178,13 @@ class LazyTrainEngine(nn.Module):
             raise (error or StepFailedError)(
                 f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and not-updated "
                 f"state; load a checkpoint (engine.load_checkpoint) first")
+
+    def _check_model_unchanged(self) -> None:
+        """Before a pass (the engine's forward, or the first block's call through the model itself): refused where
+        a parameter set-up found has left the model (layout_guard.py)."""
+        guard = self.__dict__.get("_layout_guard")
+        if guard is not None:
+            guard.check()
 
     def _refuse_if_destroyed(self, what: str) -> None:
         """A destroyed engine's model is the script's again (a new engine may train it): a stale engine's step

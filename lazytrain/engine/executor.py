@@ -163,7 +163,7 @@ class LayerStreamingExecutor:
 
     def __init__(self, blocks: nn.ModuleList, plan: Plan, weights: LayerWeights, stream: WeightStream,
                  tiers: dict[str, Tier], device: torch.device, prefetch: bool = True, pass_ids=None,
-                 weights_epoch: int = 0, backward_ends_step=None):
+                 weights_epoch: int = 0, backward_ends_step=None, before_pass=None):
         if plan.num_layers != len(blocks):
             raise ExecutorError(f"the plan is for {plan.num_layers} layers but the model has {len(blocks)} blocks")
         unstored = plan.unstored_boundaries()
@@ -179,6 +179,8 @@ class LayerStreamingExecutor:
         # then it waits for its gradients to land (the step would), so .grad read after it is whole; the
         # others' land while the next micro-batch runs
         self.backward_ends_step = backward_ends_step or (lambda: True)
+        # called as block 0 starts a pass (the engine's check that the model still holds what it streams)
+        self.before_pass = before_pass or (lambda: None)
         # a backward through the blocks that raised since the step's gradients were last dropped (the error, as
         # text): the layers after the failing one had sent theirs, so the accumulation holds part of it
         self.backward_failure: str | None = None
@@ -377,6 +379,8 @@ class LayerStreamingExecutor:
                                     f"torch.no_grad() or pass use_cache=False")
 
     def _run_inference(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
+        if layer == 0:
+            self.before_pass()
         if layer == 0 or not self._streaming_inference:
             self._start_sequence([[j] for j in range(layer, self.L)])
             self._streaming_inference = True
@@ -386,6 +390,7 @@ class LayerStreamingExecutor:
 
     def _run_training(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
         if layer == 0:
+            self.before_pass()
             self._begin_pass()
         p = self._current
         if p is None or layer != p.next_layer:
