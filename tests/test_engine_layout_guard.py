@@ -44,6 +44,16 @@ def _gone(path: str, more: int = 0) -> str:
         f"lazytrain.initialize, or after engine.destroy(), which hands it back") + "$"
 
 
+class _Keeps(nn.Module):
+    """A wrapper that keeps the original module, as PEFT's modules_to_save does."""
+    def __init__(self, original):
+        super().__init__()
+        self.original_module = original
+
+    def forward(self, x):
+        return self.original_module(x)
+
+
 def test_resize_token_embeddings_after_initialize_is_refused_before_it_changes_anything():
     model, engine = _engine()
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -99,13 +109,6 @@ def test_a_wrapper_that_keeps_the_original_module_and_what_changes_nothing_train
     parameter in the model, on another path, where it is watched from then on. ``tie_weights()`` assigns a tied
     head the parameter it already is; an activation swapped for another holds no parameter. Modules made
     anywhere else are not watched."""
-    class KeepsOriginal(nn.Module):
-        def __init__(self, original):
-            super().__init__()
-            self.original_module = original
-
-        def forward(self, x):
-            return self.original_module(x)
     model, engine = _engine("gpt2")
     model.tie_weights()
     model.transformer.h[0].mlp.act = nn.GELU()
@@ -113,13 +116,68 @@ def test_a_wrapper_that_keeps_the_original_module_and_what_changes_nothing_train
     other.weight = nn.Parameter(torch.zeros(2, 2))
     _train(engine, 1)
     llama, llama_engine = _engine()
-    llama.lm_head = KeepsOriginal(llama.lm_head)
+    llama.lm_head = _Keeps(llama.lm_head)
+    head = llama.lm_head.original_module.weight.detach().clone()
     _train(llama_engine, 1)
+    assert not torch.equal(llama.lm_head.original_module.weight, head)   # the wrapped head trains on
     x, _ = batches(1)[0]
     llama.lm_head.original_module.weight = nn.Parameter(torch.zeros(VOCAB, 32))   # on its new path: watched
     with pytest.raises(ModelChangedError, match=_gone("lm_head.original_module.weight")):
         llama_engine(x)
     llama_engine.destroy()
+    engine.destroy()
+
+
+def test_a_blocks_weight_on_another_path_or_a_new_parameter_that_trains_is_refused():
+    """A block's weights stream under the names found at set-up: wrapped since, the module under its new path
+    would not be trained (its weight silently kept its value). A parameter added since that requires grad would
+    never be updated; a frozen one may stay."""
+    model, engine = _engine()
+    x, _ = batches(1)[0]
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj = _Keeps(mlp.up_proj)
+    with pytest.raises(ModelChangedError, match="^" + re.escape(
+            "'model.layers.1.mlp.up_proj.weight', a streamed block's weight, is now at "
+            "'model.layers.1.mlp.up_proj.original_module.weight': the blocks' weights stream under the names found "
+            "at initialize(), and a module wrapped since would not be trained. LazyTrain trains")):
+        engine(x)
+    mlp.up_proj = mlp.up_proj.original_module
+    _train(engine, 1)   # put back: trains on
+    model.model.norm.scale = nn.Parameter(torch.ones(32), requires_grad=False)   # frozen: no update missed
+    _train(engine, 1)
+    model.model.norm.scale.requires_grad_(True)   # no assignment: seen at the next training pass
+    with pytest.raises(ModelChangedError, match="^" + re.escape(
+            "'model.norm.scale' was added to the model after initialize() and requires grad: LazyTrain trains")):
+        engine(x)
+    engine.destroy()
+
+
+def test_a_wrapped_model_whose_parameter_names_are_its_own_and_a_forward_from_inside_a_block():
+    """torch's checkpoint wrapper names its module's parameters without its own prefix (the guard walks the
+    module tree itself: a KeyError at initialize before). A forward of the model run from inside a block's
+    hook sees the block's parameters swapped for its streamed weights: not a change."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    wrapped = checkpoint_wrapper(make_hf_model("llama", n_layers=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = lazytrain.initialize(model=wrapped, config=CONFIG)[0]
+    engine.destroy()
+    model, engine = _engine()
+    x, _ = batches(1)[0]
+    inner, entered = [], []
+
+    def evaluate_inside(module, args):
+        if not entered:
+            entered.append(True)
+            nn.Linear(1, 1)   # a module made anywhere marks the guard: the nested forward verifies the model
+            with torch.no_grad():
+                inner.append(model(x).logits.shape)
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(evaluate_inside)
+    with torch.no_grad():
+        engine(x)
+    handle.remove()
+    assert inner == [torch.Size([2, 12, VOCAB])]
+    _train(engine, 1)
     engine.destroy()
 
 

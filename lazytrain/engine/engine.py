@@ -50,7 +50,7 @@ from .layout_guard import LayoutGuard
 from .lean_norms import make_norms_lean, restore_norms
 from .deepspeed_extras import Monitor, NoParameterOffloadHooks, ThroughputTimer
 from .distributed import CollectiveError, DistributedContext, RankFailure
-from .executor import LayerStreamingExecutor
+from .executor import LayerStreamingExecutor, inside_a_block
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from ..optim.hybrid_adamw import refuse_unordered
@@ -221,19 +221,20 @@ class LazyTrainEngine(nn.Module):
                           f"section ({config.optimizer.type}) too: the optimizer passed is used and the section "
                           f"ignored, as DeepSpeed does", UserWarning)
             config = dataclasses.replace(config, optimizer=OptimizerConfig())
-        existing = module_copy.engine_of(model)   # its blocks' forwards, hooks and weights are that engine's
-        if existing is not None and existing.basic_optimizer is not None:
+        existing = module_copy.engines_of(model)   # their blocks' forwards, hooks and weights are theirs
+        if any(e.basic_optimizer is not None for e in existing):
             raise ConfigError("this model is trained by a LazyTrain engine already: call that engine's destroy() "
                               "(lazytrain.engine_of(model) returns it) before initialize builds another on it")
-        if existing is not None:
-            # one without an optimizer holds nothing the model does not (an evaluation's, built before the training
-            # one, as TRL's DPO and KTO build one to precompute reference log-probabilities): handed back, as
-            # DeepSpeed lets a second engine take the model
+        if existing:
+            # engines without an optimizer hold nothing the model does not (an evaluation's, built before the
+            # training one, as TRL's DPO and KTO build one to precompute reference log-probabilities): handed back,
+            # as DeepSpeed lets a second engine take the model; their forwards go to the engine that took it
             warnings.warn("lazytrain: the model's engine without an optimizer (an evaluation's) is destroyed: the "
-                          "engine initialize builds now takes the model over, and a forward through the old one is "
-                          "refused", UserWarning)
-            existing._superseded = True
-            existing.destroy()
+                          "engine initialize builds now takes the model over, and the old one's forwards run "
+                          "through it", UserWarning)
+            for engine in existing:
+                engine._superseded = True
+                engine.destroy()
         self.module = model
         self._config = config
         self._devices_given = _devices_of(model)   # handed back on them (set-up moves some to the device)
@@ -491,7 +492,7 @@ class LazyTrainEngine(nn.Module):
         self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
         # from here to destroy, a pass through a model that a parameter found here has left is refused, and so is
         # resize_token_embeddings
-        self._layout_guard = LayoutGuard(model)
+        self._layout_guard = LayoutGuard(model, {id(p) for params in self.weights.params for p in params})
         if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
             self.partitioned.partition()
 
@@ -887,8 +888,12 @@ class LazyTrainEngine(nn.Module):
 
     # ---- the training loop's surface -----------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        if self.__dict__.get("_superseded"):   # its model taken over by another engine: that one runs it
+            live = module_copy.engine_of(self.module)
+            if live is not None and live.module is self.module:
+                return live(*inputs, **kwargs)
         self._refuse_if_destroyed("a forward")
-        self._check_model_unchanged()
+        self._check_model_unchanged(torch.is_grad_enabled())
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None \
                 and self.micro_steps == self._step_starts_at:   # a request made mid-step waits for the next step
             # the traced step begins with this forward
@@ -1179,19 +1184,21 @@ class LazyTrainEngine(nn.Module):
                 f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and not-updated "
                 f"state; load a checkpoint (engine.load_checkpoint) first")
 
-    def _check_model_unchanged(self) -> None:
+    def _check_model_unchanged(self, training: bool) -> None:
         """Before a pass (the engine's forward, or the first block's call through the model itself): refused where
-        a parameter set-up found has left the model (layout_guard.py)."""
+        the model no longer holds the parameters set-up found as they were (layout_guard.py). Not for a forward
+        run from inside a block, whose parameters are swapped for its streamed weights meanwhile."""
         guard = self.__dict__.get("_layout_guard")
-        if guard is not None:
-            guard.check()
+        if guard is not None and not inside_a_block():
+            guard.check(training)
 
     def _refuse_if_destroyed(self, what: str) -> None:
         """A destroyed engine's model is the script's again (a new engine may train it): a stale engine's step
         updated it, and with the overlapped update failed half-way."""
         if self.__dict__.get("_superseded"):
-            raise RuntimeError(f"{what} refused: this engine had no optimizer and was destroyed when another engine "
-                               f"was built on its model, which that engine now trains; use that one")
+            raise RuntimeError(f"{what} refused: this engine had no optimizer and was handed back when another "
+                               f"engine was to be built on its model, and no engine holds that model now (or one "
+                               f"holds a model around it): build one with lazytrain.initialize")
         if self.__dict__.get("_destroyed"):
             raise RuntimeError(f"{what} refused: this engine was destroyed (destroy() handed the model back); "
                                f"build a new one with lazytrain.initialize")

@@ -12,6 +12,7 @@ parameters and state_dict keys stay as they were.
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 from collections.abc import MutableMapping
 import weakref
@@ -39,6 +40,15 @@ class ExecutorError(RuntimeError):
     pass
 
 
+_streaming = threading.local()   # blocks computing on their streamed weights in this thread (nested: a forward
+                                 # run from inside a block's hook)
+
+
+def inside_a_block() -> bool:
+    """Whether this thread is inside a block's call on its streamed weights (its parameters swapped out)."""
+    return getattr(_streaming, "depth", 0) > 0
+
+
 @contextmanager
 def _streamed_weights(block: nn.Module, params: dict[str, torch.Tensor], layer: int):
     """Block ``layer`` computes on ``params`` (its weights as streamed, by the names recorded at set-up). A block
@@ -51,8 +61,12 @@ def _streamed_weights(block: nn.Module, params: dict[str, torch.Tensor], layer: 
         raise ExecutorError(f"block {layer}'s modules changed after initialize() ({e}): LazyTrain streams the "
                             f"parameters it found then. A model rebuilt in place (PEFT's merge_and_unload()) runs "
                             f"after engine.destroy(), which hands the model back") from e
-    with stack:
-        yield
+    _streaming.depth = getattr(_streaming, "depth", 0) + 1
+    try:
+        with stack:
+            yield
+    finally:
+        _streaming.depth -= 1
 
 
 @dataclass
@@ -179,8 +193,9 @@ class LayerStreamingExecutor:
         # then it waits for its gradients to land (the step would), so .grad read after it is whole; the
         # others' land while the next micro-batch runs
         self.backward_ends_step = backward_ends_step or (lambda: True)
-        # called as block 0 starts a pass (the engine's check that the model still holds what it streams)
-        self.before_pass = before_pass or (lambda: None)
+        # called as block 0 starts a pass, with whether it trains (the engine's check that the model still holds
+        # what it streams)
+        self.before_pass = before_pass or (lambda training: None)
         # a backward through the blocks that raised since the step's gradients were last dropped (the error, as
         # text): the layers after the failing one had sent theirs, so the accumulation holds part of it
         self.backward_failure: str | None = None
@@ -380,7 +395,7 @@ class LayerStreamingExecutor:
 
     def _run_inference(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
         if layer == 0:
-            self.before_pass()
+            self.before_pass(False)
         if layer == 0 or not self._streaming_inference:
             self._start_sequence([[j] for j in range(layer, self.L)])
             self._streaming_inference = True
@@ -390,7 +405,7 @@ class LayerStreamingExecutor:
 
     def _run_training(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
         if layer == 0:
-            self.before_pass()
+            self.before_pass(True)
             self._begin_pass()
         p = self._current
         if p is None or layer != p.next_layer:

@@ -1,34 +1,78 @@
 """Refuses to train a model changed in place after ``initialize``: the engine laid its streamed layer buffers,
 fp32 masters, gradient buffers, optimizer groups and plan out for the parameters it found then. A module or
 parameter put in place of one of those trains outside them: before this, a resized or replaced LM head was
-silently never updated, and a block's replaced projection was never used (the executor streamed the old
-weights in by name).
+silently never updated, and a block's replaced projection was never used (the executor streams the weights it
+recorded in by name).
 
 - Hugging Face's ``resize_token_embeddings`` is refused before it starts (unless it would change nothing): it
   swaps the embedding's data in place, which no check of the parameters' identity sees, and then replaces the
   head.
-- Each pass (the engine's forward, and the first block's call when a script calls the model itself) checks
-  that every parameter found at set-up is still in the model: along the module paths it was found on, by
-  identity (a few tenths of a microsecond a parameter); where a path changed, whether it is anywhere in the
-  model (a wrapper that keeps the original module, as PEFT's ``modules_to_save`` does, is no change) and, if
-  so, it is watched on its new path. A change made in several assignments (a merge of adapters) is refused
-  once, whole, not half-way."""
+- Every training pass (the engine's forward, and block 0's call when a script calls the model itself), and any
+  other pass after a module or parameter was assigned anywhere (torch's registration hooks mark the guard), the
+  model is verified: each parameter found at set-up still there, by identity along its module paths (a few
+  tenths of a microsecond a parameter); where a path changed, a parameter outside the blocks may have moved (a
+  wrapper that keeps the original module, as PEFT's ``modules_to_save`` does) but a block's may not (the
+  executor streams it by its name at set-up); and no parameter added since that requires grad (it would never
+  be updated). A change made in several assignments (a merge of adapters) is refused once, whole.
+- Writes that bypass ``nn.Module.__setattr__`` (``module._parameters[...] = ...``, ``del``) are seen at the next
+  training pass only."""
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 
 class ModelChangedError(RuntimeError):
-    """A parameter of a model in an engine left it, or its vocabulary was to be resized."""
+    """A parameter of a model in an engine left it or moved, one was added that trains, or its vocabulary was to
+    be resized."""
+
+
+_WAY_OUT = ("LazyTrain trains the parameters it found then, and a new one would not be updated: change the model "
+            "before lazytrain.initialize, or after engine.destroy(), which hands it back")
+
+
+def _walk(model: nn.Module):
+    """(parent, name, child, child's path) over the module tree as ``_modules`` holds it (a wrapper's own
+    ``named_parameters``, as torch's checkpoint wrapper's, may name them otherwise), each module entered once."""
+    entered = {id(model)}
+    stack = [(model, "", iter(list(model._modules.items())))]   # depth first, in order, as named_modules
+    while stack:
+        module, path, children = stack[-1]
+        for name, child in children:
+            if child is None:
+                continue
+            child_path = f"{path}.{name}" if path else name
+            yield module, name, child, child_path
+            if id(child) not in entered:
+                entered.add(id(child))
+                stack.append((child, child_path, iter(list(child._modules.items()))))
+            break
+        else:
+            stack.pop()
+
+
+def _slots(model: nn.Module):
+    """(module, name, parameter, path) for every parameter, on every path it has."""
+    for module, path in [(model, "")] + [(child, p) for _, _, child, p in _walk(model)]:
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield module, name, param, f"{path}.{name}" if path else name
 
 
 class LayoutGuard:
-    """The model's parameters as set-up found them: :meth:`check` refuses a pass once any left the model."""
+    """The model's parameters as set-up found them (``streamed``: the ids of the blocks', which the executor
+    streams by name): :meth:`check` refuses a pass once the model no longer holds them as they were."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, streamed: set[int]):
         self._model = model
-        self._params = {id(p): p for p in model.parameters()}
+        self._params = {id(p): p for _, _, p, _ in _slots(model)}
+        self._streamed = streamed
+        self._paths = self._paths_now()   # each parameter's paths at set-up
         self._record()
+        self._dirty = False
+        self._hooks = [register_module_parameter_registration_hook(self._mark),
+                       register_module_module_registration_hook(self._mark)]
         # a Hugging Face model's (a PEFT model's inner one too): refused on the instance, before it changes
         # anything; an instance's own attribute of that name is put back by remove()
         self._resizers = {id(m): (m, vars(m).get("resize_token_embeddings")) for m in model.modules()
@@ -36,41 +80,68 @@ class LayoutGuard:
         for m, _ in self._resizers.values():
             m.resize_token_embeddings = _ResizeRefusal(m)
 
-    def _record(self) -> None:
-        """Every (parent, name, child) on the way to the parameters, and each (module, name, parameter)."""
-        self._edges: list[tuple[nn.Module, str, nn.Module]] = []
-        self._slots: list[tuple[nn.Module, str, nn.Parameter, str]] = []
-        seen_edges = set()
-        for path, p in self._model.named_parameters(remove_duplicate=False):
-            if id(p) not in self._params:
-                continue   # added since set-up and left alone here (the executor streams what set-up found)
-            *parents, name = path.split(".")
-            module = self._model
-            for child_name in parents:
-                child = module._modules[child_name]
-                if (id(module), child_name) not in seen_edges:
-                    seen_edges.add((id(module), child_name))
-                    self._edges.append((module, child_name, child))
-                module = child
-            self._slots.append((module, name, p, path))
+    def _mark(self, *args):
+        self._dirty = True   # something was assigned somewhere: the next pass verifies
 
-    def check(self) -> None:
-        if all(parent._modules.get(name) is child for parent, name, child in self._edges) and \
-                all(module._parameters.get(name) is p for module, name, p, _ in self._slots):
+    def _paths_now(self) -> dict[int, set[str]]:
+        paths: dict[int, set[str]] = {}
+        for _, _, p, path in _slots(self._model):
+            paths.setdefault(id(p), set()).add(path)
+        return paths
+
+    def _record(self) -> None:
+        """The module tree as it is (each module's children and parameter slots, by identity and count), and the
+        parameters in it that set-up did not find (frozen ones may stay): the fast check compares against these."""
+        edges = list(_walk(self._model))
+        modules = [self._model] + list({id(c): c for _, _, c, _ in edges}.values())
+        self._edges = [(parent, name, child) for parent, name, child, _ in edges]
+        self._counts = [(m, len(m._modules), len(m._parameters)) for m in modules]
+        self._slots = [(m, name, p) for m in modules for name, p in m._parameters.items() if p is not None]
+        self._unknown = [p for _, _, p in self._slots if id(p) not in self._params]
+
+    def _unchanged(self) -> bool:
+        return all(len(m._modules) == n and len(m._parameters) == k for m, n, k in self._counts) and \
+            all(parent._modules.get(name) is child for parent, name, child in self._edges) and \
+            all(module._parameters.get(name) is p for module, name, p in self._slots) and \
+            not any(p.requires_grad for p in self._unknown)
+
+    def check(self, training: bool) -> None:
+        if not (training or self._dirty):
             return
-        present = {id(p) for p in self._model.parameters()}
-        gone = [path for _, _, p, path in self._slots if id(p) not in present]
+        if self._unchanged():
+            self._dirty = False
+            return
+        now = self._paths_now()
+        gone = [min(self._paths[i]) for i in self._params if i not in now]   # in the model's order
         if gone:
-            raise ModelChangedError(
-                f"'{gone[0]}'{f' and {len(gone) - 1} more parameters' if len(gone) > 1 else ''} found at "
-                f"initialize() no longer in the model: it was changed in place since (a new head, a module "
-                f"replaced, PEFT's merge_and_unload()). LazyTrain trains the parameters it found then, and a new "
-                f"one would not be updated: change the model before lazytrain.initialize, or after "
-                f"engine.destroy(), which hands it back")
-        self._record()   # the same parameters, some on other paths now: watched there
+            more = f" and {len(gone) - 1} more parameters" if len(gone) > 1 else ""
+            raise ModelChangedError(f"'{gone[0]}'{more} found at initialize() no longer in the model: it was "
+                                    f"changed in place since (a new head, a module replaced, PEFT's "
+                                    f"merge_and_unload()). {_WAY_OUT}")
+        moved = [i for i in self._streamed if now[i] != self._paths[i]]
+        if moved:
+            raise ModelChangedError(f"'{min(self._paths[moved[0]])}', a streamed block's weight, is now at "
+                                    f"'{min(now[moved[0]])}': the blocks' weights stream under the names found at "
+                                    f"initialize(), and a module wrapped since would not be trained. {_WAY_OUT}")
+        added = self._added_trainable()
+        if added:
+            raise ModelChangedError(f"'{added}' was added to the model after initialize() and requires grad: "
+                                    f"{_WAY_OUT}")
+        self._paths = now   # moved outside the blocks (a wrapper keeps the original): watched where it is now
+        self._record()
+        self._dirty = False
+
+    def _added_trainable(self) -> str | None:
+        for _, _, p, path in _slots(self._model):
+            if p.requires_grad and id(p) not in self._params:
+                return path
+        return None
 
     def remove(self) -> None:
-        """The model handed back: its own ``resize_token_embeddings`` again."""
+        """The model handed back: no hooks of the guard's, its own ``resize_token_embeddings`` again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         for m, own in self._resizers.values():
             if isinstance(vars(m).get("resize_token_embeddings"), _ResizeRefusal):
                 del m.resize_token_embeddings

@@ -201,12 +201,19 @@ def install(model: nn.Module, copy_fn: Callable[[nn.Module, dict], nn.Module]) -
 def engine_of(model: nn.Module):
     """The live engine (not destroyed) that trains this model or a module of it, or None: a notebook that lost
     its handle on one (a cell that failed after ``initialize``) reaches it here to ``destroy()`` it."""
+    engines = engines_of(model)
+    return engines[0] if engines else None
+
+
+def engines_of(model: nn.Module) -> list:
+    """Every live engine on this model or modules of it (several: engines on separate parts of a container)."""
+    found = {}
     for m in model.modules():
         copier = vars(m).get("__deepcopy__")
         engine = copier.live_engine() if isinstance(copier, _DeepcopyThroughEngine) else None
         if engine is not None:
-            return engine
-    return None
+            found.setdefault(id(engine), engine)
+    return list(found.values())
 
 
 def uninstall(patched: list) -> None:
