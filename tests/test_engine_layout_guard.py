@@ -169,7 +169,7 @@ def test_a_wrapped_model_whose_parameter_names_are_its_own_and_a_forward_from_in
     def evaluate_inside(module, args):
         if not entered:
             entered.append(True)
-            nn.Linear(1, 1)   # a module made anywhere marks the guard: the nested forward verifies the model
+            model.model.norm.scale = nn.Parameter(torch.ones(1), requires_grad=False)   # marks the guard
             with torch.no_grad():
                 inner.append(model(x).logits.shape)
     handle = model.model.layers[1].mlp.register_forward_pre_hook(evaluate_inside)
@@ -179,6 +179,47 @@ def test_a_wrapped_model_whose_parameter_names_are_its_own_and_a_forward_from_in
     assert inner == [torch.Size([2, 12, VOCAB])]
     _train(engine, 1)
     engine.destroy()
+
+
+def test_an_evaluation_pass_verifies_only_after_an_assignment_into_the_model_and_an_alias_is_no_change(monkeypatch):
+    """Llama's forward slices its layer list (a new ModuleList, built through add_module): not this model's, so
+    an evaluation pass or a generated token does not walk the model. An assignment into the model marks it. A
+    block's module also reachable under another name is no change: its weights keep the names they stream under."""
+    from lazytrain.engine.layout_guard import LayoutGuard
+    model, engine = _engine()
+    verified = []
+    unchanged = LayoutGuard._unchanged
+    monkeypatch.setattr(LayoutGuard, "_unchanged", lambda self: verified.append(1) or unchanged(self))
+    x, _ = batches(1)[0]
+    with torch.no_grad():
+        for _ in range(3):
+            engine(x)
+        model.generate(x[:1, :4], max_new_tokens=3, do_sample=False)
+    assert verified == []
+    model.probe = model.model.layers[0].mlp.up_proj   # an alias of a block's module
+    with torch.no_grad():
+        engine(x)
+    assert verified == [1]
+    _train(engine, 1)
+    assert len(verified) == 3   # a training pass verifies (the engine's forward, then block 0's call)
+    engine.destroy()
+
+
+def test_an_engine_never_destroyed_is_collected_with_its_guards_hooks():
+    import gc
+    import weakref
+    from torch.nn.modules import module as torch_module
+    gc.collect()   # engines other tests left behind
+    hooks = (len(torch_module._global_parameter_registration_hooks),
+             len(torch_module._global_module_registration_hooks))
+    model, engine = _engine()
+    _train(engine, 1)
+    gone = weakref.ref(engine)
+    del model, engine
+    gc.collect()
+    assert gone() is None
+    assert (len(torch_module._global_parameter_registration_hooks),
+            len(torch_module._global_module_registration_hooks)) == hooks
 
 
 def test_the_refusal_of_a_resize_is_the_engines_alone():

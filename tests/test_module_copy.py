@@ -188,6 +188,11 @@ def test_an_engine_without_an_optimizer_hands_the_model_to_a_second_engine(bf16)
     with torch.no_grad():
         assert torch.equal(logits_of(first(x)).float(), before)   # run by the second
     assert lazytrain.engine_of(model) is second
+    with pytest.raises(RuntimeError, match=r"^engine.backward\(\) refused: this engine had no optimizer and was "
+                                           r"handed back when another engine was to be built on its model; another "
+                                           r"engine took it over: use that one \(lazytrain.engine_of\(model\) "
+                                           r"returns it\)$"):
+        first.backward(lm_loss(second(x), y))
     for x, y in batches(2):
         second.backward(lm_loss(second(x), y))
         second.step()
@@ -225,10 +230,19 @@ def test_engines_on_parts_of_a_container_are_all_seen_and_a_failed_takeover_says
             pytest.raises(Exception, match="no.such.blocks"):
         lazytrain.initialize(model=pair["ref"], config={**cfg, "lazytrain": {"blocks": "no.such.blocks"}})
     with pytest.raises(RuntimeError, match=r"^a forward refused: this engine had no optimizer and was handed back "
-                                           r"when another engine was to be built on its model, and no engine holds "
-                                           r"that model now \(or one holds a model around it\): build one with "
-                                           r"lazytrain.initialize$"):
+                                           r"when another engine was to be built on its model; no engine holds that "
+                                           r"model now: build one with lazytrain.initialize$"):
         ref(x)
+    # several engines without an optimizer, on a container's parts, all handed to one over the container
+    left, _, _, _ = lazytrain.initialize(model=pair["ref"], config=evaluation)
+    right, _, _, _ = lazytrain.initialize(model=pair["policy"], config=evaluation)
+    with pytest.warns(UserWarning, match="^lazytrain: the model's engine without an optimizer"):
+        whole, _, _, _ = lazytrain.initialize(model=pair, config={**evaluation, "lazytrain": {"blocks": "ref.stack"}})
+    for part in (left, right):
+        with pytest.raises(RuntimeError, match=r"; another engine holds a model that shares modules with it: use "
+                                               r"that one \(lazytrain.engine_of\(model\) returns it\)$"):
+            part(x)
+    whole.destroy()
 
 
 def test_a_parameter_the_copy_reaches_before_its_model_is_the_models_weight_all_the_same():

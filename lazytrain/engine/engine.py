@@ -233,8 +233,8 @@ class LazyTrainEngine(nn.Module):
                           "engine initialize builds now takes the model over, and the old one's forwards run "
                           "through it", UserWarning)
             for engine in existing:
-                engine._superseded = True
                 engine.destroy()
+                engine._superseded = True   # once handed back: its forwards go to the engine now on its model
         self.module = model
         self._config = config
         self._devices_given = _devices_of(model)   # handed back on them (set-up moves some to the device)
@@ -890,7 +890,7 @@ class LazyTrainEngine(nn.Module):
     def forward(self, *inputs, **kwargs):
         if self.__dict__.get("_superseded"):   # its model taken over by another engine: that one runs it
             live = module_copy.engine_of(self.module)
-            if live is not None and live.module is self.module:
+            if live is not None and live is not self and live.module is self.module:
                 return live(*inputs, **kwargs)
         self._refuse_if_destroyed("a forward")
         self._check_model_unchanged(torch.is_grad_enabled())
@@ -1196,9 +1196,14 @@ class LazyTrainEngine(nn.Module):
         """A destroyed engine's model is the script's again (a new engine may train it): a stale engine's step
         updated it, and with the overlapped update failed half-way."""
         if self.__dict__.get("_superseded"):
+            live = module_copy.engine_of(self.module)
+            now = ("no engine holds that model now: build one with lazytrain.initialize" if live is None else
+                   "another engine took it over: use that one (lazytrain.engine_of(model) returns it)"
+                   if live.module is self.module else
+                   "another engine holds a model that shares modules with it: use that one (lazytrain.engine_of"
+                   "(model) returns it)")
             raise RuntimeError(f"{what} refused: this engine had no optimizer and was handed back when another "
-                               f"engine was to be built on its model, and no engine holds that model now (or one "
-                               f"holds a model around it): build one with lazytrain.initialize")
+                               f"engine was to be built on its model; {now}")
         if self.__dict__.get("_destroyed"):
             raise RuntimeError(f"{what} refused: this engine was destroyed (destroy() handed the model back); "
                                f"build a new one with lazytrain.initialize")

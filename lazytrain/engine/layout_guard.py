@@ -8,15 +8,18 @@ recorded in by name).
   swaps the embedding's data in place, which no check of the parameters' identity sees, and then replaces the
   head.
 - Every training pass (the engine's forward, and block 0's call when a script calls the model itself), and any
-  other pass after a module or parameter was assigned anywhere (torch's registration hooks mark the guard), the
-  model is verified: each parameter found at set-up still there, by identity along its module paths (a few
-  tenths of a microsecond a parameter); where a path changed, a parameter outside the blocks may have moved (a
-  wrapper that keeps the original module, as PEFT's ``modules_to_save`` does) but a block's may not (the
-  executor streams it by its name at set-up); and no parameter added since that requires grad (it would never
-  be updated). A change made in several assignments (a merge of adapters) is refused once, whole.
+  other pass after a module or parameter was assigned into one of the model's modules (torch's registration
+  hooks mark the guard), the model is verified: each parameter found at set-up still there, by identity along
+  its module paths (a few tenths of a microsecond a parameter); where a path changed, a parameter outside the
+  blocks may have moved (a wrapper that keeps the original module, as PEFT's ``modules_to_save`` does) but a
+  block's must keep the paths it had (the executor streams it under them; an alias elsewhere is no change); and
+  no parameter added since that requires grad (it would never be updated). A change made in several
+  assignments (a merge of adapters) is refused once, whole.
 - Writes that bypass ``nn.Module.__setattr__`` (``module._parameters[...] = ...``, ``del``) are seen at the next
   training pass only."""
 from __future__ import annotations
+
+import weakref
 
 from torch import nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
@@ -52,9 +55,21 @@ def _walk(model: nn.Module):
             stack.pop()
 
 
+def _all_paths(model: nn.Module):
+    """(module, path) for every path to every module, a module shared by several parents under each (but no
+    module inside itself), as ``named_modules(remove_duplicate=False)`` without a wrapper's own naming."""
+    stack = [(model, "", frozenset([id(model)]))]
+    while stack:
+        module, path, above = stack.pop()
+        yield module, path
+        for name, child in reversed(list(module._modules.items())):
+            if child is not None and id(child) not in above:
+                stack.append((child, f"{path}.{name}" if path else name, above | {id(child)}))
+
+
 def _slots(model: nn.Module):
     """(module, name, parameter, path) for every parameter, on every path it has."""
-    for module, path in [(model, "")] + [(child, p) for _, _, child, p in _walk(model)]:
+    for module, path in _all_paths(model):
         for name, param in module._parameters.items():
             if param is not None:
                 yield module, name, param, f"{path}.{name}" if path else name
@@ -71,17 +86,24 @@ class LayoutGuard:
         self._paths = self._paths_now()   # each parameter's paths at set-up
         self._record()
         self._dirty = False
-        self._hooks = [register_module_parameter_registration_hook(self._mark),
-                       register_module_module_registration_hook(self._mark)]
+        # torch's hooks are global: they hold the guard weakly (an engine never destroyed is still collected, and
+        # its hooks go with it), and mark it only for an assignment into a module of this model (a ModuleList
+        # slice that Llama's forward takes builds a new list through add_module: not this model's)
+        guard = weakref.ref(self)
+
+        def mark(module, *args):
+            g = guard()
+            if g is not None and id(module) in g._watched:
+                g._dirty = True
+        self._hooks = [register_module_parameter_registration_hook(mark),
+                       register_module_module_registration_hook(mark)]
+        weakref.finalize(self, _remove_hooks, list(self._hooks))
         # a Hugging Face model's (a PEFT model's inner one too): refused on the instance, before it changes
         # anything; an instance's own attribute of that name is put back by remove()
         self._resizers = {id(m): (m, vars(m).get("resize_token_embeddings")) for m in model.modules()
                           if hasattr(type(m), "resize_token_embeddings")}
         for m, _ in self._resizers.values():
             m.resize_token_embeddings = _ResizeRefusal(m)
-
-    def _mark(self, *args):
-        self._dirty = True   # something was assigned somewhere: the next pass verifies
 
     def _paths_now(self) -> dict[int, set[str]]:
         paths: dict[int, set[str]] = {}
@@ -96,6 +118,7 @@ class LayoutGuard:
         modules = [self._model] + list({id(c): c for _, _, c, _ in edges}.values())
         self._edges = [(parent, name, child) for parent, name, child, _ in edges]
         self._counts = [(m, len(m._modules), len(m._parameters)) for m in modules]
+        self._watched = {id(m) for m in modules}   # held by _counts: no id reused while watched
         self._slots = [(m, name, p) for m in modules for name, p in m._parameters.items() if p is not None]
         self._unknown = [p for _, _, p in self._slots if id(p) not in self._params]
 
@@ -118,10 +141,13 @@ class LayoutGuard:
             raise ModelChangedError(f"'{gone[0]}'{more} found at initialize() no longer in the model: it was "
                                     f"changed in place since (a new head, a module replaced, PEFT's "
                                     f"merge_and_unload()). {_WAY_OUT}")
-        moved = [i for i in self._streamed if now[i] != self._paths[i]]
+        # a block's weight must keep the paths set-up found (the executor streams it under them); more paths (an
+        # alias of its module elsewhere) are no change
+        moved = [i for i in self._streamed if not self._paths[i] <= now[i]]
         if moved:
-            raise ModelChangedError(f"'{min(self._paths[moved[0]])}', a streamed block's weight, is now at "
-                                    f"'{min(now[moved[0]])}': the blocks' weights stream under the names found at "
+            i = moved[0]
+            raise ModelChangedError(f"'{min(self._paths[i] - now[i])}', a streamed block's weight, is now at "
+                                    f"'{min(now[i])}': the blocks' weights stream under the names found at "
                                     f"initialize(), and a module wrapped since would not be trained. {_WAY_OUT}")
         added = self._added_trainable()
         if added:
@@ -139,8 +165,7 @@ class LayoutGuard:
 
     def remove(self) -> None:
         """The model handed back: no hooks of the guard's, its own ``resize_token_embeddings`` again."""
-        for hook in self._hooks:
-            hook.remove()
+        _remove_hooks(self._hooks)
         self._hooks = []
         for m, own in self._resizers.values():
             if isinstance(vars(m).get("resize_token_embeddings"), _ResizeRefusal):
@@ -148,6 +173,11 @@ class LayoutGuard:
                 if own is not None:
                     m.resize_token_embeddings = own
         self._resizers = {}
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()   # a second removal does nothing
 
 
 class _ResizeRefusal:
