@@ -202,6 +202,8 @@ def test_an_evaluation_pass_verifies_only_after_an_assignment_into_the_model_and
     assert verified == [1]
     _train(engine, 1)
     assert len(verified) == 3   # a training pass verifies (the engine's forward, then block 0's call)
+    del model.probe   # and taken away again
+    _train(engine, 1)
     engine.destroy()
 
 

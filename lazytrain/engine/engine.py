@@ -492,7 +492,7 @@ class LazyTrainEngine(nn.Module):
         self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
         # from here to destroy, a pass through a model that a parameter found here has left is refused, and so is
         # resize_token_embeddings
-        self._layout_guard = LayoutGuard(model, {id(p) for params in self.weights.params for p in params})
+        self._layout_guard = LayoutGuard(model, blocks)
         if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
             self.partitioned.partition()
 

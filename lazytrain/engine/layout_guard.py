@@ -12,7 +12,7 @@ recorded in by name).
   hooks mark the guard), the model is verified: each parameter found at set-up still there, by identity along
   its module paths (a few tenths of a microsecond a parameter); where a path changed, a parameter outside the
   blocks may have moved (a wrapper that keeps the original module, as PEFT's ``modules_to_save`` does) but a
-  block's must keep the paths it had (the executor streams it under them; an alias elsewhere is no change); and
+  block's must keep its name in its block (the executor streams it under that; an alias elsewhere is no change); and
   no parameter added since that requires grad (it would never be updated). A change made in several
   assignments (a merge of adapters) is refused once, whole.
 - Writes that bypass ``nn.Module.__setattr__`` (``module._parameters[...] = ...``, ``del``) are seen at the next
@@ -55,35 +55,43 @@ def _walk(model: nn.Module):
             stack.pop()
 
 
-def _all_paths(model: nn.Module):
-    """(module, path) for every path to every module, a module shared by several parents under each (but no
-    module inside itself), as ``named_modules(remove_duplicate=False)`` without a wrapper's own naming."""
-    stack = [(model, "", frozenset([id(model)]))]
-    while stack:
-        module, path, above = stack.pop()
-        yield module, path
-        for name, child in reversed(list(module._modules.items())):
-            if child is not None and id(child) not in above:
-                stack.append((child, f"{path}.{name}" if path else name, above | {id(child)}))
-
-
 def _slots(model: nn.Module):
-    """(module, name, parameter, path) for every parameter, on every path it has."""
-    for module, path in _all_paths(model):
+    """(module, name, parameter, path) for every parameter slot, each module under the first path found to it (a
+    module shared by several parents is not walked again: the paths stay as many as the modules)."""
+    seen = set()
+    for module, path in [(model, "")] + [(child, p) for _, _, child, p in _walk(model)]:
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
         for name, param in module._parameters.items():
             if param is not None:
                 yield module, name, param, f"{path}.{name}" if path else name
 
 
-class LayoutGuard:
-    """The model's parameters as set-up found them (``streamed``: the ids of the blocks', which the executor
-    streams by name): :meth:`check` refuses a pass once the model no longer holds them as they were."""
+def _at(model: nn.Module, path: str):
+    """The parameter at ``path`` through ``_modules`` and ``_parameters`` (None where nothing is)."""
+    *parents, name = path.split(".")
+    module = model
+    for child in parents:
+        module = module._modules.get(child)
+        if module is None:
+            return None
+    return module._parameters.get(name)
 
-    def __init__(self, model: nn.Module, streamed: set[int]):
+
+class LayoutGuard:
+    """The model's parameters as set-up found them (``blocks``: the streamed blocks, whose weights the executor
+    streams in under their names in each block): :meth:`check` refuses a pass once the model no longer holds
+    them as they were."""
+
+    def __init__(self, model: nn.Module, blocks):
         self._model = model
         self._params = {id(p): p for _, _, p, _ in _slots(model)}
-        self._streamed = streamed
-        self._paths = self._paths_now()   # each parameter's paths at set-up
+        self._names: dict[int, str] = {}   # each parameter's first path at set-up, for messages
+        for _, _, p, path in _slots(model):
+            self._names.setdefault(id(p), path)
+        # each block's weights under their names in it: the executor streams them in under those names
+        self._streamed_at = [(block, path, p) for block in blocks for _, _, p, path in _slots(block)]
         self._record()
         self._dirty = False
         # torch's hooks are global: they hold the guard weakly (an engine never destroyed is still collected, and
@@ -104,12 +112,6 @@ class LayoutGuard:
                           if hasattr(type(m), "resize_token_embeddings")}
         for m, _ in self._resizers.values():
             m.resize_token_embeddings = _ResizeRefusal(m)
-
-    def _paths_now(self) -> dict[int, set[str]]:
-        paths: dict[int, set[str]] = {}
-        for _, _, p, path in _slots(self._model):
-            paths.setdefault(id(p), set()).add(path)
-        return paths
 
     def _record(self) -> None:
         """The module tree as it is (each module's children and parameter slots, by identity and count), and the
@@ -134,26 +136,29 @@ class LayoutGuard:
         if self._unchanged():
             self._dirty = False
             return
-        now = self._paths_now()
-        gone = [min(self._paths[i]) for i in self._params if i not in now]   # in the model's order
+        now = {}
+        for _, _, p, path in _slots(self._model):
+            now.setdefault(id(p), path)
+        gone = [self._names[i] for i in self._params if i not in now]   # in the model's order
         if gone:
             more = f" and {len(gone) - 1} more parameters" if len(gone) > 1 else ""
             raise ModelChangedError(f"'{gone[0]}'{more} found at initialize() no longer in the model: it was "
                                     f"changed in place since (a new head, a module replaced, PEFT's "
                                     f"merge_and_unload()). {_WAY_OUT}")
-        # a block's weight must keep the paths set-up found (the executor streams it under them); more paths (an
-        # alias of its module elsewhere) are no change
-        moved = [i for i in self._streamed if not self._paths[i] <= now[i]]
+        # a block's weight must stay at the paths set-up found (the executor streams it under them); other paths
+        # to it (an alias of its module, added or taken away since) are no change
+        moved = [p for block, path, p in self._streamed_at if _at(block, path) is not p]
         if moved:
-            i = moved[0]
-            raise ModelChangedError(f"'{min(self._paths[i] - now[i])}', a streamed block's weight, is now at "
-                                    f"'{min(now[i])}': the blocks' weights stream under the names found at "
-                                    f"initialize(), and a module wrapped since would not be trained. {_WAY_OUT}")
+            p = moved[0]
+            raise ModelChangedError(f"'{self._names[id(p)]}', a streamed block's weight, is now at '{now[id(p)]}': "
+                                    f"the blocks' weights stream under the names found at initialize(), and a module "
+                                    f"wrapped since would not be trained. {_WAY_OUT}")
         added = self._added_trainable()
         if added:
             raise ModelChangedError(f"'{added}' was added to the model after initialize() and requires grad: "
                                     f"{_WAY_OUT}")
-        self._paths = now   # moved outside the blocks (a wrapper keeps the original): watched where it is now
+        # moved outside the blocks (a wrapper keeps the original): watched, and named, where it is now
+        self._names = {i: now[i] for i in self._params}
         self._record()
         self._dirty = False
 
