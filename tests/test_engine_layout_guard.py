@@ -50,8 +50,8 @@ class _Keeps(nn.Module):
         super().__init__()
         self.original_module = original
 
-    def forward(self, x):
-        return self.original_module(x)
+    def forward(self, *args, **kwargs):
+        return self.original_module(*args, **kwargs)
 
 
 def test_resize_token_embeddings_after_initialize_is_refused_before_it_changes_anything():
@@ -126,6 +126,40 @@ def test_a_wrapper_that_keeps_the_original_module_and_what_changes_nothing_train
         llama_engine(x)
     llama_engine.destroy()
     engine.destroy()
+
+
+@pytest.mark.parametrize("change", ["block wrapped", "block set aside", "blocks reordered", "list replaced"])
+def test_a_change_to_the_blocks_list_is_refused_and_destroy_hands_every_block_back(change):
+    """The engine runs entry i of the blocks' list found at set-up and streams its weights in under their names
+    in it: a block wrapped in its list, taken out of it (kept elsewhere), the list reordered or replaced by a new
+    one ran a different model from the one trained (a set-aside block was still updated). destroy() hands back
+    every block it routed, wherever the list holds it now."""
+    model, engine = _engine()
+    _train(engine, 1)
+    x, y = batches(1)[0]
+    layers = model.model.layers
+    first = "'model.layers.1.self_attn.q_proj.weight', a streamed block's weight, is now at "
+    if change == "block wrapped":
+        layers[1] = _Keeps(layers[1])
+        expected = first + "'model.layers.1.original_module.self_attn.q_proj.weight'"
+    elif change == "block set aside":
+        model.spare = layers[1]
+        del layers[1]
+        expected = first + "'spare.self_attn.q_proj.weight'"
+    elif change == "blocks reordered":
+        layers[0], layers[1] = layers[1], layers[0]
+        expected = "'model.layers.0.self_attn.q_proj.weight', a streamed block's weight, is now at " \
+                   "'model.layers.1.self_attn.q_proj.weight'"
+    else:
+        model.model.layers = nn.ModuleList(list(layers))
+        expected = "'model.layers', the list of streamed blocks found at initialize(), is no longer in the model"
+    for run in (engine, model):
+        with pytest.raises(ModelChangedError, match="^" + re.escape(expected)):
+            run(x)
+    engine.destroy()
+    assert lm_loss(model(x), y).isfinite()   # every block routed to the engine handed back
+    if change == "block set aside":
+        assert "forward" not in vars(model.spare)   # no longer routed to the engine
 
 
 def test_a_blocks_weight_on_another_path_or_a_new_parameter_that_trains_is_refused():

@@ -249,11 +249,12 @@ class LayerStreamingExecutor:
     def _install_proxies(self) -> None:
         """Route each block's ``forward`` through the executor. The blocks stay where they are, so the
         model's parameters, ``state_dict()`` keys and hooks are unchanged."""
-        for i, block in enumerate(self.blocks):
+        self._routed = list(self.blocks)   # the blocks routed here, wherever the model's list holds them later
+        for i, block in enumerate(self._routed):
             block.forward = _Proxy(self, i)
 
     def uninstall(self) -> None:
-        for block in self.blocks:
+        for block in self.__dict__.get("_routed", self.blocks):
             if isinstance(block.__dict__.get("forward"), _Proxy):
                 del block.forward
 
@@ -394,9 +395,8 @@ class LayerStreamingExecutor:
                                     f"torch.no_grad() or pass use_cache=False")
 
     def _run_inference(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
-        if layer == 0:
+        if layer == 0 or not self._streaming_inference:   # a pass begins (an evaluation may begin at any block)
             self.before_pass(False)
-        if layer == 0 or not self._streaming_inference:
             self._start_sequence([[j] for j in range(layer, self.L)])
             self._streaming_inference = True
         flat = self._acquire(layer)
@@ -409,6 +409,7 @@ class LayerStreamingExecutor:
             self._begin_pass()
         p = self._current
         if p is None or layer != p.next_layer:
+            self.before_pass(True)   # a changed model says what changed (its blocks reordered, say)
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
                                 f"{layer} was called when block {p.next_layer if p else 0} was expected")
         p.next_layer += 1

@@ -90,8 +90,12 @@ class LayoutGuard:
         self._names: dict[int, str] = {}   # each parameter's first path at set-up, for messages
         for _, _, p, path in _slots(model):
             self._names.setdefault(id(p), path)
-        # each block's weights under their names in it: the executor streams them in under those names
-        self._streamed_at = [(block, path, p) for block in blocks for _, _, p, path in _slots(block)]
+        # each block's weights under their names in the blocks' list (the executor runs the list's entry i and
+        # streams its weights in under their names in it), and that list in the model
+        self._blocks = blocks if blocks is not None and len(blocks) else None
+        self._streamed_at = [(f"{i}.{path}", p) for i, block in enumerate(blocks or ())
+                             for _, _, p, path in _slots(block)]
+        self._blocks_at = next((path for _, _, child, path in _walk(model) if child is self._blocks), None)
         self._record()
         self._dirty = False
         # torch's hooks are global: they hold the guard weakly (an engine never destroyed is still collected, and
@@ -147,7 +151,11 @@ class LayoutGuard:
                                     f"merge_and_unload()). {_WAY_OUT}")
         # a block's weight must stay at the paths set-up found (the executor streams it under them); other paths
         # to it (an alias of its module, added or taken away since) are no change
-        moved = [p for block, path, p in self._streamed_at if _at(block, path) is not p]
+        if self._blocks is not None and self._blocks is not self._model and \
+                all(child is not self._blocks for _, _, child, _ in _walk(self._model)):
+            raise ModelChangedError(f"'{self._blocks_at}', the list of streamed blocks found at initialize(), is no "
+                                    f"longer in the model: the engine runs the blocks of that list. {_WAY_OUT}")
+        moved = [p for path, p in self._streamed_at if _at(self._blocks, path) is not p]
         if moved:
             p = moved[0]
             raise ModelChangedError(f"'{self._names[id(p)]}', a streamed block's weight, is now at '{now[id(p)]}': "
