@@ -7,14 +7,15 @@ recorded in by name).
 - Hugging Face's ``resize_token_embeddings`` is refused before it starts (unless it would change nothing): it
   swaps the embedding's data in place, which no check of the parameters' identity sees, and then replaces the
   head.
-- Every training pass (the engine's forward, and block 0's call when a script calls the model itself), and any
+- Every training pass (the engine's forward, and the first block's call when a script calls the model), and any
   other pass after a module or parameter was assigned into one of the model's modules (torch's registration
   hooks mark the guard), the model is verified: each parameter found at set-up still there, by identity along
   its module paths (a few tenths of a microsecond a parameter); where a path changed, a parameter outside the
   blocks may have moved (a wrapper that keeps the original module, as PEFT's ``modules_to_save`` does) but a
-  block's must keep its name in its block (the executor streams it under that; an alias elsewhere is no change); and
-  no parameter added since that requires grad (it would never be updated). A change made in several
-  assignments (a merge of adapters) is refused once, whole.
+  block's must keep its name through the blocks' list, and the list must stay in the model (the executor runs
+  the list's entries and streams their weights in under those names; an alias elsewhere is no change); and no
+  parameter added since that requires grad (it would never be updated). A change made in several assignments
+  (a merge of adapters) is refused once, whole.
 - Writes that bypass ``nn.Module.__setattr__`` (``module._parameters[...] = ...``, ``del``) are seen at the next
   training pass only."""
 from __future__ import annotations
@@ -80,9 +81,9 @@ def _at(model: nn.Module, path: str):
 
 
 class LayoutGuard:
-    """The model's parameters as set-up found them (``blocks``: the streamed blocks, whose weights the executor
-    streams in under their names in each block): :meth:`check` refuses a pass once the model no longer holds
-    them as they were."""
+    """The model's parameters as set-up found them (``blocks``: the list of streamed blocks, whose entries the
+    executor runs, streaming their weights in under their names in them): :meth:`check` refuses a pass once the
+    model no longer holds them as they were."""
 
     def __init__(self, model: nn.Module, blocks):
         self._model = model
