@@ -56,8 +56,9 @@ from .weight_stream import WeightStream
 from ..optim.hybrid_adamw import refuse_unordered
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, hand_back_to_params, listed_groups, param_groups)
-from .placement import (RankMemory, build_plan, build_tiers, card_memory, check_model_shape, memory_copy_gbps,
-                        non_block_masters_apart, non_block_state_home, plan_from_measurements, resolve_device)
+from .placement import (RankMemory, build_plan, build_tiers, card_memory, check_model_shape, least_known,
+                        memory_copy_gbps, non_block_masters_apart, non_block_state_home, plan_from_measurements,
+                        resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
 from .weights import LayerWeights
 
@@ -550,10 +551,9 @@ class LazyTrainEngine(nn.Module):
         """The layers selective calibration steps measure, the same on every rank: chosen on rank 0 for the
         least room any rank's device has beside its plain calibration's peak (every rank runs them)."""
         room = self._device_room()
-        if self.dist.enabled:
-            rooms = [r for r in self.dist.all_gather_object(room, "agreement on the device room for the selective "
-                                                                  "calibration") if r is not None]
-            room = min(rooms) if rooms else None
+        if self.dist.enabled:   # None: no bound on that rank
+            room = least_known(self.dist.all_gather_object(room, "agreement on the device room for the selective "
+                                                                 "calibration"))
         return self._on_rank0(lambda: self._selective_layers_fitting(room))
 
     def _device_room(self) -> int | None:

@@ -87,9 +87,10 @@ class LayoutGuard:
 
     def __init__(self, model: nn.Module, blocks):
         self._model = model
-        self._params = {id(p): p for _, _, p, _ in _slots(model)}
+        self._params: dict[int, nn.Parameter] = {}
         self._names: dict[int, str] = {}   # each parameter's first path at set-up, for messages
         for _, _, p, path in _slots(model):
+            self._params.setdefault(id(p), p)
             self._names.setdefault(id(p), path)
         # each block's weights under their names in the blocks' list (the executor runs the list's entry i and
         # streams its weights in under their names in it), and that list in the model
@@ -141,8 +142,9 @@ class LayoutGuard:
         if self._unchanged():
             self._dirty = False
             return
+        slots = list(_slots(self._model))
         now = {}
-        for _, _, p, path in _slots(self._model):
+        for _, _, p, path in slots:
             now.setdefault(id(p), path)
         gone = [self._names[i] for i in self._params if i not in now]   # in the model's order
         if gone:
@@ -150,8 +152,9 @@ class LayoutGuard:
             raise ModelChangedError(f"'{gone[0]}'{more} found at initialize() no longer in the model: it was "
                                     f"changed in place since (a new head, a module replaced, PEFT's "
                                     f"merge_and_unload()). {_WAY_OUT}")
-        # a block's weight must stay at the paths set-up found (the executor streams it under them); other paths
-        # to it (an alias of its module, added or taken away since) are no change
+        # the blocks' list must stay in the model and each block's weight under its name through it (the executor
+        # runs the list's entries and streams their weights in under those names); other paths to it (an alias
+        # of its module, added or taken away since) are no change
         if self._blocks is not None and self._blocks is not self._model and \
                 all(child is not self._blocks for _, _, child, _ in _walk(self._model)):
             raise ModelChangedError(f"'{self._blocks_at}', the list of streamed blocks found at initialize(), is no "
@@ -162,7 +165,7 @@ class LayoutGuard:
             raise ModelChangedError(f"'{self._names[id(p)]}', a streamed block's weight, is now at '{now[id(p)]}': "
                                     f"the blocks' weights stream under the names found at initialize(), and a module "
                                     f"wrapped since would not be trained. {_WAY_OUT}")
-        added = self._added_trainable()
+        added = next((path for _, _, p, path in slots if p.requires_grad and id(p) not in self._params), None)
         if added:
             raise ModelChangedError(f"'{added}' was added to the model after initialize() and requires grad: "
                                     f"{_WAY_OUT}")
@@ -170,12 +173,6 @@ class LayoutGuard:
         self._names = {i: now[i] for i in self._params}
         self._record()
         self._dirty = False
-
-    def _added_trainable(self) -> str | None:
-        for _, _, p, path in _slots(self._model):
-            if p.requires_grad and id(p) not in self._params:
-                return path
-        return None
 
     def remove(self) -> None:
         """The model handed back: no hooks of the guard's, its own ``resize_token_embeddings`` again."""

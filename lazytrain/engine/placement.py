@@ -366,6 +366,12 @@ def ranks_on_this_node() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or "1"))
 
 
+def least_known(values) -> int | None:
+    """The smallest of the values that are known (None: unknown, or unbounded), None if none is."""
+    known = [v for v in values if v is not None]
+    return min(known) if known else None
+
+
 @dataclasses.dataclass(frozen=True)
 class RankMemory:
     """The memory a rank's plan may count on: its card's (None off CUDA), its node's RAM and that RAM's share of
@@ -382,10 +388,7 @@ class RankMemory:
 
     @classmethod
     def least(cls, memories: list["RankMemory"]) -> "RankMemory":
-        def least(values):
-            known = [v for v in values if v is not None]
-            return min(known) if known else None
-        return cls(*(least(getattr(m, f.name) for m in memories) for f in dataclasses.fields(cls)))
+        return cls(*(least_known(getattr(m, f.name) for m in memories) for f in dataclasses.fields(cls)))
 
     def planned(self, profile, host_budget_given: bool) -> dict:
         """The machine sizes to plan with, over a hardware profile's (``profile``, a HardwareProfile or None for
@@ -397,9 +400,7 @@ class RankMemory:
         if host_budget_given:
             host = self.node_host_bytes if profile is None else None
         else:
-            known = [v for v in (profile.host_mem_bytes if profile is not None else None, self.host_share_bytes)
-                     if v is not None]
-            host = min(known) if known else None
+            host = least_known((profile.host_mem_bytes if profile is not None else None, self.host_share_bytes))
         return {"gpu_mem_bytes": self.gpu_bytes, "host_mem_bytes": host}
 
 
