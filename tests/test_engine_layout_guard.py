@@ -104,6 +104,64 @@ def test_a_pass_after_a_parameter_left_the_model_is_refused_until_destroy(change
     assert lm_loss(model(x), y).isfinite()   # handed back: the changed model runs as plain PyTorch
 
 
+def _replaced(path: str, then: str, now: str) -> str:
+    return "^" + re.escape(
+        f"'{path}' holds another tensor than the one found at initialize() ({then} then, {now} now): its .data was "
+        f"assigned, or the model moved or cast (model.to(), .half()). The engine keeps this parameter's training "
+        f"state laid out for the tensor it found, so a new tensor's values would be ignored or overwritten at the "
+        f"next step. Set a weight's values with lazytrain.utils.safe_set_full_fp32_param(p, values) (DeepSpeed's "
+        f"name), or change the model before lazytrain.initialize, or after engine.destroy(), which hands it back") \
+        + "$"
+
+
+@pytest.mark.parametrize("path", ["lm_head.weight", "model.norm.weight", "model.embed_tokens.weight",
+                                  "model.layers.1.mlp.up_proj.weight"])
+@pytest.mark.parametrize("change", ["another shape", "another dtype", "a copy"])
+def test_a_parameter_given_another_tensor_is_refused_at_the_next_training_pass(path, change):
+    """``p.data = ...`` keeps the parameter but cuts it off from the engine's buffers. Before, a head or embedding
+    of another shape had the step write past the gradient's end (the process died: a segmentation fault, or
+    "corrupted size vs. prev_size"), a block's copy was silently never computed with, and in bf16 a head's copy
+    was overwritten by its master at the next step. Put back, the original trains on."""
+    config = dict(CONFIG, bf16={"enabled": True}) if change == "a copy" else CONFIG
+    model = make_hf_model("llama", n_layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = lazytrain.initialize(model=model, config=config)[0]
+    _train(engine, 1)
+    p = dict(model.named_parameters())[path]
+    original = p.data
+    then = f"{p.dtype} {tuple(p.shape)} on cpu"
+    if change == "another shape":
+        p.data = torch.zeros(p.shape[0] + 3, *p.shape[1:])
+    elif change == "another dtype":
+        p.data = p.data.double()
+    else:
+        p.data = p.data.clone()
+    x, y = batches(1)[0]
+    for run in (engine, model):
+        with pytest.raises(ModelChangedError, match=_replaced(path, then, f"{p.dtype} {tuple(p.shape)} on cpu")):
+            run(x)
+    p.data = original
+    before = p.detach().clone()
+    _train(engine, 1)
+    assert not torch.equal(p.detach(), before)   # trains on
+    engine.destroy()
+    assert lm_loss(model(x), y).isfinite()
+
+
+def test_a_model_cast_after_initialize_is_refused_and_destroy_hands_it_back():
+    """``model.to(dtype)`` (not the engine's, which refuses at once) assigns every parameter's ``.data``."""
+    model, engine = _engine()
+    _train(engine, 1)
+    model.to(torch.float64)
+    x, y = batches(1)[0]
+    with pytest.raises(ModelChangedError, match=_replaced(
+            "model.embed_tokens.weight", "torch.float32 (32, 32) on cpu", "torch.float64 (32, 32) on cpu")):
+        engine(x)
+    engine.destroy()
+    assert lm_loss(model(x), y).isfinite()
+
+
 def test_a_wrapper_that_keeps_the_original_module_and_what_changes_nothing_train_on():
     """A wrapper holding the original head (PEFT's modules_to_save when another adapter is added) keeps the
     parameter in the model, on another path, where it is watched from then on. ``tie_weights()`` assigns a tied
@@ -235,7 +293,10 @@ def test_an_evaluation_pass_verifies_only_after_an_assignment_into_the_model_and
         engine(x)
     assert verified == [1]
     _train(engine, 1)
-    assert len(verified) == 3   # a training pass verifies (the engine's forward, then block 0's call)
+    assert len(verified) == 2   # a training pass verifies, once: the engine's forward (block 0's call then not)
+    lm_loss(model(x), batches(1)[0][1]).backward()   # the model called itself: block 0's call verifies
+    assert len(verified) == 3
+    engine.zero_grad()
     del model.probe   # and taken away again
     _train(engine, 1)
     engine.destroy()

@@ -1207,8 +1207,12 @@ def test_at_stage_3_an_engine_without_an_optimizer_shows_zero3s_empty_module_hoo
                 optimizer.step()
             with pytest.raises(ConfigError, match=r"^engine.step\(\) needs an optimizer"):
                 engine.step()
-        with pytest.raises(AttributeError, match="^engine.optimizer is the optimizer initialize\\(\\) set up"):
-            engine.optimizer = torch.optim.SGD(engine.module.parameters(), lr=0.1)
+        # a module or parameter too: nn.Module's __setattr__ would register it under that name, past the property
+        for other in (torch.optim.SGD(engine.module.parameters(), lr=0.1), torch.nn.Linear(2, 2),
+                      torch.nn.Parameter(torch.zeros(2))):
+            with pytest.raises(AttributeError, match="^engine.optimizer is the optimizer initialize\\(\\) set up"):
+                engine.optimizer = other
+        assert "optimizer" not in engine._modules and "optimizer" not in engine._parameters
         engine.destroy()
 
 
@@ -2695,6 +2699,24 @@ def test_a_model_partitioned_by_deepspeeds_zero_init_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"partitioned by DeepSpeed's zero.Init \(ZeRO-3\): LazyTrain needs them "
                                           r"whole. Call lazytrain.replace_deepspeed\(\) before TrainingArguments"):
         lazytrain.initialize(model=model, config=ds_config())
+
+
+def test_a_model_with_lazy_modules_not_yet_run_is_refused_by_name():
+    """nn.LazyLinear's parameters have no shape until its first forward (torch's own error from deep inside
+    set-up before); after one forward the model trains."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LazyLinear(3))
+    with pytest.raises(ConfigError, match="^" + re.escape(
+            "lazytrain.initialize: '1.weight' is not initialized yet (a lazy module's, such as nn.LazyLinear): run "
+            "one forward of the model on a sample batch before lazytrain.initialize, which lays the engine's "
+            "buffers out for the parameters' shapes") + "$"):
+        lazytrain.initialize(model=model, config=ds_config())
+    model(torch.zeros(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # no blocks: nothing streams
+        engine = lazytrain.initialize(model=model, config=ds_config())[0]
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    engine.destroy()
 
 
 class _TokenSinkBlock(torch.nn.Module):

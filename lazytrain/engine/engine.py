@@ -491,9 +491,10 @@ class LazyTrainEngine(nn.Module):
         self._seq_len: int | None = config.lazytrain.seq_len
         self._profile_seq_len: int | None = None   # a saved profile's: no batch may be longer
         self.auto = self._auto_planner() if config.lazytrain.policy == "auto" else None
-        # from here to destroy, a pass through a model that a parameter found here has left is refused, and so is
-        # resize_token_embeddings
-        self._layout_guard = LayoutGuard(model, blocks)
+        # from here to destroy, a pass through a model that a parameter found here has left (or whose tensor was
+        # replaced) is refused, and so is resize_token_embeddings; stage 3 swaps its partitioned parameters' tensors
+        self._layout_guard = LayoutGuard(model, blocks, swapped=[e.param for e in self.partitioned.entries]
+                                         if self.partitioned is not None else ())
         if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
             self.partitioned.partition()
 
@@ -932,14 +933,15 @@ class LazyTrainEngine(nn.Module):
         chunk = self._config.lazytrain.loss_chunk_tokens
         engine_hooks = self.partitioned.hook_ids() if self.partitioned is not None else frozenset()
         self.executor.backward_reaches = None
-        if chunk and chunked_loss.applies(self.module, kwargs, engine_hooks):
-            out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
-            if self.partitioned is not None:   # its backward recomputes the head's logits outside the head, and
-                # the model's own fetch-again hooks sit on outputs the loss does not use: every partitioned
-                # parameter the forward read is fetched again before this loss's backward, as they would be
-                self.partitioned.keep_for_backward([out.loss], list(self.module.parameters()))
-        else:
-            out = self.module(*inputs, **kwargs)
+        with self._layout_guard.checked_pass():   # checked as this forward began
+            if chunk and chunked_loss.applies(self.module, kwargs, engine_hooks):
+                out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
+                if self.partitioned is not None:   # its backward recomputes the head's logits outside the head,
+                    # and the model's own fetch-again hooks sit on outputs the loss does not use: every partitioned
+                    # parameter the forward read is fetched again before this loss's backward, as they would be
+                    self.partitioned.keep_for_backward([out.loss], list(self.module.parameters()))
+            else:
+                out = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             out = self._scale_direct_backward(out)
             # the caller, under nn.Module.__call__'s two frames
@@ -1957,6 +1959,11 @@ class LazyTrainEngine(nn.Module):
     def optimizer(self, value) -> None:
         raise AttributeError("engine.optimizer is the optimizer initialize() set up, with the engine's buffers and "
                              "shards laid out for it: pass another one to lazytrain.initialize")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "optimizer":   # nn.Module's would register a module or parameter under that name, past the
+            object.__setattr__(self, name, value)   # property, whose setter refuses
+        super().__setattr__(name, value)
 
     @property
     def dp_world_size(self) -> int:

@@ -1,6 +1,7 @@
 """``lazytrain.initialize()``: DeepSpeed's signature and 4-tuple return."""
 from __future__ import annotations
 
+import itertools
 import warnings
 
 from ..config import ConfigError, parse_config
@@ -22,6 +23,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("lazytrain.initialize requires a model")
     _refuse_compiled(model)
     _refuse_partitioned(model)
+    _refuse_uninitialized(model)
     if config is None and config_params is not None:
         config = config_params
     elif config is not None and config_params is not None:
@@ -72,6 +74,17 @@ def _refuse_partitioned(model) -> None:
         raise ConfigError("the model's parameters were partitioned by DeepSpeed's zero.Init (ZeRO-3): LazyTrain "
                           "needs them whole. Call lazytrain.replace_deepspeed() before TrainingArguments and "
                           "before building or loading the model (from_pretrained, from_config)")
+
+
+def _refuse_uninitialized(model) -> None:
+    """A lazy module's (``nn.LazyLinear``) parameters have no shape until its first forward, and the engine lays
+    its buffers, masters and plan out for the shapes it finds."""
+    from torch.nn.parameter import is_lazy
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if is_lazy(t):
+            raise ConfigError(f"lazytrain.initialize: '{name}' is not initialized yet (a lazy module's, such as "
+                              f"nn.LazyLinear): run one forward of the model on a sample batch before "
+                              f"lazytrain.initialize, which lays the engine's buffers out for the parameters' shapes")
 
 
 def _refuse_model_parallelism(mpu, mesh_param) -> None:

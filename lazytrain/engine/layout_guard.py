@@ -16,10 +16,17 @@ recorded in by name).
   the list's entries and streams their weights in under those names; an alias elsewhere is no change); and no
   parameter added since that requires grad (it would never be updated). A change made in several assignments
   (a merge of adapters) is refused once, whole.
-- Writes that bypass ``nn.Module.__setattr__`` (``module._parameters[...] = ...``, ``del``) are seen at the next
-  training pass only."""
+- A parameter's tensor replaced (``p.data = ...``, or ``model.to()``/``.half()`` on the model, which assign
+  ``.data``) is refused at the next training pass: the engine's buffers, master and optimizer state stay laid
+  out for the tensor set-up found, so the new values were ignored by the streamed blocks or overwritten at
+  the next step, and one of another shape had a step write past its end (a crash, or the heap corrupted).
+  Each parameter's storage address and shape are compared (about 0.2 us a parameter); those the engine
+  itself swaps (stage 3's partitioned parameters, fetched and dropped around each forward) are not.
+- Writes that bypass ``nn.Module.__setattr__`` (``module._parameters[...] = ...``, ``del``) and tensors replaced
+  are seen at the next training pass only."""
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 from torch import nn
@@ -32,8 +39,8 @@ class ModelChangedError(RuntimeError):
     be resized."""
 
 
-_WAY_OUT = ("LazyTrain trains the parameters it found then, and a new one would not be updated: change the model "
-            "before lazytrain.initialize, or after engine.destroy(), which hands it back")
+_BEFORE_OR_AFTER = "change the model before lazytrain.initialize, or after engine.destroy(), which hands it back"
+_WAY_OUT = f"LazyTrain trains the parameters it found then, and a new one would not be updated: {_BEFORE_OR_AFTER}"
 
 
 def _walk(model: nn.Module):
@@ -85,7 +92,9 @@ class LayoutGuard:
     executor runs, streaming their weights in under their names in them): :meth:`check` refuses a pass once the
     model no longer holds them as they were."""
 
-    def __init__(self, model: nn.Module, blocks):
+    def __init__(self, model: nn.Module, blocks, swapped=()):
+        """``swapped``: parameters whose tensor the engine itself replaces between passes (stage 3's
+        partitioned ones): their storage is not watched."""
         self._model = model
         self._params: dict[int, nn.Parameter] = {}
         self._names: dict[int, str] = {}   # each parameter's first path at set-up, for messages
@@ -99,7 +108,12 @@ class LayoutGuard:
                              for _, _, p, path in _slots(block)]
         self._blocks_at = next((path for _, _, child, path in _walk(model) if child is self._blocks), None)
         self._record()
+        # each parameter's tensor as set-up laid it out (storage address and shape; dtype and device for messages)
+        skip = {id(p) for p in swapped}
+        self._tensors = [(p, _tensor_at(p)) for i, p in self._params.items() if i not in skip]
+        self._laid_out = {id(p): _described(p) for p, _ in self._tensors}
         self._dirty = False
+        self._within_checked_pass = 0
         # torch's hooks are global: they hold the guard weakly (an engine never destroyed is still collected, and
         # its hooks go with it), and mark it only for an assignment into a module of this model (a ModuleList
         # slice that Llama's forward takes builds a new list through add_module: not this model's)
@@ -134,10 +148,11 @@ class LayoutGuard:
         return all(len(m._modules) == n and len(m._parameters) == k for m, n, k in self._counts) and \
             all(parent._modules.get(name) is child for parent, name, child in self._edges) and \
             all(module._parameters.get(name) is p for module, name, p in self._slots) and \
-            not any(p.requires_grad for p in self._unknown)
+            not any(p.requires_grad for p in self._unknown) and \
+            all(_tensor_at(p) == at for p, at in self._tensors)
 
     def check(self, training: bool) -> None:
-        if not (training or self._dirty):
+        if self._within_checked_pass or not (training or self._dirty):
             return
         if self._unchanged():
             self._dirty = False
@@ -169,10 +184,29 @@ class LayoutGuard:
         if added:
             raise ModelChangedError(f"'{added}' was added to the model after initialize() and requires grad: "
                                     f"{_WAY_OUT}")
+        replaced = next((p for p, at in self._tensors if _tensor_at(p) != at), None)
+        if replaced is not None:
+            raise ModelChangedError(
+                f"'{now[id(replaced)]}' holds another tensor than the one found at initialize() "
+                f"({self._laid_out[id(replaced)]} then, {_described(replaced)} now): its .data was assigned, or the "
+                f"model moved or cast (model.to(), .half()). The engine keeps this parameter's training state laid "
+                f"out for the tensor it found, so a new tensor's values would be ignored or overwritten at the next "
+                f"step. Set a weight's values with lazytrain.utils.safe_set_full_fp32_param(p, values) (DeepSpeed's "
+                f"name), or {_BEFORE_OR_AFTER}")
         # moved outside the blocks (a wrapper keeps the original): watched, and named, where it is now
         self._names = {i: now[i] for i in self._params}
         self._record()
         self._dirty = False
+
+    @contextlib.contextmanager
+    def checked_pass(self):
+        """The model's forward under the engine's, which checked the model as it began: its first block's call
+        checks nothing more (a training pass is verified once)."""
+        self._within_checked_pass += 1
+        try:
+            yield
+        finally:
+            self._within_checked_pass -= 1
 
     def remove(self) -> None:
         """The model handed back: no hooks of the guard's, its own ``resize_token_embeddings`` again."""
@@ -184,6 +218,15 @@ class LayoutGuard:
                 if own is not None:
                     m.resize_token_embeddings = own
         self._resizers = {}
+
+
+def _tensor_at(p: nn.Parameter) -> tuple:
+    """What identifies the tensor a parameter holds: its storage address (a view's, offset included) and shape."""
+    return p.data_ptr(), p.shape
+
+
+def _described(p: nn.Parameter) -> str:
+    return f"{p.dtype} {tuple(p.shape)} on {p.device}"
 
 
 def _remove_hooks(handles: list) -> None:
