@@ -59,9 +59,10 @@ def safe_get_full_fp32_param(param):
 
 def safe_set_full_fp32_param(param, value):
     """Set ``param``'s fp32 weight (its master) and every copy of it that computes to ``value`` (a tensor of
-    ``param``'s shape), as DeepSpeed's does: the way to change a weight after ``initialize`` (in bf16/fp16 a
-    write to the parameter itself reaches one copy, and the next forward or step undoes it). Every streamed
-    layer's compute copy is rewritten, as by a checkpoint load."""
+    ``param``'s shape), as DeepSpeed's does: the way to change a weight after ``initialize`` (a write to a
+    parameter outside the blocks itself reaches only the copy that computes, in bf16/fp16 or on a GPU, and the
+    next step undoes it; a block parameter's reaches the next forward). Every streamed layer's compute copy is
+    rewritten, as by a checkpoint load."""
     access, engine = _owner(param, "safe_set_full_fp32_param")
     access.set_full_fp32_param(engine, param, value)
 

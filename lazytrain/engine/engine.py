@@ -310,7 +310,7 @@ class LazyTrainEngine(nn.Module):
         self.executor = LayerStreamingExecutor(blocks, self.plan, self.weights, self.stream, self.tiers, self.device,
                                                prefetch=config.lazytrain.prefetch,
                                                backward_ends_step=self.is_gradient_accumulation_boundary,
-                                               before_pass=self._check_model_unchanged)
+                                               before_pass=self._before_pass)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self.frozen_non_block = FrozenParams(self.non_block_params, self.compute_dtype, self.device)
         self._move_non_block(model, blocks)
@@ -495,6 +495,7 @@ class LazyTrainEngine(nn.Module):
         # replaced) is refused, and so is resize_token_embeddings; stage 3 swaps its partitioned parameters' tensors
         self._layout_guard = LayoutGuard(model, blocks, swapped=[e.param for e in self.partitioned.entries]
                                          if self.partitioned is not None else ())
+        self.weights.note_copies_current()   # what a script writes into the block parameters from here on is seen
         if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
             self.partitioned.partition()
 
@@ -713,7 +714,7 @@ class LazyTrainEngine(nn.Module):
                                                pass_ids=self.executor.pass_ids,
                                                weights_epoch=self.executor.weights_epoch,
                                                backward_ends_step=self.is_gradient_accumulation_boundary,
-                                               before_pass=self._check_model_unchanged)
+                                               before_pass=self._before_pass)
         self.executor.backward_failure = failure
         self.plan = plan
 
@@ -1186,6 +1187,18 @@ class LazyTrainEngine(nn.Module):
                 f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and not-updated "
                 f"state; load a checkpoint (engine.load_checkpoint) first")
 
+    def _before_pass(self, training: bool) -> None:
+        """The executor's, as a pass begins at the first block: the model checked (:meth:`_check_model_unchanged`),
+        and the compute copies of layers a script wrote in place since made anew, so that the forward computes with
+        what the parameters show, as PyTorch's would (a write to a block parameter reaches its fp32 weights, which
+        the streamed compute copy in bf16/fp16, or a device's copy, is written from only by a step or a load)."""
+        self._check_model_unchanged(training)
+        if not inside_a_block() and self.weights.written_in_place():
+            self.wait_for_update()   # no layer update writes a copy meanwhile (they share a staging buffer)
+            written = self.weights.written_in_place()
+            if written:
+                self._refresh_streamed_layers(written)
+
     def _check_model_unchanged(self, training: bool) -> None:
         """Before a pass (the engine's forward, or the first block's call through the model itself): refused where
         the model no longer holds the parameters set-up found as they were (layout_guard.py). Not for a forward
@@ -1278,8 +1291,8 @@ class LazyTrainEngine(nn.Module):
 
     def wait_for_update(self) -> None:
         """Block until the update that ``engine.step()`` started on the streamed layers is done. Only
-        needed with ``lazytrain.overlap_optimizer`` on, and only before reading block parameters directly
-        (``model.layers[0].weight``): the engine, the module's ``state_dict()`` and the optimizer's
+        needed with ``lazytrain.overlap_optimizer`` on, and only before reading or writing block parameters
+        directly (``model.layers[0].weight``): the engine, the module's ``state_dict()`` and the optimizer's
         methods wait by themselves, and the next forward waits layer by layer."""
         if self.layer_updates is not None:
             self.layer_updates.wait_all()

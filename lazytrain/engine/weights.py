@@ -102,6 +102,10 @@ class LayerWeights:
         # where it is host memory (the user's own), else None (a device's memory is not held through set-up)
         self._given: dict[int, tuple[torch.Tensor | None, torch.dtype]] = {}
         self._set_up_done = False
+        # the sum of each layer's parameters' versions (autograd's counters, which a write through a parameter
+        # moves and the engine's own writes into its flat buffers do not) when its compute copy was last written:
+        # a write since (a script's in-place write to a block parameter) leaves the copy stale
+        self._copied_version: list[int | None] = [None] * self.num_layers
         try:
             self._build(blocks, device)
         except BaseException:   # the frozen parameters moved so far go back to what they were given as
@@ -278,9 +282,33 @@ class LayerWeights:
     def _store_compute_copy(self, i: int) -> None:
         """Layer i's compute copy written from its fp32 weights (with ``frozen_in_copy``, their trainable
         prefix: the frozen rest is the copy's own)."""
+        if self.master[i] is not None:   # else another rank's layer: the copy itself is what its owner sent
+            self._write_copy_from_master(i)
+        self._note_copied(i)
+
+    def _note_copied(self, i: int) -> None:
+        self._copied_version[i] = self._written(i)
+
+    def _written(self, i: int) -> int:
+        """How many writes went through layer i's parameters (versions only grow: any write moves the sum)."""
+        return sum(p._version for p in self.params[i])
+
+    def note_copies_current(self) -> None:
+        """Every layer's compute copy holds its fp32 weights as they are (set-up is done)."""
+        for i in range(self.num_layers):
+            self._note_copied(i)
+
+    def written_in_place(self) -> list[int]:
+        """The layers whose parameters were written through since their compute copy was written: a script's
+        in-place write to a block parameter (``p.copy_``, ``nn.init``, a pruning mask), which the parameter (its
+        fp32 weights, or a frozen one's copy in host memory) shows but the copy the forward streams does not. A
+        layer whose update is still running is not looked at (its update writes the copy from the weights as it
+        finds them)."""
+        return [i for i in range(self.num_layers)   # an update done noted its copy before its flag was set
+                if not self.update_pending(i) and self._written(i) != self._copied_version[i]]
+
+    def _write_copy_from_master(self, i: int) -> None:
         master = self.master[i]
-        if master is None:   # another rank's layer: the copy itself is what its owner sent
-            return
         if self.shares_master:
             if self._key(i) not in self.weights_tier:
                 self.weights_tier.write(self._key(i), master, owned=True)
@@ -345,6 +373,8 @@ class LayerWeights:
         (``WeightStream.before_host_write`` / ``after_host_write``)."""
         if not host_copy_current or i in self._unstored:
             self._store_compute_copy(i)
+        else:   # the optimizer wrote it in its update pass
+            self._note_copied(i)
         self._unstored.discard(i)
 
     def compute_copy_views(self) -> dict[torch.Tensor, torch.Tensor] | None:
