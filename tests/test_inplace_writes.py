@@ -117,3 +117,47 @@ def test_no_forward_refreshes_a_layer_nobody_wrote_and_a_write_between_a_forward
     with pytest.raises(Exception, match="weights changed .* between this forward and its backward"):
         engine.backward(loss)
     engine.destroy()
+
+
+def test_a_write_between_a_backward_and_the_step_reaches_the_forward_after_it(tmp_path):
+    """The hybrid optimizer writes the compute copies of what it updates in its update pass (overlap_optimizer):
+    a trainable block weight no optimizer group holds, written before the step, has its copy written as the step
+    begins. (Compared as above, against a fresh engine on the model as it then is.)"""
+    spec = dict(_bf16=True, overlap_optimizer=True, _threads=True)
+    model = _model(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = lazytrain.initialize(model=model, config=_config(spec, tmp_path / "a"),
+                                      model_parameters=[p for n, p in model.named_parameters() if "up_proj" not in n])[0]
+    assert engine._fused_copies
+    (x0, y0), (x, y) = batches(2)
+    engine.backward(lm_loss(engine(x0), y0))
+    engine.step()
+    engine.backward(lm_loss(engine(x), y))
+    engine.wait_for_update()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight.mul_(0.5)
+    engine.step()
+    engine.wait_for_update()
+    fresh = _initialize(copy.deepcopy(model), spec, tmp_path / "b")
+    with torch.no_grad():
+        assert torch.equal(engine(x).logits, fresh(x).logits)
+    engine.destroy()
+    fresh.destroy()
+
+
+def test_a_write_between_a_forward_and_its_backward_is_refused():
+    """As PyTorch refuses a backward through weights changed in place since its forward: the block would be re-run
+    with weights the forward did not use (fp32 on the CPU, where the copy is the parameter itself)."""
+    model = _model({})
+    engine = _initialize(model, {}, None)
+    x, y = batches(1)[0]
+    loss = lm_loss(engine(x), y)
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight.mul_(0.5)
+    with pytest.raises(Exception, match=r"^block 2's parameters were written in place between this forward and its "
+                                        r"backward: the backward would re-run the block with weights the forward did "
+                                        r"not use \(PyTorch refuses it too\)\. Write them before the forward, or after "
+                                        r"its backward$"):
+        engine.backward(loss)
+    engine.destroy()

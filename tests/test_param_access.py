@@ -266,9 +266,9 @@ def test_a_weight_set_after_initialize_trains_as_one_set_before_it(dtype):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_write_under_gathered_parameters_that_reaches_one_copy_is_said(dtype):
-    """GatheredParameters(modifier_rank=0) in one process: a write in bf16 reaches one copy of the weight (the
-    next step would undo it), which is said, naming the way that writes them all; a read, or fp32 on the CPU
-    (one copy), says nothing."""
+    """GatheredParameters(modifier_rank=0) in one process: a write in bf16 to the embedding reaches one copy of
+    it (the next step would undo it), which is said, naming the way that writes them all; a block's, a read, or
+    fp32 on the CPU (one copy), says nothing."""
     import warnings
     from lazytrain.integrations.deepspeed_entry import _GatheredParameters
     model = make_model("llama")
@@ -288,11 +288,12 @@ def test_a_write_under_gathered_parameters_that_reaches_one_copy_is_said(dtype):
     if dtype == "fp32":
         assert said == []
     else:
-        assert said == ["lazytrain: 2 parameter(s) written under deepspeed.zero.GatheredParameters(modifier_rank=...) "
-                        "(shapes (32, 32), (64, 32)) keep copies the write did not reach: the engine trains them in "
-                        "mixed precision, and the next forward or step would not see it or would undo it. Write them "
-                        "with lazytrain.utils.safe_set_full_fp32_param(p, value) (deepspeed.utils' after "
-                        "lazytrain.replace_deepspeed()), which writes every copy"]
+        # the block's write reaches the next forward (tests/test_inplace_writes.py); the embedding's master does
+        # not see it, and the next step writes it back
+        assert said == ["lazytrain: 1 parameter(s) written under deepspeed.zero.GatheredParameters(modifier_rank=...) "
+                        "(shapes (32, 32)) keep an fp32 master the write did not reach: the next step writes it back "
+                        "over the write. Write them with lazytrain.utils.safe_set_full_fp32_param(p, value) "
+                        "(deepspeed.utils' after lazytrain.replace_deepspeed()), which writes every copy"]
     engine.destroy()
 
 

@@ -494,7 +494,8 @@ class LazyTrainEngine(nn.Module):
         # from here to destroy, a pass through a model that a parameter found here has left (or whose tensor was
         # replaced) is refused, and so is resize_token_embeddings; stage 3 swaps its partitioned parameters' tensors
         self._layout_guard = LayoutGuard(model, blocks, swapped=[e.param for e in self.partitioned.entries]
-                                         if self.partitioned is not None else ())
+                                         if self.partitioned is not None and not self.partitioned.masters_only
+                                         else ())
         self.weights.note_copies_current()   # what a script writes into the block parameters from here on is seen
         if self.partitioned is not None:   # last: nothing after it can fail and leave a parameter partitioned
             self.partitioned.partition()
@@ -1193,7 +1194,13 @@ class LazyTrainEngine(nn.Module):
         what the parameters show, as PyTorch's would (a write to a block parameter reaches its fp32 weights, which
         the streamed compute copy in bf16/fp16, or a device's copy, is written from only by a step or a load)."""
         self._check_model_unchanged(training)
-        if not inside_a_block() and self.weights.written_in_place():
+        if not inside_a_block():
+            self._copy_layers_written_in_place()
+
+    def _copy_layers_written_in_place(self) -> None:
+        """The compute copies of the layers whose parameters a script wrote in place since they were written:
+        as a pass begins, and as a step begins (its update may write only the copies of what it updates)."""
+        if self.weights.written_in_place():
             self.wait_for_update()   # no layer update writes a copy meanwhile (they share a staging buffer)
             written = self.weights.written_in_place()
             if written:
@@ -1319,6 +1326,7 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError("engine.step() needs an optimizer: add an 'optimizer' section to the config or pass "
                               "optimizer= to lazytrain.initialize")
         self.wait_for_update()
+        self._copy_layers_written_in_place()   # written since the backward: a fused update copies what it updates
         if self.shards is not None:
             self._refuse_added_block_params()
         local_failure = None

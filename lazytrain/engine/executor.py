@@ -741,6 +741,10 @@ class LayerStreamingExecutor:
                                 f"and its backward: the backward would re-run the blocks with the new weights "
                                 f"against boundaries the old ones made. Differentiate a forward before step(), or "
                                 f"run it again after")
+        if self.weights.written_since_copied(layer):   # a script's in-place write since this forward's copy
+            raise ExecutorError(f"block {layer}'s parameters were written in place between this forward and its "
+                                f"backward: the backward would re-run the block with weights the forward did not "
+                                f"use (PyTorch refuses it too). Write them before the forward, or after its backward")
         self._enter_window(p, 2 * self.L - 1 - layer)
         if layer == self.graph_start and p.backward_windows is not None:
             windows, p.backward_windows = p.backward_windows, None

@@ -17,11 +17,14 @@ recorded in by name).
   parameter added since that requires grad (it would never be updated). A change made in several assignments
   (a merge of adapters) is refused once, whole.
 - A parameter's tensor replaced (``p.data = ...``, or ``model.to()``/``.half()`` on the model, which assign
-  ``.data``) is refused at the next training pass: the engine's buffers, master and optimizer state stay laid
-  out for the tensor set-up found, so the new values were ignored by the streamed blocks or overwritten at
-  the next step, and one of another shape had a step write past its end (a crash, or the heap corrupted).
-  Each parameter's storage address and shape are compared (about 0.2 us a parameter); those the engine
-  itself swaps (stage 3's partitioned parameters, fetched and dropped around each forward) are not.
+  ``.data``) is refused at the next training pass where the engine cannot follow it: a streamed block's
+  parameter given any other storage (the blocks stream from, and the optimizer updates, the engine's flat
+  buffers, so the new tensor was never computed with), any other parameter given another shape, dtype or
+  device (its gradient, master and optimizer state keep the old ones: a step wrote past a gradient's end and
+  crashed the process). Another parameter given a tensor like its own (transformers' ``tie_weights()`` pads a
+  tied head's bias that way) is what the engine computes with, as a write into it is, and the next step
+  writes its master over it. Stage 3's partitioned parameters, which the engine itself fetches and drops
+  around each forward, are not looked at.
 - Writes that bypass ``nn.Module.__setattr__`` (``module._parameters[...] = ...``, ``del``) and tensors replaced
   are seen at the next training pass only."""
 from __future__ import annotations
@@ -108,10 +111,15 @@ class LayoutGuard:
                              for _, _, p, path in _slots(block)]
         self._blocks_at = next((path for _, _, child, path in _walk(model) if child is self._blocks), None)
         self._record()
-        # each parameter's tensor as set-up laid it out (storage address and shape; dtype and device for messages)
+        # each parameter's tensor as set-up laid it out: a streamed block's, its storage (a view of the engine's
+        # buffers) and shape; any other's, its shape, dtype and device
         skip = {id(p) for p in swapped}
-        self._tensors = [(p, _tensor_at(p)) for i, p in self._params.items() if i not in skip]
-        self._laid_out = {id(p): _described(p) for p, _ in self._tensors}
+        self._streamed_ids = {id(p) for _, p in self._streamed_at}
+        self._streamed_tensors = [(p, _storage_of(p)) for i, p in self._params.items()
+                                  if i in self._streamed_ids and i not in skip]
+        self._other_tensors = [(p, _kind_of(p)) for i, p in self._params.items()
+                               if i not in self._streamed_ids and i not in skip]
+        self._laid_out = {id(p): _described(p) for p in self._params.values()}
         self._dirty = False
         self._within_checked_pass = 0
         # torch's hooks are global: they hold the guard weakly (an engine never destroyed is still collected, and
@@ -149,7 +157,8 @@ class LayoutGuard:
             all(parent._modules.get(name) is child for parent, name, child in self._edges) and \
             all(module._parameters.get(name) is p for module, name, p in self._slots) and \
             not any(p.requires_grad for p in self._unknown) and \
-            all(_tensor_at(p) == at for p, at in self._tensors)
+            all(_storage_of(p) == at for p, at in self._streamed_tensors) and \
+            all(_kind_of(p) == kind for p, kind in self._other_tensors)
 
     def check(self, training: bool) -> None:
         if self._within_checked_pass or not (training or self._dirty):
@@ -184,15 +193,19 @@ class LayoutGuard:
         if added:
             raise ModelChangedError(f"'{added}' was added to the model after initialize() and requires grad: "
                                     f"{_WAY_OUT}")
-        replaced = next((p for p, at in self._tensors if _tensor_at(p) != at), None)
-        if replaced is not None:
+        replaced = {id(p) for p, at in self._streamed_tensors if _storage_of(p) != at} | \
+            {id(p) for p, kind in self._other_tensors if _kind_of(p) != kind}
+        p = next((q for q in self._params.values() if id(q) in replaced), None)   # the first in the model's order
+        if p is not None:
+            why = ("a streamed block's weights stream from the engine's buffers, which the step updates, so a new "
+                   "tensor would never be computed with" if id(p) in self._streamed_ids else
+                   "its gradient, master and optimizer state keep the shape, dtype and device found then")
             raise ModelChangedError(
-                f"'{now[id(replaced)]}' holds another tensor than the one found at initialize() "
-                f"({self._laid_out[id(replaced)]} then, {_described(replaced)} now): its .data was assigned, or the "
-                f"model moved or cast (model.to(), .half()). The engine keeps this parameter's training state laid "
-                f"out for the tensor it found, so a new tensor's values would be ignored or overwritten at the next "
-                f"step. Set a weight's values with lazytrain.utils.safe_set_full_fp32_param(p, values) (DeepSpeed's "
-                f"name), or {_BEFORE_OR_AFTER}")
+                f"'{now[id(p)]}' holds another tensor than the one found at initialize() ({self._laid_out[id(p)]} "
+                f"then, {_described(p)} now): its .data was assigned, or the model moved or cast (model.to(), "
+                f".half()), and {why}. Write values into the parameter in place (under torch.no_grad()), or set "
+                f"them with lazytrain.utils.safe_set_full_fp32_param(p, values) (DeepSpeed's name), or "
+                f"{_BEFORE_OR_AFTER}")
         # moved outside the blocks (a wrapper keeps the original): watched, and named, where it is now
         self._names = {i: now[i] for i in self._params}
         self._record()
@@ -220,9 +233,13 @@ class LayoutGuard:
         self._resizers = {}
 
 
-def _tensor_at(p: nn.Parameter) -> tuple:
-    """What identifies the tensor a parameter holds: its storage address (a view's, offset included) and shape."""
+def _storage_of(p: nn.Parameter) -> tuple:
+    """Where a streamed block's parameter lives: its storage address (a view's, offset included) and shape."""
     return p.data_ptr(), p.shape
+
+
+def _kind_of(p: nn.Parameter) -> tuple:
+    return p.shape, p.dtype, p.device
 
 
 def _described(p: nn.Parameter) -> str:

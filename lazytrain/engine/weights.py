@@ -304,8 +304,11 @@ class LayerWeights:
         fp32 weights, or a frozen one's copy in host memory) shows but the copy the forward streams does not. A
         layer whose update is still running is not looked at (its update writes the copy from the weights as it
         finds them)."""
-        return [i for i in range(self.num_layers)   # an update done noted its copy before its flag was set
-                if not self.update_pending(i) and self._written(i) != self._copied_version[i]]
+        return [i for i in range(self.num_layers) if self.written_since_copied(i)]
+
+    def written_since_copied(self, i: int) -> bool:
+        # a layer whose update is done noted its copy before its flag was set
+        return not self.update_pending(i) and self._written(i) != self._copied_version[i]
 
     def _write_copy_from_master(self, i: int) -> None:
         master = self.master[i]

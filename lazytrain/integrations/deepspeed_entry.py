@@ -319,20 +319,21 @@ def _host_group():
 
 
 def _warn_of_writes_to_one_copy(written: list) -> None:
-    """Parameters written in place under ``GatheredParameters(..., modifier_rank=...)`` that a LazyTrain engine
-    trains in mixed precision (or beside a GPU) keep other copies the write did not reach: a block weight's
-    compute copy (the next forward reads it), an embedding's or head's fp32 master (the next step writes it
-    back over the write, as DeepSpeed's optimizer writes its fp32 partition back). Said, not left silent."""
+    """Parameters outside the streamed blocks written in place under ``GatheredParameters(...,
+    modifier_rank=...)`` whose fp32 master a LazyTrain engine keeps apart (mixed precision, or beside a GPU):
+    the next step writes the master back over the write, as DeepSpeed's optimizer writes its fp32 partition
+    back. Said, not left silent. (A block parameter shows its fp32 weights, and the next forward copies a write
+    into them.)"""
     from ..engine import param_access
     stale = [p for p in written if (engine := param_access.owner_of(p)) is not None and
-             (engine.masters is not None or not engine.weights.shares_master)]
+             engine.masters is not None and engine.masters.master_of(p) is not p]
     if stale:
         warnings.warn(f"lazytrain: {len(stale)} parameter(s) written under deepspeed.zero.GatheredParameters("
                       f"modifier_rank=...) (shapes {', '.join(str(tuple(p.shape)) for p in stale[:4])}"
-                      f"{', ...' if len(stale) > 4 else ''}) keep copies the write did not reach: the engine trains "
-                      f"them in mixed precision, and the next forward or step would not see it or would undo it. "
-                      f"Write them with lazytrain.utils.safe_set_full_fp32_param(p, value) (deepspeed.utils' after "
-                      f"lazytrain.replace_deepspeed()), which writes every copy", UserWarning, stacklevel=3)
+                      f"{', ...' if len(stale) > 4 else ''}) keep an fp32 master the write did not reach: the next "
+                      f"step writes it back over the write. Write them with lazytrain.utils.safe_set_full_fp32_param"
+                      f"(p, value) (deepspeed.utils' after lazytrain.replace_deepspeed()), which writes every copy",
+                      UserWarning, stacklevel=3)
 
 
 def _world_size() -> int:
