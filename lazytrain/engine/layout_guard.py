@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 
+import torch
 from torch import nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
@@ -111,14 +112,15 @@ class LayoutGuard:
                              for _, _, p, path in _slots(block)]
         self._blocks_at = next((path for _, _, child, path in _walk(model) if child is self._blocks), None)
         self._record()
-        # each parameter's tensor as set-up laid it out: a streamed block's, its storage (a view of the engine's
-        # buffers) and shape; any other's, its shape, dtype and device
+        # each parameter's tensor as set-up laid it out: a streamed block's, its storage address (a view of the
+        # engine's buffers: one of another shape there fails at the gradient's attach, loudly); any other's, its
+        # shape, dtype and device
         skip = {id(p) for p in swapped}
         self._streamed_ids = {id(p) for _, p in self._streamed_at}
-        self._streamed_tensors = [(p, _storage_of(p)) for i, p in self._params.items()
-                                  if i in self._streamed_ids and i not in skip]
-        self._other_tensors = [(p, _kind_of(p)) for i, p in self._params.items()
-                               if i not in self._streamed_ids and i not in skip]
+        self._streamed_params = [p for i, p in self._params.items() if i in self._streamed_ids and i not in skip]
+        self._streamed_at_ptrs = list(map(torch.Tensor.data_ptr, self._streamed_params))
+        self._other_params = [p for i, p in self._params.items() if i not in self._streamed_ids and i not in skip]
+        self._other_kinds = list(map(_kind_of, self._other_params))
         self._laid_out = {id(p): _described(p) for p in self._params.values()}
         self._dirty = False
         self._within_checked_pass = 0
@@ -157,8 +159,8 @@ class LayoutGuard:
             all(parent._modules.get(name) is child for parent, name, child in self._edges) and \
             all(module._parameters.get(name) is p for module, name, p in self._slots) and \
             not any(p.requires_grad for p in self._unknown) and \
-            all(_storage_of(p) == at for p, at in self._streamed_tensors) and \
-            all(_kind_of(p) == kind for p, kind in self._other_tensors)
+            list(map(torch.Tensor.data_ptr, self._streamed_params)) == self._streamed_at_ptrs and \
+            list(map(_kind_of, self._other_params)) == self._other_kinds
 
     def check(self, training: bool) -> None:
         if self._within_checked_pass or not (training or self._dirty):
@@ -193,8 +195,8 @@ class LayoutGuard:
         if added:
             raise ModelChangedError(f"'{added}' was added to the model after initialize() and requires grad: "
                                     f"{_WAY_OUT}")
-        replaced = {id(p) for p, at in self._streamed_tensors if _storage_of(p) != at} | \
-            {id(p) for p, kind in self._other_tensors if _kind_of(p) != kind}
+        replaced = {id(p) for p, at in zip(self._streamed_params, self._streamed_at_ptrs) if p.data_ptr() != at} | \
+            {id(p) for p, kind in zip(self._other_params, self._other_kinds) if _kind_of(p) != kind}
         p = next((q for q in self._params.values() if id(q) in replaced), None)   # the first in the model's order
         if p is not None:
             why = ("a streamed block's weights stream from the engine's buffers, which the step updates, so a new "
@@ -231,11 +233,6 @@ class LayoutGuard:
                 if own is not None:
                     m.resize_token_embeddings = own
         self._resizers = {}
-
-
-def _storage_of(p: nn.Parameter) -> tuple:
-    """Where a streamed block's parameter lives: its storage address (a view's, offset included) and shape."""
-    return p.data_ptr(), p.shape
 
 
 def _kind_of(p: nn.Parameter) -> tuple:
