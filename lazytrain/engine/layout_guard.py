@@ -30,6 +30,7 @@ recorded in by name).
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 
 import torch
@@ -112,13 +113,13 @@ class LayoutGuard:
                              for _, _, p, path in _slots(block)]
         self._blocks_at = next((path for _, _, child, path in _walk(model) if child is self._blocks), None)
         self._record()
-        # each parameter's tensor as set-up laid it out: a streamed block's, its storage address (a view of the
-        # engine's buffers: one of another shape there fails at the gradient's attach, loudly); any other's, its
-        # shape, dtype and device
+        # each parameter's tensor as set-up laid it out: a streamed block's, its view of the engine's buffers
+        # (storage address, shape and strides: a view of the same address reshaped or transposed is not what the
+        # blocks stream); any other's, its shape, dtype and device
         skip = {id(p) for p in swapped}
         self._streamed_ids = {id(p) for _, p in self._streamed_at}
         self._streamed_params = [p for i, p in self._params.items() if i in self._streamed_ids and i not in skip]
-        self._streamed_at_ptrs = list(map(torch.Tensor.data_ptr, self._streamed_params))
+        self._streamed_views = _views_of(self._streamed_params)
         self._other_params = [p for i, p in self._params.items() if i not in self._streamed_ids and i not in skip]
         self._other_kinds = list(map(_kind_of, self._other_params))
         self._laid_out = {id(p): _described(p) for p in self._params.values()}
@@ -159,7 +160,7 @@ class LayoutGuard:
             all(parent._modules.get(name) is child for parent, name, child in self._edges) and \
             all(module._parameters.get(name) is p for module, name, p in self._slots) and \
             not any(p.requires_grad for p in self._unknown) and \
-            list(map(torch.Tensor.data_ptr, self._streamed_params)) == self._streamed_at_ptrs and \
+            _views_of(self._streamed_params) == self._streamed_views and \
             list(map(_kind_of, self._other_params)) == self._other_kinds
 
     def check(self, training: bool) -> None:
@@ -195,7 +196,8 @@ class LayoutGuard:
         if added:
             raise ModelChangedError(f"'{added}' was added to the model after initialize() and requires grad: "
                                     f"{_WAY_OUT}")
-        replaced = {id(p) for p, at in zip(self._streamed_params, self._streamed_at_ptrs) if p.data_ptr() != at} | \
+        replaced = {id(p) for p, ptr, shape, stride in zip(self._streamed_params, *self._streamed_views)
+                    if (p.data_ptr(), p.shape, p.stride()) != (ptr, shape, stride)} | \
             {id(p) for p, kind in zip(self._other_params, self._other_kinds) if _kind_of(p) != kind}
         p = next((q for q in self._params.values() if id(q) in replaced), None)   # the first in the model's order
         if p is not None:
@@ -235,12 +237,23 @@ class LayoutGuard:
         self._resizers = {}
 
 
+def _views_of(params: list) -> tuple:
+    """Each parameter's storage address, shape and strides, as three lists (mapped: a third of the time a
+    tuple a parameter takes)."""
+    return (list(map(torch.Tensor.data_ptr, params)), list(map(_SHAPE, params)),
+            list(map(torch.Tensor.stride, params)))
+
+
+_SHAPE = operator.attrgetter("shape")
+
+
 def _kind_of(p: nn.Parameter) -> tuple:
     return p.shape, p.dtype, p.device
 
 
 def _described(p: nn.Parameter) -> str:
-    return f"{p.dtype} {tuple(p.shape)} on {p.device}"
+    strides = "" if p.is_contiguous() else f" strides {p.stride()}"
+    return f"{p.dtype} {tuple(p.shape)}{strides} on {p.device}"
 
 
 def _remove_hooks(handles: list) -> None:
