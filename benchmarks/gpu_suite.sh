@@ -90,7 +90,8 @@ fi
 if [[ $ONLY == *2* ]]; then
 echo "## 2. parity, optimizer and tier tests on the CUDA path"
 run_within "${TEST_TIMEOUT:-280}" python3 -m pytest -q -p no:cacheprovider tests/test_engine_parity.py tests/test_engine_overlap.py \
-  tests/test_no_blocks.py tests/test_param_access.py tests/test_inplace_writes.py tests/test_optim*.py tests/test_tiers*.py \
+  tests/test_no_blocks.py tests/test_param_access.py tests/test_inplace_writes.py tests/test_engine_layout_guard.py \
+  tests/test_optim*.py tests/test_tiers*.py \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 

@@ -137,7 +137,7 @@ def test_a_parameter_given_another_tensor_is_refused_where_the_engine_cannot_fol
     _train(engine, 1)
     p = dict(model.named_parameters())[path]
     original = p.data
-    then = f"{p.dtype} {tuple(p.shape)} on cpu"
+    then = f"{p.dtype} {tuple(p.shape)} on {p.device}"   # a GPU keeps the embedding and head beside it
     if change == "another shape":
         p.data = torch.zeros(p.shape[0] + 3, *p.shape[1:])
     elif change == "another dtype":
@@ -152,7 +152,7 @@ def test_a_parameter_given_another_tensor_is_refused_where_the_engine_cannot_fol
         engine.destroy()
         return
     for run in (engine, model):
-        with pytest.raises(ModelChangedError, match=_replaced(path, then, f"{p.dtype} {tuple(p.shape)} on cpu",
+        with pytest.raises(ModelChangedError, match=_replaced(path, then, f"{p.dtype} {tuple(p.shape)} on {p.device}",
                                                               STREAMED_WHY if streamed else OTHER_WHY)):
             run(x)
     p.data = original
@@ -183,8 +183,8 @@ def test_a_block_parameter_given_another_view_of_its_own_storage_is_refused(view
     now = {"flattened frozen": "(2048,)", "transposed": "(32, 32) strides (1, 32)", "rows": "(32, 32)"}[view]
     then = "(64, 32)" if view != "transposed" else "(32, 32)"
     x, y = batches(1)[0]
-    with pytest.raises(ModelChangedError, match=_replaced(path, f"torch.float32 {then} on cpu",
-                                                          f"torch.float32 {now} on cpu", STREAMED_WHY)):
+    with pytest.raises(ModelChangedError, match=_replaced(path, f"torch.float32 {then} on {p.device}",
+                                                          f"torch.float32 {now} on {p.device}", STREAMED_WHY)):
         engine(x)
     p.data = original
     _train(engine, 1)
@@ -221,10 +221,11 @@ def test_a_model_cast_after_initialize_is_refused_and_destroy_hands_it_back():
     """``model.to(dtype)`` (not the engine's, which refuses at once) assigns every parameter's ``.data``."""
     model, engine = _engine()
     _train(engine, 1)
+    where = model.model.embed_tokens.weight.device
     model.to(torch.float64)
     x, y = batches(1)[0]
-    with pytest.raises(ModelChangedError, match=_replaced(
-            "model.embed_tokens.weight", "torch.float32 (32, 32) on cpu", "torch.float64 (32, 32) on cpu", OTHER_WHY)):
+    with pytest.raises(ModelChangedError, match=_replaced("model.embed_tokens.weight", f"torch.float32 (32, 32) on "
+                                                          f"{where}", f"torch.float64 (32, 32) on {where}", OTHER_WHY)):
         engine(x)
     engine.destroy()
     assert lm_loss(model(x), y).isfinite()
