@@ -12,7 +12,7 @@ from torch import nn
 
 import lazytrain
 from lazytrain.engine.layout_guard import ModelChangedError
-from engine_models import VOCAB, batches, lm_loss, make_hf_model
+from engine_models import AUTO_DEVICE, VOCAB, batches, lm_loss, make_hf_model
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
@@ -97,9 +97,9 @@ def test_a_pass_after_a_parameter_left_the_model_is_refused_until_destroy(change
     else:
         mlp.down_proj.weight, path = nn.Parameter(torch.zeros(32, 64)), "model.layers.1.mlp.down_proj.weight"
     run = engine if route == "engine" else model
-    for grad in (True, False):
+    for grad in (True, False):   # the model called itself takes its inputs where its embedding is
         with torch.set_grad_enabled(grad), pytest.raises(ModelChangedError, match=_gone(path)):
-            run(x)
+            run(x.to(AUTO_DEVICE))
     engine.destroy()
     assert lm_loss(model(x), y).isfinite()   # handed back: the changed model runs as plain PyTorch
 
@@ -139,7 +139,7 @@ def test_a_parameter_given_another_tensor_is_refused_where_the_engine_cannot_fol
     original = p.data
     then = f"{p.dtype} {tuple(p.shape)} on {p.device}"   # a GPU keeps the embedding and head beside it
     if change == "another shape":
-        p.data = torch.zeros(p.shape[0] + 3, *p.shape[1:])
+        p.data = torch.zeros(p.shape[0] + 3, *p.shape[1:], device=p.device)
     elif change == "another dtype":
         p.data = p.data.double()
     else:
@@ -154,7 +154,7 @@ def test_a_parameter_given_another_tensor_is_refused_where_the_engine_cannot_fol
     for run in (engine, model):
         with pytest.raises(ModelChangedError, match=_replaced(path, then, f"{p.dtype} {tuple(p.shape)} on {p.device}",
                                                               STREAMED_WHY if streamed else OTHER_WHY)):
-            run(x)
+            run(x.to(AUTO_DEVICE))
     p.data = original
     before = p.detach().clone()
     _train(engine, 1)
@@ -190,6 +190,22 @@ def test_a_block_parameter_given_another_view_of_its_own_storage_is_refused(view
     _train(engine, 1)
     engine.destroy()
     assert lm_loss(model(x), y).isfinite()
+
+
+@pytest.mark.parametrize("path", ["model.layers.1.mlp.up_proj.weight", "lm_head.weight"])
+def test_destroy_after_a_refusal_with_gradients_pending_hands_the_model_back(path):
+    """A backward accumulated for the coming step, then the parameter given a tensor of another shape: the pass is
+    refused, and destroy() hands the model back (it raised before, handing back a gradient of the old shape:
+    the refusal's way out, destroy(), failed every time)."""
+    model, engine = _engine()
+    (x, y), (x2, _) = batches(2)
+    engine.backward(lm_loss(engine(x), y))
+    p = model.get_parameter(path)
+    p.data = torch.zeros(p.shape[0] + 3, *p.shape[1:], device=p.device)
+    with pytest.raises(ModelChangedError):
+        engine(x2)
+    engine.destroy()
+    assert model.get_parameter(path).grad is None   # none kept of the old tensor
 
 
 def test_tie_weights_on_a_head_with_a_bias_trains_on():
@@ -282,7 +298,7 @@ def test_a_change_to_the_blocks_list_is_refused_and_destroy_hands_every_block_ba
         expected = "'model.layers', the list of streamed blocks found at initialize(), is no longer in the model"
     for run in (engine, model):
         with pytest.raises(ModelChangedError, match="^" + re.escape(expected)):
-            run(x)
+            run(x.to(AUTO_DEVICE))
     engine.destroy()
     assert lm_loss(model(x), y).isfinite()   # every block routed to the engine handed back
     if change == "block set aside":
@@ -332,7 +348,7 @@ def test_a_wrapped_model_whose_parameter_names_are_its_own_and_a_forward_from_in
             entered.append(True)
             model.model.norm.scale = nn.Parameter(torch.ones(1), requires_grad=False)   # marks the guard
             with torch.no_grad():
-                inner.append(model(x).logits.shape)
+                inner.append(model(x.to(AUTO_DEVICE)).logits.shape)
     handle = model.model.layers[1].mlp.register_forward_pre_hook(evaluate_inside)
     with torch.no_grad():
         engine(x)
@@ -355,7 +371,7 @@ def test_an_evaluation_pass_verifies_only_after_an_assignment_into_the_model_and
     with torch.no_grad():
         for _ in range(3):
             engine(x)
-        model.generate(x[:1, :4], max_new_tokens=3, do_sample=False)
+        model.generate(x[:1, :4].to(AUTO_DEVICE), max_new_tokens=3, do_sample=False)
     assert verified == []
     model.probe = model.model.layers[0].mlp.up_proj   # an alias of a block's module
     with torch.no_grad():
@@ -363,7 +379,7 @@ def test_an_evaluation_pass_verifies_only_after_an_assignment_into_the_model_and
     assert verified == [1]
     _train(engine, 1)
     assert len(verified) == 2   # a training pass verifies, once: the engine's forward (block 0's call then not)
-    lm_loss(model(x), batches(1)[0][1]).backward()   # the model called itself: block 0's call verifies
+    lm_loss(model(x.to(AUTO_DEVICE)), batches(1)[0][1]).backward()   # the model called itself: block 0 verifies
     assert len(verified) == 3
     engine.zero_grad()
     del model.probe   # and taken away again

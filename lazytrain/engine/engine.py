@@ -142,6 +142,16 @@ def _put_back(devices) -> None:
             t.grad = grad.to(device)
 
 
+def _drop_gradients_of_replaced_tensors(model: nn.Module) -> None:
+    """A parameter given a tensor of another shape, dtype or device while an engine held it (its next pass was
+    refused) keeps no gradient of the old tensor: torch's ``.data`` assignment leaves one, which the next
+    backward or step would trip on."""
+    for p in model.parameters():
+        g = p.grad
+        if g is not None and (g.shape, g.dtype, g.device) != (p.shape, p.dtype, p.device):
+            p.grad = None
+
+
 class StepFailedError(RuntimeError):
     """engine.step() failed; the message says whether anything had changed (and then, until a checkpoint
     is loaded, training and saving are refused)."""
@@ -208,6 +218,8 @@ class LazyTrainEngine(nn.Module):
         for tier in d.get("tiers", {}).values():
             tier.close()
         _put_back(d.get("_devices_given", []))
+        if self._modules.get("module") is not None:
+            _drop_gradients_of_replaced_tensors(self._modules["module"])
         if d.get("_transfers_started"):   # its chaos and emulated links end with it
             streams.engine_ended(self)
         if d.get("basic_optimizer") is not None:   # a script may go on with it: on the parameters, where they are now

@@ -519,7 +519,9 @@ class LayerWeights:
         (copies where ``keep``, else None)."""
         for params in self.params:
             for p in params:
-                p.grad = p.grad.detach().clone() if keep and p.grad is not None else None
+                g = p.grad   # none kept for a parameter given another tensor since (its next pass was refused)
+                fits = g is not None and (g.shape, g.dtype, g.device) == (p.shape, p.dtype, p.device)
+                p.grad = g.detach().clone() if keep and fits else None
 
     def set_comm_dtype(self, dtype: torch.dtype) -> None:
         """Gradients reduced to their owners are summed in ``dtype`` from now on (between steps: none in
