@@ -163,13 +163,14 @@ def test_a_parameter_given_another_tensor_is_refused_where_the_engine_cannot_fol
     assert lm_loss(model(x), y).isfinite()
 
 
-@pytest.mark.parametrize("view", ["flattened frozen", "transposed", "rows"])
+@pytest.mark.parametrize("view", ["flattened frozen", "transposed", "rows", "reinterpreted frozen"])
 def test_a_block_parameter_given_another_view_of_its_own_storage_is_refused(view):
-    """The same address, another shape or strides: a frozen weight (no gradient to attach) trained on computing
-    with the old layout, and a trainable one failed only at the step, after which destroy() itself raised."""
+    """The same address, another shape, strides or dtype: a frozen weight (no gradient to attach) trained on
+    computing with the old layout (or, reinterpreted, destroy() handed back other values), and a trainable one
+    failed only at the step, after which destroy() itself raised."""
     from engine_models import add_lora, make_model
     model = make_model("llama", n_layers=2)
-    if view == "flattened frozen":
+    if view.endswith("frozen"):
         model = add_lora(model, ("q_proj", "v_proj"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -177,14 +178,16 @@ def test_a_block_parameter_given_another_view_of_its_own_storage_is_refused(view
     _train(engine, 1)
     path = "model.layers.1.self_attn.q_proj.weight" if view == "transposed" else "model.layers.1.mlp.up_proj.weight"
     p = model.get_parameter(path)
-    assert p.requires_grad == (view != "flattened frozen")
+    assert p.requires_grad == (not view.endswith("frozen"))
     original = p.data
-    p.data = {"flattened frozen": original.view(-1), "transposed": original.t(), "rows": original[:32]}[view]
-    now = {"flattened frozen": "(2048,)", "transposed": "(32, 32) strides (1, 32)", "rows": "(32, 32)"}[view]
+    p.data = {"flattened frozen": original.view(-1), "transposed": original.t(), "rows": original[:32],
+              "reinterpreted frozen": original.view(torch.int32)}[view]
+    now = {"flattened frozen": "torch.float32 (2048,)", "transposed": "torch.float32 (32, 32) strides (1, 32)",
+           "rows": "torch.float32 (32, 32)", "reinterpreted frozen": "torch.int32 (64, 32)"}[view]
     then = "(64, 32)" if view != "transposed" else "(32, 32)"
     x, y = batches(1)[0]
     with pytest.raises(ModelChangedError, match=_replaced(path, f"torch.float32 {then} on {p.device}",
-                                                          f"torch.float32 {now} on {p.device}", STREAMED_WHY)):
+                                                          f"{now} on {p.device}", STREAMED_WHY)):
         engine(x)
     p.data = original
     _train(engine, 1)
