@@ -196,8 +196,8 @@ class LayoutGuard:
         if added:
             raise ModelChangedError(f"'{added}' was added to the model after initialize() and requires grad: "
                                     f"{_WAY_OUT}")
-        replaced = {id(p) for p, ptr, shape, stride, dtype in zip(self._streamed_params, *self._streamed_views)
-                    if (p.data_ptr(), p.shape, p.stride(), p.dtype) != (ptr, shape, stride, dtype)} | \
+        views = zip(self._streamed_params, zip(*_views_of(self._streamed_params)), zip(*self._streamed_views))
+        replaced = {id(p) for p, view, laid_out in views if view != laid_out} | \
             {id(p) for p, kind in zip(self._other_params, self._other_kinds) if _kind_of(p) != kind}
         p = next((q for q in self._params.values() if id(q) in replaced), None)   # the first in the model's order
         if p is not None:
