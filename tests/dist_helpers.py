@@ -8,7 +8,23 @@ import time
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A rendezvous port free now, below the kernel's ephemeral range: one the kernel hands out (``bind`` to port
+    0) may be taken, before rank 0 listens on it, by an outgoing connection of ranks already running (gloo opens
+    many), and rank 0 then failed with EADDRINUSE."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for port in random.sample(range(10000, low), min(200, max(0, low - 10000))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:   # no such range here: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
