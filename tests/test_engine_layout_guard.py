@@ -151,9 +151,10 @@ def test_a_parameter_given_another_tensor_is_refused_where_the_engine_cannot_fol
         assert p.data_ptr() == computed and not torch.equal(p.detach(), original)   # computed with, updated
         engine.destroy()
         return
-    for run in (engine, model):
-        with pytest.raises(ModelChangedError, match=_replaced(path, then, f"{p.dtype} {tuple(p.shape)} on {p.device}",
-                                                              STREAMED_WHY if streamed else OTHER_WHY)):
+    # an evaluation refuses a streamed block's too: it would compute with the old weights, silently
+    for run, grad in [(run, grad) for run in (engine, model) for grad in ((True, False) if streamed else (True,))]:
+        with torch.set_grad_enabled(grad), pytest.raises(ModelChangedError, match=_replaced(
+                path, then, f"{p.dtype} {tuple(p.shape)} on {p.device}", STREAMED_WHY if streamed else OTHER_WHY)):
             run(x.to(AUTO_DEVICE))
     p.data = original
     before = p.detach().clone()
