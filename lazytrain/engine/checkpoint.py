@@ -118,10 +118,18 @@ def files_bytes(files: dict[str, object]) -> int:
     return sum(_tensor_bytes(obj) for obj in files.values())
 
 
+def refuse_a_file_for_a_directory(save_dir: str, what: str) -> None:
+    """A save directory that is a file (or a link to one): named, where os.makedirs said only "File exists"."""
+    if os.path.lexists(save_dir) and not os.path.isdir(save_dir):
+        raise CheckpointError(f"{what}: {save_dir} is a file, not a directory, so nothing was saved. Give a "
+                              f"directory (it is made if it does not exist)")
+
+
 def begin(save_dir: str, tag: str, need: int) -> str:
     """Make the empty staging directory of a save of tag ``tag`` that writes about ``need`` bytes (after
     finishing or rolling back what an interrupted save left); returns its path."""
     tag = check_tag(tag)
+    refuse_a_file_for_a_directory(save_dir, f"saving checkpoint tag {tag!r} to {save_dir}")
     if not os.path.isdir(save_dir):
         os.makedirs(save_dir)
         _fsync_dir(os.path.dirname(os.path.abspath(save_dir)))   # the new directory's own entry

@@ -47,6 +47,7 @@ from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_
                      refuse_quantized_block_weights, turn_off_layer_checkpointing)
 from .host_accumulate import sum_of_squares
 from .layout_guard import LayoutGuard
+from .state_kinds import optimizer_state_of_another_kind, schedule_state_of_another_kind
 from .lean_norms import make_norms_lean, restore_norms
 from .deepspeed_extras import Monitor, NoParameterOffloadHooks, ThroughputTimer
 from .distributed import CollectiveError, DistributedContext, RankFailure
@@ -2698,21 +2699,14 @@ class LazyTrainEngine(nn.Module):
                                            f"was loaded")
 
     def _check_scheduler_state_fits(self, sd: dict | None, where: str) -> None:
-        """A schedule of LazyTrain's (DeepSpeed's types) takes only its own state: one of another kind (a
-        script's torch scheduler) is refused before anything is written, not half-way through the load."""
-        from ..optim.lr_schedules import _Schedule
+        """A schedule's state of another kind (state_kinds.py) is refused before anything is written, not
+        half-way through the load or silently merged into this one's."""
         if not sd or self.lr_scheduler is None:
             return
-        if isinstance(self.lr_scheduler, _Schedule):
-            needed = set(self.lr_scheduler.state_dict())
-        else:   # torch's take any keys into their __dict__, but these read the ones they hold apart
-            needed = {key for cls, key in _TORCH_SCHEDULE_KEYS if isinstance(self.lr_scheduler, cls)}
-        missing = sorted(needed - set(sd))
-        if missing:
-            raise ckpt.CheckpointMismatchError(
-                f"{where} holds a learning-rate schedule's state without {', '.join(map(repr, missing))}, which this "
-                f"engine's {type(self.lr_scheduler).__name__} keeps (a schedule of another kind): load it with "
-                f"load_lr_scheduler_states=False to keep this one; nothing was loaded")
+        why = schedule_state_of_another_kind(self.lr_scheduler, sd)
+        if why:
+            raise ckpt.CheckpointMismatchError(f"{where} {why}: load it with load_lr_scheduler_states=False to keep "
+                                               f"this one; nothing was loaded")
 
     def _refuse_settings_hybrid_cannot_run(self, groups, where: str) -> None:
         """Saved group settings (a state dict's groups, or DeepSpeed's by parameter) of an AMSGrad or maximizing
@@ -2745,6 +2739,7 @@ class LazyTrainEngine(nn.Module):
                 f"has groups of {here} (another model's, other trainable parameters, or an embedding and head tied "
                 f"in one and not the other): load it with load_optimizer_states=False to take the weights alone; "
                 f"nothing was loaded")
+        self._refuse_optimizer_state_of_another_kind(sd, where)
         saved_state = sd.get("state") or {}
         ids = [i for g in sd["param_groups"] for i in g.get("params", ())]
         for p, i in zip((p for g in groups for p in g["params"]), ids):
@@ -2755,6 +2750,14 @@ class LazyTrainEngine(nn.Module):
                         f"{self._param_names.get(id(p), '?')!r}, which has {p.numel()} (the parameters listed in "
                         f"another order, or another model's): load it with load_optimizer_states=False to take the "
                         f"weights alone; nothing was loaded")
+
+    def _refuse_optimizer_state_of_another_kind(self, sd: dict, where: str) -> None:
+        """Another optimizer's settings and moments (state_kinds.py), refused before anything is written: torch's
+        load took them, and the load or the next step failed half-way, or the moments were silently unused."""
+        why = optimizer_state_of_another_kind(self.basic_optimizer, sd)
+        if why:
+            raise ckpt.CheckpointMismatchError(f"{where} {why}: load it with load_optimizer_states=False to take the "
+                                               f"weights alone; nothing was loaded")
 
     def _in_this_optimizers_order(self, sd: dict, saved_names: list, where: str) -> dict:
         """LazyTrain's checkpoint names the parameter at each position of its optimizer's groups: a script that
@@ -2977,6 +2980,10 @@ class LazyTrainEngine(nn.Module):
         the group's parameters), as DeepSpeed restores its optimizer's groups. A parameter DeepSpeed keeps no
         moments for starts fresh where DeepSpeed's would: a frozen one, or every one in a checkpoint saved
         before the first step; a trainable one missing beside others' moments is another model's."""
+        # the moments are an Adam's (DeepSpeed's files hold no other): without the groups' settings, an Adam's
+        self._refuse_optimizer_state_of_another_kind(
+            {"param_groups": list(settings.values()) if settings else [dict.fromkeys(_ADAM_SETTINGS)]},
+            f"checkpoint {directory}")
         sd = self.basic_optimizer.state_dict()
         if settings:
             # sharded: this rank's groups are the whole groups' owned parts (some maybe empty): named by the whole
@@ -3035,6 +3042,7 @@ class LazyTrainEngine(nn.Module):
         with self._whole_copies():
             state = self._state_in_compute_dtype(exclude_frozen_parameters, share_tied=False)
         if self.global_rank == 0:
+            ckpt.refuse_a_file_for_a_directory(save_dir, f"save_16bit_model({save_dir!r})")
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
             if save_filename.endswith(".safetensors"):
@@ -3239,13 +3247,6 @@ def _holds_8bit_moments(optimizer_state: dict) -> bool:
     return any("state1" in st for st in optimizer_state.get("state", {}).values())
 
 
-# torch schedulers whose load_state_dict reads a key apart from the rest (a KeyError half-way through a load)
-_TORCH_SCHEDULE_KEYS = ((torch.optim.lr_scheduler.LambdaLR, "lr_lambdas"),
-                        (torch.optim.lr_scheduler.MultiplicativeLR, "lr_lambdas"),
-                        (torch.optim.lr_scheduler.SequentialLR, "_schedulers"),
-                        (torch.optim.lr_scheduler.ChainedScheduler, "_schedulers"))
-
-
 def _in_layout_of(value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
     """A copy of an optimizer state tensor for ``param``: in ``param``'s memory layout where it has its shape
     (what ``zeros_like(param)`` gives the optimizer when it builds the state), else as it is."""
@@ -3340,6 +3341,9 @@ def _state_dicts_in_training_precision(model: nn.Module, block_params: list[list
         handles.append(module.register_state_dict_post_hook(cast))
     return handles
 
+
+# the settings every Adam's groups hold (torch's, DeepSpeed's, HybridAdamW): a state of Adam moments without them
+_ADAM_SETTINGS = ("lr", "betas", "eps", "weight_decay")
 
 # the per-parameter states of torch's optimizers that have their parameter's size (Adam's, SGD's, RMSprop's,
 # Adagrad's): a saved one of another size is refused before torch's load takes it

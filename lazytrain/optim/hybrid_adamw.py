@@ -713,6 +713,12 @@ def _check_block(bs: int) -> None:
         raise ValueError(f"block_size must be a multiple of 32 in [32, 16384], got {bs!r}")
 
 
+def holds_adam_moments(st: Mapping[str, Any]) -> bool:
+    """Whether a parameter's saved optimizer state holds Adam's two moments, fp32 or 8-bit: what a load into
+    HybridAdamW needs (checked before a checkpoint loads, lazytrain/engine/state_kinds.py)."""
+    return _kind_of(st) is not None
+
+
 def _kind_of(st: Mapping[str, Any]) -> Optional[str]:
     if "state1" in st and "state2" in st:
         return "8bit"

@@ -1,0 +1,195 @@
+"""A checkpoint's optimizer or learning-rate schedule state of another kind than the engine's
+(lazytrain/engine/state_kinds.py) is refused before anything of it loads. Before, torch's load took it: SGD's
+state into AdamW failed half-way through the load (KeyError 'step', the engine fenced), AdamW's into SGD at the
+next step (KeyError 'momentum', mid-update), AdamW's 8-bit moments into SGD trained on silently unused, and a
+StepLR's state into a CosineAnnealingLR merged into it (the rate followed neither)."""
+import re
+import warnings
+
+import pytest
+import torch
+
+import lazytrain
+from lazytrain.engine.checkpoint import CheckpointError, CheckpointMismatchError
+from engine_models import batches, lm_loss, make_model
+
+OPTIMIZERS = {
+    "AdamW": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+    "SGD": {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}},
+    "SGD without momentum": {"type": "SGD", "params": {"lr": 1e-2}},
+    "RMSprop": {"type": "RMSprop", "params": {"lr": 1e-3}},
+    "Adagrad": {"type": "Adagrad", "params": {"lr": 1e-2}},
+    "AdamW8bit": {"type": "AdamW8bit", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+}
+FENCE = ": load it with load_optimizer_states=False to take the weights alone; nothing was loaded"
+
+
+def _engine(optimizer="AdamW", steps=2, scheduler=None, client_scheduler=None):
+    """An engine on the same tiny model, trained ``steps`` steps (8-bit moments from 64 elements up)."""
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+              "optimizer": OPTIMIZERS[optimizer], "lazytrain": {"hybrid_threshold": 64}}
+    if scheduler is not None:
+        config["scheduler"] = scheduler
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = lazytrain.initialize(model=make_model("modulelist"), config=config)[0]
+        if client_scheduler is not None:
+            engine.lr_scheduler = client_scheduler(engine.optimizer)
+    _train(engine, steps)
+    return engine
+
+
+def _train(engine, steps):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in batches(steps):
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        engine.wait_for_update()
+
+
+def _refused_and_unchanged(engine, path, message, **kwargs):
+    """Refused with exactly ``message`` after the checkpoint's name, nothing loaded: the engine trains on."""
+    before = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    steps = engine.global_steps
+    with pytest.raises(CheckpointMismatchError, match=r"^checkpoint .* " + re.escape(message) + "$"):
+        engine.load_checkpoint(str(path), **kwargs)
+    assert engine.global_steps == steps
+    assert all(torch.equal(before[k], v) for k, v in engine.module_state_dict().items())
+    _train(engine, 1)
+
+
+REFUSED = {   # (saved by, loaded into): what the refusal says after the checkpoint's name
+    ("SGD", "AdamW"): "holds the state of another kind of optimizer: its parameter groups have no 'betas', 'eps', "
+                      "which this engine's AdamW keeps; it has 'dampening', 'momentum', 'nesterov'",
+    ("AdamW", "SGD"): "holds the state of another kind of optimizer: its parameter groups have no 'dampening', "
+                      "'momentum', which this engine's SGD keeps; it has 'amsgrad', 'betas', "
+                      "'decoupled_weight_decay', 'eps'",
+    ("AdamW", "RMSprop"): "holds the state of another kind of optimizer: its parameter groups have no 'alpha', "
+                          "which this engine's RMSprop keeps; it has 'amsgrad', 'betas', 'decoupled_weight_decay'",
+    ("RMSprop", "AdamW"): "holds the state of another kind of optimizer: its parameter groups have no 'betas', "
+                          "which this engine's AdamW keeps; it has 'alpha', 'centered', 'momentum'",
+    ("Adagrad", "AdamW"): "holds the state of another kind of optimizer: its parameter groups have no 'betas', "
+                          "which this engine's AdamW keeps; it has 'initial_accumulator_value', 'lr_decay'",
+    # 8-bit moments into an optimizer other than HybridAdamW: the fp32 moments of the DeepSpeed files, by name
+    ("AdamW8bit", "SGD"): "holds the state of another kind of optimizer: its parameter groups have no "
+                          "'dampening', 'momentum', which this engine's SGD keeps; it has 'amsgrad', 'betas', "
+                          "'decoupled_weight_decay', 'eps'",
+    ("SGD", "AdamW8bit"): "holds the state of another kind of optimizer: its parameter groups have no 'betas', "
+                          "which this engine's HybridAdamW keeps; it has 'dampening', 'maximize', 'momentum', "
+                          "'nesterov'",
+    # no state at all (SGD without momentum keeps none), yet no Adam's settings either
+    ("SGD without momentum", "AdamW8bit"): "holds the state of another kind of optimizer: its parameter groups have "
+                                           "no 'betas', which this engine's HybridAdamW keeps; it has 'dampening', "
+                                           "'maximize', 'momentum', 'nesterov'",
+}
+
+
+@pytest.mark.parametrize("saved_by, loaded_into", sorted(REFUSED))
+def test_an_optimizer_state_of_another_kind_is_refused_before_anything_loads(tmp_path, saved_by, loaded_into):
+    _engine(saved_by).save_checkpoint(str(tmp_path))
+    engine = _engine(loaded_into, steps=1)
+    assert type(engine.basic_optimizer).__name__ == ("HybridAdamW" if loaded_into == "AdamW8bit" else loaded_into)
+    _refused_and_unchanged(engine, tmp_path, REFUSED[saved_by, loaded_into] + FENCE)
+    engine.load_checkpoint(str(tmp_path), load_optimizer_states=False)   # the weights alone, as it says
+    assert engine.global_steps == 2
+    _train(engine, 1)
+
+
+@pytest.mark.parametrize("saved_by, loaded_into", [("AdamW", "AdamW8bit"), ("AdamW8bit", "AdamW"),
+                                                   ("AdamW8bit", "AdamW8bit"), ("SGD", "SGD")])
+def test_an_optimizer_state_of_the_same_kind_loads_and_trains_on_as_the_run_that_saved_it(tmp_path, saved_by,
+                                                                                          loaded_into):
+    """Adam's moments go between torch's AdamW and HybridAdamW (8-bit), both ways; a run resumed into its own
+    kind trains on exactly as the run that saved it."""
+    saver = _engine(saved_by)
+    saver.save_checkpoint(str(tmp_path))
+    engine = _engine(loaded_into, steps=1)
+    engine.load_checkpoint(str(tmp_path))
+    assert engine.global_steps == 2
+    _train(saver, 1)
+    _train(engine, 1)
+    if saved_by == loaded_into:
+        assert all(torch.equal(saver.module_state_dict()[k], v) for k, v in engine.module_state_dict().items())
+
+
+def test_a_torch_schedule_added_on_resume_is_no_other_optimizer(tmp_path):
+    """torch's schedulers add 'initial_lr' to the optimizer's groups: a key of the schedule, not a setting of the
+    optimizer that a checkpoint saved without that schedule lacks."""
+    _engine("AdamW").save_checkpoint(str(tmp_path))
+    engine = _engine("AdamW", steps=0, client_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 5))
+    assert all("initial_lr" in g for g in engine.optimizer.param_groups)
+    engine.load_checkpoint(str(tmp_path), load_lr_scheduler_states=False)
+    assert engine.global_steps == 2
+    _train(engine, 1)
+
+
+def _step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def _cosine(optimizer):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+
+
+SCHEDULES = {   # (saved, loaded into): what the refusal says after the checkpoint's name
+    ("StepLR", "CosineAnnealingLR"): "holds a learning-rate schedule's state without 'T_max', 'eta_min', which this "
+                                     "engine's CosineAnnealingLR keeps and with 'gamma', 'step_size', which this "
+                                     "engine's CosineAnnealingLR does not keep",
+    ("CosineAnnealingLR", "StepLR"): "holds a learning-rate schedule's state without 'gamma', 'step_size', which "
+                                     "this engine's StepLR keeps and with 'T_max', 'eta_min', which this engine's "
+                                     "StepLR does not keep",
+    ("WarmupLR", "StepLR"): "holds a learning-rate schedule's state without 'gamma', 'last_epoch', 'step_size', "
+                            "which this engine's StepLR keeps and with 'last_batch_iteration', which this engine's "
+                            "StepLR does not keep",
+    ("StepLR", "WarmupLR"): "holds a learning-rate schedule's state without 'last_batch_iteration', which this "
+                            "engine's WarmupLR keeps",
+}
+_CLIENT = {"StepLR": _step_lr, "CosineAnnealingLR": _cosine}
+
+
+def _with_schedule(kind, steps):
+    if kind in _CLIENT:
+        return _engine("AdamW", steps=steps, client_scheduler=_CLIENT[kind])
+    return _engine("AdamW", steps=steps, scheduler={"type": kind, "params": {"warmup_num_steps": 4}})
+
+
+@pytest.mark.parametrize("saved, loaded_into", sorted(SCHEDULES))
+def test_a_schedule_state_of_another_kind_is_refused_before_anything_loads(tmp_path, saved, loaded_into):
+    _with_schedule(saved, 3).save_checkpoint(str(tmp_path))
+    engine = _with_schedule(loaded_into, 1)
+    _refused_and_unchanged(engine, tmp_path, SCHEDULES[saved, loaded_into] + " (a schedule of another kind): load "
+                           "it with load_lr_scheduler_states=False to keep this one; nothing was loaded",
+                           load_optimizer_states=False)
+    engine = _with_schedule(loaded_into, 1)
+    own = engine.lr_scheduler.state_dict()
+    engine.load_checkpoint(str(tmp_path), load_lr_scheduler_states=False)
+    assert engine.lr_scheduler.state_dict() == own   # its own schedule, where it was
+    _train(engine, 1)
+
+
+def test_deepspeeds_schedules_take_each_others_iteration_as_deepspeeds_load_does(tmp_path):
+    """DeepSpeed's schedules keep their iteration alone: a run switched from warm-up to warm-up-and-decay goes on
+    at the same iteration, as under DeepSpeed."""
+    decay = {"warmup_num_steps": 4, "total_num_steps": 20}
+    _engine("AdamW", steps=3, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4}}).save_checkpoint(
+        str(tmp_path))
+    engine = _engine("AdamW", steps=0, scheduler={"type": "WarmupDecayLR", "params": decay})
+    engine.load_checkpoint(str(tmp_path))
+    fresh = _engine("AdamW", steps=3, scheduler={"type": "WarmupDecayLR", "params": decay})
+    assert engine.lr_scheduler.state_dict() == fresh.lr_scheduler.state_dict() == {"last_batch_iteration": 2}
+    assert engine.get_lr() == fresh.get_lr()
+
+
+def test_a_save_directory_that_is_a_file_is_named(tmp_path):
+    engine = _engine("AdamW", steps=1)
+    path = tmp_path / "afile"
+    path.write_text("not a directory")
+    expected = f"{path} is a file, not a directory, so nothing was saved. Give a directory (it is made if it does " \
+               f"not exist)"
+    with pytest.raises(CheckpointError, match=re.escape(f"saving checkpoint tag 'global_step1' to {path}: "
+                                                        f"{expected}") + "$"):
+        engine.save_checkpoint(str(path))
+    with pytest.raises(CheckpointError, match=re.escape(f"save_16bit_model({str(path)!r}): {expected}") + "$"):
+        engine.save_16bit_model(str(path))
+    assert path.read_text() == "not a directory"
