@@ -670,6 +670,10 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         raise ConfigError(f"config key 'lazytrain.gradient_reduce' is \"device\", which reduces each micro-batch's "
                           f"layer gradients to their owners as they are made: that needs 'zero_optimization.stage' "
                           f">= 2 (it is {stage}; below 2 gradients are reduced once a step, from the host)")
+    if _flag(d, "wall_clock_breakdown", False, ""):
+        seen.note("wall_clock_breakdown", "'wall_clock_breakdown' prints DeepSpeed's per-phase timers, which "
+                  "LazyTrain does not keep: trace a step instead (engine.trace_next_step(\"step.json\"), or "
+                  "lazytrain train --trace), which times every layer's compute and transfer.")
     seen.emit()
     comm = d.get("communication_data_type")
     comm = comm.lower() if isinstance(comm, str) else comm   # DeepSpeed lowers it

@@ -73,14 +73,17 @@ def test_unimplemented_deepspeed_features_are_listed_in_one_warning_and_off_valu
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         parse_config({"train_batch_size": 1, "tensorboard": {"enabled": True}, "wandb": {"enabled": False},
-                      "prescale_gradients": False,
+                      "prescale_gradients": False, "wall_clock_breakdown": True,
                       "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": False,
                                             "reduce_bucket_size": 5e8}})
     texts = [str(x.message) for x in w]
     assert len(texts) == 1
-    assert texts[0].startswith("lazytrain config: 3 setting(s) have no effect in LazyTrain: 'tensorboard' is a "
+    assert texts[0].startswith("lazytrain config: 4 setting(s) have no effect in LazyTrain: 'tensorboard' is a "
                                "DeepSpeed feature LazyTrain does not implement")
     assert "'zero_optimization.overlap_comm'" in texts[0] and "'zero_optimization.reduce_bucket_size'" in texts[0]
+    assert texts[0].endswith("'wall_clock_breakdown' prints DeepSpeed's per-phase timers, which LazyTrain does not "
+                             "keep: trace a step instead (engine.trace_next_step(\"step.json\"), or lazytrain train "
+                             "--trace), which times every layer's compute and transfer.")
     for off in ("wandb", "prescale_gradients", "contiguous_gradients"):
         assert off not in texts[0]
 
@@ -275,10 +278,14 @@ class _Net(torch.nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("compiled", ["wrapped model", "model compiled in place", "block", "block in place"])
+@pytest.mark.parametrize("compiled", ["wrapped model", "model compiled in place", "block", "block in place",
+                                      "block of a list found"])
 def test_compiled_model_or_block_is_a_clear_error(compiled):
-    """torch.compile cannot trace the streaming executor; the error comes before any dynamo run."""
+    """torch.compile cannot trace the streaming executor; the error comes before any dynamo run. A list of
+    blocks found without a name, one of them compiled, is found through the wrapper: before, it no longer
+    looked like a list of identical blocks, and nothing streamed."""
     model, where = _Net(), "the model"
+    config = {"train_batch_size": 1, "lazytrain": {"blocks": "blocks"}}
     if compiled == "wrapped model":
         model = torch.compile(model)
     elif compiled == "model compiled in place":
@@ -286,12 +293,15 @@ def test_compiled_model_or_block_is_a_clear_error(compiled):
     elif compiled == "block":
         model.blocks[1] = torch.compile(model.blocks[1])
         where = "submodule 'blocks.1'"
-    else:
+    elif compiled == "block in place":
         model.blocks[0].compile()
         where = "submodule 'blocks.0'"
+    else:
+        model.blocks[1] = torch.compile(model.blocks[1])
+        where, config = "submodule 'blocks.1'", {"train_batch_size": 1}
     with pytest.raises(ConfigError, match=f"^{where} is compiled with torch.compile: pass lazytrain.initialize the "
                                           f"module before compiling it"):
-        lazytrain.initialize(model=model, config={"train_batch_size": 1, "lazytrain": {"blocks": "blocks"}})
+        lazytrain.initialize(model=model, config=config)
 
 
 def test_compiled_module_outside_the_blocks_is_accepted():

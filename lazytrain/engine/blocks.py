@@ -23,7 +23,10 @@ class BlockDiscoveryError(ValueError):
 
 
 def _structure(module: nn.Module) -> tuple:
-    """A module's shape signature: class, and every parameter's name, shape and dtype."""
+    """A module's shape signature: class, and every parameter's name, shape and dtype; a compiled module's
+    those of the module it wraps (so that a list with one block compiled is still found, and refused)."""
+    if is_compiled(module):
+        module = getattr(module, "_orig_mod", module)
     return (type(module).__name__,
             tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters()))
 
