@@ -1971,6 +1971,14 @@ def test_router_aux_loss_is_refused_in_training(how):
     with torch.no_grad():
         engine(x, **kwargs)
     engine.backward(lm_loss(engine(x, output_router_logits=False), y))
+    engine.step()
+    # the model called itself: what transformers records for the forward is read as the first block begins
+    with pytest.raises(ConfigError, match=r"^the model adds a router load-balancing loss computed from router "
+                                          r"logits captured inside its layers \(output_router_logits=True\)"):
+        model(x, **kwargs)
+    with torch.no_grad():
+        model(x, **kwargs)
+    lm_loss(model(x, output_router_logits=False), y).backward()
 
 
 def test_attention_weights_in_a_training_forward_warn_once():

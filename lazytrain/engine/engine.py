@@ -16,6 +16,7 @@ import math
 import numbers
 import os
 import platform
+import sys
 import threading
 import time
 import types
@@ -456,6 +457,7 @@ class LazyTrainEngine(nn.Module):
         # a transformers model with use_cache on would hand every block a KV cache to fill in training; asked
         # for none whatever its config says now (a script sets use_cache back on for an evaluation callback)
         self._warned_attentions = False
+        self._within_forward = 0   # the engine's forward is running the model (it checked the call's keywords)
         self._told_plateau = False
         self._warned_hooks = {"submodules": False, "parameters": False}
         self._drops_kv_cache = _takes_use_cache(model)
@@ -948,7 +950,7 @@ class LazyTrainEngine(nn.Module):
         chunk = self._config.lazytrain.loss_chunk_tokens
         engine_hooks = self.partitioned.hook_ids() if self.partitioned is not None else frozenset()
         self.executor.backward_reaches = None
-        with self._layout_guard.checked_pass():   # checked as this forward began
+        with self._layout_guard.checked_pass(), self._running_the_model():   # checked as this forward began
             if chunk and chunked_loss.applies(self.module, kwargs, engine_hooks):
                 out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
                 if self.partitioned is not None:   # its backward recomputes the head's logits outside the head,
@@ -1205,10 +1207,23 @@ class LazyTrainEngine(nn.Module):
         """The executor's, as a pass begins at the first block: the model checked (:meth:`_check_model_unchanged`),
         and the compute copies of layers a script wrote in place since made anew, so that the forward computes with
         what the parameters show, as PyTorch's would (a write to a block parameter reaches its fp32 weights, which
-        the streamed compute copy in bf16/fp16, or a device's copy, is written from only by a step or a load)."""
+        the streamed compute copy in bf16/fp16, or a device's copy, is written from only by a step or a load).
+        A training pass of the model called itself that records router logits is refused, as the engine's forward
+        refuses one asked for them."""
         self._check_model_unchanged(training)
+        if training and not self.__dict__.get("_within_forward") and not inside_a_block() and \
+                _router_logits_recorded():
+            _refuse_router_aux_loss(self.module, {"output_router_logits": True})
         if not inside_a_block():
             self._copy_layers_written_in_place()
+
+    @contextlib.contextmanager
+    def _running_the_model(self):
+        self._within_forward += 1
+        try:
+            yield
+        finally:
+            self._within_forward -= 1
 
     def _copy_layers_written_in_place(self) -> None:
         """The compute copies of the layers whose parameters a script wrote in place since they were written:
@@ -3412,6 +3427,20 @@ def _wants(model: nn.Module, kwargs: dict, flag: str) -> bool:
     if wanted is None:
         wanted = getattr(getattr(model, "config", None), flag, False)
     return wanted is True
+
+
+def _router_logits_recorded() -> bool:
+    """Whether the forward now running records router logits: transformers 5 collects a model's requested
+    outputs (its keyword, else its config) with hooks, into a collector it makes current for the forward. The
+    engine's own forward reads the keyword and config itself; this is for the model called itself, whose
+    keywords the blocks do not see. False where transformers keeps no such collector."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    try:
+        active = collector.get() if collector is not None else None
+    except Exception:   # another transformers' collector
+        return False
+    return isinstance(active, dict) and "router_logits" in active
 
 
 def _refuse_router_aux_loss(model: nn.Module, kwargs: dict) -> None:
