@@ -55,6 +55,7 @@ OTHER_SCRIPTS = "test_accelerate_and_trl_scripts_train_as_they_do_without_deepsp
 GENERATES = "test_a_trl_trainer_that_generates_during_training_trains_as_it_does_without_deepspeed"
 EVALUATES_FIRST = "test_a_generating_trainer_evaluates_before_its_first_step_under_zero3"
 PRECOMPUTES = "test_dpo_precomputing_reference_log_probs_without_a_reference_model_trains_as_without_deepspeed"
+PLATEAU = "test_a_plateau_schedule_the_trainer_built_is_stepped_at_each_evaluation_as_without_deepspeed"
 # every run the tests read: name: (program, its arguments, the tests that read it); "torchrun" in the name:
 # started by torchrun with 2 processes; "resumed" continues "zero2" from its checkpoint-2
 RUNS = {
@@ -73,6 +74,7 @@ RUNS = {
     **{f"grpo_evaluates_{config}": ("grpo_run.py", ("--config", config, "--evaluate-first"), {EVALUATES_FIRST})
        for config in ("plain", "zero3")},
     **{f"dpo_run_{config}": ("dpo_run.py", ("--config", config), {PRECOMPUTES}) for config in ("plain", "zero2", "zero3")},
+    **{f"plateau_run_{config}": ("plateau_run.py", ("--config", config), {PLATEAU}) for config in ("plain", "zero2")},
 }
 AT_ONCE = 2   # runs at a time (each its own process, as a user runs it): enough to keep two cores busy
 
@@ -307,3 +309,14 @@ def test_a_gathered_write_in_one_process_or_a_read_on_every_rank_broadcasts_noth
     monkeypatch.setattr(deepspeed_entry, "_broadcast_params", lambda *a: pytest.fail("a read broadcast"))
     with deepspeed_entry._GatheredParameters(params):                    # a read on every rank is fine
         pass
+
+
+def test_a_plateau_schedule_the_trainer_built_is_stepped_at_each_evaluation_as_without_deepspeed(runs):
+    """A config with an optimizer and no scheduler: the Trainer builds ReduceLROnPlateau, and steps it with the
+    evaluation loss only where it holds it itself. accelerate handed it the engine's schedule in a wrapper that
+    steps nothing, and engine.step() leaves a plateau schedule to the script: the rate never fell (logged
+    [1e-3, 1e-3, 1e-3, 1e-3]). Each evaluation halves it here, as without DeepSpeed."""
+    plain, _ = runs("plateau_run_plain")
+    lazy, _ = runs("plateau_run_zero2")
+    assert plain["logged"] == lazy["logged"] == [1e-3, 5e-4, 2.5e-4, 1.25e-4]
+    assert plain["lr"] == lazy["lr"] == 6.25e-5

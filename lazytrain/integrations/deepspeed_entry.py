@@ -72,6 +72,7 @@ def replace_deepspeed() -> None:
         _replace_transformers_zero3_switch(put)
         _deepspeed_comm_on_the_process_group(put)
         _keep_the_scripts_optimizer(put)
+        _leave_a_plateau_schedule_to_the_trainer(put)
         for name in ("safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param",
                      "safe_set_full_fp32_param", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state"):
             if hasattr(deepspeed.utils, name):
@@ -353,6 +354,30 @@ def _keep_the_scripts_optimizer(put) -> None:
         return
     if hasattr(accelerator, "map_pytorch_optim_to_deepspeed"):
         put(accelerator, "map_pytorch_optim_to_deepspeed", lambda optimizer: optimizer)
+
+
+def _leave_a_plateau_schedule_to_the_trainer(put) -> None:
+    """A ``Trainer`` steps ReduceLROnPlateau with its evaluation metric only where it holds the schedule itself
+    (an isinstance check); accelerate hands it the engine's schedule in a wrapper whose ``step()`` does nothing
+    (DeepSpeed steps its schedule with each step), and ``engine.step()`` cannot step one that needs a metric. So a
+    plateau schedule the Trainer built (its ``lr_scheduler_type`` with a config that names an optimizer and no
+    scheduler) was stepped by no one, and the rate never fell. accelerate's wrapper now hands such a schedule
+    over as it is, as it does without DeepSpeed; every other schedule is wrapped as before."""
+    try:
+        import accelerate.accelerator as accelerator
+    except ImportError:
+        return
+    wrapper = getattr(accelerator, "DeepSpeedSchedulerWrapper", None)
+    if not isinstance(wrapper, type):
+        return
+
+    class _PlateauAsItIs(wrapper):   # a subclass: accelerate's isinstance checks against the name still hold
+        def __new__(cls, scheduler, *args, **kwargs):
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                return scheduler   # not an instance of cls: __init__ is not run
+            return super().__new__(cls)
+
+    put(accelerator, "DeepSpeedSchedulerWrapper", _PlateauAsItIs)
 
 
 def _replace_transformers_zero3_switch(put) -> None:
