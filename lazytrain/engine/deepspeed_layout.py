@@ -298,7 +298,7 @@ class Writer:
         local optimizer, or (sharded) from the summaries of every rank's."""
         if self.x.summaries is not None:
             return self.x.summaries.get(self._name(p))
-        return _summarised(self._state(p))
+        return _summarised(self._state(p), p)
 
     def summaries(self) -> dict[str, dict]:
         """name -> :meth:`_summary` of each tensor whose state this rank's optimizer holds."""
@@ -306,7 +306,7 @@ class Writer:
         for g in (self.opt.param_groups if self.opt is not None else []):
             for p in g["params"]:
                 if id(p) in self.x.names and self.opt.state.get(p):
-                    out[self._name(p)] = _summarised(self._state(p))
+                    out[self._name(p)] = _summarised(self._state(p), p)
         return out
 
     # ---- tensors ---------------------------------------------------------------------------------
@@ -677,7 +677,7 @@ class Writer:
             out[key] = self._flat(parts, numel)
         for st in states.values():   # scalars other than the step, as the optimizer holds them
             for k, v in (st or {}).items():
-                if k != "step" and k not in keys and k not in out:
+                if k != "step" and k not in keys and k not in out and not (isinstance(v, torch.Tensor) and v.dim()):
                     out[k] = v
         return out
 
@@ -784,18 +784,20 @@ class Writer:
 _MOMENT = "<a moment tensor>"   # stands for a moment in a state's summary (:meth:`Writer.summaries`)
 
 
-def _is_moment(v, p=None) -> bool:
-    """A per-element state (an Adam moment), laid out as the masters are; ``p``, the parameter it belongs
-    to: a 0-dim parameter's moments are 0-dim too (only its step is a scalar of another kind)."""
+def _is_moment(v, p) -> bool:
+    """A per-element state (an Adam moment), laid out as the masters are: one value for each of ``p``'s
+    elements (a 0-dim parameter's moments are 0-dim too). Other tensors of a state (Adafactor's row and column
+    factors, an 8-bit optimizer's block scales) are not laid out in DeepSpeed's flat groups: LazyTrain's own
+    file keeps them."""
     if isinstance(v, ckpt.Streamed) or (isinstance(v, str) and v == _MOMENT):
         return True
-    return isinstance(v, torch.Tensor) and (v.dim() > 0 or (p is not None and p.dim() == 0 and v.numel() == 1))
+    return isinstance(v, torch.Tensor) and v.numel() == p.numel() and (v.dim() > 0 or p.dim() == 0)
 
 
-def _summarised(st: dict | None) -> dict | None:
+def _summarised(st: dict | None, p: torch.Tensor) -> dict | None:
     if st is None:
         return None
-    return {k: (_MOMENT if _is_moment(v) else v) for k, v in st.items()}
+    return {k: (_MOMENT if _is_moment(v, p) else v) for k, v in st.items()}
 
 
 def _range(pieces, start: int, length: int) -> torch.Tensor:
