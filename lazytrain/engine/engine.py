@@ -1255,8 +1255,10 @@ class LazyTrainEngine(nn.Module):
             raise RuntimeError(f"{what} refused: this engine had no optimizer and was handed back when another "
                                f"engine was to be built on its model; {now}")
         if self.__dict__.get("_destroyed"):
-            raise RuntimeError(f"{what} refused: this engine was destroyed (destroy() handed the model back); "
-                               f"build a new one with lazytrain.initialize")
+            where = self.__dict__.get("_destroyed_from")
+            raise RuntimeError(f"{what} refused: this engine was destroyed (destroy() handed the model back"
+                               f"{f', called from {where}' if where else ''}); build a new one with "
+                               f"lazytrain.initialize")
 
     def _warn_beyond_plan(self, ids) -> None:
         """A batch longer than the plan's sequence length runs, but the plan's memory (boundaries, kept outputs
@@ -3115,6 +3117,7 @@ class LazyTrainEngine(nn.Module):
         self._own_weights_again()
         self._hand_model_back()
         self._destroyed = True
+        self._destroyed_from = _caller_outside_lazytrain()   # named by a later call's refusal
 
     def _own_weights_again(self) -> None:
         """Before the model is handed back: block parameters in memory of this rank's own, in fp32 (the
@@ -3427,6 +3430,19 @@ def _wants(model: nn.Module, kwargs: dict, flag: str) -> bool:
     if wanted is None:
         wanted = getattr(getattr(model, "config", None), flag, False)
     return wanted is True
+
+
+def _caller_outside_lazytrain() -> str | None:
+    """Where the code that called into LazyTrain stands ("accelerate/accelerator.py:3912 in free_memory"): an
+    engine destroyed by a library the script called (accelerate's ``free_memory``, which a Trainer calls when a
+    second ``train()`` begins) is otherwise refused later without a word of who ended it."""
+    frame = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "lazytrain":
+        frame = frame.f_back
+    if frame is None:
+        return None
+    path = frame.f_code.co_filename.replace(os.sep, "/").split("/")
+    return f"{'/'.join(path[-2:])}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _router_logits_recorded() -> bool:
