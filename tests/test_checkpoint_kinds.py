@@ -11,7 +11,7 @@ import torch
 
 import lazytrain
 from lazytrain.engine.checkpoint import CheckpointError, CheckpointMismatchError
-from engine_models import batches, lm_loss, make_model
+from engine_models import VOCAB, batches, lm_loss, make_model
 
 OPTIMIZERS = {
     "AdamW": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
@@ -254,3 +254,103 @@ def test_two_ranks_save_and_resume_an_optimizer_whose_state_is_not_shaped_like_i
     outcomes = spawn_cases(2, tmp_path, {f"stage{s}": (_adafactor_resumed, {"stage": s}) for s in (1, 2, 3)})
     for stage in (1, 2, 3):
         assert reports(outcomes, f"stage{stage}") == [[], []]
+
+
+class _WithHeadAndTemperature(torch.nn.Module):
+    """The test model with a learnable temperature (a 0-dim parameter, as a logit scale) and a one-row head
+    (a value head's nn.Linear(d, 1), whose Adafactor column factor has the weight's element count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = make_model("modulelist")
+        self.temperature = torch.nn.Parameter(torch.tensor(1.0))
+        self.value = torch.nn.Linear(VOCAB, 1)
+
+    def forward(self, x):
+        logits = self.lm(x) * self.temperature
+        return logits + self.value(logits).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("optimizer", ["torch AdamW", "AdamW8bit", "transformers Adafactor"])
+def test_a_scalar_parameter_and_a_one_row_weight_save_and_resume_exactly(tmp_path, stage, optimizer):
+    """A 0-dim parameter's 0-dim step was taken for a moment (its element count is the parameter's), and the
+    save failed; a one-row weight's Adafactor column factor (its element count too, not its shape) was saved
+    as a moment and read back in the weight's shape, and the resumed step failed."""
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+              "lazytrain": {"hybrid_threshold": 64}}
+    if optimizer == "AdamW8bit":
+        config["optimizer"] = OPTIMIZERS["AdamW8bit"]
+
+    def engine():
+        torch.manual_seed(0)
+        model = _WithHeadAndTemperature()
+        client = None
+        if optimizer == "torch AdamW":
+            client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        elif optimizer == "transformers Adafactor":
+            from transformers.optimization import Adafactor
+            client = Adafactor(model.parameters(), lr=1e-2, relative_step=False, scale_parameter=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return lazytrain.initialize(model=model, optimizer=client, config=config)[0]
+    data = batches(4)
+    whole, saver = engine(), engine()
+    for e, steps in ((whole, data), (saver, data[:2])):
+        _steps(e, steps)
+    saver.save_checkpoint(str(tmp_path))
+    resumed = engine()
+    resumed.load_checkpoint(str(tmp_path))
+    _steps(resumed, data[2:])
+    mine, theirs = resumed.module_state_dict(), whole.module_state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def _steps(engine, data):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in data:
+            engine.backward(lm_loss(engine(x), y))
+            engine.step()
+        engine.wait_for_update()
+
+
+def test_a_chained_schedule_resumes_into_its_own_kind(tmp_path):
+    """ChainedScheduler keeps its schedules' states and no step counter of its own: not another kind."""
+    def chained(optimizer):
+        return torch.optim.lr_scheduler.ChainedScheduler([torch.optim.lr_scheduler.ConstantLR(optimizer, 0.5, 2),
+                                                          torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9)])
+    saver = _engine("AdamW", steps=3, client_scheduler=chained)
+    saver.save_checkpoint(str(tmp_path))
+    engine = _engine("AdamW", steps=0, client_scheduler=chained)
+    engine.load_checkpoint(str(tmp_path))
+    assert engine.get_lr() == saver.get_lr()
+
+
+class _NewerAdamW(torch.optim.AdamW):
+    """An optimizer that gained a setting in a later version and reads it with a default (bitsandbytes'
+    optimizers read AdEMAMix's alpha, t_alpha and t_beta3 so): states of its older versions lack it."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, lr=lr)
+        self.defaults["new_setting"] = 0.0
+        for group in self.param_groups:
+            group.setdefault("new_setting", 0.0)
+
+
+def test_an_older_version_of_the_same_optimizer_lacking_a_setting_added_since_loads(tmp_path):
+    model = make_model("modulelist")
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        older = lazytrain.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                     config=config)[0]
+    _steps(older, batches(2))
+    older.save_checkpoint(str(tmp_path))
+    model = make_model("modulelist")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        newer = lazytrain.initialize(model=model, optimizer=_NewerAdamW(model.parameters()), config=config)[0]
+    newer.load_checkpoint(str(tmp_path))
+    assert newer.global_steps == 2
+    _steps(newer, batches(1))

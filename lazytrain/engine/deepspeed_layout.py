@@ -785,19 +785,19 @@ _MOMENT = "<a moment tensor>"   # stands for a moment in a state's summary (:met
 
 
 def _is_moment(v, p) -> bool:
-    """A per-element state (an Adam moment), laid out as the masters are: one value for each of ``p``'s
-    elements (a 0-dim parameter's moments are 0-dim too). Other tensors of a state (Adafactor's row and column
-    factors, an 8-bit optimizer's block scales) are not laid out in DeepSpeed's flat groups: LazyTrain's own
-    file keeps them."""
+    """A per-element state (an Adam moment), laid out as the masters are: of ``p``'s shape (a 0-dim
+    parameter's moments are 0-dim too; its step is never asked about). Other tensors of a state (Adafactor's
+    row and column factors, even one of a one-row weight's element count; an 8-bit optimizer's block scales)
+    are not laid out in DeepSpeed's flat groups: LazyTrain's own file keeps them."""
     if isinstance(v, ckpt.Streamed) or (isinstance(v, str) and v == _MOMENT):
         return True
-    return isinstance(v, torch.Tensor) and v.numel() == p.numel() and (v.dim() > 0 or p.dim() == 0)
+    return isinstance(v, torch.Tensor) and v.shape == p.shape
 
 
 def _summarised(st: dict | None, p: torch.Tensor) -> dict | None:
     if st is None:
         return None
-    return {k: (_MOMENT if _is_moment(v, p) else v) for k, v in st.items()}
+    return {k: (_MOMENT if k != "step" and _is_moment(v, p) else v) for k, v in st.items()}
 
 
 def _range(pieces, start: int, length: int) -> torch.Tensor:
@@ -830,7 +830,7 @@ def _without_tail(segments: list, n: int) -> list:
 def _exact_moment(value, held, p) -> bool:
     """The DeepSpeed files hold this moment exactly: the fp32 tensor itself (or its host copy)."""
     return isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and value.dim() > 0 and \
-        value.dtype == held.dtype == torch.float32 and value.numel() == p.numel() and \
+        value.dtype == held.dtype == torch.float32 and value.shape == p.shape and \
         (held is value or held.device != value.device)
 
 

@@ -17,6 +17,8 @@ from ..optim.lr_schedules import _Schedule
 
 # how torch runs an optimizer's update, not what it computes: not named as what sets a saved state apart
 _HOW_IT_RUNS = ("foreach", "fused", "capturable", "differentiable")
+# what torch's schedules add to an optimizer's groups (OneCycleLR, CyclicLR, any: initial_lr): not the optimizer's
+_SCHEDULE_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
 
 
 def missing_settings(optimizer, saved_groups: list[dict]) -> list[str]:
@@ -53,13 +55,15 @@ def optimizer_state_of_another_kind(optimizer, saved: dict) -> str | None:
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
         return None
     name = type(optimizer).__name__
+    # another kind both lacks settings this one keeps and has settings this one does not; an older version of
+    # this one lacks only the settings added since (bitsandbytes' AdEMAMix keys, read with a default), and loads
     missing = missing_settings(optimizer, groups)
-    if missing:
-        foreign = sorted(set().union(*(g.keys() for g in groups)) - {"params", "initial_lr"} - set(_HOW_IT_RUNS) -
-                         set().union(*(g.keys() for g in optimizer.param_groups)))
-        also = f"; it has {', '.join(map(repr, foreign[:4]))}{' ...' if len(foreign) > 4 else ''}" if foreign else ""
+    foreign = sorted(set().union(*(g.keys() for g in groups)) - {"params"} - _SCHEDULE_KEYS - set(_HOW_IT_RUNS) -
+                     set().union(*(g.keys() for g in optimizer.param_groups)))
+    if missing and foreign:
+        listed = f"{', '.join(map(repr, foreign[:4]))}{' ...' if len(foreign) > 4 else ''}"
         return (f"holds the state of another kind of optimizer: its parameter groups have no "
-                f"{', '.join(map(repr, missing))}, which this engine's {name} keeps{also}")
+                f"{', '.join(map(repr, missing))}, which this engine's {name} keeps; it has {listed}")
     if isinstance(optimizer, HybridAdamW):
         for index, entry in (saved.get("state") or {}).items():
             if entry and not holds_adam_moments(entry):
@@ -86,11 +90,13 @@ def schedule_state_of_another_kind(scheduler, saved: dict) -> str | None:
     load does: one of them switched for another goes on at the same iteration. A torch scheduler keeps its
     settings (StepLR's ``step_size`` and ``gamma``, cosine's ``T_max``): the saved ones must be its own."""
     name = type(scheduler).__name__
+    own = set(scheduler.state_dict())
     if isinstance(scheduler, _Schedule):
-        needed, foreign = set(scheduler.state_dict()), set()
+        needed, foreign = own, set()
     elif isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-        needed = set(scheduler.state_dict()) - _TORCH_SCHEDULE_BASE_KEYS | {"last_epoch"}
-        foreign = set(saved) - _TORCH_SCHEDULE_BASE_KEYS - set(scheduler.state_dict())
+        # its own settings, and its step counter where it keeps one (ChainedScheduler keeps its schedules' alone)
+        needed = own - _TORCH_SCHEDULE_BASE_KEYS | own & {"last_epoch"}
+        foreign = set(saved) - _TORCH_SCHEDULE_BASE_KEYS - own
     else:   # a script's own schedule decides what it takes
         return None
     missing = sorted(needed - set(saved))
