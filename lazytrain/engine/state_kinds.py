@@ -90,11 +90,11 @@ def schedule_state_of_another_kind(scheduler, saved: dict) -> str | None:
     load does: one of them switched for another goes on at the same iteration. A torch scheduler keeps its
     settings (StepLR's ``step_size`` and ``gamma``, cosine's ``T_max``): the saved ones must be its own."""
     name = type(scheduler).__name__
-    own = set(scheduler.state_dict())
     if isinstance(scheduler, _Schedule):
-        needed, foreign = own, set()
+        needed, foreign = set(scheduler.state_dict()), set()
     elif isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         # its own settings, and its step counter where it keeps one (ChainedScheduler keeps its schedules' alone)
+        own = set(scheduler.state_dict())
         needed = own - _TORCH_SCHEDULE_BASE_KEYS | own & {"last_epoch"}
         foreign = set(saved) - _TORCH_SCHEDULE_BASE_KEYS - own
     else:   # a script's own schedule decides what it takes
