@@ -307,6 +307,33 @@ def test_plan_file_for_another_micro_batch_warns(tmp_path):
         lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
 
 
+def test_plan_file_for_another_model_or_precision_warns(tmp_path):
+    """A plan for another model of as many layers was taken without a word: it runs (its homes and re-runs are
+    layer by layer), but its memory and time were counted for that model's layers."""
+    import dataclasses
+    from lazytrain.planner.plan import every_k_plan
+    here = [sum(p.numel() for p in block.parameters()) for block in make_model("llama").model.layers]
+    path = tmp_path / "plan.json"
+    plan = every_k_plan(6, 2, micro_batch_size=2)
+    dataclasses.replace(plan, prediction={"layer_params": here, "dtype_bytes": 4, "model": "tiny"}).to_json(str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # this model's plan: nothing to say
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
+    wider = [n * 4 for n in here]
+    dataclasses.replace(plan, prediction={"layer_params": wider, "dtype_bytes": 2, "model": "wide"}).to_json(str(path))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
+    said = [str(w.message) for w in seen if "lazytrain.plan" in str(w.message)]
+    assert said == [
+        f"lazytrain: config 'lazytrain.plan' ({path}) was planned for a model (wide) whose block 0 holds "
+        f"{wider[0]:,} parameters, and this model's holds {here[0]:,}: it runs, but its memory and time predictions "
+        f"do not hold (plan again for this model: lazytrain plan --model its config.json)",
+        f"lazytrain: config 'lazytrain.plan' ({path}) counted 2-byte weights, and this run computes in float32 (4 "
+        f"bytes): it runs, but its memory and time predictions do not hold (plan again with the model config's "
+        f"torch_dtype float32)"]
+
+
 def test_plan_file_for_another_sequence_length_warns_at_start_and_at_a_longer_batch(tmp_path):
     """Only the micro-batch was compared: a plan made for short sequences ran on long ones without a word until
     a device budget overran mid-step."""

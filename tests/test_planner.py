@@ -846,6 +846,10 @@ def test_plan_for_from_a_hugging_face_config():
     explicit = plan_for({"layer_params": [4_000_000] * 4, "hidden": 256, "vocab_size": 1000}, "h800",
                         {"gpu": "2GB", "host": "8GB"}, micro_batch=2, seq_len=128)
     assert explicit.num_layers == 4
+    # the model's shape as counted, which the engine compares a plan file's with
+    assert explicit.prediction["layer_params"] == [4_000_000] * 4 and explicit.prediction["dtype_bytes"] == 2
+    q_o, k_v, mlp, norms, qkv_biases = 2 * 1024 * 1024, 2 * 1024 * 256, 3 * 1024 * 2816, 2 * 1024, 1024 + 2 * 256
+    assert pred["layer_params"] == [q_o + k_v + mlp + norms + qkv_biases] * 8
 
 
 def test_micro_batch_search_returns_the_best_feasible_throughput():

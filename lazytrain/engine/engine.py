@@ -311,7 +311,8 @@ class LazyTrainEngine(nn.Module):
         make_plan = lambda: build_plan(config, len(blocks), self.tiers, model_cfg,   # noqa: E731
                                        config.train_micro_batch_size_per_gpu,
                                        {**self._model_budgets, "frozen_bottom_layers": frozen},
-                                       memory=self._rank_memory)
+                                       memory=self._rank_memory,
+                                       layer_params=[sum(p.numel() for p in b.parameters()) for b in blocks])
         # the MILP's plan is solved once, on rank 0, and every rank runs it: ranks solving side by side would
         # share the host's cores, and a solve stopped at its time limit can return another plan on each
         self.plan = self._rank0_answer(make_plan, _PLAN_ON_RANK_0) \

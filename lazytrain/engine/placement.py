@@ -45,7 +45,8 @@ _NO_NVME = "; the NVMe tier exists when 'lazytrain.nvme_path' names a directory 
 
 
 def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model_config: dict | None,
-               micro_batch: int, from_model: dict[str, float] | None = None, memory: RankMemory | None = None) -> Plan:
+               micro_batch: int, from_model: dict[str, float] | None = None, memory: RankMemory | None = None,
+               layer_params: list[int] | None = None) -> Plan:
     """The policy's Plan, with ``lazytrain.last_segment_graph`` applied: "auto" turns it on for the
     built-in policies where the CPU computes on the host weights in place (there it costs no weight
     copies, and the last segment's recompute would hold the same internals a moment later anyway);
@@ -54,12 +55,15 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     the blocks' parameters and of the others that train (``trainable_share``, ``non_block_trainable_share``: the
     MILP budgets the frozen ones as their compute copy alone) and of the trained ones with 8-bit moments
     (``hybrid_8bit_fraction``); None: the planner's defaults. ``memory``: what the MILP plans with, the least over
-    the ranks (by default this rank's)."""
+    the ranks (by default this rank's). ``layer_params``: each block's parameter count, which a Plan file's
+    is compared with."""
     if num_layers == 0:   # nothing streams: every parameter stays on the device
         if cfg.lazytrain.policy == "plan":   # a Plan file is read and refused, not left unread without a word
             _plan_file(cfg, 0, tiers, micro_batch)
         return Plan(num_layers=0, homes=(DEVICE_HOME,), policy="nothing-streams", micro_batch_size=micro_batch)
     plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model, memory)
+    if cfg.lazytrain.policy == "plan":
+        _warn_if_planned_for_another_model(plan, cfg, layer_params)
     choice = cfg.lazytrain.last_segment_graph
     if choice == "auto":
         if cfg.lazytrain.policy in ("plan", "milp", "auto", "offload_all"):
@@ -142,6 +146,31 @@ def _plan_file(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], micro
                       f"predictions do not hold (plan again with --seq {lt.seq_len})")
     _warn_if_head_counted_smaller(plan, lt, micro_batch)
     return plan
+
+
+def _warn_if_planned_for_another_model(plan: Plan, cfg: EngineConfig, layer_params: list[int] | None) -> None:
+    """A Plan file made for another model of as many layers runs (its homes and re-runs are layer by layer), but
+    its memory and time predictions were counted for that model's layers: said where its blocks' parameter counts
+    (`lazytrain plan` writes them) differ by more than 1% from this model's, or it counted weights of another
+    precision. A plan file written before it recorded them is not checked."""
+    pred = plan.prediction if isinstance(plan.prediction, dict) else {}
+    planned, path = pred.get("layer_params"), cfg.lazytrain.plan_path
+    if isinstance(planned, list) and layer_params is not None and len(planned) == len(layer_params):
+        off = next((i for i, (a, b) in enumerate(zip(planned, layer_params))
+                    if isinstance(a, (int, float)) and abs(a - b) > 0.01 * max(b, 1)), None)
+        if off is not None:
+            named = f" ({pred['model']})" if isinstance(pred.get("model"), str) else ""
+            warnings.warn(f"lazytrain: config 'lazytrain.plan' ({path}) was planned for a model{named} whose block "
+                          f"{off} holds {int(planned[off]):,} parameters, and this model's holds "
+                          f"{layer_params[off]:,}: it runs, but its memory and time predictions do not hold (plan "
+                          f"again for this model: lazytrain plan --model its config.json)")
+    planned_bytes = pred.get("dtype_bytes")
+    here = 4 if cfg.compute_dtype_name in ("float32", "fp32") else 2
+    if isinstance(planned_bytes, int) and not isinstance(planned_bytes, bool) and planned_bytes != here:
+        warnings.warn(f"lazytrain: config 'lazytrain.plan' ({path}) counted {planned_bytes}-byte weights, and this run "
+                      f"computes in {cfg.compute_dtype_name} ({here} bytes): it runs, but its memory and time "
+                      f"predictions do not hold (plan again with the model config's torch_dtype "
+                      f"{cfg.compute_dtype_name})")
 
 
 def _warn_if_head_counted_smaller(plan: Plan, lt, micro_batch: int) -> None:

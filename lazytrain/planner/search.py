@@ -102,6 +102,8 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
             "offloaded_layers": r.offloaded_layers,
             **extra, "solver": solver,
             "lower_bound_s": p.lower_bound_s()["bound"], "model": p.model.name, "hardware": p.hardware.name,
+            # the model's shape as counted: the engine warns where a plan file meets another model's blocks
+            "layer_params": [layer.params for layer in p.model.layers], "dtype_bytes": p.model.dtype_bytes,
             "grad_accum": p.grad_accum,
             # the lowest block the backward was counted to reach (Budgets.frozen_bottom_layers): the engine checks it
             "frozen_bottom_layers": p.first_reached,
