@@ -46,6 +46,28 @@ def test_attention_biases_are_counted_as_transformers_builds_them(model_type):
     assert ModelShape.from_hf_config(cfg).layers[0].params == built
 
 
+def test_a_mixture_of_experts_config_with_no_dense_mlp_is_counted_as_transformers_builds_it():
+    """Qwen3.5-MoE's config names no intermediate_size (every layer's MLP is of experts): it could not be
+    planned at all, by the CLI or by policies milp and auto."""
+    transformers = pytest.importorskip("transformers")
+    if "qwen3_5_moe_text" not in transformers.CONFIG_MAPPING:
+        pytest.skip("this transformers has no Qwen3.5-MoE")
+    import torch
+    config = transformers.CONFIG_MAPPING["qwen3_5_moe_text"](
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16)
+    cfg = config.to_dict()
+    assert cfg.get("intermediate_size") is None
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_hf_config(cfg)
+    assert [layer.params for layer in shape.layers] == [sum(p.numel() for p in layer.parameters())
+                                                        for layer in model.model.layers]
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+
+
 def test_hf_config_dict_and_explicit_layers():
     cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
            "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "tie_word_embeddings": False}

@@ -471,7 +471,12 @@ class ModelShape:
             raise ModelShapeError(f"model config 'num_attention_heads' ({heads}) must be at most 'hidden_size' "
                                   f"({h}) when the config gives no 'head_dim'")
         head_dim = count("head_dim", h // heads)
-        ffn = count("intermediate_size")
+        moe = MoeShape.from_hf_config(cfg, n_layers)
+        if moe is not None and all(moe.moe_layers) and cfg.get("intermediate_size") is None and \
+                _class_defaults(cfg, outer).get("intermediate_size") is None:
+            ffn = moe.expert_ffn   # every layer's MLP is of experts: no dense one to size (Qwen3.5-MoE names none)
+        else:
+            ffn = count("intermediate_size")
         vocab = count("vocab_size")
         tied = _tied_embeddings(cfg, outer)
         model_type = str(cfg.get("model_type", ""))
@@ -494,7 +499,6 @@ class ModelShape:
         linear = cls._linear_attention(cfg) if hybrid else None
         mixer = {"full_attention": (attn, None, gate), "linear_attention": (
             (linear.params(h) + 2 * h, linear, False) if linear else None)}
-        moe = MoeShape.from_hf_config(cfg, n_layers)
         dense_ffn = _optional_whole(cfg, "intermediate_size_mlp") or ffn   # Llama 4 names its dense MLP apart
 
         def shapes(kind: str) -> "tuple[LayerShape, LayerShape | None]":
