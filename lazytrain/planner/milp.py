@@ -96,6 +96,8 @@ class MilpOptions:
     root_reduced_cost_heuristic: bool = True   # HiGHS's: its incumbents help within short limits (1.2% on
                                     # the H800 27B at 24 x 3), but on some models with offloaded layers it
                                     # ran minutes past the limit without calling back
+    budget_share: float = 1.0       # of each memory budget the memory rows may fill: search.solve asks for
+                                    # 1 - 1e-6 again where the solver's tolerances carried its plan over a budget
 
     def __post_init__(self):
         t = self.time_limit_s
@@ -494,6 +496,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     tiers = ["H", "N"] if use_nvme else ["H"]
     eps = 1e-6 * p.no_recompute_compute_s() / W          # tie-breaker unit (seconds)
     GBF = p.gpu_budget / 1000.0                          # byte unit of the model: rows stay well scaled
+    HELD = opts.budget_share                             # of each memory budget the rows may fill
     m = pulp.LpProblem("lazytrain_plan", pulp.LpMinimize)
     B = lambda name: pulp.LpVariable(name, cat="Binary")
     C = lambda name, ub=None: pulp.LpVariable(name, lowBound=0, upBound=ub)
@@ -746,12 +749,13 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
                 m += tw >= nw * (GBF / p.bw_nw), f"time_{name}nvme_write_{w}"
         # time-indexed memory per tier: streamed weight buffers of this window and the next (at least the two
         # buffers the engine keeps while any layer streams), and what is held
-        m += streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + dev_held[w] <= p.gpu_budget / GBF, \
+        m += streamed(w) + (streamed(w + 1) if w + 1 < W else 0) + dev_held[w] <= p.gpu_budget * HELD / GBF, \
             f"gpu_memory_{w}"
-        m += p.kept_buffers / GBF * streams_any + dev_held[w] <= p.gpu_budget / GBF, f"gpu_memory_kept_buffers_{w}"
+        m += p.kept_buffers / GBF * streams_any + dev_held[w] <= p.gpu_budget * HELD / GBF, \
+            f"gpu_memory_kept_buffers_{w}"
         for k, budget, name in (("H", max(p.host_act_budget, 0), "host_memory"), ("N", p.nvme_budget, "nvme_memory")):
             if k in tiers:
-                m += host_held[k][w] <= budget / GBF, f"{name}_{w}"
+                m += host_held[k][w] <= budget * HELD / GBF, f"{name}_{w}"
 
     # ---- host optimizer overlapping the next forward --------------------------------------------
     O = [p.opt_nl]
