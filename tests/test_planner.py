@@ -1,6 +1,7 @@
 """Planner: model/hardware inputs, budgets, simulator invariants, policies, MILP vs simulator, CLI."""
 import dataclasses
 import json
+import math
 import re
 import os
 import subprocess
@@ -1728,3 +1729,11 @@ def test_a_plan_key_given_twice_or_spelled_otherwise_is_refused(text, says):
     assert str(e.value) == says
     assert Plan.from_json('{"num_layers": 2, "homes": ["hbm", "host", "hbm"], "offload_window": {"1": 1}}') \
         .offload_window == {1: 1}
+
+
+def test_a_deadline_of_weeks_waits_without_one():
+    """A time limit of 1e8 s gave a deadline the OS's waits cannot take: OverflowError from inside subprocess
+    ('timeout is too large'), for `lazytrain plan --time-limit 1e8` and 'lazytrain.milp_time_limit'."""
+    from lazytrain.planner import isolate
+    assert isolate.call_with_deadline(math.floor, 2.5, deadline_s=1e10) == 2
+    assert isolate.call_with_deadline(math.floor, 2.5, deadline_s=1e8) == 2

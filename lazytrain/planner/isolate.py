@@ -26,6 +26,9 @@ class DeadlineExceededError(PlanningError):
     """The child did not answer within its deadline and was stopped."""
 
 
+_LONGEST_WAIT_S = 1e6   # seconds (11.6 days)
+
+
 def call_with_deadline(fn: Callable[..., Any], *args: Any, deadline_s: float, what: str = "planning",
                        advice: str = ENGINE_PLANNING_ADVICE, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a child interpreter; its result or its exception, re-raised here, and its
@@ -41,9 +44,12 @@ def call_with_deadline(fn: Callable[..., Any], *args: Any, deadline_s: float, wh
     # the child finds what this process finds: lazytrain, and modules beside the caller's script
     paths = [package_root] + [os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    # a deadline of weeks is none: the OS's waits take at most about 24 days (a time limit of 1e8 s raised
+    # OverflowError from deep in subprocess)
+    wait = deadline_s if deadline_s < _LONGEST_WAIT_S else None
     try:
         done = subprocess.run([sys.executable, "-m", "lazytrain.planner.isolate"], env=env, capture_output=True,
-                              input=pickle.dumps((fn, args, kwargs)), timeout=deadline_s)
+                              input=pickle.dumps((fn, args, kwargs)), timeout=wait)
     except subprocess.TimeoutExpired:
         raise DeadlineExceededError(f"{what} did not finish within {deadline_s:g} s (the solver overran its "
                                     f"time limit); stopped it" + (f". {advice}" if advice else "")) from None
