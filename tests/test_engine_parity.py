@@ -1405,6 +1405,16 @@ def test_milp_policy_on_the_cpu_takes_a_profile_without_links_as_bench_tiers_wri
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=ds_config(
         policy="milp", hardware=str(path), seq_len=12, gpu_memory="2GB", milp_time_limit=10, device="cpu"))
     assert engine.plan.policy.startswith("milp")
+    # bench writes no GPU memory there either: without 'lazytrain.gpu_memory' the setting to give is named (the
+    # profile's own error advised `lazytrain plan --base`, a command-line flag)
+    path.write_text(json.dumps({**profile, "gpu_mem_bytes": None}))
+    with pytest.raises(ConfigError, match="^" + re.escape(
+            "config 'lazytrain.policy' \"milp\" needs the device's memory budget, which hardware profile "
+            "'cpu-only' does not give (a profile `lazytrain bench tiers` measured without a GPU) and this cpu device "
+            "has no card to read it from: set 'lazytrain.gpu_memory' (for the CPU, the memory the plan may hold as "
+            "the device's)") + "$"):
+        lazytrain.initialize(model=make_model("llama"), config=ds_config(
+            policy="milp", hardware=str(path), seq_len=12, milp_time_limit=10, device="cpu"))
 
 
 def test_milp_policy_plans_the_configs_whole_step_with_its_accumulation():

@@ -334,6 +334,11 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     # the cards and RAM of this machine, whatever the catalog entry says of its model's
     sizes = memory.planned(hardware, _host_budget_given(cfg))
     hardware = dataclasses.replace(hardware, **{k: v for k, v in sizes.items() if v is not None})
+    if budgets.get("gpu") is None and hardware.gpu_mem_bytes is None:   # the CPU's profile, as bench measures it
+        raise ConfigError(f"config 'lazytrain.policy' \"milp\" needs the device's memory budget, which hardware "
+                          f"profile {hardware.name!r} does not give (a profile `lazytrain bench tiers` measured "
+                          f"without a GPU) and this {device.type} device has no card to read it from: set "
+                          f"'lazytrain.gpu_memory' (for the CPU, the memory the plan may hold as the device's)")
     plan = call_with_deadline(plan_for, model_config, hardware, budgets, micro_batch=micro_batch,
                               # the config's batch triple fixes the step: planned with its accumulation
                               global_batch=micro_batch * cfg.gradient_accumulation_steps,
