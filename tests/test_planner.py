@@ -95,10 +95,19 @@ def test_measured_layer_params_replace_the_dense_estimate():
     assert [l.params for l in ModelShape.from_hf_config(nested).layers] == [5, 6, 7]
     with pytest.raises(ModelShapeError, match=r"'layer_params' must hold 3 non-negative counts \(one per layer\)"):
         ModelShape.from_hf_config({**cfg, "layer_params": [1, 2]})
-    # a config the planner cannot read (GPT-2 names its width n_embd) says so, measured sizes or not
+    # a config whose names the planner cannot read says so, measured sizes or not
     from lazytrain.planner.search import as_model_shape
     with pytest.raises(ModelShapeError, match="lacks 'hidden_size'"):
-        as_model_shape({"model_type": "gpt2", "n_embd": 64, "layer_params": [1, 2, 3]})
+        as_model_shape({"model_type": "no-such-model", "n_embd": 64, "layer_params": [1, 2, 3]})
+
+
+def test_a_gpt2_config_json_is_read_through_its_classs_names():
+    """GPT-2's config.json names its width n_embd (hidden_size only through its class's attribute_map): the
+    engine read it through the model's config object, `lazytrain plan --model config.json` could not."""
+    pytest.importorskip("transformers")
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 3, "n_head": 4, "n_inner": None, "vocab_size": 100}
+    shape = ModelShape.from_hf_config(gpt2)
+    assert (shape.num_layers, shape.hidden, shape.layers[0].ffn) == (3, 64, 256)
 
 
 MOE_BASE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -1139,9 +1148,12 @@ def test_cli_plan_prints_the_comparison_and_writes_the_plan(tmp_path, capsys):
     from lazytrain.cli import main
     out_json = tmp_path / "plan.json"
     rc = main(["plan", "--model", "qwen2.5-3b", "--hardware", "rtx3090", "--micro-batch", "8", "--seq", "1024",
-               "--gpu-mem", "24GiB", "--json", str(out_json)])
+               "--gpu-mem", "24GiB", "--host-mem", "60.4GB", "--nvme", "400MB", "--json", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0
+    # the budgets as given (whole gigabytes showed a 400 MB NVMe budget as "NVMe 0 GB")
+    assert out.startswith("qwen2.5-3b on rtx3090: micro-batch 8 x seq 1024, budgets GPU 25.77 GB, host 60.40 GB, "
+                          "NVMe 400.00 MB; step lower bound ")
     for row in ("lazytrain (milp)", "megatrain (k=4, serial opt)", "best-interval", "keep-all", "greedy"):
         assert row in out
     import re

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..config import ConfigError, EngineConfig, OptimizerConfig
 from ..data.loader import EpochDataLoader, EpochTrackingSampler, is_dataset
 from ..planner import measured
+from ..planner.models import with_standard_names
 from ..planner.plan import Plan
 from ..planner.problem import Budgets
 from ..tiers import format_bytes, streams
@@ -96,25 +97,13 @@ def _as_loss_scaler_state(saved: dict | None) -> dict | None:
     return state
 
 
-# the shape names the planner reads that a config may keep under its own name (its attribute_map); others
-# mapped there can mean something else (Zamba2's layer_types are its Mamba/hybrid labels)
-_SHAPE_NAMES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-
-
 def _planner_config(model: nn.Module) -> dict | None:
     """The model's Hugging Face config as a dict, with the standard shape names its ``attribute_map`` gives
-    under its own (GPT-2's ``n_embd`` is its ``hidden_size``; ``to_dict`` keeps only the own names), and
-    GPT-2's ``n_inner`` (None: 4 x hidden) as ``intermediate_size``: the planner reads the standard ones."""
+    under its own (planner ``with_standard_names``: GPT-2's ``n_embd`` is its ``hidden_size``)."""
     config = getattr(model, "config", None)
     if not hasattr(config, "to_dict"):
         return None
-    d = config.to_dict()
-    for standard, own in (getattr(config, "attribute_map", None) or {}).items():
-        if standard in _SHAPE_NAMES and standard not in d and isinstance(d.get(own), int):
-            d[standard] = d[own]
-    if "intermediate_size" not in d and "n_inner" in d and isinstance(d.get("hidden_size"), int):
-        d["intermediate_size"] = d["n_inner"] or 4 * d["hidden_size"]
-    return d
+    return with_standard_names(config.to_dict(), getattr(config, "attribute_map", None))
 
 
 def _devices_of(model: nn.Module) -> list[tuple[nn.Module, str, str, torch.device]]:

@@ -438,6 +438,8 @@ class ModelShape:
         outer, measured = cfg, cfg.get("layer_params")
         if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
             cfg = cfg["text_config"]
+        if any(k not in cfg for k in SHAPE_NAMES[:3]) and isinstance(cfg.get("model_type"), str):
+            cfg = with_standard_names(cfg, transformers_attribute_map(cfg["model_type"]))   # GPT-2's n_embd, ...
         reported = cfg.get("reported_params")
 
         def get(key: str, default: Any = None) -> Any:
@@ -757,6 +759,41 @@ def _config_class_defaults(model_type: str) -> dict[str, Any]:
     if isinstance(tied, bool):
         found["tie_word_embeddings"] = tied
     return found
+
+
+# the shape names the planner reads that a config may keep under its own name (its class's attribute_map); others
+# mapped there can mean something else (Zamba2's layer_types are its Mamba/hybrid labels)
+SHAPE_NAMES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def with_standard_names(cfg: dict[str, Any], attribute_map: dict[str, str] | None) -> dict[str, Any]:
+    """``cfg`` (a config's ``to_dict()`` or config.json, which keep only a class's own names) with the standard
+    shape names its class's ``attribute_map`` gives under its own (GPT-2's ``n_embd`` is its ``hidden_size``),
+    and GPT-2's ``n_inner`` (None: 4 x hidden) as ``intermediate_size``: the planner reads the standard ones."""
+    out = dict(cfg)
+    for standard, own in (attribute_map or {}).items():
+        if standard in SHAPE_NAMES and standard not in out and isinstance(out.get(own), int):
+            out[standard] = out[own]
+    if "intermediate_size" not in out and "n_inner" in out and isinstance(out.get("hidden_size"), int):
+        out["intermediate_size"] = out["n_inner"] or 4 * out["hidden_size"]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_attribute_map(model_type: str) -> dict[str, str]:
+    """transformers' config class's ``attribute_map`` for ``model_type`` ({} where it cannot say), asked of a
+    child interpreter as :func:`transformers_class_defaults` is, and only for a config that lacks a standard
+    shape name (a GPT-2 config.json given to `lazytrain plan --model`)."""
+    return _ask_transformers(_config_attribute_map, model_type, otherwise={})
+
+
+def _config_attribute_map(model_type: str) -> dict[str, str]:
+    from transformers import CONFIG_MAPPING
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise LookupError(f"transformers knows no model type {model_type!r}") from None
+    return {k: v for k, v in (getattr(cls, "attribute_map", None) or {}).items() if isinstance(v, str)}
 
 
 def _ask_transformers(fn, *args: Any, otherwise: Any) -> Any:

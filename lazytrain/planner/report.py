@@ -11,7 +11,7 @@ from .megatrain import MegaTrainPlanError
 from .milp import MilpOptions
 from .plan import Plan
 from .policies import BASELINES, megatrain_plan
-from .problem import Problem
+from .problem import Problem, fmt_bytes
 from .search import solve
 from .simulate import SimResult, simulate
 
@@ -110,7 +110,8 @@ def table(p: Problem, rows: list[Row]) -> str:
     lb = p.lower_bound_s()
     accum = f" x {p.grad_accum} accumulated" if p.grad_accum > 1 else ""
     head = (f"{p.model.name} on {p.hardware.name}: micro-batch {p.micro_batch}{accum} x seq {p.seq_len}, "
-            f"budgets GPU {p.gpu_budget / 1e9:.1f} GB, host {p.host_budget / 1e9:.0f} GB, NVMe {p.nvme_budget / 1e9:.0f} GB; "
+            f"budgets GPU {fmt_bytes(p.gpu_budget)}, host {fmt_bytes(p.host_budget)}, "
+            f"NVMe {fmt_bytes(p.nvme_budget) if p.nvme_budget else 'none'}; "
             f"step lower bound {_seconds(lb['bound'])} s (compute {_seconds(lb['compute'])}, H2D "
             f"{_seconds(lb['h2d'])}, D2H {_seconds(lb['d2h'])}, optimizer {_seconds(lb['optimizer'])})")
     shown = any(r.policy.startswith("megatrain") for r in rows)
