@@ -316,9 +316,10 @@ def test_plan_file_for_another_model_or_precision_warns(tmp_path):
     path = tmp_path / "plan.json"
     plan = every_k_plan(6, 2, micro_batch_size=2)
     dataclasses.replace(plan, prediction={"layer_params": here, "dtype_bytes": 4, "model": "tiny"}).to_json(str(path))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")   # this model's plan: nothing to say
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         lazytrain.initialize(model=make_model("llama"), config=ds_config(policy="plan", plan=str(path)))
+    assert not [w for w in seen if "lazytrain.plan" in str(w.message)]   # this model's plan: nothing to say
     wider = [n * 4 for n in here]
     dataclasses.replace(plan, prediction={"layer_params": wider, "dtype_bytes": 2, "model": "wide"}).to_json(str(path))
     with warnings.catch_warnings(record=True) as seen:
@@ -332,6 +333,28 @@ def test_plan_file_for_another_model_or_precision_warns(tmp_path):
         f"lazytrain: config 'lazytrain.plan' ({path}) counted 2-byte weights, and this run computes in float32 (4 "
         f"bytes): it runs, but its memory and time predictions do not hold (plan again with the model config's "
         f"torch_dtype float32)"]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama with LoRA adapters"])
+def test_a_plan_made_from_the_models_own_config_is_not_another_models(tmp_path, model):
+    """`lazytrain plan --model config.json` costs GPT-2 by analogy (its blocks +33% of the real ones) and counts
+    no LoRA adapter: the plan is this model's all the same, and was warned of as another's, with advice (plan
+    again from its config.json) that could not silence it."""
+    from engine_models import add_lora, make_hf_model
+    from lazytrain.planner import plan_for
+    built = make_hf_model("gpt2") if model == "gpt2" else make_hf_model("llama")
+    config = built.config.to_dict()   # as config.json holds it: GPT-2's width is n_embd
+    if model != "gpt2":
+        add_lora(built, ("q_proj", "v_proj"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # GPT-2 costed as a Llama-style decoder: said where it is planned
+        plan_for(config, "h200", {"gpu": "2GB", "trainable_share": 0.05}, micro_batch=2, seq_len=12,
+                 time_limit_s=5).to_json(str(tmp_path / "plan.json"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lazytrain.initialize(model=built, config=ds_config(policy="plan", plan=str(tmp_path / "plan.json"),
+                                                           _top={"bf16": {"enabled": True}}))
+    assert not [str(w.message) for w in seen if "was planned for a model" in str(w.message)]
 
 
 def test_plan_file_for_another_sequence_length_warns_at_start_and_at_a_longer_batch(tmp_path):

@@ -108,6 +108,20 @@ def test_a_gpt2_config_json_is_read_through_its_classs_names():
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 3, "n_head": 4, "n_inner": None, "vocab_size": 100}
     shape = ModelShape.from_hf_config(gpt2)
     assert (shape.num_layers, shape.hidden, shape.layers[0].ffn) == (3, 64, 256)
+    # an older config.json leaves n_inner out: its class's default, None (4 x the width)
+    older = ModelShape.from_hf_config({k: v for k, v in gpt2.items() if k != "n_inner"})
+    assert older.layers[0].ffn == 256
+
+
+def test_a_mixture_of_experts_config_without_an_mlp_width_says_so():
+    """Reading the expert width first indexed cfg["intermediate_size"]: a KeyError's traceback where the clear
+    error was before."""
+    mixtral = {"model_type": "mixtral", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 100, "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(ModelShapeError, match="^model config lacks 'intermediate_size', which the planner needs$"):
+        ModelShape.from_hf_config(mixtral)
+    with pytest.raises(ModelShapeError, match="lacks 'intermediate_size'"):
+        ModelShape.from_hf_config({**mixtral, "model_type": "llama4_text", "moe_intermediate_size": 32})
 
 
 MOE_BASE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,

@@ -359,3 +359,18 @@ def test_a_plan_stays_within_a_budget_the_solvers_tolerances_would_carry_it_over
                     micro_batch=16, seq_len=4096, time_limit_s=5)
     assert plan.prediction["solver"]["status"] in ("optimal", "feasible")
     assert plan.prediction["peak_bytes"]["hbm"] <= budget
+
+
+def test_only_an_overrun_past_float_rounding_is_solved_again(monkeypatch):
+    """The strict simulation takes a peak up to BUDGET_ROUNDING (1e-9) over its budget as rounding; a re-solve
+    for such a plan (the first solve had used the time limit) found nothing in the time left and fell back to
+    the slower start plan."""
+    from types import SimpleNamespace
+    from lazytrain.planner import search
+    from lazytrain.planner.simulate import BUDGET_ROUNDING
+    p = SimpleNamespace(gpu_budget=10**10, host_budget=10**11, nvme_budget=0)
+    for over, again in ((0.0, False), (0.17, False), (10**10 * BUDGET_ROUNDING * 0.5, False),
+                        (821.0, True), (10**10 * 2e-6, False)):
+        peaks = {"hbm": 10**10 + over, "host": 0, "nvme": 0}
+        monkeypatch.setattr(search, "simulate", lambda *a, **kw: SimpleNamespace(peak_bytes=peaks))
+        assert search._over_a_budget_by_a_tolerance(p, None) is again, over

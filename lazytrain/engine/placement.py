@@ -63,7 +63,7 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
         return Plan(num_layers=0, homes=(DEVICE_HOME,), policy="nothing-streams", micro_batch_size=micro_batch)
     plan = _policy_plan(cfg, num_layers, tiers, model_config, micro_batch, from_model, memory)
     if cfg.lazytrain.policy == "plan":
-        _warn_if_planned_for_another_model(plan, cfg, layer_params)
+        _warn_if_planned_for_another_model(plan, cfg, layer_params, model_config)
     choice = cfg.lazytrain.last_segment_graph
     if choice == "auto":
         if cfg.lazytrain.policy in ("plan", "milp", "auto", "offload_all"):
@@ -148,22 +148,29 @@ def _plan_file(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], micro
     return plan
 
 
-def _warn_if_planned_for_another_model(plan: Plan, cfg: EngineConfig, layer_params: list[int] | None) -> None:
+def _warn_if_planned_for_another_model(plan: Plan, cfg: EngineConfig, layer_params: list[int] | None,
+                                       model_config: dict | None) -> None:
     """A Plan file made for another model of as many layers runs (its homes and re-runs are layer by layer), but
     its memory and time predictions were counted for that model's layers: said where its blocks' parameter counts
-    (`lazytrain plan` writes them) differ by more than 1% from this model's, or it counted weights of another
-    precision. A plan file written before it recorded them is not checked."""
+    (`lazytrain plan` writes them) differ by more than 1% both from this model's and from what the planner counts
+    from this model's config (`lazytrain plan --model config.json` costs some families by analogy, and counts no
+    adapter a LoRA run adds), or it counted weights of another precision. A plan file written before it recorded
+    them is not checked."""
     pred = plan.prediction if isinstance(plan.prediction, dict) else {}
     planned, path = pred.get("layer_params"), cfg.lazytrain.plan_path
-    if isinstance(planned, list) and layer_params is not None and len(planned) == len(layer_params):
-        off = next((i for i, (a, b) in enumerate(zip(planned, layer_params))
-                    if isinstance(a, (int, float)) and abs(a - b) > 0.01 * max(b, 1)), None)
-        if off is not None:
-            named = f" ({pred['model']})" if isinstance(pred.get("model"), str) else ""
-            warnings.warn(f"lazytrain: config 'lazytrain.plan' ({path}) was planned for a model{named} whose block "
-                          f"{off} holds {int(planned[off]):,} parameters, and this model's holds "
-                          f"{layer_params[off]:,}: it runs, but its memory and time predictions do not hold (plan "
-                          f"again for this model: lazytrain plan --model its config.json)")
+
+    def first_differing(counts):
+        if not isinstance(planned, list) or counts is None or len(planned) != len(counts):
+            return None
+        return next((i for i, (a, b) in enumerate(zip(planned, counts))
+                     if isinstance(a, (int, float)) and abs(a - b) > 0.01 * max(b, 1)), None)
+    off = first_differing(layer_params)
+    if off is not None and first_differing(_counted_from_config(model_config)) is not None:
+        named = f" ({pred['model']})" if isinstance(pred.get("model"), str) else ""
+        warnings.warn(f"lazytrain: config 'lazytrain.plan' ({path}) was planned for a model{named} whose block "
+                      f"{off} holds {int(planned[off]):,} parameters, and this model's holds "
+                      f"{layer_params[off]:,}: it runs, but its memory and time predictions do not hold (plan "
+                      f"again for this model: lazytrain plan --model its config.json)")
     planned_bytes = pred.get("dtype_bytes")
     here = 4 if cfg.compute_dtype_name in ("float32", "fp32") else 2
     if isinstance(planned_bytes, int) and not isinstance(planned_bytes, bool) and planned_bytes != here:
@@ -171,6 +178,21 @@ def _warn_if_planned_for_another_model(plan: Plan, cfg: EngineConfig, layer_para
                       f"computes in {cfg.compute_dtype_name} ({here} bytes): it runs, but its memory and time "
                       f"predictions do not hold (plan again with the model config's torch_dtype "
                       f"{cfg.compute_dtype_name})")
+
+
+def _counted_from_config(model_config: dict | None) -> list[int] | None:
+    """Each layer's parameter count as `lazytrain plan --model config.json` counts it from this model's config
+    (not from the blocks measured here); None where the planner cannot read the config."""
+    if model_config is None:
+        return None
+    from ..planner.models import ModelShape, ModelShapeError
+    try:
+        with warnings.catch_warnings():   # a family costed by analogy: said where a plan is made, not here
+            warnings.simplefilter("ignore")
+            shape = ModelShape.from_hf_config({k: v for k, v in model_config.items() if k != "layer_params"})
+    except (ModelShapeError, ValueError, TypeError):
+        return None
+    return [layer.params for layer in shape.layers]
 
 
 def _warn_if_head_counted_smaller(plan: Plan, lt, micro_batch: int) -> None:

@@ -315,6 +315,8 @@ class MoeShape:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
             raise ModelShapeError(f"mixture-of-experts config with {experts} experts needs 'num_experts_per_tok' "
                                   f"between 1 and {experts}, got {top_k!r}")
+        if cfg.get("moe_intermediate_size") is None and cfg.get("intermediate_size") is None:
+            raise ModelShapeError("model config lacks 'intermediate_size', which the planner needs")
         expert_ffn = _optional_whole(cfg, "moe_intermediate_size") or _whole(cfg["intermediate_size"],
                                                                             "intermediate_size")
         shared = _optional_whole(cfg, "shared_expert_intermediate_size", least=0)
@@ -322,6 +324,8 @@ class MoeShape:
         if not shared and n_shared:
             shared = n_shared * expert_ffn
         if not shared and cfg.get("model_type") == "llama4_text":
+            if cfg.get("intermediate_size") is None:
+                raise ModelShapeError("model config lacks 'intermediate_size', which the planner needs")
             shared = _whole(cfg["intermediate_size"], "intermediate_size")   # Llama 4: one shared expert
         sparse = [True] * n_layers
         if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:                 # DeepSeek
@@ -774,8 +778,9 @@ def with_standard_names(cfg: dict[str, Any], attribute_map: dict[str, str] | Non
     for standard, own in (attribute_map or {}).items():
         if standard in SHAPE_NAMES and standard not in out and isinstance(out.get(own), int):
             out[standard] = out[own]
-    if "intermediate_size" not in out and "n_inner" in out and isinstance(out.get("hidden_size"), int):
-        out["intermediate_size"] = out["n_inner"] or 4 * out["hidden_size"]
+    gpt2_style = "n_inner" in out or (attribute_map or {}).get("hidden_size") == "n_embd"   # n_inner left out: None
+    if "intermediate_size" not in out and gpt2_style and isinstance(out.get("hidden_size"), int):
+        out["intermediate_size"] = out.get("n_inner") or 4 * out["hidden_size"]
     return out
 
 

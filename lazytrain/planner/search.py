@@ -14,7 +14,7 @@ from .milp import MilpOptions, NoPlanInTimeError, PlanningError, build_and_solve
 from .models import ModelShape, ModelShapeError, load_model
 from .plan import Plan
 from .problem import Budgets, InfeasibleBudgetError, Problem
-from .simulate import simulate
+from .simulate import BUDGET_ROUNDING, simulate
 
 
 def as_model_shape(model_shape: Any) -> ModelShape:
@@ -78,12 +78,13 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
 
 
 def _over_a_budget_by_a_tolerance(p: Problem, plan: Plan) -> bool:
-    """Whether ``plan`` overruns a memory budget by no more than a millionth of it (a solver's tolerance, not
-    a plan that does not fit: that one the strict simulation refuses as it did)."""
+    """Whether ``plan`` overruns a memory budget by more than float rounding (which the strict simulation takes,
+    ``BUDGET_ROUNDING``) and no more than a millionth of it (a solver's tolerance, not a plan that does not fit:
+    that one the strict simulation refuses as it did)."""
     peaks = simulate(p, plan, strict=False, timeline=False).peak_bytes
     over = [(peaks[t] - b) / max(b, 1) for t, b in (("hbm", p.gpu_budget), ("host", p.host_budget),
                                                      ("nvme", p.nvme_budget)) if peaks.get(t, 0) > b]
-    return bool(over) and max(over) <= 1e-6
+    return bool(over) and BUDGET_ROUNDING < max(over) <= 1e-6
 
 
 def _isolated_solve(p: Problem, opts: MilpOptions, start: Plan | None):
