@@ -49,7 +49,7 @@ from .blocks import (check_no_shared_weights, find_blocks, is_quantized, refuse_
                      refuse_quantized_block_weights, turn_off_layer_checkpointing)
 from .host_accumulate import sum_of_squares
 from .layout_guard import LayoutGuard
-from .state_kinds import optimizer_state_of_another_kind, schedule_state_of_another_kind
+from .state_kinds import HOW_IT_RUNS, optimizer_state_of_another_kind, schedule_state_of_another_kind
 from .lean_norms import make_norms_lean, restore_norms
 from .deepspeed_extras import Monitor, NoParameterOffloadHooks, ThroughputTimer
 from .distributed import CollectiveError, DistributedContext, RankFailure
@@ -274,9 +274,10 @@ class LazyTrainEngine(nn.Module):
         # it stays with the non-block ones, clipped, averaged and updated as they are)
         block_param_ids = {id(p) for b in blocks for p in b.parameters()}
         self.tiers = build_tiers(config, self.device)
+        layer_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
         model_cfg = _planner_config(model)
         if model_cfg is not None:   # the planner sizes each streamed layer as it is, not from the config,
-            model_cfg["layer_params"] = [sum(p.numel() for p in b.parameters()) for b in blocks]
+            model_cfg["layer_params"] = layer_params
             # in the precision this engine computes and streams in (not what the model was saved in)
             model_cfg["dtype"] = model_cfg["torch_dtype"] = config.compute_dtype_name
         # what trains, as set up here (the engine's buffers keep this layout; unfreezing later is refused), and
@@ -301,7 +302,7 @@ class LazyTrainEngine(nn.Module):
                                        config.train_micro_batch_size_per_gpu,
                                        {**self._model_budgets, "frozen_bottom_layers": frozen},
                                        memory=self._rank_memory,
-                                       layer_params=[sum(p.numel() for p in b.parameters()) for b in blocks])
+                                       layer_params=layer_params)
         # the MILP's plan is solved once, on rank 0, and every rank runs it: ranks solving side by side would
         # share the host's cores, and a solve stopped at its time limit can return another plan on each
         self.plan = self._rank0_answer(make_plan, _PLAN_ON_RANK_0) \
@@ -447,7 +448,7 @@ class LazyTrainEngine(nn.Module):
         # a transformers model with use_cache on would hand every block a KV cache to fill in training; asked
         # for none whatever its config says now (a script sets use_cache back on for an evaluation callback)
         self._warned_attentions = False
-        self._within_forward = 0   # the engine's forward is running the model (it checked the call's keywords)
+        self._within_forward = 0   # the engine's forward is running the model (it checked the model and keywords)
         self._told_plateau = False
         self._warned_hooks = {"submodules": False, "parameters": False}
         self._drops_kv_cache = _takes_use_cache(model)
@@ -940,7 +941,7 @@ class LazyTrainEngine(nn.Module):
         chunk = self._config.lazytrain.loss_chunk_tokens
         engine_hooks = self.partitioned.hook_ids() if self.partitioned is not None else frozenset()
         self.executor.backward_reaches = None
-        with self._layout_guard.checked_pass(), self._running_the_model():   # checked as this forward began
+        with self._running_the_model():   # checked as this forward began: its first block's call checks nothing more
             if chunk and chunked_loss.applies(self.module, kwargs, engine_hooks):
                 out = chunked_loss.forward(self.module, chunk, inputs, kwargs)
                 if self.partitioned is not None:   # its backward recomputes the head's logits outside the head,
@@ -1200,15 +1201,16 @@ class LazyTrainEngine(nn.Module):
         the streamed compute copy in bf16/fp16, or a device's copy, is written from only by a step or a load).
         A training pass of the model called itself that records router logits is refused, as the engine's forward
         refuses one asked for them."""
+        if inside_a_block():   # a forward run from inside a block: its parameters are its streamed weights now
+            return
         self._check_model_unchanged(training)
-        if training and not self.__dict__.get("_within_forward") and not inside_a_block() and \
-                _router_logits_recorded():
+        if training and not self.__dict__.get("_within_forward") and _router_logits_recorded():
             _refuse_router_aux_loss(self.module, {"output_router_logits": True})
-        if not inside_a_block():
-            self._copy_layers_written_in_place()
+        self._copy_layers_written_in_place()
 
     @contextlib.contextmanager
     def _running_the_model(self):
+        """The engine's forward running the model, which it checked as it began (:meth:`_check_model_unchanged`)."""
         self._within_forward += 1
         try:
             yield
@@ -1227,9 +1229,10 @@ class LazyTrainEngine(nn.Module):
     def _check_model_unchanged(self, training: bool) -> None:
         """Before a pass (the engine's forward, or the first block's call through the model itself): refused where
         the model no longer holds the parameters set-up found as they were (layout_guard.py). Not for a forward
-        run from inside a block, whose parameters are swapped for its streamed weights meanwhile."""
+        run from inside a block, whose parameters are swapped for its streamed weights meanwhile, nor within the
+        engine's forward, which checked as it began (a training pass is verified once)."""
         guard = self.__dict__.get("_layout_guard")
-        if guard is not None and not inside_a_block():
+        if guard is not None and not inside_a_block() and not self.__dict__.get("_within_forward"):
             guard.check(training)
 
     def _refuse_if_destroyed(self, what: str) -> None:
@@ -3002,7 +3005,7 @@ class LazyTrainEngine(nn.Module):
                     self._refuse_settings_hybrid_cannot_run([saved], f"checkpoint {directory}")
                     # how the optimizer runs (foreach, fused, ...) stays this engine's
                     mine.update({k: v for k, v in saved.items()
-                                 if k in mine and k not in ("foreach", "fused", "capturable", "differentiable")})
+                                 if k in mine and k not in HOW_IT_RUNS})
         params = [p for g in self.basic_optimizer.param_groups for p in g["params"]]
         indices = [i for g in sd["param_groups"] for i in g["params"]]
         state = {}

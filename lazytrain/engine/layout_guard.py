@@ -31,7 +31,6 @@ recorded in by name).
   transposed) is left to the next training pass."""
 from __future__ import annotations
 
-import contextlib
 import operator
 import weakref
 
@@ -126,7 +125,6 @@ class LayoutGuard:
         self._other_kinds = list(map(_kind_of, self._other_params))
         self._laid_out = {id(p): _described(p) for p in self._params.values()}
         self._dirty = False
-        self._within_checked_pass = 0
         # torch's hooks are global: they hold the guard weakly (an engine never destroyed is still collected, and
         # its hooks go with it), and mark it only for an assignment into a module of this model (a ModuleList
         # slice that Llama's forward takes builds a new list through add_module: not this model's)
@@ -169,8 +167,6 @@ class LayoutGuard:
         """Refuses the pass where the model changed. An evaluation pass with nothing assigned into a module
         compares only the streamed block parameters' storage addresses (a block given a new tensor would compute
         with its old weights, silently; about 50 ns a parameter, where the whole check takes some 300)."""
-        if self._within_checked_pass:
-            return
         if not (training or self._dirty) and \
                 list(map(torch.Tensor.data_ptr, self._streamed_params)) == self._streamed_views[0]:
             return
@@ -222,16 +218,6 @@ class LayoutGuard:
         self._names = {i: now[i] for i in self._params}
         self._record()
         self._dirty = False
-
-    @contextlib.contextmanager
-    def checked_pass(self):
-        """The model's forward under the engine's, which checked the model as it began: its first block's call
-        checks nothing more (a training pass is verified once)."""
-        self._within_checked_pass += 1
-        try:
-            yield
-        finally:
-            self._within_checked_pass -= 1
 
     def remove(self) -> None:
         """The model handed back: no hooks of the guard's, its own ``resize_token_embeddings`` again."""

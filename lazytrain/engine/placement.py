@@ -9,6 +9,7 @@ import warnings
 import torch
 
 from ..config import ConfigError, EngineConfig
+from ..planner.models import DTYPE_BYTES, ModelShape, ModelShapeError
 from ..planner.plan import DEVICE_HOME, Plan, PlanError, every_k_plan, keep_all_plan, offload_all_plan
 from ..tiers import Tier
 from ..tiers.base import format_bytes
@@ -172,7 +173,7 @@ def _warn_if_planned_for_another_model(plan: Plan, cfg: EngineConfig, layer_para
                       f"{layer_params[off]:,}: it runs, but its memory and time predictions do not hold (plan "
                       f"again for this model: lazytrain plan --model its config.json)")
     planned_bytes = pred.get("dtype_bytes")
-    here = 4 if cfg.compute_dtype_name in ("float32", "fp32") else 2
+    here = DTYPE_BYTES[cfg.compute_dtype_name]
     if isinstance(planned_bytes, int) and not isinstance(planned_bytes, bool) and planned_bytes != here:
         warnings.warn(f"lazytrain: config 'lazytrain.plan' ({path}) counted {planned_bytes}-byte weights, and this run "
                       f"computes in {cfg.compute_dtype_name} ({here} bytes): it runs, but its memory and time "
@@ -185,7 +186,6 @@ def _counted_from_config(model_config: dict | None) -> list[int] | None:
     (not from the blocks measured here); None where the planner cannot read the config."""
     if model_config is None:
         return None
-    from ..planner.models import ModelShape, ModelShapeError
     try:
         with warnings.catch_warnings():   # a family costed by analogy: said where a plan is made, not here
             warnings.simplefilter("ignore")

@@ -15,8 +15,9 @@ from ..optim.hybrid_adamw import HybridAdamW, holds_adam_moments
 from ..optim.lr_schedules import _Schedule
 
 
-# how torch runs an optimizer's update, not what it computes: not named as what sets a saved state apart
-_HOW_IT_RUNS = ("foreach", "fused", "capturable", "differentiable")
+# how torch runs an optimizer's update, not what it computes: not named as what sets a saved state apart, and not
+# taken from a checkpoint's groups (the engine's load by name keeps this optimizer's own)
+HOW_IT_RUNS = ("foreach", "fused", "capturable", "differentiable")
 # what torch's schedules add to an optimizer's groups (OneCycleLR, CyclicLR, any: initial_lr): not the optimizer's
 _SCHEDULE_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum"})
 
@@ -58,7 +59,7 @@ def optimizer_state_of_another_kind(optimizer, saved: dict) -> str | None:
     # another kind both lacks settings this one keeps and has settings this one does not; an older version of
     # this one lacks only the settings added since (bitsandbytes' AdEMAMix keys, read with a default), and loads
     missing = missing_settings(optimizer, groups)
-    foreign = sorted(set().union(*(g.keys() for g in groups)) - {"params"} - _SCHEDULE_KEYS - set(_HOW_IT_RUNS) -
+    foreign = sorted(set().union(*(g.keys() for g in groups)) - {"params"} - _SCHEDULE_KEYS - set(HOW_IT_RUNS) -
                      set().union(*(g.keys() for g in optimizer.param_groups)))
     if missing and foreign:
         listed = f"{', '.join(map(repr, foreign[:4]))}{' ...' if len(foreign) > 4 else ''}"
