@@ -315,18 +315,14 @@ class MoeShape:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
             raise ModelShapeError(f"mixture-of-experts config with {experts} experts needs 'num_experts_per_tok' "
                                   f"between 1 and {experts}, got {top_k!r}")
-        if cfg.get("moe_intermediate_size") is None and cfg.get("intermediate_size") is None:
-            raise ModelShapeError("model config lacks 'intermediate_size', which the planner needs")
-        expert_ffn = _optional_whole(cfg, "moe_intermediate_size") or _whole(cfg["intermediate_size"],
+        expert_ffn = _optional_whole(cfg, "moe_intermediate_size") or _whole(_needed(cfg, "intermediate_size"),
                                                                             "intermediate_size")
         shared = _optional_whole(cfg, "shared_expert_intermediate_size", least=0)
         n_shared = _optional_whole(cfg, "n_shared_experts", least=0)
         if not shared and n_shared:
             shared = n_shared * expert_ffn
-        if not shared and cfg.get("model_type") == "llama4_text":
-            if cfg.get("intermediate_size") is None:
-                raise ModelShapeError("model config lacks 'intermediate_size', which the planner needs")
-            shared = _whole(cfg["intermediate_size"], "intermediate_size")   # Llama 4: one shared expert
+        if not shared and cfg.get("model_type") == "llama4_text":   # Llama 4: one shared expert
+            shared = _whole(_needed(cfg, "intermediate_size"), "intermediate_size")
         sparse = [True] * n_layers
         if "first_k_dense_replace" in cfg or "moe_layer_freq" in cfg:                 # DeepSeek
             k = _optional_whole(cfg, "first_k_dense_replace", least=0) or 0
@@ -734,7 +730,8 @@ def _class_defaults(cfg: dict[str, Any], outer: dict[str, Any]) -> dict[str, Any
 def transformers_class_defaults(model_type: str) -> dict[str, Any]:
     """What transformers' config class for ``model_type`` defaults to, for the keys the planner may find left
     out of a config.json: :data:`DEFAULTED_SHAPE_KEYS` as its ``__init__`` declares them (None ones left out)
-    and ``tie_word_embeddings`` as a default instance holds it. {} where transformers is not installed or knows
+    and ``tie_word_embeddings`` as a default instance holds it; and under ``"attribute_map"``, the class's own
+    names for standard ones (:func:`transformers_attribute_map`). {} where transformers is not installed or knows
     no such class. Asked of one child interpreter per model type (importing transformers imports torch, which
     the planner never does), and only for a model type outside the planner's tables."""
     return _ask_transformers(_config_class_defaults, model_type, otherwise={})
@@ -762,6 +759,8 @@ def _config_class_defaults(model_type: str) -> dict[str, Any]:
         tied = None
     if isinstance(tied, bool):
         found["tie_word_embeddings"] = tied
+    found["attribute_map"] = {k: v for k, v in (getattr(cls, "attribute_map", None) or {}).items()
+                              if isinstance(v, str)}
     return found
 
 
@@ -784,21 +783,18 @@ def with_standard_names(cfg: dict[str, Any], attribute_map: dict[str, str] | Non
     return out
 
 
-@functools.lru_cache(maxsize=None)
 def transformers_attribute_map(model_type: str) -> dict[str, str]:
-    """transformers' config class's ``attribute_map`` for ``model_type`` ({} where it cannot say), asked of a
-    child interpreter as :func:`transformers_class_defaults` is, and only for a config that lacks a standard
-    shape name (a GPT-2 config.json given to `lazytrain plan --model`)."""
-    return _ask_transformers(_config_attribute_map, model_type, otherwise={})
+    """transformers' config class's ``attribute_map`` for ``model_type`` ({} where it cannot say), from the same
+    child interpreter's answer as :func:`transformers_class_defaults`: asked only for a config that lacks a
+    standard shape name (a GPT-2 config.json given to `lazytrain plan --model`)."""
+    return transformers_class_defaults(model_type).get("attribute_map", {})
 
 
-def _config_attribute_map(model_type: str) -> dict[str, str]:
-    from transformers import CONFIG_MAPPING
-    try:
-        cls = CONFIG_MAPPING[model_type]
-    except KeyError:
-        raise LookupError(f"transformers knows no model type {model_type!r}") from None
-    return {k: v for k, v in (getattr(cls, "attribute_map", None) or {}).items() if isinstance(v, str)}
+def _needed(cfg: dict[str, Any], key: str) -> Any:
+    """``cfg[key]``, which the planner cannot do without."""
+    if cfg.get(key) is None:
+        raise ModelShapeError(f"model config lacks {key!r}, which the planner needs")
+    return cfg[key]
 
 
 def _ask_transformers(fn, *args: Any, otherwise: Any) -> Any:
