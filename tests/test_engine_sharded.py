@@ -596,7 +596,7 @@ def test_two_torchrun_nodes_on_one_machine_train_as_one_process(tmp_path, per_no
     ref = reference(steps, world)
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["node_shared"] == (per_node > 1)
+        assert result["node_shared"] == (per_node > 1), outputs
         assert not result["signals_only"]   # two nodes: the weights themselves cross between them
         assert max_rel_diff(as_model(result["weights"]), ref) < 1e-5
     empty = sorted(n for rank in range(world) for n in torch.load(tmp_path / f"rank{rank}.pt")["empty_here"])
@@ -2436,3 +2436,28 @@ def test_a_set_between_a_forward_and_its_backward_refuses_that_backward_on_every
                                              "been modified by an inplace operation"), r["head"]["error"]
         assert r["head"]["seconds"] < 30
         assert r["emb"]["error"].startswith("ExecutorError: ") and "weights changed" in r["emb"]["error"], r["emb"]
+
+
+def test_a_file_another_leader_removes_before_its_lock_is_taken_is_made_again(tmp_path, monkeypatch):
+    """Two leaders on one machine (two jobs, or two torchrun nodes): the other's clean-up of files left
+    behind may find this leader's new file before its lock is taken, take the lock and remove it. The file
+    is then made again under a new name, never handed out unnamed (its ranks could not map it, and the node
+    kept a copy per rank)."""
+    import fcntl
+    import types
+    from lazytrain.engine import node_memory
+    removed = []
+
+    def flock(fd, op):
+        if op == fcntl.LOCK_EX and not removed:   # the creator's lock, the first time: the other leader is first
+            removed.extend(node_memory.remove_stale_files(str(tmp_path)))
+        fcntl.flock(fd, op)
+
+    monkeypatch.setattr(node_memory, "fcntl", types.SimpleNamespace(**{**vars(fcntl), "flock": flock}))
+    paths = node_memory.create_shared_files([4096, 100], str(tmp_path))
+    assert len(removed) == 1 and removed[0] not in paths
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in paths)
+    assert [os.path.getsize(p) for p in paths] == [4096, 100]
+    assert node_memory.remove_stale_files(str(tmp_path)) == []   # both held
+    node_memory.remove_files(paths)
+    assert os.listdir(tmp_path) == [] and not node_memory._LOCKED

@@ -80,13 +80,10 @@ def create_shared_files(sizes: list[int], shm_dir: str | None = None) -> list[st
         raise SharedMemoryUnavailable(f"{shm_dir} has {free / 2**30:.2f} GiB free and the node's copy of the "
                                       f"streamed weights needs {nbytes / 2**30:.2f} GiB (a container's /dev/shm "
                                       f"is often 64 MiB: raise it, e.g. docker run --shm-size)")
-    stem = os.path.join(shm_dir, f"lazytrain-{os.getpid()}-{uuid.uuid4().hex}")
     paths: list[str] = []
     try:
         for k, size in enumerate(sizes):
-            path = f"{stem}-{k}"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)   # held until remove_files: a file nobody holds was left behind
+            path, fd = _create_locked(shm_dir, k)
             _LOCKED[path] = fd
             paths.append(path)
             try:
@@ -97,6 +94,22 @@ def create_shared_files(sizes: list[int], shm_dir: str | None = None) -> list[st
         remove_files(paths)
         raise
     return paths
+
+
+def _create_locked(shm_dir: str, k: int) -> tuple[str, int]:
+    """A new empty file in ``shm_dir`` under a fresh name, and its descriptor holding the file's lock (held
+    until :func:`remove_files`: a file nobody holds was left behind). Between the file's creation and the
+    lock, another leader on this machine (another job, or another torchrun node) may take the lock first
+    and remove the file as left behind; a file whose name is gone once the lock is ours is made again."""
+    for _ in range(100):
+        path = os.path.join(shm_dir, f"lazytrain-{os.getpid()}-{uuid.uuid4().hex}-{k}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.fstat(fd).st_nlink > 0:   # a remover unlinks while holding the lock: still named, it stays
+            return path, fd
+        os.close(fd)
+    raise SharedMemoryUnavailable(f"the files made in {shm_dir} were removed by another process before they "
+                                  f"could be locked, 100 times")
 
 
 def remove_stale_files(shm_dir: str) -> list[str]:
