@@ -10,14 +10,14 @@ Pure Python (no torch): the planner writes Plans' predicted timelines with it.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
+
+from . import files
 
 # "host": the host's arithmetic on gradients outside the optimizer (the sinks' fp32 adds), on their workers
 # "comm": the gradient path's collectives across ranks, from their start to when the thread that waits for
@@ -167,24 +167,6 @@ def _us(ns: int) -> float:
     return us if us * 1000 >= ns else math.nextafter(us, math.inf)
 
 
-def _target(path: str) -> str:
-    """The file a trace written to ``path`` replaces: a symlink's target, so that the link stays one. A path
-    that exists and is no regular file (a device such as /dev/null, a FIFO) is refused: the write would
-    replace the node itself with a file."""
-    target = os.path.realpath(path)
-    if os.path.exists(target) and not os.path.isfile(target):
-        named = path if target == os.path.abspath(path) else f"{path} (resolved: {target})"
-        raise OSError(f"trace path {named} is not a regular file; give the name of a file to write")
-    return target
-
-
-def _partial(target: str) -> str:
-    """The name a trace is written under before it is renamed to ``target``: a write cut short never leaves a
-    truncated trace under the name; it is this process's own, so that processes writing the same path (ranks
-    given one trace path) never share one."""
-    return f"{target}.{os.getpid()}.tmp"
-
-
 def measured_source(rank: int, world_size: int) -> str:
     """A measured step's process name: over several ranks, the rank's (each rank writes its own file)."""
     return "measured" if world_size <= 1 else f"measured (rank {rank})"
@@ -194,49 +176,18 @@ def write_chrome_trace(path: str, *timelines: Timeline) -> None:
     """Write timelines into one Chrome/Perfetto trace file, one process each (predicted beside measured). Each
     process's times start at its first span; for a measured one, ``otherData.start_unix_s`` gives that
     instant on the wall clock, so that the files of several ranks (or runs) can be lined up."""
-    target = _target(path)
+    files.replaced_file(path, "trace path")   # refused before the events are gathered
     events, starts = [], {}
     for pid, t in enumerate(timelines, start=1):
         events += t.chrome_events(pid)
         if t.device is not None:   # measured: its spans are perf_counter times from its origin
             starts[t.source] = t.wall_origin + t.first_start
-    partial = _partial(target)
-    try:
-        with open(partial, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"start_unix_s": starts}}, f)
-        os.replace(partial, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(partial)
-        raise
+    files.write_text_atomic(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                                        "otherData": {"start_unix_s": starts}}), "trace path")
     for t in timelines:
         t.written_to = path
 
 
 def check_writable(path: str) -> None:
-    """Refuse a trace path that cannot be written, before any training time is spent: try what
-    :func:`write_chrome_trace` will do, create its temporary file beside the file it replaces (the folder must
-    take new files), and open that file when it exists (a file the user cannot write is not replaced)."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise ValueError(f"trace path {path} is a directory; give a file name such as {os.path.join(path, 'step.json')}")
-    try:
-        target = _target(path)
-    except OSError as e:
-        raise ValueError(str(e)) from None
-    folder = os.path.dirname(target)
-    if not os.path.isdir(folder):
-        raise ValueError(f"trace path {path}: its directory {folder} does not exist")
-    if os.path.exists(target):
-        try:
-            os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
-        except OSError as e:
-            raise ValueError(f"trace path {path} cannot be written: {e.strerror or e}") from e
-    partial = _partial(target)
-    try:
-        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT, 0o644))
-    except OSError as e:
-        raise ValueError(f"trace path {path} cannot be written: its temporary file {partial} cannot be created "
-                         f"({e.strerror or e}); the trace is written there, then renamed over the path") from e
-    with contextlib.suppress(FileNotFoundError):   # a write of this process's own to the path renamed it meanwhile
-        os.remove(partial)
+    """Refuse a trace path that cannot be written, before any training time is spent."""
+    files.check_writable(path, "trace path", "step.json")

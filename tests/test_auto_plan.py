@@ -658,6 +658,10 @@ def test_steps_with_an_evaluation_are_counted_per_measurement(monkeypatch):
                                                "check_every, drift_margin, max_replans, profile, profile_path, "
                                                "profile_steps, selective, warmup_steps)"),
     ({"policy": "auto", "auto": {"selective": "yes"}}, "'lazytrain.auto.selective' must be true or false, got 'yes'"),
+    # read when the measured steps are planned, so checked at start-up (it stopped auto after the measured steps)
+    ({"policy": "auto", "hardware": "h2OO"}, "config 'lazytrain.hardware': unknown hardware 'h2OO'; catalog entries: "),
+    ({"policy": "auto", "hardware": "/nonexistent-hw.json"}, "config 'lazytrain.hardware': "),
+    ({"policy": "milp", "hardware": "h2OO", "seq_len": 12}, "config 'lazytrain.hardware': unknown hardware 'h2OO'"),
 ])
 @pytest.mark.filterwarnings("ignore:lazytrain")
 def test_auto_settings_that_cannot_work_are_refused_by_name(lt, message):
@@ -757,8 +761,16 @@ def test_a_saved_profile_of_another_model_or_sequence_length_and_an_unwritable_p
                                           r"its step times are another run's; measure again"):
         lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
                                                                          "auto": {"profile": str(other)}}))
-    other.write_text(json.dumps({k: v for k, v in d.items() if k not in ("device_name", "world_size",
-                                                                         "zero_stage")}))   # an older profile
+    # what trained, and the moments' bits: the backward's and the updates' times are another run's
+    for key, value, says in (("trainable_share", 0.5, "trainable_share 0.5, this run's is 1"),
+                             ("hybrid_8bit_fraction", 1.0, "hybrid_8bit_fraction 1, this run's is 0")):
+        other.write_text(json.dumps({**d, key: value}))
+        with pytest.raises(ConfigError, match=f"was measured with {says}: its backward and update times are "
+                                              f"another run's; measure again"):
+            lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
+                                                                             "auto": {"profile": str(other)}}))
+    other.write_text(json.dumps({k: v for k, v in d.items() if k not in ("device_name", "world_size", "zero_stage",
+                                                                         "hybrid_8bit_fraction")}))   # an older one
     lazytrain.initialize(model=make_model("llama"), config=_config(
         {"policy": "auto", "auto": {"profile": str(other)}}))[0].destroy()
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(
@@ -767,7 +779,7 @@ def test_a_saved_profile_of_another_model_or_sequence_length_and_an_unwritable_p
     with pytest.raises(ConfigError, match="was measured at sequence length 12, and this batch's is 16"):
         engine(x)
     engine.destroy()
-    with pytest.raises(ConfigError, match="'lazytrain.auto.profile_path' cannot be written: trace path "
+    with pytest.raises(ConfigError, match="'lazytrain.auto.profile_path' cannot be written: profile path "
                                           "/nonexistent-dir/p.json: its directory /nonexistent-dir does not exist"):
         lazytrain.initialize(model=make_model("llama"), config=_config(
             {"policy": "auto", "auto": {"profile_path": "/nonexistent-dir/p.json"}}))
@@ -1030,6 +1042,9 @@ def test_a_lora_runs_profile_records_its_trainable_share_and_lazytrain_plan_budg
         == (1.0, 1.0, None)
     with pytest.raises(MeasurementError, match=r"non_block_trainable_share must be a fraction in \[0, 1\], got 2"):
         MachineProfile.from_dict({**older, "non_block_trainable_share": 2})
+    with pytest.raises(ConfigError, match=rf"was measured with trainable_share {profile.trainable_share:.6g}, this "
+                                          rf"run's is 1: its backward and update times are another run's"):
+        lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto", "auto": {"profile": path}}))
 
 
 @pytest.mark.parametrize("selective", [True, False])

@@ -823,6 +823,11 @@ _GOOD_PLAN = {"num_layers": 4, "homes": ["host", "recompute", "hbm", "recompute"
     ({"resident_layers": [True]}, "Plan field 'resident_layers' must be a list of layer numbers, got [True]"),
     ({"homes": "hbm"}, "Plan field 'homes' must be a list of tier names, got 'hbm'"),
     ({"overlap_optimizer": "no"}, "Plan field 'overlap_optimizer' must be true or false, got 'no'"),
+    # what the engine checks against its device's budget (a number here was an AttributeError at start-up)
+    ({"prediction": {"peak_bytes": 123456}}, "Plan field 'prediction.peak_bytes' must be an object of bytes by "
+                                             "tier, got 123456"),
+    ({"prediction": {"peak_bytes": {"hbm": "1GB"}}}, "Plan field 'prediction.peak_bytes' must be an object of "
+                                                     "bytes by tier, got {'hbm': '1GB'}"),
 ])
 def test_a_malformed_plan_file_names_the_field(change, message):
     with pytest.raises(PlanError) as e:
@@ -838,6 +843,19 @@ def test_a_malformed_plan_file_names_the_field(change, message):
     assert (whole.num_layers, whole.offload_window, whole.micro_batch_size) == (4, {0: 1}, 2)
     assert type(whole.micro_batch_size) is int
     assert Plan.from_dict({**_GOOD_PLAN, "num_layers": np.int64(4), "resident_layers": [np.int32(1)]}).resident_layers == (1,)
+
+
+def test_a_plan_file_whose_relative_path_begins_like_json_text_is_read_as_the_file(tmp_path, monkeypatch):
+    """"[run-1]/plan.json" was read as JSON text ("Plan JSON does not parse"); JSON text is still read as such."""
+    (tmp_path / "[run-1]").mkdir()
+    (tmp_path / "[run-1]" / "plan.json").write_text(json.dumps(_GOOD_PLAN))
+    (tmp_path / "{x}.json").write_text(json.dumps({**_GOOD_PLAN, "policy": "braced"}))
+    monkeypatch.chdir(tmp_path)
+    assert Plan.from_json("[run-1]/plan.json").homes == tuple(_GOOD_PLAN["homes"])
+    assert Plan.from_json("{x}.json").policy == "braced"
+    assert Plan.from_json(json.dumps(_GOOD_PLAN)).num_layers == 4
+    with pytest.raises(PlanError, match="Plan JSON does not parse"):
+        Plan.from_json("[run-2]/plan.json")   # no such file: read as text, as before
 
 
 def test_megatrain_executor_reproduces_the_paper_within_the_documented_residuals():
@@ -1219,22 +1237,6 @@ def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, caps
         with pytest.raises(SystemExit):
             main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", flag, "-1"])
         assert f"argument {flag}: must be a positive {kind}, got '-1'" in capsys.readouterr().err
-
-def test_a_written_json_file_holds_the_old_text_or_the_new_one_whole(tmp_path):
-    """Plans, profiles and measured hardware were written in place: a write that failed half-way (a full
-    disk) left a truncated file where the last good one was."""
-    from lazytrain.planner.models import write_text_atomic
-    path = tmp_path / "plan.json"
-    write_text_atomic(str(path), "old\n")
-
-    class Unwritable:
-        pass
-    with pytest.raises(TypeError):
-        write_text_atomic(str(path), Unwritable())   # fails inside the write
-    assert path.read_text() == "old\n" and sorted(os.listdir(tmp_path)) == ["plan.json"]
-    write_text_atomic(str(path), "new\n")
-    assert path.read_text() == "new\n" and sorted(os.listdir(tmp_path)) == ["plan.json"]
-
 
 def test_cli_refuses_a_plot_file_of_no_known_format_before_solving(tmp_path, capsys):
     """matplotlib refused the extension only once the plan was solved, with a ValueError traceback."""

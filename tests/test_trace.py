@@ -254,7 +254,7 @@ def test_a_trace_path_whose_folder_takes_no_new_file_is_refused_before_training(
     partial = f"{os.path.realpath(path)}.{os.getpid()}.tmp"
     os.mkdir(partial)
     message = (f"trace path {path} cannot be written: its temporary file {partial} cannot be created (Is a "
-               f"directory); the trace is written there, then renamed over the path")
+               f"directory); the file is written there, then renamed over the path")
     with pytest.raises(ValueError) as e:   # what engine.trace_next_step and lazytrain train --trace check
         check_writable(str(path))
     assert str(e.value) == message

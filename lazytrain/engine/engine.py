@@ -36,6 +36,7 @@ from ..planner.problem import Budgets
 from ..tiers import format_bytes, streams
 from ..tiers.memory import release_cached_pinned_memory
 from ..tiers.streams import Chaos, EmulatedLink
+from .. import files
 from ..trace import Timeline, check_writable, measured_source, write_chrome_trace
 from . import checkpoint as ckpt
 from . import chunked_loss
@@ -59,9 +60,9 @@ from .weight_stream import WeightStream
 from ..optim.hybrid_adamw import refuse_unordered
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, hand_back_to_params, listed_groups, param_groups)
-from .placement import (RankMemory, build_plan, build_tiers, card_memory, check_model_shape, least_known,
-                        memory_copy_gbps, non_block_masters_apart, non_block_state_home, plan_from_measurements,
-                        resolve_device)
+from .placement import (RankMemory, build_plan, build_tiers, card_memory, check_model_shape, configured_hardware,
+                        least_known, memory_copy_gbps, non_block_masters_apart, non_block_state_home,
+                        plan_from_measurements, resolve_device)
 from .precision import FrozenParams, LossScaleAtMinimumError, LossScaler, Masters
 from .weights import LayerWeights
 
@@ -520,9 +521,10 @@ class LazyTrainEngine(nn.Module):
                               f"is {type(self.basic_optimizer).__name__}")
         if settings.profile_path and self.global_rank == 0:
             try:   # now, not after the measured steps
-                check_writable(settings.profile_path)
+                files.check_writable(settings.profile_path, "profile path", "profile.json")
             except ValueError as e:
                 raise ConfigError(f"config 'lazytrain.auto.profile_path' cannot be written: {e}") from None
+        configured_hardware(self._config)   # read when the measured steps are planned: checked now
         try:
             saved = measured.MachineProfile.from_json(settings.profile) if settings.profile else None
         except measured.MeasurementError as e:   # a config problem, named by its key (lazytrain train: one line)
@@ -667,6 +669,13 @@ class LazyTrainEngine(nn.Module):
         if profile.world_size is not None and ran != here:
             raise ConfigError(f"{where} was measured over {ran}, this run trains over {here}: its step times are "
                               f"another run's; measure again (leave 'profile' out)")
+        # what trains, and in how many bits its moments are kept, set the backward's and the updates' times
+        for key, mine in self._model_budgets.items():
+            theirs = getattr(profile, key)
+            if theirs is not None and mine is not None and abs(theirs - mine) > 1e-9:
+                raise ConfigError(f"{where} was measured with {key} {theirs:.6g}, this run's is {mine:.6g}: its "
+                                  f"backward and update times are another run's; measure "
+                                  f"again (leave 'profile' out)")
         # the layers, and what lies outside them (the embedding's and head's size sets the non-block update and
         # the host memory the plan budgets)
         for key, default in (("layer_params", None), ("hidden_size", None), ("vocab_size", None), ("dtype", None),

@@ -260,9 +260,21 @@ def _host_shares(cfg: EngineConfig, device: torch.device) -> dict[str, float]:
             "weights_copy_share": 1 / per_node if in_host and per_node > 1 else 1.0}
 
 
+def configured_hardware(cfg: EngineConfig):
+    """'lazytrain.hardware' as a HardwareProfile (None for "auto"); a name, file or field the planner cannot
+    use is refused naming the key."""
+    from ..planner.hardware import HardwareError, load_profile
+    if cfg.lazytrain.hardware == "auto":
+        return None
+    try:
+        return load_profile(cfg.lazytrain.hardware)
+    except HardwareError as e:
+        raise ConfigError(f"config 'lazytrain.hardware': {e}") from None
+
+
 def _hardware_profile(cfg: EngineConfig, device: torch.device):
     if cfg.lazytrain.hardware != "auto":
-        return cfg.lazytrain.hardware
+        return configured_hardware(cfg)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for needle, profile in _GPU_PROFILES:

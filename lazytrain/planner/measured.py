@@ -415,7 +415,7 @@ class MachineProfile:
     def to_json(self, path: str) -> None:
         import json
 
-        from .models import write_text_atomic
+        from ..files import write_text_atomic
         write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod

@@ -43,23 +43,6 @@ def read_json(path: str, error: type[Exception], what: str) -> Any:
         raise error(f"{what} file {path!r} cannot be read: {e}") from None
 
 
-def write_text_atomic(path: str, text: str) -> None:
-    """``path`` holds the old text or the new one whole: written beside it under a temporary name, then
-    renamed over it (a failed write, a full disk say, leaves the old file and no temporary one)."""
-    import os
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
-
-
 class ModelShapeError(ValueError):
     """A model description the planner cannot use; the message names the key (and the file it came from)."""
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -275,7 +276,7 @@ class Plan:
     def to_json(self, path: str | None = None, indent: int = 2) -> str:
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            from .models import write_text_atomic
+            from ..files import write_text_atomic
             write_text_atomic(path, text + "\n")
         return text
 
@@ -295,7 +296,8 @@ class Plan:
     @classmethod
     def from_json(cls, text_or_path: str) -> "Plan":
         text = text_or_path
-        if not text_or_path.lstrip().startswith(("{", "[")):
+        # JSON text, unless a file goes by that name (a relative path such as "[run-1]/plan.json")
+        if not text_or_path.lstrip().startswith(("{", "[")) or os.path.isfile(text_or_path):
             try:
                 with open(text_or_path, encoding="utf-8") as f:
                     text = f.read()
@@ -393,6 +395,10 @@ def _checked_fields(d: dict[str, Any]) -> dict[str, Any]:
         raise bad("policy", "a string", d["policy"])
     if "prediction" in d and not isinstance(d["prediction"], dict):
         raise bad("prediction", "an object", d["prediction"])
+    peaks = d.get("prediction", {}).get("peak_bytes")   # what the engine checks against its device's budget
+    if peaks is not None and (not isinstance(peaks, dict) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) for v in peaks.values())):
+        raise bad("prediction.peak_bytes", "an object of bytes by tier", peaks)
     return out
 
 

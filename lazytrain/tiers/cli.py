@@ -102,7 +102,7 @@ def run(args) -> int:
     if args.json == "-":
         print(text)
     else:
-        from ..planner.models import write_text_atomic
+        from ..files import write_text_atomic
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             write_text_atomic(args.json, text + "\n")

@@ -1,0 +1,74 @@
+"""Small files written whole (plans, profiles, traces): a reader of the path sees the old text or the new one,
+never a part of either.
+
+The text is written beside the file it replaces, under a name of this process's own, then renamed over it.
+The file replaced is the one the path leads to: a symlink's target, so that the link stays a link, and a
+path such as ``results/plan.json/`` names ``results/plan.json``. A path to something that is not a regular
+file (a directory, a device such as /dev/null, a FIFO) is refused: the rename would replace the node itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+
+def replaced_file(path: str, what: str = "path") -> str:
+    """The file a write to ``path`` replaces (symlinks followed); raises OSError for one that is no regular
+    file, naming the path as ``what``."""
+    path = os.fspath(path)
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        named = path if target == os.path.abspath(path) else f"{path} (resolved: {target})"
+        raise OSError(f"{what} {named} is not a regular file; give the name of a file to write")
+    return target
+
+
+def partial_name(target: str) -> str:
+    """The name ``target``'s new text is written under before the rename: this process's own, so that
+    processes writing one path (ranks given the same name) never share one."""
+    return f"{target}.{os.getpid()}.tmp"
+
+
+def write_text_atomic(path: str, text: str, what: str = "path") -> None:
+    """Replace the file ``path`` leads to with ``text``; a failed write (a full disk, say) leaves the old file
+    and no temporary one."""
+    target = replaced_file(path, what)
+    partial = partial_name(target)
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(partial, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise
+
+
+def check_writable(path: str, what: str = "path", example: str = "out.json") -> None:
+    """Refuse a path that cannot be written, before any training time is spent: try what
+    :func:`write_text_atomic` will do, create its temporary file beside the file it replaces (the folder must
+    take new files), and open that file when it exists (a file the user cannot write is not replaced). Raises
+    ValueError naming the path as ``what``."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path} is a directory; give a file name such as {os.path.join(path, example)}")
+    try:
+        target = replaced_file(path, what)
+    except OSError as e:
+        raise ValueError(str(e)) from None
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{what} {path}: its directory {folder} does not exist")
+    if os.path.exists(target):
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_APPEND))
+        except OSError as e:
+            raise ValueError(f"{what} {path} cannot be written: {e.strerror or e}") from e
+    partial = partial_name(target)
+    try:
+        os.close(os.open(partial, os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError as e:
+        raise ValueError(f"{what} {path} cannot be written: its temporary file {partial} cannot be created "
+                         f"({e.strerror or e}); the file is written there, then renamed over the path") from e
+    with contextlib.suppress(FileNotFoundError):   # a write of this process's own to the path renamed it meanwhile
+        os.remove(partial)
