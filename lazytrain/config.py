@@ -1051,11 +1051,13 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         raise ConfigError(f"config key 'lazytrain.non_block_state' must be \"auto\", \"host\" or \"device\", "
                           f"got {non_block!r}")
     _check_nvme_path(section, "lazytrain")
-    nvme_path = section.get("nvme_path") or offload_param.nvme_path
+    # DeepSpeed reads offload_param's path only where its device is "nvme" (its template spells both, and
+    # users keep the path while offloading to the CPU): so does LazyTrain
+    nvme_path = section.get("nvme_path") or (offload_param.nvme_path if offload_param.device == "nvme" else None)
     if weights_home == "nvme" and not nvme_path and not any(t.get("name") == "nvme" for t in tiers):
         raise ConfigError("config key 'lazytrain.nvme_path' is required when 'lazytrain.weights_home' is \"nvme\" "
                           "(the directory the streamed weights' files go to; DeepSpeed's "
-                          "'zero_optimization.offload_param.nvme_path' serves as well)")
+                          "'zero_optimization.offload_param.nvme_path' serves as well where its device is \"nvme\")")
     timeout = section.get("collective_timeout_s", 1800.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_COLLECTIVE_TIMEOUT_S:
         raise ConfigError(f"config key 'lazytrain.collective_timeout_s' must be a number of seconds > 0 and at most "

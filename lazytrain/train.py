@@ -70,6 +70,8 @@ def load_job_config(path: str | None) -> dict:
         raise JobError(f"cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise JobError(f"{path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:   # a UTF-16 file, say (what PowerShell 5's ">" writes)
+        raise JobError(f"{path} is not UTF-8 JSON: {e}") from None
     if not isinstance(cfg, dict) or "job" not in cfg:
         raise JobError(f"{path} has no 'job' section (model, task, steps); see configs/tiny-cpu.json")
     return cfg
@@ -185,14 +187,16 @@ def run(args) -> int:
     from lazytrain.tiers.nvme import NVMeIOError
     from lazytrain.engine.blocks import BlockDiscoveryError
     from lazytrain.engine.checkpoint import CheckpointError
+    from lazytrain.engine.distributed import LaunchError
     try:
         return _run(args)
     # a problem with the user's job or config (a budget too small for the model, a hardware profile the
     # planner cannot read, no plan in time, an NVMe path or an output disk that cannot take the files, on this
-    # rank or another, blocks or tiers the config names that the model or the tier specs lack): one line
+    # rank or another, blocks or tiers the config names that the model or the tier specs lack, a launcher's
+    # variables half set): one line
     # naming what to change, no traceback
     except (JobError, ConfigError, InfeasibleBudgetError, HardwareError, PlanningError, TierBudgetError,
-            TierSpecError, NVMeIOError, BlockDiscoveryError, CheckpointError) as e:
+            TierSpecError, NVMeIOError, BlockDiscoveryError, CheckpointError, LaunchError) as e:
         print(f"lazytrain train: {e}", file=sys.stderr)
         return 2
 
@@ -220,6 +224,9 @@ def _run(args) -> int:
             check_writable(trace_path)
         except ValueError as e:
             raise JobError(str(e)) from None
+        if args.config is not None and os.path.realpath(trace_path) == os.path.realpath(args.config):
+            raise JobError(f"trace path {trace_path} is the config file this run reads: the trace would replace it; "
+                           f"give another file name")
     sched = cfg.get("scheduler")
     if args.steps and isinstance(sched, dict) and isinstance(sched.get("params"), dict) and \
             "total_num_steps" in sched["params"]:

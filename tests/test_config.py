@@ -197,6 +197,15 @@ def test_offload_sections_map_onto_tiers():
     assert cfg.lazytrain.weights_home == "nvme" and cfg.lazytrain.nvme_path == "/tmp/x"
     with pytest.raises(ConfigError, match="'zero_optimization.offload_param.nvme_path' is required"):
         parse_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"device": "nvme"}}})
+    # DeepSpeed's template spells a path beside device "cpu" or "none", and DeepSpeed reads it only for "nvme": a
+    # path that does not exist here stopped start-up, and one that did made an NVMe tier nothing used
+    for device in ("cpu", "none"):
+        cfg = parse_config({"train_batch_size": 1, "zero_optimization": {
+            "stage": 3, "offload_param": {"device": device, "nvme_path": "/local_nvme"}}})
+        assert cfg.lazytrain.weights_home == "host" and cfg.lazytrain.nvme_path is None
+    cfg = parse_config({"train_batch_size": 1, "lazytrain": {"nvme_path": "/tmp/y"}, "zero_optimization": {
+        "stage": 3, "offload_param": {"device": "cpu", "nvme_path": "/local_nvme"}}})
+    assert cfg.lazytrain.nvme_path == "/tmp/y"   # LazyTrain's own key, as before
 
 
 def test_weights_on_nvme_without_a_path_are_refused_by_name():

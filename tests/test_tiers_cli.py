@@ -128,3 +128,29 @@ def test_a_tier_is_measured_in_rounds_through_the_same_buffers_and_every_read_is
     with pytest.raises(RuntimeError, match="^tier 'recording' returned wrong data for bench-9$"):
         measure_tier(wrong, 16 << 20, 1 << 20, round_bytes=4 << 20)
     assert wrong.tier.keys() == []
+
+
+def test_a_disk_without_room_for_the_nvme_measurement_is_one_line_before_any_measurement(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """With the default 1 GiB on a small disk the write failed with ENOSPC after the other measurements, as a
+    traceback."""
+    import collections
+
+    from lazytrain.tiers import bench
+    from lazytrain.tiers.nvme import NVMeIOError
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: usage(3 << 20, 2 << 20, 1 << 20))
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: pytest.fail("measured on a disk without room"))
+    args = parser().parse_args(["bench", "tiers", "--path", str(tmp_path), "--nvme-bytes", "2MiB", "--json", "-"])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == (f"lazytrain bench tiers: {tmp_path} has 1.0 MiB free, and the NVMe measurement "
+                                       f"writes --nvme-bytes 2.0 MiB there: give a smaller --nvme-bytes, or a --path on "
+                                       f"a disk with room\n")
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: usage(3 << 20, 0, 3 << 20))
+
+    def disk_filled_meanwhile(**kw):
+        raise NVMeIOError("tier 'nvme': writing bench-1 failed: No space left on device")
+    monkeypatch.setattr(bench, "run_bench", disk_filled_meanwhile)
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == (f"lazytrain bench tiers: the NVMe measurement under {tmp_path} failed: tier "
+                                       f"'nvme': writing bench-1 failed: No space left on device\n")

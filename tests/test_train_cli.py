@@ -55,7 +55,7 @@ def set_in(section, **kw):
      "GPU budget 1.00 MB is too small at micro-batch 64 x seq 16: "),
     (set_in(("lazytrain",), policy="milp", seq_len=16, hardware="h800", host_memory="1MB"),
      "host memory budget 1.00 MB cannot hold the optimizer state: 852.99k layer parameters x 16.00 bytes"),
-    (set_in(("lazytrain",), policy="milp", seq_len=16, hardware="no-such-card"), "unknown hardware 'no-such-card'"),
+    (set_in(("lazytrain",), policy="milp", seq_len=16, hardware="no-such-card"), "config 'lazytrain.hardware': unknown hardware 'no-such-card'"),
     (set_in(("lazytrain",), gpu_memory="1KB"), "tier 'hbm' is over its budget: writing 'weights.slot0'"),
     (set_in(("lazytrain",), gpu_memory="0"), "config key 'lazytrain.gpu_memory' must be above 0"),
     (set_in(("job",), out_dir=5), "'job.out_dir' must be a directory path, got 5"),
@@ -90,6 +90,20 @@ def test_bad_job_files_and_paths_are_one_line(tmp_path, capsys):
                           (str(bad), "{} is not valid JSON: Expecting property name")):
         assert main(["train", path]) == 2
         assert capsys.readouterr().err.startswith("lazytrain train: " + message.format(path))
+    utf16 = tmp_path / "utf16.json"
+    utf16.write_bytes(json.dumps(DEFAULT_CONFIG).encode("utf-16"))   # PowerShell 5's ">": was a traceback
+    assert main(["train", str(utf16)]) == 2
+    assert capsys.readouterr().err.startswith(f"lazytrain train: {utf16} is not UTF-8 JSON: 'utf-8' codec can't "
+                                              f"decode byte 0xff")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(DEFAULT_CONFIG))
+    link = tmp_path / "trace-link.json"
+    link.symlink_to(job)
+    for trace in (job, link):   # the trace replaced the config it was read from, and the run ended with 0
+        assert main(["train", str(job), "--steps", "1", "--trace", str(trace), "--out", str(tmp_path / "o")]) == 2
+        assert capsys.readouterr().err == (f"lazytrain train: trace path {trace} is the config file this run reads: "
+                                           f"the trace would replace it; give another file name\n")
+    assert json.loads(job.read_text()) == DEFAULT_CONFIG
     blocker = tmp_path / "afile"
     blocker.write_text("")
     assert main(["train", "--out", str(blocker / "sub")]) == 2          # refused before training, not after
@@ -222,3 +236,14 @@ def test_under_a_launcher_one_ranks_problem_with_its_output_directory_stops_ever
     assert refused[1]["error"].startswith("lazytrain train: rank 0: ") and refused[0]["error"].startswith(
         f"lazytrain train: {tmp_path / 'refused' / 'node0' / 'final'} holds the checkpoint of an earlier run"), refused
     assert all(r["group_left"] for r in refused)   # the group the command made, torn down on its way out
+
+
+def test_a_world_size_left_set_without_a_launcher_is_one_line(tmp_path, capsys, monkeypatch):
+    """WORLD_SIZE=2 in the environment with no rendezvous address: was the same message as a traceback, exit 1."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert main(["train", "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == ("lazytrain train: WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT is not set: launch "
+                                       "with torchrun, or unset WORLD_SIZE for a single process\n")

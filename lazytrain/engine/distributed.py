@@ -31,6 +31,11 @@ _GRADIENT_REDUCE = ("gradient reduce in the backward (at zero_optimization.stage
                     "same trainable layers in each backward; a model that skips layers on some ranks needs stage 1)")
 
 
+class LaunchError(RuntimeError):
+    """The launcher's variables describe several ranks but not how to reach them (WORLD_SIZE set without
+    MASTER_ADDR or MASTER_PORT)."""
+
+
 class CollectiveError(RuntimeError):
     """A collective that did not complete on every rank (one stopped, hung or died)."""
 
@@ -241,7 +246,7 @@ class DistributedContext:
             if not dist.is_initialized():
                 missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
                 if missing:
-                    raise RuntimeError(f"WORLD_SIZE={self.world_size} but {', '.join(missing)} is not set: launch with "
+                    raise LaunchError(f"WORLD_SIZE={self.world_size} but {', '.join(missing)} is not set: launch with "
                                        f"torchrun, or unset WORLD_SIZE for a single process")
                 init_distributed("nccl" if device_type == "cuda" else "gloo", timeout=self._timeout())
             # groups of our own, so that the timeout holds whoever made the default group and how

@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
 from ..cli import positive
-from .base import parse_bytes
+from .base import format_bytes, parse_bytes
 
 DEFAULT_JSON = os.path.join("lazytrain-out", "hardware.json")
 
@@ -79,6 +80,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from .bench import format_rows, run_bench
+    from .nvme import NVMeIOError
     if args.path is not None and not os.path.isdir(args.path):
         print(f"lazytrain bench tiers: --path {args.path} is not a directory", file=sys.stderr)
         return 2
@@ -87,15 +89,26 @@ def run(args) -> int:
         print(f"lazytrain bench tiers: cannot create files under --path {args.path} ({problem}); give a "
               f"directory on the disk to measure", file=sys.stderr)
         return 2
+    directory = args.path if args.path is not None else tempfile.gettempdir()
+    free = shutil.disk_usage(directory).free
+    if free < args.nvme_bytes:   # found before the other measurements, not as ENOSPC after them
+        print(f"lazytrain bench tiers: {directory} has {format_bytes(free)} free, and the NVMe measurement writes "
+              f"--nvme-bytes {format_bytes(args.nvme_bytes)} there: give a smaller --nvme-bytes, or a --path on a "
+              f"disk with room", file=sys.stderr)
+        return 2
     if args.json != "-":   # where the profile goes, checked before the measurements (minutes), not after
         problem = _unwritable(args.json)
         if problem:
             print(f"lazytrain bench tiers: cannot write the profile to --json {args.json} ({problem})", file=sys.stderr)
             return 2
-    profile, rows = run_bench(path=args.path, nvme_bytes=args.nvme_bytes, tensor_bytes=args.tensor_bytes,
-                              copy_bytes=args.copy_bytes, seconds=args.seconds,
-                              optimizer_params=args.optimizer_params,
-                              log=lambda line: print(line, file=sys.stderr))
+    try:
+        profile, rows = run_bench(path=args.path, nvme_bytes=args.nvme_bytes, tensor_bytes=args.tensor_bytes,
+                                  copy_bytes=args.copy_bytes, seconds=args.seconds,
+                                  optimizer_params=args.optimizer_params,
+                                  log=lambda line: print(line, file=sys.stderr))
+    except NVMeIOError as e:   # the disk filled meanwhile, or failed: named in one line
+        print(f"lazytrain bench tiers: the NVMe measurement under {directory} failed: {e}", file=sys.stderr)
+        return 2
     # with --json -, stdout holds the profile alone (a file lazytrain plan --hardware reads); the table goes to stderr
     print(format_rows(rows), file=sys.stderr if args.json == "-" else sys.stdout)
     text = json.dumps(profile, indent=2)
