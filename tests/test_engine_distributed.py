@@ -110,6 +110,43 @@ def _mismatched_models(rank: int, world: int, out_dir: str):
 case("mismatched-models", _mismatched_models)
 
 
+def _plan_files(rank: int, world: int, out_dir: str):
+    """Each rank reads its own Plan file: the same plan under two names runs; rank 1's plan of other homes is
+    refused on every rank (each ran its own plan, unchecked)."""
+    import lazytrain
+    from engine_models import ModuleListLM
+    from lazytrain.config import ConfigError
+    from lazytrain.planner.plan import every_k_plan, keep_all_plan
+    told = []
+    for other in (False, True):
+        path = os.path.join(out_dir, f"plan-{other}-rank{rank}.json")
+        plan = every_k_plan(6, 2, home="host") if other and rank == 1 else keep_all_plan(6, home="host")
+        plan.to_json(path)
+        cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+               "lazytrain": {"policy": "plan", "plan": path}}
+        try:
+            engine, _, _, _ = lazytrain.initialize(model=ModuleListLM(), config=cfg)
+        except ConfigError as e:
+            told.append(str(e))
+        else:
+            told.append(engine.plan.homes)
+            engine.destroy()
+    return told
+
+
+case("plan-files", _plan_files)
+
+
+def test_a_plan_file_that_says_another_plan_on_another_rank_is_refused_on_every_rank(spawned):
+    same, other = zip(*spawned("plan-files"))
+    assert same == (("host",) * 6 + ("hbm",),) * 2
+    root = spawned.root / "plan-files"
+    assert other == (f"config 'lazytrain.plan': rank 1's plan ({root}/plan-True-rank1.json) differs from rank 0's "
+                     f"({root}/plan-True-rank0.json) in 'homes': every rank runs one plan; give every rank the same "
+                     f"file",) * 2
+
+
 def _odd_parameters(rank: int, world: int, out_dir: str):
     """A 0-dim scale, a transposed weight, a bf16 and an empty parameter, each rank's own values: after the
     start-up broadcast, rank 0's on every rank."""

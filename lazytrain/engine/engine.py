@@ -308,6 +308,8 @@ class LazyTrainEngine(nn.Module):
         # share the host's cores, and a solve stopped at its time limit can return another plan on each
         self.plan = self._rank0_answer(make_plan, _PLAN_ON_RANK_0) \
             if config.lazytrain.policy == "milp" else make_plan()
+        if config.lazytrain.policy == "plan" and self.dist.enabled:
+            self._check_one_plan_file_over_ranks()
         self._model_cfg = model_cfg
         weights_tier = self.tiers["host"] if config.lazytrain.weights_home in ("host", "hbm") \
             else self.tiers[config.lazytrain.weights_home]
@@ -694,6 +696,18 @@ class LazyTrainEngine(nn.Module):
                     if n is not None]
             self._seq_len = max(seen) if seen else None
         return self._rank0_answer(compute, _AUTO_PLAN_ON_RANK_0)
+
+    def _check_one_plan_file_over_ranks(self) -> None:
+        """Every rank runs one plan (rank 0's, where a planner makes it): a Plan file that each rank reads for
+        itself must say the same on every rank (its name and predictions aside), or each would run its own."""
+        mine = {k: v for k, v in self.plan.to_dict().items() if k not in ("prediction", "policy")}
+        plans = self.dist.all_gather_object((mine, self._config.lazytrain.plan_path), "agreement on the Plan file")
+        other = next((r for r, (plan, _) in enumerate(plans) if plan != plans[0][0]), None)
+        if other is not None:   # every rank sees the same list: every rank raises
+            field = next(k for k in plans[0][0] if plans[0][0][k] != plans[other][0].get(k))
+            raise ConfigError(f"config 'lazytrain.plan': rank {other}'s plan ({plans[other][1]}) differs from rank "
+                              f"0's ({plans[0][1]}) in {field!r}: every rank runs one plan; give every rank the same "
+                              f"file")
 
     def _rank0_answer(self, compute, what: str):
         """``compute()`` on rank 0 alone, its answer returned on every rank and its error raised on every rank."""
