@@ -806,6 +806,36 @@ def _rank(rank, port, out_dir, own_trace_on_rank_0=False):
     leave_group()
 
 
+def _rank_with_its_own_hardware(rank, port, out_dir):
+    """'lazytrain.hardware' (a node-local file, say) is rank 0's to read: a name only rank 0 can read starts
+    on every rank; one rank 0 cannot read is refused on every rank (on rank 0 alone, the others waited)."""
+    join_as(rank, 2, port)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    told = []
+    for rank0s, others in (("h200", "h2OO"), ("h2OO", "h200")):
+        cfg = _config({"policy": "auto", "auto": AUTO, "collective_timeout_s": 60,
+                       "hardware": rank0s if rank == 0 else others})
+        cfg["train_batch_size"] = 4
+        try:
+            engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=cfg)
+        except ConfigError as e:
+            told.append(str(e))
+        else:
+            told.append("started")
+            engine.destroy()
+    torch.save(told, os.path.join(out_dir, f"rank{rank}.pt"))
+    leave_group()
+
+
+def test_the_hardware_profile_is_read_by_rank_0_alone_and_its_error_raised_on_every_rank(tmp_path):
+    spawn(_rank_with_its_own_hardware, args=(free_port(), str(tmp_path)), nprocs=2)
+    told = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert [t[0] for t in told] == ["started", "started"]
+    assert [t[1] for t in told] == [told[0][1]] * 2
+    assert told[0][1].startswith("config 'lazytrain.hardware': unknown hardware 'h2OO'")
+
+
 def test_ranks_measure_on_rank_0_and_switch_to_one_plan_at_the_same_step(tmp_path):
     """Rank 0 plans for every rank, for the longest sequence any of them trained."""
     spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=2)

@@ -1231,6 +1231,17 @@ def test_cli_checks_its_arguments_and_output_paths_before_solving(tmp_path, caps
     assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
                  "--json", str(tmp_path)]) == 2   # a directory: refused before solving too, not after
     assert capsys.readouterr().err == f"lazytrain plan: --json {tmp_path} is a directory; give a file name\n"
+    # judged of the file the write replaces (files.py): a FIFO, and a symlink's target in a folder that is missing
+    # (each was found only after the solve, the FIFO's reason printed as "None")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "latest.json"
+    dangling.symlink_to(tmp_path / "runs" / "p.json")
+    for path, says in ((fifo, f"--json {fifo} is not a regular file; give the name of a file to write"),
+                       (dangling, f"--json {dangling}: {tmp_path / 'runs'} does not exist")):
+        assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "8",
+                     "--json", str(path)]) == 2
+        assert capsys.readouterr().err == f"lazytrain plan: {says}\n"
     assert main(["plan", "--model", "qwen2.5-7b", "--hardware", "h800", "--micro-batch", "abc"]) == 2
     assert "--micro-batch must be a whole number or 'auto', got 'abc'" in capsys.readouterr().err
     for flag, kind in (("--time-limit", "number"), ("--seq", "integer"), ("--max-segment", "integer")):

@@ -1,6 +1,7 @@
 """`lazytrain bench tiers`: a small run writes a hardware profile the planner reads."""
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -76,6 +77,17 @@ def test_bench_arguments_are_checked(tmp_path, capsys):
     assert args.func(args) == 2
     assert capsys.readouterr().err.startswith("lazytrain bench tiers: cannot write the profile to --json "
                                               "/proc/hw.json (")
+    fifo = tmp_path / "fifo"   # judged of the file the write replaces: the rename would replace the FIFO itself
+    os.mkfifo(fifo)
+    args = parser().parse_args(["bench", "tiers", "--json", str(fifo)])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == (f"lazytrain bench tiers: cannot write the profile to --json {fifo} (it is not "
+                                       f"a regular file)\n")
+    (tmp_path / "link.json").symlink_to(tmp_path / "file" / "hw.json")   # its target's folder is a file
+    args = parser().parse_args(["bench", "tiers", "--json", str(tmp_path / "link.json")])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err == (f"lazytrain bench tiers: cannot write the profile to --json "
+                                       f"{tmp_path / 'link.json'} ({tmp_path / 'file'} is not a directory)\n")
     args = parser().parse_args(["bench", "tiers", "--path", "/proc"])
     assert args.func(args) == 2
     assert capsys.readouterr().err.startswith("lazytrain bench tiers: cannot create files under --path /proc (")
@@ -100,9 +112,12 @@ class _Recording:
         from lazytrain.tiers.memory import HostTier
         self.tier, self.sources, self.swap = HostTier("host"), set(), swap
         self.name = "recording"
+        self.sizes, self.most = {}, 0   # bytes each key holds; the most held at once
 
     def write(self, key, t):
         self.sources.add(t.data_ptr())
+        self.sizes[key] = t.numel() * t.element_size()
+        self.most = max(self.most, sum(self.sizes.values()))
         return self.tier.write(key, t)
 
     def read(self, key, out):
@@ -130,6 +145,15 @@ def test_a_tier_is_measured_in_rounds_through_the_same_buffers_and_every_read_is
     assert wrong.tier.keys() == []
 
 
+@pytest.mark.parametrize("total,tensor", [(16 << 20, 1 << 20), (512 << 10, 2 << 20), (3 << 20, 2 << 20),
+                                          (5 << 20, 2 << 20)])
+def test_the_bytes_a_measurement_holds_in_a_tier_are_what_bench_checks_the_disk_for(total, tensor):
+    from lazytrain.tiers.bench import measure_tier, tier_bytes_held
+    tier = _Recording()
+    measure_tier(tier, total, tensor, warmup_bytes=min(total, 256 << 20), round_bytes=4 << 20)
+    assert tier.most == tier_bytes_held(total, tensor)
+
+
 def test_a_disk_without_room_for_the_nvme_measurement_is_one_line_before_any_measurement(tmp_path, capsys,
                                                                                         monkeypatch):
     """With the default 1 GiB on a small disk the write failed with ENOSPC after the other measurements, as a
@@ -141,11 +165,18 @@ def test_a_disk_without_room_for_the_nvme_measurement_is_one_line_before_any_mea
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: usage(3 << 20, 2 << 20, 1 << 20))
     monkeypatch.setattr(bench, "run_bench", lambda **kw: pytest.fail("measured on a disk without room"))
-    args = parser().parse_args(["bench", "tiers", "--path", str(tmp_path), "--nvme-bytes", "2MiB", "--json", "-"])
+    args = parser().parse_args(["bench", "tiers", "--path", str(tmp_path), "--nvme-bytes", "2MiB", "--tensor-bytes",
+                                "512KiB", "--json", "-"])
     assert args.func(args) == 2
     assert capsys.readouterr().err == (f"lazytrain bench tiers: {tmp_path} has 1.0 MiB free, and the NVMe measurement "
-                                       f"writes --nvme-bytes 2.0 MiB there: give a smaller --nvme-bytes, or a --path on "
-                                       f"a disk with room\n")
+                                       f"writes 2.0 MiB there (--nvme-bytes 2.0 MiB in whole --tensor-bytes 512.0 KiB "
+                                       f"tensors): give a smaller --nvme-bytes or --tensor-bytes, or a --path on a "
+                                       f"disk with room\n")
+    # a total below one tensor still writes a whole tensor
+    bigger = parser().parse_args(["bench", "tiers", "--path", str(tmp_path), "--nvme-bytes", "512KiB",
+                                  "--tensor-bytes", "2MiB", "--json", "-"])
+    assert bigger.func(bigger) == 2
+    assert "writes 2.0 MiB there (--nvme-bytes 512.0 KiB in whole --tensor-bytes 2.0 MiB" in capsys.readouterr().err
     monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: usage(3 << 20, 0, 3 << 20))
 
     def disk_filled_meanwhile(**kw):

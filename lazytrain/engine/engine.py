@@ -521,12 +521,15 @@ class LazyTrainEngine(nn.Module):
             raise ConfigError(f"config 'lazytrain.policy' \"auto\" measures each layer's update, which needs updates "
                               f"layer by layer (HybridAdamW: the config's Adam/AdamW without amsgrad); the optimizer "
                               f"is {type(self.basic_optimizer).__name__}")
-        if settings.profile_path and self.global_rank == 0:
-            try:   # now, not after the measured steps
-                files.check_writable(settings.profile_path, "profile path", "profile.json")
-            except ValueError as e:
-                raise ConfigError(f"config 'lazytrain.auto.profile_path' cannot be written: {e}") from None
-        configured_hardware(self._config)   # read when the measured steps are planned: checked now
+        def check_rank0s_files():   # rank 0 writes the profile and plans: its files, checked now, not after
+            if settings.profile_path:   # the measured steps (every rank raises rank 0's error)
+                try:
+                    files.check_writable(settings.profile_path, "profile path", "profile.json")
+                except ValueError as e:
+                    raise ConfigError(f"config 'lazytrain.auto.profile_path' cannot be written: {e}") from None
+            configured_hardware(self._config)
+        self._rank0_answer(check_rank0s_files, "agreement that rank 0 can write 'lazytrain.auto.profile_path' and "
+                                               "read 'lazytrain.hardware'")
         try:
             saved = measured.MachineProfile.from_json(settings.profile) if settings.profile else None
         except measured.MeasurementError as e:   # a config problem, named by its key (lazytrain train: one line)

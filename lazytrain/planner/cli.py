@@ -15,6 +15,7 @@ import os
 import sys
 
 from ..cli import fraction, nonnegative_int, positive
+from ..files import replaced_file
 
 
 def register(subparsers) -> None:
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from .simulate import simulate
 
     for flag, path in (("--json", args.json), ("--plot", args.plot)):   # before minutes of solving, not after
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        # the file the write replaces: a symlink's target (files.py)
+        folder = os.path.dirname(os.path.realpath(path)) if path else None
         if folder and not os.path.isdir(folder):
             what = "is not a directory" if os.path.exists(folder) else "does not exist"
             print(f"lazytrain plan: {flag} {path}: {folder} {what}", file=sys.stderr)
@@ -90,6 +92,12 @@ def run(args: argparse.Namespace) -> int:
         if path and os.path.isdir(path):
             print(f"lazytrain plan: {flag} {path} is a directory; give a file name", file=sys.stderr)
             return 2
+        if path:
+            try:
+                replaced_file(path, flag)
+            except OSError as e:   # a FIFO or a device: the rename would replace the node itself
+                print(f"lazytrain plan: {e}", file=sys.stderr)
+                return 2
     why = unsupported_format(args.plot) if args.plot else None
     if why:
         print(f"lazytrain plan: --plot {args.plot}: {why}", file=sys.stderr)
@@ -143,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             plan.to_json(args.json)
         except OSError as e:
-            print(f"lazytrain plan: cannot write {args.json}: {e.strerror}", file=sys.stderr)
+            print(f"lazytrain plan: cannot write {args.json}: {e.strerror or e}", file=sys.stderr)
             return 2
         print(f"wrote {args.json}")
     if args.plot:

@@ -150,6 +150,15 @@ def machine_name() -> str:
     return f"cpu-only ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def tier_bytes_held(total_bytes: int, tensor_bytes: int) -> int:
+    """The most bytes :func:`measure_tier` holds in a tier at once (its warm-up of the memory tiers' size
+    comes first and is freed): whole tensors, at least one, so a total below one tensor writes a tensor."""
+    def held(total, tensor):
+        return max(1, total // tensor) * (tensor // 4) * 4
+    small = min(total_bytes, 256 << 20)
+    return max(held(total_bytes, tensor_bytes), held(small, min(tensor_bytes, small)))
+
+
 def run_bench(path: str | None = None, nvme_bytes: int = 1 << 30, tensor_bytes: int = 64 << 20,
               copy_bytes: int = 256 << 20, seconds: float = 1.0, optimizer_params: int = 16 << 20,
               log: Callable[[str], None] = print) -> tuple[dict, list[tuple]]:

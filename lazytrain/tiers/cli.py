@@ -37,10 +37,14 @@ def _cannot_create_in(directory: str) -> str | None:
 
 
 def _unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written as a file (None: it can); a file already there is not touched."""
+    """Why ``path`` cannot be written as a file (None: it can); a file already there is not touched. Judged of
+    the file the write replaces: a symlink's target (files.py)."""
     if os.path.isdir(path):
         return "it is a directory"
-    directory = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path)
+    if os.path.exists(target) and not os.path.isfile(target):
+        return "it is not a regular file"
+    directory = os.path.dirname(target)
     above = directory
     while not os.path.exists(above):   # makedirs says "File exists" of a file where a folder belongs
         above = os.path.dirname(above)
@@ -79,7 +83,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from .bench import format_rows, run_bench
+    from .bench import format_rows, run_bench, tier_bytes_held
     from .nvme import NVMeIOError
     if args.path is not None and not os.path.isdir(args.path):
         print(f"lazytrain bench tiers: --path {args.path} is not a directory", file=sys.stderr)
@@ -90,11 +94,12 @@ def run(args) -> int:
               f"directory on the disk to measure", file=sys.stderr)
         return 2
     directory = args.path if args.path is not None else tempfile.gettempdir()
-    free = shutil.disk_usage(directory).free
-    if free < args.nvme_bytes:   # found before the other measurements, not as ENOSPC after them
+    free, need = shutil.disk_usage(directory).free, tier_bytes_held(args.nvme_bytes, args.tensor_bytes)
+    if free < need:   # found before the other measurements, not as ENOSPC after them
         print(f"lazytrain bench tiers: {directory} has {format_bytes(free)} free, and the NVMe measurement writes "
-              f"--nvme-bytes {format_bytes(args.nvme_bytes)} there: give a smaller --nvme-bytes, or a --path on a "
-              f"disk with room", file=sys.stderr)
+              f"{format_bytes(need)} there (--nvme-bytes {format_bytes(args.nvme_bytes)} in whole --tensor-bytes "
+              f"{format_bytes(args.tensor_bytes)} tensors): give a smaller --nvme-bytes or --tensor-bytes, or a "
+              f"--path on a disk with room", file=sys.stderr)
         return 2
     if args.json != "-":   # where the profile goes, checked before the measurements (minutes), not after
         problem = _unwritable(args.json)
