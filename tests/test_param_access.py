@@ -220,6 +220,27 @@ def test_eight_bit_moments_come_back_dequantized_in_the_parameters_shape(overlap
     engine.destroy()
 
 
+@pytest.mark.parametrize("states", ["fp32", "8bit"])
+def test_an_empty_parameters_hybrid_adamw_state_is_empty(states):
+    """HybridAdamW keeps no moment chunks for a parameter of no elements: reading its state ended in torch.cat's
+    "expected a non-empty list of Tensors", where torch AdamW's answer is an empty tensor."""
+    model = make_model("llama")
+    model.extra = torch.nn.Parameter(torch.zeros(0, 3))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"optimizer_states": states, "hybrid_threshold": 0, "overlap_optimizer": True}}
+    engine = lazytrain.initialize(model=model, config=cfg)[0]
+    assert type(engine.basic_optimizer).__name__ == "HybridAdamW"
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y) + model.extra.sum())
+    engine.step()
+    engine.wait_for_update()
+    for key in ("exp_avg", "exp_avg_sq"):
+        state = safe_get_full_optimizer_state(model.extra, key)
+        assert state.shape == (0, 3) and state.dtype == torch.float32
+    engine.destroy()
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_weight_set_after_initialize_trains_as_one_set_before_it(dtype):
     """safe_set_full_fp32_param writes the master and every compute copy: the engine then computes, steps and
@@ -262,6 +283,41 @@ def test_a_weight_set_after_initialize_trains_as_one_set_before_it(dtype):
         safe_set_full_fp32_param(params["lm_head.weight"], torch.full((32, 32), float("nan")))
     before.destroy()
     after.destroy()
+
+
+@pytest.mark.parametrize("write", ["safe_set-head", "safe_set-layer0", "load_state_dict-norm"])
+@pytest.mark.parametrize("weights_home", ["hbm", "host"])
+def test_a_write_of_some_weights_after_a_step_leaves_the_others_as_the_step_made_them(weights_home, write):
+    """With resident layers, a write of some weights after a step (before the next forward) dropped the
+    refresh every other resident layer's device copy was due from the step: they computed on their
+    pre-step weights, silently. A write of the value a weight already holds changes nothing."""
+    torch.manual_seed(0)
+    model = make_model("llama")
+    plain = copy.deepcopy(model)
+    engines = [engine_for(m, weights_home=weights_home) for m in (model, plain)]
+    (x, y), (x2, y2) = batches(2)
+    for engine in engines:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    params = dict(model.named_parameters())
+    name = {"safe_set-head": "lm_head.weight", "safe_set-layer0": "model.layers.0.mlp.up_proj.weight",
+            "load_state_dict-norm": "model.norm.weight"}[write]
+    value = safe_get_full_fp32_param(params[name])
+    if write.startswith("safe_set"):
+        safe_set_full_fp32_param(params[name], value)
+    else:
+        model.load_state_dict({name: value}, strict=False)
+    losses = []
+    for engine in engines:
+        loss = lm_loss(engine(x2), y2)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    a, b = (e.module_state_dict() for e in engines)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for engine in engines:
+        engine.destroy()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -329,7 +329,8 @@ def _optimizer_state_here(engine, param: torch.Tensor, key: str) -> torch.Tensor
         return None
     _refuse_unkept_key(opt, state, master, key, "safe_get_full_optimizer_state")
     if type(opt).__name__ == "HybridAdamW":
-        return torch.cat(list(opt.fp32_moment_chunks(master, key))).reshape(master.shape)
+        chunks = list(opt.fp32_moment_chunks(master, key))   # none for an empty parameter
+        return (torch.cat(chunks) if chunks else torch.zeros(0)).reshape(master.shape)
     return state[key].detach().to("cpu", torch.float32, copy=True)
 
 

@@ -291,12 +291,12 @@ class WeightStream:
 
     # ---- the host update's side ----------------------------------------------------------------------
     def before_host_write(self, layers: Iterable[int]) -> None:
-        """The write fence: returns once no copy reads the host copy of any of ``layers`` any more."""
+        """The write fence: returns once no copy reads the host copy of any of ``layers`` any more. A refresh
+        still due from an earlier write stays due (it is not issued during the write: only the compute side
+        issues one, past a pending update, or :meth:`after_host_write` for the layer it marks): a layer fenced
+        but left unwritten (a load that writes some layers only) keeps the refresh its last update needs."""
         with self._lock:
-            layers = list(layers)
             reads = [d for i in layers for d in self._reads.pop(i, ())]
-            for i in layers:   # a refresh still due from an earlier write reads after this one instead
-                self._stale.pop(i, None)
         for done in reads:
             wait_completion(done)
 
