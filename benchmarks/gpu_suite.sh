@@ -21,7 +21,8 @@
 #   2. the engine's parity tests on the CUDA path (side-stream copies, events, pinned memory, the gradient
 #      sink, a layer gradient's failed copy refused by every step until zero_grad, host boundaries' pinned
 #      buffers back in the host pool every step, the optimizer update
-#      overlapping the next forward, a window of re-run layers prefetched whole
+#      overlapping the next forward, resident layers' refreshes due from a step kept across a write of some
+#      weights (safe_set_full_fp32_param, a partial load_state_dict), a window of re-run layers prefetched whole
 #      into extra buffers allocated on the compute stream and released after) against plain PyTorch on the
 #      same device, a
 #      block-less model with its optimizer on the host, the embedding's and head's fp32 state on the host by
