@@ -269,7 +269,7 @@ def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage
     """Rank 1's gradients fail to reach its host once (step 2): what each rank's step() raised, and its
     weights after both follow the error's advice (zero_grad, redo the micro-batch) and train on.
     ``copy_fails``: the copy of that many-th layer gradient off the device fails (on the copy threads'
-    gradient sink, which at stage 2 reduces each layer to its owner as it lands), else attaching them.
+    gradient sink, which at stage 2 reduces each layer to its owner as it lands), else landing them at the step.
     ``reduce``: "device", each layer reduced before it leaves the device (then only the owner's copies)."""
     import lazytrain
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
@@ -281,14 +281,14 @@ def _one_rank_fails_before_the_update(rank: int, world: int, out_dir: str, stage
     if rank == 1 and copy_fails:
         fail_gradient_copy(patch, copy_fails)
     elif rank == 1:
-        attach, calls = engine.weights.attach_grads, []
+        flush, calls = engine.weights.flush_grads, []
 
-        def failing_once(*layer):   # the step's call (no layer): its second one fails
-            calls.extend([] if layer else [1])
-            if not layer and len(calls) == 2:
+        def failing_once(discard=False):   # the step's call (not zero_grad's discard): its second one fails
+            calls.extend([] if discard else [1])
+            if not discard and len(calls) == 2:
                 raise OSError("a gradient copy failed")
-            return attach(*layer)
-        engine.weights.attach_grads = failing_once
+            return flush(discard)
+        engine.weights.flush_grads = failing_once
     errors = []
     for x, y in batches(3, batch=4):
         half = slice(2 * rank, 2 * rank + 2)

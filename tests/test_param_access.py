@@ -220,6 +220,40 @@ def test_eight_bit_moments_come_back_dequantized_in_the_parameters_shape(overlap
     engine.destroy()
 
 
+@pytest.mark.parametrize("copy_threads", [False, True], ids=["cpu-path", "gradients-in-flight"])
+@pytest.mark.parametrize("zero", ["optimizer", "module"])
+def test_after_a_zero_grad_the_next_backward_shows_every_block_gradient_in_grad(zero, copy_threads):
+    """optimizer.zero_grad() / model.zero_grad() clear the block parameters' .grad (the engine keeps their
+    buffers); .grad stayed None until the step, so a script's own clipping or scaling after the backward missed
+    every block weight, silently. As in PyTorch, the backward's gradients are in .grad after it: a loop that
+    zeroes, backpropagates, scales .grad and clips with torch trains as plain PyTorch."""
+    torch.manual_seed(0)
+    model = make_model("llama")
+    ref = copy.deepcopy(model)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "gradient_clipping": 0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": {"device": "cpu", **({"testing": {"copy_threads": True}} if copy_threads else {})}}
+    engine, optimizer, _, _ = lazytrain.initialize(model=model, config=cfg)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for x, y in batches(3):
+        (optimizer if zero == "optimizer" else model).zero_grad()
+        engine.backward(lm_loss(engine(x), y))
+        ref_opt.zero_grad()
+        lm_loss(ref(x), y).backward()
+        for m in (model, ref):
+            assert all(p.grad is not None for p in m.parameters())
+            with torch.no_grad():
+                for p in m.model.layers.parameters():
+                    p.grad.mul_(0.5)
+        norms = [float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)) for m in (model, ref)]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+        engine.step()
+        ref_opt.step()
+    a, b = engine.module_state_dict(), ref.state_dict()
+    assert max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a) < 1e-5
+    engine.destroy()
+
+
 @pytest.mark.parametrize("states", ["fp32", "8bit"])
 def test_an_empty_parameters_hybrid_adamw_state_is_empty(states):
     """HybridAdamW keeps no moment chunks for a parameter of no elements: reading its state ended in torch.cat's

@@ -166,7 +166,7 @@ class _Pass:
     differentiable: set = field(default_factory=set)                     # layers whose output requires grad: the
                                                                          # ones a backward can reach
     differentiated: set = field(default_factory=set)                     # layers whose backward has run
-    settle_queued: bool = False                                          # its backward waits for its gradients
+    end_queued: bool = False                                             # its backward's end is queued (end_backward)
     weights_epoch: int = 0                                               # the executor's, at its forward
     backward_windows: list | None = None                                 # fetched from layer graph_start's backward
                                                                          # window on (a graph tail's fetch nothing)
@@ -731,11 +731,15 @@ class LayerStreamingExecutor:
                                 "(backward(retain_graph=True), then backward again) is not supported; run the "
                                 "forward again")
         p.differentiated.add(layer)
-        if accumulate and self.weights.grads_in_flight and not p.settle_queued and self.backward_ends_step():
-            # the gradients land on a worker thread: the backward ends once they have (its final callback),
-            # so .grad read after it is the whole backward's (a failed copy is kept for the step to raise)
-            p.settle_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.weights.settle_grads)
+        if accumulate and not p.end_queued:
+            # at the backward's end (its final callback) the block parameters' .grad show their buffers again
+            # (a zero_grad(set_to_none=True) since cleared them), as PyTorch's show a backward's gradients; at
+            # the step's last micro-batch, once the gradients landing on a worker thread have (a failed copy
+            # is kept for the step to raise), so .grad read after it is the whole backward's
+            p.end_queued = True
+            settle = self.weights.grads_in_flight and self.backward_ends_step()
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self.weights.end_backward(settle=settle))
         if p.weights_epoch != self.weights_epoch:   # PyTorch refuses it too (a variable modified in place)
             raise ExecutorError(f"block {layer}'s weights changed (an optimizer step or a load) between this forward "
                                 f"and its backward: the backward would re-run the blocks with the new weights "

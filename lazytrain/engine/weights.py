@@ -544,6 +544,13 @@ class LayerWeights:
         if self._grad_sink is not None:
             self._grad_sink.settle()
 
+    def end_backward(self, settle: bool) -> None:
+        """A backward that accumulated into the layers' buffers ended: ``settle``, its gradients landed first;
+        then every trainable block parameter's ``.grad`` shows its buffer again."""
+        if settle:
+            self.settle_grads()
+        self.attach_grads()
+
     @property
     def grads_in_flight(self) -> bool:
         """Gradients leave the device through the sink: they land after the backward that made them."""
