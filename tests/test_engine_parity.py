@@ -2042,6 +2042,38 @@ def test_router_aux_loss_is_refused_in_training(how):
     lm_loss(model(x, output_router_logits=False), y).backward()
 
 
+@pytest.mark.parametrize("asked_by", ["config", "keyword"])
+def test_router_aux_loss_asked_for_inside_a_wrapper_is_refused_in_training(asked_by):
+    """Through engine(...) a wrapper without a config (or a composite model, whose text_config holds the
+    flag) hid the request from the engine's check of its keywords and config: the backward failed ("backward
+    through the graph a second time"), or with every layer re-run the router trained 9.6% away from PyTorch,
+    silently. What transformers records for the forward is read as the first block begins, whoever asked."""
+    model = make_hf_model("mixtral")
+    if asked_by == "config":
+        model.config.output_router_logits = True
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, **kwargs):
+            if asked_by == "keyword":
+                kwargs.setdefault("output_router_logits", True)
+            return self.inner(x, **kwargs)
+
+    for lt in ({"checkpoint_interval": 2}, {"checkpoint_interval": 1, "last_segment_graph": False}):
+        engine, _, _, _ = lazytrain.initialize(model=Wrapper(model), config=ds_config(**lt))
+        x, y = batches(1)[0]
+        with pytest.raises(ConfigError, match=r"^the model adds a router load-balancing loss computed from router "
+                                              r"logits captured inside its layers \(output_router_logits=True\); "
+                                              r".*or its text_config in a composite model"):
+            engine(x)
+        engine.backward(lm_loss(engine(x, output_router_logits=False), y))
+        engine.step()
+        engine.destroy()
+
+
 def test_attention_weights_in_a_training_forward_warn_once():
     model = make_hf_model("llama")
     model.config._attn_implementation = "eager"

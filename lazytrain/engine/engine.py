@@ -1230,8 +1230,8 @@ class LazyTrainEngine(nn.Module):
         if inside_a_block():   # a forward run from inside a block: its parameters are its streamed weights now
             return
         self._check_model_unchanged(training)
-        if training and not self.__dict__.get("_within_forward") and _router_logits_recorded():
-            _refuse_router_aux_loss(self.module, {"output_router_logits": True})
+        if training and _router_logits_recorded():   # asked by whatever: the model's own call, a wrapper's keyword
+            _refuse_router_aux_loss(self.module, {"output_router_logits": True})   # a composite model's text_config
         self._copy_layers_written_in_place()
 
     @contextlib.contextmanager
@@ -3486,8 +3486,9 @@ def _refuse_router_aux_loss(model: nn.Module, kwargs: dict) -> None:
     if _wants(model, kwargs, "output_router_logits"):
         raise ConfigError("the model adds a router load-balancing loss computed from router logits captured inside "
                           "its layers (output_router_logits=True); LazyTrain streams and re-runs those layers, so "
-                          "that loss would get no gradient. Set model.config.output_router_logits = False (or pass "
-                          "output_router_logits=False) to train without the auxiliary loss")
+                          "that loss would get no gradient. Set output_router_logits = False in the model's config (model.config, "
+                          "or its text_config in a composite model) or pass output_router_logits=False, to train "
+                          "without the auxiliary loss")
 
 
 def _check_model_dtype(model: nn.Module, compute_dtype: torch.dtype) -> None:
