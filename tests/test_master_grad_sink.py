@@ -161,7 +161,7 @@ def _bf16_engine(gas: int, seed: int | None = None, stage: int = 0):
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_zero_grad_after_a_step_that_failed_before_its_update_drops_the_gradients_at_every_stage(stage):
-    """A step that fails before the update (here attaching the gradients) says to call zero_grad() and redo the
+    """A step that fails before the update (here landing the gradients) says to call zero_grad() and redo the
     micro-batches: the redone step applies the redone gradients alone, at ZeRO stage 2 and 3 too, where
     zero_grad() otherwise keeps what was accumulated."""
     import warnings
@@ -175,14 +175,14 @@ def test_zero_grad_after_a_step_that_failed_before_its_update_drops_the_gradient
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
-        attach, calls = engine.weights.attach_grads, []
+        flush, calls = engine.weights.flush_grads, []
 
-        def failing_once(*layer):
-            calls.extend([] if layer else [1])
-            if fail and not layer and len(calls) == 1:
+        def failing_once(discard=False):   # the step's landing of the gradients (not zero_grad's discard)
+            calls.extend([] if discard else [1])
+            if fail and not discard and len(calls) == 1:
                 raise OSError("attaching failed")
-            return attach(*layer)
-        engine.weights.attach_grads = failing_once
+            return flush(discard)
+        engine.weights.flush_grads = failing_once
         failures = 0
         for x, y in batches(2):
             for _ in range(2):
@@ -251,15 +251,15 @@ def test_a_step_retried_after_a_failure_leaves_zero_grad_keeping_the_next_accumu
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 engine = lazytrain.initialize(model=make_model("modulelist"), config=cfg)[0]
-            attach, calls = engine.weights.attach_grads, []
+            flush, calls = engine.weights.flush_grads, []
 
-            def failing_once(*layer):
-                if not layer:
+            def failing_once(discard=False):   # the step's landing of the gradients (not zero_grad's discard)
+                if not discard:
                     calls.append(1)
                     if fail and len(calls) == 1:
                         raise OSError("attaching failed once")
-                return attach(*layer)
-            engine.weights.attach_grads = failing_once
+                return flush(discard)
+            engine.weights.flush_grads = failing_once
             for n, (x, y) in enumerate(batches(4)):
                 engine.backward(lm_loss(engine(x), y))
                 if n == 2:
