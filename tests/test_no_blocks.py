@@ -140,3 +140,28 @@ def test_a_vision_language_models_text_layers_are_streamed_not_its_vision_tower(
                                          r"holds more \(12,480\), which stays on the compute device: if those are the "
                                          r"blocks to stream, name them: \"lazytrain\": \{\"blocks\": \"blocks\"\}"):
         assert find_blocks(Named())[0] == "layers"
+
+
+def test_lists_of_modules_that_differ_are_named_where_nothing_streams():
+    """T5's blocks are found by no search (its first block keeps the relative position bias), and the warning
+    said the model had no repeated blocks: it names the largest list, which streams once named."""
+    import warnings
+
+    import transformers
+    from lazytrain.engine.blocks import find_blocks
+    cfg = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=3, num_decoder_layers=2,
+                                num_heads=4)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    n = sum(p.numel() for p in model.encoder.block.parameters())
+    with pytest.warns(UserWarning) as seen:
+        path, blocks = find_blocks(model)
+    assert (path, len(blocks)) == ("", 0)
+    assert str(seen[0].message).endswith(
+        f"The largest list of several modules, 'encoder.block' (3 modules, {n:,} parameters), holds modules that "
+        f"differ in structure (T5's first block keeps the position bias), which the search does not take: to "
+        f"stream it, name it: \"lazytrain\": {{\"blocks\": \"encoder.block\"}}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert find_blocks(model, "encoder.block")[1] is model.encoder.block
+    with pytest.warns(UserWarning, match=r"stays on the compute device\. If it has blocks, name them"):
+        find_blocks(Net())

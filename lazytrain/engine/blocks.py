@@ -81,10 +81,16 @@ def find_blocks(model: nn.Module, path: str | None = None) -> tuple[str, nn.Modu
             if best is None or size > sum(p.numel() for p in best[1].parameters()):
                 best = (name, module)
     if best is None:   # nothing repeats (a CNN): every parameter stays on the device, nothing streams
+        lists = [(sum(p.numel() for p in m.parameters()), name, len(m)) for name, m in model.named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m) > 1]
+        n, name, count = max(lists, default=(0, None, 0))
+        hint = (f"The largest list of several modules, {name!r} ({count} modules, {n:,} parameters), holds "
+                f"modules that differ in structure (T5's first block keeps the position bias), which the search "
+                f"does not take: to stream it, name it: \"lazytrain\": {{\"blocks\": \"{name}\"}}") if n else \
+            "If it has blocks, name them: \"lazytrain\": {\"blocks\": \"path.to.layers\"}"
         warnings.warn("lazytrain: the model has no repeated blocks (no nn.ModuleList of structurally identical "
                       "modules with parameters), so nothing streams: every parameter stays on the compute device. "
-                      "If it has blocks, name them: \"lazytrain\": {\"blocks\": \"path.to.layers\"}",
-                      UserWarning, stacklevel=4)
+                      + hint, UserWarning, stacklevel=4)
         return "", nn.ModuleList()
     _warn_if_larger_elsewhere(model, *best)
     return best
