@@ -254,6 +254,52 @@ def test_after_a_zero_grad_the_next_backward_shows_every_block_gradient_in_grad(
     engine.destroy()
 
 
+def test_a_layer_whose_overlapped_update_is_pending_shows_no_grad_after_a_backward_that_skipped_it():
+    """The backward's end shows every block's buffer in .grad again, but not a layer the forward skipped while
+    its overlapped update still reads the buffer: a script's zero_grad(set_to_none=False) there would zero
+    what the update reads. Its .grad comes back once the update is done and has cleared the buffer."""
+    from engine_models import MLPBlock, VOCAB
+
+    class Skipping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(VOCAB, 16)
+            self.stack = torch.nn.ModuleList(MLPBlock(16) for _ in range(4))
+            self.head = torch.nn.Linear(16, VOCAB)
+
+        def forward(self, x, skip_last=False):
+            h = self.emb(x)
+            for block in self.stack[:3] if skip_last else self.stack:
+                h = block(h)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Skipping()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "lazytrain": {"device": "cpu", "overlap_optimizer": True, "checkpoint_interval": 1}}
+    engine = lazytrain.initialize(model=model, config=cfg)[0]
+    release = threading.Event()
+    update = engine.optimizer.update
+
+    def held_update(params, *args, **kwargs):   # the last layer's update waits until released
+        if any(p is model.stack[3].fc1.weight for p in params):
+            release.wait(30)
+        return update(params, *args, **kwargs)
+    engine.optimizer.update = held_update
+    (x, y), (x2, y2) = batches(2)
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    engine.backward(lm_loss(engine(x2, skip_last=True), y2))
+    assert engine.weights.update_pending(3)
+    assert all(p.grad is None for p in model.stack[3].parameters())
+    assert all(p.grad is not None for p in model.stack[0].parameters())
+    release.set()
+    engine.wait_for_update()
+    assert all(p.grad is not None and not p.grad.any() for p in model.stack[3].parameters())
+    engine.destroy()
+
+
 @pytest.mark.parametrize("states", ["fp32", "8bit"])
 def test_an_empty_parameters_hybrid_adamw_state_is_empty(states):
     """HybridAdamW keeps no moment chunks for a parameter of no elements: reading its state ended in torch.cat's

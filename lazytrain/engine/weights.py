@@ -546,10 +546,14 @@ class LayerWeights:
 
     def end_backward(self, settle: bool) -> None:
         """A backward that accumulated into the layers' buffers ended: ``settle``, its gradients landed first;
-        then every trainable block parameter's ``.grad`` shows its buffer again."""
+        then every trainable block parameter's ``.grad`` shows its buffer again, but a layer's whose overlapped
+        update is still pending (a forward that skipped it): its ``.grad`` stays unset until the update is
+        done and clears the buffer, so that no script's zero_grad reaches a buffer the update reads."""
         if settle:
             self.settle_grads()
-        self.attach_grads()
+        for i in range(self.num_layers):
+            if not self.update_pending(i):
+                self.attach_grads(i)
 
     @property
     def grads_in_flight(self) -> bool:
