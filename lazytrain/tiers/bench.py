@@ -104,14 +104,14 @@ def measure_tier(tier, total_bytes: int, tensor_bytes: int, device: torch.device
     first."""
     if warmup_bytes:
         measure_tier(tier, warmup_bytes, min(tensor_bytes, warmup_bytes), device)
-    count = max(1, total_bytes // tensor_bytes)
+    count = _tensor_count(total_bytes, tensor_bytes)
     per_round = max(1, min(count, round_bytes // tensor_bytes))
     rounds = [range(first, min(count, first + per_round)) for first in range(0, count, per_round)]
     src_device = device or torch.device("cpu")
     sync = _cuda_sync if src_device.type == "cuda" else (lambda: None)
     tensors = [torch.empty(tensor_bytes // 4, device=src_device) for _ in range(per_round)]
     outs = [torch.zeros_like(t) for t in tensors]  # touched before timing, like a reused buffer
-    moved = count * (tensor_bytes // 4) * 4
+    moved = _bytes_written(total_bytes, tensor_bytes)
     write_s = read_s = 0.0
     try:
         for keys in rounds:   # each key's tensor holds its own number: a read of another key is caught
@@ -150,13 +150,27 @@ def machine_name() -> str:
     return f"cpu-only ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _tensor_count(total_bytes: int, tensor_bytes: int) -> int:
+    """The tensors :func:`measure_tier` writes for ``total_bytes``: whole ones, at least one."""
+    return max(1, total_bytes // tensor_bytes)
+
+
+def _bytes_written(total_bytes: int, tensor_bytes: int) -> int:
+    """What those tensors hold (fp32 tensors of ``tensor_bytes // 4`` elements)."""
+    return _tensor_count(total_bytes, tensor_bytes) * (tensor_bytes // 4) * 4
+
+
+def warmup_bytes_for(total_bytes: int) -> int:
+    """The memory tiers' measurement size, and the NVMe measurement's untimed warm-up: less than the NVMe
+    total is enough to measure memory well."""
+    return min(total_bytes, 256 << 20)
+
+
 def tier_bytes_held(total_bytes: int, tensor_bytes: int) -> int:
-    """The most bytes :func:`measure_tier` holds in a tier at once (its warm-up of the memory tiers' size
-    comes first and is freed): whole tensors, at least one, so a total below one tensor writes a tensor."""
-    def held(total, tensor):
-        return max(1, total // tensor) * (tensor // 4) * 4
-    small = min(total_bytes, 256 << 20)
-    return max(held(total_bytes, tensor_bytes), held(small, min(tensor_bytes, small)))
+    """The most bytes :func:`measure_tier` holds in a tier at once (its warm-up comes first and is freed):
+    whole tensors, at least one, so a total below one tensor writes a tensor."""
+    small = warmup_bytes_for(total_bytes)
+    return max(_bytes_written(total_bytes, tensor_bytes), _bytes_written(small, min(tensor_bytes, small)))
 
 
 def run_bench(path: str | None = None, nvme_bytes: int = 1 << 30, tensor_bytes: int = 64 << 20,
@@ -189,7 +203,7 @@ def run_bench(path: str | None = None, nvme_bytes: int = 1 << 30, tensor_bytes: 
     rows.append(("host<->device (pinned)", copies["d2h_gbps"], copies["h2d_gbps"],
                  "write = device->host, read = host->device" if torch.cuda.is_available() else "no CUDA device"))
 
-    small = min(nvme_bytes, 256 << 20)  # the memory tiers need less to be measured well
+    small = warmup_bytes_for(nvme_bytes)
     hbm = DeviceTier("hbm", device=device)
     r = measure_tier(hbm, small, min(tensor_bytes, small), device, warmup_bytes=small)
     rows.append(("hbm tier", r["write_gbps"], r["read_gbps"], f"{format_bytes(r['bytes'])} on {device}"))
