@@ -77,7 +77,6 @@ _UNIMPLEMENTED_TOP = {
     "vocabulary_size": "LazyTrain reads the model itself",
     "gradient_allreduce_op": "data-parallel gradients are averaged",
     "log_level": "LazyTrain reports through Python warnings and its step log",
-    "managed_gradient_accumulation": "accumulation boundaries follow gradient_accumulation_steps",
     "disable_python_gc": "not supported",
 }
 _ZERO_UNIMPLEMENTED = {
@@ -114,7 +113,7 @@ _BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_m
 _TOP_IMPLEMENTED = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
-    "zero_optimization", "aio", "activation_checkpointing", "lazytrain",
+    "managed_gradient_accumulation", "zero_optimization", "aio", "activation_checkpointing", "lazytrain",
     "dataloader_drop_last", "communication_data_type",
     "job",   # settings of the `lazytrain train` command (model, task, steps); not read by the engine
 }
@@ -421,6 +420,8 @@ class EngineConfig:
     steps_per_print: float | None = None   # None: no progress lines (DeepSpeed's default)
     wall_clock_breakdown: bool = False
     dataloader_drop_last: bool = False   # the loader built from training_data keeps a last, smaller batch
+    # false: every step() is the accumulation boundary (the script owns it), as DeepSpeed's unmanaged mode
+    managed_gradient_accumulation: bool = True
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -684,6 +685,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         communication_data_type=comm, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
         wall_clock_breakdown=_flag(d, "wall_clock_breakdown", False, ""), dataloader_drop_last=drop_last,
+        managed_gradient_accumulation=_flag(d, "managed_gradient_accumulation", True, ""),
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         gather_16bit_weights_on_model_save=gather_on_save, offload_param=offload_param,
         offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)

@@ -404,13 +404,15 @@ def lm_loss(out, y):
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten().to(logits.device))
 
 
-def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1, device="cpu", optimizer="torch"):
+def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1, device="cpu", optimizer="torch",
+                    step_every: int | None = None):
     """Plain PyTorch on ``device`` (``AUTO_DEVICE`` for an engine on the default device), but for a parameter the
     loss did not reach, which gets a zero gradient as under DeepSpeed: clip_grad_norm_,
     the loss averaged over `gas` micro-batches, then torch's fused AdamW (``optimizer="torch"``) or, for an
     engine whose update overlaps the next forward (``"hybrid"``), the AdamW arithmetic that update runs:
     HybridAdamW on fp32 host copies of the weights (so a weight whose gradient is rounding noise, which Adam
-    turns into steps, compares like with like). The model returned is on ``device``."""
+    turns into steps, compares like with like). ``step_every``: a step every so many micro-batches (default
+    ``gas``), each loss still divided by ``gas``. The model returned is on ``device``."""
     ref = copy.deepcopy(model).to(device)
     params = [p for p in ref.parameters()]
     if optimizer == "hybrid":
@@ -424,7 +426,7 @@ def reference_train(model: nn.Module, data, lr=1e-2, wd=0.1, clip=1.0, gas=1, de
         raise ValueError(f"optimizer must be 'torch' or 'hybrid', got {optimizer!r}")
     for i, (x, y) in enumerate(data):
         (lm_loss(ref(x.to(device)), y) / gas).backward()
-        if (i + 1) % gas == 0:
+        if (i + 1) % (step_every or gas) == 0:
             for p in params:   # a parameter the loss did not reach: a zero gradient, as DeepSpeed and the engine
                 if p.requires_grad and p.grad is None:   # give it (its weight decay and momentum still apply)
                     p.grad = torch.zeros_like(p)

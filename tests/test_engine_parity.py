@@ -2763,6 +2763,69 @@ def test_set_gradient_accumulation_boundary_controls_the_step():
     assert engine.global_steps == 1 and engine.micro_steps == 2 and engine.was_step_applied()
 
 
+def test_unmanaged_accumulation_makes_every_step_call_the_boundary():
+    """"managed_gradient_accumulation": false (DeepSpeed 0.19): the script owns the boundary. Each step()
+    updates on the micro-batches since the last one, each loss still divided by gradient_accumulation_steps,
+    and global_samples counts the engine.backward calls. The key used to be dropped in silence, and steps
+    came every gradient_accumulation_steps micro-batches."""
+    model = make_model("modulelist")
+    data = batches(6)
+    ref = reference_train(model, data, gas=2, step_every=3, device=AUTO_DEVICE)
+    config = ds_config(_top={"gradient_accumulation_steps": 2, "managed_gradient_accumulation": False})
+    engine, _, _, _ = lazytrain.initialize(model=model, config=config)
+    counters = []
+    for i, (x, y) in enumerate(data):
+        engine.backward(lm_loss(engine(x), y))
+        assert not engine.is_gradient_accumulation_boundary()   # only while step() runs
+        if i % 3 == 2:
+            engine.step()
+        counters.append((engine.global_steps, engine.micro_steps, engine.global_samples, engine.was_step_applied()))
+    engine.wait_for_update()
+    # DeepSpeed 0.19.8's counters for the same script
+    assert counters == [(0, 0, 0, False), (0, 0, 0, False), (1, 1, 6, True), (1, 1, 6, True), (1, 1, 6, True),
+                        (2, 2, 12, True)]
+    assert max_rel_diff(engine.module, ref) < RTOL
+    with pytest.raises(AssertionError) as e:
+        engine.set_gradient_accumulation_boundary(True)
+    assert str(e.value) == ("set_gradient_accumulation_boundary() is not supported with "
+                            "managed_gradient_accumulation=False; the caller owns the boundary by calling step()")
+
+
+def test_a_megatron_schedule_is_stepped_by_the_global_batch_size():
+    """A schedule whose step() takes the samples stepped (Megatron's ``step(increment)``) is given the global
+    batch size, as DeepSpeed gives it; it was refused for the argument engine.step() does not pass."""
+    class Increments:
+        def __init__(self, optimizer):
+            self.optimizer, self.samples = optimizer, 0
+
+        def step(self, increment):
+            self.samples += increment
+            for g in self.optimizer.param_groups:
+                g["lr"] = 0.01 / (1 + self.samples)
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"),
+                                           config=ds_config(_top={"gradient_accumulation_steps": 2}),
+                                           lr_scheduler=Increments)
+    for x, y in batches(4):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.global_steps == 2 and engine.lr_scheduler.samples == 8
+    assert engine.get_lr() == [0.01 / 9]
+
+
+def test_module_state_dict_takes_deepspeeds_arguments():
+    """DeepSpeed's ``module_state_dict(destination, prefix, keep_vars, exclude_frozen_parameters)``: the first
+    three were a TypeError. keep_vars=True would hand out parameters that are not the trained weights: refused."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=ds_config())
+    plain = engine.module_state_dict()
+    mine = {"step": 3}
+    out = engine.module_state_dict(mine, "model.")
+    assert out is mine and out["step"] == 3 and len(out) == len(plain) + 1
+    assert all(torch.equal(out["model." + k], v) for k, v in plain.items())
+    with pytest.raises(ValueError) as e:
+        engine.module_state_dict(keep_vars=True)
+    assert str(e.value).startswith("engine.module_state_dict(keep_vars=True) would hand out the model's parameters")
+
+
 def test_hybrid_optimizer_writes_bf16_compute_copies_in_its_update():
     """bf16 + HybridAdamW: the optimizer's update pass writes each streamed layer's compute copy, which
     then equals the fp32 master rounded to bf16 (no separate refresh pass)."""

@@ -317,7 +317,7 @@ class LazyTrainEngine(nn.Module):
         self.stream = WeightStream(self.weights, self.plan.resident_layers, prefetch=config.lazytrain.prefetch)
         self.executor = LayerStreamingExecutor(blocks, self.plan, self.weights, self.stream, self.tiers, self.device,
                                                prefetch=config.lazytrain.prefetch,
-                                               backward_ends_step=self.is_gradient_accumulation_boundary,
+                                               backward_ends_step=self._backward_may_end_step,
                                                before_pass=self._before_pass)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self.frozen_non_block = FrozenParams(self.non_block_params, self.compute_dtype, self.device)
@@ -464,6 +464,9 @@ class LazyTrainEngine(nn.Module):
         self._warned_beyond_plan = False   # a batch longer than the plan's sequence length was said
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
+        self._managed = config.managed_gradient_accumulation   # false: each step() is the boundary (the script's)
+        self._running_step = False        # step() under way: unmanaged, that is the accumulation boundary
+        self._unmanaged_backwards = 0     # unmanaged: engine.backward calls since the step (global_samples)
         self._inside_no_sync = False
         self._scaled_backward = False
         self._grads_given = False   # engine.backward or a gradient set since they were zeroed: backward_since_zeroed
@@ -746,7 +749,7 @@ class LazyTrainEngine(nn.Module):
                                                prefetch=self._config.lazytrain.prefetch,
                                                pass_ids=self.executor.pass_ids,
                                                weights_epoch=self.executor.weights_epoch,
-                                               backward_ends_step=self.is_gradient_accumulation_boundary,
+                                               backward_ends_step=self._backward_may_end_step,
                                                before_pass=self._before_pass)
         self.executor.backward_failure = failure
         self.plan = plan
@@ -1039,6 +1042,8 @@ class LazyTrainEngine(nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:   # shape (1,) too, as DeepSpeed takes it
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
         loss = loss.reshape(())
+        if not self._managed:
+            self._unmanaged_backwards += 1
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss
@@ -1095,12 +1100,24 @@ class LazyTrainEngine(nn.Module):
                       f"but {why}. {fix}", UserWarning, stacklevel=stacklevel + 1)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-batch ends the step: every ``gradient_accumulation_steps``-th, or as the script set
+        it; with ``managed_gradient_accumulation`` false, only while ``step()`` runs (as DeepSpeed's)."""
+        if not self._managed:
+            return self._running_step
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        if not self._managed:   # DeepSpeed's assertion and message
+            raise AssertionError("set_gradient_accumulation_boundary() is not supported with "
+                                 "managed_gradient_accumulation=False; the caller owns the boundary by calling step()")
         self._boundary_override = bool(is_boundary)
+
+    def _backward_may_end_step(self) -> bool:
+        """Whether the backward now running may be its step's last, so that its gradients must have landed when
+        it returns (``.grad`` read after it is whole). Unmanaged, any backward may be: each one settles."""
+        return not self._managed or self.is_gradient_accumulation_boundary()
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """On an accumulation boundary: clip, update, zero grads, advance the schedule."""
@@ -1108,6 +1125,13 @@ class LazyTrainEngine(nn.Module):
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context manager")   # DeepSpeed's
         self._step_applied = False            # as DeepSpeed: true only after a step() that updated
         self._refuse_if_inconsistent("step()")
+        self._running_step = True
+        try:
+            self._step_or_micro_step(lr_kwargs)
+        finally:
+            self._running_step = False
+
+    def _step_or_micro_step(self, lr_kwargs: dict | None) -> None:
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
             self._check_lr_kwargs(lr_kwargs)
@@ -1166,12 +1190,25 @@ class LazyTrainEngine(nn.Module):
         try:
             signature.bind(**lr_kwargs)
         except TypeError as e:
+            if not lr_kwargs and self._steps_schedule_by_samples():
+                return
             if not lr_kwargs:
                 raise TypeError(f"{type(self.lr_scheduler).__name__}.step{signature} needs arguments that engine.step() "
                                 f"does not give it ({e}): pass them as engine.step(lr_kwargs={{...}}); nothing was "
                                 f"updated") from None
             raise TypeError(f"engine.step(lr_kwargs={lr_kwargs!r}): {type(self.lr_scheduler).__name__}.step"
                             f"{signature} does not take them ({e}); nothing was updated") from None
+
+    def _steps_schedule_by_samples(self) -> bool:
+        """Megatron's schedules step by the samples the step took (``step(increment)``), which DeepSpeed gives
+        them (the global batch size) when engine.step() has no lr_kwargs: so does LazyTrain. A schedule needing
+        any other argument is refused (DeepSpeed would pass it the batch size too, as a loss or a metric)."""
+        try:
+            required = [p for p in inspect.signature(self.lr_scheduler.step).parameters.values()
+                        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):   # a builtin without a signature: stepped as it is
+            return False
+        return [p.name for p in required] == ["increment"]
 
     def _leaves_plateau_to_the_script(self, lr_kwargs: dict | None) -> bool:
         """ReduceLROnPlateau steps on a metric the engine does not have: ``engine.step()`` without
@@ -1488,7 +1525,10 @@ class LazyTrainEngine(nn.Module):
             self._step_applied = True
             if self.lr_scheduler is not None and not self._leaves_plateau_to_the_script(lr_kwargs):
                 try:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
+                    if not lr_kwargs and self._steps_schedule_by_samples():
+                        self.lr_scheduler.step(self.train_batch_size())
+                    else:
+                        self.lr_scheduler.step(**(lr_kwargs or {}))
                 except BaseException as e:
                     self._fail_inconsistent(
                         f"step {self.global_steps + 1} updated the weights, then advancing the learning-rate "
@@ -1506,7 +1546,12 @@ class LazyTrainEngine(nn.Module):
         if self._trace_path is not None:
             self._finish_trace()
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        if self._managed:
+            self.global_samples += self.train_batch_size()
+        else:   # the micro-batches this step took (DeepSpeed counts engine.backward calls)
+            per_micro_batch = self.train_micro_batch_size_per_gpu() * self.world_size
+            self.global_samples += per_micro_batch * self._unmanaged_backwards
+            self._unmanaged_backwards = 0
         self._record_peaks()
         every = self.steps_per_print()
         if self.global_rank == 0 and every is not None and self.global_steps % every == 0:
@@ -2189,18 +2234,28 @@ class LazyTrainEngine(nn.Module):
         return {name: tier.stats() for name, tier in self.tiers.items()}
 
     # ---- state ---------------------------------------------------------------------------------
-    def module_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    def module_state_dict(self, destination: dict | None = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The model's weights in fp32 (masters), each tensor its own storage, on the host; frozen weights as
         they are kept: in bf16/fp16 training in the training precision (with the weights in host memory or on
         NVMe alike). With the state sharded in bf16/fp16 (or in fp32 beside a GPU, the masters of the
         parameters outside the streamed blocks on the host), every rank gathers the fp32 weights other ranks
-        own, so every rank must call it."""
+        own, so every rank must call it. ``destination`` and ``prefix`` as in ``nn.Module.state_dict``
+        (DeepSpeed's signature)."""
+        if keep_vars:
+            raise ValueError("engine.module_state_dict(keep_vars=True) would hand out the model's parameters, but "
+                             "LazyTrain trains fp32 copies of them (the parameters are the streamed compute "
+                             "copies): the state dict holds copies of the trained weights. Call it without "
+                             "keep_vars, or use engine.module.named_parameters() for the parameters themselves")
         self._refuse_if_inconsistent("module_state_dict()")
         if self._state_gathers():
             self.dist.calls.together("module_state_dict()", self.micro_steps)
         self.wait_for_update()
         with self._whole():
-            return self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
+            state = self._module_state(exclude_frozen_parameters, copy=True, foreign=self._foreign_masters())
+        out = {} if destination is None else destination
+        out.update((prefix + name, value) for name, value in state.items())
+        return out
 
     def _state_gathers(self) -> bool:
         """Whether reading the whole model's fp32 weights gathers from other ranks (stage 3, and sharded masters
@@ -2330,7 +2385,8 @@ class LazyTrainEngine(nn.Module):
         self.dist.calls.together("save_checkpoint()", self.micro_steps)   # not on rank 0 alone, as DDP's scripts do
         self._refuse_tags_that_differ(tag)
         into_step = self.micro_steps % self.gradient_accumulation_steps()
-        if into_step and self._boundary_override is None and self.global_rank == 0:   # else the script says
+        script_says = self._boundary_override is not None or not self._managed   # the script owns the boundary
+        if into_step and not script_says and self.global_rank == 0:
             warnings.warn(f"lazytrain: save_checkpoint {tag!r} between the micro-batches of a step ({into_step} of "
                           f"{self.gradient_accumulation_steps()} done): their accumulated gradients are not saved "
                           f"(as in DeepSpeed), and a run resumed from it starts that step afresh; save after a "
@@ -2878,7 +2934,7 @@ class LazyTrainEngine(nn.Module):
         """No gradient a checkpoint's run had accumulated is in it, and this run may accumulate over another
         number of micro-batches (another number of ranks on the same global batch): the next step takes a
         whole batch at this run's accumulation, as after DeepSpeed's load."""
-        return self.global_steps * self.gradient_accumulation_steps()
+        return self.global_steps * (self.gradient_accumulation_steps() if self._managed else 1)
 
     def _owned_names(self) -> set[str] | None:
         """Sharded: the names of the tensors whose optimizer state this rank keeps (a load reads those

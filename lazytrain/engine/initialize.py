@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import warnings
 
-from ..config import ConfigError, parse_config
+from ..config import ConfigError, load_config_source, parse_config
 from .blocks import compiled_error, is_compiled
 from .distributed import init_distributed, launched, world_size
 from .engine import LazyTrainEngine
@@ -26,8 +26,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     _refuse_uninitialized(model)
     if config is None and config_params is not None:
         config = config_params
-    elif config is not None and config_params is not None:
-        raise ConfigError("pass the config as 'config' or 'config_params', not both")
+    elif config is not None and config_params is not None and not _same_config(config, config_params):
+        # DeepSpeed takes 'config' and drops the alias unread; one of two differing configs would be lost
+        raise ConfigError("'config' and 'config_params' (its alias) give different configs: pass one")
     args_config = getattr(args, "deepspeed_config", None) if args is not None else None
     if args_config is not None and getattr(args, "deepscale_config", None) is not None:
         raise ConfigError("args holds both deepscale_config and deepspeed_config; give one (deepspeed_config: "
@@ -56,6 +57,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if args is not None and hasattr(args, "local_rank"):   # scripts written for DeepSpeed read it (set_device,
         args.local_rank = engine.local_rank                 # rank-0 gating), which DeepSpeed sets from LOCAL_RANK
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _same_config(a, b) -> bool:
+    """Whether two config sources (dicts, JSON paths or base64 JSON) say the same settings."""
+    return a is b or a == b or load_config_source(a) == load_config_source(b)
 
 
 def _refuse_compiled(model) -> None:
