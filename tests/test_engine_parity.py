@@ -1160,6 +1160,7 @@ def test_more_of_deepspeeds_getters_and_its_old_save_name(tmp_path):
     assert not engine.zero_optimization_partition_weights() and engine.zero_offload_param() is None
     assert engine.dataloader_drop_last() and engine.get_data_parallel_rank() == 0
     assert engine.optimizer_params() == cfg["optimizer"]["params"] and engine.scheduler_name() == "WarmupLR"
+    assert engine.scheduler_params() == {"warmup_num_steps": 2}
     assert engine.empty_partition_cache() is None and engine.is_compiled is False
     assert engine.save_fp16_model(str(tmp_path))
     saved = torch.load(tmp_path / "pytorch_model.bin")   # DeepSpeed's default name for it

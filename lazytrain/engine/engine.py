@@ -2178,6 +2178,10 @@ class LazyTrainEngine(nn.Module):
     def scheduler_name(self) -> str | None:
         return self._config.scheduler.type
 
+    def scheduler_params(self) -> dict | None:
+        """DeepSpeed's: the config's ``scheduler.params``."""
+        return self._config.scheduler.params if self._config.scheduler.type is not None else None
+
     def zero_offload_optimizer(self):
         """DeepSpeed's: the config's ``offload_optimizer`` section, or None (LazyTrain's host optimizer runs
         either way)."""
