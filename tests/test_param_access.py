@@ -254,6 +254,40 @@ def test_after_a_zero_grad_the_next_backward_shows_every_block_gradient_in_grad(
     engine.destroy()
 
 
+@pytest.mark.parametrize("managed", [True, False], ids=["managed", "unmanaged"])
+def test_unmanaged_every_backward_shows_its_whole_gradient_in_grad(managed):
+    """With "managed_gradient_accumulation": false any backward may be its step's last: its gradients, which
+    land on a copy thread here (delayed at random), are whole in .grad when it returns, as PyTorch's are. Managed,
+    that holds at the step's last micro-batch (the others' landing overlaps the next forward)."""
+    torch.manual_seed(0)
+    model = make_model("llama")
+    ref = copy.deepcopy(model)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "steps_per_print": 10**9,
+           "managed_gradient_accumulation": managed,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+           "lazytrain": {"device": "cpu", "testing": {"copy_threads": True, "chaos_seed": 3,
+                                                      "chaos_max_delay_ms": 20.0}}}
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    blocks = list(model.model.layers.parameters())
+    for i, (x, y) in enumerate(batches(6)):
+        ends_step = i % 3 == 2
+        engine.backward(lm_loss(engine(x), y))
+        (lm_loss(ref(x), y) / 3).backward()
+        if ends_step or not managed:
+            for p, q in zip(blocks, ref.model.layers.parameters()):
+                assert float((p.grad - q.grad).abs().max() / q.grad.abs().max()) < 1e-5
+        if ends_step or managed:   # managed, step() is called after every micro-batch (it counts them)
+            engine.step()
+        if ends_step:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+    a, b = engine.module_state_dict(), ref.state_dict()
+    assert max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a) < 1e-5
+    engine.destroy()
+
+
 def test_a_layer_whose_overlapped_update_is_pending_shows_no_grad_after_a_backward_that_skipped_it():
     """The backward's end shows every block's buffer in .grad again, but not a layer the forward skipped while
     its overlapped update still reads the buffer: a script's zero_grad(set_to_none=False) there would zero
