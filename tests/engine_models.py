@@ -147,6 +147,28 @@ class AuxLossLM(ModuleListLM):
         return self.head(self.extra[0](x))
 
 
+class NestedAuxLossBlock(MLPBlock):
+    """Returns its hidden state and two auxiliary losses nested in a dict and a list."""
+
+    def forward(self, x):
+        h = self.fc1(self.norm(x))
+        return [x + self.fc2(F.gelu(h)), {"aux": (h.pow(2).mean(), [h.abs().mean()]), "note": "kept"}]
+
+
+class NestedAuxLossLM(ModuleListLM):
+    """Adds the auxiliary losses its blocks return nested into ``self.aux``."""
+    block = NestedAuxLossBlock
+
+    def forward(self, ids):
+        x, self.aux = self.emb(ids), 0.0
+        for blk in self.stack:
+            out = blk(x)
+            assert isinstance(out, list) and out[1]["note"] == "kept"   # handed back as the block returned it
+            x, (square, [absolute]) = out[0], out[1]["aux"]
+            self.aux = self.aux + square + absolute
+        return self.head(self.extra[0](x))
+
+
 class SinkBlock(MLPBlock):
     """Appends a statistic of its activations to a list the model hands every block."""
 
@@ -287,6 +309,8 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return SinkLM(n_layers=n_layers, keep=kind == "kept-sink")
     if kind == "aux-loss":
         return AuxLossLM(n_layers=n_layers)
+    if kind == "nested-aux-loss":
+        return NestedAuxLossLM(n_layers=n_layers)
     if kind == "checkpointing":
         return CheckpointingLM(n_layers=n_layers)
     if kind == "mixed-blocks":

@@ -1,4 +1,5 @@
 """The streaming engine trains exactly like plain PyTorch (fp32: within 1e-5 relative)."""
+import contextlib
 import copy
 import inspect
 import json
@@ -10,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lazytrain
 from lazytrain.config import ConfigError
@@ -2090,12 +2092,15 @@ def test_attention_weights_in_a_training_forward_warn_once():
             engine(x, output_attentions=True)
 
 
+@pytest.mark.parametrize("kind", ["aux-loss", "nested-aux-loss"])
 @pytest.mark.parametrize("k, graph", [(2, False), (3, True), (1, False)])
 @pytest.mark.parametrize("weights", ["host", "nvme"], ids=["recorded-segment", "re-run-segment"])
-def test_auxiliary_loss_returned_by_blocks_gets_its_gradient(k, graph, weights, tmp_path):
+def test_auxiliary_loss_returned_by_blocks_gets_its_gradient(kind, k, graph, weights, tmp_path):
     """A block that returns (hidden, aux loss), the aux losses added into the training loss: backward
-    differentiates each block from every output the loss used, so training matches plain PyTorch."""
-    model = make_model("aux-loss")
+    differentiates each block from every output the loss used, so training matches plain PyTorch. So with
+    the losses nested in the block's output ([hidden, {"aux": (loss, [loss])}]): their gradients were dropped
+    in re-run layers and crashed the backward in recorded ones."""
+    model = make_model(kind)
     data = batches(3)
     ref = copy.deepcopy(model).to(AUTO_DEVICE)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
@@ -2113,6 +2118,58 @@ def test_auxiliary_loss_returned_by_blocks_gets_its_gradient(k, graph, weights, 
         engine.step()
     assert max_rel_diff(engine.module, ref) < RTOL
     engine.destroy()
+
+
+class _MisusingBlock(MLPBlock):
+    """A block as a model may write it wrongly for streaming (``how``)."""
+
+    def forward(self, x, shift):
+        if self.how == "changes-its-input":
+            x.mul_(0.5)
+        h = x + self.fc2(F.gelu(self.fc1(self.norm(x)) + shift))
+        return {"hidden": h} if self.how == "returns-a-dict" else h
+
+
+class _MisusingLM(ModuleListLM):
+    block = _MisusingBlock
+
+    def __init__(self, how: str):
+        super().__init__(n_layers=4)
+        for blk in self.stack:
+            blk.how = how
+        self.how = how
+
+    def forward(self, ids):
+        x, shift = self.emb(ids), torch.zeros(64)
+        for i, blk in enumerate(self.stack):
+            with torch.no_grad() if self.how == "bottom-without-grad" and i < 2 else contextlib.nullcontext():
+                out = blk(x, shift)
+            x = out["hidden"] if isinstance(out, dict) else out
+            if self.how == "changes-an-argument-after":
+                shift.add_(0.3)   # plain PyTorch allows it (x + shift saves no shift); a re-run would see it
+        return self.head(self.extra[0](x))
+
+
+@pytest.mark.parametrize("how, message", [
+    ("returns-a-dict", "block 0 returned an object of type dict: a streamed block returns its hidden state (a tensor), "
+                       "or a tuple or list that begins with it"),
+    ("changes-its-input", "block 0 changed a tensor it was given (its hidden state or an argument) in place in a "
+                          "training forward"),
+    ("changes-an-argument-after", "block 2's positional argument 2 (a tensor of shape (64,)) was changed in place "
+                                  "since the forward called the block"),
+    ("bottom-without-grad", "block 2 was called with gradients enabled after the blocks below it ran without (under "
+                            "torch.no_grad())"),
+])
+def test_block_calls_a_rerun_cannot_repeat_are_refused_by_name(how, message):
+    """Each trained wrongly in silence (an argument changed after the call: the re-run saw the new values) or
+    failed with an error naming nothing of the cause (a dict's first key taken for the hidden state, torch's
+    "a leaf Variable that requires grad", blocks "called out of order")."""
+    engine, _, _, _ = lazytrain.initialize(model=_MisusingLM(how), config=ds_config(checkpoint_interval=2,
+                                                                                    last_segment_graph=False))
+    x, y = batches(1)[0]
+    with pytest.raises(ExecutorError) as e:
+        engine.backward(lm_loss(engine(x), y))
+    assert str(e.value).startswith(message)
 
 
 def test_list_handed_to_blocks_is_the_models_own():

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
@@ -81,6 +81,7 @@ class _LayerCall:
     held: dict = field(default_factory=dict)   # leaf index -> what a list/dict/mapping argument held at the call
     pass_id: int | None = None      # the training pass it belongs to (its spans say so: a profile counts the
                                     # forwards that were differentiated, not an evaluation's under grad)
+    versions: dict = field(default_factory=dict)   # tensor leaf index -> its version at the call (parameters aside)
 
 
 def _whole_storage(t: torch.Tensor) -> torch.Tensor:
@@ -152,7 +153,8 @@ class _Pass:
     windows_entered: set = field(default_factory=set)
     owned: set = field(default_factory=set)                              # (tier, key) still allocated
     graphs: dict = field(default_factory=dict)                           # layer -> recorded segment graph
-    returned_tuple: set = field(default_factory=set)                     # layers whose block returned a tuple
+    output_specs: dict = field(default_factory=dict)                     # layer -> pytree spec of what its block
+                                                                         # returned, where not a tensor alone
     last_out: Any = None                                                 # (weakref, version): the hidden state the last
                                                                          # block returned (a strong reference would keep
                                                                          # the pass alive through its autograd graph)
@@ -317,6 +319,8 @@ class LayerStreamingExecutor:
             # a selective block's re-run with autograd takes the outputs its forward kept: every run sees
             # its hidden state as that re-run does, too
             hidden = hidden.detach().requires_grad_()
+        if replay:
+            _check_arguments_unchanged(call, layer)
         params = self.weights.views(flat, layer, requires_grad=True)
         leaves = list(call.leaves)
         if tensors is not None:
@@ -341,11 +345,16 @@ class LayerStreamingExecutor:
                 _buffers_kept(block) if replay else nullcontext(), \
                 in_modes(block, call.modes) if replay else nullcontext(), \
                 _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
+            hidden_version = None if inference or hidden.is_inference() else hidden._version
             try:
                 out = type(block).forward(block, hidden, *rest_args, **kwargs)
             except RuntimeError as e:
                 _note_fp32_buffers(e, block, layer, self.weights.compute_dtype)
+                if "leaf Variable that requires grad is being used in an in-place operation" in str(e):
+                    raise ExecutorError(_CHANGED_INPUT.format(layer=layer)) from e
                 raise
+            if hidden_version is not None and hidden._version != hidden_version:
+                raise ExecutorError(_CHANGED_INPUT.format(layer=layer))
             if saved is not None:
                 span.args["saved_bytes"] = saved.nbytes
         return out, params
@@ -356,9 +365,10 @@ class LayerStreamingExecutor:
 
     @staticmethod
     def _outputs(out) -> tuple:
-        """A block's outputs as a tuple: the hidden state, then whatever else it returned (an auxiliary
-        loss, say), so that backward can differentiate every output the loss used."""
-        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        """A block's outputs as a flat tuple: the hidden state, then every leaf of whatever else it returned
+        (an auxiliary loss, in nested tuples, lists or dicts too), in the order the streamed call returns them,
+        so that backward can differentiate every output the loss used."""
+        return (out,) if isinstance(out, torch.Tensor) else tuple(tree_flatten(out)[0])
 
     def run(self, layer: int, args: tuple, kwargs: dict):
         """Called by the proxy of block ``layer`` with the arguments the model gave it."""
@@ -410,6 +420,12 @@ class LayerStreamingExecutor:
         p = self._current
         if p is None or layer != p.next_layer:
             self.before_pass(True)   # a changed model says what changed (its blocks reordered, say)
+            if p is None and layer > 0 and self._streaming_inference:
+                raise ExecutorError(f"block {layer} was called with gradients enabled after the blocks below it ran "
+                                    f"without (under torch.no_grad()): a training forward runs every streamed "
+                                    f"block with gradients, from block 0. To leave the bottom blocks out of "
+                                    f"training, freeze them (requires_grad_(False)): a backward then stops above "
+                                    f"them")
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
                                 f"{layer} was called when block {p.next_layer if p else 0} was expected")
         p.next_layer += 1
@@ -418,6 +434,10 @@ class LayerStreamingExecutor:
             self._keep_unchained_input(p, layer, hidden)
         call.rng = _rng_state(self.device)
         call.pass_id = p.pass_id
+        # what its re-runs check they are given again (_check_arguments_unchanged); a parameter is the engine's
+        # to write (a stage-3 gather), and a step between a forward and its backward is refused on its own
+        call.versions = {k: v._version for k, v in enumerate(call.leaves) if isinstance(v, torch.Tensor)
+                         and not isinstance(v, nn.Parameter) and not v.is_inference()}
         p.calls[layer] = call
         tensors = [call.leaves[k] for k in call.tensor_idx]
         _watch_shared_state(p, layer, call)
@@ -461,9 +481,8 @@ class LayerStreamingExecutor:
             # the pass now lives only as long as its autograd graph: a forward never differentiated
             # frees its kept boundaries and graphs with that graph, not at the next forward
             self._current = None
-        if not extras and layer not in p.returned_tuple:
-            return out_hidden
-        return (out_hidden, *extras)
+        spec = p.output_specs.get(layer)
+        return out_hidden if spec is None else tree_unflatten([out_hidden, *extras], spec)
 
     # ---- forward bookkeeping -------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -853,6 +872,50 @@ def _buffers_kept(block: nn.Module):
             m._buffers[name] = buf
 
 
+_CHANGED_INPUT = ("block {layer} changed a tensor it was given (its hidden state or an argument) in place in a "
+                  "training forward: LazyTrain keeps what a block is given and re-runs the block from it in "
+                  "backward, so the re-run would start from the changed values. Change a copy (x = x * 0.5, not "
+                  "x.mul_(0.5))")
+
+
+def _check_arguments_unchanged(call: _LayerCall, layer: int) -> None:
+    """A block is re-run from the tensors its forward was given: one changed in place since (by the model after
+    the call, say) would give the re-run other values than the forward had, so the backward is refused, as
+    PyTorch refuses a saved tensor changed in place."""
+    for k, version in call.versions.items():
+        if call.leaves[k]._version != version:
+            raise ExecutorError(f"block {layer}'s {_argument_name(call, k)} (a tensor of shape "
+                                f"{tuple(call.leaves[k].shape)}) was changed in place since the forward called the block: "
+                                f"the backward re-runs the block from the tensors its forward was given, and would "
+                                f"see other values. Change a copy instead (t = t + 1, not t.add_(1)), or change it "
+                                f"after the backward")
+
+
+def _argument_name(call: _LayerCall, k: int) -> str:
+    """Which argument of a block call the call's tensor leaf ``k`` is, as the model passed it: "keyword argument
+    'bias'", "positional argument 2[0]" (the hidden state is the first)."""
+    args, kwargs = tree_unflatten(call.leaves, call.spec)
+    paths = tree_flatten_with_path((args, kwargs), is_leaf=lambda v: v is not kwargs and isinstance(v, (list, dict)))[0]
+    (where, *inside), _ = paths[k]
+    if where.idx == 1:   # a keyword
+        return f"keyword argument {inside[0].key!r}{keystr(tuple(inside[1:]))}"
+    return f"positional argument {inside[0].idx + 2}{keystr(tuple(inside[1:]))}"
+
+
+def _checked_output(out, layer: int):
+    """What a block returned, when the executor can chain and differentiate it: its hidden state, or a tuple
+    or list that begins with it; else refused by name (a dict's keys would be taken for its outputs)."""
+    if isinstance(out, torch.Tensor) or (isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)):
+        return out
+    if isinstance(out, (tuple, list)):
+        got = f"a {type(out).__name__} whose first element is {type(out[0]).__name__ if out else 'missing'}"
+    else:
+        got = f"an object of type {type(out).__name__}"
+    raise ExecutorError(f"block {layer} returned {got}: a streamed block returns its hidden state (a tensor), or a "
+                        f"tuple or list that begins with it; what follows may nest tuples, lists and dicts of "
+                        f"tensors, each differentiated. Return (hidden_state, ...) from the block")
+
+
 def _handed_out(out, inputs, saved: frozenset = frozenset()):
     """A block's outputs as the model gets them. Detached: an output that is a view (nn.Linear's on a 3-D
     input) would be the streamed call's view output, which autograd refuses to let the model change in
@@ -868,7 +931,7 @@ def _handed_out(out, inputs, saved: frozenset = frozenset()):
             return t
         t = t.detach()
         return t.clone() if t.layout == torch.strided and t.untyped_storage().data_ptr() in given else t
-    return hand(out) if isinstance(out, torch.Tensor) else tuple(hand(t) for t in out)
+    return tree_map(hand, out)
 
 
 def _alias_of(x: torch.Tensor, out: torch.Tensor | None) -> bool:
@@ -930,15 +993,16 @@ class _BlockFunction(torch.autograd.Function):
             flat = executor._acquire(layer)
             out, _ = executor._compute(layer, flat, hidden, p.calls[layer], kept=executor._selective_forward(p, layer))
             saved = frozenset()
-        out = _handed_out(out, (hidden, *tensors), saved)
+        out = _handed_out(_checked_output(out, layer), (hidden, *tensors), saved)
         if isinstance(out, torch.Tensor):
             return (out,)
-        p.returned_tuple.add(layer)   # the model indexes it (layer_outputs[0]): hand back a tuple too
-        extras = tuple(out[1:])
-        for t in extras:   # floating-point extras (an auxiliary loss) stay differentiable
+        # the model gets what the block returned, rebuilt from the call's flat outputs (it indexes a tuple:
+        # layer_outputs[0]); each tensor in it, however nested, is an output of the call
+        leaves, p.output_specs[layer] = tree_flatten(out)
+        for t in leaves[1:]:   # floating-point extras (an auxiliary loss) stay differentiable
             if isinstance(t, torch.Tensor) and not t.is_floating_point():
                 ctx.mark_non_differentiable(t)
-        return (out[0], *extras)
+        return tuple(leaves)
 
     @staticmethod
     def backward(ctx, *grad_outs):
