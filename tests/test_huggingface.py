@@ -3,6 +3,7 @@ train through LazyTrain with transformers' stock ZeRO-2 and ZeRO-3 configs: as t
 DeepSpeed trains (fp32, 1e-6), with saved folders that ``from_pretrained`` loads to exactly the trained
 weights and a ``resume_from_checkpoint`` that continues bit-identically. Each run is its own process (the
 scripts in ``hf_programs``), as a user runs them, with the variables a launcher sets; two run at a time."""
+import copy
 import os
 import subprocess
 import sys
@@ -296,6 +297,28 @@ def test_restore_deepspeed_puts_back_what_replace_changed():
             deepspeed.zero.GatheredParameters, hf_ds.set_hf_deepspeed_config,
             accelerate.accelerator.map_pytorch_optim_to_deepspeed) == before
     assert deepspeed.comm.get_rank is before_get_rank
+
+
+def test_accelerate_fills_its_auto_values_and_leaves_the_lazytrain_sections_alone():
+    """accelerate's pass over the config took the "lazytrain" section's own "auto" values (policy,
+    overlap_optimizer...) for its placeholders and stopped every Trainer and accelerate script on them
+    ("`lazytrain.policy` not found in kwargs"). Its pass now leaves that section out."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    import lazytrain
+    config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2},
+              "lazytrain": {"policy": "auto", "overlap_optimizer": "auto"}}
+    with pytest.raises(ValueError, match="`lazytrain.policy` not found in kwargs"):   # accelerate's own pass
+        DeepSpeedPlugin(hf_ds_config=copy.deepcopy(config)).deepspeed_config_process(
+            must_match=False, train_micro_batch_size_per_gpu=4)
+    lazytrain.replace_deepspeed()
+    try:
+        plugin = DeepSpeedPlugin(hf_ds_config=config)
+        plugin.deepspeed_config_process(must_match=False, train_micro_batch_size_per_gpu=4)
+        assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 4
+        assert plugin.deepspeed_config["lazytrain"] == {"policy": "auto", "overlap_optimizer": "auto"}
+    finally:
+        lazytrain.restore_deepspeed()
 
 
 def test_a_gathered_write_in_one_process_or_a_read_on_every_rank_broadcasts_nothing(monkeypatch):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import socket
 import threading
@@ -73,6 +74,7 @@ def replace_deepspeed() -> None:
         _deepspeed_comm_on_the_process_group(put)
         _keep_the_scripts_optimizer(put)
         _leave_a_plateau_schedule_to_the_trainer(put)
+        _keep_accelerate_out_of_our_section(put)
         for name in ("safe_get_full_grad", "safe_set_full_grad", "safe_get_full_fp32_param",
                      "safe_set_full_fp32_param", "safe_get_full_optimizer_state", "safe_set_full_optimizer_state"):
             if hasattr(deepspeed.utils, name):
@@ -378,6 +380,27 @@ def _leave_a_plateau_schedule_to_the_trainer(put) -> None:
             return super().__new__(cls)
 
     put(accelerator, "DeepSpeedSchedulerWrapper", _PlateauAsItIs)
+
+
+def _keep_accelerate_out_of_our_section(put) -> None:
+    """accelerate takes every "auto" in the DeepSpeed config for a placeholder of its own, to fill from the
+    Trainer's arguments, and fails on one it has no value for: the "lazytrain" section's own "auto" values
+    (``policy``, ``overlap_optimizer``, ``frozen_bottom_layers``, ``gradient_reduce``) stopped every Trainer
+    and accelerate script before LazyTrain saw them. Its pass over the config now leaves that section out."""
+    try:
+        from accelerate.utils import DeepSpeedPlugin
+    except ImportError:
+        return
+    fill = DeepSpeedPlugin.deepspeed_config_process
+
+    @functools.wraps(fill)
+    def fill_all_but_ours(self, *args, **kwargs):
+        if kwargs.get("config") is None and not args and isinstance(self.deepspeed_config, dict):
+            # the sections it walks; it writes what it fills through the config itself, as before
+            kwargs["config"] = {k: v for k, v in self.deepspeed_config.items() if k != "lazytrain"}
+        return fill(self, *args, **kwargs)
+
+    put(DeepSpeedPlugin, "deepspeed_config_process", fill_all_but_ours)
 
 
 def _replace_transformers_zero3_switch(put) -> None:
