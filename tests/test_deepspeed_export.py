@@ -96,11 +96,17 @@ def tolerance_of(name: str) -> float:
     return STEP_TOLERANCE[precision_of(name)]
 
 
-def lazytrain_engine(cfg: dict):
+def lazytrain_engine(cfg: dict, client: bool = False):
+    """``client``: the script's own optimizer (torch's AdamW, as the config's "torch_adam" builds it), passed to
+    initialize beside the config (whose optimizer section is then ignored, as in DeepSpeed)."""
     model = runs.Net(seed=0)
+    params = cfg["optimizer"]["params"]
+    optimizer = torch.optim.AdamW(runs.groups(model), lr=params["lr"], weight_decay=params["weight_decay"]) \
+        if client else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=runs.groups(model), config=cfg)
+        engine, _, _, _ = lazytrain.initialize(model=model, model_parameters=runs.groups(model), config=cfg,
+                                               optimizer=optimizer)
     return engine
 
 

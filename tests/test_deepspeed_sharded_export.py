@@ -29,7 +29,20 @@ pytestmark = [pytest.mark.filterwarnings("ignore:lazytrain"),
 RANKS = 2
 # each group ends padded (runs.Net.gain); in bf16/fp16 at stages 1-2 the fp32 masters of the parameters outside
 # the streamed blocks live on their owners alone, so each rank's part of them comes from its owner
-NAMES = ["stage1_fp32", "stage1_fp16", "stage2_bf16", "stage2_bf16_8bit_moments", "stage3_bf16"]
+# "_client": the script's own optimizer passed to initialize, which LazyTrain does not shard (every rank holds
+# its state whole): rank 0 cuts each rank's partition of DeepSpeed's layout from it
+NAMES = ["stage1_fp32", "stage1_fp16", "stage2_bf16", "stage2_bf16_8bit_moments", "stage3_bf16",
+         "stage2_bf16_client", "stage3_bf16_client"]
+
+
+def base(name: str) -> str:
+    """The case of tests/test_deepspeed_export.py whose config ``name`` trains with."""
+    return name.removesuffix("_client")
+
+
+def shard_files(name: str) -> set:
+    """LazyTrain's files of each rank's own optimizer state (a sharded save's)."""
+    return set() if name.endswith("_client") else {ds_layout.optimizer_shard_file(r) for r in range(RANKS)}
 
 
 def _rank(rank, port, root, job_file):
@@ -39,8 +52,9 @@ def _rank(rank, port, root, job_file):
     torch.set_num_threads(1)
     data = runs.batches()
     for name in NAMES:
-        engine = single.lazytrain_engine(single.config_of(name))
-        assert engine.shards is not None   # every rank the same batch: the mean gradient is one process's
+        client = name.endswith("_client")
+        engine = single.lazytrain_engine(single.config_of(base(name)), client=client)
+        assert (engine.shards is None) == client   # every rank the same batch: the mean gradient is one process's
         record = single.trained_and_saved(engine, os.path.join(root, name, "lazytrain"), data)
         torch.save(record, os.path.join(root, f"{name}.rank{rank}.pt"))
     torch.distributed.barrier()
@@ -55,7 +69,7 @@ def exported(tmp_path_factory):
     and only there)."""
     pytest.importorskip("deepspeed")
     root = tmp_path_factory.mktemp("sharded_export")
-    job = {"cases": {name: {"config": single.config_of(name), "dir": str(root / name / "lazytrain"),
+    job = {"cases": {name: {"config": single.config_of(base(name)), "dir": str(root / name / "lazytrain"),
                             "own_dir": str(root / name / "deepspeed")} for name in NAMES},
            "out": str(root / "results.pt")}
     with open(root / "job.json", "w") as f:
@@ -67,7 +81,11 @@ def exported(tmp_path_factory):
         for a, b in zip(parts, parts[1:]):
             assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
         moments = {}
-        for part in parts:   # each rank's own tensors' moments
+        for part in parts:   # each rank's own tensors' moments (with the script's optimizer: every rank's all)
+            if name.endswith("_client"):
+                assert part["moments"].keys() == parts[0]["moments"].keys()
+                moments = part["moments"]
+                continue
             assert not moments.keys() & part["moments"].keys()
             moments.update(part["moments"])
         lazy[name] = {**parts[0], "moments": moments}
@@ -89,11 +107,11 @@ def case(exported, name, deepspeeds_side: bool = True):
 @pytest.mark.parametrize("name", NAMES)
 def test_each_rank_writes_its_share_in_deepspeeds_layout(exported, name):
     _, _, paths = case(exported, name, deepspeeds_side=False)
-    stage = single.CASES[name][0]["stage"]
+    stage = single.CASES[base(name)][0]["stage"]
     tag = os.path.join(paths["dir"], "global_step2")
     bf16 = "bf16" in name
     expected = {ds_layout.optim_file(bf16, r) for r in range(RANKS)} | \
-        {ds_layout.optimizer_shard_file(r) for r in range(RANKS)} | {ds_layout.LAZYTRAIN_FILE, ckpt.MANIFEST}
+        shard_files(name) | {ds_layout.LAZYTRAIN_FILE, ckpt.MANIFEST}
     expected |= {ds_layout.model_file(3, r) for r in range(RANKS)} if stage == 3 else {ds_layout.model_file(stage)}
     assert set(os.listdir(tag)) == expected
     model = safe_load.load(os.path.join(tag, ds_layout.model_file(stage)))
@@ -130,14 +148,14 @@ def test_one_more_step_on_deepspeeds_ranks_matches_lazytrains(exported, name):
         ref = lt["after_step"][n]
         assert torch.equal(w, lt["weights"][n]) == (n in frozen), n
         worst = max(worst, ((w - ref).abs().max() / ref.abs().max()).item())
-    assert worst < single.tolerance_of(name), worst
+    assert worst < single.tolerance_of(base(name)), worst
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_zero_to_fp32_joins_the_ranks_files_into_lazytrains_weights(exported, name):
     lt, ds, _ = case(exported, name)
     expected = dict(lt["weights"])
-    if single.CASES[name][0]["stage"] == 1:
+    if single.CASES[base(name)][0]["stage"] == 1:
         del expected["norm.bias"]     # DeepSpeed keeps frozen parameters for zero_to_fp32 from stage 2 on
     converted = ds[0]["zero_to_fp32"]
     assert converted.keys() == expected.keys()
@@ -151,10 +169,10 @@ def test_the_files_are_those_deepspeeds_ranks_write(exported, name):
     _, _, paths = case(exported, name)
     ours, theirs = os.path.join(paths["dir"], "global_step2"), os.path.join(paths["own_dir"], "global_step2")
     ds_files = sorted(os.listdir(theirs))
-    own = {ds_layout.LAZYTRAIN_FILE, ckpt.MANIFEST} | {ds_layout.optimizer_shard_file(r) for r in range(RANKS)}
+    own = {ds_layout.LAZYTRAIN_FILE, ckpt.MANIFEST} | shard_files(name)
     assert sorted(set(os.listdir(ours)) - own) == ds_files
     differences = []
     for f in ds_files:
-        differences += single.layout_differences(name, safe_load.load(os.path.join(ours, f)),
+        differences += single.layout_differences(base(name), safe_load.load(os.path.join(ours, f)),
                                                  safe_load.load(os.path.join(theirs, f)), (f,))
     assert differences == []

@@ -70,15 +70,16 @@ def case(world: int, name: str, fn, last: bool = False, **kwargs) -> str:
 
 
 def train(world, stage=1, overlap=False, steps="3", save=False, load=None, dtype="fp32", comm=None,
-          lora=False) -> str:
+          lora=False, client=False) -> str:
     """The case of ``_train`` with these settings (the same settings: one case, whichever tests read it).
     ``save``: a checkpoint (tag "t") in the case's directory; ``load``: the name of the case whose checkpoint
-    it resumes; ``lora``: every weight frozen but low-rank adapters on each block's ``fc1``."""
+    it resumes; ``lora``: every weight frozen but low-rank adapters on each block's ``fc1``; ``client``: the
+    script's own torch AdamW passed to initialize (not sharded: every rank holds its whole state)."""
     name = f"train{world}-stage{stage}-{'overlap' if overlap else 'serial'}-{dtype}-steps{steps}" + \
-        (f"-comm{comm}" if comm else "") + ("-lora" if lora else "") + ("-save" if save else "") + \
-        (f"-from-{load}" if load else "")
+        (f"-comm{comm}" if comm else "") + ("-lora" if lora else "") + ("-client" if client else "") + \
+        ("-save" if save else "") + (f"-from-{load}" if load else "")
     return case(world, name, _train, stage=stage, overlap=overlap, steps=steps, save=save, load=load, dtype=dtype,
-                comm=comm, lora=lora)
+                comm=comm, lora=lora, client=client)
 
 
 def lora_model():
@@ -103,12 +104,17 @@ def spawned(tmp_path_factory):
     return get
 
 
-def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm, lora):
+def _train(rank, world, out_dir, stage, overlap, steps, save, load, dtype, comm, lora, client):
     import lazytrain
     cfg = _config(world, stage, overlap, dtype)
     if comm is not None:
         cfg["communication_data_type"] = comm
-    engine, _, _, _ = lazytrain.initialize(model=lora_model() if lora else make_model("modulelist"), config=cfg)
+    model = lora_model() if lora else make_model("modulelist")
+    optimizer = None
+    if client:
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, **cfg.pop("optimizer")["params"])
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg, optimizer=optimizer)
     if load:
         engine.load_checkpoint(os.path.join(os.path.dirname(out_dir), load, "ckpt"))
     per = GLOBAL // world
@@ -248,6 +254,30 @@ def test_a_checkpoint_saved_by_4_ranks_resumes_with_2_and_with_1(spawned):
         resumed = spawned(RESUMED_BY[world])
         for r in resumed:
             assert max_rel_diff(as_model(r["weights"]), as_model(straight)) < 1e-5
+
+
+SAVED_BY_2_OWN_OPTIMIZER = train(2, stage=2, steps="first", save=True, client=True)
+RESUMED_OWN_OPTIMIZER = {world: train(world, stage=2, steps="then", load=SAVED_BY_2_OWN_OPTIMIZER, client=True)
+                         for world in (2, 1)}
+UNSAVED_OWN_OPTIMIZER = train(2, stage=2, steps="first+then", client=True)
+
+
+def test_a_checkpoint_of_ranks_with_the_scripts_own_optimizer_is_deepspeeds_of_as_many_ranks(spawned):
+    """An optimizer passed to initialize (a Trainer's, where the config names none) is not sharded: rank 0 wrote
+    one rank's layout, which DeepSpeed refuses on 2 ranks ("used a DP world size of 1"). It now writes each
+    rank's partition of the 2-rank layout (DeepSpeed loading them: test_deepspeed_sharded_export.py), and 2
+    ranks and 1 process resume from them as the ranks went on."""
+    from lazytrain.engine import safe_load
+    saved = spawned(SAVED_BY_2_OWN_OPTIMIZER)
+    assert not saved[0]["sharded"]
+    tag = str(spawned.root / SAVED_BY_2_OWN_OPTIMIZER / "ckpt" / "t")
+    assert sorted(f for f in os.listdir(tag) if "optim" in f) == \
+        [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    assert safe_load.load(os.path.join(tag, "mp_rank_00_model_states.pt"))["dp_world_size"] == 2
+    straight = spawned(UNSAVED_OWN_OPTIMIZER)[0]["weights"]
+    for world in (2, 1):
+        resumed = spawned(RESUMED_OWN_OPTIMIZER[world])[0]["weights"]
+        assert max_rel_diff(as_model(resumed), as_model(straight)) < 1e-5
 
 
 def test_a_damaged_optimizer_shard_is_refused_where_one_process_reads_every_shard_whole(spawned, tmp_path):

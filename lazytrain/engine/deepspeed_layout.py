@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -142,6 +142,26 @@ def copy_recovery_scripts(save_dir: str, tag: str) -> None:
 def files(x: Export) -> dict[str, object]:
     """File name -> object for ``checkpoint.save``: the DeepSpeed files and the LazyTrain file."""
     return Writer(x).files()
+
+
+def files_for_ranks(x: Export, world: int) -> dict[str, object]:
+    """File name -> object for an engine whose optimizer state every one of ``world`` ranks holds whole (an
+    optimizer passed to initialize, which LazyTrain does not shard): DeepSpeed's files of ``world`` ranks, each
+    rank's partition cut here from the whole state, as DeepSpeed's ranks of the same config write them (so
+    DeepSpeed loads them on as many ranks), and the LazyTrain file as a one-rank save writes it."""
+    whole = Writer(x)
+    out = whole.files()
+    if world == 1 or whole.stage == 0 or x.optimizer is None:
+        return out
+    out = {LAZYTRAIN_FILE: out[LAZYTRAIN_FILE]}
+    summaries = whole.summaries()
+    for rank in range(world):
+        part = replace(x, rank=rank, world=world, summaries=summaries)
+        writer = Writer(part)
+        part.pieces = {(n.name, n.key, n.start): whole.serve(n) for n in writer.needs()}
+        out.update((name, obj) for name, obj in writer.files().items()
+                   if name != LAZYTRAIN_FILE and name != optimizer_shard_file(rank))
+    return out
 
 
 def model_file(stage: int, rank: int = 0) -> str:

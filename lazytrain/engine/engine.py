@@ -345,6 +345,7 @@ class LazyTrainEngine(nn.Module):
         self.partitioned: PartitionedParams | None = None
         self.node_shared_weights = False   # the streamed layers' weights: one host copy per node
         self._one_shared_node = False      # ... and every rank on that one node: owners broadcast a signal
+        self._optimizer_from_config = optimizer is None and config.optimizer.type is not None
         if optimizer is not None:   # an object keeps its own groups (model_parameters unused, as in DeepSpeed)
             groups = param_groups(model_parameters, model, remap) if not isinstance(optimizer, torch.optim.Optimizer) \
                 else []
@@ -2090,8 +2091,9 @@ class LazyTrainEngine(nn.Module):
         return 1
 
     def optimizer_name(self) -> str | None:
-        """The config's optimizer type, or the class name of the optimizer passed to initialize."""
-        if self._config.optimizer.type is not None:
+        """The class name of the optimizer passed to initialize, or the config's optimizer type (DeepSpeed's
+        order)."""
+        if self._optimizer_from_config:
             return deepspeed_optimizer_name(self._config.optimizer.type)
         return type(self.basic_optimizer).__name__ if self.basic_optimizer is not None else None
 
@@ -2408,8 +2410,8 @@ class LazyTrainEngine(nn.Module):
             except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
                 error = e
             if self.global_rank == 0 and error is None:
-                try:
-                    ckpt.save(save_dir, tag, ds_layout.files(export), save_latest)
+                try:   # every rank holds the optimizer state whole: DeepSpeed's files of them all, from here
+                    ckpt.save(save_dir, tag, ds_layout.files_for_ranks(export, self.world_size), save_latest)
                 except Exception as e:   # noqa: BLE001 - the other ranks hear of it, then it is raised here
                     error = e
             # no rank returns (and may load) before the files exist; a failed save fails every rank at once
@@ -2553,7 +2555,7 @@ class LazyTrainEngine(nn.Module):
             module_state=self._module_state(exclude_frozen, copy=False),
             names=self._param_names,
             masters={n: masters.get(id(p), p) for n, p in self.module.named_parameters()},
-            optimizer=self.basic_optimizer, optimizer_from_config=self._config.optimizer.type is not None,
+            optimizer=self.basic_optimizer, optimizer_from_config=self._optimizer_from_config,
             lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             counters={"global_steps": self.global_steps, "global_samples": self.global_samples,
                       "skipped_steps": self.skipped_steps},
