@@ -676,6 +676,11 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
                   "LazyTrain does not keep: trace a step instead (engine.trace_next_step(\"step.json\"), or "
                   "lazytrain train --trace), which times every layer's compute and transfer.")
     seen.emit()
+    managed = _flag(d, "managed_gradient_accumulation", True, "")
+    if not managed and lt.policy == "auto":
+        raise ConfigError("config 'lazytrain.policy' \"auto\" measures steps of 'gradient_accumulation_steps' "
+                          "micro-batches and plans for them, but with 'managed_gradient_accumulation' false the "
+                          "script decides how many a step takes: choose another policy (\"milp\" plans at start-up)")
     comm = d.get("communication_data_type")
     comm = comm.lower() if isinstance(comm, str) else comm   # DeepSpeed lowers it
     if comm not in (None, "fp16", "bf16", "fp32"):   # DeepSpeed's values and message
@@ -685,7 +690,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
         communication_data_type=comm, train_batch_size=tb, train_micro_batch_size_per_gpu=mb, gradient_accumulation_steps=gas,
         world_size=world_size, gradient_clipping=float(clip), steps_per_print=spp,
         wall_clock_breakdown=_flag(d, "wall_clock_breakdown", False, ""), dataloader_drop_last=drop_last,
-        managed_gradient_accumulation=_flag(d, "managed_gradient_accumulation", True, ""),
+        managed_gradient_accumulation=managed,
         optimizer=optimizer, scheduler=scheduler, fp16=fp16, bf16=bf16, zero_stage=stage,
         gather_16bit_weights_on_model_save=gather_on_save, offload_param=offload_param,
         offload_optimizer=offload_optimizer, aio=aio, lazytrain=lt, raw=d)

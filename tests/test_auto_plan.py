@@ -474,6 +474,40 @@ def test_a_trace_asked_for_between_micro_batches_records_the_next_whole_step():
     engine.destroy()
 
 
+def test_unmanaged_a_trace_asked_for_between_micro_batches_records_the_next_whole_step():
+    """With "managed_gradient_accumulation": false micro_steps moves only in step(), so every forward looked like
+    a step's first: a trace asked for after a backward began at once and held half a step."""
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config={
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+        "managed_gradient_accumulation": False,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"checkpoint_interval": 2}})
+    data = iter(batches(4))
+
+    def micro_batch():
+        x, y = next(data)
+        engine.backward(lm_loss(engine(x), y))
+    micro_batch()
+    engine.trace_next_step()   # mid-step: the next step is traced, whole
+    micro_batch()
+    engine.step()
+    assert engine.last_trace is None
+    micro_batch()
+    micro_batch()
+    engine.step()
+    assert len([s.name for s in engine.last_trace.spans if s.name.startswith("fwd L0")]) == 2
+    engine.destroy()
+
+
+def test_unmanaged_accumulation_refuses_policy_auto():
+    with pytest.raises(ConfigError) as e:
+        lazytrain.initialize(model=make_model("llama"), config={
+            "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "managed_gradient_accumulation": False,
+            "lazytrain": {"policy": "auto"}})
+    assert str(e.value).startswith("config 'lazytrain.policy' \"auto\" measures steps of "
+                                   "'gradient_accumulation_steps' micro-batches and plans for them, but with "
+                                   "'managed_gradient_accumulation' false")
+
+
 def test_batches_larger_than_policy_auto_plans_for_are_said_once():
     """The profile recorded the config's shape while its times were measured on the batches passed: 48-token
     batches under 'seq_len' 8 were measured and planned as 8, and 8 samples under a micro-batch of 2 as 2,

@@ -442,6 +442,34 @@ def test_the_lazytrain_file_holds_what_the_deepspeed_files_do_not(tmp_path, stat
         offset += n
 
 
+def test_the_ranks_files_cut_from_a_whole_state_read_8bit_moments_as_they_are_written(tmp_path, monkeypatch):
+    """An optimizer every rank holds whole (passed to initialize): rank 0 writes every rank's files, and built
+    them all, each 8-bit moment range dequantized, before writing any (a 7B model's moments in fp32 at once).
+    The ranges are now read as their file is written; the files hold what the engine does."""
+    engine = lazytrain_engine(config_of("stage2_bf16_8bit_moments"))
+    for x, y in runs.batches()[:2]:
+        engine.backward(runs.loss_of(engine(x), y))
+        engine.step()
+    read = []
+    monkeypatch.setattr(ds_layout, "_range_pieces", lambda *a, f=ds_layout._range_pieces: (read.append(a), f(*a))[1])
+    files = ds_layout.files_for_ranks(engine._export({}, False), 2)
+    assert read == []                       # nothing dequantized yet
+    ckpt.save(str(tmp_path), "t", files, True)
+    assert read                             # each as its file was written
+    moments = fp32_moments(engine)
+    model = safe_load.load(str(tmp_path / "t" / ds_layout.model_file(2)))
+    shares = [safe_load.load(str(tmp_path / "t" / ds_layout.optim_file(True, r)))["optimizer_state_dict"]
+              for r in range(2)]
+    assert model["dp_world_size"] == 2
+    for i, shapes in enumerate(model["param_shapes"]):   # each group's flat moments: the ranks' shares end to end
+        for key in ("exp_avg", "exp_avg_sq"):
+            flat, offset = torch.cat([share["base_optimizer_state"]["state"][i][key] for share in shares]), 0
+            for name, shape in shapes.items():
+                assert torch.equal(flat[offset:offset + shape.numel()].view(shape), moments[name][key]), (name, key)
+                offset += shape.numel()
+    engine.destroy()
+
+
 def test_a_client_state_key_deepspeed_uses_itself_is_refused(tmp_path):
     engine = lazytrain_engine(resume_config("stage1_bf16"))
     with pytest.raises(ckpt.CheckpointError, match="client_state key 'module' is one DeepSpeed's checkpoint uses "

@@ -2126,6 +2126,8 @@ class _MisusingBlock(MLPBlock):
     def forward(self, x, shift):
         if self.how == "changes-its-input":
             x.mul_(0.5)
+        if self.how == "changes-its-argument":
+            shift.clamp_(0, 1)   # no value changes here; one that did would give the re-run other values
         h = x + self.fc2(F.gelu(self.fc1(self.norm(x)) + shift))
         return {"hidden": h} if self.how == "returns-a-dict" else h
 
@@ -2153,19 +2155,22 @@ class _MisusingLM(ModuleListLM):
 @pytest.mark.parametrize("how, message", [
     ("returns-a-dict", "block 0 returned an object of type dict: a streamed block returns its hidden state (a tensor), "
                        "or a tuple or list that begins with it"),
-    ("changes-its-input", "block 0 changed a tensor it was given (its hidden state or an argument) in place in a "
-                          "training forward"),
+    ("changes-its-input", "block 0 changed its hidden state in place in a training forward"),
+    ("changes-its-argument", "block 0 changed its positional argument 2 in place in a training forward"),
     ("changes-an-argument-after", "block 2's positional argument 2 (a tensor of shape (64,)) was changed in place "
                                   "since the forward called the block"),
     ("bottom-without-grad", "block 2 was called with gradients enabled after the blocks below it ran without (under "
                             "torch.no_grad())"),
+    ("changes-its-input-in-a-recorded-layer", "block 0 changed a tensor it was given (its hidden state or an "
+                                              "argument) in place in a training forward"),
 ])
 def test_block_calls_a_rerun_cannot_repeat_are_refused_by_name(how, message):
     """Each trained wrongly in silence (an argument changed after the call: the re-run saw the new values) or
     failed with an error naming nothing of the cause (a dict's first key taken for the hidden state, torch's
     "a leaf Variable that requires grad", blocks "called out of order")."""
-    engine, _, _, _ = lazytrain.initialize(model=_MisusingLM(how), config=ds_config(checkpoint_interval=2,
-                                                                                    last_segment_graph=False))
+    recorded = how.endswith("-in-a-recorded-layer")   # its input a leaf of the graph the forward records
+    config = ds_config(policy="offload_all") if recorded else ds_config(checkpoint_interval=2, last_segment_graph=False)
+    engine, _, _, _ = lazytrain.initialize(model=_MisusingLM(how.removesuffix("-in-a-recorded-layer")), config=config)
     x, y = batches(1)[0]
     with pytest.raises(ExecutorError) as e:
         engine.backward(lm_loss(engine(x), y))

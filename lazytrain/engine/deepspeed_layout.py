@@ -158,7 +158,12 @@ def files_for_ranks(x: Export, world: int) -> dict[str, object]:
     for rank in range(world):
         part = replace(x, rank=rank, world=world, summaries=summaries)
         writer = Writer(part)
-        part.pieces = {(n.name, n.key, n.start): whole.serve(n) for n in writer.needs()}
+        # each range read as its file is written (a view of the masters; 8-bit moments dequantized then): the
+        # ranks' files are built before any is written. Those outside the flat groups as a one-rank save takes
+        # them (their own dtype: a frozen weight is not copied to fp32)
+        outside = {writer._name(p): p for p in writer._outside_groups()}
+        part.pieces = {(n.name, n.key, n.start): whole.served_as_written(n) if n.name not in outside
+                       else whole._master(outside[n.name]).detach().reshape(-1) for n in writer.needs()}
         out.update((name, obj) for name, obj in writer.files().items()
                    if name != LAZYTRAIN_FILE and name != optimizer_shard_file(rank))
     return out
@@ -355,6 +360,17 @@ class Writer:
         if isinstance(value, torch.Tensor):
             return value.detach().reshape(-1).narrow(0, need.start, need.length).to("cpu", torch.float32)
         return _range(value.pieces(), need.start, need.length)
+
+    def served_as_written(self, need: Need):
+        """:meth:`serve`, read as a file that holds it is written: a tensor's range as a view of it (a copy where
+        it is elsewhere or in another dtype), an 8-bit moment's as a :class:`~.checkpoint.Streamed` that
+        dequantizes it then."""
+        p = self.by_name[need.name]
+        value = self._master(p) if need.key == "master" else self._state(p)[need.key]
+        if isinstance(value, torch.Tensor):
+            return self.serve(need)
+        return ckpt.Streamed((need.length,), torch.float32,
+                             lambda: _range_pieces(value.pieces(), need.start, need.length))
 
     def _whole(self, p) -> torch.Tensor:
         """``p``'s fp32 value whole (frozen parameters, parameters outside the optimizer's groups): this
@@ -822,15 +838,21 @@ def _summarised(st: dict | None, p: torch.Tensor) -> dict | None:
 
 def _range(pieces, start: int, length: int) -> torch.Tensor:
     """Elements ``start:start+length`` of the concatenation of flat ``pieces``, as fp32."""
-    out, offset = [], 0
+    out = list(_range_pieces(pieces, start, length))
+    return torch.cat(out) if len(out) != 1 else out[0].clone()
+
+
+def _range_pieces(pieces, start: int, length: int):
+    """The parts of each of flat ``pieces`` that fall in elements ``start:start+length`` of their concatenation,
+    in order, as fp32."""
+    offset = 0
     for piece in pieces:
         a, b = max(start - offset, 0), min(start + length - offset, piece.numel())
         if a < b:
-            out.append(piece.reshape(-1)[a:b].float())
+            yield piece.reshape(-1)[a:b].float()
         offset += piece.numel()
         if offset >= start + length:
             break
-    return torch.cat(out) if len(out) != 1 else out[0].clone()
 
 
 def _without_tail(segments: list, n: int) -> list:

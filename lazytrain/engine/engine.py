@@ -934,7 +934,7 @@ class LazyTrainEngine(nn.Module):
         self._refuse_if_destroyed("a forward")
         self._check_model_unchanged(torch.is_grad_enabled())
         if self._trace_request is not None and torch.is_grad_enabled() and streams.recording() is None \
-                and self.micro_steps == self._step_starts_at:   # a request made mid-step waits for the next step
+                and self._at_step_start():   # a request made mid-step waits for the next step
             # the traced step begins with this forward
             streams.start_recording(Timeline(measured_source(self.global_rank, self.world_size),
                                              device=self.device.type), self.device)
@@ -1114,6 +1114,13 @@ class LazyTrainEngine(nn.Module):
             raise AssertionError("set_gradient_accumulation_boundary() is not supported with "
                                  "managed_gradient_accumulation=False; the caller owns the boundary by calling step()")
         self._boundary_override = bool(is_boundary)
+
+    def _at_step_start(self) -> bool:
+        """No micro-batch of the step under way has run yet: no step() of it (managed), no backward since the last
+        step (unmanaged, where micro_steps moves only in step())."""
+        if self._managed:
+            return self.micro_steps == self._step_starts_at
+        return not self.backward_since_zeroed()
 
     def _backward_may_end_step(self) -> bool:
         """Whether the backward now running may be its step's last, so that its gradients must have landed when

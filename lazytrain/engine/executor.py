@@ -351,10 +351,13 @@ class LayerStreamingExecutor:
             except RuntimeError as e:
                 _note_fp32_buffers(e, block, layer, self.weights.compute_dtype)
                 if "leaf Variable that requires grad is being used in an in-place operation" in str(e):
-                    raise ExecutorError(_CHANGED_INPUT.format(layer=layer)) from e
+                    raise ExecutorError(_CHANGED_INPUT.format(
+                        layer=layer, what="a tensor it was given (its hidden state or an argument)")) from e
                 raise
             if hidden_version is not None and hidden._version != hidden_version:
-                raise ExecutorError(_CHANGED_INPUT.format(layer=layer))
+                raise ExecutorError(_CHANGED_INPUT.format(layer=layer, what="its hidden state"))
+            if not inference and not replay:
+                _check_arguments_unchanged(call, layer, by_the_block=True)
             if saved is not None:
                 span.args["saved_bytes"] = saved.nbytes
         return out, params
@@ -424,8 +427,8 @@ class LayerStreamingExecutor:
                 raise ExecutorError(f"block {layer} was called with gradients enabled after the blocks below it ran "
                                     f"without (under torch.no_grad()): a training forward runs every streamed "
                                     f"block with gradients, from block 0. To leave the bottom blocks out of "
-                                    f"training, freeze them (requires_grad_(False)): a backward then stops above "
-                                    f"them")
+                                    f"training, freeze them (requires_grad_(False)) before lazytrain.initialize(): "
+                                    f"a backward then stops above them")
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
                                 f"{layer} was called when block {p.next_layer if p else 0} was expected")
         p.next_layer += 1
@@ -872,23 +875,26 @@ def _buffers_kept(block: nn.Module):
             m._buffers[name] = buf
 
 
-_CHANGED_INPUT = ("block {layer} changed a tensor it was given (its hidden state or an argument) in place in a "
-                  "training forward: LazyTrain keeps what a block is given and re-runs the block from it in "
-                  "backward, so the re-run would start from the changed values. Change a copy (x = x * 0.5, not "
-                  "x.mul_(0.5))")
+_CHANGED_INPUT = ("block {layer} changed {what} in place in a training forward: LazyTrain keeps what a block is "
+                  "given and re-runs the block from it in backward, so the re-run would start from the changed "
+                  "values. Change a copy (x = x * 0.5, not x.mul_(0.5))")
 
 
-def _check_arguments_unchanged(call: _LayerCall, layer: int) -> None:
+def _check_arguments_unchanged(call: _LayerCall, layer: int, by_the_block: bool = False) -> None:
     """A block is re-run from the tensors its forward was given: one changed in place since (by the model after
     the call, say) would give the re-run other values than the forward had, so the backward is refused, as
-    PyTorch refuses a saved tensor changed in place."""
+    PyTorch refuses a saved tensor changed in place. ``by_the_block``: checked as the block's training forward
+    returns, so that one the block itself changed is refused there, naming it."""
     for k, version in call.versions.items():
-        if call.leaves[k]._version != version:
-            raise ExecutorError(f"block {layer}'s {_argument_name(call, k)} (a tensor of shape "
-                                f"{tuple(call.leaves[k].shape)}) was changed in place since the forward called the block: "
-                                f"the backward re-runs the block from the tensors its forward was given, and would "
-                                f"see other values. Change a copy instead (t = t + 1, not t.add_(1)), or change it "
-                                f"after the backward")
+        if call.leaves[k]._version == version:
+            continue
+        if by_the_block:
+            raise ExecutorError(_CHANGED_INPUT.format(layer=layer, what=f"its {_argument_name(call, k)}"))
+        raise ExecutorError(f"block {layer}'s {_argument_name(call, k)} (a tensor of shape "
+                            f"{tuple(call.leaves[k].shape)}) was changed in place since the forward called the "
+                            f"block: the backward re-runs the block from the tensors its forward was given, and "
+                            f"would see other values. Change a copy instead (t = t + 1, not t.add_(1)), or change "
+                            f"it after the backward")
 
 
 def _argument_name(call: _LayerCall, k: int) -> str:
