@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 
 
 def replaced_file(path: str, what: str = "path") -> str:
@@ -30,13 +31,15 @@ def partial_name(target: str) -> str:
 
 
 def write_text_atomic(path: str, text: str, what: str = "path") -> None:
-    """Replace the file ``path`` leads to with ``text``; a failed write (a full disk, say) leaves the old file
-    and no temporary one."""
+    """Replace the file ``path`` leads to with ``text``, keeping its permissions; a failed write (a full disk,
+    say) leaves the old file and no temporary one."""
     target = replaced_file(path, what)
     partial = partial_name(target)
     try:
         with open(partial, "w", encoding="utf-8") as f:
             f.write(text)
+        with contextlib.suppress(FileNotFoundError):   # a 0600 file stays 0600 (a new one takes the umask's)
+            os.chmod(partial, stat.S_IMODE(os.stat(target).st_mode))
         os.replace(partial, target)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -2,6 +2,7 @@
 the measurements, puts the plan in place between steps without changing a bit of the training, and plans
 again when the measured step drifts from the prediction; the profile it saves plans the same again at
 start-up and in `lazytrain plan --profile`."""
+import dataclasses
 import json
 import os
 import platform
@@ -16,6 +17,7 @@ import torch
 import lazytrain
 from lazytrain.cli import main
 from lazytrain.config import ConfigError
+from lazytrain.planner.hardware import CATALOG
 from lazytrain.planner.measured import MachineProfile, MeasurementError
 from lazytrain.planner.plan import Plan
 from lazytrain.planner.search import plan_from_profile
@@ -357,6 +359,17 @@ def test_a_profile_plans_for_a_card_larger_than_the_profiles_default_memory(meas
     assert (p.hardware.host_optimizer_gparams_per_s, p.hardware.achievable_tflops) == \
         (alone.host_optimizer_gparams_per_s, alone.achievable_tflops)
     assert plan_from_profile(profile, big, time_limit_s=5).policy == "milp"
+    # a card whose datasheet peak is below the rate measured here: the peak is left unknown, as --base leaves it
+    # (it was refused: "'achievable_tflops' (...) must be at most 'peak_tflops'", a value the user never wrote)
+    slow = dataclasses.replace(CATALOG["h200"], peak_tflops=alone.achievable_tflops / 2, achievable_tflops=None)
+    p = profile_problem(profile, card, slow, memory={"gpu_mem_bytes": 150_754_820_096})
+    assert p.hardware.peak_tflops is None and p.hardware.achievable_tflops == alone.achievable_tflops
+    zero = dataclasses.replace(profile, costs=dataclasses.replace(
+        profile.costs, diff_s=[0.0] * len(profile.costs.diff_s), fwd_s=[0.0] * len(profile.costs.fwd_s)))
+    with pytest.raises(ValueError) as e:
+        profile_problem(zero, big)
+    assert str(e.value) == ("the profile's measured compute times (costs.diff_s from layer 0, costs.fwd_s below it) "
+                            "are all zero: no compute rate can be read from them")
 
 
 def test_a_profile_records_its_runs_accumulation_and_lazytrain_plan_keeps_it(measured, tmp_path, capsys):

@@ -23,6 +23,15 @@ def test_a_written_json_file_holds_the_old_text_or_the_new_one_whole(tmp_path):
     assert path.read_text() == "new\n" and sorted(os.listdir(tmp_path)) == ["plan.json"]
 
 
+def test_a_replaced_file_keeps_its_permissions(tmp_path):
+    """The new text was renamed over the file: a 0600 plan or profile became 0644 (the umask's)."""
+    path = tmp_path / "profile.json"
+    path.write_text("old")
+    os.chmod(path, 0o600)
+    write_text_atomic(str(path), "new")
+    assert path.read_text() == "new" and os.stat(path).st_mode & 0o777 == 0o600
+
+
 def test_a_write_through_a_symlink_replaces_its_target_and_the_link_stays(tmp_path):
     """The profile and plan writers renamed their file over the link: the link was gone, its target never
     written (the trace writer already kept links)."""

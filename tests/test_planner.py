@@ -138,6 +138,10 @@ MOE_FAMILIES = {   # (config class, model class, expert keys) of families whose 
     "llama4-listed": ("Llama4TextConfig", "Llama4ForCausalLM",
                       dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
                            interleave_moe_layer_step=1, moe_layers=[0, 3])),
+    # its expert keys were not read: a 21.8B model counted as 3.35B dense
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
+                          moe_layer_interval=2, moe_layer_start_index=1)),
 }
 
 
@@ -164,6 +168,29 @@ def test_mixture_of_experts_configs_count_every_expert_and_compute_with_the_rout
         assert layer.active_params == layer.params - unused
 
 
+def test_jambas_expert_layers_follow_its_period_and_offset():
+    """Every layer was counted as a mixture of experts: Jamba planned as 92.1B where it has 51.6B."""
+    from lazytrain.planner.models import MoeShape
+    jamba = {"model_type": "jamba", "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 8,
+             "expert_layer_period": 2, "expert_layer_offset": 1}
+    assert MoeShape.from_hf_config(jamba, 5).moe_layers == (False, True, False, True, False)
+
+
+def test_an_encoder_decoder_config_is_refused_as_such_and_a_vision_tower_is_said_to_be_left_out():
+    """T5 and BART failed on "lacks 'intermediate_size'", and with it given planned the encoder alone; a
+    vision-language model's tower was left out of every budget without a word."""
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(ModelShapeError) as e:
+        ModelShape.from_hf_config(transformers.BartConfig().to_dict())
+    assert str(e.value) == ("model config of type 'bart' is an encoder-decoder; the planner costs one decoder-only "
+                            "stack of blocks. Train it with a simple policy (\"every_k\", \"keep_all\"), naming the "
+                            "stack to stream in 'lazytrain.blocks'")
+    vl = transformers.Qwen3VLConfig(text_config=dict(MOE_BASE)).to_dict()
+    with pytest.warns(UserWarning, match="model type 'qwen3_vl' has a vision tower beside its text model; the plan "
+                                         "costs the text model alone"):
+        ModelShape.from_hf_config(vl)
+
+
 def test_moe_flops_are_those_of_the_routed_width():
     """Mixtral-style: 4 experts of width 96, 2 per token, cost what a dense MLP of width 192 costs, plus the
     router; the stored parameters are the four experts'."""
@@ -186,7 +213,7 @@ def test_moe_tflops_count_the_active_parameters():
     assert moe.throughput_params == active and moe.to_dict()["active_params"] == active
     dense = ModelShape.from_hf_config(MOE_BASE)
     assert dense.active_params == dense.total_params == dense.throughput_params
-    fast = HardwareProfile("fast-links", achievable_tflops=1e-4, h2d_gbps=1e6, d2h_gbps=1e6,
+    fast = HardwareProfile("fast-links", achievable_tflops=1e-4, h2d_gbps=1e5, d2h_gbps=1e5,
                            host_optimizer_gparams_per_s=1e6)
     p = Problem(model=moe, hardware=fast, micro_batch=1, seq_len=256,
                 budgets=Budgets(gpu_bytes=10 ** 9, host_bytes=10 ** 9, gpu_reserved_bytes=0))
@@ -1263,6 +1290,12 @@ def test_cli_refuses_a_plot_file_of_no_known_format_before_solving(tmp_path, cap
         plot_step(simulate(toy_problem(2, 4.0), every_k_plan(2, 1)), str(tmp_path / "g.xyz"))
     assert str(e.value) == f"{tmp_path / 'g.xyz'}: '.xyz' is not a plot format (use {known})"
     assert not os.listdir(tmp_path)
+    # one file for both: the plot replaced the plan, and both were said written
+    os.symlink(tmp_path / "plan.png", tmp_path / "link.png")
+    assert main(args + ["--json", str(tmp_path / "plan.png"), "--plot", str(tmp_path / "link.png")]) == 2
+    assert capsys.readouterr().err == (f"lazytrain plan: --json {tmp_path / 'plan.png'} and --plot "
+                                       f"{tmp_path / 'link.png'} are one file: the plot would replace the plan; "
+                                       f"give two names\n")
 
 
 def test_plot_formats_are_those_matplotlib_writes():
@@ -1649,8 +1682,13 @@ def test_non_block_state_on_the_device_takes_gpu_memory_and_crosses_no_link():
 
 # ---- inputs refused by name before they reach the solver or a Plan --------------------------------------
 @pytest.mark.parametrize("field, value, message", [
-    ("h2d_gbps", 1e-16, "hardware profile field 'h2d_gbps' must be 0 (unknown) or between 1e-06 and 1e+09 "
-                        "(GB/s, TFLOPS or Gparams/s), got 1e-16"),
+    ("h2d_gbps", 1e-16, "hardware profile field 'h2d_gbps' must be 0 (unknown) or between 1e-06 and 100000 "
+                        "GB/s, got 1e-16"),
+    # the step floor's LP failed with PuLP's IndexError (HiGHS drops a coefficient of 1e15 bytes/s or more)
+    ("d2h_gbps", 1e6, "hardware profile field 'd2h_gbps' must be 0 (unknown) or between 1e-06 and 100000 "
+                      "GB/s, got 1000000.0"),
+    ("achievable_tflops", 2e9, "hardware profile field 'achievable_tflops' must be 0 (unknown) or between 1e-06 "
+                               "and 1e+09 TFLOPS, got 2000000000.0"),
     ("achievable_tflops", float("nan"), "hardware profile field 'achievable_tflops' must be a finite number >= 0, "
                                         "got nan"),
     ("gpu_mem_bytes", float("nan"), "hardware profile field 'gpu_mem_bytes' must be a whole byte count between "
@@ -1663,6 +1701,22 @@ def test_a_hardware_profile_built_in_python_is_checked_as_a_json_one(field, valu
     with pytest.raises(HardwareError) as e:
         dataclasses.replace(CATALOG["h800"], **{field: value})
     assert str(e.value) == message
+
+
+def test_a_measured_link_is_counted_at_most_as_fast_as_a_profile_may_say():
+    """Copies that moved no memory (in place) measure as links beyond any hardware profile's bound, which the
+    plan would then refuse: they count as the fastest link a profile may hold."""
+    import types
+    from lazytrain.planner.hardware import MAX_GBPS
+    from lazytrain.planner.measured import LINK_LANES, link_bandwidths
+
+    class Trace:
+        spans = [types.SimpleNamespace(lane=lane, args={"bytes": 10 ** 12}) for lane in LINK_LANES]
+
+        def busy(self, lane):
+            return 1e-6
+    assert link_bandwidths([Trace()]) == dict.fromkeys(LINK_LANES.values(), MAX_GBPS)
+    dataclasses.replace(CATALOG["h800"], **link_bandwidths([Trace()]))   # a profile takes them
 
 
 def test_a_hardware_argument_that_is_no_name_or_file_is_named(tmp_path):

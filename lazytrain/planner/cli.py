@@ -98,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
             except OSError as e:   # a FIFO or a device: the rename would replace the node itself
                 print(f"lazytrain plan: {e}", file=sys.stderr)
                 return 2
+    if args.json and args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
+        print(f"lazytrain plan: --json {args.json} and --plot {args.plot} are one file: the plot would replace the "
+              f"plan; give two names", file=sys.stderr)
+        return 2
     why = unsupported_format(args.plot) if args.plot else None
     if why:
         print(f"lazytrain plan: --plot {args.plot}: {why}", file=sys.stderr)

@@ -31,6 +31,9 @@ GB = 1e9
 GiB = 2 ** 30
 MAX_BYTES = 2 ** 60   # a memory size beyond this is a typo, and would break the solver's numerics
 MIN_RATE, MAX_RATE = 1e-6, 1e9   # GB/s, TFLOPS, Gparams/s: outside, a unit slip (and times HiGHS cannot hold)
+# a bandwidth enters the step floor's LP in bytes/s, and HiGHS drops coefficients from 1e15 up: 100 TB/s is far
+# beyond any link or memory (HBM3e: about 5 TB/s)
+MAX_GBPS = 1e5
 
 
 class HardwareError(ValueError):
@@ -69,9 +72,11 @@ class HardwareProfile:
             else:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                     raise HardwareError(f"hardware profile field {f.name!r} must be a finite number >= 0, got {v!r}")
-                if 0 < v < MIN_RATE or v > MAX_RATE:   # a unit slip: step times the solver cannot hold
+                high, unit = (MAX_GBPS, "GB/s") if f.name.endswith("_gbps") else \
+                    (MAX_RATE, "TFLOPS" if f.name.endswith("_tflops") else "Gparams/s")
+                if 0 < v < MIN_RATE or v > high:   # a unit slip: step times the solver cannot hold
                     raise HardwareError(f"hardware profile field {f.name!r} must be 0 (unknown) or between "
-                                        f"{MIN_RATE:g} and {MAX_RATE:g} (GB/s, TFLOPS or Gparams/s), got {v!r}")
+                                        f"{MIN_RATE:g} and {high:g} {unit}, got {v!r}")
                 object.__setattr__(self, f.name, float(v))
         if self.peak_tflops and self.achievable_tflops and self.achievable_tflops > self.peak_tflops:
             raise HardwareError(f"hardware profile field 'achievable_tflops' ({self.achievable_tflops:g}) must be at "

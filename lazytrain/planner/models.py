@@ -268,14 +268,16 @@ class MoeShape:
     shared_ffn: int          # summed width of the always-on shared experts (0: none)
     moe_layers: tuple[bool, ...]
     shared_gate: bool = False  # Qwen2-MoE scales its shared expert by a learnt gate
+    router_bias: bool = False  # Ernie 4.5 keeps a learnt correction of each expert's routing score
 
     def expert_params(self, hidden: int) -> int:
         return 3 * hidden * self.expert_ffn
 
     def mlp_params(self, hidden: int) -> int:
-        """Routed and shared experts, the router, and the shared experts' gate where there is one."""
+        """Routed and shared experts, the router (and its per-expert bias where there is one), and the shared
+        experts' gate where there is one."""
         return (self.experts * self.expert_params(hidden) + 3 * hidden * self.shared_ffn + hidden * self.experts
-                + (hidden if self.shared_gate else 0))
+                + (self.experts if self.router_bias else 0) + (hidden if self.shared_gate else 0))
 
     def idle_params(self, hidden: int) -> int:
         """What a token does not multiply: the routed experts it is not sent to."""
@@ -287,21 +289,25 @@ class MoeShape:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], n_layers: int) -> "MoeShape | None":
         """None for a dense config. Reads the expert keys of Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
-        OLMoE, GraniteMoE, GPT-OSS and Llama 4, and which layers are sparse (``decoder_sparse_step`` /
-        ``mlp_only_layers``, ``first_k_dense_replace`` / ``moe_layer_freq``,
-        ``interleave_moe_layer_step``; every layer otherwise)."""
-        counts = [_optional_whole(cfg, k, least=0) for k in ("num_local_experts", "num_experts", "n_routed_experts")]
+        OLMoE, GraniteMoE, GPT-OSS, Llama 4, Ernie 4.5 and Jamba, and which layers are sparse
+        (``decoder_sparse_step`` / ``mlp_only_layers``, ``first_k_dense_replace`` / ``moe_layer_freq``,
+        ``interleave_moe_layer_step``, ``expert_layer_period`` / ``expert_layer_offset``, ``moe_layer_interval``
+        / ``moe_layer_start_index`` / ``moe_layer_end_index``; every layer otherwise)."""
+        counts = [_optional_whole(cfg, k, least=0) for k in ("num_local_experts", "num_experts", "n_routed_experts",
+                                                                "moe_num_experts")]   # the last: Ernie 4.5
         experts = next((n for n in counts if n is not None and n > 1), None)
         if experts is None:
             return None
-        top_k = next((cfg[k] for k in ("num_experts_per_tok", "moe_topk", "top_k") if cfg.get(k) is not None), None)
+        top_k = next((cfg[k] for k in ("num_experts_per_tok", "moe_topk", "top_k", "moe_k") if cfg.get(k) is not None),
+                     None)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
             raise ModelShapeError(f"mixture-of-experts config with {experts} experts needs 'num_experts_per_tok' "
                                   f"between 1 and {experts}, got {top_k!r}")
         expert_ffn = _optional_whole(cfg, "moe_intermediate_size") or _whole(_needed(cfg, "intermediate_size"),
                                                                             "intermediate_size")
         shared = _optional_whole(cfg, "shared_expert_intermediate_size", least=0)
-        n_shared = _optional_whole(cfg, "n_shared_experts", least=0)
+        n_shared = _optional_whole(cfg, "n_shared_experts", least=0) or _optional_whole(cfg, "moe_num_shared_experts",
+                                                                                         least=0)
         if not shared and n_shared:
             shared = n_shared * expert_ffn
         if not shared and cfg.get("model_type") == "llama4_text":   # Llama 4: one shared expert
@@ -327,8 +333,19 @@ class MoeShape:
         elif cfg.get("interleave_moe_layer_step") is not None:                       # Llama 4
             step = _whole(cfg["interleave_moe_layer_step"], "interleave_moe_layer_step")
             sparse = [(i + 1) % step == 0 for i in range(n_layers)]
+        elif cfg.get("expert_layer_period") is not None:                             # Jamba
+            period = _whole(cfg["expert_layer_period"], "expert_layer_period")
+            offset = _optional_whole(cfg, "expert_layer_offset", least=0) or 0
+            sparse = [i % period == offset for i in range(n_layers)]
+        elif cfg.get("moe_layer_interval") is not None:                              # Ernie 4.5
+            step = _whole(cfg["moe_layer_interval"], "moe_layer_interval")
+            first = _optional_whole(cfg, "moe_layer_start_index", least=0) or 0
+            last = cfg.get("moe_layer_end_index")
+            last = n_layers - 1 if last is None or last == -1 else _whole(last, "moe_layer_end_index")
+            sparse = [(i + 1) % step == 0 and first <= i <= last for i in range(n_layers)]
         return cls(experts=experts, top_k=top_k, expert_ffn=expert_ffn, shared_ffn=shared or 0,
-                   moe_layers=tuple(sparse), shared_gate=bool(cfg.get("shared_expert_intermediate_size")))
+                   moe_layers=tuple(sparse), shared_gate=bool(cfg.get("shared_expert_intermediate_size")),
+                   router_bias=cfg.get("model_type") == "ernie4_5_moe")
 
 
 @dataclass(frozen=True)
@@ -419,8 +436,16 @@ class ModelShape:
         if not isinstance(cfg, dict):
             raise ModelShapeError("a Hugging Face config must be a JSON object")
         outer, measured = cfg, cfg.get("layer_params")
+        if cfg.get("is_encoder_decoder") is True:   # T5, BART, Whisper: costed as the encoder alone, wrongly
+            raise ModelShapeError(f"model config of type {cfg.get('model_type', '?')!r} is an encoder-decoder; the "
+                                  f"planner costs one decoder-only stack of blocks. Train it with a simple policy "
+                                  f"(\"every_k\", \"keep_all\"), naming the stack to stream in 'lazytrain.blocks'")
         if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
             cfg = cfg["text_config"]
+            if isinstance(outer.get("vision_config"), dict) and measured is None:
+                warnings.warn(f"lazytrain planner: model type {outer.get('model_type', '?')!r} has a vision tower "
+                              f"beside its text model; the plan costs the text model alone (the tower's weights, "
+                              f"optimizer state and time are in no budget)", UserWarning, stacklevel=2)
         if any(k not in cfg for k in SHAPE_NAMES[:3]) and isinstance(cfg.get("model_type"), str):
             cfg = with_standard_names(cfg, transformers_attribute_map(cfg["model_type"]))   # GPT-2's n_embd, ...
         reported = cfg.get("reported_params")

@@ -3,6 +3,7 @@ over micro-batch sizes (the largest throughput that fits the budgets)."""
 from __future__ import annotations
 
 import inspect
+import math
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -372,14 +373,21 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
     # all of theirs trained. A LoRA share's updates are mostly each call's fixed cost, not a rate per parameter:
     # then it is not measured, and a hardware profile's is used if given (only MegaTrain's host phase reads it)
     above = sum(layer.params for layer in model.layers[f:])
-    rates = {"achievable_tflops": flops / max(sum(c.diff_s[f:]) + sum(c.fwd_s[:f]), 1e-9) / 1e12}
+    timed = sum(c.diff_s[f:]) + sum(c.fwd_s[:f])
+    if not timed > 0:
+        raise ValueError(f"the profile's measured compute times (costs.diff_s from layer {f}, costs.fwd_s below it) "
+                         f"are all zero: no compute rate can be read from them")
+    rates = {"achievable_tflops": flops / timed / 1e12}
     # (nor from a sharded run's: each rank's update spans hold its own layers' updates and its waits for the
     # others', so their sum is no one process's rate)
     sharded = (profile.world_size or 1) > 1 and (profile.zero_stage or 0) >= 1
     if above and not sharded and profile.trainable_share * model.layer_params >= above * (1 - 1e-6):
         rates["host_optimizer_gparams_per_s"] = above / max(sum(c.update_s[f:]), 1e-9) / 1e9
     if hardware is not None:
-        hw = replace(load_profile(hardware), **rates, **profile.links_gbps, **memory)
+        base = load_profile(hardware)
+        # another card's datasheet peak below the rate this one measured: left unknown (as filled_from leaves it)
+        peak = base.peak_tflops if (base.peak_tflops or math.inf) >= rates["achievable_tflops"] else None
+        hw = replace(base, peak_tflops=peak, **rates, **profile.links_gbps, **memory)
     else:
         hw = HardwareProfile(name=f"measured on {profile.device}", **rates,
                              gpu_mem_bytes=memory.get("gpu_mem_bytes", budgets.gpu_bytes or 64 * GiB),
