@@ -36,10 +36,17 @@ def write_text_atomic(path: str, text: str, what: str = "path") -> None:
     target = replaced_file(path, what)
     partial = partial_name(target)
     try:
-        with open(partial, "w", encoding="utf-8") as f:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = None   # a new file takes the umask's
+    try:
+        # made with the replaced file's mode, so a 0600 file's new text is never readable by others
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        with contextlib.suppress(FileNotFoundError):   # a 0600 file stays 0600 (a new one takes the umask's)
-            os.chmod(partial, stat.S_IMODE(os.stat(target).st_mode))
+        if mode is not None:
+            with contextlib.suppress(OSError):   # the umask's bits back (a filesystem without modes: as it is)
+                os.chmod(partial, mode)
         os.replace(partial, target)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -364,6 +364,9 @@ def test_a_profile_plans_for_a_card_larger_than_the_profiles_default_memory(meas
     slow = dataclasses.replace(CATALOG["h200"], peak_tflops=alone.achievable_tflops / 2, achievable_tflops=None)
     p = profile_problem(profile, card, slow, memory={"gpu_mem_bytes": 150_754_820_096})
     assert p.hardware.peak_tflops is None and p.hardware.achievable_tflops == alone.achievable_tflops
+    # a profile saved before links were bounded, with a link past the bound (copies in place): planned
+    old = dataclasses.replace(profile, links_gbps={k: 2e5 for k in profile.links_gbps})
+    assert profile_problem(old, big).hardware.h2d_gbps == 1e5
     zero = dataclasses.replace(profile, costs=dataclasses.replace(
         profile.costs, diff_s=[0.0] * len(profile.costs.diff_s), fwd_s=[0.0] * len(profile.costs.fwd_s)))
     with pytest.raises(ValueError) as e:

@@ -2152,6 +2152,17 @@ class _MisusingLM(ModuleListLM):
         return self.head(self.extra[0](x))
 
 
+def test_a_block_that_changes_its_argument_trains_where_no_backward_re_runs_it():
+    """Differentiated from the graph its forward recorded (policy offload_all), a block is never re-run: its
+    own in-place change of an argument is plain PyTorch's business, not refused."""
+    engine, _, _, _ = lazytrain.initialize(model=_MisusingLM("changes-its-argument"),
+                                           config=ds_config(policy="offload_all"))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert engine.was_step_applied()
+
+
 @pytest.mark.parametrize("how, message", [
     ("returns-a-dict", "block 0 returned an object of type dict: a streamed block returns its hidden state (a tensor), "
                        "or a tuple or list that begins with it"),

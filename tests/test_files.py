@@ -23,13 +23,21 @@ def test_a_written_json_file_holds_the_old_text_or_the_new_one_whole(tmp_path):
     assert path.read_text() == "new\n" and sorted(os.listdir(tmp_path)) == ["plan.json"]
 
 
-def test_a_replaced_file_keeps_its_permissions(tmp_path):
+def test_a_replaced_file_keeps_its_permissions(tmp_path, monkeypatch):
     """The new text was renamed over the file: a 0600 plan or profile became 0644 (the umask's)."""
     path = tmp_path / "profile.json"
     path.write_text("old")
     os.chmod(path, 0o600)
-    write_text_atomic(str(path), "new")
-    assert path.read_text() == "new" and os.stat(path).st_mode & 0o777 == 0o600
+    made = []
+    real_open = os.open
+
+    def watched(name, flags, mode=0o777, *args, **kwargs):   # the new text's file is made 0600 (never readable)
+        made.append(mode)
+        return real_open(name, flags, mode, *args, **kwargs)
+    monkeypatch.setattr(os, "open", watched)
+    monkeypatch.setattr(os, "chmod", lambda *a: (_ for _ in ()).throw(PermissionError(1, "not permitted")))
+    write_text_atomic(str(path), "new")   # a filesystem that refuses chmod: the file is written all the same
+    assert made == [0o600] and path.read_text() == "new" and os.stat(path).st_mode & 0o777 == 0o600
 
 
 def test_a_write_through_a_symlink_replaces_its_target_and_the_link_stays(tmp_path):

@@ -145,6 +145,7 @@ MOE_FAMILIES = {   # (config class, model class, expert keys) of families whose 
 }
 
 
+@pytest.mark.filterwarnings("ignore:lazytrain planner. model type 'ernie4_5_moe' is costed")
 @pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
 def test_mixture_of_experts_configs_count_every_expert_and_compute_with_the_routed_ones(family):
     transformers = pytest.importorskip("transformers")
@@ -172,8 +173,15 @@ def test_jambas_expert_layers_follow_its_period_and_offset():
     """Every layer was counted as a mixture of experts: Jamba planned as 92.1B where it has 51.6B."""
     from lazytrain.planner.models import MoeShape
     jamba = {"model_type": "jamba", "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 8,
-             "expert_layer_period": 2, "expert_layer_offset": 1}
+             "expert_layer_period": 2, "expert_layer_offset": 0}
+    assert MoeShape.from_hf_config(jamba, 5).moe_layers == (True, False, True, False, True)
+    del jamba["expert_layer_offset"]   # JambaConfig's default, 1
     assert MoeShape.from_hf_config(jamba, 5).moe_layers == (False, True, False, True, False)
+    # Ernie 4.5 VL's text config gives its text and vision experts' widths: the text model's is costed
+    ernie_vl = {"model_type": "ernie4_5_vl_moe", "moe_num_experts": 4, "moe_top_k": 2, "intermediate_size": 8,
+                "moe_intermediate_size": [16, 4], "moe_layer_interval": 1}
+    assert MoeShape.from_hf_config(ernie_vl, 3).expert_ffn == 16
+    assert MoeShape.from_hf_config(ernie_vl, 3).moe_layers == (False, True, True)   # from index 1, its default
 
 
 def test_an_encoder_decoder_config_is_refused_as_such_and_a_vision_tower_is_said_to_be_left_out():

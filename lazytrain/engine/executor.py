@@ -354,9 +354,11 @@ class LayerStreamingExecutor:
                     raise ExecutorError(_CHANGED_INPUT.format(
                         layer=layer, what="a tensor it was given (its hidden state or an argument)")) from e
                 raise
-            if hidden_version is not None and hidden._version != hidden_version:
+            # a layer its backward re-runs (not one differentiated from the graph its forward recorded)
+            rerun_later = not inference and not replay and layer < self.graph_start and layer not in self.offloaded
+            if rerun_later and hidden_version is not None and hidden._version != hidden_version:
                 raise ExecutorError(_CHANGED_INPUT.format(layer=layer, what="its hidden state"))
-            if not inference and not replay:
+            if rerun_later:
                 _check_arguments_unchanged(call, layer, by_the_block=True)
             if saved is not None:
                 span.args["saved_bytes"] = saved.nbytes

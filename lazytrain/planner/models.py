@@ -298,11 +298,14 @@ class MoeShape:
         experts = next((n for n in counts if n is not None and n > 1), None)
         if experts is None:
             return None
-        top_k = next((cfg[k] for k in ("num_experts_per_tok", "moe_topk", "top_k", "moe_k") if cfg.get(k) is not None),
-                     None)
+        top_k = next((cfg[k] for k in ("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "moe_top_k")
+                      if cfg.get(k) is not None), None)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
             raise ModelShapeError(f"mixture-of-experts config with {experts} experts needs 'num_experts_per_tok' "
                                   f"between 1 and {experts}, got {top_k!r}")
+        if isinstance(cfg.get("moe_intermediate_size"), list) and cfg["moe_intermediate_size"]:
+            # Ernie 4.5 VL: [text experts' width, vision experts']; the planner costs the text model
+            cfg = {**cfg, "moe_intermediate_size": cfg["moe_intermediate_size"][0]}
         expert_ffn = _optional_whole(cfg, "moe_intermediate_size") or _whole(_needed(cfg, "intermediate_size"),
                                                                             "intermediate_size")
         shared = _optional_whole(cfg, "shared_expert_intermediate_size", least=0)
@@ -335,11 +338,13 @@ class MoeShape:
             sparse = [(i + 1) % step == 0 for i in range(n_layers)]
         elif cfg.get("expert_layer_period") is not None:                             # Jamba
             period = _whole(cfg["expert_layer_period"], "expert_layer_period")
-            offset = _optional_whole(cfg, "expert_layer_offset", least=0) or 0
+            offset = _optional_whole(cfg, "expert_layer_offset", least=0)
+            offset = 1 if offset is None else offset   # JambaConfig's default
             sparse = [i % period == offset for i in range(n_layers)]
         elif cfg.get("moe_layer_interval") is not None:                              # Ernie 4.5
             step = _whole(cfg["moe_layer_interval"], "moe_layer_interval")
-            first = _optional_whole(cfg, "moe_layer_start_index", least=0) or 0
+            first = _optional_whole(cfg, "moe_layer_start_index", least=0)
+            first = 1 if first is None else first   # Ernie4_5_MoeConfig's default
             last = cfg.get("moe_layer_end_index")
             last = n_layers - 1 if last is None or last == -1 else _whole(last, "moe_layer_end_index")
             sparse = [(i + 1) % step == 0 and first <= i <= last for i in range(n_layers)]
@@ -442,7 +447,7 @@ class ModelShape:
                                   f"(\"every_k\", \"keep_all\"), naming the stack to stream in 'lazytrain.blocks'")
         if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg:
             cfg = cfg["text_config"]
-            if isinstance(outer.get("vision_config"), dict) and measured is None:
+            if isinstance(outer.get("vision_config"), dict):
                 warnings.warn(f"lazytrain planner: model type {outer.get('model_type', '?')!r} has a vision tower "
                               f"beside its text model; the plan costs the text model alone (the tower's weights, "
                               f"optimizer state and time are in no budget)", UserWarning, stacklevel=2)

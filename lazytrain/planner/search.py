@@ -9,7 +9,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .hardware import HardwareProfile, load_profile
+from .hardware import MAX_GBPS, HardwareProfile, load_profile
 from .isolate import DeadlineExceededError, call_with_deadline
 from .milp import MilpOptions, NoPlanInTimeError, PlanningError, build_and_solve, isolated_deadline_s
 from .models import ModelShape, ModelShapeError, load_model
@@ -383,16 +383,18 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
     sharded = (profile.world_size or 1) > 1 and (profile.zero_stage or 0) >= 1
     if above and not sharded and profile.trainable_share * model.layer_params >= above * (1 - 1e-6):
         rates["host_optimizer_gparams_per_s"] = above / max(sum(c.update_s[f:]), 1e-9) / 1e9
+    # a profile saved before links were bounded may hold a faster one (copies in place): counted at the bound
+    links = {k: min(v, MAX_GBPS) for k, v in profile.links_gbps.items()}
     if hardware is not None:
         base = load_profile(hardware)
         # another card's datasheet peak below the rate this one measured: left unknown (as filled_from leaves it)
         peak = base.peak_tflops if (base.peak_tflops or math.inf) >= rates["achievable_tflops"] else None
-        hw = replace(base, peak_tflops=peak, **rates, **profile.links_gbps, **memory)
+        hw = replace(base, peak_tflops=peak, **rates, **links, **memory)
     else:
         hw = HardwareProfile(name=f"measured on {profile.device}", **rates,
                              gpu_mem_bytes=memory.get("gpu_mem_bytes", budgets.gpu_bytes or 64 * GiB),
                              host_mem_bytes=memory.get("host_mem_bytes", budgets.host_bytes or 64 * GiB),
-                             **profile.links_gbps)
+                             **links)
     gb = global_batch if global_batch is not None else profile.micro_batch
     if gb % profile.micro_batch:
         raise ValueError(f"the profile's micro-batch {profile.micro_batch} does not divide global_batch {gb}")
