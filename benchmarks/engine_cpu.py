@@ -72,7 +72,7 @@ def time_steps(step_fn, batches, warmup):
 
 
 def plain_pytorch(model, batches, warmup):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)   # as the configs' AdamW
 
     def step(ids):
         loss = loss_of(model(ids[:, :-1]).logits, ids)

@@ -4,6 +4,7 @@ blocks of 8 (a MoE-like tree), the median of 50 checks each, on this CPU.
 
     python benchmarks/layout_guard_cost.py
 """
+import argparse
 import statistics
 import time
 
@@ -40,4 +41,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

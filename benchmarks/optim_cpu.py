@@ -74,25 +74,28 @@ def main(argv=None) -> int:
     copies = {p: torch.empty(p.shape, dtype=torch.bfloat16) for p in params}
     k = kernels.cpu_kernels()
 
-    opts = {"torch AdamW fused": torch.optim.AdamW(params, lr=1e-4, fused=True)}
+    # weight decay 0.0 for all, DeepSpeedCPUAdam's default (torch's AdamW and HybridAdamW default to 0.01)
+    opts = {"torch AdamW fused": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)}
     for bs in [int(b) for b in args.block_sizes.split(",")]:
         tag = f"HybridAdamW 8-bit bs={bs}"
-        opts[tag] = HybridAdamW(named, lr=1e-4, block_size=bs, check_finite=False)
+        opts[tag] = HybridAdamW(named, lr=1e-4, weight_decay=0.0, block_size=bs, check_finite=False)
         if bs == DEFAULT_BLOCK_SIZE:
-            opts[tag + " +bf16 copy"] = HybridAdamW(named, lr=1e-4, block_size=bs, check_finite=False,
-                                                    compute_copies=copies)
-            opts[tag + " +clip 1.0"] = HybridAdamW(named, lr=1e-4, block_size=bs, max_grad_norm=1.0)
-    opts["HybridAdamW fp32 states"] = HybridAdamW(named, lr=1e-4, optimizer_states="fp32", check_finite=False)
+            opts[tag + " +bf16 copy"] = HybridAdamW(named, lr=1e-4, weight_decay=0.0, block_size=bs,
+                                                    check_finite=False, compute_copies=copies)
+            opts[tag + " +clip 1.0"] = HybridAdamW(named, lr=1e-4, weight_decay=0.0, block_size=bs,
+                                                   max_grad_norm=1.0)
+    opts["HybridAdamW fp32 states"] = HybridAdamW(named, lr=1e-4, weight_decay=0.0, optimizer_states="fp32",
+                                                  check_finite=False)
     slow = {}
     if not args.no_bnb:
         try:
             import bitsandbytes as bnb
-            slow["bitsandbytes AdamW8bit (CPU)"] = bnb.optim.AdamW8bit(params, lr=1e-4)
+            slow["bitsandbytes AdamW8bit (CPU)"] = bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0.0)
         except Exception as e:  # noqa: BLE001
             print(f"bitsandbytes skipped: {e}")
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        opts["DeepSpeedCPUAdam"] = DeepSpeedCPUAdam(params, lr=1e-4)
+        opts["DeepSpeedCPUAdam"] = DeepSpeedCPUAdam(params, lr=1e-4, weight_decay=0.0)
     except Exception as e:  # noqa: BLE001
         print(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {str(e)[:120]}")
 

@@ -5,6 +5,7 @@ for, so the ranks' updates run side by side.
 
     python benchmarks/sharded_updates_cpu.py
 """
+import argparse
 import json
 import os
 import socket
@@ -43,6 +44,7 @@ def worker(rank, world, port, out):
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     for world in (1, 2, 4):
         s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
         out = tempfile.mktemp()

@@ -9,6 +9,7 @@ Each run is its own process (one rank, gloo), 6 optimizer steps of a tiny GPT-2 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -70,4 +71,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     sys.exit(main())
