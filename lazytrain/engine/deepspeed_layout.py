@@ -150,10 +150,9 @@ def files_for_ranks(x: Export, world: int) -> dict[str, object]:
     rank's partition cut here from the whole state, as DeepSpeed's ranks of the same config write them (so
     DeepSpeed loads them on as many ranks), and the LazyTrain file as a one-rank save writes it."""
     whole = Writer(x)
-    out = whole.files()
     if world == 1 or whole.stage == 0 or x.optimizer is None:
-        return out
-    out = {LAZYTRAIN_FILE: out[LAZYTRAIN_FILE]}
+        return whole.files()
+    out = whole.lazytrain_files()
     summaries = whole.summaries()
     for rank in range(world):
         part = replace(x, rank=rank, world=world, summaries=summaries)
@@ -164,8 +163,7 @@ def files_for_ranks(x: Export, world: int) -> dict[str, object]:
         outside = {writer._name(p): p for p in writer._outside_groups()}
         part.pieces = {(n.name, n.key, n.start): whole.served_as_written(n) if n.name not in outside
                        else whole._master(outside[n.name]).detach().reshape(-1) for n in writer.needs()}
-        out.update((name, obj) for name, obj in writer.files().items()
-                   if name != LAZYTRAIN_FILE and name != optimizer_shard_file(rank))
+        out.update(writer.deepspeed_files())
     return out
 
 
@@ -444,6 +442,11 @@ class Writer:
         """This rank's files: unsharded (or rank 0), the model file, the optimizer file and the LazyTrain
         file; sharded, each rank its optimizer partition and LazyTrain optimizer shard (and at stage 3 its
         model file, as each of DeepSpeed's ranks writes one)."""
+        return {**self.deepspeed_files(), **self.lazytrain_files()}
+
+    def deepspeed_files(self) -> dict[str, object]:
+        """This rank's DeepSpeed files of :meth:`files`: its model file (rank 0, or every rank at stage 3) and
+        its optimizer file."""
         x = self.x
         clash = sorted(set(x.client_state) & DEEPSPEED_KEYS)
         if clash:
@@ -464,8 +467,15 @@ class Writer:
                           f"parameter group, and these parameters were stepped fewer times than others of their group: "
                           f"{', '.join(self.uneven[:8])}{' ...' if len(self.uneven) > 8 else ''}; the DeepSpeed files "
                           f"give them the group's count (LazyTrain resumes them exactly)", UserWarning, stacklevel=4)
+        return out
+
+    def lazytrain_files(self) -> dict[str, object]:
+        """This rank's LazyTrain files of :meth:`files`: the LazyTrain file (rank 0) and, sharded, its optimizer
+        shard."""
+        x, out = self.x, {}
         if self.rank == 0:
             # stage 3: parameters nothing else holds (trainable, yet in no optimizer group)
+            zero = self.stage > 0 and self.opt is not None
             lazy_extra = {self._name(p): self._whole(p).detach().to("cpu") for p in self._outside_groups()} \
                 if zero and self.stage == 3 else {}
             out[LAZYTRAIN_FILE] = self._lazytrain_file(lazy_extra)
