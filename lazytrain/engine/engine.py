@@ -3555,9 +3555,9 @@ def _refuse_router_aux_loss(model: nn.Module, kwargs: dict) -> None:
     if _wants(model, kwargs, "output_router_logits"):
         raise ConfigError("the model adds a router load-balancing loss computed from router logits captured inside "
                           "its layers (output_router_logits=True); LazyTrain streams and re-runs those layers, so "
-                          "that loss would get no gradient. Set output_router_logits = False in the model's config (model.config, "
-                          "or its text_config in a composite model) or pass output_router_logits=False, to train "
-                          "without the auxiliary loss")
+                          "that loss would get no gradient. Set output_router_logits = False in the model's config "
+                          "(model.config, or its text_config in a composite model) or pass "
+                          "output_router_logits=False, to train without the auxiliary loss")
 
 
 def _check_model_dtype(model: nn.Module, compute_dtype: torch.dtype) -> None:
