@@ -47,6 +47,36 @@ def test_attention_biases_are_counted_as_transformers_builds_them(model_type):
     assert ModelShape.from_hf_config(cfg).layers[0].params == built
 
 
+BIASED = {   # configs whose MLP (and, for Ernie 4.5, every projection and the LM head) carry biases
+    "llama-mlp_bias": dict(model_type="llama", mlp_bias=True),
+    "llama-both": dict(model_type="llama", mlp_bias=True, attention_bias=True),
+    "ernie4_5": dict(model_type="ernie4_5", use_bias=True),
+    "ernie4_5_moe": dict(model_type="ernie4_5_moe", use_bias=True, moe_num_experts=4, moe_k=2,
+                         moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_interval=2,
+                         moe_layer_start_index=1),
+    "ernie4_5_moe-tied": dict(model_type="ernie4_5_moe", use_bias=True, tie_word_embeddings=True, moe_num_experts=4,
+                              moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=0),
+}
+
+
+@pytest.mark.filterwarnings("ignore:lazytrain planner. model type 'ernie4_5")
+@pytest.mark.parametrize("name", sorted(BIASED))
+def test_mlp_and_head_biases_are_counted_as_transformers_builds_them(name):
+    """Llama's mlp_bias and Ernie 4.5's use_bias were not read: a layer of a tiny Ernie 4.5 config was counted
+    448 of 31,296 parameters short, its LM head's bias left out."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    cfg = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               intermediate_size=96, vocab_size=128, **BIASED[name])
+    config = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = ModelShape.from_hf_config(config.to_dict())
+    assert [layer.params for layer in shape.layers] == [sum(p.numel() for p in layer.parameters())
+                                                        for layer in model.model.layers]
+    assert shape.total_params == sum(p.numel() for p in model.parameters())
+
+
 def test_a_mixture_of_experts_config_with_no_dense_mlp_is_counted_as_transformers_builds_it():
     """Qwen3.5-MoE's config names no intermediate_size (every layer's MLP is of experts): it could not be
     planned at all, by the CLI or by policies milp and auto."""

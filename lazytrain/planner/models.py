@@ -3,8 +3,8 @@
 A :class:`ModelShape` is a stack of repeated blocks (:class:`LayerShape`) plus the non-repeated
 parameters (token embedding, final norm, LM head). Everything is derived analytically:
 
-- parameters per layer: attention projections (with q/k/v biases where the config says so), the
-  gated MLP (gate, up, down) and two RMSNorm weights;
+- parameters per layer: attention projections and the gated MLP (gate, up, down), each with its
+  biases where the config says so, and two RMSNorm weights;
 - forward FLOPs per token of a layer: ``2 * params`` for the matrix products plus ``2 * S * q_dim``
   for causal attention (QK^T and AV over on average S/2 keys); backward costs twice the forward;
 - mixture-of-experts layers (see :class:`MoeShape`) store every expert but a token multiplies only its
@@ -364,6 +364,7 @@ class ModelShape:
     # parameter count the throughput convention uses; None = count the shape's own parameters
     reported_params: int | None = None
     notes: str = ""
+    head_bias: bool = False   # the LM head has a bias (Ernie 4.5 MoE's use_bias; tying shares its weight alone)
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -380,8 +381,9 @@ class ModelShape:
 
     @property
     def nonlayer_params(self) -> int:
-        """Embedding (+ untied LM head) + final norm."""
-        return self.vocab_size * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+        """Embedding (+ untied LM head and its bias, where it has one) + final norm."""
+        return (self.vocab_size * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+                + (self.vocab_size if self.head_bias else 0))
 
     @property
     def total_params(self) -> int:
@@ -420,7 +422,8 @@ class ModelShape:
         model type's config class, as transformers loads it; else the heads, the hidden size over the heads),
         ``tie_word_embeddings`` (where it
         is missing, the model type's default in transformers: tied for Gemma, :data:`TIED_BY_DEFAULT`),
-        ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``), and the expert keys
+        ``attention_bias`` (Qwen2 models have q/k/v biases: ``model_type == "qwen2"``), ``mlp_bias``, Ernie
+        4.5's ``use_bias`` (every projection's and its MoE model's LM head's), and the expert keys
         of mixture-of-experts configs (:meth:`MoeShape.from_hf_config`). Hybrid stacks: ``layer_types``
         (``"full_attention"`` / ``"linear_attention"`` per layer) or, without it,
         ``full_attention_interval`` n (every n-th layer full attention, the rest linear); their linear
@@ -501,9 +504,17 @@ class ModelShape:
                           f"plan's predicted times and activation memory are estimates"
                           + (" (its layers' sizes are the measured ones)" if measured is not None else ""),
                           UserWarning, stacklevel=2)
-        bias = flag("attention_bias", flag("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
+        # Ernie 4.5's use_bias puts a bias on every projection: attention, MLP and (MoE) its LM head
+        ernie_bias = model_type.startswith("ernie4_5") and flag("use_bias", False)
+        bias = ernie_bias or flag("attention_bias", flag("qkv_bias", model_type in ("qwen2", "qwen2_moe")))
         # Llama's and Qwen3's attention_bias is on the output projection too; Qwen2's q/k/v biases are not
-        o_bias = bias and cfg.get("attention_bias") is not None and model_type not in ("qwen2", "qwen2_moe")
+        o_bias = ernie_bias or (bias and cfg.get("attention_bias") is not None
+                                and model_type not in ("qwen2", "qwen2_moe"))
+        mlp_bias = ernie_bias or flag("mlp_bias", False)   # Llama's: gate, up and down projections'
+
+        def mlp_biases(width: int) -> int:
+            """The biases of a gated MLP of ``width`` (none where the config has none, or no such MLP)."""
+            return 2 * width + h if mlp_bias and width else 0
         q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
         kinds = cls._layer_kinds(cfg, n_layers)
         hybrid = "linear_attention" in kinds
@@ -520,12 +531,12 @@ class ModelShape:
             mix, lin, g = mixer[kind]
             common = dict(hidden=h, q_dim=q_dim, kv_dim=kv_dim, linear=lin, attn_gate=g, qk_norm=qk_norm,
                           norm_fp32_weight=hybrid or model_type in FP32_NORM_MODEL_TYPES)
-            d = LayerShape(params=mix + 3 * h * dense_ffn, ffn=dense_ffn, **common)
+            d = LayerShape(params=mix + 3 * h * dense_ffn + mlp_biases(dense_ffn), ffn=dense_ffn, **common)
             if moe is None:
                 return d, None
-            return d, LayerShape(params=mix + moe.mlp_params(h), ffn=moe.active_width(),
-                                 active_params=mix + moe.mlp_params(h) - moe.idle_params(h), moe_top_k=moe.top_k,
-                                 **common)
+            sparse = mix + moe.mlp_params(h) + mlp_biases(moe.shared_ffn)   # routed experts keep no biases
+            return d, LayerShape(params=sparse, ffn=moe.active_width(), active_params=sparse - moe.idle_params(h),
+                                 moe_top_k=moe.top_k, **common)
 
         by_kind = {kind: shapes(kind) for kind in set(kinds)}
         if measured is not None:
@@ -550,7 +561,7 @@ class ModelShape:
                                   f"precision the layers compute and stream in), got {dtype!r}")
         return cls(name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
                    layers=layers, hidden=h, vocab_size=vocab, tied_embeddings=tied,
-                   dtype_bytes=dtype_bytes,
+                   dtype_bytes=dtype_bytes, head_bias=ernie_bias and model_type == "ernie4_5_moe",
                    reported_params=None if reported is None else _whole(reported, "reported_params"))
 
     @staticmethod
