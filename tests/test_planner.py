@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import warnings
+
 import pytest
 
 from lazytrain.planner.hardware import CATALOG, HardwareError, HardwareProfile, load_profile
@@ -75,6 +77,26 @@ def test_mlp_and_head_biases_are_counted_as_transformers_builds_them(name):
     assert [layer.params for layer in shape.layers] == [sum(p.numel() for p in layer.parameters())
                                                         for layer in model.model.layers]
     assert shape.total_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "mistral3", "gemma3", "qwen2_5_vl", "llava"])
+def test_a_multimodal_models_head_is_tied_as_transformers_builds_it(model_type):
+    """The text config's tie_word_embeddings was read first: Qwen3-VL-MoE's text config says tied where its
+    outer config and the model it builds are untied (the LM head, vocab x hidden, left out of every budget),
+    Mistral 3's the other way round."""
+    transformers = pytest.importorskip("transformers")
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    import torch
+    config = transformers.CONFIG_MAPPING[model_type]()
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    built = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the vision tower's and the model type's warnings
+        assert ModelShape.from_hf_config(config.to_dict()).tied_embeddings is built
+    if model_type == "qwen3_vl_moe":
+        assert (config.to_dict()["text_config"]["tie_word_embeddings"], built) == (True, False)
 
 
 def test_a_mixture_of_experts_config_with_no_dense_mlp_is_counted_as_transformers_builds_it():

@@ -180,3 +180,18 @@ def test_a_sharded_ranks_planned_host_bytes_are_what_it_holds(sharded_ranks, cas
     for r in ranks:
         assert r["planned"] < r["whole"]
         assert r["held"] == pytest.approx(r["planned"], rel=0.1)   # ownership by whole layers: 6 layers, 2 ranks
+
+
+def test_the_planner_counts_the_lm_head_the_model_has_not_the_one_its_config_says():
+    """A head untied after the model was built (its config still says tied) was left out of the planner's
+    host memory: the engine reads the tying off the model."""
+    model = make_model("llama")
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=_config(False))
+    shape = as_model_shape(engine._model_cfg)
+    in_blocks = {id(p) for b in engine.weights.blocks for p in b.parameters()}
+    assert shape.tied_embeddings is False
+    assert shape.nonlayer_params == sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)

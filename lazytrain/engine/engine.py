@@ -104,7 +104,24 @@ def _planner_config(model: nn.Module) -> dict | None:
     config = getattr(model, "config", None)
     if not hasattr(config, "to_dict"):
         return None
-    return with_standard_names(config.to_dict(), getattr(config, "attribute_map", None))
+    cfg = with_standard_names(config.to_dict(), getattr(config, "attribute_map", None))
+    tied = _embeddings_tied(model)
+    if tied is not None:   # what the model built, where its config's keys (a multimodal one's two) may disagree
+        cfg["tie_word_embeddings"] = tied
+    return cfg
+
+
+def _embeddings_tied(model: nn.Module) -> bool | None:
+    """Whether ``model``'s LM head is its embedding's weight (a Hugging Face model's accessors); None where the
+    model does not say."""
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    head_weight, embedding_weight = getattr(head, "weight", None), getattr(embedding, "weight", None)
+    if not isinstance(head_weight, torch.Tensor) or not isinstance(embedding_weight, torch.Tensor):
+        return None
+    return head_weight is embedding_weight
 
 
 def _devices_of(model: nn.Module) -> list[tuple[nn.Module, str, str, torch.device]]:

@@ -691,22 +691,28 @@ TIED_BY_DEFAULT: dict[str, bool] = {
 
 
 def _tied_embeddings(cfg: dict[str, Any], outer: dict[str, Any]) -> bool:
-    """Whether the LM head shares the embedding's weights: ``tie_word_embeddings`` of the text config, else of
-    the config holding it (a multimodal one), else what transformers loads where the key is missing, the
-    default of the model type's config class; untied (LlamaConfig's default) where that is unknown too."""
-    for c in (cfg, outer):
+    """Whether the LM head shares the embedding's weights, as transformers (5) builds the model: the
+    ``tie_word_embeddings`` of the config whose model holds the head, the outer one of a multimodal config
+    (Qwen3-VL-MoE's text config says tied, its outer config and the model it builds untied), else that config
+    class's default where the key is missing; then the text config's key and its class's default; untied
+    (LlamaConfig's default) where all of these are unknown."""
+    for c in ((outer, cfg) if cfg is not outer else (cfg,)):
         if c.get("tie_word_embeddings") is not None:
             return _flag(c["tie_word_embeddings"], "tie_word_embeddings")
-    for c in (cfg, outer):
-        model_type = c.get("model_type")
-        if not isinstance(model_type, str) or not model_type:
-            continue
-        default = TIED_BY_DEFAULT.get(model_type)
-        if default is None:
-            default = transformers_class_defaults(model_type).get("tie_word_embeddings")
-        if isinstance(default, bool):
+        default = _tied_by_default(c.get("model_type"))
+        if default is not None:
             return default
     return False
+
+
+def _tied_by_default(model_type: Any) -> bool | None:
+    """Whether the config class of ``model_type`` ties the embeddings by default; None where unknown."""
+    if not isinstance(model_type, str) or not model_type:
+        return None
+    default = TIED_BY_DEFAULT.get(model_type)
+    if default is None:
+        default = transformers_class_defaults(model_type).get("tie_word_embeddings")
+    return default if isinstance(default, bool) else None
 
 
 # the shape keys a config.json may leave to its config class's defaults (where they have none, the planner
