@@ -46,7 +46,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train the embedded default job, or the job in CONFIG")
     p.add_argument("config", nargs="?", help="JSON engine config with a 'job' section (default: embedded tiny-cpu)")
     from .cli import positive
-    p.add_argument("--steps", type=positive(int), help="override job.steps")
+    p.add_argument("--steps", type=positive(int), help="override job.steps, and the schedule's "
+                                                         "scheduler.params.total_num_steps where it has one (the "
+                                                         "schedule decays over the steps run)")
     p.add_argument("--out", help="override job.out_dir")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint an earlier run left in the "
                                                             "output directory (refused otherwise)")
@@ -227,6 +229,11 @@ def _run(args) -> int:
         if args.config is not None and os.path.realpath(trace_path) == os.path.realpath(args.config):
             raise JobError(f"trace path {trace_path} is the config file this run reads: the trace would replace it; "
                            f"give another file name")
+        out_real = os.path.realpath(out_dir)
+        if os.path.commonpath([os.path.realpath(trace_path), out_real]) == out_real:
+            # the checkpoint's 'latest' file would replace the trace, a trace named 'final' stop the save
+            raise JobError(f"trace path {trace_path} is in the output directory {out_dir}, where the checkpoint is "
+                           f"written: give a file outside it")
     sched = cfg.get("scheduler")
     if args.steps and isinstance(sched, dict) and isinstance(sched.get("params"), dict) and \
             "total_num_steps" in sched["params"]:

@@ -1358,6 +1358,25 @@ def test_cli_refuses_a_plot_file_of_no_known_format_before_solving(tmp_path, cap
                                        f"give two names\n")
 
 
+def test_cli_refuses_an_output_file_that_is_one_of_its_inputs(tmp_path, capsys):
+    """--json naming the --model config.json replaced the model's config with the plan (rc 0)."""
+    from lazytrain.cli import main
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}))
+    hardware = tmp_path / "machine.json"
+    hardware.write_text("{}")
+    before = {p: p.read_text() for p in (model, hardware)}
+    for flag, path, source in (("--json", model, "--model"), ("--plot", tmp_path / "m.png", "--hardware"),
+                               ("--json", hardware, "--hardware")):
+        if path.suffix == ".png":
+            os.symlink(hardware, path)
+        assert main(["plan", "--model", str(model), "--hardware", str(hardware), flag, str(path)]) == 2
+        assert capsys.readouterr().err == (f"lazytrain plan: {flag} {path} is the {source} file this command "
+                                           f"reads: the output would replace it; give another file name\n")
+    assert {p: p.read_text() for p in (model, hardware)} == before
+
+
 def test_plot_formats_are_those_matplotlib_writes():
     pytest.importorskip("matplotlib")
     from matplotlib.backend_bases import FigureCanvasBase

@@ -104,6 +104,13 @@ def test_bad_job_files_and_paths_are_one_line(tmp_path, capsys):
         assert capsys.readouterr().err == (f"lazytrain train: trace path {trace} is the config file this run reads: "
                                            f"the trace would replace it; give another file name\n")
     assert json.loads(job.read_text()) == DEFAULT_CONFIG
+    out = tmp_path / "out"
+    for name in ("final", "latest", "t.json"):   # 'latest' replaced the trace; 'final' stopped the save
+        trace = out / name
+        assert main(["train", str(job), "--steps", "1", "--trace", str(trace), "--out", str(out)]) == 2
+        assert capsys.readouterr().err == (f"lazytrain train: trace path {trace} is in the output directory {out}, "
+                                           f"where the checkpoint is written: give a file outside it\n")
+        assert not os.path.exists(trace)
     blocker = tmp_path / "afile"
     blocker.write_text("")
     assert main(["train", "--out", str(blocker / "sub")]) == 2          # refused before training, not after
