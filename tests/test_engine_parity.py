@@ -626,6 +626,29 @@ def test_a_loss_scale_set_on_the_optimizer_holds_from_the_next_step_as_deepspeed
     engine.destroy()
 
 
+@pytest.mark.parametrize("gas", [1, 2])
+def test_a_loss_scale_set_after_a_steps_first_backward_is_taken_at_its_step(gas):
+    """The set was read at a step's first backward alone, and the step's end wrote the old scale back over it:
+    the script's scale was dropped in silence. The step's gradients are unscaled by the scale its backwards took
+    (the update is the unset run's); the scaler goes on from the set one."""
+    cfg = ds_config(_top={"fp16": {"enabled": True, "initial_scale_power": 8}, "gradient_accumulation_steps": gas,
+                          "zero_optimization": {"stage": 1}})
+    runs = []
+    for set_scale in (False, True):
+        engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config=cfg)
+        data = batches(gas)
+        for i, (x, y) in enumerate(data):
+            engine.backward(lm_loss(engine(x), y))
+            if set_scale and i == 0:
+                engine.optimizer.loss_scale = 64.0
+            engine.step()
+        assert engine.was_step_applied()
+        assert engine.loss_scaler.scale == engine.optimizer.cur_scale == (64.0 if set_scale else 256.0)
+        runs.append([p.detach().clone() for p in engine.module.parameters()])
+        engine.destroy()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, True), (3, True)])
 def test_in_bf16_and_fp32_zero_optimizers_say_a_static_loss_scale_of_1_as_deepspeeds(stage, bf16):
     """DeepSpeed's ZeRO optimizers (stage >= 1) have loss_scale and cur_scale in every precision: 1.0 outside

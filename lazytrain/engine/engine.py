@@ -1441,7 +1441,11 @@ class LazyTrainEngine(nn.Module):
         if self.shards is not None:
             self._refuse_added_block_params()
         local_failure = None
+        scale_set = None
         try:   # this rank's own part: no collective yet
+            # a scale set on the optimizer since the step's first backward: this step's gradients are unscaled by
+            # the one its backwards took, the scaler goes on from the set one (as DeepSpeed's, set at once)
+            scale_set = self._loss_scale_set()
             check_groups = getattr(self.basic_optimizer, "check_groups", None)
             if check_groups is not None:   # settings the update would refuse halfway through, refused here
                 check_groups()
@@ -1501,6 +1505,8 @@ class LazyTrainEngine(nn.Module):
             raise   # names the collective; the run cannot go on with a rank missing
         except Exception as e:
             raise StepFailedError(self._failed_before_update(e)) from e
+        if scale_set is not None:
+            self._take_loss_scale(scale_set)
         finite = math.isfinite(norm)
         # an fp16 overflow reports an infinite norm, as DeepSpeed's optimizers do (the sum may be nan)
         # (and, from stage 1, any non-finite norm: DeepSpeed's ZeRO optimizers report inf, not nan)
@@ -1591,22 +1597,33 @@ class LazyTrainEngine(nn.Module):
 
     def _adopt_loss_scale_set(self) -> None:
         """A script's ``optimizer.loss_scale = x`` (or ``cur_scale``) sets the scale, as DeepSpeed's setters do;
-        read at a step's first backward, so every micro-batch of a step has one scale. Both names say it from then
-        on, as DeepSpeed's one property; outside fp16 the update is the same whatever it is (DeepSpeed scales the
-        loss and unscales the gradients by it)."""
+        read at a step's first backward, so every micro-batch of a step has one scale (one set later in the step
+        is taken at its ``step()``). Both names say it from then on, as DeepSpeed's one property; outside fp16
+        the update is the same whatever it is (DeepSpeed scales the loss and unscales the gradients by it)."""
+        value = self._loss_scale_set()
+        if value is not None:
+            self._take_loss_scale(value)
+        self._show_loss_scale()
+
+    def _loss_scale_set(self) -> float | None:
+        """The scale a script set on the optimizer since the engine last showed it there (None: none); a value
+        that is no loss scale is refused in fp16, where it would scale the loss."""
         if self._shown_scale is None:
-            return
+            return None
         for name in ("cur_scale", "loss_scale"):
             value = getattr(self.basic_optimizer, name, self._shown_scale)
             if value != self._shown_scale:
-                if self.loss_scaler is None:
-                    self._shown_scale = value
-                    break
-                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                if self.loss_scaler is not None and \
+                        not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"optimizer.{name} was set to {value!r}: a loss scale is a finite number > 0")
-                self.loss_scaler.scale = float(value)
-                break
-        self._show_loss_scale()
+                return value
+        return None
+
+    def _take_loss_scale(self, value) -> None:
+        if self.loss_scaler is None:
+            self._shown_scale = value
+        else:
+            self.loss_scaler.scale = float(value)
 
     def _step_optimizer(self, **kwargs) -> None:
         """The optimizer's step, as the engine takes it (_step_from_the_engine_only lets it through)."""
