@@ -626,6 +626,30 @@ def test_a_loss_scale_set_on_the_optimizer_holds_from_the_next_step_as_deepspeed
     engine.destroy()
 
 
+@pytest.mark.parametrize("policy", ["every_k", "keep_all"])
+def test_a_loss_on_a_tensor_kept_inside_a_recorded_block_is_refused_by_name(policy):
+    """A forward hook inside a block whose graph the forward records kept a tensor with gradient: a loss term
+    on it differentiated the block's graph before the block's own backward, which then failed with torch's
+    "backward through the graph a second time"."""
+    from lazytrain.engine.executor import ExecutorError
+    model = make_model("llama", n_layers=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(policy=policy, checkpoint_interval=2))
+    kept = []
+    model.model.layers[3].mlp.register_forward_hook(lambda m, a, o: kept.append(o))
+    x, y = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = engine(x)
+    assert kept[0].requires_grad
+    with pytest.raises(ExecutorError, match=r"^block 3's forward graph was differentiated before its own backward: "
+                                            r"the loss uses a tensor computed inside the block other than its "
+                                            r"outputs \(attention weights"):
+        engine.backward(lm_loss(logits_of(out), y) + kept[0].square().mean())
+    engine.destroy()
+
+
 @pytest.mark.parametrize("gas", [1, 2])
 def test_a_loss_scale_set_after_a_steps_first_backward_is_taken_at_its_step(gas):
     """The set was read at a step's first backward alone, and the step's end wrote the old scale back over it:
@@ -1957,10 +1981,11 @@ def test_hooks_inside_blocks_and_on_their_parameters_are_warned_of_once_each():
         engine(x)
     said = [str(w.message) for w in seen if "hook" in str(w.message)]
     assert said == [
-        "lazytrain: forward hook(s) on model.layers.2.mlp and 1 more, inside a streamed block: the block's training "
-        "forward runs without autograd, so a tensor such a hook keeps carries no gradient (a loss term built from it "
-        "trains nothing, and tensor.register_hook on it fails), and the backward runs the block again, calling the "
-        "hook a second time. A hook on the block itself runs once, on outputs that carry gradient",
+        "lazytrain: forward hook(s) on model.layers.2.mlp and 1 more, inside a streamed block: the training forward "
+        "of a block the backward re-runs runs without autograd, so a tensor such a hook keeps carries no gradient (a "
+        "loss term built from it trains nothing, and tensor.register_hook on it fails), and the backward runs the "
+        "block again, calling the hook a second time; in a block whose graph the forward records, a loss term built "
+        "from it is refused at the backward. A hook on the block itself runs once, on outputs that carry gradient",
         "lazytrain: gradient hook(s) on model.layers.1.mlp.down_proj.weight, a parameter of a streamed block, do not "
         "run: the block computes from streamed copies of its weights, and its gradients go to host buffers, not "
         "through the parameter. Read or change a gradient between engine.backward() and engine.step() with "
@@ -2342,11 +2367,14 @@ def test_model_gradient_checkpointing_is_turned_off_for_streamed_blocks(kind, gr
     assert all(m.gradient_checkpointing for m in flagged)
 
 
+@pytest.mark.parametrize("entry", ["engine", "module"])
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_gradient_checkpointing_turned_on_after_initialize_is_turned_off_again(reentrant):
+def test_gradient_checkpointing_turned_on_after_initialize_is_turned_off_again(reentrant, entry):
     """A script's gradient_checkpointing_enable() after initialize() sets the blocks' flags again: the next
     training forward turns them off (with the warning), so the blocks are not re-run twice (or, reentrant,
-    differentiated the wrong way), training matches plain PyTorch, and destroy() turns them back on."""
+    differentiated the wrong way), training matches plain PyTorch, and destroy() turns them back on. The model
+    called itself too: its first layer was checkpointed, reentrant, before the engine saw the pass (torch's
+    "incompatible with .grad()" at the backward)."""
     model = make_model("llama")
     data = batches(3)
     ref = reference_train(model, data, device=AUTO_DEVICE)
@@ -2354,15 +2382,42 @@ def test_gradient_checkpointing_turned_on_after_initialize_is_turned_off_again(r
     engine.module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     assert flagged
+    call = engine if entry == "engine" else engine.module
     with pytest.warns(UserWarning, match="gradient checkpointing is off for the streamed blocks"):
         for x, y in data:
-            engine.backward(lm_loss(engine(x), y))
+            engine.backward(lm_loss(call(x.to(engine.device)), y))
             engine.step()
     engine.wait_for_update()
     assert not any(m.gradient_checkpointing for m in flagged)
     assert max_rel_diff(engine.module, ref) < RTOL
     engine.destroy()
     assert all(m.gradient_checkpointing for m in flagged)
+
+
+def test_a_forward_with_gradients_in_eval_mode_says_it_returns_no_kv_cache():
+    """Through engine(x) a forward with gradients on asks for no cache in eval mode too: a decoding loop run
+    with gradients on went on from past_key_values None, in silence (tokens other than plain PyTorch's)."""
+    model = make_hf_model("llama")
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config(checkpoint_interval=2))
+    x, _ = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        engine(x)                         # training mode: as documented, nothing to say
+        engine.eval()
+        with torch.no_grad():
+            assert engine(x).past_key_values is not None   # decoding as generate() does: the cache
+        assert engine(x, use_cache=False).past_key_values is None   # asked for no cache: nothing to say
+    with pytest.warns(UserWarning) as seen:
+        assert engine(x).past_key_values is None
+        engine(x)
+    said = [str(w.message) for w in seen if "KV cache" in str(w.message)]
+    assert said == [
+        "lazytrain: a forward with gradients on asks the model for no KV cache (use_cache=False), in eval mode too: "
+        "its output's past_key_values is None, and a decoding loop fed it would go on without its context. Decode "
+        "under torch.no_grad() (as generate() does), or pass use_cache explicitly (True: the cache is filled once, "
+        "as in plain PyTorch, and is held in memory no plan budgets)"]
+    assert engine(x, use_cache=True).past_key_values is not None
+    engine.destroy()
 
 
 def test_a_model_whose_use_cache_is_turned_on_after_initialize_gets_no_kv_cache_in_a_training_forward():

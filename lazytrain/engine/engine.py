@@ -21,6 +21,7 @@ import threading
 import time
 import types
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -124,6 +125,19 @@ def _embeddings_tied(model: nn.Module) -> bool | None:
     return head_weight is embedding_weight
 
 
+def _keep_checkpointing_off_hook(engine: "LazyTrainEngine"):
+    """A forward pre-hook on the module that runs the streamed blocks' loop: a training pass finds the model's own
+    gradient checkpointing off for them (:meth:`LazyTrainEngine._keep_layer_checkpointing_off`). It holds the
+    engine weakly: the model does not keep a destroyed engine alive."""
+    ref = weakref.ref(engine)
+
+    def hook(module, args):
+        live = ref()
+        if live is not None and torch.is_grad_enabled():
+            live._keep_layer_checkpointing_off()
+    return hook
+
+
 def _devices_of(model: nn.Module) -> list[tuple[nn.Module, str, str, torch.device]]:
     """Where each parameter and buffer of ``model`` is: (module, "param" or "buffer", name, device)."""
     out = []
@@ -198,6 +212,8 @@ class LazyTrainEngine(nn.Module):
             self.executor.uninstall()
         # the model's own checkpointing flags and its blocks' norms as they were (set-up may fail after it
         # changed them: policy "auto" is checked later)
+        if d.get("_checkpointing_guard") is not None:
+            self._checkpointing_guard.remove()
         for m in d.get("_checkpointing_turned_off", []):
             m.gradient_checkpointing = True
         restore_norms(d.get("_lean_norms", []))
@@ -469,6 +485,7 @@ class LazyTrainEngine(nn.Module):
         # a transformers model with use_cache on would hand every block a KV cache to fill in training; asked
         # for none whatever its config says now (a script sets use_cache back on for an evaluation callback)
         self._warned_attentions = False
+        self._warned_eval_cache = False
         self._within_forward = 0   # the engine's forward is running the model (it checked the model and keywords)
         self._told_plateau = False
         self._warned_hooks = {"submodules": False, "parameters": False}
@@ -516,6 +533,10 @@ class LazyTrainEngine(nn.Module):
             release_cached_pinned_memory()
         # a set-up that fails from here on hands the flags and the norms back (_hand_model_back)
         self._checkpointing_turned_off = turn_off_layer_checkpointing(model, self.blocks_path, blocks)
+        # turned on after set-up, it is off again before the layers' loop runs, through the engine or the model
+        # called itself (its first layer would be checkpointed before the executor sees the pass)
+        parent = model.get_submodule(self.blocks_path.rpartition(".")[0]) if "." in self.blocks_path else model
+        self._checkpointing_guard = parent.register_forward_pre_hook(_keep_checkpointing_off_hook(self))
         self._lean_norms = make_norms_lean(blocks) if config.lazytrain.lean_norms else []
         self._step_began: float | None = None   # the first training forward of the step under way
         self._seq_len: int | None = config.lazytrain.seq_len
@@ -975,14 +996,18 @@ class LazyTrainEngine(nn.Module):
             inputs = _cast_half(inputs)   # DeepSpeed's fp16.auto_cast: the positional inputs, not the keywords
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
             kwargs["use_cache"] = False   # a training forward fills no KV cache, as under gradient checkpointing
+            if not self.module.training and not self._warned_eval_cache and _wants(self.module, {}, "use_cache"):
+                self._warned_eval_cache = True   # a decode loop with gradients on would go on from no cache
+                warnings.warn(_NO_CACHE_WITH_GRAD, stacklevel=2)
         if torch.is_grad_enabled():
             _refuse_router_aux_loss(self.module, kwargs)
             self._warn_of_user_hooks()
             if _wants(self.module, kwargs, "output_attentions") and not self._warned_attentions:
                 self._warned_attentions = True
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
-                              "no gradient from the streamed layers, which run without autograd in the forward: "
-                              "use them for inspection, not in the loss")
+                              "no gradient from the streamed layers, which run without autograd in the forward (a "
+                              "loss term built from those of a layer whose graph the forward records is refused at "
+                              "the backward): use them for inspection, not in the loss")
         if self.partitioned is not None:
             self.partitioned.begin_forward()
         chunk = self._config.lazytrain.loss_chunk_tokens
@@ -3544,6 +3569,13 @@ def _takes_use_cache(model: nn.Module) -> bool:
     inner = base()
     return inner is not model and isinstance(inner, nn.Module) and \
         "use_cache" in inspect.signature(inner.forward).parameters
+
+
+_NO_CACHE_WITH_GRAD = (
+    "lazytrain: a forward with gradients on asks the model for no KV cache (use_cache=False), in eval mode too: "
+    "its output's past_key_values is None, and a decoding loop fed it would go on without its context. Decode "
+    "under torch.no_grad() (as generate() does), or pass use_cache explicitly (True: the cache is filled once, as "
+    "in plain PyTorch, and is held in memory no plan budgets)")
 
 
 def _wants(model: nn.Module, kwargs: dict, flag: str) -> bool:

@@ -823,8 +823,13 @@ class LayerStreamingExecutor:
                 # they must be the weights the graph was built with, not the module's own
                 with streams.compute_span(f"bwd L{layer}", self.device), \
                         _streamed_weights(self.blocks[layer], params if weights_now is None else weights_now, layer):
-                    grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used],
-                                                allow_unused=True)
+                    try:
+                        grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used],
+                                                    allow_unused=True)
+                    except RuntimeError as e:
+                        if not str(e).startswith("Trying to backward through the graph a second time"):
+                            raise
+                        raise ExecutorError(_DIFFERENTIATED_INSIDE.format(layer=layer)) from None
             else:
                 grads = (None,) * len(inputs)
         n, first = len(trainable), int(want_x)
@@ -877,6 +882,11 @@ def _buffers_kept(block: nn.Module):
             m._buffers[name] = buf
 
 
+_DIFFERENTIATED_INSIDE = (
+    "block {layer}'s forward graph was differentiated before its own backward: the loss uses a tensor computed "
+    "inside the block other than its outputs (attention weights from output_attentions, a tensor a forward hook "
+    "inside the block kept). Such tensors carry no gradient into the streamed blocks (in the blocks the backward "
+    "re-runs they have none): detach them, or compute the loss term from the block's outputs")
 _CHANGED_INPUT = ("block {layer} changed {what} in place in a training forward: LazyTrain keeps what a block is "
                   "given and re-runs the block from it in backward, so the re-run would start from the changed "
                   "values. Change a copy (x = x * 0.5, not x.mul_(0.5))")

@@ -55,10 +55,12 @@ def _listed(names: list[str]) -> str:
 
 
 def submodule_hooks_warning(names: list[str]) -> str:
-    return (f"lazytrain: forward hook(s) on {_listed(names)}, inside a streamed block: the block's training forward "
-            f"runs without autograd, so a tensor such a hook keeps carries no gradient (a loss term built from it "
-            f"trains nothing, and tensor.register_hook on it fails), and the backward runs the block again, calling "
-            f"the hook a second time. A hook on the block itself runs once, on outputs that carry gradient")
+    return (f"lazytrain: forward hook(s) on {_listed(names)}, inside a streamed block: the training forward of a "
+            f"block the backward re-runs runs without autograd, so a tensor such a hook keeps carries no gradient (a "
+            f"loss term built from it trains nothing, and tensor.register_hook on it fails), and the backward runs "
+            f"the block again, calling the hook a second time; in a block whose graph the forward records, a loss "
+            f"term built from it is refused at the backward. A hook on the block itself runs once, on outputs that "
+            f"carry gradient")
 
 
 def parameter_hooks_warning(names: list[str]) -> str:
