@@ -330,8 +330,11 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(base.in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False)
         nn.init.normal_(self.lora_B.weight, std=0.02)   # not PEFT's zeros: every adapter gets a gradient at once
+        self._disable_adapters = False   # PEFT's switch, which its model.disable_adapter() sets
 
     def forward(self, x):
+        if self._disable_adapters:
+            return self.base(x)
         return self.base(x) + self.lora_B(self.lora_A(x))
 
 

@@ -229,25 +229,37 @@ def refuse_quantized_block_weights(path: str, blocks: nn.ModuleList) -> None:
                     f"parameter (a LoRA run's base model, README), or train the quantized model without LazyTrain")
 
 
-def train_modes(module: nn.Module) -> tuple[bool, ...]:
-    """The train/eval flag of each of ``module.modules()``, in that order."""
-    return tuple(m.training for m in module.modules())
+# PEFT's tuner layers' switch (``model.disable_adapter()`` sets it on every LoRA layer): a forward run under it,
+# re-run after it, must run without the adapters again
+_ADAPTERS_OFF = "_disable_adapters"
+
+
+def train_modes(module: nn.Module) -> tuple:
+    """The train/eval flag of each of ``module.modules()``, in that order, with the adapters' off switch of
+    each that has one (PEFT's tuner layers): ``(training, adapters_off)``, ``adapters_off`` None elsewhere."""
+    return tuple((m.training, m.__dict__.get(_ADAPTERS_OFF)) for m in module.modules())
 
 
 @contextmanager
-def in_modes(module: nn.Module, modes: tuple[bool, ...]):
+def in_modes(module: nn.Module, modes: tuple):
     """``module``'s modules in the train/eval ``modes`` :func:`train_modes` took (a forward's, for its re-run
-    or recomputation: dropout on or off as it was, whatever the model's mode is by backward), put back after;
-    nothing changed where the module's modules changed since."""
+    or recomputation: dropout on or off as it was, whatever the model's mode is by backward; the adapters on or
+    off as they were, whatever ``disable_adapter()`` says by then), put back after; nothing changed where the
+    module's modules changed since."""
     modules = list(module.modules())
     if len(modules) != len(modes):
         yield
         return
-    now = [m.training for m in modules]
+    now = train_modes(module)
     try:
-        for m, mode in zip(modules, modes):
-            m.training = mode
+        _set_modes(modules, modes)
         yield
     finally:
-        for m, mode in zip(modules, now):
-            m.training = mode
+        _set_modes(modules, now)
+
+
+def _set_modes(modules: list[nn.Module], modes: tuple) -> None:
+    for m, (training, adapters_off) in zip(modules, modes):
+        m.training = training
+        if adapters_off is not None and _ADAPTERS_OFF in m.__dict__:
+            m.__dict__[_ADAPTERS_OFF] = adapters_off

@@ -2005,9 +2005,11 @@ class LazyTrainEngine(nn.Module):
         Left without one, torch's optimizer skipped it, and its trajectory parted from DeepSpeed's. The same on
         every rank, so no collective decides it. Tensors the script added to the optimizer beside the model's keep
         plain PyTorch's rule, as at DeepSpeed's stage 0 (fill_missing_grads)."""
-        holders = self.non_block_params if self.masters is None else self.masters.master_params()
-        for t in holders:
-            if not t.requires_grad or t.grad is not None:
+        # a parameter frozen since initialize() is left without one, as plain PyTorch leaves it (its fp32 master
+        # still requires grad: a zero gradient moved it by its momentum)
+        holders = [(p, p) for p in self.non_block_params] if self.masters is None else self.masters.pairs
+        for p, t in holders:
+            if not p.requires_grad or not t.requires_grad or t.grad is not None:
                 continue
             if self._grad_kept_by_another_rank(t):
                 continue
