@@ -48,7 +48,7 @@ def register(subparsers) -> None:
     from .cli import positive
     p.add_argument("--steps", type=positive(int), help="override job.steps, and the schedule's "
                                                          "scheduler.params.total_num_steps where it has one (the "
-                                                         "schedule decays over the steps run)")
+                                                         "schedule is fitted to the steps run)")
     p.add_argument("--out", help="override job.out_dir")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint an earlier run left in the "
                                                             "output directory (refused otherwise)")

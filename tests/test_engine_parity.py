@@ -1985,7 +1985,8 @@ def test_hooks_inside_blocks_and_on_their_parameters_are_warned_of_once_each():
         "of a block the backward re-runs runs without autograd, so a tensor such a hook keeps carries no gradient (a "
         "loss term built from it trains nothing, and tensor.register_hook on it fails), and the backward runs the "
         "block again, calling the hook a second time; in a block whose graph the forward records, a loss term built "
-        "from it is refused at the backward. A hook on the block itself runs once, on outputs that carry gradient",
+        "from it is refused at the backward (under retain_graph=True it trains nothing). A hook on the block itself "
+        "runs once, on outputs that carry gradient",
         "lazytrain: gradient hook(s) on model.layers.1.mlp.down_proj.weight, a parameter of a streamed block, do not "
         "run: the block computes from streamed copies of its weights, and its gradients go to host buffers, not "
         "through the parameter. Read or change a gradient between engine.backward() and engine.step() with "

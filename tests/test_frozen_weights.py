@@ -605,3 +605,37 @@ def test_a_parameter_outside_the_blocks_frozen_after_initialize_stays_put_in_bf1
     assert torch.equal(engine.masters.by_param[id(param)], master)
     assert torch.equal(param.detach(), before)
     engine.destroy()
+
+
+@pytest.mark.parametrize("block_norms_train", [True, False])
+def test_an_adapter_registered_outside_the_blocks_but_used_in_one_is_refused_by_name(block_norms_train, tmp_path):
+    """Adapters kept in model.adapters, added to each block's MLP output by a forward hook: with the blocks' norms
+    training they got no gradient, in silence (plain PyTorch trains them); with nothing else training the
+    backward failed with torch's "element 0 of tensors does not require grad"."""
+    from lazytrain.engine.executor import ExecutorError
+    model = make_model("llama", n_layers=4)
+    torch.manual_seed(2)
+    model.adapters = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in model.model.layers)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("adapters.") or (block_norms_train and "input_layernorm" in name))
+    for layer, adapter in zip(model.model.layers, model.adapters):
+        layer.mlp.register_forward_hook(lambda m, args, out, adapter=adapter: out + adapter(args[0]))
+    cfg = config(tmp_path)
+    del cfg["bf16"]
+    engine = engine_of(model, cfg)
+    x, y = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the hooks inside the blocks are warned of
+        out = engine(x)
+    if block_norms_train:
+        with pytest.raises(ExecutorError, match=r"^block 3 computes with 'adapters.3.weight', a trainable parameter "
+                                                r"registered outside the streamed blocks: LazyTrain differentiates "
+                                                r"a block's own weights, so it would get no gradient from the block. "
+                                                r"Register it inside the block"):
+            engine.backward(lm_loss(out, y))
+    else:
+        with pytest.raises(RuntimeError, match=r"^engine.backward\(loss\): the loss does not require grad: nothing "
+                                               r"it was computed from trains .* A trainable parameter registered "
+                                               r"outside the streamed blocks that a block computes with"):
+            engine.backward(lm_loss(out, y))
+    engine.destroy()

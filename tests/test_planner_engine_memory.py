@@ -195,3 +195,22 @@ def test_the_planner_counts_the_lm_head_the_model_has_not_the_one_its_config_say
     in_blocks = {id(p) for b in engine.weights.blocks for p in b.parameters()}
     assert shape.tied_embeddings is False
     assert shape.nonlayer_params == sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+
+
+def test_what_the_engine_reads_off_a_model_where_its_accessors_or_configs_do_not_say():
+    """A model whose get_output_embeddings() raises was refused at initialize (its ValueError); a multimodal
+    model's use_cache is its text config's (the eval-mode no-KV-cache warning never fired for them)."""
+    import types
+    transformers = pytest.importorskip("transformers")
+    from lazytrain.engine.engine import _config_uses_cache, _embeddings_tied
+
+    class Odd(torch.nn.Module):
+        def get_output_embeddings(self):
+            raise ValueError("no head here")
+
+    assert _embeddings_tied(Odd()) is None
+    gemma3 = transformers.CONFIG_MAPPING["gemma3"]()
+    assert getattr(gemma3, "use_cache", None) is None and gemma3.get_text_config().use_cache is True
+    assert _config_uses_cache(types.SimpleNamespace(config=gemma3)) is True
+    gemma3.get_text_config().use_cache = False
+    assert _config_uses_cache(types.SimpleNamespace(config=gemma3)) is False

@@ -109,6 +109,8 @@ def _planner_config(model: nn.Module) -> dict | None:
     tied = _embeddings_tied(model)
     if tied is not None:   # what the model built, where its config's keys (a multimodal one's two) may disagree
         cfg["tie_word_embeddings"] = tied
+        if isinstance(cfg.get("text_config"), dict):
+            cfg["text_config"]["tie_word_embeddings"] = tied
     return cfg
 
 
@@ -117,7 +119,7 @@ def _embeddings_tied(model: nn.Module) -> bool | None:
     model does not say."""
     try:
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
+    except Exception:   # noqa: BLE001 - a model's own accessors may raise anything: then it does not say
         return None
     head_weight, embedding_weight = getattr(head, "weight", None), getattr(embedding, "weight", None)
     if not isinstance(head_weight, torch.Tensor) or not isinstance(embedding_weight, torch.Tensor):
@@ -351,7 +353,8 @@ class LazyTrainEngine(nn.Module):
         self.executor = LayerStreamingExecutor(blocks, self.plan, self.weights, self.stream, self.tiers, self.device,
                                                prefetch=config.lazytrain.prefetch,
                                                backward_ends_step=self._backward_may_end_step,
-                                               before_pass=self._before_pass)
+                                               before_pass=self._before_pass,
+                                               outside_params=self._outside_params)
         self.non_block_params = [p for p in model.parameters() if id(p) not in block_param_ids]
         self.frozen_non_block = FrozenParams(self.non_block_params, self.compute_dtype, self.device)
         self._move_non_block(model, blocks)
@@ -789,7 +792,8 @@ class LazyTrainEngine(nn.Module):
                                                pass_ids=self.executor.pass_ids,
                                                weights_epoch=self.executor.weights_epoch,
                                                backward_ends_step=self._backward_may_end_step,
-                                               before_pass=self._before_pass)
+                                               before_pass=self._before_pass,
+                                               outside_params=self._outside_params)
         self.executor.backward_failure = failure
         self.plan = plan
 
@@ -996,9 +1000,9 @@ class LazyTrainEngine(nn.Module):
             inputs = _cast_half(inputs)   # DeepSpeed's fp16.auto_cast: the positional inputs, not the keywords
         if self._drops_kv_cache and torch.is_grad_enabled() and "use_cache" not in kwargs:
             kwargs["use_cache"] = False   # a training forward fills no KV cache, as under gradient checkpointing
-            if not self.module.training and not self._warned_eval_cache and _wants(self.module, {}, "use_cache"):
+            if not self.module.training and not self._warned_eval_cache and _config_uses_cache(self.module):
                 self._warned_eval_cache = True   # a decode loop with gradients on would go on from no cache
-                warnings.warn(_NO_CACHE_WITH_GRAD, stacklevel=2)
+                warnings.warn(_NO_CACHE_WITH_GRAD, stacklevel=4)
         if torch.is_grad_enabled():
             _refuse_router_aux_loss(self.module, kwargs)
             self._warn_of_user_hooks()
@@ -1007,7 +1011,7 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
                               "no gradient from the streamed layers, which run without autograd in the forward (a "
                               "loss term built from those of a layer whose graph the forward records is refused at "
-                              "the backward): use them for inspection, not in the loss")
+                              "the backward, or trains nothing under retain_graph=True): use them for inspection, not in the loss")
         if self.partitioned is not None:
             self.partitioned.begin_forward()
         chunk = self._config.lazytrain.loss_chunk_tokens
@@ -1037,6 +1041,12 @@ class LazyTrainEngine(nn.Module):
             if names:
                 self._warned_hooks[kind] = True
                 warnings.warn(say(names), stacklevel=4)
+
+    def _outside_params(self) -> list[tuple[str, nn.Parameter]]:
+        """The model's parameters outside the streamed blocks, by name (the executor's check that no block
+        computes with a trainable one)."""
+        inside = {id(p) for p in self.executor.blocks.parameters()}
+        return [(name, p) for name, p in self.module.named_parameters() if id(p) not in inside]
 
     def _keep_layer_checkpointing_off(self) -> None:
         """The model's gradient checkpointing turned on after initialize() (a script's
@@ -1085,6 +1095,12 @@ class LazyTrainEngine(nn.Module):
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:   # shape (1,) too, as DeepSpeed takes it
             raise ValueError("engine.backward(loss) needs a scalar loss tensor")
         loss = loss.reshape(())
+        if not loss.requires_grad:   # torch's "element 0 of tensors does not require grad", with the likely cause
+            raise RuntimeError("engine.backward(loss): the loss does not require grad: nothing it was computed from "
+                               "trains (computed under torch.no_grad(), or from frozen parameters alone). A "
+                               "trainable parameter registered outside the streamed blocks that a block computes "
+                               "with (an adapter kept in another module, applied by a hook or a wrapped forward) is "
+                               "not seen by LazyTrain: register it inside the block")
         if not self._managed:
             self._unmanaged_backwards += 1
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
@@ -3578,6 +3594,19 @@ _NO_CACHE_WITH_GRAD = (
     "its output's past_key_values is None, and a decoding loop fed it would go on without its context. Decode "
     "under torch.no_grad() (as generate() does), or pass use_cache explicitly (True: the cache is filled once, as "
     "in plain PyTorch, and is held in memory no plan budgets)")
+
+
+def _config_uses_cache(model: nn.Module) -> bool:
+    """Whether the model's config asks for a KV cache: its own ``use_cache``, else its text config's (a
+    multimodal model's outer config names none)."""
+    config = getattr(model, "config", None)
+    said = getattr(config, "use_cache", None)
+    if said is None and callable(getattr(config, "get_text_config", None)):
+        try:
+            said = getattr(config.get_text_config(), "use_cache", None)
+        except Exception:   # noqa: BLE001 - a config's own accessor: then it does not say
+            said = None
+    return said is True
 
 
 def _wants(model: nn.Module, kwargs: dict, flag: str) -> bool:

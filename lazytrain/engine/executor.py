@@ -179,7 +179,7 @@ class LayerStreamingExecutor:
 
     def __init__(self, blocks: nn.ModuleList, plan: Plan, weights: LayerWeights, stream: WeightStream,
                  tiers: dict[str, Tier], device: torch.device, prefetch: bool = True, pass_ids=None,
-                 weights_epoch: int = 0, backward_ends_step=None, before_pass=None):
+                 weights_epoch: int = 0, backward_ends_step=None, before_pass=None, outside_params=None):
         if plan.num_layers != len(blocks):
             raise ExecutorError(f"the plan is for {plan.num_layers} layers but the model has {len(blocks)} blocks")
         unstored = plan.unstored_boundaries()
@@ -198,6 +198,11 @@ class LayerStreamingExecutor:
         # called as block 0 starts a pass, with whether it trains (the engine's check that the model still holds
         # what it streams)
         self.before_pass = before_pass or (lambda training: None)
+        # the model's trainable parameters outside the blocks, by name: one a block's forward uses (an adapter kept
+        # in another module, applied by a hook or a wrapped forward) would get no gradient from the block's
+        # backward, which differentiates the block's own weights alone; looked for at each layer's first backward
+        self.outside_params = outside_params or (lambda: [])
+        self._checked_for_outside: set[int] = set()
         # a backward through the blocks that raised since the step's gradients were last dropped (the error, as
         # text): the layers after the failing one had sent theirs, so the accumulation holds part of it
         self.backward_failure: str | None = None
@@ -823,6 +828,8 @@ class LayerStreamingExecutor:
                 # they must be the weights the graph was built with, not the module's own
                 with streams.compute_span(f"bwd L{layer}", self.device), \
                         _streamed_weights(self.blocks[layer], params if weights_now is None else weights_now, layer):
+                    if layer not in self._checked_for_outside:
+                        self._refuse_outside_params(layer, [o for o, _ in used])
                     try:
                         grads = torch.autograd.grad([o for o, _ in used], inputs, [g for _, g in used],
                                                     allow_unused=True)
@@ -842,6 +849,24 @@ class LayerStreamingExecutor:
         side = iter(grads[first + n:])
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]
         return grads[0] if want_x else None, t_grads
+
+    def _refuse_outside_params(self, layer: int, outputs: list[torch.Tensor]) -> None:
+        """Refused by name: a trainable parameter registered outside the blocks that block ``layer``'s graph
+        reaches (plain PyTorch would train it; here it got no gradient, in silence). Once per layer: the graph's
+        shape is the block's code."""
+        self._checked_for_outside.add(layer)
+        outside = [(name, p) for name, p in self.outside_params() if p.requires_grad]
+        if not outside:
+            return
+        reached = torch.autograd.grad(outputs, [p for _, p in outside], [torch.ones_like(o) for o in outputs],
+                                      retain_graph=True, allow_unused=True)
+        used = [name for (name, _), g in zip(outside, reached) if g is not None]
+        if used:
+            raise ExecutorError(f"block {layer} computes with {used[0]!r}" + (f" and {len(used) - 1} more" if
+                                len(used) > 1 else "") + ", a trainable parameter registered outside the "
+                                "streamed blocks: LazyTrain differentiates a block's own weights, so it would get "
+                                "no gradient from the block. Register it inside the block (as a submodule of the "
+                                "module that uses it), or freeze it before lazytrain.initialize()")
 
     def release_pass(self, p: _Pass) -> None:
         """Free everything a pass still holds."""

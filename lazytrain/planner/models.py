@@ -691,11 +691,18 @@ TIED_BY_DEFAULT: dict[str, bool] = {
 
 
 def _tied_embeddings(cfg: dict[str, Any], outer: dict[str, Any]) -> bool:
-    """Whether the LM head shares the embedding's weights, as transformers (5) builds the model: the
-    ``tie_word_embeddings`` of the config whose model holds the head, the outer one of a multimodal config
-    (Qwen3-VL-MoE's text config says tied, its outer config and the model it builds untied), else that config
-    class's default where the key is missing; then the text config's key and its class's default; untied
-    (LlamaConfig's default) where all of these are unknown."""
+    """Whether the LM head shares the embedding's weights, as transformers builds the model. A multimodal
+    config's answer is its config class's (asked of transformers where it is installed): transformers 5 ties the
+    head the outer model holds by the outer config's key, which some classes take from their text config's (a
+    pre-5 save kept it there; Llava, Qwen2-VL) and others not (Qwen3-VL-MoE's text config says tied, its model
+    is untied). Otherwise, and without transformers: the outer config's key, else its class's default, then the
+    text config's key and its class's default; untied (LlamaConfig's default) where all are unknown."""
+    said = {c.get("tie_word_embeddings") for c in (cfg, outer)}
+    if cfg is not outer and isinstance(outer.get("model_type"), str) and (len(said) > 1 or None in said):
+        # (both saying one answer, as the engine writes what the model built, leave nothing to ask)
+        built = _built_ties_embeddings(json.dumps(outer, sort_keys=True, default=str))
+        if isinstance(built, bool):
+            return built
     for c in ((outer, cfg) if cfg is not outer else (cfg,)):
         if c.get("tie_word_embeddings") is not None:
             return _flag(c["tie_word_embeddings"], "tie_word_embeddings")
@@ -703,6 +710,38 @@ def _tied_embeddings(cfg: dict[str, Any], outer: dict[str, Any]) -> bool:
         if default is not None:
             return default
     return False
+
+
+@functools.lru_cache(maxsize=64)
+def _built_ties_embeddings(cfg_json: str) -> bool | None:
+    """:func:`_config_ties_embeddings` asked of a child interpreter once per config; None where it cannot say."""
+    return _ask_transformers(_config_ties_embeddings, json.loads(cfg_json), otherwise=None)
+
+
+def _config_ties_embeddings(cfg: dict[str, Any]) -> bool:
+    """The child's side of :func:`_tied_embeddings`: whether the model transformers builds from ``cfg`` (on the
+    meta device: no memory) ties its head, which the config alone does not say (Llama 4's head is tied by its
+    text model's config, Llava's by the outer one's); LookupError where it cannot say."""
+    import warnings
+
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = CONFIG_MAPPING[cfg["model_type"]].from_dict(dict(cfg))
+            for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):
+                try:
+                    with torch.device("meta"):
+                        model = auto.from_config(config)
+                    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+                except Exception:   # noqa: BLE001 - no such model for this config; try the next kind
+                    continue
+                if head is not None and embedding is not None:
+                    return head.weight is embedding.weight
+    except Exception as e:   # noqa: BLE001 - an unknown type, or keys its class refuses: the parent reads them
+        raise LookupError(f"transformers cannot build this config: {e}") from None
+    raise LookupError("transformers builds no model with an LM head from this config")
 
 
 def _tied_by_default(model_type: Any) -> bool | None:
