@@ -110,6 +110,71 @@ def _mismatched_models(rank: int, world: int, out_dir: str):
 case("mismatched-models", _mismatched_models)
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises while ``armed`` holds True."""
+    armed = [False]
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _RaiseInBackward.armed[0]:
+            _RaiseInBackward.armed[0] = False
+            raise RuntimeError("a failure in block 2's backward")
+        return g
+
+
+def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int, fail: bool):
+    """Rank 1's backward raises inside block 2 at the second step, after blocks 5..3 sent their gradients; the
+    script recovers as the README says: step() fails on every rank, zero_grad() and the micro-batch again."""
+    import lazytrain
+    model = make_model("modulelist")
+    fc2 = model.stack[2].fc2
+    fc2.forward = lambda x, own=fc2.forward: _RaiseInBackward.apply(own(x))
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage},
+           "lazytrain": {"checkpoint_interval": 2, "collective_timeout_s": 60}}
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    said = []
+    for i, (x, y) in enumerate(batches(3, batch=4)):
+        half = slice(2 * rank, 2 * rank + 2)
+        while True:
+            _RaiseInBackward.armed[0] = fail and rank == 1 and i == 1 and not said
+            try:
+                engine.backward(lm_loss(engine(x[half]), y[half]))
+            except RuntimeError as e:
+                said.append(str(e))
+            try:
+                engine.step()
+                break
+            except lazytrain.StepFailedError as e:
+                said.append(type(e).__name__)
+                engine.zero_grad()
+    return engine.module_state_dict(), said
+
+
+for _stage in (1, 2):
+    case(f"backward-fails-stage-{_stage}", _backward_fails_on_one_rank, stage=_stage, fail=True)
+    case(f"backward-clean-stage-{_stage}", _backward_fails_on_one_rank, stage=_stage, fail=False)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_backward_raising_on_one_rank_fails_the_step_on_every_rank_and_is_redone(spawned, stage):
+    """At stage 2 each layer's gradient is reduced to its owner as it lands: the other rank waited in the
+    reduces of the layers the failing rank's backward did not reach until the collective timeout, then every
+    rank raised CollectiveError. The failing rank now sends zeros for them: every rank reaches the step, which
+    fails on every rank (StepFailedError), and the micro-batch redone trains as a run without the failure."""
+    failed, clean = spawned(f"backward-fails-stage-{stage}"), spawned(f"backward-clean-stage-{stage}")
+    assert [said for _, said in failed] == [["StepFailedError"],
+                                            ["a failure in block 2's backward", "StepFailedError"]]
+    for (weights, _), (expected, _) in zip(failed, clean):
+        assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+
 def _plan_files(rank: int, world: int, out_dir: str):
     """Each rank reads its own Plan file: the same plan under two names runs; rank 1's plan of other homes is
     refused on every rank (each ran its own plan, unchecked)."""

@@ -30,6 +30,7 @@ from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
 from ..tiers.base import wait_completions
 from .blocks import in_modes, train_modes
+from .distributed import CollectiveError
 from .internals_offload import OffloadedInternals
 from .selective import SelectiveForward
 from .weight_stream import WeightStream
@@ -203,6 +204,8 @@ class LayerStreamingExecutor:
         # backward, which differentiates the block's own weights alone; looked for at each layer's first backward
         self.outside_params = outside_params or (lambda: [])
         self._checked_for_outside: set[int] = set()
+        self._grads_sent: set[int] = set()   # the layers whose gradients the backward under way sent (reduced)
+        self._grads_sent_for: int | None = None   # ... of this pass (its number: the pass itself is not held)
         # a backward through the blocks that raised since the step's gradients were last dropped (the error, as
         # text): the layers after the failing one had sent theirs, so the accumulation holds part of it
         self.backward_failure: str | None = None
@@ -760,6 +763,8 @@ class LayerStreamingExecutor:
                                 "(backward(retain_graph=True), then backward again) is not supported; run the "
                                 "forward again")
         p.differentiated.add(layer)
+        if self._grads_sent_for != p.pass_id:   # this pass's backward begins (a pass is differentiated once)
+            self._grads_sent_for, self._grads_sent = p.pass_id, set()
         if accumulate and not p.end_queued:
             # at the backward's end (its final callback) the block parameters' .grad show their buffers again
             # (a zero_grad(set_to_none=True) since cleared them), as PyTorch's show a backward's gradients; at
@@ -846,9 +851,23 @@ class LayerStreamingExecutor:
         # where this rank's batch gave the layer no gradient, as an expert no token reached)
         if weight_grads or (trainable and self.weights.grads_to_owners):
             self.weights.accumulate_grads(layer, weight_grads)
+            self._grads_sent.add(layer)
         side = iter(grads[first + n:])
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]
         return grads[0] if want_x else None, t_grads
+
+    def send_what_the_backward_did_not(self, p: "_Pass", failed: int) -> None:
+        """After a backward that raised in block ``failed``: where each layer's gradient is reduced to its owner
+        as it lands (stages 2 and 3), the layers it did not reach send zeros, as a backward that reached them
+        with no gradient would. The other ranks' backwards wait in those reduces; so every rank reaches the
+        step, whose agreement then fails it on every rank (StepFailedError), and zero_grad() and the
+        micro-batches again recover, as at stages 0 and 1."""
+        if not self.weights.grads_to_owners:
+            return
+        for layer in sorted((j for j in p.differentiable if j <= failed), reverse=True):
+            if layer not in self._grads_sent and any(self.weights.trainable[layer]):
+                self.weights.accumulate_grads(layer, {})
+                self._grads_sent.add(layer)
 
     def _refuse_outside_params(self, layer: int, outputs: list[torch.Tensor]) -> None:
         """Refused by name: a trainable parameter registered outside the blocks that block ``layer``'s graph
@@ -1056,12 +1075,18 @@ class _BlockFunction(torch.autograd.Function):
                                 "cannot go through streamed blocks: their weight gradients are sent to host "
                                 "buffers, not returned to autograd")
         needs = ctx.needs_input_grad[4:]
+        accumulate = ex.accumulates_weight_grads()
         try:
-            g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_outs, needs, ex.accumulates_weight_grads())
+            g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_outs, needs, accumulate)
         except BaseException as e:
             # the layers after this one sent their gradients already: the step's accumulation holds part of
             # this backward (what failed is kept as text: the error itself would hold the pass)
             ex.backward_failure = f"{type(e).__name__}: {e}"
+            if accumulate and not isinstance(e, CollectiveError):   # (a failed collective: the group is gone)
+                try:
+                    ex.send_what_the_backward_did_not(ctx.p, ctx.layer)
+                except BaseException:   # noqa: BLE001 - the error raised is the one above; the step's agreement
+                    pass                # or the collectives' timeout tells the other ranks
             # no boundary of this pass is read again: its reads (ahead, and one that failed) end here and go,
             # none left to land later into a pass that is being dropped
             for handle in list(ctx.p.prefetched.values()):
