@@ -850,7 +850,14 @@ class LayerStreamingExecutor:
         # to their owners as they land, every rank lands every trainable layer its backward reaches (zeros
         # where this rank's batch gave the layer no gradient, as an expert no token reached)
         if weight_grads or (trainable and self.weights.grads_to_owners):
-            self.weights.accumulate_grads(layer, weight_grads)
+            to_owners = self.weights.reduced_as_landed
+            made = to_owners.sequence if to_owners is not None else None
+            try:
+                self.weights.accumulate_grads(layer, weight_grads)
+            except BaseException:
+                if to_owners is not None and to_owners.sequence != made:   # its reduce was made: what failed
+                    self._grads_sent.add(layer)                            # came after it (the owner's add)
+                raise
             self._grads_sent.add(layer)
         side = iter(grads[first + n:])
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]

@@ -126,12 +126,12 @@ class GradientsToOwners:
         which adds the sum into ``target`` (its fp32 buffer; None on the other ranks) through the caller's fp32
         ``scratch`` (host_accumulate.py); with ``square_sum``, returns ``target``'s sum of squares then, on
         the owner."""
-        self._reducing(i)
         send = self.send_buffer(flat.numel())
         if flat.data_ptr() == send.data_ptr():
             send.div_(self.world_size)
         else:
             share_into(send, flat, self.world_size)
+        self._reducing(i)   # (counted as its collective is made: a failure before it made none)
         self.reduce(send, self.layer_owner[i])
         if self.owns(i):
             return add_into(target, send, scratch, square_sum=square_sum)
@@ -148,11 +148,11 @@ class GradientsToOwners:
         :meth:`flat_dtype`) into its owner's; returns what is summed (``flat`` divided by the world size in
         place, or its share in :attr:`dtype`; on the owner it ends up holding the sum) and the call that waits
         for it. The owner then copies it to its host and adds it into the layer's buffer."""
-        self._reducing(i)
         if flat.dtype == self.dtype:
             sent = flat.div_(self.world_size)
         else:
             sent = share_into(torch.empty(flat.shape, dtype=self.dtype, device=flat.device), flat, self.world_size)
+        self._reducing(i)
         return sent, self.start_on_device(sent, self.layer_owner[i])
 
 
