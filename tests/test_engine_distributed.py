@@ -126,13 +126,26 @@ class _RaiseInBackward(torch.autograd.Function):
         return g
 
 
-def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int, fail: bool):
-    """Rank 1's backward raises inside block 2 at the second step, after blocks 5..3 sent their gradients; the
+def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int, fail: bool, where: str = "block"):
+    """Rank 1's backward raises inside block 2 at the second step, after blocks 5..3 sent their gradients (or,
+    ``where="owner's add"``, in the host add of the first layer it owns, after that layer's reduce was made); the
     script recovers as the README says: step() fails on every rank, zero_grad() and the micro-batch again."""
     import lazytrain
+    from lazytrain.engine import sharding
+    if where == "owner's add":
+        own_add = sharding.add_into
+
+        def add_into(*args, **kwargs):
+            out = own_add(*args, **kwargs)
+            if _RaiseInBackward.armed[0]:
+                _RaiseInBackward.armed[0] = False
+                raise RuntimeError("a failure in block 2's backward")
+            return out
+        sharding.add_into = add_into
     model = make_model("modulelist")
     fc2 = model.stack[2].fc2
-    fc2.forward = lambda x, own=fc2.forward: _RaiseInBackward.apply(own(x))
+    if where == "block":
+        fc2.forward = lambda x, own=fc2.forward: _RaiseInBackward.apply(own(x))
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
            "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
            "zero_optimization": {"stage": stage},
@@ -153,21 +166,26 @@ def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int,
             except lazytrain.StepFailedError as e:
                 said.append(type(e).__name__)
                 engine.zero_grad()
+    if where == "owner's add":
+        sharding.add_into = own_add
     return engine.module_state_dict(), said
 
 
 for _stage in (1, 2):
     case(f"backward-fails-stage-{_stage}", _backward_fails_on_one_rank, stage=_stage, fail=True)
     case(f"backward-clean-stage-{_stage}", _backward_fails_on_one_rank, stage=_stage, fail=False)
+case("backward-fails-in-owners-add", _backward_fails_on_one_rank, stage=2, fail=True, where="owner's add")
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_a_backward_raising_on_one_rank_fails_the_step_on_every_rank_and_is_redone(spawned, stage):
+@pytest.mark.parametrize("stage,where", [(1, "block"), (2, "block"), (2, "owner's add")])
+def test_a_backward_raising_on_one_rank_fails_the_step_on_every_rank_and_is_redone(spawned, stage, where):
     """At stage 2 each layer's gradient is reduced to its owner as it lands: the other rank waited in the
     reduces of the layers the failing rank's backward did not reach until the collective timeout, then every
     rank raised CollectiveError. The failing rank now sends zeros for them: every rank reaches the step, which
-    fails on every rank (StepFailedError), and the micro-batch redone trains as a run without the failure."""
-    failed, clean = spawned(f"backward-fails-stage-{stage}"), spawned(f"backward-clean-stage-{stage}")
+    fails on every rank (StepFailedError), and the micro-batch redone trains as a run without the failure. A
+    failure after a layer's reduce was made (its owner's add) does not send that layer again."""
+    failed = spawned(f"backward-fails-stage-{stage}" if where == "block" else "backward-fails-in-owners-add")
+    clean = spawned(f"backward-clean-stage-{stage}")
     assert [said for _, said in failed] == [["StepFailedError"],
                                             ["a failure in block 2's backward", "StepFailedError"]]
     for (weights, _), (expected, _) in zip(failed, clean):
