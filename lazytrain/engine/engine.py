@@ -1011,7 +1011,8 @@ class LazyTrainEngine(nn.Module):
                 warnings.warn("lazytrain: attention weights returned by a training forward (output_attentions) carry "
                               "no gradient from the streamed layers, which run without autograd in the forward (a "
                               "loss term built from those of a layer whose graph the forward records is refused at "
-                              "the backward, or trains nothing under retain_graph=True): use them for inspection, not in the loss")
+                              "the backward, or trains nothing under retain_graph=True): use them for inspection, "
+                              "not in the loss")
         if self.partitioned is not None:
             self.partitioned.begin_forward()
         chunk = self._config.lazytrain.loss_chunk_tokens
@@ -1045,8 +1046,8 @@ class LazyTrainEngine(nn.Module):
     def _outside_params(self) -> list[tuple[str, nn.Parameter]]:
         """The model's parameters outside the streamed blocks, by name (the executor's check that no block
         computes with a trainable one)."""
-        inside = {id(p) for p in self.executor.blocks.parameters()}
-        return [(name, p) for name, p in self.module.named_parameters() if id(p) not in inside]
+        outside = {id(p) for p in self.non_block_params}
+        return [(name, p) for name, p in self.module.named_parameters() if id(p) in outside]
 
     def _keep_layer_checkpointing_off(self) -> None:
         """The model's gradient checkpointing turned on after initialize() (a script's

@@ -59,8 +59,8 @@ def submodule_hooks_warning(names: list[str]) -> str:
             f"block the backward re-runs runs without autograd, so a tensor such a hook keeps carries no gradient (a "
             f"loss term built from it trains nothing, and tensor.register_hook on it fails), and the backward runs "
             f"the block again, calling the hook a second time; in a block whose graph the forward records, a loss "
-            f"term built from it is refused at the backward (under retain_graph=True it trains nothing). A hook on the block itself runs once, on outputs that "
-            f"carry gradient")
+            f"term built from it is refused at the backward (under retain_graph=True it trains nothing). A hook on "
+            f"the block itself runs once, on outputs that carry gradient")
 
 
 def parameter_hooks_warning(names: list[str]) -> str:

@@ -98,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
             except OSError as e:   # a FIFO or a device: the rename would replace the node itself
                 print(f"lazytrain plan: {e}", file=sys.stderr)
                 return 2
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
         for source, given in (("--model", args.model), ("--hardware", args.hardware), ("--profile", args.profile)):
             if path and given and os.path.isfile(given) and os.path.realpath(path) == os.path.realpath(given):
                 print(f"lazytrain plan: {flag} {path} is the {source} file this command reads: the output would "
