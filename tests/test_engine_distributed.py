@@ -126,10 +126,13 @@ class _RaiseInBackward(torch.autograd.Function):
         return g
 
 
-def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int, fail: bool, where: str = "block"):
+def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int, fail: bool, where: str = "block",
+                                kind: str = "modulelist"):
     """Rank 1's backward raises inside block 2 at the second step, after blocks 5..3 sent their gradients (or,
     ``where="owner's add"``, in the host add of the first layer it owns, after that layer's reduce was made); the
-    script recovers as the README says: step() fails on every rank, zero_grad() and the micro-batch again."""
+    script recovers as the README says: step() fails on every rank, zero_grad() and the micro-batch again.
+    ``kind="between"``: a parameter outside the blocks scales the hidden state between them (at stage 3, its
+    gradient's reduce in the backward comes after the lowest block's)."""
     import lazytrain
     from lazytrain.engine import sharding
     if where == "owner's add":
@@ -142,7 +145,7 @@ def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int,
                 raise RuntimeError("a failure in block 2's backward")
             return out
         sharding.add_into = add_into
-    model = make_model("modulelist")
+    model = make_model(kind)
     fc2 = model.stack[2].fc2
     if where == "block":
         fc2.forward = lambda x, own=fc2.forward: _RaiseInBackward.apply(own(x))
@@ -171,21 +174,25 @@ def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int,
     return engine.module_state_dict(), said
 
 
-for _stage in (1, 2):
-    case(f"backward-fails-stage-{_stage}", _backward_fails_on_one_rank, stage=_stage, fail=True)
-    case(f"backward-clean-stage-{_stage}", _backward_fails_on_one_rank, stage=_stage, fail=False)
+for _stage, _kind in ((1, "modulelist"), (2, "modulelist"), (3, "modulelist"), (3, "between")):
+    case(f"backward-fails-stage-{_stage}-{_kind}", _backward_fails_on_one_rank, stage=_stage, fail=True, kind=_kind)
+    case(f"backward-clean-stage-{_stage}-{_kind}", _backward_fails_on_one_rank, stage=_stage, fail=False, kind=_kind)
 case("backward-fails-in-owners-add", _backward_fails_on_one_rank, stage=2, fail=True, where="owner's add")
 
 
-@pytest.mark.parametrize("stage,where", [(1, "block"), (2, "block"), (2, "owner's add")])
-def test_a_backward_raising_on_one_rank_fails_the_step_on_every_rank_and_is_redone(spawned, stage, where):
-    """At stage 2 each layer's gradient is reduced to its owner as it lands: the other rank waited in the
-    reduces of the layers the failing rank's backward did not reach until the collective timeout, then every
-    rank raised CollectiveError. The failing rank now sends zeros for them: every rank reaches the step, which
-    fails on every rank (StepFailedError), and the micro-batch redone trains as a run without the failure. A
-    failure after a layer's reduce was made (its owner's add) does not send that layer again."""
-    failed = spawned(f"backward-fails-stage-{stage}" if where == "block" else "backward-fails-in-owners-add")
-    clean = spawned(f"backward-clean-stage-{stage}")
+@pytest.mark.parametrize("stage,where,kind", [(1, "block", "modulelist"), (2, "block", "modulelist"),
+                                              (2, "owner's add", "modulelist"), (3, "block", "modulelist"),
+                                              (3, "block", "between")])
+def test_a_backward_raising_on_one_rank_fails_the_step_on_every_rank_and_is_redone(spawned, stage, where, kind):
+    """At stages 2 and 3 each layer's gradient is reduced to its owner as it lands (and at stage 3 the partitioned
+    parameters' outside the blocks, the embedding's and the scale's between them): the other rank waited in the
+    reduces the failing rank's backward did not reach until the collective timeout, then every rank raised
+    CollectiveError. The failing rank's backward now goes on to its end with zeros, making each of them in turn:
+    every rank reaches the step, which fails on every rank (StepFailedError), and the micro-batch redone trains
+    as a run without the failure. A failure after a layer's reduce was made (its owner's add) does not send that
+    layer again."""
+    failed = spawned(f"backward-fails-stage-{stage}-{kind}" if where == "block" else "backward-fails-in-owners-add")
+    clean = spawned(f"backward-clean-stage-{stage}-{kind}")
     assert [said for _, said in failed] == [["StepFailedError"],
                                             ["a failure in block 2's backward", "StepFailedError"]]
     for (weights, _), (expected, _) in zip(failed, clean):

@@ -170,6 +170,8 @@ class _Pass:
                                                                          # ones a backward can reach
     differentiated: set = field(default_factory=set)                     # layers whose backward has run
     end_queued: bool = False                                             # its backward's end is queued (end_backward)
+    failed: bool = False                                                 # its backward raised in a block and goes on
+                                                                         # with zeros (stages 2 and 3: _BlockFunction)
     weights_epoch: int = 0                                               # the executor's, at its forward
     backward_windows: list | None = None                                 # fetched from layer graph_start's backward
                                                                          # window on (a graph tail's fetch nothing)
@@ -863,18 +865,15 @@ class LayerStreamingExecutor:
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]
         return grads[0] if want_x else None, t_grads
 
-    def send_what_the_backward_did_not(self, p: "_Pass", failed: int) -> None:
-        """After a backward that raised in block ``failed``: where each layer's gradient is reduced to its owner
-        as it lands (stages 2 and 3), the layers it did not reach send zeros, as a backward that reached them
-        with no gradient would. The other ranks' backwards wait in those reduces; so every rank reaches the
-        step, whose agreement then fails it on every rank (StepFailedError), and zero_grad() and the
-        micro-batches again recover, as at stages 0 and 1."""
-        if not self.weights.grads_to_owners:
-            return
-        for layer in sorted((j for j in p.differentiable if j <= failed), reverse=True):
-            if layer not in self._grads_sent and any(self.weights.trainable[layer]):
-                self.weights.accumulate_grads(layer, {})
-                self._grads_sent.add(layer)
+    def send_zeros_after_failure(self, p: "_Pass", layer: int) -> None:
+        """A block of a backward that raised in it or above it, where each layer's gradient is reduced to its
+        owner as it lands (stages 2 and 3): its gradient is sent as zeros, as a backward that reached it with no
+        gradient would (once: not where its reduce was made before what failed)."""
+        if self._grads_sent_for != p.pass_id:
+            self._grads_sent_for, self._grads_sent = p.pass_id, set()
+        if layer in p.differentiable and layer not in self._grads_sent and any(self.weights.trainable[layer]):
+            self._grads_sent.add(layer)
+            self.weights.accumulate_grads(layer, {})
 
     def _refuse_outside_params(self, layer: int, outputs: list[torch.Tensor]) -> None:
         """Refused by name: a trainable parameter registered outside the blocks that block ``layer``'s graph
@@ -1048,6 +1047,9 @@ class _BlockFunction(torch.autograd.Function):
                 hidden: torch.Tensor, *tensors):
         executor.forward_window(p, layer, hidden)
         ctx.executor, ctx.p, ctx.layer = executor, p, layer
+        # what a backward that failed above hands on in their place (_zeros_for_inputs)
+        ctx.inputs_like = [(t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+                           for t in (hidden, *tensors)]
         ctx.set_materialize_grads(False)   # an output the loss did not use gets None, not zeros
         needs = ctx.needs_input_grad[4:]
         graph_layer = layer >= executor.graph_start or layer in executor.offloaded
@@ -1082,6 +1084,9 @@ class _BlockFunction(torch.autograd.Function):
                                 "cannot go through streamed blocks: their weight gradients are sent to host "
                                 "buffers, not returned to autograd")
         needs = ctx.needs_input_grad[4:]
+        if ctx.p.failed:   # a block above raised in this backward, which goes on with zeros (see below)
+            ex.send_zeros_after_failure(ctx.p, ctx.layer)
+            return _zeros_for_inputs(ctx)
         accumulate = ex.accumulates_weight_grads()
         try:
             g_hidden, t_grads = ex.backward_layer(ctx.p, ctx.layer, grad_outs, needs, accumulate)
@@ -1089,11 +1094,20 @@ class _BlockFunction(torch.autograd.Function):
             # the layers after this one sent their gradients already: the step's accumulation holds part of
             # this backward (what failed is kept as text: the error itself would hold the pass)
             ex.backward_failure = f"{type(e).__name__}: {e}"
-            if accumulate and not isinstance(e, CollectiveError):   # (a failed collective: the group is gone)
+            # where each layer's gradient is reduced to its owner as it lands (stages 2 and 3), the other ranks'
+            # backwards wait in this rank's reduces of the layers below, and at stage 3 in those of the
+            # partitioned parameters outside the blocks (the embedding's): this backward goes on to its end with
+            # zeros, each block sending zeros as the backward reaches it, so that every collective is made in
+            # the order the other ranks make it; it raises at its end. Every rank reaches the step, whose
+            # agreement fails it on every rank (StepFailedError): zero_grad() and the micro-batches again.
+            # (Not after a failed collective: the group is gone.)
+            goes_on = accumulate and ex.weights.grads_to_owners and isinstance(e, Exception) \
+                and not isinstance(e, CollectiveError)
+            if goes_on:
                 try:
-                    ex.send_what_the_backward_did_not(ctx.p, ctx.layer)
-                except BaseException:   # noqa: BLE001 - the error raised is the one above; the step's agreement
-                    pass                # or the collectives' timeout tells the other ranks
+                    ex.send_zeros_after_failure(ctx.p, ctx.layer)
+                except Exception:   # noqa: BLE001 - the error raised is the one above; the collectives'
+                    goes_on = False  # timeout tells the other ranks
             # no boundary of this pass is read again: its reads (ahead, and one that failed) end here and go,
             # none left to land later into a pass that is being dropped
             for handle in list(ctx.p.prefetched.values()):
@@ -1103,8 +1117,31 @@ class _BlockFunction(torch.autograd.Function):
                     pass
             ctx.p.prefetched.clear()
             handle = None   # the traceback keeps this frame: no view of a host buffer with it
-            raise
+            if not goes_on:
+                raise
+            ctx.p.failed = True
+            try:
+                ex.release_pass(ctx.p)   # nothing of it is read again
+            except Exception:   # noqa: BLE001 - its finalizer frees its keys still; the error raised is e
+                pass
+            torch.autograd.Variable._execution_engine.queue_callback(_raiser(e))
+            return _zeros_for_inputs(ctx)
         return (None, None, None, None, g_hidden, *t_grads)
+
+
+def _zeros_for_inputs(ctx) -> tuple:
+    """What a block hands on in a backward that failed at or above it: zeros for each input that needs a
+    gradient (the graph below runs as on the other ranks, its collectives with it)."""
+    return (None,) * 4 + tuple(torch.zeros(like[0], dtype=like[1], device=like[2]) if need and like else None
+                               for need, like in zip(ctx.needs_input_grad[4:], ctx.inputs_like))
+
+
+def _raiser(error: BaseException):
+    """A backward's final callback raising ``error``: the backward that went on with zeros after it ends
+    raising it, as it would have raised it at once."""
+    def callback():
+        raise error
+    return callback
 
 
 class _Proxy:
