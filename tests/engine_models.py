@@ -127,6 +127,29 @@ class UnchainedLM(ModuleListLM):
         return self.head(self.extra[0](x))
 
 
+class IgnoresSideBlock(MLPBlock):
+    """Takes a side tensor it does not use."""
+
+    def forward(self, x, side):
+        return super().forward(x)
+
+
+class SideLM(ModuleListLM):
+    """Hands every block a tensor made from a trainable parameter outside them, which no block uses: torch runs
+    that parameter's post-accumulate-grad hooks with no gradient."""
+    block = IgnoresSideBlock
+
+    def __init__(self, d: int = 32, n_layers: int = 6):
+        super().__init__(d, n_layers)
+        self.side = nn.Parameter(torch.ones(d))
+
+    def forward(self, ids):
+        x, side = self.emb(ids), self.side * 1.0
+        for blk in self.stack:
+            x = blk(x, side)
+        return self.head(self.extra[0](x))
+
+
 class AuxLossBlock(MLPBlock):
     """Returns its hidden state and an auxiliary loss (as a mixture-of-experts block may)."""
 
@@ -309,6 +332,8 @@ def make_model(kind: str, n_layers: int = 6) -> nn.Module:
         return SinkLM(n_layers=n_layers, keep=kind == "kept-sink")
     if kind == "aux-loss":
         return AuxLossLM(n_layers=n_layers)
+    if kind == "unused-side":
+        return SideLM(n_layers=n_layers)
     if kind == "nested-aux-loss":
         return NestedAuxLossLM(n_layers=n_layers)
     if kind == "checkpointing":

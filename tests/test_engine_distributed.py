@@ -126,6 +126,19 @@ class _RaiseInBackward(torch.autograd.Function):
         return g
 
 
+def _stepped(engine, said: list) -> bool:
+    """``engine.step()``, or, where it fails (StepFailedError, said), the accumulation dropped for the micro-batch
+    again, as the README says to recover."""
+    import lazytrain
+    try:
+        engine.step()
+        return True
+    except lazytrain.StepFailedError as e:
+        said.append(type(e).__name__)
+        engine.zero_grad()
+        return False
+
+
 def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int, fail: bool, where: str = "block",
                                 kind: str = "modulelist"):
     """Rank 1's backward raises inside block 2 at the second step, after blocks 5..3 sent their gradients (or,
@@ -163,12 +176,8 @@ def _backward_fails_on_one_rank(rank: int, world: int, out_dir: str, stage: int,
                 engine.backward(lm_loss(engine(x[half]), y[half]))
             except RuntimeError as e:
                 said.append(str(e))
-            try:
-                engine.step()
+            if _stepped(engine, said):
                 break
-            except lazytrain.StepFailedError as e:
-                said.append(type(e).__name__)
-                engine.zero_grad()
     if where == "owner's add":
         sharding.add_into = own_add
     return engine.module_state_dict(), said
@@ -198,6 +207,96 @@ def test_a_backward_raising_on_one_rank_fails_the_step_on_every_rank_and_is_redo
     for (weights, _), (expected, _) in zip(failed, clean):
         assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
+
+
+def _backward_fails_then(rank: int, world: int, out_dir: str, what: str):
+    """Stage 3; at the second step rank 1's backward fails, and then
+    ``"every add"``: the host add of each layer rank 1 owns fails (after the layer's reduce was made) all through
+    that backward: the layers below the first still make their reduces, and the error raised is the first;
+    ``"retain"``: that backward ran with retain_graph=True and the script differentiates the forward again, on
+    both ranks: refused on both, as a second backward through the streamed blocks is;
+    ``"probe"``: rank 1's block 2 raises, and when the backward reaches the embedding, whether the re-run
+    activations of block 2 (fc2's input) are still alive.
+    Then the script recovers as the README says."""
+    import weakref
+
+    import lazytrain
+    from lazytrain.engine import sharding
+    own_add, adds_fail = sharding.add_into, [False]
+
+    def add_into(*args, **kwargs):
+        out = own_add(*args, **kwargs)
+        if adds_fail[0]:
+            raise RuntimeError("the owner's add failed")
+        return out
+    sharding.add_into = add_into
+    model = make_model("modulelist")
+    fc2, probe, alive = model.stack[2].fc2, {}, []
+    if what != "every add":
+        def forward(x, own=fc2.forward):
+            if _RaiseInBackward.armed[0]:
+                probe["x"] = weakref.ref(x)
+            return _RaiseInBackward.apply(own(x))
+        fc2.forward = forward
+    if what == "probe" and rank == 1:
+        def at_the_embedding(module, args, out):   # (returns None: the output stays the embedding's)
+            out.register_hook(lambda g: alive.append("x" in probe and probe["x"]() is not None))
+        model.emb.register_forward_hook(at_the_embedding)
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+           "steps_per_print": 10**9, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": 3}, "lazytrain": {"checkpoint_interval": 2, "collective_timeout_s": 60}}
+    engine, _, _, _ = lazytrain.initialize(model=model, config=cfg)
+    said = []
+    try:
+        for i, (x, y) in enumerate(batches(3, batch=4)):
+            half = slice(2 * rank, 2 * rank + 2)
+            first = True
+            while True:
+                fails = rank == 1 and i == 1 and first
+                adds_fail[0] = fails and what == "every add"
+                _RaiseInBackward.armed[0] = fails and what != "every add"
+                loss = lm_loss(engine(x[half]), y[half])
+                try:
+                    engine.backward(loss, retain_graph=what == "retain" and i == 1 and first)
+                except RuntimeError as e:
+                    said.append(str(e))
+                adds_fail[0] = False
+                if what == "retain" and i == 1 and first:
+                    try:
+                        engine.backward(loss)
+                    except RuntimeError as e:
+                        said.append(type(e).__name__)
+                if alive and i == 1 and first:
+                    said.append(f"block 2's activations alive at the embedding: {alive[-1]}")
+                first = False
+                if _stepped(engine, said):
+                    break
+    finally:
+        sharding.add_into = own_add
+    return engine.module_state_dict(), said
+
+
+for _what in ("every add", "retain", "probe"):
+    case(f"backward-fails-then-{_what}", _backward_fails_then, what=_what)
+
+
+@pytest.mark.parametrize("what,rank0,rank1", [
+    ("every add", ["StepFailedError"], ["the owner's add failed", "StepFailedError"]),
+    ("retain", ["ExecutorError", "StepFailedError"], ["a failure in block 2's backward", "ExecutorError",
+                                                      "StepFailedError"]),
+    ("probe", ["StepFailedError"], ["a failure in block 2's backward",
+                                    "block 2's activations alive at the embedding: False", "StepFailedError"])])
+def test_a_backward_that_fails_on_one_rank_at_stage_3_goes_on_alike_whatever_follows(spawned, what, rank0, rank1):
+    """The backward that goes on with zeros after a failure: a second failure in it (each owned layer's add)
+    stopped it there, the other rank waiting in the reduces below until the timeout; a second backward through
+    the failed forward returned without a word on the failing rank; the failed block's re-run activations were
+    held by the error until the backward's end. Each rank now says what the script sees, and the redone step
+    trains as a run without the failure."""
+    failed = spawned(f"backward-fails-then-{what}")
+    clean = spawned("backward-clean-stage-3-modulelist")
+    assert [said for _, said in failed] == [rank0, rank1]
+    for (weights, _), (expected, _) in zip(failed, clean):
+        assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
 def _plan_files(rank: int, world: int, out_dir: str):
@@ -429,6 +528,27 @@ def test_a_step_that_fails_on_one_rank_before_the_update_fails_on_every_rank(spa
     model = make_model("modulelist")
     model.load_state_dict(w0)
     assert max_rel_diff(model, ref) < 1e-5
+
+
+for _stage, _dtype in ((3, "fp32"), (2, "bf16")):
+    case(f"unused-side-stage{_stage}-{_dtype}", _train, overlap=False, kind="unused-side", stage=_stage, dtype=_dtype)
+
+
+@pytest.mark.parametrize("stage,dtype", [(3, "fp32"), (2, "bf16")])
+def test_a_parameter_handed_to_blocks_that_do_not_use_it_gets_a_zero_gradient(spawned, stage, dtype):
+    """torch runs the post-accumulate-grad hook of a parameter whose tensor reached blocks that did not use it
+    with no gradient: the stage-3 reduce (and, in bf16, the fp32 master's add) read p.grad.detach() and raised
+    AttributeError on every rank. It gets a zero gradient, as under DeepSpeed (weight decay alone moves it),
+    and both ranks end alike, in fp32 as one process on the whole batch."""
+    weights = spawned(f"unused-side-stage{stage}-{dtype}")
+    halves = [(x[h], y[h]) for x, y in batches(3, batch=4) for h in (slice(0, 2), slice(2, 4))]
+    ref = reference_train(make_model("unused-side"), halves, lr=1e-3, gas=2)
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    for rank in (0, 1):
+        model = make_model("unused-side")
+        model.load_state_dict(weights[rank])
+        assert dtype == "bf16" or max_rel_diff(model, ref) < 1e-5
+        assert torch.allclose(model.side, torch.full_like(model.side, (1 - 1e-3 * 0.1) ** 3), rtol=1e-6, atol=0)
 
 
 def _branch_data():

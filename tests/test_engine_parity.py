@@ -907,6 +907,38 @@ def test_a_layer_gradient_copy_that_failed_fails_every_step_until_zero_grad(monk
     assert max_rel_diff(engine.module, reference_train(make_model("modulelist"), data, device=AUTO_DEVICE)) < RTOL
     engine.destroy()
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_failed_step_redone_with_gradient_accumulation_counts_its_micro_batches_from_the_first(monkeypatch, stage):
+    """Two micro-batches a step; the step fails at its boundary (a gradient copy), and the script recovers as the
+    error says: zero_grad() and the step's micro-batches again. The failed boundary left the micro-batch count
+    where it was: the redo's first micro-batch was taken as a boundary (a step on half the batch), and every
+    later step was one micro-batch off, without a word. It starts again at the step's first."""
+    from engine_models import fail_gradient_copy
+    cfg = ds_config(testing={"copy_threads": True},
+                    _top={"zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 2,
+                          "train_batch_size": 4})
+    engine = train_engine(make_model("modulelist"), [], cfg)
+    data = batches(4)
+    fail_gradient_copy(monkeypatch, 8)   # in the step's second micro-batch
+    for x, y in data[:2]:
+        engine.backward(lm_loss(engine(x), y))
+        if engine.is_gradient_accumulation_boundary():
+            with pytest.raises(lazytrain.StepFailedError, match="a gradient copy failed"):
+                engine.step()
+        else:
+            engine.step()
+    engine.zero_grad()
+    boundaries = []
+    for x, y in data:
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    engine.wait_for_update()
+    assert boundaries == [False, True, False, True] and engine.global_steps == 2
+    assert max_rel_diff(engine.module, reference_train(make_model("modulelist"), data, gas=2, device=AUTO_DEVICE)) < RTOL
+    engine.destroy()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_betas_a_schedule_takes_past_one_fail_hybrid_adamws_step_before_it_changes_anything(overlap):
     """DeepSpeed's OneCycle with decay_mom_rate > 0 takes beta1 past 1 after its cycle (torch's AdamW runs on

@@ -1891,7 +1891,13 @@ class LazyTrainEngine(nn.Module):
             # call drops it, so no step goes through on part of it
             _zero_grad_as_zero_optimizers(self)(set_to_none)
             return
+        failed_step = self._grads_unusable
         self._drop_grads()
+        if failed_step and self._managed:
+            # the step's micro-batches are redone from its first: its count starts again there (left at the
+            # failed boundary, the redo's first micro-batch was a boundary, and every later step one behind)
+            self.micro_steps = self._step_starts_at
+            self.dist.calls.at_micro_step(self.micro_steps)
 
     def _drop_grads(self) -> None:
         """The gradients accumulated for the step, dropped."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import traceback
 import warnings
 from collections.abc import MutableMapping
 import weakref
@@ -1084,8 +1085,16 @@ class _BlockFunction(torch.autograd.Function):
                                 "cannot go through streamed blocks: their weight gradients are sent to host "
                                 "buffers, not returned to autograd")
         needs = ctx.needs_input_grad[4:]
-        if ctx.p.failed:   # a block above raised in this backward, which goes on with zeros (see below)
-            ex.send_zeros_after_failure(ctx.p, ctx.layer)
+        if ctx.p.failed and ctx.layer not in ctx.p.differentiated:
+            # a block above raised in this backward, which goes on with zeros (see below); a second backward
+            # through this forward finds every block differentiated, and is refused as any is
+            ctx.p.differentiated.add(ctx.layer)
+            try:
+                ex.send_zeros_after_failure(ctx.p, ctx.layer)
+            except CollectiveError:   # the group is gone: nothing to keep in step with
+                raise
+            except Exception:   # noqa: BLE001 - the first error is raised at the end; the layers below still send
+                pass            # theirs (a failure after this layer's reduce was made: the owner's add again)
             return _zeros_for_inputs(ctx)
         accumulate = ex.accumulates_weight_grads()
         try:
@@ -1124,6 +1133,10 @@ class _BlockFunction(torch.autograd.Function):
                 ex.release_pass(ctx.p)   # nothing of it is read again
             except Exception:   # noqa: BLE001 - its finalizer frees its keys still; the error raised is e
                 pass
+            # what the failed block's frames hold (its re-run's activations) goes now, not at the backward's end:
+            # the error keeps its message and lines, not their locals. The first error's callback raises: the
+            # callbacks queued after it (a second block's error) do not run
+            traceback.clear_frames(e.__traceback__)
             torch.autograd.Variable._execution_engine.queue_callback(_raiser(e))
             return _zeros_for_inputs(ctx)
         return (None, None, None, None, g_hidden, *t_grads)

@@ -398,8 +398,11 @@ class PartitionedParams:
 
     def _gradient_hook(self, e: _Entry):
         def hook(p: torch.Tensor) -> None:
-            # this micro-batch's alone (p.grad is never kept), in one memory order on every rank
-            grad, p.grad = p.grad.detach().contiguous(), None
+            # this micro-batch's alone (p.grad is never kept), in one memory order on every rank; zeros where torch
+            # runs the hook with none (a tensor made from p handed to blocks that did not use it): every rank that
+            # runs it makes the reduce
+            grad = p.grad.detach().contiguous() if p.grad is not None else torch.zeros_like(p)
+            p.grad = None
             mean = self.dist.reduce_mean_to(grad, e.owner, what="gradient reduce of a partitioned parameter in the "
                                             "backward (zero_optimization.stage 3: every rank must use the same "
                                             "parameters outside the streamed blocks in each backward; a model that "

@@ -231,6 +231,8 @@ def _copied(device: torch.device, home: torch.device) -> bool:
 
 def _into_master(master: nn.Parameter, sink: MasterGradSink | None):
     def hook(p: torch.Tensor) -> None:
+        if p.grad is None:   # torch runs the hook for a tensor made from p that got no gradient (handed to blocks
+            return           # that did not use it): nothing to add, as plain PyTorch leaves p.grad None
         grad = p.grad.detach()
         p.grad = None
         if sink is not None:   # copied beside the backward, in the compute dtype (converted on the host, so
