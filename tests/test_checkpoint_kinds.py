@@ -330,3 +330,45 @@ def test_an_older_version_of_the_same_optimizer_lacking_a_setting_added_since_lo
     newer.load_checkpoint(str(tmp_path))
     assert newer.global_steps == 2
     _steps(newer, batches(1))
+
+
+ADAM_L2 = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.5, "adam_w_mode": False}}
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.5}}
+
+
+def _adam_engine(optimizer: dict, overlap: bool):
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "optimizer": optimizer,
+              "lazytrain": {"device": "cpu", "overlap_optimizer": overlap}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lazytrain.initialize(model=make_model("modulelist", n_layers=2), config=config)[0]
+
+
+@pytest.mark.parametrize("saved,config", [(ADAM_L2, ADAMW), (ADAMW, ADAM_L2)])
+def test_a_resume_decays_the_weights_by_the_configs_rule_whatever_the_overlap(tmp_path, saved, config):
+    """Adam with L2 decay and AdamW keep the same state; the rule a resumed run decayed by was the checkpoint's or
+    the config's depending on overlap_optimizer at the save and at the load (HybridAdamW took the saved
+    adamw_mode, torch's Adam the saved decoupled_weight_decay, torch's AdamW its own), without a word. It is the
+    config's, as DeepSpeed's Adam keeps adam_w_mode on the optimizer, with a warning: every combination resumes
+    alike, and unlike a run that went on by the checkpoint's rule."""
+    data = batches(3)
+    resumed = []
+    for save_overlap in (False, True):
+        saver = _adam_engine(saved, save_overlap)
+        _steps(saver, data[:2])
+        saver.save_checkpoint(str(tmp_path / str(save_overlap)), tag="t")
+        _steps(saver, data[2:])
+        by_checkpoints_rule = saver.module_state_dict()
+        for load_overlap in (False, True):
+            engine = _adam_engine(config, load_overlap)
+            with pytest.warns(UserWarning, match=re.escape("the checkpoint's optimizer decayed the weights with ")):
+                engine.load_checkpoint(str(tmp_path / str(save_overlap)), tag="t")
+            rule = config is ADAMW
+            assert [g.get("adamw_mode", g.get("decoupled_weight_decay")) for g in engine.optimizer.param_groups] == \
+                [rule] * len(engine.optimizer.param_groups)
+            _steps(engine, data[2:])
+            resumed.append(engine.module_state_dict())
+            assert max((resumed[-1][k] - by_checkpoints_rule[k]).abs().max() for k in by_checkpoints_rule) > 1e-3
+    for other in resumed[1:]:
+        for k, v in resumed[0].items():   # HybridAdamW's arithmetic (overlap) and torch's agree to rounding
+            assert (other[k] - v).abs().max() <= 1e-6 * max(v.abs().max(), 1.0), k

@@ -6,6 +6,8 @@ after one AdamW step. Every fp32 one holds the same weights and moments (the ran
 ``stage2_fp32_step0`` was saved before any step, ``stage0_fp16_scaled`` after three from a loss scale of 2**12."""
 import copy
 import os
+import re
+import sys
 import warnings
 
 import pytest
@@ -17,6 +19,7 @@ from lazytrain.engine.checkpoint import CheckpointMismatchError
 
 pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
 HERE = os.path.join(os.path.dirname(__file__), "data", "deepspeed_0_19")
+sys.path.insert(0, HERE)   # make_fixtures: the optimizers the checkpoints were trained with
 FP32 = ["stage0_fp32", "stage3_fp32", "stage2_fp32_2ranks", "stage3_fp32_2ranks"]
 
 
@@ -25,10 +28,11 @@ def mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
 
 
-def engine_for(precision=None, frozen=False, scheduler=True, weight_decay=0.01, **lazy):
-    """``frozen``: 0.bias frozen (as in the ``_frozen`` checkpoints); ``lazy``: LazyTrain's own settings."""
+def engine_for(precision=None, frozen=False, scheduler=True, weight_decay=0.01, optimizer=None, **lazy):
+    """``frozen``: 0.bias frozen (as in the ``_frozen`` checkpoints); ``optimizer``: the config's, other than
+    AdamW; ``lazy``: LazyTrain's own settings."""
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "steps_per_print": 10**9,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": weight_decay}},
+           "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": weight_decay}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}, "lazytrain": {"device": "cpu", **lazy}}
     if not scheduler:
         del cfg["scheduler"]
@@ -65,6 +69,25 @@ def test_an_fp32_deepspeed_checkpoint_resumes_with_its_weights_moments_schedule_
     assert engine.lr_scheduler.last_batch_iteration == 0
 
 
+def _continue_side_by_side(engine, ref, opt, **settings):
+    """Two more steps of the engine and of plain PyTorch (``ref`` and its optimizer ``opt``, given the engine's
+    learning rate and ``settings``): the weights then agree to 1e-6 of each tensor's largest."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(2, 8, generator=g)
+        lr = engine.get_lr()[0]
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        for group in opt.param_groups:
+            group.update(lr=lr, **settings)
+        ref(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    for (n, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        assert (p - q).abs().max() <= 1e-6 * q.abs().max(), n
+
+
 def test_resuming_a_deepspeed_checkpoint_continues_as_plain_pytorch_would():
     """Stage 0 holds torch's own AdamW state: plain PyTorch resumes from it directly."""
     engine = engine_for()
@@ -75,21 +98,43 @@ def test_resuming_a_deepspeed_checkpoint_continues_as_plain_pytorch_would():
     ref.load_state_dict(saved["module"])
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     opt.load_state_dict(saved["optimizer"])
-    g = torch.Generator().manual_seed(3)
-    for _ in range(2):
-        x = torch.randn(2, 8, generator=g)
-        lr = engine.get_lr()[0]
-        engine.backward(engine(x).pow(2).mean())
-        engine.step()
-        for group in opt.param_groups:
-            group["lr"] = lr
-            group["weight_decay"] = 0.01
-        ref(x).pow(2).mean().backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+    _continue_side_by_side(engine, ref, opt, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("name", ["stage2_fp32_sgd", "stage3_fp32_rmsprop", "stage1_fp32_adagrad"])
+def test_a_checkpoint_of_another_optimizer_resumes_with_its_state_and_continues_as_plain_pytorch_would(name):
+    """DeepSpeed's files hold whatever its optimizer keeps (an SGD's momentum buffers, a centered RMSprop's three
+    averages, an Adagrad's sums), not only an Adam's moments: the load raised KeyError 'exp_avg'. Each state
+    loads by name, and two more steps equal torch's optimizer stepping from the same state."""
+    from make_fixtures import OTHER_OPTIMIZERS
+    config = OTHER_OPTIMIZERS[name.rsplit("_", 1)[-1]]
+    engine = engine_for(optimizer=config)
+    path = os.path.join(HERE, name)
+    engine.load_checkpoint(path)
+    saved = ds_ckpt.read(os.path.join(path, "global_step1"), True)
+    ref = mlp()
+    ref.load_state_dict(saved.module)
+    opt = getattr(torch.optim, config["type"])(ref.parameters(), **config["params"])
     for (n, p), q in zip(engine.module.named_parameters(), ref.parameters()):
-        assert (p - q).abs().max() <= 1e-6 * q.abs().max(), n
+        assert torch.equal(p, q), n
+        assert moments_of(engine)[n].keys() == saved.moments[n].keys(), n
+        for key, value in saved.moments[n].items():
+            assert torch.equal(moments_of(engine)[n][key], value.float()), (n, key)
+        opt.state[q] = {k: v.clone() for k, v in saved.moments[n].items()}
+    _continue_side_by_side(engine, ref, opt)
+
+
+def test_an_adam_engine_refuses_a_state_without_its_moments_naming_what_it_holds(tmp_path):
+    """The settings of an SGD's groups written as an Adam's (a hand-edited config): the kind check passes, and
+    the state, a momentum buffer, is refused by name rather than with a bare KeyError."""
+    engine = engine_for()
+    path = os.path.join(HERE, "stage2_fp32_sgd", "global_step1")
+    saved = ds_ckpt.read(path, True)
+    with pytest.raises(ds_ckpt.DeepSpeedCheckpointError, match=re.escape(
+            f"the DeepSpeed checkpoint {path} holds ['momentum_buffer'] as '0.weight''s optimizer state, without "
+            f"['exp_avg', 'exp_avg_sq'], which this optimizer steps with (another optimizer's state?); load it with "
+            f"load_optimizer_states=False to take the weights alone")):
+        engine._optimizer_state_from(saved.moments, path)
 
 
 @pytest.mark.parametrize("name,precision,scale", [("stage1_fp16", "fp16", 65536.0), ("stage2_bf16", "bf16", None)])
@@ -120,7 +165,7 @@ def test_a_deepspeed_checkpoint_for_another_model_is_refused_by_name():
                                                       r"\(8, 8\) there, \(4, 8\) here, 2.bias \(8,\) there, \(4,\) "
                                                       r"here\); nothing was loaded"):
         engine.load_checkpoint(os.path.join(HERE, "stage2_fp32_2ranks"))
-    with pytest.raises(ds_ckpt.DeepSpeedCheckpointError, match=r"holds moments of shape \(8, 8\) for '2.weight', "
+    with pytest.raises(ds_ckpt.DeepSpeedCheckpointError, match=r"holds 'exp_avg' of shape \(8, 8\) for '2.weight', "
                                                                r"whose shape here is \(4, 8\)"):
         engine._optimizer_state_from(ds_ckpt.read(os.path.join(HERE, "stage3_fp32", "global_step1"), True).moments,
                                      "stage3_fp32")

@@ -3140,6 +3140,10 @@ class LazyTrainEngine(nn.Module):
         (``zeros_like``): a checkpoint's moments come back contiguous (DeepSpeed's flat partitions), and
         torch's fused AdamW pairs a parameter with its moments in memory order, so a transposed or
         channels_last weight's moments would have been applied to other elements, without a word."""
+        # the weight-decay rule (AdamW's decoupled decay, or Adam's L2) stays the config's, as DeepSpeed's Adam keeps
+        # its adam_w_mode on the optimizer, not in a checkpoint; torch's Adam took the saved group's, HybridAdamW too
+        rules = [_decay_rule(g) for g in self.basic_optimizer.param_groups]
+        saved_rules = [_decay_rule(g) for g in sd["param_groups"]]
         if type(self.basic_optimizer).__name__ == "HybridAdamW":   # it copies every tensor it takes in: no clone first
             self.basic_optimizer.load_state_dict(sd)
         else:
@@ -3148,6 +3152,16 @@ class LazyTrainEngine(nn.Module):
             state = {k: {n: _in_layout_of(v, params.get(k)) if isinstance(v, torch.Tensor) else v
                          for n, v in st.items()} for k, st in sd["state"].items()}
             self.basic_optimizer.load_state_dict({**sd, "state": state})
+        for group, rule in zip(self.basic_optimizer.param_groups, rules):
+            for key in ("adamw_mode", "decoupled_weight_decay"):
+                if rule is not None and key in group:
+                    group[key] = rule
+        if any(r is not None and saved is not None and r != saved and group.get("weight_decay")
+               for r, saved, group in zip(rules, saved_rules, self.basic_optimizer.param_groups)):
+            mine = "AdamW's decoupled decay" if rules[0] else "Adam's L2 decay (adam_w_mode false)"
+            theirs = "AdamW's decoupled decay" if not rules[0] else "Adam's L2 decay"
+            warnings.warn(f"lazytrain: the checkpoint's optimizer decayed the weights with {theirs}, and this engine's "
+                          f"config asks for {mine}: the config's rule is kept from here on", UserWarning, stacklevel=3)
         self._warn_of_fresh_moments()
 
     def _warn_of_fresh_moments(self) -> None:
@@ -3169,7 +3183,8 @@ class LazyTrainEngine(nn.Module):
         the group's parameters), as DeepSpeed restores its optimizer's groups. A parameter DeepSpeed keeps no
         moments for starts fresh where DeepSpeed's would: a frozen one, or every one in a checkpoint saved
         before the first step; a trainable one missing beside others' moments is another model's."""
-        # the moments are an Adam's (DeepSpeed's files hold no other): without the groups' settings, an Adam's
+        # the state is this optimizer's kind's (its groups' settings say which: an SGD's momentum buffers, an
+        # Adagrad's sums); without the groups' settings, an Adam's
         self._refuse_optimizer_state_of_another_kind(
             {"param_groups": list(settings.values()) if settings else [dict.fromkeys(_ADAM_SETTINGS)]},
             f"checkpoint {directory}")
@@ -3185,10 +3200,13 @@ class LazyTrainEngine(nn.Module):
                     # how the optimizer runs (foreach, fused, ...) stays this engine's
                     mine.update({k: v for k, v in saved.items()
                                  if k in mine and k not in HOW_IT_RUNS})
-        params = [p for g in self.basic_optimizer.param_groups for p in g["params"]]
-        indices = [i for g in sd["param_groups"] for i in g["params"]]
+        # each parameter with the state keys its group steps with (what its optimizer cannot step without)
+        hybrid = type(self.basic_optimizer).__name__ == "HybridAdamW"   # (loads fp32 moments into its codes)
+        params = [(i, p, ("exp_avg", "exp_avg_sq") if hybrid else _state_keys_after_a_step(self.basic_optimizer, g))
+                  for group, g in zip(self.basic_optimizer.param_groups, sd["param_groups"])
+                  for i, p in zip(g["params"], group["params"])]
         state = {}
-        for i, p in zip(indices, params):
+        for i, p, needed in params:
             name = self._param_names.get(id(p))
             if name not in moments and (not moments or not ds_layout.trainable(p)):
                 continue
@@ -3202,13 +3220,7 @@ class LazyTrainEngine(nn.Module):
                 raise ds_ckpt.DeepSpeedCheckpointError(
                     f"the DeepSpeed checkpoint {directory} has no optimizer state for parameter {name!r} (it has "
                     f"{len(moments)} parameters); load it with load_optimizer_states=False to take the weights alone")
-            m = moments[name]
-            if tuple(m["exp_avg"].shape) != tuple(p.shape):
-                raise ds_ckpt.DeepSpeedCheckpointError(
-                    f"the DeepSpeed checkpoint {directory} holds moments of shape {tuple(m['exp_avg'].shape)} for "
-                    f"{name!r}, whose shape here is {tuple(p.shape)}")
-            state[i] = {"step": torch.tensor(float(m["step"])), "exp_avg": m["exp_avg"].float(),
-                        "exp_avg_sq": m["exp_avg_sq"].float()}
+            state[i] = _optimizer_state_of(name, p, moments[name], needed, directory)
         sd["state"] = state
         return sd
 
@@ -3430,6 +3442,54 @@ def _frozen_bottom_blocks(model: nn.Module, blocks: nn.ModuleList) -> int:
     if any(p.requires_grad and id(p) not in in_blocks and id(p) not in after for p in model.parameters()):
         return 0
     return first
+
+
+def _optimizer_state_of(name: str, param: torch.Tensor, saved: dict, needed: tuple, directory: str) -> dict:
+    """One parameter's optimizer state from a DeepSpeed checkpoint's (whatever its optimizer keeps: an Adam's
+    moments, an SGD's momentum buffer, an RMSprop's averages), in fp32, its step a tensor as torch keeps it;
+    a state of another shape, or without what this optimizer steps with, refused naming it."""
+    tensors = {k: v for k, v in saved.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0}
+    for key, value in tensors.items():
+        if tuple(value.shape) != tuple(param.shape):
+            raise ds_ckpt.DeepSpeedCheckpointError(
+                f"the DeepSpeed checkpoint {directory} holds {key!r} of shape {tuple(value.shape)} for {name!r}, "
+                f"whose shape here is {tuple(param.shape)}")
+    missing = [key for key in needed if key not in tensors]
+    if missing:
+        raise ds_ckpt.DeepSpeedCheckpointError(
+            f"the DeepSpeed checkpoint {directory} holds {sorted(tensors)} as {name!r}'s optimizer state, without "
+            f"{missing}, which this optimizer steps with (another optimizer's state?); load it with "
+            f"load_optimizer_states=False to take the weights alone")
+    state = {k: v.float() for k, v in tensors.items()}
+    if "step" in saved:
+        state["step"] = torch.tensor(float(saved["step"]))
+    return state
+
+
+def _decay_rule(group: dict) -> bool | None:
+    """Whether an Adam group's weight decay is AdamW's decoupled one (HybridAdamW's ``adamw_mode``, torch's
+    ``decoupled_weight_decay``); None for a group of another optimizer."""
+    for key in ("adamw_mode", "decoupled_weight_decay"):
+        if key in group:
+            return bool(group[key])
+    return None
+
+
+def _state_keys_after_a_step(optimizer, group: dict) -> tuple:
+    """The per-parameter state tensors an optimizer of ``optimizer``'s kind keeps with ``group``'s settings (an
+    SGD's momentum buffer where its momentum is set, a centered RMSprop's three averages), seen by stepping a
+    fresh one on a one-element tensor; none where that cannot be seen (a constructor or a step of its own)."""
+    kind = type(optimizer)
+    try:
+        accepted = inspect.signature(kind.__init__).parameters
+        probe_param = torch.zeros(1, requires_grad=True)
+        probe_param.grad = torch.zeros(1)
+        probe = kind([probe_param], **{k: v for k, v in group.items() if k in accepted and k != "params"})
+        probe.step()
+        return tuple(sorted(k for k, v in probe.state[probe_param].items()
+                            if isinstance(v, torch.Tensor) and v.dim() > 0))
+    except Exception:   # noqa: BLE001 - nothing seen, nothing required: its own load_state_dict decides
+        return ()
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:
