@@ -531,6 +531,33 @@ def test_overlap_config():
         lazytrain.initialize(model=copy.deepcopy(model), config=ds_config(overlap_optimizer="yes"))
 
 
+def test_8bit_states_with_an_optimizer_that_keeps_its_own_state_are_refused_naming_it():
+    """'lazytrain.optimizer_states': "8bit" applies to the Adam types the engine builds as HybridAdamW: with SGD
+    from the config, or a torch AdamW passed to initialize, the request went unheard (4x the host memory asked
+    for), without a word. A HybridAdamW passed in keeps what its groups say."""
+    model = make_model("modulelist", n_layers=2)
+    cfg = ds_config(optimizer_states="8bit")
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+    with pytest.raises(ConfigError) as e:
+        lazytrain.initialize(model=copy.deepcopy(model), config=cfg)
+    assert str(e.value) == ("config 'lazytrain.optimizer_states' = \"8bit\" keeps Adam's moments in 8 bits (HybridAdamW, "
+                            "built for 'optimizer.type' Adam, AdamW, AdamW8bit or HybridAdamW); this engine's optimizer "
+                            "(SGD, from the config's 'optimizer.type' 'SGD') keeps its own state: remove the key, or "
+                            "use one of those types")
+    cfg = ds_config(optimizer_states="8bit")
+    del cfg["optimizer"]
+    passed = copy.deepcopy(model)
+    with pytest.raises(ConfigError) as e:
+        lazytrain.initialize(model=passed, config=cfg, optimizer=torch.optim.AdamW(passed.parameters(), lr=1e-3))
+    assert str(e.value).endswith("this engine's optimizer (AdamW, passed to lazytrain.initialize) keeps its own "
+                                 "state: remove the key, or use one of those types in the config (or pass a "
+                                 "lazytrain.optim.HybridAdamW)")
+    passed = copy.deepcopy(model)
+    engine, opt, _, _ = lazytrain.initialize(model=passed, config=cfg, optimizer=HybridAdamW(passed.parameters(), lr=1e-3))
+    assert type(opt) is HybridAdamW
+    engine.destroy()
+
+
 def test_zero_grad_clears_a_gradient_landed_while_the_update_thread_finishes():
     """A backward that lands into layers whose updates are done, while the update thread is still on its
     way out (held here after the last layer's flag), is cleared by engine.zero_grad(): a layer whose

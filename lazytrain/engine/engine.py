@@ -60,7 +60,8 @@ from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from ..optim.hybrid_adamw import refuse_unordered
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
-                              eight_bit_share, hand_back_to_params, listed_groups, param_groups)
+                              eight_bit_share, hand_back_to_params, listed_groups, param_groups,
+                              refuse_unkept_8bit_states)
 from .placement import (RankMemory, build_plan, build_tiers, card_memory, check_model_shape, configured_hardware,
                         least_known, memory_copy_gbps, non_block_masters_apart, non_block_state_home,
                         plan_from_measurements, resolve_device)
@@ -415,6 +416,8 @@ class LazyTrainEngine(nn.Module):
             self.basic_optimizer = build_optimizer(config, groups, names, layerwise=wants_overlap)
         else:
             self.basic_optimizer = None
+        if self.basic_optimizer is not None:
+            refuse_unkept_8bit_states(config, self.basic_optimizer, passed=optimizer is not None)
         # engine.optimizer at stage 3 without an optimizer, as DeepSpeed's DeepSpeedZeRoOffload is there
         self._no_parameter_offload = NoParameterOffloadHooks()
         # a backward whose collectives need every rank, published before them (CallOrder; a forward is not: at

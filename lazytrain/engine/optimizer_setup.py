@@ -258,6 +258,20 @@ def client_optimizer(optimizer: Any, groups: list[dict], remap: Callable, gave_g
     return optimizer
 
 
+def refuse_unkept_8bit_states(cfg: EngineConfig, optimizer: torch.optim.Optimizer, passed: bool) -> None:
+    """``lazytrain.optimizer_states: "8bit"`` is a request for 8-bit Adam moments, which HybridAdamW keeps (as its
+    groups say); an optimizer that keeps none (SGD from the config, a torch AdamW passed to initialize) went on
+    with its own fp32 state without a word, 4x the host memory asked for. ``passed``: it came to initialize."""
+    name = type(optimizer).__name__
+    if cfg.lazytrain.optimizer_states != "8bit" or name == "HybridAdamW":   # its groups choose (their own
+        return                                                               # optimizer_states, passed or not)
+    where = "passed to lazytrain.initialize" if passed else f"from the config's 'optimizer.type' {cfg.optimizer.type!r}"
+    raise ConfigError(f"config 'lazytrain.optimizer_states' = \"8bit\" keeps Adam's moments in 8 bits (HybridAdamW, "
+                      f"built for 'optimizer.type' Adam, AdamW, AdamW8bit or HybridAdamW); this engine's optimizer "
+                      f"({name}, {where}) keeps its own state: remove the key, or use one of those types"
+                      + (" in the config (or pass a lazytrain.optim.HybridAdamW)" if passed else ""))
+
+
 def _move_initial_state(optimizer: torch.optim.Optimizer, remap: Callable) -> None:
     """A fresh optimizer's state built with it (Adagrad's step 0 and its sums at initial_accumulator_value)
     moves to the master each parameter now has, in the master's dtype and device: left under the model's
