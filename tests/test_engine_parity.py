@@ -3771,3 +3771,34 @@ def test_fp16_auto_cast_casts_the_forwards_floating_point_inputs_as_deepspeed_do
     engine.backward(lm_loss(out, y))
     engine.step()
     assert seen == {"embeds": torch.float16 if auto_cast else torch.float32, "ids": x.dtype, "scale": torch.float32}
+
+
+def test_the_progress_lines_time_per_step_counts_the_steps_of_its_window_alone(monkeypatch, tmp_path, capsys):
+    """The first "[lazytrain] step N" line divided the time since initialize() by steps_per_print (set-up, an
+    evaluation before training counted as steps), and the first after a load divided the time of whatever steps
+    ran by steps_per_print too. Each window now begins at its first step's first training forward (the first,
+    or the first after a load) or at the last line, and is divided by the steps it holds. A clock that moves
+    only where the test moves it."""
+    import time
+    clock = [1000.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    cfg = ds_config(device="cpu")
+    cfg["steps_per_print"] = 2
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist", n_layers=2), config=cfg)
+
+    def steps(n):
+        for x, y in batches(n):
+            engine.backward(lm_loss(engine(x), y))
+            clock[0] += 0.25   # each step takes 250 ms from its forward
+            engine.step()
+
+    clock[0] += 60.0   # set-up and an evaluation before training
+    steps(2)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    clock[0] += 30.0   # a save between the lines counts (the window runs from the last line)
+    steps(2)
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    clock[0] += 5.0    # the load
+    steps(2)
+    lines = [line.split(", ")[2] for line in capsys.readouterr().out.splitlines() if line.startswith("[lazytrain] step")]
+    assert lines == ["250 ms/step", "15250 ms/step", "250 ms/step"]

@@ -185,3 +185,22 @@ def test_a_disk_without_room_for_the_nvme_measurement_is_one_line_before_any_mea
     assert args.func(args) == 2
     assert capsys.readouterr().err == (f"lazytrain bench tiers: the NVMe measurement under {tmp_path} failed: tier "
                                        f"'nvme': writing bench-1 failed: No space left on device\n")
+
+
+def test_the_host_optimizer_figure_is_of_the_update_it_names(monkeypatch):
+    """The row said "HybridAdamW (8-bit states)" and timed a 1-D tensor without a name, which HybridAdamW keeps
+    in fp32, plus a finiteness pass over every gradient that the engine's optimizer does not make: what it
+    times is the engine's default update (fp32 states, no pass of its own), and it says so."""
+    from lazytrain.optim.hybrid_adamw import HybridAdamW
+    from lazytrain.tiers.bench import measure_host_optimizer
+    seen = []
+    step = HybridAdamW.step
+
+    def recorded(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        seen.append((self.check_finite, {row["states"] for row in self.state_report()}))
+        return out
+    monkeypatch.setattr(HybridAdamW, "step", recorded)
+    rate, what = measure_host_optimizer(4096, 0.01)
+    assert what == "lazytrain HybridAdamW (fp32 states, the engine's default)" and rate > 0
+    assert seen and set(map(repr, seen)) == {repr((False, {"fp32"}))}

@@ -520,7 +520,9 @@ class LazyTrainEngine(nn.Module):
         self._grads_unusable = False   # a step failed before its update: zero_grad() drops what was accumulated
         self._failed_step: str | None = None   # a step that failed half-way: the engine is inconsistent
         self._unstored_copies: tuple | None = None   # (first layer, error): a step whose copies were not stored
-        self._step_start = time.perf_counter()
+        # the progress line's window: (when its first step began, the steps before it); None until the next
+        # training forward (the first, or the first after a load: not the set-up time before it)
+        self._progress_window: tuple[float, int] | None = None
         self.last_step_peak_bytes: dict[str, int] = {}
         # host optimizer + compute-copy refresh on this thread, last applied step (with overlap_optimizer
         # only the non-block part: the layers' update time is layer_updates.busy_seconds)
@@ -989,6 +991,8 @@ class LazyTrainEngine(nn.Module):
             self._keep_layer_checkpointing_off()
             if self._step_began is None:
                 self._step_began = time.perf_counter()
+            if self._progress_window is None:
+                self._progress_window = (self._step_began, self.global_steps)
             if not self.tput_timer.started:   # a micro-step's first training forward, as DeepSpeed's timer starts
                 self.tput_timer.start()
             if self.auto is not None or (self.plan.seq_len is not None and not self._warned_beyond_plan):
@@ -1873,8 +1877,9 @@ class LazyTrainEngine(nn.Module):
 
     def _print_progress(self) -> None:
         now = time.perf_counter()
-        dt = (now - self._step_start) / self.steps_per_print()
-        self._step_start = now
+        began, steps_before = self._progress_window or (now, self.global_steps)
+        dt = (now - began) / max(self.global_steps - steps_before, 1)
+        self._progress_window = (now, self.global_steps)
         peaks = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.last_step_peak_bytes.items())
         print(f"[lazytrain] step {self.global_steps}: lr {self.get_lr()}, grad norm {self._global_grad_norm:.4g}, "
               f"{dt * 1000:.0f} ms/step, peak {peaks}")
@@ -2994,6 +2999,7 @@ class LazyTrainEngine(nn.Module):
         for k in ("global_steps", "global_samples", "skipped_steps"):
             setattr(self, k, model_state.get(k, 0))
         self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
+        self._progress_window = None
         return path, model_state.get("client_state", {})
 
     def _check_extra_params(self, own: dict, directory: str) -> None:
@@ -3028,6 +3034,7 @@ class LazyTrainEngine(nn.Module):
         for k, v in state.counters.items():
             setattr(self, k, v)
         self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
+        self._progress_window = None
         return path, state.client_state
 
     def _micro_steps_after_load(self) -> int:
@@ -3100,6 +3107,7 @@ class LazyTrainEngine(nn.Module):
         for k, v in state.counters.items():
             setattr(self, k, v)
         self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
+        self._progress_window = None
         return path, state.client_state
 
     def _refuse_added_block_params(self) -> None:
