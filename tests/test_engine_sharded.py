@@ -1290,8 +1290,9 @@ def _skipping(rank, world, out_dir, where):
     changed = [k for k, v in before.items() if not torch.equal(after[k], v)]
     ids = x.clone()
     ids[:, 0] = 2 * (ids[:, 0] // 2)   # every rank runs every block: the step goes through
-    engine.backward(lm_loss(engine(ids), y))   # the failed step's last micro-batch, redone
-    engine.step()
+    for _ in range(2):                 # the failed step's micro-batches, redone
+        engine.backward(lm_loss(engine(ids), y))
+        engine.step()
     stepped = engine.global_steps
     engine.destroy()
     return {"error": error, "changed": changed, "stepped": stepped}
@@ -1983,15 +1984,32 @@ def _train_model_kind(rank, world, out_dir, stage, kind):
     return out
 
 
-def _hf_stage3(rank, world, out_dir, stage):
+class _Holder(torch.nn.Module):
+    """A model inside another, whose generate(*args, **kwargs) hands over to it: PEFT's PeftModelForCausalLM and
+    TRL's value-head models are such."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, *args, **kwargs):
+        return self.lm(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.lm.generate(*args, **kwargs)
+
+
+def _hf_stage3(rank, world, out_dir, stage, held=False):
     """A Hugging Face Llama with the chunked loss (its head's weight read outside the head; two forwards
     before their backwards), then generate
-    with an end token that stops one rank's sequence after one token and not the other's."""
+    with an end token that stops one rank's sequence after one token and not the other's. ``held``: the model
+    is inside a :class:`_Holder`, given to initialize and generating through it."""
     import lazytrain
     cfg = _config(world, stage, False)
     cfg["lazytrain"].update(loss_chunk_tokens=4, collective_timeout_s=120)   # a rank left waiting fails, soon
     cfg["train_micro_batch_size_per_gpu"] = GLOBAL // world // 2             # two micro-batches a step
-    engine, _, _, _ = lazytrain.initialize(model=make_hf_model("llama"), config=cfg)
+    model = make_hf_model("llama")
+    engine, _, _, _ = lazytrain.initialize(model=_Holder(model) if held else model, config=cfg)
     per = GLOBAL // world
     losses, chunked = [], []
     for x, y in batches(2, batch=GLOBAL):
@@ -2023,6 +2041,7 @@ for _stage in (2, 3):
     for _kind in MODELS:
         case(2, f"{_kind}-stage{_stage}", _train_model_kind, stage=_stage, kind=_kind)
     case(2, f"hf-stage{_stage}", _hf_stage3, stage=_stage)
+case(2, "hf-held-stage3", _hf_stage3, stage=3, held=True)
 
 
 def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
@@ -2050,6 +2069,11 @@ def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
         assert r2["chunked"] == r3["chunked"] == [True] * 4   # the engine's own hooks at stage 3 too
     assert hf[0]["first"][0] != hf[0]["first"][1]
     assert len(hf[0]["generated"]) == 5 and len(hf[1]["generated"]) > 5   # rank 0 stopped first
+    # through a model holding it (its generate takes no synced_gpus), rank 0 stopped generating and went on
+    # while rank 1 waited in its next forward's broadcast: the held model's own generate keeps them in step
+    for r2, held in zip(spawned("hf-stage2"), spawned("hf-held-stage3")):
+        assert held["losses"] == pytest.approx(r2["losses"], rel=1e-6)
+        assert held["generated"] == r2["generated"]
 
 
 class _OwnsAll:

@@ -109,7 +109,7 @@ class PartitionedParams:
         self._calls: list[nn.Module] = []   # hooked forwards under way, outermost first
         self._held_at_start: set[int] = set()
         self._hooks = []
-        self._generate_wrapped = False
+        self._generate_wrapped: list[nn.Module] = []   # the modules whose generate is made synced
         self._warned_state_dict = False
         # bytes of other ranks' parameters this holds now, and at most since partition() (a graph autograd
         # keeps may hold a dropped copy a while longer: F.linear saves a view of its weight)
@@ -132,10 +132,14 @@ class PartitionedParams:
             self._hooks += [module.register_forward_pre_hook(self._before_forward(entries)),
                             module.register_forward_hook(self._after_forward(entries), always_call=True),
                             module.register_state_dict_pre_hook(self._warn_partial_state_dict)]
-        generate = getattr(self.model, "generate", None)
-        if callable(generate) and "generate" not in self.model.__dict__ and _takes(generate, "synced_gpus"):
-            self.model.generate = _synced_generate(generate)
-            self._generate_wrapped = True
+        # every Hugging Face generate in the model, not only its own: one held inside another (PEFT's model, a
+        # value-head model) is called by the outer one's generate(*args, **kwargs), which takes no synced_gpus
+        for module in self.model.modules():
+            generate = getattr(module, "generate", None)
+            if callable(getattr(type(module), "generate", None)) and "generate" not in module.__dict__ \
+                    and _takes(generate, "synced_gpus"):
+                module.generate = _synced_generate(generate)
+                self._generate_wrapped.append(module)
         self.active = True
         _LIVE[:] = [r for r in _LIVE if r() is not None] + [weakref.ref(self)]
         for e in self.entries:
@@ -152,9 +156,9 @@ class PartitionedParams:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        if self._generate_wrapped:
-            del self.model.generate
-            self._generate_wrapped = False
+        for module in self._generate_wrapped:
+            del module.generate
+        self._generate_wrapped.clear()
         self.active = False
         _LIVE[:] = [r for r in _LIVE if r() is not None and r() is not self]
 
