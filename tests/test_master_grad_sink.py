@@ -228,9 +228,10 @@ def test_at_zero_stage_2_a_failed_copy_is_not_swallowed_by_zero_grad(monkeypatch
     assert engine.global_steps == 0
     got, want = engine.module_state_dict(), before.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)   # nothing updated
-    engine.zero_grad()   # the error's advice: now the accumulation goes
-    engine.backward(lm_loss(engine(x1), y1))
-    engine.step()
+    engine.zero_grad()   # the error's advice: now the accumulation goes, and the step's micro-batches again
+    for x, y in ((x0, y0), (x1, y1)):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
     assert engine.global_steps == 1
     engine.destroy()
 
