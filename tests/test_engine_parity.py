@@ -3346,6 +3346,9 @@ def test_deepspeed_engine_methods_scripts_call():
     assert (engine.train_batch_size(), engine.gradient_accumulation_steps()) == (6, 3)
     with pytest.raises(ValueError, match="Train batch size must be divisible by micro-batch data parallelism"):
         engine.set_train_batch_size(5)
+    for wrong in (0, 4.0, "4"):   # not a batch at all: said so, not that it does not divide
+        with pytest.raises(ValueError, match=re.escape(f"train_batch_size must be a whole number >= 1, got {wrong!r}")):
+            engine.set_train_batch_size(wrong)
     engine.set_train_micro_batch_size(4)   # DeepSpeed's: the same accumulation, the global batch follows
     assert (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
             engine.train_batch_size(), engine.mp_world_size) == (4, 3, 12, 1)

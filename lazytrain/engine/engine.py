@@ -2129,8 +2129,9 @@ class LazyTrainEngine(nn.Module):
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """DeepSpeed's: a new global batch by another number of micro-batches (the micro-batch stays)."""
         per_step = self.train_micro_batch_size_per_gpu() * self.world_size
-        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1 \
-                or train_batch_size % per_step:
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size < 1:
+            raise ValueError(f"train_batch_size must be a whole number >= 1, got {train_batch_size!r}")
+        if train_batch_size % per_step:
             raise ValueError("Train batch size must be divisible by micro-batch data parallelism")   # DeepSpeed's
         before = self.gradient_accumulation_steps()
         self._config = dataclasses.replace(self._config, train_batch_size=train_batch_size,
