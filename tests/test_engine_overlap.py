@@ -3,6 +3,7 @@ forward waits for each layer's update only when it needs that layer. Results are
 serial step, and everything that reads weights, gradients or optimizer state waits first."""
 import copy
 import os
+import re
 import threading
 import time
 
@@ -553,9 +554,18 @@ def test_8bit_states_with_an_optimizer_that_keeps_its_own_state_are_refused_nami
                                  "state: remove the key, or use one of those types in the config (or pass a "
                                  "lazytrain.optim.HybridAdamW)")
     passed = copy.deepcopy(model)
-    engine, opt, _, _ = lazytrain.initialize(model=passed, config=cfg, optimizer=HybridAdamW(passed.parameters(), lr=1e-3))
-    assert type(opt) is HybridAdamW
-    engine.destroy()
+    with pytest.raises(ConfigError, match=re.escape("the HybridAdamW passed to lazytrain.initialize keeps fp32 states "
+                                                    "in every group (optimizer_states=\"fp32\")")):
+        lazytrain.initialize(model=passed, config=cfg,
+                             optimizer=HybridAdamW(passed.parameters(), lr=1e-3, optimizer_states="fp32"))
+
+    class OwnHybrid(HybridAdamW):   # a subclass keeps 8-bit states as HybridAdamW does
+        pass
+    for kind in (HybridAdamW, OwnHybrid):
+        passed = copy.deepcopy(model)
+        engine, opt, _, _ = lazytrain.initialize(model=passed, config=cfg, optimizer=kind(passed.parameters(), lr=1e-3))
+        assert type(opt) is kind
+        engine.destroy()
 
 
 def test_zero_grad_clears_a_gradient_landed_while_the_update_thread_finishes():

@@ -934,8 +934,30 @@ def test_a_failed_step_redone_with_gradient_accumulation_counts_its_micro_batche
         engine.backward(lm_loss(engine(x), y))
         engine.step()
     engine.wait_for_update()
-    assert boundaries == [False, True, False, True] and engine.global_steps == 2
+    assert boundaries == [False, True, False, True] and engine.global_steps == 2 and engine.global_samples == 8
     assert max_rel_diff(engine.module, reference_train(make_model("modulelist"), data, gas=2, device=AUTO_DEVICE)) < RTOL
+    engine.destroy()
+
+
+def test_a_failed_step_redone_without_managed_accumulation_counts_its_samples_once(monkeypatch):
+    """managed_gradient_accumulation false (the script's step() is the boundary): the samples of a step counted
+    the failed attempt's backwards and the redone ones alike (8 for a step of 4)."""
+    from engine_models import fail_gradient_copy
+    cfg = ds_config(testing={"copy_threads": True},
+                    _top={"gradient_accumulation_steps": 2, "train_batch_size": 4,
+                          "managed_gradient_accumulation": False})
+    engine = train_engine(make_model("modulelist"), [], cfg)
+    data = batches(2)
+    fail_gradient_copy(monkeypatch, 8)
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+    with pytest.raises(lazytrain.StepFailedError, match="a gradient copy failed"):
+        engine.step()
+    engine.zero_grad()
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    assert (engine.global_steps, engine.global_samples) == (1, 4)
     engine.destroy()
 
 
@@ -3800,6 +3822,10 @@ def test_the_progress_lines_time_per_step_counts_the_steps_of_its_window_alone(m
     engine.save_checkpoint(str(tmp_path), tag="t")
     clock[0] += 30.0   # a save between the lines counts (the window runs from the last line)
     steps(2)
+    x, y = batches(1)[0]   # a micro-batch begun and dropped before the load: its forward does not start the window
+    engine.backward(lm_loss(engine(x), y))
+    engine.zero_grad()
+    clock[0] += 600.0
     engine.load_checkpoint(str(tmp_path), tag="t")
     clock[0] += 5.0    # the load
     steps(2)

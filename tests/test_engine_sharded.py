@@ -1984,13 +1984,26 @@ def _train_model_kind(rank, world, out_dir, stage, kind):
     return out
 
 
+class _FrozenGenerator(torch.nn.Module):
+    """A frozen model with a generate that takes synced_gpus (a reference model kept beside the trained one): its
+    forwards fetch nothing, so its generate may run on one rank alone. It returns the synced_gpus it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4).requires_grad_(False)
+
+    def generate(self, input_ids=None, synced_gpus=None, **kwargs):
+        return synced_gpus
+
+
 class _Holder(torch.nn.Module):
     """A model inside another, whose generate(*args, **kwargs) hands over to it: PEFT's PeftModelForCausalLM and
-    TRL's value-head models are such."""
+    TRL's value-head models are such; and a frozen model beside it."""
 
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
         self.lm = lm
+        self.ref = _FrozenGenerator()
 
     def forward(self, *args, **kwargs):
         return self.lm(*args, **kwargs)
@@ -2032,7 +2045,8 @@ def _hf_stage3(rank, world, out_dir, stage, held=False):
         generated = model.generate(input_ids=mine, attention_mask=torch.ones_like(mine), max_new_tokens=5,
                                    do_sample=False, eos_token_id=int(first[0]), pad_token_id=0)
     result = {"losses": losses, "weights": engine.module_state_dict(), "generated": generated[0].tolist(),
-              "first": first.tolist(), "chunked": chunked}
+              "first": first.tolist(), "chunked": chunked,
+              "ref synced": model.ref.generate(input_ids=mine) if held else None}
     engine.destroy()
     return result
 
@@ -2074,6 +2088,7 @@ def test_stage_3_a_weight_read_outside_its_module_is_there_when_read(spawned):
     for r2, held in zip(spawned("hf-stage2"), spawned("hf-held-stage3")):
         assert held["losses"] == pytest.approx(r2["losses"], rel=1e-6)
         assert held["generated"] == r2["generated"]
+        assert held["ref synced"] is None   # a frozen model's generate is left as it is
 
 
 class _OwnsAll:

@@ -991,8 +991,8 @@ class LazyTrainEngine(nn.Module):
             self._keep_layer_checkpointing_off()
             if self._step_began is None:
                 self._step_began = time.perf_counter()
-            if self._progress_window is None:
-                self._progress_window = (self._step_began, self.global_steps)
+            if self._progress_window is None:   # (not _step_began: a forward before a load may have set it)
+                self._progress_window = (time.perf_counter(), self.global_steps)
             if not self.tput_timer.started:   # a micro-step's first training forward, as DeepSpeed's timer starts
                 self.tput_timer.start()
             if self.auto is not None or (self.plan.seq_len is not None and not self._warned_beyond_plan):
@@ -1906,6 +1906,8 @@ class LazyTrainEngine(nn.Module):
             # failed boundary, the redo's first micro-batch was a boundary, and every later step one behind)
             self.micro_steps = self._step_starts_at
             self.dist.calls.at_micro_step(self.micro_steps)
+        elif failed_step:   # unmanaged: the redone backwards are the step's samples, not counted twice
+            self._unmanaged_backwards = 0
 
     def _drop_grads(self) -> None:
         """The gradients accumulated for the step, dropped."""
@@ -3168,10 +3170,11 @@ class LazyTrainEngine(nn.Module):
             for key in ("adamw_mode", "decoupled_weight_decay"):
                 if rule is not None and key in group:
                     group[key] = rule
-        if any(r is not None and saved is not None and r != saved and group.get("weight_decay")
-               for r, saved, group in zip(rules, saved_rules, self.basic_optimizer.param_groups)):
-            mine = "AdamW's decoupled decay" if rules[0] else "Adam's L2 decay (adam_w_mode false)"
-            theirs = "AdamW's decoupled decay" if not rules[0] else "Adam's L2 decay"
+        differs = [r for r, saved, group in zip(rules, saved_rules, self.basic_optimizer.param_groups)
+                   if r is not None and saved is not None and r != saved and group.get("weight_decay")]
+        if differs:
+            mine = "AdamW's decoupled decay" if differs[0] else "Adam's L2 decay (adam_w_mode false)"
+            theirs = "AdamW's decoupled decay" if not differs[0] else "Adam's L2 decay"
             warnings.warn(f"lazytrain: the checkpoint's optimizer decayed the weights with {theirs}, and this engine's "
                           f"config asks for {mine}: the config's rule is kept from here on", UserWarning, stacklevel=3)
         self._warn_of_fresh_moments()

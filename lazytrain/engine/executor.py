@@ -1136,7 +1136,10 @@ class _BlockFunction(torch.autograd.Function):
             # what the failed block's frames hold (its re-run's activations) goes now, not at the backward's end:
             # the error keeps its message and lines, not their locals. The first error's callback raises: the
             # callbacks queued after it (a second block's error) do not run
-            traceback.clear_frames(e.__traceback__)
+            chained = e
+            while chained is not None:   # (and those of the errors it was raised from or during)
+                traceback.clear_frames(chained.__traceback__)
+                chained = chained.__cause__ or chained.__context__
             torch.autograd.Variable._execution_engine.queue_callback(_raiser(e))
             return _zeros_for_inputs(ctx)
         return (None, None, None, None, g_hidden, *t_grads)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..config import ConfigError, EngineConfig, _flag
-from ..optim.hybrid_adamw import refuse_unordered
+from ..optim.hybrid_adamw import HybridAdamW, refuse_unordered
 from ..optim.lr_schedules import build_schedule, torch_class_by_name
 
 _ADAM_KEYS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction",
@@ -263,8 +263,15 @@ def refuse_unkept_8bit_states(cfg: EngineConfig, optimizer: torch.optim.Optimize
     groups say); an optimizer that keeps none (SGD from the config, a torch AdamW passed to initialize) went on
     with its own fp32 state without a word, 4x the host memory asked for. ``passed``: it came to initialize."""
     name = type(optimizer).__name__
-    if cfg.lazytrain.optimizer_states != "8bit" or name == "HybridAdamW":   # its groups choose (their own
-        return                                                               # optimizer_states, passed or not)
+    if cfg.lazytrain.optimizer_states != "8bit":
+        return
+    if isinstance(optimizer, HybridAdamW):   # its groups choose (a group of the config's may keep fp32 states);
+        if passed and all(g.get("optimizer_states") == "fp32" for g in optimizer.param_groups):   # none 8-bit
+            raise ConfigError(f"config 'lazytrain.optimizer_states' = \"8bit\", and the {name} passed to "
+                              f"lazytrain.initialize keeps fp32 states in every group (optimizer_states=\"fp32\"): "
+                              f"an optimizer passed in keeps its own settings; build it with "
+                              f"optimizer_states=\"8bit\", or remove the key")
+        return
     where = "passed to lazytrain.initialize" if passed else f"from the config's 'optimizer.type' {cfg.optimizer.type!r}"
     raise ConfigError(f"config 'lazytrain.optimizer_states' = \"8bit\" keeps Adam's moments in 8 bits (HybridAdamW, "
                       f"built for 'optimizer.type' Adam, AdamW, AdamW8bit or HybridAdamW); this engine's optimizer "

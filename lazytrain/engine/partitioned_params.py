@@ -132,12 +132,15 @@ class PartitionedParams:
             self._hooks += [module.register_forward_pre_hook(self._before_forward(entries)),
                             module.register_forward_hook(self._after_forward(entries), always_call=True),
                             module.register_state_dict_pre_hook(self._warn_partial_state_dict)]
-        # every Hugging Face generate in the model, not only its own: one held inside another (PEFT's model, a
-        # value-head model) is called by the outer one's generate(*args, **kwargs), which takes no synced_gpus
+        # every Hugging Face generate in the model whose forwards fetch partitioned parameters, not only the
+        # model's own: one held inside another (PEFT's model, a value-head model) is called by the outer one's
+        # generate(*args, **kwargs), which takes no synced_gpus. (A frozen reference model inside fetches
+        # nothing: its generate may run on one rank alone.)
+        hooked = set(map(id, self._modules))
         for module in self.model.modules():
             generate = getattr(module, "generate", None)
             if callable(getattr(type(module), "generate", None)) and "generate" not in module.__dict__ \
-                    and _takes(generate, "synced_gpus"):
+                    and _takes(generate, "synced_gpus") and any(id(m) in hooked for m in module.modules()):
                 module.generate = _synced_generate(generate)
                 self._generate_wrapped.append(module)
         self.active = True
