@@ -3215,10 +3215,19 @@ class LazyTrainEngine(nn.Module):
                     # how the optimizer runs (foreach, fused, ...) stays this engine's
                     mine.update({k: v for k, v in saved.items()
                                  if k in mine and k not in HOW_IT_RUNS})
-        # each parameter with the state keys its group steps with (what its optimizer cannot step without)
+        # each parameter with the state its group steps with (what its optimizer cannot step without), seen once
+        # per group and number of dimensions
         hybrid = type(self.basic_optimizer).__name__ == "HybridAdamW"   # (loads fp32 moments into its codes)
-        params = [(i, p, ("exp_avg", "exp_avg_sq") if hybrid else _state_keys_after_a_step(self.basic_optimizer, g))
-                  for group, g in zip(self.basic_optimizer.param_groups, sd["param_groups"])
+        seen: dict[tuple[int, int], dict | None] = {}
+
+        def needed_by(g: int, group: dict, p: torch.Tensor) -> dict | None:
+            if hybrid:
+                return {"exp_avg": True, "exp_avg_sq": True}
+            if (g, p.dim()) not in seen:
+                seen[g, p.dim()] = _state_after_a_step(self.basic_optimizer, group, p.dim())
+            return seen[g, p.dim()]
+        params = [(i, p, needed_by(index, g, p))
+                  for index, (group, g) in enumerate(zip(self.basic_optimizer.param_groups, sd["param_groups"]))
                   for i, p in zip(g["params"], group["params"])]
         state = {}
         for i, p, needed in params:
@@ -3459,23 +3468,29 @@ def _frozen_bottom_blocks(model: nn.Module, blocks: nn.ModuleList) -> int:
     return first
 
 
-def _optimizer_state_of(name: str, param: torch.Tensor, saved: dict, needed: tuple, directory: str) -> dict:
-    """One parameter's optimizer state from a DeepSpeed checkpoint's (whatever its optimizer keeps: an Adam's
-    moments, an SGD's momentum buffer, an RMSprop's averages), in fp32, its step a tensor as torch keeps it;
-    a state of another shape, or without what this optimizer steps with, refused naming it."""
-    tensors = {k: v for k, v in saved.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0}
-    for key, value in tensors.items():
-        if tuple(value.shape) != tuple(param.shape):
+def _optimizer_state_of(name: str, param: torch.Tensor, saved: dict, needed: dict | None, directory: str) -> dict:
+    """One parameter's optimizer state from a DeepSpeed checkpoint's, whatever its optimizer keeps (an Adam's
+    moments, an SGD's momentum buffer, NAdam's running product), its tensors of the parameter's elements in
+    fp32 and its step a tensor, as torch keeps them. ``needed``: the keys this optimizer steps with, each
+    True where it holds one value per element of the parameter (None: not known). A state without one of
+    them, or with an element-wise one of another shape (a state kept over DeepSpeed's flat partitions, as
+    its Adafactor keeps one), is refused naming it."""
+    elementwise = {k for k, v in (needed or {}).items() if v} if needed is not None else \
+        {k for k, v in saved.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0}
+    for key in sorted(elementwise & set(saved)):
+        value = saved[key]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ds_ckpt.DeepSpeedCheckpointError(
-                f"the DeepSpeed checkpoint {directory} holds {key!r} of shape {tuple(value.shape)} for {name!r}, "
-                f"whose shape here is {tuple(param.shape)}")
-    missing = [key for key in needed if key not in tensors]
+                f"the DeepSpeed checkpoint {directory} holds {key!r} of shape {shape} for {name!r}, whose shape "
+                f"here is {tuple(param.shape)}")
+    missing = sorted(set(needed or ()) - set(saved))
     if missing:
         raise ds_ckpt.DeepSpeedCheckpointError(
-            f"the DeepSpeed checkpoint {directory} holds {sorted(tensors)} as {name!r}'s optimizer state, without "
+            f"the DeepSpeed checkpoint {directory} holds {sorted(saved)} as {name!r}'s optimizer state, without "
             f"{missing}, which this optimizer steps with (another optimizer's state?); load it with "
             f"load_optimizer_states=False to take the weights alone")
-    state = {k: v.float() for k, v in tensors.items()}
+    state = {k: v.float() if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in saved.items()}
     if "step" in saved:
         state["step"] = torch.tensor(float(saved["step"]))
     return state
@@ -3490,21 +3505,23 @@ def _decay_rule(group: dict) -> bool | None:
     return None
 
 
-def _state_keys_after_a_step(optimizer, group: dict) -> tuple:
-    """The per-parameter state tensors an optimizer of ``optimizer``'s kind keeps with ``group``'s settings (an
-    SGD's momentum buffer where its momentum is set, a centered RMSprop's three averages), seen by stepping a
-    fresh one on a one-element tensor; none where that cannot be seen (a constructor or a step of its own)."""
+def _state_after_a_step(optimizer, group: dict, ndim: int) -> dict | None:
+    """The per-parameter state an optimizer of ``optimizer``'s kind keeps with ``group``'s settings for a
+    parameter of ``ndim`` dimensions, as {key: whether it holds one value per element}: an SGD's momentum buffer
+    where its momentum is set, a centered RMSprop's three averages, Adafactor's row and column variances of a
+    matrix. Seen by stepping a fresh one on a tensor of two elements a dimension; None where that cannot be seen
+    (a constructor or a step of its own)."""
     kind = type(optimizer)
     try:
         accepted = inspect.signature(kind.__init__).parameters
-        probe_param = torch.zeros(1, requires_grad=True)
-        probe_param.grad = torch.zeros(1)
+        probe_param = torch.zeros((2,) * ndim, requires_grad=True)
+        probe_param.grad = torch.ones_like(probe_param)
         probe = kind([probe_param], **{k: v for k, v in group.items() if k in accepted and k != "params"})
         probe.step()
-        return tuple(sorted(k for k, v in probe.state[probe_param].items()
-                            if isinstance(v, torch.Tensor) and v.dim() > 0))
+        return {k: isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == probe_param.shape
+                for k, v in probe.state[probe_param].items()}
     except Exception:   # noqa: BLE001 - nothing seen, nothing required: its own load_state_dict decides
-        return ()
+        return None
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:

@@ -11,7 +11,10 @@ any step (no moments at all); ``stage0_fp16_scaled`` starts from another loss sc
 ``sub_group_size``: its files keep one flat partition per sub-group, the settings once per group);
 ``stage3_bf16_tied_excluded`` ties the two weights, freezes them and saves with ``exclude_frozen_parameters``
 (as HF Trainer saves a PEFT run of a tied-embedding model). ``stage2_fp32_sgd``, ``stage3_fp32_rmsprop`` and
-``stage1_fp32_adagrad`` train with those optimizers (``OTHER_OPTIMIZERS``): states other than Adam's moments.
+``stage1_fp32_adagrad`` train with those optimizers (``OTHER_OPTIMIZERS``): states other than Adam's moments, and
+``stage1_fp32_nadam`` and ``stage2_fp32_asgd`` with scalars among them; ``stage0_fp32_adafactor`` keeps torch's
+Adafactor state (a matrix's row and column variances), ``stage2_fp32_adafactor`` the state of an Adafactor run over
+DeepSpeed's flat partitions (one variance per element: not torch's Adafactor of the parameters).
 Run it where DeepSpeed is installed (it runs on the CPU): ``python tests/data/deepspeed_0_19/make_fixtures.py``
 (all of them) or ``... make_fixtures.py NAME...`` (those alone)."""
 import argparse
@@ -31,11 +34,15 @@ CONFIGS = {"stage0_fp32": (0, None, 1), "stage0_fp16": (0, "fp16", 1), "stage1_f
            "stage2_bf16_frozen": (2, "bf16", 1),
            "stage2_fp32_step0": (2, None, 1), "stage0_fp16_scaled": (0, "fp16", 1),
            "stage3_fp32_subgroups_frozen": (3, None, 1), "stage3_bf16_tied_excluded": (3, "bf16", 1),
-           "stage2_fp32_sgd": (2, None, 1), "stage3_fp32_rmsprop": (3, None, 1), "stage1_fp32_adagrad": (1, None, 1)}
+           "stage2_fp32_sgd": (2, None, 1), "stage3_fp32_rmsprop": (3, None, 1), "stage1_fp32_adagrad": (1, None, 1),
+           "stage1_fp32_nadam": (1, None, 1), "stage2_fp32_asgd": (2, None, 1), "stage0_fp32_adafactor": (0, None, 1),
+           "stage2_fp32_adafactor": (2, None, 1)}
 # the optimizers other than AdamW, named by the checkpoint's last part: their state holds other keys than Adam's
 OTHER_OPTIMIZERS = {"sgd": {"type": "SGD", "params": {"lr": 1e-2, "momentum": 0.9}},
                     "rmsprop": {"type": "RMSprop", "params": {"lr": 1e-2, "momentum": 0.5, "centered": True}},
-                    "adagrad": {"type": "Adagrad", "params": {"lr": 1e-2}}}
+                    "adagrad": {"type": "Adagrad", "params": {"lr": 1e-2}},
+                    "nadam": {"type": "NAdam", "params": {"lr": 1e-2}}, "asgd": {"type": "ASGD", "params": {"lr": 1e-2}},
+                    "adafactor": {"type": "Adafactor", "params": {"lr": 1e-2}}}
 SETTINGS = {"lr": 1e-4, "weight_decay": 0.05, "betas": (0.8, 0.99), "eps": 1e-6}
 SCALED_POWER, SCALED_STEPS = 12, 3   # stage0_fp16_scaled: its initial loss scale 2**12, its steps
 
