@@ -552,3 +552,28 @@ def test_a_flat_partition_whose_strides_repeat_elements_is_refused_before_it_is_
         assert str(e.value) == ("f.pt holds a flat partition that is not a 1-D tensor over its own bytes (shape "
                                 "(134217728,), strides (0,)): not what DeepSpeed writes (damaged or crafted); "
                                 "nothing was loaded")
+
+
+def test_the_probe_of_what_an_optimizer_steps_with_is_no_step_of_the_run():
+    """To see the state an optimizer steps with, the load steps a fresh one of its kind on a tiny tensor: torch's
+    global step hooks (a logger's) saw those steps, and an optimizer drawing random numbers moved the global
+    generator, so a run seeded before its load did not replay."""
+    from make_fixtures import OTHER_OPTIMIZERS
+    engine = engine_for(optimizer=OTHER_OPTIMIZERS["sgd"])
+    seen = []
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: seen.append(opt))
+    real_step = torch.optim.SGD.step
+
+    def drawing_step(self, *args, **kwargs):   # an optimizer that draws random numbers (noise, dropout of updates)
+        torch.rand(1)
+        return real_step(self, *args, **kwargs)
+    try:
+        torch.optim.SGD.step = drawing_step
+        before = torch.get_rng_state()
+        engine.load_checkpoint(os.path.join(HERE, "stage2_fp32_sgd"))
+        assert torch.equal(torch.get_rng_state(), before)
+    finally:
+        torch.optim.SGD.step = real_step
+        handle.remove()
+    assert seen == [] and engine.global_steps == 1

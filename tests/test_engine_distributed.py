@@ -299,6 +299,30 @@ def test_a_backward_that_fails_on_one_rank_at_stage_3_goes_on_alike_whatever_fol
         assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
+def test_the_frames_of_an_error_whose_cause_chain_loops_are_cleared_once():
+    """The error a failed block raises at the backward's end has its frames' locals cleared, and those of the
+    errors it was raised from or during: a chain looping through __cause__ (an error re-raised from its own
+    wrapper) kept the failing rank in that loop for ever, the others waiting until the timeout."""
+    import weakref
+
+    from lazytrain.engine.executor import _clear_frames_of
+
+    def raising(held):
+        raise RuntimeError("inner")
+    held = torch.zeros(4)
+    alive = weakref.ref(held)
+    try:
+        raising(held)
+    except RuntimeError as e:
+        inner = e
+    outer = RuntimeError("outer")
+    outer.__cause__, inner.__cause__ = inner, outer   # a loop
+    del held
+    assert alive() is not None   # held by raising()'s frame in inner's traceback
+    _clear_frames_of(outer)
+    assert alive() is None
+
+
 def _plan_files(rank: int, world: int, out_dir: str):
     """Each rank reads its own Plan file: the same plan under two names runs; rank 1's plan of other homes is
     refused on every rank (each ran its own plan, unchecked)."""

@@ -10,6 +10,7 @@ import contextlib
 import copy as _copy_module
 import dataclasses
 import functools
+import importlib
 import inspect
 import itertools
 import math
@@ -3517,11 +3518,28 @@ def _state_after_a_step(optimizer, group: dict, ndim: int) -> dict | None:
         probe_param = torch.zeros((2,) * ndim, requires_grad=True)
         probe_param.grad = torch.ones_like(probe_param)
         probe = kind([probe_param], **{k: v for k, v in group.items() if k in accepted and k != "params"})
-        probe.step()
+        with torch.random.fork_rng(devices=[]), _no_global_optimizer_hooks():   # seen by nothing outside
+            probe.step()
         return {k: isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == probe_param.shape
                 for k, v in probe.state[probe_param].items()}
     except Exception:   # noqa: BLE001 - nothing seen, nothing required: its own load_state_dict decides
         return None
+
+
+@contextlib.contextmanager
+def _no_global_optimizer_hooks():
+    """torch's global optimizer step hooks (a logger's, a profiler's) left out while a probe steps: it is no
+    step of the run's."""
+    module = importlib.import_module("torch.optim.optimizer")   # (not an attribute of torch.optim)
+    names = [n for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks") if hasattr(module, n)]
+    kept = {n: getattr(module, n).copy() for n in names}
+    for n in names:
+        getattr(module, n).clear()
+    try:
+        yield
+    finally:
+        for n in names:
+            getattr(module, n).update(kept[n])
 
 
 def _holds_8bit_moments(optimizer_state: dict) -> bool:

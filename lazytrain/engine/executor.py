@@ -1136,10 +1136,7 @@ class _BlockFunction(torch.autograd.Function):
             # what the failed block's frames hold (its re-run's activations) goes now, not at the backward's end:
             # the error keeps its message and lines, not their locals. The first error's callback raises: the
             # callbacks queued after it (a second block's error) do not run
-            chained = e
-            while chained is not None:   # (and those of the errors it was raised from or during)
-                traceback.clear_frames(chained.__traceback__)
-                chained = chained.__cause__ or chained.__context__
+            _clear_frames_of(e)
             torch.autograd.Variable._execution_engine.queue_callback(_raiser(e))
             return _zeros_for_inputs(ctx)
         return (None, None, None, None, g_hidden, *t_grads)
@@ -1150,6 +1147,19 @@ def _zeros_for_inputs(ctx) -> tuple:
     gradient (the graph below runs as on the other ranks, its collectives with it)."""
     return (None,) * 4 + tuple(torch.zeros(like[0], dtype=like[1], device=like[2]) if need and like else None
                                for need, like in zip(ctx.needs_input_grad[4:], ctx.inputs_like))
+
+
+def _clear_frames_of(error: BaseException) -> None:
+    """The local variables of the finished frames of ``error``'s traceback, and of the errors it was raised from
+    or during, cleared (each error once: a chain may loop through ``__cause__``)."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def _raiser(error: BaseException):
