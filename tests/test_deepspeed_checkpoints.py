@@ -5,9 +5,9 @@ after one AdamW step. Every fp32 one holds the same weights and moments (the ran
 ``_frozen`` ones leave ``0.bias`` frozen and hold the group settings ``make_fixtures.SETTINGS``;
 ``stage2_fp32_step0`` was saved before any step, ``stage0_fp16_scaled`` after three from a loss scale of 2**12."""
 import copy
+import importlib.util
 import os
 import re
-import sys
 import warnings
 
 import pytest
@@ -19,7 +19,18 @@ from lazytrain.engine.checkpoint import CheckpointMismatchError
 
 pytestmark = pytest.mark.filterwarnings("ignore:lazytrain")
 HERE = os.path.join(os.path.dirname(__file__), "data", "deepspeed_0_19")
-sys.path.insert(0, HERE)   # make_fixtures: the optimizers the checkpoints were trained with
+
+
+def _fixture_optimizers() -> dict:
+    """make_fixtures' OTHER_OPTIMIZERS: the optimizers the other-optimizer checkpoints were trained with (the
+    script read under a name of its own: another fixtures directory has a make_fixtures too)."""
+    spec = importlib.util.spec_from_file_location("deepspeed_0_19_make_fixtures", os.path.join(HERE, "make_fixtures.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.OTHER_OPTIMIZERS
+
+
+OTHER_OPTIMIZERS = _fixture_optimizers()
 FP32 = ["stage0_fp32", "stage3_fp32", "stage2_fp32_2ranks", "stage3_fp32_2ranks"]
 
 
@@ -108,7 +119,6 @@ def test_a_checkpoint_of_another_optimizer_resumes_with_its_state_and_continues_
     averages, an Adagrad's sums, NAdam's and ASGD's scalars, Adafactor's row and column variances), not only an
     Adam's moments: the load raised KeyError 'exp_avg' (or, of a scalar, 'mu_product'). Each state loads by
     name, and two more steps equal torch's optimizer stepping from the same state."""
-    from make_fixtures import OTHER_OPTIMIZERS
     config = OTHER_OPTIMIZERS[name.rsplit("_", 1)[-1]]
     engine = engine_for(optimizer=config)
     path = os.path.join(HERE, name)
@@ -132,7 +142,6 @@ def test_an_adafactor_state_kept_over_deepspeeds_flat_partitions_is_refused_nami
     """DeepSpeed's ZeRO-2 runs Adafactor over its flat partitions (one variance per element); torch's Adafactor of
     a matrix keeps its row and column variances. The state is refused by name before anything loads (it loaded,
     and the first step failed half-way through the update)."""
-    from make_fixtures import OTHER_OPTIMIZERS
     engine = engine_for(optimizer=OTHER_OPTIMIZERS["adafactor"])
     path = os.path.join(HERE, "stage2_fp32_adafactor")
     with pytest.raises(ds_ckpt.DeepSpeedCheckpointError, match=re.escape(
@@ -558,7 +567,6 @@ def test_the_probe_of_what_an_optimizer_steps_with_is_no_step_of_the_run():
     """To see the state an optimizer steps with, the load steps a fresh one of its kind on a tiny tensor: torch's
     global step hooks (a logger's) saw those steps, and an optimizer drawing random numbers moved the global
     generator, so a run seeded before its load did not replay."""
-    from make_fixtures import OTHER_OPTIMIZERS
     engine = engine_for(optimizer=OTHER_OPTIMIZERS["sgd"])
     seen = []
     from torch.optim.optimizer import register_optimizer_step_post_hook
