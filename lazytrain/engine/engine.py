@@ -3002,8 +3002,7 @@ class LazyTrainEngine(nn.Module):
             self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
         for k in ("global_steps", "global_samples", "skipped_steps"):
             setattr(self, k, model_state.get(k, 0))
-        self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
-        self._progress_window = None
+        self._counts_after_load()
         return path, model_state.get("client_state", {})
 
     def _check_extra_params(self, own: dict, directory: str) -> None:
@@ -3037,9 +3036,14 @@ class LazyTrainEngine(nn.Module):
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         for k, v in state.counters.items():
             setattr(self, k, v)
+        self._counts_after_load()
+        return path, state.client_state
+
+    def _counts_after_load(self) -> None:
+        """The micro-step count a load leaves (see below), and no progress window open: the next line's begins
+        at the next training forward, not before the load."""
         self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
         self._progress_window = None
-        return path, state.client_state
 
     def _micro_steps_after_load(self) -> int:
         """No gradient a checkpoint's run had accumulated is in it, and this run may accumulate over another
@@ -3110,8 +3114,7 @@ class LazyTrainEngine(nn.Module):
             self.lr_scheduler.load_state_dict(state.lr_scheduler)
         for k, v in state.counters.items():
             setattr(self, k, v)
-        self.micro_steps = self._step_starts_at = self._micro_steps_after_load()
-        self._progress_window = None
+        self._counts_after_load()
         return path, state.client_state
 
     def _refuse_added_block_params(self) -> None:
@@ -3168,7 +3171,7 @@ class LazyTrainEngine(nn.Module):
                          for n, v in st.items()} for k, st in sd["state"].items()}
             self.basic_optimizer.load_state_dict({**sd, "state": state})
         for group, rule in zip(self.basic_optimizer.param_groups, rules):
-            for key in ("adamw_mode", "decoupled_weight_decay"):
+            for key in _DECAY_RULE_KEYS:
                 if rule is not None and key in group:
                     group[key] = rule
         differs = [r for r, saved, group in zip(rules, saved_rules, self.basic_optimizer.param_groups)
@@ -3476,7 +3479,7 @@ def _optimizer_state_of(name: str, param: torch.Tensor, saved: dict, needed: dic
     True where it holds one value per element of the parameter (None: not known). A state without one of
     them, or with an element-wise one of another shape (a state kept over DeepSpeed's flat partitions, as
     its Adafactor keeps one), is refused naming it."""
-    elementwise = {k for k, v in (needed or {}).items() if v} if needed is not None else \
+    elementwise = {k for k, v in needed.items() if v} if needed is not None else \
         {k for k, v in saved.items() if k != "step" and isinstance(v, torch.Tensor) and v.dim() > 0}
     for key in sorted(elementwise & set(saved)):
         value = saved[key]
@@ -3497,10 +3500,13 @@ def _optimizer_state_of(name: str, param: torch.Tensor, saved: dict, needed: dic
     return state
 
 
+_DECAY_RULE_KEYS = ("adamw_mode", "decoupled_weight_decay")   # HybridAdamW's, torch's
+
+
 def _decay_rule(group: dict) -> bool | None:
     """Whether an Adam group's weight decay is AdamW's decoupled one (HybridAdamW's ``adamw_mode``, torch's
     ``decoupled_weight_decay``); None for a group of another optimizer."""
-    for key in ("adamw_mode", "decoupled_weight_decay"):
+    for key in _DECAY_RULE_KEYS:
         if key in group:
             return bool(group[key])
     return None

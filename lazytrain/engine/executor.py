@@ -766,8 +766,7 @@ class LayerStreamingExecutor:
                                 "(backward(retain_graph=True), then backward again) is not supported; run the "
                                 "forward again")
         p.differentiated.add(layer)
-        if self._grads_sent_for != p.pass_id:   # this pass's backward begins (a pass is differentiated once)
-            self._grads_sent_for, self._grads_sent = p.pass_id, set()
+        self._sent_in(p)
         if accumulate and not p.end_queued:
             # at the backward's end (its final callback) the block parameters' .grad show their buffers again
             # (a zero_grad(set_to_none=True) since cleared them), as PyTorch's show a backward's gradients; at
@@ -866,14 +865,20 @@ class LayerStreamingExecutor:
         t_grads = [next(side) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in t_in]
         return grads[0] if want_x else None, t_grads
 
+    def _sent_in(self, p: "_Pass") -> set[int]:
+        """The layers whose gradients ``p``'s backward sent: a new set as its backward begins (a pass is
+        differentiated once)."""
+        if self._grads_sent_for != p.pass_id:
+            self._grads_sent_for, self._grads_sent = p.pass_id, set()
+        return self._grads_sent
+
     def send_zeros_after_failure(self, p: "_Pass", layer: int) -> None:
         """A block of a backward that raised in it or above it, where each layer's gradient is reduced to its
         owner as it lands (stages 2 and 3): its gradient is sent as zeros, as a backward that reached it with no
         gradient would (once: not where its reduce was made before what failed)."""
-        if self._grads_sent_for != p.pass_id:
-            self._grads_sent_for, self._grads_sent = p.pass_id, set()
-        if layer in p.differentiable and layer not in self._grads_sent and any(self.weights.trainable[layer]):
-            self._grads_sent.add(layer)
+        sent = self._sent_in(p)
+        if layer in p.differentiable and layer not in sent and any(self.weights.trainable[layer]):
+            sent.add(layer)
             self.weights.accumulate_grads(layer, {})
 
     def _refuse_outside_params(self, layer: int, outputs: list[torch.Tensor]) -> None:
