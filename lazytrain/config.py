@@ -467,8 +467,13 @@ def load_config_source(config: Any) -> dict:
     if isinstance(config, (str, os.PathLike)):
         text = str(config)
         if os.path.exists(text):
-            with open(text) as f:
-                source = f.read()
+            if os.path.isdir(text):
+                raise ConfigError(f"config {text!r} is a directory, not a JSON file")
+            try:
+                with open(text, encoding="utf-8") as f:
+                    source = f.read()
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"config file {text} is not UTF-8 text: {e}") from None
             try:
                 return json.loads(source, object_pairs_hook=_refuse_duplicate_keys)
             except json.JSONDecodeError as e:

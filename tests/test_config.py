@@ -1098,6 +1098,18 @@ def test_a_config_file_with_comments_is_read_with_hjson_as_deepspeed_reads_it(tm
         parse_config(str(path), world_size=1)
 
 
+def test_a_config_path_that_is_a_directory_or_not_text_is_refused_by_name(tmp_path):
+    """A directory raised IsADirectoryError and a binary file UnicodeDecodeError, neither naming the config."""
+    with pytest.raises(ConfigError, match=rf"^config {re.escape(repr(str(tmp_path)))} is a directory, not a JSON "
+                                          rf"file$"):
+        parse_config(str(tmp_path), world_size=1)
+    path = tmp_path / "ds.json"
+    path.write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError, match=rf"^config file {re.escape(str(path))} is not UTF-8 text: .*invalid start "
+                                          rf"byte$"):
+        parse_config(path, world_size=1)
+
+
 def test_a_tiers_budget_given_twice_is_refused():
     """'lazytrain.gpu_memory' silently replaced 'lazytrain.capacities.hbm' (a user tier's two budgets are refused)."""
     with pytest.raises(ConfigError) as e:
