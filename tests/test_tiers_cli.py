@@ -204,3 +204,14 @@ def test_the_host_optimizer_figure_is_of_the_update_it_names(monkeypatch):
     rate, what = measure_host_optimizer(4096, 0.01)
     assert what == "lazytrain HybridAdamW (fp32 states, the engine's default)" and rate > 0
     assert seen and set(map(repr, seen)) == {repr((False, {"fp32"}))}
+
+
+def test_a_card_is_given_its_own_variants_datasheet_peak():
+    """"NVIDIA H100 PCIe" was given the SXM card's 989 TFLOP/s (the first key it contains)."""
+    from lazytrain.tiers.bench import datasheet_peak_tflops
+    assert datasheet_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert datasheet_peak_tflops("NVIDIA H100 NVL") == 835.0
+    assert datasheet_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert datasheet_peak_tflops("NVIDIA H800 PCIe") == 756.0
+    assert datasheet_peak_tflops("NVIDIA GeForce RTX 3090") == 71.0
+    assert datasheet_peak_tflops("cpu-only (x86_64, 2 cores)") is None

@@ -21,8 +21,16 @@ from .memory import DeviceTier, HostTier, pinned_memory_available
 GB = 1e9
 
 # Dense bf16 tensor-core peaks from NVIDIA datasheets (TFLOP/s), matched by a substring of the device name.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
-                    "RTX 4090": 165.0, "RTX 3090": 71.0, "A10G": 70.0}
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H100 PCIe": 756.0, "H800 PCIe": 756.0,
+                    "H100 NVL": 835.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "RTX 4090": 165.0,
+                    "RTX 3090": 71.0, "A10G": 70.0}
+
+
+def datasheet_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 datasheet peak of the card named (the longest key it contains, so an "H100 PCIe" is not
+    given the SXM card's peak); None for a card not listed."""
+    keys = [key for key in PEAK_BF16_TFLOPS if key in device_name]
+    return PEAK_BF16_TFLOPS[max(keys, key=len)] if keys else None
 
 
 def _timed(fn: Callable[[], None], sync: Callable[[], None], min_seconds: float, max_iters: int = 1000) -> float:
@@ -183,12 +191,7 @@ def run_bench(path: str | None = None, nvme_bytes: int = 1 << 30, tensor_bytes: 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     rows: list[tuple] = []
     profile: dict = {"name": machine_name()}
-    for key, hint in PEAK_BF16_TFLOPS.items():
-        if key in profile["name"]:
-            profile["peak_tflops"] = hint
-            break
-    else:
-        profile["peak_tflops"] = None
+    profile["peak_tflops"] = datasheet_peak_tflops(profile["name"])
 
     log(f"compute: matrix products on {device} for {seconds:g} s ...")
     tflops, what = measure_matmul(device, seconds)
