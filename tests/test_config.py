@@ -820,6 +820,9 @@ _SCHEDULE_LR = "must be a learning rate >= 0 (or one per parameter group), got "
      "'scheduler.params.cycle_min_lr' for OneCycle " + _SCHEDULE_LR + "[0.01, nan]"),
     ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_momentum": "maybe"},
      "key 'scheduler.params.cycle_momentum' must be true or false, got 'maybe'"),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_min_mom": [0.8, "0.85"]},
+     "'scheduler.params.cycle_min_mom' for OneCycle must be a number (or one per parameter group), got "
+     "[0.8, '0.85']"),
 ])
 def test_a_schedule_setting_that_is_no_number_or_a_bad_learning_rate_is_refused_at_initialize(typ, params, message):
     """A string learning rate (as a YAML file converted to JSON gives) passed initialize and failed at the first
@@ -840,6 +843,27 @@ def test_a_schedule_flag_written_as_a_word_is_read_as_deepspeed_reads_it():
         "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
                                                      "cycle_momentum": "false"}}})
     assert schedule.cycle_momentum is False and tuple(opt.param_groups[0]["betas"]) == (0.9, 0.99)
+
+
+def test_one_cycle_momenta_given_per_group_are_taken_as_deepspeed_takes_them():
+    """A list of momenta (one per group, which DeepSpeed's OneCycle reads) was refused as 'must be a number'."""
+    from deepspeed.runtime.lr_schedules import OneCycle as DeepSpeedOneCycle
+    params = {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 4,
+              "cycle_min_mom": [0.8, 0.85], "cycle_max_mom": [0.9, 0.95]}
+
+    def groups():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        return model, [{"params": model[0].parameters()}, {"params": model[1].parameters(), "weight_decay": 0.0}]
+    reference = torch.optim.AdamW(groups()[1], lr=1e-3)
+    DeepSpeedOneCycle(reference, **params).step()
+    model, model_groups = groups()
+    engine, opt, _, schedule = lazytrain.initialize(model=model, model_parameters=model_groups, config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "OneCycle", "params": params}})
+    schedule.step()
+    assert [tuple(g["betas"]) for g in opt.param_groups] == [tuple(g["betas"]) for g in reference.param_groups] \
+        == [(0.875, 0.99), (0.9249999999999999, 0.99)]
 
 
 @pytest.mark.parametrize("params, adam_w_mode, amsgrad", [

@@ -321,13 +321,13 @@ def _checked_settings(name: str, cls, params: dict) -> dict:
         if isinstance(declared[key].default, bool):
             checked[key] = _flag(params, key, declared[key].default, "scheduler.params")
             continue
-        is_lr = key.endswith("_lr")
-        values = value if is_lr and isinstance(value, (list, tuple)) else [value]
+        is_lr, is_mom = key.endswith("_lr"), key.endswith("_mom")   # DeepSpeed takes these per group
+        values = value if (is_lr or is_mom) and isinstance(value, (list, tuple)) else [value]
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (is_lr and v < 0):
-                raise ValueError(f"config 'scheduler.params.{key}' for {name} must be "
-                                 f"{'a learning rate >= 0 (or one per parameter group)' if is_lr else 'a number'}, "
-                                 f"got {value!r}")
+                what = ("a learning rate >= 0 (or one per parameter group)" if is_lr else
+                        "a number (or one per parameter group)" if is_mom else "a number")
+                raise ValueError(f"config 'scheduler.params.{key}' for {name} must be {what}, got {value!r}")
     return checked
 
 
