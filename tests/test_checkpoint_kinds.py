@@ -372,3 +372,23 @@ def test_a_resume_decays_the_weights_by_the_configs_rule_whatever_the_overlap(tm
     for other in resumed[1:]:
         for k, v in resumed[0].items():   # HybridAdamW's arithmetic (overlap) and torch's agree to rounding
             assert (other[k] - v).abs().max() <= 1e-6 * max(v.abs().max(), 1.0), k
+
+
+@pytest.mark.parametrize("scheduler", [{"type": "StepLR", "params": {"step_size": 2, "gamma": 0.5}},
+                                       {"type": "ExponentialLR", "params": {"gamma": 0.8}}])
+def test_a_torch_schedule_loaded_without_the_optimizer_state_trains_on_at_its_own_rate(tmp_path, scheduler):
+    """A torch schedule scales the rate the optimizer holds: after a load without the optimizer's state that was
+    the config's, and every later step ran at a rate the schedule never gave (StepLR: the first rate again)."""
+    def rates(engine, steps):
+        seen = []
+        for x, y in batches(steps):
+            seen.append(engine.get_lr()[0])
+            _steps(engine, [(x, y)])
+        return seen
+    straight = rates(_engine("SGD", steps=0, scheduler=scheduler), 8)
+    saver = _engine("SGD", steps=0, scheduler=scheduler)
+    first = rates(saver, 4)
+    saver.save_checkpoint(str(tmp_path))
+    resumed = _engine("SGD", steps=0, scheduler=scheduler)
+    resumed.load_checkpoint(str(tmp_path), load_optimizer_states=False)
+    assert first + rates(resumed, 4) == straight and len(set(straight)) > 2

@@ -2999,7 +2999,7 @@ class LazyTrainEngine(nn.Module):
         if optim_state is not None:
             self._load_whole_optimizer_state(optim_state["optimizer"])
         if load_scheduler and self.lr_scheduler is not None and model_state.get("lr_scheduler"):
-            self.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
+            self._load_schedule_state(model_state["lr_scheduler"])
         for k in ("global_steps", "global_samples", "skipped_steps"):
             setattr(self, k, model_state.get(k, 0))
         self._counts_after_load()
@@ -3033,11 +3033,25 @@ class LazyTrainEngine(nn.Module):
         elif optimizer is not None:
             self._load_whole_optimizer_state(optimizer)
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
-            self.lr_scheduler.load_state_dict(state.lr_scheduler)
+            self._load_schedule_state(state.lr_scheduler)
         for k, v in state.counters.items():
             setattr(self, k, v)
         self._counts_after_load()
         return path, state.client_state
+
+    def _load_schedule_state(self, saved: dict) -> None:
+        """The schedule's state, and the learning rate it had set: a torch schedule (StepLR, ExponentialLR, ...)
+        scales the rate the optimizer holds, which after a load without the optimizer's state is the config's,
+        so every later step would be off; LazyTrain's own schedules set it in their load."""
+        self.lr_scheduler.load_state_dict(saved)
+        last = getattr(self.lr_scheduler, "_last_lr", None)
+        groups = getattr(getattr(self.lr_scheduler, "optimizer", None), "param_groups", None)
+        if isinstance(last, list) and groups is not None and len(last) == len(groups):
+            for group, lr in zip(groups, last):
+                if torch.is_tensor(group["lr"]):   # filled in place: a captured step keeps reading it
+                    group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
+                else:
+                    group["lr"] = lr
 
     def _counts_after_load(self) -> None:
         """The micro-step count a load leaves (see below), and no progress window open: the next line's begins
@@ -3111,7 +3125,7 @@ class LazyTrainEngine(nn.Module):
         elif by_name is not None:   # the moments by parameter name, prepared as the files were read
             self._apply_optimizer_state(by_name)
         if load_scheduler and self.lr_scheduler is not None and state.lr_scheduler:
-            self.lr_scheduler.load_state_dict(state.lr_scheduler)
+            self._load_schedule_state(state.lr_scheduler)
         for k, v in state.counters.items():
             setattr(self, k, v)
         self._counts_after_load()
