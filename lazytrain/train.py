@@ -266,6 +266,7 @@ def _train(args, cfg, job, steps, out_dir, trace_path, engine, model, n_params, 
         _check_output_dir(out_dir, getattr(args, "overwrite", False), group=True)
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
+    managed = engine.engine_config.managed_gradient_accumulation
     # under a launcher every rank trains on batches of its own, and rank 0 alone reports
     rank = engine.global_rank
     say = print if rank == 0 else (lambda *args, **kwargs: None)
@@ -291,12 +292,13 @@ def _train(args, cfg, job, steps, out_dir, trace_path, engine, model, n_params, 
     for step in range(steps):
         if step == traced_step:
             engine.trace_next_step(trace_path)
-        for _ in range(gas):
+        for micro_batch in range(gas):
             x, y = next(batches)
             logits = model_fn(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(engine.device).flatten(), ignore_index=-100)
             engine.backward(loss)
-            engine.step()
+            if managed or micro_batch == gas - 1:   # unmanaged, every step() is a boundary: one per training step
+                engine.step()
             tokens += x.numel() * engine.world_size   # every rank trains a micro-batch of the same shape
         if step == traced_step:
             traced = engine.last_trace

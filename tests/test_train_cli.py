@@ -254,3 +254,26 @@ def test_a_world_size_left_set_without_a_launcher_is_one_line(tmp_path, capsys, 
     assert main(["train", "--steps", "1", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err == ("lazytrain train: WORLD_SIZE=2 but MASTER_ADDR, MASTER_PORT is not set: launch "
                                        "with torchrun, or unset WORLD_SIZE for a single process\n")
+
+
+def test_unmanaged_accumulation_takes_one_optimizer_step_per_training_step(tmp_path, monkeypatch):
+    """With 'managed_gradient_accumulation' false every step() is a boundary: the loop's step() after each
+    micro-batch ran --steps x gradient_accumulation_steps updates of one micro-batch each, on a schedule fitted
+    to --steps (spent half-way)."""
+    import lazytrain
+    engines, initialize = [], lazytrain.initialize
+
+    def kept(*args, **kwargs):
+        out = initialize(*args, **kwargs)
+        engines.append(out[0])
+        return out
+    monkeypatch.setattr(lazytrain, "initialize", kept)
+    for managed in (True, False):
+        path = job_file(tmp_path, set_in((), gradient_accumulation_steps=2, managed_gradient_accumulation=managed))
+        assert main(["train", path, "--steps", "3", "--no-progress", "--out", str(tmp_path / f"out{managed}")]) == 0
+    managed_run, unmanaged_run = engines
+    assert managed_run.global_steps == unmanaged_run.global_steps == 3
+    assert managed_run.global_samples == unmanaged_run.global_samples == 3 * 2 * 64
+    assert managed_run.get_lr() == unmanaged_run.get_lr()
+    for a, b in zip(managed_run.module.parameters(), unmanaged_run.module.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
