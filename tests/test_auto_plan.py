@@ -712,6 +712,11 @@ def test_steps_with_an_evaluation_are_counted_per_measurement(monkeypatch):
     ({"policy": "auto", "hardware": "h2OO"}, "config 'lazytrain.hardware': unknown hardware 'h2OO'; catalog entries: "),
     ({"policy": "auto", "hardware": "/nonexistent-hw.json"}, "config 'lazytrain.hardware': "),
     ({"policy": "milp", "hardware": "h2OO", "seq_len": 12}, "config 'lazytrain.hardware': unknown hardware 'h2OO'"),
+    # the MILP's plan streamed every layer without a word
+    ({"policy": "milp", "weights_home": "hbm", "seq_len": 12}, "\"hbm\" keeps every layer resident: set "
+                                                              "'weights_home' to \"host\" or \"nvme\" for the MILP's "
+                                                              "plan (it keeps layers resident where that is faster), "
+                                                              "or use keep_all"),
 ])
 @pytest.mark.filterwarnings("ignore:lazytrain")
 def test_auto_settings_that_cannot_work_are_refused_by_name(lt, message):

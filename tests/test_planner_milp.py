@@ -374,3 +374,64 @@ def test_only_an_overrun_past_float_rounding_is_solved_again(monkeypatch):
         peaks = {"hbm": 10**10 + over, "host": 0, "nvme": 0}
         monkeypatch.setattr(search, "simulate", lambda *a, **kw: SimpleNamespace(peak_bytes=peaks))
         assert search._over_a_budget_by_a_tolerance(p, None) is again, over
+
+
+def test_a_graph_tail_the_options_require_is_planned_within_the_budgets_or_refused_naming_it():
+    """Policy "milp" with 'last_segment_graph' true planned with the tail optional and the engine then forced it
+    onto the plan: a tail the MILP never counted, over the GPU budget, under a prediction that did not hold."""
+    from lazytrain.planner.hardware import load_profile
+    from lazytrain.planner.models import layers_of
+    from lazytrain.planner.problem import Budgets, Problem
+    from lazytrain.planner.search import solve
+
+    def problem(gpu):
+        return Problem(model=layers_of("qwen2.5-3b", 6), hardware=load_profile("h800"), micro_batch=16,
+                       seq_len=1024, budgets=Budgets.of(gpu=gpu, loss_chunk_tokens=2048))
+    p = problem("10GB")
+    free = solve(p, MilpOptions(time_limit_s=5))
+    assert not free.last_segment_graph   # (here with a selective layer 5, which a forced tail would hold)
+    required = solve(p, MilpOptions(time_limit_s=5, require_graph_tail=True))
+    assert required.last_segment_graph and required.prediction["solver"]["status"] == "optimal"
+    r = simulate(p, required, timeline=False)   # strict: within every budget
+    assert r.step_time_s == required.prediction["step_time_s"] >= free.prediction["step_time_s"]
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(problem("7GB"), MilpOptions(time_limit_s=5, require_graph_tail=True))
+    assert ("even recomputing segments of up to 6 layers with the last segment keeping its forward graph, as "
+            "required (the engine's 'lazytrain.last_segment_graph' true); the leanest simple plan (boundary every "
+            "1 layers on host, its last segment keeping its graph) exceeds GPU by ") in str(e.value)
+    with pytest.raises(ValueError, match="^require_graph_tail needs allow_graph_tail$"):
+        MilpOptions(allow_graph_tail=False, require_graph_tail=True)
+
+
+def test_the_solver_starts_from_the_fastest_baseline_in_its_space():
+    """It started from keep-all alone, and at its time limit returned a plan 5.1% slower than greedy's (a
+    3 GB/s link, qwen2.5-14b at 48 x 1024 in 45 GB)."""
+    from lazytrain.planner.models import load_model
+    from lazytrain.planner.hardware import load_profile
+    from lazytrain.planner.policies import greedy_plan, keep_all
+    from lazytrain.planner.problem import Budgets, Problem
+    from lazytrain.planner.search import _start_plans
+    import dataclasses
+    hw = dataclasses.replace(load_profile("h800"), h2d_gbps=3.0, d2h_gbps=3.0)
+    p = Problem(model=load_model("qwen2.5-14b"), hardware=hw, budgets=Budgets.of(gpu="45GB"), micro_batch=48,
+                seq_len=1024)
+    starts = _start_plans(p, MilpOptions(time_limit_s=10))
+    greedy, kept = greedy_plan(p), keep_all(p)
+    assert greedy[1].step_time_s < kept[1].step_time_s
+    assert starts[0].homes == greedy[0].homes and kept[0] in starts
+    times = [simulate(p, s, timeline=False).step_time_s for s in starts]
+    assert times == sorted(times)
+    captured = {}
+    import lazytrain.planner.milp as milp
+    original = milp._start_values
+
+    def capture(plan, *args):
+        values = original(plan, *args)
+        captured.setdefault("first in the space", plan if values is not None else None)
+        return values
+    milp._start_values = capture
+    try:
+        build_and_solve(p, MilpOptions(split_internals=False, time_limit_s=3), start_plan=starts)
+    finally:
+        milp._start_values = original
+    assert captured["first in the space"] is starts[0]

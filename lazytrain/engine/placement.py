@@ -356,6 +356,10 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                           "`config` (or write a Plan with `lazytrain plan --json` and use policy \"plan\")")
     if lt.seq_len is None:
         raise ConfigError("config 'lazytrain.policy' \"milp\" needs 'lazytrain.seq_len' (the training sequence length)")
+    if lt.weights_home == "hbm":
+        raise ConfigError("config 'lazytrain.policy' \"milp\" plans which layers stream, and 'lazytrain.weights_home' "
+                          "\"hbm\" keeps every layer resident: set 'weights_home' to \"host\" or \"nvme\" for the "
+                          "MILP's plan (it keeps layers resident where that is faster), or use keep_all")
     check_model_shape(model_config, "milp")
     device = tiers["hbm"].device
     memory = memory or RankMemory.of_this_rank(device)
@@ -380,6 +384,7 @@ def _milp_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
                               # each solve is stopped when it overruns (solved again, else its start plan
                               # used: planner search.solve); the outer deadline stops what else could hang
                               options=MilpOptions(allow_graph_tail=lt.last_segment_graph is not False,
+                                                  require_graph_tail=lt.last_segment_graph is True,
                                                   isolate=True),
                               deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
     if plan.num_layers != num_layers:
@@ -495,6 +500,7 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
     # selective layers only on measured costs (their re-run's share of a forward varies too much to assume), and
     # not where 'auto.selective' is false (a saved profile may hold them)
     options = MilpOptions(allow_resident=False, allow_graph_tail=lt.last_segment_graph is not False,
+                          require_graph_tail=lt.last_segment_graph is True,
                           allow_selective=lt.auto.selective and profile.costs.selective_rerun_s is not None,
                           isolate=True)
     # this machine's memory: the card's own (a catalog entry's size, or the profile's 64 GiB default, can be

@@ -56,7 +56,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 import pulp
 
@@ -79,6 +79,7 @@ class MilpOptions:
     prefetch_lead: int = 4          # a prefetch is issued at most this many windows before its earliest use
     allow_resident: bool = True
     allow_graph_tail: bool = True   # the last segment may keep its forward graph (no re-run in backward)
+    require_graph_tail: bool = False   # ... and must (the engine's 'last_segment_graph' true)
     allow_selective: bool = True    # layers may keep their matmul/attention outputs (Plan.selective_layers)
     allow_offload: bool = True      # layers may send their internals to the host and back (Plan.offloaded_layers)
     split_internals: bool = True    # ... in shares over several windows (Plan.internals_offload_shares)
@@ -106,6 +107,8 @@ class MilpOptions:
         if not isinstance(self.internals_out_windows, int) or self.internals_out_windows < 0:
             raise ValueError(f"internals_out_windows must be an integer >= 0 (windows after an offloaded layer's own), "
                              f"got {self.internals_out_windows!r}")
+        if self.require_graph_tail and not self.allow_graph_tail:
+            raise ValueError("require_graph_tail needs allow_graph_tail")
         if self.memory_rows not in MEMORY_ROWS:
             raise ValueError(f"memory_rows must be one of {', '.join(MEMORY_ROWS)}, got {self.memory_rows!r}")
 
@@ -377,13 +380,16 @@ def _start_values(plan: Plan, L: int, K: int, tiers: list[str], x, g, home, q, o
                   frozen: int = 0) -> "dict[pulp.LpVariable, float] | None":
     """Every binary decision of ``plan`` in this model's variables, or None when the plan lies outside the
     model's space (a segment longer than ``max_segment``, a transfer outside its windows, a graph tail,
-    resident, selective or offloaded layers the options rule out, an optimizer that does not overlap the
-    next forward; with a ``frozen`` bottom, anything but one segment [0, frozen) below it)."""
+    resident, selective or offloaded layers the options rule out, no graph tail where they require one, an
+    optimizer that does not overlap the next forward; with a ``frozen`` bottom, anything but one segment
+    [0, frozen) below it)."""
     sel, offl, offl_pre = sel or {}, offl or {}, offl_pre or {}
     split = opts.split_internals
     if plan.num_layers != L or not plan.overlap_optimizer:
         return None
     if (plan.last_segment_graph and not opts.allow_graph_tail) or (plan.resident_layers and not opts.allow_resident):
+        return None
+    if opts.require_graph_tail and not plan.last_segment_graph and frozen < L:
         return None
     if (plan.selective_layers and not opts.allow_selective) or (plan.offloaded_layers and not opts.allow_offload):
         return None
@@ -446,11 +452,12 @@ SPLIT_NEEDS_SHARE_LEFT = 0.25
 
 
 def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
-                    start_plan: Plan | None = None) -> tuple[Plan, SolveInfo]:
+                    start_plan: Plan | Sequence[Plan] | None = None) -> tuple[Plan, SolveInfo]:
     """Build the MILP for ``p``, solve it, and return the Plan with the solver's honest status.
 
     ``start_plan``: a feasible plan the solver starts from (its decisions are the first incumbent), so a
-    plan exists however soon the time limit stops the search. ``opts.time_limit_s`` bounds the whole
+    plan exists however soon the time limit stops the search; or several, fastest first, of which the first
+    that lies in the model's space is taken. ``opts.time_limit_s`` bounds the whole
     call, building included. With ``split_internals``, the model without split copies is solved first;
     when it is solved to optimality with ``SPLIT_NEEDS_SHARE_LEFT`` of the time left, the split model
     runs in that time from its plan (so never returns a slower plan), else its plan is the answer.
@@ -485,7 +492,8 @@ def build_and_solve(p: Problem, opts: MilpOptions = MilpOptions(),
     return split_plan, split_info
 
 
-def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> tuple[Plan, SolveInfo]:
+def _build_and_solve(p: Problem, opts: MilpOptions,
+                     start_plan: Plan | Sequence[Plan] | None) -> tuple[Plan, SolveInfo]:
     t_build = time.perf_counter()
     deadline = t_build + opts.time_limit_s
     L, W = p.L, 2 * p.L
@@ -582,6 +590,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
     if opts.allow_resident:
         for j in range(L):
             m += streams_any >= 1 - y[j], f"streams_layer_{j}"
+    if opts.require_graph_tail and f < L:   # (all frozen: no backward, no tail)
+        m += lsum(q.values()) == 1, "graph_tail_required"
     if opts.allow_graph_tail:
         for j in range(f, L):
             m += bwd_w[j] >= 1 - y[j] - G[j], f"backward_weights_{j}"
@@ -784,8 +794,10 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
 
     build_s = time.perf_counter() - t_build
     values = None
-    if start_plan is not None:
-        values = _start_values(start_plan, L, K, tiers, x, g, home, q, off, pre, y, opts, sel, offl, offl_pre, f)
+    for start in ((start_plan,) if isinstance(start_plan, Plan) else start_plan or ()):   # the first in the space
+        values = _start_values(start, L, K, tiers, x, g, home, q, off, pre, y, opts, sel, offl, offl_pre, f)
+        if values is not None:
+            break
     name, solver = _solver(opts, abs_gap=opts.gap_rel * 1e-2 * p.lower_bound_s()["bound"],
                            deadline=deadline - FINISH_RESERVE * opts.time_limit_s - FINISH_RESERVE_S,
                            start=values)
@@ -797,9 +809,11 @@ def _build_and_solve(p: Problem, opts: MilpOptions, start_plan: Plan | None) -> 
         raise InfeasibleBudgetError(
             f"no plan fits the budgets (GPU {fmt_bytes(p.gpu_budget)}, host {fmt_bytes(p.host_budget)} of which "
             f"{fmt_bytes(max(p.host_act_budget, 0))} free for activations, NVMe {fmt_bytes(p.nvme_budget)}) at "
-            f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers; "
-            f"{_shortfall(p, K)}. Lower {BUDGET_SOURCES['micro-batch']}, raise a budget, or allow longer segments "
-            f"(max_segment)")
+            f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers"
+            + (" with the last segment keeping its forward graph, as required (the engine's "
+               "'lazytrain.last_segment_graph' true)" if opts.require_graph_tail else "")
+            + f"; {_shortfall(p, K, opts.require_graph_tail)}. Lower {BUDGET_SOURCES['micro-batch']}, raise a "
+            f"budget, or allow longer segments (max_segment)")
     if info.status == "no solution" and getattr(solver, "started", True) is False:
         raise NoPlanInTimeError(f"building the model ({build_s:.2f}s, then {solve_s:.2f}s handing it to the "
                                 f"solver) used the {opts.time_limit_s:.2f}s the MILP had, less what it leaves to "
@@ -855,14 +869,15 @@ def _shares(values: dict[int, float], least: float = 1e-6) -> dict[int, float]:
     return {w: x / total for w, x in kept.items()} if len(kept) > 1 else {next(iter(kept)): 1.0}
 
 
-def _shortfall(p: Problem, K: int) -> str:
-    """How far the leanest simple plans are from the budgets (an upper bound on what is missing)."""
+def _shortfall(p: Problem, K: int, graph_tail: bool = False) -> str:
+    """How far the leanest simple plans are from the budgets (an upper bound on what is missing); with
+    ``graph_tail``, their last segment keeping its graph."""
     from .plan import every_k_plan
     from .simulate import simulate
     best = None
     for home in (DEVICE_HOME, "host"):
         for k in sorted({1, K}):
-            plan = every_k_plan(p.L, k, home=home)
+            plan = every_k_plan(p.L, k, home=home, last_segment_graph=graph_tail)
             r = simulate(p, plan, strict=False, timeline=False)
             over = {t: r.peak_bytes[t] - b for t, b in (("hbm", p.gpu_budget), ("host", p.host_budget),
                                                        ("nvme", p.nvme_budget)) if r.peak_bytes[t] > b}
@@ -870,7 +885,9 @@ def _shortfall(p: Problem, K: int) -> str:
                 best = (f"every {k} on {home}", over)
     name, over = best
     parts = ", ".join(f"{'GPU' if t == 'hbm' else t} by {fmt_bytes(v)}" for t, v in over.items())
-    return f"the leanest simple plan (boundary every {name.split()[1]} layers on {name.split()[-1]}) exceeds {parts}"
+    tail = ", its last segment keeping its graph" if graph_tail else ""
+    return (f"the leanest simple plan (boundary every {name.split()[1]} layers on {name.split()[-1]}{tail}) "
+            f"exceeds {parts}")
 
 
 def _status(m: pulp.LpProblem, name: str, solve_s: float, build_s: float) -> SolveInfo:

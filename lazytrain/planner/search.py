@@ -13,7 +13,7 @@ from .hardware import MAX_GBPS, HardwareProfile, load_profile
 from .isolate import DeadlineExceededError, call_with_deadline
 from .milp import MilpOptions, NoPlanInTimeError, PlanningError, build_and_solve, isolated_deadline_s
 from .models import ModelShape, ModelShapeError, load_model
-from .plan import Plan
+from .plan import Plan, PlanError
 from .problem import Budgets, InfeasibleBudgetError, Problem
 from .simulate import BUDGET_ROUNDING, simulate
 
@@ -58,7 +58,7 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     heuristic (:func:`_isolated_solve`); when that overruns too, as when the solver found no plan in its
     time, the plan it started from (else the fastest baseline) is returned, with a warning."""
     t0 = time.perf_counter()
-    start = _start_plan(p) if opts.warm_start else None
+    start = _start_plans(p, opts) if opts.warm_start else []
     # the limit bounds the whole call: finding the start plan (simulations) counts against it
     opts = replace(opts, time_limit_s=max(opts.time_limit_s - (time.perf_counter() - t0), 0.01))
     try:
@@ -72,7 +72,7 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
             plan, info = (_isolated_solve(p, opts, start) if opts.isolate else
                           build_and_solve(p, opts, start_plan=start))
     except (NoPlanInTimeError, DeadlineExceededError) as e:
-        return _fallback(p, e, time.perf_counter() - t0, start)
+        return _fallback(p, e, time.perf_counter() - t0, start[0] if start else None, opts)
     r = simulate(p, plan, strict=True, timeline=False)
     return _predicted(p, plan, r, info.to_dict(), time.perf_counter() - t0, milp_step_time_s=info.objective_s,
                       milp_vs_simulator=(info.objective_s / r.step_time_s - 1) if info.objective_s else None)
@@ -105,12 +105,44 @@ def _isolated_solve(p: Problem, opts: MilpOptions, start: Plan | None):
     return plan, info
 
 
-def _start_plan(p: Problem) -> Plan | None:
-    """Keep-all (every boundary kept, on the GPU or the host): a feasible plan found with at most three
-    simulations, from which the solver starts, so it holds a plan from its first moment."""
-    from .policies import keep_all
-    found = keep_all(p)
-    return found[0] if found else None
+# of the time limit, what the start plans' simulations beyond keep-all's few may take, each estimated at
+# SIMULATION_S_PER_LAYER a layer (7-10 ms at 48 layers on a slow shared core): the same plans for the same
+# problem and limit on any machine
+START_PLANS_SHARE = 0.1
+SIMULATION_S_PER_LAYER = 2e-4
+
+
+def _start_plans(p: Problem, opts: MilpOptions) -> list[Plan]:
+    """The baseline plans that fit and that the options allow, fastest first: the solver starts from the first
+    that lies in its space, so it holds a plan from its first moment and returns none slower than that one.
+    Keep-all (at most three simulations) always; greedy and the best interval (about one and two simulations
+    a layer) where they fit in ``START_PLANS_SHARE`` of the time limit. Where the options require a graph
+    tail, each is taken with its last segment keeping its graph, where that fits."""
+    from .policies import best_interval_plan, greedy_plan, keep_all
+    found, estimate = [_allowed(p, opts, keep_all(p))], 0.0
+    for baseline, simulations in ((greedy_plan, p.L + 1), (best_interval_plan, 2 * p.L)):
+        estimate += simulations * p.L * SIMULATION_S_PER_LAYER
+        if estimate <= START_PLANS_SHARE * opts.time_limit_s:
+            found.append(_allowed(p, opts, baseline(p)))
+    return [plan for plan, _ in sorted((f for f in found if f is not None), key=lambda f: f[1].step_time_s)]
+
+
+def _allowed(p: Problem, opts: MilpOptions, found):
+    """A baseline's (plan, simulation) as the options allow it: with the graph tail its last segment keeps
+    its graph where they require one (None where that does not fit), none where they rule one out."""
+    if found is None:
+        return None
+    plan, r = found
+    if opts.require_graph_tail and not plan.last_segment_graph:
+        try:
+            plan = replace(plan, last_segment_graph=True)
+        except PlanError:   # e.g. an offloaded layer in what would be the tail
+            return None
+        r = simulate(p, plan, strict=False, timeline=False)
+        return None if r.violations else (plan, r)
+    if plan.last_segment_graph and not opts.allow_graph_tail:
+        return None
+    return plan, r
 
 
 def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) -> Plan:
@@ -132,15 +164,16 @@ def _predicted(p: Problem, plan: Plan, r, solver: dict, wall: float, **extra) ->
     return replace(plan, prediction=pred)
 
 
-def _fallback(p: Problem, error: PlanningError, wall: float, start: Plan | None = None) -> Plan:
+def _fallback(p: Problem, error: PlanningError, wall: float, start: Plan | None = None,
+              opts: MilpOptions = MilpOptions()) -> Plan:
     """When the solver found no plan in its time (a large model on a short limit) or overran it: the plan it
-    was to start from, else the fastest baseline policy that fits; a plan that runs, said to be one, rather
-    than none."""
+    was to start from, else the fastest baseline policy that fits (as the options allow it); a plan that runs,
+    said to be one, rather than none."""
     from .policies import BASELINES
     if start is not None:
         found = [(start, simulate(p, start, strict=True, timeline=False))]
     else:
-        found = [r for r in (f(p) for f in BASELINES.values()) if r is not None]
+        found = [r for r in (_allowed(p, opts, f(p)) for f in BASELINES.values()) if r is not None]
     if not found:
         raise error
     plan, r = min(found, key=lambda pr: pr[1].step_time_s)
