@@ -2231,6 +2231,8 @@ class _MisusingBlock(MLPBlock):
             x.mul_(0.5)
         if self.how == "changes-its-argument":
             shift.clamp_(0, 1)   # no value changes here; one that did would give the re-run other values
+        if isinstance(shift, dict):
+            shift = shift["shift"]
         h = x + self.fc2(F.gelu(self.fc1(self.norm(x)) + shift))
         return {"hidden": h} if self.how == "returns-a-dict" else h
 
@@ -2248,9 +2250,11 @@ class _MisusingLM(ModuleListLM):
         x, shift = self.emb(ids), torch.zeros(64)
         for i, blk in enumerate(self.stack):
             with torch.no_grad() if self.how == "bottom-without-grad" and i < 2 else contextlib.nullcontext():
-                out = blk(x, shift)
+                out = blk(x, {"shift": shift} if self.how == "changes-a-dict-entry-after" else shift)
+            if self.how == "changes-its-input-after":
+                x.add_(0.3)   # x += blk(x); a re-run from the kept input would start from x + 0.3
             x = out["hidden"] if isinstance(out, dict) else out
-            if self.how == "changes-an-argument-after":
+            if self.how in ("changes-an-argument-after", "changes-a-dict-entry-after"):
                 shift.add_(0.3)   # plain PyTorch allows it (x + shift saves no shift); a re-run would see it
         return self.head(self.extra[0](x))
 
@@ -2273,6 +2277,12 @@ def test_a_block_that_changes_its_argument_trains_where_no_backward_re_runs_it()
     ("changes-its-argument", "block 0 changed its positional argument 2 in place in a training forward"),
     ("changes-an-argument-after", "block 2's positional argument 2 (a tensor of shape (64,)) was changed in place "
                                   "since the forward called the block"),
+    # these two trained wrong in silence too: a tensor in a dict argument, and the hidden state itself
+    ("changes-a-dict-entry-after", "block 2's positional argument 2['shift'] (a tensor of shape (64,)) was changed "
+                                   "in place since the forward called the block"),
+    ("changes-its-input-after", "block 2's hidden-state input (a tensor of shape (2, 12, 32)) was changed in place "
+                                "after the forward called the block: the backward re-runs the block from the input "
+                                "its forward was given"),
     ("bottom-without-grad", "block 2 was called with gradients enabled after the blocks below it ran without (under "
                             "torch.no_grad())"),
     ("changes-its-input-in-a-recorded-layer", "block 0 changed a tensor it was given (its hidden state or an "

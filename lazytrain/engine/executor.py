@@ -84,6 +84,7 @@ class _LayerCall:
     pass_id: int | None = None      # the training pass it belongs to (its spans say so: a profile counts the
                                     # forwards that were differentiated, not an evaluation's under grad)
     versions: dict = field(default_factory=dict)   # tensor leaf index -> its version at the call (parameters aside)
+    held_versions: dict = field(default_factory=dict)   # (container leaf index, path in it) -> (tensor, version)
 
 
 def _whole_storage(t: torch.Tensor) -> torch.Tensor:
@@ -162,6 +163,10 @@ class _Pass:
                                                                          # the pass alive through its autograd graph)
     unchained: dict[int, torch.Tensor] = field(default_factory=dict)     # layer -> its input, when that is not
                                                                          # the previous block's output
+    input_versions: dict = field(default_factory=dict)                   # layer -> (its input as kept, the version
+                                                                         # it had at the call): checked as read back
+    inputs_changed: set = field(default_factory=set)                     # layers whose input changed in place
+                                                                         # before its copy off the device was over
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
     kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
     offloaded: dict = field(default_factory=dict)                        # offloaded layer -> OffloadedInternals
@@ -459,6 +464,11 @@ class LayerStreamingExecutor:
         _watch_shared_state(p, layer, call)
         call.held = {k: _contents(v) for k, v in enumerate(call.leaves)   # what re-runs in backward will see
                      if isinstance(v, (list, dict, _SharedStateWatch))}
+        call.held_versions = {(k, path): (t, t._version) for k, held in call.held.items()
+                              if not isinstance(call.leaves[k], _SharedStateWatch)   # (its reads are refused)
+                              for path, t in tree_flatten_with_path(held)[0]
+                              if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+                              and not t.is_inference()}
         containers = _container_snapshot(layer, call, self._block_added)
         # the anchor makes the block's output require grad even when nothing flowing in does (frozen
         # embeddings): the block's own weights still need their backward. The frozen blocks below the first
@@ -521,7 +531,8 @@ class LayerStreamingExecutor:
         home = self.plan.homes[i]
         if home == RECOMPUTE or i >= self.graph_start or i in self.offloaded:   # graphs hold their own inputs
             return
-        x = x.detach()
+        x = x.detach()   # (its version counter is the model's tensor's)
+        p.input_versions[i] = (x, x._version)   # until read back, or until its copy off the device is over
         if home == DEVICE_HOME:
             self._put(p, DEVICE_HOME, self._key(p, i), x, owned=True)
             return
@@ -547,6 +558,7 @@ class LayerStreamingExecutor:
         x = x.detach()
         self._put(p, DEVICE_HOME, self._key(p, i) + ".input", x, owned=True)
         p.unchained[i] = x
+        p.input_versions[i] = (x, x._version)
 
     def _put(self, p: _Pass, tier: str, key: str, x: torch.Tensor, owned: bool = False) -> TransferHandle:
         handle = self.tiers[tier].write(key, x, owned=owned)
@@ -591,6 +603,11 @@ class LayerStreamingExecutor:
         they are over. A failed copy is raised where backward reads what it held, not here."""
         copies, p.copies_out = p.copies_out, []
         wait_completions(copies, "boundaries out", self.device)
+        for i, (x, version) in list(p.input_versions.items()):   # copied off: its copy is what backward reads
+            if i not in p.held and i not in p.unchained and self.plan.homes[i] not in (DEVICE_HOME, RECOMPUTE):
+                del p.input_versions[i]
+                if x._version != version:
+                    p.inputs_changed.add(i)
         for internals in p.offloaded.values():
             internals.wait_sent()
 
@@ -609,6 +626,7 @@ class LayerStreamingExecutor:
             if i not in p.cache:
                 raise ExecutorError(f"boundary {i} was neither kept nor recomputed (internal error)")
             return p.cache[i]
+        self._check_input_unchanged(p, i)
         if home == DEVICE_HOME:
             return self.tiers[DEVICE_HOME].read(self._key(p, i)).wait()
         if i in p.held:
@@ -619,6 +637,19 @@ class LayerStreamingExecutor:
         if x.device != self.device:
             x = x.to(self.device)
         return x
+
+    @staticmethod
+    def _check_input_unchanged(p: _Pass, i: int) -> None:
+        """Block i's input, kept as the model's own tensor (not copied) until backward or until its copy off the
+        device was over, must not have been changed in place since the block was called (``x += block(x)``):
+        the re-run would start from the changed values, and train wrong without a word."""
+        x, version = p.input_versions.get(i, (None, None))
+        if i in p.inputs_changed or (x is not None and x._version != version):
+            shape = "" if x is None else f" (a tensor of shape {tuple(x.shape)})"
+            raise ExecutorError(f"block {i}'s hidden-state input{shape} was changed in place after the forward "
+                                f"called the block: the backward re-runs the block from the input its forward was "
+                                f"given, and would see other values. Change a copy instead (x = x + y, not "
+                                f"x += y), or change it after the backward")
 
     def _selective_forward(self, p: _Pass, layer: int):
         """The cache a selective layer's forward records into (its kept outputs counted on the device tier
@@ -668,6 +699,7 @@ class LayerStreamingExecutor:
                 flat = self._acquire(j)
                 out, _ = self._rerun(p, j, flat, x, p.calls[j])
                 if j + 1 in p.unchained:
+                    self._check_input_unchanged(p, j + 1)
                     x = p.unchained[j + 1]
                 else:
                     x = self._hidden_of(out).detach()
@@ -683,6 +715,8 @@ class LayerStreamingExecutor:
             tensors = [p.calls[j].leaves[k] for k in p.calls[j].tensor_idx]
             x_in, out, params, t_in = self._forward_with_grad(p, j, x, True, [t.requires_grad for t in tensors])
             p.graphs[j] = (x_in, self._outputs(out), params, t_in)
+            if j + 1 in p.unchained:
+                self._check_input_unchanged(p, j + 1)
             x = p.unchained.get(j + 1, p.graphs[j][1][0].detach())
         self.recomputed_layer_forwards += e - s - 1
 
@@ -727,6 +761,7 @@ class LayerStreamingExecutor:
 
     def _free_boundary(self, p: _Pass, i: int) -> None:
         self._drop_kept_outputs(p, i)   # layer i is differentiated: its selective cache is spent
+        p.input_versions.pop(i, None)
         home = self.plan.homes[i]
         key = self._key(p, i)
         if i >= self.graph_start:          # a graph layer: only its own weight copy, if it made one
@@ -914,6 +949,7 @@ class LayerStreamingExecutor:
             p.graphs.clear()
             p.calls.clear()
             p.unchained.clear()
+            p.input_versions.clear()
             p.shared_writers.clear()
             p.kept_outputs.clear()
             if self._current is p:
@@ -953,16 +989,17 @@ def _check_arguments_unchanged(call: _LayerCall, layer: int, by_the_block: bool 
     the call, say) would give the re-run other values than the forward had, so the backward is refused, as
     PyTorch refuses a saved tensor changed in place. ``by_the_block``: checked as the block's training forward
     returns, so that one the block itself changed is refused there, naming it."""
-    for k, version in call.versions.items():
-        if call.leaves[k]._version == version:
-            continue
+    changed = [(_argument_name(call, k), call.leaves[k]) for k, version in call.versions.items()
+               if call.leaves[k]._version != version]
+    changed += [(_argument_name(call, k) + keystr(path), t) for (k, path), (t, version) in call.held_versions.items()
+                if t._version != version]   # a tensor in a list or dict argument
+    for name, t in changed[:1]:
         if by_the_block:
-            raise ExecutorError(_CHANGED_INPUT.format(layer=layer, what=f"its {_argument_name(call, k)}"))
-        raise ExecutorError(f"block {layer}'s {_argument_name(call, k)} (a tensor of shape "
-                            f"{tuple(call.leaves[k].shape)}) was changed in place since the forward called the "
-                            f"block: the backward re-runs the block from the tensors its forward was given, and "
-                            f"would see other values. Change a copy instead (t = t + 1, not t.add_(1)), or change "
-                            f"it after the backward")
+            raise ExecutorError(_CHANGED_INPUT.format(layer=layer, what=f"its {name}"))
+        raise ExecutorError(f"block {layer}'s {name} (a tensor of shape {tuple(t.shape)}) was changed in place since "
+                            f"the forward called the block: the backward re-runs the block from the tensors its "
+                            f"forward was given, and would see other values. Change a copy instead (t = t + 1, not "
+                            f"t.add_(1)), or change it after the backward")
 
 
 def _argument_name(call: _LayerCall, k: int) -> str:
