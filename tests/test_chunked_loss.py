@@ -265,3 +265,38 @@ def test_under_autocast_the_backward_casts_the_head_once_as_the_forward_does():
     with HeadCasts():
         loss.backward()
     assert HeadCasts.count == 1
+
+
+def test_a_peft_prompt_learning_model_keeps_its_own_forward():
+    """PEFT's prompt tuning prepends virtual tokens, and -100 labels for them, in its forward: the chunked path
+    took the labels away first and failed with 'labels hold 24 positions, the hidden states 32'."""
+    llama = make_hf_model("llama", n_layers=2).train()
+    labels = data(1)[0][1]
+
+    class PromptLearning:   # what PEFT's PeftModel says of itself (its own attribute, not the base model's)
+        is_prompt_learning = True
+    llama.active_peft_config = PromptLearning()
+    assert not chunked_loss.applies(llama, {"labels": labels})
+    PromptLearning.is_prompt_learning = False   # LoRA and the other adapters leave the sequence as it is
+    assert chunked_loss.applies(llama, {"labels": labels})
+
+
+def test_a_peft_prompt_tuning_model_trains_with_loss_chunk_tokens_as_without():
+    peft = pytest.importorskip("peft")
+
+    def model():
+        torch.manual_seed(0)
+        return peft.get_peft_model(make_hf_model("llama", n_layers=2), peft.PromptTuningConfig(
+            task_type=peft.TaskType.CAUSAL_LM, num_virtual_tokens=4)).train()
+    ids, labels = data(1)[0]
+    losses = []
+    for chunk in (0, 5):
+        m = model()
+        engine = lazytrain.initialize(model=m, model_parameters=[p for p in m.parameters() if p.requires_grad],
+                                      config=config(chunk))[0]
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        engine.destroy()
+    assert losses[0] == losses[1]

@@ -44,6 +44,8 @@ def applies(model: nn.Module, kwargs: dict, engine_hooks: frozenset = frozenset(
         return False
     if not set(kwargs) <= FORWARD_KWARGS or kwargs.get("return_dict") is False:
         return False
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        return False   # PEFT's prompt learning prepends virtual tokens, and -100 labels for them, in its forward
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear or "forward" in vars(head) or \
             set(head._forward_hooks) - engine_hooks or set(head._forward_pre_hooks) - engine_hooks:
