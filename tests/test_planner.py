@@ -1923,3 +1923,48 @@ def test_a_deadline_of_weeks_waits_without_one():
     from lazytrain.planner import isolate
     assert isolate.call_with_deadline(math.floor, 2.5, deadline_s=1e10) == 2
     assert isolate.call_with_deadline(math.floor, 2.5, deadline_s=1e8) == 2
+
+
+def test_streamed_weights_on_nvme_take_their_bytes_of_its_budget():
+    """With the compute copies on NVMe (weights_home "nvme") the planner was given the tier's whole capacity
+    for boundaries: its plan fitted "its" budget, and the engine's first step overran the tier."""
+    weights = sum(layer.params for layer in toy_model(4).layers) * 2
+    budgets = dict(gpu_reserved_bytes=0, loss_chunk_tokens=16, gpu_bytes=10**9, host_bytes=10**9)
+    p = Problem(model=toy_model(4), hardware=TOY_HW, micro_batch=4, seq_len=16,
+                budgets=Budgets(nvme_bytes=weights + 2 * A_BYTES, weights_in_host=False, **budgets))
+    assert (p.nvme_static, p.nvme_act_budget) == (weights, 2 * A_BYTES)
+    plan = Plan(num_layers=4, homes=("hbm", "nvme", "nvme", "nvme", "hbm"))
+    r = simulate(p, plan, strict=False, timeline=False)
+    assert r.peak_bytes["nvme"] == weights + 3 * A_BYTES and r.violations
+    assert not simulate(p, Plan(num_layers=4, homes=("hbm", "nvme", "nvme", "hbm", "hbm")),
+                        timeline=False).violations
+    in_host = Problem(model=toy_model(4), hardware=TOY_HW, micro_batch=4, seq_len=16,
+                      budgets=Budgets(nvme_bytes=weights + 2 * A_BYTES, **budgets))
+    assert in_host.nvme_static == 0 and in_host.nvme_act_budget == weights + 2 * A_BYTES
+    with pytest.raises(InfeasibleBudgetError, match=rf"^NVMe budget .* cannot hold the streamed weights kept there "
+                                                    rf"\(.*\); short by .*\. Raise --nvme or lazytrain.nvme_memory\.$"):
+        Problem(model=toy_model(4), hardware=TOY_HW, micro_batch=4, seq_len=16,
+                budgets=Budgets(nvme_bytes=weights - 1, weights_in_host=False, **budgets))
+
+
+@pytest.mark.filterwarnings("ignore:lazytrain")
+def test_policy_milp_plans_boundaries_on_nvme_beside_the_weights_there(tmp_path):
+    import lazytrain
+    from engine_models import batches, lm_loss, make_model
+    hardware = tmp_path / "hw.json"
+    hardware.write_text(json.dumps({"name": "cpu-test", "achievable_tflops": 0.05, "h2d_gbps": 1.0, "d2h_gbps": 1.0,
+                                    "nvme_read_gbps": 0.5, "nvme_write_gbps": 0.5,
+                                    "host_optimizer_gparams_per_s": 0.1, "host_mem_bytes": 2**34}))
+    (tmp_path / "nvme").mkdir()
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "lazytrain": {"device": "cpu", "policy": "milp", "seq_len": 256, "hardware": str(hardware),
+                      "milp_time_limit": 5, "weights_home": "nvme", "nvme_path": str(tmp_path / "nvme"),
+                      "capacities": {"hbm": 1_700_000, "host": 925_000, "nvme": 400_000}}})
+    assert "nvme" in engine.plan.homes   # the plan keeps boundaries there, within what the weights leave
+    for x, y in batches(2, batch=2, seq=256):   # the first step overran the tier
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert 0 < engine.last_step_peak_bytes["nvme"] <= 400_000
+    engine.destroy()

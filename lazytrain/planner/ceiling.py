@@ -125,7 +125,7 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     # a selective layer holds its matmul/attention outputs, on the GPU in either floor (executor's choice)
     m += pulp.lpSum(keep[i] * held[i] + sel[i] * p.sel_bytes[i] + dev_w[i] * p.Wl[i] for i in range(L - 1)) \
         <= max(0, room), "gpu_holds_kept_internals_and_resident_weights_at_the_turn"
-    m += parked <= max(0, p.host_act_budget) + p.nvme_budget, "host_holds_parked_internals"
+    m += parked <= max(0, p.host_act_budget) + p.nvme_act_budget, "host_holds_parked_internals"
     lb = p.lower_bound_s()
     m += t >= lb["optimizer"], "host_optimizer"
     # each micro-batch: every layer's weights for its forward, and again for its backward unless kept with

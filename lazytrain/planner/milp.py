@@ -500,7 +500,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions,
     K = max(1, min(opts.max_segment, L))
     shared = min(GRAD_SHARE_WINDOWS, L)   # windows that carry the gradients copied beside them
     rows = opts.memory_rows if opts.memory_rows != "auto" else ("dense" if L <= DENSE_ROWS_UP_TO else "running")
-    use_nvme = p.nvme_budget > 0
+    use_nvme = p.nvme_act_budget > 0
     tiers = ["H", "N"] if use_nvme else ["H"]
     eps = 1e-6 * p.no_recompute_compute_s() / W          # tie-breaker unit (seconds)
     GBF = p.gpu_budget / 1000.0                          # byte unit of the model: rows stay well scaled
@@ -763,7 +763,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions,
             f"gpu_memory_{w}"
         m += p.kept_buffers / GBF * streams_any + dev_held[w] <= p.gpu_budget * HELD / GBF, \
             f"gpu_memory_kept_buffers_{w}"
-        for k, budget, name in (("H", max(p.host_act_budget, 0), "host_memory"), ("N", p.nvme_budget, "nvme_memory")):
+        for k, budget, name in (("H", max(p.host_act_budget, 0), "host_memory"), ("N", p.nvme_act_budget,
+                                                                                   "nvme_memory")):
             if k in tiers:
                 m += host_held[k][w] <= budget * HELD / GBF, f"{name}_{w}"
 

@@ -96,7 +96,7 @@ def greedy_plan(p: Problem) -> tuple[Plan, SimResult] | None:
     cur = _fits(p, Plan(num_layers=p.L, homes=tuple(homes), policy="greedy"))
     if cur is None:
         return None
-    tiers = [DEVICE_HOME, "host"] + (["nvme"] if p.nvme_budget > 0 else []) + [RECOMPUTE]
+    tiers = [DEVICE_HOME, "host"] + (["nvme"] if p.nvme_act_budget > 0 else []) + [RECOMPUTE]
     for b in [0] + list(range(max(f, 1), p.L)):
         for home in tiers:
             if b == 0 and home == RECOMPUTE:

@@ -320,6 +320,9 @@ class Problem:
         self.host_static = int(m.layer_params * self.host_bytes_per_layer_param +
                                (0 if on_device else self.nonlayer_trained * self.host_bytes_per_nonlayer_param))
         self.host_act_budget = self.host_budget - self.host_static
+        # the streamed compute copies on NVMe (weights_in_host False) take their bytes of its budget
+        self.nvme_static = 0 if b.weights_in_host or not self.nvme_budget else int(sum(self.Wl))
+        self.nvme_act_budget = self.nvme_budget - self.nvme_static
         # host optimizer chain and the copies it gates
         rate = self.opt_rate or float("inf")   # none: measured times replace these (_use_measured)
         self.opt_nl = 0.0 if on_device else self.nonlayer_trained / rate
@@ -534,6 +537,11 @@ class Problem:
                 f"{self._static_terms()} (fp32 master weights, Adam moments, compute-dtype weights and "
                 f"gradients) = {fmt_bytes(self.host_static)}; "
                 f"short by {fmt_bytes(-self.host_act_budget)}. Raise {BUDGET_SOURCES['host']}.")
+        if self.nvme_act_budget < 0:
+            raise InfeasibleBudgetError(
+                f"NVMe budget {fmt_bytes(self.nvme_budget)} cannot hold the streamed weights kept there "
+                f"({fmt_bytes(self.nvme_static)}); short by {fmt_bytes(-self.nvme_act_budget)}. Raise "
+                f"{BUDGET_SOURCES['NVMe']}.")
         worst = max(range(self.num_windows), key=lambda w: self.min_gpu_bytes(w)[0])
         need, parts = self.min_gpu_bytes(worst)
         if need > self.gpu_budget:

@@ -371,10 +371,10 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             host += sum(p.offl_bytes[j] for j in offl if j <= w <= 2 * L - 1 - j)   # until its backward frees them
             nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
             memory.append({"window": w, "micro_batch": 0, "start": t0, "end": end, "hbm": hbm,
-                           "host": host_static + host, "nvme": nvme})
+                           "host": host_static + host, "nvme": p.nvme_static + nvme})
             peak["hbm"] = max(peak["hbm"], hbm)
             peak["host"] = max(peak["host"], host_static + host)
-            peak["nvme"] = max(peak["nvme"], nvme)
+            peak["nvme"] = max(peak["nvme"], p.nvme_static + nvme)
             # --- copies released at the end of this window ---------------------------------------
             for b in list(on_device):
                 if b == L and w >= L - 1:
