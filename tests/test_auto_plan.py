@@ -744,7 +744,15 @@ def test_batches_of_several_lengths_are_planned_for_the_longest_and_a_saved_prof
         x, y = batches(1, seq=12 if step % 2 else 6, seed=step)[0]
         engine.backward(lm_loss(engine(x), y))
         engine.step()
-    assert engine.plan.policy == "auto-milp" and engine._seq_len == 12
+    assert engine.plan.policy == "auto-milp" and engine._seq_len == 12 and engine.plan.seq_len == 12
+    # a longer batch once the plan is in place ran on it without a word (its memory counted for 12 tokens)
+    x, y = batches(1, seq=16)[0]
+    with pytest.warns(UserWarning, match=r"^lazytrain: the plan \(auto-milp\) was made for sequence length 12, and "
+                                         r"this batch's is 16: it runs, but the plan's memory and time predictions "
+                                         r"do not hold \(set 'lazytrain.seq_len' to the longest length trained: "
+                                         r"policy \"auto\" plans for the longest batch seen while it measures\)$"):
+        engine.backward(lm_loss(engine(x), y))
+    engine.step()
     engine.destroy()
     assert MachineProfile.from_json(path).seq_len == 12   # the last traced step's was 6
     engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(

@@ -1391,15 +1391,17 @@ class LazyTrainEngine(nn.Module):
                                f"{f', called from {where}' if where else ''}); build a new one with "
                                f"lazytrain.initialize")
 
-    def _warn_beyond_plan(self, ids) -> None:
+    def _warn_beyond_plan(self, ids, stacklevel: int = 3) -> None:
         """A batch longer than the plan's sequence length runs, but the plan's memory (boundaries, kept outputs
         on the device) was counted for shorter ones: said once, before a device budget overruns mid-step."""
         if int(ids.shape[-1]) > self.plan.seq_len:
             self._warned_beyond_plan = True
+            again = ("set 'lazytrain.seq_len' to the longest length trained: policy \"auto\" plans for the longest "
+                     "batch seen while it measures" if self.auto is not None else
+                     "plan again at the longest length trained")
             warnings.warn(f"lazytrain: the plan ({self.plan.policy}) was made for sequence length "
                           f"{self.plan.seq_len}, and this batch's is {int(ids.shape[-1])}: it runs, but the plan's "
-                          f"memory and time predictions do not hold (plan again at the longest length trained)",
-                          UserWarning, stacklevel=3)
+                          f"memory and time predictions do not hold ({again})", UserWarning, stacklevel=stacklevel)
 
     def _note_batch_for_auto(self, ids) -> None:
         """Policy auto measures and plans for micro-batch x sequence-length tokens: the longest sequence seen
@@ -1412,6 +1414,9 @@ class LazyTrainEngine(nn.Module):
                 raise ConfigError(f"config 'lazytrain.auto.profile' was measured at sequence length "
                                   f"{self._profile_seq_len}, and this batch's is {n}: measure again (leave "
                                   f"'profile' out), or train at most at the profile's length")
+            planned = None if self.auto.measuring else self.plan.seq_len   # the length the plan in place was made for
+            if planned is not None and n > planned and not self._warned_beyond_plan:
+                self._warn_beyond_plan(ids, stacklevel=4)   # its memory was counted for shorter batches: said once
             self._seq_len = max(self._seq_len or 0, n)
         micro = self.train_micro_batch_size_per_gpu()
         if ids.numel() > micro * self._seq_len and not self._warned_beyond_plan:
