@@ -175,6 +175,13 @@ def test_a_profile_plans_as_measured_and_lazytrain_plan_refuses_another_frozen_b
                  "--frozen-bottom-layers", "1"]) == 2
     assert ("--frozen-bottom-layers 1: the profile's backwards differentiated from layer 2, and a profile is planned "
             "as it was measured") in capsys.readouterr().err
+    # another share trained was planned on the measured update times of this one, without a word
+    assert main(["plan", "--profile", str(path), "--gpu-mem", "4GB", "--host-mem", "4GB",
+                 "--trainable-share", "0.01"]) == 2
+    assert ("--trainable-share 0.01: the profile was measured with trainable_share 0.333333, and its backward and "
+            "update times are that run's") in capsys.readouterr().err
+    assert main(["plan", "--profile", str(path), "--gpu-mem", "4GB", "--host-mem", "4GB", "--time-limit", "5",
+                 "--trainable-share", str(1 / 3), "--non-block-trainable-share", "0.5"]) == 0   # the same shares
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------

@@ -217,8 +217,14 @@ def _profile_problem(args: argparse.Namespace, budgets):
     # the run measured fixed its global batch: planned with its accumulation unless --global-batch says otherwise
     global_batch = args.global_batch if args.global_batch is not None else profile.micro_batch * profile.grad_accum
     for k in ("trainable_share", "non_block_trainable_share"):
-        if getattr(args, k) is None:   # the run measured trained this share of the layers (of the others)
-            budgets = dataclasses.replace(budgets, **{k: getattr(profile, k)})
+        given, measured_share = getattr(args, k), getattr(profile, k)
+        if given is None:   # the run measured trained this share of the layers (of the others)
+            budgets = dataclasses.replace(budgets, **{k: measured_share})
+        elif measured_share is not None and abs(given - measured_share) > 1e-9:
+            flag = "--" + k.replace("_", "-")
+            raise ValueError(f"{flag} {given:g}: the profile was measured with {k} {measured_share:.6g}, and its "
+                             f"backward and update times are that run's; leave the flag out, or measure a run that "
+                             f"trains as the one to plan")
     measured_frozen = profile.costs.first_differentiated   # what its backwards reached is planned, measured
     if args.frozen_bottom_layers is not None and args.frozen_bottom_layers != measured_frozen:
         raise ValueError(f"--frozen-bottom-layers {args.frozen_bottom_layers}: the profile's backwards differentiated "
