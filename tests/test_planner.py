@@ -1941,8 +1941,8 @@ def test_streamed_weights_on_nvme_take_their_bytes_of_its_budget():
     in_host = Problem(model=toy_model(4), hardware=TOY_HW, micro_batch=4, seq_len=16,
                       budgets=Budgets(nvme_bytes=weights + 2 * A_BYTES, **budgets))
     assert in_host.nvme_static == 0 and in_host.nvme_act_budget == weights + 2 * A_BYTES
-    with pytest.raises(InfeasibleBudgetError, match=rf"^NVMe budget .* cannot hold the streamed weights kept there "
-                                                    rf"\(.*\); short by .*\. Raise --nvme or lazytrain.nvme_memory\.$"):
+    with pytest.raises(InfeasibleBudgetError, match=r"^NVMe budget .* cannot hold the streamed weights kept there "
+                                                    r"\(.*\); short by .*\. Raise --nvme or lazytrain.nvme_memory\.$"):
         Problem(model=toy_model(4), hardware=TOY_HW, micro_batch=4, seq_len=16,
                 budgets=Budgets(nvme_bytes=weights - 1, weights_in_host=False, **budgets))
 
