@@ -291,3 +291,37 @@ def test_an_input_made_under_inference_mode_takes_the_norm_as_written():
     norm.weight.grad = None
     norm(h).float().sum().backward()
     assert torch.equal(norm.weight.grad, lean_grad)
+
+
+def test_a_norm_input_changed_in_place_in_an_offloaded_blocks_forward_is_named_too(tmp_path):
+    """In a layer whose internals the plan offloads the same block failed with the offload's generic 'modified
+    by an inplace operation ... that offloaded block 1 saved', naming neither the norm nor the key to set."""
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32)
+            self.layers = torch.nn.ModuleList([_InPlaceResidual(), _InPlaceResidual()])
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for block in self.layers:
+                x = block(x)
+            return self.head(x)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    path = str(tmp_path / "plan.json")
+    Plan(num_layers=2, homes=("hbm", "recompute", "hbm"), offloaded_layers=(0, 1)).to_json(path)
+    for lean in (False, True):
+        engine = lazytrain.initialize(model=LM(), config={
+            "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "lazytrain": {"device": "cpu", "policy": "plan", "plan": path, "lean_norms": lean}})[0]
+        loss = torch.nn.functional.cross_entropy(engine(ids).float().flatten(0, 1), ids.flatten())
+        if lean:
+            with pytest.raises(RuntimeError, match=r"^lazytrain: the input of block 1's post_norm, a lean RMSNorm, "
+                                                   r"was changed in place after the norm read it"):
+                engine.backward(loss)
+        else:
+            engine.backward(loss)   # the norm as written saved its upcast copy: it trains
+            engine.step()
+        engine.destroy()

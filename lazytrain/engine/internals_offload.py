@@ -29,6 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..tiers import Tier, TransferHandle
+from . import lean_norms
 from ..tiers.base import TierError, wait_completions
 
 
@@ -175,7 +176,8 @@ class OffloadedInternals:
         sent stay referenced until the forward ends (as its graph would hold them), so that no address is
         reused while the forward runs and one tensor saved by several ops goes once."""
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), \
+                    lean_norms.inputs_checked_as_forward_ends():
                 yield
         finally:
             for ident, (t, n, _) in self._index.items():   # changed in place after it was saved, in the forward:

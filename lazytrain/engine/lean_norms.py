@@ -15,6 +15,7 @@ untouched); the replacement changes nothing where autograd does not record.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -66,11 +67,47 @@ def _lean_forward(module: nn.Module, names: tuple, where: str, *args, **kwargs):
     # (dropout), and its recomputation must draw what its forward drew (saving the state costs next to nothing)
     out = checkpoint(_recompute, module, train_modes(module), names, hidden, *values, use_reentrant=False,
                      preserve_rng_state=True)
-    if isinstance(out, torch.Tensor) and out.grad_fn is not None and not _saved_tensors_hooked():
-        # the checkpoint holds the input until the backward anyway; under saved-tensor hooks (offloaded
-        # internals) it does not, and the copy they keep is immune to a later change in place
-        out.grad_fn.register_prehook(partial(_input_unchanged, hidden, hidden._version, where))
+    if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+        if not _saved_tensors_hooked():   # the checkpoint holds the input until the backward anyway
+            out.grad_fn.register_prehook(partial(_input_unchanged, hidden, hidden._version, where))
+        elif _READ_IN_OFFLOADED_FORWARD:   # the copy offloaded internals keep is immune to a change in place
+            read = _ReadInput(hidden, where)   # after the forward only: one during it is checked as it ends
+            _READ_IN_OFFLOADED_FORWARD[-1].append(read)
+            out.grad_fn.register_prehook(read)
     return out
+
+
+# the lean norms' inputs read in each offloaded block's forward under way (internals_offload.recording)
+_READ_IN_OFFLOADED_FORWARD: list[list["_ReadInput"]] = []
+
+
+@contextmanager
+def inputs_checked_as_forward_ends():
+    """An offloaded block's forward: a lean norm's input it changes in place after the norm read it (``h +=
+    mlp(norm(h))``) is said by name in the backward, as outside offloaded blocks (the offload would refuse it,
+    naming neither the norm nor the key)."""
+    read: list[_ReadInput] = []
+    _READ_IN_OFFLOADED_FORWARD.append(read)
+    try:
+        yield
+    finally:
+        _READ_IN_OFFLOADED_FORWARD.remove(read)
+        for r in read:
+            r.settle()
+
+
+class _ReadInput:
+    """A lean norm's input read in an offloaded forward: whether it changed in place by the forward's end."""
+
+    def __init__(self, hidden: torch.Tensor, where: str):
+        self.hidden, self.version, self.where, self.changed = hidden, hidden._version, where, False
+
+    def settle(self) -> None:
+        self.changed, self.hidden = self.hidden._version != self.version, None
+
+    def __call__(self, grad_outputs):
+        if self.changed:
+            raise RuntimeError(_changed_input_message(self.where))
 
 
 def _saved_tensors_hooked() -> bool:
@@ -85,8 +122,11 @@ def _input_unchanged(hidden: torch.Tensor, version: int, where: str, grad_output
     A model that changes it in place afterwards (``h += mlp(norm(h))`` where the norm's upcast copied ``h``)
     trains under plain autograd, which saved the copy; a lean norm cannot, and says so by name."""
     if hidden._version != version:
-        raise RuntimeError(
-            f"lazytrain: the input of {where}, a lean RMSNorm, was changed in place after the norm read it; a "
+        raise RuntimeError(_changed_input_message(where))
+
+
+def _changed_input_message(where: str) -> str:
+    return (f"lazytrain: the input of {where}, a lean RMSNorm, was changed in place after the norm read it; a "
             f"lean norm keeps its input to recompute itself in the backward. Where the norm copies its input "
             f"(its upcast in bf16 or fp16), \"lazytrain\": {{\"lean_norms\": false}} in the config lets this "
             f"model train")
