@@ -767,6 +767,21 @@ def test_batches_of_several_lengths_are_planned_for_the_longest_and_a_saved_prof
     engine.destroy()
 
 
+def test_a_batch_longer_than_the_seq_len_set_is_warned_of_though_it_holds_no_more_tokens():
+    engine, _, _, _ = lazytrain.initialize(model=make_model("llama"), config=_config(
+        {"policy": "auto", "seq_len": 12, "auto": {"warmup_steps": 1, "profile_steps": 2, "selective": False,
+                                                   "max_replans": 0}}))
+    for x, y in batches(3, seq=12):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert engine.plan.policy == "auto-milp" and engine.plan.seq_len == 12
+    x, y = batches(1, seq=24)[0]
+    with pytest.warns(UserWarning, match=r"^lazytrain: the plan \(auto-milp\) was made for sequence length 12, and "
+                                         r"this batch's is 24: .*\(plan again at the longest length trained\)$"):
+        engine(x[:1])   # one sample of 24 tokens: no more than the micro-batch's 2 x 12
+    engine.destroy()
+
+
 def test_a_file_that_is_not_a_profile_is_named(tmp_path, measured):
     bad = tmp_path / "p.json"
     bad.write_text(json.dumps({"format": "something else"}))

@@ -1928,7 +1928,7 @@ def test_a_deadline_of_weeks_waits_without_one():
 def test_streamed_weights_on_nvme_take_their_bytes_of_its_budget():
     """With the compute copies on NVMe (weights_home "nvme") the planner was given the tier's whole capacity
     for boundaries: its plan fitted "its" budget, and the engine's first step overran the tier."""
-    weights = sum(layer.params for layer in toy_model(4).layers) * 2
+    weights = sum(-(-layer.params * 2 // 4096) * 4096 for layer in toy_model(4).layers)   # whole 4 KiB blocks
     budgets = dict(gpu_reserved_bytes=0, loss_chunk_tokens=16, gpu_bytes=10**9, host_bytes=10**9)
     p = Problem(model=toy_model(4), hardware=TOY_HW, micro_batch=4, seq_len=16,
                 budgets=Budgets(nvme_bytes=weights + 2 * A_BYTES, weights_in_host=False, **budgets))
@@ -1938,6 +1938,8 @@ def test_streamed_weights_on_nvme_take_their_bytes_of_its_budget():
     assert r.peak_bytes["nvme"] == weights + 3 * A_BYTES and r.violations
     assert not simulate(p, Plan(num_layers=4, homes=("hbm", "nvme", "nvme", "hbm", "hbm")),
                         timeline=False).violations
+    from lazytrain.planner.policies import simulate_megatrain
+    assert simulate_megatrain(p, 2).peak_bytes["nvme"] == 0   # MegaTrain keeps its layer copies in host memory
     in_host = Problem(model=toy_model(4), hardware=TOY_HW, micro_batch=4, seq_len=16,
                       budgets=Budgets(nvme_bytes=weights + 2 * A_BYTES, **budgets))
     assert in_host.nvme_static == 0 and in_host.nvme_act_budget == weights + 2 * A_BYTES

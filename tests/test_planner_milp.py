@@ -435,3 +435,27 @@ def test_the_solver_starts_from_the_fastest_baseline_in_its_space():
     finally:
         milp._start_values = original
     assert captured["first in the space"] is starts[0]
+
+
+@pytest.mark.parametrize("hw", [TOY_HW, SLOW_HW], ids=["toy", "slow-link"])
+@pytest.mark.parametrize("nvme_slots", [0, 2])
+def test_weights_read_from_nvme_are_timed_and_the_milp_still_equals_brute_force(hw, nvme_slots):
+    """With the compute copies on NVMe (weights_home "nvme") a weight copy was charged on the host link alone:
+    the plan and its prediction were those of weights in host memory, the NVMe reads left out."""
+    import dataclasses
+    from lazytrain.planner.plan import Plan
+    from lazytrain.planner.problem import Budgets, Problem
+    from test_planner_toys import A_BYTES, toy_model
+
+    def on_nvme_weights(model):   # whole 4 KiB blocks a layer's bf16 copy
+        return sum(-(-layer.params * 2 // 4096) * 4096 for layer in model.layers)
+    p = toy_problem(4, 1.5, host_slots=1, hw=hw)
+    budgets = dataclasses.replace(p.budgets, weights_in_host=False, nvme_bytes=nvme_slots * A_BYTES
+                                  + on_nvme_weights(toy_model(4)) * (nvme_slots > 0))
+    on_nvme = Problem(model=p.model, hardware=hw, micro_batch=4, seq_len=16, budgets=budgets)
+    assert on_nvme.load_l == [w / min(on_nvme.bw_h2d, on_nvme.bw_nr) for w in on_nvme.Wl]
+    assert on_nvme.opt_l == [o + w / on_nvme.bw_nw for o, w in zip(p.opt_l, p.Wl)]   # each update writes its copy
+    plan = Plan(num_layers=4, homes=("hbm", "recompute", "host", "recompute", "hbm"))
+    host, nvme = (simulate(q, plan, strict=False, timeline=False) for q in (p, on_nvme))
+    assert nvme.step_time_s > host.step_time_s and nvme.exposed_s["nvme_read"] > 0 == host.exposed_s["nvme_read"]
+    check_equal(on_nvme, free_windows=False, resident=True)

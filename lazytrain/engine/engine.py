@@ -1397,8 +1397,8 @@ class LazyTrainEngine(nn.Module):
         if int(ids.shape[-1]) > self.plan.seq_len:
             self._warned_beyond_plan = True
             again = ("set 'lazytrain.seq_len' to the longest length trained: policy \"auto\" plans for the longest "
-                     "batch seen while it measures" if self.auto is not None else
-                     "plan again at the longest length trained")
+                     "batch seen while it measures" if self.auto is not None and self._config.lazytrain.seq_len is None
+                     else "plan again at the longest length trained")
             warnings.warn(f"lazytrain: the plan ({self.plan.policy}) was made for sequence length "
                           f"{self.plan.seq_len}, and this batch's is {int(ids.shape[-1])}: it runs, but the plan's "
                           f"memory and time predictions do not hold ({again})", UserWarning, stacklevel=stacklevel)
@@ -1409,14 +1409,15 @@ class LazyTrainEngine(nn.Module):
         run as if it held fewer without a word (the profile records the config's shape): it is said once,
         naming what to change (a batch of concatenated pairs, as TRL's DPO makes, comes in every step)."""
         n = int(ids.shape[-1])
-        if self._config.lazytrain.seq_len is None:
-            if self._profile_seq_len is not None and n > self._profile_seq_len:
-                raise ConfigError(f"config 'lazytrain.auto.profile' was measured at sequence length "
-                                  f"{self._profile_seq_len}, and this batch's is {n}: measure again (leave "
-                                  f"'profile' out), or train at most at the profile's length")
-            planned = None if self.auto.measuring else self.plan.seq_len   # the length the plan in place was made for
-            if planned is not None and n > planned and not self._warned_beyond_plan:
-                self._warn_beyond_plan(ids, stacklevel=4)   # its memory was counted for shorter batches: said once
+        unset = self._config.lazytrain.seq_len is None
+        if unset and self._profile_seq_len is not None and n > self._profile_seq_len:
+            raise ConfigError(f"config 'lazytrain.auto.profile' was measured at sequence length "
+                              f"{self._profile_seq_len}, and this batch's is {n}: measure again (leave "
+                              f"'profile' out), or train at most at the profile's length")
+        planned = None if self.auto.measuring else self.plan.seq_len   # the length the plan in place was made for
+        if planned is not None and n > planned and not self._warned_beyond_plan:
+            self._warn_beyond_plan(ids, stacklevel=4)   # its memory was counted for shorter batches: said once
+        if unset:
             self._seq_len = max(self._seq_len or 0, n)
         micro = self.train_micro_batch_size_per_gpu()
         if ids.numel() > micro * self._seq_len and not self._warned_beyond_plan:

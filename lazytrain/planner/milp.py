@@ -738,11 +738,13 @@ def _build_and_solve(p: Problem, opts: MilpOptions,
         if w >= L and (W - 1 - w, w) in offl_pre:        # internals brought back in their backward window
             exp_h2d += p.offl_bytes[W - 1 - w] / GBF * offl_pre[W - 1 - w, w]
         m += wait[w] >= exp_h2d * (GBF / p.bw_h2d), f"wait_h2d_{w}"
+        nr = nw = 0
         if use_nvme:
             nr = lsum(p.A[i] / GBF * pre[i, k, w] for i, k in pre_at.get(w, ()) if k == "N")
             nw = lsum(p.A[i] / GBF * off[i, k, w] for i, k in off_at.get(w, ()) if k == "N")
             exp_nr = lsum(p.A[i] / GBF * ex[i, k, w] for i, k in ex_at.get(w, ()) if k == "N")
             m += wait[w] >= exp_nr * (GBF / p.bw_nr), f"wait_nvme_read_{w}"
+        weights_nr = p.nvme_weights   # the weight copies read from NVMe too (the compute copies live there)
         # the window's time: the step's first micro-batch, and (forward windows, with accumulation) the later
         # ones, which stream no resident layer's weights
         for tw, name, h2d_w, d2h_w in ((t[w], "", h2d, d2h),) + (
@@ -754,8 +756,10 @@ def _build_and_solve(p: Problem, opts: MilpOptions,
                     f"time_{name}offload_internals_{w}"
             m += tw >= h2d_w * (GBF / p.bw_h2d), f"time_{name}h2d_{w}"
             m += tw >= d2h_w * (GBF / p.bw_d2h), f"time_{name}d2h_{w}"
+            if use_nvme or weights_nr:
+                weights_w = loaded(w, refresh=not name) if weights_nr else 0   # this variant's weight copies
+                m += tw >= (nr + weights_w) * (GBF / p.bw_nr), f"time_{name}nvme_read_{w}"
             if use_nvme:
-                m += tw >= nr * (GBF / p.bw_nr), f"time_{name}nvme_read_{w}"
                 m += tw >= nw * (GBF / p.bw_nw), f"time_{name}nvme_write_{w}"
         # time-indexed memory per tier: streamed weight buffers of this window and the next (at least the two
         # buffers the engine keeps while any layer streams), and what is held

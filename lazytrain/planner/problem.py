@@ -73,6 +73,8 @@ class InfeasibleBudgetError(ValueError):
 
 
 # Where each tier's budget is given: the `lazytrain plan` flag and the engine's config key, for its errors to name
+NVME_BLOCK_BYTES = 4096   # the NVMe tier counts a file as whole blocks of this size (tiers/pool.py ALIGNMENT)
+
 BUDGET_SOURCES = {"GPU": "--gpu-mem or lazytrain.gpu_memory", "host": "--host-mem or lazytrain.host_memory",
                   "NVMe": "--nvme or lazytrain.nvme_memory",
                   "micro-batch": "--micro-batch or train_micro_batch_size_per_gpu"}
@@ -224,8 +226,12 @@ class Problem:
                 raise
             # measured update times stand in for it; MegaTrain's host phase, which reads it, says it is missing
             self.opt_rate = None
-        self.bw_nr = hw.nvme_read_bps if self.budgets.nvme_bytes > 0 else float("inf")
-        self.bw_nw = hw.nvme_write_bps if self.budgets.nvme_bytes > 0 else float("inf")
+        # the streamed compute copies on NVMe (weights_in_host False): every weight copy is read from it too,
+        # and every update writes its layer's copy back
+        self.nvme_weights = not self.budgets.weights_in_host
+        uses_nvme = self.budgets.nvme_bytes > 0 or self.nvme_weights
+        self.bw_nr = hw.nvme_read_bps if uses_nvme else float("inf")
+        self.bw_nw = hw.nvme_write_bps if uses_nvme else float("inf")
         gpu = self.budgets.gpu_bytes if self.budgets.gpu_bytes is not None else hw.need("gpu_mem_bytes")
         host = self.budgets.host_bytes if self.budgets.host_bytes is not None else hw.need("host_mem_bytes")
         for what, budget, size in (("GPU", gpu, hw.gpu_mem_bytes), ("host", host, hw.host_mem_bytes)):
@@ -320,14 +326,19 @@ class Problem:
         self.host_static = int(m.layer_params * self.host_bytes_per_layer_param +
                                (0 if on_device else self.nonlayer_trained * self.host_bytes_per_nonlayer_param))
         self.host_act_budget = self.host_budget - self.host_static
-        # the streamed compute copies on NVMe (weights_in_host False) take their bytes of its budget
-        self.nvme_static = 0 if b.weights_in_host or not self.nvme_budget else int(sum(self.Wl))
+        # the streamed compute copies on NVMe (weights_in_host False) take their bytes of its budget: whole
+        # blocks, as the tier counts a file (tiers/nvme.py _footprint)
+        self.nvme_static = 0 if b.weights_in_host or not self.nvme_budget else \
+            sum(-(-int(w) // NVME_BLOCK_BYTES) * NVME_BLOCK_BYTES for w in self.Wl)
         self.nvme_act_budget = self.nvme_budget - self.nvme_static
         # host optimizer chain and the copies it gates
         rate = self.opt_rate or float("inf")   # none: measured times replace these (_use_measured)
         self.opt_nl = 0.0 if on_device else self.nonlayer_trained / rate
-        self.opt_l = [l.params * share / rate if i >= f else 0.0 for i, l in enumerate(m.layers)]
-        self.load_l = [w / self.bw_h2d for w in self.Wl]
+        # (with the copies on NVMe, a trained layer's update ends with its copy written there)
+        write_back = [w / self.bw_nw if self.nvme_weights and share else 0.0 for w in self.Wl]
+        self.opt_l = [l.params * share / rate + write_back[i] if i >= f else 0.0 for i, l in enumerate(m.layers)]
+        # a layer's weights copied to the device: from NVMe too, the two links in a pipeline
+        self.load_l = [w / min(self.bw_h2d, self.bw_nr if self.nvme_weights else float("inf")) for w in self.Wl]
         # the embedding's and head's trained weights (once a step) and gradients (each micro-batch) on the links
         self.nonlayer_link_bytes = 0 if on_device else self.nonlayer_w * nb_trains
         self.load_nl = self.nonlayer_link_bytes / self.bw_h2d

@@ -88,7 +88,7 @@ def _over_a_budget_by_a_tolerance(p: Problem, plan: Plan) -> bool:
     return bool(over) and BUDGET_ROUNDING < max(over) <= 1e-6
 
 
-def _isolated_solve(p: Problem, opts: MilpOptions, start: Plan | None):
+def _isolated_solve(p: Problem, opts: MilpOptions, start: list[Plan]):
     """build_and_solve in a child process stopped at its deadline; one that overran is solved again without
     HiGHS's root reduced-cost heuristic, which is what overran where it was seen."""
     def attempt(o: MilpOptions):

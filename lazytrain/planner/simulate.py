@@ -206,6 +206,7 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
     tail_bytes = megatrain.tail_bytes(p) if mega_k is not None else 0
     mega_buffers = megatrain.buffer_bytes(p) if mega_k is not None else None
     host_static = megatrain.host_bytes(p) if mega_k is not None else p.host_static
+    nvme_static = 0 if mega_k is not None else p.nvme_static   # (MegaTrain keeps its layer copies in host memory)
     tail_each = tail_bytes / p.bw_d2h
 
     def micro_batch(refresh: bool) -> _MicroBatch:
@@ -277,7 +278,8 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
                     if not _needs_layer(kind, j, g):       # the head; a graph layer holds its weights
                         continue
                     if (w + 1 < L and refresh) or j not in resident:   # forward refreshes resident copies
-                        other_tr.append((f"weights L{j}", {"h2d": p.Wl[j]}, None))
+                        legs = {"h2d": p.Wl[j], "nvme_read": p.Wl[j]} if p.nvme_weights else {"h2d": p.Wl[j]}
+                        other_tr.append((f"weights L{j}", legs, None))
             free = {k: t0 for k in LINKS}
             compute_start = t0
             for n_tr, (label, legs, b) in enumerate(exposed_tr + other_tr):
@@ -371,10 +373,10 @@ def simulate(p: Problem, plan: Plan, strict: bool = True, timeline: bool = True,
             host += sum(p.offl_bytes[j] for j in offl if j <= w <= 2 * L - 1 - j)   # until its backward frees them
             nvme = sum(p.A[b] for b in offloaded if plan.homes[b] == "nvme" and off_w[b] <= w <= pre_w[b])
             memory.append({"window": w, "micro_batch": 0, "start": t0, "end": end, "hbm": hbm,
-                           "host": host_static + host, "nvme": p.nvme_static + nvme})
+                           "host": host_static + host, "nvme": nvme_static + nvme})
             peak["hbm"] = max(peak["hbm"], hbm)
             peak["host"] = max(peak["host"], host_static + host)
-            peak["nvme"] = max(peak["nvme"], p.nvme_static + nvme)
+            peak["nvme"] = max(peak["nvme"], nvme_static + nvme)
             # --- copies released at the end of this window ---------------------------------------
             for b in list(on_device):
                 if b == L and w >= L - 1:
