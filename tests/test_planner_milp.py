@@ -444,7 +444,7 @@ def test_weights_read_from_nvme_are_timed_and_the_milp_still_equals_brute_force(
     the plan and its prediction were those of weights in host memory, the NVMe reads left out."""
     import dataclasses
     from lazytrain.planner.plan import Plan
-    from lazytrain.planner.problem import Budgets, Problem
+    from lazytrain.planner.problem import Problem
     from test_planner_toys import A_BYTES, toy_model
 
     def on_nvme_weights(model):   # whole 4 KiB blocks a layer's bf16 copy
