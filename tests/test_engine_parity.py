@@ -2320,6 +2320,60 @@ def test_list_handed_to_blocks_is_the_models_own():
     assert len(model.sink) == 6
 
 
+class _NestedShiftBlock(MLPBlock):
+    def forward(self, x, ctx):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x)) + ctx["inner"]["shift"]))
+
+
+class _NestedShiftLM(ModuleListLM):
+    """Hands each block a dict nested in a dict, then replaces the tensor in the inner one after the call."""
+    block = _NestedShiftBlock
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for i, blk in enumerate(self.stack):
+            ctx = {"inner": {"shift": torch.linspace(-1, 1, 64) * (i + 1)}}
+            x = blk(x, ctx)
+            ctx["inner"]["shift"] = torch.zeros(64)   # replaced, not changed in place: no version moves
+        return self.head(self.extra[0](x))
+
+
+class _CopyingBlock(MLPBlock):
+    def forward(self, x):
+        x = x.clone()   # (so plain autograd saves no block input)
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class _SequenceFirstLM(ModuleListLM):
+    """Sequence-first: every block input is a transposed view, and the model changes it after the call."""
+    block = _CopyingBlock
+
+    def forward(self, ids):
+        x = self.emb(ids).transpose(0, 1)
+        for blk in self.stack:
+            out = blk(x)
+            x.add_(0.5)   # the loss no longer uses it; the device tier kept a contiguous copy of the input
+            x = out
+        return self.head(self.extra[0](x)).transpose(0, 1)
+
+
+def test_a_tensor_replaced_in_a_nested_container_after_the_call_is_not_seen_by_the_re_run():
+    """The snapshot of a container was one level deep: the re-run read the inner dict's new tensor (weights
+    1.74 away from plain PyTorch's), without a word."""
+    torch.manual_seed(0)
+    assert_trains_like_plain(_NestedShiftLM(n_layers=4), batches(2),
+                             ds_config(checkpoint_interval=2, last_segment_graph=False))
+
+
+def test_a_non_contiguous_input_the_device_tier_copied_trains_though_the_model_changes_it_after_the_call():
+    """Kept on the device, a non-contiguous input is the tier's own copy: the model cannot change it, and it was
+    neither watched (a refusal of a model that trains) nor held beside the copy (twice its bytes)."""
+    torch.manual_seed(0)
+    engine = assert_trains_like_plain(_SequenceFirstLM(n_layers=6), batches(2),
+                                      ds_config(checkpoint_interval=2, last_segment_graph=False, boundary_home="hbm"))
+    engine.destroy()
+
+
 @pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
 def test_blocks_re_run_see_their_containers_as_at_their_call(graph):
     """A dict the model reuses, changing an entry before each block: a block re-run in backward sees it

@@ -29,7 +29,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
-from ..tiers.base import wait_completions
+from ..tiers.base import completion_reached, wait_completions
 from .blocks import in_modes, train_modes
 from .distributed import CollectiveError
 from .internals_offload import OffloadedInternals
@@ -165,8 +165,9 @@ class _Pass:
                                                                          # the previous block's output
     input_versions: dict = field(default_factory=dict)                   # layer -> (its input as kept, the version
                                                                          # it had at the call): checked as read back
-    inputs_changed: set = field(default_factory=set)                     # layers whose input changed in place
-                                                                         # before its copy off the device was over
+    inputs_changed: dict = field(default_factory=dict)                   # layer -> the shape of its input, changed
+                                                                         # in place before its copy off the device
+                                                                         # was over
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
     kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
     offloaded: dict = field(default_factory=dict)                        # offloaded layer -> OffloadedInternals
@@ -495,6 +496,8 @@ class LayerStreamingExecutor:
                           f"autograd in the forward). If the loss uses it (an auxiliary loss), return it from the "
                           f"block instead: a block's extra outputs are differentiated")
         if p.next_layer == self.L:   # forward done: start fetching the first weights backward needs
+            if all(completion_reached(done) for done in p.copies_out):   # (waits for none)
+                self._settle_copied_inputs(p)
             self.backward_reaches = min(p.differentiable, default=self.L)
             windows = self._backward_windows(p)
             if self.graph_start < self.L and windows:
@@ -532,6 +535,10 @@ class LayerStreamingExecutor:
         if home == RECOMPUTE or i >= self.graph_start or i in self.offloaded:   # graphs hold their own inputs
             return
         x = x.detach()   # (its version counter is the model's tensor's)
+        if home == DEVICE_HOME and not x.is_contiguous():
+            x = x.contiguous()   # the tier's copy, made here: the model cannot change it, nothing to watch
+            self._put(p, DEVICE_HOME, self._key(p, i), x, owned=True)
+            return
         p.input_versions[i] = (x, x._version)   # until read back, or until its copy off the device is over
         if home == DEVICE_HOME:
             self._put(p, DEVICE_HOME, self._key(p, i), x, owned=True)
@@ -584,8 +591,8 @@ class LayerStreamingExecutor:
         if not self.prefetch:
             return
         for i in self._prefetch_in_window.get(w, ()):
-            if i not in p.prefetched and self._reached_by_backward(p, i):
-                self._issue_prefetch(p, i)
+            if i not in p.prefetched and i not in p.inputs_changed and self._reached_by_backward(p, i):
+                self._issue_prefetch(p, i)   # (a changed input is refused as backward reads it)
         for j in self._internals_in_window.get(w, ()):
             if j in p.offloaded:
                 p.offloaded[j].prefetch(w)
@@ -603,13 +610,16 @@ class LayerStreamingExecutor:
         they are over. A failed copy is raised where backward reads what it held, not here."""
         copies, p.copies_out = p.copies_out, []
         wait_completions(copies, "boundaries out", self.device)
+        self._settle_copied_inputs(p)
+        for internals in p.offloaded.values():
+            internals.wait_sent()
+
+    def _settle_copied_inputs(self, p: _Pass) -> None:
         for i, (x, version) in list(p.input_versions.items()):   # copied off: its copy is what backward reads
             if i not in p.held and i not in p.unchained and self.plan.homes[i] not in (DEVICE_HOME, RECOMPUTE):
                 del p.input_versions[i]
                 if x._version != version:
-                    p.inputs_changed.add(i)
-        for internals in p.offloaded.values():
-            internals.wait_sent()
+                    p.inputs_changed[i] = tuple(x.shape)
 
     def _issue_prefetch(self, p: _Pass, i: int) -> TransferHandle:
         if i in p.held:      # still on the device: nothing to fetch
@@ -645,7 +655,7 @@ class LayerStreamingExecutor:
         the re-run would start from the changed values, and train wrong without a word."""
         x, version = p.input_versions.get(i, (None, None))
         if i in p.inputs_changed or (x is not None and x._version != version):
-            shape = "" if x is None else f" (a tensor of shape {tuple(x.shape)})"
+            shape = f" (a tensor of shape {p.inputs_changed.get(i) or tuple(x.shape)})"
             raise ExecutorError(f"block {i}'s hidden-state input{shape} was changed in place after the forward "
                                 f"called the block: the backward re-runs the block from the input its forward was "
                                 f"given, and would see other values. Change a copy instead (x = x + y, not "
@@ -1276,7 +1286,16 @@ def _contents(container):
     """What a list, dict or watched mapping holds now, as a list or dict of its own."""
     if isinstance(container, _SharedStateWatch):
         return dict(container._mapping)
-    return list(container) if isinstance(container, list) else dict(container)
+    return _structure_copy(list(container) if isinstance(container, list) else dict(container))
+
+
+def _structure_copy(v):
+    """The lists and dicts nested in ``v`` copied (what they hold as it is now), their other contents shared."""
+    if isinstance(v, list):
+        return [_structure_copy(x) for x in v]
+    if type(v) is dict:
+        return {k: _structure_copy(x) for k, x in v.items()}
+    return v
 
 
 def _fresh_copy(container, held):
@@ -1284,7 +1303,7 @@ def _fresh_copy(container, held):
     mapping (over a plain dict, with the same record of which block stored what)."""
     if isinstance(container, _SharedStateWatch):
         return _SharedStateWatch(dict(held), container._layer, container._writers)
-    return held.copy()
+    return _structure_copy(held)
 
 
 class _TensorsSeen:
