@@ -60,6 +60,7 @@ from .executor import LayerStreamingExecutor, inside_a_block
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
 from ..optim.hybrid_adamw import refuse_unordered
+from ..optim.lr_schedules import set_group_lrs
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, hand_back_to_params, listed_groups, param_groups,
                               refuse_unkept_8bit_states)
@@ -3053,11 +3054,7 @@ class LazyTrainEngine(nn.Module):
         last = getattr(self.lr_scheduler, "_last_lr", None)
         groups = getattr(getattr(self.lr_scheduler, "optimizer", None), "param_groups", None)
         if isinstance(last, list) and groups is not None and len(last) == len(groups):
-            for group, lr in zip(groups, last):
-                if torch.is_tensor(group["lr"]):   # filled in place: a captured step keeps reading it
-                    group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
-                else:
-                    group["lr"] = lr
+            set_group_lrs(groups, last)
 
     def _counts_after_load(self) -> None:
         """The micro-step count a load leaves (see below), and no progress window open: the next line's begins

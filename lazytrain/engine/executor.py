@@ -537,9 +537,8 @@ class LayerStreamingExecutor:
         x = x.detach()   # (its version counter is the model's tensor's)
         if home == DEVICE_HOME and not x.is_contiguous():
             x = x.contiguous()   # the tier's copy, made here: the model cannot change it, nothing to watch
-            self._put(p, DEVICE_HOME, self._key(p, i), x, owned=True)
-            return
-        p.input_versions[i] = (x, x._version)   # until read back, or until its copy off the device is over
+        else:
+            p.input_versions[i] = (x, x._version)   # until read back, or until its copy off the device is over
         if home == DEVICE_HOME:
             self._put(p, DEVICE_HOME, self._key(p, i), x, owned=True)
             return

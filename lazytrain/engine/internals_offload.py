@@ -29,8 +29,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..tiers import Tier, TransferHandle
-from . import lean_norms
 from ..tiers.base import TierError, wait_completions
+from . import lean_norms
 
 
 class InternalsOffloadError(RuntimeError):

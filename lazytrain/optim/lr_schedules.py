@@ -18,6 +18,16 @@ WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
 
 
+def set_group_lrs(param_groups: list[dict], lrs: list) -> None:
+    """Each group's learning rate set; a tensor rate filled in place, as DeepSpeed's: a captured step keeps
+    reading it."""
+    for group, lr in zip(param_groups, lrs):
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
+        else:
+            group["lr"] = lr
+
+
 def _per_group(optimizer, value, name: str) -> list[float]:
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
@@ -54,11 +64,7 @@ class _Schedule:
         raise NotImplementedError
 
     def _apply(self, lrs: list[float]) -> list[float]:
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            if torch.is_tensor(group["lr"]):   # filled in place, as DeepSpeed's: a captured step keeps reading it
-                group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
-            else:
-                group["lr"] = lr
+        set_group_lrs(self.optimizer.param_groups, lrs)
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def step(self, last_batch_iteration: int | None = None) -> None:

@@ -744,7 +744,6 @@ def _build_and_solve(p: Problem, opts: MilpOptions,
             nw = lsum(p.A[i] / GBF * off[i, k, w] for i, k in off_at.get(w, ()) if k == "N")
             exp_nr = lsum(p.A[i] / GBF * ex[i, k, w] for i, k in ex_at.get(w, ()) if k == "N")
             m += wait[w] >= exp_nr * (GBF / p.bw_nr), f"wait_nvme_read_{w}"
-        weights_nr = p.nvme_weights   # the weight copies read from NVMe too (the compute copies live there)
         # the window's time: the step's first micro-batch, and (forward windows, with accumulation) the later
         # ones, which stream no resident layer's weights
         for tw, name, h2d_w, d2h_w in ((t[w], "", h2d, d2h),) + (
@@ -756,8 +755,8 @@ def _build_and_solve(p: Problem, opts: MilpOptions,
                     f"time_{name}offload_internals_{w}"
             m += tw >= h2d_w * (GBF / p.bw_h2d), f"time_{name}h2d_{w}"
             m += tw >= d2h_w * (GBF / p.bw_d2h), f"time_{name}d2h_{w}"
-            if use_nvme or weights_nr:
-                weights_w = loaded(w, refresh=not name) if weights_nr else 0   # this variant's weight copies
+            if use_nvme or p.nvme_weights:   # with the compute copies on NVMe, each weight copy is read there too
+                weights_w = loaded(w, refresh=not name) if p.nvme_weights else 0   # this variant's weight copies
                 m += tw >= (nr + weights_w) * (GBF / p.bw_nr), f"time_{name}nvme_read_{w}"
             if use_nvme:
                 m += tw >= nw * (GBF / p.bw_nw), f"time_{name}nvme_write_{w}"

@@ -72,9 +72,9 @@ class InfeasibleBudgetError(ValueError):
     """A budget that cannot hold what the step needs; the message names the tier, the need and the gap."""
 
 
-# Where each tier's budget is given: the `lazytrain plan` flag and the engine's config key, for its errors to name
 NVME_BLOCK_BYTES = 4096   # the NVMe tier counts a file as whole blocks of this size (tiers/pool.py ALIGNMENT)
 
+# Where each tier's budget is given: the `lazytrain plan` flag and the engine's config key, for its errors to name
 BUDGET_SOURCES = {"GPU": "--gpu-mem or lazytrain.gpu_memory", "host": "--host-mem or lazytrain.host_memory",
                   "NVMe": "--nvme or lazytrain.nvme_memory",
                   "micro-batch": "--micro-batch or train_micro_batch_size_per_gpu"}
