@@ -47,8 +47,9 @@ def register(subparsers) -> None:
     p.add_argument("config", nargs="?", help="JSON engine config with a 'job' section (default: embedded tiny-cpu)")
     from .cli import positive
     p.add_argument("--steps", type=positive(int), help="override job.steps, and the schedule's "
-                                                         "scheduler.params.total_num_steps where it has one (the "
-                                                         "schedule is fitted to the steps run)")
+                                                         "length (scheduler.params.total_num_steps, or a torch "
+                                                         "OneCycleLR's total_steps) where it has one: the "
+                                                         "schedule is fitted to the steps run")
     p.add_argument("--out", help="override job.out_dir")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint an earlier run left in the "
                                                             "output directory (refused otherwise)")
@@ -203,6 +204,30 @@ def run(args) -> int:
         return 2
 
 
+def _fit_schedule_length(sched, steps: int, overridden: bool) -> None:
+    """With --steps the schedule's length is the steps run (DeepSpeed's ``total_num_steps``, torch OneCycleLR's
+    ``total_steps``); without it, a OneCycleLR shorter than ``job.steps`` is refused before training. Why: torch's
+    OneCycleLR raises once stepped past its end, which stopped the run there with a traceback and nothing
+    saved."""
+    if not isinstance(sched, dict) or not isinstance(sched.get("params"), dict):
+        return   # the engine names what is wrong with it
+    params = sched["params"]
+    if overridden and "total_num_steps" in params:
+        params["total_num_steps"] = steps
+    if sched.get("type") != "OneCycleLR":
+        return
+    if overridden:
+        params["total_steps"] = steps   # taken before epochs x steps_per_epoch
+        return
+    length, where = params.get("total_steps"), "total_steps"
+    if length is None and isinstance(params.get("epochs"), int) and isinstance(params.get("steps_per_epoch"), int):
+        length, where = params["epochs"] * params["steps_per_epoch"], "epochs x steps_per_epoch"
+    if isinstance(length, int) and not isinstance(length, bool) and 0 < length < steps:
+        raise JobError(f"the scheduler OneCycleLR runs {length} steps ('scheduler.params' {where}), fewer than "
+                       f"job.steps ({steps}): torch's OneCycleLR raises when stepped past its end; give it "
+                       f"{steps} steps, or run with --steps, which fits it to the steps run")
+
+
 def _run(args) -> int:
     import lazytrain
     from lazytrain.data.arithmetic import VOCAB_SIZE, ArithmeticTask
@@ -214,6 +239,7 @@ def _run(args) -> int:
                        "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-3}})")
     job = cfg["job"]
     steps, task_settings, model_settings = _job_settings(job, args.steps)
+    _fit_schedule_length(cfg.get("scheduler"), steps, overridden=bool(args.steps))
     out_dir = args.out or job.get("out_dir", "lazytrain-out")
     if not torch.distributed.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         _check_output_dir(out_dir, getattr(args, "overwrite", False), group=False)   # before the model is built
@@ -234,10 +260,6 @@ def _run(args) -> int:
             # the checkpoint's 'latest' file would replace the trace, a trace named 'final' stop the save
             raise JobError(f"trace path {trace_path} is in the output directory {out_dir}, where the checkpoint is "
                            f"written: give a file outside it")
-    sched = cfg.get("scheduler")
-    if args.steps and isinstance(sched, dict) and isinstance(sched.get("params"), dict) and \
-            "total_num_steps" in sched["params"]:
-        cfg["scheduler"]["params"]["total_num_steps"] = steps
     torch.manual_seed(job.get("seed", 0))
     task = ArithmeticTask(**task_settings)
     model_cfg = DecoderConfig(vocab_size=VOCAB_SIZE, max_position_embeddings=max(64, task.seq_len), **model_settings)

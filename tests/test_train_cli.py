@@ -21,6 +21,19 @@ def job_file(tmp_path, change):
     return str(path)
 
 
+def kept_engines(monkeypatch) -> list:
+    """The engines the runs in this test build, in order."""
+    import lazytrain
+    engines, initialize = [], lazytrain.initialize
+
+    def kept(*args, **kwargs):
+        out = initialize(*args, **kwargs)
+        engines.append(out[0])
+        return out
+    monkeypatch.setattr(lazytrain, "initialize", kept)
+    return engines
+
+
 def set_in(section, **kw):
     def change(cfg):
         target = cfg
@@ -260,14 +273,7 @@ def test_unmanaged_accumulation_takes_one_optimizer_step_per_training_step(tmp_p
     """With 'managed_gradient_accumulation' false every step() is a boundary: the loop's step() after each
     micro-batch ran --steps x gradient_accumulation_steps updates of one micro-batch each, on a schedule fitted
     to --steps (spent half-way)."""
-    import lazytrain
-    engines, initialize = [], lazytrain.initialize
-
-    def kept(*args, **kwargs):
-        out = initialize(*args, **kwargs)
-        engines.append(out[0])
-        return out
-    monkeypatch.setattr(lazytrain, "initialize", kept)
+    engines = kept_engines(monkeypatch)
     for managed in (True, False):
         path = job_file(tmp_path, set_in((), gradient_accumulation_steps=2, managed_gradient_accumulation=managed))
         assert main(["train", path, "--steps", "3", "--no-progress", "--out", str(tmp_path / f"out{managed}")]) == 0
@@ -277,3 +283,36 @@ def test_unmanaged_accumulation_takes_one_optimizer_step_per_training_step(tmp_p
     assert managed_run.get_lr() == unmanaged_run.get_lr()
     for a, b in zip(managed_run.module.parameters(), unmanaged_run.module.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def one_cycle(**params):
+    def change(cfg):
+        cfg["scheduler"] = {"type": "OneCycleLR", "params": {"max_lr": 3e-3, **params}}
+    return change
+
+
+@pytest.mark.parametrize("params,where", [({"total_steps": 2}, "2 steps ('scheduler.params' total_steps)"),
+                                          ({"epochs": 1, "steps_per_epoch": 2},
+                                           "2 steps ('scheduler.params' epochs x steps_per_epoch)")])
+def test_torch_one_cycle_shorter_than_the_job_is_refused_before_training(tmp_path, capsys, params, where):
+    """torch's OneCycleLR raises once stepped past its end: a job longer than it stopped there with a traceback
+    and nothing saved. Refused before the model is built."""
+    def change(cfg):
+        one_cycle(**params)(cfg)
+        cfg["job"]["steps"] = 3
+    out = tmp_path / "out"
+    assert main(["train", job_file(tmp_path, change), "--no-progress", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"lazytrain train: the scheduler OneCycleLR runs {where}, fewer than job.steps (3): torch's OneCycleLR "
+        f"raises when stepped past its end; give it 3 steps, or run with --steps, which fits it to the steps run\n")
+    assert not out.exists()
+
+
+def test_steps_option_fits_a_torch_one_cycle_to_the_steps_run(tmp_path, monkeypatch):
+    """--steps sets OneCycleLR's total_steps as it sets DeepSpeed schedules' total_num_steps: the run ends on
+    the schedule's last step."""
+    engines = kept_engines(monkeypatch)
+    path = job_file(tmp_path, one_cycle(total_steps=2))
+    assert main(["train", path, "--steps", "3", "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    schedule = engines[0].lr_scheduler
+    assert schedule.total_steps == 3 and schedule.last_epoch == 3
