@@ -688,6 +688,23 @@ def test_infeasible_plan_space_is_reported_by_the_milp():
         build_and_solve(p, MilpOptions(max_segment=2))
 
 
+def test_infeasible_message_names_the_nvme_left_for_activations_beside_weights_there():
+    """With the compute copies on NVMe the message printed the tier's whole capacity as if free for boundaries."""
+    import dataclasses
+    from lazytrain.planner.problem import fmt_bytes
+    p = toy_problem(4, 0.0, host_slots=0)
+    weights = sum(-(-layer.params * 2 // 4096) * 4096 for layer in toy_model(4).layers)
+    on_nvme = Problem(model=p.model, hardware=TOY_HW, micro_batch=4, seq_len=16,
+                      budgets=dataclasses.replace(p.budgets, weights_in_host=False, nvme_bytes=weights + 4096))
+    with pytest.raises(InfeasibleBudgetError) as e:
+        build_and_solve(on_nvme, MilpOptions(max_segment=2))
+    assert f", NVMe {fmt_bytes(weights + 4096)} of which 4.10 kB free for activations) at micro-batch 4" \
+        in str(e.value)
+    with pytest.raises(InfeasibleBudgetError) as e:   # weights in host memory: the whole tier is free
+        build_and_solve(p, MilpOptions(max_segment=2))
+    assert ", NVMe 0 B) at micro-batch 4" in str(e.value)
+
+
 # ---- simulator ------------------------------------------------------------------------------------
 def test_simulator_invariants_on_a_milp_plan():
     p = toy_problem(6, 1.5, host_slots=2, nvme_slots=1, hw=SLOW_HW)
