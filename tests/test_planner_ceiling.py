@@ -221,3 +221,41 @@ def test_floor_lets_a_layer_keep_its_graph_and_be_resident():
     step = simulate(p, plan).step_time_s
     for offload in (False, True):
         assert step_floor(p, offload=offload, selective=False).step_s <= step * (1 + 1e-9)
+
+
+def nvme_weights_problem(p: Problem, hw: HardwareProfile, nvme_extra: int = 0, grad_accum: int = 1) -> Problem:
+    """``p`` with its streamed compute copies on NVMe (weights_home "nvme"), ``nvme_extra`` bytes free beside."""
+    import dataclasses
+    weights = sum(-(-layer.params * 2 // 4096) * 4096 for layer in p.model.layers)
+    budgets = dataclasses.replace(p.budgets, weights_in_host=False, nvme_bytes=weights + nvme_extra)
+    return Problem(model=p.model, hardware=hw, micro_batch=p.micro_batch, seq_len=p.seq_len, budgets=budgets,
+                   grad_accum=grad_accum, check=False)
+
+
+def test_weights_read_from_nvme_bound_the_floor_on_a_slow_drive():
+    """With the compute copies on NVMe every weight copy is read there first: the floor charged the host link
+    alone, so on a drive slower than the link it sat below what any plan could reach."""
+    slow_nvme = HardwareProfile(name="toy-slow-nvme", achievable_tflops=1e-4, h2d_gbps=10.0, d2h_gbps=10.0,
+                                nvme_read_gbps=1e-5, nvme_write_gbps=10.0, host_optimizer_gparams_per_s=10.0)
+    p = nvme_weights_problem(fast_problem(4, room=0, hw=slow_nvme), slow_nvme, grad_accum=3)
+    f = step_floor(p, offload=True)
+    # as on a slow host link (test above), but the embedding and head, on the device, are not read from NVMe
+    read = 3 * (sum(p.Wl) + sum(p.Wl[:3])) - 2 * p.Wl[3]
+    assert read / p.bw_nr > 3 * p.minimal_compute_s() + p.nonlayer_w / p.bw_h2d
+    assert f.step_s == pytest.approx(read / p.bw_nr, rel=1e-9)
+    assert p.lower_bound_s()["nvme_read"] == sum(p.Wl) / p.bw_nr
+    from lazytrain.planner.report import table
+    assert f", NVMe read {sum(p.Wl) / p.bw_nr:.3f}, optimizer " in table(p, []).splitlines()[0]
+
+
+@pytest.mark.parametrize("hw", [TOY_HW, SLOW_HW], ids=["toy", "slow-link"])
+def test_floor_with_weights_on_nvme_is_below_every_plan(hw):
+    import dataclasses
+    slow_read = dataclasses.replace(hw, name="toy-slower-nvme", nvme_read_gbps=hw.h2d_gbps / 4)
+    p = nvme_weights_problem(toy_problem(3, 2, hw=slow_read), slow_read)
+    best, _, n = brute_force(p, free_windows=False, residency=True, selective=True)
+    assert n > 0
+    floor = step_floor(p).step_s
+    assert floor <= best * (1 + 1e-9)
+    assert step_floor(p, offload=True).step_s <= floor * (1 + 1e-9)
+    assert p.lower_bound_s()["bound"] <= floor * (1 + 1e-9)

@@ -25,7 +25,9 @@ that counts memory and links:
   device the whole step, in the room at the turn, refreshed once per step) or is the last layer; the
   embedding and head come once per step. At small micro-batches with gradient accumulation this traffic
   can bound the step, and each phase's share of it crosses while that phase runs (the weight stream copies
-  at most a window ahead: two layers' weights may arrive before their phase starts);
+  at most a window ahead: two layers' weights may arrive before their phase starts); with the compute
+  copies on NVMe (``Problem.nvme_weights``) each of those copies is read from NVMe too, and internals parked
+  beyond the host's room cross NVMe both ways;
 - a layer's choice may be fractional (a relaxation), so the floor is below every plan of the space.
 
 ``selective_offload=True`` adds a kind the executor does not run: a selective layer whose matmul and
@@ -42,6 +44,7 @@ Pure Python: PuLP with HiGHS (CBC as fallback) solves the LP in milliseconds.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pulp
@@ -143,6 +146,20 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     m += t * p.bw_h2d >= k * (sum(p.Wl) - refreshed + restreamed + parked) + refreshed + p.nonlayer_link_bytes, \
         "h2d_link_over_the_step"
     m += t * p.bw_d2h >= k * (sum(p.Gl) + p.nonlayer_link_bytes + parked), "d2h_link_over_the_step"
+    # NVMe: internals parked beyond the host's room are written there in the forward phase and read back in
+    # the backward; with the compute copies there (Problem.nvme_weights) each weight copy is read there first,
+    # at most two of a phase's before it starts, as on the host link
+    if math.isfinite(p.bw_nr):
+        spill = pulp.LpVariable("parked_on_nvme", 0)
+        m += spill >= parked - max(0, p.host_act_budget), "parked_beyond_the_host_on_nvme"
+        m += t_fwd * p.bw_nw >= spill, "nvme_writes_during_forward"
+        weights_fwd = pulp.lpSum((1 - res[i]) * p.Wl[i] for i in range(L)) - ahead if p.nvme_weights else 0
+        weights_bwd = restreamed - ahead if p.nvme_weights else 0
+        weights_step = k * (sum(p.Wl) - refreshed + restreamed) + refreshed if p.nvme_weights else 0
+        m += t_fwd * p.bw_nr >= weights_fwd, "forward_weights_read_from_nvme"
+        m += t_bwd * p.bw_nr >= spill + weights_bwd, "backward_weights_and_internals_read_from_nvme"
+        m += t * p.bw_nr >= k * spill + weights_step, "nvme_reads_over_the_step"
+        m += t * p.bw_nw >= k * spill, "nvme_writes_over_the_step"
     _, solver = _solver(MilpOptions())
     m.solve(solver)
     if pulp.LpStatus[m.status] != "Optimal":

@@ -503,12 +503,15 @@ class Problem:
         once and every gradient device->host; once per step, every weight host->device (a resident layer's
         refresh: with gradient accumulation its later micro-batches copy none) and the host optimizer's
         update (of the parameters it updates: the embedding's and head's only when their state is on the
-        host, Budgets.non_block_state)."""
+        host, Budgets.non_block_state); with the compute copies on NVMe, every layer's weights read there once
+        a step ("nvme_read")."""
         k = self.grad_accum
         parts = {"compute": k * self.minimal_compute_s(),
                  "h2d": (sum(self.Wl) + self.nonlayer_link_bytes) / self.bw_h2d,
                  "d2h": k * (sum(self.Gl) + self.nonlayer_link_bytes) / self.bw_d2h,
                  "optimizer": self.opt_nl + sum(self.opt_l)}
+        if self.nvme_weights:
+            parts["nvme_read"] = sum(self.Wl) / self.bw_nr
         parts["bound"] = max(parts.values())
         return parts
 

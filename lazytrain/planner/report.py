@@ -113,7 +113,9 @@ def table(p: Problem, rows: list[Row]) -> str:
             f"budgets GPU {fmt_bytes(p.gpu_budget)}, host {fmt_bytes(p.host_budget)}, "
             f"NVMe {fmt_bytes(p.nvme_budget) if p.nvme_budget else 'none'}; "
             f"step lower bound {_seconds(lb['bound'])} s (compute {_seconds(lb['compute'])}, H2D "
-            f"{_seconds(lb['h2d'])}, D2H {_seconds(lb['d2h'])}, optimizer {_seconds(lb['optimizer'])})")
+            f"{_seconds(lb['h2d'])}, D2H {_seconds(lb['d2h'])}, "
+            + (f"NVMe read {_seconds(lb['nvme_read'])}, " if "nvme_read" in lb else "")
+            + f"optimizer {_seconds(lb['optimizer'])})")
     shown = any(r.policy.startswith("megatrain") for r in rows)
     trained = trained_line(p, "timed" if ref is not None else "not timed" if shown else None)
     return head + "\n" + (trained + "\n" if trained else "") + floors_line(p, ref) + "\n" + "\n".join(lines)
