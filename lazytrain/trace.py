@@ -50,6 +50,13 @@ class Timeline:
         self._deferred: list = []   # (lane, name, resolve() -> (start, end) seconds, args): device-timed spans
         self.device_origins: dict = {}   # device -> (its event, perf_counter time) taken together
 
+    def move_origin(self, origin: float) -> None:
+        """Start the timeline at ``origin`` (perf_counter seconds) instead, its wall-clock instant moved with it:
+        the ranks' files line up only if both name the same instant."""
+        with self._lock:
+            self.wall_origin += origin - self.origin
+            self.origin = origin
+
     def add(self, lane: str, name: str, start: float, end: float, **args) -> None:
         """A span from ``start`` to ``end`` (perf_counter seconds, absolute)."""
         with self._lock:
@@ -77,8 +84,10 @@ class Timeline:
     # ---- reading it ---------------------------------------------------------------------------
     @property
     def first_start(self) -> float:
-        """When the first span began (seconds from the origin): where the written trace's times start."""
-        return min((s.start for s in self.spans), default=0.0)
+        """Where the written trace's times start (seconds from the origin): the origin, the step's start (a
+        measured step's first forward), or a span that began before it. Not the first span: the work before
+        the first block (the embedding, the masks) is the step's."""
+        return min((s.start for s in self.spans), default=0.0) if any(s.start < 0 for s in self.spans) else 0.0
 
     @property
     def duration(self) -> float:
@@ -174,8 +183,9 @@ def measured_source(rank: int, world_size: int) -> str:
 
 def write_chrome_trace(path: str, *timelines: Timeline) -> None:
     """Write timelines into one Chrome/Perfetto trace file, one process each (predicted beside measured). Each
-    process's times start at its first span; for a measured one, ``otherData.start_unix_s`` gives that
-    instant on the wall clock, so that the files of several ranks (or runs) can be lined up."""
+    process's times start at the step's start (``Timeline.first_start``); for a measured one,
+    ``otherData.start_unix_s`` gives that instant on the wall clock, so that the files of several ranks (or
+    runs) can be lined up."""
     files.replaced_file(path, "trace path")   # refused before the events are gathered
     events, starts = [], {}
     for pid, t in enumerate(timelines, start=1):

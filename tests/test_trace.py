@@ -109,7 +109,8 @@ def test_the_simulator_writes_the_same_format(tmp_path):
 
 def test_a_measured_trace_says_its_rank_and_when_it_began_on_the_wall_clock(tmp_path):
     """Over several ranks each rank writes its own file: named by its rank, and each file's times (which start
-    at its first span) placed on the wall clock, so that the ranks' files can be lined up."""
+    at the step's start, its first forward, not at its first span: the work before the first block is the
+    step's) placed on the wall clock, so that the ranks' files can be lined up."""
     import time
     from lazytrain.trace import measured_source
     assert (measured_source(0, 1), measured_source(1, 2)) == ("measured", "measured (rank 1)")
@@ -121,7 +122,10 @@ def test_a_measured_trace_says_its_rank_and_when_it_began_on_the_wall_clock(tmp_
     written = json.loads(path.read_text())
     assert [e["args"]["name"] for e in written["traceEvents"] if e["name"] == "process_name"] == ["measured (rank 1)"]
     (name, start), = written["otherData"]["start_unix_s"].items()
-    assert name == "measured (rank 1)" and before + 0.25 <= start <= time.time() + 0.25
+    assert name == "measured (rank 1)" and before <= start <= time.time()
+    (span,) = [e for e in written["traceEvents"] if e["ph"] == "X"]
+    assert (span["ts"], span["dur"]) == (250000, 250000)
+    assert "measured (rank 1): step 500.00 ms" in measured.summary()
 
 
 def test_a_trace_path_that_cannot_be_written_is_refused_before_training(tmp_path):
@@ -151,7 +155,10 @@ def test_on_cuda_the_trace_starts_once_the_work_queued_before_it_has_run(monkeyp
         return t.device_origins[device]
     monkeypatch.setattr(streams, "_device_origin", origin_after_queued_work)
     timeline = Timeline("measured", device="cuda")
+    wall_before = timeline.wall_origin
     streams.start_recording(timeline, torch.device("cuda", 0))
+    # the wall-clock instant moves with the origin (it stayed: each rank's file placed early by its own wait)
+    assert timeline.wall_origin - wall_before >= 0.05
     try:
         with streams.span("compute", "fwd L0"):
             pass
@@ -237,8 +244,8 @@ def test_spans_back_to_back_stay_back_to_back_as_perfetto_reads_the_written_trac
     write_chrome_trace(str(path), t)
     spans = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["tid"] for e in spans} == {1}
-    # each end in integer ns from the first span's start, the duration their difference: back to back stays so
-    at = [round((x - edges[0]) * 1e9) for x in edges]
+    # each end in integer ns from the origin, the duration their difference: back to back stays so
+    at = [round(x * 1e9) for x in edges]
     for read in (int, round):
         ns = {(e["name"], read(e["ts"] * 1000.0), read(e["dur"] * 1000.0)) for e in spans}
         assert ns == {(f"L{k}", at[k], at[k + 1] - at[k]) for k in range(2000)} | {("inner", at[5], at[6] - at[5])}

@@ -133,7 +133,7 @@ def start_recording(timeline, device=None) -> None:
     _timeline = timeline
     if device is not None and torch.device(device).type == "cuda":
         _, host = _device_origin(timeline, torch.device(device))
-        timeline.origin = host
+        timeline.move_origin(host)
 
 
 def stop_recording():
