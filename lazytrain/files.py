@@ -1,4 +1,4 @@
-"""Small files written whole (plans, profiles, traces): a reader of the path sees the old text or the new one,
+"""Small files written whole (plans, profiles, traces, plots): a reader of the path sees the old text or the new one,
 never a part of either.
 
 The text is written beside the file it replaces, under a name of this process's own, then renamed over it.
@@ -31,7 +31,12 @@ def partial_name(target: str) -> str:
 
 
 def write_text_atomic(path: str, text: str, what: str = "path") -> None:
-    """Replace the file ``path`` leads to with ``text``, keeping its permissions; a failed write (a full disk,
+    """Replace the file ``path`` leads to with ``text`` (UTF-8), as :func:`write_bytes_atomic`."""
+    write_bytes_atomic(path, text.encode("utf-8"), what)
+
+
+def write_bytes_atomic(path: str, data: bytes, what: str = "path") -> None:
+    """Replace the file ``path`` leads to with ``data``, keeping its permissions; a failed write (a full disk,
     say) leaves the old file and no temporary one."""
     target = replaced_file(path, what)
     partial = partial_name(target)
@@ -42,8 +47,8 @@ def write_text_atomic(path: str, text: str, what: str = "path") -> None:
     try:
         # made with the replaced file's mode, so a 0600 file's new text is never readable by others
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         if mode is not None:
             with contextlib.suppress(OSError):   # the umask's bits back (a filesystem without modes: as it is)
                 os.chmod(partial, mode)

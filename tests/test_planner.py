@@ -1389,6 +1389,62 @@ def test_cli_refuses_a_plot_file_of_no_known_format_before_solving(tmp_path, cap
                                        f"give two names\n")
 
 
+def test_cli_refuses_an_output_path_its_folder_takes_no_file_at_before_solving(tmp_path, capsys):
+    """The check looked at the folder alone: a path whose file cannot be created there (/proc/x.json; here a
+    directory holds the temporary name the write renames) printed the table after the solve, then failed."""
+    from lazytrain.cli import main
+    from lazytrain.files import partial_name
+    args = ["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--micro-batch", "8", "--time-limit", "2"]
+    for flag, name in (("--json", "p.json"), ("--plot", "p.png")):
+        path = tmp_path / name
+        os.mkdir(partial_name(str(path)))
+        assert main(args + [flag, str(path)]) == 2
+        assert capsys.readouterr() == ("", f"lazytrain plan: {flag} {path} cannot be written: its temporary file "
+                                           f"{partial_name(str(path))} cannot be created (Is a directory); the "
+                                           f"file is written there, then renamed over the path\n")
+
+
+def test_cli_asks_for_matplotlib_before_solving(tmp_path, capsys, monkeypatch):
+    """A missing matplotlib was found once the plan was solved (and its JSON written)."""
+    from lazytrain.cli import main
+    from lazytrain.planner import plot
+
+    def missing():
+        raise ImportError("plotting needs matplotlib: pip install lazytrain[plot]")
+    monkeypatch.setattr(plot, "pyplot", missing)
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--micro-batch", "8",
+                 "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")]) == 3
+    assert capsys.readouterr() == ("", "lazytrain plan: --plot: plotting needs matplotlib: pip install "
+                                       "lazytrain[plot]\n")
+    assert not os.listdir(tmp_path)
+
+
+def test_a_plot_that_cannot_be_written_leaves_the_old_one(tmp_path):
+    """savefig wrote the path itself: a failed write left a part of the new image over the old one."""
+    pytest.importorskip("matplotlib")
+    from lazytrain.files import partial_name
+    from lazytrain.planner.plot import plot_step
+    path = tmp_path / "g.png"
+    path.write_bytes(b"old plot")
+    os.mkdir(partial_name(str(path)))
+    with pytest.raises(OSError):
+        plot_step(simulate(toy_problem(2, 4.0), every_k_plan(2, 1)), str(path))
+    assert path.read_bytes() == b"old plot"
+    os.rmdir(partial_name(str(path)))
+    plot_step(simulate(toy_problem(2, 4.0), every_k_plan(2, 1)), str(path))
+    assert path.read_bytes().startswith(b"\x89PNG") and sorted(os.listdir(tmp_path)) == ["g.png"]
+
+
+def test_cli_plot_title_names_the_accumulated_micro_batches(tmp_path, monkeypatch):
+    from lazytrain.cli import main
+    from lazytrain.planner import plot
+    titles = []
+    monkeypatch.setattr(plot, "plot_step", lambda sim, path, title="": titles.append(title))
+    assert main(["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--micro-batch", "4", "--global-batch",
+                 "8", "--time-limit", "2", "--plot", str(tmp_path / "p.png")]) == 0
+    assert titles == ["qwen2.5-3b on h800, micro-batch 4 x 2 accumulated"]
+
+
 def test_cli_refuses_an_output_file_that_is_one_of_its_inputs(tmp_path, capsys):
     """--json naming the --model config.json replaced the model's config with the plan (rc 0)."""
     from lazytrain.cli import main

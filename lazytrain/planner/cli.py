@@ -15,7 +15,7 @@ import os
 import sys
 
 from ..cli import fraction, nonnegative_int, positive
-from ..files import replaced_file
+from ..files import check_writable
 
 
 def register(subparsers) -> None:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from .measured import MeasurementError
     from .milp import MilpOptions, PlanningError
     from .models import ModelShapeError, load_model
-    from .plot import unsupported_format
+    from .plot import pyplot, unsupported_format
     from .problem import Budgets, InfeasibleBudgetError, Problem
     from .report import compare, table
     from .search import search_micro_batch
@@ -93,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"lazytrain plan: {flag} {path} is a directory; give a file name", file=sys.stderr)
             return 2
         if path:
-            try:
-                replaced_file(path, flag)
-            except OSError as e:   # a FIFO or a device: the rename would replace the node itself
+            try:   # a FIFO or a device (the rename would replace the node itself), a folder that takes no file
+                check_writable(path, flag, "plan.json" if flag == "--json" else "plan.png")
+            except ValueError as e:
                 print(f"lazytrain plan: {e}", file=sys.stderr)
                 return 2
         for source, given in (("--model", args.model), ("--hardware", args.hardware), ("--profile", args.profile)):
@@ -111,6 +111,12 @@ def run(args: argparse.Namespace) -> int:
     if why:
         print(f"lazytrain plan: --plot {args.plot}: {why}", file=sys.stderr)
         return 2
+    if args.plot:
+        try:   # the optional extra, asked for before solving, not after
+            pyplot()
+        except ImportError as e:
+            print(f"lazytrain plan: --plot: {e}", file=sys.stderr)
+            return 3
     if args.profile is None and (args.model is None or args.hardware is None):
         print("lazytrain plan: give --model and --hardware, or --profile", file=sys.stderr)
         return 2
@@ -166,10 +172,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from .plot import plot_step
         try:
-            plot_step(simulate(p, plan), args.plot, title=f"{p.model.name} on {p.hardware.name}, micro-batch {mb}")
-        except ImportError as e:
-            print(f"lazytrain plan: {e}", file=sys.stderr)
-            return 3
+            accum = f" x {p.grad_accum} accumulated" if p.grad_accum > 1 else ""
+            plot_step(simulate(p, plan), args.plot,
+                      title=f"{p.model.name} on {p.hardware.name}, micro-batch {mb}{accum}")
         except OSError as e:
             print(f"lazytrain plan: cannot write {args.plot}: {e.strerror}", file=sys.stderr)
             return 2

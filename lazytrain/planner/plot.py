@@ -3,8 +3,10 @@
 matplotlib is the optional extra ``plot`` (``pip install lazytrain[plot]``) and is imported lazily."""
 from __future__ import annotations
 
+import io
 import os
 
+from ..files import write_bytes_atomic
 from .simulate import SimResult
 
 # The extensions plot_step writes: matplotlib's savefig formats that need nothing beside it (pgf needs LaTeX,
@@ -20,7 +22,8 @@ COLORS = {"fwd": "#4c72b0", "head": "#8172b2", "recompute": "#c44e52", "diff": "
 OTHER = "#999999"   # a kind without a colour of its own: drawn, and named "other" in the legend
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend; ImportError naming the extra where matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -46,7 +49,7 @@ def plot_step(sim: SimResult, path: str, title: str = "") -> str:
     why = unsupported_format(path)
     if why:
         raise ValueError(f"{path}: {why}")
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(14, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     drawn: dict[str, str] = {}   # the legend: each kind drawn, in order of first appearance
     for ev in sim.timeline:
@@ -74,6 +77,10 @@ def plot_step(sim: SimResult, path: str, title: str = "") -> str:
     axm.set_xlabel("time (s)")
     axm.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    image = io.BytesIO()   # drawn whole, then written over the old file: a failed write leaves it as it was
+    try:
+        fig.savefig(image, format=os.path.splitext(path)[1][1:].lower(), dpi=110)
+    finally:
+        plt.close(fig)
+    write_bytes_atomic(path, image.getvalue(), "plot path")
     return path
