@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from lazytrain.files import check_writable, write_text_atomic
+from lazytrain.files import check_writable, write_bytes_atomic, write_text_atomic
 from lazytrain.planner.plan import Plan, keep_all_plan
 
 
@@ -17,7 +17,7 @@ def test_a_written_json_file_holds_the_old_text_or_the_new_one_whole(tmp_path):
     class Unwritable:
         pass
     with pytest.raises(TypeError):
-        write_text_atomic(str(path), Unwritable())   # fails inside the write
+        write_bytes_atomic(str(path), Unwritable())   # fails inside the write (the text's is this one)
     assert path.read_text() == "old\n" and sorted(os.listdir(tmp_path)) == ["plan.json"]
     write_text_atomic(str(path), "new\n")
     assert path.read_text() == "new\n" and sorted(os.listdir(tmp_path)) == ["plan.json"]
