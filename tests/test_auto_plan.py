@@ -249,7 +249,11 @@ def test_a_saved_profile_plans_at_start_up_as_lazytrain_plan_does(measured, tmp_
     assert "--micro-batch must be a whole number or 'auto', got 'abc'" in capsys.readouterr().err
     # --base without --hardware: the catalog entry supplies what was not measured (it was ignored)
     assert main(["plan", "--profile", path, "--gpu-mem", "64GiB", "--host-mem", "64GiB", "--time-limit", "5"]) == 0
-    assert " on measured on " in capsys.readouterr().out
+    assert f" on {measured_at.device} (measured): micro-batch " in capsys.readouterr().out
+    odd = str(2 * measured_at.micro_batch + 1)
+    assert main(["plan", "--profile", path, "--base", "h200", "--global-batch", odd]) == 2
+    assert capsys.readouterr().err == (f"lazytrain plan: --global-batch {2 * measured_at.micro_batch + 1}: the "
+                                       f"profile's micro-batch {measured_at.micro_batch} does not divide it\n")
     assert main(["plan", "--profile", path, "--base", "h200", "--time-limit", "5"]) == 0
     assert " on h200: micro-batch " in capsys.readouterr().out
     assert main(["plan", "--profile", path, "--base", "no-such-card"]) == 2

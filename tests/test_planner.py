@@ -341,6 +341,9 @@ def test_model_from_a_local_config_json(tmp_path):
     for spec in (str(d), str(d / "config.json")):
         m = load_model(spec)
         assert m.name == "my-model" and m.total_params == 7_615_616_512
+    # a file of another name names itself, not its folder
+    (d / "qwen-small.json").write_text(json.dumps(CATALOG_CONFIGS["qwen2.5-7b"]))
+    assert load_model(str(d / "qwen-small.json")).name == "qwen-small"
 
 # 32 heads: the default key/value heads of the model types below (Gemma 16, Qwen2 32) must divide them
 TIE_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=32, intermediate_size=96, vocab_size=128)

@@ -211,6 +211,8 @@ def test_a_card_is_given_its_own_variants_datasheet_peak():
     from lazytrain.tiers.bench import datasheet_peak_tflops
     assert datasheet_peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert datasheet_peak_tflops("NVIDIA H100 NVL") == 835.0
+    assert datasheet_peak_tflops("NVIDIA H200 NVL") == 835.0   # 1,671 with sparsity
+    assert datasheet_peak_tflops("NVIDIA H200") == 989.0
     assert datasheet_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
     assert datasheet_peak_tflops("NVIDIA H800 PCIe") == 756.0
     assert datasheet_peak_tflops("NVIDIA GeForce RTX 3090") == 71.0

@@ -221,6 +221,9 @@ def _profile_problem(args: argparse.Namespace, budgets):
                          f"(the sizes to plan for, e.g. 24GB for the card measured), or --hardware / --base")
     # the run measured fixed its global batch: planned with its accumulation unless --global-batch says otherwise
     global_batch = args.global_batch if args.global_batch is not None else profile.micro_batch * profile.grad_accum
+    if global_batch % profile.micro_batch:   # named by the flag, not by the library's keyword
+        raise ValueError(f"--global-batch {global_batch}: the profile's micro-batch {profile.micro_batch} does not "
+                         f"divide it")
     for k in ("trainable_share", "non_block_trainable_share"):
         given, measured_share = getattr(args, k), getattr(profile, k)
         if given is None:   # the run measured trained this share of the layers (of the others)

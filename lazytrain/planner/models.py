@@ -938,5 +938,8 @@ def load_model(spec: "str | dict | ModelShape") -> ModelShape:
     if os.path.isdir(spec):
         spec = os.path.join(spec, "config.json")
     if os.path.exists(spec) or spec.endswith(".json"):
-        return ModelShape.from_hf_config(spec, name=os.path.basename(os.path.dirname(os.path.abspath(spec))))
+        # a model's folder names it (Qwen2.5-7B/config.json); a file of another name names itself
+        name = os.path.basename(os.path.dirname(os.path.abspath(spec))) if os.path.basename(spec) == "config.json" \
+            else os.path.splitext(os.path.basename(spec))[0]
+        return ModelShape.from_hf_config(spec, name=name)
     return catalog_model(spec)

@@ -424,7 +424,7 @@ def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_b
         peak = base.peak_tflops if (base.peak_tflops or math.inf) >= rates["achievable_tflops"] else None
         hw = replace(base, peak_tflops=peak, **rates, **links, **memory)
     else:
-        hw = HardwareProfile(name=f"measured on {profile.device}", **rates,
+        hw = HardwareProfile(name=f"{profile.device} (measured)", **rates,
                              gpu_mem_bytes=memory.get("gpu_mem_bytes", budgets.gpu_bytes or 64 * GiB),
                              host_mem_bytes=memory.get("host_mem_bytes", budgets.host_bytes or 64 * GiB),
                              **links)

@@ -22,8 +22,8 @@ GB = 1e9
 
 # Dense bf16 tensor-core peaks from NVIDIA datasheets (TFLOP/s), matched by a substring of the device name.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "H100 PCIe": 756.0, "H800 PCIe": 756.0,
-                    "H100 NVL": 835.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "RTX 4090": 165.0,
-                    "RTX 3090": 71.0, "A10G": 70.0}
+                    "H100 NVL": 835.0, "H200 NVL": 835.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+                    "RTX 4090": 165.0, "RTX 3090": 71.0, "A10G": 70.0}
 
 
 def datasheet_peak_tflops(device_name: str) -> float | None:
