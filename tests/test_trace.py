@@ -168,6 +168,34 @@ def test_on_cuda_the_trace_starts_once_the_work_queued_before_it_has_run(monkeyp
     assert 0 <= s.start < 0.04, s.start    # not 0.05 s in: the drained work is before the origin
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_file_places_the_traced_step_after_the_work_queued_before_it(tmp_path):
+    """The file's wall-clock start stayed at the first forward's call while the timeline began once the
+    work queued before it had run: each rank's file was placed early by its own wait."""
+    import time
+    engine = traced_engine(tmp_path)
+    (x0, y0), (x1, y1) = batches(2)
+    engine.backward(lm_loss(engine(x0), y0))
+    engine.step()
+    torch.cuda.synchronize()
+    path = tmp_path / "step.json"
+    engine.trace_next_step(str(path))
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    queued_at = time.time()
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began.record()
+    for _ in range(200):   # about 0.1-0.3 s of work queued before the traced step
+        a = (a @ a).clamp_(-1, 1)
+    ended.record()
+    engine.backward(lm_loss(engine(x1), y1))
+    engine.step()
+    queued_s = began.elapsed_time(ended) / 1e3
+    start = json.loads(path.read_text())["otherData"]["start_unix_s"]["measured"]
+    assert queued_s > 0.02 and start >= queued_at + 0.8 * queued_s, (queued_s, start - queued_at)
+    engine.destroy()
+
+
 def test_a_traced_step_that_raised_is_dropped_and_the_next_trace_goes_where_it_was_asked(tmp_path):
     """The recording of a step that raised went on into the next step, which was written under the failed
     step's path, while the path asked for next got the step after."""
