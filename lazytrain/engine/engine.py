@@ -23,7 +23,7 @@ import time
 import types
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -1306,11 +1306,7 @@ class LazyTrainEngine(nn.Module):
             return
         first, e = self._unstored_copies
         self._unstored_copies = None
-        raise StepFailedError(
-            f"step {self.global_steps} completed (weights, optimizer states, counters, schedule and gradients "
-            f"all advanced), but the compute copies of layers {first}..{self.weights.num_layers - 1} could not "
-            f"be stored ({type(e).__name__}: {e}); each is written again from the fp32 weights before its next "
-            f"use, and a forward that still cannot store it raises") from e
+        raise StepFailedError(self._unstored_copies_message(self.global_steps, first, e)) from e
 
     def _inconsistent(self, reason: str, error: Exception, lost: str) -> StepFailedError:
         """From now until a checkpoint is loaded, training and saving are refused, naming ``reason``."""
@@ -1716,13 +1712,30 @@ class LazyTrainEngine(nn.Module):
             failure.agree("agreement that every rank's optimizer update succeeded, in engine.step()",
                           RuntimeError("the optimizer update failed on another rank: see its error"))
             # with the masters sharded the copies are written already (owners above, broadcasts for the rest)
+            unstored: list = []
             for i in (range(w.num_layers) if not w.masters_sharded else ()):
-                try:
-                    self.weights.refresh_compute_copy(i, host_copy_current=self._fused_copies and self._updates_here(i))
-                except Exception as e:   # the update itself is whole: the copies are written again when needed
-                    self.weights.mark_unstored(range(i, self.weights.num_layers))
-                    self._unstored_copies = (i, e)
-                    break
+                self._store_copy_after_update(i, self._fused_copies and self._updates_here(i), unstored)
+            self._unstored_copies = unstored[0] if unstored else None
+
+    def _store_copy_after_update(self, i: int, host_copy_current: bool, unstored: list) -> None:
+        """Layer i's compute copy rewritten after its update. One that cannot be stored (a full disk under the
+        NVMe weights) is left to be written again from the fp32 weights before its next use, and the first
+        failure of the step is kept in ``unstored`` as (layer, error): the update itself is whole, so the step
+        is not failed for it. After a failure the later layers' copies are not tried (each try of the NVMe
+        tier frees the old file first): they are written again the same way."""
+        if not unstored:
+            try:
+                self.weights.refresh_compute_copy(i, host_copy_current=host_copy_current)
+                return
+            except Exception as e:   # noqa: BLE001 - kept for the step's report
+                unstored.append((i, e))
+        self.weights.mark_unstored([i])
+
+    def _unstored_copies_message(self, step: int, first: int, error: BaseException) -> str:
+        return (f"step {step} completed (weights, optimizer states, counters, schedule and gradients all "
+                f"advanced), but the compute copies of layers {first}..{self.weights.num_layers - 1} could not be "
+                f"stored ({type(error).__name__}: {error}); each is written again from the fp32 weights before its "
+                f"next use, and a forward that still cannot store it raises")
 
     @contextlib.contextmanager
     def _host_writes(self, layers, launch_event=None):
@@ -1798,8 +1811,15 @@ class LazyTrainEngine(nn.Module):
 
         launched = self._compute_stream_point()   # queued kernels may still read resident device copies
 
+        unstored: list = []   # the step's first copy that could not be stored: (layer, error)
+        step = self.global_steps + 1
+
+        def warn_unstored() -> None:   # step() has returned: said as a warning, where the serial step raises
+            if unstored:
+                warnings.warn("lazytrain: " + self._unstored_copies_message(step, *unstored[0]), UserWarning)
         if self.shards is not None:
-            update_layer = self._sharded_layer_updates(layer_grads, groups, factor, launched)
+            update_layer = self._sharded_layer_updates(layer_grads, groups, factor, launched, unstored,
+                                                       warn_unstored)
         else:
             failure = RankFailure(self.dist, on_update_thread=True)
 
@@ -1811,16 +1831,18 @@ class LazyTrainEngine(nn.Module):
                             self.basic_optimizer.update(list(layer_grads[i]), clip_coef=factor, groups=groups,
                                                   grads=layer_grads[i], zero_grads=True)
                             cleared = True   # grad_views cover the buffer: every element is in one of them
-                            w.refresh_compute_copy(i, host_copy_current=self._fused_copies)
+                            self._store_copy_after_update(i, self._fused_copies, unstored)
                     w.zero_layer_grads(i, cleared=cleared)
                 # replicated ranks: after the last layer they agree whether every update succeeded, so that all
                 # fail together and none trains on alone with other weights than the rest
                 if i == w.num_layers - 1:
+                    warn_unstored()
                     failure.agree("agreement that every rank's layer updates succeeded",
                                   RuntimeError("a layer update failed on another rank: see its error"))
         self.layer_updates.launch(update_layer, range(w.num_layers))
 
-    def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched):
+    def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched,
+                               unstored: list, warn_unstored: Callable[[], None]):
         """The update thread's work when the optimizer state is sharded: ``update_layer(i)`` for i in order.
 
         Each call first runs ahead: for the next layers up to ``world_size`` past i it opens the host-write
@@ -1867,10 +1889,11 @@ class LazyTrainEngine(nn.Module):
                     raise
                 with failure.kept():
                     if not w.masters_sharded:   # else the broadcast wrote the copy (or its owner did)
-                        w.refresh_compute_copy(i, host_copy_current=self._fused_copies and shards.owns_layer(i))
+                        self._store_copy_after_update(i, self._fused_copies and shards.owns_layer(i), unstored)
                 self.stream.after_host_write(i, launched)
             w.zero_layer_grads(i)
             if i == w.num_layers - 1:
+                warn_unstored()
                 failure.agree("agreement that every rank's layer updates succeeded",
                               RuntimeError("a layer update failed on another rank: see its error"))
         return update_layer
