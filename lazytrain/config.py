@@ -373,6 +373,7 @@ class LazyTrainSection:
     weights_home: str = "host"          # host | nvme | hbm (hbm = all layers resident, no streaming)
     tiers: tuple = ()                   # user tiers: ({"name", "class", "capacity", ...},)
     capacities: dict = field(default_factory=dict)  # tier name -> budget in bytes (None = unbounded)
+    capacity_keys: dict = field(default_factory=dict)   # tier name -> the config key that gave its budget
     optimizer_states: str = "fp32"      # fp32 | 8bit (block tensors' Adam moments)
     hybrid_threshold: int = 4096        # tensors smaller than this keep fp32 states
     quant_block_size: int = 256         # HybridAdamW's measured default (bitsandbytes' CUDA block size)
@@ -1110,7 +1111,7 @@ def _parse_lazytrain(section, ac: dict, offload_param: OffloadConfig, seen: _Ign
         plan_path=section.get("plan"), device=str(section.get("device", "auto")),
         prefetch=_flag(section, "prefetch", True, "lazytrain"), weights_home=weights_home, last_segment_graph=last_graph,
         overlap_optimizer=overlap,
-        tiers=tuple(tiers), capacities=capacities, optimizer_states=states,
+        tiers=tuple(tiers), capacities=capacities, capacity_keys=given_by, optimizer_states=states,
         hybrid_threshold=_number(section, "hybrid_threshold", 4096, "lazytrain", integer=True, minimum=0),
         quant_block_size=_quant_block_size(section),
         fp32_state_patterns=_patterns(section),

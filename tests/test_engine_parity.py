@@ -1082,8 +1082,13 @@ def test_config_as_json_path_and_base64(tmp_path):
 def test_device_budget_enforced():
     from lazytrain.tiers import TierBudgetError
     model = make_model("llama")
-    with pytest.raises(TierBudgetError, match="tier 'hbm' is over its budget"):
+    with pytest.raises(TierBudgetError, match="tier 'hbm' is over its budget") as e:
         train_engine(model, batches(1), ds_config(gpu_memory=1000))
+    # the key that gave the budget, named (the message said "the tier's capacity in the config")
+    assert str(e.value).endswith("Raise config key 'lazytrain.gpu_memory' or place fewer tensors on it.")
+    with pytest.raises(TierBudgetError) as e:
+        train_engine(make_model("llama"), batches(1), ds_config(capacities={"hbm": 1000}))
+    assert str(e.value).endswith("Raise config key 'lazytrain.capacities.hbm' or place fewer tensors on it.")
 
 
 @pytest.mark.parametrize("graph, one_step", [

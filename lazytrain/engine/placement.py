@@ -38,8 +38,12 @@ def build_tiers(cfg: EngineConfig, device: torch.device) -> dict[str, Tier]:
     from ..tiers import create_tiers
     lt = cfg.lazytrain
     aio = cfg.aio.tier_settings()
-    return create_tiers(list(lt.tiers), device, nvme_path=lt.nvme_path, aio=aio if lt.nvme_path else None,
-                        capacities=lt.capacities)
+    tiers = create_tiers(list(lt.tiers), device, nvme_path=lt.nvme_path, aio=aio if lt.nvme_path else None,
+                         capacities=lt.capacities)
+    for name, tier in tiers.items():   # its over-budget error names the key to raise
+        if name in lt.capacity_keys and tier.capacity is not None:
+            tier.capacity_source = lt.capacity_keys[name]
+    return tiers
 
 
 _NO_NVME = "; the NVMe tier exists when 'lazytrain.nvme_path' names a directory on the drive"

@@ -301,6 +301,8 @@ class Tier(ABC):
     # links); a user's tier does not, so with copy threads on its reads run on a copy thread of its own
     # and its writes complete there, each after a chaos delay, for the engine's ordering to meet them late
     runs_own_transfers: bool = False
+    # where the capacity was given ("config key 'lazytrain.nvme_memory'"), for the over-budget error to name it
+    capacity_source: str | None = None
 
     def __init__(self, name: str, capacity: int | str | None = None, device: torch.device | str | None = None):
         self.name = name
@@ -482,10 +484,11 @@ class Tier(ABC):
             use, cap = format_bytes(used + nbytes), format_bytes(self.capacity)
             if use == cap:   # rounded alike: the exact counts show the overshoot
                 use, cap = f"{use} ({used + nbytes:,} bytes)", f"{cap} ({self.capacity:,} bytes)"
+            source = self.capacity_source or "the tier's capacity in the config"
             raise TierBudgetError(
                 f"tier {self.name!r} is over its budget: writing {key!r} ({size}) would bring "
-                f"its use to {use}, but its capacity is {cap} ({format_bytes(used)} in use). Raise the tier's "
-                f"capacity in the config or place fewer tensors on it.")
+                f"its use to {use}, but its capacity is {cap} ({format_bytes(used)} in use). Raise {source} or "
+                f"place fewer tensors on it.")
 
     def _reserve(self, key: str, nbytes: int, payload: int) -> object:
         """Count ``nbytes`` (what storing the tensor takes) against the budget for ``key``, whose tensor
