@@ -4,11 +4,13 @@ never a part of either.
 The text is written beside the file it replaces, under a name of this process's own, then renamed over it.
 The file replaced is the one the path leads to: a symlink's target, so that the link stays a link, and a
 path such as ``results/plan.json/`` names ``results/plan.json``. A path to something that is not a regular
-file (a directory, a device such as /dev/null, a FIFO) is refused: the rename would replace the node itself.
+file (a directory, a device such as /dev/null, a FIFO) is refused: the rename would replace the node itself;
+so is a file its user cannot write (made read-only to keep it).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 
@@ -44,6 +46,9 @@ def write_bytes_atomic(path: str, data: bytes, what: str = "path") -> None:
         mode = stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
         mode = None   # a new file takes the umask's
+    if mode is not None and not os.access(target, os.W_OK):   # the rename could, but check_writable refuses it
+        raise PermissionError(errno.EACCES, "Permission denied (a file its user cannot write is not replaced)",
+                              target)
     try:
         # made with the replaced file's mode, so a 0600 file's new text is never readable by others
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)

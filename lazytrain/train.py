@@ -222,7 +222,8 @@ def _fit_schedule_length(sched, steps: int, overridden: bool) -> None:
     length, where = params.get("total_steps"), "total_steps"
     if length is None and isinstance(params.get("epochs"), int) and isinstance(params.get("steps_per_epoch"), int):
         length, where = params["epochs"] * params["steps_per_epoch"], "epochs x steps_per_epoch"
-    if isinstance(length, int) and not isinstance(length, bool) and 0 < length < steps:
+    if isinstance(length, int) and 0 < length < steps:   # true is 1 to torch
+        length = int(length)
         raise JobError(f"the scheduler OneCycleLR runs {length} steps ('scheduler.params' {where}), fewer than "
                        f"job.steps ({steps}): torch's OneCycleLR raises when stepped past its end; give it "
                        f"{steps} steps, or run with --steps, which fits it to the steps run")

@@ -77,3 +77,19 @@ def test_a_path_that_is_no_regular_file_is_refused_by_the_check_and_the_write(tm
     assert str(e.value) == (f"profile path {tmp_path} is a directory; give a file name such as "
                             f"{tmp_path}/profile.json")
     assert os.listdir(tmp_path) == ["fifo"]
+
+
+def test_a_file_its_user_cannot_write_is_not_replaced(tmp_path, monkeypatch):
+    """check_writable refused it (before the solve, the training), but the write itself renamed over it: the
+    two disagreed. Neither replaces it now (os.access stands in for a read-only file: these tests run as
+    root, who may write anything)."""
+    path = tmp_path / "plan.json"
+    path.write_text("kept")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, *a, **k: False if os.fspath(p) == str(path) and m == os.W_OK
+                        else real_access(p, m, *a, **k))
+    with pytest.raises(PermissionError) as e:
+        write_text_atomic(str(path), "new")
+    assert (e.value.strerror, e.value.filename) == ("Permission denied (a file its user cannot write is not "
+                                                    "replaced)", str(path))
+    assert path.read_text() == "kept" and sorted(os.listdir(tmp_path)) == ["plan.json"]

@@ -292,6 +292,7 @@ def one_cycle(**params):
 
 
 @pytest.mark.parametrize("params,where", [({"total_steps": 2}, "2 steps ('scheduler.params' total_steps)"),
+                                          ({"total_steps": True}, "1 steps ('scheduler.params' total_steps)"),
                                           ({"epochs": 1, "steps_per_epoch": 2},
                                            "2 steps ('scheduler.params' epochs x steps_per_epoch)")])
 def test_torch_one_cycle_shorter_than_the_job_is_refused_before_training(tmp_path, capsys, params, where):

@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
             plot_step(simulate(p, plan), args.plot,
                       title=f"{p.model.name} on {p.hardware.name}, micro-batch {mb}{accum}")
         except OSError as e:
-            print(f"lazytrain plan: cannot write {args.plot}: {e.strerror}", file=sys.stderr)
+            print(f"lazytrain plan: cannot write {args.plot}: {e.strerror or e}", file=sys.stderr)
             return 2
         print(f"wrote {args.plot}")
     return 0

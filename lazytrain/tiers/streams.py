@@ -130,10 +130,10 @@ def start_recording(timeline, device=None) -> None:
     non-block update on the device, say) is not the traced step's, and would otherwise count as the rest of
     the model."""
     global _timeline
-    _timeline = timeline
     if device is not None and torch.device(device).type == "cuda":
         _, host = _device_origin(timeline, torch.device(device))
         timeline.move_origin(host)
+    _timeline = timeline   # after the move: a span recorded during the wait would be placed by the old origin
 
 
 def stop_recording():
