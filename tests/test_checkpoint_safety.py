@@ -445,6 +445,8 @@ def _engine(n_layers=6, _gas=1, **section):
            "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
            "lazytrain": {"checkpoint_interval": 2, "device": "cpu", **section}}
+    if cfg["lazytrain"]["checkpoint_interval"] is None:   # a plan file's boundaries instead
+        del cfg["lazytrain"]["checkpoint_interval"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, _, _, _ = lazytrain.initialize(model=make_model("llama", n_layers), config=cfg)
@@ -504,6 +506,88 @@ def test_a_full_disk_under_the_streamed_weights_inside_step_completes_the_step_a
     engine.save_checkpoint(str(tmp_path / "ckpt"))   # consistent: saving is allowed
     engine.destroy()
     twin.destroy()
+
+
+def _full_disk_after(engine, stored: int) -> list:
+    """ENOSPC from the NVMe tier's writes once ``stored`` more have gone through, while the returned flag
+    [True] holds: raised inside the tier's write, after it freed the old file, as a full disk does."""
+    tier = engine.weights.weights_tier
+    real, state = tier._write, {"left": stored}
+    full = [True]
+
+    def write(key, tensor, owned):
+        if full[0]:
+            if state["left"] == 0:
+                raise OSError(errno.ENOSPC, "No space left on device", key)
+            state["left"] -= 1
+        return real(key, tensor, owned)
+    tier._write = write
+    return full
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_full_disk_under_an_overlapped_update_fails_no_update_with_a_resident_layer_or_warnings_as_errors(
+        tmp_path, seed):
+    """Two ways the copy that could not be stored still failed the overlapped update (every later forward and
+    step refused until a checkpoint was loaded): a forward already waiting at a resident layer had the update
+    thread refresh its device copy from the copy that was not stored (that raised there); and the warning,
+    issued on the update thread, became its failure under a warnings filter of "error". Now the forward says
+    the disk is full, the warning comes on the training thread, and once there is room training goes on as
+    a run whose disk never filled, whatever the copies' timing (chaos delays)."""
+    from lazytrain.planner.plan import every_k_plan
+    plan = str(tmp_path / "plan.json")
+    every_k_plan(6, 2, home="host", resident_layers=(3,)).to_json(plan)
+    testing = {"copy_threads": True, "chaos_seed": seed, "chaos_max_delay_ms": 2.0}
+    engines = []
+    for d in ("nvme", "nvme2"):
+        (tmp_path / d).mkdir()
+        engines.append(_engine(weights_home="nvme", nvme_path=str(tmp_path / d), overlap_optimizer=True,
+                               policy="plan", plan=plan, checkpoint_interval=None, testing=testing))
+    engine, twin = engines
+    data = batches(6)
+    for x, y in data[:2]:
+        for e in engines:
+            e.backward(lm_loss(e(x), y))
+            e.step()
+    engine.wait_for_update()
+    said = r"lazytrain: step 3 completed .* but the compute copies of layers 3\.\.5 could not be stored"
+    x, y = data[2]
+    for e in engines:
+        e.backward(lm_loss(e(x), y))
+    # the disk full from layer 3's copy on; the next forward starts at once, meeting the update thread
+    full = _full_disk_after(engine, stored=3)
+    with pytest.warns(UserWarning, match=said):   # given by the first wait after the update's last layer
+        engine.step()
+        with pytest.raises(OSError, match="No space left on device"):
+            engine(data[3][0])
+        engine.wait_for_update()
+    twin.step()
+    full[0] = False
+    x, y = data[3]
+    for e in engines:
+        e.backward(lm_loss(e(x), y))
+        e.step()
+    # a warnings filter of "error": the warning raised on the training thread, the update whole
+    x, y = data[4]
+    for e in engines:
+        e.backward(lm_loss(e(x), y))
+    engine.wait_for_update()
+    full = _full_disk_after(engine, stored=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.step()
+        with pytest.raises(UserWarning, match=said.replace("step 3", "step 5")):
+            engine.wait_for_update()
+    twin.step()
+    full[0] = False
+    x, y = data[5]
+    for e in engines:
+        e.backward(lm_loss(e(x), y))
+        e.step()
+    a, b = engine.module_state_dict(), twin.module_state_dict()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    for e in engines:
+        e.destroy()
 
 
 def test_an_update_failing_half_way_stops_training_and_saving_until_a_load(tmp_path, monkeypatch):

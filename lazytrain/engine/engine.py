@@ -1814,9 +1814,9 @@ class LazyTrainEngine(nn.Module):
         unstored: list = []   # the step's first copy that could not be stored: (layer, error)
         step = self.global_steps + 1
 
-        def warn_unstored() -> None:   # step() has returned: said as a warning, where the serial step raises
+        def warn_unstored() -> None:   # once the ranks agree; step() has returned: a warning (serial: raised)
             if unstored:
-                warnings.warn("lazytrain: " + self._unstored_copies_message(step, *unstored[0]), UserWarning)
+                self.layer_updates.note("lazytrain: " + self._unstored_copies_message(step, *unstored[0]))
         if self.shards is not None:
             update_layer = self._sharded_layer_updates(layer_grads, groups, factor, launched, unstored,
                                                        warn_unstored)
@@ -1836,9 +1836,9 @@ class LazyTrainEngine(nn.Module):
                 # replicated ranks: after the last layer they agree whether every update succeeded, so that all
                 # fail together and none trains on alone with other weights than the rest
                 if i == w.num_layers - 1:
-                    warn_unstored()
                     failure.agree("agreement that every rank's layer updates succeeded",
                                   RuntimeError("a layer update failed on another rank: see its error"))
+                    warn_unstored()
         self.layer_updates.launch(update_layer, range(w.num_layers))
 
     def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched,
@@ -1893,9 +1893,9 @@ class LazyTrainEngine(nn.Module):
                 self.stream.after_host_write(i, launched)
             w.zero_layer_grads(i)
             if i == w.num_layers - 1:
-                warn_unstored()
                 failure.agree("agreement that every rank's layer updates succeeded",
                               RuntimeError("a layer update failed on another rank: see its error"))
+                warn_unstored()
         return update_layer
 
     def _record_peaks(self) -> None:

@@ -45,6 +45,8 @@ class LayerUpdates:
         self._worker_ident: int | None = None
         self._error: BaseException | None = None
         self._error_seen = False
+        self._notes: list[str] = []   # warnings of a finished update, given on the training thread (note())
+        self._notes_lock = threading.Lock()
         self.busy_seconds = 0.0     # the worker's time on the last launched update
         self.waited_seconds = 0.0   # the caller's time blocked on it since that launch (exposed update time)
 
@@ -134,7 +136,20 @@ class LayerUpdates:
             self._future = None
         self._error, self._error_seen = None, False
 
+    def note(self, message: str) -> None:
+        """A warning from the worker, given by the training thread's next wait: issued on the worker, a
+        warnings filter of "error" would make it the update's failure, and a test's capture might miss it."""
+        with self._notes_lock:
+            self._notes.append(message)
+
+    def _give_notes(self, stacklevel: int) -> None:
+        with self._notes_lock:
+            notes, self._notes = self._notes, []
+        for message in notes:
+            warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
     def _raise_if_failed(self) -> None:
+        self._give_notes(stacklevel=4)
         if self._error is not None:
             self._error_seen = True
             raise OverlappedUpdateError(
@@ -150,6 +165,7 @@ class LayerUpdates:
         finally:
             self._future = None
             self._pool.shutdown(wait=True)
+        self._give_notes(stacklevel=3)   # nothing waited since the update: given here
         if self._error is not None and not self._error_seen:
             warnings.warn(f"lazytrain: the last overlapped optimizer update failed ({self._error!r}) and nothing "
                           f"waited for it before the engine was closed", RuntimeWarning, stacklevel=3)

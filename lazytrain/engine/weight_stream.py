@@ -308,7 +308,10 @@ class WeightStream:
             with self._lock:
                 self._stale[layer] = launch_event
                 if self._cursor < len(self._seq) and self._seq[self._cursor] == layer:
-                    self._refresh_if_stale(layer)
+                    try:
+                        self._refresh_if_stale(layer)
+                    except Exception:  # noqa: BLE001 - not the update's failure (its copy could not be stored,
+                        pass           # say): it stays due, and the forward's acquire tries again and raises
 
     def _refresh_if_stale(self, layer: int) -> None:
         if layer not in self._stale:
