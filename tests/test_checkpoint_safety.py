@@ -545,15 +545,18 @@ def test_a_full_disk_under_an_overlapped_update_fails_no_update_with_a_resident_
                                policy="plan", plan=plan, checkpoint_interval=None, testing=testing))
     engine, twin = engines
     data = batches(6)
-    for x, y in data[:2]:
+
+    def train(k: int, step: bool = True) -> None:   # both engines, on micro-batch k
+        x, y = data[k]
         for e in engines:
             e.backward(lm_loss(e(x), y))
-            e.step()
-    engine.wait_for_update()
+            if step:
+                e.step()
+    train(0)
+    train(1)
     said = r"lazytrain: step 3 completed .* but the compute copies of layers 3\.\.5 could not be stored"
-    x, y = data[2]
-    for e in engines:
-        e.backward(lm_loss(e(x), y))
+    engine.wait_for_update()
+    train(2, step=False)
     # the disk full from layer 3's copy on; the next forward starts at once, meeting the update thread
     full = _full_disk_after(engine, stored=3)
     with pytest.warns(UserWarning, match=said):   # given by the first wait after the update's last layer
@@ -563,14 +566,9 @@ def test_a_full_disk_under_an_overlapped_update_fails_no_update_with_a_resident_
         engine.wait_for_update()
     twin.step()
     full[0] = False
-    x, y = data[3]
-    for e in engines:
-        e.backward(lm_loss(e(x), y))
-        e.step()
+    train(3)
     # a warnings filter of "error": the warning raised on the training thread, the update whole
-    x, y = data[4]
-    for e in engines:
-        e.backward(lm_loss(e(x), y))
+    train(4, step=False)
     engine.wait_for_update()
     full = _full_disk_after(engine, stored=3)
     with warnings.catch_warnings():
@@ -580,10 +578,7 @@ def test_a_full_disk_under_an_overlapped_update_fails_no_update_with_a_resident_
             engine.wait_for_update()
     twin.step()
     full[0] = False
-    x, y = data[5]
-    for e in engines:
-        e.backward(lm_loss(e(x), y))
-        e.step()
+    train(5)
     a, b = engine.module_state_dict(), twin.module_state_dict()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
     for e in engines:
