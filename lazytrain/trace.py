@@ -87,7 +87,7 @@ class Timeline:
         """Where the written trace's times start (seconds from the origin): the origin, the step's start (a
         measured step's first forward), or a span that began before it. Not the first span: the work before
         the first block (the embedding, the masks) is the step's."""
-        return min((s.start for s in self.spans), default=0.0) if any(s.start < 0 for s in self.spans) else 0.0
+        return min([0.0] + [s.start for s in self.spans])
 
     @property
     def duration(self) -> float:

@@ -23,7 +23,7 @@ import time
 import types
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -1812,14 +1812,8 @@ class LazyTrainEngine(nn.Module):
         launched = self._compute_stream_point()   # queued kernels may still read resident device copies
 
         unstored: list = []   # the step's first copy that could not be stored: (layer, error)
-        step = self.global_steps + 1
-
-        def warn_unstored() -> None:   # once the ranks agree; step() has returned: a warning (serial: raised)
-            if unstored:
-                self.layer_updates.note("lazytrain: " + self._unstored_copies_message(step, *unstored[0]))
         if self.shards is not None:
-            update_layer = self._sharded_layer_updates(layer_grads, groups, factor, launched, unstored,
-                                                       warn_unstored)
+            update_layer = self._sharded_layer_updates(layer_grads, groups, factor, launched, unstored)
         else:
             failure = RankFailure(self.dist, on_update_thread=True)
 
@@ -1838,11 +1832,16 @@ class LazyTrainEngine(nn.Module):
                 if i == w.num_layers - 1:
                     failure.agree("agreement that every rank's layer updates succeeded",
                                   RuntimeError("a layer update failed on another rank: see its error"))
-                    warn_unstored()
-        self.layer_updates.launch(update_layer, range(w.num_layers))
+        step = self.global_steps + 1
+
+        def update_and_report(i: int) -> None:
+            update_layer(i)
+            if i == w.num_layers - 1 and unstored:   # once the ranks agreed; step() has returned: a warning
+                self.layer_updates.note("lazytrain: " + self._unstored_copies_message(step, *unstored[0]))
+        self.layer_updates.launch(update_and_report, range(w.num_layers))
 
     def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched,
-                               unstored: list, warn_unstored: Callable[[], None]):
+                               unstored: list):
         """The update thread's work when the optimizer state is sharded: ``update_layer(i)`` for i in order.
 
         Each call first runs ahead: for the next layers up to ``world_size`` past i it opens the host-write
@@ -1895,7 +1894,6 @@ class LazyTrainEngine(nn.Module):
             if i == w.num_layers - 1:
                 failure.agree("agreement that every rank's layer updates succeeded",
                               RuntimeError("a layer update failed on another rank: see its error"))
-                warn_unstored()
         return update_layer
 
     def _record_peaks(self) -> None:

@@ -140,11 +140,11 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
     # ahead (two slots), so at most two layers' arrive before their phase starts (later micro-batches: resident
     # copies current)
     ahead = 2 * max(p.Wl)
-    m += t_fwd * p.bw_h2d >= pulp.lpSum((1 - res[i]) * p.Wl[i] for i in range(L)) - ahead, \
-        "forward_weights_during_forward"
+    forward_weights = pulp.lpSum((1 - res[i]) * p.Wl[i] for i in range(L))   # a micro-batch's forward copies
+    step_weights = k * (sum(p.Wl) - refreshed + restreamed) + refreshed      # the step's layer weight copies
+    m += t_fwd * p.bw_h2d >= forward_weights - ahead, "forward_weights_during_forward"
     m += t_bwd * p.bw_h2d >= restreamed + parked - ahead, "backward_weights_and_internals_during_backward"
-    m += t * p.bw_h2d >= k * (sum(p.Wl) - refreshed + restreamed + parked) + refreshed + p.nonlayer_link_bytes, \
-        "h2d_link_over_the_step"
+    m += t * p.bw_h2d >= step_weights + k * parked + p.nonlayer_link_bytes, "h2d_link_over_the_step"
     m += t * p.bw_d2h >= k * (sum(p.Gl) + p.nonlayer_link_bytes + parked), "d2h_link_over_the_step"
     # NVMe: internals parked beyond the host's room are written there in the forward phase and read back in
     # the backward; with the compute copies there (Problem.nvme_weights) each weight copy is read there first,
@@ -153,12 +153,10 @@ def step_floor(p: Problem, offload: bool = False, internals_fraction: float = 1.
         spill = pulp.LpVariable("parked_on_nvme", 0)
         m += spill >= parked - max(0, p.host_act_budget), "parked_beyond_the_host_on_nvme"
         m += t_fwd * p.bw_nw >= spill, "nvme_writes_during_forward"
-        weights_fwd = pulp.lpSum((1 - res[i]) * p.Wl[i] for i in range(L)) - ahead if p.nvme_weights else 0
-        weights_bwd = restreamed - ahead if p.nvme_weights else 0
-        weights_step = k * (sum(p.Wl) - refreshed + restreamed) + refreshed if p.nvme_weights else 0
-        m += t_fwd * p.bw_nr >= weights_fwd, "forward_weights_read_from_nvme"
-        m += t_bwd * p.bw_nr >= spill + weights_bwd, "backward_weights_and_internals_read_from_nvme"
-        m += t * p.bw_nr >= k * spill + weights_step, "nvme_reads_over_the_step"
+        read = 1 if p.nvme_weights else 0   # the weight copies read from NVMe too
+        m += t_fwd * p.bw_nr >= read * (forward_weights - ahead), "forward_weights_read_from_nvme"
+        m += t_bwd * p.bw_nr >= spill + read * (restreamed - ahead), "backward_weights_and_internals_read_from_nvme"
+        m += t * p.bw_nr >= k * spill + read * step_weights, "nvme_reads_over_the_step"
         m += t * p.bw_nw >= k * spill, "nvme_writes_over_the_step"
     _, solver = _solver(MilpOptions())
     m.solve(solver)

@@ -814,8 +814,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions,
             f"no plan fits the budgets (GPU {fmt_bytes(p.gpu_budget)}, host {fmt_bytes(p.host_budget)} of which "
             f"{fmt_bytes(max(p.host_act_budget, 0))} free for activations, NVMe {fmt_bytes(p.nvme_budget)}"
             + (f" of which {fmt_bytes(max(p.nvme_act_budget, 0))} free for activations" if p.nvme_static else "")
-            + ") at "
-            + f"micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers"
+            + f") at micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers"
             + (" with the last segment keeping its forward graph, as required (the engine's "
                "'lazytrain.last_segment_graph' true)" if opts.require_graph_tail else "")
             + f"; {_shortfall(p, K, opts.require_graph_tail)}. Lower {BUDGET_SOURCES['micro-batch']}, raise a "
