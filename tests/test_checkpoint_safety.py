@@ -1360,3 +1360,103 @@ def test_a_link_a_checkpoint_directory_came_with_never_leads_a_save_outside_it(t
     assert not os.path.islink(save_dir / "latest.tmp") and (save_dir / "latest.tmp").read_bytes() == b"x"
     assert (outside.read_text() == "the user's own") if target == "existing" else not os.path.lexists(outside)
     engine.destroy()
+
+
+def test_a_save_cut_short_by_ctrl_c_removes_its_staging_and_the_next_save_of_its_tag_completes(tmp_path,
+                                                                                                monkeypatch):
+    """A KeyboardInterrupt while a file was written left the staging directory and its lock held for the rest
+    of the process: the next save of the tag, with the directory spelled otherwise, blamed another process."""
+    ckpt.save(str(tmp_path), "t", files_of(1), True)
+    saves = [0]
+
+    def interrupted_on_the_second_file(*args, **kwargs):
+        saves[0] += 1
+        if saves[0] == 2:
+            raise KeyboardInterrupt
+        return torch_save(*args, **kwargs)
+    torch_save = torch.save
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", interrupted_on_the_second_file)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(str(tmp_path), "t", files_of(2), True)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"] and loaded_step(tmp_path) == 1
+    ckpt.save(str(tmp_path / "."), "t", files_of(3), True)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"] and loaded_step(tmp_path) == 3
+
+
+def test_this_processs_own_left_over_staging_is_its_own_however_the_directory_is_spelled(tmp_path):
+    """A staging directory this process still holds (a save that ended before cleaning up) is a left-over
+    to a later save that names the save directory another way, not another process's save in progress."""
+    ckpt.save(str(tmp_path), "t", files_of(1), True)
+    ckpt.begin(str(tmp_path), "t", 0)
+    assert (tmp_path / ".t.staging").is_dir()
+    (tmp_path.parent / "link").symlink_to(tmp_path)
+    ckpt.save(str(tmp_path.parent / "link"), "t", files_of(2), True)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"] and loaded_step(tmp_path) == 2
+
+
+@pytest.mark.parametrize("missing", [False, True])
+def test_a_save_directory_that_cannot_be_written_is_a_checkpoint_error(tmp_path, monkeypatch, missing):
+    """os.makedirs / os.mkdir failing (a read-only file system) came out as a bare OSError, which a script's
+    ``except CheckpointError`` missed."""
+    d = tmp_path / "sub" if missing else tmp_path
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+    monkeypatch.setattr(os, "mkdir", read_only)
+    made = str(d) if missing else str(d / ".t.staging")
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(
+            f"saving checkpoint tag 't' to {d} failed: [Errno 30] Read-only file system: '{made}'; nothing was "
+            f"saved, and the previous checkpoint is left as it was")):
+        ckpt.save(str(d), "t", files_of(1), True)
+
+
+class _SparseBufferLM(torch.nn.Module):
+    """A tiny LM with a sparse buffer beside its blocks (a graph's adjacency, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = make_model("llama", 4)
+        self.register_buffer("adjacency", (2 * torch.eye(3)).to_sparse())
+
+    def forward(self, x):
+        return self.lm(x)
+
+
+def test_sparse_tensors_in_the_model_and_the_client_state_save_and_load_as_torch_save_keeps_them(tmp_path):
+    """A sparse buffer or client_state tensor made the save fail with "Cannot access storage of
+    SparseTensorImpl" (the space estimate and the writer asked for its storage); torch.save keeps them."""
+    model = _SparseBufferLM()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"device": "cpu"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = lazytrain.initialize(model=model, config=cfg)[0]
+    for x, y in batches(1):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch's "Sparse CSR tensor support is in beta state"
+        csr = torch.tensor([[0.0, 1.5], [2.0, 0.0]]).to_sparse_csr()
+    engine.save_checkpoint(str(tmp_path), tag="s", client_state={"coo": torch.eye(4).to_sparse(), "csr": csr})
+    model.adjacency = torch.zeros(3, 3).to_sparse()
+    _, client = engine.load_checkpoint(str(tmp_path), "s")
+    assert model.adjacency.layout == torch.sparse_coo and torch.equal(model.adjacency.to_dense(), 2 * torch.eye(3))
+    assert client["coo"].layout == torch.sparse_coo and torch.equal(client["coo"].to_dense(), torch.eye(4))
+    assert client["csr"].layout == torch.sparse_csr and torch.equal(client["csr"].to_dense(), csr.to_dense())
+
+
+def test_a_quantized_tensor_in_the_client_state_is_refused_by_name_and_the_previous_checkpoint_kept(tmp_path):
+    """It failed inside torch with "Could not run 'aten::empty_strided' ... 'QuantizedMeta' backend"."""
+    engine = _engine()
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch's deprecation of quantized tensors
+        quantized = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    with pytest.raises(ckpt.CheckpointError, match=re.escape(
+            f"saving checkpoint tag 't' to {tmp_path}: a quantized tensor (shape (3,), torch.qint8) cannot be saved "
+            f"in a checkpoint: LazyTrain saves dense and sparse tensors; convert it first (a quantized tensor's "
+            f"int_repr(), q_scale() and q_zero_point(), or dequantize()); nothing was saved")):
+        engine.save_checkpoint(str(tmp_path), tag="t", client_state={"q": quantized})
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
+    engine.load_checkpoint(str(tmp_path), "t")

@@ -3464,6 +3464,11 @@ def test_deepspeed_engine_methods_scripts_call():
     engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), optimizer=lambda p: torch.optim.SGD(
         p, lr=0.1, momentum=0.5), config={"train_batch_size": 2})
     assert (engine.optimizer_name(), engine.get_mom()) == ("SGD", [0.5])
+    # "sgd" in lower case (DeepSpeed refuses it; LazyTrain builds torch's SGD) is named as the class it builds:
+    # its momentum was read as betas, get_mom() gave [0.0]
+    engine, _, _, _ = lazytrain.initialize(model=make_model("modulelist"), config={
+        "train_batch_size": 2, "optimizer": {"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}})
+    assert (engine.optimizer_name(), engine.get_mom()) == ("SGD", [0.9])
 
 
 def test_lazytrains_own_decoder_ties_its_embeddings_when_the_config_says_so():

@@ -102,12 +102,17 @@ def check_tag(tag: str) -> str:
     return tag
 
 
+# what a save removes its staging directory after: an error, a Ctrl-C or an exit (a process killed outright
+# leaves it, and its lock, to the next save, which rolls it back)
+CLEANED_UP_AFTER = (Exception, KeyboardInterrupt, SystemExit)
+
+
 def save(save_dir: str, tag: str, files: dict[str, object], save_latest: bool) -> str:
     """Write ``files`` (file name -> object for ``torch.save``) as tag ``tag`` of ``save_dir``, atomically."""
     staging = begin(save_dir, tag, files_bytes(files))
     try:
         sizes = write_files(save_dir, tag, staging, files)
-    except Exception:
+    except CLEANED_UP_AFTER:
         abort(staging)
         raise
     return finish(save_dir, tag, staging, sizes, save_latest)
@@ -130,11 +135,15 @@ def begin(save_dir: str, tag: str, need: int) -> str:
     finishing or rolling back what an interrupted save left); returns its path."""
     tag = check_tag(tag)
     refuse_a_file_for_a_directory(save_dir, f"saving checkpoint tag {tag!r} to {save_dir}")
-    if not os.path.isdir(save_dir):
-        os.makedirs(save_dir)
-        _fsync_dir(os.path.dirname(os.path.abspath(save_dir)))   # the new directory's own entry
-    with save_locks.making_saves(save_dir):   # no other save sees the staging directory before its lock
-        return _begin(save_dir, tag, need)
+    try:
+        if not os.path.isdir(save_dir):
+            os.makedirs(save_dir)
+            _fsync_dir(os.path.dirname(os.path.abspath(save_dir)))   # the new directory's own entry
+        with save_locks.making_saves(save_dir):   # no other save sees the staging directory before its lock
+            return _begin(save_dir, tag, need)
+    except OSError as e:   # a directory that cannot be made or written (read-only, no permission)
+        raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir} failed: {e}; nothing was saved, and "
+                              f"the previous checkpoint is left as it was") from e
 
 
 def _begin(save_dir: str, tag: str, need: int) -> str:
@@ -192,6 +201,8 @@ def write_files(save_dir: str, tag: str, staging: str, files: dict[str, object])
     and removes nothing (:func:`abort` does, once no rank writes there any more)."""
     try:
         return {name: _write(os.path.join(staging, name), obj) for name, obj in files.items()}
+    except CheckpointError as e:   # a value a checkpoint cannot hold
+        raise CheckpointError(f"saving checkpoint tag {tag!r} to {save_dir}: {e}; nothing was saved") from e
     except Exception as e:   # (a process killed here leaves the staging directory to the next save)
         if _out_of_space(e, save_dir):
             raise CheckpointSpaceError(_space_message(save_dir, tag, files_bytes(files),
@@ -218,7 +229,7 @@ def finish(save_dir: str, tag: str, staging: str, sizes: dict[str, int], save_la
         _write_json(os.path.join(staging, MANIFEST), {"format": FORMAT, "version": 1, "tag": tag, "files": sizes,
                                                       "tails": tails})
         _fsync_dir(staging)
-    except Exception:
+    except CLEANED_UP_AFTER:
         abort(staging)
         raise
     _commit(save_dir, tag, staging)
@@ -341,8 +352,13 @@ class _Placeholders:
         self.sources: list = []                       # Streamed or a real tensor, by storage number
 
     def of(self, t):
-        if isinstance(t, torch.Tensor) and _is_fake(t):
-            return t
+        if isinstance(t, torch.Tensor) and (_is_fake(t) or t.layout in _SPARSE_PARTS):
+            return t   # a sparse tensor pickles as its strided parts (indices, values), each met here in turn
+        if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_quantized or t.is_nested):
+            kind = "quantized" if t.is_quantized else "nested" if t.is_nested else f"{t.layout}"
+            raise CheckpointError(f"a {kind} tensor (shape {tuple(t.shape)}, {t.dtype}) cannot be saved in a "
+                                  f"checkpoint: LazyTrain saves dense and sparse tensors; convert it first (a "
+                                  f"quantized tensor's int_repr(), q_scale() and q_zero_point(), or dequantize())")
         if isinstance(t, Streamed):
             key, shape, dtype = id(t), t.shape, t.dtype
         else:   # views of one storage written alike share one placeholder (tied weights), as torch.save would
@@ -538,12 +554,26 @@ def settle_leftovers(save_dir: str) -> None:
         os.remove(stale)
 
 
+# the strided tensors a sparse tensor is pickled as (torch's Tensor.__reduce_ex__), by layout
+_SPARSE_PARTS = {
+    torch.sparse_coo: lambda t: (t._indices(), t._values()),
+    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_bsr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+    torch.sparse_bsc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+}
+
+
 # ---- space ----------------------------------------------------------------------------------------
 def _tensor_bytes(obj, seen: set | None = None) -> int:
     """Bytes of the tensor storages in ``obj`` (each storage once): what ``torch.save`` writes, near enough."""
     seen = set() if seen is None else seen
     if isinstance(obj, Streamed):
         return obj.nbytes
+    if isinstance(obj, torch.Tensor) and obj.layout in _SPARSE_PARTS:   # what torch.save writes of it
+        return sum(_tensor_bytes(part, seen) for part in _SPARSE_PARTS[obj.layout](obj))
+    if isinstance(obj, torch.Tensor) and (obj.layout != torch.strided or obj.is_nested):
+        return 0   # refused when written
     if isinstance(obj, torch.Tensor):
         storage = obj.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())

@@ -387,7 +387,10 @@ class Writer:
     def _written_alone(self, t: torch.Tensor, dtype: torch.dtype):
         """``t`` in ``dtype`` as the file holds it, its own elements only: a view into a layer's flat buffer
         would make torch.save write the whole buffer (every layer's weights in a file meant to hold some:
-        a save without frozen parameters, a LoRA run's adapters). Written as it is when it is its storage."""
+        a save without frozen parameters, a LoRA run's adapters). Written as it is when it is its storage,
+        or when it has none of its own (a sparse buffer: its parts are written, each whole)."""
+        if t.layout != torch.strided:
+            return t.to(dtype)
         if dtype == t.dtype and t.untyped_storage().nbytes() == t.numel() * t.element_size():
             return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), dtype)   # a tied weight: once

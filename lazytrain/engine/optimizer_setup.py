@@ -27,7 +27,10 @@ _DEEPSPEED_OWN = {"lamb": "FusedLamb", "onebitadam": "1-bit Adam", "zerooneadam"
 
 def deepspeed_optimizer_name(typ: str) -> str:
     """A config's optimizer type as DeepSpeed's optimizer_name() gives it: lower-cased where DeepSpeed implements
-    the type itself (its ADAM_OPTIMIZER etc. are), as written otherwise (a torch.optim class name)."""
+    the type itself (its ADAM_OPTIMIZER etc. are), as written otherwise (a torch.optim class name). "sgd", which
+    DeepSpeed refuses and LazyTrain builds as torch's SGD, is named "SGD" (get_mom reads its momentum by it)."""
+    if typ.lower() == "sgd":
+        return "SGD"
     return typ.lower() if typ.lower() in {"adam", "adamw", "adagrad", *_DEEPSPEED_OWN} else typ
 
 

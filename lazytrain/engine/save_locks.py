@@ -17,7 +17,7 @@ import fcntl
 import os
 import threading
 
-_HELD: dict[str, int] = {}   # staging directory -> the descriptor its lock is held through (this process's)
+_HELD: dict[str, int] = {}   # staging directory's real path -> the descriptor holding its lock (this process's)
 _HELD_LOCK = threading.Lock()
 
 
@@ -48,8 +48,8 @@ def hold(staging: str) -> None:
         os.close(fd)
         return
     with _HELD_LOCK:
-        old = _HELD.pop(staging, None)
-        _HELD[staging] = fd
+        old = _HELD.pop(_key(staging), None)
+        _HELD[_key(staging)] = fd
     if old is not None:
         os.close(old)
 
@@ -57,7 +57,7 @@ def hold(staging: str) -> None:
 def let_go(staging: str) -> None:
     """The save that made ``staging`` ended (its directory renamed to the tag, or removed)."""
     with _HELD_LOCK:
-        fd = _HELD.pop(staging, None)
+        fd = _HELD.pop(_key(staging), None)
     if fd is not None:
         os.close(fd)
 
@@ -66,7 +66,7 @@ def saving_elsewhere(staging: str) -> bool:
     """Whether another process's save holds ``staging`` now. One of this process's is a left-over (its
     saves run one at a time: a save that failed after making it), and is let go."""
     with _HELD_LOCK:
-        ours = staging in _HELD
+        ours = _key(staging) in _HELD
     if ours:
         let_go(staging)
         return False
@@ -80,6 +80,11 @@ def saving_elsewhere(staging: str) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def _key(staging: str) -> str:
+    """One name for a staging directory however the save directory was spelled ("ckpt", "./ckpt", a link)."""
+    return os.path.realpath(staging)
 
 
 def _open_dir(path: str) -> int | None:
