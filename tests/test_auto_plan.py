@@ -22,6 +22,7 @@ from lazytrain.planner.measured import MachineProfile, MeasurementError
 from lazytrain.planner.plan import Plan
 from lazytrain.planner.search import plan_from_profile
 from lazytrain.tiers import streams
+from lazytrain.tiers.base import TierBudgetError
 from dist_helpers import free_port, join_as, leave_group, spawn
 from engine_models import batches, lm_loss, make_model
 
@@ -163,6 +164,29 @@ def test_the_selective_calibration_leaves_a_margin_for_what_the_planners_count_o
     assert plans == ["auto-calibration"] * 5 + ["auto-calibration-selective"] * 3 + ["auto-milp"] * 2
     assert "[lazytrain] auto measures selective layers on 5 of 6 layers ([0, 1, 2, 4, 5])" in capsys.readouterr().out
     assert engine.last_step_peak_bytes["hbm"] <= 241_000
+    engine.destroy()
+
+
+def test_a_batch_longer_than_the_selective_calibration_was_fitted_for_is_said_before_the_budget_overruns():
+    """Without 'seq_len', the selective calibration fits its layers' kept outputs to the device at the longest
+    length seen so far; a longer batch in it overran the device budget with a TierBudgetError naming only the
+    capacity key. It is now said first, naming 'lazytrain.seq_len' as the fix."""
+    lt = {"policy": "auto", "auto": {**AUTO, "warmup_steps": 1, "selective": True, "max_replans": 0},
+          "capacities": {"hbm": 260_000}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = lazytrain.initialize(model=make_model("llama"), config=_config(lt))[0]
+    for x, y in batches(3, seq=12):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert (engine.plan.policy, engine.plan.selective_layers) == ("auto-calibration-selective", (0, 1, 2, 3, 4, 5))
+    (x, y), = batches(1, seq=16)
+    with pytest.warns(UserWarning, match=re.escape(
+            "lazytrain: policy \"auto\" measures selective layers [0, 1, 2, 3, 4, 5] with their outputs kept on "
+            "the device, as many as it had room for at sequence length 12, and this batch's is 16: this step may "
+            "overrun the device's memory; set 'lazytrain.seq_len' to the longest length trained, so that auto "
+            "measures for it")), pytest.raises(TierBudgetError, match="'lazytrain.capacities.hbm'"):
+        engine(x)
     engine.destroy()
 
 
@@ -806,6 +830,26 @@ def test_a_file_that_is_not_a_profile_is_named(tmp_path, measured):
     # through the config: named by its key, a ConfigError (lazytrain train: one line, exit 2, not a traceback)
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match=r"^config 'lazytrain.auto.profile': machine profile .*p.json"):
+        lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
+                                                                        "auto": {"profile": str(bad)}}))
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda d: d["costs"].update(fwd_s=[0.0] * len(d["costs"]["fwd_s"]), diff_s=[0.0] * len(d["costs"]["diff_s"])),
+     "the profile's measured compute times (costs.diff_s from layer 0, costs.fwd_s below it) are all zero"),
+    (lambda d: d.update(links_gbps={}), "hardware profile 'cpu (measured)' has no value for 'h2d_gbps'"),
+    (lambda d: d["model"].pop("num_attention_heads"), "model config lacks 'num_attention_heads'")],
+    ids=["zero-times", "no-links", "model-without-heads"])
+def test_a_saved_profile_that_cannot_be_planned_from_is_a_config_error_naming_the_file(measured, tmp_path, change,
+                                                                                        says):
+    """These passed the file's checks and failed in the planner as a bare ValueError (lazytrain train: a
+    traceback) or a HardwareError about a "hardware profile", neither naming the file."""
+    d = json.loads(open(measured[2]).read())
+    change(d)
+    bad = tmp_path / "profile.json"
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="^" + re.escape(f"config 'lazytrain.auto.profile' ({bad}): planning from "
+                                                          f"it failed: {says}")):
         lazytrain.initialize(model=make_model("llama"), config=_config({"policy": "auto",
                                                                         "auto": {"profile": str(bad)}}))
 

@@ -5,6 +5,7 @@ parameters' gradients leave the device. Training is bit for bit the same either 
 back as it was given."""
 import copy
 import os
+import re
 import warnings
 
 import pytest
@@ -338,7 +339,10 @@ def test_a_parameter_frozen_at_initialize_that_requires_grad_later_is_refused_by
 
 def test_a_block_parameter_frozen_after_initialize_is_refused_by_name(tmp_path):
     """Freezing a streamed block's trained parameter after initialize() (it would go on getting gradients and
-    updates) makes the step raise before it updates anything; trainable again, training goes on."""
+    updates) makes a forward with gradients raise before any block runs, and the step raise before it updates
+    anything; trainable again, training goes on. A forward with it frozen whose backward came after it was
+    unfrozen gave it the gradient of that forward, where PyTorch gives none (an adversarial loss on the input
+    embeddings computed with the model frozen doubled the blocks' gradients)."""
     model = make_model("llama")
     engine = engine_of(model, config(tmp_path))
     train(engine, batches(1))
@@ -347,7 +351,18 @@ def test_a_block_parameter_frozen_after_initialize_is_refused_by_name(tmp_path):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     param.requires_grad_(False)
     x, y = batches(1, seed=3)[0]
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"lazytrain: parameter '{which}' of a streamed block trained when initialize() ran and is frozen "
+            f"(requires_grad False) at this forward with gradients: the streamed blocks compute gradients for what "
+            f"trained at initialize(), so a backward through it would give the parameter a gradient PyTorch would "
+            f"not. For gradients with respect to the inputs alone, use torch.autograd.grad(loss, inputs); for a "
+            f"forward without any, torch.no_grad(); to freeze it for good, freeze it before initialize()")):
+        engine(x)
+    with torch.no_grad():   # a forward without gradients runs
+        engine(x)
+    param.requires_grad_(True)
     engine.backward(lm_loss(engine(x), y))
+    param.requires_grad_(False)
     with pytest.raises(RuntimeError, match=rf"^lazytrain: parameter '{which}' of a streamed block trained when "
                                            r"initialize\(\) ran and is frozen now \(requires_grad False\)"):
         engine.step()

@@ -505,6 +505,7 @@ class LazyTrainEngine(nn.Module):
         self.micro_steps = 0
         self._step_starts_at = 0   # micro_steps when the step under way began: no step() of it called yet
         self._warned_beyond_plan = False   # a batch longer than the plan's sequence length was said
+        self._selective_sized_for: int | None = None   # the length auto's selective calibration fitted its layers at
         self.skipped_steps = 0
         self._boundary_override: bool | None = None
         self._managed = config.managed_gradient_accumulation   # false: each step() is the boundary (the script's)
@@ -604,7 +605,13 @@ class LazyTrainEngine(nn.Module):
             selective_layers_to_measure=self._selective_layers_to_measure,
             micro_batches=self.gradient_accumulation_steps)
         planner = auto_plan.AutoPlanner(settings, self.plan, hooks)
-        planner.start(saved)
+        try:
+            planner.start(saved)
+        except ValueError as e:   # a saved profile that checks out but cannot be planned from: named as the file
+            if saved is None:
+                raise
+            raise ConfigError(f"config 'lazytrain.auto.profile' ({settings.profile}): planning from it failed: "
+                              f"{e}") from None
         return planner
 
     def _least_memory_over_ranks(self) -> RankMemory:
@@ -622,7 +629,9 @@ class LazyTrainEngine(nn.Module):
         if self.dist.enabled:   # None: no bound on that rank
             room = least_known(self.dist.all_gather_object(room, "agreement on the device room for the selective "
                                                                  "calibration"))
-        return self._on_rank0(lambda: self._selective_layers_fitting(room))
+        chosen = self._on_rank0(lambda: self._selective_layers_fitting(room))
+        self._selective_sized_for = self._seq_len if room is not None else None   # (the ranks' longest)
+        return chosen
 
     def _device_room(self) -> int | None:
         """The bytes this rank's device tier has left beside the plain calibration's peak (None: no bound, the
@@ -1238,7 +1247,7 @@ class LazyTrainEngine(nn.Module):
         w = self.weights
         block_params = [(p, t) for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains)]
         unfrozen = [p for p, t in block_params if not t and p.requires_grad] + self.frozen_non_block.unfrozen()
-        newly_frozen = [p for p, t in block_params if t and not p.requires_grad]
+        newly_frozen = self._block_params_frozen_since_initialize()
         if not unfrozen and not newly_frozen:
             return
         names = {id(p): n for n, p in self.module.named_parameters()}   # for the error alone
@@ -1252,6 +1261,26 @@ class LazyTrainEngine(nn.Module):
                            f"trained when initialize() ran and is frozen now (requires_grad False): the streamed "
                            f"blocks compute gradients for what trained at initialize(), so it would go on "
                            f"being updated. Freeze parameters before initialize(), or set requires_grad back")
+
+    def _block_params_frozen_since_initialize(self) -> list:
+        w = self.weights
+        return [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains)
+                if t and not p.requires_grad]
+
+    def _refuse_frozen_since_initialize(self) -> None:
+        """A forward with gradients through a streamed block whose trained parameter is frozen now: its re-run in
+        the backward would give that parameter a gradient (the blocks' autograd views follow what trained at
+        initialize()), where PyTorch gives it none, and a script unfreezing it before the step would train it
+        on that gradient without a word; refused as the pass begins, before any block runs."""
+        newly_frozen = self._block_params_frozen_since_initialize()
+        if newly_frozen:
+            name = next((n for n, p in self.module.named_parameters() if p is newly_frozen[0]), "?")
+            raise RuntimeError(f"lazytrain: parameter {name!r} of a streamed block trained when initialize() ran and "
+                               f"is frozen (requires_grad False) at this forward with gradients: the streamed blocks "
+                               f"compute gradients for what trained at initialize(), so a backward through it would "
+                               f"give the parameter a gradient PyTorch would not. For gradients with respect to the "
+                               f"inputs alone, use torch.autograd.grad(loss, inputs); for a forward without any, "
+                               f"torch.no_grad(); to freeze it for good, freeze it before initialize()")
 
     def _check_lr_kwargs(self, lr_kwargs: dict | None) -> None:
         """Arguments the schedule's step() does not take are refused before the update, not after it (where
@@ -1339,6 +1368,8 @@ class LazyTrainEngine(nn.Module):
         if inside_a_block():   # a forward run from inside a block: its parameters are its streamed weights now
             return
         self._check_model_unchanged(training)
+        if training:
+            self._refuse_frozen_since_initialize()
         if training and _router_logits_recorded():   # asked by whatever: the model's own call, a wrapper's keyword
             _refuse_router_aux_loss(self.module, {"output_router_logits": True})   # a composite model's text_config
         self._copy_layers_written_in_place()
@@ -1412,6 +1443,14 @@ class LazyTrainEngine(nn.Module):
                               f"{self._profile_seq_len}, and this batch's is {n}: measure again (leave "
                               f"'profile' out), or train at most at the profile's length")
         planned = None if self.auto.measuring else self.plan.seq_len   # the length the plan in place was made for
+        fitted = self._selective_sized_for if self.auto.measuring and self.plan.selective_layers else None
+        if fitted is not None and n > fitted:   # its layers' kept outputs were fitted to the device for shorter ones
+            self._selective_sized_for = None     # said once per selective calibration
+            warnings.warn(f"lazytrain: policy \"auto\" measures selective layers {list(self.plan.selective_layers)} "
+                          f"with their outputs kept on the device, as many as it had room for at sequence length "
+                          f"{fitted}, and this batch's is {n}: this step may overrun the device's memory; set "
+                          f"'lazytrain.seq_len' to the longest length trained, so that auto measures for it",
+                          UserWarning, stacklevel=4)
         if planned is not None and n > planned and not self._warned_beyond_plan:
             self._warn_beyond_plan(ids, stacklevel=4)   # its memory was counted for shorter batches: said once
         if unset:
