@@ -629,3 +629,34 @@ def test_a_call_over_several_ranks_names_its_tensor_as_every_rank_does():
     assert param_access._call(engine, "f", temperature, "'exp_avg'") == \
         "lazytrain.utils.f(the optimizer's tensor 0 outside the model, of shape (2, 3), 'exp_avg')"
     engine.destroy()
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (0, "bf16"), (2, "fp32")])
+def test_the_models_own_zero_grad_during_accumulation_is_the_engines_for_every_parameter(stage, dtype):
+    """model.zero_grad() before each micro-batch of an accumulated step: torch's own cleared the embedding's and
+    head's gradients and left the streamed layers' buffers in fp32 (bf16's masters kept everything), so the step
+    applied a mix of the whole accumulation and the last micro-batch that no reference computes. It is now the
+    engine's zero_grad(): at stages 0 and 1 the accumulation is dropped, as PyTorch and DeepSpeed's stage 0 drop
+    it (the step applies the last micro-batch's gradient); from stage 2 kept, as DeepSpeed's ZeRO keeps it."""
+    torch.manual_seed(0)
+    model = make_model("llama")
+    ref = copy.deepcopy(model)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
+           "gradient_clipping": 0, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "lazytrain": {"checkpoint_interval": 2}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine = lazytrain.initialize(model=model, config=cfg)[0]
+    data = batches(2)
+    for x, y in data:
+        model.zero_grad()
+        engine.backward(lm_loss(engine(x), y))
+    for x, y in (data if stage >= 2 else data[1:]):
+        (lm_loss(ref(x), y) / 2).backward()
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = safe_get_full_grad(p)
+        assert float((g - q.grad).norm() / q.grad.norm()) < tol, name
+    engine.step()
+    engine.destroy()
+    assert "zero_grad" not in model.__dict__   # handed back: torch's again

@@ -222,6 +222,8 @@ class LazyTrainEngine(nn.Module):
         for m in d.get("_checkpointing_turned_off", []):
             m.gradient_checkpointing = True
         restore_norms(d.get("_lean_norms", []))
+        if d.get("_model_zero_grad") is not None and self.module.__dict__.get("zero_grad") is self._model_zero_grad:
+            del self.module.__dict__["zero_grad"]   # torch's again
         if d.get("_optimizer_own") is not None:   # a client optimizer reused by another engine starts clean
             for name in _OPTIMIZER_ATTRIBUTES_SET:
                 self.basic_optimizer.__dict__.pop(name, None)
@@ -440,6 +442,10 @@ class LazyTrainEngine(nn.Module):
         if self.masters is not None and self.basic_optimizer is not None:   # a group added later reaches the masters
             self.basic_optimizer.add_param_group = _onto_masters(self.basic_optimizer.add_param_group,
                                                                  self.masters.master_of)
+        # the model's own zero_grad() is the engine's: torch's cleared the embedding's and head's gradients and left
+        # the streamed layers' buffers (in fp32; bf16's masters kept all), so a loop calling it each micro-batch
+        # stepped on the layers' whole accumulation and the others' last micro-batch
+        self._model_zero_grad = model.zero_grad = _the_engines_zero_grad(self, model)
         if self.basic_optimizer is not None:   # it keeps what the engine accumulates for the step, as ZeRO's does
             self.basic_optimizer.zero_grad = _zero_grad_as_zero_optimizers(self)
             self.basic_optimizer.step = _step_from_the_engine_only(self, self.basic_optimizer)
@@ -3676,6 +3682,21 @@ def _step_from_the_engine_only(engine, optimizer):
     guarded.__doc__ = getattr(step, "__doc__", None)
     # a bound method, as torch's schedulers expect to find (they wrap its __func__ to count the calls)
     return types.MethodType(guarded, optimizer)
+
+
+def _the_engines_zero_grad(engine, model: nn.Module):
+    """``model.zero_grad()`` while an engine trains the model: the engine's :meth:`LazyTrainEngine.zero_grad`, the
+    one rule for every parameter (dropped at ZeRO stages 0 and 1, kept from stage 2, as DeepSpeed's). The engine
+    is held weakly: a model outlives an engine dropped without destroy()."""
+    held = weakref.ref(engine)
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        live = held()
+        if live is None:
+            return nn.Module.zero_grad(model, set_to_none)
+        live.zero_grad(set_to_none)
+    zero_grad.__doc__ = _the_engines_zero_grad.__doc__
+    return zero_grad
 
 
 def _zero_grad_as_zero_optimizers(engine):
