@@ -339,30 +339,38 @@ def test_a_parameter_frozen_at_initialize_that_requires_grad_later_is_refused_by
 
 def test_a_block_parameter_frozen_after_initialize_is_refused_by_name(tmp_path):
     """Freezing a streamed block's trained parameter after initialize() (it would go on getting gradients and
-    updates) makes a forward with gradients raise before any block runs, and the step raise before it updates
-    anything; trainable again, training goes on. A forward with it frozen whose backward came after it was
-    unfrozen gave it the gradient of that forward, where PyTorch gives none (an adversarial loss on the input
-    embeddings computed with the model frozen doubled the blocks' gradients)."""
+    updates) makes a backward through a forward that ran with it frozen raise, and the step raise before it
+    updates anything; trainable again, training goes on. Such a forward whose backward came after the parameter
+    was unfrozen gave it the gradient of that forward, where PyTorch gives none (an adversarial loss on the input
+    embeddings computed with the model frozen doubled the blocks' gradients). The forward itself runs (PEFT's
+    disable_adapter() freezes the adapters for a reference forward), and so does torch.autograd.grad to the
+    inputs through it."""
     model = make_model("llama")
     engine = engine_of(model, config(tmp_path))
     train(engine, batches(1))
     which = "model.layers.2.mlp.up_proj.weight"
     param = dict(model.named_parameters())[which]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    param.requires_grad_(False)
     x, y = batches(1, seed=3)[0]
-    with pytest.raises(RuntimeError, match=re.escape(
-            f"lazytrain: parameter '{which}' of a streamed block trained when initialize() ran and is frozen "
-            f"(requires_grad False) at this forward with gradients: the streamed blocks compute gradients for what "
-            f"trained at initialize(), so a backward through it would give the parameter a gradient PyTorch would "
-            f"not. For gradients with respect to the inputs alone, use torch.autograd.grad(loss, inputs); for a "
-            f"forward without any, torch.no_grad(); to freeze it for good, freeze it before initialize()")):
-        engine(x)
-    with torch.no_grad():   # a forward without gradients runs
-        engine(x)
-    param.requires_grad_(True)
-    engine.backward(lm_loss(engine(x), y))
+    refused = re.escape(
+        f"lazytrain: parameter '{which}' of a streamed block trained when initialize() ran and was frozen "
+        f"(requires_grad False) at the forward this backward goes through: the streamed blocks compute gradients "
+        f"for what trained at initialize(), so it would get a gradient PyTorch would not give it. For gradients "
+        f"with respect to the inputs alone, use torch.autograd.grad(loss, inputs); to freeze it for good, freeze "
+        f"it before initialize()")
     param.requires_grad_(False)
+    embeddings = model.get_input_embeddings()(x).detach().requires_grad_()
+    loss = lm_loss(engine(inputs_embeds=embeddings), y)
+    (to_inputs,) = torch.autograd.grad(loss, embeddings)   # no weight gradient: runs
+    assert to_inputs.abs().sum() > 0
+    loss = lm_loss(engine(x), y)
+    param.requires_grad_(True)   # unfrozen before the backward: the forward ran frozen
+    with pytest.raises(RuntimeError, match=refused):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="a backward through the streamed layers failed"):
+        engine.step()
+    engine.zero_grad()
+    param.requires_grad_(False)   # frozen at the step: refused before the update
     with pytest.raises(RuntimeError, match=rf"^lazytrain: parameter '{which}' of a streamed block trained when "
                                            r"initialize\(\) ran and is frozen now \(requires_grad False\)"):
         engine.step()

@@ -1273,20 +1273,21 @@ class LazyTrainEngine(nn.Module):
         return [p for params, trains in zip(w.params, w.trainable) for p, t in zip(params, trains)
                 if t and not p.requires_grad]
 
-    def _refuse_frozen_since_initialize(self) -> None:
-        """A forward with gradients through a streamed block whose trained parameter is frozen now: its re-run in
-        the backward would give that parameter a gradient (the blocks' autograd views follow what trained at
-        initialize()), where PyTorch gives it none, and a script unfreezing it before the step would train it
-        on that gradient without a word; refused as the pass begins, before any block runs."""
+    def _backward_refused_for_frozen(self) -> str | None:
+        """Why a backward through this forward is refused (None: it is not): a streamed block's trained parameter
+        frozen now would get a gradient from the block's re-run (the blocks' autograd views follow what trained
+        at initialize()), where PyTorch gives it none, and a script unfreezing it before the step trained it on
+        that gradient without a word. The forward itself runs (PEFT's disable_adapter() freezes the adapters
+        it leaves out, for a reference forward whose output is detached)."""
         newly_frozen = self._block_params_frozen_since_initialize()
-        if newly_frozen:
-            name = next((n for n, p in self.module.named_parameters() if p is newly_frozen[0]), "?")
-            raise RuntimeError(f"lazytrain: parameter {name!r} of a streamed block trained when initialize() ran and "
-                               f"is frozen (requires_grad False) at this forward with gradients: the streamed blocks "
-                               f"compute gradients for what trained at initialize(), so a backward through it would "
-                               f"give the parameter a gradient PyTorch would not. For gradients with respect to the "
-                               f"inputs alone, use torch.autograd.grad(loss, inputs); for a forward without any, "
-                               f"torch.no_grad(); to freeze it for good, freeze it before initialize()")
+        if not newly_frozen:
+            return None
+        name = next((n for n, p in self.module.named_parameters() if p is newly_frozen[0]), "?")
+        return (f"lazytrain: parameter {name!r} of a streamed block trained when initialize() ran and was frozen "
+                f"(requires_grad False) at the forward this backward goes through: the streamed blocks compute "
+                f"gradients for what trained at initialize(), so it would get a gradient PyTorch would not give it. "
+                f"For gradients with respect to the inputs alone, use torch.autograd.grad(loss, inputs); to freeze "
+                f"it for good, freeze it before initialize()")
 
     def _check_lr_kwargs(self, lr_kwargs: dict | None) -> None:
         """Arguments the schedule's step() does not take are refused before the update, not after it (where
@@ -1372,13 +1373,12 @@ class LazyTrainEngine(nn.Module):
         A training pass of the model called itself that records router logits is refused, as the engine's forward
         refuses one asked for them."""
         if inside_a_block():   # a forward run from inside a block: its parameters are its streamed weights now
-            return
+            return None
         self._check_model_unchanged(training)
-        if training:
-            self._refuse_frozen_since_initialize()
         if training and _router_logits_recorded():   # asked by whatever: the model's own call, a wrapper's keyword
             _refuse_router_aux_loss(self.module, {"output_router_logits": True})   # a composite model's text_config
         self._copy_layers_written_in_place()
+        return self._backward_refused_for_frozen() if training else None
 
     @contextlib.contextmanager
     def _running_the_model(self):

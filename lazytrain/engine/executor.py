@@ -171,6 +171,7 @@ class _Pass:
     shared_writers: dict = field(default_factory=dict)                   # id(mapping) -> (mapping, {key: layer})
     kept_outputs: dict = field(default_factory=dict)                     # selective layer -> (SelectiveForward, tier keys)
     offloaded: dict = field(default_factory=dict)                        # offloaded layer -> OffloadedInternals
+    refused_backward: str | None = None                                  # why a backward through it is refused
     released: bool = False                                               # its backward has run to the lowest
                                                                          # layer it reaches
     differentiable: set = field(default_factory=set)                     # layers whose output requires grad: the
@@ -437,8 +438,9 @@ class LayerStreamingExecutor:
 
     def _run_training(self, layer: int, hidden: torch.Tensor, call: _LayerCall):
         if layer == 0:
-            self.before_pass(True)
+            refused = self.before_pass(True)   # (a message: the pass runs, a backward through it is refused)
             self._begin_pass()
+            self._current.refused_backward = refused
         p = self._current
         if p is None or layer != p.next_layer:
             self.before_pass(True)   # a changed model says what changed (its blocks reordered, say)
@@ -809,6 +811,8 @@ class LayerStreamingExecutor:
                                 "boundaries freed: a second backward through the same forward "
                                 "(backward(retain_graph=True), then backward again) is not supported; run the "
                                 "forward again")
+        if p.refused_backward is not None and accumulate:
+            raise ExecutorError(p.refused_backward)
         p.differentiated.add(layer)
         self._sent_in(p)
         if accumulate and not p.end_queued:
