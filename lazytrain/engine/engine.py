@@ -1365,13 +1365,14 @@ class LazyTrainEngine(nn.Module):
                 f"{what} refused: {self._failed_step}, and the engine holds a mix of updated and not-updated "
                 f"state; load a checkpoint (engine.load_checkpoint) first")
 
-    def _before_pass(self, training: bool) -> None:
+    def _before_pass(self, training: bool) -> str | None:
         """The executor's, as a pass begins at the first block: the model checked (:meth:`_check_model_unchanged`),
         and the compute copies of layers a script wrote in place since made anew, so that the forward computes with
         what the parameters show, as PyTorch's would (a write to a block parameter reaches its fp32 weights, which
         the streamed compute copy in bf16/fp16, or a device's copy, is written from only by a step or a load).
         A training pass of the model called itself that records router logits is refused, as the engine's forward
-        refuses one asked for them."""
+        refuses one asked for them. Returns why a backward through a training pass will be refused, or None
+        (:meth:`_backward_refused_for_frozen`)."""
         if inside_a_block():   # a forward run from inside a block: its parameters are its streamed weights now
             return None
         self._check_model_unchanged(training)
