@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sys
+import types
 import warnings
 
 import pytest
@@ -255,6 +256,56 @@ def test_a_blocks_path_that_a_wrapper_moved_is_refused_naming_the_wrapped_path()
                             "along that path; the model wraps them: did you mean 'base_model.model.model.layers'?")
     with pytest.raises(BlockDiscoveryError, match=r"no attribute 'nowhere' along that path$"):
         lazytrain.initialize(model=make_model("llama"), config=ds_config(blocks="model.nowhere"))
+
+
+def _halved(block, x):
+    """A forward a script sets on a block itself, around its class's (as a patch or a wrapper library does)."""
+    return type(block).forward(block, x) * 0.5
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["last-graph", "all-recompute"])
+def test_a_forward_set_on_a_block_before_initialize_is_the_one_trained_copied_and_handed_back(graph):
+    """The executor called the block's class forward: an instance forward set before initialize was silently
+    skipped (the loss differed from PyTorch's), and destroy() then deleted it."""
+    model = make_model("modulelist", n_layers=4)
+    for block in model.stack:
+        block.forward = types.MethodType(_halved, block)
+    data = batches(3)
+    engine = assert_trains_like_plain(model, data, ds_config(last_segment_graph=graph))
+    twin = copy.deepcopy(model)   # the copy's blocks keep their own forward, bound to the copy's block
+    assert all(b.forward.__func__ is _halved and b.forward.__self__ is b for b in twin.stack)
+    x, y = data[0]
+    with torch.no_grad():
+        assert torch.equal(lm_loss(twin(x), y), lm_loss(engine(x), y))
+    engine.destroy()
+    assert all(b.__dict__["forward"].__func__ is _halved and b.forward.__self__ is b for b in model.stack)
+
+
+@pytest.mark.parametrize("change", ["replaced", "deleted"])
+def test_a_blocks_forward_changed_after_initialize_is_refused_at_the_next_pass(change):
+    """A block whose forward a script replaced after initialize ran outside the executor, on weights it does not
+    stream (a CPU ran it with the host copies; the step never saw its gradient)."""
+    model = make_model("modulelist", n_layers=4)
+    model.stack[1].forward = types.MethodType(_halved, model.stack[1])
+    engine, _, _, _ = lazytrain.initialize(model=model, config=ds_config())
+    if change == "replaced":
+        model.stack[2].forward = types.MethodType(_halved, model.stack[2])
+    else:
+        del model.stack[2].forward
+    x, y = batches(1)[0]
+    message = (f"block 2's forward was {change} after lazytrain.initialize: LazyTrain routes each block's forward "
+               f"through its layer streaming, and calls a forward set on the block before initialize in its place. "
+               f"Set it before lazytrain.initialize, or after engine.destroy(), which hands the model back")
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ExecutorError) as e:
+            engine(x)
+        assert str(e.value) == message
+    with pytest.raises(ExecutorError) as e:   # the model called itself: its first block's call checks
+        model(x)
+    assert str(e.value) == message
+    engine.destroy()   # the script's change stands; block 1's own forward is back
+    assert ("forward" in model.stack[2].__dict__) == (change == "replaced")
+    assert model.stack[1].forward.__func__ is _halved
 
 
 @pytest.mark.parametrize("home", ["host", "hbm"])

@@ -1407,6 +1407,7 @@ class LazyTrainEngine(nn.Module):
         guard = self.__dict__.get("_layout_guard")
         if guard is not None and not inside_a_block() and not self.__dict__.get("_within_forward"):
             guard.check(training)
+            self.executor.check_routing()
 
     def _refuse_if_destroyed(self, what: str) -> None:
         """A destroyed engine's model is the script's again (a new engine may train it): a stale engine's step

@@ -268,15 +268,36 @@ class LayerStreamingExecutor:
     # ---- wiring into the user's model ----------------------------------------------------------
     def _install_proxies(self) -> None:
         """Route each block's ``forward`` through the executor. The blocks stay where they are, so the
-        model's parameters, ``state_dict()`` keys and hooks are unchanged."""
+        model's parameters, ``state_dict()`` keys and hooks are unchanged. A ``forward`` a script set on a
+        block itself (a wrapper around the class's) is what the executor calls, with the block's streamed
+        weights, as PyTorch would; it is put back by :meth:`uninstall`."""
         self._routed = list(self.blocks)   # the blocks routed here, wherever the model's list holds them later
-        for i, block in enumerate(self._routed):
-            block.forward = _Proxy(self, i)
+        self._own_forwards = [block.__dict__.get("forward") for block in self._routed]   # None: the class's
+        self._proxies = [_Proxy(self, i) for i in range(len(self._routed))]
+        for block, proxy in zip(self._routed, self._proxies):
+            block.forward = proxy
+
+    def check_routing(self) -> None:
+        """Refuses a block whose ``forward`` was replaced or deleted since set-up: it would run outside the
+        executor, with weights it does not stream (a CPU ran it with its host copies and the step never saw its
+        gradient; a GPU fails on devices)."""
+        for i, (block, proxy) in enumerate(zip(self._routed, self._proxies)):
+            if block.__dict__.get("forward") is not proxy:
+                raise ExecutorError(
+                    f"block {i}'s forward was {'replaced' if 'forward' in block.__dict__ else 'deleted'} after "
+                    f"lazytrain.initialize: LazyTrain routes each block's forward through its layer streaming, "
+                    f"and calls a forward set on the block before initialize in its place. Set it before "
+                    f"lazytrain.initialize, or after engine.destroy(), which hands the model back")
 
     def uninstall(self) -> None:
-        for block in self.__dict__.get("_routed", self.blocks):
+        """Each block's ``forward`` as set-up found it (the class's, or the one set on the block)."""
+        routed = self.__dict__.get("_routed", self.blocks)
+        for block, own in zip(routed, self.__dict__.get("_own_forwards", [None] * len(routed))):
             if isinstance(block.__dict__.get("forward"), _Proxy):
-                del block.forward
+                if own is None:
+                    del block.forward
+                else:
+                    block.forward = own
 
     # ---- weight streaming ----------------------------------------------------------------------
     def _start_sequence(self, windows: list[list[int]]) -> None:
@@ -365,7 +386,9 @@ class LayerStreamingExecutor:
                 _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
             hidden_version = None if inference or hidden.is_inference() else hidden._version
             try:
-                out = type(block).forward(block, hidden, *rest_args, **kwargs)
+                own = self._own_forwards[layer]   # a forward set on the block before set-up, else its class's
+                out = (own(hidden, *rest_args, **kwargs) if own is not None else
+                       type(block).forward(block, hidden, *rest_args, **kwargs))
             except RuntimeError as e:
                 _note_fp32_buffers(e, block, layer, self.weights.compute_dtype)
                 if "leaf Variable that requires grad is being used in an in-place operation" in str(e):

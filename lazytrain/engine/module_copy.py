@@ -35,24 +35,32 @@ def _hook_dicts(module: nn.Module) -> dict[str, dict]:
             if name.startswith("_") and name.endswith("hooks") and isinstance(value, dict)}
 
 
-def _own_attributes(module: nn.Module) -> set[str]:
-    return {name for name in vars(module) if not (name.startswith("_") and name.endswith("hooks"))}
+def _own_attributes(module: nn.Module) -> dict:
+    return {name: value for name, value in vars(module).items() if not (name.startswith("_") and name.endswith("hooks"))}
 
 
 class EngineAttachments:
-    """What set-up added to the model: taken as a snapshot of each module before it, compared after it."""
+    """What set-up added to the model: taken as a snapshot of each module before it, compared after it. A
+    callable the module held itself that set-up replaced (a ``forward`` the script set on a block, which the
+    engine routes through its executor) is the copy's as it was."""
 
     def __init__(self, model: nn.Module):
         self._before = {id(m): ({name: set(d) for name, d in _hook_dicts(m).items()}, _own_attributes(m))
                         for m in model.modules()}
         self._added: dict[int, tuple[dict[str, set], set[str]]] = {}
+        self._replaced: dict[int, dict[str, object]] = {}   # id(module) -> {name: the module's own callable}
 
     def set_up_done(self, model: nn.Module) -> None:
         """Compare each module with its snapshot: what is new is the engine's."""
         for m in model.modules():
-            hooks_before, attrs_before = self._before.get(id(m), ({}, set()))
+            hooks_before, attrs_before = self._before.get(id(m), ({}, {}))
             hooks = {name: set(d) - hooks_before.get(name, set()) for name, d in _hook_dicts(m).items()}
-            self._added[id(m)] = ({k: v for k, v in hooks.items() if v}, _own_attributes(m) - attrs_before)
+            attrs = _own_attributes(m)
+            self._added[id(m)] = ({k: v for k, v in hooks.items() if v}, set(attrs) - set(attrs_before))
+            replaced = {name: own for name, own in attrs_before.items()
+                        if callable(own) and name in attrs and attrs[name] is not own}
+            if replaced:
+                self._replaced[id(m)] = replaced
         self._before = {}
 
     def copy_module(self, model: nn.Module, root: nn.Module, memo: dict,
@@ -74,7 +82,7 @@ class EngineAttachments:
                 table = getattr(m, name)
                 for key in keys & set(table):
                     memo.setdefault(id(table[key]), _STRIPPED)
-            for name in (attrs | set(_INSTALLED)) & set(vars(m)):
+            for name in (attrs | set(self._replaced.get(id(m), ())) | set(_INSTALLED)) & set(vars(m)):
                 memo.setdefault(id(vars(m)[name]), _STRIPPED)
         made = memo.setdefault(_MADE, set())   # the parameters this copy made, over nested calls
         for m in root.modules():   # parameters and buffers: the engine's weights, copied once each
@@ -111,6 +119,8 @@ class EngineAttachments:
                     del table[key]
             for name in [k for k, v in vars(twin).items() if v is _STRIPPED]:
                 delattr(twin, name)
+            for name, own in self._replaced.get(id(m), {}).items():   # a method bound to m: to its twin
+                setattr(twin, name, copy.deepcopy(own, memo))
         return out
 
 
