@@ -1446,6 +1446,24 @@ def test_sparse_tensors_in_the_model_and_the_client_state_save_and_load_as_torch
     assert client["csr"].layout == torch.sparse_csr and torch.equal(client["csr"].to_dense(), csr.to_dense())
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_client_state_parameters_load_as_parameters_as_torch_save_keeps_them(tmp_path, stage):
+    """A client_state nn.Parameter (an EMA copy of the weights, say) loaded as a plain tensor, without its
+    requires_grad: the model file writes each tensor as a placeholder of its shape."""
+    engine = _engine_of(make_model("llama", 4), zero_optimization={"stage": stage})
+    ema = torch.nn.Parameter(torch.arange(4.0), requires_grad=False)
+    trained = torch.nn.Parameter(torch.ones(2, 3))
+    state = {"ema": {"w": ema, "again": ema}, "trained": trained, "plain": torch.zeros(2)}
+    engine.save_checkpoint(str(tmp_path), tag="t", client_state=state)
+    _, client = engine.load_checkpoint(str(tmp_path), "t")
+    w, again = client["ema"]["w"], client["ema"]["again"]
+    assert type(w) is torch.nn.Parameter and not w.requires_grad and torch.equal(w, torch.arange(4.0))
+    assert again is w   # one parameter saved twice is one object again, as torch.save keeps it
+    assert type(client["trained"]) is torch.nn.Parameter and client["trained"].requires_grad
+    assert torch.equal(client["trained"], torch.ones(2, 3))
+    assert type(client["plain"]) is torch.Tensor
+
+
 def test_a_quantized_tensor_in_the_client_state_is_refused_by_name_and_the_previous_checkpoint_kept(tmp_path):
     """It failed inside torch with "Could not run 'aten::empty_strided' ... 'QuantizedMeta' backend"."""
     engine = _engine()

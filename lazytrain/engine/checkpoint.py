@@ -20,6 +20,7 @@ package's class name (DeepSpeed's loss scaler, say) without importing it.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import glob
 import json
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..tiers import format_bytes
 from . import safe_load, save_locks
@@ -321,6 +323,15 @@ def _pickling(placeholders: "_Placeholders | None") -> types.ModuleType:
     torch.serialization.skip_data, the bytes come after)."""
     class Pickler(pickle._Pickler):   # the Python pickler: its save_global and save can be extended
         def save(self, obj, save_persistent_id=True):
+            if placeholders is not None and type(obj) is nn.Parameter and not torch._utils._get_obj_state(obj):
+                # a parameter again when loaded, as torch.save keeps it (a client_state's EMA weights), once
+                memoized = self.memo.get(id(obj))
+                if memoized is not None:
+                    self.write(self.get(memoized[0]))
+                else:
+                    self.save_reduce(torch._utils._rebuild_parameter,
+                                     (obj.detach(), obj.requires_grad, collections.OrderedDict()), obj=obj)
+                return
             if placeholders is not None and isinstance(obj, (torch.Tensor, Streamed)):
                 obj = placeholders.of(obj)
             elif isinstance(obj, Streamed):
