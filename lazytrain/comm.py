@@ -2,12 +2,12 @@
 collectives under DeepSpeed's names and keywords. As after DeepSpeed's ``initialize``, a single process (no
 launcher, or a launcher's world of one) has a process group of one when a function here first needs it.
 DeepSpeed's communication-logger keywords (``prof``, ``log_name``, ``debug``) are accepted and dropped."""
-import os
 
 import torch.distributed as _dist
 from torch.distributed import ReduceOp
 
 from .engine.distributed import init_distributed as _init_distributed
+from .launcher_env import launcher_int
 
 # DeepSpeed's keyword for an argument torch names otherwise
 _KEYWORDS = {"all_gather_into_tensor": {"tensor": "input_tensor"},
@@ -46,7 +46,7 @@ def get_global_rank(group=None, group_rank: int = 0) -> int:
 
 
 def get_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return launcher_int("LOCAL_RANK", 0)
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False):

@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .launcher_env import launcher_int
 from .tiers.base import parse_bytes
 
 
@@ -600,7 +601,7 @@ def parse_config(config: Any, world_size: int | None = None) -> EngineConfig:
             continue
         seen.unknown.append(key)
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = launcher_int("WORLD_SIZE", 1)
     tb, mb, gas = resolve_batch_sizes(_positive_int(d.get("train_batch_size"), "train_batch_size"),
                                       _positive_int(d.get("train_micro_batch_size_per_gpu"),
                                                     "train_micro_batch_size_per_gpu"),

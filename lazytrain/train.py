@@ -18,6 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .launcher_env import launcher_int
+
 FINAL_TAG = "final"   # the checkpoint tag the trained weights are saved under
 MAX_OPERAND = 999   # the task lists every pair of operands: (999 + 1) ** 2 pairs take about 130 MB
 
@@ -48,7 +50,8 @@ def register(subparsers) -> None:
     from .cli import positive
     p.add_argument("--steps", type=positive(int), help="override job.steps, and the schedule's "
                                                          "length (scheduler.params.total_num_steps, or a torch "
-                                                         "OneCycleLR's total_steps) where it has one: the "
+                                                         "OneCycleLR's total_steps, CosineAnnealingLR's T_max, "
+                                                         "PolynomialLR's total_iters) where it has one: the "
                                                          "schedule is fitted to the steps run")
     p.add_argument("--out", help="override job.out_dir")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoint an earlier run left in the "
@@ -80,9 +83,10 @@ def load_job_config(path: str | None) -> dict:
     return cfg
 
 
-def _check_int(where: str, value, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise JobError(f"'{where}' must be a {'non-negative' if minimum == 0 else 'positive'} integer, "
+def _check_int(where: str, value, minimum: int = 1, below: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (below is not None and value >= below):
+        bound = f" below 2**{below.bit_length() - 1}" if below is not None else ""
+        raise JobError(f"'{where}' must be a {'non-negative' if minimum == 0 else 'positive'} integer{bound}, "
                        f"got {value!r}")
 
 
@@ -97,7 +101,7 @@ def _job_settings(job, steps_override: int | None) -> tuple[int, dict, dict]:
     steps = steps_override if steps_override is not None else job.get("steps")
     _check_int("job.steps", steps)
     _check_int("job.eval_examples", job.get("eval_examples", 500))
-    _check_int("job.seed", job.get("seed", 0), minimum=0)
+    _check_int("job.seed", job.get("seed", 0), minimum=0, below=2**64)   # torch.manual_seed's range
     out_dir = job.get("out_dir", "lazytrain-out")
     if not isinstance(out_dir, str) or not out_dir:
         raise JobError(f"'job.out_dir' must be a directory path, got {out_dir!r}")
@@ -151,6 +155,10 @@ def _output_dir_problem(out_dir: str, overwrite: bool) -> str | None:
     if tag_present(out_dir, FINAL_TAG) and not overwrite:
         return (f"{os.path.abspath(os.path.join(out_dir, FINAL_TAG))} holds the checkpoint of an earlier run (or what "
                 f"its interrupted save left), which this run's would replace: pass --overwrite, or another --out")
+    latest = _latest_tag(out_dir)
+    if latest is not None and latest != FINAL_TAG and not overwrite:   # what a load without a tag would load
+        return (f"{os.path.abspath(os.path.join(out_dir, 'latest'))} names checkpoint tag {latest!r}, which this run's "
+                f"save would point at its own '{FINAL_TAG}' instead: pass --overwrite, or another --out")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -162,6 +170,15 @@ def _output_dir_problem(out_dir: str, overwrite: bool) -> str | None:
     except OSError as e:
         return f"cannot write to the output directory {out_dir}: {e.strerror or e}"
     return None
+
+
+def _latest_tag(out_dir: str) -> str | None:
+    """The tag the directory's ``latest`` file names (a checkpoint directory's), or None."""
+    try:
+        with open(os.path.join(out_dir, "latest")) as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _check_output_dir(out_dir: str, overwrite: bool, group: bool) -> None:
@@ -190,7 +207,7 @@ def run(args) -> int:
     from lazytrain.tiers.nvme import NVMeIOError
     from lazytrain.engine.blocks import BlockDiscoveryError
     from lazytrain.engine.checkpoint import CheckpointError
-    from lazytrain.engine.distributed import LaunchError
+    from lazytrain.launcher_env import LaunchError
     try:
         return _run(args)
     # a problem with the user's job or config (a budget too small for the model, a hardware profile the
@@ -204,29 +221,45 @@ def run(args) -> int:
         return 2
 
 
+# schedules with a length, and what the steps past it train at: a schedule shorter than the run wastes them
+_SCHEDULE_LENGTHS = {
+    "WarmupDecayLR": ("total_num_steps", "learning rate 0"),
+    "WarmupCosineLR": ("total_num_steps", "the schedule's floor (cos_min_ratio of the learning rate)"),
+    "CosineAnnealingLR": ("T_max", "a learning rate rising again (torch's cosine goes on past T_max)"),
+    "PolynomialLR": ("total_iters", "learning rate 0"),
+}
+
+
 def _fit_schedule_length(sched, steps: int, overridden: bool) -> None:
-    """With --steps the schedule's length is the steps run (DeepSpeed's ``total_num_steps``, torch OneCycleLR's
-    ``total_steps``); without it, a OneCycleLR shorter than ``job.steps`` is refused before training. Why: torch's
-    OneCycleLR raises once stepped past its end, which stopped the run there with a traceback and nothing
-    saved."""
+    """With --steps the schedule's length is the steps run (DeepSpeed's ``total_num_steps``, torch's OneCycleLR
+    ``total_steps``, CosineAnnealingLR ``T_max`` and PolynomialLR ``total_iters``); without it, a schedule shorter
+    than ``job.steps`` is refused before training. Why: torch's OneCycleLR raises once stepped past its end,
+    which stopped the run there with a traceback and nothing saved; the others trained the steps past their end
+    at learning rate 0 (or their floor, or rising again), without a word."""
     if not isinstance(sched, dict) or not isinstance(sched.get("params"), dict):
         return   # the engine names what is wrong with it
-    params = sched["params"]
-    if overridden and "total_num_steps" in params:
-        params["total_num_steps"] = steps
-    if sched.get("type") != "OneCycleLR":
-        return
-    if overridden:
-        params["total_steps"] = steps   # taken before epochs x steps_per_epoch
-        return
-    length, where = params.get("total_steps"), "total_steps"
-    if length is None and isinstance(params.get("epochs"), int) and isinstance(params.get("steps_per_epoch"), int):
-        length, where = params["epochs"] * params["steps_per_epoch"], "epochs x steps_per_epoch"
-    if isinstance(length, int) and 0 < length < steps:   # true is 1 to torch
+    params, kind = sched["params"], sched.get("type")
+    if kind == "OneCycleLR":
+        if overridden:
+            params["total_steps"] = steps   # taken before epochs x steps_per_epoch
+            return
+        length, where = params.get("total_steps"), "total_steps"
+        if length is None and isinstance(params.get("epochs"), int) and isinstance(params.get("steps_per_epoch"), int):
+            length, where = params["epochs"] * params["steps_per_epoch"], "epochs x steps_per_epoch"
+        past = "torch's OneCycleLR raises when stepped past its end"
+    else:
+        key, after = _SCHEDULE_LENGTHS.get(kind, ("total_num_steps", None))
+        if overridden:
+            if key in params:
+                params[key] = steps
+            return
+        length, where = params.get(key), key
+        past = f"the last {steps - length} would train at {after}" if isinstance(length, int) and after else None
+    if past is not None and isinstance(length, int) and 0 < length < steps:   # true is 1 to torch
         length = int(length)
-        raise JobError(f"the scheduler OneCycleLR runs {length} steps ('scheduler.params' {where}), fewer than "
-                       f"job.steps ({steps}): torch's OneCycleLR raises when stepped past its end; give it "
-                       f"{steps} steps, or run with --steps, which fits it to the steps run")
+        raise JobError(f"the scheduler {kind} runs {length} steps ('scheduler.params' {where}), fewer than "
+                       f"job.steps ({steps}): {past}; give it {steps} steps, or run with --steps, which fits it "
+                       f"to the steps run")
 
 
 def _run(args) -> int:
@@ -241,11 +274,13 @@ def _run(args) -> int:
     job = cfg["job"]
     steps, task_settings, model_settings = _job_settings(job, args.steps)
     _fit_schedule_length(cfg.get("scheduler"), steps, overridden=bool(args.steps))
-    out_dir = args.out or job.get("out_dir", "lazytrain-out")
-    if not torch.distributed.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    out_dir = args.out if args.out is not None else job.get("out_dir", "lazytrain-out")
+    if not out_dir:   # (job.out_dir was checked with the job's settings)
+        raise JobError("'--out' must be a directory path, got ''")
+    if not torch.distributed.is_initialized() and launcher_int("WORLD_SIZE", 1) == 1:
         _check_output_dir(out_dir, getattr(args, "overwrite", False), group=False)   # before the model is built
     trace_path = getattr(args, "trace", None)
-    if int(os.environ.get("RANK", "0")) != 0:   # under a launcher rank 0 alone records (and reports) the trace
+    if launcher_int("RANK", 0) != 0:   # under a launcher rank 0 alone records (and reports) the trace
         trace_path = None
     if trace_path:
         from lazytrain.trace import check_writable
@@ -307,30 +342,32 @@ def _train(args, cfg, job, steps, out_dir, trace_path, engine, model, n_params, 
     engine.train()
 
     bar = _progress(steps, disabled=args.no_progress, silent=rank != 0)
-    tokens, t0 = 0, time.perf_counter()
     batches = task.train_batches(micro, steps * gas, seed=job.get("seed", 0) + 1 + 1_000_003 * rank)
-    loss_value = float("nan")
+    tokens, t0 = 0, time.perf_counter()   # (the task's split made above: the throughput is the training's)
+    loss_value = float("nan")   # each step's: the mean of its micro-batches' losses, as Trainer logs it
     traced_step = min(1, steps - 1) if trace_path else None   # the second step: the first warms up
     traced = None   # its trace, kept: auto-planning may trace later steps of its own
     for step in range(steps):
         if step == traced_step:
             engine.trace_next_step(trace_path)
+        step_loss = 0.0
         for micro_batch in range(gas):
             x, y = next(batches)
             logits = model_fn(x)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(engine.device).flatten(), ignore_index=-100)
+            step_loss = step_loss + loss.detach()
             engine.backward(loss)
             if managed or micro_batch == gas - 1:   # unmanaged, every step() is a boundary: one per training step
                 engine.step()
             tokens += x.numel() * engine.world_size   # every rank trains a micro-batch of the same shape
         if step == traced_step:
             traced = engine.last_trace
-        loss_value = loss.item()
+        loss_value = (step_loss / gas).item()
         bar.update(loss_value, tokens / (time.perf_counter() - t0))
     bar.close()
     elapsed = time.perf_counter() - t0
-    if engine.world_size > 1:   # the last micro-batches' loss over the ranks (on the engine's host group: the
-        loss_value = engine.dist.sum_over_ranks(loss_value) / engine.world_size   # default one may be NCCL's)
+    if engine.world_size > 1:   # the last step's loss over the ranks (on the engine's host group: the default
+        loss_value = engine.dist.sum_over_ranks(loss_value) / engine.world_size   # one may be NCCL's)
     if traced is not None:
         say(traced.summary())
         if traced.written_to:

@@ -73,6 +73,8 @@ def set_in(section, **kw):
     (set_in(("lazytrain",), gpu_memory="0"), "config key 'lazytrain.gpu_memory' must be above 0"),
     (set_in(("job",), out_dir=5), "'job.out_dir' must be a directory path, got 5"),
     (set_in(("job", "task"), seed=[1]), "'job.task.seed' must be a non-negative integer, got [1]"),
+    # torch.manual_seed's range: was a traceback ("Overflow when unpacking long long")
+    (set_in(("job",), seed=2**64), "'job.seed' must be a non-negative integer below 2**64, got 18446744073709551616"),
     # a negative epsilon trained to NaN, saved it and exited 0
     (set_in(("job", "model"), rms_norm_eps=-1.0), "'job.model.rms_norm_eps' must be a finite number > 0, got -1.0"),
     (set_in(("job", "model"), rope_theta="1e4"), "'job.model.rope_theta' must be a finite number > 0, got '1e4'"),
@@ -317,3 +319,78 @@ def test_steps_option_fits_a_torch_one_cycle_to_the_steps_run(tmp_path, monkeypa
     assert main(["train", path, "--steps", "3", "--no-progress", "--out", str(tmp_path / "out")]) == 0
     schedule = engines[0].lr_scheduler
     assert schedule.total_steps == 3 and schedule.last_epoch == 3
+
+
+def test_the_loss_reported_is_the_mean_of_each_steps_micro_batches(tmp_path, capsys, monkeypatch):
+    """With gradient accumulation the progress and the final loss were the last micro-batch's alone."""
+    import lazytrain
+    losses, initialize = [], lazytrain.initialize
+
+    def recording(*args, **kwargs):
+        out = initialize(*args, **kwargs)
+        backward = out[0].backward
+        out[0].backward = lambda loss, *a, **k: (losses.append(loss.detach()), backward(loss, *a, **k))[1]
+        return out
+    monkeypatch.setattr(lazytrain, "initialize", recording)
+    path = job_file(tmp_path, set_in((), train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4))
+    assert main(["train", path, "--steps", "2", "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    assert len(losses) == 8
+    mean = (sum(losses[4:]) / 4).item()
+    assert abs(losses[-1].item() - mean) > 1e-3   # the last micro-batch's is another number
+    assert f"final loss {mean:.4f}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind,params,past", [
+    ("WarmupDecayLR", {"total_num_steps": 2, "warmup_num_steps": 1}, "learning rate 0"),
+    ("WarmupCosineLR", {"total_num_steps": 2, "warmup_num_steps": 1},
+     "the schedule's floor (cos_min_ratio of the learning rate)"),
+    ("CosineAnnealingLR", {"T_max": 2}, "a learning rate rising again (torch's cosine goes on past T_max)"),
+    ("PolynomialLR", {"total_iters": 2}, "learning rate 0")])
+def test_a_schedule_shorter_than_the_job_is_refused_and_steps_fits_it(tmp_path, capsys, monkeypatch, kind, params,
+                                                                      past):
+    """A DeepSpeed WarmupDecayLR shorter than job.steps trained the steps past its end at learning rate 0, and
+    --steps left a torch CosineAnnealingLR's T_max as it was (its rate climbed back to the peak), without a word."""
+    def change(cfg):
+        cfg["scheduler"] = {"type": kind, "params": params}
+        cfg["job"]["steps"] = 3
+    path, out = job_file(tmp_path, change), tmp_path / "out"
+    assert main(["train", path, "--no-progress", "--out", str(out)]) == 2
+    key = next(iter(params))
+    assert capsys.readouterr().err == (
+        f"lazytrain train: the scheduler {kind} runs 2 steps ('scheduler.params' {key}), fewer than job.steps (3): the "
+        f"last 1 would train at {past}; give it 3 steps, or run with --steps, which fits it to the steps run\n")
+    assert not out.exists()
+    engines = kept_engines(monkeypatch)
+    assert main(["train", path, "--steps", "4", "--no-progress", "--out", str(out)]) == 0
+    schedule = engines[0].lr_scheduler
+    assert getattr(schedule, {"T_max": "T_max", "total_iters": "total_iters"}.get(key, "total_num_steps")) == 4
+
+
+def test_an_empty_out_option_and_a_latest_naming_another_tag_are_refused_before_training(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """--out "" trained into job.out_dir; a checkpoint directory's 'latest' was pointed at this run's 'final', so a
+    load without a tag took the toy model instead of the checkpoint it named."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--steps", "1", "--no-progress", "--out", ""]) == 2
+    assert capsys.readouterr().err == "lazytrain train: '--out' must be a directory path, got ''\n"
+    assert not (tmp_path / "lazytrain-out").exists()
+    out = tmp_path / "ckpts"
+    (out / "global_step100").mkdir(parents=True)
+    (out / "latest").write_text("global_step100")
+    assert main(["train", "--steps", "1", "--no-progress", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"lazytrain train: {out / 'latest'} names checkpoint tag 'global_step100', "
+                                       f"which this run's save would point at its own 'final' instead: pass "
+                                       f"--overwrite, or another --out\n")
+    assert (out / "latest").read_text() == "global_step100" and not (out / "final").exists()
+    assert main(["train", "--steps", "1", "--no-progress", "--out", str(out), "--overwrite"]) == 0
+    assert (out / "latest").read_text() == "final"
+
+
+@pytest.mark.parametrize("name,value,says", [("WORLD_SIZE", "", "positive"), ("WORLD_SIZE", "0", "positive"),
+                                             ("RANK", "x", "non-negative"), ("LOCAL_RANK", "-1", "non-negative")])
+def test_a_launcher_variable_that_is_not_a_number_is_one_line(tmp_path, capsys, monkeypatch, name, value, says):
+    """WORLD_SIZE= or RANK=x was a traceback: ValueError: invalid literal for int() with base 10."""
+    monkeypatch.setenv(name, value)
+    assert main(["train", "--steps", "1", "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == (f"lazytrain train: the environment variable {name} must be a {says} whole "
+                                       f"number, got {value!r} (a launcher sets it; unset it for a single process)\n")

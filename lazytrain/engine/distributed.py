@@ -23,17 +23,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..launcher_env import LaunchError, launcher_int  # noqa: F401 - LaunchError: raised here, caught by callers
+
 DEFAULT_TIMEOUT_S = 1800.0
 NCCL_WATCHDOG_MARGIN_S = 60.0   # an NCCL group's timeout past the engine's (DistributedContext._nccl_timeout)
 
 
 _GRADIENT_REDUCE = ("gradient reduce in the backward (at zero_optimization.stage >= 2 every rank must run the "
                     "same trainable layers in each backward; a model that skips layers on some ranks needs stage 1)")
-
-
-class LaunchError(RuntimeError):
-    """The launcher's variables describe several ranks but not how to reach them (WORLD_SIZE set without
-    MASTER_ADDR or MASTER_PORT)."""
 
 
 class CollectiveError(RuntimeError):
@@ -200,7 +197,7 @@ def world_size() -> int:
     ``init_process_group`` by hand, as DeepSpeed accepts), else the launcher's ``WORLD_SIZE``."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return launcher_int("WORLD_SIZE", 1)
 
 
 def launched() -> bool:
@@ -220,7 +217,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     the launcher's environment as torchrun and DeepSpeed's launcher give it."""
     if not dist.is_available() or dist.is_initialized():
         return
-    if world_size < 0 and int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not launched():
+    if world_size < 0 and launcher_int("WORLD_SIZE", 1) <= 1 and not launched():
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     kwargs = {"backend": backend, "timeout": timeout, "init_method": init_method}
@@ -235,8 +232,8 @@ class DistributedContext:
         self.comm_dtype = comm_dtype   # gradients are summed over the ranks in it (communication_data_type)
         self.world_size = world_size()
         own_group = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if own_group else int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if own_group else 0))
+        self.rank = dist.get_rank() if own_group else launcher_int("RANK", 0)
+        self.local_rank = launcher_int("LOCAL_RANK", self.rank if own_group else 0)
         self.timeout_s = float(timeout_s)
         self._started_lock = threading.Lock()
         self._in_flight: dict[int, tuple] = {}   # works _started and not yet waited for: id -> (work, group)

@@ -157,14 +157,15 @@ def _initialize_as_deepspeed_does(initialize):
 def _single_process_group() -> None:
     import torch.distributed as dist
     from ..engine.distributed import init_distributed
-    if not dist.is_available() or dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    from ..launcher_env import launcher_int
+    if not dist.is_available() or dist.is_initialized() or launcher_int("WORLD_SIZE", 1) > 1:
         return
     init_method = None                     # the launcher's MASTER_ADDR and MASTER_PORT
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         with socket.socket() as s:         # no launcher: a port of this machine's own, as torchrun's standalone mode
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    init_distributed(init_method=init_method, rank=int(os.environ.get("RANK", "0")) if init_method is None else 0,
+    init_distributed(init_method=init_method, rank=launcher_int("RANK", 0) if init_method is None else 0,
                      world_size=1)
 
 
