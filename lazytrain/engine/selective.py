@@ -75,6 +75,44 @@ def _versions(out) -> tuple:
     return tuple(t._version for t in _tensors(out))
 
 
+_WRITTEN_ARGUMENTS: dict = {}   # op -> ((position, name), ...) of the arguments its schema says it writes
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` writes (an in-place op's self, an ``out=``), by its schema."""
+    where = _WRITTEN_ARGUMENTS.get(func)
+    if where is None:
+        schema = getattr(func, "_schema", None)
+        where = _WRITTEN_ARGUMENTS[func] = tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments if schema is not None else ())
+            if a.alias_info is not None and a.alias_info.is_write)
+    if not where:
+        return []
+    return [t for i, name in where for t in tree_leaves(args[i] if i < len(args) else kwargs.get(name))
+            if isinstance(t, torch.Tensor)]
+
+
+class _KeptStorages:
+    """The storages of a selective forward's kept outputs, and whether an op wrote into one since it was kept.
+    Why not their version counters alone: a view that does not share its base's (``aten._unsafe_view``, which a
+    bias-free Linear's matmul on a 3-D input returns through) changes the kept output unseen: Falcon's
+    ``mlp_output += attention_output`` did, and its re-runs took the sum for the matmul's output."""
+
+    def __init__(self):
+        self._storages: set[int] = set()
+        self.written = False
+
+    def keep(self, out) -> None:
+        for t in _tensors(out):
+            if t.untyped_storage().nbytes():
+                self._storages.add(t.untyped_storage().data_ptr())
+
+    def note(self, func, args: tuple, kwargs: dict) -> None:
+        """Before ``func`` runs: whether it writes into a kept output's storage."""
+        if not self.written and self._storages:
+            self.written = any(t.untyped_storage().data_ptr() in self._storages for t in _written(func, args, kwargs))
+
+
 @dataclass
 class _Kept:
     op: Any
@@ -84,17 +122,20 @@ class _Kept:
 
 
 class _Recording(TorchDispatchMode):
-    """Runs every op; keeps the kept ops' outputs in the order they ran."""
+    """Runs every op; keeps the kept ops' outputs in the order they ran, and sees a write into one."""
 
-    def __init__(self, sequence: list):
+    def __init__(self, sequence: list, storages: _KeptStorages):
         super().__init__()
         self.sequence = sequence
+        self.storages = storages
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.storages.note(func, args, kwargs)
         out = func(*args, **kwargs)
         if keeps(func, args, kwargs):
             self.sequence.append(_Kept(func, _signature(args, kwargs), out, _versions(out)))
+            self.storages.keep(out)
         return out
 
 
@@ -103,9 +144,10 @@ class _Replaying(TorchDispatchMode):
     it returns are aliases (autograd records its history on them, not on the kept tensors); ``served``
     keeps them with their versions, so that a re-run that changes one in place shows."""
 
-    def __init__(self, sequence: list):
+    def __init__(self, sequence: list, storages: _KeptStorages):
         super().__init__()
         self.sequence = sequence
+        self.storages = storages   # a write into what it served changes the kept output for the next re-run
         self.next = 0
         self.lined_up = True
         self.served: list[tuple[list[torch.Tensor], tuple]] = []
@@ -125,6 +167,7 @@ class _Replaying(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.storages.note(func, args, kwargs)
         if self.lined_up and keeps(func, args, kwargs):
             n = self.next
             self.next += 1
@@ -149,13 +192,14 @@ class SelectiveForward:
             raise ValueError(f"a selective block is re-run at least once, got {reruns}")
         self._reruns = reruns
         self._sequence: list[_Kept] = []   # the kept ops' outputs, in the forward's order
+        self._storages = _KeptStorages()
         self._replays: list[_Replaying] = []
         self._used = 0
 
     @contextmanager
     def recording(self):
         """Run the block's forward inside this: the kept ops' outputs are kept for every re-run."""
-        with _Recording(self._sequence):
+        with _Recording(self._sequence, self._storages):
             yield
 
     def tensors(self) -> list[torch.Tensor]:
@@ -182,7 +226,7 @@ class SelectiveForward:
             warnings.warn("lazytrain: a selective layer's kept matmul output was changed in place by the model; "
                           "that layer re-runs its whole forward in backward instead", UserWarning)
             return nullcontext()
-        replay = _Replaying(self._sequence)
+        replay = _Replaying(self._sequence, self._storages)
         self._replays.append(replay)
         return replay
 
@@ -192,7 +236,9 @@ class SelectiveForward:
 
     def _changed_in_place(self) -> bool:
         """Whether a kept output changed since the forward kept it (by the forward, or by an earlier re-run
-        through what it was served)."""
+        through what it was served): an op wrote into its storage, or its version moved."""
+        if self._storages.written:
+            return True
         if any(_versions(kept.output) != kept.versions for kept in self._sequence):
             return True
         return any(_versions(tensors) != versions for replay in self._replays for tensors, versions in replay.served)
