@@ -179,6 +179,29 @@ def test_a_gpt2_config_json_is_read_through_its_classs_names():
     assert older.layers[0].ffn == 256
 
 
+def test_a_config_naming_its_mlp_width_its_own_way_is_read_as_its_model_builds_it():
+    """Falcon (ffn_hidden_size, None: 4 x hidden), OPT (ffn_dim), BLOOM (no key: 4 x hidden) and GPT-Neo
+    (intermediate_size None: 4 x hidden) were refused by policies milp and auto: "model config lacks
+    'intermediate_size'"."""
+    T = pytest.importorskip("transformers")
+    small = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    for config, model_class, ffn in [
+            (T.FalconConfig(**small), T.FalconForCausalLM, 128),
+            (T.FalconConfig(**small, ffn_hidden_size=80), T.FalconForCausalLM, 80),
+            (T.OPTConfig(**small, ffn_dim=72, word_embed_proj_dim=32), T.OPTForCausalLM, 72),
+            (T.BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4), T.BloomForCausalLM, 128),
+            (T.GPTNeoConfig(vocab_size=100, hidden_size=32, num_layers=2, num_heads=4,
+                            attention_types=[[["global"], 2]]), T.GPTNeoForCausalLM, 128)]:
+        # the standard names a model's config object gives (as the engine reads it), and the heads' shape: no
+        # child interpreter asks transformers for its class's defaults
+        shape = ModelShape.from_hf_config({**config.to_dict(), "num_hidden_layers": 2, "num_attention_heads": 4,
+                                           "num_key_value_heads": 4, "head_dim": 8})
+        assert (shape.num_layers, shape.hidden, shape.layers[0].ffn) == (2, 32, ffn), config.model_type
+        widths = {p.shape[0] for name, p in model_class(config).named_parameters()
+                  if p.dim() == 2 and ("mlp" in name or "fc1" in name) and p.shape[0] != 32}
+        assert widths == {ffn}, config.model_type   # what the model builds
+
+
 def test_a_mixture_of_experts_config_without_an_mlp_width_says_so():
     """Reading the expert width first indexed cfg["intermediate_size"]: a KeyError's traceback where the clear
     error was before."""

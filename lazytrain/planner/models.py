@@ -456,6 +456,8 @@ class ModelShape:
                               f"optimizer state and time are in no budget)", UserWarning, stacklevel=2)
         if any(k not in cfg for k in SHAPE_NAMES[:3]) and isinstance(cfg.get("model_type"), str):
             cfg = with_standard_names(cfg, transformers_attribute_map(cfg["model_type"]))   # GPT-2's n_embd, ...
+        elif cfg.get("intermediate_size") is None:
+            cfg = with_standard_names(cfg, None)   # Falcon's ffn_hidden_size, OPT's ffn_dim, ...
         reported = cfg.get("reported_params")
 
         def get(key: str, default: Any = None) -> Any:
@@ -838,17 +840,25 @@ def _config_class_defaults(model_type: str) -> dict[str, Any]:
 SHAPE_NAMES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
 
 
+# a family's own name for its MLP's width (None: 4 x hidden): Falcon's, OPT's, GPT-2's (GPT-J's, BigCode's)
+MLP_WIDTH_NAMES = ("ffn_hidden_size", "ffn_dim", "n_inner")
+FOUR_X_MLP_TYPES = ("bloom", "gpt_neo")   # no MLP width key (BLOOM), or intermediate_size None (GPT-Neo): 4 x hidden
+
+
 def with_standard_names(cfg: dict[str, Any], attribute_map: dict[str, str] | None) -> dict[str, Any]:
     """``cfg`` (a config's ``to_dict()`` or config.json, which keep only a class's own names) with the standard
     shape names its class's ``attribute_map`` gives under its own (GPT-2's ``n_embd`` is its ``hidden_size``),
-    and GPT-2's ``n_inner`` (None: 4 x hidden) as ``intermediate_size``: the planner reads the standard ones."""
+    and a family's own MLP width (:data:`MLP_WIDTH_NAMES`, None: 4 x hidden; :data:`FOUR_X_MLP_TYPES`) as
+    ``intermediate_size``: the planner reads the standard ones."""
     out = dict(cfg)
     for standard, own in (attribute_map or {}).items():
         if standard in SHAPE_NAMES and standard not in out and isinstance(out.get(own), int):
             out[standard] = out[own]
-    gpt2_style = "n_inner" in out or (attribute_map or {}).get("hidden_size") == "n_embd"   # n_inner left out: None
-    if "intermediate_size" not in out and gpt2_style and isinstance(out.get("hidden_size"), int):
-        out["intermediate_size"] = out.get("n_inner") or 4 * out["hidden_size"]
+    if out.get("intermediate_size") is None and isinstance(out.get("hidden_size"), int):
+        own = next((name for name in MLP_WIDTH_NAMES if name in out), None)
+        gpt2_style = (attribute_map or {}).get("hidden_size") == "n_embd"   # an older config.json leaves n_inner out
+        if own is not None or gpt2_style or out.get("model_type") in FOUR_X_MLP_TYPES:
+            out["intermediate_size"] = (out.get(own) if own else None) or 4 * out["hidden_size"]
     return out
 
 
