@@ -318,3 +318,91 @@ def test_a_user_tiers_own_handle_class_is_what_its_reads_wait_on(shm):
     handle = tier.read("x")
     assert torch.equal(handle.wait(), torch.ones(3)) and tier.last.waits == 1
     tier.close()
+
+
+class NotAHandleTier(RamDiskTier):
+    """Returns what it moved instead of a TransferHandle (the tensor, or nothing)."""
+
+    kind = "not-a-handle"
+    handle_for_writes = False
+
+    def _write(self, key, tensor, owned):
+        handle = super()._write(key, tensor, owned)
+        return handle if self.handle_for_writes else handle.wait()
+
+    def _read(self, key, out, device):
+        return super()._read(key, out, device).wait()
+
+
+def test_a_user_tier_that_returns_no_transfer_handle_is_named_and_keeps_nothing_reserved(shm):
+    """It failed on a bare "AttributeError: 'NoneType' object has no attribute '_future'", with the key still
+    holding its budget (the next write overran it) and the write's meter in flight for good."""
+    tier = NotAHandleTier("odd", capacity=100, path=shm)
+    with pytest.raises(lazytrain.tiers.TierError) as e:
+        tier.write("k", torch.ones(10))
+    assert str(e.value) == ("tier 'odd' (NotAHandleTier): _write of 'k' returned NoneType, not a TransferHandle "
+                            "(TransferHandle(value=tensor) for work done, TransferHandle(future=f) for work on a "
+                            "thread pool)")
+    assert "k" not in tier and tier.used_bytes == 0 and tier.stats()["bytes_written"] == 0
+    tier.handle_for_writes = True
+    tier.write("k", torch.ones(10)).wait()   # within the budget: nothing was left reserved
+    with pytest.raises(lazytrain.tiers.TierError, match=r"^tier 'odd' \(NotAHandleTier\): _read of 'k' returned "
+                                                        r"Tensor, not a TransferHandle"):
+        tier.read("k")
+    tier.close()
+
+
+class FailsToFreeTier(RamDiskTier):
+    """Drops the key, then raises (a file it could not unlink), or fails to close."""
+
+    kind = "fails-to-free"
+
+    def __init__(self, name, capacity=None, path="/dev/shm", fail="free"):
+        super().__init__(name, capacity, path)
+        self.fail = fail
+
+    def _free(self, key):
+        super()._free(key)
+        if self.fail == "free":
+            raise OSError(5, "could not unlink")
+
+    def close(self):
+        RamDiskTier.close(self)
+        if self.fail == "close":
+            raise OSError(5, "Input/output error")
+
+
+def test_a_user_tier_that_fails_to_free_or_close_is_warned_of_or_raised_last_and_everything_is_let_go(tmp_path):
+    """A _free raising failed the backward with a bare OSError and left the pass's other keys on the tier for the
+    rest of the run; a close() raising stopped destroy() half-way (the other tiers open, the model's optimizer
+    and devices not handed back)."""
+    engine_models = pytest.importorskip("engine_models")
+    lazytrain.register_tier("fails-to-free", FailsToFreeTier)
+    dirs = {name: tmp_path / name for name in ("a", "b")}
+    for d in dirs.values():
+        d.mkdir()
+    model = engine_models.make_model("modulelist")
+    engine, _, _, _ = lazytrain.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": float("inf"),
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "lazytrain": {"device": "cpu", "checkpoint_interval": 1, "boundary_home": "a",
+                      "tiers": [{"name": "a", "class": "fails-to-free", "path": str(dirs["a"])},
+                                {"name": "b", "class": "fails-to-free", "path": str(dirs["b"]), "fail": "close"}]}})
+    (x, y), = engine_models.batches(1)
+    with pytest.warns(UserWarning, match=r"^lazytrain: tier 'a' \(FailsToFreeTier\) failed freeing 'pass0\.boundary\d': "
+                                         r"OSError: \[Errno 5\] could not unlink; the key's budget is given back and "
+                                         r"training goes on \(what it held may remain in the tier's storage\)$"):
+        engine.backward(engine_models.lm_loss(engine(x), y))
+        engine.step()
+    assert engine.tiers["a"].keys() == [] and engine.tiers["a"].used_bytes == 0
+    engine.tiers["b"].write("left", torch.ones(3)).wait()
+    tier_b = engine.tiers["b"]
+    with pytest.raises(lazytrain.tiers.TierError) as e:
+        engine.destroy()
+    assert str(e.value) == "tier 'b' (FailsToFreeTier) failed to close: OSError: [Errno 5] Input/output error"
+    assert tier_b.keys() == [] and os.listdir(dirs["b"]) == [] and tier_b.pool._shutdown
+    # the rest handed back: the blocks called directly, the optimizer on the model's own parameters
+    assert lazytrain.engine_of(model) is None and all("forward" not in b.__dict__ for b in model.stack)
+    assert {id(p) for g in engine.basic_optimizer.param_groups for p in g["params"]} == \
+        {id(p) for p in model.parameters()}
+    engine.destroy()   # destroyed all the same: a second call does nothing

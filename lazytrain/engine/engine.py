@@ -36,6 +36,7 @@ from ..planner.models import with_standard_names
 from ..planner.plan import Plan
 from ..planner.problem import Budgets
 from ..tiers import format_bytes, streams
+from ..tiers.base import close_tiers
 from ..tiers.memory import release_cached_pinned_memory
 from ..tiers.streams import Chaos, EmulatedLink
 from .. import files
@@ -247,8 +248,7 @@ class LazyTrainEngine(nn.Module):
             self.stream.settle_all()   # no copy may still land in a buffer that is about to go
         if d.get("weights") is not None:   # frozen ones kept in the compute copy: out of the tier's memory
             self.weights.hand_back_frozen()
-        for tier in d.get("tiers", {}).values():
-            tier.close()
+        tier_failure = close_tiers(d.get("tiers", {}).values())   # all closed; the first failure raised last
         _put_back(d.get("_devices_given", []))
         if self._modules.get("module") is not None:
             _drop_gradients_of_replaced_tensors(self._modules["module"])
@@ -258,6 +258,8 @@ class LazyTrainEngine(nn.Module):
             if d.get("_fused_copies"):   # no more writes into (nor references to) the engine's compute copies
                 self.basic_optimizer.compute_copies.clear()
             hand_back_to_params(self.basic_optimizer, self.masters.pairs if d.get("masters") is not None else [])
+        if tier_failure is not None:
+            raise tier_failure
 
     def _set_up(self, model: nn.Module, config: EngineConfig, optimizer, model_parameters, lr_scheduler,
                 training_data, collate_fn) -> None:
@@ -3412,9 +3414,11 @@ class LazyTrainEngine(nn.Module):
         if "dist" in self.__dict__:   # a rank waiting in a save the others skipped learns it at once
             self.dist.calls.entering("destroy()", self.micro_steps)
         self._own_weights_again()
-        self._hand_model_back()
-        self._destroyed = True
-        self._destroyed_from = _caller_outside_lazytrain()   # named by a later call's refusal
+        try:
+            self._hand_model_back()   # (raises last, where a tier failed to close: the rest was handed back)
+        finally:
+            self._destroyed = True
+            self._destroyed_from = _caller_outside_lazytrain()   # named by a later call's refusal
 
     def _own_weights_again(self) -> None:
         """Before the model is handed back: block parameters in memory of this rank's own, in fp32 (the

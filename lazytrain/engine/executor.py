@@ -597,7 +597,7 @@ class LayerStreamingExecutor:
         return handle
 
     def _drop(self, p: _Pass, tier: str, key: str) -> None:
-        self.tiers[tier].free(key)
+        _free_or_warn(self.tiers[tier], key)
         p.owned.discard((tier, key))
 
     def _enter_window(self, p: _Pass, w: int) -> None:
@@ -1459,5 +1459,16 @@ class _SharedStateWatch(MutableMapping):
 
 def _free_owned(tiers: dict[str, Tier], owned: set) -> None:
     for tier, key in list(owned):
-        tiers[tier].free(key)
+        _free_or_warn(tiers[tier], key)
     owned.clear()
+
+
+def _free_or_warn(tier: Tier, key: str) -> None:
+    """``tier.free(key)``; a tier that fails to (a user's tier's ``_free`` raising) is warned of, as the NVMe tier
+    warns of a file it cannot remove: the key is gone and its budget given back either way, and the pass's work
+    is done (a backward does not fail on its clean-up)."""
+    try:
+        tier.free(key)
+    except Exception as e:   # noqa: BLE001 - warned of: training goes on
+        warnings.warn(f"lazytrain: {e}; the key's budget is given back and training goes on (what it held may "
+                      f"remain in the tier's storage)", UserWarning, stacklevel=3)

@@ -350,6 +350,7 @@ class Tier(ABC):
         try:
             with self._errors_named("writing", key):
                 handle = self._write(key, tensor, owned)
+                self._check_handle(handle, "_write", key)
                 if self._on_copy_thread(tensor.device):
                     handle = self._completed_late(handle)
         except BaseException:
@@ -385,6 +386,7 @@ class Tier(ABC):
                     handle = self._completed_late(lambda: self._read_if_held(key, out, device))
                 else:
                     handle = self._read(key, out, device)
+                    self._check_handle(handle, "_read", key)
         except BaseException:
             meter.cancel()   # a failed operation moved nothing: its time is not the link's
             raise
@@ -392,6 +394,14 @@ class Tier(ABC):
         if not self.runs_own_transfers and written_as is not None:   # a user's tier: what it gives back is checked
             handle = _CheckedRead(handle, self, key, *written_as)
         return handle
+
+    def _check_handle(self, handle, method: str, key: str) -> None:
+        """A user's tier that returned something else (the tensor, a Future) failed later on a bare
+        AttributeError, with the key still holding its budget."""
+        if not isinstance(handle, TransferHandle):
+            raise TierError(f"tier {self.name!r} ({type(self).__name__}): {method} of {key!r} returned "
+                            f"{type(handle).__name__}, not a TransferHandle (TransferHandle(value=tensor) for work "
+                            f"done, TransferHandle(future=f) for work on a thread pool)")
 
     @contextlib.contextmanager
     def _errors_named(self, doing: str, key: str):
@@ -412,9 +422,10 @@ class Tier(ABC):
             if key not in self._sizes:
                 return
             try:
-                self._free(key)
+                with self._errors_named("freeing", key):
+                    self._free(key)
             finally:
-                self._release(key)
+                self._release(key)   # its budget given back either way: a key the tier failed to free is gone
 
     def __contains__(self, key: str) -> bool:
         return key in self._sizes
@@ -423,8 +434,15 @@ class Tier(ABC):
         return list(self._sizes)
 
     def close(self) -> None:
+        """Free every key; every one is freed even where one fails, then the first failure is raised."""
+        first = None
         for key in list(self._sizes):
-            self.free(key)
+            try:
+                self.free(key)
+            except Exception as e:   # noqa: BLE001 - raised below, once the rest are freed
+                first = first or e
+        if first is not None:
+            raise first
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.used_bytes
@@ -566,3 +584,19 @@ class Tier(ABC):
 
     @abstractmethod
     def _free(self, key: str) -> None: ...
+
+
+def close_tiers(tiers) -> TierError | None:
+    """Close every tier, each even where one before it failed; the first failure, as a TierError naming its tier
+    (to raise once the caller's own clean-up is done), or None."""
+    first = None
+    for tier in tiers:
+        try:
+            tier.close()
+        except Exception as e:   # noqa: BLE001 - handed back, not lost
+            if first is None:
+                first = e if isinstance(e, TierError) and repr(tier.name) in str(e) else TierError(
+                    f"tier {tier.name!r} ({type(tier).__name__}) failed to close: {type(e).__name__}: {e}")
+                if first is not e:
+                    first.__cause__ = e
+    return first

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .base import Tier, parse_bytes
+from .base import Tier, close_tiers, parse_bytes
 from .memory import DeviceTier, HostTier
 from .registry import resolve_tier_class
 
@@ -141,7 +141,6 @@ def create_tiers(specs: list[dict] | None, device: torch.device | str,
             tier = _user_tier(i, spec, capacities, set(tiers))
             tiers[tier.name] = tier
     except BaseException:
-        for tier in tiers.values():
-            tier.close()
+        close_tiers(tiers.values())   # (a failure to close is not the error being raised)
         raise
     return tiers
