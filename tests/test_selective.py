@@ -205,6 +205,39 @@ def test_a_kept_output_the_model_changes_in_place_makes_its_layer_re_run_whole(t
         assert torch.equal(kept[k], v), k
 
 
+def _sparse_mul_(y):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # torch's "Sparse CSR tensor support is in beta state"
+        torch.eye(3).to_sparse().mul_(2)
+        torch.eye(3).to_sparse_csr().mul_(2)
+
+
+def _wrapper_add_(y):
+    from torch.testing._internal.two_tensor import TwoTensor
+    TwoTensor(torch.zeros(3), torch.zeros(3)).add_(1)
+    torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged).mul_(2)
+    torch.empty(3, device="meta").add_(1)
+
+
+@pytest.mark.parametrize("body, changed", [
+    (_sparse_mul_, False), (_wrapper_add_, False),
+    (lambda y: torch._foreach_add_([torch.zeros(3), y.view(-1)[:4]], 1.0), True),
+    (lambda y: torch.add(torch.ones(4, 4), 1, out=y), True),
+    (lambda y: torch.add(torch.ones(4, 4), 1, out=torch.empty(4, 4)), False)],
+    ids=["sparse", "wrapper-nested-meta", "foreach-into-kept", "out-into-kept", "out-elsewhere"])
+def test_what_an_op_writes_is_told_from_a_kept_output_by_storage_whatever_its_kind(body, changed):
+    """A write into a sparse tensor, a wrapper subclass or a jagged nested tensor in a selective layer failed
+    ("Cannot access storage of SparseTensorImpl") once ops were watched for writes into kept outputs."""
+    kept = SelectiveForward(1)
+    with torch.no_grad(), kept.recording():
+        body(torch.randn(4, 4) @ torch.randn(4, 4))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kept.next_rerun()
+    assert [str(w.message).startswith("lazytrain: a selective layer's kept matmul output was changed in place")
+            for w in seen] == ([True] if changed else [])
+
+
 def test_falcons_selective_layers_train_bit_for_bit_as_the_plan_without_them(tmp_path):
     """Falcon with parallel attention (7B, 40B, 180B) adds its attention output into its bias-free MLP output."""
     import transformers as T

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
@@ -34,6 +33,7 @@ from .blocks import in_modes, train_modes
 from .distributed import CollectiveError
 from .internals_offload import OffloadedInternals
 from .selective import SelectiveForward
+from .tensor_storages import storages
 from .weight_stream import WeightStream
 from .weights import LayerWeights
 
@@ -1266,10 +1266,10 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, outside: list):
         self.nbytes = 0
-        self._seen = {key for t in outside for key, _ in _storages(t)}
+        self._seen = {key for t in outside for key, _ in storages(t)}
 
         def pack(t):
-            for key, nbytes in _storages(t):
+            for key, nbytes in storages(t):
                 if key not in self._seen:
                     self._seen.add(key)
                     self.nbytes += nbytes
@@ -1286,26 +1286,6 @@ def _unpack_checked(packed) -> torch.Tensor:
                            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
                            f"{version} instead (seen by LazyTrain's measurement of what a traced block saves)")
     return t
-
-
-def _storages(t: torch.Tensor) -> list[tuple[tuple, int]]:
-    """(key, bytes) of each storage holding ``t``'s data: a sparse tensor's indices and values, a wrapper
-    subclass's inner tensors; none where no storage can be reached."""
-    if t.layout == torch.sparse_coo:
-        parts = [t._indices(), t._values()]
-    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
-        parts = [t.crow_indices(), t.col_indices(), t.values()]
-    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
-        parts = [t.ccol_indices(), t.row_indices(), t.values()]
-    elif is_traceable_wrapper_subclass(t):
-        parts = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
-    else:
-        try:
-            s = t.untyped_storage()
-            return [((t.device, s.data_ptr()), s.nbytes())]
-        except (RuntimeError, NotImplementedError):
-            return []
-    return [kb for p in parts if isinstance(p, torch.Tensor) for kb in _storages(p)]
 
 
 def _contents(container):

@@ -34,6 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .tensor_storages import storages
+
 _aten = torch.ops.aten
 
 
@@ -99,18 +101,17 @@ class _KeptStorages:
     ``mlp_output += attention_output`` did, and its re-runs took the sum for the matmul's output."""
 
     def __init__(self):
-        self._storages: set[int] = set()
+        self._storages: set[tuple] = set()
         self.written = False
 
     def keep(self, out) -> None:
-        for t in _tensors(out):
-            if t.untyped_storage().nbytes():
-                self._storages.add(t.untyped_storage().data_ptr())
+        # (a storage of no bytes, or with no address (meta), is no kept data: every such one would look alike)
+        self._storages.update(key for t in _tensors(out) for key, nbytes in storages(t) if nbytes and key[1])
 
     def note(self, func, args: tuple, kwargs: dict) -> None:
         """Before ``func`` runs: whether it writes into a kept output's storage."""
         if not self.written and self._storages:
-            self.written = any(t.untyped_storage().data_ptr() in self._storages for t in _written(func, args, kwargs))
+            self.written = any(key in self._storages for t in _written(func, args, kwargs) for key, _ in storages(t))
 
 
 @dataclass
