@@ -13,14 +13,17 @@ class LaunchError(RuntimeError):
 
 
 def launcher_int(name: str, default: int) -> int:
-    """The launcher's variable ``name`` (RANK, WORLD_SIZE, LOCAL_RANK) as an integer; ``default`` where unset."""
+    """The launcher's variable ``name`` (RANK, WORLD_SIZE, LOCAL_RANK) as an integer; ``default`` where unset, and
+    for a LOCAL_RANK of -1 (Hugging Face's "not distributed", which some single-process scripts export)."""
     value = os.environ.get(name)
     if value is None:
         return default
     try:
         number = int(value)
     except ValueError:
-        number = -1
+        number = -2
+    if name == "LOCAL_RANK" and number == -1:
+        return default
     if number < (1 if name == "WORLD_SIZE" else 0):
         raise LaunchError(f"the environment variable {name} must be a "
                           f"{'positive' if name == 'WORLD_SIZE' else 'non-negative'} whole number, got {value!r} "

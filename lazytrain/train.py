@@ -228,6 +228,7 @@ _SCHEDULE_LENGTHS = {
     "CosineAnnealingLR": ("T_max", "a learning rate rising again (torch's cosine goes on past T_max)"),
     "PolynomialLR": ("total_iters", "learning rate 0"),
 }
+_TORCH_DEFAULT_LENGTHS = {"PolynomialLR": 5}   # a length the schedule has when the config leaves it out
 
 
 def _fit_schedule_length(sched, steps: int, overridden: bool) -> None:
@@ -250,10 +251,12 @@ def _fit_schedule_length(sched, steps: int, overridden: bool) -> None:
     else:
         key, after = _SCHEDULE_LENGTHS.get(kind, ("total_num_steps", None))
         if overridden:
-            if key in params:
+            if key in params or kind in _TORCH_DEFAULT_LENGTHS:
                 params[key] = steps
             return
-        length, where = params.get(key), key
+        length, where = params.get(key, _TORCH_DEFAULT_LENGTHS.get(kind)), key
+        if key not in params and length is not None:
+            where = f"{key}, torch's default"
         past = f"the last {steps - length} would train at {after}" if isinstance(length, int) and after else None
     if past is not None and isinstance(length, int) and 0 < length < steps:   # true is 1 to torch
         length = int(length)

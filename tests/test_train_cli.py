@@ -345,25 +345,28 @@ def test_the_loss_reported_is_the_mean_of_each_steps_micro_batches(tmp_path, cap
     ("WarmupCosineLR", {"total_num_steps": 2, "warmup_num_steps": 1},
      "the schedule's floor (cos_min_ratio of the learning rate)"),
     ("CosineAnnealingLR", {"T_max": 2}, "a learning rate rising again (torch's cosine goes on past T_max)"),
-    ("PolynomialLR", {"total_iters": 2}, "learning rate 0")])
+    ("PolynomialLR", {"total_iters": 2}, "learning rate 0"),
+    ("PolynomialLR", {}, "learning rate 0")])
 def test_a_schedule_shorter_than_the_job_is_refused_and_steps_fits_it(tmp_path, capsys, monkeypatch, kind, params,
                                                                       past):
     """A DeepSpeed WarmupDecayLR shorter than job.steps trained the steps past its end at learning rate 0, and
     --steps left a torch CosineAnnealingLR's T_max as it was (its rate climbed back to the peak), without a word."""
     def change(cfg):
         cfg["scheduler"] = {"type": kind, "params": params}
-        cfg["job"]["steps"] = 3
+        cfg["job"]["steps"] = 3 if params else 7   # PolynomialLR's total_iters left out: torch's 5
     path, out = job_file(tmp_path, change), tmp_path / "out"
     assert main(["train", path, "--no-progress", "--out", str(out)]) == 2
-    key = next(iter(params))
+    key, length, steps = (next(iter(params)), 2, 3) if params else ("total_iters, torch's default", 5, 7)
     assert capsys.readouterr().err == (
-        f"lazytrain train: the scheduler {kind} runs 2 steps ('scheduler.params' {key}), fewer than job.steps (3): the "
-        f"last 1 would train at {past}; give it 3 steps, or run with --steps, which fits it to the steps run\n")
+        f"lazytrain train: the scheduler {kind} runs {length} steps ('scheduler.params' {key}), fewer than job.steps "
+        f"({steps}): the last {steps - length} would train at {past}; give it {steps} steps, or run with --steps, which fits it to "
+        f"the steps run\n")
     assert not out.exists()
     engines = kept_engines(monkeypatch)
     assert main(["train", path, "--steps", "4", "--no-progress", "--out", str(out)]) == 0
     schedule = engines[0].lr_scheduler
-    assert getattr(schedule, {"T_max": "T_max", "total_iters": "total_iters"}.get(key, "total_num_steps")) == 4
+    assert getattr(schedule, {"T_max": "T_max"}.get(key, "total_iters" if kind == "PolynomialLR" else
+                                                "total_num_steps")) == 4
 
 
 def test_an_empty_out_option_and_a_latest_naming_another_tag_are_refused_before_training(tmp_path, capsys,
@@ -387,10 +390,18 @@ def test_an_empty_out_option_and_a_latest_naming_another_tag_are_refused_before_
 
 
 @pytest.mark.parametrize("name,value,says", [("WORLD_SIZE", "", "positive"), ("WORLD_SIZE", "0", "positive"),
-                                             ("RANK", "x", "non-negative"), ("LOCAL_RANK", "-1", "non-negative")])
+                                             ("RANK", "x", "non-negative"), ("LOCAL_RANK", "-2", "non-negative")])
 def test_a_launcher_variable_that_is_not_a_number_is_one_line(tmp_path, capsys, monkeypatch, name, value, says):
     """WORLD_SIZE= or RANK=x was a traceback: ValueError: invalid literal for int() with base 10."""
     monkeypatch.setenv(name, value)
     assert main(["train", "--steps", "1", "--no-progress", "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err == (f"lazytrain train: the environment variable {name} must be a {says} whole "
                                        f"number, got {value!r} (a launcher sets it; unset it for a single process)\n")
+
+
+def test_a_local_rank_of_minus_one_is_hugging_faces_not_distributed():
+    from lazytrain.comm import get_local_rank
+    from lazytrain.launcher_env import launcher_int
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("LOCAL_RANK", "-1")
+        assert launcher_int("LOCAL_RANK", 0) == get_local_rank() == 0
