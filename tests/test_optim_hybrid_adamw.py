@@ -963,6 +963,18 @@ def test_a_non_finite_clip_coefficient_skips_the_step_beside_a_finite_norm_too(g
     assert opt.last_step_skipped and opt.skipped_steps == 1 and torch.equal(p.detach(), torch.ones(4))
 
 
+@pytest.mark.parametrize("given", [{"grad_norm": -0.5}, {"clip_coef": -3.0}, {"grad_norm": torch.tensor(-1.0)}])
+def test_a_negative_norm_or_clip_coefficient_is_refused_before_the_update(given):
+    """It went through as a negative coefficient: the step went up the gradient."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = HybridAdamW([p], lr=0.1, max_grad_norm=1.0, optimizer_states="fp32")
+    p.grad = torch.ones(4)
+    (name, value), = given.items()
+    with pytest.raises(ValueError, match=f"^HybridAdamW.step: {name} must be >= 0, got {float(value)}$"):
+        opt.step(**given)
+    assert torch.equal(p.detach(), torch.zeros(4)) and opt.state[p] == {}
+
+
 _SET_MESSAGE = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors in "
                 "sets will change between runs. Please use a list instead.")
 

@@ -1840,7 +1840,7 @@ class LazyTrainEngine(nn.Module):
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
         failure = RankFailure(self.dist)
         with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
-            with failure.kept():
+            with failure.kept(), _post_hooks_held(self.basic_optimizer) as post_hooks:
                 self._step_optimizer(params=rest, clip_coef=factor)
                 # with what its pre-hooks set, as serial steps take it (a subclass whose step() skips HybridAdamW's
                 # leaves none: the groups as they were)
@@ -1888,6 +1888,10 @@ class LazyTrainEngine(nn.Module):
             if i == w.num_layers - 1 and unstored:   # once the ranks agreed; step() has returned: a warning
                 self.layer_updates.note("lazytrain: " + self._unstored_copies_message(step, *unstored[0]))
         self.layer_updates.launch(update_and_report, range(w.num_layers))
+        if post_hooks:   # they run after the update, as torch defines them: all of it (the ranks agreed it began)
+            self.wait_for_update()
+            for hook in post_hooks:
+                hook(self.basic_optimizer, (), {"clip_coef": factor})
 
     def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched,
                                unstored: list):
@@ -3659,6 +3663,28 @@ def _masters_under_every_name(module_state: dict, model: nn.Module) -> None:
             module_state[alias] = module_state[source]
 
 
+@contextlib.contextmanager
+def _post_hooks_held(optimizer):
+    """The step post-hooks (the optimizer's own and torch's global ones) kept from running inside an overlapped
+    step's ``optimizer.step``, which updates only the parameters outside the streamed layers: an EMA or a logger
+    registered with ``register_step_post_hook`` read the layers' weights of the step before. Yields them, for the
+    caller to run once the layers are updated too."""
+    from torch.optim import optimizer as torch_optimizer
+    tables = [t for t in (getattr(optimizer, "_optimizer_step_post_hooks", None),
+                          torch_optimizer._global_optimizer_post_hooks) if t is not None]
+    held = [dict(t) for t in tables]
+    for table in tables:
+        table.clear()
+    try:
+        yield [hook for h in held for hook in h.values()]
+    finally:
+        for table, hooks in zip(tables, held):   # in their order, before any registered meanwhile
+            meanwhile = dict(table)
+            table.clear()
+            table.update(hooks)
+            table.update(meanwhile)
+
+
 def _onto_masters(add_param_group, master_of):
     """The optimizer's ``add_param_group`` with the model's non-block parameters re-pointed at their fp32
     masters, as the groups given to initialize are (their gradients land on the masters: a group of the
@@ -3666,8 +3692,11 @@ def _onto_masters(add_param_group, master_of):
     @functools.wraps(add_param_group)
     def add(param_group: dict) -> None:
         params = param_group["params"]
+        refuse_unordered(params, group=True)   # as the optimizer would, before listing it hides the set
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        return add_param_group({**param_group, "params": [master_of(p) for p in params]})
+        return add_param_group({**param_group, "params": [
+            (p[0], master_of(p[1])) if isinstance(p, tuple) and len(p) == 2 else master_of(p)   # (name, parameter)
+            for p in params]})
     return add
 
 

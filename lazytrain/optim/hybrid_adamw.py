@@ -512,6 +512,10 @@ class HybridAdamW(torch.optim.Optimizer):
         cleared as they read them)."""
         for group in groups:     # settings edited in param_groups after construction are checked too
             _check_group(group, params=False)
+        # a negative norm or coefficient turned the step around (gradient ascent); NaN and inf are a skipped step
+        for name, value in (("grad_norm", grad_norm), ("clip_coef", clip_coef)):
+            if value is not None and float(value) < 0:
+                raise ValueError(f"HybridAdamW.step: {name} must be >= 0, got {float(value)}")
         targets = self._targets(groups, params, grads)
         coef = 1.0 if clip_coef is None else float(clip_coef)
         norm = grad_norm
