@@ -331,28 +331,37 @@ def test_step_hooks_run_once_per_step_and_extra_parameters_are_updated():
 def test_a_step_post_hook_sees_the_streamed_layers_updated_as_under_serial_steps():
     """With the layers' update overlapped, the post-hooks ran inside the optimizer step of the parameters outside
     them: an EMA or a logger registered with register_step_post_hook read the layers' weights of the step before.
-    They now run once every layer is updated (that step waits for them), on the training thread, once each."""
+    The optimizer's own now run once every layer is updated (that step waits for them), once each, in order, with
+    what torch's wrapper hands them; one a pre-hook removes does not run, one it registers runs after the update.
+    torch's global post-hooks run inside the step, before the layers' update (README)."""
     seen = {}
     for overlap in (False, True):
         model = make_model("llama")
         engine, opt, _, _ = lazytrain.initialize(model=model, config=overlap_config(overlap))
         weight = dict(model.named_parameters())["model.layers.3.self_attn.q_proj.weight"]
-        got = []
-        handles = [opt.register_step_post_hook(lambda o, a, k: got.append(("own", weight.detach().clone()))),
-                   register_optimizer_step_post_hook(
-                       lambda o, a, k: got.append(("global", weight.detach().clone())) if o is opt else None)]
+        got, late = [], []
+        opt.register_step_post_hook(lambda o, a, k: got.append((o is opt, a[0] is opt, weight.detach().clone())))
+        doomed = opt.register_step_post_hook(lambda o, a, k: got.append("removed"))
+        global_calls = []
+        handle = register_optimizer_step_post_hook(lambda o, a, k: global_calls.append(o) if o is opt else None)
+
+        def pre(o, a, k):   # a hook removed and one registered while the step runs
+            doomed.remove()
+            if not late:
+                late.append(o.register_step_post_hook(lambda o, a, k: got.append(("late", weight.detach().clone()))))
+        opt.register_step_pre_hook(pre)
         try:
             for x, y in batches(2):
                 engine.backward(lm_loss(engine(x), y))
                 engine.step()
                 engine.wait_for_update()
-                assert [kind for kind, _ in got[-2:]] == ["own", "global"]
-                assert all(torch.equal(w, weight) for _, w in got[-2:])   # the step's update, done
+                mine = got[-2:]
+                assert mine[0][:2] == (True, True) and torch.equal(mine[0][2], weight)   # the step's update, done
+                assert mine[1][0] == "late" and torch.equal(mine[1][1], weight)
         finally:
-            for handle in handles:
-                handle.remove()
-        assert len(got) == 4 and len(opt._optimizer_step_post_hooks) == 0
-        seen[overlap] = [w for _, w in got]
+            handle.remove()
+        assert "removed" not in got and len(got) == 4 and len(global_calls) == 2
+        seen[overlap] = [g[-1] for g in got]
         engine.destroy()
     assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
 

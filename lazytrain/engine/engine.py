@@ -60,7 +60,7 @@ from .distributed import CollectiveError, DistributedContext, RankFailure
 from .executor import LayerStreamingExecutor, inside_a_block
 from .layer_updates import LayerUpdates
 from .weight_stream import WeightStream
-from ..optim.hybrid_adamw import refuse_unordered
+from ..optim.hybrid_adamw import PostHookTable, refuse_unordered
 from ..optim.lr_schedules import set_group_lrs
 from .optimizer_setup import (build_optimizer, build_scheduler, client_optimizer, deepspeed_optimizer_name,
                               eight_bit_share, hand_back_to_params, listed_groups, param_groups,
@@ -1840,8 +1840,18 @@ class LazyTrainEngine(nn.Module):
         rest = [p for g in groups for p in g["params"] if id(p) not in block_ids]
         failure = RankFailure(self.dist)
         with streams.device_span("optimizer", "embedding/head", self.device):   # CUDA: its kernels
-            with failure.kept(), _post_hooks_held(self.basic_optimizer) as post_hooks:
-                self._step_optimizer(params=rest, clip_coef=factor)
+            # its own step post-hooks held back until the layers are updated too, as torch defines them: after the
+            # update (an EMA or a logger read the layers' weights of the step before)
+            post_hooks = getattr(self.basic_optimizer, "_optimizer_step_post_hooks", None)
+            holding = isinstance(post_hooks, PostHookTable)
+            with failure.kept():
+                if holding:
+                    post_hooks.held = True
+                try:
+                    self._step_optimizer(params=rest, clip_coef=factor)
+                finally:
+                    if holding:
+                        post_hooks.held = False
                 # with what its pre-hooks set, as serial steps take it (a subclass whose step() skips HybridAdamW's
                 # leaves none: the groups as they were)
                 groups = getattr(self.basic_optimizer, "groups_of_last_step", None) or groups
@@ -1888,10 +1898,9 @@ class LazyTrainEngine(nn.Module):
             if i == w.num_layers - 1 and unstored:   # once the ranks agreed; step() has returned: a warning
                 self.layer_updates.note("lazytrain: " + self._unstored_copies_message(step, *unstored[0]))
         self.layer_updates.launch(update_and_report, range(w.num_layers))
-        if post_hooks:   # they run after the update, as torch defines them: all of it (the ranks agreed it began)
+        if holding and len(post_hooks):   # (the ranks agreed the update began); a step with hooks waits for it
             self.wait_for_update()
-            for hook in post_hooks:
-                hook(self.basic_optimizer, (), {"clip_coef": factor})
+            self.basic_optimizer.run_held_post_hooks()
 
     def _sharded_layer_updates(self, layer_grads: list[dict], groups: list[dict], factor: float, launched,
                                unstored: list):
@@ -3661,28 +3670,6 @@ def _masters_under_every_name(module_state: dict, model: nn.Module) -> None:
     for alias, source in ds_layout.shared_params(model).items():
         if source in module_state:
             module_state[alias] = module_state[source]
-
-
-@contextlib.contextmanager
-def _post_hooks_held(optimizer):
-    """The step post-hooks (the optimizer's own and torch's global ones) kept from running inside an overlapped
-    step's ``optimizer.step``, which updates only the parameters outside the streamed layers: an EMA or a logger
-    registered with ``register_step_post_hook`` read the layers' weights of the step before. Yields them, for the
-    caller to run once the layers are updated too."""
-    from torch.optim import optimizer as torch_optimizer
-    tables = [t for t in (getattr(optimizer, "_optimizer_step_post_hooks", None),
-                          torch_optimizer._global_optimizer_post_hooks) if t is not None]
-    held = [dict(t) for t in tables]
-    for table in tables:
-        table.clear()
-    try:
-        yield [hook for h in held for hook in h.values()]
-    finally:
-        for table, hooks in zip(tables, held):   # in their order, before any registered meanwhile
-            meanwhile = dict(table)
-            table.clear()
-            table.update(hooks)
-            table.update(meanwhile)
 
 
 def _onto_masters(add_param_group, master_of):

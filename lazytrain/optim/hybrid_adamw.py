@@ -36,6 +36,7 @@ Streaming engine use (per-layer norms during backward, update layer by layer, bf
 """
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import re
@@ -60,6 +61,22 @@ DEFAULT_FP32_PATTERNS: Tuple[str, ...] = (r"norm", r"bias", r"(^|[._])ln(_|\d|\.
 _STATE_KINDS = ("8bit", "fp32")
 #: the group settings that say which states a tensor gets: the optimizer's own, whatever a checkpoint says
 _LAYOUT_KEYS = ("optimizer_states", "min_8bit_size", "block_size")
+
+
+class PostHookTable(collections.OrderedDict):
+    """The optimizer's step post-hooks: torch's own table, which ``register_step_post_hook`` and a handle's
+    ``remove()`` change as ever, but which torch's step wrapper finds empty while ``held``. Why: an engine that
+    updates the streamed layers after ``step()`` returns (``lazytrain.overlap_optimizer``) holds the hooks back
+    for that step and runs them once every layer is updated (:meth:`HybridAdamW.run_held_post_hooks`): an EMA or
+    a logger read the layers' weights of the step before. torch's global post-hooks are not held: they run inside
+    the step."""
+    held = False
+
+    def values(self):
+        return iter(()) if self.held else super().values()
+
+    def held_values(self):
+        return collections.OrderedDict.values(self)
 
 
 def refuse_unordered(params, group: bool = False) -> None:
@@ -169,6 +186,7 @@ class HybridAdamW(torch.optim.Optimizer):
                         optimizer_states=optimizer_states, min_8bit_size=int(min_8bit_size),
                         block_size=int(block_size))
         super().__init__(groups, defaults)   # each group is checked as it joins (add_param_group)
+        self._optimizer_step_post_hooks = PostHookTable(self._optimizer_step_post_hooks)
         self._names = names
         self.fp32_name_patterns = tuple(fp32_name_patterns)
         self._fp32_re = [re.compile(pat, re.IGNORECASE) for pat in self.fp32_name_patterns]
@@ -453,6 +471,10 @@ class HybridAdamW(torch.optim.Optimizer):
         Returns the closure's loss (or ``None``). Check ``last_step_skipped`` for skipped steps.
         """
         loss = None
+        # what torch's step wrapper hands the post-hooks, for :meth:`run_held_post_hooks` (pre-hooks may change it)
+        self._last_step_call = ((self,) if closure is None else (self, closure),
+                                {k: v for k, v in (("grad_norm", grad_norm), ("clip_coef", clip_coef), ("params", params),
+                                                   ("compute_copies", compute_copies)) if v is not None})
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -461,6 +483,18 @@ class HybridAdamW(torch.optim.Optimizer):
         self.groups_of_last_step = self.snapshot()
         self._step(self.param_groups, params, grad_norm, clip_coef, compute_copies, None)
         return loss
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)   # (a copy or an unpickled one: torch gives it a plain table)
+        if not isinstance(self._optimizer_step_post_hooks, PostHookTable):
+            self._optimizer_step_post_hooks = PostHookTable(self._optimizer_step_post_hooks)
+
+    def run_held_post_hooks(self) -> None:
+        """The step post-hooks registered now, with the last step's arguments: for an engine that held them back
+        (:class:`PostHookTable`) while it updates the streamed layers after that step returned."""
+        args, kwargs = getattr(self, "_last_step_call", ((self,), {}))
+        for hook in list(PostHookTable.held_values(self._optimizer_step_post_hooks)):
+            hook(self, args, kwargs)
 
     def check_groups(self) -> None:
         """Refuse settings a step would refuse (a schedule may set betas or a learning rate this optimizer
@@ -512,7 +546,8 @@ class HybridAdamW(torch.optim.Optimizer):
         cleared as they read them)."""
         for group in groups:     # settings edited in param_groups after construction are checked too
             _check_group(group, params=False)
-        # a negative norm or coefficient turned the step around (gradient ascent); NaN and inf are a skipped step
+        # a negative norm or coefficient (-inf too) turned the step around (gradient ascent); NaN and +inf are a
+        # skipped step
         for name, value in (("grad_norm", grad_norm), ("clip_coef", clip_coef)):
             if value is not None and float(value) < 0:
                 raise ValueError(f"HybridAdamW.step: {name} must be >= 0, got {float(value)}")
