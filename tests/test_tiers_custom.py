@@ -2,9 +2,11 @@
 entry point, and used by the engine as the home of kept boundaries; the engine also trains with
 boundaries on the NVMe tier."""
 import os
+import re
 import shutil
 import tempfile
 import textwrap
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -388,12 +390,17 @@ def test_a_user_tier_that_fails_to_free_or_close_is_warned_of_or_raised_last_and
         "lazytrain": {"device": "cpu", "checkpoint_interval": 1, "boundary_home": "a",
                       "tiers": [{"name": "a", "class": "fails-to-free", "path": str(dirs["a"])},
                                 {"name": "b", "class": "fails-to-free", "path": str(dirs["b"]), "fail": "close"}]}})
-    (x, y), = engine_models.batches(1)
-    with pytest.warns(UserWarning, match=r"^lazytrain: tier 'a' \(FailsToFreeTier\) failed freeing 'pass0\.boundary\d': "
-                                         r"OSError: \[Errno 5\] could not unlink; the key's budget is given back and "
-                                         r"training goes on \(what it held may remain in the tier's storage\)$"):
-        engine.backward(engine_models.lm_loss(engine(x), y))
-        engine.step()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for x, y in engine_models.batches(3):
+            engine.backward(engine_models.lm_loss(engine(x), y))
+            engine.step()
+    told = [str(w.message) for w in seen if "failed freeing" in str(w.message)]
+    assert len(told) == 1   # one a tier: the keys are numbered by pass, each would be a warning of its own
+    assert re.fullmatch(r"lazytrain: tier 'a' \(FailsToFreeTier\) failed freeing 'pass0\.boundary\d': OSError: \[Errno "
+                        r"5\] could not unlink; the key's budget is given back and training goes on \(what it held "
+                        r"may remain in the tier's storage; further failures of tier 'a' to free a key are not "
+                        r"warned of\)", told[0])
     assert engine.tiers["a"].keys() == [] and engine.tiers["a"].used_bytes == 0
     engine.tiers["b"].write("left", torch.ones(3)).wait()
     tier_b = engine.tiers["b"]
@@ -406,3 +413,28 @@ def test_a_user_tier_that_fails_to_free_or_close_is_warned_of_or_raised_last_and
     assert {id(p) for g in engine.basic_optimizer.param_groups for p in g["params"]} == \
         {id(p) for p in model.parameters()}
     engine.destroy()   # destroyed all the same: a second call does nothing
+
+
+def test_a_destroy_cut_short_before_the_tiers_closed_is_done_by_the_next_call(tmp_path, monkeypatch):
+    """A destroy() that raised for any reason was marked done, so the next call did nothing and the tiers kept
+    their keys (an NVMe run directory its files); only a tier's failure to close, raised once all else is done,
+    marks it so."""
+    engine_models = pytest.importorskip("engine_models")
+    engine, _, _, _ = lazytrain.initialize(model=engine_models.make_model("modulelist"), config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": float("inf"),
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "lazytrain": {"device": "cpu", "weights_home": "nvme", "nvme_path": str(tmp_path)}})
+    (x, y), = engine_models.batches(1)
+    engine.backward(engine_models.lm_loss(engine(x), y))
+    engine.step()
+    settle = engine.stream.settle_all
+
+    def interrupted():
+        monkeypatch.setattr(engine.stream, "settle_all", settle)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(engine.stream, "settle_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.destroy()
+    assert os.listdir(tmp_path) != []   # the NVMe tier's run directory, still open
+    engine.destroy()
+    assert os.listdir(tmp_path) == [] and all(t.keys() == [] for t in engine.tiers.values())

@@ -36,7 +36,7 @@ from ..planner.models import with_standard_names
 from ..planner.plan import Plan
 from ..planner.problem import Budgets
 from ..tiers import format_bytes, streams
-from ..tiers.base import close_tiers
+from ..tiers.base import TierError, close_tiers
 from ..tiers.memory import release_cached_pinned_memory
 from ..tiers.streams import Chaos, EmulatedLink
 from .. import files
@@ -204,9 +204,11 @@ class LazyTrainEngine(nn.Module):
         self._attachments.set_up_done(model)
         self._copy_patched = module_copy.install(model, self._copy_of_module)   # deepcopy: a plain model
 
-    def _hand_model_back(self) -> None:
+    def _hand_model_back(self, raise_tier_failure: bool = False) -> None:
         """Undo what set-up did to the user's model, as far as it got: its blocks' forward no longer routed
-        here, no hooks of ours, non-block weights back in fp32; then close the tiers."""
+        here, no hooks of ours, non-block weights back in fp32; then close the tiers. A tier that fails to close
+        does not stop the rest; with ``raise_tier_failure`` (``destroy()``) its failure is raised last (a failed
+        set-up raises its own error instead)."""
         d = self.__dict__
         if d.get("_layout_guard") is not None:
             self._layout_guard.remove()
@@ -258,7 +260,8 @@ class LazyTrainEngine(nn.Module):
             if d.get("_fused_copies"):   # no more writes into (nor references to) the engine's compute copies
                 self.basic_optimizer.compute_copies.clear()
             hand_back_to_params(self.basic_optimizer, self.masters.pairs if d.get("masters") is not None else [])
-        if tier_failure is not None:
+        if tier_failure is not None and raise_tier_failure:
+            self._tier_close_failure = tier_failure
             raise tier_failure
 
     def _set_up(self, model: nn.Module, config: EngineConfig, optimizer, model_parameters, lr_scheduler,
@@ -3428,10 +3431,14 @@ class LazyTrainEngine(nn.Module):
             self.dist.calls.entering("destroy()", self.micro_steps)
         self._own_weights_again()
         try:
-            self._hand_model_back()   # (raises last, where a tier failed to close: the rest was handed back)
-        finally:
-            self._destroyed = True
-            self._destroyed_from = _caller_outside_lazytrain()   # named by a later call's refusal
+            self._hand_model_back(raise_tier_failure=True)
+        except TierError as e:   # raised last: the rest was handed back, and the tiers closed as far as they go
+            if e is not self.__dict__.get("_tier_close_failure"):
+                raise   # (anything else: not handed back, and a second destroy() tries again)
+            self._destroyed, self._destroyed_from = True, _caller_outside_lazytrain()
+            raise
+        self._destroyed = True
+        self._destroyed_from = _caller_outside_lazytrain()   # named by a later call's refusal
 
     def _own_weights_again(self) -> None:
         """Before the model is handed back: block parameters in memory of this rank's own, in fp32 (the

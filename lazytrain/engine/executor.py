@@ -597,8 +597,9 @@ class LayerStreamingExecutor:
         return handle
 
     def _drop(self, p: _Pass, tier: str, key: str) -> None:
-        _free_or_warn(self.tiers[tier], key)
+        failure = _failed_to_free(self.tiers[tier], key)
         p.owned.discard((tier, key))
+        _warn_failed_free(self.tiers[tier], failure)
 
     def _enter_window(self, p: _Pass, w: int) -> None:
         if w in p.windows_entered:
@@ -1438,17 +1439,31 @@ class _SharedStateWatch(MutableMapping):
 
 
 def _free_owned(tiers: dict[str, Tier], owned: set) -> None:
-    for tier, key in list(owned):
-        _free_or_warn(tiers[tier], key)
+    failures = [(tiers[tier], _failed_to_free(tiers[tier], key)) for tier, key in list(owned)]
     owned.clear()
+    for tier, failure in failures:
+        _warn_failed_free(tier, failure)
 
 
-def _free_or_warn(tier: Tier, key: str) -> None:
-    """``tier.free(key)``; a tier that fails to (a user's tier's ``_free`` raising) is warned of, as the NVMe tier
-    warns of a file it cannot remove: the key is gone and its budget given back either way, and the pass's work
-    is done (a backward does not fail on its clean-up)."""
+def _failed_to_free(tier: Tier, key: str) -> Exception | None:
+    """``tier.free(key)``; what it raised (a user's tier's ``_free``), or None. The key is gone and its budget
+    given back either way, and the pass's work is done: a backward does not fail on its clean-up."""
     try:
         tier.free(key)
-    except Exception as e:   # noqa: BLE001 - warned of: training goes on
-        warnings.warn(f"lazytrain: {e}; the key's budget is given back and training goes on (what it held may "
-                      f"remain in the tier's storage)", UserWarning, stacklevel=3)
+    except Exception as e:   # noqa: BLE001 - warned of (_warn_failed_free): training goes on
+        return e
+    return None
+
+
+_WARNED_FREE_FAILURES: "weakref.WeakSet[Tier]" = weakref.WeakSet()   # tiers whose failure to free was warned of
+
+
+def _warn_failed_free(tier: Tier, failure: Exception | None) -> None:
+    """A tier's first failure to free a key, warned of (as the NVMe tier warns of a file it cannot remove); later
+    ones not: the keys are numbered by pass, and each would be a warning of its own."""
+    if failure is None or tier in _WARNED_FREE_FAILURES:
+        return
+    _WARNED_FREE_FAILURES.add(tier)
+    warnings.warn(f"lazytrain: {failure}; the key's budget is given back and training goes on (what it held may "
+                  f"remain in the tier's storage; further failures of tier {tier.name!r} to free a key are not "
+                  f"warned of)", UserWarning, stacklevel=3)
