@@ -366,6 +366,30 @@ def test_a_step_post_hook_sees_the_streamed_layers_updated_as_under_serial_steps
     assert all(torch.equal(a, b) for a, b in zip(seen[False], seen[True]))
 
 
+def test_deepspeeds_gathered_parameters_scope_reads_the_step_done():
+    """A Trainer callback reading a block's weight at on_step_end through deepspeed.zero.GatheredParameters (it
+    cannot call engine.wait_for_update()) read the weight of the step before while the layers still updated."""
+    from lazytrain.integrations.deepspeed_entry import _GatheredParameters
+    model = make_model("llama")
+    engine, opt, _, _ = lazytrain.initialize(model=model, config=overlap_config(True))
+    update = opt.update
+
+    def slow(*args, **kwargs):   # each layer's update late: the scope is entered while they run
+        time.sleep(0.05)
+        return update(*args, **kwargs)
+    opt.update = slow
+    weight = dict(model.named_parameters())["model.layers.3.self_attn.q_proj.weight"]
+    for x, y in batches(2):
+        before = weight.detach().clone()
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+        with _GatheredParameters([weight]):
+            seen = weight.detach().clone()
+        engine.wait_for_update()
+        assert torch.equal(seen, weight) and not torch.equal(seen, before)
+    engine.destroy()
+
+
 def test_a_group_added_in_bf16_as_named_parameters_trains_as_one_of_plain_parameters():
     """In bf16 a group added later is re-pointed at the fp32 masters, where the gradients land: (name, parameter)
     pairs went through as they were, so the added bf16 head never trained; a set escaped the refusal (listed

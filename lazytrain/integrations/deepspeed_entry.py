@@ -240,6 +240,7 @@ class _GatheredParameters:
         if self._broadcast_from is not None:   # before any gather: refused on every rank alike
             _refuse_engine_params(self._params)   # again: an engine may have taken them since __init__
             _refuse_lists_that_differ(self._params, self._broadcast_from)
+        _wait_for_updates_of(self._params)
         for partitioned in live():
             self._stack.enter_context(partitioned.gathered(self._params))
         if self._modifies:
@@ -254,6 +255,18 @@ class _GatheredParameters:
         elif self._modifies:
             _warn_of_writes_to_one_copy([p for p in self._params if p._version != self._versions.get(id(p))])
         return False
+
+
+def _wait_for_updates_of(params: list) -> None:
+    """The overlapped layer updates (``lazytrain.overlap_optimizer``, a GPU's default) of the engines training
+    ``params`` done: a Trainer callback reading weights at ``on_step_end`` through this scope, which cannot call
+    ``engine.wait_for_update()``, read the weights of the step before. From the training thread, which alone may
+    wait (another thread's scope reads what is there)."""
+    from ..engine import param_access
+    engines = {id(e): e for e in map(param_access.owner_of, params) if e is not None}
+    for engine in engines.values():
+        if threading.get_ident() == engine.__dict__.get("_setup_thread"):
+            engine.wait_for_update()
 
 
 def _refuse_engine_params(params: list) -> None:
