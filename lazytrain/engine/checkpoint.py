@@ -43,6 +43,7 @@ from torch import nn
 from ..tiers import format_bytes
 from . import safe_load, save_locks
 from .record_crc import first_byte
+from .tensor_storages import SPARSE_PARTS
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
@@ -363,7 +364,7 @@ class _Placeholders:
         self.sources: list = []                       # Streamed or a real tensor, by storage number
 
     def of(self, t):
-        if isinstance(t, torch.Tensor) and (_is_fake(t) or t.layout in _SPARSE_PARTS):
+        if isinstance(t, torch.Tensor) and (_is_fake(t) or t.layout in SPARSE_PARTS):
             return t   # a sparse tensor pickles as its strided parts (indices, values), each met here in turn
         if isinstance(t, torch.Tensor) and (t.layout != torch.strided or t.is_quantized or t.is_nested):
             kind = "quantized" if t.is_quantized else "nested" if t.is_nested else f"{t.layout}"
@@ -565,24 +566,14 @@ def settle_leftovers(save_dir: str) -> None:
         os.remove(stale)
 
 
-# the strided tensors a sparse tensor is pickled as (torch's Tensor.__reduce_ex__), by layout
-_SPARSE_PARTS = {
-    torch.sparse_coo: lambda t: (t._indices(), t._values()),
-    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
-    torch.sparse_bsr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
-    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
-    torch.sparse_bsc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
-}
-
-
 # ---- space ----------------------------------------------------------------------------------------
 def _tensor_bytes(obj, seen: set | None = None) -> int:
     """Bytes of the tensor storages in ``obj`` (each storage once): what ``torch.save`` writes, near enough."""
     seen = set() if seen is None else seen
     if isinstance(obj, Streamed):
         return obj.nbytes
-    if isinstance(obj, torch.Tensor) and obj.layout in _SPARSE_PARTS:   # what torch.save writes of it
-        return sum(_tensor_bytes(part, seen) for part in _SPARSE_PARTS[obj.layout](obj))
+    if isinstance(obj, torch.Tensor) and obj.layout in SPARSE_PARTS:   # what torch.save writes of it
+        return sum(_tensor_bytes(part, seen) for part in SPARSE_PARTS[obj.layout](obj))
     if isinstance(obj, torch.Tensor) and (obj.layout != torch.strided or obj.is_nested):
         return 0   # refused when written
     if isinstance(obj, torch.Tensor):

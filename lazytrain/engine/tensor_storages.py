@@ -7,15 +7,21 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
+# the strided tensors a sparse tensor is made of, by layout (what torch.save pickles it as: Tensor.__reduce_ex__)
+SPARSE_PARTS = {
+    torch.sparse_coo: lambda t: (t._indices(), t._values()),
+    torch.sparse_csr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_bsr: lambda t: (t.crow_indices(), t.col_indices(), t.values()),
+    torch.sparse_csc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+    torch.sparse_bsc: lambda t: (t.ccol_indices(), t.row_indices(), t.values()),
+}
+
+
 def storages(t: torch.Tensor) -> list[tuple[tuple, int]]:
     """((device, data pointer), bytes) of each storage holding ``t``'s data: a sparse tensor's indices and
     values, a wrapper subclass's inner tensors; none where no storage can be reached (a jagged nested tensor)."""
-    if t.layout == torch.sparse_coo:
-        parts = [t._indices(), t._values()]
-    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
-        parts = [t.crow_indices(), t.col_indices(), t.values()]
-    elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
-        parts = [t.ccol_indices(), t.row_indices(), t.values()]
+    if t.layout in SPARSE_PARTS:
+        parts = SPARSE_PARTS[t.layout](t)
     elif is_traceable_wrapper_subclass(t):
         parts = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
     else:
