@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -222,13 +223,19 @@ def run(args) -> int:
 
 
 # schedules with a length, and what the steps past it train at: a schedule shorter than the run wastes them
+class _ScheduleLength(NamedTuple):
+    """Where a schedule keeps its length, what the steps past it train at, and torch's default for it."""
+    key: str
+    after: Optional[str]
+    default: Optional[int] = None
+
+
 _SCHEDULE_LENGTHS = {
-    "WarmupDecayLR": ("total_num_steps", "learning rate 0"),
-    "WarmupCosineLR": ("total_num_steps", "the schedule's floor (cos_min_ratio of the learning rate)"),
-    "CosineAnnealingLR": ("T_max", "a learning rate rising again (torch's cosine goes on past T_max)"),
-    "PolynomialLR": ("total_iters", "learning rate 0"),
+    "WarmupDecayLR": _ScheduleLength("total_num_steps", "learning rate 0"),
+    "WarmupCosineLR": _ScheduleLength("total_num_steps", "the schedule's floor (cos_min_ratio of the learning rate)"),
+    "CosineAnnealingLR": _ScheduleLength("T_max", "a learning rate rising again (torch's cosine goes on past T_max)"),
+    "PolynomialLR": _ScheduleLength("total_iters", "learning rate 0", default=5),
 }
-_TORCH_DEFAULT_LENGTHS = {"PolynomialLR": 5}   # a length the schedule has when the config leaves it out
 
 
 def _fit_schedule_length(sched, steps: int, overridden: bool) -> None:
@@ -249,12 +256,12 @@ def _fit_schedule_length(sched, steps: int, overridden: bool) -> None:
             length, where = params["epochs"] * params["steps_per_epoch"], "epochs x steps_per_epoch"
         past = "torch's OneCycleLR raises when stepped past its end"
     else:
-        key, after = _SCHEDULE_LENGTHS.get(kind, ("total_num_steps", None))
+        key, after, default = _SCHEDULE_LENGTHS.get(kind, _ScheduleLength("total_num_steps", None))
         if overridden:
-            if key in params or kind in _TORCH_DEFAULT_LENGTHS:
+            if key in params or default is not None:
                 params[key] = steps
             return
-        length, where = params.get(key, _TORCH_DEFAULT_LENGTHS.get(kind)), key
+        length, where = params.get(key, default), key
         if key not in params and length is not None:
             where = f"{key}, torch's default"
         past = f"the last {steps - length} would train at {after}" if isinstance(length, int) and after else None
