@@ -20,7 +20,8 @@ from lazytrain.engine.executor import ExecutorError
 from lazytrain.utils import safe_get_full_grad, safe_get_full_optimizer_state
 from engine_models import (AUTO_DEVICE, OVERLAP_FORCED, VOCAB, MLPBlock, ModuleListLM, batches, lm_loss, logits_of,
                            make_hf_model, make_model, max_rel_diff)
-from engine_models import reference_train as plain_reference_train
+from engine_models import plan_engine, reference_train as plain_reference_train
+from lazytrain.planner.plan import RECOMPUTE, Plan, every_k_plan, keep_all_plan, offload_all_plan
 
 # the AdamW arithmetic of the engine's update under ds_config: HybridAdamW's where the layers' update overlaps
 # the next forward (a GPU's default, or LAZYTRAIN_TEST_OVERLAP=1), torch's fused AdamW otherwise
@@ -3454,6 +3455,80 @@ def test_a_re_run_block_updates_its_batchnorm_statistics_once_per_forward_as_pyt
         assert int(mine.bn.num_batches_tracked) == int(theirs.bn.num_batches_tracked) == 3
         torch.testing.assert_close(mine.bn.running_mean.cpu(), theirs.bn.running_mean.cpu(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(mine.bn.running_var.cpu(), theirs.bn.running_var.cpu(), rtol=1e-5, atol=1e-6)
+
+
+class _CountingRMSNorm(torch.nn.Module):
+    """A module named like a norm (so made lean) that reads a counter its training forward updates in place."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight * (1 + 0.1 * self.calls)
+
+
+class _BufferReadingBlock(torch.nn.Module):
+    """Buffers the training forward updates and then reads: spectral_norm's power iteration (u, v in place), a
+    scale replaced by assignment, and a lean norm's counter."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = _CountingRMSNorm(d)
+        self.fc = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(d, d))
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        if self.training:
+            self.scale = 0.9 * self.scale + 0.1 * x.detach().abs().mean()
+        return x + torch.tanh(self.fc(self.norm(x))) * self.scale
+
+
+_BUFFER_PLANS = {
+    "re-run every layer": lambda: every_k_plan(6, 3, home="host"),
+    "selective": lambda: Plan(num_layers=6, homes=("hbm", RECOMPUTE, RECOMPUTE, "host", RECOMPUTE, RECOMPUTE, "hbm"),
+                              selective_layers=(0, 1, 3), policy="selective"),
+    "offloaded": lambda: offload_all_plan(6),
+    "graph tail": lambda: keep_all_plan(6, home="hbm", last_segment_graph=True),
+}
+
+
+@pytest.mark.parametrize("links", [False, True], ids=["one-re-run", "copy-threads"])
+@pytest.mark.parametrize("plan", list(_BUFFER_PLANS))
+def test_a_block_reading_buffers_its_forward_updates_trains_as_pytorch_does(tmp_path, plan, links):
+    """A re-run started from the buffers as the forward left them: spectral_norm's re-run did one more power
+    iteration (gradients 0.17 off plain PyTorch's), a moving scale read its next value. A lean norm's
+    recomputation ran on the norm's own buffers, moving a counter twice per step in every plan."""
+    data = batches(3)
+    ref = plain_reference_train(_user_lm(_BufferReadingBlock), data, optimizer="torch")
+    testing = {"copy_threads": True, "links": {"h2d": {"gbps": 1.0}, "d2h": {"gbps": 1.0}}} if links else None
+    engine = plan_engine(tmp_path, _user_lm(_BufferReadingBlock), _BUFFER_PLANS[plan](), testing)
+    assert [type(m).forward is not m.forward for m in engine.module.modules()
+            if isinstance(m, _CountingRMSNorm)] == [True] * 6   # made lean
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert max_rel_diff(engine.module, ref) < RTOL
+    mine, theirs = dict(engine.module.named_buffers()), dict(ref.named_buffers())
+    assert mine.keys() == theirs.keys() and all(int(mine[k]) == 3 for k in mine if k.endswith("calls"))
+    for k in mine:
+        torch.testing.assert_close(mine[k].cpu(), theirs[k].cpu(), rtol=1e-5, atol=1e-7)
+    engine.destroy()
+
+
+def test_two_forwards_before_one_backward_re_run_each_from_the_buffers_it_found(tmp_path):
+    """The first pass's re-run started from the buffers the second forward left."""
+    (x1, y1), (x2, y2) = batches(2)
+    ref = _user_lm(_BufferReadingBlock)
+    (lm_loss(ref(x1), y1) + lm_loss(ref(x2), y2)).backward()
+    engine = plan_engine(tmp_path, _user_lm(_BufferReadingBlock), every_k_plan(6, 3, home="host"))
+    engine.backward(lm_loss(engine(x1), y1) + lm_loss(engine(x2), y2))
+    for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    engine.destroy()
 
 
 def test_a_weight_registered_on_the_block_list_itself_trains_as_a_non_block_weight():

@@ -85,6 +85,8 @@ class _LayerCall:
                                     # forwards that were differentiated, not an evaluation's under grad)
     versions: dict = field(default_factory=dict)   # tensor leaf index -> its version at the call (parameters aside)
     held_versions: dict = field(default_factory=dict)   # (container leaf index, path in it) -> (tensor, version)
+    buffers_found: list = field(default_factory=list)   # (module, name, value) of each buffer the forward wrote,
+                                                        # as the forward found it: what its re-runs start from
 
 
 def _whole_storage(t: torch.Tensor) -> torch.Tensor:
@@ -379,9 +381,12 @@ class LayerStreamingExecutor:
         saved = (_SavedBytes([flat, hidden, *(t for t in leaves if isinstance(t, torch.Tensor))])
                  if kind == "diff" and isinstance(kept, nullcontext) and streams.recording() is not None else None)
         pass_arg = {} if call.pass_id is None else {"pass": call.pass_id}
+        # a layer its backward re-runs (not one differentiated from the graph its forward recorded)
+        rerun_later = not inference and not replay and layer < self.graph_start and layer not in self.offloaded
         with streams.compute_span(f"{kind} L{layer}", self.device, **pass_arg) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
-                _buffers_kept(block) if replay else nullcontext(), \
+                _buffers_kept(block, call) if replay else nullcontext(), \
+                _buffers_found(block, call) if rerun_later else nullcontext(), \
                 in_modes(block, call.modes) if replay else nullcontext(), \
                 _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
             hidden_version = None if inference or hidden.is_inference() else hidden._version
@@ -395,8 +400,6 @@ class LayerStreamingExecutor:
                     raise ExecutorError(_CHANGED_INPUT.format(
                         layer=layer, what="a tensor it was given (its hidden state or an argument)")) from e
                 raise
-            # a layer its backward re-runs (not one differentiated from the graph its forward recorded)
-            rerun_later = not inference and not replay and layer < self.graph_start and layer not in self.offloaded
             if rerun_later and hidden_version is not None and hidden._version != hidden_version:
                 raise ExecutorError(_CHANGED_INPUT.format(layer=layer, what="its hidden state"))
             if rerun_later:
@@ -998,12 +1001,28 @@ class LayerStreamingExecutor:
 
 
 @contextmanager
-def _buffers_kept(block: nn.Module):
-    """A re-run leaves the block's buffers as the forward left them: BatchNorm's running statistics (and any
-    buffer a training forward updates) move once per forward, as in plain PyTorch, not again per re-run."""
+def _buffers_found(block: nn.Module, call: _LayerCall):
+    """A forward its backward re-runs notes the buffers it writes (in place or by assignment) as it found them
+    (``call.buffers_found``): a block that reads a buffer its training forward updates (spectral_norm's power
+    iteration, fake quantization's observers, a counter) is re-run from the values its forward read, and its
+    gradients are plain PyTorch's. Every buffer of the block is copied before the call (one block's buffers at a
+    time; a decoder layer has none); the copies of those it left alone are dropped as it returns."""
+    before = [(m, name, buf, buf._version, buf.clone()) for m in block.modules()
+              for name, buf in m._buffers.items() if buf is not None]
+    yield
+    call.buffers_found = [(m, name, copy) for m, name, buf, version, copy in before
+                          if m._buffers.get(name) is not buf or buf._version != version]
+
+
+@contextmanager
+def _buffers_kept(block: nn.Module, call: _LayerCall):
+    """A re-run starts from the buffers its forward found (:func:`_buffers_found`) and leaves them as the forward
+    left them: BatchNorm's running statistics (and any buffer a training forward updates) move once per forward,
+    as in plain PyTorch, not again per re-run."""
+    found = {(id(m), name): value for m, name, value in call.buffers_found}
     kept = [(m, name, buf) for m in block.modules() for name, buf in m._buffers.items() if buf is not None]
     for m, name, buf in kept:   # the re-run updates copies (its graph may save them: they are not written again)
-        m._buffers[name] = buf.clone()
+        m._buffers[name] = found.get((id(m), name), buf).clone()
     try:
         yield
     finally:

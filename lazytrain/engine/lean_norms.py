@@ -65,8 +65,8 @@ def _lean_forward(module: nn.Module, names: tuple, where: str, *args, **kwargs):
         return own(module, hidden)
     # the generator state goes with it: an RMSNorm draws no random numbers, but a module named like one may
     # (dropout), and its recomputation must draw what its forward drew (saving the state costs next to nothing)
-    out = checkpoint(_recompute, module, train_modes(module), names, hidden, *values, use_reentrant=False,
-                     preserve_rng_state=True)
+    out = checkpoint(_recompute, module, train_modes(module), names, _BuffersFound(module), hidden, *values,
+                     use_reentrant=False, preserve_rng_state=True)
     if isinstance(out, torch.Tensor) and out.grad_fn is not None:
         if not _saved_tensors_hooked():   # the checkpoint holds the input until the backward anyway
             out.grad_fn.register_prehook(partial(_input_unchanged, hidden, hidden._version, where))
@@ -132,11 +132,29 @@ def _changed_input_message(where: str) -> str:
             f"model train")
 
 
-def _recompute(module: nn.Module, modes: tuple, names: tuple, hidden: torch.Tensor,
+class _BuffersFound:
+    """The buffers of a norm as its forward found them. The forward runs on the norm's own buffers; each
+    recomputation runs on fresh copies of these and writes nothing back: a module named like a norm whose
+    training forward updates a buffer (a running statistic, a counter) moves it once per forward, as in plain
+    PyTorch, and its recomputation reads what the forward read. A norm without buffers copies nothing."""
+
+    def __init__(self, module: nn.Module):
+        self.found = {name: buf.clone() for name, buf in module.named_buffers()}
+        self.forward_ran = False
+
+    def for_this_run(self) -> dict:
+        if not self.forward_ran:
+            self.forward_ran = True
+            return {}
+        return {name: value.clone() for name, value in self.found.items()}
+
+
+def _recompute(module: nn.Module, modes: tuple, names: tuple, buffers: _BuffersFound, hidden: torch.Tensor,
                *values: torch.Tensor) -> torch.Tensor:
     """The norm's forward with ``values`` as its weights, its modules in the train/eval modes of the forward
     (``modes``, in ``module.modules()`` order): a model put in eval() between its forward and its backward
     would else recompute a module named like a norm that drops out without its dropout, and the
     recomputation would not match."""
-    with in_modes(module, modes), _reparametrize_module(module, dict(zip(names, values))):
+    with in_modes(module, modes), _reparametrize_module(module, {**dict(zip(names, values)),
+                                                                 **buffers.for_this_run()}):
         return type(module).forward(module, hidden)
