@@ -507,3 +507,29 @@ def test_a_frozen_bottom_trains_none_of_its_parameters_and_its_forward_alone_cou
     r = simulate(p, plan)
     tokens = p.micro_batch * p.seq_len
     assert r.tflops == pytest.approx((6 * p.model.throughput_params - 4 * sum(params[:2])) * tokens / r.step_time_s / 1e12)
+
+
+def test_where_only_a_segment_across_the_frozen_bottom_fits_the_planner_returns_it():
+    """The MILP keeps boundary f apart from a segment [0, f); a plan re-running the frozen layer 0 in a segment
+    [0, 3) holds one boundary less. At a budget between the two, planning said no plan fits."""
+    from lazytrain.planner.hardware import load_profile
+    from lazytrain.planner.milp import MilpOptions
+    from lazytrain.planner.models import load_model
+    from lazytrain.planner.problem import InfeasibleBudgetError
+    from lazytrain.planner.search import solve
+    cfg = {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+           "num_key_value_heads": 8, "intermediate_size": 1376, "vocab_size": 32000, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16"}
+    p = Problem(model=load_model(cfg), hardware=load_profile("h800"), micro_batch=2, seq_len=256,
+                budgets=Budgets(gpu_bytes=1321575255, host_bytes=436461252, frozen_bottom_layers=1))
+    opts = MilpOptions(time_limit_s=10, isolate=False)
+    with pytest.raises(InfeasibleBudgetError, match="no plan fits the budgets"):
+        build_and_solve(p, opts)
+    with pytest.warns(UserWarning, match=re.escape(
+            "the MILP found no plan that fits within its plan space (below the frozen bottom, one segment [0, 1) "
+            "kept apart); using the fastest baseline policy that fits, 'interval-k3-hbm'")):
+        plan = solve(p, opts)
+    assert plan.segments() == [(0, 3), (3, 4)] and plan.prediction["fallback"] == "interval-k3-hbm"
+    r = simulate(p, plan, strict=True, timeline=False)
+    assert not r.violations and r.peak_bytes["hbm"] <= p.gpu_budget
+    assert plan.prediction["step_time_s"] == r.step_time_s

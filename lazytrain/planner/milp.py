@@ -32,7 +32,8 @@ materialised boundary, per-window transfer bytes, an NVMe tier) and removes its 
 - a frozen bottom (``Problem.first_reached`` f > 0) is one path edge [0, f) of any length: boundaries 1..f-1
   are not stored, boundary 0 is never read back (no prefetch), layers below f keep no graph, outputs or
   internals, and their backward windows cost nothing (the brute force over every plan, those that keep frozen
-  boundaries among them, finds no faster one);
+  boundaries among them, finds no faster one; a segment across f, which holds one boundary less, may be the
+  only plan that fits, and search.solve then returns the fastest baseline that fits);
 - the objective is the step time: per window ``t_w >= compute + exposed prefetch wait`` and
   ``t_w >= bytes / bandwidth`` for each link, plus the delay the host optimizer imposes on the next
   forward (it overlaps the forward layer by layer), plus the last micro-batch's final gradient copy. The

@@ -73,6 +73,8 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
                           build_and_solve(p, opts, start_plan=start))
     except (NoPlanInTimeError, DeadlineExceededError) as e:
         return _fallback(p, e, time.perf_counter() - t0, start[0] if start else None, opts)
+    except InfeasibleBudgetError as e:
+        return _outside_the_milps_space(p, e, time.perf_counter() - t0, opts)
     r = simulate(p, plan, strict=True, timeline=False)
     return _predicted(p, plan, r, info.to_dict(), time.perf_counter() - t0, milp_step_time_s=info.objective_s,
                       milp_vs_simulator=(info.objective_s / r.step_time_s - 1) if info.objective_s else None)
@@ -183,6 +185,27 @@ def _fallback(p: Problem, error: PlanningError, wall: float, start: Plan | None 
                   UserWarning, stacklevel=3)
     return _predicted(p, plan, r, {"status": f"no plan in time, fell back to {plan.policy}", "detail": str(error)},
                       wall, fallback=plan.policy)
+
+
+def _outside_the_milps_space(p: Problem, error: InfeasibleBudgetError, wall: float, opts: MilpOptions) -> Plan:
+    """When the MILP finds no plan that fits: the fastest baseline that fits and that the options allow, if one
+    does, with a warning, else ``error``. The MILP's space is narrower than the plans the engine runs: below a
+    frozen bottom it keeps one segment [0, f) and boundary f, where a segment crossing f (re-running frozen
+    layers) holds one boundary less, and at the tightest budgets only such a plan fits."""
+    from .policies import BASELINES
+    K = max(1, min(opts.max_segment, p.L))
+    found = [r for r in (_allowed(p, opts, f(p)) for f in BASELINES.values()) if r is not None
+             and all(e - s <= K or e <= p.first_reached for s, e in r[0].segments())]
+    if not found:
+        raise error
+    plan, r = min(found, key=lambda pr: pr[1].step_time_s)
+    warnings.warn("lazytrain planner: the MILP found no plan that fits within its plan space"
+                  + (f" (below the frozen bottom, one segment [0, {p.first_reached}) kept apart)"
+                     if p.first_reached else "")
+                  + f"; using the fastest baseline policy that fits, {plan.policy!r} "
+                  f"(predicted step {r.step_time_s:.3f}s)", UserWarning, stacklevel=3)
+    return _predicted(p, plan, r, {"status": f"no plan in the MILP's space, fell back to {plan.policy}",
+                                   "detail": str(error)}, wall, fallback=plan.policy)
 
 
 @dataclass
