@@ -3531,6 +3531,35 @@ def test_two_forwards_before_one_backward_re_run_each_from_the_buffers_it_found(
     engine.destroy()
 
 
+class _SkippingLM(ModuleListLM):
+    """Calls its blocks in ``order`` (LayerDrop leaves block 1 out; a repeat calls block 1 twice)."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for i in self.order:
+            x = self.stack[i](x)
+        return self.head(self.extra[0](x))
+
+
+@pytest.mark.parametrize("order,message", [
+    ((0, 2, 3, 4, 5), "block 2 was called when block 1 was expected: a model that skips blocks in training "
+                      "(LayerDrop: a config's 'layerdrop' > 0; stochastic depth that leaves a block's call out) "
+                      "cannot stream them; set its layerdrop to 0, or skip inside the block (return its input)"),
+    ((0, 1, 1, 2, 3, 4, 5), "block 1 was called when block 2 was expected"),
+])
+def test_a_block_left_out_of_a_training_forward_is_refused_naming_layerdrop(order, message):
+    engine = lazytrain.initialize(model=_SkippingLM(order), config=ds_config())[0]
+    x, y = batches(1)[0]
+    with pytest.raises(ExecutorError, match=re.escape("streamed blocks must run in order 0..5 once per forward "
+                                                      "pass; " + message) + "$"):
+        engine(x)
+    engine.destroy()
+
+
 def test_a_weight_registered_on_the_block_list_itself_trains_as_a_non_block_weight():
     """It was counted as a block weight but streamed with none: never zeroed, clipped or moved."""
     data = batches(4)

@@ -476,8 +476,12 @@ class LayerStreamingExecutor:
                                     f"block with gradients, from block 0. To leave the bottom blocks out of "
                                     f"training, freeze them (requires_grad_(False)) before lazytrain.initialize(): "
                                     f"a backward then stops above them")
+            expected = p.next_layer if p else 0
+            skipped = (f": a model that skips blocks in training (LayerDrop: a config's 'layerdrop' > 0; stochastic "
+                       f"depth that leaves a block's call out) cannot stream them; set its layerdrop to 0, or skip "
+                       f"inside the block (return its input)" if layer > expected else "")
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
-                                f"{layer} was called when block {p.next_layer if p else 0} was expected")
+                                f"{layer} was called when block {expected} was expected{skipped}")
         p.next_layer += 1
         if layer > 0 and (p.last_out is None or not _alias_of(hidden, p.last_out[0]())
                           or hidden._version != p.last_out[1]):   # replaced, or changed in place
