@@ -705,6 +705,11 @@ def test_infeasible_gpu_budget_names_the_gap():
     msg = str(e.value)
     assert "GPU budget 25.77 GB is too small at micro-batch 64" in msg
     assert "saved activations of one layer" in msg and "short by" in msg and "Lower --micro-batch" in msg
+    with pytest.raises(InfeasibleBudgetError) as e:   # at micro-batch 1 there is no lower one to take
+        make_problem("paper-27b", "rtx3090", 1, 65536, Budgets.of(gpu="24GiB"))
+    assert "GPU budget 25.77 GB is too small at micro-batch 1 x seq 65536" in str(e.value)
+    assert str(e.value).endswith("At micro-batch 1, shorten the sequence (--seq, the batches' length), or raise "
+                                 "--gpu-mem or lazytrain.gpu_memory.")
 
 
 def test_infeasible_plan_space_is_reported_by_the_milp():

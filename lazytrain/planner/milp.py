@@ -62,7 +62,7 @@ from typing import Any, Sequence
 import pulp
 
 from .plan import DEVICE_HOME, RECOMPUTE, Plan
-from .problem import BUDGET_SOURCES, GRAD_SHARE_WINDOWS, InfeasibleBudgetError, Problem, fmt_bytes
+from .problem import GRAD_SHARE_WINDOWS, InfeasibleBudgetError, Problem, fmt_bytes
 
 
 
@@ -818,7 +818,7 @@ def _build_and_solve(p: Problem, opts: MilpOptions,
             + f") at micro-batch {p.micro_batch} x seq {p.seq_len}, even recomputing segments of up to {K} layers"
             + (" with the last segment keeping its forward graph, as required (the engine's "
                "'lazytrain.last_segment_graph' true)" if opts.require_graph_tail else "")
-            + f"; {_shortfall(p, K, opts.require_graph_tail)}. Lower {BUDGET_SOURCES['micro-batch']}, raise a "
+            + f"; {_shortfall(p, K, opts.require_graph_tail)}. {p.smaller_step_advice()}, raise a "
             f"budget, or allow longer segments (max_segment)")
     if info.status == "no solution" and getattr(solver, "started", True) is False:
         raise NoPlanInTimeError(f"building the model ({build_s:.2f}s, then {solve_s:.2f}s handing it to the "

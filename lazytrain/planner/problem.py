@@ -564,8 +564,14 @@ class Problem:
             raise InfeasibleBudgetError(
                 f"GPU budget {fmt_bytes(self.gpu_budget)} is too small at micro-batch {self.micro_batch} x "
                 f"seq {self.seq_len}: the {kind} of layer {self.layer_of(worst)} alone needs {fmt_bytes(need)} "
-                f"({items}); short by {fmt_bytes(need - self.gpu_budget)}. Lower {BUDGET_SOURCES['micro-batch']}, or raise "
+                f"({items}); short by {fmt_bytes(need - self.gpu_budget)}. {self.smaller_step_advice()}, or raise "
                 f"{BUDGET_SOURCES['GPU']}.")
+
+    def smaller_step_advice(self) -> str:
+        """What shrinks a micro-batch's activations: fewer sequences, or at one sequence shorter ones."""
+        if self.micro_batch > 1:
+            return f"Lower {BUDGET_SOURCES['micro-batch']}"
+        return "At micro-batch 1, shorten the sequence (--seq, the batches' length)"
 
     def describe(self) -> dict:
         return {"model": self.model.name, "hardware": self.hardware.name, "micro_batch": self.micro_batch,
