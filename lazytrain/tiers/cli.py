@@ -57,6 +57,23 @@ def _unwritable(path: str) -> str | None:
     return _cannot_create_in(directory)
 
 
+# sizes below which a measurement is mostly each call's fixed cost (a system call, a thread hand-off, a kernel
+# launch: tens of microseconds, beside a millisecond's worth of bytes at a few GB/s)
+STEADY_SIZES = {"nvme_bytes": 64 << 20, "tensor_bytes": 1 << 20, "copy_bytes": 16 << 20, "optimizer_params": 1 << 20}
+
+
+def _below_steady_sizes(args) -> list[str]:
+    """The size flags given below :data:`STEADY_SIZES`, as ``--flag VALUE (below MIN)``."""
+    found = []
+    for key, least in STEADY_SIZES.items():
+        value = getattr(args, key)
+        if value < least:
+            flag = "--" + key.replace("_", "-")
+            shown = str if key == "optimizer_params" else format_bytes
+            found.append(f"{flag} {shown(value)} (below {shown(least)})")
+    return found
+
+
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench", help="measure this machine (tiers, copies, optimizer, compute) for the planner",
@@ -106,6 +123,11 @@ def run(args) -> int:
         if problem:
             print(f"lazytrain bench tiers: cannot write the profile to --json {args.json} ({problem})", file=sys.stderr)
             return 2
+    small = _below_steady_sizes(args)
+    if small:   # a profile the planner reads: figures of a few calls' overhead would plan for a slower machine
+        print(f"lazytrain bench tiers: note: {', '.join(small)} measure per-call overhead more than throughput; "
+              f"the profile's figures will understate this machine (the defaults measure it steadily)",
+              file=sys.stderr)
     try:
         profile, rows = run_bench(path=args.path, nvme_bytes=args.nvme_bytes, tensor_bytes=args.tensor_bytes,
                                   copy_bytes=args.copy_bytes, seconds=args.seconds,
