@@ -3519,6 +3519,172 @@ def test_a_block_reading_buffers_its_forward_updates_trains_as_pytorch_does(tmp_
     engine.destroy()
 
 
+class _SharedScaleBlock(torch.nn.Module):
+    """One buffer tensor in two submodules: one moves it in place, the other reads it."""
+
+    class Observer(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.register_buffer("scale", scale)
+
+        def forward(self, x):
+            if self.training:
+                self.scale.mul_(0.9).add_(0.1 * x.detach().abs().mean())
+            return x
+
+    class Scaler(torch.nn.Module):
+        def __init__(self, scale):
+            super().__init__()
+            self.register_buffer("scale", scale)
+
+        def forward(self, x):
+            return x * self.scale
+
+    def __init__(self, d: int):
+        super().__init__()
+        scale = torch.full((), 3.0)
+        self.obs, self.fc, self.sc = self.Observer(scale), torch.nn.Linear(d, d), self.Scaler(scale)
+
+    def forward(self, x):
+        return x + torch.tanh(self.sc(self.fc(self.obs(x))))
+
+
+class _DataWriteBlock(torch.nn.Module):
+    """A buffer moved through ``.data`` (autograd's version counter does not see it)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        if self.training:
+            self.scale.data.mul_(0.5)
+        return x + torch.tanh(self.fc(x)) * self.scale
+
+
+class _LazyBufferBlock(torch.nn.Module):
+    """A buffer made on first use (its slot holds None until then), and a lean norm's counter likewise."""
+
+    class Norm(torch.nn.Module):
+        def __init__(self, d: int):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(d))
+            self.register_buffer("calls", None)
+
+        def forward(self, x):
+            if self.calls is None:
+                self.calls = torch.zeros(())
+            if self.training:
+                self.calls += 1
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight * (1 + 0.1 * self.calls)
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.norm = type("LazyRMSNorm", (self.Norm,), {})(d)   # named like a norm: made lean
+        self.register_buffer("scale", None)
+
+    def forward(self, x):
+        if self.scale is None:
+            self.scale = torch.ones(())
+        if self.training:
+            self.scale.mul_(0.5)
+        return x + torch.tanh(self.fc(self.norm(x))) * self.scale
+
+
+@pytest.mark.parametrize("plan", ["re-run every layer", "graph tail"])
+@pytest.mark.parametrize("block", [_SharedScaleBlock, _DataWriteBlock, _LazyBufferBlock])
+def test_buffers_shared_written_through_data_or_made_on_first_use_re_run_as_found(tmp_path, block, plan):
+    """Each slot was copied apart (two submodules' one tensor read different values: 0.20 off), a write through
+    .data went unseen (0.60 off), and a slot holding None before the forward was re-run holding its result; a
+    lean norm's recomputation wrote its own counter made on first use."""
+    x, y = batches(1)[0]
+    ref = _user_lm(block)
+    lm_loss(ref(x), y).backward()
+    engine = plan_engine(tmp_path, _user_lm(block), _BUFFER_PLANS[plan]())
+    engine.backward(lm_loss(engine(x), y))
+    for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    mine, theirs = dict(engine.module.named_buffers()), dict(ref.named_buffers())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    engine.destroy()
+
+
+def test_a_buffer_made_under_inference_mode_trains_and_read_only_buffers_are_copied_once(tmp_path):
+    """A cache regrown in an evaluation under torch.inference_mode() is an inference tensor, which keeps no version
+    counter: reading it failed the next training forward. A large read-only buffer is copied at its block's first
+    training forward only (each forward copied every buffer of the block: twice the step time with a big mask)."""
+    class CacheBlock(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = torch.nn.Linear(d, d)
+            self.register_buffer("pos", torch.zeros(4, d), persistent=False)
+            self.register_buffer("mask", torch.ones(64, 64), persistent=False)
+
+        def forward(self, x):
+            t = x.shape[1]
+            if self.pos.shape[0] < t:
+                self.pos = torch.sin(torch.arange(t, dtype=torch.float32)[:, None] *
+                                     torch.arange(x.shape[-1])[None] / x.shape[-1])
+            return x + torch.tanh(self.fc(x + self.pos[:t])) * self.mask[:t, :t].mean()
+
+    data = batches(3)
+    ref = _user_lm(CacheBlock)
+    with torch.inference_mode():
+        ref.eval()
+        ref(torch.randint(0, VOCAB, (2, 16)))
+        ref.train()
+    ref = plain_reference_train(ref, data, optimizer="torch")
+    engine = plan_engine(tmp_path, _user_lm(CacheBlock), every_k_plan(6, 3, home="host"))
+    with torch.inference_mode():
+        engine.eval()
+        engine(torch.randint(0, VOCAB, (2, 16)))
+        engine.train()
+    assert engine.module.stack[0].pos.is_inference()
+    for x, y in data:
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+    assert max_rel_diff(engine.module, ref) < RTOL
+    watched = engine.executor._written_buffers
+    assert all(w.seen and not w.written for w in watched[:3])   # blocks 0-2 re-run (3-5: the graph tail's)
+    engine.destroy()
+
+
+def test_a_buffer_first_written_after_its_blocks_first_forward_is_re_run_from_what_it_read_from_then_on(tmp_path):
+    class LateWriter(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = torch.nn.Linear(d, d)
+            self.register_buffer("scale", torch.ones(()))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += self.training
+            if self.training and self.calls >= 2:
+                self.scale.mul_(0.5)
+            return x + torch.tanh(self.fc(x)) * self.scale
+
+    engine = plan_engine(tmp_path, _user_lm(LateWriter), every_k_plan(6, 3, home="host"))
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    with pytest.warns(UserWarning, match=re.escape(
+            "lazytrain: block 0's training forward wrote the buffer(s) scale, which its earlier forwards left alone: "
+            "this forward's re-run in backward starts from the value the forward left, not the one it read; from "
+            "its next forward on, from the one read")):
+        engine.backward(lm_loss(engine(x), y))
+    engine.step()
+    ref = copy.deepcopy(engine.module)   # (the engine hands back its weights; the blocks' counters go on from 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # said once per block
+        engine.backward(lm_loss(engine(x), y))
+    lm_loss(ref(x), y).backward()
+    for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    engine.destroy()
+
+
 def test_two_forwards_before_one_backward_re_run_each_from_the_buffers_it_found(tmp_path):
     """The first pass's re-run started from the buffers the second forward left."""
     (x1, y1), (x2, y2) = batches(2)

@@ -29,6 +29,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from ..planner.plan import DEVICE_HOME, RECOMPUTE, Plan
 from ..tiers import Tier, TransferHandle, streams
 from ..tiers.base import completion_reached, wait_completions
+from .block_buffers import WrittenBuffers, restored_for_rerun
 from .blocks import in_modes, train_modes
 from .distributed import CollectiveError
 from .internals_offload import OffloadedInternals
@@ -85,8 +86,8 @@ class _LayerCall:
                                     # forwards that were differentiated, not an evaluation's under grad)
     versions: dict = field(default_factory=dict)   # tensor leaf index -> its version at the call (parameters aside)
     held_versions: dict = field(default_factory=dict)   # (container leaf index, path in it) -> (tensor, version)
-    buffers_found: list = field(default_factory=list)   # (module, name, value) of each buffer the forward wrote,
-                                                        # as the forward found it: what its re-runs start from
+    buffers_found: list = field(default_factory=list)   # (module, name, value) of each buffer slot the forward
+                                                        # wrote, as it found it: what its re-runs start from
 
 
 def _whole_storage(t: torch.Tensor) -> torch.Tensor:
@@ -238,6 +239,8 @@ class LayerStreamingExecutor:
         self.backward_reaches: int | None = None
         self._warned_unchained = False
         self._warned_container_tensor = False
+        # per block: the buffers its training forwards write, kept as found for its re-runs (block_buffers.py)
+        self._written_buffers = [WrittenBuffers(f"block {i}") for i in range(self.L)]
         self._block_added = _TensorsSeen()      # tensors blocks put into lists/dicts they were handed
         self.graph_start = plan.graph_start()   # layers from here on keep their forward graph
         self.selective = frozenset(plan.selective_layers)   # layers whose forward keeps matmul outputs
@@ -385,8 +388,8 @@ class LayerStreamingExecutor:
         rerun_later = not inference and not replay and layer < self.graph_start and layer not in self.offloaded
         with streams.compute_span(f"{kind} L{layer}", self.device, **pass_arg) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
-                _buffers_kept(block, call) if replay else nullcontext(), \
-                _buffers_found(block, call) if rerun_later else nullcontext(), \
+                restored_for_rerun(block, call.buffers_found) if replay else nullcontext(), \
+                self._written_buffers[layer].watching(block, call.buffers_found) if rerun_later else nullcontext(), \
                 in_modes(block, call.modes) if replay else nullcontext(), \
                 _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
             hidden_version = None if inference or hidden.is_inference() else hidden._version
@@ -477,9 +480,9 @@ class LayerStreamingExecutor:
                                     f"training, freeze them (requires_grad_(False)) before lazytrain.initialize(): "
                                     f"a backward then stops above them")
             expected = p.next_layer if p else 0
-            skipped = (f": a model that skips blocks in training (LayerDrop: a config's 'layerdrop' > 0; stochastic "
-                       f"depth that leaves a block's call out) cannot stream them; set its layerdrop to 0, or skip "
-                       f"inside the block (return its input)" if layer > expected else "")
+            skipped = (": a model that skips blocks in training (LayerDrop: a config's 'layerdrop' > 0; stochastic "
+                       "depth that leaves a block's call out) cannot stream them; set its layerdrop to 0, or skip "
+                       "inside the block (return its input)" if layer > expected else "")
             raise ExecutorError(f"streamed blocks must run in order 0..{self.L - 1} once per forward pass; block "
                                 f"{layer} was called when block {expected} was expected{skipped}")
         p.next_layer += 1
@@ -1002,36 +1005,6 @@ class LayerStreamingExecutor:
     def forward_window(self, p: _Pass, layer: int, x: torch.Tensor) -> None:
         self._enter_window(p, layer)
         self._keep_boundary(p, layer, x)
-
-
-@contextmanager
-def _buffers_found(block: nn.Module, call: _LayerCall):
-    """A forward its backward re-runs notes the buffers it writes (in place or by assignment) as it found them
-    (``call.buffers_found``): a block that reads a buffer its training forward updates (spectral_norm's power
-    iteration, fake quantization's observers, a counter) is re-run from the values its forward read, and its
-    gradients are plain PyTorch's. Every buffer of the block is copied before the call (one block's buffers at a
-    time; a decoder layer has none); the copies of those it left alone are dropped as it returns."""
-    before = [(m, name, buf, buf._version, buf.clone()) for m in block.modules()
-              for name, buf in m._buffers.items() if buf is not None]
-    yield
-    call.buffers_found = [(m, name, copy) for m, name, buf, version, copy in before
-                          if m._buffers.get(name) is not buf or buf._version != version]
-
-
-@contextmanager
-def _buffers_kept(block: nn.Module, call: _LayerCall):
-    """A re-run starts from the buffers its forward found (:func:`_buffers_found`) and leaves them as the forward
-    left them: BatchNorm's running statistics (and any buffer a training forward updates) move once per forward,
-    as in plain PyTorch, not again per re-run."""
-    found = {(id(m), name): value for m, name, value in call.buffers_found}
-    kept = [(m, name, buf) for m in block.modules() for name, buf in m._buffers.items() if buf is not None]
-    for m, name, buf in kept:   # the re-run updates copies (its graph may save them: they are not written again)
-        m._buffers[name] = found.get((id(m), name), buf).clone()
-    try:
-        yield
-    finally:
-        for m, name, buf in kept:
-            m._buffers[name] = buf
 
 
 _DIFFERENTIATED_INSIDE = (

@@ -15,7 +15,7 @@ untouched); the replacement changes nothing where autograd does not record.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import checkpoint
 
+from .block_buffers import buffer_slots, buffers_set_to, copies_of
 from .blocks import in_modes, train_modes
 
 
@@ -134,19 +135,20 @@ def _changed_input_message(where: str) -> str:
 
 class _BuffersFound:
     """The buffers of a norm as its forward found them. The forward runs on the norm's own buffers; each
-    recomputation runs on fresh copies of these and writes nothing back: a module named like a norm whose
-    training forward updates a buffer (a running statistic, a counter) moves it once per forward, as in plain
-    PyTorch, and its recomputation reads what the forward read. A norm without buffers copies nothing."""
+    recomputation runs on fresh copies of these and writes nothing back (block_buffers.py): a module named like a
+    norm whose training forward updates a buffer (a running statistic, a counter, one made on first use) moves it
+    once per forward, as in plain PyTorch, and its recomputation reads what the forward read. A norm without
+    buffers copies nothing."""
 
     def __init__(self, module: nn.Module):
-        self.found = {name: buf.clone() for name, buf in module.named_buffers()}
+        self.found = copies_of(buffer_slots(module))
         self.forward_ran = False
 
-    def for_this_run(self) -> dict:
+    def for_this_run(self):
         if not self.forward_ran:
             self.forward_ran = True
-            return {}
-        return {name: value.clone() for name, value in self.found.items()}
+            return nullcontext()
+        return buffers_set_to(self.found)
 
 
 def _recompute(module: nn.Module, modes: tuple, names: tuple, buffers: _BuffersFound, hidden: torch.Tensor,
@@ -155,6 +157,5 @@ def _recompute(module: nn.Module, modes: tuple, names: tuple, buffers: _BuffersF
     (``modes``, in ``module.modules()`` order): a model put in eval() between its forward and its backward
     would else recompute a module named like a norm that drops out without its dropout, and the
     recomputation would not match."""
-    with in_modes(module, modes), _reparametrize_module(module, {**dict(zip(names, values)),
-                                                                 **buffers.for_this_run()}):
+    with in_modes(module, modes), _reparametrize_module(module, dict(zip(names, values))), buffers.for_this_run():
         return type(module).forward(module, hidden)
