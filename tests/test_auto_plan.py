@@ -1226,3 +1226,14 @@ def test_a_profile_with_selective_costs_plans_selective_layers_only_where_auto_s
     plan_from_measurements(cfg, engine.tiers, profile)
     engine.destroy()
     assert [o.allow_selective for o in seen] == [selective]
+
+
+@pytest.mark.parametrize("selective", [True, False])
+def test_last_segment_graph_true_calibrates_without_the_tail_and_plans_with_it(selective):
+    """The key's true reached the calibration plan: its tail layer was never re-run, so the measurement missed its
+    re-run (or a selective layer fell in the tail) and the run kept the calibration plan for good."""
+    engine, plans = _train({"policy": "auto", "last_segment_graph": True,
+                            "auto": {**AUTO, "max_replans": 0, "selective": selective}}, quiet=False)
+    assert plans[0] == "auto-calibration" and plans[-1] == "auto-milp"
+    assert engine.plan.last_segment_graph and engine.auto.history[0].reason == "measured"
+    engine.destroy()

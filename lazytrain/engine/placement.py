@@ -56,7 +56,8 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     built-in policies where the CPU computes on the host weights in place (there it costs no weight
     copies, and the last segment's recompute would hold the same internals a moment later anyway);
     a Plan file, the MILP and offload_all (the last layer's graph on the device) decide for themselves
-    unless the config says true or false. ``from_model``: ``Budgets`` fields counted on the model: the shares of
+    unless the config says true or false; policy auto's calibration plan has none whatever it says (its MILP
+    plans with the key). ``from_model``: ``Budgets`` fields counted on the model: the shares of
     the blocks' parameters and of the others that train (``trainable_share``, ``non_block_trainable_share``: the
     MILP budgets the frozen ones as their compute copy alone) and of the trained ones with 8-bit moments
     (``hybrid_8bit_fraction``); None: the planner's defaults. ``memory``: what the MILP plans with, the least over
@@ -70,8 +71,10 @@ def build_plan(cfg: EngineConfig, num_layers: int, tiers: dict[str, Tier], model
     if cfg.lazytrain.policy == "plan":
         _warn_if_planned_for_another_model(plan, cfg, layer_params, model_config)
     choice = cfg.lazytrain.last_segment_graph
+    if cfg.lazytrain.policy == "auto":   # its calibration measures every layer re-run; its MILP plans with the
+        return plan                       # tail as the key says (plan_from_measurements)
     if choice == "auto":
-        if cfg.lazytrain.policy in ("plan", "milp", "auto", "offload_all"):
+        if cfg.lazytrain.policy in ("plan", "milp", "offload_all"):
             return plan
         choice = tiers["hbm"].device.type == "cpu" and cfg.lazytrain.weights_home in ("host", "hbm")
     try:
