@@ -312,6 +312,42 @@ def test_a_profile_records_how_the_head_computed_its_logits_and_lazytrain_plan_c
     assert "argument --loss-chunk-tokens: must be a whole number >= 0, got '-1'" in capsys.readouterr().err
 
 
+def test_lazytrain_plan_plans_a_profile_of_nvme_weights_on_the_cpu_as_the_engine_did(measured, tmp_path, capsys):
+    """`lazytrain plan --profile` planned another problem than the engine from the same profile: without the NVMe
+    weight reads (weights_home was not recorded), with selective layers on an assumed re-run cost (the engine
+    plans them on measured ones only), and holding back a CUDA reserve of 1 GiB for a profile measured on the CPU
+    (the budget the engine planned with was refused)."""
+    _, _, path = measured
+    d = json.loads(open(path).read())
+    assert (d["weights_in_host"], d["non_block_state"]) == (True, "host")
+    for bad in ("yes", 1):
+        with pytest.raises(MeasurementError, match=re.escape(f"profile: weights_in_host must be true or false or "
+                                                             f"null, got {bad!r}")):
+            MachineProfile.from_dict({**d, "weights_in_host": bad})
+    # fixed times and links (this machine's are noisy), and the weights on NVMe
+    d["costs"].update(fwd_s=[0.0026, 0.0024, 0.0042, 0.0034, 0.0039, 0.0018], nonlayer_s=0.043, step_s=0.001,
+                      diff_s=[0.0081, 0.0085, 0.0087, 0.0081, 0.0086, 0.0083],
+                      update_s=[0.0166, 0.0165, 0.017, 0.0175, 0.0165, 0.0165])
+    d["links_gbps"] = {"h2d_gbps": 0.008, "d2h_gbps": 0.03, "nvme_read_gbps": 0.003, "nvme_write_gbps": 0.003}
+    d["weights_in_host"] = False
+    fixed = tmp_path / "fixed.json"
+    fixed.write_text(json.dumps(d))
+    (tmp_path / "nvme").mkdir()
+    engine, plans = _train({"policy": "auto", "weights_home": "nvme", "nvme_path": str(tmp_path / "nvme"),
+                            "gpu_memory": 400_000, "auto": {**AUTO, "profile": str(fixed)}}, steps=1)
+    started = engine.plan
+    engine.destroy()
+    assert plans == ["auto-milp"] and started.prediction["exposed_s"]["nvme_read"] > 0
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--profile", str(fixed), "--gpu-mem", "400000", "--host-mem", "64GiB", "--no-resident",
+                 "--time-limit", "5", "--json", str(out)]) == 0
+    capsys.readouterr()
+    offline = Plan.from_json(str(out))
+    assert (offline.homes, offline.offloaded_layers, offline.selective_layers) == \
+        (started.homes, started.offloaded_layers, started.selective_layers)
+    assert offline.prediction["step_time_s"] == pytest.approx(started.prediction["step_time_s"], rel=1e-9)
+
+
 def test_a_gpt2_plans_under_auto_and_a_config_the_planner_cannot_read_is_refused_at_start():
     """GPT-2's config names its width n_embd (hidden_size only through its attribute_map, which to_dict
     leaves out): policy auto calibrated, then kept its calibration plan for good with a warning, and policy

@@ -707,7 +707,8 @@ class LazyTrainEngine(nn.Module):
             grad_accum=self.gradient_accumulation_steps(), device_name=self._device_name(),
             loss_chunk_tokens=self._config.lazytrain.head_tokens(
                 self.train_micro_batch_size_per_gpu() * self._seq_len), world_size=self.world_size,
-            zero_stage=self._config.zero_stage, **self._model_budgets)
+            zero_stage=self._config.zero_stage, weights_in_host=self._config.lazytrain.weights_home in ("host", "hbm"),
+            non_block_state=non_block_state_home(self._config), **self._model_budgets)
 
     def _device_name(self) -> str:
         """The device's model, so that a profile is not reused on another kind of GPU."""

@@ -135,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
                            isolate=True)   # a solver overrunning its limit cannot hang the command
         if args.profile is not None:
             p, best, mb = _profile_problem(args, budgets), None, None
+            if p.measured.selective_rerun_s is None:   # as the engine plans a profile: selective layers on measured
+                opts = dataclasses.replace(opts, allow_selective=False)   # re-runs only
         else:
             p = None
             model = load_model(args.model)
@@ -242,4 +244,10 @@ def _profile_problem(args: argparse.Namespace, budgets):
         budgets = dataclasses.replace(budgets, hybrid_8bit_fraction=profile.hybrid_8bit_fraction)
     if args.loss_chunk_tokens is None and profile.loss_chunk_tokens is not None:   # its head, as it computed it
         budgets = dataclasses.replace(budgets, loss_chunk_tokens=profile.loss_chunk_tokens)
+    # where its weights streamed from and its non-block optimizer state lived (the engine's weights_home and
+    # non_block_state), as recorded
+    budgets = dataclasses.replace(budgets, **{k: getattr(profile, k) for k in ("weights_in_host", "non_block_state")
+                                              if getattr(profile, k) is not None})
+    if profile.device == "cpu":   # no CUDA context, workspace or allocator to hold back: planned as the engine did
+        budgets = dataclasses.replace(budgets, gpu_reserved_bytes=0)
     return profile_problem(profile, budgets, hardware, global_batch)

@@ -386,6 +386,12 @@ def link_bandwidths(traces: list) -> dict[str, float]:
     return out
 
 
+def json_name(v) -> str:
+    """``v`` as JSON writes it (true, "host")."""
+    import json
+    return json.dumps(v)
+
+
 @dataclass(frozen=True)
 class MachineProfile:
     """One model measured on one machine at one micro-batch: its costs, its links, and its shape (a
@@ -404,6 +410,8 @@ class MachineProfile:
     loss_chunk_tokens: int | None = None   # tokens per piece the LM head computed logits in (None: not recorded)
     world_size: int | None = None   # ranks of the run measured (its steps' times include their collectives)
     zero_stage: int | None = None   # and its ZeRO stage (what each rank updates); None: not recorded
+    weights_in_host: bool | None = None   # the streamed copies in host memory, not on NVMe (Budgets'; None: not
+    non_block_state: str | None = None    # recorded) and where the non-block optimizer state was kept
 
     def to_dict(self) -> dict[str, Any]:
         return {"format": PROFILE_FORMAT, "version": 1, "costs": self.costs.to_dict(),
@@ -412,7 +420,8 @@ class MachineProfile:
                 "device_name": self.device_name, "trainable_share": self.trainable_share,
                 "non_block_trainable_share": self.non_block_trainable_share,
                 "hybrid_8bit_fraction": self.hybrid_8bit_fraction, "loss_chunk_tokens": self.loss_chunk_tokens,
-                "world_size": self.world_size, "zero_stage": self.zero_stage}
+                "world_size": self.world_size, "zero_stage": self.zero_stage,
+                "weights_in_host": self.weights_in_host, "non_block_state": self.non_block_state}
 
     def to_json(self, path: str) -> None:
         import json
@@ -468,6 +477,12 @@ class MachineProfile:
             v = d.get(k)   # profiles written before it was recorded: None
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
                 raise MeasurementError(f"{where}: {k} must be an integer >= {least} or null, got {v!r}")
+            run[k] = v
+        for k, allowed in (("weights_in_host", (True, False)), ("non_block_state", ("host", "device"))):
+            v = d.get(k)   # profiles written before it was recorded: None
+            if v is not None and not any(type(v) is type(a) and v == a for a in allowed):   # (1 is not true)
+                raise MeasurementError(f"{where}: {k} must be {' or '.join(json_name(a) for a in allowed)} or "
+                                       f"null, got {v!r}")
             run[k] = v
         try:
             costs = MeasuredCosts.from_dict(d["costs"])

@@ -56,7 +56,8 @@ def solve(p: Problem, opts: MilpOptions) -> Plan:
     and record the simulator's prediction in the Plan. With ``opts.isolate`` the solve runs in a child
     process, stopped when it overruns its time limit and solved again without HiGHS's root reduced-cost
     heuristic (:func:`_isolated_solve`); when that overruns too, as when the solver found no plan in its
-    time, the plan it started from (else the fastest baseline) is returned, with a warning."""
+    time, the plan it started from (else the fastest baseline) is returned, with a warning; so is the fastest
+    baseline that fits where the MILP finds no plan in its space (:func:`_outside_the_milps_space`)."""
     t0 = time.perf_counter()
     start = _start_plans(p, opts) if opts.warm_start else []
     # the limit bounds the whole call: finding the start plan (simulations) counts against it
