@@ -3657,11 +3657,10 @@ def test_a_buffer_first_written_after_its_blocks_first_forward_is_re_run_from_wh
             super().__init__()
             self.fc = torch.nn.Linear(d, d)
             self.register_buffer("scale", torch.ones(()))
-            self.calls = 0
+            self.writes = False
 
         def forward(self, x):
-            self.calls += self.training
-            if self.training and self.calls >= 2:
+            if self.training and self.writes:
                 self.scale.mul_(0.5)
             return x + torch.tanh(self.fc(x)) * self.scale
 
@@ -3669,19 +3668,53 @@ def test_a_buffer_first_written_after_its_blocks_first_forward_is_re_run_from_wh
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine(x), y))
     engine.step()
+    for block in engine.module.stack:
+        block.writes = True
     with pytest.warns(UserWarning, match=re.escape(
             "lazytrain: block 0's training forward wrote the buffer(s) scale, which its earlier forwards left alone: "
             "this forward's re-run in backward starts from the value the forward left, not the one it read; from "
             "its next forward on, from the one read")):
         engine.backward(lm_loss(engine(x), y))
     engine.step()
-    ref = copy.deepcopy(engine.module)   # (the engine hands back its weights; the blocks' counters go on from 2)
+    ref = copy.deepcopy(engine.module)   # (a plain copy, with the engine's weights)
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # said once per block
         engine.backward(lm_loss(engine(x), y))
     lm_loss(ref(x), y).backward()
     for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    engine.destroy()
+
+
+def test_a_re_run_writing_a_buffer_its_forwards_never_wrote_is_said_and_a_large_read_only_one_is_not_copied(
+        tmp_path):
+    """A re-run copies only the buffers its block's forwards write: a read-only one stays as it is (every re-run
+    copied each buffer of the block: a 64 MiB mask cost 27x the step, benchmarks/block_buffers_cost.py). One the
+    re-run alone writes (a branch on torch.is_grad_enabled(): the engine's forward of a re-run layer records no
+    graph) cannot be undone, and is said."""
+    class GradOnlyWriter(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = torch.nn.Linear(d, d)
+            self.register_buffer("scale", torch.ones(()))
+            self.register_buffer("mask", torch.ones(12, 12))
+            self.masks_read = []
+
+        def forward(self, x):
+            self.masks_read.append(self.mask.data_ptr())
+            if torch.is_grad_enabled():
+                self.scale.mul_(0.5)
+            return x + torch.tanh(self.fc(x)) * self.scale * self.mask[: x.shape[1], : x.shape[1]].mean()
+
+    engine = plan_engine(tmp_path, _user_lm(GradOnlyWriter), every_k_plan(6, 3, home="host"))
+    masks = [block.mask for block in engine.module.stack]
+    x, y = batches(1)[0]
+    with pytest.warns(UserWarning, match=re.escape(
+            "lazytrain: a re-run of block 0 in backward wrote the buffer(s) scale in place, which its training "
+            "forwards never wrote: they moved once more than in plain PyTorch")):
+        engine.backward(lm_loss(engine(x), y))
+    # blocks 0-2 ran a forward and a re-run (3-5: the graph tail's), each on the mask itself
+    assert [b.masks_read for b in engine.module.stack[:3]] == [[m.data_ptr()] * 2 for m in masks[:3]]
     engine.destroy()
 
 

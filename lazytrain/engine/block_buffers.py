@@ -79,7 +79,7 @@ class WrittenBuffers:
         self.where = where
         self.seen = False                       # a training forward was watched: only written slots are copied
         self.written: set[tuple[int, str]] = set()   # (id(module), name)
-        self._warned = False
+        self._warned = self._warned_rerun = False
 
     @contextmanager
     def watching(self, block: nn.Module, found: list):
@@ -112,8 +112,28 @@ class WrittenBuffers:
                           UserWarning, stacklevel=4)
 
 
-def restored_for_rerun(block: nn.Module, found: list):
-    """The context a re-run of ``block`` runs in: every slot holds a fresh copy of what the forward found (the
-    slots it wrote) or holds now (the others), so the re-run reads what its forward read and moves nothing."""
+@contextmanager
+def restored_for_rerun(block: nn.Module, found: list, watch: "WrittenBuffers | None" = None):
+    """The context a re-run of ``block`` runs in: each slot its forwards write (``watch``'s, and ``found``) holds a
+    fresh copy of what the forward found (or holds now), so the re-run reads what its forward read and moves
+    nothing; the slots they never wrote are left as they are (a large read-only mask is not copied per re-run).
+    Without ``watch`` (or before it watched a forward), every slot is copied."""
     found_at = {(id(m), name): value for m, name, value in found}
-    return buffers_set_to([(m, name, found_at.get((id(m), name), buf)) for m, name, buf in buffer_slots(block)])
+    slots = buffer_slots(block)
+    copied = [(m, name, found_at.get((id(m), name), buf)) for m, name, buf in slots
+              if watch is None or not watch.seen or (id(m), name) in found_at or (id(m), name) in watch.written]
+    copied_keys = {(id(m), name) for m, name, _ in copied}
+    left = [(m, name, buf, _version(buf)) for m, name, buf in slots if (id(m), name) not in copied_keys]
+    with buffers_set_to(copied):
+        yield
+    undone = []
+    for m, name, buf, version in left:   # a re-run that writes what its forwards never wrote (a branch of its own)
+        if m._buffers.get(name, _NOT_FOUND) is not buf:
+            m._buffers[name] = buf       # an assignment is undone
+        elif buf is not None and _version(buf) != version:
+            undone.append(name)
+    if undone and watch is not None and not watch._warned_rerun:
+        watch._warned_rerun = True
+        warnings.warn(f"lazytrain: a re-run of {watch.where} in backward wrote the buffer(s) {', '.join(undone)} in "
+                      f"place, which its training forwards never wrote: they moved once more than in plain PyTorch",
+                      UserWarning, stacklevel=3)

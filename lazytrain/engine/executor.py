@@ -386,9 +386,11 @@ class LayerStreamingExecutor:
         pass_arg = {} if call.pass_id is None else {"pass": call.pass_id}
         # a layer its backward re-runs (not one differentiated from the graph its forward recorded)
         rerun_later = not inference and not replay and layer < self.graph_start and layer not in self.offloaded
+        rerun_buffers = (restored_for_rerun(block, call.buffers_found, self._written_buffers[layer]) if replay
+                         else nullcontext())
         with streams.compute_span(f"{kind} L{layer}", self.device, **pass_arg) as span, \
                 _replayed_rng(call, self.device) if replay else nullcontext(), _replayed_autocast(call), \
-                restored_for_rerun(block, call.buffers_found) if replay else nullcontext(), \
+                rerun_buffers, \
                 self._written_buffers[layer].watching(block, call.buffers_found) if rerun_later else nullcontext(), \
                 in_modes(block, call.modes) if replay else nullcontext(), \
                 _streamed_weights(block, params, layer), kept, saved if saved is not None else nullcontext():
