@@ -346,6 +346,11 @@ def test_lazytrain_plan_plans_a_profile_of_nvme_weights_on_the_cpu_as_the_engine
     assert (offline.homes, offline.offloaded_layers, offline.selective_layers) == \
         (started.homes, started.offloaded_layers, started.selective_layers)
     assert offline.prediction["step_time_s"] == pytest.approx(started.prediction["step_time_s"], rel=1e-9)
+    from lazytrain.planner.milp import MilpOptions   # and the Python API, as the command line
+    api = plan_from_profile(MachineProfile.from_json(str(fixed)), {"gpu": 400_000, "host": 64 << 30},
+                            time_limit_s=5, options=MilpOptions(allow_resident=False))
+    assert (api.homes, api.offloaded_layers, api.selective_layers) == \
+        (started.homes, started.offloaded_layers, started.selective_layers)
 
 
 def test_a_gpt2_plans_under_auto_and_a_config_the_planner_cannot_read_is_refused_at_start():

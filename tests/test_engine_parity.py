@@ -3593,8 +3593,36 @@ class _LazyBufferBlock(torch.nn.Module):
         return x + torch.tanh(self.fc(self.norm(x))) * self.scale
 
 
+class _RegisteredInForwardBlock(torch.nn.Module):
+    """A buffer its forward registers (no slot before it) and then moves."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        if "n" not in self._buffers:
+            self.register_buffer("n", torch.zeros(()))
+        if self.training:
+            self.n += 1
+        return x + torch.tanh(self.fc(x)) * self.n
+
+
+class _SparseBufferBlock(torch.nn.Module):
+    """A sparse buffer it only reads (torch.equal cannot compare one)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.register_buffer("adj", (torch.eye(d) * 0.5).to_sparse())
+
+    def forward(self, x):
+        return x + torch.tanh(torch.sparse.mm(self.adj, self.fc(x).flatten(0, 1).T).T.reshape(x.shape))
+
+
 @pytest.mark.parametrize("plan", ["re-run every layer", "graph tail"])
-@pytest.mark.parametrize("block", [_SharedScaleBlock, _DataWriteBlock, _LazyBufferBlock])
+@pytest.mark.parametrize("block", [_SharedScaleBlock, _DataWriteBlock, _LazyBufferBlock, _RegisteredInForwardBlock,
+                                   _SparseBufferBlock])
 def test_buffers_shared_written_through_data_or_made_on_first_use_re_run_as_found(tmp_path, block, plan):
     """Each slot was copied apart (two submodules' one tensor read different values: 0.20 off), a write through
     .data went unseen (0.60 off), and a slot holding None before the forward was re-run holding its result; a
@@ -3606,8 +3634,9 @@ def test_buffers_shared_written_through_data_or_made_on_first_use_re_run_as_foun
     engine.backward(lm_loss(engine(x), y))
     for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-7, msg=name)
-    mine, theirs = dict(engine.module.named_buffers()), dict(ref.named_buffers())
-    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    dense = {k: b.to_dense() if b.is_sparse else b for k, b in engine.module.named_buffers()}
+    theirs = {k: b.to_dense() if b.is_sparse else b for k, b in ref.named_buffers()}
+    assert dense.keys() == theirs.keys() and all(torch.equal(dense[k], theirs[k]) for k in dense)
     engine.destroy()
 
 
@@ -3648,6 +3677,35 @@ def test_a_buffer_made_under_inference_mode_trains_and_read_only_buffers_are_cop
     assert max_rel_diff(engine.module, ref) < RTOL
     watched = engine.executor._written_buffers
     assert all(w.seen and not w.written for w in watched[:3])   # blocks 0-2 re-run (3-5: the graph tail's)
+    engine.destroy()
+
+
+def test_an_evaluation_under_grad_before_the_first_training_forward_is_not_that_forward(tmp_path):
+    """The first forward a re-run layer's buffers were watched in was an evaluation (eval mode, under grad):
+    spectral_norm writes nothing there, so the first training forward's writes were taken for late ones."""
+    class SpectralBlock(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.fc = torch.nn.utils.parametrizations.spectral_norm(torch.nn.Linear(d, d))
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+    (xv, yv), (x, y) = batches(2)
+    ref = _user_lm(SpectralBlock)
+    engine = plan_engine(tmp_path, _user_lm(SpectralBlock), every_k_plan(6, 3, home="host"))
+    ref.eval()
+    engine.module.eval()
+    ref(xv), engine(xv)   # under grad, never differentiated
+    ref.train()
+    engine.module.train()
+    lm_loss(ref(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)   # no warning of late writes
+        warnings.filterwarnings("ignore", "lazytrain: no CUDA device")
+        engine.backward(lm_loss(engine(x), y))
+    for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(safe_get_full_grad(p), q.grad, rtol=1e-5, atol=1e-7, msg=name)
     engine.destroy()
 
 

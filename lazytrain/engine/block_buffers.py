@@ -39,9 +39,9 @@ class _Copies:
     def __init__(self):
         self._by_id: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def of(self, t: "torch.Tensor | None") -> "torch.Tensor | None":
-        if t is None:
-            return None
+    def of(self, t):
+        if t is None or t is _NOT_FOUND:   # (a slot absent: it stays absent)
+            return t
         held = self._by_id.get(id(t))
         if held is None:
             held = self._by_id[id(t)] = (t, t.clone())   # (t itself kept: its id stays its own meanwhile)
@@ -61,7 +61,10 @@ def buffers_set_to(values):
     copies = _Copies()
     before = [(m, name, m._buffers.get(name, _NOT_FOUND)) for m, name, _ in values]
     for m, name, value in values:
-        m._buffers[name] = copies.of(value)
+        if value is _NOT_FOUND:   # a slot its forward registered: the re-run registers it again
+            m._buffers.pop(name, None)
+        else:
+            m._buffers[name] = copies.of(value)
     try:
         yield
     finally:
@@ -83,20 +86,23 @@ class WrittenBuffers:
 
     @contextmanager
     def watching(self, block: nn.Module, found: list):
-        """Around a training forward of ``block``: appends to ``found`` ``(module, name, value)`` of each slot the
-        forward wrote (in place, through ``.data``, or by assignment), as the forward found it."""
+        """Around a forward of ``block`` that its backward re-runs: appends to ``found`` ``(module, name, value)``
+        of each slot the forward wrote (in place, through ``.data``, by assignment, or registered), as the forward
+        found it. A forward with every module in eval mode (an evaluation under grad) copies all, like a first
+        training forward, and is not one: it writes nothing a training forward writes."""
         copies = _Copies()
         before = []
+        training = any(m.training for m in block.modules())
         for m, name, buf in buffer_slots(block):
             copied = buf is not None and (not self.seen or (id(m), name) in self.written)
             before.append((m, name, buf, _version(buf), copies.of(buf) if copied else _NOT_FOUND))
         yield
-        self.seen = True
+        self.seen = self.seen or training
         missed = []
         for m, name, buf, version, copy in before:
             now = m._buffers.get(name, _NOT_FOUND)
             wrote = now is not buf or (buf is not None and (
-                _version(buf) != version or (copy is not _NOT_FOUND and not torch.equal(copy, buf))))
+                _version(buf) != version or (copy is not _NOT_FOUND and _values_differ(copy, buf))))
             if not wrote:
                 continue
             self.written.add((id(m), name))
@@ -104,12 +110,26 @@ class WrittenBuffers:
                 found.append((m, name, None if buf is None else copy))
             else:
                 missed.append(name)
+        known = {(id(m), name) for m, name, *_ in before}
+        for m, name, _ in buffer_slots(block):   # registered by the forward: absent for its re-runs
+            if (id(m), name) not in known:
+                self.written.add((id(m), name))
+                found.append((m, name, _NOT_FOUND))
         if missed and not self._warned:
             self._warned = True
             warnings.warn(f"lazytrain: {self.where}'s training forward wrote the buffer(s) {', '.join(missed)}, "
                           f"which its earlier forwards left alone: this forward's re-run in backward starts from the "
                           f"value the forward left, not the one it read; from its next forward on, from the one read",
                           UserWarning, stacklevel=4)
+
+
+def _values_differ(copy: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``buf`` no longer holds ``copy``'s values (a write through ``.data``, which the version counter
+    does not see). Layouts ``torch.equal`` cannot compare (sparse, nested, meta) are judged by the counter
+    alone; NaN reads as a write (the buffer is copied each forward: correct, only not free)."""
+    if buf.layout != torch.strided or buf.is_nested or buf.device.type == "meta":
+        return False
+    return not torch.equal(copy, buf)
 
 
 @contextmanager

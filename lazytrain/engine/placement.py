@@ -516,5 +516,6 @@ def plan_from_measurements(cfg: EngineConfig, tiers: dict[str, Tier], profile,
     sizes = memory.planned(load_profile(hardware) if hardware is not None else None, _host_budget_given(cfg))
     plan = call_with_deadline(plan_from_profile, profile, budgets, hardware, time_limit_s=lt.milp_time_limit,
                               global_batch=profile.micro_batch * cfg.gradient_accumulation_steps, options=options,
-                              memory=sizes, deadline_s=3 * lt.milp_time_limit + 60, what="the MILP planner")
+                              memory=sizes, as_measured=False, deadline_s=3 * lt.milp_time_limit + 60,
+                              what="the MILP planner")
     return dataclasses.replace(plan, policy=f"auto-{plan.policy}")

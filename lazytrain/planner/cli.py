@@ -200,7 +200,7 @@ def _micro_batch(text: str) -> "int | str":
 def _profile_problem(args: argparse.Namespace, budgets):
     """The problem of a measured profile; the flags that the profile fixes must agree with it."""
     from .measured import MachineProfile
-    from .search import profile_problem
+    from .search import as_the_run_measured, profile_problem
     profile = MachineProfile.from_json(args.profile)
     if args.model is not None:
         raise ValueError("--profile gives the model it measured: leave --model out")
@@ -244,10 +244,4 @@ def _profile_problem(args: argparse.Namespace, budgets):
         budgets = dataclasses.replace(budgets, hybrid_8bit_fraction=profile.hybrid_8bit_fraction)
     if args.loss_chunk_tokens is None and profile.loss_chunk_tokens is not None:   # its head, as it computed it
         budgets = dataclasses.replace(budgets, loss_chunk_tokens=profile.loss_chunk_tokens)
-    # where its weights streamed from and its non-block optimizer state lived (the engine's weights_home and
-    # non_block_state), as recorded
-    budgets = dataclasses.replace(budgets, **{k: getattr(profile, k) for k in ("weights_in_host", "non_block_state")
-                                              if getattr(profile, k) is not None})
-    if profile.device == "cpu":   # no CUDA context, workspace or allocator to hold back: planned as the engine did
-        budgets = dataclasses.replace(budgets, gpu_reserved_bytes=0)
-    return profile_problem(profile, budgets, hardware, global_batch)
+    return profile_problem(profile, as_the_run_measured(profile, budgets), hardware, global_batch)

@@ -394,11 +394,26 @@ def plan_for(model_shape: Any, hardware: Any, budgets: Any = None, micro_batch: 
 
 def plan_from_profile(profile, budgets: Any = None, hardware: Any = None, time_limit_s: float = 10.0,
                       global_batch: int | None = None, options: MilpOptions | None = None,
-                      memory: dict | None = None) -> Plan:
+                      memory: dict | None = None, as_measured: bool = True) -> Plan:
     """Plan from a :class:`~lazytrain.planner.measured.MachineProfile` (what policy "auto" measured): the
-    MILP's plan for :func:`profile_problem`."""
+    MILP's plan for :func:`profile_problem`. ``as_measured``: planned as the run measured ran
+    (:func:`as_the_run_measured`; selective layers only where their re-runs were measured); the engine, which
+    passes its own config's budgets and options, plans with those."""
     opts = replace(options or MilpOptions(), time_limit_s=time_limit_s)
+    if as_measured and profile.costs.selective_rerun_s is None:
+        opts = replace(opts, allow_selective=False)
+    if as_measured:
+        budgets = as_the_run_measured(profile, as_budgets(budgets))
     return solve(profile_problem(profile, budgets, hardware, global_batch, memory), opts)
+
+
+def as_the_run_measured(profile, budgets: Budgets) -> Budgets:
+    """``budgets`` with what ``profile`` recorded of the run it measured: where its weights streamed from and its
+    non-block optimizer state lived (the engine's weights_home and non_block_state), and, measured on the CPU,
+    no CUDA context, workspace or allocator to hold back."""
+    budgets = replace(budgets, **{k: getattr(profile, k) for k in ("weights_in_host", "non_block_state")
+                                  if getattr(profile, k) is not None})
+    return replace(budgets, gpu_reserved_bytes=0) if profile.device == "cpu" else budgets
 
 
 def profile_problem(profile, budgets: Any = None, hardware: Any = None, global_batch: int | None = None,
