@@ -2997,6 +2997,33 @@ def test_save_16bit_model_keeps_a_buffer_in_the_dtype_the_engine_computes_with(t
     engine.destroy()
 
 
+def test_save_16bit_model_refuses_by_name_what_safetensors_cannot_store_and_torch_save_writes_it(tmp_path):
+    """A module's non-tensor extra state and a sparse buffer reached safetensors' writer, which failed with
+    "'dict' object has no attribute 'contiguous'" (and a memory-format error); DeepSpeed's default file name
+    (torch.save) writes them."""
+    class WithMeta(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"version": 2}
+
+        def set_extra_state(self, state):
+            pass
+
+    model = make_model("modulelist")
+    model.head = WithMeta(32, VOCAB)
+    model.register_buffer("adjacency", torch.eye(4).to_sparse())
+    engine = lazytrain.initialize(model=model, config=ds_config())[0]
+    with pytest.raises(ValueError, match=re.escape(
+            "safetensors holds dense tensors only; the state dict has 'adjacency' (a sparse tensor), "
+            "'head._extra_state' (a dict, a module's extra state): give a file name not ending in .safetensors (DeepSpeed's "
+            "'pytorch_model.bin', written by torch.save) for this model")):
+        engine.save_16bit_model(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    engine.save_16bit_model(str(tmp_path), "pytorch_model.bin")
+    saved = torch.load(tmp_path / "pytorch_model.bin", weights_only=False)
+    assert saved["head._extra_state"] == {"version": 2} and torch.equal(saved["adjacency"].to_dense(), torch.eye(4))
+    engine.destroy()
+
+
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_load_checkpoint_calls_custom_load_fn_and_trains_on_what_it_wrote(tmp_path, precision):
     """DeepSpeed calls custom_load_fn(src=state, dst=module) instead of load_state_dict. A loader that

@@ -479,8 +479,23 @@ def _commit(save_dir: str, tag: str, staging: str) -> None:
 def save_safetensors_atomic(path: str, state: dict) -> None:
     """A state dict as a safetensors file (tensors only, no pickle), written like :func:`save_file_atomic`."""
     from safetensors.torch import save as to_safetensors
+    unstorable = [f"{k!r} ({_unstorable_kind(v)})" for k, v in state.items() if _unstorable_kind(v)]
+    if unstorable:   # refused by name before anything is written (safetensors failed on its own terms)
+        raise ValueError(f"safetensors holds dense tensors only; the state dict has {', '.join(unstorable)}: give a "
+                         f"file name not ending in .safetensors (DeepSpeed's 'pytorch_model.bin', written by "
+                         f"torch.save) for this model")
     data = to_safetensors({k: v.contiguous() for k, v in state.items()}, metadata={"format": "pt"})
     save_file_atomic(path, state, lambda f: f.write(data))
+
+
+def _unstorable_kind(v) -> str | None:
+    """Why safetensors cannot store ``v`` (None: it can): a module's non-tensor extra state, a sparse or nested
+    tensor."""
+    if not isinstance(v, torch.Tensor):
+        return f"a {type(v).__name__}, a module's extra state"
+    if v.is_nested:
+        return "a nested tensor"
+    return "a sparse tensor" if v.layout != torch.strided else None
 
 
 def save_file_atomic(path: str, obj, fill=None) -> None:
